@@ -1,0 +1,51 @@
+# The README's two commands:  `make demo`  and  `make test`.
+# Both build their own virtual environment from the pinned constraints; `make test`
+# also installs the system packages the tests need (systemd-container, prometheus, ...)
+# when they are missing and we are root.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+CONSTRAINTS := requirements/constraints.txt
+DEMO_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck unit system-deps constraints clean bench
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@scripts/ensure-venv "$(PYTHON)" "$(VENV)"
+	$(BIN)/pip install -q --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev]'
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/specd demo $(DEMO_ARGS)
+
+system-deps:
+	@scripts/install-system-deps
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# pytest exits 5 when it collected nothing: that is a failure here, never a pass.
+unit: $(STAMP)
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test: system-deps lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+# Regenerate the pinned constraints (name==version only, no index URLs) with pip-tools.
+constraints:
+	@scripts/ensure-venv "$(PYTHON)" "$(VENV)"
+	$(BIN)/pip install -q pip-tools
+	$(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-trusted-host --no-emit-find-links \
+	    --extra dev --output-file $(CONSTRAINTS) pyproject.toml
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,57 @@
+"""The `specd` command line: one subcommand per module.
+
+Each subcommand lives in its own module exposing ``configure(parser)`` and
+``run(args) -> int``. Only the chosen module is imported, so `specd status` on a
+busy GPU box does not pay for aiohttp, rich or the twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from specd import __version__
+
+# name -> (module, one-line help). Order is the order shown in `specd --help`.
+COMMANDS: dict[str, tuple[str, str]] = {
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
+    parser = argparse.ArgumentParser(
+        prog="specd",
+        description="Keeps an SGLang server's speculative decoding tuned to its traffic.",
+        epilog="commands:\n" + "\n".join(lines) + "\n\n`specd COMMAND --help` for details.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"specd {__version__}")
+    parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    if not args or args[0].startswith("-"):
+        top.parse_args(args or ["--help"])
+        return 2
+    name = args[0]
+    if name not in COMMANDS:
+        top.parse_args(args[:1])  # prints "invalid choice" and exits 2
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"specd {name}", description=help_)
+    module.configure(parser)
+    ns = parser.parse_args(args[1:])
+    try:
+        return int(module.run(ns))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
