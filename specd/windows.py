@@ -1,0 +1,302 @@
+"""Maintenance windows: when specd may restart SGLang. Pure; time is always passed in.
+
+A window is a cron start (5 fields, weekday *names* only) plus a duration in seconds, in an
+IANA timezone. It is open at ``now`` when some start ``s`` satisfies ``s <= now < s + duration``.
+Windows that overlap or touch (across all configured windows) count as one open period:
+``current_window`` reports its first opening and its last closing.
+
+Fire times come from APScheduler 3.x ``CronTrigger`` evaluated on the *local wall clock*
+(a trigger in UTC over naive local times), then mapped to real instants by these rules, which
+follow ISC/Vixie cron:
+
+* Spring forward — a start whose wall-clock time does not exist (02:30 in Europe/Berlin on
+  the last Sunday of March) opens at the instant the clock jumps (03:00 CEST). Several
+  starts inside the gap collapse into that one opening. The window lasts ``duration_s`` of
+  real time from there.
+* Fall back — a start whose wall-clock time happens twice opens only at its first
+  occurrence; the repeat of that hour opens nothing. So the duplicated hour never yields a
+  second window (and with it, a second restart).
+
+We do not let APScheduler apply the zone itself: 3.11 returns non-monotonic fire times in a
+fall-back hour (02:30+01:00 again and again, even for a ``now`` past it), which would loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Protocol
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from apscheduler.triggers.cron import CronTrigger
+
+WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+FIELD_NAMES = ("minute", "hour", "day", "month", "day_of_week")
+
+# Every valid cron fires at least once in 4 years (29 feb); 5 years is a safe bound for
+# "this cron never fires" and for how far ahead we ever look.
+HORIZON = timedelta(days=5 * 366)
+# How far a chain of overlapping windows is followed, back to its first opening and
+# forward to its last closing; a window that never closes is reported as this long.
+LOOKBACK = timedelta(days=8)
+
+_NUMERIC_ITEM = re.compile(r"^(\*|\d+(-\d+)?)(/\d+)?$")
+_MONTH_ITEM = re.compile(r"^(\*|(\d+|[a-z]{3})(-(\d+|[a-z]{3}))?)(/\d+)?$")
+_UTC = timezone.utc
+
+
+class WindowLike(Protocol):
+    """Anything with a window's three attributes (WindowSpec, config.Window)."""
+
+    @property
+    def cron(self) -> str: ...
+
+    @property
+    def duration_s(self) -> float: ...
+
+    @property
+    def timezone(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    cron: str
+    duration_s: float
+    timezone: str
+
+
+@dataclass(frozen=True)
+class CronFields:
+    minute: str
+    hour: str
+    day: str
+    month: str
+    day_of_week: str
+
+
+def load_zone(name: str) -> ZoneInfo:
+    """The IANA zone called ``name``; ValueError with a clear message if there is none."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError("timezone must be an IANA name such as 'Europe/Berlin' or 'UTC'")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(
+            f"unknown timezone {name!r} (use an IANA name such as 'Europe/Berlin' or 'UTC')"
+        ) from None
+
+
+def _check_weekdays(field: str) -> frozenset[str]:
+    """Validate field 5 (names only) and return the set of weekdays it selects."""
+    days: set[str] = set()
+    for item in field.split(","):
+        if item == "*":
+            days.update(WEEKDAYS)
+            continue
+        if any(ch.isdigit() for ch in item):
+            raise ValueError(
+                f"weekday {item!r}: use names mon..sun, not numbers (cron counts 0=sun, "
+                "APScheduler 0=mon, so numbers are ambiguous)"
+            )
+        lo, sep, hi = item.partition("-")
+        if lo not in WEEKDAYS or (sep and hi not in WEEKDAYS):
+            raise ValueError(
+                f"weekday {item!r}: expected mon..sun, a range such as mon-fri, "
+                "or a list such as mon,wed,fri"
+            )
+        first, last = WEEKDAYS.index(lo), WEEKDAYS.index(hi if sep else lo)
+        if first > last:
+            raise ValueError(
+                f"weekday range {item!r} runs backwards; write it as a list, e.g. fri-sun,mon"
+            )
+        days.update(WEEKDAYS[first : last + 1])
+    return frozenset(days)
+
+
+def parse_cron(cron: str) -> CronFields:
+    """Parse and validate a 5-field cron start. Raises ValueError with a one-line reason."""
+    if not isinstance(cron, str):
+        raise ValueError("cron must be a string such as '0 3 * * mon-fri'")
+    text = cron.strip().lower()
+    if text.startswith("@"):
+        raise ValueError(f"{cron!r}: macros are not supported; write 5 fields, e.g. '0 3 * * *'")
+    parts = text.split()
+    if len(parts) != 5:
+        raise ValueError(
+            f"{cron!r} has {len(parts)} fields; expected 5: minute hour day month weekday "
+            "(e.g. '0 3 * * mon-fri')"
+        )
+    minute, hour, day, month, dow = parts
+    for name, field in (("minute", minute), ("hour", hour), ("day", day)):
+        for item in field.split(","):
+            if not _NUMERIC_ITEM.match(item):
+                raise ValueError(f"{name} {field!r}: expected *, N, N-M, */S or a list of them")
+    for item in month.split(","):
+        words = re.findall(r"[a-z]+", item)
+        if not _MONTH_ITEM.match(item) or any(w not in MONTHS for w in words):
+            raise ValueError(f"month {month!r}: expected 1-12 or jan..dec, ranges, lists")
+    weekdays = _check_weekdays(dow)
+    if day != "*" and len(weekdays) < len(WEEKDAYS):
+        raise ValueError(
+            f"{cron!r} restricts both day of month and weekday; cron would OR them and "
+            "APScheduler ANDs them, so restrict only one"
+        )
+    fields = CronFields(minute, hour, day, month, dow)
+    try:
+        _trigger(fields)
+    except ValueError as exc:
+        raise ValueError(f"{cron!r}: {exc}") from None
+    return fields
+
+
+def _trigger(fields: CronFields) -> CronTrigger:
+    # A UTC trigger over naive local times: the zone is applied by _to_instant.
+    return CronTrigger(
+        minute=fields.minute,
+        hour=fields.hour,
+        day=fields.day,
+        month=fields.month,
+        day_of_week=fields.day_of_week,
+        timezone=_UTC,
+    )
+
+
+def check_window(cron: str, tz_name: str) -> None:
+    """Validate a window's cron and zone, and that it ever fires. Raises ValueError."""
+    fields = parse_cron(cron)
+    load_zone(tz_name)
+    if _trigger(fields).get_next_fire_time(None, datetime(2000, 1, 1, tzinfo=_UTC)) is None:
+        raise ValueError(f"{cron!r} never fires (no such date)")
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(cron: str, tz_name: str) -> tuple[CronTrigger, ZoneInfo]:
+    return _trigger(parse_cron(cron)), load_zone(tz_name)
+
+
+def _to_instant(wall: datetime, tz: ZoneInfo) -> datetime:
+    """The real instant (UTC) a local wall-clock start maps to (see module docstring)."""
+    first = wall.replace(tzinfo=tz, fold=0).astimezone(_UTC)
+    if first.astimezone(tz).replace(tzinfo=None) == wall:
+        return first  # exists; fold=0 is the first occurrence when it is ambiguous
+    # In a gap: fold=1 reads it with the offset after the jump (an earlier instant),
+    # fold=0 with the one before. The jump lies between; find it to the second.
+    lo = wall.replace(tzinfo=tz, fold=1).astimezone(_UTC)
+    hi = first
+    if lo > hi:
+        lo, hi = hi, lo
+    after_offset = hi.astimezone(tz).utcoffset()
+    lo_s, hi_s = int(lo.timestamp()), int(hi.timestamp())
+    while hi_s - lo_s > 1:
+        mid = (lo_s + hi_s) // 2
+        if datetime.fromtimestamp(mid, _UTC).astimezone(tz).utcoffset() == after_offset:
+            hi_s = mid
+        else:
+            lo_s = mid
+    return datetime.fromtimestamp(hi_s, _UTC)
+
+
+def _starts(window: WindowLike, after: datetime, until: datetime) -> Iterator[datetime]:
+    """Window openings (UTC, increasing, no repeats) with after <= start <= until."""
+    trigger, tz = _compiled(window.cron, window.timezone)
+    # One second back: a start in a DST gap maps to the jump instant, whose wall-clock
+    # time is later than the start's own wall-clock time.
+    wall = (after - timedelta(seconds=1)).astimezone(tz).replace(tzinfo=None, microsecond=0)
+    fire = trigger.get_next_fire_time(None, wall.replace(tzinfo=_UTC))
+    last: datetime | None = None
+    while fire is not None:
+        instant = _to_instant(fire.replace(tzinfo=None), tz)
+        if instant > until:
+            return
+        if instant >= after and instant != last:
+            last = instant
+            yield instant
+        fire = trigger.get_next_fire_time(fire, fire + timedelta(seconds=1))
+
+
+def _intervals(
+    windows: Sequence[WindowLike], after: datetime, until: datetime
+) -> Iterator[tuple[datetime, datetime]]:
+    """(start, end) of every window opening in [after, until], in start order."""
+    streams = []
+    for window in windows:
+        length = timedelta(seconds=float(window.duration_s))
+        streams.append((s, s + length) for s in _starts(window, after, until))
+    return heapq.merge(*streams)
+
+
+def _utc(now: datetime) -> datetime:
+    if now.tzinfo is None or now.utcoffset() is None:
+        raise ValueError("now must be timezone-aware")
+    return now.astimezone(_UTC)
+
+
+def _max_duration(windows: Sequence[WindowLike]) -> timedelta:
+    return timedelta(seconds=max(float(w.duration_s) for w in windows))
+
+
+def current_window(
+    windows: Sequence[WindowLike], now: datetime
+) -> tuple[datetime, datetime] | None:
+    """(opened, closes) in UTC of the open period containing ``now``, or None if closed."""
+    now = _utc(now)
+    if not windows:
+        return None
+    longest = _max_duration(windows)
+    covering = [(s, e) for s, e in _intervals(windows, now - longest, now) if e > now]
+    if not covering:
+        return None
+    opened = min(s for s, _ in covering)
+    closes = max(e for _, e in covering)
+    # Follow overlapping or touching windows back to the first opening of the chain.
+    floor = now - LOOKBACK
+    while opened > floor:
+        earlier = [s for s, e in _intervals(windows, opened - longest, opened) if s < opened <= e]
+        if not earlier:
+            break
+        opened = max(min(earlier), floor)
+    # ...and forward to the last closing (a chain is followed for LOOKBACK at most).
+    for start, end in _intervals(windows, now, now + LOOKBACK):
+        if start > closes:
+            break
+        closes = max(closes, end)
+    return opened, closes
+
+
+def is_open(windows: Sequence[WindowLike], now: datetime) -> bool:
+    """True when a maintenance window is open at ``now``."""
+    return current_window(windows, now) is not None
+
+
+def next_open(windows: Sequence[WindowLike], now: datetime) -> datetime:
+    """The next opening strictly after ``now``, or ``now`` itself if a window opens then.
+
+    While a window is open, that is the first opening after it closes. Raises ValueError
+    when there are no windows or none opens within the horizon (5 years).
+    """
+    now = _utc(now)
+    if not windows:
+        raise ValueError("no maintenance windows configured")
+    current = current_window(windows, now)
+    if current is not None and current[0] == now:
+        return now
+    after = now if current is None else current[1]
+    for start, _ in _intervals(windows, after, after + HORIZON):
+        if start > after:
+            return start
+    raise ValueError("no maintenance window opens within the next 5 years")
+
+
+def next_close(windows: Sequence[WindowLike], now: datetime) -> datetime:
+    """When the open window closes; if none is open, when the next one will close."""
+    now = _utc(now)
+    current = current_window(windows, now)
+    if current is None:
+        current = current_window(windows, next_open(windows, now))
+    assert current is not None  # next_open returns an opening, which is inside a window
+    return current[1]
