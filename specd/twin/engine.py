@@ -1,0 +1,244 @@
+"""The twin's scheduler: admits requests up to capacity, streams tokens at the table's rate.
+
+Tokens accrue continuously: every running request gets ``throughput(n) / n`` tok/s while
+``n`` requests run. The loop wakes every ~50 ms (or at the next projected finish) to hand
+the accrued whole tokens to the clients in one chunk each, which keeps CPU low at 16+
+streams while finish times stay exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specd.perftable import PerfTable
+from specd.twin.exposition import MetricState
+from specd.twin.families import BY_NAME
+
+TICK_S = 0.05
+IDLE_THROUGHPUT_RESET_S = 30.0
+# KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
+KV_TOKENS_PER_REQUEST = 8192
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_tokens: int
+    max_tokens: int
+    streaming: bool
+    arrival: float
+    rank: int = 0
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    produced: float = 0.0
+    emitted: int = 0
+    chunks: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _RankStats:
+    tokens: float = 0.0
+    verify_calls: float = 0.0
+    last_accept: float = 0.0
+    last_throughput: float = 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        table: PerfTable,
+        *,
+        steps: int,
+        draft_tokens: int,
+        max_running: int,
+        state: MetricState,
+        accept_length: float,
+        accept_noise: float = 0.02,
+        seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self.steps = steps
+        self.draft_tokens = draft_tokens
+        self.max_running = max_running
+        self.state = state
+        self.accept_length = accept_length
+        self.accept_noise = accept_noise
+        self.rng = random.Random(seed)  # noqa: S311  (simulation noise, not crypto)
+        self.clock = clock
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self._rr = itertools.cycle(range(state.dp_size))
+        self._last = clock()
+        self._wake = asyncio.Event()
+        self._stats = [_RankStats() for _ in range(state.dp_size)]
+        self._last_busy = clock()
+        self._last_report = clock()
+
+    # -- requests --------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        self.advance()
+        req.rank = next(self._rr)
+        self.waiting.append(req)
+        self._admit()
+        self._wake.set()
+
+    def abort(self, req: Request) -> None:
+        self.advance()
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            return
+        self.state.inc("sglang:num_aborted_requests_total")
+        self._admit()
+        self._wake.set()
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def per_request_rate(self, n: int) -> float:
+        return self.table.throughput(self.steps, n) / n if n else 0.0
+
+    # -- simulation ------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        now = self.clock()
+        while self.waiting and len(self.running) < self.max_running:
+            req = self.waiting.popleft()
+            req.admitted = now
+            self.running.append(req)
+            fam = BY_NAME["sglang:queue_time_seconds"]
+            self.state.observe(fam, now - req.arrival, rank=req.rank)
+            self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
+                           (("mode", "prefill_compute"),))  # fmt: skip
+
+    def advance(self) -> None:
+        now = self.clock()
+        dt = max(0.0, now - self._last)
+        self._last = now
+        if not self.running:
+            return
+        self._last_busy = now
+        rate = self.per_request_rate(len(self.running))
+        done: list[Request] = []
+        for req in self.running:
+            before = req.emitted
+            req.produced = min(float(req.max_tokens), req.produced + rate * dt)
+            if req.max_tokens - req.produced < 1e-6:
+                req.produced = float(req.max_tokens)
+            whole = min(req.max_tokens, math.floor(req.produced + 1e-9))
+            if whole > before:
+                if req.first_token is None:
+                    req.first_token = now
+                req.emitted = whole
+                req.chunks.put_nowait(whole - before)
+                self._stats[req.rank].tokens += whole - before
+            if req.emitted >= req.max_tokens:
+                done.append(req)
+        for req in done:
+            self.running.remove(req)
+            self._finish(req, now)
+        if done:
+            self._admit()
+
+    def _finish(self, req: Request, now: float) -> None:
+        req.finished = now
+        req.chunks.put_nowait(None)
+        st = self.state
+        streaming = (("is_streaming", "true" if req.streaming else "false"),)
+        first = req.first_token if req.first_token is not None else now
+        st.observe(
+            BY_NAME["sglang:time_to_first_token_seconds"], first - req.arrival, -1, streaming
+        )
+        st.observe(BY_NAME["sglang:e2e_request_latency_seconds"], now - req.arrival, -1, streaming)
+        if req.emitted > 1:
+            tpot = (now - first) / (req.emitted - 1)
+            st.observe(BY_NAME["sglang:request_time_per_output_token_seconds"], tpot, -1, streaming)
+            itl = BY_NAME["sglang:inter_token_latency_seconds"]
+            hist_key = (itl.name, -1, ())
+            st.observe(itl, tpot)
+            # One observation per token gap, like SGLang; add the rest in bulk.
+            hist = st.hists[hist_key]
+            extra = req.emitted - 2
+            if extra > 0:
+                hist.total += tpot * extra
+                hist.count += extra
+                for i, bound in enumerate(hist.buckets):
+                    if tpot <= bound:
+                        hist.counts[i] += extra
+        st.observe(BY_NAME["sglang:prompt_tokens_histogram"], req.prompt_tokens)
+        st.observe(BY_NAME["sglang:uncached_prompt_tokens_histogram"], req.prompt_tokens)
+        st.observe(BY_NAME["sglang:generation_tokens_histogram"], req.emitted)
+        st.inc("sglang:prompt_tokens_total", req.prompt_tokens, -1, streaming)
+        st.inc("sglang:generation_tokens_total", req.emitted, -1, streaming)
+        st.inc("sglang:num_requests_total", 1, -1, streaming)
+        st.inc("sglang:cached_tokens_total", 0, -1, (("cache_source", "device"),))
+        if self.steps > 0:
+            st.inc("sglang:spec_verify_calls_total", math.ceil(req.emitted / self.accept_length))
+
+    async def run(self) -> None:
+        while True:
+            self.advance()
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            rate = self.per_request_rate(len(self.running))
+            horizon = TICK_S
+            if rate > 0:
+                soonest = min(r.max_tokens - r.produced for r in self.running) / rate
+                horizon = min(horizon, max(soonest, 0.001))
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=horizon)
+
+    # -- reporting (SGLang's decode log interval) --------------------------------------
+
+    def report(self) -> None:
+        self.advance()
+        now = self.clock()
+        interval = max(now - self._last_report, 1e-6)
+        self._last_report = now
+        st = self.state
+        idle_for = now - self._last_busy if not self.running else 0.0
+        for rank, stats in enumerate(self._stats):
+            running = sum(1 for r in self.running if r.rank == rank)
+            queued = sum(1 for r in self.waiting if r.rank == rank)
+            st.set("sglang:num_running_reqs", running, rank)
+            st.set("sglang:num_queue_reqs", queued, rank)
+            used = sum(r.prompt_tokens + r.emitted for r in self.running if r.rank == rank)
+            total = st.get("sglang:max_total_num_tokens", rank) or 1.0
+            st.set("sglang:num_used_tokens", used, rank)
+            st.set("sglang:kv_used_tokens", used, rank)
+            st.set("sglang:kv_available_tokens", total - used, rank)
+            st.set("sglang:token_usage", used / total, rank)
+            st.set("sglang:full_token_usage", used / total, rank)
+            st.set("sglang:decode_sum_seq_lens", used, rank)
+            if stats.tokens > 0:
+                stats.last_throughput = stats.tokens / interval
+                st.inc("sglang:realtime_tokens_total", stats.tokens, rank, (("mode", "decode"),))
+                st.set("sglang:gen_throughput", stats.last_throughput, rank)
+                if self.steps > 0:
+                    noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
+                    accept = min(max(noisy, 1.0), float(self.steps + 1))
+                    st.set("sglang:spec_accept_length", accept, rank)
+                    rate = (accept - 1) / (self.draft_tokens - 1) if self.draft_tokens > 1 else 0
+                    st.set("sglang:spec_accept_rate", rate, rank)
+                stats.tokens = 0.0
+            elif idle_for >= IDLE_THROUGHPUT_RESET_S:
+                st.set("sglang:gen_throughput", 0.0, rank)
+            if not self.running:
+                st.inc(
+                    "sglang:scheduler_idle_seconds_total", interval, rank
+                )  # idle time while nothing runs

@@ -1,0 +1,149 @@
+"""Render the twin's metric state in SGLang's multiprocess-mode Prometheus text format.
+
+Quirks copied from the real page: no ``_created`` samples, label keys sorted, histogram
+``_sum`` before the buckets and ``_count`` after, ``pid`` on two gauges, one series per DP
+rank for scheduler metrics (``dp_rank`` only with several ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.utils import floatToGoString
+
+from specd.twin.families import CACHE, FAMILIES, PLAIN, REQ, SCHED, STARTUP, Family, Labels
+
+RANKED_SCOPES = (SCHED, CACHE)
+# Families whose series exist only once a request has touched them (prometheus_client
+# creates a labelled child on first use, and SGLang's tokenizer-side metrics are labelled).
+LAZY_SCOPES = (REQ,)
+
+Key = tuple[str, int, Labels]
+
+
+@dataclass
+class Hist:
+    buckets: tuple[float, ...]
+    counts: list[float] = field(default_factory=list)
+    total: float = 0.0
+    count: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0.0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+
+
+@dataclass
+class MetricState:
+    """Values keyed by (family name, DP rank or -1, extra labels)."""
+
+    model_name: str
+    dp_size: int = 1
+    tp_size: int = 1
+    pid: int = 0
+    values: dict[Key, float] = field(default_factory=dict)
+    hists: dict[Key, Hist] = field(default_factory=dict)
+
+    def set(self, name: str, value: float, rank: int = -1, labels: Labels = ()) -> None:
+        self.values[(name, rank, labels)] = value
+
+    def inc(self, name: str, amount: float = 1.0, rank: int = -1, labels: Labels = ()) -> None:
+        key = (name, rank, labels)
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, name: str, rank: int = -1, labels: Labels = ()) -> float:
+        return self.values.get((name, rank, labels), 0.0)
+
+    def observe(self, family: Family, value: float, rank: int = -1, labels: Labels = ()) -> None:
+        key = (family.name, rank, labels)
+        hist = self.hists.get(key)
+        if hist is None:
+            hist = self.hists[key] = Hist(family.buckets)
+        hist.observe(value)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _label_text(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+def _base_labels(state: MetricState, scope: str, rank: int) -> dict[str, str]:
+    if scope in (REQ, STARTUP):
+        return {"engine_type": "unified", "model_name": state.model_name}
+    tp_rank = str(rank * max(state.tp_size // max(state.dp_size, 1), 1))
+    if scope == SCHED:
+        labels = {
+            "engine_type": "unified",
+            "model_name": state.model_name,
+            "moe_ep_rank": "0",
+            "pp_rank": "0",
+            "tp_rank": tp_rank,
+        }
+        if state.dp_size > 1:
+            labels["dp_rank"] = str(rank)
+        return labels
+    if scope == CACHE:
+        return {"dp_rank": str(rank), "pp_rank": "0", "tp_rank": tp_rank}
+    return {}
+
+
+def _series(state: MetricState, family: Family) -> list[tuple[int, Labels]]:
+    ranks = range(state.dp_size) if family.scope in RANKED_SCOPES else (-1,)
+    if family.dynamic:
+        seen = sorted(
+            {(r, labels) for (name, r, labels) in list(state.values) if name == family.name}
+        )
+        return seen
+    out: list[tuple[int, Labels]] = []
+    for rank in ranks:
+        for variant in family.variants:
+            key = (family.name, rank, variant)
+            if family.scope in LAZY_SCOPES and key not in state.values and key not in state.hists:
+                continue
+            out.append((rank, variant))
+    return out
+
+
+def render(state: MetricState, families: tuple[Family, ...] = FAMILIES) -> str:
+    lines: list[str] = []
+    add = lines.append
+    for family in families:
+        series = _series(state, family)
+        if not series:
+            continue
+        add(f"# HELP {family.name} {family.help}")
+        add(f"# TYPE {family.name} {family.type}")
+        for rank, variant in series:
+            labels = _base_labels(state, family.scope, rank)
+            labels.update(variant)
+            if family.pid:
+                labels["pid"] = str(state.pid + max(rank, 0))
+            if family.type == "histogram":
+                hist = state.hists.get((family.name, rank, variant)) or Hist(family.buckets)
+                add(f"{family.name}_sum{_label_text(labels)} {floatToGoString(hist.total)}")
+                for bound, count in zip(hist.buckets, hist.counts, strict=True):
+                    with_le = dict(labels, le=floatToGoString(bound))
+                    add(f"{family.name}_bucket{_label_text(with_le)} {floatToGoString(count)}")
+                with_inf = dict(labels, le="+Inf")
+                add(f"{family.name}_bucket{_label_text(with_inf)} {floatToGoString(hist.count)}")
+                add(f"{family.name}_count{_label_text(labels)} {floatToGoString(hist.count)}")
+            else:
+                value = state.values.get((family.name, rank, variant), 0.0)
+                add(f"{family.name}{_label_text(labels)} {floatToGoString(value)}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["PLAIN", "Hist", "MetricState", "render"]

@@ -1,0 +1,112 @@
+"""Run the twin as a real subprocess on 127.0.0.1 (tests, the demo, colleagues' tools)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+import httpx
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (bind port 0 and let the kernel choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+class TwinProcess:
+    """``specd twin ARGS --host 127.0.0.1 --port PORT`` as a child process.
+
+    stdout/stderr go to ``.log_path`` (a temp file) so a chatty twin never blocks on a full
+    pipe; ``.log()`` reads it back.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: str | None = None,
+    ) -> None:
+        self.port = port if port is not None else free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.args = list(args)
+        argv = [sys.executable, "-m", "specd.cli", "twin", *self.args,
+                "--host", HOST, "--port", str(self.port)]  # fmt: skip
+        full_env = dict(os.environ if env is None else env)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="specd-twin-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        """Wait until /health answers 200; raise RuntimeError if the twin exits or times out."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"twin exited with {self.proc.returncode} before healthy: "
+                        f"{self.log().strip()[-500:]}"
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError(f"twin on {self.url} not healthy after {timeout_s:g} s")
+
+    def wait(self, timeout_s: float = 10.0) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait, SIGKILL if it does not go; returns the exit code."""
+        self.terminate()
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.proc.wait(timeout=timeout_s)
+        self._log.close()
+        return code
+
+    def __enter__(self) -> TwinProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

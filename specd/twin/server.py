@@ -1,0 +1,633 @@
+"""The twin's lifecycle and HTTP API (aiohttp).
+
+Start: resolve the flags like SGLang (warnings and errors alike), keep the port closed for
+``--load-time-s`` ("loading the model"), then answer 503 on /health for ``--warmup-s``, then
+200. SIGTERM: 503 on /health, keep serving and accepting, exit once nothing runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from specd.perftable import PerfTable, PerfTableError
+from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
+from specd.twin.exposition import MetricState, render
+from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
+
+SGLANG_VERSION = "0.5.23"
+EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
+DEFAULT_MAX_TOKENS = 256
+DRAIN_CHECK_S = 0.2
+WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
+
+
+class TwinConfigError(ValueError):
+    """Launch flags SGLang would refuse; the message is one line."""
+
+
+@dataclass
+class TwinConfig:
+    args: argparse.Namespace
+    table: PerfTable
+    steps: int
+    draft_tokens: int
+    topk: int | None
+    algorithm: str | None
+    max_running: int
+    accept_length: float
+    model_name: str
+    launch_command: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConfig:
+    warnings: list[str] = []
+    if args.table and args.preset:
+        raise TwinConfigError("give --table or --preset, not both")
+    try:
+        table = (
+            PerfTable.from_csv(args.table)
+            if args.table
+            else preset_table(args.preset or PRESET_NAME)
+        )
+    except (PerfTableError, KeyError) as exc:
+        raise TwinConfigError(str(exc).strip("'\"")) from None
+    for name in ("port", "dp_size", "tp_size", "decode_log_interval"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise TwinConfigError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
+    if args.port > 65535:
+        raise TwinConfigError(f"--port out of range: {args.port}")
+
+    algorithm = args.speculative_algorithm.upper() if args.speculative_algorithm else None
+    steps, topk, draft = (
+        args.speculative_num_steps,
+        args.speculative_eagle_topk,
+        args.speculative_num_draft_tokens,
+    )
+    max_running = args.max_running_requests
+    if algorithm is None:
+        resolved_steps, resolved_draft = 0, 0
+        steps = topk = draft = None
+    else:
+        if algorithm not in EAGLE_FAMILY:
+            raise TwinConfigError(
+                f"speculative algorithm {algorithm} is not simulated by the twin "
+                f"(supported: {', '.join(sorted(EAGLE_FAMILY))})"
+            )
+        algorithm = EAGLE_FAMILY[algorithm]
+        if max_running is None:
+            max_running = 48
+            warnings.append(
+                "Max running requests is reset to 48 for speculative decoding. You can "
+                "override this by explicitly setting --max-running-requests."
+            )
+        if steps is None:
+            if topk is not None or draft is not None:
+                raise TwinConfigError(
+                    "AssertionError: --speculative-eagle-topk/--speculative-num-draft-tokens "
+                    "given without --speculative-num-steps"
+                )
+            steps, topk, draft = 3, 1, 4
+        if topk is None:
+            raise TwinConfigError(
+                "TypeError: '>' not supported between instances of 'NoneType' and 'int' "
+                "(--speculative-num-steps needs --speculative-eagle-topk and "
+                "--speculative-num-draft-tokens)"
+            )
+        if steps < 1 or topk < 1:
+            raise TwinConfigError(
+                "--speculative-num-steps and --speculative-eagle-topk must be >= 1"
+            )
+        if topk == 1 and draft != steps + 1:
+            warnings.append(
+                "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
+                "speculative_eagle_topk == 1"
+            )
+            draft = steps + 1
+        if draft is None or draft < 2:
+            raise TwinConfigError("--speculative-num-draft-tokens must be >= 2 with topk > 1")
+        resolved_steps, resolved_draft = steps, draft
+    if resolved_steps not in table.steps():
+        known = ",".join(str(s) for s in table.steps())
+        raise TwinConfigError(
+            f"{table.source}: no data for steps {resolved_steps} (table has steps {known})"
+        )
+    capacity = table.capacity(resolved_steps)
+    if max_running is not None and max_running < 1:
+        raise TwinConfigError(f"--max-running-requests must be >= 1, got {max_running}")
+    limits = [c for c in (max_running, capacity) if c is not None]
+    effective = min(limits) if limits else 48
+    table_accept = table.accept_length(resolved_steps)
+    accept = table_accept if table_accept is not None else accept_length(resolved_steps, ALPHA)
+    args.speculative_algorithm = algorithm
+    args.speculative_num_steps = steps
+    args.speculative_eagle_topk = topk
+    args.speculative_num_draft_tokens = draft
+    args.max_running_requests = max_running
+    argv = argv if argv is not None else sys.argv
+    return TwinConfig(
+        args=args,
+        table=table,
+        steps=resolved_steps,
+        draft_tokens=resolved_draft,
+        topk=topk,
+        algorithm=algorithm,
+        max_running=effective,
+        accept_length=accept if resolved_steps > 0 else 1.0,
+        model_name=args.served_model_name or args.model_path,
+        launch_command=shlex.join([sys.executable, *argv]),
+        warnings=warnings,
+    )
+
+
+class Twin:
+    def __init__(self, config: TwinConfig) -> None:
+        self.config = config
+        self.args = config.args
+        self.phase = "warmup"  # warmup -> ready -> draining
+        self.started = time.time()
+        self.state = MetricState(
+            model_name=config.model_name,
+            dp_size=self.args.dp_size,
+            tp_size=self.args.tp_size,
+            pid=os.getpid(),
+        )
+        self.engine = Engine(
+            config.table,
+            steps=config.steps,
+            draft_tokens=config.draft_tokens,
+            max_running=config.max_running,
+            state=self.state,
+            accept_length=config.accept_length,
+            accept_noise=self.args.accept_noise,
+            seed=self.args.seed,
+        )
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        st, a = self.state, self.args
+        load = a.load_time_s
+        for phase, value in (
+            ("load_weight", load * 0.6),
+            ("kv_cache_allocation", load * 0.05),
+            ("scheduler_e2e", load * 0.95),
+            ("tokenizer_e2e", load),
+        ):
+            st.set("sglang:startup_time_seconds", value, -1, (("phase", phase),))
+        per_rank = max(self.config.max_running // max(a.dp_size, 1), 1)
+        for rank in range(a.dp_size):
+            total = float(per_rank * KV_TOKENS_PER_REQUEST)
+            st.set("sglang:max_total_num_tokens", total, rank)
+            st.set("sglang:num_pages", total, rank)
+            st.set("sglang:kv_available_tokens", total, rank)
+            st.set("sglang:page_size", 1.0, rank)
+            st.set("sglang:context_len", 262144.0, rank)
+            st.set("sglang:weight_memory_usage_gb", 61.87, rank)
+            st.set("sglang:kv_cache_memory_usage_gb", 44.13, rank)
+            st.set("sglang:startup_available_gpu_memory_gb", 9.87, rank)
+            st.set("sglang:spec_num_steps", float(self.config.steps), rank)
+            st.set("sglang:spec_num_draft_tokens", float(self.config.draft_tokens), rank)
+            st.set("sglang:is_cuda_graph", 1.0, rank)
+            st.set("sglang:fwd_occupancy", float("nan"), rank)
+            for gt, le in (("0", "1"), ("1", "2"), ("2", "3"), ("3", "5"), ("5", "7"),
+                           ("7", "10"), ("10", "20"), ("20", "50"), ("50", "100"),
+                           ("100", "200"), ("200", "+Inf")):  # fmt: skip
+                for fam in (
+                    "sglang:routing_key_running_req_count",
+                    "sglang:routing_key_all_req_count",
+                ):
+                    st.set(fam, 0.0, rank, (("gt", gt), ("le", le)))
+
+    # -- HTTP ------------------------------------------------------------------------
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        endpoint = (
+            request.match_info.route.resource.canonical
+            if request.match_info.route.resource
+            else "other"
+        )
+        labels = (("endpoint", endpoint), ("method", request.method))
+        self.state.inc("sglang:http_requests_total", 1, -1, labels)
+        self.state.inc("sglang:http_requests_active", 1, -1, labels)
+        status = 500
+        try:
+            if self.args.slow_s > 0:
+                await asyncio.sleep(self.args.slow_s)
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            self.state.inc("sglang:http_requests_active", -1, -1, labels)
+            self.state.inc(
+                "sglang:http_responses_total", 1, -1, (*labels, ("status_code", str(status)))
+            )
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.middleware])
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_get("/ready", self.ready)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/v1/loads", self.loads)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_post("/generate", self.generate)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.phase != "ready" or self.args.never_healthy:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return await self.health(request)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.args.enable_metrics or self.args.metrics_404:
+            return web.Response(status=404, text="Not Found")
+        ctype = "text/plain; version=0.0.4; charset=utf-8"
+        if self.args.garbage_metrics:
+            body = 'sglang:num_running_reqs{engine_type="unified" 3\n# TYPE broken\n\x00garbage'
+            return web.Response(body=body.encode(), headers={"Content-Type": ctype})
+        self.engine.advance()
+        text = render(self.state)
+        pad = self.args.metrics_pad_bytes
+        if pad > 0:
+            text = _padding(pad) + text
+        return web.Response(body=text.encode(), headers={"Content-Type": ctype})
+
+    def server_info_dict(self) -> dict[str, Any]:
+        a, cfg = self.args, self.config
+        info: dict[str, Any] = {
+            k: v for k, v in vars(a).items() if k not in ("ignored_args",) and not callable(v)
+        }
+        info.update(
+            model_path=a.model_path,
+            served_model_name=cfg.model_name,
+            speculative_algorithm=cfg.algorithm,
+            speculative_num_steps=a.speculative_num_steps,
+            speculative_eagle_topk=a.speculative_eagle_topk,
+            speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+            speculative_adaptive=False,
+            max_running_requests=a.max_running_requests,
+            launch_command=cfg.launch_command,
+            max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
+            version=SGLANG_VERSION,
+        )
+        per_dp = max(cfg.max_running // max(a.dp_size, 1), 1)
+        info["internal_states"] = [
+            {
+                "effective_max_running_requests_per_dp": per_dp,
+                "last_gen_throughput": self.state.get("sglang:gen_throughput", rank),
+                "avg_spec_accept_length": cfg.accept_length if cfg.steps > 0 else 0.0,
+                "memory_usage": {"weight": 61.87, "kvcache": 44.13, "graph": 2.32},
+            }
+            for rank in range(a.dp_size)
+        ]
+        for name in a.server_info_missing:
+            info.pop(name, None)
+        return info
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.server_info_dict())
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model_name,
+                        "object": "model",
+                        "created": int(self.started),
+                        "owned_by": "sglang",
+                        "root": self.config.model_name,
+                        "max_model_len": 262144,
+                    }
+                ],
+            }
+        )
+
+    async def loads(self, request: web.Request) -> web.Response:
+        self.engine.advance()
+        loads = []
+        for rank in range(self.args.dp_size):
+            loads.append(
+                {
+                    "dp_rank": rank,
+                    "num_running_reqs": sum(1 for r in self.engine.running if r.rank == rank),
+                    "num_waiting_reqs": sum(1 for r in self.engine.waiting if r.rank == rank),
+                    "max_running_requests": self.config.max_running,
+                    "token_usage": self.state.get("sglang:token_usage", rank),
+                    "gen_throughput": self.state.get("sglang:gen_throughput", rank),
+                    "speculative": {"accept_length": self.config.accept_length}
+                    if self.config.steps > 0
+                    else None,
+                }
+            )
+        return web.json_response({"loads": loads})
+
+    # -- generation ------------------------------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": {"message": "request body is not valid JSON"}}),
+                content_type="application/json",
+            ) from None
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": {"message": "request body must be a JSON object"}}),
+                content_type="application/json",
+            )
+        return body
+
+    def _request(self, body: dict[str, Any], prompt_text: str, max_key: str) -> Request:
+        raw = body.get(max_key, body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
+        if raw is None:
+            raw = DEFAULT_MAX_TOKENS
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+            raise web.HTTPBadRequest(
+                text=json.dumps({"error": {"message": f"{max_key} must be a positive integer"}}),
+                content_type="application/json",
+            )
+        prompt_tokens = max(1, len(prompt_text.split()))
+        return Request(
+            prompt_tokens=prompt_tokens,
+            max_tokens=raw,
+            streaming=bool(body.get("stream", False)),
+            arrival=self.engine.clock(),
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt", "")
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        return await self._openai(
+            request, body, self._request(body, text, "max_tokens"), chat=False
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages", [])
+        text = (
+            " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+            if isinstance(messages, list)
+            else ""
+        )
+        return await self._openai(request, body, self._request(body, text, "max_tokens"), chat=True)
+
+    async def _openai(
+        self, request: web.Request, body: dict[str, Any], req: Request, chat: bool
+    ) -> web.StreamResponse:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        obj = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+        model = self.config.model_name
+
+        def choice(text: str, finish: str | None, stream: bool) -> dict[str, Any]:
+            if chat:
+                key = "delta" if stream else "message"
+                content: dict[str, Any] = {"role": "assistant", "content": text}
+                return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        def usage() -> dict[str, int]:
+            return {
+                "prompt_tokens": req.prompt_tokens,
+                "completion_tokens": req.emitted,
+                "total_tokens": req.prompt_tokens + req.emitted,
+            }
+
+        self.engine.submit(req)
+        if not req.streaming:
+            pieces: list[str] = []
+            try:
+                async for text in self._tokens(req):
+                    pieces.append(text)
+            except asyncio.CancelledError:
+                self.engine.abort(req)
+                raise
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice("".join(pieces), "length", stream=False)],
+                    "usage": usage(),
+                }
+            )
+        resp = await self._sse_start(request, req)
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        try:
+            async for text in self._tokens(req):
+                finish = "length" if req.emitted >= req.max_tokens else None
+                chunk: dict[str, Any] = {
+                    "id": rid,
+                    "object": chunk_obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice(text, finish, stream=True)],
+                }
+                if finish is not None:
+                    # On the last content chunk, so clients can count tokens exactly.
+                    chunk["usage"] = usage()
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if include_usage:
+                tail = {"id": rid, "object": chunk_obj, "created": created, "model": model,
+                        "choices": [], "usage": usage()}  # fmt: skip
+                await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.engine.abort(req)
+            raise
+        return resp
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            params = {}
+        text_in = body.get("text", "")
+        req = self._request(params | {"stream": body.get("stream", False)},
+                            str(text_in), "max_new_tokens")  # fmt: skip
+        rid = uuid.uuid4().hex
+
+        def meta() -> dict[str, Any]:
+            done = req.emitted >= req.max_tokens
+            return {
+                "id": rid,
+                "finish_reason": {"type": "length", "length": req.max_tokens} if done else None,
+                "prompt_tokens": req.prompt_tokens,
+                "completion_tokens": req.emitted,
+                "cached_tokens": 0,
+                "spec_verify_ct": int(req.emitted / self.config.accept_length)
+                if self.config.steps > 0
+                else 0,
+                "e2e_latency": self.engine.clock() - req.arrival,
+            }
+
+        self.engine.submit(req)
+        if not req.streaming:
+            pieces: list[str] = []
+            try:
+                async for text in self._tokens(req):
+                    pieces.append(text)
+            except asyncio.CancelledError:
+                self.engine.abort(req)
+                raise
+            return web.json_response({"text": "".join(pieces), "meta_info": meta()})
+        resp = await self._sse_start(request, req)
+        so_far = ""
+        try:
+            async for text in self._tokens(req):
+                so_far += text
+                chunk = {"text": so_far, "meta_info": meta()}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.engine.abort(req)
+            raise
+        return resp
+
+    async def _sse_start(self, request: web.Request, req: Request) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.engine.abort(req)
+            raise
+        return resp
+
+    async def _tokens(self, req: Request) -> Any:
+        position = 0
+        while True:
+            count = await req.chunks.get()
+            if count is None:
+                return
+            words = [WORDS[(position + i) % len(WORDS)] for i in range(count)]
+            position += count
+            yield "".join(words)
+
+    # -- background ------------------------------------------------------------------
+
+    async def reporter(self) -> None:
+        interval = max(self.args.report_interval_s, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            self.engine.report()
+
+
+def _padding(size: int) -> str:
+    header = "# HELP sglang:twin_padding Padding series for large-page tests.\n"
+    header += "# TYPE sglang:twin_padding gauge\n"
+    lines = [header]
+    total = len(header)
+    i = 0
+    while total < size:
+        line = f'sglang:twin_padding{{i="{i}"}} 0.0\n'
+        lines.append(line)
+        total += len(line)
+        i += 1
+    return "".join(lines)
+
+
+def serve(config: TwinConfig) -> int:
+    for warning in config.warnings:
+        print(f"[twin] WARNING {warning}", file=sys.stderr, flush=True)
+    if config.args.ignored_args if hasattr(config.args, "ignored_args") else False:
+        print(f"[twin] ignoring SGLang flags: {' '.join(config.args.ignored_args)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        return asyncio.run(_main(config))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _main(config: TwinConfig) -> int:
+    args = config.args
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    terminated = False
+
+    def on_term() -> None:
+        nonlocal terminated
+        terminated = True
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, on_term)
+    # Loading: the port stays closed, like SGLang while it loads weights.
+    fail = config.steps in args.fail_start_at_steps
+    load_s = args.load_time_s / 2 if fail else args.load_time_s
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=max(load_s, 0.0))
+        return 143 if terminated else 0
+    except asyncio.TimeoutError:
+        pass
+    if fail:
+        print(
+            f"[twin] ERROR: failed to start with speculative_num_steps={config.steps} "
+            "(injected: RuntimeError: CUDA out of memory while capturing CUDA graphs)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    twin = Twin(config)
+    runner = web.AppRunner(twin.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        print(f"[twin] ERROR: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    print(f"[twin] listening on http://{args.host}:{args.port} (steps {config.steps})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    tasks = [asyncio.create_task(twin.engine.run()), asyncio.create_task(twin.reporter())]
+    try:
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=max(args.warmup_s, 0.0))
+        except asyncio.TimeoutError:
+            twin.phase = "ready"
+            print("[twin] The server is fired up and ready to roll!", file=sys.stderr, flush=True)
+            await stop.wait()
+        # SIGTERM: unhealthy, keep serving and accepting until nothing runs.
+        twin.phase = "draining"
+        while not twin.engine.idle():
+            await asyncio.sleep(DRAIN_CHECK_S)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await runner.cleanup()
+    return 0
