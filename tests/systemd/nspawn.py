@@ -1,0 +1,564 @@
+"""A real systemd (PID 1 of a throw-away systemd-nspawn container) for tests.
+
+The container boots this machine's own /usr (`-D / --volatile=yes`: the root is a tmpfs,
+/usr is the host's, /etc and /var start empty and are populated by systemd at boot), has
+only `lo`, and sees:
+
+    host tmp dir         -> /etc/systemd/system      (rw: units the tests install)
+    host tmp dir         -> /var/lib/specd           (rw: specd's StateDirectory)
+    host tmp dir         -> /etc/specd               (rw: config, override)
+    repo, venv, Python   -> same paths, read-only    (the code the units run)
+    etc/sysusers.d/specd.conf, etc/polkit-1/rules.d/50-specd.rules from the repo, read-only
+
+so the repo's own user definition and polkit rule are the ones in force. Everything runs
+inside through `nsenter` into PID 1's namespaces.
+
+See /work/shared/testing.md for the recipe this follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[2]
+VENV = Path(sys.prefix)
+VENV_PYTHON = VENV / "bin" / "python"
+VENV_SPECD = VENV / "bin" / "specd"
+INSIDE_SCRIPT = Path(__file__).resolve().parent / "inside.py"
+
+SGLANG_UNIT = "sglang.service"
+SPECD_UNIT = "specd.service"
+TWIN_PORT = 30000
+TWIN_URL = f"http://127.0.0.1:{TWIN_PORT}"
+# Defaults written in systemd/sglang.service.d/50-specd.conf.
+DROPIN_DEFAULT_STEPS = 3
+
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BOOT_TIMEOUT_S = 30.0
+HALT_TIMEOUT_S = 15.0
+
+
+class ContainerError(RuntimeError):
+    """The container could not be booted, or a command inside it failed."""
+
+
+# What ProtectHome= hides from a service.
+HOME_DIRS = ("/home", "/root", "/run/user")
+
+
+def _under_home(path: Path) -> bool:
+    return any(path == top or top in path.parents for top in map(Path, HOME_DIRS))
+
+
+def code_paths() -> list[Path]:
+    """The host paths the units' commands need: repo, venv and the interpreter the venv
+    symlinks to (pyenv and the like put it outside /usr, e.g. under /root)."""
+    paths: list[Path] = []
+    for path in (REPO, VENV, Path(sys.base_prefix).resolve()):
+        if path == Path("/usr") or Path("/usr") in path.parents:
+            continue  # the container has the host's /usr already
+        if not any(p == path or p in path.parents for p in paths):
+            paths.append(path)
+    return paths
+
+
+def nspawn_unavailable_reason() -> str | None:
+    """Why no container can be booted here, or None if it should work."""
+    if shutil.which("systemd-nspawn") is None:
+        return "systemd-nspawn not found (install systemd-container: scripts/install-system-deps)"
+    for tool in ("nsenter", "setpriv"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (util-linux)"
+    if os.geteuid() != 0:
+        return "systemd-nspawn needs root"
+    return None
+
+
+@dataclass
+class Container:
+    """A booted container. `sh` runs argv inside; unit helpers edit the bound units dir."""
+
+    root: Path
+    machine: str
+    nspawn: subprocess.Popen[bytes] | None = None
+    pid1: int = 0
+    units_dir: Path = field(init=False)
+    state_dir: Path = field(init=False)
+    config_dir: Path = field(init=False)
+    console_log: Path = field(init=False)
+    _written: list[Path] = field(default_factory=list, init=False)
+    _gids: dict[str, str] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.units_dir = self.root / "units"
+        self.state_dir = self.root / "state"
+        self.config_dir = self.root / "etc-specd"
+        self.console_log = self.root / "console.log"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def boot(self, timeout_s: float = BOOT_TIMEOUT_S) -> None:
+        for directory in (self.units_dir, self.state_dir, self.config_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+        # An empty /etc makes systemd-firstboot prompt on the console and the system
+        # report "degraded"; the tests need neither.
+        (self.units_dir / "systemd-firstboot.service").symlink_to("/dev/null")
+        # /etc is empty, so this is a "first boot" and systemd would apply the presets of
+        # every package on the host (prometheus, postgresql, networkd, ...) into the units
+        # dir and start them. The container runs only what the tests start. The first
+        # matching preset line wins, and 00- sorts before the packages' 90-*.preset.
+        preset = self.root / "00-specd-tests.preset"
+        preset.write_text("disable *\n")
+        argv = [
+            # If pytest is killed outright (no finalizer, no atexit), nspawn still gets
+            # SIGTERM, and halts its container instead of leaving a systemd running.
+            "setpriv",
+            "--pdeathsig=TERM",
+            "systemd-nspawn",
+            "-D",
+            "/",
+            "--volatile=yes",
+            "--register=no",
+            "--keep-unit",
+            "--private-network",
+            "-b",
+            "-q",
+            "--console=pipe",
+            f"--machine={self.machine}",
+            f"--bind={self.units_dir}:/etc/systemd/system",
+            f"--bind-ro={preset}:/etc/systemd/system-preset/00-specd-tests.preset",
+            f"--bind={self.state_dir}:/var/lib/specd",
+            f"--bind={self.config_dir}:/etc/specd",
+            f"--bind-ro={REPO / 'etc/sysusers.d/specd.conf'}:/etc/sysusers.d/specd.conf",
+            f"--bind-ro={REPO / 'etc/polkit-1/rules.d/50-specd.rules'}"
+            ":/etc/polkit-1/rules.d/50-specd.rules",
+            *(f"--bind-ro={path}" for path in code_paths()),
+        ]
+        with self.console_log.open("wb") as console:
+            self.nspawn = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout_s
+        state = ""
+        while time.monotonic() < deadline:
+            if self.nspawn.poll() is not None:
+                raise ContainerError(
+                    f"systemd-nspawn exited with {self.nspawn.returncode} while booting:\n"
+                    + self.console_tail()
+                )
+            if not self.pid1:
+                self.pid1 = self._find_pid1()
+            if self.pid1:
+                state = self.sh("systemctl", "is-system-running", check=False, timeout=5).stdout
+                state = state.strip()
+                if state == "running":
+                    return
+                if state == "degraded":
+                    failed = self.sh("systemctl", "--failed", "--no-legend", check=False).stdout
+                    raise ContainerError(f"container booted degraded; failed units:\n{failed}")
+            time.sleep(0.1)
+        raise ContainerError(
+            f"container not running after {timeout_s:.0f} s (state {state!r}):\n"
+            + self.console_tail()
+        )
+
+    def _find_pid1(self) -> int:
+        """The container's systemd: nspawn's only child (like `pgrep -P`; kernels without
+        CONFIG_PROC_CHILDREN have no /proc/PID/task/TID/children)."""
+        assert self.nspawn is not None
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                # "pid (comm) state ppid ...": comm may contain spaces and parentheses.
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.nspawn.pid:
+                    return int(entry.name)
+        return 0
+
+    def halt(self) -> None:
+        """Orderly halt (SIGTERM to nspawn = poweroff inside), then harder; idempotent."""
+        proc, self.nspawn = self.nspawn, None
+        if proc is not None and proc.poll() is None:
+            # First SIGTERM: orderly halt; second: immediate termination; then SIGKILL.
+            for sig, wait_s in (
+                (signal.SIGTERM, HALT_TIMEOUT_S),
+                (signal.SIGTERM, 5.0),
+                (signal.SIGKILL, 5.0),
+            ):
+                proc.send_signal(sig)
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self.pid1 = 0
+        self._gids.clear()
+        remove_nspawn_leftovers(self.machine)
+
+    def console_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.console_log.read_text(errors="replace")
+        except OSError:
+            return "(no console log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- commands ----------------------------------------------------------------------
+
+    def sh(
+        self,
+        *argv: str,
+        check: bool = True,
+        timeout: float = 30.0,
+        user: str | None = None,
+        input_text: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run argv inside the container (as root, or as `user` via setpriv)."""
+        if not self.pid1:
+            raise ContainerError("container is not running")
+        prefix = ["nsenter", "-t", str(self.pid1), "-m", "-p", "-u", "-i", "-n", "--"]
+        if user is not None:
+            gid = self._primary_gid(user)
+            prefix += ["setpriv", f"--reuid={user}", f"--regid={gid}", "--init-groups"]
+        env = {"PATH": CONTAINER_PATH, "LC_ALL": "C", "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0"}
+        try:
+            result = subprocess.run(
+                [*prefix, *argv],
+                input=input_text,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ContainerError(f"timed out after {timeout} s: {' '.join(argv)}") from exc
+        if check and result.returncode != 0:
+            raise ContainerError(
+                f"exit {result.returncode}: {' '.join(argv)}\n"
+                f"stdout: {result.stdout.strip()}\nstderr: {result.stderr.strip()}"
+            )
+        return result
+
+    def _primary_gid(self, user: str) -> str:
+        if user not in self._gids:
+            self._gids[user] = self.sh("id", "-g", "--", user).stdout.strip()
+        return self._gids[user]
+
+    def systemctl(self, *args: str, check: bool = True, timeout: float = 30.0) -> str:
+        return self.sh("systemctl", "--no-ask-password", *args, check=check, timeout=timeout).stdout
+
+    def show(self, unit: str, prop: str) -> str:
+        return self.systemctl("show", "--value", "-p", prop, unit).strip()
+
+    def main_pid(self, unit: str) -> int:
+        return int(self.show(unit, "MainPID") or 0)
+
+    def active_state(self, unit: str) -> str:
+        return self.show(unit, "ActiveState")
+
+    def journal(self, unit: str, lines: int = 60) -> str:
+        return self.sh(
+            "journalctl",
+            "-u",
+            unit,
+            "--no-pager",
+            "-n",
+            str(lines),
+            "-o",
+            "short-monotonic",
+            check=False,
+        ).stdout
+
+    def python(
+        self, *args: str, check: bool = True, timeout: float = 30.0, user: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """The repo's venv interpreter, inside."""
+        return self.sh(str(VENV_PYTHON), *args, check=check, timeout=timeout, user=user)
+
+    def http_get(self, path: str, base: str = TWIN_URL, timeout: float = 10.0) -> dict[str, Any]:
+        """GET from inside: {"status", "body", "error", "elapsed_s"}."""
+        out = self.python(
+            str(INSIDE_SCRIPT), "get", base + path, "--timeout", str(timeout), timeout=timeout + 10
+        ).stdout
+        result: dict[str, Any] = json.loads(out)
+        return result
+
+    def http_json(self, path: str, base: str = TWIN_URL) -> Any:
+        result = self.http_get(path, base=base)
+        if result["status"] != 200:
+            raise ContainerError(f"GET {path}: {result}")
+        return json.loads(result["body"])
+
+    def wait_http(
+        self, path: str, status: int = 200, base: str = TWIN_URL, timeout: float = 20.0
+    ) -> dict[str, Any]:
+        """Poll from inside until `path` answers `status`; raise with the journal if not."""
+        proc = self.python(
+            str(INSIDE_SCRIPT),
+            "wait",
+            base + path,
+            "--status",
+            str(status),
+            "--timeout",
+            str(timeout),
+            check=False,
+            timeout=timeout + 10,
+        )
+        result: dict[str, Any] = json.loads(proc.stdout) if proc.stdout else {}
+        if proc.returncode != 0:
+            raise ContainerError(
+                f"GET {path} never answered {status} within {timeout} s: {result or proc.stderr}"
+                f"\n{self.journal(SGLANG_UNIT)}"
+            )
+        return result
+
+    def wait_for(
+        self,
+        predicate: Callable[[], T],
+        timeout: float = 10.0,
+        interval: float = 0.1,
+        what: str = "condition",
+    ) -> T:
+        """Poll `predicate` until it returns something truthy; return that value."""
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while True:
+            try:
+                value = predicate()
+                if value:
+                    return value
+            except (ContainerError, ValueError) as exc:
+                last_error = exc
+            if time.monotonic() >= deadline:
+                raise ContainerError(
+                    f"timed out after {timeout} s waiting for {what}"
+                    + (f" (last error: {last_error})" if last_error else "")
+                )
+            time.sleep(interval)
+
+    # -- units -------------------------------------------------------------------------
+
+    def write_unit(self, name: str, text: str) -> Path:
+        """Write /etc/systemd/system/NAME (NAME may be "x.service.d/60-y.conf"); call
+        daemon_reload() after the last one."""
+        path = self.units_dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        self._written.append(path)
+        return path
+
+    def install_file(self, name: str, source: Path) -> Path:
+        """Install a repo file, byte for byte, as /etc/systemd/system/NAME."""
+        return self.write_unit(name, source.read_text())
+
+    def daemon_reload(self) -> None:
+        self.systemctl("daemon-reload")
+
+    def reset(self) -> None:
+        """Stop and remove everything a test installed; empty the state and config dirs."""
+        units = sorted({self._unit_of(p) for p in self._written})
+        if units:
+            self.systemctl("stop", *units, check=False, timeout=60)
+            self.systemctl("reset-failed", *units, check=False)
+        for path in self._written:
+            path.unlink(missing_ok=True)
+            parent = path.parent
+            if parent != self.units_dir and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+        self._written.clear()
+        for directory in (self.state_dir, self.config_dir):
+            for child in directory.iterdir():
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        if self.pid1:
+            self.daemon_reload()
+
+    def _unit_of(self, path: Path) -> str:
+        rel = path.relative_to(self.units_dir)
+        top = rel.parts[0]
+        return top[: -len(".d")] if top.endswith(".d") else top
+
+    # -- the SGLang twin as sglang.service --------------------------------------------
+
+    def write_env_file(self, steps: int, draft_tokens: int | None = None) -> Path:
+        """What specd's apply writes: /var/lib/specd/sglang.env."""
+        draft = steps + 1 if draft_tokens is None else draft_tokens
+        path = self.state_dir / "sglang.env"
+        path.write_text(f"SPECD_SPEC_STEPS={steps}\nSPECD_SPEC_DRAFT_TOKENS={draft}\n")
+        return path
+
+    def install_twin_sglang(self, load_time_s: float = 1.0, extra_args: Sequence[str] = ()) -> None:
+        """sglang.service = the twin, with the repo's drop-in 50-specd.conf installed unchanged.
+
+        The drop-in's ExecStart names the real SGLang launcher; a 60-twin.conf drop-in (read
+        after it) swaps only that command for the twin, with the same ${SPECD_SPEC_*}
+        variables, so Environment= defaults and EnvironmentFile= are the repo's own.
+        """
+        self.write_unit(
+            SGLANG_UNIT,
+            "[Unit]\nDescription=SGLang twin (stands in for the GPU server)\n\n"
+            "[Service]\nType=simple\n"
+            # The operator's original command line, with a fixed step count: the
+            # drop-in must replace it.
+            f"ExecStart={twin_command(steps='1', draft_tokens='2', load_time_s=load_time_s)}\n"
+            "TimeoutStopSec=30s\n",
+        )
+        self.install_file(
+            f"{SGLANG_UNIT}.d/50-specd.conf", REPO / "systemd/sglang.service.d/50-specd.conf"
+        )
+        command = twin_command(
+            steps="${SPECD_SPEC_STEPS}",
+            draft_tokens="${SPECD_SPEC_DRAFT_TOKENS}",
+            load_time_s=load_time_s,
+            extra_args=extra_args,
+        )
+        self.write_unit(
+            f"{SGLANG_UNIT}.d/60-twin.conf", f"[Service]\nExecStart=\nExecStart={command}\n"
+        )
+        self.daemon_reload()
+
+    def twin_server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self.http_json("/server_info")
+        return info
+
+    # -- specd.service ----------------------------------------------------------------
+
+    def install_specd(
+        self,
+        config_toml: str | None = None,
+        exec_start: Sequence[str] | None = None,
+        watchdog_sec: float | None = 2.0,
+        service_overrides: Iterable[str] = (),
+    ) -> None:
+        """Install the repo's systemd/specd.service unchanged, plus a 60-test.conf drop-in.
+
+        The drop-in points ExecStart at the repo venv (`specd run --config
+        /etc/specd/specd.toml` unless `exec_start` says otherwise), shortens WatchdogSec=,
+        and exposes the code paths that ProtectHome= would hide (only those). All other
+        hardening stays as shipped. `config_toml` is written to /etc/specd/specd.toml;
+        `service_overrides` are extra [Service] lines (e.g. "Type=oneshot").
+        """
+        if config_toml is not None:
+            (self.config_dir / "specd.toml").write_text(config_toml)
+        self.install_file(SPECD_UNIT, REPO / "systemd/specd.service")
+        argv = (
+            list(exec_start)
+            if exec_start is not None
+            else [str(VENV_SPECD), "run", "--config", "/etc/specd/specd.toml"]
+        )
+        lines = ["[Service]", "ExecStart=", "ExecStart=" + exec_line(argv)]
+        if watchdog_sec is not None:
+            lines.append(f"WatchdogSec={watchdog_sec}s")
+        lines += specd_exposure_lines()
+        lines += list(service_overrides)
+        self.write_unit(f"{SPECD_UNIT}.d/60-test.conf", "\n".join(lines) + "\n")
+        self.daemon_reload()
+
+
+def specd_exposure_lines() -> list[str]:
+    """[Service] lines that let the hardened specd.service run the repo's code: the venv's
+    interpreter may live under /root or /home, which ProtectHome=yes hides."""
+    hidden = [p for p in code_paths() if _under_home(p)]
+    if not hidden:
+        return []
+    return ["ProtectHome=tmpfs", "BindReadOnlyPaths=" + " ".join(map(str, hidden))]
+
+
+def twin_command(
+    steps: str, draft_tokens: str, load_time_s: float = 1.0, extra_args: Sequence[str] = ()
+) -> str:
+    """An ExecStart= command line running the twin as SGLang would be launched."""
+    argv = [
+        str(VENV_SPECD),
+        "twin",
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        steps,
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        draft_tokens,
+        "--enable-metrics",
+        "--port",
+        str(TWIN_PORT),
+        "--load-time-s",
+        f"{load_time_s:g}",
+        *extra_args,
+    ]
+    return exec_line(argv)
+
+
+_PLAIN_ARG = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
+_VARIABLE_ARG = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+
+
+def exec_line(argv: Sequence[str]) -> str:
+    """argv as an ExecStart= value: each argument arrives verbatim, except an argument that
+    is exactly ${VAR}, which systemd expands from the unit's environment."""
+    words = []
+    for arg in argv:
+        if _VARIABLE_ARG.fullmatch(arg):
+            words.append(arg)
+            continue
+        # % is a specifier and $ a variable to systemd, even inside quotes.
+        escaped = arg.replace("%", "%%").replace("$", "$$")
+        if not _PLAIN_ARG.fullmatch(arg):
+            escaped = '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            escaped = escaped.replace("\n", "\\n")
+        words.append(escaped)
+    return " ".join(words)
+
+
+_NSPAWN_RUN_DIRS = (
+    "/run/systemd/nspawn/propagate",
+    "/run/systemd/nspawn",
+    "/run/systemd/nspawn-root",
+)
+
+
+_OUR_MACHINE_RE = re.compile(r"specd-[a-z0-9-]+-(\d+)")
+
+
+def remove_nspawn_leftovers(machine: str) -> None:
+    """nspawn leaves empty directories in /run; remove ours, those of our sessions that were
+    killed outright (their pid is gone), and the shared ones once empty (rmdir refuses
+    non-empty dirs and mount points, so a colleague's running container is safe)."""
+    propagate = Path(_NSPAWN_RUN_DIRS[0])
+    ours = [propagate / machine]
+    with contextlib.suppress(OSError):
+        for entry in propagate.iterdir():
+            match = _OUR_MACHINE_RE.fullmatch(entry.name)
+            if match and not Path(f"/proc/{match.group(1)}").exists():
+                ours.append(entry)
+    for directory in (*ours, *map(Path, _NSPAWN_RUN_DIRS)):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+_MACHINE_RE = re.compile(r"[^a-z0-9-]")
+
+
+def machine_name(tag: str) -> str:
+    """A hostname-safe, per-process machine name (parallel sessions must not collide)."""
+    return _MACHINE_RE.sub("-", f"specd-{tag}-{os.getpid()}".lower())[:60]
