@@ -1,0 +1,781 @@
+"""Generate grafana/dashboards/specd.json, the specd dashboard, from code.
+
+    python grafana/generate.py           # rewrite the committed JSON
+    python grafana/generate.py --check   # exit 1 when the committed JSON is out of date
+
+Built with grafana-foundation-sdk (pinned 1769699379!11.6.0: older builds emit JSON that
+fails the official schema). Every query filters on the ``instance`` template variable; the
+datasource is a template variable too, so file provisioning needs no ``__inputs``.
+
+The ``instance`` label is the host, shared by the specd and the SGLang target of one box:
+etc/prometheus/prometheus.example.yml relabels both targets that way, which is what lets
+one variable select both exporters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus as pb
+from grafana_foundation_sdk.builders import stat, statetimeline, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+
+DASHBOARD_PATH = Path(__file__).resolve().parent / "dashboards" / "specd.json"
+UID = "specd-overview"
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+# Regex matcher: the variable is multi-valued, with ".+" as its "All".
+INST = 'instance=~"$instance"'
+
+# Decision reasons the daemon exports (label `reason`), with the colour each gets in the
+# state timeline: blue when specd acts, red when it is blocked by a safety rule.
+REASON_COLORS: dict[str, str] = {
+    "change": "blue",
+    "within_tolerance": "green",
+    "no_data": "orange",
+    "insufficient_data": "yellow",
+    "stale_data": "orange",
+    "stabilizing": "light-blue",
+    "dwell_time": "purple",
+    "window_closed": "text",
+    "restart_budget": "red",
+    "override_pin": "super-light-purple",
+    "frozen": "dark-red",
+}
+STEPS_UNIT = "none"
+TOKS_UNIT = "suffix: tok/s"
+Panel = timeseries.Panel | stat.Panel | statetimeline.Panel
+
+
+def q(expr: str, legend: str = "__auto", ref: str = "A", *, instant: bool = False) -> pb.Dataquery:
+    query = pb.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DS)
+    return query.instant() if instant else query.range()
+
+
+def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
+    return (
+        db.ThresholdsConfig()
+        .mode(dm.ThresholdsMode("absolute"))
+        .steps([dm.Threshold(value=v, color=c) for v, c in steps])
+    )
+
+
+def value_text(mapping: dict[str, tuple[str, str]]) -> list[dm.ValueMapping]:
+    """Value -> (text, colour) mappings, plus NaN/null shown as "unknown"."""
+    options = {
+        value: dm.ValueMappingResult(text=text, color=color, index=i)
+        for i, (value, (text, color)) in enumerate(mapping.items())
+    }
+    special = dm.SpecialValueMap(
+        options=dm.DashboardSpecialValueMapOptions(
+            match=dm.SpecialValueMatch("null+nan"),
+            result=dm.ValueMappingResult(text="unknown", color="text", index=len(options)),
+        )
+    )
+    return [dm.ValueMap(options=options), special] if options else [special]
+
+
+def legend_bottom() -> cb.VizLegendOptions:
+    return (
+        cb.VizLegendOptions()
+        .display_mode(cm.LegendDisplayMode("list"))
+        .placement(cm.LegendPlacement("bottom"))
+        .show_legend(True)
+    )
+
+
+def tooltip_multi() -> cb.VizTooltipOptions:
+    return cb.VizTooltipOptions().mode(cm.TooltipDisplayMode("multi")).sort(cm.SortOrder("desc"))
+
+
+def ts(title: str, description: str, unit: str) -> timeseries.Panel:
+    return (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .unit(unit)
+        .legend(legend_bottom())
+        .tooltip(tooltip_multi())
+        .line_width(2)
+        .fill_opacity(10)
+        .show_points(cm.VisibilityMode("never"))
+    )
+
+
+def big(title: str, description: str, unit: str) -> stat.Panel:
+    return (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DS)
+        .unit(unit)
+        .graph_mode(cm.BigValueGraphMode("none"))
+        .color_mode(cm.BigValueColorMode("background"))
+        .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+    )
+
+
+def dashed() -> list[dm.DynamicConfigValue]:
+    return [
+        dm.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})
+    ]
+
+
+# ---------------------------------------------------------------------------- panels
+def steps_panels() -> list[tuple[Panel, int, int]]:
+    steps_over_time = (
+        ts(
+            "Speculative steps: live, target, pinned",
+            "Live = what SGLang runs now (specd's reading; SGLang's own sglang:spec_num_steps "
+            "dashed). Target = specd's latest decision, applied in the next maintenance window. "
+            "Pinned = the on-call override's steps (empty when no pin).",
+            STEPS_UNIT,
+        )
+        .decimals(0)
+        .min(0)
+        .line_interpolation(cm.LineInterpolation("stepAfter"))
+        .fill_opacity(0)
+        .with_target(q(f"specd_steps_current{{{INST}}}", "live {{instance}}", "A"))
+        .with_target(q(f"specd_steps_target{{{INST}}}", "target {{instance}}", "B"))
+        .with_target(q(f"specd_steps_pinned{{{INST}}}", "pinned {{instance}}", "C"))
+        .with_target(
+            q(f"max by (instance) (sglang:spec_num_steps{{{INST}}})", "sglang {{instance}}", "D")
+        )
+        .override_by_regexp("^sglang .*", dashed())
+    )
+    now = (
+        big(
+            "Steps now",
+            "Live and target step counts. They differ while a change waits for its window.",
+            STEPS_UNIT,
+        )
+        .decimals(0)
+        .color_mode(cm.BigValueColorMode("value"))
+        .with_target(q(f"specd_steps_current{{{INST}}}", "live {{instance}}", "A", instant=True))
+        .with_target(q(f"specd_steps_target{{{INST}}}", "target {{instance}}", "B", instant=True))
+        .mappings(value_text({}))
+        .thresholds(thresholds((None, "blue")))
+    )
+    reasons = (
+        statetimeline.Panel()
+        .title("Decision reason")
+        .unit("none")
+        .description(
+            "The reason of specd's latest decision over time, one lane per reason: why it "
+            "changed the target (change) or why it held still (tolerance, dwell time, "
+            "budget, window closed, override, frozen, not enough data)."
+        )
+        .datasource(DS)
+        .with_target(q(f"max by (reason) (specd_last_decision{{{INST}}} == 1)", "{{reason}}", "A"))
+        .show_value(cm.VisibilityMode("never"))
+        .merge_values(True)
+        .row_height(0.8)
+        .legend(cb.VizLegendOptions().show_legend(False))
+        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="latest", index=0)})])
+        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("blue"))
+    )
+    for reason, color in REASON_COLORS.items():
+        reasons = reasons.override_by_name(
+            reason,
+            [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": color})],
+        )
+    decisions = (
+        ts(
+            "Decisions by reason",
+            "Decisions taken per interval, by reason.",
+            "short",
+        )
+        .draw_style(cm.GraphDrawStyle("bars"))
+        .fill_opacity(80)
+        .stacking(cb.StackingConfig().mode(cm.StackingMode("normal")))
+        .with_target(
+            q(
+                f"sum by (reason) (increase(specd_decisions_total{{{INST}}}[$__rate_interval]))",
+                "{{reason}}",
+            )
+        )
+    )
+    return [(steps_over_time, 16, 8), (now, 8, 8), (reasons, 12, 8), (decisions, 12, 8)]
+
+
+def traffic_panels() -> list[tuple[Panel, int, int]]:
+    offered = (
+        ts(
+            "Offered concurrency vs band boundary",
+            "Quantiles of offered concurrency (running + queued) over specd's decision "
+            "history, the current value, and the upper edge of the lightest policy band "
+            "(dashed): quantiles above the line pick the heavier band's step count.",
+            "short",
+        )
+        .min(0)
+        .with_target(q(f"specd_offered_concurrency{{{INST}}}", "p{{quantile}} {{instance}}", "A"))
+        .with_target(q(f"specd_offered_concurrency_current{{{INST}}}", "now {{instance}}", "B"))
+        .with_target(
+            q(f"specd_band_boundary_concurrency{{{INST}}}", "band boundary {{instance}}", "C")
+        )
+        .override_by_regexp("^band boundary.*", dashed())
+    )
+    gen = (
+        ts(
+            "SGLang generation throughput",
+            "Output tokens/s: SGLang's gen_throughput gauge and the decode-token counter rate.",
+            TOKS_UNIT,
+        )
+        .min(0)
+        .with_target(
+            q(f"sum by (instance) (sglang:gen_throughput{{{INST}}})", "gauge {{instance}}", "A")
+        )
+        .with_target(
+            q(
+                "sum by (instance) (rate(sglang:realtime_tokens_total"
+                f'{{{INST}, mode="decode"}}[$__rate_interval]))',
+                "decode rate {{instance}}",
+                "B",
+            )
+        )
+    )
+    reqs = (
+        ts(
+            "SGLang running and queued requests",
+            "Decode batch size and waiting requests. A queue that does not drain means the "
+            "step count's capacity (max_running_requests) is too small for the load.",
+            "short",
+        )
+        .min(0)
+        .with_target(
+            q(f"sum by (instance) (sglang:num_running_reqs{{{INST}}})", "running {{instance}}", "A")
+        )
+        .with_target(
+            q(f"sum by (instance) (sglang:num_queue_reqs{{{INST}}})", "queued {{instance}}", "B")
+        )
+        .override_by_regexp(
+            "^queued.*",
+            [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"})],
+        )
+    )
+    return [(offered, 8, 8), (gen, 8, 8), (reqs, 8, 8)]
+
+
+def model_panels() -> list[tuple[Panel, int, int]]:
+    accept = (
+        ts(
+            "Accept length by step count",
+            "Tokens per verify step (bonus token included) that specd learned for each step "
+            "count, and SGLang's live value weighted by running requests (dashed; only while "
+            "requests run). Near 1 means speculation gains nothing.",
+            "none",
+        )
+        .decimals(2)
+        .min(1)
+        .with_target(q(f"specd_accept_length{{{INST}}}", "K={{steps}} {{instance}}", "A"))
+        .with_target(
+            q(
+                f"sum by (instance) (sglang:spec_accept_length{{{INST}}} * "
+                f"sglang:num_running_reqs{{{INST}}}) / "
+                f"(sum by (instance) (sglang:num_running_reqs{{{INST}}}) > 0)",
+                "sglang live {{instance}}",
+                "B",
+            )
+        )
+        .override_by_regexp("^sglang live.*", dashed())
+        .thresholds(thresholds((None, "red"), (1.2, "green")))
+        .thresholds_style(
+            cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode("dashed"))
+        )
+    )
+    alpha = (
+        ts(
+            "Acceptance α by step count",
+            "Per-draft-token acceptance α inverted from the accept length, per step count.",
+            "percentunit",
+        )
+        .min(0)
+        .max(1)
+        .with_target(q(f"specd_acceptance_alpha_ratio{{{INST}}}", "K={{steps}} {{instance}}", "A"))
+    )
+    predicted = (
+        ts(
+            "Predicted throughput per candidate step count",
+            "The model policy's predicted mean output tokens/s over the coming epoch for each "
+            "candidate K. specd moves to the best one when it beats the live K by more than "
+            "the tolerance.",
+            TOKS_UNIT,
+        )
+        .min(0)
+        .with_target(
+            q(
+                f"specd_predicted_throughput_tokens_per_second{{{INST}}}",
+                "K={{steps}} {{instance}}",
+                "A",
+            )
+        )
+    )
+    return [(accept, 8, 8), (alpha, 8, 8), (predicted, 8, 8)]
+
+
+def restart_panels() -> list[tuple[Panel, int, int]]:
+    by_result = (
+        big(
+            "Restarts in range",
+            "SGLang restarts specd performed in the selected time range, by result. "
+            "rolled_back: the new setting failed verification and the old one was restored; "
+            "failed: even the rollback failed.",
+            "short",
+        )
+        .decimals(0)
+        .text_mode(cm.BigValueTextMode("value_and_name"))
+        .with_target(
+            q(
+                f"sum by (result) (increase(specd_restarts_total{{{INST}}}[$__range]))",
+                "{{result}}",
+                "A",
+                instant=True,
+            )
+        )
+        .thresholds(thresholds((None, "green")))
+        .override_by_name(
+            "rolled_back",
+            [
+                dm.DynamicConfigValue(
+                    id_val="thresholds",
+                    value={
+                        "mode": "absolute",
+                        "steps": [
+                            {"value": None, "color": "green"},
+                            {"value": 0.5, "color": "orange"},
+                        ],
+                    },
+                )
+            ],
+        )
+        .override_by_name(
+            "failed",
+            [
+                dm.DynamicConfigValue(
+                    id_val="thresholds",
+                    value={
+                        "mode": "absolute",
+                        "steps": [
+                            {"value": None, "color": "green"},
+                            {"value": 0.5, "color": "red"},
+                        ],
+                    },
+                )
+            ],
+        )
+    )
+    duration = (
+        big(
+            "Restart duration",
+            "Time from `systemctl restart` to a verified, healthy SGLang: mean and 95th "
+            "percentile over the selected range (empty when no restart happened).",
+            "s",
+        )
+        .text_mode(cm.BigValueTextMode("value_and_name"))
+        .with_target(
+            q(
+                f"sum by (instance) (increase(specd_restart_duration_seconds_sum{{{INST}}}"
+                f"[$__range])) / sum by (instance) (increase("
+                f"specd_restart_duration_seconds_count{{{INST}}}[$__range]))",
+                "mean",
+                "A",
+                instant=True,
+            )
+        )
+        .with_target(
+            q(
+                "histogram_quantile(0.95, sum by (instance, le) (increase("
+                f"specd_restart_duration_seconds_bucket{{{INST}}}[$__range])))",
+                "p95",
+                "B",
+                instant=True,
+            )
+        )
+        .thresholds(thresholds((None, "green"), (300, "orange"), (600, "red")))
+    )
+    budget = (
+        big(
+            "Restart budget left",
+            "Restarts still allowed in the rolling 24 h budget. At 0 specd cannot apply a "
+            "change until an old restart ages out.",
+            "short",
+        )
+        .decimals(0)
+        .with_target(q(f"specd_restart_budget_remaining{{{INST}}}", "{{instance}}", instant=True))
+        .thresholds(thresholds((None, "red"), (1, "orange"), (2, "green")))
+    )
+    in_progress = (
+        big("Restart in progress", "1 while specd restarts and verifies SGLang.", "none")
+        .with_target(q(f"specd_restart_in_progress{{{INST}}}", "{{instance}}", instant=True))
+        .mappings(value_text({"0": ("idle", "green"), "1": ("restarting", "orange")}))
+    )
+    frozen = (
+        big(
+            "Frozen",
+            "FROZEN after a failed restart: specd makes no automatic change until an operator "
+            "clears it (see the runbook, SpecdFrozen).",
+            "none",
+        )
+        .with_target(q(f"specd_frozen{{{INST}}}", "{{instance}}", instant=True))
+        .mappings(value_text({"0": ("no", "green"), "1": ("FROZEN", "red")}))
+    )
+    restarts_over_time = (
+        ts("Restarts by result", "Restarts per interval, by result.", "short")
+        .draw_style(cm.GraphDrawStyle("bars"))
+        .fill_opacity(80)
+        .decimals(0)
+        .with_target(
+            q(
+                f"sum by (result) (increase(specd_restarts_total{{{INST}}}[$__rate_interval]))",
+                "{{result}}",
+            )
+        )
+        .override_by_name(
+            "failed",
+            [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"})],
+        )
+        .override_by_name(
+            "rolled_back",
+            [
+                dm.DynamicConfigValue(
+                    id_val="color", value={"mode": "fixed", "fixedColor": "orange"}
+                )
+            ],
+        )
+        .override_by_name(
+            "success",
+            [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "green"})],
+        )
+    )
+    return [
+        (by_result, 6, 6),
+        (duration, 5, 6),
+        (budget, 4, 6),
+        (in_progress, 4, 6),
+        (frozen, 5, 6),
+        (restarts_over_time, 24, 6),
+    ]
+
+
+def window_override_panels() -> list[tuple[Panel, int, int]]:
+    window = (
+        big("Maintenance window", "Whether specd may restart SGLang now.", "none")
+        .with_target(q(f"specd_window_open{{{INST}}}", "{{instance}}", instant=True))
+        .mappings(value_text({"0": ("closed", "text"), "1": ("OPEN", "blue")}))
+    )
+    next_window = (
+        big(
+            "Next window",
+            "When the next maintenance window opens, and when the current (or next) one closes.",
+            "dateTimeFromNow",
+        )
+        .color_mode(cm.BigValueColorMode("none"))
+        .text_mode(cm.BigValueTextMode("value_and_name"))
+        .with_target(
+            q(
+                f"specd_window_next_open_timestamp_seconds{{{INST}}} * 1000",
+                "opens",
+                "A",
+                instant=True,
+            )
+        )
+        .with_target(
+            q(
+                f"specd_window_next_close_timestamp_seconds{{{INST}}} * 1000",
+                "closes",
+                "B",
+                instant=True,
+            )
+        )
+    )
+    mode = (
+        big(
+            "Mode",
+            "auto: specd decides. pin: an override holds a step count. freeze: an override "
+            "forbids changes.",
+            "none",
+        )
+        .text_mode(cm.BigValueTextMode("name"))
+        .with_target(q(f"specd_mode{{{INST}}} == 1", "{{mode}}", instant=True))
+        .thresholds(thresholds((None, "green")))
+        .override_by_name(
+            "pin",
+            [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "blue"})],
+        )
+        .override_by_name(
+            "freeze",
+            [
+                dm.DynamicConfigValue(
+                    id_val="color", value={"mode": "fixed", "fixedColor": "orange"}
+                )
+            ],
+        )
+    )
+    expiry = (
+        big(
+            "Override expires",
+            "Expiry of the override in the file (also when it already expired: then delete "
+            "the file). Empty without an override.",
+            "dateTimeFromNow",
+        )
+        .color_mode(cm.BigValueColorMode("none"))
+        .with_target(
+            q(
+                f"specd_override_expiry_timestamp_seconds{{{INST}}} * 1000",
+                "{{instance}}",
+                instant=True,
+            )
+        )
+        .mappings(value_text({}))
+    )
+    override_file = (
+        big(
+            "Override file",
+            "ignored: the override file exists but is invalid, expired or unsafe; specd "
+            "ignores it and keeps its last good state.",
+            "none",
+        )
+        .with_target(
+            q(
+                f"specd_override_present{{{INST}}} + 2 * (1 - specd_override_valid{{{INST}}})",
+                "{{instance}}",
+                instant=True,
+            )
+        )
+        .mappings(
+            value_text(
+                {
+                    "0": ("none", "green"),
+                    "1": ("in effect", "blue"),
+                    "2": ("ignored", "red"),
+                    "3": ("ignored", "red"),
+                }
+            )
+        )
+    )
+    reason = (
+        big("Override reason", "The on-call's reason written in the override.", "none")
+        .color_mode(cm.BigValueColorMode("none"))
+        .text_mode(cm.BigValueTextMode("name"))
+        .no_value("no override")
+        .with_target(q(f"specd_override_info{{{INST}}}", "{{mode}}: {{reason}}", instant=True))
+    )
+    return [
+        (window, 3, 5),
+        (next_window, 5, 5),
+        (mode, 3, 5),
+        (expiry, 4, 5),
+        (override_file, 3, 5),
+        (reason, 6, 5),
+    ]
+
+
+def health_panels() -> list[tuple[Panel, int, int]]:
+    up = (
+        big(
+            "Targets up",
+            "Prometheus' own view: are the specd and SGLang exporters being scraped?",
+            "none",
+        )
+        .text_mode(cm.BigValueTextMode("value_and_name"))
+        .with_target(q(f"up{{{INST}}}", "{{job}}", instant=True))
+        .mappings(value_text({"0": ("DOWN", "red"), "1": ("up", "green")}))
+    )
+    sglang_up = (
+        big("specd → SGLang", "Did specd's latest scrape of SGLang succeed?", "none")
+        .with_target(q(f"specd_sglang_up{{{INST}}}", "{{instance}}", instant=True))
+        .mappings(value_text({"0": ("FAILING", "red"), "1": ("ok", "green")}))
+    )
+    age = (
+        big(
+            "Last good SGLang scrape",
+            "Age of specd's latest successful scrape of SGLang. Past 60 s specd treats its "
+            "data as stale and decides nothing.",
+            "s",
+        )
+        .with_target(
+            q(
+                f"time() - specd_last_scrape_success_timestamp_seconds{{{INST}}}",
+                "{{instance}}",
+                instant=True,
+            )
+        )
+        .thresholds(thresholds((None, "green"), (30, "orange"), (60, "red")))
+    )
+    errors = (
+        ts(
+            "Scrape errors by kind",
+            "Failed scrapes of SGLang per second by kind, against all scrapes attempted.",
+            "reqps",
+        )
+        .min(0)
+        .with_target(
+            q(
+                f"sum by (kind) (rate(specd_scrape_errors_total{{{INST}}}[$__rate_interval]))",
+                "{{kind}}",
+                "A",
+            )
+        )
+        .with_target(
+            q(
+                f"sum (rate(specd_scrapes_total{{{INST}}}[$__rate_interval]))",
+                "attempted",
+                "B",
+            )
+        )
+        .override_by_name("attempted", dashed())
+    )
+    tick = (
+        ts(
+            "Tick duration and state-file errors",
+            "p99 wall time of one observe-record-decide tick, and failed state-file writes.",
+            "s",
+        )
+        .with_target(
+            q(
+                "histogram_quantile(0.99, sum by (instance, le) (rate("
+                f"specd_tick_duration_seconds_bucket{{{INST}}}[$__rate_interval])))",
+                "tick p99 {{instance}}",
+                "A",
+            )
+        )
+        .with_target(
+            q(
+                f"increase(specd_state_write_errors_total{{{INST}}}[$__rate_interval])",
+                "state write errors {{instance}}",
+                "B",
+            )
+        )
+        .override_by_regexp(
+            "^state write errors.*",
+            [
+                dm.DynamicConfigValue(id_val="unit", value="short"),
+                dm.DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
+                dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
+            ],
+        )
+    )
+    version = (
+        big("specd version", "From specd_build_info.", "none")
+        .color_mode(cm.BigValueColorMode("none"))
+        .text_mode(cm.BigValueTextMode("name"))
+        .with_target(q(f"specd_build_info{{{INST}}}", "{{version}}", instant=True))
+    )
+    return [
+        (up, 5, 6),
+        (sglang_up, 3, 6),
+        (age, 3, 6),
+        (version, 3, 6),
+        (errors, 5, 6),
+        (tick, 5, 6),
+    ]
+
+
+ROWS: tuple[tuple[str, Callable[[], list[tuple[Panel, int, int]]]], ...] = (
+    ("Step count and decisions", steps_panels),
+    ("Traffic (SGLang)", traffic_panels),
+    ("Acceptance and model", model_panels),
+    ("Restarts and safety", restart_panels),
+    ("Maintenance windows and override", window_override_panels),
+    ("Scrape health", health_panels),
+)
+
+
+def build() -> dict[str, Any]:
+    """The dashboard as a JSON-ready dict."""
+    dash = (
+        db.Dashboard("specd — speculative decoding tuner")
+        .uid(UID)
+        .description(
+            "specd keeps SGLang's --speculative-num-steps tuned to its traffic. One row per "
+            "question: what runs and why, what the traffic is, what specd has learned, is it "
+            "safe, when can it act, is it healthy."
+        )
+        .tags(["specd", "sglang", "llm-inference"])
+        .editable()
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .refresh("30s")
+        .time("now-24h", "now")
+        .timezone("browser")
+        .link(
+            db.DashboardLink("Runbook")
+            .type(dm.DashboardLinkType("link"))
+            .url("https://github.com/specd/specd#monitoring")
+            .icon("doc")
+            .target_blank(True)
+        )
+        .with_variable(db.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(
+            db.QueryVariable("instance")
+            .label("Host")
+            .description("The host label shared by a box's specd and SGLang targets.")
+            .datasource(DS)
+            .query({"query": "label_values(specd_build_info, instance)", "refId": "instance"})
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dm.VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".+")
+        )
+    )
+    y = 0
+    panel_id = 1
+    for title, make in ROWS:
+        dash = dash.with_row(db.Row(title).id(panel_id).grid_pos(dm.GridPos(h=1, w=24, x=0, y=y)))
+        panel_id += 1
+        y += 1
+        x = 0
+        row_height = 0
+        for panel, width, height in make():
+            if x + width > 24:
+                x, y, row_height = 0, y + row_height, 0
+            panel.id(panel_id).grid_pos(dm.GridPos(h=height, w=width, x=x, y=y))
+            dash = dash.with_panel(panel)
+            panel_id += 1
+            x += width
+            row_height = max(row_height, height)
+        y += row_height
+    encoded: dict[str, Any] = json.loads(json.dumps(dash.build(), cls=JSONEncoder))
+    # The SDK writes the interval-variable keys on every variable; the official schema
+    # (additionalProperties: false) rejects them elsewhere, and Grafana ignores them.
+    for variable in encoded["templating"]["list"]:
+        if variable["type"] != "interval":
+            for key in ("auto", "auto_count", "auto_min"):
+                variable.pop(key, None)
+    return encoded
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when the committed JSON differs"
+    )
+    parser.add_argument("--output", type=Path, default=DASHBOARD_PATH)
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.output.read_text(encoding="utf-8") if args.output.exists() else ""
+        if current != text:
+            print(f"{args.output} is out of date: run python grafana/generate.py", file=sys.stderr)
+            return 1
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

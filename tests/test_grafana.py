@@ -1,0 +1,234 @@
+"""grafana/: the committed dashboard equals its generator and validates against the official
+Grafana dashboard schema (built from the @grafana/schema npm package); provisioning files."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from specd.decide import Reason
+from specd.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATOR = ROOT / "grafana" / "generate.py"
+DASHBOARD = ROOT / "grafana" / "dashboards" / "specd.json"
+PROVISIONING = ROOT / "grafana" / "provisioning"
+# Pinned so the schema, and the cache key, only change on purpose.
+NPM_PACKAGES = ("@grafana/schema@13.2.3", "ts-json-schema-generator@2.4.0", "typescript@5.9.3")
+SCHEMA_CACHE = Path(os.environ.get("SPECD_SCHEMA_CACHE", ROOT / ".cache" / "grafana-schema"))
+SCHEMA_TYPES = "node_modules/@grafana/schema/dist/types/raw/dashboard/x/types.gen.d.ts"
+
+# specd metrics the dashboard leaves out on purpose (logs and alerts cover them).
+NOT_ON_DASHBOARD = {
+    "specd_last_decision_timestamp_seconds",  # the decision panels show when
+    "specd_state_load_errors_total",  # once at start; the log says it
+}
+
+
+def load_dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return data
+
+
+def panels() -> list[dict[str, Any]]:
+    return [p for p in load_dashboard()["panels"] if p["type"] != "row"]
+
+
+def exprs() -> list[str]:
+    return [t["expr"] for p in panels() for t in p["targets"]]
+
+
+def generator() -> ModuleType:
+    if sys.version_info < (3, 11):
+        pytest.skip("grafana-foundation-sdk needs Python >= 3.11")
+    spec = importlib.util.spec_from_file_location("grafana_generate", GENERATOR)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_json_matches_generator() -> None:
+    assert DASHBOARD.read_text(encoding="utf-8") == generator().render(), (
+        "grafana/dashboards/specd.json is stale: run python grafana/generate.py"
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "expected_rc"),
+    [(None, 0), ("{}\n", 1), ("", 1)],
+)
+def test_generator_check_flag(tmp_path: Path, content: str | None, expected_rc: int) -> None:
+    gen = generator()
+    target = tmp_path / "specd.json"
+    target.write_text(gen.render() if content is None else content, encoding="utf-8")
+    assert gen.main(["--check", "--output", str(target)]) == expected_rc
+
+
+@pytest.fixture(scope="module")
+def dashboard_schema() -> dict[str, Any]:
+    """The Dashboard JSON schema generated from @grafana/schema, cached by package versions."""
+    key = re.sub(r"[^A-Za-z0-9.]+", "-", "_".join(NPM_PACKAGES)).strip("-")
+    cached = SCHEMA_CACHE / key / "dashboard.schema.json"
+    if not cached.exists():
+        npm, npx = shutil.which("npm"), shutil.which("npx")
+        if npm is None or npx is None:
+            if os.environ.get("SPECD_ALLOW_SKIP") == "1":
+                pytest.skip("npm missing (apt-get install nodejs npm)")
+            pytest.fail("npm missing: apt-get install nodejs npm (or SPECD_ALLOW_SKIP=1)")
+        work = cached.parent
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "package.json").write_text('{"private": true}\n')
+        subprocess.run(
+            [npm, "install", "--no-audit", "--no-fund", "--silent", *NPM_PACKAGES],
+            cwd=work,
+            check=True,
+            timeout=300,
+        )
+        partial = work / "dashboard.schema.json.tmp"
+        subprocess.run(
+            [npx, "--no-install", "ts-json-schema-generator", "--path", SCHEMA_TYPES,
+             "--type", "Dashboard", "--no-type-check", "-o", str(partial)],
+            cwd=work,
+            check=True,
+            timeout=300,
+        )  # fmt: skip
+        partial.replace(cached)
+    schema: dict[str, Any] = json.loads(cached.read_text(encoding="utf-8"))
+    return schema
+
+
+def schema_errors(schema: dict[str, Any], dashboard: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(dashboard)]
+
+
+def test_dashboard_validates_against_official_schema(dashboard_schema: dict[str, Any]) -> None:
+    assert schema_errors(dashboard_schema, load_dashboard()) == []
+
+
+def _unknown_top_key(d: dict[str, Any]) -> None:
+    d["__inputs"] = [{"name": "DS_PROMETHEUS"}]
+
+
+def _panel_without_type(d: dict[str, Any]) -> None:
+    del d["panels"][1]["type"]
+
+
+def _bad_grid(d: dict[str, Any]) -> None:
+    d["panels"][1]["gridPos"]["w"] = "wide"
+
+
+def _bad_variable(d: dict[str, Any]) -> None:
+    d["templating"]["list"][0]["type"] = "prometheus"
+
+
+@pytest.mark.parametrize(
+    "corrupt", [_unknown_top_key, _panel_without_type, _bad_grid, _bad_variable]
+)
+def test_schema_rejects_broken_dashboards(dashboard_schema: dict[str, Any], corrupt: Any) -> None:
+    broken = copy.deepcopy(load_dashboard())
+    corrupt(broken)
+    assert schema_errors(dashboard_schema, broken) != []
+
+
+def test_datasource_is_a_variable_not_an_input() -> None:
+    dashboard = load_dashboard()
+    text = DASHBOARD.read_text(encoding="utf-8")
+    assert "__inputs" not in dashboard
+    assert "${DS_" not in text
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["instance"]["type"] == "query"
+    assert variables["instance"]["multi"]
+    assert variables["instance"]["includeAll"]
+    for panel in panels():
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        for target in panel["targets"]:
+            assert target["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+SELECTOR = re.compile(r"\b(specd_[a-z_]+|sglang:[a-z_]+|up)\b(\{[^}]*\})?")
+
+
+@pytest.mark.parametrize("expr", exprs())
+def test_every_selector_filters_on_instance(expr: str) -> None:
+    for match in SELECTOR.finditer(expr):
+        assert match.group(2) is not None, f"bare selector {match.group(1)} in {expr}"
+        assert 'instance=~"$instance"' in match.group(2), expr
+
+
+@pytest.mark.parametrize("panel", panels(), ids=lambda p: p["title"])
+def test_every_panel_has_title_description_unit(panel: dict[str, Any]) -> None:
+    assert panel["title"]
+    assert panel["description"]
+    assert panel["fieldConfig"]["defaults"].get("unit"), f"{panel['title']}: no unit"
+    assert panel["targets"], f"{panel['title']}: no query"
+
+
+def test_panels_do_not_overlap_and_fit_the_grid() -> None:
+    taken: set[tuple[int, int]] = set()
+    ids = [p["id"] for p in load_dashboard()["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in load_dashboard()["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] >= 0, panel["title"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        cells = {(g["x"] + dx, g["y"] + dy) for dx in range(g["w"]) for dy in range(g["h"])}
+        assert not cells & taken, f"{panel['title']} overlaps another panel"
+        taken |= cells
+
+
+def test_thresholds_set_where_a_value_means_trouble() -> None:
+    by_title = {p["title"]: p for p in panels()}
+    for title in ("Restart budget left", "Restart duration", "Last good SGLang scrape"):
+        steps = by_title[title]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        assert len(steps) >= 3, title
+        assert {"red", "green"} <= {s["color"] for s in steps}, title
+    frozen = by_title["Frozen"]["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert frozen["1"]["color"] == "red"
+
+
+def test_every_specd_metric_is_on_the_dashboard() -> None:
+    registry = CollectorRegistry()
+    Metrics(registry=registry)
+    names = set()
+    for family in registry.collect():
+        suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+        names.add(family.name + suffix)
+    used = " ".join(exprs())
+    missing = {n for n in names - NOT_ON_DASHBOARD if n not in used}
+    assert missing == set()
+
+
+def test_provisioning_files() -> None:
+    dashboards = yaml.safe_load((PROVISIONING / "dashboards" / "specd.yml").read_text())
+    datasources = yaml.safe_load(
+        (PROVISIONING / "datasources" / "specd-prometheus.yml").read_text()
+    )
+    assert dashboards["apiVersion"] == 1
+    (provider,) = dashboards["providers"]
+    assert provider["type"] == "file"
+    assert provider["options"]["path"].startswith("/")
+    assert datasources["apiVersion"] == 1
+    assert [d["type"] for d in datasources["datasources"]] == ["prometheus"]
+
+
+def test_decision_timeline_colours_every_reason() -> None:
+    assert set(generator().REASON_COLORS) == {r.value for r in Reason}
