@@ -16,6 +16,15 @@ from specd import __version__
 
 # name -> (module, one-line help). Order is the order shown in `specd --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "twin": ("specd.twin.cli", "run the SGLang twin: SGLang's HTTP API and metrics, simulated"),
+    "check-config": ("specd.config", "validate a config file and print the effective values"),
+    "override": ("specd.override", "pin, freeze, clear or show the on-call override"),
+    "load": ("specd.load", "closed-loop streaming load against an OpenAI-compatible server"),
+    "run": ("specd.daemon", "run the daemon (what specd.service starts)"),
+    "status": ("specd.status", "what specd is doing: steps, mode, last decision, next window"),
+    "unfreeze": ("specd.unfreeze", "clear the freeze that follows a failed restart"),
+    "demo": ("specd.demo", "specd tuning the embedded SGLang twin through a compressed day"),
+    "observe": ("specd.observe", "scrape SGLang's /metrics and /server_info once and print it"),
 }
 
 

@@ -125,8 +125,7 @@ class Metrics:
         )
         self.accept_length = Gauge(
             "specd_accept_length",
-            "Accept length (tokens per verify step, bonus token included) learned per step "
-            "count.",
+            "Accept length (tokens per verify step, bonus token included) learned per step count.",
             ["steps"],
             registry=r,
         )
@@ -145,9 +144,7 @@ class Metrics:
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )
-        self.scrapes = Counter(
-            "specd_scrapes_total", "Scrapes of SGLang attempted.", registry=r
-        )
+        self.scrapes = Counter("specd_scrapes_total", "Scrapes of SGLang attempted.", registry=r)
         self.scrape_errors = Counter(
             "specd_scrape_errors_total",
             "Failed scrapes of SGLang, by kind (timeout, refused, http_status, malformed, "
@@ -223,14 +220,14 @@ class Metrics:
         if mode is not None:
             self.override_info.labels(mode=mode, reason=reason[:80]).set(1)
 
-    def record_decision(self, reason: str, target_steps: int, now: float) -> None:
+    def record_decision(self, reason: str, target_steps: int | None, now: float) -> None:
         self.decisions.labels(reason=reason).inc()
         for child_reason in list(self._reason_labels()):
             self.last_decision_reason.labels(reason=child_reason).set(
                 1 if child_reason == reason else 0
             )
         self.last_decision_reason.labels(reason=reason).set(1)
-        self.steps_target.set(target_steps)
+        self.steps_target.set(target_steps if target_steps is not None else float("nan"))
         self.last_decision_time.set(now)
 
     def _reason_labels(self) -> Iterable[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -45,6 +46,8 @@ class TwinProcess:
                 "--host", HOST, "--port", str(self.port)]  # fmt: skip
         full_env = dict(os.environ if env is None else env)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
+        # A log we made ourselves is removed on stop(); one the caller named is kept.
+        self._own_log = log_path is None
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="specd-twin-", suffix=".log")
             os.close(fd)
@@ -54,8 +57,11 @@ class TwinProcess:
         self.pid = self.proc.pid
 
     def log(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return ""
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -98,6 +104,9 @@ class TwinProcess:
             self.kill()
             code = self.proc.wait(timeout=timeout_s)
         self._log.close()
+        if self._own_log:
+            with contextlib.suppress(OSError):
+                os.unlink(self.log_path)
         return code
 
     def __enter__(self) -> TwinProcess:

@@ -1,0 +1,315 @@
+"""`specd demo`: specd tuning the embedded SGLang twin through a compressed day.
+
+Everything is real but the GPU server: the twin runs as its own process and is restarted
+the way systemd restarts a unit with specd's drop-in (env file re-read at every start);
+the daemon is the same `Daemon` as `specd run`, with a demo configuration (a window every
+minute, short dwell and stabilization); the load generator streams real HTTP requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from specd import logs
+from specd.config import Config
+from specd.daemon import Daemon
+from specd.load import LoadGenerator
+from specd.notify import Notifier
+from specd.twin.process import free_port
+from specd.twin.unit import TwinUnitRunner
+
+START_STEPS = 3
+LIGHT_CONCURRENCY = 2  # one developer's agentic coding session
+HEAVY_CONCURRENCY = 24  # a batch job
+# The compressed day, as fractions of --duration: quiet, burst, quiet.
+PHASES = (
+    ("quiet agentic traffic", 0.34, LIGHT_CONCURRENCY),
+    ("heavy batch burst", 0.38, HEAVY_CONCURRENCY),
+    ("quiet again", 0.28, LIGHT_CONCURRENCY),
+)
+
+
+def demo_config(workdir: Path, twin_port: int, metrics_port: int) -> Config:
+    """Production rules, compressed: minutes become seconds."""
+    return Config.model_validate(
+        {
+            "sglang_url": f"http://127.0.0.1:{twin_port}",
+            "sglang_unit": "sglang-twin.service",
+            "env_file": str(workdir / "sglang.env"),
+            "state_dir": str(workdir / "state"),
+            "override_file": str(workdir / "override.toml"),
+            "scrape_interval_s": 1.0,
+            "scrape_timeout_s": 2.0,
+            "stale_after_s": 10.0,
+            "history_half_life_s": 12.0,
+            "min_history_s": 6.0,
+            "warmup_exclude_s": 2.0,
+            "stabilization_window_s": 6.0,
+            "min_dwell_s": 15.0,
+            "daily_restart_budget": 50,
+            "quiet_concurrency_max": 64,
+            "quiet_deadline_s": 5.0,
+            "startup_timeout_s": 60.0,
+            "health_probe_timeout_s": 25.0,
+            "metrics_listen_address": "127.0.0.1",
+            "metrics_port": metrics_port,
+            "log_format": "json",
+            # Open for the first 50 s of every minute.
+            "windows": [{"cron": "* * * * mon-sun", "duration_s": 50, "timezone": "UTC"}],
+        }
+    )
+
+
+@dataclass
+class DemoRecord:
+    seconds_at_steps: defaultdict[int, float] = field(default_factory=lambda: defaultdict(float))
+    output_tokens: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+def _phase_at(elapsed: float, duration: float) -> tuple[str, int]:
+    edge = 0.0
+    for name, share, concurrency in PHASES:
+        edge += share * duration
+        if elapsed < edge:
+            return name, concurrency
+    return PHASES[-1][0], PHASES[-1][2]
+
+
+def _view(
+    daemon: Daemon,
+    elapsed: float,
+    duration: float,
+    phase: str,
+    conc: int,
+    record: DemoRecord,
+    metrics_url: str,
+) -> Group:
+    obs = daemon.last_obs
+    d = daemon.last_decision
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", width=18)
+    table.add_column()
+    table.add_row("time", f"{elapsed:5.0f} s of {duration:.0f} s   phase: {phase}")
+    table.add_row("load", f"{conc} closed-loop clients")
+    if obs is not None:
+        accept = f"{obs.accept_length:.2f}" if obs.accept_length is not None else "-"
+        table.add_row(
+            "SGLang twin",
+            f"running {obs.running}, queued {obs.queued}, "
+            f"{(obs.gen_throughput or 0):.0f} tok/s, accept length {accept}",
+        )
+        table.add_row("steps live", Text(str(obs.steps), style="bold green"))
+    else:
+        table.add_row("SGLang twin", "not answering (restarting?)")
+    p50 = daemon.state.history.quantile(0.5)
+    table.add_row("offered p50", f"{p50:.1f}" if p50 is not None else "-")
+    if d is not None:
+        table.add_row("decision", f"{d.reason.value}: target {d.target_steps} — {d.message}")
+    table.add_row("window", "OPEN" if daemon._window_open() else "closed")
+    table.add_row("metrics", metrics_url)
+    events = Text("\n".join(record.events[-8:]) or "(no restarts yet)")
+    return Group(table, Text("restarts:", style="bold"), events)
+
+
+async def _drive(
+    daemon: Daemon,
+    url: str,
+    duration: float,
+    record: DemoRecord,
+    console: Console,
+    metrics_url: str,
+    live_view: bool,
+) -> None:
+    started = time.monotonic()
+    seen_restarts = 0
+    printed = 0
+    last = started
+    async with LoadGenerator(url, max_concurrency=HEAVY_CONCURRENCY, max_tokens=256) as gen:
+        live = Live(console=console, refresh_per_second=2, transient=False) if live_view else None
+        with live if live is not None else contextlib.nullcontext():
+            while (elapsed := time.monotonic() - started) < duration:
+                phase, conc = _phase_at(elapsed, duration)
+                if gen.concurrency != conc:
+                    gen.set_concurrency(conc)
+                    record.events.append(f"{elapsed:5.0f} s  load → {conc} clients ({phase})")
+                await asyncio.sleep(0.5)
+                now = time.monotonic()
+                obs = daemon.last_obs
+                if obs is not None and obs.steps is not None:
+                    record.seconds_at_steps[obs.steps] += now - last
+                last = now
+                for r in daemon.state.restarts[seen_restarts:]:
+                    record.events.append(
+                        f"{elapsed:5.0f} s  restart {r['from_steps']} → {r['to_steps']}: "
+                        f"{r['result']} in {float(r.get('duration_s', 0)):.1f} s"
+                    )
+                seen_restarts = len(daemon.state.restarts)
+                if live is not None:
+                    live.update(_view(daemon, elapsed, duration, phase, conc, record, metrics_url))
+                else:
+                    for line in record.events[printed:]:
+                        console.print(line)
+                printed = len(record.events)
+            record.output_tokens += gen.take_result().output_tokens
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=180.0,
+        help="length of the compressed day in seconds (default 180)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="where specd serves its metrics (default: a free port)",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep state, env file and logs here (default: a temp dir)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.duration < 60:
+        print("specd demo: --duration must be at least 60 s (windows open once a minute)")
+        return 2
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="specd-demo-")
+        workdir = Path(tmp.name)
+    else:
+        workdir = args.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, workdir)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> int:
+    console = Console(stderr=args.json)
+    twin_port = free_port()
+    metrics_port = args.metrics_port or free_port()
+    config = demo_config(workdir, twin_port, metrics_port)
+    log_path = workdir / "specd.log"
+    log_file = log_path.open("a")
+    logs.configure("json", stream=log_file)
+    unit = TwinUnitRunner(
+        config.sglang_unit,
+        Path(config.env_file),
+        port=twin_port,
+        defaults={
+            "SPECD_SPEC_STEPS": str(START_STEPS),
+            "SPECD_SPEC_DRAFT_TOKENS": str(START_STEPS + 1),
+        },
+        extra_args=["--load-time-s", "2", "--served-model-name", "demo-qwen35-122b"],
+        # The load generator never lets the twin drain (SGLang waits for running requests
+        # with no deadline); systemd's TimeoutStopSec would end it, compressed here.
+        stop_timeout_s=2.0,
+    )
+    console.print(f"starting the SGLang twin at steps {START_STEPS} on port {twin_port} …")
+    twin = unit.start()
+    try:
+        twin.wait_healthy(60)
+        daemon = Daemon(
+            config, None, registry=CollectorRegistry(), runner=unit, notifier=Notifier(environ={})
+        )
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        thread = threading.Thread(target=daemon.run, name="specd", daemon=True)
+        thread.start()
+        console.print(f"specd runs; its metrics: {metrics_url}; its log: {log_path}")
+        record = DemoRecord()
+        try:
+            asyncio.run(
+                _drive(
+                    daemon,
+                    config.sglang_url,
+                    args.duration,
+                    record,
+                    console,
+                    metrics_url,
+                    live_view=sys.stdout.isatty() or not args.json,
+                )
+            )
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=120)
+        summary = _summary(daemon, record, args.duration)
+    finally:
+        unit.stop()
+        log_file.close()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(console, summary)
+    return 0
+
+
+def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, Any]:
+    restarts = daemon.state.restarts
+    return {
+        "duration_s": duration,
+        "restarts": [
+            {k: r.get(k) for k in ("from_steps", "to_steps", "result", "duration_s")}
+            for r in restarts
+        ],
+        "restarts_to_steps": sorted(
+            {int(r["to_steps"]) for r in restarts if r.get("result") == "success"}
+        ),
+        "seconds_at_steps": {
+            str(k): round(v, 1) for k, v in sorted(record.seconds_at_steps.items())
+        },
+        "output_tokens": record.output_tokens,
+        "decisions": {reason: int(n) for reason, n in _decision_counts(daemon).items() if n},
+        "frozen": daemon.state.frozen,
+    }
+
+
+def _decision_counts(daemon: Daemon) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for metric in daemon.metrics.decisions.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counts[sample.labels["reason"]] = sample.value
+    return counts
+
+
+def _print_summary(console: Console, s: dict[str, Any]) -> None:
+    console.rule("summary")
+    console.print(f"restarts: {len(s['restarts'])}")
+    for r in s["restarts"]:
+        console.print(
+            f"  {r['from_steps']} → {r['to_steps']}: {r['result']} "
+            f"({float(r['duration_s'] or 0):.1f} s)"
+        )
+    at = ", ".join(f"steps {k}: {v:.0f} s" for k, v in s["seconds_at_steps"].items())
+    console.print(f"time at each step count: {at}")
+    console.print(f"tokens served to the load generator: {s['output_tokens']}")
+    console.print(
+        "decisions by reason: " + ", ".join(f"{k} {v}" for k, v in s["decisions"].items())
+    )

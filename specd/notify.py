@@ -1,0 +1,47 @@
+"""sd_notify for specd.service (Type=notify, WatchdogSec=).
+
+A thin layer over ``sdnotify`` that knows specd's messages, reads the watchdog period
+from ``WATCHDOG_USEC`` and does nothing outside systemd (no ``NOTIFY_SOCKET``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import sdnotify
+
+
+class Notifier:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.enabled = bool(env.get("NOTIFY_SOCKET"))
+        self._notifier = sdnotify.SystemdNotifier() if self.enabled else None
+        usec = env.get("WATCHDOG_USEC", "")
+        pid = env.get("WATCHDOG_PID", "")
+        # WATCHDOG_PID, when set, names the process the watchdog is meant for.
+        mine = not pid or pid == str(os.getpid())
+        self.watchdog_period_s: float | None = (
+            int(usec) / 1e6 if usec.isdigit() and int(usec) > 0 and mine else None
+        )
+
+    def _send(self, message: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(message)
+
+    def ready(self, status: str) -> None:
+        self._send(f"READY=1\nSTATUS={status}")
+
+    def status(self, status: str) -> None:
+        self._send(f"STATUS={status}")
+
+    def watchdog(self) -> None:
+        self._send("WATCHDOG=1")
+
+    def reloading(self) -> None:
+        self._send("RELOADING=1")
+
+    def reloaded(self, status: str) -> None:
+        self._send(f"READY=1\nSTATUS={status}")
+
+    def stopping(self, status: str) -> None:
+        self._send(f"STOPPING=1\nSTATUS={status}")

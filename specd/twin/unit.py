@@ -1,0 +1,152 @@
+"""The twin run as systemd would run an SGLang unit, for `specd demo` (and tests without
+a systemd).
+
+`TwinUnitRunner` is a `specd.runner.Runner`: it answers the one command apply issues,
+``systemctl --no-ask-password restart UNIT`` (and the read-only ``systemctl is-active
+UNIT``), the way systemd does for a unit with
+``EnvironmentFile=-ENV`` and ``ExecStart=... --speculative-num-steps ${SPECD_SPEC_STEPS}``:
+stop the running process (SIGTERM, then SIGKILL after a timeout), re-read the env file,
+start a new process with the values expanded. Any other command is refused with exit
+status 1, so a bug that tries to do more than restart the unit shows up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from specd.runner import RunResult
+from specd.twin.process import TwinProcess
+
+DEFAULT_STEPS = 3
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines as systemd's EnvironmentFile= reads them (comments, blanks skipped)."""
+    values: dict[str, str] = {}
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return values  # EnvironmentFile=- : a missing file is fine
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")) or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        values[key.strip()] = value.strip().strip('"').strip("'")
+    return values
+
+
+class TwinUnitRunner:
+    """A `Runner` that restarts a twin process like `systemctl restart` restarts a unit."""
+
+    def __init__(
+        self,
+        unit: str,
+        env_file: Path,
+        *,
+        port: int,
+        defaults: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] | Callable[[int], Sequence[str]] = (),
+        stop_timeout_s: float = 10.0,
+    ) -> None:
+        self.unit = unit
+        self.env_file = env_file
+        self.port = port
+        # Like the drop-in's Environment= line: used when the env file lacks a value.
+        self.defaults = dict(
+            defaults
+            or {
+                "SPECD_SPEC_STEPS": str(DEFAULT_STEPS),
+                "SPECD_SPEC_DRAFT_TOKENS": str(DEFAULT_STEPS + 1),
+            }
+        )
+        # Extra twin flags, or a function of the step count (to fail at one step count).
+        self.extra_args = extra_args
+        self.stop_timeout_s = stop_timeout_s
+        self.process: TwinProcess | None = None
+        self.restarted_to: list[int] = []  # the step count of each restart, in order
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def environment(self) -> dict[str, str]:
+        """Environment= defaults overlaid by EnvironmentFile=- (missing file: defaults)."""
+        return {**self.defaults, **read_env_file(self.env_file)}
+
+    def argv(self) -> list[str]:
+        env = self.environment()
+        steps = int(env["SPECD_SPEC_STEPS"])
+        extra = self.extra_args(steps) if callable(self.extra_args) else self.extra_args
+        return [
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            env["SPECD_SPEC_STEPS"],
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            env["SPECD_SPEC_DRAFT_TOKENS"],
+            "--enable-metrics",
+            *extra,
+        ]
+
+    def start(self) -> TwinProcess:
+        with self._lock:
+            self.process = TwinProcess(self.argv(), port=self.port)
+            return self.process
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.process is not None:
+                self.process.stop(timeout_s=self.stop_timeout_s)
+                self.process = None
+
+    def is_active(self) -> str:
+        """What `systemctl is-active` would print: a crashed process is "failed"."""
+        code = None if self.process is None else self.process.poll()
+        if self.process is None:
+            return "inactive"
+        return "active" if code is None else ("inactive" if code == 0 else "failed")
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        started = time.monotonic()
+        args = list(argv)
+        verbs = [a for a in args[1:] if not a.startswith("-")]
+        is_systemctl = bool(args) and Path(args[0]).name == "systemctl"
+        if is_systemctl and verbs == ["is-active", self.unit]:
+            state = self.is_active()
+            return RunResult(
+                argv=tuple(args),
+                returncode=0 if state == "active" else 3,
+                stdout=state + "\n",
+                stderr="",
+                timed_out=False,
+                duration_s=time.monotonic() - started,
+            )
+        if not is_systemctl or verbs != ["restart", self.unit]:
+            return RunResult(
+                argv=tuple(args),
+                returncode=1,
+                stdout="",
+                stderr=f"twin unit: only `systemctl restart|is-active {self.unit}` is supported",
+                timed_out=False,
+                duration_s=time.monotonic() - started,
+            )
+        # Like systemd: SIGTERM (SGLang drains), SIGKILL after the stop timeout; and like a
+        # Type=simple unit, the command returns once the new process started, not loaded.
+        self.stop()
+        self.restarted_to.append(int(self.environment()["SPECD_SPEC_STEPS"]))
+        self.start()
+        return RunResult(
+            argv=tuple(args),
+            returncode=0,
+            stdout="",
+            stderr="",
+            timed_out=False,
+            duration_s=time.monotonic() - started,
+        )
