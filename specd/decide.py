@@ -209,7 +209,7 @@ def _window_message(config: Config, at: datetime, change: str) -> str:
     return f"maintenance window closed ({nxt}): {change} waits"
 
 
-def decide(  # noqa: PLR0917 (the agreed signature: one positional per input)
+def decide(
     history: History,
     obs: Observation | ScrapeError | None,
     config: Config,
