@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "unfreeze": ("specd.unfreeze", "clear the freeze that follows a failed restart"),
     "demo": ("specd.demo", "specd tuning the embedded SGLang twin through a compressed day"),
     "observe": ("specd.observe", "scrape SGLang's /metrics and /server_info once and print it"),
+    "sweep": ("specd.sweep", "measure tok/s per step count and concurrency (restarts SGLang)"),
 }
 
 
