@@ -321,3 +321,29 @@ def test_streaming_throughput_matches_table(concurrency: int) -> None:
         measured = sum(tokens) / (time.monotonic() - start)
     assert tokens == [250] * concurrency
     assert measured == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize(
+    ("stream_options", "usage_on_every_chunk"),
+    [
+        ({}, False),
+        ({"include_usage": True}, False),
+        ({"include_usage": True, "continuous_usage_stats": True}, True),
+    ],
+)
+def test_continuous_usage_stats_like_sglang(
+    stream_options: dict[str, bool], usage_on_every_chunk: bool
+) -> None:
+    body = {"prompt": "hi", "max_tokens": 40, "stream": True, "stream_options": stream_options}
+    with TwinProcess([*SPEC4, *FAST]) as twin:
+        twin.wait_healthy(20)
+        with httpx.stream("POST", twin.url + "/v1/completions", json=body, timeout=30) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    content = [c for c in chunks if c["choices"]]
+    counts = [c["usage"]["completion_tokens"] for c in content if "usage" in c]
+    assert counts[-1] == 40
+    if usage_on_every_chunk:
+        assert len(counts) == len(content)
+        assert counts == sorted(counts)
+    else:
+        assert len(counts) == 1  # only the last content chunk

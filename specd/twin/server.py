@@ -445,7 +445,10 @@ class Twin:
             )
         resp = await self._sse_start(request, req)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        stream_options = body.get("stream_options") or {}
+        include_usage = bool(stream_options.get("include_usage", False))
+        # SGLang's OpenAI server: usage on every chunk when continuous_usage_stats is asked for.
+        continuous_usage = include_usage and bool(stream_options.get("continuous_usage_stats"))
         try:
             async for text in self._tokens(req):
                 finish = "length" if req.emitted >= req.max_tokens else None
@@ -456,7 +459,7 @@ class Twin:
                     "model": model,
                     "choices": [choice(text, finish, stream=True)],
                 }
-                if finish is not None:
+                if finish is not None or continuous_usage:
                     # On the last content chunk, so clients can count tokens exactly.
                     chunk["usage"] = usage()
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
