@@ -58,6 +58,8 @@ class ContainerError(RuntimeError):
 
 # What ProtectHome= hides from a service.
 HOME_DIRS = ("/home", "/root", "/run/user")
+# What PrivateTmp= replaces with an empty directory.
+TMP_DIRS = ("/tmp", "/var/tmp")
 
 
 def _under_home(path: Path) -> bool:
@@ -475,13 +477,20 @@ class Container:
         self.daemon_reload()
 
 
+def _under_tmp(path: Path) -> bool:
+    return any(path == top or top in path.parents for top in map(Path, TMP_DIRS))
+
+
 def specd_exposure_lines() -> list[str]:
     """[Service] lines that let the hardened specd.service run the repo's code: the venv's
-    interpreter may live under /root or /home, which ProtectHome=yes hides."""
-    hidden = [p for p in code_paths() if _under_home(p)]
-    if not hidden:
-        return []
-    return ["ProtectHome=tmpfs", "BindReadOnlyPaths=" + " ".join(map(str, hidden))]
+    interpreter may live under /root or /home, which ProtectHome=yes hides, and a CI clone
+    may live under /tmp, which PrivateTmp=yes replaces."""
+    home = [p for p in code_paths() if _under_home(p)]
+    tmp = [p for p in code_paths() if _under_tmp(p)]
+    lines = ["ProtectHome=tmpfs"] if home else []
+    if home or tmp:
+        lines.append("BindReadOnlyPaths=" + " ".join(map(str, home + tmp)))
+    return lines
 
 
 def twin_command(
