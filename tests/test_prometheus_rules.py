@@ -17,8 +17,8 @@ PROM_DIR = ROOT / "etc" / "prometheus"
 RULES = PROM_DIR / "specd.rules.yml"
 RULE_TESTS = PROM_DIR / "specd.rules.test.yml"
 EXAMPLE_CONFIG = PROM_DIR / "prometheus.example.yml"
-# The runbook: drafted in docs/monitoring.md, merged into the README's "Monitoring".
-RUNBOOK_DOCS = (ROOT / "docs" / "monitoring.md", ROOT / "README.md")
+# The runbook: the README's "Monitoring" section.
+RUNBOOK_DOCS = (ROOT / "README.md",)
 SEVERITIES = {"critical", "warning", "info"}
 
 pytestmark = pytest.mark.prometheus
@@ -159,4 +159,4 @@ def test_every_alert_is_documented(alert: str) -> None:
         if doc.exists()
         for heading in re.findall(r"^#+\s+(\S+)\s*$", doc.read_text(encoding="utf-8"), re.M)
     }
-    assert alert in headings, f"no runbook heading for {alert} in README.md or docs/monitoring.md"
+    assert alert in headings, f"no runbook heading for {alert} in README.md"
