@@ -26,6 +26,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("specd.demo", "specd tuning the embedded SGLang twin through a compressed day"),
     "observe": ("specd.observe", "scrape SGLang's /metrics and /server_info once and print it"),
     "sweep": ("specd.sweep", "measure tok/s per step count and concurrency (restarts SGLang)"),
+    "install": ("specd.install", "wire an existing SGLang unit to specd (drop-in, user, polkit)"),
+    "uninstall": ("specd.install", "remove exactly what `specd install` added"),
+    "doctor": ("specd.doctor", "check every part of the setup: ✓/✗ with one line of advice"),
 }
 
 

@@ -1,0 +1,204 @@
+"""`specd install` → `specd doctor` → a step change in the next window → `specd uninstall`,
+under a real systemd, on a unit shaped like the real deployment (the twin in SGLang's place).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+
+import pytest
+import tomli_w
+from nspawn import SGLANG_UNIT, SPECD_UNIT, TWIN_URL, VENV_SPECD, Container, exec_line
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+LOAD_UNIT = "specd-install-load.service"
+DROPIN = f"{SGLANG_UNIT}.d/50-specd.conf"
+
+
+def deployment_unit() -> str:
+    """systemd/examples/sglang.service's shape, with its speculative flags inline (as the
+    operators' units are before specd) and the twin as the program."""
+    command = exec_line(
+        [
+            str(VENV_SPECD),
+            "twin",
+            "--model-path",
+            "/srv/sglang/models/Qwen3.5-122B-A10B-FP8",
+            "--served-model-name",
+            "Qwen/Qwen3.5-122B-A10B",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "30000",
+            "--tp-size",
+            "4",
+            "--enable-metrics",
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps=3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+            "--load-time-s",
+            "0.5",
+        ]
+    ).replace(" --", " \\\n    --")
+    return (
+        "[Unit]\nDescription=SGLang inference server (Qwen3.5-122B-A10B, MTP)\n"
+        "After=network-online.target\n\n[Service]\nType=simple\nWorkingDirectory=/\n"
+        "Environment=CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=0,1,2,3\n"
+        "Environment=NCCL_IB_DISABLE=1 NCCL_P2P_LEVEL=PHB NCCL_CUMEM_ENABLE=0\n"
+        "Environment=NCCL_DEBUG=WARN\n"
+        "Environment=HF_HOME=/srv/sglang/hf HF_HUB_OFFLINE=1 SAFETENSORS_FAST_GPU=1\n"
+        f"ExecStart={command}\n"
+        # Like SGLang, the twin drains on SIGTERM with no deadline while the test's load keeps
+        # coming: a short stop timeout keeps the restart inside the test's time budget.
+        "TimeoutStopSec=3s\nKillMode=mixed\nRestart=on-failure\nRestartSec=1s\n"
+        "LimitNOFILE=65536\n\n[Install]\nWantedBy=multi-user.target\n"
+    )
+
+
+def cron_at(ts: float) -> str:
+    at = datetime.fromtimestamp(ts, tz=timezone.utc)
+    return f"{at.second} {at.minute} {at.hour} {at.day} {at.month} *"
+
+
+def operator_config(opens_at: float) -> str:
+    """What the operator keeps in /etc/specd/specd.toml: short history, a window soon;
+    no sglang_url / sglang_unit (install fills them in)."""
+    return tomli_w.dumps(
+        {
+            "scrape_interval_s": 0.5,
+            "stale_after_s": 10.0,
+            "history_half_life_s": 120.0,
+            "min_history_s": 2.0,
+            "warmup_exclude_s": 0.5,
+            "stabilization_window_s": 1.5,
+            "min_dwell_s": 0.0,
+            "quiet_concurrency_max": 64,
+            "quiet_deadline_s": 5.0,
+            "startup_timeout_s": 30.0,
+            "metrics_port": 9464,
+            "windows": [{"cron": cron_at(opens_at), "duration_s": 120.0, "timezone": "UTC"}],
+        }
+    )
+
+
+def live_steps(sd: Container) -> int:
+    return int(sd.twin_server_info()["speculative_num_steps"])
+
+
+def test_install_doctor_window_change_uninstall(sd: Container) -> None:
+    sd.write_unit(SGLANG_UNIT, deployment_unit())
+    sd.daemon_reload()
+    sd.systemctl("start", SGLANG_UNIT)
+    sd.wait_http("/health")
+    cat_before = sd.systemctl("cat", "--no-pager", SGLANG_UNIT)
+    sglang_pid = sd.main_pid(SGLANG_UNIT)
+    opens_at = float(sd.sh("date", "+%s.%N").stdout) + 12
+    original_config = operator_config(opens_at)
+    (sd.config_dir / "specd.toml").write_text(original_config)
+    specd = str(VENV_SPECD)
+    try:
+        dry = sd.sh(specd, "install", "--unit", SGLANG_UNIT, "--dry-run")
+        assert "+ExecStart=" in dry.stdout
+        assert "$ systemctl enable --now specd.service" in dry.stdout
+        assert not (sd.units_dir / DROPIN).exists()
+
+        started = time.monotonic()
+        done = sd.sh(specd, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        install_s = time.monotonic() - started
+        assert done.returncode == 0, done.stdout + done.stderr + sd.journal(SPECD_UNIT)
+        assert "SGLang is not restarted" in done.stdout, done.stdout
+        assert sd.main_pid(SGLANG_UNIT) == sglang_pid  # never restarts SGLang
+        assert sd.active_state(SPECD_UNIT) == "active"
+        dropin = (sd.units_dir / DROPIN).read_text()
+        assert "--speculative-num-steps=${SPECD_SPEC_STEPS}" in dropin
+        assert "Environment=SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4" in dropin
+        config = (sd.config_dir / "specd.toml").read_text()
+        assert f'sglang_url = "{TWIN_URL}"' in config
+        assert f'sglang_unit = "{SGLANG_UNIT}"' in config
+
+        again = sd.sh(specd, "install", "--unit", SGLANG_UNIT, "--yes", timeout=60)
+        assert "nothing to do" in again.stdout, again.stdout
+
+        doctor = sd.sh(specd, "doctor", "--json", check=False, timeout=60)
+        report = json.loads(doctor.stdout)
+        failed = [c for c in report["checks"] if not c["ok"]]
+        assert not failed, failed
+        assert doctor.returncode == 0
+
+        sd.sh(
+            "systemd-run",
+            f"--unit={LOAD_UNIT}",
+            "--collect",
+            "--quiet",
+            specd,
+            "load",
+            "--url",
+            TWIN_URL,
+            "--concurrency",
+            "2",
+            "--duration",
+            "40",
+        )
+        assert live_steps(sd) == 3
+        sd.wait_for(lambda: live_steps(sd) == 4, timeout=45, interval=0.5, what="steps 4")
+        assert float(sd.sh("date", "+%s.%N").stdout) >= opens_at  # in the window, not before
+        assert sd.main_pid(SGLANG_UNIT) != sglang_pid
+        print(f"install {install_s:.1f} s, steps changed {time.monotonic() - started:.1f} s after")
+    finally:
+        sd.systemctl("stop", LOAD_UNIT, check=False)
+        before_uninstall = time.monotonic()
+        gone = sd.sh(specd, "uninstall", check=False, timeout=90)
+        print(f"uninstall {time.monotonic() - before_uninstall:.1f} s")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert "byte-for-byte" in gone.stdout, gone.stdout
+    assert sd.systemctl("cat", "--no-pager", SGLANG_UNIT) == cat_before
+    assert not (sd.units_dir / DROPIN).exists()
+    assert not (sd.units_dir / SPECD_UNIT).exists()
+    assert (sd.config_dir / "specd.toml").read_text() == original_config
+    assert not (sd.config_dir / "install-manifest.json").exists()
+
+
+def test_doctor_and_install_on_a_broken_setup(sd: Container) -> None:
+    """No --enable-metrics, no drop-in, and a polkit rule that does not cover the unit."""
+    unit = "llm.service"
+    text = deployment_unit().replace(" \\\n    --enable-metrics", "")
+    assert "--enable-metrics" not in text
+    sd.write_unit(unit, text)
+    sd.daemon_reload()
+    sd.systemctl("start", unit)
+    sd.wait_http("/health")
+    (sd.config_dir / "specd.toml").write_text(
+        tomli_w.dumps({"sglang_url": TWIN_URL, "sglang_unit": unit})
+    )
+    specd = str(VENV_SPECD)
+
+    doctor = sd.sh(specd, "doctor", "--json", check=False, timeout=60)
+    assert doctor.returncode == 1
+    verdicts = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+    for passing in ("config", "sglang", "windows", "override"):
+        assert verdicts[passing]["ok"], verdicts[passing]
+    assert "--enable-metrics" in verdicts["metrics"]["advice"]
+    assert not verdicts["metrics"]["ok"]
+    assert not verdicts["drop-in"]["ok"]
+    assert f"specd install --unit {unit}" in verdicts["drop-in"]["advice"]
+    assert not verdicts["polkit"]["ok"]
+    assert f"restart {unit}: denied" in verdicts["polkit"]["detail"]
+    assert not verdicts["service"]["ok"]
+
+    refused = sd.sh(specd, "install", "--unit", unit, "--yes", check=False)
+    assert refused.returncode == 1
+    assert "runs without --enable-metrics" in refused.stderr
+    assert "--add-enable-metrics" in refused.stderr
+    assert not (sd.units_dir / f"{unit}.d").exists()
+
+    plan = sd.sh(specd, "install", "--unit", unit, "--dry-run", "--add-enable-metrics")
+    assert "+    --enable-metrics" in plan.stdout
+    # The polkit rule must be rendered for this unit, not the shipped sglang.service.
+    assert '+    var SGLANG_UNIT = "llm.service";' in plan.stdout
