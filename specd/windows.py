@@ -1,7 +1,10 @@
 """Maintenance windows: when specd may restart SGLang. Pure; time is always passed in.
 
 A window is a cron start (5 fields, weekday *names* only) plus a duration in seconds, in an
-IANA timezone. It is open at ``now`` when some start ``s`` satisfies ``s <= now < s + duration``.
+IANA timezone. An optional sixth, *leading* field gives the second ("SEC MIN HOUR DOM MON
+DOW", e.g. ``"*/30 * * * * *"``: a window every 30 s, for tests and the demo); without it a
+start is at second 0, so a 5-field cron means what it means in crontab. A window is open
+at ``now`` when some start ``s`` satisfies ``s <= now < s + duration``.
 Windows that overlap or touch (across all configured windows) count as one open period:
 ``current_window`` reports its first opening and its last closing.
 
@@ -36,7 +39,7 @@ from apscheduler.triggers.cron import CronTrigger
 
 WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
 MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
-FIELD_NAMES = ("minute", "hour", "day", "month", "day_of_week")
+FIELD_NAMES = ("second", "minute", "hour", "day", "month", "day_of_week")
 
 # Every valid cron fires at least once in 4 years (29 feb); 5 years is a safe bound for
 # "this cron never fires" and for how far ahead we ever look.
@@ -77,6 +80,8 @@ class CronFields:
     day: str
     month: str
     day_of_week: str
+    # Last, with a default, so 5-field callers and positional construction keep working.
+    second: str = "0"
 
 
 def load_zone(name: str) -> ZoneInfo:
@@ -119,20 +124,25 @@ def _check_weekdays(field: str) -> frozenset[str]:
 
 
 def parse_cron(cron: str) -> CronFields:
-    """Parse and validate a 5-field cron start. Raises ValueError with a one-line reason."""
+    """Parse and validate a cron start of 5 fields, or 6 with a leading second field.
+
+    Raises ValueError with a one-line reason.
+    """
     if not isinstance(cron, str):
         raise ValueError("cron must be a string such as '0 3 * * mon-fri'")
     text = cron.strip().lower()
     if text.startswith("@"):
         raise ValueError(f"{cron!r}: macros are not supported; write 5 fields, e.g. '0 3 * * *'")
     parts = text.split()
-    if len(parts) != 5:
+    if len(parts) == 5:
+        parts.insert(0, "0")
+    elif len(parts) != 6:
         raise ValueError(
             f"{cron!r} has {len(parts)} fields; expected 5: minute hour day month weekday "
-            "(e.g. '0 3 * * mon-fri')"
+            "(e.g. '0 3 * * mon-fri'), or 6 with a leading second (e.g. '*/30 * * * * *')"
         )
-    minute, hour, day, month, dow = parts
-    for name, field in (("minute", minute), ("hour", hour), ("day", day)):
+    second, minute, hour, day, month, dow = parts
+    for name, field in (("second", second), ("minute", minute), ("hour", hour), ("day", day)):
         for item in field.split(","):
             if not _NUMERIC_ITEM.match(item):
                 raise ValueError(f"{name} {field!r}: expected *, N, N-M, */S or a list of them")
@@ -146,7 +156,7 @@ def parse_cron(cron: str) -> CronFields:
             f"{cron!r} restricts both day of month and weekday; cron would OR them and "
             "APScheduler ANDs them, so restrict only one"
         )
-    fields = CronFields(minute, hour, day, month, dow)
+    fields = CronFields(minute, hour, day, month, dow, second)
     try:
         _trigger(fields)
     except ValueError as exc:
@@ -157,6 +167,7 @@ def parse_cron(cron: str) -> CronFields:
 def _trigger(fields: CronFields) -> CronTrigger:
     # A UTC trigger over naive local times: the zone is applied by _to_instant.
     return CronTrigger(
+        second=fields.second,
         minute=fields.minute,
         hour=fields.hour,
         day=fields.day,

@@ -187,11 +187,19 @@ def test_windows_that_never_close_are_open() -> None:
         ("30 2 * * sat,sun", ("30", "2", "*", "*", "sat,sun")),
         ("0 3 1 jan-mar *", ("0", "3", "1", "jan-mar", "*")),
         ("  0  3 * * MON  ", ("0", "3", "*", "*", "mon")),
+        # A 5-field cron starts at second 0; a 6-field one leads with the second.
+        ("0 3 * * mon-sun", ("0", "0", "3", "*", "*", "mon-sun")),
+        ("*/20 * * * * *", ("*/20", "*", "*", "*", "*", "*")),
+        ("15,45 */5 2 * * sat,sun", ("15,45", "*/5", "2", "*", "*", "sat,sun")),
+        ("0-10 0 3 1 jan *", ("0-10", "0", "3", "1", "jan", "*")),
     ],
 )
 def test_parse_cron_accepts(cron: str, fields: tuple[str, ...]) -> None:
     parsed = parse_cron(cron)
-    assert (parsed.minute, parsed.hour, parsed.day, parsed.month, parsed.day_of_week) == fields
+    got = (parsed.minute, parsed.hour, parsed.day, parsed.month, parsed.day_of_week)
+    if len(fields) == 6:
+        got = (parsed.second, *got)
+    assert got == fields
 
 
 @pytest.mark.parametrize(
@@ -203,7 +211,11 @@ def test_parse_cron_accepts(cron: str, fields: tuple[str, ...]) -> None:
         ("0 3 * * monday", "expected mon..sun"),
         ("0 3 * * fri-mon", "runs backwards"),
         ("0 3 * *", "has 4 fields; expected 5"),
-        ("0 0 3 * * mon", "has 6 fields"),
+        ("0 0 0 3 * * mon", "has 7 fields; expected 5"),
+        ("60 0 3 * * *", "higher than the maximum"),
+        ("*/0 * * * * *", "Increment must be higher than 0"),
+        ("x 0 3 * * *", "second 'x'"),
+        ("0 0 3 * * 1", "not numbers"),
         ("@daily", "macros are not supported"),
         ("60 3 * * *", "higher than the maximum"),
         ("0 24 * * *", "higher than the maximum"),
@@ -256,3 +268,120 @@ def test_non_utc_now_is_accepted() -> None:
     berlin_summer = timezone(timedelta(hours=2))
     now = datetime(2025, 7, 1, 5, 30, tzinfo=berlin_summer)  # 03:30Z
     assert current_window(DAILY_UTC, now) == (at(2025, 7, 1, 3), at(2025, 7, 1, 4))
+
+
+EVERY_20_S = [WindowSpec("*/20 * * * * *", 10, "UTC")]
+AT_SECOND_30 = [WindowSpec("30 0 3 * * *", 60, "UTC")]
+BERLIN_WITH_SECONDS = [WindowSpec("15 30 2 * * mon-sun", 3600, "Europe/Berlin")]
+
+
+@pytest.mark.parametrize(
+    ("windows", "now", "expected"),
+    [
+        # Every 20 s for 10 s: [00, 10), [20, 30), [40, 50) of each minute.
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 0), (at(2025, 7, 1, 12), at(2025, 7, 1, 12, 0, 10))),
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 9), (at(2025, 7, 1, 12), at(2025, 7, 1, 12, 0, 10))),
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 10), None),
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 19), None),
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 45),
+            (at(2025, 7, 1, 12, 0, 40), at(2025, 7, 1, 12, 0, 50)),
+        ),
+        # Second 30 of 03:00: closed at 03:00:00 (a 5-field cron would be open there).
+        (AT_SECOND_30, at(2025, 7, 1, 3, 0, 0), None),
+        (AT_SECOND_30, at(2025, 7, 1, 3, 0, 29), None),
+        (
+            AT_SECOND_30,
+            at(2025, 7, 1, 3, 0, 30),
+            (at(2025, 7, 1, 3, 0, 30), at(2025, 7, 1, 3, 1, 30)),
+        ),
+        (AT_SECOND_30, at(2025, 7, 1, 3, 1, 30), None),
+        # DST rules hold with seconds: 02:30:15 CEST = 00:30:15Z in summer; in the spring
+        # gap the window opens at the jump (01:00:00Z), in the repeated hour only once.
+        (
+            BERLIN_WITH_SECONDS,
+            at(2025, 7, 1, 0, 30, 15),
+            (at(2025, 7, 1, 0, 30, 15), at(2025, 7, 1, 1, 30, 15)),
+        ),
+        (BERLIN_WITH_SECONDS, at(2025, 7, 1, 0, 30, 14), None),
+        (BERLIN_WITH_SECONDS, at(2025, 3, 30, 1, 0), (at(2025, 3, 30, 1), at(2025, 3, 30, 2))),
+        (
+            BERLIN_WITH_SECONDS,
+            at(2025, 10, 26, 0, 30, 15),
+            (at(2025, 10, 26, 0, 30, 15), at(2025, 10, 26, 1, 30, 15)),
+        ),
+        (BERLIN_WITH_SECONDS, at(2025, 10, 26, 1, 30, 15), None),
+    ],
+)
+def test_current_window_with_seconds(
+    windows: list[WindowSpec],
+    now: datetime,
+    expected: tuple[datetime, datetime] | None,
+) -> None:
+    assert current_window(windows, now) == expected
+
+
+@pytest.mark.parametrize(
+    ("windows", "now", "opens", "closes"),
+    [
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 11),
+            at(2025, 7, 1, 12, 0, 20),
+            at(2025, 7, 1, 12, 0, 30),
+        ),
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 20),
+            at(2025, 7, 1, 12, 0, 20),
+            at(2025, 7, 1, 12, 0, 30),
+        ),
+        # Open: the next opening after this one closes, across the minute.
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 45),
+            at(2025, 7, 1, 12, 1, 0),
+            at(2025, 7, 1, 12, 0, 50),
+        ),
+        (AT_SECOND_30, at(2025, 7, 1, 3, 0, 0), at(2025, 7, 1, 3, 0, 30), at(2025, 7, 1, 3, 1, 30)),
+        (
+            AT_SECOND_30,
+            at(2025, 7, 1, 3, 0, 31),
+            at(2025, 7, 2, 3, 0, 30),
+            at(2025, 7, 1, 3, 1, 30),
+        ),
+        # Fall back: the repeated 02:30:15 opens nothing; the next opening is the next day.
+        (
+            BERLIN_WITH_SECONDS,
+            at(2025, 10, 26, 1, 31),
+            at(2025, 10, 27, 1, 30, 15),
+            at(2025, 10, 27, 2, 30, 15),
+        ),
+    ],
+)
+def test_next_open_and_close_with_seconds(
+    windows: list[WindowSpec], now: datetime, opens: datetime, closes: datetime
+) -> None:
+    assert next_open(windows, now) == opens
+    assert next_close(windows, now) == closes
+
+
+@pytest.mark.parametrize(
+    ("five", "six"),
+    [
+        ("0 3 * * mon-sun", "0 0 3 * * mon-sun"),
+        ("30 2 * * mon-sun", "0 30 2 * * mon-sun"),
+        ("*/20 2 * * mon-sun", "0 */20 2 * * mon-sun"),
+    ],
+)
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin", "Australia/Lord_Howe"])
+def test_five_field_cron_is_six_field_at_second_zero(five: str, six: str, zone: str) -> None:
+    short, long = [WindowSpec(five, 900, zone)], [WindowSpec(six, 900, zone)]
+    now = at(2025, 3, 29)  # walks across Berlin's spring-forward night
+    for _ in range(6):
+        opened = next_open(short, now)
+        assert opened == next_open(long, now)
+        assert next_close(short, opened) == next_close(long, opened)
+        assert opened.second == 0
+        now = opened + timedelta(seconds=1)
