@@ -116,7 +116,11 @@ class Daemon:
         if problem:
             self.metrics.state_load_errors.inc()
             self.log.error("state_load_failed", problem=problem, action="history rebuilt")
-        self.client = SGLangClient(config.sglang_url, timeout_s=config.scrape_timeout_s)
+        # The client stamps observations with the daemon's clock: decide compares that stamp
+        # with `now`, and two different clocks would make every observation look stale.
+        self.client = SGLangClient(
+            config.sglang_url, timeout_s=config.scrape_timeout_s, clock=self.clock
+        )
         self.applier = self._make_applier()
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
@@ -194,7 +198,9 @@ class Daemon:
             )
         if new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s:
             self.client.close()
-            self.client = SGLangClient(new.sglang_url, timeout_s=new.scrape_timeout_s)
+            self.client = SGLangClient(
+                new.sglang_url, timeout_s=new.scrape_timeout_s, clock=self.clock
+            )
         self.applier = self._make_applier()
         self.state.history.reconfigure(HistorySettings.from_config(new))
         self.override.fingerprint = None  # re-read the override file too
