@@ -71,8 +71,8 @@ def demo_config(workdir: Path, twin_port: int, metrics_port: int) -> Config:
             "metrics_listen_address": "127.0.0.1",
             "metrics_port": metrics_port,
             "log_format": "json",
-            # Open for the first 50 s of every minute.
-            "windows": [{"cron": "* * * * mon-sun", "duration_s": 50, "timezone": "UTC"}],
+            # A window opens every 20 s and stays open 15 s (production: once a night).
+            "windows": [{"cron": "*/20 * * * * *", "duration_s": 15, "timezone": "UTC"}],
         }
     )
 
@@ -194,8 +194,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.duration < 60:
-        print("specd demo: --duration must be at least 60 s (windows open once a minute)")
+    if args.duration < 45:
+        print("specd demo: --duration must be at least 45 s (each phase needs ~15 s)")
         return 2
     tmp = None
     if args.workdir is None:
