@@ -215,6 +215,14 @@ def parse_metrics(text: str, *, t: float = 0.0) -> ParsedMetrics | ScrapeError:
                     t,
                 )
 
+    try:
+        return _aggregate(found, replicas)
+    except OverflowError:
+        # Finite values near 1.8e308 can still overflow when added: not a page to trust.
+        return ScrapeError("malformed", "GET /metrics: values too large to add up", t)
+
+
+def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]) -> ParsedMetrics:
     running_series = replicas[RUNNING]
     running_by_replica = {_replica_key(s): s.value for s in running_series}
     running = int(sum(running_by_replica.values()))

@@ -1,0 +1,834 @@
+"""Fault injection against the daemon, outside systemd (issue 6).
+
+Real parts throughout: twin processes on 127.0.0.1, real HTTP, real files and tmpfs mounts,
+a real `specd run` subprocess with real signals. The clock is injected where time matters
+(windows, DST, clock steps), so a whole night of windows takes seconds.
+
+The systemd-only faults (watchdog, SIGKILL mid-restart, polkit, rollback under systemd) live
+in tests/systemd/; store-level corruption in tests/test_state.py; apply kill-points in
+tests/test_apply.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from specd.config import Config, Window
+from specd.daemon import STATE_SAVE_INTERVAL_S, Daemon
+from specd.decide import Reason
+from specd.history import History, HistorySettings
+from specd.notify import Notifier
+from specd.observe import Observation
+from specd.runner import Runner, RunResult
+from specd.state import STATE_FILE, StateStore
+from specd.twin.process import TwinProcess, free_port
+from specd.twin.unit import TwinUnitRunner
+
+REPO = Path(__file__).resolve().parent.parent
+UNIT = "sglang.service"
+# A twin that "loads the model" in a blink, so a restart costs ~1-2 s of test time.
+FAST_TWIN = ("--load-time-s", "0.2", "--warmup-s", "0.1")
+# 2026-03-29 / 2026-10-25 are the EU DST change days; 02:30 Berlin is missing / doubled.
+BERLIN_0230 = Window(cron="30 2 * * mon-sun", duration_s=1800, timezone="Europe/Berlin")
+
+
+def ts(text: str) -> float:
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+
+
+class Clock:
+    """The injected wall clock: only the test moves it (forward or back)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class RecordingRunner:
+    """Records every command with the injected time; delegates to a real runner if given."""
+
+    clock: Clock
+    inner: Runner | None = None
+    calls: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        self.calls.append((self.clock(), tuple(argv)))
+        if self.inner is not None:
+            return self.inner(argv, timeout_s=timeout_s)
+        return RunResult(tuple(argv), 1, "", "refused by the test", False, 0.0)
+
+    @property
+    def restarts(self) -> list[float]:
+        return [t for t, argv in self.calls if "restart" in argv]
+
+
+def twin_argv(steps: int, *extra: str) -> list[str]:
+    return [
+        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1),
+        "--enable-metrics", *FAST_TWIN, *extra,
+    ]  # fmt: skip
+
+
+def make_config(tmp_path: Path, port: int, **overrides: Any) -> Config:
+    base: dict[str, Any] = {
+        "sglang_url": f"http://127.0.0.1:{port}",
+        "state_dir": tmp_path / "state",
+        "env_file": tmp_path / "sglang.env",
+        "override_file": tmp_path / "override.toml",
+        "windows": [BERLIN_0230],
+        "metrics_port": 0,
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+        "daily_restart_budget": 2,
+        "scrape_timeout_s": 1.0,
+        "health_probe_timeout_s": 25,
+        "startup_timeout_s": 30,
+    }
+    (tmp_path / "state").mkdir(exist_ok=True)
+    return Config(**{**base, **overrides})
+
+
+def make_daemon(config: Config, runner: Runner, clock: Clock) -> Daemon:
+    return Daemon(
+        config,
+        None,
+        registry=CollectorRegistry(),
+        runner=runner,
+        clock=clock,
+        notifier=Notifier(environ={}),
+    )
+
+
+def synthetic_observation(t: float, offered: int) -> Observation:
+    # steps=None: the history learns traffic only, so it never mistakes these for a restart
+    # of the real twin the daemon scrapes in between.
+    return Observation(
+        t=t, running=offered, queued=0, accept_length=None, spec_fresh=offered > 0,
+        steps=None, draft_tokens=None, topk=None, algorithm=None, max_running_requests=None,
+        token_usage=None, gen_throughput=None, generation_tokens_total=None,
+        decode_tokens_total=None, spec_verify_calls_total=None, retracted_total=None,
+        version=None, dp_ranks=1, launch_command=None,
+    )  # fmt: skip
+
+
+def heavy_history(config: Config, offered: int, end: float, busy_s: float = 7200.0) -> History:
+    """Two busy hours at ``offered`` concurrency ending at ``end``: far past min_history_s."""
+    history = History(HistorySettings.from_config(config))
+    step = config.scrape_interval_s
+    n = int(busy_s // step)
+    for i in range(n):
+        history.record(synthetic_observation(end - step * (n - i), offered))
+    return history
+
+
+def wanting(config: Config, steps: int, now: float) -> History:
+    """A history whose band (default bands: <=4 -> 4, else 3) asks for ``steps``."""
+    return heavy_history(config, offered=1 if steps == 4 else 20, end=now)
+
+
+def sample(daemon: Daemon, name: str, labels: dict[str, str] | None = None) -> float:
+    value = daemon.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def scrape_errors(daemon: Daemon) -> dict[str, float]:
+    return {
+        kind: sample(daemon, "specd_scrape_errors_total", {"kind": kind})
+        for kind in ("timeout", "refused", "http_status", "malformed", "missing")
+    }
+
+
+# ---- SGLang faults: no data, no restart, recovery -----------------------------------
+
+OUTSIDE = ts("2026-06-10T12:00:00")  # no window (a Wednesday noon)
+INSIDE = ts("2026-06-10T00:40:00")  # 02:40 CEST: inside the 02:30 Berlin window
+
+
+@pytest.mark.parametrize(
+    ("fault", "twin_flags", "config_overrides", "kind"),
+    [
+        ("down at start", None, {}, "refused"),
+        ("killed mid-epoch", (), {}, "refused"),
+        ("slower than scrape_timeout_s", ("--slow-s", "0.8"), {"scrape_timeout_s": 0.3}, "timeout"),
+        ("/metrics 404", ("--metrics-404",), {}, "http_status"),
+        ("garbage /metrics", ("--garbage-metrics",), {}, "malformed"),
+    ],
+)
+def test_sglang_faults_hold_without_restart_and_recover(
+    tmp_path: Path,
+    fault: str,
+    twin_flags: tuple[str, ...] | None,
+    config_overrides: dict[str, Any],
+    kind: str,
+) -> None:
+    port = free_port()
+    config = make_config(tmp_path, port, **config_overrides)
+    clock = Clock(INSIDE)
+    runner = RecordingRunner(clock)
+    twin = None if twin_flags is None else TwinProcess(twin_argv(3, *twin_flags), port=port)
+    try:
+        if twin is not None:
+            # The slow twin answers /health only after --slow-s: that is the fault working.
+            twin.wait_healthy(timeout_s=20)
+        daemon = make_daemon(config, runner, clock)
+        if fault == "killed mid-epoch":
+            # Healthy first: observed, decided with data; then SGLang dies under us.
+            clock.now = OUTSIDE
+            daemon.state.history = wanting(config, 4, OUTSIDE)
+            assert daemon.tick().reason is Reason.WINDOW_CLOSED
+            assert twin is not None
+            twin.proc.send_signal(signal.SIGKILL)
+            twin.wait(timeout_s=10)
+            clock.now = INSIDE
+        # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
+        for i in range(3):
+            clock.now = INSIDE + i * config.scrape_interval_s
+            daemon.state.history = wanting(config, 4, clock.now)
+            decision = daemon.tick()
+            assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
+            assert not decision.acts(None if daemon.last_obs is None else daemon.last_obs.steps)
+        errors = scrape_errors(daemon)
+        assert errors[kind] == 3, errors
+        assert sum(errors.values()) == 3, errors
+        assert sample(daemon, "specd_sglang_up") == 0
+        assert runner.calls == []
+    finally:
+        if twin is not None:
+            twin.stop()
+    # SGLang healthy again on the same port: the next tick sees it and decides with data.
+    with TwinProcess(twin_argv(3), port=port) as healthy:
+        healthy.wait_healthy()
+        clock.now = OUTSIDE + 3600
+        daemon.state.history = wanting(config, 4, clock.now)
+        decision = daemon.tick()
+    assert (decision.reason, decision.target_steps) == (Reason.WINDOW_CLOSED, 4), decision
+    assert sample(daemon, "specd_sglang_up") == 1
+    assert daemon.last_obs is not None
+    assert daemon.last_obs.steps == 3
+    assert sum(scrape_errors(daemon).values()) == 3
+    assert runner.calls == []
+
+
+def test_server_info_missing_fields_degrades_to_metrics_only(tmp_path: Path) -> None:
+    """/server_info without the spec and capacity fields is no scrape error: /metrics still
+    shows the live step count, so specd decides, with capacity unknown."""
+    port = free_port()
+    config = make_config(tmp_path, port)
+    clock = Clock(OUTSIDE)
+    runner = RecordingRunner(clock)
+    missing = (
+        "speculative_algorithm,speculative_num_steps,speculative_num_draft_tokens,"
+        "speculative_eagle_topk,internal_states,max_running_requests,version"
+    )
+    with TwinProcess(twin_argv(3, "--server-info-missing", missing), port=port) as twin:
+        twin.wait_healthy()
+        daemon = make_daemon(config, runner, clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        decision = daemon.tick()
+    assert (decision.reason, decision.target_steps) == (Reason.WINDOW_CLOSED, 4), decision
+    obs = daemon.last_obs
+    assert obs is not None
+    assert (obs.steps, obs.draft_tokens, obs.max_running_requests, obs.version) == (
+        3,
+        4,
+        None,
+        None,
+    )
+    assert sum(scrape_errors(daemon).values()) == 0
+    assert sample(daemon, "specd_sglang_up") == 1
+    assert runner.calls == []
+
+
+# ---- clock steps and DST: restarts only in windows, never beyond the budget ----------
+
+# Each row: injected time (UTC), the reason the daemon must give, whether it restarts.
+# The policy is made to want the other step count at EVERY tick, so only the window and
+# the budget (2 per 24 h) can hold it back.
+SPRING = [  # 2026-03-29: 02:30 CET does not exist; the window opens at 03:00 CEST = 01:00Z
+    ("2026-03-29T00:50:00", Reason.WINDOW_CLOSED, False),
+    ("2026-03-29T00:59:59", Reason.WINDOW_CLOSED, False),
+    ("2026-03-29T01:00:00", Reason.CHANGE, True),
+    ("2026-03-29T01:05:00", Reason.CHANGE, True),
+    ("2026-03-29T01:10:00", Reason.RESTART_BUDGET, False),
+    ("2026-03-29T00:10:00", Reason.WINDOW_CLOSED, False),  # clock stepped back 1 h
+    ("2026-03-29T01:02:00", Reason.DWELL_TIME, False),  # a restart "in the future" holds it
+    ("2026-03-29T01:29:59", Reason.RESTART_BUDGET, False),
+    ("2026-03-29T01:30:00", Reason.WINDOW_CLOSED, False),
+    ("2026-03-29T02:30:00", Reason.WINDOW_CLOSED, False),  # 04:30 CEST
+]
+SPRING_WINDOWS = [("2026-03-29T01:00:00", "2026-03-29T01:30:00")]
+FALL = [  # 2026-10-25: 02:30 happens at 00:30Z (CEST) and again at 01:30Z (CET): one window
+    ("2026-10-25T00:29:59", Reason.WINDOW_CLOSED, False),
+    ("2026-10-25T00:30:00", Reason.CHANGE, True),
+    ("2026-10-25T00:40:00", Reason.CHANGE, True),
+    ("2026-10-25T00:50:00", Reason.RESTART_BUDGET, False),
+    ("2026-10-25T01:00:00", Reason.WINDOW_CLOSED, False),
+    ("2026-10-25T01:30:00", Reason.WINDOW_CLOSED, False),  # the repeated 02:30 opens nothing
+    ("2026-10-25T01:45:00", Reason.WINDOW_CLOSED, False),
+    ("2026-10-25T00:45:00", Reason.RESTART_BUDGET, False),  # stepped back into the window
+    ("2026-10-26T01:30:00", Reason.CHANGE, True),  # next night, 02:30 CET: budget renewed
+]
+FALL_WINDOWS = [
+    ("2026-10-25T00:30:00", "2026-10-25T01:00:00"),
+    ("2026-10-26T01:30:00", "2026-10-26T02:00:00"),
+]
+
+
+@pytest.mark.parametrize(
+    ("ticks", "windows"), [(SPRING, SPRING_WINDOWS), (FALL, FALL_WINDOWS)], ids=["spring", "fall"]
+)
+def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
+    tmp_path: Path,
+    ticks: list[tuple[str, Reason, bool]],
+    windows: list[tuple[str, str]],
+) -> None:
+    port = free_port()
+    config = make_config(tmp_path, port)
+    clock = Clock(ts(ticks[0][0]))
+    unit = TwinUnitRunner(UNIT, config.env_file, port=port, extra_args=FAST_TWIN)
+    runner = RecordingRunner(clock, unit)
+    unit.start().wait_healthy()
+    try:
+        daemon = make_daemon(config, runner, clock)
+        seen = []
+        for when, _reason, _restarts in ticks:
+            clock.now = ts(when)
+            live = int(unit.environment()["SPECD_SPEC_STEPS"])
+            daemon.state.history = wanting(config, 4 if live == 3 else 3, clock.now)
+            before = len(runner.restarts)
+            decision = daemon.tick()
+            seen.append((when, decision.reason, len(runner.restarts) > before))
+        assert seen == ticks
+        intervals = [(ts(a), ts(b)) for a, b in windows]
+        for t in runner.restarts:
+            assert any(a <= t < b for a, b in intervals), f"restart outside a window at {t}"
+        for a, b in intervals:
+            assert sum(a <= t < b for t in runner.restarts) <= config.daily_restart_budget
+        results = [r["result"] for r in daemon.state.restarts]
+        assert results == ["success"] * sum(r for _, _, r in ticks)
+        # The env file, the twin and specd agree on what runs.
+        live = int(unit.environment()["SPECD_SPEC_STEPS"])
+        assert unit.restarted_to[-1] == live
+        assert daemon.client.server_info()["speculative_num_steps"] == live  # type: ignore[index]
+    finally:
+        unit.stop()
+
+
+# ---- state directory faults, at start and while running ------------------------------
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str = "512k") -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(directory: Path) -> Path:
+    """Write zeros until the filesystem is full (ENOSPC); returns the filler file."""
+    filler = directory / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+            os.fsync(f.fileno())
+    return filler
+
+
+def remount(path: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
+
+
+def valid_state_text(tmp_path: Path, config: Config) -> str:
+    store = StateStore(tmp_path / "scratch")
+    (tmp_path / "scratch").mkdir()
+    state = store.fresh()
+    state.history = heavy_history(config, 20, OUTSIDE)
+    assert store.save(state) is None
+    return (tmp_path / "scratch" / STATE_FILE).read_text()
+
+
+def events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableMapping[str, Any]]:
+    return [e for e in logs if e.get("event") == name]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "garbage bytes", "not an object", "a directory", "empty"],
+)
+def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage: str) -> None:
+    config = make_config(tmp_path, free_port())
+    path = Path(config.state_dir) / STATE_FILE
+    good = valid_state_text(tmp_path, config)
+    if damage == "truncated":
+        path.write_text(good[: len(good) // 2])
+    elif damage == "garbage bytes":
+        path.write_bytes(b"\xff\xfe\x00garbage\x00")
+    elif damage == "not an object":
+        path.write_text("[1, 2, 3]\n")
+    elif damage == "a directory":
+        path.mkdir()
+    else:
+        path.write_text("")
+    clock = Clock(OUTSIDE)
+    with capture_logs() as logs:
+        daemon = make_daemon(config, RecordingRunner(clock), clock)
+        for i in range(3):  # SGLang is down too: the daemon still ticks
+            clock.now = OUTSIDE + i * (STATE_SAVE_INTERVAL_S + 1)
+            assert daemon.tick().reason is Reason.NO_DATA
+    assert sample(daemon, "specd_state_load_errors_total") == 1
+    assert sample(daemon, "specd_state_write_errors_total") == 0
+    failed = events(logs, "state_load_failed")
+    assert len(failed) == 1
+    assert failed[0]["log_level"] == "error"
+    assert "\n" not in failed[0]["problem"]
+    assert failed[0]["problem"]
+    assert daemon.state.history.busy_seconds == 0  # rebuilt from nothing
+    state, problem = StateStore(Path(config.state_dir)).load()
+    assert problem is None, problem  # the fresh state was written back, whole
+    assert state.last_decision["reason"] == "no_data"
+
+
+@pytest.mark.parametrize("fault", ["disk full", "read-only", "corrupted under us"])
+@pytest.mark.parametrize("when", ["at start", "while running"])
+def test_state_dir_faults_keep_the_daemon_running(tmp_path: Path, fault: str, when: str) -> None:
+    with tmpfs(tmp_path / "state") as state_dir:
+        config = make_config(tmp_path, free_port(), state_dir=state_dir)
+        path = state_dir / STATE_FILE
+        clock = Clock(OUTSIDE)
+        filler: Path | None = None
+
+        def inject() -> None:
+            nonlocal filler
+            if fault == "disk full":
+                filler = fill(state_dir)
+            elif fault == "read-only":
+                remount(state_dir, "ro")
+            else:
+                path.write_text('{"version": 1, "history": {"trunc')
+
+        if when == "at start":
+            path.write_text(valid_state_text(tmp_path, config))
+            inject()
+        with capture_logs() as logs:
+            daemon = make_daemon(config, RecordingRunner(clock), clock)
+            loaded_errors = sample(daemon, "specd_state_load_errors_total")
+            daemon.tick()
+            if when == "while running":
+                inject()
+            for i in range(1, 4):
+                clock.now = OUTSIDE + i * (STATE_SAVE_INTERVAL_S + 1)
+                assert daemon.tick().reason is Reason.NO_DATA
+            write_errors = sample(daemon, "specd_state_write_errors_total")
+            # Repair: free the space / remount rw; the next save must succeed.
+            if filler is not None:
+                filler.unlink()
+            if fault == "read-only":
+                remount(state_dir, "rw")
+            clock.now += STATE_SAVE_INTERVAL_S + 1
+            daemon.tick()
+        corrupt_at_start = fault == "corrupted under us" and when == "at start"
+        assert loaded_errors == (1 if corrupt_at_start else 0)
+        if fault == "corrupted under us":
+            # The daemon never re-reads its own file: the next save replaces the damage.
+            assert write_errors == 0
+        else:
+            # Every save attempt failed (the first tick's too when the fault came first).
+            expected = 4 if when == "at start" else 3
+            assert write_errors == expected
+            failed = events(logs, "state_write_failed")
+            assert len(failed) == expected
+            assert all("\n" not in e["error"] for e in failed)
+        assert sample(daemon, "specd_state_write_errors_total") == write_errors
+        state, problem = StateStore(state_dir).load()
+        assert problem is None, problem
+        assert state.last_decision["t"] == clock.now
+        if when == "at start" and not corrupt_at_start:
+            assert daemon.state.history.busy_seconds > 0
+        if not corrupt_at_start:
+            # The history it started with survived the fault (it was never "rebuilt" away).
+            assert state.history.busy_seconds == daemon.state.history.busy_seconds
+        assert sorted(p.name for p in state_dir.iterdir() if p.name.startswith(".")) == []
+
+
+# ---- a real `specd run` subprocess: signals ----------------------------------------
+
+# A `systemctl` for the daemon's PATH: restarts the twin like systemd restarts a unit with
+# EnvironmentFile=- (the daemon passes children only PATH and LC_ALL, so everything the
+# stand-in needs is written into it).
+STANDIN = """#!{python}
+import os, signal, subprocess, sys, time
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from specd.twin.unit import read_env_file
+
+UNIT, ENV, PIDFILE, LOG, PORT = {unit!r}, Path({env!r}), Path({pidfile!r}), {log!r}, {port!r}
+EXTRA, EXTRA_BY_STEPS = {extra!r}, {extra_by_steps!r}
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{{pid}}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def current():
+    try:
+        return int(PIDFILE.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+verbs = [a for a in sys.argv[1:] if not a.startswith("-")]
+if verbs == ["is-active", UNIT]:
+    pid = current()
+    state = "active" if pid is not None and alive(pid) else "failed"
+    print(state)
+    sys.exit(0 if state == "active" else 3)
+if verbs != ["restart", UNIT]:
+    print(f"stand-in systemctl: refused {{sys.argv[1:]}}", file=sys.stderr)
+    sys.exit(1)
+pid = current()
+if pid is not None and alive(pid):
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+env = {{"SPECD_SPEC_STEPS": "3", "SPECD_SPEC_DRAFT_TOKENS": "4", **read_env_file(ENV)}}
+argv = [{python!r}, "-m", "specd.cli", "twin", "--speculative-algorithm", "NEXTN",
+        "--speculative-num-steps", env["SPECD_SPEC_STEPS"], "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", env["SPECD_SPEC_DRAFT_TOKENS"], "--enable-metrics",
+        *EXTRA_BY_STEPS.get(env["SPECD_SPEC_STEPS"], EXTRA), "--host", "127.0.0.1",
+        "--port", str(PORT)]
+with open(LOG, "ab") as log:
+    child = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                             start_new_session=True, cwd={repo!r})
+PIDFILE.write_text(str(child.pid))
+with open(PIDFILE.with_suffix(".restarts"), "a") as f:
+    f.write(env["SPECD_SPEC_STEPS"] + "\\n")
+"""
+
+
+@dataclass
+class StandIn:
+    """The fake systemd side: a `systemctl` on PATH that owns one twin "unit"."""
+
+    bin_dir: Path
+    pidfile: Path
+    env_file: Path
+    port: int
+
+    @property
+    def restarts(self) -> list[int]:
+        path = self.pidfile.with_suffix(".restarts")
+        return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.bin_dir / "systemctl"), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(self.pidfile.read_text())
+            os.kill(pid, signal.SIGKILL)
+
+
+def make_standin(
+    tmp_path: Path,
+    port: int,
+    extra: Sequence[str] = FAST_TWIN,
+    extra_by_steps: dict[int, Sequence[str]] | None = None,
+) -> StandIn:
+    """``extra``: twin flags; ``extra_by_steps``: other flags for some step counts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pidfile = tmp_path / "twin.pid"
+    env_file = tmp_path / "sglang.env"
+    script = bin_dir / "systemctl"
+    script.write_text(
+        STANDIN.format(
+            python=sys.executable,
+            repo=str(REPO),
+            unit=UNIT,
+            env=str(env_file),
+            pidfile=str(pidfile),
+            log=str(tmp_path / "twin.log"),
+            port=port,
+            extra=list(extra),
+            extra_by_steps={str(k): list(v) for k, v in (extra_by_steps or {}).items()},
+        )
+    )
+    script.chmod(0o755)
+    return StandIn(bin_dir, pidfile, env_file, port)
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> None:
+    values: dict[str, Any] = {
+        "sglang_url": f"http://127.0.0.1:{port}",
+        "state_dir": str(tmp_path / "state"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "override_file": str(tmp_path / "override.toml"),
+        "metrics_port": metrics_port,
+        "scrape_interval_s": 0.5,
+        "health_probe_timeout_s": 25,
+        "startup_timeout_s": 30,
+        "log_format": "json",
+        **extra,
+    }
+    lines = []
+    for key, value in values.items():
+        if isinstance(value, list):
+            continue
+        lines.append(f"{key} = {json.dumps(value)}")
+    for window in values.get("windows", []):
+        lines.append("[[windows]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in window.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def daemon_env(standin: StandIn, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECD_", "NOTIFY_"))}
+    env["PATH"] = f"{standin.bin_dir}:{env.get('PATH', '/usr/bin:/bin')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    return {**env, **extra}
+
+
+def start_specd(config_path: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "specd.cli", "run", "--config", str(config_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
+
+
+def log_events(log: Path) -> list[dict[str, Any]]:
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            found.append(json.loads(line))
+    return found
+
+
+def metric(port: int, name: str) -> float | None:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None  # not serving (yet)
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def specd_setup(tmp_path: Path) -> Iterator[tuple[StandIn, Path, int]]:
+    port, metrics_port = free_port(), free_port()
+    # Started by the test at 3 steps, fast; specd's restart to 4 loads for 2.5 s, long
+    # enough to signal specd while it waits for SGLang.
+    standin = make_standin(
+        tmp_path, port, extra_by_steps={4: ("--load-time-s", "2.5", "--warmup-s", "0.1")}
+    )
+    (tmp_path / "state").mkdir()
+    assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
+    try:
+        wait_for(lambda: healthy(standin.url()), 20, "the twin unit")
+        yield standin, tmp_path / "specd.toml", metrics_port
+    finally:
+        standin.stop()
+
+
+def test_several_sighups_at_once_reload_once_and_keep_serving(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_restart_budget_remaining") == 4
+                if proc.poll() is None
+                else True
+            ),
+            20,
+            "specd's metrics",
+        )
+        assert proc.poll() is None, log.read_text()
+        write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=3)
+        for _ in range(8):
+            proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: metric(metrics_port, "specd_restart_budget_remaining") == 3, 10, "the reload"
+        )
+        time.sleep(1.0)  # a few more ticks: any late reload or crash would show now
+        assert proc.poll() is None, log.read_text()
+        assert children_of(proc.pid) == []  # one process: nothing forked or left behind
+        reloads = events_named(log, "reloaded")
+        assert 1 <= len(reloads) <= 8
+        assert reloads[0]["changed"] == {"daily_restart_budget": 3}
+        assert all(r["changed"] == {} for r in reloads[1:])
+        assert metric(metrics_port, "specd_sglang_up") == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert standin.restarts == [3]  # only the test's own start of the unit
+
+
+def events_named(log: Path, name: str) -> list[dict[str, Any]]:
+    return [e for e in log_events(log) if e.get("event") == name]
+
+
+def test_sighup_and_sigterm_during_a_restart_finish_it_and_exit_0(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port)
+    # On-call pins 4 steps, now: the restart starts at specd's first tick.
+    (tmp_path / "override.toml").write_text(
+        'mode = "pin"\nsteps = 4\nexpires_at = 2099-01-01T00:00:00Z\n'
+        'reason = "fault test"\napply = "now"\n'
+    )
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        # The stand-in has restarted the unit: SGLang is loading (2.5 s) and specd waits.
+        wait_for(lambda: standin.restarts == [3, 4] or proc.poll() is not None, 20, "restart")
+        assert not healthy(standin.url())
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    state, problem = StateStore(tmp_path / "state").load()
+    assert problem is None
+    assert state.journal is None
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in state.restarts] == [
+        (3, 4, "success")
+    ]
+    assert "SPECD_SPEC_STEPS=4" in standin.env_file.read_text()
+    info = httpx.get(standin.url() + "/server_info", timeout=5).json()
+    assert (info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (4, 5)
+    assert standin.restarts == [3, 4]  # exactly one restart by specd, no rollback
+    assert [e["event"] for e in log_events(log)][-1] == "stopped"
+
+
+# ---- load: 8 DP ranks, a 5 MB page, scraped every second -----------------------------
+
+LOAD_TICKS = 12
+
+
+def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) -> None:
+    port = free_port()
+    config = make_config(tmp_path, port, scrape_interval_s=1.0, scrape_timeout_s=3.0)
+    clock = Clock(0.0)
+    runner = RecordingRunner(clock)
+    flags = ("--dp-size", "8", "--metrics-pad-bytes", str(5_000_000))
+    with TwinProcess(twin_argv(3, *flags), port=port) as twin:
+        twin.wait_healthy()
+        info = httpx.get(twin.url + "/server_info", timeout=5).json()
+        capacity = sum(s["effective_max_running_requests_per_dp"] for s in info["internal_states"])
+        daemon = make_daemon(config, runner, clock)
+        observations = []
+        next_at = time.monotonic()
+        for _ in range(LOAD_TICKS):
+            clock.now = time.time()
+            daemon.tick()
+            observations.append(daemon.last_obs)
+            next_at += config.scrape_interval_s
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        page = daemon.client.metrics_text()
+    assert isinstance(page, str)
+    assert len(page) > 5_000_000
+    assert sample(daemon, "specd_scrapes_total") == LOAD_TICKS
+    assert sum(scrape_errors(daemon).values()) == 0
+    # Bounded: every tick, page transfer and parse included, fit inside the scrape interval.
+    within = sample(daemon, "specd_tick_duration_seconds_bucket", {"le": "1.0"})
+    assert within == sample(daemon, "specd_tick_duration_seconds_count") == LOAD_TICKS
+    assert all(o is not None for o in observations)
+    seen = {
+        (o.dp_ranks, o.steps, o.draft_tokens, o.topk, o.max_running_requests)
+        for o in observations
+        if o is not None
+    }
+    assert seen == {(8, 3, 4, 1, capacity)}
+    assert runner.calls == []
