@@ -9,7 +9,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 DEMO_ARGS ?=
-PYTEST_ARGS ?=
+# Most tests wait on real processes, restarts and windows rather than burn CPU, so four
+# workers fit a 2-core CI machine; each file stays on one worker (shared fixtures).
+PYTEST_ARGS ?= -n 4 --dist loadfile
 
 .PHONY: demo test lint typecheck unit system-deps constraints clean bench
 
