@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "load": ("specd.load", "closed-loop streaming load against an OpenAI-compatible server"),
     "run": ("specd.daemon", "run the daemon (what specd.service starts)"),
     "status": ("specd.status", "what specd is doing: steps, mode, last decision, next window"),
+    "recommend": ("specd.recommend", "what specd would decide now against a live server"),
     "unfreeze": ("specd.unfreeze", "clear the freeze that follows a failed restart"),
     "demo": ("specd.demo", "specd tuning the embedded SGLang twin through a compressed day"),
     "observe": ("specd.observe", "scrape SGLang's /metrics and /server_info once and print it"),

@@ -110,7 +110,7 @@ class Window(BaseModel):
 
     @model_validator(mode="after")
     def _fires(self) -> Window:
-        windows_mod.check_window(self.cron, self.timezone)
+        windows_mod.check_window(self.cron, self.timezone, self.duration_s)
         return self
 
 
@@ -241,7 +241,13 @@ class Config(BaseSettings):
         default="json", description="Log lines as JSON (journald) or for a console."
     )
     restart_command_timeout_s: float = Field(
-        default=120, gt=0, description="Timeout of `systemctl restart`, seconds."
+        default=420,
+        gt=0,
+        description=(
+            "Timeout of `systemctl restart`, seconds. Must exceed the SGLang unit's "
+            "TimeoutStopSec= (5 min in the example unit): on SIGTERM SGLang drains running "
+            "requests with no deadline, so under load the stop lasts that long."
+        ),
     )
 
     @classmethod

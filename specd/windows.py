@@ -177,12 +177,40 @@ def _trigger(fields: CronFields) -> CronTrigger:
     )
 
 
-def check_window(cron: str, tz_name: str) -> None:
-    """Validate a window's cron and zone, and that it ever fires. Raises ValueError."""
+# Starts sampled to find how often a window opens (a week of daily starts, a few hours
+# of per-minute ones): enough to see a window that overlaps itself.
+_GAP_SAMPLES = 200
+
+
+def check_window(cron: str, tz_name: str, duration_s: float | None = None) -> None:
+    """Validate a window's cron and zone, that it ever fires, and (given its duration) that
+    it does not overlap itself. Raises ValueError.
+
+    A window that opens again before it closes is open all the time, which is never what
+    an operator means (a pin override with apply = "now" is the tool for "any time"), and
+    it would make every "is a window open?" walk a chain of countless openings.
+    """
     fields = parse_cron(cron)
     load_zone(tz_name)
-    if _trigger(fields).get_next_fire_time(None, datetime(2000, 1, 1, tzinfo=_UTC)) is None:
+    trigger = _trigger(fields)
+    fire = trigger.get_next_fire_time(None, datetime(2000, 1, 1, tzinfo=_UTC))
+    if fire is None:
         raise ValueError(f"{cron!r} never fires (no such date)")
+    if duration_s is None:
+        return
+    shortest: float | None = None
+    for _ in range(_GAP_SAMPLES):
+        following = trigger.get_next_fire_time(fire, fire + timedelta(seconds=1))
+        if following is None:
+            break
+        gap = (following - fire).total_seconds()
+        shortest = gap if shortest is None else min(shortest, gap)
+        fire = following
+    if shortest is not None and shortest < duration_s:
+        raise ValueError(
+            f"{cron!r} opens every {shortest:g} s but each window lasts {duration_s:g} s: "
+            "it would overlap itself and never close; shorten duration_s"
+        )
 
 
 @functools.lru_cache(maxsize=64)

@@ -4,6 +4,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from specd import windows
 from specd.windows import (
     WindowSpec,
     check_window,
@@ -385,3 +386,22 @@ def test_five_field_cron_is_six_field_at_second_zero(five: str, six: str, zone: 
         assert next_close(short, opened) == next_close(long, opened)
         assert opened.second == 0
         now = opened + timedelta(seconds=1)
+
+
+@pytest.mark.parametrize(
+    ("cron", "duration_s", "overlaps"),
+    [
+        ("* * * * * *", 3600, True),  # every second, an hour long: always open
+        ("* * * * mon-sun", 61, True),
+        ("* * * * mon-sun", 60, False),  # back to back is allowed
+        ("0 3 * * mon-fri", 4 * 86400, True),  # Monday's lasts into Tuesday's
+        ("0 3 * * mon-fri", 3600, False),
+        ("*/20 * * * * *", 15, False),  # the demo's
+    ],
+)
+def test_a_window_may_not_overlap_itself(cron: str, duration_s: float, overlaps: bool) -> None:
+    if overlaps:
+        with pytest.raises(ValueError, match="overlap itself"):
+            windows.check_window(cron, "UTC", duration_s)
+    else:
+        windows.check_window(cron, "UTC", duration_s)
