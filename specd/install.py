@@ -575,6 +575,8 @@ def render_polkit(text: str, unit: str) -> str:
 
 
 HIDDEN_BY_PROTECT_HOME = (Path("/home"), Path("/root"), Path("/run/user"))
+# Paths, not temp files: what PrivateTmp=yes replaces inside the service.
+HIDDEN_BY_PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))  # noqa: S108
 
 
 def specd_command() -> list[str]:
@@ -588,13 +590,18 @@ def specd_command() -> list[str]:
     return [sys.executable, "-m", "specd.cli"]
 
 
+def _under(path: Path, tops: Sequence[Path]) -> bool:
+    return any(path == h or h in path.parents for h in tops)
+
+
 def _under_home(path: Path) -> bool:
-    return any(path == h or h in path.parents for h in HIDDEN_BY_PROTECT_HOME)
+    return _under(path, HIDDEN_BY_PROTECT_HOME)
 
 
 def hidden_code_paths(command: Sequence[str]) -> list[Path]:
-    """What specd.service must see that ProtectHome=yes hides: the program's directory
-    tree (a venv), the interpreter's installation (pyenv puts it under /root)."""
+    """What specd.service must see that ProtectHome=yes or PrivateTmp=yes hides: the
+    program's directory tree (a venv), the interpreter's installation (pyenv puts it under
+    /root; a throw-away checkout may live under /tmp)."""
     program = Path(command[0])
     candidates = [
         program.parent.parent if program.parent.name == "bin" else program.parent,
@@ -604,7 +611,8 @@ def hidden_code_paths(command: Sequence[str]) -> list[Path]:
     ]
     hidden: list[Path] = []
     for path in candidates:
-        if _under_home(path) and not any(p == path or p in path.parents for p in hidden):
+        hidden_here = _under(path, HIDDEN_BY_PROTECT_HOME + HIDDEN_BY_PRIVATE_TMP)
+        if hidden_here and not any(p == path or p in path.parents for p in hidden):
             hidden = [p for p in hidden if path not in p.parents] + [path]
     return sorted(hidden)
 
@@ -623,11 +631,12 @@ def render_specd_service(text: str, unit: str, command: Sequence[str]) -> str:
     )
     hidden = hidden_code_paths(command)
     if hidden:
-        # ProtectHome=yes would hide specd's own code or interpreter: show exactly those.
-        extra = (
-            "\n[Service]\n# specd's code lives under a home directory, which ProtectHome=yes "
-            f"hides.\nProtectHome=tmpfs\nBindReadOnlyPaths={' '.join(map(str, hidden))}\n"
-        )
+        # ProtectHome=yes / PrivateTmp=yes would hide specd's own code or interpreter:
+        # show exactly those, read-only.
+        extra = "\n[Service]\n# specd's code lives where ProtectHome=/PrivateTmp= hide it.\n"
+        if any(_under_home(p) for p in hidden):
+            extra += "ProtectHome=tmpfs\n"
+        extra += f"BindReadOnlyPaths={' '.join(map(str, hidden))}\n"
         out = out.rstrip("\n") + "\n" + extra
     return out
 

@@ -536,10 +536,14 @@ def test_run_profile_measures_each_phase(server: FakeServer) -> None:
     )
     assert [r.concurrency for r in results] == [1, 4, 0, 2]
     assert results[2].output_tokens == 0
-    # Every token the server wrote is counted in exactly one phase (up to the last
-    # chunks in transit when the run was cut).
+    # Every token the server wrote is counted in exactly one phase, except a chunk in
+    # transit on each stream that was cancelled: 4 when concurrency dropped to 0, 2 at the
+    # end (one token per chunk here). The bound was 2 before, which only held while the
+    # client read every chunk before the cut; under a loaded CPU one per stream can be lost.
+    cancelled_streams = 4 + 2
     counted = sum(r.output_tokens for r in results)
-    assert counted == pytest.approx(server.stats.tokens_written, abs=2)
+    assert counted <= server.stats.tokens_written
+    assert server.stats.tokens_written - counted <= cancelled_streams
     # Loose on rates: colleagues' tests share the CPU and stretch the server's sleeps.
     quiet, busy, _idle, medium = (r.aggregate_tok_s for r in results)
     assert busy > 2.5 * quiet > 0
