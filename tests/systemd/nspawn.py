@@ -265,7 +265,17 @@ class Container:
         return self._gids[user]
 
     def systemctl(self, *args: str, check: bool = True, timeout: float = 30.0) -> str:
-        return self.sh("systemctl", "--no-ask-password", *args, check=check, timeout=timeout).stdout
+        try:
+            return self.sh(
+                "systemctl", "--no-ask-password", *args, check=check, timeout=timeout
+            ).stdout
+        except ContainerError as exc:
+            # A unit that failed to start says why only in its journal: put it in the error.
+            units = [a for a in args if a.endswith((".service", ".socket", ".timer"))]
+            if not units or args[0] not in ("start", "restart", "reload", "enable"):
+                raise
+            journal = self.journal(units[-1], lines=40)
+            raise ContainerError(f"{exc}\n--- journal of {units[-1]} ---\n{journal}") from exc
 
     def show(self, unit: str, prop: str) -> str:
         return self.systemctl("show", "--value", "-p", prop, unit).strip()
