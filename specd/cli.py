@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "install": ("specd.install", "wire an existing SGLang unit to specd (drop-in, user, polkit)"),
     "uninstall": ("specd.install", "remove exactly what `specd install` added"),
     "doctor": ("specd.doctor", "check every part of the setup: ✓/✗ with one line of advice"),
+    "replay": ("specd.replay", "replay a traffic trace through specd's decisions vs an oracle"),
 }
 
 

@@ -44,6 +44,7 @@ from pydantic_settings import (
 )
 
 from specd import windows as windows_mod
+from specd.perftable import PerfTable, PerfTableError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -166,7 +167,21 @@ class Config(BaseSettings):
         description="How steps are applied: steps K, eagle topk 1, draft tokens K+1.",
     )
     policy: Literal["bands", "model"] = Field(
-        default="bands", description="Decision policy: concurrency bands or the throughput model."
+        default="bands",
+        description="Decision policy: concurrency bands or the throughput model. When unset, "
+        '"model" if calibration_file is set, else "bands".',
+    )
+    calibration_file: Path | None = Field(
+        default=None,
+        description="Performance table (CSV: steps,concurrency,output_tok_s[,accept_length]"
+        "[,max_running_requests], as `specd sweep` writes) the model policy starts from; "
+        "absolute path.",
+    )
+    restart_cost_s: float = Field(
+        default=100,
+        ge=0,
+        description="Serving time a restart of SGLang loses (model load + warm-up), seconds; "
+        "the model policy charges it against a change.",
     )
     bands: list[Band] = Field(
         default_factory=_default_bands,
@@ -281,13 +296,37 @@ class Config(BaseSettings):
             raise ValueError(f"{value!r} is not a systemd service name such as sglang.service")
         return value
 
-    @field_validator("env_file", "state_dir", "override_file")
+    @field_validator("env_file", "state_dir", "override_file", "calibration_file")
     @classmethod
-    def _absolute(cls, value: Path) -> Path:
+    def _absolute(cls, value: Path | None) -> Path | None:
         # Relative paths would depend on the daemon's working directory.
-        if not value.is_absolute():
+        if value is not None and not value.is_absolute():
             raise ValueError(f"{str(value)!r} must be an absolute path")
         return value
+
+    @field_validator("calibration_file")
+    @classmethod
+    def _calibration(cls, value: Path | None) -> Path | None:
+        # Read once here so a bad table stops `specd check-config` and the daemon's start,
+        # not a decision hours later.
+        if value is not None:
+            try:
+                table = PerfTable.from_csv(value)
+            except PerfTableError as exc:
+                raise ValueError(str(exc)) from None
+            if not any(k >= 1 for k in table.steps()):
+                raise ValueError(f"{value}: no speculative step count (steps >= 1) in the table")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_policy(cls, data: Any) -> Any:
+        # A calibration is what the model policy needs: once one is configured, the model
+        # is the default; an explicit `policy` always wins.
+        if isinstance(data, dict) and data.get("policy") is None:
+            data = dict(data)
+            data["policy"] = "model" if data.get("calibration_file") else "bands"
+        return data
 
     @field_validator("metrics_listen_address")
     @classmethod
@@ -446,7 +485,7 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     """The config as plain TOML/JSON-able data (paths as strings, no None values)."""
     data = config.model_dump(mode="json")
     data["bands"] = [{k: v for k, v in band.items() if v is not None} for band in data["bands"]]
-    return data
+    return {k: v for k, v in data.items() if v is not None}
 
 
 # --- `specd check-config` ---------------------------------------------------------------

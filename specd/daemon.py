@@ -30,6 +30,7 @@ from specd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.decide import Control, Decision, Reason, decide, recommend
 from specd.history import History, HistorySettings, Recorded
 from specd.metrics import OFFERED_QUANTILES, Metrics
+from specd.model import predicted_throughput
 from specd.notify import Notifier
 from specd.observe import Observation, ScrapeError, SGLangClient
 from specd.override import Override, OverrideStatus, read_override
@@ -287,6 +288,8 @@ class Daemon:
             self.state.note_recommendation(now, rec[0], self.config.stabilization_window_s)
         decision = decide(self.state.history, result, self.config, override, now, self._control())
         self.last_decision = decision
+        if self.config.policy == "model":
+            self._report_predictions(current)
         self._report_decision(decision, current, now, rec)
         if decision.acts(current):
             self._apply(decision, current, override, now)
@@ -364,6 +367,13 @@ class Daemon:
             frozen_reason=frozen.get("reason") if frozen else None,
             recommendations=tuple((float(t), int(s)) for t, s in self.state.recommendations),
         )
+
+    def _report_predictions(self, current: int | None) -> None:
+        predictions = predicted_throughput(self.state.history, self.config, current)
+        gauge = self.metrics.predicted_throughput
+        gauge.clear()  # a step count that left the candidates must not keep a stale value
+        for steps, tok_s in predictions.items():
+            gauge.labels(steps=str(steps)).set(tok_s)
 
     def _report_decision(
         self,

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from specd import windows
+from specd.model import recommend_model
 from specd.observe import ScrapeError
 
 if TYPE_CHECKING:
@@ -143,8 +144,8 @@ def _recommend_bands(
     return steps, why
 
 
-# Issue #4's throughput model registers itself here as "model".
-POLICIES: dict[str, Policy] = {"bands": _recommend_bands}
+# "model": the throughput model (specd.model), forecast over the coming epoch.
+POLICIES: dict[str, Policy] = {"bands": _recommend_bands, "model": recommend_model}
 
 
 def recommend(
@@ -225,7 +226,8 @@ def decide(
 
     # 1. Frozen: after a failed restart (until an operator clears it) or by override.
     if control.frozen:
-        why = control.frozen_reason or "a restart failed"
+        # One line, whatever the state file holds: messages are log fields and STATUS=.
+        why = " ".join((control.frozen_reason or "").split()) or "a restart failed"
         return Decision(hold, Reason.FROZEN, f"frozen ({why}); {_holding(current)}")
     if active is not None and active.mode == "freeze":
         until = f" until {_stamp(active.expires_at)}" if active.expires_at else ""

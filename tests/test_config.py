@@ -59,7 +59,10 @@ def test_config_is_frozen() -> None:
 def test_example_file_lists_every_option_and_is_valid() -> None:
     text = EXAMPLE.read_text()
     for name in Config.model_fields:
-        assert f"\n{name} = " in text or f"[[{name}]]" in text, f"{name} not in {EXAMPLE}"
+        # Options without a default value (calibration_file) or whose default depends on
+        # another (policy) are shown commented out.
+        listed = (f"\n{name} = ", f"[[{name}]]", f"\n# {name} = ")
+        assert any(form in text for form in listed), f"{name} not in {EXAMPLE}"
     assert config_to_dict(load_config(EXAMPLE)) == config_to_dict(Config())
 
 
@@ -296,3 +299,61 @@ def test_check_config_bad_file_exits_2_one_line_per_problem(tmp_path: Path) -> N
 def test_check_config_path_given_twice_differently(tmp_path: Path) -> None:
     a, b = write(tmp_path, ""), tmp_path / "other.toml"
     assert main(["check-config", str(a), "--config", str(b)]) == 2
+
+
+CALIBRATION = "steps,concurrency,output_tok_s\n3,1,230\n4,1,280\n"
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ([], "bands"),
+        (["calibration_file = '{cal}'"], "model"),
+        (["calibration_file = '{cal}'", "policy = 'bands'"], "bands"),
+        (["policy = 'model'"], "model"),
+    ],
+)
+def test_policy_defaults_to_model_once_a_calibration_is_configured(
+    tmp_path: Path, lines: list[str], expected: str
+) -> None:
+    cal = tmp_path / "cal.csv"
+    cal.write_text(CALIBRATION)
+    path = write(tmp_path, "\n".join(line.format(cal=cal) for line in lines) + "\n")
+    assert load_config(path).policy == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "value", "problem"),
+    [
+        (None, "/nonexistent/cal.csv", "cannot read"),
+        ("steps,concurrency\n1,1\n", "{cal}", "header must be"),
+        ("steps,concurrency,output_tok_s\n0,1,100\n", "{cal}", "no speculative step count"),
+        (CALIBRATION, "relative.csv", "must be an absolute path"),
+    ],
+)
+def test_a_bad_calibration_file_is_one_line(
+    tmp_path: Path, content: str | None, value: str, problem: str
+) -> None:
+    cal = tmp_path / "cal.csv"
+    if content is not None:
+        cal.write_text(content)
+    path = write(tmp_path, f"calibration_file = '{value.format(cal=cal)}'\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith("calibration_file: ")
+    assert problem in info.value.problems[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"), [("restart_cost_s = 0", True), ("restart_cost_s = -1", False)]
+)
+def test_restart_cost_is_a_non_negative_number_of_seconds(
+    tmp_path: Path, text: str, ok: bool
+) -> None:
+    path = write(tmp_path, text + "\n")
+    if ok:
+        assert load_config(path).restart_cost_s == 0
+    else:
+        with pytest.raises(ConfigError, match="restart_cost_s"):
+            load_config(path)

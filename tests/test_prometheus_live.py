@@ -39,9 +39,9 @@ EXAMPLE_CONFIG = ROOT / "etc" / "prometheus" / "prometheus.example.yml"
 DATA_DEADLINE_S = 45.0
 # Panels whose metric a not-yet-merged part of specd sets. strict: once it lands, the
 # xfail turns into a failure and this entry must go.
-PENDING = {
-    "specd_predicted_throughput_tokens_per_second": "set by the model policy (not merged yet)",
-}
+# Metrics no running specd sets yet, with the reason (none at the moment).
+PENDING: dict[str, str] = {}
+CALIBRATION = Path(__file__).resolve().parents[1] / "specd" / "data" / "seed-qwen35-122b.csv"
 # Grafana's macros, as Grafana would expand them for a short range at a 1 s scrape.
 MACROS = {"$__rate_interval": "10s", "$__range": "5m", "$instance": ".+"}
 # `specd run`'s code path (specd.cli only dispatches to it), without depending on the
@@ -195,6 +195,8 @@ stabilization_window_s = 2.0
 metrics_listen_address = "127.0.0.1"
 metrics_port = {metrics_port}
 log_format = "json"
+# The model policy, from the twin's own table, so the predictions panel has data.
+calibration_file = "{CALIBRATION}"
 
 [[windows]]
 cron = "0 {closed_hour} * * mon-sun"
