@@ -33,7 +33,7 @@ from specd.daemon import Daemon
 from specd.load import LoadGenerator
 from specd.notify import Notifier
 from specd.twin.process import free_port
-from specd.twin.unit import TwinUnitRunner
+from specd.twin.unit import TwinUnitRunner, twin_unit_config
 
 START_STEPS = 3
 LIGHT_CONCURRENCY = 2  # one developer's agentic coding session
@@ -48,32 +48,22 @@ PHASES = (
 
 def demo_config(workdir: Path, twin_port: int, metrics_port: int) -> Config:
     """Production rules, compressed: minutes become seconds."""
-    return Config.model_validate(
-        {
-            "sglang_url": f"http://127.0.0.1:{twin_port}",
-            "sglang_unit": "sglang-twin.service",
-            "env_file": str(workdir / "sglang.env"),
-            "state_dir": str(workdir / "state"),
-            "override_file": str(workdir / "override.toml"),
-            "scrape_interval_s": 1.0,
-            "scrape_timeout_s": 2.0,
-            "stale_after_s": 10.0,
-            "history_half_life_s": 12.0,
-            "min_history_s": 6.0,
-            "warmup_exclude_s": 2.0,
-            "stabilization_window_s": 6.0,
-            "min_dwell_s": 15.0,
-            "daily_restart_budget": 50,
-            "quiet_concurrency_max": 64,
-            "quiet_deadline_s": 5.0,
-            "startup_timeout_s": 60.0,
-            "health_probe_timeout_s": 25.0,
-            "metrics_listen_address": "127.0.0.1",
-            "metrics_port": metrics_port,
-            "log_format": "json",
-            # A window opens every 20 s and stays open 15 s (production: once a night).
-            "windows": [{"cron": "*/20 * * * * *", "duration_s": 15, "timezone": "UTC"}],
-        }
+    return twin_unit_config(
+        workdir,
+        twin_port,
+        scrape_interval_s=1.0,
+        stale_after_s=10.0,
+        history_half_life_s=12.0,
+        min_history_s=6.0,
+        warmup_exclude_s=2.0,
+        stabilization_window_s=6.0,
+        min_dwell_s=15.0,
+        daily_restart_budget=50,
+        health_probe_timeout_s=25.0,
+        metrics_port=metrics_port,
+        log_format="json",
+        # A window opens every 20 s and stays open 15 s (production: once a night).
+        windows=[{"cron": "*/20 * * * * *", "duration_s": 15, "timezone": "UTC"}],
     )
 
 

@@ -960,22 +960,9 @@ def confirm(
 
 
 def twin_config(workdir: Path, twin_port: int) -> Config:
-    return Config.model_validate(
-        {
-            "sglang_url": f"http://127.0.0.1:{twin_port}",
-            "sglang_unit": "sglang-twin.service",
-            "env_file": str(workdir / "sglang.env"),
-            "state_dir": str(workdir / "state"),
-            "override_file": str(workdir / "override.toml"),
-            "scrape_timeout_s": 2.0,
-            "quiet_concurrency_max": 64,
-            "quiet_deadline_s": 5.0,
-            "startup_timeout_s": 60.0,
-            "metrics_port": 0,
-            "min_steps": 1,
-            "max_steps": 6,
-        }
-    )
+    from specd.twin.unit import twin_unit_config  # noqa: PLC0415  (only for --twin)
+
+    return twin_unit_config(workdir, twin_port, min_steps=1, max_steps=6)
 
 
 def fast_polling(settings: ApplySettings) -> ApplySettings:

@@ -28,7 +28,7 @@ from specd.perftable import PerfTable
 from specd.state import STATE_FILE, State, read_json
 from specd.twin.preset import preset_table
 from specd.twin.process import free_port
-from specd.twin.unit import DEFAULT_STEPS, TwinUnitRunner
+from specd.twin.unit import DEFAULT_STEPS, TwinUnitRunner, twin_unit_config
 
 REPO = Path(__file__).resolve().parents[1]
 TWIN_ARGS = ["--load-time-s", "0.2", "--warmup-s", "0.1", "--report-interval-s", "0.2"]
@@ -37,24 +37,15 @@ TOLERANCE = 0.10
 
 
 def make_config(workdir: Path, port: int, **overrides: Any) -> Config:
-    return Config.model_validate(
-        {
-            "sglang_url": f"http://127.0.0.1:{port}",
-            "sglang_unit": "sglang-twin.service",
-            "env_file": str(workdir / "sglang.env"),
-            "state_dir": str(workdir / "state"),
-            "override_file": str(workdir / "override.toml"),
-            "scrape_timeout_s": 2.0,
-            "quiet_concurrency_max": 64,
-            "quiet_deadline_s": 2.0,
-            "startup_timeout_s": 20.0,
-            "metrics_listen_address": "127.0.0.1",
-            "metrics_port": free_port(),
-            "min_steps": 1,
-            "max_steps": 6,
-            **overrides,
-        }
-    )
+    settings: dict[str, Any] = {
+        "quiet_deadline_s": 2.0,
+        "startup_timeout_s": 20.0,
+        "metrics_port": free_port(),
+        "min_steps": 1,
+        "max_steps": 6,
+        **overrides,
+    }
+    return twin_unit_config(workdir, port, **settings)
 
 
 class Unit:

@@ -17,10 +17,36 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from specd.config import Config
 from specd.runner import RunResult
 from specd.twin.process import TwinProcess
 
 DEFAULT_STEPS = 3
+UNIT_NAME = "sglang-twin.service"
+
+
+def twin_unit_config(workdir: Path, twin_port: int, **overrides: object) -> Config:
+    """A specd config for the twin run as a unit: files under ``workdir``, no real unit.
+
+    The demo, `specd sweep --twin` and tests start from it; ``overrides`` set the rest.
+    """
+    return Config.model_validate(
+        {
+            "sglang_url": f"http://127.0.0.1:{twin_port}",
+            "sglang_unit": UNIT_NAME,
+            "env_file": str(workdir / "sglang.env"),
+            "state_dir": str(workdir / "state"),
+            "override_file": str(workdir / "override.toml"),
+            "scrape_timeout_s": 2.0,
+            # The twin serves a load generator that never pauses: don't wait long for quiet.
+            "quiet_concurrency_max": 64,
+            "quiet_deadline_s": 5.0,
+            "startup_timeout_s": 60.0,
+            "metrics_listen_address": "127.0.0.1",
+            "metrics_port": 0,
+            **overrides,
+        }
+    )
 
 
 def read_env_file(path: Path) -> dict[str, str]:
