@@ -608,6 +608,9 @@ def hidden_code_paths(command: Sequence[str]) -> list[Path]:
         Path(sys.prefix),
         Path(sys.base_prefix).resolve(),
         Path(sys.executable).resolve().parent.parent,
+        # specd's own package: inside the venv normally, but an editable install (a
+        # checkout) imports it from the source tree.
+        Path(__file__).resolve().parent.parent,
     ]
     hidden: list[Path] = []
     for path in candidates:
