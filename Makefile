@@ -42,11 +42,12 @@ test: system-deps lint typecheck unit
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
-# Regenerate the pinned constraints (name==version only, no index URLs) with pip-tools.
+# Regenerate the pinned constraints (name==version with python markers, no index URLs) with
+# uv's universal resolver, so one file serves every Python from 3.10 up.
 constraints:
 	@scripts/ensure-venv "$(PYTHON)" "$(VENV)"
-	$(BIN)/pip install -q pip-tools
-	$(BIN)/pip-compile -q --strip-extras --no-emit-index-url --no-emit-trusted-host --no-emit-find-links \
+	$(BIN)/pip install -q uv
+	$(BIN)/uv pip compile -q --universal --python-version 3.10 --no-emit-index-url \
 	    --extra dev --output-file $(CONSTRAINTS) pyproject.toml
 
 clean:

@@ -527,11 +527,11 @@ def format_exec(command: Command) -> str:
 def wired_command(command: Command, spec: Speculation, add_metrics: bool) -> Command:
     words = list(command.words)
     for flag, variable in ((spec.steps_flag, ENV_STEPS), (spec.draft_flag, ENV_DRAFT_TOKENS)):
-        placeholder = "${" + variable + "}"
+        expansion = "${" + variable + "}"
         if flag.inline:
-            words[flag.index] = words[flag.index].split("=", 1)[0] + "=" + placeholder
+            words[flag.index] = words[flag.index].split("=", 1)[0] + "=" + expansion
         else:
-            words[flag.index + 1] = placeholder
+            words[flag.index + 1] = expansion
     if add_metrics and not spec.metrics:
         words.append("--enable-metrics")
     return Command(command.prefix, tuple(words))

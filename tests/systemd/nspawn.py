@@ -428,7 +428,10 @@ class Container:
         """
         self.write_unit(
             SGLANG_UNIT,
-            "[Unit]\nDescription=SGLang twin (stands in for the GPU server)\n\n"
+            "[Unit]\nDescription=SGLang twin (stands in for the GPU server)\n"
+            # Tests start it many times within seconds; systemd's default limit (5 starts in
+            # 10 s) would refuse a rollback's restart. A real SGLang loads for minutes.
+            "StartLimitIntervalSec=0\n\n"
             "[Service]\nType=simple\n"
             # The operator's original command line, with a fixed step count: the
             # drop-in must replace it.
