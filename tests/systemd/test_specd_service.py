@@ -368,12 +368,13 @@ def test_failed_start_is_rolled_back_and_freezes(sd: Container) -> None:
         what="specd frozen after the failed restart",
     )
     assert "3" in frozen["reason"], frozen
-    sd.wait_http("/health")
-    settled_pid = sd.main_pid(SGLANG_UNIT)
+    # The outcome first: when the rollback itself failed, its message says why.
     restarts = state(sd)["restarts"]
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [
         (4, 3, "rolled_back")
-    ]
+    ], restarts
+    sd.wait_http("/health")
+    settled_pid = sd.main_pid(SGLANG_UNIT)
     assert env_steps(sd) == 4
     assert twin_live_steps(sd) == (4, 4.0)
     assert wait_or_dump(sd, lambda: samples(sd, SPECD_URL)["specd_frozen"] == 1, timeout=5)
