@@ -218,8 +218,12 @@ def test_soak(tmp_path: Path, unit: StandIn) -> None:
     info = httpx.get(unit.url() + "/server_info", timeout=5).json()
     assert info["speculative_num_steps"] == steps
     assert served is not None
-    # It kept scraping about every second (a restart's tick spends seconds in apply).
-    assert served >= SOAK_S * 0.5
+    # It kept scraping about every second whenever it was not inside a restart: a
+    # restart's tick spends its whole duration (plus the quiet-moment wait) in apply,
+    # and how long that is depends on how fast this machine restarts the twin.
+    in_restarts = sum(float(r["duration_s"]) + 1.0 for r in state.restarts)  # +quiet_deadline_s
+    free_s = max(SOAK_S - in_restarts, 0.0)
+    assert served >= free_s * 0.5, (served, free_s, state.restarts)
     errors = [e for e in log_events(log) if e.get("level") == "error"]
     assert errors == [], errors
     # One line for the record (pytest -s shows it): what this soak measured.
