@@ -506,17 +506,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the config as JSON")
 
 
+def load_for_command(path: Path | None) -> Config | None:
+    """`load_config` for a command line: each problem on its own stderr line, naming the
+    file and the key (no traceback); None when the configuration is unusable."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        shown = path if path is not None else DEFAULT_CONFIG_PATH
+        for problem in exc.problems:
+            print(f"{shown}: {problem}", file=sys.stderr)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.path is not None and args.config is not None and args.path != args.config:
         print("specd check-config: give the file once (PATH or --config)", file=sys.stderr)
         return 2
     path: Path | None = args.path if args.path is not None else args.config
     shown = path if path is not None else DEFAULT_CONFIG_PATH
-    try:
-        config = load_config(path)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"{shown}: {problem}", file=sys.stderr)
+    config = load_for_command(path)
+    if config is None:
         return 2
     data = config_to_dict(config)
     if args.json:

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from specd import logs, windows
 from specd.apply import Applier, ApplyOutcome, ApplySettings
-from specd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from specd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, load_for_command
 from specd.decide import Control, Decision, Reason, decide, recommend
 from specd.history import History, HistorySettings, Recorded
 from specd.metrics import OFFERED_QUANTILES, Metrics
@@ -572,12 +572,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"specd: config: {problem}", flush=True)
-        return 2
+    config = load_for_command(args.config)
+    if config is None:
+        return 2  # a bad config stops start-up, one line per problem
     logs.configure(config.log_format)
     daemon = Daemon(config, args.config)
     daemon.install_signal_handlers()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specd.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from specd.config import DEFAULT_CONFIG_PATH, load_for_command
 from specd.decide import Control, decide, recommend
 from specd.history import History, HistorySettings
 from specd.observe import Observation, ScrapeError, SGLangClient
@@ -46,11 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"specd: config: {problem}")
+    config = load_for_command(args.config)
+    if config is None:
         return 2
     if args.samples < 1 or args.interval_s < 0:
         print("specd recommend: --samples must be >= 1 and --interval-s >= 0")

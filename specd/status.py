@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from specd import windows
-from specd.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from specd.config import DEFAULT_CONFIG_PATH, Config, load_for_command
 from specd.override import daemon_uids, read_override
 from specd.state import STATE_FILE, read_json
 
@@ -37,8 +37,7 @@ def _when(ts: float | None, now: float) -> str:
     return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
 
 
-def collect(config_path: Path | None, now: float) -> dict[str, Any]:
-    config = load_config(config_path)
+def collect(config: Config, now: float) -> dict[str, Any]:
     state_path = Path(config.state_dir) / STATE_FILE
     try:
         state = read_json(state_path)
@@ -99,7 +98,8 @@ def render(info: dict[str, Any], now: float) -> str:
         f"({_when(d.get('t'), now) if d.get('t') else 'never'})",
         "frozen         "
         + (
-            f"YES since {_when(info['frozen'].get('since'), now)}: {info['frozen'].get('reason')}"
+            f"YES, FROZEN since {_when(info['frozen'].get('since'), now)}: "
+            f"{info['frozen'].get('reason')}"
             "  (clear: specd unfreeze --reason ...)"
             if info["frozen"]
             else "no"
@@ -131,11 +131,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     now = time.time()
-    try:
-        info = collect(args.config, now)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"specd: config: {problem}")
+    config = load_for_command(args.config)
+    if config is None:
         return 2
+    info = collect(config, now)
     print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
     return 0

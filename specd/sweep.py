@@ -36,7 +36,7 @@ import httpx
 
 from specd import logs
 from specd.apply import Applier, ApplyOutcome, ApplySettings
-from specd.config import Config, ConfigError, load_config
+from specd.config import Config, load_for_command
 from specd.history import HistorySettings
 from specd.load import LoadGenerator, LoadResult
 from specd.observe import Observation, ScrapeError, SGLangClient
@@ -988,11 +988,8 @@ def run(args: argparse.Namespace) -> int:
             print("specd sweep: --twin and --config exclude each other", file=sys.stderr)
             return EXIT_USAGE
         return _run_twin(args, plan, out_dir)
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"specd sweep: config: {problem}", file=sys.stderr)
+    config = load_for_command(args.config)
+    if config is None:
         return EXIT_USAGE
     try:
         check_plan(plan, config)

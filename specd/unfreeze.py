@@ -12,7 +12,7 @@ import getpass
 import time
 from pathlib import Path
 
-from specd.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from specd.config import DEFAULT_CONFIG_PATH, load_for_command
 from specd.daemon import UNFREEZE_REQUEST
 from specd.state import STATE_FILE, atomic_write_json, read_json
 
@@ -23,11 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"specd: config: {problem}")
+    config = load_for_command(args.config)
+    if config is None:
         return 2
     state_dir = Path(config.state_dir)
     try:
