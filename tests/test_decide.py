@@ -5,6 +5,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from factories import make_observation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,26 +38,8 @@ def config(**kwargs: Any) -> Config:
 
 
 def observation(t: float, running: int = 1, steps: int | None = 4) -> Observation:
-    return Observation(
-        t=t,
-        running=running,
-        queued=0,
-        accept_length=2.5,
-        spec_fresh=running > 0,
-        steps=steps,
-        draft_tokens=None if steps is None else steps + 1,
-        topk=1,
-        algorithm="NEXTN",
-        max_running_requests=13,
-        token_usage=None,
-        gen_throughput=None,
-        generation_tokens_total=None,
-        decode_tokens_total=None,
-        spec_verify_calls_total=None,
-        retracted_total=None,
-        version="0.5.23",
-        dp_ranks=1,
-        launch_command=None,
+    return make_observation(
+        t, running=running, steps=steps, accept_length=2.5, max_running_requests=13
     )
 
 

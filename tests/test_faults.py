@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from factories import make_observation
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -124,13 +125,7 @@ def make_daemon(config: Config, runner: Runner, clock: Clock) -> Daemon:
 def synthetic_observation(t: float, offered: int) -> Observation:
     # steps=None: the history learns traffic only, so it never mistakes these for a restart
     # of the real twin the daemon scrapes in between.
-    return Observation(
-        t=t, running=offered, queued=0, accept_length=None, spec_fresh=offered > 0,
-        steps=None, draft_tokens=None, topk=None, algorithm=None, max_running_requests=None,
-        token_usage=None, gen_throughput=None, generation_tokens_total=None,
-        decode_tokens_total=None, spec_verify_calls_total=None, retracted_total=None,
-        version=None, dp_ranks=1, launch_command=None,
-    )  # fmt: skip
+    return make_observation(t, running=offered, steps=None, topk=None, algorithm=None, version=None)
 
 
 def heavy_history(config: Config, offered: int, end: float, busy_s: float = 7200.0) -> History:

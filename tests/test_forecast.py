@@ -5,6 +5,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 
 import pytest
+from factories import make_observation
 
 from specd.forecast import Forecast, forecast_epoch, is_weekend_hour, score
 from specd.history import History, HistorySettings
@@ -17,26 +18,8 @@ DAY = 86400.0
 
 
 def observation(t: float, offered: int) -> Observation:
-    return Observation(
-        t=t,
-        running=offered,
-        queued=0,
-        accept_length=None,
-        spec_fresh=False,
-        steps=3,
-        draft_tokens=4,
-        topk=1,
-        algorithm="NEXTN",
-        max_running_requests=64,
-        token_usage=None,
-        gen_throughput=None,
-        generation_tokens_total=None,
-        decode_tokens_total=None,
-        spec_verify_calls_total=None,
-        retracted_total=None,
-        version="test",
-        dp_ranks=1,
-        launch_command=None,
+    return make_observation(
+        t, running=offered, spec_fresh=False, steps=3, max_running_requests=64, version="test"
     )
 
 

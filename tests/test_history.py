@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
+from factories import make_observation
 
 from specd.config import Config
 from specd.history import (
@@ -33,26 +34,17 @@ def obs(
     decode_tokens_total: float | None = None,
     generation_tokens_total: float | None = None,
 ) -> Observation:
-    return Observation(
-        t=t,
+    return make_observation(
+        t,
         running=running,
         queued=queued,
         accept_length=accept_length,
         spec_fresh=running > 0 if spec_fresh is None else spec_fresh,
         steps=steps,
-        draft_tokens=None if steps is None else steps + 1,
-        topk=1,
-        algorithm="NEXTN",
         max_running_requests=max_running_requests,
-        token_usage=None,
         gen_throughput=gen_throughput,
         generation_tokens_total=generation_tokens_total,
         decode_tokens_total=decode_tokens_total,
-        spec_verify_calls_total=None,
-        retracted_total=None,
-        version="0.5.23",
-        dp_ranks=1,
-        launch_command=None,
     )
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import make_observation
 
 from specd.config import Config
 from specd.decide import recommend
@@ -36,26 +37,17 @@ def observation(
     t: float, offered: int, steps: int, served: float, length: float | None
 ) -> Observation:
     cap = SEED.capacity(steps) or 100
-    return Observation(
-        t=t,
+    return make_observation(
+        t,
         running=min(offered, cap),
         queued=max(0, offered - cap),
         accept_length=length,
         spec_fresh=length is not None,
         steps=steps,
-        draft_tokens=steps + 1,
-        topk=1,
-        algorithm="NEXTN",
         max_running_requests=cap,
-        token_usage=None,
-        gen_throughput=None,
         generation_tokens_total=served,
         decode_tokens_total=served,
-        spec_verify_calls_total=None,
-        retracted_total=None,
         version="test",
-        dp_ranks=1,
-        launch_command=None,
     )
 
 

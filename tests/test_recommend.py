@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import make_observation
 
 from specd.config import load_config
 from specd.history import History, HistorySettings
-from specd.observe import Observation
 from specd.state import State, StateStore
 from specd.twin.process import TwinProcess
 
@@ -28,14 +28,20 @@ def heavy_history(settings: HistorySettings, now: float) -> History:
     history = History(settings)
     for i in range(1440):
         history.record(
-            Observation(
-                t=now - 7200 + i * 5, running=13, queued=7, accept_length=3.6, spec_fresh=True,
-                steps=4, draft_tokens=5, topk=1, algorithm="EAGLE", max_running_requests=13,
-                token_usage=0.8, gen_throughput=1500.0, generation_tokens_total=float(i * 7500),
-                decode_tokens_total=float(i * 7500), spec_verify_calls_total=float(i * 2000),
-                retracted_total=None, version="0.5.23", dp_ranks=1, launch_command=None,
+            make_observation(
+                now - 7200 + i * 5,
+                running=13,
+                queued=7,
+                accept_length=3.6,
+                algorithm="EAGLE",
+                max_running_requests=13,
+                token_usage=0.8,
+                gen_throughput=1500.0,
+                generation_tokens_total=float(i * 7500),
+                decode_tokens_total=float(i * 7500),
+                spec_verify_calls_total=float(i * 2000),
             )
-        )  # fmt: skip
+        )
     return history
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import make_observation
 
 from specd.history import History, HistorySettings
 from specd.observe import Observation
@@ -30,26 +31,13 @@ T0 = 1_767_225_600.0
 
 
 def obs(t: float, running: int, steps: int = 4) -> Observation:
-    return Observation(
-        t=t,
+    return make_observation(
+        t,
         running=running,
-        queued=0,
-        accept_length=2.6,
-        spec_fresh=running > 0,
         steps=steps,
-        draft_tokens=steps + 1,
-        topk=1,
-        algorithm="NEXTN",
+        accept_length=2.6,
         max_running_requests=13,
-        token_usage=None,
         gen_throughput=150.0,
-        generation_tokens_total=None,
-        decode_tokens_total=None,
-        spec_verify_calls_total=None,
-        retracted_total=None,
-        version="0.5.23",
-        dp_ranks=1,
-        launch_command=None,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from factories import make_observation
 
 from specd import sweep as sw
 from specd.apply import ApplySettings, read_env_steps
@@ -305,13 +306,17 @@ def test_original_steps_go_last_to_save_a_restart(
 
 
 def _obs(gen: float | None, verify: float | None, accept: float | None, fresh: bool) -> Observation:
-    return Observation(
-        t=0.0, running=1 if fresh else 0, queued=0, accept_length=accept, spec_fresh=fresh,
-        steps=3, draft_tokens=4, topk=1, algorithm="NEXTN", max_running_requests=15,
-        token_usage=None, gen_throughput=None, generation_tokens_total=gen,
-        decode_tokens_total=None, spec_verify_calls_total=verify, retracted_total=None,
-        version=None, dp_ranks=1, launch_command=None,
-    )  # fmt: skip
+    return make_observation(
+        0.0,
+        running=1 if fresh else 0,
+        accept_length=accept,
+        spec_fresh=fresh,
+        steps=3,
+        max_running_requests=15,
+        generation_tokens_total=gen,
+        spec_verify_calls_total=verify,
+        version=None,
+    )
 
 
 @pytest.mark.parametrize(
