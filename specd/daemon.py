@@ -226,7 +226,13 @@ class Daemon:
         )
 
     def run(self) -> int:
-        self.start_metrics_server()
+        try:
+            self.start_metrics_server()
+        except OSError as exc:
+            # Port taken or address not local: one clear line, and systemd's Restart= retries.
+            address = f"{self.config.metrics_listen_address}:{self.config.metrics_port}"
+            self.log.error("metrics_listen_failed", address=address, error=str(exc))
+            return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
         self._reconcile_journal()
         self.tick()  # READY comes after the first scrape was attempted

@@ -5,6 +5,7 @@ stops every command that reads it with one line per problem, and the on-call com
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -116,3 +117,18 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
     assert again.returncode == 0
     assert "not frozen" in again.stdout
     assert not request.exists()
+
+
+def test_run_with_its_metrics_port_taken_says_so_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = write_config(tmp_path)
+        cfg.write_text(cfg.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
+        proc = specd("run", "--config", str(cfg))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    [line] = [json.loads(x) for x in proc.stdout.splitlines() if "metrics_listen_failed" in x]
+    assert line["level"] == "error"
+    assert line["address"] == f"127.0.0.1:{port}"
