@@ -8,6 +8,7 @@ with that one family by family.
 # ruff: noqa: E501  (HELP texts are verbatim SGLang strings)
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 G, C, H = "gauge", "counter", "histogram"
@@ -234,6 +235,13 @@ _B8 = (
     0.2,
     0.5,
     1.0,
+)
+
+
+# SGLang's routing-key distributions share one set of (gt, le] buckets.
+_ROUTING_KEY_EDGES = ("0", "1", "2", "3", "5", "7", "10", "20", "50", "100", "200", "+Inf")
+ROUTING_KEY_BUCKETS = tuple(
+    (("gt", lo), ("le", hi)) for lo, hi in itertools.pairwise(_ROUTING_KEY_EDGES)
 )
 
 FAMILIES: tuple[Family, ...] = (
@@ -652,38 +660,14 @@ FAMILIES: tuple[Family, ...] = (
         G,
         "Distribution of routing keys by running request count (gt < count <= le).",
         SCHED,
-        variants=(
-            (("gt", "0"), ("le", "1")),
-            (("gt", "1"), ("le", "2")),
-            (("gt", "2"), ("le", "3")),
-            (("gt", "3"), ("le", "5")),
-            (("gt", "5"), ("le", "7")),
-            (("gt", "7"), ("le", "10")),
-            (("gt", "10"), ("le", "20")),
-            (("gt", "20"), ("le", "50")),
-            (("gt", "50"), ("le", "100")),
-            (("gt", "100"), ("le", "200")),
-            (("gt", "200"), ("le", "+Inf")),
-        ),
+        variants=ROUTING_KEY_BUCKETS,
     ),
     Family(
         "sglang:routing_key_all_req_count",
         G,
         "Distribution of routing keys by running+waiting request count (gt < count <= le).",
         SCHED,
-        variants=(
-            (("gt", "0"), ("le", "1")),
-            (("gt", "1"), ("le", "2")),
-            (("gt", "2"), ("le", "3")),
-            (("gt", "3"), ("le", "5")),
-            (("gt", "5"), ("le", "7")),
-            (("gt", "7"), ("le", "10")),
-            (("gt", "10"), ("le", "20")),
-            (("gt", "20"), ("le", "50")),
-            (("gt", "50"), ("le", "100")),
-            (("gt", "100"), ("le", "200")),
-            (("gt", "200"), ("le", "+Inf")),
-        ),
+        variants=ROUTING_KEY_BUCKETS,
     ),
     Family(
         "sglang:http_requests_total",

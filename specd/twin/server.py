@@ -426,20 +426,14 @@ class Twin:
 
         self.engine.submit(req)
         if not req.streaming:
-            pieces: list[str] = []
-            try:
-                async for text in self._tokens(req):
-                    pieces.append(text)
-            except asyncio.CancelledError:
-                self.engine.abort(req)
-                raise
+            text = await self._collect(req)
             return web.json_response(
                 {
                     "id": rid,
                     "object": obj,
                     "created": created,
                     "model": model,
-                    "choices": [choice("".join(pieces), "length", stream=False)],
+                    "choices": [choice(text, "length", stream=False)],
                     "usage": usage(),
                 }
             )
@@ -473,6 +467,17 @@ class Twin:
             raise
         return resp
 
+    async def _collect(self, req: Request) -> str:
+        """The whole output of a non-streamed request; a client gone mid-way aborts it."""
+        pieces: list[str] = []
+        try:
+            async for text in self._tokens(req):
+                pieces.append(text)
+        except asyncio.CancelledError:
+            self.engine.abort(req)
+            raise
+        return "".join(pieces)
+
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         params = body.get("sampling_params") or {}
@@ -499,14 +504,8 @@ class Twin:
 
         self.engine.submit(req)
         if not req.streaming:
-            pieces: list[str] = []
-            try:
-                async for text in self._tokens(req):
-                    pieces.append(text)
-            except asyncio.CancelledError:
-                self.engine.abort(req)
-                raise
-            return web.json_response({"text": "".join(pieces), "meta_info": meta()})
+            text = await self._collect(req)
+            return web.json_response({"text": text, "meta_info": meta()})
         resp = await self._sse_start(request, req)
         so_far = ""
         try:
