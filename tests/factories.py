@@ -1,8 +1,15 @@
-"""Test data shared by the test modules (imported as ``factories``: tests/ is on sys.path)."""
+"""Test data and helpers shared by the test modules (imported as ``factories``: tests/ is
+on sys.path)."""
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from specd.observe import Observation
 
@@ -36,3 +43,21 @@ def make_observation(t: float = 0.0, **fields: Any) -> Observation:
     }
     values.setdefault("spec_fresh", values["running"] > 0)
     return Observation(**values)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A small tmpfs at ``path`` (created), for full-disk and read-only tests; needs root."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

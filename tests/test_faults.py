@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_observation
+from factories import make_observation, mounted_tmpfs
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -334,21 +334,8 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
 # ---- state directory faults, at start and while running ------------------------------
 
 
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str = "512k") -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+def tmpfs(path: Path, size: str = "512k") -> contextlib.AbstractContextManager[Path]:
+    return mounted_tmpfs(path, size)
 
 
 def fill(directory: Path) -> Path:

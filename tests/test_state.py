@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, mounted_tmpfs
 
 from specd.history import History, HistorySettings
 from specd.observe import Observation
@@ -261,20 +261,8 @@ def test_state_format_errors_are_value_errors() -> None:
 # -- failures to write: real full and read-only filesystems ----------------------------
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mount_point = tmp_path / "fs"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"SKIPPED LOUDLY: cannot mount a tmpfs (needs root): {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "fs", "256k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_a_full_disk_is_a_one_line_error_and_keeps_the_old_state(tmpfs: Path) -> None:
