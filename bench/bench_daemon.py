@@ -55,11 +55,11 @@ def measure_one(label: str, dp: int, pad: int, ticks: int) -> Row:
     # Imported here: the parent process only orchestrates and must stay small.
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
-    from specd import logs  # noqa: PLC0415
-    from specd.config import Config  # noqa: PLC0415
     from specd.daemon import Daemon  # noqa: PLC0415
-    from specd.notify import Notifier  # noqa: PLC0415
-    from specd.runner import RunResult  # noqa: PLC0415
+    from specd.io import logs  # noqa: PLC0415
+    from specd.io.config import Config  # noqa: PLC0415
+    from specd.io.notify import Notifier  # noqa: PLC0415
+    from specd.io.runner import RunResult  # noqa: PLC0415
     from specd.twin.process import TwinProcess  # noqa: PLC0415
 
     def refuse(argv: Sequence[str], *, timeout_s: float) -> RunResult:

@@ -25,7 +25,8 @@ from types import ModuleType
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.observe import Observation, SGLangClient, parse_metrics
+from specd.core.observation import Observation
+from specd.io.sglang import SGLangClient, parse_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "metrics"

@@ -25,9 +25,10 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` impor
     sys.path.insert(0, str(REPO))
 
 from bench.traces import generate as traces  # noqa: E402
-from specd.config import Config, Window  # noqa: E402
-from specd.perftable import PerfTable  # noqa: E402
-from specd.replay import build_config, load_trace, replay  # noqa: E402
+from specd.commands.replay import build_config  # noqa: E402
+from specd.core.perftable import PerfTable  # noqa: E402
+from specd.io.config import Config, Window  # noqa: E402
+from specd.tools.replay import load_trace, replay  # noqa: E402
 
 TRUTH = REPO / "bench" / "truth"
 RESULTS = REPO / "bench" / "results" / "replay.md"

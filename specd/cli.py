@@ -17,20 +17,47 @@ from specd import __version__
 # name -> (module, one-line help). Order is the order shown in `specd --help`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "twin": ("specd.twin.cli", "run the SGLang twin: SGLang's HTTP API and metrics, simulated"),
-    "check-config": ("specd.config", "validate a config file and print the effective values"),
-    "override": ("specd.override", "pin, freeze, clear or show the on-call override"),
-    "load": ("specd.load", "closed-loop streaming load against an OpenAI-compatible server"),
-    "run": ("specd.daemon", "run the daemon (what specd.service starts)"),
-    "status": ("specd.status", "what specd is doing: steps, mode, last decision, next window"),
-    "recommend": ("specd.recommend", "what specd would decide now against a live server"),
-    "unfreeze": ("specd.unfreeze", "clear the freeze that follows a failed restart"),
-    "demo": ("specd.demo", "specd tuning the embedded SGLang twin through a compressed day"),
-    "observe": ("specd.observe", "scrape SGLang's /metrics and /server_info once and print it"),
-    "sweep": ("specd.sweep", "measure tok/s per step count and concurrency (restarts SGLang)"),
-    "install": ("specd.install", "wire an existing SGLang unit to specd (drop-in, user, polkit)"),
-    "uninstall": ("specd.install", "remove exactly what `specd install` added"),
-    "doctor": ("specd.doctor", "check every part of the setup: ✓/✗ with one line of advice"),
-    "replay": ("specd.replay", "replay a traffic trace through specd's decisions vs an oracle"),
+    "check-config": (
+        "specd.commands.check_config",
+        "validate a config file and print the effective values",
+    ),
+    "override": ("specd.commands.override", "pin, freeze, clear or show the on-call override"),
+    "load": (
+        "specd.commands.load",
+        "closed-loop streaming load against an OpenAI-compatible server",
+    ),
+    "run": ("specd.commands.run", "run the daemon (what specd.service starts)"),
+    "status": (
+        "specd.commands.status",
+        "what specd is doing: steps, mode, last decision, next window",
+    ),
+    "recommend": ("specd.commands.recommend", "what specd would decide now against a live server"),
+    "unfreeze": ("specd.commands.unfreeze", "clear the freeze that follows a failed restart"),
+    "demo": (
+        "specd.commands.demo",
+        "specd tuning the embedded SGLang twin through a compressed day",
+    ),
+    "observe": (
+        "specd.commands.observe",
+        "scrape SGLang's /metrics and /server_info once and print it",
+    ),
+    "sweep": (
+        "specd.commands.sweep",
+        "measure tok/s per step count and concurrency (restarts SGLang)",
+    ),
+    "install": (
+        "specd.install.command",
+        "wire an existing SGLang unit to specd (drop-in, user, polkit)",
+    ),
+    "uninstall": ("specd.install.command", "remove exactly what `specd install` added"),
+    "doctor": (
+        "specd.commands.doctor",
+        "check every part of the setup: ✓/✗ with one line of advice",
+    ),
+    "replay": (
+        "specd.commands.replay",
+        "replay a traffic trace through specd's decisions vs an oracle",
+    ),
 }
 
 

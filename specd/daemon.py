@@ -9,7 +9,6 @@ of a 100B model is not.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -24,18 +23,21 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from specd import logs, windows
-from specd.apply import Applier, ApplyOutcome, ApplySettings
-from specd.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config, load_for_command
-from specd.decide import Control, Decision, Reason, decide, recommend
-from specd.history import History, HistorySettings, Recorded
-from specd.metrics import OFFERED_QUANTILES, Metrics
-from specd.model import predicted_throughput
-from specd.notify import Notifier
-from specd.observe import Observation, ScrapeError, SGLangClient
-from specd.override import Override, OverrideStatus, read_override
-from specd.runner import Runner, SubprocessRunner
-from specd.state import StateStore
+from specd.core import windows
+from specd.core.decide import Control, Decision, Reason, decide, recommend
+from specd.core.history import History, HistorySettings, Recorded
+from specd.core.model import predicted_throughput
+from specd.core.observation import Observation, ScrapeError
+from specd.core.override import Override
+from specd.io import logs
+from specd.io.apply import Applier, ApplyOutcome, ApplySettings
+from specd.io.config import Config, ConfigError, load_config
+from specd.io.metrics import OFFERED_QUANTILES, Metrics
+from specd.io.notify import Notifier
+from specd.io.override import OverrideStatus, read_override
+from specd.io.runner import Runner, SubprocessRunner
+from specd.io.sglang import SGLangClient
+from specd.io.state import StateStore
 
 UNFREEZE_REQUEST = "unfreeze.json"
 # Re-log an unchanged decision this often, so the journal shows specd is alive and why
@@ -565,23 +567,3 @@ class Daemon:
 def _band_boundary(config: Config) -> float:
     first = config.bands[0].max_concurrency if config.bands else None
     return float(first) if first is not None else float("nan")
-
-
-# -- CLI: specd run ----------------------------------------------------------------
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help=f"configuration file (default {DEFAULT_CONFIG_PATH}; SPECD_* env vars override)",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    config = load_for_command(args.config)
-    if config is None:
-        return 2  # a bad config stops start-up, one line per problem
-    logs.configure(config.log_format)
-    daemon = Daemon(config, args.config)
-    daemon.install_signal_handlers()
-    return daemon.run()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from specd.observe import Observation
+from specd.core.observation import Observation
 
 
 def make_observation(t: float = 0.0, **fields: Any) -> Observation:

@@ -30,14 +30,14 @@ from factories import make_observation, mounted_tmpfs
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from specd.config import Config, Window
+from specd.core.decide import Reason
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation
 from specd.daemon import STATE_SAVE_INTERVAL_S, Daemon
-from specd.decide import Reason
-from specd.history import History, HistorySettings
-from specd.notify import Notifier
-from specd.observe import Observation
-from specd.runner import Runner, RunResult
-from specd.state import STATE_FILE, StateStore
+from specd.io.config import Config, Window
+from specd.io.notify import Notifier
+from specd.io.runner import Runner, RunResult
+from specd.io.state import STATE_FILE, StateStore
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.unit import TwinUnitRunner
 

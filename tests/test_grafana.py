@@ -20,8 +20,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from specd.decide import Reason
-from specd.metrics import Metrics
+from specd.core.decide import Reason
+from specd.io.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATOR = ROOT / "grafana" / "generate.py"

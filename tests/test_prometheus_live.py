@@ -48,7 +48,7 @@ MACROS = {"$__rate_interval": "10s", "$__range": "5m", "$instance": ".+"}
 # subcommand's registration.
 DAEMON_BOOT = (
     "import argparse, sys\n"
-    "from specd import daemon\n"
+    "from specd.commands import run as daemon\n"
     "parser = argparse.ArgumentParser(prog='specd run')\n"
     "daemon.configure(parser)\n"
     "sys.exit(daemon.run(parser.parse_args(sys.argv[1:])))\n"

@@ -45,8 +45,8 @@ from test_faults import (
     write_config,
 )
 
-from specd.load import LoadGenerator
-from specd.state import StateStore
+from specd.io.state import StateStore
+from specd.tools.load import LoadGenerator
 from specd.twin.process import free_port
 
 SOAK_S = float(os.environ.get("SPECD_SOAK_S", "60"))

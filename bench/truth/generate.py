@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from specd.perftable import PerfRow, PerfTable
+from specd.core.perftable import PerfRow, PerfTable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

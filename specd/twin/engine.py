@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specd.perftable import PerfTable
+from specd.core.perftable import PerfTable
 from specd.twin.exposition import MetricState
 from specd.twin.families import BY_NAME
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.perftable import PerfTable, PerfTableError
+from specd.core.perftable import PerfTable, PerfTableError
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from specd.config import Config
-from specd.runner import RunResult
+from specd.io.config import Config
+from specd.io.runner import RunResult
 from specd.twin.process import TwinProcess
 
 DEFAULT_STEPS = 3

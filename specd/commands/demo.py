@@ -1,0 +1,166 @@
+"""`specd demo`: specd tuning the embedded SGLang twin through a compressed day."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from rich.console import Console
+
+from specd.daemon import Daemon
+from specd.io import logs
+from specd.io.notify import Notifier
+from specd.tools.demo import START_STEPS, DemoRecord, _drive, demo_config
+from specd.twin.process import free_port
+from specd.twin.unit import TwinUnitRunner
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=180.0,
+        help="length of the compressed day in seconds (default 180)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="where specd serves its metrics (default: a free port)",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep state, env file and logs here (default: a temp dir)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.duration < 45:
+        print("specd demo: --duration must be at least 45 s (each phase needs ~15 s)")
+        return 2
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="specd-demo-")
+        workdir = Path(tmp.name)
+    else:
+        workdir = args.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(args, workdir)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _run(args: argparse.Namespace, workdir: Path) -> int:
+    console = Console(stderr=args.json)
+    twin_port = free_port()
+    metrics_port = args.metrics_port or free_port()
+    config = demo_config(workdir, twin_port, metrics_port)
+    log_path = workdir / "specd.log"
+    log_file = log_path.open("a")
+    logs.configure("json", stream=log_file)
+    unit = TwinUnitRunner(
+        config.sglang_unit,
+        Path(config.env_file),
+        port=twin_port,
+        defaults={
+            "SPECD_SPEC_STEPS": str(START_STEPS),
+            "SPECD_SPEC_DRAFT_TOKENS": str(START_STEPS + 1),
+        },
+        extra_args=["--load-time-s", "2", "--served-model-name", "demo-qwen35-122b"],
+        # The load generator never lets the twin drain (SGLang waits for running requests
+        # with no deadline); systemd's TimeoutStopSec would end it, compressed here.
+        stop_timeout_s=2.0,
+    )
+    console.print(f"starting the SGLang twin at steps {START_STEPS} on port {twin_port} …")
+    twin = unit.start()
+    try:
+        twin.wait_healthy(60)
+        daemon = Daemon(
+            config, None, registry=CollectorRegistry(), runner=unit, notifier=Notifier(environ={})
+        )
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        thread = threading.Thread(target=daemon.run, name="specd", daemon=True)
+        thread.start()
+        console.print(f"specd runs; its metrics: {metrics_url}; its log: {log_path}")
+        record = DemoRecord()
+        try:
+            asyncio.run(
+                _drive(
+                    daemon,
+                    config.sglang_url,
+                    args.duration,
+                    record,
+                    console,
+                    metrics_url,
+                    live_view=sys.stdout.isatty() or not args.json,
+                )
+            )
+        finally:
+            daemon.request_stop()
+            thread.join(timeout=120)
+        summary = _summary(daemon, record, args.duration)
+    finally:
+        unit.stop()
+        log_file.close()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(console, summary)
+    return 0
+
+
+def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, Any]:
+    restarts = daemon.state.restarts
+    return {
+        "duration_s": duration,
+        "restarts": [
+            {k: r.get(k) for k in ("from_steps", "to_steps", "result", "duration_s")}
+            for r in restarts
+        ],
+        "restarts_to_steps": sorted(
+            {int(r["to_steps"]) for r in restarts if r.get("result") == "success"}
+        ),
+        "seconds_at_steps": {
+            str(k): round(v, 1) for k, v in sorted(record.seconds_at_steps.items())
+        },
+        "output_tokens": record.output_tokens,
+        "decisions": {reason: int(n) for reason, n in _decision_counts(daemon).items() if n},
+        "frozen": daemon.state.frozen,
+    }
+
+
+def _decision_counts(daemon: Daemon) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for metric in daemon.metrics.decisions.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counts[sample.labels["reason"]] = sample.value
+    return counts
+
+
+def _print_summary(console: Console, s: dict[str, Any]) -> None:
+    console.rule("summary")
+    console.print(f"restarts: {len(s['restarts'])}")
+    for r in s["restarts"]:
+        console.print(
+            f"  {r['from_steps']} → {r['to_steps']}: {r['result']} "
+            f"({float(r['duration_s'] or 0):.1f} s)"
+        )
+    at = ", ".join(f"steps {k}: {v:.0f} s" for k, v in s["seconds_at_steps"].items())
+    console.print(f"time at each step count: {at}")
+    console.print(f"tokens served to the load generator: {s['output_tokens']}")
+    console.print(
+        "decisions by reason: " + ", ".join(f"{k} {v}" for k, v in s["decisions"].items())
+    )

@@ -1,0 +1,471 @@
+"""`specd doctor`: is every part of the setup in place? One ✓/✗ line per check, each ✗ with
+one line of advice; exit 0 only when all pass; ``--json`` for automation.
+
+HTTP to SGLang goes through observe's SGLangClient; systemctl through the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pwd
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.core import windows
+from specd.core.observation import ScrapeError
+from specd.install.installer import (
+    DROPIN_NAME,
+    SPECD_UNIT,
+    SPECD_USER,
+    UNITS_DIR,
+    InstallError,
+    live_command,
+    parse_show,
+)
+from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS, parse_env, read_env_steps
+from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from specd.io.override import daemon_uids, read_override
+from specd.io.runner import Runner, SubprocessRunner
+from specd.io.sglang import (
+    ACCEPT_LENGTH,
+    QUEUED,
+    RUNNING,
+    SPEC_STEPS,
+    VERIFY_CALLS,
+    SGLangClient,
+    parse_metrics,
+)
+
+TIMEOUT_S = 10.0
+POLKIT_ACTION = "org.freedesktop.systemd1.manage-units"
+# A unit name specd must NOT be allowed to touch; it need not exist for the check.
+PROBE_OTHER_UNIT = "specd-doctor-probe.service"
+# A next window further away than this is probably a mistake in the cron line.
+MAX_WINDOW_GAP_S = 31 * 86400.0
+NEEDED_METRICS = (RUNNING, QUEUED, ACCEPT_LENGTH)
+USEFUL_METRICS = (SPEC_STEPS, VERIFY_CALLS)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    advice: str = ""
+
+
+class Doctor:
+    def __init__(
+        self,
+        config_path: Path | None,
+        runner: Runner,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config_path = config_path
+        self.runner = runner
+        self.clock = clock
+        self.monotonic = monotonic
+        self.config = Config()
+        self.info: dict[str, Any] | None = None
+
+    def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
+        result = self.runner(
+            ["systemctl", "show", *(f"--property={p}" for p in props), unit], timeout_s=TIMEOUT_S
+        )
+        if not result.ok:
+            raise InstallError(result.summary())
+        values: dict[str, str] = {}
+        for line in result.stdout.splitlines():
+            key, _, value = line.partition("=")
+            values[key] = value
+        return values
+
+    # -- the checks ---------------------------------------------------------------------
+
+    def check_config(self) -> Check:
+        shown = self.config_path or DEFAULT_CONFIG_PATH
+        try:
+            self.config = load_config(self.config_path)
+        except ConfigError as exc:
+            more = f" (+{len(exc.problems) - 1} more)" if len(exc.problems) > 1 else ""
+            return Check(
+                "config",
+                False,
+                f"{shown}: {exc.problems[0]}{more}",
+                f"see every problem with `specd check-config {shown}`",
+            )
+        return Check("config", True, f"{shown} is valid")
+
+    def check_sglang(self, client: SGLangClient) -> Check:
+        info = client.server_info()
+        if isinstance(info, ScrapeError):
+            return Check(
+                "sglang",
+                False,
+                info.reason,
+                f"is {self.config.sglang_unit} running? `systemctl status "
+                f"{self.config.sglang_unit}`; sglang_url is {self.config.sglang_url}",
+            )
+        self.info = info
+        return Check("sglang", True, f"{client.base_url} answers /server_info")
+
+    def check_metrics(self, client: SGLangClient) -> list[Check]:
+        text = client.metrics_text()
+        if isinstance(text, ScrapeError):
+            advice = (
+                f"add --enable-metrics to {self.config.sglang_unit}'s command line "
+                "(`specd install --add-enable-metrics`) and restart it"
+                if "404" in text.reason
+                else "check that SGLang is up and sglang_url points at it"
+            )
+            return [Check("metrics", False, text.reason, advice)]
+        parsed = parse_metrics(text)
+        if isinstance(parsed, ScrapeError):
+            return [Check("metrics", False, parsed.reason, "SGLang's /metrics is not parseable")]
+        names = {
+            sample.name
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        missing = [m for m in NEEDED_METRICS if m not in names]
+        version = str((self.info or {}).get("version", "unknown"))
+        offered = [m.removeprefix("sglang:") for m in (*NEEDED_METRICS, *USEFUL_METRICS)]
+        offered = [m for m in offered if "sglang:" + m in names]
+        absent = [m.removeprefix("sglang:") for m in USEFUL_METRICS if m not in names]
+        checks = [
+            Check(
+                "metrics",
+                not missing,
+                f"/metrics parses ({len(names)} series names)"
+                + (f"; missing {', '.join(missing)}" if missing else ""),
+                "" if not missing else "specd needs these gauges; is speculation on?",
+            ),
+            Check(
+                "version",
+                not missing,
+                f"SGLang {version}; offers {', '.join(offered) or 'none of specd’s metrics'}"
+                + (
+                    f"; lacks {', '.join(absent)} (SGLang < 0.5.13, or no request finished yet)"
+                    if absent
+                    else ""
+                ),
+                "" if not missing else "upgrade SGLang to 0.5.13 or newer",
+            ),
+        ]
+        return checks
+
+    def check_dropin(self) -> tuple[Check, list[str] | None, dict[str, str]]:
+        unit = self.config.sglang_unit
+        dropin = str(UNITS_DIR / f"{unit}.d" / DROPIN_NAME)
+        advice = f"run `specd install --unit {unit}`"
+        try:
+            props = ("LoadState", "ExecStart", "Environment", "FragmentPath", "DropInPaths")
+            show = self.runner(
+                ["systemctl", "show", *(f"--property={p}" for p in props), unit],
+                timeout_s=TIMEOUT_S,
+            )
+            cat = self.runner(["systemctl", "cat", "--no-pager", unit], timeout_s=TIMEOUT_S)
+            view = parse_show(unit, show.stdout, cat.stdout)
+            command = live_command(view)
+        except InstallError as exc:
+            return Check("drop-in", False, str(exc), advice), None, {}
+        if dropin not in view.dropin_paths:
+            return (
+                Check("drop-in", False, f"{dropin} is not among {unit}'s drop-ins", advice),
+                None,
+                view.environment,
+            )
+        joined = " ".join(command.words)
+        if f"${{{ENV_STEPS}}}" not in joined:
+            return (
+                Check("drop-in", False, f"{unit}'s ExecStart= has no ${{{ENV_STEPS}}}", advice),
+                None,
+                view.environment,
+            )
+        return Check("drop-in", True, f"{dropin} is live"), list(command.words), view.environment
+
+    def _expected_values(self, defaults: dict[str, str]) -> dict[str, str]:
+        values = {k: v for k, v in defaults.items() if k in (ENV_STEPS, ENV_DRAFT_TOKENS)}
+        with contextlib.suppress(OSError):
+            values.update(parse_env(Path(self.config.env_file).read_text()))
+        return values
+
+    def check_command(self, words: list[str] | None, defaults: dict[str, str]) -> Check:
+        unit = self.config.sglang_unit
+        if words is None:
+            return Check("command", False, "no drop-in to compare with", "fix the drop-in first")
+        running = (self.info or {}).get("launch_command")
+        if not isinstance(running, str):
+            return Check(
+                "command", False, "SGLang's /server_info has no launch_command", "upgrade SGLang"
+            )
+        values = self._expected_values(defaults)
+        expected = [
+            w.replace(f"${{{ENV_STEPS}}}", values.get(ENV_STEPS, "?")).replace(
+                f"${{{ENV_DRAFT_TOKENS}}}", values.get(ENV_DRAFT_TOKENS, "?")
+            )
+            for w in words
+        ]
+        # The program part differs (python -m vs the script path): compare the options.
+        want = _options(expected)
+        try:
+            have = _options(shlex.split(running))
+        except ValueError:
+            have = running.split()
+        if want == have:
+            return Check("command", True, "SGLang runs the drop-in's command line")
+        diff = sorted(set(want) ^ set(have))[:4]
+        return Check(
+            "command",
+            False,
+            f"SGLang's running command differs from the drop-in ({' '.join(diff)})",
+            f"restart it to pick up the drop-in: `systemctl restart {unit}` "
+            "(or let specd do it in the next window)",
+        )
+
+    def check_steps(self, defaults: dict[str, str]) -> Check:
+        env_steps = read_env_steps(self.config.env_file)
+        source = str(self.config.env_file)
+        if env_steps is None:
+            default = defaults.get(ENV_STEPS, "")
+            env_steps = int(default) if default.isdigit() else None
+            source = "the drop-in's default (no env file yet)"
+        live = (self.info or {}).get("speculative_num_steps")
+        if env_steps is None:
+            return Check(
+                "steps",
+                False,
+                f"no step count to compare: no {self.config.env_file} and no "
+                f"{ENV_STEPS} default in {self.config.sglang_unit}",
+                f"run `specd install --unit {self.config.sglang_unit}`",
+            )
+        if not isinstance(live, int):
+            return Check(
+                "steps",
+                False,
+                f"SGLang reports no speculative_num_steps (expected {env_steps})",
+                "is SGLang up, with speculative decoding on?",
+            )
+        if env_steps == live:
+            return Check("steps", True, f"SGLang runs {live} steps, as {source} says")
+        return Check(
+            "steps",
+            False,
+            f"{source} says {env_steps} steps, SGLang runs {live}",
+            f"restart {self.config.sglang_unit}, or see `specd status` for a failed change",
+        )
+
+    def check_polkit(self) -> Check:
+        unit = self.config.sglang_unit
+        try:
+            uid = pwd.getpwnam(SPECD_USER).pw_uid
+        except KeyError:
+            return Check(
+                "polkit",
+                False,
+                f"no user {SPECD_USER}",
+                f"create it with `specd install --unit {unit}` (systemd-sysusers)",
+            )
+        # pkcheck's "pid,start-time,uid" subject asks as user specd, whether or not the
+        # daemon runs (only root may ask for another user and pass details).
+        subject = f"{os.getpid()},0,{uid}"
+        cases = (
+            (unit, "restart", True),
+            (unit, "stop", False),
+            (PROBE_OTHER_UNIT, "restart", False),
+        )
+        wrong = []
+        for target, verb, allowed in cases:
+            result = self.runner(
+                [
+                    "pkcheck",
+                    "--action-id",
+                    POLKIT_ACTION,
+                    "--process",
+                    subject,
+                    "--detail",
+                    "unit",
+                    target,
+                    "--detail",
+                    "verb",
+                    verb,
+                ],
+                timeout_s=TIMEOUT_S,
+            )
+            if result.returncode == 127:
+                return Check("polkit", False, "pkcheck not found", "install polkit (pkcheck)")
+            if result.returncode not in (0, 1, 2):
+                # 0 yes, 1 no, 2 only with a password; anything else is pkcheck failing.
+                return Check(
+                    "polkit", False, result.summary(), "run doctor as root; is polkit running?"
+                )
+            if (result.returncode == 0) != allowed:
+                wrong.append(
+                    f"{verb} {target}: {'allowed' if result.returncode == 0 else 'denied'}"
+                )
+        if wrong:
+            return Check(
+                "polkit",
+                False,
+                f"user {SPECD_USER}: " + "; ".join(wrong),
+                f"install the rule scoped to {unit}: `specd install --unit {unit}`",
+            )
+        return Check("polkit", True, f"user {SPECD_USER} may restart {unit} and nothing else")
+
+    def check_windows(self) -> Check:
+        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        try:
+            opens = windows.next_open(self.config.windows, now)
+        except ValueError as exc:
+            return Check("windows", False, str(exc), "fix [[windows]] in the config")
+        gap = (opens - now).total_seconds()
+        state = "open now; " if windows.is_open(self.config.windows, now) else ""
+        detail = f"{state}next opens {opens:%Y-%m-%d %H:%M} UTC (in {gap / 3600:.1f} h)"
+        if gap > MAX_WINDOW_GAP_S:
+            return Check("windows", False, detail, "a window this rare means specd rarely acts")
+        return Check("windows", True, detail)
+
+    def check_override(self) -> Check:
+        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        status = read_override(
+            Path(self.config.override_file),
+            self.config.min_steps,
+            self.config.max_steps,
+            now,
+            allowed_uids=daemon_uids(),
+        )
+        if not status.valid:
+            return Check("override", False, str(status.problem), "fix it or `specd override clear`")
+        if status.override is None:
+            return Check("override", True, "none")
+        return Check("override", True, f"{status.override.mode} ({status.override.reason})")
+
+    def check_service(self) -> Check:
+        props = self.systemctl_show(
+            SPECD_UNIT, "ActiveState", "SubState", "WatchdogUSec", "WatchdogTimestampMonotonic"
+        )
+        state = f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}"
+        if props.get("ActiveState") != "active":
+            return Check(
+                "service",
+                False,
+                f"{SPECD_UNIT} is {state}",
+                f"`systemctl start {SPECD_UNIT}`; why it stopped: `journalctl -u {SPECD_UNIT}`",
+            )
+        period_us = _usec(props.get("WatchdogUSec", ""))
+        last_us = props.get("WatchdogTimestampMonotonic", "0")
+        if not period_us or not last_us.isdigit() or last_us == "0":
+            return Check(
+                "service", False, f"{SPECD_UNIT} is {state} without a watchdog", "keep WatchdogSec="
+            )
+        age_s = self.monotonic() - int(last_us) / 1e6
+        if age_s > period_us / 1e6:
+            return Check(
+                "service",
+                False,
+                f"last watchdog ping {age_s:.0f} s ago (limit {period_us / 1e6:g} s)",
+                f"specd is stuck: `journalctl -u {SPECD_UNIT}`",
+            )
+        return Check("service", True, f"{SPECD_UNIT} {state}, watchdog fed {age_s:.0f} s ago")
+
+    def check_own_metrics(self) -> Check:
+        host = self.config.metrics_listen_address
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{self.config.metrics_port}"
+        try:
+            response = httpx.get(url + "/metrics", timeout=TIMEOUT_S, trust_env=False)
+        except httpx.HTTPError as exc:
+            return Check("specd-metrics", False, f"{url}/metrics: {exc}", "is specd running?")
+        if response.status_code != 200 or "specd_" not in response.text:
+            return Check(
+                "specd-metrics",
+                False,
+                f"{url}/metrics: HTTP {response.status_code}, no specd_ metrics",
+                "another process holds metrics_port?",
+            )
+        return Check("specd-metrics", True, f"{url}/metrics answers")
+
+    def run(self) -> list[Check]:
+        checks = [self.check_config()]
+        with SGLangClient(self.config.sglang_url, timeout_s=TIMEOUT_S) as client:
+            checks.append(self.check_sglang(client))
+            checks += self.check_metrics(client)
+        dropin, words, defaults = self.check_dropin()
+        checks += [dropin, self.check_command(words, defaults), self.check_steps(defaults)]
+        for check in (
+            self.check_polkit,
+            self.check_windows,
+            self.check_override,
+            self.check_service,
+            self.check_own_metrics,
+        ):
+            try:
+                checks.append(check())
+            except (InstallError, OSError, ValueError) as exc:
+                checks.append(Check(check.__name__.removeprefix("check_"), False, str(exc), ""))
+        return checks
+
+
+def _options(words: list[str]) -> list[str]:
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            return words[i:]
+    return []
+
+
+def _usec(text: str) -> int:
+    """systemctl prints WatchdogUSec as '1min', '2s', '500ms' or a number of microseconds."""
+    if text.isdigit():
+        return int(text)
+    units = {"us": 1, "ms": 1000, "s": 1_000_000, "min": 60_000_000, "h": 3_600_000_000}
+    total = 0
+    for part in text.split():
+        number = part.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = part[len(number) :]
+        if not number or unit not in units:
+            return 0
+        total += int(float(number) * units[unit])
+    return total
+
+
+def render(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for check in checks:
+        lines.append(f"{'✓' if check.ok else '✗'} {check.name:<{width}}  {check.detail}")
+        if not check.ok and check.advice:
+            lines.append(f"  {'':<{width}}  → {check.advice}")
+    return "\n".join(lines) + "\n"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Check every part of specd's setup; ✓/✗ per check with advice. Exit 0 only if all pass."
+    )
+    parser.add_argument(
+        "--config", type=Path, default=None, help=f"config file (default {DEFAULT_CONFIG_PATH})"
+    )
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = Doctor(args.config, SubprocessRunner()).run()
+    ok = all(c.ok for c in checks)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks]}, indent=2))
+    else:
+        sys.stdout.write(render(checks))
+    return 0 if ok else 1

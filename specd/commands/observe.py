@@ -1,0 +1,83 @@
+"""`specd observe`: scrape SGLang once and print what specd sees."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from specd.core.acceptance import alpha_from_accept_length
+from specd.core.observation import Observation, ScrapeError
+from specd.io.sglang import SGLangClient, check_base_url
+
+
+def _url_arg(value: str) -> str:
+    try:
+        return check_base_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _timeout_arg(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {value!r}")
+    return seconds
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url", required=True, type=_url_arg, help="SGLang base URL, e.g. http://127.0.0.1:30000"
+    )
+    parser.add_argument("--json", action="store_true", help="print the Observation as JSON")
+    parser.add_argument(
+        "--timeout-s", type=_timeout_arg, default=3.0, help="per-request timeout (default 3)"
+    )
+
+
+def _table(obs: Observation) -> str:
+    alpha = (
+        alpha_from_accept_length(obs.accept_length, obs.steps)
+        if obs.accept_length is not None and obs.steps
+        else None
+    )
+    when = time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(obs.t))
+    rows: list[tuple[str, object]] = [
+        ("time", f"{when} ({obs.t:.3f})"),
+        ("version", obs.version),
+        ("running", obs.running),
+        ("queued", obs.queued),
+        ("offered", obs.offered),
+        ("max_running_requests", obs.max_running_requests),
+        ("dp_ranks", obs.dp_ranks),
+        ("algorithm", obs.algorithm),
+        ("steps", obs.steps),
+        ("draft_tokens", obs.draft_tokens),
+        ("topk", obs.topk),
+        ("accept_length", None if obs.accept_length is None else f"{obs.accept_length:.3f}"),
+        ("alpha (derived)", None if alpha is None else f"{alpha:.3f}"),
+        ("spec_fresh", "yes" if obs.spec_fresh else "no (idle: spec gauges are stale)"),
+        ("token_usage", obs.token_usage),
+        ("gen_throughput", obs.gen_throughput),
+        ("generation_tokens_total", obs.generation_tokens_total),
+        ("decode_tokens_total", obs.decode_tokens_total),
+        ("spec_verify_calls_total", obs.spec_verify_calls_total),
+        ("retracted_total", obs.retracted_total),
+        ("launch_command", obs.launch_command),
+    ]
+    return "\n".join(f"{name:<24} {'-' if value is None else value}" for name, value in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    with SGLangClient(args.url, timeout_s=args.timeout_s) as client:
+        result = client.observe()
+    if isinstance(result, ScrapeError):
+        print(f"specd observe: {result.kind}: {result.reason}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_dict(), indent=2) if args.json else _table(result))
+    return 0

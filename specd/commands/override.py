@@ -1,0 +1,131 @@
+"""`specd override`: pin, freeze, clear or show the on-call override."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from specd.core import windows
+from specd.core.override import _UTC, Apply, Override
+from specd.io import config as config_mod
+from specd.io.override import (
+    MAX_CLI_DURATION,
+    OverrideStatus,
+    _human,
+    daemon_uids,
+    parse_duration,
+    read_override,
+    render_override,
+    write_override,
+)
+
+if sys.version_info >= (3, 11):
+    pass
+else:  # pragma: no cover - exercised on 3.10 only
+    pass  # type: ignore[import-not-found,unused-ignore]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Read or write the on-call override file."
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--file", type=Path, default=None, help="override file (default: config)")
+    common.add_argument("--config", type=Path, default=None, help="specd config file")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pin = sub.add_parser("pin", parents=[common], help="run exactly K steps until it expires")
+    pin.add_argument("steps", type=int, metavar="K")
+    pin.add_argument("--for", dest="duration", required=True, help="e.g. 30m, 4h, 1d")
+    pin.add_argument("--reason", required=True)
+    pin.add_argument(
+        "--now", action="store_true", help="restart at once instead of at the next window"
+    )
+    freeze = sub.add_parser("freeze", parents=[common], help="make no changes until it expires")
+    freeze.add_argument("--for", dest="duration", required=True, help="e.g. 30m, 4h, 1d")
+    freeze.add_argument("--reason", required=True)
+    clear = sub.add_parser("clear", parents=[common], help="back to automatic (mode = auto)")
+    clear.add_argument("--reason", default="override cleared")
+    sub.add_parser("show", parents=[common], help="say whether the file is valid and its effect")
+
+
+def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: str) -> str:
+    if not status.present:
+        return f"{path}: no override file; specd decides automatically."
+    if not status.valid:
+        return (
+            f"INVALID: {status.problem}\n"
+            "specd ignores this file and keeps its last good state; fix or run "
+            "`specd override clear`."
+        )
+    override = status.override
+    assert override is not None
+    if override.mode == "auto":
+        return f"{path}: valid, mode auto; specd decides automatically."
+    assert override.expires_at is not None
+    left = _human(override.expires_at - now)
+    until = f"until {override.expires_at:%Y-%m-%d %H:%M:%SZ} ({left} from now)"
+    why = f" — reason: {override.reason}" if override.reason else ""
+    if override.mode == "freeze":
+        return f"{path}: valid, freeze {until}{why}\nspecd makes no step changes until then."
+    when = "at once (apply = now)" if override.apply == "now" else windows_text
+    return (
+        f"{path}: valid, pin {override.steps} steps {until}{why}\n"
+        f"specd runs {override.steps} steps; if SGLang runs another count it restarts {when}."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_mod.load_config(args.config)
+    except config_mod.ConfigError as exc:
+        for problem in exc.problems:
+            print(f"specd override: config: {problem}", file=sys.stderr)
+        return 2
+    path: Path = args.file if args.file is not None else cfg.override_file
+    now = datetime.now(_UTC).replace(microsecond=0)
+    try:
+        opens = windows.next_open(cfg.windows, now)
+        windows_text = (
+            "now, inside the open maintenance window"
+            if windows.is_open(cfg.windows, now)
+            else f"in the next maintenance window ({opens:%Y-%m-%d %H:%M}Z)"
+        )
+    except ValueError:
+        windows_text = "in the next maintenance window"
+    if args.action != "show":
+        user = getpass.getuser()
+        if args.action == "clear":
+            override = Override("auto", None, None, args.reason, "next-window")
+        else:
+            try:
+                duration = parse_duration(args.duration)
+            except ValueError as exc:
+                print(f"specd override: --for {exc}", file=sys.stderr)
+                return 2
+            if duration > MAX_CLI_DURATION:
+                print(
+                    f"specd override: --for {args.duration} is longer than 30d; "
+                    "change min_steps/max_steps in the config instead",
+                    file=sys.stderr,
+                )
+                return 2
+            steps = args.steps if args.action == "pin" else None
+            if steps is not None and not cfg.min_steps <= steps <= cfg.max_steps:
+                print(
+                    f"specd override: {steps} steps is outside the configured range "
+                    f"{cfg.min_steps}..{cfg.max_steps}",
+                    file=sys.stderr,
+                )
+                return 2
+            apply: Apply = "now" if getattr(args, "now", False) else "next-window"
+            override = Override(args.action, steps, now + duration, args.reason, apply)
+        header = f"written by `specd override {args.action}` as {user} at {now:%Y-%m-%dT%H:%M:%SZ}"
+        try:
+            write_override(path, render_override(override, header))
+        except OSError as exc:
+            print(f"specd override: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    status = read_override(path, cfg.min_steps, cfg.max_steps, now, allowed_uids=daemon_uids())
+    print(_describe(status, path, now, windows_text))
+    return 0 if status.valid else 1

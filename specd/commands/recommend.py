@@ -1,0 +1,123 @@
+"""`specd recommend --url URL`: what specd would decide now, against a live server.
+
+Changes nothing: it reads the daemon's state file (when there is one) for the learned
+history, restarts and freeze, samples the server a few times, and runs the same
+`recommend` and `decide` as the daemon on a copy. Useful before installing specd (what
+would it do with this traffic?) and on call (why is it not acting?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from specd.commands.check_config import load_for_command
+from specd.core.decide import Control, decide, recommend
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation, ScrapeError
+from specd.io.config import DEFAULT_CONFIG_PATH
+from specd.io.override import daemon_uids, read_override
+from specd.io.sglang import SGLangClient
+from specd.io.state import STATE_FILE, State, StateFormatError, read_json
+
+DAY_S = 86400.0
+
+
+def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, str]:
+    path = state_dir / STATE_FILE
+    try:
+        return State.from_dict(read_json(path), settings), f"history from {path}"
+    except FileNotFoundError:
+        return State(history=History(settings)), "no state file: history from samples only"
+    except (OSError, ValueError, StateFormatError) as exc:
+        return State(history=History(settings)), f"state file unusable ({exc}): samples only"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--config", type=Path, default=None, help=f"default {DEFAULT_CONFIG_PATH}")
+    parser.add_argument("--samples", type=int, default=5, help="scrapes to take (default 5)")
+    parser.add_argument(
+        "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_for_command(args.config)
+    if config is None:
+        return 2
+    if args.samples < 1 or args.interval_s < 0:
+        print("specd recommend: --samples must be >= 1 and --interval-s >= 0")
+        return 2
+    settings = HistorySettings.from_config(config)
+    state, source = _learned_state(Path(config.state_dir), settings)
+    history = state.history
+    last: Observation | ScrapeError | None = None
+    pause = threading.Event()
+    try:
+        client = SGLangClient(args.url, timeout_s=config.scrape_timeout_s)
+    except ValueError as exc:
+        print(f"specd recommend: {exc}")
+        return 2
+    with client:
+        for i in range(args.samples):
+            last = client.observe()
+            if isinstance(last, Observation):
+                history.record(last)
+            if i + 1 < args.samples:
+                pause.wait(args.interval_s)
+    now = time.time()
+    status = read_override(
+        Path(config.override_file),
+        config.min_steps,
+        config.max_steps,
+        now,
+        allowed_uids=daemon_uids(),
+    )
+    override = status.override if status.valid else None
+    current = last.steps if isinstance(last, Observation) else None
+    control = Control(
+        current_steps=current,
+        restart_times=tuple(float(r["t"]) for r in state.restarts if r.get("result") != "aborted"),
+        frozen=state.frozen is not None,
+        frozen_reason=(state.frozen or {}).get("reason"),
+        recommendations=tuple((float(t), int(s)) for t, s in state.recommendations),
+    )
+    rec = recommend(history, config, current)
+    decision = decide(history, last, config, override, now, control)
+    out: dict[str, Any] = {
+        "url": args.url,
+        "history": source,
+        "current_steps": current,
+        "offered_now": last.offered if isinstance(last, Observation) else None,
+        "offered_p50": history.quantile(0.5),
+        "scrape_error": last.reason if isinstance(last, ScrapeError) else None,
+        "recommendation": {"steps": rec[0], "why": rec[1]} if rec else None,
+        "decision": {
+            "target_steps": decision.target_steps,
+            "reason": decision.reason.value,
+            "message": decision.message,
+            "would_restart": decision.acts(current),
+        },
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(
+        f"SGLang         {args.url}: steps {current if current is not None else '?'}"
+        + (f", offered {out['offered_now']}" if out["offered_now"] is not None else "")
+        + (f" (scrape failed: {out['scrape_error']})" if out["scrape_error"] else "")
+    )
+    print(f"history        {source}")
+    print("policy picks   " + (f"{rec[0]}: {rec[1]}" if rec else "nothing yet (no busy history)"))
+    print(
+        f"decision       {decision.reason.value}: target {decision.target_steps} — "
+        f"{decision.message}"
+    )
+    print("would restart  " + ("yes" if decision.acts(current) else "no") + " (nothing changed)")
+    return 0

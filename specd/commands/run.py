@@ -1,0 +1,31 @@
+"""`specd run`: the daemon, as specd.service starts it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specd.commands.check_config import load_for_command
+from specd.daemon import Daemon
+from specd.io import logs
+from specd.io.config import DEFAULT_CONFIG_PATH
+
+
+# -- CLI: specd run ----------------------------------------------------------------
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"configuration file (default {DEFAULT_CONFIG_PATH}; SPECD_* env vars override)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_for_command(args.config)
+    if config is None:
+        return 2  # a bad config stops start-up, one line per problem
+    logs.configure(config.log_format)
+    daemon = Daemon(config, args.config)
+    daemon.install_signal_handlers()
+    return daemon.run()

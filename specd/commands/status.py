@@ -1,0 +1,140 @@
+"""`specd status`: what specd is doing, from its state file, for the on-call.
+
+Reads only: state.json (never moved aside or rewritten here), the config, and the
+override file. Works while the daemon runs, and when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from specd.commands.check_config import load_for_command
+from specd.core import windows
+from specd.io.config import DEFAULT_CONFIG_PATH, Config
+from specd.io.override import daemon_uids, read_override
+from specd.io.state import STATE_FILE, read_json
+
+DAY_S = 86400.0
+
+
+def _when(ts: float | None, now: float) -> str:
+    if ts is None:
+        return "never"
+    at = datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    delta = ts - now
+    span = abs(delta)
+    human = (
+        f"{span:.0f}s"
+        if span < 120
+        else f"{span / 60:.0f}m"
+        if span < 7200
+        else f"{span / 3600:.1f}h"
+    )
+    return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
+
+
+def collect(config: Config, now: float) -> dict[str, Any]:
+    state_path = Path(config.state_dir) / STATE_FILE
+    try:
+        state = read_json(state_path)
+        state_problem = None if isinstance(state, dict) else "not a JSON object"
+    except FileNotFoundError:
+        state, state_problem = {}, "no state yet (specd has not run)"
+    except (OSError, ValueError) as exc:
+        state, state_problem = {}, f"unreadable: {exc}"
+    if not isinstance(state, dict):
+        state = {}
+    at = datetime.fromtimestamp(now, tz=timezone.utc)
+    override = read_override(
+        Path(config.override_file),
+        config.min_steps,
+        config.max_steps,
+        at,
+        allowed_uids=daemon_uids(),
+    )
+    current = override.override if override.valid else None
+    restarts = [r for r in state.get("restarts", []) if now - float(r.get("t", 0)) < DAY_S]
+    decision = state.get("last_decision") or {}
+    return {
+        "state_file": str(state_path),
+        "state_problem": state_problem,
+        "current_steps": decision.get("current_steps"),
+        "target_steps": decision.get("target_steps"),
+        "last_decision": decision,
+        "mode": current.mode if current is not None and current.active(at) else "auto",
+        "override": {
+            "file": str(config.override_file),
+            "present": override.present,
+            "valid": override.valid,
+            "problem": override.problem,
+            "mode": current.mode if current else None,
+            "steps": current.steps if current else None,
+            "expires_at": current.expires_at.isoformat()
+            if current and current.expires_at
+            else None,
+            "reason": current.reason if current else None,
+        },
+        "frozen": state.get("frozen"),
+        "restart_in_progress": state.get("journal"),
+        "restarts_last_24h": restarts,
+        "restart_budget_remaining": max(0, config.daily_restart_budget - len(restarts)),
+        "window_open": windows.is_open(config.windows, at),
+        "next_window_open": windows.next_open(config.windows, at).timestamp(),
+        "next_window_close": windows.next_close(config.windows, at).timestamp(),
+    }
+
+
+def render(info: dict[str, Any], now: float) -> str:
+    d = info["last_decision"]
+    lines = [
+        f"steps live     {info['current_steps'] if info['current_steps'] is not None else '?'}",
+        f"target         {info['target_steps'] if info['target_steps'] is not None else '?'}",
+        f"mode           {info['mode']}",
+        f"last decision  {d.get('reason', '-')}: {d.get('message', '-')} "
+        f"({_when(d.get('t'), now) if d.get('t') else 'never'})",
+        "frozen         "
+        + (
+            f"YES, FROZEN since {_when(info['frozen'].get('since'), now)}: "
+            f"{info['frozen'].get('reason')}"
+            "  (clear: specd unfreeze --reason ...)"
+            if info["frozen"]
+            else "no"
+        ),
+        f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
+        f"{_when(info['next_window_open'], now)}, closes {_when(info['next_window_close'], now)}",
+        f"restarts 24h   {len(info['restarts_last_24h'])} "
+        f"(budget left {info['restart_budget_remaining']})",
+    ]
+    ov = info["override"]
+    if ov["present"]:
+        lines.append(
+            f"override       {ov['mode']} steps={ov['steps']} until {ov['expires_at']}: "
+            f"{ov['reason']}"
+            if ov["valid"]
+            else f"override       INVALID, ignored: {ov['problem']}"
+        )
+    if info["restart_in_progress"]:
+        lines.append(f"restart        in progress: {info['restart_in_progress'].get('phase')}")
+    if info["state_problem"]:
+        lines.append(f"state          {info['state_problem']}")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help=f"default {DEFAULT_CONFIG_PATH}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    now = time.time()
+    config = load_for_command(args.config)
+    if config is None:
+        return 2
+    info = collect(config, now)
+    print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
+    return 0

@@ -1,0 +1,208 @@
+"""`specd sweep`: measure tok/s per step count and concurrency."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+from specd.commands.check_config import load_for_command
+from specd.io import logs
+from specd.io.apply import ApplySettings
+from specd.io.config import Config
+from specd.io.runner import Runner
+from specd.tools.sweep import (
+    EXIT_FAILED,
+    EXIT_SIGNAL_BASE,
+    EXIT_USAGE,
+    LOG_NAME,
+    TWIN_LOAD_TIME_S,
+    TWIN_WARMUP_S,
+    PlainReporter,
+    Reporter,
+    RichReporter,
+    SweepError,
+    SweepPlan,
+    SweepReport,
+    _int_list,
+    _seconds,
+    check_plan,
+    sweep,
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measure SGLang at each step count and concurrency: restarts the SGLang unit once per "
+        "step count, writes sweep.csv (a calibration table), sweep.md and sweep.png, and puts "
+        "the original step count back at the end, on failure and on Ctrl-C. Stop specd first."
+    )
+    parser.add_argument("--steps", type=_int_list, required=True, help="step counts, e.g. 1,2,3,4")
+    parser.add_argument(
+        "--concurrency", type=_int_list, required=True, help="closed-loop clients, e.g. 1,4,16"
+    )
+    parser.add_argument(
+        "--duration-s", type=_seconds, default=60.0, help="measured seconds per point (60)"
+    )
+    parser.add_argument(
+        "--warmup-s", type=_seconds, default=20.0, help="load before measuring, per step count (20)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request (256)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output directory (default ./sweep-DATE-TIME)"
+    )
+    parser.add_argument("--config", type=Path, default=None, help="specd config file")
+    parser.add_argument("--yes", action="store_true", help="do not ask before restarting SGLang")
+    parser.add_argument(
+        "--twin",
+        action="store_true",
+        help="sweep an embedded SGLang twin instead of the configured unit (a demo)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def confirm(
+    config: Config, plan: SweepPlan, yes: bool, stdin: TextIO, stderr: TextIO
+) -> str | None:
+    """None to go ahead, else why not (one line)."""
+    if yes:
+        return None
+    if not stdin.isatty():
+        return "refusing to restart SGLang without confirmation: no terminal to ask; pass --yes"
+    minutes = plan.load_seconds_per_steps() * len(plan.steps) / 60
+    print(
+        f"This restarts {config.sglang_unit} up to {len(plan.steps) + 1} times (steps "
+        f"{','.join(map(str, plan.steps))}), serving nothing while it loads, and loads it for "
+        f"about {minutes:.0f} min. Continue? [y/N] ",
+        end="",
+        file=stderr,
+        flush=True,
+    )
+    answer = stdin.readline().strip().lower()
+    return None if answer in ("y", "yes") else "not confirmed; nothing was changed"
+
+
+def twin_config(workdir: Path, twin_port: int) -> Config:
+    from specd.twin.unit import twin_unit_config  # noqa: PLC0415
+
+    return twin_unit_config(workdir, twin_port, min_steps=1, max_steps=6)
+
+
+def fast_polling(settings: ApplySettings) -> ApplySettings:
+    """The twin starts in about a second: poll its health often so restarts stay short."""
+    return replace(settings, health_poll_interval_s=0.2, quiet_poll_interval_s=0.2)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = SweepPlan(
+            steps=args.steps,
+            concurrency=tuple(sorted(args.concurrency)),
+            duration_s=args.duration_s,
+            warmup_s=args.warmup_s,
+            max_tokens=args.max_tokens,
+        )
+    except ValueError as exc:
+        print(f"specd sweep: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    out_dir = args.out or Path(f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    if args.twin:
+        if args.config is not None:
+            print("specd sweep: --twin and --config exclude each other", file=sys.stderr)
+            return EXIT_USAGE
+        return _run_twin(args, plan, out_dir)
+    config = load_for_command(args.config)
+    if config is None:
+        return EXIT_USAGE
+    try:
+        check_plan(plan, config)
+    except SweepError as exc:
+        print(f"specd sweep: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    refused = confirm(config, plan, args.yes, sys.stdin, sys.stderr)
+    if refused is not None:
+        print(f"specd sweep: {refused}", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_cli(args, config, plan, out_dir, None, None)
+
+
+def _run_twin(args: argparse.Namespace, plan: SweepPlan, out_dir: Path) -> int:
+    from specd.twin.process import free_port  # noqa: PLC0415
+    from specd.twin.unit import DEFAULT_STEPS, TwinUnitRunner  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="specd-sweep-twin-") as tmp:
+        workdir = Path(tmp)
+        port = free_port()
+        config = twin_config(workdir, port)
+        unit = TwinUnitRunner(
+            config.sglang_unit,
+            Path(config.env_file),
+            port=port,
+            extra_args=["--load-time-s", str(TWIN_LOAD_TIME_S), "--warmup-s", str(TWIN_WARMUP_S)],
+        )
+        print(f"specd sweep: starting the SGLang twin at steps {DEFAULT_STEPS} on port {port}",
+              file=sys.stderr)  # fmt: skip
+        try:
+            unit.start().wait_healthy(60)
+        except RuntimeError as exc:
+            unit.stop()
+            print(f"specd sweep: the twin did not start: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        try:
+            settings = fast_polling(ApplySettings.from_config(config))
+            return _run_cli(args, config, plan, out_dir, unit, settings)
+        finally:
+            unit.stop()
+
+
+def _run_cli(
+    args: argparse.Namespace,
+    config: Config,
+    plan: SweepPlan,
+    out_dir: Path,
+    runner: Runner | None,
+    settings: ApplySettings | None,
+) -> int:
+    reporter: Reporter
+    if args.json:
+        reporter = Reporter()
+    elif sys.stderr.isatty():
+        reporter = RichReporter(sys.stderr)
+    else:
+        reporter = PlainReporter(sys.stderr)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log_file = (out_dir / LOG_NAME).open("a", encoding="utf-8")
+    except OSError as exc:
+        print(f"specd sweep: cannot write to {out_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    # The restart sequence logs JSON lines; they belong in a file beside the results.
+    logs.configure("json", stream=log_file)
+    try:
+        report = sweep(
+            config, plan, out_dir, runner=runner, reporter=reporter, apply_settings=settings
+        )
+    except SweepError as exc:
+        reporter.close()
+        print(f"specd sweep: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        log_file.close()
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        for path in report.files:
+            print(path)
+    return exit_code(report)
+
+
+def exit_code(report: SweepReport) -> int:
+    if report.interrupted_by is not None:
+        return EXIT_SIGNAL_BASE + int(signal.Signals[report.interrupted_by])
+    return 0 if report.ok else EXIT_FAILED

@@ -1,0 +1,338 @@
+"""The `decide` step of a tick: which step count specd wants live, and why (not) now.
+
+Pure: no I/O and no clock of its own; ``now`` is a unix time passed in, turned into an
+aware datetime only to ask whether a maintenance window is open. The same inputs always
+give the same `Decision`, so every branch is testable with an injected clock.
+
+Checks run in a fixed order, like Kubernetes' HPA: the first that holds gives the
+reason. Safety first (freeze, then an operator's pin), then the quality of the data,
+then whether the policy really wants a change, then when a change is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from specd.core import windows
+from specd.core.model import recommend_model
+from specd.core.observation import ScrapeError
+
+if TYPE_CHECKING:
+    from specd.core.history import History
+    from specd.core.observation import Observation
+    from specd.core.override import Override
+    from specd.io.config import Band, Config
+
+DAY_S = 86400.0
+
+
+class Reason(str, enum.Enum):
+    """Why a decision acts or holds. A fixed set: each is a metric label and a log field."""
+
+    NO_DATA = "no_data"
+    INSUFFICIENT_DATA = "insufficient_data"
+    STALE_DATA = "stale_data"
+    WITHIN_TOLERANCE = "within_tolerance"
+    STABILIZING = "stabilizing"
+    DWELL_TIME = "dwell_time"
+    RESTART_BUDGET = "restart_budget"
+    WINDOW_CLOSED = "window_closed"
+    OVERRIDE_PIN = "override_pin"
+    FROZEN = "frozen"
+    CHANGE = "change"
+
+
+# The only reasons under which the daemon applies a target.
+ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``target_steps``: what specd wants live (None when it cannot know)."""
+
+    target_steps: int | None
+    reason: Reason
+    message: str
+
+    def acts(self, current: int | None) -> bool:
+        """True iff the daemon should apply ``target_steps`` now."""
+        return (
+            self.reason in ACTING_REASONS
+            and self.target_steps is not None
+            and self.target_steps != current
+        )
+
+
+@dataclass(frozen=True)
+class Control:
+    """The part of specd's state that decide reads (a read-only view)."""
+
+    current_steps: int | None
+    restart_times: tuple[float, ...] = ()
+    frozen: bool = False
+    frozen_reason: str | None = None
+    # (t, steps) the policy recommended at recent ticks, oldest first.
+    recommendations: tuple[tuple[float, int], ...] = ()
+
+
+# -- policies -----------------------------------------------------------------------
+Policy = Callable[["History", "Config", "int | None"], "tuple[int, str] | None"]
+
+
+def clamp(steps: int, config: Config) -> int:
+    return max(config.min_steps, min(config.max_steps, steps))
+
+
+def _num(x: float) -> str:
+    return f"{x:.1f}" if x != int(x) else f"{int(x)}"
+
+
+def _band_range(bands: Sequence[Band], i: int) -> str:
+    upper = bands[i].max_concurrency
+    lower = bands[i - 1].max_concurrency if i > 0 else None
+    if upper is None:
+        return f"> {_num(lower)}" if lower is not None else "any"
+    if lower is None:
+        return f"≤ {_num(upper)}"
+    return f"in ({_num(lower)}, {_num(upper)}]"
+
+
+def _recommend_bands(
+    history: History, config: Config, current: int | None
+) -> tuple[int, str] | None:
+    """Bands of offered concurrency; with ``current``, boundaries get hysteresis.
+
+    The band is picked by a quantile of busy-time offered concurrency. To leave the
+    band(s) of the live step count, that quantile must be beyond the boundary by
+    ``tolerance_ratio`` (above b·(1+tol), or below b·(1−tol)), so traffic hovering at a
+    boundary cannot make specd flap between two settings.
+    """
+    bands = config.bands
+    ratio = config.band_quantile_ratio
+    q = history.quantile(ratio)
+    if q is None or not bands:
+        return None
+    label = f"p{ratio * 100:g} offered concurrency {_num(q)}"
+    picked = next(
+        (i for i, b in enumerate(bands) if b.max_concurrency is None or q <= b.max_concurrency),
+        len(bands) - 1,
+    )
+    steps = clamp(bands[picked].steps, config)
+    why = f"{label} {_band_range(bands, picked)} (band {picked + 1} → {steps} steps)"
+    if current is None or steps == current:
+        return steps, why
+    tol = config.tolerance_ratio
+    for j, band in enumerate(bands):
+        if clamp(band.steps, config) != current:
+            continue
+        upper = band.max_concurrency
+        lower = bands[j - 1].max_concurrency if j > 0 else None
+        if upper is not None and q > upper * (1 + tol):
+            continue
+        if lower is not None and q < lower * (1 - tol):
+            continue
+        edge = upper if upper is not None and q > upper else lower
+        return current, (
+            f"{label} is within {tol * 100:g}% of the band boundary {_num(edge or 0.0)}: "
+            f"keeping band {j + 1} ({current} steps)"
+        )
+    return steps, why
+
+
+# "model": the throughput model (specd.model), forecast over the coming epoch.
+POLICIES: dict[str, Policy] = {"bands": _recommend_bands, "model": recommend_model}
+
+
+def recommend(
+    history: History, config: Config, current: int | None = None
+) -> tuple[int, str] | None:
+    """The policy's pick (clamped to the allowed range) and why; None without busy history.
+
+    Without ``current`` this is the raw pick; with it, the policy's tolerance applies
+    and the pick is ``current`` while the evidence for a change is within tolerance.
+    """
+    policy = POLICIES.get(config.policy)
+    if policy is not None:
+        return policy(history, config, current)
+    # A configured policy this build lacks must not stop specd: fall back, and say so.
+    picked = _recommend_bands(history, config, current)
+    if picked is None:
+        return None
+    return picked[0], f"policy {config.policy!r} unavailable, using bands: {picked[1]}"
+
+
+# -- decide -------------------------------------------------------------------------
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _utc(now: float) -> datetime:
+    return datetime.fromtimestamp(now, tz=timezone.utc)
+
+
+def _stamp(at: datetime) -> str:
+    return at.strftime("%Y-%m-%dT%H:%MZ")
+
+
+def _held_for(recommendations: Sequence[tuple[float, int]], target: int, now: float) -> float:
+    """How long ``target`` has been recommended without interruption, up to ``now``."""
+    since: float | None = None
+    for t, steps in sorted(recommendations):
+        if steps != target:
+            since = None
+        elif since is None:
+            since = t
+    return 0.0 if since is None else max(0.0, now - since)
+
+
+def _holding(current: int | None) -> str:
+    return f"holding {current}" if current is not None else "no change"
+
+
+def _arrow(current: int | None, target: int) -> str:
+    return f"{current if current is not None else '?'} → {target}"
+
+
+def _window_message(config: Config, at: datetime, change: str) -> str:
+    try:
+        nxt = f"next opens {_stamp(windows.next_open(config.windows, at))}"
+    except ValueError as exc:
+        nxt = str(exc)
+    return f"maintenance window closed ({nxt}): {change} waits"
+
+
+def decide(
+    history: History,
+    obs: Observation | ScrapeError | None,
+    config: Config,
+    override: Override | None,
+    now: float,
+    control: Control,
+) -> Decision:
+    """What specd wants live and whether to apply it now. See the module docstring."""
+    at = _utc(now)
+    current = control.current_steps
+    hold = None if current is None else clamp(current, config)
+    active = override if override is not None and override.active(at) else None
+
+    # 1. Frozen: after a failed restart (until an operator clears it) or by override.
+    if control.frozen:
+        # One line, whatever the state file holds: messages are log fields and STATUS=.
+        why = " ".join((control.frozen_reason or "").split()) or "a restart failed"
+        return Decision(hold, Reason.FROZEN, f"frozen ({why}); {_holding(current)}")
+    if active is not None and active.mode == "freeze":
+        until = f" until {_stamp(active.expires_at)}" if active.expires_at else ""
+        return Decision(
+            hold,
+            Reason.FROZEN,
+            f"override freeze{until} ({active.reason}); {_holding(current)}",
+        )
+
+    # 2. An operator's pin. apply = "now" is the on-call's emergency lever, so it
+    # bypasses the window, dwell and budget; a next-window pin waits for a window and
+    # respects the daily budget (the guard against restart loops) but not the dwell,
+    # which only exists to stop the automatic policy from flapping.
+    if active is not None and active.mode == "pin" and active.steps is not None:
+        pin = clamp(active.steps, config)
+        said = f"pinned to {pin} by override ({active.reason})"
+        if pin == current:
+            return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live")
+        if active.apply == "now":
+            return Decision(pin, Reason.OVERRIDE_PIN, f"{said}, apply now: {_arrow(current, pin)}")
+        if not windows.is_open(config.windows, at):
+            return Decision(
+                pin,
+                Reason.WINDOW_CLOSED,
+                f"{said}; {_window_message(config, at, _arrow(current, pin))}",
+            )
+        used = sum(1 for t in control.restart_times if t > now - DAY_S)
+        if used >= config.daily_restart_budget:
+            return Decision(
+                pin,
+                Reason.RESTART_BUDGET,
+                f"{said}; {used} restarts in the last 24 h ≥ budget "
+                f"{config.daily_restart_budget}: {_arrow(current, pin)} waits",
+            )
+        return Decision(pin, Reason.OVERRIDE_PIN, f"{said}: {_arrow(current, pin)}")
+
+    # 3. Data: an observation, fresh, and enough busy history behind it.
+    if obs is None:
+        return Decision(hold, Reason.NO_DATA, f"no observation of SGLang yet; {_holding(current)}")
+    if isinstance(obs, ScrapeError):
+        return Decision(
+            hold,
+            Reason.NO_DATA,
+            f"scrape failed ({obs.kind}: {obs.reason}); {_holding(current)}",
+        )
+    if current is None:
+        return Decision(None, Reason.NO_DATA, "SGLang's current step count is unknown; no change")
+    age = now - obs.t
+    if not math.isfinite(age) or abs(age) > config.stale_after_s:
+        return Decision(
+            hold,
+            Reason.STALE_DATA,
+            f"latest observation is {_duration(abs(age)) if math.isfinite(age) else '?'} "
+            f"{'old' if age >= 0 else 'in the future'} (> {_duration(config.stale_after_s)}); "
+            f"{_holding(current)}",
+        )
+    busy = history.busy_seconds
+    if busy < config.min_history_s:
+        return Decision(
+            hold,
+            Reason.INSUFFICIENT_DATA,
+            f"{_duration(busy)} of busy history < {_duration(config.min_history_s)} needed; "
+            f"{_holding(current)}",
+        )
+    picked = recommend(history, config, current)
+    if picked is None:
+        return Decision(
+            hold, Reason.INSUFFICIENT_DATA, f"no busy traffic in the history; {_holding(current)}"
+        )
+    target, why = picked
+
+    # 4. Does the policy really want a change, and has it wanted it long enough?
+    if target == current:
+        return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {current} is live")
+    change = _arrow(current, target)
+    window_s = config.stabilization_window_s
+    held = _held_for(control.recommendations, target, now)
+    if held < window_s:
+        return Decision(
+            target,
+            Reason.STABILIZING,
+            f"{why} for {_duration(held)} of the {_duration(window_s)} stabilization window: "
+            f"{change} waits",
+        )
+
+    # 5. When a change may happen: window, dwell, budget.
+    if not windows.is_open(config.windows, at):
+        return Decision(
+            target, Reason.WINDOW_CLOSED, f"{why}; {_window_message(config, at, change)}"
+        )
+    if control.restart_times:
+        since = now - max(control.restart_times)
+        if since < config.min_dwell_s:
+            return Decision(
+                target,
+                Reason.DWELL_TIME,
+                f"{why}; last restart {_duration(max(since, 0.0))} ago < "
+                f"{_duration(config.min_dwell_s)} dwell: {change} waits",
+            )
+    used = sum(1 for t in control.restart_times if t > now - DAY_S)
+    if used >= config.daily_restart_budget:
+        return Decision(
+            target,
+            Reason.RESTART_BUDGET,
+            f"{why}; {used} restarts in the last 24 h ≥ budget {config.daily_restart_budget}: "
+            f"{change} waits",
+        )
+    return Decision(target, Reason.CHANGE, f"{why}: {change}")

@@ -1,0 +1,507 @@
+"""What specd has learned from SGLang's traffic: the `record` step of a tick.
+
+Observations are folded into exponentially decaying, time-weighted sums, so recent
+traffic counts most and the state stays small however long specd runs:
+
+- the distribution of offered concurrency (running + queued) in integer bins, with the
+  time observed and the busy time (offered > 0);
+- the mean accept length per step count (only while the spec gauges are fresh);
+- the mean throughput per (steps, offered concurrency);
+- the capacity (max_running_requests) last seen per step count;
+- per hour of the week (UTC), the offered-concurrency distribution again, decaying over
+  weeks, for forecasting the next epoch from the same hours on previous days.
+
+Decay costs O(1) per observation: every sum is stored multiplied by 2^((t - ref_t) /
+half_life), which keeps the ratios between cells exact, and the whole table is rebased
+only when that factor grows large.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from specd.core.acceptance import alpha_from_accept_length
+
+if TYPE_CHECKING:
+    from specd.core.observation import Observation
+    from specd.io.config import Config
+
+HOUR_S = 3600.0
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+HOURS_PER_WEEK = 168
+# 1970-01-01 00:00 UTC was a Thursday, 72 h after Monday 00:00.
+_EPOCH_HOUR_OF_WEEK = 72
+# Rebase a table once its scale factor reaches 2^64: far from float overflow, and rare
+# (every 64 half-lives).
+_REBASE_HALF_LIVES = 64.0
+# Cells lighter than this (in seconds of weight) are dropped when serializing.
+_PRUNE_WEIGHT_S = 1e-3
+HISTORY_FORMAT = 1
+
+K = TypeVar("K", bound=Hashable)
+
+
+def hour_of_week(t: float) -> int:
+    """Hour of the week in UTC for unix time ``t``: 0 = Monday 00:00–01:00."""
+    return (math.floor(t / HOUR_S) + _EPOCH_HOUR_OF_WEEK) % HOURS_PER_WEEK
+
+
+def _pow2(x: float) -> float:
+    # Clamped so that absurd clock jumps give 0 or a huge-but-finite factor, never an
+    # OverflowError.
+    return 2.0 ** max(-1000.0, min(1000.0, x))
+
+
+class DecayingSums(Generic[K]):
+    """Vectors of sums per key, all decaying with one half-life, O(1) per update."""
+
+    __slots__ = ("cells", "half_life_s", "ref_t")
+
+    def __init__(self, half_life_s: float, ref_t: float = 0.0) -> None:
+        self.half_life_s = half_life_s
+        self.ref_t = ref_t
+        self.cells: dict[K, list[float]] = {}
+
+    def add(self, key: K, t: float, *values: float) -> None:
+        if not self.cells:
+            self.ref_t = t  # keeps the factors near 1 for the precision of small sums
+        x = (t - self.ref_t) / self.half_life_s
+        if x > _REBASE_HALF_LIVES:
+            self.rebase(t)
+            x = 0.0
+        factor = _pow2(x)
+        cell = self.cells.get(key)
+        if cell is None:
+            self.cells[key] = [v * factor for v in values]
+        else:
+            for i, v in enumerate(values):
+                cell[i] += v * factor
+
+    def rebase(self, t: float) -> None:
+        """Store the sums as their decayed values at ``t``."""
+        factor = _pow2(-(t - self.ref_t) / self.half_life_s)
+        for cell in self.cells.values():
+            for i in range(len(cell)):
+                cell[i] *= factor
+        self.ref_t = t
+
+    def scale_at(self, t: float) -> float:
+        """Multiply a stored sum by this to get its decayed value at ``t``."""
+        return _pow2(-(t - self.ref_t) / self.half_life_s)
+
+    def to_dict(self, t: float, encode_key: Callable[[K], Any]) -> dict[str, Any]:
+        scale = self.scale_at(t)
+        cells = [
+            [encode_key(key), *(v * scale for v in cell)]
+            for key, cell in sorted(self.cells.items(), key=lambda kv: repr(kv[0]))
+            if cell[0] * scale >= _PRUNE_WEIGHT_S
+        ]
+        return {"ref_t": t, "half_life_s": self.half_life_s, "cells": cells}
+
+    @classmethod
+    def from_dict(
+        cls,
+        data: Any,
+        half_life_s: float,
+        width: int,
+        decode_key: Callable[[Any], K],
+    ) -> DecayingSums[K]:
+        if not isinstance(data, dict):
+            raise ValueError("expected an object")
+        ref_t = _finite(data.get("ref_t"), "ref_t")
+        table: DecayingSums[K] = cls(half_life_s, ref_t)
+        cells = data.get("cells")
+        if not isinstance(cells, list):
+            raise ValueError("cells: expected a list")
+        for row in cells:
+            if not isinstance(row, list) or len(row) != width + 1:
+                raise ValueError(f"cells: expected [key, {width} numbers], got {row!r:.60}")
+            values = [_finite(v, "cells") for v in row[1:]]
+            if values[0] < 0:
+                raise ValueError(f"cells: negative weight {values[0]}")
+            table.cells[decode_key(row[0])] = values
+        return table
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r:.40}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: not finite")
+    return float(value)
+
+
+def _int_key(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer key, got {value!r:.40}")
+    return value
+
+
+def _pair_key(value: Any) -> tuple[int, int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"expected a [steps, concurrency] key, got {value!r:.40}")
+    return _int_key(value[0]), _int_key(value[1])
+
+
+def _weighted_quantile(weights: Iterable[tuple[int, float]], q: float) -> float | None:
+    """Smallest bin whose cumulative weight reaches q of the total (inverse CDF).
+
+    Bins are integers, so the answer is a concurrency that was really observed.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile {q!r} outside [0, 1]")
+    items = sorted((k, w) for k, w in weights if w > 0)
+    total = sum(w for _, w in items)
+    if total <= 0:
+        return None
+    threshold = q * total
+    running = 0.0
+    for k, w in items:
+        running += w
+        # A relative epsilon, so float rounding in the sum cannot skip a bin at q = 1.
+        if running >= threshold * (1 - 1e-9):
+            return float(k)
+    return float(items[-1][0])
+
+
+@dataclass(frozen=True)
+class HistorySettings:
+    """The knobs of the history (from Config), kept apart so state can load without it."""
+
+    half_life_s: float = DAY_S
+    warmup_exclude_s: float = 120.0
+    scrape_interval_s: float = 5.0
+    hour_of_week_half_life_s: float = WEEK_S
+
+    def __post_init__(self) -> None:
+        for name in ("half_life_s", "scrape_interval_s", "hour_of_week_half_life_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not (math.isfinite(self.warmup_exclude_s) and self.warmup_exclude_s >= 0):
+            raise ValueError(f"warmup_exclude_s must be >= 0, got {self.warmup_exclude_s!r}")
+
+    @property
+    def max_interval_s(self) -> float:
+        """The most time one observation can stand for: a gap is not traffic."""
+        return 2.0 * self.scrape_interval_s
+
+    @classmethod
+    def from_config(cls, config: Config) -> HistorySettings:
+        return cls(
+            half_life_s=config.history_half_life_s,
+            warmup_exclude_s=config.warmup_exclude_s,
+            scrape_interval_s=config.scrape_interval_s,
+        )
+
+
+class Recorded(str, enum.Enum):
+    """What `History.record` did with an observation."""
+
+    COUNTED = "counted"
+    WARMUP = "warmup"  # inside warmup_exclude_s after an SGLang start
+    RESTART_DETECTED = "restart_detected"  # counters went back: a start we did not cause
+    OUT_OF_ORDER = "out_of_order"  # not after the previous one (clock stepped back)
+
+
+# Counters that only grow while one SGLang process lives.
+_COUNTERS = (
+    "generation_tokens_total",
+    "decode_tokens_total",
+    "spec_verify_calls_total",
+    "retracted_total",
+)
+
+
+class History:
+    """Decaying, time-weighted summary of what SGLang served. Not thread-safe."""
+
+    def __init__(self, settings: HistorySettings | None = None) -> None:
+        self.settings = settings if settings is not None else HistorySettings()
+        s = self.settings
+        self._offered: DecayingSums[int] = DecayingSums(s.half_life_s)
+        self._accept: DecayingSums[int] = DecayingSums(s.half_life_s)
+        self._throughput: DecayingSums[tuple[int, int]] = DecayingSums(s.half_life_s)
+        self._hourly: list[DecayingSums[int] | None] = [None] * HOURS_PER_WEEK
+        self._capacity: dict[int, int] = {}
+        self.last_t: float | None = None
+        self.sglang_started_at: float | None = None
+        self._counters: dict[str, float] = {}
+        self._last_steps: int | None = None
+
+    # -- folding --------------------------------------------------------------------
+    def mark_sglang_start(self, t: float) -> None:
+        """SGLang (re)started at ``t``: the next warmup_exclude_s are not representative."""
+        self.sglang_started_at = t
+        self._counters = {}
+        self._last_steps = None
+
+    def reconfigure(self, settings: HistorySettings) -> None:
+        """Adopt new settings (config reload); what was learned is kept."""
+        self.settings = settings
+        at = self._at()
+        for table in (self._offered, self._accept, self._throughput):
+            _change_half_life(table, settings.half_life_s, at)
+        for hourly in self._hourly:
+            if hourly is not None:
+                _change_half_life(hourly, settings.hour_of_week_half_life_s, at)
+
+    def record(self, obs: Observation) -> Recorded:
+        """Fold one observation in; it stands for the time since the previous one."""
+        t = obs.t
+        if not math.isfinite(t):
+            return Recorded.OUT_OF_ORDER
+        restarted = self._detect_restart(obs)
+        if restarted:
+            self.sglang_started_at = t
+        if obs.steps is not None and obs.max_running_requests is not None:
+            # Capacity is fixed at start, so it is valid even during warm-up.
+            self._capacity[obs.steps] = obs.max_running_requests
+        if obs.steps is not None:
+            self._last_steps = obs.steps
+
+        prev_t = self.last_t
+        raw_dt = self.settings.scrape_interval_s if prev_t is None else t - prev_t
+        self.last_t = t
+        prev_decode = self._counters.get("decode_tokens_total")
+        self._remember_counters(obs)
+        if raw_dt <= 0:
+            return Recorded.OUT_OF_ORDER
+        if restarted:
+            return Recorded.RESTART_DETECTED
+        started = self.sglang_started_at
+        if started is not None and started <= t < started + self.settings.warmup_exclude_s:
+            return Recorded.WARMUP
+        dt = min(raw_dt, self.settings.max_interval_s)
+
+        offered = max(0, obs.offered)
+        self._offered.add(offered, t, dt)
+        how = hour_of_week(t)
+        hourly = self._hourly[how]
+        if hourly is None:
+            hourly = self._hourly[how] = DecayingSums(self.settings.hour_of_week_half_life_s)
+        hourly.add(offered, t, dt)
+
+        steps = obs.steps
+        if steps is None:
+            return Recorded.COUNTED
+        length = obs.accept_length
+        if obs.spec_fresh and length is not None and math.isfinite(length) and length >= 1.0:
+            self._accept.add(steps, t, dt, dt * length)
+        if offered > 0:
+            throughput = self._throughput_of(obs, prev_decode, raw_dt)
+            if throughput is not None:
+                self._throughput.add((steps, offered), t, dt, dt * throughput)
+        return Recorded.COUNTED
+
+    def _detect_restart(self, obs: Observation) -> bool:
+        if obs.steps is not None and self._last_steps is not None and obs.steps != self._last_steps:
+            return True
+        for name in _COUNTERS:
+            now_value = getattr(obs, name)
+            before = self._counters.get(name)
+            if now_value is not None and before is not None and now_value < before:
+                return True
+        return False
+
+    def _remember_counters(self, obs: Observation) -> None:
+        for name in _COUNTERS:
+            value = getattr(obs, name)
+            if value is not None and math.isfinite(value):
+                self._counters[name] = value
+
+    def _throughput_of(
+        self, obs: Observation, prev_decode: float | None, raw_dt: float
+    ) -> float | None:
+        # The decode-token counter over the interval is exact; the gen_throughput gauge
+        # covers only SGLang's last report interval, so it is the fallback.
+        now_decode = obs.decode_tokens_total
+        if (
+            now_decode is not None
+            and prev_decode is not None
+            and now_decode >= prev_decode
+            and raw_dt <= self.settings.max_interval_s
+        ):
+            return (now_decode - prev_decode) / raw_dt
+        gauge = obs.gen_throughput
+        if gauge is not None and math.isfinite(gauge) and gauge >= 0:
+            return gauge
+        return None
+
+    # -- queries --------------------------------------------------------------------
+    def _at(self) -> float:
+        return self.last_t if self.last_t is not None else 0.0
+
+    def offered_weights(self) -> dict[int, float]:
+        """Decayed seconds spent at each offered concurrency (as of the last observation)."""
+        scale = self._offered.scale_at(self._at())
+        return {k: cell[0] * scale for k, cell in self._offered.cells.items()}
+
+    def quantile(self, q: float, *, busy_only: bool = True) -> float | None:
+        """Quantile of offered concurrency over (busy) time; None without such time."""
+        cells = self._offered.cells.items()
+        return _weighted_quantile(((k, cell[0]) for k, cell in cells if k > 0 or not busy_only), q)
+
+    @property
+    def observed_seconds(self) -> float:
+        """Decayed time covered by counted observations."""
+        return sum(self.offered_weights().values())
+
+    @property
+    def busy_seconds(self) -> float:
+        """Decayed time with at least one request offered."""
+        return sum(w for k, w in self.offered_weights().items() if k > 0)
+
+    def accept_length(self, steps: int) -> float | None:
+        cell = self._accept.cells.get(steps)
+        if cell is None or cell[0] <= 0:
+            return None
+        return cell[1] / cell[0]
+
+    def accept_seconds(self, steps: int) -> float:
+        """Decayed time of fresh acceptance evidence at ``steps``."""
+        cell = self._accept.cells.get(steps)
+        return 0.0 if cell is None else cell[0] * self._accept.scale_at(self._at())
+
+    def alpha(self, steps: int) -> float | None:
+        """Per-draft-token acceptance α at ``steps``, inverted from the accept length."""
+        length = self.accept_length(steps)
+        return None if length is None else alpha_from_accept_length(length, steps)
+
+    def throughput(self, steps: int, concurrency: int) -> float | None:
+        """Mean output tokens/s seen at ``steps`` with ``concurrency`` requests offered."""
+        cell = self._throughput.cells.get((steps, concurrency))
+        if cell is None or cell[0] <= 0:
+            return None
+        return cell[1] / cell[0]
+
+    def throughput_table(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence)."""
+        scale = self._throughput.scale_at(self._at())
+        return {
+            key: (cell[1] / cell[0], cell[0] * scale)
+            for key, cell in self._throughput.cells.items()
+            if cell[0] > 0
+        }
+
+    def capacity(self, steps: int) -> int | None:
+        """max_running_requests last seen while SGLang ran ``steps``."""
+        return self._capacity.get(steps)
+
+    @property
+    def capacities(self) -> dict[int, int]:
+        return dict(self._capacity)
+
+    def hour_of_week_weights(self, how: int) -> dict[int, float]:
+        """Decayed seconds at each offered concurrency during hour-of-week ``how`` (UTC)."""
+        hourly = self._hourly[how % HOURS_PER_WEEK]
+        if hourly is None:
+            return {}
+        scale = hourly.scale_at(self._at())
+        return {k: cell[0] * scale for k, cell in hourly.cells.items()}
+
+    def hours_quantile(
+        self, hours: Iterable[int], q: float, *, busy_only: bool = True
+    ) -> float | None:
+        """Quantile of offered concurrency over the given hours of the week, merged."""
+        merged: dict[int, float] = {}
+        for how in set(h % HOURS_PER_WEEK for h in hours):
+            for k, w in self.hour_of_week_weights(how).items():
+                if k > 0 or not busy_only:
+                    merged[k] = merged.get(k, 0.0) + w
+        return _weighted_quantile(merged.items(), q)
+
+    # -- persistence ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        at = self._at()
+        s = self.settings
+        return {
+            "format": HISTORY_FORMAT,
+            "settings": {
+                "half_life_s": s.half_life_s,
+                "warmup_exclude_s": s.warmup_exclude_s,
+                "scrape_interval_s": s.scrape_interval_s,
+                "hour_of_week_half_life_s": s.hour_of_week_half_life_s,
+            },
+            "last_t": self.last_t,
+            "sglang_started_at": self.sglang_started_at,
+            "last_steps": self._last_steps,
+            "counters": dict(sorted(self._counters.items())),
+            "offered": self._offered.to_dict(at, int),
+            "accept": self._accept.to_dict(at, int),
+            "throughput": self._throughput.to_dict(at, list),
+            "capacity": [[k, v] for k, v in sorted(self._capacity.items())],
+            "hourly": [None if table is None else table.to_dict(at, int) for table in self._hourly],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, settings: HistorySettings | None = None) -> History:
+        """Rebuild from `to_dict`; ``settings`` (from the config) win over stored ones.
+
+        Raises ValueError with a one-line reason on any malformed content.
+        """
+        if not isinstance(data, dict):
+            raise ValueError("history: expected an object")
+        if data.get("format") != HISTORY_FORMAT:
+            raise ValueError(f"history: unknown format {data.get('format')!r:.20}")
+        if settings is None:
+            stored = data.get("settings")
+            if not isinstance(stored, dict):
+                raise ValueError("history.settings: expected an object")
+            try:
+                settings = HistorySettings(
+                    **{f.name: _finite(stored.get(f.name), f.name) for f in fields(HistorySettings)}
+                )
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"history.settings: {exc}") from None
+        history = cls(settings)
+        try:
+            history.last_t = _optional_finite(data.get("last_t"), "last_t")
+            history.sglang_started_at = _optional_finite(
+                data.get("sglang_started_at"), "sglang_started_at"
+            )
+            last_steps = data.get("last_steps")
+            history._last_steps = None if last_steps is None else _int_key(last_steps)
+            counters = data.get("counters", {})
+            if not isinstance(counters, dict):
+                raise ValueError("counters: expected an object")
+            history._counters = {
+                str(k): _finite(v, f"counters.{k}") for k, v in counters.items() if k in _COUNTERS
+            }
+            hl = settings.half_life_s
+            history._offered = DecayingSums.from_dict(data.get("offered"), hl, 1, _int_key)
+            history._accept = DecayingSums.from_dict(data.get("accept"), hl, 2, _int_key)
+            history._throughput = DecayingSums.from_dict(data.get("throughput"), hl, 2, _pair_key)
+            capacity = data.get("capacity")
+            if not isinstance(capacity, list):
+                raise ValueError("capacity: expected a list")
+            for row in capacity:
+                if not isinstance(row, list) or len(row) != 2:
+                    raise ValueError(f"capacity: expected [steps, requests], got {row!r:.40}")
+                history._capacity[_int_key(row[0])] = _int_key(row[1])
+            hourly = data.get("hourly")
+            if not isinstance(hourly, list) or len(hourly) != HOURS_PER_WEEK:
+                raise ValueError(f"hourly: expected a list of {HOURS_PER_WEEK}")
+            hw = settings.hour_of_week_half_life_s
+            history._hourly = [
+                None if h is None else DecayingSums.from_dict(h, hw, 1, _int_key) for h in hourly
+            ]
+        except ValueError as exc:
+            raise ValueError(f"history: {exc}") from None
+        return history
+
+
+def _change_half_life(table: DecayingSums[Any], half_life_s: float, at: float) -> None:
+    # Decay up to now at the old rate, then continue at the new one.
+    if table.half_life_s != half_life_s:
+        table.rebase(at)
+        table.half_life_s = half_life_s
+
+
+def _optional_finite(value: Any, name: str) -> float | None:
+    return None if value is None else _finite(value, name)

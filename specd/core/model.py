@@ -1,0 +1,559 @@
+"""The performance model and the "model" policy: which step count serves most tokens.
+
+The model predicts aggregate output tok/s at (steps K, offered concurrency c) from
+
+* a calibration table (``specd sweep`` output, ``../shared/data/`` format), and
+* what specd observed while SGLang ran at each K (``History``): throughput per (K, c),
+  capacity per K, accept length per K. Observed throughput rescales that K's curve, and
+  wins over the calibration as its (decayed, so recent) evidence grows past
+  ``OBSERVED_PIVOT_S``.
+
+Acceptance: the live accept length L at the K specd saw is inverted into α
+(``L = (1 − α^(K+1)) / (1 − α)``); predictions at every K are scaled by
+``L(α_live, K) / L_calibration(K)``, because at a fixed iteration time throughput is
+proportional to the tokens each verify step emits (temperature > 0 traffic and long
+contexts accept less than a greedy benchmark).
+
+Capacity: above ``max_running_requests(K)`` requests queue, so throughput is flat there.
+Between measured concurrencies the curve is linear (`PerfTable`).
+
+A K the calibration lacks is extrapolated from the nearest measured K: accept length from
+α, single-request iteration time ``L/tok_s`` extended linearly from the two nearest measured
+K, and capacity from the KV budget ``cap·(K+2)``. Such a K is marked ``extrapolated`` and the
+policy discounts it (lower confidence).
+
+The policy (`recommend_model`, registered as ``"model"`` in `specd.decide.POLICIES`)
+forecasts the offered concurrency of the coming epoch (`specd.forecast`), predicts the
+tokens each K would serve until the next window opens, charges a change the tokens lost
+while SGLang restarts (``restart_cost_s``), and changes only when the gain beats
+``tolerance_ratio``. It reads no clock: "now" is the history's last observation.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specd.core import windows
+from specd.core.acceptance import accept_length_from_alpha
+from specd.core.forecast import Forecast, forecast_epoch
+from specd.core.perftable import PerfTable, PerfTableError
+
+if TYPE_CHECKING:
+    from specd.core.history import History
+    from specd.io.config import Config
+
+# Seconds of (decayed) observation at which observed data and the calibration weigh the
+# same; an hour of traffic at one (K, c) outweighs a sweep point.
+OBSERVED_PIVOT_S = 600.0
+# Fresh acceptance evidence needed before live α replaces the calibration's.
+MIN_ACCEPT_EVIDENCE_S = 300.0
+# Lower confidence of an extrapolated K: its predicted throughput counts this much less.
+EXTRAPOLATION_DISCOUNT_RATIO = 0.10
+
+
+class Source(str, enum.Enum):
+    """Where a K's prediction comes from; a log field."""
+
+    CALIBRATION = "calibration"
+    OBSERVED = "observed"
+    EXTRAPOLATED = "extrapolated"
+
+
+class ModelError(ValueError):
+    """A calibration that cannot be used; one line."""
+
+
+# -- calibration files ------------------------------------------------------------------
+_CACHE: dict[str, tuple[tuple[int, int], PerfTable]] = {}
+
+
+def load_calibration(path: str | Path) -> PerfTable:
+    """The calibration table at ``path``, re-read only when the file changes."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except OSError as exc:
+        raise ModelError(f"{p}: cannot read calibration: {exc.strerror or exc}") from None
+    key = (st.st_mtime_ns, st.st_size)
+    cached = _CACHE.get(str(p))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        table = PerfTable.from_csv(p)
+    except PerfTableError as exc:
+        raise ModelError(str(exc)) from None
+    if not any(k >= 1 for k in table.steps()):
+        raise ModelError(f"{p}: calibration has no speculative step count (steps >= 1)")
+    _CACHE[str(p)] = (key, table)
+    return table
+
+
+# -- the model --------------------------------------------------------------------------
+# id(calibration) -> (the table, its mean α): the tables are immutable and few.
+_CAL_ALPHA: dict[int, tuple[PerfTable, float | None]] = {}
+
+
+@dataclass(frozen=True)
+class _Curve:
+    """Points of one K's throughput curve, and how to scale them."""
+
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    capacity: int | None
+    scale: float  # acceptance scaling times the observed correction
+    source: Source
+
+
+def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
+    """The α whose L(α, K) best fits the measured accept lengths (least relative squares).
+
+    The misfit is convex in α here, so a ternary search finds its minimum.
+    """
+
+    def misfit(alpha: float) -> float:
+        return sum(((accept_length_from_alpha(alpha, k) - m) / m) ** 2 for k, m in measured)
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if misfit(a) <= misfit(b):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
+def _shape(
+    cal: PerfTable, k: int, capacity: int | None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """K's calibration points, made to saturate exactly at ``capacity``.
+
+    Points at or beyond capacity all measured the saturated server: they become one point
+    at capacity (their mean). A curve measured short of capacity is continued to it at a
+    quarter of its last slope (curves flatten as batches grow; an estimate, so sweep up to
+    capacity where it matters).
+    """
+    points = [(r.concurrency, r.output_tok_s) for r in cal.rows if r.steps == k]
+    if capacity is None:
+        return tuple(x for x, _ in points), tuple(y for _, y in points)
+    cap = float(capacity)
+    below = [(x, y) for x, y in points if x < cap]
+    above = [y for x, y in points if x >= cap]
+    if above:
+        below.append((cap, sum(above) / len(above)))
+    elif below:
+        x1, y1 = below[-1]
+        x0, y0 = below[-2] if len(below) > 1 else (0.0, 0.0)
+        slope = max(0.0, (y1 - y0) / (x1 - x0))
+        below.append((cap, y1 + 0.25 * slope * (cap - x1)))
+    return tuple(x for x, _ in below), tuple(y for _, y in below)
+
+
+def _interp(xs: tuple[float, ...], ys: tuple[float, ...], c: float) -> float:
+    if c <= xs[0]:
+        return ys[0] * c / xs[0]
+    if c >= xs[-1]:
+        return ys[-1]
+    lo, hi = 0, len(xs) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if xs[mid] <= c:
+            lo = mid
+        else:
+            hi = mid
+    x0, x1, y0, y1 = xs[lo], xs[hi], ys[lo], ys[hi]
+    return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+
+
+class PerformanceModel:
+    """Predicted aggregate output tok/s per (steps, offered concurrency)."""
+
+    def __init__(self, calibration: PerfTable | None, history: History | None = None) -> None:
+        self.calibration = calibration
+        cal_steps = [k for k in calibration.steps() if k >= 1] if calibration else []
+        self._cal_steps = cal_steps
+        observed: dict[int, dict[int, tuple[float, float]]] = {}
+        capacities: dict[int, int] = {}
+        if history is not None:
+            for (k, c), (tok_s, weight) in history.throughput_table().items():
+                if k >= 1 and c > 0 and weight > 0:
+                    observed.setdefault(k, {})[c] = (tok_s, weight)
+            capacities = {k: v for k, v in history.capacities.items() if v > 0}
+        self._observed = observed
+        self._alpha_cal = self._calibration_alpha()
+        self.alpha_live = self._live_alpha(history)
+        self._curves: dict[int, _Curve] = {}
+        self._capacities = capacities
+        self._cache: dict[tuple[int, int], float] = {}
+
+    # -- acceptance --------------------------------------------------------------------
+    def _calibration_alpha(self) -> float | None:
+        """α fitted to the calibration's accept lengths (None without any)."""
+        cal = self.calibration
+        if cal is None:
+            return None
+        hit = _CAL_ALPHA.get(id(cal))
+        if hit is not None and hit[0] is cal:
+            return hit[1]
+        measured = [
+            (k, length)
+            for k in self._cal_steps
+            if (length := cal.accept_length(k)) is not None and 1.0 <= length <= k + 1
+        ]
+        alpha = _fit_alpha(measured) if measured else None
+        if len(_CAL_ALPHA) > 16:
+            _CAL_ALPHA.clear()
+        _CAL_ALPHA[id(cal)] = (cal, alpha)
+        return alpha
+
+    @staticmethod
+    def _live_alpha(history: History | None) -> float | None:
+        """Evidence-weighted α over the K specd observed (recent K weigh most)."""
+        if history is None:
+            return None
+        total = weighted = 0.0
+        for k in range(1, 17):
+            seconds = history.accept_seconds(k)
+            if seconds <= 0:
+                continue
+            a = history.alpha(k)
+            if a is not None:
+                total += seconds
+                weighted += seconds * a
+        if total < MIN_ACCEPT_EVIDENCE_S:
+            return None
+        return weighted / total
+
+    def _cal_accept_length(self, k: int) -> float | None:
+        # From the α fitted over all the calibration's K: one noisy measurement at one K
+        # would otherwise skew that K's scaling. A calibration without accept lengths is
+        # taken to have accepted like the live traffic.
+        alpha = self._alpha_cal if self._alpha_cal is not None else self.alpha_live
+        return None if alpha is None else accept_length_from_alpha(alpha, k)
+
+    def accept_length(self, steps: int) -> float | None:
+        """Predicted live accept length at ``steps``."""
+        alpha = self.alpha_live if self.alpha_live is not None else self._alpha_cal
+        return None if alpha is None else accept_length_from_alpha(alpha, steps)
+
+    def _acceptance_scale(self, k: int) -> float:
+        cal_length = self._cal_accept_length(k)
+        live = None if self.alpha_live is None else accept_length_from_alpha(self.alpha_live, k)
+        if cal_length is None or live is None or cal_length <= 0:
+            return 1.0
+        return live / cal_length
+
+    # -- curves ------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """The K this model can predict without extrapolating."""
+        return sorted(set(self._cal_steps) | set(self._observed))
+
+    def can_predict(self, steps: int) -> bool:
+        return self._curve(steps) is not None
+
+    def source(self, steps: int) -> Source | None:
+        curve = self._curve(steps)
+        return None if curve is None else curve.source
+
+    def capacity(self, steps: int) -> int | None:
+        curve = self._curve(steps)
+        return None if curve is None else curve.capacity
+
+    def _curve(self, k: int) -> _Curve | None:
+        if k in self._curves:
+            return self._curves[k]
+        curve = self._build_curve(k)
+        if curve is not None:
+            self._curves[k] = curve
+        return curve
+
+    def _build_curve(self, k: int) -> _Curve | None:
+        if k < 1:
+            return None
+        cal = self.calibration
+        observed = self._observed.get(k, {})
+        if cal is not None and k in self._cal_steps:
+            capacity = self._capacities.get(k, cal.capacity(k))
+            xs, ys = _shape(cal, k, capacity)
+            base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
+            return self._corrected(base, observed)
+        if observed:
+            points = sorted(observed.items())
+            xs = tuple(float(c) for c, _ in points)
+            ys = tuple(v for _, (v, _) in points)
+            return _Curve(xs, ys, self._capacities.get(k), 1.0, Source.OBSERVED)
+        return self._extrapolated(k)
+
+    def _corrected(self, base: _Curve, observed: Mapping[int, tuple[float, float]]) -> _Curve:
+        """Scale a calibration curve by how observed throughput compared with it.
+
+        One ratio per K, of all tokens observed to all predicted at the concurrencies
+        seen: the totals are exact (counter deltas), whereas single bins are not — a
+        scrape interval's tokens are filed under the concurrency at its end, so across
+        level changes low bins read high and high bins low.
+        """
+        if not observed:
+            return base
+        seen = predicted = weight = 0.0
+        for c, (tok_s, w) in observed.items():
+            p = self._raw(base, float(c))
+            if p > 0:
+                seen += w * tok_s
+                predicted += w * p
+                weight += w
+        if predicted <= 0:
+            return base
+        # Shrink the correction toward 1 while evidence is thin.
+        trust = weight / (weight + OBSERVED_PIVOT_S)
+        ratio = 1.0 + (seen / predicted - 1.0) * trust
+        source = Source.OBSERVED if trust >= 0.5 else base.source
+        return _Curve(base.xs, base.ys, base.capacity, base.scale * ratio, source)
+
+    def _extrapolated(self, k: int) -> _Curve | None:
+        """A K the calibration lacks, from its nearest measured neighbours."""
+        cal = self.calibration
+        known = [s for s in self._cal_steps if cal is not None and cal.throughput(s, 1.0) > 0]
+        if cal is None or len(known) < 2:
+            return None
+        near = sorted(known, key=lambda s: (abs(s - k), s))[:2]
+        ka, kb = near
+        la, lb = self._cal_accept_length(ka), self._cal_accept_length(kb)
+        lk = self._cal_accept_length(k)
+        if la is None or lb is None or lk is None:
+            return None
+        # Single-request iteration time: tokens per step / tokens per second.
+        ta = la / cal.throughput(ka, 1.0)
+        tb = lb / cal.throughput(kb, 1.0)
+        slope = max(0.0, (ta - tb) / (ka - kb))
+        tk = ta + slope * (k - ka)
+        if tk <= 0:
+            return None
+        factor = (lk / la) * (ta / tk)
+        cap_a = self._capacities.get(ka, cal.capacity(ka))
+        # KV cache per request grows with K + 2 (the seed's inference); each known capacity
+        # is floored, so the largest cap·(K + 2) is the best bound on the budget.
+        budgets = [
+            c * (s + 2)
+            for s in known
+            if (c := self._capacities.get(s, cal.capacity(s))) is not None
+        ]
+        capacity = max(1, math.floor(max(budgets) / (k + 2))) if budgets else None
+        xs, ys_a = _shape(cal, ka, cap_a)
+        ys = tuple(y * factor for y in ys_a)
+        base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.EXTRAPOLATED)
+        return self._corrected(base, self._observed.get(k, {}))
+
+    @staticmethod
+    def _raw(curve: _Curve, c: float) -> float:
+        if curve.capacity is not None:
+            c = min(c, float(curve.capacity))
+        return _interp(curve.xs, curve.ys, c) * curve.scale
+
+    def throughput(self, steps: int, concurrency: float) -> float:
+        """Predicted aggregate output tok/s; ValueError if ``steps`` cannot be predicted."""
+        if not math.isfinite(concurrency) or concurrency < 0:
+            raise ValueError(f"concurrency must be a finite number >= 0, got {concurrency!r}")
+        if concurrency == 0:
+            return 0.0
+        c_bin = round(concurrency)
+        if c_bin == concurrency:
+            cached = self._cache.get((steps, c_bin))
+            if cached is not None:
+                return cached
+        curve = self._curve(steps)
+        if curve is None:
+            raise ValueError(f"no calibration or observation to predict steps {steps}")
+        value = self._raw(curve, concurrency)
+        if c_bin == concurrency:
+            self._cache[(steps, c_bin)] = value
+        return value
+
+    def rate(self, steps: int, weights: Mapping[int, float]) -> float:
+        """Mean tok/s over a distribution of offered concurrency (weights sum to 1)."""
+        throughput = self.throughput
+        return sum(w * throughput(steps, float(c)) for c, w in weights.items() if c > 0)
+
+    def saturation(self, steps: Sequence[int]) -> int | None:
+        """The concurrency beyond which none of ``steps`` serves more (all queue)."""
+        caps = [self.capacity(k) for k in steps]
+        if not caps or any(c is None for c in caps):
+            return None
+        return max(c for c in caps if c is not None)
+
+
+def fold_above(weights: Mapping[int, float], ceiling: int | None) -> dict[int, float]:
+    """Concurrency above ``ceiling`` only queues: count it at the ceiling (fewer bins)."""
+    if ceiling is None:
+        return dict(weights)
+    out: dict[int, float] = {}
+    for c, w in weights.items():
+        key = c if c <= ceiling else ceiling
+        out[key] = out.get(key, 0.0) + w
+    return out
+
+
+# -- the policy -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepPrediction:
+    steps: int
+    tok_s: float  # mean predicted output tok/s over the epoch
+    source: Source
+    # Predicted tokens until the next window opens, net of a restart (if it changes K)
+    # and of the discount of an extrapolated K.
+    tokens: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the model policy predicted, for the decision, the metric and the log line."""
+
+    now: float
+    until: float  # when the next window opens: the end of the chosen setting's reign
+    forecast: Forecast
+    predictions: dict[int, StepPrediction]
+    best: int
+    target: int
+    gain_ratio: float  # predicted tokens of ``best`` over those of ``current``, minus 1
+    why: str
+
+
+def calibration_of(config: Config) -> PerfTable | None:
+    """The configured calibration table, or None; ModelError if it cannot be read."""
+    path = config.calibration_file
+    return None if path is None else load_calibration(path)
+
+
+# windows key -> (computed at, epoch start, epoch end); see _next_epoch.
+_EPOCHS: dict[tuple[tuple[str, float, str], ...], tuple[float, float, float]] = {}
+
+
+def _next_epoch(config: Config, now: float) -> tuple[float, float] | None:
+    """(next window close, the following window open) as unix times.
+
+    Both stay the same for every ``now`` from a computation until that close, so one
+    computation (≈0.6 ms of cron arithmetic) serves all the ticks of a window.
+    """
+    key = tuple((w.cron, float(w.duration_s), w.timezone) for w in config.windows)
+    hit = _EPOCHS.get(key)
+    if hit is not None and hit[0] <= now < hit[1]:
+        return hit[1], hit[2]
+    try:
+        close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
+        opens = windows.next_open(config.windows, close)
+    except ValueError:
+        return None
+    if len(_EPOCHS) > 64:
+        _EPOCHS.clear()
+    _EPOCHS[key] = (now, close.timestamp(), opens.timestamp())
+    return close.timestamp(), opens.timestamp()
+
+
+def plan(
+    history: History,
+    config: Config,
+    current: int | None,
+    calibration: PerfTable | None = None,
+) -> Plan | None:
+    """The model policy's full prediction; None without data to predict from."""
+    now = history.last_t
+    if now is None:
+        return None
+    epoch = _next_epoch(config, now)
+    if epoch is None:
+        return None
+    epoch_start, until_t = epoch
+    forecast = forecast_epoch(history, epoch_start, until_t)
+    if forecast is None:
+        return None
+    model = PerformanceModel(calibration, history)
+    candidates = [k for k in range(config.min_steps, config.max_steps + 1) if model.can_predict(k)]
+    if not candidates:
+        return None
+    horizon = max(until_t - now, 0.0)
+    restart_s = config.restart_cost_s
+    predictions: dict[int, StepPrediction] = {}
+    weights = fold_above(forecast.weights, model.saturation(candidates))
+    for k in candidates:
+        source = model.source(k) or Source.EXTRAPOLATED
+        tok_s = model.rate(k, weights)
+        trusted = (
+            tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
+        )
+        serving = horizon if k == current else max(horizon - restart_s, 0.0)
+        predictions[k] = StepPrediction(k, tok_s, source, trusted * serving)
+    best = max(candidates, key=lambda k: (predictions[k].tokens, -abs(k - (current or k))))
+    target, gain = best, 0.0
+    if current is not None and current in predictions and best != current:
+        held = predictions[current].tokens
+        gain = predictions[best].tokens / held - 1.0 if held > 0 else math.inf
+        if gain <= config.tolerance_ratio:
+            target = current
+    elif current is not None and current not in predictions:
+        gain = math.inf
+    why = _why(forecast, predictions, now, until_t, best, target, current, gain, config)
+    return Plan(now, until_t, forecast, predictions, best, target, gain, why)
+
+
+def _why(
+    forecast: Forecast,
+    predictions: Mapping[int, StepPrediction],
+    now: float,
+    until: float,
+    best: int,
+    target: int,
+    current: int | None,
+    gain: float,
+    config: Config,
+) -> str:
+    rates = " ".join(
+        f"{k}:{p.tok_s:.0f}{'~' if p.source is Source.EXTRAPOLATED else ''}"
+        for k, p in sorted(predictions.items())
+    )
+    head = (
+        f"model: {(until - now) / 3600:.1f} h to the next window, forecast mean offered "
+        f"{forecast.mean():.1f} ({forecast.source}), predicted tok/s {rates}"
+    )
+    if predictions[best].source is Source.EXTRAPOLATED:
+        head += f" (~ extrapolated, counted {EXTRAPOLATION_DISCOUNT_RATIO * 100:g}% lower)"
+    if current is None or best == current:
+        return f"{head}; {best} best"
+    gain_text = "∞" if math.isinf(gain) else f"{gain * 100:+.1f}%"
+    if target == current:
+        return (
+            f"{head}; {best} best by {gain_text} net of the restart, within "
+            f"{config.tolerance_ratio * 100:g}%: keeping {current}"
+        )
+    return f"{head}; {best} best by {gain_text} net of the restart"
+
+
+def recommend_model(
+    history: History, config: Config, current: int | None
+) -> tuple[int, str] | None:
+    """The ``"model"`` policy for `specd.decide.recommend`: (steps, why) or None."""
+    try:
+        calibration = calibration_of(config)
+    except ModelError as exc:
+        calibration = None
+        note = f" (calibration unusable: {exc})"
+    else:
+        note = ""
+    result = plan(history, config, current, calibration)
+    if result is None:
+        return None
+    return result.target, result.why + note
+
+
+def predicted_throughput(history: History, config: Config, current: int | None) -> dict[int, float]:
+    """Predicted mean tok/s per candidate K over the coming epoch (for the metric
+    ``specd_predicted_throughput_tokens_per_second{steps}``); empty when unknown."""
+    try:
+        result = plan(history, config, current, calibration_of(config))
+    except ModelError:
+        result = plan(history, config, current, None)
+    return {} if result is None else {k: p.tok_s for k, p in result.predictions.items()}

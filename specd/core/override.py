@@ -1,0 +1,51 @@
+"""The on-call override as the brain reads it (the file is io.override's job)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Literal
+
+if sys.version_info >= (3, 11):
+    pass
+else:  # pragma: no cover - exercised on 3.10 only
+    pass  # type: ignore[import-not-found,unused-ignore]
+
+
+Mode = Literal["auto", "pin", "freeze"]
+
+
+Apply = Literal["next-window", "now"]
+
+
+MODES: tuple[Mode, ...] = ("auto", "pin", "freeze")
+
+
+APPLIES: tuple[Apply, ...] = ("next-window", "now")
+
+
+_UTC = timezone.utc
+
+
+@dataclass(frozen=True)
+class Override:
+    mode: Mode
+    steps: int | None
+    expires_at: datetime | None
+    reason: str
+    apply: Apply
+
+    def active(self, now: datetime | float) -> bool:
+        """True while a pin or freeze is in force (auto is never "active")."""
+        if self.mode == "auto" or self.expires_at is None:
+            return False
+        return _as_datetime(now) < self.expires_at
+
+
+def _as_datetime(now: datetime | float) -> datetime:
+    if isinstance(now, datetime):
+        if now.tzinfo is None:
+            raise ValueError("now must be timezone-aware")
+        return now
+    return datetime.fromtimestamp(now, _UTC)

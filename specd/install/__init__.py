@@ -1,0 +1,1 @@
+"""`specd install` / `specd uninstall`: wiring an existing SGLang unit to specd."""

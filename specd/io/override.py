@@ -1,0 +1,269 @@
+"""The on-call override file: /etc/specd/override.toml (read, checked, written).
+
+`specd override` (specd.commands.override) is its command line.
+
+```toml
+mode = "pin"                         # "auto" | "pin" | "freeze"
+steps = 3                            # pin only, within [min_steps, max_steps]
+expires_at = 2026-05-01T18:00:00Z    # required for pin/freeze; TOML datetime or RFC 3339 text
+reason = "batch eval tonight"
+apply = "next-window"                # or "now": restart at once, outside any window
+```
+
+``read_override`` never raises: a bad file (invalid TOML, unknown key or mode, steps out of
+range, missing or past ``expires_at``, world- or group-writable, owned by someone other than
+root or specd) comes back ``valid=False`` with a one-line ``problem``; the daemon then keeps
+its last good state. A missing file means no override.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+
+KEYS = ("mode", "steps", "expires_at", "reason", "apply")
+# An override file is a few lines; anything bigger is not one.
+MAX_OVERRIDE_BYTES = 64 * 1024
+# The CLI refuses longer overrides: weeks of pinning belong in the config's step range.
+MAX_CLI_DURATION = timedelta(days=30)
+# The service user specd runs as; `show` judges ownership as the daemon will.
+DAEMON_USER = "specd"
+
+
+@dataclass(frozen=True)
+class OverrideStatus:
+    override: Override | None
+    valid: bool
+    problem: str | None
+    present: bool
+    # (mtime_ns, size, inode); (0, 0, 0) when absent. Changes when the file is replaced.
+    fingerprint: tuple[int, int, int]
+
+
+ABSENT = (0, 0, 0)
+
+
+def _invalid(problem: str, fingerprint: tuple[int, int, int]) -> OverrideStatus:
+    return OverrideStatus(None, False, problem, True, fingerprint)
+
+
+def _permission_problem(
+    st: os.stat_result, path: Path, allowed_uids: tuple[int, ...]
+) -> str | None:
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if mode & stat.S_IWOTH:
+        return f"{path} is world-writable (mode {mode:04o}); run: chmod o-w {path}"
+    # A group-writable file is writable by that group's members, unless it is root's group
+    # or specd's own.
+    if mode & stat.S_IWGRP and st.st_gid not in (0, os.getgid()):
+        return (
+            f"{path} is group-writable by gid {st.st_gid} (mode {mode:04o}); run: chmod g-w {path}"
+        )
+    if st.st_uid not in allowed_uids:
+        return f"{path} is owned by uid {st.st_uid}, not root or specd (uids {allowed_uids})"
+    parent = path.parent.stat()
+    if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX:
+        return (
+            f"{path.parent} is world-writable without the sticky bit: anyone can replace the file"
+        )
+    return None
+
+
+def _parse_expires(value: Any) -> datetime:
+    if isinstance(value, str):
+        text = value.strip().replace("z", "Z")
+        try:
+            parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise ValueError(
+                f"expires_at: {value!r} is not an RFC 3339 time such as 2026-05-01T18:00:00Z"
+            ) from None
+        value = parsed
+    if not isinstance(value, datetime):
+        raise ValueError(
+            f"expires_at: expected a date-time with offset such as 2026-05-01T18:00:00Z, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"expires_at: {value.isoformat()} has no UTC offset; add Z or +HH:MM")
+    return value.astimezone(_UTC)
+
+
+def parse_override(
+    data: dict[str, Any], cfg_min_steps: int, cfg_max_steps: int, now: datetime | float
+) -> Override:
+    """Validate the file's table. Raises ValueError with a one-line reason."""
+    unknown = [key for key in data if key not in KEYS]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
+    mode = data.get("mode")
+    if mode not in MODES:
+        raise ValueError(f"mode: {mode!r} is not one of auto, pin, freeze")
+    apply = data.get("apply", "next-window")
+    if apply not in APPLIES:
+        raise ValueError(f"apply: {apply!r} is not one of next-window, now")
+    reason = data.get("reason", "")
+    if not isinstance(reason, str):
+        raise ValueError(f"reason: expected a string, got {type(reason).__name__}")
+    steps = data.get("steps")
+    if mode == "pin":
+        if steps is None:
+            raise ValueError('steps: required with mode = "pin"')
+        if not isinstance(steps, int) or isinstance(steps, bool):
+            raise ValueError(f"steps: expected an integer, got {type(steps).__name__} {steps!r}")
+        if not cfg_min_steps <= steps <= cfg_max_steps:
+            raise ValueError(
+                f"steps: {steps} is outside the configured range {cfg_min_steps}..{cfg_max_steps}"
+            )
+    elif steps is not None:
+        raise ValueError(f'steps: only allowed with mode = "pin" (mode is {mode!r})')
+    expires_at = None
+    if "expires_at" in data:
+        expires_at = _parse_expires(data["expires_at"])
+    if mode != "auto":
+        if expires_at is None:
+            raise ValueError(f"expires_at: required with mode = {mode!r}")
+        current = _as_datetime(now)
+        if expires_at <= current:
+            raise ValueError(
+                f"expires_at: {expires_at:%Y-%m-%dT%H:%M:%SZ} has passed "
+                f"({_human(current - expires_at)} ago); specd ignores this {mode}"
+            )
+    return Override(mode=mode, steps=steps, expires_at=expires_at, reason=reason, apply=apply)
+
+
+def read_override(
+    path: str | Path,
+    cfg_min_steps: int,
+    cfg_max_steps: int,
+    now: datetime | float,
+    *,
+    allowed_uids: tuple[int, ...] | None = None,
+) -> OverrideStatus:
+    """Read and judge the override file. Never raises."""
+    path = Path(path)
+    uids = allowed_uids if allowed_uids is not None else (0, os.getuid())
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return OverrideStatus(None, True, None, False, ABSENT)
+    except OSError as exc:
+        return _invalid(f"cannot read {path}: {exc.strerror or exc}", ABSENT)
+    try:
+        st = os.fstat(fd)
+        fingerprint = (st.st_mtime_ns, st.st_size, st.st_ino)
+        try:
+            problem = _permission_problem(st, path, uids)
+        except OSError as exc:
+            problem = f"cannot check {path.parent}: {exc.strerror or exc}"
+        if problem is not None:
+            return _invalid(problem, fingerprint)
+        if st.st_size > MAX_OVERRIDE_BYTES:
+            return _invalid(f"{path} is larger than {MAX_OVERRIDE_BYTES} bytes", fingerprint)
+        try:
+            raw = os.read(fd, MAX_OVERRIDE_BYTES + 1)
+        except OSError as exc:
+            return _invalid(f"cannot read {path}: {exc.strerror or exc}", fingerprint)
+    finally:
+        os.close(fd)
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+        override = parse_override(data, cfg_min_steps, cfg_max_steps, now)
+    except UnicodeDecodeError as exc:
+        return _invalid(f"{path}: not UTF-8 text (byte {exc.start})", fingerprint)
+    except tomllib.TOMLDecodeError as exc:
+        return _invalid(f"{path}: invalid TOML: {exc}", fingerprint)
+    except ValueError as exc:
+        return _invalid(f"{path}: {exc}", fingerprint)
+    return OverrideStatus(override, True, None, True, fingerprint)
+
+
+# --- durations and writing --------------------------------------------------------------
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """'90s', '30m', '4h', '1d', '1h30m' → timedelta. ValueError if not one of those."""
+    compact = text.strip().lower()
+    parts = _DURATION_PART.findall(compact)
+    if not compact or "".join(n + u for n, u in parts) != compact:
+        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 4h, 1d or 1h30m")
+    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    if seconds <= 0:
+        raise ValueError(f"{text!r}: the duration must be positive")
+    return timedelta(seconds=seconds)
+
+
+def _human(delta: timedelta) -> str:
+    seconds = int(abs(delta.total_seconds()))
+    if seconds < 60:
+        return f"{seconds}s"
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes = rest // 60
+    parts = [f"{days}d"] if days else []
+    parts += [f"{hours}h"] if hours else []
+    parts += [f"{minutes}m"] if minutes and not days else []
+    return "".join(parts) or "0m"
+
+
+def render_override(override: Override, header: str = "") -> str:
+    table: dict[str, Any] = {"mode": override.mode}
+    if override.steps is not None:
+        table["steps"] = override.steps
+    if override.expires_at is not None:
+        table["expires_at"] = override.expires_at.astimezone(_UTC).replace(microsecond=0)
+    table["reason"] = override.reason
+    table["apply"] = override.apply
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    return comment + tomli_w.dumps(table)
+
+
+def write_override(path: str | Path, text: str) -> None:
+    """Replace ``path`` atomically (tmp + fsync + rename + dir fsync), mode 0644."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(text.encode("utf-8"))
+            handle.flush()
+            os.fchmod(handle.fileno(), 0o644)  # readable by specd whatever the umask
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def daemon_uids() -> tuple[int, ...]:
+    """The owners specd accepts: root and the specd user (or, without one, ourselves)."""
+    try:
+        return (0, pwd.getpwnam(DAEMON_USER).pw_uid)
+    except KeyError:
+        return (0, os.getuid())

@@ -1,0 +1,492 @@
+"""Reading SGLang: its /metrics page and /server_info, turned into one Observation.
+
+This is the only module in specd that speaks HTTP to SGLang. Every failure (time
+out, refused connection, HTTP error, malformed page, missing metric) comes back as
+a ``ScrapeError`` value with a one-line reason; no exception escapes the client.
+
+How series are combined (see shared/sglang.md): SGLang reports one series per
+scheduler that has metrics enabled, i.e. the first TP rank of each DP replica (with
+``--enable-metrics-for-all-schedulers`` every TP rank, each with the same counts).
+specd keeps one series per replica (the lowest-ranked one), sums counts across
+replicas, weights the accept length by running requests, and skips the per-priority
+breakdown series that priority scheduling adds next to the totals (``priority=""``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from specd import __version__
+from specd.core.observation import Observation, ScrapeError
+from specd.io.promtext import PromTextError, Sample, select_samples
+
+RUNNING = "sglang:num_running_reqs"
+QUEUED = "sglang:num_queue_reqs"
+ACCEPT_LENGTH = "sglang:spec_accept_length"
+SPEC_STEPS = "sglang:spec_num_steps"
+SPEC_DRAFT_TOKENS = "sglang:spec_num_draft_tokens"
+KV_USAGE = "sglang:token_usage"
+GEN_THROUGHPUT = "sglang:gen_throughput"
+GENERATION_TOKENS = "sglang:generation_tokens_total"
+REALTIME_TOKENS = "sglang:realtime_tokens_total"
+VERIFY_CALLS = "sglang:spec_verify_calls_total"
+RETRACTED = "sglang:num_retracted_requests_total"
+# The sample names specd reads; everything else on the page is skipped unparsed.
+FAMILIES: tuple[str, ...] = (
+    RUNNING,
+    QUEUED,
+    ACCEPT_LENGTH,
+    SPEC_STEPS,
+    SPEC_DRAFT_TOKENS,
+    KV_USAGE,
+    GEN_THROUGHPUT,
+    GENERATION_TOKENS,
+    REALTIME_TOKENS,
+    VERIFY_CALLS,
+    RETRACTED,
+)
+# Schedulers of one DP replica differ only in these labels and report the same batch.
+_RANK_LABELS = ("pp_rank", "tp_rank", "moe_ep_rank")
+# A real page is ~100 KB per DP rank; far beyond that is a misconfigured exporter,
+# and reading it whole would cost memory and CPU on every tick.
+DEFAULT_MAX_PAGE_BYTES = 32 * 1024 * 1024
+_METRICS_PATH = "/metrics"
+_INFO_PATHS = ("/server_info", "/get_server_info")  # the second is SGLang < 0.5.6's
+
+
+class HealthStatus(enum.Enum):
+    OK = "ok"
+    UNHEALTHY = "unhealthy"
+    DOWN = "down"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class ParsedMetrics:
+    """What the /metrics page alone says, combined across series.
+
+    ``steps`` and ``draft_tokens`` are the gauges' values (None before 0.5.13);
+    ``observation_from`` settles them against /server_info. ``accept_length`` is
+    None when no series has measured one (speculation off, or no decode yet).
+    ``retracted_total`` is None when SGLang has not retracted anything yet (the
+    counter appears at the first retraction) or predates the counter.
+    """
+
+    running: int
+    queued: int
+    accept_length: float | None
+    spec_fresh: bool
+    steps: int | None
+    draft_tokens: int | None
+    token_usage: float | None
+    gen_throughput: float | None
+    generation_tokens_total: float | None
+    decode_tokens_total: float | None
+    spec_verify_calls_total: float | None
+    retracted_total: float | None
+    dp_ranks: int
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _value(value: float) -> str:
+    # The exposition format's spelling, so a reason can be grepped for in the page.
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def _series(sample: Sample) -> str:
+    labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+    shown = f"{sample.name}{{{labels}}}" if labels else sample.name
+    # Shortened so that what is wrong with it still fits in a one-line reason.
+    return shown if len(shown) <= 140 else shown[:139] + "…"
+
+
+def _rank_order(value: str) -> tuple[int, int, str]:
+    return (0, int(value), "") if value.isdigit() else (1, 0, value)
+
+
+def _per_replica(samples: list[Sample]) -> list[Sample]:
+    """One series per DP replica (and per other label value, e.g. is_streaming)."""
+    chosen: dict[frozenset[tuple[str, str]], tuple[tuple[tuple[int, int, str], ...], Sample]] = {}
+    for sample in samples:
+        if sample.labels.get("priority", ""):
+            continue  # a per-priority breakdown of the total next to it
+        key = _replica_key(sample)
+        rank = tuple(_rank_order(sample.labels.get(k, "")) for k in _RANK_LABELS)
+        held = chosen.get(key)
+        if held is None or rank < held[0]:
+            chosen[key] = (rank, sample)
+    return [sample for _, sample in chosen.values()]
+
+
+def _replica_key(sample: Sample) -> frozenset[tuple[str, str]]:
+    return frozenset(
+        (k, v) for k, v in sample.labels.items() if k not in _RANK_LABELS and k != "priority"
+    )
+
+
+def _sum(samples: list[Sample] | None) -> float | None:
+    return math.fsum(s.value for s in samples) if samples else None
+
+
+def parse_metrics(text: str, *, t: float = 0.0) -> ParsedMetrics | ScrapeError:
+    """Read specd's families from a /metrics page; ``t`` stamps a returned error."""
+    try:
+        found = select_samples(text, FAMILIES)
+    except PromTextError as exc:
+        return ScrapeError("malformed", _one_line(f"GET /metrics: {exc}"), t)
+    for samples in found.values():
+        for sample in samples:
+            if not math.isfinite(sample.value) or sample.value < 0:
+                return ScrapeError(
+                    "malformed",
+                    _one_line(f"GET /metrics: {_series(sample)} is {_value(sample.value)}"),
+                    t,
+                )
+    replicas = {name: _per_replica(samples) for name, samples in found.items()}
+    for name in (RUNNING, QUEUED):
+        if not replicas.get(name):
+            hint = "" if "sglang:" in text else " (no sglang: metrics at all: not SGLang?)"
+            return ScrapeError("missing", f"GET /metrics: {name} not in page{hint}", t)
+    for name in (RUNNING, QUEUED, SPEC_STEPS, SPEC_DRAFT_TOKENS):
+        for sample in replicas.get(name, []):
+            if not sample.value.is_integer():
+                return ScrapeError(
+                    "malformed",
+                    _one_line(
+                        f"GET /metrics: {_series(sample)} is {_value(sample.value)}, not whole"
+                    ),
+                    t,
+                )
+
+    try:
+        return _aggregate(found, replicas)
+    except OverflowError:
+        # Finite values near 1.8e308 can still overflow when added: not a page to trust.
+        return ScrapeError("malformed", "GET /metrics: values too large to add up", t)
+
+
+def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]) -> ParsedMetrics:
+    running_series = replicas[RUNNING]
+    running_by_replica = {_replica_key(s): s.value for s in running_series}
+    running = int(sum(running_by_replica.values()))
+    queued = int(sum(s.value for s in replicas[QUEUED]))
+
+    # 0 means "no speculation" or "no decode measured yet": not an accept length.
+    measured = [
+        (s.value, running_by_replica.get(_replica_key(s), 0.0))
+        for s in replicas.get(ACCEPT_LENGTH, [])
+        if s.value > 0
+    ]
+    weight = sum(w for _, w in measured)
+    accept_length: float | None
+    if not measured:
+        accept_length = None
+    elif weight > 0:
+        accept_length = math.fsum(v * w for v, w in measured) / weight
+    else:
+        # Idle: the gauges hold their last values; report them, marked not fresh.
+        accept_length = math.fsum(v for v, _ in measured) / len(measured)
+
+    def busiest(name: str) -> int | None:
+        series = replicas.get(name)
+        if not series:
+            return None
+        top = max(series, key=lambda s: running_by_replica.get(_replica_key(s), 0.0))
+        return int(top.value)
+
+    usage = replicas.get(KV_USAGE)
+    decode = [s for s in found.get(REALTIME_TOKENS, []) if s.labels.get("mode") == "decode"]
+    return ParsedMetrics(
+        running=running,
+        queued=queued,
+        accept_length=accept_length,
+        spec_fresh=running > 0,
+        steps=busiest(SPEC_STEPS),
+        draft_tokens=busiest(SPEC_DRAFT_TOKENS),
+        # Each replica has its own KV pool of the same size: the mean is the server's.
+        token_usage=math.fsum(s.value for s in usage) / len(usage) if usage else None,
+        gen_throughput=_sum(replicas.get(GEN_THROUGHPUT)),
+        generation_tokens_total=_sum(replicas.get(GENERATION_TOKENS)),
+        decode_tokens_total=_sum(_per_replica(decode)),
+        spec_verify_calls_total=_sum(replicas.get(VERIFY_CALLS)),
+        retracted_total=_sum(replicas.get(RETRACTED)),
+        dp_ranks=len(running_series),
+    )
+
+
+def _int_field(info: Mapping[str, Any] | None, key: str) -> int | None:
+    value = info.get(key) if info is not None else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not value.is_integer():
+        return None
+    return int(value)
+
+
+def _str_field(info: Mapping[str, Any] | None, key: str) -> str | None:
+    value = info.get(key) if info is not None else None
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return " ".join(value)
+    return value if isinstance(value, str) and value else None
+
+
+def _spec_on(info: Mapping[str, Any] | None) -> bool | None:
+    if info is None or "speculative_algorithm" not in info:
+        return None
+    algorithm = info["speculative_algorithm"]
+    return isinstance(algorithm, str) and algorithm.upper() not in ("", "NONE")
+
+
+def _live(
+    metric: int | None, from_info: int | None, spec_on: bool | None, adaptive: bool
+) -> int | None:
+    # Before the first decode report a speculative server's gauge may still read its
+    # default 0; only adaptive mode (0 = "no drafting" tier) makes 0 a real value then.
+    if metric is not None and (metric > 0 or spec_on is not True or adaptive):
+        return metric
+    if spec_on is False:
+        return 0
+    return from_info
+
+
+def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
+    states = info.get("internal_states") if info is not None else None
+    if isinstance(states, list):
+        per_dp = [
+            _int_field(s, "effective_max_running_requests_per_dp")
+            for s in states
+            if isinstance(s, dict)
+        ]
+        if per_dp and all(v is not None and v > 0 for v in per_dp):
+            return sum(v for v in per_dp if v is not None)
+    return _int_field(info, "max_running_requests")
+
+
+def observation_from(
+    parsed: ParsedMetrics, server_info: Mapping[str, Any] | None, t: float
+) -> Observation:
+    """Combine a parsed page with /server_info (None when it could not be read)."""
+    spec_on = _spec_on(server_info)
+    adaptive = bool(server_info.get("speculative_adaptive")) if server_info is not None else False
+    return Observation(
+        t=t,
+        running=parsed.running,
+        queued=parsed.queued,
+        accept_length=parsed.accept_length if spec_on is not False else None,
+        spec_fresh=parsed.spec_fresh,
+        steps=_live(
+            parsed.steps, _int_field(server_info, "speculative_num_steps"), spec_on, adaptive
+        ),
+        draft_tokens=_live(
+            parsed.draft_tokens,
+            _int_field(server_info, "speculative_num_draft_tokens"),
+            spec_on,
+            adaptive,
+        ),
+        topk=_int_field(server_info, "speculative_eagle_topk") if spec_on is not False else None,
+        algorithm=_str_field(server_info, "speculative_algorithm") if spec_on else None,
+        max_running_requests=_effective_max_running(server_info),
+        token_usage=parsed.token_usage,
+        gen_throughput=parsed.gen_throughput,
+        generation_tokens_total=parsed.generation_tokens_total,
+        decode_tokens_total=parsed.decode_tokens_total,
+        spec_verify_calls_total=parsed.spec_verify_calls_total,
+        retracted_total=parsed.retracted_total,
+        version=_str_field(server_info, "version"),
+        dp_ranks=parsed.dp_ranks,
+        launch_command=_str_field(server_info, "launch_command"),
+    )
+
+
+def check_base_url(base_url: str) -> str:
+    """The URL without a trailing slash; ValueError with a one-line reason if unusable."""
+    try:
+        url = httpx.URL(base_url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"invalid SGLang URL {base_url!r}: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"invalid SGLang URL {base_url!r}: expected http://HOST:PORT")
+    return str(url).rstrip("/")
+
+
+class SGLangClient:
+    """A synchronous client for one SGLang server; reuses its connection across ticks."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 3.0,
+        clock: Callable[[], float] = time.time,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+    ) -> None:
+        self.base_url = check_base_url(base_url)
+        self.timeout_s = timeout_s
+        self.max_page_bytes = max_page_bytes
+        self._clock = clock
+        self._info_paths = list(_INFO_PATHS)
+        # identity: compressing a page to send it over loopback only costs CPU on both
+        # ends. trust_env=False: an HTTP(S)_PROXY meant for the internet must not
+        # capture the local server.
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout_s,
+            headers={"Accept-Encoding": "identity", "User-Agent": f"specd/{__version__}"},
+            trust_env=False,
+        )
+
+    def __enter__(self) -> SGLangClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _get(self, path: str, t: float, *, none_on_404: bool = False) -> bytes | ScrapeError | None:
+        where = f"GET {path}"
+        try:
+            with self._http.stream("GET", path) as resp:
+                if resp.status_code == 404 and none_on_404:
+                    return None
+                if resp.status_code != 200:
+                    hint = ""
+                    if path == _METRICS_PATH and resp.status_code == 404:
+                        hint = " (metrics disabled: start SGLang with --enable-metrics)"
+                    return ScrapeError(
+                        "http_status", f"{where}: {resp.status_code} {resp.reason_phrase}{hint}", t
+                    )
+                too_big = ScrapeError(
+                    "malformed", f"{where}: response larger than {self.max_page_bytes} bytes", t
+                )
+                declared = resp.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > self.max_page_bytes:
+                    return too_big
+                chunks: list[bytes] = []
+                size = 0
+                for chunk in resp.iter_bytes():
+                    size += len(chunk)
+                    if size > self.max_page_bytes:
+                        return too_big
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except httpx.TimeoutException:
+            return ScrapeError("timeout", f"{where}: no answer within {self.timeout_s:g} s", t)
+        except httpx.ConnectError as exc:
+            return ScrapeError(
+                "refused", _one_line(f"{where}: cannot connect to {self.base_url}: {exc}"), t
+            )
+        except httpx.RemoteProtocolError as exc:
+            return ScrapeError("malformed", _one_line(f"{where}: broken response: {exc}"), t)
+        except httpx.HTTPError as exc:
+            return ScrapeError(
+                "refused", _one_line(f"{where}: connection failed: {type(exc).__name__} {exc}"), t
+            )
+
+    def _metrics_text(self, t: float) -> str | ScrapeError:
+        body = self._get(_METRICS_PATH, t)
+        assert body is not None  # only with none_on_404
+        if isinstance(body, ScrapeError):
+            return body
+        try:
+            return body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return ScrapeError("malformed", f"GET {_METRICS_PATH}: not UTF-8 ({exc.reason})", t)
+
+    def _server_info(self, t: float) -> dict[str, Any] | ScrapeError:
+        for path in list(self._info_paths):
+            result = self._get(path, t, none_on_404=True)
+            if result is None:
+                continue
+            if isinstance(result, ScrapeError):
+                return result
+            # Remember which one answered, so an old SGLang costs one request per tick.
+            self._info_paths.remove(path)
+            self._info_paths.insert(0, path)
+            return self._info_json(path, result, t)
+        return ScrapeError("http_status", "GET /server_info and /get_server_info: 404 Not Found", t)
+
+    @staticmethod
+    def _info_json(path: str, result: bytes, t: float) -> dict[str, Any] | ScrapeError:
+        try:
+            info = json.loads(result)
+        except ValueError as exc:
+            return ScrapeError("malformed", _one_line(f"GET {path}: not JSON ({exc})"), t)
+        if not isinstance(info, dict):
+            return ScrapeError("malformed", f"GET {path}: not a JSON object", t)
+        return info
+
+    def metrics_text(self) -> str | ScrapeError:
+        """The raw /metrics page."""
+        t = self._clock()
+        try:
+            return self._metrics_text(t)
+        except Exception as exc:
+            return ScrapeError(
+                "malformed", _one_line(f"GET /metrics: {type(exc).__name__}: {exc}"), t
+            )
+
+    def server_info(self) -> dict[str, Any] | ScrapeError:
+        """/server_info as a dict; /get_server_info when the server is older than 0.5.6."""
+        t = self._clock()
+        try:
+            return self._server_info(t)
+        except Exception as exc:
+            return ScrapeError(
+                "malformed", _one_line(f"GET /server_info: {type(exc).__name__}: {exc}"), t
+            )
+
+    def observe(self) -> Observation | ScrapeError:
+        """Scrape /metrics and /server_info into one Observation.
+
+        /metrics decides success; when only /server_info fails the Observation is
+        still returned, with the fields only /server_info knows set to None.
+        """
+        t = self._clock()
+        try:
+            text = self._metrics_text(t)
+            if isinstance(text, ScrapeError):
+                return text
+            parsed = parse_metrics(text, t=t)
+            if isinstance(parsed, ScrapeError):
+                return parsed
+            info = self._server_info(t)
+            return observation_from(parsed, None if isinstance(info, ScrapeError) else info, t)
+        except Exception as exc:
+            return ScrapeError("malformed", _one_line(f"observe: {type(exc).__name__}: {exc}"), t)
+
+    def health_generate(self, timeout_s: float) -> HealthStatus:
+        """GET /health_generate: SGLang runs a 1-token generation (20 s internal limit)."""
+        try:
+            with self._http.stream("GET", "/health_generate", timeout=timeout_s) as resp:
+                return HealthStatus.OK if resp.status_code == 200 else HealthStatus.UNHEALTHY
+        except httpx.TimeoutException:
+            return HealthStatus.TIMEOUT
+        except httpx.ConnectError:
+            return HealthStatus.DOWN
+        except Exception:
+            # Accepted, then dropped or garbled: there is a server, and it is not well.
+            return HealthStatus.UNHEALTHY

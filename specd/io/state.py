@@ -1,0 +1,266 @@
+"""specd's persistent state: /var/lib/specd/state.json, written atomically.
+
+A specd restart must lose nothing (learned history, the last decision, an interrupted
+restart's journal, the freeze), and a damaged file must never stop specd: it is moved
+aside, and specd starts over with a fresh history and a one-line problem to report.
+Plain JSON only (no pickles), so an operator can read it and nothing in it executes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specd.core.history import History, HistorySettings
+
+STATE_FILE = "state.json"
+STATE_VERSION = 1
+
+
+def atomic_write_json(path: str | Path, obj: Any, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``obj`` as JSON; readers see the old file or the new one.
+
+    Temporary file in the same directory (so the rename is atomic), fsync of the file
+    before the rename and of the directory after it (so a power cut cannot leave an
+    empty or half-written file). Raises OSError, or ValueError for unserializable data
+    (NaN and infinities included: they are not JSON).
+    """
+    target = Path(path)
+    # Compact: the history makes state.json ~100 KB, rewritten every minute (jq reads it).
+    data = (json.dumps(obj, allow_nan=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(target.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_json(path: str | Path) -> Any:
+    """Parse the JSON file at ``path``. Raises OSError or ValueError (bad JSON/UTF-8)."""
+    with open(path, "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
+
+
+class StateFormatError(ValueError):
+    """state.json parsed but does not hold a valid state; the message is one line."""
+
+
+@dataclass
+class State:
+    """Everything specd keeps across its own restarts."""
+
+    history: History = field(default_factory=History)
+    # The latest Decision as the daemon logged it (t, target_steps, reason, message, ...).
+    last_decision: dict[str, Any] = field(default_factory=dict)
+    # The restart journal: defined and written by specd.apply, stored here opaquely.
+    journal: dict[str, Any] | None = None
+    # One entry per restart: {t, from_steps, to_steps, result, ...}.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    # {since, reason} after a failed restart; only an operator clears it.
+    frozen: dict[str, Any] | None = None
+    # [t, steps] of recent policy recommendations, for the stabilization window.
+    recommendations: list[list[float]] = field(default_factory=list)
+    sglang_started_at: float | None = None
+    version: int = STATE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "history": self.history.to_dict(),
+            "last_decision": self.last_decision,
+            "journal": self.journal,
+            "restarts": self.restarts,
+            "frozen": self.frozen,
+            "recommendations": self.recommendations,
+            "sglang_started_at": self.sglang_started_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, history_settings: HistorySettings | None = None) -> State:
+        """Rebuild from `to_dict`. Raises StateFormatError naming the bad field."""
+        if not isinstance(data, dict):
+            raise StateFormatError(f"expected a JSON object, got {type(data).__name__}")
+        version = data.get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise StateFormatError(f"version: expected an integer, got {version!r:.20}")
+        if version > STATE_VERSION:
+            raise StateFormatError(
+                f"version {version} is newer than this specd understands ({STATE_VERSION})"
+            )
+        if version < 1:
+            raise StateFormatError(f"version: {version} is not a valid schema version")
+        try:
+            history = History.from_dict(data.get("history"), history_settings)
+        except ValueError as exc:
+            raise StateFormatError(str(exc)) from None
+        return cls(
+            history=history,
+            last_decision=_object(data, "last_decision"),
+            journal=_optional_object(data, "journal"),
+            restarts=[_restart(i, r) for i, r in enumerate(_list(data, "restarts"))],
+            frozen=_frozen(data.get("frozen")),
+            recommendations=[
+                _recommendation(i, r) for i, r in enumerate(_list(data, "recommendations"))
+            ],
+            sglang_started_at=_optional_number(data, "sglang_started_at"),
+            version=STATE_VERSION,
+        )
+
+    def note_recommendation(self, t: float, steps: int, window_s: float) -> None:
+        """Append a recommendation and drop those the stabilization check no longer needs.
+
+        The newest entry at or before ``t - window_s`` is kept: it shows whether the
+        recommendation already held when the window began.
+        """
+        self.recommendations.append([t, steps])
+        horizon = t - window_s
+        older = [i for i, (rt, _) in enumerate(self.recommendations) if rt <= horizon]
+        if older:
+            del self.recommendations[: older[-1]]
+
+
+def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise StateFormatError(f"{key}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _optional_object(data: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise StateFormatError(f"{key}: expected an object or null, got {type(value).__name__}")
+    return value
+
+
+def _list(data: dict[str, Any], key: str) -> list[Any]:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise StateFormatError(f"{key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _optional_number(data: dict[str, Any], key: str) -> float | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if not _is_number(value):
+        raise StateFormatError(f"{key}: expected a number or null, got {value!r:.40}")
+    return float(value)
+
+
+def _restart(index: int, entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, dict) or not _is_number(entry.get("t")):
+        raise StateFormatError(f"restarts[{index}]: expected an object with a numeric t")
+    return entry
+
+
+def _frozen(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not _is_number(value.get("since")):
+        raise StateFormatError("frozen: expected null or an object with a numeric since")
+    return value
+
+
+def _recommendation(index: int, entry: Any) -> list[float]:
+    if (
+        not isinstance(entry, list)
+        or len(entry) != 2
+        or not _is_number(entry[0])
+        or isinstance(entry[1], bool)
+        or not isinstance(entry[1], int)
+    ):
+        raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
+    return [float(entry[0]), entry[1]]
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class StateStore:
+    """Loads and saves `State` in ``state_dir``/state.json; never raises."""
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        history_settings: HistorySettings | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.path = self.state_dir / STATE_FILE
+        self.history_settings = history_settings
+        self._clock = clock
+
+    def fresh(self) -> State:
+        return State(history=History(self.history_settings))
+
+    def load(self) -> tuple[State, str | None]:
+        """The saved state, or a fresh one and a one-line problem when it is unusable.
+
+        A missing file is not a problem (first start). A damaged one is moved aside to
+        state.json.corrupt-<unix> for a post-mortem, so the next save cannot destroy it.
+        """
+        try:
+            data = read_json(self.path)
+        except FileNotFoundError:
+            return self.fresh(), None
+        except (OSError, ValueError) as exc:
+            return self.fresh(), self._set_aside(f"unreadable ({_one_line(exc)})")
+        try:
+            state = State.from_dict(data, self.history_settings)
+        except StateFormatError as exc:
+            return self.fresh(), self._set_aside(f"invalid ({_one_line(exc)})")
+        return state, None
+
+    def _set_aside(self, why: str) -> str:
+        stamp = int(self._clock())
+        aside = self.path.with_name(f"{STATE_FILE}.corrupt-{stamp}")
+        n = 1
+        while aside.exists():
+            aside = self.path.with_name(f"{STATE_FILE}.corrupt-{stamp}.{n}")
+            n += 1
+        try:
+            os.replace(self.path, aside)
+        except OSError as exc:
+            return f"{self.path} {why}; could not move it aside: {_one_line(exc)}; starting fresh"
+        return f"{self.path} {why}; moved to {aside.name}; starting fresh"
+
+    def save(self, state: State) -> str | None:
+        """Write ``state`` atomically; a one-line error (disk full, read-only, ...) or None."""
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            atomic_write_json(self.path, state.to_dict())
+        except (OSError, ValueError, TypeError) as exc:
+            return f"cannot write {self.path}: {_one_line(exc)}"
+        return None

@@ -1,0 +1,1 @@
+"""Tools above the daemon: sweep, load, replay and demo."""

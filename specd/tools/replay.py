@@ -1,0 +1,414 @@
+"""`specd replay`: run specd's own history, forecast, decide and window code over a trace.
+
+Simulated time ticks every ``scrape_interval_s`` of the config, like the daemon: each tick
+records an Observation built from the trace and the truth table into `History`. Outside a
+window (and its stabilization lead-in) decide can only hold — every acting path runs
+through `windows.is_open` — so the policy is consulted only from ``stabilization_window_s``
+before a window opens until it closes; the result is the same, at a fraction of the cost.
+A restart serves nothing for ``--restart-s``.
+
+Compared in the same run: specd, every static K in the allowed range, and the oracle (the
+best fixed K of each epoch — window opening to window opening — in hindsight, with no
+restart cost; before the first window no one can choose, so there it runs specd's K).
+Tokens come from the truth table, piecewise constant per trace row. ``--warmup-s`` replays
+the start of a trace without scoring it (steady state, as a daemon that has run a while).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import itertools
+import math
+import time  # only to measure decision cost; simulated time is t
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from specd.core import decide as decide_mod
+from specd.core import windows
+from specd.core.decide import Control
+from specd.core.forecast import Forecast, forecast_epoch, score
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation
+from specd.core.perftable import PerfTable
+from specd.io.config import Config
+
+DEFAULT_START = datetime(2026, 1, 5, tzinfo=timezone.utc)  # a Monday
+DEFAULT_RESTART_S = 100.0
+MAX_TRACE_ROWS = 10_000_000
+
+
+class ReplayError(ValueError):
+    """Bad replay input; one line."""
+
+
+# -- the trace --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Trace:
+    """Offered concurrency, piecewise constant: ``level[i]`` from ``t[i]`` to ``t[i+1]``."""
+
+    t: list[float]  # run starts (seconds from the trace start), then the end
+    level: list[int]
+
+    @property
+    def duration_s(self) -> float:
+        return self.t[-1] - self.t[0]
+
+    def at(self, s: float) -> int:
+        i = bisect.bisect_right(self.t, s) - 1
+        return self.level[min(max(i, 0), len(self.level) - 1)]
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read ``t_s,concurrency`` rows; the last row lasts as long as the median row."""
+    p = Path(path)
+    times: list[float] = []
+    levels: list[float] = []
+    try:
+        with p.open(newline="", encoding="utf-8") as handle:
+            reader = csv.reader(handle)
+            header = [c.strip() for c in next(reader, [])]
+            if header[:2] != ["t_s", "concurrency"]:
+                raise ReplayError(f"{p}:1: header must be t_s,concurrency")
+            for n, row in enumerate(reader, start=2):
+                if not row or not "".join(row).strip():
+                    continue
+                if len(row) < 2:
+                    raise ReplayError(f"{p}:{n}: expected t_s,concurrency")
+                try:
+                    t, c = float(row[0]), float(row[1])
+                except ValueError:
+                    raise ReplayError(f"{p}:{n}: not numbers: {','.join(row)[:60]!r}") from None
+                if not (math.isfinite(t) and math.isfinite(c)) or c < 0:
+                    raise ReplayError(f"{p}:{n}: t_s must be finite, concurrency >= 0")
+                if times and t <= times[-1]:
+                    raise ReplayError(f"{p}:{n}: t_s must increase ({t:g} after {times[-1]:g})")
+                times.append(t)
+                levels.append(c)
+                if len(times) > MAX_TRACE_ROWS:
+                    raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows")
+    except OSError as exc:
+        raise ReplayError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ReplayError(f"{p}: not UTF-8 text") from None
+    if not times:
+        raise ReplayError(f"{p}: no rows")
+    return trace_from_rows(times, levels)
+
+
+def trace_from_rows(times: Sequence[float], levels: Sequence[float]) -> Trace:
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    last = gaps[len(gaps) // 2] if gaps else 1.0
+    t: list[float] = []
+    level: list[int] = []
+    for s, c in zip(times, levels, strict=True):
+        c_int = round(c)
+        if not level or level[-1] != c_int:
+            t.append(float(s))
+            level.append(c_int)
+    t.append(float(times[-1]) + last)
+    return Trace(t, level)
+
+
+# -- tokens from the truth --------------------------------------------------------------
+class Tokens:
+    """Cumulative tokens served per K over the trace (prefix sums over runs)."""
+
+    def __init__(self, trace: Trace, truth: PerfTable, steps: Sequence[int]) -> None:
+        self.trace = trace
+        self.truth = truth
+        self.rate: dict[int, list[float]] = {}
+        self.cum: dict[int, list[float]] = {}
+        for k in steps:
+            memo: dict[int, float] = {}
+            rates = []
+            for c in trace.level:
+                if c not in memo:
+                    memo[c] = truth.throughput(k, float(c)) if c > 0 else 0.0
+                rates.append(memo[c])
+            cum = [0.0]
+            for i, r in enumerate(rates):
+                cum.append(cum[-1] + r * (trace.t[i + 1] - trace.t[i]))
+            self.rate[k] = rates
+            self.cum[k] = cum
+
+    def upto(self, k: int, s: float) -> float:
+        t = self.trace.t
+        s = min(max(s, t[0]), t[-1])
+        i = min(bisect.bisect_right(t, s) - 1, len(t) - 2)
+        return self.cum[k][i] + self.rate[k][i] * (s - t[i])
+
+    def between(self, k: int, a: float, b: float) -> float:
+        return max(0.0, self.upto(k, b) - self.upto(k, a))
+
+
+# -- the replay -------------------------------------------------------------------------
+@dataclass
+class ReplayResult:
+    specd_tokens: float
+    oracle_tokens: float
+    static_tokens: dict[int, float]
+    restarts: int
+    restarts_outside_windows: int
+    days: float
+    steps_timeline: list[tuple[float, int]]
+    forecast_mean_error_ratio: float | None
+    forecast_median_error_ratio: float | None
+    forecast_total_variation: float | None
+    epochs: int
+    decision_ms_mean: float
+    decision_ms_p99: float
+    decision_ms_max: float
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def best_static_steps(self) -> int:
+        return max(self.static_tokens, key=lambda k: (self.static_tokens[k], -k))
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best_static_steps
+        best_tokens = self.static_tokens[best]
+        return {
+            "specd_tokens": round(self.specd_tokens),
+            "oracle_tokens": round(self.oracle_tokens),
+            "ratio_to_oracle": _ratio(self.specd_tokens, self.oracle_tokens),
+            "static_tokens": {str(k): round(v) for k, v in sorted(self.static_tokens.items())},
+            "best_static_steps": best,
+            "ratio_to_best_static": _ratio(self.specd_tokens, best_tokens),
+            "oracle_gap_ratio": _ratio(self.oracle_tokens, best_tokens) - 1.0,
+            "gap_captured_ratio": (
+                None
+                if self.oracle_tokens <= best_tokens
+                else round(
+                    (self.specd_tokens - best_tokens) / (self.oracle_tokens - best_tokens), 4
+                )
+            ),
+            "restarts": self.restarts,
+            "restarts_per_day": round(self.restarts / self.days, 3) if self.days > 0 else None,
+            "restarts_outside_windows": self.restarts_outside_windows,
+            "days": round(self.days, 4),
+            "epochs": self.epochs,
+            "steps_timeline": [[round(t), k] for t, k in self.steps_timeline],
+            "forecast_mean_error_ratio": self.forecast_mean_error_ratio,
+            "forecast_median_error_ratio": self.forecast_median_error_ratio,
+            "forecast_total_variation": self.forecast_total_variation,
+            "decision_ms_mean": round(self.decision_ms_mean, 3),
+            "decision_ms_p99": round(self.decision_ms_p99, 3),
+            "decision_ms_max": round(self.decision_ms_max, 3),
+            "reasons": dict(sorted(self.reasons.items())),
+        }
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 4) if b > 0 else 1.0
+
+
+def _open_intervals(config: Config, start: float, end: float) -> list[tuple[float, float]]:
+    """Every maintenance window (opened, closes) overlapping [start, end], by specd's code."""
+    out: list[tuple[float, float]] = []
+    at = datetime.fromtimestamp(start, timezone.utc)
+    current = windows.current_window(config.windows, at)
+    if current is not None:
+        out.append((current[0].timestamp(), current[1].timestamp()))
+        at = current[1]
+    while True:
+        opened = windows.next_open(config.windows, at)
+        if opened.timestamp() >= end:
+            return out
+        closes = windows.next_close(config.windows, opened)
+        out.append((opened.timestamp(), closes.timestamp()))
+        at = closes
+
+
+def _observation(t: float, offered: int, k: int, truth: PerfTable, served: float) -> Observation:
+    cap = truth.capacity(k)
+    running = offered if cap is None else min(offered, cap)
+    return Observation(
+        t=t,
+        running=running,
+        queued=offered - running,
+        accept_length=truth.accept_length(k),
+        spec_fresh=offered > 0,
+        steps=k,
+        draft_tokens=k + 1,
+        topk=1,
+        algorithm="NEXTN",
+        max_running_requests=cap,
+        token_usage=None,
+        gen_throughput=truth.throughput(k, float(offered)) if offered > 0 else 0.0,
+        generation_tokens_total=served,
+        decode_tokens_total=served,
+        spec_verify_calls_total=None,
+        retracted_total=None,
+        version="replay",
+        dp_ranks=1,
+        launch_command=None,
+    )
+
+
+def replay(
+    trace: Trace,
+    truth: PerfTable,
+    config: Config,
+    *,
+    start: datetime = DEFAULT_START,
+    restart_s: float = DEFAULT_RESTART_S,
+    initial_steps: int | None = None,
+    warmup_s: float = 0.0,
+) -> ReplayResult:
+    """Replay ``trace`` (seconds from ``start``) under ``config`` against ``truth``.
+
+    The first ``warmup_s`` of the trace are replayed (specd learns and acts) but not
+    scored: tokens, restarts and days count from there on, for steady-state comparisons.
+    """
+    allowed = list(range(config.min_steps, config.max_steps + 1))
+    missing = [k for k in allowed if k not in truth.steps()]
+    if missing:
+        raise ReplayError(
+            f"{truth.source}: truth has no steps {','.join(map(str, missing))} "
+            f"(allowed {config.min_steps}-{config.max_steps}; narrow it with --steps)"
+        )
+    t0 = start.timestamp()  # absolute time of t_s = 0
+    first, last = trace.t[0], trace.t[-1]
+    tokens = Tokens(trace, truth, allowed)
+    opens = _open_intervals(config, t0 + first, t0 + last)
+    scored_from = min(first + max(warmup_s, 0.0), last)
+    static = {k: tokens.between(k, scored_from, last) for k in allowed}
+    k = (
+        initial_steps
+        if initial_steps is not None
+        else min(max(3, config.min_steps), config.max_steps)
+    )
+    if k not in allowed:
+        raise ReplayError(
+            f"initial steps {k} outside the allowed {config.min_steps}-{config.max_steps}"
+        )
+
+    history = History(HistorySettings.from_config(config))
+    step_s = config.scrape_interval_s
+    lead = config.stabilization_window_s + step_s
+    restart_times: list[float] = []
+    recommendations: list[tuple[float, int]] = []
+    timeline: list[tuple[float, int]] = [(first, k)]
+    segments: list[tuple[int, float, float]] = []  # (K, from, to) in trace seconds
+    seg_from = first  # SGLang serves K from here (also its counters' zero)
+    outside = 0
+    reasons: dict[str, int] = {}
+    costs: list[float] = []
+    # SGLang has been up long enough at the start: no warm-up to exclude.
+    history.mark_sglang_start(t0 + first - config.warmup_exclude_s - step_s)
+    win_i = 0
+    forecasts: dict[int, Forecast] = {}
+    n_ticks = int((last - first) // step_s) + 1
+    for n in range(n_ticks):
+        s = first + n * step_s
+        if s < seg_from:
+            continue  # SGLang is loading: the scrape fails, nothing is recorded
+        t = t0 + s
+        obs = _observation(t, trace.at(s), k, truth, tokens.between(k, seg_from, s))
+        history.record(obs)
+        while win_i < len(opens) and opens[win_i][1] <= t:
+            win_i += 1
+        if win_i >= len(opens) or t < opens[win_i][0] - lead:
+            continue
+        if opens[win_i][0] <= t and win_i not in forecasts:
+            # What specd expected of the coming epoch when the window opened, scored
+            # against the trace at the end.
+            nxt = opens[win_i + 1][0] if win_i + 1 < len(opens) else t0 + last
+            made = forecast_epoch(history, opens[win_i][1], nxt)
+            if made is not None:
+                forecasts[win_i] = made
+        rec = decide_mod.recommend(history, config)
+        if rec is not None:
+            keep_after = t - 2 * config.stabilization_window_s - step_s
+            recommendations = [r for r in recommendations if r[0] >= keep_after]
+            recommendations.append((t, rec[0]))
+        control = Control(
+            current_steps=k,
+            restart_times=tuple(restart_times),
+            recommendations=tuple(recommendations),
+        )
+        # One decision: forecast, model and decide (the raw pick above is the daemon's
+        # bookkeeping for the stabilization window).
+        began = time.perf_counter()
+        decision = decide_mod.decide(history, obs, config, None, t, control)
+        costs.append((time.perf_counter() - began) * 1000)
+        reasons[decision.reason.value] = reasons.get(decision.reason.value, 0) + 1
+        if decision.acts(k) and decision.target_steps is not None:
+            if not any(a <= t < b for a, b in opens):
+                outside += 1
+            segments.append((k, seg_from, s))
+            restart_times.append(t)
+            k = decision.target_steps
+            seg_from = s + restart_s
+            timeline.append((s, k))
+    segments.append((k, seg_from, last))
+    specd_tokens = sum(
+        tokens.between(kk, max(a, scored_from), min(b, last)) for kk, a, b in segments if b > a
+    )
+    # The oracle: the best fixed K per epoch (window opening to window opening). Before
+    # the first window of the scored span no one can choose: it runs specd's K there.
+    live_then = [kk for at, kk in timeline if at <= scored_from][-1]
+    bounds = [scored_from]
+    bounds += [o - t0 for o, _ in opens if scored_from < o - t0 < last]
+    bounds.append(last)
+    epochs = list(itertools.pairwise(bounds))
+    chooses_first = any(a <= t0 + scored_from < b for a, b in opens)
+    oracle = 0.0
+    if epochs and not chooses_first:
+        oracle += tokens.between(live_then, *epochs.pop(0))
+    oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
+    scored_restarts = sum(1 for t in restart_times if t >= t0 + scored_from)
+    mean_err, median_err, tv = _forecast_quality(forecasts.values(), trace, t0)
+    return ReplayResult(
+        specd_tokens=specd_tokens,
+        oracle_tokens=oracle,
+        static_tokens=static,
+        restarts=scored_restarts,
+        restarts_outside_windows=outside,
+        days=(last - scored_from) / 86400.0,
+        steps_timeline=timeline,
+        forecast_mean_error_ratio=mean_err,
+        forecast_median_error_ratio=median_err,
+        forecast_total_variation=tv,
+        epochs=len(bounds) - 1,
+        decision_ms_mean=sum(costs) / len(costs) if costs else 0.0,
+        decision_ms_p99=sorted(costs)[int(0.99 * (len(costs) - 1))] if costs else 0.0,
+        decision_ms_max=max(costs, default=0.0),
+        reasons=reasons,
+    )
+
+
+def _forecast_quality(
+    forecasts: Iterable[Forecast], trace: Trace, t0: float
+) -> tuple[float | None, float | None, float | None]:
+    """Mean and median |relative error| of the forecast mean, and the mean total variation
+    distance, of the epoch forecasts specd made at each window opening, against what the
+    trace then held."""
+    errors: list[float] = []
+    tvs: list[float] = []
+    for forecast in forecasts:
+        actual: dict[int, float] = {}
+        s, stop = forecast.start - t0, min(forecast.end - t0, trace.t[-1])
+        i = max(bisect.bisect_right(trace.t, s) - 1, 0)
+        while s < stop and i < len(trace.level):
+            seg_end = min(trace.t[i + 1], stop)
+            if seg_end > s:
+                actual[trace.level[i]] = actual.get(trace.level[i], 0.0) + seg_end - s
+            s = max(s, seg_end)
+            i += 1
+        result = score(forecast, actual)
+        if result is not None:
+            errors.append(abs(result.mean_error_ratio))
+            tvs.append(result.total_variation)
+    if not errors:
+        return None, None, None
+    median = sorted(errors)[len(errors) // 2]
+    return (
+        round(sum(errors) / len(errors), 4),
+        round(median, 4),
+        round(sum(tvs) / len(tvs), 4),
+    )

@@ -1,0 +1,905 @@
+"""`specd sweep`: the hand-tuning campaign in one command.
+
+For each step count K: apply it through the daemon's own restart sequence (env file,
+`systemctl restart`, /health_generate, verify), warm up, run closed-loop load at each
+concurrency, and record aggregate and per-request tok/s, TTFT, accept length and
+``max_running_requests``. Writes ``sweep.csv`` (the performance-table format the model
+policy and the twin read), ``sweep.md``, ``sweep.json`` and ``sweep.png``, and puts the
+original K back at the end, on failure, and on SIGINT/SIGTERM.
+
+The restart journal goes to state.json like the daemon's, so a sweep killed mid-restart is
+finished (rolled back or verified) by the daemon's reconcile on its next start. The daemon
+must not run during a sweep: it would restart SGLang and overwrite state.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import httpx
+
+from specd.core.history import HistorySettings
+from specd.core.observation import Observation, ScrapeError
+from specd.core.perftable import PerfRow, PerfTable
+from specd.io.apply import Applier, ApplyOutcome, ApplySettings
+from specd.io.config import Config
+from specd.io.runner import Runner, SubprocessRunner
+from specd.io.sglang import SGLangClient
+from specd.io.state import State, StateStore
+from specd.tools.load import LoadGenerator, LoadResult
+
+CSV_NAME = "sweep.csv"
+MARKDOWN_NAME = "sweep.md"
+JSON_NAME = "sweep.json"
+CHART_NAME = "sweep.png"
+LOG_NAME = "sweep.log"
+# Accept-length gauges are sampled this often while load runs.
+SAMPLE_INTERVAL_S = 0.5
+# Before each point, load runs until every client finished one request, at most
+# max(this, --duration-s) seconds.
+SETTLE_MIN_CAP_S = 30.0
+SETTLE_POLL_S = 0.05
+# The daemon's /metrics answers within this or is taken as not running.
+DAEMON_PROBE_TIMEOUT_S = 1.0
+# Twin mode: a compressed model load, so a demo sweep takes a minute, not an hour.
+TWIN_LOAD_TIME_S = 1.0
+TWIN_WARMUP_S = 0.3
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_SIGNAL_BASE = 128
+
+
+class SweepError(Exception):
+    """A sweep that cannot start; the message is one line."""
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    steps: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    duration_s: float = 60.0
+    warmup_s: float = 20.0
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError("--steps: give at least one step count")
+        if not self.concurrency:
+            raise ValueError("--concurrency: give at least one concurrency")
+        if len(set(self.steps)) != len(self.steps):
+            raise ValueError("--steps: a step count is listed twice")
+        if len(set(self.concurrency)) != len(self.concurrency):
+            raise ValueError("--concurrency: a value is listed twice")
+        if min(self.concurrency) < 1:
+            raise ValueError("--concurrency: values must be at least 1")
+        if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ValueError(f"--duration-s must be > 0, got {self.duration_s}")
+        if not (math.isfinite(self.warmup_s) and self.warmup_s >= 0):
+            raise ValueError(f"--warmup-s must be >= 0, got {self.warmup_s}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+
+    @property
+    def points(self) -> int:
+        return len(self.steps) * len(self.concurrency)
+
+    def load_seconds_per_steps(self) -> float:
+        return self.warmup_s + self.duration_s * len(self.concurrency)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One measured (steps, concurrency) point."""
+
+    steps: int
+    concurrency: int
+    output_tok_s: float
+    per_request_tok_s: float
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    accept_length: float | None
+    max_running_requests: int | None
+    requests: int
+    errors: int
+    duration_s: float
+
+
+@dataclass
+class SweepReport:
+    """What a sweep did; ``ok`` only when every K was measured and the original restored."""
+
+    original_steps: int
+    plan: SweepPlan
+    out_dir: Path
+    points: list[SweepPoint] = field(default_factory=list)
+    # K -> why it was not (fully) measured.
+    failed_steps: dict[int, str] = field(default_factory=dict)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    interrupted_by: str | None = None
+    error: str | None = None
+    restored: bool = False
+    final_steps: int | None = None
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.restored
+            and not self.failed_steps
+            and self.interrupted_by is None
+            and self.error is None
+        )
+
+    def table(self) -> PerfTable | None:
+        rows = [
+            PerfRow(
+                steps=p.steps,
+                concurrency=float(p.concurrency),
+                output_tok_s=round(p.output_tok_s, 1),
+                accept_length=None if p.accept_length is None else round(p.accept_length, 4),
+                max_running_requests=p.max_running_requests,
+            )
+            for p in self.points
+        ]
+        return PerfTable(rows, source=str(self.out_dir / CSV_NAME)) if rows else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "original_steps": self.original_steps,
+            "final_steps": self.final_steps,
+            "restored": self.restored,
+            "plan": asdict(self.plan),
+            "points": [asdict(p) for p in self.points],
+            "failed_steps": {str(k): v for k, v in self.failed_steps.items()},
+            "restarts": self.restarts,
+            "interrupted_by": self.interrupted_by,
+            "error": self.error,
+        }
+
+
+# -- progress -------------------------------------------------------------------------------
+
+
+class Reporter:
+    """Where a sweep tells its progress; the base class says nothing (tests, --json)."""
+
+    def start(self, plan: SweepPlan, order: Sequence[int], original: int) -> None:
+        """The sweep begins."""
+
+    def phase(self, text: str) -> None:
+        """A new activity (restarting, warming up, measuring ...)."""
+
+    def point(self, done: int, total: int, point: SweepPoint, eta_s: float | None) -> None:
+        """A point was measured."""
+
+    def tick(self, progress_s: float, eta_s: float | None) -> None:
+        """Time passes inside a phase (``progress_s`` of planned work done)."""
+
+    def message(self, text: str) -> None:
+        """Something the operator should read (failures, restore)."""
+
+    def close(self) -> None:
+        """The sweep is over."""
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def describe_point(p: SweepPoint) -> str:
+    ttft = "-" if p.ttft_p50_s is None else f"{p.ttft_p50_s * 1000:.0f} ms"
+    accept = "-" if p.accept_length is None else f"{p.accept_length:.2f}"
+    errors = f", {p.errors} errors" if p.errors else ""
+    return (
+        f"steps {p.steps} c={p.concurrency}: {p.output_tok_s:.1f} tok/s "
+        f"(per request {p.per_request_tok_s:.1f}, TTFT p50 {ttft}, accept {accept}{errors})"
+    )
+
+
+class PlainReporter(Reporter):
+    """One line per event: for logs and pipes."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def start(self, plan: SweepPlan, order: Sequence[int], original: int) -> None:
+        self._say(
+            f"sweep: steps {','.join(map(str, order))} × concurrency "
+            f"{','.join(map(str, plan.concurrency))}; SGLang runs {original} steps now"
+        )
+
+    def phase(self, text: str) -> None:
+        self._say(text)
+
+    def point(self, done: int, total: int, point: SweepPoint, eta_s: float | None) -> None:
+        self._say(f"[{done}/{total}] {describe_point(point)}  ETA {format_eta(eta_s)}")
+
+    def message(self, text: str) -> None:
+        self._say(text)
+
+
+class RichReporter(Reporter):
+    """A progress bar with ETA on a terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        from rich.console import Console  # noqa: PLC0415  (only on a terminal)
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+        self.console = Console(file=stream)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            TextColumn("ETA {task.fields[eta]}"),
+            console=self.console,
+            transient=False,
+        )
+        self.task = self.progress.add_task("starting", total=1.0, eta="?")
+        self.total_s = 1.0
+
+    def start(self, plan: SweepPlan, order: Sequence[int], original: int) -> None:
+        self.console.print(
+            f"sweep: steps {','.join(map(str, order))} × concurrency "
+            f"{','.join(map(str, plan.concurrency))}; SGLang runs {original} steps now"
+        )
+        self.total_s = plan.load_seconds_per_steps() * len(order)
+        self.progress.update(self.task, total=self.total_s)
+        self.progress.start()
+
+    def phase(self, text: str) -> None:
+        self.progress.update(self.task, description=text)
+
+    def tick(self, progress_s: float, eta_s: float | None) -> None:
+        self.progress.update(self.task, completed=min(progress_s, self.total_s),
+                             eta=format_eta(eta_s))  # fmt: skip
+
+    def point(self, done: int, total: int, point: SweepPoint, eta_s: float | None) -> None:
+        self.progress.console.print(f"[{done}/{total}] {describe_point(point)}", highlight=False)
+        self.progress.update(self.task, eta=format_eta(eta_s))
+
+    def message(self, text: str) -> None:
+        self.progress.console.print(text, highlight=False, markup=False)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+# -- the journal in state.json ------------------------------------------------------------------
+
+
+class StateJournal:
+    """Persists the restart journal into state.json, where the daemon reconciles it."""
+
+    def __init__(self, config: Config) -> None:
+        self.store = StateStore(
+            Path(config.state_dir), history_settings=HistorySettings.from_config(config)
+        )
+        self.state: State | None = None
+        self.problem: str | None = None
+
+    def open(self) -> None:
+        """Load state.json; refuse when it holds an unfinished restart (SweepError)."""
+        state, problem = self.store.load()
+        if problem is not None:
+            self.problem = problem
+        if state.journal is not None and state.journal.get("phase") not in (
+            "done",
+            "rolled_back",
+            "failed",
+            "aborted",
+        ):
+            raise SweepError(
+                f"{self.store.path} holds an unfinished restart ({state.journal.get('phase')}); "
+                "start specd once so it reconciles it, then stop it and sweep"
+            )
+        self.state = state
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        assert self.state is not None
+        self.state.journal = journal
+        error = self.store.save(self.state)
+        if error is not None:
+            raise OSError(error)
+        _match_owner(self.store.path, self.store.state_dir)
+
+    def clear(self) -> None:
+        """The sequence ended and was reported: nothing for the daemon to reconcile."""
+        if self.state is not None and self.state.journal is not None:
+            self(None)
+
+
+def _match_owner(path: Path, directory: Path) -> None:
+    # `sudo specd sweep` would leave a root-owned 0600 state.json the specd user cannot
+    # read; give it to whoever owns the state directory, as the daemon wrote it.
+    if os.geteuid() != 0:
+        return
+    with contextlib.suppress(OSError):
+        owner = directory.stat()
+        if path.stat().st_uid != owner.st_uid:
+            os.chown(path, owner.st_uid, owner.st_gid)
+
+
+def daemon_running(config: Config) -> str | None:
+    """A one-line reason when specd's own /metrics answers (the daemon runs), else None."""
+    if config.metrics_port == 0:
+        return None
+    host = config.metrics_listen_address
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104
+    netloc = f"[{host}]" if ":" in host else host
+    url = f"http://{netloc}:{config.metrics_port}/metrics"
+    try:
+        response = httpx.get(url, timeout=DAEMON_PROBE_TIMEOUT_S, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    if response.status_code == 200 and "specd_" in response.text:
+        return (
+            f"specd is running (its metrics answer on {url}); stop it first "
+            "(`systemctl stop specd`): it would restart SGLang and overwrite state.json "
+            "during the sweep"
+        )
+    return None
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def steps_order(steps: Sequence[int], original: int) -> list[int]:
+    """The original K last (when swept), so the sweep ends where it began without a restart."""
+    rest = [k for k in steps if k != original]
+    return [*rest, original] if original in steps else rest
+
+
+def accept_length_between(
+    first: Observation | ScrapeError | None,
+    last: Observation | ScrapeError | None,
+    samples: Sequence[Observation],
+) -> float | None:
+    """Accept length over a measured window.
+
+    From the counters (Δ generated tokens / Δ verify steps) when SGLang has them and they
+    moved; else the mean of the gauge while requests ran (it holds stale values when idle).
+    """
+    if isinstance(first, Observation) and isinstance(last, Observation):
+        tokens = _delta(first.generation_tokens_total, last.generation_tokens_total)
+        verifies = _delta(first.spec_verify_calls_total, last.spec_verify_calls_total)
+        if tokens is not None and verifies is not None and verifies > 0 and tokens >= verifies:
+            return tokens / verifies
+    fresh = [s.accept_length for s in samples if s.spec_fresh and s.accept_length is not None]
+    return sum(fresh) / len(fresh) if fresh else None
+
+
+def _delta(before: float | None, after: float | None) -> float | None:
+    if before is None or after is None or after < before:
+        return None
+    return after - before
+
+
+@dataclass
+class _Clock:
+    """Planned-work accounting for the ETA."""
+
+    plan: SweepPlan
+    order_len: int
+    done_load_s: float = 0.0
+    restart_durations: list[float] = field(default_factory=list)
+    restarts_left: int = 0
+
+    def eta(self, in_phase_s: float = 0.0) -> float | None:
+        load_left = self.plan.load_seconds_per_steps() * self.order_len - self.done_load_s
+        load_left -= in_phase_s
+        if self.restarts_left and not self.restart_durations:
+            return None  # no restart measured yet: its length is anyone's guess
+        mean_restart = (
+            sum(self.restart_durations) / len(self.restart_durations)
+            if self.restart_durations
+            else 0.0
+        )
+        return max(load_left, 0.0) + self.restarts_left * mean_restart
+
+
+class _Sweeper:
+    def __init__(
+        self,
+        config: Config,
+        plan: SweepPlan,
+        out_dir: Path,
+        runner: Runner,
+        reporter: Reporter,
+        stop: threading.Event,
+        apply_settings: ApplySettings,
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.out_dir = out_dir
+        self.runner = runner
+        self.reporter = reporter
+        self.stop = stop
+        self.settings = apply_settings
+        self.client = SGLangClient(config.sglang_url, timeout_s=config.scrape_timeout_s)
+        self.journal = StateJournal(config)
+        self.current: int | None = None
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- restarts ---------------------------------------------------------------------
+    def _apply(self, target: int, *, stop: threading.Event) -> ApplyOutcome:
+        applier = Applier(self.settings, self.client, self.runner, self.journal, stop)
+        outcome = applier.apply(target, self.current, window_open=lambda: True, force=True)
+        # The outcome is reported below; the daemon has nothing left to reconcile.
+        try:
+            self.journal.clear()
+        except OSError as exc:
+            self.reporter.message(f"warning: {exc}")
+        return outcome
+
+    def change_to(self, target: int, report: SweepReport, clock: _Clock) -> ApplyOutcome:
+        self.reporter.phase(f"restarting SGLang: steps {self.current} → {target}")
+        outcome = self._apply(target, stop=self.stop)
+        report.restarts.append(outcome.to_dict())
+        if outcome.restarts_issued:
+            clock.restart_durations.append(outcome.duration_s)
+        if outcome.result == "success":
+            self.current = target
+        elif outcome.result == "rolled_back":
+            self.current = outcome.from_steps
+        elif outcome.result == "failed":
+            self.current = None
+        return outcome
+
+    def restore(self, report: SweepReport) -> None:
+        original = report.original_steps
+        if self.current == original:
+            report.restored, report.final_steps = True, original
+            return
+        self.reporter.phase(f"restoring steps {original}")
+        self.reporter.message(f"restoring the original {original} steps …")
+        # A fresh stop event: Ctrl-C already stopped the sweep, it must not stop the restore.
+        outcome = self._apply(original, stop=threading.Event())
+        report.restarts.append(outcome.to_dict())
+        if outcome.result == "success":
+            self.current = original
+        elif outcome.result == "rolled_back":
+            self.current = outcome.from_steps
+        elif outcome.result == "failed":
+            self.current = None
+        report.final_steps = self.current
+        report.restored = self.current == original
+        if report.restored:
+            self.reporter.message(f"restored: SGLang runs {original} steps again")
+        else:
+            self.reporter.message(
+                f"RESTORE FAILED: SGLang is not back on {original} steps ({outcome.result}: "
+                f"{outcome.message}); fix it by hand: `specd override pin {original}` or the "
+                f"env file {self.settings.env_file}"
+            )
+
+    # -- load -------------------------------------------------------------------------
+    async def measure_steps(
+        self,
+        steps: int,
+        capacity: int | None,
+        clock: _Clock,
+        on_point: Callable[[SweepPoint], None],
+    ) -> str | None:
+        """Warm up and measure every concurrency at ``steps``; a problem, or None."""
+        plan = self.plan
+        if plan.warmup_s > 0:
+            self.reporter.phase(f"steps {steps}: warming up")
+            async with self._generator(plan.concurrency[0]) as gen:
+                gen.set_concurrency(plan.concurrency[0])
+                await self._wait(plan.warmup_s, clock)
+            clock.done_load_s += plan.warmup_s
+        for concurrency in plan.concurrency:
+            if self.stop.is_set():
+                return None
+            # A generator per point: the tokens-per-chunk ratio it learns (for servers that
+            # report usage only at a stream's end) then belongs to this concurrency alone.
+            async with self._generator(concurrency) as gen:
+                self.reporter.phase(f"steps {steps}: settling c={concurrency}")
+                gen.set_concurrency(concurrency)
+                await self._settle(gen, concurrency)
+                self.reporter.phase(f"steps {steps}: measuring c={concurrency}")
+                gen.take_result()
+                first = await asyncio.to_thread(self.client.observe)
+                samples: list[Observation] = []
+                await self._wait(plan.duration_s, clock, samples)
+                # Whole request cycles: a window shorter than one request would rest on
+                # estimates of the requests in flight.
+                await self._settle(gen, concurrency)
+                result = gen.take_result()
+            last = await asyncio.to_thread(self.client.observe)
+            clock.done_load_s += plan.duration_s
+            if self.stop.is_set():
+                return None
+            if capacity is None:
+                capacity = _capacity_of(first, last)
+            problem = _load_problem(result, steps)
+            if problem is not None:
+                return problem
+            on_point(
+                SweepPoint(
+                    steps=steps,
+                    concurrency=concurrency,
+                    output_tok_s=result.aggregate_tok_s,
+                    per_request_tok_s=result.per_request_tok_s_mean,
+                    ttft_p50_s=result.ttft_p50_s,
+                    ttft_p90_s=result.ttft_p90_s,
+                    accept_length=accept_length_between(first, last, samples),
+                    max_running_requests=capacity,
+                    requests=result.requests,
+                    errors=result.errors,
+                    duration_s=result.duration_s,
+                )
+            )
+        return None
+
+    def _generator(self, concurrency: int) -> LoadGenerator:
+        return LoadGenerator(
+            self.config.sglang_url, max_concurrency=concurrency, max_tokens=self.plan.max_tokens
+        )
+
+    async def _settle(self, gen: LoadGenerator, concurrency: int) -> None:
+        """Run until the window holds as many finished requests as there are clients.
+
+        Before a point: steady state, and the tokens-per-chunk ratio is learned. After
+        one: the window spans whole request cycles. Bounded: a server that finishes nothing
+        is measured anyway and reported by its result (no output tokens).
+        """
+        deadline = time.monotonic() + max(SETTLE_MIN_CAP_S, self.plan.duration_s)
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            if gen.progress().requests >= concurrency:
+                return
+            await asyncio.sleep(SETTLE_POLL_S)
+
+    async def _wait(
+        self, seconds: float, clock: _Clock, samples: list[Observation] | None = None
+    ) -> None:
+        start = time.monotonic()
+        base = clock.done_load_s
+        while not self.stop.is_set():
+            elapsed = time.monotonic() - start
+            if elapsed >= seconds:
+                return
+            await asyncio.sleep(min(SAMPLE_INTERVAL_S, seconds - elapsed))
+            elapsed = min(time.monotonic() - start, seconds)
+            self.reporter.tick(base + elapsed, clock.eta(elapsed))
+            if samples is not None:
+                obs = await asyncio.to_thread(self.client.observe)
+                if isinstance(obs, Observation):
+                    samples.append(obs)
+
+
+def _capacity_of(*observations: Observation | ScrapeError | None) -> int | None:
+    for obs in observations:
+        if isinstance(obs, Observation) and obs.max_running_requests is not None:
+            return obs.max_running_requests
+    return None
+
+
+def _load_problem(result: LoadResult, steps: int) -> str | None:
+    if result.output_tokens > 0:
+        return None
+    kinds = ", ".join(f"{k}: {v}" for k, v in result.errors_by_kind.items()) or "none"
+    return (
+        f"no output tokens at steps {steps} c={result.concurrency} "
+        f"({result.requests} requests, errors: {kinds})"
+    )
+
+
+def _current_steps(client: SGLangClient) -> int:
+    info = client.server_info()
+    if isinstance(info, dict):
+        value = info.get("speculative_num_steps")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    obs = client.observe()
+    if isinstance(obs, Observation) and obs.steps is not None:
+        return obs.steps
+    why = info.reason if isinstance(info, ScrapeError) else "no speculative_num_steps"
+    if isinstance(obs, ScrapeError):
+        why += f"; {obs.reason}"
+    raise SweepError(f"cannot tell which step count SGLang runs now: {why}")
+
+
+# -- the entry point -----------------------------------------------------------------------
+
+
+def check_plan(plan: SweepPlan, config: Config) -> None:
+    outside = [k for k in plan.steps if not config.min_steps <= k <= config.max_steps]
+    if outside:
+        raise SweepError(
+            f"--steps {','.join(map(str, outside))} outside the configured range "
+            f"{config.min_steps}..{config.max_steps} (min_steps/max_steps)"
+        )
+
+
+@contextlib.contextmanager
+def signals_stop(stop: threading.Event, reporter: Reporter) -> Iterator[list[str]]:
+    """SIGINT/SIGTERM set ``stop`` (the sweep then restores and exits) instead of killing."""
+    caught: list[str] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if not caught:
+            reporter.message(f"{name}: stopping the sweep; SGLang's original steps come back next")
+        else:
+            reporter.message(f"{name}: still restoring SGLang's original steps, please wait")
+        caught.append(name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield caught
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def sweep(
+    config: Config,
+    plan: SweepPlan,
+    out_dir: Path,
+    *,
+    runner: Runner | None = None,
+    reporter: Reporter | None = None,
+    stop: threading.Event | None = None,
+    apply_settings: ApplySettings | None = None,
+    handle_signals: bool = True,
+) -> SweepReport:
+    """Run the sweep and write its files; raises SweepError only before touching SGLang.
+
+    ``runner`` restarts the unit (default: systemctl); tests pass a ``TwinUnitRunner``.
+    ``handle_signals`` makes SIGINT/SIGTERM stop and restore (main thread only).
+    """
+    check_plan(plan, config)
+    problem = daemon_running(config)
+    if problem is not None:
+        raise SweepError(problem)
+    reporter = reporter or Reporter()
+    stop = stop or threading.Event()
+    settings = apply_settings or ApplySettings.from_config(config)
+    sweeper = _Sweeper(
+        config, plan, out_dir, runner or SubprocessRunner(), reporter, stop, settings
+    )
+    try:
+        sweeper.journal.open()
+        original = _current_steps(sweeper.client)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SweepError(f"cannot create {out_dir}: {exc.strerror or exc}") from None
+        if sweeper.journal.problem is not None:
+            reporter.message(f"warning: {sweeper.journal.problem}")
+        sweeper.current = original
+        report = SweepReport(original_steps=original, plan=plan, out_dir=out_dir)
+        with signals_stop(stop, reporter) if handle_signals else _no_signals() as caught:
+            _run(sweeper, report)
+            sweeper.restore(report)
+            if caught:
+                report.interrupted_by = caught[0]
+    finally:
+        sweeper.close()
+    report.files = write_outputs(report)
+    reporter.close()
+    return report
+
+
+@contextlib.contextmanager
+def _no_signals() -> Iterator[list[str]]:
+    yield []
+
+
+def _run(sweeper: _Sweeper, report: SweepReport) -> None:
+    plan = sweeper.plan
+    order = steps_order(plan.steps, report.original_steps)
+    clock = _Clock(plan, len(order))
+    clock.restarts_left = sum(1 for k in order if k != report.original_steps) + (
+        0 if report.original_steps in order else 1
+    )
+    sweeper.reporter.start(plan, order, report.original_steps)
+
+    def on_point(point: SweepPoint) -> None:
+        report.points.append(point)
+        sweeper.reporter.point(len(report.points), plan.points, point, clock.eta())
+
+    try:
+        for steps in order:
+            if sweeper.stop.is_set():
+                return
+            capacity: int | None = None
+            if sweeper.current != steps:
+                outcome = sweeper.change_to(steps, report, clock)
+                clock.restarts_left = max(0, clock.restarts_left - 1)
+                if outcome.result == "aborted" and sweeper.stop.is_set():
+                    return  # interrupted before any restart: nothing failed
+                if outcome.result != "success":
+                    report.failed_steps[steps] = f"{outcome.result}: {outcome.message}"
+                    sweeper.reporter.message(
+                        f"steps {steps} failed ({outcome.result}): {outcome.message}"
+                    )
+                    clock.done_load_s += plan.load_seconds_per_steps()
+                    if sweeper.current is None:
+                        report.error = f"SGLang's state is unknown after steps {steps} failed"
+                        return
+                    # SGLang is healthy on the previous K again: the other Ks can still run.
+                    continue
+                capacity = outcome.capacity
+            problem = asyncio.run(sweeper.measure_steps(steps, capacity, clock, on_point))
+            if problem is not None:
+                report.failed_steps[steps] = problem
+                report.error = problem
+                sweeper.reporter.message(f"stopping: {problem}")
+                return
+            write_outputs(report, chart=False)
+    except Exception as exc:  # the restore must still run; the reason is reported
+        report.error = f"internal error: {exc!r}"
+        sweeper.reporter.message(f"stopping: {report.error}")
+
+
+# -- outputs ------------------------------------------------------------------------------
+
+
+def markdown(report: SweepReport) -> str:
+    plan = report.plan
+    lines = [
+        "# specd sweep",
+        "",
+        f"Steps {', '.join(map(str, plan.steps))} × concurrency "
+        f"{', '.join(map(str, plan.concurrency))}; {plan.duration_s:g} s per point after "
+        f"{plan.warmup_s:g} s warm-up; {plan.max_tokens} tokens per request. "
+        f"SGLang ran {report.original_steps} steps before the sweep.",
+        "",
+        "| steps | concurrency | aggregate tok/s | per-request tok/s | TTFT p50 ms "
+        "| TTFT p90 ms | accept length | max_running_requests | requests | errors |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def ms(value: float | None) -> str:
+        return "" if value is None else f"{value * 1000:.0f}"
+
+    for p in sorted(report.points, key=lambda p: (p.steps, p.concurrency)):
+        lines.append(
+            f"| {p.steps} | {p.concurrency} | {p.output_tok_s:.1f} | {p.per_request_tok_s:.1f} "
+            f"| {ms(p.ttft_p50_s)} | {ms(p.ttft_p90_s)} "
+            f"| {'' if p.accept_length is None else f'{p.accept_length:.2f}'} "
+            f"| {'' if p.max_running_requests is None else p.max_running_requests} "
+            f"| {p.requests} | {p.errors} |"
+        )
+    best = best_steps(report.points)
+    if best:
+        lines += ["", "Best steps by aggregate throughput:", ""]
+        lines += [f"- c={c}: steps {k} ({tok:.1f} tok/s)" for c, (k, tok) in best.items()]
+    if report.failed_steps:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- steps {k}: {why}" for k, why in report.failed_steps.items()]
+    if report.interrupted_by:
+        lines += ["", f"Interrupted by {report.interrupted_by}."]
+    if report.error:
+        lines += ["", f"Stopped: {report.error}"]
+    restored = (
+        f"Restored the original {report.original_steps} steps."
+        if report.restored
+        else f"NOT restored: SGLang runs {report.final_steps} steps (was {report.original_steps})."
+    )
+    lines += ["", restored, ""]
+    return "\n".join(lines)
+
+
+def best_steps(points: Sequence[SweepPoint]) -> dict[int, tuple[int, float]]:
+    """concurrency -> (steps, tok/s) of the fastest measured step count."""
+    best: dict[int, tuple[int, float]] = {}
+    for p in points:
+        held = best.get(p.concurrency)
+        if held is None or p.output_tok_s > held[1]:
+            best[p.concurrency] = (p.steps, p.output_tok_s)
+    return dict(sorted(best.items()))
+
+
+def render_chart(points: Sequence[SweepPoint], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415  (heavy; only when a chart is written)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
+    try:
+        for steps in sorted({p.steps for p in points}):
+            curve = sorted((p.concurrency, p.output_tok_s) for p in points if p.steps == steps)
+            ax.plot(
+                [c for c, _ in curve], [t for _, t in curve], marker="o", label=f"steps {steps}"
+            )
+        concurrencies = sorted({p.concurrency for p in points})
+        if len(concurrencies) > 1 and concurrencies[-1] / concurrencies[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+        ax.set_xlabel("concurrent requests (closed loop)")
+        ax.set_ylabel("aggregate output tok/s")
+        ax.set_title("specd sweep: throughput vs concurrency, one line per step count")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+def write_outputs(report: SweepReport, *, chart: bool = True) -> list[Path]:
+    """Write what was measured so far; a file that cannot be written is reported, not raised."""
+    out = report.out_dir
+    written: list[Path] = []
+    table = report.table()
+    jobs: list[tuple[Path, Callable[[Path], None]]] = [
+        (out / JSON_NAME, lambda p: _write_text(p, json.dumps(report.to_dict(), indent=2) + "\n")),
+        (out / MARKDOWN_NAME, lambda p: _write_text(p, markdown(report))),
+    ]
+    if table is not None:
+        jobs.append((out / CSV_NAME, lambda p: _write_text(p, table.to_csv_text())))
+        if chart:
+            jobs.append((out / CHART_NAME, lambda p: render_chart(report.points, p)))
+    for path, write in jobs:
+        try:
+            write(path)
+        except (OSError, ValueError) as exc:
+            if report.error is None:
+                report.error = f"cannot write {path}: {exc}"
+            continue
+        written.append(path)
+    return written
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values: list[int] = []
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise argparse.ArgumentTypeError(f"expected whole numbers like 1,2,4, got {text!r}")
+        values.append(int(part))
+    if not values:
+        raise argparse.ArgumentTypeError("empty list")
+    return tuple(values)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value

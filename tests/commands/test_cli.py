@@ -1,0 +1,134 @@
+"""The command line as an operator meets it: every command answers --help, a bad config
+stops every command that reads it with one line per problem, and the on-call commands
+(status, unfreeze) work on a real state directory with a real daemon."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from specd import cli
+from specd.daemon import UNFREEZE_REQUEST, Daemon
+from specd.io.config import load_config
+from specd.io.notify import Notifier
+from specd.io.state import State, StateStore
+
+
+def specd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "specd.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_command_answers_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([name, "--help"])
+    assert exit_.value.code == 0
+    assert f"specd {name}" in capsys.readouterr().out
+
+
+def test_top_level_help_lists_every_command() -> None:
+    out = specd("--help").stdout
+    assert all(name in out for name in cli.COMMANDS)
+
+
+BAD_CONFIG = 'min_steps = 5\nmax_steps = 2\nscrape_intervall_s = 3\nhealth_probe_timeout_s = "x"\n'
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run"],
+        ["status"],
+        ["unfreeze", "--reason", "x"],
+        ["recommend", "--url", "http://127.0.0.1:9"],
+        ["check-config"],
+        ["sweep", "--steps", "3", "--concurrency", "1", "--yes"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_a_bad_config_stops_the_command_with_one_line_per_problem(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    path = tmp_path / "specd.toml"
+    path.write_text(BAD_CONFIG)
+    proc = specd(*argv, "--config", str(path))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert all(line.startswith(f"{path}: ") for line in lines), lines
+    named = " ".join(lines)
+    for key in ("scrape_intervall_s", "health_probe_timeout_s"):
+        assert key in named, lines
+
+
+def write_config(tmp_path: Path) -> Path:
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        'sglang_url = "http://127.0.0.1:9"\n'  # nothing listens: the daemon sees no_data
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'env_file = "{tmp_path / "sglang.env"}"\n'
+        f'override_file = "{tmp_path / "override.toml"}"\n'
+        "metrics_port = 0\nscrape_timeout_s = 0.5\n"
+    )
+    return path
+
+
+def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> None:
+    cfg_path = write_config(tmp_path)
+    config = load_config(cfg_path)
+    store = StateStore(config.state_dir)
+    frozen = {"since": time.time() - 60, "reason": "restart to 3 rolled_back: never healthy"}
+    assert store.save(State(frozen=frozen)) is None
+
+    status = specd("status", "--config", str(cfg_path))
+    assert status.returncode == 0, status.stderr
+    assert "FROZEN" in status.stdout
+    assert "never healthy" in status.stdout
+    assert json.loads(specd("status", "--config", str(cfg_path), "--json").stdout)["frozen"]
+
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed the model path")
+    assert done.returncode == 0, done.stderr
+    request = Path(config.state_dir) / UNFREEZE_REQUEST
+    assert json.loads(request.read_text())["reason"] == "fixed the model path"
+
+    # The daemon, not the command, clears the freeze: at its next tick, and says who/why.
+    daemon = Daemon(config, cfg_path, registry=CollectorRegistry(), notifier=Notifier({}))
+    assert daemon.state.frozen is not None
+    daemon.tick()
+    assert daemon.state.frozen is None
+    assert not request.exists()
+    assert StateStore(config.state_dir).load()[0].frozen is None
+    assert "FROZEN" not in specd("status", "--config", str(cfg_path)).stdout
+    # Nothing frozen: nothing to request.
+    again = specd("unfreeze", "--config", str(cfg_path), "--reason", "again")
+    assert again.returncode == 0
+    assert "not frozen" in again.stdout
+    assert not request.exists()
+
+
+def test_run_with_its_metrics_port_taken_says_so_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = write_config(tmp_path)
+        cfg.write_text(cfg.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
+        proc = specd("run", "--config", str(cfg))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    [line] = [json.loads(x) for x in proc.stdout.splitlines() if "metrics_listen_failed" in x]
+    assert line["level"] == "error"
+    assert line["address"] == f"127.0.0.1:{port}"

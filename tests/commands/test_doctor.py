@@ -1,0 +1,147 @@
+"""specd doctor's judgements that need no systemd: durations as systemctl prints them, the
+command-line comparison, env file vs running steps, windows against an injected clock."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from specd.commands.doctor import Check, Doctor, _usec, render
+from specd.io.config import load_config
+from specd.io.runner import SubprocessRunner
+
+WORDS = [
+    "/opt/sglang/bin/python",
+    "-m",
+    "sglang.launch_server",
+    "--enable-metrics",
+    "--speculative-num-steps=${SPECD_SPEC_STEPS}",
+    "--speculative-num-draft-tokens",
+    "${SPECD_SPEC_DRAFT_TOKENS}",
+]
+DEFAULTS = {"SPECD_SPEC_STEPS": "3", "SPECD_SPEC_DRAFT_TOKENS": "4"}
+# 2026-12-02 11:00 UTC, a Wednesday.
+NOW = datetime(2026, 12, 2, 11, 0, tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("text", "usec"),
+    [
+        ("1min", 60_000_000),
+        ("2s", 2_000_000),
+        ("1min 30s", 90_000_000),
+        ("500ms", 500_000),
+        ("250000", 250_000),
+        ("0", 0),
+        ("infinity", 0),
+        ("", 0),
+    ],
+)
+def test_usec(text: str, usec: int) -> None:
+    assert _usec(text) == usec
+
+
+def doctor(tmp_path: Path, extra: str = "") -> Doctor:
+    config = tmp_path / "specd.toml"
+    config.write_text(
+        f'env_file = "{tmp_path}/sglang.env"\noverride_file = "{tmp_path}/override.toml"\n' + extra
+    )
+    found = Doctor(config, SubprocessRunner(), clock=lambda: NOW)
+    found.config = load_config(config)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("env_file", "running", "ok", "detail"),
+    [
+        (
+            None,
+            "/usr/bin/x --enable-metrics --speculative-num-steps=3 "
+            "--speculative-num-draft-tokens 4",
+            True,
+            "runs the drop-in's",
+        ),
+        (
+            "SPECD_SPEC_STEPS=4\nSPECD_SPEC_DRAFT_TOKENS=5\n",
+            "/x --enable-metrics --speculative-num-steps=4 --speculative-num-draft-tokens 5",
+            True,
+            "runs the drop-in's",
+        ),
+        (
+            "SPECD_SPEC_STEPS=4\nSPECD_SPEC_DRAFT_TOKENS=5\n",
+            "/x --enable-metrics --speculative-num-steps=3 --speculative-num-draft-tokens 4",
+            False,
+            "differs",
+        ),
+        (None, "/x --speculative-num-steps=3 --speculative-num-draft-tokens 4", False, "differs"),
+    ],
+)
+def test_command_check(
+    tmp_path: Path, env_file: str | None, running: str, ok: bool, detail: str
+) -> None:
+    found = doctor(tmp_path)
+    if env_file is not None:
+        (tmp_path / "sglang.env").write_text(env_file)
+    found.info = {"launch_command": running}
+    check = found.check_command(WORDS, DEFAULTS)
+    assert check.ok is ok
+    assert detail in check.detail
+    assert ok or "systemctl restart sglang.service" in check.advice
+
+
+@pytest.mark.parametrize(
+    ("env_file", "defaults", "live", "ok", "detail"),
+    [
+        (None, DEFAULTS, 3, True, "as the drop-in's default"),
+        ("SPECD_SPEC_STEPS=4\n", DEFAULTS, 4, True, "SGLang runs 4 steps"),
+        ("SPECD_SPEC_STEPS=4\n", DEFAULTS, 3, False, "says 4 steps, SGLang runs 3"),
+        (None, {}, 3, False, "no step count to compare"),
+        ("SPECD_SPEC_STEPS=4\n", DEFAULTS, None, False, "reports no speculative_num_steps"),
+    ],
+)
+def test_steps_check(
+    tmp_path: Path,
+    env_file: str | None,
+    defaults: dict[str, str],
+    live: int | None,
+    ok: bool,
+    detail: str,
+) -> None:
+    found = doctor(tmp_path)
+    if env_file is not None:
+        (tmp_path / "sglang.env").write_text(env_file)
+    found.info = {"speculative_num_steps": live}
+    check = found.check_steps(defaults)
+    assert (check.ok, detail in check.detail) == (ok, True), check
+
+
+@pytest.mark.parametrize(
+    ("cron", "ok", "detail"),
+    [
+        ("0 3 * * mon-sun", True, "next opens 2026-12-03 03:00 UTC (in 16.0 h)"),
+        ("30 10 * * wed", True, "open now; next opens 2026-12-09 10:30"),
+        ("0 3 1 mar *", False, "next opens 2027-03-01 03:00"),
+    ],
+)
+def test_windows_check(tmp_path: Path, cron: str, ok: bool, detail: str) -> None:
+    found = doctor(tmp_path, f'[[windows]]\ncron = "{cron}"\nduration_s = 3600.0\n')
+    check = found.check_windows()
+    assert check.ok is ok
+    assert detail in check.detail
+
+
+def test_override_check(tmp_path: Path) -> None:
+    found = doctor(tmp_path)
+    assert found.check_override() == Check("override", True, "none")
+    (tmp_path / "override.toml").write_text('mode = "sideways"\n')
+    (tmp_path / "override.toml").chmod(0o644)
+    check = found.check_override()
+    assert not check.ok
+    assert "sideways" in check.detail
+
+
+def test_render_gives_advice_only_for_failures() -> None:
+    text = render([Check("config", True, "valid", "unused"), Check("polkit", False, "no", "fix")])
+    assert text == "✓ config  valid\n✗ polkit  no\n          → fix\n"

@@ -1,0 +1,520 @@
+from __future__ import annotations
+
+import functools
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from factories import make_observation
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specd.core import windows
+from specd.core.decide import ACTING_REASONS, POLICIES, Control, Decision, Reason, decide, recommend
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation, ScrapeError
+from specd.core.override import Override
+from specd.io.config import Config
+
+UTC = timezone.utc
+# The default window opens daily at 03:00 UTC for an hour.
+OPEN = datetime(2026, 1, 5, 3, 30, tzinfo=UTC).timestamp()
+CLOSED = datetime(2026, 1, 5, 12, 0, tzinfo=UTC).timestamp()
+HOUR = 3600.0
+DAY = 86400.0
+
+
+def config(**kwargs: Any) -> Config:
+    base: dict[str, Any] = {"min_history_s": 600, "stabilization_window_s": 600}
+    return Config(**{**base, **kwargs})
+
+
+def observation(t: float, running: int = 1, steps: int | None = 4) -> Observation:
+    return make_observation(
+        t, running=running, steps=steps, accept_length=2.5, max_running_requests=13
+    )
+
+
+@functools.cache
+def history(offered: int = 20, busy_s: float = 1200.0, end: float = OPEN) -> History:
+    """``busy_s`` seconds at ``offered`` concurrency, the last observation at ``end``."""
+    h = History(HistorySettings(half_life_s=1e9, warmup_exclude_s=0, scrape_interval_s=5))
+    n = int(busy_s // 5)
+    for i in range(n):
+        h.record(observation(end - 5 * (n - 1 - i), running=offered))
+    return h
+
+
+def pin(steps: int, apply: str = "next-window", expires: float = OPEN + DAY) -> Override:
+    return Override(
+        mode="pin",
+        steps=steps,
+        expires_at=datetime.fromtimestamp(expires, tz=UTC),
+        reason="eval tonight",
+        apply=apply,  # type: ignore[arg-type]
+    )
+
+
+def freeze(expires: float = OPEN + DAY) -> Override:
+    return Override(
+        mode="freeze",
+        steps=None,
+        expires_at=datetime.fromtimestamp(expires, tz=UTC),
+        reason="incident 42",
+        apply="next-window",
+    )
+
+
+def held(steps: int, now: float, for_s: float = 600.0) -> tuple[tuple[float, int], ...]:
+    """Recommendations of ``steps`` every 5 s over the last ``for_s`` seconds."""
+    return tuple((now - for_s + 5 * i, steps) for i in range(int(for_s // 5) + 1))
+
+
+def control(current: int | None = 4, now: float = OPEN, **kwargs: Any) -> Control:
+    fields: dict[str, Any] = {"recommendations": held(3, now)}
+    fields.update(kwargs)
+    return Control(current_steps=current, **fields)
+
+
+NO_OBS = object()  # "use a fresh observation at now"
+
+
+def case(
+    name: str,
+    reason: Reason,
+    target: int | None,
+    acts: bool,
+    says: str,
+    *,
+    now: float = OPEN,
+    hist: History | None = None,
+    obs: Any = NO_OBS,
+    override: Override | None = None,
+    ctl: Control | None = None,
+    cfg: Config | None = None,
+) -> Any:
+    return pytest.param(
+        now,
+        hist if hist is not None else history(),
+        obs,
+        override,
+        ctl if ctl is not None else control(now=now),
+        cfg if cfg is not None else config(),
+        reason,
+        target,
+        acts,
+        says,
+        id=name,
+    )
+
+
+BUDGET_USED = (OPEN - 5 * HOUR, OPEN - 4 * HOUR, OPEN - 3 * HOUR, OPEN - 2 * HOUR)
+CASES = [
+    # Frozen beats everything, even a pin that says now.
+    case("frozen", Reason.FROZEN, 4, False, "frozen (rb); holding 4",
+         override=pin(2, "now"), ctl=control(frozen=True, frozen_reason="rb")),
+    case("freeze-override", Reason.FROZEN, 4, False,
+         "override freeze until 2026-01-06T03:30Z (incident 42)", override=freeze()),
+    case("frozen-unknown-steps", Reason.FROZEN, None, False, "no change",
+         obs=None, ctl=control(current=None, frozen=True)),
+    case("freeze-expired", Reason.CHANGE, 3, True, "4 → 3", override=freeze(expires=OPEN - 1)),
+    case("frozen-clamped", Reason.FROZEN, 6, False, "holding 9",
+         ctl=control(current=9, frozen=True)),
+    # Pins.
+    case("pin-now-window-closed", Reason.OVERRIDE_PIN, 2, True, "apply now: 4 → 2",
+         now=CLOSED, override=pin(2, "now")),
+    case("pin-in-window-ignores-dwell-and-data", Reason.OVERRIDE_PIN, 2, True,
+         "pinned to 2 by override (eval tonight): 4 → 2",
+         obs=None, override=pin(2), ctl=control(restart_times=(OPEN - 60,))),
+    case("pin-waits-for-window", Reason.WINDOW_CLOSED, 2, False, "next opens 2026-01-06T03:00Z",
+         now=CLOSED, override=pin(2)),
+    case("pin-within-budget", Reason.RESTART_BUDGET, 2, False,
+         "4 restarts in the last 24 h ≥ budget 4",
+         override=pin(2), ctl=control(restart_times=BUDGET_USED)),
+    case("pin-live", Reason.OVERRIDE_PIN, 4, False, "already live", override=pin(4)),
+    case("pin-clamped", Reason.OVERRIDE_PIN, 6, True, "pinned to 6", override=pin(9, "now")),
+    case("pin-expired", Reason.CHANGE, 3, True, "4 → 3", override=pin(2, expires=OPEN)),
+    # Data.
+    case("no-observation", Reason.NO_DATA, 4, False, "no observation of SGLang yet; holding 4",
+         obs=None),
+    case("scrape-error", Reason.NO_DATA, 4, False, "scrape failed (timeout: GET /metrics",
+         obs=ScrapeError("timeout", "GET /metrics: timed out", OPEN)),
+    case("unknown-steps", Reason.NO_DATA, None, False, "current step count is unknown",
+         ctl=control(current=None)),
+    case("stale", Reason.STALE_DATA, 4, False, "61 s old (> 60 s)", obs=observation(OPEN - 61)),
+    case("from-the-future", Reason.STALE_DATA, 4, False, "in the future",
+         obs=observation(OPEN + 61)),
+    case("just-fresh", Reason.CHANGE, 3, True, "4 → 3", obs=observation(OPEN - 60)),
+    case("short-history", Reason.INSUFFICIENT_DATA, 4, False,
+         "9.9 min of busy history < 10.0 min needed", hist=history(busy_s=595)),
+    case("just-enough-history", Reason.CHANGE, 3, True, "4 → 3", hist=history(busy_s=605)),
+    case("never-busy", Reason.INSUFFICIENT_DATA, 4, False, "no busy traffic",
+         hist=history(offered=0), cfg=config(min_history_s=0)),
+    # The policy.
+    case("same-band", Reason.WITHIN_TOLERANCE, 4, False,
+         "p50 offered concurrency 2 ≤ 4 (band 1 → 4 steps)", hist=history(offered=2)),
+    case("hysteresis", Reason.WITHIN_TOLERANCE, 3, False, "within 5% of the band boundary 4",
+         hist=history(offered=4), ctl=control(current=3)),
+    case("back-to-light", Reason.CHANGE, 4, True,
+         "p50 offered concurrency 3 ≤ 4 (band 1 → 4 steps): 3 → 4",
+         hist=history(offered=3), ctl=control(current=3, recommendations=held(4, OPEN))),
+    case("stabilizing", Reason.STABILIZING, 3, False,
+         "for 9.9 min of the 10.0 min stabilization window: 4 → 3 waits",
+         ctl=control(recommendations=held(3, OPEN, 595))),
+    case("stabilizing-from-nothing", Reason.STABILIZING, 3, False, "for 0 s",
+         ctl=control(recommendations=())),
+    case("stabilizing-interrupted", Reason.STABILIZING, 3, False, "for 3.3 min",
+         ctl=control(recommendations=((OPEN - 900, 3), (OPEN - 300, 4), (OPEN - 200, 3)))),
+    case("no-stabilization-window", Reason.CHANGE, 3, True, "4 → 3",
+         ctl=control(recommendations=()), cfg=config(stabilization_window_s=0)),
+    # When.
+    case("window-closed", Reason.WINDOW_CLOSED, 3, False,
+         "maintenance window closed (next opens 2026-01-06T03:00Z)",
+         now=CLOSED, hist=history(end=CLOSED)),
+    case("dwell", Reason.DWELL_TIME, 3, False, "last restart 60.0 min ago < 60.0 min dwell",
+         ctl=control(restart_times=(OPEN - HOUR + 1,))),
+    case("restart-in-the-future", Reason.DWELL_TIME, 3, False, "last restart 0 s ago",
+         ctl=control(restart_times=(OPEN + 600,))),
+    case("dwell-over", Reason.CHANGE, 3, True, "4 → 3", ctl=control(restart_times=(OPEN - HOUR,))),
+    case("budget", Reason.RESTART_BUDGET, 3, False, "4 restarts in the last 24 h ≥ budget 4",
+         ctl=control(restart_times=BUDGET_USED)),
+    case("budget-rolls-over", Reason.CHANGE, 3, True,
+         "p50 offered concurrency 20 > 4 (band 2 → 3 steps): 4 → 3",
+         ctl=control(restart_times=(OPEN - DAY, *BUDGET_USED[1:]))),
+    case("no-budget", Reason.RESTART_BUDGET, 3, False, "0 restarts in the last 24 h ≥ budget 0",
+         cfg=config(daily_restart_budget=0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("now", "hist", "obs", "override", "ctl", "cfg", "reason", "target", "acts", "says"), CASES
+)
+def test_each_reason(
+    now: float,
+    hist: History,
+    obs: Any,
+    override: Override | None,
+    ctl: Control,
+    cfg: Config,
+    reason: Reason,
+    target: int | None,
+    acts: bool,
+    says: str,
+) -> None:
+    if obs is NO_OBS:
+        obs = observation(now, steps=ctl.current_steps)
+    decision = decide(hist, obs, cfg, override, now, ctl)
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    assert decision.acts(ctl.current_steps) is acts
+    assert says in decision.message
+    assert "\n" not in decision.message
+
+
+@pytest.mark.parametrize(
+    ("offered", "current", "bands", "tolerance", "expected", "why"),
+    [
+        (4, 4, None, 0.05, 4, "≤ 4 (band 1 → 4 steps)"),
+        (5, 4, None, 0.05, 3, "> 4 (band 2 → 3 steps)"),
+        (5, 4, None, 0.3, 4, "within 30% of the band boundary 4: keeping band 1 (4 steps)"),
+        (6, 4, None, 0.3, 3, "> 4"),
+        (4, 3, None, 0.05, 3, "within 5% of the band boundary 4: keeping band 2 (3 steps)"),
+        (3, 3, None, 0.05, 4, "≤ 4"),
+        (2, 5, None, 0.05, 4, "band 1"),  # a step count in no band: no hysteresis
+        (5, None, None, 0.05, 3, "band 2"),
+        # Three bands; the middle one is live.
+        (2, 4, [(2.5, 5), (8, 4), (None, 3)], 0.25, 4, "boundary 2.5: keeping band 2"),
+        (1, 4, [(2.5, 5), (8, 4), (None, 3)], 0.25, 5, "≤ 2.5 (band 1 → 5 steps)"),
+        (9, 4, [(2.5, 5), (8, 4), (None, 3)], 0.25, 4, "boundary 8: keeping band 2"),
+        (11, 4, [(2.5, 5), (8, 4), (None, 3)], 0.25, 3, "> 8 (band 3 → 3 steps)"),
+        (5, 4, [(2.5, 5), (8, 4), (None, 3)], 0.25, 4, "in (2.5, 8] (band 2 → 4 steps)"),
+    ],
+)
+def test_band_hysteresis(
+    offered: int,
+    current: int | None,
+    bands: list[tuple[float | None, int]] | None,
+    tolerance: float,
+    expected: int,
+    why: str,
+) -> None:
+    kwargs: dict[str, Any] = {"tolerance_ratio": tolerance}
+    if bands is not None:
+        kwargs["bands"] = tuple(
+            {"steps": s} if m is None else {"max_concurrency": m, "steps": s} for m, s in bands
+        )
+    cfg = Config(**kwargs)
+    picked = recommend(history(offered=offered), cfg, current)
+    assert picked is not None
+    assert picked[0] == expected
+    assert why in picked[1]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "expected"),
+    [(0.5, 4), (0.75, 4), (0.9, 3)],
+)
+def test_the_band_quantile_is_configurable(ratio: float, expected: int) -> None:
+    h = History(HistorySettings(half_life_s=1e9, warmup_exclude_s=0, scrape_interval_s=5))
+    for i, offered in enumerate([1] * 160 + [30] * 40):  # 80% light, 20% heavy
+        h.record(observation(OPEN - 1000 + 5 * i, running=offered))
+    picked = recommend(h, Config(band_quantile_ratio=ratio))
+    assert picked is not None
+    assert picked[0] == expected
+    assert f"p{ratio * 100:g} offered concurrency" in picked[1]
+
+
+def test_recommend_without_busy_history_is_none() -> None:
+    assert recommend(History(), Config()) is None
+    assert recommend(history(offered=0), Config()) is None
+
+
+def test_an_unavailable_policy_falls_back_to_bands_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # "model" exists now (specd.model); a build without it must still decide.
+    monkeypatch.delitem(POLICIES, "model")
+    picked = recommend(history(), Config(policy="model"))
+    assert picked is not None
+    assert picked[0] == 3
+    assert picked[1].startswith("policy 'model' unavailable, using bands: p50")
+
+
+@pytest.mark.parametrize(
+    ("decision", "current", "acts"),
+    [
+        (Decision(3, Reason.CHANGE, ""), 4, True),
+        (Decision(3, Reason.CHANGE, ""), 3, False),
+        (Decision(3, Reason.CHANGE, ""), None, True),
+        (Decision(None, Reason.CHANGE, ""), 4, False),
+        (Decision(2, Reason.OVERRIDE_PIN, ""), 4, True),
+        *[(Decision(3, r, ""), 4, False) for r in Reason if r not in ACTING_REASONS],
+    ],
+)
+def test_acts(decision: Decision, current: int | None, acts: bool) -> None:
+    assert decision.acts(current) is acts
+
+
+def test_reasons_are_the_agreed_metric_labels() -> None:
+    assert {r.value for r in Reason} == {
+        "no_data",
+        "insufficient_data",
+        "stale_data",
+        "within_tolerance",
+        "stabilizing",
+        "dwell_time",
+        "restart_budget",
+        "window_closed",
+        "override_pin",
+        "frozen",
+        "change",
+    }
+
+
+# -- properties (hypothesis) ------------------------------------------------------------
+CONFIGS = [
+    config(),
+    config(min_steps=2, max_steps=4, daily_restart_budget=1, min_dwell_s=0),
+    config(
+        min_steps=3,
+        max_steps=5,
+        bands=(
+            {"max_concurrency": 2, "steps": 5},
+            {"max_concurrency": 8, "steps": 4},
+            {"steps": 3},
+        ),
+        windows=({"cron": "30 2 * * mon-fri", "duration_s": 5400, "timezone": "Europe/Berlin"},),
+        stabilization_window_s=0,
+        min_history_s=0,
+        min_dwell_s=0,
+    ),
+    config(daily_restart_budget=0, stabilization_window_s=0, min_dwell_s=0),
+]
+# Monday 2026-01-05 00:00 UTC plus up to a week: windows open and closed.
+WEEK_START = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
+HISTORIES = [
+    History(),
+    history(busy_s=100),
+    history(offered=1),
+    history(offered=3),
+    history(offered=6),
+    history(),
+    history(offered=40),
+]
+
+
+def mostly(
+    usual: st.SearchStrategy[Any], unusual: st.SearchStrategy[Any]
+) -> st.SearchStrategy[Any]:
+    """``usual`` about seven times in eight, so that every branch of decide gets reached.
+
+    (``one_of`` would not do: it folds identical branches into one.)
+    """
+    return st.sampled_from([False] * 7 + [True]).flatmap(lambda odd: unusual if odd else usual)
+
+
+@st.composite
+def situations(draw: st.DrawFn) -> dict[str, Any]:
+    day = draw(st.integers(0, 6))
+    # Mostly around the windows (01:30–04:00 UTC), sometimes anywhere in the day.
+    hour = draw(mostly(st.floats(1.5, 4.0), st.floats(0.0, 24.0)))
+    now = WEEK_START + day * DAY + hour * HOUR
+    current = draw(mostly(st.integers(1, 6), st.one_of(st.none(), st.integers(0, 20))))
+    obs = draw(
+        mostly(
+            st.builds(observation, t=st.just(now), steps=st.just(current)),
+            st.one_of(
+                st.none(),
+                st.builds(
+                    ScrapeError,
+                    kind=st.sampled_from(["timeout", "refused", "malformed", "missing"]),
+                    reason=st.text(max_size=30),
+                    t=st.just(now),
+                ),
+                st.builds(observation, t=st.floats(now - 90, now + 90), steps=st.just(current)),
+            ),
+        )
+    )
+    override = draw(
+        mostly(
+            st.none(),
+            st.builds(
+                Override,
+                mode=st.sampled_from(["auto", "pin", "freeze"]),
+                steps=st.one_of(st.none(), st.integers(0, 20)),
+                expires_at=st.one_of(
+                    st.none(),
+                    st.floats(-DAY, DAY).map(lambda d: datetime.fromtimestamp(now + d, tz=UTC)),
+                ),
+                reason=st.text(max_size=20),
+                apply=st.sampled_from(["next-window", "now"]),
+            ),
+        )
+    )
+    hist = draw(st.sampled_from(HISTORIES))
+    cfg = draw(st.sampled_from(CONFIGS))
+    # Mostly the policy's own pick held for a while, as the daemon would have noted it.
+    pick = recommend(hist, cfg)
+    steps = draw(mostly(st.just(pick[0] if pick else 4), st.integers(1, 8)))
+    since = draw(st.floats(0, 2000))
+    recent = draw(st.lists(st.tuples(st.floats(now - 2000, now), st.integers(0, 20)), max_size=4))
+    run = [(now - since + 5 * i, steps) for i in range(int(since // 5) + 1)]
+    ctl = Control(
+        current_steps=current,
+        restart_times=tuple(
+            draw(mostly(st.just([]), st.lists(st.floats(now - 3 * DAY, now + 600), max_size=6)))
+        ),
+        frozen=draw(mostly(st.just(False), st.just(True))),
+        frozen_reason=draw(st.one_of(st.none(), st.text(max_size=20))),
+        recommendations=tuple(sorted(draw(mostly(st.just(run), st.just(recent + run))))),
+    )
+    return {
+        "history": hist,
+        "obs": obs,
+        "config": cfg,
+        "override": override,
+        "now": now,
+        "control": ctl,
+    }
+
+
+def _pin_now(s: dict[str, Any]) -> bool:
+    o = s["override"]
+    at = datetime.fromtimestamp(s["now"], tz=UTC)
+    return o is not None and o.mode == "pin" and o.apply == "now" and o.active(at)
+
+
+def _decide(s: dict[str, Any]) -> Decision:
+    return decide(s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"])
+
+
+PROPERTY = settings(max_examples=100, deadline=None)
+
+
+@PROPERTY
+@given(situations())
+def test_target_is_always_in_the_allowed_range(s: dict[str, Any]) -> None:
+    decision = _decide(s)
+    cfg = s["config"]
+    assert decision.target_steps is None or cfg.min_steps <= decision.target_steps <= cfg.max_steps
+    assert decision.message
+    assert "\n" not in decision.message
+
+
+@PROPERTY
+@given(situations())
+def test_never_acts_outside_a_window_unless_a_pin_says_now(s: dict[str, Any]) -> None:
+    decision = _decide(s)
+    at = datetime.fromtimestamp(s["now"], tz=UTC)
+    if decision.acts(s["control"].current_steps) and not windows.is_open(s["config"].windows, at):
+        assert _pin_now(s)
+        assert decision.reason is Reason.OVERRIDE_PIN
+
+
+@PROPERTY
+@given(situations())
+def test_never_acts_beyond_the_restart_budget_unless_a_pin_says_now(s: dict[str, Any]) -> None:
+    decision = _decide(s)
+    now = s["now"]
+    used = sum(1 for t in s["control"].restart_times if t > now - DAY)
+    if used >= s["config"].daily_restart_budget:
+        assert not decision.acts(s["control"].current_steps) or _pin_now(s)
+
+
+@PROPERTY
+@given(situations())
+def test_a_freeze_holds_whatever_the_input(s: dict[str, Any]) -> None:
+    s["control"] = Control(
+        current_steps=s["control"].current_steps,
+        restart_times=s["control"].restart_times,
+        frozen=True,
+        frozen_reason="restart to 5 failed",
+        recommendations=s["control"].recommendations,
+    )
+    decision = _decide(s)
+    assert decision.reason is Reason.FROZEN
+    assert not decision.acts(s["control"].current_steps)
+    current = s["control"].current_steps
+    if current is not None and s["config"].min_steps <= current <= s["config"].max_steps:
+        assert decision.target_steps == current
+
+
+@PROPERTY
+@given(situations(), st.sampled_from(["none", "error", "stale"]))
+def test_missing_or_stale_data_never_acts_without_a_pin(s: dict[str, Any], kind: str) -> None:
+    now = s["now"]
+    s["obs"] = {
+        "none": None,
+        "error": ScrapeError("refused", "connection refused", now),
+        "stale": observation(now - s["config"].stale_after_s - 1, steps=s["control"].current_steps),
+    }[kind]
+    o = s["override"]
+    if o is not None and o.mode == "pin":
+        s["override"] = None
+    decision = _decide(s)
+    assert not decision.acts(s["control"].current_steps)
+    assert decision.reason in (Reason.FROZEN, Reason.NO_DATA, Reason.STALE_DATA)
+
+
+@PROPERTY
+@given(situations())
+def test_a_change_respects_dwell_stabilization_and_window(s: dict[str, Any]) -> None:
+    decision = _decide(s)
+    if decision.reason is not Reason.CHANGE:
+        return
+    cfg, now, ctl = s["config"], s["now"], s["control"]
+    assert decision.acts(ctl.current_steps)
+    assert windows.is_open(cfg.windows, datetime.fromtimestamp(now, tz=UTC))
+    assert all(now - t >= cfg.min_dwell_s for t in ctl.restart_times)
+    assert s["history"].busy_seconds >= cfg.min_history_s
+    if cfg.stabilization_window_s > 0:
+        start = now - cfg.stabilization_window_s
+        assert any(t <= start for t, _ in ctl.recommendations)
+        assert all(k == decision.target_steps for t, k in ctl.recommendations if t >= start)
+
+
+def test_decide_is_pure() -> None:
+    args = (history(), observation(OPEN), config(), pin(2), OPEN, control())
+    assert decide(*args) == decide(*args)
+    assert decide(*args) == decide(*args[:4], OPEN, control())
+    assert OPEN + timedelta(0).total_seconds() == OPEN

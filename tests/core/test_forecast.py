@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import pytest
+from factories import make_observation
+
+from specd.core.forecast import Forecast, forecast_epoch, is_weekend_hour, score
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation
+
+UTC = timezone.utc
+MONDAY = datetime(2026, 1, 5, tzinfo=UTC).timestamp()  # 00:00 UTC
+HOUR = 3600.0
+DAY = 86400.0
+
+
+def observation(t: float, offered: int) -> Observation:
+    return make_observation(
+        t, running=offered, spec_fresh=False, steps=3, max_running_requests=64, version="test"
+    )
+
+
+def record(history: History, start: float, end: float, offered: Callable[[float], int]) -> None:
+    """One observation a minute (scrape interval 60 s) from start to end."""
+    t = start
+    while t < end:
+        history.record(observation(t, offered(t)))
+        t += 60
+
+
+def new_history() -> History:
+    return History(HistorySettings(scrape_interval_s=60, warmup_exclude_s=0))
+
+
+def office(t: float) -> int:
+    """Weekdays 09–17 at 20 concurrent, 2 otherwise; weekends 1."""
+    day, hour = int((t - MONDAY) // DAY) % 7, ((t - MONDAY) % DAY) / HOUR
+    if day >= 5:
+        return 1
+    return 20 if 9 <= hour < 17 else 2
+
+
+@pytest.mark.parametrize(
+    ("days_of_history", "start_hour", "hours", "source", "mean"),
+    [
+        # A week and a half: next Tuesday 09–17 has its own hours from last Tuesday.
+        (8.5, 8 * 24 + 9, 8, "same hours", 20.0),
+        # Two days: Wednesday 09–17 borrows the same hours of Monday and Tuesday.
+        (2.0, 2 * 24 + 9, 8, "same hours, other days", 20.0),
+        # Weekends apart: Saturday after a weekday-only history falls back to recent.
+        (5.0, 5 * 24 + 9, 8, "recent", None),
+        # A week of history: Saturday's hours are known.
+        (7.0, 12 * 24 + 9, 8, "same hours", 1.0),
+    ],
+)
+def test_the_epoch_is_forecast_from_the_same_hours(
+    days_of_history: float, start_hour: int, hours: int, source: str, mean: float | None
+) -> None:
+    history = new_history()
+    record(history, MONDAY, MONDAY + days_of_history * DAY, office)
+    start = MONDAY + start_hour * HOUR
+    forecast = forecast_epoch(history, start, start + hours * HOUR)
+    assert forecast is not None
+    assert forecast.source == source
+    assert sum(forecast.weights.values()) == pytest.approx(1.0)
+    if mean is not None:
+        assert forecast.mean() == pytest.approx(mean, abs=0.01)
+    else:
+        # Recent history mixes office hours and evenings: neither 1 nor 20.
+        assert 2.0 < forecast.mean() < 20.0
+
+
+def test_an_epoch_spanning_day_and_night_weighs_hours_by_their_share() -> None:
+    history = new_history()
+    record(history, MONDAY, MONDAY + 8 * DAY, office)
+    # Next Tuesday 13:00 → 21:00: 4 office hours at 20, 4 evening hours at 2.
+    start = MONDAY + (8 * 24 + 13) * HOUR
+    forecast = forecast_epoch(history, start, start + 8 * HOUR)
+    assert forecast is not None
+    assert forecast.weights == pytest.approx({20: 0.5, 2: 0.5})
+    assert forecast.quantile(0.25) == 2.0
+    assert forecast.quantile(0.75) == 20.0
+    assert forecast.busy_ratio() == pytest.approx(1.0)
+    assert forecast.same_hours_ratio == pytest.approx(1.0)
+
+
+def test_a_long_epoch_forecasts_its_first_week() -> None:
+    history = new_history()
+    record(history, MONDAY, MONDAY + 7 * DAY, office)
+    start = MONDAY + 7 * DAY
+    two_weeks = forecast_epoch(history, start, start + 14 * DAY)
+    one_week = forecast_epoch(history, start, start + 7 * DAY)
+    assert two_weeks is not None
+    assert one_week is not None
+    assert two_weeks.weights == pytest.approx(one_week.weights)
+
+
+@pytest.mark.parametrize(("start", "end"), [(math.nan, 0.0), (0.0, math.inf)])
+def test_nonsense_epochs_give_no_forecast(start: float, end: float) -> None:
+    history = new_history()
+    record(history, MONDAY, MONDAY + DAY, office)
+    assert forecast_epoch(history, start, end) is None
+
+
+def test_an_empty_history_gives_no_forecast() -> None:
+    assert forecast_epoch(new_history(), MONDAY, MONDAY + DAY) is None
+
+
+@pytest.mark.parametrize(
+    ("how", "weekend"), [(0, False), (5 * 24 - 1, False), (5 * 24, True), (167, True), (168, False)]
+)
+def test_weekend_hours(how: int, weekend: bool) -> None:
+    assert is_weekend_hour(how) is weekend
+
+
+@pytest.mark.parametrize(
+    ("predicted", "actual", "error", "tv"),
+    [
+        ({2: 1.0}, {2: 3600.0}, 0.0, 0.0),
+        ({2: 1.0}, {20: 60.0}, (2 - 20) / 20, 1.0),
+        ({2: 0.5, 20: 0.5}, {2: 10.0, 20: 30.0}, (11 - 15.5) / 15.5, 0.25),
+        ({0: 1.0}, {0: 5.0}, 0.0, 0.0),
+    ],
+)
+def test_forecast_quality_is_recorded(
+    predicted: dict[int, float], actual: dict[int, float], error: float, tv: float
+) -> None:
+    result = score(Forecast(0.0, 1.0, predicted, "same hours", 1.0), actual)
+    assert result is not None
+    assert result.mean_error_ratio == pytest.approx(error)
+    assert result.total_variation == pytest.approx(tv)
+
+
+def test_nothing_observed_scores_nothing() -> None:
+    assert score(Forecast(0.0, 1.0, {1: 1.0}, "recent", 0.0), {}) is None

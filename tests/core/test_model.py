@@ -1,0 +1,333 @@
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from factories import make_observation
+
+from specd.core.acceptance import accept_length_from_alpha
+from specd.core.decide import recommend
+from specd.core.history import History, HistorySettings
+from specd.core.model import (
+    EXTRAPOLATION_DISCOUNT_RATIO,
+    ModelError,
+    PerformanceModel,
+    Source,
+    fold_above,
+    load_calibration,
+    plan,
+    predicted_throughput,
+    recommend_model,
+)
+from specd.core.observation import Observation
+from specd.core.perftable import PerfRow, PerfTable
+from specd.io.config import Config
+from specd.twin import preset
+
+UTC = timezone.utc
+# Monday 2026-01-05; the default window opens daily at 03:00 UTC.
+MONDAY = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
+HOUR = 3600.0
+SEED = preset.preset_table()
+
+
+def observation(
+    t: float, offered: int, steps: int, served: float, length: float | None
+) -> Observation:
+    cap = SEED.capacity(steps) or 100
+    return make_observation(
+        t,
+        running=min(offered, cap),
+        queued=max(0, offered - cap),
+        accept_length=length,
+        spec_fresh=length is not None,
+        steps=steps,
+        max_running_requests=cap,
+        generation_tokens_total=served,
+        decode_tokens_total=served,
+        version="test",
+    )
+
+
+def fill(
+    history: History,
+    start: float,
+    seconds: float,
+    offered: int,
+    steps: int,
+    tok_s: float,
+    length: float | None,
+) -> float:
+    """Record an observation every 5 s; returns the time after the last one."""
+    served = 0.0
+    t = start
+    while t < start + seconds:
+        history.record(observation(t, offered, steps, served, length))
+        served += tok_s * 5
+        t += 5
+    return t
+
+
+def fresh_history() -> History:
+    return History(HistorySettings(warmup_exclude_s=0))
+
+
+def sparse(table: PerfTable, steps: tuple[int, ...], points: tuple[int, ...]) -> PerfTable:
+    rows = [
+        PerfRow(k, float(c), table.throughput(k, c), table.accept_length(k), table.capacity(k))
+        for k in steps
+        for c in points
+    ]
+    return PerfTable(rows, source="sparse")
+
+
+@pytest.mark.parametrize(
+    ("steps", "concurrency"),
+    [(1, 1), (2, 4), (3, 12), (4, 8), (4, 13), (3, 64), (4, 100)],
+)
+def test_without_observations_the_model_is_the_calibration(steps: int, concurrency: float) -> None:
+    model = PerformanceModel(SEED)
+    assert model.throughput(steps, concurrency) == pytest.approx(
+        SEED.throughput(steps, concurrency), rel=1e-9
+    )
+    assert model.source(steps) is Source.CALIBRATION
+
+
+@pytest.mark.parametrize(("steps", "capacity"), [(1, 26), (3, 15), (4, 13)])
+def test_throughput_saturates_at_capacity(steps: int, capacity: int) -> None:
+    # Measured only at 1, 8 and 32: the 32 point is the saturated server at capacity.
+    model = PerformanceModel(sparse(SEED, (steps,), (1, 8, 32)))
+    at_capacity = model.throughput(steps, capacity)
+    assert model.capacity(steps) == capacity
+    assert model.throughput(steps, capacity + 10) == at_capacity
+    assert at_capacity == pytest.approx(SEED.throughput(steps, 32), rel=1e-9)
+    assert model.throughput(steps, capacity - 1) < at_capacity
+
+
+def test_a_curve_measured_short_of_capacity_keeps_rising_a_little() -> None:
+    rows = [PerfRow(2, 1.0, 100.0, None, 100), PerfRow(2, 2.0, 200.0, None, 100)]
+    model = PerformanceModel(PerfTable(rows))
+    assert model.throughput(2, 4) == pytest.approx(200 + 0.25 * 100 * 2)
+    assert model.throughput(2, 100) == model.throughput(2, 1000)
+
+
+@pytest.mark.parametrize("live_alpha", [0.954, 0.8, 0.636])
+@pytest.mark.parametrize("observed_steps", [3, 4])
+def test_live_acceptance_scales_every_step_count(live_alpha: float, observed_steps: int) -> None:
+    history = fresh_history()
+    fill(
+        history,
+        MONDAY,
+        1800,
+        2,
+        observed_steps,
+        0.0,
+        accept_length_from_alpha(live_alpha, observed_steps),
+    )
+    model = PerformanceModel(SEED, history)
+    assert model.alpha_live == pytest.approx(live_alpha, abs=1e-6)
+    for k in (1, 2, 5):
+        ratio = accept_length_from_alpha(live_alpha, k) / (SEED.accept_length(k) or 1)
+        assert model.throughput(k, 4) == pytest.approx(SEED.throughput(k, 4) * ratio, rel=1e-3)
+        assert model.accept_length(k) == pytest.approx(accept_length_from_alpha(live_alpha, k))
+
+
+@pytest.mark.parametrize(
+    ("seconds", "closer_to"),
+    [(60.0, "calibration"), (6 * HOUR, "observed")],
+)
+def test_observed_throughput_wins_where_plentiful(seconds: float, closer_to: str) -> None:
+    history = fresh_history()
+    seen = SEED.throughput(4, 6) * 0.8  # this machine is slower than the sweep said
+    fill(history, MONDAY, seconds, 6, 4, seen, SEED.accept_length(4))
+    model = PerformanceModel(SEED, history)
+    predicted = model.throughput(4, 6)
+    calibrated = SEED.throughput(4, 6)
+    nearer = "observed" if abs(predicted - seen) < abs(predicted - calibrated) else "calibration"
+    assert nearer == closer_to
+    # The correction reaches concurrencies not observed at this K, too.
+    if closer_to == "observed":
+        assert model.throughput(4, 2) < SEED.throughput(4, 2) * 0.85
+        assert model.source(4) is Source.OBSERVED
+
+
+def test_extrapolated_steps_follow_alpha_and_the_step_cost_and_say_so() -> None:
+    # The preset's physics without its guessed penalty beyond 4 is the truth here.
+    def truth(k: int, c: int) -> float:
+        cap = preset.capacity(k)
+        b = min(c, cap)
+        t1 = preset.SPEC_BASE_ITERATION_S + preset.PER_STEP_S * k
+        load = b * (k + 1) / preset.KNEE_TOKENS
+        t = t1 * (1 + load**preset.KNEE_SHARPNESS) ** (1 / preset.KNEE_SHARPNESS)
+        return b * preset.accept_length(k) / (t + preset.PER_REQUEST_S * (b - 1))
+
+    rows = [
+        PerfRow(k, float(c), truth(k, c), preset.accept_length(k), preset.capacity(k))
+        for k in (1, 2, 3)
+        for c in (1, 2, 4, 8, 16, 32)
+    ]
+    model = PerformanceModel(PerfTable(rows))
+    assert model.source(4) is Source.EXTRAPOLATED
+    assert model.capacity(4) == preset.capacity(4)
+    for c in (1, 2, 4):
+        assert model.throughput(4, c) == pytest.approx(truth(4, c), rel=0.05)
+    assert not PerformanceModel(PerfTable(rows[:6])).can_predict(4)  # one K: no step cost
+
+
+def test_without_calibration_only_observed_steps_are_predicted() -> None:
+    history = fresh_history()
+    fill(history, MONDAY, 1800, 3, 4, 800.0, 4.5)
+    model = PerformanceModel(None, history)
+    assert model.steps() == [4]
+    assert model.throughput(4, 3) == pytest.approx(800.0)
+    assert not model.can_predict(3)
+    with pytest.raises(ValueError, match="no calibration"):
+        model.throughput(3, 3)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_bad_concurrency_is_a_value_error(bad: float) -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        PerformanceModel(SEED).throughput(3, bad)
+
+
+def test_fold_above_keeps_the_total() -> None:
+    folded = fold_above({0: 0.2, 5: 0.3, 30: 0.25, 60: 0.25}, 26)
+    assert folded == {0: 0.2, 5: 0.3, 26: 0.5}
+    assert fold_above({3: 1.0}, None) == {3: 1.0}
+
+
+# -- calibration files ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read calibration"),
+        ("steps,concurrency\n", "header must be"),
+        ("steps,concurrency,output_tok_s\n0,1,100\n", "no speculative step count"),
+    ],
+)
+def test_a_bad_calibration_is_one_line(tmp_path: Path, content: str | None, message: str) -> None:
+    path = tmp_path / "cal.csv"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ModelError, match=message) as info:
+        load_calibration(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_calibration_is_reread_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "cal.csv"
+    path.write_text("steps,concurrency,output_tok_s\n3,1,230\n")
+    first = load_calibration(path)
+    assert load_calibration(path) is first
+    path.write_text("steps,concurrency,output_tok_s\n3,1,230\n4,1,280\n")
+    assert load_calibration(path).steps() == [3, 4]
+
+
+# -- the policy -------------------------------------------------------------------------
+def config(tmp_path: Path, **kwargs: Any) -> Config:
+    path = tmp_path / "cal.csv"
+    SEED.to_csv(path)
+    base: dict[str, Any] = {"calibration_file": str(path), "min_history_s": 600}
+    return Config(**{**base, **kwargs})
+
+
+def busy(offered: int, steps: int, hours: float = 3.0) -> History:
+    """Traffic at ``offered`` from Monday 00:00 until just before the 03:00 window."""
+    history = fresh_history()
+    fill(
+        history,
+        MONDAY,
+        hours * HOUR,
+        offered,
+        steps,
+        SEED.throughput(steps, offered),
+        SEED.accept_length(steps),
+    )
+    return history
+
+
+@pytest.mark.parametrize(
+    ("offered", "current", "target"),
+    [
+        (2, 3, 4),  # agentic: 4 beats 3 by ~20%
+        (30, 4, 4),  # heavy: 3 beats 4 by ~1%, within the 5% tolerance: keep 4
+        (30, 1, 3),
+        (30, None, 3),  # the raw pick ignores the tolerance
+        (2, 1, 4),
+    ],
+)
+def test_the_model_policy_picks_the_most_tokens_over_the_epoch(
+    tmp_path: Path, offered: int, current: int | None, target: int
+) -> None:
+    cfg = config(tmp_path, max_steps=4)
+    history = busy(offered, current or 3)
+    picked = recommend(history, cfg, current)
+    assert picked is not None
+    assert picked[0] == target
+    assert picked[1].startswith("model: ")
+    assert "predicted tok/s 1:" in picked[1]
+
+
+@pytest.mark.parametrize(
+    ("restart_cost_s", "tolerance_ratio", "changes"),
+    [(100.0, 0.05, True), (100.0, 0.5, False), (20 * HOUR, 0.05, False)],
+)
+def test_restart_cost_and_tolerance_count_against_a_change(
+    tmp_path: Path, restart_cost_s: float, tolerance_ratio: float, changes: bool
+) -> None:
+    cfg = config(
+        tmp_path, max_steps=4, restart_cost_s=restart_cost_s, tolerance_ratio=tolerance_ratio
+    )
+    result = plan(busy(2, 3), cfg, 3, SEED)
+    assert result is not None
+    assert result.predictions[4].tok_s > result.predictions[3].tok_s * 1.15
+    assert result.target == (4 if changes else 3)
+    assert result.until - result.now == pytest.approx(24 * HOUR, abs=10)  # to next 03:00
+
+
+def test_the_plan_exposes_every_candidates_prediction(tmp_path: Path) -> None:
+    cfg = config(tmp_path, min_steps=2, max_steps=6)
+    history = busy(2, 3)
+    result = plan(history, cfg, 3, PerfTable([r for r in SEED.rows if r.steps <= 4]))
+    assert result is not None
+    assert sorted(result.predictions) == [2, 3, 4, 5, 6]
+    assert result.predictions[5].source is Source.EXTRAPOLATED
+    assert result.predictions[4].source is Source.CALIBRATION
+    p5 = result.predictions[5]
+    serving = result.until - result.now - cfg.restart_cost_s
+    assert p5.tokens == pytest.approx(p5.tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) * serving)
+    assert "5:" in result.why
+    assert "~" in result.why
+    rates = predicted_throughput(history, cfg, 3)
+    assert rates[4] == pytest.approx(SEED.throughput(4, 2), rel=1e-4)
+
+
+def test_no_history_no_recommendation(tmp_path: Path) -> None:
+    assert recommend_model(fresh_history(), config(tmp_path), 3) is None
+
+
+def test_an_unreadable_calibration_falls_back_to_observations_and_says_so(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    history = busy(2, 3)
+    assert cfg.calibration_file is not None
+    cfg.calibration_file.unlink()
+    picked = recommend_model(history, cfg, 3)
+    assert picked is not None
+    assert picked[0] == 3  # only the observed K can be predicted
+    assert "calibration unusable" in picked[1]
+    assert "\n" not in picked[1]
+
+
+def test_a_calibration_without_accept_lengths_extrapolates_with_live_alpha() -> None:
+    rows = [PerfRow(r.steps, r.concurrency, r.output_tok_s) for r in SEED.rows if r.steps <= 3]
+    history = fresh_history()
+    fill(history, MONDAY, 1800, 2, 3, SEED.throughput(3, 2), SEED.accept_length(3))
+    model = PerformanceModel(PerfTable(rows), history)
+    assert model.throughput(3, 1) == pytest.approx(SEED.throughput(3, 1), rel=0.02)
+    assert model.source(4) is Source.EXTRAPOLATED
+    assert model.throughput(4, 1) == pytest.approx(SEED.throughput(4, 1), rel=0.05)
+    assert not PerformanceModel(PerfTable(rows)).can_predict(4)  # no α anywhere

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specd.core.perftable import PerfTable, PerfTableError
+from specd.twin import preset
+
+DATA = Path(__file__).resolve().parents[2] / "specd" / "data"
+GOOD = (
+    "steps,concurrency,output_tok_s,accept_length,max_running_requests\n"
+    "1,1,100,1.9,4\n1,2,180,,\n1,4,300,,\n3,1,200,3.5,\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("steps", "concurrency", "expected"),
+    [
+        (1, 1, 100.0),
+        (1, 1.5, 140.0),  # linear between measured points
+        (1, 0.5, 50.0),  # from the origin below the first point
+        (1, 3, 240.0),
+        (1, 4, 300.0),
+        (1, 16, 300.0),  # clamped to max_running_requests = 4: the rest queue
+        (3, 10, 200.0),  # flat past the last point when capacity is unknown
+    ],
+)
+def test_throughput_interpolates_and_saturates(
+    steps: int, concurrency: float, expected: float
+) -> None:
+    table = PerfTable.from_csv_text(GOOD)
+    assert table.throughput(steps, concurrency) == pytest.approx(expected)
+
+
+def test_queries_and_roundtrip(tmp_path: Path) -> None:
+    table = PerfTable.from_csv_text(GOOD)
+    assert table.steps() == [1, 3]
+    assert table.capacity(1) == 4
+    assert table.capacity(3) is None
+    assert table.accept_length(3) == 3.5
+    path = tmp_path / "t.csv"
+    table.to_csv(path)
+    assert PerfTable.from_csv(path) == table
+    with pytest.raises(KeyError, match="no data for steps 2"):
+        table.throughput(2, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty file"),
+        ("steps,conc,output_tok_s\n1,1,2\n", r":1: header must be"),
+        ("steps,concurrency,output_tok_s\n1,1\n", r":2: expected 3 cells"),
+        ("steps,concurrency,output_tok_s\n1,1,abc\n", r":2: output_tok_s is not a number"),
+        ("steps,concurrency,output_tok_s\n1.5,1,2\n", r":2: steps must be a whole number"),
+        ("steps,concurrency,output_tok_s\n1,0,2\n", r":2: concurrency must be > 0"),
+        ("steps,concurrency,output_tok_s\n1,1,-2\n", r":2: output_tok_s must be a finite"),
+        ("steps,concurrency,output_tok_s\n1,1,nan\n", r":2: output_tok_s must be a finite"),
+        ("steps,concurrency,output_tok_s\n1,1,2\n1,1,3\n", "duplicate row"),
+        ("steps,concurrency,output_tok_s,accept_length\n1,1,2,0.5\n", r":2: accept_length"),
+        ("steps,concurrency,output_tok_s\n", "no data rows"),
+    ],
+)
+def test_bad_tables_give_one_line_errors(text: str, message: str) -> None:
+    with pytest.raises(PerfTableError, match=message) as info:
+        PerfTable.from_csv_text(text, source="x.csv")
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(PerfTableError, match="cannot read"):
+        PerfTable.from_csv(tmp_path / "nope.csv")
+
+
+def test_shipped_preset_csv_equals_generator() -> None:
+    shipped = (DATA / "seed-qwen35-122b.csv").read_text(encoding="utf-8")
+    assert shipped == preset.preset_table().to_csv_text()
+
+
+@pytest.mark.parametrize(("steps", "measured"), [(1, 123), (2, 186), (3, 234), (4, 277)])
+def test_preset_matches_seed_single_request(steps: int, measured: float) -> None:
+    assert preset.preset_table().throughput(steps, 1) == pytest.approx(measured, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "best"),
+    [(1, 4), (2, 4), (3, 4), (4, 4), (16, 3), (24, 3), (32, 3), (64, 3)],
+)
+def test_preset_best_steps_by_concurrency(concurrency: int, best: int) -> None:
+    table = preset.preset_table()
+    rates = {k: table.throughput(k, concurrency) for k in table.steps()}
+    assert max(rates, key=rates.__getitem__) == best
+
+
+@pytest.mark.parametrize(("steps", "cap"), [(0, 39), (1, 26), (2, 19), (3, 15), (4, 13), (6, 9)])
+def test_preset_capacity(steps: int, cap: int) -> None:
+    assert preset.preset_table().capacity(steps) == cap
+
+
+@pytest.mark.parametrize(("steps", "length"), [(0, 1.0), (1, 1.954), (4, 4.5607)])
+def test_preset_accept_length_follows_alpha(steps: int, length: float) -> None:
+    assert preset.preset_table().accept_length(steps) == pytest.approx(length, abs=1e-3)

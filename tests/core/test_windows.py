@@ -1,0 +1,407 @@
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from specd.core import windows
+from specd.core.windows import (
+    WindowSpec,
+    check_window,
+    current_window,
+    is_open,
+    next_close,
+    next_open,
+    parse_cron,
+)
+
+UTC = timezone.utc
+
+
+def at(
+    year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0
+) -> datetime:
+    return datetime(year, month, day, hour, minute, second, tzinfo=UTC)
+
+
+DAILY_UTC = [WindowSpec("0 3 * * mon-sun", 3600, "UTC")]
+BERLIN = [WindowSpec("30 2 * * mon-sun", 3600, "Europe/Berlin")]
+NEW_YORK_SPRING = [WindowSpec("0 2 * * sun", 1800, "America/New_York")]
+NEW_YORK_FALL = [WindowSpec("30 1 * * sun", 1800, "America/New_York")]
+LORD_HOWE_END = [WindowSpec("45 1 * * mon-sun", 600, "Australia/Lord_Howe")]
+LORD_HOWE_START = [WindowSpec("15 2 * * mon-sun", 600, "Australia/Lord_Howe")]
+KOLKATA = [WindowSpec("0 4 * * mon-fri", 3600, "Asia/Kolkata")]
+OVERLAP = [
+    WindowSpec("0 3 * * mon-sun", 3600, "UTC"),
+    WindowSpec("30 3 * * mon-sun", 3600, "UTC"),
+]
+TOUCHING = [
+    WindowSpec("0 3 * * mon-sun", 3600, "UTC"),
+    WindowSpec("0 4 * * mon-sun", 3600, "UTC"),
+]
+
+
+@pytest.mark.parametrize(
+    ("windows", "now", "expected"),
+    [
+        # UTC: [03:00, 04:00), end exclusive.
+        (DAILY_UTC, at(2025, 7, 1, 2, 59, 59), None),
+        (DAILY_UTC, at(2025, 7, 1, 3, 0), (at(2025, 7, 1, 3), at(2025, 7, 1, 4))),
+        (DAILY_UTC, at(2025, 7, 1, 3, 59, 59), (at(2025, 7, 1, 3), at(2025, 7, 1, 4))),
+        (DAILY_UTC, at(2025, 7, 1, 4, 0), None),
+        # Berlin summer: 02:30 CEST = 00:30Z.
+        (BERLIN, at(2025, 7, 1, 0, 30), (at(2025, 7, 1, 0, 30), at(2025, 7, 1, 1, 30))),
+        # Berlin winter: 02:30 CET = 01:30Z.
+        (BERLIN, at(2025, 1, 15, 1, 30), (at(2025, 1, 15, 1, 30), at(2025, 1, 15, 2, 30))),
+        # Spring forward 2025-03-30: 02:30 does not exist; opens at the jump, 03:00 CEST = 01:00Z.
+        (BERLIN, at(2025, 3, 30, 0, 59, 59), None),
+        (BERLIN, at(2025, 3, 30, 1, 0), (at(2025, 3, 30, 1), at(2025, 3, 30, 2))),
+        (BERLIN, at(2025, 3, 30, 1, 59), (at(2025, 3, 30, 1), at(2025, 3, 30, 2))),
+        (BERLIN, at(2025, 3, 30, 2, 0), None),
+        # Fall back 2025-10-26: 02:30 happens twice; only the first (CEST, 00:30Z) opens.
+        (BERLIN, at(2025, 10, 26, 0, 30), (at(2025, 10, 26, 0, 30), at(2025, 10, 26, 1, 30))),
+        (BERLIN, at(2025, 10, 26, 1, 30), None),
+        (BERLIN, at(2025, 10, 26, 2, 0), None),
+        # New York spring forward 2025-03-09: 02:00 EST→03:00 EDT at 07:00Z.
+        (NEW_YORK_SPRING, at(2025, 3, 9, 6, 59), None),
+        (
+            NEW_YORK_SPRING,
+            at(2025, 3, 9, 7, 10),
+            (at(2025, 3, 9, 7), at(2025, 3, 9, 7, 30)),
+        ),
+        # New York fall back 2025-11-02: 01:30 EDT = 05:30Z opens, 01:30 EST = 06:30Z does not.
+        (
+            NEW_YORK_FALL,
+            at(2025, 11, 2, 5, 45),
+            (at(2025, 11, 2, 5, 30), at(2025, 11, 2, 6)),
+        ),
+        (NEW_YORK_FALL, at(2025, 11, 2, 6, 45), None),
+        # Lord Howe (half-hour DST) ends 2025-04-06 02:00 (+11) → 01:30 (+10:30):
+        # 01:45 first at 14:45Z (opens), again at 15:15Z (does not).
+        (
+            LORD_HOWE_END,
+            at(2025, 4, 5, 14, 50),
+            (at(2025, 4, 5, 14, 45), at(2025, 4, 5, 14, 55)),
+        ),
+        (LORD_HOWE_END, at(2025, 4, 5, 15, 20), None),
+        # Lord Howe starts 2025-10-05 02:00 (+10:30) → 02:30 (+11) at 15:30Z: 02:15 is
+        # skipped, the window opens at the jump.
+        (LORD_HOWE_START, at(2025, 10, 4, 15, 29), None),
+        (
+            LORD_HOWE_START,
+            at(2025, 10, 4, 15, 35),
+            (at(2025, 10, 4, 15, 30), at(2025, 10, 4, 15, 40)),
+        ),
+        # A normal Lord Howe day in (southern) winter: 02:15 +10:30 = 15:45Z the day before.
+        (
+            LORD_HOWE_START,
+            at(2025, 7, 1, 15, 50),
+            (at(2025, 7, 1, 15, 45), at(2025, 7, 1, 15, 55)),
+        ),
+        # Kolkata (+05:30, no DST), weekdays: Monday 2025-07-07 04:00 IST = Sunday 22:30Z.
+        (KOLKATA, at(2025, 7, 6, 22, 30), (at(2025, 7, 6, 22, 30), at(2025, 7, 6, 23, 30))),
+        (KOLKATA, at(2025, 7, 4, 22, 45), None),  # Saturday 04:15 IST
+        # Overlapping and touching windows count as one open period.
+        (OVERLAP, at(2025, 7, 1, 3, 10), (at(2025, 7, 1, 3), at(2025, 7, 1, 4, 30))),
+        (OVERLAP, at(2025, 7, 1, 4, 10), (at(2025, 7, 1, 3), at(2025, 7, 1, 4, 30))),
+        (TOUCHING, at(2025, 7, 1, 4, 30), (at(2025, 7, 1, 3), at(2025, 7, 1, 5))),
+        ([], at(2025, 7, 1, 3, 10), None),
+    ],
+)
+def test_current_window(
+    windows: list[WindowSpec],
+    now: datetime,
+    expected: tuple[datetime, datetime] | None,
+) -> None:
+    assert current_window(windows, now) == expected
+    assert is_open(windows, now) is (expected is not None)
+
+
+@pytest.mark.parametrize(
+    ("windows", "now", "opens", "closes"),
+    [
+        # Closed: the next window.
+        (DAILY_UTC, at(2025, 7, 1, 1), at(2025, 7, 1, 3), at(2025, 7, 1, 4)),
+        # Exactly at an opening: now, and the window it opens.
+        (DAILY_UTC, at(2025, 7, 1, 3), at(2025, 7, 1, 3), at(2025, 7, 1, 4)),
+        # Open: next_open is the next day's, next_close this one's.
+        (DAILY_UTC, at(2025, 7, 1, 3, 30), at(2025, 7, 2, 3), at(2025, 7, 1, 4)),
+        (DAILY_UTC, at(2025, 7, 1, 4), at(2025, 7, 2, 3), at(2025, 7, 2, 4)),
+        # Berlin around both transitions.
+        (BERLIN, at(2025, 3, 29, 12), at(2025, 3, 30, 1), at(2025, 3, 30, 2)),
+        (BERLIN, at(2025, 3, 30, 2), at(2025, 3, 31, 0, 30), at(2025, 3, 31, 1, 30)),
+        (BERLIN, at(2025, 10, 26, 0, 45), at(2025, 10, 27, 1, 30), at(2025, 10, 26, 1, 30)),
+        (BERLIN, at(2025, 10, 26, 1, 30), at(2025, 10, 27, 1, 30), at(2025, 10, 27, 2, 30)),
+        # Weekdays only: from Friday evening to Monday in Kolkata.
+        (KOLKATA, at(2025, 7, 4, 12), at(2025, 7, 6, 22, 30), at(2025, 7, 6, 23, 30)),
+        # Overlapping windows: the merged period closes at 04:30.
+        (OVERLAP, at(2025, 7, 1, 3, 10), at(2025, 7, 2, 3), at(2025, 7, 1, 4, 30)),
+    ],
+)
+def test_next_open_and_close(
+    windows: list[WindowSpec], now: datetime, opens: datetime, closes: datetime
+) -> None:
+    assert next_open(windows, now) == opens
+    assert next_close(windows, now) == closes
+
+
+def test_fall_back_hour_opens_each_start_once() -> None:
+    # APScheduler 3.11 alone repeats 02:x+01:00 forever here; we must terminate and never
+    # open twice in the repeated hour.
+    windows = [WindowSpec("*/20 2 * * mon-sun", 600, "Europe/Berlin")]
+    now = at(2025, 10, 25, 23, 0)
+    opens = []
+    for _ in range(5):
+        now = next_open(windows, now)
+        opens.append(now)
+        now = next_close(windows, now)
+    assert opens == [
+        at(2025, 10, 26, 0, 0),
+        at(2025, 10, 26, 0, 20),
+        at(2025, 10, 26, 0, 40),
+        at(2025, 10, 27, 1, 0),  # 02:00 CET next day; nothing in the repeated hour
+        at(2025, 10, 27, 1, 20),
+    ]
+
+
+def test_spring_forward_starts_in_the_gap_collapse_into_one() -> None:
+    windows = [WindowSpec("*/20 2 * * mon-sun", 600, "Europe/Berlin")]
+    assert next_open(windows, at(2025, 3, 30, 0, 0)) == at(2025, 3, 30, 1, 0)
+    assert next_close(windows, at(2025, 3, 30, 1, 0)) == at(2025, 3, 30, 1, 10)
+    assert next_open(windows, at(2025, 3, 30, 1, 0, 1)) == at(2025, 3, 31, 0, 0)
+
+
+def test_windows_that_never_close_are_open() -> None:
+    always = [WindowSpec("*/30 * * * *", 3600, "UTC")]
+    now = at(2025, 7, 1, 12, 7)
+    assert is_open(always, now)
+    opened, closes = current_window(always, now) or (now, now)
+    assert opened <= now - timedelta(days=7)
+    assert closes >= now + timedelta(days=7)
+
+
+@pytest.mark.parametrize(
+    ("cron", "fields"),
+    [
+        ("0 3 * * mon-sun", ("0", "3", "*", "*", "mon-sun")),
+        ("*/15 1-5 * * mon-fri", ("*/15", "1-5", "*", "*", "mon-fri")),
+        ("30 2 * * sat,sun", ("30", "2", "*", "*", "sat,sun")),
+        ("0 3 1 jan-mar *", ("0", "3", "1", "jan-mar", "*")),
+        ("  0  3 * * MON  ", ("0", "3", "*", "*", "mon")),
+        # A 5-field cron starts at second 0; a 6-field one leads with the second.
+        ("0 3 * * mon-sun", ("0", "0", "3", "*", "*", "mon-sun")),
+        ("*/20 * * * * *", ("*/20", "*", "*", "*", "*", "*")),
+        ("15,45 */5 2 * * sat,sun", ("15,45", "*/5", "2", "*", "*", "sat,sun")),
+        ("0-10 0 3 1 jan *", ("0-10", "0", "3", "1", "jan", "*")),
+    ],
+)
+def test_parse_cron_accepts(cron: str, fields: tuple[str, ...]) -> None:
+    parsed = parse_cron(cron)
+    got = (parsed.minute, parsed.hour, parsed.day, parsed.month, parsed.day_of_week)
+    if len(fields) == 6:
+        got = (parsed.second, *got)
+    assert got == fields
+
+
+@pytest.mark.parametrize(
+    ("cron", "message"),
+    [
+        ("0 3 * * 1", "use names mon..sun, not numbers"),
+        ("0 3 * * 0-6", "not numbers"),
+        ("0 3 * * mon/2", "not numbers"),
+        ("0 3 * * monday", "expected mon..sun"),
+        ("0 3 * * fri-mon", "runs backwards"),
+        ("0 3 * *", "has 4 fields; expected 5"),
+        ("0 0 0 3 * * mon", "has 7 fields; expected 5"),
+        ("60 0 3 * * *", "higher than the maximum"),
+        ("*/0 * * * * *", "Increment must be higher than 0"),
+        ("x 0 3 * * *", "second 'x'"),
+        ("0 0 3 * * 1", "not numbers"),
+        ("@daily", "macros are not supported"),
+        ("60 3 * * *", "higher than the maximum"),
+        ("0 24 * * *", "higher than the maximum"),
+        ("0 3 0 * *", "lower than the minimum"),
+        ("*/0 3 * * *", "Increment must be higher than 0"),
+        ("0 3 last * *", "day 'last'"),
+        ("0 3 * foo *", "month 'foo'"),
+        ("0 3 1 * mon", "restricts both day of month and weekday"),
+        ("", "has 0 fields"),
+    ],
+)
+def test_parse_cron_rejects(cron: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        parse_cron(cron)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("cron", "zone", "message"),
+    [
+        ("0 0 31 feb *", "UTC", "never fires"),
+        ("0 3 * * *", "Mars/Olympus", "unknown timezone"),
+        ("0 3 * * *", "../../etc/passwd", "unknown timezone"),
+        ("0 3 * * *", "", "IANA name"),
+    ],
+)
+def test_check_window_rejects(cron: str, zone: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_window(cron, zone)
+
+
+def test_leap_day_window_fires_within_the_horizon() -> None:
+    windows = [WindowSpec("0 3 29 feb *", 3600, "UTC")]
+    check_window("0 3 29 feb *", "UTC")
+    assert next_open(windows, at(2025, 3, 1)) == at(2028, 2, 29, 3)
+
+
+@pytest.mark.parametrize("func", [is_open, current_window, next_open, next_close])
+def test_naive_now_is_rejected(func: object) -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        func(DAILY_UTC, datetime(2025, 7, 1, 3))  # type: ignore[operator]
+
+
+def test_no_windows_has_no_next_open() -> None:
+    with pytest.raises(ValueError, match="no maintenance windows"):
+        next_open([], at(2025, 7, 1))
+
+
+def test_non_utc_now_is_accepted() -> None:
+    berlin_summer = timezone(timedelta(hours=2))
+    now = datetime(2025, 7, 1, 5, 30, tzinfo=berlin_summer)  # 03:30Z
+    assert current_window(DAILY_UTC, now) == (at(2025, 7, 1, 3), at(2025, 7, 1, 4))
+
+
+EVERY_20_S = [WindowSpec("*/20 * * * * *", 10, "UTC")]
+AT_SECOND_30 = [WindowSpec("30 0 3 * * *", 60, "UTC")]
+BERLIN_WITH_SECONDS = [WindowSpec("15 30 2 * * mon-sun", 3600, "Europe/Berlin")]
+
+
+@pytest.mark.parametrize(
+    ("windows", "now", "expected"),
+    [
+        # Every 20 s for 10 s: [00, 10), [20, 30), [40, 50) of each minute.
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 0), (at(2025, 7, 1, 12), at(2025, 7, 1, 12, 0, 10))),
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 9), (at(2025, 7, 1, 12), at(2025, 7, 1, 12, 0, 10))),
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 10), None),
+        (EVERY_20_S, at(2025, 7, 1, 12, 0, 19), None),
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 45),
+            (at(2025, 7, 1, 12, 0, 40), at(2025, 7, 1, 12, 0, 50)),
+        ),
+        # Second 30 of 03:00: closed at 03:00:00 (a 5-field cron would be open there).
+        (AT_SECOND_30, at(2025, 7, 1, 3, 0, 0), None),
+        (AT_SECOND_30, at(2025, 7, 1, 3, 0, 29), None),
+        (
+            AT_SECOND_30,
+            at(2025, 7, 1, 3, 0, 30),
+            (at(2025, 7, 1, 3, 0, 30), at(2025, 7, 1, 3, 1, 30)),
+        ),
+        (AT_SECOND_30, at(2025, 7, 1, 3, 1, 30), None),
+        # DST rules hold with seconds: 02:30:15 CEST = 00:30:15Z in summer; in the spring
+        # gap the window opens at the jump (01:00:00Z), in the repeated hour only once.
+        (
+            BERLIN_WITH_SECONDS,
+            at(2025, 7, 1, 0, 30, 15),
+            (at(2025, 7, 1, 0, 30, 15), at(2025, 7, 1, 1, 30, 15)),
+        ),
+        (BERLIN_WITH_SECONDS, at(2025, 7, 1, 0, 30, 14), None),
+        (BERLIN_WITH_SECONDS, at(2025, 3, 30, 1, 0), (at(2025, 3, 30, 1), at(2025, 3, 30, 2))),
+        (
+            BERLIN_WITH_SECONDS,
+            at(2025, 10, 26, 0, 30, 15),
+            (at(2025, 10, 26, 0, 30, 15), at(2025, 10, 26, 1, 30, 15)),
+        ),
+        (BERLIN_WITH_SECONDS, at(2025, 10, 26, 1, 30, 15), None),
+    ],
+)
+def test_current_window_with_seconds(
+    windows: list[WindowSpec],
+    now: datetime,
+    expected: tuple[datetime, datetime] | None,
+) -> None:
+    assert current_window(windows, now) == expected
+
+
+@pytest.mark.parametrize(
+    ("windows", "now", "opens", "closes"),
+    [
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 11),
+            at(2025, 7, 1, 12, 0, 20),
+            at(2025, 7, 1, 12, 0, 30),
+        ),
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 20),
+            at(2025, 7, 1, 12, 0, 20),
+            at(2025, 7, 1, 12, 0, 30),
+        ),
+        # Open: the next opening after this one closes, across the minute.
+        (
+            EVERY_20_S,
+            at(2025, 7, 1, 12, 0, 45),
+            at(2025, 7, 1, 12, 1, 0),
+            at(2025, 7, 1, 12, 0, 50),
+        ),
+        (AT_SECOND_30, at(2025, 7, 1, 3, 0, 0), at(2025, 7, 1, 3, 0, 30), at(2025, 7, 1, 3, 1, 30)),
+        (
+            AT_SECOND_30,
+            at(2025, 7, 1, 3, 0, 31),
+            at(2025, 7, 2, 3, 0, 30),
+            at(2025, 7, 1, 3, 1, 30),
+        ),
+        # Fall back: the repeated 02:30:15 opens nothing; the next opening is the next day.
+        (
+            BERLIN_WITH_SECONDS,
+            at(2025, 10, 26, 1, 31),
+            at(2025, 10, 27, 1, 30, 15),
+            at(2025, 10, 27, 2, 30, 15),
+        ),
+    ],
+)
+def test_next_open_and_close_with_seconds(
+    windows: list[WindowSpec], now: datetime, opens: datetime, closes: datetime
+) -> None:
+    assert next_open(windows, now) == opens
+    assert next_close(windows, now) == closes
+
+
+@pytest.mark.parametrize(
+    ("five", "six"),
+    [
+        ("0 3 * * mon-sun", "0 0 3 * * mon-sun"),
+        ("30 2 * * mon-sun", "0 30 2 * * mon-sun"),
+        ("*/20 2 * * mon-sun", "0 */20 2 * * mon-sun"),
+    ],
+)
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Berlin", "Australia/Lord_Howe"])
+def test_five_field_cron_is_six_field_at_second_zero(five: str, six: str, zone: str) -> None:
+    short, long = [WindowSpec(five, 900, zone)], [WindowSpec(six, 900, zone)]
+    now = at(2025, 3, 29)  # walks across Berlin's spring-forward night
+    for _ in range(6):
+        opened = next_open(short, now)
+        assert opened == next_open(long, now)
+        assert next_close(short, opened) == next_close(long, opened)
+        assert opened.second == 0
+        now = opened + timedelta(seconds=1)
+
+
+@pytest.mark.parametrize(
+    ("cron", "duration_s", "overlaps"),
+    [
+        ("* * * * * *", 3600, True),  # every second, an hour long: always open
+        ("* * * * mon-sun", 61, True),
+        ("* * * * mon-sun", 60, False),  # back to back is allowed
+        ("0 3 * * mon-fri", 4 * 86400, True),  # Monday's lasts into Tuesday's
+        ("0 3 * * mon-fri", 3600, False),
+        ("*/20 * * * * *", 15, False),  # the demo's
+    ],
+)
+def test_a_window_may_not_overlap_itself(cron: str, duration_s: float, overlaps: bool) -> None:
+    if overlaps:
+        with pytest.raises(ValueError, match="overlap itself"):
+            windows.check_window(cron, "UTC", duration_s)
+    else:
+        windows.check_window(cron, "UTC", duration_s)

@@ -1,0 +1,843 @@
+"""apply with real parts: a real env file, real twin processes restarted like a unit, real HTTP.
+
+``TwinUnit`` stands in for systemd only: on ``systemctl --no-ask-password restart UNIT`` it
+stops the running twin and starts a new one with the steps from the env file, as systemd does
+with ``EnvironmentFile=-`` and the drop-in's ``Environment=`` defaults. Everything else (the
+SGLang client, HTTP, files, processes, signals) is the real thing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from specd.io.apply import (
+    ENV_DRAFT_TOKENS,
+    ENV_STEPS,
+    PHASES,
+    Applier,
+    ApplyOutcome,
+    ApplySettings,
+    Journal,
+    JournalError,
+    encode_env,
+    parse_env,
+    read_env_steps,
+    render_env,
+    restart_argv,
+    write_file_atomic,
+)
+from specd.io.config import Config
+from specd.io.runner import RunResult
+from specd.io.sglang import SGLangClient
+from specd.twin.process import free_port
+from specd.twin.unit import TwinUnitRunner
+
+UNIT = "sglang.service"
+# The drop-in's Environment= line: what the unit runs when the env file is absent.
+DROPIN_DEFAULT_STEPS = 3
+# An operator-written file, with a comment and odd spacing, to prove restores are exact.
+ORIGINAL_ENV = b"# hand-written\nSPECD_SPEC_STEPS=3\nSPECD_SPEC_DRAFT_TOKENS=4\n\n"
+TWIN_TIMING = [
+    "--load-time-s",
+    "0.1",
+    "--warmup-s",
+    "0.05",
+    "--report-interval-s",
+    "0.1",
+]
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 1.0
+
+
+# -- the stand-in for systemd -------------------------------------------------------------
+
+
+class TwinUnit(TwinUnitRunner):
+    """The product's twin unit (specd/twin/unit.py), with the test's timings and probes."""
+
+    def __init__(self, env_file: Path, extra_args: Callable[[int], list[str]] | None = None):
+        more = extra_args or (lambda steps: [])
+        super().__init__(
+            UNIT,
+            env_file,
+            port=free_port(),
+            extra_args=lambda steps: [*TWIN_TIMING, *more(steps)],
+            stop_timeout_s=STOP_TIMEOUT_S,
+        )
+
+    @property
+    def restarts(self) -> list[int]:
+        return self.restarted_to
+
+    def start_healthy(self) -> None:
+        self.start().wait_healthy(START_TIMEOUT_S)
+
+    def running_steps(self) -> int | None:
+        """What the live process runs, read straight off /server_info or /metrics."""
+        try:
+            info = httpx.get(f"{self.url}/server_info", timeout=5).json()
+            if "speculative_num_steps" in info:
+                return int(info["speculative_num_steps"])
+            metrics = httpx.get(f"{self.url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return None
+        for line in metrics.splitlines():
+            if line.startswith("sglang:spec_num_steps{"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return None
+
+    def close(self) -> None:
+        self.stop()
+
+
+class Killed(BaseException):
+    """specd dying (SIGKILL) at a chosen point: nothing in apply may catch it."""
+
+
+class Recorder:
+    """The daemon's persist callback: keeps what a state.json would hold, in a real file."""
+
+    def __init__(self, path: Path, kill_at: int | None = None, store_first: bool = False):
+        self.path = path
+        self.calls: list[dict[str, Any] | None] = []
+        self.kill_at = kill_at
+        self.store_first = store_first
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        index = len(self.calls)
+        if index == self.kill_at and not self.store_first:
+            raise Killed(f"before persisting #{index}")
+        self.calls.append(journal)
+        # Through JSON, as the daemon's state file does.
+        write_file_atomic(self.path, json.dumps(journal).encode(), mode=0o600)
+        if index == self.kill_at:
+            raise Killed(f"after persisting #{index}")
+
+    def stored(self) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return None
+        data: dict[str, Any] | None = json.loads(self.path.read_text())
+        return data
+
+    def phases(self) -> list[str]:
+        return [c["phase"] for c in self.calls if c is not None]
+
+
+def settings_for(env_file: Path, **overrides: Any) -> ApplySettings:
+    base = ApplySettings(
+        unit=UNIT,
+        env_file=env_file,
+        min_steps=1,
+        max_steps=6,
+        quiet_concurrency_max=2,
+        quiet_deadline_s=5.0,
+        quiet_poll_interval_s=0.05,
+        startup_timeout_s=10.0,
+        health_probe_timeout_s=2.0,
+        health_poll_interval_s=0.05,
+        restart_command_timeout_s=30.0,
+        verify_attempts=3,
+    )
+    return replace(base, **overrides)
+
+
+@pytest.fixture
+def make_unit(tmp_path: Path) -> Iterator[Callable[..., TwinUnit]]:
+    units: list[TwinUnit] = []
+
+    def make(
+        env: bytes | None = ORIGINAL_ENV,
+        extra_args: Callable[[int], list[str]] | None = None,
+        start: bool = True,
+    ) -> TwinUnit:
+        env_file = tmp_path / "sglang.env"
+        if env is not None:
+            env_file.write_bytes(env)
+        unit = TwinUnit(env_file, extra_args)
+        units.append(unit)
+        if start:
+            unit.start_healthy()
+        return unit
+
+    yield make
+    for unit in units:
+        unit.close()
+
+
+def applier_for(
+    unit: TwinUnit,
+    persist: Callable[[dict[str, Any] | None], None],
+    runner: Callable[..., RunResult] | None = None,
+    stop: threading.Event | None = None,
+    **overrides: Any,
+) -> Applier:
+    return Applier(
+        settings_for(unit.env_file, **overrides),
+        SGLangClient(unit.url, timeout_s=3.0),
+        runner or unit,
+        persist,
+        stop or threading.Event(),
+    )
+
+
+def always_open() -> bool:
+    return True
+
+
+# -- env file -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [1, 3, 4, 16])
+def test_render_env_sets_steps_and_draft_tokens_and_says_who_writes_it(steps: int) -> None:
+    text = render_env(steps)
+    assert text.startswith("# Written by specd")
+    assert parse_env(text) == {ENV_STEPS: str(steps), ENV_DRAFT_TOKENS: str(steps + 1)}
+    assert text.endswith("\n")
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, None),
+        (b"", None),
+        (b"SPECD_SPEC_STEPS=4\n", 4),
+        (b"# c\n; c\n  SPECD_SPEC_STEPS = 2 \nSPECD_SPEC_DRAFT_TOKENS=3\n", 2),
+        (b'SPECD_SPEC_STEPS="5"\n', 5),
+        (b"SPECD_SPEC_STEPS='1'\n", 1),
+        (b"SPECD_SPEC_STEPS=four\n", None),
+        (b"SPECD_SPEC_STEPS=-1\n", None),
+        (b"SPECD_SPEC_STEPS=\n", None),
+        (b"OTHER=1\n", None),
+        (b"\xff\xfe\x00garbage", None),
+        (b"SPECD_SPEC_STEPS=2\nSPECD_SPEC_STEPS=6\n", 6),  # the last one wins, as in systemd
+    ],
+)
+def test_read_env_steps(tmp_path: Path, content: bytes | None, expected: int | None) -> None:
+    path = tmp_path / "sglang.env"
+    if content is not None:
+        path.write_bytes(content)
+    assert read_env_steps(path) == expected
+
+
+def test_read_env_steps_of_a_directory_is_none(tmp_path: Path) -> None:
+    assert read_env_steps(tmp_path) is None
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_write_replaces_with_mode_0644_and_leaves_no_temp(
+    tmp_path: Path, umask: int
+) -> None:
+    path = tmp_path / "sglang.env"
+    path.write_bytes(b"old\n")
+    old = os.umask(umask)
+    try:
+        write_file_atomic(path, render_env(4).encode())
+    finally:
+        os.umask(old)
+    assert path.read_text() == render_env(4)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["sglang.env"]
+
+
+@pytest.mark.parametrize("make_bad", ["missing_dir", "dir_is_file"])
+def test_atomic_write_failure_raises_oserror_and_keeps_nothing(
+    tmp_path: Path, make_bad: str
+) -> None:
+    if make_bad == "missing_dir":
+        path = tmp_path / "nope" / "sglang.env"
+    else:
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "sglang.env"
+    with pytest.raises(OSError):
+        write_file_atomic(path, b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == (
+        [] if make_bad == "missing_dir" else ["file"]
+    )
+
+
+# -- settings and journal -----------------------------------------------------------------
+
+
+def test_settings_from_config_takes_the_agreed_fields(tmp_path: Path) -> None:
+    config = Config.model_validate(
+        {
+            "sglang_unit": "sglang-122b.service",
+            "env_file": str(tmp_path / "x.env"),
+            "min_steps": 2,
+            "max_steps": 5,
+            "quiet_concurrency_max": 1,
+            "quiet_deadline_s": 0,
+            "scrape_interval_s": 2,
+            "startup_timeout_s": 300,
+            "health_probe_timeout_s": 25,
+            "restart_command_timeout_s": 60,
+        }
+    )
+    s = ApplySettings.from_config(config)
+    assert (s.unit, s.env_file, s.min_steps, s.max_steps) == (
+        "sglang-122b.service",
+        tmp_path / "x.env",
+        2,
+        5,
+    )
+    assert (s.quiet_concurrency_max, s.quiet_deadline_s, s.quiet_poll_interval_s) == (1, 0, 2)
+    assert (s.startup_timeout_s, s.health_probe_timeout_s, s.restart_command_timeout_s) == (
+        300,
+        25,
+        60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ({"unit": "--now"}, "not a systemd unit name"),
+        ({"unit": "a b.service"}, "not a systemd unit name"),
+        ({"unit": ""}, "not a systemd unit name"),
+        ({"min_steps": 5, "max_steps": 2}, "is empty"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s"),
+        ({"quiet_deadline_s": -1}, "quiet_deadline_s"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(
+    tmp_path: Path, overrides: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem) as info:
+        settings_for(tmp_path / "x.env", **overrides)
+    assert "\n" not in str(info.value)
+
+
+def _journal(**changes: Any) -> dict[str, Any]:
+    data = Journal(
+        phase="restart_issued",
+        from_steps=3,
+        to_steps=4,
+        unit=UNIT,
+        env_file="/var/lib/specd/sglang.env",
+        previous_env="SPECD_SPEC_STEPS=3\n",
+        previous_env_encoding="utf-8",
+        started_at=1_700_000_000.0,
+    ).to_dict()
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"phase": "exploded"}, "phase"),
+        ({"version": 99}, "version"),
+        ({"to_steps": "4"}, "to_steps"),
+        ({"to_steps": True}, "to_steps"),
+        ({"started_at": None}, "started_at"),
+        ({"previous_env": 3}, "previous_env"),
+        ({"previous_env_encoding": "rot13"}, "encoding"),
+        ({"previous_env": "%%%", "previous_env_encoding": "base64"}, "undecodable"),
+        ({"messages": "x"}, "messages"),
+        ({"unit": None}, "unit"),
+    ],
+)
+def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
+    with pytest.raises(JournalError, match=problem):
+        Journal.from_dict(_journal(**changes))
+
+
+@pytest.mark.parametrize("content", [None, b"", ORIGINAL_ENV, b"\xff\xfeSPECD=1\n"])
+def test_journal_round_trips_through_json_and_keeps_env_bytes(content: bytes | None) -> None:
+    text, encoding = encode_env(content)
+    data = _journal(previous_env=text, previous_env_encoding=encoding, messages=["a", "b"])
+    back = Journal.from_dict(json.loads(json.dumps(data)))
+    assert back.previous_bytes() == content
+    assert back.to_dict() == data
+
+
+# -- the sequence against a twin ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("twin_args", "evidence"),
+    [
+        ([], "/server_info steps=4, /server_info draft_tokens=5, metrics steps=4"),
+        # Fields missing from /server_info: the sglang:spec_num_steps gauge suffices.
+        (
+            ["--server-info-missing", "speculative_num_steps,speculative_num_draft_tokens"],
+            "metrics steps=4",
+        ),
+        # /metrics disabled: /server_info suffices. (Offered concurrency is unknown then, so
+        # the quiet-moment wait would run to its deadline; the test sets that to 0.)
+        (["--metrics-404"], "/server_info steps=4"),
+    ],
+)
+def test_success_writes_env_restarts_once_and_verifies(
+    make_unit: Any, tmp_path: Path, twin_args: list[str], evidence: str
+) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: twin_args)
+    rec = Recorder(tmp_path / "journal.json")
+    quiet_deadline_s = 0.0 if "--metrics-404" in twin_args else 5.0
+    outcome = applier_for(unit, rec, quiet_deadline_s=quiet_deadline_s).apply(
+        4, 3, window_open=always_open
+    )
+    assert outcome.result == "success", outcome.message
+    assert evidence in outcome.message
+    assert (outcome.from_steps, outcome.to_steps, outcome.restarts_issued) == (3, 4, 1)
+    assert unit.restarts == [4]
+    assert unit.running_steps() == 4
+    assert read_env_steps(unit.env_file) == 4
+    assert unit.env_file.read_text() == render_env(4)
+    # The twin's capacity model: about 78 / (steps + 2) → 13 at 4 steps.
+    assert outcome.capacity is not None
+    assert 10 <= outcome.capacity <= 16
+    assert outcome.duration_s > 0
+    assert rec.phases() == ["planned", "env_written", "restart_issued", "verifying", "done"]
+    stored = rec.stored()
+    assert stored is not None
+    assert stored["phase"] == "done"  # the caller records the outcome, then clears it
+
+
+@pytest.mark.parametrize(
+    ("env", "fail_at", "expect_env"),
+    [
+        (ORIGINAL_ENV, "4", ORIGINAL_ENV),
+        # No env file before: the unit ran the drop-in default; rollback removes the file.
+        (None, "4", None),
+    ],
+)
+def test_target_that_fails_to_start_is_rolled_back_and_verified(
+    make_unit: Any, tmp_path: Path, env: bytes | None, fail_at: str, expect_env: bytes | None
+) -> None:
+    unit = make_unit(env, lambda steps: ["--fail-start-at-steps", fail_at])
+    rec = Recorder(tmp_path / "journal.json")
+    started = time.monotonic()
+    outcome = applier_for(unit, rec, startup_timeout_s=60.0).apply(
+        4, DROPIN_DEFAULT_STEPS, window_open=always_open
+    )
+    assert outcome.result == "rolled_back", outcome.message
+    assert "verified 3 steps" in outcome.message
+    # systemd reported the crash: no waiting out the startup timeout.
+    assert "sglang.service failed while starting" in outcome.message
+    assert time.monotonic() - started < 30
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    if expect_env is None:
+        assert not unit.env_file.exists()
+    else:
+        assert unit.env_file.read_bytes() == expect_env
+    assert rec.phases()[-1] == "rolled_back"
+    assert "rolling_back" in rec.phases()
+
+
+def test_rollback_that_also_fails_ends_failed_with_env_at_previous(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    broken = threading.Event()
+    # Started healthy at 3; from then on the "GPU" fails at both 3 and 4.
+    unit = make_unit(
+        ORIGINAL_ENV,
+        lambda steps: ["--fail-start-at-steps", "3,4"] if broken.is_set() else [],
+    )
+    broken.set()
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec).apply(4, 3, window_open=always_open)
+    assert outcome.result == "failed", outcome.message
+    assert unit.restarts == [4, 3]  # one rollback restart, no loop
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert rec.phases()[-1] == "failed"
+
+
+def test_never_healthy_is_a_bounded_wait_then_rollback(make_unit: Any, tmp_path: Path) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--never-healthy"] if steps == 4 else [])
+    rec = Recorder(tmp_path / "journal.json")
+    started = time.monotonic()
+    outcome = applier_for(unit, rec, startup_timeout_s=1.5).apply(4, 3, window_open=always_open)
+    elapsed = time.monotonic() - started
+    assert outcome.result == "rolled_back", outcome.message
+    assert "not healthy within 1.5 s" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert 1.5 <= elapsed < 1.5 + START_TIMEOUT_S
+
+
+def test_failed_restart_command_with_sglang_untouched_needs_no_restart(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    unit = make_unit()
+
+    def denied(argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        # What a missing polkit rule gives: nothing restarted.
+        return RunResult(
+            tuple(argv), 1, "", "Failed to restart sglang.service: Access denied\n", False, 0.01
+        )
+
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec, runner=denied).apply(4, 3, window_open=always_open)
+    assert outcome.result == "rolled_back", outcome.message
+    assert "Access denied" in outcome.message
+    assert "no restart" in outcome.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == 3
+
+
+class CountingEvent(threading.Event):
+    """The daemon's stop event also beats its watchdog on every wait(): count those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits_after_set = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.is_set():
+            self.waits_after_set += 1
+        return super().wait(timeout)
+
+
+def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_path: Path) -> None:
+    unit = make_unit()
+    stop = CountingEvent()
+
+    def restart_then_sigterm(argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        result = unit(argv, timeout_s=timeout_s)
+        if list(argv) == restart_argv(UNIT):
+            stop.set()  # SIGTERM reached specd while SGLang loads
+        return result
+
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec, runner=restart_then_sigterm, stop=stop).apply(
+        4, 3, window_open=always_open
+    )
+    assert outcome.result == "success", outcome.message
+    assert unit.running_steps() == 4
+    assert rec.phases()[-1] == "done"
+    # It kept waiting for the load, and kept calling wait() so a watchdog sees it alive.
+    assert stop.waits_after_set > 0
+
+
+@pytest.mark.parametrize(
+    ("make_env", "expect"),
+    [
+        (lambda tmp: tmp / "no-such-dir" / "sglang.env", "writing"),
+        (lambda tmp: tmp, "cannot back up env file"),  # a directory
+        (lambda tmp: _big_file(tmp / "big.env"), "larger than"),
+    ],
+)
+def test_env_file_problems_abort_before_any_restart(
+    make_unit: Any, tmp_path: Path, make_env: Callable[[Path], Path], expect: str
+) -> None:
+    unit = make_unit(start=False)
+    env_file = make_env(tmp_path)
+    before = env_file.read_bytes() if env_file.is_file() else None
+    rec = Recorder(tmp_path / "journal.json")
+    applier = Applier(
+        settings_for(env_file, quiet_deadline_s=0),
+        SGLangClient(unit.url),
+        unit,
+        rec,
+        threading.Event(),
+    )
+    outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "aborted", outcome.message
+    assert expect in outcome.message
+    assert unit.restarts == []
+    assert (env_file.read_bytes() if env_file.is_file() else None) == before
+    assert not (tmp_path / "no-such-dir").exists()
+
+
+def _big_file(path: Path) -> Path:
+    path.write_bytes(b"# x\n" * 20_000)
+    return path
+
+
+# -- before anything changes: quiet moment, window, stop ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("target", "current", "why"),
+    [(4, 4, "already runs 4"), (0, 3, "outside 1..6"), (7, 3, "outside 1..6")],
+)
+def test_pointless_or_out_of_range_targets_abort(
+    make_unit: Any, tmp_path: Path, target: int, current: int, why: str
+) -> None:
+    unit = make_unit(start=False)
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec).apply(target, current, window_open=always_open)
+    assert (outcome.result, outcome.restarts_issued) == ("aborted", 0)
+    assert why in outcome.message
+    assert rec.calls == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+class Traffic:
+    """``n`` concurrent streaming completions against the twin, for ``seconds``."""
+
+    def __init__(self, url: str, n: int, seconds: float, max_tokens: int = 1000) -> None:
+        self.url = url
+        self.max_tokens = max_tokens
+        self.deadline = time.monotonic() + seconds
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(n)]
+
+    def _client(self) -> None:
+        while time.monotonic() < self.deadline:
+            try:
+                with httpx.stream(
+                    "POST",
+                    f"{self.url}/v1/completions",
+                    json={
+                        "model": "m",
+                        "prompt": "x",
+                        "max_tokens": self.max_tokens,
+                        "stream": True,
+                    },
+                    timeout=10,
+                ) as resp:
+                    for _ in resp.iter_bytes():
+                        if time.monotonic() >= self.deadline:
+                            break
+            except httpx.HTTPError:
+                return
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.deadline = 0.0
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+def wait_for_offered(client: SGLangClient, at_least: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        obs = client.observe()
+        if not isinstance(obs, Exception) and getattr(obs, "offered", 0) >= at_least:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the twin never showed {at_least} offered requests")
+
+
+@pytest.mark.parametrize(
+    ("case", "expect_result", "expect_restarts"),
+    [
+        # The window closes while traffic stays heavy: nothing may change.
+        ("window_closes", "aborted", []),
+        # Heavy traffic past the quiet deadline, window still open: restart anyway.
+        ("deadline_passes", "success", [4]),
+        # Traffic stops before the deadline: restart at the quiet moment.
+        ("traffic_ends", "success", [4]),
+    ],
+)
+def test_quiet_moment_wait(
+    make_unit: Any, tmp_path: Path, case: str, expect_result: str, expect_restarts: list[int]
+) -> None:
+    unit = make_unit()
+    rec = Recorder(tmp_path / "journal.json")
+    opened = time.monotonic()
+    window_s = 0.6 if case == "window_closes" else 60.0
+    deadline_s = 0.6 if case == "deadline_passes" else 30.0
+    traffic_s = 1.0 if case == "traffic_ends" else 60.0
+
+    def window_open() -> bool:
+        return time.monotonic() - opened < window_s
+
+    applier = applier_for(unit, rec, quiet_concurrency_max=1, quiet_deadline_s=deadline_s)
+    with Traffic(unit.url, 4, traffic_s, max_tokens=150 if case == "traffic_ends" else 1000):
+        wait_for_offered(SGLangClient(unit.url), 3)
+        opened = time.monotonic()
+        outcome = applier.apply(4, 3, window_open=window_open)
+        waited = time.monotonic() - opened
+    assert outcome.result == expect_result, outcome.message
+    assert unit.restarts == expect_restarts
+    if case == "window_closes":
+        assert "window closed" in outcome.message
+        assert "offered concurrency" in outcome.message
+        assert rec.calls == []
+        assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    elif case == "deadline_passes":
+        assert waited >= 0.6
+    else:
+        assert 0.5 <= waited < deadline_s  # it waited for the traffic to end, not the deadline
+
+
+@pytest.mark.parametrize("stop_after_s", [0.0, 0.3])
+def test_stop_during_quiet_wait_aborts_with_nothing_changed(
+    make_unit: Any, tmp_path: Path, stop_after_s: float
+) -> None:
+    unit = make_unit()
+    stop = threading.Event()
+    timer = threading.Timer(stop_after_s, stop.set)
+    rec = Recorder(tmp_path / "journal.json")
+    applier = applier_for(unit, rec, stop=stop, quiet_concurrency_max=0, quiet_deadline_s=30)
+    with Traffic(unit.url, 3, 60.0):
+        wait_for_offered(SGLangClient(unit.url), 1)
+        timer.start()
+        started = time.monotonic()
+        outcome = applier.apply(4, 3, window_open=always_open, force=True)
+        elapsed = time.monotonic() - started
+    timer.cancel()
+    assert outcome.result == "aborted"
+    assert "stop requested" in outcome.message
+    assert elapsed < 5
+    assert (rec.calls, unit.restarts) == ([], [])
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+# -- reconcile: specd killed at every step ------------------------------------------------
+
+
+class KillingRunner:
+    """Runs the unit's restart, then dies (SIGKILL right after `systemctl` returned)."""
+
+    def __init__(self, unit: TwinUnit, kill_on_restart: int) -> None:
+        self.unit = unit
+        self.kill_on_restart = kill_on_restart
+        self.count = 0
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        result = self.unit(argv, timeout_s=timeout_s)
+        if list(argv) != restart_argv(UNIT):
+            return result
+        self.count += 1
+        if self.count == self.kill_on_restart:
+            raise Killed(f"after restart #{self.count}")
+        return result
+
+
+# Persist order of the success path: planned 0, env_written 1, restart_issued 2,
+# verifying 3, done 4. Of a target that fails to start: planned 0, env_written 1,
+# restart_issued 2, rolling_back 3 (reason), 4 (env restored), 5 (rollback restart), rolled_back 6.
+RECONCILE_CASES = [
+    # id, target fails?, kill_at persist #, store_first, kill on restart #,
+    #   stored phase, result, restarts in total, env steps after, running steps after
+    ("before-planned", False, 0, False, None, None, None, [], 3, 3),
+    ("planned", False, 0, True, None, "planned", "aborted", [], 3, 3),
+    ("env-written-unjournalled", False, 1, False, None, "planned", "aborted", [], 3, 3),
+    ("env-written", False, 1, True, None, "env_written", "aborted", [], 3, 3),
+    (
+        "restart-journalled-not-issued",
+        False,
+        2,
+        True,
+        None,
+        "restart_issued",
+        "rolled_back",
+        [],
+        3,
+        3,
+    ),
+    ("restart-issued-loading", False, None, False, 1, "restart_issued", "success", [4], 4, 4),
+    ("verifying", False, 3, True, None, "verifying", "success", [4], 4, 4),
+    ("done-unjournalled", False, 4, False, None, "verifying", "success", [4], 4, 4),
+    ("done", False, 4, True, None, "done", "success", [4], 4, 4),
+    ("failing-target-loading", True, None, False, 1, "restart_issued", "rolled_back", [4, 3], 3, 3),
+    ("rolling-back", True, 3, True, None, "rolling_back", "rolled_back", [4, 3], 3, 3),
+    ("rollback-restart-loading", True, None, False, 2, "rolling_back", "rolled_back", [4, 3], 3, 3),
+    # Journalled as issued but killed before `systemctl` ran: no second restart is risked,
+    # so the bounded wait ends in "failed" (freeze) with the env file at the previous value.
+    ("rollback-journalled-not-issued", True, 5, True, None, "rolling_back", "failed", [4], 3, None),
+    ("rolled-back-unjournalled", True, 6, False, None, "rolling_back", "rolled_back", [4, 3], 3, 3),
+]
+
+
+@pytest.mark.parametrize(
+    (
+        "target_fails",
+        "kill_at",
+        "store_first",
+        "kill_on_restart",
+        "stored_phase",
+        "result",
+        "restarts",
+        "env_steps",
+        "running",
+    ),
+    [pytest.param(*case[1:], id=case[0]) for case in RECONCILE_CASES],
+)
+def test_reconcile_after_kill_at_each_step(
+    make_unit: Any,
+    tmp_path: Path,
+    target_fails: bool,
+    kill_at: int | None,
+    store_first: bool,
+    kill_on_restart: int | None,
+    stored_phase: str | None,
+    result: str | None,
+    restarts: list[int],
+    env_steps: int,
+    running: int | None,
+) -> None:
+    unit = make_unit(
+        ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"] if target_fails else []
+    )
+    rec = Recorder(tmp_path / "state.json", kill_at=kill_at, store_first=store_first)
+    runner = KillingRunner(unit, kill_on_restart or 0)
+    with pytest.raises(Killed):
+        applier_for(unit, rec, runner=runner).apply(4, 3, window_open=always_open)
+    journal = rec.stored()
+    assert (journal or {}).get("phase") == stored_phase
+
+    # specd's next start: a fresh Applier, a fresh client, the journal from "disk".
+    after = Recorder(tmp_path / "state2.json")
+    outcome = applier_for(unit, after).reconcile(journal)
+    if result is None:
+        assert outcome is None
+    else:
+        assert isinstance(outcome, ApplyOutcome)
+        assert outcome.result == result, outcome.message
+        assert (outcome.from_steps, outcome.to_steps) == (3, 4)
+        if stored_phase == "done":
+            assert after.calls == []  # a finished journal is only reported
+        else:
+            assert after.phases()[-1] == {"success": "done"}.get(result, result)
+            assert after.phases()[-1] in PHASES
+    assert unit.restarts == restarts  # never a second restart of a loading server
+    assert read_env_steps(unit.env_file) == env_steps
+    if env_steps == 3:
+        assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == running
+
+
+def test_reconcile_gives_up_after_repeated_interruptions(make_unit: Any, tmp_path: Path) -> None:
+    unit = make_unit(render_env(4).encode())  # running 4 (as the unit started), env says 4
+    journal = _journal(
+        phase="restart_issued",
+        env_file=str(unit.env_file),
+        previous_env=ORIGINAL_ENV.decode(),
+        attempt=3,
+        restarts_issued=1,
+    )
+    rec = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, rec).reconcile(journal)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert "gave up after 3 interrupted attempts" in outcome.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+@pytest.mark.parametrize(
+    "journal",
+    [{"phase": "restart_issued"}, {"version": 1, "phase": "x"}, ["not", "a", "dict"], "junk"],
+)
+def test_unreadable_journal_fails_without_touching_anything(
+    make_unit: Any, tmp_path: Path, journal: Any
+) -> None:
+    unit = make_unit(start=False)
+    rec = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, rec).reconcile(journal)
+    assert outcome is not None
+    assert outcome.result == "failed"
+    assert "\n" not in outcome.message
+    assert (rec.calls, unit.restarts) == ([], [])
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV

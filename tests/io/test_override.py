@@ -1,0 +1,385 @@
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from specd.cli import main
+from specd.core.override import Override
+from specd.io.override import ABSENT, parse_duration, read_override
+
+UTC = timezone.utc
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+OWN = (0, os.getuid())
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("SPECD_"):
+            monkeypatch.delenv(name)
+
+
+def write(tmp_path: Path, text: str, mode: int = 0o644) -> Path:
+    path = tmp_path / "override.toml"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T16:00:00Z\nreason = "eval"\n',
+            Override("pin", 3, datetime(2026, 5, 1, 16, tzinfo=UTC), "eval", "next-window"),
+        ),
+        (
+            'mode = "pin"\nsteps = 2\nexpires_at = "2026-05-01T18:00:00+02:00"\napply = "now"\n',
+            Override("pin", 2, datetime(2026, 5, 1, 16, tzinfo=UTC), "", "now"),
+        ),
+        (
+            'mode = "freeze"\nexpires_at = 2026-05-02T00:00:00-04:00\nreason = "incident"\n',
+            Override(
+                "freeze", None, datetime(2026, 5, 2, 4, tzinfo=UTC), "incident", "next-window"
+            ),
+        ),
+        ('mode = "auto"\n', Override("auto", None, None, "", "next-window")),
+        (
+            'mode = "auto"\nexpires_at = 2020-01-01T00:00:00Z\n',
+            Override("auto", None, datetime(2020, 1, 1, tzinfo=UTC), "", "next-window"),
+        ),
+    ],
+)
+def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
+    status = read_override(write(tmp_path, text), 1, 6, NOW, allowed_uids=OWN)
+    assert (status.valid, status.present, status.problem) == (True, True, None)
+    assert status.override == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("mode = \n", "invalid TOML: Invalid value (at line 1, column 8)"),
+        ('mode = "pinned"\n', "mode: 'pinned' is not one of auto, pin, freeze"),
+        ("steps = 3\n", "mode: None is not one of"),
+        ('mode = "auto"\nstep = 3\n', "unknown key 'step'"),
+        ('mode = "pin"\nexpires_at = 2026-05-01T16:00:00Z\n', "steps: required"),
+        ('mode = "pin"\nsteps = 9\nexpires_at = 2026-05-01T16:00:00Z\n', "outside the configured"),
+        ('mode = "pin"\nsteps = 0\nexpires_at = 2026-05-01T16:00:00Z\n', "range 1..6"),
+        ('mode = "pin"\nsteps = "3"\nexpires_at = 2026-05-01T16:00:00Z\n', "expected an integer"),
+        ('mode = "pin"\nsteps = true\nexpires_at = 2026-05-01T16:00:00Z\n', "expected an integer"),
+        ('mode = "pin"\nsteps = 3\n', "expires_at: required with mode = 'pin'"),
+        ('mode = "freeze"\n', "expires_at: required with mode = 'freeze'"),
+        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T11:00:00Z\n', "has passed (1h ago)"),
+        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T12:00:00Z\n', "has passed"),
+        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T16:00:00\n', "has no UTC offset"),
+        ('mode = "pin"\nsteps = 3\nexpires_at = "tomorrow"\n', "is not an RFC 3339 time"),
+        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-02\n', "expected a date-time"),
+        ('mode = "freeze"\nsteps = 3\nexpires_at = 2026-05-02T00:00:00Z\n', "only allowed with"),
+        ('mode = "auto"\napply = "immediately"\n', "apply: 'immediately' is not one of"),
+        ('mode = "auto"\nreason = 42\n', "reason: expected a string"),
+    ],
+)
+def test_invalid_override(tmp_path: Path, text: str, problem: str) -> None:
+    status = read_override(write(tmp_path, text), 1, 6, NOW, allowed_uids=OWN)
+    assert (status.valid, status.present, status.override) == (False, True, None)
+    assert status.problem is not None
+    assert problem in status.problem
+    assert "\n" not in status.problem
+
+
+@pytest.mark.parametrize(
+    ("mode", "problem"),
+    [
+        (0o666, "world-writable (mode 0666)"),
+        (0o646, "world-writable"),
+        (0o640, None),
+        (0o600, None),
+        (0o444, None),
+    ],
+)
+def test_file_permissions(tmp_path: Path, mode: int, problem: str | None) -> None:
+    path = write(tmp_path, 'mode = "auto"\n', mode)
+    status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+    assert status.valid is (problem is None)
+    assert problem is None or problem in (status.problem or "")
+
+
+def test_group_writable_by_a_foreign_group(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("changing a file's group to a foreign one needs root")
+    path = write(tmp_path, 'mode = "auto"\n', 0o664)
+    os.chown(path, -1, 4242)
+    status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+    assert status.problem is not None
+    assert "group-writable by gid 4242" in status.problem
+    os.chown(path, -1, os.getgid())
+    assert read_override(path, 1, 6, NOW, allowed_uids=OWN).valid
+
+
+def test_owned_by_another_user(tmp_path: Path) -> None:
+    path = write(tmp_path, 'mode = "auto"\n')
+    if os.getuid() == 0:
+        os.chown(path, 4242, -1)
+        status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+        assert status.problem is not None
+        assert "owned by uid 4242, not root or specd" in status.problem
+    # Whoever we are: an owner outside the allowed list is refused.
+    status = read_override(path, 1, 6, NOW, allowed_uids=(4343,))
+    assert not status.valid
+
+
+@pytest.mark.parametrize(
+    ("dir_mode", "valid"),
+    [(0o777, False), (0o1777, True), (0o755, True)],
+)
+def test_parent_directory_that_anyone_can_write(tmp_path: Path, dir_mode: int, valid: bool) -> None:
+    parent = tmp_path / "etc"
+    parent.mkdir()
+    path = write(parent, 'mode = "auto"\n')
+    parent.chmod(dir_mode)
+    assert read_override(path, 1, 6, NOW, allowed_uids=OWN).valid is valid
+
+
+def test_missing_file_is_no_override(tmp_path: Path) -> None:
+    status = read_override(tmp_path / "none.toml", 1, 6, NOW)
+    assert (status.valid, status.present, status.override, status.problem) == (
+        True,
+        False,
+        None,
+        None,
+    )
+    assert status.fingerprint == ABSENT
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda d: (d / "dir.toml").mkdir() or d / "dir.toml", "is not a regular file"),
+        (lambda d: (d / "f", (d / "f").write_text(""))[0] / "x.toml", "cannot read"),
+        (
+            lambda d: (d / "big.toml", (d / "big.toml").write_text("#" * 70000))[0],
+            "larger than",
+        ),
+        (lambda d: (d / "bin.toml", (d / "bin.toml").write_bytes(b"\xff"))[0], "not UTF-8"),
+    ],
+)
+def test_unreadable_override(tmp_path: Path, make: object, problem: str) -> None:
+    path = make(tmp_path)  # type: ignore[operator]
+    status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+    assert (status.valid, status.present) == (False, True)
+    assert problem in (status.problem or "")
+
+
+def test_fingerprint_changes_when_the_file_is_replaced(tmp_path: Path) -> None:
+    path = write(tmp_path, 'mode = "auto"\n')
+    first = read_override(path, 1, 6, NOW, allowed_uids=OWN).fingerprint
+    assert read_override(path, 1, 6, NOW, allowed_uids=OWN).fingerprint == first
+    replacement = tmp_path / "new.toml"
+    replacement.write_text('mode = "auto"\nreason = "x"\n')
+    os.replace(replacement, path)
+    assert read_override(path, 1, 6, NOW, allowed_uids=OWN).fingerprint != first
+
+
+@pytest.mark.parametrize(
+    ("override", "now", "active"),
+    [
+        (Override("pin", 3, NOW + timedelta(hours=1), "", "now"), NOW, True),
+        (Override("pin", 3, NOW + timedelta(hours=1), "", "now"), NOW + timedelta(hours=1), False),
+        (Override("freeze", None, NOW, "", "next-window"), NOW - timedelta(seconds=1), True),
+        (Override("freeze", None, NOW, "", "next-window"), NOW.timestamp(), False),
+        (Override("freeze", None, NOW, "", "next-window"), NOW.timestamp() - 0.5, True),
+        (Override("auto", None, None, "", "next-window"), NOW, False),
+        (Override("auto", None, NOW + timedelta(days=1), "", "next-window"), NOW, False),
+    ],
+)
+def test_active(override: Override, now: datetime | float, active: bool) -> None:
+    assert override.active(now) is active
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("30m", 1800), ("4h", 14400), ("1d", 86400), ("1h30m", 5400), ("1.5h", 5400)],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text).total_seconds() == seconds
+
+
+@pytest.mark.parametrize("text", ["", "4", "h", "4x", "-1h", "0m", "4h 30m", "1w"])
+def test_parse_duration_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(text)
+
+
+# --- the `specd override` command -------------------------------------------------------
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    override = tmp_path / "override.toml"
+    config = tmp_path / "specd.toml"
+    config.write_text(
+        f'override_file = "{override}"\nmin_steps = 2\nmax_steps = 5\n'
+        "[[bands]]\nmax_concurrency = 4\nsteps = 4\n[[bands]]\nsteps = 3\n"
+    )
+    return config, override
+
+
+def test_pin_writes_a_valid_file(
+    setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, override = setup
+    before = datetime.now(UTC)
+    assert (
+        main(["override", "pin", "3", "--for", "4h", "--reason", "eval", "--config", str(config)])
+        == 0
+    )
+    assert "valid, pin 3 steps" in capsys.readouterr().out
+    assert stat.S_IMODE(override.stat().st_mode) == 0o644
+    assert sorted(p.name for p in override.parent.iterdir()) == ["override.toml", "specd.toml"]
+    status = read_override(override, 2, 5, datetime.now(UTC), allowed_uids=OWN)
+    assert status.override is not None
+    assert (status.override.mode, status.override.steps, status.override.apply) == (
+        "pin",
+        3,
+        "next-window",
+    )
+    assert status.override.reason == "eval"
+    assert status.override.expires_at is not None
+    left = status.override.expires_at - before
+    assert timedelta(hours=4) - timedelta(seconds=2) <= left <= timedelta(hours=4, seconds=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "mode", "apply"),
+    [
+        (["pin", "5", "--for", "30m", "--reason", "r", "--now"], 0, "pin", "now"),
+        (["freeze", "--for", "2h", "--reason", "incident"], 0, "freeze", "next-window"),
+        (["clear"], 0, "auto", "next-window"),
+        (["pin", "6", "--for", "30m", "--reason", "r"], 2, None, None),  # above max_steps
+        (["pin", "1", "--for", "30m", "--reason", "r"], 2, None, None),  # below min_steps
+        (["pin", "3", "--for", "soon", "--reason", "r"], 2, None, None),
+        (["freeze", "--for", "31d", "--reason", "r"], 2, None, None),
+    ],
+)
+def test_override_commands(
+    setup: tuple[Path, Path], argv: list[str], code: int, mode: str | None, apply: str | None
+) -> None:
+    config, override = setup
+    assert main(["override", *argv, "--config", str(config)]) == code
+    if mode is None:
+        assert not override.exists()
+        return
+    status = read_override(override, 2, 5, datetime.now(UTC), allowed_uids=OWN)
+    assert status.override is not None
+    assert (status.override.mode, status.override.apply) == (mode, apply)
+
+
+def test_file_flag_overrides_the_configured_path(setup: tuple[Path, Path], tmp_path: Path) -> None:
+    config, configured = setup
+    other = tmp_path / "other.toml"
+    assert (
+        main(
+            [
+                "override",
+                "freeze",
+                "--for",
+                "1h",
+                "--reason",
+                "r",
+                "--file",
+                str(other),
+                "--config",
+                str(config),
+            ]
+        )
+        == 0
+    )
+    assert other.exists()
+    assert not configured.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "file_mode", "code", "says"),
+    [
+        (None, 0o644, 0, "no override file; specd decides automatically"),
+        ('mode = "auto"\n', 0o644, 0, "valid, mode auto"),
+        ('mode = "freeze"\nexpires_at = 2999-01-01T00:00:00Z\n', 0o644, 0, "makes no step changes"),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2999-01-01T00:00:00Z\napply = "now"\n',
+            0o644,
+            0,
+            "restarts at once",
+        ),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2999-01-01T00:00:00Z\n',
+            0o644,
+            0,
+            "maintenance window",
+        ),
+        ('mode = "pin"\nsteps = 3\nexpires_at = 2000-01-01T00:00:00Z\n', 0o644, 1, "has passed"),
+        ('mode = "pin"\nsteps = 9\nexpires_at = 2999-01-01T00:00:00Z\n', 0o644, 1, "range 2..5"),
+        ('mode = "auto"\n', 0o666, 1, "world-writable"),
+        ("mode = \n", 0o644, 1, "invalid TOML"),
+    ],
+)
+def test_show(
+    setup: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    text: str | None,
+    file_mode: int,
+    code: int,
+    says: str,
+) -> None:
+    config, override = setup
+    if text is not None:
+        override.write_text(text)
+        override.chmod(file_mode)
+    assert main(["override", "show", "--config", str(config)]) == code
+    out = capsys.readouterr().out
+    assert says in out
+    if code:
+        assert "INVALID" in out
+        assert "keeps its last good state" in out
+
+
+def test_show_invalid_as_a_real_process(setup: tuple[Path, Path]) -> None:
+    config, override = setup
+    override.write_text('mode = "pin"\nsteps = 3\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "override", "show", "--config", str(config)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "INVALID" in proc.stdout
+    assert "expires_at: required" in proc.stdout
+    assert proc.stderr == ""
+
+
+def test_bad_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "specd.toml"
+    config.write_text("max_step = 3\n")
+    assert main(["override", "show", "--config", str(config)]) == 2
+    assert "config: max_step: unknown key" in capsys.readouterr().err
+
+
+def test_unwritable_target_is_one_line(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, _ = setup
+    target = tmp_path / "no-such-dir" / "override.toml"
+    argv = ["override", "clear", "--file", str(target), "--config", str(config)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "cannot write" in err

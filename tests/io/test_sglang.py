@@ -1,0 +1,776 @@
+"""specd.io.sglang and specd.io.promtext against SGLang pages served over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd import cli
+from specd.core.acceptance import accept_length_from_alpha, alpha_from_accept_length
+from specd.core.observation import Observation, ScrapeError
+from specd.io.promtext import PromTextError, select_samples
+from specd.io.sglang import (
+    FAMILIES,
+    HealthStatus,
+    ParsedMetrics,
+    SGLangClient,
+    observation_from,
+    parse_metrics,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+
+
+def _load_make_fixtures() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mf = _load_make_fixtures()
+BASE = mf.base_page()
+
+
+def page(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+def info(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / name).read_text())
+
+
+# ---- a real HTTP server on 127.0.0.1 ----------------------------------------------
+
+
+@dataclass
+class Route:
+    status: int = 200
+    body: bytes = b""
+    delay_s: float = 0.0
+    declared_length: int | None = None  # a Content-Length larger than the body cuts it short
+    hang_up: bool = False  # close the connection without answering
+    no_length: bool = False  # no Content-Length: the body ends when the connection closes
+
+
+@dataclass
+class PageServer:
+    url: str
+    routes: dict[str, Route]
+    hits: list[str] = field(default_factory=list)
+
+    def serve(self, path: str, body: str | bytes, status: int = 200, **kw: Any) -> None:
+        data = body.encode() if isinstance(body, str) else body
+        self.routes[path] = Route(status=status, body=data, **kw)
+
+    def serve_sglang(self, metrics: str, server_info: dict[str, Any] | None) -> None:
+        self.serve("/metrics", metrics)
+        if server_info is not None:
+            self.serve("/server_info", json.dumps(server_info))
+
+
+@pytest.fixture
+def server() -> Iterator[PageServer]:
+    state = PageServer(url="", routes={})
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn in front of SGLang
+        disable_nagle_algorithm = True
+
+        def do_GET(self) -> None:
+            state.hits.append(self.path)
+            route = state.routes.get(self.path, Route(status=404, body=b'{"detail":"Not Found"}'))
+            if route.delay_s:
+                time.sleep(route.delay_s)
+            if route.hang_up:
+                self.close_connection = True
+                return
+            try:
+                self.send_response(route.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                length = (
+                    route.declared_length if route.declared_length is not None else len(route.body)
+                )
+                if not route.no_length:
+                    self.send_header("Content-Length", str(length))
+                if route.declared_length is not None or route.no_length:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                self.wfile.write(route.body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (timeout tests)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    httpd.block_on_close = False
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        yield state
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+# ---- fixtures are reproducible -----------------------------------------------------
+
+
+def test_committed_fixtures_match_make_fixtures() -> None:
+    for name, text in mf.pages(BASE).items():
+        assert page(name) == text, f"{name} is stale: run tests/fixtures/metrics/make_fixtures.py"
+    for name, body in mf.server_infos().items():
+        assert info(name) == body, f"{name} is stale: run tests/fixtures/metrics/make_fixtures.py"
+
+
+# ---- exact against prometheus_client's full parser ---------------------------------
+
+VALID_PAGES = [
+    "sglang-0.5.23-loaded.prom",
+    "dp2.prom",
+    "dp4-2000.prom",
+    "idle-stale.prom",
+    "pre-0.5.13.prom",
+    "spec-off.prom",
+    "all-schedulers-tp4.prom",
+    "priority.prom",
+]
+
+
+def full_parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    wanted = set(FAMILIES)
+    return {
+        (s.name, frozenset(s.labels.items())): float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in wanted
+    }
+
+
+def fast_parse(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for samples in select_samples(text, FAMILIES).values()
+        for s in samples
+    }
+
+
+@pytest.mark.parametrize("name", VALID_PAGES)
+def test_fast_parser_equals_prometheus_client(name: str) -> None:
+    text = page(name)
+    expected = full_parse(text)
+    assert expected, "the comparison must cover samples"
+    assert fast_parse(text) == expected
+
+
+PROMTEXT_LINES = [
+    # (page, expected {sample name: [(labels, value)]}); each also checked against prometheus_client
+    ('a{x="1"} 2\n', {"a": [({"x": "1"}, 2.0)]}),
+    ("a 2\n", {"a": [({}, 2.0)]}),
+    ('a{x="1",} 2 1700000000000\n', {"a": [({"x": "1"}, 2.0)]}),
+    ('a{x="1"}\t2\n', {"a": [({"x": "1"}, 2.0)]}),
+    ('a{x="1"} 2\r\n', {"a": [({"x": "1"}, 2.0)]}),
+    ('a{ x = "1" , y="2" } 1e3\n', {"a": [({"x": "1", "y": "2"}, 1000.0)]}),
+    ('a{x="q\\"}\\\\ \\n, y=\\"z"} -1.5e-3\n', {"a": [({"x": 'q"}\\ \n, y="z'}, -0.0015)]}),
+    ('a{x="it\'s {ok}"} +Inf\n', {"a": [({"x": "it's {ok}"}, math.inf)]}),
+    ('a_total{x="1"} 3\na{x="1"} 4\nab 5\n', {"a": [({"x": "1"}, 4.0)]}),
+    ('# HELP a about a\n# TYPE a gauge\na{x="1"} 7\nb{x="1"} 8\n', {"a": [({"x": "1"}, 7.0)]}),
+    ("", {}),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), PROMTEXT_LINES)
+def test_promtext_lines(text: str, expected: dict[str, list[tuple[dict[str, str], float]]]) -> None:
+    got = {
+        name: [(dict(s.labels), s.value) for s in samples]
+        for name, samples in select_samples(text, ["a"]).items()
+    }
+    assert got == expected
+    reference = {
+        s.name: [(dict(s.labels), float(s.value))]
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "a"
+    }
+    assert got == reference
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('a{x="1"} 2', "does not end with a newline"),
+        ('a{x="1} 2\n', "bad labels"),
+        ("a{x=1} 2\n", "bad labels"),
+        ('a{x="1"y="2"} 2\n', "bad labels"),
+        ('a{x="1",x="2"} 2\n', "label 'x' twice"),
+        ('a{x="1"} 2\na{x="1"} 3\n', "duplicated series"),
+        ('a{x="1"} 1_000\n', "bad value"),
+        ('a{x="1"} two\n', "bad value"),
+        ('a{x="1"}\n', "bad sample line"),
+        ('a{x="1"} 1 2 3\n', "bad sample line"),
+        ('a{x="1"}2\n', "bad sample line"),
+    ],
+)
+def test_promtext_rejects(text: str, reason: str) -> None:
+    with pytest.raises(PromTextError, match=reason):
+        select_samples(text, ["a"])
+
+
+# ---- from a page (and /server_info) to an Observation ------------------------------
+
+LOADED = info("server_info-loaded.json")
+
+
+def loaded_with(**changes: Any) -> dict[str, Any]:
+    return {**LOADED, **changes}
+
+
+OBSERVATIONS: list[tuple[str, str, dict[str, Any] | None, dict[str, Any]]] = [
+    (
+        "one series, loaded",
+        "sglang-0.5.23-loaded.prom",
+        LOADED,
+        dict(
+            running=13,
+            queued=7,
+            offered=20,
+            accept_length=3.61,
+            spec_fresh=True,
+            steps=4,
+            draft_tokens=5,
+            topk=1,
+            algorithm="NEXTN",
+            max_running_requests=13,
+            token_usage=0.82,
+            gen_throughput=1510.0,
+            generation_tokens_total=35762.0,
+            decode_tokens_total=43990.0,
+            spec_verify_calls_total=9724.0,
+            retracted_total=None,
+            version="0.5.23",
+            dp_ranks=1,
+        ),
+    ),
+    (
+        "two DP ranks: counts summed, accept length weighted by running",
+        "dp2.prom",
+        info("server_info-dp2.json"),
+        dict(
+            running=18,
+            queued=7,
+            accept_length=(13 * 3.61 + 5 * 3.0) / 18,
+            steps=4,
+            max_running_requests=24,
+            token_usage=(0.82 + 0.4) / 2,
+            gen_throughput=2110.0,
+            decode_tokens_total=2 * 43990.0,
+            retracted_total=4.0,
+            dp_ranks=2,
+            generation_tokens_total=35762.0,
+        ),
+    ),
+    (
+        "four DP ranks, one idle with a stale accept length that must not count",
+        "dp4-2000.prom",
+        LOADED,
+        dict(
+            running=26,
+            queued=8,
+            accept_length=(13 * 3.61 + 9 * 3.2 + 4 * 3.9) / 26,
+            spec_fresh=True,
+            token_usage=(0.82 + 0.6 + 0.0 + 0.3) / 4,
+            gen_throughput=3090.0,
+            decode_tokens_total=4 * 43990.0,
+            dp_ranks=4,
+        ),
+    ),
+    (
+        "idle: spec gauges kept their last values and are marked stale",
+        "idle-stale.prom",
+        LOADED,
+        dict(
+            running=0, queued=0, accept_length=3.61, spec_fresh=False, steps=4, gen_throughput=0.0
+        ),
+    ),
+    (
+        "pre-0.5.13: steps and draft tokens from /server_info",
+        "pre-0.5.13.prom",
+        info("server_info-0.5.12.json"),
+        dict(
+            running=13,
+            steps=3,
+            draft_tokens=4,
+            spec_verify_calls_total=None,
+            version="0.5.12",
+            max_running_requests=48,
+            launch_command=None,
+            accept_length=3.61,
+        ),
+    ),
+    (
+        "pre-0.5.13 and /server_info unreadable: what only it knows is None",
+        "pre-0.5.13.prom",
+        None,
+        dict(
+            running=13,
+            steps=None,
+            draft_tokens=None,
+            topk=None,
+            algorithm=None,
+            version=None,
+            max_running_requests=None,
+        ),
+    ),
+    (
+        "speculation off",
+        "spec-off.prom",
+        info("server_info-spec-off.json"),
+        dict(running=13, accept_length=None, steps=0, draft_tokens=0, topk=None, algorithm=None),
+    ),
+    (
+        "speculation off, no /server_info: the gauges say 0",
+        "spec-off.prom",
+        None,
+        dict(accept_length=None, steps=0, draft_tokens=0),
+    ),
+    (
+        "--enable-metrics-for-all-schedulers: four TP ranks report one batch",
+        "all-schedulers-tp4.prom",
+        LOADED,
+        dict(running=13, queued=7, gen_throughput=1510.0, decode_tokens_total=43990.0, dp_ranks=1),
+    ),
+    (
+        "priority scheduling: per-priority breakdowns are not added to the totals",
+        "priority.prom",
+        LOADED,
+        dict(running=13, queued=7, accept_length=3.61, dp_ranks=1),
+    ),
+    (
+        "a broken line in a family specd does not read is not its business",
+        "garbage-elsewhere.prom",
+        LOADED,
+        dict(running=13, queued=7),
+    ),
+    (
+        "/server_info without the fields specd reads",
+        "sglang-0.5.23-loaded.prom",
+        {"version": 5, "internal_states": "x", "speculative_num_steps": "four"},
+        dict(
+            steps=4,
+            draft_tokens=5,
+            topk=None,
+            algorithm=None,
+            version=None,
+            max_running_requests=None,
+            launch_command=None,
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "server_info", "expected"),
+    [case[1:] for case in OBSERVATIONS],
+    ids=[case[0] for case in OBSERVATIONS],
+)
+def test_observation_from_pages(
+    metrics: str, server_info: dict[str, Any] | None, expected: dict[str, Any]
+) -> None:
+    parsed = parse_metrics(page(metrics))
+    assert isinstance(parsed, ParsedMetrics)
+    obs = observation_from(parsed, server_info, 1234.5)
+    assert obs.t == 1234.5
+    for name, value in expected.items():
+        got = getattr(obs, name)
+        assert got == (pytest.approx(value) if isinstance(value, float) else value), name
+
+
+@pytest.mark.parametrize(
+    ("gauges", "server_info", "steps", "draft_tokens"),
+    [
+        # Before the first decode report SGLang's gauge still reads its default 0.
+        ({"sglang:spec_num_steps": 0, "sglang:spec_num_draft_tokens": 0}, LOADED, 4, 5),
+        # Adaptive mode: 0 is a real tier ("no drafting" at large batch sizes).
+        (
+            {"sglang:spec_num_steps": 0, "sglang:spec_num_draft_tokens": 0},
+            loaded_with(speculative_adaptive=True),
+            0,
+            0,
+        ),
+        # Adaptive mode: the gauge follows the tier, /server_info keeps the launch value.
+        (
+            {"sglang:spec_num_steps": 1, "sglang:spec_num_draft_tokens": 2},
+            loaded_with(speculative_adaptive=True),
+            1,
+            2,
+        ),
+        ({"sglang:spec_num_steps": 0}, None, 0, 5),
+    ],
+)
+def test_live_steps(
+    gauges: dict[str, float], server_info: dict[str, Any] | None, steps: int, draft_tokens: int
+) -> None:
+    parsed = parse_metrics(mf.set_values(BASE, gauges))
+    assert isinstance(parsed, ParsedMetrics)
+    obs = observation_from(parsed, server_info, 0.0)
+    assert (obs.steps, obs.draft_tokens) == (steps, draft_tokens)
+
+
+GARBAGE = [
+    ("garbage-truncated-mid-line.prom", "malformed", "does not end with a newline"),
+    ("garbage-truncated-at-line.prom", "missing", "sglang:num_running_reqs not in page"),
+    ("garbage-nan.prom", "malformed", "sglang:num_running_reqs{"),
+    ("garbage-nan-usage.prom", "malformed", "} is NaN"),
+    ("garbage-negative.prom", "malformed", "sglang:num_queue_reqs{"),
+    ("garbage-inf.prom", "malformed", "sglang:gen_throughput{"),
+    ("garbage-fractional.prom", "malformed", "is 12.5, not whole"),
+    ("garbage-duplicated.prom", "malformed", "duplicated series"),
+    ("garbage-bad-labels.prom", "malformed", "bad labels"),
+    ("garbage-html.prom", "missing", "no sglang: metrics at all"),
+    ("garbage-empty.prom", "missing", "no sglang: metrics at all"),
+]
+
+
+@pytest.mark.parametrize(("name", "kind", "reason"), GARBAGE)
+def test_garbage_pages_give_one_line_errors(name: str, kind: str, reason: str) -> None:
+    result = parse_metrics(page(name), t=99.0)
+    assert isinstance(result, ScrapeError)
+    assert (result.kind, result.t) == (kind, 99.0)
+    assert reason in result.reason
+    assert "\n" not in result.reason
+    assert len(result.reason) <= 200
+
+
+def test_garbage_reasons_name_the_value() -> None:
+    reasons = {
+        name: parse_metrics(page(name))
+        for name in ("garbage-nan.prom", "garbage-negative.prom", "garbage-inf.prom")
+    }
+    assert [
+        r.reason.rsplit(" is ", 1)[1] for r in reasons.values() if isinstance(r, ScrapeError)
+    ] == [
+        "NaN",
+        "-3.0",
+        "+Inf",
+    ]
+
+
+# ---- over HTTP -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metrics", "server_info", "running", "steps"),
+    [
+        ("sglang-0.5.23-loaded.prom", "server_info-loaded.json", 13, 4),
+        ("dp2.prom", "server_info-dp2.json", 18, 4),
+        ("pre-0.5.13.prom", "server_info-0.5.12.json", 13, 3),
+    ],
+)
+def test_observe_over_http(
+    server: PageServer, metrics: str, server_info: str, running: int, steps: int
+) -> None:
+    server.serve_sglang(page(metrics), info(server_info))
+    clock_values = iter([1000.0, 2000.0])
+    with SGLangClient(server.url + "/", clock=lambda: next(clock_values)) as client:
+        first = client.observe()
+        second = client.observe()
+    assert isinstance(first, Observation)
+    assert isinstance(second, Observation)
+    assert (first.t, second.t) == (1000.0, 2000.0)
+    assert (first.running, first.steps) == (running, steps)
+    assert server.hits == ["/metrics", "/server_info"] * 2
+
+
+def test_old_server_info_endpoint_is_found_and_remembered(server: PageServer) -> None:
+    server.serve("/metrics", page("pre-0.5.13.prom"))
+    server.serve("/get_server_info", json.dumps(info("server_info-0.5.12.json")))
+    with SGLangClient(server.url) as client:
+        first = client.observe()
+        second = client.observe()
+    assert isinstance(first, Observation)
+    assert isinstance(second, Observation)
+    assert (first.version, first.steps, second.steps) == ("0.5.12", 3, 3)
+    assert server.hits == [
+        "/metrics",
+        "/server_info",
+        "/get_server_info",
+        "/metrics",
+        "/get_server_info",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("route", "kind", "reason"),
+    [
+        (
+            Route(status=404, body=b'{"detail":"Not Found"}'),
+            "http_status",
+            "GET /metrics: 404 Not Found (metrics disabled: start SGLang with --enable-metrics)",
+        ),
+        (Route(status=503), "http_status", "GET /metrics: 503 Service Unavailable"),
+        (Route(status=500, body=b"boom"), "http_status", "GET /metrics: 500 Internal Server Error"),
+        (Route(delay_s=1.0, body=BASE.encode()), "timeout", "GET /metrics: no answer within 0.2 s"),
+        (
+            Route(body=BASE.encode(), declared_length=len(BASE) + 500),
+            "malformed",
+            "GET /metrics: broken response",
+        ),
+        (Route(hang_up=True), "malformed", "GET /metrics: broken response"),
+        (Route(body=b"\xff\xfe" + BASE.encode()), "malformed", "not UTF-8"),
+        (
+            Route(body=BASE[: BASE.index("\n", 5000) + 1].encode()),
+            "missing",
+            "sglang:num_running_reqs not in page",
+        ),
+    ],
+)
+def test_metrics_failures(server: PageServer, route: Route, kind: str, reason: str) -> None:
+    server.routes["/metrics"] = route
+    server.serve("/server_info", json.dumps(LOADED))
+    with SGLangClient(server.url, timeout_s=0.2, clock=lambda: 7.0) as client:
+        result = client.observe()
+    assert isinstance(result, ScrapeError)
+    assert (result.kind, result.t) == (kind, 7.0)
+    assert reason in result.reason
+    assert "\n" not in result.reason
+
+
+def test_refused_connection() -> None:
+    url = closed_port_url()
+    with SGLangClient(url) as client:
+        observed = client.observe()
+        info_result = client.server_info()
+        text = client.metrics_text()
+        health = client.health_generate(timeout_s=1.0)
+    for result in (observed, info_result, text):
+        assert isinstance(result, ScrapeError)
+        assert result.kind == "refused"
+        assert url in result.reason
+        assert "\n" not in result.reason
+    assert health is HealthStatus.DOWN
+
+
+@pytest.mark.parametrize(
+    ("routes", "kind", "reason"),
+    [
+        ({"/server_info": Route(status=503)}, "http_status", "GET /server_info: 503"),
+        ({}, "http_status", "/server_info and /get_server_info: 404"),
+        ({"/server_info": Route(body=b"<html>")}, "malformed", "GET /server_info: not JSON"),
+        ({"/server_info": Route(body=b"[1, 2]")}, "malformed", "not a JSON object"),
+        (
+            {"/server_info": Route(delay_s=1.0, body=b"{}")},
+            "timeout",
+            "GET /server_info: no answer",
+        ),
+    ],
+)
+def test_server_info_failures_degrade_the_observation(
+    server: PageServer, routes: dict[str, Route], kind: str, reason: str
+) -> None:
+    server.serve("/metrics", BASE)
+    server.routes.update(routes)
+    with SGLangClient(server.url, timeout_s=0.2) as client:
+        result = client.server_info()
+        obs = client.observe()
+    assert isinstance(result, ScrapeError)
+    assert result.kind == kind
+    assert reason in result.reason
+    # /metrics alone still gives the counts and the live step count.
+    assert isinstance(obs, Observation)
+    assert (obs.running, obs.steps, obs.version, obs.max_running_requests) == (13, 4, None, None)
+
+
+@pytest.mark.parametrize(
+    ("max_page_bytes", "kind"),
+    [(1024 * 1024, "malformed"), (32 * 1024 * 1024, None)],
+)
+def test_five_megabyte_page(server: PageServer, max_page_bytes: int, kind: str | None) -> None:
+    big = mf.big_page()
+    assert len(big) >= 5 * 1024 * 1024
+    server.serve_sglang(big, LOADED)
+    with SGLangClient(server.url, max_page_bytes=max_page_bytes) as client:
+        result = client.observe()
+    if kind is None:
+        assert isinstance(result, Observation)
+        assert (result.running, result.queued, result.steps) == (13, 7, 4)
+    else:
+        assert isinstance(result, ScrapeError)
+        assert result.kind == kind
+        assert result.reason == f"GET /metrics: response larger than {max_page_bytes} bytes"
+
+
+def test_page_size_cap_without_content_length(server: PageServer) -> None:
+    # Without a Content-Length up front the cap must hold while reading.
+    server.serve("/metrics", BASE, no_length=True)
+    with SGLangClient(server.url, max_page_bytes=len(BASE) - 1) as client:
+        result = client.metrics_text()
+    assert isinstance(result, ScrapeError)
+    assert "larger than" in result.reason
+
+
+@pytest.mark.parametrize(
+    ("route", "status"),
+    [
+        (Route(status=200), HealthStatus.OK),
+        (Route(status=503), HealthStatus.UNHEALTHY),
+        (Route(delay_s=1.0), HealthStatus.TIMEOUT),
+        (Route(hang_up=True), HealthStatus.UNHEALTHY),
+    ],
+)
+def test_health_generate(server: PageServer, route: Route, status: HealthStatus) -> None:
+    server.routes["/health_generate"] = route
+    with SGLangClient(server.url) as client:
+        assert client.health_generate(timeout_s=0.2) is status
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["", "127.0.0.1:30000", "ftp://127.0.0.1/", "http://", "http://[::1"],
+)
+def test_bad_base_url_is_a_clear_value_error(url: str) -> None:
+    with pytest.raises(ValueError, match="invalid SGLang URL"):
+        SGLangClient(url)
+
+
+# ---- acceptance maths ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("alpha", "steps", "length"),
+    [
+        (0.0, 4, 1.0),
+        (1.0, 4, 5.0),
+        (0.5, 1, 1.5),
+        (0.5, 2, 1.75),
+        (0.8, 3, 1 + 0.8 + 0.64 + 0.512),
+        (0.7, 4, 1 + 0.7 + 0.49 + 0.343 + 0.2401),
+        (0.3, 0, 1.0),
+    ],
+)
+def test_accept_length_from_alpha(alpha: float, steps: int, length: float) -> None:
+    assert accept_length_from_alpha(alpha, steps) == pytest.approx(length)
+    if steps >= 1:
+        assert alpha_from_accept_length(length, steps) == pytest.approx(alpha, abs=1e-9)
+
+
+@pytest.mark.parametrize(("length", "steps"), [(3.61, 4), (2.5, 3), (1.01, 5), (4.99, 4), (1.9, 7)])
+def test_alpha_solves_the_forward_formula(length: float, steps: int) -> None:
+    got = alpha_from_accept_length(length, steps)
+    assert got is not None
+    assert 0 < got < 1
+    assert accept_length_from_alpha(got, steps) == pytest.approx(length, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("length", "steps", "alpha"),
+    [
+        (1.0, 3, 0.0),
+        (5.0, 4, 1.0),
+        (5.0 + 1e-12, 4, 1.0),  # rounding in SGLang's mean must not make it impossible
+        (0.5, 4, None),  # below 1: not an accept length
+        (6.0, 4, None),  # above K+1: measured at another step count
+        (math.nan, 4, None),
+        (math.inf, 4, None),
+        (2.0, 0, None),  # no drafting, no alpha
+    ],
+)
+def test_alpha_edges(length: float, steps: int, alpha: float | None) -> None:
+    assert alpha_from_accept_length(length, steps) == alpha
+
+
+@pytest.mark.parametrize(("alpha", "steps"), [(-0.1, 3), (1.5, 3), (0.5, -1)])
+def test_accept_length_rejects_impossible_inputs(alpha: float, steps: int) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        accept_length_from_alpha(alpha, steps)
+
+
+# ---- `specd observe` -----------------------------------------------------------------
+
+
+def test_cli_json(server: PageServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.serve_sglang(page("dp2.prom"), info("server_info-dp2.json"))
+    assert cli.main(["observe", "--url", server.url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["running"], out["queued"], out["offered"], out["dp_ranks"], out["steps"]) == (
+        18,
+        7,
+        25,
+        2,
+        4,
+    )
+
+
+def test_cli_table(server: PageServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.serve_sglang(page("idle-stale.prom"), LOADED)
+    assert cli.main(["observe", "--url", server.url]) == 0
+    rows = dict(
+        line.split(None, 1)
+        for line in capsys.readouterr().out.splitlines()
+        if not line.startswith(("alpha", "spec_fresh", "time"))
+    )
+    assert (rows["running"], rows["steps"], rows["accept_length"], rows["retracted_total"]) == (
+        "0",
+        "4",
+        "3.610",
+        "-",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "stderr"),
+    [
+        (
+            ["--url", "{closed}"],
+            1,
+            "specd observe: refused: GET /metrics: cannot connect to http://127.0.0.1:",
+        ),
+        (["--url", "not a url"], 2, "invalid SGLang URL"),
+        (
+            ["--url", "http://127.0.0.1:1", "--timeout-s", "-1"],
+            2,
+            "must be a positive number of seconds",
+        ),
+    ],
+)
+def test_cli_errors_in_a_real_process(argv: list[str], code: int, stderr: str) -> None:
+    argv = [a.replace("{closed}", closed_port_url()) for a in argv]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "observe", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == code
+    assert stderr in proc.stderr
+    assert proc.stdout == ""
+    if code == 1:
+        assert len(proc.stderr.strip().splitlines()) == 1

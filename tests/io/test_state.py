@@ -1,0 +1,333 @@
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from factories import make_observation, mounted_tmpfs
+
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation
+from specd.io.state import (
+    STATE_FILE,
+    STATE_VERSION,
+    State,
+    StateFormatError,
+    StateStore,
+    atomic_write_json,
+    read_json,
+)
+
+T0 = 1_767_225_600.0
+
+
+def obs(t: float, running: int, steps: int = 4) -> Observation:
+    return make_observation(
+        t,
+        running=running,
+        steps=steps,
+        accept_length=2.6,
+        max_running_requests=13,
+        gen_throughput=150.0,
+    )
+
+
+def populated() -> State:
+    history = History(HistorySettings(warmup_exclude_s=0))
+    for i in range(50):
+        history.record(obs(T0 + 5 * i, running=i % 6))
+    return State(
+        history=history,
+        last_decision={"t": T0, "target_steps": 3, "reason": "change", "message": "4 → 3"},
+        journal={"phase": "env_written", "from_steps": 4, "to_steps": 3, "previous_env": "X=1\n"},
+        restarts=[{"t": T0 - 7200, "from_steps": 3, "to_steps": 4, "result": "success"}],
+        frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
+        recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
+        sglang_started_at=T0 - 7200,
+    )
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+# -- atomic writes --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("obj", "mode"),
+    [({"a": 1, "b": [1.5, None, "é"]}, 0o600), ([1, 2, 3], 0o644), ("text", 0o600)],
+)
+def test_atomic_write_round_trip_and_mode(tmp_path: Path, obj: Any, mode: int) -> None:
+    path = tmp_path / "x.json"
+    path.write_text("old")
+    atomic_write_json(path, obj, mode=mode)
+    assert read_json(path) == obj
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("obj", "error"),
+    [({"x": math.nan}, ValueError), ({"x": math.inf}, ValueError), ({"x": object()}, TypeError)],
+)
+def test_a_failed_write_leaves_the_old_file_and_no_debris(
+    tmp_path: Path, obj: Any, error: type[Exception]
+) -> None:
+    path = tmp_path / "x.json"
+    atomic_write_json(path, {"good": True})
+    with pytest.raises(error):
+        atomic_write_json(path, obj)
+    assert read_json(path) == {"good": True}
+    assert leftovers(tmp_path) == []
+
+
+WRITER = """
+import sys
+from specd.io.state import atomic_write_json
+path, n = sys.argv[1], 0
+print("ready", flush=True)
+while True:
+    n += 1
+    atomic_write_json(path, {"n": n, "pad": ["x" * 1000] * (200 + n % 300)})
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.05, 0.11, 0.17, 0.23])
+def test_sigkill_mid_write_never_leaves_a_half_written_file(tmp_path: Path, delay_s: float) -> None:
+    path = tmp_path / STATE_FILE
+    atomic_write_json(path, {"n": 0, "pad": []})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 10
+        while read_json(path)["n"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    data = read_json(path)
+    assert data["n"] >= 1
+    assert len(data["pad"]) == 200 + data["n"] % 300
+
+
+# -- State ----------------------------------------------------------------------------
+def test_state_round_trips_through_the_store(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    state = populated()
+    assert store.save(state) is None
+    assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == 0o600
+    loaded, problem = store.load()
+    assert problem is None
+    assert loaded.to_dict() == state.to_dict()
+    assert loaded.history.quantile(0.5) == state.history.quantile(0.5)
+    assert loaded.version == STATE_VERSION
+
+
+def test_a_missing_file_is_a_first_start(tmp_path: Path) -> None:
+    state, problem = StateStore(tmp_path / "new").load()
+    assert problem is None
+    assert state.to_dict() == State().to_dict()
+
+
+def test_the_store_hands_config_settings_to_the_history(tmp_path: Path) -> None:
+    settings = HistorySettings(half_life_s=60, warmup_exclude_s=1, scrape_interval_s=1)
+    StateStore(tmp_path).save(populated())
+    assert StateStore(tmp_path, history_settings=settings).load()[0].history.settings == settings
+    assert StateStore(tmp_path / "empty", history_settings=settings).load()[0].history.settings == (
+        settings
+    )
+
+
+def _state_dict() -> dict[str, Any]:
+    return populated().to_dict()
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (lambda: json.dumps(_state_dict())[:-40], "unreadable"),
+        (lambda: "", "unreadable"),
+        (lambda: "\x00\x01garbage", "unreadable"),
+        (lambda: b"\xff\xfe{}", "unreadable"),
+        (lambda: "[]", "expected a JSON object"),
+        (lambda: json.dumps({**_state_dict(), "version": STATE_VERSION + 1}), "newer"),
+        (lambda: json.dumps({**_state_dict(), "version": "1"}), "version"),
+        (lambda: json.dumps({**_state_dict(), "history": None}), "history"),
+        (lambda: json.dumps({**_state_dict(), "restarts": [{"from_steps": 1}]}), "restarts[0]"),
+        (lambda: json.dumps({**_state_dict(), "restarts": {}}), "restarts"),
+        (lambda: json.dumps({**_state_dict(), "frozen": "yes"}), "frozen"),
+        (lambda: json.dumps({**_state_dict(), "journal": [1]}), "journal"),
+        (lambda: json.dumps({**_state_dict(), "last_decision": 3}), "last_decision"),
+        (lambda: json.dumps({**_state_dict(), "recommendations": [[1, "3"]]}), "recommend"),
+        (lambda: json.dumps({**_state_dict(), "sglang_started_at": "x"}), "sglang_started_at"),
+        (lambda: '{"version": 1, "history": {"format": 1}}', "history"),
+    ],
+    ids=[
+        "truncated",
+        "empty",
+        "garbage",
+        "not-utf8",
+        "not-object",
+        "newer-version",
+        "version-type",
+        "no-history",
+        "restart-without-t",
+        "restarts-type",
+        "frozen-type",
+        "journal-type",
+        "decision-type",
+        "recommendation-type",
+        "started-type",
+        "history-incomplete",
+    ],
+)
+def test_a_damaged_state_is_moved_aside_and_specd_starts_fresh(
+    tmp_path: Path, content: Any, problem: str
+) -> None:
+    path = tmp_path / STATE_FILE
+    data = content()
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    original = path.read_bytes()
+    store = StateStore(tmp_path, clock=lambda: 1_700_000_000.9)
+    state, message = store.load()
+    assert message is not None
+    assert problem in message
+    assert "\n" not in message
+    assert "moved to state.json.corrupt-1700000000" in message
+    assert state.to_dict() == State().to_dict()
+    assert not path.exists()
+    assert (tmp_path / "state.json.corrupt-1700000000").read_bytes() == original
+    # The next save works, and a second corrupt file in the same second gets its own name.
+    assert store.save(state) is None
+    path.write_text("{")
+    assert "corrupt-1700000000.1" in (store.load()[1] or "")
+
+
+def test_a_state_path_that_is_a_directory_is_moved_aside(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).mkdir()
+    _, problem = StateStore(tmp_path, clock=lambda: 5.0).load()
+    assert problem is not None
+    assert "unreadable" in problem
+    assert "corrupt-5" in problem
+    assert (tmp_path / "state.json.corrupt-5").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("entries", "window_s", "kept"),
+    [
+        ([], 30.0, [[100.0, 3]]),
+        # The newest entry at or before t - window stays: it shows the hold had begun.
+        (
+            [[50.0, 3], [60.0, 3], [75.0, 4], [90.0, 3]],
+            30.0,
+            [[60.0, 3], [75.0, 4], [90.0, 3], [100.0, 3]],
+        ),
+        ([[70.0, 3], [80.0, 3]], 30.0, [[70.0, 3], [80.0, 3], [100.0, 3]]),
+        ([[10.0, 3], [20.0, 3]], 0.0, [[100.0, 3]]),
+    ],
+)
+def test_recommendations_are_trimmed_to_the_stabilization_window(
+    entries: list[list[float]], window_s: float, kept: list[list[float]]
+) -> None:
+    state = State(recommendations=[list(e) for e in entries])
+    state.note_recommendation(100.0, 3, window_s)
+    assert state.recommendations == kept
+
+
+def test_state_format_errors_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        State.from_dict("nope")
+    assert issubclass(StateFormatError, ValueError)
+
+
+# -- failures to write: real full and read-only filesystems ----------------------------
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    with mounted_tmpfs(tmp_path / "fs", "256k") as mount_point:
+        yield mount_point
+
+
+def test_a_full_disk_is_a_one_line_error_and_keeps_the_old_state(tmpfs: Path) -> None:
+    store = StateStore(tmpfs)
+    assert store.save(populated()) is None
+    before = (tmpfs / STATE_FILE).read_bytes()
+    fd = os.open(tmpfs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    error = store.save(populated())
+    assert error is not None
+    assert "No space left on device" in error
+    assert "\n" not in error
+    assert (tmpfs / STATE_FILE).read_bytes() == before
+    assert leftovers(tmpfs) == []
+
+
+def test_a_read_only_filesystem_is_a_one_line_error(tmpfs: Path) -> None:
+    store = StateStore(tmpfs)
+    assert store.save(populated()) is None
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    error = store.save(populated())
+    assert error is not None
+    assert "Read-only file system" in error
+    state, problem = store.load()
+    assert problem is None
+    assert state.to_dict() == populated().to_dict()
+
+
+def test_a_corrupt_state_on_a_read_only_filesystem_still_starts_fresh(tmpfs: Path) -> None:
+    (tmpfs / STATE_FILE).write_text('{"version": 1')
+    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    state, problem = StateStore(tmpfs).load()
+    assert problem is not None
+    assert "could not move it aside" in problem
+    assert "Read-only file system" in problem
+    assert state.to_dict() == State().to_dict()
+
+
+def test_a_state_dir_that_is_a_file_is_a_one_line_error(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    store = StateStore(not_a_dir)
+    error = store.save(populated())
+    assert error is not None
+    assert error.startswith(f"cannot write {not_a_dir / STATE_FILE}: ")
+    assert "\n" not in error
+    state, problem = store.load()
+    assert problem is not None
+    assert "Not a directory" in problem
+    assert state.to_dict() == State().to_dict()
+
+
+def test_unwritable_directory_for_non_root(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions; the read-only tmpfs test covers this")
+    tmp_path.chmod(0o500)
+    try:
+        error = StateStore(tmp_path).save(populated())
+    finally:
+        tmp_path.chmod(0o700)
+    assert error is not None
+    assert "Permission denied" in error

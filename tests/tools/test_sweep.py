@@ -1,0 +1,423 @@
+"""`specd sweep` end to end against the SGLang twin (restarted by TwinUnitRunner), plus its
+pure parts. Real processes, real HTTP on 127.0.0.1, real files and signals."""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from factories import make_observation
+
+from specd.commands import sweep as sweep_cmd
+from specd.core.observation import Observation
+from specd.core.perftable import PerfTable
+from specd.io.apply import ApplySettings, read_env_steps
+from specd.io.config import Config
+from specd.io.state import STATE_FILE, State, read_json
+from specd.tools import sweep as sw
+from specd.twin.preset import preset_table
+from specd.twin.process import free_port
+from specd.twin.unit import DEFAULT_STEPS, TwinUnitRunner, twin_unit_config
+
+REPO = Path(__file__).resolve().parents[2]
+TWIN_ARGS = ["--load-time-s", "0.2", "--warmup-s", "0.1", "--report-interval-s", "0.2"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TOLERANCE = 0.10
+
+
+def make_config(workdir: Path, port: int, **overrides: Any) -> Config:
+    settings: dict[str, Any] = {
+        "quiet_deadline_s": 2.0,
+        "startup_timeout_s": 20.0,
+        "metrics_port": free_port(),
+        "min_steps": 1,
+        "max_steps": 6,
+        **overrides,
+    }
+    return twin_unit_config(workdir, port, **settings)
+
+
+class Unit:
+    """The twin as a systemd unit, and the config that points specd at it."""
+
+    def __init__(self, workdir: Path, extra_args: list[str], **config: Any) -> None:
+        (workdir / "state").mkdir()
+        port = free_port()
+        self.config = make_config(workdir, port, **config)
+        self.runner = TwinUnitRunner(
+            self.config.sglang_unit, Path(self.config.env_file), port=port, extra_args=extra_args
+        )
+        self.settings = sweep_cmd.fast_polling(ApplySettings.from_config(self.config))
+        self.url = self.config.sglang_url
+
+    def live_steps(self) -> int:
+        info = httpx.get(self.url + "/server_info", timeout=5).json()
+        return int(info["speculative_num_steps"])
+
+
+@pytest.fixture
+def unit_factory(tmp_path: Path) -> Iterator[Any]:
+    units: list[Unit] = []
+
+    def make(extra_args: list[str] = (), **config: Any) -> Unit:
+        unit = Unit(tmp_path, [*TWIN_ARGS, *extra_args], **config)
+        units.append(unit)
+        unit.runner.start().wait_healthy(30)
+        return unit
+
+    yield make
+    for unit in units:
+        unit.runner.stop()
+
+
+class Recorder(sw.Reporter):
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self.messages: list[str] = []
+        self.on_phase: Any = None
+
+    def phase(self, text: str) -> None:
+        self.phases.append(text)
+        if self.on_phase is not None:
+            self.on_phase(text)
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+
+def test_sweep_matches_the_twins_truth_writes_files_and_restores(
+    unit_factory: Any, tmp_path: Path
+) -> None:
+    unit = unit_factory()
+    out = tmp_path / "out"
+    # Long requests: each closed-loop client's gap between one request's last token and
+    # the next request's first (a few ms, more on a starved CI core) is then a small share
+    # of its time; the twin's table assumes no gap at all.
+    plan = sw.SweepPlan(
+        steps=(2, 4), concurrency=(1, 8), duration_s=2.0, warmup_s=0.2, max_tokens=768
+    )
+    report = sw.sweep(
+        unit.config,
+        plan,
+        out,
+        runner=unit.runner,
+        apply_settings=unit.settings,
+        reporter=Recorder(),
+    )
+
+    assert report.ok, report.to_dict()
+    assert sweep_cmd.exit_code(report) == 0
+    truth = preset_table()
+    measured = PerfTable.from_csv(out / sw.CSV_NAME)  # the calibration format, read back
+    assert measured.steps() == [2, 4]
+    for row in measured.rows:
+        want = truth.throughput(row.steps, row.concurrency)
+        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
+        assert row.accept_length is not None
+        accept = truth.accept_length(row.steps)
+        assert accept is not None
+        assert abs(row.accept_length / accept - 1) <= TOLERANCE, (row, accept)
+        assert row.max_running_requests == truth.capacity(row.steps)
+    width, height = png_size(out / sw.CHART_NAME)
+    assert (width, height) == (900, 550)
+    assert (out / sw.CHART_NAME).stat().st_size > 10_000
+    md = (out / sw.MARKDOWN_NAME).read_text()
+    assert "| 4 | 8 |" in md
+    assert f"Restored the original {DEFAULT_STEPS} steps." in md
+    # Back where it began: the env file, the live server, no journal left to reconcile.
+    assert read_env_steps(unit.config.env_file) == DEFAULT_STEPS
+    assert unit.live_steps() == DEFAULT_STEPS
+    assert read_json(Path(unit.config.state_dir) / STATE_FILE)["journal"] is None
+    assert [r["to_steps"] for r in report.restarts] == [2, 4, DEFAULT_STEPS]
+
+
+def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
+    unit_factory: Any, tmp_path: Path
+) -> None:
+    unit = unit_factory(["--fail-start-at-steps", "2"], startup_timeout_s=3.0)
+    out = tmp_path / "out"
+    plan = sw.SweepPlan(steps=(4, 2), concurrency=(2,), duration_s=1.0, warmup_s=0.2)
+    recorder = Recorder()
+    report = sw.sweep(
+        unit.config, plan, out, runner=unit.runner, apply_settings=unit.settings, reporter=recorder
+    )
+
+    assert not report.ok
+    assert sweep_cmd.exit_code(report) == sw.EXIT_FAILED
+    assert list(report.failed_steps) == [2]
+    assert report.failed_steps[2].startswith("rolled_back")
+    assert [p.steps for p in report.points] == [4]
+    assert report.restored
+    assert read_env_steps(unit.config.env_file) == DEFAULT_STEPS
+    assert unit.live_steps() == DEFAULT_STEPS
+    assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
+    assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
+    assert PerfTable.from_csv(out / sw.CSV_NAME).steps() == [4]
+
+
+def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "specd.cli", "sweep", "--twin", "--yes", "--steps", "4",
+            "--concurrency", "1", "--duration-s", "30", "--warmup-s", "0",
+            "--out", str(out)]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "measuring c=1" in line:
+                break
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    assert time.monotonic() - started < 25  # the 30 s point was cut short
+    assert "restored: SGLang runs 3 steps again" in stderr
+    report = json.loads((out / sw.JSON_NAME).read_text())
+    assert report["interrupted_by"] == "SIGINT"
+    assert report["restored"] is True
+    assert report["final_steps"] == DEFAULT_STEPS
+    assert str(out / sw.JSON_NAME) in stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "stdin", "needle"),
+    [
+        ([], subprocess.DEVNULL, "no terminal to ask; pass --yes"),
+        (["--steps", "9"], subprocess.DEVNULL, "outside the configured range 1..6"),
+        (["--concurrency", "1,x"], subprocess.DEVNULL, "expected whole numbers"),
+        (["--duration-s", "nan"], subprocess.DEVNULL, "must be a number >= 0"),
+    ],
+)
+def test_cli_refuses_before_touching_anything(
+    tmp_path: Path, extra: list[str], stdin: int, needle: str
+) -> None:
+    config = tmp_path / "specd.toml"
+    config.write_text(
+        f'sglang_url = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'state_dir = "{tmp_path}/state"\nmax_steps = 6\n'
+    )
+    args = ["--steps", "2,4", "--concurrency", "1", "--config", str(config), *extra]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "sweep", *args, "--out", str(tmp_path / "out")],
+        cwd=REPO,
+        stdin=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2
+    # argparse prints its usage first; the reason itself is one line.
+    assert needle in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "sglang.env").exists()
+    assert not (tmp_path / "out").exists()
+
+
+# -- refusals in process ------------------------------------------------------------------
+
+
+class _FakeDaemonMetrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"# TYPE specd_up gauge\nspecd_up 1\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", ["daemon_running", "unfinished_journal", "sglang_down"])
+def test_sweep_refuses_with_one_line_and_changes_nothing(tmp_path: Path, case: str) -> None:
+    (tmp_path / "state").mkdir()
+    server = None
+    config = make_config(tmp_path, free_port())
+    if case == "daemon_running":
+        server = http.server.HTTPServer(("127.0.0.1", 0), _FakeDaemonMetrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        config = make_config(tmp_path, free_port(), metrics_port=server.server_port)
+        needle = "specd is running"
+    elif case == "unfinished_journal":
+        state = State(journal={"phase": "restart_issued", "to_steps": 4}).to_dict()
+        (tmp_path / "state" / STATE_FILE).write_text(json.dumps(state))
+        needle = "holds an unfinished restart (restart_issued)"
+    else:
+        needle = "cannot tell which step count SGLang runs now"
+    plan = sw.SweepPlan(steps=(2,), concurrency=(1,), duration_s=1.0, warmup_s=0.0)
+    try:
+        with pytest.raises(sw.SweepError, match=r"^[^\n]+$") as info:
+            sw.sweep(config, plan, tmp_path / "out", handle_signals=False)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    assert needle in str(info.value)
+    assert not (tmp_path / "sglang.env").exists()
+    assert not (tmp_path / "out").exists()
+
+
+# -- pure parts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("steps", "original", "order"),
+    [
+        ((1, 2, 3, 4, 5), 3, [1, 2, 4, 5, 3]),
+        ((2, 4), 3, [2, 4]),
+        ((3,), 3, [3]),
+        ((5, 1), 1, [5, 1]),
+    ],
+)
+def test_original_steps_go_last_to_save_a_restart(
+    steps: tuple[int, ...], original: int, order: list[int]
+) -> None:
+    assert sw.steps_order(steps, original) == order
+
+
+def _obs(gen: float | None, verify: float | None, accept: float | None, fresh: bool) -> Observation:
+    return make_observation(
+        0.0,
+        running=1 if fresh else 0,
+        accept_length=accept,
+        spec_fresh=fresh,
+        steps=3,
+        max_running_requests=15,
+        generation_tokens_total=gen,
+        spec_verify_calls_total=verify,
+        version=None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "samples", "expected"),
+    [
+        # Counters moved: their ratio.
+        (_obs(100, 50, None, False), _obs(460, 150, None, False), [], 3.6),
+        # Counters did not move (nothing finished): the fresh gauge samples.
+        (_obs(100, 50, 2.0, False), _obs(100, 50, 2.0, False),
+         [_obs(None, None, 3.0, True), _obs(None, None, 3.4, True)], 3.2),
+        # Stale gauges (nothing running) are not an accept length.
+        (_obs(None, None, 3.0, False), _obs(None, None, 3.0, False),
+         [_obs(None, None, 3.0, False)], None),
+        # A counter reset (restart) does not give a negative or huge ratio.
+        (_obs(900, 300, None, False), _obs(10, 5, None, False), [_obs(None, None, 2.5, True)], 2.5),
+        (None, None, [], None),
+    ],
+)  # fmt: skip
+def test_accept_length_from_counters_else_fresh_gauges(
+    first: Observation | None, last: Observation | None, samples: list[Observation],
+    expected: float | None,
+) -> None:  # fmt: skip
+    got = sw.accept_length_between(first, last, samples)
+    assert got == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "problem"),
+    [
+        ({"steps": ()}, "give at least one step count"),
+        ({"steps": (2, 2)}, "listed twice"),
+        ({"concurrency": (0,)}, "at least 1"),
+        ({"duration_s": 0.0}, "--duration-s must be > 0"),
+        ({"warmup_s": float("inf")}, "--warmup-s must be >= 0"),
+        ({"max_tokens": 0}, "--max-tokens must be at least 1"),
+    ],
+)
+def test_bad_plans_are_one_line_errors(kwargs: dict[str, Any], problem: str) -> None:
+    base: dict[str, Any] = {"steps": (1, 2), "concurrency": (1, 4)}
+    with pytest.raises(ValueError, match=problem):
+        sw.SweepPlan(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(None, "?"), (0.4, "0m00s"), (75, "1m15s"), (3725, "1h02m"), (-3, "0m00s")],
+)
+def test_format_eta(seconds: float | None, text: str) -> None:
+    assert sw.format_eta(seconds) == text
+
+
+def _point(steps: int, concurrency: int, tok_s: float) -> sw.SweepPoint:
+    return sw.SweepPoint(steps, concurrency, tok_s, tok_s / concurrency, 0.05, 0.08, 2.5, 15, 10,
+                         0, 2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("report_changes", "code"),
+    [
+        ({"restored": True}, 0),
+        ({"restored": False}, sw.EXIT_FAILED),
+        ({"restored": True, "failed_steps": {5: "rolled_back: OOM"}}, sw.EXIT_FAILED),
+        ({"restored": True, "interrupted_by": "SIGTERM"}, 128 + signal.SIGTERM),
+        ({"restored": True, "error": "no output tokens"}, sw.EXIT_FAILED),
+    ],
+)
+def test_exit_code_and_markdown_say_what_happened(
+    tmp_path: Path, report_changes: dict[str, Any], code: int
+) -> None:
+    plan = sw.SweepPlan(steps=(3, 4), concurrency=(1, 16), duration_s=2, warmup_s=1)
+    report = sw.SweepReport(original_steps=3, plan=plan, out_dir=tmp_path, final_steps=3)
+    report.points = [_point(3, 1, 230), _point(4, 1, 280), _point(3, 16, 2100), _point(4, 16, 2000)]
+    for name, value in report_changes.items():
+        setattr(report, name, value)
+    assert sweep_cmd.exit_code(report) == code
+    md = sw.markdown(report)
+    assert "- c=1: steps 4 (280.0 tok/s)" in md
+    assert "- c=16: steps 3 (2100.0 tok/s)" in md
+    assert ("Restored the original 3 steps." in md) == report.restored
+    for why in report.failed_steps.values():
+        assert why in md
+
+
+def test_confirmation_on_a_real_terminal(tmp_path: Path) -> None:
+    config = make_config(tmp_path, free_port())
+    plan = sw.SweepPlan(steps=(2, 4), concurrency=(1,), duration_s=60, warmup_s=0)
+    for answer, expected in ((b"y\n", None), (b"\n", "not confirmed; nothing was changed")):
+        leader, follower = os.openpty()
+        with open(follower, encoding="utf-8") as stdin, open(os.devnull, "w") as sink:
+            os.write(leader, answer)
+            assert sweep_cmd.confirm(config, plan, False, stdin, sink) == expected
+        os.close(leader)
+    with open(os.devnull) as stdin, open(os.devnull, "w") as sink:
+        assert sweep_cmd.confirm(config, plan, True, stdin, sink) is None
+
+
+def test_configure_parses_lists(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    sweep_cmd.configure(parser)
+    ns = parser.parse_args(["--steps", "1, 2,3", "--concurrency", "1,32", "--out", str(tmp_path)])
+    assert ns.steps == (1, 2, 3)
+    assert ns.concurrency == (1, 32)
+    assert not ns.yes

@@ -1,0 +1,349 @@
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.twin import cli as twin_cli
+from specd.twin.preset import preset_table
+from specd.twin.process import TwinProcess, free_port
+from specd.twin.server import TwinConfigError, resolve
+
+REAL_PAGE = Path(__file__).parents[1] / "fixtures" / "twin" / "sglang-0.5.23-metrics-loaded.prom"
+FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+SPEC4 = [
+    "--speculative-algorithm",
+    "NEXTN",
+    "--speculative-num-steps",
+    "4",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "5",
+]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    twin_cli.configure(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "steps", "draft", "max_running", "warns"),
+    [
+        ([], 0, 0, 39, 0),  # no speculation: steps 0, capacity from the table
+        (SPEC4, 4, 5, 13, 1),  # 48 by default for speculation, capacity 13 wins
+        (
+            [
+                "--speculative-algorithm",
+                "EAGLE",
+                "--speculative-num-steps",
+                "3",
+                "--speculative-eagle-topk",
+                "1",
+                "--speculative-num-draft-tokens",
+                "9",
+                "--max-running-requests",
+                "8",
+            ],
+            3,
+            4,
+            8,
+            1,
+        ),  # draft tokens forced to K+1
+        (["--speculative-algorithm", "nextn"], 3, 4, 15, 1),  # SGLang's auto choice (3,1,4)
+        (
+            [
+                *SPEC4,
+                "--trust-remote-code",
+                "--mem-fraction-static",
+                "0.9",
+                "--context-length",
+                "262144",
+                "--tool-call-parser",
+                "qwen3",
+            ],
+            4,
+            5,
+            13,
+            1,
+        ),
+    ],
+)
+def test_resolve_follows_sglang_rules(
+    argv: list[str], steps: int, draft: int, max_running: int, warns: int
+) -> None:
+    config = resolve(_parse(argv), argv=["twin", *argv])
+    assert (config.steps, config.draft_tokens, config.max_running) == (steps, draft, max_running)
+    assert len(config.warnings) == warns
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3"], "TypeError"),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1"], "AssertionError"),
+        (["--speculative-algorithm", "NGRAM"], "not simulated"),
+        ([*SPEC4[:3], "9", *SPEC4[4:]], "no data for steps 9"),
+        (["--table", "/nonexistent.csv"], "cannot read"),
+        (["--preset", "nope"], "unknown preset"),
+        (["--max-running-requests", "0"], "must be >= 1"),
+    ],
+)
+def test_resolve_rejects_what_sglang_rejects(argv: list[str], message: str) -> None:
+    with pytest.raises(TwinConfigError, match=message) as info:
+        resolve(_parse(argv))
+    assert "\n" not in str(info.value)
+
+
+def test_cli_exits_nonzero_with_one_line_error() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specd.cli",
+            "twin",
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-num-steps",
+            "3",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("specd twin: error: TypeError")
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _shape(text: str) -> dict[str, tuple[str, str, frozenset[frozenset[str]]]]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        keys = frozenset(frozenset(s.labels) for s in fam.samples)
+        out[fam.name] = (fam.type, fam.documentation, keys)
+    return out
+
+
+def test_exposition_matches_real_sglang_page() -> None:
+    with TwinProcess([*SPEC4, "--enable-metrics", *FAST]) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
+            c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
+            # A client that goes away mid-stream is an aborted request, as in SGLang.
+            with c.stream(
+                "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True}
+            ) as s:
+                next(s.iter_lines())
+            time.sleep(0.5)
+            page = c.get("/metrics").text
+    twin_shape, real_shape = _shape(page), _shape(REAL_PAGE.read_text())
+    assert set(twin_shape) == set(real_shape)
+    for name, (type_, help_, keys) in real_shape.items():
+        assert twin_shape[name][:2] == (type_, help_), name
+        if not name.startswith("sglang:http_"):
+            assert twin_shape[name][2] == keys, name
+    assert "_created" not in page
+    for line in page.splitlines():
+        if "{" in line and not line.startswith("#"):
+            keys = [
+                kv.split("=")[0] for kv in line[line.index("{") + 1 : line.index("}")].split('",')
+            ]
+            assert keys == sorted(keys), line
+
+
+def test_dp_ranks_404_and_failure_injection() -> None:
+    args = [
+        *SPEC4,
+        "--enable-metrics",
+        "--dp-size",
+        "2",
+        "--tp-size",
+        "4",
+        "--server-info-missing",
+        "speculative_num_steps,version",
+        "--metrics-pad-bytes",
+        "200000",
+        *FAST,
+    ]
+    with TwinProcess(args) as twin, TwinProcess([*SPEC4, *FAST]) as plain:
+        twin.wait_healthy(20)
+        plain.wait_healthy(20)
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        assert len(page) > 200_000
+        fams = {f.name: f for f in text_string_to_metric_families(page)}
+        ranks = sorted(s.labels["dp_rank"] for s in fams["sglang:num_running_reqs"].samples)
+        assert ranks == ["0", "1"]
+        info = httpx.get(twin.url + "/server_info", timeout=10).json()
+        assert "speculative_num_steps" not in info
+        assert "version" not in info
+        assert len(info["internal_states"]) == 2
+        assert httpx.get(plain.url + "/metrics", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("flag", "check"),
+    [
+        ("--never-healthy", lambda c: c.get("/health").status_code == 503),
+        ("--metrics-404", lambda c: c.get("/metrics").status_code == 404),
+        ("--garbage-metrics", lambda c: "\x00" in c.get("/metrics").text),
+    ],
+)
+def test_failure_flags(flag: str, check: object) -> None:
+    with TwinProcess([*SPEC4, "--enable-metrics", flag, *FAST]) as twin:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(twin.url + "/v1/models", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        time.sleep(0.4)
+        with httpx.Client(base_url=twin.url, timeout=10) as c:
+            assert check(c)  # type: ignore[operator]
+
+
+def test_fail_start_at_steps_exits_nonzero_during_load() -> None:
+    twin = TwinProcess([*SPEC4, "--fail-start-at-steps", "2,4", *FAST])
+    assert twin.wait(20) == 1
+    assert "failed to start with speculative_num_steps=4" in twin.log()
+    twin.stop()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_restart_with_new_steps_closed_then_503_then_200() -> None:
+    port = free_port()
+    with TwinProcess(
+        [*SPEC4[:3], "3", *SPEC4[4:-1], "4", "--enable-metrics", *FAST], port=port
+    ) as t:
+        t.wait_healthy(20)
+        assert httpx.get(t.url + "/server_info").json()["speculative_num_steps"] == 3
+    assert not _port_open(port)
+    seen: list[str] = []
+    args = [*SPEC4, "--enable-metrics", "--load-time-s", "1.0", "--warmup-s", "0.8"]
+    with TwinProcess(args, port=port) as twin:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                code = httpx.get(twin.url + "/health_generate", timeout=1).status_code
+                state = str(code)
+            except httpx.HTTPError:
+                state = "closed"
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            if state == "200":
+                break
+            time.sleep(0.05)
+        assert seen == ["closed", "503", "200"]
+        assert httpx.get(twin.url + "/server_info").json()["speculative_num_steps"] == 4
+        page = httpx.get(twin.url + "/metrics").text
+        assert 'sglang:spec_num_steps{engine_type="unified"' in page
+        steps = next(
+            f for f in text_string_to_metric_families(page) if f.name == "sglang:spec_num_steps"
+        )
+        assert steps.samples[0].value == 4.0
+
+
+def test_queueing_beyond_capacity_and_sigterm_drain() -> None:
+    with TwinProcess([*SPEC4, "--max-running-requests", "2", "--enable-metrics", *FAST]) as twin:
+        twin.wait_healthy(20)
+        results: list[int] = []
+
+        def one() -> None:
+            r = httpx.post(
+                twin.url + "/v1/completions", json={"prompt": "p", "max_tokens": 300}, timeout=30
+            )
+            results.append(r.json()["usage"]["completion_tokens"])
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for th in threads:
+            th.start()
+        time.sleep(0.4)
+        loads = httpx.get(twin.url + "/v1/loads").json()["loads"][0]
+        assert (loads["num_running_reqs"], loads["num_waiting_reqs"]) == (2, 2)
+        twin.terminate()
+        time.sleep(0.3)
+        assert httpx.get(twin.url + "/health").status_code == 503
+        # Still accepting while draining, like SGLang.
+        late = httpx.post(twin.url + "/v1/completions", json={"prompt": "p", "max_tokens": 5})
+        assert late.status_code == 200
+        assert twin.poll() is None
+        for th in threads:
+            th.join(30)
+        assert results == [300, 300, 300, 300]
+        assert twin.wait(10) == 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_streaming_throughput_matches_table(concurrency: int) -> None:
+    expected = preset_table().throughput(4, concurrency)
+    with TwinProcess([*SPEC4, *FAST]) as twin:
+        twin.wait_healthy(20)
+        tokens: list[int] = []
+        barrier = threading.Barrier(concurrency + 1)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 250, "stream": True}
+
+        def client() -> None:
+            with httpx.Client(base_url=twin.url, timeout=30) as c:
+                c.get("/v1/models")  # connection up before the clock starts
+                barrier.wait()
+                with c.stream("POST", "/v1/chat/completions", json=body) as s:
+                    for line in s.iter_lines():
+                        if '"usage"' in line:
+                            tokens.append(json.loads(line[6:])["usage"]["completion_tokens"])
+
+        threads = [threading.Thread(target=client) for _ in range(concurrency)]
+        for th in threads:
+            th.start()
+        barrier.wait()
+        start = time.monotonic()
+        for th in threads:
+            th.join(30)
+        measured = sum(tokens) / (time.monotonic() - start)
+    assert tokens == [250] * concurrency
+    assert measured == pytest.approx(expected, rel=0.10)
+
+
+@pytest.mark.parametrize(
+    ("stream_options", "usage_on_every_chunk"),
+    [
+        ({}, False),
+        ({"include_usage": True}, False),
+        ({"include_usage": True, "continuous_usage_stats": True}, True),
+    ],
+)
+def test_continuous_usage_stats_like_sglang(
+    stream_options: dict[str, bool], usage_on_every_chunk: bool
+) -> None:
+    body = {"prompt": "hi", "max_tokens": 40, "stream": True, "stream_options": stream_options}
+    with TwinProcess([*SPEC4, *FAST]) as twin:
+        twin.wait_healthy(20)
+        with httpx.stream("POST", twin.url + "/v1/completions", json=body, timeout=30) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    content = [c for c in chunks if c["choices"]]
+    counts = [c["usage"]["completion_tokens"] for c in content if "usage" in c]
+    assert counts[-1] == 40
+    if usage_on_every_chunk:
+        assert len(counts) == len(content)
+        assert counts == sorted(counts)
+    else:
+        assert len(counts) == 1  # only the last content chunk
