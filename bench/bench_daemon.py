@@ -60,6 +60,7 @@ def measure_one(label: str, dp: int, pad: int, ticks: int) -> Row:
     from specd.io.config import Config  # noqa: PLC0415
     from specd.io.notify import Notifier  # noqa: PLC0415
     from specd.io.runner import RunResult  # noqa: PLC0415
+    from specd.io.sglang import SGLangClient  # noqa: PLC0415
     from specd.twin.process import TwinProcess  # noqa: PLC0415
 
     def refuse(argv: Sequence[str], *, timeout_s: float) -> RunResult:
@@ -101,6 +102,7 @@ def measure_one(label: str, dp: int, pad: int, ticks: int) -> Row:
             daemon.tick()
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - w0)
+        assert isinstance(daemon.client, SGLangClient)
         page = daemon.client.metrics_text()
         obs = daemon.last_obs
         if obs is None or obs.dp_ranks != dp or not isinstance(page, str):

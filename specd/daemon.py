@@ -14,23 +14,24 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specd.core import windows
-from specd.core.decide import Control, Decision, Reason, decide, recommend
+from specd.core.decide import Decision, Pick, Reason
 from specd.core.history import History, HistorySettings, Recorded
-from specd.core.model import predicted_throughput
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
+from specd.core.step import StepContext, StepResult, step
 from specd.io import logs
 from specd.io.apply import Applier, ApplyOutcome, ApplySettings
+from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, load_config
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
@@ -75,6 +76,29 @@ class BeatingEvent(threading.Event):
                 return True
 
 
+class SGLangReader(Protocol):
+    """What the loop needs of the SGLang reader (`specd.io.sglang.SGLangClient`)."""
+
+    def observe(self) -> Observation | ScrapeError: ...
+
+    def close(self) -> None: ...
+
+
+class RestartApplier(Protocol):
+    """What the loop needs of the applier (`specd.io.apply.Applier`)."""
+
+    def apply(
+        self,
+        target: int,
+        current: int | None,
+        *,
+        window_open: Callable[[], bool],
+        force: bool = False,
+    ) -> ApplyOutcome: ...
+
+    def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None: ...
+
+
 @dataclass
 class OverrideTracker:
     """The override in force: the last valid file content; invalid files are ignored."""
@@ -95,6 +119,8 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         notifier: Notifier | None = None,
         allowed_override_uids: tuple[int, ...] | None = None,
+        reader: SGLangReader | None = None,
+        applier: RestartApplier | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -121,12 +147,17 @@ class Daemon:
             self.log.error("state_load_failed", problem=problem, action="history rebuilt")
         # The client stamps observations with the daemon's clock: decide compares that stamp
         # with `now`, and two different clocks would make every observation look stale.
-        self.client = SGLangClient(
+        # Injected reader and applier (replay's proof, tests) are kept across reloads.
+        self._injected = reader is not None, applier is not None
+        self.client: SGLangReader = reader or SGLangClient(
             config.sglang_url, timeout_s=config.scrape_timeout_s, clock=self.clock
         )
-        self.applier = self._make_applier()
+        self.applier: RestartApplier = applier or self._make_applier()
+        self.calibration = CalibrationFile(config.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        # What SGLang runs per the latest tick's observation; None after a failed scrape.
+        self.live_steps: int | None = None
         self.last_decision: Decision | None = None
         self._last_logged: tuple[str, int | None] | None = None
         self._last_logged_at = 0.0
@@ -134,6 +165,7 @@ class Daemon:
 
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self) -> Applier:
+        assert isinstance(self.client, SGLangClient)
         return Applier(
             ApplySettings.from_config(self.config),
             self.client,
@@ -199,12 +231,18 @@ class Daemon:
             self.log.warning(
                 "reload_partial", detail="metrics address changes need a restart of specd"
             )
-        if new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s:
+        reader_injected, applier_injected = self._injected
+        if not reader_injected and (
+            new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s
+        ):
             self.client.close()
             self.client = SGLangClient(
                 new.sglang_url, timeout_s=new.scrape_timeout_s, clock=self.clock
             )
-        self.applier = self._make_applier()
+        if not applier_injected:
+            self.applier = self._make_applier()
+        if new.calibration_file != old.calibration_file:
+            self.calibration = CalibrationFile(new.calibration_file)
         self.state.history.reconfigure(HistorySettings.from_config(new))
         self.override.fingerprint = None  # re-read the override file too
         # The keys a reload changed, so the journal shows what took effect.
@@ -290,17 +328,24 @@ class Daemon:
         self._check_unfreeze_request(now)
         result = self._observe(now)
         override = self._refresh_override(now)
-        current = result.steps if isinstance(result, Observation) else None
-        rec = recommend(self.state.history, self.config, current)
-        if rec is not None and isinstance(result, Observation):
-            self.state.note_recommendation(now, rec[0], self.config.stabilization_window_s)
-        decision = decide(self.state.history, result, self.config, override, now, self._control())
+        calibration, calibration_problem = self.calibration.current()
+        context = StepContext(
+            config=self.config,
+            history=self.state.history,
+            override=override,
+            control=self.state.control(),
+            calibration=calibration,
+            calibration_problem=calibration_problem,
+        )
+        outcome = step(context, result, now)
+        self.state.adopt(outcome.control)
+        decision = outcome.decision
         self.last_decision = decision
-        if self.config.policy == "model":
-            self._report_predictions(current)
-        self._report_decision(decision, current, now, rec)
-        if decision.acts(current):
-            self._apply(decision, current, override, now)
+        self.live_steps = outcome.current
+        self._report_predictions(outcome)
+        self._report_decision(decision, outcome.current, now, outcome.pick)
+        if outcome.acts:
+            self._apply(decision, outcome.current, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
         self._save_state()
@@ -364,23 +409,10 @@ class Daemon:
             good = None
         return good
 
-    def _control(self) -> Control:
-        frozen = self.state.frozen
-        return Control(
-            current_steps=self.last_obs.steps if self.last_obs else None,
-            restart_times=tuple(
-                float(r["t"]) for r in self.state.restarts if r.get("result") != "aborted"
-            ),
-            frozen=frozen is not None,
-            frozen_reason=frozen.get("reason") if frozen else None,
-            recommendations=tuple((float(t), int(s)) for t, s in self.state.recommendations),
-        )
-
-    def _report_predictions(self, current: int | None) -> None:
-        predictions = predicted_throughput(self.state.history, self.config, current)
+    def _report_predictions(self, outcome: StepResult) -> None:
         gauge = self.metrics.predicted_throughput
         gauge.clear()  # a step count that left the candidates must not keep a stale value
-        for steps, tok_s in predictions.items():
+        for steps, tok_s in outcome.predictions.items():
             gauge.labels(steps=str(steps)).set(tok_s)
 
     def _report_decision(
@@ -388,7 +420,7 @@ class Daemon:
         decision: Decision,
         current: int | None,
         now: float,
-        rec: tuple[int, str] | None,
+        pick: Pick | None,
     ) -> None:
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
@@ -409,8 +441,8 @@ class Daemon:
                 current_steps=current,
                 acts=acts,
                 message=decision.message,
-                recommendation=rec[0] if rec else None,
-                recommendation_why=rec[1] if rec else None,
+                recommendation=pick.steps if pick else None,
+                recommendation_why=pick.why if pick else None,
             )
             self._last_logged = key
             self._last_logged_at = now
@@ -474,7 +506,7 @@ class Daemon:
         self.metrics.restart_duration.observe(outcome.duration_s)
         self.state.history.mark_sglang_start(now)
         self.state.sglang_started_at = now
-        self.state.recommendations = []
+        self.state.adopt(self.state.control().after_restart(now))
         if outcome.result == "success":
             log.info("restart_done", capacity=outcome.capacity)
         else:
@@ -509,9 +541,7 @@ class Daemon:
         cfg = self.config
         m = self.metrics
         obs = self.last_obs
-        m.steps_current.set(
-            obs.steps if obs is not None and obs.steps is not None else float("nan")
-        )
+        m.steps_current.set(self.live_steps if self.live_steps is not None else float("nan"))
         if obs is not None:
             m.offered_concurrency_now.set(obs.offered)
         history: History = self.state.history
@@ -551,9 +581,9 @@ class Daemon:
             m.steps_pinned.set(float("nan"))
 
     def _status_text(self) -> str:
-        obs = self.last_obs
         d = self.last_decision
-        parts = [f"steps {obs.steps if obs else '?'}"]
+        live = self.live_steps
+        parts = [f"steps {live if live is not None else '?'}"]
         if d is not None:
             parts.append(f"target {d.target_steps}")
             parts.append(d.reason.value)

@@ -2,7 +2,7 @@
 
 Changes nothing: it reads the daemon's state file (when there is one) for the learned
 history, restarts and freeze, samples the server a few times, and runs the same
-`recommend` and `decide` as the daemon on a copy. Useful before installing specd (what
+`step` as the daemon on a copy. Useful before installing specd (what
 would it do with this traffic?) and on call (why is it not acting?).
 """
 
@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from specd.commands.check_config import load_for_command
-from specd.core.decide import Control, decide, recommend
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
+from specd.core.step import StepContext, step
+from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.override import daemon_uids, read_override
 from specd.io.sglang import SGLangClient
@@ -80,16 +81,17 @@ def run(args: argparse.Namespace) -> int:
         allowed_uids=daemon_uids(),
     )
     override = status.override if status.valid else None
-    current = last.steps if isinstance(last, Observation) else None
-    control = Control(
-        current_steps=current,
-        restart_times=tuple(float(r["t"]) for r in state.restarts if r.get("result") != "aborted"),
-        frozen=state.frozen is not None,
-        frozen_reason=(state.frozen or {}).get("reason"),
-        recommendations=tuple((float(t), int(s)) for t, s in state.recommendations),
+    calibration, calibration_problem = CalibrationFile(config.calibration_file).current()
+    context = StepContext(
+        config=config,
+        history=history,
+        override=override,
+        control=state.control(),
+        calibration=calibration,
+        calibration_problem=calibration_problem,
     )
-    rec = recommend(history, config, current)
-    decision = decide(history, last, config, override, now, control)
+    outcome = step(context, last, now)
+    current, rec, decision = outcome.current, outcome.pick, outcome.decision
     out: dict[str, Any] = {
         "url": args.url,
         "history": source,
@@ -97,12 +99,12 @@ def run(args: argparse.Namespace) -> int:
         "offered_now": last.offered if isinstance(last, Observation) else None,
         "offered_p50": history.quantile(0.5),
         "scrape_error": last.reason if isinstance(last, ScrapeError) else None,
-        "recommendation": {"steps": rec[0], "why": rec[1]} if rec else None,
+        "recommendation": {"steps": rec.steps, "why": rec.why} if rec else None,
         "decision": {
             "target_steps": decision.target_steps,
             "reason": decision.reason.value,
             "message": decision.message,
-            "would_restart": decision.acts(current),
+            "would_restart": outcome.acts,
         },
     }
     if args.json:
@@ -114,10 +116,12 @@ def run(args: argparse.Namespace) -> int:
         + (f" (scrape failed: {out['scrape_error']})" if out["scrape_error"] else "")
     )
     print(f"history        {source}")
-    print("policy picks   " + (f"{rec[0]}: {rec[1]}" if rec else "nothing yet (no busy history)"))
+    print(
+        "policy picks   " + (f"{rec.steps}: {rec.why}" if rec else "nothing yet (no busy history)")
+    )
     print(
         f"decision       {decision.reason.value}: target {decision.target_steps} — "
         f"{decision.message}"
     )
-    print("would restart  " + ("yes" if decision.acts(current) else "no") + " (nothing changed)")
+    print("would restart  " + ("yes" if outcome.acts else "no") + " (nothing changed)")
     return 0

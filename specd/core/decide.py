@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from specd.core import windows
-from specd.core.model import recommend_model
+from specd.core.model import Calibration, plan
 from specd.core.observation import ScrapeError
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class Decision:
 
 @dataclass(frozen=True)
 class Control:
-    """The part of specd's state that decide reads (a read-only view)."""
+    """The part of specd's state that decide reads, carried from tick to tick by `step`."""
 
     current_steps: int | None
     restart_times: tuple[float, ...] = ()
@@ -79,9 +80,37 @@ class Control:
     # (t, steps) the policy recommended at recent ticks, oldest first.
     recommendations: tuple[tuple[float, int], ...] = ()
 
+    def with_recommendation(self, t: float, steps: int, window_s: float) -> Control:
+        """Append a recommendation and drop those the stabilization check no longer needs.
+
+        The newest entry at or before ``t - window_s`` is kept: it shows whether the
+        recommendation already held when the window began.
+        """
+        recs = [*self.recommendations, (t, steps)]
+        horizon = t - window_s
+        older = [i for i, (rt, _) in enumerate(recs) if rt <= horizon]
+        if older:
+            del recs[: older[-1]]
+        return replace(self, recommendations=tuple(recs))
+
+    def after_restart(self, t: float) -> Control:
+        """SGLang came back from a restart at ``t``: it counts against dwell and budget, and
+        a new setting must earn its stabilization window afresh."""
+        return replace(self, restart_times=(*self.restart_times, t), recommendations=())
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The policy's step count for the coming epoch, why, and (model policy) the predicted
+    mean tok/s of every candidate step count."""
+
+    steps: int
+    why: str
+    predictions: Mapping[int, float] = field(default_factory=dict)
+
 
 # -- policies -----------------------------------------------------------------------
-Policy = Callable[["History", "Config", "int | None"], "tuple[int, str] | None"]
+Policy = Callable[["History", "Config", "int | None", "Calibration | None"], "Pick | None"]
 
 
 def clamp(steps: int, config: Config) -> int:
@@ -102,9 +131,9 @@ def _band_range(bands: Sequence[Band], i: int) -> str:
     return f"in ({_num(lower)}, {_num(upper)}]"
 
 
-def _recommend_bands(
-    history: History, config: Config, current: int | None
-) -> tuple[int, str] | None:
+def _pick_bands(
+    history: History, config: Config, current: int | None, _calibration: Calibration | None
+) -> Pick | None:
     """Bands of offered concurrency; with ``current``, boundaries get hysteresis.
 
     The band is picked by a quantile of busy-time offered concurrency. To leave the
@@ -125,7 +154,7 @@ def _recommend_bands(
     steps = clamp(bands[picked].steps, config)
     why = f"{label} {_band_range(bands, picked)} (band {picked + 1} → {steps} steps)"
     if current is None or steps == current:
-        return steps, why
+        return Pick(steps, why)
     tol = config.tolerance_ratio
     for j, band in enumerate(bands):
         if clamp(band.steps, config) != current:
@@ -137,33 +166,40 @@ def _recommend_bands(
         if lower is not None and q < lower * (1 - tol):
             continue
         edge = upper if upper is not None and q > upper else lower
-        return current, (
+        return Pick(
+            current,
             f"{label} is within {tol * 100:g}% of the band boundary {_num(edge or 0.0)}: "
-            f"keeping band {j + 1} ({current} steps)"
+            f"keeping band {j + 1} ({current} steps)",
         )
-    return steps, why
+    return Pick(steps, why)
 
 
-# "model": the throughput model (specd.model), forecast over the coming epoch.
-POLICIES: dict[str, Policy] = {"bands": _recommend_bands, "model": recommend_model}
+def _pick_model(
+    history: History, config: Config, current: int | None, calibration: Calibration | None
+) -> Pick | None:
+    """The throughput model (specd.core.model), forecast over the coming epoch."""
+    result = plan(history, config, current, calibration)
+    if result is None:
+        return None
+    return Pick(result.target, result.why, {k: p.tok_s for k, p in result.predictions.items()})
 
 
-def recommend(
-    history: History, config: Config, current: int | None = None
-) -> tuple[int, str] | None:
-    """The policy's pick (clamped to the allowed range) and why; None without busy history.
+# Read-only: the core keeps no mutable module state.
+POLICIES: Mapping[str, Policy] = MappingProxyType({"bands": _pick_bands, "model": _pick_model})
+
+
+def choose(
+    history: History,
+    config: Config,
+    current: int | None = None,
+    calibration: Calibration | None = None,
+) -> Pick | None:
+    """The configured policy's pick (clamped to the allowed range); None without busy history.
 
     Without ``current`` this is the raw pick; with it, the policy's tolerance applies
     and the pick is ``current`` while the evidence for a change is within tolerance.
     """
-    policy = POLICIES.get(config.policy)
-    if policy is not None:
-        return policy(history, config, current)
-    # A configured policy this build lacks must not stop specd: fall back, and say so.
-    picked = _recommend_bands(history, config, current)
-    if picked is None:
-        return None
-    return picked[0], f"policy {config.policy!r} unavailable, using bands: {picked[1]}"
+    return POLICIES[config.policy](history, config, current, calibration)
 
 
 # -- decide -------------------------------------------------------------------------
@@ -217,8 +253,10 @@ def decide(
     override: Override | None,
     now: float,
     control: Control,
+    pick: Pick | None,
 ) -> Decision:
-    """What specd wants live and whether to apply it now. See the module docstring."""
+    """What specd wants live and whether to apply it now, given the policy's ``pick`` for
+    ``control.current_steps`` (`choose`). See the module docstring."""
     at = _utc(now)
     current = control.current_steps
     hold = None if current is None else clamp(current, config)
@@ -292,12 +330,11 @@ def decide(
             f"{_duration(busy)} of busy history < {_duration(config.min_history_s)} needed; "
             f"{_holding(current)}",
         )
-    picked = recommend(history, config, current)
-    if picked is None:
+    if pick is None:
         return Decision(
             hold, Reason.INSUFFICIENT_DATA, f"no busy traffic in the history; {_holding(current)}"
         )
-    target, why = picked
+    target, why = pick.steps, pick.why
 
     # 4. Does the policy really want a change, and has it wanted it long enough?
     if target == current:

@@ -36,13 +36,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.forecast import Forecast, forecast_epoch
-from specd.core.perftable import PerfTable, PerfTableError
+from specd.core.perftable import PerfTable
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -65,40 +64,7 @@ class Source(str, enum.Enum):
     EXTRAPOLATED = "extrapolated"
 
 
-class ModelError(ValueError):
-    """A calibration that cannot be used; one line."""
-
-
-# -- calibration files ------------------------------------------------------------------
-_CACHE: dict[str, tuple[tuple[int, int], PerfTable]] = {}
-
-
-def load_calibration(path: str | Path) -> PerfTable:
-    """The calibration table at ``path``, re-read only when the file changes."""
-    p = Path(path)
-    try:
-        st = p.stat()
-    except OSError as exc:
-        raise ModelError(f"{p}: cannot read calibration: {exc.strerror or exc}") from None
-    key = (st.st_mtime_ns, st.st_size)
-    cached = _CACHE.get(str(p))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        table = PerfTable.from_csv(p)
-    except PerfTableError as exc:
-        raise ModelError(str(exc)) from None
-    if not any(k >= 1 for k in table.steps()):
-        raise ModelError(f"{p}: calibration has no speculative step count (steps >= 1)")
-    _CACHE[str(p)] = (key, table)
-    return table
-
-
 # -- the model --------------------------------------------------------------------------
-# id(calibration) -> (the table, its mean α): the tables are immutable and few.
-_CAL_ALPHA: dict[int, tuple[PerfTable, float | None]] = {}
-
-
 @dataclass(frozen=True)
 class _Curve:
     """Points of one K's throughput curve, and how to scale them."""
@@ -127,6 +93,24 @@ def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
         else:
             lo = a
     return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration table and the α fitted to its accept lengths, computed once per table
+    (the daemon builds one when the file changes, replay once per run)."""
+
+    table: PerfTable
+    alpha: float | None
+
+    @classmethod
+    def of(cls, table: PerfTable) -> Calibration:
+        measured = [
+            (k, length)
+            for k in table.steps()
+            if k >= 1 and (length := table.accept_length(k)) is not None and 1.0 <= length <= k + 1
+        ]
+        return cls(table, _fit_alpha(measured) if measured else None)
 
 
 def _shape(
@@ -174,8 +158,12 @@ def _interp(xs: tuple[float, ...], ys: tuple[float, ...], c: float) -> float:
 class PerformanceModel:
     """Predicted aggregate output tok/s per (steps, offered concurrency)."""
 
-    def __init__(self, calibration: PerfTable | None, history: History | None = None) -> None:
-        self.calibration = calibration
+    def __init__(
+        self, calibration: Calibration | PerfTable | None, history: History | None = None
+    ) -> None:
+        fitted = Calibration.of(calibration) if isinstance(calibration, PerfTable) else calibration
+        self.calibration = fitted.table if fitted is not None else None
+        calibration = self.calibration
         cal_steps = [k for k in calibration.steps() if k >= 1] if calibration else []
         self._cal_steps = cal_steps
         observed: dict[int, dict[int, tuple[float, float]]] = {}
@@ -186,32 +174,13 @@ class PerformanceModel:
                     observed.setdefault(k, {})[c] = (tok_s, weight)
             capacities = {k: v for k, v in history.capacities.items() if v > 0}
         self._observed = observed
-        self._alpha_cal = self._calibration_alpha()
+        self._alpha_cal = fitted.alpha if fitted is not None else None
         self.alpha_live = self._live_alpha(history)
         self._curves: dict[int, _Curve] = {}
         self._capacities = capacities
         self._cache: dict[tuple[int, int], float] = {}
 
     # -- acceptance --------------------------------------------------------------------
-    def _calibration_alpha(self) -> float | None:
-        """α fitted to the calibration's accept lengths (None without any)."""
-        cal = self.calibration
-        if cal is None:
-            return None
-        hit = _CAL_ALPHA.get(id(cal))
-        if hit is not None and hit[0] is cal:
-            return hit[1]
-        measured = [
-            (k, length)
-            for k in self._cal_steps
-            if (length := cal.accept_length(k)) is not None and 1.0 <= length <= k + 1
-        ]
-        alpha = _fit_alpha(measured) if measured else None
-        if len(_CAL_ALPHA) > 16:
-            _CAL_ALPHA.clear()
-        _CAL_ALPHA[id(cal)] = (cal, alpha)
-        return alpha
-
     @staticmethod
     def _live_alpha(history: History | None) -> float | None:
         """Evidence-weighted α over the K specd observed (recent K weigh most)."""
@@ -423,34 +392,13 @@ class Plan:
     why: str
 
 
-def calibration_of(config: Config) -> PerfTable | None:
-    """The configured calibration table, or None; ModelError if it cannot be read."""
-    path = config.calibration_file
-    return None if path is None else load_calibration(path)
-
-
-# windows key -> (computed at, epoch start, epoch end); see _next_epoch.
-_EPOCHS: dict[tuple[tuple[str, float, str], ...], tuple[float, float, float]] = {}
-
-
 def _next_epoch(config: Config, now: float) -> tuple[float, float] | None:
-    """(next window close, the following window open) as unix times.
-
-    Both stay the same for every ``now`` from a computation until that close, so one
-    computation (≈0.6 ms of cron arithmetic) serves all the ticks of a window.
-    """
-    key = tuple((w.cron, float(w.duration_s), w.timezone) for w in config.windows)
-    hit = _EPOCHS.get(key)
-    if hit is not None and hit[0] <= now < hit[1]:
-        return hit[1], hit[2]
+    """(next window close, the following window open) as unix times; None without one."""
     try:
         close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
         opens = windows.next_open(config.windows, close)
     except ValueError:
         return None
-    if len(_EPOCHS) > 64:
-        _EPOCHS.clear()
-    _EPOCHS[key] = (now, close.timestamp(), opens.timestamp())
     return close.timestamp(), opens.timestamp()
 
 
@@ -458,7 +406,7 @@ def plan(
     history: History,
     config: Config,
     current: int | None,
-    calibration: PerfTable | None = None,
+    calibration: Calibration | None = None,
 ) -> Plan | None:
     """The model policy's full prediction; None without data to predict from."""
     now = history.last_t
@@ -530,30 +478,3 @@ def _why(
             f"{config.tolerance_ratio * 100:g}%: keeping {current}"
         )
     return f"{head}; {best} best by {gain_text} net of the restart"
-
-
-def recommend_model(
-    history: History, config: Config, current: int | None
-) -> tuple[int, str] | None:
-    """The ``"model"`` policy for `specd.decide.recommend`: (steps, why) or None."""
-    try:
-        calibration = calibration_of(config)
-    except ModelError as exc:
-        calibration = None
-        note = f" (calibration unusable: {exc})"
-    else:
-        note = ""
-    result = plan(history, config, current, calibration)
-    if result is None:
-        return None
-    return result.target, result.why + note
-
-
-def predicted_throughput(history: History, config: Config, current: int | None) -> dict[int, float]:
-    """Predicted mean tok/s per candidate K over the coming epoch (for the metric
-    ``specd_predicted_throughput_tokens_per_second{steps}``); empty when unknown."""
-    try:
-        result = plan(history, config, current, calibration_of(config))
-    except ModelError:
-        result = plan(history, config, current, None)
-    return {} if result is None else {k: p.tok_s for k, p in result.predictions.items()}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specd.core.decide import Control
 from specd.core.history import History, HistorySettings
 
 STATE_FILE = "state.json"
@@ -130,17 +131,20 @@ class State:
             version=STATE_VERSION,
         )
 
-    def note_recommendation(self, t: float, steps: int, window_s: float) -> None:
-        """Append a recommendation and drop those the stabilization check no longer needs.
+    def control(self) -> Control:
+        """The control state the brain carries from tick to tick (`specd.core.step`)."""
+        return Control(
+            current_steps=None,  # each tick's observation says what is live
+            restart_times=tuple(float(r["t"]) for r in self.restarts),
+            frozen=self.frozen is not None,
+            frozen_reason=self.frozen.get("reason") if self.frozen else None,
+            recommendations=tuple((float(t), int(s)) for t, s in self.recommendations),
+        )
 
-        The newest entry at or before ``t - window_s`` is kept: it shows whether the
-        recommendation already held when the window began.
-        """
-        self.recommendations.append([t, steps])
-        horizon = t - window_s
-        older = [i for i, (rt, _) in enumerate(self.recommendations) if rt <= horizon]
-        if older:
-            del self.recommendations[: older[-1]]
+    def adopt(self, control: Control) -> None:
+        """Keep what `step` changed in the control state (restarts and the freeze are
+        recorded by the daemon with their details)."""
+        self.recommendations = [[t, s] for t, s in control.recommendations]
 
 
 def _object(data: dict[str, Any], key: str) -> dict[str, Any]:

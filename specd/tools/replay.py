@@ -1,11 +1,12 @@
-"""`specd replay`: run specd's own history, forecast, decide and window code over a trace.
+"""`specd replay`: the daemon's own brain (`specd.core.step`) over a trace, in simulated time.
 
 Simulated time ticks every ``scrape_interval_s`` of the config, like the daemon: each tick
-records an Observation built from the trace and the truth table into `History`. Outside a
-window (and its stabilization lead-in) decide can only hold — every acting path runs
-through `windows.is_open` — so the policy is consulted only from ``stabilization_window_s``
-before a window opens until it closes; the result is the same, at a fraction of the cost.
-A restart serves nothing for ``--restart-s``.
+records an Observation built from the trace and the truth table into `History` and, near a
+window, runs `step` exactly as the daemon's loop does (same control state, same restart
+bookkeeping). Outside a window (and its lead-in, see `evaluated_spans`) nothing can act —
+every acting path runs through `windows.is_open` — so `step` runs only there; the
+decisions are the daemon's, tick for tick (tests/tools/test_replay_is_daemon.py), at a
+fraction of the cost. A restart serves nothing for ``--restart-s``.
 
 Compared in the same run: specd, every static K in the allowed range, and the oracle (the
 best fixed K of each epoch — window opening to window opening — in hindsight, with no
@@ -27,13 +28,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from specd.core import decide as decide_mod
 from specd.core import windows
 from specd.core.decide import Control
 from specd.core.forecast import Forecast, forecast_epoch, score
 from specd.core.history import History, HistorySettings
+from specd.core.model import Calibration
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
+from specd.core.step import StepContext, step
+from specd.io.calibration import read_calibration
 from specd.io.config import Config
 
 DEFAULT_START = datetime(2026, 1, 5, tzinfo=timezone.utc)  # a Monday
@@ -163,6 +166,9 @@ class ReplayResult:
     decision_ms_p99: float
     decision_ms_max: float
     reasons: dict[str, int] = field(default_factory=dict)
+    # (unix t, target steps, reason) of every tick replay decided at, from each window's
+    # lead-in on: tick for tick the daemon's decisions.
+    decisions: list[tuple[float, int | None, str]] = field(default_factory=list)
 
     @property
     def best_static_steps(self) -> int:
@@ -216,37 +222,76 @@ def _open_intervals(config: Config, start: float, end: float) -> list[tuple[floa
         at = current[1]
     while True:
         opened = windows.next_open(config.windows, at)
-        if opened.timestamp() >= end:
+        if opened.timestamp() > end:  # a window opening at the last tick still counts
             return out
         closes = windows.next_close(config.windows, opened)
         out.append((opened.timestamp(), closes.timestamp()))
         at = closes
 
 
-def _observation(t: float, offered: int, k: int, truth: PerfTable, served: float) -> Observation:
-    cap = truth.capacity(k)
-    running = offered if cap is None else min(offered, cap)
-    return Observation(
-        t=t,
-        running=running,
-        queued=offered - running,
-        accept_length=truth.accept_length(k),
-        spec_fresh=offered > 0,
-        steps=k,
-        draft_tokens=k + 1,
-        topk=1,
-        algorithm="NEXTN",
-        max_running_requests=cap,
-        token_usage=None,
-        gen_throughput=truth.throughput(k, float(offered)) if offered > 0 else 0.0,
-        generation_tokens_total=served,
-        decode_tokens_total=served,
-        spec_verify_calls_total=None,
-        retracted_total=None,
-        version="replay",
-        dp_ranks=1,
-        launch_command=None,
-    )
+class SimulatedServer:
+    """SGLang as replay sees it: the trace's offered concurrency served at the live step
+    count by the truth table; a restart serves nothing until it is back.
+
+    The daemon's replay-equivalence test reads the same server through the daemon's real
+    loop, so both see the very same observations.
+    """
+
+    def __init__(self, trace: Trace, truth: PerfTable, tokens: Tokens, t0: float, steps: int):
+        self.trace, self.truth, self.tokens, self.t0 = trace, truth, tokens, t0
+        self.steps = steps
+        self.serving_from = trace.t[0]  # trace seconds; also the counters' zero
+
+    def restart(self, steps: int, s: float, restart_s: float) -> None:
+        """A restart to ``steps`` issued at trace second ``s``; back ``restart_s`` later."""
+        self.steps = steps
+        self.serving_from = s + restart_s
+
+    def up(self, s: float) -> bool:
+        return s >= self.serving_from
+
+    def observe(self, s: float) -> Observation:
+        """The observation a scrape at trace second ``s`` returns while SGLang is up."""
+        k, truth = self.steps, self.truth
+        offered = self.trace.at(s)
+        cap = truth.capacity(k)
+        running = offered if cap is None else min(offered, cap)
+        served = self.tokens.between(k, self.serving_from, s)
+        return Observation(
+            t=self.t0 + s,
+            running=running,
+            queued=offered - running,
+            accept_length=truth.accept_length(k),
+            spec_fresh=offered > 0,
+            steps=k,
+            draft_tokens=k + 1,
+            topk=1,
+            algorithm="NEXTN",
+            max_running_requests=cap,
+            token_usage=None,
+            gen_throughput=truth.throughput(k, float(offered)) if offered > 0 else 0.0,
+            generation_tokens_total=served,
+            decode_tokens_total=served,
+            spec_verify_calls_total=None,
+            retracted_total=None,
+            version="replay",
+            dp_ranks=1,
+            launch_command=None,
+        )
+
+
+def evaluated_spans(
+    config: Config, opens: Sequence[tuple[float, float]]
+) -> list[tuple[float, float, float]]:
+    """(step from, report from, until) per window, in unix time.
+
+    Outside a window nothing can act, so replay runs `step` only from well before each
+    window: 2·(stabilization window + tick) ahead, so that from one such span ahead on
+    (``report from``) its control state — the recommendations of the last stabilization
+    window — and so every decision is exactly the daemon's, which steps at every tick.
+    """
+    lead = config.stabilization_window_s + config.scrape_interval_s
+    return [(a - 2 * lead, a - lead, b) for a, b in opens]
 
 
 def replay(
@@ -258,6 +303,7 @@ def replay(
     restart_s: float = DEFAULT_RESTART_S,
     initial_steps: int | None = None,
     warmup_s: float = 0.0,
+    calibration: Calibration | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` (seconds from ``start``) under ``config`` against ``truth``.
 
@@ -287,65 +333,65 @@ def replay(
             f"initial steps {k} outside the allowed {config.min_steps}-{config.max_steps}"
         )
 
+    if calibration is None and config.calibration_file is not None:
+        calibration = read_calibration(config.calibration_file)
     history = History(HistorySettings.from_config(config))
     step_s = config.scrape_interval_s
-    lead = config.stabilization_window_s + step_s
-    restart_times: list[float] = []
-    recommendations: list[tuple[float, int]] = []
+    server = SimulatedServer(trace, truth, tokens, t0, k)
+    control = Control(current_steps=k)
     timeline: list[tuple[float, int]] = [(first, k)]
     segments: list[tuple[int, float, float]] = []  # (K, from, to) in trace seconds
-    seg_from = first  # SGLang serves K from here (also its counters' zero)
     outside = 0
     reasons: dict[str, int] = {}
+    decisions: list[tuple[float, int | None, str]] = []
     costs: list[float] = []
     # SGLang has been up long enough at the start: no warm-up to exclude.
     history.mark_sglang_start(t0 + first - config.warmup_exclude_s - step_s)
-    win_i = 0
+    spans = evaluated_spans(config, opens)
+    span_i = 0
     forecasts: dict[int, Forecast] = {}
     n_ticks = int((last - first) // step_s) + 1
     for n in range(n_ticks):
         s = first + n * step_s
-        if s < seg_from:
+        if not server.up(s):
             continue  # SGLang is loading: the scrape fails, nothing is recorded
         t = t0 + s
-        obs = _observation(t, trace.at(s), k, truth, tokens.between(k, seg_from, s))
+        obs = server.observe(s)
         history.record(obs)
-        while win_i < len(opens) and opens[win_i][1] <= t:
-            win_i += 1
-        if win_i >= len(opens) or t < opens[win_i][0] - lead:
+        while span_i < len(spans) and spans[span_i][2] <= t:
+            span_i += 1
+        if span_i >= len(spans) or t < spans[span_i][0]:
             continue
-        if opens[win_i][0] <= t and win_i not in forecasts:
+        win_open = opens[span_i][0]
+        if win_open <= t and span_i not in forecasts:
             # What specd expected of the coming epoch when the window opened, scored
             # against the trace at the end.
-            nxt = opens[win_i + 1][0] if win_i + 1 < len(opens) else t0 + last
-            made = forecast_epoch(history, opens[win_i][1], nxt)
+            nxt = opens[span_i + 1][0] if span_i + 1 < len(opens) else t0 + last
+            made = forecast_epoch(history, opens[span_i][1], nxt)
             if made is not None:
-                forecasts[win_i] = made
-        rec = decide_mod.recommend(history, config)
-        if rec is not None:
-            keep_after = t - 2 * config.stabilization_window_s - step_s
-            recommendations = [r for r in recommendations if r[0] >= keep_after]
-            recommendations.append((t, rec[0]))
-        control = Control(
-            current_steps=k,
-            restart_times=tuple(restart_times),
-            recommendations=tuple(recommendations),
-        )
-        # One decision: forecast, model and decide (the raw pick above is the daemon's
-        # bookkeeping for the stabilization window).
+                forecasts[span_i] = made
+        context = StepContext(config, history, None, control, calibration)
         began = time.perf_counter()
-        decision = decide_mod.decide(history, obs, config, None, t, control)
+        outcome = step(context, obs, t)
         costs.append((time.perf_counter() - began) * 1000)
+        control = outcome.control
+        decision = outcome.decision
+        if t >= spans[span_i][1]:
+            decisions.append((t, decision.target_steps, decision.reason.value))
         reasons[decision.reason.value] = reasons.get(decision.reason.value, 0) + 1
-        if decision.acts(k) and decision.target_steps is not None:
+        if outcome.acts and decision.target_steps is not None:
             if not any(a <= t < b for a, b in opens):
                 outside += 1
-            segments.append((k, seg_from, s))
-            restart_times.append(t)
+            segments.append((k, server.serving_from, s))
             k = decision.target_steps
-            seg_from = s + restart_s
+            server.restart(k, s, restart_s)
+            # As the daemon: the restart is recorded when SGLang is back, and its warm-up
+            # is kept out of the history.
+            back = t0 + server.serving_from
+            control = control.after_restart(back)
+            history.mark_sglang_start(back)
             timeline.append((s, k))
-    segments.append((k, seg_from, last))
+    segments.append((k, server.serving_from, last))
     specd_tokens = sum(
         tokens.between(kk, max(a, scored_from), min(b, last)) for kk, a, b in segments if b > a
     )
@@ -361,7 +407,7 @@ def replay(
     if epochs and not chooses_first:
         oracle += tokens.between(live_then, *epochs.pop(0))
     oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
-    scored_restarts = sum(1 for t in restart_times if t >= t0 + scored_from)
+    scored_restarts = sum(1 for at, _ in timeline[1:] if at >= scored_from)
     mean_err, median_err, tv = _forecast_quality(forecasts.values(), trace, t0)
     return ReplayResult(
         specd_tokens=specd_tokens,
@@ -379,6 +425,7 @@ def replay(
         decision_ms_p99=sorted(costs)[int(0.99 * (len(costs) - 1))] if costs else 0.0,
         decision_ms_max=max(costs, default=0.0),
         reasons=reasons,
+        decisions=decisions,
     )
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import typing
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -10,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specd.core import windows
-from specd.core.decide import ACTING_REASONS, POLICIES, Control, Decision, Reason, decide, recommend
+from specd.core.decide import (
+    ACTING_REASONS,
+    POLICIES,
+    Control,
+    Decision,
+    Reason,
+    choose,
+    decide,
+)
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
@@ -203,7 +212,7 @@ def test_each_reason(
 ) -> None:
     if obs is NO_OBS:
         obs = observation(now, steps=ctl.current_steps)
-    decision = decide(hist, obs, cfg, override, now, ctl)
+    decision = decide(hist, obs, cfg, override, now, ctl, choose(hist, cfg, ctl.current_steps))
     assert decision.reason is reason, decision.message
     assert decision.target_steps == target
     assert decision.acts(ctl.current_steps) is acts
@@ -244,10 +253,10 @@ def test_band_hysteresis(
             {"steps": s} if m is None else {"max_concurrency": m, "steps": s} for m, s in bands
         )
     cfg = Config(**kwargs)
-    picked = recommend(history(offered=offered), cfg, current)
+    picked = choose(history(offered=offered), cfg, current)
     assert picked is not None
-    assert picked[0] == expected
-    assert why in picked[1]
+    assert picked.steps == expected
+    assert why in picked.why
 
 
 @pytest.mark.parametrize(
@@ -258,26 +267,20 @@ def test_the_band_quantile_is_configurable(ratio: float, expected: int) -> None:
     h = History(HistorySettings(half_life_s=1e9, warmup_exclude_s=0, scrape_interval_s=5))
     for i, offered in enumerate([1] * 160 + [30] * 40):  # 80% light, 20% heavy
         h.record(observation(OPEN - 1000 + 5 * i, running=offered))
-    picked = recommend(h, Config(band_quantile_ratio=ratio))
+    picked = choose(h, Config(band_quantile_ratio=ratio))
     assert picked is not None
-    assert picked[0] == expected
-    assert f"p{ratio * 100:g} offered concurrency" in picked[1]
+    assert picked.steps == expected
+    assert f"p{ratio * 100:g} offered concurrency" in picked.why
 
 
 def test_recommend_without_busy_history_is_none() -> None:
-    assert recommend(History(), Config()) is None
-    assert recommend(history(offered=0), Config()) is None
+    assert choose(History(), Config()) is None
+    assert choose(history(offered=0), Config()) is None
 
 
-def test_an_unavailable_policy_falls_back_to_bands_and_says_so(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # "model" exists now (specd.model); a build without it must still decide.
-    monkeypatch.delitem(POLICIES, "model")
-    picked = recommend(history(), Config(policy="model"))
-    assert picked is not None
-    assert picked[0] == 3
-    assert picked[1].startswith("policy 'model' unavailable, using bands: p50")
+def test_every_configurable_policy_has_an_implementation() -> None:
+    # The config's Literal is the set of policies: one without code cannot be configured.
+    assert set(POLICIES) == set(typing.get_args(Config.model_fields["policy"].annotation))
 
 
 @pytest.mark.parametrize(
@@ -394,8 +397,8 @@ def situations(draw: st.DrawFn) -> dict[str, Any]:
     hist = draw(st.sampled_from(HISTORIES))
     cfg = draw(st.sampled_from(CONFIGS))
     # Mostly the policy's own pick held for a while, as the daemon would have noted it.
-    pick = recommend(hist, cfg)
-    steps = draw(mostly(st.just(pick[0] if pick else 4), st.integers(1, 8)))
+    pick = choose(hist, cfg)
+    steps = draw(mostly(st.just(pick.steps if pick else 4), st.integers(1, 8)))
     since = draw(st.floats(0, 2000))
     recent = draw(st.lists(st.tuples(st.floats(now - 2000, now), st.integers(0, 20)), max_size=4))
     run = [(now - since + 5 * i, steps) for i in range(int(since // 5) + 1)]
@@ -425,7 +428,8 @@ def _pin_now(s: dict[str, Any]) -> bool:
 
 
 def _decide(s: dict[str, Any]) -> Decision:
-    return decide(s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"])
+    pick = choose(s["history"], s["config"], s["control"].current_steps)
+    return decide(s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"], pick)
 
 
 PROPERTY = settings(max_examples=100, deadline=None)
@@ -514,7 +518,8 @@ def test_a_change_respects_dwell_stabilization_and_window(s: dict[str, Any]) -> 
 
 
 def test_decide_is_pure() -> None:
-    args = (history(), observation(OPEN), config(), pin(2), OPEN, control())
+    pick = choose(history(), config(), 4)
+    args = (history(), observation(OPEN), config(), pin(2), OPEN, control(), pick)
     assert decide(*args) == decide(*args)
-    assert decide(*args) == decide(*args[:4], OPEN, control())
+    assert decide(*args) == decide(*args[:4], OPEN, control(), pick)
     assert OPEN + timedelta(0).total_seconds() == OPEN

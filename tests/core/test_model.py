@@ -9,21 +9,20 @@ import pytest
 from factories import make_observation
 
 from specd.core.acceptance import accept_length_from_alpha
-from specd.core.decide import recommend
+from specd.core.decide import Control, choose
 from specd.core.history import History, HistorySettings
 from specd.core.model import (
     EXTRAPOLATION_DISCOUNT_RATIO,
-    ModelError,
+    Calibration,
     PerformanceModel,
     Source,
     fold_above,
-    load_calibration,
     plan,
-    predicted_throughput,
-    recommend_model,
 )
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.step import StepContext, step
+from specd.io.calibration import CalibrationFile
 from specd.io.config import Config
 from specd.twin import preset
 
@@ -200,33 +199,6 @@ def test_fold_above_keeps_the_total() -> None:
     assert fold_above({3: 1.0}, None) == {3: 1.0}
 
 
-# -- calibration files ------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        (None, "cannot read calibration"),
-        ("steps,concurrency\n", "header must be"),
-        ("steps,concurrency,output_tok_s\n0,1,100\n", "no speculative step count"),
-    ],
-)
-def test_a_bad_calibration_is_one_line(tmp_path: Path, content: str | None, message: str) -> None:
-    path = tmp_path / "cal.csv"
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(ModelError, match=message) as info:
-        load_calibration(path)
-    assert "\n" not in str(info.value)
-
-
-def test_a_calibration_is_reread_when_it_changes(tmp_path: Path) -> None:
-    path = tmp_path / "cal.csv"
-    path.write_text("steps,concurrency,output_tok_s\n3,1,230\n")
-    first = load_calibration(path)
-    assert load_calibration(path) is first
-    path.write_text("steps,concurrency,output_tok_s\n3,1,230\n4,1,280\n")
-    assert load_calibration(path).steps() == [3, 4]
-
-
 # -- the policy -------------------------------------------------------------------------
 def config(tmp_path: Path, **kwargs: Any) -> Config:
     path = tmp_path / "cal.csv"
@@ -265,11 +237,11 @@ def test_the_model_policy_picks_the_most_tokens_over_the_epoch(
 ) -> None:
     cfg = config(tmp_path, max_steps=4)
     history = busy(offered, current or 3)
-    picked = recommend(history, cfg, current)
+    picked = choose(history, cfg, current, Calibration.of(SEED))
     assert picked is not None
-    assert picked[0] == target
-    assert picked[1].startswith("model: ")
-    assert "predicted tok/s 1:" in picked[1]
+    assert picked.steps == target
+    assert picked.why.startswith("model: ")
+    assert "predicted tok/s 1:" in picked.why
 
 
 @pytest.mark.parametrize(
@@ -282,7 +254,7 @@ def test_restart_cost_and_tolerance_count_against_a_change(
     cfg = config(
         tmp_path, max_steps=4, restart_cost_s=restart_cost_s, tolerance_ratio=tolerance_ratio
     )
-    result = plan(busy(2, 3), cfg, 3, SEED)
+    result = plan(busy(2, 3), cfg, 3, Calibration.of(SEED))
     assert result is not None
     assert result.predictions[4].tok_s > result.predictions[3].tok_s * 1.15
     assert result.target == (4 if changes else 3)
@@ -292,7 +264,9 @@ def test_restart_cost_and_tolerance_count_against_a_change(
 def test_the_plan_exposes_every_candidates_prediction(tmp_path: Path) -> None:
     cfg = config(tmp_path, min_steps=2, max_steps=6)
     history = busy(2, 3)
-    result = plan(history, cfg, 3, PerfTable([r for r in SEED.rows if r.steps <= 4]))
+    result = plan(
+        history, cfg, 3, Calibration.of(PerfTable([r for r in SEED.rows if r.steps <= 4]))
+    )
     assert result is not None
     assert sorted(result.predictions) == [2, 3, 4, 5, 6]
     assert result.predictions[5].source is Source.EXTRAPOLATED
@@ -302,12 +276,15 @@ def test_the_plan_exposes_every_candidates_prediction(tmp_path: Path) -> None:
     assert p5.tokens == pytest.approx(p5.tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) * serving)
     assert "5:" in result.why
     assert "~" in result.why
-    rates = predicted_throughput(history, cfg, 3)
-    assert rates[4] == pytest.approx(SEED.throughput(4, 2), rel=1e-4)
+    picked = choose(
+        history, cfg, 3, Calibration.of(PerfTable([r for r in SEED.rows if r.steps <= 4]))
+    )
+    assert picked is not None
+    assert picked.predictions[4] == pytest.approx(SEED.throughput(4, 2), rel=1e-4)
 
 
 def test_no_history_no_recommendation(tmp_path: Path) -> None:
-    assert recommend_model(fresh_history(), config(tmp_path), 3) is None
+    assert choose(fresh_history(), config(tmp_path), 3, Calibration.of(SEED)) is None
 
 
 def test_an_unreadable_calibration_falls_back_to_observations_and_says_so(tmp_path: Path) -> None:
@@ -315,11 +292,17 @@ def test_an_unreadable_calibration_falls_back_to_observations_and_says_so(tmp_pa
     history = busy(2, 3)
     assert cfg.calibration_file is not None
     cfg.calibration_file.unlink()
-    picked = recommend_model(history, cfg, 3)
+    calibration, problem = CalibrationFile(cfg.calibration_file).current()
+    assert calibration is None
+    assert problem is not None
+    context = StepContext(cfg, history, None, Control(3), calibration, problem)
+    assert history.last_t is not None
+    now = history.last_t
+    picked = step(context, observation(now, 2, 3, 0.0, SEED.accept_length(3)), now).pick
     assert picked is not None
-    assert picked[0] == 3  # only the observed K can be predicted
-    assert "calibration unusable" in picked[1]
-    assert "\n" not in picked[1]
+    assert picked.steps == 3  # only the observed K can be predicted
+    assert "calibration unusable" in picked.why
+    assert "\n" not in picked.why
 
 
 def test_a_calibration_without_accept_lengths_extrapolates_with_live_alpha() -> None:

@@ -230,28 +230,6 @@ def test_a_state_path_that_is_a_directory_is_moved_aside(tmp_path: Path) -> None
     assert (tmp_path / "state.json.corrupt-5").is_dir()
 
 
-@pytest.mark.parametrize(
-    ("entries", "window_s", "kept"),
-    [
-        ([], 30.0, [[100.0, 3]]),
-        # The newest entry at or before t - window stays: it shows the hold had begun.
-        (
-            [[50.0, 3], [60.0, 3], [75.0, 4], [90.0, 3]],
-            30.0,
-            [[60.0, 3], [75.0, 4], [90.0, 3], [100.0, 3]],
-        ),
-        ([[70.0, 3], [80.0, 3]], 30.0, [[70.0, 3], [80.0, 3], [100.0, 3]]),
-        ([[10.0, 3], [20.0, 3]], 0.0, [[100.0, 3]]),
-    ],
-)
-def test_recommendations_are_trimmed_to_the_stabilization_window(
-    entries: list[list[float]], window_s: float, kept: list[list[float]]
-) -> None:
-    state = State(recommendations=[list(e) for e in entries])
-    state.note_recommendation(100.0, 3, window_s)
-    assert state.recommendations == kept
-
-
 def test_state_format_errors_are_value_errors() -> None:
     with pytest.raises(ValueError, match="expected a JSON object"):
         State.from_dict("nope")

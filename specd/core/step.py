@@ -1,0 +1,82 @@
+"""`step`: the one decision of a tick, as a pure function of values.
+
+The daemon, `specd replay`, `specd recommend` and the demo call this and nothing else to
+decide, so what replay proves is what the daemon does. Everything it needs comes in as a
+value — the settings, the learned history (already holding this tick's observation), the
+override in force, the control state carried from the previous tick, and the calibration
+*table* (read by io, never here) — and everything it changes goes out in the result: no
+clock, no file, no network, no cache outliving the call.
+
+One tick: the live step count comes from this tick's observation only (a failed scrape
+means "unknown", never the last value believed); the policy's pick is computed once and
+both recorded for the stabilization window and handed to `decide`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specd.core.decide import Control, Decision, Pick, choose, decide
+from specd.core.model import Calibration
+from specd.core.observation import Observation, ScrapeError
+
+if TYPE_CHECKING:
+    from specd.core.history import History
+    from specd.core.override import Override
+    from specd.io.config import Config
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Everything a decision reads besides the observation and the time."""
+
+    config: Config
+    history: History
+    override: Override | None
+    control: Control
+    calibration: Calibration | None = None
+    # Why a configured calibration could not be used (one line), for the decision's message.
+    calibration_problem: str | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The decision, what it was based on, and the control state for the next tick."""
+
+    decision: Decision
+    current: int | None  # the step count live at SGLang per this tick's observation
+    pick: Pick | None
+    control: Control
+    predictions: Mapping[int, float] = field(default_factory=dict)
+
+    @property
+    def acts(self) -> bool:
+        """True iff the caller should apply ``decision.target_steps`` now."""
+        return self.decision.acts(self.current)
+
+
+def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: float) -> StepResult:
+    """Decide for ``now``; see the module docstring."""
+    config = ctx.config
+    current = observation.steps if isinstance(observation, Observation) else None
+    control = Control(
+        current_steps=current,
+        restart_times=ctx.control.restart_times,
+        frozen=ctx.control.frozen,
+        frozen_reason=ctx.control.frozen_reason,
+        recommendations=ctx.control.recommendations,
+    )
+    pick = choose(ctx.history, config, current, ctx.calibration)
+    if pick is not None and ctx.calibration_problem:
+        pick = Pick(
+            pick.steps,
+            f"{pick.why} (calibration unusable: {ctx.calibration_problem})",
+            pick.predictions,
+        )
+    if pick is not None and isinstance(observation, Observation):
+        control = control.with_recommendation(now, pick.steps, config.stabilization_window_s)
+    decision = decide(ctx.history, observation, config, ctx.override, now, control, pick)
+    predictions = pick.predictions if pick is not None else {}
+    return StepResult(decision, current, pick, control, predictions)

@@ -1,0 +1,55 @@
+"""The configured calibration table, read from its file for the brain.
+
+The core never reads files: the daemon asks `CalibrationFile.current()` each tick and hands
+the result to `step`. A stat per tick, a re-read and a new α fit only when the file changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specd.core.model import Calibration
+from specd.core.perftable import PerfTable, PerfTableError
+
+
+class CalibrationError(ValueError):
+    """A calibration that cannot be used; one line naming the file."""
+
+
+def read_calibration(path: str | Path) -> Calibration:
+    """The table at ``path`` with its fitted α; CalibrationError if it cannot be used."""
+    p = Path(path)
+    try:
+        table = PerfTable.from_csv(p)
+    except PerfTableError as exc:
+        raise CalibrationError(str(exc)) from None
+    if not any(k >= 1 for k in table.steps()):
+        raise CalibrationError(f"{p}: calibration has no speculative step count (steps >= 1)")
+    return Calibration.of(table)
+
+
+class CalibrationFile:
+    """One configured calibration path; `current` re-reads it only when it changes."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = None if path is None else Path(path)
+        self._key: tuple[int, int] | None = None
+        self._value: tuple[Calibration | None, str | None] = (None, None)
+
+    def current(self) -> tuple[Calibration | None, str | None]:
+        """(the calibration, None), or (None, a one-line problem); (None, None) when unset."""
+        if self.path is None:
+            return None, None
+        try:
+            st = self.path.stat()
+        except OSError as exc:
+            self._key = None
+            return None, f"{self.path}: cannot read calibration: {exc.strerror or exc}"
+        key = (st.st_mtime_ns, st.st_size)
+        if key != self._key:
+            try:
+                self._value = (read_calibration(self.path), None)
+            except CalibrationError as exc:
+                self._value = (None, str(exc))
+            self._key = key
+        return self._value

@@ -1,0 +1,202 @@
+"""Proof that `specd replay` is the daemon: the real `Daemon` loop, with an injected clock,
+SGLang reader and applier, decides tick for tick what replay decides on the same trace,
+truth table and config — inside the hysteresis band, while stabilizing, across windows
+and restarts."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from specd.core.decide import ACTING_REASONS, Reason
+from specd.core.model import Calibration
+from specd.core.observation import Observation, ScrapeError
+from specd.core.perftable import PerfRow, PerfTable
+from specd.daemon import Daemon
+from specd.io import logs
+from specd.io.apply import ApplyOutcome
+from specd.io.config import Config
+from specd.io.notify import Notifier
+from specd.tools.replay import (
+    DEFAULT_START,
+    ReplayResult,
+    SimulatedServer,
+    Tokens,
+    Trace,
+    replay,
+    trace_from_rows,
+)
+from specd.twin.preset import preset_table
+
+HOUR = 3600.0
+RESTART_S = 100.0
+SEED = preset_table()
+
+
+def _truth() -> PerfTable:
+    """The seed, but with 4 steps' capacity halved: under heavy load 3 serves ~20 % more,
+    so the model policy has changes to make in both directions."""
+    rows = [r for r in SEED.rows if r.steps <= 3]
+    for r in SEED.rows:
+        if r.steps == 4:
+            plateau = SEED.throughput(4, 7)
+            tok = r.output_tok_s if r.concurrency < 7 else plateau
+            rows.append(PerfRow(4, r.concurrency, tok, r.accept_length, 7))
+    return PerfTable(rows)
+
+
+TRUTH = _truth()
+
+
+def trace() -> Trace:
+    """Two days: light agentic hours, heavy hours, and hours hovering just past the bands'
+    boundary of 4 (inside its 5 % hysteresis), changing every few hours."""
+    levels = [2, 2, 20, 20, 4, 2, 24, 24, 2, 4, 2, 2]  # each held 4 hours
+    times = [i * 4 * HOUR for i in range(len(levels))]
+    return trace_from_rows(times, levels)
+
+
+def config(tmp_path: Path, **choose: Any) -> Config:
+    return Config(
+        state_dir=str(tmp_path / "state"),
+        override_file=str(tmp_path / "override.toml"),
+        env_file=str(tmp_path / "sglang.env"),
+        min_steps=1,
+        max_steps=4,
+        scrape_interval_s=60,
+        stale_after_s=180,
+        history_half_life_s=2 * HOUR,
+        min_history_s=900,
+        warmup_exclude_s=120,
+        stabilization_window_s=900,
+        min_dwell_s=HOUR,
+        daily_restart_budget=6,
+        windows=[{"cron": "0 */3 * * mon-sun", "duration_s": HOUR, "timezone": "UTC"}],
+        **choose,
+    )
+
+
+class SimulatedReader:
+    """The daemon's SGLang reader: the very server replay simulates, read at the clock."""
+
+    def __init__(self, server: SimulatedServer, clock: Callable[[], float], t0: float) -> None:
+        self.server, self.clock, self.t0 = server, clock, t0
+
+    def observe(self) -> Observation | ScrapeError:
+        now = self.clock()
+        if not self.server.up(now - self.t0):
+            return ScrapeError("refused", "SGLang is loading the model", now)
+        return self.server.observe(now - self.t0)
+
+    def close(self) -> None:
+        pass
+
+
+class SimulatedApplier:
+    """A restart that blocks, as the real applier does, until SGLang serves again."""
+
+    def __init__(self, server: SimulatedServer, clock: list[float], t0: float) -> None:
+        self.server, self.clock, self.t0 = server, clock, t0
+        self.restarts: list[tuple[float, int]] = []
+
+    def apply(
+        self,
+        target: int,
+        current: int | None,
+        *,
+        window_open: Callable[[], bool],
+        force: bool = False,
+    ) -> ApplyOutcome:
+        assert window_open() or force
+        s = self.clock[0] - self.t0
+        self.restarts.append((s, target))
+        self.server.restart(target, s, RESTART_S)
+        self.clock[0] = self.t0 + self.server.serving_from
+        return ApplyOutcome("success", current, target, RESTART_S, "verified", None, 1)
+
+    def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
+        return None
+
+
+def run_daemon(
+    tr: Trace, cfg: Config, initial: int
+) -> tuple[dict[float, tuple[int | None, str, str]], list[tuple[float, int]]]:
+    t0 = DEFAULT_START.timestamp()
+    allowed = list(range(cfg.min_steps, cfg.max_steps + 1))
+    server = SimulatedServer(tr, TRUTH, Tokens(tr, TRUTH, allowed), t0, initial)
+    clock = [t0 + tr.t[0]]
+    applier = SimulatedApplier(server, clock, t0)
+    daemon = Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: clock[0],
+        notifier=Notifier({}),
+        reader=SimulatedReader(server, lambda: clock[0], t0),
+        applier=applier,
+    )
+    # As replay assumes: SGLang had been up long before the trace began.
+    daemon.state.history.mark_sglang_start(
+        t0 + tr.t[0] - cfg.warmup_exclude_s - cfg.scrape_interval_s
+    )
+    decisions: dict[float, tuple[int | None, str, str]] = {}
+    step_s = cfg.scrape_interval_s
+    for n in range(int((tr.t[-1] - tr.t[0]) // step_s) + 1):
+        t = t0 + tr.t[0] + n * step_s
+        if t < clock[0]:
+            continue  # the daemon was blocked in a restart
+        clock[0] = t
+        decision = daemon.tick()
+        decisions[t] = (decision.target_steps, decision.reason.value, decision.message)
+    return decisions, applier.restarts
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs() -> None:
+    logs.configure("json", stream=open("/dev/null", "w"))  # noqa: SIM115
+
+
+@pytest.mark.parametrize("policy", ["bands", "model"])
+def test_replay_decides_tick_for_tick_what_the_daemon_decides(tmp_path: Path, policy: str) -> None:
+    tr = trace()
+    choose: dict[str, Any] = {"policy": policy}
+    calibration = None
+    if policy == "model":
+        cal_path = tmp_path / "calibration.csv"
+        TRUTH.to_csv(cal_path)
+        choose["calibration_file"] = str(cal_path)
+        calibration = Calibration.of(PerfTable.from_csv(cal_path))
+    cfg = config(tmp_path, **choose)
+    initial = 3
+    result: ReplayResult = replay(
+        tr, TRUTH, cfg, restart_s=RESTART_S, initial_steps=initial, calibration=calibration
+    )
+    daemon, restarts = run_daemon(tr, cfg, initial)
+
+    # Every tick replay decided at, the daemon decided the same: target, reason, message.
+    assert len(result.decisions) > 300
+    mismatches = [
+        (t, (target, reason), daemon.get(t))
+        for t, target, reason in result.decisions
+        if daemon.get(t, (None, None, None))[:2] != (target, reason)
+    ]
+    assert mismatches[:5] == []
+    # Where replay did not decide (far from any window), the daemon never acted.
+    skipped = {t: d for t, d in daemon.items() if t not in {r[0] for r in result.decisions}}
+    assert skipped
+    assert all(Reason(r) not in ACTING_REASONS for _, r, _ in skipped.values())
+    # The same restarts at the same moments to the same step counts.
+    assert [(s, k) for s, k in result.steps_timeline[1:]] == restarts
+    # The comparison covered what matters, so it cannot pass vacuously.
+    seen = Counter(reason for _, _, reason in result.decisions)
+    assert seen[Reason.CHANGE.value] >= 2
+    assert seen[Reason.STABILIZING.value] > 0
+    assert seen[Reason.WITHIN_TOLERANCE.value] > 0
+    assert seen[Reason.WINDOW_CLOSED.value] > 0
+    if policy == "bands":
+        # Ticks inside the hysteresis band around the boundary of 4.
+        assert any("within 5% of the band boundary" in daemon[t][2] for t, _, _ in result.decisions)
