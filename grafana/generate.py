@@ -46,6 +46,7 @@ REASON_COLORS: dict[str, str] = {
     "stabilizing": "light-blue",
     "dwell_time": "purple",
     "window_closed": "text",
+    "window_ending": "text",
     "restart_budget": "red",
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
@@ -664,6 +665,16 @@ def health_panels() -> list[tuple[Panel, int, int]]:
             ],
         )
     )
+    reload = (
+        big(
+            "Config reload",
+            "Did the latest reload (SIGHUP) take effect? A rejected one keeps the running "
+            "config; specd's log says why.",
+            "none",
+        )
+        .with_target(q(f"specd_config_reload_success{{{INST}}}", "{{instance}}", instant=True))
+        .mappings(value_text({"0": ("REJECTED", "red"), "1": ("ok", "green")}))
+    )
     version = (
         big("specd version", "From specd_build_info.", "none")
         .color_mode(cm.BigValueColorMode("none"))
@@ -671,12 +682,13 @@ def health_panels() -> list[tuple[Panel, int, int]]:
         .with_target(q(f"specd_build_info{{{INST}}}", "{{version}}", instant=True))
     )
     return [
-        (up, 5, 6),
+        (up, 4, 6),
         (sglang_up, 3, 6),
         (age, 3, 6),
+        (reload, 3, 6),
         (version, 3, 6),
-        (errors, 5, 6),
-        (tick, 5, 6),
+        (errors, 4, 6),
+        (tick, 4, 6),
     ]
 
 

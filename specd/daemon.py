@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specd.core import windows
-from specd.core.decide import Decision, Pick, Reason
+from specd.core.decide import Decision, Pick, Reason, window_left_s
 from specd.core.history import History, HistorySettings, Recorded
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
@@ -98,6 +98,8 @@ class RestartApplier(Protocol):
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None: ...
 
+    def stop_timeout_s(self) -> float: ...
+
 
 @dataclass
 class OverrideTracker:
@@ -152,7 +154,7 @@ class Daemon:
         self.client: SGLangReader = reader or SGLangClient(
             config.sglang_url, timeout_s=config.scrape_timeout_s, clock=self.clock
         )
-        self.applier: RestartApplier = applier or self._make_applier()
+        self.applier: RestartApplier = applier or self._make_applier(config, self.client)
         self.calibration = CalibrationFile(config.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
@@ -160,15 +162,16 @@ class Daemon:
         self.live_steps: int | None = None
         self.last_decision: Decision | None = None
         self._last_logged: tuple[str, int | None] | None = None
+        self._last_decision_key: object = None
         self._last_logged_at = 0.0
         self._last_saved_at = 0.0
 
     # -- wiring -------------------------------------------------------------------
-    def _make_applier(self) -> Applier:
-        assert isinstance(self.client, SGLangClient)
+    def _make_applier(self, config: Config, client: SGLangReader) -> Applier:
+        assert isinstance(client, SGLangClient)
         return Applier(
-            ApplySettings.from_config(self.config),
-            self.client,
+            ApplySettings.from_config(config),
+            client,
             self.runner,
             self._persist_journal,
             self.stop_event,
@@ -213,17 +216,36 @@ class Daemon:
 
     # -- reload -------------------------------------------------------------------
     def reload(self) -> None:
+        """Re-read the config (SIGHUP). All or nothing: every part of the new config is
+        built before any is swapped in, and a reload that fails for any reason keeps the
+        running config, says why, and never stops the daemon."""
         self._reload_requested.clear()
         self.notifier.reloading()
+        self.metrics.config_reload_time.set(self.clock())
         try:
             new = load_config(self.config_path)
+            parts = self._build_for(new)
         except ConfigError as exc:
-            for problem in exc.problems:
-                self.log.error("reload_rejected", problem=problem)
+            problems = exc.problems
+        except Exception as exc:  # a reload must never take the daemon down
+            problems = [f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"]
+        else:
+            problems = []
+        if problems:
+            self.metrics.config_reload_success.set(0)
+            for problem in problems:
+                self.log.error("reload_rejected", config=str(self.config_path), problem=problem)
             self.notifier.reloaded(self._status_text() + " (reload rejected, old config kept)")
             return
         old = self.config
-        self.config = new
+        client, applier, calibration, history_settings = parts
+        if client is not self.client:
+            self.client.close()
+        self.config, self.client, self.applier = new, client, applier
+        self.calibration = calibration
+        self.state.history.reconfigure(history_settings)
+        self.override.fingerprint = None  # re-read the override file too
+        self.metrics.config_reload_success.set(1)
         if (new.metrics_listen_address, new.metrics_port) != (
             old.metrics_listen_address,
             old.metrics_port,
@@ -231,25 +253,30 @@ class Daemon:
             self.log.warning(
                 "reload_partial", detail="metrics address changes need a restart of specd"
             )
-        reader_injected, applier_injected = self._injected
-        if not reader_injected and (
-            new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s
-        ):
-            self.client.close()
-            self.client = SGLangClient(
-                new.sglang_url, timeout_s=new.scrape_timeout_s, clock=self.clock
-            )
-        if not applier_injected:
-            self.applier = self._make_applier()
-        if new.calibration_file != old.calibration_file:
-            self.calibration = CalibrationFile(new.calibration_file)
-        self.state.history.reconfigure(HistorySettings.from_config(new))
-        self.override.fingerprint = None  # re-read the override file too
         # The keys a reload changed, so the journal shows what took effect.
         before = old.model_dump(mode="json")
         changed = {k: v for k, v in new.model_dump(mode="json").items() if before.get(k) != v}
         self.log.info("reloaded", config=str(self.config_path), changed=changed)
         self.notifier.reloaded(self._status_text())
+
+    def _build_for(
+        self, new: Config
+    ) -> tuple[SGLangReader, RestartApplier, CalibrationFile, HistorySettings]:
+        """What the loop would run with ``new``; raises if any part cannot be built."""
+        reader_injected, applier_injected = self._injected
+        old = self.config
+        client = self.client
+        if not reader_injected and (
+            new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s
+        ):
+            client = SGLangClient(new.sglang_url, timeout_s=new.scrape_timeout_s, clock=self.clock)
+        applier = self.applier if applier_injected else self._make_applier(new, client)
+        calibration = (
+            self.calibration
+            if new.calibration_file == old.calibration_file
+            else CalibrationFile(new.calibration_file)
+        )
+        return client, applier, calibration, HistorySettings.from_config(new)
 
     # -- the loop -----------------------------------------------------------------
     def start_metrics_server(self) -> None:
@@ -336,19 +363,22 @@ class Daemon:
             control=self.state.control(),
             calibration=calibration,
             calibration_problem=calibration_problem,
+            restart_needs_s=self._restart_needs_s(),
         )
         outcome = step(context, result, now)
         self.state.adopt(outcome.control)
         decision = outcome.decision
         self.last_decision = decision
         self.live_steps = outcome.current
+        self._note_live(outcome.current, now, "observation")
         self._report_predictions(outcome)
-        self._report_decision(decision, outcome.current, now, outcome.pick)
+        changed = self._report_decision(decision, outcome.current, now, outcome.pick)
         if outcome.acts:
             self._apply(decision, outcome.current, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
-        self._save_state()
+        # What `specd status` shows must not lag a change of decision by a save interval.
+        self._save_state(force=changed)
         self.metrics.tick_duration.observe(time.perf_counter() - started)
         return decision
 
@@ -409,6 +439,10 @@ class Daemon:
             good = None
         return good
 
+    def _note_live(self, steps: int | None, now: float, source: str) -> None:
+        self.live_steps = steps
+        self.state.live = {"t": now, "steps": steps, "source": source}
+
     def _report_predictions(self, outcome: StepResult) -> None:
         gauge = self.metrics.predicted_throughput
         gauge.clear()  # a step count that left the candidates must not keep a stale value
@@ -421,7 +455,8 @@ class Daemon:
         current: int | None,
         now: float,
         pick: Pick | None,
-    ) -> None:
+    ) -> bool:
+        """Export and log the decision; True when it differs from the previous one."""
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
         self.state.last_decision = {
@@ -432,6 +467,8 @@ class Daemon:
             "current_steps": current,
         }
         key = (decision.reason.value, target)
+        changed = (key, current) != self._last_decision_key
+        self._last_decision_key = (key, current)
         acts = decision.acts(current)
         if acts or key != self._last_logged or now - self._last_logged_at >= DECISION_RELOG_S:
             self.log.info(
@@ -446,9 +483,16 @@ class Daemon:
             )
             self._last_logged = key
             self._last_logged_at = now
+        return changed
+
+    def _restart_needs_s(self) -> float:
+        """The longest one restart takes: the unit's stop timeout plus the start."""
+        return self.applier.stop_timeout_s() + self.config.restart_cost_s
 
     def _window_open(self) -> bool:
-        return windows.is_open(self.config.windows, utc(self.clock()))
+        """Open, with time left for one whole restart (the quiet wait ends before that)."""
+        left = window_left_s(self.config, utc(self.clock()))
+        return left is not None and left >= self._restart_needs_s()
 
     def _apply(
         self, decision: Decision, current: int | None, override: Override | None, now: float
@@ -468,7 +512,7 @@ class Daemon:
         try:
             outcome = self.applier.apply(
                 decision.target_steps,
-                current if current is not None else decision.target_steps,
+                current,  # None when unknown: never pretend SGLang runs the target already
                 window_open=self._window_open,
                 force=force,
             )
@@ -507,7 +551,12 @@ class Daemon:
         self.state.history.mark_sglang_start(now)
         self.state.sglang_started_at = now
         self.state.adopt(self.state.control().after_restart(now))
+        if outcome.result == "rolled_back":
+            self._note_live(outcome.from_steps, now, "rollback")
+        elif outcome.result != "success":
+            self._note_live(None, now, "failed restart")
         if outcome.result == "success":
+            self._note_live(outcome.to_steps, now, "verified restart")
             log.info("restart_done", capacity=outcome.capacity)
         else:
             self.state.frozen = {

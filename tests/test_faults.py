@@ -269,7 +269,8 @@ SPRING = [  # 2026-03-29: 02:30 CET does not exist; the window opens at 03:00 CE
     ("2026-03-29T01:10:00", Reason.RESTART_BUDGET, False),
     ("2026-03-29T00:10:00", Reason.WINDOW_CLOSED, False),  # clock stepped back 1 h
     ("2026-03-29T01:02:00", Reason.DWELL_TIME, False),  # a restart "in the future" holds it
-    ("2026-03-29T01:29:59", Reason.RESTART_BUDGET, False),
+    # 1 s before the close no restart fits (issue 11 item 2), budget or not.
+    ("2026-03-29T01:29:59", Reason.WINDOW_ENDING, False),
     ("2026-03-29T01:30:00", Reason.WINDOW_CLOSED, False),
     ("2026-03-29T02:30:00", Reason.WINDOW_CLOSED, False),  # 04:30 CEST
 ]
@@ -814,3 +815,59 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
     }
     assert seen == {(8, 3, 4, 1, capacity)}
     assert runner.calls == []
+
+
+@pytest.mark.parametrize(
+    ("label", "bad"),
+    [
+        ("unknown key", b"no_such_key = 1\n"),
+        ("not TOML", b"this is = = not toml\n"),
+        ("nested thousands deep", b"x = " + b"[" * 100_000 + b"\n"),
+        ("not UTF-8", b"\xff\xfe = 1\n"),
+    ],
+)
+def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int], label: str, bad: bytes
+) -> None:
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_restart_budget_remaining") == 4
+                or proc.poll() is not None
+            ),
+            20,
+            "specd's metrics",
+        )
+        assert proc.poll() is None, log.read_text()
+        config_path.write_bytes(bad)
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_config_reload_success") == 0 or proc.poll() is not None
+            ),
+            10,
+            "the rejected reload",
+        )
+        assert proc.poll() is None, log.read_text()[-2000:]
+        rejected = events_named(log, "reload_rejected")
+        assert rejected, log.read_text()[-2000:]
+        assert all("\n" not in str(e["problem"]) for e in rejected)
+        assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
+        assert (metric(metrics_port, "specd_config_reload_timestamp_seconds") or 0) > 0
+        # The next good reload takes effect and clears the signal.
+        write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=3)
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: metric(metrics_port, "specd_restart_budget_remaining") == 3, 10, "the reload"
+        )
+        assert metric(metrics_port, "specd_config_reload_success") == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

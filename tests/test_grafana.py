@@ -36,6 +36,7 @@ SCHEMA_TYPES = "node_modules/@grafana/schema/dist/types/raw/dashboard/x/types.ge
 NOT_ON_DASHBOARD = {
     "specd_last_decision_timestamp_seconds",  # the decision panels show when
     "specd_state_load_errors_total",  # once at start; the log says it
+    "specd_config_reload_timestamp_seconds",  # the reload panel and the log show the outcome
 }
 
 

@@ -23,7 +23,7 @@ from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.override import daemon_uids, read_override
 from specd.io.sglang import SGLangClient
-from specd.io.state import STATE_FILE, State, StateFormatError, read_json
+from specd.io.state import STATE_FILE, State, read_state
 
 DAY_S = 86400.0
 
@@ -31,10 +31,10 @@ DAY_S = 86400.0
 def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, str]:
     path = state_dir / STATE_FILE
     try:
-        return State.from_dict(read_json(path), settings), f"history from {path}"
+        return read_state(path, settings), f"history from {path}"
     except FileNotFoundError:
         return State(history=History(settings)), "no state file: history from samples only"
-    except (OSError, ValueError, StateFormatError) as exc:
+    except (OSError, ValueError) as exc:
         return State(history=History(settings)), f"state file unusable ({exc}): samples only"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,9 +16,10 @@ from typing import Any
 
 from specd.commands.check_config import load_for_command
 from specd.core import windows
+from specd.core.history import HistorySettings
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import daemon_uids, read_override
-from specd.io.state import STATE_FILE, read_json
+from specd.io.state import STATE_FILE, State, read_state
 
 DAY_S = 86400.0
 
@@ -39,16 +41,17 @@ def _when(ts: float | None, now: float) -> str:
 
 
 def collect(config: Config, now: float) -> dict[str, Any]:
+    """What the on-call needs, from the state file as the daemon validates it."""
     state_path = Path(config.state_dir) / STATE_FILE
+    state_problem: str | None = None
+    unreadable = False
     try:
-        state = read_json(state_path)
-        state_problem = None if isinstance(state, dict) else "not a JSON object"
+        state = read_state(state_path, HistorySettings.from_config(config))
     except FileNotFoundError:
-        state, state_problem = {}, "no state yet (specd has not run)"
+        state, state_problem = State(), "no state yet (specd has not run)"
     except (OSError, ValueError) as exc:
-        state, state_problem = {}, f"unreadable: {exc}"
-    if not isinstance(state, dict):
-        state = {}
+        detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+        state, state_problem, unreadable = State(), f"{state_path}: {detail}", True
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override(
         Path(config.override_file),
@@ -58,12 +61,16 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         allowed_uids=daemon_uids(),
     )
     current = override.override if override.valid else None
-    restarts = [r for r in state.get("restarts", []) if now - float(r.get("t", 0)) < DAY_S]
-    decision = state.get("last_decision") or {}
+    restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
+    decision = state.last_decision
+    live = state.live or {}
     return {
         "state_file": str(state_path),
         "state_problem": state_problem,
-        "current_steps": decision.get("current_steps"),
+        "state_unreadable": unreadable,
+        "current_steps": live.get("steps"),
+        "live_since": live.get("t"),
+        "live_source": live.get("source"),
         "target_steps": decision.get("target_steps"),
         "last_decision": decision,
         "mode": current.mode if current is not None and current.active(at) else "auto",
@@ -79,8 +86,8 @@ def collect(config: Config, now: float) -> dict[str, Any]:
             else None,
             "reason": current.reason if current else None,
         },
-        "frozen": state.get("frozen"),
-        "restart_in_progress": state.get("journal"),
+        "frozen": state.frozen,
+        "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
         "restart_budget_remaining": max(0, config.daily_restart_budget - len(restarts)),
         "window_open": windows.is_open(config.windows, at),
@@ -92,7 +99,12 @@ def collect(config: Config, now: float) -> dict[str, Any]:
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
     lines = [
-        f"steps live     {info['current_steps'] if info['current_steps'] is not None else '?'}",
+        f"steps live     {info['current_steps'] if info['current_steps'] is not None else '?'}"
+        + (
+            f" ({info['live_source']}, {_when(info['live_since'], now)})"
+            if info["live_since"]
+            else ""
+        ),
         f"target         {info['target_steps'] if info['target_steps'] is not None else '?'}",
         f"mode           {info['mode']}",
         f"last decision  {d.get('reason', '-')}: {d.get('message', '-')} "
@@ -137,4 +149,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     info = collect(config, now)
     print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
+    if info["state_unreadable"]:
+        # Unreadable (permissions: run as root or a member of group specd) or invalid:
+        # scripts and the on-call must not take the output above for specd's state.
+        print(f"specd status: {info['state_problem']}", file=sys.stderr)
+        return 1
     return 0

@@ -43,6 +43,8 @@ class Reason(str, enum.Enum):
     DWELL_TIME = "dwell_time"
     RESTART_BUDGET = "restart_budget"
     WINDOW_CLOSED = "window_closed"
+    # Open, but closing before one restart of this unit could finish.
+    WINDOW_ENDING = "window_ending"
     OVERRIDE_PIN = "override_pin"
     FROZEN = "frozen"
     CHANGE = "change"
@@ -246,6 +248,28 @@ def _window_message(config: Config, at: datetime, change: str) -> str:
     return f"maintenance window closed ({nxt}): {change} waits"
 
 
+def window_left_s(config: Config, at: datetime) -> float | None:
+    """Seconds until the open maintenance window closes; None when none is open."""
+    current = windows.current_window(config.windows, at)
+    return None if current is None else (current[1] - at).total_seconds()
+
+
+def _window_blocks(
+    config: Config, at: datetime, restart_needs_s: float, change: str
+) -> tuple[Reason, str] | None:
+    """Why the window does not allow a restart now (closed, or closing before one restart
+    of the unit could finish), or None."""
+    left = window_left_s(config, at)
+    if left is None:
+        return Reason.WINDOW_CLOSED, _window_message(config, at, change)
+    if left < restart_needs_s:
+        return Reason.WINDOW_ENDING, (
+            f"maintenance window closes in {_duration(left)}, one restart needs up to "
+            f"{_duration(restart_needs_s)} (stop timeout + start): {change} waits"
+        )
+    return None
+
+
 def decide(
     history: History,
     obs: Observation | ScrapeError | None,
@@ -254,9 +278,11 @@ def decide(
     now: float,
     control: Control,
     pick: Pick | None,
+    restart_needs_s: float = 0.0,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
-    ``control.current_steps`` (`choose`). See the module docstring."""
+    ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
+    open window with ``restart_needs_s`` to spare. See the module docstring."""
     at = _utc(now)
     current = control.current_steps
     hold = None if current is None else clamp(current, config)
@@ -286,12 +312,9 @@ def decide(
             return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live")
         if active.apply == "now":
             return Decision(pin, Reason.OVERRIDE_PIN, f"{said}, apply now: {_arrow(current, pin)}")
-        if not windows.is_open(config.windows, at):
-            return Decision(
-                pin,
-                Reason.WINDOW_CLOSED,
-                f"{said}; {_window_message(config, at, _arrow(current, pin))}",
-            )
+        blocked = _window_blocks(config, at, restart_needs_s, _arrow(current, pin))
+        if blocked is not None:
+            return Decision(pin, blocked[0], f"{said}; {blocked[1]}")
         used = sum(1 for t in control.restart_times if t > now - DAY_S)
         if used >= config.daily_restart_budget:
             return Decision(
@@ -351,10 +374,9 @@ def decide(
         )
 
     # 5. When a change may happen: window, dwell, budget.
-    if not windows.is_open(config.windows, at):
-        return Decision(
-            target, Reason.WINDOW_CLOSED, f"{why}; {_window_message(config, at, change)}"
-        )
+    blocked = _window_blocks(config, at, restart_needs_s, change)
+    if blocked is not None:
+        return Decision(target, blocked[0], f"{why}; {blocked[1]}")
     if control.restart_times:
         since = now - max(control.restart_times)
         if since < config.min_dwell_s:

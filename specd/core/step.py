@@ -39,6 +39,9 @@ class StepContext:
     calibration: Calibration | None = None
     # Why a configured calibration could not be used (one line), for the decision's message.
     calibration_problem: str | None = None
+    # The longest one restart of the unit takes (its stop timeout + the start): a change
+    # waits for a window with that much time left.
+    restart_needs_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         )
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.stabilization_window_s)
-    decision = decide(ctx.history, observation, config, ctx.override, now, control, pick)
+    decision = decide(
+        ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
+    )
     predictions = pick.predictions if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions)

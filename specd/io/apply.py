@@ -38,6 +38,7 @@ from specd.core.observation import Observation, ScrapeError
 from specd.io import logs
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus
+from specd.io.timespan import timespan_s
 
 ENV_STEPS = "SPECD_SPEC_STEPS"
 ENV_DRAFT_TOKENS = "SPECD_SPEC_DRAFT_TOKENS"
@@ -164,6 +165,15 @@ class ApplySettings:
 
 def restart_argv(unit: str) -> list[str]:
     return ["systemctl", "--no-ask-password", "restart", unit]
+
+
+def stop_timeout_argv(unit: str) -> list[str]:
+    """Read-only: the unit's TimeoutStopSec= as systemd resolved it (e.g. '5min')."""
+    return ["systemctl", "show", "--property=TimeoutStopUSec", "--value", unit]
+
+
+# systemd's DefaultTimeoutStopSec=, assumed while the unit's own cannot be read.
+DEFAULT_STOP_TIMEOUT_S = 90.0
 
 
 def unit_state_argv(unit: str) -> list[str]:
@@ -474,6 +484,7 @@ class Applier:
         self._mono = monotonic
         self._restart_started: float | None = None
         self._journal: Journal | None = None
+        self._stop_timeout_s: float | None = None
         self.log = logs.get_logger(component="apply")
 
     # -- public ---------------------------------------------------------------------
@@ -507,6 +518,8 @@ class Applier:
         if target == current:
             return self._aborted(current, target, f"SGLang already runs {target} steps")
 
+        # The window check below (window_open) counts the unit's real stop timeout.
+        self._read_stop_timeout()
         why_not = self._wait_quiet(window_open, force)
         if why_not is not None:
             return self._aborted(current, target, why_not)
@@ -799,6 +812,21 @@ class Applier:
                     f"(last /health_generate: {status.name})"
                 )
             self._pause(min(s.health_poll_interval_s, left))
+
+    def stop_timeout_s(self) -> float:
+        """How long systemd lets the unit stop (TimeoutStopSec=), as last read at a restart;
+        systemd's default until then (specd forks nothing between restarts)."""
+        return DEFAULT_STOP_TIMEOUT_S if self._stop_timeout_s is None else self._stop_timeout_s
+
+    def _read_stop_timeout(self) -> None:
+        """Read the unit's TimeoutStopSec= (once per applier); an infinite one counts as the
+        restart command's own timeout, which bounds a stop in practice."""
+        if self._stop_timeout_s is not None:
+            return
+        result = self.runner(stop_timeout_argv(self.settings.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+        value = timespan_s(result.stdout) if result.returncode == 0 else None
+        if value is not None:
+            self._stop_timeout_s = min(value, self.settings.restart_command_timeout_s)
 
     def _unit_failed(self) -> bool:
         """True only when systemd says the unit failed; any doubt means keep waiting."""

@@ -185,6 +185,18 @@ class Metrics:
             "Failed writes of the state file (disk full, read-only, ...).",
             registry=r,
         )
+        self.config_reload_success = Gauge(
+            "specd_config_reload_success",
+            "1 if the latest reload (SIGHUP) took effect, 0 if it was rejected and the "
+            "running config kept; 1 before any reload.",
+            registry=r,
+        )
+        self.config_reload_success.set(1)
+        self.config_reload_time = Gauge(
+            "specd_config_reload_timestamp_seconds",
+            "Unix time of the latest reload attempt; 0 before any.",
+            registry=r,
+        )
         self.state_load_errors = Counter(
             "specd_state_load_errors_total",
             "State files found corrupt or unreadable at start (history is rebuilt).",

@@ -24,6 +24,7 @@ from specd.core.history import History, HistorySettings
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1
+STATE_FILE_MODE = 0o640
 
 
 def atomic_write_json(path: str | Path, obj: Any, mode: int = 0o600) -> None:
@@ -86,6 +87,9 @@ class State:
     # [t, steps] of recent policy recommendations, for the stabilization window.
     recommendations: list[list[float]] = field(default_factory=list)
     sglang_started_at: float | None = None
+    # What SGLang runs, per the latest observation or verified restart: {t, steps, source}
+    # (steps null when the latest scrape failed). `specd status` shows it.
+    live: dict[str, Any] | None = None
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +102,7 @@ class State:
             "frozen": self.frozen,
             "recommendations": self.recommendations,
             "sglang_started_at": self.sglang_started_at,
+            "live": self.live,
         }
 
     @classmethod
@@ -128,6 +133,7 @@ class State:
                 _recommendation(i, r) for i, r in enumerate(_list(data, "recommendations"))
             ],
             sglang_started_at=_optional_number(data, "sglang_started_at"),
+            live=_live(data.get("live")),
             version=STATE_VERSION,
         )
 
@@ -195,6 +201,20 @@ def _frozen(value: Any) -> dict[str, Any] | None:
     return value
 
 
+def _live(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    steps = value.get("steps") if isinstance(value, dict) else None
+    if (
+        not isinstance(value, dict)
+        or not _is_number(value.get("t"))
+        or not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool)))
+        or not isinstance(value.get("source"), str)
+    ):
+        raise StateFormatError("live: expected null or an object with numeric t, steps, source")
+    return value
+
+
 def _recommendation(index: int, entry: Any) -> list[float]:
     if (
         not isinstance(entry, list)
@@ -209,6 +229,17 @@ def _recommendation(index: int, entry: Any) -> list[float]:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_state(path: str | Path, history_settings: HistorySettings | None = None) -> State:
+    """The state at ``path``, validated as the daemon validates it (status, recommend and
+    the daemon share this). Raises FileNotFoundError, OSError, or ValueError (one line)."""
+    try:
+        return State.from_dict(read_json(path), history_settings)
+    except StateFormatError as exc:
+        raise StateFormatError(f"invalid ({_one_line(exc)})") from None
+    except (RecursionError, ValueError) as exc:  # bad JSON or UTF-8, absurd nesting
+        raise ValueError(f"unreadable ({_one_line(exc)})") from None
 
 
 class StateStore:
@@ -236,16 +267,14 @@ class StateStore:
         state.json.corrupt-<unix> for a post-mortem, so the next save cannot destroy it.
         """
         try:
-            data = read_json(self.path)
+            return read_state(self.path, self.history_settings), None
         except FileNotFoundError:
             return self.fresh(), None
-        except (OSError, ValueError) as exc:
-            return self.fresh(), self._set_aside(f"unreadable ({_one_line(exc)})")
-        try:
-            state = State.from_dict(data, self.history_settings)
         except StateFormatError as exc:
-            return self.fresh(), self._set_aside(f"invalid ({_one_line(exc)})")
-        return state, None
+            return self.fresh(), self._set_aside(str(exc))
+        except (OSError, ValueError) as exc:
+            reason = str(exc) if isinstance(exc, ValueError) else f"unreadable ({_one_line(exc)})"
+            return self.fresh(), self._set_aside(reason)
 
     def _set_aside(self, why: str) -> str:
         stamp = int(self._clock())
@@ -263,8 +292,9 @@ class StateStore:
     def save(self, state: State) -> str | None:
         """Write ``state`` atomically; a one-line error (disk full, read-only, ...) or None."""
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            atomic_write_json(self.path, state.to_dict())
+            # Group-readable: members of group specd (the on-call) run `specd status`.
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            atomic_write_json(self.path, state.to_dict(), mode=STATE_FILE_MODE)
         except (OSError, ValueError, TypeError) as exc:
             return f"cannot write {self.path}: {_one_line(exc)}"
         return None

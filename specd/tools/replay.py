@@ -370,7 +370,11 @@ def replay(
             made = forecast_epoch(history, opens[span_i][1], nxt)
             if made is not None:
                 forecasts[span_i] = made
-        context = StepContext(config, history, None, control, calibration)
+        # No unit to stop in the simulation: a restart needs just the start, as specd
+        # estimates it (the daemon adds the unit's stop timeout).
+        context = StepContext(
+            config, history, None, control, calibration, restart_needs_s=config.restart_cost_s
+        )
         began = time.perf_counter()
         outcome = step(context, obs, t)
         costs.append((time.perf_counter() - began) * 1000)

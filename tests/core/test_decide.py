@@ -308,6 +308,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "dwell_time",
         "restart_budget",
         "window_closed",
+        "window_ending",
         "override_pin",
         "frozen",
         "change",

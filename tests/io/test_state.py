@@ -130,7 +130,8 @@ def test_state_round_trips_through_the_store(tmp_path: Path) -> None:
     store = StateStore(tmp_path)
     state = populated()
     assert store.save(state) is None
-    assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == 0o600
+    # Group-readable for the on-call in group specd (`specd status`); never world-readable.
+    assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == 0o640
     loaded, problem = store.load()
     assert problem is None
     assert loaded.to_dict() == state.to_dict()

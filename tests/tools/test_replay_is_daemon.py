@@ -122,6 +122,9 @@ class SimulatedApplier:
     def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
         return None
 
+    def stop_timeout_s(self) -> float:
+        return 0.0  # replay's restart is the start alone
+
 
 def run_daemon(
     tr: Trace, cfg: Config, initial: int

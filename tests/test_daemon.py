@@ -1,0 +1,281 @@
+"""The daemon loop's promises to the on-call (issue 11 items 2, 3, 4): an unknown live
+setting is unknown, the state file follows every decision change and restart outcome at
+once, it is readable by group specd and by `specd status` exactly as the daemon reads it,
+and a restart starts only where the window leaves time for all of it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+from factories import make_observation
+from prometheus_client import CollectorRegistry
+
+from specd.core.decide import Reason
+from specd.core.history import History, HistorySettings
+from specd.core.observation import Observation, ScrapeError
+from specd.daemon import Daemon
+from specd.io.apply import ApplyOutcome
+from specd.io.config import Config
+from specd.io.notify import Notifier
+from specd.io.state import STATE_FILE
+from specd.io.timespan import timespan_s
+
+UTC = timezone.utc
+REPO = Path(__file__).resolve().parents[1]
+# Monday 2026-01-05 03:30 UTC: 30 minutes into the default daily 03:00 window.
+IN_WINDOW = datetime(2026, 1, 5, 3, 30, tzinfo=UTC).timestamp()
+WINDOW_CLOSES = datetime(2026, 1, 5, 4, 0, tzinfo=UTC).timestamp()
+
+
+class Reader:
+    """SGLang as a script: each observe() returns the next result (the last repeats)."""
+
+    def __init__(self, results: list[Observation | ScrapeError]) -> None:
+        self.results = results
+
+    def observe(self) -> Observation | ScrapeError:
+        return self.results.pop(0) if len(self.results) > 1 else self.results[0]
+
+    def close(self) -> None:
+        pass
+
+
+class Applier:
+    """Records what the daemon asked; the restart succeeds at once."""
+
+    def __init__(self, stop_timeout_s: float = 0.0) -> None:
+        self.calls: list[tuple[int, int | None]] = []
+        self._stop_timeout_s = stop_timeout_s
+
+    def apply(
+        self,
+        target: int,
+        current: int | None,
+        *,
+        window_open: Callable[[], bool],
+        force: bool = False,
+    ) -> ApplyOutcome:
+        self.calls.append((target, current))
+        return ApplyOutcome("success", current, target, 1.0, "verified", 13, 1)
+
+    def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
+        return None
+
+    def stop_timeout_s(self) -> float:
+        return self._stop_timeout_s
+
+
+def config(tmp_path: Path, **extra: Any) -> Config:
+    (tmp_path / "state").mkdir(exist_ok=True)
+    return Config(
+        state_dir=str(tmp_path / "state"),
+        override_file=str(tmp_path / "override.toml"),
+        env_file=str(tmp_path / "sglang.env"),
+        min_history_s=600,
+        stabilization_window_s=0,
+        min_dwell_s=0,
+        warmup_exclude_s=0,
+        **extra,
+    )
+
+
+def obs(t: float, steps: int | None = 3, running: int = 1) -> Observation:
+    return make_observation(t, steps=steps, running=running, accept_length=2.5)
+
+
+def daemon(cfg: Config, reader: Reader, applier: Applier, clock: list[float]) -> Daemon:
+    d = Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: clock[0],
+        notifier=Notifier({}),
+        reader=reader,
+        applier=applier,
+    )
+    d.state.history = busy(cfg, clock[0], offered=1)  # the bands policy wants 4 steps
+    return d
+
+
+def busy(cfg: Config, end: float, offered: int) -> History:
+    history = History(HistorySettings.from_config(cfg))
+    for i in range(400):
+        history.record(make_observation(end - 5 * (400 - i), running=offered, steps=None))
+    return history
+
+
+def saved(cfg: Config) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((Path(cfg.state_dir) / STATE_FILE).read_text())
+    return data
+
+
+def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    reader = Reader([obs(IN_WINDOW, steps=4), ScrapeError("timeout", "no answer", IN_WINDOW)])
+    applier = Applier()
+    d = daemon(cfg, reader, applier, clock)
+    d.tick()
+    assert d.live_steps == 4
+    clock[0] += 5
+    d.tick()  # the scrape fails
+    assert d.live_steps is None
+    value = d.metrics.registry.get_sample_value("specd_steps_current")
+    assert value is not None
+    assert math.isnan(value)
+    assert d._status_text().startswith("steps ?")
+    assert saved(cfg)["live"]["steps"] is None
+    # An on-call pin with apply = "now" is still obeyed, and the applier is told the
+    # truth: the live setting is unknown (it used to hear "4" and abort, saying SGLang
+    # already runs 4 steps while it ran 3).
+    expires = datetime.fromtimestamp(IN_WINDOW + 3600, tz=UTC)
+    override = {"mode": "pin", "steps": 4, "expires_at": expires, "reason": "incident"}
+    Path(cfg.override_file).write_text(tomli_w.dumps({**override, "apply": "now"}))
+    os.chmod(cfg.override_file, 0o600)
+    clock[0] += 5
+    decision = d.tick()
+    assert decision.reason is Reason.OVERRIDE_PIN
+    assert applier.calls == [(4, None)]
+
+
+def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    reader = Reader([obs(IN_WINDOW, steps=3)])
+    applier = Applier()
+    d = daemon(cfg, reader, applier, clock)
+    d.tick()  # wants 4, changes: the restart outcome is saved with what now runs
+    assert applier.calls == [(4, 3)]
+    state = saved(cfg)
+    assert state["live"] == {"t": IN_WINDOW, "steps": 4, "source": "verified restart"}
+    assert state["restarts"][-1]["to_steps"] == 4
+    # A few seconds later (well inside the 60 s save interval) the decision changes: saved.
+    reader.results = [obs(IN_WINDOW + 5, steps=4)]
+    clock[0] += 5
+    d.tick()
+    state = saved(cfg)
+    assert state["last_decision"]["t"] == IN_WINDOW + 5
+    assert state["last_decision"]["reason"] == Reason.WITHIN_TOLERANCE.value
+    assert state["live"]["steps"] == 4
+    # An unchanged decision waits for the save interval.
+    clock[0] += 5
+    d.tick()
+    assert saved(cfg)["last_decision"]["t"] == IN_WINDOW + 5
+
+
+@pytest.mark.parametrize(
+    ("left_s", "stop_timeout_s", "reason"),
+    [
+        (1800.0, 90.0, Reason.CHANGE),
+        # 100 s of start (restart_cost_s) + a 300 s stop timeout do not fit in 5 minutes.
+        (300.0, 300.0, Reason.WINDOW_ENDING),
+        (300.0, 0.0, Reason.CHANGE),
+    ],
+)
+def test_a_restart_starts_only_when_the_window_leaves_time_for_all_of_it(
+    tmp_path: Path, left_s: float, stop_timeout_s: float, reason: Reason
+) -> None:
+    cfg = config(tmp_path)
+    now = WINDOW_CLOSES - left_s
+    clock = [now]
+    applier = Applier(stop_timeout_s=stop_timeout_s)
+    d = daemon(cfg, Reader([obs(now, steps=3)]), applier, clock)
+    decision = d.tick()
+    assert decision.reason is reason, decision.message
+    assert bool(applier.calls) is (reason is Reason.CHANGE)
+    assert d._window_open() is (left_s >= stop_timeout_s + cfg.restart_cost_s)
+    if reason is Reason.WINDOW_ENDING:
+        assert "one restart needs up to" in decision.message
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("5min", 300.0),
+        ("1min 30s", 90.0),
+        ("500ms", 0.5),
+        ("90000000", 90.0),
+        ("infinity", math.inf),
+        ("1h 2min 3s", 3723.0),
+        ("", None),
+        ("5 parsecs", None),
+        ("-1s", None),
+        ("nans", None),
+    ],
+)
+def test_systemd_timespans(text: str, seconds: float | None) -> None:
+    assert timespan_s(text) == seconds
+
+
+@pytest.fixture
+def world_traversable() -> Iterator[Path]:
+    """A directory other users can reach (pytest's own tmp tree is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="specd-status-"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_status(cfg_path: Path, *prefix: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "specd.cli", "status", "--config", str(cfg_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run status as another user")
+def test_status_reads_as_group_specd_and_fails_loudly_when_it_cannot(
+    world_traversable: Path,
+) -> None:
+    tmp_path = world_traversable
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), clock)
+    d.tick()
+    path = Path(cfg.state_dir) / STATE_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    cfg_path = tmp_path / "specd.toml"
+    cfg_path.write_text(tomli_w.dumps(json.loads(cfg.model_dump_json(exclude_none=True))))
+    os.chmod(cfg_path, 0o644)
+    os.chmod(cfg.state_dir, 0o750)  # as StateDirectoryMode= makes it
+    os.chown(cfg.state_dir, 0, 4242)
+    gid = 4242  # stands for group specd: the file's group, and the on-call's
+    os.chown(path, 0, gid)
+    on_call = ("setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups")
+    ok = run_status(cfg_path, *on_call)
+    assert ok.returncode == 0, ok.stderr
+    assert "steps live     4 (observation" in ok.stdout
+    # Not in the group: permission denied is an error, not a status.
+    stranger = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+    denied = run_status(cfg_path, *stranger)
+    assert denied.returncode == 1
+    assert "Permission denied" in denied.stderr
+    assert len(denied.stderr.strip().splitlines()) == 1
+    # A state the daemon would reject, status rejects too (one validation for both).
+    path.write_text(json.dumps({**json.loads(path.read_text()), "restarts": 5}))
+    bad = run_status(cfg_path)
+    assert bad.returncode == 1
+    assert "restarts" in bad.stderr
+    assert "Traceback" not in bad.stderr + bad.stdout
