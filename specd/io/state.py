@@ -8,11 +8,9 @@ Plain JSON only (no pickles), so an operator can read it and nothing in it execu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,49 +18,33 @@ from pathlib import Path
 from typing import Any
 
 from specd.core.history import History, HistorySettings
+from specd.io import files
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1
+# Weeks of history are ~100 KB; a state file 100x that is not one specd wrote.
+MAX_STATE_BYTES = 16 * files.MIB
 
 
 def atomic_write_json(path: str | Path, obj: Any, mode: int = 0o600) -> None:
     """Replace ``path`` with ``obj`` as JSON; readers see the old file or the new one.
 
-    Temporary file in the same directory (so the rename is atomic), fsync of the file
-    before the rename and of the directory after it (so a power cut cannot leave an
-    empty or half-written file). Raises OSError, or ValueError for unserializable data
-    (NaN and infinities included: they are not JSON).
+    ``specd.io.files.write_atomic``: unique temporary file, fsync, rename, fsync of the
+    directory, never through a symlink. Raises OSError, or ValueError for unserializable
+    data (NaN and infinities included: they are not JSON).
     """
-    target = Path(path)
     # Compact: the history makes state.json ~100 KB, rewritten every minute (jq reads it).
     data = (json.dumps(obj, allow_nan=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
+    files.write_atomic(path, data, mode=mode)
 
 
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
+    """Parse the JSON file at ``path`` (a regular file, not a symlink, ≤ ``max_bytes``).
 
-
-def read_json(path: str | Path) -> Any:
-    """Parse the JSON file at ``path``. Raises OSError or ValueError (bad JSON/UTF-8)."""
-    with open(path, "rb") as f:
-        return json.loads(f.read().decode("utf-8"))
+    Raises ``files.MissingFileError`` when absent, else ``files.FileReadError`` or
+    ``files.ParseError`` (bad, too deep or absurd JSON); all are ValueErrors, one line.
+    """
+    return files.parse_json(files.read_regular_file(path, max_bytes))
 
 
 class StateFormatError(ValueError):
@@ -232,11 +214,15 @@ class StateStore:
         state.json.corrupt-<unix> for a post-mortem, so the next save cannot destroy it.
         """
         try:
-            data = read_json(self.path)
-        except FileNotFoundError:
+            raw = files.read_regular_file(self.path, MAX_STATE_BYTES)
+        except files.MissingFileError:
             return self.fresh(), None
-        except (OSError, ValueError) as exc:
-            return self.fresh(), self._set_aside(f"unreadable ({_one_line(exc)})")
+        except files.FileReadError as exc:
+            return self.fresh(), self._set_aside(f"unreadable ({exc.problem})")
+        try:
+            data = files.parse_json(raw)
+        except files.ParseError as exc:
+            return self.fresh(), self._set_aside(f"unreadable ({exc})")
         try:
             state = State.from_dict(data, self.history_settings)
         except StateFormatError as exc:
