@@ -43,6 +43,7 @@ from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.forecast import Forecast, forecast_epoch
 from specd.core.perftable import PerfTable, PerfTableError
+from specd.io import tables
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -70,27 +71,18 @@ class ModelError(ValueError):
 
 
 # -- calibration files ------------------------------------------------------------------
-_CACHE: dict[str, tuple[tuple[int, int], PerfTable]] = {}
-
-
 def load_calibration(path: str | Path) -> PerfTable:
-    """The calibration table at ``path``, re-read only when the file changes."""
-    p = Path(path)
+    """The calibration table at ``path``, re-read only when the file changes.
+
+    The read is io's (bounded, regular files only); it moves out of the core with the
+    pure step, which takes the table instead of its path.
+    """
     try:
-        st = p.stat()
-    except OSError as exc:
-        raise ModelError(f"{p}: cannot read calibration: {exc.strerror or exc}") from None
-    key = (st.st_mtime_ns, st.st_size)
-    cached = _CACHE.get(str(p))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        table = PerfTable.from_csv(p)
+        table = tables.load_calibration(path)
     except PerfTableError as exc:
-        raise ModelError(str(exc)) from None
+        raise ModelError(f"cannot read calibration: {exc}") from None
     if not any(k >= 1 for k in table.steps()):
-        raise ModelError(f"{p}: calibration has no speculative step count (steps >= 1)")
-    _CACHE[str(p)] = (key, table)
+        raise ModelError(f"{path}: calibration has no speculative step count (steps >= 1)")
     return table
 
 

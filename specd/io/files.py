@@ -107,7 +107,7 @@ def read_regular_file_and_stat(
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
-        raise MissingFileError(path, "no such file") from None
+        raise MissingFileError(path, f"cannot read: {os.strerror(errno.ENOENT)}") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP and not follow_symlinks:
             raise FileReadError(

@@ -25,6 +25,7 @@ from specd.core.model import (
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
 from specd.io.config import Config
+from specd.io.tables import write_table
 from specd.twin import preset
 
 UTC = timezone.utc
@@ -230,7 +231,7 @@ def test_a_calibration_is_reread_when_it_changes(tmp_path: Path) -> None:
 # -- the policy -------------------------------------------------------------------------
 def config(tmp_path: Path, **kwargs: Any) -> Config:
     path = tmp_path / "cal.csv"
-    SEED.to_csv(path)
+    write_table(path, SEED)
     base: dict[str, Any] = {"calibration_file": str(path), "min_history_s": 600}
     return Config(**{**base, **kwargs})
 

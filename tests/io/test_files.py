@@ -57,7 +57,7 @@ def test_a_missing_file_is_its_own_error_and_a_file_not_found_error(tmp_path: Pa
         files.read_regular_file(tmp_path / "none", CAP)
     assert isinstance(info.value, FileNotFoundError)
     assert isinstance(info.value, files.FileReadError)
-    assert str(info.value) == f"{tmp_path / 'none'}: no such file"
+    assert str(info.value) == f"{tmp_path / 'none'}: cannot read: No such file or directory"
 
 
 def _fifo(tmp_path: Path) -> Path:

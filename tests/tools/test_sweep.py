@@ -23,10 +23,10 @@ from factories import make_observation
 
 from specd.commands import sweep as sweep_cmd
 from specd.core.observation import Observation
-from specd.core.perftable import PerfTable
 from specd.io.apply import ApplySettings, read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
+from specd.io.tables import read_table
 from specd.tools import sweep as sw
 from specd.twin.preset import preset_table
 from specd.twin.process import free_port
@@ -132,7 +132,7 @@ def test_sweep_matches_the_twins_truth_writes_files_and_restores(
     assert report.ok, report.to_dict()
     assert sweep_cmd.exit_code(report) == 0
     truth = preset_table()
-    measured = PerfTable.from_csv(out / sw.CSV_NAME)  # the calibration format, read back
+    measured = read_table(out / sw.CSV_NAME)  # the calibration format, read back
     assert measured.steps() == [2, 4]
     for row in measured.rows:
         want = truth.throughput(row.steps, row.concurrency)
@@ -176,7 +176,7 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     assert unit.live_steps() == DEFAULT_STEPS
     assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
     assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
-    assert PerfTable.from_csv(out / sw.CSV_NAME).steps() == [4]
+    assert read_table(out / sw.CSV_NAME).steps() == [4]
 
 
 def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
