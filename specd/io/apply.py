@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from specd.core.observation import Observation, ScrapeError
+from specd.core.text import is_service_name
 from specd.io import files, logs
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus
@@ -72,8 +72,6 @@ TERMINAL_RESULTS: dict[str, Result] = {
 MAX_ATTEMPTS = 3
 MAX_JOURNAL_MESSAGES = 40
 UNIT_STATE_TIMEOUT_S = 10.0
-# Unit names as systemd spells them; a leading "-" would turn the name into an option.
-_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\][A-Za-z0-9:_.@\\-]{0,254}$")
 
 
 class SGLangProbe(Protocol):
@@ -128,8 +126,10 @@ class ApplySettings:
     verify_attempts: int = 3
 
     def __post_init__(self) -> None:
-        if not _UNIT_RE.match(self.unit):
-            raise ValueError(f"sglang_unit: {self.unit!r} is not a systemd unit name")
+        if not is_service_name(self.unit):
+            raise ValueError(
+                f"sglang_unit: {self.unit!r} is not a systemd unit name such as sglang.service"
+            )
         if not 0 <= self.min_steps <= self.max_steps:
             raise ValueError(f"steps range {self.min_steps}..{self.max_steps} is empty")
         if not self.quiet_deadline_s >= 0:

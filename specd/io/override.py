@@ -30,6 +30,7 @@ from typing import Any
 import tomli_w
 
 from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
+from specd.core.text import duration_text
 from specd.io import files
 
 KEYS = ("mode", "steps", "expires_at", "reason", "apply")
@@ -155,7 +156,8 @@ def parse_override(
         if expires_at <= current:
             raise ValueError(
                 f"expires_at: {expires_at:%Y-%m-%dT%H:%M:%SZ} has passed "
-                f"({_human(current - expires_at)} ago); specd ignores this {mode}"
+                f"({duration_text((current - expires_at).total_seconds())} ago); "
+                f"specd ignores this {mode}"
             )
     return Override(mode=mode, steps=steps, expires_at=expires_at, reason=reason, apply=apply)
 
@@ -212,19 +214,6 @@ def parse_duration(text: str) -> timedelta:
     if seconds <= 0:
         raise ValueError(f"{text!r}: the duration must be positive")
     return timedelta(seconds=seconds)
-
-
-def _human(delta: timedelta) -> str:
-    seconds = int(abs(delta.total_seconds()))
-    if seconds < 60:
-        return f"{seconds}s"
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes = rest // 60
-    parts = [f"{days}d"] if days else []
-    parts += [f"{hours}h"] if hours else []
-    parts += [f"{minutes}m"] if minutes and not days else []
-    return "".join(parts) or "0m"
 
 
 def render_override(override: Override, header: str = "") -> str:

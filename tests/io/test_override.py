@@ -78,7 +78,10 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
         ('mode = "pin"\nsteps = true\nexpires_at = 2026-05-01T16:00:00Z\n', "expected an integer"),
         ('mode = "pin"\nsteps = 3\n', "expires_at: required with mode = 'pin'"),
         ('mode = "freeze"\n', "expires_at: required with mode = 'freeze'"),
-        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T11:00:00Z\n', "has passed (1h ago)"),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T11:00:00Z\n',
+            "has passed (60.0 min ago)",
+        ),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T12:00:00Z\n', "has passed"),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T16:00:00\n', "has no UTC offset"),
         ('mode = "pin"\nsteps = 3\nexpires_at = "tomorrow"\n', "is not an RFC 3339 time"),
