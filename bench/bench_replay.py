@@ -26,8 +26,8 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` impor
 
 from bench.traces import generate as traces  # noqa: E402
 from specd.commands.replay import build_config  # noqa: E402
-from specd.core.perftable import PerfTable  # noqa: E402
 from specd.io.config import Config, Window  # noqa: E402
+from specd.io.tables import read_table  # noqa: E402
 from specd.tools.replay import load_trace, replay  # noqa: E402
 
 TRUTH = REPO / "bench" / "truth"
@@ -89,9 +89,7 @@ def run_one(truth: tuple[str, Path, Path], trace_name: str, trace_path: Path, po
         restart_s=RESTART_S,
     )
     began = time.perf_counter()
-    result = replay(
-        load_trace(trace_path), PerfTable.from_csv(truth_path), config, restart_s=RESTART_S
-    )
+    result = replay(load_trace(trace_path), read_table(truth_path), config, restart_s=RESTART_S)
     return Row(name, trace_name, policy, result.to_dict(), time.perf_counter() - began)
 
 

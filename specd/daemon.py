@@ -9,7 +9,6 @@ of a 100B model is not.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -29,7 +28,7 @@ from specd.core.history import History, HistorySettings, Recorded
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.core.step import StepContext, StepResult, step
-from specd.io import logs
+from specd.io import files, logs
 from specd.io.apply import Applier, ApplyOutcome, ApplySettings
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, load_config
@@ -41,6 +40,8 @@ from specd.io.sglang import SGLangClient
 from specd.io.state import StateStore
 
 UNFREEZE_REQUEST = "unfreeze.json"
+# `specd unfreeze` writes a one-line JSON object; the reason is free text from the operator.
+MAX_UNFREEZE_REQUEST_BYTES = 64 * 1024
 # Re-log an unchanged decision this often, so the journal shows specd is alive and why
 # it is not acting, without a line every scrape.
 DECISION_RELOG_S = 600.0
@@ -568,12 +569,12 @@ class Daemon:
 
     def _check_unfreeze_request(self, now: float) -> None:
         path = Path(self.config.state_dir) / UNFREEZE_REQUEST
-        if not path.exists():
-            return
         try:
-            request = json.loads(path.read_text())
+            request = files.parse_json(files.read_regular_file(path, MAX_UNFREEZE_REQUEST_BYTES))
             reason = str(request.get("reason", ""))
-        except (OSError, ValueError, AttributeError) as exc:
+        except files.MissingFileError:
+            return
+        except (ValueError, AttributeError) as exc:  # files.FileReadError, files.ParseError
             reason = f"(unreadable request: {exc})"
         if self.state.frozen is not None:
             self.log.warning(

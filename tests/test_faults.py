@@ -33,11 +33,11 @@ from structlog.testing import capture_logs
 from specd.core.decide import Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
-from specd.daemon import STATE_SAVE_INTERVAL_S, Daemon
+from specd.daemon import STATE_SAVE_INTERVAL_S, UNFREEZE_REQUEST, Daemon
 from specd.io.config import Config, Window
 from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
-from specd.io.state import STATE_FILE, StateStore
+from specd.io.state import STATE_FILE, State, StateStore
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.unit import TwinUnitRunner
 
@@ -369,7 +369,17 @@ def events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableM
 
 @pytest.mark.parametrize(
     "damage",
-    ["truncated", "garbage bytes", "not an object", "a directory", "empty"],
+    [
+        "truncated",
+        "garbage bytes",
+        "not an object",
+        "a directory",
+        "empty",
+        "nested 100000 deep",
+        "a FIFO",
+        "a sparse 300 MB file",
+        "a link to /dev/zero",
+    ],
 )
 def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage: str) -> None:
     config = make_config(tmp_path, free_port())
@@ -383,6 +393,15 @@ def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage:
         path.write_text("[1, 2, 3]\n")
     elif damage == "a directory":
         path.mkdir()
+    elif damage == "nested 100000 deep":
+        path.write_text('{"version": 1, "history": ' + "[" * 100_000)
+    elif damage == "a FIFO":
+        os.mkfifo(path)
+    elif damage == "a sparse 300 MB file":
+        with path.open("wb") as handle:
+            handle.truncate(300 * 1024**2)
+    elif damage == "a link to /dev/zero":
+        path.symlink_to("/dev/zero")
     else:
         path.write_text("")
     clock = Clock(OUTSIDE)
@@ -402,6 +421,47 @@ def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage:
     state, problem = StateStore(Path(config.state_dir)).load()
     assert problem is None, problem  # the fresh state was written back, whole
     assert state.last_decision["reason"] == "no_data"
+
+
+@pytest.mark.parametrize(
+    ("request_kind", "logged"),
+    [
+        ("json", "fixed it"),
+        ("fifo", "(unreadable request: "),
+        ("dev-zero", "(unreadable request: "),
+        ("deep", "(unreadable request: invalid JSON: nested deeper than"),
+    ],
+)
+def test_an_unfreeze_request_is_read_bounded_and_never_hangs_the_loop(
+    tmp_path: Path, request_kind: str, logged: str
+) -> None:
+    config = make_config(tmp_path, free_port())
+    store = StateStore(Path(config.state_dir))
+    assert store.save(State(frozen={"since": OUTSIDE - 60, "reason": "rollback"})) is None
+    request = Path(config.state_dir) / UNFREEZE_REQUEST
+    if request_kind == "json":
+        request.write_text('{"reason": "fixed it"}')
+    elif request_kind == "fifo":
+        os.mkfifo(request)
+    elif request_kind == "dev-zero":
+        request.symlink_to("/dev/zero")
+    else:
+        request.write_text("[" * 60_000)  # deep, yet within the 64 KiB cap
+    clock = Clock(OUTSIDE)
+    daemon = make_daemon(config, RecordingRunner(clock), clock)
+    assert daemon.state.frozen is not None
+    started = time.monotonic()
+    with capture_logs() as logs:
+        daemon.tick()
+    assert time.monotonic() - started < 3.0  # one scrape of a closed port, no read hang
+    # Whatever the request holds, its presence is the operator's word (only root or specd
+    # can write there); it is consumed, and what it said is logged in one line.
+    assert daemon.state.frozen is None
+    assert not os.path.lexists(request)
+    unfrozen = events(logs, "unfrozen")
+    assert len(unfrozen) == 1
+    assert logged in unfrozen[0]["reason"]
+    assert "\n" not in unfrozen[0]["reason"]
 
 
 @pytest.mark.parametrize("fault", ["disk full", "read-only", "corrupted under us"])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specd.core.perftable import PerfRow, PerfTable
+from specd.io.tables import read_table, write_table
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -107,20 +108,20 @@ def sweep(truth: PerfTable, seed: int) -> PerfTable:
 
 def write_all(out: Path = HERE) -> list[Path]:
     written = []
-    seed = PerfTable.from_csv(SEED_TRUTH)
+    seed = read_table(SEED_TRUTH)
     for name, table in (
         ("k5to2", K5TO2.table("k5to2")),
         ("lowaccept", LOWACCEPT.table("lowaccept")),
     ):
         path = out / f"{name}.csv"
-        table.to_csv(path)
+        write_table(path, table)
         written.append(path)
     for name, table, rng_seed in (
         ("seed", seed, 1),
-        ("k5to2", PerfTable.from_csv(out / "k5to2.csv"), 2),
+        ("k5to2", read_table(out / "k5to2.csv"), 2),
     ):
         path = out / f"{name}-calibration.csv"
-        sweep(table, rng_seed).to_csv(path)
+        write_table(path, sweep(table, rng_seed))
         written.append(path)
     return written
 

@@ -34,6 +34,7 @@ from specd.install.installer import (
     live_command,
     parse_show,
 )
+from specd.io import systemd
 from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS, parse_env, read_env_steps
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.override import daemon_uids, read_override
@@ -82,16 +83,10 @@ class Doctor:
         self.info: dict[str, Any] | None = None
 
     def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
-        result = self.runner(
-            ["systemctl", "show", *(f"--property={p}" for p in props), unit], timeout_s=TIMEOUT_S
-        )
-        if not result.ok:
-            raise InstallError(result.summary())
-        values: dict[str, str] = {}
-        for line in result.stdout.splitlines():
-            key, _, value = line.partition("=")
-            values[key] = value
-        return values
+        try:
+            return systemd.last_values(systemd.show(self.runner, unit, props, TIMEOUT_S))
+        except systemd.SystemctlError as exc:
+            raise InstallError(str(exc)) from None
 
     # -- the checks ---------------------------------------------------------------------
 
@@ -173,10 +168,7 @@ class Doctor:
         advice = f"run `specd install --unit {unit}`"
         try:
             props = ("LoadState", "ExecStart", "Environment", "FragmentPath", "DropInPaths")
-            show = self.runner(
-                ["systemctl", "show", *(f"--property={p}" for p in props), unit],
-                timeout_s=TIMEOUT_S,
-            )
+            show = self.runner(systemd.show_argv(unit, props), timeout_s=TIMEOUT_S)
             cat = self.runner(["systemctl", "cat", "--no-pager", unit], timeout_s=TIMEOUT_S)
             view = parse_show(unit, show.stdout, cat.stdout)
             command = live_command(view)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
+from specd.core.text import duration_text
 from specd.io import config as config_mod
 from specd.io.override import (
     MAX_CLI_DURATION,
     OverrideStatus,
-    _human,
     daemon_uids,
     parse_duration,
     read_override,
@@ -63,7 +63,7 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     if override.mode == "auto":
         return f"{path}: valid, mode auto; specd decides automatically."
     assert override.expires_at is not None
-    left = _human(override.expires_at - now)
+    left = duration_text((override.expires_at - now).total_seconds())
     until = f"until {override.expires_at:%Y-%m-%d %H:%M:%SZ} ({left} from now)"
     why = f" — reason: {override.reason}" if override.reason else ""
     if override.mode == "freeze":

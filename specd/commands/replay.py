@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from specd.core.perftable import PerfTable, PerfTableError
+from specd.core.perftable import PerfTableError
 from specd.io.config import Config, ConfigError, Window, config_to_dict, load_config
+from specd.io.tables import read_table
 from specd.tools.replay import DEFAULT_RESTART_S, DEFAULT_START, ReplayError, load_trace, replay
 
 
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             calibration=args.calibration,
             restart_s=args.restart_s,
         )
-        truth = PerfTable.from_csv(args.truth)
+        truth = read_table(args.truth)
         trace = load_trace(args.trace)
         result = replay(
             trace,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from specd.core import windows
 from specd.core.model import Calibration, plan
 from specd.core.observation import ScrapeError
+from specd.core.text import duration_text as _duration
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -205,14 +206,6 @@ def choose(
 
 
 # -- decide -------------------------------------------------------------------------
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def _utc(now: float) -> datetime:
     return datetime.fromtimestamp(now, tz=timezone.utc)
 

@@ -1,10 +1,11 @@
 """Performance tables: aggregate output tok/s per (speculative steps, concurrency).
 
-The CSV format (``../shared/data/README.md``) is
+The CSV format is
 ``steps,concurrency,output_tok_s[,accept_length][,max_running_requests]``: aggregate
 output tokens/s of the whole server at that many concurrent closed-loop clients; steps 0
 means speculation off; empty cells are unknown. The twin serves from a table, `specd
-sweep` writes one, and the model policy reads one.
+sweep` writes one, and the model policy reads one. ``specd.io.tables`` reads and writes
+the files (bounded, atomic); this module parses and renders text.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class PerfTable:
 
     @classmethod
     def from_csv(cls, path: str | Path) -> PerfTable:
+        """Unbounded read kept for ``specd.io.config`` alone, until it calls
+        ``specd.io.tables.read_table`` (regular files only, size cap) like every other
+        caller; the core itself reads no file."""
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
@@ -80,6 +84,7 @@ class PerfTable:
 
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<table>") -> PerfTable:
+        """Parse the CSV text of a table; ``source`` names it in every error."""
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         rows: list[PerfRow] = []
@@ -130,9 +135,6 @@ class PerfTable:
                 line.append("" if r.max_running_requests is None else str(r.max_running_requests))
             writer.writerow(line)
         return out.getvalue()
-
-    def to_csv(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_csv_text(), encoding="utf-8")
 
     # -- queries -----------------------------------------------------------------------
 

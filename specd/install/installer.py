@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS, write_file_atomic
+from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
+from specd.io.files import write_atomic
 from specd.io.runner import Runner, RunResult
 
 DROPIN_NAME = "50-specd.conf"
@@ -882,7 +883,7 @@ def load_manifest(layout: Layout) -> dict[str, Any] | None:
 def _save_manifest(layout: Layout, manifest: dict[str, Any]) -> None:
     path = layout.host(MANIFEST_FILE)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_file_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode(), mode=0o600)
+    write_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode(), mode=0o600)
 
 
 def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any) -> None:
@@ -916,7 +917,7 @@ def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any
             target.parent.mkdir(parents=True, mode=0o755)
             manifest["dirs"].append(str(change.path.parent))
         _save_manifest(layout, manifest)
-        write_file_atomic(target, change.new, mode=change.mode)
+        write_atomic(target, change.new, mode=change.mode)
         print(f"wrote {change.path}", file=out)
     if plan.create_user:
         manifest["user_created"] = True
@@ -965,7 +966,7 @@ def uninstall(layout: Layout, runner: Runner, restart_sglang: bool, out: Any) ->
                 target.unlink()
             print(f"removed {path}", file=out)
         else:
-            write_file_atomic(target, str(original).encode(), mode=0o644)
+            write_atomic(target, str(original).encode(), mode=0o644)
             print(f"restored {path}", file=out)
     for name in reversed(manifest["dirs"]):
         target = layout.host(Path(name))

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
-import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,7 +32,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from specd.core.observation import Observation, ScrapeError
-from specd.io import logs
+from specd.core.text import is_service_name
+from specd.io import files, logs
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus
 from specd.io.timespan import timespan_s
@@ -75,8 +73,6 @@ TERMINAL_RESULTS: dict[str, Result] = {
 MAX_ATTEMPTS = 3
 MAX_JOURNAL_MESSAGES = 40
 UNIT_STATE_TIMEOUT_S = 10.0
-# Unit names as systemd spells them; a leading "-" would turn the name into an option.
-_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\][A-Za-z0-9:_.@\\-]{0,254}$")
 
 
 class SGLangProbe(Protocol):
@@ -131,8 +127,10 @@ class ApplySettings:
     verify_attempts: int = 3
 
     def __post_init__(self) -> None:
-        if not _UNIT_RE.match(self.unit):
-            raise ValueError(f"sglang_unit: {self.unit!r} is not a systemd unit name")
+        if not is_service_name(self.unit):
+            raise ValueError(
+                f"sglang_unit: {self.unit!r} is not a systemd unit name such as sglang.service"
+            )
         if not 0 <= self.min_steps <= self.max_steps:
             raise ValueError(f"steps range {self.min_steps}..{self.max_steps} is empty")
         if not self.quiet_deadline_s >= 0:
@@ -207,69 +205,25 @@ def parse_env(text: str) -> dict[str, str]:
 def read_env_steps(path: Path | str) -> int | None:
     """Steps the env file asks for; None when absent, unreadable or not a count."""
     try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
+        data = files.read_regular_file(path, MAX_ENV_BYTES)
+    except files.FileReadError:
         return None
-    value = parse_env(text).get(ENV_STEPS, "")
+    value = parse_env(data.decode("utf-8", errors="replace")).get(ENV_STEPS, "")
     if not value.isdigit():
         return None
     return int(value)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: Path, data: bytes, mode: int = ENV_FILE_MODE) -> None:
-    """Replace ``path`` by ``data`` so a reader sees the old or the new file, never half.
-
-    tmp file in the same directory → fsync → rename over → fsync the directory, so the
-    rename itself survives a power cut. Raises OSError.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.specd-tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        try:
-            # The umask may have narrowed the mode; systemd (root) reads it either way,
-            # but operators reading it should not need sudo.
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
-def _remove_file_durably(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        return
-    _fsync_dir(path.parent)
-
-
 def _read_env_bytes(path: Path) -> bytes | None:
-    """The env file's bytes, None when it does not exist. Raises OSError/ValueError."""
+    """The env file's bytes, None when it does not exist. Raises ``files.FileReadError``.
+
+    Never through a symlink: what a link points at may be a secret, and the backup goes
+    into state.json and back onto disk as a rollback.
+    """
     try:
-        with path.open("rb") as handle:
-            data = handle.read(MAX_ENV_BYTES + 1)
-    except FileNotFoundError:
+        return files.read_regular_file(path, MAX_ENV_BYTES)
+    except files.MissingFileError:
         return None
-    if len(data) > MAX_ENV_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_ENV_BYTES} bytes: not an env file")
-    return data
 
 
 def encode_env(data: bytes | None) -> tuple[str | None, str]:
@@ -557,6 +511,14 @@ class Applier:
         if journal.phase in TERMINAL_RESULTS:
             message = journal.messages[-1] if journal.messages else journal.phase
             return self._outcome_from(journal, TERMINAL_RESULTS[journal.phase], message)
+        if Path(journal.env_file) != Path(self.settings.env_file):
+            # Paths come from the config only: a journal (state.json) naming another file
+            # must not make specd overwrite or delete it.
+            return self._reconcile_unreadable(
+                journal_data,
+                f"restart journal names env file {journal.env_file!r}, not the configured "
+                f"{str(self.settings.env_file)!r}; not acting on it",
+            )
         try:
             return self._resume(journal)
         except Exception as exc:
@@ -587,7 +549,7 @@ class Applier:
         new_env = render_env(journal.to_steps).encode()
         if new_env != previous:
             try:
-                write_file_atomic(s.env_file, new_env)
+                files.write_atomic(s.env_file, new_env, mode=ENV_FILE_MODE)
             except OSError as exc:
                 return self._env_write_failed(journal, exc)
         self._set_phase(journal, "env_written", f"wrote {s.env_file}")
@@ -677,14 +639,23 @@ class Applier:
         return self._finish(journal, "rolled_back", f"{reason}; rolled back, {live.message}")
 
     def _restore_env(self, journal: Journal) -> str | None:
-        """Put the previous env file back (idempotent). Returns a problem or None."""
-        path = Path(journal.env_file)
+        """Put the previous env file back (idempotent). Returns a problem or None.
+
+        The configured path only (``reconcile`` refuses a journal naming another), and
+        never through a symlink: one planted there is replaced, its target left alone.
+        """
+        path = self.settings.env_file
         try:
             previous = journal.previous_bytes()
             if previous is None:
-                _remove_file_durably(path)
-            elif _read_env_bytes(path) != previous:
-                write_file_atomic(path, previous)
+                files.remove_durably(path)
+                return None
+            try:
+                current = _read_env_bytes(path)
+            except files.FileReadError:
+                current = None  # a link, a FIFO, ...: replaced below, never read through
+            if current != previous:
+                files.write_atomic(path, previous, mode=ENV_FILE_MODE)
         except (OSError, ValueError) as exc:
             return str(exc)
         return None
@@ -736,7 +707,7 @@ class Applier:
         healthy, why = self._wait_healthy()
         if not healthy:
             return self._rollback(journal, f"after specd restarted: {why}", maybe_untouched=False)
-        env_steps = read_env_steps(journal.env_file)
+        env_steps = read_env_steps(self.settings.env_file)
         live = self._verify(journal.to_steps)
         if live.ok and env_steps == journal.to_steps:
             journal.capacity = live.capacity

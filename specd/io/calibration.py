@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from specd.core.model import Calibration
-from specd.core.perftable import PerfTable, PerfTableError
+from specd.core.perftable import PerfTableError
+from specd.io.tables import read_table
 
 
 class CalibrationError(ValueError):
@@ -20,7 +21,7 @@ def read_calibration(path: str | Path) -> Calibration:
     """The table at ``path`` with its fitted α; CalibrationError if it cannot be used."""
     p = Path(path)
     try:
-        table = PerfTable.from_csv(p)
+        table = read_table(p)
     except PerfTableError as exc:
         raise CalibrationError(str(exc)) from None
     if not any(k >= 1 for k in table.steps()):
@@ -33,7 +34,7 @@ class CalibrationFile:
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = None if path is None else Path(path)
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, int, int, int] | None = None
         self._value: tuple[Calibration | None, str | None] = (None, None)
 
     def current(self) -> tuple[Calibration | None, str | None]:
@@ -45,7 +46,8 @@ class CalibrationFile:
         except OSError as exc:
             self._key = None
             return None, f"{self.path}: cannot read calibration: {exc.strerror or exc}"
-        key = (st.st_mtime_ns, st.st_size)
+        # A new inode too: editors and `specd sweep` replace the file by renaming.
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._key:
             try:
                 self._value = (read_calibration(self.path), None)

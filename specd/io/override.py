@@ -22,8 +22,6 @@ import os
 import pwd
 import re
 import stat
-import sys
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -32,15 +30,14 @@ from typing import Any
 import tomli_w
 
 from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+from specd.core.text import duration_text
+from specd.io import files
 
 KEYS = ("mode", "steps", "expires_at", "reason", "apply")
 # An override file is a few lines; anything bigger is not one.
-MAX_OVERRIDE_BYTES = 64 * 1024
+MAX_OVERRIDE_BYTES = 64 * files.KIB
+# Readable by specd whatever the umask of the operator who wrote it; writable by root only.
+OVERRIDE_FILE_MODE = 0o644
 # The CLI refuses longer overrides: weeks of pinning belong in the config's step range.
 MAX_CLI_DURATION = timedelta(days=30)
 # The service user specd runs as; `show` judges ownership as the daemon will.
@@ -58,6 +55,19 @@ class OverrideStatus:
 
 
 ABSENT = (0, 0, 0)
+
+
+def _fingerprint(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _link_fingerprint(path: Path) -> tuple[int, int, int]:
+    # A file that could not even be opened (a symlink, no permission): its directory entry
+    # still changes when it is replaced, so the daemon reports each new problem once.
+    try:
+        return _fingerprint(os.lstat(path))
+    except OSError:
+        return ABSENT
 
 
 def _invalid(problem: str, fingerprint: tuple[int, int, int]) -> OverrideStatus:
@@ -146,7 +156,8 @@ def parse_override(
         if expires_at <= current:
             raise ValueError(
                 f"expires_at: {expires_at:%Y-%m-%dT%H:%M:%SZ} has passed "
-                f"({_human(current - expires_at)} ago); specd ignores this {mode}"
+                f"({duration_text((current - expires_at).total_seconds())} ago); "
+                f"specd ignores this {mode}"
             )
     return Override(mode=mode, steps=steps, expires_at=expires_at, reason=reason, apply=apply)
 
@@ -163,36 +174,26 @@ def read_override(
     path = Path(path)
     uids = allowed_uids if allowed_uids is not None else (0, os.getuid())
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
-    except FileNotFoundError:
+        # Not through a symlink: the ownership and directory checks below must judge the
+        # file that is read, and `specd override` replaces the file, never a link target.
+        raw, st = files.read_regular_file_and_stat(path, MAX_OVERRIDE_BYTES)
+    except files.MissingFileError:
         return OverrideStatus(None, True, None, False, ABSENT)
+    except files.FileReadError as exc:
+        return _invalid(str(exc), _fingerprint(exc.st) if exc.st else _link_fingerprint(path))
+    fingerprint = _fingerprint(st)
+    try:
+        problem = _permission_problem(st, path, uids)
     except OSError as exc:
-        return _invalid(f"cannot read {path}: {exc.strerror or exc}", ABSENT)
+        problem = f"cannot check {path.parent}: {exc.strerror or exc}"
+    if problem is not None:
+        return _invalid(problem, fingerprint)
     try:
-        st = os.fstat(fd)
-        fingerprint = (st.st_mtime_ns, st.st_size, st.st_ino)
-        try:
-            problem = _permission_problem(st, path, uids)
-        except OSError as exc:
-            problem = f"cannot check {path.parent}: {exc.strerror or exc}"
-        if problem is not None:
-            return _invalid(problem, fingerprint)
-        if st.st_size > MAX_OVERRIDE_BYTES:
-            return _invalid(f"{path} is larger than {MAX_OVERRIDE_BYTES} bytes", fingerprint)
-        try:
-            raw = os.read(fd, MAX_OVERRIDE_BYTES + 1)
-        except OSError as exc:
-            return _invalid(f"cannot read {path}: {exc.strerror or exc}", fingerprint)
-    finally:
-        os.close(fd)
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        data = files.parse_toml(raw.decode("utf-8"))
         override = parse_override(data, cfg_min_steps, cfg_max_steps, now)
     except UnicodeDecodeError as exc:
         return _invalid(f"{path}: not UTF-8 text (byte {exc.start})", fingerprint)
-    except tomllib.TOMLDecodeError as exc:
-        return _invalid(f"{path}: invalid TOML: {exc}", fingerprint)
-    except ValueError as exc:
+    except ValueError as exc:  # files.ParseError included: bad, too deep or absurd TOML
         return _invalid(f"{path}: {exc}", fingerprint)
     return OverrideStatus(override, True, None, True, fingerprint)
 
@@ -215,19 +216,6 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-def _human(delta: timedelta) -> str:
-    seconds = int(abs(delta.total_seconds()))
-    if seconds < 60:
-        return f"{seconds}s"
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes = rest // 60
-    parts = [f"{days}d"] if days else []
-    parts += [f"{hours}h"] if hours else []
-    parts += [f"{minutes}m"] if minutes and not days else []
-    return "".join(parts) or "0m"
-
-
 def render_override(override: Override, header: str = "") -> str:
     table: dict[str, Any] = {"mode": override.mode}
     if override.steps is not None:
@@ -241,24 +229,8 @@ def render_override(override: Override, header: str = "") -> str:
 
 
 def write_override(path: str | Path, text: str) -> None:
-    """Replace ``path`` atomically (tmp + fsync + rename + dir fsync), mode 0644."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(text.encode("utf-8"))
-            handle.flush()
-            os.fchmod(handle.fileno(), 0o644)  # readable by specd whatever the umask
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Replace ``path`` atomically, never through a symlink, mode 0644 (specd reads it)."""
+    files.write_text_atomic(path, text, mode=OVERRIDE_FILE_MODE)
 
 
 def daemon_uids() -> tuple[int, ...]:

@@ -27,6 +27,7 @@ import httpx
 
 from specd import __version__
 from specd.core.observation import Observation, ScrapeError
+from specd.core.text import check_http_url
 from specd.io.promtext import PromTextError, Sample, select_samples
 
 RUNNING = "sglang:num_running_reqs"
@@ -318,11 +319,9 @@ def observation_from(
 def check_base_url(base_url: str) -> str:
     """The URL without a trailing slash; ValueError with a one-line reason if unusable."""
     try:
-        url = httpx.URL(base_url)
-    except (httpx.InvalidURL, TypeError) as exc:
-        raise ValueError(f"invalid SGLang URL {base_url!r}: {exc}") from None
-    if url.scheme not in ("http", "https") or not url.host:
-        raise ValueError(f"invalid SGLang URL {base_url!r}: expected http://HOST:PORT")
+        url = httpx.URL(check_http_url(base_url))
+    except (ValueError, httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"invalid SGLang URL: {exc}") from None
     return str(url).rstrip("/")
 
 

@@ -8,11 +8,9 @@ Plain JSON only (no pickles), so an operator can read it and nothing in it execu
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,50 +19,34 @@ from typing import Any
 
 from specd.core.decide import Control
 from specd.core.history import History, HistorySettings
+from specd.io import files
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1
 STATE_FILE_MODE = 0o640
+# Weeks of history are ~100 KB; a state file 100x that is not one specd wrote.
+MAX_STATE_BYTES = 16 * files.MIB
 
 
 def atomic_write_json(path: str | Path, obj: Any, mode: int = 0o600) -> None:
     """Replace ``path`` with ``obj`` as JSON; readers see the old file or the new one.
 
-    Temporary file in the same directory (so the rename is atomic), fsync of the file
-    before the rename and of the directory after it (so a power cut cannot leave an
-    empty or half-written file). Raises OSError, or ValueError for unserializable data
-    (NaN and infinities included: they are not JSON).
+    ``specd.io.files.write_atomic``: unique temporary file, fsync, rename, fsync of the
+    directory, never through a symlink. Raises OSError, or ValueError for unserializable
+    data (NaN and infinities included: they are not JSON).
     """
-    target = Path(path)
     # Compact: the history makes state.json ~100 KB, rewritten every minute (jq reads it).
     data = (json.dumps(obj, allow_nan=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
+    files.write_atomic(path, data, mode=mode)
 
 
-def _fsync_dir(directory: Path) -> None:
-    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
+    """Parse the JSON file at ``path`` (a regular file, not a symlink, ≤ ``max_bytes``).
 
-
-def read_json(path: str | Path) -> Any:
-    """Parse the JSON file at ``path``. Raises OSError or ValueError (bad JSON/UTF-8)."""
-    with open(path, "rb") as f:
-        return json.loads(f.read().decode("utf-8"))
+    Raises ``files.MissingFileError`` when absent, else ``files.FileReadError`` or
+    ``files.ParseError`` (bad, too deep or absurd JSON); all are ValueErrors, one line.
+    """
+    return files.parse_json(files.read_regular_file(path, max_bytes))
 
 
 class StateFormatError(ValueError):
@@ -233,13 +215,18 @@ def _one_line(exc: BaseException) -> str:
 
 def read_state(path: str | Path, history_settings: HistorySettings | None = None) -> State:
     """The state at ``path``, validated as the daemon validates it (status, recommend and
-    the daemon share this). Raises FileNotFoundError, OSError, or ValueError (one line)."""
+    the daemon share this). Raises FileNotFoundError when absent, else ValueError (one
+    line: unreadable, or invalid as a state)."""
     try:
-        return State.from_dict(read_json(path), history_settings)
+        data = read_json(path)
+    except FileNotFoundError:
+        raise
+    except ValueError as exc:  # not a regular file, too big, bad or absurdly deep JSON
+        raise ValueError(f"unreadable ({_one_line(exc)})") from None
+    try:
+        return State.from_dict(data, history_settings)
     except StateFormatError as exc:
         raise StateFormatError(f"invalid ({_one_line(exc)})") from None
-    except (RecursionError, ValueError) as exc:  # bad JSON or UTF-8, absurd nesting
-        raise ValueError(f"unreadable ({_one_line(exc)})") from None
 
 
 class StateStore:
@@ -270,11 +257,8 @@ class StateStore:
             return read_state(self.path, self.history_settings), None
         except FileNotFoundError:
             return self.fresh(), None
-        except StateFormatError as exc:
+        except ValueError as exc:
             return self.fresh(), self._set_aside(str(exc))
-        except (OSError, ValueError) as exc:
-            reason = str(exc) if isinstance(exc, ValueError) else f"unreadable ({_one_line(exc)})"
-            return self.fresh(), self._set_aside(reason)
 
     def _set_aside(self, why: str) -> str:
         stamp = int(self._clock())

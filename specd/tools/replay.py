@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
 import itertools
 import math
 import time  # only to measure decision cost; simulated time is t
@@ -36,12 +37,15 @@ from specd.core.model import Calibration
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.step import StepContext, step
+from specd.io import files
 from specd.io.calibration import read_calibration
 from specd.io.config import Config
 
 DEFAULT_START = datetime(2026, 1, 5, tzinfo=timezone.utc)  # a Monday
 DEFAULT_RESTART_S = 100.0
 MAX_TRACE_ROWS = 10_000_000
+# Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each).
+MAX_TRACE_BYTES = 256 * files.MIB
 
 
 class ReplayError(ValueError):
@@ -71,32 +75,30 @@ def load_trace(path: str | Path) -> Trace:
     times: list[float] = []
     levels: list[float] = []
     try:
-        with p.open(newline="", encoding="utf-8") as handle:
-            reader = csv.reader(handle)
-            header = [c.strip() for c in next(reader, [])]
-            if header[:2] != ["t_s", "concurrency"]:
-                raise ReplayError(f"{p}:1: header must be t_s,concurrency")
-            for n, row in enumerate(reader, start=2):
-                if not row or not "".join(row).strip():
-                    continue
-                if len(row) < 2:
-                    raise ReplayError(f"{p}:{n}: expected t_s,concurrency")
-                try:
-                    t, c = float(row[0]), float(row[1])
-                except ValueError:
-                    raise ReplayError(f"{p}:{n}: not numbers: {','.join(row)[:60]!r}") from None
-                if not (math.isfinite(t) and math.isfinite(c)) or c < 0:
-                    raise ReplayError(f"{p}:{n}: t_s must be finite, concurrency >= 0")
-                if times and t <= times[-1]:
-                    raise ReplayError(f"{p}:{n}: t_s must increase ({t:g} after {times[-1]:g})")
-                times.append(t)
-                levels.append(c)
-                if len(times) > MAX_TRACE_ROWS:
-                    raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows")
-    except OSError as exc:
-        raise ReplayError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ReplayError(f"{p}: not UTF-8 text") from None
+        text = files.read_text_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
+    except files.FileReadError as exc:
+        raise ReplayError(str(exc)) from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = [c.strip() for c in next(reader, [])]
+    if header[:2] != ["t_s", "concurrency"]:
+        raise ReplayError(f"{p}:1: header must be t_s,concurrency")
+    for n, row in enumerate(reader, start=2):
+        if not row or not "".join(row).strip():
+            continue
+        if len(row) < 2:
+            raise ReplayError(f"{p}:{n}: expected t_s,concurrency")
+        try:
+            t, c = float(row[0]), float(row[1])
+        except ValueError:
+            raise ReplayError(f"{p}:{n}: not numbers: {','.join(row)[:60]!r}") from None
+        if not (math.isfinite(t) and math.isfinite(c)) or c < 0:
+            raise ReplayError(f"{p}:{n}: t_s must be finite, concurrency >= 0")
+        if times and t <= times[-1]:
+            raise ReplayError(f"{p}:{n}: t_s must increase ({t:g} after {times[-1]:g})")
+        times.append(t)
+        levels.append(c)
+        if len(times) > MAX_TRACE_ROWS:
+            raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows")
     if not times:
         raise ReplayError(f"{p}: no rows")
     return trace_from_rows(times, levels)

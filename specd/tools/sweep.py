@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import io
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import httpx
 from specd.core.history import HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
+from specd.io import files, tables
 from specd.io.apply import Applier, ApplyOutcome, ApplySettings
 from specd.io.config import Config
 from specd.io.runner import Runner, SubprocessRunner
@@ -46,6 +48,8 @@ MARKDOWN_NAME = "sweep.md"
 JSON_NAME = "sweep.json"
 CHART_NAME = "sweep.png"
 LOG_NAME = "sweep.log"
+# Results for the operator (and the model policy, for the CSV): readable by all.
+OUTPUT_FILE_MODE = 0o644
 # Accept-length gauges are sampled this often while load runs.
 SAMPLE_INTERVAL_S = 0.5
 # Before each point, load runs until every client finished one request, at most
@@ -843,9 +847,11 @@ def render_chart(points: Sequence[SweepPoint], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(path, format="png")
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
+    files.write_atomic(path, png.getvalue(), mode=OUTPUT_FILE_MODE)
 
 
 def write_outputs(report: SweepReport, *, chart: bool = True) -> list[Path]:
@@ -858,7 +864,7 @@ def write_outputs(report: SweepReport, *, chart: bool = True) -> list[Path]:
         (out / MARKDOWN_NAME, lambda p: _write_text(p, markdown(report))),
     ]
     if table is not None:
-        jobs.append((out / CSV_NAME, lambda p: _write_text(p, table.to_csv_text())))
+        jobs.append((out / CSV_NAME, lambda p: tables.write_table(p, table)))
         if chart:
             jobs.append((out / CHART_NAME, lambda p: render_chart(report.points, p)))
     for path, write in jobs:
@@ -873,9 +879,7 @@ def write_outputs(report: SweepReport, *, chart: bool = True) -> list[Path]:
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    files.write_text_atomic(path, text, mode=OUTPUT_FILE_MODE)
 
 
 # -- command line -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from specd.core.perftable import PerfTable, PerfTableError
+from specd.io.tables import read_table
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
@@ -58,11 +59,7 @@ def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConf
     if args.table and args.preset:
         raise TwinConfigError("give --table or --preset, not both")
     try:
-        table = (
-            PerfTable.from_csv(args.table)
-            if args.table
-            else preset_table(args.preset or PRESET_NAME)
-        )
+        table = read_table(args.table) if args.table else preset_table(args.preset or PRESET_NAME)
     except (PerfTableError, KeyError) as exc:
         raise TwinConfigError(str(exc).strip("'\"")) from None
     for name in ("port", "dp_size", "tp_size", "decode_log_interval"):

@@ -24,6 +24,7 @@ from specd.core.perftable import PerfRow, PerfTable
 from specd.core.step import StepContext, step
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config
+from specd.io.tables import write_table
 from specd.twin import preset
 
 UTC = timezone.utc
@@ -202,7 +203,7 @@ def test_fold_above_keeps_the_total() -> None:
 # -- the policy -------------------------------------------------------------------------
 def config(tmp_path: Path, **kwargs: Any) -> Config:
     path = tmp_path / "cal.csv"
-    SEED.to_csv(path)
+    write_table(path, SEED)
     base: dict[str, Any] = {"calibration_file": str(path), "min_history_s": 600}
     return Config(**{**base, **kwargs})
 

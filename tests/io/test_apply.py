@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from specd.io import files
 from specd.io.apply import (
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
@@ -35,7 +36,6 @@ from specd.io.apply import (
     read_env_steps,
     render_env,
     restart_argv,
-    write_file_atomic,
 )
 from specd.io.config import Config
 from specd.io.runner import RunResult
@@ -120,7 +120,7 @@ class Recorder:
             raise Killed(f"before persisting #{index}")
         self.calls.append(journal)
         # Through JSON, as the daemon's state file does.
-        write_file_atomic(self.path, json.dumps(journal).encode(), mode=0o600)
+        files.write_atomic(self.path, json.dumps(journal).encode(), mode=0o600)
         if index == self.kill_at:
             raise Killed(f"after persisting #{index}")
 
@@ -232,38 +232,6 @@ def test_read_env_steps(tmp_path: Path, content: bytes | None, expected: int | N
 
 def test_read_env_steps_of_a_directory_is_none(tmp_path: Path) -> None:
     assert read_env_steps(tmp_path) is None
-
-
-@pytest.mark.parametrize("umask", [0o022, 0o077])
-def test_atomic_write_replaces_with_mode_0644_and_leaves_no_temp(
-    tmp_path: Path, umask: int
-) -> None:
-    path = tmp_path / "sglang.env"
-    path.write_bytes(b"old\n")
-    old = os.umask(umask)
-    try:
-        write_file_atomic(path, render_env(4).encode())
-    finally:
-        os.umask(old)
-    assert path.read_text() == render_env(4)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644
-    assert [p.name for p in tmp_path.iterdir()] == ["sglang.env"]
-
-
-@pytest.mark.parametrize("make_bad", ["missing_dir", "dir_is_file"])
-def test_atomic_write_failure_raises_oserror_and_keeps_nothing(
-    tmp_path: Path, make_bad: str
-) -> None:
-    if make_bad == "missing_dir":
-        path = tmp_path / "nope" / "sglang.env"
-    else:
-        (tmp_path / "file").write_text("x")
-        path = tmp_path / "file" / "sglang.env"
-    with pytest.raises(OSError):
-        write_file_atomic(path, b"x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == (
-        [] if make_bad == "missing_dir" else ["file"]
-    )
 
 
 # -- settings and journal -----------------------------------------------------------------
@@ -529,6 +497,9 @@ def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_p
         (lambda tmp: tmp / "no-such-dir" / "sglang.env", "writing"),
         (lambda tmp: tmp, "cannot back up env file"),  # a directory
         (lambda tmp: _big_file(tmp / "big.env"), "larger than"),
+        # A link is never read through (its target may be a secret) nor written through.
+        (lambda tmp: _secret_link(tmp / "linked.env"), "is a symbolic link"),
+        (lambda tmp: _fifo(tmp / "fifo.env"), "not a regular file (a FIFO)"),
     ],
 )
 def test_env_file_problems_abort_before_any_restart(
@@ -556,6 +527,92 @@ def test_env_file_problems_abort_before_any_restart(
 def _big_file(path: Path) -> Path:
     path.write_bytes(b"# x\n" * 20_000)
     return path
+
+
+SECRET = b"SPECD_SPEC_STEPS=6\nAPI_KEY=hunter2\n"
+
+
+def _secret_link(path: Path) -> Path:
+    secret = path.with_name("secret.env")
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    path.symlink_to(secret)
+    return path
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def test_a_symlinked_env_file_is_refused_and_its_target_untouched(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    unit = make_unit(start=False)
+    env_file = _secret_link(tmp_path / "linked.env")
+    rec = Recorder(tmp_path / "journal.json")
+    applier = Applier(
+        settings_for(env_file, quiet_deadline_s=0),
+        SGLangClient(unit.url),
+        unit,
+        rec,
+        threading.Event(),
+    )
+    outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "aborted", outcome.message
+    assert f"{env_file}: is a symbolic link" in outcome.message
+    assert env_file.is_symlink()
+    secret = tmp_path / "secret.env"
+    assert secret.read_bytes() == SECRET
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    # Nothing of the target reached the journal (state.json).
+    assert rec.calls == []
+
+
+class LinkPlantingRunner:
+    """After the first restart went out, someone swaps the env file for a symlink."""
+
+    def __init__(self, unit: TwinUnit, target: Path) -> None:
+        self.unit = unit
+        self.target = target
+        self.calls = 0
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        result = self.unit(argv, timeout_s=timeout_s)
+        if list(argv) != restart_argv(UNIT):
+            return result
+        self.calls += 1
+        if self.calls == 1:
+            self.unit.env_file.unlink()
+            self.unit.env_file.symlink_to(self.target)
+        return result
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_rollback_replaces_a_planted_symlink_with_the_previous_bytes(
+    make_unit: Any, tmp_path: Path, umask: int
+) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    secret = tmp_path / "secret.env"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    rec = Recorder(tmp_path / "journal.json")
+    old = os.umask(umask)
+    try:
+        outcome = applier_for(unit, rec, runner=LinkPlantingRunner(unit, secret)).apply(
+            4, 3, window_open=always_open
+        )
+    finally:
+        os.umask(old)
+    assert outcome.result == "rolled_back", outcome.message
+    assert unit.restarts == [4, 3]
+    # The link itself was replaced: a regular file with the previous bytes, mode 0644.
+    assert not unit.env_file.is_symlink()
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert stat.S_IMODE(os.lstat(unit.env_file).st_mode) == 0o644
+    assert secret.read_bytes() == SECRET
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert unit.running_steps() == 3
 
 
 # -- before anything changes: quiet moment, window, stop ----------------------------------
@@ -824,6 +881,43 @@ def test_reconcile_gives_up_after_repeated_interruptions(make_unit: Any, tmp_pat
     assert "gave up after 3 interrupted attempts" in outcome.message
     assert unit.restarts == []
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+@pytest.mark.parametrize("phase", ["planned", "env_written", "restart_issued", "rolling_back"])
+def test_a_journal_naming_another_env_file_is_reported_and_not_acted_on(
+    make_unit: Any, tmp_path: Path, phase: str
+) -> None:
+    # A crafted state.json: "restore" one file (overwrite it) and "delete" another.
+    victim = tmp_path / "victim.conf"
+    victim.write_bytes(b"precious\n")
+    unit = make_unit(start=False)
+    rec = Recorder(tmp_path / "state.json")
+    for previous in ("SPECD_SPEC_STEPS=1\n", None):
+        journal = _journal(phase=phase, env_file=str(victim), previous_env=previous)
+        outcome = applier_for(unit, rec).reconcile(journal)
+        assert outcome is not None
+        assert outcome.result == "failed"
+        assert f"restart journal names env file {str(victim)!r}" in outcome.message
+        assert f"not the configured {str(unit.env_file)!r}" in outcome.message
+        assert "\n" not in outcome.message
+        assert victim.read_bytes() == b"precious\n"
+        assert unit.env_file.read_bytes() == ORIGINAL_ENV
+        assert (rec.calls, unit.restarts) == ([], [])
+
+
+def test_a_journal_naming_the_configured_env_file_is_acted_on(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    # The same journal with the configured path is resumed: the check is not a blanket no.
+    unit = make_unit(render_env(4).encode(), start=False)
+    journal = _journal(
+        phase="env_written", env_file=str(unit.env_file), previous_env=ORIGINAL_ENV.decode()
+    )
+    outcome = applier_for(unit, Recorder(tmp_path / "state.json")).reconcile(journal)
+    assert outcome is not None
+    assert outcome.result == "aborted", outcome.message
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.restarts == []
 
 
 @pytest.mark.parametrize(

@@ -4,14 +4,16 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from specd.cli import main
 from specd.core.override import Override
-from specd.io.override import ABSENT, parse_duration, read_override
+from specd.io.override import ABSENT, parse_duration, read_override, write_override
 
 UTC = timezone.utc
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -76,7 +78,10 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
         ('mode = "pin"\nsteps = true\nexpires_at = 2026-05-01T16:00:00Z\n', "expected an integer"),
         ('mode = "pin"\nsteps = 3\n', "expires_at: required with mode = 'pin'"),
         ('mode = "freeze"\n', "expires_at: required with mode = 'freeze'"),
-        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T11:00:00Z\n', "has passed (1h ago)"),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T11:00:00Z\n',
+            "has passed (60.0 min ago)",
+        ),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T12:00:00Z\n', "has passed"),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T16:00:00\n', "has no UTC offset"),
         ('mode = "pin"\nsteps = 3\nexpires_at = "tomorrow"\n', "is not an RFC 3339 time"),
@@ -383,3 +388,55 @@ def test_unwritable_target_is_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "cannot write" in err
+
+
+def _override_link(d: Path, target: str) -> Path:
+    path = d / "override.toml"
+    path.symlink_to(target)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        # Deep, yet within the 64 KiB cap: the parser's recursion is what is tested.
+        (lambda d: write(d, "a = " + "[" * 60_000), "invalid TOML: nested deeper than"),
+        (
+            lambda d: write(d, "mode = " + "{a = " * 10_000 + "1" + "}" * 10_000),
+            "invalid TOML: nested deeper than",
+        ),
+        (lambda d: (os.mkfifo(d / "override.toml"), d / "override.toml")[1], "(a FIFO)"),
+        (lambda d: _override_link(d, "/dev/zero"), "is a symbolic link"),
+        (lambda d: _override_link(d, "/dev/urandom"), "is a symbolic link"),
+        (
+            lambda d: (write(d, ""), os.truncate(d / "override.toml", 2**40))[0],
+            "larger than the 64 KiB allowed",
+        ),
+    ],
+    ids=["deep-arrays", "deep-inline-tables", "fifo", "dev-zero", "dev-urandom", "sparse-1t"],
+)
+def test_a_hostile_override_is_invalid_in_one_line_within_a_second(
+    tmp_path: Path, make: Any, problem: str
+) -> None:
+    path = make(tmp_path)
+    started = time.monotonic()
+    status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+    assert time.monotonic() - started < 1.0
+    assert (status.valid, status.present, status.override) == (False, True, None)
+    assert status.problem is not None
+    assert problem in status.problem
+    assert str(path) in status.problem
+    assert "\n" not in status.problem
+    # A fingerprint, so the daemon logs a problem once and sees the file replaced.
+    assert status.fingerprint != ABSENT
+
+
+def test_writing_the_override_replaces_a_symlink_not_its_target(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.toml"
+    target.write_text("# keep\n")
+    path = _override_link(tmp_path, str(target))
+    write_override(path, 'mode = "auto"\n')
+    assert not path.is_symlink()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert target.read_text() == "# keep\n"
+    assert read_override(path, 1, 6, NOW, allowed_uids=OWN).valid

@@ -310,3 +310,73 @@ def test_unwritable_directory_for_non_root(tmp_path: Path) -> None:
         tmp_path.chmod(0o700)
     assert error is not None
     assert "Permission denied" in error
+
+
+# -- hostile files: deep nesting, FIFOs, devices, huge files, links --------------------------
+def _plant(kind: str, path: Path) -> None:
+    if kind == "deep-json":
+        path.write_text("[" * 100_000)
+    elif kind == "deep-object":
+        path.write_text('{"version": 1, "last_decision": ' + '{"a": ' * 5000 + "1" + "}" * 5001)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        with path.open("wb") as handle:
+            handle.truncate(300 * 1024**2)  # the 300 MB state of issue 11, sparse
+    elif kind == "link-dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "link-to-state":
+        real = path.with_name("real.json")
+        real.write_text(json.dumps(populated().to_dict()))
+        path.symlink_to(real)
+
+
+@pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("deep-json", "invalid JSON: nested deeper than"),
+        ("deep-object", "invalid JSON: nested deeper than"),
+        ("fifo", "is not a regular file (a FIFO)"),
+        ("huge", "larger than the 16 MiB allowed"),
+        ("link-dev-zero", "is a symbolic link"),
+        ("link-to-state", "is a symbolic link"),
+    ],
+)
+def test_a_hostile_state_file_is_moved_aside_within_a_second(
+    tmp_path: Path, kind: str, problem: str
+) -> None:
+    path = tmp_path / STATE_FILE
+    _plant(kind, path)
+    started = time.monotonic()
+    state, message = StateStore(tmp_path, clock=lambda: 7.0).load()
+    assert time.monotonic() - started < 1.0
+    assert message is not None
+    assert problem in message
+    assert "\n" not in message
+    assert "moved to state.json.corrupt-7" in message
+    assert state.to_dict() == State().to_dict()
+    # Moved aside itself (a link stays a link; /dev/zero and real.json are untouched).
+    assert not os.path.lexists(path)
+    assert os.path.lexists(tmp_path / "state.json.corrupt-7")
+    if kind == "link-to-state":
+        assert json.loads((tmp_path / "real.json").read_text()) == populated().to_dict()
+
+
+def test_read_json_is_bounded_and_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text("[1]")
+    assert read_json(path) == [1]
+    with pytest.raises(ValueError, match=r"x.json: is 3 bytes, larger than the 2 bytes allowed"):
+        read_json(path, max_bytes=2)
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "none.json")
+
+
+def test_a_save_replaces_a_planted_symlink_not_its_target(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / STATE_FILE).symlink_to(victim)
+    assert StateStore(tmp_path).save(populated()) is None
+    assert victim.read_text() == "keep"
+    assert not (tmp_path / STATE_FILE).is_symlink()
+    assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == 0o600

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -13,8 +16,8 @@ import pytest
 
 from specd.commands.replay import build_config
 from specd.core import windows
-from specd.core.perftable import PerfTable
 from specd.io.config import Config, Window
+from specd.io.tables import read_table
 from specd.tools.replay import (
     DEFAULT_START,
     ReplayError,
@@ -85,7 +88,7 @@ def run_replay(
         calibration=calibration,
         restart_s=100,
     )
-    return replay(trace, PerfTable.from_csv(table), config, warmup_s=warmup_s).to_dict()
+    return replay(trace, read_table(table), config, warmup_s=warmup_s).to_dict()
 
 
 @pytest.mark.parametrize("truth", sorted(TRUTHS))
@@ -115,7 +118,7 @@ def test_bursty_traffic_against_the_oracle(truth: str) -> None:
 def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
     # Constant 2 concurrent for a day; the window at 03:00 switches 3 → 4 once.
     trace = trace_from_rows([h * 3600.0 for h in range(24)], [2.0] * 24)
-    table = PerfTable.from_csv(SEED)
+    table = read_table(SEED)
     config = build_config(
         Config(), window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100
     )
@@ -135,7 +138,7 @@ def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
 def test_the_bands_policy_replays_too() -> None:
     config = build_config(Config(), window_list=DAILY, steps=(1, 6), policy="bands")
     assert config.policy == "bands"
-    result = replay(minute_trace(1, day_night), PerfTable.from_csv(SEED), config)
+    result = replay(minute_trace(1, day_night), read_table(SEED), config)
     assert result.restarts_outside_windows == 0
 
 
@@ -232,3 +235,35 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], mes
 def test_start_defaults_to_a_monday() -> None:
     assert datetime(2026, 1, 5, tzinfo=timezone.utc) == DEFAULT_START
     assert DEFAULT_START.weekday() == 0
+
+
+def _trace_fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _trace_huge(path: Path) -> None:
+    with path.open("wb") as handle:
+        handle.truncate(10 * 1024**3)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_trace_fifo, "is not a regular file (a FIFO)"),
+        (_trace_huge, "larger than the 256 MiB allowed"),
+        (lambda path: path.symlink_to("/dev/zero"), "(a character device)"),
+        (lambda path: path.write_bytes(b"t_s,concurrency\n0,\xff\n"), "is not UTF-8 text"),
+    ],
+    ids=["fifo", "sparse-10g", "dev-zero", "latin1"],
+)
+def test_a_hostile_trace_file_is_one_line_within_a_second(
+    tmp_path: Path, make: Callable[[Path], object], message: str
+) -> None:
+    path = tmp_path / "trace.csv"
+    make(path)
+    started = time.monotonic()
+    with pytest.raises(ReplayError, match=re.escape(message)) as info:
+        load_trace(path)
+    assert time.monotonic() - started < 1.0
+    assert str(info.value).startswith(f"{path}: ")
+    assert "\n" not in str(info.value)

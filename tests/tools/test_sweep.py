@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -23,10 +24,10 @@ from factories import make_observation
 
 from specd.commands import sweep as sweep_cmd
 from specd.core.observation import Observation
-from specd.core.perftable import PerfTable
 from specd.io.apply import ApplySettings, read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
+from specd.io.tables import read_table
 from specd.tools import sweep as sw
 from specd.twin.preset import preset_table
 from specd.twin.process import free_port
@@ -132,7 +133,7 @@ def test_sweep_matches_the_twins_truth_writes_files_and_restores(
     assert report.ok, report.to_dict()
     assert sweep_cmd.exit_code(report) == 0
     truth = preset_table()
-    measured = PerfTable.from_csv(out / sw.CSV_NAME)  # the calibration format, read back
+    measured = read_table(out / sw.CSV_NAME)  # the calibration format, read back
     assert measured.steps() == [2, 4]
     for row in measured.rows:
         want = truth.throughput(row.steps, row.concurrency)
@@ -176,7 +177,7 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     assert unit.live_steps() == DEFAULT_STEPS
     assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
     assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
-    assert PerfTable.from_csv(out / sw.CSV_NAME).steps() == [4]
+    assert read_table(out / sw.CSV_NAME).steps() == [4]
 
 
 def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
@@ -421,3 +422,51 @@ def test_configure_parses_lists(tmp_path: Path) -> None:
     assert ns.steps == (1, 2, 3)
     assert ns.concurrency == (1, 32)
     assert not ns.yes
+
+
+def _report(out_dir: Path) -> sw.SweepReport:
+    plan = sw.SweepPlan(steps=(3, 4), concurrency=(1, 16), duration_s=2, warmup_s=1)
+    report = sw.SweepReport(original_steps=3, plan=plan, out_dir=out_dir, final_steps=3)
+    report.points = [_point(3, 1, 230), _point(4, 1, 280), _point(3, 16, 2100), _point(4, 16, 2000)]
+    return report
+
+
+def test_outputs_are_written_atomically_with_their_mode_and_never_through_a_link(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = tmp_path / "victim.csv"
+    victim.write_text("keep\n")
+    (out / sw.CSV_NAME).symlink_to(victim)
+    (out / sw.CHART_NAME).symlink_to(tmp_path / "dangling.png")
+    report = _report(out)
+    old = os.umask(0o077)
+    try:
+        written = sw.write_outputs(report)
+    finally:
+        os.umask(old)
+    assert report.error is None
+    names = [sw.JSON_NAME, sw.MARKDOWN_NAME, sw.CSV_NAME, sw.CHART_NAME]
+    assert [p.name for p in written] == names
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)  # no temporary debris
+    for name in names:
+        st = os.lstat(out / name)
+        assert stat.S_ISREG(st.st_mode), name
+        assert stat.S_IMODE(st.st_mode) == sw.OUTPUT_FILE_MODE, name
+    assert victim.read_text() == "keep\n"
+    assert not (tmp_path / "dangling.png").exists()
+    assert read_table(out / sw.CSV_NAME).steps() == [3, 4]
+    assert png_size(out / sw.CHART_NAME) == (900, 550)
+
+
+def test_an_output_that_cannot_be_written_is_reported_not_raised(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / sw.MARKDOWN_NAME).mkdir()  # a directory where the file should go
+    report = _report(out)
+    written = sw.write_outputs(report, chart=False)
+    assert [p.name for p in written] == [sw.JSON_NAME, sw.CSV_NAME]
+    assert report.error is not None
+    assert report.error.startswith(f"cannot write {out / sw.MARKDOWN_NAME}: ")
+    assert [p.name for p in out.iterdir() if p.name.endswith(".tmp")] == []

@@ -1,0 +1,61 @@
+"""Small pure checks and renderings shared by io, commands and install (one of each).
+
+No I/O: a unit name, a URL and a duration are checked or written here the same way for the
+config, the applier, the SGLang client, the installer and every message.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.parse
+
+# systemd's unit-name characters (systemd.unit(5)), at most 255 of them; a service, since
+# specd restarts it; not starting with "-" (systemctl would read an option); a template
+# needs its instance ("sglang@.service" cannot be restarted).
+_SERVICE_NAME = re.compile(r"[A-Za-z0-9:_.\\][A-Za-z0-9:_.\\-]*(@[A-Za-z0-9:_.\\-]+)?\.service")
+MAX_UNIT_NAME_CHARS = 255
+
+
+def is_service_name(name: str) -> bool:
+    """True for a systemd service name such as ``sglang.service`` or ``sglang@1.service``."""
+    return len(name) <= MAX_UNIT_NAME_CHARS and _SERVICE_NAME.fullmatch(name) is not None
+
+
+def check_service_name(name: str) -> str:
+    """``name`` itself, or ValueError: "'x' is not a systemd service name such as ..."."""
+    if not is_service_name(name):
+        raise ValueError(f"{name!r} is not a systemd service name such as sglang.service")
+    return name
+
+
+def check_http_url(value: str) -> str:
+    """An http(s) URL with a host (and a valid port, if any), without a trailing slash.
+
+    ValueError with a one-line reason naming the value otherwise.
+    """
+    example = f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000"
+    if not isinstance(value, str) or any(c.isspace() for c in value):
+        raise ValueError(example)
+    try:
+        parsed = urllib.parse.urlsplit(value)
+    except ValueError:
+        raise ValueError(example) from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(example)
+    try:
+        parsed.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ValueError(f"{value!r} has an invalid port") from None
+    return value.rstrip("/")
+
+
+def duration_text(seconds: float) -> str:
+    """``42 s``, ``7.5 min``, ``3.2 h``: how specd writes a span of time in messages."""
+    if not math.isfinite(seconds):
+        return "∞" if seconds > 0 else "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -1,0 +1,46 @@
+"""``systemctl show``: the one way specd asks systemd about a unit's properties.
+
+Read-only (no polkit rule needed). ``systemctl show`` prints ``KEY=VALUE`` lines; a property
+may repeat (one ``ExecStart=`` line per command), so each key maps to all its values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from specd.io.runner import Runner
+
+SHOW_TIMEOUT_S = 10.0
+
+
+class SystemctlError(RuntimeError):
+    """``systemctl show`` failed; the message is its one-line summary."""
+
+
+def show_argv(unit: str, properties: Iterable[str]) -> list[str]:
+    return ["systemctl", "show", *(f"--property={p}" for p in properties), unit]
+
+
+def parse_show(text: str) -> dict[str, list[str]]:
+    """``KEY=VALUE`` lines → every value of each key, in order (lines without ``=`` skipped)."""
+    props: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            props.setdefault(key, []).append(value)
+    return props
+
+
+def last_values(props: dict[str, list[str]]) -> dict[str, str]:
+    """The value in force of each key: the last one, as systemd applies them."""
+    return {key: values[-1] for key, values in props.items() if values}
+
+
+def show(
+    runner: Runner, unit: str, properties: Iterable[str], timeout_s: float = SHOW_TIMEOUT_S
+) -> dict[str, list[str]]:
+    """Run ``systemctl show`` for ``properties`` of ``unit``. Raises ``SystemctlError``."""
+    result = runner(show_argv(unit, properties), timeout_s=timeout_s)
+    if not result.ok:
+        raise SystemctlError(result.summary())
+    return parse_show(result.stdout)

@@ -1,0 +1,85 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specd.core.text import check_http_url, check_service_name, duration_text, is_service_name
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["sglang.service", "sglang-122b.service", "sglang@1.service", "a:b_c.d\\x2d.service"],
+)
+def test_service_names_systemd_accepts(name: str) -> None:
+    assert is_service_name(name)
+    assert check_service_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "sglang",  # not a service
+        "sglang.socket",
+        "-sglang.service",  # systemctl would read an option
+        "--now",
+        "a b.service",
+        "sglang@.service",  # a template: nothing to restart
+        "x/../y.service",
+        "s" * 248 + ".service",  # 256 characters: longer than systemd allows
+    ],
+)
+def test_anything_else_is_one_line(name: str) -> None:
+    assert not is_service_name(name)
+    with pytest.raises(ValueError, match=r"is not a systemd service name such as sglang\.service"):
+        check_service_name(name)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:30000", "http://127.0.0.1:30000"),
+        ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
+        ("https://sglang.internal", "https://sglang.internal"),
+        ("http://[::1]:8000", "http://[::1]:8000"),
+    ],
+)
+def test_http_urls(url: str, expected: str) -> None:
+    assert check_http_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("not a url", "is not an http(s) URL"),
+        ("ftp://host", "is not an http(s) URL"),
+        ("http://", "is not an http(s) URL"),
+        ("127.0.0.1:30000", "is not an http(s) URL"),
+        ("http://host:99999", "has an invalid port"),
+        ("http://host:port", "has an invalid port"),
+        ("http://[::1", "is not an http(s) URL"),
+    ],
+)
+def test_bad_urls_are_one_line(url: str, problem: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_http_url(url)
+    assert str(info.value).startswith(f"{url!r} {problem}")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0 s"),
+        (119, "119 s"),
+        (120, "2.0 min"),
+        (3600, "60.0 min"),
+        (7200, "2.0 h"),
+        (86400, "24.0 h"),
+        (math.inf, "∞"),
+        (math.nan, "?"),
+    ],
+)
+def test_duration_text(seconds: float, text: str) -> None:
+    assert duration_text(seconds) == text

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from specd.io import systemd
+from specd.io.runner import RunResult, SubprocessRunner
+
+SHOW = (
+    "LoadState=loaded\n"
+    "ExecStart={ path=/bin/a ; argv[]=/bin/a --x ; }\n"
+    "ExecStart={ path=/bin/b ; argv[]=/bin/b ; }\n"
+    "Environment=A=1 B=2\n"
+    "Description=one = two\n"
+    "garbage line\n"
+    "WatchdogUSec=\n"
+)
+
+
+def test_parse_show_keeps_every_value_in_order() -> None:
+    props = systemd.parse_show(SHOW)
+    assert props["ExecStart"] == [
+        "{ path=/bin/a ; argv[]=/bin/a --x ; }",
+        "{ path=/bin/b ; argv[]=/bin/b ; }",
+    ]
+    assert props["Environment"] == ["A=1 B=2"]
+    assert props["Description"] == ["one = two"]  # only the first "=" splits
+    assert props["WatchdogUSec"] == [""]
+    assert "garbage line" not in props
+    last = systemd.last_values(props)
+    assert last["ExecStart"] == "{ path=/bin/b ; argv[]=/bin/b ; }"
+    assert last["LoadState"] == "loaded"
+
+
+def test_show_argv() -> None:
+    assert systemd.show_argv("sglang.service", ["LoadState", "ExecStart"]) == [
+        "systemctl",
+        "show",
+        "--property=LoadState",
+        "--property=ExecStart",
+        "sglang.service",
+    ]
+
+
+class FakeSystemctl:
+    """A real process standing in for systemctl: prints what it is given to print."""
+
+    def __init__(self, stdout: str, code: int) -> None:
+        self.stdout = stdout
+        self.code = code
+        self.argv: list[str] = []
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        self.argv = list(argv)
+        script = f"import sys; sys.stdout.write({self.stdout!r}); sys.exit({self.code})"
+        return SubprocessRunner()(["python3", "-c", script], timeout_s=timeout_s)
+
+
+def test_show_runs_systemctl_and_parses_it() -> None:
+    runner = FakeSystemctl(SHOW, 0)
+    props = systemd.show(runner, "sglang.service", ["LoadState"])
+    assert runner.argv == ["systemctl", "show", "--property=LoadState", "sglang.service"]
+    assert props["LoadState"] == ["loaded"]
+
+
+def test_a_failed_show_is_one_line() -> None:
+    with pytest.raises(systemd.SystemctlError) as info:
+        systemd.show(FakeSystemctl("", 3), "sglang.service", ["LoadState"])
+    assert "\n" not in str(info.value)
