@@ -19,6 +19,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.io.state import (
     STATE_FILE,
+    STATE_FILE_MODE,
     STATE_VERSION,
     State,
     StateFormatError,
@@ -379,4 +380,4 @@ def test_a_save_replaces_a_planted_symlink_not_its_target(tmp_path: Path) -> Non
     assert StateStore(tmp_path).save(populated()) is None
     assert victim.read_text() == "keep"
     assert not (tmp_path / STATE_FILE).is_symlink()
-    assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == STATE_FILE_MODE

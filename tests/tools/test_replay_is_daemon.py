@@ -22,6 +22,7 @@ from specd.io import logs
 from specd.io.apply import ApplyOutcome
 from specd.io.config import Config
 from specd.io.notify import Notifier
+from specd.io.tables import read_table, write_table
 from specd.tools.replay import (
     DEFAULT_START,
     ReplayResult,
@@ -170,9 +171,9 @@ def test_replay_decides_tick_for_tick_what_the_daemon_decides(tmp_path: Path, po
     calibration = None
     if policy == "model":
         cal_path = tmp_path / "calibration.csv"
-        TRUTH.to_csv(cal_path)
+        write_table(cal_path, TRUTH)
         choose["calibration_file"] = str(cal_path)
-        calibration = Calibration.of(PerfTable.from_csv(cal_path))
+        calibration = Calibration.of(read_table(cal_path))
     cfg = config(tmp_path, **choose)
     initial = 3
     result: ReplayResult = replay(
