@@ -22,10 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.core.perftable import PerfTable, PerfTableError
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
+from specd.twin.table import PerfTable, PerfTableError
 
 SGLANG_VERSION = "0.5.23"
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
