@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -n 4 --dist loadfile
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@scripts/ensure-venv "$(PYTHON)" "$(VENV)"
-	$(BIN)/pip install -q --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev,tools]'
 	@touch $@
 
 demo: $(STAMP)
@@ -29,6 +29,7 @@ system-deps:
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -48,7 +49,7 @@ constraints:
 	@scripts/ensure-venv "$(PYTHON)" "$(VENV)"
 	$(BIN)/pip install -q uv
 	$(BIN)/uv pip compile -q --universal --python-version 3.10 --no-emit-index-url \
-	    --extra dev --output-file $(CONSTRAINTS) pyproject.toml
+	    --extra dev --extra tools --output-file $(CONSTRAINTS) pyproject.toml
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

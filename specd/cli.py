@@ -2,13 +2,15 @@
 
 Each subcommand lives in its own module exposing ``configure(parser)`` and
 ``run(args) -> int``. Only the chosen module is imported, so `specd status` on a
-busy GPU box does not pay for aiohttp, rich or the twin.
+busy GPU box does not pay for aiohttp, rich or the twin — and a lean install (no
+``tools`` extra) runs every command but the tools, which say what to install.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -61,6 +63,36 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# The packages of the `tools` extra (pyproject.toml), and the commands that need them. They
+# are checked before the command starts: several import them only when they use them (the
+# twin its server, the demo a twin in a child process, sweep its chart hours into a run).
+TOOLS_EXTRA_PACKAGES = ("aiohttp", "rich", "matplotlib")
+NEEDS_TOOLS_EXTRA: dict[str, tuple[str, ...]] = {
+    "twin": ("aiohttp",),
+    "demo": ("aiohttp", "rich"),
+    "load": ("rich",),
+    "sweep": ("rich", "matplotlib"),
+}
+
+
+def _missing_tools_package(name: str) -> str | None:
+    for package in NEEDS_TOOLS_EXTRA.get(name, ()):
+        try:
+            if importlib.util.find_spec(package) is None:
+                return package
+        except (ImportError, ValueError):
+            return package
+    return None
+
+
+def _needs_tools(name: str) -> int:
+    print(
+        f"specd {name} needs the 'tools' extra: pip install 'specd[tools]'",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def _top_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
     parser = argparse.ArgumentParser(
@@ -85,7 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.parse_args(args[:1])  # prints "invalid choice" and exits 2
         return 2
     module_name, help_ = COMMANDS[name]
-    module = importlib.import_module(module_name)
+    if _missing_tools_package(name) is not None:
+        return _needs_tools(name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] in TOOLS_EXTRA_PACKAGES:
+            return _needs_tools(name)
+        raise
     parser = argparse.ArgumentParser(prog=f"specd {name}", description=help_)
     module.configure(parser)
     ns = parser.parse_args(args[1:])

@@ -1,10 +1,12 @@
 """`specd run`: the daemon loop, observe → record → decide → apply → report.
 
 One thread runs the loop; every wait in it is ``Event.wait`` so SIGTERM and SIGHUP
-interrupt it at once. A second thread only feeds systemd's watchdog, and only while
-the loop is demonstrably alive (it beats on every tick and on every wait inside a
-restart sequence), so a hung loop is killed by systemd while a long, healthy restart
-of a 100B model is not.
+interrupt it at once. systemd's watchdog is fed only by that thread's heartbeat: it beats
+on every tick and on every slice of every wait — between ticks, inside a restart sequence
+(``BeatingEvent``), while a `systemctl restart` runs (the runner) and while a read from
+SGLang waits (the reader). Each of those waits is bounded, so a loop stuck anywhere else
+stops the beats and systemd kills and restarts specd within WatchdogSec=, while a long,
+healthy restart of a 100B model is not killed.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ MAX_UNFREEZE_REQUEST_BYTES = 64 * 1024
 # it is not acting, without a line every scrape.
 DECISION_RELOG_S = 600.0
 STATE_SAVE_INTERVAL_S = 60.0
+# The wait between ticks beats at least this often (and at least 4 times a watchdog period).
+IDLE_SLICE_S = 1.0
 DAY_S = 86400.0
 
 
@@ -131,10 +135,9 @@ class Daemon:
         self.log = logs.get_logger()
         self.metrics = Metrics(registry, reasons=[r.value for r in Reason])
         self.notifier = notifier or Notifier()
-        self.runner: Runner = runner or SubprocessRunner()
+        self.runner: Runner = runner or SubprocessRunner(beat=self._heartbeat)
         self.allowed_override_uids = allowed_override_uids or (0, os.getuid())
 
-        self._last_beat = time.monotonic()
         self.stop_event = BeatingEvent(self._heartbeat)
         self._wake = threading.Event()
         self._reload_requested = threading.Event()
@@ -153,7 +156,10 @@ class Daemon:
         # Injected reader and applier (replay's proof, tests) are kept across reloads.
         self._injected = reader is not None, applier is not None
         self.client: SGLangReader = reader or SGLangClient(
-            config.sglang_url, timeout_s=config.scrape_timeout_s, clock=self.clock
+            config.sglang_url,
+            timeout_s=config.scrape_timeout_s,
+            clock=self.clock,
+            beat=self._heartbeat,
         )
         self.applier: RestartApplier = applier or self._make_applier(config, self.client)
         self.calibration = CalibrationFile(config.calibration_file)
@@ -184,7 +190,18 @@ class Daemon:
         self._save_state(force=True)
 
     def _heartbeat(self) -> None:
-        self._last_beat = time.monotonic()
+        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier)."""
+        self.notifier.beat()
+
+    def _idle(self, seconds: float) -> None:
+        """Wait for the next tick or a signal, beating on every slice of the wait."""
+        period = self.notifier.watchdog_period_s
+        slice_s = IDLE_SLICE_S if period is None else min(IDLE_SLICE_S, period / 4)
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self._heartbeat()
+            if self._wake.wait(min(left, slice_s)):
+                return
 
     def _save_state(self, *, force: bool = False) -> None:
         now = self.clock()
@@ -270,7 +287,12 @@ class Daemon:
         if not reader_injected and (
             new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s
         ):
-            client = SGLangClient(new.sglang_url, timeout_s=new.scrape_timeout_s, clock=self.clock)
+            client = SGLangClient(
+                new.sglang_url,
+                timeout_s=new.scrape_timeout_s,
+                clock=self.clock,
+                beat=self._heartbeat,
+            )
         applier = self.applier if applier_injected else self._make_applier(new, client)
         calibration = (
             self.calibration
@@ -305,10 +327,8 @@ class Daemon:
         self._reconcile_journal()
         self.tick()  # READY comes after the first scrape was attempted
         self.notifier.ready(self._status_text())
-        watchdog = threading.Thread(target=self._watchdog_loop, name="watchdog", daemon=True)
-        watchdog.start()
         while not self.stop_event.is_set():
-            self._wake.wait(self.config.scrape_interval_s)
+            self._idle(self.config.scrape_interval_s)
             self._wake.clear()
             self._heartbeat()
             if self.stop_event.is_set():
@@ -323,20 +343,6 @@ class Daemon:
             self._metrics_server.shutdown()
         self.log.info("stopped")
         return 0
-
-    def _watchdog_loop(self) -> None:
-        period = self.notifier.watchdog_period_s
-        if period is None:
-            return
-        # The longest single blocking call in the loop is a `systemctl restart` or a health
-        # probe; past that without a beat, the loop is stuck and systemd should kill us.
-        stall_limit = (
-            max(self.config.restart_command_timeout_s, self.config.health_probe_timeout_s) + 30
-        )
-        while True:
-            if time.monotonic() - self._last_beat < stall_limit:
-                self.notifier.watchdog()
-            time.sleep(period / 2)
 
     def _reconcile_journal(self) -> None:
         if not self.state.journal:

@@ -2,11 +2,16 @@
 
 A thin layer over ``sdnotify`` that knows specd's messages, reads the watchdog period
 from ``WATCHDOG_USEC`` and does nothing outside systemd (no ``NOTIFY_SOCKET``).
+
+``beat()`` is how the daemon's loop says it is alive: called as often as the loop likes, it
+sends ``WATCHDOG=1`` at most once per half watchdog period. Nothing else sends it, so a loop
+that stops beating is killed by systemd within ``WatchdogSec=``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import sdnotify
 
@@ -23,6 +28,7 @@ class Notifier:
         self.watchdog_period_s: float | None = (
             int(usec) / 1e6 if usec.isdigit() and int(usec) > 0 and mine else None
         )
+        self._last_watchdog: float | None = None
 
     def _send(self, message: str) -> None:
         if self._notifier is not None:
@@ -36,6 +42,18 @@ class Notifier:
 
     def watchdog(self) -> None:
         self._send("WATCHDOG=1")
+
+    def beat(self) -> None:
+        """The loop is alive: WATCHDOG=1, unless one went out less than half a period ago."""
+        if self.watchdog_period_s is None:
+            return
+        now = time.monotonic()
+        if self._last_watchdog is not None and now - self._last_watchdog < (
+            self.watchdog_period_s / 2
+        ):
+            return
+        self._last_watchdog = now
+        self.watchdog()
 
     def reloading(self) -> None:
         self._send("RELOADING=1")

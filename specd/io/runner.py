@@ -25,6 +25,9 @@ PASSTHROUGH_ENV = ("DBUS_SYSTEM_BUS_ADDRESS", "SYSTEMD_LOG_LEVEL", "HOME")
 MAX_OUTPUT_CHARS = 64 * 1024
 # After killing a timed-out process group, how long to wait for its pipes to close.
 REAP_TIMEOUT_S = 2.0
+# While a program runs, ``beat`` is called at least this often: a `systemctl restart` that
+# waits minutes for SGLang to stop is the daemon's loop waiting, not a hung loop.
+WAIT_SLICE_S = 1.0
 
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
@@ -87,15 +90,20 @@ def _decode(data: bytes | None) -> str:
 
 
 class SubprocessRunner:
-    """Runs argv with a timeout; on timeout kills the whole process group. Never raises."""
+    """Runs argv with a timeout; on timeout kills the whole process group. Never raises.
+
+    ``beat``, when given, is called on every ``WAIT_SLICE_S`` slice of the wait.
+    """
 
     def __init__(
         self,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         self._env = child_env(env)
         self._clock = clock
+        self._beat = beat
 
     def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
         args = tuple(str(a) for a in argv)
@@ -124,7 +132,7 @@ class SubprocessRunner:
             return self._failed(args, EXIT_NOT_EXECUTABLE, f"cannot run {args[0]}: {exc}", started)
 
         try:
-            out, err = proc.communicate(timeout=max(timeout_s, 0.0))
+            out, err = self._communicate(proc, max(timeout_s, 0.0))
         except subprocess.TimeoutExpired:
             self._kill_group(proc)
             try:
@@ -147,6 +155,22 @@ class SubprocessRunner:
         return RunResult(
             args, proc.returncode, _decode(out), _decode(err), False, self._clock() - started
         )
+
+    def _communicate(self, proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[bytes, bytes]:
+        """communicate() within ``timeout_s``, in slices that beat; TimeoutExpired past it."""
+        if self._beat is None:
+            return proc.communicate(timeout=timeout_s)
+        end = time.monotonic() + timeout_s
+        while True:
+            self._beat()
+            left = end - time.monotonic()
+            try:
+                # communicate() may be called again after a TimeoutExpired: the output read
+                # so far is kept.
+                return proc.communicate(timeout=max(0.0, min(left, WAIT_SLICE_S)))
+            except subprocess.TimeoutExpired:
+                if left <= WAIT_SLICE_S:
+                    raise
 
     @staticmethod
     def _kill_group(proc: subprocess.Popen[bytes]) -> None:

@@ -10,19 +10,27 @@ scheduler that has metrics enabled, i.e. the first TP rank of each DP replica (w
 specd keeps one series per replica (the lowest-ranked one), sums counts across
 replicas, weights the accept length by running requests, and skips the per-priority
 breakdown series that priority scheduling adds next to the totals (``priority=""``).
+
+Cost and time: /server_info makes SGLang ask every scheduler, so it is read once per SGLang
+start (again when the page shows a new start, after a failed scrape, or on request), and
+every request runs against one deadline: a whole scrape, however slowly a server sends its
+bytes, ends within the configured timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import math
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import httpcore
 import httpx
 
 from specd import __version__
@@ -41,6 +49,11 @@ GENERATION_TOKENS = "sglang:generation_tokens_total"
 REALTIME_TOKENS = "sglang:realtime_tokens_total"
 VERIFY_CALLS = "sglang:spec_verify_calls_total"
 RETRACTED = "sglang:num_retracted_requests_total"
+# Gauges SGLang labels with the scheduler's pid (multiprocess mode): new pids, new start.
+RETRACTED_NOW = "sglang:num_retracted_reqs"
+PAUSED_NOW = "sglang:num_paused_reqs"
+# prometheus_client's process collector; SGLang's multiprocess page lacks it, a proxy may not.
+PROCESS_START = "process_start_time_seconds"
 # The sample names specd reads; everything else on the page is skipped unparsed.
 FAMILIES: tuple[str, ...] = (
     RUNNING,
@@ -54,6 +67,16 @@ FAMILIES: tuple[str, ...] = (
     REALTIME_TOKENS,
     VERIFY_CALLS,
     RETRACTED,
+    RETRACTED_NOW,
+    PAUSED_NOW,
+    PROCESS_START,
+)
+# Counters that only fall when SGLang started again.
+_COUNTERS = (
+    "generation_tokens_total",
+    "decode_tokens_total",
+    "spec_verify_calls_total",
+    "retracted_total",  # appears at the first retraction: gone again means a new start
 )
 # Schedulers of one DP replica differ only in these labels and report the same batch.
 _RANK_LABELS = ("pp_rank", "tp_rank", "moe_ep_rank")
@@ -62,6 +85,9 @@ _RANK_LABELS = ("pp_rank", "tp_rank", "moe_ep_rank")
 DEFAULT_MAX_PAGE_BYTES = 32 * 1024 * 1024
 _METRICS_PATH = "/metrics"
 _INFO_PATHS = ("/server_info", "/get_server_info")  # the second is SGLang < 0.5.6's
+# Reads wait at most this long before calling the client's ``beat``: a slow but bounded
+# read still shows the daemon's loop alive to the watchdog.
+READ_SLICE_S = 1.0
 
 
 class HealthStatus(enum.Enum):
@@ -95,6 +121,28 @@ class ParsedMetrics:
     spec_verify_calls_total: float | None
     retracted_total: float | None
     dp_ranks: int
+    # What identifies this start of SGLang, when the page shows it: the schedulers' pids
+    # and the process start time.
+    scheduler_pids: frozenset[str] = frozenset()
+    process_start_s: float | None = None
+
+    def same_start(self, before: ParsedMetrics) -> bool:
+        """Whether this page and ``before`` come from the same start of SGLang."""
+        if (self.steps, self.draft_tokens, self.dp_ranks) != (
+            before.steps,
+            before.draft_tokens,
+            before.dp_ranks,
+        ):
+            return False
+        if self.scheduler_pids != before.scheduler_pids:
+            return False
+        if self.process_start_s != before.process_start_s:
+            return False
+        for name in _COUNTERS:
+            now, then = getattr(self, name), getattr(before, name)
+            if then is not None and (now is None or now < then):
+                return False
+        return True
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -214,6 +262,13 @@ def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]
 
     usage = replicas.get(KV_USAGE)
     decode = [s for s in found.get(REALTIME_TOKENS, []) if s.labels.get("mode") == "decode"]
+    pids = frozenset(
+        s.labels["pid"]
+        for name in (RETRACTED_NOW, PAUSED_NOW)
+        for s in found.get(name, [])
+        if "pid" in s.labels
+    )
+    started = found.get(PROCESS_START)
     return ParsedMetrics(
         running=running,
         queued=queued,
@@ -229,6 +284,8 @@ def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]
         spec_verify_calls_total=_sum(replicas.get(VERIFY_CALLS)),
         retracted_total=_sum(replicas.get(RETRACTED)),
         dp_ranks=len(running_series),
+        scheduler_pids=pids,
+        process_start_s=min(s.value for s in started) if started else None,
     )
 
 
@@ -325,8 +382,150 @@ def check_base_url(base_url: str) -> str:
     return str(url).rstrip("/")
 
 
+class _Deadline(threading.local):
+    """The monotonic time by which the request in flight must be over (per thread)."""
+
+    at: float | None = None
+
+    @contextlib.contextmanager
+    def until(self, at: float) -> Iterator[None]:
+        before = self.at
+        self.at = at
+        try:
+            yield
+        finally:
+            self.at = before
+
+    def end(self, timeout: float | None) -> float | None:
+        """The earlier of the deadline and ``timeout`` seconds from now (None: neither)."""
+        own = None if timeout is None else time.monotonic() + timeout
+        if self.at is None or own is None:
+            return self.at if own is None else own
+        return min(self.at, own)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose every read and write ends by the request's deadline.
+
+    httpx's timeouts bound each read, so a server sending a byte a second never times out;
+    here each read gets only what is left of the whole request. Reads also wait in slices
+    and call ``beat`` between them, so a long but bounded wait shows the loop alive.
+    """
+
+    def __init__(
+        self,
+        inner: httpcore.NetworkStream,
+        deadline: _Deadline,
+        beat: Callable[[], None] | None,
+    ) -> None:
+        self._inner = inner
+        self._deadline = deadline
+        self._beat = beat
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        end = self._deadline.end(timeout)
+        while True:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                raise httpcore.ReadTimeout("deadline of the request passed")
+            if self._beat is None:
+                return self._inner.read(max_bytes, left)
+            try:
+                return self._inner.read(
+                    max_bytes, READ_SLICE_S if left is None else min(left, READ_SLICE_S)
+                )
+            except httpcore.ReadTimeout:
+                # Nothing was read in this slice: the socket is as it was, wait again.
+                self._beat()
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        end = self._deadline.end(timeout)
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left <= 0:
+            raise httpcore.WriteTimeout("deadline of the request passed")
+        self._inner.write(buffer, left)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: Any,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        end = self._deadline.end(timeout)
+        left = None if end is None else max(end - time.monotonic(), 0.0)
+        inner = self._inner.start_tls(ssl_context, server_hostname, left)
+        return _DeadlineStream(inner, self._deadline, self._beat)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self, deadline: _Deadline, beat: Callable[[], None] | None) -> None:
+        self._inner = httpcore.SyncBackend()
+        self._deadline = deadline
+        self._beat = beat
+
+    def _left(self, timeout: float | None) -> float | None:
+        end = self._deadline.end(timeout)
+        if end is None:
+            return None
+        left = end - time.monotonic()
+        if left <= 0:
+            raise httpcore.ConnectTimeout("deadline of the request passed")
+        return left
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        stream = self._inner.connect_tcp(
+            host, port, self._left(timeout), local_address, socket_options
+        )
+        return _DeadlineStream(stream, self._deadline, self._beat)
+
+    def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        stream = self._inner.connect_unix_socket(path, self._left(timeout), socket_options)
+        return _DeadlineStream(stream, self._deadline, self._beat)
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+class _DeadlineTransport(httpx.HTTPTransport):
+    def __init__(self, deadline: _Deadline, beat: Callable[[], None] | None) -> None:
+        super().__init__(trust_env=False)
+        # httpx has no parameter for its pool's network backend: the pool is replaced by
+        # one with httpx's defaults and ours (tests/io/test_sglang.py trickles bytes at it).
+        limits = httpx.Limits()
+        self._pool = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(trust_env=False),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=_DeadlineBackend(deadline, beat),
+        )
+
+
 class SGLangClient:
-    """A synchronous client for one SGLang server; reuses its connection across ticks."""
+    """A synchronous client for one SGLang server; reuses its connection across ticks.
+
+    Every public call runs against one deadline (``timeout_s``, or the probe's own): all its
+    requests, headers and bodies included, end by then. ``beat`` is called while a read
+    waits, at least every ``READ_SLICE_S``.
+    """
 
     def __init__(
         self,
@@ -335,12 +534,18 @@ class SGLangClient:
         timeout_s: float = 3.0,
         clock: Callable[[], float] = time.time,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         self.base_url = check_base_url(base_url)
         self.timeout_s = timeout_s
         self.max_page_bytes = max_page_bytes
         self._clock = clock
         self._info_paths = list(_INFO_PATHS)
+        self._deadline = _Deadline()
+        # /server_info of the SGLang start the last page came from, and that page: None
+        # means read /server_info with the next scrape.
+        self._info: dict[str, Any] | None = None
+        self._page: ParsedMetrics | None = None
         # identity: compressing a page to send it over loopback only costs CPU on both
         # ends. trust_env=False: an HTTP(S)_PROXY meant for the internet must not
         # capture the local server.
@@ -349,6 +554,7 @@ class SGLangClient:
             timeout=timeout_s,
             headers={"Accept-Encoding": "identity", "User-Agent": f"specd/{__version__}"},
             trust_env=False,
+            transport=_DeadlineTransport(self._deadline, beat),
         )
 
     def __enter__(self) -> SGLangClient:
@@ -365,10 +571,15 @@ class SGLangClient:
     def close(self) -> None:
         self._http.close()
 
-    def _get(self, path: str, t: float, *, none_on_404: bool = False) -> bytes | ScrapeError | None:
+    def _deadline_from_now(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def _get(
+        self, path: str, t: float, deadline: float, *, none_on_404: bool = False
+    ) -> bytes | ScrapeError | None:
         where = f"GET {path}"
         try:
-            with self._http.stream("GET", path) as resp:
+            with self._deadline.until(deadline), self._http.stream("GET", path) as resp:
                 if resp.status_code == 404 and none_on_404:
                     return None
                 if resp.status_code != 200:
@@ -405,8 +616,8 @@ class SGLangClient:
                 "refused", _one_line(f"{where}: connection failed: {type(exc).__name__} {exc}"), t
             )
 
-    def _metrics_text(self, t: float) -> str | ScrapeError:
-        body = self._get(_METRICS_PATH, t)
+    def _metrics_text(self, t: float, deadline: float) -> str | ScrapeError:
+        body = self._get(_METRICS_PATH, t, deadline)
         assert body is not None  # only with none_on_404
         if isinstance(body, ScrapeError):
             return body
@@ -415,14 +626,14 @@ class SGLangClient:
         except UnicodeDecodeError as exc:
             return ScrapeError("malformed", f"GET {_METRICS_PATH}: not UTF-8 ({exc.reason})", t)
 
-    def _server_info(self, t: float) -> dict[str, Any] | ScrapeError:
+    def _server_info(self, t: float, deadline: float) -> dict[str, Any] | ScrapeError:
         for path in list(self._info_paths):
-            result = self._get(path, t, none_on_404=True)
+            result = self._get(path, t, deadline, none_on_404=True)
             if result is None:
                 continue
             if isinstance(result, ScrapeError):
                 return result
-            # Remember which one answered, so an old SGLang costs one request per tick.
+            # Remember which one answered, so an old SGLang costs one request per read.
             self._info_paths.remove(path)
             self._info_paths.insert(0, path)
             return self._info_json(path, result, t)
@@ -442,45 +653,65 @@ class SGLangClient:
         """The raw /metrics page."""
         t = self._clock()
         try:
-            return self._metrics_text(t)
+            return self._metrics_text(t, self._deadline_from_now())
         except Exception as exc:
             return ScrapeError(
                 "malformed", _one_line(f"GET /metrics: {type(exc).__name__}: {exc}"), t
             )
 
     def server_info(self) -> dict[str, Any] | ScrapeError:
-        """/server_info as a dict; /get_server_info when the server is older than 0.5.6."""
-        t = self._clock()
-        try:
-            return self._server_info(t)
-        except Exception as exc:
-            return ScrapeError(
-                "malformed", _one_line(f"GET /server_info: {type(exc).__name__}: {exc}"), t
-            )
+        """/server_info read now (/get_server_info when SGLang is older than 0.5.6).
 
-    def observe(self) -> Observation | ScrapeError:
-        """Scrape /metrics and /server_info into one Observation.
-
-        /metrics decides success; when only /server_info fails the Observation is
-        still returned, with the fields only /server_info knows set to None.
+        A fresh read also becomes what ``observe`` reports until the page shows a new start:
+        the applier's verification after a restart reads it this way.
         """
         t = self._clock()
         try:
-            text = self._metrics_text(t)
-            if isinstance(text, ScrapeError):
-                return text
-            parsed = parse_metrics(text, t=t)
-            if isinstance(parsed, ScrapeError):
-                return parsed
-            info = self._server_info(t)
-            return observation_from(parsed, None if isinstance(info, ScrapeError) else info, t)
+            info = self._server_info(t, self._deadline_from_now())
         except Exception as exc:
+            info = ScrapeError(
+                "malformed", _one_line(f"GET /server_info: {type(exc).__name__}: {exc}"), t
+            )
+        # The next page is the first one known to come from the start this read saw.
+        self._info = info if isinstance(info, dict) else None
+        self._page = None
+        return info
+
+    def observe(self) -> Observation | ScrapeError:
+        """Scrape /metrics (and /server_info once per SGLang start) into one Observation.
+
+        /metrics decides success; when only /server_info fails the Observation is
+        still returned, with the fields only /server_info knows set to None, and
+        /server_info is read again with the next scrape.
+        """
+        t = self._clock()
+        deadline = self._deadline_from_now()
+        try:
+            text = self._metrics_text(t, deadline)
+            parsed = text if isinstance(text, ScrapeError) else parse_metrics(text, t=t)
+            if isinstance(parsed, ScrapeError):
+                # Whatever comes back next may be another start of SGLang.
+                self._info = self._page = None
+                return parsed
+            if self._info is None or (self._page is not None and not parsed.same_start(self._page)):
+                info = self._server_info(t, deadline)
+                self._info = info if isinstance(info, dict) else None
+            self._page = parsed
+            return observation_from(parsed, self._info, t)
+        except Exception as exc:
+            self._info = self._page = None
             return ScrapeError("malformed", _one_line(f"observe: {type(exc).__name__}: {exc}"), t)
 
     def health_generate(self, timeout_s: float) -> HealthStatus:
-        """GET /health_generate: SGLang runs a 1-token generation (20 s internal limit)."""
+        """GET /health_generate: SGLang runs a 1-token generation (20 s internal limit).
+
+        ``timeout_s`` bounds the whole probe, however slowly the answer comes.
+        """
         try:
-            with self._http.stream("GET", "/health_generate", timeout=timeout_s) as resp:
+            with (
+                self._deadline.until(time.monotonic() + timeout_s),
+                self._http.stream("GET", "/health_generate", timeout=timeout_s) as resp,
+            ):
                 return HealthStatus.OK if resp.status_code == 200 else HealthStatus.UNHEALTHY
         except httpx.TimeoutException:
             return HealthStatus.TIMEOUT

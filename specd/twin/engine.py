@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specd.core.perftable import PerfTable
 from specd.twin.exposition import MetricState
 from specd.twin.families import BY_NAME
+from specd.twin.table import PerfTable
 
 TICK_S = 0.05
 IDLE_THROUGHPUT_RESET_S = 30.0

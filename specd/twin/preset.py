@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 
-from specd.core.perftable import PerfRow, PerfTable
+from specd.twin.table import PerfRow, PerfTable
 
 PRESET_NAME = "seed-qwen35-122b"
 PRESETS = (PRESET_NAME,)

@@ -22,11 +22,10 @@ from typing import Any
 
 from aiohttp import web
 
-from specd.core.perftable import PerfTable, PerfTableError
-from specd.io.tables import read_table
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
+from specd.twin.table import PerfTable, PerfTableError
 
 SGLANG_VERSION = "0.5.23"
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
@@ -59,7 +58,11 @@ def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConf
     if args.table and args.preset:
         raise TwinConfigError("give --table or --preset, not both")
     try:
-        table = read_table(args.table) if args.table else preset_table(args.preset or PRESET_NAME)
+        table = (
+            PerfTable.from_csv(args.table)
+            if args.table
+            else preset_table(args.preset or PRESET_NAME)
+        )
     except (PerfTableError, KeyError) as exc:
         raise TwinConfigError(str(exc).strip("'\"")) from None
     for name in ("port", "dp_size", "tp_size", "decode_log_interval"):

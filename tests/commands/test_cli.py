@@ -44,6 +44,74 @@ def test_top_level_help_lists_every_command() -> None:
     assert all(name in out for name in cli.COMMANDS)
 
 
+# Runs `specd ARGS` as a lean install sees it: the named packages are absent (None in
+# sys.modules is how Python marks a module that must not be imported: import raises
+# ModuleNotFoundError and importlib.util.find_spec finds nothing).
+WITHOUT = """
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None
+from specd import cli
+sys.exit(cli.main(sys.argv[2:]))
+"""
+TOOLS = "aiohttp,rich,matplotlib"
+
+
+def specd_without(packages: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT, packages, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "hidden"),
+    [
+        (["twin", "--port", "1"], "aiohttp"),
+        (["demo"], "rich"),
+        (["demo"], "aiohttp"),
+        (["load", "--url", "http://127.0.0.1:9"], "rich"),
+        (["sweep", "--help"], "matplotlib"),
+        (["sweep", "--help"], "rich"),
+        # Installed but broken (a part of it missing): the command's import fails.
+        (["load", "--url", "http://127.0.0.1:9"], "rich.console"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v[0],
+)
+def test_a_tool_without_the_tools_extra_says_what_to_install(argv: list[str], hidden: str) -> None:
+    done = specd_without(hidden, *argv)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"specd {argv[0]} needs the 'tools' extra: pip install 'specd[tools]'\n"
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in cli.COMMANDS if n not in ("twin", "demo", "load", "sweep")]
+)
+def test_every_other_command_runs_without_the_tools_extra(name: str) -> None:
+    done = specd_without(TOOLS, name, "--help")
+    assert done.returncode == 0, done.stderr
+    assert f"specd {name}" in done.stdout
+
+
+def test_the_daemon_imports_nothing_from_the_tools_extra() -> None:
+    # The daemon's whole import graph loads with the extra's packages absent.
+    code = (
+        "import sys\n"
+        f"for name in {TOOLS!r}.split(','):\n"
+        "    sys.modules[name] = None\n"
+        "import specd.daemon, specd.commands.run, specd.commands.status\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {TOOLS!r}.split(',')"
+        " and sys.modules[m] is not None))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
 BAD_CONFIG = 'min_steps = 5\nmax_steps = 2\nscrape_intervall_s = 3\nhealth_probe_timeout_s = "x"\n'
 
 

@@ -112,6 +112,39 @@ def test_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
         pytest.fail(f"grandchild {grandchild} survived the timeout")
 
 
+def test_a_long_run_beats_on_every_slice_and_keeps_its_output() -> None:
+    # A `systemctl restart` waiting minutes for SGLang to stop: the daemon's loop is
+    # waiting, not hung, so the runner keeps beating while it waits.
+    beats: list[float] = []
+    code = (
+        "import sys, time\n"
+        "print('stopping', flush=True)\n"
+        "time.sleep(3.2)\n"
+        "print('started'); sys.stderr.write('done\\n')\n"
+    )
+    runner = SubprocessRunner(beat=lambda: beats.append(time.monotonic()))
+    started = time.monotonic()
+    result = runner([PY, "-c", code], timeout_s=20)
+    assert result.ok, result.summary()
+    # Output read in one slice is kept when the next slice finishes the read.
+    assert (result.stdout, result.stderr) == ("stopping\nstarted\n", "done\n")
+    assert len(beats) >= 3
+    gaps = [b - a for a, b in zip([started, *beats], [*beats, time.monotonic()], strict=True)]
+    assert max(gaps) < 1.6, gaps
+
+
+def test_beating_runner_still_kills_at_its_timeout() -> None:
+    beats: list[float] = []
+    runner = SubprocessRunner(beat=lambda: beats.append(time.monotonic()))
+    started = time.monotonic()
+    result = runner([PY, "-c", "import time; time.sleep(60)"], timeout_s=2.5)
+    elapsed = time.monotonic() - started
+    assert result.timed_out
+    assert result.returncode == -signal.SIGKILL
+    assert 2.4 <= elapsed < 5
+    assert 2 <= len(beats) <= 4
+
+
 @pytest.mark.parametrize(
     ("inherited", "expected_prefix", "must_contain"),
     [

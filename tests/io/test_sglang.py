@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,6 +33,7 @@ from specd.io.sglang import (
     observation_from,
     parse_metrics,
 )
+from specd.twin.process import TwinProcess, free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
@@ -506,7 +508,10 @@ def test_observe_over_http(
     assert isinstance(second, Observation)
     assert (first.t, second.t) == (1000.0, 2000.0)
     assert (first.running, first.steps) == (running, steps)
-    assert server.hits == ["/metrics", "/server_info"] * 2
+    assert (first.version, first.launch_command) == (second.version, second.launch_command)
+    assert first.max_running_requests == second.max_running_requests
+    # /server_info once per SGLang start: the second page is from the same start.
+    assert server.hits == ["/metrics", "/server_info", "/metrics"]
 
 
 def test_old_server_info_endpoint_is_found_and_remembered(server: PageServer) -> None:
@@ -515,9 +520,11 @@ def test_old_server_info_endpoint_is_found_and_remembered(server: PageServer) ->
     with SGLangClient(server.url) as client:
         first = client.observe()
         second = client.observe()
+        again = client.server_info()
     assert isinstance(first, Observation)
     assert isinstance(second, Observation)
     assert (first.version, first.steps, second.steps) == ("0.5.12", 3, 3)
+    assert isinstance(again, dict)
     assert server.hits == [
         "/metrics",
         "/server_info",
@@ -649,6 +656,309 @@ def test_health_generate(server: PageServer, route: Route, status: HealthStatus)
     server.routes["/health_generate"] = route
     with SGLangClient(server.url) as client:
         assert client.health_generate(timeout_s=0.2) is status
+
+
+# ---- /server_info once per SGLang start -------------------------------------------------
+
+DECODE_LINE = next(
+    line
+    for line in BASE.splitlines()
+    if line.startswith("sglang:realtime_tokens_total") and 'mode="decode"' in line
+)
+STEPS_LINE = next(line for line in BASE.splitlines() if line.startswith("sglang:spec_num_steps"))
+
+
+def _with_value(line: str, value: float) -> str:
+    return line.rsplit(" ", 1)[0] + f" {value!r}"
+
+
+@pytest.mark.parametrize(
+    ("second_page", "reads_again"),
+    [
+        (BASE, False),
+        # Decode tokens only grow while one SGLang runs: fewer means it started again.
+        (BASE.replace(DECODE_LINE, _with_value(DECODE_LINE, 10.0)), True),
+        (BASE.replace(DECODE_LINE, _with_value(DECODE_LINE, 99999.0)), False),
+        (BASE.replace(STEPS_LINE, _with_value(STEPS_LINE, 3.0)), True),
+        # A scheduler with another pid is another process.
+        (BASE.replace('pid="1552"', 'pid="7001"'), True),
+        (BASE + "process_start_time_seconds 1.7e9\n", True),
+    ],
+    ids=["same", "counter-backwards", "counter-up", "steps-changed", "new-pid", "start-time"],
+)
+def test_server_info_is_read_again_only_for_a_new_start(
+    server: PageServer, second_page: str, reads_again: bool
+) -> None:
+    server.serve_sglang(BASE, LOADED)
+    with SGLangClient(server.url) as client:
+        first = client.observe()
+        server.serve("/metrics", second_page)
+        second = client.observe()
+    assert isinstance(first, Observation)
+    assert isinstance(second, Observation)
+    assert second.version == first.version == LOADED["version"]
+    expected = ["/metrics", "/server_info", "/metrics"] + (["/server_info"] if reads_again else [])
+    assert server.hits == expected
+
+
+def test_server_info_is_read_again_after_a_failed_scrape(server: PageServer) -> None:
+    server.serve_sglang(BASE, LOADED)
+    with SGLangClient(server.url, timeout_s=0.5) as client:
+        assert isinstance(client.observe(), Observation)
+        server.serve("/metrics", "", status=503)
+        assert isinstance(client.observe(), ScrapeError)
+        server.serve("/metrics", BASE)
+        assert isinstance(client.observe(), Observation)
+        assert isinstance(client.observe(), Observation)
+    assert server.hits == [
+        "/metrics",
+        "/server_info",
+        "/metrics",  # 503
+        "/metrics",
+        "/server_info",
+        "/metrics",
+    ]
+
+
+def test_a_failed_server_info_is_retried_with_the_next_scrape(server: PageServer) -> None:
+    server.serve("/metrics", BASE)
+    server.serve("/server_info", "", status=503)
+    with SGLangClient(server.url) as client:
+        degraded = client.observe()
+        server.serve("/server_info", json.dumps(LOADED))
+        whole = client.observe()
+        client.observe()
+    assert isinstance(degraded, Observation)
+    assert isinstance(whole, Observation)
+    assert (degraded.version, whole.version) == (None, LOADED["version"])
+    assert server.hits == ["/metrics", "/server_info"] * 2 + ["/metrics"]
+
+
+def test_asked_for_server_info_is_read_fresh_and_reported(server: PageServer) -> None:
+    # The applier's verification after a restart: what it reads is what observe reports.
+    server.serve_sglang(BASE, LOADED)
+    with SGLangClient(server.url) as client:
+        client.observe()
+        server.serve("/server_info", json.dumps(loaded_with(max_running_requests=11)))
+        fresh = client.server_info()
+        after = client.observe()
+    assert isinstance(fresh, dict)
+    assert isinstance(after, Observation)
+    assert fresh["max_running_requests"] == 11
+    assert server.hits == ["/metrics", "/server_info", "/server_info", "/metrics"]
+
+
+TWIN_FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+
+
+def twin_args(steps: int) -> list[str]:
+    return [
+        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1),
+        "--enable-metrics", *TWIN_FAST,
+    ]  # fmt: skip
+
+
+def server_info_hits(url: str) -> int:
+    """How many /server_info requests the twin served, from its own request counter."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sglang:http_requests_total" and sample.labels.get("endpoint") in (
+                "/server_info",
+                "/get_server_info",
+            ):
+                return int(sample.value)
+    return 0
+
+
+def test_twin_serves_server_info_once_per_start() -> None:
+    port = free_port()
+    with TwinProcess(twin_args(4), port=port) as twin:
+        twin.wait_healthy(20)
+        client = SGLangClient(twin.url, timeout_s=3.0)
+        observed = [client.observe() for _ in range(10)]
+        assert all(isinstance(o, Observation) and o.steps == 4 for o in observed), observed
+        assert server_info_hits(twin.url) == 1
+        assert client.server_info() != {}
+        assert server_info_hits(twin.url) == 2
+    # SGLang stopped: the scrape fails, and whatever answers next is read afresh.
+    down = client.observe()
+    assert isinstance(down, ScrapeError)
+    assert down.kind == "refused"
+    for steps in (4, 3):  # a restart at the same steps (new pids), then at other steps
+        with TwinProcess(twin_args(steps), port=port) as twin:
+            twin.wait_healthy(20)
+            seen = [client.observe() for _ in range(5)]
+            assert all(isinstance(o, Observation) for o in seen), seen
+            last = seen[-1]
+            assert isinstance(last, Observation)
+            assert (last.steps, last.max_running_requests) == (steps, seen[0].max_running_requests)
+            assert server_info_hits(twin.url) == 1
+    client.close()
+
+
+def test_twin_restart_between_two_scrapes_is_noticed() -> None:
+    # No failed scrape in between: the new start shows only on the page (pids, counters).
+    port = free_port()
+    client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=3.0)
+    with TwinProcess(twin_args(4), port=port) as twin:
+        twin.wait_healthy(20)
+        assert isinstance(client.observe(), Observation)
+    with TwinProcess(twin_args(4), port=port) as twin:
+        twin.wait_healthy(20)
+        assert isinstance(client.observe(), Observation)
+        assert isinstance(client.observe(), Observation)
+        assert server_info_hits(twin.url) == 1
+    client.close()
+
+
+# ---- one deadline per scrape: a server that trickles bytes ------------------------------
+
+TRICKLE_INTERVAL_S = 1.0  # a byte a second
+
+
+@dataclass
+class Trickler:
+    """A real HTTP server on 127.0.0.1 answering chosen paths a byte a second."""
+
+    url: str
+    # path -> "headers" (the status line and headers trickle), "body" (headers at once, the
+    # body trickles), "silent" (reads the request, never answers); others get BASE or LOADED.
+    modes: dict[str, str]
+    stop: threading.Event
+
+
+def _trickle(conn: socket.socket, data: bytes, stop: threading.Event) -> None:
+    for byte in data:
+        if stop.wait(TRICKLE_INTERVAL_S):
+            return
+        conn.sendall(bytes([byte]))
+
+
+def _serve_conn(conn: socket.socket, state: Trickler) -> None:
+    with conn:
+        buf = b""
+        try:
+            while not state.stop.is_set():
+                while b"\r\n\r\n" not in buf:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        return
+                    buf += chunk
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                path = head.split(b" ")[1].decode()
+                mode = state.modes.get(path)
+                body = (json.dumps(LOADED).encode() if "info" in path else BASE.encode()) * (
+                    100 if mode == "body" else 1
+                )
+                headers = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                if mode == "headers":
+                    _trickle(conn, headers + body, state.stop)
+                elif mode == "body":
+                    conn.sendall(headers)
+                    _trickle(conn, body, state.stop)
+                elif mode == "silent":
+                    state.stop.wait(60)
+                else:
+                    conn.sendall(headers + body)
+                    continue
+                return
+        except OSError:
+            return  # the client gave up and closed
+
+
+@pytest.fixture
+def trickler() -> Iterator[Trickler]:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.1)
+    state = Trickler(f"http://127.0.0.1:{listener.getsockname()[1]}", {}, threading.Event())
+
+    def accept() -> None:
+        while not state.stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=_serve_conn, args=(conn, state), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        state.stop.set()
+        thread.join(5)
+        listener.close()
+
+
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@pytest.mark.parametrize("mode", ["headers", "body", "silent"])
+def test_trickling_metrics_time_out_by_one_deadline(trickler: Trickler, mode: str) -> None:
+    trickler.modes["/metrics"] = mode
+    beats: list[float] = []
+    with SGLangClient(
+        trickler.url, timeout_s=SCRAPE_TIMEOUT_S, beat=lambda: beats.append(time.monotonic())
+    ) as client:
+        started = time.monotonic()
+        result = client.observe()
+        took = time.monotonic() - started
+    assert isinstance(result, ScrapeError), result
+    assert result.kind == "timeout"
+    assert result.reason == f"GET /metrics: no answer within {SCRAPE_TIMEOUT_S:g} s"
+    assert SCRAPE_TIMEOUT_S - 0.1 <= took <= SCRAPE_TIMEOUT_S + 1.0
+    if mode == "silent":
+        # A read that waits calls beat in slices: the daemon's loop is seen alive.
+        assert len(beats) >= 1
+
+
+@pytest.mark.parametrize("mode", ["headers", "body"])
+def test_trickling_server_info_times_out_by_one_deadline(trickler: Trickler, mode: str) -> None:
+    trickler.modes["/server_info"] = mode
+    with SGLangClient(trickler.url, timeout_s=SCRAPE_TIMEOUT_S) as client:
+        started = time.monotonic()
+        info_result = client.server_info()
+        took_info = time.monotonic() - started
+        started = time.monotonic()
+        observed = client.observe()
+        took_observe = time.monotonic() - started
+    assert isinstance(info_result, ScrapeError)
+    assert info_result.kind == "timeout"
+    assert "GET /server_info: no answer within 2 s" in info_result.reason
+    assert took_info <= SCRAPE_TIMEOUT_S + 1.0
+    # The whole scrape, /metrics and /server_info together, keeps the one deadline; the
+    # page alone still gives an Observation.
+    assert isinstance(observed, Observation)
+    assert (observed.running, observed.version) == (13, None)
+    assert took_observe <= SCRAPE_TIMEOUT_S + 1.0
+
+
+@pytest.mark.parametrize("mode", ["headers", "silent"])
+def test_trickling_health_probe_times_out(trickler: Trickler, mode: str) -> None:
+    trickler.modes["/health_generate"] = mode
+    with SGLangClient(trickler.url, timeout_s=30.0) as client:
+        started = time.monotonic()
+        status = client.health_generate(timeout_s=SCRAPE_TIMEOUT_S)
+        took = time.monotonic() - started
+    assert status is HealthStatus.TIMEOUT
+    assert took <= SCRAPE_TIMEOUT_S + 1.0
+
+
+def test_fast_server_after_a_timeout_is_read_in_full(trickler: Trickler) -> None:
+    # The deadline belongs to one scrape: the next one starts with its own.
+    trickler.modes["/metrics"] = "silent"
+    with SGLangClient(trickler.url, timeout_s=1.0) as client:
+        assert isinstance(client.observe(), ScrapeError)
+        del trickler.modes["/metrics"]
+        again = client.observe()
+    assert isinstance(again, Observation)
+    assert again.version == LOADED["version"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,189 @@
+"""The twin's performance table: aggregate output tok/s per (speculative steps, concurrency).
+
+The twin's own reading of the CSV format specd shares with it
+(``steps,concurrency,output_tok_s[,accept_length][,max_running_requests]``, see the design's
+"Performance tables"): a measured point comes back exactly, linear between points, the
+plateau from the capacity on, flat past the last point. It is deliberately not specd's
+``specd.core.perftable``: the twin is the stand-in for the GPU server, so its truth must not
+share code with the model it is used to test (the import-linter contract in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import io
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
+OPTIONAL_COLUMNS = ("accept_length", "max_running_requests")
+ALL_COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
+
+
+class PerfTableError(ValueError):
+    """A table file that cannot be used; the message is one line with the location."""
+
+
+@dataclass(frozen=True)
+class PerfRow:
+    steps: int
+    concurrency: float
+    output_tok_s: float
+    accept_length: float | None = None
+    max_running_requests: int | None = None
+
+
+@dataclass
+class _StepCurve:
+    concurrency: list[float] = field(default_factory=list)
+    tok_s: list[float] = field(default_factory=list)
+    accept_length: float | None = None
+    capacity: int | None = None
+
+
+class PerfTable:
+    """Throughput per step count, piecewise-linear in concurrency, saturating at capacity."""
+
+    def __init__(self, rows: Iterable[PerfRow], source: str = "<table>") -> None:
+        self.source = source
+        self.rows: list[PerfRow] = sorted(rows, key=lambda r: (r.steps, r.concurrency))
+        self._curves: dict[int, _StepCurve] = {}
+        for row in self.rows:
+            curve = self._curves.setdefault(row.steps, _StepCurve())
+            if curve.concurrency and curve.concurrency[-1] == row.concurrency:
+                raise PerfTableError(
+                    f"{source}: duplicate row for steps {row.steps} at concurrency "
+                    f"{row.concurrency:g}"
+                )
+            curve.concurrency.append(row.concurrency)
+            curve.tok_s.append(row.output_tok_s)
+            # The first known value per step wins; tables written by sweep repeat it.
+            if row.accept_length is not None and curve.accept_length is None:
+                curve.accept_length = row.accept_length
+            if row.max_running_requests is not None and curve.capacity is None:
+                curve.capacity = row.max_running_requests
+        if not self._curves:
+            raise PerfTableError(f"{source}: no data rows")
+
+    # -- reading -----------------------------------------------------------------------
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> PerfTable:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PerfTableError(f"{path}: cannot read: {exc}") from exc
+        return cls.from_csv_text(text, source=str(path))
+
+    @classmethod
+    def from_csv_text(cls, text: str, source: str = "<table>") -> PerfTable:
+        reader = csv.reader(io.StringIO(text))
+        header: list[str] | None = None
+        rows: list[PerfRow] = []
+        for line_no, raw_cells in enumerate(reader, start=1):
+            cells = [c.strip() for c in raw_cells]
+            if not cells or all(not c for c in cells) or cells[0].startswith("#"):
+                continue
+            if header is None:
+                header = cells
+                unknown = [c for c in header if c not in ALL_COLUMNS]
+                missing = [c for c in REQUIRED_COLUMNS if c not in header]
+                if unknown or missing:
+                    raise PerfTableError(
+                        f"{source}:{line_no}: header must be "
+                        f"{','.join(REQUIRED_COLUMNS)}[,accept_length][,max_running_requests]"
+                        f" (unknown: {','.join(unknown) or '-'}; missing: "
+                        f"{','.join(missing) or '-'})"
+                    )
+                continue
+            if len(cells) != len(header):
+                raise PerfTableError(
+                    f"{source}:{line_no}: expected {len(header)} cells, got {len(cells)}"
+                )
+            values = dict(zip(header, cells, strict=True))
+            rows.append(_parse_row(values, f"{source}:{line_no}"))
+        if header is None:
+            raise PerfTableError(f"{source}: empty file (no header)")
+        return cls(rows, source=source)
+
+    # -- queries -----------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        return sorted(self._curves)
+
+    def capacity(self, steps: int) -> int | None:
+        return self._curve(steps).capacity
+
+    def accept_length(self, steps: int) -> float | None:
+        return self._curve(steps).accept_length
+
+    def throughput(self, steps: int, concurrency: float) -> float:
+        """Aggregate output tok/s at ``concurrency`` closed-loop clients.
+
+        Clients beyond ``max_running_requests`` queue, so concurrency is clamped to it.
+        Between measured points the curve is linear; below the first point it scales
+        linearly from the origin; above the last point it stays flat.
+        """
+        if not math.isfinite(concurrency) or concurrency < 0:
+            raise ValueError(f"concurrency must be a finite number >= 0, got {concurrency!r}")
+        curve = self._curve(steps)
+        if curve.capacity is not None:
+            concurrency = min(concurrency, float(curve.capacity))
+        xs, ys = curve.concurrency, curve.tok_s
+        if concurrency <= xs[0]:
+            return ys[0] * concurrency / xs[0]
+        if concurrency >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, concurrency)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (concurrency - x0) / (x1 - x0)
+
+    def _curve(self, steps: int) -> _StepCurve:
+        try:
+            return self._curves[steps]
+        except KeyError:
+            known = ",".join(str(s) for s in self.steps())
+            raise KeyError(
+                f"{self.source}: no data for steps {steps} (table has steps {known})"
+            ) from None
+
+
+def _parse_row(values: dict[str, str], where: str) -> PerfRow:
+    def number(name: str, *, integer: bool = False, minimum: float = 0.0) -> float | None:
+        raw = values.get(name, "")
+        if raw == "":
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            raise PerfTableError(f"{where}: {name} is not a number: {raw!r}") from None
+        if not math.isfinite(value) or value < minimum:
+            raise PerfTableError(f"{where}: {name} must be a finite number >= {minimum:g}")
+        if integer and not value.is_integer():
+            raise PerfTableError(f"{where}: {name} must be a whole number, got {raw!r}")
+        return value
+
+    steps = number("steps", integer=True)
+    concurrency = number("concurrency")
+    tok_s = number("output_tok_s")
+    for name, value in (("steps", steps), ("concurrency", concurrency), ("output_tok_s", tok_s)):
+        if value is None:
+            raise PerfTableError(f"{where}: {name} is required")
+    assert steps is not None
+    assert concurrency is not None
+    assert tok_s is not None
+    if concurrency <= 0:
+        raise PerfTableError(f"{where}: concurrency must be > 0")
+    accept = number("accept_length", minimum=1.0)
+    capacity = number("max_running_requests", integer=True, minimum=1.0)
+    return PerfRow(
+        steps=int(steps),
+        concurrency=concurrency,
+        output_tok_s=tok_s,
+        accept_length=accept,
+        max_running_requests=None if capacity is None else int(capacity),
+    )
