@@ -120,20 +120,60 @@ def measure_one(label: str, dp: int, pad: int, ticks: int) -> Row:
     )
 
 
+def measure_in(tree: Path, label: str, ticks: int) -> Row:
+    """One case in a child process running ``tree``'s own code (its bench and its specd)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "daemon", "--one", label, "--ticks", str(ticks)],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env=env,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{tree.name}: {label}: {out.stderr.strip()[-500:]}")
+    return Row(**json.loads(out.stdout))
+
+
 def measure(ticks: int) -> list[Row]:
-    rows = []
+    return [measure_in(REPO, label, ticks) for label, _dp, _pad in CASES]
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    """``rev`` of this repository as a plain tree in ``into`` (git archive, no worktree)."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", rev],
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        raise RuntimeError(f"git archive {rev}: {archive.stderr.decode(errors='replace')[-300:]}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def compare(rev: str, ticks: int, rounds: int) -> str:
+    """This tree against ``rev`` side by side: cases interleaved, ``rounds`` times each,
+    medians; the ratio is this tree's CPU per tick over ``rev``'s."""
+    with tempfile.TemporaryDirectory(prefix="specd-bench-rev-") as tmp:
+        old_tree = export_revision(rev, Path(tmp))
+        new: dict[str, list[float]] = {label: [] for label, _, _ in CASES}
+        old: dict[str, list[float]] = {label: [] for label, _, _ in CASES}
+        for _ in range(rounds):
+            for label, _dp, _pad in CASES:
+                new[label].append(measure_in(REPO, label, ticks).cpu_ms_per_tick)
+                old[label].append(measure_in(old_tree, label, ticks).cpu_ms_per_tick)
+    head = f"{'case':<24} {rev[:12]:>14} {'this tree':>12} {'ratio':>7}"
+    lines = [head, "-" * len(head)]
     for label, _dp, _pad in CASES:
-        out = subprocess.run(
-            [sys.executable, "-m", "bench", "daemon", "--one", label, "--ticks", str(ticks)],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            check=False,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"{label}: {out.stderr.strip()[-500:]}")
-        rows.append(Row(**json.loads(out.stdout)))
-    return rows
+        a, b = statistics.median(old[label]), statistics.median(new[label])
+        lines.append(f"{label:<24} {a:>11.2f} ms {b:>9.2f} ms {b / a:>7.2f}")
+    lines.append(
+        f"(CPU ms per tick, median of {rounds} interleaved runs of {ticks} ticks each; "
+        "ratio < 1: this tree is cheaper)"
+    )
+    return "\n".join(lines)
 
 
 def report(rows: list[Row]) -> str:
@@ -159,6 +199,12 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--ticks", type=int, default=40, help="measured ticks per case")
     parser.add_argument("--quick", action="store_true", help="10 ticks per case")
     parser.add_argument("--one", choices=[c[0] for c in CASES], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="also run git revision REV's own code in the same run; print CPU ratios",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--against)")
     args = parser.parse_args(argv)
     ticks = 10 if args.quick else args.ticks
     if ticks < 1:
@@ -168,6 +214,9 @@ def run(argv: list[str]) -> int:
         print(json.dumps(asdict(measure_one(label, dp, pad, ticks))))
         return 0
     try:
+        if args.against:
+            print(compare(args.against, ticks, max(1, args.rounds)))
+            return 0
         rows = measure(ticks)
     except RuntimeError as exc:
         print(f"python -m bench daemon: {exc}", file=sys.stderr)

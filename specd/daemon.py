@@ -105,6 +105,8 @@ class RestartApplier(Protocol):
 
     def stop_timeout_s(self) -> float: ...
 
+    def read_stop_timeout(self) -> None: ...
+
 
 @dataclass
 class OverrideTracker:
@@ -255,11 +257,13 @@ class Daemon:
                 self.log.error("reload_rejected", config=str(self.config_path), problem=problem)
             self.notifier.reloaded(self._status_text() + " (reload rejected, old config kept)")
             return
-        old = self.config
+        old, old_applier = self.config, self.applier
         client, applier, calibration, history_settings = parts
         if client is not self.client:
             self.client.close()
         self.config, self.client, self.applier = new, client, applier
+        if applier is not old_applier:
+            applier.read_stop_timeout()
         self.calibration = calibration
         self.state.history.reconfigure(history_settings)
         self.override.fingerprint = None  # re-read the override file too
@@ -325,6 +329,8 @@ class Daemon:
             return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
         self._reconcile_journal()
+        # Once at start (and at each reload), never between: does a restart fit a window?
+        self.applier.read_stop_timeout()
         self.tick()  # READY comes after the first scrape was attempted
         self.notifier.ready(self._status_text())
         while not self.stop_event.is_set():

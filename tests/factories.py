@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from specd.core.observation import Observation
+from specd.core.perftable import PerfTable
 
 
 def make_observation(t: float = 0.0, **fields: Any) -> Observation:
@@ -61,3 +62,10 @@ def mounted_tmpfs(path: Path, size: str) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def seed_table() -> PerfTable:
+    """The seed preset as specd reads a table (the twin keeps its own table type)."""
+    from specd.twin.preset import preset_table  # noqa: PLC0415 - the twin is a test aid here
+
+    return PerfTable.from_csv_text(preset_table().to_csv_text(), source="seed preset")

@@ -77,6 +77,9 @@ class Applier:
     def stop_timeout_s(self) -> float:
         return self._stop_timeout_s
 
+    def read_stop_timeout(self) -> None:
+        pass
+
 
 def config(tmp_path: Path, **extra: Any) -> Config:
     (tmp_path / "state").mkdir(exist_ok=True)

@@ -538,7 +538,7 @@ sys.path.insert(0, {repo!r})
 from specd.twin.unit import read_env_file
 
 UNIT, ENV, PIDFILE, LOG, PORT = {unit!r}, Path({env!r}), Path({pidfile!r}), {log!r}, {port!r}
-EXTRA, EXTRA_BY_STEPS = {extra!r}, {extra_by_steps!r}
+EXTRA, EXTRA_BY_STEPS, STOP_TIMEOUT_S = {extra!r}, {extra_by_steps!r}, {stop_timeout_s!r}
 
 
 def alive(pid):
@@ -562,13 +562,16 @@ if verbs == ["is-active", UNIT]:
     state = "active" if pid is not None and alive(pid) else "failed"
     print(state)
     sys.exit(0 if state == "active" else 3)
+if verbs == ["show", UNIT] and "--property=TimeoutStopUSec" in sys.argv:
+    print(f"{{STOP_TIMEOUT_S:g}}s")  # as `systemctl show --value` prints TimeoutStopSec=
+    sys.exit(0)
 if verbs != ["restart", UNIT]:
     print(f"stand-in systemctl: refused {{sys.argv[1:]}}", file=sys.stderr)
     sys.exit(1)
 pid = current()
 if pid is not None and alive(pid):
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + STOP_TIMEOUT_S
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     if alive(pid):
@@ -625,8 +628,10 @@ def make_standin(
     port: int,
     extra: Sequence[str] = FAST_TWIN,
     extra_by_steps: dict[int, Sequence[str]] | None = None,
+    stop_timeout_s: float = 10.0,
 ) -> StandIn:
-    """``extra``: twin flags; ``extra_by_steps``: other flags for some step counts."""
+    """``extra``: twin flags; ``extra_by_steps``: other flags for some step counts;
+    ``stop_timeout_s``: the unit's TimeoutStopSec= (SIGKILL after it)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     pidfile = tmp_path / "twin.pid"
@@ -643,6 +648,7 @@ def make_standin(
             port=port,
             extra=list(extra),
             extra_by_steps={str(k): list(v) for k, v in (extra_by_steps or {}).items()},
+            stop_timeout_s=stop_timeout_s,
         )
     )
     script.chmod(0o755)

@@ -135,7 +135,8 @@ def open_fds(pid: int) -> int:
 
 @pytest.fixture
 def unit(tmp_path: Path) -> Iterator[StandIn]:
-    standin = make_standin(tmp_path, free_port())
+    # A unit that stops within 2 s: with a 3 s start, one restart fits the 8 s windows.
+    standin = make_standin(tmp_path, free_port(), stop_timeout_s=2.0)
     (tmp_path / "state").mkdir()
     assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
     try:
@@ -162,6 +163,7 @@ def test_soak(tmp_path: Path, unit: StandIn) -> None:
         warmup_exclude_s=2,
         daily_restart_budget=1000,
         quiet_deadline_s=1,
+        restart_cost_s=3,
     )
     notify = NotifySocket(tmp_path / "notify.sock")
     env = daemon_env(unit, NOTIFY_SOCKET=str(notify.path), WATCHDOG_USEC=str(WATCHDOG_USEC))

@@ -225,6 +225,11 @@ def _held_for(recommendations: Sequence[tuple[float, int]], target: int, now: fl
     return 0.0 if since is None else max(0.0, now - since)
 
 
+def _one_line(text: str) -> str:
+    """Messages are log fields and sd_notify STATUS= lines: one line, whatever came in."""
+    return " ".join(text.split())
+
+
 def _holding(current: int | None) -> str:
     return f"holding {current}" if current is not None else "no change"
 
@@ -284,7 +289,7 @@ def decide(
     # 1. Frozen: after a failed restart (until an operator clears it) or by override.
     if control.frozen:
         # One line, whatever the state file holds: messages are log fields and STATUS=.
-        why = " ".join((control.frozen_reason or "").split()) or "a restart failed"
+        why = _one_line(control.frozen_reason or "") or "a restart failed"
         return Decision(hold, Reason.FROZEN, f"frozen ({why}); {_holding(current)}")
     if active is not None and active.mode == "freeze":
         until = f" until {_stamp(active.expires_at)}" if active.expires_at else ""
@@ -325,7 +330,7 @@ def decide(
         return Decision(
             hold,
             Reason.NO_DATA,
-            f"scrape failed ({obs.kind}: {obs.reason}); {_holding(current)}",
+            f"scrape failed ({obs.kind}: {_one_line(obs.reason)}); {_holding(current)}",
         )
     if current is None:
         return Decision(None, Reason.NO_DATA, "SGLang's current step count is unknown; no change")

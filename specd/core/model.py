@@ -2,7 +2,7 @@
 
 The model predicts aggregate output tok/s at (steps K, offered concurrency c) from
 
-* a calibration table (``specd sweep`` output, ``../shared/data/`` format), and
+* a calibration table (``specd sweep`` output, the format of ``specd/data/*.csv``), and
 * what specd observed while SGLang ran at each K (``History``): throughput per (K, c),
   capacity per K, accept length per K. Observed throughput rescales that K's curve, and
   wins over the calibration as its (decayed, so recent) evidence grows past
@@ -22,11 +22,12 @@ A K the calibration lacks is extrapolated from the nearest measured K: accept le
 K, and capacity from the KV budget ``cap·(K+2)``. Such a K is marked ``extrapolated`` and the
 policy discounts it (lower confidence).
 
-The policy (`recommend_model`, registered as ``"model"`` in `specd.decide.POLICIES`)
-forecasts the offered concurrency of the coming epoch (`specd.forecast`), predicts the
+The policy (`plan`, registered as ``"model"`` in `specd.core.decide.POLICIES`) forecasts
+the offered concurrency of the coming epoch (`specd.core.forecast`), predicts the
 tokens each K would serve until the next window opens, charges a change the tokens lost
 while SGLang restarts (``restart_cost_s``), and changes only when the gain beats
-``tolerance_ratio``. It reads no clock: "now" is the history's last observation.
+``tolerance_ratio``. It reads no clock and no file: "now" is the history's last
+observation, and the calibration comes in as a `Calibration` value.
 """
 
 from __future__ import annotations

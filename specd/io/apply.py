@@ -473,7 +473,7 @@ class Applier:
             return self._aborted(current, target, f"SGLang already runs {target} steps")
 
         # The window check below (window_open) counts the unit's real stop timeout.
-        self._read_stop_timeout()
+        self.read_stop_timeout()
         why_not = self._wait_quiet(window_open, force)
         if why_not is not None:
             return self._aborted(current, target, why_not)
@@ -789,7 +789,7 @@ class Applier:
         systemd's default until then (specd forks nothing between restarts)."""
         return DEFAULT_STOP_TIMEOUT_S if self._stop_timeout_s is None else self._stop_timeout_s
 
-    def _read_stop_timeout(self) -> None:
+    def read_stop_timeout(self) -> None:
         """Read the unit's TimeoutStopSec= (once per applier); an infinite one counts as the
         restart command's own timeout, which bounds a stop in practice."""
         if self._stop_timeout_s is not None:

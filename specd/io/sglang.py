@@ -4,7 +4,7 @@ This is the only module in specd that speaks HTTP to SGLang. Every failure (time
 out, refused connection, HTTP error, malformed page, missing metric) comes back as
 a ``ScrapeError`` value with a one-line reason; no exception escapes the client.
 
-How series are combined (see shared/sglang.md): SGLang reports one series per
+How series are combined (as SGLang's metrics collector emits them): SGLang reports one series per
 scheduler that has metrics enabled, i.e. the first TP rank of each DP replica (with
 ``--enable-metrics-for-all-schedulers`` every TP rank, each with the same counts).
 specd keeps one series per replica (the lowest-ranked one), sums counts across

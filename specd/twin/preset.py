@@ -1,6 +1,6 @@
 """The built-in preset ``seed-qwen35-122b``: a parametric model calibrated to the seed data.
 
-Seed (``../shared/data/seed-qwen35-122b.csv``, Qwen3.5-122B-A10B with MTP, SGLang,
+Seed (``specd/data/seed-qwen35-122b.csv``, Qwen3.5-122B-A10B with MTP, SGLang,
 4x RTX PRO 6000, greedy ``ignore_eos``): one request gives 123/186/234/277 tok/s at steps
 1..4; ``max_running_requests`` is 26 at steps 1 and about 13 at steps 4; steps 4 is best at
 1-4 concurrent requests and steps 3 at 16+.

@@ -110,6 +110,26 @@ class PerfTable:
             raise PerfTableError(f"{source}: empty file (no header)")
         return cls(rows, source=source)
 
+    def to_csv_text(self) -> str:
+        has_accept = any(r.accept_length is not None for r in self.rows)
+        has_capacity = any(r.max_running_requests is not None for r in self.rows)
+        columns = list(REQUIRED_COLUMNS)
+        if has_accept:
+            columns.append("accept_length")
+        if has_capacity:
+            columns.append("max_running_requests")
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(columns)
+        for r in self.rows:
+            line = [str(r.steps), _fmt(r.concurrency), _fmt(r.output_tok_s)]
+            if has_accept:
+                line.append("" if r.accept_length is None else _fmt(r.accept_length))
+            if has_capacity:
+                line.append("" if r.max_running_requests is None else str(r.max_running_requests))
+            writer.writerow(line)
+        return out.getvalue()
+
     # -- queries -----------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -187,3 +207,8 @@ def _parse_row(values: dict[str, str], where: str) -> PerfRow:
         accept_length=accept,
         max_running_requests=None if capacity is None else int(capacity),
     )
+
+
+def _fmt(value: float) -> str:
+    text = f"{value:.6g}" if not float(value).is_integer() else str(int(value))
+    return text

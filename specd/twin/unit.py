@@ -42,6 +42,8 @@ def twin_unit_config(workdir: Path, twin_port: int, **overrides: object) -> Conf
             "quiet_concurrency_max": 64,
             "quiet_deadline_s": 5.0,
             "startup_timeout_s": 60.0,
+            # The twin loads in seconds, not SGLang's minutes: windows may be short.
+            "restart_cost_s": 5.0,
             "metrics_listen_address": "127.0.0.1",
             "metrics_port": 0,
             **overrides,
@@ -154,12 +156,22 @@ class TwinUnitRunner:
                 timed_out=False,
                 duration_s=time.monotonic() - started,
             )
+        if is_systemctl and verbs == ["show", self.unit] and "--property=TimeoutStopUSec" in args:
+            # Like systemd's `--value` output of TimeoutStopSec=, e.g. "10s".
+            return RunResult(
+                argv=tuple(args),
+                returncode=0,
+                stdout=f"{self.stop_timeout_s:g}s\n",
+                stderr="",
+                timed_out=False,
+                duration_s=time.monotonic() - started,
+            )
         if not is_systemctl or verbs != ["restart", self.unit]:
             return RunResult(
                 argv=tuple(args),
                 returncode=1,
                 stdout="",
-                stderr=f"twin unit: only `systemctl restart|is-active {self.unit}` is supported",
+                stderr=f"twin unit: only `systemctl restart|is-active|show {self.unit}` works",
                 timed_out=False,
                 duration_s=time.monotonic() - started,
             )

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, seed_table
 
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.decide import Control, choose
@@ -31,7 +31,7 @@ UTC = timezone.utc
 # Monday 2026-01-05; the default window opens daily at 03:00 UTC.
 MONDAY = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
 HOUR = 3600.0
-SEED = preset.preset_table()
+SEED = seed_table()
 
 
 def observation(

@@ -9,17 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from factories import seed_table
 
 from specd.core.perftable import PerfTable, PerfTableError
 from specd.io import tables
 from specd.io.calibration import CalibrationFile
-from specd.twin import preset
 
 GOOD = "steps,concurrency,output_tok_s\n3,1,230\n4,1,280\n"
 
 
 def test_a_table_round_trips_through_a_file_written_atomically(tmp_path: Path) -> None:
-    table = preset.preset_table()
+    table = seed_table()
     path = tmp_path / "seed.csv"
     old = os.umask(0o077)
     try:

@@ -64,6 +64,8 @@ BASE_CONFIG: dict[str, Any] = {
     "startup_timeout_s": 30.0,
     "health_probe_timeout_s": 25.0,
     "restart_command_timeout_s": 20.0,
+    # The twin starts in about a second: one restart (stop ≤ 20 s + start) fits the windows.
+    "restart_cost_s": 10.0,
     "metrics_listen_address": "127.0.0.1",
     "metrics_port": SPECD_METRICS_PORT,
     "log_format": "json",

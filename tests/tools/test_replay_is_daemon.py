@@ -126,6 +126,9 @@ class SimulatedApplier:
     def stop_timeout_s(self) -> float:
         return 0.0  # replay's restart is the start alone
 
+    def read_stop_timeout(self) -> None:
+        pass
+
 
 def run_daemon(
     tr: Trace, cfg: Config, initial: int
