@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
+from specd.commands.args import PORT_OR_FREE, Seconds
 from specd.daemon import Daemon
 from specd.io import logs
 from specd.io.notify import Notifier
@@ -21,20 +22,25 @@ from specd.tools.demo import START_STEPS, DemoRecord, _drive, demo_config
 from specd.twin.process import free_port
 from specd.twin.unit import TwinUnitRunner
 
+# Each of the three phases needs about 15 s to show a change.
+DURATION_S = Seconds(45, 86400)
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--duration-s",
         "--duration",
-        type=float,
+        dest="duration",
+        type=DURATION_S,
         default=180.0,
-        help="length of the compressed day in seconds (default 180)",
+        help=f"length of the compressed day ({DURATION_S.spec}; default 180)",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=PORT_OR_FREE,
         default=0,
-        help="where specd serves its metrics (default: a free port)",
+        help=f"where specd serves its metrics ({PORT_OR_FREE.spec}; default 0: a free port)",
     )
     parser.add_argument(
         "--workdir",
@@ -45,9 +51,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.duration < 45:
-        print("specd demo: --duration must be at least 45 s (each phase needs ~15 s)")
-        return 2
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="specd-demo-")
