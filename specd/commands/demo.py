@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, workdir: Path) -> int:
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, soft_wrap=True)
     twin_port = free_port()
     metrics_port = args.metrics_port or free_port()
     config = demo_config(workdir, twin_port, metrics_port)
@@ -107,7 +106,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
                     record,
                     console,
                     metrics_url,
-                    live_view=sys.stdout.isatty() or not args.json,
+                    # Piped (CI logs, `| tee`): line events, not frames nobody sees.
+                    live_view=console.is_terminal,
                 )
             )
         finally:
@@ -130,7 +130,8 @@ def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, A
         "duration_s": duration,
         "restarts": [
             {k: r.get(k) for k in ("from_steps", "to_steps", "result", "duration_s")}
-            for r in restarts
+            | {"reason": reason}
+            for r, reason in zip(restarts, _reasons(record, restarts), strict=True)
         ],
         "restarts_to_steps": sorted(
             {int(r["to_steps"]) for r in restarts if r.get("result") == "success"}
@@ -142,6 +143,14 @@ def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, A
         "decisions": {reason: int(n) for reason, n in _decision_counts(daemon).items() if n},
         "frozen": daemon.state.frozen,
     }
+
+
+def _reasons(record: DemoRecord, restarts: list[dict[str, Any]]) -> list[str]:
+    # A restart that finished after the drive loop ended (the daemon was mid-restart at
+    # the end) has its decision still in `acting`.
+    seen = record.restart_reasons[: len(restarts)]
+    late = [record.acting.get(int(r["to_steps"]), "reason not seen") for r in restarts[len(seen) :]]
+    return seen + late
 
 
 def _decision_counts(daemon: Daemon) -> dict[str, float]:
@@ -159,7 +168,9 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
     for r in s["restarts"]:
         console.print(
             f"  {r['from_steps']} → {r['to_steps']}: {r['result']} "
-            f"({float(r['duration_s'] or 0):.1f} s)"
+            f"({float(r['duration_s'] or 0):.1f} s) — {r['reason']}",
+            highlight=False,
+            soft_wrap=True,
         )
     at = ", ".join(f"steps {k}: {v:.0f} s" for k, v in s["seconds_at_steps"].items())
     console.print(f"time at each step count: {at}")
