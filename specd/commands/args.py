@@ -16,12 +16,11 @@ import math
 import re
 from datetime import datetime, timedelta, timezone
 
-# Python refuses int() of more than 4300 digits with ValueError; any far shorter cap
-# keeps error messages short (they quote the input).
-_QUOTE_CHARS = 40
+_QUOTE_CHARS = 40  # error messages quote the input up to this many characters
 
 
-def _quoted(text: str) -> str:
+def quoted(text: str) -> str:
+    """``text`` in quotes, cut short: messages quote what was typed, never 5000 digits."""
     return repr(text if len(text) <= _QUOTE_CHARS else text[:_QUOTE_CHARS] + "…")
 
 
@@ -41,11 +40,11 @@ class Int:
         part = text.strip()
         if not re.fullmatch(r"[+-]?[0-9]{1,30}", part):
             raise argparse.ArgumentTypeError(
-                f"expected a whole number in {self.spec}, got {_quoted(text)}"
+                f"expected a whole number in {self.spec}, got {quoted(text)}"
             )
         value = int(part)
         if not self.lo <= value <= self.hi:
-            raise argparse.ArgumentTypeError(f"must be within {self.spec}, got {_quoted(text)}")
+            raise argparse.ArgumentTypeError(f"must be within {self.spec}, got {quoted(text)}")
         return value
 
 
@@ -66,10 +65,10 @@ class Float:
         except ValueError:
             value = math.nan
         if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"expected a number {self.spec}, got {_quoted(text)}")
+            raise argparse.ArgumentTypeError(f"expected a number {self.spec}, got {quoted(text)}")
         too_low = value <= self.lo if self.above_lo else value < self.lo
         if too_low or value > self.hi:
-            raise argparse.ArgumentTypeError(f"must be {self.spec}, got {_quoted(text)}")
+            raise argparse.ArgumentTypeError(f"must be {self.spec}, got {quoted(text)}")
         return value
 
 
@@ -93,7 +92,7 @@ class IntList:
         parts = [p for p in (raw.strip() for raw in text.split(",")) if p]
         if not parts:
             raise argparse.ArgumentTypeError(
-                f"expected whole numbers like 1,2,4, got {_quoted(text)}"
+                f"expected whole numbers like 1,2,4, got {quoted(text)}"
             )
         if len(parts) > self.max_items:
             raise argparse.ArgumentTypeError(f"at most {self.max_items} values, got {len(parts)}")
@@ -103,10 +102,10 @@ class IntList:
                 values.append(self.item(part))
             except argparse.ArgumentTypeError as exc:
                 raise argparse.ArgumentTypeError(
-                    f"{_quoted(part)} in {_quoted(text)}: {exc}"
+                    f"{quoted(part)} in {quoted(text)}: {exc}"
                 ) from None
         if len(set(values)) != len(values):
-            raise argparse.ArgumentTypeError(f"a value is listed twice in {_quoted(text)}")
+            raise argparse.ArgumentTypeError(f"a value is listed twice in {quoted(text)}")
         return tuple(values)
 
 
@@ -125,13 +124,15 @@ class Duration:
 
         try:
             value = parse_duration(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{quoted(text)} is not a positive duration such as 90s, 30m, 4h, 1d or 1h30m"
+            ) from None
         except OverflowError:  # more days than timedelta holds
             value = timedelta.max
         if value > self.most:
             raise argparse.ArgumentTypeError(
-                f"{_quoted(text)} is longer than {_human(self.most)}{self.hint}"
+                f"{quoted(text)} is longer than {_human(self.most)}{self.hint}"
             )
         return value
 
@@ -161,10 +162,10 @@ class Timestamp:
             inside = self.lo <= at <= self.hi
         except (ValueError, OverflowError):
             # OverflowError: an offset that pushes year 1 or 9999 out of datetime's range.
-            raise argparse.ArgumentTypeError(f"{_quoted(text)}: not an ISO 8601 time") from None
+            raise argparse.ArgumentTypeError(f"{quoted(text)}: not an ISO 8601 time") from None
         if not inside:
             raise argparse.ArgumentTypeError(
-                f"{_quoted(text)}: must be from {self.lo.year} to {self.hi.year}"
+                f"{quoted(text)}: must be from {self.lo.year} to {self.hi.year}"
             )
         return at
 
@@ -183,9 +184,9 @@ class IntRange:
         try:
             a, b = bound(low), bound(high if sep else low)
         except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"expected {self.spec}, got {_quoted(text)}") from None
+            raise argparse.ArgumentTypeError(f"expected {self.spec}, got {quoted(text)}") from None
         if a > b:
-            raise argparse.ArgumentTypeError(f"MIN above MAX in {_quoted(text)}")
+            raise argparse.ArgumentTypeError(f"MIN above MAX in {quoted(text)}")
         return a, b
 
 

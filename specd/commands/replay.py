@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from specd.commands.args import STEPS, IntRange, Seconds, Timestamp
+from specd.commands.args import STEPS, IntRange, Seconds, Timestamp, quoted
 from specd.core.perftable import PerfTable, PerfTableError
 from specd.io.config import Config, ConfigError, Window, config_to_dict, load_config
 from specd.tools.replay import (
@@ -36,15 +36,15 @@ WINDOW_DURATION_S = Seconds(0, 7 * 86400, above_lo=True)
 def _window_arg(text: str) -> Window:
     parts = text.split(";")
     if len(parts) != 3:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 'CRON;DURATION_S;TZ'")
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: expected 'CRON;DURATION_S;TZ'")
     try:
         duration_s = WINDOW_DURATION_S(parts[1])
     except argparse.ArgumentTypeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: DURATION_S {exc}") from None
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: DURATION_S {exc}") from None
     try:
         return Window(cron=parts[0].strip(), duration_s=duration_s, timezone=parts[2].strip())
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {_validation_message(exc)}") from None
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: {_validation_message(exc)}") from None
 
 
 def _validation_message(exc: ValueError) -> str:

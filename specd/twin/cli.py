@@ -34,6 +34,7 @@ def _csv_words(text: str) -> list[str]:
 # refused here, before the twin starts.
 COUNT = Int(0, 1_000_000)  # SGLang's own checks (e.g. steps >= 1) follow in resolve()
 SIZE = Int(1, 1024)
+LOG_EVERY = Int(1, 1_000_000)
 STEP_LIST = IntList(0, 64)
 SEED = Int(0, 2**32 - 1)
 LOAD_S = Seconds(0, 3600)
@@ -58,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--enable-metrics", action="store_true")
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
     sg.add_argument("--tp-size", "--tensor-parallel-size", type=SIZE, default=1, help=SIZE.spec)
-    sg.add_argument("--decode-log-interval", type=Int(1, 1_000_000), default=40)
+    sg.add_argument("--decode-log-interval", type=LOG_EVERY, default=40, help=LOG_EVERY.spec)
     tw = parser.add_argument_group("twin")
     tw.add_argument("--preset", default=None, help=f"built-in model (default {PRESET_NAME})")
     tw.add_argument("--table", default=None, help="performance table CSV instead of a preset")
