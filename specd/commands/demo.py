@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from rich.console import Console
 
+from specd.commands.args import PORT_OR_FREE, Seconds
 from specd.daemon import Daemon
 from specd.io import logs
 from specd.io.notify import Notifier
@@ -21,20 +21,25 @@ from specd.tools.demo import START_STEPS, DemoRecord, _drive, demo_config
 from specd.twin.process import free_port
 from specd.twin.unit import TwinUnitRunner
 
+# Each of the three phases needs about 15 s to show a change.
+DURATION_S = Seconds(45, 86400)
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--duration-s",
         "--duration",
-        type=float,
+        dest="duration",
+        type=DURATION_S,
         default=180.0,
-        help="length of the compressed day in seconds (default 180)",
+        help=f"length of the compressed day ({DURATION_S.spec}; default 180)",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=PORT_OR_FREE,
         default=0,
-        help="where specd serves its metrics (default: a free port)",
+        help=f"where specd serves its metrics ({PORT_OR_FREE.spec}; default 0: a free port)",
     )
     parser.add_argument(
         "--workdir",
@@ -45,9 +50,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.duration < 45:
-        print("specd demo: --duration must be at least 45 s (each phase needs ~15 s)")
-        return 2
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="specd-demo-")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, workdir: Path) -> int:
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, soft_wrap=True)
     twin_port = free_port()
     metrics_port = args.metrics_port or free_port()
     config = demo_config(workdir, twin_port, metrics_port)
@@ -104,7 +106,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
                     record,
                     console,
                     metrics_url,
-                    live_view=sys.stdout.isatty() or not args.json,
+                    # Piped (CI logs, `| tee`): line events, not frames nobody sees.
+                    live_view=console.is_terminal,
                 )
             )
         finally:
@@ -127,7 +130,8 @@ def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, A
         "duration_s": duration,
         "restarts": [
             {k: r.get(k) for k in ("from_steps", "to_steps", "result", "duration_s")}
-            for r in restarts
+            | {"reason": reason}
+            for r, reason in zip(restarts, _reasons(record, restarts), strict=True)
         ],
         "restarts_to_steps": sorted(
             {int(r["to_steps"]) for r in restarts if r.get("result") == "success"}
@@ -139,6 +143,14 @@ def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, A
         "decisions": {reason: int(n) for reason, n in _decision_counts(daemon).items() if n},
         "frozen": daemon.state.frozen,
     }
+
+
+def _reasons(record: DemoRecord, restarts: list[dict[str, Any]]) -> list[str]:
+    # A restart that finished after the drive loop ended (the daemon was mid-restart at
+    # the end) has its decision still in `acting`.
+    seen = record.restart_reasons[: len(restarts)]
+    late = [record.acting.get(int(r["to_steps"]), "reason not seen") for r in restarts[len(seen) :]]
+    return seen + late
 
 
 def _decision_counts(daemon: Daemon) -> dict[str, float]:
@@ -156,7 +168,9 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
     for r in s["restarts"]:
         console.print(
             f"  {r['from_steps']} → {r['to_steps']}: {r['result']} "
-            f"({float(r['duration_s'] or 0):.1f} s)"
+            f"({float(r['duration_s'] or 0):.1f} s) — {r['reason']}",
+            highlight=False,
+            soft_wrap=True,
         )
     at = ", ".join(f"steps {k}: {v:.0f} s" for k, v in s["seconds_at_steps"].items())
     console.print(f"time at each step count: {at}")

@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from rich.console import Console, Group
@@ -15,25 +20,39 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from specd.commands.args import CONCURRENCY, MAX_TOKENS, Seconds
 from specd.tools.load import (
     ENDPOINTS,
     LoadProgress,
     LoadResult,
-    _positive_float,
-    _positive_int,
     normalize_base_url,
     run_load,
 )
+
+DURATION_S = Seconds(0, 7 * 86400, above_lo=True)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
     parser.add_argument(
-        "--concurrency", type=_positive_int, required=True, help="closed-loop clients"
+        "--concurrency",
+        type=CONCURRENCY,
+        required=True,
+        help=f"closed-loop clients ({CONCURRENCY.spec})",
     )
-    parser.add_argument("--duration", type=_positive_float, required=True, help="seconds")
     parser.add_argument(
-        "--max-tokens", type=_positive_int, default=256, help="per request (default 256)"
+        "--duration-s",
+        "--duration",
+        dest="duration",
+        type=DURATION_S,
+        required=True,
+        help=f"how long to run ({DURATION_S.spec})",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=MAX_TOKENS,
+        default=256,
+        help=f"per request ({MAX_TOKENS.spec}; default 256)",
     )
     parser.add_argument("--model", default=None, help="model name (default: from /v1/models)")
     parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
@@ -84,52 +103,109 @@ def _summary_lines(r: LoadResult) -> list[str]:
     ]
 
 
-async def _run_cli(args: argparse.Namespace) -> LoadResult:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    # Ctrl-C or SIGTERM ends the run early and still reports what was measured.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+# After the result is in, the streams' teardown gets this long; beyond it (thousands of
+# streams take many seconds) the process exits and the kernel closes the sockets.
+TEARDOWN_GRACE_S = 0.5
+
+
+async def _measure(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    on_result: Callable[[LoadResult], None],
+) -> None:
     kwargs: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "model": args.model,
         "endpoint": args.endpoint,
         "ignore_eos": args.ignore_eos,
         "stop": stop,
+        "on_result": on_result,
     }
+    if sys.stderr.isatty():
+        with Live(Text("starting…"), console=Console(stderr=True), transient=True) as live:
+            await run_load(
+                args.url,
+                args.concurrency,
+                args.duration,
+                on_progress=lambda p: live.update(_progress_view(p)),
+                **kwargs,
+            )
+            return
+    last_print = [0.0]
+
+    def plain(p: LoadProgress) -> None:
+        # A line every couple of seconds keeps logs readable when piped.
+        if p.elapsed_s - last_print[0] >= 2.0:
+            last_print[0] = p.elapsed_s
+            print(_progress_line(p), file=sys.stderr, flush=True)
+
+    await run_load(args.url, args.concurrency, args.duration, on_progress=plain, **kwargs)
+
+
+def _run_cli(args: argparse.Namespace) -> tuple[LoadResult, threading.Thread]:
+    """Measure on an event loop in a daemon thread; Ctrl-C or SIGTERM ends it early.
+
+    The main thread only waits, so a signal is seen at once however busy the loop is, and
+    the result is reported as soon as it is measured, not after every stream is torn down.
+    """
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    outcome: Future[LoadResult] = Future()
+
+    def on_result(result: LoadResult) -> None:
+        if not outcome.done():
+            outcome.set_result(result)
+
+    def work() -> None:
+        try:
+            loop.run_until_complete(_measure(args, stop, on_result))
+        except BaseException as exc:  # handed to the main thread, which reports it
+            if not outcome.done():
+                outcome.set_exception(exc)
+        else:
+            if not outcome.done():
+                outcome.set_exception(RuntimeError("the load ended without a result"))
+
+    def on_signal(signum: int, frame: object) -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    thread = threading.Thread(target=work, name="specd-load", daemon=True)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if sys.stderr.isatty():
-            with Live(Text("starting…"), console=Console(stderr=True), transient=True) as live:
-                return await run_load(
-                    args.url,
-                    args.concurrency,
-                    args.duration,
-                    on_progress=lambda p: live.update(_progress_view(p)),
-                    **kwargs,
-                )
-        last_print = [0.0]
-
-        def plain(p: LoadProgress) -> None:
-            # A line every couple of seconds keeps logs readable when piped.
-            if p.elapsed_s - last_print[0] >= 2.0:
-                last_print[0] = p.elapsed_s
-                print(_progress_line(p), file=sys.stderr, flush=True)
-
-        return await run_load(
-            args.url, args.concurrency, args.duration, on_progress=plain, **kwargs
-        )
+        thread.start()
+        while True:
+            try:
+                result = outcome.result(timeout=0.2)
+                break
+            except FutureTimeout:
+                continue
+        thread.join(TEARDOWN_GRACE_S)
+        if not thread.is_alive():
+            loop.close()
+        return result, thread
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         normalize_base_url(args.url)
-        result = asyncio.run(_run_cli(args))
+        result, loop_thread = _run_cli(args)
     except ValueError as exc:
         print(f"specd load: {exc}", file=sys.stderr)
         return 2
+    code = _report(args, result)
+    if loop_thread.is_alive():
+        # Thousands of streams still being torn down: the interpreter's shutdown would
+        # wait seconds on that thread. Everything is reported; the kernel closes sockets.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _report(args: argparse.Namespace, result: LoadResult) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
     elif sys.stdout.isatty():

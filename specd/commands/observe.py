@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
+from specd.commands.args import Seconds
 from specd.core.acceptance import alpha_from_accept_length
 from specd.core.observation import Observation, ScrapeError
 from specd.io.sglang import SGLangClient, check_base_url
@@ -20,14 +20,7 @@ def _url_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _timeout_arg(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: {value!r}")
-    return seconds
+TIMEOUT_S = Seconds(0, 300, above_lo=True)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the Observation as JSON")
     parser.add_argument(
-        "--timeout-s", type=_timeout_arg, default=3.0, help="per-request timeout (default 3)"
+        "--timeout-s",
+        type=TIMEOUT_S,
+        default=3.0,
+        help=f"per-request timeout ({TIMEOUT_S.spec}; default 3)",
     )
 
 

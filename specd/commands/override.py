@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import getpass
 import sys
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
+from specd.commands.args import STEPS, Duration
 from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
 from specd.core.text import duration_text
@@ -16,16 +17,12 @@ from specd.io.override import (
     MAX_CLI_DURATION,
     OverrideStatus,
     daemon_uids,
-    parse_duration,
     read_override,
     render_override,
     write_override,
 )
 
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on 3.10 only
-    pass  # type: ignore[import-not-found,unused-ignore]
+FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,14 +32,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     common.add_argument("--config", type=Path, default=None, help="specd config file")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     pin = sub.add_parser("pin", parents=[common], help="run exactly K steps until it expires")
-    pin.add_argument("steps", type=int, metavar="K")
-    pin.add_argument("--for", dest="duration", required=True, help="e.g. 30m, 4h, 1d")
+    pin.add_argument("steps", type=STEPS, metavar="K", help=f"step count ({STEPS.spec})")
+    pin.add_argument("--for", dest="duration", type=FOR, required=True, help=FOR.spec)
     pin.add_argument("--reason", required=True)
     pin.add_argument(
         "--now", action="store_true", help="restart at once instead of at the next window"
     )
     freeze = sub.add_parser("freeze", parents=[common], help="make no changes until it expires")
-    freeze.add_argument("--for", dest="duration", required=True, help="e.g. 30m, 4h, 1d")
+    freeze.add_argument("--for", dest="duration", type=FOR, required=True, help=FOR.spec)
     freeze.add_argument("--reason", required=True)
     clear = sub.add_parser("clear", parents=[common], help="back to automatic (mode = auto)")
     clear.add_argument("--reason", default="override cleared")
@@ -98,18 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "clear":
             override = Override("auto", None, None, args.reason, "next-window")
         else:
-            try:
-                duration = parse_duration(args.duration)
-            except ValueError as exc:
-                print(f"specd override: --for {exc}", file=sys.stderr)
-                return 2
-            if duration > MAX_CLI_DURATION:
-                print(
-                    f"specd override: --for {args.duration} is longer than 30d; "
-                    "change min_steps/max_steps in the config instead",
-                    file=sys.stderr,
-                )
-                return 2
+            duration: timedelta = args.duration
             steps = args.steps if args.action == "pin" else None
             if steps is not None and not cfg.min_steps <= steps <= cfg.max_steps:
                 print(

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specd.commands.args import Int, Seconds
 from specd.commands.check_config import load_for_command
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
@@ -26,6 +27,8 @@ from specd.io.sglang import SGLangClient
 from specd.io.state import STATE_FILE, State, read_state
 
 DAY_S = 86400.0
+SAMPLES = Int(1, 1000)
+INTERVAL_S = Seconds(0, 3600)
 
 
 def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, str]:
@@ -41,9 +44,14 @@ def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, s
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000")
     parser.add_argument("--config", type=Path, default=None, help=f"default {DEFAULT_CONFIG_PATH}")
-    parser.add_argument("--samples", type=int, default=5, help="scrapes to take (default 5)")
     parser.add_argument(
-        "--interval-s", type=float, default=1.0, help="seconds between scrapes (default 1)"
+        "--samples", type=SAMPLES, default=5, help=f"scrapes to take ({SAMPLES.spec}; default 5)"
+    )
+    parser.add_argument(
+        "--interval-s",
+        type=INTERVAL_S,
+        default=1.0,
+        help=f"between scrapes ({INTERVAL_S.spec}; default 1)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -51,9 +59,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = load_for_command(args.config)
     if config is None:
-        return 2
-    if args.samples < 1 or args.interval_s < 0:
-        print("specd recommend: --samples must be >= 1 and --interval-s >= 0")
         return 2
     settings = HistorySettings.from_config(config)
     state, source = _learned_state(Path(config.state_dir), settings)

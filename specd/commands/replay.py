@@ -7,55 +7,74 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 
+from specd.commands.args import STEPS, IntRange, Seconds, Timestamp, quoted
 from specd.core.perftable import PerfTableError
 from specd.io.config import Config, ConfigError, Window, config_to_dict, load_config
 from specd.io.tables import read_table
-from specd.tools.replay import DEFAULT_RESTART_S, DEFAULT_START, ReplayError, load_trace, replay
+from specd.tools.replay import (
+    DEFAULT_RESTART_S,
+    DEFAULT_START,
+    ReplayError,
+    Trace,
+    load_trace,
+    replay,
+)
+
+# A replay runs about 20 000 ticks a second: a year at the default 5 s scrape interval
+# takes minutes, anything beyond is refused before any work.
+MAX_SPAN_S = 366 * 86400.0
+MAX_TICKS = 6_400_000
+STEPS_RANGE = IntRange(1, 16)
+START = Timestamp(1970, 9000)
+RESTART_S = Seconds(0, 86400)
+WARMUP_S = Seconds(0, MAX_SPAN_S)
+WINDOW_DURATION_S = Seconds(0, 7 * 86400, above_lo=True)
 
 
 # -- the command ------------------------------------------------------------------------
 def _window_arg(text: str) -> Window:
     parts = text.split(";")
     if len(parts) != 3:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 'CRON;DURATION_S;TZ'")
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: expected 'CRON;DURATION_S;TZ'")
     try:
-        return Window(cron=parts[0].strip(), duration_s=float(parts[1]), timezone=parts[2].strip())
+        duration_s = WINDOW_DURATION_S(parts[1])
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: DURATION_S {exc}") from None
+    try:
+        return Window(cron=parts[0].strip(), duration_s=duration_s, timezone=parts[2].strip())
     except ValueError as exc:
-        first = str(exc).splitlines()
-        detail = first[2].strip() if len(first) > 2 else first[0]
-        raise argparse.ArgumentTypeError(f"{text!r}: {detail}") from None
+        raise argparse.ArgumentTypeError(f"{quoted(text)}: {_validation_message(exc)}") from None
 
 
-def _steps_arg(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition("-")
-    try:
-        a, b = int(lo), int(hi if sep else lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN-MAX, e.g. 1-5") from None
-    if not 1 <= a <= b <= 16:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX <= 16")
-    return a, b
+def _validation_message(exc: ValueError) -> str:
+    """One line from a pydantic ValidationError (without its URL line), else the text."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        parts = []
+        for error in errors(include_url=False):
+            where = ".".join(str(x) for x in error.get("loc", ()))
+            message = str(error.get("msg", "")).removeprefix("Value error, ")
+            parts.append(f"{where}: {message}" if where else message)
+        if parts:
+            return "; ".join(parts)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def _start_arg(text: str) -> datetime:
-    try:
-        at = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: not an ISO 8601 time") from None
-    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
-
-
-def _seconds_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds >= 0")
-    return value
+def check_span(trace: Trace, step_s: float) -> None:
+    """Refuse a trace whose simulated time or tick count would take hours or forever."""
+    span = trace.duration_s
+    if not math.isfinite(span) or span > MAX_SPAN_S:
+        raise ReplayError(
+            f"the trace spans {span:g} s; at most {MAX_SPAN_S:g} s (366 days) can be replayed"
+        )
+    ticks = span / step_s
+    if ticks > MAX_TICKS:
+        raise ReplayError(
+            f"the trace spans {span:g} s = {ticks:.0f} ticks of {step_s:g} s; at most "
+            f"{MAX_TICKS} ticks (raise scrape_interval_s or shorten the trace)"
+        )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,26 +88,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", type=Path, help="calibration table for the model policy")
     parser.add_argument("--config", type=Path, help="specd.toml (default: built-in defaults)")
     parser.add_argument(
-        "--window", action="append", type=_window_arg, help="'CRON;DURATION_S;TZ' (repeatable)"
+        "--window",
+        action="append",
+        type=_window_arg,
+        help=f"'CRON;DURATION_S;TZ' (repeatable; DURATION_S {WINDOW_DURATION_S.spec})",
     )
-    parser.add_argument("--steps", type=_steps_arg, help="allowed steps MIN-MAX")
+    parser.add_argument("--steps", type=STEPS_RANGE, help=f"allowed steps, {STEPS_RANGE.spec}")
     parser.add_argument(
         "--policy",
         choices=("model", "bands"),
         help="default: model with a calibration (here or in the config), else the config's",
     )
     parser.add_argument(
-        "--restart-s", type=_seconds_arg, default=DEFAULT_RESTART_S, help="restart downtime, s"
+        "--restart-s",
+        type=RESTART_S,
+        default=DEFAULT_RESTART_S,
+        help=f"restart downtime ({RESTART_S.spec}; default {DEFAULT_RESTART_S:g})",
     )
-    parser.add_argument("--initial-steps", type=int, help="steps live at the start (default 3)")
+    parser.add_argument(
+        "--initial-steps", type=STEPS, help=f"steps live at the start ({STEPS.spec}; default 3)"
+    )
     parser.add_argument(
         "--warmup-s",
-        type=_seconds_arg,
+        type=WARMUP_S,
         default=0.0,
-        help="replay but do not score the trace's first S seconds (default 0)",
+        help=f"replay but do not score the trace's first S seconds ({WARMUP_S.spec}; default 0)",
     )
     parser.add_argument(
-        "--start", type=_start_arg, default=DEFAULT_START, help="ISO 8601 (default a Monday)"
+        "--start",
+        type=START,
+        default=DEFAULT_START,
+        help=f"when the trace starts ({START.spec}; default a Monday)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -122,7 +152,7 @@ def build_config(
     try:
         return Config(**data)
     except ValueError as exc:
-        raise ReplayError(str(exc).splitlines()[-1].strip()) from None
+        raise ReplayError(_validation_message(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         )
         truth = read_table(args.truth)
         trace = load_trace(args.trace)
+        check_span(trace, config.scrape_interval_s)
         result = replay(
             trace,
             truth,

@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
+from specd.commands.args import MAX_CONCURRENCY, MAX_TOKENS, IntList, Seconds
 from specd.commands.check_config import load_for_command
 from specd.io import logs
 from specd.io.apply import ApplySettings
@@ -30,11 +31,14 @@ from specd.tools.sweep import (
     SweepError,
     SweepPlan,
     SweepReport,
-    _int_list,
-    _seconds,
     check_plan,
     sweep,
 )
+
+STEPS_LIST = IntList(1, 16, max_items=16)
+CONCURRENCY_LIST = IntList(1, MAX_CONCURRENCY, max_items=64)
+DURATION_S = Seconds(0, 86400, above_lo=True)
+WARMUP_S = Seconds(0, 86400)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,17 +47,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "step count, writes sweep.csv (a calibration table), sweep.md and sweep.png, and puts "
         "the original step count back at the end, on failure and on Ctrl-C. Stop specd first."
     )
-    parser.add_argument("--steps", type=_int_list, required=True, help="step counts, e.g. 1,2,3,4")
     parser.add_argument(
-        "--concurrency", type=_int_list, required=True, help="closed-loop clients, e.g. 1,4,16"
+        "--steps",
+        type=STEPS_LIST,
+        required=True,
+        help=f"step counts, e.g. 1,2,3,4 ({STEPS_LIST.spec})",
     )
     parser.add_argument(
-        "--duration-s", type=_seconds, default=60.0, help="measured seconds per point (60)"
+        "--concurrency",
+        type=CONCURRENCY_LIST,
+        required=True,
+        help=f"closed-loop clients, e.g. 1,4,16 ({CONCURRENCY_LIST.spec})",
     )
     parser.add_argument(
-        "--warmup-s", type=_seconds, default=20.0, help="load before measuring, per step count (20)"
+        "--duration-s",
+        type=DURATION_S,
+        default=60.0,
+        help=f"measured seconds per point ({DURATION_S.spec}; default 60)",
     )
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per request (256)")
+    parser.add_argument(
+        "--warmup-s",
+        type=WARMUP_S,
+        default=20.0,
+        help=f"load before measuring, per step count ({WARMUP_S.spec}; default 20)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=MAX_TOKENS,
+        default=256,
+        help=f"tokens per request ({MAX_TOKENS.spec}; default 256)",
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="output directory (default ./sweep-DATE-TIME)"
     )

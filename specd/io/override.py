@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
 import stat
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -199,21 +198,6 @@ def read_override(
 
 
 # --- durations and writing --------------------------------------------------------------
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> timedelta:
-    """'90s', '30m', '4h', '1d', '1h30m' → timedelta. ValueError if not one of those."""
-    compact = text.strip().lower()
-    parts = _DURATION_PART.findall(compact)
-    if not compact or "".join(n + u for n, u in parts) != compact:
-        raise ValueError(f"{text!r} is not a duration such as 90s, 30m, 4h, 1d or 1h30m")
-    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-    if seconds <= 0:
-        raise ValueError(f"{text!r}: the duration must be positive")
-    return timedelta(seconds=seconds)
 
 
 def render_override(override: Override, header: str = "") -> str:

@@ -3,7 +3,9 @@
 Everything is real but the GPU server: the twin runs as its own process and is restarted
 the way systemd restarts a unit with specd's drop-in (env file re-read at every start);
 the daemon is the same `Daemon` as `specd run`, with a demo configuration (a window every
-minute, short dwell and stabilization); the load generator streams real HTTP requests.
+20 s, open for 15 s; short dwell and stabilization); the load generator streams real HTTP
+requests. On a terminal it shows a live view; piped (CI logs, ``| tee``) it prints one line
+per event and a status line every few seconds instead.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -26,6 +29,9 @@ from specd.tools.load import LoadGenerator
 from specd.twin.unit import twin_unit_config
 
 START_STEPS = 3
+WINDOW_EVERY_S = 20
+WINDOW_OPEN_S = 15
+STATUS_EVERY_S = 10.0  # piped output: one status line this often
 LIGHT_CONCURRENCY = 2  # one developer's agentic coding session
 HEAVY_CONCURRENCY = 24  # a batch job
 # The compressed day, as fractions of --duration: quiet, burst, quiet.
@@ -53,7 +59,13 @@ def demo_config(workdir: Path, twin_port: int, metrics_port: int) -> Config:
         metrics_port=metrics_port,
         log_format="json",
         # A window opens every 20 s and stays open 15 s (production: once a night).
-        windows=[{"cron": "*/20 * * * * *", "duration_s": 15, "timezone": "UTC"}],
+        windows=[
+            {
+                "cron": f"*/{WINDOW_EVERY_S} * * * * *",
+                "duration_s": WINDOW_OPEN_S,
+                "timezone": "UTC",
+            }
+        ],
     )
 
 
@@ -62,6 +74,39 @@ class DemoRecord:
     seconds_at_steps: defaultdict[int, float] = field(default_factory=lambda: defaultdict(float))
     output_tokens: int = 0
     events: list[str] = field(default_factory=list)
+    # Why each restart happened ("change: …"), in the order of daemon.state.restarts.
+    restart_reasons: list[str] = field(default_factory=list)
+    # The last acting decision seen per target step count, until its restart shows up.
+    acting: dict[int, str] = field(default_factory=dict)
+
+
+def note_acting_decision(daemon: Daemon, record: DemoRecord) -> None:
+    """Remember why the daemon is restarting: its decision stays current during the restart."""
+    d = daemon.last_decision
+    if d is not None and d.target_steps is not None and d.acts(daemon.live_steps):
+        record.acting[d.target_steps] = f"{d.reason.value}: {d.message}"
+
+
+def restart_line(elapsed: float, r: dict[str, Any], reason: str) -> str:
+    took = float(r.get("duration_s") or 0)
+    return (
+        f"{elapsed:5.0f} s  restart {r['from_steps']} → {r['to_steps']}: {r['result']} in "
+        f"{took:.1f} s — {reason}"
+    )
+
+
+def status_line(daemon: Daemon, elapsed: float, phase: str, conc: int) -> str:
+    obs = daemon.last_obs
+    d = daemon.last_decision
+    steps = obs.steps if obs is not None else "?"
+    p50 = daemon.state.history.quantile(0.5)
+    decision = f"{d.reason.value}: target {d.target_steps}" if d is not None else "-"
+    window = "open" if daemon._window_open() else "closed"
+    offered = f"{p50:.1f}" if p50 is not None else "-"
+    return (
+        f"{elapsed:5.0f} s  {phase}, {conc} clients; steps {steps}, offered p50 {offered}, "
+        f"window {window}; decision {decision}"
+    )
 
 
 def _phase_at(elapsed: float, duration: float) -> tuple[str, int]:
@@ -122,6 +167,7 @@ async def _drive(
     seen_restarts = 0
     printed = 0
     last = started
+    next_status = 0.0
     async with LoadGenerator(url, max_concurrency=HEAVY_CONCURRENCY, max_tokens=256) as gen:
         live = Live(console=console, refresh_per_second=2, transient=False) if live_view else None
         with live if live is not None else contextlib.nullcontext():
@@ -136,16 +182,21 @@ async def _drive(
                 if obs is not None and obs.steps is not None:
                     record.seconds_at_steps[obs.steps] += now - last
                 last = now
+                note_acting_decision(daemon, record)
                 for r in daemon.state.restarts[seen_restarts:]:
-                    record.events.append(
-                        f"{elapsed:5.0f} s  restart {r['from_steps']} → {r['to_steps']}: "
-                        f"{r['result']} in {float(r.get('duration_s', 0)):.1f} s"
-                    )
+                    reason = record.acting.pop(int(r["to_steps"]), "reason not seen")
+                    record.restart_reasons.append(reason)
+                    record.events.append(restart_line(elapsed, r, reason))
                 seen_restarts = len(daemon.state.restarts)
                 if live is not None:
                     live.update(_view(daemon, elapsed, duration, phase, conc, record, metrics_url))
-                else:
-                    for line in record.events[printed:]:
-                        console.print(line)
+                    continue
+                for line in record.events[printed:]:
+                    console.print(line, highlight=False, soft_wrap=True)
                 printed = len(record.events)
+                if elapsed >= next_status:
+                    console.print(
+                        status_line(daemon, elapsed, phase, conc), highlight=False, soft_wrap=True
+                    )
+                    next_status = elapsed + STATUS_EVERY_S
             record.output_tokens += gen.take_result().output_tokens

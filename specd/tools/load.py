@@ -25,11 +25,13 @@ Accounting, per measured window ``[start, end)``:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import math
+import ssl
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +39,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import httpx
+
+# httpcore imports sniffio on every request; when it is not installed, each miss searches
+# sys.path again (about 0.6 ms: seconds of CPU at thousands of clients). None in
+# sys.modules makes the miss immediate, as Python documents.
+if importlib.util.find_spec("sniffio") is None:
+    sys.modules.setdefault("sniffio", None)  # type: ignore[arg-type]
 
 ENDPOINTS: dict[str, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DEFAULT_PROMPT = (
@@ -49,6 +57,7 @@ BACKOFF_MAX_S = 2.0
 READ_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 5.0
 PROGRESS_INTERVAL_S = 0.5
+RAMP_BATCH = 32  # clients that send their first request in the same event-loop turn
 
 
 @dataclass(frozen=True)
@@ -402,7 +411,8 @@ class LoadGenerator:
         self.ignore_eos = ignore_eos
         self._read_timeout_s = read_timeout_s
         self._backoff = (backoff_min_s, backoff_max_s)
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = None  # set while started
+        self._ssl: ssl.SSLContext | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._window = LoadWindow(time.monotonic(), 0)
         # Requests streaming now -> tokens already credited to windows for each.
@@ -424,17 +434,25 @@ class LoadGenerator:
         return tokens / pieces if pieces else 1.0
 
     async def __aenter__(self) -> LoadGenerator:
-        limits = httpx.Limits(
-            max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency
-        )
-        timeout = httpx.Timeout(
-            connect=CONNECT_TIMEOUT_S, read=self._read_timeout_s, write=10.0, pool=None
-        )
-        self._client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        self._client = self._new_client()
         if self.model is None:
             self.model = await self._discover_model()
         self._window = LoadWindow(time.monotonic(), self.concurrency)
         return self
+
+    def _new_client(self) -> httpx.AsyncClient:
+        # One connection per client: each worker has its own. A single pool shared by
+        # thousands of streams costs O(streams) per state change in httpcore (minutes of
+        # CPU at 4096 clients, and Ctrl-C waits behind it).
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()  # loaded once, not once per worker
+        return httpx.AsyncClient(
+            verify=self._ssl,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            timeout=httpx.Timeout(
+                connect=CONNECT_TIMEOUT_S, read=self._read_timeout_s, write=10.0, pool=None
+            ),
+        )
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -470,8 +488,13 @@ class LoadGenerator:
             raise ValueError(
                 f"concurrency must be within 0..{self.max_concurrency}, got {concurrency}"
             )
+        added = 0
         while len(self._workers) < concurrency:
-            self._workers.append(asyncio.create_task(self._worker()))
+            # Started RAMP_BATCH per loop turn: thousands of first requests in one turn
+            # would block the loop (and Ctrl-C) for seconds.
+            turns = added // RAMP_BATCH
+            self._workers.append(asyncio.create_task(self._worker(turns)))
+            added += 1
         while len(self._workers) > concurrency:
             self._workers.pop().cancel()
         self._window.note_concurrency(concurrency)
@@ -512,8 +535,16 @@ class LoadGenerator:
     def _add_ttft(self, seconds: float) -> None:
         self._window.add_ttft(seconds)
 
-    async def _worker(self) -> None:
-        assert self._client is not None
+    async def _worker(self, wait_turns: int = 0) -> None:
+        for _ in range(wait_turns):
+            await asyncio.sleep(0)
+        client = self._new_client()
+        try:
+            await self._requests(client)
+        finally:
+            await client.aclose()
+
+    async def _requests(self, client: httpx.AsyncClient) -> None:
         url = self.base_url + ENDPOINTS[self.endpoint]
         backoff = self._backoff[0]
         while True:
@@ -524,7 +555,7 @@ class LoadGenerator:
             self._active[tally] = 0.0
             try:
                 outcome = await stream_request(
-                    self._client,
+                    client,
                     url,
                     body,
                     tally=tally,
@@ -570,12 +601,15 @@ async def run_profile(
     on_progress: Callable[[LoadProgress], None] | None = None,
     stop: asyncio.Event | None = None,
     progress_interval_s: float = PROGRESS_INTERVAL_S,
+    on_result: Callable[[LoadResult], None] | None = None,
 ) -> list[LoadResult]:
     """Run phases of ``(duration_s, concurrency)`` back to back; one result per phase.
 
     Requests in flight carry over from one phase to the next (their tokens count where
     they arrive); at the end they are cancelled. Setting ``stop`` ends the run early: the
-    phase in progress is measured up to then and later phases are skipped.
+    phase in progress is measured up to then and later phases are skipped. ``on_result``
+    gets each phase's result as soon as it is measured, before the streams are torn down
+    (thousands of them take seconds).
     """
     _validate_profile(profile)
     stop = stop if stop is not None else asyncio.Event()
@@ -600,6 +634,8 @@ async def run_profile(
                     on_progress(gen.progress(index, len(profile), duration_s))
             # Taken before leaving the context: in-flight partial tokens stay counted.
             results.append(gen.take_result())
+            if on_result is not None:
+                on_result(results[-1])
             if stop.is_set():
                 break
     return results
@@ -616,6 +652,7 @@ async def run_load(
     ignore_eos: bool = True,
     on_progress: Callable[[LoadProgress], None] | None = None,
     stop: asyncio.Event | None = None,
+    on_result: Callable[[LoadResult], None] | None = None,
 ) -> LoadResult:
     """``concurrency`` closed-loop clients for ``duration_s`` seconds (or until ``stop``)."""
     if not isinstance(concurrency, int) or concurrency < 1:
@@ -629,28 +666,6 @@ async def run_load(
         ignore_eos=ignore_eos,
         on_progress=on_progress,
         stop=stop,
+        on_result=on_result,
     )
     return results[0]
-
-
-# --- command line ----------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value

@@ -14,7 +14,6 @@ must not run during a sweep: it would restart SGLang and overwrite state.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import io
@@ -880,30 +879,3 @@ def write_outputs(report: SweepReport, *, chart: bool = True) -> list[Path]:
 
 def _write_text(path: Path, text: str) -> None:
     files.write_text_atomic(path, text, mode=OUTPUT_FILE_MODE)
-
-
-# -- command line -------------------------------------------------------------------------
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    values: list[int] = []
-    for raw in text.split(","):
-        part = raw.strip()
-        if not part:
-            continue
-        if not part.isdigit():
-            raise argparse.ArgumentTypeError(f"expected whole numbers like 1,2,4, got {text!r}")
-        values.append(int(part))
-    if not values:
-        raise argparse.ArgumentTypeError("empty list")
-    return tuple(values)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value

@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from specd.commands.args import PORT_OR_FREE, Float, Int, IntList, Seconds
 from specd.twin.preset import PRESET_NAME
 
 
@@ -25,15 +26,21 @@ class _LenientParser(argparse.ArgumentParser):
         return ns
 
 
-def _csv_ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected K[,K...], got {text!r}") from None
-
-
 def _csv_words(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# Bounds SGLang itself would never need to exceed; negative, NaN or absurd values are
+# refused here, before the twin starts.
+COUNT = Int(0, 1_000_000)  # SGLang's own checks (e.g. steps >= 1) follow in resolve()
+SIZE = Int(1, 1024)
+LOG_EVERY = Int(1, 1_000_000)
+STEP_LIST = IntList(0, 64)
+SEED = Int(0, 2**32 - 1)
+LOAD_S = Seconds(0, 3600)
+INTERVAL_S = Seconds(0, 3600, above_lo=True)
+NOISE = Float(0, 1)
+PAD_BYTES = Int(0, 64 * 1024 * 1024)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,32 +50,45 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--model-path", "--model", default="Qwen/Qwen3.5-122B-A10B")
     sg.add_argument("--served-model-name", default=None)
     sg.add_argument("--host", default="127.0.0.1")
-    sg.add_argument("--port", type=int, default=30000)
+    sg.add_argument("--port", type=PORT_OR_FREE, default=30000, help=PORT_OR_FREE.spec)
     sg.add_argument("--speculative-algorithm", default=None)
-    sg.add_argument("--speculative-num-steps", type=int, default=None)
-    sg.add_argument("--speculative-eagle-topk", type=int, default=None)
-    sg.add_argument("--speculative-num-draft-tokens", type=int, default=None)
-    sg.add_argument("--max-running-requests", type=int, default=None)
+    sg.add_argument("--speculative-num-steps", type=COUNT, default=None, help=COUNT.spec)
+    sg.add_argument("--speculative-eagle-topk", type=COUNT, default=None, help=COUNT.spec)
+    sg.add_argument("--speculative-num-draft-tokens", type=COUNT, default=None, help=COUNT.spec)
+    sg.add_argument("--max-running-requests", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--enable-metrics", action="store_true")
-    sg.add_argument("--dp-size", "--data-parallel-size", type=int, default=1)
-    sg.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
-    sg.add_argument("--decode-log-interval", type=int, default=40)
+    sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
+    sg.add_argument("--tp-size", "--tensor-parallel-size", type=SIZE, default=1, help=SIZE.spec)
+    sg.add_argument("--decode-log-interval", type=LOG_EVERY, default=40, help=LOG_EVERY.spec)
     tw = parser.add_argument_group("twin")
     tw.add_argument("--preset", default=None, help=f"built-in model (default {PRESET_NAME})")
     tw.add_argument("--table", default=None, help="performance table CSV instead of a preset")
-    tw.add_argument("--load-time-s", type=float, default=3.0, help="port closed this long")
-    tw.add_argument("--warmup-s", type=float, default=1.0, help="then 503 on /health this long")
-    tw.add_argument("--report-interval-s", type=float, default=1.0, help="gauge refresh period")
-    tw.add_argument("--seed", type=int, default=None)
-    tw.add_argument("--accept-noise", type=float, default=0.02, help="relative sd of L")
+    tw.add_argument(
+        "--load-time-s", type=LOAD_S, default=3.0, help=f"port closed this long ({LOAD_S.spec})"
+    )
+    tw.add_argument(
+        "--warmup-s", type=LOAD_S, default=1.0, help=f"then 503 on /health ({LOAD_S.spec})"
+    )
+    tw.add_argument(
+        "--report-interval-s",
+        type=INTERVAL_S,
+        default=1.0,
+        help=f"gauge refresh period ({INTERVAL_S.spec})",
+    )
+    tw.add_argument("--seed", type=SEED, default=None, help=SEED.spec)
+    tw.add_argument(
+        "--accept-noise", type=NOISE, default=0.02, help=f"relative sd of L ({NOISE.spec})"
+    )
     fail = parser.add_argument_group("failure injection")
-    fail.add_argument("--fail-start-at-steps", type=_csv_ints, default=[])
+    fail.add_argument("--fail-start-at-steps", type=STEP_LIST, default=(), help=STEP_LIST.spec)
     fail.add_argument("--never-healthy", action="store_true")
-    fail.add_argument("--slow-s", type=float, default=0.0, help="delay every response")
+    fail.add_argument(
+        "--slow-s", type=LOAD_S, default=0.0, help=f"delay every response ({LOAD_S.spec})"
+    )
     fail.add_argument("--garbage-metrics", action="store_true")
     fail.add_argument("--metrics-404", action="store_true")
     fail.add_argument("--server-info-missing", type=_csv_words, default=[])
-    fail.add_argument("--metrics-pad-bytes", type=int, default=0)
+    fail.add_argument("--metrics-pad-bytes", type=PAD_BYTES, default=0, help=PAD_BYTES.spec)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shlex
 import signal
@@ -31,6 +32,7 @@ SGLANG_VERSION = "0.5.23"
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
+log = logging.getLogger("specd.twin")
 WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
 
 
@@ -437,13 +439,14 @@ class Twin:
                     "usage": usage(),
                 }
             )
-        resp = await self._sse_start(request, req)
+        resp = self._sse_response()
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         stream_options = body.get("stream_options") or {}
         include_usage = bool(stream_options.get("include_usage", False))
         # SGLang's OpenAI server: usage on every chunk when continuous_usage_stats is asked for.
         continuous_usage = include_usage and bool(stream_options.get("continuous_usage_stats"))
         try:
+            await resp.prepare(request)
             async for text in self._tokens(req):
                 finish = "length" if req.emitted >= req.max_tokens else None
                 chunk: dict[str, Any] = {
@@ -462,10 +465,18 @@ class Twin:
                         "choices": [], "usage": usage()}  # fmt: skip
                 await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            self._client_gone(req)
+        except asyncio.CancelledError:
             self.engine.abort(req)
             raise
         return resp
+
+    def _client_gone(self, req: Request) -> None:
+        # A streaming client hanging up is normal (a load generator lowering concurrency,
+        # Ctrl-C): stop generating for it; the response is done, not an error.
+        self.engine.abort(req)
+        log.debug("client disconnected mid-stream")
 
     async def _collect(self, req: Request) -> str:
         """The whole output of a non-streamed request; a client gone mid-way aborts it."""
@@ -506,29 +517,27 @@ class Twin:
         if not req.streaming:
             text = await self._collect(req)
             return web.json_response({"text": text, "meta_info": meta()})
-        resp = await self._sse_start(request, req)
+        resp = self._sse_response()
         so_far = ""
         try:
+            await resp.prepare(request)
             async for text in self._tokens(req):
                 so_far += text
                 chunk = {"text": so_far, "meta_info": meta()}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            self._client_gone(req)
+        except asyncio.CancelledError:
             self.engine.abort(req)
             raise
         return resp
 
-    async def _sse_start(self, request: web.Request, req: Request) -> web.StreamResponse:
-        resp = web.StreamResponse(
+    @staticmethod
+    def _sse_response() -> web.StreamResponse:
+        return web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        try:
-            await resp.prepare(request)
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.engine.abort(req)
-            raise
-        return resp
 
     async def _tokens(self, req: Request) -> Any:
         position = 0

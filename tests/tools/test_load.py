@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -580,9 +581,12 @@ def specd(*argv: str) -> list[str]:
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--url", "http://127.0.0.1:1", "--concurrency", "0", "--duration", "1"], "at least 1"),
-        (["--url", "http://127.0.0.1:1", "--concurrency", "x", "--duration", "1"], "integer"),
-        (["--url", "http://127.0.0.1:1", "--concurrency", "1", "--duration", "nan"], "positive"),
+        (
+            ["--url", "http://127.0.0.1:1", "--concurrency", "0", "--duration", "1"],
+            "within 1..4096",
+        ),
+        (["--url", "http://127.0.0.1:1", "--concurrency", "x", "--duration", "1"], "whole number"),
+        (["--url", "http://127.0.0.1:1", "--concurrency", "1", "--duration", "nan"], "> 0"),
         (["--url", "ftp://x", "--concurrency", "1", "--duration", "1"], "http://HOST:PORT"),
         (
             ["--url", "http://h:1", "--concurrency", "1", "--duration", "1", "--endpoint", "x"],
@@ -677,6 +681,46 @@ def test_cli_signal_ends_run_with_summary(server: FakeServer, signum: int) -> No
     summary = json.loads(out)
     assert summary["duration_s"] < 20
     assert summary["requests"] > 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_cli_at_the_highest_concurrency_stops_within_seconds_of_a_signal(
+    server: FakeServer, signum: int
+) -> None:
+    # Before: one shared connection pool made every stream event cost O(streams) and the
+    # first requests of all clients ran in one loop turn; a signal waited tens of seconds.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 3 * 4096 + 256  # this process serves 4096 streams, the child opens 4096
+    if soft < wanted and (hard == resource.RLIM_INFINITY or hard >= wanted):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    server.behaviour = Behaviour(tokens=100_000, interval_s=1.0)
+    argv = ["--url", server.url, "--concurrency", "4096", "--duration-s", "600", "--json"]
+    proc = subprocess.Popen(
+        specd("load", *argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            server.stats.open_streams < 1000 or server.stats.tokens_written == 0
+        ):
+            time.sleep(0.1)
+        assert server.stats.open_streams >= 1000, server.stats.open_streams
+        os.kill(proc.pid, signum)
+        signalled = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        proc.kill()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert proc.returncode == 0, err[-2000:]
+    assert took < 5.0, f"exited {took:.1f} s after the signal"
+    summary = json.loads(out)
+    assert summary["concurrency"] == 4096
+    assert summary["output_tokens"] > 0
+    assert "Traceback" not in err
 
 
 # --- against the SGLang twin ----------------------------------------------------------------

@@ -216,6 +216,12 @@ def test_the_command_prints_the_agreed_json(tmp_path: Path) -> None:
         (["--start", "yesterday"], "--start"),
         (["--truth", "/nonexistent.csv"], "cannot read"),
         (["--steps", "1-9"], "truth has no steps 7,8,9"),
+        (["--start", "9999-12-31T00:00:00Z"], "--start: '9999-12-31T00:00:00Z': must be from 1970"),
+        (["--start", "1969-12-31T23:00:00Z"], "must be from 1970 to 9000"),
+        (["--calibration", "/nonexistent.csv"], "/nonexistent.csv: cannot read"),
+        (["--restart-s", "inf"], "--restart-s"),
+        (["--initial-steps", "99"], "--initial-steps"),
+        (["--window", "0 7 * * mon;1e308;UTC"], "DURATION_S must be > 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -230,6 +236,41 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], mes
     lines = proc.stderr.strip().splitlines()
     assert message in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_garbage_calibration_names_the_file_in_one_line(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n0,1\n60,2\n")
+    calibration = tmp_path / "cal.csv"
+    calibration.write_text("garbage\n1,2,3\n")
+    proc = specd("--trace", str(trace), "--truth", str(SEED), "--calibration", str(calibration))
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{calibration}:1: header must be" in proc.stderr
+    assert "pydantic" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (["0,1", "1e308,2"], "the trace spans inf s; at most 3.16224e+07 s (366 days)"),
+        (["0,1", "1e9,2"], "the trace spans 2e+09 s"),
+        (["0,1", "1e7,2", "2e7,1"], "at most 6400000 ticks"),
+    ],
+)
+def test_an_absurd_trace_span_is_refused_before_any_work(
+    tmp_path: Path, rows: list[str], message: str
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n" + "\n".join(rows) + "\n")
+    config = tmp_path / "specd.toml"
+    config.write_text("scrape_interval_s = 1\n")  # 3e7 s is within a year, not in ticks
+    started = time.monotonic()
+    proc = specd("--trace", str(trace), "--truth", str(SEED), "--config", str(config))
+    assert time.monotonic() - started < 20
+    assert proc.returncode == 2
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_start_defaults_to_a_monday() -> None:

@@ -216,8 +216,8 @@ def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
     [
         ([], subprocess.DEVNULL, "no terminal to ask; pass --yes"),
         (["--steps", "9"], subprocess.DEVNULL, "outside the configured range 1..6"),
-        (["--concurrency", "1,x"], subprocess.DEVNULL, "expected whole numbers"),
-        (["--duration-s", "nan"], subprocess.DEVNULL, "must be a number >= 0"),
+        (["--concurrency", "1,x"], subprocess.DEVNULL, "expected a whole number in 1..4096"),
+        (["--duration-s", "nan"], subprocess.DEVNULL, "expected a number > 0"),
     ],
 )
 def test_cli_refuses_before_touching_anything(

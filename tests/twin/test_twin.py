@@ -347,3 +347,27 @@ def test_continuous_usage_stats_like_sglang(
         assert counts == sorted(counts)
     else:
         assert len(counts) == 1  # only the last content chunk
+
+
+def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
+    # Before: aiohttp logged "Error handling request" and a traceback for every one.
+    bodies = {
+        "/v1/completions": {"prompt": "x", "max_tokens": 5000, "stream": True},
+        "/v1/chat/completions": {"messages": [], "max_tokens": 5000, "stream": True},
+        "/generate": {"text": "x", "sampling_params": {"max_new_tokens": 5000}, "stream": True},
+    }
+    with TwinProcess([*SPEC4, *FAST]) as twin:
+        twin.wait_healthy(20)
+        for path, body in bodies.items():
+            # Leaving the block closes the connection mid-stream; the twin's next write fails.
+            with (
+                httpx.Client(base_url=twin.url, timeout=20) as c,
+                c.stream("POST", path, json=body) as s,
+            ):
+                assert next(line for line in s.iter_lines() if line.startswith("data:"))
+        time.sleep(1.5)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            assert c.get("/health").status_code == 200
+        log = twin.log()
+    assert "Traceback" not in log, log[-3000:]
+    assert "Error handling request" not in log, log[-3000:]
