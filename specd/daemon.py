@@ -30,7 +30,7 @@ from specd.core.model import predicted_throughput
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.io import logs
-from specd.io.apply import Applier, ApplyOutcome, ApplySettings
+from specd.io.apply import Applier, ApplyOutcome
 from specd.io.config import Config, ConfigError, load_config
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
@@ -113,7 +113,7 @@ class Daemon:
         self._metrics_server: Any = None
 
         self.store = StateStore(
-            Path(config.state_dir), history_settings=HistorySettings.from_config(config)
+            Path(config.files.state_dir), history_settings=HistorySettings.from_config(config)
         )
         self.state, problem = self.store.load()
         if problem:
@@ -122,7 +122,7 @@ class Daemon:
         # The client stamps observations with the daemon's clock: decide compares that stamp
         # with `now`, and two different clocks would make every observation look stale.
         self.client = SGLangClient(
-            config.sglang_url, timeout_s=config.scrape_timeout_s, clock=self.clock
+            config.sglang.url, timeout_s=config.observe.scrape_timeout_s, clock=self.clock
         )
         self.applier = self._make_applier()
         self.override = OverrideTracker()
@@ -134,8 +134,8 @@ class Daemon:
 
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self) -> Applier:
-        return Applier(
-            ApplySettings.from_config(self.config),
+        return Applier.from_settings(
+            self.config,
             self.client,
             self.runner,
             self._persist_journal,
@@ -192,17 +192,20 @@ class Daemon:
             return
         old = self.config
         self.config = new
-        if (new.metrics_listen_address, new.metrics_port) != (
-            old.metrics_listen_address,
-            old.metrics_port,
+        if (new.report.metrics_listen_address, new.report.metrics_port) != (
+            old.report.metrics_listen_address,
+            old.report.metrics_port,
         ):
             self.log.warning(
                 "reload_partial", detail="metrics address changes need a restart of specd"
             )
-        if new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s:
+        if (
+            new.sglang.url != old.sglang.url
+            or new.observe.scrape_timeout_s != old.observe.scrape_timeout_s
+        ):
             self.client.close()
             self.client = SGLangClient(
-                new.sglang_url, timeout_s=new.scrape_timeout_s, clock=self.clock
+                new.sglang.url, timeout_s=new.observe.scrape_timeout_s, clock=self.clock
             )
         self.applier = self._make_applier()
         self.state.history.reconfigure(HistorySettings.from_config(new))
@@ -216,15 +219,15 @@ class Daemon:
     # -- the loop -----------------------------------------------------------------
     def start_metrics_server(self) -> None:
         server, _thread = start_http_server(
-            self.config.metrics_port,
-            addr=self.config.metrics_listen_address,
+            self.config.report.metrics_port,
+            addr=self.config.report.metrics_listen_address,
             registry=self.metrics.registry,
         )
         self._metrics_server = server
         self.metrics_port = int(server.server_port)
         self.log.info(
             "metrics_serving",
-            url=f"http://{self.config.metrics_listen_address}:{self.metrics_port}/metrics",
+            url=f"http://{self.config.report.metrics_listen_address}:{self.metrics_port}/metrics",
         )
 
     def run(self) -> int:
@@ -232,7 +235,9 @@ class Daemon:
             self.start_metrics_server()
         except OSError as exc:
             # Port taken or address not local: one clear line, and systemd's Restart= retries.
-            address = f"{self.config.metrics_listen_address}:{self.config.metrics_port}"
+            address = (
+                f"{self.config.report.metrics_listen_address}:{self.config.report.metrics_port}"
+            )
             self.log.error("metrics_listen_failed", address=address, error=str(exc))
             return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
@@ -242,7 +247,7 @@ class Daemon:
         watchdog = threading.Thread(target=self._watchdog_loop, name="watchdog", daemon=True)
         watchdog.start()
         while not self.stop_event.is_set():
-            self._wake.wait(self.config.scrape_interval_s)
+            self._wake.wait(self.config.observe.scrape_interval_s)
             self._wake.clear()
             self._heartbeat()
             if self.stop_event.is_set():
@@ -265,7 +270,11 @@ class Daemon:
         # The longest single blocking call in the loop is a `systemctl restart` or a health
         # probe; past that without a beat, the loop is stuck and systemd should kill us.
         stall_limit = (
-            max(self.config.restart_command_timeout_s, self.config.health_probe_timeout_s) + 30
+            max(
+                self.config.restart.restart_command_timeout_s,
+                self.config.restart.health_probe_timeout_s,
+            )
+            + 30
         )
         while True:
             if time.monotonic() - self._last_beat < stall_limit:
@@ -293,10 +302,10 @@ class Daemon:
         current = result.steps if isinstance(result, Observation) else None
         rec = recommend(self.state.history, self.config, current)
         if rec is not None and isinstance(result, Observation):
-            self.state.note_recommendation(now, rec[0], self.config.stabilization_window_s)
+            self.state.note_recommendation(now, rec[0], self.config.choose.stabilization_window_s)
         decision = decide(self.state.history, result, self.config, override, now, self._control())
         self.last_decision = decision
-        if self.config.policy == "model":
+        if self.config.choose.policy == "model":
             self._report_predictions(current)
         self._report_decision(decision, current, now, rec)
         if decision.acts(current):
@@ -327,11 +336,11 @@ class Daemon:
         return result
 
     def _refresh_override(self, now: float) -> Override | None:
-        path = Path(self.config.override_file)
+        path = Path(self.config.files.override_file)
         status = read_override(
             path,
-            self.config.min_steps,
-            self.config.max_steps,
+            self.config.choose.min_steps,
+            self.config.choose.max_steps,
             utc(now),
             allowed_uids=self.allowed_override_uids,
         )
@@ -486,7 +495,7 @@ class Daemon:
         self._save_state(force=True)
 
     def _check_unfreeze_request(self, now: float) -> None:
-        path = Path(self.config.state_dir) / UNFREEZE_REQUEST
+        path = Path(self.config.files.state_dir) / UNFREEZE_REQUEST
         if not path.exists():
             return
         try:
@@ -518,7 +527,7 @@ class Daemon:
         for q in OFFERED_QUANTILES:
             value = history.quantile(float(q))
             m.offered_concurrency.labels(quantile=q).set(value if value is not None else 0.0)
-        for k in range(cfg.min_steps, cfg.max_steps + 1):
+        for k in range(cfg.choose.min_steps, cfg.choose.max_steps + 1):
             length = history.accept_length(k)
             if length is not None:
                 m.accept_length.labels(steps=str(k)).set(length)
@@ -530,7 +539,7 @@ class Daemon:
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
         m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
         recent = [r for r in self.state.restarts if now - float(r["t"]) < DAY_S]
-        m.restart_budget_remaining.set(max(0, cfg.daily_restart_budget - len(recent)))
+        m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - len(recent)))
         m.frozen.set(1 if self.state.frozen is not None else 0)
 
         status = self.override.status

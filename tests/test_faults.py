@@ -131,7 +131,7 @@ def synthetic_observation(t: float, offered: int) -> Observation:
 def heavy_history(config: Config, offered: int, end: float, busy_s: float = 7200.0) -> History:
     """Two busy hours at ``offered`` concurrency ending at ``end``: far past min_history_s."""
     history = History(HistorySettings.from_config(config))
-    step = config.scrape_interval_s
+    step = config.observe.scrape_interval_s
     n = int(busy_s // step)
     for i in range(n):
         history.record(synthetic_observation(end - step * (n - i), offered))
@@ -199,7 +199,7 @@ def test_sglang_faults_hold_without_restart_and_recover(
             clock.now = INSIDE
         # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
         for i in range(3):
-            clock.now = INSIDE + i * config.scrape_interval_s
+            clock.now = INSIDE + i * config.observe.scrape_interval_s
             daemon.state.history = wanting(config, 4, clock.now)
             decision = daemon.tick()
             assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
@@ -302,7 +302,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
     port = free_port()
     config = make_config(tmp_path, port)
     clock = Clock(ts(ticks[0][0]))
-    unit = TwinUnitRunner(UNIT, config.env_file, port=port, extra_args=FAST_TWIN)
+    unit = TwinUnitRunner(UNIT, config.sglang.env_file, port=port, extra_args=FAST_TWIN)
     runner = RecordingRunner(clock, unit)
     unit.start().wait_healthy()
     try:
@@ -320,7 +320,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
         for t in runner.restarts:
             assert any(a <= t < b for a, b in intervals), f"restart outside a window at {t}"
         for a, b in intervals:
-            assert sum(a <= t < b for t in runner.restarts) <= config.daily_restart_budget
+            assert sum(a <= t < b for t in runner.restarts) <= config.restart.daily_restart_budget
         results = [r["result"] for r in daemon.state.restarts]
         assert results == ["success"] * sum(r for _, _, r in ticks)
         # The env file, the twin and specd agree on what runs.
@@ -372,7 +372,7 @@ def events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableM
 )
 def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage: str) -> None:
     config = make_config(tmp_path, free_port())
-    path = Path(config.state_dir) / STATE_FILE
+    path = Path(config.files.state_dir) / STATE_FILE
     good = valid_state_text(tmp_path, config)
     if damage == "truncated":
         path.write_text(good[: len(good) // 2])
@@ -398,7 +398,7 @@ def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage:
     assert "\n" not in failed[0]["problem"]
     assert failed[0]["problem"]
     assert daemon.state.history.busy_seconds == 0  # rebuilt from nothing
-    state, problem = StateStore(Path(config.state_dir)).load()
+    state, problem = StateStore(Path(config.files.state_dir)).load()
     assert problem is None, problem  # the fresh state was written back, whole
     assert state.last_decision["reason"] == "no_data"
 
@@ -796,7 +796,7 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
             clock.now = time.time()
             daemon.tick()
             observations.append(daemon.last_obs)
-            next_at += config.scrape_interval_s
+            next_at += config.observe.scrape_interval_s
             time.sleep(max(0.0, next_at - time.monotonic()))
         page = daemon.client.metrics_text()
     assert isinstance(page, str)

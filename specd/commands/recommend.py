@@ -55,12 +55,12 @@ def run(args: argparse.Namespace) -> int:
         print("specd recommend: --samples must be >= 1 and --interval-s >= 0")
         return 2
     settings = HistorySettings.from_config(config)
-    state, source = _learned_state(Path(config.state_dir), settings)
+    state, source = _learned_state(Path(config.files.state_dir), settings)
     history = state.history
     last: Observation | ScrapeError | None = None
     pause = threading.Event()
     try:
-        client = SGLangClient(args.url, timeout_s=config.scrape_timeout_s)
+        client = SGLangClient(args.url, timeout_s=config.observe.scrape_timeout_s)
     except ValueError as exc:
         print(f"specd recommend: {exc}")
         return 2
@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
                 pause.wait(args.interval_s)
     now = time.time()
     status = read_override(
-        Path(config.override_file),
-        config.min_steps,
-        config.max_steps,
+        Path(config.files.override_file),
+        config.choose.min_steps,
+        config.choose.max_steps,
         now,
         allowed_uids=daemon_uids(),
     )

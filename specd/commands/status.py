@@ -39,7 +39,7 @@ def _when(ts: float | None, now: float) -> str:
 
 
 def collect(config: Config, now: float) -> dict[str, Any]:
-    state_path = Path(config.state_dir) / STATE_FILE
+    state_path = Path(config.files.state_dir) / STATE_FILE
     try:
         state = read_json(state_path)
         state_problem = None if isinstance(state, dict) else "not a JSON object"
@@ -51,9 +51,9 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         state = {}
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override(
-        Path(config.override_file),
-        config.min_steps,
-        config.max_steps,
+        Path(config.files.override_file),
+        config.choose.min_steps,
+        config.choose.max_steps,
         at,
         allowed_uids=daemon_uids(),
     )
@@ -68,7 +68,7 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "last_decision": decision,
         "mode": current.mode if current is not None and current.active(at) else "auto",
         "override": {
-            "file": str(config.override_file),
+            "file": str(config.files.override_file),
             "present": override.present,
             "valid": override.valid,
             "problem": override.problem,
@@ -82,7 +82,7 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "frozen": state.get("frozen"),
         "restart_in_progress": state.get("journal"),
         "restarts_last_24h": restarts,
-        "restart_budget_remaining": max(0, config.daily_restart_budget - len(restarts)),
+        "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
         "window_open": windows.is_open(config.windows, at),
         "next_window_open": windows.next_open(config.windows, at).timestamp(),
         "next_window_close": windows.next_close(config.windows, at).timestamp(),

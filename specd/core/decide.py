@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from specd.core.history import History
     from specd.core.observation import Observation
     from specd.core.override import Override
-    from specd.io.config import Band, Config
+    from specd.core.settings import Band, Settings
 
 DAY_S = 86400.0
 
@@ -81,11 +81,11 @@ class Control:
 
 
 # -- policies -----------------------------------------------------------------------
-Policy = Callable[["History", "Config", "int | None"], "tuple[int, str] | None"]
+Policy = Callable[["History", "Settings", "int | None"], "tuple[int, str] | None"]
 
 
-def clamp(steps: int, config: Config) -> int:
-    return max(config.min_steps, min(config.max_steps, steps))
+def clamp(steps: int, config: Settings) -> int:
+    return max(config.choose.min_steps, min(config.choose.max_steps, steps))
 
 
 def _num(x: float) -> str:
@@ -103,7 +103,7 @@ def _band_range(bands: Sequence[Band], i: int) -> str:
 
 
 def _recommend_bands(
-    history: History, config: Config, current: int | None
+    history: History, config: Settings, current: int | None
 ) -> tuple[int, str] | None:
     """Bands of offered concurrency; with ``current``, boundaries get hysteresis.
 
@@ -113,7 +113,7 @@ def _recommend_bands(
     boundary cannot make specd flap between two settings.
     """
     bands = config.bands
-    ratio = config.band_quantile_ratio
+    ratio = config.choose.band_quantile_ratio
     q = history.quantile(ratio)
     if q is None or not bands:
         return None
@@ -126,7 +126,7 @@ def _recommend_bands(
     why = f"{label} {_band_range(bands, picked)} (band {picked + 1} → {steps} steps)"
     if current is None or steps == current:
         return steps, why
-    tol = config.tolerance_ratio
+    tol = config.choose.tolerance_ratio
     for j, band in enumerate(bands):
         if clamp(band.steps, config) != current:
             continue
@@ -149,21 +149,21 @@ POLICIES: dict[str, Policy] = {"bands": _recommend_bands, "model": recommend_mod
 
 
 def recommend(
-    history: History, config: Config, current: int | None = None
+    history: History, config: Settings, current: int | None = None
 ) -> tuple[int, str] | None:
     """The policy's pick (clamped to the allowed range) and why; None without busy history.
 
     Without ``current`` this is the raw pick; with it, the policy's tolerance applies
     and the pick is ``current`` while the evidence for a change is within tolerance.
     """
-    policy = POLICIES.get(config.policy)
+    policy = POLICIES.get(config.choose.policy)
     if policy is not None:
         return policy(history, config, current)
     # A configured policy this build lacks must not stop specd: fall back, and say so.
     picked = _recommend_bands(history, config, current)
     if picked is None:
         return None
-    return picked[0], f"policy {config.policy!r} unavailable, using bands: {picked[1]}"
+    return picked[0], f"policy {config.choose.policy!r} unavailable, using bands: {picked[1]}"
 
 
 # -- decide -------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def _arrow(current: int | None, target: int) -> str:
     return f"{current if current is not None else '?'} → {target}"
 
 
-def _window_message(config: Config, at: datetime, change: str) -> str:
+def _window_message(config: Settings, at: datetime, change: str) -> str:
     try:
         nxt = f"next opens {_stamp(windows.next_open(config.windows, at))}"
     except ValueError as exc:
@@ -213,7 +213,7 @@ def _window_message(config: Config, at: datetime, change: str) -> str:
 def decide(
     history: History,
     obs: Observation | ScrapeError | None,
-    config: Config,
+    config: Settings,
     override: Override | None,
     now: float,
     control: Control,
@@ -255,12 +255,12 @@ def decide(
                 f"{said}; {_window_message(config, at, _arrow(current, pin))}",
             )
         used = sum(1 for t in control.restart_times if t > now - DAY_S)
-        if used >= config.daily_restart_budget:
+        if used >= config.restart.daily_restart_budget:
             return Decision(
                 pin,
                 Reason.RESTART_BUDGET,
                 f"{said}; {used} restarts in the last 24 h ≥ budget "
-                f"{config.daily_restart_budget}: {_arrow(current, pin)} waits",
+                f"{config.restart.daily_restart_budget}: {_arrow(current, pin)} waits",
             )
         return Decision(pin, Reason.OVERRIDE_PIN, f"{said}: {_arrow(current, pin)}")
 
@@ -276,20 +276,22 @@ def decide(
     if current is None:
         return Decision(None, Reason.NO_DATA, "SGLang's current step count is unknown; no change")
     age = now - obs.t
-    if not math.isfinite(age) or abs(age) > config.stale_after_s:
+    if not math.isfinite(age) or abs(age) > config.observe.stale_after_s:
         return Decision(
             hold,
             Reason.STALE_DATA,
             f"latest observation is {_duration(abs(age)) if math.isfinite(age) else '?'} "
-            f"{'old' if age >= 0 else 'in the future'} (> {_duration(config.stale_after_s)}); "
+            f"{'old' if age >= 0 else 'in the future'} (> "
+            f"{_duration(config.observe.stale_after_s)}); "
             f"{_holding(current)}",
         )
     busy = history.busy_seconds
-    if busy < config.min_history_s:
+    if busy < config.observe.min_history_s:
         return Decision(
             hold,
             Reason.INSUFFICIENT_DATA,
-            f"{_duration(busy)} of busy history < {_duration(config.min_history_s)} needed; "
+            f"{_duration(busy)} of busy history < {_duration(config.observe.min_history_s)} "
+            "needed; "
             f"{_holding(current)}",
         )
     picked = recommend(history, config, current)
@@ -303,7 +305,7 @@ def decide(
     if target == current:
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {current} is live")
     change = _arrow(current, target)
-    window_s = config.stabilization_window_s
+    window_s = config.choose.stabilization_window_s
     held = _held_for(control.recommendations, target, now)
     if held < window_s:
         return Decision(
@@ -320,19 +322,20 @@ def decide(
         )
     if control.restart_times:
         since = now - max(control.restart_times)
-        if since < config.min_dwell_s:
+        if since < config.restart.min_dwell_s:
             return Decision(
                 target,
                 Reason.DWELL_TIME,
                 f"{why}; last restart {_duration(max(since, 0.0))} ago < "
-                f"{_duration(config.min_dwell_s)} dwell: {change} waits",
+                f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits",
             )
     used = sum(1 for t in control.restart_times if t > now - DAY_S)
-    if used >= config.daily_restart_budget:
+    if used >= config.restart.daily_restart_budget:
         return Decision(
             target,
             Reason.RESTART_BUDGET,
-            f"{why}; {used} restarts in the last 24 h ≥ budget {config.daily_restart_budget}: "
+            f"{why}; {used} restarts in the last 24 h ≥ budget "
+            f"{config.restart.daily_restart_budget}: "
             f"{change} waits",
         )
     return Decision(target, Reason.CHANGE, f"{why}: {change}")

@@ -46,7 +46,7 @@ from specd.core.perftable import PerfTable, PerfTableError
 
 if TYPE_CHECKING:
     from specd.core.history import History
-    from specd.io.config import Config
+    from specd.core.settings import Settings
 
 # Seconds of (decayed) observation at which observed data and the calibration weigh the
 # same; an hour of traffic at one (K, c) outweighs a sweep point.
@@ -423,9 +423,9 @@ class Plan:
     why: str
 
 
-def calibration_of(config: Config) -> PerfTable | None:
+def calibration_of(config: Settings) -> PerfTable | None:
     """The configured calibration table, or None; ModelError if it cannot be read."""
-    path = config.calibration_file
+    path = config.choose.calibration_file
     return None if path is None else load_calibration(path)
 
 
@@ -433,7 +433,7 @@ def calibration_of(config: Config) -> PerfTable | None:
 _EPOCHS: dict[tuple[tuple[str, float, str], ...], tuple[float, float, float]] = {}
 
 
-def _next_epoch(config: Config, now: float) -> tuple[float, float] | None:
+def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     """(next window close, the following window open) as unix times.
 
     Both stay the same for every ``now`` from a computation until that close, so one
@@ -456,7 +456,7 @@ def _next_epoch(config: Config, now: float) -> tuple[float, float] | None:
 
 def plan(
     history: History,
-    config: Config,
+    config: Settings,
     current: int | None,
     calibration: PerfTable | None = None,
 ) -> Plan | None:
@@ -472,11 +472,15 @@ def plan(
     if forecast is None:
         return None
     model = PerformanceModel(calibration, history)
-    candidates = [k for k in range(config.min_steps, config.max_steps + 1) if model.can_predict(k)]
+    candidates = [
+        k
+        for k in range(config.choose.min_steps, config.choose.max_steps + 1)
+        if model.can_predict(k)
+    ]
     if not candidates:
         return None
     horizon = max(until_t - now, 0.0)
-    restart_s = config.restart_cost_s
+    restart_s = config.choose.restart_cost_s
     predictions: dict[int, StepPrediction] = {}
     weights = fold_above(forecast.weights, model.saturation(candidates))
     for k in candidates:
@@ -492,7 +496,7 @@ def plan(
     if current is not None and current in predictions and best != current:
         held = predictions[current].tokens
         gain = predictions[best].tokens / held - 1.0 if held > 0 else math.inf
-        if gain <= config.tolerance_ratio:
+        if gain <= config.choose.tolerance_ratio:
             target = current
     elif current is not None and current not in predictions:
         gain = math.inf
@@ -509,7 +513,7 @@ def _why(
     target: int,
     current: int | None,
     gain: float,
-    config: Config,
+    config: Settings,
 ) -> str:
     rates = " ".join(
         f"{k}:{p.tok_s:.0f}{'~' if p.source is Source.EXTRAPOLATED else ''}"
@@ -527,13 +531,13 @@ def _why(
     if target == current:
         return (
             f"{head}; {best} best by {gain_text} net of the restart, within "
-            f"{config.tolerance_ratio * 100:g}%: keeping {current}"
+            f"{config.choose.tolerance_ratio * 100:g}%: keeping {current}"
         )
     return f"{head}; {best} best by {gain_text} net of the restart"
 
 
 def recommend_model(
-    history: History, config: Config, current: int | None
+    history: History, config: Settings, current: int | None
 ) -> tuple[int, str] | None:
     """The ``"model"`` policy for `specd.decide.recommend`: (steps, why) or None."""
     try:
@@ -549,7 +553,9 @@ def recommend_model(
     return result.target, result.why + note
 
 
-def predicted_throughput(history: History, config: Config, current: int | None) -> dict[int, float]:
+def predicted_throughput(
+    history: History, config: Settings, current: int | None
+) -> dict[int, float]:
     """Predicted mean tok/s per candidate K over the coming epoch (for the metric
     ``specd_predicted_throughput_tokens_per_second{steps}``); empty when unknown."""
     try:

@@ -264,12 +264,12 @@ def replay(
     The first ``warmup_s`` of the trace are replayed (specd learns and acts) but not
     scored: tokens, restarts and days count from there on, for steady-state comparisons.
     """
-    allowed = list(range(config.min_steps, config.max_steps + 1))
+    allowed = list(range(config.choose.min_steps, config.choose.max_steps + 1))
     missing = [k for k in allowed if k not in truth.steps()]
     if missing:
         raise ReplayError(
             f"{truth.source}: truth has no steps {','.join(map(str, missing))} "
-            f"(allowed {config.min_steps}-{config.max_steps}; narrow it with --steps)"
+            f"(allowed {config.choose.min_steps}-{config.choose.max_steps}; narrow it with --steps)"
         )
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
@@ -280,16 +280,17 @@ def replay(
     k = (
         initial_steps
         if initial_steps is not None
-        else min(max(3, config.min_steps), config.max_steps)
+        else min(max(3, config.choose.min_steps), config.choose.max_steps)
     )
     if k not in allowed:
         raise ReplayError(
-            f"initial steps {k} outside the allowed {config.min_steps}-{config.max_steps}"
+            f"initial steps {k} outside the allowed "
+            f"{config.choose.min_steps}-{config.choose.max_steps}"
         )
 
     history = History(HistorySettings.from_config(config))
-    step_s = config.scrape_interval_s
-    lead = config.stabilization_window_s + step_s
+    step_s = config.observe.scrape_interval_s
+    lead = config.choose.stabilization_window_s + step_s
     restart_times: list[float] = []
     recommendations: list[tuple[float, int]] = []
     timeline: list[tuple[float, int]] = [(first, k)]
@@ -299,7 +300,7 @@ def replay(
     reasons: dict[str, int] = {}
     costs: list[float] = []
     # SGLang has been up long enough at the start: no warm-up to exclude.
-    history.mark_sglang_start(t0 + first - config.warmup_exclude_s - step_s)
+    history.mark_sglang_start(t0 + first - config.observe.warmup_exclude_s - step_s)
     win_i = 0
     forecasts: dict[int, Forecast] = {}
     n_ticks = int((last - first) // step_s) + 1
@@ -323,7 +324,7 @@ def replay(
                 forecasts[win_i] = made
         rec = decide_mod.recommend(history, config)
         if rec is not None:
-            keep_after = t - 2 * config.stabilization_window_s - step_s
+            keep_after = t - 2 * config.choose.stabilization_window_s - step_s
             recommendations = [r for r in recommendations if r[0] >= keep_after]
             recommendations.append((t, rec[0]))
         control = Control(

@@ -89,7 +89,7 @@ def write_config(tmp_path: Path) -> Path:
 def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> None:
     cfg_path = write_config(tmp_path)
     config = load_config(cfg_path)
-    store = StateStore(config.state_dir)
+    store = StateStore(config.files.state_dir)
     frozen = {"since": time.time() - 60, "reason": "restart to 3 rolled_back: never healthy"}
     assert store.save(State(frozen=frozen)) is None
 
@@ -101,7 +101,7 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
 
     done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed the model path")
     assert done.returncode == 0, done.stderr
-    request = Path(config.state_dir) / UNFREEZE_REQUEST
+    request = Path(config.files.state_dir) / UNFREEZE_REQUEST
     assert json.loads(request.read_text())["reason"] == "fixed the model path"
 
     # The daemon, not the command, clears the freeze: at its next tick, and says who/why.
@@ -110,7 +110,7 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
     daemon.tick()
     assert daemon.state.frozen is None
     assert not request.exists()
-    assert StateStore(config.state_dir).load()[0].frozen is None
+    assert StateStore(config.files.state_dir).load()[0].frozen is None
     assert "FROZEN" not in specd("status", "--config", str(cfg_path)).stdout
     # Nothing frozen: nothing to request.
     again = specd("unfreeze", "--config", str(cfg_path), "--reason", "again")

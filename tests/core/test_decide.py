@@ -436,7 +436,10 @@ PROPERTY = settings(max_examples=100, deadline=None)
 def test_target_is_always_in_the_allowed_range(s: dict[str, Any]) -> None:
     decision = _decide(s)
     cfg = s["config"]
-    assert decision.target_steps is None or cfg.min_steps <= decision.target_steps <= cfg.max_steps
+    assert (
+        decision.target_steps is None
+        or cfg.choose.min_steps <= decision.target_steps <= cfg.choose.max_steps
+    )
     assert decision.message
     assert "\n" not in decision.message
 
@@ -505,10 +508,10 @@ def test_a_change_respects_dwell_stabilization_and_window(s: dict[str, Any]) -> 
     cfg, now, ctl = s["config"], s["now"], s["control"]
     assert decision.acts(ctl.current_steps)
     assert windows.is_open(cfg.windows, datetime.fromtimestamp(now, tz=UTC))
-    assert all(now - t >= cfg.min_dwell_s for t in ctl.restart_times)
-    assert s["history"].busy_seconds >= cfg.min_history_s
-    if cfg.stabilization_window_s > 0:
-        start = now - cfg.stabilization_window_s
+    assert all(now - t >= cfg.restart.min_dwell_s for t in ctl.restart_times)
+    assert s["history"].busy_seconds >= cfg.observe.min_history_s
+    if cfg.choose.stabilization_window_s > 0:
+        start = now - cfg.choose.stabilization_window_s
         assert any(t <= start for t, _ in ctl.recommendations)
         assert all(k == decision.target_steps for t, k in ctl.recommendations if t >= start)
 

@@ -298,7 +298,7 @@ def test_the_plan_exposes_every_candidates_prediction(tmp_path: Path) -> None:
     assert result.predictions[5].source is Source.EXTRAPOLATED
     assert result.predictions[4].source is Source.CALIBRATION
     p5 = result.predictions[5]
-    serving = result.until - result.now - cfg.restart_cost_s
+    serving = result.until - result.now - cfg.choose.restart_cost_s
     assert p5.tokens == pytest.approx(p5.tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) * serving)
     assert "5:" in result.why
     assert "~" in result.why
@@ -313,8 +313,8 @@ def test_no_history_no_recommendation(tmp_path: Path) -> None:
 def test_an_unreadable_calibration_falls_back_to_observations_and_says_so(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     history = busy(2, 3)
-    assert cfg.calibration_file is not None
-    cfg.calibration_file.unlink()
+    assert cfg.choose.calibration_file is not None
+    cfg.choose.calibration_file.unlink()
     picked = recommend_model(history, cfg, 3)
     assert picked is not None
     assert picked[0] == 3  # only the observed K can be predicted

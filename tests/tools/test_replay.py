@@ -134,7 +134,7 @@ def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
 
 def test_the_bands_policy_replays_too() -> None:
     config = build_config(Config(), window_list=DAILY, steps=(1, 6), policy="bands")
-    assert config.policy == "bands"
+    assert config.choose.policy == "bands"
     result = replay(minute_trace(1, day_night), PerfTable.from_csv(SEED), config)
     assert result.restarts_outside_windows == 0
 

@@ -58,10 +58,13 @@ class Unit:
         port = free_port()
         self.config = make_config(workdir, port, **config)
         self.runner = TwinUnitRunner(
-            self.config.sglang_unit, Path(self.config.env_file), port=port, extra_args=extra_args
+            self.config.sglang.unit,
+            Path(self.config.sglang.env_file),
+            port=port,
+            extra_args=extra_args,
         )
         self.settings = sweep_cmd.fast_polling(ApplySettings.from_config(self.config))
-        self.url = self.config.sglang_url
+        self.url = self.config.sglang.url
 
     def live_steps(self) -> int:
         info = httpx.get(self.url + "/server_info", timeout=5).json()
@@ -149,9 +152,9 @@ def test_sweep_matches_the_twins_truth_writes_files_and_restores(
     assert "| 4 | 8 |" in md
     assert f"Restored the original {DEFAULT_STEPS} steps." in md
     # Back where it began: the env file, the live server, no journal left to reconcile.
-    assert read_env_steps(unit.config.env_file) == DEFAULT_STEPS
+    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
     assert unit.live_steps() == DEFAULT_STEPS
-    assert read_json(Path(unit.config.state_dir) / STATE_FILE)["journal"] is None
+    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
     assert [r["to_steps"] for r in report.restarts] == [2, 4, DEFAULT_STEPS]
 
 
@@ -172,7 +175,7 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     assert report.failed_steps[2].startswith("rolled_back")
     assert [p.steps for p in report.points] == [4]
     assert report.restored
-    assert read_env_steps(unit.config.env_file) == DEFAULT_STEPS
+    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
     assert unit.live_steps() == DEFAULT_STEPS
     assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
     assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
