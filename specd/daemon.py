@@ -31,7 +31,7 @@ from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.io import logs
 from specd.io.apply import Applier, ApplyOutcome
-from specd.io.config import Config, ConfigError, load_config
+from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
@@ -211,8 +211,7 @@ class Daemon:
         self.state.history.reconfigure(HistorySettings.from_config(new))
         self.override.fingerprint = None  # re-read the override file too
         # The keys a reload changed, so the journal shows what took effect.
-        before = old.model_dump(mode="json")
-        changed = {k: v for k, v in new.model_dump(mode="json").items() if before.get(k) != v}
+        changed = config_changes(old, new)
         self.log.info("reloaded", config=str(self.config_path), changed=changed)
         self.notifier.reloaded(self._status_text())
 

@@ -26,7 +26,8 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_observation, mounted_tmpfs
+import tomli_w
+from factories import make_observation, mounted_tmpfs, tables
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -92,7 +93,7 @@ def twin_argv(steps: int, *extra: str) -> list[str]:
 
 def make_config(tmp_path: Path, port: int, **overrides: Any) -> Config:
     base: dict[str, Any] = {
-        "sglang_url": f"http://127.0.0.1:{port}",
+        "url": f"http://127.0.0.1:{port}",
         "state_dir": tmp_path / "state",
         "env_file": tmp_path / "sglang.env",
         "override_file": tmp_path / "override.toml",
@@ -108,7 +109,7 @@ def make_config(tmp_path: Path, port: int, **overrides: Any) -> Config:
         "startup_timeout_s": 30,
     }
     (tmp_path / "state").mkdir(exist_ok=True)
-    return Config(**{**base, **overrides})
+    return Config(**tables(**{**base, **overrides}))
 
 
 def make_daemon(config: Config, runner: Runner, clock: Clock) -> Daemon:
@@ -310,7 +311,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
         seen = []
         for when, _reason, _restarts in ticks:
             clock.now = ts(when)
-            live = int(unit.environment()["SPECD_SPEC_STEPS"])
+            live = int(unit.environment()["SPECULATIVE_NUM_STEPS"])
             daemon.state.history = wanting(config, 4 if live == 3 else 3, clock.now)
             before = len(runner.restarts)
             decision = daemon.tick()
@@ -324,7 +325,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
         results = [r["result"] for r in daemon.state.restarts]
         assert results == ["success"] * sum(r for _, _, r in ticks)
         # The env file, the twin and specd agree on what runs.
-        live = int(unit.environment()["SPECD_SPEC_STEPS"])
+        live = int(unit.environment()["SPECULATIVE_NUM_STEPS"])
         assert unit.restarted_to[-1] == live
         assert daemon.client.server_info()["speculative_num_steps"] == live  # type: ignore[index]
     finally:
@@ -512,18 +513,18 @@ if pid is not None and alive(pid):
         time.sleep(0.02)
     if alive(pid):
         os.kill(pid, signal.SIGKILL)
-env = {{"SPECD_SPEC_STEPS": "3", "SPECD_SPEC_DRAFT_TOKENS": "4", **read_env_file(ENV)}}
+env = {{"SPECULATIVE_NUM_STEPS": "3", "SPECULATIVE_NUM_DRAFT_TOKENS": "4", **read_env_file(ENV)}}
 argv = [{python!r}, "-m", "specd.cli", "twin", "--speculative-algorithm", "NEXTN",
-        "--speculative-num-steps", env["SPECD_SPEC_STEPS"], "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", env["SPECD_SPEC_DRAFT_TOKENS"], "--enable-metrics",
-        *EXTRA_BY_STEPS.get(env["SPECD_SPEC_STEPS"], EXTRA), "--host", "127.0.0.1",
+        "--speculative-num-steps", env["SPECULATIVE_NUM_STEPS"], "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", env["SPECULATIVE_NUM_DRAFT_TOKENS"], "--enable-metrics",
+        *EXTRA_BY_STEPS.get(env["SPECULATIVE_NUM_STEPS"], EXTRA), "--host", "127.0.0.1",
         "--port", str(PORT)]
 with open(LOG, "ab") as log:
     child = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                              start_new_session=True, cwd={repo!r})
 PIDFILE.write_text(str(child.pid))
 with open(PIDFILE.with_suffix(".restarts"), "a") as f:
-    f.write(env["SPECD_SPEC_STEPS"] + "\\n")
+    f.write(env["SPECULATIVE_NUM_STEPS"] + "\\n")
 """
 
 
@@ -606,7 +607,7 @@ def healthy(url: str) -> bool:
 
 def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> None:
     values: dict[str, Any] = {
-        "sglang_url": f"http://127.0.0.1:{port}",
+        "url": f"http://127.0.0.1:{port}",
         "state_dir": str(tmp_path / "state"),
         "env_file": str(tmp_path / "sglang.env"),
         "override_file": str(tmp_path / "override.toml"),
@@ -617,15 +618,7 @@ def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **ext
         "log_format": "json",
         **extra,
     }
-    lines = []
-    for key, value in values.items():
-        if isinstance(value, list):
-            continue
-        lines.append(f"{key} = {json.dumps(value)}")
-    for window in values.get("windows", []):
-        lines.append("[[windows]]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in window.items()]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(tomli_w.dumps(tables(**values)))
 
 
 def daemon_env(standin: StandIn, **extra: str) -> dict[str, str]:
@@ -767,7 +760,7 @@ def test_sighup_and_sigterm_during_a_restart_finish_it_and_exit_0(
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in state.restarts] == [
         (3, 4, "success")
     ]
-    assert "SPECD_SPEC_STEPS=4" in standin.env_file.read_text()
+    assert "SPECULATIVE_NUM_STEPS=4" in standin.env_file.read_text()
     info = httpx.get(standin.url() + "/server_info", timeout=5).json()
     assert (info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (4, 5)
     assert standin.restarts == [3, 4]  # exactly one restart by specd, no rollback

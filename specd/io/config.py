@@ -58,6 +58,7 @@ __all__ = [
     "ConfigError",
     "Window",
     "check_calibration",
+    "config_changes",
     "config_to_dict",
     "load_config",
     "read_config_file",
@@ -371,6 +372,23 @@ def load_config(path: str | Path | None = None) -> Config:
         raise ConfigError(problems, config_path)
     assert config is not None
     return config
+
+
+def _flat(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Table values as ``table.key``; the arrays and anything else as they are."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in TABLES and isinstance(value, Mapping):
+            out.update({f"{key}.{name}": item for name, item in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def config_changes(old: BaseModel, new: BaseModel) -> dict[str, Any]:
+    """What a reload changed, key by key (``{"observe.scrape_interval_s": 0.8}``)."""
+    before = _flat(old.model_dump(mode="json"))
+    return {k: v for k, v in _flat(new.model_dump(mode="json")).items() if before.get(k) != v}
 
 
 def _without_none(value: Any) -> Any:

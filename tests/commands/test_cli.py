@@ -44,7 +44,10 @@ def test_top_level_help_lists_every_command() -> None:
     assert all(name in out for name in cli.COMMANDS)
 
 
-BAD_CONFIG = 'min_steps = 5\nmax_steps = 2\nscrape_intervall_s = 3\nhealth_probe_timeout_s = "x"\n'
+BAD_CONFIG = (
+    "[choose]\nmin_steps = 5\nmax_steps = 2\n[observe]\nscrape_intervall_s = 3\n"
+    '[restart]\nhealth_probe_timeout_s = "x"\n'
+)
 
 
 @pytest.mark.parametrize(
@@ -70,18 +73,18 @@ def test_a_bad_config_stops_the_command_with_one_line_per_problem(
     lines = proc.stderr.strip().splitlines()
     assert all(line.startswith(f"{path}: ") for line in lines), lines
     named = " ".join(lines)
-    for key in ("scrape_intervall_s", "health_probe_timeout_s"):
+    for key in ("observe.scrape_intervall_s", "restart.health_probe_timeout_s"):
         assert key in named, lines
 
 
 def write_config(tmp_path: Path) -> Path:
     path = tmp_path / "specd.toml"
     path.write_text(
-        'sglang_url = "http://127.0.0.1:9"\n'  # nothing listens: the daemon sees no_data
-        f'state_dir = "{tmp_path / "state"}"\n'
+        '[sglang]\nurl = "http://127.0.0.1:9"\n'  # nothing listens: the daemon sees no_data
         f'env_file = "{tmp_path / "sglang.env"}"\n'
+        f'[files]\nstate_dir = "{tmp_path / "state"}"\n'
         f'override_file = "{tmp_path / "override.toml"}"\n'
-        "metrics_port = 0\nscrape_timeout_s = 0.5\n"
+        "[report]\nmetrics_port = 0\n[observe]\nscrape_timeout_s = 0.5\n"
     )
     return path
 

@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +14,7 @@ from specd.core.decide import ACTING_REASONS, POLICIES, Control, Decision, Reaso
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
-from specd.io.config import Config
+from specd.core.settings import Settings
 
 UTC = timezone.utc
 # The default window opens daily at 03:00 UTC for an hour.
@@ -24,9 +24,9 @@ HOUR = 3600.0
 DAY = 86400.0
 
 
-def config(**kwargs: Any) -> Config:
+def config(**kwargs: Any) -> Settings:
     base: dict[str, Any] = {"min_history_s": 600, "stabilization_window_s": 600}
-    return Config(**{**base, **kwargs})
+    return Settings.model_validate(tables(**{**base, **kwargs}))
 
 
 def observation(t: float, running: int = 1, steps: int | None = 4) -> Observation:
@@ -91,7 +91,7 @@ def case(
     obs: Any = NO_OBS,
     override: Override | None = None,
     ctl: Control | None = None,
-    cfg: Config | None = None,
+    cfg: Settings | None = None,
 ) -> Any:
     return pytest.param(
         now,
@@ -195,7 +195,7 @@ def test_each_reason(
     obs: Any,
     override: Override | None,
     ctl: Control,
-    cfg: Config,
+    cfg: Settings,
     reason: Reason,
     target: int | None,
     acts: bool,
@@ -243,7 +243,7 @@ def test_band_hysteresis(
         kwargs["bands"] = tuple(
             {"steps": s} if m is None else {"max_concurrency": m, "steps": s} for m, s in bands
         )
-    cfg = Config(**kwargs)
+    cfg = Settings.model_validate(tables(**kwargs))
     picked = recommend(history(offered=offered), cfg, current)
     assert picked is not None
     assert picked[0] == expected
@@ -258,15 +258,15 @@ def test_the_band_quantile_is_configurable(ratio: float, expected: int) -> None:
     h = History(HistorySettings(half_life_s=1e9, warmup_exclude_s=0, scrape_interval_s=5))
     for i, offered in enumerate([1] * 160 + [30] * 40):  # 80% light, 20% heavy
         h.record(observation(OPEN - 1000 + 5 * i, running=offered))
-    picked = recommend(h, Config(band_quantile_ratio=ratio))
+    picked = recommend(h, Settings.model_validate(tables(band_quantile_ratio=ratio)))
     assert picked is not None
     assert picked[0] == expected
     assert f"p{ratio * 100:g} offered concurrency" in picked[1]
 
 
 def test_recommend_without_busy_history_is_none() -> None:
-    assert recommend(History(), Config()) is None
-    assert recommend(history(offered=0), Config()) is None
+    assert recommend(History(), Settings()) is None
+    assert recommend(history(offered=0), Settings()) is None
 
 
 def test_an_unavailable_policy_falls_back_to_bands_and_says_so(
@@ -274,7 +274,7 @@ def test_an_unavailable_policy_falls_back_to_bands_and_says_so(
 ) -> None:
     # "model" exists now (specd.model); a build without it must still decide.
     monkeypatch.delitem(POLICIES, "model")
-    picked = recommend(history(), Config(policy="model"))
+    picked = recommend(history(), Settings.model_validate(tables(policy="model")))
     assert picked is not None
     assert picked[0] == 3
     assert picked[1].startswith("policy 'model' unavailable, using bands: p50")
@@ -460,7 +460,7 @@ def test_never_acts_beyond_the_restart_budget_unless_a_pin_says_now(s: dict[str,
     decision = _decide(s)
     now = s["now"]
     used = sum(1 for t in s["control"].restart_times if t > now - DAY)
-    if used >= s["config"].daily_restart_budget:
+    if used >= s["config"].restart.daily_restart_budget:
         assert not decision.acts(s["control"].current_steps) or _pin_now(s)
 
 
@@ -478,7 +478,10 @@ def test_a_freeze_holds_whatever_the_input(s: dict[str, Any]) -> None:
     assert decision.reason is Reason.FROZEN
     assert not decision.acts(s["control"].current_steps)
     current = s["control"].current_steps
-    if current is not None and s["config"].min_steps <= current <= s["config"].max_steps:
+    if (
+        current is not None
+        and s["config"].choose.min_steps <= current <= s["config"].choose.max_steps
+    ):
         assert decision.target_steps == current
 
 
@@ -489,7 +492,9 @@ def test_missing_or_stale_data_never_acts_without_a_pin(s: dict[str, Any], kind:
     s["obs"] = {
         "none": None,
         "error": ScrapeError("refused", "connection refused", now),
-        "stale": observation(now - s["config"].stale_after_s - 1, steps=s["control"].current_steps),
+        "stale": observation(
+            now - s["config"].observe.stale_after_s - 1, steps=s["control"].current_steps
+        ),
     }[kind]
     o = s["override"]
     if o is not None and o.mode == "pin":

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.decide import recommend
@@ -24,7 +24,7 @@ from specd.core.model import (
 )
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
-from specd.io.config import Config
+from specd.core.settings import Settings
 from specd.twin import preset
 
 UTC = timezone.utc
@@ -228,11 +228,11 @@ def test_a_calibration_is_reread_when_it_changes(tmp_path: Path) -> None:
 
 
 # -- the policy -------------------------------------------------------------------------
-def config(tmp_path: Path, **kwargs: Any) -> Config:
+def config(tmp_path: Path, **kwargs: Any) -> Settings:
     path = tmp_path / "cal.csv"
     SEED.to_csv(path)
     base: dict[str, Any] = {"calibration_file": str(path), "min_history_s": 600}
-    return Config(**{**base, **kwargs})
+    return Settings.model_validate(tables(**{**base, **kwargs}))
 
 
 def busy(offered: int, steps: int, hours: float = 3.0) -> History:

@@ -79,7 +79,7 @@ def run_replay(
     table, calibration = TRUTHS[truth]
     # Ticks follow the config's scrape interval; 15 s keeps these tests quick.
     config = build_config(
-        Config(scrape_interval_s=15),
+        Config(observe={"scrape_interval_s": 15}),
         window_list=window_list,
         steps=(1, 6),
         calibration=calibration,

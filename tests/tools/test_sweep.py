@@ -19,12 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 
 from specd.commands import sweep as sweep_cmd
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
-from specd.io.apply import ApplySettings, read_env_steps
+from specd.io.apply import read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
 from specd.tools import sweep as sw
@@ -47,7 +47,7 @@ def make_config(workdir: Path, port: int, **overrides: Any) -> Config:
         "max_steps": 6,
         **overrides,
     }
-    return twin_unit_config(workdir, port, **settings)
+    return twin_unit_config(workdir, port, **tables(**settings))
 
 
 class Unit:
@@ -63,7 +63,6 @@ class Unit:
             port=port,
             extra_args=extra_args,
         )
-        self.settings = sweep_cmd.fast_polling(ApplySettings.from_config(self.config))
         self.url = self.config.sglang.url
 
     def live_steps(self) -> int:
@@ -128,7 +127,7 @@ def test_sweep_matches_the_twins_truth_writes_files_and_restores(
         plan,
         out,
         runner=unit.runner,
-        apply_settings=unit.settings,
+        pacing=sweep_cmd.FAST_PACING,
         reporter=Recorder(),
     )
 
@@ -166,7 +165,7 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     plan = sw.SweepPlan(steps=(4, 2), concurrency=(2,), duration_s=1.0, warmup_s=0.2)
     recorder = Recorder()
     report = sw.sweep(
-        unit.config, plan, out, runner=unit.runner, apply_settings=unit.settings, reporter=recorder
+        unit.config, plan, out, runner=unit.runner, pacing=sweep_cmd.FAST_PACING, reporter=recorder
     )
 
     assert not report.ok
@@ -227,8 +226,8 @@ def test_cli_refuses_before_touching_anything(
 ) -> None:
     config = tmp_path / "specd.toml"
     config.write_text(
-        f'sglang_url = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
-        f'state_dir = "{tmp_path}/state"\nmax_steps = 6\n'
+        f'[sglang]\nurl = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}/state"\n[choose]\nmax_steps = 6\n'
     )
     args = ["--steps", "2,4", "--concurrency", "1", "--config", str(config), *extra]
     proc = subprocess.run(
