@@ -715,7 +715,7 @@ def test_several_sighups_at_once_reload_once_and_keep_serving(
         assert children_of(proc.pid) == []  # one process: nothing forked or left behind
         reloads = events_named(log, "reloaded")
         assert 1 <= len(reloads) <= 8
-        assert reloads[0]["changed"] == {"daily_restart_budget": 3}
+        assert reloads[0]["changed"] == {"restart.daily_restart_budget": 3}
         assert all(r["changed"] == {} for r in reloads[1:])
         assert metric(metrics_port, "specd_sglang_up") == 1
         proc.send_signal(signal.SIGTERM)
