@@ -80,11 +80,9 @@ def measure_one(label: str, dp: int, pad: int, ticks: int) -> Row:
         twin.wait_healthy()
         logs.configure("json", stream=devnull)
         config = Config(
-            sglang_url=twin.url,
-            state_dir=Path(tmp),
-            env_file=Path(tmp) / "sglang.env",
-            override_file=Path(tmp) / "override.toml",
-            metrics_port=0,
+            sglang={"url": twin.url, "env_file": Path(tmp) / "sglang.env"},
+            files={"state_dir": Path(tmp), "override_file": Path(tmp) / "override.toml"},
+            report={"metrics_port": 0},
         )
         daemon = Daemon(
             config,

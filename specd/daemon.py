@@ -31,9 +31,9 @@ from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.core.step import StepContext, StepResult, step
 from specd.io import files, logs
-from specd.io.apply import Applier, ApplyOutcome, ApplySettings
+from specd.io.apply import Applier, ApplyOutcome
 from specd.io.calibration import CalibrationFile
-from specd.io.config import Config, ConfigError, load_config
+from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
@@ -147,7 +147,7 @@ class Daemon:
         self._metrics_server: Any = None
 
         self.store = StateStore(
-            Path(config.state_dir), history_settings=HistorySettings.from_config(config)
+            Path(config.files.state_dir), history_settings=HistorySettings.from_config(config)
         )
         self.state, problem = self.store.load()
         if problem:
@@ -158,13 +158,13 @@ class Daemon:
         # Injected reader and applier (replay's proof, tests) are kept across reloads.
         self._injected = reader is not None, applier is not None
         self.client: SGLangReader = reader or SGLangClient(
-            config.sglang_url,
-            timeout_s=config.scrape_timeout_s,
+            config.sglang.url,
+            timeout_s=config.observe.scrape_timeout_s,
             clock=self.clock,
             beat=self._heartbeat,
         )
         self.applier: RestartApplier = applier or self._make_applier(config, self.client)
-        self.calibration = CalibrationFile(config.calibration_file)
+        self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
@@ -178,8 +178,8 @@ class Daemon:
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self, config: Config, client: SGLangReader) -> Applier:
         assert isinstance(client, SGLangClient)
-        return Applier(
-            ApplySettings.from_config(config),
+        return Applier.from_settings(
+            config,
             client,
             self.runner,
             self._persist_journal,
@@ -268,16 +268,15 @@ class Daemon:
         self.state.history.reconfigure(history_settings)
         self.override.fingerprint = None  # re-read the override file too
         self.metrics.config_reload_success.set(1)
-        if (new.metrics_listen_address, new.metrics_port) != (
-            old.metrics_listen_address,
-            old.metrics_port,
+        if (new.report.metrics_listen_address, new.report.metrics_port) != (
+            old.report.metrics_listen_address,
+            old.report.metrics_port,
         ):
             self.log.warning(
                 "reload_partial", detail="metrics address changes need a restart of specd"
             )
         # The keys a reload changed, so the journal shows what took effect.
-        before = old.model_dump(mode="json")
-        changed = {k: v for k, v in new.model_dump(mode="json").items() if before.get(k) != v}
+        changed = config_changes(old, new)
         self.log.info("reloaded", config=str(self.config_path), changed=changed)
         self.notifier.reloaded(self._status_text())
 
@@ -289,34 +288,35 @@ class Daemon:
         old = self.config
         client = self.client
         if not reader_injected and (
-            new.sglang_url != old.sglang_url or new.scrape_timeout_s != old.scrape_timeout_s
+            new.sglang.url != old.sglang.url
+            or new.observe.scrape_timeout_s != old.observe.scrape_timeout_s
         ):
             client = SGLangClient(
-                new.sglang_url,
-                timeout_s=new.scrape_timeout_s,
+                new.sglang.url,
+                timeout_s=new.observe.scrape_timeout_s,
                 clock=self.clock,
                 beat=self._heartbeat,
             )
         applier = self.applier if applier_injected else self._make_applier(new, client)
         calibration = (
             self.calibration
-            if new.calibration_file == old.calibration_file
-            else CalibrationFile(new.calibration_file)
+            if new.choose.calibration_file == old.choose.calibration_file
+            else CalibrationFile(new.choose.calibration_file)
         )
         return client, applier, calibration, HistorySettings.from_config(new)
 
     # -- the loop -----------------------------------------------------------------
     def start_metrics_server(self) -> None:
         server, _thread = start_http_server(
-            self.config.metrics_port,
-            addr=self.config.metrics_listen_address,
+            self.config.report.metrics_port,
+            addr=self.config.report.metrics_listen_address,
             registry=self.metrics.registry,
         )
         self._metrics_server = server
         self.metrics_port = int(server.server_port)
         self.log.info(
             "metrics_serving",
-            url=f"http://{self.config.metrics_listen_address}:{self.metrics_port}/metrics",
+            url=f"http://{self.config.report.metrics_listen_address}:{self.metrics_port}/metrics",
         )
 
     def run(self) -> int:
@@ -324,7 +324,9 @@ class Daemon:
             self.start_metrics_server()
         except OSError as exc:
             # Port taken or address not local: one clear line, and systemd's Restart= retries.
-            address = f"{self.config.metrics_listen_address}:{self.config.metrics_port}"
+            address = (
+                f"{self.config.report.metrics_listen_address}:{self.config.report.metrics_port}"
+            )
             self.log.error("metrics_listen_failed", address=address, error=str(exc))
             return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
@@ -334,7 +336,7 @@ class Daemon:
         self.tick()  # READY comes after the first scrape was attempted
         self.notifier.ready(self._status_text())
         while not self.stop_event.is_set():
-            self._idle(self.config.scrape_interval_s)
+            self._idle(self.config.observe.scrape_interval_s)
             self._wake.clear()
             self._heartbeat()
             if self.stop_event.is_set():
@@ -415,11 +417,11 @@ class Daemon:
         return result
 
     def _refresh_override(self, now: float) -> Override | None:
-        path = Path(self.config.override_file)
+        path = Path(self.config.files.override_file)
         status = read_override(
             path,
-            self.config.min_steps,
-            self.config.max_steps,
+            self.config.choose.min_steps,
+            self.config.choose.max_steps,
             utc(now),
             allowed_uids=self.allowed_override_uids,
         )
@@ -500,7 +502,7 @@ class Daemon:
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""
-        return self.applier.stop_timeout_s() + self.config.restart_cost_s
+        return self.applier.stop_timeout_s() + self.config.choose.restart_cost_s
 
     def _window_open(self) -> bool:
         """Open, with time left for one whole restart (the quiet wait ends before that)."""
@@ -580,7 +582,7 @@ class Daemon:
         self._save_state(force=True)
 
     def _check_unfreeze_request(self, now: float) -> None:
-        path = Path(self.config.state_dir) / UNFREEZE_REQUEST
+        path = Path(self.config.files.state_dir) / UNFREEZE_REQUEST
         try:
             request = files.parse_json(files.read_regular_file(path, MAX_UNFREEZE_REQUEST_BYTES))
             reason = str(request.get("reason", ""))
@@ -610,7 +612,7 @@ class Daemon:
         for q in OFFERED_QUANTILES:
             value = history.quantile(float(q))
             m.offered_concurrency.labels(quantile=q).set(value if value is not None else 0.0)
-        for k in range(cfg.min_steps, cfg.max_steps + 1):
+        for k in range(cfg.choose.min_steps, cfg.choose.max_steps + 1):
             length = history.accept_length(k)
             if length is not None:
                 m.accept_length.labels(steps=str(k)).set(length)
@@ -622,7 +624,7 @@ class Daemon:
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
         m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
         recent = [r for r in self.state.restarts if now - float(r["t"]) < DAY_S]
-        m.restart_budget_remaining.set(max(0, cfg.daily_restart_budget - len(recent)))
+        m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - len(recent)))
         m.frozen.set(1 if self.state.frozen is not None else 0)
 
         status = self.override.status

@@ -13,6 +13,19 @@ import pytest
 
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
+from specd.core.settings import TABLE_OF_KEY
+
+
+def tables(**fields: Any) -> dict[str, Any]:
+    """Settings by key name, put into their tables: ``tables(max_steps=4, windows=[...])``
+    is ``{"choose": {"max_steps": 4}, "windows": [...]}`` (every key is in one table only)."""
+    data: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key in TABLE_OF_KEY:
+            data.setdefault(TABLE_OF_KEY[key], {})[key] = value
+        else:
+            data[key] = value  # bands, windows, or a whole table
+    return data
 
 
 def make_observation(t: float = 0.0, **fields: Any) -> Observation:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import tomli_w
-from factories import make_observation
+from factories import make_observation, tables
 from prometheus_client import CollectorRegistry
 
 from specd.core.decide import Reason
@@ -84,14 +84,16 @@ class Applier:
 def config(tmp_path: Path, **extra: Any) -> Config:
     (tmp_path / "state").mkdir(exist_ok=True)
     return Config(
-        state_dir=str(tmp_path / "state"),
-        override_file=str(tmp_path / "override.toml"),
-        env_file=str(tmp_path / "sglang.env"),
-        min_history_s=600,
-        stabilization_window_s=0,
-        min_dwell_s=0,
-        warmup_exclude_s=0,
-        **extra,
+        **tables(
+            state_dir=str(tmp_path / "state"),
+            override_file=str(tmp_path / "override.toml"),
+            env_file=str(tmp_path / "sglang.env"),
+            min_history_s=600,
+            stabilization_window_s=0,
+            min_dwell_s=0,
+            warmup_exclude_s=0,
+            **extra,
+        )
     )
 
 
@@ -120,7 +122,7 @@ def busy(cfg: Config, end: float, offered: int) -> History:
 
 
 def saved(cfg: Config) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((Path(cfg.state_dir) / STATE_FILE).read_text())
+    data: dict[str, Any] = json.loads((Path(cfg.files.state_dir) / STATE_FILE).read_text())
     return data
 
 
@@ -147,8 +149,8 @@ def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed
     # already runs 4 steps while it ran 3).
     expires = datetime.fromtimestamp(IN_WINDOW + 3600, tz=UTC)
     override = {"mode": "pin", "steps": 4, "expires_at": expires, "reason": "incident"}
-    Path(cfg.override_file).write_text(tomli_w.dumps({**override, "apply": "now"}))
-    os.chmod(cfg.override_file, 0o600)
+    Path(cfg.files.override_file).write_text(tomli_w.dumps({**override, "apply": "now"}))
+    os.chmod(cfg.files.override_file, 0o600)
     clock[0] += 5
     decision = d.tick()
     assert decision.reason is Reason.OVERRIDE_PIN
@@ -200,7 +202,7 @@ def test_a_restart_starts_only_when_the_window_leaves_time_for_all_of_it(
     decision = d.tick()
     assert decision.reason is reason, decision.message
     assert bool(applier.calls) is (reason is Reason.CHANGE)
-    assert d._window_open() is (left_s >= stop_timeout_s + cfg.restart_cost_s)
+    assert d._window_open() is (left_s >= stop_timeout_s + cfg.choose.restart_cost_s)
     if reason is Reason.WINDOW_ENDING:
         assert "one restart needs up to" in decision.message
 
@@ -257,13 +259,13 @@ def test_status_reads_as_group_specd_and_fails_loudly_when_it_cannot(
     clock = [IN_WINDOW]
     d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), clock)
     d.tick()
-    path = Path(cfg.state_dir) / STATE_FILE
+    path = Path(cfg.files.state_dir) / STATE_FILE
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     cfg_path = tmp_path / "specd.toml"
     cfg_path.write_text(tomli_w.dumps(json.loads(cfg.model_dump_json(exclude_none=True))))
     os.chmod(cfg_path, 0o644)
-    os.chmod(cfg.state_dir, 0o750)  # as StateDirectoryMode= makes it
-    os.chown(cfg.state_dir, 0, 4242)
+    os.chmod(cfg.files.state_dir, 0o750)  # as StateDirectoryMode= makes it
+    os.chown(cfg.files.state_dir, 0, 4242)
     gid = 4242  # stands for group specd: the file's group, and the on-call's
     os.chown(path, 0, gid)
     on_call = ("setpriv", "--reuid=65534", f"--regid={gid}", "--clear-groups")

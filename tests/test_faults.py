@@ -26,7 +26,8 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_observation, mounted_tmpfs
+import tomli_w
+from factories import make_observation, mounted_tmpfs, tables
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -92,7 +93,7 @@ def twin_argv(steps: int, *extra: str) -> list[str]:
 
 def make_config(tmp_path: Path, port: int, **overrides: Any) -> Config:
     base: dict[str, Any] = {
-        "sglang_url": f"http://127.0.0.1:{port}",
+        "url": f"http://127.0.0.1:{port}",
         "state_dir": tmp_path / "state",
         "env_file": tmp_path / "sglang.env",
         "override_file": tmp_path / "override.toml",
@@ -108,7 +109,7 @@ def make_config(tmp_path: Path, port: int, **overrides: Any) -> Config:
         "startup_timeout_s": 30,
     }
     (tmp_path / "state").mkdir(exist_ok=True)
-    return Config(**{**base, **overrides})
+    return Config(**tables(**{**base, **overrides}))
 
 
 def make_daemon(config: Config, runner: Runner, clock: Clock) -> Daemon:
@@ -131,7 +132,7 @@ def synthetic_observation(t: float, offered: int) -> Observation:
 def heavy_history(config: Config, offered: int, end: float, busy_s: float = 7200.0) -> History:
     """Two busy hours at ``offered`` concurrency ending at ``end``: far past min_history_s."""
     history = History(HistorySettings.from_config(config))
-    step = config.scrape_interval_s
+    step = config.observe.scrape_interval_s
     n = int(busy_s // step)
     for i in range(n):
         history.record(synthetic_observation(end - step * (n - i), offered))
@@ -199,7 +200,7 @@ def test_sglang_faults_hold_without_restart_and_recover(
             clock.now = INSIDE
         # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
         for i in range(3):
-            clock.now = INSIDE + i * config.scrape_interval_s
+            clock.now = INSIDE + i * config.observe.scrape_interval_s
             daemon.state.history = wanting(config, 4, clock.now)
             decision = daemon.tick()
             assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
@@ -303,7 +304,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
     port = free_port()
     config = make_config(tmp_path, port)
     clock = Clock(ts(ticks[0][0]))
-    unit = TwinUnitRunner(UNIT, config.env_file, port=port, extra_args=FAST_TWIN)
+    unit = TwinUnitRunner(UNIT, config.sglang.env_file, port=port, extra_args=FAST_TWIN)
     runner = RecordingRunner(clock, unit)
     unit.start().wait_healthy()
     try:
@@ -311,7 +312,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
         seen = []
         for when, _reason, _restarts in ticks:
             clock.now = ts(when)
-            live = int(unit.environment()["SPECD_SPEC_STEPS"])
+            live = int(unit.environment()["SPECULATIVE_NUM_STEPS"])
             daemon.state.history = wanting(config, 4 if live == 3 else 3, clock.now)
             before = len(runner.restarts)
             decision = daemon.tick()
@@ -321,11 +322,11 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
         for t in runner.restarts:
             assert any(a <= t < b for a, b in intervals), f"restart outside a window at {t}"
         for a, b in intervals:
-            assert sum(a <= t < b for t in runner.restarts) <= config.daily_restart_budget
+            assert sum(a <= t < b for t in runner.restarts) <= config.restart.daily_restart_budget
         results = [r["result"] for r in daemon.state.restarts]
         assert results == ["success"] * sum(r for _, _, r in ticks)
         # The env file, the twin and specd agree on what runs.
-        live = int(unit.environment()["SPECD_SPEC_STEPS"])
+        live = int(unit.environment()["SPECULATIVE_NUM_STEPS"])
         assert unit.restarted_to[-1] == live
         assert daemon.client.server_info()["speculative_num_steps"] == live  # type: ignore[index]
     finally:
@@ -383,7 +384,7 @@ def events(logs: Sequence[MutableMapping[str, Any]], name: str) -> list[MutableM
 )
 def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage: str) -> None:
     config = make_config(tmp_path, free_port())
-    path = Path(config.state_dir) / STATE_FILE
+    path = Path(config.files.state_dir) / STATE_FILE
     good = valid_state_text(tmp_path, config)
     if damage == "truncated":
         path.write_text(good[: len(good) // 2])
@@ -418,7 +419,7 @@ def test_a_damaged_state_at_start_is_rebuilt_and_counted(tmp_path: Path, damage:
     assert "\n" not in failed[0]["problem"]
     assert failed[0]["problem"]
     assert daemon.state.history.busy_seconds == 0  # rebuilt from nothing
-    state, problem = StateStore(Path(config.state_dir)).load()
+    state, problem = StateStore(Path(config.files.state_dir)).load()
     assert problem is None, problem  # the fresh state was written back, whole
     assert state.last_decision["reason"] == "no_data"
 
@@ -436,9 +437,9 @@ def test_an_unfreeze_request_is_read_bounded_and_never_hangs_the_loop(
     tmp_path: Path, request_kind: str, logged: str
 ) -> None:
     config = make_config(tmp_path, free_port())
-    store = StateStore(Path(config.state_dir))
+    store = StateStore(Path(config.files.state_dir))
     assert store.save(State(frozen={"since": OUTSIDE - 60, "reason": "rollback"})) is None
-    request = Path(config.state_dir) / UNFREEZE_REQUEST
+    request = Path(config.files.state_dir) / UNFREEZE_REQUEST
     if request_kind == "json":
         request.write_text('{"reason": "fixed it"}')
     elif request_kind == "fifo":
@@ -576,18 +577,18 @@ if pid is not None and alive(pid):
         time.sleep(0.02)
     if alive(pid):
         os.kill(pid, signal.SIGKILL)
-env = {{"SPECD_SPEC_STEPS": "3", "SPECD_SPEC_DRAFT_TOKENS": "4", **read_env_file(ENV)}}
+env = {{"SPECULATIVE_NUM_STEPS": "3", "SPECULATIVE_NUM_DRAFT_TOKENS": "4", **read_env_file(ENV)}}
 argv = [{python!r}, "-m", "specd.cli", "twin", "--speculative-algorithm", "NEXTN",
-        "--speculative-num-steps", env["SPECD_SPEC_STEPS"], "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", env["SPECD_SPEC_DRAFT_TOKENS"], "--enable-metrics",
-        *EXTRA_BY_STEPS.get(env["SPECD_SPEC_STEPS"], EXTRA), "--host", "127.0.0.1",
+        "--speculative-num-steps", env["SPECULATIVE_NUM_STEPS"], "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", env["SPECULATIVE_NUM_DRAFT_TOKENS"], "--enable-metrics",
+        *EXTRA_BY_STEPS.get(env["SPECULATIVE_NUM_STEPS"], EXTRA), "--host", "127.0.0.1",
         "--port", str(PORT)]
 with open(LOG, "ab") as log:
     child = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
                              start_new_session=True, cwd={repo!r})
 PIDFILE.write_text(str(child.pid))
 with open(PIDFILE.with_suffix(".restarts"), "a") as f:
-    f.write(env["SPECD_SPEC_STEPS"] + "\\n")
+    f.write(env["SPECULATIVE_NUM_STEPS"] + "\\n")
 """
 
 
@@ -673,7 +674,7 @@ def healthy(url: str) -> bool:
 
 def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> None:
     values: dict[str, Any] = {
-        "sglang_url": f"http://127.0.0.1:{port}",
+        "url": f"http://127.0.0.1:{port}",
         "state_dir": str(tmp_path / "state"),
         "env_file": str(tmp_path / "sglang.env"),
         "override_file": str(tmp_path / "override.toml"),
@@ -684,15 +685,7 @@ def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **ext
         "log_format": "json",
         **extra,
     }
-    lines = []
-    for key, value in values.items():
-        if isinstance(value, list):
-            continue
-        lines.append(f"{key} = {json.dumps(value)}")
-    for window in values.get("windows", []):
-        lines.append("[[windows]]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in window.items()]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(tomli_w.dumps(tables(**values)))
 
 
 def daemon_env(standin: StandIn, **extra: str) -> dict[str, str]:
@@ -789,7 +782,7 @@ def test_several_sighups_at_once_reload_once_and_keep_serving(
         assert children_of(proc.pid) == []  # one process: nothing forked or left behind
         reloads = events_named(log, "reloaded")
         assert 1 <= len(reloads) <= 8
-        assert reloads[0]["changed"] == {"daily_restart_budget": 3}
+        assert reloads[0]["changed"] == {"restart.daily_restart_budget": 3}
         assert all(r["changed"] == {} for r in reloads[1:])
         assert metric(metrics_port, "specd_sglang_up") == 1
         proc.send_signal(signal.SIGTERM)
@@ -834,7 +827,7 @@ def test_sighup_and_sigterm_during_a_restart_finish_it_and_exit_0(
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in state.restarts] == [
         (3, 4, "success")
     ]
-    assert "SPECD_SPEC_STEPS=4" in standin.env_file.read_text()
+    assert "SPECULATIVE_NUM_STEPS=4" in standin.env_file.read_text()
     info = httpx.get(standin.url() + "/server_info", timeout=5).json()
     assert (info["speculative_num_steps"], info["speculative_num_draft_tokens"]) == (4, 5)
     assert standin.restarts == [3, 4]  # exactly one restart by specd, no rollback
@@ -863,7 +856,7 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
             clock.now = time.time()
             daemon.tick()
             observations.append(daemon.last_obs)
-            next_at += config.scrape_interval_s
+            next_at += config.observe.scrape_interval_s
             time.sleep(max(0.0, next_at - time.monotonic()))
         page = daemon.client.metrics_text()
     assert isinstance(page, str)

@@ -180,21 +180,26 @@ def write_specd_config(tmp: Path, twin_url: str, metrics_port: int) -> Path:
     config = tmp / "specd.toml"
     config.write_text(
         f"""
-sglang_url = "{twin_url}"
-sglang_unit = "sglang-twin.service"
+[sglang]
+url = "{twin_url}"
+unit = "sglang-twin.service"
 env_file = "{tmp / "sglang.env"}"
+[files]
 state_dir = "{tmp / "state"}"
 override_file = "{override}"
+[observe]
 scrape_interval_s = 1.0
 scrape_timeout_s = 2.0
 stale_after_s = 10.0
 history_half_life_s = 60.0
 min_history_s = 2.0
 warmup_exclude_s = 0.0
-stabilization_window_s = 2.0
+[report]
 metrics_listen_address = "127.0.0.1"
 metrics_port = {metrics_port}
 log_format = "json"
+[choose]
+stabilization_window_s = 2.0
 # The model policy, from the twin's own table, so the predictions panel has data.
 calibration_file = "{CALIBRATION}"
 

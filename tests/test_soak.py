@@ -216,7 +216,7 @@ def test_soak(tmp_path: Path, unit: StandIn) -> None:
     assert set(results) == {"success"}, state.restarts
     assert len(results) == len(unit.restarts) - 1  # the test started the unit once
     steps = state.restarts[-1]["to_steps"]
-    assert f"SPECD_SPEC_STEPS={steps}" in unit.env_file.read_text()
+    assert f"SPECULATIVE_NUM_STEPS={steps}" in unit.env_file.read_text()
     info = httpx.get(unit.url() + "/server_info", timeout=5).json()
     assert info["speculative_num_steps"] == steps
     assert served is not None

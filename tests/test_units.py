@@ -259,16 +259,16 @@ def test_sglang_reads_steps_from_specd(path: Path) -> None:
         pair.split("=", 1)
         for line in values(unit, "Service", "Environment")
         for pair in line.split()
-        if pair.startswith("SPECD_")
+        if pair.startswith("SPECULATIVE_")
     )
-    steps = int(env["SPECD_SPEC_STEPS"])
-    assert int(env["SPECD_SPEC_DRAFT_TOKENS"]) == steps + 1  # topk 1: draft = steps + 1
+    steps = int(env["SPECULATIVE_NUM_STEPS"])
+    assert int(env["SPECULATIVE_NUM_DRAFT_TOKENS"]) == steps + 1  # topk 1: draft = steps + 1
     assert values(unit, "Service", "EnvironmentFile") == ["-/var/lib/specd/sglang.env"]
     command = [v for v in values(unit, "Service", "ExecStart") if v]
     assert len(command) == 1
     assert re.search(
-        r"--speculative-num-steps \$\{SPECD_SPEC_STEPS\} --speculative-eagle-topk 1 "
-        r"--speculative-num-draft-tokens \$\{SPECD_SPEC_DRAFT_TOKENS\}",
+        r"--speculative-num-steps \$\{SPECULATIVE_NUM_STEPS\} --speculative-eagle-topk 1 "
+        r"--speculative-num-draft-tokens \$\{SPECULATIVE_NUM_DRAFT_TOKENS\}",
         command[0],
     ), command[0]
 

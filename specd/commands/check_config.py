@@ -7,29 +7,24 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
 from specd.io.config import (
     DEFAULT_CONFIG_PATH,
     ENV_PREFIX,
-    FOREIGN_ENV_PREFIXES,
     Config,
     ConfigError,
     config_to_dict,
     load_config,
 )
 
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on 3.10 only
-    pass  # type: ignore[import-not-found,unused-ignore]
-
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Validate a specd configuration and print the effective values "
-        "(file, then SPECD_* environment). Exit 0 if valid, 2 if not."
+        "(file, then SPECD_* environment) as TOML, table by table. Exit 0 if valid, 2 if not."
     )
     parser.add_argument("path", nargs="?", type=Path, help="config file (same as --config)")
     parser.add_argument(
@@ -53,6 +48,19 @@ def load_for_command(path: Path | None) -> Config | None:
         return None
 
 
+def grouped_toml(data: dict[str, Any]) -> str:
+    """The config as TOML in the example file's order: each table under its header, then
+    each array entry as ``[[bands]]`` / ``[[windows]]`` (tomli_w alone would inline them)."""
+    blocks = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            blocks.append(tomli_w.dumps({key: value}))
+    for key, value in data.items():
+        if isinstance(value, list):
+            blocks += [f"[[{key}]]\n" + tomli_w.dumps(item) for item in value]
+    return "\n".join(blocks)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.path is not None and args.config is not None and args.path != args.config:
         print("specd check-config: give the file once (PATH or --config)", file=sys.stderr)
@@ -68,10 +76,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         source = str(shown) if shown.exists() else f"{shown} (absent: built-in defaults)"
         env = sorted(n for n in os.environ if n.upper().startswith(ENV_PREFIX))
-        env = [n for n in env if not n.upper().startswith(FOREIGN_ENV_PREFIXES)]
         print(f"# effective specd configuration from {source}")
         if env:
             print(f"# overridden by environment: {', '.join(env)}")
-        sys.stdout.write(tomli_w.dumps(data))
+        sys.stdout.write(grouped_toml(data))
     print(f"{shown}: OK", file=sys.stderr)
     return 0

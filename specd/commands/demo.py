@@ -73,12 +73,12 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     log_file = log_path.open("a")
     logs.configure("json", stream=log_file)
     unit = TwinUnitRunner(
-        config.sglang_unit,
-        Path(config.env_file),
+        config.sglang.unit,
+        Path(config.sglang.env_file),
         port=twin_port,
         defaults={
-            "SPECD_SPEC_STEPS": str(START_STEPS),
-            "SPECD_SPEC_DRAFT_TOKENS": str(START_STEPS + 1),
+            "SPECULATIVE_NUM_STEPS": str(START_STEPS),
+            "SPECULATIVE_NUM_DRAFT_TOKENS": str(START_STEPS + 1),
         },
         extra_args=["--load-time-s", "2", "--served-model-name", "demo-qwen35-122b"],
         # The load generator never lets the twin drain (SGLang waits for running requests
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
             asyncio.run(
                 _drive(
                     daemon,
-                    config.sglang_url,
+                    config.sglang.url,
                     args.duration,
                     record,
                     console,

@@ -111,8 +111,8 @@ class Doctor:
                 "sglang",
                 False,
                 info.reason,
-                f"is {self.config.sglang_unit} running? `systemctl status "
-                f"{self.config.sglang_unit}`; sglang_url is {self.config.sglang_url}",
+                f"is {self.config.sglang.unit} running? `systemctl status "
+                f"{self.config.sglang.unit}`; sglang_url is {self.config.sglang.url}",
             )
         self.info = info
         return Check("sglang", True, f"{client.base_url} answers /server_info")
@@ -121,7 +121,7 @@ class Doctor:
         text = client.metrics_text()
         if isinstance(text, ScrapeError):
             advice = (
-                f"add --enable-metrics to {self.config.sglang_unit}'s command line "
+                f"add --enable-metrics to {self.config.sglang.unit}'s command line "
                 "(`specd install --add-enable-metrics`) and restart it"
                 if "404" in text.reason
                 else "check that SGLang is up and sglang_url points at it"
@@ -163,7 +163,7 @@ class Doctor:
         return checks
 
     def check_dropin(self) -> tuple[Check, list[str] | None, dict[str, str]]:
-        unit = self.config.sglang_unit
+        unit = self.config.sglang.unit
         dropin = str(UNITS_DIR / f"{unit}.d" / DROPIN_NAME)
         advice = f"run `specd install --unit {unit}`"
         try:
@@ -192,11 +192,11 @@ class Doctor:
     def _expected_values(self, defaults: dict[str, str]) -> dict[str, str]:
         values = {k: v for k, v in defaults.items() if k in (ENV_STEPS, ENV_DRAFT_TOKENS)}
         with contextlib.suppress(OSError):
-            values.update(parse_env(Path(self.config.env_file).read_text()))
+            values.update(parse_env(Path(self.config.sglang.env_file).read_text()))
         return values
 
     def check_command(self, words: list[str] | None, defaults: dict[str, str]) -> Check:
-        unit = self.config.sglang_unit
+        unit = self.config.sglang.unit
         if words is None:
             return Check("command", False, "no drop-in to compare with", "fix the drop-in first")
         running = (self.info or {}).get("launch_command")
@@ -229,8 +229,8 @@ class Doctor:
         )
 
     def check_steps(self, defaults: dict[str, str]) -> Check:
-        env_steps = read_env_steps(self.config.env_file)
-        source = str(self.config.env_file)
+        env_steps = read_env_steps(self.config.sglang.env_file)
+        source = str(self.config.sglang.env_file)
         if env_steps is None:
             default = defaults.get(ENV_STEPS, "")
             env_steps = int(default) if default.isdigit() else None
@@ -240,9 +240,9 @@ class Doctor:
             return Check(
                 "steps",
                 False,
-                f"no step count to compare: no {self.config.env_file} and no "
-                f"{ENV_STEPS} default in {self.config.sglang_unit}",
-                f"run `specd install --unit {self.config.sglang_unit}`",
+                f"no step count to compare: no {self.config.sglang.env_file} and no "
+                f"{ENV_STEPS} default in {self.config.sglang.unit}",
+                f"run `specd install --unit {self.config.sglang.unit}`",
             )
         if not isinstance(live, int):
             return Check(
@@ -257,11 +257,11 @@ class Doctor:
             "steps",
             False,
             f"{source} says {env_steps} steps, SGLang runs {live}",
-            f"restart {self.config.sglang_unit}, or see `specd status` for a failed change",
+            f"restart {self.config.sglang.unit}, or see `specd status` for a failed change",
         )
 
     def check_polkit(self) -> Check:
-        unit = self.config.sglang_unit
+        unit = self.config.sglang.unit
         try:
             uid = pwd.getpwnam(SPECD_USER).pw_uid
         except KeyError:
@@ -333,9 +333,9 @@ class Doctor:
     def check_override(self) -> Check:
         now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
         status = read_override(
-            Path(self.config.override_file),
-            self.config.min_steps,
-            self.config.max_steps,
+            Path(self.config.files.override_file),
+            self.config.choose.min_steps,
+            self.config.choose.max_steps,
             now,
             allowed_uids=daemon_uids(),
         )
@@ -374,9 +374,11 @@ class Doctor:
         return Check("service", True, f"{SPECD_UNIT} {state}, watchdog fed {age_s:.0f} s ago")
 
     def check_own_metrics(self) -> Check:
-        host = self.config.metrics_listen_address
+        host = self.config.report.metrics_listen_address
         host = "127.0.0.1" if host in ("0.0.0.0", "::") else host  # noqa: S104
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{self.config.metrics_port}"
+        url = (
+            f"http://{'[' + host + ']' if ':' in host else host}:{self.config.report.metrics_port}"
+        )
         try:
             response = httpx.get(url + "/metrics", timeout=TIMEOUT_S, trust_env=False)
         except httpx.HTTPError as exc:
@@ -392,7 +394,7 @@ class Doctor:
 
     def run(self) -> list[Check]:
         checks = [self.check_config()]
-        with SGLangClient(self.config.sglang_url, timeout_s=TIMEOUT_S) as client:
+        with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         dropin, words, defaults = self.check_dropin()

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"specd override: config: {problem}", file=sys.stderr)
         return 2
-    path: Path = args.file if args.file is not None else cfg.override_file
+    path: Path = args.file if args.file is not None else cfg.files.override_file
     now = datetime.now(_UTC).replace(microsecond=0)
     try:
         opens = windows.next_open(cfg.windows, now)
@@ -97,10 +97,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             duration: timedelta = args.duration
             steps = args.steps if args.action == "pin" else None
-            if steps is not None and not cfg.min_steps <= steps <= cfg.max_steps:
+            if steps is not None and not cfg.choose.min_steps <= steps <= cfg.choose.max_steps:
                 print(
                     f"specd override: {steps} steps is outside the configured range "
-                    f"{cfg.min_steps}..{cfg.max_steps}",
+                    f"{cfg.choose.min_steps}..{cfg.choose.max_steps}",
                     file=sys.stderr,
                 )
                 return 2
@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"specd override: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
             return 1
-    status = read_override(path, cfg.min_steps, cfg.max_steps, now, allowed_uids=daemon_uids())
+    status = read_override(
+        path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
+    )
     print(_describe(status, path, now, windows_text))
     return 0 if status.valid else 1

@@ -61,12 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     settings = HistorySettings.from_config(config)
-    state, source = _learned_state(Path(config.state_dir), settings)
+    state, source = _learned_state(Path(config.files.state_dir), settings)
     history = state.history
     last: Observation | ScrapeError | None = None
     pause = threading.Event()
     try:
-        client = SGLangClient(args.url, timeout_s=config.scrape_timeout_s)
+        client = SGLangClient(args.url, timeout_s=config.observe.scrape_timeout_s)
     except ValueError as exc:
         print(f"specd recommend: {exc}")
         return 2
@@ -79,14 +79,14 @@ def run(args: argparse.Namespace) -> int:
                 pause.wait(args.interval_s)
     now = time.time()
     status = read_override(
-        Path(config.override_file),
-        config.min_steps,
-        config.max_steps,
+        Path(config.files.override_file),
+        config.choose.min_steps,
+        config.choose.max_steps,
         now,
         allowed_uids=daemon_uids(),
     )
     override = status.override if status.valid else None
-    calibration, calibration_problem = CalibrationFile(config.calibration_file).current()
+    calibration, calibration_problem = CalibrationFile(config.choose.calibration_file).current()
     context = StepContext(
         config=config,
         history=history,

@@ -11,7 +11,14 @@ from pathlib import Path
 
 from specd.commands.args import STEPS, IntRange, Seconds, Timestamp, quoted
 from specd.core.perftable import PerfTableError
-from specd.io.config import Config, ConfigError, Window, config_to_dict, load_config
+from specd.io.config import (
+    Config,
+    ConfigError,
+    Window,
+    check_calibration,
+    config_to_dict,
+    load_config,
+)
 from specd.io.tables import read_table
 from specd.tools.replay import (
     DEFAULT_RESTART_S,
@@ -136,23 +143,28 @@ def build_config(
     data = config_to_dict(base)
     if window_list:
         data["windows"] = [w.model_dump() for w in window_list]
+    choose = data.setdefault("choose", {})
     if steps is not None:
-        data["min_steps"], data["max_steps"] = steps
+        choose["min_steps"], choose["max_steps"] = steps
         data["bands"] = [
             {**b, "steps": min(max(b["steps"], steps[0]), steps[1])} for b in data["bands"]
         ]
     if calibration is not None:
-        data["calibration_file"] = str(calibration.resolve())
+        choose["calibration_file"] = str(calibration.resolve())
         # A calibration makes the model the default policy, as in the config.
-        data["policy"] = "model"
+        choose["policy"] = "model"
     if policy is not None:
-        data["policy"] = policy
+        choose["policy"] = policy
     if restart_s is not None:
-        data["restart_cost_s"] = restart_s
+        choose["restart_cost_s"] = restart_s
     try:
-        return Config(**data)
+        config = Config(**data)
     except ValueError as exc:
         raise ReplayError(_validation_message(exc)) from None
+    problems = check_calibration(config)
+    if problems:
+        raise ReplayError(problems[0])
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         )
         truth = read_table(args.truth)
         trace = load_trace(args.trace)
-        check_span(trace, config.scrape_interval_s)
+        check_span(trace, config.observe.scrape_interval_s)
         result = replay(
             trace,
             truth,
@@ -185,12 +197,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd replay: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     data = result.to_dict()
-    data["policy"] = config.policy
+    data["policy"] = config.choose.policy
     if args.json:
         print(json.dumps(data))
         return 0
     print(
-        f"policy {config.policy}: specd {data['specd_tokens']:,} tokens, oracle "
+        f"policy {config.choose.policy}: specd {data['specd_tokens']:,} tokens, oracle "
         f"{data['oracle_tokens']:,} (×{data['ratio_to_oracle']}), best static "
         f"{data['best_static_steps']} (×{data['ratio_to_best_static']}); "
         f"{data['restarts']} restarts in {data['days']} days, "

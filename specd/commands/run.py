@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_for_command(args.config)
     if config is None:
         return 2  # a bad config stops start-up, one line per problem
-    logs.configure(config.log_format)
+    logs.configure(config.report.log_format)
     daemon = Daemon(config, args.config)
     daemon.install_signal_handlers()
     return daemon.run()

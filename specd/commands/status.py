@@ -42,7 +42,7 @@ def _when(ts: float | None, now: float) -> str:
 
 def collect(config: Config, now: float) -> dict[str, Any]:
     """What the on-call needs, from the state file as the daemon validates it."""
-    state_path = Path(config.state_dir) / STATE_FILE
+    state_path = Path(config.files.state_dir) / STATE_FILE
     state_problem: str | None = None
     unreadable = False
     try:
@@ -54,9 +54,9 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         state, state_problem, unreadable = State(), f"{state_path}: {detail}", True
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override(
-        Path(config.override_file),
-        config.min_steps,
-        config.max_steps,
+        Path(config.files.override_file),
+        config.choose.min_steps,
+        config.choose.max_steps,
         at,
         allowed_uids=daemon_uids(),
     )
@@ -75,7 +75,7 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "last_decision": decision,
         "mode": current.mode if current is not None and current.active(at) else "auto",
         "override": {
-            "file": str(config.override_file),
+            "file": str(config.files.override_file),
             "present": override.present,
             "valid": override.valid,
             "problem": override.problem,
@@ -89,7 +89,7 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "frozen": state.frozen,
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
-        "restart_budget_remaining": max(0, config.daily_restart_budget - len(restarts)),
+        "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
         "window_open": windows.is_open(config.windows, at),
         "next_window_open": windows.next_open(config.windows, at).timestamp(),
         "next_window_close": windows.next_close(config.windows, at).timestamp(),

@@ -7,7 +7,6 @@ import json
 import signal
 import sys
 import tempfile
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
@@ -15,7 +14,6 @@ from typing import TextIO
 from specd.commands.args import MAX_CONCURRENCY, MAX_TOKENS, IntList, Seconds
 from specd.commands.check_config import load_for_command
 from specd.io import logs
-from specd.io.apply import ApplySettings
 from specd.io.config import Config
 from specd.io.runner import Runner
 from specd.tools.sweep import (
@@ -100,7 +98,7 @@ def confirm(
         return "refusing to restart SGLang without confirmation: no terminal to ask; pass --yes"
     minutes = plan.load_seconds_per_steps() * len(plan.steps) / 60
     print(
-        f"This restarts {config.sglang_unit} up to {len(plan.steps) + 1} times (steps "
+        f"This restarts {config.sglang.unit} up to {len(plan.steps) + 1} times (steps "
         f"{','.join(map(str, plan.steps))}), serving nothing while it loads, and loads it for "
         f"about {minutes:.0f} min. Continue? [y/N] ",
         end="",
@@ -114,12 +112,11 @@ def confirm(
 def twin_config(workdir: Path, twin_port: int) -> Config:
     from specd.twin.unit import twin_unit_config  # noqa: PLC0415
 
-    return twin_unit_config(workdir, twin_port, min_steps=1, max_steps=6)
+    return twin_unit_config(workdir, twin_port, choose={"min_steps": 1, "max_steps": 6})
 
 
-def fast_polling(settings: ApplySettings) -> ApplySettings:
-    """The twin starts in about a second: poll its health often so restarts stay short."""
-    return replace(settings, health_poll_interval_s=0.2, quiet_poll_interval_s=0.2)
+# The twin starts in about a second: poll its health often so restarts stay short.
+FAST_PACING: dict[str, float] = {"health_poll_interval_s": 0.2, "quiet_poll_interval_s": 0.2}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,8 +161,8 @@ def _run_twin(args: argparse.Namespace, plan: SweepPlan, out_dir: Path) -> int:
         port = free_port()
         config = twin_config(workdir, port)
         unit = TwinUnitRunner(
-            config.sglang_unit,
-            Path(config.env_file),
+            config.sglang.unit,
+            Path(config.sglang.env_file),
             port=port,
             extra_args=["--load-time-s", str(TWIN_LOAD_TIME_S), "--warmup-s", str(TWIN_WARMUP_S)],
         )
@@ -178,8 +175,7 @@ def _run_twin(args: argparse.Namespace, plan: SweepPlan, out_dir: Path) -> int:
             print(f"specd sweep: the twin did not start: {exc}", file=sys.stderr)
             return EXIT_FAILED
         try:
-            settings = fast_polling(ApplySettings.from_config(config))
-            return _run_cli(args, config, plan, out_dir, unit, settings)
+            return _run_cli(args, config, plan, out_dir, unit, FAST_PACING)
         finally:
             unit.stop()
 
@@ -190,7 +186,7 @@ def _run_cli(
     plan: SweepPlan,
     out_dir: Path,
     runner: Runner | None,
-    settings: ApplySettings | None,
+    pacing: dict[str, float] | None,
 ) -> int:
     reporter: Reporter
     if args.json:
@@ -208,9 +204,7 @@ def _run_cli(
     # The restart sequence logs JSON lines; they belong in a file beside the results.
     logs.configure("json", stream=log_file)
     try:
-        report = sweep(
-            config, plan, out_dir, runner=runner, reporter=reporter, apply_settings=settings
-        )
+        report = sweep(config, plan, out_dir, runner=runner, reporter=reporter, pacing=pacing)
     except SweepError as exc:
         reporter.close()
         print(f"specd sweep: {exc}", file=sys.stderr)

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_for_command(args.config)
     if config is None:
         return 2
-    state_dir = Path(config.state_dir)
+    state_dir = Path(config.files.state_dir)
     try:
         frozen = read_json(state_dir / STATE_FILE).get("frozen")
     except (OSError, ValueError, AttributeError):

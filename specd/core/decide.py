@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from specd.core.history import History
     from specd.core.observation import Observation
     from specd.core.override import Override
-    from specd.io.config import Band, Config
+    from specd.core.settings import Band, Settings
 
 DAY_S = 86400.0
 
@@ -113,11 +113,11 @@ class Pick:
 
 
 # -- policies -----------------------------------------------------------------------
-Policy = Callable[["History", "Config", "int | None", "Calibration | None"], "Pick | None"]
+Policy = Callable[["History", "Settings", "int | None", "Calibration | None"], "Pick | None"]
 
 
-def clamp(steps: int, config: Config) -> int:
-    return max(config.min_steps, min(config.max_steps, steps))
+def clamp(steps: int, config: Settings) -> int:
+    return max(config.choose.min_steps, min(config.choose.max_steps, steps))
 
 
 def _num(x: float) -> str:
@@ -135,7 +135,7 @@ def _band_range(bands: Sequence[Band], i: int) -> str:
 
 
 def _pick_bands(
-    history: History, config: Config, current: int | None, _calibration: Calibration | None
+    history: History, config: Settings, current: int | None, _calibration: Calibration | None
 ) -> Pick | None:
     """Bands of offered concurrency; with ``current``, boundaries get hysteresis.
 
@@ -145,7 +145,7 @@ def _pick_bands(
     boundary cannot make specd flap between two settings.
     """
     bands = config.bands
-    ratio = config.band_quantile_ratio
+    ratio = config.choose.band_quantile_ratio
     q = history.quantile(ratio)
     if q is None or not bands:
         return None
@@ -158,7 +158,7 @@ def _pick_bands(
     why = f"{label} {_band_range(bands, picked)} (band {picked + 1} → {steps} steps)"
     if current is None or steps == current:
         return Pick(steps, why)
-    tol = config.tolerance_ratio
+    tol = config.choose.tolerance_ratio
     for j, band in enumerate(bands):
         if clamp(band.steps, config) != current:
             continue
@@ -178,7 +178,7 @@ def _pick_bands(
 
 
 def _pick_model(
-    history: History, config: Config, current: int | None, calibration: Calibration | None
+    history: History, config: Settings, current: int | None, calibration: Calibration | None
 ) -> Pick | None:
     """The throughput model (specd.core.model), forecast over the coming epoch."""
     result = plan(history, config, current, calibration)
@@ -193,7 +193,7 @@ POLICIES: Mapping[str, Policy] = MappingProxyType({"bands": _pick_bands, "model"
 
 def choose(
     history: History,
-    config: Config,
+    config: Settings,
     current: int | None = None,
     calibration: Calibration | None = None,
 ) -> Pick | None:
@@ -202,7 +202,7 @@ def choose(
     Without ``current`` this is the raw pick; with it, the policy's tolerance applies
     and the pick is ``current`` while the evidence for a change is within tolerance.
     """
-    return POLICIES[config.policy](history, config, current, calibration)
+    return POLICIES[config.choose.policy](history, config, current, calibration)
 
 
 # -- decide -------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def _arrow(current: int | None, target: int) -> str:
     return f"{current if current is not None else '?'} → {target}"
 
 
-def _window_message(config: Config, at: datetime, change: str) -> str:
+def _window_message(config: Settings, at: datetime, change: str) -> str:
     try:
         nxt = f"next opens {_stamp(windows.next_open(config.windows, at))}"
     except ValueError as exc:
@@ -246,14 +246,14 @@ def _window_message(config: Config, at: datetime, change: str) -> str:
     return f"maintenance window closed ({nxt}): {change} waits"
 
 
-def window_left_s(config: Config, at: datetime) -> float | None:
+def window_left_s(config: Settings, at: datetime) -> float | None:
     """Seconds until the open maintenance window closes; None when none is open."""
     current = windows.current_window(config.windows, at)
     return None if current is None else (current[1] - at).total_seconds()
 
 
 def _window_blocks(
-    config: Config, at: datetime, restart_needs_s: float, change: str
+    config: Settings, at: datetime, restart_needs_s: float, change: str
 ) -> tuple[Reason, str] | None:
     """Why the window does not allow a restart now (closed, or closing before one restart
     of the unit could finish), or None."""
@@ -271,7 +271,7 @@ def _window_blocks(
 def decide(
     history: History,
     obs: Observation | ScrapeError | None,
-    config: Config,
+    config: Settings,
     override: Override | None,
     now: float,
     control: Control,
@@ -314,12 +314,12 @@ def decide(
         if blocked is not None:
             return Decision(pin, blocked[0], f"{said}; {blocked[1]}")
         used = sum(1 for t in control.restart_times if t > now - DAY_S)
-        if used >= config.daily_restart_budget:
+        if used >= config.restart.daily_restart_budget:
             return Decision(
                 pin,
                 Reason.RESTART_BUDGET,
                 f"{said}; {used} restarts in the last 24 h ≥ budget "
-                f"{config.daily_restart_budget}: {_arrow(current, pin)} waits",
+                f"{config.restart.daily_restart_budget}: {_arrow(current, pin)} waits",
             )
         return Decision(pin, Reason.OVERRIDE_PIN, f"{said}: {_arrow(current, pin)}")
 
@@ -335,20 +335,22 @@ def decide(
     if current is None:
         return Decision(None, Reason.NO_DATA, "SGLang's current step count is unknown; no change")
     age = now - obs.t
-    if not math.isfinite(age) or abs(age) > config.stale_after_s:
+    if not math.isfinite(age) or abs(age) > config.observe.stale_after_s:
         return Decision(
             hold,
             Reason.STALE_DATA,
             f"latest observation is {_duration(abs(age)) if math.isfinite(age) else '?'} "
-            f"{'old' if age >= 0 else 'in the future'} (> {_duration(config.stale_after_s)}); "
+            f"{'old' if age >= 0 else 'in the future'} (> "
+            f"{_duration(config.observe.stale_after_s)}); "
             f"{_holding(current)}",
         )
     busy = history.busy_seconds
-    if busy < config.min_history_s:
+    if busy < config.observe.min_history_s:
         return Decision(
             hold,
             Reason.INSUFFICIENT_DATA,
-            f"{_duration(busy)} of busy history < {_duration(config.min_history_s)} needed; "
+            f"{_duration(busy)} of busy history < {_duration(config.observe.min_history_s)} "
+            "needed; "
             f"{_holding(current)}",
         )
     if pick is None:
@@ -361,7 +363,7 @@ def decide(
     if target == current:
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {current} is live")
     change = _arrow(current, target)
-    window_s = config.stabilization_window_s
+    window_s = config.choose.stabilization_window_s
     held = _held_for(control.recommendations, target, now)
     if held < window_s:
         return Decision(
@@ -377,19 +379,20 @@ def decide(
         return Decision(target, blocked[0], f"{why}; {blocked[1]}")
     if control.restart_times:
         since = now - max(control.restart_times)
-        if since < config.min_dwell_s:
+        if since < config.restart.min_dwell_s:
             return Decision(
                 target,
                 Reason.DWELL_TIME,
                 f"{why}; last restart {_duration(max(since, 0.0))} ago < "
-                f"{_duration(config.min_dwell_s)} dwell: {change} waits",
+                f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits",
             )
     used = sum(1 for t in control.restart_times if t > now - DAY_S)
-    if used >= config.daily_restart_budget:
+    if used >= config.restart.daily_restart_budget:
         return Decision(
             target,
             Reason.RESTART_BUDGET,
-            f"{why}; {used} restarts in the last 24 h ≥ budget {config.daily_restart_budget}: "
+            f"{why}; {used} restarts in the last 24 h ≥ budget "
+            f"{config.restart.daily_restart_budget}: "
             f"{change} waits",
         )
     return Decision(target, Reason.CHANGE, f"{why}: {change}")

@@ -28,7 +28,7 @@ from specd.core.acceptance import alpha_from_accept_length
 
 if TYPE_CHECKING:
     from specd.core.observation import Observation
-    from specd.io.config import Config
+    from specd.core.settings import Settings
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -171,7 +171,7 @@ def _weighted_quantile(weights: Iterable[tuple[int, float]], q: float) -> float 
 
 @dataclass(frozen=True)
 class HistorySettings:
-    """The knobs of the history (from Config), kept apart so state can load without it."""
+    """The knobs of the history (from Settings), kept apart so state can load without it."""
 
     half_life_s: float = DAY_S
     warmup_exclude_s: float = 120.0
@@ -192,11 +192,11 @@ class HistorySettings:
         return 2.0 * self.scrape_interval_s
 
     @classmethod
-    def from_config(cls, config: Config) -> HistorySettings:
+    def from_config(cls, config: Settings) -> HistorySettings:
         return cls(
-            half_life_s=config.history_half_life_s,
-            warmup_exclude_s=config.warmup_exclude_s,
-            scrape_interval_s=config.scrape_interval_s,
+            half_life_s=config.observe.history_half_life_s,
+            warmup_exclude_s=config.observe.warmup_exclude_s,
+            scrape_interval_s=config.observe.scrape_interval_s,
         )
 
 

@@ -46,7 +46,7 @@ from specd.core.perftable import PerfTable
 
 if TYPE_CHECKING:
     from specd.core.history import History
-    from specd.io.config import Config
+    from specd.core.settings import Settings
 
 # Seconds of (decayed) observation at which observed data and the calibration weigh the
 # same; an hour of traffic at one (K, c) outweighs a sweep point.
@@ -393,7 +393,7 @@ class Plan:
     why: str
 
 
-def _next_epoch(config: Config, now: float) -> tuple[float, float] | None:
+def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     """(next window close, the following window open) as unix times; None without one."""
     try:
         close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
@@ -405,7 +405,7 @@ def _next_epoch(config: Config, now: float) -> tuple[float, float] | None:
 
 def plan(
     history: History,
-    config: Config,
+    config: Settings,
     current: int | None,
     calibration: Calibration | None = None,
 ) -> Plan | None:
@@ -421,11 +421,15 @@ def plan(
     if forecast is None:
         return None
     model = PerformanceModel(calibration, history)
-    candidates = [k for k in range(config.min_steps, config.max_steps + 1) if model.can_predict(k)]
+    candidates = [
+        k
+        for k in range(config.choose.min_steps, config.choose.max_steps + 1)
+        if model.can_predict(k)
+    ]
     if not candidates:
         return None
     horizon = max(until_t - now, 0.0)
-    restart_s = config.restart_cost_s
+    restart_s = config.choose.restart_cost_s
     predictions: dict[int, StepPrediction] = {}
     weights = fold_above(forecast.weights, model.saturation(candidates))
     for k in candidates:
@@ -441,7 +445,7 @@ def plan(
     if current is not None and current in predictions and best != current:
         held = predictions[current].tokens
         gain = predictions[best].tokens / held - 1.0 if held > 0 else math.inf
-        if gain <= config.tolerance_ratio:
+        if gain <= config.choose.tolerance_ratio:
             target = current
     elif current is not None and current not in predictions:
         gain = math.inf
@@ -458,7 +462,7 @@ def _why(
     target: int,
     current: int | None,
     gain: float,
-    config: Config,
+    config: Settings,
 ) -> str:
     rates = " ".join(
         f"{k}:{p.tok_s:.0f}{'~' if p.source is Source.EXTRAPOLATED else ''}"
@@ -476,6 +480,6 @@ def _why(
     if target == current:
         return (
             f"{head}; {best} best by {gain_text} net of the restart, within "
-            f"{config.tolerance_ratio * 100:g}%: keeping {current}"
+            f"{config.choose.tolerance_ratio * 100:g}%: keeping {current}"
         )
     return f"{head}; {best} best by {gain_text} net of the restart"

@@ -16,7 +16,6 @@ import io
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
 OPTIONAL_COLUMNS = ("accept_length", "max_running_requests")
@@ -69,18 +68,6 @@ class PerfTable:
             raise PerfTableError(f"{source}: no data rows")
 
     # -- reading -----------------------------------------------------------------------
-
-    @classmethod
-    def from_csv(cls, path: str | Path) -> PerfTable:
-        """Unbounded read kept for ``specd.io.config`` alone, until it calls
-        ``specd.io.tables.read_table`` (regular files only, size cap) like every other
-        caller; the core itself reads no file."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PerfTableError(f"{path}: cannot read: {exc}") from exc
-        return cls.from_csv_text(text, source=str(path))
 
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<table>") -> PerfTable:

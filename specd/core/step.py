@@ -25,14 +25,14 @@ from specd.core.observation import Observation, ScrapeError
 if TYPE_CHECKING:
     from specd.core.history import History
     from specd.core.override import Override
-    from specd.io.config import Config
+    from specd.core.settings import Settings
 
 
 @dataclass(frozen=True)
 class StepContext:
     """Everything a decision reads besides the observation and the time."""
 
-    config: Config
+    config: Settings
     history: History
     override: Override | None
     control: Control
@@ -79,7 +79,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
             pick.predictions,
         )
     if pick is not None and isinstance(observation, Observation):
-        control = control.with_recommendation(now, pick.steps, config.stabilization_window_s)
+        control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
     decision = decide(
         ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
     )

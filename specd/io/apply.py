@@ -32,14 +32,16 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from specd.core.observation import Observation, ScrapeError
-from specd.core.text import is_service_name
+from specd.core.settings import ChooseSettings, RestartSettings, Settings, SGLangSettings
 from specd.io import files, logs
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus
 from specd.io.timespan import timespan_s
 
-ENV_STEPS = "SPECD_SPEC_STEPS"
-ENV_DRAFT_TOKENS = "SPECD_SPEC_DRAFT_TOKENS"
+# The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
+# prefix, so the two never mix in one environment.
+ENV_STEPS = "SPECULATIVE_NUM_STEPS"
+ENV_DRAFT_TOKENS = "SPECULATIVE_NUM_DRAFT_TOKENS"
 ENV_HEADER = (
     "# Written by specd; every change is overwritten. The SGLang unit reads it through\n"
     "# EnvironmentFile= (see sglang.service.d/50-specd.conf). To choose steps by hand, use\n"
@@ -83,82 +85,6 @@ class SGLangProbe(Protocol):
     def server_info(self) -> dict[str, Any] | ScrapeError: ...
 
     def health_generate(self, timeout_s: float) -> HealthStatus: ...
-
-
-class ConfigLike(Protocol):
-    """The fields of ``specd.config.Config`` that apply reads."""
-
-    @property
-    def sglang_unit(self) -> str: ...
-    @property
-    def env_file(self) -> Path: ...
-    @property
-    def min_steps(self) -> int: ...
-    @property
-    def max_steps(self) -> int: ...
-    @property
-    def quiet_concurrency_max(self) -> int: ...
-    @property
-    def quiet_deadline_s(self) -> float: ...
-    @property
-    def scrape_interval_s(self) -> float: ...
-    @property
-    def startup_timeout_s(self) -> float: ...
-    @property
-    def health_probe_timeout_s(self) -> float: ...
-    @property
-    def restart_command_timeout_s(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class ApplySettings:
-    unit: str
-    env_file: Path
-    min_steps: int = 1
-    max_steps: int = 16
-    quiet_concurrency_max: int = 2
-    quiet_deadline_s: float = 600.0
-    quiet_poll_interval_s: float = 5.0
-    startup_timeout_s: float = 600.0
-    health_probe_timeout_s: float = 30.0
-    health_poll_interval_s: float = 2.0
-    restart_command_timeout_s: float = 120.0
-    # Reads of /server_info + /metrics after a healthy probe before calling it unverifiable.
-    verify_attempts: int = 3
-
-    def __post_init__(self) -> None:
-        if not is_service_name(self.unit):
-            raise ValueError(
-                f"sglang_unit: {self.unit!r} is not a systemd unit name such as sglang.service"
-            )
-        if not 0 <= self.min_steps <= self.max_steps:
-            raise ValueError(f"steps range {self.min_steps}..{self.max_steps} is empty")
-        if not self.quiet_deadline_s >= 0:
-            raise ValueError(f"quiet_deadline_s must be >= 0, got {self.quiet_deadline_s}")
-        for name in (
-            "quiet_poll_interval_s",
-            "startup_timeout_s",
-            "health_probe_timeout_s",
-            "health_poll_interval_s",
-            "restart_command_timeout_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    @classmethod
-    def from_config(cls, config: ConfigLike) -> ApplySettings:
-        return cls(
-            unit=config.sglang_unit,
-            env_file=Path(config.env_file),
-            min_steps=config.min_steps,
-            max_steps=config.max_steps,
-            quiet_concurrency_max=config.quiet_concurrency_max,
-            quiet_deadline_s=config.quiet_deadline_s,
-            quiet_poll_interval_s=config.scrape_interval_s,
-            startup_timeout_s=config.startup_timeout_s,
-            health_probe_timeout_s=config.health_probe_timeout_s,
-            restart_command_timeout_s=config.restart_command_timeout_s,
-        )
 
 
 def restart_argv(unit: str) -> list[str]:
@@ -418,16 +344,31 @@ class Applier:
 
     def __init__(
         self,
-        settings: ApplySettings,
+        sglang: SGLangSettings,
+        choose: ChooseSettings,
+        restart: RestartSettings,
         client: SGLangProbe,
         runner: Runner,
         persist: Callable[[dict[str, Any] | None], None],
         stop: threading.Event,
         *,
+        quiet_poll_interval_s: float = 5.0,
+        health_poll_interval_s: float = 2.0,
+        verify_attempts: int = 3,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.settings = settings
+        """``sglang``/``choose``/``restart`` are the config's tables. The rest is pacing,
+        not configuration: how often to look for a quiet moment (the daemon's scrape
+        interval), how often to probe health, how many verification reads to make."""
+        if not (quiet_poll_interval_s > 0 and health_poll_interval_s > 0 and verify_attempts > 0):
+            raise ValueError("poll intervals and verify_attempts must be > 0")
+        self.sglang = sglang
+        self.choose = choose
+        self.restart = restart
+        self.quiet_poll_interval_s = quiet_poll_interval_s
+        self.health_poll_interval_s = health_poll_interval_s
+        self.verify_attempts = verify_attempts
         self.client = client
         self.runner = runner
         self._persist_cb = persist
@@ -440,6 +381,29 @@ class Applier:
         self._journal: Journal | None = None
         self._stop_timeout_s: float | None = None
         self.log = logs.get_logger(component="apply")
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        client: SGLangProbe,
+        runner: Runner,
+        persist: Callable[[dict[str, Any] | None], None],
+        stop: threading.Event,
+        **pacing: Any,
+    ) -> Applier:
+        """An applier for the whole config: quiet moments are looked for once per scrape."""
+        pacing.setdefault("quiet_poll_interval_s", settings.observe.scrape_interval_s)
+        return cls(
+            settings.sglang,
+            settings.choose,
+            settings.restart,
+            client,
+            runner,
+            persist,
+            stop,
+            **pacing,
+        )
 
     # -- public ---------------------------------------------------------------------
     def apply(
@@ -464,10 +428,11 @@ class Applier:
     def _apply(
         self, target: int, current: int | None, window_open: Callable[[], bool], force: bool
     ) -> ApplyOutcome:
-        s = self.settings
-        if not s.min_steps <= target <= s.max_steps:
+        if not self.choose.min_steps <= target <= self.choose.max_steps:
             return self._aborted(
-                current, target, f"target {target} outside {s.min_steps}..{s.max_steps}"
+                current,
+                target,
+                f"target {target} outside {self.choose.min_steps}..{self.choose.max_steps}",
             )
         if target == current:
             return self._aborted(current, target, f"SGLang already runs {target} steps")
@@ -478,7 +443,7 @@ class Applier:
         if why_not is not None:
             return self._aborted(current, target, why_not)
 
-        env_path = s.env_file
+        env_path = self.sglang.env_file
         try:
             previous = _read_env_bytes(env_path)
         except (OSError, ValueError) as exc:
@@ -488,7 +453,7 @@ class Applier:
             phase="planned",
             from_steps=current,
             to_steps=target,
-            unit=s.unit,
+            unit=self.sglang.unit,
             env_file=str(env_path),
             previous_env=prev_text,
             previous_env_encoding=prev_encoding,
@@ -511,13 +476,13 @@ class Applier:
         if journal.phase in TERMINAL_RESULTS:
             message = journal.messages[-1] if journal.messages else journal.phase
             return self._outcome_from(journal, TERMINAL_RESULTS[journal.phase], message)
-        if Path(journal.env_file) != Path(self.settings.env_file):
+        if Path(journal.env_file) != Path(self.sglang.env_file):
             # Paths come from the config only: a journal (state.json) naming another file
             # must not make specd overwrite or delete it.
             return self._reconcile_unreadable(
                 journal_data,
                 f"restart journal names env file {journal.env_file!r}, not the configured "
-                f"{str(self.settings.env_file)!r}; not acting on it",
+                f"{str(self.sglang.env_file)!r}; not acting on it",
             )
         try:
             return self._resume(journal)
@@ -545,17 +510,18 @@ class Applier:
 
     # -- forward --------------------------------------------------------------------
     def _forward(self, journal: Journal, previous: bytes | None) -> ApplyOutcome:
-        s = self.settings
         new_env = render_env(journal.to_steps).encode()
         if new_env != previous:
             try:
-                files.write_atomic(s.env_file, new_env, mode=ENV_FILE_MODE)
+                files.write_atomic(self.sglang.env_file, new_env, mode=ENV_FILE_MODE)
             except OSError as exc:
                 return self._env_write_failed(journal, exc)
-        self._set_phase(journal, "env_written", f"wrote {s.env_file}")
+        self._set_phase(journal, "env_written", f"wrote {self.sglang.env_file}")
 
         self._issue_restart(journal, "restart_issued")
-        result = self.runner(restart_argv(s.unit), timeout_s=s.restart_command_timeout_s)
+        result = self.runner(
+            restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
+        )
         if not result.ok:
             # A failed `systemctl` may have changed nothing (not found, access denied):
             # then the old server still runs and the rollback needs no restart.
@@ -576,7 +542,7 @@ class Applier:
 
     def _env_write_failed(self, journal: Journal, exc: OSError) -> ApplyOutcome:
         # Nothing was restarted; only make sure the file is what it was.
-        problem = f"writing {self.settings.env_file} failed: {exc}"
+        problem = f"writing {self.sglang.env_file} failed: {exc}"
         restored = self._restore_env(journal)
         if restored is not None:
             journal.note(problem)
@@ -591,7 +557,6 @@ class Applier:
         failed, or specd died around it); if SGLang is healthy on the old steps, restoring
         the file is enough and a restart would only cost minutes of serving.
         """
-        s = self.settings
         self.log.warning("restart_rolling_back", reason=reason, to_steps=journal.to_steps)
         journal.phase = "rolling_back"
         journal.rollback_reason = reason
@@ -600,7 +565,7 @@ class Applier:
         problem = self._restore_env(journal)
         if problem is not None:
             return self._finish(
-                journal, "failed", f"{reason}; restoring {s.env_file} failed: {problem}"
+                journal, "failed", f"{reason}; restoring {self.sglang.env_file} failed: {problem}"
             )
         journal.note("env file restored")
         self._persist(journal)
@@ -620,7 +585,9 @@ class Applier:
 
         if journal.restarts_issued < 2:
             self._issue_restart(journal, "rolling_back")
-            result = self.runner(restart_argv(s.unit), timeout_s=s.restart_command_timeout_s)
+            result = self.runner(
+                restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
+            )
             if not result.ok:
                 return self._finish(
                     journal, "failed", f"{reason}; rollback restart: {result.summary()}"
@@ -644,7 +611,7 @@ class Applier:
         The configured path only (``reconcile`` refuses a journal naming another), and
         never through a symlink: one planted there is replaced, its target left alone.
         """
-        path = self.settings.env_file
+        path = self.sglang.env_file
         try:
             previous = journal.previous_bytes()
             if previous is None:
@@ -707,7 +674,7 @@ class Applier:
         healthy, why = self._wait_healthy()
         if not healthy:
             return self._rollback(journal, f"after specd restarted: {why}", maybe_untouched=False)
-        env_steps = read_env_steps(self.settings.env_file)
+        env_steps = read_env_steps(self.sglang.env_file)
         live = self._verify(journal.to_steps)
         if live.ok and env_steps == journal.to_steps:
             journal.capacity = live.capacity
@@ -727,15 +694,14 @@ class Applier:
             from_steps,
             to_steps,
             0.0,
-            f"{problem}; SGLang and {self.settings.env_file} left as they are",
+            f"{problem}; SGLang and {self.sglang.env_file} left as they are",
             None,
         )
 
     # -- waiting --------------------------------------------------------------------
     def _wait_quiet(self, window_open: Callable[[], bool], force: bool) -> str | None:
         """Wait for offered ≤ quiet max. Returns why to abort, or None to go ahead."""
-        s = self.settings
-        deadline = self._mono() + s.quiet_deadline_s
+        deadline = self._mono() + self.restart.quiet_deadline_s
         last = "no observation yet"
         while True:
             if self._stop.is_set():
@@ -745,15 +711,17 @@ class Applier:
             obs = self.client.observe()
             if isinstance(obs, ScrapeError):
                 last = f"scrape failed: {obs.reason}"
-            elif obs.offered <= s.quiet_concurrency_max:
+            elif obs.offered <= self.restart.quiet_concurrency_max:
                 return None
             else:
-                last = f"offered concurrency {obs.offered} > {s.quiet_concurrency_max}"
+                last = f"offered concurrency {obs.offered} > {self.restart.quiet_concurrency_max}"
             left = deadline - self._mono()
             if left <= 0:
-                self.log.warning("no_quiet_moment", waited_s=s.quiet_deadline_s, last=last)
+                self.log.warning(
+                    "no_quiet_moment", waited_s=self.restart.quiet_deadline_s, last=last
+                )
                 return None
-            if self._stop.wait(min(s.quiet_poll_interval_s, left)):
+            if self._stop.wait(min(self.quiet_poll_interval_s, left)):
                 return "stop requested while waiting for a quiet moment"
 
     def _wait_healthy(self) -> tuple[bool, str]:
@@ -763,8 +731,7 @@ class Applier:
         would leave SGLang half-changed. It stays bounded, and keeps calling ``stop.wait``
         so a heartbeat-counting event still sees the loop alive. Returns (healthy, why not).
         """
-        s = self.settings
-        deadline = self._mono() + s.startup_timeout_s
+        deadline = self._mono() + self.restart.startup_timeout_s
         while True:
             status = self.client.health_generate(self._probe_timeout(deadline))
             if status is HealthStatus.OK:
@@ -774,15 +741,16 @@ class Applier:
             if self._unit_failed():
                 return (
                     False,
-                    f"{s.unit} failed while starting (last /health_generate: {status.name})",
+                    f"{self.sglang.unit} failed while starting "
+                    f"(last /health_generate: {status.name})",
                 )
             left = deadline - self._mono()
             if left <= 0:
                 return False, (
-                    f"not healthy within {s.startup_timeout_s:g} s "
+                    f"not healthy within {self.restart.startup_timeout_s:g} s "
                     f"(last /health_generate: {status.name})"
                 )
-            self._pause(min(s.health_poll_interval_s, left))
+            self._pause(min(self.health_poll_interval_s, left))
 
     def stop_timeout_s(self) -> float:
         """How long systemd lets the unit stop (TimeoutStopSec=), as last read at a restart;
@@ -794,18 +762,18 @@ class Applier:
         restart command's own timeout, which bounds a stop in practice."""
         if self._stop_timeout_s is not None:
             return
-        result = self.runner(stop_timeout_argv(self.settings.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+        result = self.runner(stop_timeout_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
         value = timespan_s(result.stdout) if result.returncode == 0 else None
         if value is not None:
-            self._stop_timeout_s = min(value, self.settings.restart_command_timeout_s)
+            self._stop_timeout_s = min(value, self.restart.restart_command_timeout_s)
 
     def _unit_failed(self) -> bool:
         """True only when systemd says the unit failed; any doubt means keep waiting."""
-        result = self.runner(unit_state_argv(self.settings.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+        result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
         return result.stdout.strip() == "failed"
 
     def _probe_timeout(self, deadline: float | None) -> float:
-        timeout = self.settings.health_probe_timeout_s
+        timeout = self.restart.health_probe_timeout_s
         if deadline is None:
             return timeout
         # The last probe may not overrun the deadline by a whole probe timeout.
@@ -826,9 +794,9 @@ class Applier:
     def _verify(self, expected: int | None) -> _Live:
         """Does SGLang run ``expected`` steps (topk 1, draft tokens + 1)? Reads capacity."""
         last = _Live(False, "no verification read")
-        for attempt in range(self.settings.verify_attempts):
+        for attempt in range(self.verify_attempts):
             if attempt:
-                self._pause(self.settings.health_poll_interval_s)
+                self._pause(self.health_poll_interval_s)
             last = self._read_live(expected)
             if last.ok or last.mismatch:
                 return last

@@ -1,12 +1,16 @@
 """specd's configuration: /etc/specd/specd.toml, overridden by ``SPECD_*`` environment variables.
 
-``load_config(path)`` returns a frozen ``Config`` or raises ``ConfigError`` whose ``problems``
-are one line each, naming the key (``windows[0].cron: ...``). Unknown keys are errors, in the
-file and in the environment, so a typo never silently falls back to a default.
+The settings themselves (tables, fields, defaults, bounds) are declared once, in
+``specd.core.settings``; this module adds where they come from. ``load_config(path)`` returns
+a frozen ``Config`` or raises ``ConfigError`` whose ``problems`` are one line each, naming the
+key as ``observe.scrape_interval_s`` or ``windows[0].cron``. Unknown keys are errors, in the
+file and in the environment, so a typo never silently falls back to a default; a known key in
+the wrong table (or at the top level, as in the flat files before the tables) is named with
+its table: "`scrape_interval_s` belongs in [observe]".
 
-Environment values are strings (``SPECD_MAX_STEPS=4``); list settings take JSON
+Environment values are strings, one table level per ``__``
+(``SPECD_OBSERVE__SCRAPE_INTERVAL_S=7``); arrays take JSON
 (``SPECD_WINDOWS='[{"cron": "0 3 * * sat", "duration_s": 3600, "timezone": "UTC"}]'``).
-``SPECD_SPEC_*`` variables belong to the SGLang unit's drop-in and are not specd settings.
 
 `specd check-config` (specd.commands.check_config) prints the result.
 """
@@ -14,24 +18,14 @@ Environment values are strings (``SPECD_MAX_STEPS=4``); list settings take JSON
 from __future__ import annotations
 
 import contextvars
-import ipaddress
-import itertools
 import os
 import re
 import sys
-import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -40,24 +34,43 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from specd.core import windows as windows_mod
-from specd.core.perftable import PerfTable, PerfTableError
+from specd.core.settings import (
+    ARRAYS,
+    RENAMED_KEYS,
+    TABLE_OF_KEY,
+    TABLES,
+    Band,
+    Settings,
+    Window,
+)
+from specd.io import files
+from specd.io.calibration import CalibrationError, read_calibration
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+    pass  # type: ignore[import-not-found,unused-ignore]
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ENV_PREFIX",
+    "Band",
+    "Config",
+    "ConfigError",
+    "Window",
+    "check_calibration",
+    "config_changes",
+    "config_to_dict",
+    "load_config",
+    "read_config_file",
+]
 
 DEFAULT_CONFIG_PATH = Path("/etc/specd/specd.toml")
 ENV_PREFIX = "SPECD_"
-# The SGLang unit's drop-in reads these; they may share specd's environment in tests.
-FOREIGN_ENV_PREFIXES = ("SPECD_SPEC_",)
+ENV_NESTED_DELIMITER = "__"
 # A config file is a few KiB; refusing huge ones keeps a mistake from eating memory.
 MAX_CONFIG_BYTES = 1 << 20
-
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
-_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class ConfigError(Exception):
@@ -67,57 +80,6 @@ class ConfigError(Exception):
         self.problems = list(problems)
         self.path = path  # the config file the problems are about, if any
         super().__init__("; ".join(self.problems))
-
-
-class Band(BaseModel):
-    """Offered concurrency up to ``max_concurrency`` (inclusive) runs ``steps`` steps."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    max_concurrency: float | None = Field(
-        default=None,
-        ge=0,
-        description="Upper bound (inclusive) of offered concurrency for this band; "
-        "omit for the catch-all last band.",
-    )
-    steps: int = Field(description="Speculative steps to run in this band.")
-
-
-class Window(BaseModel):
-    """A maintenance window: a cron start, a duration and the zone the cron reads in."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    cron: str = Field(
-        description="Start, 5 cron fields; weekday names only (mon..sun), e.g. '0 3 * * mon-fri'."
-    )
-    duration_s: float = Field(gt=0, description="How long the window stays open, in seconds.")
-    timezone: str = Field(default="UTC", description="IANA zone the cron is read in.")
-
-    @field_validator("cron")
-    @classmethod
-    def _cron(cls, value: str) -> str:
-        windows_mod.parse_cron(value)
-        return value
-
-    @field_validator("timezone")
-    @classmethod
-    def _zone(cls, value: str) -> str:
-        windows_mod.load_zone(value)
-        return value
-
-    @model_validator(mode="after")
-    def _fires(self) -> Window:
-        windows_mod.check_window(self.cron, self.timezone, self.duration_s)
-        return self
-
-
-def _default_bands() -> list[Band]:
-    return [Band(max_concurrency=4, steps=4), Band(steps=3)]
-
-
-def _default_windows() -> list[Window]:
-    return [Window(cron="0 3 * * mon-sun", duration_s=3600, timezone="UTC")]
 
 
 # The parsed config file, handed to Config's settings source by load_config.
@@ -136,130 +98,15 @@ class _FileSource(PydanticBaseSettingsSource):
         return dict(_FILE_DATA.get() or {})
 
 
-class Config(BaseSettings):
-    """specd's effective configuration. Units are in the field names."""
+class Config(Settings, BaseSettings):
+    """specd's effective configuration: ``Settings`` read from the file and ``SPECD_*``."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
-
-    sglang_url: str = Field(
-        default="http://127.0.0.1:30000", description="SGLang base URL (http or https)."
-    )
-    sglang_unit: str = Field(
-        default="sglang.service", description="systemd unit that runs SGLang; specd restarts it."
-    )
-    env_file: Path = Field(
-        default=Path("/var/lib/specd/sglang.env"),
-        description="Environment file the SGLang unit reads (EnvironmentFile=-); specd writes it.",
-    )
-    state_dir: Path = Field(
-        default=Path("/var/lib/specd"), description="Directory of specd's state.json."
-    )
-    override_file: Path = Field(
-        default=Path("/etc/specd/override.toml"), description="The on-call override file."
-    )
-    min_steps: int = Field(default=1, ge=1, le=16, description="Fewest speculative steps allowed.")
-    max_steps: int = Field(default=6, ge=1, le=16, description="Most speculative steps allowed.")
-    apply_mode: Literal["static-topk1"] = Field(
-        default="static-topk1",
-        description="How steps are applied: steps K, eagle topk 1, draft tokens K+1.",
-    )
-    policy: Literal["bands", "model"] = Field(
-        default="bands",
-        description="Decision policy: concurrency bands or the throughput model. When unset, "
-        '"model" if calibration_file is set, else "bands".',
-    )
-    calibration_file: Path | None = Field(
-        default=None,
-        description="Performance table (CSV: steps,concurrency,output_tok_s[,accept_length]"
-        "[,max_running_requests], as `specd sweep` writes) the model policy starts from; "
-        "absolute path.",
-    )
-    restart_cost_s: float = Field(
-        default=100,
-        ge=0,
-        description="Serving time a restart of SGLang loses (model load + warm-up), seconds; "
-        "the model policy charges it against a change.",
-    )
-    bands: list[Band] = Field(
-        default_factory=_default_bands,
-        description="Bands of offered concurrency → steps, by ascending max_concurrency; "
-        "the last has no max_concurrency.",
-    )
-    band_quantile_ratio: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        description="Quantile of busy-time offered concurrency that picks the band (0.5 = median).",
-    )
-    scrape_interval_s: float = Field(default=5, gt=0, description="Seconds between scrapes.")
-    scrape_timeout_s: float = Field(default=3, gt=0, description="Timeout of one scrape, seconds.")
-    stale_after_s: float = Field(
-        default=60, gt=0, description="An observation older than this (seconds) is stale."
-    )
-    history_half_life_s: float = Field(
-        default=86400, gt=0, description="Half-life of the offered-concurrency history, seconds."
-    )
-    min_history_s: float = Field(
-        default=900, ge=0, description="Busy seconds of history needed before any decision."
-    )
-    warmup_exclude_s: float = Field(
-        default=120,
-        ge=0,
-        description="Seconds after an SGLang start whose observations are ignored.",
-    )
-    stabilization_window_s: float = Field(
-        default=900, ge=0, description="Seconds a recommendation must hold before it is acted on."
-    )
-    tolerance_ratio: float = Field(
-        default=0.05,
-        ge=0,
-        lt=1,
-        description="Relative margin a change must beat (predicted gain, or distance past a "
-        "band boundary).",
-    )
-    min_dwell_s: float = Field(default=3600, ge=0, description="Minimum seconds between restarts.")
-    daily_restart_budget: int = Field(
-        default=4, ge=0, description="Automatic restarts allowed per rolling 24 hours."
-    )
-    windows: list[Window] = Field(
-        default_factory=_default_windows,
-        min_length=1,
-        description="Maintenance windows; automatic restarts happen only inside one.",
-    )
-    quiet_concurrency_max: int = Field(
-        default=2, ge=0, description="A quiet moment: offered concurrency at or below this."
-    )
-    quiet_deadline_s: float = Field(
-        default=600,
-        ge=0,
-        description="Seconds to wait for a quiet moment inside the window before restarting "
-        "anyway (still inside the window).",
-    )
-    startup_timeout_s: float = Field(
-        default=600, gt=0, description="Seconds to wait for /health_generate after a restart."
-    )
-    health_probe_timeout_s: float = Field(
-        default=30,
-        ge=25,
-        description="Timeout of one /health_generate probe, seconds (SGLang's own is 20).",
-    )
-    metrics_listen_address: str = Field(
-        default="127.0.0.1", description="Address specd's /metrics listens on."
-    )
-    metrics_port: int = Field(
-        default=9464, ge=0, le=65535, description="Port of specd's /metrics; 0 picks a free port."
-    )
-    log_format: Literal["json", "console"] = Field(
-        default="json", description="Log lines as JSON (journald) or for a console."
-    )
-    restart_command_timeout_s: float = Field(
-        default=420,
-        gt=0,
-        description=(
-            "Timeout of `systemctl restart`, seconds. Must exceed the SGLang unit's "
-            "TimeoutStopSec= (5 min in the example unit): on SIGTERM SGLang drains running "
-            "requests with no deadline, so under load the stop lasts that long."
-        ),
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
     )
 
     @classmethod
@@ -273,95 +120,49 @@ class Config(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _FileSource(settings_cls)
 
-    @field_validator("sglang_url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        parsed = urllib.parse.urlsplit(value)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000")
-        try:
-            parsed.port  # noqa: B018 - raises on a bad port
-        except ValueError:
-            raise ValueError(f"{value!r} has an invalid port") from None
-        return value.rstrip("/")
 
-    @field_validator("sglang_unit")
-    @classmethod
-    def _unit(cls, value: str) -> str:
-        # Goes into systemctl's argv: a leading '-' would be read as an option.
-        if not _UNIT_NAME.match(value):
-            raise ValueError(f"{value!r} is not a systemd service name such as sglang.service")
-        return value
+# -- where a key belongs ------------------------------------------------------------------
 
-    @field_validator("env_file", "state_dir", "override_file", "calibration_file")
-    @classmethod
-    def _absolute(cls, value: Path | None) -> Path | None:
-        # Relative paths would depend on the daemon's working directory.
-        if value is not None and not value.is_absolute():
-            raise ValueError(f"{str(value)!r} must be an absolute path")
-        return value
 
-    @field_validator("calibration_file")
-    @classmethod
-    def _calibration(cls, value: Path | None) -> Path | None:
-        # Read once here so a bad table stops `specd check-config` and the daemon's start,
-        # not a decision hours later.
-        if value is not None:
-            try:
-                table = PerfTable.from_csv(value)
-            except PerfTableError as exc:
-                raise ValueError(str(exc)) from None
-            if not any(k >= 1 for k in table.steps()):
-                raise ValueError(f"{value}: no speculative step count (steps >= 1) in the table")
-        return value
+def _home_of(key: str) -> str | None:
+    """Where ``key`` belongs, as a phrase, if it is a known key of some table."""
+    if key in RENAMED_KEYS:
+        table, new = RENAMED_KEYS[key]
+        return f"`{key}` is now `{new}` in [{table}]"
+    if key in TABLE_OF_KEY:
+        return f"`{key}` belongs in [{TABLE_OF_KEY[key]}]"
+    if key in ARRAYS:
+        return f"`{key}` is an array at the top level: [[{key}]]"
+    return None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_policy(cls, data: Any) -> Any:
-        # A calibration is what the model policy needs: once one is configured, the model
-        # is the default; an explicit `policy` always wins.
-        if isinstance(data, dict) and data.get("policy") is None:
-            data = dict(data)
-            data["policy"] = "model" if data.get("calibration_file") else "bands"
-        return data
 
-    @field_validator("metrics_listen_address")
-    @classmethod
-    def _address(cls, value: str) -> str:
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            if not _HOSTNAME.match(value):
-                raise ValueError(f"{value!r} is not an IP address or host name") from None
-        return value
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Config:
-        problems: list[str] = []
-        if self.min_steps > self.max_steps:
-            problems.append(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
-        catch_alls = [i for i, b in enumerate(self.bands) if b.max_concurrency is None]
-        if not self.bands:
-            problems.append("bands: at least one band is needed")
-        elif catch_alls != [len(self.bands) - 1]:
-            problems.append(
-                "bands: exactly one band, the last, must omit max_concurrency (the catch-all)"
-            )
-        bounds = [b.max_concurrency for b in self.bands if b.max_concurrency is not None]
-        if any(a >= b for a, b in itertools.pairwise(bounds)):
-            problems.append("bands: max_concurrency must strictly increase from band to band")
-        for i, band in enumerate(self.bands):
-            if (
-                self.min_steps <= self.max_steps
-                and not self.min_steps <= band.steps <= self.max_steps
-            ):
+def _placement_problems(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Keys in the wrong place, one line each, and the data without them (so the rest is
+    still validated and every problem is reported in one go)."""
+    problems: list[str] = []
+    kept: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in TABLES:
+            if not isinstance(value, dict):
                 problems.append(
-                    f"bands[{i}].steps: {band.steps} is outside min_steps..max_steps "
-                    f"({self.min_steps}..{self.max_steps})"
+                    f"{key}: expected a table ([{key}]), got {type(value).__name__} {value!r}"
                 )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+                continue
+            inner: dict[str, Any] = {}
+            for name, item in value.items():
+                home = None if name in TABLES[key].model_fields else _home_of(name)
+                if home is None:
+                    inner[name] = item
+                else:
+                    problems.append(f"{key}.{name}: {home}")
+            kept[key] = inner
+        elif key in ARRAYS:
+            kept[key] = value
+        elif (home := _home_of(key)) is not None:
+            problems.append(home)
+        else:
+            kept[key] = value  # unknown: pydantic names it
+    return problems, kept
 
 
 def _type_problems(data: Mapping[str, Any]) -> list[str]:
@@ -369,23 +170,41 @@ def _type_problems(data: Mapping[str, Any]) -> list[str]:
     mistake, although pydantic would coerce it (it must, for environment strings)."""
     problems = []
     for key, value in data.items():
-        field = Config.model_fields.get(key)
-        if field is None:
+        if key in ARRAYS:
+            if not isinstance(value, list):
+                problems.append(
+                    f"{key}: expected an array of tables ([[{key}]]), "
+                    f"got {type(value).__name__} {value!r}"
+                )
             continue
-        expected = field.annotation
-        if expected is int:
-            ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-        elif expected is float:
-            ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-        elif expected in (str, Path) or getattr(expected, "__origin__", None) is Literal:
-            ok, want = isinstance(value, str), "a string"
-        elif getattr(expected, "__origin__", None) is list:
-            ok, want = isinstance(value, list), "an array of tables ([[" + key + "]])"
-        else:
+        model = TABLES.get(key)
+        if model is None or not isinstance(value, dict):
             continue
-        if not ok:
-            problems.append(f"{key}: expected {want}, got {type(value).__name__} {value!r}")
+        for name, item in value.items():
+            field = model.model_fields.get(name)
+            if field is None:
+                continue
+            want = _wrong_type(field.annotation, item)
+            if want is not None:
+                problems.append(
+                    f"{key}.{name}: expected {want}, got {type(item).__name__} {item!r}"
+                )
     return problems
+
+
+def _wrong_type(expected: Any, value: Any) -> str | None:
+    if expected is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif expected is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif expected in (str, Path) or getattr(expected, "__origin__", None) is Literal:
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return None
+    return None if ok else want
+
+
+# -- pydantic's errors as one line each ---------------------------------------------------
 
 
 def _format_loc(loc: tuple[int | str, ...]) -> str:
@@ -398,52 +217,119 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _problems_from(error: ValidationError) -> list[str]:
+def _env_name_of(loc: tuple[int | str, ...]) -> str | None:
+    """The SPECD_* variable that set the value at ``loc``, if one did."""
+    names = [p for p in loc if isinstance(p, str)][:2]
+    if not names:
+        return None
+    environ = {name.upper() for name in os.environ}
+    candidates = [ENV_PREFIX + names[0].upper()]
+    if len(names) == 2 and names[0] in TABLES:
+        candidates.insert(0, candidates[0] + ENV_NESTED_DELIMITER + names[1].upper())
+    return next((c for c in candidates if c in environ), None)
+
+
+def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
     problems = []
     for err in error.errors(include_url=False):
-        key = _format_loc(tuple(err["loc"]))
+        loc = tuple(err["loc"])
+        key = _format_loc(loc)
+        env_name = _env_name_of(loc)
         message = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
+            if env_name in reported_env:
+                continue  # already one line, naming the variable
             message = "unknown key (check the spelling; see etc/specd/specd.toml)"
         elif err["type"] == "missing":
             message = "required key is missing"
         elif err["type"] not in ("value_error", "assertion_error") and "input" in err:
             message += f" (got {err['input']!r})"
-        env_name = ENV_PREFIX + key.split(".")[0].split("[")[0].upper()
-        if key and env_name in os.environ:
+        if key and env_name is not None:
             message += f" (set by {env_name})"
-        # The model-level check reports several problems joined by "; ".
-        for part in message.split("; ") if not key else [message]:
-            problems.append(f"{key}: {part}" if key else part)
+        # A model-level check reports several problems joined by "; ".
+        parts = message.split("; ") if err["type"] == "value_error" else [message]
+        if key in TABLES or not key:
+            problems += [f"{key}: {part}" if key else part for part in parts]
+        else:
+            problems.append(f"{key}: {message}")
     return problems
 
 
-def _unknown_env() -> list[str]:
-    known = {ENV_PREFIX + name.upper() for name in Config.model_fields}
-    return [
-        f"{name}: unknown setting in the environment (check the spelling)"
-        for name in sorted(os.environ)
-        if name.upper().startswith(ENV_PREFIX)
-        and name.upper() not in known
-        and not name.upper().startswith(FOREIGN_ENV_PREFIXES)
-    ]
+def _known_env_names() -> dict[str, str | None]:
+    """Every SPECD_* name that sets something, mapped to None; hints for old names."""
+    known: dict[str, str | None] = {}
+    for table, model in TABLES.items():
+        known[ENV_PREFIX + table.upper()] = None  # the whole table as JSON
+        for name in model.model_fields:
+            known[ENV_PREFIX + table.upper() + ENV_NESTED_DELIMITER + name.upper()] = None
+    for array in ARRAYS:
+        known[ENV_PREFIX + array.upper()] = None
+    return known
+
+
+def _env_hint(name: str) -> str:
+    """For an unknown SPECD_* name: the variable it probably meant, if any."""
+    rest = name[len(ENV_PREFIX) :]
+    table, _, key = rest.partition(ENV_NESTED_DELIMITER)
+    key = (key or table).lower()
+    if key in RENAMED_KEYS:
+        home, new = RENAMED_KEYS[key]
+    elif key in TABLE_OF_KEY:
+        home, new = TABLE_OF_KEY[key], key
+    else:
+        return " (check the spelling)"
+    return f"; {_home_of(key)}: use {ENV_PREFIX}{home.upper()}{ENV_NESTED_DELIMITER}{new.upper()}"
+
+
+def _unknown_env() -> tuple[list[str], set[str]]:
+    known = _known_env_names()
+    problems, names = [], set()
+    for name in sorted(os.environ):
+        upper = name.upper()
+        if upper.startswith(ENV_PREFIX) and upper not in known:
+            problems.append(f"{name}: unknown setting in the environment{_env_hint(upper)}")
+            names.add(upper)
+    return problems, names
+
+
+# -- the file -----------------------------------------------------------------------------
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The TOML file's contents; ConfigError (one line) if unreadable or not TOML."""
+    """The TOML file's contents; ConfigError (one line) if unreadable or not TOML.
+
+    A regular file only (a FIFO or device is refused at once), at most MAX_CONFIG_BYTES;
+    a link is followed (configuration management often links /etc files)."""
     try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], path) from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"larger than {MAX_CONFIG_BYTES} bytes; not a config file"], path)
+        raw = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
+    except files.FileReadError as exc:
+        raise ConfigError([exc.problem], path) from None
+    if raw.startswith(UTF8_BOM):
+        # Some Windows editors add it; TOML forbids it, and tomllib's own message
+        # ("Invalid statement (at line 1, column 1)") does not say what is there.
+        raise ConfigError(
+            ["starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM"],
+            path,
+        )
     try:
-        return tomllib.loads(raw.decode("utf-8"))
+        return files.parse_toml(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError([f"not UTF-8 text (byte {exc.start})"], path) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"invalid TOML: {exc}"], path) from None
+    except files.ParseError as exc:
+        raise ConfigError([str(exc)], path) from None
+
+
+def check_calibration(settings: Settings) -> list[str]:
+    """The configured calibration table, read once so a bad table stops `specd
+    check-config` and the daemon's start, not a decision hours later; one line or none."""
+    path = settings.choose.calibration_file
+    if path is None:
+        return []
+    try:
+        read_calibration(path)
+    except CalibrationError as exc:
+        return [f"choose.calibration_file: {exc}"]
+    return []
 
 
 def load_config(path: str | Path | None = None) -> Config:
@@ -458,28 +344,60 @@ def load_config(path: str | Path | None = None) -> Config:
         config_path = None
     elif config_path is not None:
         data = read_config_file(config_path)
-    problems = _type_problems(data) + _unknown_env()
+    problems, data = _placement_problems(data)
+    problems += _type_problems(data)
+    env_problems, env_names = _unknown_env()
+    problems += env_problems
     token = _FILE_DATA.set(data)
+    config: Config | None = None
     try:
         config = Config()
     except ValidationError as exc:
         # A key whose type was already reported gets one line, not two.
         seen = {p.split(":", 1)[0] for p in problems}
-        problems += [p for p in _problems_from(exc) if p.split(":", 1)[0] not in seen]
+        problems += [p for p in _problems_from(exc, env_names) if p.split(":", 1)[0] not in seen]
     except SettingsError as exc:
-        # pydantic-settings fails this way on malformed JSON in a list-valued variable.
+        # pydantic-settings fails this way on malformed JSON in a variable.
         field = re.search(r'field "(\w+)"', str(exc))
         name = ENV_PREFIX + field.group(1).upper() if field else "environment"
         problems.append(f"{name}: not valid JSON: {exc.__cause__ or exc}")
     finally:
         _FILE_DATA.reset(token)
+    if config is not None:
+        problems += check_calibration(config)
     if problems:
         raise ConfigError(problems, config_path)
+    assert config is not None
     return config
 
 
-def config_to_dict(config: Config) -> dict[str, Any]:
-    """The config as plain TOML/JSON-able data (paths as strings, no None values)."""
-    data = config.model_dump(mode="json")
-    data["bands"] = [{k: v for k, v in band.items() if v is not None} for band in data["bands"]]
-    return {k: v for k, v in data.items() if v is not None}
+def _flat(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Table values as ``table.key``; the arrays and anything else as they are."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in TABLES and isinstance(value, Mapping):
+            out.update({f"{key}.{name}": item for name, item in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def config_changes(old: BaseModel, new: BaseModel) -> dict[str, Any]:
+    """What a reload changed, key by key (``{"observe.scrape_interval_s": 0.8}``)."""
+    before = _flat(old.model_dump(mode="json"))
+    return {k: v for k, v in _flat(new.model_dump(mode="json")).items() if before.get(k) != v}
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value
+
+
+def config_to_dict(config: BaseModel) -> dict[str, Any]:
+    """The config as plain TOML/JSON-able data, table by table (paths as strings, no None
+    values: TOML has no null)."""
+    data: dict[str, Any] = _without_none(config.model_dump(mode="json"))
+    return data

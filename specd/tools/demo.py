@@ -47,17 +47,16 @@ def demo_config(workdir: Path, twin_port: int, metrics_port: int) -> Config:
     return twin_unit_config(
         workdir,
         twin_port,
-        scrape_interval_s=1.0,
-        stale_after_s=10.0,
-        history_half_life_s=12.0,
-        min_history_s=6.0,
-        warmup_exclude_s=2.0,
-        stabilization_window_s=6.0,
-        min_dwell_s=15.0,
-        daily_restart_budget=50,
-        health_probe_timeout_s=25.0,
-        metrics_port=metrics_port,
-        log_format="json",
+        observe={
+            "scrape_interval_s": 1.0,
+            "stale_after_s": 10.0,
+            "history_half_life_s": 12.0,
+            "min_history_s": 6.0,
+            "warmup_exclude_s": 2.0,
+        },
+        choose={"stabilization_window_s": 6.0},
+        restart={"min_dwell_s": 15.0, "daily_restart_budget": 50, "health_probe_timeout_s": 25.0},
+        report={"metrics_port": metrics_port, "log_format": "json"},
         # A window opens every 20 s and stays open 15 s (production: once a night).
         windows=[
             {

@@ -292,7 +292,7 @@ def evaluated_spans(
     (``report from``) its control state — the recommendations of the last stabilization
     window — and so every decision is exactly the daemon's, which steps at every tick.
     """
-    lead = config.stabilization_window_s + config.scrape_interval_s
+    lead = config.choose.stabilization_window_s + config.observe.scrape_interval_s
     return [(a - 2 * lead, a - lead, b) for a, b in opens]
 
 
@@ -312,12 +312,12 @@ def replay(
     The first ``warmup_s`` of the trace are replayed (specd learns and acts) but not
     scored: tokens, restarts and days count from there on, for steady-state comparisons.
     """
-    allowed = list(range(config.min_steps, config.max_steps + 1))
+    allowed = list(range(config.choose.min_steps, config.choose.max_steps + 1))
     missing = [k for k in allowed if k not in truth.steps()]
     if missing:
         raise ReplayError(
             f"{truth.source}: truth has no steps {','.join(map(str, missing))} "
-            f"(allowed {config.min_steps}-{config.max_steps}; narrow it with --steps)"
+            f"(allowed {config.choose.min_steps}-{config.choose.max_steps}; narrow it with --steps)"
         )
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
@@ -328,17 +328,18 @@ def replay(
     k = (
         initial_steps
         if initial_steps is not None
-        else min(max(3, config.min_steps), config.max_steps)
+        else min(max(3, config.choose.min_steps), config.choose.max_steps)
     )
     if k not in allowed:
         raise ReplayError(
-            f"initial steps {k} outside the allowed {config.min_steps}-{config.max_steps}"
+            f"initial steps {k} outside the allowed "
+            f"{config.choose.min_steps}-{config.choose.max_steps}"
         )
 
-    if calibration is None and config.calibration_file is not None:
-        calibration = read_calibration(config.calibration_file)
+    if calibration is None and config.choose.calibration_file is not None:
+        calibration = read_calibration(config.choose.calibration_file)
     history = History(HistorySettings.from_config(config))
-    step_s = config.scrape_interval_s
+    step_s = config.observe.scrape_interval_s
     server = SimulatedServer(trace, truth, tokens, t0, k)
     control = Control(current_steps=k)
     timeline: list[tuple[float, int]] = [(first, k)]
@@ -348,7 +349,7 @@ def replay(
     decisions: list[tuple[float, int | None, str]] = []
     costs: list[float] = []
     # SGLang has been up long enough at the start: no warm-up to exclude.
-    history.mark_sglang_start(t0 + first - config.warmup_exclude_s - step_s)
+    history.mark_sglang_start(t0 + first - config.observe.warmup_exclude_s - step_s)
     spans = evaluated_spans(config, opens)
     span_i = 0
     forecasts: dict[int, Forecast] = {}
@@ -375,7 +376,12 @@ def replay(
         # No unit to stop in the simulation: a restart needs just the start, as specd
         # estimates it (the daemon adds the unit's stop timeout).
         context = StepContext(
-            config, history, None, control, calibration, restart_needs_s=config.restart_cost_s
+            config,
+            history,
+            None,
+            control,
+            calibration,
+            restart_needs_s=config.choose.restart_cost_s,
         )
         began = time.perf_counter()
         outcome = step(context, obs, t)

@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -35,7 +35,7 @@ from specd.core.history import HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
 from specd.io import files, tables
-from specd.io.apply import Applier, ApplyOutcome, ApplySettings
+from specd.io.apply import Applier, ApplyOutcome
 from specd.io.config import Config
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -298,7 +298,7 @@ class StateJournal:
 
     def __init__(self, config: Config) -> None:
         self.store = StateStore(
-            Path(config.state_dir), history_settings=HistorySettings.from_config(config)
+            Path(config.files.state_dir), history_settings=HistorySettings.from_config(config)
         )
         self.state: State | None = None
         self.problem: str | None = None
@@ -347,12 +347,12 @@ def _match_owner(path: Path, directory: Path) -> None:
 
 def daemon_running(config: Config) -> str | None:
     """A one-line reason when specd's own /metrics answers (the daemon runs), else None."""
-    if config.metrics_port == 0:
+    if config.report.metrics_port == 0:
         return None
-    host = config.metrics_listen_address
+    host = config.report.metrics_listen_address
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # noqa: S104
     netloc = f"[{host}]" if ":" in host else host
-    url = f"http://{netloc}:{config.metrics_port}/metrics"
+    url = f"http://{netloc}:{config.report.metrics_port}/metrics"
     try:
         response = httpx.get(url, timeout=DAEMON_PROBE_TIMEOUT_S, trust_env=False)
     except httpx.HTTPError:
@@ -432,7 +432,7 @@ class _Sweeper:
         runner: Runner,
         reporter: Reporter,
         stop: threading.Event,
-        apply_settings: ApplySettings,
+        pacing: Mapping[str, Any],
     ) -> None:
         self.config = config
         self.plan = plan
@@ -440,8 +440,8 @@ class _Sweeper:
         self.runner = runner
         self.reporter = reporter
         self.stop = stop
-        self.settings = apply_settings
-        self.client = SGLangClient(config.sglang_url, timeout_s=config.scrape_timeout_s)
+        self.pacing = dict(pacing)
+        self.client = SGLangClient(config.sglang.url, timeout_s=config.observe.scrape_timeout_s)
         self.journal = StateJournal(config)
         self.current: int | None = None
 
@@ -450,7 +450,9 @@ class _Sweeper:
 
     # -- restarts ---------------------------------------------------------------------
     def _apply(self, target: int, *, stop: threading.Event) -> ApplyOutcome:
-        applier = Applier(self.settings, self.client, self.runner, self.journal, stop)
+        applier = Applier.from_settings(
+            self.config, self.client, self.runner, self.journal, stop, **self.pacing
+        )
         outcome = applier.apply(target, self.current, window_open=lambda: True, force=True)
         # The outcome is reported below; the daemon has nothing left to reconcile.
         try:
@@ -497,7 +499,7 @@ class _Sweeper:
             self.reporter.message(
                 f"RESTORE FAILED: SGLang is not back on {original} steps ({outcome.result}: "
                 f"{outcome.message}); fix it by hand: `specd override pin {original}` or the "
-                f"env file {self.settings.env_file}"
+                f"env file {self.config.sglang.env_file}"
             )
 
     # -- load -------------------------------------------------------------------------
@@ -562,7 +564,7 @@ class _Sweeper:
 
     def _generator(self, concurrency: int) -> LoadGenerator:
         return LoadGenerator(
-            self.config.sglang_url, max_concurrency=concurrency, max_tokens=self.plan.max_tokens
+            self.config.sglang.url, max_concurrency=concurrency, max_tokens=self.plan.max_tokens
         )
 
     async def _settle(self, gen: LoadGenerator, concurrency: int) -> None:
@@ -632,11 +634,11 @@ def _current_steps(client: SGLangClient) -> int:
 
 
 def check_plan(plan: SweepPlan, config: Config) -> None:
-    outside = [k for k in plan.steps if not config.min_steps <= k <= config.max_steps]
+    outside = [k for k in plan.steps if not config.choose.min_steps <= k <= config.choose.max_steps]
     if outside:
         raise SweepError(
             f"--steps {','.join(map(str, outside))} outside the configured range "
-            f"{config.min_steps}..{config.max_steps} (min_steps/max_steps)"
+            f"{config.choose.min_steps}..{config.choose.max_steps} (min_steps/max_steps)"
         )
 
 
@@ -670,12 +672,13 @@ def sweep(
     runner: Runner | None = None,
     reporter: Reporter | None = None,
     stop: threading.Event | None = None,
-    apply_settings: ApplySettings | None = None,
+    pacing: Mapping[str, Any] | None = None,
     handle_signals: bool = True,
 ) -> SweepReport:
     """Run the sweep and write its files; raises SweepError only before touching SGLang.
 
     ``runner`` restarts the unit (default: systemctl); tests pass a ``TwinUnitRunner``.
+    ``pacing`` goes to the ``Applier`` (tests poll a fast twin more often).
     ``handle_signals`` makes SIGINT/SIGTERM stop and restore (main thread only).
     """
     check_plan(plan, config)
@@ -684,9 +687,8 @@ def sweep(
         raise SweepError(problem)
     reporter = reporter or Reporter()
     stop = stop or threading.Event()
-    settings = apply_settings or ApplySettings.from_config(config)
     sweeper = _Sweeper(
-        config, plan, out_dir, runner or SubprocessRunner(), reporter, stop, settings
+        config, plan, out_dir, runner or SubprocessRunner(), reporter, stop, pacing or {}
     )
     try:
         sweeper.journal.open()

@@ -4,7 +4,7 @@ a systemd).
 `TwinUnitRunner` is a `specd.runner.Runner`: it answers the one command apply issues,
 ``systemctl --no-ask-password restart UNIT`` (and the read-only ``systemctl is-active
 UNIT``), the way systemd does for a unit with
-``EnvironmentFile=-ENV`` and ``ExecStart=... --speculative-num-steps ${SPECD_SPEC_STEPS}``:
+``EnvironmentFile=-ENV`` and ``ExecStart=... --speculative-num-steps ${SPECULATIVE_NUM_STEPS}``:
 stop the running process (SIGTERM, then SIGKILL after a timeout), re-read the env file,
 start a new process with the values expanded. Any other command is refused with exit
 status 1, so a bug that tries to do more than restart the unit shows up.
@@ -28,27 +28,35 @@ UNIT_NAME = "sglang-twin.service"
 def twin_unit_config(workdir: Path, twin_port: int, **overrides: object) -> Config:
     """A specd config for the twin run as a unit: files under ``workdir``, no real unit.
 
-    The demo, `specd sweep --twin` and tests start from it; ``overrides`` set the rest.
+    The demo, `specd sweep --twin` and tests start from it. ``overrides`` are tables merged
+    key by key into these (``choose={"max_steps": 6}``) or the arrays (``windows=[...]``).
     """
-    return Config.model_validate(
-        {
-            "sglang_url": f"http://127.0.0.1:{twin_port}",
-            "sglang_unit": UNIT_NAME,
+    data: dict[str, object] = {
+        "sglang": {
+            "url": f"http://127.0.0.1:{twin_port}",
+            "unit": UNIT_NAME,
             "env_file": str(workdir / "sglang.env"),
+        },
+        "files": {
             "state_dir": str(workdir / "state"),
             "override_file": str(workdir / "override.toml"),
-            "scrape_timeout_s": 2.0,
-            # The twin serves a load generator that never pauses: don't wait long for quiet.
+        },
+        "observe": {"scrape_timeout_s": 2.0},
+        # The twin serves a load generator that never pauses: don't wait long for quiet.
+        "restart": {
             "quiet_concurrency_max": 64,
             "quiet_deadline_s": 5.0,
             "startup_timeout_s": 60.0,
-            # The twin loads in seconds, not SGLang's minutes: windows may be short.
-            "restart_cost_s": 5.0,
-            "metrics_listen_address": "127.0.0.1",
-            "metrics_port": 0,
-            **overrides,
-        }
-    )
+        },
+        "report": {"metrics_listen_address": "127.0.0.1", "metrics_port": 0},
+    }
+    for key, value in overrides.items():
+        base = data.get(key)
+        if isinstance(base, Mapping) and isinstance(value, Mapping):
+            data[key] = {**base, **value}
+        else:
+            data[key] = value
+    return Config.model_validate(data)
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -87,8 +95,8 @@ class TwinUnitRunner:
         self.defaults = dict(
             defaults
             or {
-                "SPECD_SPEC_STEPS": str(DEFAULT_STEPS),
-                "SPECD_SPEC_DRAFT_TOKENS": str(DEFAULT_STEPS + 1),
+                "SPECULATIVE_NUM_STEPS": str(DEFAULT_STEPS),
+                "SPECULATIVE_NUM_DRAFT_TOKENS": str(DEFAULT_STEPS + 1),
             }
         )
         # Extra twin flags, or a function of the step count (to fail at one step count).
@@ -108,17 +116,17 @@ class TwinUnitRunner:
 
     def argv(self) -> list[str]:
         env = self.environment()
-        steps = int(env["SPECD_SPEC_STEPS"])
+        steps = int(env["SPECULATIVE_NUM_STEPS"])
         extra = self.extra_args(steps) if callable(self.extra_args) else self.extra_args
         return [
             "--speculative-algorithm",
             "NEXTN",
             "--speculative-num-steps",
-            env["SPECD_SPEC_STEPS"],
+            env["SPECULATIVE_NUM_STEPS"],
             "--speculative-eagle-topk",
             "1",
             "--speculative-num-draft-tokens",
-            env["SPECD_SPEC_DRAFT_TOKENS"],
+            env["SPECULATIVE_NUM_DRAFT_TOKENS"],
             "--enable-metrics",
             *extra,
         ]
@@ -178,7 +186,7 @@ class TwinUnitRunner:
         # Like systemd: SIGTERM (SGLang drains), SIGKILL after the stop timeout; and like a
         # Type=simple unit, the command returns once the new process started, not loaded.
         self.stop()
-        self.restarted_to.append(int(self.environment()["SPECD_SPEC_STEPS"]))
+        self.restarted_to.append(int(self.environment()["SPECULATIVE_NUM_STEPS"]))
         self.start()
         return RunResult(
             argv=tuple(args),

@@ -112,7 +112,10 @@ def test_the_daemon_imports_nothing_from_the_tools_extra() -> None:
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
-BAD_CONFIG = 'min_steps = 5\nmax_steps = 2\nscrape_intervall_s = 3\nhealth_probe_timeout_s = "x"\n'
+BAD_CONFIG = (
+    "[choose]\nmin_steps = 5\nmax_steps = 2\n[observe]\nscrape_intervall_s = 3\n"
+    '[restart]\nhealth_probe_timeout_s = "x"\n'
+)
 
 
 @pytest.mark.parametrize(
@@ -138,18 +141,18 @@ def test_a_bad_config_stops_the_command_with_one_line_per_problem(
     lines = proc.stderr.strip().splitlines()
     assert all(line.startswith(f"{path}: ") for line in lines), lines
     named = " ".join(lines)
-    for key in ("scrape_intervall_s", "health_probe_timeout_s"):
+    for key in ("observe.scrape_intervall_s", "restart.health_probe_timeout_s"):
         assert key in named, lines
 
 
 def write_config(tmp_path: Path) -> Path:
     path = tmp_path / "specd.toml"
     path.write_text(
-        'sglang_url = "http://127.0.0.1:9"\n'  # nothing listens: the daemon sees no_data
-        f'state_dir = "{tmp_path / "state"}"\n'
+        '[sglang]\nurl = "http://127.0.0.1:9"\n'  # nothing listens: the daemon sees no_data
         f'env_file = "{tmp_path / "sglang.env"}"\n'
+        f'[files]\nstate_dir = "{tmp_path / "state"}"\n'
         f'override_file = "{tmp_path / "override.toml"}"\n'
-        "metrics_port = 0\nscrape_timeout_s = 0.5\n"
+        "[report]\nmetrics_port = 0\n[observe]\nscrape_timeout_s = 0.5\n"
     )
     return path
 
@@ -157,7 +160,7 @@ def write_config(tmp_path: Path) -> Path:
 def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> None:
     cfg_path = write_config(tmp_path)
     config = load_config(cfg_path)
-    store = StateStore(config.state_dir)
+    store = StateStore(config.files.state_dir)
     frozen = {"since": time.time() - 60, "reason": "restart to 3 rolled_back: never healthy"}
     assert store.save(State(frozen=frozen)) is None
 
@@ -169,7 +172,7 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
 
     done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed the model path")
     assert done.returncode == 0, done.stderr
-    request = Path(config.state_dir) / UNFREEZE_REQUEST
+    request = Path(config.files.state_dir) / UNFREEZE_REQUEST
     assert json.loads(request.read_text())["reason"] == "fixed the model path"
 
     # The daemon, not the command, clears the freeze: at its next tick, and says who/why.
@@ -178,7 +181,7 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
     daemon.tick()
     assert daemon.state.frozen is None
     assert not request.exists()
-    assert StateStore(config.state_dir).load()[0].frozen is None
+    assert StateStore(config.files.state_dir).load()[0].frozen is None
     assert "FROZEN" not in specd("status", "--config", str(cfg_path)).stdout
     # Nothing frozen: nothing to request.
     again = specd("unfreeze", "--config", str(cfg_path), "--reason", "again")

@@ -53,10 +53,10 @@ NEVER = ("0 0 0 29 2 *", 3600)  # 29 February only
 def write_config(tmp: Path, window: tuple[str, int]) -> Path:
     cfg = tmp / "specd.toml"
     cfg.write_text(
-        f'state_dir = "{tmp / "state"}"\n'
-        f'env_file = "{tmp / "sglang.env"}"\n'
+        f'[files]\nstate_dir = "{tmp / "state"}"\n'
         f'override_file = "{tmp / "override.toml"}"\n'
-        "stabilization_window_s = 0\n"
+        f'[sglang]\nenv_file = "{tmp / "sglang.env"}"\n'
+        "[choose]\nstabilization_window_s = 0\n"
         f'[[windows]]\ncron = "{window[0]}"\nduration_s = {window[1]}\ntimezone = "UTC"\n'
     )
     return cfg

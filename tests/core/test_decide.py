@@ -6,7 +6,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +23,7 @@ from specd.core.decide import (
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
-from specd.io.config import Config
+from specd.core.settings import ChooseSettings, Settings
 
 UTC = timezone.utc
 # The default window opens daily at 03:00 UTC for an hour.
@@ -33,9 +33,9 @@ HOUR = 3600.0
 DAY = 86400.0
 
 
-def config(**kwargs: Any) -> Config:
+def config(**kwargs: Any) -> Settings:
     base: dict[str, Any] = {"min_history_s": 600, "stabilization_window_s": 600}
-    return Config(**{**base, **kwargs})
+    return Settings.model_validate(tables(**{**base, **kwargs}))
 
 
 def observation(t: float, running: int = 1, steps: int | None = 4) -> Observation:
@@ -100,7 +100,7 @@ def case(
     obs: Any = NO_OBS,
     override: Override | None = None,
     ctl: Control | None = None,
-    cfg: Config | None = None,
+    cfg: Settings | None = None,
 ) -> Any:
     return pytest.param(
         now,
@@ -204,7 +204,7 @@ def test_each_reason(
     obs: Any,
     override: Override | None,
     ctl: Control,
-    cfg: Config,
+    cfg: Settings,
     reason: Reason,
     target: int | None,
     acts: bool,
@@ -252,7 +252,7 @@ def test_band_hysteresis(
         kwargs["bands"] = tuple(
             {"steps": s} if m is None else {"max_concurrency": m, "steps": s} for m, s in bands
         )
-    cfg = Config(**kwargs)
+    cfg = Settings.model_validate(tables(**kwargs))
     picked = choose(history(offered=offered), cfg, current)
     assert picked is not None
     assert picked.steps == expected
@@ -267,20 +267,20 @@ def test_the_band_quantile_is_configurable(ratio: float, expected: int) -> None:
     h = History(HistorySettings(half_life_s=1e9, warmup_exclude_s=0, scrape_interval_s=5))
     for i, offered in enumerate([1] * 160 + [30] * 40):  # 80% light, 20% heavy
         h.record(observation(OPEN - 1000 + 5 * i, running=offered))
-    picked = choose(h, Config(band_quantile_ratio=ratio))
+    picked = choose(h, Settings.model_validate(tables(band_quantile_ratio=ratio)))
     assert picked is not None
     assert picked.steps == expected
     assert f"p{ratio * 100:g} offered concurrency" in picked.why
 
 
 def test_recommend_without_busy_history_is_none() -> None:
-    assert choose(History(), Config()) is None
-    assert choose(history(offered=0), Config()) is None
+    assert choose(History(), Settings()) is None
+    assert choose(history(offered=0), Settings()) is None
 
 
 def test_every_configurable_policy_has_an_implementation() -> None:
     # The config's Literal is the set of policies: one without code cannot be configured.
-    assert set(POLICIES) == set(typing.get_args(Config.model_fields["policy"].annotation))
+    assert set(POLICIES) == set(typing.get_args(ChooseSettings.model_fields["policy"].annotation))
 
 
 @pytest.mark.parametrize(
@@ -441,7 +441,10 @@ PROPERTY = settings(max_examples=100, deadline=None)
 def test_target_is_always_in_the_allowed_range(s: dict[str, Any]) -> None:
     decision = _decide(s)
     cfg = s["config"]
-    assert decision.target_steps is None or cfg.min_steps <= decision.target_steps <= cfg.max_steps
+    assert (
+        decision.target_steps is None
+        or cfg.choose.min_steps <= decision.target_steps <= cfg.choose.max_steps
+    )
     assert decision.message
     assert "\n" not in decision.message
 
@@ -462,7 +465,7 @@ def test_never_acts_beyond_the_restart_budget_unless_a_pin_says_now(s: dict[str,
     decision = _decide(s)
     now = s["now"]
     used = sum(1 for t in s["control"].restart_times if t > now - DAY)
-    if used >= s["config"].daily_restart_budget:
+    if used >= s["config"].restart.daily_restart_budget:
         assert not decision.acts(s["control"].current_steps) or _pin_now(s)
 
 
@@ -480,7 +483,10 @@ def test_a_freeze_holds_whatever_the_input(s: dict[str, Any]) -> None:
     assert decision.reason is Reason.FROZEN
     assert not decision.acts(s["control"].current_steps)
     current = s["control"].current_steps
-    if current is not None and s["config"].min_steps <= current <= s["config"].max_steps:
+    if (
+        current is not None
+        and s["config"].choose.min_steps <= current <= s["config"].choose.max_steps
+    ):
         assert decision.target_steps == current
 
 
@@ -491,7 +497,9 @@ def test_missing_or_stale_data_never_acts_without_a_pin(s: dict[str, Any], kind:
     s["obs"] = {
         "none": None,
         "error": ScrapeError("refused", "connection refused", now),
-        "stale": observation(now - s["config"].stale_after_s - 1, steps=s["control"].current_steps),
+        "stale": observation(
+            now - s["config"].observe.stale_after_s - 1, steps=s["control"].current_steps
+        ),
     }[kind]
     o = s["override"]
     if o is not None and o.mode == "pin":
@@ -510,10 +518,10 @@ def test_a_change_respects_dwell_stabilization_and_window(s: dict[str, Any]) -> 
     cfg, now, ctl = s["config"], s["now"], s["control"]
     assert decision.acts(ctl.current_steps)
     assert windows.is_open(cfg.windows, datetime.fromtimestamp(now, tz=UTC))
-    assert all(now - t >= cfg.min_dwell_s for t in ctl.restart_times)
-    assert s["history"].busy_seconds >= cfg.min_history_s
-    if cfg.stabilization_window_s > 0:
-        start = now - cfg.stabilization_window_s
+    assert all(now - t >= cfg.restart.min_dwell_s for t in ctl.restart_times)
+    assert s["history"].busy_seconds >= cfg.observe.min_history_s
+    if cfg.choose.stabilization_window_s > 0:
+        start = now - cfg.choose.stabilization_window_s
         assert any(t <= start for t, _ in ctl.recommendations)
         assert all(k == decision.target_steps for t, k in ctl.recommendations if t >= start)
 

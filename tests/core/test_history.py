@@ -6,12 +6,12 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import HOURS_PER_WEEK, History, HistorySettings, Recorded, hour_of_week
 from specd.core.observation import Observation
-from specd.io.config import Config
+from specd.core.settings import Settings
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC, a Thursday
 
@@ -421,7 +421,9 @@ def test_settings_validate(kwargs: dict[str, float]) -> None:
 
 
 def test_settings_from_config() -> None:
-    config = Config(history_half_life_s=7200, warmup_exclude_s=30, scrape_interval_s=2)
+    config = Settings.model_validate(
+        tables(history_half_life_s=7200, warmup_exclude_s=30, scrape_interval_s=2)
+    )
     assert HistorySettings.from_config(config) == HistorySettings(
         half_life_s=7200, warmup_exclude_s=30, scrape_interval_s=2
     )

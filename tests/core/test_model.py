@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import make_observation, seed_table
+from factories import make_observation, seed_table, tables
 
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.decide import Control, choose
@@ -21,9 +21,9 @@ from specd.core.model import (
 )
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.settings import Settings
 from specd.core.step import StepContext, step
 from specd.io.calibration import CalibrationFile
-from specd.io.config import Config
 from specd.io.tables import write_table
 from specd.twin import preset
 
@@ -201,11 +201,11 @@ def test_fold_above_keeps_the_total() -> None:
 
 
 # -- the policy -------------------------------------------------------------------------
-def config(tmp_path: Path, **kwargs: Any) -> Config:
+def config(tmp_path: Path, **kwargs: Any) -> Settings:
     path = tmp_path / "cal.csv"
     write_table(path, SEED)
     base: dict[str, Any] = {"calibration_file": str(path), "min_history_s": 600}
-    return Config(**{**base, **kwargs})
+    return Settings.model_validate(tables(**{**base, **kwargs}))
 
 
 def busy(offered: int, steps: int, hours: float = 3.0) -> History:
@@ -273,7 +273,7 @@ def test_the_plan_exposes_every_candidates_prediction(tmp_path: Path) -> None:
     assert result.predictions[5].source is Source.EXTRAPOLATED
     assert result.predictions[4].source is Source.CALIBRATION
     p5 = result.predictions[5]
-    serving = result.until - result.now - cfg.restart_cost_s
+    serving = result.until - result.now - cfg.choose.restart_cost_s
     assert p5.tokens == pytest.approx(p5.tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) * serving)
     assert "5:" in result.why
     assert "~" in result.why
@@ -291,9 +291,9 @@ def test_no_history_no_recommendation(tmp_path: Path) -> None:
 def test_an_unreadable_calibration_falls_back_to_observations_and_says_so(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     history = busy(2, 3)
-    assert cfg.calibration_file is not None
-    cfg.calibration_file.unlink()
-    calibration, problem = CalibrationFile(cfg.calibration_file).current()
+    assert cfg.choose.calibration_file is not None
+    cfg.choose.calibration_file.unlink()
+    calibration, problem = CalibrationFile(cfg.choose.calibration_file).current()
     assert calibration is None
     assert problem is not None
     context = StepContext(cfg, history, None, Control(3), calibration, problem)

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 
 import specd.core
 from specd.core import decide as decide_mod
@@ -35,7 +35,7 @@ def busy_history(end: float = OPEN, offered: int = 20, seconds: float = 1200.0) 
 
 
 def context(history: History, **control: Any) -> StepContext:
-    config = Config(min_history_s=600, stabilization_window_s=600)
+    config = Config(**tables(min_history_s=600, stabilization_window_s=600))
     return StepContext(config, history, None, Control(current_steps=None, **control))
 
 

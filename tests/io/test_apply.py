@@ -14,13 +14,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
+from specd.core.settings import TABLE_OF_KEY, Settings
 from specd.io import files
 from specd.io.apply import (
     ENV_DRAFT_TOKENS,
@@ -28,7 +29,6 @@ from specd.io.apply import (
     PHASES,
     Applier,
     ApplyOutcome,
-    ApplySettings,
     Journal,
     JournalError,
     encode_env,
@@ -47,7 +47,7 @@ UNIT = "sglang.service"
 # The drop-in's Environment= line: what the unit runs when the env file is absent.
 DROPIN_DEFAULT_STEPS = 3
 # An operator-written file, with a comment and odd spacing, to prove restores are exact.
-ORIGINAL_ENV = b"# hand-written\nSPECD_SPEC_STEPS=3\nSPECD_SPEC_DRAFT_TOKENS=4\n\n"
+ORIGINAL_ENV = b"# hand-written\nSPECULATIVE_NUM_STEPS=3\nSPECULATIVE_NUM_DRAFT_TOKENS=4\n\n"
 TWIN_TIMING = [
     "--load-time-s",
     "0.1",
@@ -134,22 +134,48 @@ class Recorder:
         return [c["phase"] for c in self.calls if c is not None]
 
 
-def settings_for(env_file: Path, **overrides: Any) -> ApplySettings:
-    base = ApplySettings(
-        unit=UNIT,
-        env_file=env_file,
-        min_steps=1,
-        max_steps=6,
-        quiet_concurrency_max=2,
-        quiet_deadline_s=5.0,
-        quiet_poll_interval_s=0.05,
-        startup_timeout_s=10.0,
-        health_probe_timeout_s=2.0,
-        health_poll_interval_s=0.05,
-        restart_command_timeout_s=30.0,
-        verify_attempts=3,
+PACING_KEYS = ("quiet_poll_interval_s", "health_poll_interval_s", "verify_attempts")
+
+
+def settings_for(env_file: Path, **overrides: Any) -> Settings:
+    """The config's tables for a fast twin; ``overrides`` by key name, each into its table."""
+    tables: dict[str, dict[str, Any]] = {
+        "sglang": {"unit": UNIT, "env_file": env_file},
+        "choose": {"min_steps": 1, "max_steps": 6},
+        "restart": {
+            "quiet_concurrency_max": 2,
+            "quiet_deadline_s": 5.0,
+            "startup_timeout_s": 10.0,
+            "health_probe_timeout_s": 25.0,
+            "restart_command_timeout_s": 30.0,
+        },
+    }
+    for key, value in overrides.items():
+        if key not in PACING_KEYS:
+            tables[TABLE_OF_KEY[key]][key] = value
+    return Settings.model_validate(tables)
+
+
+def make_applier(
+    settings: Settings,
+    client: SGLangClient,
+    runner: Callable[..., RunResult],
+    persist: Callable[[dict[str, Any] | None], None],
+    stop: threading.Event,
+    **overrides: Any,
+) -> Applier:
+    pacing = {"quiet_poll_interval_s": 0.05, "health_poll_interval_s": 0.05, "verify_attempts": 3}
+    pacing.update({k: v for k, v in overrides.items() if k in PACING_KEYS})
+    return Applier(
+        settings.sglang,
+        settings.choose,
+        settings.restart,
+        client,
+        runner,
+        persist,
+        stop,
+        **pacing,
     )
-    return replace(base, **overrides)
 
 
 @pytest.fixture
@@ -182,12 +208,13 @@ def applier_for(
     stop: threading.Event | None = None,
     **overrides: Any,
 ) -> Applier:
-    return Applier(
+    return make_applier(
         settings_for(unit.env_file, **overrides),
         SGLangClient(unit.url, timeout_s=3.0),
         runner or unit,
         persist,
         stop or threading.Event(),
+        **overrides,
     )
 
 
@@ -211,16 +238,19 @@ def test_render_env_sets_steps_and_draft_tokens_and_says_who_writes_it(steps: in
     [
         (None, None),
         (b"", None),
-        (b"SPECD_SPEC_STEPS=4\n", 4),
-        (b"# c\n; c\n  SPECD_SPEC_STEPS = 2 \nSPECD_SPEC_DRAFT_TOKENS=3\n", 2),
-        (b'SPECD_SPEC_STEPS="5"\n', 5),
-        (b"SPECD_SPEC_STEPS='1'\n", 1),
-        (b"SPECD_SPEC_STEPS=four\n", None),
-        (b"SPECD_SPEC_STEPS=-1\n", None),
-        (b"SPECD_SPEC_STEPS=\n", None),
+        (b"SPECULATIVE_NUM_STEPS=4\n", 4),
+        (b"# c\n; c\n  SPECULATIVE_NUM_STEPS = 2 \nSPECULATIVE_NUM_DRAFT_TOKENS=3\n", 2),
+        (b'SPECULATIVE_NUM_STEPS="5"\n', 5),
+        (b"SPECULATIVE_NUM_STEPS='1'\n", 1),
+        (b"SPECULATIVE_NUM_STEPS=four\n", None),
+        (b"SPECULATIVE_NUM_STEPS=-1\n", None),
+        (b"SPECULATIVE_NUM_STEPS=\n", None),
         (b"OTHER=1\n", None),
         (b"\xff\xfe\x00garbage", None),
-        (b"SPECD_SPEC_STEPS=2\nSPECD_SPEC_STEPS=6\n", 6),  # the last one wins, as in systemd
+        (
+            b"SPECULATIVE_NUM_STEPS=2\nSPECULATIVE_NUM_STEPS=6\n",
+            6,
+        ),  # the last one wins, as in systemd
     ],
 )
 def test_read_env_steps(tmp_path: Path, content: bytes | None, expected: int | None) -> None:
@@ -237,53 +267,67 @@ def test_read_env_steps_of_a_directory_is_none(tmp_path: Path) -> None:
 # -- settings and journal -----------------------------------------------------------------
 
 
-def test_settings_from_config_takes_the_agreed_fields(tmp_path: Path) -> None:
+def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(tmp_path: Path) -> None:
     config = Config.model_validate(
         {
-            "sglang_unit": "sglang-122b.service",
-            "env_file": str(tmp_path / "x.env"),
-            "min_steps": 2,
-            "max_steps": 5,
-            "quiet_concurrency_max": 1,
-            "quiet_deadline_s": 0,
-            "scrape_interval_s": 2,
-            "startup_timeout_s": 300,
-            "health_probe_timeout_s": 25,
-            "restart_command_timeout_s": 60,
+            "sglang": {"unit": "sglang-122b.service", "env_file": str(tmp_path / "x.env")},
+            "choose": {"min_steps": 2, "max_steps": 5},
+            "observe": {"scrape_interval_s": 2},
+            "restart": {
+                "quiet_concurrency_max": 1,
+                "quiet_deadline_s": 0,
+                "startup_timeout_s": 300,
+                "health_probe_timeout_s": 25,
+                "restart_command_timeout_s": 60,
+            },
         }
     )
-    s = ApplySettings.from_config(config)
-    assert (s.unit, s.env_file, s.min_steps, s.max_steps) == (
-        "sglang-122b.service",
-        tmp_path / "x.env",
-        2,
-        5,
+    client = SGLangClient("http://127.0.0.1:9", timeout_s=1.0)
+    applier = Applier.from_settings(
+        config, client, lambda *a, **k: None, lambda j: None, threading.Event()
     )
-    assert (s.quiet_concurrency_max, s.quiet_deadline_s, s.quiet_poll_interval_s) == (1, 0, 2)
-    assert (s.startup_timeout_s, s.health_probe_timeout_s, s.restart_command_timeout_s) == (
-        300,
-        25,
-        60,
+    assert (applier.sglang, applier.choose, applier.restart) == (
+        config.sglang,
+        config.choose,
+        config.restart,
     )
+    assert applier.quiet_poll_interval_s == 2
+    assert (applier.health_poll_interval_s, applier.verify_attempts) == (2.0, 3)
+    client.close()
 
 
 @pytest.mark.parametrize(
     ("overrides", "problem"),
     [
-        ({"unit": "--now"}, "not a systemd unit name"),
-        ({"unit": "a b.service"}, "not a systemd unit name"),
-        ({"unit": ""}, "not a systemd unit name"),
-        ({"min_steps": 5, "max_steps": 2}, "is empty"),
+        ({"unit": "--now"}, "not a systemd service name"),
+        ({"unit": "a b.service"}, "not a systemd service name"),
+        ({"unit": ""}, "not a systemd service name"),
+        ({"min_steps": 5, "max_steps": 2}, r"min_steps \(5\) > max_steps \(2\)"),
         ({"startup_timeout_s": 0}, "startup_timeout_s"),
+        ({"restart_command_timeout_s": 1e300}, "restart_command_timeout_s"),
         ({"quiet_deadline_s": -1}, "quiet_deadline_s"),
     ],
 )
-def test_bad_settings_are_one_line_errors(
+def test_bad_settings_are_refused_by_the_tables(
     tmp_path: Path, overrides: dict[str, Any], problem: str
 ) -> None:
-    with pytest.raises(ValueError, match=problem) as info:
+    with pytest.raises(pydantic.ValidationError, match=problem):
         settings_for(tmp_path / "x.env", **overrides)
+
+
+@pytest.mark.parametrize(
+    "pacing",
+    [{"quiet_poll_interval_s": 0}, {"health_poll_interval_s": -1}, {"verify_attempts": 0}],
+)
+def test_bad_pacing_is_a_one_line_error(tmp_path: Path, pacing: dict[str, Any]) -> None:
+    settings = settings_for(tmp_path / "x.env")
+    client = SGLangClient("http://127.0.0.1:9", timeout_s=1.0)
+    with pytest.raises(ValueError, match="must be > 0") as info:
+        make_applier(
+            settings, client, lambda *a, **k: None, lambda j: None, threading.Event(), **pacing
+        )
     assert "\n" not in str(info.value)
+    client.close()
 
 
 def _journal(**changes: Any) -> dict[str, Any]:
@@ -293,7 +337,7 @@ def _journal(**changes: Any) -> dict[str, Any]:
         to_steps=4,
         unit=UNIT,
         env_file="/var/lib/specd/sglang.env",
-        previous_env="SPECD_SPEC_STEPS=3\n",
+        previous_env="SPECULATIVE_NUM_STEPS=3\n",
         previous_env_encoding="utf-8",
         started_at=1_700_000_000.0,
     ).to_dict()
@@ -509,7 +553,7 @@ def test_env_file_problems_abort_before_any_restart(
     env_file = make_env(tmp_path)
     before = env_file.read_bytes() if env_file.is_file() else None
     rec = Recorder(tmp_path / "journal.json")
-    applier = Applier(
+    applier = make_applier(
         settings_for(env_file, quiet_deadline_s=0),
         SGLangClient(unit.url),
         unit,
@@ -551,7 +595,7 @@ def test_a_symlinked_env_file_is_refused_and_its_target_untouched(
     unit = make_unit(start=False)
     env_file = _secret_link(tmp_path / "linked.env")
     rec = Recorder(tmp_path / "journal.json")
-    applier = Applier(
+    applier = make_applier(
         settings_for(env_file, quiet_deadline_s=0),
         SGLangClient(unit.url),
         unit,

@@ -1,19 +1,41 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pydantic
 import pytest
+import tomli_w
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic.fields import FieldInfo
 
 from specd.cli import main
-from specd.io.config import Band, Config, ConfigError, Window, config_to_dict, load_config
+from specd.core.settings import RENAMED_KEYS, TABLE_OF_KEY, TABLES, ChooseSettings
+from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
+from specd.io.config import (
+    ENV_PREFIX,
+    Band,
+    Config,
+    ConfigError,
+    Window,
+    config_to_dict,
+    load_config,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "etc" / "specd" / "specd.toml"
+INSTALLED = REPO / "specd" / "data" / "install" / "etc" / "specd" / "specd.toml"
 
 
 @pytest.fixture(autouse=True)
@@ -32,38 +54,70 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_match_the_agreed_fields() -> None:
     cfg = Config()
-    assert cfg.sglang_url == "http://127.0.0.1:30000"
-    assert cfg.sglang_unit == "sglang.service"
-    assert cfg.env_file == Path("/var/lib/specd/sglang.env")
-    assert cfg.state_dir == Path("/var/lib/specd")
-    assert cfg.override_file == Path("/etc/specd/override.toml")
-    assert (cfg.min_steps, cfg.max_steps) == (1, 6)
-    assert cfg.apply_mode == "static-topk1"
-    assert cfg.policy == "bands"
+    assert cfg.sglang.url == "http://127.0.0.1:30000"
+    assert cfg.sglang.unit == "sglang.service"
+    assert cfg.sglang.env_file == Path("/var/lib/specd/sglang.env")
+    assert cfg.files.state_dir == Path("/var/lib/specd")
+    assert cfg.files.override_file == Path("/etc/specd/override.toml")
+    assert (cfg.choose.min_steps, cfg.choose.max_steps) == (1, 6)
+    assert cfg.sglang.apply_mode == "static-topk1"
+    assert cfg.choose.policy == "bands"
     assert cfg.bands == [Band(max_concurrency=4, steps=4), Band(steps=3)]
     assert cfg.windows == [Window(cron="0 3 * * mon-sun", duration_s=3600, timezone="UTC")]
-    assert cfg.health_probe_timeout_s == 30
-    assert cfg.metrics_listen_address == "127.0.0.1"
-    assert cfg.metrics_port == 9464
-    assert cfg.log_format == "json"
-    for name, field in Config.model_fields.items():
-        assert field.description, f"{name} has no description"
+    assert cfg.restart.health_probe_timeout_s == 30
+    assert cfg.restart.restart_command_timeout_s == 420
+    assert cfg.report.metrics_listen_address == "127.0.0.1"
+    assert cfg.report.metrics_port == 9464
+    assert cfg.report.log_format == "json"
+
+
+def test_every_field_is_declared_once_with_a_description() -> None:
+    seen: dict[str, str] = {}
+    for table, model in TABLES.items():
+        for name, field in model.model_fields.items():
+            assert field.description, f"{table}.{name} has no description"
+            assert name not in seen, f"{name} in [{table}] and [{seen[name]}]"
+            seen[name] = table
+    for model in (Band, Window):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+    assert set(Config.model_fields) == set(TABLES) | {"bands", "windows"}
+
+
+def test_durations_and_ratios_have_an_upper_bound() -> None:
+    for table, model in TABLES.items():
+        for name, field in model.model_fields.items():
+            if name.endswith(("_s", "_ratio")) and field.annotation is float:
+                bounded = any(hasattr(m, "le") or hasattr(m, "lt") for m in field.metadata)
+                assert bounded, f"{table}.{name} has no upper bound"
 
 
 def test_config_is_frozen() -> None:
     cfg = Config()
     with pytest.raises(pydantic.ValidationError):
-        cfg.max_steps = 3  # type: ignore[misc]
+        cfg.choose.max_steps = 3  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError):
+        cfg.choose = ChooseSettings()  # type: ignore[misc]
 
 
-def test_example_file_lists_every_option_and_is_valid() -> None:
+def test_example_file_lists_every_option_in_its_table_and_is_valid() -> None:
+    data = tomllib.loads(EXAMPLE.read_text())
     text = EXAMPLE.read_text()
-    for name in Config.model_fields:
-        # Options without a default value (calibration_file) or whose default depends on
-        # another (policy) are shown commented out.
-        listed = (f"\n{name} = ", f"[[{name}]]", f"\n# {name} = ")
-        assert any(form in text for form in listed), f"{name} not in {EXAMPLE}"
+    for table, model in TABLES.items():
+        assert f"\n[{table}]\n" in text, f"[{table}] not in {EXAMPLE}"
+        section = text.split(f"\n[{table}]\n", 1)[1].split("\n[", 1)[0]
+        for name in model.model_fields:
+            # Options without a default value (calibration_file) or whose default depends on
+            # another (policy) are shown commented out.
+            listed = (f"\n{name} = ", f"\n# {name} = ")
+            assert any(form in section for form in listed), f"{table}.{name} not in {EXAMPLE}"
+    assert "bands" in data
+    assert "windows" in data
     assert config_to_dict(load_config(EXAMPLE)) == config_to_dict(Config())
+
+
+def test_example_is_the_installed_copy() -> None:
+    assert INSTALLED.read_text() == EXAMPLE.read_text()
 
 
 def test_example_passes_check_config_as_a_real_process() -> None:
@@ -76,25 +130,33 @@ def test_example_passes_check_config_as_a_real_process() -> None:
         env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
     )
     assert proc.returncode == 0, proc.stderr
-    assert 'sglang_unit = "sglang.service"' in proc.stdout
+    assert '[sglang]\nurl = "http://127.0.0.1:30000"\nunit = "sglang.service"' in proc.stdout
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("max_step = 4\n", ["max_step: unknown key"]),
+        ("[choose]\nmax_step = 4\n", ["choose.max_step: unknown key"]),
+        ("[chose]\nmax_steps = 4\n", ["chose: unknown key"]),
         ("[[windows]]\ncron = '0 3 * * *'\nduration_s = 60\nzone = 'UTC'\n", ["windows[0].zone:"]),
-        ('max_steps = "six"\n', ["max_steps: expected an integer, got str 'six'"]),
-        ('max_steps = "6"\n', ["max_steps: expected an integer"]),
-        ("min_steps = true\n", ["min_steps: expected an integer, got bool"]),
-        ("scrape_interval_s = '5'\n", ["scrape_interval_s: expected a number"]),
-        ("sglang_url = 5\n", ["sglang_url: expected a string"]),
+        ('[choose]\nmax_steps = "six"\n', ["choose.max_steps: expected an integer, got str 'six'"]),
+        ('[choose]\nmax_steps = "6"\n', ["choose.max_steps: expected an integer"]),
+        ("[choose]\nmin_steps = true\n", ["choose.min_steps: expected an integer, got bool"]),
+        ("[observe]\nscrape_interval_s = '5'\n", ["observe.scrape_interval_s: expected a number"]),
+        ("[sglang]\nurl = 5\n", ["sglang.url: expected a string"]),
         ("windows = 'daily'\n", ["windows: expected an array of tables"]),
-        ("policy = 'magic'\n", ["policy: Input should be 'bands' or 'model'"]),
-        ("min_steps = 5\nmax_steps = 3\n", ["min_steps (5) > max_steps (3)"]),
-        ("max_steps = 17\n", ["max_steps: Input should be less than or equal to 16"]),
-        ("min_steps = 0\n", ["min_steps: Input should be greater than or equal to 1"]),
-        ("max_steps = 3\n", ["bands[0].steps: 4 is outside min_steps..max_steps (1..3)"]),
+        ("observe = 5\n", ["observe: expected a table ([observe]), got int 5"]),
+        ("[choose]\npolicy = 'magic'\n", ["choose.policy: Input should be 'bands' or 'model'"]),
+        ("[choose]\nmin_steps = 5\nmax_steps = 3\n", ["choose: min_steps (5) > max_steps (3)"]),
+        (
+            "[choose]\nmax_steps = 17\n",
+            ["choose.max_steps: Input should be less than or equal to 16"],
+        ),
+        ("[choose]\nmin_steps = 0\n", ["choose.min_steps: Input should be greater than or equal"]),
+        (
+            "[choose]\nmax_steps = 3\n",
+            ["bands[0].steps: 4 is outside choose.min_steps..max_steps (1..3)"],
+        ),
         (
             "[[bands]]\nmax_concurrency = 8\nsteps = 4\n[[bands]]\nmax_concurrency = 4\n"
             "steps = 3\n[[bands]]\nsteps = 3\n",
@@ -103,11 +165,17 @@ def test_example_passes_check_config_as_a_real_process() -> None:
         ("[[bands]]\nsteps = 3\n[[bands]]\nsteps = 4\n", ["bands: exactly one band, the last"]),
         ("[[bands]]\nmax_concurrency = 4\nsteps = 4\n", ["bands: exactly one band, the last"]),
         ("bands = []\n", ["bands: at least one band"]),
-        ("health_probe_timeout_s = 20\n", ["health_probe_timeout_s: Input should be greater"]),
-        ("min_dwell_s = -1\n", ["min_dwell_s: Input should be greater than or equal to 0"]),
-        ("scrape_interval_s = 0\n", ["scrape_interval_s: Input should be greater than 0"]),
-        ("tolerance_ratio = 1.5\n", ["tolerance_ratio: Input should be less than 1"]),
-        ("metrics_port = 70000\n", ["metrics_port: Input should be less than or equal"]),
+        ("[restart]\nhealth_probe_timeout_s = 20\n", ["restart.health_probe_timeout_s: Input"]),
+        ("[restart]\nmin_dwell_s = -1\n", ["restart.min_dwell_s: Input should be greater than or"]),
+        (
+            "[observe]\nscrape_interval_s = 0\n",
+            ["observe.scrape_interval_s: Input should be greater"],
+        ),
+        (
+            "[choose]\ntolerance_ratio = 1.5\n",
+            ["choose.tolerance_ratio: Input should be less than 1"],
+        ),
+        ("[report]\nmetrics_port = 70000\n", ["report.metrics_port: Input should be less than or"]),
         ("windows = []\n", ["windows: List should have at least 1 item"]),
         (
             "[[windows]]\ncron = '0 3 * * 1-5'\nduration_s = 3600\n",
@@ -126,14 +194,20 @@ def test_example_passes_check_config_as_a_real_process() -> None:
             "[[windows]]\ncron = '0 0 30 feb *'\nduration_s = 60\n",
             ["windows[1]: '0 0 30 feb *' never fires"],
         ),
-        ("sglang_url = 'localhost:30000'\n", ["sglang_url: 'localhost:30000' is not an http(s)"]),
-        ("sglang_unit = '--force'\n", ["sglang_unit: '--force' is not a systemd service"]),
-        ("sglang_unit = 'sglang'\n", ["sglang_unit: 'sglang' is not a systemd service"]),
-        ("state_dir = 'state'\n", ["state_dir: 'state' must be an absolute path"]),
-        ("metrics_listen_address = 'not an address'\n", ["metrics_listen_address: 'not an"]),
         (
-            "max_steps = 'x'\nmin_dwell_s = -1\nfoo = 1\n",
-            ["max_steps: expected an integer", "foo: unknown key", "min_dwell_s: Input"],
+            "[sglang]\nurl = 'localhost:30000'\n",
+            ["sglang.url: 'localhost:30000' is not an http(s)"],
+        ),
+        ("[sglang]\nunit = '--force'\n", ["sglang.unit: '--force' is not a systemd service"]),
+        ("[sglang]\nunit = 'sglang'\n", ["sglang.unit: 'sglang' is not a systemd service"]),
+        ("[files]\nstate_dir = 'state'\n", ["files.state_dir: 'state' must be an absolute path"]),
+        (
+            "[report]\nmetrics_listen_address = 'not an address'\n",
+            ["report.metrics_listen_address"],
+        ),
+        (
+            "foo = 1\n[choose]\nmax_steps = 'x'\n[restart]\nmin_dwell_s = -1\n",
+            ["choose.max_steps: expected an integer", "foo: unknown key", "restart.min_dwell_s:"],
         ),
         ("max_steps = \n", ["invalid TOML: Invalid value (at line 1, column 13)"]),
         ("[[windows]\n", ["invalid TOML:"]),
@@ -149,22 +223,192 @@ def test_bad_config_names_the_key(tmp_path: Path, text: str, expected: list[str]
     assert all("\n" not in p for p in problems)
 
 
+# Every key of the flat config before the tables, at the top level, and keys in another
+# table than their own: one line naming the table.
+FLAT_KEYS = sorted(set(TABLE_OF_KEY) - {"url", "unit"} | set(RENAMED_KEYS))
+
+
+@pytest.mark.parametrize("key", FLAT_KEYS)
+def test_a_flat_key_at_the_top_level_is_told_its_table(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, f"{key} = 1\n"))
+    if key in RENAMED_KEYS:
+        table, new = RENAMED_KEYS[key]
+        assert info.value.problems == [f"`{key}` is now `{new}` in [{table}]"]
+    else:
+        assert info.value.problems == [f"`{key}` belongs in [{TABLE_OF_KEY[key]}]"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("scrape_interval_s = 5\n", "`scrape_interval_s` belongs in [observe]"),
+        ("sglang_url = 'http://h:1'\n", "`sglang_url` is now `url` in [sglang]"),
+        ("[observe]\nmin_steps = 2\n", "observe.min_steps: `min_steps` belongs in [choose]"),
+        ("[choose]\nsglang_unit = 'a.service'\n", "choose.sglang_unit: `sglang_unit` is now"),
+        ("[restart]\nbands = []\n", "restart.bands: `bands` is an array at the top level"),
+        ("[sglang]\nstate_dir = '/x'\n", "sglang.state_dir: `state_dir` belongs in [files]"),
+    ],
+)
+def test_a_key_in_the_wrong_table_is_told_its_table(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith(expected), info.value.problems
+
+
+def test_misplaced_keys_do_not_hide_other_problems(tmp_path: Path) -> None:
+    text = "max_steps = 4\n[observe]\nscrape_interval_s = inf\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.problems == [
+        "`max_steps` belongs in [choose]",
+        "observe.scrape_interval_s: Input should be a finite number (got inf)",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value"),
+    [
+        ("observe", "scrape_interval_s", "inf"),
+        ("observe", "history_half_life_s", "inf"),
+        ("observe", "stale_after_s", "inf"),
+        ("observe", "scrape_timeout_s", "nan"),
+        ("observe", "min_history_s", "1e300"),
+        ("observe", "warmup_exclude_s", "-inf"),
+        ("choose", "restart_cost_s", "inf"),
+        ("choose", "stabilization_window_s", "1e300"),
+        ("choose", "tolerance_ratio", "nan"),
+        ("choose", "band_quantile_ratio", "inf"),
+        ("restart", "startup_timeout_s", "inf"),
+        ("restart", "restart_command_timeout_s", "1e300"),
+        ("restart", "quiet_deadline_s", "inf"),
+        ("restart", "min_dwell_s", "1e300"),
+        ("restart", "health_probe_timeout_s", "inf"),
+    ],
+)
+def test_non_finite_or_absurd_durations_are_one_line(
+    tmp_path: Path, table: str, key: str, value: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, f"[{table}]\n{key} = {value}\n"))
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith(f"{table}.{key}: "), info.value.problems
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[windows]]\ncron = '0 3 * * mon'\nduration_s = inf\n",
+        "[[windows]]\ncron = '0 3 * * mon'\nduration_s = 1e300\n",
+        "[[bands]]\nmax_concurrency = inf\nsteps = 4\n[[bands]]\nsteps = 3\n",
+        "[[bands]]\nmax_concurrency = nan\nsteps = 4\n[[bands]]\nsteps = 3\n",
+    ],
+)
+def test_non_finite_values_in_the_arrays_are_rejected(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith(("windows[0].duration_s", "bands[0].max_")), (
+        info.value.problems
+    )
+
+
+BOUNDED = [
+    (table, name, field)
+    for table, model in TABLES.items()
+    for name, field in model.model_fields.items()
+    if field.annotation is float
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    where=st.sampled_from(BOUNDED),
+    value=st.floats(allow_nan=True, allow_infinity=True),
+)
+def test_a_float_setting_loads_only_when_finite_and_in_bounds(
+    where: tuple[str, str, FieldInfo], value: float
+) -> None:
+    table, name, field = where
+    inside = math.isfinite(value)
+    for limit in field.metadata:
+        for attr, ok in (
+            ("gt", float.__gt__),
+            ("ge", float.__ge__),
+            ("lt", float.__lt__),
+            ("le", float.__le__),
+        ):
+            if hasattr(limit, attr):
+                inside = inside and ok(float(value), float(getattr(limit, attr)))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "specd.toml"
+        path.write_text(tomli_w.dumps({table: {name: value}}))
+        problems: list[str] = []
+        loaded: Config | None = None
+        try:
+            loaded = load_config(path)
+        except ConfigError as exc:
+            problems = exc.problems
+    if inside:
+        assert loaded is not None, problems
+        assert getattr(getattr(loaded, table), name) == value
+    else:
+        assert len(problems) == 1, problems
+        assert problems[0].startswith(f"{table}.{name}: ")
+
+
+def test_a_utf8_bom_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "specd.toml"
+    path.write_bytes(b"\xef\xbb\xbf[choose]\nmax_steps = 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        "starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM"
+    ]
+
+
+def test_check_config_names_the_bom_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "specd.toml"
+    path.write_bytes(b"\xef\xbb\xbf\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "check-config", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"{path}: starts with a UTF-8 byte order mark (BOM); "
+                                        "save the file as UTF-8 without BOM"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("text", "check"),
     [
         ("", lambda c: c == Config()),
-        ("max_steps = 4\n", lambda c: c.max_steps == 4),
-        ("scrape_interval_s = 2\n", lambda c: c.scrape_interval_s == 2.0),
-        ("sglang_url = 'http://10.0.0.5:30000/'\n", lambda c: c.sglang_url.endswith(":30000")),
-        ("metrics_listen_address = '::1'\n", lambda c: c.metrics_listen_address == "::1"),
-        ("metrics_port = 0\n", lambda c: c.metrics_port == 0),
+        ("[choose]\nmax_steps = 4\n", lambda c: c.choose.max_steps == 4),
+        ("[observe]\nscrape_interval_s = 2\n", lambda c: c.observe.scrape_interval_s == 2.0),
+        ("[sglang]\nurl = 'http://10.0.0.5:30000/'\n", lambda c: c.sglang.url.endswith(":30000")),
+        (
+            "[report]\nmetrics_listen_address = '::1'\n",
+            lambda c: c.report.metrics_listen_address == "::1",
+        ),
+        ("[report]\nmetrics_port = 0\n", lambda c: c.report.metrics_port == 0),
+        (
+            "[restart]\nrestart_command_timeout_s = 86400\n",
+            lambda c: c.restart.restart_command_timeout_s == 86400,
+        ),
         (
             "[[windows]]\ncron = '0 2 * * sat,sun'\nduration_s = 7200\ntimezone = 'Europe/Berlin'\n"
             "[[windows]]\ncron = '30 22 * * mon-fri'\nduration_s = 1800\n",
             lambda c: [w.timezone for w in c.windows] == ["Europe/Berlin", "UTC"],
         ),
         (
-            "min_steps = 2\nmax_steps = 5\n[[bands]]\nmax_concurrency = 2\nsteps = 5\n"
+            "[choose]\nmin_steps = 2\nmax_steps = 5\n[[bands]]\nmax_concurrency = 2\nsteps = 5\n"
             "[[bands]]\nmax_concurrency = 8.5\nsteps = 4\n[[bands]]\nsteps = 2\n",
             lambda c: [b.steps for b in c.bands] == [5, 4, 2],
         ),
@@ -178,13 +422,22 @@ def test_good_config(tmp_path: Path, text: str, check: object) -> None:
 @pytest.mark.parametrize(
     ("env", "check"),
     [
-        ({"SPECD_MAX_STEPS": "4"}, lambda c: c.max_steps == 4),  # overrides the file's 5
-        ({"SPECD_SGLANG_UNIT": "llm.service"}, lambda c: c.sglang_unit == "llm.service"),
+        ({"SPECD_CHOOSE__MAX_STEPS": "4"}, lambda c: c.choose.max_steps == 4),  # over the 5
+        ({"specd_choose__max_steps": "4"}, lambda c: c.choose.max_steps == 4),  # any case
+        ({"SPECD_SGLANG__UNIT": "llm.service"}, lambda c: c.sglang.unit == "llm.service"),
+        (
+            {"SPECD_OBSERVE__SCRAPE_INTERVAL_S": "7"},
+            lambda c: (c.observe.scrape_interval_s, c.choose.max_steps) == (7, 5),
+        ),
+        (
+            # A whole table as JSON, merged with the file's table.
+            {"SPECD_RESTART": '{"min_dwell_s": 60}'},
+            lambda c: (c.restart.min_dwell_s, c.choose.max_steps) == (60, 5),
+        ),
         (
             {"SPECD_WINDOWS": '[{"cron": "0 4 * * sat", "duration_s": 60}]'},
             lambda c: c.windows == [Window(cron="0 4 * * sat", duration_s=60)],
         ),
-        ({"SPECD_SPEC_STEPS": "3"}, lambda c: c.max_steps == 5),  # the SGLang unit's, ignored
     ],
 )
 def test_environment_overrides_file(
@@ -192,16 +445,37 @@ def test_environment_overrides_file(
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    cfg = load_config(write(tmp_path, "max_steps = 5\n"))
+    cfg = load_config(write(tmp_path, "[choose]\nmax_steps = 5\n"))
     assert check(cfg)  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"SPECD_MAX_STEPS": "six"}, "max_steps: Input should be a valid integer"),
-        ({"SPECD_MAX_STEPS": "3"}, "bands[0].steps: 4 is outside"),
-        ({"SPECD_MAX_STEP": "4"}, "SPECD_MAX_STEP: unknown setting in the environment"),
+        ({"SPECD_CHOOSE__MAX_STEPS": "six"}, "choose.max_steps: Input should be a valid integer"),
+        ({"SPECD_CHOOSE__MAX_STEPS": "3"}, "bands[0].steps: 4 is outside"),
+        ({"SPECD_OBSERVE__STALE_AFTER_S": "inf"}, "observe.stale_after_s: Input should be a"),
+        (
+            {"SPECD_CHOOSE__MAX_STEP": "4"},
+            "SPECD_CHOOSE__MAX_STEP: unknown setting in the environment (check the spelling)",
+        ),
+        (
+            {"SPECD_MAX_STEPS": "4"},
+            "SPECD_MAX_STEPS: unknown setting in the environment; `max_steps` belongs in "
+            "[choose]: use SPECD_CHOOSE__MAX_STEPS",
+        ),
+        (
+            {"SPECD_SGLANG_URL": "http://h:1"},
+            "SPECD_SGLANG_URL: unknown setting in the environment; `sglang_url` is now `url` in "
+            "[sglang]: use SPECD_SGLANG__URL",
+        ),
+        (
+            {"SPECD_OBSERVE__MIN_STEPS": "2"},
+            "SPECD_OBSERVE__MIN_STEPS: unknown setting in the environment; `min_steps` belongs "
+            "in [choose]: use SPECD_CHOOSE__MIN_STEPS",
+        ),
+        # The old names of the SGLang unit's variables share the prefix no more.
+        ({"SPECD_SPEC_STEPS": "3"}, "SPECD_SPEC_STEPS: unknown setting in the environment"),
         ({"SPECD_WINDOWS": "[{oops"}, "SPECD_WINDOWS: not valid JSON"),
         ({"SPECD_WINDOWS": '[{"cron": "0 4 * * 6", "duration_s": 60}]'}, "windows[0].cron:"),
     ],
@@ -213,22 +487,28 @@ def test_bad_environment(
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, ""))
-    assert len(info.value.problems) == 1
+    assert len(info.value.problems) == 1, info.value.problems
     assert expected in info.value.problems[0]
 
 
+def test_the_sglang_unit_variables_do_not_share_the_settings_prefix() -> None:
+    assert not ENV_STEPS.startswith(ENV_PREFIX)
+    assert not ENV_DRAFT_TOKENS.startswith(ENV_PREFIX)
+
+
 def test_env_problem_says_which_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SPECD_MAX_STEPS", "six")
+    monkeypatch.setenv("SPECD_CHOOSE__MAX_STEPS", "six")
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, ""))
-    assert info.value.problems[0].endswith("(set by SPECD_MAX_STEPS)")
+    assert info.value.problems[0].endswith("(set by SPECD_CHOOSE__MAX_STEPS)")
 
 
 @pytest.mark.parametrize(
     ("make", "expected"),
     [
-        (lambda d: d / "missing.toml", "cannot read the file: No such file or directory"),
-        (lambda d: d, "cannot read the file: Is a directory"),
+        (lambda d: d / "missing.toml", "cannot read: No such file or directory"),
+        # Only a regular file is read: a directory, FIFO or device is refused at once.
+        (lambda d: d, "is not a regular file (a directory)"),
         (lambda d: (d / "b.toml", (d / "b.toml").write_bytes(b"\xff\xfe"))[0], "not UTF-8"),
         (
             lambda d: (d / "big.toml", (d / "big.toml").write_bytes(b"#" * (2 << 20)))[0],
@@ -255,17 +535,34 @@ def test_missing_default_file_means_defaults(
 def test_check_config_prints_a_loadable_effective_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    source = write(tmp_path, "max_steps = 5\n[[windows]]\ncron = '0 1 * * sun'\nduration_s = 60\n")
-    monkeypatch.setenv("SPECD_MIN_STEPS", "2")
+    source = write(
+        tmp_path, "[choose]\nmax_steps = 5\n[[windows]]\ncron = '0 1 * * sun'\nduration_s = 60\n"
+    )
+    monkeypatch.setenv("SPECD_CHOOSE__MIN_STEPS", "2")
     assert main(["check-config", "--config", str(source)]) == 0
     out = capsys.readouterr().out
-    assert "overridden by environment: SPECD_MIN_STEPS" in out
-    monkeypatch.delenv("SPECD_MIN_STEPS")
+    assert "overridden by environment: SPECD_CHOOSE__MIN_STEPS" in out
+    # Grouped: every table once, in the order of the example file.
+    headers = [line for line in out.splitlines() if line.startswith("[")]
+    assert headers == [
+        "[sglang]",
+        "[files]",
+        "[observe]",
+        "[choose]",
+        "[restart]",
+        "[report]",
+        "[[bands]]",
+        "[[bands]]",
+        "[[windows]]",
+    ]
+    monkeypatch.delenv("SPECD_CHOOSE__MIN_STEPS")
     printed = tmp_path / "printed.toml"
     printed.write_text(out)
     reloaded = load_config(printed)
-    assert (reloaded.min_steps, reloaded.max_steps) == (2, 5)
-    assert reloaded == load_config(source).model_copy(update={"min_steps": 2})
+    assert (reloaded.choose.min_steps, reloaded.choose.max_steps) == (2, 5)
+    source_config = load_config(source)
+    choose = source_config.choose.model_copy(update={"min_steps": 2})
+    assert reloaded == source_config.model_copy(update={"choose": choose})
 
     assert main(["check-config", str(source), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -274,7 +571,9 @@ def test_check_config_prints_a_loadable_effective_config(
 
 
 def test_check_config_bad_file_exits_2_one_line_per_problem(tmp_path: Path) -> None:
-    path = write(tmp_path, "max_step = 4\n[[windows]]\ncron = '0 3 * * 7'\nduration_s = 0\n")
+    path = write(
+        tmp_path, "[choose]\nmax_step = 4\n[[windows]]\ncron = '0 3 * * 7'\nduration_s = 0\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "specd.cli", "check-config", "--config", str(path)],
         check=False,
@@ -288,7 +587,7 @@ def test_check_config_bad_file_exits_2_one_line_per_problem(tmp_path: Path) -> N
     assert len(lines) == 3, proc.stderr
     assert all(line.startswith(f"{path}: ") for line in lines)
     assert {line.split(": ")[1] for line in lines} == {
-        "max_step",
+        "choose.max_step",
         "windows[0].cron",
         "windows[0].duration_s",
     }
@@ -310,6 +609,7 @@ CALIBRATION = "steps,concurrency,output_tok_s\n3,1,230\n4,1,280\n"
         ([], "bands"),
         (["calibration_file = '{cal}'"], "model"),
         (["calibration_file = '{cal}'", "policy = 'bands'"], "bands"),
+        (["policy = 'bands'", "calibration_file = '{cal}'"], "bands"),
         (["policy = 'model'"], "model"),
     ],
 )
@@ -318,8 +618,8 @@ def test_policy_defaults_to_model_once_a_calibration_is_configured(
 ) -> None:
     cal = tmp_path / "cal.csv"
     cal.write_text(CALIBRATION)
-    path = write(tmp_path, "\n".join(line.format(cal=cal) for line in lines) + "\n")
-    assert load_config(path).policy == expected
+    text = "[choose]\n" + "\n".join(line.format(cal=cal) for line in lines) + "\n"
+    assert load_config(write(tmp_path, text)).choose.policy == expected
 
 
 @pytest.mark.parametrize(
@@ -337,23 +637,24 @@ def test_a_bad_calibration_file_is_one_line(
     cal = tmp_path / "cal.csv"
     if content is not None:
         cal.write_text(content)
-    path = write(tmp_path, f"calibration_file = '{value.format(cal=cal)}'\n")
+    path = write(tmp_path, f"[choose]\ncalibration_file = '{value.format(cal=cal)}'\n")
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert len(info.value.problems) == 1
-    assert info.value.problems[0].startswith("calibration_file: ")
+    assert info.value.problems[0].startswith("choose.calibration_file: ")
     assert problem in info.value.problems[0]
 
 
 @pytest.mark.parametrize(
-    ("text", "ok"), [("restart_cost_s = 0", True), ("restart_cost_s = -1", False)]
+    ("text", "ok"),
+    [("restart_cost_s = 0", True), ("restart_cost_s = -1", False), ("restart_cost_s = 1e9", False)],
 )
 def test_restart_cost_is_a_non_negative_number_of_seconds(
     tmp_path: Path, text: str, ok: bool
 ) -> None:
-    path = write(tmp_path, text + "\n")
+    path = write(tmp_path, "[choose]\n" + text + "\n")
     if ok:
-        assert load_config(path).restart_cost_s == 0
+        assert load_config(path).choose.restart_cost_s == 0
     else:
-        with pytest.raises(ConfigError, match="restart_cost_s"):
+        with pytest.raises(ConfigError, match=r"choose\.restart_cost_s"):
             load_config(path)

@@ -231,7 +231,7 @@ def setup(tmp_path: Path) -> tuple[Path, Path]:
     override = tmp_path / "override.toml"
     config = tmp_path / "specd.toml"
     config.write_text(
-        f'override_file = "{override}"\nmin_steps = 2\nmax_steps = 5\n'
+        f'[files]\noverride_file = "{override}"\n[choose]\nmin_steps = 2\nmax_steps = 5\n'
         "[[bands]]\nmax_concurrency = 4\nsteps = 4\n[[bands]]\nsteps = 3\n"
     )
     return config, override

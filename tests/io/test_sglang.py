@@ -1066,7 +1066,7 @@ def test_cli_table(server: PageServer, capsys: pytest.CaptureFixture[str]) -> No
         (
             ["--url", "http://127.0.0.1:1", "--timeout-s", "-1"],
             2,
-            "must be a positive number of seconds",
+            "must be > 0 and <= 300 s, got '-1'",
         ),
     ],
 )

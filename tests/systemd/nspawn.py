@@ -416,14 +416,14 @@ class Container:
         """What specd's apply writes: /var/lib/specd/sglang.env."""
         draft = steps + 1 if draft_tokens is None else draft_tokens
         path = self.state_dir / "sglang.env"
-        path.write_text(f"SPECD_SPEC_STEPS={steps}\nSPECD_SPEC_DRAFT_TOKENS={draft}\n")
+        path.write_text(f"SPECULATIVE_NUM_STEPS={steps}\nSPECULATIVE_NUM_DRAFT_TOKENS={draft}\n")
         return path
 
     def install_twin_sglang(self, load_time_s: float = 1.0, extra_args: Sequence[str] = ()) -> None:
         """sglang.service = the twin, with the repo's drop-in 50-specd.conf installed unchanged.
 
         The drop-in's ExecStart names the real SGLang launcher; a 60-twin.conf drop-in (read
-        after it) swaps only that command for the twin, with the same ${SPECD_SPEC_*}
+        after it) swaps only that command for the twin, with the same ${SPECULATIVE_NUM_*}
         variables, so Environment= defaults and EnvironmentFile= are the repo's own.
         """
         self.write_unit(
@@ -442,8 +442,8 @@ class Container:
             f"{SGLANG_UNIT}.d/50-specd.conf", REPO / "systemd/sglang.service.d/50-specd.conf"
         )
         command = twin_command(
-            steps="${SPECD_SPEC_STEPS}",
-            draft_tokens="${SPECD_SPEC_DRAFT_TOKENS}",
+            steps="${SPECULATIVE_NUM_STEPS}",
+            draft_tokens="${SPECULATIVE_NUM_DRAFT_TOKENS}",
             load_time_s=load_time_s,
             extra_args=extra_args,
         )

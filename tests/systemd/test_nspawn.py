@@ -26,7 +26,10 @@ ECHO_ARGV = (
             ['say "hi"', "back\\slash", "semi;colon", ""],
             ['say "hi"', "back\\slash", "semi;colon", ""],
         ),
-        (["${SPECD_SPEC_STEPS}", "--n=${SPECD_SPEC_STEPS}"], ["7", "--n=${SPECD_SPEC_STEPS}"]),
+        (
+            ["${SPECULATIVE_NUM_STEPS}", "--n=${SPECULATIVE_NUM_STEPS}"],
+            ["7", "--n=${SPECULATIVE_NUM_STEPS}"],
+        ),
     ],
 )
 def test_exec_line_passes_arguments_verbatim(
@@ -34,7 +37,7 @@ def test_exec_line_passes_arguments_verbatim(
 ) -> None:
     sd.write_unit(
         "echo-argv.service",
-        "[Service]\nType=oneshot\nEnvironment=SPECD_SPEC_STEPS=7\n"
+        "[Service]\nType=oneshot\nEnvironment=SPECULATIVE_NUM_STEPS=7\n"
         f"ExecStart={exec_line([str(VENV_PYTHON), '-c', ECHO_ARGV, *args])}\n",
     )
     sd.daemon_reload()

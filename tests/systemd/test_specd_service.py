@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 import tomli_w
+from factories import tables
 from nspawn import (
     CONTAINER_PATH,
     REPO,
@@ -45,8 +46,8 @@ CALM_WATCHDOG_S = 20.0
 LOAD_UNIT = "specd-test-load.service"
 
 BASE_CONFIG: dict[str, Any] = {
-    "sglang_url": TWIN_URL,
-    "sglang_unit": SGLANG_UNIT,
+    "url": TWIN_URL,
+    "unit": SGLANG_UNIT,
     "env_file": "/var/lib/specd/sglang.env",
     "state_dir": "/var/lib/specd",
     "override_file": OVERRIDE_PATH,
@@ -86,7 +87,7 @@ def cron_at(ts: float) -> str:
 
 
 def config_toml(opens_at: float, duration_s: float = 120.0, **changes: Any) -> str:
-    config = {**BASE_CONFIG, **changes}
+    config = tables(**{**BASE_CONFIG, **changes})
     config["windows"] = [{"cron": cron_at(opens_at), "duration_s": duration_s, "timezone": "UTC"}]
     return tomli_w.dumps(config)
 
@@ -133,9 +134,9 @@ def state(sd: Container) -> dict[str, Any]:
 def env_steps(sd: Container) -> int:
     for line in (sd.state_dir / "sglang.env").read_text().splitlines():
         key, _, value = line.partition("=")
-        if key == "SPECD_SPEC_STEPS":
+        if key == "SPECULATIVE_NUM_STEPS":
             return int(value)
-    raise AssertionError("SPECD_SPEC_STEPS missing from sglang.env")
+    raise AssertionError("SPECULATIVE_NUM_STEPS missing from sglang.env")
 
 
 def samples(sd: Container, base: str) -> dict[str, float]:
@@ -595,13 +596,13 @@ def test_sighup_reloads_rejects_bad_config_and_sigterm_stops_cleanly(sd: Contain
     config_file.write_text(config_toml(opens_at, scrape_interval_s=0.8))
     sd.systemctl("reload", SPECD_UNIT)
     reloaded = wait_or_dump(sd, lambda: events_named(sd, since, "reloaded"), timeout=10)
-    assert reloaded[0][1]["changed"] == {"scrape_interval_s": 0.8}
+    assert reloaded[0][1]["changed"] == {"observe.scrape_interval_s": 0.8}
 
     config_file.write_text(config_toml(opens_at, scrape_interval_s=-1, bogus_key=1))
     sd.sh("kill", "-HUP", str(pid))
     rejected = wait_or_dump(sd, lambda: events_named(sd, since, "reload_rejected"), timeout=10)
     problems = " ".join(e["problem"] for _, e in rejected)
-    assert "scrape_interval_s" in problems, problems
+    assert "observe.scrape_interval_s" in problems, problems
     assert "bogus_key" in problems, problems
     assert {p for p, _ in rejected} == {3}
     assert sd.main_pid(SPECD_UNIT) == pid
@@ -613,8 +614,8 @@ def test_sighup_reloads_rejects_bad_config_and_sigterm_stops_cleanly(sd: Contain
     good = wait_or_dump(
         sd, lambda: [e for _, e in events_named(sd, since, "reloaded")][1:], timeout=10
     )
-    assert all(e["changed"] in ({"stale_after_s": 11.0}, {}) for e in good), good
-    assert good[0]["changed"] == {"stale_after_s": 11.0}
+    assert all(e["changed"] in ({"observe.stale_after_s": 11.0}, {}) for e in good), good
+    assert good[0]["changed"] == {"observe.stale_after_s": 11.0}
     time.sleep(1)
     assert sd.main_pid(SPECD_UNIT) == pid
     assert sd.active_state(SPECD_UNIT) == "active"

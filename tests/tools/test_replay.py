@@ -82,7 +82,7 @@ def run_replay(
     table, calibration = TRUTHS[truth]
     # Ticks follow the config's scrape interval; 15 s keeps these tests quick.
     config = build_config(
-        Config(scrape_interval_s=15),
+        Config(observe={"scrape_interval_s": 15}),
         window_list=window_list,
         steps=(1, 6),
         calibration=calibration,
@@ -137,7 +137,7 @@ def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
 
 def test_the_bands_policy_replays_too() -> None:
     config = build_config(Config(), window_list=DAILY, steps=(1, 6), policy="bands")
-    assert config.policy == "bands"
+    assert config.choose.policy == "bands"
     result = replay(minute_trace(1, day_night), read_table(SEED), config)
     assert result.restarts_outside_windows == 0
 
@@ -264,7 +264,7 @@ def test_an_absurd_trace_span_is_refused_before_any_work(
     trace = tmp_path / "trace.csv"
     trace.write_text("t_s,concurrency\n" + "\n".join(rows) + "\n")
     config = tmp_path / "specd.toml"
-    config.write_text("scrape_interval_s = 1\n")  # 3e7 s is within a year, not in ticks
+    config.write_text("[observe]\nscrape_interval_s = 1\n")  # 3e7 s: within a year, not in ticks
     started = time.monotonic()
     proc = specd("--trace", str(trace), "--truth", str(SEED), "--config", str(config))
     assert time.monotonic() - started < 20

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import tables
 from prometheus_client import CollectorRegistry
 
 from specd.core.decide import ACTING_REASONS, Reason
@@ -64,21 +65,23 @@ def trace() -> Trace:
 
 def config(tmp_path: Path, **choose: Any) -> Config:
     return Config(
-        state_dir=str(tmp_path / "state"),
-        override_file=str(tmp_path / "override.toml"),
-        env_file=str(tmp_path / "sglang.env"),
-        min_steps=1,
-        max_steps=4,
-        scrape_interval_s=60,
-        stale_after_s=180,
-        history_half_life_s=2 * HOUR,
-        min_history_s=900,
-        warmup_exclude_s=120,
-        stabilization_window_s=900,
-        min_dwell_s=HOUR,
-        daily_restart_budget=6,
-        windows=[{"cron": "0 */3 * * mon-sun", "duration_s": HOUR, "timezone": "UTC"}],
-        **choose,
+        **tables(
+            state_dir=str(tmp_path / "state"),
+            override_file=str(tmp_path / "override.toml"),
+            env_file=str(tmp_path / "sglang.env"),
+            min_steps=1,
+            max_steps=4,
+            scrape_interval_s=60,
+            stale_after_s=180,
+            history_half_life_s=2 * HOUR,
+            min_history_s=900,
+            warmup_exclude_s=120,
+            stabilization_window_s=900,
+            min_dwell_s=HOUR,
+            daily_restart_budget=6,
+            windows=[{"cron": "0 */3 * * mon-sun", "duration_s": HOUR, "timezone": "UTC"}],
+            **choose,
+        )
     )
 
 
@@ -134,7 +137,7 @@ def run_daemon(
     tr: Trace, cfg: Config, initial: int
 ) -> tuple[dict[float, tuple[int | None, str, str]], list[tuple[float, int]]]:
     t0 = DEFAULT_START.timestamp()
-    allowed = list(range(cfg.min_steps, cfg.max_steps + 1))
+    allowed = list(range(cfg.choose.min_steps, cfg.choose.max_steps + 1))
     server = SimulatedServer(tr, TRUTH, Tokens(tr, TRUTH, allowed), t0, initial)
     clock = [t0 + tr.t[0]]
     applier = SimulatedApplier(server, clock, t0)
@@ -148,10 +151,10 @@ def run_daemon(
     )
     # As replay assumes: SGLang had been up long before the trace began.
     daemon.state.history.mark_sglang_start(
-        t0 + tr.t[0] - cfg.warmup_exclude_s - cfg.scrape_interval_s
+        t0 + tr.t[0] - cfg.observe.warmup_exclude_s - cfg.observe.scrape_interval_s
     )
     decisions: dict[float, tuple[int | None, str, str]] = {}
-    step_s = cfg.scrape_interval_s
+    step_s = cfg.observe.scrape_interval_s
     for n in range(int((tr.t[-1] - tr.t[0]) // step_s) + 1):
         t = t0 + tr.t[0] + n * step_s
         if t < clock[0]:

@@ -20,11 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_observation
+from factories import make_observation, tables
 
 from specd.commands import sweep as sweep_cmd
 from specd.core.observation import Observation
-from specd.io.apply import ApplySettings, read_env_steps
+from specd.io.apply import read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
 from specd.io.tables import read_table
@@ -48,7 +48,7 @@ def make_config(workdir: Path, port: int, **overrides: Any) -> Config:
         "max_steps": 6,
         **overrides,
     }
-    return twin_unit_config(workdir, port, **settings)
+    return twin_unit_config(workdir, port, **tables(**settings))
 
 
 class Unit:
@@ -59,10 +59,12 @@ class Unit:
         port = free_port()
         self.config = make_config(workdir, port, **config)
         self.runner = TwinUnitRunner(
-            self.config.sglang_unit, Path(self.config.env_file), port=port, extra_args=extra_args
+            self.config.sglang.unit,
+            Path(self.config.sglang.env_file),
+            port=port,
+            extra_args=extra_args,
         )
-        self.settings = sweep_cmd.fast_polling(ApplySettings.from_config(self.config))
-        self.url = self.config.sglang_url
+        self.url = self.config.sglang.url
 
     def live_steps(self) -> int:
         info = httpx.get(self.url + "/server_info", timeout=5).json()
@@ -126,7 +128,7 @@ def test_sweep_matches_the_twins_truth_writes_files_and_restores(
         plan,
         out,
         runner=unit.runner,
-        apply_settings=unit.settings,
+        pacing=sweep_cmd.FAST_PACING,
         reporter=Recorder(),
     )
 
@@ -150,9 +152,9 @@ def test_sweep_matches_the_twins_truth_writes_files_and_restores(
     assert "| 4 | 8 |" in md
     assert f"Restored the original {DEFAULT_STEPS} steps." in md
     # Back where it began: the env file, the live server, no journal left to reconcile.
-    assert read_env_steps(unit.config.env_file) == DEFAULT_STEPS
+    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
     assert unit.live_steps() == DEFAULT_STEPS
-    assert read_json(Path(unit.config.state_dir) / STATE_FILE)["journal"] is None
+    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
     assert [r["to_steps"] for r in report.restarts] == [2, 4, DEFAULT_STEPS]
 
 
@@ -164,7 +166,7 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     plan = sw.SweepPlan(steps=(4, 2), concurrency=(2,), duration_s=1.0, warmup_s=0.2)
     recorder = Recorder()
     report = sw.sweep(
-        unit.config, plan, out, runner=unit.runner, apply_settings=unit.settings, reporter=recorder
+        unit.config, plan, out, runner=unit.runner, pacing=sweep_cmd.FAST_PACING, reporter=recorder
     )
 
     assert not report.ok
@@ -173,7 +175,7 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     assert report.failed_steps[2].startswith("rolled_back")
     assert [p.steps for p in report.points] == [4]
     assert report.restored
-    assert read_env_steps(unit.config.env_file) == DEFAULT_STEPS
+    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
     assert unit.live_steps() == DEFAULT_STEPS
     assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
     assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
@@ -225,8 +227,8 @@ def test_cli_refuses_before_touching_anything(
 ) -> None:
     config = tmp_path / "specd.toml"
     config.write_text(
-        f'sglang_url = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
-        f'state_dir = "{tmp_path}/state"\nmax_steps = 6\n'
+        f'[sglang]\nurl = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}/state"\n[choose]\nmax_steps = 6\n'
     )
     args = ["--steps", "2,4", "--concurrency", "1", "--config", str(config), *extra]
     proc = subprocess.run(

@@ -1,0 +1,430 @@
+"""specd's settings: one declaration of every field, its default, bounds and meaning.
+
+One model per TOML table of /etc/specd/specd.toml (``[sglang]``, ``[files]``, ``[observe]``,
+``[choose]``, ``[restart]``, ``[report]``) plus the arrays ``[[bands]]`` and ``[[windows]]``,
+composed by ``Settings``. Pure: no environment, no files (the calibration table is checked
+by the loader in ``specd.io.config``, which adds the file and the ``SPECD_*`` environment).
+
+Every duration and ratio is finite and bounded above: an ``inf`` or ``1e300`` would turn a
+timeout into "never" (a restart that never gets healthy would never be rolled back) or a
+half-life into "never forget". The bounds are generous; each description says why.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import re
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specd.core import windows as windows_mod
+
+MINUTE_S = 60.0
+HOUR_S = 3600.0
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+
+# Goes into systemctl's argv: a leading '-' would be read as an option.
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+# Frozen, no unknown keys, no inf/nan anywhere.
+def _table() -> ConfigDict:
+    """Each table's pydantic config: typos are errors, values immutable, no inf/nan."""
+    return ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _absolute(value: Path | None) -> Path | None:
+    # Relative paths would depend on the daemon's working directory.
+    if value is not None and not value.is_absolute():
+        raise ValueError(f"{str(value)!r} must be an absolute path")
+    return value
+
+
+class Band(BaseModel):
+    """Offered concurrency up to ``max_concurrency`` (inclusive) runs ``steps`` steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    max_concurrency: float | None = Field(
+        default=None,
+        ge=0,
+        le=100_000,
+        description="Upper bound (inclusive) of offered concurrency for this band; omit for "
+        "the catch-all last band. At most 100000 (no SGLang server runs that many requests).",
+    )
+    steps: int = Field(description="Speculative steps to run in this band.")
+
+
+class Window(BaseModel):
+    """A maintenance window: a cron start, a duration and the zone the cron reads in."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    cron: str = Field(
+        description="Start, 5 cron fields; weekday names only (mon..sun), e.g. '0 3 * * mon-fri'."
+    )
+    duration_s: float = Field(
+        gt=0,
+        le=WEEK_S,
+        description="How long the window stays open, in seconds; at most a week (a window "
+        "open longer than the cron's period is always open: no window at all).",
+    )
+    timezone: str = Field(default="UTC", description="IANA zone the cron is read in.")
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        windows_mod.parse_cron(value)
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        windows_mod.load_zone(value)
+        return value
+
+    @model_validator(mode="after")
+    def _fires(self) -> Window:
+        windows_mod.check_window(self.cron, self.timezone, self.duration_s)
+        return self
+
+
+class SGLangSettings(BaseModel):
+    """[sglang]: the server specd tunes and how a step count reaches it."""
+
+    model_config = _table()
+
+    url: str = Field(
+        default="http://127.0.0.1:30000",
+        description="SGLang base URL (http or https); its /metrics needs --enable-metrics.",
+    )
+    unit: str = Field(
+        default="sglang.service",
+        description="systemd unit that runs SGLang; specd restarts exactly this unit.",
+    )
+    env_file: Path = Field(
+        default=Path("/var/lib/specd/sglang.env"),
+        description="Environment file the SGLang unit reads (EnvironmentFile=-); specd writes "
+        "SPECULATIVE_NUM_STEPS and SPECULATIVE_NUM_DRAFT_TOKENS into it. Absolute path.",
+    )
+    apply_mode: Literal["static-topk1"] = Field(
+        default="static-topk1",
+        description="How steps are applied: steps K, eagle topk 1, draft tokens K+1.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        parsed = urllib.parse.urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000")
+        try:
+            parsed.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            raise ValueError(f"{value!r} has an invalid port") from None
+        return value.rstrip("/")
+
+    @field_validator("unit")
+    @classmethod
+    def _unit(cls, value: str) -> str:
+        if not _UNIT_NAME.match(value):
+            raise ValueError(f"{value!r} is not a systemd service name such as sglang.service")
+        return value
+
+    _env_file_absolute = field_validator("env_file")(_absolute)
+
+
+class FilesSettings(BaseModel):
+    """[files]: specd's own files."""
+
+    model_config = _table()
+
+    state_dir: Path = Field(
+        default=Path("/var/lib/specd"),
+        description="Directory of specd's state.json (history, last decision, restart "
+        "journal). Absolute path.",
+    )
+    override_file: Path = Field(
+        default=Path("/etc/specd/override.toml"),
+        description="The on-call override file (`specd override ...` writes it). Absolute path.",
+    )
+
+    _absolute_paths = field_validator("state_dir", "override_file")(_absolute)
+
+
+class ObserveSettings(BaseModel):
+    """[observe]: scraping SGLang and folding what it reports into the history."""
+
+    model_config = _table()
+
+    scrape_interval_s: float = Field(
+        default=5,
+        gt=0,
+        le=HOUR_S,
+        description="Seconds between scrapes; at most an hour (rarer scrapes see no traffic).",
+    )
+    scrape_timeout_s: float = Field(
+        default=3,
+        gt=0,
+        le=10 * MINUTE_S,
+        description="Deadline of one scrape, seconds; at most 10 minutes (a /metrics page "
+        "that takes longer is not an answer).",
+    )
+    stale_after_s: float = Field(
+        default=60,
+        gt=0,
+        le=DAY_S,
+        description="An observation older than this (seconds) is stale: no change is made on "
+        "it. At most a day.",
+    )
+    history_half_life_s: float = Field(
+        default=DAY_S,
+        gt=0,
+        le=90 * DAY_S,
+        description="Half-life of the offered-concurrency history, seconds; at most 90 days "
+        "(older traffic describes another deployment).",
+    )
+    min_history_s: float = Field(
+        default=900,
+        ge=0,
+        le=30 * DAY_S,
+        description="Busy seconds of history needed before any decision; at most 30 days.",
+    )
+    warmup_exclude_s: float = Field(
+        default=120,
+        ge=0,
+        le=DAY_S,
+        description="Seconds after an SGLang start whose observations are ignored (warm-up, "
+        "empty caches); at most a day.",
+    )
+
+
+class ChooseSettings(BaseModel):
+    """[choose]: which step counts specd may pick, and how it picks."""
+
+    model_config = _table()
+
+    min_steps: int = Field(default=1, ge=1, le=16, description="Fewest speculative steps allowed.")
+    max_steps: int = Field(default=6, ge=1, le=16, description="Most speculative steps allowed.")
+    policy: Literal["bands", "model"] = Field(
+        default="bands",
+        description="Decision policy: concurrency bands or the throughput model. Unset, it "
+        'is "model" when calibration_file is set, else "bands".',
+    )
+    calibration_file: Path | None = Field(
+        default=None,
+        description="Performance table (CSV: steps,concurrency,output_tok_s[,accept_length]"
+        "[,max_running_requests], as `specd sweep` writes) the model policy starts from; "
+        "absolute path, checked when the config loads.",
+    )
+    restart_cost_s: float = Field(
+        default=100,
+        ge=0,
+        le=DAY_S,
+        description="Serving time a restart of SGLang loses (model load + warm-up), seconds; "
+        "the model policy charges it against a change. At most a day.",
+    )
+    band_quantile_ratio: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Quantile of busy-time offered concurrency that picks the band (0.5 = median).",
+    )
+    stabilization_window_s: float = Field(
+        default=900,
+        ge=0,
+        le=WEEK_S,
+        description="Seconds a recommendation must hold before it is acted on; at most a week.",
+    )
+    tolerance_ratio: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="Relative margin a change must beat (predicted gain, or distance past a "
+        "band boundary); below 1.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_policy(cls, data: Any) -> Any:
+        # A calibration is what the model policy needs: once one is configured, the model
+        # is the default; an explicit `policy` always wins.
+        if isinstance(data, dict) and data.get("policy") is None:
+            data = dict(data)
+            data["policy"] = "model" if data.get("calibration_file") else "bands"
+        return data
+
+    _calibration_absolute = field_validator("calibration_file")(_absolute)
+
+    @model_validator(mode="after")
+    def _range(self) -> ChooseSettings:
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
+        return self
+
+
+class RestartSettings(BaseModel):
+    """[restart]: when and how carefully specd restarts SGLang."""
+
+    model_config = _table()
+
+    min_dwell_s: float = Field(
+        default=HOUR_S,
+        ge=0,
+        le=30 * DAY_S,
+        description="Minimum seconds between restarts; at most 30 days.",
+    )
+    daily_restart_budget: int = Field(
+        default=4,
+        ge=0,
+        le=1440,
+        description="Automatic restarts allowed per rolling 24 hours; at most 1440 (one a "
+        "minute: a restart takes longer than that).",
+    )
+    quiet_concurrency_max: int = Field(
+        default=2,
+        ge=0,
+        le=100_000,
+        description="A quiet moment: offered concurrency at or below this.",
+    )
+    quiet_deadline_s: float = Field(
+        default=600,
+        ge=0,
+        le=DAY_S,
+        description="Seconds to wait for a quiet moment inside the window before restarting "
+        "anyway (still inside the window); at most a day.",
+    )
+    startup_timeout_s: float = Field(
+        default=600,
+        gt=0,
+        le=DAY_S,
+        description="Seconds to wait for /health_generate after a restart before rolling "
+        "back; at most a day (the largest models load in well under an hour).",
+    )
+    health_probe_timeout_s: float = Field(
+        default=30,
+        ge=25,
+        le=10 * MINUTE_S,
+        description="Timeout of one /health_generate probe, seconds (SGLang's own is 20); at "
+        "most 10 minutes.",
+    )
+    restart_command_timeout_s: float = Field(
+        default=420,
+        gt=0,
+        le=DAY_S,
+        description=(
+            "Timeout of `systemctl restart`, seconds. Must exceed the SGLang unit's "
+            "TimeoutStopSec= (5 min in the example unit): on SIGTERM SGLang drains running "
+            "requests with no deadline, so under load the stop lasts that long. At most a "
+            "day, so a restart that hangs is still rolled back."
+        ),
+    )
+
+
+class ReportSettings(BaseModel):
+    """[report]: specd's own /metrics and logs."""
+
+    model_config = _table()
+
+    metrics_listen_address: str = Field(
+        default="127.0.0.1", description="Address specd's /metrics listens on."
+    )
+    metrics_port: int = Field(
+        default=9464, ge=0, le=65535, description="Port of specd's /metrics; 0 picks a free port."
+    )
+    log_format: Literal["json", "console"] = Field(
+        default="json", description="Log lines as JSON (journald) or for a console."
+    )
+
+    @field_validator("metrics_listen_address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not _HOSTNAME.match(value):
+                raise ValueError(f"{value!r} is not an IP address or host name") from None
+        return value
+
+
+def _default_bands() -> list[Band]:
+    return [Band(max_concurrency=4, steps=4), Band(steps=3)]
+
+
+def _default_windows() -> list[Window]:
+    return [Window(cron="0 3 * * mon-sun", duration_s=3600, timezone="UTC")]
+
+
+class Settings(BaseModel):
+    """specd's settings, table by table (``settings.observe.scrape_interval_s``)."""
+
+    model_config = _table()
+
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings)
+    files: FilesSettings = Field(default_factory=FilesSettings)
+    observe: ObserveSettings = Field(default_factory=ObserveSettings)
+    choose: ChooseSettings = Field(default_factory=ChooseSettings)
+    restart: RestartSettings = Field(default_factory=RestartSettings)
+    report: ReportSettings = Field(default_factory=ReportSettings)
+    bands: list[Band] = Field(
+        default_factory=_default_bands,
+        description="Bands of offered concurrency → steps, by ascending max_concurrency; "
+        "the last has no max_concurrency.",
+    )
+    windows: list[Window] = Field(
+        default_factory=_default_windows,
+        min_length=1,
+        description="Maintenance windows; automatic restarts happen only inside one.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        problems: list[str] = []
+        catch_alls = [i for i, b in enumerate(self.bands) if b.max_concurrency is None]
+        if not self.bands:
+            problems.append("bands: at least one band is needed")
+        elif catch_alls != [len(self.bands) - 1]:
+            problems.append(
+                "bands: exactly one band, the last, must omit max_concurrency (the catch-all)"
+            )
+        bounds = [b.max_concurrency for b in self.bands if b.max_concurrency is not None]
+        if any(a >= b for a, b in itertools.pairwise(bounds)):
+            problems.append("bands: max_concurrency must strictly increase from band to band")
+        lo, hi = self.choose.min_steps, self.choose.max_steps
+        for i, band in enumerate(self.bands):
+            if not lo <= band.steps <= hi:
+                problems.append(
+                    f"bands[{i}].steps: {band.steps} is outside choose.min_steps..max_steps "
+                    f"({lo}..{hi})"
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+# The tables, by their TOML name, and the keys each holds.
+# (Read-only, as all of the core's module state.)
+TABLES: Mapping[str, type[BaseModel]] = MappingProxyType(
+    {
+        name: field.annotation
+        for name, field in Settings.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+)
+ARRAYS: Mapping[str, type[BaseModel]] = MappingProxyType({"bands": Band, "windows": Window})
+TABLE_OF_KEY: Mapping[str, str] = MappingProxyType(
+    {key: table for table, model in TABLES.items() for key in model.model_fields}
+)
+# Keys of the flat config before the tables, whose name changed on the way into one.
+RENAMED_KEYS: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {"sglang_url": ("sglang", "url"), "sglang_unit": ("sglang", "unit")}
+)
