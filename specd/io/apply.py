@@ -39,8 +39,8 @@ from specd.io import logs
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus
 
-ENV_STEPS = "SPECD_SPEC_STEPS"
-ENV_DRAFT_TOKENS = "SPECD_SPEC_DRAFT_TOKENS"
+ENV_STEPS = "SPECULATIVE_NUM_STEPS"
+ENV_DRAFT_TOKENS = "SPECULATIVE_NUM_DRAFT_TOKENS"
 ENV_HEADER = (
     "# Written by specd; every change is overwritten. The SGLang unit reads it through\n"
     "# EnvironmentFile= (see sglang.service.d/50-specd.conf). To choose steps by hand, use\n"
