@@ -25,17 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.core import windows
 from specd.core.observation import ScrapeError
-from specd.install.installer import (
-    DROPIN_NAME,
-    SPECD_UNIT,
-    SPECD_USER,
-    UNITS_DIR,
-    InstallError,
-    live_command,
-    parse_show,
-)
+from specd.install.execline import expand_argv
+from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
+from specd.install.sglang_args import LEGACY_NAMES
+from specd.install.unit import live_command, read_unit
 from specd.io import systemd
-from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS, parse_env, read_env_steps
+from specd.io.apply import ENV_STEPS, parse_env, read_env_steps
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
@@ -81,6 +76,7 @@ class Doctor:
         self.monotonic = monotonic
         self.config = Config()
         self.info: dict[str, Any] | None = None
+        self.unit_env_files: list[Path] = []
 
     def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
         try:
@@ -92,6 +88,7 @@ class Doctor:
 
     def check_config(self) -> Check:
         shown = self.config_path or DEFAULT_CONFIG_PATH
+        defaults = self.config_path is None and not DEFAULT_CONFIG_PATH.exists()
         try:
             self.config = load_config(self.config_path)
         except ConfigError as exc:
@@ -101,6 +98,14 @@ class Doctor:
                 False,
                 f"{shown}: {exc.problems[0]}{more}",
                 f"see every problem with `specd check-config {shown}`",
+            )
+        if defaults:
+            # Nothing was checked: say what specd runs on instead of calling it valid.
+            return Check(
+                "config",
+                True,
+                f"no {shown}: specd uses its built-in defaults"
+                f" (SGLang at {self.config.sglang.url}, unit {self.config.sglang.unit})",
             )
         return Check("config", True, f"{shown} is valid")
 
@@ -167,13 +172,11 @@ class Doctor:
         dropin = str(UNITS_DIR / f"{unit}.d" / DROPIN_NAME)
         advice = f"run `specd install --unit {unit}`"
         try:
-            props = ("LoadState", "ExecStart", "Environment", "FragmentPath", "DropInPaths")
-            show = self.runner(systemd.show_argv(unit, props), timeout_s=TIMEOUT_S)
-            cat = self.runner(["systemctl", "cat", "--no-pager", unit], timeout_s=TIMEOUT_S)
-            view = parse_show(unit, show.stdout, cat.stdout)
+            view = read_unit(self.runner, unit)
             command = live_command(view)
         except InstallError as exc:
             return Check("drop-in", False, str(exc), advice), None, {}
+        self.unit_env_files = [Path(p) for p in view.environment_files]
         if dropin not in view.dropin_paths:
             return (
                 Check("drop-in", False, f"{dropin} is not among {unit}'s drop-ins", advice),
@@ -181,6 +184,19 @@ class Doctor:
                 view.environment,
             )
         joined = " ".join(command.words)
+        legacy = [name for name in LEGACY_NAMES if f"${{{name}}}" in joined]
+        if legacy:
+            return (
+                Check(
+                    "drop-in",
+                    False,
+                    f"{dropin} uses the old variable {legacy[0]}",
+                    f"{advice} to rewrite it with {LEGACY_NAMES[legacy[0]]} "
+                    f"(it shows the diff; {unit} is not restarted)",
+                ),
+                None,
+                view.environment,
+            )
         if f"${{{ENV_STEPS}}}" not in joined:
             return (
                 Check("drop-in", False, f"{unit}'s ExecStart= has no ${{{ENV_STEPS}}}", advice),
@@ -190,9 +206,12 @@ class Doctor:
         return Check("drop-in", True, f"{dropin} is live"), list(command.words), view.environment
 
     def _expected_values(self, defaults: dict[str, str]) -> dict[str, str]:
-        values = {k: v for k, v in defaults.items() if k in (ENV_STEPS, ENV_DRAFT_TOKENS)}
-        with contextlib.suppress(OSError):
-            values.update(parse_env(Path(self.config.sglang.env_file).read_text()))
+        """The variables SGLang's next start would see: Environment=, then the unit's
+        EnvironmentFile= files and specd's env file (the files win, as in systemd)."""
+        values = dict(defaults)
+        for path in [*self.unit_env_files, Path(self.config.sglang.env_file)]:
+            with contextlib.suppress(OSError):
+                values.update(parse_env(path.read_text(encoding="utf-8", errors="replace")))
         return values
 
     def check_command(self, words: list[str] | None, defaults: dict[str, str]) -> Check:
@@ -204,13 +223,9 @@ class Doctor:
             return Check(
                 "command", False, "SGLang's /server_info has no launch_command", "upgrade SGLang"
             )
-        values = self._expected_values(defaults)
-        expected = [
-            w.replace(f"${{{ENV_STEPS}}}", values.get(ENV_STEPS, "?")).replace(
-                f"${{{ENV_DRAFT_TOKENS}}}", values.get(ENV_DRAFT_TOKENS, "?")
-            )
-            for w in words
-        ]
+        # What systemd would hand SGLang now: $$, ${VAR} and $VAR expanded from its
+        # environment (%% and specifiers were resolved when the words were read).
+        expected = [arg.text for arg in expand_argv(words, self._expected_values(defaults))]
         # The program part differs (python -m vs the script path): compare the options.
         want = _options(expected)
         try:

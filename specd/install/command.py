@@ -1,20 +1,110 @@
-"""`specd install` and `specd uninstall`: the command line."""
+"""`specd install` and `specd uninstall`: the command line, and install's interactive flow."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
-from specd.install.installer import InstallError, Layout, install, specd_command, uninstall
-from specd.io.runner import SubprocessRunner
+from specd.install.execute import execute
+from specd.install.layout import InstallError, Layout, check_unit_name
+from specd.install.manifest import load_manifest
+from specd.install.plan import Plan, build_plan, system_state
+from specd.install.render import specd_command
+from specd.install.uninstall import uninstall
+from specd.install.unit import read_unit
+from specd.io.runner import Runner, SubprocessRunner
+
+
+def _ask(question: str) -> bool:
+    try:
+        answer = input(f"{question} [y/N] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def install(
+    args: argparse.Namespace, runner: Runner, layout: Layout, out: Any, now_s: float | None = None
+) -> int:
+    unit = check_unit_name(args.unit)
+    manifest = load_manifest(layout)
+    if manifest is not None and manifest.get("unit") != unit:
+        raise InstallError(
+            f"specd is installed for {manifest.get('unit')}; run `specd uninstall` before "
+            f"installing it for {unit}"
+        )
+    view = read_unit(runner, unit)
+    system = system_state(runner)
+    interactive = sys.stdin.isatty() and not args.yes and not args.dry_run
+    add_metrics = args.add_enable_metrics
+    moment = time.time() if now_s is None else now_s
+
+    def plan_for(metrics: bool) -> Plan:
+        return build_plan(
+            view,
+            layout,
+            system,
+            add_metrics=metrics,
+            specd_argv=args.specd,
+            url=args.url,
+            fresh=manifest is None,
+            now_s=moment,
+        )
+
+    try:
+        plan = plan_for(add_metrics)
+    except InstallError as exc:
+        if add_metrics or not interactive or "--enable-metrics" not in str(exc):
+            raise
+        print(str(exc), file=out)
+        if not _ask(f"Add --enable-metrics to {unit}'s command line in specd's drop-in?"):
+            return 1
+        plan = plan_for(True)
+    spec = plan.spec
+    print(
+        f"{unit}: {spec.algorithm}, --speculative-num-steps {spec.steps}, "
+        f"--speculative-num-draft-tokens {spec.draft_tokens}, "
+        f"metrics {'on' if spec.metrics else 'added by the drop-in'}, "
+        f"SGLang at {plan.url}",
+        file=out,
+    )
+    if plan.empty:
+        print("nothing to do: specd is installed and running for this unit", file=out)
+        return 0
+    if args.dry_run:
+        print("dry run: these files would be written and these commands run\n", file=out)
+        out.write(plan.render())
+        for note in plan.notes:
+            print("\n" + note, file=out)
+        return 0
+    if os.geteuid() != 0 and layout.root == Path("/"):
+        raise InstallError("must run as root (writes /etc, runs systemctl); see --dry-run")
+    if not args.yes:
+        if not interactive:
+            raise InstallError(
+                "stdin is not a terminal: pass --yes to install without asking "
+                "(--dry-run shows the plan)"
+            )
+        out.write(plan.render())
+        if not _ask("Proceed?"):
+            return 1
+    execute(plan, layout, runner, view, out)
+    for note in plan.notes:
+        print(note, file=out)
+    print("installed; check it with `specd doctor` (undo with `specd uninstall`)", file=out)
+    return 0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     if parser.prog.endswith("uninstall"):
         parser.description = (
             "Remove exactly what `specd install` added (its manifest says what), restore the "
-            "files it changed, and leave the SGLang unit as it was."
+            "files it changed, archive specd's state, env file and override under "
+            "/var/backups/specd/, and leave the SGLang unit as it was."
         )
         parser.add_argument(
             "--restart-sglang",
@@ -29,6 +119,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "polkit rule and /etc/specd/specd.toml. Never restarts SGLang. Idempotent."
     )
     parser.add_argument("--unit", required=True, help="the SGLang service, e.g. sglang.service")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="SGLang's base URL, e.g. http://127.0.0.1:30000 (default: from --host/--port "
+        "of the unit's command line)",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import specd.commands.doctor as doctor_module
+import specd.io.config as config_module
 from specd.commands.doctor import Check, Doctor, _usec, render
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
@@ -17,11 +19,11 @@ WORDS = [
     "-m",
     "sglang.launch_server",
     "--enable-metrics",
-    "--speculative-num-steps=${SPECD_SPEC_STEPS}",
+    "--speculative-num-steps=${SPECULATIVE_NUM_STEPS}",
     "--speculative-num-draft-tokens",
-    "${SPECD_SPEC_DRAFT_TOKENS}",
+    "${SPECULATIVE_NUM_DRAFT_TOKENS}",
 ]
-DEFAULTS = {"SPECD_SPEC_STEPS": "3", "SPECD_SPEC_DRAFT_TOKENS": "4"}
+DEFAULTS = {"SPECULATIVE_NUM_STEPS": "3", "SPECULATIVE_NUM_DRAFT_TOKENS": "4"}
 # 2026-12-02 11:00 UTC, a Wednesday.
 NOW = datetime(2026, 12, 2, 11, 0, tzinfo=timezone.utc).timestamp()
 
@@ -46,7 +48,8 @@ def test_usec(text: str, usec: int) -> None:
 def doctor(tmp_path: Path, extra: str = "") -> Doctor:
     config = tmp_path / "specd.toml"
     config.write_text(
-        f'env_file = "{tmp_path}/sglang.env"\noverride_file = "{tmp_path}/override.toml"\n' + extra
+        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\noverride_file = "{tmp_path}/override.toml"\n' + extra
     )
     found = Doctor(config, SubprocessRunner(), clock=lambda: NOW)
     found.config = load_config(config)
@@ -64,13 +67,13 @@ def doctor(tmp_path: Path, extra: str = "") -> Doctor:
             "runs the drop-in's",
         ),
         (
-            "SPECD_SPEC_STEPS=4\nSPECD_SPEC_DRAFT_TOKENS=5\n",
+            "SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n",
             "/x --enable-metrics --speculative-num-steps=4 --speculative-num-draft-tokens 5",
             True,
             "runs the drop-in's",
         ),
         (
-            "SPECD_SPEC_STEPS=4\nSPECD_SPEC_DRAFT_TOKENS=5\n",
+            "SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n",
             "/x --enable-metrics --speculative-num-steps=3 --speculative-num-draft-tokens 4",
             False,
             "differs",
@@ -95,10 +98,10 @@ def test_command_check(
     ("env_file", "defaults", "live", "ok", "detail"),
     [
         (None, DEFAULTS, 3, True, "as the drop-in's default"),
-        ("SPECD_SPEC_STEPS=4\n", DEFAULTS, 4, True, "SGLang runs 4 steps"),
-        ("SPECD_SPEC_STEPS=4\n", DEFAULTS, 3, False, "says 4 steps, SGLang runs 3"),
+        ("SPECULATIVE_NUM_STEPS=4\n", DEFAULTS, 4, True, "SGLang runs 4 steps"),
+        ("SPECULATIVE_NUM_STEPS=4\n", DEFAULTS, 3, False, "says 4 steps, SGLang runs 3"),
         (None, {}, 3, False, "no step count to compare"),
-        ("SPECD_SPEC_STEPS=4\n", DEFAULTS, None, False, "reports no speculative_num_steps"),
+        ("SPECULATIVE_NUM_STEPS=4\n", DEFAULTS, None, False, "reports no speculative_num_steps"),
     ],
 )
 def test_steps_check(
@@ -145,3 +148,55 @@ def test_override_check(tmp_path: Path) -> None:
 def test_render_gives_advice_only_for_failures() -> None:
     text = render([Check("config", True, "valid", "unused"), Check("polkit", False, "no", "fix")])
     assert text == "✓ config  valid\n✗ polkit  no\n          → fix\n"
+
+
+def test_command_check_expands_the_line_as_systemd_does(tmp_path: Path) -> None:
+    """`$$`, `%%` (already `%` in the loaded words), `${VAR}` from Environment= and from an
+    EnvironmentFile=, and a split `$VAR`: a correct install is not called different, and no
+    restart is advised."""
+    found = doctor(tmp_path)
+    (tmp_path / "sglang.env").write_text(
+        "SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n"
+    )
+    unit_env = tmp_path / "unit.env"
+    unit_env.write_text("PORT=31000\nEXTRA='--tp-size 4'\n")
+    found.unit_env_files = [unit_env]
+    words = [
+        *WORDS[:3],
+        "--port",
+        "${PORT}",
+        "--chat-template",
+        "cost: $$5 100%",
+        "--served-model-name",
+        "${MODEL}",
+        "$EXTRA",
+        *WORDS[3:],
+    ]
+    found.info = {
+        "launch_command": "/usr/bin/python3 -m sglang.launch_server --port 31000 "
+        "--chat-template 'cost: $5 100%' --served-model-name qwen --tp-size 4 --enable-metrics "
+        "--speculative-num-steps=4 --speculative-num-draft-tokens 5"
+    }
+    check = found.check_command(words, {**DEFAULTS, "MODEL": "qwen", "PORT": "1"})
+    assert check == Check("command", True, "SGLang runs the drop-in's command line")
+    found.info = {"launch_command": found.info["launch_command"].replace("31000", "30000")}
+    changed = found.check_command(words, {**DEFAULTS, "MODEL": "qwen"})
+    assert not changed.ok
+    assert "30000 31000" in changed.detail
+    assert "systemctl restart sglang.service" in changed.advice
+
+
+def test_config_check_without_a_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    absent = tmp_path / "specd.toml"
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", absent)
+    monkeypatch.setattr(doctor_module, "DEFAULT_CONFIG_PATH", absent)
+    check = Doctor(None, SubprocessRunner()).check_config()
+    assert check.ok
+    assert check.detail.startswith(f"no {absent}: specd uses its built-in defaults")
+    assert "valid" not in check.detail
+    named = Doctor(absent, SubprocessRunner()).check_config()
+    assert not named.ok  # a file named on the command line must exist
+    absent.write_text("[choose]\nmin_steps = 2\n")
+    assert Doctor(None, SubprocessRunner()).check_config().detail == f"{absent} is valid"

@@ -1,21 +1,31 @@
 """`specd install` → `specd doctor` → a step change in the next window → `specd uninstall`,
-under a real systemd, on a unit shaped like the real deployment (the twin in SGLang's place).
+under a real systemd, on a unit shaped like the real deployment (the twin in SGLang's place);
+and install → an on-call pin applied at once → uninstall → install for another unit, which
+must not restart that unit (issue 11 item 1).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime, timezone
 
 import pytest
 import tomli_w
-from nspawn import SGLANG_UNIT, SPECD_UNIT, TWIN_URL, VENV_SPECD, Container, exec_line
+from factories import tables
+from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, TWIN_URL, VENV_SPECD, Container, exec_line
+
+from specd.io.files import parse_toml
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 LOAD_UNIT = "specd-install-load.service"
 DROPIN = f"{SGLANG_UNIT}.d/50-specd.conf"
+POLKIT_RULE = "/etc/polkit-1/rules.d/50-specd.rules"
+# How long SGLang must keep its process after a reinstall: the issue saw the restart 5 s
+# after install; at 0.5 s a tick this is 20 ticks of the daemon.
+QUIET_AFTER_INSTALL_S = 10.0
 
 
 def deployment_unit() -> str:
@@ -69,22 +79,24 @@ def cron_at(ts: float) -> str:
 
 def operator_config(opens_at: float) -> str:
     """What the operator keeps in /etc/specd/specd.toml: short history, a window soon;
-    no sglang_url / sglang_unit (install fills them in)."""
+    no [sglang] url / unit (install fills them in). The twin stops and starts in seconds:
+    one restart (its 30 s stop timeout + a 10 s start) fits the window."""
     return tomli_w.dumps(
-        {
-            "scrape_interval_s": 0.5,
-            "stale_after_s": 10.0,
-            "history_half_life_s": 120.0,
-            "min_history_s": 2.0,
-            "warmup_exclude_s": 0.5,
-            "stabilization_window_s": 1.5,
-            "min_dwell_s": 0.0,
-            "quiet_concurrency_max": 64,
-            "quiet_deadline_s": 5.0,
-            "startup_timeout_s": 30.0,
-            "metrics_port": 9464,
-            "windows": [{"cron": cron_at(opens_at), "duration_s": 120.0, "timezone": "UTC"}],
-        }
+        tables(
+            restart_cost_s=10.0,
+            scrape_interval_s=0.5,
+            stale_after_s=10.0,
+            history_half_life_s=120.0,
+            min_history_s=2.0,
+            warmup_exclude_s=0.5,
+            stabilization_window_s=1.5,
+            min_dwell_s=0.0,
+            quiet_concurrency_max=64,
+            quiet_deadline_s=5.0,
+            startup_timeout_s=30.0,
+            metrics_port=9464,
+            windows=[{"cron": cron_at(opens_at), "duration_s": 120.0, "timezone": "UTC"}],
+        )
     )
 
 
@@ -117,11 +129,10 @@ def test_install_doctor_window_change_uninstall(sd: Container) -> None:
         assert sd.main_pid(SGLANG_UNIT) == sglang_pid  # never restarts SGLang
         assert sd.active_state(SPECD_UNIT) == "active"
         dropin = (sd.units_dir / DROPIN).read_text()
-        assert "--speculative-num-steps=${SPECD_SPEC_STEPS}" in dropin
-        assert "Environment=SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4" in dropin
-        config = (sd.config_dir / "specd.toml").read_text()
-        assert f'sglang_url = "{TWIN_URL}"' in config
-        assert f'sglang_unit = "{SGLANG_UNIT}"' in config
+        assert "--speculative-num-steps=${SPECULATIVE_NUM_STEPS}" in dropin
+        assert "Environment=SPECULATIVE_NUM_STEPS=3 SPECULATIVE_NUM_DRAFT_TOKENS=4" in dropin
+        config = parse_toml((sd.config_dir / "specd.toml").read_text())
+        assert config["sglang"] == {**config["sglang"], "url": TWIN_URL, "unit": SGLANG_UNIT}
 
         again = sd.sh(specd, "install", "--unit", SGLANG_UNIT, "--yes", timeout=60)
         assert "nothing to do" in again.stdout, again.stdout
@@ -175,7 +186,7 @@ def test_doctor_and_install_on_a_broken_setup(sd: Container) -> None:
     sd.systemctl("start", unit)
     sd.wait_http("/health")
     (sd.config_dir / "specd.toml").write_text(
-        tomli_w.dumps({"sglang_url": TWIN_URL, "sglang_unit": unit})
+        tomli_w.dumps({"sglang": {"url": TWIN_URL, "unit": unit}})
     )
     specd = str(VENV_SPECD)
 
@@ -202,3 +213,86 @@ def test_doctor_and_install_on_a_broken_setup(sd: Container) -> None:
     assert "+    --enable-metrics" in plan.stdout
     # The polkit rule must be rendered for this unit, not the shipped sglang.service.
     assert '+    var SGLANG_UNIT = "llm.service";' in plan.stdout
+
+
+def test_reinstall_for_another_unit_acts_on_no_override_of_the_last(sd: Container) -> None:
+    sd.write_unit(SGLANG_UNIT, deployment_unit())
+    sd.daemon_reload()
+    sd.systemctl("start", SGLANG_UNIT)
+    sd.wait_http("/health")
+    # No window for a month: only an override applied "now" could restart SGLang.
+    closed = float(sd.sh("date", "+%s.%N").stdout) + 30 * 86400
+    (sd.config_dir / "specd.toml").write_text(operator_config(closed))
+    specd = str(VENV_SPECD)
+    other = "llm.service"
+    rebound = uninstalled = False
+    try:
+        sd.sh(specd, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+        before_pin = sd.main_pid(SGLANG_UNIT)
+        sd.sh(specd, "override", "pin", "4", "--for", "2h", "--reason", "on-call", "--now")
+        sd.wait_for(lambda: live_steps(sd) == 4, timeout=45, interval=0.5, what="pinned 4")
+        assert sd.main_pid(SGLANG_UNIT) != before_pin
+
+        gone = sd.sh(specd, "uninstall", timeout=90)
+        found = re.search(
+            r"archived specd's own files in (/var/backups/specd/uninstall-\S+)/:", gone.stdout
+        )
+        assert found, gone.stdout
+        archived = found.group(1) + "/etc/specd/override.toml"
+        assert f"/etc/specd/override.toml → {archived}" in gone.stdout
+        assert 'mode = "pin"' in sd.sh("cat", archived).stdout
+        assert not (sd.config_dir / "override.toml").exists()
+        assert not list(sd.state_dir.iterdir())  # state and env file archived too
+        assert "state.json" in sd.sh("ls", found.group(1) + "/var/lib/specd").stdout
+
+        # An older specd's uninstall left its pin behind: put it back, as it would be.
+        sd.sh("cp", archived, "/etc/specd/override.toml")
+        sd.systemctl("stop", SGLANG_UNIT)
+        sd.write_unit(other, deployment_unit())
+        sd.daemon_reload()
+        sd.systemctl("start", other)
+        sd.wait_http("/health")
+        # The container binds the repo's rule (for sglang.service) over this path; a rule
+        # for another unit must be writable.
+        sd.sh("umount", POLKIT_RULE)
+        rebound = True
+        pid = sd.main_pid(other)
+        restarts = sd.show(other, "NRestarts")
+        again = sd.sh(specd, "install", "--unit", other, "--yes", timeout=90)
+        moved = re.search(r"moved /etc/specd/override.toml to (\S+) \(", again.stdout)
+        assert moved, again.stdout
+        assert 'mode = "pin"' in sd.sh("cat", moved.group(1)).stdout
+        assert not (sd.config_dir / "override.toml").exists()
+        sd.wait_for(
+            lambda: "steps" in sd.show(SPECD_UNIT, "StatusText"), timeout=30, what="specd ticks"
+        )
+        watched_until = time.monotonic() + QUIET_AFTER_INSTALL_S
+        while time.monotonic() < watched_until:
+            assert sd.main_pid(other) == pid, sd.journal(SPECD_UNIT)
+            time.sleep(0.5)
+        assert sd.show(other, "NRestarts") == restarts
+        assert live_steps(sd) == 3
+
+        # Issue 11 item 5: an operator's edit of specd.toml survives uninstall.
+        config = sd.config_dir / "specd.toml"
+        config.write_text(config.read_text() + "# on-call: window moved for the launch\n")
+        last = sd.sh(specd, "uninstall", timeout=90)
+        uninstalled = True
+        kept = re.search(
+            r"/etc/specd/specd.toml was edited since install: kept it as (\S+)", last.stdout
+        )
+        assert kept, last.stdout
+        backup = sd.config_dir / kept.group(1).rsplit("/", 1)[1]
+        assert backup.read_text().endswith("# on-call: window moved for the launch\n")
+        assert config.read_text() == operator_config(closed)  # the file as before install
+    finally:
+        if not uninstalled:
+            sd.sh(specd, "uninstall", check=False, timeout=90)
+        if rebound:
+            sd.sh(
+                "mount",
+                "-o",
+                "bind,ro",
+                str(REPO / "etc/polkit-1/rules.d/50-specd.rules"),
+                POLKIT_RULE,
+            )

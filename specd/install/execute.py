@@ -1,0 +1,88 @@
+"""Carrying out an install plan, recording each change in the manifest before making it."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from specd.install.layout import (
+    CONFIG_DIR,
+    START_TIMEOUT_S,
+    InstallError,
+    Layout,
+    run_checked,
+)
+from specd.install.manifest import load_manifest, new_manifest, save_manifest, sha256
+from specd.install.plan import Plan
+from specd.install.unit import UnitView
+from specd.io.files import write_atomic
+from specd.io.runner import Runner
+
+
+def move_to_archive(layout: Layout, path: Path, to: Path) -> None:
+    """Move ``path`` to ``to`` (another file system is fine); the archive is root's alone."""
+    target = layout.host(to)
+    for parent in reversed(to.parents):
+        here = layout.host(parent)
+        if not here.is_dir():
+            here.mkdir(mode=0o700)
+    shutil.move(str(layout.host(path)), str(target))
+
+
+def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any) -> None:
+    """Carry the plan out, recording every change in the manifest before making it."""
+    manifest = load_manifest(layout) or new_manifest(plan.unit, view.cat)
+    if manifest["unit"] != plan.unit:
+        raise InstallError(
+            f"specd is installed for {manifest['unit']}; run `specd uninstall` before "
+            f"installing it for {plan.unit}"
+        )
+    for move in plan.moves:
+        move_to_archive(layout, move.path, move.to)
+        print(f"moved {move.path} to {move.to} ({move.why})", file=out)
+    config_dir = layout.host(CONFIG_DIR)
+    if not config_dir.is_dir():
+        config_dir.mkdir(mode=0o755, parents=True)
+        manifest["dirs"].append(str(CONFIG_DIR))
+    for change in plan.files:
+        target = layout.host(change.path)
+        if change.record:
+            record = manifest["files"].setdefault(
+                str(change.path),
+                {"original": None if change.old is None else change.old.decode("utf-8", "replace")},
+            )
+            record["sha256"] = sha256(change.new)
+            if not target.parent.is_dir():
+                target.parent.mkdir(parents=True, mode=0o755)
+                manifest["dirs"].append(str(change.path.parent))
+            save_manifest(layout, manifest)
+        write_atomic(target, change.new, mode=change.mode)
+        print(f"wrote {change.path}", file=out)
+    if plan.create_user:
+        manifest["user_created"] = True
+        save_manifest(layout, manifest)
+    users = [c for c in plan.commands if c[0] == "systemd-sysusers"]
+    for argv in users:
+        run_checked(runner, argv)
+        print("ran " + shlex.join(argv), file=out)
+    for directory in plan.dirs:
+        target = layout.host(directory.path)
+        manifest["dirs"].append(str(directory.path))
+        save_manifest(layout, manifest)
+        target.mkdir(mode=directory.mode, parents=True, exist_ok=True)
+        owner = pwd.getpwnam(directory.owner)
+        os.chown(target, owner.pw_uid, owner.pw_gid)
+        print(f"created {directory.path}", file=out)
+    for argv in plan.commands:
+        if argv in users:
+            continue
+        if argv[:2] == ("systemctl", "enable"):
+            manifest["enabled_specd"] = True
+            save_manifest(layout, manifest)
+        run_checked(runner, argv, START_TIMEOUT_S)
+        print("ran " + shlex.join(argv), file=out)
+    save_manifest(layout, manifest)

@@ -1,0 +1,75 @@
+"""Where install and uninstall put things, the one error they raise, and the ``Layout`` that maps
+system paths to a root: ``/`` in production, a temporary directory in tests."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from specd.io.runner import Runner, RunResult
+
+DROPIN_NAME = "50-specd.conf"
+SPECD_UNIT = "specd.service"
+SPECD_USER = "specd"
+UNITS_DIR = Path("/etc/systemd/system")
+STATE_DIR = Path("/var/lib/specd")
+ENV_FILE = STATE_DIR / "sglang.env"
+CONFIG_DIR = Path("/etc/specd")
+CONFIG_FILE = CONFIG_DIR / "specd.toml"
+OVERRIDE_FILE = CONFIG_DIR / "override.toml"
+# In /etc/specd rather than specd's state dir: the daemon can write /var/lib/specd, and a
+# manifest it could edit would let it steer what root deletes at uninstall.
+MANIFEST_FILE = CONFIG_DIR / "install-manifest.json"
+POLKIT_FILE = Path("/etc/polkit-1/rules.d/50-specd.rules")
+SYSUSERS_FILE = Path("/etc/sysusers.d/specd.conf")
+# What uninstall archives (specd's state, env file, override) and what install moves aside
+# (an override from an earlier installation), one dated directory per run. Outside specd's
+# own directories: those are removed.
+ARCHIVE_ROOT = Path("/var/backups/specd")
+SYSTEMCTL_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 120.0
+
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
+
+
+class InstallError(Exception):
+    """install/uninstall cannot go on; the message is one line for the operator."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the system's files are: ``/`` in production, a directory in tests."""
+
+    root: Path = Path("/")
+
+    def host(self, path: Path) -> Path:
+        return self.root / path.relative_to("/")
+
+    def read(self, path: Path) -> bytes | None:
+        try:
+            return self.host(path).read_bytes()
+        except FileNotFoundError:
+            return None
+
+
+def stamp(now_s: float) -> str:
+    """A UTC time for names of archives and backups: sorts, and has no ':' (a path)."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now_s))
+
+
+def check_unit_name(unit: str) -> str:
+    if not _UNIT_NAME.match(unit):
+        raise InstallError(f"{unit!r} is not a systemd service name such as sglang.service")
+    return unit
+
+
+def run_checked(
+    runner: Runner, argv: Sequence[str], timeout_s: float = SYSTEMCTL_TIMEOUT_S
+) -> RunResult:
+    result = runner(list(argv), timeout_s=timeout_s)
+    if not result.ok:
+        raise InstallError(result.summary())
+    return result

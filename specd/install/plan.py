@@ -1,0 +1,273 @@
+"""What install would change: every file (as a diff), directory, move and command, worked out
+without touching anything; ``--dry-run`` prints it and ``execute`` carries it out."""
+
+from __future__ import annotations
+
+import difflib
+import pwd
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from specd.install.layout import (
+    ARCHIVE_ROOT,
+    CONFIG_FILE,
+    DROPIN_NAME,
+    ENV_FILE,
+    POLKIT_FILE,
+    SPECD_UNIT,
+    SPECD_USER,
+    STATE_DIR,
+    SYSTEMCTL_TIMEOUT_S,
+    SYSUSERS_FILE,
+    UNITS_DIR,
+    InstallError,
+    Layout,
+    stamp,
+)
+from specd.install.render import (
+    configured_files,
+    render_config,
+    render_dropin,
+    render_polkit,
+    render_specd_service,
+    template,
+)
+from specd.install.sglang_args import LEGACY_NAMES, Speculation, analyse, sglang_url
+from specd.install.unit import (
+    UnitView,
+    cat_sections,
+    live_command,
+    service_assignments,
+    unit_environment,
+)
+from specd.io.apply import parse_env
+from specd.io.runner import Runner
+
+
+@dataclass(frozen=True)
+class FileChange:
+    path: Path
+    old: bytes | None
+    new: bytes
+    mode: int = 0o644
+    # False for specd's own state (the env file): archived at uninstall, not restored.
+    record: bool = True
+
+    def diff(self) -> str:
+        old = (self.old or b"").decode("utf-8", "replace").splitlines(keepends=True)
+        new = self.new.decode("utf-8", "replace").splitlines(keepends=True)
+        label_old = f"{self.path} (absent)" if self.old is None else str(self.path)
+        label_new = f"{self.path} (new, {self.mode:04o})" if self.old is None else str(self.path)
+        lines = list(difflib.unified_diff(old, new, label_old, label_new))
+        return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+@dataclass(frozen=True)
+class DirChange:
+    path: Path
+    mode: int
+    owner: str
+
+
+@dataclass(frozen=True)
+class MoveAside:
+    """A file from an earlier installation that this one must not act on."""
+
+    path: Path
+    to: Path
+    why: str
+
+
+@dataclass
+class Plan:
+    unit: str
+    spec: Speculation
+    url: str
+    files: list[FileChange] = field(default_factory=list)
+    dirs: list[DirChange] = field(default_factory=list)
+    moves: list[MoveAside] = field(default_factory=list)
+    commands: list[tuple[str, ...]] = field(default_factory=list)
+    create_user: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.files or self.dirs or self.moves or self.commands or self.create_user)
+
+    def render(self) -> str:
+        out: list[str] = []
+        for move in self.moves:
+            out.append(f"# {move.why}\n$ mv {move.path} {move.to}\n")
+        for change in self.files:
+            out.append(change.diff())
+        users = [c for c in self.commands if c[0] == "systemd-sysusers"]
+        for argv in users:
+            out.append("$ " + shlex.join(argv) + "\n")
+        for directory in self.dirs:
+            out.append(f"$ mkdir -m {directory.mode:04o} {directory.path}\n")
+            out.append(f"$ chown {directory.owner}:{directory.owner} {directory.path}\n")
+        for argv in self.commands:
+            if argv not in users:
+                out.append("$ " + shlex.join(argv) + "\n")
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class SystemState:
+    """What install needs to know about the machine besides files."""
+
+    user_exists: bool
+    specd_enabled: bool
+    specd_active: bool
+
+
+def check_url(url: str) -> str:
+    """An operator's ``--url``: http(s)://HOST[:PORT], nothing else."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InstallError(f"--url {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InstallError(f"--url {url!r}: not an http:// or https:// URL with a host")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise InstallError(f"--url {url!r}: only scheme, host and port (SGLang's base URL)")
+    if port == 0:
+        raise InstallError(f"--url {url!r}: port 0 is not a TCP port")
+    return url.rstrip("/")
+
+
+def _migrated_env(old: bytes) -> bytes | None:
+    """The env file with the old SPECD_SPEC_* names renamed; None if it has none of them."""
+    text = old.decode("utf-8", "replace")
+    if not set(parse_env(text)) & set(LEGACY_NAMES):
+        return None
+    lines = []
+    for line in text.splitlines(keepends=True):
+        key, sep, rest = line.partition("=")
+        name = key.strip()
+        lines.append(f"{LEGACY_NAMES[name]}{sep}{rest}" if sep and name in LEGACY_NAMES else line)
+    return "".join(lines).encode()
+
+
+def build_plan(
+    view: UnitView,
+    layout: Layout,
+    system: SystemState,
+    *,
+    add_metrics: bool,
+    specd_argv: Sequence[str],
+    url: str | None = None,
+    fresh: bool = False,
+    now_s: float = 0.0,
+) -> Plan:
+    """Everything install would write and run; raises InstallError for a unit it refuses.
+    ``fresh``: no installation of specd is recorded here, so an override file left from an
+    earlier one is moved aside (``now_s`` names where)."""
+    unit = view.unit
+    command = live_command(view)
+    spec = analyse(
+        command,
+        unit_environment(view, layout),
+        unit,
+        defaults=view.environment,
+        read_url=url is None,
+    )
+    if not spec.metrics and not add_metrics:
+        raise InstallError(
+            f"{unit} runs without --enable-metrics, and specd reads SGLang's /metrics: re-run "
+            "with --add-enable-metrics to add it in the drop-in (live at SGLang's next restart)"
+        )
+    dropin = UNITS_DIR / f"{unit}.d" / DROPIN_NAME
+    later = [p for p in view.dropin_paths if Path(p).name > DROPIN_NAME and Path(p) != dropin]
+    for later_path in later:
+        text = next((t for p, t in cat_sections(view) if p == later_path), "")
+        if service_assignments(text, "ExecStart"):
+            raise InstallError(
+                f"{later_path} sets ExecStart= and is read after {DROPIN_NAME}, so specd's drop-in "
+                "would have no effect; fold it into the unit or remove it"
+            )
+    existing_config = layout.read(CONFIG_FILE)
+    if url is None:
+        assert spec.port is not None
+        url = sglang_url(spec.host, spec.port)
+    else:
+        url = check_url(url)
+    config_text = render_config(
+        None if existing_config is None else existing_config.decode("utf-8", "replace"),
+        url,
+        unit,
+    )
+    wanted = {
+        dropin: render_dropin(unit, command, spec, add_metrics),
+        UNITS_DIR / SPECD_UNIT: render_specd_service(
+            template("specd.service"), unit, list(specd_argv)
+        ),
+        POLKIT_FILE: render_polkit(template("polkit"), unit),
+        SYSUSERS_FILE: template("sysusers"),
+        CONFIG_FILE: config_text,
+    }
+    plan = Plan(unit=unit, spec=spec, url=url)
+    files, _ = configured_files(config_text)
+    if fresh and layout.host(files.override_file).is_file():
+        to = ARCHIVE_ROOT / f"install-{stamp(now_s)}" / files.override_file.relative_to("/")
+        plan.moves.append(
+            MoveAside(
+                files.override_file,
+                to,
+                "an override left by an earlier installation: this one starts in auto mode",
+            )
+        )
+    for path, text in wanted.items():
+        old = layout.read(path)
+        if old != text.encode():
+            plan.files.append(FileChange(path, old, text.encode()))
+    if spec.legacy:
+        plan.notes.append(
+            f"{unit} was wired with the old variable names ({', '.join(LEGACY_NAMES)}); the "
+            f"drop-in now uses {', '.join(LEGACY_NAMES.values())}"
+        )
+        env_old = layout.read(ENV_FILE)
+        env_new = None if env_old is None else _migrated_env(env_old)
+        if env_old is not None and env_new is not None:
+            plan.files.append(FileChange(ENV_FILE, env_old, env_new, record=False))
+    if not system.user_exists:
+        plan.create_user = True
+        plan.commands.append(("systemd-sysusers", str(SYSUSERS_FILE)))
+    if not layout.host(STATE_DIR).is_dir():
+        plan.dirs.append(DirChange(STATE_DIR, 0o750, SPECD_USER))
+    units_changed = any(c.path.is_relative_to(UNITS_DIR) for c in plan.files)
+    if units_changed:
+        plan.commands.append(("systemctl", "daemon-reload"))
+    if not (system.specd_enabled and system.specd_active):
+        plan.commands.append(("systemctl", "enable", "--now", SPECD_UNIT))
+    elif units_changed or plan.moves or any(c.path == CONFIG_FILE for c in plan.files):
+        plan.commands.append(("systemctl", "restart", SPECD_UNIT))
+    if any(c.path == dropin for c in plan.files):
+        plan.notes.append(
+            f"SGLang is not restarted: the drop-in takes effect at {unit}'s next restart "
+            f"(specd restarts it in its next maintenance window when it changes the step count, "
+            f"or run `systemctl restart {unit}`)."
+        )
+    return plan
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def system_state(runner: Runner) -> SystemState:
+    enabled = runner(["systemctl", "is-enabled", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    active = runner(["systemctl", "is-active", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    return SystemState(
+        user_exists=_user_exists(SPECD_USER),
+        specd_enabled=enabled.stdout.strip() == "enabled",
+        specd_active=active.stdout.strip() == "active",
+    )

@@ -1,0 +1,234 @@
+"""What install would change, worked out without touching anything: the dry-run diff, an empty
+plan once installed, an edited config, the migration of an older installation, and an
+override left by an earlier installation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, UNIT, view_of
+
+from specd.install.layout import (
+    CONFIG_FILE,
+    DROPIN_NAME,
+    ENV_FILE,
+    OVERRIDE_FILE,
+    POLKIT_FILE,
+    SPECD_UNIT,
+    UNITS_DIR,
+    InstallError,
+    Layout,
+)
+from specd.install.plan import build_plan, check_url
+from specd.io.files import parse_toml
+
+# 2026-12-02 11:00:00 UTC
+NOW = 1796209200.0
+
+
+def test_refuses_a_unit_without_metrics_unless_asked(tmp_path: Path) -> None:
+    view = view_of(f"{PYTHON} {SPEC}")
+    with pytest.raises(InstallError, match=r"runs without --enable-metrics.*--add-enable-metrics"):
+        build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=True, specd_argv=SPECD)
+    dropin = next(c for c in plan.files if c.path.name == DROPIN_NAME).new.decode()
+    assert dropin.rstrip().endswith("--enable-metrics")
+
+
+def test_refuses_when_a_later_dropin_sets_execstart(tmp_path: Path) -> None:
+    later = "/etc/systemd/system/sglang.service.d/90-local.conf"
+    view = view_of(
+        f"{BASE} {SPEC}", dropins={later: f"[Service]\nExecStart=\nExecStart={BASE} {SPEC}\n"}
+    )
+    with pytest.raises(InstallError, match=r"90-local\.conf sets ExecStart= and is read after"):
+        build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+
+
+def config_of(plan_files: list, path: Path = CONFIG_FILE) -> str:  # type: ignore[type-arg]
+    return next(c for c in plan_files if c.path == path).new.decode()
+
+
+def test_url_comes_from_the_units_host_and_port(tmp_path: Path) -> None:
+    view = view_of(f"{PYTHON} --enable-metrics --host=0.0.0.0 --port 31000 {SPEC}")
+    plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    assert parse_toml(config_of(plan.files))["sglang"]["url"] == "http://127.0.0.1:31000"
+
+
+def test_port_from_an_environment_file(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/sglang.env").write_text("PORT=31005\n")
+    view = view_of(
+        f"{PYTHON} --enable-metrics --port ${{PORT}} {SPEC}",
+        environment="PORT=1",
+        environment_files=("/etc/sglang.env",),
+    )
+    plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    assert plan.url == "http://127.0.0.1:31005"
+    assert "--port ${PORT}" in config_of(plan.files, UNITS_DIR / f"{UNIT}.d" / DROPIN_NAME)
+
+
+def test_url_given_for_a_port_install_cannot_read(tmp_path: Path) -> None:
+    view = view_of(f"{PYTHON} --enable-metrics --port ${{PORT}} {SPEC}", environment="")
+    with pytest.raises(InstallError, match="pass --url"):
+        build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    plan = build_plan(
+        view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD, url="http://gpu:31000/"
+    )
+    assert parse_toml(config_of(plan.files))["sglang"]["url"] == "http://gpu:31000"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("gpu:31000", "not an http:// or https:// URL"),
+        ("ftp://gpu:31000", "not an http:// or https:// URL"),
+        ("http://gpu:99999", "out of range"),
+        ("http://gpu:31000/v1", "only scheme, host and port"),
+        ("http://:31000", "with a host"),
+    ],
+)
+def test_check_url_refusals(url: str, message: str) -> None:
+    with pytest.raises(InstallError, match=message):
+        check_url(url)
+
+
+def test_dry_run_diff(tmp_path: Path) -> None:
+    view = view_of(f"{BASE} {SPEC}")
+    plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    text = plan.render()
+    dropin = UNITS_DIR / f"{UNIT}.d" / DROPIN_NAME
+    assert f"--- {dropin} (absent)\n+++ {dropin} (new, 0644)\n" in text
+    assert "+ExecStart=\n" in text
+    assert "+    --speculative-num-steps ${SPECULATIVE_NUM_STEPS} \\\n" in text
+    assert "+Environment=SPECULATIVE_NUM_STEPS=4 SPECULATIVE_NUM_DRAFT_TOKENS=5\n" in text
+    assert "+EnvironmentFile=-/var/lib/specd/sglang.env\n" in text
+    assert f"+ExecStart={SPECD[0]} run --config /etc/specd/specd.toml\n" in text
+    assert f"+++ {POLKIT_FILE} (new, 0644)" in text
+    commands = [line for line in text.splitlines() if line.startswith("$ ")]
+    assert commands == [
+        "$ systemd-sysusers /etc/sysusers.d/specd.conf",
+        "$ mkdir -m 0750 /var/lib/specd",
+        "$ chown specd:specd /var/lib/specd",
+        "$ systemctl daemon-reload",
+        f"$ systemctl enable --now {SPECD_UNIT}",
+    ]
+    assert "restart" not in " ".join(commands)  # never SGLang
+    assert any("SGLang is not restarted" in note for note in plan.notes)
+    assert not any(tmp_path.rglob("*"))  # planning wrote nothing
+
+
+def install_files(layout: Layout, plan_files: list) -> None:  # type: ignore[type-arg]
+    for change in plan_files:
+        target = layout.host(change.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(change.new)
+
+
+def test_plan_is_empty_once_installed(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    view = view_of(f"{BASE} {SPEC}")
+    first = build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    install_files(layout, first.files)
+    layout.host(Path("/var/lib/specd")).mkdir(parents=True)
+    again = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    assert again.empty, again.render()
+
+
+def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_text('[sglang]\nurl = "http://127.0.0.1:30000"\n[observe]\nmin_history_s = 5.0\n')
+    view = view_of(f"{PYTHON} --enable-metrics --port 31000 {SPEC}")
+    plan = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    change = next(c for c in plan.files if c.path == CONFIG_FILE)
+    assert change.old == config.read_bytes()
+    assert b"min_history_s = 5.0" in change.new
+    diff = change.diff().splitlines()
+    assert '-url = "http://127.0.0.1:30000"' in diff
+    assert '+url = "http://127.0.0.1:31000"' in diff
+    assert '+unit = "sglang.service"' in diff
+    assert ("systemctl", "restart", SPECD_UNIT) in plan.commands
+
+
+# What `specd install` wrote before the variables were renamed.
+OLD_DROPIN = (
+    "# Written by `specd install` from sglang.service's own ExecStart=; `specd uninstall` removes\n"
+    "[Service]\n"
+    "Environment=SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4\n"
+    "EnvironmentFile=-/var/lib/specd/sglang.env\n"
+    "ExecStart=\n"
+    f"ExecStart={BASE} \\\n    --speculative-algorithm NEXTN \\\n"
+    "    --speculative-num-steps ${SPECD_SPEC_STEPS} \\\n    --speculative-eagle-topk 1 \\\n"
+    "    --speculative-num-draft-tokens ${SPECD_SPEC_DRAFT_TOKENS}\n"
+)
+
+
+def test_an_installation_with_the_old_variable_names_is_migrated(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    dropin = UNITS_DIR / f"{UNIT}.d" / DROPIN_NAME
+    env = layout.host(ENV_FILE)
+    env.parent.mkdir(parents=True)
+    env.write_text("# Written by specd\nSPECD_SPEC_STEPS=4\nSPECD_SPEC_DRAFT_TOKENS=5\n")
+    layout.host(dropin).parent.mkdir(parents=True)
+    layout.host(dropin).write_text(OLD_DROPIN)
+    view = view_of(
+        "/bin/false",
+        dropins={str(dropin): OLD_DROPIN},
+        environment="SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4",
+        shown_argv=f"{BASE} --speculative-algorithm NEXTN --speculative-num-steps "
+        "${SPECD_SPEC_STEPS} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+        "${SPECD_SPEC_DRAFT_TOKENS}",
+        environment_files=(str(ENV_FILE),),
+    )
+    plan = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    assert plan.spec.legacy
+    assert (plan.spec.steps, plan.spec.draft_tokens) == (3, 4)  # the drop-in's defaults
+    text = plan.render()
+    assert "-    --speculative-num-steps ${SPECD_SPEC_STEPS} \\\n" in text
+    assert "+    --speculative-num-steps ${SPECULATIVE_NUM_STEPS} \\\n" in text
+    assert "-Environment=SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4\n" in text
+    assert "+Environment=SPECULATIVE_NUM_STEPS=3 SPECULATIVE_NUM_DRAFT_TOKENS=4\n" in text
+    # The values specd chose survive: the env file says 4 under the new names.
+    env_change = next(c for c in plan.files if c.path == ENV_FILE)
+    assert not env_change.record  # specd's own state: archived at uninstall, not restored
+    assert (
+        env_change.new
+        == b"# Written by specd\nSPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n"
+    )
+    assert any("old variable names" in note for note in plan.notes)
+    assert ("systemctl", "daemon-reload") in plan.commands
+    assert not any("restart" in c and UNIT in c for c in plan.commands)
+
+
+def test_a_fresh_install_moves_an_old_override_aside(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    override = layout.host(OVERRIDE_FILE)
+    override.parent.mkdir(parents=True)
+    override.write_text('mode = "pin"\nsteps = 4\napply = "now"\n')
+    view = view_of(f"{BASE} {SPEC}")
+    plan = build_plan(
+        view, layout, FRESH, add_metrics=False, specd_argv=SPECD, fresh=True, now_s=NOW
+    )
+    [move] = plan.moves
+    assert move.path == OVERRIDE_FILE
+    assert move.to == Path("/var/backups/specd/install-20261202T110000Z/etc/specd/override.toml")
+    assert f"$ mv {OVERRIDE_FILE} {move.to}\n" in plan.render()
+    assert override.exists()  # planning moves nothing
+    # Installed already (a manifest): the override was written for this installation.
+    again = build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD, fresh=False)
+    assert again.moves == []
+
+
+def test_an_override_the_config_names_elsewhere_is_moved_too(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_text('[files]\noverride_file = "/srv/oncall/override.toml"\n')
+    layout.host(Path("/srv/oncall")).mkdir(parents=True)
+    layout.host(Path("/srv/oncall/override.toml")).write_text('mode = "freeze"\n')
+    plan = build_plan(
+        view_of(f"{BASE} {SPEC}"), layout, FRESH, add_metrics=False, specd_argv=SPECD, fresh=True
+    )
+    assert [m.path for m in plan.moves] == [Path("/srv/oncall/override.toml")]
