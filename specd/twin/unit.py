@@ -48,6 +48,8 @@ def twin_unit_config(workdir: Path, twin_port: int, **overrides: object) -> Conf
             "quiet_deadline_s": 5.0,
             "startup_timeout_s": 60.0,
         },
+        # The twin loads in seconds, not SGLang's minutes: one restart fits short windows.
+        "choose": {"restart_cost_s": 5.0},
         "report": {"metrics_listen_address": "127.0.0.1", "metrics_port": 0},
     }
     for key, value in overrides.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import subprocess
 import sys
@@ -73,10 +74,72 @@ ARGUMENTS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+# One interpreter per argument runs the real `specd` entry point (cli.main, as `python -m
+# specd.cli` does) once per value: interpreter start-up, not parsing, is what costs CPU, and
+# 38 arguments × 8 values as separate processes took minutes of a 2-core CI machine.
+DRIVER = """
+import contextlib, io, json, sys, time
+from specd import cli
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    started = time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results.append([code, out.getvalue(), err.getvalue(), time.monotonic() - started])
+print(json.dumps(results))
+"""
+
+
+def check_refusal(
+    command: str, name: str, value: str, code: object, stdout: str, stderr: str, took: float
+) -> None:
+    shown = value if len(value) < 20 else value[:20] + "…"
+    assert code == 2, (shown, code, stderr[-500:])
+    assert "Traceback" not in stderr, (shown, stderr[-2000:])
+    assert stdout == "", (shown, stdout[:500])
+    lines = stderr.rstrip("\n").splitlines()
+    errors = [line for line in lines if f"specd {command}: error:" in line]
+    assert len(errors) == 1, (shown, stderr[-1000:])
+    assert errors[0] == lines[-1], (shown, stderr[-1000:])
+    assert f"argument {name}" in errors[0] or f"/{name}:" in errors[0], (shown, errors[0])
+    assert len(errors[0]) < 300, (shown, errors[0][:400])  # the input is quoted short
+    # Everything before the error line is argparse's usage.
+    assert lines[0].startswith("usage: "), (shown, lines[0])
+    assert all(line.startswith(" ") for line in lines[1:-1]), (shown, stderr)
+    assert took < 10, (shown, took)
+
+
 @pytest.mark.parametrize(
     ("command", "name", "argv"), ARGUMENTS, ids=[f"{c}:{n}" for c, n, _ in ARGUMENTS]
 )
 def test_every_hostile_value_is_one_usage_error(command: str, name: str, argv: list[str]) -> None:
+    argvs = [[part.replace("{}", value) for part in argv] for value in HOSTILE]
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]  # nothing escaped cli.main
+    results = json.loads(proc.stdout)
+    assert len(results) == len(HOSTILE)
+    for value, (code, stdout, stderr, took) in zip(HOSTILE, results, strict=True):
+        check_refusal(command, name, value, code, stdout, stderr, took)
+
+
+@pytest.mark.parametrize(
+    ("command", "name", "argv"), ARGUMENTS[:2], ids=[f"{c}:{n}" for c, n, _ in ARGUMENTS[:2]]
+)
+def test_hostile_values_through_a_process_of_their_own(
+    command: str, name: str, argv: list[str]
+) -> None:
+    """The same refusals from `python -m specd.cli`, a process per value, as a shell runs it."""
     for value in HOSTILE:
         filled = [part.replace("{}", value) for part in argv]
         started = time.monotonic()
@@ -89,20 +152,7 @@ def test_every_hostile_value_is_one_usage_error(command: str, name: str, argv: l
             stdin=subprocess.DEVNULL,
         )
         took = time.monotonic() - started
-        shown = value if len(value) < 20 else value[:20] + "…"
-        assert proc.returncode == 2, (shown, proc.returncode, proc.stderr[-500:])
-        assert "Traceback" not in proc.stderr, (shown, proc.stderr[-2000:])
-        assert proc.stdout == "", (shown, proc.stdout[:500])
-        lines = proc.stderr.rstrip("\n").splitlines()
-        errors = [line for line in lines if f"specd {command}: error:" in line]
-        assert len(errors) == 1, (shown, proc.stderr[-1000:])
-        assert errors[0] == lines[-1], (shown, proc.stderr[-1000:])
-        assert f"argument {name}" in errors[0] or f"/{name}:" in errors[0], (shown, errors[0])
-        assert len(errors[0]) < 300, (shown, errors[0][:400])  # the input is quoted short
-        # Everything before the error line is argparse's usage.
-        assert lines[0].startswith("usage: "), (shown, lines[0])
-        assert all(line.startswith(" ") for line in lines[1:-1]), (shown, proc.stderr)
-        assert took < 10, (shown, took)
+        check_refusal(command, name, value, proc.returncode, proc.stdout, proc.stderr, took)
 
 
 # -- the types, in-process ----------------------------------------------------------------
