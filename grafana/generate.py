@@ -615,7 +615,8 @@ def health_panels() -> list[tuple[Panel, int, int]]:
     errors = (
         ts(
             "Scrape errors by kind",
-            "Failed scrapes of SGLang per second by kind, against all scrapes attempted.",
+            "Failed scrapes of SGLang per second by kind, against all scrapes attempted, and "
+            "values SGLang sent that it cannot produce (rejected, by field).",
             "reqps",
         )
         .min(0)
@@ -631,6 +632,14 @@ def health_panels() -> list[tuple[Panel, int, int]]:
                 f"sum (rate(specd_scrapes_total{{{INST}}}[$__rate_interval]))",
                 "attempted",
                 "B",
+            )
+        )
+        .with_target(
+            q(
+                "sum by (field) "
+                f"(rate(specd_sglang_rejected_values_total{{{INST}}}[$__rate_interval]))",
+                "rejected {{field}}",
+                "C",
             )
         )
         .override_by_name("attempted", dashed())

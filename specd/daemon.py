@@ -152,7 +152,7 @@ class Daemon:
         self.state, problem = self.store.load()
         if problem:
             self.metrics.state_load_errors.inc()
-            self.log.error("state_load_failed", problem=problem, action="history rebuilt")
+            self.log.error("state_load_failed", problem=problem)
         # The client stamps observations with the daemon's clock: decide compares that stamp
         # with `now`, and two different clocks would make every observation look stale.
         # Injected reader and applier (replay's proof, tests) are kept across reloads.
@@ -167,6 +167,7 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        self._rejected_logged: set[str] = set()
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
         self.last_decision: Decision | None = None
@@ -408,6 +409,7 @@ class Daemon:
             return result
         self.metrics.sglang_up.set(1)
         self.metrics.last_scrape_success.set(result.t)
+        self._report_rejected(result)
         if self.state.history.record(result) is Recorded.RESTART_DETECTED:
             # Counters went backwards or the step count changed: SGLang restarted behind
             # our back; its warm-up is excluded from the history.
@@ -415,6 +417,22 @@ class Daemon:
             self.state.sglang_started_at = now
         self.last_obs = result
         return result
+
+    def _report_rejected(self, obs: Observation) -> None:
+        # Counted every scrape (the rate shows how often SGLang lies); logged once per
+        # field until that field is sane again, so a stuck bad value is one line.
+        for name in obs.rejected:
+            self.metrics.rejected_values.labels(field=name).inc()
+        for name, value in zip(obs.rejected, obs.rejected_values, strict=False):
+            if name in self._rejected_logged:
+                continue
+            self.log.warning(
+                "sglang_value_rejected",
+                field=name,
+                value=value,
+                reason="SGLang cannot produce this value; taken as unknown, not learned",
+            )
+        self._rejected_logged = set(obs.rejected)
 
     def _refresh_override(self, now: float) -> Override | None:
         path = Path(self.config.files.override_file)

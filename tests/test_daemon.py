@@ -278,9 +278,12 @@ def test_status_reads_as_group_specd_and_fails_loudly_when_it_cannot(
     assert denied.returncode == 1
     assert "Permission denied" in denied.stderr
     assert len(denied.stderr.strip().splitlines()) == 1
-    # A state the daemon would reject, status rejects too (one validation for both).
+    # A bad part the daemon would leave out, status leaves out too (one validation for
+    # both), shows the rest, and exits 1 naming it.
     path.write_text(json.dumps({**json.loads(path.read_text()), "restarts": 5}))
     bad = run_status(cfg_path)
     assert bad.returncode == 1
     assert "restarts" in bad.stderr
+    assert "kept the rest" in bad.stderr
+    assert "steps live     4 (observation" in bad.stdout
     assert "Traceback" not in bad.stderr + bad.stdout

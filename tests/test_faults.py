@@ -28,6 +28,7 @@ import httpx
 import pytest
 import tomli_w
 from factories import make_observation, mounted_tmpfs, tables
+from pages import page_server
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
@@ -930,3 +931,91 @@ def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- values SGLang cannot produce: counted, logged once, never learned, no restart ----
+def _lying_sglang(page_name: str, **info_changes: Any) -> tuple[str, str]:
+    fixtures = REPO / "tests" / "fixtures" / "metrics"
+    info = json.loads((fixtures / "server_info-loaded.json").read_text())
+    info.update(internal_states=[], **info_changes)
+    # One request in flight, with an accept length no 4-step server can measure.
+    values = {
+        "sglang:num_running_reqs": "1.0",
+        "sglang:num_queue_reqs": "0.0",
+        "sglang:spec_accept_length": "50.0",
+    }
+    lines = []
+    for line in (fixtures / page_name).read_text().splitlines():
+        name = line.split("{", 1)[0]
+        lines.append(f"{line.rsplit(' ', 1)[0]} {values[name]}" if name in values else line)
+    return "\n".join(lines) + "\n", json.dumps(info)
+
+
+@pytest.mark.parametrize(
+    ("page_name", "info_changes", "rejected", "reason", "live"),
+    [
+        # The gauge still shows 4 steps: specd decides, on what it can trust.
+        (
+            "sglang-0.5.23-loaded.prom",
+            {"max_running_requests": -5, "speculative_num_steps": -3},
+            {"max_running_requests", "steps", "accept_length"},
+            Reason.WITHIN_TOLERANCE,
+            4,
+        ),
+        # Before 0.5.13 /server_info is the only source: the live setting is unknown.
+        (
+            "pre-0.5.13.prom",
+            {"max_running_requests": -5, "speculative_num_steps": -3},
+            # Steps unknown: 50 is within the widest bound, and never learned per step.
+            {"max_running_requests", "steps"},
+            Reason.NO_DATA,
+            None,
+        ),
+    ],
+    ids=["0.5.23", "0.5.12"],
+)
+def test_impossible_values_are_counted_never_learned_and_never_restart(
+    tmp_path: Path,
+    page_name: str,
+    info_changes: dict[str, Any],
+    rejected: set[str],
+    reason: Reason,
+    live: int | None,
+) -> None:
+    metrics, info = _lying_sglang(page_name, **info_changes)
+    with page_server() as sglang:
+        sglang.serve("/metrics", metrics)
+        sglang.serve("/server_info", info)
+        port = int(sglang.url.rsplit(":", 1)[1])
+        config = make_config(tmp_path, port)
+        clock = Clock(INSIDE)  # inside the window: only the values could cause a restart
+        runner = RecordingRunner(clock)
+        with capture_logs() as logs:
+            daemon = make_daemon(config, runner, clock)
+            daemon.state.history = wanting(config, 4, clock.now)
+            learned = daemon.state.history.to_dict()
+            ticks = 6
+            for i in range(ticks):
+                clock.now = INSIDE + 5 * i
+                decision = daemon.tick()
+                assert decision.reason is reason, decision
+            daemon._save_state(force=True)
+    assert runner.calls == []
+    assert daemon.last_obs is not None
+    assert daemon.last_obs.steps == live
+    assert set(daemon.last_obs.rejected) == rejected
+    for name in rejected:
+        # Counted on every scrape, logged once with the value SGLang sent.
+        assert sample(daemon, "specd_sglang_rejected_values_total", {"field": name}) == ticks
+        lines = [e for e in events(logs, "sglang_value_rejected") if e["field"] == name]
+        assert len(lines) == 1, lines
+        assert lines[0]["value"] in ("-5", "-3", "50.0")
+    assert sum(scrape_errors(daemon).values()) == 0
+    # Nothing impossible reached what specd keeps; the next start loads it all.
+    state, problem = StateStore(Path(config.files.state_dir)).load()
+    assert problem is None
+    history = state.history
+    assert all(v >= 1 for v in history.capacities.values())
+    assert history.accept_length(4) == daemon.state.history.accept_length(4)
+    assert (history.accept_length(4) or 0) < 5.0
+    assert history.to_dict()["capacity"] == learned["capacity"]

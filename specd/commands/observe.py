@@ -65,6 +65,14 @@ def _table(obs: Observation) -> str:
         ("spec_verify_calls_total", obs.spec_verify_calls_total),
         ("retracted_total", obs.retracted_total),
         ("launch_command", obs.launch_command),
+        (
+            "rejected",
+            ", ".join(
+                f"{name} ({value})"
+                for name, value in zip(obs.rejected, obs.rejected_values, strict=False)
+            )
+            or None,
+        ),
     ]
     return "\n".join(f"{name:<24} {'-' if value is None else value}" for name, value in rows)
 

@@ -24,7 +24,7 @@ from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.override import daemon_uids, read_override
 from specd.io.sglang import SGLangClient
-from specd.io.state import STATE_FILE, State, read_state
+from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
 DAY_S = 86400.0
 SAMPLES = Int(1, 1000)
@@ -33,8 +33,12 @@ INTERVAL_S = Seconds(0, 3600)
 
 def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, str]:
     path = state_dir / STATE_FILE
+    dropped: list[str] = []
     try:
-        return read_state(path, settings), f"history from {path}"
+        state = read_state(path, settings, dropped)
+        if dropped:
+            return state, f"history from {path} ({salvage_note(dropped)})"
+        return state, f"history from {path}"
     except FileNotFoundError:
         return State(history=History(settings)), "no state file: history from samples only"
     except (OSError, ValueError) as exc:

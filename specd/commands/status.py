@@ -19,7 +19,7 @@ from specd.core import windows
 from specd.core.history import HistorySettings
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import daemon_uids, read_override
-from specd.io.state import STATE_FILE, State, read_state
+from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
 DAY_S = 86400.0
 
@@ -45,8 +45,15 @@ def collect(config: Config, now: float) -> dict[str, Any]:
     state_path = Path(config.files.state_dir) / STATE_FILE
     state_problem: str | None = None
     unreadable = False
+    dropped: list[str] = []
     try:
-        state = read_state(state_path, HistorySettings.from_config(config))
+        # As the daemon loads it: bad parts left out and named, good parts shown.
+        state = read_state(state_path, HistorySettings.from_config(config), dropped, now=now)
+        if dropped:
+            # Shown as specd would load it, and still an error: what status shows is not
+            # all the file holds, and specd rewrote it whole at its own start.
+            state_problem = f"{state_path}: {salvage_note(dropped)} (as specd does at start)"
+            unreadable = True
     except FileNotFoundError:
         state, state_problem = State(), "no state yet (specd has not run)"
     except (OSError, ValueError) as exc:
@@ -150,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
     info = collect(config, now)
     print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
     if info["state_unreadable"]:
-        # Unreadable (permissions: run as root or a member of group specd) or invalid:
-        # scripts and the on-call must not take the output above for specd's state.
+        # Unreadable (permissions: run as root or a member of group specd), invalid, or
+        # with parts left out: scripts and the on-call must not take the output above for
+        # all of specd's state.
         print(f"specd status: {info['state_problem']}", file=sys.stderr)
         return 1
     return 0

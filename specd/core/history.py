@@ -25,6 +25,15 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from specd.core.acceptance import alpha_from_accept_length
+from specd.core.observation import (
+    MAX_COUNTER,
+    MAX_RUNNING_REQUESTS,
+    MAX_STEPS,
+    MAX_TOKENS_PER_S,
+    accept_length_possible,
+    impossible_fields,
+    without_impossible,
+)
 
 if TYPE_CHECKING:
     from specd.core.observation import Observation
@@ -110,7 +119,13 @@ class DecayingSums(Generic[K]):
         half_life_s: float,
         width: int,
         decode_key: Callable[[Any], K],
+        *,
+        check: Callable[[K, list[float]], str | None] | None = None,
+        dropped: list[str] | None = None,
+        where: str = "cells",
     ) -> DecayingSums[K]:
+        """Rebuild from `to_dict`. A bad table raises ValueError; a bad cell raises too,
+        unless ``dropped`` is given: then it is left out and named there."""
         if not isinstance(data, dict):
             raise ValueError("expected an object")
         ref_t = _finite(data.get("ref_t"), "ref_t")
@@ -118,14 +133,57 @@ class DecayingSums(Generic[K]):
         cells = data.get("cells")
         if not isinstance(cells, list):
             raise ValueError("cells: expected a list")
-        for row in cells:
-            if not isinstance(row, list) or len(row) != width + 1:
-                raise ValueError(f"cells: expected [key, {width} numbers], got {row!r:.60}")
-            values = [_finite(v, "cells") for v in row[1:]]
-            if values[0] < 0:
-                raise ValueError(f"cells: negative weight {values[0]}")
-            table.cells[decode_key(row[0])] = values
+        for index, row in enumerate(cells):
+            try:
+                key, values = _cell(row, width, decode_key)
+                problem = check(key, values) if check is not None else None
+                if problem is not None:
+                    raise ValueError(problem)
+            except ValueError as exc:
+                if dropped is None:
+                    raise ValueError(f"cells: {exc}") from None
+                dropped.append(f"{where}[{index}]: {exc}")
+                continue
+            table.cells[key] = values
         return table
+
+
+def _cell(row: Any, width: int, decode_key: Callable[[Any], K]) -> tuple[K, list[float]]:
+    if not isinstance(row, list) or len(row) != width + 1:
+        raise ValueError(f"expected [key, {width} numbers], got {row!r:.60}")
+    values = [_finite(v, "value") for v in row[1:]]
+    if values[0] < 0:
+        raise ValueError(f"negative weight {values[0]}")
+    return decode_key(row[0]), values
+
+
+def _mean_of(values: list[float]) -> float | None:
+    # Cells hold [weight, weight x value]: the mean, once there is weight to divide by.
+    return values[1] / values[0] if values[0] > 0 else None
+
+
+def _check_offered(key: int, values: list[float]) -> str | None:
+    if key > 100 * MAX_RUNNING_REQUESTS:
+        return f"{key} requests offered is more than any SGLang server holds"
+    return None
+
+
+def _check_accept(steps: int, values: list[float]) -> str | None:
+    length = _mean_of(values)
+    if steps > MAX_STEPS:
+        return f"{steps} steps is more than SGLang runs"
+    if length is not None and not accept_length_possible(length, steps):
+        return f"accept length {length:.6g} at {steps} steps is impossible (1 to steps + 1)"
+    return None
+
+
+def _check_throughput(key: tuple[int, int], values: list[float]) -> str | None:
+    rate = _mean_of(values)
+    if key[0] > MAX_STEPS or key[1] > 100 * MAX_RUNNING_REQUESTS:
+        return f"[{key[0]}, {key[1]}] is beyond any SGLang server"
+    if rate is not None and not 0 <= rate <= MAX_TOKENS_PER_S:
+        return f"{rate:.6g} tokens/s is more than any SGLang server serves"
+    return None
 
 
 def _finite(value: Any, name: str) -> float:
@@ -207,6 +265,7 @@ class Recorded(str, enum.Enum):
     WARMUP = "warmup"  # inside warmup_exclude_s after an SGLang start
     RESTART_DETECTED = "restart_detected"  # counters went back: a start we did not cause
     OUT_OF_ORDER = "out_of_order"  # not after the previous one (clock stepped back)
+    IMPOSSIBLE = "impossible"  # a load no SGLang can have: nothing of it is learned
 
 
 # Counters that only grow while one SGLang process lives.
@@ -256,6 +315,11 @@ class History:
         t = obs.t
         if not math.isfinite(t):
             return Recorded.OUT_OF_ORDER
+        if {"running", "queued"} & set(impossible_fields(obs)):
+            return Recorded.IMPOSSIBLE
+        # The reader rejects what SGLang cannot produce; replay and tools build
+        # observations too, and what is learned lasts weeks: check again here.
+        obs = without_impossible(obs)
         restarted = self._detect_restart(obs)
         if restarted:
             self.sglang_started_at = t
@@ -327,7 +391,9 @@ class History:
             and now_decode >= prev_decode
             and raw_dt <= self.settings.max_interval_s
         ):
-            return (now_decode - prev_decode) / raw_dt
+            rate = (now_decode - prev_decode) / raw_dt
+            # A counter that leapt (a bad page between two good ones) is no rate.
+            return rate if rate <= MAX_TOKENS_PER_S else None
         gauge = obs.gen_throughput
         if gauge is not None and math.isfinite(gauge) and gauge >= 0:
             return gauge
@@ -440,10 +506,17 @@ class History:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, settings: HistorySettings | None = None) -> History:
+    def from_dict(
+        cls,
+        data: Any,
+        settings: HistorySettings | None = None,
+        dropped: list[str] | None = None,
+    ) -> History:
         """Rebuild from `to_dict`; ``settings`` (from the config) win over stored ones.
 
-        Raises ValueError with a one-line reason on any malformed content.
+        Raises ValueError with a one-line reason when the history as a whole is unusable.
+        A bad entry (a cell, a capacity, a counter) raises too, unless ``dropped`` is
+        given: then it is left out, named there, and the rest is kept.
         """
         if not isinstance(data, dict):
             raise ValueError("history: expected an object")
@@ -460,40 +533,116 @@ class History:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"history.settings: {exc}") from None
         history = cls(settings)
+        # Salvage: without a ``dropped`` list the first bad entry raises (strict); with
+        # one, every bad entry is left out and named, and every good one is kept.
+        strict = dropped is None
+        notes: list[str] = [] if dropped is None else dropped
+
+        def salvage(where: str, problem: str) -> None:
+            if strict:
+                raise ValueError(f"{where}: {problem}")
+            notes.append(f"history.{where}: {problem}")
+
         try:
             history.last_t = _optional_finite(data.get("last_t"), "last_t")
             history.sglang_started_at = _optional_finite(
                 data.get("sglang_started_at"), "sglang_started_at"
             )
             last_steps = data.get("last_steps")
-            history._last_steps = None if last_steps is None else _int_key(last_steps)
+            try:
+                history._last_steps = None if last_steps is None else _steps_key(last_steps)
+            except ValueError as exc:
+                salvage("last_steps", str(exc))
             counters = data.get("counters", {})
             if not isinstance(counters, dict):
                 raise ValueError("counters: expected an object")
-            history._counters = {
-                str(k): _finite(v, f"counters.{k}") for k, v in counters.items() if k in _COUNTERS
-            }
+            for name, value in counters.items():
+                if name not in _COUNTERS:
+                    continue
+                try:
+                    number = _finite(value, f"counters.{name}")
+                    if not 0 <= number <= MAX_COUNTER:
+                        raise ValueError(f"counters.{name}: {number:.6g} is no token count")
+                except ValueError as exc:
+                    salvage(f"counters.{name}", str(exc).partition(": ")[2] or str(exc))
+                    continue
+                history._counters[str(name)] = number
             hl = settings.half_life_s
-            history._offered = DecayingSums.from_dict(data.get("offered"), hl, 1, _int_key)
-            history._accept = DecayingSums.from_dict(data.get("accept"), hl, 2, _int_key)
-            history._throughput = DecayingSums.from_dict(data.get("throughput"), hl, 2, _pair_key)
+            keep = None if strict else notes
+            history._offered = DecayingSums.from_dict(
+                data.get("offered"),
+                hl,
+                1,
+                _int_key,
+                check=_check_offered,
+                where="history.offered",
+                dropped=keep,
+            )
+            history._accept = DecayingSums.from_dict(
+                data.get("accept"),
+                hl,
+                2,
+                _int_key,
+                check=_check_accept,
+                where="history.accept",
+                dropped=keep,
+            )
+            history._throughput = DecayingSums.from_dict(
+                data.get("throughput"),
+                hl,
+                2,
+                _pair_key,
+                check=_check_throughput,
+                where="history.throughput",
+                dropped=keep,
+            )
             capacity = data.get("capacity")
             if not isinstance(capacity, list):
                 raise ValueError("capacity: expected a list")
-            for row in capacity:
-                if not isinstance(row, list) or len(row) != 2:
-                    raise ValueError(f"capacity: expected [steps, requests], got {row!r:.40}")
-                history._capacity[_int_key(row[0])] = _int_key(row[1])
+            for index, row in enumerate(capacity):
+                try:
+                    steps, requests = _capacity_row(row)
+                except ValueError as exc:
+                    salvage(f"capacity[{index}]", str(exc))
+                    continue
+                history._capacity[steps] = requests
             hourly = data.get("hourly")
             if not isinstance(hourly, list) or len(hourly) != HOURS_PER_WEEK:
                 raise ValueError(f"hourly: expected a list of {HOURS_PER_WEEK}")
             hw = settings.hour_of_week_half_life_s
             history._hourly = [
-                None if h is None else DecayingSums.from_dict(h, hw, 1, _int_key) for h in hourly
+                None
+                if h is None
+                else DecayingSums.from_dict(
+                    h,
+                    hw,
+                    1,
+                    _int_key,
+                    check=_check_offered,
+                    where=f"history.hourly[{how}]",
+                    dropped=keep,
+                )
+                for how, h in enumerate(hourly)
             ]
         except ValueError as exc:
             raise ValueError(f"history: {exc}") from None
         return history
+
+
+def _steps_key(value: Any) -> int:
+    steps = _int_key(value)
+    if steps > MAX_STEPS:
+        raise ValueError(f"{steps} steps is more than SGLang runs")
+    return steps
+
+
+def _capacity_row(row: Any) -> tuple[int, int]:
+    if not isinstance(row, list) or len(row) != 2:
+        raise ValueError(f"expected [steps, requests], got {row!r:.40}")
+    steps, requests = _steps_key(row[0]), _int_key(row[1])
+    if not 1 <= requests <= MAX_RUNNING_REQUESTS:
+        raise ValueError(f"{requests} running requests at most is no capacity")
+    return steps, requests
 
 
 def _change_half_life(table: DecayingSums[Any], half_life_s: float, at: float) -> None:

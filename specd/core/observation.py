@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 ErrorKind = Literal["timeout", "refused", "http_status", "malformed", "missing"]
+
+# Bounds of what SGLang can report. Far past any real server, so a value outside them is a
+# bug or a hostile page, never traffic: it is rejected field by field (the field becomes
+# unknown) and never reaches the history specd learns from.
+MAX_STEPS = 64  # SGLang's CUDA graphs for draft steps make even 16 impractical
+MAX_DRAFT_TOKENS = 4096  # topk x steps + 1 for the widest trees anyone runs
+MAX_TOPK = 256
+MAX_RUNNING_REQUESTS = 1_000_000  # requests one server keeps in its batch at once
+MAX_TOKENS_PER_S = 10_000_000.0  # one server's generation rate; real ones do < 1e5
+# A cumulative token counter past 2**53 no longer counts single tokens in a float: no
+# real server gets there (100k tok/s for 2,800 years).
+MAX_COUNTER = float(2**53)
+# Accept length is a mean of whole numbers of tokens, computed in floats.
+_ACCEPT_SLACK = 1e-6
+# Fields whose values `impossible_fields` checks; also the metric's label values.
+CHECKED_FIELDS = (
+    "running",
+    "queued",
+    "steps",
+    "draft_tokens",
+    "topk",
+    "max_running_requests",
+    "accept_length",
+    "gen_throughput",
+    "generation_tokens_total",
+    "decode_tokens_total",
+    "spec_verify_calls_total",
+    "retracted_total",
+)
 
 
 @dataclass(frozen=True)
@@ -29,6 +59,10 @@ class Observation:
     version: str | None
     dp_ranks: int
     launch_command: str | None
+    # Fields SGLang reported values for that it cannot produce; each is None above.
+    rejected: tuple[str, ...] = ()
+    # What each rejected field held, in the same order (for the log line).
+    rejected_values: tuple[str, ...] = ()
 
     @property
     def offered(self) -> int:
@@ -43,3 +77,71 @@ class ScrapeError:
     kind: ErrorKind
     reason: str
     t: float
+
+
+def _whole_in(value: int | None, low: int, high: int) -> bool:
+    return value is None or low <= value <= high
+
+
+def _number_in(value: float | None, high: float) -> bool:
+    return value is None or (math.isfinite(value) and 0.0 <= value <= high)
+
+
+def accept_length_possible(length: float, steps: int | None, *, adaptive: bool = False) -> bool:
+    """Whether SGLang can report a mean accept length ``length`` while running ``steps``.
+
+    Every verify accepts the bonus token plus at most one token per draft step, so
+    1 <= length <= steps + 1. An adaptive server's window spans its tiers: there only
+    the deepest possible bound holds.
+    """
+    if not math.isfinite(length) or length < 1.0 - _ACCEPT_SLACK:
+        return False
+    deepest = MAX_STEPS if adaptive or steps is None else steps
+    return length <= deepest + 1 + _ACCEPT_SLACK
+
+
+def impossible_fields(obs: Observation, *, adaptive: bool = False) -> tuple[str, ...]:
+    """The fields of ``obs`` holding values SGLang cannot produce, in CHECKED_FIELDS order."""
+    bad = {
+        "running": not _whole_in(obs.running, 0, MAX_RUNNING_REQUESTS),
+        "queued": not _whole_in(obs.queued, 0, 100 * MAX_RUNNING_REQUESTS),
+        "steps": not _whole_in(obs.steps, 0, MAX_STEPS),
+        "draft_tokens": not _whole_in(obs.draft_tokens, 0, MAX_DRAFT_TOKENS),
+        "topk": not _whole_in(obs.topk, 1, MAX_TOPK),
+        "max_running_requests": not _whole_in(obs.max_running_requests, 1, MAX_RUNNING_REQUESTS),
+        "accept_length": obs.accept_length is not None
+        and not accept_length_possible(
+            obs.accept_length,
+            obs.steps if _whole_in(obs.steps, 0, MAX_STEPS) else None,
+            adaptive=adaptive,
+        ),
+        "gen_throughput": not _number_in(obs.gen_throughput, MAX_TOKENS_PER_S),
+        "generation_tokens_total": not _number_in(obs.generation_tokens_total, MAX_COUNTER),
+        "decode_tokens_total": not _number_in(obs.decode_tokens_total, MAX_COUNTER),
+        "spec_verify_calls_total": not _number_in(obs.spec_verify_calls_total, MAX_COUNTER),
+        "retracted_total": not _number_in(obs.retracted_total, MAX_COUNTER),
+    }
+    return tuple(name for name in CHECKED_FIELDS if bad[name])
+
+
+def without_impossible(obs: Observation, *, adaptive: bool = False) -> Observation:
+    """``obs`` with every impossible field unknown (None) and named in ``rejected``.
+
+    ``running`` and ``queued`` cannot be unknown: an observation with an impossible one
+    is not an observation at all; callers check for them first.
+    """
+    bad = [
+        name
+        for name in impossible_fields(obs, adaptive=adaptive)
+        if name not in ("running", "queued")
+    ]
+    if not bad:
+        return obs
+    fresh = [name for name in bad if name not in obs.rejected]
+    unknown: dict[str, Any] = dict.fromkeys(bad)
+    return replace(
+        obs,
+        rejected=(*obs.rejected, *fresh),
+        rejected_values=(*obs.rejected_values, *(f"{getattr(obs, n)!r:.40}" for n in fresh)),
+        **unknown,
+    )

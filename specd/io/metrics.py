@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from specd import __version__
+from specd.core.observation import CHECKED_FIELDS
 
 # Fixed label values, so dashboards and alerts can rely on every series existing from
 # the first scrape (a counter that appears only after its first increment breaks
@@ -152,6 +153,13 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.rejected_values = Counter(
+            "specd_sglang_rejected_values_total",
+            "Values SGLang reported that it cannot produce (a negative capacity, an accept "
+            "length past steps + 1, ...), by field; each was taken as unknown, never learned.",
+            ["field"],
+            registry=r,
+        )
         self.last_scrape_success = Gauge(
             "specd_last_scrape_success_timestamp_seconds",
             "Unix time of the latest successful scrape of SGLang.",
@@ -213,6 +221,8 @@ class Metrics:
             self.restarts.labels(result=result)
         for kind in SCRAPE_ERROR_KINDS:
             self.scrape_errors.labels(kind=kind)
+        for name in CHECKED_FIELDS:
+            self.rejected_values.labels(field=name)
         for mode in MODES:
             self.mode.labels(mode=mode).set(1 if mode == "auto" else 0)
         for reason in reasons:

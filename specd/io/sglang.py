@@ -34,7 +34,14 @@ import httpcore
 import httpx
 
 from specd import __version__
-from specd.core.observation import Observation, ScrapeError
+from specd.core.observation import (
+    MAX_DRAFT_TOKENS,
+    MAX_STEPS,
+    Observation,
+    ScrapeError,
+    impossible_fields,
+    without_impossible,
+)
 from specd.core.text import check_http_url
 from specd.io.promtext import PromTextError, Sample, select_samples
 
@@ -337,27 +344,52 @@ def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
     return _int_field(info, "max_running_requests")
 
 
+def _from_info(
+    info: Mapping[str, Any] | None,
+    key: str,
+    high: int,
+    rejected: list[tuple[str, str]],
+    name: str,
+) -> int | None:
+    return _within(_int_field(info, key), high, rejected, name)
+
+
+def _within(value: int | None, high: int, rejected: list[tuple[str, str]], name: str) -> int | None:
+    if value is not None and not 0 <= value <= high:
+        if name not in (n for n, _ in rejected):
+            rejected.append((name, f"{value!r:.40}"))
+        return None
+    return value
+
+
 def observation_from(
     parsed: ParsedMetrics, server_info: Mapping[str, Any] | None, t: float
 ) -> Observation:
-    """Combine a parsed page with /server_info (None when it could not be read)."""
+    """Combine a parsed page with /server_info (None when it could not be read).
+
+    Values SGLang cannot produce (a negative capacity, an accept length past steps + 1,
+    ...) become unknown and are named in ``Observation.rejected``: one bad field costs
+    that field, never the scrape, and never reaches the history.
+    """
     spec_on = _spec_on(server_info)
     adaptive = bool(server_info.get("speculative_adaptive")) if server_info is not None else False
-    return Observation(
+    rejected: list[tuple[str, str]] = []
+    # /server_info's settings only stand in where the page has no gauge: check them on
+    # their own, so a lie there never hides what the page says.
+    info_steps = _from_info(server_info, "speculative_num_steps", MAX_STEPS, rejected, "steps")
+    info_drafts = _from_info(
+        server_info, "speculative_num_draft_tokens", MAX_DRAFT_TOKENS, rejected, "draft_tokens"
+    )
+    page_steps = _within(parsed.steps, MAX_STEPS, rejected, "steps")
+    page_drafts = _within(parsed.draft_tokens, MAX_DRAFT_TOKENS, rejected, "draft_tokens")
+    obs = Observation(
         t=t,
         running=parsed.running,
         queued=parsed.queued,
         accept_length=parsed.accept_length if spec_on is not False else None,
         spec_fresh=parsed.spec_fresh,
-        steps=_live(
-            parsed.steps, _int_field(server_info, "speculative_num_steps"), spec_on, adaptive
-        ),
-        draft_tokens=_live(
-            parsed.draft_tokens,
-            _int_field(server_info, "speculative_num_draft_tokens"),
-            spec_on,
-            adaptive,
-        ),
+        steps=_live(page_steps, info_steps, spec_on, adaptive),
+        draft_tokens=_live(page_drafts, info_drafts, spec_on, adaptive),
         topk=_int_field(server_info, "speculative_eagle_topk") if spec_on is not False else None,
         algorithm=_str_field(server_info, "speculative_algorithm") if spec_on else None,
         max_running_requests=_effective_max_running(server_info),
@@ -370,6 +402,16 @@ def observation_from(
         version=_str_field(server_info, "version"),
         dp_ranks=parsed.dp_ranks,
         launch_command=_str_field(server_info, "launch_command"),
+        rejected=tuple(name for name, _ in rejected),
+        rejected_values=tuple(value for _, value in rejected),
+    )
+    return without_impossible(obs, adaptive=adaptive)
+
+
+def _impossible_load(obs: Observation) -> str:
+    return (
+        f"GET /metrics: {RUNNING} {obs.running} / {QUEUED} {obs.queued} "
+        "is more than any SGLang server holds"
     )
 
 
@@ -697,7 +739,11 @@ class SGLangClient:
                 info = self._server_info(t, deadline)
                 self._info = info if isinstance(info, dict) else None
             self._page = parsed
-            return observation_from(parsed, self._info, t)
+            obs = observation_from(parsed, self._info, t)
+            if {"running", "queued"} & set(impossible_fields(obs)):
+                # The load decides everything: a page that lies about it is no page.
+                return ScrapeError("malformed", _impossible_load(obs), t)
+            return obs
         except Exception as exc:
             self._info = self._page = None
             return ScrapeError("malformed", _one_line(f"observe: {type(exc).__name__}: {exc}"), t)

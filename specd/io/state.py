@@ -15,11 +15,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specd.core.decide import Control
 from specd.core.history import History, HistorySettings
 from specd.io import files
+
+T = TypeVar("T")
+E = TypeVar("E")
 
 STATE_FILE = "state.json"
 STATE_VERSION = 1
@@ -88,8 +91,21 @@ class State:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, history_settings: HistorySettings | None = None) -> State:
-        """Rebuild from `to_dict`. Raises StateFormatError naming the bad field."""
+    def from_dict(
+        cls,
+        data: Any,
+        history_settings: HistorySettings | None = None,
+        dropped: list[str] | None = None,
+        *,
+        now: float | None = None,
+    ) -> State:
+        """Rebuild from `to_dict`. Raises StateFormatError naming the bad field.
+
+        With a ``dropped`` list, only a file that is no state at all (not an object, an
+        unknown version) raises: every bad part is left out and named there, and every
+        good part is kept — weeks of learning are not lost to one bad entry. An unusable
+        history starts over; an unreadable freeze stays a freeze (``now`` dates it).
+        """
         if not isinstance(data, dict):
             raise StateFormatError(f"expected a JSON object, got {type(data).__name__}")
         version = data.get("version")
@@ -101,21 +117,44 @@ class State:
             )
         if version < 1:
             raise StateFormatError(f"version: {version} is not a valid schema version")
-        try:
-            history = History.from_dict(data.get("history"), history_settings)
-        except ValueError as exc:
-            raise StateFormatError(str(exc)) from None
+        strict = dropped is None
+        notes: list[str] = [] if dropped is None else dropped
+
+        def part(parse: Callable[[], T], fallback: Callable[[str], T]) -> T:
+            try:
+                return parse()
+            except (StateFormatError, ValueError) as exc:
+                if strict:
+                    raise StateFormatError(str(exc)) from None
+                notes.append(str(exc))
+                return fallback(str(exc))
+
+        history = part(
+            lambda: History.from_dict(
+                data.get("history"), history_settings, None if strict else notes
+            ),
+            lambda why: History(history_settings),
+        )
         return cls(
             history=history,
-            last_decision=_object(data, "last_decision"),
-            journal=_optional_object(data, "journal"),
-            restarts=[_restart(i, r) for i, r in enumerate(_list(data, "restarts"))],
-            frozen=_frozen(data.get("frozen")),
-            recommendations=[
-                _recommendation(i, r) for i, r in enumerate(_list(data, "recommendations"))
-            ],
-            sglang_started_at=_optional_number(data, "sglang_started_at"),
-            live=_live(data.get("live")),
+            last_decision=part(lambda: _object(data, "last_decision"), lambda why: {}),
+            journal=part(lambda: _optional_object(data, "journal"), lambda why: None),
+            restarts=_entries(data, "restarts", _restart, strict, notes),
+            frozen=part(
+                lambda: _frozen(data.get("frozen")),
+                # A freeze stops automatic restarts until an operator looks: one that
+                # cannot be read must not be read as "not frozen".
+                lambda why: {
+                    "since": now if now is not None else 0.0,
+                    "reason": f"state.json held a freeze specd cannot read ({why}); "
+                    "check, then run specd unfreeze",
+                },
+            ),
+            recommendations=_entries(data, "recommendations", _recommendation, strict, notes),
+            sglang_started_at=part(
+                lambda: _optional_number(data, "sglang_started_at"), lambda why: None
+            ),
+            live=part(lambda: _live(data.get("live")), lambda why: None),
             version=STATE_VERSION,
         )
 
@@ -154,6 +193,31 @@ def _list(data: dict[str, Any], key: str) -> list[Any]:
     if not isinstance(value, list):
         raise StateFormatError(f"{key}: expected a list, got {type(value).__name__}")
     return value
+
+
+def _entries(
+    data: dict[str, Any],
+    key: str,
+    parse: Callable[[int, Any], E],
+    strict: bool,
+    notes: list[str],
+) -> list[E]:
+    try:
+        entries = _list(data, key)
+    except StateFormatError as exc:
+        if strict:
+            raise
+        notes.append(str(exc))
+        return []
+    kept: list[E] = []
+    for index, entry in enumerate(entries):
+        try:
+            kept.append(parse(index, entry))
+        except StateFormatError as exc:
+            if strict:
+                raise
+            notes.append(str(exc))
+    return kept
 
 
 def _is_number(value: Any) -> bool:
@@ -213,10 +277,17 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def read_state(path: str | Path, history_settings: HistorySettings | None = None) -> State:
+def read_state(
+    path: str | Path,
+    history_settings: HistorySettings | None = None,
+    dropped: list[str] | None = None,
+    *,
+    now: float | None = None,
+) -> State:
     """The state at ``path``, validated as the daemon validates it (status, recommend and
     the daemon share this). Raises FileNotFoundError when absent, else ValueError (one
-    line: unreadable, or invalid as a state)."""
+    line: unreadable, or invalid as a state). With ``dropped``, bad parts are left out
+    and named there instead (see `State.from_dict`)."""
     try:
         data = read_json(path)
     except FileNotFoundError:
@@ -224,9 +295,17 @@ def read_state(path: str | Path, history_settings: HistorySettings | None = None
     except ValueError as exc:  # not a regular file, too big, bad or absurdly deep JSON
         raise ValueError(f"unreadable ({_one_line(exc)})") from None
     try:
-        return State.from_dict(data, history_settings)
+        return State.from_dict(data, history_settings, dropped, now=now)
     except StateFormatError as exc:
         raise StateFormatError(f"invalid ({_one_line(exc)})") from None
+
+
+def salvage_note(dropped: list[str], limit: int = 3) -> str:
+    """One line naming what a load left out: the first few, and how many in all."""
+    shown = "; ".join(dropped[:limit])
+    more = f"; and {len(dropped) - limit} more" if len(dropped) > limit else ""
+    entries = "entry" if len(dropped) == 1 else "entries"
+    return f"left out {len(dropped)} bad {entries} and kept the rest ({shown}{more})"
 
 
 class StateStore:
@@ -250,23 +329,42 @@ class StateStore:
     def load(self) -> tuple[State, str | None]:
         """The saved state, or a fresh one and a one-line problem when it is unusable.
 
-        A missing file is not a problem (first start). A damaged one is moved aside to
-        state.json.corrupt-<unix> for a post-mortem, so the next save cannot destroy it.
+        A missing file is not a problem (first start). One that is no state at all is
+        moved aside to state.json.corrupt-<unix> for a post-mortem, so the next save
+        cannot destroy it. One with bad parts keeps its good parts, and a copy of the
+        file as it was goes to the same place.
         """
+        dropped: list[str] = []
         try:
-            return read_state(self.path, self.history_settings), None
+            state = read_state(self.path, self.history_settings, dropped, now=self._clock())
         except FileNotFoundError:
             return self.fresh(), None
         except ValueError as exc:
             return self.fresh(), self._set_aside(str(exc))
+        if not dropped:
+            return state, None
+        return state, f"{self.path} {salvage_note(dropped)}; {self._copy_aside()}"
 
-    def _set_aside(self, why: str) -> str:
+    def _aside_path(self) -> Path:
         stamp = int(self._clock())
         aside = self.path.with_name(f"{STATE_FILE}.corrupt-{stamp}")
         n = 1
-        while aside.exists():
+        while os.path.lexists(aside):
             aside = self.path.with_name(f"{STATE_FILE}.corrupt-{stamp}.{n}")
             n += 1
+        return aside
+
+    def _copy_aside(self) -> str:
+        aside = self._aside_path()
+        try:
+            data = files.read_regular_file(self.path, MAX_STATE_BYTES)
+            files.write_atomic(aside, data, mode=STATE_FILE_MODE)
+        except (OSError, ValueError) as exc:
+            return f"could not keep a copy: {_one_line(exc)}"
+        return f"the file as it was is in {aside.name}"
+
+    def _set_aside(self, why: str) -> str:
+        aside = self._aside_path()
         try:
             os.replace(self.path, aside)
         except OSError as exc:

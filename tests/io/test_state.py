@@ -169,15 +169,6 @@ def _state_dict() -> dict[str, Any]:
         (lambda: "[]", "expected a JSON object"),
         (lambda: json.dumps({**_state_dict(), "version": STATE_VERSION + 1}), "newer"),
         (lambda: json.dumps({**_state_dict(), "version": "1"}), "version"),
-        (lambda: json.dumps({**_state_dict(), "history": None}), "history"),
-        (lambda: json.dumps({**_state_dict(), "restarts": [{"from_steps": 1}]}), "restarts[0]"),
-        (lambda: json.dumps({**_state_dict(), "restarts": {}}), "restarts"),
-        (lambda: json.dumps({**_state_dict(), "frozen": "yes"}), "frozen"),
-        (lambda: json.dumps({**_state_dict(), "journal": [1]}), "journal"),
-        (lambda: json.dumps({**_state_dict(), "last_decision": 3}), "last_decision"),
-        (lambda: json.dumps({**_state_dict(), "recommendations": [[1, "3"]]}), "recommend"),
-        (lambda: json.dumps({**_state_dict(), "sglang_started_at": "x"}), "sglang_started_at"),
-        (lambda: '{"version": 1, "history": {"format": 1}}', "history"),
     ],
     ids=[
         "truncated",
@@ -187,18 +178,9 @@ def _state_dict() -> dict[str, Any]:
         "not-object",
         "newer-version",
         "version-type",
-        "no-history",
-        "restart-without-t",
-        "restarts-type",
-        "frozen-type",
-        "journal-type",
-        "decision-type",
-        "recommendation-type",
-        "started-type",
-        "history-incomplete",
     ],
 )
-def test_a_damaged_state_is_moved_aside_and_specd_starts_fresh(
+def test_a_file_that_is_no_state_is_moved_aside_and_specd_starts_fresh(
     tmp_path: Path, content: Any, problem: str
 ) -> None:
     path = tmp_path / STATE_FILE
@@ -221,6 +203,164 @@ def test_a_damaged_state_is_moved_aside_and_specd_starts_fresh(
     assert store.save(state) is None
     path.write_text("{")
     assert "corrupt-1700000000.1" in (store.load()[1] or "")
+
+
+def _with(**parts: Any) -> dict[str, Any]:
+    return {**_state_dict(), **parts}
+
+
+def _with_history(**parts: Any) -> dict[str, Any]:
+    data = _state_dict()
+    data["history"] = {**data["history"], **parts}
+    return data
+
+
+def _history_cells(table: str, *rows: list[Any]) -> dict[str, Any]:
+    data = _state_dict()
+    data["history"][table]["cells"].extend(rows)
+    return data
+
+
+# Each damages one part: that part is left out (named in the message), all else is kept.
+# `expect` maps the parts that differ from the undamaged state to what they load as.
+SALVAGED: list[Any] = [
+    pytest.param(
+        lambda: _with(restarts=[{"from_steps": 1}]),
+        "restarts[0]",
+        {"restarts": []},
+        id="restart-without-t",
+    ),
+    pytest.param(lambda: _with(restarts={}), "restarts", {"restarts": []}, id="restarts-type"),
+    pytest.param(lambda: _with(journal=[1]), "journal", {"journal": None}, id="journal-type"),
+    pytest.param(
+        lambda: _with(last_decision=3), "last_decision", {"last_decision": {}}, id="decision-type"
+    ),
+    pytest.param(
+        lambda: _with(recommendations=[[1, "3"], [T0, 3]]),
+        "recommendations[0]",
+        {"recommendations": [[T0, 3]]},
+        id="one-recommendation-bad",
+    ),
+    pytest.param(
+        lambda: _with(sglang_started_at="x"),
+        "sglang_started_at",
+        {"sglang_started_at": None},
+        id="started-type",
+    ),
+    pytest.param(lambda: _with(live={"t": "now"}), "live", {"live": None}, id="live-type"),
+    pytest.param(lambda: _with(history=None), "history", {"history": "fresh"}, id="no-history"),
+    pytest.param(
+        lambda: _with(history={"format": 1}),
+        "history",
+        {"history": "fresh"},
+        id="history-incomplete",
+    ),
+    # What SGLang once sent and an older specd stored: one entry, not the whole history.
+    pytest.param(
+        lambda: _with_history(capacity=[[4, 13], [3, -5]]),
+        "history.capacity[1]",
+        {"capacity": {4: 13}},
+        id="negative-capacity",
+    ),
+    pytest.param(
+        lambda: _with_history(capacity=[[-3, 13], [4, 13]]),
+        "history.capacity[0]",
+        {"capacity": {4: 13}},
+        id="negative-steps",
+    ),
+    pytest.param(
+        lambda: _with_history(last_steps=-3), "history.last_steps", {}, id="negative-last-steps"
+    ),
+    pytest.param(
+        lambda: _history_cells("accept", [3, 10.0, 500.0]),
+        "history.accept[",
+        {"accept3": None},
+        id="accept-length-50-at-3-steps",
+    ),
+    pytest.param(
+        lambda: _history_cells("accept", [3, 10.0, 1e301]),
+        "history.accept[",
+        {"accept3": None},
+        id="accept-length-1e300",
+    ),
+    pytest.param(
+        lambda: _history_cells("throughput", [[3, 4], 10.0, 1e300]),
+        "history.throughput[",
+        {"throughput34": None},
+        id="throughput-1e299",
+    ),
+    pytest.param(
+        lambda: _history_cells("offered", [-1, 10.0]), "history.offered[", {}, id="negative-offered"
+    ),
+    pytest.param(
+        lambda: _with_history(counters={"decode_tokens_total": -1.0}),
+        "history.counters.decode_tokens_total",
+        {},
+        id="negative-counter",
+    ),
+]
+
+
+@pytest.mark.parametrize(("content", "problem", "expect"), SALVAGED)
+def test_a_state_with_bad_parts_keeps_every_good_part(
+    tmp_path: Path, content: Any, problem: str, expect: dict[str, Any]
+) -> None:
+    path = tmp_path / STATE_FILE
+    path.write_text(json.dumps(content()))
+    original = path.read_bytes()
+    good = populated()
+    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.9).load()
+    assert message is not None
+    assert "\n" not in message
+    assert problem in message
+    assert "kept the rest" in message
+    # Nothing is lost: the file as it was is kept for a post-mortem, and stays put.
+    assert "state.json.corrupt-1700000000" in message
+    assert (tmp_path / "state.json.corrupt-1700000000").read_bytes() == original
+    assert path.read_bytes() == original
+    for part in (
+        "last_decision",
+        "journal",
+        "restarts",
+        "frozen",
+        "recommendations",
+        "sglang_started_at",
+        "live",
+    ):
+        want = expect.get(part, getattr(good, part))
+        assert getattr(state, part) == want, part
+    history, learned = state.history, good.history
+    if expect.get("history") == "fresh":
+        assert history.busy_seconds == 0
+        return
+    assert history.capacities == expect.get("capacity", learned.capacities)
+    assert history.busy_seconds == pytest.approx(learned.busy_seconds)
+    assert history.accept_length(4) == pytest.approx(learned.accept_length(4))
+    assert history.accept_length(3) == expect.get("accept3", learned.accept_length(3))
+    assert history.throughput(3, 4) == expect.get("throughput34", learned.throughput(3, 4))
+    assert history.throughput(4, 3) == pytest.approx(learned.throughput(4, 3))
+    # The next save writes only what was kept, and the next load has nothing to say.
+    store = StateStore(tmp_path, clock=lambda: 1_700_000_001.0)
+    assert store.save(state) is None
+    assert store.load()[1] is None
+
+
+def test_an_unreadable_freeze_stays_a_freeze(tmp_path: Path) -> None:
+    # "Not frozen" would let specd restart SGLang after an operator-visible failure.
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(frozen="yes")))
+    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.0).load()
+    assert message is not None
+    assert "frozen" in message
+    assert state.frozen is not None
+    assert state.frozen["since"] == 1_700_000_000.0
+    assert "specd unfreeze" in state.frozen["reason"]
+    assert state.control().frozen
+    assert state.restarts == populated().restarts
+
+
+def test_strict_reading_still_names_the_first_bad_part() -> None:
+    with pytest.raises(StateFormatError, match=r"capacity"):
+        State.from_dict(_with_history(capacity=[[3, -5]]))
 
 
 def test_a_state_path_that_is_a_directory_is_moved_aside(tmp_path: Path) -> None:
