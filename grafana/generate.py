@@ -19,7 +19,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
@@ -711,6 +711,70 @@ ROWS: tuple[tuple[str, Callable[[], list[tuple[Panel, int, int]]]], ...] = (
 )
 
 
+# Keys Grafana's Prometheus data source reads from an annotation query beside `expr`. The
+# official schema's AnnotationQuery predates data-source annotations and has none of them;
+# tests/test_grafana.py validates the rest against it and these against this list.
+PROMETHEUS_ANNOTATION_KEYS = ("expr", "step", "titleFormat", "textFormat", "useValueForTime")
+
+
+class Annotation(NamedTuple):
+    """A Prometheus-backed annotation: every series ``expr`` returns marks its time span."""
+
+    name: str
+    color: str
+    expr: str
+    title: str
+    text: str
+
+
+# What explains a throughput dip: every restart specd made, every rollback, every pin.
+ANNOTATIONS: tuple[Annotation, ...] = (
+    Annotation(
+        "Restarts",
+        "blue",
+        f'sum by (instance) (increase(specd_restarts_total{{{INST}, result="success"}}[1m])) > 0',
+        "specd restarted SGLang",
+        "verified restart on {{instance}}",
+    ),
+    Annotation(
+        "Rollbacks and failed restarts",
+        "red",
+        "sum by (instance, result) "
+        f'(increase(specd_restarts_total{{{INST}, result!="success"}}[1m])) > 0',
+        "restart {{result}}",
+        "a restart on {{instance}} ended {{result}}: see specd_frozen",
+    ),
+    Annotation(
+        "Override pins",
+        "orange",
+        f'max by (instance) (specd_mode{{{INST}, mode="pin"}}) == 1',
+        "pinned by override",
+        "an on-call pin on {{instance}} holds the step count",
+    ),
+    Annotation(
+        "Freezes",
+        "purple",
+        f'max by (instance) (specd_mode{{{INST}, mode="freeze"}}) == 1',
+        "automatic changes frozen",
+        "frozen on {{instance}} until specd unfreeze",
+    ),
+)
+
+
+def annotation_query(a: Annotation) -> db.AnnotationQuery:
+    return db.AnnotationQuery().name(a.name).datasource(DS).enable(True).icon_color(a.color)
+
+
+def _prometheus_annotation_fields(a: Annotation) -> dict[str, Any]:
+    return {
+        "expr": a.expr,
+        "step": "1m",
+        "titleFormat": a.title,
+        "textFormat": a.text,
+        "useValueForTime": False,
+    }
+
+
 def build() -> dict[str, Any]:
     """The dashboard as a JSON-ready dict."""
     dash = (
@@ -748,6 +812,8 @@ def build() -> dict[str, Any]:
             .all_value(".+")
         )
     )
+    for annotation in ANNOTATIONS:
+        dash = dash.annotation(annotation_query(annotation))
     y = 0
     panel_id = 1
     for title, make in ROWS:
@@ -766,6 +832,8 @@ def build() -> dict[str, Any]:
             row_height = max(row_height, height)
         y += row_height
     encoded: dict[str, Any] = json.loads(json.dumps(dash.build(), cls=JSONEncoder))
+    for query, annotation in zip(encoded["annotations"]["list"], ANNOTATIONS, strict=True):
+        query.update(_prometheus_annotation_fields(annotation))
     # The SDK writes the interval-variable keys on every variable; the official schema
     # (additionalProperties: false) rejects them elsewhere, and Grafana ignores them.
     for variable in encoded["templating"]["list"]:

@@ -78,6 +78,13 @@ def panel_queries() -> list[tuple[str, str]]:
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             queries.append((f"{panel['title']}/{target['refId']}", target["expr"]))
+    for annotation in dashboard["annotations"]["list"]:
+        if "expr" in annotation:
+            # Annotations mark events (restarts, pins): empty until one happens, so only the
+            # series behind them must exist; the query itself runs in its own test.
+            metric = re.search(r"\b(specd_[a-z_]+)\{", annotation["expr"])
+            assert metric is not None, annotation["expr"]
+            queries.append((f"annotation {annotation['name']}", metric.group(1)))
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             # label_values(metric, label) is Grafana's; the series behind it is what matters.
@@ -304,6 +311,21 @@ def test_panel_query_returns_data(stack: Stack, expr: str, request: pytest.Fixtu
         assert stack.query(expand(expr))["data"]["result"], f"no data for {expr}"
     else:
         assert stack.query_until_data(expand(expr)), f"no data for {expr}"
+
+
+def annotation_exprs() -> list[Any]:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return [
+        pytest.param(a["expr"], id=a["name"])
+        for a in dashboard["annotations"]["list"]
+        if "expr" in a
+    ]
+
+
+@pytest.mark.parametrize("expr", annotation_exprs())
+def test_annotation_query_runs(stack: Stack, expr: str) -> None:
+    # Valid PromQL Prometheus evaluates (an error fails inside query()); empty is fine.
+    stack.query(expand(expr))
 
 
 def test_every_rule_loaded_and_healthy(stack: Stack) -> None:
