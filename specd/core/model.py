@@ -14,8 +14,9 @@ Acceptance: the live accept length L at the K specd saw is inverted into α
 proportional to the tokens each verify step emits (temperature > 0 traffic and long
 contexts accept less than a greedy benchmark).
 
-Capacity: above ``max_running_requests(K)`` requests queue, so throughput is flat there.
-Between measured concurrencies the curve is linear (`PerfTable`).
+Capacity: above ``max_running_requests(K)`` requests queue. A curve is read as a table is
+(`specd.core.perftable.reading_points`): a measured point exactly, linear between, every
+point at or past capacity the plateau as measured, flat past the last.
 
 A K the calibration lacks is extrapolated from the nearest measured K: accept length from
 α, single-request iteration time ``L/tok_s`` extended linearly from the two nearest measured
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING
 from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.forecast import Forecast, forecast_epoch
-from specd.core.perftable import PerfTable
+from specd.core.perftable import PerfTable, interpolate, reading_points
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -75,6 +76,9 @@ class _Curve:
     capacity: int | None
     scale: float  # acceptance scaling times the observed correction
     source: Source
+    # Concurrency is clamped here before reading the points: an extrapolated K reads its
+    # neighbour's curve, whose plateau lies at the neighbour's capacity, not its own.
+    clamp_at: int | None = None
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -117,43 +121,11 @@ class Calibration:
 def _shape(
     cal: PerfTable, k: int, capacity: int | None
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """K's calibration points, made to saturate exactly at ``capacity``.
-
-    Points at or beyond capacity all measured the saturated server: they become one point
-    at capacity (their mean). A curve measured short of capacity is continued to it at a
-    quarter of its last slope (curves flatten as batches grow; an estimate, so sweep up to
-    capacity where it matters).
-    """
+    """K's calibration points, read as the table reads them with ``capacity`` (observed
+    capacity wins over the table's): measured points as measured, every point at or past
+    capacity the plateau, flat past capacity when measured only below it."""
     points = [(r.concurrency, r.output_tok_s) for r in cal.rows if r.steps == k]
-    if capacity is None:
-        return tuple(x for x, _ in points), tuple(y for _, y in points)
-    cap = float(capacity)
-    below = [(x, y) for x, y in points if x < cap]
-    above = [y for x, y in points if x >= cap]
-    if above:
-        below.append((cap, sum(above) / len(above)))
-    elif below:
-        x1, y1 = below[-1]
-        x0, y0 = below[-2] if len(below) > 1 else (0.0, 0.0)
-        slope = max(0.0, (y1 - y0) / (x1 - x0))
-        below.append((cap, y1 + 0.25 * slope * (cap - x1)))
-    return tuple(x for x, _ in below), tuple(y for _, y in below)
-
-
-def _interp(xs: tuple[float, ...], ys: tuple[float, ...], c: float) -> float:
-    if c <= xs[0]:
-        return ys[0] * c / xs[0]
-    if c >= xs[-1]:
-        return ys[-1]
-    lo, hi = 0, len(xs) - 1
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if xs[mid] <= c:
-            lo = mid
-        else:
-            hi = mid
-    x0, x1, y0, y1 = xs[lo], xs[hi], ys[lo], ys[hi]
-    return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+    return reading_points([x for x, _ in points], [y for _, y in points], capacity)
 
 
 class PerformanceModel:
@@ -255,9 +227,11 @@ class PerformanceModel:
             return self._corrected(base, observed)
         if observed:
             points = sorted(observed.items())
-            xs = tuple(float(c) for c, _ in points)
-            ys = tuple(v for _, (v, _) in points)
-            return _Curve(xs, ys, self._capacities.get(k), 1.0, Source.OBSERVED)
+            capacity = self._capacities.get(k)
+            xs, ys = reading_points(
+                [float(c) for c, _ in points], [v for _, (v, _) in points], capacity
+            )
+            return _Curve(xs, ys, capacity, 1.0, Source.OBSERVED)
         return self._extrapolated(k)
 
     def _corrected(self, base: _Curve, observed: Mapping[int, tuple[float, float]]) -> _Curve:
@@ -283,7 +257,7 @@ class PerformanceModel:
         trust = weight / (weight + OBSERVED_PIVOT_S)
         ratio = 1.0 + (seen / predicted - 1.0) * trust
         source = Source.OBSERVED if trust >= 0.5 else base.source
-        return _Curve(base.xs, base.ys, base.capacity, base.scale * ratio, source)
+        return _Curve(base.xs, base.ys, base.capacity, base.scale * ratio, source, base.clamp_at)
 
     def _extrapolated(self, k: int) -> _Curve | None:
         """A K the calibration lacks, from its nearest measured neighbours."""
@@ -316,14 +290,14 @@ class PerformanceModel:
         capacity = max(1, math.floor(max(budgets) / (k + 2))) if budgets else None
         xs, ys_a = _shape(cal, ka, cap_a)
         ys = tuple(y * factor for y in ys_a)
-        base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.EXTRAPOLATED)
+        base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.EXTRAPOLATED, capacity)
         return self._corrected(base, self._observed.get(k, {}))
 
     @staticmethod
     def _raw(curve: _Curve, c: float) -> float:
-        if curve.capacity is not None:
-            c = min(c, float(curve.capacity))
-        return _interp(curve.xs, curve.ys, c) * curve.scale
+        if curve.clamp_at is not None:
+            c = min(c, float(curve.clamp_at))
+        return interpolate(curve.xs, curve.ys, c) * curve.scale
 
     def throughput(self, steps: int, concurrency: float) -> float:
         """Predicted aggregate output tok/s; ValueError if ``steps`` cannot be predicted."""

@@ -6,6 +6,14 @@ output tokens/s of the whole server at that many concurrent closed-loop clients;
 means speculation off; empty cells are unknown. The twin serves from a table, `specd
 sweep` writes one, and the model policy reads one. ``specd.io.tables`` reads and writes
 the files (bounded, atomic); this module parses and renders text.
+
+Reading a table (`reading_points`, `interpolate`; the model, replay's truth and `specd
+sweep` read it so): a measured point comes back exactly; between measured points the
+curve is linear, below the first it scales from the origin, past the last it stays flat.
+With a capacity (``max_running_requests``) clients beyond it queue, so every point at or
+past capacity measured the plateau: they come back as measured, and from capacity up to
+the first of them the curve is that point's value. A curve measured only below capacity
+is read up to capacity and flat from there.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import bisect
 import csv
 import io
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
@@ -41,6 +49,48 @@ class _StepCurve:
     tok_s: list[float] = field(default_factory=list)
     accept_length: float | None = None
     capacity: int | None = None
+    # The points the curve is read through (`reading_points`), set once all rows are in.
+    xs: tuple[float, ...] = ()
+    ys: tuple[float, ...] = ()
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], c: float) -> float:
+    """Piecewise-linear through (xs, ys): from the origin below the first point, flat past
+    the last; a point of ``xs`` comes back exactly."""
+    if c <= xs[0]:
+        return ys[0] * c / xs[0]
+    if c >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, c)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
+
+
+def reading_points(
+    xs: Sequence[float], ys: Sequence[float], capacity: float | None
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The points a curve measured at (xs, ys), sorted by xs, is read through.
+
+    Without a capacity they are the measured points. With one, every measured point at or
+    past it is the plateau and is kept as measured; a point at capacity is added with the
+    first plateau point's value, so the plateau starts there, not at the next measured
+    concurrency. Measured only below capacity: the curve is read up to capacity (one point
+    added there) and flat past it, because the clients beyond capacity queue.
+    """
+    points = list(zip(xs, ys, strict=True))
+    if capacity is None or not points:
+        return tuple(xs), tuple(ys)
+    cap = float(capacity)
+    below = [(x, y) for x, y in points if x < cap]
+    plateau = [(x, y) for x, y in points if x >= cap]
+    if plateau:
+        if plateau[0][0] > cap:
+            plateau.insert(0, (cap, plateau[0][1]))
+        out = below + plateau
+    else:
+        bx, by = [x for x, _ in below], [y for _, y in below]
+        out = [*below, (cap, interpolate(bx, by, cap))]
+    return tuple(x for x, _ in out), tuple(y for _, y in out)
 
 
 class PerfTable:
@@ -66,6 +116,8 @@ class PerfTable:
                 curve.capacity = row.max_running_requests
         if not self._curves:
             raise PerfTableError(f"{source}: no data rows")
+        for curve in self._curves.values():
+            curve.xs, curve.ys = reading_points(curve.concurrency, curve.tok_s, curve.capacity)
 
     # -- reading -----------------------------------------------------------------------
 
@@ -134,26 +186,22 @@ class PerfTable:
     def accept_length(self, steps: int) -> float | None:
         return self._curve(steps).accept_length
 
+    def points(self, steps: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The points ``steps``' curve is read through (`reading_points`)."""
+        curve = self._curve(steps)
+        return curve.xs, curve.ys
+
     def throughput(self, steps: int, concurrency: float) -> float:
         """Aggregate output tok/s at ``concurrency`` closed-loop clients.
 
-        Clients beyond ``max_running_requests`` queue, so concurrency is clamped to it.
-        Between measured points the curve is linear; below the first point it scales
-        linearly from the origin; above the last point it stays flat.
+        A measured point comes back exactly; linear between measured points, from the
+        origin below the first, flat past the last; at and past ``max_running_requests``
+        the plateau the points there measured (`reading_points`).
         """
         if not math.isfinite(concurrency) or concurrency < 0:
             raise ValueError(f"concurrency must be a finite number >= 0, got {concurrency!r}")
         curve = self._curve(steps)
-        if curve.capacity is not None:
-            concurrency = min(concurrency, float(curve.capacity))
-        xs, ys = curve.concurrency, curve.tok_s
-        if concurrency <= xs[0]:
-            return ys[0] * concurrency / xs[0]
-        if concurrency >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, concurrency)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (concurrency - x0) / (x1 - x0)
+        return interpolate(curve.xs, curve.ys, concurrency)
 
     def _curve(self, steps: int) -> _StepCurve:
         try:

@@ -42,6 +42,36 @@ class _StepCurve:
     tok_s: list[float] = field(default_factory=list)
     accept_length: float | None = None
     capacity: int | None = None
+    # The points the curve is read through, set once all rows are in.
+    xs: list[float] = field(default_factory=list)
+    ys: list[float] = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Every measured point at or past capacity is the plateau, kept as measured, and
+        the plateau starts at capacity with the first of them; measured only below
+        capacity, the curve is read up to capacity and flat past it (the rest queue)."""
+        self.xs, self.ys = list(self.concurrency), list(self.tok_s)
+        if self.capacity is None:
+            return
+        cap = float(self.capacity)
+        first = bisect.bisect_left(self.xs, cap)
+        if first < len(self.xs):
+            if self.xs[first] > cap:
+                self.xs.insert(first, cap)
+                self.ys.insert(first, self.ys[first])
+        else:
+            self.ys.append(_interpolate(self.xs, self.ys, cap))
+            self.xs.append(cap)
+
+
+def _interpolate(xs: list[float], ys: list[float], c: float) -> float:
+    if c <= xs[0]:
+        return ys[0] * c / xs[0]
+    if c >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, c)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (c - x0) / (x1 - x0)
 
 
 class PerfTable:
@@ -67,6 +97,8 @@ class PerfTable:
                 curve.capacity = row.max_running_requests
         if not self._curves:
             raise PerfTableError(f"{source}: no data rows")
+        for curve in self._curves.values():
+            curve.finish()
 
     # -- reading -----------------------------------------------------------------------
 
@@ -142,25 +174,13 @@ class PerfTable:
         return self._curve(steps).accept_length
 
     def throughput(self, steps: int, concurrency: float) -> float:
-        """Aggregate output tok/s at ``concurrency`` closed-loop clients.
-
-        Clients beyond ``max_running_requests`` queue, so concurrency is clamped to it.
-        Between measured points the curve is linear; below the first point it scales
-        linearly from the origin; above the last point it stays flat.
-        """
+        """Aggregate output tok/s at ``concurrency`` closed-loop clients: a measured point
+        exactly, linear between points (from the origin below the first), the plateau at
+        and past ``max_running_requests``, flat past the last point."""
         if not math.isfinite(concurrency) or concurrency < 0:
             raise ValueError(f"concurrency must be a finite number >= 0, got {concurrency!r}")
         curve = self._curve(steps)
-        if curve.capacity is not None:
-            concurrency = min(concurrency, float(curve.capacity))
-        xs, ys = curve.concurrency, curve.tok_s
-        if concurrency <= xs[0]:
-            return ys[0] * concurrency / xs[0]
-        if concurrency >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, concurrency)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (concurrency - x0) / (x1 - x0)
+        return _interpolate(curve.xs, curve.ys, concurrency)
 
     def _curve(self, steps: int) -> _StepCurve:
         try:

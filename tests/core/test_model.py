@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 from datetime import datetime, timezone
 from pathlib import Path
@@ -107,11 +108,43 @@ def test_throughput_saturates_at_capacity(steps: int, capacity: int) -> None:
     assert model.throughput(steps, capacity - 1) < at_capacity
 
 
-def test_a_curve_measured_short_of_capacity_keeps_rising_a_little() -> None:
+def test_a_curve_measured_short_of_capacity_is_read_as_the_table_reads_it() -> None:
+    # Flat past the last measured point, as the table is read (no guessed continuation).
     rows = [PerfRow(2, 1.0, 100.0, None, 100), PerfRow(2, 2.0, 200.0, None, 100)]
-    model = PerformanceModel(PerfTable(rows))
-    assert model.throughput(2, 4) == pytest.approx(200 + 0.25 * 100 * 2)
-    assert model.throughput(2, 100) == model.throughput(2, 1000)
+    table = PerfTable(rows)
+    model = PerformanceModel(table)
+    for c in (0.5, 1, 1.5, 2, 4, 100, 1000):
+        assert model.throughput(2, c) == table.throughput(2, c)
+    assert model.throughput(2, 4) == 200.0
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_a_sweep_is_read_right_measured_points_and_plateau(steps: int) -> None:
+    # Issue 12: a sweep at 1..64 of a K whose capacity is 13 measured the plateau at 16, 32
+    # and 64; the model answers each measured point as measured, and the plateau at and past
+    # capacity, not an interpolation below it.
+    exact = sparse(SEED, (steps,), (1, 2, 4, 8, 16, 32, 64))
+    # Measured, so the plateau points differ a little (noise), as a real sweep's do.
+    cal = PerfTable(
+        [
+            dataclasses.replace(r, output_tok_s=r.output_tok_s * (1 + 0.004 * (i % 3 - 1)))
+            for i, r in enumerate(exact.rows)
+        ],
+        source="noisy sweep",
+    )
+    model = PerformanceModel(cal)
+    for row in cal.rows:
+        assert model.throughput(steps, row.concurrency) == pytest.approx(
+            row.output_tok_s, rel=1e-12
+        )
+    capacity = SEED.capacity(steps)
+    assert capacity is not None
+    first_plateau = min(
+        (r for r in cal.rows if r.concurrency >= capacity), key=lambda r: r.concurrency
+    )
+    assert model.throughput(steps, capacity) == pytest.approx(first_plateau.output_tok_s, rel=1e-12)
+    for c in (0.5, 3, 6, 10, capacity, 20, 48, 200):
+        assert model.throughput(steps, c) == pytest.approx(cal.throughput(steps, c), rel=1e-12)
 
 
 @pytest.mark.parametrize("live_alpha", [0.954, 0.8, 0.636])
