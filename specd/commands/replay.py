@@ -7,7 +7,9 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from specd.commands.args import STEPS, IntRange, Seconds, Timestamp, quoted
 from specd.core.perftable import PerfTableError
@@ -201,13 +203,41 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data))
         return 0
-    print(
-        f"policy {config.choose.policy}: specd {data['specd_tokens']:,} tokens, oracle "
-        f"{data['oracle_tokens']:,} (×{data['ratio_to_oracle']}), best static "
-        f"{data['best_static_steps']} (×{data['ratio_to_best_static']}); "
-        f"{data['restarts']} restarts in {data['days']} days, "
-        f"{data['restarts_outside_windows']} outside windows"
-    )
-    for kk, v in data["static_tokens"].items():
-        print(f"  static {kk}: {v:,} tokens")
+    print("\n".join(human_lines(data, args.start)))
     return 0
+
+
+def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
+    """The same figures as the JSON, one comparison a line."""
+    specd = data["specd_tokens"]
+    lines = [
+        f"policy {data['policy']}: specd {specd:,} tokens in {data['days']} days, "
+        f"{data['restarts']} restarts ({data['restarts_outside_windows']} outside windows), "
+        f"{data['restart_lost_tokens']:,} tokens lost restarting ({data['restart_s']:g} s each)",
+        f"  oracle per epoch: {data['oracle_tokens']:,} tokens, specd ×{data['ratio_to_oracle']}",
+    ]
+    for k, tokens in data["static_tokens"].items():
+        best = " (best static)" if int(k) == data["best_static_steps"] else ""
+        lines.append(f"  static {k}{best}: {tokens:,} tokens, specd ×{data['ratio_to_static'][k]}")
+    adaptive = data["adaptive"]
+    if adaptive is None:
+        lines.append("  SGLang adaptive: not scored (the truth has none of its candidates)")
+    else:
+        slots = " ".join(
+            f"≥{b}:[{','.join(map(str, v['candidate_steps']))}]"
+            for b, v in adaptive["slots"].items()
+        )
+        skipped = adaptive["candidates_skipped"]
+        lines.append(
+            f"  SGLang adaptive {slots}"
+            + (f" (not in the truth: {','.join(map(str, skipped))})" if skipped else "")
+            + f", capacity {adaptive['capacity']}: {adaptive['tokens']:,} tokens, "
+            f"specd ×{data['ratio_to_adaptive']}"
+        )
+    changes = [
+        f"{k} at {(start + timedelta(seconds=t)).strftime('%a %Y-%m-%d %H:%M:%S')}"
+        for t, k in data["steps_timeline"][1:]
+    ]
+    first = data["steps_timeline"][0][1]
+    lines.append(f"  steps: {first} at the start" + "".join(f", {c}" for c in changes))
+    return lines

@@ -8,28 +8,35 @@ every acting path runs through `windows.is_open` — so `step` runs only there; 
 decisions are the daemon's, tick for tick (tests/tools/test_replay_is_daemon.py), at a
 fraction of the cost. A restart serves nothing for ``--restart-s``.
 
-Compared in the same run: specd, every static K in the allowed range, and the oracle (the
+Compared in the same run: specd, every static K in the allowed range, the oracle (the
 best fixed K of each epoch — window opening to window opening — in hindsight, with no
-restart cost; before the first window no one can choose, so there it runs specd's K).
-Tokens come from the truth table, piecewise constant per trace row. ``--warmup-s`` replays
-the start of a trace without scoring it (steady state, as a daemon that has run a while).
+restart cost; before the first window no one can choose, so there it runs the start K, as
+specd does) and SGLang's ``--speculative-adaptive`` with its default slots
+(`specd.core.adaptive`: the best candidate of each batch's slot, capacity of the deepest
+candidate, no restarts). Tokens come from the truth table, piecewise constant per trace
+row; tokens specd's K would have served while SGLang restarts are lost. ``steps_timeline``
+(each change and when it was issued) with ``restart_s`` recounts specd's tokens from the
+truth alone. ``--warmup-s`` replays the start of a trace without scoring it (steady state,
+as a daemon that has run a while).
 """
 
 from __future__ import annotations
 
 import bisect
 import csv
+import functools
 import io
 import itertools
 import math
 import time  # only to measure decision cost; simulated time is t
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from specd.core import windows
+from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel, Slots
 from specd.core.decide import Control
 from specd.core.forecast import Forecast, forecast_epoch, score
 from specd.core.history import History, HistorySettings
@@ -119,26 +126,46 @@ def trace_from_rows(times: Sequence[float], levels: Sequence[float]) -> Trace:
 
 
 # -- tokens from the truth --------------------------------------------------------------
-class Tokens:
-    """Cumulative tokens served per K over the trace (prefix sums over runs)."""
+def _static_rate(truth: PerfTable, k: int, c: int) -> float:
+    return truth.throughput(k, float(c))
 
-    def __init__(self, trace: Trace, truth: PerfTable, steps: Sequence[int]) -> None:
+
+# The key `Tokens` files SGLang's adaptive mode under (step counts are >= 0).
+ADAPTIVE = -1
+
+
+class Tokens:
+    """Cumulative tokens served per K over the trace (prefix sums over runs); also, under
+    `ADAPTIVE`, by SGLang's adaptive mode when ``adaptive`` is given."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        truth: PerfTable,
+        steps: Sequence[int],
+        adaptive: AdaptiveModel | None = None,
+    ) -> None:
         self.trace = trace
         self.truth = truth
         self.rate: dict[int, list[float]] = {}
         self.cum: dict[int, list[float]] = {}
         for k in steps:
-            memo: dict[int, float] = {}
-            rates = []
-            for c in trace.level:
-                if c not in memo:
-                    memo[c] = truth.throughput(k, float(c)) if c > 0 else 0.0
-                rates.append(memo[c])
-            cum = [0.0]
-            for i, r in enumerate(rates):
-                cum.append(cum[-1] + r * (trace.t[i + 1] - trace.t[i]))
-            self.rate[k] = rates
-            self.cum[k] = cum
+            self._add(k, functools.partial(_static_rate, truth, k))
+        if adaptive is not None:
+            self._add(ADAPTIVE, lambda c: adaptive.throughput(float(c)))
+
+    def _add(self, key: int, rate_at: Callable[[int], float]) -> None:
+        memo: dict[int, float] = {}
+        rates = []
+        for c in self.trace.level:
+            if c not in memo:
+                memo[c] = rate_at(c) if c > 0 else 0.0
+            rates.append(memo[c])
+        cum = [0.0]
+        for i, r in enumerate(rates):
+            cum.append(cum[-1] + r * (self.trace.t[i + 1] - self.trace.t[i]))
+        self.rate[key] = rates
+        self.cum[key] = cum
 
     def upto(self, k: int, s: float) -> float:
         t = self.trace.t
@@ -171,6 +198,15 @@ class ReplayResult:
     # (unix t, target steps, reason) of every tick replay decided at, from each window's
     # lead-in on: tick for tick the daemon's decisions.
     decisions: list[tuple[float, int | None, str]] = field(default_factory=list)
+    restart_s: float = DEFAULT_RESTART_S
+    scored_from_s: float = 0.0  # trace seconds
+    # What the live K would have served while SGLang restarted (scored span).
+    restart_lost_tokens: float = 0.0
+    adaptive: AdaptiveResult | None = None
+
+    @property
+    def adaptive_tokens(self) -> float | None:
+        return None if self.adaptive is None else self.adaptive.tokens
 
     @property
     def best_static_steps(self) -> int:
@@ -186,6 +222,14 @@ class ReplayResult:
             "static_tokens": {str(k): round(v) for k, v in sorted(self.static_tokens.items())},
             "best_static_steps": best,
             "ratio_to_best_static": _ratio(self.specd_tokens, best_tokens),
+            "ratio_to_static": {
+                str(k): _ratio(self.specd_tokens, v) for k, v in sorted(self.static_tokens.items())
+            },
+            "adaptive_tokens": None if self.adaptive is None else round(self.adaptive.tokens),
+            "ratio_to_adaptive": (
+                None if self.adaptive is None else _ratio(self.specd_tokens, self.adaptive.tokens)
+            ),
+            "adaptive": None if self.adaptive is None else self.adaptive.to_dict(),
             "oracle_gap_ratio": _ratio(self.oracle_tokens, best_tokens) - 1.0,
             "gap_captured_ratio": (
                 None
@@ -199,7 +243,12 @@ class ReplayResult:
             "restarts_outside_windows": self.restarts_outside_windows,
             "days": round(self.days, 4),
             "epochs": self.epochs,
-            "steps_timeline": [[round(t), k] for t, k in self.steps_timeline],
+            # Each change: [trace second the restart was issued, steps]; the first entry is
+            # the start. SGLang serves nothing for restart_s after each change.
+            "steps_timeline": [[_seconds(t), k] for t, k in self.steps_timeline],
+            "restart_s": self.restart_s,
+            "scored_from_s": _seconds(self.scored_from_s),
+            "restart_lost_tokens": round(self.restart_lost_tokens),
             "forecast_mean_error_ratio": self.forecast_mean_error_ratio,
             "forecast_median_error_ratio": self.forecast_median_error_ratio,
             "forecast_total_variation": self.forecast_total_variation,
@@ -212,6 +261,46 @@ class ReplayResult:
 
 def _ratio(a: float, b: float) -> float:
     return round(a / b, 4) if b > 0 else 1.0
+
+
+def _seconds(t: float) -> float | int:
+    return int(t) if float(t).is_integer() else round(t, 3)
+
+
+@dataclass(frozen=True)
+class AdaptiveResult:
+    """SGLang's adaptive mode over the same trace and truth."""
+
+    slots: Slots
+    skipped: tuple[int, ...]  # configured candidates the truth lacks
+    capacity: int | None
+    tokens: float
+    # Share of the scored span with more offered than the adaptive capacity: there the
+    # deepest candidate's KV sizing binds.
+    above_capacity_ratio: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "slots": self.slots.to_sglang_config(),
+            "candidates_skipped": list(self.skipped),
+            "capacity": self.capacity,
+            "tokens": round(self.tokens),
+            "above_capacity_ratio": (
+                None if self.above_capacity_ratio is None else round(self.above_capacity_ratio, 4)
+            ),
+        }
+
+
+def _share_above(trace: Trace, ceiling: int | None, a: float, b: float) -> float | None:
+    """Share of [a, b] (trace seconds) with offered concurrency above ``ceiling``."""
+    if ceiling is None or b <= a:
+        return None
+    above = 0.0
+    for i, level in enumerate(trace.level):
+        lo, hi = max(trace.t[i], a), min(trace.t[i + 1], b)
+        if hi > lo and level > ceiling:
+            above += hi - lo
+    return above / (b - a)
 
 
 def _open_intervals(config: Config, start: float, end: float) -> list[tuple[float, float]]:
@@ -306,11 +395,14 @@ def replay(
     initial_steps: int | None = None,
     warmup_s: float = 0.0,
     calibration: Calibration | None = None,
+    adaptive_slots: Slots | None = DEFAULT_SLOTS,
 ) -> ReplayResult:
     """Replay ``trace`` (seconds from ``start``) under ``config`` against ``truth``.
 
     The first ``warmup_s`` of the trace are replayed (specd learns and acts) but not
     scored: tokens, restarts and days count from there on, for steady-state comparisons.
+    SGLang's adaptive mode with ``adaptive_slots`` is scored beside (None: not; a truth
+    with none of the candidates: not either).
     """
     allowed = list(range(config.choose.min_steps, config.choose.max_steps + 1))
     missing = [k for k in allowed if k not in truth.steps()]
@@ -321,7 +413,13 @@ def replay(
         )
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
-    tokens = Tokens(trace, truth, allowed)
+    adaptive: AdaptiveModel | None = None
+    if adaptive_slots is not None:
+        try:
+            adaptive = AdaptiveModel.of(adaptive_slots, truth)
+        except ValueError:
+            adaptive = None  # the truth cannot say what any candidate serves
+    tokens = Tokens(trace, truth, allowed, adaptive)
     opens = _open_intervals(config, t0 + first, t0 + last)
     scored_from = min(first + max(warmup_s, 0.0), last)
     static = {k: tokens.between(k, scored_from, last) for k in allowed}
@@ -420,6 +518,19 @@ def replay(
         oracle += tokens.between(live_then, *epochs.pop(0))
     oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
     scored_restarts = sum(1 for at, _ in timeline[1:] if at >= scored_from)
+    lost = sum(
+        tokens.between(old, max(at, scored_from), min(at + restart_s, last))
+        for (_, old), (at, _) in itertools.pairwise(timeline)
+    )
+    adaptive_result = None
+    if adaptive is not None:
+        adaptive_result = AdaptiveResult(
+            slots=adaptive.slots,
+            skipped=adaptive.skipped,
+            capacity=adaptive.capacity,
+            tokens=tokens.between(ADAPTIVE, scored_from, last),
+            above_capacity_ratio=_share_above(trace, adaptive.capacity, scored_from, last),
+        )
     mean_err, median_err, tv = _forecast_quality(forecasts.values(), trace, t0)
     return ReplayResult(
         specd_tokens=specd_tokens,
@@ -438,6 +549,10 @@ def replay(
         decision_ms_max=max(costs, default=0.0),
         reasons=reasons,
         decisions=decisions,
+        restart_s=restart_s,
+        scored_from_s=scored_from,
+        restart_lost_tokens=lost,
+        adaptive=adaptive_result,
     )
 
 

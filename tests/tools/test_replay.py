@@ -308,3 +308,119 @@ def test_a_hostile_trace_file_is_one_line_within_a_second(
     assert time.monotonic() - started < 1.0
     assert str(info.value).startswith(f"{path}: ")
     assert "\n" not in str(info.value)
+
+
+# -- side by side in one run, recountable -----------------------------------------------
+SWEPT = TRUTH / "seed-calibration.csv"  # measured at 1..32: capacities 13..26 lie between
+# Swept at 1, 2, 8, 16, 32, capacities 13..19 between: 4 serves most at 2 concurrent, 2 at 32.
+PLATEAU_TRUTH = (
+    "steps,concurrency,output_tok_s,accept_length,max_running_requests\n"
+    "2,1,180,2.8,19\n2,2,350,2.8,19\n2,8,1300,2.8,19\n2,16,2000,2.8,19\n2,32,2300,2.8,19\n"
+    "3,1,230,3.6,15\n3,2,450,3.6,15\n3,8,1600,3.6,15\n3,16,1900,3.6,15\n3,32,1950,3.6,15\n"
+    "4,1,280,4.5,13\n4,2,540,4.5,13\n4,8,1900,4.5,13\n4,16,1800,4.5,13\n4,32,1750,4.5,13\n"
+)
+
+
+def _integrate(
+    times: list[float], levels: list[int], rate: Callable[[int], float], a: float, b: float
+) -> float:
+    """Tokens at ``rate(level)`` over [a, b] of a trace of rows (each lasts to the next)."""
+    total = 0.0
+    for i, level in enumerate(levels):
+        lo, hi = max(times[i], a), min(times[i + 1], b)
+        if hi > lo and level > 0:
+            total += rate(level) * (hi - lo)
+    return total
+
+
+def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) -> None:
+    # Two concurrent by day, 32 by night: specd changes at the windows, and the night is on
+    # the swept table's plateau (every K's capacity is below 32).
+    minutes = 3 * 24 * 60
+    levels = [2 if 7 <= (m // 60) % 24 < 19 else 32 for m in range(minutes)]
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n" + "".join(f"{m * 60},{c}\n" for m, c in enumerate(levels)))
+    swept = tmp_path / "swept.csv"
+    swept.write_text(PLATEAU_TRUTH)
+    proc = specd(
+        "--trace", str(trace), "--truth", str(swept), "--calibration", str(swept),
+        "--window", "0 7 * * mon-sun;3600;UTC", "--window", "0 19 * * mon-sun;3600;UTC",
+        "--steps", "2-4", "--restart-s", "300", "--warmup-s", "3600", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    truth = read_table(swept)
+    times = [m * 60.0 for m in range(minutes + 1)]
+    end, scored_from, restart_s = times[-1], data["scored_from_s"], data["restart_s"]
+    assert (scored_from, restart_s) == (3600, 300)
+    timeline = data["steps_timeline"]
+    assert len(timeline) >= 3, "the trace must make specd change for this test to mean much"
+    specd_tokens = lost = 0.0
+    for i, (at, k) in enumerate(timeline):
+        serving_from = at + (restart_s if i else 0.0)
+        until = timeline[i + 1][0] if i + 1 < len(timeline) else end
+        rate = lambda c, k=k: truth.throughput(k, c)  # noqa: E731
+        specd_tokens += _integrate(times, levels, rate, max(serving_from, scored_from), until)
+        if i:
+            old = timeline[i - 1][1]
+            lost += _integrate(
+                times, levels, lambda c, k=old: truth.throughput(k, c), max(at, scored_from),
+                at + restart_s,
+            )  # fmt: skip
+    assert data["specd_tokens"] == pytest.approx(specd_tokens, abs=1)
+    assert data["restart_lost_tokens"] == pytest.approx(lost, abs=1)
+    assert lost > 0
+    for k, tokens in data["static_tokens"].items():
+        recount = _integrate(
+            times, levels, lambda c, k=int(k): truth.throughput(k, c), scored_from, end
+        )
+        assert tokens == pytest.approx(recount, abs=1)
+        assert data["ratio_to_static"][k] == pytest.approx(specd_tokens / recount, abs=1e-4)
+    # The night's 32 concurrent is a measured point of the truth, on every K's plateau:
+    # the tokens are what it says, not an interpolation below capacity.
+    night_s = sum(1 for c in levels if c == 32) * 60 - scored_from
+    day_s = end - scored_from - night_s
+    assert data["static_tokens"]["4"] == pytest.approx(540 * day_s + 1750 * night_s, abs=1)
+    # SGLang's adaptive mode, default slots: of its candidates the truth has only 3, so the
+    # slots ≥32 and ≥64 are left out, and capacity is 3's.
+    adaptive = data["adaptive"]
+    assert adaptive["slots"] == {"1": {"candidate_steps": [3]}, "8": {"candidate_steps": [3]}}
+    assert adaptive["candidates_skipped"] == [0, 1, 5, 7]
+    assert adaptive["capacity"] == 15
+
+    def adaptive_rate(c: int) -> float:
+        return truth.throughput(3, min(c, 15))
+
+    recount = _integrate(times, levels, adaptive_rate, scored_from, end)
+    assert data["adaptive_tokens"] == pytest.approx(recount, abs=1)
+    assert data["ratio_to_adaptive"] == pytest.approx(specd_tokens / recount, abs=1e-4)
+    assert adaptive["above_capacity_ratio"] == pytest.approx(
+        night_s / (end - scored_from), abs=1e-4
+    )
+
+
+def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        "t_s,concurrency\n" + "".join(f"{m * 60},{2 if m < 720 else 30}\n" for m in range(1440))
+    )
+    args = (
+        "--trace", str(trace), "--truth", str(SEED), "--calibration", str(SWEPT),
+        "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-5", "--restart-s", "100",
+    )  # fmt: skip
+    data = json.loads(specd(*args, "--json").stdout)
+    proc = specd(*args)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert f"specd {data['specd_tokens']:,} tokens" in text
+    assert (
+        f"oracle per epoch: {data['oracle_tokens']:,} tokens, specd ×{data['ratio_to_oracle']}"
+        in text
+    )
+    for k, tokens in data["static_tokens"].items():
+        assert f"  static {k}" in text
+        assert f"{tokens:,} tokens, specd ×{data['ratio_to_static'][k]}" in text
+    assert f"{data['adaptive_tokens']:,} tokens, specd ×{data['ratio_to_adaptive']}" in text
+    assert "SGLang adaptive ≥1:[1,3,5] ≥8:[0,1,3] ≥32:[0,1] ≥64:[0] (not in the truth: 7)" in text
+    assert f"{data['restart_lost_tokens']:,} tokens lost restarting" in text
+    assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 2
