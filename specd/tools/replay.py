@@ -203,6 +203,8 @@ class ReplayResult:
     # What the live K would have served while SGLang restarted (scored span).
     restart_lost_tokens: float = 0.0
     adaptive: AdaptiveResult | None = None
+    # The reason of each change in steps_timeline[1:] (the decision that restarted).
+    change_reasons: list[str] = field(default_factory=list)
 
     @property
     def adaptive_tokens(self) -> float | None:
@@ -246,6 +248,7 @@ class ReplayResult:
             # Each change: [trace second the restart was issued, steps]; the first entry is
             # the start. SGLang serves nothing for restart_s after each change.
             "steps_timeline": [[_seconds(t), k] for t, k in self.steps_timeline],
+            "change_reasons": list(self.change_reasons),
             "restart_s": self.restart_s,
             "scored_from_s": _seconds(self.scored_from_s),
             "restart_lost_tokens": round(self.restart_lost_tokens),
@@ -441,6 +444,7 @@ def replay(
     server = SimulatedServer(trace, truth, tokens, t0, k)
     control = Control(current_steps=k)
     timeline: list[tuple[float, int]] = [(first, k)]
+    change_reasons: list[str] = []
     segments: list[tuple[int, float, float]] = []  # (K, from, to) in trace seconds
     outside = 0
     reasons: dict[str, int] = {}
@@ -501,6 +505,7 @@ def replay(
             control = control.after_restart(back)
             history.mark_sglang_start(back)
             timeline.append((s, k))
+            change_reasons.append(decision.reason.value)
     segments.append((k, server.serving_from, last))
     specd_tokens = sum(
         tokens.between(kk, max(a, scored_from), min(b, last)) for kk, a, b in segments if b > a
@@ -553,6 +558,7 @@ def replay(
         scored_from_s=scored_from,
         restart_lost_tokens=lost,
         adaptive=adaptive_result,
+        change_reasons=change_reasons,
     )
 
 
