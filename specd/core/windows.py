@@ -26,8 +26,10 @@ fall-back hour (02:30+01:00 again and again, even for a ``now`` past it), which 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
+import itertools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -240,9 +242,10 @@ def _to_instant(wall: datetime, tz: ZoneInfo) -> datetime:
     return datetime.fromtimestamp(hi_s, _UTC)
 
 
-def _starts(window: WindowLike, after: datetime, until: datetime) -> Iterator[datetime]:
-    """Window openings (UTC, increasing, no repeats) with after <= start <= until."""
-    trigger, tz = _compiled(window.cron, window.timezone)
+def _cron_starts(cron: str, tz_name: str, after: datetime, until: datetime) -> Iterator[datetime]:
+    """Window openings (UTC, increasing, no repeats) with after <= start <= until, from the
+    cron arithmetic itself."""
+    trigger, tz = _compiled(cron, tz_name)
     # One second back: a start in a DST gap maps to the jump instant, whose wall-clock
     # time is later than the start's own wall-clock time.
     wall = (after - timedelta(seconds=1)).astimezone(tz).replace(tzinfo=None, microsecond=0)
@@ -256,6 +259,66 @@ def _starts(window: WindowLike, after: datetime, until: datetime) -> Iterator[da
             last = instant
             yield instant
         fire = trigger.get_next_fire_time(fire, fire + timedelta(seconds=1))
+
+
+# Openings are a pure function of (cron, timezone), yet every tick asks for the current and
+# the next window: cron arithmetic was most of a decision's cost. Each (cron, timezone)
+# keeps a calendar of the openings computed so far, extended as queries move on and read by
+# bisection; it is rebuilt from the query when it would grow past _CALENDAR_MAX entries.
+_CALENDAR_BATCH = 64
+_CALENDAR_MAX = 8192
+_TICK = timedelta(microseconds=1)
+
+
+@dataclass
+class _Calendar:
+    """Every opening in [lo, hi) is in ``starts`` (sorted); only appended to in place."""
+
+    lo: datetime
+    hi: datetime
+    starts: list[datetime]
+
+
+_calendars: dict[tuple[str, str], _Calendar] = {}
+
+
+def _calendar(cron: str, tz_name: str, after: datetime) -> _Calendar:
+    """The calendar of (cron, tz_name), covering ``after`` on."""
+    key = (cron, tz_name)
+    cal = _calendars.get(key)
+    if cal is None or after >= cal.hi or len(cal.starts) > _CALENDAR_MAX:
+        cal = _Calendar(after, after, [])
+    elif after < cal.lo:
+        # A new object: an iteration over the old list (a suspended _starts) stays valid.
+        earlier = [s for s in _cron_starts(cron, tz_name, after, cal.lo) if s < cal.lo]
+        cal = _Calendar(after, cal.hi, earlier + cal.starts)
+    _calendars[key] = cal
+    return cal
+
+
+def _extend(cal: _Calendar, cron: str, tz_name: str, until: datetime) -> None:
+    """Append the next openings after ``cal.hi`` (a batch, or all up to ``until``)."""
+    batch = list(itertools.islice(_cron_starts(cron, tz_name, cal.hi, until), _CALENDAR_BATCH))
+    cal.starts.extend(batch)
+    cal.hi = batch[-1] + _TICK if len(batch) == _CALENDAR_BATCH else until + _TICK
+
+
+def _starts(window: WindowLike, after: datetime, until: datetime) -> Iterator[datetime]:
+    """Window openings (UTC, increasing, no repeats) with after <= start <= until."""
+    cron, tz_name = window.cron, window.timezone
+    cal = _calendar(cron, tz_name, after)
+    i = bisect.bisect_left(cal.starts, after)
+    while True:
+        if i < len(cal.starts):
+            start = cal.starts[i]
+            if start > until:
+                return
+            yield start
+            i += 1
+        elif cal.hi > until:
+            return
+        else:
+            _extend(cal, cron, tz_name, until)
 
 
 def _intervals(

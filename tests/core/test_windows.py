@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import random
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -405,3 +406,38 @@ def test_a_window_may_not_overlap_itself(cron: str, duration_s: float, overlaps:
             windows.check_window(cron, "UTC", duration_s)
     else:
         windows.check_window(cron, "UTC", duration_s)
+
+
+# -- the calendar of openings: the same openings as the cron arithmetic, cheaper -------------
+@pytest.mark.parametrize(
+    ("cron", "zone", "longest_s"),
+    [
+        ("0 3 * * mon-sun", "UTC", 9 * 86400),
+        ("30 2 * * sun", "Europe/Berlin", 40 * 86400),  # spring-forward gap, fall-back repeat
+        ("*/20 1-3 * * *", "America/New_York", 2 * 86400),
+        ("*/20 * * * * *", "UTC", 1800),  # the demo's: every 20 s
+        ("0 0 29 feb *", "UTC", 3 * 366 * 86400),  # leap day: years apart
+        ("15 1,2 * oct-nov sat,sun", "Australia/Sydney", 20 * 86400),
+    ],
+)
+def test_the_calendar_answers_as_the_cron_arithmetic(
+    cron: str, zone: str, longest_s: float
+) -> None:
+    rng = random.Random(cron)
+    window = windows.WindowSpec(cron, 600, zone)
+    windows._calendars.clear()
+    t = datetime(2026, 3, 20, tzinfo=timezone.utc)
+    for _ in range(150):
+        # Mostly forward by a tick, sometimes back (chains, look-backs) or far ahead.
+        move = rng.random()
+        if move < 0.7:
+            t += timedelta(seconds=rng.choice((5, 15, 60, 3600)))
+        elif move < 0.85:
+            t -= timedelta(hours=rng.choice((1, 6, 30)))
+        else:
+            t += timedelta(days=rng.choice((1, 40, 200, 800)))
+        span = timedelta(seconds=longest_s * rng.random())
+        after, until = t - span * rng.random(), t + span
+        expected = list(windows._cron_starts(cron, zone, after, until))
+        assert list(windows._starts(window, after, until)) == expected, (after, until)
+    assert windows._calendars, "the queries went through the calendar"
