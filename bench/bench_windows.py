@@ -77,7 +77,7 @@ def measure(name: str, ws: Sequence[WindowSpec], ticks: int, step_s: float, roun
     calendar = cron = 0.0
     calendar_starts = windows._starts
     for _ in range(rounds):
-        windows._calendars.clear()
+        windows._holder.cache_clear()
         seconds, with_calendar = _walk(ws, ticks, step_s)
         calendar += seconds
         windows._starts = _raw_starts

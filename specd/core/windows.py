@@ -279,20 +279,29 @@ class _Calendar:
     starts: list[datetime]
 
 
-_calendars: dict[tuple[str, str], _Calendar] = {}
+@dataclass
+class _Holder:
+    calendar: _Calendar | None = None
+
+
+@functools.lru_cache(maxsize=64)
+def _holder(cron: str, tz_name: str) -> _Holder:
+    # Memoized like _compiled: the calendar only ever answers what the cron arithmetic
+    # answers (tests/core/test_windows.py), so no answer depends on earlier questions.
+    return _Holder()
 
 
 def _calendar(cron: str, tz_name: str, after: datetime) -> _Calendar:
     """The calendar of (cron, tz_name), covering ``after`` on."""
-    key = (cron, tz_name)
-    cal = _calendars.get(key)
+    holder = _holder(cron, tz_name)
+    cal = holder.calendar
     if cal is None or after >= cal.hi or len(cal.starts) > _CALENDAR_MAX:
         cal = _Calendar(after, after, [])
     elif after < cal.lo:
         # A new object: an iteration over the old list (a suspended _starts) stays valid.
         earlier = [s for s in _cron_starts(cron, tz_name, after, cal.lo) if s < cal.lo]
         cal = _Calendar(after, cal.hi, earlier + cal.starts)
-    _calendars[key] = cal
+    holder.calendar = cal
     return cal
 
 
