@@ -332,6 +332,15 @@ class Twin:
             }
             for rank in range(a.dp_size)
         ]
+        if not cfg.profile.effective_capacity:
+            # Before 0.5.11 an internal state is the scheduler's server arguments plus its
+            # figures; the limit memory sizing left it with is not among them.
+            args_now = {k: v for k, v in info.items() if k != "internal_states"}
+            info["internal_states"] = [
+                {**args_now, **{k: v for k, v in st.items()
+                                if k != "effective_max_running_requests_per_dp"}}
+                for st in info["internal_states"]
+            ]  # fmt: skip
         for name in a.server_info_missing:
             info.pop(name, None)
         return info

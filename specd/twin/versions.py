@@ -37,6 +37,8 @@ class Profile:
     cache_rank_labels: bool
     # spec_accept_rate = accepted drafts / proposed drafts (0.5.11+); before: L / draft tokens.
     accept_rate_of_drafts: bool
+    # /server_info's internal states carry effective_max_running_requests_per_dp (0.5.11+).
+    effective_capacity: bool
     # /server_info since 0.5.6 (/get_server_info stays as the old alias).
     server_info: bool
     # /model_info since 0.5.11 (/get_model_info before, and still as an alias).
@@ -232,6 +234,7 @@ PROFILES: dict[str, Profile] = {
         cache_source_label=False,
         cache_rank_labels=False,
         accept_rate_of_drafts=False,
+        effective_capacity=False,
         server_info=False,
         model_info=False,
         ready=False,
@@ -254,6 +257,7 @@ PROFILES: dict[str, Profile] = {
         cache_source_label=True,
         cache_rank_labels=False,
         accept_rate_of_drafts=True,
+        effective_capacity=True,
         server_info=True,
         model_info=True,
         ready=False,
@@ -275,6 +279,7 @@ PROFILES: dict[str, Profile] = {
         cache_source_label=True,
         cache_rank_labels=False,
         accept_rate_of_drafts=True,
+        effective_capacity=True,
         server_info=True,
         model_info=True,
         ready=False,
@@ -290,6 +295,7 @@ PROFILES: dict[str, Profile] = {
         cache_source_label=True,
         cache_rank_labels=True,
         accept_rate_of_drafts=True,
+        effective_capacity=True,
         server_info=True,
         model_info=True,
         ready=True,
