@@ -4,8 +4,11 @@ on sys.path)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +85,68 @@ def seed_table() -> PerfTable:
     from specd.twin.preset import preset_table  # noqa: PLC0415 - the twin is a test aid here
 
     return PerfTable.from_csv_text(preset_table().to_csv_text(), source="seed preset")
+
+
+# ---- SGLang versions: each one's own pages (tests/fixtures/metrics/versions/) ----
+
+VERSION_PAGES = Path(__file__).resolve().parent / "fixtures" / "metrics" / "versions"
+OLD_VERSIONS = ("0.5.4", "0.5.11")  # no sglang:spec_num_steps / spec_num_draft_tokens gauges
+
+
+def version_page(version: str, which: str = "loaded") -> str:
+    return (VERSION_PAGES / f"sglang-{version}-{which}.prom").read_text()
+
+
+def version_server_info(version: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(
+        (VERSION_PAGES / f"sglang-{version}-server_info.json").read_text()
+    )
+    return data
+
+
+def version_info_paths(version: str) -> tuple[str, ...]:
+    # /server_info since 0.5.6; the old name stays as an alias.
+    return ("/get_server_info",) if version == "0.5.4" else ("/server_info", "/get_server_info")
+
+
+class StaticSGLang:
+    """A real HTTP server on 127.0.0.1 answering with one version's committed pages."""
+
+    def __init__(self, version: str, *, with_info: bool = True) -> None:
+        self.version = version
+        self.routes: dict[str, bytes] = {"/metrics": version_page(version).encode()}
+        if with_info:
+            body = json.dumps(version_server_info(version)).encode()
+            for path in version_info_paths(version):
+                self.routes[path] = body
+        self.hits: list[str] = []
+        routes, hits = self.routes, self.hits
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def handle(self) -> None:
+                with contextlib.suppress(ConnectionResetError):
+                    super().handle()  # a client closing its kept-alive connection
+
+            def do_GET(self) -> None:
+                hits.append(self.path)
+                body = routes.get(self.path)
+                status = 200 if body is not None else 404
+                body = body if body is not None else b'{"detail":"Not Found"}'
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -35,7 +35,7 @@ from specd.core.observation import Observation, ScrapeError
 from specd.core.settings import ChooseSettings, RestartSettings, Settings, SGLangSettings
 from specd.io import files, logs
 from specd.io.runner import Runner
-from specd.io.sglang import HealthStatus
+from specd.io.sglang import HealthStatus, ParsedMetrics
 from specd.io.timespan import timespan_s
 
 # The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
@@ -83,6 +83,9 @@ class SGLangProbe(Protocol):
     def observe(self) -> Observation | ScrapeError: ...
 
     def server_info(self) -> dict[str, Any] | ScrapeError: ...
+
+    @property
+    def last_page(self) -> ParsedMetrics | None: ...
 
     def health_generate(self, timeout_s: float) -> HealthStatus: ...
 
@@ -829,9 +832,13 @@ class Applier:
                 check("/server_info", "draft_tokens", draft, draft_want)
             capacity = _capacity_from_info(info)
         if isinstance(obs, Observation):
-            check("metrics", "steps", obs.steps, expected)
-            if obs.topk in (None, 1):
-                check("metrics", "draft_tokens", obs.draft_tokens, draft_want)
+            # The page's own gauges (0.5.13+): an Observation's steps may be /server_info's
+            # again, which is no second witness.
+            page = self.client.last_page
+            if page is not None:
+                check("metrics", "steps", page.steps, expected)
+                if obs.topk in (None, 1):
+                    check("metrics", "draft_tokens", page.draft_tokens, draft_want)
             if obs.max_running_requests is not None:
                 capacity = obs.max_running_requests
         if wrong:

@@ -691,6 +691,13 @@ class SGLangClient:
             return ScrapeError("malformed", f"GET {path}: not a JSON object", t)
         return info
 
+    @property
+    def last_page(self) -> ParsedMetrics | None:
+        """What the last good /metrics page itself said (None before one, or after a failed
+        scrape): unlike an Observation, its steps are the gauge's alone (None before 0.5.13),
+        never filled in from /server_info."""
+        return self._page
+
     def metrics_text(self) -> str | ScrapeError:
         """The raw /metrics page."""
         t = self._clock()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from specd.commands.args import PORT_OR_FREE, Float, Int, IntList, Seconds
 from specd.twin.preset import PRESET_NAME
+from specd.twin.versions import DEFAULT_VERSION, VERSIONS
 
 
 class _LenientParser(argparse.ArgumentParser):
@@ -60,7 +61,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
     sg.add_argument("--tp-size", "--tensor-parallel-size", type=SIZE, default=1, help=SIZE.spec)
     sg.add_argument("--decode-log-interval", type=LOG_EVERY, default=40, help=LOG_EVERY.spec)
+    sg.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        help="report healthy without sending the warm-up request first",
+    )
     tw = parser.add_argument_group("twin")
+    tw.add_argument(
+        "--sglang-version",
+        default=DEFAULT_VERSION,
+        help=f"SGLang version to look like: {', '.join(VERSIONS)} (default {DEFAULT_VERSION})",
+    )
     tw.add_argument("--preset", default=None, help=f"built-in model (default {PRESET_NAME})")
     tw.add_argument("--table", default=None, help="performance table CSV instead of a preset")
     tw.add_argument(

@@ -156,7 +156,7 @@ class Engine:
         req.finished = now
         req.chunks.put_nowait(None)
         st = self.state
-        streaming = (("is_streaming", "true" if req.streaming else "false"),)
+        streaming = st.request_labels(req.streaming)
         first = req.first_token if req.first_token is not None else now
         st.observe(
             BY_NAME["sglang:time_to_first_token_seconds"], first - req.arrival, -1, streaming
@@ -183,7 +183,7 @@ class Engine:
         st.inc("sglang:prompt_tokens_total", req.prompt_tokens, -1, streaming)
         st.inc("sglang:generation_tokens_total", req.emitted, -1, streaming)
         st.inc("sglang:num_requests_total", 1, -1, streaming)
-        st.inc("sglang:cached_tokens_total", 0, -1, (("cache_source", "device"),))
+        st.inc("sglang:cached_tokens_total", 0, -1, st.cache_source("device"))
         if self.steps > 0:
             st.inc("sglang:spec_verify_calls_total", math.ceil(req.emitted / self.accept_length))
 
@@ -233,7 +233,13 @@ class Engine:
                     noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
                     accept = min(max(noisy, 1.0), float(self.steps + 1))
                     st.set("sglang:spec_accept_length", accept, rank)
-                    rate = (accept - 1) / (self.draft_tokens - 1) if self.draft_tokens > 1 else 0
+                    if not st.profile.accept_rate_of_drafts:
+                        # Before 0.5.11 the gauge was tokens per verify over draft tokens.
+                        rate = accept / self.draft_tokens if self.draft_tokens else 0
+                    elif self.draft_tokens > 1:
+                        rate = (accept - 1) / (self.draft_tokens - 1)
+                    else:
+                        rate = 0
                     st.set("sglang:spec_accept_rate", rate, rank)
                 stats.tokens = 0.0
             elif idle_for >= IDLE_THROUGHPUT_RESET_S:

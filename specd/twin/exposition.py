@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
 
-from specd.twin.families import CACHE, FAMILIES, PLAIN, REQ, SCHED, STARTUP, Family, Labels
+from specd.twin.families import CACHE, PLAIN, REQ, SCHED, STARTUP, Family, Labels
+from specd.twin.versions import DEFAULT_VERSION, Profile, profile_for
 
 RANKED_SCOPES = (SCHED, CACHE)
 # Families whose series exist only once a request has touched them (prometheus_client
@@ -48,6 +49,7 @@ class MetricState:
     dp_size: int = 1
     tp_size: int = 1
     pid: int = 0
+    profile: Profile = field(default_factory=lambda: profile_for(DEFAULT_VERSION))
     values: dict[Key, float] = field(default_factory=dict)
     hists: dict[Key, Hist] = field(default_factory=dict)
 
@@ -61,11 +63,22 @@ class MetricState:
     def get(self, name: str, rank: int = -1, labels: Labels = ()) -> float:
         return self.values.get((name, rank, labels), 0.0)
 
+    def request_labels(self, streaming: bool) -> Labels:
+        """The extra labels of a finished request's series at this version."""
+        if not self.profile.req_streaming_label:
+            return ()
+        return (("is_streaming", "true" if streaming else "false"),)
+
+    def cache_source(self, source: str) -> Labels:
+        return (("cache_source", source),) if self.profile.cache_source_label else ()
+
     def observe(self, family: Family, value: float, rank: int = -1, labels: Labels = ()) -> None:
         key = (family.name, rank, labels)
         hist = self.hists.get(key)
         if hist is None:
-            hist = self.hists[key] = Hist(family.buckets)
+            # This version's buckets (they changed over time), not 0.5.23's.
+            own = self.profile.by_name.get(family.name, family)
+            hist = self.hists[key] = Hist(own.buckets)
         hist.observe(value)
 
 
@@ -81,27 +94,36 @@ def _label_text(labels: dict[str, str]) -> str:
 
 
 def _base_labels(state: MetricState, scope: str, rank: int) -> dict[str, str]:
+    profile = state.profile
     if scope in (REQ, STARTUP):
+        if not profile.req_engine_label:
+            return {"model_name": state.model_name}
         return {"engine_type": "unified", "model_name": state.model_name}
     tp_rank = str(rank * max(state.tp_size // max(state.dp_size, 1), 1))
     if scope == SCHED:
         labels = {
             "engine_type": "unified",
             "model_name": state.model_name,
-            "moe_ep_rank": "0",
             "pp_rank": "0",
             "tp_rank": tp_rank,
         }
+        if profile.sched_moe_label:
+            labels["moe_ep_rank"] = "0"
         if state.dp_size > 1:
             labels["dp_rank"] = str(rank)
         return labels
     if scope == CACHE:
+        if not profile.cache_rank_labels:
+            return {}
         return {"dp_rank": str(rank), "pp_rank": "0", "tp_rank": tp_rank}
     return {}
 
 
 def _series(state: MetricState, family: Family) -> list[tuple[int, Labels]]:
-    ranks = range(state.dp_size) if family.scope in RANKED_SCOPES else (-1,)
+    ranked = family.scope in RANKED_SCOPES
+    if family.scope == CACHE and not state.profile.cache_rank_labels:
+        ranked = False  # one series for all ranks: multiprocess mode adds them up
+    ranks = range(state.dp_size) if ranked else (-1,)
     if family.dynamic:
         seen = sorted(
             {(r, labels) for (name, r, labels) in list(state.values) if name == family.name}
@@ -117,10 +139,10 @@ def _series(state: MetricState, family: Family) -> list[tuple[int, Labels]]:
     return out
 
 
-def render(state: MetricState, families: tuple[Family, ...] = FAMILIES) -> str:
+def render(state: MetricState, families: tuple[Family, ...] | None = None) -> str:
     lines: list[str] = []
     add = lines.append
-    for family in families:
+    for family in state.profile.families if families is None else families:
         series = _series(state, family)
         if not series:
             continue

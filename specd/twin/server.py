@@ -27,8 +27,13 @@ from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
 from specd.twin.table import PerfTable, PerfTableError
+from specd.twin.versions import Profile, UnknownVersionError, profile_for
 
-SGLANG_VERSION = "0.5.23"
+# SGLang's own warm-up request (http_server._execute_server_warmup): one /generate of 8
+# greedy tokens, one prompt per DP rank, sent once the server answers /model_info.
+WARMUP_PROMPT = "The capital city of France is"
+WARMUP_MAX_NEW_TOKENS = 8
+WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
@@ -52,11 +57,16 @@ class TwinConfig:
     accept_length: float
     model_name: str
     launch_command: str
+    profile: Profile
     warnings: list[str] = field(default_factory=list)
 
 
 def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConfig:
     warnings: list[str] = []
+    try:
+        profile = profile_for(args.sglang_version)
+    except UnknownVersionError as exc:
+        raise TwinConfigError(str(exc)) from None
     if args.table and args.preset:
         raise TwinConfigError("give --table or --preset, not both")
     try:
@@ -151,6 +161,7 @@ def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConf
         accept_length=accept if resolved_steps > 0 else 1.0,
         model_name=args.served_model_name or args.model_path,
         launch_command=shlex.join([sys.executable, *argv]),
+        profile=profile,
         warnings=warnings,
     )
 
@@ -166,6 +177,7 @@ class Twin:
             dp_size=self.args.dp_size,
             tp_size=self.args.tp_size,
             pid=os.getpid(),
+            profile=config.profile,
         )
         self.engine = Engine(
             config.table,
@@ -200,6 +212,9 @@ class Twin:
             st.set("sglang:weight_memory_usage_gb", 61.87, rank)
             st.set("sglang:kv_cache_memory_usage_gb", 44.13, rank)
             st.set("sglang:startup_available_gpu_memory_gb", 9.87, rank)
+            # Before 0.5.18: two gauges instead of startup_time_seconds{phase}.
+            st.set("sglang:engine_startup_time", load * 0.95, rank)
+            st.set("sglang:engine_load_weights_time", load * 0.6, rank)
             st.set("sglang:spec_num_steps", float(self.config.steps), rank)
             st.set("sglang:spec_num_draft_tokens", float(self.config.draft_tokens), rank)
             st.set("sglang:is_cuda_graph", 1.0, rank)
@@ -246,14 +261,22 @@ class Twin:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.middleware])
         r = app.router
+        profile = self.config.profile
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
-        r.add_get("/ready", self.ready)
+        if profile.ready:
+            r.add_get("/ready", self.ready)
         r.add_get("/metrics", self.metrics)
-        r.add_get("/server_info", self.server_info)
+        if profile.server_info:
+            r.add_get("/server_info", self.server_info)
         r.add_get("/get_server_info", self.server_info)
+        if profile.model_info:
+            r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_route("*", "/freeze_gc", self.freeze_gc)
         r.add_get("/v1/models", self.models)
-        r.add_get("/v1/loads", self.loads)
+        if profile.v1_loads:
+            r.add_get("/v1/loads", self.loads)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/generate", self.generate)
@@ -297,7 +320,7 @@ class Twin:
             max_running_requests=a.max_running_requests,
             launch_command=cfg.launch_command,
             max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
-            version=SGLANG_VERSION,
+            version=cfg.profile.version,
         )
         per_dp = max(cfg.max_running // max(a.dp_size, 1), 1)
         info["internal_states"] = [
@@ -309,12 +332,36 @@ class Twin:
             }
             for rank in range(a.dp_size)
         ]
+        if not cfg.profile.effective_capacity:
+            # Before 0.5.11 an internal state is the scheduler's server arguments plus its
+            # figures; the limit memory sizing left it with is not among them.
+            args_now = {k: v for k, v in info.items() if k != "internal_states"}
+            info["internal_states"] = [
+                {**args_now, **{k: v for k, v in st.items()
+                                if k != "effective_max_running_requests_per_dp"}}
+                for st in info["internal_states"]
+            ]  # fmt: skip
         for name in a.server_info_missing:
             info.pop(name, None)
         return info
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(self.server_info_dict())
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        # Answered while warming up too: SGLang's warm-up waits for exactly this.
+        return web.json_response(
+            {
+                "model_path": self.args.model_path,
+                "tokenizer_path": self.args.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
+
+    async def freeze_gc(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -489,14 +536,7 @@ class Twin:
             raise
         return "".join(pieces)
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            params = {}
-        text_in = body.get("text", "")
-        req = self._request(params | {"stream": body.get("stream", False)},
-                            str(text_in), "max_new_tokens")  # fmt: skip
+    def _meta(self, req: Request) -> Callable[[], dict[str, Any]]:
         rid = uuid.uuid4().hex
 
         def meta() -> dict[str, Any]:
@@ -513,10 +553,31 @@ class Twin:
                 "e2e_latency": self.engine.clock() - req.arrival,
             }
 
+        return meta
+
+    async def _generate_one(self, req: Request) -> dict[str, Any]:
+        meta = self._meta(req)
         self.engine.submit(req)
+        text = await self._collect(req)
+        return {"text": text, "meta_info": meta()}
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            params = {}
+        text_in = body.get("text", "")
+        if isinstance(text_in, list) and not body.get("stream", False):
+            # A batch, as SGLang's warm-up sends with several DP ranks: one result each.
+            batch = [self._request(params, str(t), "max_new_tokens") for t in text_in]
+            results = await asyncio.gather(*(self._generate_one(r) for r in batch))
+            return web.json_response(results)
+        req = self._request(params | {"stream": body.get("stream", False)},
+                            str(text_in), "max_new_tokens")  # fmt: skip
         if not req.streaming:
-            text = await self._collect(req)
-            return web.json_response({"text": text, "meta_info": meta()})
+            return web.json_response(await self._generate_one(req))
+        meta = self._meta(req)
+        self.engine.submit(req)
         resp = self._sse_response()
         so_far = ""
         try:
@@ -549,6 +610,33 @@ class Twin:
             position += count
             yield "".join(words)
 
+    # -- warm-up ---------------------------------------------------------------------
+
+    async def warm_up(self, url: str) -> None:
+        """SGLang's warm-up, over HTTP to itself: model info, then one /generate of 8 tokens
+        (one prompt per DP rank), then (0.5.2x) /freeze_gc. Raises if any of them fails."""
+        import aiohttp  # noqa: PLC0415  (the server side already imports it)
+
+        profile = self.config.profile
+        ranks = max(self.args.dp_size, 1)
+        text: str | list[str] = WARMUP_PROMPT if ranks == 1 else [WARMUP_PROMPT] * ranks
+        body = {
+            "sampling_params": {"temperature": 0, "max_new_tokens": WARMUP_MAX_NEW_TOKENS},
+            "text": text,
+        }
+        timeout = aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(url + profile.warmup_model_info_path) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{profile.warmup_model_info_path}: HTTP {resp.status}")
+            async with session.post(url + "/generate", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"/generate: HTTP {resp.status}: {await resp.text()}")
+                await resp.read()
+            if profile.freeze_gc_after_warmup:
+                async with session.post(url + "/freeze_gc") as resp:
+                    await resp.read()
+
     # -- background ------------------------------------------------------------------
 
     async def reporter(self) -> None:
@@ -556,6 +644,12 @@ class Twin:
         while True:
             await asyncio.sleep(interval)
             self.engine.report()
+
+
+def _self_url(host: str, port: int) -> str:
+    # A wildcard listen address is reached through loopback, as SGLang's server_args.url().
+    reach = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host  # noqa: S104
+    return f"http://[{reach}]:{port}" if ":" in reach else f"http://{reach}:{port}"
 
 
 def _padding(size: int) -> str:
@@ -630,6 +724,20 @@ async def _main(config: TwinConfig) -> int:
         try:
             await asyncio.wait_for(stop.wait(), timeout=max(args.warmup_s, 0.0))
         except asyncio.TimeoutError:
+            if not args.skip_server_warmup:
+                warm = asyncio.create_task(twin.warm_up(_self_url(args.host, args.port)))
+                halt = asyncio.create_task(stop.wait())
+                await asyncio.wait({warm, halt}, return_when=asyncio.FIRST_COMPLETED)
+                halt.cancel()
+                if not warm.done():
+                    warm.cancel()
+                    return 143 if terminated else 0
+                error = warm.exception()
+                if error is not None:
+                    # SGLang kills itself when its warm-up fails.
+                    print(f"[twin] ERROR: Initialization failed. warmup error: {error}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    return 1
             twin.phase = "ready"
             print("[twin] The server is fired up and ready to roll!", file=sys.stderr, flush=True)
             await stop.wait()

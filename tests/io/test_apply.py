@@ -979,3 +979,52 @@ def test_unreadable_journal_fails_without_touching_anything(
     assert "\n" not in outcome.message
     assert (rec.calls, unit.restarts) == ([], [])
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+# -- the outcome check on every SGLang version -------------------------------------------
+
+
+def _live_from_get_server_info(unit: TwinUnit) -> int:
+    # /get_server_info answers on every version (the only name before 0.5.6).
+    return int(httpx.get(f"{unit.url}/get_server_info", timeout=5).json()["speculative_num_steps"])
+
+
+@pytest.mark.parametrize(
+    ("version", "evidence"),
+    [
+        # No sglang:spec_num_steps before 0.5.13: /get_server_info (0.5.4) or /server_info.
+        ("0.5.4", "verified 4 steps (/server_info steps=4, /server_info draft_tokens=5)"),
+        ("0.5.11", "verified 4 steps (/server_info steps=4, /server_info draft_tokens=5)"),
+        ("0.5.13", "/server_info draft_tokens=5, metrics steps=4, metrics draft_tokens=5)"),
+        ("0.5.23", "/server_info draft_tokens=5, metrics steps=4, metrics draft_tokens=5)"),
+    ],
+)
+def test_restart_is_verified_on_every_sglang_version(
+    make_unit: Any, tmp_path: Path, version: str, evidence: str
+) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--sglang-version", version])
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec).apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert evidence in outcome.message
+    assert unit.restarts == [4]
+    assert _live_from_get_server_info(unit) == 4
+    # Capacity after the restart: the scheduler's effective limit where SGLang reports it
+    # (0.5.11+), else the max_running_requests argument (48 with speculation).
+    assert outcome.capacity == (48 if version == "0.5.4" else 13)
+
+
+@pytest.mark.parametrize("version", ["0.5.4", "0.5.11"])
+def test_rollback_is_verified_without_the_steps_gauge(
+    make_unit: Any, tmp_path: Path, version: str
+) -> None:
+    unit = make_unit(
+        ORIGINAL_ENV, lambda steps: ["--sglang-version", version, "--fail-start-at-steps", "4"]
+    )
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec, startup_timeout_s=60.0).apply(4, 3, window_open=always_open)
+    assert outcome.result == "rolled_back", outcome.message
+    assert "verified 3 steps (/server_info steps=3" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert _live_from_get_server_info(unit) == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV

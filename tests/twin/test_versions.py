@@ -1,0 +1,178 @@
+"""The twin at each SGLang version: the same page shape as that version's own collectors
+wrote (tests/fixtures/metrics/versions/), its endpoints, and SGLang's warm-up request."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.twin import cli as twin_cli
+from specd.twin.process import TwinProcess
+from specd.twin.server import TwinConfigError, resolve
+from specd.twin.versions import VERSIONS
+
+PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
+FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+SPEC4 = [
+    "--speculative-algorithm",
+    "NEXTN",
+    "--speculative-num-steps",
+    "4",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "5",
+]
+Shape = dict[str, tuple[str, str, frozenset[frozenset[str]]]]
+
+
+def _shape(text: str) -> Shape:
+    return {
+        fam.name: (fam.type, fam.documentation, frozenset(frozenset(s.labels) for s in fam.samples))
+        for fam in text_string_to_metric_families(text)
+    }
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    return [
+        (dict(s.labels), s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    ]
+
+
+def _total(text: str, name: str) -> float:
+    return sum(v for _, v in _samples(text, name))
+
+
+def _twin(version: str, *extra: str) -> TwinProcess:
+    return TwinProcess([*SPEC4, "--enable-metrics", "--sglang-version", version, *FAST, *extra])
+
+
+def test_every_version_has_pages_from_its_own_collectors() -> None:
+    for version in VERSIONS:
+        for which in ("loaded", "fresh"):
+            assert (PAGES / f"sglang-{version}-{which}.prom").is_file(), (version, which)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            fresh = c.get("/metrics").text
+            c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
+            c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
+            # An aborted request, as in the loaded page.
+            with c.stream(
+                "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True}
+            ) as s:
+                next(s.iter_lines())
+            time.sleep(0.5)
+            loaded = c.get("/metrics").text
+    for which, page in (("fresh", fresh), ("loaded", loaded)):
+        real = _shape((PAGES / f"sglang-{version}-{which}.prom").read_text())
+        ours = _shape(page)
+        assert sorted(ours) == sorted(real), which
+        for name, (type_, help_, keys) in real.items():
+            assert ours[name] == (type_, help_, keys), (which, name)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+    # One /generate of 8 tokens for "The capital city of France is" (6 words here).
+    assert _total(page, "sglang:num_requests_total") == 1
+    assert _total(page, "sglang:generation_tokens_total") == 8
+    assert _total(page, "sglang:prompt_tokens_total") == 6
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert _total(page, f"sglang:{hist}_count") == 1, hist
+    assert _total(page, "sglang:inter_token_latency_seconds_count") == 7
+    verify = _samples(page, "sglang:spec_verify_calls_total")
+    if version in ("0.5.4", "0.5.11"):
+        assert verify == []  # the counter came with 0.5.13
+    else:
+        assert _total(page, "sglang:spec_verify_calls_total") == 2  # 8 tokens at L ~ 3.6
+    if version == "0.5.23":
+        http = {
+            (labels["endpoint"], labels["method"])
+            for labels, _ in _samples(page, "sglang:http_requests_total")
+        }
+        assert {("/model_info", "GET"), ("/generate", "POST"), ("/freeze_gc", "POST")} <= http
+
+
+def test_warmup_with_dp_ranks_sends_one_prompt_per_rank() -> None:
+    with _twin("0.5.23", "--dp-size", "2") as twin:
+        twin.wait_healthy(20)
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+    assert _total(page, "sglang:num_requests_total") == 2
+    assert _total(page, "sglang:generation_tokens_total") == 16
+
+
+def test_skip_server_warmup_leaves_the_request_series_out() -> None:
+    with _twin("0.5.23", "--skip-server-warmup") as twin:
+        twin.wait_healthy(20)
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+    assert _samples(page, "sglang:num_requests_total") == []
+
+
+# (path, versions that answer it); the rest answer 404 like that SGLang would.
+ENDPOINTS = [
+    ("/get_server_info", set(VERSIONS)),
+    ("/server_info", {"0.5.11", "0.5.13", "0.5.23"}),
+    ("/ready", {"0.5.23"}),
+    ("/v1/loads", {"0.5.11", "0.5.13", "0.5.23"}),
+    ("/get_model_info", set(VERSIONS)),
+    ("/model_info", {"0.5.11", "0.5.13", "0.5.23"}),
+]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_endpoints_and_reported_version(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=10) as c:
+            for path, have in ENDPOINTS:
+                assert c.get(path).status_code == (200 if version in have else 404), path
+            info = c.get("/get_server_info").json()
+            page = c.get("/metrics").text
+    assert info["version"] == version
+    assert info["speculative_num_steps"] == 4
+    steps = _samples(page, "sglang:spec_num_steps")
+    assert [v for _, v in steps] == ([] if version in ("0.5.4", "0.5.11") else [4.0])
+
+
+@pytest.mark.parametrize(
+    ("version", "meaning"),
+    [
+        ("0.5.4", "tokens"),  # before 0.5.11: L / draft tokens
+        ("0.5.11", "drafts"),  # since: accepted drafts / proposed drafts = (L-1)/(D-1)
+        ("0.5.23", "drafts"),
+    ],
+)
+def test_accept_rate_gauge_means_what_that_version_meant(version: str, meaning: str) -> None:
+    with _twin(version, "--accept-noise", "0") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            c.post("/v1/completions", json={"prompt": "p", "max_tokens": 200})
+            time.sleep(0.5)
+            page = c.get("/metrics").text
+    (length,) = [v for _, v in _samples(page, "sglang:spec_accept_length")]
+    (got,) = [v for _, v in _samples(page, "sglang:spec_accept_rate")]
+    assert length > 1.5  # speculation at 4 steps accepts well over one token
+    assert got == pytest.approx(length / 5 if meaning == "tokens" else (length - 1) / 4)
+
+
+def test_unknown_version_is_a_one_line_error() -> None:
+    parser = argparse.ArgumentParser()
+    twin_cli.configure(parser)
+    with pytest.raises(TwinConfigError, match=r"--sglang-version '0\.4\.9' .*known: 0\.5\.4"):
+        resolve(parser.parse_args(["--sglang-version", "0.4.9"]))
