@@ -307,8 +307,9 @@ def model_panels() -> list[tuple[Panel, int, int]]:
         ts(
             "Predicted throughput per candidate step count",
             "The model policy's predicted mean output tokens/s over the coming epoch for each "
-            "candidate K. specd moves to the best one when it beats the live K by more than "
-            "the tolerance.",
+            "candidate K, with the low and high ends of its prediction interval. specd moves to "
+            "the best one when its predicted gain over the epoch beats the restart and the "
+            "interval.",
             TOKS_UNIT,
         )
         .min(0)
@@ -317,6 +318,20 @@ def model_panels() -> list[tuple[Panel, int, int]]:
                 f"specd_predicted_throughput_tokens_per_second{{{INST}}}",
                 "K={{steps}} {{instance}}",
                 "A",
+            )
+        )
+        .with_target(
+            q(
+                f"specd_predicted_throughput_low_tokens_per_second{{{INST}}}",
+                "K={{steps}} low {{instance}}",
+                "B",
+            )
+        )
+        .with_target(
+            q(
+                f"specd_predicted_throughput_high_tokens_per_second{{{INST}}}",
+                "K={{steps}} high {{instance}}",
+                "C",
             )
         )
     )

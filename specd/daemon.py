@@ -478,9 +478,15 @@ class Daemon:
 
     def _report_predictions(self, outcome: StepResult) -> None:
         gauge = self.metrics.predicted_throughput
-        gauge.clear()  # a step count that left the candidates must not keep a stale value
+        low = self.metrics.predicted_throughput_low
+        high = self.metrics.predicted_throughput_high
+        for g in (gauge, low, high):
+            g.clear()  # a step count that left the candidates must not keep a stale value
         for steps, tok_s in outcome.predictions.items():
             gauge.labels(steps=str(steps)).set(tok_s)
+        for steps, (lo, hi) in outcome.intervals.items():
+            low.labels(steps=str(steps)).set(lo)
+            high.labels(steps=str(steps)).set(hi)
 
     def _report_decision(
         self,
@@ -513,6 +519,11 @@ class Daemon:
                 message=decision.message,
                 recommendation=pick.steps if pick else None,
                 recommendation_why=pick.why if pick else None,
+                prediction_interval={
+                    str(k): [round(lo, 1), round(hi, 1)] for k, (lo, hi) in pick.intervals.items()
+                }
+                if pick
+                else None,
             )
             self._last_logged = key
             self._last_logged_at = now

@@ -105,11 +105,12 @@ class Control:
 @dataclass(frozen=True)
 class Pick:
     """The policy's step count for the coming epoch, why, and (model policy) the predicted
-    mean tok/s of every candidate step count."""
+    mean tok/s of every candidate step count, with its prediction interval (low, high)."""
 
     steps: int
     why: str
     predictions: Mapping[int, float] = field(default_factory=dict)
+    intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
 
 
 # -- policies -----------------------------------------------------------------------
@@ -184,7 +185,12 @@ def _pick_model(
     result = plan(history, config, current, calibration)
     if result is None:
         return None
-    return Pick(result.target, result.why, {k: p.tok_s for k, p in result.predictions.items()})
+    return Pick(
+        result.target,
+        result.why,
+        {k: p.tok_s for k, p in result.predictions.items()},
+        {k: p.interval for k, p in result.predictions.items()},
+    )
 
 
 # Read-only: the core keeps no mutable module state.

@@ -26,9 +26,14 @@ policy discounts it (lower confidence).
 The policy (`plan`, registered as ``"model"`` in `specd.core.decide.POLICIES`) forecasts
 the offered concurrency of the coming epoch (`specd.core.forecast`), predicts the
 tokens each K would serve until the next window opens, charges a change the tokens lost
-while SGLang restarts (``restart_cost_s``), and changes only when the gain beats
-``tolerance_ratio``. It reads no clock and no file: "now" is the history's last
-observation, and the calibration comes in as a `Calibration` value.
+while SGLang restarts (``restart_cost_s``), and changes only on evidence: the predicted
+gain in tokens (net of the restart) must beat the prediction interval of the difference
+(`EVIDENCE_Z` standard errors), and the relative gain must beat ``min_gain_ratio`` (0 by
+default: the evidence decides). Each K's relative standard error comes from the
+calibration's noise (``calibration_noise_ratio``), shrinks with the seconds observed at that
+K (``OBSERVED_PIVOT_S``), and grows with how far an extrapolated K lies from a measured one.
+It reads no clock and no file: "now" is the history's last observation, and the calibration
+comes in as a `Calibration` value.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ OBSERVED_PIVOT_S = 600.0
 MIN_ACCEPT_EVIDENCE_S = 300.0
 # Lower confidence of an extrapolated K: its predicted throughput counts this much less.
 EXTRAPOLATION_DISCOUNT_RATIO = 0.10
+# Standard errors the predicted gain must clear: about a 95 % one-sided interval.
+EVIDENCE_Z = 2.0
 
 
 class Source(str, enum.Enum):
@@ -79,6 +86,8 @@ class _Curve:
     # Concurrency is clamped here before reading the points: an extrapolated K reads its
     # neighbour's curve, whose plateau lies at the neighbour's capacity, not its own.
     clamp_at: int | None = None
+    evidence_s: float = 0.0  # decayed seconds observed at this K
+    distance: int = 0  # K away from the nearest measured K (extrapolated curves)
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -203,6 +212,20 @@ class PerformanceModel:
         curve = self._curve(steps)
         return None if curve is None else curve.source
 
+    def relative_error(self, steps: int, noise_ratio: float) -> float:
+        """Relative standard error of ``steps``' prediction.
+
+        The calibration's noise, shrunk as observation at this K outweighs it (an hour
+        observed at ``OBSERVED_PIVOT_S`` = 600 s divides the variance by 7), and an
+        extrapolated K adds the discount per K of distance from its nearest measured K.
+        """
+        curve = self._curve(steps)
+        if curve is None:
+            raise ValueError(f"no calibration or observation to predict steps {steps}")
+        base = noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
+        error = base * math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + curve.evidence_s))
+        return error + EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
+
     def capacity(self, steps: int) -> int | None:
         curve = self._curve(steps)
         return None if curve is None else curve.capacity
@@ -231,7 +254,8 @@ class PerformanceModel:
             xs, ys = reading_points(
                 [float(c) for c, _ in points], [v for _, (v, _) in points], capacity
             )
-            return _Curve(xs, ys, capacity, 1.0, Source.OBSERVED)
+            seen = sum(w for _, (_, w) in points)
+            return _Curve(xs, ys, capacity, 1.0, Source.OBSERVED, evidence_s=seen)
         return self._extrapolated(k)
 
     def _corrected(self, base: _Curve, observed: Mapping[int, tuple[float, float]]) -> _Curve:
@@ -257,7 +281,16 @@ class PerformanceModel:
         trust = weight / (weight + OBSERVED_PIVOT_S)
         ratio = 1.0 + (seen / predicted - 1.0) * trust
         source = Source.OBSERVED if trust >= 0.5 else base.source
-        return _Curve(base.xs, base.ys, base.capacity, base.scale * ratio, source, base.clamp_at)
+        return _Curve(
+            base.xs,
+            base.ys,
+            base.capacity,
+            base.scale * ratio,
+            source,
+            base.clamp_at,
+            evidence_s=weight,
+            distance=base.distance,
+        )
 
     def _extrapolated(self, k: int) -> _Curve | None:
         """A K the calibration lacks, from its nearest measured neighbours."""
@@ -290,7 +323,15 @@ class PerformanceModel:
         capacity = max(1, math.floor(max(budgets) / (k + 2))) if budgets else None
         xs, ys_a = _shape(cal, ka, cap_a)
         ys = tuple(y * factor for y in ys_a)
-        base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.EXTRAPOLATED, capacity)
+        base = _Curve(
+            xs,
+            ys,
+            capacity,
+            self._acceptance_scale(k),
+            Source.EXTRAPOLATED,
+            capacity,
+            distance=abs(k - ka),
+        )
         return self._corrected(base, self._observed.get(k, {}))
 
     @staticmethod
@@ -351,6 +392,13 @@ class StepPrediction:
     # Predicted tokens until the next window opens, net of a restart (if it changes K)
     # and of the discount of an extrapolated K.
     tokens: float
+    error_ratio: float = 0.0  # relative standard error of tok_s
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The prediction interval of tok_s (± `EVIDENCE_Z` standard errors)."""
+        half = EVIDENCE_Z * self.error_ratio * self.tok_s
+        return max(self.tok_s - half, 0.0), self.tok_s + half
 
 
 @dataclass(frozen=True)
@@ -365,6 +413,10 @@ class Plan:
     target: int
     gain_ratio: float  # predicted tokens of ``best`` over those of ``current``, minus 1
     why: str
+    # Predicted extra tokens of ``best`` over ``current`` and the half-width of its
+    # interval; a change needs gain_tokens > margin_tokens.
+    gain_tokens: float = 0.0
+    margin_tokens: float = 0.0
 
 
 def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
@@ -413,18 +465,21 @@ def plan(
             tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
         )
         serving = horizon if k == current else max(horizon - restart_s, 0.0)
-        predictions[k] = StepPrediction(k, tok_s, source, trusted * serving)
+        error = model.relative_error(k, config.choose.calibration_noise_ratio)
+        predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error)
     best = max(candidates, key=lambda k: (predictions[k].tokens, -abs(k - (current or k))))
-    target, gain = best, 0.0
+    target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     if current is not None and current in predictions and best != current:
-        held = predictions[current].tokens
-        gain = predictions[best].tokens / held - 1.0 if held > 0 else math.inf
-        if gain <= config.choose.tolerance_ratio:
+        b, held = predictions[best], predictions[current]
+        gain = b.tokens / held.tokens - 1.0 if held.tokens > 0 else math.inf
+        gain_tokens = b.tokens - held.tokens
+        margin = EVIDENCE_Z * math.hypot(b.error_ratio * b.tokens, held.error_ratio * held.tokens)
+        if gain_tokens <= margin or gain <= config.choose.min_gain_ratio:
             target = current
     elif current is not None and current not in predictions:
         gain = math.inf
-    why = _why(forecast, predictions, now, until_t, best, target, current, gain, config)
-    return Plan(now, until_t, forecast, predictions, best, target, gain, why)
+    why = _why(forecast, predictions, now, until_t, best, target, current, gain, margin, config)
+    return Plan(now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin)
 
 
 def _why(
@@ -436,10 +491,12 @@ def _why(
     target: int,
     current: int | None,
     gain: float,
+    margin: float,
     config: Settings,
 ) -> str:
     rates = " ".join(
-        f"{k}:{p.tok_s:.0f}{'~' if p.source is Source.EXTRAPOLATED else ''}"
+        f"{k}:{p.tok_s:.0f}±{p.tok_s * p.error_ratio * EVIDENCE_Z:.0f}"
+        f"{'~' if p.source is Source.EXTRAPOLATED else ''}"
         for k, p in sorted(predictions.items())
     )
     head = (
@@ -451,9 +508,18 @@ def _why(
     if current is None or best == current:
         return f"{head}; {best} best"
     gain_text = "∞" if math.isinf(gain) else f"{gain * 100:+.1f}%"
+    held = predictions.get(current) if current is not None else None
+    extra = predictions[best].tokens - held.tokens if held is not None else math.inf
+    evidence = "" if math.isinf(extra) else f" ({extra:.0f} tokens, interval ±{margin:.0f})"
     if target == current:
+        floor = config.choose.min_gain_ratio
+        if extra <= margin:
+            return (
+                f"{head}; {best} best by {gain_text}{evidence} net of the restart, "
+                f"within the prediction interval: keeping {current}"
+            )
         return (
-            f"{head}; {best} best by {gain_text} net of the restart, within "
-            f"{config.choose.tolerance_ratio * 100:g}%: keeping {current}"
+            f"{head}; {best} best by {gain_text}{evidence} net of the restart, below "
+            f"min_gain_ratio {floor * 100:g}%: keeping {current}"
         )
-    return f"{head}; {best} best by {gain_text} net of the restart"
+    return f"{head}; {best} best by {gain_text}{evidence} net of the restart"

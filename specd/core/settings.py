@@ -249,8 +249,22 @@ class ChooseSettings(BaseModel):
         default=0.05,
         ge=0,
         lt=1,
-        description="Relative margin a change must beat (predicted gain, or distance past a "
-        "band boundary); below 1.",
+        description="Bands policy: relative distance past a band boundary a change must beat; "
+        "below 1.",
+    )
+    min_gain_ratio: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Model policy: minimum relative gain (net of the restart) a change must "
+        "also beat, on top of the prediction interval; 0 lets the evidence decide. Below 1.",
+    )
+    calibration_noise_ratio: float = Field(
+        default=0.01,
+        ge=0,
+        le=0.5,
+        description="Model policy: relative standard error of a calibration point (sweep "
+        "noise); observation at a step count shrinks it. At most 0.5.",
     )
 
     @model_validator(mode="before")

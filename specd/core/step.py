@@ -53,6 +53,7 @@ class StepResult:
     pick: Pick | None
     control: Control
     predictions: Mapping[int, float] = field(default_factory=dict)
+    intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def acts(self) -> bool:
@@ -77,6 +78,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
             pick.steps,
             f"{pick.why} (calibration unusable: {ctx.calibration_problem})",
             pick.predictions,
+            pick.intervals,
         )
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
@@ -84,4 +86,5 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
     )
     predictions = pick.predictions if pick is not None else {}
-    return StepResult(decision, current, pick, control, predictions)
+    intervals = pick.intervals if pick is not None else {}
+    return StepResult(decision, current, pick, control, predictions, intervals)

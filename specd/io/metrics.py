@@ -142,6 +142,18 @@ class Metrics:
             ["steps"],
             registry=r,
         )
+        self.predicted_throughput_low = Gauge(
+            "specd_predicted_throughput_low_tokens_per_second",
+            "Lower end of the prediction interval of each candidate's mean output tokens/s.",
+            ["steps"],
+            registry=r,
+        )
+        self.predicted_throughput_high = Gauge(
+            "specd_predicted_throughput_high_tokens_per_second",
+            "Upper end of the prediction interval of each candidate's mean output tokens/s.",
+            ["steps"],
+            registry=r,
+        )
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )

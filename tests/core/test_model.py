@@ -260,7 +260,7 @@ def busy(offered: int, steps: int, hours: float = 3.0) -> History:
     ("offered", "current", "target"),
     [
         (2, 3, 4),  # agentic: 4 beats 3 by ~20%
-        (30, 4, 4),  # heavy: 3 beats 4 by ~1%, within the 5% tolerance: keep 4
+        (30, 4, 4),  # heavy: 3 beats 4 by ~1%, within the prediction interval: keep 4
         (30, 1, 3),
         (30, None, 3),  # the raw pick ignores the tolerance
         (2, 1, 4),
@@ -279,14 +279,14 @@ def test_the_model_policy_picks_the_most_tokens_over_the_epoch(
 
 
 @pytest.mark.parametrize(
-    ("restart_cost_s", "tolerance_ratio", "changes"),
-    [(100.0, 0.05, True), (100.0, 0.5, False), (20 * HOUR, 0.05, False)],
+    ("restart_cost_s", "min_gain_ratio", "changes"),
+    [(100.0, 0.05, True), (100.0, 0.5, False), (20 * HOUR, 0.05, False), (100.0, 0.0, True)],
 )
-def test_restart_cost_and_tolerance_count_against_a_change(
-    tmp_path: Path, restart_cost_s: float, tolerance_ratio: float, changes: bool
+def test_restart_cost_and_min_gain_count_against_a_change(
+    tmp_path: Path, restart_cost_s: float, min_gain_ratio: float, changes: bool
 ) -> None:
     cfg = config(
-        tmp_path, max_steps=4, restart_cost_s=restart_cost_s, tolerance_ratio=tolerance_ratio
+        tmp_path, max_steps=4, restart_cost_s=restart_cost_s, min_gain_ratio=min_gain_ratio
     )
     result = plan(busy(2, 3), cfg, 3, Calibration.of(SEED))
     assert result is not None
@@ -348,3 +348,66 @@ def test_a_calibration_without_accept_lengths_extrapolates_with_live_alpha() -> 
     assert model.source(4) is Source.EXTRAPOLATED
     assert model.throughput(4, 1) == pytest.approx(SEED.throughput(4, 1), rel=0.05)
     assert not PerformanceModel(PerfTable(rows)).can_predict(4)  # no α anywhere
+
+
+def scaled(gain_ratio: float) -> PerfTable:
+    """The seed's steps 3, and a steps 4 serving exactly ``1 + gain_ratio`` times it
+    (no accept lengths: the ratio is the table's, unscaled)."""
+    three = [r for r in SEED.rows if r.steps == 3]
+    rows = [PerfRow(3, r.concurrency, r.output_tok_s, None, r.max_running_requests) for r in three]
+    rows += [
+        PerfRow(4, r.concurrency, r.output_tok_s * (1 + gain_ratio), None, r.max_running_requests)
+        for r in three
+    ]
+    return PerfTable(rows, source="scaled")
+
+
+@pytest.mark.parametrize(
+    ("gain_ratio", "noise_ratio", "min_gain_ratio", "changes"),
+    [
+        (0.02, 0.005, 0.0, True),  # 2 % over ~24 h beats the restart and a tight interval
+        (0.02, 0.02, 0.0, False),  # the same gain inside a noisy calibration's interval
+        (0.01, 0.005, 0.0, False),  # 1 % net of the restart is inside ±1.1 %
+        (0.10, 0.01, 0.0, True),
+        (0.10, 0.01, 0.15, False),  # an operator's minimum ratio still holds
+        (0.02, 0.0, 0.0, True),  # no noise: only the restart counts
+    ],
+)
+def test_a_change_must_beat_the_restart_and_the_prediction_interval(
+    tmp_path: Path, gain_ratio: float, noise_ratio: float, min_gain_ratio: float, changes: bool
+) -> None:
+    cfg = config(
+        tmp_path,
+        max_steps=4,
+        min_steps=3,
+        calibration_noise_ratio=noise_ratio,
+        min_gain_ratio=min_gain_ratio,
+    )
+    table = scaled(gain_ratio)
+    history = fresh_history()
+    fill(history, MONDAY, 3 * HOUR, 2, 3, table.throughput(3, 2), None)
+    result = plan(history, cfg, 3, Calibration.of(table))
+    assert result is not None
+    assert result.best == 4
+    assert result.target == (4 if changes else 3)
+    assert result.gain_tokens > 0
+    # Only the operator's floor keeps a change whose gain clears the interval.
+    assert (result.gain_tokens > result.margin_tokens) == (changes or min_gain_ratio > 0)
+    low, high = result.predictions[4].interval
+    tok_s = result.predictions[4].tok_s
+    assert low == pytest.approx(tok_s * (1 - 2 * noise_ratio))
+    assert high == pytest.approx(tok_s * (1 + 2 * noise_ratio))
+    assert ("within the prediction interval" in result.why) == (not changes and min_gain_ratio == 0)
+
+
+def test_observation_narrows_a_prediction_and_extrapolation_widens_it() -> None:
+    cal = Calibration.of(PerfTable([r for r in SEED.rows if r.steps <= 4]))
+    none = PerformanceModel(cal)
+    history = fresh_history()
+    fill(history, MONDAY, 2 * HOUR, 2, 3, SEED.throughput(3, 2), SEED.accept_length(3))
+    seen = PerformanceModel(cal, history)
+    assert none.relative_error(3, 0.01) == pytest.approx(0.01)
+    assert seen.relative_error(3, 0.01) < 0.5 * none.relative_error(3, 0.01)
+    assert seen.relative_error(4, 0.01) == pytest.approx(0.01)  # 4 was never observed
+    assert none.relative_error(5, 0.01) == pytest.approx(0.01 + EXTRAPOLATION_DISCOUNT_RATIO)
+    assert none.relative_error(6, 0.01) == pytest.approx(0.01 + 2 * EXTRAPOLATION_DISCOUNT_RATIO)
