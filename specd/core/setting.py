@@ -74,6 +74,13 @@ class SpecSetting:
                         f"adaptive slot {size} uses steps outside the candidates "
                         f"{_join(self.candidates)}"
                     )
+            # SGLang builds graphs for the union of the slots: a candidate no slot uses would
+            # be a different setting than the one written.
+            used = {step for _, cands in self.slots for step in cands} - {0}
+            if self.slots and used != set(self.candidates):
+                raise ValueError(
+                    f"adaptive candidates {_join(self.candidates)} are not the steps its slots use"
+                )
         else:
             raise ValueError(f"unknown setting kind {self.kind!r}")
 
@@ -191,24 +198,34 @@ def format_setting(setting: SpecSetting) -> str:
     return text
 
 
-def adaptive_config(setting: SpecSetting) -> dict[str, object]:
-    """The JSON body of --speculative-adaptive-config for an adaptive setting."""
+def adaptive_config(setting: SpecSetting, *, slots_supported: bool = True) -> dict[str, object]:
+    """The JSON body of --speculative-adaptive-config for an adaptive setting.
+
+    SGLang (adaptive_spec_params.py) reads an object whose integer-string keys are batch-size
+    slots, each {"candidate_steps": [...]}, and routes a batch to the closest slot; other keys
+    are global tuning (left at SGLang's defaults here). Without slots one slot "1" carries the
+    candidates for every batch size. Before 0.5.13 the file had no slots: a flat candidate list.
+    """
     if setting.kind != "adaptive":
         raise ValueError(f"setting {format_setting(setting)} is not adaptive")
-    body: dict[str, object] = {"candidate_steps": list(setting.candidates)}
-    if setting.slots:
-        body["batch_size_slots"] = {str(size): list(c) for size, c in setting.slots}
-    return body
+    if not slots_supported:
+        if setting.slots:
+            raise ValueError(f"setting {format_setting(setting)} needs per-batch slots")
+        return {"candidate_steps": list(setting.candidates)}
+    slots = setting.slots or ((1, setting.candidates),)
+    return {str(size): {"candidate_steps": list(c)} for size, c in slots}
 
 
-def adaptive_config_text(setting: SpecSetting) -> str:
+def adaptive_config_text(setting: SpecSetting, *, slots_supported: bool = True) -> str:
     """Canonical bytes of the config: the same setting always gives the same file."""
-    return json.dumps(adaptive_config(setting), sort_keys=True, separators=(",", ":")) + "\n"
+    body = adaptive_config(setting, slots_supported=slots_supported)
+    return json.dumps(body, sort_keys=True, separators=(",", ":")) + "\n"
 
 
-def adaptive_config_name(setting: SpecSetting) -> str:
+def adaptive_config_name(setting: SpecSetting, *, slots_supported: bool = True) -> str:
     """File name keyed by content, so a restart never reads a half-replaced config."""
-    digest = hashlib.sha256(adaptive_config_text(setting).encode()).hexdigest()[:16]
+    text = adaptive_config_text(setting, slots_supported=slots_supported)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"adaptive-{digest}.json"
 
 
@@ -255,6 +272,7 @@ class ServerTraits:
     dp_attention: bool
     multi_layer_eagle: bool
     two_batch_overlap: bool
+    pdmux: bool
     version: tuple[int, int, int] | None
 
 
@@ -276,6 +294,7 @@ def traits_from_server_info(info: Mapping[str, object]) -> ServerTraits:
         dp_attention=info.get("enable_dp_attention") is True,
         multi_layer_eagle=info.get("enable_multi_layer_eagle") is True,
         two_batch_overlap=info.get("enable_two_batch_overlap") is True,
+        pdmux=info.get("enable_pdmux") is True,
         version=parse_version(info.get("version")),
     )
 
@@ -302,6 +321,8 @@ def unavailable(setting: SpecSetting, traits: ServerTraits, *, allow_off: bool) 
         return "SGLang's adaptive mode does not run with multi-layer EAGLE"
     if traits.two_batch_overlap:
         return "SGLang's adaptive mode does not run with two-batch overlap"
+    if traits.pdmux:
+        return "SGLang's adaptive mode does not run with PD multiplexing"
     if setting.slots:
         need = SLOT_ZERO_VERSION if setting.uses_slot_zero else SLOTS_VERSION
         what = "step 0 in a slot" if setting.uses_slot_zero else "per-batch slots"

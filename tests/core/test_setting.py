@@ -63,7 +63,8 @@ def test_parse_and_format_round_trip(text: str, expected: SpecSetting, canonical
         ("adaptive:1,3/8", r"slot '8' is not BATCH=STEPS"),
         ("adaptive:1,3/8=0,5", r"slot 8 uses steps outside the candidates 1,3"),
         ("adaptive:1,3/8=1;8=3", r"slot 8 is given twice"),
-        ("adaptive:1,3/0=1", r"batch size must be 1\.\.65536, not 0"),
+        ("adaptive:1,3/0=1,3", r"batch size must be 1\.\.65536, not 0"),
+        ("adaptive:1,3,5/1=1,3;8=0,1", r"candidates 1,3,5 are not the steps its slots use"),
     ],
 )
 def test_bad_settings_are_one_line_errors(text: str, message: str) -> None:
@@ -118,19 +119,22 @@ def test_sglang_args_refuse_unsafe_words(algorithm: str, path: str | None, messa
         sglang_args(adaptive((2,)), algorithm=algorithm, config_path=path)
 
 
-def test_adaptive_config_body_and_name_are_canonical() -> None:
+def test_adaptive_config_body_matches_sglang_schema() -> None:
+    # SGLang's _load_adaptive_config: integer-string batch-size keys, each with candidate_steps.
     one = adaptive((1, 3, 5), {8: (0, 1), 1: (1, 3, 5)})
     assert adaptive_config(one) == {
-        "candidate_steps": [1, 3, 5],
-        "batch_size_slots": {"1": [1, 3, 5], "8": [0, 1]},
+        "1": {"candidate_steps": [1, 3, 5]},
+        "8": {"candidate_steps": [0, 1]},
     }
     assert json.loads(adaptive_config_text(one)) == adaptive_config(one)
-    assert adaptive_config(adaptive((2, 4))) == {"candidate_steps": [2, 4]}
+    assert adaptive_config(adaptive((2, 4))) == {"1": {"candidate_steps": [2, 4]}}
+    assert adaptive_config(adaptive((2, 4)), slots_supported=False) == {"candidate_steps": [2, 4]}
+    with pytest.raises(ValueError, match=r"needs per-batch slots"):
+        adaptive_config(one, slots_supported=False)
     same = parse(format_setting(one))
     assert adaptive_config_name(same) == adaptive_config_name(one)
     assert adaptive_config_name(one) != adaptive_config_name(adaptive((1, 3, 5)))
-    assert adaptive_config_name(one).startswith("adaptive-")
-    assert adaptive_config_name(one).endswith(".json")
+    assert re.fullmatch(r"adaptive-[0-9a-f]{16}\.json", adaptive_config_name(one))
     with pytest.raises(ValueError, match=r"setting 4 is not adaptive"):
         adaptive_config(static(4))
 
@@ -165,6 +169,7 @@ GOOD = {
         ({"enable_dp_attention": True}, static(3), False, None),
         ({"enable_multi_layer_eagle": True}, adaptive((1, 3)), False, r"multi-layer EAGLE"),
         ({"enable_two_batch_overlap": True}, adaptive((1, 3)), False, r"two-batch overlap"),
+        ({"enable_pdmux": True}, adaptive((1, 3)), False, r"PD multiplexing"),
         ({"version": "0.5.12"}, adaptive((1, 3)), False, None),
         (
             {"version": "0.5.12"}, adaptive((1, 3), {1: (1, 3)}), False,
@@ -172,10 +177,10 @@ GOOD = {
         ),
         ({"version": "0.5.13"}, adaptive((1, 3), {1: (1, 3)}), False, None),
         (
-            {"version": "0.5.13"}, adaptive((1, 3), {8: (0, 1)}), False,
+            {"version": "0.5.13"}, adaptive((1, 3), {1: (1, 3), 8: (0, 1)}), False,
             r"step 0 in a slot need SGLang >= 0\.5\.14",
         ),
-        ({"version": "0.6.0rc1"}, adaptive((1, 3), {8: (0, 1)}), False, None),
+        ({"version": "0.6.0rc1"}, adaptive((1, 3), {1: (1, 3), 8: (0, 1)}), False, None),
         ({"version": None}, adaptive((1, 3), {1: (1, 3)}), False, r"version is unknown"),
     ],
 )  # fmt: skip
@@ -246,7 +251,7 @@ OFF_INFO = {"speculative_algorithm": None, "speculative_adaptive": False}
         (adaptive((3, 4)), ADAPTIVE_INFO, None, None),
         (adaptive((3, 4)), ADAPTIVE_INFO, 5, r"runs 5 steps, outside the candidates"),
         (adaptive((3, 4)), ADAPTIVE_INFO, 0, r"outside the candidates"),
-        (adaptive((3, 4), {8: (0, 3)}), ADAPTIVE_INFO, 0, None),
+        (adaptive((3, 4), {1: (3, 4), 8: (0, 3)}), ADAPTIVE_INFO, 0, None),
         (adaptive((3, 4)), SPEC_INFO, 4, r"adaptive mode off"),
     ],
 )  # fmt: skip
