@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from specd.core.observation import Observation, ScrapeError
+from specd.core.setting import SpecSetting, adaptive_config_name, adaptive_config_text, sglang_args
 from specd.core.settings import ChooseSettings, RestartSettings, Settings, SGLangSettings
 from specd.io import files, logs
 from specd.io.runner import Runner
@@ -114,6 +115,37 @@ def unit_state_argv(unit: str) -> list[str]:
 def render_env(steps: int) -> str:
     """The env file for ``steps`` with topk 1: draft tokens are always steps + 1."""
     return f"{ENV_HEADER}{ENV_STEPS}={steps}\n{ENV_DRAFT_TOKENS}={steps + 1}\n"
+
+
+# The drop-in's ExecStart carries this unbraced ($NAME): systemd splits it into words, and an
+# empty value (off) adds no argument at all.
+ENV_ARGS = "SPECD_SPECULATIVE_ARGS"
+ADAPTIVE_CONFIG_MODE = 0o644
+
+
+def render_setting_env(setting: SpecSetting, *, algorithm: str, config_dir: Path | str) -> str:
+    """The env file for any setting. Static keeps the step variables of render_env so the
+    journal, rollback and read_env_steps read it exactly as before."""
+    path = None
+    if setting.kind == "adaptive":
+        path = str(Path(config_dir) / adaptive_config_name(setting))
+    words = " ".join(sglang_args(setting, algorithm=algorithm, config_path=path))
+    text = f"{ENV_HEADER}{ENV_ARGS}={words}\n"
+    if setting.kind == "static":
+        assert setting.steps is not None
+        text += f"{ENV_STEPS}={setting.steps}\n{ENV_DRAFT_TOKENS}={setting.steps + 1}\n"
+    return text
+
+
+def write_adaptive_config(setting: SpecSetting, config_dir: Path | str) -> Path:
+    """Write the adaptive config SGLang will read, atomically, BEFORE the env file names it.
+
+    Content-addressed name: a config in use is never rewritten in place. files.write_atomic
+    sets the mode explicitly and replaces (never writes through) a symlink at the target.
+    """
+    path = Path(config_dir) / adaptive_config_name(setting)
+    files.write_text_atomic(path, adaptive_config_text(setting), mode=ADAPTIVE_CONFIG_MODE)
+    return path
 
 
 def parse_env(text: str) -> dict[str, str]:

@@ -21,9 +21,14 @@ import httpx
 import pydantic
 import pytest
 
+from specd.core.setting import SpecSetting, adaptive_config_name
+from specd.core.setting import off as setting_off
+from specd.core.setting import parse as setting_parse
+from specd.core.setting import static as setting_static
 from specd.core.settings import TABLE_OF_KEY, Settings
 from specd.io import files
 from specd.io.apply import (
+    ENV_ARGS,
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
     PHASES,
@@ -35,7 +40,9 @@ from specd.io.apply import (
     parse_env,
     read_env_steps,
     render_env,
+    render_setting_env,
     restart_argv,
+    write_adaptive_config,
 )
 from specd.io.config import Config
 from specd.io.runner import RunResult
@@ -1031,3 +1038,49 @@ def test_rollback_is_verified_without_the_steps_gauge(
     assert unit.restarts == [4, 3]
     assert _live_from_get_server_info(unit) == 3
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+# -- any speculative setting in the env file ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("setting", "args"),
+    [
+        (setting_off(), ""),
+        (
+            setting_static(4),
+            "--speculative-algorithm EAGLE3 --speculative-num-steps 4 --speculative-eagle-topk 1 "
+            "--speculative-num-draft-tokens 5",
+        ),
+    ],
+)
+def test_render_setting_env_off_and_static(tmp_path: Path, setting: SpecSetting, args: str) -> None:
+    text = render_setting_env(setting, algorithm="EAGLE3", config_dir=tmp_path)
+    assert parse_env(text)[ENV_ARGS] == args
+    env = tmp_path / "sglang.env"
+    env.write_text(text)
+    # Static stays readable by today's step reader; off names no step count.
+    assert read_env_steps(env) == setting.steps
+
+
+def test_adaptive_config_is_written_before_the_env_names_it(tmp_path: Path) -> None:
+    setting = setting_parse("adaptive:3,4")
+    path = write_adaptive_config(setting, tmp_path)
+    assert json.loads(path.read_text()) == {"1": {"candidate_steps": [3, 4]}}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    words = parse_env(render_setting_env(setting, algorithm="EAGLE", config_dir=tmp_path))[
+        ENV_ARGS
+    ].split()
+    assert words[-3:] == ["--speculative-adaptive", "--speculative-adaptive-config", str(path)]
+    assert words[words.index("--speculative-num-steps") + 1] == "4"
+
+
+def test_adaptive_config_replaces_a_symlink_instead_of_writing_through_it(tmp_path: Path) -> None:
+    setting = setting_parse("adaptive:1,3")
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (tmp_path / adaptive_config_name(setting)).symlink_to(victim)
+    path = write_adaptive_config(setting, tmp_path)
+    assert victim.read_text() == "keep"
+    assert not path.is_symlink()
+    assert json.loads(path.read_text()) == {"1": {"candidate_steps": [1, 3]}}
