@@ -4,12 +4,14 @@ on sys.path)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -150,3 +152,15 @@ class StaticSGLang:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def make_fixtures_module() -> ModuleType:
+    """tests/fixtures/metrics/make_fixtures.py, loaded as a module (it is a script, not a
+    package): the pages tests derive from SGLang's own."""
+    path = Path(__file__).resolve().parent / "fixtures" / "metrics" / "make_fixtures.py"
+    spec = importlib.util.spec_from_file_location("make_fixtures", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

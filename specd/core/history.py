@@ -569,32 +569,23 @@ class History:
                 history._counters[str(name)] = number
             hl = settings.half_life_s
             keep = None if strict else notes
-            history._offered = DecayingSums.from_dict(
-                data.get("offered"),
-                hl,
-                1,
-                _int_key,
-                check=_check_offered,
-                where="history.offered",
-                dropped=keep,
+            # (table, cells' width, key decoder, check): each read the same way.
+            tables: tuple[tuple[str, int, Callable[[Any], Any], Callable[..., str | None]], ...] = (
+                ("offered", 1, _int_key, _check_offered),
+                ("accept", 2, _int_key, _check_accept),
+                ("throughput", 2, _pair_key, _check_throughput),
             )
-            history._accept = DecayingSums.from_dict(
-                data.get("accept"),
-                hl,
-                2,
-                _int_key,
-                check=_check_accept,
-                where="history.accept",
-                dropped=keep,
-            )
-            history._throughput = DecayingSums.from_dict(
-                data.get("throughput"),
-                hl,
-                2,
-                _pair_key,
-                check=_check_throughput,
-                where="history.throughput",
-                dropped=keep,
+            history._offered, history._accept, history._throughput = (
+                DecayingSums.from_dict(
+                    data.get(name),
+                    hl,
+                    width,
+                    key,
+                    check=check,
+                    where=f"history.{name}",
+                    dropped=keep,
+                )
+                for name, width, key, check in tables
             )
             capacity = data.get("capacity")
             if not isinstance(capacity, list):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import socket
@@ -13,11 +12,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
+from factories import make_fixtures_module
 from pages import PageServer, Route, page_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,16 +37,7 @@ from specd.twin.process import TwinProcess, free_port
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
 
-def _load_make_fixtures() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-mf = _load_make_fixtures()
+mf = make_fixtures_module()
 BASE = mf.base_page()
 
 

@@ -7,16 +7,14 @@ the rest of the scrape stands, and the history never sees the value.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-from factories import make_observation
+from factories import make_fixtures_module, make_observation
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pages import PageServer, page_server
@@ -35,16 +33,7 @@ from specd.io.sglang import SGLangClient
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
 
-def _load_make_fixtures() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-mf = _load_make_fixtures()
+mf = make_fixtures_module()
 BASE = mf.base_page()  # 0.5.23 under load: 13 running, 4 steps, accept length 3.61
 OLD = (FIXTURES / "pre-0.5.13.prom").read_text()  # no spec_num_steps gauge
 LOADED: dict[str, Any] = json.loads((FIXTURES / "server_info-loaded.json").read_text())
