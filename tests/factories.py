@@ -19,6 +19,7 @@ import pytest
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.settings import TABLE_OF_KEY
+from specd.twin.process import TwinProcess
 
 
 def tables(**fields: Any) -> dict[str, Any]:
@@ -104,6 +105,24 @@ def version_server_info(version: str) -> dict[str, Any]:
         (VERSION_PAGES / f"sglang-{version}-server_info.json").read_text()
     )
     return data
+
+
+# A twin that starts in about a second: short load and warm-up, frequent decode reports.
+FAST_TWIN_VERSION_ARGS = ("--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2")
+SPEC4_ARGS = (
+    "--speculative-algorithm", "NEXTN",
+    "--speculative-num-steps", "4",
+    "--speculative-eagle-topk", "1",
+    "--speculative-num-draft-tokens", "5",
+)  # fmt: skip
+
+
+def version_twin(version: str, *extra: str) -> TwinProcess:
+    """A twin (not yet started) as SGLang ``version`` with metrics, NEXTN at 4 steps."""
+    return TwinProcess(
+        [*SPEC4_ARGS, "--enable-metrics", "--sglang-version", version, *FAST_TWIN_VERSION_ARGS,
+         *extra]
+    )  # fmt: skip
 
 
 def version_info_paths(version: str) -> tuple[str, ...]:
