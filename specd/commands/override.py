@@ -8,9 +8,11 @@ import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from specd.commands.args import STEPS, Duration
+from specd.commands.args import Duration, quoted
 from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
+from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text
 from specd.io import config as config_mod
 from specd.io.override import (
@@ -25,14 +27,35 @@ from specd.io.override import (
 FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
 
 
+def _pin_setting(text: str) -> SpecSetting:
+    """``pin``'s argument: ``K``, ``off`` or ``adaptive:K1,K2,...`` (argparse's type)."""
+    try:
+        return parse_setting(text.strip())
+    except ValueError as exc:
+        if len(text) <= 40:  # the parser's reason quotes the text whole
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(
+            f"expected K, off or adaptive:K1,K2,..., got {quoted(text)}"
+        ) from None
+
+
+_pin_setting.__name__ = "setting"
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = "Read or write the on-call override file."
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--file", type=Path, default=None, help="override file (default: config)")
     common.add_argument("--config", type=Path, default=None, help="specd config file")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    pin = sub.add_parser("pin", parents=[common], help="run exactly K steps until it expires")
-    pin.add_argument("steps", type=STEPS, metavar="K", help=f"step count ({STEPS.spec})")
+    pin = sub.add_parser("pin", parents=[common], help="run exactly this setting until it expires")
+    pin.add_argument(
+        "setting",
+        type=_pin_setting,
+        metavar="SETTING",
+        help="a step count K, off (no speculation) or adaptive:K1,K2,... (SGLang's own "
+        "per-batch switching among those step counts)",
+    )
     pin.add_argument("--for", dest="duration", type=FOR, required=True, help=FOR.spec)
     pin.add_argument("--reason", required=True)
     pin.add_argument(
@@ -66,6 +89,13 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     if override.mode == "freeze":
         return f"{path}: valid, freeze {until}{why}\nspecd makes no step changes until then."
     when = "at once (apply = now)" if override.apply == "now" else windows_text
+    if override.setting is not None:
+        text = format_setting(override.setting)
+        what = "no speculation" if text == "off" else f"SGLang's adaptive mode {text}"
+        return (
+            f"{path}: valid, pin {text} {until}{why}\n"
+            f"specd runs {what}; if SGLang runs another setting it restarts {when}."
+        )
     return (
         f"{path}: valid, pin {override.steps} steps {until}{why}\n"
         f"specd runs {override.steps} steps; if SGLang runs another count it restarts {when}."
@@ -96,16 +126,23 @@ def run(args: argparse.Namespace) -> int:
             override = Override("auto", None, None, args.reason, "next-window")
         else:
             duration: timedelta = args.duration
-            steps = args.steps if args.action == "pin" else None
-            if steps is not None and not cfg.choose.min_steps <= steps <= cfg.choose.max_steps:
+            pinned: SpecSetting | None = args.setting if args.action == "pin" else None
+            low, high = cfg.choose.min_steps, cfg.choose.max_steps
+            counts = (
+                () if pinned is None else (pinned.steps,) if pinned.steps else pinned.candidates
+            )
+            outside = [k for k in counts if not low <= k <= high]
+            if outside:
                 print(
-                    f"specd override: {steps} steps is outside the configured range "
-                    f"{cfg.choose.min_steps}..{cfg.choose.max_steps}",
+                    f"specd override: {', '.join(map(str, outside))} steps is outside the "
+                    f"configured range {low}..{high}",
                     file=sys.stderr,
                 )
                 return 2
             apply: Apply = "now" if getattr(args, "now", False) else "next-window"
-            override = Override(args.action, steps, now + duration, args.reason, apply)
+            steps = pinned.steps if pinned is not None and pinned.kind == "static" else None
+            other = pinned if pinned is not None and pinned.kind != "static" else None
+            override = Override(args.action, steps, now + duration, args.reason, apply, other)
         header = f"written by `specd override {args.action}` as {user} at {now:%Y-%m-%dT%H:%M:%SZ}"
         try:
             write_override(path, render_override(override, header))

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from specd.core import windows
 from specd.core.model import Calibration, plan
 from specd.core.observation import ScrapeError
+from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config
 from specd.core.text import duration_text as _duration
 
 if TYPE_CHECKING:
@@ -57,19 +58,35 @@ ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN})
 
 @dataclass(frozen=True)
 class Decision:
-    """``target_steps``: what specd wants live (None when it cannot know)."""
+    """``target_steps``: what specd wants live (None when it cannot know). ``setting``: a
+    target that is not a static step count (an operator's pin of "off", target_steps 0, or
+    of an adaptive set, target_steps None)."""
 
     target_steps: int | None
     reason: Reason
     message: str
+    setting: SpecSetting | None = None
 
-    def acts(self, current: int | None) -> bool:
-        """True iff the daemon should apply ``target_steps`` now."""
-        return (
-            self.reason in ACTING_REASONS
-            and self.target_steps is not None
-            and self.target_steps != current
-        )
+    def acts(
+        self, current: int | None, *, live_adaptive: bool = False, live_config: str | None = None
+    ) -> bool:
+        """True iff the daemon should apply the target now. ``current`` is the static step
+        count live (0: no speculation; None under SGLang's adaptive mode, ``live_adaptive``,
+        whose config file is ``live_config``)."""
+        if self.reason not in ACTING_REASONS:
+            return False
+        if self.setting is not None and self.setting.kind == "adaptive":
+            return not (live_adaptive and runs_adaptive_config(self.setting, live_config))
+        return self.target_steps is not None and (self.target_steps != current or live_adaptive)
+
+    @property
+    def target_setting(self) -> SpecSetting | None:
+        """What applying this decision runs (None when nothing is known to apply)."""
+        if self.setting is not None:
+            return self.setting
+        if self.target_steps is None or self.target_steps < 1:
+            return None
+        return SpecSetting("static", steps=self.target_steps)
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,9 @@ class Control:
     frozen_reason: str | None = None
     # (t, steps) the policy recommended at recent ticks, oldest first.
     recommendations: tuple[tuple[float, int], ...] = ()
+    # SGLang runs its own adaptive mode (current_steps is then None), reading this config.
+    live_adaptive: bool = False
+    live_adaptive_config: str | None = None
 
     def with_recommendation(self, t: float, steps: int, window_s: float) -> Control:
         """Append a recommendation and drop those the stabilization check no longer needs.
@@ -240,8 +260,9 @@ def _holding(current: int | None) -> str:
     return f"holding {current}" if current is not None else "no change"
 
 
-def _arrow(current: int | None, target: int) -> str:
-    return f"{current if current is not None else '?'} → {target}"
+def _arrow(current: int | None, target: int | str, *, live_adaptive: bool = False) -> str:
+    live = "adaptive" if live_adaptive else (current if current is not None else "?")
+    return f"{live} → {target}"
 
 
 def _window_message(config: Settings, at: datetime, change: str) -> str:
@@ -309,25 +330,46 @@ def decide(
     # bypasses the window, dwell and budget; a next-window pin waits for a window and
     # respects the daily budget (the guard against restart loops) but not the dwell,
     # which only exists to stop the automatic policy from flapping.
-    if active is not None and active.mode == "pin" and active.steps is not None:
-        pin = clamp(active.steps, config)
-        said = f"pinned to {pin} by override ({active.reason})"
-        if pin == current:
-            return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live")
+    if (
+        active is not None
+        and active.mode == "pin"
+        and (active.steps is not None or active.setting is not None)
+    ):
+        adaptive_live = control.live_adaptive
+        pinned = active.setting  # a pin that is not a static step count, or None
+        pin: int | None
+        label: int | str
+        if pinned is None:
+            assert active.steps is not None
+            pin = clamp(active.steps, config)
+            label = pin
+            live = pin == current and not adaptive_live
+        else:
+            pin = 0 if pinned.kind == "off" else None
+            label = format_setting(pinned)
+            if pinned.kind == "adaptive":
+                live = adaptive_live and runs_adaptive_config(pinned, control.live_adaptive_config)
+            else:  # off: the reader reports 0 steps for a server without speculation
+                live = current == 0 and not adaptive_live
+        said = f"pinned to {label} by override ({active.reason})"
+        arrow = _arrow(current, label, live_adaptive=adaptive_live)
+        if live:
+            return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live", pinned)
         if active.apply == "now":
-            return Decision(pin, Reason.OVERRIDE_PIN, f"{said}, apply now: {_arrow(current, pin)}")
-        blocked = _window_blocks(config, at, restart_needs_s, _arrow(current, pin))
+            return Decision(pin, Reason.OVERRIDE_PIN, f"{said}, apply now: {arrow}", pinned)
+        blocked = _window_blocks(config, at, restart_needs_s, arrow)
         if blocked is not None:
-            return Decision(pin, blocked[0], f"{said}; {blocked[1]}")
+            return Decision(pin, blocked[0], f"{said}; {blocked[1]}", pinned)
         used = sum(1 for t in control.restart_times if t > now - DAY_S)
         if used >= config.restart.daily_restart_budget:
             return Decision(
                 pin,
                 Reason.RESTART_BUDGET,
                 f"{said}; {used} restarts in the last 24 h ≥ budget "
-                f"{config.restart.daily_restart_budget}: {_arrow(current, pin)} waits",
+                f"{config.restart.daily_restart_budget}: {arrow} waits",
+                pinned,
             )
-        return Decision(pin, Reason.OVERRIDE_PIN, f"{said}: {_arrow(current, pin)}")
+        return Decision(pin, Reason.OVERRIDE_PIN, f"{said}: {arrow}", pinned)
 
     # 3. Data: an observation, fresh, and enough busy history behind it.
     if obs is None:
@@ -338,7 +380,7 @@ def decide(
             Reason.NO_DATA,
             f"scrape failed ({obs.kind}: {_one_line(obs.reason)}); {_holding(current)}",
         )
-    if current is None:
+    if current is None and not control.live_adaptive:
         return Decision(None, Reason.NO_DATA, "SGLang's current step count is unknown; no change")
     age = now - obs.t
     if not math.isfinite(age) or abs(age) > config.observe.stale_after_s:
@@ -368,7 +410,7 @@ def decide(
     # 4. Does the policy really want a change, and has it wanted it long enough?
     if target == current:
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {current} is live")
-    change = _arrow(current, target)
+    change = _arrow(current, target, live_adaptive=control.live_adaptive)
     window_s = config.choose.stabilization_window_s
     held = _held_for(control.recommendations, target, now)
     if held < window_s:

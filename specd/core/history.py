@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from specd.core.acceptance import alpha_from_accept_length
@@ -336,6 +336,10 @@ class History:
         # The reader rejects what SGLang cannot produce; replay and tools build
         # observations too, and what is learned lasts weeks: check again here.
         obs = without_impossible(obs)
+        if obs.adaptive:
+            # The steps gauge follows SGLang's own tier changes: neither a restart nor
+            # evidence about a static step count (whose capacity would differ).
+            obs = replace(obs, steps=None)
         restarted = self._detect_restart(obs)
         if restarted:
             self.sglang_started_at = t

@@ -63,6 +63,11 @@ class Observation:
     rejected: tuple[str, ...] = ()
     # What each rejected field held, in the same order (for the log line).
     rejected_values: tuple[str, ...] = ()
+    # SGLang's own per-batch switching is on (/server_info `speculative_adaptive`): `steps`
+    # is then the tier live at this moment, not a setting.
+    adaptive: bool = False
+    # The --speculative-adaptive-config file it runs (/server_info), when it names one.
+    adaptive_config: str | None = None
 
     @property
     def offered(self) -> int:
@@ -113,7 +118,7 @@ def impossible_fields(obs: Observation, *, adaptive: bool = False) -> tuple[str,
         and not accept_length_possible(
             obs.accept_length,
             obs.steps if _whole_in(obs.steps, 0, MAX_STEPS) else None,
-            adaptive=adaptive,
+            adaptive=adaptive or obs.adaptive,
         ),
         "gen_throughput": not _number_in(obs.gen_throughput, MAX_TOKENS_PER_S),
         "generation_tokens_total": not _number_in(obs.generation_tokens_total, MAX_COUNTER),

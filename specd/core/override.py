@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
 
+from specd.core.setting import SpecSetting
+
 if sys.version_info >= (3, 11):
     pass
 else:  # pragma: no cover - exercised on 3.10 only
@@ -35,6 +37,9 @@ class Override:
     expires_at: datetime | None
     reason: str
     apply: Apply
+    # A pin of a setting that is not a static step count ("off", "adaptive:3,4"); a static
+    # pin says its count in ``steps`` and leaves this None.
+    setting: SpecSetting | None = None
 
     def active(self, now: datetime | float) -> bool:
         """True while a pin or freeze is in force (auto is never "active")."""

@@ -267,6 +267,18 @@ def sglang_args(
     )  # fmt: skip
 
 
+def runs_adaptive_config(setting: SpecSetting, config_path: str | None) -> bool:
+    """Whether an adaptive server reading ``config_path`` runs ``setting``: specd names the
+    files it writes by their content (`adaptive_config_name`), so the name says which."""
+    if setting.kind != "adaptive" or not config_path:
+        return False
+    name = config_path.rstrip("/").rsplit("/", 1)[-1]
+    names = {adaptive_config_name(setting)}
+    if not setting.slots:
+        names.add(adaptive_config_name(setting, slots_supported=False))
+    return name in names
+
+
 @dataclass(frozen=True)
 class ServerTraits:
     """What decides which settings a server can run, as its /server_info reports it."""

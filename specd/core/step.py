@@ -58,19 +58,29 @@ class StepResult:
     @property
     def acts(self) -> bool:
         """True iff the caller should apply ``decision.target_steps`` now."""
-        return self.decision.acts(self.current)
+        return self.decision.acts(
+            self.current,
+            live_adaptive=self.control.live_adaptive,
+            live_config=self.control.live_adaptive_config,
+        )
 
 
 def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: float) -> StepResult:
     """Decide for ``now``; see the module docstring."""
     config = ctx.config
-    current = observation.steps if isinstance(observation, Observation) else None
+    seen = observation if isinstance(observation, Observation) else None
+    # Under SGLang's adaptive mode the steps gauge follows the tier of the moment: it is
+    # not a setting specd could hold or compare with.
+    adaptive = seen is not None and seen.adaptive
+    current = seen.steps if seen is not None and not adaptive else None
     control = Control(
         current_steps=current,
         restart_times=ctx.control.restart_times,
         frozen=ctx.control.frozen,
         frozen_reason=ctx.control.frozen_reason,
         recommendations=ctx.control.recommendations,
+        live_adaptive=adaptive,
+        live_adaptive_config=seen.adaptive_config if seen is not None and adaptive else None,
     )
     pick = choose(ctx.history, config, current, ctx.calibration)
     if pick is not None and ctx.calibration_problem:

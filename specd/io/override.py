@@ -4,7 +4,9 @@
 
 ```toml
 mode = "pin"                         # "auto" | "pin" | "freeze"
-steps = 3                            # pin only, within [min_steps, max_steps]
+steps = 3                            # pin only, within [min_steps, max_steps]; or instead
+# setting = "off"                    # no speculation, or "adaptive:3,4" (SGLang's own
+                                     # per-batch switching among those step counts)
 expires_at = 2026-05-01T18:00:00Z    # required for pin/freeze; TOML datetime or RFC 3339 text
 reason = "batch eval tonight"
 apply = "next-window"                # or "now": restart at once, outside any window
@@ -29,10 +31,12 @@ from typing import Any
 import tomli_w
 
 from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
+from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text
 from specd.io import files
 
-KEYS = ("mode", "steps", "expires_at", "reason", "apply")
+KEYS = ("mode", "steps", "setting", "expires_at", "reason", "apply")
 # An override file is a few lines; anything bigger is not one.
 MAX_OVERRIDE_BYTES = 64 * files.KIB
 # Readable by specd whatever the umask of the operator who wrote it; writable by root only.
@@ -134,17 +138,25 @@ def parse_override(
     if not isinstance(reason, str):
         raise ValueError(f"reason: expected a string, got {type(reason).__name__}")
     steps = data.get("steps")
-    if mode == "pin":
+    pinned = _pinned_setting(data.get("setting"), mode, cfg_min_steps, cfg_max_steps)
+    if pinned is not None and steps is not None:
+        raise ValueError("steps and setting: give one of them, not both")
+    if pinned is not None and pinned.kind == "static":
+        steps, pinned = pinned.steps, None
+    elif mode == "pin" and pinned is None:
         if steps is None:
-            raise ValueError('steps: required with mode = "pin"')
+            raise ValueError(
+                'steps: required with mode = "pin" (or setting = "off" / "adaptive:…")'
+            )
         if not isinstance(steps, int) or isinstance(steps, bool):
             raise ValueError(f"steps: expected an integer, got {type(steps).__name__} {steps!r}")
+    if steps is not None:
+        if mode != "pin":
+            raise ValueError(f'steps: only allowed with mode = "pin" (mode is {mode!r})')
         if not cfg_min_steps <= steps <= cfg_max_steps:
             raise ValueError(
                 f"steps: {steps} is outside the configured range {cfg_min_steps}..{cfg_max_steps}"
             )
-    elif steps is not None:
-        raise ValueError(f'steps: only allowed with mode = "pin" (mode is {mode!r})')
     expires_at = None
     if "expires_at" in data:
         expires_at = _parse_expires(data["expires_at"])
@@ -158,7 +170,33 @@ def parse_override(
                 f"({duration_text((current - expires_at).total_seconds())} ago); "
                 f"specd ignores this {mode}"
             )
-    return Override(mode=mode, steps=steps, expires_at=expires_at, reason=reason, apply=apply)
+    return Override(
+        mode=mode, steps=steps, expires_at=expires_at, reason=reason, apply=apply, setting=pinned
+    )
+
+
+def _pinned_setting(value: Any, mode: Any, low: int, high: int) -> SpecSetting | None:
+    """The ``setting`` key: any speculative setting in its operator form."""
+    if value is None:
+        return None
+    if mode != "pin":
+        raise ValueError(f'setting: only allowed with mode = "pin" (mode is {mode!r})')
+    if not isinstance(value, str):
+        raise ValueError(
+            f'setting: expected a string such as "off", "4" or "adaptive:3,4", '
+            f"got {type(value).__name__}"
+        )
+    try:
+        pinned = parse_setting(value)
+    except ValueError as exc:
+        raise ValueError(f"setting: {exc}") from None
+    outside = [k for k in pinned.candidates if not low <= k <= high]
+    if outside:
+        raise ValueError(
+            f"setting: adaptive candidates {', '.join(map(str, outside))} are outside the "
+            f"configured range {low}..{high}"
+        )
+    return pinned
 
 
 def read_override(
@@ -204,6 +242,8 @@ def render_override(override: Override, header: str = "") -> str:
     table: dict[str, Any] = {"mode": override.mode}
     if override.steps is not None:
         table["steps"] = override.steps
+    if override.setting is not None:
+        table["setting"] = format_setting(override.setting)
     if override.expires_at is not None:
         table["expires_at"] = override.expires_at.astimezone(_UTC).replace(microsecond=0)
     table["reason"] = override.reason

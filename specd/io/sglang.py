@@ -404,6 +404,10 @@ def observation_from(
         launch_command=_str_field(server_info, "launch_command"),
         rejected=tuple(name for name, _ in rejected),
         rejected_values=tuple(value for _, value in rejected),
+        adaptive=adaptive and spec_on is True,
+        adaptive_config=(
+            _str_field(server_info, "speculative_adaptive_config") if adaptive else None
+        ),
     )
     return without_impossible(obs, adaptive=adaptive)
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -23,6 +24,7 @@ from specd.core.decide import (
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
+from specd.core.setting import SpecSetting, adaptive, adaptive_config_name, format_setting, off
 from specd.core.settings import ChooseSettings, Settings
 
 UTC = timezone.utc
@@ -62,6 +64,28 @@ def pin(steps: int, apply: str = "next-window", expires: float = OPEN + DAY) -> 
         reason="eval tonight",
         apply=apply,  # type: ignore[arg-type]
     )
+
+
+def pin_setting(
+    setting: SpecSetting, apply: str = "next-window", expires: float = OPEN + DAY
+) -> Override:
+    return Override(
+        mode="pin",
+        steps=None,
+        expires_at=datetime.fromtimestamp(expires, tz=UTC),
+        reason="try it",
+        apply=apply,  # type: ignore[arg-type]
+        setting=setting,
+    )
+
+
+ADAPTIVE_34 = adaptive((3, 4))
+ADAPTIVE_34_FILE = f"/var/lib/specd/{adaptive_config_name(ADAPTIVE_34)}"
+
+
+def live_adaptive(config_file: str | None = ADAPTIVE_34_FILE, **kwargs: Any) -> Control:
+    """SGLang runs its adaptive mode (the brain then sees no static step count)."""
+    return control(current=None, live_adaptive=True, live_adaptive_config=config_file, **kwargs)
 
 
 def freeze(expires: float = OPEN + DAY) -> Override:
@@ -143,6 +167,35 @@ CASES = [
     case("pin-live", Reason.OVERRIDE_PIN, 4, False, "already live", override=pin(4)),
     case("pin-clamped", Reason.OVERRIDE_PIN, 6, True, "pinned to 6", override=pin(9, "now")),
     case("pin-expired", Reason.CHANGE, 3, True, "4 → 3", override=pin(2, expires=OPEN)),
+    # Pins of settings that are not a static step count (off is target 0).
+    case("pin-off", Reason.OVERRIDE_PIN, 0, True, "pinned to off by override (try it): 4 → off",
+         override=pin_setting(off())),
+    case("pin-off-live", Reason.OVERRIDE_PIN, 0, False, "pinned to off by override (try it); "
+         "already live", override=pin_setting(off()), ctl=control(current=0)),
+    case("pin-off-waits", Reason.WINDOW_CLOSED, 0, False, "4 → off waits",
+         now=CLOSED, override=pin_setting(off())),
+    case("pin-adaptive", Reason.OVERRIDE_PIN, None, True, "pinned to adaptive:3,4 by override "
+         "(try it): 4 → adaptive:3,4", override=pin_setting(ADAPTIVE_34)),
+    case("pin-adaptive-now", Reason.OVERRIDE_PIN, None, True, "apply now: 4 → adaptive:3,4",
+         now=CLOSED, override=pin_setting(ADAPTIVE_34, "now")),
+    case("pin-adaptive-budget", Reason.RESTART_BUDGET, None, False, "≥ budget 4",
+         override=pin_setting(ADAPTIVE_34), ctl=control(restart_times=BUDGET_USED)),
+    case("pin-adaptive-live", Reason.OVERRIDE_PIN, None, False, "already live",
+         override=pin_setting(ADAPTIVE_34), ctl=live_adaptive()),
+    # Adaptive, but with another candidate set (another content-addressed file) or none.
+    case("pin-adaptive-other-set", Reason.OVERRIDE_PIN, None, True,
+         "adaptive → adaptive:3,4", override=pin_setting(ADAPTIVE_34),
+         ctl=live_adaptive(f"/var/lib/specd/{adaptive_config_name(adaptive((1, 3)))}")),
+    case("pin-adaptive-no-config", Reason.OVERRIDE_PIN, None, True, "adaptive → adaptive:3,4",
+         override=pin_setting(ADAPTIVE_34), ctl=live_adaptive(None)),
+    case("pin-static-over-adaptive", Reason.OVERRIDE_PIN, 4, True, "adaptive → 4",
+         override=pin(4), ctl=live_adaptive()),
+    case("pin-off-over-adaptive", Reason.OVERRIDE_PIN, 0, True, "adaptive → off",
+         override=pin_setting(off()), ctl=live_adaptive()),
+    # Without a pin, specd's own choice replaces adaptive mode at a window: it is a change.
+    case("auto-after-adaptive", Reason.CHANGE, 3, True, "adaptive → 3", ctl=live_adaptive()),
+    case("auto-after-adaptive-waits", Reason.WINDOW_CLOSED, 3, False, "adaptive → 3 waits",
+         now=CLOSED, hist=history(end=CLOSED), ctl=live_adaptive(now=CLOSED)),
     # Data.
     case("no-observation", Reason.NO_DATA, 4, False, "no observation of SGLang yet; holding 4",
          obs=None),
@@ -215,7 +268,12 @@ def test_each_reason(
     decision = decide(hist, obs, cfg, override, now, ctl, choose(hist, cfg, ctl.current_steps))
     assert decision.reason is reason, decision.message
     assert decision.target_steps == target
-    assert decision.acts(ctl.current_steps) is acts
+    pinned = override.setting if override is not None and override.active(now) else None
+    assert decision.setting == (pinned if decision.reason is not Reason.CHANGE else None)
+    acted = decision.acts(
+        ctl.current_steps, live_adaptive=ctl.live_adaptive, live_config=ctl.live_adaptive_config
+    )
+    assert acted is acts
     assert says in decision.message
     assert "\n" not in decision.message
 
@@ -296,6 +354,62 @@ def test_every_configurable_policy_has_an_implementation() -> None:
 )
 def test_acts(decision: Decision, current: int | None, acts: bool) -> None:
     assert decision.acts(current) is acts
+
+
+A34 = adaptive((3, 4))
+
+
+@pytest.mark.parametrize(
+    ("decision", "current", "live_adaptive", "live_config", "acts"),
+    [
+        # A static target replaces adaptive mode whatever tier it runs.
+        (Decision(3, Reason.CHANGE, ""), None, True, None, True),
+        (Decision(3, Reason.CHANGE, ""), 3, True, None, True),
+        (Decision(0, Reason.OVERRIDE_PIN, "", off()), 0, False, None, False),
+        (Decision(0, Reason.OVERRIDE_PIN, "", off()), 4, False, None, True),
+        (Decision(0, Reason.OVERRIDE_PIN, "", off()), None, True, None, True),
+        (Decision(None, Reason.OVERRIDE_PIN, "", A34), 4, False, None, True),
+        (Decision(None, Reason.OVERRIDE_PIN, "", A34), None, True, None, True),
+        (
+            Decision(None, Reason.OVERRIDE_PIN, "", A34),
+            None,
+            True,
+            f"/var/lib/specd/{adaptive_config_name(A34)}",
+            False,
+        ),
+        (
+            Decision(None, Reason.OVERRIDE_PIN, "", A34),
+            None,
+            True,
+            f"/var/lib/specd/{adaptive_config_name(adaptive((3, 5)))}",
+            True,
+        ),
+        (Decision(None, Reason.WINDOW_CLOSED, "", A34), 4, False, None, False),
+    ],
+)
+def test_acts_with_settings(
+    decision: Decision,
+    current: int | None,
+    live_adaptive: bool,
+    live_config: str | None,
+    acts: bool,
+) -> None:
+    assert decision.acts(current, live_adaptive=live_adaptive, live_config=live_config) is acts
+
+
+@pytest.mark.parametrize(
+    ("decision", "expected"),
+    [
+        (Decision(3, Reason.CHANGE, ""), "3"),
+        (Decision(0, Reason.OVERRIDE_PIN, "", off()), "off"),
+        (Decision(None, Reason.OVERRIDE_PIN, "", A34), "adaptive:3,4"),
+        (Decision(None, Reason.NO_DATA, ""), None),
+        (Decision(0, Reason.NO_DATA, ""), None),
+    ],
+)
+def test_target_setting(decision: Decision, expected: str | None) -> None:
+    got = decision.target_setting
+    assert (None if got is None else format_setting(got)) == expected
 
 
 def test_reasons_are_the_agreed_metric_labels() -> None:
@@ -392,6 +506,9 @@ def situations(draw: st.DrawFn) -> dict[str, Any]:
                 ),
                 reason=st.text(max_size=20),
                 apply=st.sampled_from(["next-window", "now"]),
+                setting=mostly(
+                    st.none(), st.sampled_from([off(), adaptive((3, 4)), adaptive((1, 3, 5))])
+                ),
             ),
         )
     )
@@ -412,6 +529,12 @@ def situations(draw: st.DrawFn) -> dict[str, Any]:
         frozen_reason=draw(st.one_of(st.none(), st.text(max_size=20))),
         recommendations=tuple(sorted(draw(mostly(st.just(run), st.just(recent + run))))),
     )
+    if current is None and draw(mostly(st.just(False), st.just(True))):
+        ctl = replace(
+            ctl,
+            live_adaptive=True,
+            live_adaptive_config=draw(st.sampled_from([None, ADAPTIVE_34_FILE, "/x/y.json"])),
+        )
     return {
         "history": hist,
         "obs": obs,
@@ -428,6 +551,13 @@ def _pin_now(s: dict[str, Any]) -> bool:
     return o is not None and o.mode == "pin" and o.apply == "now" and o.active(at)
 
 
+def _acts(decision: Decision, s: dict[str, Any]) -> bool:
+    ctl = s["control"]
+    return decision.acts(
+        ctl.current_steps, live_adaptive=ctl.live_adaptive, live_config=ctl.live_adaptive_config
+    )
+
+
 def _decide(s: dict[str, Any]) -> Decision:
     pick = choose(s["history"], s["config"], s["control"].current_steps)
     return decide(s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"], pick)
@@ -441,10 +571,14 @@ PROPERTY = settings(max_examples=100, deadline=None)
 def test_target_is_always_in_the_allowed_range(s: dict[str, Any]) -> None:
     decision = _decide(s)
     cfg = s["config"]
-    assert (
-        decision.target_steps is None
-        or cfg.choose.min_steps <= decision.target_steps <= cfg.choose.max_steps
-    )
+    if decision.setting is not None:  # only an operator's pin names a setting
+        assert decision.reason is not Reason.CHANGE
+        assert decision.target_steps == (0 if decision.setting.kind == "off" else None)
+    else:
+        assert (
+            decision.target_steps is None
+            or cfg.choose.min_steps <= decision.target_steps <= cfg.choose.max_steps
+        )
     assert decision.message
     assert "\n" not in decision.message
 
@@ -454,7 +588,7 @@ def test_target_is_always_in_the_allowed_range(s: dict[str, Any]) -> None:
 def test_never_acts_outside_a_window_unless_a_pin_says_now(s: dict[str, Any]) -> None:
     decision = _decide(s)
     at = datetime.fromtimestamp(s["now"], tz=UTC)
-    if decision.acts(s["control"].current_steps) and not windows.is_open(s["config"].windows, at):
+    if _acts(decision, s) and not windows.is_open(s["config"].windows, at):
         assert _pin_now(s)
         assert decision.reason is Reason.OVERRIDE_PIN
 
@@ -466,7 +600,7 @@ def test_never_acts_beyond_the_restart_budget_unless_a_pin_says_now(s: dict[str,
     now = s["now"]
     used = sum(1 for t in s["control"].restart_times if t > now - DAY)
     if used >= s["config"].restart.daily_restart_budget:
-        assert not decision.acts(s["control"].current_steps) or _pin_now(s)
+        assert not _acts(decision, s) or _pin_now(s)
 
 
 @PROPERTY
@@ -481,7 +615,7 @@ def test_a_freeze_holds_whatever_the_input(s: dict[str, Any]) -> None:
     )
     decision = _decide(s)
     assert decision.reason is Reason.FROZEN
-    assert not decision.acts(s["control"].current_steps)
+    assert not _acts(decision, s)
     current = s["control"].current_steps
     if (
         current is not None
@@ -505,7 +639,7 @@ def test_missing_or_stale_data_never_acts_without_a_pin(s: dict[str, Any], kind:
     if o is not None and o.mode == "pin":
         s["override"] = None
     decision = _decide(s)
-    assert not decision.acts(s["control"].current_steps)
+    assert not _acts(decision, s)
     assert decision.reason in (Reason.FROZEN, Reason.NO_DATA, Reason.STALE_DATA)
 
 

@@ -207,6 +207,29 @@ def test_step_change_is_a_restart() -> None:
     assert history.record(obs(T0 + 10, running=1, steps=3)) is Recorded.WARMUP
 
 
+def test_adaptive_tiers_are_neither_restarts_nor_evidence_for_a_step_count() -> None:
+    history = History(NO_DECAY)
+    t = T0
+    for i in range(40):  # SGLang's adaptive mode moves between its tiers every few seconds
+        step = 3 if i % 3 else 4
+        seen = make_observation(
+            t,
+            running=6,
+            steps=step,
+            adaptive=True,
+            decode_tokens_total=1000.0 * i,
+            accept_length=2.5,
+            max_running_requests=13,
+        )
+        assert history.record(seen) is Recorded.COUNTED
+        t += 5
+    assert history.sglang_started_at is None
+    assert history.busy_seconds == pytest.approx(40 * 5)
+    assert history.throughput_table() == {}
+    assert history.accept_seconds(3) == history.accept_seconds(4) == 0
+    assert history.capacities == {}
+
+
 def test_a_marked_start_is_not_detected_again_on_the_new_step_count() -> None:
     history = History(NO_DECAY)
     history.record(obs(T0, running=1, steps=4))

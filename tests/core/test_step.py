@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -15,6 +16,8 @@ from specd.core import decide as decide_mod
 from specd.core.decide import Control, Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
+from specd.core.override import Override
+from specd.core.setting import SpecSetting, adaptive, adaptive_config_name, off
 from specd.core.step import StepContext, step
 from specd.io.config import Config
 
@@ -89,6 +92,52 @@ def test_the_live_step_count_comes_from_this_ticks_observation_only(
         assert not result.acts
     if current is None:
         assert "4" not in result.decision.message.split(";")[-1]
+
+
+ADAPTIVE_FILE = "/var/lib/specd/" + adaptive_config_name(adaptive((3, 4)))
+
+
+def _pinned(setting: SpecSetting) -> Override:
+    until = datetime.fromtimestamp(OPEN + 86400, tz=UTC)
+    return Override("pin", None, until, "try", "next-window", setting)
+
+
+@pytest.mark.parametrize(
+    ("observed", "override", "acts", "says"),
+    [
+        # Adaptive live: the tier's steps are not a setting, the policy's pick is a change.
+        (
+            make_observation(
+                OPEN, running=20, steps=3, adaptive=True, adaptive_config=ADAPTIVE_FILE
+            ),
+            None,
+            False,  # a change like any other: it must hold for the stabilization window
+            "stabilization window: adaptive → 3 waits",
+        ),
+        (
+            make_observation(
+                OPEN, running=20, steps=3, adaptive=True, adaptive_config=ADAPTIVE_FILE
+            ),
+            _pinned(adaptive((3, 4))),
+            False,
+            "already live",
+        ),
+        (observation(OPEN, steps=3), _pinned(adaptive((3, 4))), True, "3 → adaptive:3,4"),
+        # No speculation: the reader reports 0 steps.
+        (observation(OPEN, steps=0), _pinned(off()), False, "already live"),
+        (observation(OPEN, steps=4), _pinned(off()), True, "4 → off"),
+    ],
+)
+def test_the_live_setting_kind_comes_from_the_observation(
+    observed: Observation, override: Override | None, acts: bool, says: str
+) -> None:
+    ctx = replace(context(busy_history()), override=override)
+    result = step(ctx, observed, OPEN)
+    assert result.control.live_adaptive is observed.adaptive
+    assert result.control.live_adaptive_config == observed.adaptive_config
+    assert result.current == (None if observed.adaptive else observed.steps)
+    assert result.acts is acts, result.decision.message
+    assert says in result.decision.message
 
 
 def test_only_a_real_observation_is_noted_for_the_stabilization_window() -> None:

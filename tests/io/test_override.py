@@ -14,6 +14,7 @@ import pytest
 from specd.cli import main
 from specd.commands.args import parse_duration
 from specd.core.override import Override
+from specd.core.setting import adaptive, off
 from specd.io.override import ABSENT, read_override, write_override
 
 UTC = timezone.utc
@@ -54,6 +55,25 @@ def write(tmp_path: Path, text: str, mode: int = 0o644) -> Path:
         ),
         ('mode = "auto"\n', Override("auto", None, None, "", "next-window")),
         (
+            'mode = "pin"\nsetting = "off"\nexpires_at = 2026-05-01T16:00:00Z\n',
+            Override("pin", None, datetime(2026, 5, 1, 16, tzinfo=UTC), "", "next-window", off()),
+        ),
+        (
+            'mode = "pin"\nsetting = " adaptive:4,3 "\nexpires_at = 2026-05-01T16:00:00Z\n',
+            Override(
+                "pin",
+                None,
+                datetime(2026, 5, 1, 16, tzinfo=UTC),
+                "",
+                "next-window",
+                adaptive((3, 4)),
+            ),
+        ),
+        (  # a static setting is the same pin as steps = 4
+            'mode = "pin"\nsetting = "4"\nexpires_at = 2026-05-01T16:00:00Z\n',
+            Override("pin", 4, datetime(2026, 5, 1, 16, tzinfo=UTC), "", "next-window"),
+        ),
+        (
             'mode = "auto"\nexpires_at = 2020-01-01T00:00:00Z\n',
             Override("auto", None, datetime(2020, 1, 1, tzinfo=UTC), "", "next-window"),
         ),
@@ -90,6 +110,19 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
         ('mode = "freeze"\nsteps = 3\nexpires_at = 2026-05-02T00:00:00Z\n', "only allowed with"),
         ('mode = "auto"\napply = "immediately"\n', "apply: 'immediately' is not one of"),
         ('mode = "auto"\nreason = 42\n', "reason: expected a string"),
+        (
+            'mode = "pin"\nsteps = 3\nsetting = "off"\nexpires_at = 2026-05-01T16:00:00Z\n',
+            "give one of them, not both",
+        ),
+        ('mode = "freeze"\nsetting = "off"\nexpires_at = 2026-05-02T00:00:00Z\n', "setting: only"),
+        ('mode = "pin"\nsetting = 3\nexpires_at = 2026-05-01T16:00:00Z\n', "expected a string"),
+        ('mode = "pin"\nsetting = "banana"\nexpires_at = 2026-05-01T16:00:00Z\n', "'banana' is"),
+        ('mode = "pin"\nsetting = "9"\nexpires_at = 2026-05-01T16:00:00Z\n', "range 1..6"),
+        (
+            'mode = "pin"\nsetting = "adaptive:3,9"\nexpires_at = 2026-05-01T16:00:00Z\n',
+            "candidates 9 are outside the configured range 1..6",
+        ),
+        ('mode = "pin"\nsetting = "adaptive:"\nexpires_at = 2026-05-01T16:00:00Z\n', "setting:"),
     ],
 )
 def test_invalid_override(tmp_path: Path, text: str, problem: str) -> None:
@@ -272,6 +305,11 @@ def test_pin_writes_a_valid_file(
         (["pin", "1", "--for", "30m", "--reason", "r"], 2, None, None),  # below min_steps
         (["pin", "3", "--for", "soon", "--reason", "r"], 2, None, None),
         (["freeze", "--for", "31d", "--reason", "r"], 2, None, None),
+        (["pin", "off", "--for", "30m", "--reason", "r"], 0, "pin", "next-window"),
+        (["pin", "adaptive:3,4", "--for", "30m", "--reason", "r", "--now"], 0, "pin", "now"),
+        (["pin", "adaptive:3,6", "--for", "30m", "--reason", "r"], 2, None, None),
+        (["pin", "adaptive:", "--for", "30m", "--reason", "r"], 2, None, None),
+        (["pin", "sometimes", "--for", "30m", "--reason", "r"], 2, None, None),
     ],
 )
 def test_override_commands(
@@ -445,3 +483,30 @@ def test_writing_the_override_replaces_a_symlink_not_its_target(tmp_path: Path) 
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
     assert target.read_text() == "# keep\n"
     assert read_override(path, 1, 6, NOW, allowed_uids=OWN).valid
+
+
+@pytest.mark.parametrize(
+    ("argument", "steps", "setting", "says"),
+    [
+        ("4", 4, None, "specd runs 4 steps"),
+        ("off", None, off(), "specd runs no speculation"),
+        ("adaptive:4,3", None, adaptive((3, 4)), "SGLang's adaptive mode adaptive:3,4"),
+    ],
+)
+def test_pin_of_any_setting_round_trips(
+    setup: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    argument: str,
+    steps: int | None,
+    setting: object,
+    says: str,
+) -> None:
+    config, override = setup
+    argv = ["override", "pin", argument, "--for", "1h", "--reason", "try", "--config", str(config)]
+    assert main(argv) == 0
+    assert says in capsys.readouterr().out
+    status = read_override(override, 2, 5, datetime.now(UTC), allowed_uids=OWN)
+    assert status.override is not None
+    assert (status.override.steps, status.override.setting) == (steps, setting)
+    assert main(["override", "show", "--config", str(config)]) == 0
+    assert says in capsys.readouterr().out

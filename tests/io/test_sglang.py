@@ -304,6 +304,27 @@ OBSERVATIONS: list[tuple[str, str, dict[str, Any] | None, dict[str, Any]]] = [
         dict(running=13, queued=7),
     ),
     (
+        "adaptive mode names its config file",
+        "sglang-0.5.23-loaded.prom",
+        loaded_with(
+            speculative_adaptive=True,
+            speculative_adaptive_config="/var/lib/specd/adaptive-0123456789abcdef.json",
+        ),
+        dict(adaptive=True, adaptive_config="/var/lib/specd/adaptive-0123456789abcdef.json"),
+    ),
+    (
+        "adaptive mode with SGLang's default slots (no config file)",
+        "sglang-0.5.23-loaded.prom",
+        loaded_with(speculative_adaptive=True, speculative_adaptive_config=None),
+        dict(adaptive=True, adaptive_config=None),
+    ),
+    (
+        "a config file without adaptive mode is not adaptive",
+        "sglang-0.5.23-loaded.prom",
+        loaded_with(speculative_adaptive=False, speculative_adaptive_config="/x.json"),
+        dict(adaptive=False, adaptive_config=None),
+    ),
+    (
         "/server_info without the fields specd reads",
         "sglang-0.5.23-loaded.prom",
         {"version": 5, "internal_states": "x", "speculative_num_steps": "four"},
