@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import threading
 import time
@@ -192,7 +193,7 @@ def env_algorithm(data: bytes | None) -> str | None:
     if data is None:
         return None
     words = parse_env(data.decode("utf-8", errors="replace")).get(ENV_ARGS, "").split()
-    for word, following in zip(words, words[1:]):
+    for word, following in itertools.pairwise(words):
         if word == "--speculative-algorithm":
             return following
     return None
@@ -1077,9 +1078,8 @@ class Applier:
             if expected is not None and info.get("speculative_adaptive") is True:
                 # SGLang switching among candidates is not the static count asked for.
                 wrong.append("/server_info speculative_adaptive=true")
-            if expected is not None and "speculative_algorithm" in info:
-                if not info["speculative_algorithm"]:
-                    wrong.append("no speculative algorithm")
+            if expected is not None and info.get("speculative_algorithm", "x") in (None, ""):
+                wrong.append("no speculative algorithm")
             capacity = _capacity_from_info(info)
         if isinstance(obs, Observation):
             # The page's own gauges (0.5.13+): an Observation's steps may be /server_info's

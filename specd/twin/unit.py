@@ -14,6 +14,7 @@ status 1, so a bug that tries to do more than restart the unit shows up.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -142,7 +143,7 @@ class TwinUnitRunner:
     def steps(self) -> int:
         """The step count the speculative words ask for (0: none)."""
         words = self.speculative_args()
-        for word, following in zip(words, words[1:]):
+        for word, following in itertools.pairwise(words):
             if word == "--speculative-num-steps" and following.isdigit():
                 return int(following)
         return 0
