@@ -25,13 +25,15 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specd.core import windows
-from specd.core.decide import Decision, Pick, Reason, window_left_s
+from specd.core.decide import Decision, Reason, window_left_s
 from specd.core.history import History, HistorySettings, Recorded
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
+from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
 from specd.io import files, logs
-from specd.io.apply import Applier, ApplyOutcome
+from specd.io.apply import Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
@@ -92,10 +94,10 @@ class SGLangReader(Protocol):
 class RestartApplier(Protocol):
     """What the loop needs of the applier (`specd.io.apply.Applier`)."""
 
-    def apply(
+    def apply_setting(
         self,
-        target: int,
-        current: int | None,
+        target: SpecSetting,
+        current: SpecSetting | None,
         *,
         window_open: Callable[[], bool],
         force: bool = False,
@@ -170,6 +172,7 @@ class Daemon:
         self._rejected_logged: set[str] = set()
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
+        self.live_adaptive = False  # SGLang runs its adaptive mode (live_steps is then None)
         self.last_decision: Decision | None = None
         self._last_logged: tuple[str, int | None] | None = None
         self._last_decision_key: object = None
@@ -386,11 +389,12 @@ class Daemon:
         decision = outcome.decision
         self.last_decision = decision
         self.live_steps = outcome.current
+        self.live_adaptive = outcome.control.live_adaptive
         self._note_live(outcome.current, now, "observation")
         self._report_predictions(outcome)
-        changed = self._report_decision(decision, outcome.current, now, outcome.pick)
+        changed = self._report_decision(decision, outcome, now)
         if outcome.acts:
-            self._apply(decision, outcome.current, override, now)
+            self._apply(decision, outcome, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
         # What `specd status` shows must not lag a change of decision by a save interval.
@@ -491,11 +495,11 @@ class Daemon:
     def _report_decision(
         self,
         decision: Decision,
-        current: int | None,
+        outcome: StepResult,
         now: float,
-        pick: Pick | None,
     ) -> bool:
         """Export and log the decision; True when it differs from the previous one."""
+        current, pick = outcome.current, outcome.pick
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
         self.state.last_decision = {
@@ -508,13 +512,17 @@ class Daemon:
         key = (decision.reason.value, target)
         changed = (key, current) != self._last_decision_key
         self._last_decision_key = (key, current)
-        acts = decision.acts(current)
+        acts = outcome.acts
         if acts or key != self._last_logged or now - self._last_logged_at >= DECISION_RELOG_S:
             self.log.info(
                 "decision",
                 reason=decision.reason.value,
                 target_steps=target,
+                target_setting=format_setting(wanted)
+                if (wanted := decision.target_setting)
+                else None,
                 current_steps=current,
+                live_adaptive=outcome.control.live_adaptive,
                 acts=acts,
                 message=decision.message,
                 recommendation=pick.steps if pick else None,
@@ -539,9 +547,14 @@ class Daemon:
         return left is not None and left >= self._restart_needs_s()
 
     def _apply(
-        self, decision: Decision, current: int | None, override: Override | None, now: float
+        self, decision: Decision, outcome: StepResult, override: Override | None, now: float
     ) -> None:
-        assert decision.target_steps is not None
+        target = decision.target_setting
+        assert target is not None  # Decision.acts() is never true without one
+        # Under SGLang's adaptive mode its candidates are not known here: "unknown", so
+        # the applier never takes SGLang for running the target already.
+        current = outcome.current
+        live = None if outcome.control.live_adaptive else setting_of_steps(current)
         force = (
             override is not None
             and override.mode == "pin"
@@ -549,26 +562,35 @@ class Daemon:
             and decision.reason is Reason.OVERRIDE_PIN
         )
         self.metrics.restart_in_progress.set(1)
-        self.notifier.status(f"restarting SGLang: steps {current} → {decision.target_steps}")
+        was = format_setting(live) if live is not None else "unknown"
+        wanted = format_setting(target)
+        self.notifier.status(f"restarting SGLang: {was} → {wanted}")
         self.log.info(
-            "restart_begin", from_steps=current, to_steps=decision.target_steps, forced=force
+            "restart_begin",
+            from_steps=current,
+            to_steps=decision.target_steps,
+            from_setting=was,
+            to_setting=wanted,
+            forced=force,
         )
         try:
-            outcome = self.applier.apply(
-                decision.target_steps,
-                current,  # None when unknown: never pretend SGLang runs the target already
+            applied = self.applier.apply_setting(
+                target,
+                live,
                 window_open=self._window_open,
                 force=force,
             )
         finally:
             self.metrics.restart_in_progress.set(0)
-        self._record_outcome(outcome, self.clock())
+        self._record_outcome(applied, self.clock())
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:
         log = self.log.bind(
             result=outcome.result,
             from_steps=outcome.from_steps,
             to_steps=outcome.to_steps,
+            from_setting=outcome.from_setting,
+            to_setting=outcome.to_setting,
             duration_s=round(outcome.duration_s, 1),
             message=outcome.message,
         )
@@ -584,6 +606,8 @@ class Daemon:
                 "t": now,
                 "from_steps": outcome.from_steps,
                 "to_steps": outcome.to_steps,
+                "from_setting": outcome.from_setting,
+                "to_setting": outcome.to_setting,
                 "result": outcome.result,
                 "duration_s": outcome.duration_s,
                 "message": outcome.message,
@@ -601,11 +625,15 @@ class Daemon:
             self._note_live(None, now, "failed restart")
         if outcome.result == "success":
             self._note_live(outcome.to_steps, now, "verified restart")
+            before, after = _kind_of(outcome.from_setting), _kind_of(outcome.to_setting)
+            if before is not None and after is not None:
+                self.metrics.setting_changes.labels(from_kind=before, to_kind=after).inc()
             log.info("restart_done", capacity=outcome.capacity)
         else:
             self.state.frozen = {
                 "since": now,
-                "reason": f"restart to {outcome.to_steps} {outcome.result}: {outcome.message}",
+                "reason": f"restart to {outcome.to_setting or outcome.to_steps} "
+                f"{outcome.result}: {outcome.message}",
             }
             log.error("restart_failed_frozen")
         self._save_state(force=True)
@@ -635,6 +663,7 @@ class Daemon:
         m = self.metrics
         obs = self.last_obs
         m.steps_current.set(self.live_steps if self.live_steps is not None else float("nan"))
+        m.set_setting_kind(_live_kind(self.live_steps, self.live_adaptive))
         if obs is not None:
             m.offered_concurrency_now.set(obs.offered)
         history: History = self.state.history
@@ -676,9 +705,10 @@ class Daemon:
     def _status_text(self) -> str:
         d = self.last_decision
         live = self.live_steps
-        parts = [f"steps {live if live is not None else '?'}"]
+        parts = ["adaptive" if self.live_adaptive else f"steps {live if live is not None else '?'}"]
         if d is not None:
-            parts.append(f"target {d.target_steps}")
+            wanted = d.target_setting
+            parts.append(f"target {format_setting(wanted) if wanted else d.target_steps}")
             parts.append(d.reason.value)
         mode = self.override.good.mode if self.override.good else "auto"
         parts.append(f"mode {mode}")
@@ -690,3 +720,22 @@ class Daemon:
 def _band_boundary(config: Config) -> float:
     first = config.bands[0].max_concurrency if config.bands else None
     return float(first) if first is not None else float("nan")
+
+
+def _live_kind(steps: int | None, adaptive: bool) -> str:
+    """The kind label of what SGLang runs: steps 0 is no drafting."""
+    if adaptive:
+        return "adaptive"
+    if steps is None:
+        return "unknown"
+    return "off" if steps == 0 else "static"
+
+
+def _kind_of(text: str | None) -> str | None:
+    """The kind of a setting in its text form (the applier's outcome), None if unknown."""
+    if text is None:
+        return None
+    try:
+        return parse_setting(text).kind
+    except ValueError:
+        return None

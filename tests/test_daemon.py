@@ -26,8 +26,10 @@ from prometheus_client import CollectorRegistry
 from specd.core.decide import Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
+from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
+from specd.core.setting import parse as parse_setting
 from specd.daemon import Daemon
-from specd.io.apply import ApplyOutcome
+from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
 from specd.io.notify import Notifier
 from specd.io.state import STATE_FILE
@@ -57,19 +59,30 @@ class Applier:
     """Records what the daemon asked; the restart succeeds at once."""
 
     def __init__(self, stop_timeout_s: float = 0.0) -> None:
-        self.calls: list[tuple[int, int | None]] = []
+        self.calls: list[tuple[str, str | None]] = []
         self._stop_timeout_s = stop_timeout_s
 
-    def apply(
+    def apply_setting(
         self,
-        target: int,
-        current: int | None,
+        target: SpecSetting,
+        current: SpecSetting | None,
         *,
         window_open: Callable[[], bool],
         force: bool = False,
     ) -> ApplyOutcome:
-        self.calls.append((target, current))
-        return ApplyOutcome("success", current, target, 1.0, "verified", 13, 1)
+        was = format_setting(current) if current is not None else None
+        self.calls.append((format_setting(target), was))
+        return ApplyOutcome(
+            "success",
+            setting_steps(current),
+            setting_steps(target),
+            1.0,
+            "verified",
+            13,
+            1,
+            from_setting=was,
+            to_setting=format_setting(target),
+        )
 
     def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
         return None
@@ -154,7 +167,7 @@ def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed
     clock[0] += 5
     decision = d.tick()
     assert decision.reason is Reason.OVERRIDE_PIN
-    assert applier.calls == [(4, None)]
+    assert applier.calls == [("4", None)]
 
 
 def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Path) -> None:
@@ -164,7 +177,7 @@ def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Pa
     applier = Applier()
     d = daemon(cfg, reader, applier, clock)
     d.tick()  # wants 4, changes: the restart outcome is saved with what now runs
-    assert applier.calls == [(4, 3)]
+    assert applier.calls == [("4", "3")]
     state = saved(cfg)
     assert state["live"] == {"t": IN_WINDOW, "steps": 4, "source": "verified restart"}
     assert state["restarts"][-1]["to_steps"] == 4
@@ -180,6 +193,72 @@ def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Pa
     clock[0] += 5
     d.tick()
     assert saved(cfg)["last_decision"]["t"] == IN_WINDOW + 5
+
+
+ADAPTIVE_34 = "/var/lib/specd/" + adaptive_config_name(parse_setting("adaptive:3,4"))
+
+
+@pytest.mark.parametrize(
+    ("live", "pin", "call", "kind_after", "status"),
+    [
+        # (what SGLang runs: steps or an adaptive config file; the pin; what the applier is
+        # asked: (target, live setting); the kind exported after; the status text's head)
+        (3, "off", ("off", "3"), "off", "steps 0"),
+        (3, "adaptive:3,4", ("adaptive:3,4", "3"), "adaptive", "adaptive"),
+        # Under adaptive the live candidates are not known: the applier hears "unknown".
+        (ADAPTIVE_34, "4", ("4", None), "static", "steps 4"),
+        (0, "4", ("4", "off"), "static", "steps 4"),
+        # The pinned adaptive config already runs (its content-addressed name): no restart.
+        (ADAPTIVE_34, "adaptive:3,4", None, "adaptive", "adaptive"),
+        (0, "off", None, "off", "steps 0"),
+    ],
+)
+def test_a_pin_of_any_kind_is_applied_as_that_setting(
+    tmp_path: Path,
+    live: int | str,
+    pin: str,
+    call: tuple[str, str | None] | None,
+    kind_after: str,
+    status: str,
+) -> None:
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    if isinstance(live, str):
+        seen = make_observation(IN_WINDOW, steps=3, running=1, adaptive=True, adaptive_config=live)
+    else:
+        seen = obs(IN_WINDOW, steps=live)
+    applier = Applier()
+    d = daemon(cfg, Reader([seen]), applier, clock)
+    expires = datetime.fromtimestamp(IN_WINDOW + 3600, tz=UTC)
+    override = {"mode": "pin", "setting": pin, "expires_at": expires, "reason": "incident"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(override))
+    os.chmod(cfg.files.override_file, 0o600)
+    decision = d.tick()
+    assert decision.reason is Reason.OVERRIDE_PIN, decision.message
+    assert applier.calls == ([call] if call else [])
+    registry = d.metrics.registry
+    if call is None:
+        live_kind = kind_after
+    else:
+        live_kind = parse_setting(call[0]).kind
+        before = "adaptive" if isinstance(live, str) else "off" if live == 0 else "static"
+        changes = registry.get_sample_value(
+            "specd_setting_changes_total", {"from_kind": before, "to_kind": kind_after}
+        )
+        assert changes == (1.0 if call[1] is not None else 0.0)  # unknown → not counted
+        assert saved(cfg)["restarts"][-1]["to_setting"] == call[0]
+    # The next tick sees what the restart left (the script repeats its observation, so
+    # only a restart-free case keeps its live kind): the kind gauge follows the live one.
+    if call is None:
+        assert registry.get_sample_value("specd_setting_kind", {"kind": live_kind}) == 1.0
+        assert d._status_text().startswith(status)
+    assert (
+        sum(
+            registry.get_sample_value("specd_setting_kind", {"kind": k}) or 0.0
+            for k in ("off", "static", "adaptive", "unknown")
+        )
+        == 1.0
+    )
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,14 @@ class SGLangSettings(BaseModel):
         description="Environment file the SGLang unit reads (EnvironmentFile=-); specd writes "
         "SPECULATIVE_NUM_STEPS and SPECULATIVE_NUM_DRAFT_TOKENS into it. Absolute path.",
     )
+    speculative_algorithm: str | None = Field(
+        default=None,
+        pattern=r"^[A-Z0-9_]{1,32}$",
+        description="SGLang's --speculative-algorithm (EAGLE, EAGLE3, NEXTN, STANDALONE) specd "
+        "writes with a static or adaptive setting; `specd install` sets it from the unit. "
+        "Unset: the one in the env file specd last wrote (a static setting without either "
+        "is written as step variables only).",
+    )
     apply_mode: Literal["static-topk1"] = Field(
         default="static-topk1",
         description="How steps are applied: steps K, eagle topk 1, draft tokens K+1.",

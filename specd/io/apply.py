@@ -1,4 +1,4 @@
-"""Apply a step count to SGLang: env file + `systemctl restart`, verified, journalled.
+"""Apply a speculative setting to SGLang: env file + `systemctl restart`, verified, journalled.
 
 The only module that touches systemd or SGLang's env file. One sequence::
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
+import json
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +34,17 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from specd.core.observation import Observation, ScrapeError
-from specd.core.setting import SpecSetting, adaptive_config_name, adaptive_config_text, sglang_args
+from specd.core.setting import (
+    SpecSetting,
+    adaptive_config_name,
+    adaptive_config_text,
+    format_setting,
+    mismatch,
+    sglang_args,
+    static,
+)
+from specd.core.setting import off as setting_off
+from specd.core.setting import parse as parse_setting
 from specd.core.settings import ChooseSettings, RestartSettings, Settings, SGLangSettings
 from specd.io import files, logs
 from specd.io.runner import Runner
@@ -178,6 +190,38 @@ def read_env_steps(path: Path | str) -> int | None:
     return int(value)
 
 
+def env_algorithm(data: bytes | None) -> str | None:
+    """The --speculative-algorithm an env file of the setting form names; None without one
+    (no file, the step-variable form, or "off")."""
+    if data is None:
+        return None
+    words = parse_env(data.decode("utf-8", errors="replace")).get(ENV_ARGS, "").split()
+    for word, following in itertools.pairwise(words):
+        if word == "--speculative-algorithm":
+            return following
+    return None
+
+
+def setting_steps(setting: SpecSetting | None) -> int | None:
+    """The step count an outcome reports (the daemon still speaks steps): K for static, 0
+    for off (no drafting), None for adaptive (SGLang picks among its candidates)."""
+    if setting is None or setting.kind == "adaptive":
+        return None
+    return setting.steps if setting.kind == "static" else 0
+
+
+def setting_of_steps(steps: int | None) -> SpecSetting | None:
+    """A step count as a setting: 0 is no drafting (off); None or out of range: unknown."""
+    if steps is None:
+        return None
+    if steps == 0:
+        return setting_off()
+    try:
+        return static(steps)
+    except ValueError:
+        return None
+
+
 def _read_env_bytes(path: Path) -> bytes | None:
     """The env file's bytes, None when it does not exist. Raises ``files.FileReadError``.
 
@@ -220,6 +264,10 @@ class Journal:
 
     ``previous_env`` is the env file before specd wrote it (None: there was none), so a
     rollback restores it byte for byte; non-UTF-8 content is kept in base64.
+    ``to_setting``/``from_setting`` are the settings in their text form (``format_setting``);
+    a journal written before settings existed has only the step counts, read as static.
+    ``written_env`` is the env file this sequence wrote, so a resumed sequence can tell
+    whether the file still asks for the target.
     ``restarts_issued`` counts restart commands issued (or about to be: it is persisted
     first): 1 for the change, 2 once the rollback restart went out. ``attempt`` counts runs
     of this sequence: 1 by ``apply``, +1 each time ``reconcile`` resumes it.
@@ -227,7 +275,7 @@ class Journal:
 
     phase: str
     from_steps: int | None
-    to_steps: int
+    to_steps: int | None
     unit: str
     env_file: str
     previous_env: str | None
@@ -241,6 +289,9 @@ class Journal:
     capacity: int | None = None
     messages: list[str] = field(default_factory=list)
     version: int = JOURNAL_VERSION
+    from_setting: str | None = None
+    to_setting: str | None = None
+    written_env: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -277,10 +328,30 @@ class Journal:
                 raise JournalError(f"restart journal {name} {value!r} is not a string")
             return value
 
+        def opt_text(name: str) -> str | None:
+            return None if data.get(name) is None else text(name)
+
         to_steps = opt_int("to_steps")
+        from_steps = opt_int("from_steps")
         started_at = opt_float("started_at")
-        if to_steps is None or started_at is None:
+        to_setting = opt_text("to_setting")
+        from_setting = opt_text("from_setting")
+        if (to_steps is None and to_setting is None) or started_at is None:
             raise JournalError("restart journal lacks to_steps or started_at")
+        for name, setting_text, steps in (
+            ("to_setting", to_setting, to_steps),
+            ("from_setting", from_setting, from_steps),
+        ):
+            if setting_text is None:
+                continue
+            try:
+                setting = parse_setting(setting_text)
+            except ValueError as exc:
+                raise JournalError(f"restart journal {name}: {exc}") from None
+            if steps is not None and setting_steps(setting) != steps:
+                raise JournalError(
+                    f"restart journal {name} {setting_text!r} contradicts its step count {steps}"
+                )
         previous = data.get("previous_env")
         if previous is not None and not isinstance(previous, str):
             raise JournalError("restart journal previous_env is not a string")
@@ -296,7 +367,7 @@ class Journal:
             raise JournalError("restart journal messages is not a list")
         return cls(
             phase=str(phase),
-            from_steps=opt_int("from_steps"),
+            from_steps=from_steps,
             to_steps=to_steps,
             unit=text("unit"),
             env_file=text("env_file"),
@@ -312,7 +383,23 @@ class Journal:
             finished_at=opt_float("finished_at"),
             capacity=opt_int("capacity"),
             messages=[str(m) for m in messages],
+            from_setting=from_setting,
+            to_setting=to_setting,
+            written_env=opt_text("written_env"),
         )
+
+    def target(self) -> SpecSetting:
+        """The setting asked for (from_dict has checked it parses)."""
+        if self.to_setting is not None:
+            return parse_setting(self.to_setting)
+        assert self.to_steps is not None
+        return static(self.to_steps)
+
+    def previous(self) -> SpecSetting | None:
+        """The setting SGLang ran before; None when unknown."""
+        if self.from_setting is not None:
+            return parse_setting(self.from_setting)
+        return setting_of_steps(self.from_steps)
 
     def previous_bytes(self) -> bytes | None:
         return decode_env(self.previous_env, self.previous_env_encoding)
@@ -332,6 +419,10 @@ class ApplyOutcome:
     message: str
     capacity: int | None
     restarts_issued: int = 0
+    # The settings in their text form (format_setting); from_steps/to_steps are their step
+    # counts (setting_steps), for a caller that speaks steps.
+    from_setting: str | None = None
+    to_setting: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -395,9 +486,11 @@ class Applier:
         verify_attempts: int = 3,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        config_dir: Path | None = None,
     ) -> None:
-        """``sglang``/``choose``/``restart`` are the config's tables. The rest is pacing,
-        not configuration: how often to look for a quiet moment (the daemon's scrape
+        """``sglang``/``choose``/``restart`` are the config's tables; ``config_dir`` is where
+        adaptive configs go (the state dir; by default beside the env file). The rest is
+        pacing, not configuration: how often to look for a quiet moment (the daemon's scrape
         interval), how often to probe health, how many verification reads to make."""
         if not (quiet_poll_interval_s > 0 and health_poll_interval_s > 0 and verify_attempts > 0):
             raise ValueError("poll intervals and verify_attempts must be > 0")
@@ -409,6 +502,7 @@ class Applier:
         self.verify_attempts = verify_attempts
         self.client = client
         self.runner = runner
+        self.config_dir = Path(sglang.env_file).parent if config_dir is None else config_dir
         self._persist_cb = persist
         self._stop = stop
         self._clock = clock
@@ -432,6 +526,7 @@ class Applier:
     ) -> Applier:
         """An applier for the whole config: quiet moments are looked for once per scrape."""
         pacing.setdefault("quiet_poll_interval_s", settings.observe.scrape_interval_s)
+        pacing.setdefault("config_dir", settings.files.state_dir)
         return cls(
             settings.sglang,
             settings.choose,
@@ -452,7 +547,31 @@ class Applier:
         window_open: Callable[[], bool],
         force: bool = False,
     ) -> ApplyOutcome:
-        """Change SGLang to ``target`` steps. ``force`` ignores the window (override now)."""
+        """Change SGLang to ``target`` steps (static); ``apply_setting`` of ``static(target)``.
+        ``current`` 0 is no drafting (off); None is unknown."""
+        try:
+            wanted = static(target)
+        except ValueError:
+            return self._aborted(
+                setting_of_steps(current),
+                None,
+                f"target {target} outside {self.choose.min_steps}..{self.choose.max_steps}",
+                to_steps=target,
+            )
+        return self.apply_setting(
+            wanted, setting_of_steps(current), window_open=window_open, force=force
+        )
+
+    def apply_setting(
+        self,
+        target: SpecSetting,
+        current: SpecSetting | None,
+        *,
+        window_open: Callable[[], bool],
+        force: bool = False,
+    ) -> ApplyOutcome:
+        """Change SGLang to ``target`` (off, static K or adaptive). ``force`` ignores the
+        window (override now). ``current`` None: what SGLang runs is unknown."""
         self._restart_started = None
         self._journal = None
         try:
@@ -463,17 +582,44 @@ class Applier:
                 return self._aborted(current, target, f"internal error: {exc!r}")
             return self._recover(self._journal, exc)
 
-    def _apply(
-        self, target: int, current: int | None, window_open: Callable[[], bool], force: bool
-    ) -> ApplyOutcome:
-        if not self.choose.min_steps <= target <= self.choose.max_steps:
-            return self._aborted(
-                current,
-                target,
-                f"target {target} outside {self.choose.min_steps}..{self.choose.max_steps}",
+    def _out_of_range(self, target: SpecSetting) -> str | None:
+        low, high = self.choose.min_steps, self.choose.max_steps
+        steps = {"static": (target.steps,), "adaptive": target.candidates}.get(target.kind, ())
+        outside = [s for s in steps if s is None or not low <= s <= high]
+        if not outside:
+            return None
+        return f"target {format_setting(target)} outside {low}..{high}"
+
+    def _render(self, target: SpecSetting, previous: bytes | None) -> bytes:
+        """The env file for ``target``. The algorithm comes from the config, else from the
+        setting-form env file in place (specd or install wrote it); a static target with
+        neither keeps the step-variable form, which a drop-in of that form reads. Raises
+        ValueError (one line) when the target cannot be written."""
+        if target.kind == "off":
+            return render_setting_env(target, algorithm="", config_dir=self.config_dir).encode()
+        algorithm = self.sglang.speculative_algorithm or env_algorithm(previous)
+        if algorithm is None:
+            if target.kind == "static":
+                assert target.steps is not None
+                return render_env(target.steps).encode()
+            raise ValueError(
+                f"cannot write {format_setting(target)}: the speculative algorithm is unknown "
+                "(set [sglang] speculative_algorithm, as `specd install` does)"
             )
+        return render_setting_env(target, algorithm=algorithm, config_dir=self.config_dir).encode()
+
+    def _apply(
+        self,
+        target: SpecSetting,
+        current: SpecSetting | None,
+        window_open: Callable[[], bool],
+        force: bool,
+    ) -> ApplyOutcome:
+        problem = self._out_of_range(target)
+        if problem is not None:
+            return self._aborted(current, target, problem)
         if target == current:
-            return self._aborted(current, target, f"SGLang already runs {target} steps")
+            return self._aborted(current, target, f"SGLang already runs {_describe(target)}")
 
         # The window check below (window_open) counts the unit's real stop timeout.
         self.read_stop_timeout()
@@ -486,21 +632,28 @@ class Applier:
             previous = _read_env_bytes(env_path)
         except (OSError, ValueError) as exc:
             return self._aborted(current, target, f"cannot back up env file: {exc}")
+        try:
+            new_env = self._render(target, previous)
+        except ValueError as exc:
+            return self._aborted(current, target, str(exc))
         prev_text, prev_encoding = encode_env(previous)
         journal = Journal(
             phase="planned",
-            from_steps=current,
-            to_steps=target,
+            from_steps=setting_steps(current),
+            to_steps=setting_steps(target),
             unit=self.sglang.unit,
             env_file=str(env_path),
             previous_env=prev_text,
             previous_env_encoding=prev_encoding,
             started_at=self._clock(),
+            from_setting=None if current is None else format_setting(current),
+            to_setting=format_setting(target),
+            written_env=new_env.decode(),
         )
-        journal.note(f"{current} → {target} steps")
+        journal.note(f"{_describe(current)} → {_describe(target)}")
         self._journal = journal
         self._persist(journal)
-        return self._forward(journal, previous)
+        return self._forward(journal, previous, new_env)
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None:
         """Finish a sequence a previous specd left unfinished (it was killed)."""
@@ -544,11 +697,21 @@ class Applier:
                 f"{reason}; rollback failed too: {again!r}; {restored}",
                 None,
                 journal.restarts_issued,
+                journal.from_setting,
+                journal.to_setting,
             )
 
     # -- forward --------------------------------------------------------------------
-    def _forward(self, journal: Journal, previous: bytes | None) -> ApplyOutcome:
-        new_env = render_env(journal.to_steps).encode()
+    def _forward(self, journal: Journal, previous: bytes | None, new_env: bytes) -> ApplyOutcome:
+        target = journal.target()
+        if target.kind == "adaptive":
+            # Before the env file names it: SGLang must never start on a half-written or
+            # missing config. Content-addressed, so a config in use is never rewritten.
+            try:
+                path = write_adaptive_config(target, self.config_dir)
+            except OSError as exc:
+                return self._env_write_failed(journal, exc, what="the adaptive config")
+            journal.note(f"wrote {path}")
         if new_env != previous:
             try:
                 files.write_atomic(self.sglang.env_file, new_env, mode=ENV_FILE_MODE)
@@ -572,15 +735,17 @@ class Applier:
         if not healthy:
             return self._rollback(journal, why, maybe_untouched=False)
         self._set_phase(journal, "verifying", why)
-        live = self._verify(journal.to_steps)
+        live = self._verify(journal.target())
         if not live.ok:
             return self._rollback(journal, live.message, maybe_untouched=False)
         journal.capacity = live.capacity
         return self._finish(journal, "done", live.message)
 
-    def _env_write_failed(self, journal: Journal, exc: OSError) -> ApplyOutcome:
+    def _env_write_failed(
+        self, journal: Journal, exc: OSError, what: str | None = None
+    ) -> ApplyOutcome:
         # Nothing was restarted; only make sure the file is what it was.
-        problem = f"writing {self.sglang.env_file} failed: {exc}"
+        problem = f"writing {what or self.sglang.env_file} failed: {exc}"
         restored = self._restore_env(journal)
         if restored is not None:
             journal.note(problem)
@@ -595,7 +760,12 @@ class Applier:
         failed, or specd died around it); if SGLang is healthy on the old steps, restoring
         the file is enough and a restart would only cost minutes of serving.
         """
-        self.log.warning("restart_rolling_back", reason=reason, to_steps=journal.to_steps)
+        self.log.warning(
+            "restart_rolling_back",
+            reason=reason,
+            to_steps=journal.to_steps,
+            to_setting=journal.to_setting,
+        )
         journal.phase = "rolling_back"
         journal.rollback_reason = reason
         journal.note(reason)
@@ -608,13 +778,13 @@ class Applier:
         journal.note("env file restored")
         self._persist(journal)
 
-        # Without the previous steps there is no telling the old server from the new one.
+        # Without the previous setting there is no telling the old server from the new one.
         if (
             maybe_untouched
-            and journal.from_steps is not None
+            and journal.previous() is not None
             and self.client.health_generate(self._probe_timeout(None)) is HealthStatus.OK
         ):
-            live = self._verify(journal.from_steps)
+            live = self._verify(journal.previous())
             if live.ok:
                 journal.capacity = live.capacity
                 return self._finish(
@@ -637,7 +807,7 @@ class Applier:
         healthy, why = self._wait_healthy()
         if not healthy:
             return self._finish(journal, "failed", f"{reason}; after rollback {why}")
-        live = self._verify(journal.from_steps)
+        live = self._verify(journal.previous())
         if not live.ok:
             return self._finish(journal, "failed", f"{reason}; after rollback {live.message}")
         journal.capacity = live.capacity
@@ -712,14 +882,28 @@ class Applier:
         healthy, why = self._wait_healthy()
         if not healthy:
             return self._rollback(journal, f"after specd restarted: {why}", maybe_untouched=False)
-        env_steps = read_env_steps(self.sglang.env_file)
-        live = self._verify(journal.to_steps)
-        if live.ok and env_steps == journal.to_steps:
+        env_problem = self._env_not_target(journal)
+        live = self._verify(journal.target())
+        if live.ok and env_problem is None:
             journal.capacity = live.capacity
             self._set_phase(journal, "verifying", "healthy after specd restarted")
             return self._finish(journal, "done", live.message)
-        why = live.message if not live.ok else f"env file says {env_steps}"
-        return self._rollback(journal, f"after specd restarted: {why}", maybe_untouched=True)
+        reason = live.message if not live.ok else (env_problem or "")
+        return self._rollback(journal, f"after specd restarted: {reason}", maybe_untouched=True)
+
+    def _env_not_target(self, journal: Journal) -> str | None:
+        """Why the env file no longer asks for the target (None: it does). A journal from
+        before ``written_env`` is compared by step count, as then."""
+        if journal.written_env is None:
+            env_steps = read_env_steps(self.sglang.env_file)
+            return None if env_steps == journal.to_steps else f"env file says {env_steps}"
+        try:
+            current = _read_env_bytes(self.sglang.env_file)
+        except (OSError, ValueError) as exc:
+            return f"env file unreadable: {exc}"
+        if current != journal.written_env.encode():
+            return f"env file no longer asks for {_describe(journal.target())}"
+        return None
 
     def _reconcile_unreadable(self, data: Any, problem: str) -> ApplyOutcome:
         # Without a trustworthy journal the previous env file is unknown: leave files and
@@ -829,16 +1013,45 @@ class Applier:
             time.sleep(min(left, 0.5))
 
     # -- verification ---------------------------------------------------------------
-    def _verify(self, expected: int | None) -> _Live:
-        """Does SGLang run ``expected`` steps (topk 1, draft tokens + 1)? Reads capacity."""
+    def _verify(self, expected: SpecSetting | None) -> _Live:
+        """Does SGLang run ``expected``? Reads capacity too."""
         last = _Live(False, "no verification read")
         for attempt in range(self.verify_attempts):
             if attempt:
                 self._pause(self.health_poll_interval_s)
-            last = self._read_live(expected)
+            if expected is None or expected.kind == "static":
+                last = self._read_live(None if expected is None else expected.steps)
+            else:
+                last = self._read_live_kind(expected)
             if last.ok or last.mismatch:
                 return last
         return last
+
+    def _read_live_kind(self, expected: SpecSetting) -> _Live:
+        """Off or adaptive: /server_info must say which (``mismatch``), and the live
+        ``sglang:spec_num_steps`` must be a step count the setting runs."""
+        info = self.client.server_info()
+        obs = self.client.observe()
+        page = self.client.last_page if isinstance(obs, Observation) else None
+        capacity = _capacity_from_info(info) if isinstance(info, dict) else None
+        if isinstance(obs, Observation) and obs.max_running_requests is not None:
+            capacity = obs.max_running_requests
+        if isinstance(info, ScrapeError):
+            return _Live(False, f"cannot verify {_describe(expected)}: {info.reason}")
+        key = "speculative_algorithm" if expected.kind == "off" else "speculative_adaptive"
+        if key not in info:
+            return _Live(False, f"cannot verify {_describe(expected)}: /server_info lacks {key}")
+        live_steps = None if page is None else page.steps
+        # 0 is also a gauge not yet set; it counts only where the setting can run 0.
+        if live_steps == 0 and expected.kind == "adaptive" and not expected.uses_slot_zero:
+            live_steps = None
+        wrong = mismatch(expected, info, live_steps)
+        if wrong is not None:
+            return _Live(False, "SGLang runs something else: " + wrong, capacity, mismatch=True)
+        seen = [f"/server_info {key}={json.dumps(info.get(key))}"]
+        if live_steps is not None:
+            seen.append(f"metrics steps={live_steps}")
+        return _Live(True, f"verified {_describe(expected)} ({', '.join(seen)})", capacity)
 
     def _read_live(self, expected: int | None) -> _Live:
         info = self.client.server_info()
@@ -867,6 +1080,11 @@ class Applier:
             if topk in (None, 1):
                 draft = _as_int(info.get("speculative_num_draft_tokens"))
                 check(info_source, "draft_tokens", draft, draft_want)
+            if expected is not None and info.get("speculative_adaptive") is True:
+                # SGLang switching among candidates is not the static count asked for.
+                wrong.append(f"{info_source} speculative_adaptive=true")
+            if expected is not None and info.get("speculative_algorithm", "x") in (None, ""):
+                wrong.append("no speculative algorithm")
             capacity = _capacity_from_info(info)
         if isinstance(obs, Observation):
             # The page's own gauges (0.5.13+): an Observation's steps may be /server_info's
@@ -929,8 +1147,45 @@ class Applier:
             message,
             journal.capacity,
             journal.restarts_issued,
+            journal.from_setting,
+            journal.to_setting,
         )
 
-    def _aborted(self, current: int | None, target: int, message: str) -> ApplyOutcome:
-        self.log.info("restart_aborted", from_steps=current, to_steps=target, reason=message)
-        return ApplyOutcome("aborted", current, target, 0.0, message, None, 0)
+    def _aborted(
+        self,
+        current: SpecSetting | None,
+        target: SpecSetting | None,
+        message: str,
+        *,
+        to_steps: int | None = None,
+    ) -> ApplyOutcome:
+        """Nothing was changed. ``to_steps`` stands in for a target that is no setting."""
+        outcome = ApplyOutcome(
+            "aborted",
+            setting_steps(current),
+            setting_steps(target) if target is not None else to_steps,
+            0.0,
+            message,
+            None,
+            0,
+            None if current is None else format_setting(current),
+            None if target is None else format_setting(target),
+        )
+        self.log.info(
+            "restart_aborted",
+            from_setting=outcome.from_setting,
+            to_setting=outcome.to_setting,
+            from_steps=outcome.from_steps,
+            to_steps=outcome.to_steps,
+            reason=message,
+        )
+        return outcome
+
+
+def _describe(setting: SpecSetting | None) -> str:
+    """A setting for messages: "4 steps", "off", "adaptive:3,4"; "unknown" for None."""
+    if setting is None:
+        return "unknown"
+    if setting.kind == "static":
+        return f"{setting.steps} steps"
+    return format_setting(setting)

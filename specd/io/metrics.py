@@ -20,6 +20,9 @@ from specd.core.observation import CHECKED_FIELDS
 RESTART_RESULTS = ("success", "rolled_back", "failed")
 SCRAPE_ERROR_KINDS = ("timeout", "refused", "http_status", "malformed", "missing")
 MODES = ("auto", "pin", "freeze")
+# The kind of speculative setting SGLang runs (specd.core.setting.Kind) or "unknown".
+SETTING_KINDS = ("off", "static", "adaptive", "unknown")
+CHANGE_KINDS = ("off", "static", "adaptive")
 OFFERED_QUANTILES = ("0.5", "0.9", "0.99")
 # Restarts of a 100B+ model take minutes; buckets reach 30 minutes.
 RESTART_DURATION_BUCKETS = (15, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800)
@@ -54,6 +57,20 @@ class Metrics:
         )
         self.mode = Gauge(
             "specd_mode", "1 for the active mode (auto, pin, freeze), else 0.", ["mode"], registry=r
+        )
+        self.setting_kind = Gauge(
+            "specd_setting_kind",
+            "1 for the kind of speculative setting SGLang runs now (off, static, adaptive, "
+            "unknown), else 0.",
+            ["kind"],
+            registry=r,
+        )
+        self.setting_changes = Counter(
+            "specd_setting_changes_total",
+            "Verified restarts by the kind of setting before and after (static to static is a "
+            "change of step count).",
+            ["from_kind", "to_kind"],
+            registry=r,
         )
         self.decisions = Counter(
             "specd_decisions_total", "Decisions taken, by reason.", ["reason"], registry=r
@@ -237,6 +254,10 @@ class Metrics:
             self.rejected_values.labels(field=name)
         for mode in MODES:
             self.mode.labels(mode=mode).set(1 if mode == "auto" else 0)
+        self.set_setting_kind("unknown")
+        for before in CHANGE_KINDS:
+            for after in CHANGE_KINDS:
+                self.setting_changes.labels(from_kind=before, to_kind=after)
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)
@@ -248,6 +269,10 @@ class Metrics:
     def set_mode(self, mode: str) -> None:
         for m in MODES:
             self.mode.labels(mode=m).set(1 if m == mode else 0)
+
+    def set_setting_kind(self, kind: str) -> None:
+        for k in SETTING_KINDS:
+            self.setting_kind.labels(kind=k).set(1 if k == kind else 0)
 
     def set_override_info(self, mode: str | None, reason: str) -> None:
         self.override_info.clear()

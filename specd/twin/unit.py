@@ -3,15 +3,18 @@ a systemd).
 
 `TwinUnitRunner` is a `specd.runner.Runner`: it answers the one command apply issues,
 ``systemctl --no-ask-password restart UNIT`` (and the read-only ``systemctl is-active
-UNIT``), the way systemd does for a unit with
-``EnvironmentFile=-ENV`` and ``ExecStart=... --speculative-num-steps ${SPECULATIVE_NUM_STEPS}``:
-stop the running process (SIGTERM, then SIGKILL after a timeout), re-read the env file,
-start a new process with the values expanded. Any other command is refused with exit
+UNIT``), the way systemd does for a unit with ``EnvironmentFile=-ENV`` and specd's drop-in:
+``ExecStart=... $SPECD_SPECULATIVE_ARGS`` (the whole speculative argument set, split into
+words; empty: none) when that variable is set, else the step-variable form
+``--speculative-num-steps ${SPECULATIVE_NUM_STEPS}``. It stops the running process (SIGTERM,
+then SIGKILL after a timeout), re-reads the env file, starts a new process with the values
+expanded. Any other command is refused with exit
 status 1, so a bug that tries to do more than restart the unit shows up.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +26,8 @@ from specd.twin.process import TwinProcess
 
 DEFAULT_STEPS = 3
 UNIT_NAME = "sglang-twin.service"
+# specd.io.apply.ENV_ARGS, spelled out: the twin does not import specd's layers.
+ENV_ARGS = "SPECD_SPECULATIVE_ARGS"
 
 
 def twin_unit_config(workdir: Path, twin_port: int, **overrides: object) -> Config:
@@ -105,7 +110,10 @@ class TwinUnitRunner:
         self.extra_args = extra_args
         self.stop_timeout_s = stop_timeout_s
         self.process: TwinProcess | None = None
-        self.restarted_to: list[int] = []  # the step count of each restart, in order
+        # The step count of each restart, in order: 0 without speculation, the deepest
+        # candidate under --speculative-adaptive.
+        self.restarted_to: list[int] = []
+        self.restarted_args: list[tuple[str, ...]] = []  # the speculative words of each
         self._lock = threading.Lock()
 
     @property
@@ -116,10 +124,11 @@ class TwinUnitRunner:
         """Environment= defaults overlaid by EnvironmentFile=- (missing file: defaults)."""
         return {**self.defaults, **read_env_file(self.env_file)}
 
-    def argv(self) -> list[str]:
+    def speculative_args(self) -> list[str]:
+        """The speculative words the unit's ExecStart= expands to now."""
         env = self.environment()
-        steps = int(env["SPECULATIVE_NUM_STEPS"])
-        extra = self.extra_args(steps) if callable(self.extra_args) else self.extra_args
+        if ENV_ARGS in env:
+            return env[ENV_ARGS].split()  # unbraced $NAME: split at whitespace
         return [
             "--speculative-algorithm",
             "NEXTN",
@@ -129,9 +138,20 @@ class TwinUnitRunner:
             "1",
             "--speculative-num-draft-tokens",
             env["SPECULATIVE_NUM_DRAFT_TOKENS"],
-            "--enable-metrics",
-            *extra,
         ]
+
+    def steps(self) -> int:
+        """The step count the speculative words ask for (0: none)."""
+        words = self.speculative_args()
+        for word, following in itertools.pairwise(words):
+            if word == "--speculative-num-steps" and following.isdigit():
+                return int(following)
+        return 0
+
+    def argv(self) -> list[str]:
+        steps = self.steps()
+        extra = self.extra_args(steps) if callable(self.extra_args) else self.extra_args
+        return [*self.speculative_args(), "--enable-metrics", *extra]
 
     def start(self) -> TwinProcess:
         with self._lock:
@@ -188,7 +208,8 @@ class TwinUnitRunner:
         # Like systemd: SIGTERM (SGLang drains), SIGKILL after the stop timeout; and like a
         # Type=simple unit, the command returns once the new process started, not loaded.
         self.stop()
-        self.restarted_to.append(int(self.environment()["SPECULATIVE_NUM_STEPS"]))
+        self.restarted_to.append(self.steps())
+        self.restarted_args.append(tuple(self.speculative_args()))
         self.start()
         return RunResult(
             argv=tuple(args),

@@ -18,9 +18,10 @@ from specd.core.decide import ACTING_REASONS, Reason
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.setting import SpecSetting
 from specd.daemon import Daemon
 from specd.io import logs
-from specd.io.apply import ApplyOutcome
+from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
 from specd.io.notify import Notifier
 from specd.io.tables import read_table, write_table
@@ -108,20 +109,24 @@ class SimulatedApplier:
         self.server, self.clock, self.t0 = server, clock, t0
         self.restarts: list[tuple[float, int]] = []
 
-    def apply(
+    def apply_setting(
         self,
-        target: int,
-        current: int | None,
+        target: SpecSetting,
+        current: SpecSetting | None,
         *,
         window_open: Callable[[], bool],
         force: bool = False,
     ) -> ApplyOutcome:
         assert window_open() or force
+        steps = setting_steps(target)
+        assert steps is not None, "this replay's server runs static step counts and off"
         s = self.clock[0] - self.t0
-        self.restarts.append((s, target))
-        self.server.restart(target, s, RESTART_S)
+        self.restarts.append((s, steps))
+        self.server.restart(steps, s, RESTART_S)
         self.clock[0] = self.t0 + self.server.serving_from
-        return ApplyOutcome("success", current, target, RESTART_S, "verified", None, 1)
+        return ApplyOutcome(
+            "success", setting_steps(current), steps, RESTART_S, "verified", None, 1
+        )
 
     def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
         return None
