@@ -7,6 +7,7 @@ stderr with exit 0, so stderr must be empty), `systemd-analyze security`, and
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -253,24 +254,29 @@ def test_specd_stop_timeout_covers_a_restart_in_flight(specd_unit: list[Entry]) 
 
 
 @pytest.mark.parametrize("path", [DROPIN, EXAMPLE_SGLANG])
-def test_sglang_reads_steps_from_specd(path: Path) -> None:
+def test_sglang_reads_its_speculative_setting_from_specd(path: Path) -> None:
     unit = read_unit(path)
     env = dict(
-        pair.split("=", 1)
+        shlex.split(line)[0].split("=", 1)
         for line in values(unit, "Service", "Environment")
-        for pair in line.split()
-        if pair.startswith("SPECULATIVE_")
+        if "SPECD_SPECULATIVE_ARGS=" in line
     )
-    steps = int(env["SPECULATIVE_NUM_STEPS"])
-    assert int(env["SPECULATIVE_NUM_DRAFT_TOKENS"]) == steps + 1  # topk 1: draft = steps + 1
+    words = env["SPECD_SPECULATIVE_ARGS"].split()
+    # The default is a static setting specd can read back: topk 1, draft = steps + 1.
+    options = dict(zip(words[::2], words[1::2], strict=True))
+    steps = int(options["--speculative-num-steps"])
+    assert options["--speculative-eagle-topk"] == "1"
+    assert int(options["--speculative-num-draft-tokens"]) == steps + 1
+    assert options["--speculative-algorithm"] == "NEXTN"
     assert values(unit, "Service", "EnvironmentFile") == ["-/var/lib/specd/sglang.env"]
     command = [v for v in values(unit, "Service", "ExecStart") if v]
     assert len(command) == 1
-    assert re.search(
-        r"--speculative-num-steps \$\{SPECULATIVE_NUM_STEPS\} --speculative-eagle-topk 1 "
-        r"--speculative-num-draft-tokens \$\{SPECULATIVE_NUM_DRAFT_TOKENS\}",
-        command[0],
-    ), command[0]
+    # Unbraced, so systemd splits it into words (and an empty value adds none); no other
+    # speculative setting option on the line (argparse would keep the last one).
+    assert re.search(r"(^|\s)\$SPECD_SPECULATIVE_ARGS(\s|$)", command[0]), command[0]
+    assert "${SPECD_SPECULATIVE_ARGS}" not in command[0]
+    for option in ("--speculative-algorithm", "--speculative-num-", "--speculative-eagle"):
+        assert option not in command[0], option
 
 
 def test_dropin_resets_execstart_and_matches_the_example() -> None:

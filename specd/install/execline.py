@@ -238,10 +238,11 @@ class Command:
 
 
 def format_exec(command: Command) -> str:
-    """``ExecStart=`` value, one option (and its values) per continuation line."""
+    """``ExecStart=`` value, one option (and its values) per continuation line; a whole-word
+    variable (systemd splits it into options) has its own line."""
     groups: list[list[str]] = [[]]
     for word in command.words:
-        if word.startswith("--") and groups[-1]:
+        if (word.startswith("--") or whole_word_variable(word)) and groups[-1]:
             groups.append([])
         groups[-1].append(quote_word(word))
     lines = [" ".join(group) for group in groups]

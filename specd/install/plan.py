@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from specd.core.setting import static
 from specd.install.layout import (
     ARCHIVE_ROOT,
     CONFIG_FILE,
     DROPIN_NAME,
-    ENV_FILE,
     POLKIT_FILE,
     SPECD_UNIT,
     SPECD_USER,
@@ -35,7 +35,13 @@ from specd.install.render import (
     render_specd_service,
     template,
 )
-from specd.install.sglang_args import LEGACY_NAMES, Speculation, analyse, sglang_url
+from specd.install.sglang_args import (
+    LEGACY_ENV_STEPS,
+    LEGACY_NAMES,
+    Speculation,
+    analyse,
+    sglang_url,
+)
 from specd.install.unit import (
     UnitView,
     cat_sections,
@@ -43,7 +49,7 @@ from specd.install.unit import (
     service_assignments,
     unit_environment,
 )
-from specd.io.apply import parse_env
+from specd.io.apply import ENV_ARGS, ENV_STEPS, parse_env, render_setting_env
 from specd.io.runner import Runner
 
 
@@ -140,17 +146,24 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def _migrated_env(old: bytes) -> bytes | None:
-    """The env file with the old SPECD_SPEC_* names renamed; None if it has none of them."""
-    text = old.decode("utf-8", "replace")
-    if not set(parse_env(text)) & set(LEGACY_NAMES):
+def _migrated_env(old: bytes, spec: Speculation) -> bytes | None:
+    """The env file of the step-variable form (today's or the old SPECD_SPEC_* names) as the
+    same setting in the $SPECD_SPECULATIVE_ARGS form; None when it already has that form or
+    names no step count it could carry over (the drop-in's default then applies, as the
+    file's unreadable value did not)."""
+    values = parse_env(old.decode("utf-8", "replace"))
+    if ENV_ARGS in values:
         return None
-    lines = []
-    for line in text.splitlines(keepends=True):
-        key, sep, rest = line.partition("=")
-        name = key.strip()
-        lines.append(f"{LEGACY_NAMES[name]}{sep}{rest}" if sep and name in LEGACY_NAMES else line)
-    return "".join(lines).encode()
+    steps = values.get(ENV_STEPS, values.get(LEGACY_ENV_STEPS, ""))
+    if not steps.isdigit() or int(steps) < 1:
+        return None
+    try:
+        setting = static(int(steps))
+    except ValueError:
+        return None
+    # The file lives beside the adaptive configs; a static setting names none of them.
+    text = render_setting_env(setting, algorithm=spec.algorithm, config_dir=STATE_DIR)
+    return text.encode()
 
 
 def build_plan(
@@ -200,6 +213,7 @@ def build_plan(
         None if existing_config is None else existing_config.decode("utf-8", "replace"),
         url,
         unit,
+        spec.algorithm,
     )
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics),
@@ -225,15 +239,17 @@ def build_plan(
         old = layout.read(path)
         if old != text.encode():
             plan.files.append(FileChange(path, old, text.encode()))
-    if spec.legacy:
+    if spec.step_variables:
+        old_names = ", ".join(LEGACY_NAMES if spec.legacy else LEGACY_NAMES.values())
         plan.notes.append(
-            f"{unit} was wired with the old variable names ({', '.join(LEGACY_NAMES)}); the "
-            f"drop-in now uses {', '.join(LEGACY_NAMES.values())}"
+            f"{unit} was wired with the step variables ({old_names}); the drop-in now carries "
+            f"the whole speculative setting in ${ENV_ARGS}, and specd's env file says the "
+            "same setting in that form"
         )
-        env_old = layout.read(ENV_FILE)
-        env_new = None if env_old is None else _migrated_env(env_old)
+        env_old = layout.read(files.env_file)
+        env_new = None if env_old is None else _migrated_env(env_old, spec)
         if env_old is not None and env_new is not None:
-            plan.files.append(FileChange(ENV_FILE, env_old, env_new, record=False))
+            plan.files.append(FileChange(files.env_file, env_old, env_new, record=False))
     if not system.user_exists:
         plan.create_user = True
         plan.commands.append(("systemd-sysusers", str(SYSUSERS_FILE)))

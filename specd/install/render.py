@@ -14,7 +14,7 @@ from typing import Any
 from specd.install.execline import Command, format_exec, quote_word
 from specd.install.layout import CONFIG_FILE, ENV_FILE, OVERRIDE_FILE, STATE_DIR, InstallError
 from specd.install.sglang_args import Speculation, wired_command
-from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
+from specd.io.apply import ENV_ARGS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +39,7 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "state_dir": ("files", "state_dir"),
     "env_file": ("sglang", "env_file"),
     "override_file": ("files", "override_file"),
+    "speculative_algorithm": ("sglang", "speculative_algorithm"),
 }
 
 
@@ -60,11 +61,12 @@ def render_dropin(
     wired = wired_command(command, spec, add_metrics)
     return (
         f"# Written by `specd install` from {unit}'s own ExecStart=; `specd uninstall` removes\n"
-        "# it. specd writes the step count to the EnvironmentFile below and restarts the unit\n"
-        "# in a maintenance window; systemd reads that file afresh at every start.\n"
+        "# it. specd writes the speculative setting to the EnvironmentFile below and restarts\n"
+        "# the unit in a maintenance window; systemd reads that file afresh at every start.\n"
+        f"# ${ENV_ARGS} is unbraced: systemd splits it into words (empty: no speculation).\n"
         "[Service]\n"
-        "# Today's values, used until specd has written its file.\n"
-        f"Environment={ENV_STEPS}={spec.steps} {ENV_DRAFT_TOKENS}={spec.draft_tokens}\n"
+        "# Today's setting, used until specd has written its file.\n"
+        f'Environment="{ENV_ARGS}={spec.default_args}"\n'
         f"EnvironmentFile=-{env_file}\n"
         "# The empty assignment drops the unit's own command; the next line replaces it.\n"
         "ExecStart=\n"
@@ -185,11 +187,12 @@ def _set_key(text: str, path: tuple[str, ...], value: str) -> str:
     return text[:start] + section + text[end:]
 
 
-def render_config(existing: str | None, url: str, unit: str) -> str:
-    """/etc/specd/specd.toml: the shipped example, or the operator's file, with SGLang's URL
-    and unit set; everything else kept as written."""
+def render_config(existing: str | None, url: str, unit: str, algorithm: str) -> str:
+    """/etc/specd/specd.toml: the shipped example, or the operator's file, with SGLang's URL,
+    unit and speculative algorithm (the applier writes it with each setting) set; everything
+    else kept as written."""
     text = existing if existing is not None else template("config")
-    for name, value in (("url", url), ("unit", unit)):
+    for name, value in (("url", url), ("unit", unit), ("speculative_algorithm", algorithm)):
         text = _set_key(text, CONFIG_KEYS[name], value)
     return text
 

@@ -1,5 +1,11 @@
 """SGLang's command line as install reads it: which speculative setup it runs, where SGLang
-listens, and the same command with the step count taken from specd's variables."""
+listens, and the same command with the speculative setting taken from specd's variable.
+
+The drop-in carries the whole speculative setting (algorithm, steps, topk, draft tokens, or
+SGLang's adaptive flags, or nothing for "off") in one unbraced ``$SPECD_SPECULATIVE_ARGS``,
+which systemd splits into words. A unit wired by an older specd (``${SPECD_STEPS}`` and
+``${SPECD_DRAFT_TOKENS}``, or their older ``SPECD_SPEC_*`` names) is read as installed and
+rewritten to that form."""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from dataclasses import dataclass
 
 from specd.install.execline import Command, expand_argv, expand_word, whole_word_variable
 from specd.install.layout import InstallError
-from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
+from specd.io.apply import ENV_ARGS, ENV_DRAFT_TOKENS, ENV_STEPS
 
 # What specd's drop-in used before the variables left the SPECD_ settings prefix. An
 # installation of that form is read as installed, and rewritten to today's names.
@@ -17,6 +23,16 @@ LEGACY_ENV_STEPS = "SPECD_SPEC_STEPS"
 LEGACY_ENV_DRAFT_TOKENS = "SPECD_SPEC_DRAFT_TOKENS"
 LEGACY_NAMES = {LEGACY_ENV_STEPS: ENV_STEPS, LEGACY_ENV_DRAFT_TOKENS: ENV_DRAFT_TOKENS}
 SPECD_VARIABLES = frozenset({ENV_STEPS, ENV_DRAFT_TOKENS, *LEGACY_NAMES})
+ARGS_WORD = "$" + ENV_ARGS  # unbraced: systemd splits it into words, empty adds none
+# The options that make up a speculative setting: they move into specd's variable.
+SETTING_OPTIONS = (
+    "--speculative-algorithm",
+    "--speculative-num-steps",
+    "--speculative-eagle-topk",
+    "--speculative-num-draft-tokens",
+)
+# Also part of a setting (specd writes them for adaptive); a unit may only have them off.
+ADAPTIVE_OPTIONS = ("--speculative-adaptive", "--speculative-adaptive-config")
 
 # SGLang's options that matter here. argparse (allow_abbrev) also accepts any unambiguous
 # prefix; as these are a subset of SGLang's options, a prefix SGLang accepted and that
@@ -109,6 +125,20 @@ class Speculation:
     host: str
     port: int | None  # None: not read from the command (the operator gave --url)
     legacy: bool = False  # wired with the old SPECD_SPEC_* variables
+    # Word indices (option and separate value) of the setting's options on the command line:
+    # the drop-in replaces them with $SPECD_SPECULATIVE_ARGS. Empty when already wired so.
+    setting_words: tuple[int, ...] = ()
+    # Wired by an older specd with the step variables (${SPECD_STEPS}, ...): install
+    # migrates the drop-in and the env file to $SPECD_SPECULATIVE_ARGS.
+    step_variables: bool = False
+
+    @property
+    def default_args(self) -> str:
+        """The setting's words as the drop-in's default (today's values, exactly)."""
+        return (
+            f"--speculative-algorithm {self.algorithm} --speculative-num-steps {self.steps} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {self.draft_tokens}"
+        )
 
 
 def _int_value(flag: Flag, defaults: Mapping[str, str], environment: Mapping[str, str]) -> int:
@@ -165,6 +195,11 @@ def analyse(
     ``defaults`` the Environment= part alone (the drop-in's defaults; by default the same).
     A missing --enable-metrics is reported in ``metrics`` (install can add it)."""
     defaults = environment if defaults is None else defaults
+    wired = [i for i, w in enumerate(command.words) if w == ARGS_WORD]
+    if len(wired) > 1:
+        raise InstallError(f"{unit}: ExecStart= has {ARGS_WORD} {len(wired)} times")
+    if wired:
+        return _analyse_wired(command, environment, unit, defaults, read_url)
     args = expand_argv(command.words, environment)
     flags = find_flags([a.text for a in args])  # what SGLang parses
     written = find_flags(command.words)  # where install can rewrite a value
@@ -198,7 +233,7 @@ def analyse(
             "(--speculative-num-steps K --speculative-eagle-topk 1 "
             "--speculative-num-draft-tokens K+1)"
         )
-    for option in ("--speculative-num-steps", "--speculative-num-draft-tokens"):
+    for option in SETTING_OPTIONS:
         arg = args[flags[option].index]
         if arg.split or option not in written or written[option].index != arg.source:
             variable = command.words[arg.source]
@@ -225,6 +260,18 @@ def analyse(
     host_flag = flags.get("--host")
     host = host_flag.value if host_flag is not None and host_flag.value else DEFAULT_HOST
     port = _port(unit, written.get("--port"), flags) if read_url else None
+    words: list[int] = []
+    moved = frozenset((*SETTING_OPTIONS, *ADAPTIVE_OPTIONS))
+    # Every occurrence: argparse keeps the last, and none may stay behind.
+    for i, word in enumerate(command.words):
+        name = _canonical(word.partition("=")[0]) if word.startswith("--") else None
+        if name in moved:
+            alone = "=" in word or name in SWITCH_OPTIONS
+            words += [i] if alone else [i, i + 1][: len(command.words) - i]
+    variables = any(
+        _BRACED.fullmatch(f.value or "") is not None and (f.value or "")[2:-1] in SPECD_VARIABLES
+        for f in (steps_flag, draft_flag)
+    )
     return Speculation(
         algorithm=algorithm.value,
         steps=steps,
@@ -235,6 +282,51 @@ def analyse(
         host=host,
         port=port,
         legacy=legacy,
+        setting_words=tuple(sorted(set(words))),
+        step_variables=variables,
+    )
+
+
+def _analyse_wired(
+    command: Command,
+    environment: Mapping[str, str],
+    unit: str,
+    defaults: Mapping[str, str],
+    read_url: bool,
+) -> Speculation:
+    """A command already wired with $SPECD_SPECULATIVE_ARGS: today's setting is the drop-in's
+    default for it (what install read from the unit), whatever specd applied since."""
+    default = defaults.get(ENV_ARGS)
+    if default is None:
+        raise InstallError(
+            f"{unit}: ExecStart= has {ARGS_WORD} but no Environment= gives it a default; "
+            "restore the unit's own command (specd uninstall) and install again"
+        )
+    # The rest of the command as SGLang gets it, the setting's words from the default.
+    own = Command(command.prefix, tuple(w for w in command.words if w != ARGS_WORD))
+    words = [*own.words, *default.split()]
+    spec = analyse(
+        Command(command.prefix, tuple(words)),
+        {**environment, ENV_ARGS: default},
+        unit,
+        defaults=defaults,
+        read_url=read_url,
+    )
+    extra = [i for i in spec.setting_words if i < len(own.words)]
+    if extra:
+        raise InstallError(
+            f"{unit}: ExecStart= has {ARGS_WORD} and also {own.words[extra[0]]}; SGLang would "
+            f"keep the last one: remove it from the unit's own command"
+        )
+    return Speculation(
+        algorithm=spec.algorithm,
+        steps=spec.steps,
+        draft_tokens=spec.draft_tokens,
+        steps_flag=spec.steps_flag,
+        draft_flag=spec.draft_flag,
+        metrics=spec.metrics,
+        host=spec.host,
+        port=spec.port,
     )
 
 
@@ -250,14 +342,15 @@ def sglang_url(host: str, port: int) -> str:
 
 
 def wired_command(command: Command, spec: Speculation, add_metrics: bool) -> Command:
-    """The command with the step count and draft tokens from specd's variables."""
+    """The command with the speculative setting from specd's variable, where the setting's
+    first option was (a command already wired so is kept)."""
     words = list(command.words)
-    for flag, variable in ((spec.steps_flag, ENV_STEPS), (spec.draft_flag, ENV_DRAFT_TOKENS)):
-        expansion = "${" + variable + "}"
-        if flag.inline:
-            words[flag.index] = words[flag.index].split("=", 1)[0] + "=" + expansion
-        else:
-            words[flag.index + 1] = expansion
+    if spec.setting_words:
+        first = spec.setting_words[0]
+        removed = set(spec.setting_words)
+        words = [w for i, w in enumerate(words[:first]) if i not in removed]
+        words.append(ARGS_WORD)
+        words += [w for i, w in enumerate(command.words) if i > first and i not in removed]
     if add_metrics and not spec.metrics:
         words.append("--enable-metrics")
     return Command(command.prefix, tuple(words))

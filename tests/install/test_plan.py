@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, UNIT, view_of
 
+from specd.core.setting import static
 from specd.install.layout import (
     CONFIG_FILE,
     DROPIN_NAME,
@@ -21,6 +22,7 @@ from specd.install.layout import (
     Layout,
 )
 from specd.install.plan import build_plan, check_url
+from specd.io.apply import render_setting_env
 from specd.io.files import parse_toml
 
 # 2026-12-02 11:00:00 UTC
@@ -100,8 +102,16 @@ def test_dry_run_diff(tmp_path: Path) -> None:
     dropin = UNITS_DIR / f"{UNIT}.d" / DROPIN_NAME
     assert f"--- {dropin} (absent)\n+++ {dropin} (new, 0644)\n" in text
     assert "+ExecStart=\n" in text
-    assert "+    --speculative-num-steps ${SPECULATIVE_NUM_STEPS} \\\n" in text
-    assert "+Environment=SPECULATIVE_NUM_STEPS=4 SPECULATIVE_NUM_DRAFT_TOKENS=5\n" in text
+    # The whole speculative setting moves into one unbraced variable, at the place of its
+    # first option; today's setting is its default.
+    assert "+    --enable-metrics \\\n+    $SPECD_SPECULATIVE_ARGS\n" in text
+    assert "--speculative-num-steps 4 \\\n" not in text
+    assert (
+        '+Environment="SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN '
+        "--speculative-num-steps 4 --speculative-eagle-topk 1 "
+        '--speculative-num-draft-tokens 5"\n'
+    ) in text
+    assert '+speculative_algorithm = "NEXTN"\n' in text
     assert "+EnvironmentFile=-/var/lib/specd/sglang.env\n" in text
     assert f"+ExecStart={SPECD[0]} run --config /etc/specd/specd.toml\n" in text
     assert f"+++ {POLKIT_FILE} (new, 0644)" in text
@@ -152,54 +162,90 @@ def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path)
     assert ("systemctl", "restart", SPECD_UNIT) in plan.commands
 
 
-# What `specd install` wrote before the variables were renamed.
-OLD_DROPIN = (
-    "# Written by `specd install` from sglang.service's own ExecStart=; `specd uninstall` removes\n"
-    "[Service]\n"
-    "Environment=SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4\n"
-    "EnvironmentFile=-/var/lib/specd/sglang.env\n"
-    "ExecStart=\n"
-    f"ExecStart={BASE} \\\n    --speculative-algorithm NEXTN \\\n"
-    "    --speculative-num-steps ${SPECD_SPEC_STEPS} \\\n    --speculative-eagle-topk 1 \\\n"
-    "    --speculative-num-draft-tokens ${SPECD_SPEC_DRAFT_TOKENS}\n"
+def step_variable_dropin(steps: str, draft: str) -> str:
+    """What `specd install` wrote before the setting moved into one variable."""
+    return (
+        "# Written by `specd install` from sglang.service's own ExecStart=; `specd uninstall` "
+        "removes\n"
+        "[Service]\n"
+        f"Environment={steps}=3 {draft}=4\n"
+        "EnvironmentFile=-/var/lib/specd/sglang.env\n"
+        "ExecStart=\n"
+        f"ExecStart={BASE} \\\n    --speculative-algorithm NEXTN \\\n"
+        f"    --speculative-num-steps ${{{steps}}} \\\n    --speculative-eagle-topk 1 \\\n"
+        f"    --speculative-num-draft-tokens ${{{draft}}}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("steps_var", "draft_var", "legacy"),
+    [
+        ("SPECD_SPEC_STEPS", "SPECD_SPEC_DRAFT_TOKENS", True),  # before the rename
+        ("SPECULATIVE_NUM_STEPS", "SPECULATIVE_NUM_DRAFT_TOKENS", False),  # the step form
+    ],
 )
-
-
-def test_an_installation_with_the_old_variable_names_is_migrated(tmp_path: Path) -> None:
+def test_an_installation_with_step_variables_is_migrated_to_the_setting_variable(
+    tmp_path: Path, steps_var: str, draft_var: str, legacy: bool
+) -> None:
     layout = Layout(tmp_path)
     dropin = UNITS_DIR / f"{UNIT}.d" / DROPIN_NAME
+    old_dropin = step_variable_dropin(steps_var, draft_var)
     env = layout.host(ENV_FILE)
     env.parent.mkdir(parents=True)
-    env.write_text("# Written by specd\nSPECD_SPEC_STEPS=4\nSPECD_SPEC_DRAFT_TOKENS=5\n")
+    env.write_text(f"# Written by specd\n{steps_var}=4\n{draft_var}=5\n")
     layout.host(dropin).parent.mkdir(parents=True)
-    layout.host(dropin).write_text(OLD_DROPIN)
+    layout.host(dropin).write_text(old_dropin)
     view = view_of(
         "/bin/false",
-        dropins={str(dropin): OLD_DROPIN},
-        environment="SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4",
+        dropins={str(dropin): old_dropin},
+        environment=f"{steps_var}=3 {draft_var}=4",
         shown_argv=f"{BASE} --speculative-algorithm NEXTN --speculative-num-steps "
-        "${SPECD_SPEC_STEPS} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
-        "${SPECD_SPEC_DRAFT_TOKENS}",
+        f"${{{steps_var}}} --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+        f"${{{draft_var}}}",
         environment_files=(str(ENV_FILE),),
     )
     plan = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
-    assert plan.spec.legacy
+    assert plan.spec.legacy is legacy
     assert (plan.spec.steps, plan.spec.draft_tokens) == (3, 4)  # the drop-in's defaults
     text = plan.render()
-    assert "-    --speculative-num-steps ${SPECD_SPEC_STEPS} \\\n" in text
-    assert "+    --speculative-num-steps ${SPECULATIVE_NUM_STEPS} \\\n" in text
-    assert "-Environment=SPECD_SPEC_STEPS=3 SPECD_SPEC_DRAFT_TOKENS=4\n" in text
-    assert "+Environment=SPECULATIVE_NUM_STEPS=3 SPECULATIVE_NUM_DRAFT_TOKENS=4\n" in text
-    # The values specd chose survive: the env file says 4 under the new names.
+    assert f"-    --speculative-num-steps ${{{steps_var}}} \\\n" in text
+    assert "+    $SPECD_SPECULATIVE_ARGS\n" in text
+    assert f"-Environment={steps_var}=3 {draft_var}=4\n" in text
+    assert (
+        '+Environment="SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN '
+        "--speculative-num-steps 3 --speculative-eagle-topk 1 "
+        '--speculative-num-draft-tokens 4"\n'
+    ) in text
+    # The value specd chose survives: the env file says 4 steps in the setting form.
     env_change = next(c for c in plan.files if c.path == ENV_FILE)
     assert not env_change.record  # specd's own state: archived at uninstall, not restored
     assert (
         env_change.new
-        == b"# Written by specd\nSPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n"
+        == render_setting_env(static(4), algorithm="NEXTN", config_dir="/var/lib/specd").encode()
     )
-    assert any("old variable names" in note for note in plan.notes)
+    assert b"SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN --speculative-num-steps 4 " in (
+        env_change.new
+    )
+    assert any("step variables" in note for note in plan.notes)
     assert ("systemctl", "daemon-reload") in plan.commands
     assert not any("restart" in c and UNIT in c for c in plan.commands)
+    # Installed in the new form, a second install finds nothing to do.
+    install_files(layout, plan.files)
+    new_dropin = layout.host(dropin).read_text()
+    migrated = view_of(
+        "/bin/false",
+        dropins={str(dropin): new_dropin},
+        # As systemctl show prints a value with spaces: the assignment quoted whole.
+        environment='"SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN '
+        "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens "
+        '4"',
+        shown_argv=f"{BASE} $SPECD_SPECULATIVE_ARGS",
+        environment_files=(str(ENV_FILE),),
+    )
+    layout.host(Path("/var/lib/specd")).mkdir(parents=True, exist_ok=True)
+    again = build_plan(migrated, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    assert again.empty, again.render()
+    assert (again.spec.steps, again.spec.draft_tokens) == (3, 4)
 
 
 def test_a_fresh_install_moves_an_old_override_aside(tmp_path: Path) -> None:

@@ -36,9 +36,11 @@ from specd.io.files import parse_toml
     ],
 )
 def test_render_config(existing: str | None, kept: list[str]) -> None:
-    text = render_config(existing, "http://h:1", "llm.service")
+    text = render_config(existing, "http://h:1", "llm.service", "EAGLE3")
     data = parse_toml(text)
     assert (data["sglang"]["url"], data["sglang"]["unit"]) == ("http://h:1", "llm.service")
+    # The applier writes the algorithm with every setting ($SPECD_SPECULATIVE_ARGS).
+    assert data["sglang"]["speculative_algorithm"] == "EAGLE3"
     for part in kept:
         assert part in text
     assert "http://old:1" not in text
