@@ -26,13 +26,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.core import sglang_features as features
 from specd.core import windows
 from specd.core.observation import ScrapeError
+from specd.core.setting import describe_args, describe_server
 from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
 from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
-from specd.install.sglang_args import LEGACY_NAMES
+from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
-from specd.io.apply import ENV_STEPS, parse_env, read_env_steps
+from specd.io.apply import ENV_ARGS, env_setting_words, parse_env
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
@@ -225,22 +226,26 @@ class Doctor:
                 view.environment,
             )
         joined = " ".join(command.words)
-        legacy = [name for name in LEGACY_NAMES if f"${{{name}}}" in joined]
-        if legacy:
+        step_variables = [
+            name for name in (*LEGACY_NAMES, *LEGACY_NAMES.values()) if f"${{{name}}}" in joined
+        ]
+        if ARGS_WORD not in command.words and step_variables:
+            # Static step counts still apply; off and adaptive settings cannot.
             return (
                 Check(
                     "drop-in",
                     False,
-                    f"{dropin} uses the old variable {legacy[0]}",
-                    f"{advice} to rewrite it with {LEGACY_NAMES[legacy[0]]} "
+                    f"{dropin} uses the step variable {step_variables[0]}: only static step "
+                    "counts can be applied",
+                    f"{advice} to rewrite it with {ARGS_WORD} "
                     f"(it shows the diff; {unit} is not restarted)",
                 ),
                 None,
                 view.environment,
             )
-        if f"${{{ENV_STEPS}}}" not in joined:
+        if ARGS_WORD not in command.words:
             return (
-                Check("drop-in", False, f"{unit}'s ExecStart= has no ${{{ENV_STEPS}}}", advice),
+                Check("drop-in", False, f"{unit}'s ExecStart= has no {ARGS_WORD}", advice),
                 None,
                 view.environment,
             )
@@ -284,36 +289,43 @@ class Doctor:
             "(or let specd do it in the next window)",
         )
 
-    def check_steps(self, defaults: dict[str, str]) -> Check:
-        env_steps = read_env_steps(self.config.sglang.env_file)
-        source = str(self.config.sglang.env_file)
-        if env_steps is None:
-            default = defaults.get(ENV_STEPS, "")
-            env_steps = int(default) if default.isdigit() else None
+    def check_setting(self, defaults: dict[str, str]) -> Check:
+        """The setting specd's env file asks for (else the drop-in's default) against the
+        one SGLang runs."""
+        env_file = self.config.sglang.env_file
+        try:
+            data: bytes | None = Path(env_file).read_bytes()
+        except OSError:
+            data = None
+        asked = None if data is None else env_setting_words(data)
+        source = str(env_file)
+        if asked is None:
+            default = defaults.get(ENV_ARGS)
+            asked = None if default is None else default.split()
             source = "the drop-in's default (no env file yet)"
-        live = (self.info or {}).get("speculative_num_steps")
-        if env_steps is None:
+        unit = self.config.sglang.unit
+        if asked is None:
             return Check(
-                "steps",
+                "setting",
                 False,
-                f"no step count to compare: no {self.config.sglang.env_file} and no "
-                f"{ENV_STEPS} default in {self.config.sglang.unit}",
-                f"run `specd install --unit {self.config.sglang.unit}`",
+                f"no setting to compare: no {ENV_ARGS} in {env_file} nor a default in {unit}",
+                f"run `specd install --unit {unit}`",
             )
-        if not isinstance(live, int):
+        want = describe_args(asked)
+        info = self.info
+        if info is None:
             return Check(
-                "steps",
-                False,
-                f"SGLang reports no speculative_num_steps (expected {env_steps})",
-                "is SGLang up, with speculative decoding on?",
-            )
-        if env_steps == live:
-            return Check("steps", True, f"SGLang runs {live} steps, as {source} says")
+                "setting", False, f"SGLang's /server_info is unreadable (expected {want})",
+                "is SGLang up?",
+            )  # fmt: skip
+        have = describe_server(info)
+        if have == want:
+            return Check("setting", True, f"SGLang runs {have}, as {source} says")
         return Check(
-            "steps",
+            "setting",
             False,
-            f"{source} says {env_steps} steps, SGLang runs {live}",
-            f"restart {self.config.sglang.unit}, or see `specd status` for a failed change",
+            f"{source} says {want}, SGLang runs {have}",
+            f"restart {unit}, or see `specd status` for a failed change",
         )
 
     def check_polkit(self) -> Check:
@@ -454,7 +466,7 @@ class Doctor:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         dropin, words, defaults = self.check_dropin()
-        checks += [dropin, self.check_command(words, defaults), self.check_steps(defaults)]
+        checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
         for check in (
             self.check_polkit,
             self.check_windows,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -378,3 +378,28 @@ def mismatch(
             "outside the candidates"
         )
     return None
+
+
+def _basename(path: object) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if path else "SGLang's default slots"
+
+
+def describe_args(words: Sequence[str]) -> str:
+    """What SGLang runs with these speculative words (specd's env file, a drop-in's
+    default), in the words ``describe_server`` uses for a running server."""
+    if "--speculative-algorithm" not in words:
+        return "no speculation"
+    values = {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+    if "--speculative-adaptive" in words:
+        return f"adaptive ({_basename(values.get('--speculative-adaptive-config'))})"
+    return f"{values.get('--speculative-num-steps', '?')} steps"
+
+
+def describe_server(info: Mapping[str, object]) -> str:
+    """What a running SGLang runs, from its /server_info (see ``describe_args``)."""
+    algorithm = info.get("speculative_algorithm")
+    if not algorithm or str(algorithm).upper() == "NONE":
+        return "no speculation"
+    if info.get("speculative_adaptive") is True:
+        return f"adaptive ({_basename(info.get('speculative_adaptive_config'))})"
+    return f"{info.get('speculative_num_steps', '?')} steps"

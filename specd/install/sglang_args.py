@@ -264,9 +264,9 @@ def analyse(
     moved = frozenset((*SETTING_OPTIONS, *ADAPTIVE_OPTIONS))
     # Every occurrence: argparse keeps the last, and none may stay behind.
     for i, word in enumerate(command.words):
-        name = _canonical(word.partition("=")[0]) if word.startswith("--") else None
-        if name in moved:
-            alone = "=" in word or name in SWITCH_OPTIONS
+        found = _canonical(word.partition("=")[0]) if word.startswith("--") else None
+        if found in moved:
+            alone = "=" in word or found in SWITCH_OPTIONS
             words += [i] if alone else [i, i + 1][: len(command.words) - i]
     variables = any(
         _BRACED.fullmatch(f.value or "") is not None and (f.value or "")[2:-1] in SPECD_VARIABLES

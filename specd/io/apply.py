@@ -103,6 +103,9 @@ class SGLangProbe(Protocol):
     @property
     def last_page(self) -> ParsedMetrics | None: ...
 
+    @property
+    def live_algorithm(self) -> str | None: ...
+
     def health_generate(self, timeout_s: float) -> HealthStatus: ...
 
 
@@ -200,6 +203,25 @@ def env_algorithm(data: bytes | None) -> str | None:
         if word == "--speculative-algorithm":
             return following
     return None
+
+
+def env_setting_words(data: bytes) -> list[str] | None:
+    """The speculative words an env file of the setting form gives SGLang ([] for off);
+    None when it is of the step-variable form or names no setting."""
+    values = parse_env(data.decode("utf-8", errors="replace"))
+    if ENV_ARGS in values:
+        return values[ENV_ARGS].split()
+    steps = values.get(ENV_STEPS, "")
+    draft = values.get(ENV_DRAFT_TOKENS, "")
+    if not (steps.isdigit() and draft.isdigit()):
+        return None
+    # The step-variable form under a drop-in of that form: the algorithm is the unit's.
+    return [
+        "--speculative-algorithm", "?",
+        "--speculative-num-steps", steps,
+        "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", draft,
+    ]  # fmt: skip
 
 
 def setting_steps(setting: SpecSetting | None) -> int | None:
@@ -592,12 +614,19 @@ class Applier:
 
     def _render(self, target: SpecSetting, previous: bytes | None) -> bytes:
         """The env file for ``target``. The algorithm comes from the config, else from the
-        setting-form env file in place (specd or install wrote it); a static target with
-        neither keeps the step-variable form, which a drop-in of that form reads. Raises
+        setting-form env file in place (specd or install wrote it), else from the running
+        SGLang; a static target with none keeps the step-variable form, which a drop-in of
+        that form reads. Raises
         ValueError (one line) when the target cannot be written."""
         if target.kind == "off":
             return render_setting_env(target, algorithm="", config_dir=self.config_dir).encode()
-        algorithm = self.sglang.speculative_algorithm or env_algorithm(previous)
+        # The config (install sets it), else the env file specd last wrote, else what the
+        # running SGLang says it uses.
+        algorithm = (
+            self.sglang.speculative_algorithm
+            or env_algorithm(previous)
+            or self.client.live_algorithm
+        )
         if algorithm is None:
             if target.kind == "static":
                 assert target.steps is not None

@@ -704,6 +704,17 @@ class SGLangClient:
         return self._info_path
 
     @property
+    def live_algorithm(self) -> str | None:
+        """The --speculative-algorithm of the start /server_info last described (None
+        before a read, or when SGLang runs without speculation)."""
+        info = self._info
+        if not _spec_on(info):
+            return None
+        assert info is not None
+        algorithm = info["speculative_algorithm"]
+        return algorithm if isinstance(algorithm, str) else None
+
+    @property
     def last_page(self) -> ParsedMetrics | None:
         """What the last good /metrics page itself said (None before one, or after a failed
         scrape): unlike an Observation, its steps are the gauge's alone (None before 0.5.13),

@@ -21,11 +21,33 @@ WORDS = [
     "-m",
     "sglang.launch_server",
     "--enable-metrics",
-    "--speculative-num-steps=${SPECULATIVE_NUM_STEPS}",
-    "--speculative-num-draft-tokens",
-    "${SPECULATIVE_NUM_DRAFT_TOKENS}",
+    "$SPECD_SPECULATIVE_ARGS",
 ]
-DEFAULTS = {"SPECULATIVE_NUM_STEPS": "3", "SPECULATIVE_NUM_DRAFT_TOKENS": "4"}
+
+
+def args_of(steps: int) -> str:
+    return (
+        f"--speculative-algorithm NEXTN --speculative-num-steps {steps} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"
+    )
+
+
+DEFAULTS = {"SPECD_SPECULATIVE_ARGS": args_of(3)}
+ENV_4 = f"SPECD_SPECULATIVE_ARGS={args_of(4)}\nSPECULATIVE_NUM_STEPS=4\n"
+ENV_OFF = "SPECD_SPECULATIVE_ARGS=\n"
+ENV_ADAPTIVE = (
+    "SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN --speculative-num-steps 4 "
+    "--speculative-eagle-topk 1 --speculative-num-draft-tokens 5 --speculative-adaptive "
+    "--speculative-adaptive-config /var/lib/specd/adaptive-34.json\n"
+)
+INFO_3 = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
+INFO_4 = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 4}
+INFO_OFF = {"speculative_algorithm": None, "speculative_num_steps": None}
+INFO_ADAPTIVE = {
+    **INFO_4,
+    "speculative_adaptive": True,
+    "speculative_adaptive_config": "/var/lib/specd/adaptive-34.json",
+}
 # 2026-12-02 11:00 UTC, a Wednesday.
 NOW = datetime(2026, 12, 2, 11, 0, tzinfo=timezone.utc).timestamp()
 
@@ -61,26 +83,12 @@ def doctor(tmp_path: Path, extra: str = "") -> Doctor:
 @pytest.mark.parametrize(
     ("env_file", "running", "ok", "detail"),
     [
-        (
-            None,
-            "/usr/bin/x --enable-metrics --speculative-num-steps=3 "
-            "--speculative-num-draft-tokens 4",
-            True,
-            "runs the drop-in's",
-        ),
-        (
-            "SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n",
-            "/x --enable-metrics --speculative-num-steps=4 --speculative-num-draft-tokens 5",
-            True,
-            "runs the drop-in's",
-        ),
-        (
-            "SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n",
-            "/x --enable-metrics --speculative-num-steps=3 --speculative-num-draft-tokens 4",
-            False,
-            "differs",
-        ),
-        (None, "/x --speculative-num-steps=3 --speculative-num-draft-tokens 4", False, "differs"),
+        (None, f"/usr/bin/x --enable-metrics {args_of(3)}", True, "runs the drop-in's"),
+        (ENV_4, f"/x --enable-metrics {args_of(4)}", True, "runs the drop-in's"),
+        (ENV_4, f"/x --enable-metrics {args_of(3)}", False, "differs"),
+        (ENV_OFF, "/x --enable-metrics", True, "runs the drop-in's"),
+        (ENV_OFF, f"/x --enable-metrics {args_of(3)}", False, "differs"),
+        (None, f"/x {args_of(3)}", False, "differs"),
     ],
 )
 def test_command_check(
@@ -97,28 +105,35 @@ def test_command_check(
 
 
 @pytest.mark.parametrize(
-    ("env_file", "defaults", "live", "ok", "detail"),
+    ("env_file", "defaults", "info", "ok", "detail"),
     [
-        (None, DEFAULTS, 3, True, "as the drop-in's default"),
-        ("SPECULATIVE_NUM_STEPS=4\n", DEFAULTS, 4, True, "SGLang runs 4 steps"),
-        ("SPECULATIVE_NUM_STEPS=4\n", DEFAULTS, 3, False, "says 4 steps, SGLang runs 3"),
-        (None, {}, 3, False, "no step count to compare"),
-        ("SPECULATIVE_NUM_STEPS=4\n", DEFAULTS, None, False, "reports no speculative_num_steps"),
+        (None, DEFAULTS, INFO_3, True, "runs 3 steps, as the drop-in's default"),
+        (ENV_4, DEFAULTS, INFO_4, True, "SGLang runs 4 steps, as"),
+        (ENV_4, DEFAULTS, INFO_3, False, "says 4 steps, SGLang runs 3 steps"),
+        (ENV_OFF, DEFAULTS, INFO_OFF, True, "SGLang runs no speculation, as"),
+        (ENV_OFF, DEFAULTS, INFO_3, False, "says no speculation, SGLang runs 3 steps"),
+        (ENV_ADAPTIVE, DEFAULTS, INFO_ADAPTIVE, True, "runs adaptive (adaptive-34.json)"),
+        (ENV_ADAPTIVE, DEFAULTS, INFO_4, False, "SGLang runs 4 steps"),
+        (ENV_4, DEFAULTS, INFO_ADAPTIVE, False, "says 4 steps, SGLang runs adaptive"),
+        # The step-variable form an older specd wrote still names a step count.
+        ("SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n", DEFAULTS, INFO_4, True, "4"),
+        (None, {}, INFO_3, False, "no setting to compare"),
+        (ENV_4, DEFAULTS, None, False, "unreadable (expected 4 steps)"),
     ],
 )
-def test_steps_check(
+def test_setting_check(
     tmp_path: Path,
     env_file: str | None,
     defaults: dict[str, str],
-    live: int | None,
+    info: dict[str, object] | None,
     ok: bool,
     detail: str,
 ) -> None:
     found = doctor(tmp_path)
     if env_file is not None:
         (tmp_path / "sglang.env").write_text(env_file)
-    found.info = {"speculative_num_steps": live}
-    check = found.check_steps(defaults)
+    found.info = info
+    check = found.check_setting(defaults)
     assert (check.ok, detail in check.detail) == (ok, True), check
 
 
@@ -157,9 +172,7 @@ def test_command_check_expands_the_line_as_systemd_does(tmp_path: Path) -> None:
     EnvironmentFile=, and a split `$VAR`: a correct install is not called different, and no
     restart is advised."""
     found = doctor(tmp_path)
-    (tmp_path / "sglang.env").write_text(
-        "SPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n"
-    )
+    (tmp_path / "sglang.env").write_text(ENV_4)
     unit_env = tmp_path / "unit.env"
     unit_env.write_text("PORT=31000\nEXTRA='--tp-size 4'\n")
     found.unit_env_files = [unit_env]
@@ -177,7 +190,7 @@ def test_command_check_expands_the_line_as_systemd_does(tmp_path: Path) -> None:
     found.info = {
         "launch_command": "/usr/bin/python3 -m sglang.launch_server --port 31000 "
         "--chat-template 'cost: $5 100%' --served-model-name qwen --tp-size 4 --enable-metrics "
-        "--speculative-num-steps=4 --speculative-num-draft-tokens 5"
+        f"{args_of(4)}"
     }
     check = found.check_command(words, {**DEFAULTS, "MODEL": "qwen", "PORT": "1"})
     assert check == Check("command", True, "SGLang runs the drop-in's command line")

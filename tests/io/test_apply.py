@@ -385,21 +385,26 @@ def test_journal_round_trips_through_json_and_keeps_env_bytes(content: bytes | N
 
 
 @pytest.mark.parametrize(
-    ("twin_args", "evidence"),
+    ("twin_args", "evidence", "algorithm"),
     [
-        ([], "/server_info steps=4, /server_info draft_tokens=5, metrics steps=4"),
+        # The algorithm SGLang reports (no [sglang] speculative_algorithm, no env file of
+        # the setting form): the env file is written in the setting form.
+        ([], "/server_info steps=4, /server_info draft_tokens=5, metrics steps=4", "EAGLE"),
         # Fields missing from /server_info: the sglang:spec_num_steps gauge suffices.
         (
             ["--server-info-missing", "speculative_num_steps,speculative_num_draft_tokens"],
             "metrics steps=4",
+            "EAGLE",
         ),
         # /metrics disabled: /server_info suffices. (Offered concurrency is unknown then, so
-        # the quiet-moment wait would run to its deadline; the test sets that to 0.)
-        (["--metrics-404"], "/server_info steps=4"),
+        # the quiet-moment wait would run to its deadline; the test sets that to 0.) No
+        # observation read /server_info before the restart: the algorithm is unknown, and
+        # the step-variable form is what a drop-in of that form reads.
+        (["--metrics-404"], "/server_info steps=4", None),
     ],
 )
 def test_success_writes_env_restarts_once_and_verifies(
-    make_unit: Any, tmp_path: Path, twin_args: list[str], evidence: str
+    make_unit: Any, tmp_path: Path, twin_args: list[str], evidence: str, algorithm: str | None
 ) -> None:
     unit = make_unit(ORIGINAL_ENV, lambda steps: twin_args)
     rec = Recorder(tmp_path / "journal.json")
@@ -413,7 +418,11 @@ def test_success_writes_env_restarts_once_and_verifies(
     assert unit.restarts == [4]
     assert unit.running_steps() == 4
     assert read_env_steps(unit.env_file) == 4
-    assert unit.env_file.read_text() == render_env(4)
+    assert unit.env_file.read_text() == (
+        render_env(4)
+        if algorithm is None
+        else render_setting_env(setting_static(4), algorithm=algorithm, config_dir=tmp_path)
+    )
     # The twin's capacity model: about 78 / (steps + 2) → 13 at 4 steps.
     assert outcome.capacity is not None
     assert 10 <= outcome.capacity <= 16

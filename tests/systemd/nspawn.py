@@ -413,18 +413,23 @@ class Container:
     # -- the SGLang twin as sglang.service --------------------------------------------
 
     def write_env_file(self, steps: int, draft_tokens: int | None = None) -> Path:
-        """What specd's apply writes: /var/lib/specd/sglang.env."""
+        """What specd's apply writes for a static setting: /var/lib/specd/sglang.env."""
         draft = steps + 1 if draft_tokens is None else draft_tokens
+        words = " ".join(static_args(str(steps), str(draft)))
         path = self.state_dir / "sglang.env"
-        path.write_text(f"SPECULATIVE_NUM_STEPS={steps}\nSPECULATIVE_NUM_DRAFT_TOKENS={draft}\n")
+        path.write_text(
+            f"SPECD_SPECULATIVE_ARGS={words}\n"
+            f"SPECULATIVE_NUM_STEPS={steps}\nSPECULATIVE_NUM_DRAFT_TOKENS={draft}\n"
+        )
         return path
 
     def install_twin_sglang(self, load_time_s: float = 1.0, extra_args: Sequence[str] = ()) -> None:
         """sglang.service = the twin, with the repo's drop-in 50-specd.conf installed unchanged.
 
         The drop-in's ExecStart names the real SGLang launcher; a 60-twin.conf drop-in (read
-        after it) swaps only that command for the twin, with the same ${SPECULATIVE_NUM_*}
-        variables, so Environment= defaults and EnvironmentFile= are the repo's own.
+        after it) swaps only that command for the twin, with the same unbraced
+        $SPECD_SPECULATIVE_ARGS, so Environment= defaults and EnvironmentFile= are the repo's
+        own.
         """
         self.write_unit(
             SGLANG_UNIT,
@@ -435,15 +440,14 @@ class Container:
             "[Service]\nType=simple\n"
             # The operator's original command line, with a fixed step count: the
             # drop-in must replace it.
-            f"ExecStart={twin_command(steps='1', draft_tokens='2', load_time_s=load_time_s)}\n"
+            f"ExecStart={twin_command(static_args('1', '2'), load_time_s=load_time_s)}\n"
             "TimeoutStopSec=30s\n",
         )
         self.install_file(
             f"{SGLANG_UNIT}.d/50-specd.conf", REPO / "systemd/sglang.service.d/50-specd.conf"
         )
         command = twin_command(
-            steps="${SPECULATIVE_NUM_STEPS}",
-            draft_tokens="${SPECULATIVE_NUM_DRAFT_TOKENS}",
+            ["$SPECD_SPECULATIVE_ARGS"],
             load_time_s=load_time_s,
             extra_args=extra_args,
         )
@@ -506,13 +510,9 @@ def specd_exposure_lines() -> list[str]:
     return lines
 
 
-def twin_command(
-    steps: str, draft_tokens: str, load_time_s: float = 1.0, extra_args: Sequence[str] = ()
-) -> str:
-    """An ExecStart= command line running the twin as SGLang would be launched."""
-    argv = [
-        str(VENV_SPECD),
-        "twin",
+def static_args(steps: str, draft_tokens: str) -> list[str]:
+    """A static setting's speculative words, as the operator's own command line has them."""
+    return [
         "--speculative-algorithm",
         "NEXTN",
         "--speculative-num-steps",
@@ -521,6 +521,18 @@ def twin_command(
         "1",
         "--speculative-num-draft-tokens",
         draft_tokens,
+    ]
+
+
+def twin_command(
+    speculative: Sequence[str], load_time_s: float = 1.0, extra_args: Sequence[str] = ()
+) -> str:
+    """An ExecStart= command line running the twin as SGLang would be launched, with these
+    speculative words (["$SPECD_SPECULATIVE_ARGS"] as specd's drop-in has them)."""
+    argv = [
+        str(VENV_SPECD),
+        "twin",
+        *speculative,
         "--enable-metrics",
         "--port",
         str(TWIN_PORT),
@@ -532,12 +544,13 @@ def twin_command(
 
 
 _PLAIN_ARG = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
-_VARIABLE_ARG = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+_VARIABLE_ARG = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}|\$[A-Za-z_][A-Za-z0-9_]*")
 
 
 def exec_line(argv: Sequence[str]) -> str:
     """argv as an ExecStart= value: each argument arrives verbatim, except an argument that
-    is exactly ${VAR}, which systemd expands from the unit's environment."""
+    is exactly ${VAR} (systemd expands it from the unit's environment) or $VAR (expanded
+    and split into words: specd's $SPECD_SPECULATIVE_ARGS)."""
     words = []
     for arg in argv:
         if _VARIABLE_ARG.fullmatch(arg):

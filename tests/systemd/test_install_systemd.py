@@ -131,8 +131,13 @@ def test_install_doctor_window_change_uninstall(sd: Container) -> None:
         assert sd.main_pid(SGLANG_UNIT) == sglang_pid  # never restarts SGLang
         assert sd.active_state(SPECD_UNIT) == "active"
         dropin = (sd.units_dir / DROPIN).read_text()
-        assert "--speculative-num-steps=${SPECULATIVE_NUM_STEPS}" in dropin
-        assert "Environment=SPECULATIVE_NUM_STEPS=3 SPECULATIVE_NUM_DRAFT_TOKENS=4" in dropin
+        assert "\n    $SPECD_SPECULATIVE_ARGS\n" in dropin
+        assert "--speculative-num-steps=" not in dropin.split("ExecStart=\nExecStart=")[1]
+        assert (
+            'Environment="SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN '
+            "--speculative-num-steps 3 --speculative-eagle-topk 1 "
+            '--speculative-num-draft-tokens 4"' in dropin
+        )
         config = parse_toml((sd.config_dir / "specd.toml").read_text())
         assert config["sglang"] == {**config["sglang"], "url": TWIN_URL, "unit": SGLANG_UNIT}
 
