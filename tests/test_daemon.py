@@ -343,7 +343,7 @@ def test_status_reads_as_group_specd_and_fails_loudly_when_it_cannot(
     cfg_path = tmp_path / "specd.toml"
     cfg_path.write_text(tomli_w.dumps(json.loads(cfg.model_dump_json(exclude_none=True))))
     os.chmod(cfg_path, 0o644)
-    os.chmod(cfg.files.state_dir, 0o750)  # as StateDirectoryMode= makes it
+    os.chmod(cfg.files.state_dir, 0o751)  # as StateDirectoryMode= makes it
     os.chown(cfg.files.state_dir, 0, 4242)
     gid = 4242  # stands for group specd: the file's group, and the on-call's
     os.chown(path, 0, gid)

@@ -214,7 +214,7 @@ def specd_unit() -> list[Entry]:
         ("User", "specd"),
         ("Group", "specd"),
         ("StateDirectory", "specd"),
-        ("StateDirectoryMode", "0750"),
+        ("StateDirectoryMode", "0751"),
         ("ConfigurationDirectory", "specd"),
         ("Restart", "on-failure"),
         ("ExecReload", "/bin/kill -HUP $MAINPID"),

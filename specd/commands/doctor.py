@@ -493,9 +493,15 @@ def _reports_effective_capacity(info: dict[str, Any]) -> bool:
 
 
 def _options(words: list[str]) -> list[str]:
+    """The options part of a command line, ``--name=value`` as ``--name value`` (argparse
+    reads both the same; install writes the setting's options apart)."""
     for i, word in enumerate(words):
         if word.startswith("--"):
-            return words[i:]
+            out: list[str] = []
+            for option in words[i:]:
+                name, eq, value = option.partition("=")
+                out += [name, value] if option.startswith("--") and eq else [option]
+            return out
     return []
 
 

@@ -254,7 +254,8 @@ def build_plan(
         plan.create_user = True
         plan.commands.append(("systemd-sysusers", str(SYSUSERS_FILE)))
     if not layout.host(STATE_DIR).is_dir():
-        plan.dirs.append(DirChange(STATE_DIR, 0o750, SPECD_USER))
+        # Traversable by SGLang's user, which reads the adaptive config specd writes there.
+        plan.dirs.append(DirChange(STATE_DIR, 0o751, SPECD_USER))
     units_changed = any(c.path.is_relative_to(UNITS_DIR) for c in plan.files)
     if units_changed:
         plan.commands.append(("systemctl", "daemon-reload"))

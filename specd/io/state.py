@@ -375,7 +375,8 @@ class StateStore:
         """Write ``state`` atomically; a one-line error (disk full, read-only, ...) or None."""
         try:
             # Group-readable: members of group specd (the on-call) run `specd status`.
-            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            # Traversable by SGLang's user for the adaptive config (as StateDirectoryMode=).
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o751)
             atomic_write_json(self.path, state.to_dict(), mode=STATE_FILE_MODE)
         except (OSError, ValueError, TypeError) as exc:
             return f"cannot write {self.path}: {_one_line(exc)}"

@@ -308,3 +308,16 @@ def test_version_check_names_what_specd_cannot_see(
     assert (f"{len(notes)} limit(s) for specd, below" in check.detail) is bool(notes)
     rendered = render([check])
     assert all(f"· {note}\n" in rendered for note in check.notes)
+
+
+def test_command_check_reads_name_equals_value_as_name_value(tmp_path: Path) -> None:
+    """An install rewrites --speculative-num-steps=3 into the variable's words
+    (--speculative-num-steps 3): SGLang running the unit's own line still runs the drop-in's."""
+    found = doctor(tmp_path)
+    found.info = {
+        "launch_command": "/x --enable-metrics --speculative-algorithm=NEXTN "
+        "--speculative-num-steps=3 --speculative-eagle-topk 1 --speculative-num-draft-tokens=4"
+    }
+    assert found.check_command(WORDS, DEFAULTS).ok
+    found.info = {"launch_command": found.info["launch_command"].replace("steps=3", "steps=4")}
+    assert not found.check_command(WORDS, DEFAULTS).ok

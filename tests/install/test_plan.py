@@ -118,7 +118,7 @@ def test_dry_run_diff(tmp_path: Path) -> None:
     commands = [line for line in text.splitlines() if line.startswith("$ ")]
     assert commands == [
         "$ systemd-sysusers /etc/sysusers.d/specd.conf",
-        "$ mkdir -m 0750 /var/lib/specd",
+        "$ mkdir -m 0751 /var/lib/specd",
         "$ chown specd:specd /var/lib/specd",
         "$ systemctl daemon-reload",
         f"$ systemctl enable --now {SPECD_UNIT}",

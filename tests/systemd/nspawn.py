@@ -447,7 +447,7 @@ class Container:
             f"{SGLANG_UNIT}.d/50-specd.conf", REPO / "systemd/sglang.service.d/50-specd.conf"
         )
         command = twin_command(
-            ["$SPECD_SPECULATIVE_ARGS"],
+            [SPLIT_ARGS],
             load_time_s=load_time_s,
             extra_args=extra_args,
         )
@@ -544,16 +544,17 @@ def twin_command(
 
 
 _PLAIN_ARG = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
-_VARIABLE_ARG = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}|\$[A-Za-z_][A-Za-z0-9_]*")
+_VARIABLE_ARG = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+SPLIT_ARGS = "$SPECD_SPECULATIVE_ARGS"  # unbraced: systemd splits its value into words
 
 
 def exec_line(argv: Sequence[str]) -> str:
     """argv as an ExecStart= value: each argument arrives verbatim, except an argument that
-    is exactly ${VAR} (systemd expands it from the unit's environment) or $VAR (expanded
-    and split into words: specd's $SPECD_SPECULATIVE_ARGS)."""
+    is exactly ${VAR}, which systemd expands from the unit's environment, and specd's
+    $SPECD_SPECULATIVE_ARGS, which it expands and splits into words."""
     words = []
     for arg in argv:
-        if _VARIABLE_ARG.fullmatch(arg):
+        if _VARIABLE_ARG.fullmatch(arg) or arg == SPLIT_ARGS:
             words.append(arg)
             continue
         # % is a specifier and $ a variable to systemd, even inside quotes.

@@ -131,7 +131,7 @@ def test_install_doctor_window_change_uninstall(sd: Container) -> None:
         assert sd.main_pid(SGLANG_UNIT) == sglang_pid  # never restarts SGLang
         assert sd.active_state(SPECD_UNIT) == "active"
         dropin = (sd.units_dir / DROPIN).read_text()
-        assert "\n    $SPECD_SPECULATIVE_ARGS\n" in dropin
+        assert "\n    $SPECD_SPECULATIVE_ARGS \\\n    --load-time-s 0.5\n" in dropin
         assert "--speculative-num-steps=" not in dropin.split("ExecStart=\nExecStart=")[1]
         assert (
             'Environment="SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN '
