@@ -327,11 +327,15 @@ class Twin:
             {
                 "effective_max_running_requests_per_dp": per_dp,
                 "last_gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                "avg_spec_accept_length": cfg.accept_length if cfg.steps > 0 else 0.0,
+                "avg_spec_accept_length": cfg.accept_length,
                 "memory_usage": {"weight": 61.87, "kvcache": 44.13, "graph": 2.32},
             }
             for rank in range(a.dp_size)
         ]
+        if cfg.algorithm is None:
+            # SGLang (internal_state._add_speculative) adds no accept length without speculation.
+            for st in info["internal_states"]:
+                del st["avg_spec_accept_length"]
         if not cfg.profile.effective_capacity:
             # Before 0.5.11 an internal state is the scheduler's server arguments plus its
             # figures; the limit memory sizing left it with is not among them.
