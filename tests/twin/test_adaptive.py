@@ -5,14 +5,12 @@ the fault knob per kind of setting."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from twin_kinds import SPEC, fast_table, parse_twin_args, write_config
 
-from specd.twin import cli as twin_cli
 from specd.twin.adaptive import (
     DEFAULT_SLOTS_0_5_23,
     AdaptiveConfigError,
@@ -27,30 +25,6 @@ from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, parse_setting
 from specd.twin.server import TwinConfigError, resolve
 from specd.twin.table import PerfTable
 from specd.twin.versions import PROFILES
-
-SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "1"]
-
-
-def fast_table(accepts: dict[int, float], capacity: int = 64, per_token_s: float = 0.002) -> str:
-    """A table whose rows run fast: one verify per ``per_token_s`` per request at any
-    batch, so tiers differ only in tokens per verify (``accepts``)."""
-    rows = ["steps,concurrency,output_tok_s,accept_length,max_running_requests"]
-    for steps, accept in sorted(accepts.items()):
-        for c in (1, 8, 16, 32, 64):
-            rows.append(f"{steps},{c},{c * accept / per_token_s:g},{accept:g},{capacity}")
-    return "\n".join(rows) + "\n"
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    twin_cli.configure(parser)
-    return parser.parse_args(argv)
-
-
-def _config(tmp_path: Path, body: Any, name: str = "adaptive.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(body))
-    return str(path)
 
 
 def _slot(version: str, cands: list[int], initial: int, **tuning: float) -> Slot:
@@ -195,7 +169,7 @@ def test_config_is_read_as_that_version_reads_it(
 ) -> None:
     rules = PROFILES[version].adaptive
     assert rules is not None
-    path = None if body is None else _config(tmp_path, body)
+    path = None if body is None else write_config(tmp_path, body)
     if isinstance(result, str):
         with pytest.raises(AdaptiveConfigError) as exc:
             load_slots(rules, path)
@@ -243,7 +217,7 @@ def _engine(
 ) -> tuple[Engine, _Clock]:
     rules = PROFILES[version].adaptive
     assert rules is not None
-    slots = load_slots(rules, _config(tmp_path, slots_body))
+    slots = load_slots(rules, write_config(tmp_path, slots_body))
     clock = _Clock()
     table = PerfTable.from_csv_text(fast_table(accepts))
     engine = Engine(
@@ -373,8 +347,8 @@ def test_capacity_is_the_deepest_candidates(
     tmp_path: Path, cands: list[int], capacity: int
 ) -> None:
     # The preset's capacity is floor(78 / (steps + 2)): 26 at 1, 19 at 2, 13 at 4.
-    config = _config(tmp_path, {"1": {"candidate_steps": cands}})
-    cfg = resolve(_parse(_adaptive_argv(config, steps=max(cands))), argv=[])
+    config = write_config(tmp_path, {"1": {"candidate_steps": cands}})
+    cfg = resolve(parse_twin_args(_adaptive_argv(config, steps=max(cands))), argv=[])
     assert cfg.adaptive
     assert cfg.max_running == capacity
 
@@ -383,12 +357,13 @@ def test_capacity_is_the_deepest_candidates(
 def test_startup_grows_by_one_graph_set_per_candidate(
     tmp_path: Path, cands: list[int], sets: int
 ) -> None:
-    config = _config(tmp_path, {"1": {"candidate_steps": cands}})
+    config = write_config(tmp_path, {"1": {"candidate_steps": cands}})
     argv = [*_adaptive_argv(config), "--load-time-s", "2", "--graph-set-s", "0.5"]
-    cfg = resolve(_parse(argv), argv=[])
+    cfg = resolve(parse_twin_args(argv), argv=[])
     assert cfg.graph_sets == sets
     assert cfg.load_s == pytest.approx(2 + 0.5 * (sets - 1))
-    static = resolve(_parse([*SPEC, "--speculative-num-steps", "4", "--load-time-s", "2"]), [])
+    static_argv = [*SPEC, "--speculative-num-steps", "4", "--load-time-s", "2"]
+    static = resolve(parse_twin_args(static_argv), argv=[])
     assert static.load_s == 2.0
     assert static.graph_set_s == 0.5  # a quarter of the load by default
 
@@ -444,18 +419,18 @@ def test_refusals_per_version(
     code: int,
     message: str,
 ) -> None:
-    config = _config(tmp_path, body or {"1": {"candidate_steps": [4]}})
+    config = write_config(tmp_path, body or {"1": {"candidate_steps": [4]}})
     argv = [*_adaptive_argv(config, version=version), *argv_tail]
     with pytest.raises(TwinConfigError) as exc:
-        resolve(_parse(argv), argv=[])
+        resolve(parse_twin_args(argv), argv=[])
     assert message in str(exc.value)
     assert exc.value.exit_code == code
 
 
 def test_a_bad_config_at_0_5_11_fails_while_loading_not_at_start(tmp_path: Path) -> None:
-    config = _config(tmp_path, {"candidate_steps": [4]})
+    config = write_config(tmp_path, {"candidate_steps": [4]})
     argv = [*_adaptive_argv(config, version="0.5.11"), "--disable-overlap-schedule"]
-    cfg = resolve(_parse(argv), argv=[])
+    cfg = resolve(parse_twin_args(argv), argv=[])
     assert cfg.load_error == "AssertionError: candidate_steps must have at least 2 distinct values"
 
 
@@ -497,8 +472,8 @@ def test_quiet_fallback_to_static_where_adaptive_is_unsupported(
     body: dict[str, Any] = {"1": {"candidate_steps": [1, 4]}}
     if version == "0.5.11":
         body = {"candidate_steps": [1, 4]}
-    config = _config(tmp_path, body)
-    cfg = resolve(_parse([*_adaptive_argv(config, version=version), *argv_tail]), argv=[])
+    config = write_config(tmp_path, body)
+    cfg = resolve(parse_twin_args([*_adaptive_argv(config, version=version), *argv_tail]), argv=[])
     fallback = [w for w in cfg.warnings if w.startswith("speculative_adaptive disabled: ")]
     if reason is None:
         assert cfg.adaptive
@@ -516,15 +491,15 @@ def test_quiet_fallback_to_static_where_adaptive_is_unsupported(
 
 
 def test_adaptive_without_steps_starts_at_the_middle_candidate_on_0_5_23(tmp_path: Path) -> None:
-    config = _config(tmp_path, {"1": {"candidate_steps": [1, 2, 3, 4]}})
+    config = write_config(tmp_path, {"1": {"candidate_steps": [1, 2, 3, 4]}})
     argv = ["--speculative-algorithm", "EAGLE", "--speculative-adaptive",
             "--speculative-adaptive-config", config]  # fmt: skip
-    cfg = resolve(_parse(argv), argv=[])
+    cfg = resolve(parse_twin_args(argv), argv=[])
     assert (cfg.steps, cfg.topk, cfg.draft_tokens) == (3, 1, 4)
     # Default slots: the middle of 0,1,3,5,7.
     table = _table_file(tmp_path)
     argv = ["--speculative-algorithm", "EAGLE", "--speculative-adaptive", "--table", table]
-    cfg = resolve(_parse(argv), argv=[])
+    cfg = resolve(parse_twin_args(argv), argv=[])
     assert cfg.steps == 3
     assert cfg.candidates == [0, 1, 3, 5, 7]
 
@@ -553,11 +528,11 @@ def test_bad_fault_settings_are_one_line_errors(text: str) -> None:
     with pytest.raises(ValueError, match="setting"):
         parse_setting(text)
     with pytest.raises(SystemExit):
-        _parse(["--fail-setting", text])
+        parse_twin_args(["--fail-setting", text])
 
 
 def _fails(argv: list[str], env: dict[str, str] | None = None) -> bool:
-    return resolve(_parse(argv), argv=[], env=env or {}).load_error is not None
+    return resolve(parse_twin_args(argv), argv=[], env=env or {}).load_error is not None
 
 
 @pytest.mark.parametrize(
@@ -589,9 +564,9 @@ def test_fault_knob_fails_exactly_the_named_setting(
     argv = {
         "off": lambda: [],
         "static": lambda: static,
-        "adaptive": lambda: _adaptive_argv(_config(tmp_path, three_four)),
-        "slots": lambda: _adaptive_argv(_config(tmp_path, two_slots), steps=3),
-        "fallback": lambda: [*_adaptive_argv(_config(tmp_path, three_four)), "--enable-pdmux"],
+        "adaptive": lambda: _adaptive_argv(write_config(tmp_path, three_four)),
+        "slots": lambda: _adaptive_argv(write_config(tmp_path, two_slots), steps=3),
+        "fallback": lambda: [*_adaptive_argv(write_config(tmp_path, three_four)), "--enable-pdmux"],
     }[kind]()
     argv = [*argv, "--table", _table_file(tmp_path)]
     assert _fails([*argv, "--fail-setting", fail]) is fails
@@ -603,10 +578,10 @@ def test_fail_start_at_steps_names_static_step_counts_and_off(tmp_path: Path) ->
     static = [*SPEC, "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5"]
     assert _fails([*static, "--fail-start-at-steps", "2,4"])
     assert _fails(["--fail-start-at-steps", "0"])
-    adaptive = _adaptive_argv(_config(tmp_path, {"1": {"candidate_steps": [3, 4]}}))
+    adaptive = _adaptive_argv(write_config(tmp_path, {"1": {"candidate_steps": [3, 4]}}))
     assert not _fails([*adaptive, "--fail-start-at-steps", "4"])
 
 
 def test_a_bad_fail_settings_environment_is_a_one_line_error() -> None:
     with pytest.raises(TwinConfigError, match=f"^{ENV_FAIL_SETTINGS}: setting 'soon'"):
-        resolve(_parse([]), argv=[], env={ENV_FAIL_SETTINGS: "off soon"})
+        resolve(parse_twin_args([]), argv=[], env={ENV_FAIL_SETTINGS: "off soon"})
