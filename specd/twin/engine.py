@@ -79,6 +79,7 @@ class Engine:
         self._batch_phase = 0.0  # fraction of the current verify batch done
         # Since the last report: verify forwards, tokens they gave, drafts accepted.
         self._window = [0.0, 0.0, 0.0]
+        self._lifetime = [0.0, 0.0]  # verify forwards and their tokens since start
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         self.state = state
@@ -173,6 +174,16 @@ class Engine:
         self._window[0] += forwards
         self._window[1] += forwards * accept
         self._window[2] += forwards * (accept - 1.0)
+        self._lifetime[0] += forwards
+        self._lifetime[1] += forwards * accept
+
+    def lifetime_accept_length(self) -> float:
+        """Tokens per verify since start (SGLang's avg_spec_accept_length): the launch
+        step count's under static mode, the mix of the tiers run under adaptive mode."""
+        forwards, tokens = self._lifetime
+        if self.controller is None or forwards <= 0:
+            return self.accept_length
+        return tokens / forwards
 
     # -- simulation ------------------------------------------------------------------
 

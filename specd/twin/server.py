@@ -483,7 +483,7 @@ class Twin:
             {
                 "effective_max_running_requests_per_dp": per_dp,
                 "last_gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                "avg_spec_accept_length": cfg.accept_length,
+                "avg_spec_accept_length": self.engine.lifetime_accept_length(),
                 "memory_usage": {"weight": 61.87, "kvcache": 44.13, "graph": 2.32},
             }
             for rank in range(a.dp_size)
@@ -556,7 +556,7 @@ class Twin:
                     "max_running_requests": self.config.max_running,
                     "token_usage": self.state.get("sglang:token_usage", rank),
                     "gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                    "speculative": {"accept_length": self.config.accept_length}
+                    "speculative": {"accept_length": self.engine.lifetime_accept_length()}
                     if self.config.steps > 0
                     else None,
                 }

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from twin_kinds import SPEC, fast_table, parse_twin_args, write_config
 
+from specd.core.sglang_features import ADAPTIVE_SLOT_ZERO, ADAPTIVE_SLOTS, has, parse_version
 from specd.twin.adaptive import (
     DEFAULT_SLOTS_0_5_23,
+    SLOTS,
     AdaptiveConfigError,
     Controller,
     Slot,
@@ -24,7 +26,7 @@ from specd.twin.exposition import MetricState
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, parse_setting
 from specd.twin.server import TwinConfigError, resolve
 from specd.twin.table import PerfTable
-from specd.twin.versions import PROFILES
+from specd.twin.versions import PROFILES, VERSIONS
 
 
 def _slot(version: str, cands: list[int], initial: int, **tuning: float) -> Slot:
@@ -321,6 +323,8 @@ def test_accept_rate_under_adaptive_divides_by_the_launch_draft_tokens(tmp_path:
     st = engine.state
     assert st.get("sglang:spec_accept_length", 0) == pytest.approx(1.4)
     assert st.get("sglang:spec_accept_rate", 0) == pytest.approx(0.4 / 3)
+    # The lifetime average mixes the tiers run: 1.1 tokens a verify at 3, then 1.4 at 1.
+    assert 1.1 < engine.lifetime_accept_length() < 1.4
 
 
 # -- launch resolution: capacity, startup, refusals, fallbacks, the fault knob ----------
@@ -585,3 +589,16 @@ def test_fail_start_at_steps_names_static_step_counts_and_off(tmp_path: Path) ->
 def test_a_bad_fail_settings_environment_is_a_one_line_error() -> None:
     with pytest.raises(TwinConfigError, match=f"^{ENV_FAIL_SETTINGS}: setting 'soon'"):
         resolve(parse_twin_args([]), argv=[], env={ENV_FAIL_SETTINGS: "off soon"})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_adaptive_rules_agree_with_specds_version_table(version: str) -> None:
+    parsed = parse_version(version)
+    assert parsed is not None
+    rules = PROFILES[version].adaptive
+    assert (rules is not None) is (parsed >= (0, 5, 11))
+    if rules is None:
+        return
+    assert (rules.config == SLOTS) is has(parsed, ADAPTIVE_SLOTS)
+    assert rules.slot_zero is has(parsed, ADAPTIVE_SLOT_ZERO)
+    assert rules.needs_no_overlap is (parsed < (0, 5, 13))
