@@ -195,7 +195,8 @@ def _port_open(port: int) -> bool:
 
 def test_startup_grows_with_the_number_of_candidates(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"1": {"candidate_steps": [1, 2, 3, 4]}})
-    slow = ["--load-time-s", "0.3", "--graph-set-s", "0.5", "--warmup-s", "0.1"]
+    # Graph sets long against the jitter of two Python processes starting on a busy machine.
+    slow = ["--load-time-s", "0.3", "--graph-set-s", "1.0", "--warmup-s", "0.1"]
     static = [*SPEC, "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5",
               "--enable-metrics"]  # fmt: skip
     t0 = time.monotonic()
@@ -206,9 +207,9 @@ def test_startup_grows_with_the_number_of_candidates(tmp_path: Path) -> None:
                 if name not in opened and _port_open(twin.port):
                     opened[name] = time.monotonic() - t0
             time.sleep(0.02)
-        # Three more graph sets of 0.5 s each.
-        assert opened["adaptive"] - opened["static"] == pytest.approx(1.5, abs=0.4)
-        for twin, load in ((one, 0.3), (four, 1.8)):
+        # Three more graph sets of 1 s each.
+        assert 2.2 < opened["adaptive"] - opened["static"] < 4.0, opened
+        for twin, load in ((one, 0.3), (four, 3.3)):
             twin.wait_healthy()
             page = httpx.get(twin.url + "/metrics", timeout=5).text
             phases = {
@@ -219,7 +220,7 @@ def test_startup_grows_with_the_number_of_candidates(tmp_path: Path) -> None:
             }
             assert phases["sglang:startup_time_seconds", "tokenizer_e2e"] == pytest.approx(load)
             graphs = sum(v for (n, _), v in phases.items() if "cuda_graph" in n)
-            assert graphs == pytest.approx(0.5 * (1 if twin is one else 4))
+            assert graphs == pytest.approx(1.0 if twin is one else 4.0)
 
 
 @pytest.mark.parametrize(
