@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from specd.commands.args import PORT_OR_FREE, Float, Int, IntList, Seconds
+from specd.twin.faults import ENV_FAIL_SETTINGS, parse_setting
 from specd.twin.preset import PRESET_NAME
 from specd.twin.versions import DEFAULT_VERSION, VERSIONS
 
@@ -25,6 +26,14 @@ class _LenientParser(argparse.ArgumentParser):
         ns, unknown = self.parse_known_args(args, namespace)
         ns.ignored_args = unknown
         return ns
+
+
+def _setting_text(text: str) -> str:
+    try:
+        parse_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _csv_words(text: str) -> list[str]:
@@ -56,6 +65,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--speculative-num-steps", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--speculative-eagle-topk", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--speculative-num-draft-tokens", type=COUNT, default=None, help=COUNT.spec)
+    sg.add_argument("--speculative-adaptive", action="store_true")
+    sg.add_argument("--speculative-adaptive-config", default=None)
+    # What SGLang's adaptive mode checks before it falls back to static.
+    for flag in (
+        "--disable-overlap-schedule",
+        "--enable-dp-attention",
+        "--enable-multi-layer-eagle",
+        "--enable-two-batch-overlap",
+        "--enable-pdmux",
+    ):
+        sg.add_argument(flag, action="store_true")
     sg.add_argument("--max-running-requests", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--enable-metrics", action="store_true")
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
@@ -86,12 +106,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help=f"gauge refresh period ({INTERVAL_S.spec})",
     )
+    tw.add_argument(
+        "--graph-set-s",
+        type=LOAD_S,
+        default=None,
+        help="capture time of one CUDA-graph set; adaptive mode captures one per candidate "
+        f"step, so each candidate beyond the first adds it to the load (default a quarter of "
+        f"--load-time-s; {LOAD_S.spec})",
+    )
     tw.add_argument("--seed", type=SEED, default=None, help=SEED.spec)
     tw.add_argument(
         "--accept-noise", type=NOISE, default=0.02, help=f"relative sd of L ({NOISE.spec})"
     )
     fail = parser.add_argument_group("failure injection")
-    fail.add_argument("--fail-start-at-steps", type=STEP_LIST, default=(), help=STEP_LIST.spec)
+    fail.add_argument(
+        "--fail-start-at-steps",
+        type=STEP_LIST,
+        default=(),
+        help=f"fail to start at these static step counts, 0 = no speculation ({STEP_LIST.spec})",
+    )
+    fail.add_argument(
+        "--fail-setting",
+        type=_setting_text,
+        action="append",
+        default=[],
+        metavar="SETTING",
+        help="fail to start when launched with this setting in specd's text form: off, 4, "
+        f"adaptive:3,4, adaptive:1,3/1=1,3;8=0,1 (repeatable; also ${ENV_FAIL_SETTINGS}, "
+        "whitespace-separated)",
+    )
     fail.add_argument("--never-healthy", action="store_true")
     fail.add_argument(
         "--slow-s", type=LOAD_S, default=0.0, help=f"delay every response ({LOAD_S.spec})"
@@ -110,5 +153,5 @@ def run(args: argparse.Namespace) -> int:
         config = resolve(args, argv=sys.argv)
     except TwinConfigError as exc:
         print(f"specd twin: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     return serve(config)

@@ -18,11 +18,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specd.twin.adaptive import Controller
 from specd.twin.exposition import MetricState
 from specd.twin.families import BY_NAME
 from specd.twin.table import PerfTable
 
 TICK_S = 0.05
+# A stalled event loop must not turn one advance() into an unbounded loop of verify batches.
+MAX_BATCHES_PER_ADVANCE = 100_000
 IDLE_THROUGHPUT_RESET_S = 30.0
 # KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
 KV_TOKENS_PER_REQUEST = 8192
@@ -40,6 +43,7 @@ class Request:
     finished: float | None = None
     produced: float = 0.0
     emitted: int = 0
+    verifies: float = 0.0  # verify forwards that produced its tokens
     chunks: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
 
 
@@ -64,9 +68,18 @@ class Engine:
         accept_noise: float = 0.02,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        controller: Controller | None = None,
+        accept_lengths: dict[int, float] | None = None,
     ) -> None:
         self.table = table
-        self.steps = steps
+        self.steps = steps  # the live tier under adaptive mode
+        self.launch_draft_tokens = draft_tokens
+        self.controller = controller
+        self.accept_lengths = dict(accept_lengths or {steps: accept_length})
+        self._batch_phase = 0.0  # fraction of the current verify batch done
+        # Since the last report: verify forwards, tokens they gave, drafts accepted.
+        self._window = [0.0, 0.0, 0.0]
+        self._lifetime = [0.0, 0.0]  # verify forwards and their tokens since start
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         self.state = state
@@ -110,6 +123,68 @@ class Engine:
     def per_request_rate(self, n: int) -> float:
         return self.table.throughput(self.steps, n) / n if n else 0.0
 
+    def batch_size(self) -> int:
+        """The decode batch one scheduler runs: the running requests of the fullest rank."""
+        ranks = self.state.dp_size
+        if ranks <= 1:
+            return len(self.running)
+        return max(sum(1 for r in self.running if r.rank == k) for k in range(ranks))
+
+    def _decode(self, dt: float) -> tuple[float, float]:
+        """Tokens and verify forwards per running request over ``dt`` seconds.
+
+        Static: the table's rate at the launch steps. Adaptive: verify batch by verify batch,
+        each at the tier its slot holds now (the table's row of that step count), each
+        feeding its accepted drafts to the slot, which may move the tier for the next one.
+        """
+        n = len(self.running)
+        if self.controller is None:
+            rate = self.per_request_rate(n)
+            self._count(self.steps, rate * dt)
+            return rate * dt, rate * dt / self.accept_length if self.steps > 0 else 0.0
+        batch = self.batch_size()
+        tokens = verifies = 0.0
+        left = dt
+        for _ in range(MAX_BATCHES_PER_ADVANCE):
+            self.steps = self.controller.steps_for_batch(batch)
+            rate = self.per_request_rate(n)
+            accept = self.accept_lengths[self.steps]
+            per_s = rate / accept  # verify batches per second
+            need = (1.0 - self._batch_phase) / per_s if per_s > 0 else math.inf
+            span = min(need, left)
+            tokens += rate * span
+            if self.steps > 0:
+                verifies += per_s * span
+            self._count(self.steps, rate * span)
+            if need > left:
+                self._batch_phase += left * per_s
+                break
+            left -= need
+            self._batch_phase = 0.0
+            drafts = 0.0
+            if self.steps > 0:
+                noisy = (accept - 1.0) * (1.0 + self.rng.gauss(0, self.accept_noise))
+                drafts = min(max(noisy, 0.0), float(self.steps))
+            self.controller.on_verify(drafts, batch)
+        return tokens, verifies
+
+    def _count(self, steps: int, tokens_per_request: float) -> None:
+        accept = self.accept_lengths.get(steps, 1.0)
+        forwards = tokens_per_request * len(self.running) / accept
+        self._window[0] += forwards
+        self._window[1] += forwards * accept
+        self._window[2] += forwards * (accept - 1.0)
+        self._lifetime[0] += forwards
+        self._lifetime[1] += forwards * accept
+
+    def lifetime_accept_length(self) -> float:
+        """Tokens per verify since start (SGLang's avg_spec_accept_length): the launch
+        step count's under static mode, the mix of the tiers run under adaptive mode."""
+        forwards, tokens = self._lifetime
+        if self.controller is None or forwards <= 0:
+            return self.accept_length
+        return tokens / forwards
+
     # -- simulation ------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -130,11 +205,14 @@ class Engine:
         if not self.running:
             return
         self._last_busy = now
-        rate = self.per_request_rate(len(self.running))
+        gained, verifies = self._decode(dt)
         done: list[Request] = []
         for req in self.running:
             before = req.emitted
-            req.produced = min(float(req.max_tokens), req.produced + rate * dt)
+            if gained > 0:
+                share = min(gained, req.max_tokens - req.produced) / gained
+                req.verifies += verifies * share
+            req.produced = min(float(req.max_tokens), req.produced + gained)
             if req.max_tokens - req.produced < 1e-6:
                 req.produced = float(req.max_tokens)
             whole = min(req.max_tokens, math.floor(req.produced + 1e-9))
@@ -184,8 +262,8 @@ class Engine:
         st.inc("sglang:generation_tokens_total", req.emitted, -1, streaming)
         st.inc("sglang:num_requests_total", 1, -1, streaming)
         st.inc("sglang:cached_tokens_total", 0, -1, st.cache_source("device"))
-        if self.steps > 0:
-            st.inc("sglang:spec_verify_calls_total", math.ceil(req.emitted / self.accept_length))
+        if req.verifies > 0:
+            st.inc("sglang:spec_verify_calls_total", math.ceil(req.verifies - 1e-9))
 
     async def run(self) -> None:
         while True:
@@ -229,7 +307,9 @@ class Engine:
                 stats.last_throughput = stats.tokens / interval
                 st.inc("sglang:realtime_tokens_total", stats.tokens, rank, (("mode", "decode"),))
                 st.set("sglang:gen_throughput", stats.last_throughput, rank)
-                if self.steps > 0:
+                if self.controller is not None:
+                    self._report_adaptive(rank)
+                elif self.steps > 0:
                     noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
                     accept = min(max(noisy, 1.0), float(self.steps + 1))
                     st.set("sglang:spec_accept_length", accept, rank)
@@ -248,3 +328,20 @@ class Engine:
                 st.inc(
                     "sglang:scheduler_idle_seconds_total", interval, rank
                 )  # idle time while nothing runs
+        self._window = [0.0, 0.0, 0.0]
+
+    def _report_adaptive(self, rank: int) -> None:
+        """SGLang's decode-log figures under adaptive mode: accept length over the window's
+        forwards whatever their tier; accept rate over the *launch* draft tokens (SGLang
+        divides by speculative_num_draft_tokens - 1 as resolved at start, so the gauge is off
+        whenever the tier is not the launch one); the live tier's steps and draft tokens."""
+        st = self.state
+        forwards, tokens, drafts = self._window
+        if forwards > 0:
+            noisy = tokens / forwards * (1 + self.rng.gauss(0, self.accept_noise))
+            st.set("sglang:spec_accept_length", max(noisy, 1.0), rank)
+            per_round = self.launch_draft_tokens - 1
+            st.set("sglang:spec_accept_rate", drafts / (forwards * per_round) if per_round > 0
+                   else 0.0, rank)  # fmt: skip
+        st.set("sglang:spec_num_steps", float(self.steps), rank)
+        st.set("sglang:spec_num_draft_tokens", float(self.steps + 1), rank)

@@ -17,14 +17,25 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from specd.twin.adaptive import (
+    SLOTS,
+    AdaptiveConfigError,
+    Controller,
+    candidate_union,
+    cuda_graph_batch_sizes,
+    initial_steps_error,
+    load_slots,
+    unsupported_reason,
+)
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
+from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
 from specd.twin.table import PerfTable, PerfTableError
 from specd.twin.versions import Profile, UnknownVersionError, profile_for
@@ -44,11 +55,16 @@ WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured
 class TwinConfigError(ValueError):
     """Launch flags SGLang would refuse; the message is one line."""
 
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # 2: argparse's own refusal of an unknown flag
+
 
 @dataclass
 class TwinConfig:
     args: argparse.Namespace
     table: PerfTable
+    # The step count at launch (0: no speculation); under adaptive mode the initial tier.
     steps: int
     draft_tokens: int
     topk: int | None
@@ -59,9 +75,47 @@ class TwinConfig:
     launch_command: str
     profile: Profile
     warnings: list[str] = field(default_factory=list)
+    # Adaptive mode as resolved: the slots (batch size -> settings) when it runs, else None.
+    adaptive_slots: dict[int, dict[str, Any]] | None = None
+    # Tokens per verify (bonus included) at every step count the server may run.
+    accept_lengths: dict[int, float] = field(default_factory=dict)
+    # Port-closed time: the model load plus one CUDA-graph set per extra candidate.
+    load_s: float = 0.0
+    graph_set_s: float = 0.0
+    graph_sets: int = 1
+    # Why this launch fails while loading (injected, or a config SGLang reads at load).
+    load_error: str | None = None
+    # The setting the command line asks for, in specd's text form.
+    setting: SettingKey = field(default_factory=lambda: SettingKey("off"))
+
+    @property
+    def adaptive(self) -> bool:
+        return self.adaptive_slots is not None
+
+    @property
+    def candidates(self) -> list[int]:
+        return candidate_union(self.adaptive_slots) if self.adaptive_slots else [self.steps]
 
 
-def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConfig:
+def _accept(table: PerfTable, steps: int) -> float:
+    if steps <= 0:
+        return 1.0
+    measured = table.accept_length(steps)
+    return measured if measured is not None else accept_length(steps, ALPHA)
+
+
+def _adaptive_flags(args: argparse.Namespace) -> list[str]:
+    words = ["--speculative-adaptive"] if args.speculative_adaptive else []
+    if args.speculative_adaptive_config is not None:
+        words += ["--speculative-adaptive-config", args.speculative_adaptive_config]
+    return words
+
+
+def resolve(
+    args: argparse.Namespace,
+    argv: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> TwinConfig:
     warnings: list[str] = []
     try:
         profile = profile_for(args.sglang_version)
@@ -82,24 +136,70 @@ def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConf
             raise TwinConfigError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
     if args.port > 65535:
         raise TwinConfigError(f"--port out of range: {args.port}")
+    try:
+        failing = fail_settings(args.fail_setting, os.environ if env is None else env)
+    except ValueError as exc:
+        raise TwinConfigError(f"{ENV_FAIL_SETTINGS}: {exc}") from None
+
+    rules = profile.adaptive
+    adaptive_words = _adaptive_flags(args)
+    if adaptive_words and rules is None:
+        # Before 0.5.11 SGLang's argparse does not know the flags.
+        raise TwinConfigError(f"unrecognized arguments: {' '.join(adaptive_words)}", exit_code=2)
 
     algorithm = args.speculative_algorithm.upper() if args.speculative_algorithm else None
+    if algorithm is not None and algorithm not in EAGLE_FAMILY:
+        raise TwinConfigError(
+            f"speculative algorithm {algorithm} is not simulated by the twin "
+            f"(supported: {', '.join(sorted(EAGLE_FAMILY))})"
+        )
+    algorithm = EAGLE_FAMILY[algorithm] if algorithm is not None else None
     steps, topk, draft = (
         args.speculative_num_steps,
         args.speculative_eagle_topk,
         args.speculative_num_draft_tokens,
     )
+
+    # Adaptive mode: the quiet fallback first (as SGLang's argument checks), then the config.
+    slots: dict[int, dict[str, Any]] | None = None
+    load_error: str | None = None
+    requested: SettingKey | None = None
+    if args.speculative_adaptive and rules is not None:
+        try:
+            requested = adaptive_key(load_slots(rules, args.speculative_adaptive_config))
+        except AdaptiveConfigError:
+            requested = None
+        reason = unsupported_reason(rules, algorithm=algorithm, topk=topk, args=args)
+        if reason is not None:
+            warnings.append(
+                f"speculative_adaptive disabled: {reason}. "
+                "Falling back to static speculative params."
+            )
+        elif rules.config_at_start:
+            try:
+                slots = load_slots(rules, args.speculative_adaptive_config)
+            except AdaptiveConfigError as exc:
+                raise TwinConfigError(str(exc)) from None
+        else:
+            # Read by the worker once the weights are in: a bad file kills the load.
+            try:
+                slots = load_slots(rules, args.speculative_adaptive_config)
+            except AdaptiveConfigError as exc:
+                load_error = str(exc)
+        if slots is not None and rules.initial_middle:
+            union = candidate_union(slots)
+            if steps is None:
+                steps = union[len(union) // 2]
+            if topk is None:
+                topk = 1
+            if topk == 1:
+                draft = steps + 1
+
     max_running = args.max_running_requests
     if algorithm is None:
         resolved_steps, resolved_draft = 0, 0
         steps = topk = draft = None
     else:
-        if algorithm not in EAGLE_FAMILY:
-            raise TwinConfigError(
-                f"speculative algorithm {algorithm} is not simulated by the twin "
-                f"(supported: {', '.join(sorted(EAGLE_FAMILY))})"
-            )
-        algorithm = EAGLE_FAMILY[algorithm]
         if max_running is None:
             max_running = 48
             warnings.append(
@@ -132,23 +232,48 @@ def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConf
         if draft is None or draft < 2:
             raise TwinConfigError("--speculative-num-draft-tokens must be >= 2 with topk > 1")
         resolved_steps, resolved_draft = steps, draft
-    if resolved_steps not in table.steps():
-        known = ",".join(str(s) for s in table.steps())
-        raise TwinConfigError(
-            f"{table.source}: no data for steps {resolved_steps} (table has steps {known})"
-        )
-    capacity = table.capacity(resolved_steps)
+    if slots is not None and rules is not None and rules.config == SLOTS:
+        union = candidate_union(slots)
+        if resolved_steps not in union:
+            raise TwinConfigError(initial_steps_error(resolved_steps, union))
+
+    run_steps = candidate_union(slots) if slots is not None else [resolved_steps]
+    for k in run_steps:
+        if k not in table.steps():
+            known = ",".join(str(s) for s in table.steps())
+            raise TwinConfigError(
+                f"{table.source}: no data for steps {k} (table has steps {known})"
+            )
+    # KV and graphs are sized for the deepest step count the server may run.
+    capacity = table.capacity(max(run_steps))
     if max_running is not None and max_running < 1:
         raise TwinConfigError(f"--max-running-requests must be >= 1, got {max_running}")
     limits = [c for c in (max_running, capacity) if c is not None]
     effective = min(limits) if limits else 48
-    table_accept = table.accept_length(resolved_steps)
-    accept = table_accept if table_accept is not None else accept_length(resolved_steps, ALPHA)
+    if slots is not None and rules is not None:
+        # Tuning values SGLang would only trip over at run time are refused up front.
+        try:
+            Controller(resolved_steps, slots, rules, None)
+        except (TypeError, ValueError) as exc:
+            raise TwinConfigError(f"{type(exc).__name__}: {exc}") from None
+
+    if requested is None:
+        requested = SettingKey("off") if algorithm is None else SettingKey("static", resolved_steps)
+    static_or_off = requested.kind != "adaptive"
+    if requested in failing or (static_or_off and resolved_steps in args.fail_start_at_steps):
+        load_error = (
+            f"failed to start with speculative_num_steps={resolved_steps} (setting {requested}; "
+            "injected: RuntimeError: CUDA out of memory while capturing CUDA graphs)"
+        )
+    graph_set_s = args.graph_set_s if args.graph_set_s is not None else args.load_time_s / 4
+    sets = len(run_steps)
+
     args.speculative_algorithm = algorithm
     args.speculative_num_steps = steps
     args.speculative_eagle_topk = topk
     args.speculative_num_draft_tokens = draft
     args.max_running_requests = max_running
+    args.speculative_adaptive = slots is not None
     argv = argv if argv is not None else sys.argv
     return TwinConfig(
         args=args,
@@ -158,11 +283,18 @@ def resolve(args: argparse.Namespace, argv: list[str] | None = None) -> TwinConf
         topk=topk,
         algorithm=algorithm,
         max_running=effective,
-        accept_length=accept if resolved_steps > 0 else 1.0,
+        accept_length=_accept(table, resolved_steps),
         model_name=args.served_model_name or args.model_path,
         launch_command=shlex.join([sys.executable, *argv]),
         profile=profile,
         warnings=warnings,
+        adaptive_slots=slots,
+        accept_lengths={k: _accept(table, k) for k in run_steps},
+        load_s=args.load_time_s + graph_set_s * (sets - 1),
+        graph_set_s=graph_set_s,
+        graph_sets=sets,
+        load_error=load_error,
+        setting=requested,
     )
 
 
@@ -188,19 +320,42 @@ class Twin:
             accept_length=config.accept_length,
             accept_noise=self.args.accept_noise,
             seed=self.args.seed,
+            controller=self._controller(),
+            accept_lengths=config.accept_lengths,
         )
         self._init_metrics()
 
+    def _controller(self) -> Controller | None:
+        cfg = self.config
+        rules = cfg.profile.adaptive
+        if cfg.adaptive_slots is None or rules is None:
+            return None
+        per_rank = max(cfg.max_running // max(self.args.dp_size, 1), 1)
+        return Controller(cfg.steps, cfg.adaptive_slots, rules, cuda_graph_batch_sizes(per_rank))
+
     def _init_metrics(self) -> None:
-        st, a = self.state, self.args
-        load = a.load_time_s
+        st, a, cfg = self.state, self.args, self.config
+        weights = a.load_time_s
+        load = cfg.load_s
         for phase, value in (
-            ("load_weight", load * 0.6),
-            ("kv_cache_allocation", load * 0.05),
+            ("load_weight", weights * 0.6),
+            ("kv_cache_allocation", weights * 0.05),
             ("scheduler_e2e", load * 0.95),
             ("tokenizer_e2e", load),
         ):
             st.set("sglang:startup_time_seconds", value, -1, (("phase", phase),))
+        # One graph set per step count the server may run: plain decode without
+        # speculation, verify and draft graphs with it.
+        graphs = cfg.graph_set_s * cfg.graph_sets
+        shares = (
+            {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
+            if cfg.algorithm is not None
+            else {"decode": 1.0}
+        )
+        for phase in ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                      "draft_extend"):  # fmt: skip
+            st.set("sglang:startup_cuda_graph_time_seconds", graphs * shares.get(phase, 0.0),
+                   -1, (("phase", phase),))  # fmt: skip
         per_rank = max(self.config.max_running // max(a.dp_size, 1), 1)
         for rank in range(a.dp_size):
             total = float(per_rank * KV_TOKENS_PER_REQUEST)
@@ -214,7 +369,7 @@ class Twin:
             st.set("sglang:startup_available_gpu_memory_gb", 9.87, rank)
             # Before 0.5.18: two gauges instead of startup_time_seconds{phase}.
             st.set("sglang:engine_startup_time", load * 0.95, rank)
-            st.set("sglang:engine_load_weights_time", load * 0.6, rank)
+            st.set("sglang:engine_load_weights_time", weights * 0.6, rank)
             st.set("sglang:spec_num_steps", float(self.config.steps), rank)
             st.set("sglang:spec_num_draft_tokens", float(self.config.draft_tokens), rank)
             st.set("sglang:is_cuda_graph", 1.0, rank)
@@ -316,7 +471,8 @@ class Twin:
             speculative_num_steps=a.speculative_num_steps,
             speculative_eagle_topk=a.speculative_eagle_topk,
             speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-            speculative_adaptive=False,
+            speculative_adaptive=cfg.adaptive,
+            speculative_adaptive_config=a.speculative_adaptive_config,
             max_running_requests=a.max_running_requests,
             launch_command=cfg.launch_command,
             max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
@@ -327,11 +483,15 @@ class Twin:
             {
                 "effective_max_running_requests_per_dp": per_dp,
                 "last_gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                "avg_spec_accept_length": cfg.accept_length if cfg.steps > 0 else 0.0,
+                "avg_spec_accept_length": self.engine.lifetime_accept_length(),
                 "memory_usage": {"weight": 61.87, "kvcache": 44.13, "graph": 2.32},
             }
             for rank in range(a.dp_size)
         ]
+        if cfg.algorithm is None:
+            # SGLang (internal_state._add_speculative) adds no accept length without speculation.
+            for st in info["internal_states"]:
+                del st["avg_spec_accept_length"]
         if not cfg.profile.effective_capacity:
             # Before 0.5.11 an internal state is the scheduler's server arguments plus its
             # figures; the limit memory sizing left it with is not among them.
@@ -341,6 +501,10 @@ class Twin:
                                 if k != "effective_max_running_requests_per_dp"}}
                 for st in info["internal_states"]
             ]  # fmt: skip
+        if cfg.profile.adaptive is None:
+            # Before 0.5.11 the server arguments have no adaptive fields.
+            info.pop("speculative_adaptive", None)
+            info.pop("speculative_adaptive_config", None)
         for name in a.server_info_missing:
             info.pop(name, None)
         return info
@@ -392,7 +556,7 @@ class Twin:
                     "max_running_requests": self.config.max_running,
                     "token_usage": self.state.get("sglang:token_usage", rank),
                     "gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                    "speculative": {"accept_length": self.config.accept_length}
+                    "speculative": {"accept_length": self.engine.lifetime_accept_length()}
                     if self.config.steps > 0
                     else None,
                 }
@@ -547,9 +711,7 @@ class Twin:
                 "prompt_tokens": req.prompt_tokens,
                 "completion_tokens": req.emitted,
                 "cached_tokens": 0,
-                "spec_verify_ct": int(req.emitted / self.config.accept_length)
-                if self.config.steps > 0
-                else 0,
+                "spec_verify_ct": int(req.verifies + 1e-9),
                 "e2e_latency": self.engine.clock() - req.arrival,
             }
 
@@ -691,21 +853,16 @@ async def _main(config: TwinConfig) -> int:
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
     loop.add_signal_handler(signal.SIGINT, on_term)
-    # Loading: the port stays closed, like SGLang while it loads weights.
-    fail = config.steps in args.fail_start_at_steps
-    load_s = args.load_time_s / 2 if fail else args.load_time_s
+    # Loading: the port stays closed, like SGLang while it loads weights and captures graphs.
+    fail = config.load_error is not None
+    load_s = config.load_s / 2 if fail else config.load_s
     try:
         await asyncio.wait_for(stop.wait(), timeout=max(load_s, 0.0))
         return 143 if terminated else 0
     except asyncio.TimeoutError:
         pass
     if fail:
-        print(
-            f"[twin] ERROR: failed to start with speculative_num_steps={config.steps} "
-            "(injected: RuntimeError: CUDA out of memory while capturing CUDA graphs)",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"[twin] ERROR: {config.load_error}", file=sys.stderr, flush=True)
         return 1
     twin = Twin(config)
     runner = web.AppRunner(twin.app(), access_log=None, handle_signals=False)
@@ -717,7 +874,8 @@ async def _main(config: TwinConfig) -> int:
         print(f"[twin] ERROR: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         await runner.cleanup()
         return 1
-    print(f"[twin] listening on http://{args.host}:{args.port} (steps {config.steps})",
+    mode = f"adaptive {config.candidates}" if config.adaptive else f"steps {config.steps}"
+    print(f"[twin] listening on http://{args.host}:{args.port} ({mode})",
           file=sys.stderr, flush=True)  # fmt: skip
     tasks = [asyncio.create_task(twin.engine.run()), asyncio.create_task(twin.reporter())]
     try:

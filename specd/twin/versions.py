@@ -13,6 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from specd.twin.adaptive import (
+    DEFAULT_SLOTS_0_5_13,
+    DEFAULT_SLOTS_0_5_23,
+    FLAT,
+    SLOTS,
+    AdaptiveRules,
+)
 from specd.twin.families import _B7, BY_NAME, FAMILIES, REQ, SCHED, Family, G
 
 DEFAULT_VERSION = "0.5.23"
@@ -48,6 +55,8 @@ class Profile:
     v1_loads: bool
     # After its warm-up request the server freezes its GC through /freeze_gc (0.5.2x).
     freeze_gc_after_warmup: bool
+    # --speculative-adaptive (0.5.11+; None: argparse does not know the flag).
+    adaptive: AdaptiveRules | None = None
 
     @cached_property
     def by_name(self) -> dict[str, Family]:
@@ -171,6 +180,43 @@ _AFTER_0_5_4 = _AFTER_0_5_11 | {
     "sglang:routing_key_all_req_count",
 }
 
+_DP_REASON_OLD = (
+    "enable_dp_attention=True is not supported "
+    "(adaptive tier decisions are not synchronized across DP ranks)"
+)
+# 0.5.11-0.5.12: one flat candidate list, v1 worker only (no overlap scheduler).
+ADAPTIVE_FLAT = AdaptiveRules(
+    config=FLAT,
+    slot_zero=False,
+    needs_no_overlap=True,
+    ceiling=False,
+    initial_middle=False,
+    dp_reason=_DP_REASON_OLD,
+)
+# 0.5.13: per-batch slots, positive steps only.
+ADAPTIVE_SLOTS = AdaptiveRules(
+    config=SLOTS,
+    slot_zero=False,
+    needs_no_overlap=False,
+    ceiling=True,
+    initial_middle=False,
+    dp_reason=_DP_REASON_OLD,
+    default_slots=DEFAULT_SLOTS_0_5_13,
+)
+# 0.5.23: step 0 in a slot (since 0.5.14), the middle candidate without --speculative-num-steps.
+ADAPTIVE_SLOTS_ZERO = AdaptiveRules(
+    config=SLOTS,
+    slot_zero=True,
+    needs_no_overlap=False,
+    ceiling=True,
+    initial_middle=True,
+    dp_reason=(
+        "attention DP is not supported "
+        "(adaptive tier decisions are not synchronized across DP ranks)"
+    ),
+    default_slots=DEFAULT_SLOTS_0_5_23,
+)
+
 # Gone by 0.5.18 (the startup_* gauges by phase replaced the two engine_* gauges).
 _ENGINE_TIMES = (
     Family("sglang:engine_startup_time", G, "The time taken for the engine to start up.", SCHED),
@@ -263,6 +309,7 @@ PROFILES: dict[str, Profile] = {
         ready=False,
         v1_loads=True,
         freeze_gc_after_warmup=False,
+        adaptive=ADAPTIVE_FLAT,
     ),
     "0.5.13": Profile(
         version="0.5.13",
@@ -285,6 +332,7 @@ PROFILES: dict[str, Profile] = {
         ready=False,
         v1_loads=True,
         freeze_gc_after_warmup=False,
+        adaptive=ADAPTIVE_SLOTS,
     ),
     "0.5.23": Profile(
         version="0.5.23",
@@ -301,6 +349,7 @@ PROFILES: dict[str, Profile] = {
         ready=True,
         v1_loads=True,
         freeze_gc_after_warmup=True,
+        adaptive=ADAPTIVE_SLOTS_ZERO,
     ),
 }
 VERSIONS = tuple(PROFILES)

@@ -371,3 +371,11 @@ def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
         log = twin.log()
     assert "Traceback" not in log, log[-3000:]
     assert "Error handling request" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize(("argv", "has_accept"), [([], False), (SPEC4, True)])
+def test_server_info_accept_length_only_with_speculation(argv: list[str], has_accept: bool) -> None:
+    with TwinProcess([*argv, *FAST]) as twin:
+        twin.wait_healthy()
+        states = httpx.get(twin.url + "/server_info", timeout=10).json()["internal_states"]
+        assert ("avg_spec_accept_length" in states[0]) is has_accept
