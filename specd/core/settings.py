@@ -469,7 +469,8 @@ class Settings(BaseModel):
     restart: RestartSettings = Field(default_factory=RestartSettings)
     report: ReportSettings = Field(default_factory=ReportSettings)
     fleet: FleetSettings | None = Field(
-        default=None, description="The fleet this server restarts in turn with; absent: none."
+        default=None,
+        description="The fleet this server restarts in turn with; absent or empty: none.",
     )
     bands: list[Band] = Field(
         default_factory=_default_bands,
@@ -481,6 +482,13 @@ class Settings(BaseModel):
         min_length=1,
         description="Maintenance windows; automatic restarts happen only inside one.",
     )
+
+    @field_validator("fleet", mode="before")
+    @classmethod
+    def _empty_fleet(cls, value: Any) -> Any:
+        # The example file shows [fleet] with every key commented out: an empty table is
+        # no fleet, as an absent one is.
+        return None if value == {} else value
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
