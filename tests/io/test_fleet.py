@@ -10,9 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,15 +28,6 @@ from specd.io.fleet import (
 from specd.twin.process import free_port
 
 TTL_S = 5  # the shortest lease the settings allow
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
-    server = EtcdProcess(tmp_path / "etcd").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def fleet_settings(*endpoints: str, **fields: Any) -> FleetSettings:
