@@ -222,6 +222,15 @@ class EtcdClient:
         return b"".join(chunks)
 
     # -- the calls ------------------------------------------------------------------
+    def version(self) -> str:
+        """The etcd server's version (maintenance status), for `specd doctor`."""
+        with self._counting():
+            answer = self.call("/v3/maintenance/status", {})
+            version = answer.get("version")
+            if not isinstance(version, str) or not version:
+                raise FleetUnavailable("protocol", "etcd answer: status without a version")
+            return _one_line(version, 40)
+
     def grant(self, ttl_s: int) -> int:
         with self._counting():
             answer = self.call("/v3/lease/grant", {"TTL": ttl_s})
