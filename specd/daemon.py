@@ -561,7 +561,11 @@ class Daemon:
         if fleet is None:
             return None
         # Logged with the decision (reason fleet_unavailable), once per change of it.
-        return fleet.probe()
+        try:
+            return fleet.probe()
+        except Exception as exc:  # a bug on etcd's side of specd must not stop the loop
+            self.log.exception("fleet_probe_failed")
+            return f"fleet check failed: {exc!r}"
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""

@@ -192,7 +192,7 @@ class EtcdClient:
             ) from None
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             if status != 200:
                 raise FleetUnavailable("http", f"{where}: HTTP {status}", status) from None
             raise FleetUnavailable("protocol", f"{where}: answer is not JSON") from None
@@ -421,7 +421,8 @@ class Fleet:
         found: list[Holder] = []
         for key, value, lease in self.etcd.range_prefix(prefix):
             index_text = key[len(prefix) :]
-            if not index_text.isdigit():
+            is_index = index_text.isascii() and index_text.isdigit() and len(index_text) <= 6
+            if not (key.startswith(prefix) and is_index):
                 continue  # not a slot key (written by someone else): not ours to read
             name, since = _parse_holder(value)
             found.append(Holder(int(index_text), name, since, lease))
@@ -514,6 +515,8 @@ class Fleet:
         return problem
 
     def keep_alive(self, slot: Slot) -> LeaseKeeper:
+        """Renew ``slot``'s lease from now on (also a slot a killed predecessor took)."""
+        self.hooks.held(True)
         keeper = LeaseKeeper(self, slot)
         keeper.start()
         return keeper
@@ -558,7 +561,10 @@ class LeaseKeeper(threading.Thread):
         while not self._halt.wait(wait):
             try:
                 ttl = self.fleet.etcd.keepalive(self.slot.lease)
-            except FleetUnavailable:
+            except Exception as exc:  # a thread of its own: nothing above it would see it
+                if not isinstance(exc, FleetUnavailable):
+                    self.lost = f"lease renewal failed: {_one_line(repr(exc), 200)}"
+                    return
                 if mono() - renewed >= self.slot.ttl_s:
                     self.lost = f"no lease renewal for {self.slot.ttl_s} s (etcd unreachable)"
                     self.fleet.hooks.error("lost")
@@ -582,7 +588,7 @@ class LeaseKeeper(threading.Thread):
 def _parse_holder(value: bytes) -> tuple[str, float | None]:
     try:
         data = json.loads(value)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return _one_line(value.decode("utf-8", "replace"), MAX_HOLDER_CHARS), None
     if not isinstance(data, dict):
         return _one_line(str(data), MAX_HOLDER_CHARS), None

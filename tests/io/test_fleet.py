@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -332,6 +333,8 @@ HOSTILE = [
     ("html 502", 502, b"<h1>Bad Gateway</h1>", "http", "HTTP 502"),
     ("etcd error", 400, b'{"error": "bad", "message": "etcdserver: bad", "code": 3}', "http", ""),
     ("huge", 200, HUGE, "protocol", "answer over 1048576 bytes"),
+    ("deeply nested", 200, b"[" * 100_000, "protocol", "answer is not JSON"),
+    ("not utf-8", 200, b'{"x": "\xff\xfe"}', "protocol", "answer is not JSON"),
 ]
 
 
@@ -361,6 +364,19 @@ def test_a_hostile_etcd_is_a_clear_one_line_problem(
         # Releasing against it reports, never raises.
         released = fleet.release(slot)
         assert released is None or released.startswith("releasing fleet slot 0 failed")
+    finally:
+        fake.close()
+
+
+def test_keys_an_etcd_should_not_have_answered_are_not_slots() -> None:
+    keys = ["/other/0", "/specd/g1/slots/\u00b2", "/specd/g1/slots/-1", "/specd/g1/slots/"]
+    keys.append("/specd/g1/slots/" + "9" * 5000)  # past int()'s digit limit
+    kvs = [{"key": base64.b64encode(k.encode()).decode(), "lease": "1"} for k in keys]
+    fake = FakeEtcd(200, json.dumps({**HEADER, "kvs": kvs}).encode())
+    try:
+        fleet = make_fleet(fake.url, "a")
+        assert fleet.holders() == []
+        assert fleet.probe() is None
     finally:
         fake.close()
 
