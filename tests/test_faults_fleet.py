@@ -9,6 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
+import pytest
 from factories import EtcdProcess
 from test_faults import (
     UNIT,
@@ -25,6 +26,8 @@ from test_faults import (
 from specd.core.settings import FleetSettings
 from specd.io.fleet import Fleet
 from specd.io.state import StateStore
+
+pytestmark = pytest.mark.slow
 
 TTL_S = 5
 HOLDER = "specd-under-test"

@@ -381,8 +381,9 @@ class FleetSettings(BaseModel):
     etcd_timeout_s: float = Field(
         default=5,
         gt=0,
-        le=MINUTE_S,
-        description="Timeout of one etcd request, seconds; at most a minute.",
+        le=10,
+        description="Timeout of one etcd request (over all endpoints), seconds; at most 10, "
+        "so the few requests of one try for a slot stay well inside specd's watchdog.",
     )
     slot_wait_max_s: float = Field(
         default=1800,

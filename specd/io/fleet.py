@@ -441,31 +441,28 @@ class Fleet:
 
     # -- taking, keeping, releasing ---------------------------------------------------
     def try_acquire(self) -> Slot | None:
-        """Take a free slot now, or None when all are held."""
+        """Take a free slot now, or None when all are held (or another specd took the one
+        tried first: the next try sees it). At most four etcd requests, so one try stays
+        inside the watchdog whatever etcd does."""
         held = {h.slot for h in self.holders()}
         free = [i for i in range(self.slots) if i not in held]
         if not free:
             return None
+        index = free[0]
         lease = self.etcd.grant(self.ttl_s)
         value = json.dumps({"holder": self.holder, "since": self._clock()})
         try:
-            for index in free:
-                if self.etcd.put_if_absent(slot_key(self.group, index), value, lease):
-                    slot = Slot(
-                        self.group,
-                        index,
-                        slot_key(self.group, index),
-                        lease,
-                        self.ttl_s,
-                        self._clock(),
-                    )
-                    self.hooks.held(True)
-                    return slot
+            taken = self.etcd.put_if_absent(slot_key(self.group, index), value, lease)
         except FleetUnavailable:
             self._revoke_quietly(lease)
             raise
-        self._revoke_quietly(lease)  # another specd was faster: no lease left behind
-        return None
+        if not taken:
+            self._revoke_quietly(lease)  # another specd was faster: no lease left behind
+            return None
+        self.hooks.held(True)
+        return Slot(
+            self.group, index, slot_key(self.group, index), lease, self.ttl_s, self._clock()
+        )
 
     def acquire(
         self, stop: threading.Event, give_up: Callable[[], str | None]

@@ -275,11 +275,19 @@ def test_garbage_in_a_slot_key_is_shown_not_trusted(etcd: EtcdProcess) -> None:
 
 
 class FakeEtcd:
-    """A real HTTP server on loopback that answers every POST with one canned reply."""
+    """A real HTTP server on loopback that answers every POST with one canned reply, or
+    per path with ``routes``."""
 
-    def __init__(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        routes: dict[str, bytes] | None = None,
+    ) -> None:
         self.requests: list[str] = []
         requests = self.requests
+        by_path = routes or {}
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -288,11 +296,12 @@ class FakeEtcd:
                 length = int(self.headers.get("Content-Length", "0"))
                 self.rfile.read(length)
                 requests.append(self.path)
+                answer = by_path.get(self.path, body)
                 self.send_response(status)
-                for name, value in (headers or {"Content-Length": str(len(body))}).items():
+                for name, value in (headers or {"Content-Length": str(len(answer))}).items():
                     self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(answer)
                 self.wfile.flush()
 
             def log_message(self, format: str, *args: Any) -> None:
@@ -364,6 +373,25 @@ def test_a_hostile_etcd_is_a_clear_one_line_problem(
         # Releasing against it reports, never raises.
         released = fleet.release(slot)
         assert released is None or released.startswith("releasing fleet slot 0 failed")
+    finally:
+        fake.close()
+
+
+def test_a_lost_race_for_a_slot_is_four_requests_and_leaves_no_lease() -> None:
+    fake = FakeEtcd(
+        200,
+        json.dumps(HEADER).encode(),
+        routes={"/v3/lease/grant": json.dumps({**HEADER, "ID": "42", "TTL": "5"}).encode()},
+    )
+    try:
+        fleet = make_fleet(fake.url, "a", slots=3)
+        assert fleet.try_acquire() is None  # the txn did not succeed: someone else won
+        assert fake.requests == [
+            "/v3/kv/range",
+            "/v3/lease/grant",
+            "/v3/kv/txn",
+            "/v3/lease/revoke",
+        ]
     finally:
         fake.close()
 
