@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from test_faults import (
     daemon_env,
     healthy,
     log_events,
+    make_standin,
     specd_setup,  # noqa: F401 - the fixture
     start_specd,
     wait_for,
@@ -26,6 +28,7 @@ from test_faults import (
 from specd.core.settings import FleetSettings
 from specd.io.fleet import Fleet
 from specd.io.state import StateStore
+from specd.twin.process import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -103,3 +106,67 @@ def test_sigkill_mid_restart_frees_the_slot_and_the_next_start_heals(
     assert len(released) == 1
     assert released[0]["detail"] == "released fleet slot 0 of group g"
     assert other.holders() == []
+
+
+def test_three_specds_whose_pins_act_together_restart_one_at_a_time(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    names = ("a", "b", "c")
+    standins: dict[str, StandIn] = {}
+    procs = {}
+    try:
+        for name in names:
+            home = tmp_path / name
+            (home / "state").mkdir(parents=True)
+            standins[name] = make_standin(
+                home, free_port(), extra_by_steps={4: ("--load-time-s", "1.0", "--warmup-s", "0.1")}
+            )
+            assert standins[name].systemctl("--no-ask-password", "restart", UNIT).returncode == 0
+        for name in names:
+            wait_for(lambda s=standins[name]: healthy(s.url()), 20, f"twin {name}")
+        for name in names:
+            home = tmp_path / name
+            write_config(
+                home / "specd.toml",
+                home,
+                standins[name].port,
+                free_port(),
+                etcd_endpoints=[etcd.url],
+                group="g",
+                lease_ttl_s=TTL_S,
+                holder_name=f"box-{name}",
+                slot_poll_interval_s=0.2,
+            )
+            (home / "override.toml").write_text(
+                'mode = "pin"\nsteps = 4\nexpires_at = 2099-01-01T00:00:00Z\n'
+                'reason = "rolling change"\napply = "now"\n'
+            )
+        # All three want the change at their first tick: they queue for the one slot.
+        for name in names:
+            home = tmp_path / name
+            procs[name] = start_specd(
+                home / "specd.toml", daemon_env(standins[name]), home / "specd.log"
+            )
+        most_out = 0
+        done = False
+        deadline = time.monotonic() + 120
+        while not done:
+            assert time.monotonic() < deadline, [s.restarts for s in standins.values()]
+            out = [n for n in names if not healthy(standins[n].url())]
+            most_out = max(most_out, len(out))
+            done = all(s.restarts == [3, 4] for s in standins.values()) and not out
+            for name, proc in procs.items():
+                assert proc.poll() is None, (tmp_path / name / "specd.log").read_text()
+        assert most_out == 1  # one at a time, and each really was out while it restarted
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(40)
+        for standin in standins.values():
+            standin.stop()
+    for name in names:
+        state, problem = StateStore(tmp_path / name / "state").load()
+        assert problem is None
+        assert [(r["to_steps"], r["result"]) for r in state.restarts] == [(4, "success")]
+    assert Fleet(FleetSettings(etcd_endpoints=[etcd.url], group="g"), "observer").holders() == []
