@@ -540,24 +540,36 @@ class LeaseKeeper(threading.Thread):
     """Renews a slot's lease every third of its TTL until ``stop``. Its waits are on its
     own event, so stopping it is immediate; a renewal that fails is retried sooner, and
     once etcd says the lease is gone (or a whole TTL passed without a renewal) ``lost``
-    says why."""
+    says why. Its own etcd client, with requests short enough to retry within a TTL, so
+    a renewal never waits for the applier's requests nor they for it."""
 
     def __init__(self, fleet: Fleet, slot: Slot) -> None:
         super().__init__(name=f"fleet-lease-{slot.index}", daemon=True)
         self.fleet = fleet
         self.slot = slot
         self.interval_s = slot.ttl_s / 3
+        self.etcd = EtcdClient(
+            fleet.etcd.endpoints,
+            min(fleet.etcd.timeout_s, slot.ttl_s / 4),
+            on_error=fleet.hooks.error,
+        )
         self.lost: str | None = None
         self.renewals = 0
         self._halt = threading.Event()
 
     def run(self) -> None:
+        try:
+            self._renew()
+        finally:
+            self.etcd.close()
+
+    def _renew(self) -> None:
         mono = time.monotonic
         renewed = mono()
         wait = self.interval_s
         while not self._halt.wait(wait):
             try:
-                ttl = self.fleet.etcd.keepalive(self.slot.lease)
+                ttl = self.etcd.keepalive(self.slot.lease)
             except Exception as exc:  # a thread of its own: nothing above it would see it
                 if not isinstance(exc, FleetUnavailable):
                     self.lost = f"lease renewal failed: {_one_line(repr(exc), 200)}"
@@ -579,7 +591,7 @@ class LeaseKeeper(threading.Thread):
         self._halt.set()
         if self.is_alive() and threading.current_thread() is not self:
             # A renewal in flight ends within one etcd timeout.
-            self.join(self.fleet.etcd.timeout_s * len(self.fleet.etcd.endpoints) + 1)
+            self.join(self.etcd.timeout_s + 1)
 
 
 def _parse_holder(value: bytes) -> tuple[str, float | None]:

@@ -231,6 +231,21 @@ def test_the_keeper_stops_at_once_and_notices_a_lost_lease(etcd: EtcdProcess) ->
     assert keeper.lost == "etcd says the lease of fleet slot 0 expired"
 
 
+def test_a_slot_survives_a_short_etcd_restart(etcd: EtcdProcess) -> None:
+    fleet = make_fleet(etcd.url, "a")
+    slot = take(fleet)
+    keeper = fleet.keep_alive(slot)
+    etcd.stop()
+    time.sleep(1.0)  # renewals fail meanwhile, and are retried sooner
+    etcd.start()
+    time.sleep(TTL_S)  # past the TTL: only renewals after the restart kept it
+    assert keeper.lost is None
+    assert keeper.renewals >= 1
+    assert fleet.check(slot) is None
+    keeper.stop()
+    assert fleet.release(slot) is None
+
+
 # -- etcd down, etcd elsewhere ---------------------------------------------------------
 
 
