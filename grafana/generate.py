@@ -47,6 +47,7 @@ REASON_COLORS: dict[str, str] = {
     "dwell_time": "purple",
     "window_closed": "text",
     "window_ending": "text",
+    "fleet_unavailable": "orange",
     "restart_budget": "red",
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
@@ -716,6 +717,64 @@ def health_panels() -> list[tuple[Panel, int, int]]:
     ]
 
 
+def fleet_panels() -> list[tuple[Panel, int, int]]:
+    """[fleet]: the etcd slots servers of a group restart in turn with (empty without one)."""
+    held = (
+        ts(
+            "Fleet slot held",
+            "1 while this host's specd holds one of its group's restart slots in etcd: at "
+            "most `slots` hosts of a group at once. SpecdFleetSlotHeldTooLong fires after "
+            "45 minutes.",
+            "none",
+        )
+        .min(0)
+        .max(1)
+        .with_target(q(f"specd_fleet_slot_held{{{INST}}}", "{{instance}}"))
+    )
+    wait = (
+        ts(
+            "Fleet slot wait",
+            "p50 and max time a restart waited for a free slot of its group (another host "
+            "restarting meanwhile).",
+            "s",
+        )
+        .min(0)
+        .with_target(
+            q(
+                "histogram_quantile(0.5, sum by (instance, le) (rate("
+                f"specd_fleet_slot_wait_seconds_bucket{{{INST}}}[$__rate_interval])))",
+                "p50 {{instance}}",
+                "A",
+            )
+        )
+        .with_target(
+            q(
+                "histogram_quantile(1, sum by (instance, le) (rate("
+                f"specd_fleet_slot_wait_seconds_bucket{{{INST}}}[$__rate_interval])))",
+                "max {{instance}}",
+                "B",
+            )
+        )
+    )
+    errors = (
+        ts(
+            "etcd errors by kind",
+            "Failed etcd calls per second (connect, timeout, http, protocol; lost = a held "
+            "slot's lease found gone). While etcd cannot be asked no restart happens "
+            "(reason fleet_unavailable).",
+            "reqps",
+        )
+        .min(0)
+        .with_target(
+            q(
+                f"sum by (kind) (rate(specd_fleet_etcd_errors_total{{{INST}}}[$__rate_interval]))",
+                "{{kind}}",
+            )
+        )
+    )
+    return [(held, 8, 7), (wait, 8, 7), (errors, 8, 7)]
+
+
 ROWS: tuple[tuple[str, Callable[[], list[tuple[Panel, int, int]]]], ...] = (
     ("Step count and decisions", steps_panels),
     ("Traffic (SGLang)", traffic_panels),
@@ -723,6 +782,7 @@ ROWS: tuple[tuple[str, Callable[[], list[tuple[Panel, int, int]]]], ...] = (
     ("Restarts and safety", restart_panels),
     ("Maintenance windows and override", window_override_panels),
     ("Scrape health", health_panels),
+    ("Fleet (etcd slots)", fleet_panels),
 )
 
 

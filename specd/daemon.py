@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
@@ -36,6 +36,7 @@ from specd.io import files, logs
 from specd.io.apply import Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
+from specd.io.fleet import Fleet, FleetHooks
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
@@ -189,7 +190,25 @@ class Daemon:
             self._persist_journal,
             self.stop_event,
             clock=self.clock,
+            fleet=self._make_fleet(config),
         )
+
+    def _make_fleet(self, config: Config) -> Fleet | None:
+        if config.fleet is None:
+            return None
+        m = self.metrics
+        hooks = FleetHooks(
+            error=lambda kind: m.fleet_etcd_errors.labels(kind=kind).inc(),
+            held=lambda held: m.fleet_slot_held.set(1 if held else 0),
+            waited=m.fleet_slot_wait.observe,
+        )
+        return Fleet.from_settings(config.fleet, config.sglang.unit, hooks)
+
+    @property
+    def fleet(self) -> Fleet | None:
+        """The applier's fleet (None: no [fleet], or an injected applier without one)."""
+        fleet = getattr(self.applier, "fleet", None)
+        return fleet if isinstance(fleet, Fleet) else None
 
     def _persist_journal(self, journal: dict[str, Any] | None) -> None:
         self.state.journal = journal
@@ -261,13 +280,15 @@ class Daemon:
                 self.log.error("reload_rejected", config=str(self.config_path), problem=problem)
             self.notifier.reloaded(self._status_text() + " (reload rejected, old config kept)")
             return
-        old, old_applier = self.config, self.applier
+        old, old_applier, old_fleet = self.config, self.applier, self.fleet
         client, applier, calibration, history_settings = parts
         if client is not self.client:
             self.client.close()
         self.config, self.client, self.applier = new, client, applier
         if applier is not old_applier:
             applier.read_stop_timeout()
+            if old_fleet is not None and old_fleet is not self.fleet:
+                old_fleet.close()
         self.calibration = calibration
         self.state.history.reconfigure(history_settings)
         self.override.fingerprint = None  # re-read the override file too
@@ -385,6 +406,11 @@ class Daemon:
             restart_needs_s=self._restart_needs_s(),
         )
         outcome = step(context, result, now)
+        if outcome.acts:
+            # etcd is asked only when this tick would restart: no slot, no restart.
+            problem = self._fleet_problem()
+            if problem is not None:
+                outcome = step(replace(context, fleet_problem=problem), result, now)
         self.state.adopt(outcome.control)
         decision = outcome.decision
         self.last_decision = decision
@@ -536,6 +562,18 @@ class Daemon:
             self._last_logged = key
             self._last_logged_at = now
         return changed
+
+    def _fleet_problem(self) -> str | None:
+        """Why no fleet slot could be taken now (etcd unreachable, all slots busy), or None."""
+        fleet = self.fleet
+        if fleet is None:
+            return None
+        # Logged with the decision (reason fleet_unavailable), once per change of it.
+        try:
+            return fleet.probe()
+        except Exception as exc:  # a bug on etcd's side of specd must not stop the loop
+            self.log.exception("fleet_probe_failed")
+            return f"fleet check failed: {exc!r}"
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""

@@ -7,20 +7,23 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.settings import TABLE_OF_KEY
-from specd.twin.process import TwinProcess
+from specd.twin.process import TwinProcess, free_port
 
 
 def tables(**fields: Any) -> dict[str, Any]:
@@ -230,3 +233,63 @@ READING_RULES: list[tuple[str, int, float, float]] = [
     ("flat past the last", 2, 9, 640.0),  # no capacity
     ("flat past the last", 4, 1000, 1620.0),
 ]
+
+
+def etcd_binary() -> str:
+    """The etcd server (Debian's etcd-server, installed by scripts/install-system-deps)."""
+    path = shutil.which("etcd")
+    if path is None:
+        if os.environ.get("SPECD_ALLOW_SKIP") == "1":
+            pytest.skip("etcd missing (apt-get install etcd-server)")
+        pytest.fail("etcd missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
+    return path
+
+
+class EtcdProcess:
+    """A real one-member etcd on 127.0.0.1, its own data dir and free ports (never
+    2379/2380, where Debian's etcd.service may listen). ``stop``/``start`` keep the data
+    dir and ports: the same cluster comes back."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.binary = etcd_binary()
+        self.data_dir = data_dir
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 20.0) -> EtcdProcess:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        argv = [
+            self.binary,
+            "--name=specd-test",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={self.url}",
+            f"--advertise-client-urls={self.url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=specd-test={peer}",
+            "--listen-metrics-urls=",
+        ]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.post(f"{self.url}/v3/maintenance/status", json={}, timeout=1).is_success:
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"etcd not up within {timeout_s} s: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None

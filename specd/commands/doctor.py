@@ -35,6 +35,7 @@ from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import ENV_ARGS, env_setting_words, parse_env
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
@@ -460,6 +461,44 @@ class Doctor:
             )
         return Check("specd-metrics", True, f"{url}/metrics answers")
 
+    def check_fleet(self) -> Check:
+        """Every etcd endpoint answers, and the group's slots can be read."""
+        settings = self.config.fleet
+        if settings is None:
+            return Check("fleet", True, "no [fleet]: this server restarts on its own")
+        answered, failed = [], []
+        for endpoint in settings.etcd_endpoints:
+            client = EtcdClient([endpoint], settings.etcd_timeout_s)
+            try:
+                answered.append(f"{endpoint} (etcd {client.version()})")
+            except FleetUnavailable as exc:
+                failed.append(str(exc))
+            finally:
+                client.close()
+        fleet = Fleet.from_settings(settings, self.config.sglang.unit)
+        try:
+            holders = fleet.holders()
+        except FleetUnavailable as exc:
+            failed.append(f"reading the slots of group {settings.group}: {exc}")
+            holders = []
+        finally:
+            fleet.close()
+        if failed:
+            return Check(
+                "fleet",
+                False,
+                "; ".join(failed),
+                "start etcd or fix [fleet] etcd_endpoints: without an answer specd never "
+                "restarts SGLang (reason fleet_unavailable)",
+            )
+        held = ", ".join(f"slot {h.slot} held by {h.name}" for h in holders) or "all free"
+        return Check(
+            "fleet",
+            True,
+            f"{', '.join(answered)} answer; group {settings.group}, {settings.slots} "
+            f"slot(s): {held}; this specd is {fleet.holder!r}",
+        )
+
     def run(self) -> list[Check]:
         checks = [self.check_config()]
         with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
@@ -471,6 +510,7 @@ class Doctor:
             self.check_polkit,
             self.check_windows,
             self.check_override,
+            self.check_fleet,
             self.check_service,
             self.check_own_metrics,
         ):

@@ -1,7 +1,8 @@
 """`specd status`: what specd is doing, from its state file, for the on-call.
 
-Reads only: state.json (never moved aside or rewritten here), the config, and the
-override file. Works while the daemon runs, and when it does not.
+Reads only: state.json (never moved aside or rewritten here), the config, the override
+file and, with a [fleet], who holds the group's slots in etcd. Works while the daemon runs,
+and when it does not.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from specd.commands.check_config import load_for_command
 from specd.core import windows
 from specd.core.history import HistorySettings
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
+from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
 from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
@@ -100,7 +102,43 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "window_open": windows.is_open(config.windows, at),
         "next_window_open": windows.next_open(config.windows, at).timestamp(),
         "next_window_close": windows.next_close(config.windows, at).timestamp(),
+        "fleet": fleet_status(config),
     }
+
+
+def fleet_status(config: Config) -> dict[str, Any] | None:
+    """The group, this specd's name in it, and who holds which slot (etcd asked once)."""
+    if config.fleet is None:
+        return None
+    fleet = Fleet.from_settings(config.fleet, config.sglang.unit)
+    info: dict[str, Any] = {
+        "group": fleet.group,
+        "slots": fleet.slots,
+        "this_holder": fleet.holder,
+        "endpoints": config.fleet.etcd_endpoints,
+        "holders": None,
+        "problem": None,
+    }
+    try:
+        info["holders"] = [h.to_dict() for h in fleet.holders()]
+    except FleetUnavailable as exc:
+        info["problem"] = str(exc)
+    finally:
+        fleet.close()
+    return info
+
+
+def _fleet_line(fleet: dict[str, Any], now: float) -> str:
+    head = f"fleet          group {fleet['group']}, {fleet['slots']} slot(s)"
+    if fleet["problem"] is not None:
+        return f"{head}: etcd UNAVAILABLE (no restart until it answers): {fleet['problem']}"
+    held = [
+        f"slot {h['slot']} held by {h['name']}"
+        + (" (this specd)" if h["name"] == fleet["this_holder"] else "")
+        + (f" since {_when(h['since'], now)}" if h["since"] is not None else "")
+        for h in fleet["holders"]
+    ]
+    return f"{head}: " + ("; ".join(held) if held else "all free")
 
 
 def render(info: dict[str, Any], now: float) -> str:
@@ -137,6 +175,8 @@ def render(info: dict[str, Any], now: float) -> str:
             if ov["valid"]
             else f"override       INVALID, ignored: {ov['problem']}"
         )
+    if info["fleet"] is not None:
+        lines.append(_fleet_line(info["fleet"], now))
     if info["restart_in_progress"]:
         lines.append(f"restart        in progress: {info['restart_in_progress'].get('phase')}")
     if info["state_problem"]:

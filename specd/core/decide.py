@@ -49,6 +49,9 @@ class Reason(str, enum.Enum):
     WINDOW_ENDING = "window_ending"
     OVERRIDE_PIN = "override_pin"
     FROZEN = "frozen"
+    # A [fleet] is configured but no slot can be taken (etcd unreachable or answering
+    # nonsense, or every slot of the group held): no restart outside the fleet's turn.
+    FLEET_UNAVAILABLE = "fleet_unavailable"
     CHANGE = "change"
 
 
@@ -304,10 +307,46 @@ def decide(
     control: Control,
     pick: Pick | None,
     restart_needs_s: float = 0.0,
+    *,
+    fleet_problem: str | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
-    open window with ``restart_needs_s`` to spare. See the module docstring."""
+    open window with ``restart_needs_s`` to spare. ``fleet_problem``: why no slot of the
+    configured fleet can be taken this tick (None: one can, or no fleet is configured);
+    it holds every restart, a pin applied now included. See the module docstring."""
+    decision = _decide(history, obs, config, override, now, control, pick, restart_needs_s)
+    acts = decision.acts(
+        control.current_steps,
+        live_adaptive=control.live_adaptive,
+        live_config=control.live_adaptive_config,
+    )
+    if fleet_problem and acts:
+        wanted = decision.target_setting
+        assert wanted is not None
+        target = decision.target_steps if wanted.kind == "static" else format_setting(wanted)
+        assert target is not None
+        return Decision(
+            decision.target_steps,
+            Reason.FLEET_UNAVAILABLE,
+            f"{decision.message}; but no fleet slot can be taken "
+            f"({_one_line(fleet_problem)}): "
+            f"{_arrow(control.current_steps, target, live_adaptive=control.live_adaptive)} waits",
+            decision.setting,
+        )
+    return decision
+
+
+def _decide(
+    history: History,
+    obs: Observation | ScrapeError | None,
+    config: Settings,
+    override: Override | None,
+    now: float,
+    control: Control,
+    pick: Pick | None,
+    restart_needs_s: float,
+) -> Decision:
     at = _utc(now)
     current = control.current_steps
     hold = None if current is None else clamp(current, config)

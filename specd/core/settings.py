@@ -34,6 +34,7 @@ WEEK_S = 7 * DAY_S
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+_GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 # Frozen, no unknown keys, no inf/nan anywhere.
@@ -98,6 +99,17 @@ class Window(BaseModel):
         return self
 
 
+def _http_url(value: str) -> str:
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000")
+    try:
+        parsed.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ValueError(f"{value!r} has an invalid port") from None
+    return value.rstrip("/")
+
+
 class SGLangSettings(BaseModel):
     """[sglang]: the server specd tunes and how a step count reaches it."""
 
@@ -132,14 +144,7 @@ class SGLangSettings(BaseModel):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        parsed = urllib.parse.urlsplit(value)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000")
-        try:
-            parsed.port  # noqa: B018 - raises on a bad port
-        except ValueError:
-            raise ValueError(f"{value!r} has an invalid port") from None
-        return value.rstrip("/")
+        return _http_url(value)
 
     @field_validator("unit")
     @classmethod
@@ -352,6 +357,81 @@ class RestartSettings(BaseModel):
     )
 
 
+class FleetSettings(BaseModel):
+    """[fleet]: at most ``slots`` servers of a ``group`` restart at once, through etcd.
+
+    Present: a restart first takes one of the group's slots (a key under an etcd lease),
+    keeps the lease alive while it runs and releases it at the end; no etcd answer or no
+    free slot means no restart. Absent: this server restarts on its own window alone."""
+
+    model_config = _table()
+
+    etcd_endpoints: list[str] = Field(
+        min_length=1,
+        max_length=16,
+        description="Base URL of each etcd member's client API (its v3 JSON gateway), e.g. "
+        "['http://10.0.0.5:2379']; tried in order; at most 16.",
+    )
+    group: str = Field(
+        description="The servers that share slots: the same name on every specd of a fleet "
+        "(letters, digits, '.', '_', '-'; at most 64).",
+    )
+    slots: int = Field(
+        default=1, ge=1, le=64, description="How many servers of the group may restart at once."
+    )
+    lease_ttl_s: float = Field(
+        default=30,
+        ge=5,
+        le=HOUR_S,
+        description="TTL of the slot's etcd lease, seconds, renewed every third of it while "
+        "a restart runs: a specd that dies frees its slot this long after. 5 s to an hour.",
+    )
+    etcd_timeout_s: float = Field(
+        default=5,
+        gt=0,
+        le=10,
+        description="Timeout of one etcd request (over all endpoints), seconds; at most 10, "
+        "so the few requests of one try for a slot stay well inside specd's watchdog.",
+    )
+    slot_wait_max_s: float = Field(
+        default=1800,
+        ge=0,
+        le=DAY_S,
+        description="Longest wait for a free slot, seconds; a closing window ends the wait "
+        "sooner (the change waits for the next window). At most a day.",
+    )
+    slot_poll_interval_s: float = Field(
+        default=2,
+        gt=0,
+        le=MINUTE_S,
+        description="Seconds between tries for a slot while all are held; at most a minute.",
+    )
+    holder_name: str | None = Field(
+        default=None,
+        max_length=200,
+        description="How this specd names itself in the slot it holds (`specd status` shows "
+        "it); omit for the host name and SGLang unit.",
+    )
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints(cls, value: list[str]) -> list[str]:
+        urls = [_http_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("each etcd endpoint may be listed once")
+        return urls
+
+    @field_validator("group")
+    @classmethod
+    def _group(cls, value: str) -> str:
+        # Part of an etcd key: no '/' (another group's prefix) and nothing to escape.
+        if not _GROUP.match(value):
+            raise ValueError(
+                f"{value!r} is not a group name (letters, digits, '.', '_', '-'; at most 64)"
+            )
+        return value
+
+
 class ReportSettings(BaseModel):
     """[report]: specd's own /metrics and logs."""
 
@@ -397,6 +477,10 @@ class Settings(BaseModel):
     choose: ChooseSettings = Field(default_factory=ChooseSettings)
     restart: RestartSettings = Field(default_factory=RestartSettings)
     report: ReportSettings = Field(default_factory=ReportSettings)
+    fleet: FleetSettings | None = Field(
+        default=None,
+        description="The fleet this server restarts in turn with; absent or empty: none.",
+    )
     bands: list[Band] = Field(
         default_factory=_default_bands,
         description="Bands of offered concurrency → steps, by ascending max_concurrency; "
@@ -407,6 +491,13 @@ class Settings(BaseModel):
         min_length=1,
         description="Maintenance windows; automatic restarts happen only inside one.",
     )
+
+    @field_validator("fleet", mode="before")
+    @classmethod
+    def _empty_fleet(cls, value: Any) -> Any:
+        # The example file shows [fleet] with every key commented out: an empty table is
+        # no fleet, as an absent one is.
+        return None if value == {} else value
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -433,13 +524,22 @@ class Settings(BaseModel):
         return self
 
 
+def _table_model(annotation: Any) -> type[BaseModel] | None:
+    """The table's model, also for an optional table (``GatewaySettings | None``)."""
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
 # The tables, by their TOML name, and the keys each holds.
 # (Read-only, as all of the core's module state.)
 TABLES: Mapping[str, type[BaseModel]] = MappingProxyType(
     {
-        name: field.annotation
+        name: model
         for name, field in Settings.model_fields.items()
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        if name not in ("bands", "windows")
+        and (model := _table_model(field.annotation)) is not None
     }
 )
 ARRAYS: Mapping[str, type[BaseModel]] = MappingProxyType({"bands": Band, "windows": Window})

@@ -42,6 +42,9 @@ class StepContext:
     # The longest one restart of the unit takes (its stop timeout + the start): a change
     # waits for a window with that much time left.
     restart_needs_s: float = 0.0
+    # Why no slot of the configured fleet can be taken (one line, found by io this tick);
+    # None: one can, or no fleet is configured.
+    fleet_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,15 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
     decision = decide(
-        ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
+        ctx.history,
+        observation,
+        config,
+        ctx.override,
+        now,
+        control,
+        pick,
+        ctx.restart_needs_s,
+        fleet_problem=ctx.fleet_problem,
     )
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}

@@ -8,6 +8,13 @@ The only module that touches systemd or SGLang's env file. One sequence::
                                                                              │
                                                           rolled_back ◄──────┴──► failed
 
+With a ``[fleet]`` (specd/io/fleet.py) the sequence first takes one of the group's slots in
+etcd (waiting, while the window stays open, for one to free up), keeps its lease alive
+while it runs, checks the lease still holds right before the restart (a specd cut off from
+etcd may have lost it: then nothing is restarted), and releases it at every end. The
+journal names the slot, so a specd killed in between releases it on its next start; the
+slot frees itself anyway one lease TTL after the specd died.
+
 Before each step the journal (a JSON-able dict, see ``Journal``) is handed to ``persist``,
 which the daemon stores atomically in state.json. A specd killed at any point finds on its
 next start a journal saying what may have happened, and ``Applier.reconcile`` finishes the
@@ -47,6 +54,7 @@ from specd.core.setting import off as setting_off
 from specd.core.setting import parse as parse_setting
 from specd.core.settings import ChooseSettings, RestartSettings, Settings, SGLangSettings
 from specd.io import files, logs
+from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus, ParsedMetrics
 from specd.io.timespan import timespan_s
@@ -309,6 +317,10 @@ class Journal:
     rollback_reason: str | None = None
     finished_at: float | None = None
     capacity: int | None = None
+    # The fleet slot taken for this sequence (fleet.Slot.to_dict), persisted before anything
+    # else happens; ``fleet_released`` once it was given back.
+    fleet_slot: dict[str, Any] | None = None
+    fleet_released: bool = False
     messages: list[str] = field(default_factory=list)
     version: int = JOURNAL_VERSION
     from_setting: str | None = None
@@ -384,6 +396,11 @@ class Journal:
             decode_env(previous, encoding)
         except (ValueError, binascii.Error) as exc:
             raise JournalError(f"restart journal previous_env undecodable: {exc}") from None
+        fleet_slot = data.get("fleet_slot")
+        try:
+            fleet_slot = None if fleet_slot is None else Slot.from_dict(fleet_slot).to_dict()
+        except ValueError as exc:
+            raise JournalError(f"restart journal {exc}") from None
         messages = data.get("messages", [])
         if not isinstance(messages, list):
             raise JournalError("restart journal messages is not a list")
@@ -404,6 +421,8 @@ class Journal:
             else text("rollback_reason"),
             finished_at=opt_float("finished_at"),
             capacity=opt_int("capacity"),
+            fleet_slot=fleet_slot,
+            fleet_released=data.get("fleet_released") is True,
             messages=[str(m) for m in messages],
             from_setting=from_setting,
             to_setting=to_setting,
@@ -509,11 +528,13 @@ class Applier:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         config_dir: Path | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         """``sglang``/``choose``/``restart`` are the config's tables; ``config_dir`` is where
         adaptive configs go (the state dir; by default beside the env file). The rest is
         pacing, not configuration: how often to look for a quiet moment (the daemon's scrape
-        interval), how often to probe health, how many verification reads to make."""
+        interval), how often to probe health, how many verification reads to make.
+        ``fleet``: the [fleet] slots every restart takes first (None: no fleet)."""
         if not (quiet_poll_interval_s > 0 and health_poll_interval_s > 0 and verify_attempts > 0):
             raise ValueError("poll intervals and verify_attempts must be > 0")
         self.sglang = sglang
@@ -535,6 +556,9 @@ class Applier:
         self._journal: Journal | None = None
         self._stop_timeout_s: float | None = None
         self.log = logs.get_logger(component="apply")
+        self.fleet = fleet
+        self._slot: Slot | None = None
+        self._keeper: LeaseKeeper | None = None
 
     @classmethod
     def from_settings(
@@ -597,12 +621,17 @@ class Applier:
         self._restart_started = None
         self._journal = None
         try:
-            return self._apply(target, current, window_open, force)
+            outcome = self._apply(target, current, window_open, force)
         except Exception as exc:  # a bug must still leave SGLang and the env file consistent
             self.log.exception("apply_internal_error")
             if self._journal is None:
-                return self._aborted(current, target, f"internal error: {exc!r}")
-            return self._recover(self._journal, exc)
+                outcome = self._aborted(current, target, f"internal error: {exc!r}")
+            else:
+                outcome = self._recover(self._journal, exc)
+        # A no-op when the sequence's end released the slot. Not in a `finally`: a specd
+        # dying (SystemExit, a test's kill) leaves the slot to its lease TTL.
+        self._release_slot(self._journal)
+        return outcome
 
     def _out_of_range(self, target: SpecSetting) -> str | None:
         low, high = self.choose.min_steps, self.choose.max_steps
@@ -666,6 +695,10 @@ class Applier:
         except ValueError as exc:
             return self._aborted(current, target, str(exc))
         prev_text, prev_encoding = encode_env(previous)
+        if self.fleet is not None:
+            not_taken = self._take_slot(current, target, window_open, force)
+            if not_taken is not None:
+                return not_taken
         journal = Journal(
             phase="planned",
             from_steps=setting_steps(current),
@@ -678,6 +711,7 @@ class Applier:
             from_setting=None if current is None else format_setting(current),
             to_setting=format_setting(target),
             written_env=new_env.decode(),
+            fleet_slot=None if self._slot is None else self._slot.to_dict(),
         )
         journal.note(f"{_describe(current)} → {_describe(target)}")
         self._journal = journal
@@ -695,6 +729,7 @@ class Applier:
             return self._reconcile_unreadable(journal_data, str(exc))
         if journal.phase in TERMINAL_RESULTS:
             message = journal.messages[-1] if journal.messages else journal.phase
+            self._release_slot(journal)  # killed between the end and the release
             return self._outcome_from(journal, TERMINAL_RESULTS[journal.phase], message)
         if Path(journal.env_file) != Path(self.sglang.env_file):
             # Paths come from the config only: a journal (state.json) naming another file
@@ -705,10 +740,13 @@ class Applier:
                 f"{str(self.sglang.env_file)!r}; not acting on it",
             )
         try:
-            return self._resume(journal)
+            self._reattach_slot(journal)
+            outcome = self._resume(journal)
         except Exception as exc:
             self.log.exception("reconcile_internal_error")
-            return self._recover(journal, exc)
+            outcome = self._recover(journal, exc)
+        self._release_slot(journal)
+        return outcome
 
     def _recover(self, journal: Journal, exc: Exception) -> ApplyOutcome:
         reason = f"internal error: {exc!r}"
@@ -732,6 +770,9 @@ class Applier:
 
     # -- forward --------------------------------------------------------------------
     def _forward(self, journal: Journal, previous: bytes | None, new_env: bytes) -> ApplyOutcome:
+        lost = self._slot_lost()
+        if lost is not None:
+            return self._finish(journal, "aborted", f"{lost}; nothing was restarted")
         target = journal.target()
         if target.kind == "adaptive":
             # Before the env file names it: SGLang must never start on a half-written or
@@ -1156,6 +1197,7 @@ class Applier:
         journal.finished_at = self._clock()
         journal.note(message)
         self._persist(journal)
+        self._release_slot(journal)
         result = TERMINAL_RESULTS[phase]
         outcome = self._outcome_from(journal, result, message)
         log = self.log.error if result == "failed" else self.log.info
@@ -1209,6 +1251,95 @@ class Applier:
             reason=message,
         )
         return outcome
+
+    # -- the fleet: a slot before the restart, released after ------------------------
+    def _take_slot(
+        self,
+        current: SpecSetting | None,
+        target: SpecSetting,
+        window_open: Callable[[], bool],
+        force: bool,
+    ) -> ApplyOutcome | None:
+        """Wait for a slot of the fleet while the window stays open. None: taken (and kept
+        alive from now on); else the aborted outcome."""
+        assert self.fleet is not None
+
+        def closed() -> str | None:
+            return None if force or window_open() else "window closed"
+
+        try:
+            slot, why = self.fleet.acquire(self._stop, closed)
+        except FleetUnavailable as exc:
+            return self._aborted(
+                current, target, f"fleet unavailable: {exc}; nothing was restarted"
+            )
+        if slot is None:
+            return self._aborted(current, target, f"{why}; nothing was restarted")
+        self._slot, self._keeper = slot, self.fleet.keep_alive(slot)
+        self.log.info("fleet_slot_taken", group=slot.group, slot=slot.index, detail=why)
+        return None
+
+    def _slot_lost(self) -> str | None:
+        """Right before the restart: why the slot is no longer ours, or None (no fleet, or
+        etcd confirms it)."""
+        if self.fleet is None or self._slot is None:
+            return None
+        if self._keeper is not None and self._keeper.lost is not None:
+            return f"lost the fleet slot: {self._keeper.lost}"
+        problem = self.fleet.check(self._slot)
+        return None if problem is None else f"lost the fleet slot: {problem}"
+
+    def _reattach_slot(self, journal: Journal) -> None:
+        """A resumed sequence keeps the slot its killed predecessor took, if it still holds;
+        if not, it heals all the same: SGLang is already out of service, and a rollback
+        must not wait for another server's turn."""
+        if journal.fleet_slot is None or journal.fleet_released:
+            return
+        slot = Slot.from_dict(journal.fleet_slot)
+        if self.fleet is None:
+            journal.note(f"fleet slot {slot.index} in the journal but no [fleet] configured")
+            return
+        try:
+            problem = self.fleet.holds(slot)
+        except FleetUnavailable as exc:
+            problem = f"etcd cannot say ({exc})"
+        if problem is None:
+            self._slot, self._keeper = slot, self.fleet.keep_alive(slot)
+            journal.note(f"fleet slot {slot.index} still held: kept while healing")
+        else:
+            journal.note(f"fleet slot {slot.index} not held any more ({problem}): healing anyway")
+        self._persist(journal)
+
+    def _release_slot(self, journal: Journal | None) -> None:
+        """Give the slot back (stop renewing, revoke the lease); idempotent. A release etcd
+        does not take frees the slot one TTL after the renewals stopped."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()
+        slot, self._slot = self._slot, None
+        if slot is None and journal is not None and journal.fleet_slot is not None:
+            if journal.fleet_released:
+                return
+            slot = Slot.from_dict(journal.fleet_slot)
+        if slot is None:
+            return
+        if self.fleet is None:
+            problem: str | None = (
+                f"fleet slot {slot.index} in the journal but no [fleet] configured: "
+                f"it frees itself within {slot.ttl_s} s"
+            )
+        else:
+            problem = self.fleet.release(slot)
+        lost = keeper.lost if keeper is not None else None
+        message = problem or f"released fleet slot {slot.index} of group {slot.group}"
+        if lost is not None:
+            message = f"{message} (the lease was lost mid-sequence: {lost})"
+        log = self.log.warning if problem or lost else self.log.info
+        log("fleet_slot_released", group=slot.group, slot=slot.index, detail=message)
+        if journal is not None and journal.fleet_slot is not None:
+            journal.fleet_released = True
+            journal.note(message)
+            self._persist(journal)
 
 
 def _describe(setting: SpecSetting | None) -> str:

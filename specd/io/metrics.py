@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from specd import __version__
 from specd.core.observation import CHECKED_FIELDS
+from specd.io.fleet import ERROR_KINDS as FLEET_ETCD_ERROR_KINDS
 
 # Fixed label values, so dashboards and alerts can rely on every series existing from
 # the first scrape (a counter that appears only after its first increment breaks
@@ -26,6 +27,8 @@ CHANGE_KINDS = ("off", "static", "adaptive")
 OFFERED_QUANTILES = ("0.5", "0.9", "0.99")
 # Restarts of a 100B+ model take minutes; buckets reach 30 minutes.
 RESTART_DURATION_BUCKETS = (15, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800)
+# A slot is free at once or after one server's restart (minutes), or a window later.
+SLOT_WAIT_BUCKETS = (0.1, 1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 
 
 class Metrics:
@@ -245,11 +248,31 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=r,
         )
+        self.fleet_slot_held = Gauge(
+            "specd_fleet_slot_held",
+            "1 while this specd holds one of its [fleet] group's restart slots in etcd.",
+            registry=r,
+        )
+        self.fleet_etcd_errors = Counter(
+            "specd_fleet_etcd_errors_total",
+            "Failed etcd calls of the [fleet] semaphore, by kind (connect, timeout, http, "
+            "protocol; lost = a held slot's lease was found gone).",
+            ["kind"],
+            registry=r,
+        )
+        self.fleet_slot_wait = Histogram(
+            "specd_fleet_slot_wait_seconds",
+            "Time a restart waited for a [fleet] slot before taking one.",
+            buckets=SLOT_WAIT_BUCKETS,
+            registry=r,
+        )
 
         for result in RESTART_RESULTS:
             self.restarts.labels(result=result)
         for kind in SCRAPE_ERROR_KINDS:
             self.scrape_errors.labels(kind=kind)
+        for kind in FLEET_ETCD_ERROR_KINDS:
+            self.fleet_etcd_errors.labels(kind=kind)
         for name in CHECKED_FIELDS:
             self.rejected_values.labels(field=name)
         for mode in MODES:

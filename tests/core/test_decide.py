@@ -425,6 +425,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "window_ending",
         "override_pin",
         "frozen",
+        "fleet_unavailable",
         "change",
     }
 
@@ -666,3 +667,49 @@ def test_decide_is_pure() -> None:
     assert decide(*args) == decide(*args)
     assert decide(*args) == decide(*args[:4], OPEN, control(), pick)
     assert OPEN + timedelta(0).total_seconds() == OPEN
+
+
+# -- a fleet without a free slot -----------------------------------------------------
+FLEET_DOWN = "etcd http://127.0.0.1:9 POST /v3/kv/range: cannot connect: refused"
+SLOTS_BUSY = "all 1 slot(s) of fleet group g busy: slot 0 held by box-b sglang.service"
+
+
+@pytest.mark.parametrize("problem", [FLEET_DOWN, SLOTS_BUSY])
+@pytest.mark.parametrize(
+    ("override", "ctl", "reason", "target"),
+    [
+        # The policy's change, a next-window pin and a pin applied now all wait for a slot.
+        (None, control(), Reason.FLEET_UNAVAILABLE, 3),
+        (pin(2), control(), Reason.FLEET_UNAVAILABLE, 2),
+        (pin(2, apply="now"), control(), Reason.FLEET_UNAVAILABLE, 2),
+        # Nothing to restart for: the reason is what it would have been.
+        (pin(4), control(), Reason.OVERRIDE_PIN, 4),
+        (None, control(restart_times=(OPEN - 60,)), Reason.DWELL_TIME, 3),
+        (freeze(), control(), Reason.FROZEN, 4),
+    ],
+)
+def test_a_fleet_problem_holds_every_restart(
+    problem: str, override: Override | None, ctl: Control, reason: Reason, target: int
+) -> None:
+    hist, cfg = history(), config()
+    pick = choose(hist, cfg, ctl.current_steps)
+    args = (hist, observation(OPEN), cfg, override, OPEN, ctl, pick, 0.0)
+    decision = decide(*args, fleet_problem=problem + "\nsecond line")
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    assert not decision.acts(ctl.current_steps)
+    if reason is Reason.FLEET_UNAVAILABLE:
+        assert f"no fleet slot can be taken ({problem} second line)" in decision.message
+        assert decide(*args).acts(ctl.current_steps)  # without the problem it would act
+    assert "\n" not in decision.message
+
+
+@PROPERTY
+@given(situations())
+def test_never_restarts_without_a_fleet_slot(s: dict[str, Any]) -> None:
+    pick = choose(s["history"], s["config"], s["control"].current_steps)
+    args = (s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"], pick)
+    decision = decide(*args, fleet_problem=SLOTS_BUSY)
+    assert not decision.acts(s["control"].current_steps)
+    if decide(*args).acts(s["control"].current_steps):
+        assert decision.reason is Reason.FLEET_UNAVAILABLE

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pydantic
 import pytest
@@ -316,6 +317,29 @@ def test_non_finite_values_in_the_arrays_are_rejected(tmp_path: Path, text: str)
     )
 
 
+# The keys an optional table cannot do without, so one key can be tried in it alone.
+MINIMAL: dict[str, dict[str, Any]] = {
+    "fleet": {"etcd_endpoints": ["http://127.0.0.1:2379"], "group": "g"},
+}
+
+
+def test_minimal_lists_every_table_with_required_keys() -> None:
+    for table, model in TABLES.items():
+        required = {n for n, f in model.model_fields.items() if f.is_required()}
+        assert required == set(MINIMAL.get(table, {})), table
+        if required:
+            assert getattr(load_config_text({table: MINIMAL[table]}), table) is not None
+    # As in the example file: [fleet] with every key commented out is no fleet.
+    assert load_config_text({"fleet": {}}).fleet is None
+
+
+def load_config_text(data: dict[str, Any]) -> Config:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "specd.toml"
+        path.write_text(tomli_w.dumps(data))
+        return load_config(path)
+
+
 BOUNDED = [
     (table, name, field)
     for table, model in TABLES.items()
@@ -345,7 +369,7 @@ def test_a_float_setting_loads_only_when_finite_and_in_bounds(
                 inside = inside and ok(float(value), float(getattr(limit, attr)))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "specd.toml"
-        path.write_text(tomli_w.dumps({table: {name: value}}))
+        path.write_text(tomli_w.dumps({table: {**MINIMAL.get(table, {}), name: value}}))
         problems: list[str] = []
         loaded: Config | None = None
         try:

@@ -1,0 +1,612 @@
+"""At most N servers of a group restart at once: a lease-backed semaphore in etcd.
+
+Slot ``i`` of group ``g`` is the key ``/specd/g/slots/i``. Taking it is one transaction that
+puts the key, attached to a fresh lease, only if the key does not exist (its
+``create_revision`` is 0), so two specds can never both hold it. While the restart runs a
+``LeaseKeeper`` thread renews the lease every third of its TTL; the applier checks the key is
+still on the lease right before the restart (a specd cut off from etcd for a TTL has lost
+its slot and must not restart: no split brain), and releases it (revokes the lease, which
+deletes the key) once SGLang is verified or rolled back. A specd that dies, even by SIGKILL,
+stops renewing: etcd deletes the key one TTL later and the next server may go. The key's
+value says who holds it (JSON: holder, since) for ``specd status``.
+
+Client: etcd's v3 JSON gateway (grpc-gateway, served on the client port since etcd 3.3;
+3.4.23 here), spoken with httpx, specd's HTTP client already. Chosen over ``etcd3gw``
+(OpenStack's client for the same gateway), because specd needs five calls (lease grant,
+keepalive, revoke, time-to-live; kv range and txn), each one POST of a small JSON body,
+and etcd3gw would add a dependency on ``requests`` and ``futurist`` (a second HTTP stack
+beside httpx, with its own proxy/timeout rules) whose errors surface as that library's
+exceptions; here every answer is size-capped, bounded by one deadline over all endpoints,
+and every failure is one ``FleetUnavailable`` with a bounded kind for the metrics. The
+``etcd3`` gRPC client is unmaintained and needs grpcio and protobuf pins.
+
+Every call to etcd can fail: the errors are ``FleetUnavailable`` (never another exception,
+whatever etcd or something pretending to be it answers), and the applier turns them into
+"no restart" (reason ``fleet_unavailable``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from specd import __version__
+from specd.core.settings import FleetSettings
+
+KEY_PREFIX = "/specd"
+# An etcd answer to these calls is a few hundred bytes; a range over 64 slots a few KB.
+MAX_ANSWER_BYTES = 1024 * 1024
+MAX_HOLDER_CHARS = 200
+# Bounded labels of specd_fleet_etcd_errors_total.
+ERROR_KINDS = ("connect", "timeout", "http", "protocol", "lost")
+
+
+class FleetUnavailable(Exception):
+    """etcd could not be asked, or did not answer as etcd does. One line; ``kind`` is one
+    of ERROR_KINDS."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        assert kind in ERROR_KINDS, kind
+        super().__init__(_one_line(message))
+        self.kind = kind
+        self.status = status  # the HTTP status etcd answered with, if it answered
+        self.counted = False  # on_error was told already
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _unb64(value: Any, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise FleetUnavailable("protocol", f"etcd answer: {what} is not a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise FleetUnavailable("protocol", f"etcd answer: {what} is not base64") from None
+
+
+def _int64(value: Any, what: str, default: int | None = None) -> int:
+    """grpc-gateway sends int64 as a decimal string and omits zero values."""
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise FleetUnavailable("protocol", f"etcd answer: {what} is not an integer")
+    try:
+        number = int(value)
+    except ValueError:
+        raise FleetUnavailable("protocol", f"etcd answer: {what} is not an integer") from None
+    if not -(2**63) <= number < 2**63:
+        raise FleetUnavailable("protocol", f"etcd answer: {what} is out of range")
+    return number
+
+
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise FleetUnavailable("protocol", f"etcd answer: {what} is not a JSON object")
+    return value
+
+
+class EtcdClient:
+    """The few v3 JSON gateway calls specd makes, against the endpoints in order.
+
+    One call has one deadline (``timeout_s``) over all its endpoints, body reads included;
+    an endpoint that cannot be reached, times out, answers 5xx or garbage gives way to the
+    next. ``on_error(kind)`` is called once per failed call."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        timeout_s: float,
+        *,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self._on_error = on_error
+        # trust_env=False: an HTTP(S)_PROXY meant for the internet must not capture etcd.
+        self._http = httpx.Client(
+            timeout=timeout_s,
+            trust_env=False,
+            headers={"User-Agent": f"specd/{__version__}", "Accept-Encoding": "identity"},
+        )
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(
+        self, path: str, body: Mapping[str, Any], *, expected: tuple[int, ...] = ()
+    ) -> Mapping[str, Any]:
+        """POST ``body`` to ``path``; the JSON object answered. ``expected``: HTTP statuses
+        that are an answer, not an error (raised, but not counted)."""
+        deadline = time.monotonic() + self.timeout_s
+        problems: list[FleetUnavailable] = []
+        for endpoint in self.endpoints:
+            if time.monotonic() >= deadline and problems:
+                break
+            try:
+                return self._call_one(endpoint, path, body, deadline)
+            except FleetUnavailable as exc:
+                problems.append(exc)
+                if exc.status is not None and 400 <= exc.status < 500:
+                    break  # etcd refused the request itself: another member would too
+        last = problems[-1]
+        tried = f"{len(problems)} of {len(self.endpoints)} etcd endpoints"
+        error = FleetUnavailable(last.kind, f"{last} ({tried} tried)", last.status)
+        error.counted = last.status in expected
+        raise error
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Each failed call reported once to ``on_error``, a malformed answer included."""
+        try:
+            yield
+        except FleetUnavailable as exc:
+            if not exc.counted and self._on_error is not None:
+                self._on_error(exc.kind)
+            exc.counted = True
+            raise
+
+    def _call_one(
+        self, endpoint: str, path: str, body: Mapping[str, Any], deadline: float
+    ) -> Mapping[str, Any]:
+        where = f"etcd {endpoint} POST {path}"
+        left = max(0.05, deadline - time.monotonic())
+        try:
+            with (
+                self._lock,
+                self._http.stream(
+                    "POST", endpoint + path, json=dict(body), timeout=httpx.Timeout(left)
+                ) as resp,
+            ):
+                raw = self._read(resp, where, deadline)
+                status = resp.status_code
+        except httpx.TimeoutException:
+            raise FleetUnavailable(
+                "timeout", f"{where}: no answer within {self.timeout_s:g} s"
+            ) from None
+        except (httpx.ConnectError, socket.gaierror) as exc:
+            raise FleetUnavailable("connect", f"{where}: cannot connect: {exc}") from None
+        except httpx.HTTPError as exc:
+            raise FleetUnavailable(
+                "protocol", f"{where}: broken response: {type(exc).__name__} {exc}"
+            ) from None
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            if status != 200:
+                raise FleetUnavailable("http", f"{where}: HTTP {status}", status) from None
+            raise FleetUnavailable("protocol", f"{where}: answer is not JSON") from None
+        if status != 200:
+            detail = data.get("message") or data.get("error") if isinstance(data, dict) else None
+            suffix = f": {_one_line(str(detail), 120)}" if detail else ""
+            raise FleetUnavailable("http", f"{where}: HTTP {status}{suffix}", status)
+        if not isinstance(data, dict):
+            raise FleetUnavailable("protocol", f"{where}: answer is not a JSON object")
+        return data
+
+    @staticmethod
+    def _read(resp: httpx.Response, where: str, deadline: float) -> bytes:
+        declared = resp.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+            raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in resp.iter_bytes():
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
+            # A server trickling bytes resets httpx's read timeout with each one.
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout("answer not complete by the deadline")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # -- the calls ------------------------------------------------------------------
+    def version(self) -> str:
+        """The etcd server's version (maintenance status), for `specd doctor`."""
+        with self._counting():
+            answer = self.call("/v3/maintenance/status", {})
+            version = answer.get("version")
+            if not isinstance(version, str) or not version:
+                raise FleetUnavailable("protocol", "etcd answer: status without a version")
+            return _one_line(version, 40)
+
+    def grant(self, ttl_s: int) -> int:
+        with self._counting():
+            answer = self.call("/v3/lease/grant", {"TTL": ttl_s})
+            if answer.get("error"):
+                raise FleetUnavailable(
+                    "http", f"etcd lease grant: {_one_line(answer['error'], 120)}"
+                )
+            lease = _int64(answer.get("ID"), "lease ID")
+            if lease <= 0:
+                raise FleetUnavailable("protocol", "etcd answer: lease grant without a lease ID")
+            return lease
+
+    def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; its TTL now, 0 when the lease is gone."""
+        with self._counting():
+            answer = self.call("/v3/lease/keepalive", {"ID": str(lease)})
+            if "error" in answer:
+                raise FleetUnavailable("http", f"etcd keepalive: {_one_line(answer['error'], 120)}")
+            result = _object(answer.get("result"), "keepalive result")
+            return max(0, _int64(result.get("TTL"), "keepalive TTL", default=0))
+
+    def time_to_live(self, lease: int) -> tuple[int, list[str]]:
+        """(seconds left, -1 when gone; the keys on the lease)."""
+        with self._counting():
+            answer = self.call("/v3/lease/timetolive", {"ID": str(lease), "keys": True})
+            ttl = _int64(answer.get("TTL"), "lease TTL", default=0)
+            keys = answer.get("keys", [])
+            if not isinstance(keys, list):
+                raise FleetUnavailable("protocol", "etcd answer: lease keys is not a list")
+            names = [_unb64(k, "lease key").decode("utf-8", "replace") for k in keys]
+            return ttl, names
+
+    def revoke(self, lease: int) -> None:
+        with self._counting():
+            try:
+                self.call("/v3/lease/revoke", {"ID": str(lease)}, expected=(404,))
+            except FleetUnavailable as exc:
+                if exc.status != 404:
+                    raise  # 404: gone already (expired), released all the same
+
+    def put_if_absent(self, key: str, value: str, lease: int) -> bool:
+        """Put ``key`` on ``lease`` only if it does not exist; True when it was put."""
+        with self._counting():
+            k = _b64(key)
+            answer = self.call(
+                "/v3/kv/txn",
+                {
+                    "compare": [
+                        {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                    ],
+                    "success": [
+                        {"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}
+                    ],
+                },
+            )
+            _object(answer.get("header"), "txn header")
+            succeeded = answer.get("succeeded", False)
+            if not isinstance(succeeded, bool):
+                raise FleetUnavailable("protocol", "etcd answer: txn succeeded is not a boolean")
+            return succeeded
+
+    def range_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
+        """(key, value, lease) of every key under ``prefix``."""
+        with self._counting():
+            end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+            answer = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)})
+            _object(answer.get("header"), "range header")
+            kvs = answer.get("kvs", [])
+            if not isinstance(kvs, list):
+                raise FleetUnavailable("protocol", "etcd answer: kvs is not a list")
+            out = []
+            for item in kvs:
+                kv = _object(item, "kv")
+                key = _unb64(kv.get("key"), "key").decode("utf-8", "replace")
+                value = _unb64(kv.get("value", ""), "value")
+                out.append((key, value, _int64(kv.get("lease"), "kv lease", default=0)))
+            return out
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a slot, as its key says."""
+
+    slot: int
+    name: str
+    since: float | None
+    lease: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A slot this specd took; the journal keeps ``to_dict`` so a restarted specd can
+    release it (or find it gone)."""
+
+    group: str
+    index: int
+    key: str
+    lease: int
+    ttl_s: int
+    taken_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "lease": str(self.lease)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Slot:
+        if not isinstance(data, Mapping):
+            raise ValueError("fleet slot is not an object")
+        try:
+            slot = cls(
+                group=str(data["group"]),
+                index=int(data["index"]),
+                key=str(data["key"]),
+                lease=int(str(data["lease"])),
+                ttl_s=int(data["ttl_s"]),
+                taken_at=float(data["taken_at"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"fleet slot is not readable ({exc})") from None
+        if slot.key != slot_key(slot.group, slot.index) or slot.lease <= 0:
+            raise ValueError(f"fleet slot {slot.key!r} is not a slot key of its group")
+        return slot
+
+
+def slot_prefix(group: str) -> str:
+    return f"{KEY_PREFIX}/{group}/slots/"
+
+
+def slot_key(group: str, index: int) -> str:
+    return f"{slot_prefix(group)}{index}"
+
+
+def default_holder(unit: str) -> str:
+    return f"{socket.gethostname()} {unit}"
+
+
+@dataclass
+class FleetHooks:
+    """What the fleet reports as it goes (the daemon points these at its metrics)."""
+
+    error: Callable[[str], None] = field(default=lambda kind: None)
+    held: Callable[[bool], None] = field(default=lambda held: None)
+    waited: Callable[[float], None] = field(default=lambda seconds: None)
+
+
+class Fleet:
+    """The group's slots, as this specd sees and takes them."""
+
+    def __init__(
+        self,
+        settings: FleetSettings,
+        holder: str,
+        *,
+        hooks: FleetHooks | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.group = settings.group
+        self.slots = settings.slots
+        self.holder = holder[:MAX_HOLDER_CHARS]
+        self.hooks = hooks or FleetHooks()
+        self.etcd = EtcdClient(
+            settings.etcd_endpoints, settings.etcd_timeout_s, on_error=self.hooks.error
+        )
+        self._clock = clock
+        self._mono = monotonic
+        # Whole seconds, as etcd grants them; never below the 5 s the settings allow.
+        self.ttl_s = max(5, round(settings.lease_ttl_s))
+
+    @classmethod
+    def from_settings(
+        cls, settings: FleetSettings, unit: str, hooks: FleetHooks | None = None
+    ) -> Fleet:
+        return cls(settings, settings.holder_name or default_holder(unit), hooks=hooks)
+
+    def close(self) -> None:
+        self.etcd.close()
+
+    # -- reading ----------------------------------------------------------------------
+    def holders(self) -> list[Holder]:
+        """Every slot key of the group, by slot (also slots beyond ``slots``, held by a
+        specd configured with more: they are shown, never taken)."""
+        prefix = slot_prefix(self.group)
+        found: list[Holder] = []
+        for key, value, lease in self.etcd.range_prefix(prefix):
+            index_text = key[len(prefix) :]
+            is_index = index_text.isascii() and index_text.isdigit() and len(index_text) <= 6
+            if not (key.startswith(prefix) and is_index):
+                continue  # not a slot key (written by someone else): not ours to read
+            name, since = _parse_holder(value)
+            found.append(Holder(int(index_text), name, since, lease))
+        return sorted(found, key=lambda h: h.slot)
+
+    def probe(self) -> str | None:
+        """Why this specd could not take a slot now (one line), or None: etcd answers and
+        a slot is free."""
+        try:
+            held = [h for h in self.holders() if h.slot < self.slots]
+        except FleetUnavailable as exc:
+            return str(exc)
+        if len(held) < self.slots:
+            return None
+        return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(held)
+
+    # -- taking, keeping, releasing ---------------------------------------------------
+    def try_acquire(self) -> Slot | None:
+        """Take a free slot now, or None when all are held (or another specd took the one
+        tried first: the next try sees it). At most four etcd requests, so one try stays
+        inside the watchdog whatever etcd does."""
+        held = {h.slot for h in self.holders()}
+        free = [i for i in range(self.slots) if i not in held]
+        if not free:
+            return None
+        index = free[0]
+        lease = self.etcd.grant(self.ttl_s)
+        value = json.dumps({"holder": self.holder, "since": self._clock()})
+        try:
+            taken = self.etcd.put_if_absent(slot_key(self.group, index), value, lease)
+        except FleetUnavailable:
+            self._revoke_quietly(lease)
+            raise
+        if not taken:
+            self._revoke_quietly(lease)  # another specd was faster: no lease left behind
+            return None
+        self.hooks.held(True)
+        return Slot(
+            self.group, index, slot_key(self.group, index), lease, self.ttl_s, self._clock()
+        )
+
+    def acquire(
+        self, stop: threading.Event, give_up: Callable[[], str | None]
+    ) -> tuple[Slot | None, str]:
+        """Wait for a slot (every slot_poll_interval_s) until one is free, ``give_up``
+        returns a reason (the window closed), ``stop`` is set or slot_wait_max_s passed.
+        Returns (the slot, how long it took) or (None, why not). Raises FleetUnavailable."""
+        started = self._mono()
+        deadline = started + self.settings.slot_wait_max_s
+        while True:
+            slot = self.try_acquire()
+            waited = self._mono() - started
+            if slot is not None:
+                self.hooks.waited(waited)
+                return (
+                    slot,
+                    f"took fleet slot {slot.index} of group {self.group} after {waited:.1f} s",
+                )
+            busy = f"all {self.slots} slot(s) of fleet group {self.group} busy"
+            why = give_up()
+            if why is not None:
+                return None, f"{why} while waiting {waited:.0f} s for a fleet slot ({busy})"
+            left = deadline - self._mono()
+            if left <= 0:
+                return None, f"no fleet slot within {self.settings.slot_wait_max_s:g} s ({busy})"
+            if stop.wait(min(self.settings.slot_poll_interval_s, left)):
+                return None, "stop requested while waiting for a fleet slot"
+
+    def holds(self, slot: Slot) -> str | None:
+        """None while ``slot``'s key still lives on its lease; else why not (one line).
+        Raises FleetUnavailable when etcd cannot say."""
+        ttl, keys = self.etcd.time_to_live(slot.lease)
+        if ttl <= 0:
+            return f"the lease of fleet slot {slot.index} expired"
+        if slot.key not in keys:
+            return f"fleet slot {slot.index} is no longer on this specd's lease"
+        return None
+
+    def check(self, slot: Slot) -> str | None:
+        """Right before a restart: None only when etcd confirms the slot is still ours."""
+        try:
+            problem = self.holds(slot)
+        except FleetUnavailable as exc:
+            return f"cannot confirm the fleet slot is still held: {exc}"
+        if problem is not None:
+            self.hooks.error("lost")
+        return problem
+
+    def keep_alive(self, slot: Slot) -> LeaseKeeper:
+        """Renew ``slot``'s lease from now on (also a slot a killed predecessor took)."""
+        self.hooks.held(True)
+        keeper = LeaseKeeper(self, slot)
+        keeper.start()
+        return keeper
+
+    def release(self, slot: Slot) -> str | None:
+        """Free the slot (revoke its lease: etcd deletes the key). A problem or None; a
+        slot that cannot be released frees itself one TTL after its keeper stopped."""
+        self.hooks.held(False)
+        try:
+            self.etcd.revoke(slot.lease)
+        except FleetUnavailable as exc:
+            return (
+                f"releasing fleet slot {slot.index} failed ({exc}); "
+                f"it frees itself within {slot.ttl_s} s"
+            )
+        return None
+
+    def _revoke_quietly(self, lease: int) -> None:
+        with contextlib.suppress(FleetUnavailable):  # an unused lease expires in one TTL
+            self.etcd.revoke(lease)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews a slot's lease every third of its TTL until ``stop``. Its waits are on its
+    own event, so stopping it is immediate; a renewal that fails is retried sooner, and
+    once etcd says the lease is gone (or a whole TTL passed without a renewal) ``lost``
+    says why. Its own etcd client, with requests short enough to retry within a TTL, so
+    a renewal never waits for the applier's requests nor they for it."""
+
+    def __init__(self, fleet: Fleet, slot: Slot) -> None:
+        super().__init__(name=f"fleet-lease-{slot.index}", daemon=True)
+        self.fleet = fleet
+        self.slot = slot
+        self.interval_s = slot.ttl_s / 3
+        self.etcd = EtcdClient(
+            fleet.etcd.endpoints,
+            min(fleet.etcd.timeout_s, slot.ttl_s / 4),
+            on_error=fleet.hooks.error,
+        )
+        self.lost: str | None = None
+        self.renewals = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._renew()
+        finally:
+            self.etcd.close()
+
+    def _renew(self) -> None:
+        mono = time.monotonic
+        renewed = mono()
+        wait = self.interval_s
+        while not self._halt.wait(wait):
+            try:
+                ttl = self.etcd.keepalive(self.slot.lease)
+            except Exception as exc:  # a thread of its own: nothing above it would see it
+                if not isinstance(exc, FleetUnavailable):
+                    self.lost = f"lease renewal failed: {_one_line(repr(exc), 200)}"
+                    return
+                if mono() - renewed >= self.slot.ttl_s:
+                    self.lost = f"no lease renewal for {self.slot.ttl_s} s (etcd unreachable)"
+                    self.fleet.hooks.error("lost")
+                    return
+                wait = max(0.2, self.interval_s / 3)
+                continue
+            if ttl <= 0:
+                self.lost = f"etcd says the lease of fleet slot {self.slot.index} expired"
+                self.fleet.hooks.error("lost")
+                return
+            renewed, wait = mono(), self.interval_s
+            self.renewals += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            # A renewal in flight ends within one etcd timeout.
+            self.join(self.etcd.timeout_s + 1)
+
+
+def _parse_holder(value: bytes) -> tuple[str, float | None]:
+    try:
+        data = json.loads(value)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return _one_line(value.decode("utf-8", "replace"), MAX_HOLDER_CHARS), None
+    if not isinstance(data, dict):
+        return _one_line(str(data), MAX_HOLDER_CHARS), None
+    since = data.get("since")
+    name = _one_line(str(data.get("holder", "?")), MAX_HOLDER_CHARS)
+    if isinstance(since, (int, float)) and not isinstance(since, bool) and math.isfinite(since):
+        return name, float(since)
+    return name, None
+
+
+def _who(held: list[Holder]) -> str:
+    return ", ".join(f"slot {h.slot} held by {h.name}" for h in held)

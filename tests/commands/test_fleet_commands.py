@@ -1,0 +1,95 @@
+"""`specd status` and `specd doctor` with a [fleet], against a real etcd on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from factories import EtcdProcess
+from test_doctor import doctor
+
+from specd.commands.status import collect, render
+from specd.core.settings import FleetSettings
+from specd.io.config import load_config
+from specd.io.fleet import Fleet
+from specd.twin.process import free_port
+
+
+def fleet_table(*endpoints: str) -> str:
+    return (
+        f'[fleet]\netcd_endpoints = {json.dumps(list(endpoints))}\ngroup = "g"\n'
+        'holder_name = "box-a"\netcd_timeout_s = 1.0\n'
+    )
+
+
+def write_config(tmp_path: Path, extra: str) -> Path:
+    path = tmp_path / "specd.toml"
+    (tmp_path / "state").mkdir(exist_ok=True)
+    path.write_text(
+        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}/state"\noverride_file = "{tmp_path}/override.toml"\n'
+        + extra
+    )
+    return path
+
+
+def test_status_shows_the_group_and_who_holds_which_slot(tmp_path: Path, etcd: EtcdProcess) -> None:
+    path = write_config(tmp_path, fleet_table(etcd.url))
+    config = load_config(path)
+    now = time.time()
+    info = collect(config, now)
+    assert info["fleet"]["holders"] == []
+    assert "fleet          group g, 1 slot(s): all free" in render(info, now)
+
+    assert config.fleet is not None
+    other = Fleet(config.fleet, "box-b sglang.service")
+    assert other.try_acquire() is not None
+    mine = Fleet(FleetSettings(**{**config.fleet.model_dump(), "slots": 2}), "box-a")
+    assert mine.try_acquire() is not None
+    # As a real process, the way the on-call runs it.
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "status", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("fleet "))
+    assert line.startswith("fleet          group g, 1 slot(s): slot 0 held by box-b sglang.service")
+    assert "slot 1 held by box-a (this specd) since " in line
+
+    etcd.stop()
+    info = collect(config, time.time())
+    assert info["fleet"]["holders"] is None
+    assert "cannot connect" in info["fleet"]["problem"]
+    assert "etcd UNAVAILABLE (no restart until it answers)" in render(info, time.time())
+
+
+def test_status_without_a_fleet_has_no_fleet_line(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, ""))
+    info = collect(config, time.time())
+    assert info["fleet"] is None
+    assert "fleet" not in render(info, time.time())
+
+
+def test_doctor_checks_every_etcd_endpoint_answers(tmp_path: Path, etcd: EtcdProcess) -> None:
+    assert doctor(tmp_path).check_fleet().ok  # none configured: nothing to check
+    check = doctor(tmp_path, fleet_table(etcd.url)).check_fleet()
+    assert check.ok, check.detail
+    assert f"{etcd.url} (etcd 3." in check.detail
+    assert "group g, 1 slot(s): all free; this specd is 'box-a'" in check.detail
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    check = doctor(tmp_path, fleet_table(etcd.url, dead)).check_fleet()
+    assert not check.ok
+    assert check.detail.startswith(f"etcd {dead} POST /v3/maintenance/status: cannot connect")
+    assert "fleet_unavailable" in check.advice
+
+    etcd.stop()
+    check = doctor(tmp_path, fleet_table(etcd.url)).check_fleet()
+    assert not check.ok
+    assert "reading the slots of group g" in check.detail

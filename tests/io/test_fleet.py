@@ -1,0 +1,497 @@
+"""The fleet semaphore against a real etcd on loopback (and a hostile fake one)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from factories import EtcdProcess
+
+from specd.core.settings import FleetSettings
+from specd.io.fleet import (
+    ERROR_KINDS,
+    Fleet,
+    FleetHooks,
+    FleetUnavailable,
+    Slot,
+    slot_key,
+)
+from specd.twin.process import free_port
+
+TTL_S = 5  # the shortest lease the settings allow
+
+
+def fleet_settings(*endpoints: str, **fields: Any) -> FleetSettings:
+    base: dict[str, Any] = {
+        "etcd_endpoints": list(endpoints),
+        "group": "g1",
+        "lease_ttl_s": TTL_S,
+        "etcd_timeout_s": 2,
+        "slot_poll_interval_s": 0.05,
+        "slot_wait_max_s": 60,
+    }
+    return FleetSettings(**{**base, **fields})
+
+
+def make_fleet(url: str, name: str, errors: list[str] | None = None, **fields: Any) -> Fleet:
+    hooks = FleetHooks(error=errors.append) if errors is not None else None
+    return Fleet(fleet_settings(url, **fields), name, hooks=hooks)
+
+
+def never() -> str | None:
+    return None
+
+
+def take(fleet: Fleet) -> Slot:
+    slot, why = fleet.acquire(threading.Event(), never)
+    assert slot is not None, why
+    return slot
+
+
+# -- mutual exclusion ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("slots", "clients"), [(1, 3), (2, 4)])
+def test_at_most_n_hold_a_slot_at_once(etcd: EtcdProcess, slots: int, clients: int) -> None:
+    inside: list[str] = []
+    most = 0
+    served: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def client(name: str) -> None:
+        nonlocal most
+        fleet = make_fleet(etcd.url, name, slots=slots)
+        try:
+            for _ in range(2):
+                slot = take(fleet)
+                keeper = fleet.keep_alive(slot)
+                with lock:
+                    inside.append(name)
+                    most = max(most, len(inside))
+                    served.append((name, slot.index))
+                assert fleet.check(slot) is None
+                time.sleep(0.3)
+                with lock:
+                    inside.remove(name)
+                keeper.stop()
+                assert fleet.release(slot) is None
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+        finally:
+            fleet.close()
+
+    threads = [threading.Thread(target=client, args=(f"specd-{i}",)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    assert len(served) == 2 * clients
+    assert most == slots  # never more, and the N slots were really used side by side
+    assert {index for _, index in served} == set(range(slots))
+    observer = make_fleet(etcd.url, "observer", slots=slots)
+    assert observer.holders() == []
+    assert observer.probe() is None
+
+
+def test_holders_and_probe_say_who_holds_which_slot(etcd: EtcdProcess) -> None:
+    a, b = make_fleet(etcd.url, "box-a sglang.service"), make_fleet(etcd.url, "box-b")
+    slot = take(a)
+    assert (slot.index, slot.key, slot.group) == (0, slot_key("g1", 0), "g1")
+    [holder] = b.holders()
+    assert (holder.slot, holder.name, holder.lease) == (0, "box-a sglang.service", slot.lease)
+    assert holder.since is not None
+    assert abs(holder.since - time.time()) < 30
+    assert b.probe() == "all 1 slot(s) of fleet group g1 busy: slot 0 held by box-a sglang.service"
+    assert b.try_acquire() is None
+    # Another group has its own slots.
+    assert make_fleet(etcd.url, "other", group="g2").try_acquire() is not None
+    assert a.release(slot) is None
+    assert b.probe() is None
+    assert a.release(slot) is None  # releasing twice is harmless (the lease is gone)
+
+
+def test_a_waiting_specd_gives_up_when_its_window_closes(etcd: EtcdProcess) -> None:
+    holder, waiter = make_fleet(etcd.url, "holder"), make_fleet(etcd.url, "waiter")
+    take(holder)
+    closes_at = time.monotonic() + 0.5
+
+    def window() -> str | None:
+        return "window closed" if time.monotonic() >= closes_at else None
+
+    started = time.monotonic()
+    slot, why = waiter.acquire(threading.Event(), window)
+    assert slot is None
+    assert 0.4 < time.monotonic() - started < 5
+    assert why.startswith("window closed while waiting")
+    assert "all 1 slot(s) of fleet group g1 busy" in why
+    # Bounded by slot_wait_max_s too, and a stop request ends the wait at once.
+    bounded = make_fleet(etcd.url, "bounded", slot_wait_max_s=0.3)
+    slot, why = bounded.acquire(threading.Event(), never)
+    assert slot is None
+    assert why.startswith("no fleet slot within 0.3 s")
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    slot, why = make_fleet(etcd.url, "stopped", slot_poll_interval_s=30).acquire(stop, never)
+    assert slot is None
+    assert why == "stop requested while waiting for a fleet slot"
+
+
+def test_a_waiting_specd_takes_the_slot_once_it_is_released(etcd: EtcdProcess) -> None:
+    holder, waiter = make_fleet(etcd.url, "holder"), make_fleet(etcd.url, "waiter")
+    waits: list[float] = []
+    waiter.hooks.waited = waits.append
+    slot = take(holder)
+    threading.Timer(0.5, holder.release, args=(slot,)).start()
+    got, why = waiter.acquire(threading.Event(), never)
+    assert got is not None, why
+    assert got.index == 0
+    assert len(waits) == 1
+    assert 0.4 < waits[0] < 10
+
+
+# -- leases: kept alive, lost, expired -------------------------------------------------
+
+HOLDER = """
+import sys, threading, time
+from specd.core.settings import FleetSettings
+from specd.io.fleet import Fleet
+fleet = Fleet(FleetSettings(etcd_endpoints=[sys.argv[1]], group="g1", lease_ttl_s=5), "victim")
+slot, why = fleet.acquire(threading.Event(), lambda: None)
+fleet.keep_alive(slot)
+print(slot.index, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_keeper_holds_a_slot_past_its_ttl_and_sigkill_frees_it(etcd: EtcdProcess) -> None:
+    victim = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, etcd.url], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert victim.stdout is not None
+        assert victim.stdout.readline().strip() == "0"
+        other = make_fleet(etcd.url, "survivor")
+        time.sleep(TTL_S + 2)  # longer than one TTL: only the keeper's renewals keep it
+        [holder] = other.holders()
+        assert holder.name == "victim"
+        assert other.try_acquire() is None
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        killed_at = time.monotonic()
+        slot = take(other)
+        freed_after = time.monotonic() - killed_at
+        assert freed_after <= TTL_S + 2, freed_after
+        assert other.holders()[0].name == "survivor"
+        assert slot.index == 0
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def test_check_fails_once_the_lease_is_gone(etcd: EtcdProcess) -> None:
+    errors: list[str] = []
+    fleet = make_fleet(etcd.url, "a", errors)
+    slot = take(fleet)
+    assert fleet.check(slot) is None
+    fleet.etcd.revoke(slot.lease)  # as etcd does when the lease expires
+    assert fleet.check(slot) == "the lease of fleet slot 0 expired"
+    assert errors == ["lost"]
+    # A key held on another lease (someone else's slot) is not ours either.
+    other = take(make_fleet(etcd.url, "b"))
+    forged = Slot("g1", 0, other.key, fleet.etcd.grant(TTL_S), TTL_S, time.time())
+    assert fleet.check(forged) == "fleet slot 0 is no longer on this specd's lease"
+
+
+def test_the_keeper_stops_at_once_and_notices_a_lost_lease(etcd: EtcdProcess) -> None:
+    fleet = make_fleet(etcd.url, "a", lease_ttl_s=30)
+    slot = take(fleet)
+    keeper = fleet.keep_alive(slot)
+    started = time.monotonic()
+    keeper.stop()  # mid-way through a 10 s sleep
+    assert time.monotonic() - started < 1.5
+    assert not keeper.is_alive()
+    assert keeper.lost is None
+    short = make_fleet(etcd.url, "b", group="g2")
+    lost_slot = take(short)
+    keeper = short.keep_alive(lost_slot)
+    short.etcd.revoke(lost_slot.lease)
+    keeper.join(TTL_S)
+    assert keeper.lost == "etcd says the lease of fleet slot 0 expired"
+
+
+def test_a_slot_survives_a_short_etcd_restart(etcd: EtcdProcess) -> None:
+    fleet = make_fleet(etcd.url, "a")
+    slot = take(fleet)
+    keeper = fleet.keep_alive(slot)
+    etcd.stop()
+    time.sleep(1.0)  # renewals fail meanwhile, and are retried sooner
+    etcd.start()
+    time.sleep(TTL_S)  # past the TTL: only renewals after the restart kept it
+    assert keeper.lost is None
+    assert keeper.renewals >= 1
+    assert fleet.check(slot) is None
+    keeper.stop()
+    assert fleet.release(slot) is None
+
+
+# -- etcd down, etcd elsewhere ---------------------------------------------------------
+
+
+def test_etcd_stopped_is_a_problem_and_back_is_fine(etcd: EtcdProcess) -> None:
+    errors: list[str] = []
+    fleet = make_fleet(etcd.url, "a", errors)
+    assert fleet.probe() is None
+    etcd.stop()
+    problem = fleet.probe()
+    assert problem is not None
+    assert problem.startswith(f"etcd {etcd.url} POST /v3/kv/range: ")
+    assert "cannot connect" in problem
+    assert "\n" not in problem
+    with pytest.raises(FleetUnavailable) as info:
+        fleet.try_acquire()
+    assert info.value.kind == "connect"
+    assert errors == ["connect", "connect"]
+    etcd.start()
+    assert fleet.probe() is None
+    assert fleet.try_acquire() is not None
+
+
+def test_a_dead_first_endpoint_gives_way_to_the_next(etcd: EtcdProcess) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    fleet = Fleet(fleet_settings(dead, etcd.url), "a")
+    slot = take(fleet)
+    assert fleet.check(slot) is None
+    assert fleet.release(slot) is None
+
+
+def test_garbage_in_a_slot_key_is_shown_not_trusted(etcd: EtcdProcess) -> None:
+    fleet = make_fleet(etcd.url, "a")
+    lease = fleet.etcd.grant(TTL_S)
+    assert fleet.etcd.put_if_absent(slot_key("g1", 0), "\x00 not json \n at all", lease)
+    assert fleet.etcd.put_if_absent("/specd/g1/slots/x", "{}", lease)  # not a slot key
+    [holder] = fleet.holders()
+    assert (holder.slot, holder.name, holder.since) == (0, "\x00 not json at all", None)
+    assert fleet.try_acquire() is None
+
+
+# -- a hostile etcd --------------------------------------------------------------------
+
+
+class FakeEtcd:
+    """A real HTTP server on loopback that answers every POST with one canned reply, or
+    per path with ``routes``."""
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        routes: dict[str, bytes] | None = None,
+    ) -> None:
+        self.requests: list[str] = []
+        requests = self.requests
+        by_path = routes or {}
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", "0"))
+                self.rfile.read(length)
+                requests.append(self.path)
+                answer = by_path.get(self.path, body)
+                self.send_response(status)
+                for name, value in (headers or {"Content-Length": str(len(answer))}).items():
+                    self.send_header(name, value)
+                self.end_headers()
+                self.wfile.write(answer)
+                self.wfile.flush()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+HEADER = {"header": {"revision": "1"}}
+HUGE = b'{"kvs": [' + b'{"key": "AA=="},' * 200_000 + b'{"key": "AA=="}]}'
+HOSTILE = [
+    ("not json", 200, b"<html>hello</html>", "protocol", "answer is not JSON"),
+    ("json array", 200, b"[1, 2]", "protocol", "answer is not a JSON object"),
+    ("empty body", 200, b"", "protocol", "answer is not JSON"),
+    ("kvs not a list", 200, json.dumps({**HEADER, "kvs": "x"}).encode(), "protocol", "kvs is"),
+    (
+        "key not base64",
+        200,
+        json.dumps({**HEADER, "kvs": [{"key": "!!", "lease": "1"}]}).encode(),
+        "protocol",
+        "key is not base64",
+    ),
+    (
+        "lease not a number",
+        200,
+        json.dumps({**HEADER, "kvs": [{"key": "AA==", "lease": [1]}]}).encode(),
+        "protocol",
+        "kv lease is not an integer",
+    ),
+    ("no header", 200, b"{}", "protocol", "range header is not a JSON object"),
+    ("html 502", 502, b"<h1>Bad Gateway</h1>", "http", "HTTP 502"),
+    ("etcd error", 400, b'{"error": "bad", "message": "etcdserver: bad", "code": 3}', "http", ""),
+    ("huge", 200, HUGE, "protocol", "answer over 1048576 bytes"),
+    ("deeply nested", 200, b"[" * 100_000, "protocol", "answer is not JSON"),
+    ("not utf-8", 200, b'{"x": "\xff\xfe"}', "protocol", "answer is not JSON"),
+]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind", "says"),
+    [pytest.param(*row[1:], id=row[0]) for row in HOSTILE],
+)
+def test_a_hostile_etcd_is_a_clear_one_line_problem(
+    status: int, body: bytes, kind: str, says: str
+) -> None:
+    fake = FakeEtcd(status, body)
+    try:
+        errors: list[str] = []
+        fleet = make_fleet(fake.url, "a", errors)
+        problem = fleet.probe()
+        assert problem is not None
+        assert says in problem
+        assert "\n" not in problem
+        assert len(problem) <= 300
+        with pytest.raises(FleetUnavailable) as info:
+            fleet.try_acquire()
+        assert info.value.kind == kind
+        assert errors == [kind, kind]
+        assert set(errors) <= set(ERROR_KINDS)
+        slot = Slot("g1", 0, slot_key("g1", 0), 7, TTL_S, time.time())
+        assert fleet.check(slot) is not None  # never "still held" on a nonsense answer
+        # Releasing against it reports, never raises.
+        released = fleet.release(slot)
+        assert released is None or released.startswith("releasing fleet slot 0 failed")
+    finally:
+        fake.close()
+
+
+def test_a_lost_race_for_a_slot_is_four_requests_and_leaves_no_lease() -> None:
+    fake = FakeEtcd(
+        200,
+        json.dumps(HEADER).encode(),
+        routes={"/v3/lease/grant": json.dumps({**HEADER, "ID": "42", "TTL": "5"}).encode()},
+    )
+    try:
+        fleet = make_fleet(fake.url, "a", slots=3)
+        assert fleet.try_acquire() is None  # the txn did not succeed: someone else won
+        assert fake.requests == [
+            "/v3/kv/range",
+            "/v3/lease/grant",
+            "/v3/kv/txn",
+            "/v3/lease/revoke",
+        ]
+    finally:
+        fake.close()
+
+
+def test_keys_an_etcd_should_not_have_answered_are_not_slots() -> None:
+    keys = ["/other/0", "/specd/g1/slots/\u00b2", "/specd/g1/slots/-1", "/specd/g1/slots/"]
+    keys.append("/specd/g1/slots/" + "9" * 5000)  # past int()'s digit limit
+    kvs = [{"key": base64.b64encode(k.encode()).decode(), "lease": "1"} for k in keys]
+    fake = FakeEtcd(200, json.dumps({**HEADER, "kvs": kvs}).encode())
+    try:
+        fleet = make_fleet(fake.url, "a")
+        assert fleet.holders() == []
+        assert fleet.probe() is None
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        ({**HEADER, "ID": "0"}, "lease grant without a lease ID"),
+        ({**HEADER, "ID": "x"}, "lease ID is not an integer"),
+        ({**HEADER, "ID": "99999999999999999999"}, "lease ID is out of range"),
+        ({**HEADER, "ID": True}, "lease ID is not an integer"),
+        ({"error": "etcdserver: too many requests"}, "too many requests"),
+    ],
+)
+def test_a_hostile_lease_grant_takes_no_slot(answer: dict[str, Any], says: str) -> None:
+    # A range with no holders, then a grant answered badly: the slot is never taken.
+    fake = FakeEtcd(200, json.dumps(answer).encode())
+    try:
+        fleet = make_fleet(fake.url, "a")
+        fleet.holders = lambda: []  # type: ignore[method-assign]
+        with pytest.raises(FleetUnavailable) as info:
+            fleet.try_acquire()
+        assert says in str(info.value)
+    finally:
+        fake.close()
+
+
+def test_an_etcd_that_trickles_its_answer_is_cut_at_the_deadline() -> None:
+    body = b" " * 100 + b"{}"
+
+    class Slow(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # specd hung up
+                for byte in body:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.05)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        fleet = make_fleet(f"http://127.0.0.1:{httpd.server_address[1]}", "a", etcd_timeout_s=1)
+        started = time.monotonic()
+        problem = fleet.probe()
+        assert time.monotonic() - started < 3
+        assert problem is not None
+        assert "no answer within 1 s" in problem
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_journal_slot_is_read_back_or_refused() -> None:
+    slot = Slot("g1", 2, slot_key("g1", 2), 2**62, TTL_S, 1.5)
+    assert Slot.from_dict(json.loads(json.dumps(slot.to_dict()))) == slot
+    for bad in (
+        None,
+        [],
+        {**slot.to_dict(), "key": "/etc/passwd"},
+        {**slot.to_dict(), "lease": "x"},
+        {**slot.to_dict(), "lease": "0"},
+        {k: v for k, v in slot.to_dict().items() if k != "index"},
+    ):
+        with pytest.raises(ValueError, match="fleet slot"):
+            Slot.from_dict(bad)

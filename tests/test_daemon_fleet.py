@@ -1,0 +1,72 @@
+"""The daemon with a [fleet]: etcd is asked when a tick would restart; no slot (etcd down,
+or every slot held) means reason fleet_unavailable and no restart, until one is free.
+A real etcd on loopback; SGLang and the restart scripted as in test_daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from factories import EtcdProcess
+from test_daemon import IN_WINDOW, Applier, Reader, config, daemon, obs
+
+from specd.core.decide import Reason
+from specd.daemon import Daemon
+from specd.io.fleet import Fleet
+
+
+def sample(d: Daemon, name: str, **labels: str) -> float | None:
+    value: float | None = d.metrics.registry.get_sample_value(name, labels)
+    return value
+
+
+def test_no_slot_no_restart_and_it_resumes_when_etcd_is_back(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    clock = [IN_WINDOW]
+    applier = Applier()
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, clock)
+    fleet = d._make_fleet(cfg)
+    assert isinstance(fleet, Fleet)
+    applier.fleet = fleet  # type: ignore[attr-defined]
+    assert d.fleet is fleet
+
+    etcd.stop()
+    decision = d.tick()
+    assert decision.reason is Reason.FLEET_UNAVAILABLE, decision.message
+    assert f"no fleet slot can be taken (etcd {etcd.url} POST /v3/kv/range" in decision.message
+    assert applier.calls == []
+    assert sample(d, "specd_decisions_total", reason="fleet_unavailable") == 1
+    assert sample(d, "specd_fleet_etcd_errors_total", kind="connect") == 1
+    assert d.state.last_decision is not None
+    assert d.state.last_decision["reason"] == "fleet_unavailable"
+
+    # Back, but another server holds the only slot: still no restart, the message says who.
+    etcd.start()
+    assert cfg.fleet is not None
+    other = Fleet(cfg.fleet, "box-b")
+    slot = other.try_acquire()
+    assert slot is not None
+    clock[0] += 5
+    decision = d.tick()
+    assert decision.reason is Reason.FLEET_UNAVAILABLE
+    assert "slot 0 held by box-b" in decision.message
+    assert applier.calls == []
+
+    assert other.release(slot) is None
+    clock[0] += 5
+    decision = d.tick()
+    assert decision.reason is Reason.CHANGE, decision.message
+    assert applier.calls == [(4, 3)]
+
+
+def test_etcd_is_not_asked_when_no_restart_is_due(tmp_path: Path, etcd: EtcdProcess) -> None:
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    clock = [IN_WINDOW]
+    applier = Applier()
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), applier, clock)  # 4 already runs
+    applier.fleet = d._make_fleet(cfg)  # type: ignore[attr-defined]
+    etcd.stop()
+    decision = d.tick()
+    assert decision.reason is Reason.WITHIN_TOLERANCE, decision.message
+    assert sample(d, "specd_fleet_etcd_errors_total", kind="connect") == 0

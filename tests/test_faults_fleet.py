@@ -1,0 +1,172 @@
+"""A real `specd run` with a [fleet], SIGKILLed while it holds the slot mid-restart: the
+lease expires, another server gets its turn, and the killed specd heals on its next start
+and gives the slot back. Real etcd on loopback, the stand-in systemctl of test_faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from factories import EtcdProcess
+from test_faults import (
+    UNIT,
+    StandIn,
+    daemon_env,
+    healthy,
+    log_events,
+    make_standin,
+    specd_setup,  # noqa: F401 - the fixture
+    start_specd,
+    wait_for,
+    write_config,
+)
+
+from specd.core.settings import FleetSettings
+from specd.io.fleet import Fleet
+from specd.io.state import StateStore
+from specd.twin.process import free_port
+
+pytestmark = pytest.mark.slow
+
+TTL_S = 5
+HOLDER = "specd-under-test"
+
+
+def test_sigkill_mid_restart_frees_the_slot_and_the_next_start_heals(
+    tmp_path: Path,
+    specd_setup: tuple[StandIn, Path, int],  # noqa: F811
+    etcd: EtcdProcess,
+) -> None:
+    standin, config_path, metrics_port = specd_setup
+    fleet_keys = {
+        "etcd_endpoints": [etcd.url],
+        "group": "g",
+        "lease_ttl_s": TTL_S,
+        "holder_name": HOLDER,
+        "slot_poll_interval_s": 0.2,
+    }
+    write_config(config_path, tmp_path, standin.port, metrics_port, **fleet_keys)
+    other = Fleet(
+        FleetSettings(**{**fleet_keys, "holder_name": None, "slot_poll_interval_s": 0.1}),
+        "box-b " + UNIT,
+    )
+    (tmp_path / "override.toml").write_text(
+        'mode = "pin"\nsteps = 4\nexpires_at = 2099-01-01T00:00:00Z\n'
+        'reason = "fleet fault test"\napply = "now"\n'
+    )
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        # specd took the slot and restarted the unit; SGLang loads for 2.5 s: kill it now.
+        wait_for(lambda: standin.restarts == [3, 4] or proc.poll() is not None, 20, "restart")
+        assert proc.poll() is None, log.read_text()
+        assert [h.name for h in other.holders()] == [HOLDER]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    journal = StateStore(tmp_path / "state").load()[0].journal
+    assert journal is not None
+    assert journal["phase"] == "restart_issued"
+    assert journal["fleet_slot"]["key"] == "/specd/g/slots/0"
+
+    # Nothing renews the lease any more: another server gets the slot within one TTL.
+    slot, why = other.acquire(threading.Event(), lambda: None)
+    assert slot is not None, why
+    assert other.release(slot) is None
+
+    log2 = tmp_path / "specd2.log"
+    proc = start_specd(config_path, daemon_env(standin), log2)
+    try:
+        wait_for(
+            lambda: (
+                StateStore(tmp_path / "state").load()[0].journal is None or proc.poll() is not None
+            ),
+            40,
+            "the journal healed",
+        )
+        assert proc.poll() is None, log2.read_text()
+        wait_for(lambda: healthy(standin.url()), 20, "SGLang")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0, log2.read_text()
+    state, problem = StateStore(tmp_path / "state").load()
+    assert problem is None
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in state.restarts] == [
+        (3, 4, "success")
+    ]
+    assert standin.restarts == [3, 4]  # healed without a second restart
+    released = [e for e in log_events(log2) if e.get("event") == "fleet_slot_released"]
+    assert len(released) == 1
+    assert released[0]["detail"] == "released fleet slot 0 of group g"
+    assert other.holders() == []
+
+
+def test_three_specds_whose_pins_act_together_restart_one_at_a_time(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    names = ("a", "b", "c")
+    standins: dict[str, StandIn] = {}
+    procs = {}
+    try:
+        for name in names:
+            home = tmp_path / name
+            (home / "state").mkdir(parents=True)
+            standins[name] = make_standin(
+                home, free_port(), extra_by_steps={4: ("--load-time-s", "1.0", "--warmup-s", "0.1")}
+            )
+            assert standins[name].systemctl("--no-ask-password", "restart", UNIT).returncode == 0
+        for name in names:
+            wait_for(lambda s=standins[name]: healthy(s.url()), 20, f"twin {name}")
+        for name in names:
+            home = tmp_path / name
+            write_config(
+                home / "specd.toml",
+                home,
+                standins[name].port,
+                free_port(),
+                etcd_endpoints=[etcd.url],
+                group="g",
+                lease_ttl_s=TTL_S,
+                holder_name=f"box-{name}",
+                slot_poll_interval_s=0.2,
+            )
+            (home / "override.toml").write_text(
+                'mode = "pin"\nsteps = 4\nexpires_at = 2099-01-01T00:00:00Z\n'
+                'reason = "rolling change"\napply = "now"\n'
+            )
+        # All three want the change at their first tick: they queue for the one slot.
+        for name in names:
+            home = tmp_path / name
+            procs[name] = start_specd(
+                home / "specd.toml", daemon_env(standins[name]), home / "specd.log"
+            )
+        most_out = 0
+        done = False
+        deadline = time.monotonic() + 120
+        while not done:
+            assert time.monotonic() < deadline, [s.restarts for s in standins.values()]
+            out = [n for n in names if not healthy(standins[n].url())]
+            most_out = max(most_out, len(out))
+            done = all(s.restarts == [3, 4] for s in standins.values()) and not out
+            for name, proc in procs.items():
+                assert proc.poll() is None, (tmp_path / name / "specd.log").read_text()
+        assert most_out == 1  # one at a time, and each really was out while it restarted
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(40)
+        for standin in standins.values():
+            standin.stop()
+    for name in names:
+        state, problem = StateStore(tmp_path / name / "state").load()
+        assert problem is None
+        assert [(r["to_steps"], r["result"]) for r in state.restarts] == [(4, "success")]
+    assert Fleet(FleetSettings(etcd_endpoints=[etcd.url], group="g"), "observer").holders() == []
