@@ -206,7 +206,50 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
             )
         )
     )
-    return [(steps_over_time, 16, 8), (now, 8, 8), (reasons, 12, 8), (decisions, 12, 8)]
+    kind = (
+        statetimeline.Panel()
+        .title("Kind of setting")
+        .unit("none")
+        .description(
+            "What SGLang runs, one lane per kind: off (no speculation), static (one step "
+            "count: see the steps panel), adaptive (SGLang switches among a candidate set per "
+            "batch; the steps panel then shows its live tier), unknown (SGLang unreadable)."
+        )
+        .datasource(DS)
+        .with_target(q(f"max by (kind) (specd_setting_kind{{{INST}}} == 1)", "{{kind}}", "A"))
+        .show_value(cm.VisibilityMode("never"))
+        .merge_values(True)
+        .row_height(0.8)
+        .legend(cb.VizLegendOptions().show_legend(False))
+        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="live", index=0)})])
+        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("green"))
+    )
+    kind_changes = (
+        ts(
+            "Changes between kinds",
+            "Verified restarts per interval by the kind before and after (static → static is "
+            "a change of step count).",
+            "short",
+        )
+        .draw_style(cm.GraphDrawStyle("bars"))
+        .fill_opacity(80)
+        .stacking(cb.StackingConfig().mode(cm.StackingMode("normal")))
+        .with_target(
+            q(
+                "sum by (from_kind, to_kind) "
+                f"(increase(specd_setting_changes_total{{{INST}}}[$__rate_interval]))",
+                "{{from_kind}} → {{to_kind}}",
+            )
+        )
+    )
+    return [
+        (steps_over_time, 16, 8),
+        (now, 8, 8),
+        (reasons, 12, 8),
+        (decisions, 12, 8),
+        (kind, 12, 6),
+        (kind_changes, 12, 6),
+    ]
 
 
 def traffic_panels() -> list[tuple[Panel, int, int]]:
@@ -818,6 +861,16 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         f'(increase(specd_restarts_total{{{INST}, result!="success"}}[1m])) > 0',
         "restart {{result}}",
         "a restart on {{instance}} ended {{result}}: see specd_frozen",
+    ),
+    Annotation(
+        "Changes of kind",
+        "green",
+        # Every pair but static → static (a change of step count: the restarts' annotation).
+        "sum by (instance, from_kind, to_kind) (increase(specd_setting_changes_total"
+        f'{{{INST}, from_kind!="static"}}[1m])) > 0 or sum by (instance, from_kind, to_kind) '
+        f'(increase(specd_setting_changes_total{{{INST}, to_kind!="static"}}[1m])) > 0',
+        "{{from_kind}} → {{to_kind}}",
+        "SGLang on {{instance}} changed from {{from_kind}} to {{to_kind}}",
     ),
     Annotation(
         "Override pins",

@@ -47,7 +47,7 @@ def test_daemon_on_the_twin_sees_the_live_steps_and_decides(tmp_path: Path, vers
         decision = d.tick()
     # Before 0.5.13 the live 3 can only come from /get_server_info or /server_info.
     assert decision.reason is Reason.CHANGE, decision.message
-    assert applier.calls == [(4, 3)]
+    assert applier.calls == [("4", "3")]
 
 
 @pytest.mark.parametrize(

@@ -126,15 +126,16 @@ class SGLangSettings(BaseModel):
     env_file: Path = Field(
         default=Path("/var/lib/specd/sglang.env"),
         description="Environment file the SGLang unit reads (EnvironmentFile=-); specd writes "
-        "SPECULATIVE_NUM_STEPS and SPECULATIVE_NUM_DRAFT_TOKENS into it. Absolute path.",
+        "the speculative setting into it as SPECD_SPECULATIVE_ARGS (a static one also as "
+        "SPECULATIVE_NUM_STEPS and SPECULATIVE_NUM_DRAFT_TOKENS). Absolute path.",
     )
     speculative_algorithm: str | None = Field(
         default=None,
         pattern=r"^[A-Z0-9_]{1,32}$",
         description="SGLang's --speculative-algorithm (EAGLE, EAGLE3, NEXTN, STANDALONE) specd "
         "writes with a static or adaptive setting; `specd install` sets it from the unit. "
-        "Unset: the one in the env file specd last wrote (a static setting without either "
-        "is written as step variables only).",
+        "Unset: the one in the env file specd last wrote, else the one the running SGLang "
+        "reports (a static setting without any is written as step variables only).",
     )
     apply_mode: Literal["static-topk1"] = Field(
         default="static-topk1",
