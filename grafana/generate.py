@@ -50,6 +50,7 @@ REASON_COLORS: dict[str, str] = {
     "restart_budget": "red",
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
+    "drain_unavailable": "red",
 }
 STEPS_UNIT = "none"
 TOKS_UNIT = "suffix: tok/s"

@@ -48,6 +48,8 @@ class Reason(str, enum.Enum):
     WINDOW_ENDING = "window_ending"
     OVERRIDE_PIN = "override_pin"
     FROZEN = "frozen"
+    # A gateway is configured but could not drain this server: no restart without a drain.
+    DRAIN_UNAVAILABLE = "drain_unavailable"
     CHANGE = "change"
 
 
@@ -283,10 +285,36 @@ def decide(
     control: Control,
     pick: Pick | None,
     restart_needs_s: float = 0.0,
+    gateway_problem: str | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
-    open window with ``restart_needs_s`` to spare. See the module docstring."""
+    open window with ``restart_needs_s`` to spare. ``gateway_problem``: why the configured
+    gateway cannot drain this server this tick (None: it can, or none is configured); it
+    holds every restart, a pin applied now included. See the module docstring."""
+    decision = _decide(history, obs, config, override, now, control, pick, restart_needs_s)
+    if gateway_problem and decision.acts(control.current_steps):
+        assert decision.target_steps is not None
+        return Decision(
+            decision.target_steps,
+            Reason.DRAIN_UNAVAILABLE,
+            f"{decision.message}; but the gateway cannot drain this server "
+            f"({_one_line(gateway_problem)}): "
+            f"{_arrow(control.current_steps, decision.target_steps)} waits",
+        )
+    return decision
+
+
+def _decide(
+    history: History,
+    obs: Observation | ScrapeError | None,
+    config: Settings,
+    override: Override | None,
+    now: float,
+    control: Control,
+    pick: Pick | None,
+    restart_needs_s: float,
+) -> Decision:
     at = _utc(now)
     current = control.current_steps
     hold = None if current is None else clamp(current, config)

@@ -98,6 +98,17 @@ class Window(BaseModel):
         return self
 
 
+def _http_url(value: str) -> str:
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000")
+    try:
+        parsed.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise ValueError(f"{value!r} has an invalid port") from None
+    return value.rstrip("/")
+
+
 class SGLangSettings(BaseModel):
     """[sglang]: the server specd tunes and how a step count reaches it."""
 
@@ -124,14 +135,7 @@ class SGLangSettings(BaseModel):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        parsed = urllib.parse.urlsplit(value)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"{value!r} is not an http(s) URL such as http://127.0.0.1:30000")
-        try:
-            parsed.port  # noqa: B018 - raises on a bad port
-        except ValueError:
-            raise ValueError(f"{value!r} has an invalid port") from None
-        return value.rstrip("/")
+        return _http_url(value)
 
     @field_validator("unit")
     @classmethod
@@ -344,6 +348,68 @@ class RestartSettings(BaseModel):
     )
 
 
+class GatewaySettings(BaseModel):
+    """[gateway]: the SGLang model gateway (smg) replicas that route to this server.
+
+    Present: every restart is preceded by a drain on every replica and followed by a re-add;
+    a replica that cannot be reached blocks the restart. Absent: restarts wait for a quiet
+    moment instead (``[restart]``)."""
+
+    model_config = _table()
+
+    urls: list[str] = Field(
+        min_length=1,
+        max_length=16,
+        description="Base URL of each gateway replica's admin API, e.g. "
+        "['http://10.0.0.2:30080']; at most 16.",
+    )
+    worker_url: str | None = Field(
+        default=None,
+        description="The URL the gateway routes to this server by (its worker's `url`); "
+        "omit when it is [sglang] url.",
+    )
+    api_key_file: Path | None = Field(
+        default=None,
+        description="File holding the gateway's admin API key (sent as a bearer token); omit "
+        "when the gateway needs none. Absolute path; keep it mode 0600.",
+    )
+    drain_timeout_s: float = Field(
+        default=300,
+        gt=0,
+        le=DAY_S,
+        description="After the drain, seconds to wait for SGLang to report no running and no "
+        "queued request; not idle by then: no restart, the worker is re-added. At most a day.",
+    )
+    ready_timeout_s: float = Field(
+        default=120,
+        gt=0,
+        le=DAY_S,
+        description="Seconds to wait for every replica to report the re-added worker ready "
+        "(also for a draining entry to be gone first); at most a day.",
+    )
+    request_timeout_s: float = Field(
+        default=5,
+        gt=0,
+        le=MINUTE_S,
+        description="Timeout of one admin API call to a replica, seconds; at most a minute.",
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        urls = [_http_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("each gateway replica may be listed once")
+        return urls
+
+    @field_validator("worker_url")
+    @classmethod
+    def _worker_url(cls, value: str | None) -> str | None:
+        return None if value is None else _http_url(value)
+
+    _api_key_file_absolute = field_validator("api_key_file")(_absolute)
+
+
 class ReportSettings(BaseModel):
     """[report]: specd's own /metrics and logs."""
 
@@ -389,6 +455,9 @@ class Settings(BaseModel):
     choose: ChooseSettings = Field(default_factory=ChooseSettings)
     restart: RestartSettings = Field(default_factory=RestartSettings)
     report: ReportSettings = Field(default_factory=ReportSettings)
+    gateway: GatewaySettings | None = Field(
+        default=None, description="The model gateway in front of SGLang; absent: none."
+    )
     bands: list[Band] = Field(
         default_factory=_default_bands,
         description="Bands of offered concurrency → steps, by ascending max_concurrency; "
@@ -425,13 +494,22 @@ class Settings(BaseModel):
         return self
 
 
+def _table_model(annotation: Any) -> type[BaseModel] | None:
+    """The table's model, also for an optional table (``GatewaySettings | None``)."""
+    for candidate in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
 # The tables, by their TOML name, and the keys each holds.
 # (Read-only, as all of the core's module state.)
 TABLES: Mapping[str, type[BaseModel]] = MappingProxyType(
     {
-        name: field.annotation
+        name: model
         for name, field in Settings.model_fields.items()
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        if name not in ("bands", "windows")
+        and (model := _table_model(field.annotation)) is not None
     }
 )
 ARRAYS: Mapping[str, type[BaseModel]] = MappingProxyType({"bands": Band, "windows": Window})

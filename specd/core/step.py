@@ -42,6 +42,9 @@ class StepContext:
     # The longest one restart of the unit takes (its stop timeout + the start): a change
     # waits for a window with that much time left.
     restart_needs_s: float = 0.0
+    # Why the configured gateway cannot drain this server (one line, found by io this tick);
+    # None: it can, or no gateway is configured.
+    gateway_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,15 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
     decision = decide(
-        ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
+        ctx.history,
+        observation,
+        config,
+        ctx.override,
+        now,
+        control,
+        pick,
+        ctx.restart_needs_s,
+        ctx.gateway_problem,
     )
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
