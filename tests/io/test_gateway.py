@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from factories import SMG_ADMIN_KEY, SmgGateway
 
 from specd.io.gateway import GatewayClient, GatewayUnavailable, read_api_key
 from specd.twin.process import TwinProcess, free_port
@@ -19,52 +16,18 @@ FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2
 SPEC4 = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "4",
          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]  # fmt: skip
 
-SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
-pytestmark = pytest.mark.skipif(not Path(SMG).exists(), reason="smg not installed")
-
 
 @pytest.fixture
 def twin() -> Iterator[TwinProcess]:
     with TwinProcess([*SPEC4, "--enable-metrics", *FAST]) as t:
+        t.wait_healthy()
         yield t
 
 
 @pytest.fixture
 def gateway(twin: TwinProcess) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            SMG,
-            "launch",
-            "--worker-urls",
-            twin.url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        client = GatewayClient([url], twin.url, timeout_s=1.0)
-        end = time.monotonic() + 30
-        while time.monotonic() < end:
-            try:
-                if client.wait_ready(0.5):
-                    break
-            except GatewayUnavailable:
-                time.sleep(0.2)
-        client.close()
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with SmgGateway([twin.url]) as smg:
+        yield smg.url
 
 
 def test_drain_readd_ready(twin: TwinProcess, gateway: str) -> None:
@@ -100,3 +63,23 @@ def test_api_key_file_errors_name_the_file(tmp_path: Path) -> None:
         with pytest.raises(GatewayUnavailable, match=name):
             read_api_key(tmp_path / name)
     assert httpx  # the client's transport
+
+
+def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(SMG_ADMIN_KEY + "\n")
+    with SmgGateway([twin.url], admin_key=SMG_ADMIN_KEY) as smg:
+        keyed = GatewayClient([smg.url], twin.url, api_key=key_file, timeout_s=2.0, poll_s=0.1)
+        removed = keyed.drain()
+        assert len(removed) == 1
+        for key in (None, "wrong-key"):
+            client = GatewayClient([smg.url], twin.url, api_key=key, timeout_s=2.0)
+            with pytest.raises(GatewayUnavailable) as err:
+                client.readd(removed, 15.0)
+            assert err.value.kind == "http_status"
+            assert "HTTP 401" in str(err.value)
+            assert "wrong-key" not in str(err.value)
+            client.close()
+        keyed.readd(removed, 15.0)
+        assert keyed.wait_ready(15.0)
+        keyed.close()
