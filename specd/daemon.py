@@ -34,6 +34,7 @@ from specd.io import files, logs
 from specd.io.apply import Applier, ApplyOutcome
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
+from specd.io.gateway import GatewayClient, GatewayWatch
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
@@ -164,6 +165,7 @@ class Daemon:
             beat=self._heartbeat,
         )
         self.applier: RestartApplier = applier or self._make_applier(config, self.client)
+        self.gateway = self._make_gateway(config)
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
@@ -186,7 +188,20 @@ class Daemon:
             self._persist_journal,
             self.stop_event,
             clock=self.clock,
+            on_gateway_error=self._gateway_error,
         )
+
+    def _make_gateway(self, config: Config) -> GatewayWatch | None:
+        if config.gateway is None:
+            return None
+        return GatewayWatch(
+            GatewayClient.from_settings(
+                config.gateway, config.sglang.url, on_error=self._gateway_error
+            )
+        )
+
+    def _gateway_error(self, kind: str) -> None:
+        self.metrics.gateway_errors.labels(kind=kind).inc()
 
     def _persist_journal(self, journal: dict[str, Any] | None) -> None:
         self.state.journal = journal
@@ -265,6 +280,9 @@ class Daemon:
         self.config, self.client, self.applier = new, client, applier
         if applier is not old_applier:
             applier.read_stop_timeout()
+        if self.gateway is not None:
+            self.gateway.close()
+        self.gateway = self._make_gateway(new)
         self.calibration = calibration
         self.state.history.reconfigure(history_settings)
         self.override.fingerprint = None  # re-read the override file too
@@ -372,6 +390,7 @@ class Daemon:
         result = self._observe(now)
         override = self._refresh_override(now)
         calibration, calibration_problem = self.calibration.current()
+        gateway_problem = self._probe_gateway(now, override)
         context = StepContext(
             config=self.config,
             history=self.state.history,
@@ -380,6 +399,7 @@ class Daemon:
             calibration=calibration,
             calibration_problem=calibration_problem,
             restart_needs_s=self._restart_needs_s(),
+            gateway_problem=gateway_problem,
         )
         outcome = step(context, result, now)
         self.state.adopt(outcome.control)
@@ -399,6 +419,28 @@ class Daemon:
         return decision
 
     # -- pieces of a tick ---------------------------------------------------------
+    def _probe_gateway(self, now: float, override: Override | None) -> str | None:
+        """Can the gateway drain this server? Asked every tick while specd may restart (a
+        window open, a change pending, a pin); the applier asks again before draining."""
+        if self.gateway is None:
+            return None
+        d = self.last_decision
+        needed = (
+            windows.is_open(self.config.windows, utc(now))
+            or (override is not None and override.mode == "pin")
+            or (d is not None and d.target_steps is not None and d.target_steps != self.live_steps)
+        )
+        problem = self.gateway.check(now, needed)
+        last = self.gateway.last or {}
+        self.state.gateway = {**(self.state.gateway or {}), "probe": last}
+        not_ready = last.get("not_ready_replicas")
+        self.metrics.gateway_worker_not_ready.set(
+            float(not_ready) if isinstance(not_ready, int) else float("nan")
+        )
+        if problem is not None:
+            self.log.warning("gateway_unavailable", problem=problem)
+        return problem
+
     def _observe(self, now: float) -> Observation | ScrapeError:
         self.metrics.scrapes.inc()
         result = self.client.observe()
@@ -575,6 +617,8 @@ class Daemon:
         # The outcome is recorded in the same state write that clears the journal, so a
         # specd restarted later neither loses it nor counts it twice.
         self.state.journal = None
+        if outcome.drain is not None:
+            self._record_drain(outcome.drain, now)
         if outcome.result == "aborted":
             log.info("restart_aborted")
             self._save_state(force=True)
@@ -609,6 +653,17 @@ class Daemon:
             }
             log.error("restart_failed_frozen")
         self._save_state(force=True)
+
+    def _record_drain(self, drain: Mapping[str, Any], now: float) -> None:
+        m = self.metrics
+        if drain["result"] is not None:  # None: a re-add after a restart of specd
+            m.drains.labels(result=drain["result"]).inc()
+            m.drain_duration.observe(float(drain["duration_s"]))
+        if drain["in_flight_at_restart"] is not None:
+            m.requests_in_flight_at_restart.set(drain["in_flight_at_restart"])
+        self.state.gateway = {**(self.state.gateway or {}), "last_drain": {"t": now, **drain}}
+        if drain["readd_problem"] is not None:
+            self.log.error("gateway_worker_left_out", problem=drain["readd_problem"])
 
     def _check_unfreeze_request(self, now: float) -> None:
         path = Path(self.config.files.state_dir) / UNFREEZE_REQUEST

@@ -253,9 +253,14 @@ class SmgGateway:
     until every worker is ready."""
 
     def __init__(
-        self, worker_urls: list[str], *, admin_key: str | None = None, retries: bool = True
+        self,
+        worker_urls: list[str],
+        *,
+        admin_key: str | None = None,
+        retries: bool = True,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_key = admin_key
         self.worker_urls = list(worker_urls)
@@ -306,6 +311,10 @@ class SmgGateway:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class Killed(BaseException):
+    """specd dying (SIGKILL) at a chosen point: nothing in apply or the daemon may catch it."""
 
 
 class StreamingLoad:

@@ -367,8 +367,8 @@ class ApplyOutcome:
     message: str
     capacity: int | None
     restarts_issued: int = 0
-    # With a gateway: {result (DRAIN_RESULTS), duration_s, in_flight_at_restart,
-    # replicas, readd_problem}; None when no drain was tried.
+    # With a gateway: {result (DRAIN_RESULTS; None for a re-add after specd restarted),
+    # duration_s, in_flight_at_restart, replicas, readd_problem}; None: nothing drained.
     drain: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -1109,8 +1109,9 @@ class Applier:
         if problem is not None:
             self.log.error("gateway_readd_failed", problem=problem)
         if self._drain_report is None:
+            # Re-added by a specd restarted mid-sequence: no drain of its own to count.
             self._drain_report = {
-                "result": "aborted",
+                "result": None,
                 "duration_s": 0.0,
                 "in_flight_at_restart": None,
                 "replicas": len(journal.drained),

@@ -277,3 +277,36 @@ class GatewayClient:
             if left <= 0:
                 return False
             self._pause(min(self._poll_s, left))
+
+
+# Without a window open, a change pending or a pin, the daemon still looks this often, so
+# specd_gateway_worker_not_ready_replicas (the alert on a worker left out) stays current.
+IDLE_PROBE_S = 60.0
+
+
+class GatewayWatch:
+    """The daemon's look at the gateway before each step: one GET /workers per replica,
+    every tick while specd may act (``needed``), at most every ``IDLE_PROBE_S`` otherwise.
+    ``last`` is what the latest probe found, as state.json and `specd status` keep it."""
+
+    def __init__(self, client: GatewayClient) -> None:
+        self.client = client
+        self.last: dict[str, Any] | None = None
+
+    def check(self, now: float, needed: bool) -> str | None:
+        """Why a drain is impossible now (one line), or None: the brain's gateway_problem."""
+        last = self.last
+        if not needed and last is not None and 0 <= now - float(last["t"]) < IDLE_PROBE_S:
+            problem = last.get("problem")
+            return problem if isinstance(problem, str) else None
+        problem, not_ready = self.client.probe()
+        self.last = {
+            "t": now,
+            "problem": problem,
+            "not_ready_replicas": not_ready,
+            "replicas": len(self.client.gateways),
+        }
+        return problem
+
+    def close(self) -> None:
+        self.client.close()

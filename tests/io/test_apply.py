@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pydantic
 import pytest
-from factories import SMG_ADMIN_KEY, SmgGateway, StreamingLoad
+from factories import SMG_ADMIN_KEY, Killed, SmgGateway, StreamingLoad
 
 from specd.core.setting import SpecSetting, adaptive_config_name
 from specd.core.setting import off as setting_off
@@ -108,10 +108,6 @@ class TwinUnit(TwinUnitRunner):
 
     def close(self) -> None:
         self.stop()
-
-
-class Killed(BaseException):
-    """specd dying (SIGKILL) at a chosen point: nothing in apply may catch it."""
 
 
 class Recorder:
