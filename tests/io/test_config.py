@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pydantic
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
 
 from specd.cli import main
-from specd.core.settings import RENAMED_KEYS, TABLE_OF_KEY, TABLES, ChooseSettings
+from specd.core.settings import RENAMED_KEYS, TABLE_OF_KEY, TABLES, ChooseSettings, Settings
 from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
 from specd.io.config import (
     ENV_PREFIX,
@@ -100,12 +101,20 @@ def test_config_is_frozen() -> None:
         cfg.choose = ChooseSettings()  # type: ignore[misc]
 
 
+# Tables whose absence turns a feature off, and the keys each needs when present.
+OPTIONAL_TABLES: dict[str, dict[str, Any]] = {"gateway": {"urls": ["http://127.0.0.1:30080"]}}
+
+
 def test_example_file_lists_every_option_in_its_table_and_is_valid() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
     text = EXAMPLE.read_text()
+    optional = {t for t in TABLES if Settings.model_fields[t].default is None}
+    assert optional == set(OPTIONAL_TABLES)
     for table, model in TABLES.items():
-        assert f"\n[{table}]\n" in text, f"[{table}] not in {EXAMPLE}"
-        section = text.split(f"\n[{table}]\n", 1)[1].split("\n[", 1)[0]
+        # An optional table (absent: the feature is off) is shown commented out.
+        header = f"\n[{table}]\n" if table not in OPTIONAL_TABLES else f"\n# [{table}]\n"
+        assert header in text, f"{header.strip()} not in {EXAMPLE}"
+        section = text.split(header, 1)[1].split("\n[", 1)[0].split("\n# [", 1)[0]
         for name in model.model_fields:
             # Options without a default value (calibration_file) or whose default depends on
             # another (policy) are shown commented out.
@@ -345,7 +354,7 @@ def test_a_float_setting_loads_only_when_finite_and_in_bounds(
                 inside = inside and ok(float(value), float(getattr(limit, attr)))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "specd.toml"
-        path.write_text(tomli_w.dumps({table: {name: value}}))
+        path.write_text(tomli_w.dumps({table: {**OPTIONAL_TABLES.get(table, {}), name: value}}))
         problems: list[str] = []
         loaded: Config | None = None
         try:
