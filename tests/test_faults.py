@@ -342,18 +342,21 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
 
 @contextlib.contextmanager
 def gateway_fleet(
-    tmp_path: Path, gateway_port: int | None = None
+    tmp_path: Path, unit_args: Sequence[str] = (), **overrides: Any
 ) -> Iterator[tuple[TwinUnitRunner, SmgGateway, Config]]:
-    """The unit the daemon restarts and a second twin behind one real smg (no retries: a
-    restart without a drain reaches the clients), and the daemon's config for them."""
+    """The unit the daemon restarts (with ``unit_args``) and a second twin behind one real
+    smg (no retries: a restart without a drain reaches the clients), and the daemon's
+    config for them (with ``overrides``)."""
     port = free_port()
     gateway = None
-    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=FAST_TWIN)
+    unit = TwinUnitRunner(
+        UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN, *unit_args]
+    )
     with TwinProcess(twin_argv(3)) as other:
         unit.start().wait_healthy()
         try:
             other.wait_healthy()
-            gateway = SmgGateway([unit.url, other.url], retries=False, port=gateway_port)
+            gateway = SmgGateway([unit.url, other.url], retries=False)
             gateway.wait_ready()
             config = make_config(
                 tmp_path,
@@ -362,6 +365,7 @@ def gateway_fleet(
                 drain_timeout_s=20.0,
                 ready_timeout_s=30.0,
                 request_timeout_s=2.0,
+                **overrides,
             )
             yield unit, gateway, config
         finally:
@@ -430,6 +434,30 @@ def test_gateway_stopped_means_no_restart_and_resumes_once_it_is_back(tmp_path: 
         assert "gateway        worker ready on all 1 replicas" in shown
         assert "last drain     idle after" in shown
         assert "0 in flight at the restart" in shown
+
+
+def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Path) -> None:
+    with gateway_fleet(tmp_path, ["--fail-start-at-steps", "4"], startup_timeout_s=5.0) as (
+        unit,
+        gateway,
+        config,
+    ):
+        clock = Clock(INSIDE)
+        daemon = make_daemon(config, RecordingRunner(clock, unit), clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        with StreamingLoad(gateway.url, 4, max_tokens=200) as load:
+            load.wait_for(20)
+            daemon.tick()
+            load.wait_for(load.ok + 20)
+        status = worker_status(gateway.url, unit.url)
+    assert load.failures == []
+    assert unit.restarted_to == [4, 3]
+    assert [r["result"] for r in daemon.state.restarts] == ["rolled_back"]
+    assert daemon.state.frozen is not None
+    assert sample(daemon, "specd_frozen") == 1
+    assert status == "ready"
+    last = daemon.state.gateway["last_drain"] if daemon.state.gateway else {}
+    assert (last["result"], last["readd_problem"]) == ("idle", None)
 
 
 class KillAfterRestart:

@@ -765,23 +765,42 @@ def test_gateway_stopped_means_no_restart(
     assert outcome.drain["result"] == "error"
 
 
-def test_not_idle_within_the_drain_timeout_is_no_restart_and_readded(
-    fleet: tuple[TwinUnit, TwinProcess, SmgGateway], tmp_path: Path
+@pytest.mark.parametrize(
+    ("case", "result", "why"),
+    [
+        ("timeout", "timeout", "not idle 1 s after the drain"),
+        ("window_closes", "aborted", "window closed while draining"),
+    ],
+)
+def test_not_idle_in_time_is_no_restart_and_readded(
+    fleet: tuple[TwinUnit, TwinProcess, SmgGateway],
+    tmp_path: Path,
+    case: str,
+    result: str,
+    why: str,
 ) -> None:
     unit, _, gateway = fleet
     rec = Recorder(tmp_path / "journal.json")
-    applier = gateway_applier(unit, gateway, tmp_path, rec, drain_timeout_s=1.0)
+    drain_timeout_s = 1.0 if case == "timeout" else 30.0
+    applier = gateway_applier(unit, gateway, tmp_path, rec, drain_timeout_s=drain_timeout_s)
+    closes = time.monotonic() + 1.0
+
+    def window_open() -> bool:
+        return case != "window_closes" or time.monotonic() < closes
+
     # Clients that bypass the gateway keep SGLang busy whatever the gateway routes.
     with Traffic(unit.url, 3, 60.0):
         wait_for_offered(SGLangClient(unit.url), 2)
-        outcome = applier.apply(4, 3, window_open=always_open)
+        closes = time.monotonic() + 1.0
+        outcome = applier.apply(4, 3, window_open=window_open)
     assert outcome.result == "aborted", outcome.message
-    assert "not idle 1 s after the drain" in outcome.message
+    assert why in outcome.message
     assert "running" in outcome.message
+    assert "nothing was restarted" in outcome.message
     assert unit.restarts == []
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
     assert outcome.drain is not None
-    assert outcome.drain["result"] == "timeout"
+    assert outcome.drain["result"] == result
     assert outcome.drain["readd_problem"] is None
     after = routed(gateway, unit)
     assert after is not None
