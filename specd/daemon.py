@@ -366,6 +366,8 @@ class Daemon:
         self.notifier.stopping("stopping")
         self._save_state(force=True)
         self.client.close()
+        if self.gateway is not None:
+            self.gateway.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.log.info("stopped")
@@ -430,6 +432,7 @@ class Daemon:
             or (override is not None and override.mode == "pin")
             or (d is not None and d.target_steps is not None and d.target_steps != self.live_steps)
         )
+        before = (self.gateway.last or {}).get("problem")
         problem = self.gateway.check(now, needed)
         last = self.gateway.last or {}
         self.state.gateway = {**(self.state.gateway or {}), "probe": last}
@@ -437,8 +440,11 @@ class Daemon:
         self.metrics.gateway_worker_not_ready.set(
             float(not_ready) if isinstance(not_ready, int) else float("nan")
         )
-        if problem is not None:
-            self.log.warning("gateway_unavailable", problem=problem)
+        if problem != before:  # once per change, not every tick of an outage
+            if problem is not None:
+                self.log.warning("gateway_unavailable", problem=problem)
+            else:
+                self.log.info("gateway_available", replicas=last.get("replicas"))
         return problem
 
     def _observe(self, now: float) -> Observation | ScrapeError:

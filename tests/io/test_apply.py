@@ -336,6 +336,23 @@ def test_bad_pacing_is_a_one_line_error(tmp_path: Path, pacing: dict[str, Any]) 
     client.close()
 
 
+DRAINED = {
+    "gateway_url": "http://127.0.0.1:30080",
+    "worker_id": "w1",
+    "url": "http://127.0.0.1:30000",
+    "status": "ready",
+    "labels": {"pool": "a"},
+    "settings": {"priority": 50},
+}
+
+
+def test_journal_keeps_drained_workers_and_drops_unknown_settings() -> None:
+    extra = {**DRAINED, "settings": {"priority": 50, "api_key": "leak"}}
+    journal = Journal.from_dict(_journal(drained=[extra], readded="yes"))
+    assert journal.drained == [DRAINED]
+    assert journal.readded is False  # only a literal true says the re-add happened
+
+
 def _journal(**changes: Any) -> dict[str, Any]:
     data = Journal(
         phase="restart_issued",
@@ -364,6 +381,10 @@ def _journal(**changes: Any) -> dict[str, Any]:
         ({"previous_env": "%%%", "previous_env_encoding": "base64"}, "undecodable"),
         ({"messages": "x"}, "messages"),
         ({"unit": None}, "unit"),
+        ({"drained": {"url": "x"}}, "drained is not a list"),
+        ({"drained": ["x"]}, "drained worker 'x' is not an object"),
+        ({"drained": [{**DRAINED, "worker_id": 7}]}, "drained worker worker_id 7 is not a string"),
+        ({"drained": [{**DRAINED, "labels": []}]}, "labels/settings are not objects"),
     ],
 )
 def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
