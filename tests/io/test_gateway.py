@@ -9,7 +9,13 @@ import httpx
 import pytest
 from factories import SMG_ADMIN_KEY, SmgGateway
 
-from specd.io.gateway import GatewayClient, GatewayUnavailable, read_api_key
+from specd.io.gateway import (
+    IDLE_PROBE_S,
+    GatewayClient,
+    GatewayUnavailable,
+    GatewayWatch,
+    read_api_key,
+)
 from specd.twin.process import TwinProcess, free_port
 
 FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
@@ -83,3 +89,27 @@ def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> 
         keyed.readd(removed, 15.0)
         assert keyed.wait_ready(15.0)
         keyed.close()
+
+
+def test_the_watch_asks_every_tick_when_needed_else_once_a_minute() -> None:
+    errors: list[str] = []
+    client = GatewayClient(
+        [f"http://127.0.0.1:{free_port()}"], "http://127.0.0.1:1", timeout_s=0.5,
+        on_error=errors.append,
+    )  # fmt: skip
+    watch = GatewayWatch(client)
+    asked = []
+    late = 30.0 + IDLE_PROBE_S
+    ticks = [(0.0, False), (10.0, False), (20.0, True), (30.0, True), (late - 1, False),
+             (late, False)]  # fmt: skip
+    for now, needed in ticks:
+        before = len(errors)
+        problem = watch.check(now, needed)
+        assert problem is not None
+        assert "ConnectError" in problem
+        asked.append(len(errors) > before)
+    assert asked == [True, False, True, True, False, True]
+    assert errors == ["connect"] * 4
+    assert watch.last is not None
+    assert (watch.last["t"], watch.last["replicas"]) == (late, 1)
+    watch.close()
