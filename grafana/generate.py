@@ -51,6 +51,7 @@ REASON_COLORS: dict[str, str] = {
     "restart_budget": "red",
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
+    "drain_unavailable": "red",
 }
 STEPS_UNIT = "none"
 TOKS_UNIT = "suffix: tok/s"
@@ -526,6 +527,111 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
     ]
 
 
+def gateway_panels() -> list[tuple[Panel, int, int]]:
+    """With a [gateway]: the drain before each restart and the worker's place in routing."""
+    drains = (
+        big(
+            "Drains in range",
+            "Drains at the gateway in the selected range, by result. idle: SGLang had no "
+            "request left and the restart went ahead; timeout: not idle within "
+            "drain_timeout_s, no restart; aborted: window closed or stop; error: a gateway "
+            "replica failed. Empty without a [gateway].",
+            "short",
+        )
+        .decimals(0)
+        .text_mode(cm.BigValueTextMode("value_and_name"))
+        .with_target(
+            q(
+                f"sum by (result) (increase(specd_drains_total{{{INST}}}[$__range]))",
+                "{{result}}",
+                instant=True,
+            )
+        )
+        .thresholds(thresholds((None, "green")))
+    )
+    duration = (
+        big(
+            "Drain duration",
+            "From removing the worker at the gateway to SGLang idle: mean and 95th percentile "
+            "over the selected range.",
+            "s",
+        )
+        .text_mode(cm.BigValueTextMode("value_and_name"))
+        .with_target(
+            q(
+                f"sum by (instance) (increase(specd_drain_duration_seconds_sum{{{INST}}}"
+                f"[$__range])) / sum by (instance) (increase("
+                f"specd_drain_duration_seconds_count{{{INST}}}[$__range]))",
+                "mean",
+                "A",
+                instant=True,
+            )
+        )
+        .with_target(
+            q(
+                "histogram_quantile(0.95, sum by (instance, le) (increase("
+                f"specd_drain_duration_seconds_bucket{{{INST}}}[$__range])))",
+                "p95",
+                "B",
+                instant=True,
+            )
+        )
+        .thresholds(thresholds((None, "green"), (60, "orange"), (300, "red")))
+    )
+    in_flight = (
+        big(
+            "In flight at restart",
+            "Running plus queued requests SGLang reported when the latest drained restart was "
+            "issued. Must be 0: anything else is a request a client lost.",
+            "short",
+        )
+        .decimals(0)
+        .with_target(
+            q(f"specd_requests_in_flight_at_restart{{{INST}}}", "{{instance}}", instant=True)
+        )
+        .thresholds(thresholds((None, "green"), (0.5, "red")))
+    )
+    not_ready = (
+        big(
+            "Gateway replicas without this worker",
+            "Gateway replicas not routing this server as ready at specd's latest look (no "
+            "value: no gateway, or it could not be asked). Above 0 outside a restart: the "
+            "worker is left out (SpecdWorkerLeftOutOfGateway).",
+            "short",
+        )
+        .decimals(0)
+        .with_target(
+            q(f"specd_gateway_worker_not_ready_replicas{{{INST}}}", "{{instance}}", instant=True)
+        )
+        .thresholds(thresholds((None, "green"), (0.5, "red")))
+    )
+    errors = (
+        ts(
+            "Gateway errors by kind",
+            "Failed calls to a gateway replica's admin API per interval (connect, timeout, "
+            "http_status, malformed, api_key). While any fail, specd does not restart "
+            "(reason drain_unavailable).",
+            "short",
+        )
+        .draw_style(cm.GraphDrawStyle("bars"))
+        .fill_opacity(80)
+        .decimals(0)
+        .with_target(
+            q(
+                f"sum by (kind) (increase(specd_gateway_errors_total{{{INST}}}[$__rate_interval]))",
+                "{{kind}}",
+            )
+        )
+    )
+    return [
+        (drains, 6, 6),
+        (duration, 6, 6),
+        (in_flight, 6, 6),
+        (not_ready, 6, 6),
+        (errors, 24, 6),
+    ]
+
+
 def window_override_panels() -> list[tuple[Panel, int, int]]:
     window = (
         big("Maintenance window", "Whether specd may restart SGLang now.", "none")
@@ -823,6 +929,7 @@ ROWS: tuple[tuple[str, Callable[[], list[tuple[Panel, int, int]]]], ...] = (
     ("Traffic (SGLang)", traffic_panels),
     ("Acceptance and model", model_panels),
     ("Restarts and safety", restart_panels),
+    ("Fleet: gateway drain", gateway_panels),
     ("Maintenance windows and override", window_override_panels),
     ("Scrape health", health_panels),
     ("Fleet (etcd slots)", fleet_panels),

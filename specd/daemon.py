@@ -37,6 +37,7 @@ from specd.io.apply import Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.fleet import Fleet, FleetHooks
+from specd.io.gateway import GatewayClient, GatewayWatch
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
@@ -167,6 +168,7 @@ class Daemon:
             beat=self._heartbeat,
         )
         self.applier: RestartApplier = applier or self._make_applier(config, self.client)
+        self.gateway = self._make_gateway(config)
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
@@ -191,6 +193,7 @@ class Daemon:
             self.stop_event,
             clock=self.clock,
             fleet=self._make_fleet(config),
+            on_gateway_error=self._gateway_error,
         )
 
     def _make_fleet(self, config: Config) -> Fleet | None:
@@ -209,6 +212,18 @@ class Daemon:
         """The applier's fleet (None: no [fleet], or an injected applier without one)."""
         fleet = getattr(self.applier, "fleet", None)
         return fleet if isinstance(fleet, Fleet) else None
+
+    def _make_gateway(self, config: Config) -> GatewayWatch | None:
+        if config.gateway is None:
+            return None
+        return GatewayWatch(
+            GatewayClient.from_settings(
+                config.gateway, config.sglang.url, on_error=self._gateway_error
+            )
+        )
+
+    def _gateway_error(self, kind: str) -> None:
+        self.metrics.gateway_errors.labels(kind=kind).inc()
 
     def _persist_journal(self, journal: dict[str, Any] | None) -> None:
         self.state.journal = journal
@@ -289,6 +304,9 @@ class Daemon:
             applier.read_stop_timeout()
             if old_fleet is not None and old_fleet is not self.fleet:
                 old_fleet.close()
+        if self.gateway is not None:
+            self.gateway.close()
+        self.gateway = self._make_gateway(new)
         self.calibration = calibration
         self.state.history.reconfigure(history_settings)
         self.override.fingerprint = None  # re-read the override file too
@@ -372,6 +390,8 @@ class Daemon:
         self.notifier.stopping("stopping")
         self._save_state(force=True)
         self.client.close()
+        if self.gateway is not None:
+            self.gateway.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.log.info("stopped")
@@ -396,6 +416,7 @@ class Daemon:
         result = self._observe(now)
         override = self._refresh_override(now)
         calibration, calibration_problem = self.calibration.current()
+        gateway_problem = self._probe_gateway(now, override)
         context = StepContext(
             config=self.config,
             history=self.state.history,
@@ -404,6 +425,7 @@ class Daemon:
             calibration=calibration,
             calibration_problem=calibration_problem,
             restart_needs_s=self._restart_needs_s(),
+            gateway_problem=gateway_problem,
         )
         outcome = step(context, result, now)
         if outcome.acts:
@@ -429,6 +451,32 @@ class Daemon:
         return decision
 
     # -- pieces of a tick ---------------------------------------------------------
+    def _probe_gateway(self, now: float, override: Override | None) -> str | None:
+        """Can the gateway drain this server? Asked every tick while specd may restart (a
+        window open, a change pending, a pin); the applier asks again before draining."""
+        if self.gateway is None:
+            return None
+        d = self.last_decision
+        needed = (
+            windows.is_open(self.config.windows, utc(now))
+            or (override is not None and override.mode == "pin")
+            or (d is not None and d.target_steps is not None and d.target_steps != self.live_steps)
+        )
+        before = (self.gateway.last or {}).get("problem")
+        problem = self.gateway.check(now, needed)
+        last = self.gateway.last or {}
+        self.state.gateway = {**(self.state.gateway or {}), "probe": last}
+        not_ready = last.get("not_ready_replicas")
+        self.metrics.gateway_worker_not_ready.set(
+            float(not_ready) if isinstance(not_ready, int) else float("nan")
+        )
+        if problem != before:  # once per change, not every tick of an outage
+            if problem is not None:
+                self.log.warning("gateway_unavailable", problem=problem)
+            else:
+                self.log.info("gateway_available", replicas=last.get("replicas"))
+        return problem
+
     def _observe(self, now: float) -> Observation | ScrapeError:
         self.metrics.scrapes.inc()
         result = self.client.observe()
@@ -635,6 +683,8 @@ class Daemon:
         # The outcome is recorded in the same state write that clears the journal, so a
         # specd restarted later neither loses it nor counts it twice.
         self.state.journal = None
+        if outcome.drain is not None:
+            self._record_drain(outcome.drain, now)
         if outcome.result == "aborted":
             log.info("restart_aborted")
             self._save_state(force=True)
@@ -675,6 +725,17 @@ class Daemon:
             }
             log.error("restart_failed_frozen")
         self._save_state(force=True)
+
+    def _record_drain(self, drain: Mapping[str, Any], now: float) -> None:
+        m = self.metrics
+        if drain["result"] is not None:  # None: a re-add after a restart of specd
+            m.drains.labels(result=drain["result"]).inc()
+            m.drain_duration.observe(float(drain["duration_s"]))
+        if drain["in_flight_at_restart"] is not None:
+            m.requests_in_flight_at_restart.set(drain["in_flight_at_restart"])
+        self.state.gateway = {**(self.state.gateway or {}), "last_drain": {"t": now, **drain}}
+        if drain["readd_problem"] is not None:
+            self.log.error("gateway_worker_left_out", problem=drain["readd_problem"])
 
     def _check_unfreeze_request(self, now: float) -> None:
         path = Path(self.config.files.state_dir) / UNFREEZE_REQUEST

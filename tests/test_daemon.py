@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import tomli_w
-from factories import make_observation, tables
+from factories import FAST_TWIN_VERSION_ARGS, SmgGateway, make_observation, tables
 from prometheus_client import CollectorRegistry
 
 from specd.core.decide import Reason
@@ -34,6 +34,7 @@ from specd.io.config import Config
 from specd.io.notify import Notifier
 from specd.io.state import STATE_FILE
 from specd.io.timespan import timespan_s
+from specd.twin.process import TwinProcess, free_port
 
 UTC = timezone.utc
 REPO = Path(__file__).resolve().parents[1]
@@ -366,3 +367,35 @@ def test_status_reads_as_group_specd_and_fails_loudly_when_it_cannot(
     assert "kept the rest" in bad.stderr
     assert "steps live     4 (observation" in bad.stdout
     assert "Traceback" not in bad.stderr + bad.stdout
+
+
+def test_a_pin_applied_now_outside_a_window_waits_for_the_gateway_to_answer(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    cfg = config(tmp_path, urls=[f"http://127.0.0.1:{port}"], request_timeout_s=2.0)
+    now = WINDOW_CLOSES + 3600  # no window open: only the pin makes specd ask the gateway
+    clock = [now]
+    applier = Applier()
+    d = daemon(cfg, Reader([obs(now, steps=3)]), applier, clock)
+    expires = datetime.fromtimestamp(now + 7200, tz=UTC)
+    pin = {"mode": "pin", "steps": 4, "expires_at": expires, "reason": "incident", "apply": "now"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+    os.chmod(cfg.files.override_file, 0o600)
+    decision = d.tick()
+    assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision.message
+    assert "ConnectError" in decision.message
+    assert applier.calls == []
+    assert (
+        d.metrics.registry.get_sample_value("specd_gateway_errors_total", {"kind": "connect"}) == 1
+    )
+    # The gateway answers (it routes some other server): the pin goes ahead.
+    with TwinProcess(FAST_TWIN_VERSION_ARGS) as twin:
+        twin.wait_healthy()
+        with SmgGateway([twin.url], port=port):
+            clock[0] += 5
+            d.client = Reader([obs(clock[0], steps=3)])
+            decision = d.tick()
+    assert decision.reason is Reason.OVERRIDE_PIN, decision.message
+    assert applier.calls == [(4, 3)]
+    assert d.metrics.registry.get_sample_value("specd_gateway_worker_not_ready_replicas") == 1

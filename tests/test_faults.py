@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,16 +28,18 @@ from typing import Any
 import httpx
 import pytest
 import tomli_w
-from factories import make_observation, mounted_tmpfs, tables
+from factories import Killed, SmgGateway, StreamingLoad, make_observation, mounted_tmpfs, tables
 from pages import page_server
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
+from specd.commands import status
 from specd.core.decide import Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.daemon import STATE_SAVE_INTERVAL_S, UNFREEZE_REQUEST, Daemon
 from specd.io.config import Config, Window
+from specd.io.gateway import GatewayClient
 from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
 from specd.io.state import STATE_FILE, State, StateStore
@@ -332,6 +335,176 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
         assert daemon.client.server_info()["speculative_num_steps"] == live  # type: ignore[index]
     finally:
         unit.stop()
+
+
+# ---- the gateway: stopped means no restart; a specd killed while drained heals -------
+
+
+@contextlib.contextmanager
+def gateway_fleet(
+    tmp_path: Path, unit_args: Sequence[str] = (), **overrides: Any
+) -> Iterator[tuple[TwinUnitRunner, SmgGateway, Config]]:
+    """The unit the daemon restarts (with ``unit_args``) and a second twin behind one real
+    smg (no retries: a restart without a drain reaches the clients), and the daemon's
+    config for them (with ``overrides``)."""
+    port = free_port()
+    gateway = None
+    unit = TwinUnitRunner(
+        UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN, *unit_args]
+    )
+    with TwinProcess(twin_argv(3)) as other:
+        unit.start().wait_healthy()
+        try:
+            other.wait_healthy()
+            gateway = SmgGateway([unit.url, other.url], retries=False)
+            gateway.wait_ready()
+            config = make_config(
+                tmp_path,
+                port,
+                urls=[gateway.url],
+                drain_timeout_s=20.0,
+                ready_timeout_s=30.0,
+                request_timeout_s=2.0,
+                **overrides,
+            )
+            yield unit, gateway, config
+        finally:
+            if gateway is not None:
+                gateway.stop()
+            unit.stop()
+
+
+def status_text(config: Config, now: float) -> str:
+    """What `specd status` prints from the state file the daemon wrote."""
+    return status.render(status.collect(config, now), now)
+
+
+def worker_status(gateway_url: str, worker_url: str) -> str | None:
+    client = GatewayClient([gateway_url], worker_url, timeout_s=2.0)
+    try:
+        found = client.find(gateway_url)
+    finally:
+        client.close()
+    return None if found is None else found.status
+
+
+def test_gateway_stopped_means_no_restart_and_resumes_once_it_is_back(tmp_path: Path) -> None:
+    with gateway_fleet(tmp_path) as (unit, gateway, config):
+        clock = Clock(INSIDE)
+        runner = RecordingRunner(clock, unit)
+        daemon = make_daemon(config, runner, clock)
+        gateway.stop()
+        daemon.state.history = wanting(config, 4, clock.now)
+        decision = daemon.tick()
+        assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision
+        assert "ConnectError" in decision.message
+        assert runner.restarts == []
+        assert sample(daemon, "specd_last_decision", {"reason": "drain_unavailable"}) == 1
+        assert sample(daemon, "specd_gateway_errors_total", {"kind": "connect"}) >= 1
+        assert math.isnan(sample(daemon, "specd_gateway_worker_not_ready_replicas"))
+        state = json.loads((tmp_path / "state" / STATE_FILE).read_text())
+        assert "ConnectError" in state["gateway"]["probe"]["problem"]
+        assert "gateway        UNAVAILABLE: " in status_text(config, clock.now)
+
+        # The gateway is back on the same address: the next tick drains and restarts.
+        with (
+            SmgGateway(
+                [unit.url, *gateway.worker_urls[1:]], retries=False, port=gateway.port
+            ) as back,
+            StreamingLoad(back.url, 4, max_tokens=200) as load,
+        ):
+            load.wait_for(20)
+            clock.now += config.observe.scrape_interval_s
+            daemon.state.history = wanting(config, 4, clock.now)
+            decision = daemon.tick()
+            load.wait_for(load.ok + 20)
+            status = worker_status(back.url, unit.url)
+        assert decision.reason is Reason.CHANGE, decision
+        assert load.failures == []
+        assert len(runner.restarts) == 1
+        assert unit.restarted_to == [4]
+        assert status == "ready"
+        assert [r["result"] for r in daemon.state.restarts] == ["success"]
+        assert sample(daemon, "specd_drains_total", {"result": "idle"}) == 1
+        assert sample(daemon, "specd_requests_in_flight_at_restart") == 0
+        assert sample(daemon, "specd_drain_duration_seconds_count") == 1
+        last = daemon.state.gateway["last_drain"] if daemon.state.gateway else {}
+        assert (last["result"], last["readd_problem"]) == ("idle", None)
+        shown = status_text(config, clock.now)
+        assert "gateway        worker ready on all 1 replicas" in shown
+        assert "last drain     idle after" in shown
+        assert "0 in flight at the restart" in shown
+
+
+def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Path) -> None:
+    with gateway_fleet(tmp_path, ["--fail-start-at-steps", "4"], startup_timeout_s=5.0) as (
+        unit,
+        gateway,
+        config,
+    ):
+        clock = Clock(INSIDE)
+        daemon = make_daemon(config, RecordingRunner(clock, unit), clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        with StreamingLoad(gateway.url, 4, max_tokens=200) as load:
+            load.wait_for(20)
+            daemon.tick()
+            load.wait_for(load.ok + 20)
+        status = worker_status(gateway.url, unit.url)
+    assert load.failures == []
+    assert unit.restarted_to == [4, 3]
+    assert [r["result"] for r in daemon.state.restarts] == ["rolled_back"]
+    assert daemon.state.frozen is not None
+    assert sample(daemon, "specd_frozen") == 1
+    assert status == "ready"
+    last = daemon.state.gateway["last_drain"] if daemon.state.gateway else {}
+    assert (last["result"], last["readd_problem"]) == ("idle", None)
+
+
+class KillAfterRestart:
+    """Runs the unit's restart, then specd dies (SIGKILL right after `systemctl`)."""
+
+    def __init__(self, unit: TwinUnitRunner) -> None:
+        self.unit = unit
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        result = self.unit(argv, timeout_s=timeout_s)
+        if "restart" in argv:
+            raise Killed("after systemctl restart")
+        return result
+
+
+def test_a_specd_killed_while_drained_readds_the_worker_at_its_next_start(
+    tmp_path: Path,
+) -> None:
+    with gateway_fleet(tmp_path) as (unit, gateway, config):
+        clock = Clock(INSIDE)
+        daemon = make_daemon(config, KillAfterRestart(unit), clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        with pytest.raises(Killed):
+            daemon.tick()
+        assert worker_status(gateway.url, unit.url) in (None, "draining")
+        stored = json.loads((tmp_path / "state" / STATE_FILE).read_text())
+        assert stored["journal"]["phase"] == "restart_issued"
+        assert [w["url"] for w in stored["journal"]["drained"]] == [unit.url]
+        assert "gateway        DRAINED from 1 of 1 replicas" in status_text(config, clock.now)
+
+        # The next specd, from the state file alone.
+        again = make_daemon(config, RecordingRunner(clock, unit), clock)
+        again._reconcile_journal()
+        assert worker_status(gateway.url, unit.url) == "ready"
+        assert again.state.journal is None
+        assert [r["result"] for r in again.state.restarts] == ["success"]
+        assert unit.restarted_to == [4]
+        last = again.state.gateway["last_drain"] if again.state.gateway else {}
+        assert (last["result"], last["readd_problem"]) == (None, None)
+        # Only the drain of the sequence itself counts as one.
+        assert (
+            sum(
+                sample(again, "specd_drains_total", {"result": r})
+                for r in ("idle", "timeout", "aborted", "error")
+            )
+            == 0
+        )
 
 
 # ---- state directory faults, at start and while running ------------------------------

@@ -36,6 +36,7 @@ from specd.io import systemd
 from specd.io.apply import ENV_ARGS, env_setting_words, parse_env
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
+from specd.io.gateway import READY, GatewayClient, GatewayUnavailable
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
@@ -329,6 +330,53 @@ class Doctor:
             f"restart {unit}, or see `specd status` for a failed change",
         )
 
+    def check_gateway(self) -> list[Check]:
+        """With a [gateway]: each replica answers its admin API and routes this server."""
+        settings = self.config.gateway
+        if settings is None:
+            return []
+        client = GatewayClient.from_settings(settings, self.config.sglang.url)
+        checks = []
+        try:
+            for gateway in client.gateways:
+                name = f"gateway {gateway}"
+                try:
+                    worker = client.find(gateway)
+                except GatewayUnavailable as exc:
+                    advice = (
+                        "check [gateway] api_key_file (smg --control-plane-api-keys)"
+                        if exc.kind in ("http_status", "api_key")
+                        else "is the gateway running, and is its URL in [gateway] urls?"
+                    )
+                    checks.append(Check(name, False, str(exc), advice))
+                    continue
+                if worker is None:
+                    checks.append(
+                        Check(
+                            name,
+                            False,
+                            f"routes no worker with url {client.worker_url}",
+                            "add it there (POST /workers), or set [gateway] worker_url to the "
+                            "URL the gateway knows this server by",
+                        )
+                    )
+                elif worker.status != READY:
+                    checks.append(
+                        Check(
+                            name,
+                            False,
+                            f"worker {worker.worker_id} ({worker.url}) is {worker.status}",
+                            "the gateway does not route to it: is SGLang healthy?",
+                        )
+                    )
+                else:
+                    checks.append(
+                        Check(name, True, f"routes worker {worker.worker_id} ({worker.url}), ready")
+                    )
+        finally:
+            client.close()
+        return checks
+
     def check_polkit(self) -> Check:
         unit = self.config.sglang.unit
         try:
@@ -504,6 +552,7 @@ class Doctor:
         with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
+        checks += self.check_gateway()
         dropin, words, defaults = self.check_dropin()
         checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
         for check in (

@@ -99,6 +99,7 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
         "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
+        "gateway": _gateway_info(config, state),
         "window_open": windows.is_open(config.windows, at),
         "next_window_open": windows.next_open(config.windows, at).timestamp(),
         "next_window_close": windows.next_close(config.windows, at).timestamp(),
@@ -141,6 +142,55 @@ def _fleet_line(fleet: dict[str, Any], now: float) -> str:
     return f"{head}: " + ("; ".join(held) if held else "all free")
 
 
+def _gateway_info(config: Config, state: State) -> dict[str, Any] | None:
+    """The drain state: the latest probe, the latest drain, and what is out of routing now
+    (the restart journal's drained workers not yet re-added)."""
+    if config.gateway is None:
+        return None
+    kept = state.gateway or {}
+    journal = state.journal or {}
+    drained = journal.get("drained") if not journal.get("readded") else None
+    return {
+        "urls": list(config.gateway.urls),
+        "probe": kept.get("probe"),
+        "last_drain": kept.get("last_drain"),
+        "drained_now": [w.get("gateway_url") for w in drained or [] if isinstance(w, dict)],
+    }
+
+
+def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
+    replicas = len(gateway["urls"])
+    lines = []
+    probe = gateway["probe"]
+    if gateway["drained_now"]:
+        head = f"DRAINED from {len(gateway['drained_now'])} of {replicas} replicas (restart)"
+    elif not probe:
+        head = f"{replicas} replicas, not asked yet"
+    elif probe.get("problem"):
+        head = f"UNAVAILABLE: {probe['problem']} ({_when(probe.get('t'), now)})"
+    elif probe.get("not_ready_replicas"):
+        head = (
+            f"worker NOT READY on {probe['not_ready_replicas']} of {replicas} replicas "
+            f"({_when(probe.get('t'), now)})"
+        )
+    else:
+        head = f"worker ready on all {replicas} replicas ({_when(probe.get('t'), now)})"
+    lines.append(f"gateway        {head}")
+    drain = gateway["last_drain"]
+    if drain:
+        what = (
+            f"{drain.get('result')} after {float(drain.get('duration_s') or 0):.1f} s"
+            if drain.get("result")
+            else "re-add after specd restarted"
+        )
+        if drain.get("in_flight_at_restart") is not None:
+            what += f", {drain['in_flight_at_restart']} in flight at the restart"
+        if drain.get("readd_problem"):
+            what += f"; WORKER LEFT OUT: {drain['readd_problem']}"
+        lines.append(f"last drain     {what} ({_when(drain.get('t'), now)})")
+    return lines
+
+
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
     lines = [
@@ -177,6 +227,8 @@ def render(info: dict[str, Any], now: float) -> str:
         )
     if info["fleet"] is not None:
         lines.append(_fleet_line(info["fleet"], now))
+    if info["gateway"] is not None:
+        lines.extend(_gateway_lines(info["gateway"], now))
     if info["restart_in_progress"]:
         lines.append(f"restart        in progress: {info['restart_in_progress'].get('phase')}")
     if info["state_problem"]:

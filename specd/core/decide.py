@@ -52,6 +52,8 @@ class Reason(str, enum.Enum):
     # A [fleet] is configured but no slot can be taken (etcd unreachable or answering
     # nonsense, or every slot of the group held): no restart outside the fleet's turn.
     FLEET_UNAVAILABLE = "fleet_unavailable"
+    # A gateway is configured but could not drain this server: no restart without a drain.
+    DRAIN_UNAVAILABLE = "drain_unavailable"
     CHANGE = "change"
 
 
@@ -309,32 +311,41 @@ def decide(
     restart_needs_s: float = 0.0,
     *,
     fleet_problem: str | None = None,
+    gateway_problem: str | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
     open window with ``restart_needs_s`` to spare. ``fleet_problem``: why no slot of the
     configured fleet can be taken this tick (None: one can, or no fleet is configured);
-    it holds every restart, a pin applied now included. See the module docstring."""
+    ``gateway_problem``: why the configured gateway cannot drain this server this tick
+    (None: it can, or none is configured). Either holds every restart, a pin applied now
+    included; the fleet is checked first. See the module docstring."""
     decision = _decide(history, obs, config, override, now, control, pick, restart_needs_s)
     acts = decision.acts(
         control.current_steps,
         live_adaptive=control.live_adaptive,
         live_config=control.live_adaptive_config,
     )
-    if fleet_problem and acts:
-        wanted = decision.target_setting
-        assert wanted is not None
-        target = decision.target_steps if wanted.kind == "static" else format_setting(wanted)
-        assert target is not None
-        return Decision(
-            decision.target_steps,
-            Reason.FLEET_UNAVAILABLE,
-            f"{decision.message}; but no fleet slot can be taken "
-            f"({_one_line(fleet_problem)}): "
-            f"{_arrow(control.current_steps, target, live_adaptive=control.live_adaptive)} waits",
-            decision.setting,
-        )
-    return decision
+    if not acts or not (fleet_problem or gateway_problem):
+        return decision
+    wanted = decision.target_setting
+    assert wanted is not None
+    target = decision.target_steps if wanted.kind == "static" else format_setting(wanted)
+    assert target is not None
+    arrow = _arrow(control.current_steps, target, live_adaptive=control.live_adaptive)
+    if fleet_problem:
+        reason = Reason.FLEET_UNAVAILABLE
+        why = f"no fleet slot can be taken ({_one_line(fleet_problem)})"
+    else:
+        assert gateway_problem is not None
+        reason = Reason.DRAIN_UNAVAILABLE
+        why = f"the gateway cannot drain this server ({_one_line(gateway_problem)})"
+    return Decision(
+        decision.target_steps,
+        reason,
+        f"{decision.message}; but {why}: {arrow} waits",
+        decision.setting,
+    )
 
 
 def _decide(

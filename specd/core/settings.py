@@ -433,6 +433,68 @@ class FleetSettings(BaseModel):
         return value
 
 
+class GatewaySettings(BaseModel):
+    """[gateway]: the SGLang model gateway (smg) replicas that route to this server.
+
+    Present: every restart is preceded by a drain on every replica and followed by a re-add;
+    a replica that cannot be reached blocks the restart. Absent: restarts wait for a quiet
+    moment instead (``[restart]``)."""
+
+    model_config = _table()
+
+    urls: list[str] = Field(
+        min_length=1,
+        max_length=16,
+        description="Base URL of each gateway replica's admin API, e.g. "
+        "['http://10.0.0.2:30080']; at most 16.",
+    )
+    worker_url: str | None = Field(
+        default=None,
+        description="The URL the gateway routes to this server by (its worker's `url`); "
+        "omit when it is [sglang] url.",
+    )
+    api_key_file: Path | None = Field(
+        default=None,
+        description="File holding the gateway's admin API key (sent as a bearer token); omit "
+        "when the gateway needs none. Absolute path; keep it mode 0600.",
+    )
+    drain_timeout_s: float = Field(
+        default=300,
+        gt=0,
+        le=DAY_S,
+        description="After the drain, seconds to wait for SGLang to report no running and no "
+        "queued request; not idle by then: no restart, the worker is re-added. At most a day.",
+    )
+    ready_timeout_s: float = Field(
+        default=120,
+        gt=0,
+        le=DAY_S,
+        description="Seconds to wait for every replica to report the re-added worker ready "
+        "(also for a draining entry to be gone first); at most a day.",
+    )
+    request_timeout_s: float = Field(
+        default=5,
+        gt=0,
+        le=MINUTE_S,
+        description="Timeout of one admin API call to a replica, seconds; at most a minute.",
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        urls = [_http_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("each gateway replica may be listed once")
+        return urls
+
+    @field_validator("worker_url")
+    @classmethod
+    def _worker_url(cls, value: str | None) -> str | None:
+        return None if value is None else _http_url(value)
+
+    _api_key_file_absolute = field_validator("api_key_file")(_absolute)
+
+
 class ReportSettings(BaseModel):
     """[report]: specd's own /metrics and logs."""
 
@@ -481,6 +543,9 @@ class Settings(BaseModel):
     fleet: FleetSettings | None = Field(
         default=None,
         description="The fleet this server restarts in turn with; absent or empty: none.",
+    )
+    gateway: GatewaySettings | None = Field(
+        default=None, description="The model gateway in front of SGLang; absent: none."
     )
     bands: list[Band] = Field(
         default_factory=_default_bands,

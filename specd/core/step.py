@@ -45,6 +45,9 @@ class StepContext:
     # Why no slot of the configured fleet can be taken (one line, found by io this tick);
     # None: one can, or no fleet is configured.
     fleet_problem: str | None = None
+    # Why the configured gateway cannot drain this server (one line, found by io this tick);
+    # None: it can, or no gateway is configured.
+    gateway_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         pick,
         ctx.restart_needs_s,
         fleet_problem=ctx.fleet_problem,
+        gateway_problem=ctx.gateway_problem,
     )
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}

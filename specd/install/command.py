@@ -12,7 +12,7 @@ from typing import Any
 from specd.install.execute import execute
 from specd.install.layout import InstallError, Layout, check_unit_name
 from specd.install.manifest import load_manifest
-from specd.install.plan import Plan, build_plan, system_state
+from specd.install.plan import GatewayOptions, Plan, build_plan, system_state
 from specd.install.render import specd_command
 from specd.install.uninstall import uninstall
 from specd.install.unit import read_unit
@@ -37,6 +37,8 @@ def install(
             f"specd is installed for {manifest.get('unit')}; run `specd uninstall` before "
             f"installing it for {unit}"
         )
+    if not args.gateway_url and (args.gateway_api_key_file or args.gateway_worker_url):
+        raise InstallError("--gateway-api-key-file/--gateway-worker-url need --gateway-url")
     view = read_unit(runner, unit)
     system = system_state(runner)
     interactive = sys.stdin.isatty() and not args.yes and not args.dry_run
@@ -52,6 +54,11 @@ def install(
             specd_argv=args.specd,
             url=args.url,
             fresh=manifest is None,
+            gateway=None
+            if not args.gateway_url
+            else GatewayOptions(
+                args.gateway_url, args.gateway_api_key_file, args.gateway_worker_url
+            ),
             now_s=moment,
         )
 
@@ -131,6 +138,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print every file (as a diff) and command; change nothing",
     )
     parser.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    parser.add_argument(
+        "--gateway-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an SGLang model gateway (smg) replica routing to this server, e.g. "
+        "http://10.0.0.2:30080; repeat for each replica. specd then drains this server there "
+        "before each restart ([gateway] in specd.toml)",
+    )
+    parser.add_argument(
+        "--gateway-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the gateway's admin API key (absolute path, not readable by others)",
+    )
+    parser.add_argument(
+        "--gateway-worker-url",
+        default=None,
+        metavar="URL",
+        help="the URL the gateway knows this server by (default: SGLang's URL)",
+    )
     parser.add_argument(
         "--add-enable-metrics",
         action="store_true",

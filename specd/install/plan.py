@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pydantic import ValidationError
+
 from specd.core.setting import static
+from specd.core.settings import GatewaySettings
 from specd.install.layout import (
     ARCHIVE_ROOT,
     CONFIG_FILE,
@@ -130,20 +133,57 @@ class SystemState:
     specd_active: bool
 
 
-def check_url(url: str) -> str:
-    """An operator's ``--url``: http(s)://HOST[:PORT], nothing else."""
+def check_url(url: str, flag: str = "--url") -> str:
+    """An operator's ``--url`` (or ``flag``): http(s)://HOST[:PORT], nothing else."""
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise InstallError(f"--url {url!r}: {exc}") from None
+        raise InstallError(f"{flag} {url!r}: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InstallError(f"--url {url!r}: not an http:// or https:// URL with a host")
+        raise InstallError(f"{flag} {url!r}: not an http:// or https:// URL with a host")
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise InstallError(f"--url {url!r}: only scheme, host and port (SGLang's base URL)")
+        raise InstallError(f"{flag} {url!r}: only scheme, host and port (a base URL)")
     if port == 0:
-        raise InstallError(f"--url {url!r}: port 0 is not a TCP port")
+        raise InstallError(f"{flag} {url!r}: port 0 is not a TCP port")
     return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """`specd install --gateway-url ... [--gateway-api-key-file F] [--gateway-worker-url U]`."""
+
+    urls: Sequence[str]
+    api_key_file: str | None = None
+    worker_url: str | None = None
+
+
+def gateway_keys(options: GatewayOptions, layout: Layout) -> dict[str, str | list[str]]:
+    """The ``[gateway]`` keys for the config, checked as specd will read them, and the key
+    file as specd will find it (a regular file, not readable by others)."""
+    urls = [check_url(u, "--gateway-url") for u in options.urls]
+    if len(set(urls)) != len(urls):
+        raise InstallError("--gateway-url: each gateway replica may be listed once")
+    keys: dict[str, str | list[str]] = {"urls": urls}
+    if options.worker_url is not None:
+        keys["worker_url"] = check_url(options.worker_url, "--gateway-worker-url")
+    if options.api_key_file is not None:
+        path = Path(options.api_key_file)
+        flag = f"--gateway-api-key-file {options.api_key_file!r}"
+        if not path.is_absolute():
+            raise InstallError(f"{flag}: not an absolute path")
+        host = layout.host(path)
+        if not host.is_file() or host.is_symlink():
+            raise InstallError(f"{flag}: not a regular file")
+        if host.stat().st_mode & 0o007:
+            raise InstallError(f"{flag}: readable by others; chmod o-rwx it (0640, group specd)")
+        keys["api_key_file"] = str(path)
+    try:
+        GatewaySettings.model_validate(keys)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise InstallError(f"gateway settings: {problems}") from None
+    return keys
 
 
 def _migrated_env(old: bytes, spec: Speculation) -> bytes | None:
@@ -176,6 +216,7 @@ def build_plan(
     url: str | None = None,
     fresh: bool = False,
     now_s: float = 0.0,
+    gateway: GatewayOptions | None = None,
 ) -> Plan:
     """Everything install would write and run; raises InstallError for a unit it refuses.
     ``fresh``: no installation of specd is recorded here, so an override file left from an
@@ -214,6 +255,7 @@ def build_plan(
         url,
         unit,
         spec.algorithm,
+        None if gateway is None else gateway_keys(gateway, layout),
     )
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics),

@@ -15,6 +15,14 @@ etcd may have lost it: then nothing is restarted), and releases it at every end.
 journal names the slot, so a specd killed in between releases it on its next start; the
 slot frees itself anyway one lease TTL after the specd died.
 
+With a ``[gateway]`` the quiet moment gives way to a drain (specd/io/gateway.py)::
+
+    planned ─► draining (on every replica; until SGLang has 0 running, 0 queued) ─► env_written …
+
+and every end of the sequence (done, rolled back, failed, aborted) first re-adds the worker
+where it was drained and waits until it is ready there. The journal lists the drained
+workers, so a specd killed in between re-adds them on its next start (``reconcile``).
+
 Before each step the journal (a JSON-able dict, see ``Journal``) is handed to ``persist``,
 which the daemon stores atomically in state.json. A specd killed at any point finds on its
 next start a journal saying what may have happened, and ``Applier.reconcile`` finishes the
@@ -52,9 +60,16 @@ from specd.core.setting import (
 )
 from specd.core.setting import off as setting_off
 from specd.core.setting import parse as parse_setting
-from specd.core.settings import ChooseSettings, RestartSettings, Settings, SGLangSettings
+from specd.core.settings import (
+    ChooseSettings,
+    GatewaySettings,
+    RestartSettings,
+    Settings,
+    SGLangSettings,
+)
 from specd.io import files, logs
 from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
+from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus, ParsedMetrics
 from specd.io.timespan import timespan_s
@@ -75,6 +90,7 @@ MAX_ENV_BYTES = 64 * 1024
 JOURNAL_VERSION = 1
 PHASES = (
     "planned",
+    "draining",
     "env_written",
     "restart_issued",
     "verifying",
@@ -96,6 +112,12 @@ TERMINAL_RESULTS: dict[str, Result] = {
 MAX_ATTEMPTS = 3
 MAX_JOURNAL_MESSAGES = 40
 UNIT_STATE_TIMEOUT_S = 10.0
+# How a drain ended: SGLang idle (the restart went ahead), not idle within drain_timeout_s,
+# cut short (window closed, stop requested), or a gateway that failed mid-drain.
+DRAIN_RESULTS = ("idle", "timeout", "aborted", "error")
+# Idle must hold on this many reads in a row: a request the gateway routed just before the
+# drain may not be counted by SGLang's gauges yet.
+IDLE_READS = 2
 
 
 class SGLangProbe(Protocol):
@@ -322,6 +344,10 @@ class Journal:
     fleet_slot: dict[str, Any] | None = None
     fleet_released: bool = False
     messages: list[str] = field(default_factory=list)
+    # The gateway workers removed from routing (Worker.to_dict), persisted before each
+    # DELETE; ``readded`` once they were added back (or the re-add was given up).
+    drained: list[dict[str, Any]] = field(default_factory=list)
+    readded: bool = False
     version: int = JOURNAL_VERSION
     from_setting: str | None = None
     to_setting: str | None = None
@@ -404,6 +430,13 @@ class Journal:
         messages = data.get("messages", [])
         if not isinstance(messages, list):
             raise JournalError("restart journal messages is not a list")
+        drained = data.get("drained", [])
+        if not isinstance(drained, list):
+            raise JournalError("restart journal drained is not a list")
+        try:
+            workers = [Worker.from_dict(w).to_dict() for w in drained]
+        except ValueError as exc:
+            raise JournalError(f"restart journal {exc}") from None
         return cls(
             phase=str(phase),
             from_steps=from_steps,
@@ -427,6 +460,8 @@ class Journal:
             from_setting=from_setting,
             to_setting=to_setting,
             written_env=opt_text("written_env"),
+            drained=workers,
+            readded=data.get("readded") is True,
         )
 
     def target(self) -> SpecSetting:
@@ -464,6 +499,9 @@ class ApplyOutcome:
     # counts (setting_steps), for a caller that speaks steps.
     from_setting: str | None = None
     to_setting: str | None = None
+    # With a gateway: {result (DRAIN_RESULTS; None for a re-add after specd restarted),
+    # duration_s, in_flight_at_restart, replicas, readd_problem}; None: nothing drained.
+    drain: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -529,6 +567,8 @@ class Applier:
         monotonic: Callable[[], float] = time.monotonic,
         config_dir: Path | None = None,
         fleet: Fleet | None = None,
+        gateway: GatewaySettings | None = None,
+        on_gateway_error: Callable[[str], None] | None = None,
     ) -> None:
         """``sglang``/``choose``/``restart`` are the config's tables; ``config_dir`` is where
         adaptive configs go (the state dir; by default beside the env file). The rest is
@@ -559,6 +599,17 @@ class Applier:
         self.fleet = fleet
         self._slot: Slot | None = None
         self._keeper: LeaseKeeper | None = None
+        self.gateway_settings = gateway
+        self.gateway: GatewayClient | None = None
+        if gateway is not None:
+            self.gateway = GatewayClient.from_settings(
+                gateway,
+                sglang.url,
+                pause=self._pause,
+                on_error=on_gateway_error,
+                poll_s=health_poll_interval_s,
+            )
+        self._drain_report: dict[str, Any] | None = None
 
     @classmethod
     def from_settings(
@@ -573,6 +624,7 @@ class Applier:
         """An applier for the whole config: quiet moments are looked for once per scrape."""
         pacing.setdefault("quiet_poll_interval_s", settings.observe.scrape_interval_s)
         pacing.setdefault("config_dir", settings.files.state_dir)
+        pacing.setdefault("gateway", settings.gateway)
         return cls(
             settings.sglang,
             settings.choose,
@@ -620,6 +672,7 @@ class Applier:
         window (override now). ``current`` None: what SGLang runs is unknown."""
         self._restart_started = None
         self._journal = None
+        self._drain_report = None
         try:
             outcome = self._apply(target, current, window_open, force)
         except Exception as exc:  # a bug must still leave SGLang and the env file consistent
@@ -681,9 +734,10 @@ class Applier:
 
         # The window check below (window_open) counts the unit's real stop timeout.
         self.read_stop_timeout()
-        why_not = self._wait_quiet(window_open, force)
-        if why_not is not None:
-            return self._aborted(current, target, why_not)
+        if self.gateway is None:
+            why_not = self._wait_quiet(window_open, force)
+            if why_not is not None:
+                return self._aborted(current, target, why_not)
 
         env_path = self.sglang.env_file
         try:
@@ -716,6 +770,10 @@ class Applier:
         journal.note(f"{_describe(current)} → {_describe(target)}")
         self._journal = journal
         self._persist(journal)
+        if self.gateway is not None:
+            stopped = self._drain(journal, self.gateway, window_open, force)
+            if stopped is not None:
+                return stopped
         return self._forward(journal, previous, new_env)
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None:
@@ -723,6 +781,7 @@ class Applier:
         if journal_data is None:
             return None
         self._restart_started = None
+        self._drain_report = None
         try:
             journal = Journal.from_dict(journal_data)
         except JournalError as exc:
@@ -756,16 +815,19 @@ class Applier:
             self.log.exception("rollback_internal_error")
             problem = self._restore_env(journal)
             restored = "env file restored" if problem is None else f"env file: {problem}"
+            readd = self._readd(journal)
+            readded = "" if readd is None else f"; {readd}"
             return ApplyOutcome(
                 "failed",
                 journal.from_steps,
                 journal.to_steps,
                 0.0,
-                f"{reason}; rollback failed too: {again!r}; {restored}",
+                f"{reason}; rollback failed too: {again!r}; {restored}{readded}",
                 None,
                 journal.restarts_issued,
                 journal.from_setting,
                 journal.to_setting,
+                self._drain_report,
             )
 
     # -- forward --------------------------------------------------------------------
@@ -926,7 +988,7 @@ class Applier:
                 0.0, self._clock() - journal.restart_issued_at
             )
 
-        if journal.phase in ("planned", "env_written"):
+        if journal.phase in ("planned", "draining", "env_written"):
             # No restart was issued: SGLang never saw the new file. Undo the file only.
             problem = self._restore_env(journal)
             if problem is not None:
@@ -1193,6 +1255,11 @@ class Applier:
         self._persist_cb(journal.to_dict())
 
     def _finish(self, journal: Journal, phase: str, message: str) -> ApplyOutcome:
+        # The worker goes back into routing before the sequence may end: a terminal journal
+        # is cleared by the caller, and with it the record of what was drained.
+        problem = self._readd(journal)
+        if problem is not None:
+            message = f"{message}; {problem}"
         journal.phase = phase
         journal.finished_at = self._clock()
         journal.note(message)
@@ -1220,6 +1287,7 @@ class Applier:
             journal.restarts_issued,
             journal.from_setting,
             journal.to_setting,
+            self._drain_report,
         )
 
     def _aborted(
@@ -1340,6 +1408,124 @@ class Applier:
             journal.fleet_released = True
             journal.note(message)
             self._persist(journal)
+
+    # -- the gateway: drain before the restart, re-add after ---------------------------
+    def _drain(
+        self,
+        journal: Journal,
+        gateway: GatewayClient,
+        window_open: Callable[[], bool],
+        force: bool,
+    ) -> ApplyOutcome | None:
+        """Take this server out of routing on every replica and wait until SGLang is idle.
+        None: drained and idle, go ahead; else the (aborted) outcome, worker re-added."""
+        assert self.gateway_settings is not None
+        started = self._mono()
+        report: dict[str, Any] = {
+            "result": "error",
+            "duration_s": 0.0,
+            "in_flight_at_restart": None,
+            "replicas": 0,
+            "readd_problem": None,
+        }
+        self._drain_report = report
+        try:
+            found = [w for w in gateway.find_all() if w is not None]
+        except GatewayUnavailable as exc:
+            return self._finish(journal, "aborted", f"cannot drain: {exc}; nothing was restarted")
+        # Persisted before any DELETE: a specd killed now re-adds them on its next start.
+        journal.drained = [w.to_dict() for w in found]
+        report["replicas"] = len(found)
+        self._set_phase(
+            journal,
+            "draining",
+            f"draining on {len(found)} of {len(gateway.gateways)} gateway replicas",
+        )
+        try:
+            for worker in found:
+                gateway.remove(worker)
+        except GatewayUnavailable as exc:
+            report["duration_s"] = self._mono() - started
+            return self._finish(journal, "aborted", f"drain failed: {exc}; nothing was restarted")
+        result, why, in_flight = self._wait_idle(started, window_open, force)
+        report.update(result=result, duration_s=self._mono() - started)
+        if result != "idle":
+            return self._finish(journal, "aborted", f"{why}; nothing was restarted")
+        report["in_flight_at_restart"] = in_flight
+        journal.note(why)
+        return None
+
+    def _wait_idle(
+        self, started: float, window_open: Callable[[], bool], force: bool
+    ) -> tuple[str, str, int | None]:
+        """Poll SGLang until it reports 0 running and 0 queued on IDLE_READS reads in a row,
+        bounded by drain_timeout_s. Returns (DRAIN_RESULTS entry, message, in flight)."""
+        assert self.gateway_settings is not None
+        timeout_s = self.gateway_settings.drain_timeout_s
+        deadline = started + timeout_s
+        idle_reads, last = 0, "no observation yet"
+        while True:
+            if self._stop.is_set():
+                return "aborted", "stop requested while draining", None
+            if not force and not window_open():
+                return "aborted", f"window closed while draining ({last})", None
+            obs = self.client.observe()
+            if isinstance(obs, ScrapeError):
+                idle_reads, last = 0, f"scrape failed: {obs.reason}"
+            elif obs.offered == 0:
+                idle_reads += 1
+                if idle_reads >= IDLE_READS:
+                    waited = self._mono() - started
+                    return "idle", f"drained: SGLang idle after {waited:.1f} s", 0
+            else:
+                idle_reads, last = 0, f"{obs.running} running, {obs.queued} queued"
+            left = deadline - self._mono()
+            if left <= 0:
+                return "timeout", f"SGLang not idle {timeout_s:g} s after the drain ({last})", None
+            if self._stop.wait(min(self.quiet_poll_interval_s, left)):
+                return "aborted", "stop requested while draining", None
+
+    def _readd(self, journal: Journal) -> str | None:
+        """Put drained workers back and wait until each replica has them ready (idempotent;
+        a no-op without drained workers). Returns a problem (one line) or None."""
+        if not journal.drained or journal.readded:
+            return None
+        gateway, settings = self.gateway, self.gateway_settings
+        problem: str | None = None
+        if gateway is None or settings is None:
+            problem = (
+                f"{len(journal.drained)} drained gateway worker(s) in the journal but no "
+                "[gateway] configured: re-add them by hand"
+            )
+        else:
+            workers = [Worker.from_dict(w) for w in journal.drained]
+            try:
+                gateway.readd(workers, settings.ready_timeout_s)
+                if not gateway.wait_ready(
+                    settings.ready_timeout_s, [w.gateway_url for w in workers]
+                ):
+                    problem = (
+                        f"worker re-added but not ready on every gateway replica within "
+                        f"{settings.ready_timeout_s:g} s"
+                    )
+            except GatewayUnavailable as exc:
+                problem = f"re-adding the worker failed: {exc}"
+        journal.readded = True
+        journal.note(problem or f"worker re-added, ready on {len(journal.drained)} replicas")
+        if problem is not None:
+            self.log.error("gateway_readd_failed", problem=problem)
+        if self._drain_report is None:
+            # Re-added by a specd restarted mid-sequence: no drain of its own to count.
+            self._drain_report = {
+                "result": None,
+                "duration_s": 0.0,
+                "in_flight_at_restart": None,
+                "replicas": len(journal.drained),
+                "readd_problem": None,
+            }
+        self._drain_report["readd_problem"] = problem
+        self._persist(journal)
+        return problem
 
 
 def _describe(setting: SpecSetting | None) -> str:

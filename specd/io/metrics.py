@@ -13,7 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from specd import __version__
 from specd.core.observation import CHECKED_FIELDS
+from specd.io.apply import DRAIN_RESULTS
 from specd.io.fleet import ERROR_KINDS as FLEET_ETCD_ERROR_KINDS
+from specd.io.gateway import ERROR_KINDS as GATEWAY_ERROR_KINDS
 
 # Fixed label values, so dashboards and alerts can rely on every series existing from
 # the first scrape (a counter that appears only after its first increment breaks
@@ -25,6 +27,8 @@ MODES = ("auto", "pin", "freeze")
 SETTING_KINDS = ("off", "static", "adaptive", "unknown")
 CHANGE_KINDS = ("off", "static", "adaptive")
 OFFERED_QUANTILES = ("0.5", "0.9", "0.99")
+# A drain waits for requests in flight to end: seconds to minutes.
+DRAIN_DURATION_BUCKETS = (0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Restarts of a 100B+ model take minutes; buckets reach 30 minutes.
 RESTART_DURATION_BUCKETS = (15, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1800)
 # A slot is free at once or after one server's restart (minutes), or a window later.
@@ -242,6 +246,39 @@ class Metrics:
             "State files found corrupt or unreadable at start (history is rebuilt).",
             registry=r,
         )
+        self.drains = Counter(
+            "specd_drains_total",
+            "Drains at the gateway before a restart, by result (idle: the restart went "
+            "ahead; timeout: SGLang not idle within drain_timeout_s; aborted: window closed "
+            "or stop; error: a gateway replica failed).",
+            ["result"],
+            registry=r,
+        )
+        self.drain_duration = Histogram(
+            "specd_drain_duration_seconds",
+            "Time from removing the worker at the gateway to SGLang idle (or giving up).",
+            buckets=DRAIN_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.requests_in_flight_at_restart = Gauge(
+            "specd_requests_in_flight_at_restart",
+            "Running plus queued requests SGLang reported when the latest drained restart "
+            "was issued (must be 0).",
+            registry=r,
+        )
+        self.gateway_errors = Counter(
+            "specd_gateway_errors_total",
+            "Failed calls to a gateway replica's admin API, by kind (connect, timeout, "
+            "http_status, malformed, api_key).",
+            ["kind"],
+            registry=r,
+        )
+        self.gateway_worker_not_ready = Gauge(
+            "specd_gateway_worker_not_ready_replicas",
+            "Gateway replicas not routing this server as ready at the latest probe (NaN: "
+            "unknown, no gateway or it could not be asked).",
+            registry=r,
+        )
         self.tick_duration = Histogram(
             "specd_tick_duration_seconds",
             "Wall time of one observe-record-decide tick.",
@@ -273,6 +310,10 @@ class Metrics:
             self.scrape_errors.labels(kind=kind)
         for kind in FLEET_ETCD_ERROR_KINDS:
             self.fleet_etcd_errors.labels(kind=kind)
+        for result in DRAIN_RESULTS:
+            self.drains.labels(result=result)
+        for kind in GATEWAY_ERROR_KINDS:
+            self.gateway_errors.labels(kind=kind)
         for name in CHECKED_FIELDS:
             self.rejected_values.labels(field=name)
         for mode in MODES:
@@ -286,6 +327,8 @@ class Metrics:
             self.last_decision_reason.labels(reason=reason).set(0)
         self.steps_current.set(float("nan"))
         self.steps_pinned.set(float("nan"))
+        self.requests_in_flight_at_restart.set(float("nan"))
+        self.gateway_worker_not_ready.set(float("nan"))
         self.override_expiry.set(float("nan"))
         self.override_valid.set(1)
 

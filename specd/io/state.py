@@ -75,6 +75,9 @@ class State:
     # What SGLang runs, per the latest observation or verified restart: {t, steps, source}
     # (steps null when the latest scrape failed). `specd status` shows it.
     live: dict[str, Any] | None = None
+    # With a [gateway]: probe {t, problem, not_ready_replicas, replicas}, the latest look,
+    # and last_drain {t, result, duration_s, in_flight_at_restart, replicas, readd_problem}.
+    gateway: dict[str, Any] | None = None
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,6 +91,7 @@ class State:
             "recommendations": self.recommendations,
             "sglang_started_at": self.sglang_started_at,
             "live": self.live,
+            "gateway": self.gateway,
         }
 
     @classmethod
@@ -155,6 +159,7 @@ class State:
                 lambda: _optional_number(data, "sglang_started_at"), lambda why: None
             ),
             live=part(lambda: _live(data.get("live")), lambda why: None),
+            gateway=part(lambda: _optional_object(data, "gateway"), lambda why: None),
             version=STATE_VERSION,
         )
 

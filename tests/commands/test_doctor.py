@@ -3,11 +3,12 @@ command-line comparison, env file vs running steps, windows against an injected 
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import version_twin
+from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, version_twin
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
@@ -15,6 +16,7 @@ from specd.commands.doctor import Check, Doctor, _usec, render
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
+from specd.twin.process import TwinProcess, free_port
 
 WORDS = [
     "/opt/sglang/bin/python",
@@ -321,3 +323,37 @@ def test_command_check_reads_name_equals_value_as_name_value(tmp_path: Path) -> 
     assert found.check_command(WORDS, DEFAULTS).ok
     found.info = {"launch_command": found.info["launch_command"].replace("steps=3", "steps=4")}
     assert not found.check_command(WORDS, DEFAULTS).ok
+
+
+def test_gateway_checks_each_replica_answers_and_routes_this_server(tmp_path: Path) -> None:
+    key = tmp_path / "gateway.key"
+    key.write_text(SMG_ADMIN_KEY + "\n")
+    dead = f"http://127.0.0.1:{free_port()}"
+    with TwinProcess(FAST_TWIN_VERSION_ARGS) as twin, TwinProcess(FAST_TWIN_VERSION_ARGS) as other:
+        twin.wait_healthy()
+        other.wait_healthy()
+        with (
+            SmgGateway([twin.url], admin_key=SMG_ADMIN_KEY) as routes,
+            SmgGateway([other.url], admin_key=SMG_ADMIN_KEY) as elsewhere,
+        ):
+            urls = [routes.url, elsewhere.url, dead]
+            found = doctor(
+                tmp_path,
+                f'[gateway]\nurls = {json.dumps(urls)}\nworker_url = "{twin.url}"\n'
+                f'api_key_file = "{key}"\nrequest_timeout_s = 2.0\n',
+            )
+            checks = found.check_gateway()
+            # The wrong key: every replica that answers says so.
+            key.write_text("wrong\n")
+            refused = found.check_gateway()[0]
+    assert [c.name for c in checks] == [f"gateway {u}" for u in urls]
+    assert [c.ok for c in checks] == [True, False, False]
+    assert "ready" in checks[0].detail
+    assert f"routes no worker with url {twin.url}" in checks[1].detail
+    assert "ConnectError" in checks[2].detail
+    assert "is the gateway running" in checks[2].advice
+    assert not refused.ok
+    assert "HTTP 401" in refused.detail
+    assert "api_key_file" in refused.advice
+    # Without a [gateway], no check at all.
+    assert doctor(tmp_path).check_gateway() == []

@@ -427,7 +427,40 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "frozen",
         "fleet_unavailable",
         "change",
+        "drain_unavailable",
     }
+
+
+GATEWAY_DOWN = "gateway http://127.0.0.1:9: GET /workers: ConnectError"
+
+
+@pytest.mark.parametrize(
+    ("override", "ctl", "reason", "target"),
+    [
+        # The policy's change, a next-window pin and a pin applied now all wait for a drain.
+        (None, control(), Reason.DRAIN_UNAVAILABLE, 3),
+        (pin(2), control(), Reason.DRAIN_UNAVAILABLE, 2),
+        (pin(2, apply="now"), control(), Reason.DRAIN_UNAVAILABLE, 2),
+        # Nothing to restart for: the reason is what it would have been.
+        (pin(4), control(), Reason.OVERRIDE_PIN, 4),
+        (None, control(restart_times=(OPEN - 60,)), Reason.DWELL_TIME, 3),
+        (freeze(), control(), Reason.FROZEN, 4),
+    ],
+)
+def test_a_gateway_problem_holds_every_restart(
+    override: Override | None, ctl: Control, reason: Reason, target: int
+) -> None:
+    hist, cfg = history(), config()
+    pick = choose(hist, cfg, ctl.current_steps)
+    args = (hist, observation(OPEN), cfg, override, OPEN, ctl, pick, 0.0)
+    decision = decide(*args, gateway_problem=GATEWAY_DOWN)
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    assert not decision.acts(ctl.current_steps)
+    if reason is Reason.DRAIN_UNAVAILABLE:
+        assert GATEWAY_DOWN in decision.message
+        assert decide(*args).acts(ctl.current_steps)  # without the problem it would act
+    assert "\n" not in decision.message
 
 
 # -- properties (hypothesis) ------------------------------------------------------------
@@ -559,9 +592,19 @@ def _acts(decision: Decision, s: dict[str, Any]) -> bool:
     )
 
 
-def _decide(s: dict[str, Any]) -> Decision:
+def _decide(s: dict[str, Any], gateway_problem: str | None = None) -> Decision:
     pick = choose(s["history"], s["config"], s["control"].current_steps)
-    return decide(s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"], pick)
+    return decide(
+        s["history"],
+        s["obs"],
+        s["config"],
+        s["override"],
+        s["now"],
+        s["control"],
+        pick,
+        0.0,
+        gateway_problem=gateway_problem,
+    )
 
 
 PROPERTY = settings(max_examples=100, deadline=None)
@@ -602,6 +645,15 @@ def test_never_acts_beyond_the_restart_budget_unless_a_pin_says_now(s: dict[str,
     used = sum(1 for t in s["control"].restart_times if t > now - DAY)
     if used >= s["config"].restart.daily_restart_budget:
         assert not _acts(decision, s) or _pin_now(s)
+
+
+@PROPERTY
+@given(situations())
+def test_never_restarts_while_the_gateway_cannot_drain(s: dict[str, Any]) -> None:
+    decision = _decide(s, "gateway http://10.0.0.2:30080: GET /workers: HTTP 503")
+    assert not decision.acts(s["control"].current_steps)
+    if _decide(s).acts(s["control"].current_steps):
+        assert decision.reason is Reason.DRAIN_UNAVAILABLE
 
 
 @PROPERTY

@@ -21,8 +21,9 @@ from specd.install.layout import (
     InstallError,
     Layout,
 )
-from specd.install.plan import build_plan, check_url
+from specd.install.plan import GatewayOptions, build_plan, check_url
 from specd.io.apply import render_setting_env
+from specd.io.config import Config
 from specd.io.files import parse_toml
 
 # 2026-12-02 11:00:00 UTC
@@ -278,3 +279,60 @@ def test_an_override_the_config_names_elsewhere_is_moved_too(tmp_path: Path) -> 
         view_of(f"{BASE} {SPEC}"), layout, FRESH, add_metrics=False, specd_argv=SPECD, fresh=True
     )
     assert [m.path for m in plan.moves] == [Path("/srv/oncall/override.toml")]
+
+
+def key_file(tmp_path: Path, mode: int = 0o640) -> Path:
+    """/etc/specd/gateway.key under the test's root; its path as specd sees it."""
+    host = tmp_path / "etc/specd/gateway.key"
+    host.parent.mkdir(parents=True, exist_ok=True)
+    host.write_text("admin-key\n")
+    host.chmod(mode)
+    return Path("/etc/specd/gateway.key")
+
+
+def test_gateway_settings_go_into_the_config_as_specd_reads_them(tmp_path: Path) -> None:
+    view = view_of(f"{PYTHON} --enable-metrics --port 31000 {SPEC}")
+    gateway = GatewayOptions(
+        ["http://10.0.0.2:30080/", "http://10.0.0.3:30080"],
+        str(key_file(tmp_path)),
+        "http://10.0.0.9:31000",
+    )
+    plan = build_plan(
+        view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD, gateway=gateway
+    )
+    text = config_of(plan.files)
+    config = Config.model_validate(parse_toml(text))
+    assert config.gateway is not None
+    assert config.gateway.urls == ["http://10.0.0.2:30080", "http://10.0.0.3:30080"]
+    assert config.gateway.api_key_file == Path("/etc/specd/gateway.key")
+    assert config.gateway.worker_url == "http://10.0.0.9:31000"
+    # Without gateway options the config has none: drains stay off.
+    plain = build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    assert Config.model_validate(parse_toml(config_of(plain.files))).gateway is None
+
+
+@pytest.mark.parametrize(
+    ("urls", "key", "mode", "message"),
+    [
+        (["ftp://10.0.0.2"], None, 0o640, "--gateway-url 'ftp://10.0.0.2': not an http"),
+        (["http://a:1", "http://a:1/"], None, 0o640, "listed once"),
+        (["http://a:1"], "relative.key", 0o640, "not an absolute path"),
+        (["http://a:1"], "/etc/specd/missing.key", 0o640, "not a regular file"),
+        (["http://a:1"], "/etc/specd/gateway.key", 0o644, "readable by others"),
+        ([f"http://a:{p}" for p in range(1, 18)], None, 0o640, "at most 16"),
+    ],
+)
+def test_gateway_settings_are_checked(
+    tmp_path: Path, urls: list[str], key: str | None, mode: int, message: str
+) -> None:
+    key_file(tmp_path, mode)
+    view = view_of(f"{PYTHON} --enable-metrics --port 31000 {SPEC}")
+    with pytest.raises(InstallError, match=message):
+        build_plan(
+            view,
+            Layout(tmp_path),
+            FRESH,
+            add_metrics=False,
+            specd_argv=SPECD,
+            gateway=GatewayOptions(urls, key),
+        )

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pydantic
 import pytest
+from factories import SMG_ADMIN_KEY, Killed, SmgGateway, StreamingLoad
 
 from specd.core.setting import SpecSetting, adaptive_config_name
 from specd.core.setting import off as setting_off
@@ -45,9 +46,10 @@ from specd.io.apply import (
     write_adaptive_config,
 )
 from specd.io.config import Config
+from specd.io.gateway import GatewayClient, Worker
 from specd.io.runner import RunResult
 from specd.io.sglang import SGLangClient
-from specd.twin.process import free_port
+from specd.twin.process import TwinProcess, free_port
 from specd.twin.unit import TwinUnitRunner
 
 UNIT = "sglang.service"
@@ -108,10 +110,6 @@ class TwinUnit(TwinUnitRunner):
         self.stop()
 
 
-class Killed(BaseException):
-    """specd dying (SIGKILL) at a chosen point: nothing in apply may catch it."""
-
-
 class Recorder:
     """The daemon's persist callback: keeps what a state.json would hold, in a real file."""
 
@@ -159,7 +157,7 @@ def settings_for(env_file: Path, **overrides: Any) -> Settings:
     }
     for key, value in overrides.items():
         if key not in PACING_KEYS:
-            tables[TABLE_OF_KEY[key]][key] = value
+            tables.setdefault(TABLE_OF_KEY[key], {})[key] = value
     return Settings.model_validate(tables)
 
 
@@ -181,6 +179,7 @@ def make_applier(
         runner,
         persist,
         stop,
+        gateway=settings.gateway,
         **pacing,
     )
 
@@ -337,6 +336,23 @@ def test_bad_pacing_is_a_one_line_error(tmp_path: Path, pacing: dict[str, Any]) 
     client.close()
 
 
+DRAINED = {
+    "gateway_url": "http://127.0.0.1:30080",
+    "worker_id": "w1",
+    "url": "http://127.0.0.1:30000",
+    "status": "ready",
+    "labels": {"pool": "a"},
+    "settings": {"priority": 50},
+}
+
+
+def test_journal_keeps_drained_workers_and_drops_unknown_settings() -> None:
+    extra = {**DRAINED, "settings": {"priority": 50, "api_key": "leak"}}
+    journal = Journal.from_dict(_journal(drained=[extra], readded="yes"))
+    assert journal.drained == [DRAINED]
+    assert journal.readded is False  # only a literal true says the re-add happened
+
+
 def _journal(**changes: Any) -> dict[str, Any]:
     data = Journal(
         phase="restart_issued",
@@ -365,6 +381,10 @@ def _journal(**changes: Any) -> dict[str, Any]:
         ({"previous_env": "%%%", "previous_env_encoding": "base64"}, "undecodable"),
         ({"messages": "x"}, "messages"),
         ({"unit": None}, "unit"),
+        ({"drained": {"url": "x"}}, "drained is not a list"),
+        ({"drained": ["x"]}, "drained worker 'x' is not an object"),
+        ({"drained": [{**DRAINED, "worker_id": 7}]}, "drained worker worker_id 7 is not a string"),
+        ({"drained": [{**DRAINED, "labels": []}]}, "labels/settings are not objects"),
     ],
 )
 def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
@@ -676,6 +696,212 @@ def test_a_rollback_replaces_a_planted_symlink_with_the_previous_bytes(
     assert secret.read_bytes() == SECRET
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert unit.running_steps() == 3
+
+
+# -- with a gateway: drain, restart, re-add ------------------------------------------------
+
+
+@pytest.fixture
+def fleet(make_unit: Any, tmp_path: Path) -> Iterator[tuple[TwinUnit, TwinProcess, SmgGateway]]:
+    """The unit specd restarts and a second twin behind one real smg (admin key set): the
+    second serves what the gateway stops routing to the first while it is drained. smg does
+    not retry, so a restart of a worker still routed to would reach the clients."""
+    unit = make_unit()
+    with TwinProcess(TWIN_TIMING) as other:
+        other.wait_healthy(START_TIMEOUT_S)
+        with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+            yield unit, other, gateway
+
+
+def gateway_applier(
+    unit: TwinUnit,
+    gateway: SmgGateway,
+    tmp_path: Path,
+    rec: Recorder,
+    runner: Callable[..., RunResult] | None = None,
+    **overrides: Any,
+) -> Applier:
+    key_file = tmp_path / "gateway.key"
+    key_file.write_text(SMG_ADMIN_KEY + "\n")
+    return applier_for(
+        unit,
+        rec,
+        runner,
+        urls=[gateway.url],
+        worker_url=unit.url,
+        api_key_file=key_file,
+        **{"drain_timeout_s": 20.0, "ready_timeout_s": 30.0, **overrides},
+    )
+
+
+def routed(gateway: SmgGateway, unit: TwinUnit) -> Worker | None:
+    client = GatewayClient([gateway.url], unit.url, api_key=SMG_ADMIN_KEY)
+    try:
+        return client.find(gateway.url)
+    finally:
+        client.close()
+
+
+def test_drain_restart_readd_under_streaming_load_every_request_completes(
+    fleet: tuple[TwinUnit, TwinProcess, SmgGateway], tmp_path: Path
+) -> None:
+    unit, _, gateway = fleet
+    before = routed(gateway, unit)
+    assert before is not None
+    assert before.status == "ready"
+    rec = Recorder(tmp_path / "journal.json")
+    applier = gateway_applier(unit, gateway, tmp_path, rec)
+    # Requests long enough that a restart without a drain would cut some.
+    with StreamingLoad(gateway.url, 6, max_tokens=200) as load:
+        load.wait_for(30)
+        outcome = applier.apply(4, 3, window_open=always_open)
+        served = load.ok
+        load.wait_for(served + 30)
+    assert outcome.result == "success", outcome.message
+    assert load.failures == []
+    assert unit.restarts == [4]
+    assert unit.running_steps() == 4
+    # The second "verifying" is the re-add, persisted before the sequence ends.
+    assert rec.phases() == [
+        "planned", "draining", "env_written", "restart_issued", "verifying", "verifying", "done"
+    ]  # fmt: skip
+    assert outcome.drain is not None
+    assert (outcome.drain["result"], outcome.drain["in_flight_at_restart"]) == ("idle", 0)
+    assert outcome.drain["replicas"] == 1
+    assert outcome.drain["readd_problem"] is None
+    after = routed(gateway, unit)
+    assert after is not None
+    assert after.status == "ready"
+    assert (after.labels, after.settings) == (before.labels, before.settings)
+    stored = rec.stored()
+    assert stored is not None
+    assert stored["readded"] is True
+    assert [w["url"] for w in stored["drained"]] == [unit.url]
+
+
+def test_gateway_stopped_means_no_restart(
+    fleet: tuple[TwinUnit, TwinProcess, SmgGateway], tmp_path: Path
+) -> None:
+    unit, _, gateway = fleet
+    gateway.stop()
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = gateway_applier(unit, gateway, tmp_path, rec).apply(4, 3, window_open=always_open)
+    assert outcome.result == "aborted", outcome.message
+    assert "cannot drain" in outcome.message
+    assert "ConnectError" in outcome.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert outcome.drain is not None
+    assert outcome.drain["result"] == "error"
+
+
+@pytest.mark.parametrize(
+    ("case", "result", "why"),
+    [
+        ("timeout", "timeout", "not idle 1 s after the drain"),
+        ("window_closes", "aborted", "window closed while draining"),
+    ],
+)
+def test_not_idle_in_time_is_no_restart_and_readded(
+    fleet: tuple[TwinUnit, TwinProcess, SmgGateway],
+    tmp_path: Path,
+    case: str,
+    result: str,
+    why: str,
+) -> None:
+    unit, _, gateway = fleet
+    rec = Recorder(tmp_path / "journal.json")
+    drain_timeout_s = 1.0 if case == "timeout" else 30.0
+    applier = gateway_applier(unit, gateway, tmp_path, rec, drain_timeout_s=drain_timeout_s)
+    closes = time.monotonic() + 1.0
+
+    def window_open() -> bool:
+        return case != "window_closes" or time.monotonic() < closes
+
+    # Clients that bypass the gateway keep SGLang busy whatever the gateway routes.
+    with Traffic(unit.url, 3, 60.0):
+        wait_for_offered(SGLangClient(unit.url), 2)
+        closes = time.monotonic() + 1.0
+        outcome = applier.apply(4, 3, window_open=window_open)
+    assert outcome.result == "aborted", outcome.message
+    assert why in outcome.message
+    assert "running" in outcome.message
+    assert "nothing was restarted" in outcome.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert outcome.drain is not None
+    assert outcome.drain["result"] == result
+    assert outcome.drain["readd_problem"] is None
+    after = routed(gateway, unit)
+    assert after is not None
+    assert after.status == "ready"
+
+
+def test_failed_restart_rolls_back_and_readds(make_unit: Any, tmp_path: Path) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    with TwinProcess(TWIN_TIMING) as other:
+        other.wait_healthy(START_TIMEOUT_S)
+        with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+            rec = Recorder(tmp_path / "journal.json")
+            applier = gateway_applier(unit, gateway, tmp_path, rec, startup_timeout_s=3.0)
+            with StreamingLoad(gateway.url, 4) as load:
+                load.wait_for(10)
+                outcome = applier.apply(4, 3, window_open=always_open)
+                load.wait_for(load.ok + 10)
+            after = routed(gateway, unit)
+    assert outcome.result == "rolled_back", outcome.message
+    assert load.failures == []
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert outcome.drain is not None
+    assert outcome.drain["readd_problem"] is None
+    assert after is not None
+    assert after.status == "ready"
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "kill_on_restart", "expect_result", "expect_restarts"),
+    [
+        # Killed once drained and the env file written (persist #2), before any restart.
+        (2, None, "aborted", []),
+        # Killed right after `systemctl restart` returned.
+        (None, 1, "success", [4]),
+    ],
+)
+def test_a_specd_killed_while_drained_readds_the_worker_on_its_next_start(
+    fleet: tuple[TwinUnit, TwinProcess, SmgGateway],
+    tmp_path: Path,
+    kill_at: int | None,
+    kill_on_restart: int | None,
+    expect_result: str,
+    expect_restarts: list[int],
+) -> None:
+    unit, _, gateway = fleet
+    rec = Recorder(tmp_path / "journal.json", kill_at=kill_at, store_first=True)
+    runner = KillingRunner(unit, kill_on_restart or 0)
+    with pytest.raises(Killed):
+        gateway_applier(unit, gateway, tmp_path, rec, runner=runner).apply(
+            4, 3, window_open=always_open
+        )
+    drained = routed(gateway, unit)
+    assert drained is None or drained.status == "draining"
+    stored = rec.stored()
+    assert stored is not None
+    assert stored["drained"]
+    assert stored["readded"] is False
+    # The next specd: a new applier with nothing but the stored journal.
+    after_rec = Recorder(tmp_path / "journal2.json")
+    outcome = gateway_applier(unit, gateway, tmp_path, after_rec).reconcile(stored)
+    assert outcome is not None
+    assert outcome.result == expect_result, outcome.message
+    assert unit.restarts == expect_restarts
+    after = routed(gateway, unit)
+    assert after is not None
+    assert after.status == "ready"
+    final = after_rec.stored()
+    assert final is not None
+    assert final["readded"] is True
 
 
 # -- before anything changes: quiet moment, window, stop ----------------------------------

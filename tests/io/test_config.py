@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
 
 from specd.cli import main
-from specd.core.settings import RENAMED_KEYS, TABLE_OF_KEY, TABLES, ChooseSettings
+from specd.core.settings import RENAMED_KEYS, TABLE_OF_KEY, TABLES, ChooseSettings, Settings
 from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
 from specd.io.config import (
     ENV_PREFIX,
@@ -101,12 +101,23 @@ def test_config_is_frozen() -> None:
         cfg.choose = ChooseSettings()  # type: ignore[misc]
 
 
+# Tables whose absence turns a feature off, and the keys each needs when present.
+OPTIONAL_TABLES: dict[str, dict[str, Any]] = {
+    "gateway": {"urls": ["http://127.0.0.1:30080"]},
+    "fleet": {"etcd_endpoints": ["http://127.0.0.1:2379"], "group": "g"},
+}
+
+
 def test_example_file_lists_every_option_in_its_table_and_is_valid() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
     text = EXAMPLE.read_text()
+    optional = {t for t in TABLES if Settings.model_fields[t].default is None}
+    assert optional == set(OPTIONAL_TABLES)
     for table, model in TABLES.items():
-        assert f"\n[{table}]\n" in text, f"[{table}] not in {EXAMPLE}"
-        section = text.split(f"\n[{table}]\n", 1)[1].split("\n[", 1)[0]
+        # An optional table (absent: the feature is off) is shown commented out.
+        header = f"\n[{table}]\n" if table not in OPTIONAL_TABLES else f"\n# [{table}]\n"
+        assert header in text, f"{header.strip()} not in {EXAMPLE}"
+        section = text.split(header, 1)[1].split("\n[", 1)[0].split("\n# [", 1)[0]
         for name in model.model_fields:
             # Options without a default value (calibration_file) or whose default depends on
             # another (policy) are shown commented out.
@@ -318,17 +329,14 @@ def test_non_finite_values_in_the_arrays_are_rejected(tmp_path: Path, text: str)
 
 
 # The keys an optional table cannot do without, so one key can be tried in it alone.
-MINIMAL: dict[str, dict[str, Any]] = {
-    "fleet": {"etcd_endpoints": ["http://127.0.0.1:2379"], "group": "g"},
-}
 
 
 def test_minimal_lists_every_table_with_required_keys() -> None:
     for table, model in TABLES.items():
         required = {n for n, f in model.model_fields.items() if f.is_required()}
-        assert required == set(MINIMAL.get(table, {})), table
+        assert required == set(OPTIONAL_TABLES.get(table, {})), table
         if required:
-            assert getattr(load_config_text({table: MINIMAL[table]}), table) is not None
+            assert getattr(load_config_text({table: OPTIONAL_TABLES[table]}), table) is not None
     # As in the example file: [fleet] with every key commented out is no fleet.
     assert load_config_text({"fleet": {}}).fleet is None
 
@@ -369,7 +377,7 @@ def test_a_float_setting_loads_only_when_finite_and_in_bounds(
                 inside = inside and ok(float(value), float(getattr(limit, attr)))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "specd.toml"
-        path.write_text(tomli_w.dumps({table: {**MINIMAL.get(table, {}), name: value}}))
+        path.write_text(tomli_w.dumps({table: {**OPTIONAL_TABLES.get(table, {}), name: value}}))
         problems: list[str] = []
         loaded: Config | None = None
         try:

@@ -1,0 +1,312 @@
+"""The SGLang model gateway (smg 1.x) admin API, for draining this server before a restart.
+
+A drain removes this server's worker from routing on every gateway replica and, after the
+restart, adds it back with the URL, labels and settings it had, then waits until every
+replica it was removed from reports it ready. Any replica that cannot be reached raises
+``GatewayUnavailable`` with a one-line reason and a bounded ``kind``: with a gateway
+configured, specd never restarts a server it could not drain. The admin API key is read from
+a file (at every use, so a rotated key is picked up) and sent as a bearer token; it never
+appears in an error or a log.
+
+smg's drain is a fixed settle time, not "until idle": ``DELETE /workers/{id}`` marks the
+worker ``draining`` (no new requests routed), its requests in flight run on, and the entry is
+gone after the settle time. Whether SGLang is idle is for the applier to read off SGLang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from specd.core.settings import GatewaySettings
+
+READY = "ready"
+DRAINING = "draining"
+# Bounded error kinds: a metric label (specd_gateway_errors_total).
+ERROR_KINDS = ("connect", "timeout", "http_status", "malformed", "api_key")
+# Worker settings smg takes back on POST /workers besides url and labels.
+SETTING_KEYS = ("worker_type", "runtime_type", "connection_mode", "priority", "cost")
+
+
+class GatewayUnavailable(Exception):
+    """A gateway replica could not be reached or answered nonsense (message: one line)."""
+
+    def __init__(self, message: str, kind: str = "malformed") -> None:
+        super().__init__(message)
+        self.kind = kind if kind in ERROR_KINDS else "malformed"
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This server as one gateway replica knows it."""
+
+    gateway_url: str
+    worker_id: str
+    url: str
+    status: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["labels"], data["settings"] = dict(self.labels), dict(self.settings)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Worker:
+        """From a journal; ValueError (one line) on a bad shape."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"drained worker {data!r:.60} is not an object")
+        texts = {}
+        for name in ("gateway_url", "worker_id", "url", "status"):
+            value = data.get(name)
+            if not isinstance(value, str):
+                raise ValueError(f"drained worker {name} {value!r:.60} is not a string")
+            texts[name] = value
+        labels, settings = data.get("labels", {}), data.get("settings", {})
+        if not isinstance(labels, Mapping) or not isinstance(settings, Mapping):
+            raise ValueError("drained worker labels/settings are not objects")
+        return cls(
+            labels={str(k): str(v) for k, v in labels.items()},
+            settings={str(k): v for k, v in settings.items() if k in SETTING_KEYS},
+            **texts,
+        )
+
+
+def read_api_key(path: Path | None) -> str | None:
+    """The admin API key from ``path`` (None: no key); a one-line error names the file."""
+    if path is None:
+        return None
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise GatewayUnavailable(
+            f"gateway api key file {path}: {exc.strerror}", "api_key"
+        ) from None
+    if not key:
+        raise GatewayUnavailable(f"gateway api key file {path}: empty", "api_key")
+    return key
+
+
+def _same_url(a: str, b: str) -> bool:
+    return a.rstrip("/") == b.rstrip("/")
+
+
+class GatewayClient:
+    """Every replica of one gateway; each call is bounded by ``timeout_s``.
+
+    ``api_key`` is a key, or a file to read it from at each call (``Path``).
+    ``on_error(kind)`` is told of every failed call (metrics). ``pause(seconds)`` paces
+    the polls: the applier's keeps the watchdog fed and is not cut short by a stop request,
+    because a worker drained for a restart must be re-added even while specd stops."""
+
+    def __init__(
+        self,
+        gateway_urls: Sequence[str],
+        worker_url: str,
+        *,
+        api_key: str | Path | None = None,
+        timeout_s: float = 5.0,
+        poll_s: float = 0.25,
+        pause: Callable[[float], None] = time.sleep,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        if not gateway_urls:
+            raise ValueError("gateway_urls: at least one gateway URL is needed")
+        self.gateways = [u.rstrip("/") for u in gateway_urls]
+        self.worker_url = worker_url.rstrip("/")
+        self._api_key = api_key
+        self._timeout_s = timeout_s
+        self._poll_s = poll_s
+        self._pause = pause
+        self._on_error = on_error
+        self._http = httpx.Client(timeout=timeout_s)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: GatewaySettings,
+        sglang_url: str,
+        *,
+        pause: Callable[[float], None] = time.sleep,
+        on_error: Callable[[str], None] | None = None,
+        poll_s: float = 1.0,
+    ) -> GatewayClient:
+        return cls(
+            settings.urls,
+            settings.worker_url or sglang_url,
+            api_key=settings.api_key_file,
+            timeout_s=settings.request_timeout_s,
+            poll_s=poll_s,
+            pause=pause,
+            on_error=on_error,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _fail(self, message: str, kind: str) -> GatewayUnavailable:
+        if self._on_error is not None:
+            self._on_error(kind)
+        return GatewayUnavailable(message, kind)
+
+    def _headers(self) -> dict[str, str]:
+        key = self._api_key
+        if isinstance(key, Path):
+            try:
+                key = read_api_key(key)
+            except GatewayUnavailable as exc:
+                raise self._fail(str(exc), exc.kind) from None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _call(self, method: str, gateway: str, path: str, body: Any = None) -> Any:
+        headers = self._headers()
+        try:
+            reply = self._http.request(method, gateway + path, json=body, headers=headers)
+        except httpx.TimeoutException:
+            raise self._fail(
+                f"gateway {gateway}: {method} {path}: no answer within {self._timeout_s:g} s",
+                "timeout",
+            ) from None
+        except httpx.HTTPError as exc:
+            raise self._fail(
+                f"gateway {gateway}: {method} {path}: {type(exc).__name__}", "connect"
+            ) from None
+        if reply.status_code >= 400:
+            raise self._fail(
+                f"gateway {gateway}: {method} {path}: HTTP {reply.status_code}", "http_status"
+            )
+        if not reply.content:
+            return None
+        try:
+            return reply.json()
+        except ValueError:
+            raise self._fail(f"gateway {gateway}: {method} {path}: not JSON", "malformed") from None
+
+    def _workers(self, gateway: str) -> list[Mapping[str, Any]]:
+        data = self._call("GET", gateway, "/workers")
+        items = data.get("workers") if isinstance(data, Mapping) else data
+        if not isinstance(items, list):
+            raise self._fail(f"gateway {gateway}: GET /workers: no worker list", "malformed")
+        return [w for w in items if isinstance(w, Mapping)]
+
+    def find(self, gateway: str) -> Worker | None:
+        """This server's worker on ``gateway`` (None: not routed there)."""
+        for w in self._workers(gateway):
+            url = w.get("url")
+            if isinstance(url, str) and _same_url(url, self.worker_url):
+                raw = w.get("labels")
+                labels = (
+                    {str(k): str(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
+                )
+                return Worker(
+                    gateway_url=gateway,
+                    worker_id=str(w.get("id", "")),
+                    url=url,
+                    status=str(w.get("status", "")),
+                    labels=labels,
+                    settings={k: w[k] for k in SETTING_KEYS if k in w},
+                )
+        return None
+
+    def find_all(self) -> list[Worker | None]:
+        """This worker on each replica, in order; raises if any replica cannot say."""
+        return [self.find(g) for g in self.gateways]
+
+    def probe(self) -> tuple[str | None, int | None]:
+        """(why a drain is impossible now or None, replicas not routing this worker as
+        ready or None when unknown). The cheap check the daemon runs each tick."""
+        try:
+            found = self.find_all()
+        except GatewayUnavailable as exc:
+            return str(exc), None
+        return None, sum(1 for w in found if w is None or w.status != READY)
+
+    def remove(self, worker: Worker) -> None:
+        """Stop routing to ``worker`` on its replica (it goes draining, then away)."""
+        self._call("DELETE", worker.gateway_url, f"/workers/{worker.worker_id}")
+
+    def drain(self) -> list[Worker]:
+        """Remove this worker from routing on every replica; returns what each had."""
+        removed = []
+        for worker in self.find_all():
+            if worker is None:
+                continue
+            self.remove(worker)
+            removed.append(worker)
+        return removed
+
+    def readd(self, removed: Sequence[Worker], timeout_s: float) -> None:
+        """Add the worker back where it was removed, with the URL, labels and settings it had.
+
+        A draining worker answers POST with 409 until its settle time is over, so each
+        replica is polled until the old entry is gone (bounded by ``timeout_s``). A replica
+        that already routes the worker again (a re-add before a crash) is left alone."""
+        end = time.monotonic() + timeout_s
+        for worker in removed:
+            gateway = worker.gateway_url
+            current = self.find(gateway)
+            while current is not None and current.status == DRAINING:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
+                self._pause(min(self._poll_s, left))
+                current = self.find(gateway)
+            if current is not None:
+                continue
+            body: dict[str, Any] = {**worker.settings, "url": self.worker_url}
+            if worker.labels:
+                body["labels"] = dict(worker.labels)
+            self._call("POST", gateway, "/workers", body)
+
+    def wait_ready(self, timeout_s: float, gateways: Sequence[str] | None = None) -> bool:
+        """True once every replica (or each of ``gateways``) reports the worker ready;
+        False on timeout or stop."""
+        targets = list(gateways) if gateways is not None else self.gateways
+        end = time.monotonic() + timeout_s
+        while True:
+            workers = [self.find(g) for g in targets]
+            if all(w is not None and w.status == READY for w in workers):
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self._pause(min(self._poll_s, left))
+
+
+# Without a window open, a change pending or a pin, the daemon still looks this often, so
+# specd_gateway_worker_not_ready_replicas (the alert on a worker left out) stays current.
+IDLE_PROBE_S = 60.0
+
+
+class GatewayWatch:
+    """The daemon's look at the gateway before each step: one GET /workers per replica,
+    every tick while specd may act (``needed``), at most every ``IDLE_PROBE_S`` otherwise.
+    ``last`` is what the latest probe found, as state.json and `specd status` keep it."""
+
+    def __init__(self, client: GatewayClient) -> None:
+        self.client = client
+        self.last: dict[str, Any] | None = None
+
+    def check(self, now: float, needed: bool) -> str | None:
+        """Why a drain is impossible now (one line), or None: the brain's gateway_problem."""
+        last = self.last
+        if not needed and last is not None and 0 <= now - float(last["t"]) < IDLE_PROBE_S:
+            problem = last.get("problem")
+            return problem if isinstance(problem, str) else None
+        problem, not_ready = self.client.probe()
+        self.last = {
+            "t": now,
+            "problem": problem,
+            "not_ready_replicas": not_ready,
+            "replicas": len(self.client.gateways),
+        }
+        return problem
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,115 @@
+"""The gateway client against a real smg gateway in front of a real twin on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from factories import SMG_ADMIN_KEY, SmgGateway
+
+from specd.io.gateway import (
+    IDLE_PROBE_S,
+    GatewayClient,
+    GatewayUnavailable,
+    GatewayWatch,
+    read_api_key,
+)
+from specd.twin.process import TwinProcess, free_port
+
+FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+SPEC4 = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "4",
+         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]  # fmt: skip
+
+
+@pytest.fixture
+def twin() -> Iterator[TwinProcess]:
+    with TwinProcess([*SPEC4, "--enable-metrics", *FAST]) as t:
+        t.wait_healthy()
+        yield t
+
+
+@pytest.fixture
+def gateway(twin: TwinProcess) -> Iterator[str]:
+    with SmgGateway([twin.url]) as smg:
+        yield smg.url
+
+
+def test_drain_readd_ready(twin: TwinProcess, gateway: str) -> None:
+    client = GatewayClient([gateway], twin.url, timeout_s=2.0, poll_s=0.1)
+    found = client.find(gateway)
+    assert found is not None
+    assert found.status == "ready"
+    removed = client.drain()
+    assert [w.worker_id for w in removed] == [found.worker_id]
+    after = client.find(gateway)
+    assert after is None or after.status == "draining"
+    assert not client.wait_ready(0.3)
+    client.readd(removed, 15.0)
+    assert client.wait_ready(15.0)
+    client.close()
+
+
+def test_unreachable_gateway_is_one_line() -> None:
+    client = GatewayClient([f"http://127.0.0.1:{free_port()}"], "http://127.0.0.1:1", timeout_s=0.5)
+    with pytest.raises(GatewayUnavailable) as err:
+        client.drain()
+    assert "\n" not in str(err.value)
+    assert "ConnectError" in str(err.value)
+    client.close()
+
+
+def test_api_key_file_errors_name_the_file(tmp_path: Path) -> None:
+    assert read_api_key(None) is None
+    (tmp_path / "k").write_text("secret\n")
+    assert read_api_key(tmp_path / "k") == "secret"
+    (tmp_path / "e").write_text("\n")
+    for name in ("e", "missing"):
+        with pytest.raises(GatewayUnavailable, match=name):
+            read_api_key(tmp_path / name)
+    assert httpx  # the client's transport
+
+
+def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(SMG_ADMIN_KEY + "\n")
+    with SmgGateway([twin.url], admin_key=SMG_ADMIN_KEY) as smg:
+        keyed = GatewayClient([smg.url], twin.url, api_key=key_file, timeout_s=2.0, poll_s=0.1)
+        removed = keyed.drain()
+        assert len(removed) == 1
+        for key in (None, "wrong-key"):
+            client = GatewayClient([smg.url], twin.url, api_key=key, timeout_s=2.0)
+            with pytest.raises(GatewayUnavailable) as err:
+                client.readd(removed, 15.0)
+            assert err.value.kind == "http_status"
+            assert "HTTP 401" in str(err.value)
+            assert "wrong-key" not in str(err.value)
+            client.close()
+        keyed.readd(removed, 15.0)
+        assert keyed.wait_ready(15.0)
+        keyed.close()
+
+
+def test_the_watch_asks_every_tick_when_needed_else_once_a_minute() -> None:
+    errors: list[str] = []
+    client = GatewayClient(
+        [f"http://127.0.0.1:{free_port()}"], "http://127.0.0.1:1", timeout_s=0.5,
+        on_error=errors.append,
+    )  # fmt: skip
+    watch = GatewayWatch(client)
+    asked = []
+    late = 30.0 + IDLE_PROBE_S
+    ticks = [(0.0, False), (10.0, False), (20.0, True), (30.0, True), (late - 1, False),
+             (late, False)]  # fmt: skip
+    for now, needed in ticks:
+        before = len(errors)
+        problem = watch.check(now, needed)
+        assert problem is not None
+        assert "ConnectError" in problem
+        asked.append(len(errors) > before)
+    assert asked == [True, False, True, True, False, True]
+    assert errors == ["connect"] * 4
+    assert watch.last is not None
+    assert (watch.last["t"], watch.last["replicas"]) == (late, 1)
+    watch.close()
