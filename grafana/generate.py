@@ -39,6 +39,7 @@ INST = 'instance=~"$instance"'
 # state timeline: blue when specd acts, red when it is blocked by a safety rule.
 REASON_COLORS: dict[str, str] = {
     "change": "blue",
+    "explore": "dark-blue",
     "within_tolerance": "green",
     "no_data": "orange",
     "insufficient_data": "yellow",
@@ -742,7 +743,8 @@ class Annotation(NamedTuple):
     text: str
 
 
-# What explains a throughput dip: every restart specd made, every rollback, every pin.
+# What explains a throughput dip: every restart specd made, every rollback, every
+# exploration, every pin.
 ANNOTATIONS: tuple[Annotation, ...] = (
     Annotation(
         "Restarts",
@@ -758,6 +760,13 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         f'(increase(specd_restarts_total{{{INST}, result!="success"}}[1m])) > 0',
         "restart {{result}}",
         "a restart on {{instance}} ended {{result}}: see specd_frozen",
+    ),
+    Annotation(
+        "Explorations",
+        "green",
+        f"sum by (instance, steps) (increase(specd_explorations_total{{{INST}}}[1m])) > 0",
+        "exploring {{steps}} steps",
+        "specd on {{instance}} runs one epoch at {{steps}} steps to measure it",
     ),
     Annotation(
         "Override pins",

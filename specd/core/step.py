@@ -9,16 +9,19 @@ clock, no file, no network, no cache outliving the call.
 
 One tick: the live step count comes from this tick's observation only (a failed scrape
 means "unknown", never the last value believed); the policy's pick is computed once and
-both recorded for the stabilization window and handed to `decide`.
+both recorded for the stabilization window and handed to `decide`, with the exploration
+`specd.core.explore` proposes from it (or the one whose epoch runs); an exploration that
+acts is noted in the control state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from specd.core.decide import Control, Decision, Pick, choose, decide
+from specd.core import explore
+from specd.core.decide import Control, Decision, Pick, Reason, choose, decide
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 
@@ -71,20 +74,30 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         frozen=ctx.control.frozen,
         frozen_reason=ctx.control.frozen_reason,
         recommendations=ctx.control.recommendations,
+        explorations=ctx.control.explorations,
     )
     pick = choose(ctx.history, config, current, ctx.calibration)
     if pick is not None and ctx.calibration_problem:
-        pick = Pick(
-            pick.steps,
-            f"{pick.why} (calibration unusable: {ctx.calibration_problem})",
-            pick.predictions,
-            pick.intervals,
-        )
+        pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
-    decision = decide(
-        ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
+    exploration = explore.ongoing(control.explorations, current, config, now) or explore.propose(
+        pick.plan if pick is not None else None, current, config, control.explorations, now
     )
+    decision = decide(
+        ctx.history,
+        observation,
+        config,
+        ctx.override,
+        now,
+        control,
+        pick,
+        ctx.restart_needs_s,
+        exploration,
+    )
+    if decision.reason is Reason.EXPLORE and decision.acts(current):
+        assert decision.target_steps is not None
+        control = control.with_exploration(now, decision.target_steps)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions, intervals)

@@ -32,6 +32,7 @@ class Metrics:
         self,
         registry: CollectorRegistry | None = None,
         reasons: Iterable[str] = (),
+        steps: Iterable[int] = (),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
@@ -154,6 +155,13 @@ class Metrics:
             ["steps"],
             registry=r,
         )
+        self.explorations = Counter(
+            "specd_explorations_total",
+            "Safe explorations begun: one epoch at a step count the evidence could not judge "
+            "or specd never observed (decision reason explore), by step count.",
+            ["steps"],
+            registry=r,
+        )
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )
@@ -237,6 +245,8 @@ class Metrics:
             self.rejected_values.labels(field=name)
         for mode in MODES:
             self.mode.labels(mode=mode).set(1 if mode == "auto" else 0)
+        for k in steps:
+            self.explorations.labels(steps=str(k))
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)

@@ -53,6 +53,7 @@ def populated() -> State:
         restarts=[{"t": T0 - 7200, "from_steps": 3, "to_steps": 4, "result": "success"}],
         frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
         recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
+        explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2]],
         sglang_started_at=T0 - 7200,
     )
 
@@ -242,6 +243,24 @@ SALVAGED: list[Any] = [
         id="one-recommendation-bad",
     ),
     pytest.param(
+        lambda: _with(explorations=[[T0, "5"], [T0 - 86400, 2]]),
+        "explorations[0]",
+        {"explorations": [[T0 - 86400, 2]]},
+        id="exploration-steps-text",
+    ),
+    pytest.param(
+        lambda: _with(explorations=[[T0 - 86400, 2], [None, 5], [T0, 0], [T0, True]]),
+        "explorations[1]",
+        {"explorations": [[T0 - 86400, 2]]},
+        id="explorations-null-t-zero-or-bool-steps",
+    ),
+    pytest.param(
+        lambda: _with(explorations={"5": T0}),
+        "explorations",
+        {"explorations": []},
+        id="explorations-type",
+    ),
+    pytest.param(
         lambda: _with(sglang_started_at="x"),
         "sglang_started_at",
         {"sglang_started_at": None},
@@ -324,6 +343,7 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         "restarts",
         "frozen",
         "recommendations",
+        "explorations",
         "sglang_started_at",
         "live",
     ):
