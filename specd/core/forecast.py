@@ -22,18 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specd.core.history import HOUR_S, HOURS_PER_WEEK, hour_of_week
+from specd.core.history import HOUR_S, HOURS_PER_WEEK, day_kind, hour_of_week
 
 if TYPE_CHECKING:
     from specd.core.history import History
 
 # Decayed seconds an hour bucket needs before it stands on its own (a quarter hour).
 MIN_HOUR_EVIDENCE_S = 900.0
-_WEEKEND_FIRST_HOUR = 5 * 24  # Saturday 00:00 in hour-of-week (0 = Monday 00:00 UTC)
-
-
-def is_weekend_hour(how: int) -> bool:
-    return how % HOURS_PER_WEEK >= _WEEKEND_FIRST_HOUR
 
 
 def _normalized(weights: Mapping[int, float]) -> dict[int, float] | None:
@@ -74,7 +69,7 @@ class _HourSource:
     def __init__(self, history: History) -> None:
         self.history = history
         self._own: dict[int, tuple[dict[int, float], float]] = {}
-        self._kind: dict[tuple[int, bool], dict[int, float] | None] = {}
+        self._kind: dict[int, dict[int, float] | None] = {}
         self._recent: dict[int, float] | bool | None = False
 
     def own(self, how: int) -> tuple[dict[int, float], float]:
@@ -84,18 +79,9 @@ class _HourSource:
         return self._own[how]
 
     def same_kind(self, how: int) -> dict[int, float] | None:
-        key = (how % 24, is_weekend_hour(how))
+        key = day_kind(how)
         if key not in self._kind:
-            merged: dict[int, float] = {}
-            for day in range(7):
-                other = day * 24 + how % 24
-                if is_weekend_hour(other) != key[1]:
-                    continue
-                weights, total = self.own(other)
-                if total <= 0:
-                    continue
-                for k, w in weights.items():
-                    merged[k] = merged.get(k, 0.0) + w
+            merged = self.history.day_kind_weights(how)
             total = sum(merged.values())
             self._kind[key] = _normalized(merged) if total >= MIN_HOUR_EVIDENCE_S else None
         return self._kind[key]

@@ -43,6 +43,9 @@ HOUR_S = 3600.0
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
 HOURS_PER_WEEK = 168
+_WEEKEND_FIRST_HOUR = 5 * 24  # Saturday 00:00 in hour-of-week (0 = Monday 00:00 UTC)
+# Hours of the day × (weekday, weekend): the forecast's "same hours, other days".
+DAY_KINDS = 48
 # 1970-01-01 00:00 UTC was a Thursday, 72 h after Monday 00:00.
 _EPOCH_HOUR_OF_WEEK = 72
 # Rebase a table once its scale factor reaches 2^64: far from float overflow, and rare
@@ -58,6 +61,16 @@ K = TypeVar("K", bound=Hashable)
 def hour_of_week(t: float) -> int:
     """Hour of the week in UTC for unix time ``t``: 0 = Monday 00:00–01:00."""
     return (math.floor(t / HOUR_S) + _EPOCH_HOUR_OF_WEEK) % HOURS_PER_WEEK
+
+
+def is_weekend_hour(how: int) -> bool:
+    return how % HOURS_PER_WEEK >= _WEEKEND_FIRST_HOUR
+
+
+def day_kind(how: int) -> int:
+    """Index of hour-of-week ``how``'s hour of the day on its kind of day (weekday or
+    weekend): the hours the forecast pools when an hour of the week has too little data."""
+    return how % 24 + (24 if is_weekend_hour(how) else 0)
 
 
 def _pow2(x: float) -> float:
@@ -287,6 +300,9 @@ class History:
         self._accept: DecayingSums[int] = DecayingSums(s.half_life_s)
         self._throughput: DecayingSums[tuple[int, int]] = DecayingSums(s.half_life_s)
         self._hourly: list[DecayingSums[int] | None] = [None] * HOURS_PER_WEEK
+        # The hourly tables summed per `day_kind`, kept as they are fed (same half-life, so
+        # the sums are the same) instead of merged from up to 5 tables at every forecast.
+        self._day_kinds: list[DecayingSums[int] | None] = [None] * DAY_KINDS
         self._capacity: dict[int, int] = {}
         self.last_t: float | None = None
         self.sglang_started_at: float | None = None
@@ -306,7 +322,7 @@ class History:
         at = self._at()
         for table in (self._offered, self._accept, self._throughput):
             _change_half_life(table, settings.half_life_s, at)
-        for hourly in self._hourly:
+        for hourly in (*self._hourly, *self._day_kinds):
             if hourly is not None:
                 _change_half_life(hourly, settings.hour_of_week_half_life_s, at)
 
@@ -350,6 +366,10 @@ class History:
         if hourly is None:
             hourly = self._hourly[how] = DecayingSums(self.settings.hour_of_week_half_life_s)
         hourly.add(offered, t, dt)
+        kind = self._day_kinds[day_kind(how)]
+        if kind is None:
+            kind = self._day_kinds[day_kind(how)] = DecayingSums(hourly.half_life_s)
+        kind.add(offered, t, dt)
 
         steps = obs.steps
         if steps is None:
@@ -470,6 +490,31 @@ class History:
             return {}
         scale = hourly.scale_at(self._at())
         return {k: cell[0] * scale for k, cell in hourly.cells.items()}
+
+    def day_kind_weights(self, how: int) -> dict[int, float]:
+        """Decayed seconds at each offered concurrency during this hour of the day on every
+        day of ``how``'s kind (weekdays, or the weekend), ``how`` itself included."""
+        table = self._day_kinds[day_kind(how)]
+        if table is None:
+            return {}
+        scale = table.scale_at(self._at())
+        return {k: cell[0] * scale for k, cell in table.cells.items()}
+
+    def _rebuild_day_kinds(self) -> None:
+        at = self._at()
+        kinds: list[DecayingSums[int] | None] = [None] * DAY_KINDS
+        for how, hourly in enumerate(self._hourly):
+            if hourly is None:
+                continue
+            index = day_kind(how)
+            kind = kinds[index]
+            if kind is None:
+                kind = kinds[index] = DecayingSums(hourly.half_life_s, at)
+            scale = hourly.scale_at(at)
+            for k, cell in hourly.cells.items():
+                summed = kind.cells.setdefault(k, [0.0])
+                summed[0] += cell[0] * scale
+        self._day_kinds = kinds
 
     def hours_quantile(
         self, hours: Iterable[int], q: float, *, busy_only: bool = True
@@ -615,6 +660,7 @@ class History:
                 )
                 for how, h in enumerate(hourly)
             ]
+            history._rebuild_day_kinds()
         except ValueError as exc:
             raise ValueError(f"history: {exc}") from None
         return history

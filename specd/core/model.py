@@ -366,8 +366,13 @@ class PerformanceModel:
 
     def rate(self, steps: int, weights: Mapping[int, float]) -> float:
         """Mean tok/s over a distribution of offered concurrency (weights sum to 1)."""
-        throughput = self.throughput
-        return sum(w * throughput(steps, float(c)) for c, w in weights.items() if c > 0)
+        # One curve lookup for the whole distribution: this runs for every candidate at
+        # every tick, and reading each bin through `throughput` doubled the decision's cost.
+        curve = self._curve(steps)
+        if curve is None:
+            raise ValueError(f"no calibration or observation to predict steps {steps}")
+        raw = self._raw
+        return sum(w * raw(curve, float(c)) for c, w in weights.items() if c > 0)
 
     def saturation(self, steps: Sequence[int]) -> int | None:
         """The concurrency beyond which none of ``steps`` serves more (all queue)."""

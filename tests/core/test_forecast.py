@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 import pytest
 from factories import make_observation
 
-from specd.core.forecast import Forecast, forecast_epoch, is_weekend_hour, score
-from specd.core.history import History, HistorySettings
+from specd.core.forecast import Forecast, forecast_epoch, score
+from specd.core.history import History, HistorySettings, is_weekend_hour
 from specd.core.observation import Observation
 
 UTC = timezone.utc

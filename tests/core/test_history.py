@@ -9,7 +9,14 @@ import pytest
 from factories import make_observation, tables
 
 from specd.core.acceptance import accept_length_from_alpha
-from specd.core.history import HOURS_PER_WEEK, History, HistorySettings, Recorded, hour_of_week
+from specd.core.history import (
+    HOURS_PER_WEEK,
+    History,
+    HistorySettings,
+    Recorded,
+    hour_of_week,
+    is_weekend_hour,
+)
 from specd.core.observation import Observation
 from specd.core.settings import Settings
 
@@ -315,6 +322,48 @@ def test_hour_of_week_buckets_forecast_the_same_hours() -> None:
     weights = history.hour_of_week_weights(mornings[0])
     assert weights == pytest.approx({20: 600.0})
     assert history.quantile(0.5) in (2.0, 20.0)
+
+
+def _same_kind_sum(history: History, how: int) -> dict[int, float]:
+    """The hourly tables of ``how``'s hour of the day on days of its kind, merged by hand."""
+    merged: dict[int, float] = {}
+    for day in range(7):
+        other = day * 24 + how % 24
+        if is_weekend_hour(other) == is_weekend_hour(how):
+            for k, w in history.hour_of_week_weights(other).items():
+                merged[k] = merged.get(k, 0.0) + w
+    return merged
+
+
+def test_day_kind_weights_are_the_same_hours_of_days_of_that_kind_summed() -> None:
+    settings = HistorySettings(
+        half_life_s=3600,
+        hour_of_week_half_life_s=2 * 86400,
+        warmup_exclude_s=0,
+        scrape_interval_s=600,
+    )
+    history = History(settings)
+    t = T0
+    for i in range(10 * 144):  # ten days every 10 minutes, offered 0..9 by hour and day
+        history.record(obs(t, running=(i // 6 + i // 144) % 10))
+        t += 600
+    checks = [history]
+    checks.append(History.from_dict(json.loads(json.dumps(history.to_dict())), settings))
+    history.reconfigure(
+        HistorySettings(
+            half_life_s=3600,
+            hour_of_week_half_life_s=86400,
+            warmup_exclude_s=0,
+            scrape_interval_s=600,
+        )
+    )
+    for k in (history, *checks[1:]):
+        k.record(obs(t, running=3))
+    for checked in (history, *checks[1:]):
+        for how in range(HOURS_PER_WEEK):
+            expected = _same_kind_sum(checked, how)
+            assert checked.day_kind_weights(how) == pytest.approx(expected, rel=1e-9), how
+    assert any(history.day_kind_weights(how) for how in range(HOURS_PER_WEEK))
 
 
 def test_round_trip_through_json_keeps_every_query() -> None:
