@@ -191,6 +191,13 @@ def _pick_bands(
     return Pick(steps, why)
 
 
+def band_steps(history: History, config: Settings) -> int | None:
+    """The step count the bands give the traffic in ``history`` (no hysteresis): where
+    safe exploration starts without a calibration (`specd.core.explore`)."""
+    pick = _pick_bands(history, config, None, None)
+    return None if pick is None else pick.steps
+
+
 def _pick_model(
     history: History, config: Settings, current: int | None, calibration: Calibration | None
 ) -> Pick | None:

@@ -3,9 +3,11 @@
 The model policy only observes the step count it runs, so a calibration point that is off
 by a few percent would decide forever. When the policy holds the live step count because
 the best candidate is within the prediction interval (`specd.core.model.plan`: its gain is
-not beyond the margin), or when a candidate was never observed on this box, specd may run
-one epoch at that candidate — from a window to the next window's opening — and let what it
-observes there outweigh the calibration. Only where that is cheap and rare:
+not beyond the margin) and that candidate was observed too little for the interval to
+shrink, or when a candidate was never observed on this box, specd may run one epoch at that
+candidate — from a window to the next window's opening — and let what it observes there
+outweigh the calibration (an epoch is hours of observation, far past
+`specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
 
 * its predicted tokens over the epoch, net of the restart, are at most
   ``explore_max_loss_ratio`` below the live step count's (without the discount the policy
@@ -14,6 +16,23 @@ observes there outweigh the calibration. Only where that is cheap and rare:
   count twice in one;
 * never under a pin or a freeze, never outside a window, nor when dwell or the restart
   budget say no: `specd.core.decide.decide` gates an exploration like a change.
+
+Without a calibration (none configured, or unusable) the model predicts only the step
+counts observed on this box, so specd starts from the bands and walks one step at a time:
+
+* while it has observed a single step count it explores the one the bands pick for the
+  traffic (``band_steps``, the operator's prior), or, when the bands pick the live one,
+  its neighbours; with no second step count there is no trend to judge a loss by, so the
+  loss counted is the restart's;
+* from two observed step counts on, it explores a never-observed step count next to an
+  observed one (`trend`): between two observed ones it is predicted on the line through
+  them, under the same loss bound; past the nearest two on one side only where they rise
+  toward it beyond their prediction interval, predicted no better than the nearest (a
+  curve in K flattens, then falls, at its top: a flat or falling trend says stop).
+
+Each exploration measures its step count; the normal policy then compares the observed ones
+with their evidence, so the walk climbs to the best and stops where both neighbours are
+observed and worse.
 
 While an exploration's epoch runs (the explored step count is live and the window after
 the one it started in has not opened yet), the policy's own changes wait; after it, the
@@ -24,15 +43,17 @@ Pure: the exploration history is a value (``Control.explorations``), time is ``n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from specd.core import windows
+from specd.core.model import EVIDENCE_Z, OBSERVED_PIVOT_S
 
 if TYPE_CHECKING:
-    from specd.core.model import Plan
+    from specd.core.model import Plan, StepPrediction
     from specd.core.settings import Settings
 
 WEEK_S = 7 * 86400.0
@@ -91,6 +112,15 @@ def ongoing(
     )
 
 
+def _loss(held_tok_s: float, other_tok_s: float, horizon: float, restart_cost_s: float) -> float:
+    """Share of ``held_tok_s``' tokens over ``horizon`` that ``other_tok_s`` loses after a
+    restart (negative: a gain); 1 when nothing is held to lose against."""
+    base = held_tok_s * horizon
+    if base <= 0:
+        return 1.0
+    return 1.0 - other_tok_s * max(horizon - restart_cost_s, 0.0) / base
+
+
 def loss_ratio(plan: Plan, steps: int, current: int, restart_cost_s: float) -> float | None:
     """Predicted share of the live step count's tokens over the epoch that running
     ``steps`` instead loses, restart included (negative: a predicted gain)."""
@@ -98,10 +128,60 @@ def loss_ratio(plan: Plan, steps: int, current: int, restart_cost_s: float) -> f
     if held is None or other is None:
         return None
     horizon = max(plan.until - plan.now, 0.0)
-    base = held.tok_s * horizon
-    if base <= 0:
+    if held.tok_s * horizon <= 0:
         return None
-    return 1.0 - other.tok_s * max(horizon - restart_cost_s, 0.0) / base
+    return _loss(held.tok_s, other.tok_s, horizon, restart_cost_s)
+
+
+def trend(predictions: Mapping[int, StepPrediction], steps: int) -> float | None:
+    """Predicted tok/s of ``steps`` from the model's ``predictions`` of other step counts,
+    None unless one of them is next to it: on the line through the nearest on both sides;
+    else, past the nearest two on one side, only up a rise beyond their prediction
+    interval, and then no higher than the nearest (a curve in K flattens at its top)."""
+    if steps in predictions or not ({steps - 1, steps + 1} & predictions.keys()):
+        return None
+    below = sorted(k for k in predictions if k < steps)
+    above = sorted(k for k in predictions if k > steps)
+    if below and above:
+        a, b = predictions[below[-1]], predictions[above[0]]
+        return a.tok_s + (b.tok_s - a.tok_s) * (steps - a.steps) / (b.steps - a.steps)
+    side = below if len(below) >= 2 else above[1::-1] if len(above) >= 2 else None
+    if side is None:
+        return None
+    far, near = predictions[side[-2]], predictions[side[-1]]
+    margin = EVIDENCE_Z * math.hypot(far.error_ratio * far.tok_s, near.error_ratio * near.tok_s)
+    return near.tok_s if near.tok_s - far.tok_s > margin else None
+
+
+def _unpredicted(
+    plan: Plan, current: int, config: Settings, band_steps: int | None
+) -> list[tuple[int, float, str]]:
+    """(steps, predicted tok/s, why) of the step counts the model cannot predict (never
+    observed, no calibration to extrapolate from) that the walk may explore now."""
+    choose = config.choose
+    allowed = range(choose.min_steps, choose.max_steps + 1)
+    unknown = [k for k in allowed if k not in plan.predictions]
+    if not unknown:
+        return []
+    if len(plan.predictions) == 1:
+        # No trend yet: the bands' step count, or its neighbours once it is the live one;
+        # the loss counted is the restart's alone.
+        held = plan.predictions[current].tok_s
+        if band_steps in unknown:
+            return [(band_steps, held, "the bands' step count, never observed")]
+        if band_steps != current:
+            return []
+        return [
+            (k, held, "next to the bands' step count, never observed")
+            for k in (current + 1, current - 1)
+            if k in unknown
+        ]
+    out = [
+        (k, rate, "never observed, predicted from the trend of its observed neighbours")
+        for k in unknown
+        if (rate := trend(plan.predictions, k)) is not None
+    ]
+    return sorted(out, key=lambda c: (-c[1], abs(c[0] - current)))
 
 
 def propose(
@@ -110,12 +190,15 @@ def propose(
     config: Settings,
     explorations: Sequence[tuple[float, int]],
     now: float,
+    band_steps: int | None = None,
 ) -> Exploration | None:
     """The step count to explore now, if any (see the module docstring).
 
-    First the best candidate the evidence gate held back, then the never-observed
-    candidates, most predicted tokens first; the first within the loss bound and not
-    explored this week wins.
+    First the best candidate the evidence gate held back while it is observed too little,
+    then the never-observed candidates the model predicts, most predicted tokens first,
+    then (without a calibration to predict them) the walk's never-observed step counts;
+    the first within the loss bound and not explored this week wins. ``band_steps``: the
+    bands' pick for the traffic, where a walk without calibration starts.
     """
     choose = config.choose
     if plan is None or current is None or current not in plan.predictions:
@@ -124,27 +207,33 @@ def propose(
     if len(week) >= choose.explore_max_per_week:
         return None
     explored = {k for _, k in week}
-    candidates: list[tuple[int, str]] = []
+    horizon = max(plan.until - plan.now, 0.0)
+    held = plan.predictions[current].tok_s
+    candidates: list[tuple[int, float, str]] = []
+    best = plan.predictions[plan.best]
     if (
         plan.best != current
         and plan.target == current
         and 0 < plan.gain_tokens <= plan.margin_tokens
+        # Observed this much, another epoch would hardly narrow its interval.
+        and best.evidence_s < OBSERVED_PIVOT_S
     ):
-        candidates.append((plan.best, "within the prediction interval of the live one"))
+        candidates.append((plan.best, best.tok_s, "within the prediction interval of the live one"))
     unobserved = sorted(
         (p for k, p in plan.predictions.items() if k != current),
         key=lambda p: (-p.tok_s, abs(p.steps - current)),
     )
     candidates += [
-        (p.steps, "never observed on this box")
+        (p.steps, p.tok_s, "never observed on this box")
         for p in unobserved
         if p.evidence_s < UNOBSERVED_BELOW_S
     ]
-    for steps, why in candidates:
-        if steps in explored:
+    candidates += _unpredicted(plan, current, config, band_steps)
+    for steps, tok_s, why in candidates:
+        if steps in explored or held * horizon <= 0:
             continue
-        loss = loss_ratio(plan, steps, current, choose.restart_cost_s)
-        if loss is None or loss > choose.explore_max_loss_ratio:
+        loss = _loss(held, tok_s, horizon, choose.restart_cost_s)
+        if loss > choose.explore_max_loss_ratio:
             continue
         return Exploration(
             steps,

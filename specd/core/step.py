@@ -10,8 +10,9 @@ clock, no file, no network, no cache outliving the call.
 One tick: the live step count comes from this tick's observation only (a failed scrape
 means "unknown", never the last value believed); the policy's pick is computed once and
 both recorded for the stabilization window and handed to `decide`, with the exploration
-`specd.core.explore` proposes from it (or the one whose epoch runs); an exploration that
-acts is noted in the control state.
+`specd.core.explore` proposes from it (or the one whose epoch runs; without a
+calibration the bands' step count is where it starts); an exploration that acts is noted
+in the control state.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specd.core import explore
-from specd.core.decide import Control, Decision, Pick, Reason, choose, decide
+from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 
@@ -81,9 +82,13 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
-    exploration = explore.ongoing(control.explorations, current, config, now) or explore.propose(
-        pick.plan if pick is not None else None, current, config, control.explorations, now
-    )
+    exploration = explore.ongoing(control.explorations, current, config, now)
+    if exploration is None and pick is not None and pick.plan is not None:
+        known = pick.plan.predictions
+        allowed = range(config.choose.min_steps, config.choose.max_steps + 1)
+        # The bands only matter where the model cannot predict (no calibration).
+        band = None if all(k in known for k in allowed) else band_steps(ctx.history, config)
+        exploration = explore.propose(pick.plan, current, config, control.explorations, now, band)
     decision = decide(
         ctx.history,
         observation,
