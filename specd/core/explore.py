@@ -9,9 +9,10 @@ candidate — from a window to the next window's opening — and let what it obs
 outweigh the calibration (an epoch is hours of observation, far past
 `specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
 
-* its predicted tokens over the epoch, net of the restart, are at most
-  ``explore_max_loss_ratio`` below the live step count's (without the discount the policy
-  gives extrapolated candidates: that discount is about choosing, not measuring);
+* its predicted tokens over the epoch, net of the restart and of the discount the policy
+  gives an extrapolated candidate, are at most ``explore_max_loss_ratio`` below the live
+  step count's (a bench truth whose deepest step count the calibration lacks showed an
+  undiscounted extrapolation losing 13 % for a day);
 * at most ``explore_max_per_week`` explorations in a rolling week, and never the same step
   count twice in one;
 * never under a pin or a freeze, never outside a window, nor when dwell or the restart
@@ -36,7 +37,12 @@ observed and worse.
 
 While an exploration's epoch runs (the explored step count is live and the window after
 the one it started in has not opened yet), the policy's own changes wait; after it, the
-normal policy decides again (going back is a plain ``change``).
+normal policy decides again, and going back is a plain ``change``: in the epoch after,
+an explored step count that is not the best measured one by the point prediction goes back
+to it (`settle`), even inside the prediction interval — that interval protects a step
+count chosen on evidence, and the explored one was not (otherwise the old step count's
+evidence, decaying during the epoch, would widen the interval and keep a worse one live).
+No exploration starts from an explored step count that has not settled so.
 
 Pure: the exploration history is a value (``Control.explorations``), time is ``now``.
 """
@@ -121,16 +127,50 @@ def _loss(held_tok_s: float, other_tok_s: float, horizon: float, restart_cost_s:
     return 1.0 - other_tok_s * max(horizon - restart_cost_s, 0.0) / base
 
 
-def loss_ratio(plan: Plan, steps: int, current: int, restart_cost_s: float) -> float | None:
+def loss_ratio(plan: Plan, steps: int, current: int) -> float | None:
     """Predicted share of the live step count's tokens over the epoch that running
-    ``steps`` instead loses, restart included (negative: a predicted gain)."""
+    ``steps`` instead loses (negative: a predicted gain): the plan's own tokens, so net of
+    the restart and of the discount of an extrapolated step count."""
     held, other = plan.predictions.get(current), plan.predictions.get(steps)
-    if held is None or other is None:
+    if held is None or other is None or held.tokens <= 0:
         return None
-    horizon = max(plan.until - plan.now, 0.0)
-    if held.tok_s * horizon <= 0:
+    return 1.0 - other.tokens / held.tokens
+
+
+def settle(
+    plan: Plan | None,
+    current: int | None,
+    explorations: Sequence[tuple[float, int]],
+    config: Settings,
+    now: float,
+) -> tuple[int, str] | None:
+    """In the epoch after an exploration's: the measured step count to go back to when the
+    explored one, still live, is not the best — by the point prediction, net of the
+    restart, not only beyond the prediction interval (that interval protects a step count
+    chosen on evidence; the explored one was chosen to be measured). None otherwise."""
+    if plan is None or current is None or not explorations:
         return None
-    return _loss(held.tok_s, other.tok_s, horizon, restart_cost_s)
+    started, steps = max(explorations)
+    ended = epoch_end(config, started)
+    if steps != current or ended is None or not ended <= now:
+        return None
+    following = epoch_end(config, ended)
+    if following is None or now >= following:
+        return None
+    held = plan.predictions.get(current)
+    measured = [
+        p for k, p in plan.predictions.items() if k != current and p.evidence_s >= OBSERVED_PIVOT_S
+    ]
+    if held is None or plan.target != current or not measured:
+        return None
+    best = max(measured, key=lambda p: (p.tokens, -abs(p.steps - current)))
+    if best.tokens <= held.tokens:
+        return None
+    return best.steps, (
+        f"{current}, explored since {_stamp(started)}, measured below {best.steps} by "
+        f"{best.tokens - held.tokens:.0f} tokens over the epoch, net of the restart: back to "
+        f"{best.steps}"
+    )
 
 
 def trend(predictions: Mapping[int, StepPrediction], steps: int) -> float | None:
@@ -232,8 +272,15 @@ def propose(
     for steps, tok_s, why in candidates:
         if steps in explored or held * horizon <= 0:
             continue
-        loss = _loss(held, tok_s, horizon, choose.restart_cost_s)
-        if loss > choose.explore_max_loss_ratio:
+        predicted = plan.predictions.get(steps)
+        # The plan's tokens where it predicts (the extrapolation discount included: an
+        # extrapolation off by more than the bound is what the bound is for), else the walk's.
+        loss = (
+            loss_ratio(plan, steps, current)
+            if predicted is not None
+            else _loss(held, tok_s, horizon, choose.restart_cost_s)
+        )
+        if loss is None or loss > choose.explore_max_loss_ratio:
             continue
         return Exploration(
             steps,

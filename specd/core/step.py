@@ -12,7 +12,8 @@ means "unknown", never the last value believed); the policy's pick is computed o
 both recorded for the stabilization window and handed to `decide`, with the exploration
 `specd.core.explore` proposes from it (or the one whose epoch runs; without a
 calibration the bands' step count is where it starts); an exploration that acts is noted
-in the control state.
+in the control state. In the epoch after an exploration, the pick goes back to the best
+measured step count when the explored one is not it (`specd.core.explore.settle`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     pick = choose(ctx.history, config, current, ctx.calibration)
     if pick is not None and ctx.calibration_problem:
         pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
+    back = explore.settle(
+        pick.plan if pick is not None else None, current, control.explorations, config, now
+    )
+    if pick is not None and back is not None:
+        pick = replace(pick, steps=back[0], why=f"{pick.why}; {back[1]}")
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
     exploration = explore.ongoing(control.explorations, current, config, now)

@@ -17,7 +17,14 @@ from specd.core.decide import Control, Pick, Reason, decide
 from specd.core.explore import WEEK_S, Exploration
 from specd.core.forecast import Forecast
 from specd.core.history import History
-from specd.core.model import Calibration, Plan, Source, StepPrediction, plan
+from specd.core.model import (
+    EXTRAPOLATION_DISCOUNT_RATIO,
+    Calibration,
+    Plan,
+    Source,
+    StepPrediction,
+    plan,
+)
 from specd.core.override import Override
 from specd.core.perftable import PerfTable
 from specd.core.settings import Settings
@@ -48,16 +55,26 @@ def make_plan(
     *,
     margin_ratio: float = 0.0,
     error_ratio: float = 0.002,
+    extrapolated: frozenset[int] = frozenset(),
 ) -> Plan:
     """A plan over a day for ``rates`` {steps: (tok/s, seconds observed)}; the best is held
-    back when its gain over ``current`` is within ``margin_ratio`` of the live tokens."""
+    back when its gain over ``current`` is within ``margin_ratio`` of the live tokens.
+    ``extrapolated`` step counts are counted lower, as the model policy counts them."""
     horizon = DAY
+
+    def source(k: int, seen: float) -> Source:
+        if k in extrapolated:
+            return Source.EXTRAPOLATED
+        return Source.OBSERVED if seen >= 600 else Source.CALIBRATION
+
     predictions = {
         k: StepPrediction(
             k,
             tok_s,
-            Source.OBSERVED if seen >= 600 else Source.CALIBRATION,
-            tok_s * (horizon if k == current else horizon - 100.0),
+            source(k, seen),
+            tok_s
+            * (1 - EXTRAPOLATION_DISCOUNT_RATIO if k in extrapolated else 1.0)
+            * (horizon if k == current else horizon - 100.0),
             error_ratio,
             seen,
         )
@@ -84,6 +101,11 @@ PROPOSALS = [
     ("never-observed-and-cheap", {3: (1000, SEEN), 4: (995, 0)}, {}, (), None,
      4, "never observed on this box; predicted loss 0.62% ≤ 1% over the epoch"),
     ("never-observed-too-dear", {3: (1000, SEEN), 4: (985, 0)}, {}, (), None, None, ""),
+    # Extrapolated, it is counted as the policy counts it: 10 % lower, too dear.
+    ("extrapolated-counted-lower", {3: (1000, SEEN), 4: (1000, 0)},
+     {"extrapolated": frozenset({4})}, (), None, None, ""),
+    ("extrapolated-predicted-well-above", {3: (1000, SEEN), 4: (1110, 0)},
+     {"extrapolated": frozenset({4})}, (), None, 4, "never observed on this box"),
     ("observed-once-is-not-never", {3: (1000, SEEN), 4: (995, 60)}, {}, (), None, None, ""),
     ("most-tokens-first", {3: (1000, SEEN), 2: (998, 0), 4: (999, 0)}, {}, (), None, 4, ""),
     ("not-twice-a-week", {3: (1000, SEEN), 2: (998, 0), 4: (999, 0)}, {},
@@ -166,7 +188,7 @@ def test_the_loss_bound_is_the_configured_ratio() -> None:
     allowed = explore.propose(dear, 3, config(**TWO_STEPS, explore_max_loss_ratio=0.02), (), OPEN)
     assert allowed is not None
     assert allowed.steps == 4
-    assert explore.loss_ratio(dear, 4, 3, 100.0) == pytest.approx(1 - 0.985 * (DAY - 100) / DAY)
+    assert explore.loss_ratio(dear, 4, 3) == pytest.approx(1 - 0.985 * (DAY - 100) / DAY)
 
 
 # -- the epoch ---------------------------------------------------------------------------
@@ -194,6 +216,52 @@ def test_an_exploration_runs_until_the_next_window_opens(
         assert result.ongoing
         assert result.steps == 4
         assert "until the window of 2026-01-06T03:00Z" in result.why
+
+
+SETTLE = [
+    # (id, rates, live, explorations, now, back to)
+    # The epoch after the exploration's: 3 measured better by the point prediction, even
+    # inside any interval.
+    ("back-to-the-better-measured", {3: (1003, SEEN), 4: (1000, SEEN)}, 4, ((OPEN, 4),),
+     NEXT_OPEN + 600, 3),
+    ("still-its-epoch", {3: (1003, SEEN), 4: (1000, SEEN)}, 4, ((OPEN, 4),), OPEN + 900, None),
+    ("two-epochs-on", {3: (1003, SEEN), 4: (1000, SEEN)}, 4, ((OPEN, 4),),
+     NEXT_OPEN + DAY + 600, None),
+    # Less than the restart better: staying is better.
+    ("not-by-the-restart", {3: (1000.5, SEEN), 4: (1000, SEEN)}, 4, ((OPEN, 4),),
+     NEXT_OPEN + 600, None),
+    ("explored-is-best", {3: (990, SEEN), 4: (1000, SEEN)}, 4, ((OPEN, 4),), NEXT_OPEN + 600,
+     None),
+    # Only back to a measured one: 5 better but never observed.
+    ("only-to-a-measured-one", {3: (990, SEEN), 4: (1000, SEEN), 5: (1010, 0)}, 4,
+     ((OPEN, 4),), NEXT_OPEN + 600, None),
+    ("not-the-explored-one-live", {3: (1003, SEEN), 4: (1000, SEEN)}, 3, ((OPEN, 4),),
+     NEXT_OPEN + 600, None),
+    ("never-explored", {3: (1003, SEEN), 4: (1000, SEEN)}, 4, (), NEXT_OPEN + 600, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rates", "live", "explorations", "now", "back"),
+    [pytest.param(*c[1:], id=c[0]) for c in SETTLE],
+)
+def test_after_its_epoch_an_explored_step_count_goes_back_unless_best(
+    rates: dict[int, tuple[float, float]],
+    live: int,
+    explorations: tuple[tuple[float, int], ...],
+    now: float,
+    back: int | None,
+) -> None:
+    # Inside the interval: the policy alone would keep the live one.
+    planned = make_plan(rates, live, margin_ratio=0.02)
+    assert planned.target == live
+    result = explore.settle(planned, live, explorations, config(), now)
+    if back is None:
+        assert result is None
+        return
+    assert result is not None
+    assert result[0] == back
+    assert f"{live}, explored since 2026-01-05T03:10Z, measured below {back} by" in result[1]
 
 
 def test_explorations_older_than_a_week_are_dropped() -> None:
@@ -346,6 +414,9 @@ EPOCHS = [
     # (id, calibration's gain of 4 over 3, the truth's, reasons the next window gives, live)
     # Inside the interval, and the truth has 4 2 % below 3: back to 3 by a plain change.
     ("back-is-a-change", 0.01, -0.02, [Reason.STABILIZING, Reason.CHANGE], 3),
+    # The truth has 4 0.5 % below 3: inside the interval, but 4 was explored, not chosen on
+    # evidence: back to the measured 3 all the same.
+    ("back-from-inside-the-interval", 0.01, -0.005, [Reason.STABILIZING, Reason.CHANGE], 3),
     # The calibration 3 % low (4 at −0.5 % instead of +2.5 %): one epoch flips the choice.
     ("calibration-3pct-off-flips", -0.005, 0.025, [Reason.WITHIN_TOLERANCE], 4),
 ]  # fmt: skip
