@@ -4,16 +4,20 @@ on what it observed there. Time is injected everywhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from factories import tables
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_decide import situations
 from test_model import HOUR, MONDAY, fill, fresh_history, observation, scaled
 
-from specd.core import explore
-from specd.core.decide import Control, Pick, Reason, decide
+from specd.core import explore, windows
+from specd.core.decide import Control, Pick, Reason, choose, decide
 from specd.core.explore import WEEK_S, Exploration
 from specd.core.forecast import Forecast
 from specd.core.history import History
@@ -461,3 +465,39 @@ def test_one_epoch_explored_then_the_normal_policy(
     assert Reason.EXPLORE not in reasons
     assert steps == live
     assert [k for _, k in ctl.explorations] == [4]
+
+
+@settings(max_examples=100, deadline=None)
+@given(situations(), st.data())
+def test_an_exploration_acts_only_where_a_change_may(s: dict[str, Any], data: Any) -> None:
+    """Whatever the situation: an exploration restarts only inside a window, past the
+    dwell, within the budget, never frozen or pinned, on fresh data, only while the policy
+    holds; one whose epoch runs never restarts. (The table above has a case per gate.)"""
+    cfg, now, ctl, override = s["config"], s["now"], s["control"], s["override"]
+    if data.draw(st.sampled_from([True, True, True, False])):
+        # Mostly the policy holds what is live, unfrozen, unpinned: where an
+        # exploration may start, so the property is put to the test.
+        held = choose(s["history"], cfg)
+        live = held.steps if held is not None else ctl.current_steps
+        ctl = dataclasses.replace(ctl, current_steps=live, frozen=False)
+        override = None
+    running = data.draw(st.booleans())
+    steps = data.draw(st.integers(cfg.choose.min_steps, cfg.choose.max_steps))
+    exploration = Exploration(steps, "exploring", ongoing=running)
+    pick = choose(s["history"], cfg, ctl.current_steps)
+    decision = decide(s["history"], s["obs"], cfg, override, now, ctl, pick, 0.0, exploration)
+    assert "\n" not in decision.message
+    if decision.reason is not Reason.EXPLORE or not decision.acts(ctl.current_steps):
+        return
+    at = datetime.fromtimestamp(now, tz=UTC)
+    assert not running
+    assert decision.target_steps == steps
+    assert windows.is_open(cfg.windows, at)
+    assert all(now - t >= cfg.restart.min_dwell_s for t in ctl.restart_times)
+    assert sum(1 for t in ctl.restart_times if t > now - DAY) < cfg.restart.daily_restart_budget
+    assert not ctl.frozen
+    assert override is None or not override.active(at) or override.mode == "auto"
+    assert abs(now - s["obs"].t) <= cfg.observe.stale_after_s
+    assert s["history"].busy_seconds >= cfg.observe.min_history_s
+    assert pick is not None
+    assert pick.steps == ctl.current_steps  # only when the policy holds
