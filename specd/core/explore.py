@@ -32,8 +32,8 @@ counts observed on this box, so specd starts from the bands and walks one step a
   curve in K flattens, then falls, at its top: a flat or falling trend says stop).
 
 Each exploration measures its step count; the normal policy then compares the observed ones
-with their evidence, so the walk climbs to the best and stops where both neighbours are
-observed and worse.
+with their evidence, so the walk climbs to the best and stops where its neighbours are
+observed and worse, or the trend toward the next one flattens.
 
 While an exploration's epoch runs (the explored step count is live and the window after
 the one it started in has not opened yet), the policy's own changes wait; after it, the
