@@ -39,6 +39,7 @@ INST = 'instance=~"$instance"'
 # state timeline: blue when specd acts, red when it is blocked by a safety rule.
 REASON_COLORS: dict[str, str] = {
     "change": "blue",
+    "explore": "dark-blue",
     "within_tolerance": "green",
     "no_data": "orange",
     "insufficient_data": "yellow",
@@ -952,7 +953,8 @@ class Annotation(NamedTuple):
     text: str
 
 
-# What explains a throughput dip: every restart specd made, every rollback, every pin.
+# What explains a throughput dip: every restart specd made, every rollback, every
+# exploration, every pin.
 ANNOTATIONS: tuple[Annotation, ...] = (
     Annotation(
         "Restarts",
@@ -978,6 +980,13 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         f'(increase(specd_setting_changes_total{{{INST}, to_kind!="static"}}[1m])) > 0',
         "{{from_kind}} → {{to_kind}}",
         "SGLang on {{instance}} changed from {{from_kind}} to {{to_kind}}",
+    ),
+    Annotation(
+        "Explorations",
+        "green",
+        f"sum by (instance, steps) (increase(specd_explorations_total{{{INST}}}[1m])) > 0",
+        "exploring {{steps}} steps",
+        "specd on {{instance}} runs one epoch at {{steps}} steps to measure it",
     ),
     Annotation(
         "Override pins",

@@ -139,7 +139,11 @@ class Daemon:
         self.config_path = config_path
         self.clock = clock
         self.log = logs.get_logger()
-        self.metrics = Metrics(registry, reasons=[r.value for r in Reason])
+        self.metrics = Metrics(
+            registry,
+            reasons=[r.value for r in Reason],
+            steps=range(config.choose.min_steps, config.choose.max_steps + 1),
+        )
         self.notifier = notifier or Notifier()
         self.runner: Runner = runner or SubprocessRunner(beat=self._heartbeat)
         self.allowed_override_uids = allowed_override_uids or (0, os.getuid())
@@ -442,6 +446,8 @@ class Daemon:
         self._report_predictions(outcome)
         changed = self._report_decision(decision, outcome, now)
         if outcome.acts:
+            if decision.reason is Reason.EXPLORE:
+                self._report_exploration(decision, outcome.current)
             self._apply(decision, outcome, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
@@ -622,6 +628,13 @@ class Daemon:
         except Exception as exc:  # a bug on etcd's side of specd must not stop the loop
             self.log.exception("fleet_probe_failed")
             return f"fleet check failed: {exc!r}"
+
+    def _report_exploration(self, decision: Decision, current: int | None) -> None:
+        # Counted when begun, as `step` notes it in the control state: an attempt that
+        # aborts still uses up that step count's exploration of the week.
+        steps = decision.target_steps
+        self.metrics.explorations.labels(steps=str(steps)).inc()
+        self.log.info("exploration", from_steps=current, to_steps=steps, message=decision.message)
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""

@@ -157,12 +157,13 @@ def test_annotations_are_prometheus_queries_on_specd_metrics(annotation: dict[st
     assert re.search(r"\bspecd_[a-z_]+\{", annotation["expr"]), annotation["expr"]
 
 
-def test_every_restart_result_and_pin_is_annotated() -> None:
+def test_every_restart_result_exploration_and_pin_is_annotated() -> None:
     text = " ".join(a["expr"] for a in annotations())
     assert 'result="success"' in text
     assert 'result!="success"' in text  # rolled_back and failed
     assert 'mode="pin"' in text
     assert 'mode="freeze"' in text
+    assert "specd_explorations_total{" in text
 
 
 def _unknown_top_key(d: dict[str, Any]) -> None:

@@ -236,7 +236,8 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
         )
     changes = [
         f"{k} at {(start + timedelta(seconds=t)).strftime('%a %Y-%m-%d %H:%M:%S')}"
-        for t, k in data["steps_timeline"][1:]
+        + (" (explore)" if reason == "explore" else "")
+        for (t, k), reason in zip(data["steps_timeline"][1:], data["change_reasons"], strict=True)
     ]
     first = data["steps_timeline"][0][1]
     lines.append(f"  steps: {first} at the start" + "".join(f", {c}" for c in changes))

@@ -20,12 +20,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from specd.core import windows
-from specd.core.model import Calibration, plan
+from specd.core.explore import WEEK_S
+from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
 from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config
 from specd.core.text import duration_text as _duration
 
 if TYPE_CHECKING:
+    from specd.core.explore import Exploration
     from specd.core.history import History
     from specd.core.observation import Observation
     from specd.core.override import Override
@@ -55,10 +57,12 @@ class Reason(str, enum.Enum):
     # A gateway is configured but could not drain this server: no restart without a drain.
     DRAIN_UNAVAILABLE = "drain_unavailable"
     CHANGE = "change"
+    # One epoch at a step count the evidence cannot judge, to measure it (specd.core.explore).
+    EXPLORE = "explore"
 
 
 # The only reasons under which the daemon applies a target.
-ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN})
+ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN, Reason.EXPLORE})
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class Control:
     # SGLang runs its own adaptive mode (current_steps is then None), reading this config.
     live_adaptive: bool = False
     live_adaptive_config: str | None = None
+    # (t, steps) of the explorations of the last week, oldest first (specd.core.explore).
+    explorations: tuple[tuple[float, int], ...] = ()
 
     def with_recommendation(self, t: float, steps: int, window_s: float) -> Control:
         """Append a recommendation and drop those the stabilization check no longer needs.
@@ -120,6 +126,11 @@ class Control:
         if older:
             del recs[: older[-1]]
         return replace(self, recommendations=tuple(recs))
+
+    def with_exploration(self, t: float, steps: int) -> Control:
+        """Note an exploration begun at ``t``; those older than a week no longer count."""
+        kept = [(et, k) for et, k in self.explorations if et > t - WEEK_S]
+        return replace(self, explorations=tuple(sorted([*kept, (t, steps)])))
 
     def after_restart(self, t: float) -> Control:
         """SGLang came back from a restart at ``t``: it counts against dwell and budget, and
@@ -136,6 +147,8 @@ class Pick:
     why: str
     predictions: Mapping[int, float] = field(default_factory=dict)
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    # The model policy's whole prediction (safe exploration reads it); None for bands.
+    plan: Plan | None = None
 
 
 # -- policies -----------------------------------------------------------------------
@@ -203,6 +216,13 @@ def _pick_bands(
     return Pick(steps, why)
 
 
+def band_steps(history: History, config: Settings) -> int | None:
+    """The step count the bands give the traffic in ``history`` (no hysteresis): where
+    safe exploration starts without a calibration (`specd.core.explore`)."""
+    pick = _pick_bands(history, config, None, None)
+    return None if pick is None else pick.steps
+
+
 def _pick_model(
     history: History, config: Settings, current: int | None, calibration: Calibration | None
 ) -> Pick | None:
@@ -215,6 +235,7 @@ def _pick_model(
         result.why,
         {k: p.tok_s for k, p in result.predictions.items()},
         {k: p.interval for k, p in result.predictions.items()},
+        result,
     )
 
 
@@ -309,18 +330,23 @@ def decide(
     control: Control,
     pick: Pick | None,
     restart_needs_s: float = 0.0,
+    exploration: Exploration | None = None,
     *,
     fleet_problem: str | None = None,
     gateway_problem: str | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
-    open window with ``restart_needs_s`` to spare. ``fleet_problem``: why no slot of the
+    open window with ``restart_needs_s`` to spare. ``exploration`` (`specd.core.explore`)
+    is one to start when the policy holds, or the one whose epoch runs, during which the
+    policy's changes wait. ``fleet_problem``: why no slot of the
     configured fleet can be taken this tick (None: one can, or no fleet is configured);
     ``gateway_problem``: why the configured gateway cannot drain this server this tick
     (None: it can, or none is configured). Either holds every restart, a pin applied now
     included; the fleet is checked first. See the module docstring."""
-    decision = _decide(history, obs, config, override, now, control, pick, restart_needs_s)
+    decision = _decide(
+        history, obs, config, override, now, control, pick, restart_needs_s, exploration
+    )
     acts = decision.acts(
         control.current_steps,
         live_adaptive=control.live_adaptive,
@@ -357,6 +383,7 @@ def _decide(
     control: Control,
     pick: Pick | None,
     restart_needs_s: float,
+    exploration: Exploration | None,
 ) -> Decision:
     at = _utc(now)
     current = control.current_steps
@@ -459,8 +486,13 @@ def _decide(
 
     # 4. Does the policy really want a change, and has it wanted it long enough?
     if target == current:
+        if exploration is not None and not exploration.ongoing and exploration.steps != current:
+            return _explore(config, at, now, control, restart_needs_s, why, exploration)
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {current} is live")
     change = _arrow(current, target, live_adaptive=control.live_adaptive)
+    if exploration is not None and exploration.ongoing:
+        # One whole epoch at the explored step count: what it serves there is the point.
+        return Decision(current, Reason.EXPLORE, f"{why}; {exploration.why}: {change} waits")
     window_s = config.choose.stabilization_window_s
     held = _held_for(control.recommendations, target, now)
     if held < window_s:
@@ -472,25 +504,65 @@ def _decide(
         )
 
     # 5. When a change may happen: window, dwell, budget.
-    blocked = _window_blocks(config, at, restart_needs_s, change)
+    blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
     if blocked is not None:
         return Decision(target, blocked[0], f"{why}; {blocked[1]}")
+    return Decision(target, Reason.CHANGE, f"{why}: {change}")
+
+
+def _change_blocks(
+    config: Settings,
+    at: datetime,
+    now: float,
+    control: Control,
+    restart_needs_s: float,
+    change: str,
+) -> tuple[Reason, str] | None:
+    """Why window, dwell or the restart budget forbid an automatic restart now, or None."""
+    blocked = _window_blocks(config, at, restart_needs_s, change)
+    if blocked is not None:
+        return blocked
     if control.restart_times:
         since = now - max(control.restart_times)
         if since < config.restart.min_dwell_s:
-            return Decision(
-                target,
-                Reason.DWELL_TIME,
-                f"{why}; last restart {_duration(max(since, 0.0))} ago < "
-                f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits",
+            return Reason.DWELL_TIME, (
+                f"last restart {_duration(max(since, 0.0))} ago < "
+                f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits"
             )
     used = sum(1 for t in control.restart_times if t > now - DAY_S)
     if used >= config.restart.daily_restart_budget:
-        return Decision(
-            target,
-            Reason.RESTART_BUDGET,
-            f"{why}; {used} restarts in the last 24 h ≥ budget "
+        return Reason.RESTART_BUDGET, (
+            f"{used} restarts in the last 24 h ≥ budget "
             f"{config.restart.daily_restart_budget}: "
-            f"{change} waits",
+            f"{change} waits"
         )
-    return Decision(target, Reason.CHANGE, f"{why}: {change}")
+    return None
+
+
+def _explore(
+    config: Settings,
+    at: datetime,
+    now: float,
+    control: Control,
+    restart_needs_s: float,
+    why: str,
+    exploration: Exploration,
+) -> Decision:
+    """The policy holds the live step count and `specd.core.explore` proposes one epoch at
+    another: gated like a change, but a blocked exploration is no pending change — the
+    policy is content, so the decision stays within tolerance and says what waits."""
+    current = control.current_steps
+    assert current is not None
+    change = f"exploring {_arrow(current, exploration.steps)}"
+    blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
+    if blocked is not None:
+        return Decision(
+            current,
+            Reason.WITHIN_TOLERANCE,
+            f"{why}; {current} is live; {exploration.why}; {blocked[1]}",
+        )
+    return Decision(
+        exploration.steps,
+        Reason.EXPLORE,
+        f"{why}; {exploration.why}: {change} for one epoch",
+    )

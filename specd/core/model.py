@@ -226,6 +226,11 @@ class PerformanceModel:
         error = base * math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + curve.evidence_s))
         return error + EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
 
+    def evidence_s(self, steps: int) -> float:
+        """Decayed seconds of throughput observed at ``steps`` (0 when it cannot be predicted)."""
+        curve = self._curve(steps)
+        return 0.0 if curve is None else curve.evidence_s
+
     def capacity(self, steps: int) -> int | None:
         curve = self._curve(steps)
         return None if curve is None else curve.capacity
@@ -398,6 +403,7 @@ class StepPrediction:
     # and of the discount of an extrapolated K.
     tokens: float
     error_ratio: float = 0.0  # relative standard error of tok_s
+    evidence_s: float = 0.0  # decayed seconds observed at this step count on this box
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -471,7 +477,9 @@ def plan(
         )
         serving = horizon if k == current else max(horizon - restart_s, 0.0)
         error = model.relative_error(k, config.choose.calibration_noise_ratio)
-        predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error)
+        predictions[k] = StepPrediction(
+            k, tok_s, source, trusted * serving, error, model.evidence_s(k)
+        )
     best = max(candidates, key=lambda k: (predictions[k].tokens, -abs(k - (current or k))))
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     if current is not None and current in predictions and best != current:

@@ -280,6 +280,21 @@ class ChooseSettings(BaseModel):
         description="Model policy: relative standard error of a calibration point (sweep "
         "noise); observation at a step count shrinks it. At most 0.5.",
     )
+    explore_max_loss_ratio: float = Field(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="Model policy: safe exploration runs one epoch at a step count it cannot "
+        "tell apart from the live one (or never observed) only if its predicted tokens over "
+        "that epoch, net of the restart, are at most this ratio below the live one's. Below 1.",
+    )
+    explore_max_per_week: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description="Model policy: explorations allowed per rolling 7 days (never more than "
+        "one per step count); 0 turns exploration off. At most 16.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -9,16 +9,21 @@ clock, no file, no network, no cache outliving the call.
 
 One tick: the live step count comes from this tick's observation only (a failed scrape
 means "unknown", never the last value believed); the policy's pick is computed once and
-both recorded for the stabilization window and handed to `decide`.
+both recorded for the stabilization window and handed to `decide`, with the exploration
+`specd.core.explore` proposes from it (or the one whose epoch runs; without a
+calibration the bands' step count is where it starts); an exploration that acts is noted
+in the control state. In the epoch after an exploration, the pick goes back to the best
+measured step count when the explored one is not it (`specd.core.explore.settle`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from specd.core.decide import Control, Decision, Pick, choose, decide
+from specd.core import explore
+from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 
@@ -87,17 +92,25 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         recommendations=ctx.control.recommendations,
         live_adaptive=adaptive,
         live_adaptive_config=seen.adaptive_config if seen is not None and adaptive else None,
+        explorations=ctx.control.explorations,
     )
     pick = choose(ctx.history, config, current, ctx.calibration)
     if pick is not None and ctx.calibration_problem:
-        pick = Pick(
-            pick.steps,
-            f"{pick.why} (calibration unusable: {ctx.calibration_problem})",
-            pick.predictions,
-            pick.intervals,
-        )
+        pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
+    back = explore.settle(
+        pick.plan if pick is not None else None, current, control.explorations, config, now
+    )
+    if pick is not None and back is not None:
+        pick = replace(pick, steps=back[0], why=f"{pick.why}; {back[1]}")
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
+    exploration = explore.ongoing(control.explorations, current, config, now)
+    if exploration is None and pick is not None and pick.plan is not None:
+        known = pick.plan.predictions
+        allowed = range(config.choose.min_steps, config.choose.max_steps + 1)
+        # The bands only matter where the model cannot predict (no calibration).
+        band = None if all(k in known for k in allowed) else band_steps(ctx.history, config)
+        exploration = explore.propose(pick.plan, current, config, control.explorations, now, band)
     decision = decide(
         ctx.history,
         observation,
@@ -107,9 +120,13 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         control,
         pick,
         ctx.restart_needs_s,
+        exploration,
         fleet_problem=ctx.fleet_problem,
         gateway_problem=ctx.gateway_problem,
     )
+    if decision.reason is Reason.EXPLORE and decision.acts(current):
+        assert decision.target_steps is not None
+        control = control.with_exploration(now, decision.target_steps)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions, intervals)

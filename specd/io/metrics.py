@@ -42,6 +42,7 @@ class Metrics:
         self,
         registry: CollectorRegistry | None = None,
         reasons: Iterable[str] = (),
+        steps: Iterable[int] = (),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
@@ -175,6 +176,13 @@ class Metrics:
         self.predicted_throughput_high = Gauge(
             "specd_predicted_throughput_high_tokens_per_second",
             "Upper end of the prediction interval of each candidate's mean output tokens/s.",
+            ["steps"],
+            registry=r,
+        )
+        self.explorations = Counter(
+            "specd_explorations_total",
+            "Safe explorations begun: one epoch at a step count the evidence could not judge "
+            "or specd never observed (decision reason explore), by step count.",
             ["steps"],
             registry=r,
         )
@@ -322,6 +330,8 @@ class Metrics:
         for before in CHANGE_KINDS:
             for after in CHANGE_KINDS:
                 self.setting_changes.labels(from_kind=before, to_kind=after)
+        for k in steps:
+            self.explorations.labels(steps=str(k))
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)

@@ -71,6 +71,8 @@ class State:
     frozen: dict[str, Any] | None = None
     # [t, steps] of recent policy recommendations, for the stabilization window.
     recommendations: list[list[float]] = field(default_factory=list)
+    # [t, steps] of the explorations of the last week (specd.core.explore).
+    explorations: list[list[float]] = field(default_factory=list)
     sglang_started_at: float | None = None
     # What SGLang runs, per the latest observation or verified restart: {t, steps, source}
     # (steps null when the latest scrape failed). `specd status` shows it.
@@ -89,6 +91,7 @@ class State:
             "restarts": self.restarts,
             "frozen": self.frozen,
             "recommendations": self.recommendations,
+            "explorations": self.explorations,
             "sglang_started_at": self.sglang_started_at,
             "live": self.live,
             "gateway": self.gateway,
@@ -155,6 +158,7 @@ class State:
                 },
             ),
             recommendations=_entries(data, "recommendations", _recommendation, strict, notes),
+            explorations=_entries(data, "explorations", _exploration, strict, notes),
             sglang_started_at=part(
                 lambda: _optional_number(data, "sglang_started_at"), lambda why: None
             ),
@@ -171,12 +175,14 @@ class State:
             frozen=self.frozen is not None,
             frozen_reason=self.frozen.get("reason") if self.frozen else None,
             recommendations=tuple((float(t), int(s)) for t, s in self.recommendations),
+            explorations=tuple((float(t), int(s)) for t, s in self.explorations),
         )
 
     def adopt(self, control: Control) -> None:
         """Keep what `step` changed in the control state (restarts and the freeze are
         recorded by the daemon with their details)."""
         self.recommendations = [[t, s] for t, s in control.recommendations]
+        self.explorations = [[t, s] for t, s in control.explorations]
 
 
 def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
@@ -275,6 +281,19 @@ def _recommendation(index: int, entry: Any) -> list[float]:
         or not isinstance(entry[1], int)
     ):
         raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
+    return [float(entry[0]), entry[1]]
+
+
+def _exploration(index: int, entry: Any) -> list[float]:
+    if (
+        not isinstance(entry, list)
+        or len(entry) != 2
+        or not _is_number(entry[0])
+        or isinstance(entry[1], bool)
+        or not isinstance(entry[1], int)
+        or not 1 <= entry[1] <= 16
+    ):
+        raise StateFormatError(f"explorations[{index}]: expected [t, steps], got {entry!r:.40}")
     return [float(entry[0]), entry[1]]
 
 

@@ -16,8 +16,9 @@ specd does) and SGLang's ``--speculative-adaptive`` with its default slots
 candidate, no restarts). Tokens come from the truth table, piecewise constant per trace
 row; tokens specd's K would have served while SGLang restarts are lost. ``steps_timeline``
 (each change and when it was issued) with ``restart_s`` recounts specd's tokens from the
-truth alone. ``--warmup-s`` replays the start of a trace without scoring it (steady state,
-as a daemon that has run a while).
+truth alone; ``explorations`` counts the changes that were safe explorations (reason
+``explore``), per step count and per rolling week. ``--warmup-s`` replays the start of a
+trace without scoring it (steady state, as a daemon that has run a while).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from typing import Any
 
 from specd.core import windows
 from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel, Slots
-from specd.core.decide import Control
+from specd.core.decide import Control, Reason
+from specd.core.explore import WEEK_S
 from specd.core.forecast import Forecast, forecast_epoch, score
 from specd.core.history import History, HistorySettings
 from specd.core.model import Calibration
@@ -207,6 +209,33 @@ class ReplayResult:
     change_reasons: list[str] = field(default_factory=list)
 
     @property
+    def explorations(self) -> list[tuple[float, int]]:
+        """(trace second, steps) of each exploration begun in the scored span."""
+        return [
+            (t, k)
+            for (t, k), reason in zip(self.steps_timeline[1:], self.change_reasons, strict=True)
+            if reason == Reason.EXPLORE.value and t >= self.scored_from_s
+        ]
+
+    def explorations_dict(self) -> dict[str, Any]:
+        """How often specd explored: in all, per step count, each one, and the most of one
+        step count begun in any 7 days (specd allows one)."""
+        begun = self.explorations
+        per_steps: dict[int, int] = {}
+        for _, k in begun:
+            per_steps[k] = per_steps.get(k, 0) + 1
+        most = max(
+            (sum(1 for u, j in begun if j == k and t <= u < t + WEEK_S) for t, k in begun),
+            default=0,
+        )
+        return {
+            "count": len(begun),
+            "per_steps": {str(k): n for k, n in sorted(per_steps.items())},
+            "timeline": [[_seconds(t), k] for t, k in begun],
+            "max_per_steps_per_week": most,
+        }
+
+    @property
     def adaptive_tokens(self) -> float | None:
         return None if self.adaptive is None else self.adaptive.tokens
 
@@ -249,6 +278,8 @@ class ReplayResult:
             # the start. SGLang serves nothing for restart_s after each change.
             "steps_timeline": [[_seconds(t), k] for t, k in self.steps_timeline],
             "change_reasons": list(self.change_reasons),
+            # Explorations (changes with reason explore) begun in the scored span.
+            "explorations": self.explorations_dict(),
             "restart_s": self.restart_s,
             "scored_from_s": _seconds(self.scored_from_s),
             "restart_lost_tokens": round(self.restart_lost_tokens),

@@ -428,6 +428,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "fleet_unavailable",
         "change",
         "drain_unavailable",
+        "explore",
     }
 
 

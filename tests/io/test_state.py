@@ -53,6 +53,7 @@ def populated() -> State:
         restarts=[{"t": T0 - 7200, "from_steps": 3, "to_steps": 4, "result": "success"}],
         frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
         recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
+        explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2]],
         sglang_started_at=T0 - 7200,
     )
 
@@ -242,6 +243,24 @@ SALVAGED: list[Any] = [
         id="one-recommendation-bad",
     ),
     pytest.param(
+        lambda: _with(explorations=[[T0, "5"], [T0 - 86400, 2]]),
+        "explorations[0]",
+        {"explorations": [[T0 - 86400, 2]]},
+        id="exploration-steps-text",
+    ),
+    pytest.param(
+        lambda: _with(explorations=[[T0 - 86400, 2], [None, 5], [T0, 0], [T0, True]]),
+        "explorations[1]",
+        {"explorations": [[T0 - 86400, 2]]},
+        id="explorations-null-t-zero-or-bool-steps",
+    ),
+    pytest.param(
+        lambda: _with(explorations={"5": T0}),
+        "explorations",
+        {"explorations": []},
+        id="explorations-type",
+    ),
+    pytest.param(
         lambda: _with(sglang_started_at="x"),
         "sglang_started_at",
         {"sglang_started_at": None},
@@ -301,6 +320,22 @@ SALVAGED: list[Any] = [
 ]
 
 
+def test_every_bad_exploration_is_left_out_and_named(tmp_path: Path) -> None:
+    good = [[T0 - 86400, 2], [T0 - 3600, 6]]
+    bad = [[T0, 17], [T0, 4, 1], "4@T0", [T0, 4.5]]
+    content = _with(explorations=[good[0], *bad, good[1]])
+    (tmp_path / STATE_FILE).write_text(json.dumps(content))
+    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.9).load()
+    assert state.explorations == good
+    assert state.control().explorations == ((T0 - 86400, 2), (T0 - 3600, 6))
+    assert message is not None
+    assert "left out 4 bad entries" in message
+    for index in (1, 2, 3):  # the first three named, then how many more
+        assert f"explorations[{index}]: expected [t, steps]" in message
+    assert "and 1 more" in message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize(("content", "problem", "expect"), SALVAGED)
 def test_a_state_with_bad_parts_keeps_every_good_part(
     tmp_path: Path, content: Any, problem: str, expect: dict[str, Any]
@@ -324,6 +359,7 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         "restarts",
         "frozen",
         "recommendations",
+        "explorations",
         "sglang_started_at",
         "live",
     ):

@@ -142,6 +142,58 @@ def test_the_bands_policy_replays_too() -> None:
     assert result.restarts_outside_windows == 0
 
 
+def steady(lo: int, hi: int) -> Callable[[random.Random, int], tuple[int, int]]:
+    return lambda rng, hour: (lo, hi)
+
+
+@pytest.mark.parametrize(
+    ("truth", "level", "visits", "explorations"),
+    [
+        # Light: the bands' 4, then up the rise to 5, the best; 6 lies past a rise that is
+        # no longer beyond its interval once 4's day of evidence has decayed: the walk stops.
+        (TRUTH / "k5to2.csv", steady(1, 3), [3, 4, 5], [4, 5]),
+        # Heavy: the bands keep 3, so its neighbours: 4 (worse: back to 3 by a plain
+        # change), 2 (better), a week on 1 (worse: back to 2, the best).
+        (TRUTH / "k6to1.csv", steady(24, 48), [3, 4, 3, 2, 1, 2], [4, 2, 1]),
+    ],
+    ids=["light", "heavy"],
+)
+def test_without_calibration_specd_learns_the_box_by_exploring(
+    truth: Path,
+    level: Callable[[random.Random, int], tuple[int, int]],
+    visits: list[int],
+    explorations: list[int],
+) -> None:
+    # Ticks follow the config's scrape interval; 30 s keeps this test quick.
+    config = build_config(
+        Config(observe={"scrape_interval_s": 30}),
+        window_list=DAILY,
+        steps=(1, 6),
+        policy="model",
+        restart_s=100,
+    )
+    assert config.choose.calibration_file is None
+    trace = minute_trace(10, level)
+    data = replay(trace, read_table(truth), config, restart_s=100).to_dict()
+    assert [k for _, k in data["steps_timeline"]] == visits
+    assert visits[-1] == data["best_static_steps"]  # the truth's best, found
+    explored = data["explorations"]
+    assert [k for _, k in explored["timeline"]] == explorations
+    assert explored["timeline"] == [
+        [t, k]
+        for (t, k), why in zip(data["steps_timeline"][1:], data["change_reasons"], strict=True)
+        if why == "explore"
+    ]
+    assert explored["count"] == len(explorations)
+    assert explored["per_steps"] == {str(k): 1 for k in sorted(explorations)}
+    assert explored["max_per_steps_per_week"] == 1
+    # Every other change went back from a worse one: a plain change.
+    assert set(data["change_reasons"]) <= {"explore", "change"}
+    assert data["restarts_outside_windows"] == 0
+    # Found within nine days (two weeks of explorations), it stays there.
+    assert all(t < 9 * DAY for t, _ in data["steps_timeline"][1:])
+
+
 # -- input ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("content", "message"),

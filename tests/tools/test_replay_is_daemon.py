@@ -175,10 +175,11 @@ def quiet_logs() -> None:
     logs.configure("json", stream=open("/dev/null", "w"))  # noqa: SIM115
 
 
-@pytest.mark.parametrize("policy", ["bands", "model"])
+@pytest.mark.parametrize("policy", ["bands", "model", "model-uncalibrated"])
 def test_replay_decides_tick_for_tick_what_the_daemon_decides(tmp_path: Path, policy: str) -> None:
     tr = trace()
-    choose: dict[str, Any] = {"policy": policy}
+    # Uncalibrated, the model learns the box by exploring from the bands (specd.core.explore).
+    choose: dict[str, Any] = {"policy": policy.removesuffix("-uncalibrated")}
     calibration = None
     if policy == "model":
         cal_path = tmp_path / "calibration.csv"
@@ -208,10 +209,14 @@ def test_replay_decides_tick_for_tick_what_the_daemon_decides(tmp_path: Path, po
     assert [(s, k) for s, k in result.steps_timeline[1:]] == restarts
     # The comparison covered what matters, so it cannot pass vacuously.
     seen = Counter(reason for _, _, reason in result.decisions)
-    assert seen[Reason.CHANGE.value] >= 2
-    assert seen[Reason.STABILIZING.value] > 0
+    if policy == "model-uncalibrated":
+        assert seen[Reason.EXPLORE.value] > 0
+        assert Reason.EXPLORE.value in result.change_reasons
+    else:
+        assert seen[Reason.CHANGE.value] >= 2
+        assert seen[Reason.STABILIZING.value] > 0
+        assert seen[Reason.WINDOW_CLOSED.value] > 0
     assert seen[Reason.WITHIN_TOLERANCE.value] > 0
-    assert seen[Reason.WINDOW_CLOSED.value] > 0
     if policy == "bands":
         # Ticks inside the hysteresis band around the boundary of 4.
         assert any("within 5% of the band boundary" in daemon[t][2] for t, _, _ in result.decisions)
