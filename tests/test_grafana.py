@@ -4,7 +4,6 @@ Grafana dashboard schema (built from the @grafana/schema npm package); provision
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from factories import load_script
 from prometheus_client import CollectorRegistry
 
 from specd.core.decide import Reason
@@ -74,12 +74,7 @@ def without_datasource_annotation_keys(dashboard: dict[str, Any]) -> dict[str, A
 def generator() -> ModuleType:
     if sys.version_info < (3, 11):
         pytest.skip("grafana-foundation-sdk needs Python >= 3.11")
-    spec = importlib.util.spec_from_file_location("grafana_generate", GENERATOR)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(GENERATOR, "grafana_generate")
 
 
 def test_committed_json_matches_generator() -> None:

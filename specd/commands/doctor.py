@@ -23,8 +23,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.core import sglang_features as features
 from specd.core import windows
 from specd.core.observation import ScrapeError
+from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
 from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
 from specd.install.sglang_args import LEGACY_NAMES
@@ -60,6 +62,8 @@ class Check:
     ok: bool
     detail: str
     advice: str = ""
+    # What the operator should know either way (e.g. what specd cannot see on this SGLang).
+    notes: tuple[str, ...] = ()
 
 
 class Doctor:
@@ -76,6 +80,8 @@ class Doctor:
         self.monotonic = monotonic
         self.config = Config()
         self.info: dict[str, Any] | None = None
+        # The endpoint that answered for /server_info (/get_server_info before SGLang 0.5.6).
+        self.info_path: str | None = None
         self.unit_env_files: list[Path] = []
 
     def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
@@ -120,7 +126,8 @@ class Doctor:
                 f"{self.config.sglang.unit}`; sglang_url is {self.config.sglang.url}",
             )
         self.info = info
-        return Check("sglang", True, f"{client.base_url} answers /server_info")
+        self.info_path = client.info_path or "/server_info"
+        return Check("sglang", True, f"{client.base_url} answers {self.info_path}")
 
     def check_metrics(self, client: SGLangClient) -> list[Check]:
         text = client.metrics_text()
@@ -141,11 +148,7 @@ class Doctor:
             for sample in family.samples
         }
         missing = [m for m in NEEDED_METRICS if m not in names]
-        version = str((self.info or {}).get("version", "unknown"))
-        offered = [m.removeprefix("sglang:") for m in (*NEEDED_METRICS, *USEFUL_METRICS)]
-        offered = [m for m in offered if "sglang:" + m in names]
-        absent = [m.removeprefix("sglang:") for m in USEFUL_METRICS if m not in names]
-        checks = [
+        return [
             Check(
                 "metrics",
                 not missing,
@@ -153,19 +156,57 @@ class Doctor:
                 + (f"; missing {', '.join(missing)}" if missing else ""),
                 "" if not missing else "specd needs these gauges; is speculation on?",
             ),
-            Check(
-                "version",
-                not missing,
-                f"SGLang {version}; offers {', '.join(offered) or 'none of specd’s metrics'}"
-                + (
-                    f"; lacks {', '.join(absent)} (SGLang < 0.5.13, or no request finished yet)"
-                    if absent
-                    else ""
-                ),
-                "" if not missing else "upgrade SGLang to 0.5.13 or newer",
-            ),
+            self.check_version(names, missing),
         ]
-        return checks
+
+    def check_version(self, names: set[str], missing: list[str]) -> Check:
+        """Which SGLang runs, and what specd cannot see on it: from the page and the
+        endpoint that answered where they show it, from the version's features otherwise."""
+        shown = (self.info or {}).get("version")
+        version = parse_version(shown)
+        offered = [m.removeprefix("sglang:") for m in (*NEEDED_METRICS, *USEFUL_METRICS)]
+        offered = [m for m in offered if "sglang:" + m in names]
+        notes: list[str] = []
+        for feature in FEATURES:
+            older = version is not None and not features.has(version, feature)
+            since = f"SGLang < {features.version_text(feature.since)}"
+            if feature.metric is not None:
+                # The page is the witness: a family it has is there, whatever the version.
+                if feature.metric in names:
+                    continue
+                why = since
+                if not older:
+                    why = (
+                        "no request finished since the start, or speculation is off"
+                        if feature is features.VERIFY_CALLS
+                        else "not emitted by this server"
+                    )
+                notes.append(f"{feature.what} on this page ({why}): {feature.without}")
+            elif feature is features.SERVER_INFO:
+                if self.info_path == "/get_server_info":
+                    notes.append(
+                        f"{feature.what} (only /get_server_info answers): {feature.without}"
+                    )
+            elif feature is features.EFFECTIVE_CAPACITY:
+                if self.info is not None and not _reports_effective_capacity(self.info):
+                    notes.append(f"{feature.what} in {self.info_path}: {feature.without}")
+            elif older:
+                notes.append(f"{feature.what} ({since}): {feature.without}")
+        if version is None:
+            notes.append(
+                f"version {shown!r} unknown: what it lacks beyond the above cannot be told"
+                if shown is not None
+                else "no version in /server_info: what it lacks beyond the above cannot be told"
+            )
+        name = features.version_text(version) if version is not None else str(shown or "unknown")
+        return Check(
+            "version",
+            not missing,
+            f"SGLang {name}; offers {', '.join(offered) or 'none of specd’s metrics'}"
+            + (f"; {len(notes)} limit(s) for specd, below" if notes else ""),
+            "" if not missing else "upgrade SGLang to 0.5.13 or newer",
+            tuple(notes),
+        )
 
     def check_dropin(self) -> tuple[Check, list[str] | None, dict[str, str]]:
         unit = self.config.sglang.unit
@@ -428,6 +469,17 @@ class Doctor:
         return checks
 
 
+def _reports_effective_capacity(info: dict[str, Any]) -> bool:
+    states = info.get("internal_states")
+    return (
+        isinstance(states, list)
+        and bool(states)
+        and all(
+            isinstance(st, dict) and "effective_max_running_requests_per_dp" in st for st in states
+        )
+    )
+
+
 def _options(words: list[str]) -> list[str]:
     for i, word in enumerate(words):
         if word.startswith("--"):
@@ -457,6 +509,7 @@ def render(checks: list[Check]) -> str:
         lines.append(f"{'✓' if check.ok else '✗'} {check.name:<{width}}  {check.detail}")
         if not check.ok and check.advice:
             lines.append(f"  {'':<{width}}  → {check.advice}")
+        lines += [f"  {'':<{width}}  · {note}" for note in check.notes]
     return "\n".join(lines) + "\n"
 
 

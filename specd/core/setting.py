@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from specd.core.observation import MAX_STEPS
+from specd.core.sglang_features import (
+    ADAPTIVE_SLOT_ZERO,
+    ADAPTIVE_SLOTS,
+    parse_version,
+)
+from specd.core.sglang_features import version_text as _version_text
 
 Kind = Literal["off", "static", "adaptive"]
 
@@ -24,14 +30,12 @@ ADAPTIVE_ALGORITHMS = frozenset({"EAGLE", "EAGLE3", "NEXTN"})
 
 # Per-batch-size slots in the adaptive config arrived in 0.5.13; a 0 ("no drafting") tier
 # inside a slot in 0.5.14.
-SLOTS_VERSION = (0, 5, 13)
-SLOT_ZERO_VERSION = (0, 5, 14)
+SLOTS_VERSION = ADAPTIVE_SLOTS.since
+SLOT_ZERO_VERSION = ADAPTIVE_SLOT_ZERO.since
 
 MAX_CANDIDATES = 8  # one CUDA-graph set per candidate: more is a startup and memory bill
 MAX_SLOTS = 16
 MAX_BATCH_SIZE = 65536
-
-_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -288,15 +292,6 @@ class ServerTraits:
     version: tuple[int, int, int] | None
 
 
-def parse_version(text: object) -> tuple[int, int, int] | None:
-    if not isinstance(text, str):
-        return None
-    match = _VERSION.match(text.strip())
-    if match is None:
-        return None
-    return (int(match[1]), int(match[2]), int(match[3] or 0))
-
-
 def traits_from_server_info(info: Mapping[str, object]) -> ServerTraits:
     algorithm = info.get("speculative_algorithm")
     topk = info.get("speculative_eagle_topk")
@@ -309,10 +304,6 @@ def traits_from_server_info(info: Mapping[str, object]) -> ServerTraits:
         pdmux=info.get("enable_pdmux") is True,
         version=parse_version(info.get("version")),
     )
-
-
-def _version_text(version: tuple[int, int, int]) -> str:
-    return ".".join(str(v) for v in version)
 
 
 def unavailable(setting: SpecSetting, traits: ServerTraits, *, allow_off: bool) -> str | None:

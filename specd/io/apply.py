@@ -86,6 +86,9 @@ class SGLangProbe(Protocol):
     def server_info(self) -> dict[str, Any] | ScrapeError: ...
 
     @property
+    def info_path(self) -> str | None: ...
+
+    @property
     def last_page(self) -> ParsedMetrics | None: ...
 
     def health_generate(self, timeout_s: float) -> HealthStatus: ...
@@ -856,12 +859,14 @@ class Applier:
 
         draft_want = expected + 1 if expected is not None else None
         capacity: int | None = None
+        # Named as the endpoint that answered: /get_server_info on SGLang before 0.5.6.
+        info_source = self.client.info_path or "/server_info"
         if isinstance(info, dict):
-            check("/server_info", "steps", _as_int(info.get("speculative_num_steps")), expected)
+            check(info_source, "steps", _as_int(info.get("speculative_num_steps")), expected)
             topk = _as_int(info.get("speculative_eagle_topk"))
             if topk in (None, 1):
                 draft = _as_int(info.get("speculative_num_draft_tokens"))
-                check("/server_info", "draft_tokens", draft, draft_want)
+                check(info_source, "draft_tokens", draft, draft_want)
             capacity = _capacity_from_info(info)
         if isinstance(obs, Observation):
             # The page's own gauges (0.5.13+): an Observation's steps may be /server_info's
@@ -877,8 +882,8 @@ class Applier:
             return _Live(False, "SGLang runs " + ", ".join(wrong), capacity, mismatch=True)
         if expected is None:
             return _Live(True, "healthy (previous steps unknown)", capacity)
-        if not any(item.startswith(("/server_info steps", "metrics steps")) for item in seen):
-            return _Live(False, "cannot verify steps: neither /server_info nor metrics show them")
+        if not any(item.startswith((f"{info_source} steps", "metrics steps")) for item in seen):
+            return _Live(False, f"cannot verify steps: neither {info_source} nor metrics show them")
         return _Live(True, f"verified {expected} steps ({', '.join(seen)})", capacity)
 
     # -- bookkeeping ----------------------------------------------------------------

@@ -587,6 +587,7 @@ class SGLangClient:
         self.max_page_bytes = max_page_bytes
         self._clock = clock
         self._info_paths = list(_INFO_PATHS)
+        self._info_path: str | None = None
         self._deadline = _Deadline()
         # /server_info of the SGLang start the last page came from, and that page: None
         # means read /server_info with the next scrape.
@@ -682,6 +683,7 @@ class SGLangClient:
             # Remember which one answered, so an old SGLang costs one request per read.
             self._info_paths.remove(path)
             self._info_paths.insert(0, path)
+            self._info_path = path
             return self._info_json(path, result, t)
         return ScrapeError("http_status", "GET /server_info and /get_server_info: 404 Not Found", t)
 
@@ -694,6 +696,12 @@ class SGLangClient:
         if not isinstance(info, dict):
             return ScrapeError("malformed", f"GET {path}: not a JSON object", t)
         return info
+
+    @property
+    def info_path(self) -> str | None:
+        """The endpoint that last answered for /server_info: "/server_info", or
+        "/get_server_info" on SGLang before 0.5.6 (None until one answered)."""
+        return self._info_path
 
     @property
     def last_page(self) -> ParsedMetrics | None:

@@ -7,12 +7,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from factories import version_twin
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
 from specd.commands.doctor import Check, Doctor, _usec, render
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
+from specd.io.sglang import SGLangClient
 
 WORDS = [
     "/opt/sglang/bin/python",
@@ -200,3 +202,96 @@ def test_config_check_without_a_config_file(
     assert not named.ok  # a file named on the command line must exist
     absent.write_text("[choose]\nmin_steps = 2\n")
     assert Doctor(None, SubprocessRunner()).check_config().detail == f"{absent} is valid"
+
+
+# What specd cannot see, per SGLang version: the start of each note, in the table's order.
+NO_SERVER_INFO = "no /server_info (only /get_server_info answers)"
+NO_CAPACITY = "no effective capacity (internal_states[].effective_max_running_requests_per_dp) in"
+OLD_ACCEPT_RATE = "sglang:spec_accept_rate is accept length / draft tokens"
+NO_STEPS_OLD = "no sglang:spec_num_steps gauge on this page (SGLang < 0.5.13): the live setting"
+NO_VERIFY_OLD = "no sglang:spec_verify_calls_total on this page (SGLang < 0.5.13): the accept"
+NO_SLOTS = "no per-batch-size slots in --speculative-adaptive-config (SGLang < 0.5.13)"
+NO_SLOT_ZERO = "no step 0 (no drafting) in an adaptive slot (SGLang < 0.5.14)"
+NO_PHASES_OLD = "no sglang:startup_time_seconds{phase} on this page (SGLang < 0.5.18)"
+NO_READY = "no /ready (SGLang < 0.5.20)"
+
+
+@pytest.mark.parametrize(
+    ("version", "extra", "answers", "shown", "notes"),
+    [
+        (
+            "0.5.4",
+            [],
+            "/get_server_info",
+            "SGLang 0.5.4",
+            [
+                NO_SERVER_INFO,
+                NO_CAPACITY + " /get_server_info",
+                OLD_ACCEPT_RATE,
+                NO_STEPS_OLD,
+                NO_VERIFY_OLD,
+                NO_SLOTS,
+                NO_SLOT_ZERO,
+                NO_PHASES_OLD,
+                NO_READY,
+            ],
+        ),
+        (
+            "0.5.11",
+            [],
+            "/server_info",
+            "SGLang 0.5.11",
+            [NO_STEPS_OLD, NO_VERIFY_OLD, NO_SLOTS, NO_SLOT_ZERO, NO_PHASES_OLD, NO_READY],
+        ),
+        ("0.5.13", [], "/server_info", "SGLang 0.5.13", [NO_SLOT_ZERO, NO_PHASES_OLD, NO_READY]),
+        ("0.5.23", [], "/server_info", "SGLang 0.5.23", []),
+        # No warm-up, no request yet: the page lacks the counter although 0.5.23 has it.
+        (
+            "0.5.23",
+            ["--skip-server-warmup"],
+            "/server_info",
+            "SGLang 0.5.23",
+            [
+                "no sglang:spec_verify_calls_total on this page (no request finished since the "
+                "start, or speculation is off): the accept length comes from the gauge only"
+            ],
+        ),
+        # No version in /server_info: only what the page and the answers show.
+        (
+            "0.5.11",
+            ["--server-info-missing", "version"],
+            "/server_info",
+            "SGLang unknown",
+            [
+                "no sglang:spec_num_steps gauge on this page (not emitted by this server)",
+                "no sglang:spec_verify_calls_total on this page (no request finished",
+                "no sglang:startup_time_seconds{phase} on this page (not emitted by this server)",
+                "no version in /server_info: what it lacks beyond the above cannot be told",
+            ],
+        ),
+    ],
+)
+def test_version_check_names_what_specd_cannot_see(
+    tmp_path: Path,
+    version: str,
+    extra: list[str],
+    answers: str,
+    shown: str,
+    notes: list[str],
+) -> None:
+    found = doctor(tmp_path)
+    with version_twin(version, *extra) as twin:
+        twin.wait_healthy(20)
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            sglang = found.check_sglang(client)
+            metrics, check = found.check_metrics(client)
+    assert sglang == Check("sglang", True, f"{twin.url} answers {answers}")
+    assert metrics.ok
+    assert check.ok  # an older SGLang is a limit, not a fault
+    assert check.detail.startswith(shown + "; offers num_running_reqs"), check.detail
+    assert len(check.notes) == len(notes), check.notes
+    for note, start in zip(check.notes, notes, strict=True):
+        assert note.startswith(start), (note, start)
+    assert (f"{len(notes)} limit(s) for specd, below" in check.detail) is bool(notes)
+    rendered = render([check])
+    assert all(f"· {note}\n" in rendered for note in check.notes)

@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from factories import READING_RULES, TABLE_SWEEP
 
 from specd.core.perftable import PerfTable, PerfTableError, reading_points
 from specd.twin import preset
@@ -33,49 +34,14 @@ def test_throughput_interpolates_and_saturates(
     assert table.throughput(steps, concurrency) == pytest.approx(expected)
 
 
-# A sweep at 1, 2, 4, 8, 16, 32, 64 of a step count whose capacity is 13 (the seed's steps
-# 4): 16, 32 and 64 measured the plateau, with a little noise between them.
-SWEEP = (
-    "steps,concurrency,output_tok_s,max_running_requests\n"
-    "4,1,277,13\n4,2,520,\n4,4,900,\n4,8,1400,\n4,16,1610,\n4,32,1630,\n4,64,1620,\n"
-    "2,1,186,\n2,2,350,\n2,4,640,\n"
-    "3,1,234,40\n3,2,450,\n3,4,800,\n3,8,1200,\n"
-)
-
-
-@pytest.mark.parametrize(
-    ("rule", "steps", "concurrency", "expected"),
-    [
-        # A measured point comes back exactly, below, at and past capacity.
-        ("measured point exact", 4, 1, 277.0),
-        ("measured point exact", 4, 8, 1400.0),
-        ("measured point exact", 4, 16, 1610.0),
-        ("measured point exact", 4, 32, 1630.0),
-        ("measured point exact", 4, 64, 1620.0),
-        # At capacity and up to the first plateau point: the first plateau point, not an
-        # interpolation between 8 and 16 at 13 (= 1531.25).
-        ("plateau at capacity", 4, 13, 1610.0),
-        ("plateau at capacity", 4, 14.5, 1610.0),
-        ("plateau past capacity", 4, 24, 1620.0),  # between two plateau points
-        ("plateau past capacity", 4, 48, 1625.0),
-        # Measured only below capacity: read up to capacity, flat from there.
-        ("plateau past capacity", 3, 40, 1200.0),
-        ("plateau past capacity", 3, 100, 1200.0),
-        ("linear between", 4, 3, 710.0),
-        ("linear between", 4, 10, 1400.0 + 210.0 * 2 / 5),  # 8 → capacity 13 at 1610
-        ("linear between", 3, 6, 1000.0),
-        ("from the origin", 4, 0.5, 138.5),
-        ("flat past the last", 2, 9, 640.0),  # no capacity
-        ("flat past the last", 4, 1000, 1620.0),
-    ],
-)
+@pytest.mark.parametrize(("rule", "steps", "concurrency", "expected"), READING_RULES)
 def test_reading_rules(rule: str, steps: int, concurrency: float, expected: float) -> None:
-    table = PerfTable.from_csv_text(SWEEP)
+    table = PerfTable.from_csv_text(TABLE_SWEEP)
     assert table.throughput(steps, concurrency) == pytest.approx(expected, rel=1e-12), rule
 
 
 def test_measured_points_come_back_bit_for_bit() -> None:
-    table = PerfTable.from_csv_text(SWEEP)
+    table = PerfTable.from_csv_text(TABLE_SWEEP)
     for row in table.rows:
         assert table.throughput(row.steps, row.concurrency) == row.output_tok_s
 

@@ -1002,11 +1002,20 @@ def _live_from_get_server_info(unit: TwinUnit) -> int:
 @pytest.mark.parametrize(
     ("version", "evidence"),
     [
-        # No sglang:spec_num_steps before 0.5.13: /get_server_info (0.5.4) or /server_info.
-        ("0.5.4", "verified 4 steps (/server_info steps=4, /server_info draft_tokens=5)"),
+        # No sglang:spec_num_steps before 0.5.13: /get_server_info (0.5.4) or /server_info,
+        # named as the endpoint that answered.
+        ("0.5.4", "verified 4 steps (/get_server_info steps=4, /get_server_info draft_tokens=5)"),
         ("0.5.11", "verified 4 steps (/server_info steps=4, /server_info draft_tokens=5)"),
-        ("0.5.13", "/server_info draft_tokens=5, metrics steps=4, metrics draft_tokens=5)"),
-        ("0.5.23", "/server_info draft_tokens=5, metrics steps=4, metrics draft_tokens=5)"),
+        (
+            "0.5.13",
+            "verified 4 steps (/server_info steps=4, /server_info draft_tokens=5, "
+            "metrics steps=4, metrics draft_tokens=5)",
+        ),
+        (
+            "0.5.23",
+            "verified 4 steps (/server_info steps=4, /server_info draft_tokens=5, "
+            "metrics steps=4, metrics draft_tokens=5)",
+        ),
     ],
 )
 def test_restart_is_verified_on_every_sglang_version(
@@ -1024,9 +1033,11 @@ def test_restart_is_verified_on_every_sglang_version(
     assert outcome.capacity == (48 if version == "0.5.4" else 13)
 
 
-@pytest.mark.parametrize("version", ["0.5.4", "0.5.11"])
+@pytest.mark.parametrize(
+    ("version", "endpoint"), [("0.5.4", "/get_server_info"), ("0.5.11", "/server_info")]
+)
 def test_rollback_is_verified_without_the_steps_gauge(
-    make_unit: Any, tmp_path: Path, version: str
+    make_unit: Any, tmp_path: Path, version: str, endpoint: str
 ) -> None:
     unit = make_unit(
         ORIGINAL_ENV, lambda steps: ["--sglang-version", version, "--fail-start-at-steps", "4"]
@@ -1034,7 +1045,7 @@ def test_rollback_is_verified_without_the_steps_gauge(
     rec = Recorder(tmp_path / "journal.json")
     outcome = applier_for(unit, rec, startup_timeout_s=60.0).apply(4, 3, window_open=always_open)
     assert outcome.result == "rolled_back", outcome.message
-    assert "verified 3 steps (/server_info steps=3" in outcome.message
+    assert f"verified 3 steps ({endpoint} steps=3, {endpoint} draft_tokens=4)" in outcome.message
     assert unit.restarts == [4, 3]
     assert _live_from_get_server_info(unit) == 3
     assert unit.env_file.read_bytes() == ORIGINAL_ENV

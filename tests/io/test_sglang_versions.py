@@ -78,9 +78,12 @@ def test_without_server_info_old_versions_have_no_live_steps(version: str) -> No
 def test_client_reads_each_version_over_http(sglang: StaticSGLang) -> None:
     version = sglang.version
     with SGLangClient(sglang.url, timeout_s=5) as client:
+        assert client.info_path is None
         obs = client.observe()
         again = client.observe()
     assert isinstance(obs, Observation), obs
+    # The endpoint that answered, for evidence that names it.
+    assert client.info_path == ("/get_server_info" if version == "0.5.4" else "/server_info")
     assert isinstance(again, Observation), again
     assert (obs.steps, obs.running, obs.queued, obs.version) == (4, 13, 7, version)
     # /server_info once per start; 0.5.4 has only the old name (one 404 first, remembered).

@@ -9,25 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from factories import version_twin as _twin
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.twin import cli as twin_cli
-from specd.twin.process import TwinProcess
 from specd.twin.server import TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
 PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
-FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
-SPEC4 = [
-    "--speculative-algorithm",
-    "NEXTN",
-    "--speculative-num-steps",
-    "4",
-    "--speculative-eagle-topk",
-    "1",
-    "--speculative-num-draft-tokens",
-    "5",
-]
 Shape = dict[str, tuple[str, str, frozenset[frozenset[str]]]]
 
 
@@ -49,10 +38,6 @@ def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def _total(text: str, name: str) -> float:
     return sum(v for _, v in _samples(text, name))
-
-
-def _twin(version: str, *extra: str) -> TwinProcess:
-    return TwinProcess([*SPEC4, "--enable-metrics", "--sglang-version", version, *FAST, *extra])
 
 
 def test_every_version_has_pages_from_its_own_collectors() -> None:
