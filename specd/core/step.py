@@ -15,9 +15,10 @@ both recorded for the stabilization window and handed to `decide`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from specd.core.choices import offer
 from specd.core.decide import Control, Decision, Pick, choose, decide
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
@@ -25,6 +26,7 @@ from specd.core.observation import Observation, ScrapeError
 if TYPE_CHECKING:
     from specd.core.history import History
     from specd.core.override import Override
+    from specd.core.setting import ServerTraits
     from specd.core.settings import Settings
 
 
@@ -42,6 +44,9 @@ class StepContext:
     # The longest one restart of the unit takes (its stop timeout + the start): a change
     # waits for a window with that much time left.
     restart_needs_s: float = 0.0
+    # What the server can run (`specd.core.setting.traits_from_server_info`, with the
+    # algorithm specd applies); None until /server_info was read: static K and off only.
+    traits: ServerTraits | None = None
 
 
 @dataclass(frozen=True)
@@ -82,16 +87,18 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         live_adaptive=adaptive,
         live_adaptive_config=seen.adaptive_config if seen is not None and adaptive else None,
     )
-    pick = choose(ctx.history, config, current, ctx.calibration)
+    pick = choose(
+        ctx.history,
+        config,
+        current,
+        ctx.calibration,
+        offer=offer(config.choose, ctx.traits),
+        live_adaptive_config=control.live_adaptive_config,
+    )
     if pick is not None and ctx.calibration_problem:
-        pick = Pick(
-            pick.steps,
-            f"{pick.why} (calibration unusable: {ctx.calibration_problem})",
-            pick.predictions,
-            pick.intervals,
-        )
+        pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
     if pick is not None and isinstance(observation, Observation):
-        control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
+        control = control.with_recommendation(now, pick.key, config.choose.stabilization_window_s)
     decision = decide(
         ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
     )
