@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from specd.core.choices import offer
 from specd.core.decide import Control, Decision, Pick, choose, decide
-from specd.core.model import Calibration
+from specd.core.model import Calibration, restart_cost_s
 from specd.core.observation import Observation, ScrapeError
 
 if TYPE_CHECKING:
@@ -99,9 +99,11 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.key, config.choose.stabilization_window_s)
-    decision = decide(
-        ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
-    )
+    needs_s = ctx.restart_needs_s
+    if pick is not None and pick.chosen is not None:
+        # An adaptive start captures a CUDA-graph set per candidate: the window must hold it.
+        needs_s += restart_cost_s(pick.chosen, config) - config.choose.restart_cost_s
+    decision = decide(ctx.history, observation, config, ctx.override, now, control, pick, needs_s)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions, intervals)

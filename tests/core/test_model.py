@@ -651,3 +651,26 @@ def test_the_decision_carries_the_chosen_setting_to_the_daemon(
     blind = step(dataclasses.replace(ctx, traits=None), obs, now)
     assert blind.decision.target_setting is not None
     assert blind.decision.target_setting.kind != "adaptive"
+
+
+@pytest.mark.parametrize(("levels", "target", "reason"), [
+    ((2,), "3", "change"),
+    ((2, 32), MIXED_SET, "window_ending"),  # 20 s more to start: it no longer fits
+])  # fmt: skip
+def test_an_adaptive_start_must_fit_in_the_window_with_its_extra_graphs(
+    tmp_path: Path, levels: tuple[int, ...], target: str, reason: str
+) -> None:
+    cfg = kinds_config(tmp_path)
+    history = kinds_history(levels, steps=1, hours=3.25)
+    now = history.last_t
+    assert now is not None
+    held = Control(1, recommendations=((now - 1000, setting_key(parse(target))),))
+    left = 4 * HOUR - (now - MONDAY)  # the 03:00 window closes at 04:00
+    ctx = StepContext(
+        cfg, history, None, held, Calibration.of(KINDS_TABLE), restart_needs_s=left - 10,
+        traits=SERVER,
+    )  # fmt: skip
+    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    decision = step(ctx, obs, now).decision
+    assert decision.target_setting == parse(target)
+    assert decision.reason.value == reason, decision.message
