@@ -513,3 +513,26 @@ def test_a_kind_the_truth_cannot_serve_is_refused(tmp_path: Path) -> None:
     sets = build_config(Config(), steps=(1, 6), kinds=("static", "adaptive"))
     with pytest.raises(ReplayError, match=r"no steps 0,7, which adaptive set adaptive:1,3,5,7"):
         replay(minute_trace(0.1, heavy), read_table(TRUTH / "k5to2.csv"), sets)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "code", "output"),
+    [
+        ("off,static", 0, '"kinds_chosen": {"off": 1, "static": 0, "adaptive": 0}'),
+        ("sometimes", 2, "expected kinds from off, static, adaptive"),
+        ("off,,static", 2, "expected kinds from off, static, adaptive"),
+    ],
+)
+def test_the_command_takes_the_kinds_specd_may_choose(
+    tmp_path: Path, kinds: str, code: int, output: str
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n" + "".join(f"{m * 60},40\n" for m in range(2 * 1440)))
+    table, calibration = HEAVYOFF
+    proc = specd(
+        "--trace", str(trace), "--truth", str(table), "--calibration", str(calibration),
+        "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-6", f"--kinds={kinds}", "--json",
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    assert output in (proc.stdout if code == 0 else proc.stderr)
+    assert "Traceback" not in proc.stderr
