@@ -498,7 +498,9 @@ def _adaptive_rate(
         return None
     if am.skipped:
         return None
-    rate = sum(w * am.throughput(float(c)) for c, w in weights.items() if c > 0)
+    # Past the deepest candidate's capacity every batch is the same: one bin (exact).
+    folded = fold_above(weights, am.capacity)
+    rate = sum(w * am.throughput(float(c)) for c, w in folded.items() if c > 0)
     return rate, tuple(am.slots.candidates())
 
 
