@@ -34,6 +34,15 @@ calibration's noise (``calibration_noise_ratio``), shrinks with the seconds obse
 K (``OBSERVED_PIVOT_S``), and grows with how far an extrapolated K lies from a measured one.
 It reads no clock and no file: "now" is the history's last observation, and the calibration
 comes in as a `Calibration` value.
+
+Beyond static K (`specd.core.choices` offers what the server runs and [choose] kinds
+allows): "off" is predicted from the steps-0 row (never scaled by acceptance, never
+extrapolated), an adaptive set as the best candidate of each batch-size slot at the
+capacity of its deepest candidate (`specd.core.adaptive` over this model; a set with a
+candidate the model cannot read without extrapolating is no candidate), its error the
+largest of its candidates', its restart `adaptive_restart_extra_s_per_candidate` longer per
+candidate beyond the first. Every choice meets the same evidence gate; `Plan.predictions`
+keys them by `specd.core.setting.setting_key` (K, 0 for off, negative for a set).
 """
 
 from __future__ import annotations
