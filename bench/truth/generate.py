@@ -13,12 +13,16 @@
   gain worth a restart over a long epoch.
 * ``lowcap.csv`` — capacities 6–30 (max_running_requests), below the sweep's larger
   concurrencies (16, 32, 64): the plateau is what the sweep measured there.
+* ``heavyoff.csv`` — low acceptance (α 0.6) on a machine whose KV and compute bind early:
+  under heavy load (16+) no speculation serves most (off 1371 tok/s at 32, 1 step 1208),
+  at 1–4 requests 2–3 steps; a case for choosing "off" and adaptive sets with a 0 tier.
 * ``*-calibration.csv`` — what ``specd sweep --steps 1,2,3,4,5 --concurrency
   1,2,4,8,16,32`` would measure: truth ±2% noise (seeded), accept length ±1%, exact
   ``max_running_requests``. ``lowaccept`` has no calibration of its own: its machine was
   swept with a greedy benchmark, i.e. ``seed-calibration.csv``. ``k6to1`` and ``lowcap``
   are swept at steps 1–6 and (lowcap) up to 64 concurrent, past every capacity; ``near``
-  at steps 1–6.
+  at steps 1–6; ``heavyoff`` at steps 0–7 up to 64 concurrent (off and every candidate of
+  SGLang's default adaptive config measured).
 * ``k5to2-off3-calibration.csv`` — a sweep of ``k5to2`` that is off by 3 % from the truth
   at every point, up for odd step counts and down for even ones (a systematic error no
   noise averages out).
@@ -104,6 +108,7 @@ LOWACCEPT = Machine(0.954 * 2 / 3, 0.01535, 0.000229, 0.006, 4, 42.0, 6.0, 0.000
 
 K6TO1 = Machine(0.90, 0.015, 0.0015, 0.004, 6, 60.0, 4.0, 0.0002, 120)
 LOWCAP = Machine(0.80, 0.012, 0.0012, 0.003, 6, 60.0, 4.0, 0.0002, 60)
+HEAVYOFF = Machine(0.60, 0.012, 0.0015, 0.003, 6, 24.0, 4.0, 0.0002, 160)
 
 
 def near(base: Machine, name: str) -> PerfTable:
@@ -181,6 +186,7 @@ def write_all(out: Path = HERE) -> list[Path]:
         ("k6to1", K6TO1.table("k6to1", ALL_STEPS)),
         ("near", near(K5TO2, "near")),
         ("lowcap", LOWCAP.table("lowcap", ALL_STEPS)),
+        ("heavyoff", HEAVYOFF.table("heavyoff", ALL_STEPS)),
     ):
         path = out / f"{name}.csv"
         write_table(path, table)
@@ -192,6 +198,7 @@ def write_all(out: Path = HERE) -> list[Path]:
         ("k6to1", read_table(out / "k6to1.csv"), 3, six, SWEEP_CONCURRENCY),
         ("near", read_table(out / "near.csv"), 4, six, SWEEP_CONCURRENCY),
         ("lowcap", read_table(out / "lowcap.csv"), 5, six, (*SWEEP_CONCURRENCY, 64)),
+        ("heavyoff", read_table(out / "heavyoff.csv"), 6, ALL_STEPS, (*SWEEP_CONCURRENCY, 64)),
     ):
         path = out / f"{name}-calibration.csv"
         write_table(path, sweep(table, rng_seed, steps, concurrency))

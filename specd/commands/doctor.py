@@ -25,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.core import sglang_features as features
 from specd.core import windows
+from specd.core.choices import offer
 from specd.core.observation import ScrapeError
-from specd.core.setting import describe_args, describe_server
+from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
 from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
@@ -131,6 +132,25 @@ class Doctor:
         self.info = info
         self.info_path = client.info_path or "/server_info"
         return Check("sglang", True, f"{client.base_url} answers {self.info_path}")
+
+    def check_choices(self) -> Check:
+        """Which kinds of setting specd may choose on this server, and why not the others
+        (from the config and /server_info, as the brain offers them)."""
+        traits = None if self.info is None else traits_from_server_info(self.info)
+        got = offer(self.config.choose, traits)
+        notes = tuple(got.lines())
+        refused = [k for k in self.config.choose.kinds if not got.allows(k)]
+        if refused:
+            kind = refused[0]
+            return Check(
+                "choices",
+                False,
+                f"[choose] kinds has {kind}, which this server cannot run: {got.kinds[kind]}",
+                f"take {kind} out of [choose] kinds, or run SGLang where it is supported",
+                notes,
+            )
+        offered = ", ".join(k for k in KINDS if got.allows(k))
+        return Check("choices", True, f"specd may choose {offered}", notes=notes)
 
     def check_metrics(self, client: SGLangClient) -> list[Check]:
         text = client.metrics_text()
@@ -553,6 +573,7 @@ class Doctor:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         checks += self.check_gateway()
+        checks.append(self.check_choices())
         dropin, words, defaults = self.check_dropin()
         checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
         for check in (

@@ -19,6 +19,7 @@ from specd.commands.args import Int, Seconds
 from specd.commands.check_config import load_for_command
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
+from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
 from specd.core.step import StepContext, step
 from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
@@ -60,6 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _text(setting: SpecSetting | None, steps: int) -> str:
+    return format_setting(setting) if setting is not None else str(steps)
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_for_command(args.config)
     if config is None:
@@ -74,7 +79,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"specd recommend: {exc}")
         return 2
+    traits = None
     with client:
+        info = client.server_info()
+        if not isinstance(info, ScrapeError):
+            # What may be chosen on this server (specd.core.choices), as the daemon offers it.
+            traits = traits_from_server_info(info)
         for i in range(args.samples):
             last = client.observe()
             if isinstance(last, Observation):
@@ -98,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         control=state.control(),
         calibration=calibration,
         calibration_problem=calibration_problem,
+        traits=traits,
     )
     outcome = step(context, last, now)
     current, rec, decision = outcome.current, outcome.pick, outcome.decision
@@ -108,9 +119,16 @@ def run(args: argparse.Namespace) -> int:
         "offered_now": last.offered if isinstance(last, Observation) else None,
         "offered_p50": history.quantile(0.5),
         "scrape_error": last.reason if isinstance(last, ScrapeError) else None,
-        "recommendation": {"steps": rec.steps, "why": rec.why} if rec else None,
+        "recommendation": (
+            {"steps": rec.steps, "setting": _text(rec.setting, rec.steps), "why": rec.why}
+            if rec
+            else None
+        ),
         "decision": {
             "target_steps": decision.target_steps,
+            "target_setting": (
+                None if decision.target_setting is None else format_setting(decision.target_setting)
+            ),
             "reason": decision.reason.value,
             "message": decision.message,
             "would_restart": outcome.acts,
@@ -126,7 +144,12 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"history        {source}")
     print(
-        "policy picks   " + (f"{rec.steps}: {rec.why}" if rec else "nothing yet (no busy history)")
+        "policy picks   "
+        + (
+            f"{_text(rec.setting, rec.steps)}: {rec.why}"
+            if rec
+            else "nothing yet (no busy history)"
+        )
     )
     print(
         f"decision       {decision.reason.value}: target {decision.target_steps} — "

@@ -13,6 +13,7 @@ from typing import Any
 
 from specd.commands.args import STEPS, IntRange, Seconds, Timestamp, quoted
 from specd.core.perftable import PerfTableError
+from specd.core.setting import KINDS
 from specd.io.config import (
     Config,
     ConfigError,
@@ -55,6 +56,16 @@ def _window_arg(text: str) -> Window:
         return Window(cron=parts[0].strip(), duration_s=duration_s, timezone=parts[2].strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{quoted(text)}: {_validation_message(exc)}") from None
+
+
+def _kinds_arg(text: str) -> tuple[str, ...]:
+    kinds = tuple(part.strip() for part in text.split(","))
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"{quoted(text)}: expected kinds from {', '.join(KINDS)}, comma-separated"
+        )
+    return kinds
 
 
 def _validation_message(exc: ValueError) -> str:
@@ -104,6 +115,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=STEPS_RANGE, help=f"allowed steps, {STEPS_RANGE.spec}")
     parser.add_argument(
+        "--kinds",
+        type=_kinds_arg,
+        help="kinds of setting specd may choose, e.g. 'off,static,adaptive' (default: the "
+        "config's [choose] kinds)",
+    )
+    parser.add_argument(
         "--policy",
         choices=("model", "bands"),
         help="default: model with a calibration (here or in the config), else the config's",
@@ -140,6 +157,7 @@ def build_config(
     policy: str | None = None,
     calibration: Path | None = None,
     restart_s: float | None = None,
+    kinds: Sequence[str] | None = None,
 ) -> Config:
     """``base`` with the replay's overrides, validated again as a whole."""
     data = config_to_dict(base)
@@ -159,6 +177,8 @@ def build_config(
         choose["policy"] = policy
     if restart_s is not None:
         choose["restart_cost_s"] = restart_s
+    if kinds is not None:
+        choose["kinds"] = list(kinds)
     try:
         config = Config(**data)
     except ValueError as exc:
@@ -179,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             policy=args.policy,
             calibration=args.calibration,
             restart_s=args.restart_s,
+            kinds=args.kinds,
         )
         truth = read_table(args.truth)
         trace = load_trace(args.trace)
@@ -220,8 +241,19 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
         best = " (best static)" if int(k) == data["best_static_steps"] else ""
         lines.append(f"  static {k}{best}: {tokens:,} tokens, specd ×{data['ratio_to_static'][k]}")
     adaptive = data["adaptive"]
+    best_set = data["best_adaptive_set"]
+    # On the adaptive line: the best of the configured sets, each run all along.
+    hindsight = (
+        ""
+        if best_set is None
+        else f"; best configured set in hindsight {best_set}: "
+        f"{data['adaptive_set_tokens'][best_set]:,} tokens, "
+        f"specd ×{data['ratio_to_best_adaptive_set']}"
+    )
     if adaptive is None:
-        lines.append("  SGLang adaptive: not scored (the truth has none of its candidates)")
+        lines.append(
+            "  SGLang adaptive: not scored (the truth has none of its candidates)" + hindsight
+        )
     else:
         slots = " ".join(
             f"≥{b}:[{','.join(map(str, v['candidate_steps']))}]"
@@ -232,13 +264,13 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
             f"  SGLang adaptive {slots}"
             + (f" (not in the truth: {','.join(map(str, skipped))})" if skipped else "")
             + f", capacity {adaptive['capacity']}: {adaptive['tokens']:,} tokens, "
-            f"specd ×{data['ratio_to_adaptive']}"
+            f"specd ×{data['ratio_to_adaptive']}" + hindsight
         )
     changes = [
         f"{k} at {(start + timedelta(seconds=t)).strftime('%a %Y-%m-%d %H:%M:%S')}"
         + (" (explore)" if reason == "explore" else "")
-        for (t, k), reason in zip(data["steps_timeline"][1:], data["change_reasons"], strict=True)
+        for (t, k), reason in zip(data["setting_timeline"][1:], data["change_reasons"], strict=True)
     ]
-    first = data["steps_timeline"][0][1]
-    lines.append(f"  steps: {first} at the start" + "".join(f", {c}" for c in changes))
+    first = data["setting_timeline"][0][1]
+    lines.append(f"  setting: {first} at the start" + "".join(f", {c}" for c in changes))
     return lines

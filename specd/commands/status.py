@@ -1,8 +1,9 @@
 """`specd status`: what specd is doing, from its state file, for the on-call.
 
 Reads only: state.json (never moved aside or rewritten here), the config, the override
-file and, with a [fleet], who holds the group's slots in etcd. Works while the daemon runs,
-and when it does not.
+file, with a [fleet] who holds the group's slots in etcd, and SGLang's /server_info (for
+which settings specd may choose there; one short request through the SGLang reader). Works
+while the daemon runs, and when it does not.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from typing import Any
 
 from specd.commands.check_config import load_for_command
 from specd.core import windows
+from specd.core.choices import offer
 from specd.core.history import HistorySettings
+from specd.core.observation import ScrapeError
+from specd.core.setting import format_setting, traits_from_server_info
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
+from specd.io.sglang import SGLangClient
 from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
 DAY_S = 86400.0
+# status must answer at once, also when SGLang is down or still loading.
+SERVER_INFO_TIMEOUT_S = 2.0
 
 
 def _when(ts: float | None, now: float) -> str:
@@ -42,8 +49,31 @@ def _when(ts: float | None, now: float) -> str:
     return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
 
 
-def collect(config: Config, now: float) -> dict[str, Any]:
-    """What the on-call needs, from the state file as the daemon validates it."""
+def server_info(config: Config) -> dict[str, Any] | str:
+    """SGLang's /server_info, or why it did not answer (one line)."""
+    with SGLangClient(config.sglang.url, timeout_s=SERVER_INFO_TIMEOUT_S) as client:
+        info = client.server_info()
+    if isinstance(info, ScrapeError):
+        return f"{config.sglang.url} did not answer /server_info: {info.reason}"
+    return info
+
+
+def choices(config: Config, info: dict[str, Any] | str | None) -> dict[str, Any]:
+    """Which kinds of setting specd may choose on the server, and why not the others."""
+    traits = traits_from_server_info(info) if isinstance(info, dict) else None
+    got = offer(config.choose, traits)
+    return {
+        "kinds": dict(got.kinds),
+        "settings": [format_setting(s) for s in got.settings],
+        "refused": dict(got.refused),
+        "lines": got.lines(),
+        "server_problem": info if isinstance(info, str) else None,
+    }
+
+
+def collect(config: Config, now: float, info: dict[str, Any] | str | None = None) -> dict[str, Any]:
+    """What the on-call needs, from the state file as the daemon validates it; ``info`` is
+    SGLang's /server_info (or why it did not answer) for the choices."""
     state_path = Path(config.files.state_dir) / STATE_FILE
     state_problem: str | None = None
     unreadable = False
@@ -104,6 +134,7 @@ def collect(config: Config, now: float) -> dict[str, Any]:
         "next_window_open": windows.next_open(config.windows, at).timestamp(),
         "next_window_close": windows.next_close(config.windows, at).timestamp(),
         "fleet": fleet_status(config),
+        "choices": choices(config, info),
     }
 
 
@@ -225,6 +256,11 @@ def render(info: dict[str, Any], now: float) -> str:
             if ov["valid"]
             else f"override       INVALID, ignored: {ov['problem']}"
         )
+    picks = info["choices"]
+    lines.append(f"choices        {picks['lines'][0]}")
+    lines += [f"               {line}" for line in picks["lines"][1:]]
+    if picks["server_problem"]:
+        lines.append(f"               ({picks['server_problem']})")
     if info["fleet"] is not None:
         lines.append(_fleet_line(info["fleet"], now))
     if info["gateway"] is not None:
@@ -246,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_for_command(args.config)
     if config is None:
         return 2
-    info = collect(config, now)
+    info = collect(config, now, server_info(config))
     print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
     if info["state_unreadable"]:
         # Unreadable (permissions: run as root or a member of group specd), invalid, or

@@ -23,10 +23,11 @@ from specd.core import windows
 from specd.core.explore import WEEK_S
 from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
-from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config
+from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config, setting_key
 from specd.core.text import duration_text as _duration
 
 if TYPE_CHECKING:
+    from specd.core.choices import Offer
     from specd.core.explore import Exploration
     from specd.core.history import History
     from specd.core.observation import Observation
@@ -149,10 +150,28 @@ class Pick:
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     # The model policy's whole prediction (safe exploration reads it); None for bands.
     plan: Plan | None = None
+    # A pick that is not a static K: off (steps 0) or an adaptive set (steps is then its
+    # deepest candidate). ``predictions`` key off as 0; adaptive sets are keyed by their
+    # operator form in ``setting_predictions``.
+    setting: SpecSetting | None = None
+    setting_predictions: Mapping[str, float] = field(default_factory=dict)
+    setting_intervals: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> int:
+        """The pick as one int, for the stabilization window (`setting_key`)."""
+        return self.steps if self.setting is None else setting_key(self.setting)
+
+    @property
+    def chosen(self) -> SpecSetting | None:
+        """The pick when it is not a static K (off or adaptive), else None."""
+        return self.setting if self.setting is not None and self.setting.kind != "static" else None
 
 
 # -- policies -----------------------------------------------------------------------
-Policy = Callable[["History", "Settings", "int | None", "Calibration | None"], "Pick | None"]
+# (history, config, current K, calibration) -> pick; a policy in `CHOOSES_KINDS` also takes
+# ``offer`` and ``live_adaptive_config`` (see `choose`).
+Policy = Callable[..., "Pick | None"]
 
 
 def clamp(steps: int, config: Settings) -> int:
@@ -224,23 +243,45 @@ def band_steps(history: History, config: Settings) -> int | None:
 
 
 def _pick_model(
-    history: History, config: Settings, current: int | None, calibration: Calibration | None
+    history: History,
+    config: Settings,
+    current: int | None,
+    calibration: Calibration | None,
+    *,
+    offer: Offer | None = None,
+    live_adaptive_config: str | None = None,
 ) -> Pick | None:
     """The throughput model (specd.core.model), forecast over the coming epoch."""
-    result = plan(history, config, current, calibration)
+    result = plan(
+        history,
+        config,
+        current,
+        calibration,
+        offer=offer,
+        live_adaptive_config=live_adaptive_config,
+    )
     if result is None:
         return None
+    setting = result.target_setting
+    steps = {k: p for k, p in result.predictions.items() if k >= 0}
+    sets = {format_setting(result.setting_of(k)): p for k, p in result.predictions.items() if k < 0}
     return Pick(
-        result.target,
+        setting.max_steps,
         result.why,
-        {k: p.tok_s for k, p in result.predictions.items()},
-        {k: p.interval for k, p in result.predictions.items()},
+        {k: p.tok_s for k, p in steps.items()},
+        {k: p.interval for k, p in steps.items()},
         result,
+        setting=None if setting.kind == "static" else setting,
+        setting_predictions={text: p.tok_s for text, p in sets.items()},
+        setting_intervals={text: p.interval for text, p in sets.items()},
     )
 
 
 # Read-only: the core keeps no mutable module state.
 POLICIES: Mapping[str, Policy] = MappingProxyType({"bands": _pick_bands, "model": _pick_model})
+# The policies that choose among kinds of setting (off, static, adaptive); the others pick
+# a static K only.
+CHOOSES_KINDS = frozenset({"model"})
 
 
 def choose(
@@ -248,13 +289,29 @@ def choose(
     config: Settings,
     current: int | None = None,
     calibration: Calibration | None = None,
+    *,
+    offer: Offer | None = None,
+    live_adaptive_config: str | None = None,
 ) -> Pick | None:
     """The configured policy's pick (clamped to the allowed range); None without busy history.
 
     Without ``current`` this is the raw pick; with it, the policy's tolerance applies
     and the pick is ``current`` while the evidence for a change is within tolerance.
+    ``offer`` (`specd.core.choices`; None: static K in the allowed range) is what may be
+    chosen, and under SGLang's adaptive mode (``current`` None) ``live_adaptive_config``
+    names the config file it runs; only a policy in `CHOOSES_KINDS` reads them.
     """
-    return POLICIES[config.choose.policy](history, config, current, calibration)
+    policy = POLICIES[config.choose.policy]
+    if config.choose.policy not in CHOOSES_KINDS:
+        return policy(history, config, current, calibration)
+    return policy(
+        history,
+        config,
+        current,
+        calibration,
+        offer=offer,
+        live_adaptive_config=live_adaptive_config,
+    )
 
 
 # -- decide -------------------------------------------------------------------------
@@ -482,32 +539,47 @@ def _decide(
         return Decision(
             hold, Reason.INSUFFICIENT_DATA, f"no busy traffic in the history; {_holding(current)}"
         )
-    target, why = pick.steps, pick.why
+    why = pick.why
+    # A pick of off or of an adaptive set carries it as the decision's setting (adaptive:
+    # no target step count); a static pick is its K, as it always was.
+    chosen = pick.chosen
+    target: int | None = None if chosen is not None and chosen.kind == "adaptive" else pick.steps
+    shown: int | str = pick.steps if chosen is None else format_setting(chosen)
 
     # 4. Does the policy really want a change, and has it wanted it long enough?
-    if target == current:
-        if exploration is not None and not exploration.ongoing and exploration.steps != current:
+    if chosen is not None and chosen.kind == "adaptive":
+        live = control.live_adaptive and runs_adaptive_config(chosen, control.live_adaptive_config)
+    else:
+        live = target == current and not control.live_adaptive
+    if live:
+        if (
+            exploration is not None
+            and not exploration.ongoing
+            and current is not None
+            and exploration.steps != current
+        ):
             return _explore(config, at, now, control, restart_needs_s, why, exploration)
-        return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {current} is live")
-    change = _arrow(current, target, live_adaptive=control.live_adaptive)
+        return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {shown} is live", chosen)
+    change = _arrow(current, shown, live_adaptive=control.live_adaptive)
     if exploration is not None and exploration.ongoing:
         # One whole epoch at the explored step count: what it serves there is the point.
         return Decision(current, Reason.EXPLORE, f"{why}; {exploration.why}: {change} waits")
     window_s = config.choose.stabilization_window_s
-    held = _held_for(control.recommendations, target, now)
+    held = _held_for(control.recommendations, pick.key, now)
     if held < window_s:
         return Decision(
             target,
             Reason.STABILIZING,
             f"{why} for {_duration(held)} of the {_duration(window_s)} stabilization window: "
             f"{change} waits",
+            chosen,
         )
 
     # 5. When a change may happen: window, dwell, budget.
     blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
     if blocked is not None:
-        return Decision(target, blocked[0], f"{why}; {blocked[1]}")
-    return Decision(target, Reason.CHANGE, f"{why}: {change}")
+        return Decision(target, blocked[0], f"{why}; {blocked[1]}", chosen)
+    return Decision(target, Reason.CHANGE, f"{why}: {change}", chosen)
 
 
 def _change_blocks(

@@ -34,6 +34,15 @@ calibration's noise (``calibration_noise_ratio``), shrinks with the seconds obse
 K (``OBSERVED_PIVOT_S``), and grows with how far an extrapolated K lies from a measured one.
 It reads no clock and no file: "now" is the history's last observation, and the calibration
 comes in as a `Calibration` value.
+
+Beyond static K (`specd.core.choices` offers what the server runs and [choose] kinds
+allows): "off" is predicted from the steps-0 row (never scaled by acceptance, never
+extrapolated), an adaptive set as the best candidate of each batch-size slot at the
+capacity of its deepest candidate (`specd.core.adaptive` over this model; a set with a
+candidate the model cannot read without extrapolating is no candidate), its error the
+largest of its candidates', its restart `adaptive_restart_extra_s_per_candidate` longer per
+candidate beyond the first. Every choice meets the same evidence gate; `Plan.predictions`
+keys them by `specd.core.setting.setting_key` (K, 0 for off, negative for a set).
 """
 
 from __future__ import annotations
@@ -41,16 +50,26 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
+from specd.core.adaptive import AdaptiveModel, Slots
 from specd.core.forecast import Forecast, forecast_epoch
 from specd.core.perftable import PerfTable, interpolate, reading_points
+from specd.core.setting import (
+    SpecSetting,
+    format_setting,
+    off,
+    runs_adaptive_config,
+    setting_key,
+    static,
+)
 
 if TYPE_CHECKING:
+    from specd.core.choices import Offer
     from specd.core.history import History
     from specd.core.settings import Settings
 
@@ -63,6 +82,8 @@ MIN_ACCEPT_EVIDENCE_S = 300.0
 EXTRAPOLATION_DISCOUNT_RATIO = 0.10
 # Standard errors the predicted gain must clear: about a 95 % one-sided interval.
 EVIDENCE_Z = 2.0
+# A setting of another kind than the live one loses a tie to every one of the same kind.
+MAX_TIE_DISTANCE = 1000
 
 
 class Source(str, enum.Enum):
@@ -148,11 +169,14 @@ class PerformanceModel:
         calibration = self.calibration
         cal_steps = [k for k in calibration.steps() if k >= 1] if calibration else []
         self._cal_steps = cal_steps
+        # Steps 0 (no speculation) is a row of its own: never scaled by acceptance, never
+        # extrapolated from the speculative rows.
+        self._off_row = calibration is not None and 0 in calibration.steps()
         observed: dict[int, dict[int, tuple[float, float]]] = {}
         capacities: dict[int, int] = {}
         if history is not None:
             for (k, c), (tok_s, weight) in history.throughput_table().items():
-                if k >= 1 and c > 0 and weight > 0:
+                if k >= 0 and c > 0 and weight > 0:
                     observed.setdefault(k, {})[c] = (tok_s, weight)
             capacities = {k: v for k, v in history.capacities.items() if v > 0}
         self._observed = observed
@@ -202,8 +226,10 @@ class PerformanceModel:
 
     # -- curves ------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """The K this model can predict without extrapolating."""
-        return sorted(set(self._cal_steps) | set(self._observed))
+        """The K this model can predict without extrapolating (0: speculation off)."""
+        return sorted(
+            set(self._cal_steps) | set(self._observed) | ({0} if self._off_row else set())
+        )
 
     def can_predict(self, steps: int) -> bool:
         return self._curve(steps) is not None
@@ -244,10 +270,14 @@ class PerformanceModel:
         return curve
 
     def _build_curve(self, k: int) -> _Curve | None:
-        if k < 1:
+        if k < 0:
             return None
         cal = self.calibration
         observed = self._observed.get(k, {})
+        if k == 0 and cal is not None and self._off_row:
+            capacity = self._capacities.get(0, cal.capacity(0))
+            xs, ys = _shape(cal, 0, capacity)
+            return self._corrected(_Curve(xs, ys, capacity, 1.0, Source.CALIBRATION), observed)
         if cal is not None and k in self._cal_steps:
             capacity = self._capacities.get(k, cal.capacity(k))
             xs, ys = _shape(cal, k, capacity)
@@ -261,6 +291,8 @@ class PerformanceModel:
             )
             seen = sum(w for _, (_, w) in points)
             return _Curve(xs, ys, capacity, 1.0, Source.OBSERVED, evidence_s=seen)
+        if k == 0:
+            return None  # without drafting the speculative rows say nothing about it
         return self._extrapolated(k)
 
     def _corrected(self, base: _Curve, observed: Mapping[int, tuple[float, float]]) -> _Curve:
@@ -396,6 +428,8 @@ def fold_above(weights: Mapping[int, float], ceiling: int | None) -> dict[int, f
 # -- the policy -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StepPrediction:
+    # The setting's key (`specd.core.setting.setting_key`): K for static K, 0 for off, a
+    # negative number for an adaptive set (``Plan.settings`` has it).
     steps: int
     tok_s: float  # mean predicted output tok/s over the epoch
     source: Source
@@ -428,6 +462,15 @@ class Plan:
     # interval; a change needs gain_tokens > margin_tokens.
     gain_tokens: float = 0.0
     margin_tokens: float = 0.0
+    # The keys of ``predictions`` that are not a static K: off (0) and adaptive sets.
+    settings: Mapping[int, SpecSetting] = field(default_factory=dict)
+
+    def setting_of(self, key: int) -> SpecSetting:
+        return self.settings.get(key) or static(key)
+
+    @property
+    def target_setting(self) -> SpecSetting:
+        return self.setting_of(self.target)
 
 
 def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
@@ -440,13 +483,65 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     return close.timestamp(), opens.timestamp()
 
 
+def adaptive_slots(setting: SpecSetting) -> Slots:
+    """An adaptive setting's slots as `specd.core.adaptive` models them (no slots: one
+    candidate list for every batch size, as SGLang reads a config with one slot "1")."""
+    if setting.kind != "adaptive":
+        raise ValueError(f"setting {format_setting(setting)} is not adaptive")
+    return Slots.of(dict(setting.slots) if setting.slots else {1: setting.candidates})
+
+
+def restart_cost_s(setting: SpecSetting, config: Settings) -> float:
+    """Serving time a restart into ``setting`` loses: one CUDA-graph set more to capture
+    per adaptive candidate beyond the first."""
+    extra = 0.0
+    if setting.kind == "adaptive":
+        per = config.choose.adaptive_restart_extra_s_per_candidate
+        extra = per * (len(setting.candidates) - 1)
+    return config.choose.restart_cost_s + extra
+
+
+def _adaptive_rate(
+    model: PerformanceModel, setting: SpecSetting, weights: Mapping[int, float]
+) -> tuple[float, tuple[int, ...]] | None:
+    """Mean tok/s of an adaptive setting over ``weights`` (the best candidate of each
+    batch's slot at the deepest candidate's capacity, `specd.core.adaptive`) and the step
+    counts it reads; None when the model cannot predict every candidate."""
+    try:
+        am = AdaptiveModel.of(adaptive_slots(setting), model)
+    except ValueError:
+        return None
+    if am.skipped:
+        return None
+    # Past the deepest candidate's capacity every batch is the same: one bin (exact).
+    folded = fold_above(weights, am.capacity)
+    rate = sum(w * am.throughput(float(c)) for c, w in folded.items() if c > 0)
+    return rate, tuple(am.slots.candidates())
+
+
+def _distance(key: int, current: int | None) -> int:
+    """Ties go to the setting nearest the live one: the same kind, the nearer K."""
+    if current is None or key == current:
+        return 0
+    if key >= 0 and current >= 0:
+        return abs(key - current)
+    return MAX_TIE_DISTANCE
+
+
 def plan(
     history: History,
     config: Settings,
     current: int | None,
     calibration: Calibration | None = None,
+    *,
+    offer: Offer | None = None,
+    live_adaptive_config: str | None = None,
 ) -> Plan | None:
-    """The model policy's full prediction; None without data to predict from."""
+    """The model policy's full prediction; None without data to predict from.
+
+    ``current`` is the static K live (0: off); under SGLang's adaptive mode it is None and
+    ``live_adaptive_config`` names the config file it runs. ``offer`` (`specd.core.choices`)
+    is what may be chosen; without one, static K in min_steps..max_steps."""
     now = history.last_t
     if now is None:
         return None
@@ -458,29 +553,58 @@ def plan(
     if forecast is None:
         return None
     model = PerformanceModel(calibration, history)
+    offered = (
+        offer.settings
+        if offer is not None
+        else tuple(static(k) for k in range(config.choose.min_steps, config.choose.max_steps + 1))
+    )
     candidates = [
-        k
-        for k in range(config.choose.min_steps, config.choose.max_steps + 1)
-        if model.can_predict(k)
+        s.max_steps for s in offered if s.kind != "adaptive" and model.can_predict(s.max_steps)
     ]
-    if not candidates:
+    adaptives = [s for s in offered if s.kind == "adaptive"]
+    settings: dict[int, SpecSetting] = {0: off()} if 0 in candidates else {}
+    reads = {k for s in adaptives for k in adaptive_slots(s).candidates() if model.can_predict(k)}
+    if not candidates and not adaptives:
         return None
     horizon = max(until_t - now, 0.0)
-    restart_s = config.choose.restart_cost_s
     predictions: dict[int, StepPrediction] = {}
-    weights = fold_above(forecast.weights, model.saturation(candidates))
+    weights = fold_above(forecast.weights, model.saturation(sorted({*candidates, *reads})))
+    noise = config.choose.calibration_noise_ratio
+    if live_adaptive_config is not None:
+        current = next(
+            (setting_key(s) for s in adaptives if runs_adaptive_config(s, live_adaptive_config)),
+            None,
+        )
     for k in candidates:
         source = model.source(k) or Source.EXTRAPOLATED
         tok_s = model.rate(k, weights)
         trusted = (
             tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
         )
-        serving = horizon if k == current else max(horizon - restart_s, 0.0)
-        error = model.relative_error(k, config.choose.calibration_noise_ratio)
+        cost = restart_cost_s(settings.get(k) or static(k), config)
+        serving = horizon if k == current else max(horizon - cost, 0.0)
+        error = model.relative_error(k, noise)
         predictions[k] = StepPrediction(
             k, tok_s, source, trusted * serving, error, model.evidence_s(k)
         )
-    best = max(candidates, key=lambda k: (predictions[k].tokens, -abs(k - (current or k))))
+    for setting in adaptives:
+        predicted = _adaptive_rate(model, setting, weights)
+        if predicted is None:
+            continue
+        tok_s, steps = predicted
+        key = setting_key(setting)
+        observed = all(model.source(k) is Source.OBSERVED for k in steps)
+        source = Source.OBSERVED if observed else Source.CALIBRATION
+        serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
+        error = max(model.relative_error(k, noise) for k in steps)
+        # Its tiers are static Ks' rows: it is as well known as its least observed tier.
+        evidence = min(model.evidence_s(k) for k in steps)
+        predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)
+        settings[key] = setting
+    if not predictions:
+        return None
+    keys = list(predictions)
+    best = max(keys, key=lambda k: (predictions[k].tokens, -_distance(k, current)))
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     if current is not None and current in predictions and best != current:
         b, held = predictions[best], predictions[current]
@@ -491,8 +615,13 @@ def plan(
             target = current
     elif current is not None and current not in predictions:
         gain = math.inf
-    why = _why(forecast, predictions, now, until_t, best, target, current, gain, margin, config)
-    return Plan(now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin)
+    labels = {k: (format_setting(settings[k]) if k in settings else str(k)) for k in predictions}
+    why = _why(
+        forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
+    )
+    return Plan(
+        now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin, settings
+    )
 
 
 def _why(
@@ -506,11 +635,12 @@ def _why(
     gain: float,
     margin: float,
     config: Settings,
+    labels: Mapping[int, str],
 ) -> str:
     rates = " ".join(
-        f"{k}:{p.tok_s:.0f}±{p.tok_s * p.error_ratio * EVIDENCE_Z:.0f}"
+        f"{labels[k]}:{p.tok_s:.0f}±{p.tok_s * p.error_ratio * EVIDENCE_Z:.0f}"
         f"{'~' if p.source is Source.EXTRAPOLATED else ''}"
-        for k, p in sorted(predictions.items())
+        for k, p in sorted(predictions.items(), key=lambda kp: _order(kp[0]))
     )
     head = (
         f"model: {(until - now) / 3600:.1f} h to the next window, forecast mean offered "
@@ -518,21 +648,28 @@ def _why(
     )
     if predictions[best].source is Source.EXTRAPOLATED:
         head += f" (~ extrapolated, counted {EXTRAPOLATION_DISCOUNT_RATIO * 100:g}% lower)"
+    shown = labels[best]
     if current is None or best == current:
-        return f"{head}; {best} best"
+        return f"{head}; {shown} best"
     gain_text = "∞" if math.isinf(gain) else f"{gain * 100:+.1f}%"
     held = predictions.get(current) if current is not None else None
     extra = predictions[best].tokens - held.tokens if held is not None else math.inf
     evidence = "" if math.isinf(extra) else f" ({extra:.0f} tokens, interval ±{margin:.0f})"
     if target == current:
         floor = config.choose.min_gain_ratio
+        kept = labels[current]
         if extra <= margin:
             return (
-                f"{head}; {best} best by {gain_text}{evidence} net of the restart, "
-                f"within the prediction interval: keeping {current}"
+                f"{head}; {shown} best by {gain_text}{evidence} net of the restart, "
+                f"within the prediction interval: keeping {kept}"
             )
         return (
-            f"{head}; {best} best by {gain_text}{evidence} net of the restart, below "
-            f"min_gain_ratio {floor * 100:g}%: keeping {current}"
+            f"{head}; {shown} best by {gain_text}{evidence} net of the restart, below "
+            f"min_gain_ratio {floor * 100:g}%: keeping {kept}"
         )
-    return f"{head}; {best} best by {gain_text}{evidence} net of the restart"
+    return f"{head}; {shown} best by {gain_text}{evidence} net of the restart"
+
+
+def _order(key: int) -> tuple[int, int]:
+    """Static K ascending, then off, then adaptive sets (in the order they were keyed)."""
+    return (0, key) if key > 0 else (1, 0) if key == 0 else (2, 0)

@@ -202,6 +202,19 @@ def format_setting(setting: SpecSetting) -> str:
     return text
 
 
+def setting_key(setting: SpecSetting) -> int:
+    """One int per setting, for what records a choice as a number (the stabilization
+    window's recommendations, kept in the state file): a static K is K, off is 0, an
+    adaptive setting a negative number fixed by its content."""
+    if setting.kind == "static":
+        assert setting.steps is not None
+        return setting.steps
+    if setting.kind == "off":
+        return 0
+    digest = hashlib.sha256(format_setting(setting).encode()).hexdigest()
+    return -1 - int(digest[:12], 16)
+
+
 def adaptive_config(setting: SpecSetting, *, slots_supported: bool = True) -> dict[str, object]:
     """The JSON body of --speculative-adaptive-config for an adaptive setting.
 

@@ -24,11 +24,25 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specd.core import windows as windows_mod
+from specd.core.setting import format_setting
+from specd.core.setting import parse as parse_setting
 
 MINUTE_S = 60.0
 HOUR_S = 3600.0
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
+
+MAX_STEPS_ALLOWED = 16
+MAX_ADAPTIVE_SETS = 16  # each is predicted at every tick
+# SGLang 0.5.23's DEFAULT_ADAPTIVE_CONFIG (specd.core.adaptive.DEFAULT_SLOTS), then sets
+# whose deepest candidate costs less KV, for mid and high load.
+DEFAULT_ADAPTIVE_SETS = (
+    "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0",
+    "adaptive:1,3",
+    "adaptive:2,4",
+    "adaptive:3,4",
+    "adaptive:1,2,3",
+)
 
 # Goes into systemctl's argv: a leading '-' would be read as an option.
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
@@ -227,8 +241,12 @@ class ChooseSettings(BaseModel):
 
     model_config = _table()
 
-    min_steps: int = Field(default=1, ge=1, le=16, description="Fewest speculative steps allowed.")
-    max_steps: int = Field(default=6, ge=1, le=16, description="Most speculative steps allowed.")
+    min_steps: int = Field(
+        default=1, ge=1, le=MAX_STEPS_ALLOWED, description="Fewest speculative steps allowed."
+    )
+    max_steps: int = Field(
+        default=6, ge=1, le=MAX_STEPS_ALLOWED, description="Most speculative steps allowed."
+    )
     policy: Literal["bands", "model"] = Field(
         default="bands",
         description="Decision policy: concurrency bands or the throughput model. Unset, it "
@@ -296,6 +314,33 @@ class ChooseSettings(BaseModel):
         "one per step count); 0 turns exploration off. At most 16.",
     )
 
+    kinds: tuple[Literal["off", "static", "adaptive"], ...] = Field(
+        default=("static",),
+        min_length=1,
+        description='Kinds of setting the model policy may choose for the epoch ahead: "off" '
+        '(no speculation), "static" (K steps in min_steps..max_steps) and "adaptive" '
+        "(SGLang's --speculative-adaptive with one of adaptive_candidate_sets). Each only "
+        "where the server supports it (`specd doctor` says why not).",
+    )
+    adaptive_candidate_sets: tuple[str, ...] = Field(
+        default=DEFAULT_ADAPTIVE_SETS,
+        min_length=1,
+        max_length=MAX_ADAPTIVE_SETS,
+        description='Adaptive settings the model policy may consider, as "adaptive:1,3,5" '
+        "(one candidate list for every batch size) or with per-batch slots "
+        '"adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3" (0 = no drafting in that slot); candidates '
+        "ascending, unique. The default starts with SGLang's own default config. At most "
+        f"{MAX_ADAPTIVE_SETS}; each step count must be in the calibration table.",
+    )
+    adaptive_restart_extra_s_per_candidate: float = Field(
+        default=20,
+        ge=0,
+        le=HOUR_S,
+        description="Serving time an adaptive setting's restart loses per candidate step "
+        "count beyond the first, seconds: SGLang captures one set of CUDA graphs per "
+        "candidate at start. At most an hour.",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _default_policy(cls, data: Any) -> Any:
@@ -313,6 +358,35 @@ class ChooseSettings(BaseModel):
         if self.min_steps > self.max_steps:
             raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
         return self
+
+    @field_validator("kinds")
+    @classmethod
+    def _kinds(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"kinds {list(value)} name a kind twice")
+        return value
+
+    @field_validator("adaptive_candidate_sets")
+    @classmethod
+    def _adaptive_sets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        seen: set[str] = set()
+        for text in value:
+            try:
+                setting = parse_setting(text)
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
+            if setting.kind != "adaptive":
+                raise ValueError(f"{text!r} is not an adaptive setting such as 'adaptive:1,3,5'")
+            canonical = format_setting(setting)
+            # Written in another order, the same set would be two names for one setting.
+            if canonical != text.strip():
+                raise ValueError(f"{text!r}: write it as {canonical!r} (ascending, no spaces)")
+            if canonical in seen:
+                raise ValueError(f"{text!r} is listed twice")
+            if setting.max_steps > MAX_STEPS_ALLOWED:
+                raise ValueError(f"{text!r}: step counts must be at most {MAX_STEPS_ALLOWED}")
+            seen.add(canonical)
+        return value
 
 
 class RestartSettings(BaseModel):

@@ -23,13 +23,15 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specd.core import explore
+from specd.core.choices import offer
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
-from specd.core.model import Calibration
+from specd.core.model import Calibration, Plan, restart_cost_s
 from specd.core.observation import Observation, ScrapeError
 
 if TYPE_CHECKING:
     from specd.core.history import History
     from specd.core.override import Override
+    from specd.core.setting import ServerTraits
     from specd.core.settings import Settings
 
 
@@ -53,6 +55,9 @@ class StepContext:
     # Why the configured gateway cannot drain this server (one line, found by io this tick);
     # None: it can, or no gateway is configured.
     gateway_problem: str | None = None
+    # What the server can run (`specd.core.setting.traits_from_server_info`, with the
+    # algorithm specd applies); None until /server_info was read: static K and off only.
+    traits: ServerTraits | None = None
 
 
 @dataclass(frozen=True)
@@ -94,23 +99,33 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         live_adaptive_config=seen.adaptive_config if seen is not None and adaptive else None,
         explorations=ctx.control.explorations,
     )
-    pick = choose(ctx.history, config, current, ctx.calibration)
+    pick = choose(
+        ctx.history,
+        config,
+        current,
+        ctx.calibration,
+        offer=offer(config.choose, ctx.traits),
+        live_adaptive_config=control.live_adaptive_config,
+    )
     if pick is not None and ctx.calibration_problem:
         pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
-    back = explore.settle(
-        pick.plan if pick is not None else None, current, control.explorations, config, now
-    )
+    static_plan = _static_plan(pick.plan if pick is not None else None)
+    back = explore.settle(static_plan, current, control.explorations, config, now)
     if pick is not None and back is not None:
         pick = replace(pick, steps=back[0], why=f"{pick.why}; {back[1]}")
     if pick is not None and isinstance(observation, Observation):
-        control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
+        control = control.with_recommendation(now, pick.key, config.choose.stabilization_window_s)
     exploration = explore.ongoing(control.explorations, current, config, now)
-    if exploration is None and pick is not None and pick.plan is not None:
-        known = pick.plan.predictions
+    if exploration is None and static_plan is not None:
+        known = static_plan.predictions
         allowed = range(config.choose.min_steps, config.choose.max_steps + 1)
         # The bands only matter where the model cannot predict (no calibration).
         band = None if all(k in known for k in allowed) else band_steps(ctx.history, config)
-        exploration = explore.propose(pick.plan, current, config, control.explorations, now, band)
+        exploration = explore.propose(static_plan, current, config, control.explorations, now, band)
+    needs_s = ctx.restart_needs_s
+    if pick is not None and pick.chosen is not None:
+        # An adaptive start captures a CUDA-graph set per candidate: the window must hold it.
+        needs_s += restart_cost_s(pick.chosen, config) - config.choose.restart_cost_s
     decision = decide(
         ctx.history,
         observation,
@@ -119,7 +134,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         now,
         control,
         pick,
-        ctx.restart_needs_s,
+        needs_s,
         exploration,
         fleet_problem=ctx.fleet_problem,
         gateway_problem=ctx.gateway_problem,
@@ -130,3 +145,12 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions, intervals)
+
+
+def _static_plan(plan: Plan | None) -> Plan | None:
+    """The plan as safe exploration reads it: static step counts only. Exploration measures
+    a step count; a plan that moves to off or to an adaptive set explores nothing."""
+    if plan is None or plan.best < 1 or plan.target < 1:
+        return None
+    static_only = {k: p for k, p in plan.predictions.items() if k >= 1}
+    return replace(plan, predictions=static_only)

@@ -34,6 +34,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from specd.core.setting import parse as parse_setting
 from specd.core.settings import (
     ARRAYS,
     RENAMED_KEYS,
@@ -326,10 +327,25 @@ def check_calibration(settings: Settings) -> list[str]:
     if path is None:
         return []
     try:
-        read_calibration(path)
+        calibration = read_calibration(path)
     except CalibrationError as exc:
         return [f"choose.calibration_file: {exc}"]
-    return []
+    if "adaptive" not in settings.choose.kinds:
+        return []
+    # specd predicts an adaptive set from its candidates' rows: one the table lacks
+    # would be a guess about the deepest candidate's capacity.
+    known = set(calibration.table.steps())
+    problems = []
+    for text in settings.choose.adaptive_candidate_sets:
+        setting = parse_setting(text)
+        steps = {k for _, cands in setting.slots for k in cands} | set(setting.candidates)
+        lacking = sorted(steps - known)
+        if lacking:
+            problems.append(
+                f"choose.adaptive_candidate_sets: {text!r} uses steps "
+                f"{','.join(map(str, lacking))}, which {path} has no rows for"
+            )
+    return problems
 
 
 def load_config(path: str | Path | None = None) -> Config:

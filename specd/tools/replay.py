@@ -42,15 +42,35 @@ from specd.core.decide import Control, Reason
 from specd.core.explore import WEEK_S
 from specd.core.forecast import Forecast, forecast_epoch, score
 from specd.core.history import History, HistorySettings
-from specd.core.model import Calibration
+from specd.core.model import Calibration, adaptive_slots, restart_cost_s
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
+from specd.core.setting import (
+    ServerTraits,
+    SpecSetting,
+    adaptive_config_name,
+    format_setting,
+    off,
+    static,
+)
+from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, step
 from specd.io import files
 from specd.io.calibration import read_calibration
 from specd.io.config import Config
 
 DEFAULT_START = datetime(2026, 1, 5, tzinfo=timezone.utc)  # a Monday
+# The replayed server runs whatever the truth has rows for: a chain drafter on an SGLang
+# with per-batch adaptive slots and step 0 in them.
+REPLAY_TRAITS = ServerTraits(
+    algorithm="NEXTN",
+    topk=1,
+    dp_attention=False,
+    multi_layer_eagle=False,
+    two_batch_overlap=False,
+    pdmux=False,
+    version=(0, 5, 23),
+)
 DEFAULT_RESTART_S = 100.0
 MAX_TRACE_ROWS = 10_000_000
 # Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each).
@@ -134,11 +154,16 @@ def _static_rate(truth: PerfTable, k: int, c: int) -> float:
 
 # The key `Tokens` files SGLang's adaptive mode under (step counts are >= 0).
 ADAPTIVE = -1
+# Tokens' keys: a step count (0: off), `ADAPTIVE`, or an adaptive setting specd chose.
+Key = int | SpecSetting
+# What the simulated server reports as the --speculative-adaptive-config it runs.
+ADAPTIVE_CONFIG_DIR = "/var/lib/specd"
 
 
 class Tokens:
     """Cumulative tokens served per K over the trace (prefix sums over runs); also, under
-    `ADAPTIVE`, by SGLang's adaptive mode when ``adaptive`` is given."""
+    `ADAPTIVE`, by SGLang's adaptive mode when ``adaptive`` is given, and under each
+    adaptive setting `ensure` was asked for (`models` holds what it runs)."""
 
     def __init__(
         self,
@@ -149,14 +174,29 @@ class Tokens:
     ) -> None:
         self.trace = trace
         self.truth = truth
-        self.rate: dict[int, list[float]] = {}
-        self.cum: dict[int, list[float]] = {}
+        self.rate: dict[Key, list[float]] = {}
+        self.cum: dict[Key, list[float]] = {}
+        self.models: dict[SpecSetting, AdaptiveModel] = {}
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
         if adaptive is not None:
             self._add(ADAPTIVE, lambda c: adaptive.throughput(float(c)))
 
-    def _add(self, key: int, rate_at: Callable[[int], float]) -> None:
+    def ensure(self, setting: SpecSetting) -> Key:
+        """The key ``setting``'s tokens are under, counted from the truth on first use
+        (off: the steps-0 row; adaptive: `specd.core.adaptive` over the truth)."""
+        if setting.kind != "adaptive":
+            k = setting.max_steps
+            if k not in self.rate:
+                self._add(k, functools.partial(_static_rate, self.truth, k))
+            return k
+        if setting not in self.rate:
+            model = AdaptiveModel.of(adaptive_slots(setting), self.truth)
+            self.models[setting] = model
+            self._add(setting, lambda c: model.throughput(float(c)))
+        return setting
+
+    def _add(self, key: Key, rate_at: Callable[[int], float]) -> None:
         memo: dict[int, float] = {}
         rates = []
         for c in self.trace.level:
@@ -169,13 +209,13 @@ class Tokens:
         self.rate[key] = rates
         self.cum[key] = cum
 
-    def upto(self, k: int, s: float) -> float:
+    def upto(self, k: Key, s: float) -> float:
         t = self.trace.t
         s = min(max(s, t[0]), t[-1])
         i = min(bisect.bisect_right(t, s) - 1, len(t) - 2)
         return self.cum[k][i] + self.rate[k][i] * (s - t[i])
 
-    def between(self, k: int, a: float, b: float) -> float:
+    def between(self, k: Key, a: float, b: float) -> float:
         return max(0.0, self.upto(k, b) - self.upto(k, a))
 
 
@@ -188,7 +228,8 @@ class ReplayResult:
     restarts: int
     restarts_outside_windows: int
     days: float
-    steps_timeline: list[tuple[float, int]]
+    # (trace second, K) of the start and each change: 0 for off, None for an adaptive set.
+    steps_timeline: list[tuple[float, int | None]]
     forecast_mean_error_ratio: float | None
     forecast_median_error_ratio: float | None
     forecast_total_variation: float | None
@@ -207,14 +248,25 @@ class ReplayResult:
     adaptive: AdaptiveResult | None = None
     # The reason of each change in steps_timeline[1:] (the decision that restarted).
     change_reasons: list[str] = field(default_factory=list)
+    # steps_timeline with each setting in its operator form ("off", "4", "adaptive:1,3").
+    setting_timeline: list[tuple[float, str]] = field(default_factory=list)
+    # Tokens of each adaptive set of the config the truth can score, run all along.
+    adaptive_set_tokens: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def best_adaptive_set(self) -> str | None:
+        """The best single adaptive config in hindsight, of the configured sets."""
+        sets = self.adaptive_set_tokens
+        return max(sets, key=lambda text: sets[text]) if sets else None
 
     @property
     def explorations(self) -> list[tuple[float, int]]:
         """(trace second, steps) of each exploration begun in the scored span."""
+        # An exploration is of a static step count (never None: adaptive in the timeline).
         return [
             (t, k)
             for (t, k), reason in zip(self.steps_timeline[1:], self.change_reasons, strict=True)
-            if reason == Reason.EXPLORE.value and t >= self.scored_from_s
+            if reason == Reason.EXPLORE.value and t >= self.scored_from_s and k is not None
         ]
 
     def explorations_dict(self) -> dict[str, Any]:
@@ -280,6 +332,16 @@ class ReplayResult:
             "change_reasons": list(self.change_reasons),
             # Explorations (changes with reason explore) begun in the scored span.
             "explorations": self.explorations_dict(),
+            # [trace second, setting] of the same start and changes.
+            "setting_timeline": [[_seconds(t), text] for t, text in self.setting_timeline],
+            "kinds_chosen": _kinds_chosen(self.setting_timeline),
+            "adaptive_set_tokens": {k: round(v) for k, v in self.adaptive_set_tokens.items()},
+            "best_adaptive_set": self.best_adaptive_set,
+            "ratio_to_best_adaptive_set": (
+                None
+                if self.best_adaptive_set is None
+                else _ratio(self.specd_tokens, self.adaptive_set_tokens[self.best_adaptive_set])
+            ),
             "restart_s": self.restart_s,
             "scored_from_s": _seconds(self.scored_from_s),
             "restart_lost_tokens": round(self.restart_lost_tokens),
@@ -291,6 +353,14 @@ class ReplayResult:
             "decision_ms_max": round(self.decision_ms_max, 3),
             "reasons": dict(sorted(self.reasons.items())),
         }
+
+
+def _kinds_chosen(timeline: Sequence[tuple[float, str]]) -> dict[str, int]:
+    """How many of the changes went to each kind of setting."""
+    counts = {"off": 0, "static": 0, "adaptive": 0}
+    for _, text in timeline[1:]:
+        counts[parse_setting(text).kind] += 1
+    return counts
 
 
 def _ratio(a: float, b: float) -> float:
@@ -355,21 +425,31 @@ def _open_intervals(config: Config, start: float, end: float) -> list[tuple[floa
 
 
 class SimulatedServer:
-    """SGLang as replay sees it: the trace's offered concurrency served at the live step
-    count by the truth table; a restart serves nothing until it is back.
+    """SGLang as replay sees it: the trace's offered concurrency served at the live setting
+    by the truth table (off: its steps-0 row; adaptive: `specd.core.adaptive` over it); a
+    restart serves nothing until it is back.
 
     The daemon's replay-equivalence test reads the same server through the daemon's real
     loop, so both see the very same observations.
     """
 
-    def __init__(self, trace: Trace, truth: PerfTable, tokens: Tokens, t0: float, steps: int):
+    def __init__(
+        self, trace: Trace, truth: PerfTable, tokens: Tokens, t0: float, steps: int | SpecSetting
+    ):
         self.trace, self.truth, self.tokens, self.t0 = trace, truth, tokens, t0
-        self.steps = steps
+        self.setting = _as_setting(steps)
+        self.key = tokens.ensure(self.setting)
         self.serving_from = trace.t[0]  # trace seconds; also the counters' zero
 
-    def restart(self, steps: int, s: float, restart_s: float) -> None:
+    @property
+    def steps(self) -> int | None:
+        """The static step count live (0: off; None under adaptive mode)."""
+        return None if self.setting.kind == "adaptive" else self.setting.max_steps
+
+    def restart(self, steps: int | SpecSetting, s: float, restart_s: float) -> None:
         """A restart to ``steps`` issued at trace second ``s``; back ``restart_s`` later."""
-        self.steps = steps
+        self.setting = _as_setting(steps)
+        self.key = self.tokens.ensure(self.setting)
         self.serving_from = s + restart_s
 
     def up(self, s: float) -> bool:
@@ -377,24 +457,34 @@ class SimulatedServer:
 
     def observe(self, s: float) -> Observation:
         """The observation a scrape at trace second ``s`` returns while SGLang is up."""
-        k, truth = self.steps, self.truth
+        setting, truth = self.setting, self.truth
         offered = self.trace.at(s)
-        cap = truth.capacity(k)
+        served = self.tokens.between(self.key, self.serving_from, s)
+        config: str | None = None
+        if setting.kind == "adaptive":
+            model = self.tokens.models[setting]
+            # The tier SGLang runs for this batch; capacity is the deepest candidate's.
+            k, cap = model.choice(float(offered)), model.capacity
+            tok_s = model.throughput(float(offered)) if offered > 0 else 0.0
+            config = f"{ADAPTIVE_CONFIG_DIR}/{adaptive_config_name(setting)}"
+        else:
+            k, cap = setting.max_steps, truth.capacity(setting.max_steps)
+            tok_s = truth.throughput(k, float(offered)) if offered > 0 else 0.0
         running = offered if cap is None else min(offered, cap)
-        served = self.tokens.between(k, self.serving_from, s)
+        drafting = k > 0
         return Observation(
             t=self.t0 + s,
             running=running,
             queued=offered - running,
-            accept_length=truth.accept_length(k),
-            spec_fresh=offered > 0,
+            accept_length=truth.accept_length(k) if drafting else None,
+            spec_fresh=offered > 0 and drafting,
             steps=k,
-            draft_tokens=k + 1,
-            topk=1,
-            algorithm="NEXTN",
+            draft_tokens=k + 1 if drafting else None,
+            topk=1 if setting.kind != "off" else None,
+            algorithm=REPLAY_TRAITS.algorithm if setting.kind != "off" else None,
             max_running_requests=cap,
             token_usage=None,
-            gen_throughput=truth.throughput(k, float(offered)) if offered > 0 else 0.0,
+            gen_throughput=tok_s,
             generation_tokens_total=served,
             decode_tokens_total=served,
             spec_verify_calls_total=None,
@@ -402,7 +492,41 @@ class SimulatedServer:
             version="replay",
             dp_ranks=1,
             launch_command=None,
+            adaptive=setting.kind == "adaptive",
+            adaptive_config=config,
         )
+
+
+def _steps_of(setting: SpecSetting) -> int | None:
+    """A setting as steps_timeline shows it: K, 0 for off, None for an adaptive set."""
+    return None if setting.kind == "adaptive" else setting.max_steps
+
+
+def _check_kinds(truth: PerfTable, config: Config) -> list[SpecSetting]:
+    """The adaptive sets of the config the truth can score; a kind specd may choose that
+    the truth cannot serve is an error (off needs a steps-0 row, a set its steps' rows)."""
+    have = set(truth.steps())
+    if "off" in config.choose.kinds and 0 not in have:
+        raise ReplayError(f"{truth.source}: truth has no steps-0 row, and kinds has off")
+    sets = []
+    for text in config.choose.adaptive_candidate_sets:
+        setting = parse_setting(text)
+        used = {k for _, c in setting.slots for k in c} | set(setting.candidates)
+        lacking = sorted(used - have)
+        if not lacking:
+            sets.append(setting)
+        elif "adaptive" in config.choose.kinds:
+            raise ReplayError(
+                f"{truth.source}: truth has no steps {','.join(map(str, lacking))}, which "
+                f"adaptive set {text} uses"
+            )
+    return sets
+
+
+def _as_setting(steps: int | SpecSetting) -> SpecSetting:
+    if isinstance(steps, SpecSetting):
+        return steps
+    return off() if steps == 0 else static(steps)
 
 
 def evaluated_spans(
@@ -445,6 +569,7 @@ def replay(
             f"{truth.source}: truth has no steps {','.join(map(str, missing))} "
             f"(allowed {config.choose.min_steps}-{config.choose.max_steps}; narrow it with --steps)"
         )
+    sets = _check_kinds(truth, config)
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
     adaptive: AdaptiveModel | None = None
@@ -456,7 +581,12 @@ def replay(
     tokens = Tokens(trace, truth, allowed, adaptive)
     opens = _open_intervals(config, t0 + first, t0 + last)
     scored_from = min(first + max(warmup_s, 0.0), last)
-    static = {k: tokens.between(k, scored_from, last) for k in allowed}
+    static_tokens = {k: tokens.between(k, scored_from, last) for k in allowed}
+    # Each adaptive set specd may consider, run the whole span with no restart: the best
+    # single adaptive config in hindsight is the best of these.
+    set_tokens = {
+        format_setting(a): tokens.between(tokens.ensure(a), scored_from, last) for a in sets
+    }
     k = (
         initial_steps
         if initial_steps is not None
@@ -474,9 +604,11 @@ def replay(
     step_s = config.observe.scrape_interval_s
     server = SimulatedServer(trace, truth, tokens, t0, k)
     control = Control(current_steps=k)
-    timeline: list[tuple[float, int]] = [(first, k)]
+    live = static(k)
+    timeline: list[tuple[float, SpecSetting]] = [(first, live)]
+    restart_spans: list[float] = []  # how long each change's restart served nothing
     change_reasons: list[str] = []
-    segments: list[tuple[int, float, float]] = []  # (K, from, to) in trace seconds
+    segments: list[tuple[Key, float, float]] = []  # (setting, from, to) in trace seconds
     outside = 0
     reasons: dict[str, int] = {}
     decisions: list[tuple[float, int | None, str]] = []
@@ -515,6 +647,7 @@ def replay(
             control,
             calibration,
             restart_needs_s=config.choose.restart_cost_s,
+            traits=REPLAY_TRAITS,
         )
         began = time.perf_counter()
         outcome = step(context, obs, t)
@@ -524,26 +657,30 @@ def replay(
         if t >= spans[span_i][1]:
             decisions.append((t, decision.target_steps, decision.reason.value))
         reasons[decision.reason.value] = reasons.get(decision.reason.value, 0) + 1
-        if outcome.acts and decision.target_steps is not None:
+        target = decision.target_setting
+        if outcome.acts and target is not None:
             if not any(a <= t < b for a, b in opens):
                 outside += 1
-            segments.append((k, server.serving_from, s))
-            k = decision.target_steps
-            server.restart(k, s, restart_s)
+            segments.append((server.key, server.serving_from, s))
+            live = target
+            # An adaptive start captures one CUDA-graph set more per candidate.
+            took = restart_s + restart_cost_s(live, config) - config.choose.restart_cost_s
+            server.restart(live, s, took)
             # As the daemon: the restart is recorded when SGLang is back, and its warm-up
             # is kept out of the history.
             back = t0 + server.serving_from
             control = control.after_restart(back)
             history.mark_sglang_start(back)
-            timeline.append((s, k))
+            timeline.append((s, live))
+            restart_spans.append(took)
             change_reasons.append(decision.reason.value)
-    segments.append((k, server.serving_from, last))
+    segments.append((server.key, server.serving_from, last))
     specd_tokens = sum(
         tokens.between(kk, max(a, scored_from), min(b, last)) for kk, a, b in segments if b > a
     )
     # The oracle: the best fixed K per epoch (window opening to window opening). Before
     # the first window of the scored span no one can choose: it runs specd's K there.
-    live_then = [kk for at, kk in timeline if at <= scored_from][-1]
+    live_then = tokens.ensure([kk for at, kk in timeline if at <= scored_from][-1])
     bounds = [scored_from]
     bounds += [o - t0 for o, _ in opens if scored_from < o - t0 < last]
     bounds.append(last)
@@ -555,8 +692,10 @@ def replay(
     oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
     scored_restarts = sum(1 for at, _ in timeline[1:] if at >= scored_from)
     lost = sum(
-        tokens.between(old, max(at, scored_from), min(at + restart_s, last))
-        for (_, old), (at, _) in itertools.pairwise(timeline)
+        tokens.between(tokens.ensure(old), max(at, scored_from), min(at + took, last))
+        for ((_, old), (at, _)), took in zip(
+            itertools.pairwise(timeline), restart_spans, strict=True
+        )
     )
     adaptive_result = None
     if adaptive is not None:
@@ -571,11 +710,13 @@ def replay(
     return ReplayResult(
         specd_tokens=specd_tokens,
         oracle_tokens=oracle,
-        static_tokens=static,
+        static_tokens=static_tokens,
         restarts=scored_restarts,
         restarts_outside_windows=outside,
         days=(last - scored_from) / 86400.0,
-        steps_timeline=timeline,
+        steps_timeline=[(at, _steps_of(setting)) for at, setting in timeline],
+        setting_timeline=[(at, format_setting(setting)) for at, setting in timeline],
+        adaptive_set_tokens=set_tokens,
         forecast_mean_error_ratio=mean_err,
         forecast_median_error_ratio=median_err,
         forecast_total_variation=tv,

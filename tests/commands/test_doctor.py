@@ -357,3 +357,60 @@ def test_gateway_checks_each_replica_answers_and_routes_this_server(tmp_path: Pa
     assert "api_key_file" in refused.advice
     # Without a [gateway], no check at all.
     assert doctor(tmp_path).check_gateway() == []
+
+
+@pytest.mark.parametrize(
+    ("version", "kinds", "ok", "detail", "notes"),
+    [
+        (
+            "0.5.23", '["static"]', True, "specd may choose static",
+            ["off: not offered: not in [choose] kinds (static)", "static: offered (steps 1-6)",
+             "adaptive: not offered: not in [choose] kinds (static)"],
+        ),
+        (
+            "0.5.23", '["off", "static", "adaptive"]', True,
+            "specd may choose off, static, adaptive",
+            ["off: offered (no speculation)", "static: offered (steps 1-6)",
+             "adaptive: offered (adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0 adaptive:1,3 "
+             "adaptive:2,4 adaptive:3,4 adaptive:1,2,3)"],
+        ),
+        (
+            "0.5.13", '["static", "adaptive"]', True, "specd may choose static, adaptive",
+            ["off: not offered: not in [choose] kinds (static, adaptive)",
+             "static: offered (steps 1-6)",
+             "adaptive: offered (adaptive:1,3 adaptive:2,4 adaptive:3,4 adaptive:1,2,3)",
+             "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0: not offered: step 0 in a slot "
+             "need SGLang >= 0.5.14; the server runs 0.5.13"],
+        ),
+        (
+            "0.5.11", '["static", "adaptive"]', False,
+            "[choose] kinds has adaptive, which this server cannot run: needs SGLang >= 0.5.13 "
+            "(per-batch slots); the server runs 0.5.11",
+            ["off: not offered: not in [choose] kinds (static, adaptive)",
+             "static: offered (steps 1-6)",
+             "adaptive: not offered: needs SGLang >= 0.5.13 (per-batch slots); the server runs "
+             "0.5.11"],
+        ),
+    ],
+)  # fmt: skip
+def test_choices_check_says_what_specd_may_choose_on_this_server(
+    tmp_path: Path, version: str, kinds: str, ok: bool, detail: str, notes: list[str]
+) -> None:
+    found = doctor(tmp_path, f"[choose]\nkinds = {kinds}\n")
+    with version_twin(version) as twin:
+        twin.wait_healthy(20)
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            assert found.check_sglang(client).ok
+    check = found.check_choices()
+    assert (check.ok, check.detail) == (ok, detail)
+    assert list(check.notes) == notes
+    assert ("take adaptive out of [choose] kinds" in check.advice) == (not ok)
+
+
+def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) -> None:
+    found = doctor(tmp_path, '[choose]\nkinds = ["off", "static", "adaptive"]\n')
+    check = found.check_choices()  # SGLang never answered
+    assert not check.ok
+    assert check.detail.endswith("adaptive, which this server cannot run: the server's "
+                                 "/server_info has not been read")  # fmt: skip
+    assert "off: offered (no speculation)" in check.notes

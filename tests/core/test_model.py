@@ -10,6 +10,7 @@ import pytest
 from factories import make_observation, seed_table, tables
 
 from specd.core.acceptance import accept_length_from_alpha
+from specd.core.choices import offer
 from specd.core.decide import Control, choose
 from specd.core.history import History, HistorySettings
 from specd.core.model import (
@@ -22,6 +23,7 @@ from specd.core.model import (
 )
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.setting import adaptive_config_name, parse, setting_key, traits_from_server_info
 from specd.core.settings import Settings
 from specd.core.step import StepContext, step
 from specd.io.calibration import CalibrationFile
@@ -411,3 +413,264 @@ def test_observation_narrows_a_prediction_and_extrapolation_widens_it() -> None:
     assert seen.relative_error(4, 0.01) == pytest.approx(0.01)  # 4 was never observed
     assert none.relative_error(5, 0.01) == pytest.approx(0.01 + EXTRAPOLATION_DISCOUNT_RATIO)
     assert none.relative_error(6, 0.01) == pytest.approx(0.01 + 2 * EXTRAPOLATION_DISCOUNT_RATIO)
+
+
+# -- choosing among kinds: off, static K, adaptive sets ---------------------------------
+# A hand-made table without accept lengths, so predictions are its numbers exactly:
+# off serves least at low load and most under heavy load; 3 steps the reverse.
+KINDS_TABLE = PerfTable(
+    [
+        PerfRow(k, float(c), tok_s, None, cap)
+        for k, cap, curve in (
+            (0, 64, ((1, 50), (8, 380), (32, 1400), (64, 2000))),
+            (1, 48, ((1, 80), (8, 560), (32, 1300), (64, 1300))),
+            (3, 32, ((1, 110), (8, 600), (32, 1000), (64, 1000))),
+        )
+        for c, tok_s in curve
+    ],
+    source="kinds",
+)
+# Below 8 requests 1 or 3 steps, from 8 on none (0) or 1.
+MIXED_SET = "adaptive:1,3/1=1,3;8=0,1"
+SERVER = traits_from_server_info(
+    {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 1, "version": "0.5.14"}
+)
+
+
+def kinds_config(tmp_path: Path, **kwargs: Any) -> Settings:
+    base: dict[str, Any] = {
+        "kinds": ["off", "static", "adaptive"],
+        "adaptive_candidate_sets": [MIXED_SET, "adaptive:1,3"],
+        "min_steps": 1,
+        "max_steps": 3,
+        "bands": [{"steps": 3}],
+    }
+    return config(tmp_path, **{**base, **kwargs})
+
+
+def kinds_history(levels: tuple[int, ...], steps: int = 3, hours: float = 3.0) -> History:
+    """Offered concurrency cycling through ``levels`` every 10 minutes from Monday 00:00
+    until just before the 03:00 window, served at ``steps`` as KINDS_TABLE says."""
+    history = fresh_history()
+    cap = KINDS_TABLE.capacity(steps)
+    assert cap is not None
+    t, served = MONDAY, 0.0
+    while t < MONDAY + hours * HOUR:
+        c = levels[int((t - MONDAY) // 600) % len(levels)]
+        history.record(
+            make_observation(
+                t,
+                running=min(c, cap),
+                queued=max(0, c - cap),
+                accept_length=None,
+                spec_fresh=False,
+                steps=steps,
+                max_running_requests=cap,
+                generation_tokens_total=served,
+                decode_tokens_total=served,
+                version="test",
+            )
+        )
+        served += KINDS_TABLE.throughput(steps, c) * 5
+        t += 5
+    return history
+
+
+def test_off_is_predicted_from_the_steps_0_row_and_never_extrapolated() -> None:
+    model = PerformanceModel(KINDS_TABLE)
+    assert 0 in model.steps()
+    assert model.source(0) is Source.CALIBRATION
+    for c, expected in ((1, 50), (4, 50 + 330 * 3 / 7), (32, 1400), (40, 1400 + 600 * 8 / 32)):
+        assert model.throughput(0, c) == pytest.approx(expected)
+    assert model.capacity(0) == 64
+    # Without a steps-0 row no one knows what no drafting serves.
+    without = PerformanceModel(PerfTable([r for r in KINDS_TABLE.rows if r.steps > 0]))
+    assert not without.can_predict(0)
+    assert 0 not in without.steps()
+
+
+@pytest.mark.parametrize(
+    ("c", "expected", "why"),
+    [
+        (2, 110 + 490 / 7, "slot 1: 3 steps beats 1 (80 + 480/7)"),
+        (4, 110 + 490 * 3 / 7, "slot 1: 3 steps"),
+        (16, 560 + 740 * 8 / 24, "slot 8: 1 step (806.7) beats off (720)"),
+        (32, 1400, "slot 8: off beats 1 step (1300)"),
+        # Past the deepest candidate's capacity (3 steps: 32) requests queue, although
+        # off alone would serve 1550 at 40.
+        (40, 1400, "capacity of 3 steps"),
+    ],
+)
+def test_an_adaptive_set_is_the_best_candidate_of_each_slot_at_the_deepest_capacity(
+    tmp_path: Path, c: int, expected: float, why: str
+) -> None:
+    cfg = kinds_config(tmp_path, adaptive_candidate_sets=[MIXED_SET])
+    result = plan(
+        kinds_history((c,)), cfg, 3, Calibration.of(KINDS_TABLE), offer=offer(cfg.choose, SERVER)
+    )
+    assert result is not None
+    key = setting_key(parse(MIXED_SET))
+    assert result.predictions[key].tok_s == pytest.approx(expected, rel=1e-3), why
+    assert result.predictions[0].tok_s == pytest.approx(KINDS_TABLE.throughput(0, c), rel=1e-3)
+    # Two candidates: one CUDA-graph set more to capture than a static restart.
+    serving = result.until - result.now - (cfg.choose.restart_cost_s + 20)
+    assert result.predictions[key].tokens == pytest.approx(result.predictions[key].tok_s * serving)
+    assert f"{MIXED_SET}:" in result.why
+    assert "off:" in result.why
+
+
+@pytest.mark.parametrize(
+    ("levels", "current", "chosen", "why"),
+    [
+        ((60,), 3, "off", "heavy: off 1925 tok/s, 1 step 1300, 3 steps 1000"),
+        ((2, 32), 3, MIXED_SET, "mixed: the set has 3 steps at 2 and off at 32"),
+        ((2,), 1, "3", "light: the set ties 3 steps but restarts longer"),
+        ((2,), 3, "3", "light, live 3: nothing beats it"),
+        ((60,), 0, "off", "heavy, off live: kept"),
+    ],
+)
+def test_the_policy_picks_the_kind_that_serves_most_on_evidence(
+    tmp_path: Path, levels: tuple[int, ...], current: int, chosen: str, why: str
+) -> None:
+    cfg = kinds_config(tmp_path)
+    picked = choose(
+        kinds_history(levels, steps=current),
+        cfg,
+        current,
+        Calibration.of(KINDS_TABLE),
+        offer=offer(cfg.choose, SERVER),
+    )
+    assert picked is not None
+    target = parse(chosen)
+    assert (picked.setting or parse(str(picked.steps))) == target, why
+    assert picked.steps == target.max_steps
+    assert picked.key == setting_key(target)
+    assert (picked.chosen is None) == (target.kind == "static")
+    assert set(picked.predictions) == {0, 1, 3}
+    assert set(picked.setting_predictions) == {MIXED_SET, "adaptive:1,3"}
+
+
+def test_a_small_gain_of_another_kind_stays_within_the_prediction_interval(
+    tmp_path: Path,
+) -> None:
+    # At 32 off serves 1400, 1 step 1300: +7.7 %; a noisy calibration (±20 % at 2σ each)
+    # cannot tell them apart.
+    table = Calibration.of(KINDS_TABLE)
+    history = kinds_history((32,), steps=1)
+    noisy = kinds_config(tmp_path, calibration_noise_ratio=0.1)
+    result = plan(history, noisy, 1, table, offer=offer(noisy.choose, SERVER))
+    assert result is not None
+    assert (result.best, result.target) == (0, 1)
+    assert "off best by" in result.why
+    assert "within the prediction interval: keeping 1" in result.why
+    tight = kinds_config(tmp_path)
+    assert plan(history, tight, 1, table, offer=offer(tight.choose, SERVER)).target == 0  # type: ignore[union-attr]
+
+
+def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> None:
+    cfg = kinds_config(tmp_path)
+    live = parse(MIXED_SET)
+    history = kinds_history((2, 32), steps=3)
+    result = plan(
+        history,
+        cfg,
+        None,
+        Calibration.of(KINDS_TABLE),
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config=f"/var/lib/specd/{adaptive_config_name(live)}",
+    )
+    assert result is not None
+    key = setting_key(live)
+    assert result.target == key
+    assert result.target_setting == live
+    held = result.predictions[key]
+    assert held.tokens == pytest.approx(held.tok_s * (result.until - result.now))  # no restart
+    # An adaptive config specd did not write is no candidate: any pick is a change.
+    foreign = plan(
+        history,
+        cfg,
+        None,
+        Calibration.of(KINDS_TABLE),
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config="/etc/sglang/mine.json",
+    )
+    assert foreign is not None
+    assert foreign.predictions[key].tokens < held.tokens
+
+
+@pytest.mark.parametrize("levels", [(60,), (2, 32), (2,)])
+def test_the_defaults_keep_todays_static_decisions(tmp_path: Path, levels: tuple[int, ...]) -> None:
+    # A table with a steps-0 row and every traffic shape: without "off" or "adaptive" in
+    # kinds the plan is exactly the static one, whatever the server supports.
+    cfg = config(tmp_path, min_steps=1, max_steps=3, bands=[{"steps": 3}])
+    history = kinds_history(levels, steps=3)
+    cal = Calibration.of(KINDS_TABLE)
+    before = plan(history, cfg, 3, cal)
+    after = plan(history, cfg, 3, cal, offer=offer(cfg.choose, SERVER))
+    assert before is not None
+    assert after == before
+    assert set(before.predictions) == {1, 3}
+    assert before.settings == {}
+
+
+def test_a_set_the_table_cannot_predict_is_no_candidate(tmp_path: Path) -> None:
+    cfg = kinds_config(tmp_path, adaptive_candidate_sets=[MIXED_SET, "adaptive:1,3,5"])
+    result = plan(
+        kinds_history((2,)), cfg, 3, Calibration.of(KINDS_TABLE), offer=offer(cfg.choose, SERVER)
+    )
+    assert result is not None
+    assert setting_key(parse("adaptive:1,3,5")) not in result.predictions  # no 5-step rows
+    no_off = Calibration.of(PerfTable([r for r in KINDS_TABLE.rows if r.steps > 0]))
+    result = plan(kinds_history((2,)), cfg, 3, no_off, offer=offer(cfg.choose, SERVER))
+    assert result is not None
+    assert set(result.predictions) == {1, 3}  # off and the set with a 0 slot need the row
+
+
+@pytest.mark.parametrize(
+    ("levels", "target", "target_steps"),
+    [((60,), "off", 0), ((2, 32), MIXED_SET, None), ((2,), "3", 3)],
+)
+def test_the_decision_carries_the_chosen_setting_to_the_daemon(
+    tmp_path: Path, levels: tuple[int, ...], target: str, target_steps: int | None
+) -> None:
+    cfg = kinds_config(tmp_path)
+    history = kinds_history(levels, steps=1, hours=3.25)  # into the 03:00 window
+    now = history.last_t
+    assert now is not None
+    chosen = parse(target)
+    held = Control(1, recommendations=((now - 1000, setting_key(chosen)),))
+    ctx = StepContext(cfg, history, None, held, Calibration.of(KINDS_TABLE), traits=SERVER)
+    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    result = step(ctx, obs, now)
+    assert result.decision.reason.value == "change", result.decision.message
+    assert result.decision.target_steps == target_steps
+    assert result.decision.target_setting == chosen
+    assert result.acts
+    assert f"1 → {target}" in result.decision.message
+    # Without the server's traits only static K (and off) can be offered.
+    blind = step(dataclasses.replace(ctx, traits=None), obs, now)
+    assert blind.decision.target_setting is not None
+    assert blind.decision.target_setting.kind != "adaptive"
+
+
+@pytest.mark.parametrize(("levels", "target", "reason"), [
+    ((2,), "3", "change"),
+    ((2, 32), MIXED_SET, "window_ending"),  # 20 s more to start: it no longer fits
+])  # fmt: skip
+def test_an_adaptive_start_must_fit_in_the_window_with_its_extra_graphs(
+    tmp_path: Path, levels: tuple[int, ...], target: str, reason: str
+) -> None:
+    cfg = kinds_config(tmp_path)
+    history = kinds_history(levels, steps=1, hours=3.25)
+    now = history.last_t
+    assert now is not None
+    held = Control(1, recommendations=((now - 1000, setting_key(parse(target))),))
+    left = 4 * HOUR - (now - MONDAY)  # the 03:00 window closes at 04:00
+    ctx = StepContext(
+        cfg, history, None, held, Calibration.of(KINDS_TABLE), restart_needs_s=left - 10,
+        traits=SERVER,
+    )  # fmt: skip
+    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    decision = step(ctx, obs, now).decision
+    assert decision.target_setting == parse(target)
+    assert decision.reason.value == reason, decision.message

@@ -690,3 +690,41 @@ def test_restart_cost_is_a_non_negative_number_of_seconds(
     else:
         with pytest.raises(ConfigError, match=r"choose\.restart_cost_s"):
             load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("lines", "problems"),
+    [
+        # Only steps 1 and 3 are rows of the table.
+        (["kinds = ['static', 'adaptive']", "adaptive_candidate_sets = ['adaptive:1,3']"], []),
+        (["kinds = ['static']", "adaptive_candidate_sets = ['adaptive:1,4']"], []),
+        (
+            ["kinds = ['static', 'adaptive']",
+             "adaptive_candidate_sets = ['adaptive:1,3', 'adaptive:1,4', "
+             "'adaptive:1,3/1=1,3;8=0,1']"],
+            ["'adaptive:1,4' uses steps 4, which",
+             "'adaptive:1,3/1=1,3;8=0,1' uses steps 0, which"],
+        ),
+        # The defaults reach 7 and a 0 tier: with adaptive on, the table must have them.
+        (
+            ["kinds = ['adaptive']"],
+            ["'adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0' uses steps 0,5,7"],
+        ),
+    ],
+)  # fmt: skip
+def test_adaptive_sets_must_be_rows_of_the_calibration(
+    tmp_path: Path, lines: list[str], problems: list[str]
+) -> None:
+    cal = tmp_path / "cal.csv"
+    cal.write_text("steps,concurrency,output_tok_s\n1,1,100\n3,1,150\n")
+    text = f"[choose]\ncalibration_file = '{cal}'\n" + "\n".join(lines) + "\n"
+    if not problems:
+        load_config(write(tmp_path, text))
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    found = [p for p in info.value.problems if p.startswith("choose.adaptive_candidate_sets: ")]
+    assert len(found) == len(info.value.problems), info.value.problems
+    for problem in problems:
+        assert any(problem in p for p in found), (problem, found)
+    assert all(f"which {cal} has no rows for" in p for p in found)

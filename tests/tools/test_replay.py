@@ -16,6 +16,9 @@ import pytest
 
 from specd.commands.replay import build_config
 from specd.core import windows
+from specd.core.adaptive import AdaptiveModel
+from specd.core.model import adaptive_slots
+from specd.core.setting import parse
 from specd.io.config import Config, Window
 from specd.io.tables import read_table
 from specd.tools.replay import (
@@ -476,3 +479,112 @@ def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
     assert "SGLang adaptive ≥1:[1,3,5] ≥8:[0,1,3] ≥32:[0,1] ≥64:[0] (not in the truth: 7)" in text
     assert f"{data['restart_lost_tokens']:,} tokens lost restarting" in text
     assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 2
+
+
+# -- choosing among kinds ---------------------------------------------------------------
+HEAVYOFF = (TRUTH / "heavyoff.csv", TRUTH / "heavyoff-calibration.csv")
+
+
+def heavy(rng: random.Random, hour: int) -> tuple[int, int]:
+    return 24, 48
+
+
+def mixed(rng: random.Random, hour: int) -> tuple[int, int]:
+    if hour >= 20 or hour < 6:
+        return 24, 48  # batch jobs: no speculation serves most
+    if 8 <= hour < 18:
+        return 1, 4  # a few agents: 2-3 steps
+    return 0, 1
+
+
+def kinds_replay(trace: Trace, kinds: tuple[str, ...]) -> dict[str, Any]:
+    table, calibration = HEAVYOFF
+    config = build_config(
+        Config(observe={"scrape_interval_s": 15}),
+        window_list=TWICE_A_DAY,
+        steps=(1, 6),
+        calibration=calibration,
+        restart_s=100,
+        kinds=kinds,
+    )
+    return replay(trace, read_table(table), config, warmup_s=DAY).to_dict()
+
+
+def recount(data: dict[str, Any], trace: Trace, truth_path: Path) -> float:
+    """specd's tokens from the setting timeline and the truth alone (an adaptive start takes
+    20 s more per candidate beyond the first)."""
+    truth = read_table(truth_path)
+    times, levels = trace.t, trace.level
+    timeline = data["setting_timeline"]
+    total = 0.0
+    for i, (at, text) in enumerate(timeline):
+        setting = parse(text)
+        took = data["restart_s"] + (20 * (len(setting.candidates) - 1) if setting.candidates else 0)
+        if setting.kind == "adaptive":
+            model = AdaptiveModel.of(adaptive_slots(setting), truth)
+            rate: Callable[[int], float] = lambda c, m=model: m.throughput(float(c))  # noqa: E731
+        else:
+            rate = lambda c, k=setting.max_steps: truth.throughput(k, float(c))  # noqa: E731
+        serving_from = at + (took if i else 0.0)
+        until = timeline[i + 1][0] if i + 1 < len(timeline) else times[-1]
+        total += _integrate(times, levels, rate, max(serving_from, data["scored_from_s"]), until)
+    return total
+
+
+def test_under_heavy_load_specd_turns_speculation_off_where_the_truth_says_it_pays() -> None:
+    trace = minute_trace(3, heavy)
+    data = kinds_replay(trace, ("off", "static", "adaptive"))
+    assert data["kinds_chosen"]["off"] >= 1
+    assert data["setting_timeline"][-1][1] == "off"
+    assert [k for _, k in data["steps_timeline"]][-1] == 0
+    # Off serves ~13 % more than the best static K on this machine at 24-48 concurrent.
+    assert data["ratio_to_best_static"] > 1.08
+    assert data["specd_tokens"] == pytest.approx(recount(data, trace, HEAVYOFF[0]), rel=1e-6)
+    # The defaults choose static K only, as specd always has.
+    static_only = kinds_replay(trace, ("static",))
+    assert static_only["kinds_chosen"] == {"off": 0, "static": 1, "adaptive": 0}
+    assert static_only["ratio_to_best_static"] == pytest.approx(1.0, abs=0.005)
+
+
+def test_on_a_mixed_day_specd_beats_sglangs_adaptive_and_the_best_single_set() -> None:
+    trace = minute_trace(3, mixed)
+    data = kinds_replay(trace, ("off", "static", "adaptive"))
+    assert data["kinds_chosen"]["adaptive"] >= 1
+    assert data["kinds_chosen"]["off"] >= 1
+    assert data["ratio_to_adaptive"] >= 1.0  # SGLang's adaptive mode, its default config
+    assert data["best_adaptive_set"] in data["adaptive_set_tokens"]
+    assert data["ratio_to_best_adaptive_set"] >= 0.99  # the best set in hindsight
+    assert data["restarts_outside_windows"] == 0
+    assert data["specd_tokens"] == pytest.approx(recount(data, trace, HEAVYOFF[0]), rel=1e-6)
+
+
+def test_a_kind_the_truth_cannot_serve_is_refused(tmp_path: Path) -> None:
+    config = build_config(Config(), steps=(1, 6), kinds=("off", "static"))
+    with pytest.raises(ReplayError, match="no steps-0 row, and kinds has off"):
+        replay(minute_trace(0.1, heavy), read_table(TRUTH / "k5to2.csv"), config)
+    sets = build_config(Config(), steps=(1, 6), kinds=("static", "adaptive"))
+    with pytest.raises(ReplayError, match=r"no steps 0,7, which adaptive set adaptive:1,3,5,7"):
+        replay(minute_trace(0.1, heavy), read_table(TRUTH / "k5to2.csv"), sets)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "code", "output"),
+    [
+        ("off,static", 0, '"kinds_chosen": {"off": 1, "static": 0, "adaptive": 0}'),
+        ("sometimes", 2, "expected kinds from off, static, adaptive"),
+        ("off,,static", 2, "expected kinds from off, static, adaptive"),
+    ],
+)
+def test_the_command_takes_the_kinds_specd_may_choose(
+    tmp_path: Path, kinds: str, code: int, output: str
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n" + "".join(f"{m * 60},40\n" for m in range(2 * 1440)))
+    table, calibration = HEAVYOFF
+    proc = specd(
+        "--trace", str(trace), "--truth", str(table), "--calibration", str(calibration),
+        "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-6", f"--kinds={kinds}", "--json",
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    assert output in (proc.stdout if code == 0 else proc.stderr)
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,120 @@
+"""Which settings specd may choose for the epoch ahead: what the operator allows ([choose]
+kinds, adaptive_candidate_sets) and what the server can run (its traits, /server_info).
+
+Pure. The model policy predicts only what `offer` returns; `specd doctor` and `specd
+status` print each kind with the reason it is not offered.
+
+SGLang's adaptive mode runs for EAGLE, EAGLE3 and NEXTN chains (topk 1) without DP
+attention, multi-layer EAGLE, two-batch overlap or PD multiplexing
+(`specd.core.setting.unavailable`); specd offers it only where the config file has
+per-batch-size slots (0.5.13+, `sglang_features.ADAPTIVE_SLOTS`), and a set with a 0
+("no drafting") tier only where a slot may hold it (0.5.14+).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from specd.core.setting import (
+    KINDS,
+    Kind,
+    ServerTraits,
+    SpecSetting,
+    adaptive,
+    format_setting,
+    off,
+    static,
+    unavailable,
+)
+from specd.core.setting import parse as parse_setting
+from specd.core.sglang_features import ADAPTIVE_SLOTS, version_text
+
+if TYPE_CHECKING:
+    from specd.core.settings import ChooseSettings
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The settings specd may choose, and why each kind or set is not offered."""
+
+    # Each kind with the reason it is not offered; None when it is.
+    kinds: dict[Kind, str | None]
+    settings: tuple[SpecSetting, ...]  # static K ascending, then off, then adaptive sets
+    refused: tuple[tuple[str, str], ...] = ()  # (adaptive set, why) the server cannot run
+
+    def allows(self, kind: Kind) -> bool:
+        return self.kinds.get(kind) is None
+
+    def lines(self) -> list[str]:
+        """One line per kind, then per refused set: for doctor and status."""
+        out = []
+        for kind in KINDS:
+            why = self.kinds[kind]
+            if why is not None:
+                out.append(f"{kind}: not offered: {why}")
+                continue
+            chosen = [format_setting(s) for s in self.settings if s.kind == kind]
+            if kind == "static":
+                steps = [s.steps for s in self.settings if s.steps is not None]
+                text = f"steps {min(steps)}-{max(steps)}" if steps else "no step count"
+            elif kind == "adaptive":
+                text = " ".join(chosen) if chosen else "none of the sets"
+            else:
+                text = "no speculation"
+            out.append(f"{kind}: offered ({text})")
+        out.extend(f"{text}: not offered: {why}" for text, why in self.refused)
+        return out
+
+
+def _adaptive_kind(traits: ServerTraits | None) -> str | None:
+    """Why this server cannot run SGLang's adaptive mode as specd writes it, or None."""
+    if traits is None:
+        return "the server's /server_info has not been read"
+    why = unavailable(adaptive((1,)), traits, allow_off=True)
+    if why is not None:
+        return why
+    need = version_text(ADAPTIVE_SLOTS.since)
+    if traits.version is None:
+        return f"needs SGLang >= {need} (per-batch slots); the server's version is unknown"
+    if traits.version < ADAPTIVE_SLOTS.since:
+        return (
+            f"needs SGLang >= {need} (per-batch slots); the server runs "
+            f"{version_text(traits.version)}"
+        )
+    return None
+
+
+def offer(choose: ChooseSettings, traits: ServerTraits | None) -> Offer:
+    """The settings of ``choose`` that a server with ``traits`` can run (None: not read
+    yet; static K and off are offered then, as specd has always run static K).
+
+    ``traits.algorithm`` must be the algorithm specd applies: a server running "off"
+    reports none, and static K stays offered only if the caller keeps the algorithm."""
+    allowed = set(choose.kinds)
+    kinds: dict[Kind, str | None] = {}
+    for kind in KINDS:
+        if kind not in allowed:
+            kinds[kind] = f"not in [choose] kinds ({', '.join(choose.kinds)})"
+        elif kind == "off":
+            kinds[kind] = None
+        elif kind == "static":
+            kinds[kind] = None if traits is None else unavailable(static(1), traits, allow_off=True)
+        else:
+            kinds[kind] = _adaptive_kind(traits)
+    settings: list[SpecSetting] = []
+    refused: list[tuple[str, str]] = []
+    if kinds["static"] is None:
+        settings += [static(k) for k in range(choose.min_steps, choose.max_steps + 1)]
+    if kinds["off"] is None:
+        settings.append(off())
+    if kinds["adaptive"] is None:
+        assert traits is not None
+        for text in choose.adaptive_candidate_sets:
+            setting = parse_setting(text)
+            why = unavailable(setting, traits, allow_off=True)
+            if why is None:
+                settings.append(setting)
+            else:
+                refused.append((text, why))
+    return Offer(kinds, tuple(settings), tuple(refused))

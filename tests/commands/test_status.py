@@ -1,0 +1,72 @@
+"""specd status: which settings specd may choose on the running SGLang, and why not."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from factories import version_twin
+
+from specd.commands.status import collect, render, server_info
+from specd.io.config import load_config
+
+NOW = 1_764_000_000.0
+
+
+def config_file(tmp_path: Path, url: str, kinds: str) -> Path:
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        f'[sglang]\nurl = "{url}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}"\noverride_file = "{tmp_path}/override.toml"\n'
+        f"[choose]\nkinds = {kinds}\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("version", "lines"),
+    [
+        (
+            "0.5.23",
+            [
+                "choices        off: offered (no speculation)",
+                "               static: offered (steps 1-6)",
+                "               adaptive: offered (adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;"
+                "64=0 adaptive:1,3 adaptive:2,4 adaptive:3,4 adaptive:1,2,3)",
+            ],
+        ),
+        (
+            "0.5.11",
+            [
+                "choices        off: offered (no speculation)",
+                "               static: offered (steps 1-6)",
+                "               adaptive: not offered: needs SGLang >= 0.5.13 (per-batch "
+                "slots); the server runs 0.5.11",
+            ],
+        ),
+    ],
+)
+def test_status_names_the_choices_on_the_running_server(
+    tmp_path: Path, version: str, lines: list[str]
+) -> None:
+    with version_twin(version) as twin:
+        twin.wait_healthy(20)
+        config = load_config(config_file(tmp_path, twin.url, '["off", "static", "adaptive"]'))
+        info = collect(config, NOW, server_info(config))
+    text = render(info, NOW)
+    assert "\n".join(lines) in text, text
+    assert info["choices"]["kinds"]["static"] is None
+    assert info["choices"]["server_problem"] is None
+
+
+def test_status_says_when_sglang_did_not_answer(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the with ends: nothing listens
+    config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
+    info = collect(config, NOW, server_info(config))
+    text = render(info, NOW)
+    assert "choices        off: not offered: not in [choose] kinds (static)\n" in text
+    assert "               static: offered (steps 1-6)\n" in text
+    assert f"(http://127.0.0.1:{port} did not answer /server_info: " in text
