@@ -29,7 +29,7 @@ from specd.core.decide import Decision, Reason, window_left_s
 from specd.core.history import History, HistorySettings, Recorded
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
-from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
 from specd.io import files, logs
@@ -180,6 +180,7 @@ class Daemon:
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
         self.live_adaptive = False  # SGLang runs its adaptive mode (live_steps is then None)
+        self._algorithm_seen: str | None = None  # the last speculative algorithm SGLang named
         self.last_decision: Decision | None = None
         self._last_logged: tuple[str, int | None] | None = None
         self._last_decision_key: object = None
@@ -430,6 +431,7 @@ class Daemon:
             calibration_problem=calibration_problem,
             restart_needs_s=self._restart_needs_s(),
             gateway_problem=gateway_problem,
+            traits=self._traits(),
         )
         outcome = step(context, result, now)
         if outcome.acts:
@@ -605,7 +607,11 @@ class Daemon:
                 live_adaptive=outcome.control.live_adaptive,
                 acts=acts,
                 message=decision.message,
-                recommendation=pick.steps if pick else None,
+                recommendation=(
+                    format_setting(pick.setting) if pick and pick.setting else pick.steps
+                )
+                if pick
+                else None,
                 recommendation_why=pick.why if pick else None,
                 prediction_interval={
                     str(k): [round(lo, 1), round(hi, 1)] for k, (lo, hi) in pick.intervals.items()
@@ -616,6 +622,21 @@ class Daemon:
             self._last_logged = key
             self._last_logged_at = now
         return changed
+
+    def _traits(self) -> ServerTraits | None:
+        """What the running SGLang can run (`specd.core.choices.offer` reads it); None
+        before /server_info was read. Off reports no algorithm: the one specd applies (the
+        config's, else the last one SGLang reported) stands in, or specd could never leave
+        off."""
+        info = getattr(self.client, "last_server_info", None)
+        if not isinstance(info, dict):
+            return None
+        traits = traits_from_server_info(info)
+        if traits.algorithm is not None:
+            self._algorithm_seen = traits.algorithm
+            return traits
+        known = self.config.sglang.speculative_algorithm or self._algorithm_seen
+        return traits if known is None else replace(traits, algorithm=known.upper(), topk=1)
 
     def _fleet_problem(self) -> str | None:
         """Why no fleet slot could be taken now (etcd unreachable, all slots busy), or None."""

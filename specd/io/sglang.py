@@ -704,6 +704,11 @@ class SGLangClient:
         return self._info_path
 
     @property
+    def last_server_info(self) -> dict[str, Any] | None:
+        """/server_info of the start the last observation came from (None before a read)."""
+        return self._info
+
+    @property
     def live_algorithm(self) -> str | None:
         """The --speculative-algorithm of the start /server_info last described (None
         before a read, or when SGLang runs without speculation)."""
