@@ -397,5 +397,5 @@ def test_a_pin_applied_now_outside_a_window_waits_for_the_gateway_to_answer(
             d.client = Reader([obs(clock[0], steps=3)])
             decision = d.tick()
     assert decision.reason is Reason.OVERRIDE_PIN, decision.message
-    assert applier.calls == [(4, 3)]
+    assert applier.calls == [("4", "3")]
     assert d.metrics.registry.get_sample_value("specd_gateway_worker_not_ready_replicas") == 1

@@ -57,7 +57,7 @@ def test_no_slot_no_restart_and_it_resumes_when_etcd_is_back(
     clock[0] += 5
     decision = d.tick()
     assert decision.reason is Reason.CHANGE, decision.message
-    assert applier.calls == [(4, 3)]
+    assert applier.calls == [("4", "3")]
 
 
 def test_etcd_is_not_asked_when_no_restart_is_due(tmp_path: Path, etcd: EtcdProcess) -> None:
