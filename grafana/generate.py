@@ -50,6 +50,7 @@ REASON_COLORS: dict[str, str] = {
     "restart_budget": "red",
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
+    "regression": "dark-orange",
 }
 STEPS_UNIT = "none"
 TOKS_UNIT = "suffix: tok/s"
@@ -742,7 +743,8 @@ class Annotation(NamedTuple):
     text: str
 
 
-# What explains a throughput dip: every restart specd made, every rollback, every pin.
+# What explains a throughput dip: every restart specd made, every rollback, every pin,
+# every change specd took back.
 ANNOTATIONS: tuple[Annotation, ...] = (
     Annotation(
         "Restarts",
@@ -772,6 +774,14 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         f'max by (instance) (specd_mode{{{INST}, mode="freeze"}}) == 1',
         "automatic changes frozen",
         "frozen on {{instance}} until specd unfreeze",
+    ),
+    Annotation(
+        "Regressions",
+        "dark-orange",
+        f"sum by (instance, steps) (increase(specd_regressions_total{{{INST}}}[1m])) > 0",
+        "{{steps}} steps regressed",
+        "specd on {{instance}} went back: {{steps}} steps served less than the step count "
+        "before (see the decision log's outcome)",
     ),
 )
 

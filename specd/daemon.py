@@ -135,7 +135,11 @@ class Daemon:
         self.config_path = config_path
         self.clock = clock
         self.log = logs.get_logger()
-        self.metrics = Metrics(registry, reasons=[r.value for r in Reason])
+        self.metrics = Metrics(
+            registry,
+            reasons=[r.value for r in Reason],
+            steps=range(config.choose.min_steps, config.choose.max_steps + 1),
+        )
         self.notifier = notifier or Notifier()
         self.runner: Runner = runner or SubprocessRunner(beat=self._heartbeat)
         self.allowed_override_uids = allowed_override_uids or (0, os.getuid())
@@ -388,8 +392,10 @@ class Daemon:
         self.live_steps = outcome.current
         self._note_live(outcome.current, now, "observation")
         self._report_predictions(outcome)
-        changed = self._report_decision(decision, outcome.current, now, outcome.pick)
+        changed = self._report_decision(decision, outcome.current, now, outcome.pick, outcome)
         if outcome.acts:
+            if decision.reason is Reason.REGRESSION:
+                self._report_regression(outcome)
             self._apply(decision, outcome.current, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
@@ -494,6 +500,7 @@ class Daemon:
         current: int | None,
         now: float,
         pick: Pick | None,
+        result: StepResult | None = None,
     ) -> bool:
         """Export and log the decision; True when it differs from the previous one."""
         target = decision.target_steps
@@ -524,10 +531,28 @@ class Daemon:
                 }
                 if pick
                 else None,
+                outcome=result.verdict.why if result is not None and result.verdict else None,
             )
             self._last_logged = key
             self._last_logged_at = now
         return changed
+
+    def _report_regression(self, result: StepResult) -> None:
+        # Counted when specd goes back, as `step` puts the step count on the avoid list.
+        found = result.verdict
+        assert found is not None
+        self.metrics.regressions.labels(steps=str(found.to_steps)).inc()
+        self.log.warning(
+            "regression",
+            from_steps=found.from_steps,
+            to_steps=found.to_steps,
+            observed_s=round(found.observed_s),
+            observed_tok_s=round(found.observed_tok_s, 1),
+            baseline_tok_s=round(found.baseline_tok_s, 1),
+            margin_tok_s=round(found.margin_tok_s, 1),
+            shortfall_ratio=round(found.shortfall_ratio, 4),
+            message=found.why,
+        )
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""

@@ -165,6 +165,10 @@ def test_every_restart_result_and_pin_is_annotated() -> None:
     assert 'mode="freeze"' in text
 
 
+def test_every_regression_is_annotated() -> None:
+    assert any("specd_regressions_total{" in a["expr"] for a in annotations())
+
+
 def _unknown_top_key(d: dict[str, Any]) -> None:
     d["__inputs"] = [{"name": "DS_PROMETHEUS"}]
 

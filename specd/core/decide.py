@@ -27,6 +27,7 @@ from specd.core.text import duration_text as _duration
 if TYPE_CHECKING:
     from specd.core.history import History
     from specd.core.observation import Observation
+    from specd.core.outcome import Avoided, ChangeSnapshot, Verdict
     from specd.core.override import Override
     from specd.core.settings import Band, Settings
 
@@ -49,10 +50,13 @@ class Reason(str, enum.Enum):
     OVERRIDE_PIN = "override_pin"
     FROZEN = "frozen"
     CHANGE = "change"
+    # Going back: the step count specd changed to served less than the one before it,
+    # beyond noise (specd.core.outcome).
+    REGRESSION = "regression"
 
 
 # The only reasons under which the daemon applies a target.
-ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN})
+ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN, Reason.REGRESSION})
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,10 @@ class Control:
     frozen_reason: str | None = None
     # (t, steps) the policy recommended at recent ticks, oldest first.
     recommendations: tuple[tuple[float, int], ...] = ()
+    # The latest change specd made, whose outcome is being verified (specd.core.outcome).
+    verifying: ChangeSnapshot | None = None
+    # Step counts that regressed, which the policies skip for a while (specd.core.outcome).
+    avoided: tuple[Avoided, ...] = ()
 
     def with_recommendation(self, t: float, steps: int, window_s: float) -> Control:
         """Append a recommendation and drop those the stabilization check no longer needs.
@@ -114,7 +122,11 @@ class Pick:
 
 
 # -- policies -----------------------------------------------------------------------
-Policy = Callable[["History", "Settings", "int | None", "Calibration | None"], "Pick | None"]
+# Given the concurrency mix the policy expects, the step counts it must skip, and why.
+Avoid = Callable[[Mapping[int, float]], Mapping[int, str]]
+Policy = Callable[
+    ["History", "Settings", "int | None", "Calibration | None", "Avoid | None"], "Pick | None"
+]
 
 
 def clamp(steps: int, config: Settings) -> int:
@@ -136,7 +148,11 @@ def _band_range(bands: Sequence[Band], i: int) -> str:
 
 
 def _pick_bands(
-    history: History, config: Settings, current: int | None, _calibration: Calibration | None
+    history: History,
+    config: Settings,
+    current: int | None,
+    _calibration: Calibration | None,
+    avoid: Avoid | None = None,
 ) -> Pick | None:
     """Bands of offered concurrency; with ``current``, boundaries get hysteresis.
 
@@ -159,6 +175,9 @@ def _pick_bands(
     why = f"{label} {_band_range(bands, picked)} (band {picked + 1} → {steps} steps)"
     if current is None or steps == current:
         return Pick(steps, why)
+    skipped = avoid(history.offered_weights()) if avoid is not None else {}
+    if steps in skipped:
+        return Pick(current, f"{why}, avoided: {skipped[steps]}: keeping {current}")
     tol = config.choose.tolerance_ratio
     for j, band in enumerate(bands):
         if clamp(band.steps, config) != current:
@@ -179,10 +198,14 @@ def _pick_bands(
 
 
 def _pick_model(
-    history: History, config: Settings, current: int | None, calibration: Calibration | None
+    history: History,
+    config: Settings,
+    current: int | None,
+    calibration: Calibration | None,
+    avoid: Avoid | None = None,
 ) -> Pick | None:
     """The throughput model (specd.core.model), forecast over the coming epoch."""
-    result = plan(history, config, current, calibration)
+    result = plan(history, config, current, calibration, avoid)
     if result is None:
         return None
     return Pick(
@@ -202,13 +225,15 @@ def choose(
     config: Settings,
     current: int | None = None,
     calibration: Calibration | None = None,
+    avoid: Avoid | None = None,
 ) -> Pick | None:
     """The configured policy's pick (clamped to the allowed range); None without busy history.
 
     Without ``current`` this is the raw pick; with it, the policy's tolerance applies
     and the pick is ``current`` while the evidence for a change is within tolerance.
+    ``avoid`` names the step counts the pick must not change to (`specd.core.outcome`).
     """
-    return POLICIES[config.choose.policy](history, config, current, calibration)
+    return POLICIES[config.choose.policy](history, config, current, calibration, avoid)
 
 
 # -- decide -------------------------------------------------------------------------
@@ -283,10 +308,13 @@ def decide(
     control: Control,
     pick: Pick | None,
     restart_needs_s: float = 0.0,
+    verdict: Verdict | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
-    open window with ``restart_needs_s`` to spare. See the module docstring."""
+    open window with ``restart_needs_s`` to spare. A ``verdict`` of regression
+    (`specd.core.outcome`) goes back to the step count before the change, gated like a
+    change but without waiting for the stabilization window. See the module docstring."""
     at = _utc(now)
     current = control.current_steps
     hold = None if current is None else clamp(current, config)
@@ -359,6 +387,13 @@ def decide(
             "needed; "
             f"{_holding(current)}",
         )
+    if verdict is not None and verdict.regressed and verdict.to_steps == current:
+        back = clamp(verdict.from_steps, config)
+        change = f"going back {_arrow(current, back)}"
+        blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
+        if blocked is not None:
+            return Decision(back, blocked[0], f"{verdict.why}; {blocked[1]}")
+        return Decision(back, Reason.REGRESSION, f"{verdict.why}: {change}")
     if pick is None:
         return Decision(
             hold, Reason.INSUFFICIENT_DATA, f"no busy traffic in the history; {_holding(current)}"
@@ -380,25 +415,36 @@ def decide(
         )
 
     # 5. When a change may happen: window, dwell, budget.
-    blocked = _window_blocks(config, at, restart_needs_s, change)
+    blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
     if blocked is not None:
         return Decision(target, blocked[0], f"{why}; {blocked[1]}")
+    return Decision(target, Reason.CHANGE, f"{why}: {change}")
+
+
+def _change_blocks(
+    config: Settings,
+    at: datetime,
+    now: float,
+    control: Control,
+    restart_needs_s: float,
+    change: str,
+) -> tuple[Reason, str] | None:
+    """Why window, dwell or the restart budget forbid an automatic restart now, or None."""
+    blocked = _window_blocks(config, at, restart_needs_s, change)
+    if blocked is not None:
+        return blocked
     if control.restart_times:
         since = now - max(control.restart_times)
         if since < config.restart.min_dwell_s:
-            return Decision(
-                target,
-                Reason.DWELL_TIME,
-                f"{why}; last restart {_duration(max(since, 0.0))} ago < "
-                f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits",
+            return Reason.DWELL_TIME, (
+                f"last restart {_duration(max(since, 0.0))} ago < "
+                f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits"
             )
     used = sum(1 for t in control.restart_times if t > now - DAY_S)
     if used >= config.restart.daily_restart_budget:
-        return Decision(
-            target,
-            Reason.RESTART_BUDGET,
-            f"{why}; {used} restarts in the last 24 h ≥ budget "
+        return Reason.RESTART_BUDGET, (
+            f"{used} restarts in the last 24 h ≥ budget "
             f"{config.restart.daily_restart_budget}: "
-            f"{change} waits",
+            f"{change} waits"
         )
-    return Decision(target, Reason.CHANGE, f"{why}: {change}")
+    return None

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -439,8 +439,12 @@ def plan(
     config: Settings,
     current: int | None,
     calibration: Calibration | None = None,
+    avoid: Callable[[Mapping[int, float]], Mapping[int, str]] | None = None,
 ) -> Plan | None:
-    """The model policy's full prediction; None without data to predict from."""
+    """The model policy's full prediction; None without data to predict from.
+
+    ``avoid``, given the forecast's concurrency mix, names the step counts to leave out of
+    the candidates (`specd.core.outcome`; the live one always stays in), and why."""
     now = history.last_t
     if now is None:
         return None
@@ -452,10 +456,15 @@ def plan(
     if forecast is None:
         return None
     model = PerformanceModel(calibration, history)
+    skipped = {
+        k: why
+        for k, why in (avoid(forecast.weights) if avoid is not None else {}).items()
+        if k != current
+    }
     candidates = [
         k
         for k in range(config.choose.min_steps, config.choose.max_steps + 1)
-        if model.can_predict(k)
+        if model.can_predict(k) and k not in skipped
     ]
     if not candidates:
         return None
@@ -484,6 +493,8 @@ def plan(
     elif current is not None and current not in predictions:
         gain = math.inf
     why = _why(forecast, predictions, now, until_t, best, target, current, gain, margin, config)
+    if skipped:
+        why += "; avoiding " + "; ".join(why_k for _, why_k in sorted(skipped.items()))
     return Plan(now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin)
 
 

@@ -9,16 +9,21 @@ clock, no file, no network, no cache outliving the call.
 
 One tick: the live step count comes from this tick's observation only (a failed scrape
 means "unknown", never the last value believed); the policy's pick is computed once and
-both recorded for the stabilization window and handed to `decide`.
+both recorded for the stabilization window and handed to `decide`, with the outcome of the
+latest change (`specd.core.outcome.verdict`); the policy skips the step counts on the
+avoid list. A change that acts is snapshotted for its verification; going back from a
+regression puts the regressed step count on the avoid list.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from specd.core.decide import Control, Decision, Pick, choose, decide
+from specd.core import outcome
+from specd.core.decide import Control, Decision, Pick, Reason, choose, decide
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 
@@ -54,6 +59,8 @@ class StepResult:
     control: Control
     predictions: Mapping[int, float] = field(default_factory=dict)
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    # The outcome of the latest change while its step count is live (specd.core.outcome).
+    verdict: outcome.Verdict | None = None
 
     @property
     def acts(self) -> bool:
@@ -71,8 +78,12 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         frozen=ctx.control.frozen,
         frozen_reason=ctx.control.frozen_reason,
         recommendations=ctx.control.recommendations,
+        verifying=ctx.control.verifying,
+        avoided=outcome.current_entries(ctx.control.avoided, now, config),
     )
-    pick = choose(ctx.history, config, current, ctx.calibration)
+    verdict = outcome.verdict(control.verifying, ctx.history, config, current, ctx.calibration)
+    avoid = functools.partial(outcome.avoided, control.avoided, now, config)
+    pick = choose(ctx.history, config, current, ctx.calibration, avoid)
     if pick is not None and ctx.calibration_problem:
         pick = Pick(
             pick.steps,
@@ -83,8 +94,47 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
     decision = decide(
-        ctx.history, observation, config, ctx.override, now, control, pick, ctx.restart_needs_s
+        ctx.history,
+        observation,
+        config,
+        ctx.override,
+        now,
+        control,
+        pick,
+        ctx.restart_needs_s,
+        verdict,
     )
+    if decision.acts(current):
+        control = _after_acting(control, decision, current, pick, verdict, ctx, now)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
-    return StepResult(decision, current, pick, control, predictions, intervals)
+    return StepResult(decision, current, pick, control, predictions, intervals, verdict)
+
+
+def _after_acting(
+    control: Control,
+    decision: Decision,
+    current: int | None,
+    pick: Pick | None,
+    verdict: outcome.Verdict | None,
+    ctx: StepContext,
+    now: float,
+) -> Control:
+    """The control state once ``decision`` acts: a policy change is to be verified; going
+    back from a regression avoids the regressed step count; any other change (a pin, ...)
+    is no change of specd's to verify."""
+    target = decision.target_steps
+    if decision.reason is Reason.CHANGE and current is not None and target is not None:
+        gain = None
+        if (
+            pick is not None
+            and pick.predictions.get(current, 0.0) > 0
+            and target in pick.predictions
+        ):
+            gain = pick.predictions[target] / pick.predictions[current] - 1.0
+        return replace(control, verifying=outcome.snapshot(ctx.history, current, target, gain))
+    if decision.reason is Reason.REGRESSION and verdict is not None:
+        entry = outcome.avoid_entry(verdict, now)
+        avoided = outcome.with_avoided(control.avoided, entry, now, ctx.config)
+        return replace(control, verifying=None, avoided=avoided)
+    return replace(control, verifying=None)

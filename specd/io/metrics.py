@@ -32,6 +32,7 @@ class Metrics:
         self,
         registry: CollectorRegistry | None = None,
         reasons: Iterable[str] = (),
+        steps: Iterable[int] = (),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
@@ -154,6 +155,13 @@ class Metrics:
             ["steps"],
             registry=r,
         )
+        self.regressions = Counter(
+            "specd_regressions_total",
+            "Changes specd took back: the step count it changed to served less than the one "
+            "before it, beyond noise (decision reason regression), by the regressed step count.",
+            ["steps"],
+            registry=r,
+        )
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )
@@ -237,6 +245,8 @@ class Metrics:
             self.rejected_values.labels(field=name)
         for mode in MODES:
             self.mode.labels(mode=mode).set(1 if mode == "auto" else 0)
+        for k in steps:
+            self.regressions.labels(steps=str(k))
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from specd.core import outcome
 from specd.core.decide import Control
 from specd.core.history import History, HistorySettings
 from specd.io import files
@@ -71,6 +72,10 @@ class State:
     frozen: dict[str, Any] | None = None
     # [t, steps] of recent policy recommendations, for the stabilization window.
     recommendations: list[list[float]] = field(default_factory=list)
+    # The latest change whose outcome is being verified, and the step counts that
+    # regressed (specd.core.outcome).
+    verifying: outcome.ChangeSnapshot | None = None
+    avoided: list[outcome.Avoided] = field(default_factory=list)
     sglang_started_at: float | None = None
     # What SGLang runs, per the latest observation or verified restart: {t, steps, source}
     # (steps null when the latest scrape failed). `specd status` shows it.
@@ -86,6 +91,10 @@ class State:
             "restarts": self.restarts,
             "frozen": self.frozen,
             "recommendations": self.recommendations,
+            "verifying": None
+            if self.verifying is None
+            else outcome.snapshot_to_dict(self.verifying, self.history.settings.half_life_s),
+            "avoided": [outcome.avoided_to_dict(e) for e in self.avoided],
             "sglang_started_at": self.sglang_started_at,
             "live": self.live,
         }
@@ -151,6 +160,11 @@ class State:
                 },
             ),
             recommendations=_entries(data, "recommendations", _recommendation, strict, notes),
+            verifying=part(
+                lambda: _verifying(data.get("verifying"), history, None if strict else notes),
+                lambda why: None,
+            ),
+            avoided=_entries(data, "avoided", _avoided, strict, notes),
             sglang_started_at=part(
                 lambda: _optional_number(data, "sglang_started_at"), lambda why: None
             ),
@@ -166,12 +180,16 @@ class State:
             frozen=self.frozen is not None,
             frozen_reason=self.frozen.get("reason") if self.frozen else None,
             recommendations=tuple((float(t), int(s)) for t, s in self.recommendations),
+            verifying=self.verifying,
+            avoided=tuple(self.avoided),
         )
 
     def adopt(self, control: Control) -> None:
         """Keep what `step` changed in the control state (restarts and the freeze are
         recorded by the daemon with their details)."""
         self.recommendations = [[t, s] for t, s in control.recommendations]
+        self.verifying = control.verifying
+        self.avoided = list(control.avoided)
 
 
 def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
@@ -271,6 +289,22 @@ def _recommendation(index: int, entry: Any) -> list[float]:
     ):
         raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
     return [float(entry[0]), entry[1]]
+
+
+def _verifying(
+    value: Any, history: History, dropped: list[str] | None
+) -> outcome.ChangeSnapshot | None:
+    if value is None:
+        return None
+    # Its cells decay as the history's do.
+    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped)
+
+
+def _avoided(index: int, entry: Any) -> outcome.Avoided:
+    try:
+        return outcome.avoided_from_dict(index, entry)
+    except ValueError as exc:
+        raise StateFormatError(str(exc)) from None
 
 
 def _one_line(exc: BaseException) -> str:

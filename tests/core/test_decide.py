@@ -312,6 +312,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "override_pin",
         "frozen",
         "change",
+        "regression",
     }
 
 
