@@ -10,6 +10,11 @@ time seen at each concurrency, with what the old step count serves at the same
 concurrencies: its own observed mean there (from the history), blended with the model's
 prediction as that bin's evidence is thin (`specd.core.model.OBSERVED_PIVOT_S`).
 
+The model predicted the change for its epoch (until the next window opens), so that is what
+is verified: the snapshot lapses when the window at the end of that epoch closes
+(``ChangeSnapshot.until``); a regression found by then goes back in that window. Later
+traffic is the policy's to judge again, not this change's outcome.
+
 A regression is a shortfall beyond noise: the old step count's baseline exceeds what the
 new one served by more than the prediction interval of the difference (`EVIDENCE_Z`
 standard errors; each side's relative error is the calibration's noise shrunk by the
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from specd.core import windows
 from specd.core.history import DecayingSums
 from specd.core.model import EVIDENCE_Z, OBSERVED_PIVOT_S, Calibration, PerformanceModel
 from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, MAX_TOKENS_PER_S
@@ -65,6 +71,11 @@ class ChangeSnapshot:
     cells: tuple[tuple[int, float, float], ...] = ()
     # What the policy predicted the change would gain (tok/s of to over from, minus 1).
     predicted_gain_ratio: float | None = None
+    # When the verification lapses (`verification_end`); None: never.
+    until: float | None = None
+
+    def lapsed(self, now: float) -> bool:
+        return self.until is not None and now >= self.until
 
 
 @dataclass(frozen=True)
@@ -102,14 +113,27 @@ class Verdict:
 
 
 # -- the snapshot -------------------------------------------------------------------------
+def verification_end(config: Settings, t: float) -> float:
+    """When the outcome of a change made at ``t`` stops being verified: the close of the
+    window that ends its epoch (the first window opening after ``t``'s)."""
+    # One second on: `next_open` answers a window opening at exactly ``t`` with ``t``.
+    at = datetime.fromtimestamp(t + 1.0, tz=timezone.utc)
+    try:
+        opened = windows.next_open(config.windows, at)
+        return windows.next_close(config.windows, opened).timestamp()
+    except ValueError:  # no window in the horizon: no later window to go back in either
+        return t
+
+
 def snapshot(
     history: History,
     from_steps: int,
     to_steps: int,
     predicted_gain_ratio: float | None = None,
+    until: float | None = None,
 ) -> ChangeSnapshot:
     """The snapshot of a change from ``from_steps`` to ``to_steps`` made now (the
-    history's latest observation)."""
+    history's latest observation), verified until ``until``."""
     t = history.last_t if history.last_t is not None else 0.0
     cells = tuple(
         sorted(
@@ -118,7 +142,7 @@ def snapshot(
             if k == to_steps and c > 0
         )
     )
-    return ChangeSnapshot(t, from_steps, to_steps, cells, predicted_gain_ratio)
+    return ChangeSnapshot(t, from_steps, to_steps, cells, predicted_gain_ratio, until)
 
 
 def since_change(snap: ChangeSnapshot, history: History) -> dict[int, tuple[float, float]]:
@@ -174,8 +198,11 @@ def verdict(
     calibration: Calibration | None = None,
 ) -> Verdict | None:
     """The outcome of ``snap`` while its new step count is live; None when there is no
-    change to verify, it is not live, or nothing comparable was seen since."""
+    change to verify, its verification lapsed, it is not live, or nothing comparable was
+    seen since."""
     if snap is None or current is None or current != snap.to_steps:
+        return None
+    if history.last_t is not None and snap.lapsed(history.last_t):
         return None
     seen = since_change(snap, history)
     if not seen:
@@ -321,6 +348,7 @@ def snapshot_to_dict(snap: ChangeSnapshot, half_life_s: float) -> dict[str, Any]
         "from_steps": snap.from_steps,
         "to_steps": snap.to_steps,
         "predicted_gain_ratio": snap.predicted_gain_ratio,
+        "until": snap.until,
         "cells": table.to_dict(snap.t, int),
     }
 
@@ -338,6 +366,8 @@ def snapshot_from_dict(
         to_steps = _steps(data.get("to_steps"), "to_steps")
         gain = data.get("predicted_gain_ratio")
         gain_ratio = None if gain is None else _number(gain, "predicted_gain_ratio")
+        until = data.get("until")
+        until_t = None if until is None else _number(until, "until")
         table = DecayingSums.from_dict(
             data.get("cells"),
             half_life_s,
@@ -353,7 +383,7 @@ def snapshot_from_dict(
         raise ValueError(f"verifying: from_steps and to_steps are both {to_steps}")
     scale = table.scale_at(t)
     cells = tuple(sorted((c, w * scale, ws * scale) for c, (w, ws) in table.cells.items()))
-    return ChangeSnapshot(t, from_steps, to_steps, cells, gain_ratio)
+    return ChangeSnapshot(t, from_steps, to_steps, cells, gain_ratio, until_t)
 
 
 def avoided_to_dict(entry: Avoided) -> dict[str, Any]:

@@ -78,7 +78,9 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         frozen=ctx.control.frozen,
         frozen_reason=ctx.control.frozen_reason,
         recommendations=ctx.control.recommendations,
-        verifying=ctx.control.verifying,
+        verifying=None
+        if ctx.control.verifying is None or ctx.control.verifying.lapsed(now)
+        else ctx.control.verifying,
         avoided=outcome.current_entries(ctx.control.avoided, now, config),
     )
     verdict = outcome.verdict(control.verifying, ctx.history, config, current, ctx.calibration)
@@ -132,7 +134,9 @@ def _after_acting(
             and target in pick.predictions
         ):
             gain = pick.predictions[target] / pick.predictions[current] - 1.0
-        return replace(control, verifying=outcome.snapshot(ctx.history, current, target, gain))
+        until = outcome.verification_end(ctx.config, now)
+        snap = outcome.snapshot(ctx.history, current, target, gain, until)
+        return replace(control, verifying=snap)
     if decision.reason is Reason.REGRESSION and verdict is not None:
         entry = outcome.avoid_entry(verdict, now)
         avoided = outcome.with_avoided(control.avoided, entry, now, ctx.config)

@@ -55,7 +55,7 @@ def populated() -> State:
         frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
         recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
         verifying=ChangeSnapshot(
-            T0 - 7200, 3, 4, ((2, 30.0, 4500.0), (5, 10.0, 2000.0)), predicted_gain_ratio=0.02
+            T0 - 7200, 3, 4, ((2, 30.0, 4500.0), (5, 10.0, 2000.0)), 0.02, until=T0 + 86400
         ),
         avoided=[
             Avoided(5, T0 - 86400, ((2, 0.25), (5, 0.75)), 0.031, 4),
@@ -279,7 +279,7 @@ SALVAGED: list[Any] = [
             cells={"ref_t": T0 - 7200, "cells": [[2, 30.0, 4500.0], [5, 10.0, 1e300]]}
         ),
         "verifying.cells[1]",
-        {"verifying": ChangeSnapshot(T0 - 7200, 3, 4, ((2, 30.0, 4500.0),), 0.02)},
+        {"verifying": ChangeSnapshot(T0 - 7200, 3, 4, ((2, 30.0, 4500.0),), 0.02, T0 + 86400)},
         id="verifying-cell-1e299-tok-s",
     ),
     pytest.param(
