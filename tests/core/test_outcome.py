@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from factories import make_observation, seed_table, tables
+from factories import make_observation, seed_table, serve, tables
 
 from specd.core import outcome
 from specd.core.decide import Control, Pick, Reason, choose, decide
@@ -38,30 +38,14 @@ def fresh() -> History:
     return History(HistorySettings(half_life_s=DAY, warmup_exclude_s=0, scrape_interval_s=SCRAPE_S))
 
 
-def observed(t: float, steps: int, offered: int, served: float) -> Observation:
-    return make_observation(
-        t,
-        running=offered,
-        steps=steps,
-        max_running_requests=64,
-        decode_tokens_total=served,
-        generation_tokens_total=served,
-    )
+def observed(t: float, steps: int, offered: int) -> Observation:
+    return make_observation(t, running=offered, steps=steps, max_running_requests=64)
 
 
 def run(
     history: History, steps: int, start: float, until: float, offered: int, tok_s: float
 ) -> Observation:
-    """SGLang at ``steps`` serving ``tok_s`` at ``offered`` from ``start`` to ``until``
-    (a scrape a minute; its counters start at 0, as after a restart). The last scrape."""
-    served, t = 0.0, start
-    last = observed(t, steps, offered, served)
-    while t <= until:
-        last = observed(t, steps, offered, served)
-        history.record(last)
-        served += tok_s * SCRAPE_S
-        t += SCRAPE_S
-    return last
+    return serve(history, steps, start, until, offered, tok_s, SCRAPE_S)
 
 
 def changed(
@@ -311,7 +295,7 @@ def test_a_regression_goes_back_under_the_usual_rules(
 ) -> None:
     now = NEXT_WINDOW + now_offset
     history, _, _ = changed(950.0, now)
-    obs = observed(now, 4, 2, 0.0)
+    obs = observed(now, 4, 2)
     decision = decide(
         history,
         obs,
