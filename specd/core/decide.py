@@ -119,6 +119,9 @@ class Pick:
     why: str
     predictions: Mapping[int, float] = field(default_factory=dict)
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    # Share of time the policy expects at each offered concurrency (model: the epoch's
+    # forecast; bands: the history), for judging whether an outcome applies to it.
+    mix: Mapping[int, float] = field(default_factory=dict)
 
 
 # -- policies -----------------------------------------------------------------------
@@ -213,6 +216,7 @@ def _pick_model(
         result.why,
         {k: p.tok_s for k, p in result.predictions.items()},
         {k: p.interval for k, p in result.predictions.items()},
+        mix=result.forecast.weights,
     )
 
 
@@ -233,7 +237,10 @@ def choose(
     and the pick is ``current`` while the evidence for a change is within tolerance.
     ``avoid`` names the step counts the pick must not change to (`specd.core.outcome`).
     """
-    return POLICIES[config.choose.policy](history, config, current, calibration, avoid)
+    pick = POLICIES[config.choose.policy](history, config, current, calibration, avoid)
+    if pick is not None and not pick.mix:
+        pick = replace(pick, mix=history.offered_weights())
+    return pick
 
 
 # -- decide -------------------------------------------------------------------------

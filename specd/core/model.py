@@ -459,7 +459,7 @@ def plan(
     skipped = {
         k: why
         for k, why in (avoid(forecast.weights) if avoid is not None else {}).items()
-        if k != current
+        if k != current and config.choose.min_steps <= k <= config.choose.max_steps
     }
     candidates = [
         k

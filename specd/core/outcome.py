@@ -100,6 +100,9 @@ class Verdict:
     observed_tok_s: float  # what to_steps served there, time-weighted mean
     baseline_tok_s: float  # what from_steps serves at the same concurrencies
     margin_tok_s: float  # half-width of the interval of the difference
+    # It served less beyond noise, after the minimum time...
+    beyond_noise: bool
+    # ...and the traffic the policy expects is like the traffic it served less under: go back.
     regressed: bool
     why: str
     mix: tuple[tuple[int, float], ...]  # the concurrency mix seen since the change
@@ -196,10 +199,13 @@ def verdict(
     config: Settings,
     current: int | None,
     calibration: Calibration | None = None,
+    coming: Mapping[int, float] | None = None,
 ) -> Verdict | None:
     """The outcome of ``snap`` while its new step count is live; None when there is no
     change to verify, its verification lapsed, it is not live, or nothing comparable was
-    seen since."""
+    seen since. A shortfall beyond noise is a regression to go back from only while the
+    ``coming`` traffic (the concurrency mix the policy expects; None: the same) is like the
+    traffic it was seen under (``regression_lift_mix_ratio``)."""
     if snap is None or current is None or current != snap.to_steps:
         return None
     if history.last_t is not None and snap.lapsed(history.last_t):
@@ -239,7 +245,9 @@ def verdict(
         _error_ratio(noise, total_w) * served, _error_ratio(noise, old_evidence) * baseline
     )
     needed = config.choose.outcome_min_observed_s
-    regressed = total_w >= needed and baseline - served > margin
+    beyond_noise = total_w >= needed and baseline - served > margin
+    moved = 0.0 if coming is None else mix_distance(coming, mix)
+    regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
     change = f"{old} → {snap.to_steps} at {_stamp(snap.t)}"
     diff = served / baseline - 1.0
     expected = (
@@ -254,6 +262,12 @@ def verdict(
     )
     if regressed:
         why = f"outcome of {change}: regression, {measured}"
+    elif beyond_noise:
+        why = (
+            f"outcome of {change}: regression under other traffic than expected now (mix "
+            f"{moved:.2f} away > {config.choose.regression_lift_mix_ratio:g}), the policy "
+            f"decides, {measured}"
+        )
     elif total_w < needed:
         why = f"outcome of {change}: {total_w:.0f} s observed < {needed:.0f} s needed, {measured}"
     else:
@@ -265,6 +279,7 @@ def verdict(
         served,
         baseline,
         margin,
+        beyond_noise,
         regressed,
         why,
         _normalized_mix(mix),

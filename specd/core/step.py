@@ -83,15 +83,19 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         else ctx.control.verifying,
         avoided=outcome.current_entries(ctx.control.avoided, now, config),
     )
-    verdict = outcome.verdict(control.verifying, ctx.history, config, current, ctx.calibration)
     avoid = functools.partial(outcome.avoided, control.avoided, now, config)
     pick = choose(ctx.history, config, current, ctx.calibration, avoid)
     if pick is not None and ctx.calibration_problem:
-        pick = Pick(
-            pick.steps,
-            f"{pick.why} (calibration unusable: {ctx.calibration_problem})",
-            pick.predictions,
-            pick.intervals,
+        pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
+    coming = pick.mix if pick is not None else ctx.history.offered_weights()
+    verdict = outcome.verdict(
+        control.verifying, ctx.history, config, current, ctx.calibration, coming
+    )
+    if verdict is not None and verdict.beyond_noise:
+        # Remembered as soon as it is found, for whatever traffic it regressed under.
+        entry = outcome.avoid_entry(verdict, now)
+        control = replace(
+            control, avoided=outcome.with_avoided(control.avoided, entry, now, config)
         )
     if pick is not None and isinstance(observation, Observation):
         control = control.with_recommendation(now, pick.steps, config.choose.stabilization_window_s)
@@ -122,9 +126,9 @@ def _after_acting(
     ctx: StepContext,
     now: float,
 ) -> Control:
-    """The control state once ``decision`` acts: a policy change is to be verified; going
-    back from a regression avoids the regressed step count; any other change (a pin, ...)
-    is no change of specd's to verify."""
+    """The control state once ``decision`` acts: a policy change is to be verified; any
+    other change (going back from a regression, a pin, ...) is no change of specd's to
+    verify."""
     target = decision.target_steps
     if decision.reason is Reason.CHANGE and current is not None and target is not None:
         gain = None
@@ -137,8 +141,4 @@ def _after_acting(
         until = outcome.verification_end(ctx.config, now)
         snap = outcome.snapshot(ctx.history, current, target, gain, until)
         return replace(control, verifying=snap)
-    if decision.reason is Reason.REGRESSION and verdict is not None:
-        entry = outcome.avoid_entry(verdict, now)
-        avoided = outcome.with_avoided(control.avoided, entry, now, ctx.config)
-        return replace(control, verifying=None, avoided=avoided)
     return replace(control, verifying=None)
