@@ -19,12 +19,14 @@ A regression is a shortfall beyond noise: the old step count's baseline exceeds 
 new one served by more than the prediction interval of the difference (`EVIDENCE_Z`
 standard errors; each side's relative error is the calibration's noise shrunk by the
 seconds observed, as in `PerformanceModel.relative_error`), once the new step count has
-been observed for ``outcome_min_observed_s`` busy seconds since the change. `decide` then
-goes back at the next window (`Reason.REGRESSION`, under the usual window, dwell and
-budget rules; a pin or a freeze wins), and `step` puts the regressed step count on an
-avoid list (`Avoided`): the policies skip it for ``regression_avoid_s``, unless the
-traffic moved far from the mix it regressed under (the total variation distance of the
-concurrency mix beyond ``regression_lift_mix_ratio``).
+been observed for ``outcome_min_observed_s`` busy seconds since the change. `step` puts
+the regressed step count on an avoid list at once (`Avoided`): the policies skip it for
+``regression_avoid_s`` unless the traffic they expect moved far from the mix it regressed
+under (the total variation distance of the concurrency mix beyond
+``regression_lift_mix_ratio``). While the traffic the policy expects is that close,
+`decide` goes back at the next window (`Reason.REGRESSION`, under the usual window, dwell
+and budget rules; a pin or a freeze wins); for other traffic (the night's batch jobs after
+a day's change) the policy decides.
 
 Pure: no hidden state besides the snapshot and the avoid list, both values; time is the
 history's or ``now``.

@@ -264,9 +264,10 @@ class ChooseSettings(BaseModel):
         default=0.5,
         gt=0,
         le=1,
-        description="An avoided step count is considered again while the forecast's mix of "
-        "offered concurrency is farther than this (total variation distance: 0 the same "
-        "traffic, 1 none in common) from the mix it regressed under. At most 1.",
+        description="A step count that regressed is avoided, and specd goes back from it, "
+        "only while the forecast's mix of offered concurrency is within this (total "
+        "variation distance: 0 the same traffic, 1 none in common) of the mix it regressed "
+        "under. At most 1.",
     )
     tolerance_ratio: float = Field(
         default=0.05,
