@@ -16,11 +16,12 @@ is verified: the snapshot lapses when the window at the end of that epoch closes
 traffic is the policy's to judge again, not this change's outcome.
 
 A regression is a shortfall beyond noise: the old step count's baseline exceeds what the
-new one served by more than the prediction interval of the difference (`EVIDENCE_Z`
-standard errors; each side's relative error is the calibration's noise shrunk by the
-seconds observed, as in `PerformanceModel.relative_error`), once the new step count has
-been observed for ``outcome_min_observed_s`` busy seconds since the change. `step` puts
-the regressed step count on an avoid list at once (`Avoided`): the policies skip it for
+new one served by more than ``regression_min_ratio`` and than the prediction interval of
+the difference (`EVIDENCE_Z` standard errors; each side's relative error is the
+calibration's noise shrunk by the seconds observed, as in
+`PerformanceModel.relative_error`), once the new step count has been observed for
+``outcome_min_observed_s`` busy seconds since the change. `step` puts the regressed step
+count on an avoid list at once (`Avoided`): the policies skip it for
 ``regression_avoid_s`` unless the traffic they expect moved far from the mix it regressed
 under (the total variation distance of the concurrency mix beyond
 ``regression_lift_mix_ratio``). While the traffic the policy expects is that close,
@@ -247,7 +248,8 @@ def verdict(
         _error_ratio(noise, total_w) * served, _error_ratio(noise, old_evidence) * baseline
     )
     needed = config.choose.outcome_min_observed_s
-    beyond_noise = total_w >= needed and baseline - served > margin
+    floor = config.choose.regression_min_ratio * baseline
+    beyond_noise = total_w >= needed and baseline - served > max(margin, floor)
     moved = 0.0 if coming is None else mix_distance(coming, mix)
     regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
     change = f"{old} → {snap.to_steps} at {_stamp(snap.t)}"

@@ -253,6 +253,15 @@ class ChooseSettings(BaseModel):
         "before its outcome can count as a regression (it served less than the step count "
         "before it, beyond noise); at most a week.",
     )
+    regression_min_ratio: float = Field(
+        default=0.02,
+        ge=0,
+        lt=1,
+        description="A regression's shortfall (what the new step count served below the old "
+        "one, relative) must also exceed this, on top of the prediction interval: what one "
+        "step count serves varies with the day's prompts by about this much, which the "
+        "calibration's noise does not cover. Below 1.",
+    )
     regression_avoid_s: float = Field(
         default=WEEK_S,
         ge=0,

@@ -79,6 +79,8 @@ def changed(
         pytest.param(950.0, NEXT_WINDOW, True, "regression", id="5%-less-for-a-day"),
         pytest.param(950.0, CHANGED + 2 * HOUR, True, "regression", id="5%-less-for-2h"),
         pytest.param(997.0, NEXT_WINDOW, False, "no regression beyond noise", id="within-noise"),
+        # Beyond the interval (±0.4 % after a day), not beyond regression_min_ratio (2 %).
+        pytest.param(985.0, NEXT_WINDOW, False, "no regression beyond noise", id="below-floor"),
         pytest.param(1050.0, NEXT_WINDOW, False, "+5.0%", id="served-more"),
         # Before outcome_min_observed_s (an hour) nothing counts, however bad it looks.
         pytest.param(900.0, CHANGED + 1800, False, "s needed", id="before-the-minimum-time"),
@@ -122,11 +124,16 @@ def test_a_regression_goes_back_only_for_the_traffic_it_was_seen_under(
     assert ("other traffic" in found.why) is not regressed
 
 
-def test_the_minimum_time_is_config() -> None:
+def test_the_minimum_time_and_the_floor_are_config() -> None:
     history, snap, _ = changed(900.0, CHANGED + 1800)
     assert not outcome.verdict(snap, history, config(), 4).regressed  # type: ignore[union-attr]
     shorter = config(outcome_min_observed_s=600)
     assert outcome.verdict(snap, history, shorter, 4).regressed  # type: ignore[union-attr]
+    history, snap, _ = changed(985.0)
+    found = outcome.verdict(snap, history, config(regression_min_ratio=0.01), 4)
+    assert found is not None
+    assert found.regressed
+    assert found.margin_tok_s < 15.0  # the interval alone would have called it already
 
 
 def test_what_the_new_step_count_served_before_the_change_does_not_count() -> None:
