@@ -6,7 +6,8 @@ give the same `Decision`, so every branch is testable with an injected clock.
 
 Checks run in a fixed order, like Kubernetes' HPA: the first that holds gives the
 reason. Safety first (freeze, then an operator's pin), then the quality of the data,
-then whether the policy really wants a change, then when a change is allowed.
+then whether the latest change regressed (go back: `specd.core.outcome`), then whether
+the policy really wants a change, then when a change is allowed.
 """
 
 from __future__ import annotations
@@ -394,8 +395,9 @@ def decide(
             "needed; "
             f"{_holding(current)}",
         )
-    if verdict is not None and verdict.regressed and verdict.to_steps == current:
-        back = clamp(verdict.from_steps, config)
+    back = None if verdict is None else clamp(verdict.from_steps, config)
+    if verdict is not None and verdict.regressed and verdict.to_steps == current != back:
+        assert back is not None
         change = f"going back {_arrow(current, back)}"
         blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
         if blocked is not None:

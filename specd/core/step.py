@@ -10,9 +10,9 @@ clock, no file, no network, no cache outliving the call.
 One tick: the live step count comes from this tick's observation only (a failed scrape
 means "unknown", never the last value believed); the policy's pick is computed once and
 both recorded for the stabilization window and handed to `decide`, with the outcome of the
-latest change (`specd.core.outcome.verdict`); the policy skips the step counts on the
-avoid list. A change that acts is snapshotted for its verification; going back from a
-regression puts the regressed step count on the avoid list.
+latest change (`specd.core.outcome.verdict`, judged for the traffic the policy expects);
+the policy skips the step counts on the avoid list. A regression found puts the regressed
+step count on the avoid list; a change that acts is snapshotted for its verification.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         verdict,
     )
     if decision.acts(current):
-        control = _after_acting(control, decision, current, pick, verdict, ctx, now)
+        control = _after_acting(control, decision, current, pick, ctx, now)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions, intervals, verdict)
@@ -122,7 +122,6 @@ def _after_acting(
     decision: Decision,
     current: int | None,
     pick: Pick | None,
-    verdict: outcome.Verdict | None,
     ctx: StepContext,
     now: float,
 ) -> Control:
