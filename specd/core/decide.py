@@ -396,9 +396,14 @@ def decide(
             f"{_holding(current)}",
         )
     back = None if verdict is None else clamp(verdict.from_steps, config)
+    if verdict is not None and verdict.regressed and pick is not None and pick.steps != current:
+        # The policy, having seen the outcome too, leaves the regressed step count for
+        # another: its pick, not necessarily the old one, serves the coming epoch best.
+        back = pick.steps
     if verdict is not None and verdict.regressed and verdict.to_steps == current != back:
         assert back is not None
-        change = f"going back {_arrow(current, back)}"
+        by = "" if back == clamp(verdict.from_steps, config) else " (the policy's pick)"
+        change = f"going back {_arrow(current, back)}{by}"
         blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
         if blocked is not None:
             return Decision(back, blocked[0], f"{verdict.why}; {blocked[1]}")

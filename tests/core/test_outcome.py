@@ -278,10 +278,11 @@ FREEZE = Override(
 
 
 @pytest.mark.parametrize(
-    ("now_offset", "regressed", "override", "control", "reason", "target"),
+    ("now_offset", "regressed", "override", "control", "reason", "target", "pick"),
     [
-        pytest.param(0.0, True, None, {}, Reason.REGRESSION, 3, id="goes-back-in-the-window"),
-        pytest.param(6 * HOUR, True, None, {}, Reason.WINDOW_CLOSED, 3, id="waits-for-a-window"),
+        pytest.param(0.0, True, None, {}, Reason.REGRESSION, 5, 5, id="to-the-policys-other-pick"),
+        pytest.param(0.0, True, None, {}, Reason.REGRESSION, 3, 4, id="goes-back-in-the-window"),
+        pytest.param(6 * HOUR, True, None, {}, Reason.WINDOW_CLOSED, 3, 4, id="waits-for-a-window"),
         pytest.param(
             0.0,
             True,
@@ -289,6 +290,7 @@ FREEZE = Override(
             {"restart_times": (NEXT_WINDOW - 600,)},
             Reason.DWELL_TIME,
             3,
+            4,
             id="dwell",
         ),
         pytest.param(
@@ -298,11 +300,12 @@ FREEZE = Override(
             {"restart_times": tuple(NEXT_WINDOW - 600 * i for i in range(7, 11))},
             Reason.RESTART_BUDGET,
             3,
+            4,
             id="budget",
         ),
-        pytest.param(0.0, True, pin(5), {}, Reason.OVERRIDE_PIN, 5, id="a-pin-wins"),
-        pytest.param(0.0, True, pin(4), {}, Reason.OVERRIDE_PIN, 4, id="a-pin-on-it-wins"),
-        pytest.param(0.0, True, FREEZE, {}, Reason.FROZEN, 4, id="a-freeze-wins"),
+        pytest.param(0.0, True, pin(5), {}, Reason.OVERRIDE_PIN, 5, 4, id="a-pin-wins"),
+        pytest.param(0.0, True, pin(4), {}, Reason.OVERRIDE_PIN, 4, 4, id="a-pin-on-it-wins"),
+        pytest.param(0.0, True, FREEZE, {}, Reason.FROZEN, 4, 4, id="a-freeze-wins"),
         pytest.param(
             0.0,
             True,
@@ -310,9 +313,10 @@ FREEZE = Override(
             {"frozen": True, "frozen_reason": "restart failed"},
             Reason.FROZEN,
             4,
+            4,
             id="frozen-after-a-failure",
         ),
-        pytest.param(0.0, False, None, {}, Reason.WITHIN_TOLERANCE, 4, id="no-regression"),
+        pytest.param(0.0, False, None, {}, Reason.WITHIN_TOLERANCE, 4, 4, id="no-regression"),
     ],
 )
 def test_a_regression_goes_back_under_the_usual_rules(
@@ -322,6 +326,7 @@ def test_a_regression_goes_back_under_the_usual_rules(
     control: dict[str, Any],
     reason: Reason,
     target: int,
+    pick: int,
 ) -> None:
     now = NEXT_WINDOW + now_offset
     history, _, _ = changed(950.0, now)
@@ -333,7 +338,7 @@ def test_a_regression_goes_back_under_the_usual_rules(
         override,
         now,
         Control(current_steps=4, **control),
-        Pick(4, "the policy holds 4"),
+        Pick(pick, f"the policy picks {pick}"),
         0.0,
         verdict_of(regressed),
     )
