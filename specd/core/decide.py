@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from specd.core import windows
-from specd.core.model import Calibration, plan
+from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
 from specd.core.text import duration_text as _duration
 
@@ -123,6 +123,8 @@ class Pick:
     # Share of time the policy expects at each offered concurrency (model: the epoch's
     # forecast; bands: the history), for judging whether an outcome applies to it.
     mix: Mapping[int, float] = field(default_factory=dict)
+    # The model policy's whole prediction; None for bands.
+    plan: Plan | None = None
 
 
 # -- policies -----------------------------------------------------------------------
@@ -218,6 +220,7 @@ def _pick_model(
         {k: p.tok_s for k, p in result.predictions.items()},
         {k: p.interval for k, p in result.predictions.items()},
         mix=result.forecast.weights,
+        plan=result,
     )
 
 

@@ -422,6 +422,8 @@ class Plan:
     # interval; a change needs gain_tokens > margin_tokens.
     gain_tokens: float = 0.0
     margin_tokens: float = 0.0
+    # The model it predicted with (built once per tick; the outcome check reads it too).
+    model: PerformanceModel | None = None
 
 
 def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
@@ -495,7 +497,9 @@ def plan(
     why = _why(forecast, predictions, now, until_t, best, target, current, gain, margin, config)
     if skipped:
         why += "; avoiding " + "; ".join(why_k for _, why_k in sorted(skipped.items()))
-    return Plan(now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin)
+    return Plan(
+        now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin, model
+    )
 
 
 def _why(

@@ -203,12 +203,14 @@ def verdict(
     current: int | None,
     calibration: Calibration | None = None,
     coming: Mapping[int, float] | None = None,
+    model: PerformanceModel | None = None,
 ) -> Verdict | None:
     """The outcome of ``snap`` while its new step count is live; None when there is no
     change to verify, its verification lapsed, it is not live, or nothing comparable was
     seen since. A shortfall beyond noise is a regression to go back from only while the
     ``coming`` traffic (the concurrency mix the policy expects; None: the same) is like the
-    traffic it was seen under (``regression_lift_mix_ratio``)."""
+    traffic it was seen under (``regression_lift_mix_ratio``). ``model``: the policy's
+    `PerformanceModel` of this tick (of ``calibration`` and ``history``), else built here."""
     if snap is None or current is None or current != snap.to_steps:
         return None
     if history.last_t is not None and snap.lapsed(history.last_t):
@@ -216,7 +218,8 @@ def verdict(
     seen = since_change(snap, history)
     if not seen:
         return None
-    model = PerformanceModel(calibration, history)
+    if model is None:
+        model = PerformanceModel(calibration, history)
     old = snap.from_steps
     old_observed = {
         c: (tok_s, w) for (k, c), (tok_s, w) in history.throughput_table().items() if k == old

@@ -88,8 +88,9 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     if pick is not None and ctx.calibration_problem:
         pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
     coming = pick.mix if pick is not None else ctx.history.offered_weights()
+    model = pick.plan.model if pick is not None and pick.plan is not None else None
     verdict = outcome.verdict(
-        control.verifying, ctx.history, config, current, ctx.calibration, coming
+        control.verifying, ctx.history, config, current, ctx.calibration, coming, model
     )
     if verdict is not None and verdict.beyond_noise:
         # Remembered as soon as it is found, for whatever traffic it regressed under.
