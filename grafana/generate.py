@@ -53,6 +53,7 @@ REASON_COLORS: dict[str, str] = {
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
     "drain_unavailable": "red",
+    "regression": "dark-orange",
 }
 STEPS_UNIT = "none"
 TOKS_UNIT = "suffix: tok/s"
@@ -954,7 +955,7 @@ class Annotation(NamedTuple):
 
 
 # What explains a throughput dip: every restart specd made, every rollback, every
-# exploration, every pin.
+# exploration, every pin, every change specd took back.
 ANNOTATIONS: tuple[Annotation, ...] = (
     Annotation(
         "Restarts",
@@ -1001,6 +1002,14 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         f'max by (instance) (specd_mode{{{INST}, mode="freeze"}}) == 1',
         "automatic changes frozen",
         "frozen on {{instance}} until specd unfreeze",
+    ),
+    Annotation(
+        "Regressions",
+        "dark-orange",
+        f"sum by (instance, steps) (increase(specd_regressions_total{{{INST}}}[1m])) > 0",
+        "{{steps}} steps regressed",
+        "specd on {{instance}} went back: {{steps}} steps served less than the step count "
+        "before (see the decision log's outcome)",
     ),
 )
 

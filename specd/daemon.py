@@ -450,6 +450,8 @@ class Daemon:
         if outcome.acts:
             if decision.reason is Reason.EXPLORE:
                 self._report_exploration(decision, outcome.current)
+            if decision.reason is Reason.REGRESSION:
+                self._report_regression(outcome)
             self._apply(decision, outcome, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
@@ -618,6 +620,7 @@ class Daemon:
                 }
                 if pick
                 else None,
+                outcome=outcome.verdict.why if outcome.verdict else None,
             )
             self._last_logged = key
             self._last_logged_at = now
@@ -656,6 +659,23 @@ class Daemon:
         steps = decision.target_steps
         self.metrics.explorations.labels(steps=str(steps)).inc()
         self.log.info("exploration", from_steps=current, to_steps=steps, message=decision.message)
+
+    def _report_regression(self, result: StepResult) -> None:
+        # Counted when specd goes back, as `step` puts the step count on the avoid list.
+        found = result.verdict
+        assert found is not None
+        self.metrics.regressions.labels(steps=str(found.to_steps)).inc()
+        self.log.warning(
+            "regression",
+            from_steps=found.from_steps,
+            to_steps=found.to_steps,
+            observed_s=round(found.observed_s),
+            observed_tok_s=round(found.observed_tok_s, 1),
+            baseline_tok_s=round(found.baseline_tok_s, 1),
+            margin_tok_s=round(found.margin_tok_s, 1),
+            shortfall_ratio=round(found.shortfall_ratio, 4),
+            message=found.why,
+        )
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""

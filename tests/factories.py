@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from specd.core.history import History
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.settings import TABLE_OF_KEY
@@ -99,6 +100,35 @@ def seed_table() -> PerfTable:
     from specd.twin.preset import preset_table  # noqa: PLC0415 - the twin is a test aid here
 
     return PerfTable.from_csv_text(preset_table().to_csv_text(), source="seed preset")
+
+
+def serve(
+    history: History,
+    steps: int,
+    start: float,
+    until: float,
+    offered: int,
+    tok_s: float,
+    scrape_s: float = 60.0,
+) -> Observation:
+    """Record SGLang at ``steps`` serving ``tok_s`` with ``offered`` requests from ``start``
+    to ``until``, one scrape every ``scrape_s`` (decode counter from 0, as after a
+    restart); returns the last scrape."""
+    served, t = 0.0, start
+    last = make_observation(t, running=offered, steps=steps)
+    while t <= until:
+        last = make_observation(
+            t,
+            running=offered,
+            steps=steps,
+            max_running_requests=64,
+            decode_tokens_total=served,
+            generation_tokens_total=served,
+        )
+        history.record(last)
+        served += tok_s * scrape_s
+        t += scrape_s
+    return last
 
 
 # ---- SGLang versions: each one's own pages (tests/fixtures/metrics/versions/) ----

@@ -166,6 +166,10 @@ def test_every_restart_result_exploration_and_pin_is_annotated() -> None:
     assert "specd_explorations_total{" in text
 
 
+def test_every_regression_is_annotated() -> None:
+    assert any("specd_regressions_total{" in a["expr"] for a in annotations())
+
+
 def _unknown_top_key(d: dict[str, Any]) -> None:
     d["__inputs"] = [{"name": "DS_PROMETHEUS"}]
 

@@ -126,6 +126,18 @@ def collect(config: Config, now: float, info: dict[str, Any] | str | None = None
             "reason": current.reason if current else None,
         },
         "frozen": state.frozen,
+        # Step counts that regressed after a change, skipped by the policy until "until".
+        "avoided": [
+            {
+                "steps": e.steps,
+                "from_steps": e.from_steps,
+                "shortfall_ratio": e.shortfall_ratio,
+                "since": e.t,
+                "until": e.t + config.choose.regression_avoid_s,
+            }
+            for e in state.avoided
+            if now - e.t < config.choose.regression_avoid_s
+        ],
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
         "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
@@ -255,6 +267,12 @@ def render(info: dict[str, Any], now: float) -> str:
             f"{ov['reason']}"
             if ov["valid"]
             else f"override       INVALID, ignored: {ov['problem']}"
+        )
+    for e in info["avoided"]:
+        lines.append(
+            f"avoided        {e['steps']} steps: served {e['shortfall_ratio'] * 100:.1f}% less "
+            f"than {e['from_steps']} (regression {_when(e['since'], now)}), until "
+            f"{_when(e['until'], now)}"
         )
     picks = info["choices"]
     lines.append(f"choices        {picks['lines'][0]}")

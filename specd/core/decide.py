@@ -6,7 +6,8 @@ give the same `Decision`, so every branch is testable with an injected clock.
 
 Checks run in a fixed order, like Kubernetes' HPA: the first that holds gives the
 reason. Safety first (freeze, then an operator's pin), then the quality of the data,
-then whether the policy really wants a change, then when a change is allowed.
+then whether the latest change regressed (go back: `specd.core.outcome`), then whether
+the policy really wants a change, then when a change is allowed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from specd.core.explore import Exploration
     from specd.core.history import History
     from specd.core.observation import Observation
+    from specd.core.outcome import Avoided, ChangeSnapshot, Verdict
     from specd.core.override import Override
     from specd.core.settings import Band, Settings
 
@@ -60,10 +62,13 @@ class Reason(str, enum.Enum):
     CHANGE = "change"
     # One epoch at a step count the evidence cannot judge, to measure it (specd.core.explore).
     EXPLORE = "explore"
+    # Going back: the step count specd changed to served less than the one before it,
+    # beyond noise (specd.core.outcome).
+    REGRESSION = "regression"
 
 
 # The only reasons under which the daemon applies a target.
-ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN, Reason.EXPLORE})
+ACTING_REASONS = frozenset({Reason.CHANGE, Reason.OVERRIDE_PIN, Reason.EXPLORE, Reason.REGRESSION})
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,10 @@ class Control:
     live_adaptive_config: str | None = None
     # (t, steps) of the explorations of the last week, oldest first (specd.core.explore).
     explorations: tuple[tuple[float, int], ...] = ()
+    # The latest change specd made, whose outcome is being verified (specd.core.outcome).
+    verifying: ChangeSnapshot | None = None
+    # Step counts that regressed, which the policies skip for a while (specd.core.outcome).
+    avoided: tuple[Avoided, ...] = ()
 
     def with_recommendation(self, t: float, steps: int, window_s: float) -> Control:
         """Append a recommendation and drop those the stabilization check no longer needs.
@@ -148,8 +157,12 @@ class Pick:
     why: str
     predictions: Mapping[int, float] = field(default_factory=dict)
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
-    # The model policy's whole prediction (safe exploration reads it); None for bands.
+    # The model policy's whole prediction (safe exploration and the outcome check read it);
+    # None for bands.
     plan: Plan | None = None
+    # Share of time the policy expects at each offered concurrency (model: the epoch's
+    # forecast; bands: the history), for judging whether an outcome applies to it.
+    mix: Mapping[int, float] = field(default_factory=dict)
     # A pick that is not a static K: off (steps 0) or an adaptive set (steps is then its
     # deepest candidate). ``predictions`` key off as 0; adaptive sets are keyed by their
     # operator form in ``setting_predictions``.
@@ -169,8 +182,10 @@ class Pick:
 
 
 # -- policies -----------------------------------------------------------------------
-# (history, config, current K, calibration) -> pick; a policy in `CHOOSES_KINDS` also takes
-# ``offer`` and ``live_adaptive_config`` (see `choose`).
+# Given the concurrency mix the policy expects, the step counts it must skip, and why.
+Avoid = Callable[[Mapping[int, float]], Mapping[int, str]]
+# (history, config, current K, calibration, avoid) -> pick; a policy in `CHOOSES_KINDS`
+# also takes ``offer`` and ``live_adaptive_config`` (see `choose`).
 Policy = Callable[..., "Pick | None"]
 
 
@@ -193,7 +208,11 @@ def _band_range(bands: Sequence[Band], i: int) -> str:
 
 
 def _pick_bands(
-    history: History, config: Settings, current: int | None, _calibration: Calibration | None
+    history: History,
+    config: Settings,
+    current: int | None,
+    _calibration: Calibration | None,
+    avoid: Avoid | None = None,
 ) -> Pick | None:
     """Bands of offered concurrency; with ``current``, boundaries get hysteresis.
 
@@ -216,6 +235,9 @@ def _pick_bands(
     why = f"{label} {_band_range(bands, picked)} (band {picked + 1} → {steps} steps)"
     if current is None or steps == current:
         return Pick(steps, why)
+    skipped = avoid(history.offered_weights()) if avoid is not None else {}
+    if steps in skipped:
+        return Pick(current, f"{why}, avoided: {skipped[steps]}: keeping {current}")
     tol = config.choose.tolerance_ratio
     for j, band in enumerate(bands):
         if clamp(band.steps, config) != current:
@@ -247,6 +269,7 @@ def _pick_model(
     config: Settings,
     current: int | None,
     calibration: Calibration | None,
+    avoid: Avoid | None = None,
     *,
     offer: Offer | None = None,
     live_adaptive_config: str | None = None,
@@ -257,6 +280,7 @@ def _pick_model(
         config,
         current,
         calibration,
+        avoid,
         offer=offer,
         live_adaptive_config=live_adaptive_config,
     )
@@ -270,7 +294,8 @@ def _pick_model(
         result.why,
         {k: p.tok_s for k, p in steps.items()},
         {k: p.interval for k, p in steps.items()},
-        result,
+        plan=result,
+        mix=result.forecast.weights,
         setting=None if setting.kind == "static" else setting,
         setting_predictions={text: p.tok_s for text, p in sets.items()},
         setting_intervals={text: p.interval for text, p in sets.items()},
@@ -289,6 +314,7 @@ def choose(
     config: Settings,
     current: int | None = None,
     calibration: Calibration | None = None,
+    avoid: Avoid | None = None,
     *,
     offer: Offer | None = None,
     live_adaptive_config: str | None = None,
@@ -297,21 +323,27 @@ def choose(
 
     Without ``current`` this is the raw pick; with it, the policy's tolerance applies
     and the pick is ``current`` while the evidence for a change is within tolerance.
+    ``avoid`` names the step counts the pick must not change to (`specd.core.outcome`).
     ``offer`` (`specd.core.choices`; None: static K in the allowed range) is what may be
     chosen, and under SGLang's adaptive mode (``current`` None) ``live_adaptive_config``
     names the config file it runs; only a policy in `CHOOSES_KINDS` reads them.
     """
     policy = POLICIES[config.choose.policy]
     if config.choose.policy not in CHOOSES_KINDS:
-        return policy(history, config, current, calibration)
-    return policy(
-        history,
-        config,
-        current,
-        calibration,
-        offer=offer,
-        live_adaptive_config=live_adaptive_config,
-    )
+        pick = policy(history, config, current, calibration, avoid)
+    else:
+        pick = policy(
+            history,
+            config,
+            current,
+            calibration,
+            avoid,
+            offer=offer,
+            live_adaptive_config=live_adaptive_config,
+        )
+    if pick is not None and not pick.mix:
+        pick = replace(pick, mix=history.offered_weights())
+    return pick
 
 
 # -- decide -------------------------------------------------------------------------
@@ -388,6 +420,7 @@ def decide(
     pick: Pick | None,
     restart_needs_s: float = 0.0,
     exploration: Exploration | None = None,
+    verdict: Verdict | None = None,
     *,
     fleet_problem: str | None = None,
     gateway_problem: str | None = None,
@@ -396,13 +429,15 @@ def decide(
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
     open window with ``restart_needs_s`` to spare. ``exploration`` (`specd.core.explore`)
     is one to start when the policy holds, or the one whose epoch runs, during which the
-    policy's changes wait. ``fleet_problem``: why no slot of the
+    policy's changes wait. A ``verdict`` of regression (`specd.core.outcome`) goes back to
+    the step count before the change, gated like a change but without waiting for the
+    stabilization window. ``fleet_problem``: why no slot of the
     configured fleet can be taken this tick (None: one can, or no fleet is configured);
     ``gateway_problem``: why the configured gateway cannot drain this server this tick
     (None: it can, or none is configured). Either holds every restart, a pin applied now
     included; the fleet is checked first. See the module docstring."""
     decision = _decide(
-        history, obs, config, override, now, control, pick, restart_needs_s, exploration
+        history, obs, config, override, now, control, pick, restart_needs_s, exploration, verdict
     )
     acts = decision.acts(
         control.current_steps,
@@ -441,6 +476,7 @@ def _decide(
     pick: Pick | None,
     restart_needs_s: float,
     exploration: Exploration | None,
+    verdict: Verdict | None,
 ) -> Decision:
     at = _utc(now)
     current = control.current_steps
@@ -535,6 +571,25 @@ def _decide(
             "needed; "
             f"{_holding(current)}",
         )
+    back = None if verdict is None else clamp(verdict.from_steps, config)
+    if (
+        verdict is not None
+        and verdict.regressed
+        and pick is not None
+        and pick.chosen is None  # a static pick: off and adaptive sets go through the policy
+        and pick.steps != current
+    ):
+        # The policy, having seen the outcome too, leaves the regressed step count for
+        # another: its pick, not necessarily the old one, serves the coming epoch best.
+        back = pick.steps
+    if verdict is not None and verdict.regressed and verdict.to_steps == current != back:
+        assert back is not None
+        by = "" if back == clamp(verdict.from_steps, config) else " (the policy's pick)"
+        change = f"going back {_arrow(current, back)}{by}"
+        blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
+        if blocked is not None:
+            return Decision(back, blocked[0], f"{verdict.why}; {blocked[1]}")
+        return Decision(back, Reason.REGRESSION, f"{verdict.why}: {change}")
     if pick is None:
         return Decision(
             hold, Reason.INSUFFICIENT_DATA, f"no busy traffic in the history; {_holding(current)}"

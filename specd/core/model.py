@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -464,6 +464,8 @@ class Plan:
     margin_tokens: float = 0.0
     # The keys of ``predictions`` that are not a static K: off (0) and adaptive sets.
     settings: Mapping[int, SpecSetting] = field(default_factory=dict)
+    # The model it predicted with (built once per tick; the outcome check reads it too).
+    model: PerformanceModel | None = None
 
     def setting_of(self, key: int) -> SpecSetting:
         return self.settings.get(key) or static(key)
@@ -533,6 +535,7 @@ def plan(
     config: Settings,
     current: int | None,
     calibration: Calibration | None = None,
+    avoid: Callable[[Mapping[int, float]], Mapping[int, str]] | None = None,
     *,
     offer: Offer | None = None,
     live_adaptive_config: str | None = None,
@@ -541,7 +544,9 @@ def plan(
 
     ``current`` is the static K live (0: off); under SGLang's adaptive mode it is None and
     ``live_adaptive_config`` names the config file it runs. ``offer`` (`specd.core.choices`)
-    is what may be chosen; without one, static K in min_steps..max_steps."""
+    is what may be chosen; without one, static K in min_steps..max_steps. ``avoid``, given
+    the forecast's concurrency mix, names the step counts to leave out of the candidates
+    (`specd.core.outcome`; the live one always stays in), and why."""
     now = history.last_t
     if now is None:
         return None
@@ -553,13 +558,20 @@ def plan(
     if forecast is None:
         return None
     model = PerformanceModel(calibration, history)
+    skipped = {
+        k: why
+        for k, why in (avoid(forecast.weights) if avoid is not None else {}).items()
+        if k != current and config.choose.min_steps <= k <= config.choose.max_steps
+    }
     offered = (
         offer.settings
         if offer is not None
         else tuple(static(k) for k in range(config.choose.min_steps, config.choose.max_steps + 1))
     )
     candidates = [
-        s.max_steps for s in offered if s.kind != "adaptive" and model.can_predict(s.max_steps)
+        s.max_steps
+        for s in offered
+        if s.kind != "adaptive" and model.can_predict(s.max_steps) and s.max_steps not in skipped
     ]
     adaptives = [s for s in offered if s.kind == "adaptive"]
     settings: dict[int, SpecSetting] = {0: off()} if 0 in candidates else {}
@@ -619,8 +631,21 @@ def plan(
     why = _why(
         forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
     )
+    if skipped:
+        why += "; avoiding " + "; ".join(why_k for _, why_k in sorted(skipped.items()))
     return Plan(
-        now, until_t, forecast, predictions, best, target, gain, why, gain_tokens, margin, settings
+        now,
+        until_t,
+        forecast,
+        predictions,
+        best,
+        target,
+        gain,
+        why,
+        gain_tokens,
+        margin,
+        settings,
+        model,
     )
 
 

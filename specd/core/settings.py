@@ -277,6 +277,39 @@ class ChooseSettings(BaseModel):
         le=WEEK_S,
         description="Seconds a recommendation must hold before it is acted on; at most a week.",
     )
+    outcome_min_observed_s: float = Field(
+        default=3600,
+        ge=0,
+        le=WEEK_S,
+        description="Busy seconds (decayed) a step count specd changed to must be observed "
+        "before its outcome can count as a regression (it served less than the step count "
+        "before it, beyond noise); at most a week.",
+    )
+    regression_min_ratio: float = Field(
+        default=0.02,
+        ge=0,
+        lt=1,
+        description="A regression's shortfall (what the new step count served below the old "
+        "one, relative) must also exceed this, on top of the prediction interval: what one "
+        "step count serves varies with the day's prompts by about this much, which the "
+        "calibration's noise does not cover. Below 1.",
+    )
+    regression_avoid_s: float = Field(
+        default=WEEK_S,
+        ge=0,
+        le=90 * DAY_S,
+        description="Seconds a step count that regressed stays on the avoid list (the policy "
+        "skips it); at most 90 days.",
+    )
+    regression_lift_mix_ratio: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="A step count that regressed is avoided, and specd goes back from it, "
+        "only while the forecast's mix of offered concurrency is within this (total "
+        "variation distance: 0 the same traffic, 1 none in common) of the mix it regressed "
+        "under. At most 1.",
+    )
     tolerance_ratio: float = Field(
         default=0.05,
         ge=0,

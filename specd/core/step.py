@@ -13,16 +13,21 @@ both recorded for the stabilization window and handed to `decide`, with the expl
 `specd.core.explore` proposes from it (or the one whose epoch runs; without a
 calibration the bands' step count is where it starts); an exploration that acts is noted
 in the control state. In the epoch after an exploration, the pick goes back to the best
-measured step count when the explored one is not it (`specd.core.explore.settle`).
+measured step count when the explored one is not it (`specd.core.explore.settle`). The
+outcome of the latest change (`specd.core.outcome.verdict`, judged for the traffic the
+policy expects) goes to `decide` too; the policy skips the step counts on the avoid list.
+A regression found puts the regressed step count on the avoid list; a change that acts is
+snapshotted for its verification.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from specd.core import explore
+from specd.core import explore, outcome
 from specd.core.choices import offer
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration, Plan, restart_cost_s
@@ -70,6 +75,8 @@ class StepResult:
     control: Control
     predictions: Mapping[int, float] = field(default_factory=dict)
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    # The outcome of the latest change while its step count is live (specd.core.outcome).
+    verdict: outcome.Verdict | None = None
 
     @property
     def acts(self) -> bool:
@@ -98,17 +105,34 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         live_adaptive=adaptive,
         live_adaptive_config=seen.adaptive_config if seen is not None and adaptive else None,
         explorations=ctx.control.explorations,
+        verifying=None
+        if ctx.control.verifying is None or ctx.control.verifying.lapsed(now)
+        else ctx.control.verifying,
+        avoided=outcome.current_entries(ctx.control.avoided, now, config),
     )
+    avoid = functools.partial(outcome.avoided, control.avoided, now, config)
     pick = choose(
         ctx.history,
         config,
         current,
         ctx.calibration,
+        avoid,
         offer=offer(config.choose, ctx.traits),
         live_adaptive_config=control.live_adaptive_config,
     )
     if pick is not None and ctx.calibration_problem:
         pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
+    coming = pick.mix if pick is not None else ctx.history.offered_weights()
+    model = pick.plan.model if pick is not None and pick.plan is not None else None
+    verdict = outcome.verdict(
+        control.verifying, ctx.history, config, current, ctx.calibration, coming, model
+    )
+    if verdict is not None and verdict.beyond_noise:
+        # Remembered as soon as it is found, for whatever traffic it regressed under.
+        entry = outcome.avoid_entry(verdict, now)
+        control = replace(
+            control, avoided=outcome.with_avoided(control.avoided, entry, now, config)
+        )
     static_plan = _static_plan(pick.plan if pick is not None else None)
     back = explore.settle(static_plan, current, control.explorations, config, now)
     if pick is not None and back is not None:
@@ -136,15 +160,47 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         pick,
         needs_s,
         exploration,
+        verdict,
         fleet_problem=ctx.fleet_problem,
         gateway_problem=ctx.gateway_problem,
     )
-    if decision.reason is Reason.EXPLORE and decision.acts(current):
+    acts = decision.acts(
+        current, live_adaptive=control.live_adaptive, live_config=control.live_adaptive_config
+    )
+    if decision.reason is Reason.EXPLORE and acts:
         assert decision.target_steps is not None
         control = control.with_exploration(now, decision.target_steps)
+    if acts:
+        control = _after_acting(control, decision, current, pick, ctx, now)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
-    return StepResult(decision, current, pick, control, predictions, intervals)
+    return StepResult(decision, current, pick, control, predictions, intervals, verdict)
+
+
+def _after_acting(
+    control: Control,
+    decision: Decision,
+    current: int | None,
+    pick: Pick | None,
+    ctx: StepContext,
+    now: float,
+) -> Control:
+    """The control state once ``decision`` acts: a policy change is to be verified; any
+    other change (going back from a regression, a pin, ...) is no change of specd's to
+    verify."""
+    target = decision.target_steps
+    if decision.reason is Reason.CHANGE and current is not None and target is not None:
+        gain = None
+        if (
+            pick is not None
+            and pick.predictions.get(current, 0.0) > 0
+            and target in pick.predictions
+        ):
+            gain = pick.predictions[target] / pick.predictions[current] - 1.0
+        until = outcome.verification_end(ctx.config, now)
+        snap = outcome.snapshot(ctx.history, current, target, gain, until)
+        return replace(control, verifying=snap)
+    return replace(control, verifying=None)
 
 
 def _static_plan(plan: Plan | None) -> Plan | None:

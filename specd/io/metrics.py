@@ -186,6 +186,13 @@ class Metrics:
             ["steps"],
             registry=r,
         )
+        self.regressions = Counter(
+            "specd_regressions_total",
+            "Changes specd took back: the step count it changed to served less than the one "
+            "before it, beyond noise (decision reason regression), by the regressed step count.",
+            ["steps"],
+            registry=r,
+        )
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )
@@ -332,6 +339,8 @@ class Metrics:
                 self.setting_changes.labels(from_kind=before, to_kind=after)
         for k in steps:
             self.explorations.labels(steps=str(k))
+        for k in steps:
+            self.regressions.labels(steps=str(k))
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from specd.core import outcome
 from specd.core.decide import Control
 from specd.core.history import History, HistorySettings
 from specd.io import files
@@ -73,6 +74,10 @@ class State:
     recommendations: list[list[float]] = field(default_factory=list)
     # [t, steps] of the explorations of the last week (specd.core.explore).
     explorations: list[list[float]] = field(default_factory=list)
+    # The latest change whose outcome is being verified, and the step counts that
+    # regressed (specd.core.outcome).
+    verifying: outcome.ChangeSnapshot | None = None
+    avoided: list[outcome.Avoided] = field(default_factory=list)
     sglang_started_at: float | None = None
     # What SGLang runs, per the latest observation or verified restart: {t, steps, source}
     # (steps null when the latest scrape failed). `specd status` shows it.
@@ -92,6 +97,10 @@ class State:
             "frozen": self.frozen,
             "recommendations": self.recommendations,
             "explorations": self.explorations,
+            "verifying": None
+            if self.verifying is None
+            else outcome.snapshot_to_dict(self.verifying, self.history.settings.half_life_s),
+            "avoided": [outcome.avoided_to_dict(e) for e in self.avoided],
             "sglang_started_at": self.sglang_started_at,
             "live": self.live,
             "gateway": self.gateway,
@@ -159,6 +168,11 @@ class State:
             ),
             recommendations=_entries(data, "recommendations", _recommendation, strict, notes),
             explorations=_entries(data, "explorations", _exploration, strict, notes),
+            verifying=part(
+                lambda: _verifying(data.get("verifying"), history, None if strict else notes),
+                lambda why: None,
+            ),
+            avoided=_entries(data, "avoided", _avoided, strict, notes),
             sglang_started_at=part(
                 lambda: _optional_number(data, "sglang_started_at"), lambda why: None
             ),
@@ -176,6 +190,8 @@ class State:
             frozen_reason=self.frozen.get("reason") if self.frozen else None,
             recommendations=tuple((float(t), int(s)) for t, s in self.recommendations),
             explorations=tuple((float(t), int(s)) for t, s in self.explorations),
+            verifying=self.verifying,
+            avoided=tuple(self.avoided),
         )
 
     def adopt(self, control: Control) -> None:
@@ -183,6 +199,8 @@ class State:
         recorded by the daemon with their details)."""
         self.recommendations = [[t, s] for t, s in control.recommendations]
         self.explorations = [[t, s] for t, s in control.explorations]
+        self.verifying = control.verifying
+        self.avoided = list(control.avoided)
 
 
 def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
@@ -295,6 +313,22 @@ def _exploration(index: int, entry: Any) -> list[float]:
     ):
         raise StateFormatError(f"explorations[{index}]: expected [t, steps], got {entry!r:.40}")
     return [float(entry[0]), entry[1]]
+
+
+def _verifying(
+    value: Any, history: History, dropped: list[str] | None
+) -> outcome.ChangeSnapshot | None:
+    if value is None:
+        return None
+    # Its cells decay as the history's do.
+    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped)
+
+
+def _avoided(index: int, entry: Any) -> outcome.Avoided:
+    try:
+        return outcome.avoided_from_dict(index, entry)
+    except ValueError as exc:
+        raise StateFormatError(str(exc)) from None
 
 
 def _one_line(exc: BaseException) -> str:

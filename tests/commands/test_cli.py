@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from specd import cli
+from specd.core.outcome import Avoided
 from specd.daemon import UNFREEZE_REQUEST, Daemon
 from specd.io.config import load_config
 from specd.io.notify import Notifier
@@ -188,6 +189,24 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
     assert again.returncode == 0
     assert "not frozen" in again.stdout
     assert not request.exists()
+
+
+def test_status_names_the_step_counts_avoided_after_a_regression(tmp_path: Path) -> None:
+    cfg_path = write_config(tmp_path)
+    config = load_config(cfg_path)
+    now = time.time()
+    avoided = [
+        Avoided(5, now - 3600, ((2, 1.0),), 0.031, 3),
+        Avoided(6, now - 8 * 86400, ((2, 1.0),), 0.05, 3),  # past its week: not shown
+    ]
+    assert StateStore(config.files.state_dir).save(State(avoided=avoided)) is None
+    status = specd("status", "--config", str(cfg_path))
+    assert status.returncode == 0, status.stderr
+    (line,) = [x for x in status.stdout.splitlines() if x.startswith("avoided")]
+    assert "5 steps: served 3.1% less than 3" in line
+    info = json.loads(specd("status", "--config", str(cfg_path), "--json").stdout)
+    assert [(e["steps"], e["from_steps"]) for e in info["avoided"]] == [(5, 3)]
+    assert info["avoided"][0]["until"] == pytest.approx(now - 3600 + 7 * 86400)
 
 
 def test_run_with_its_metrics_port_taken_says_so_in_one_line(tmp_path: Path) -> None:

@@ -429,6 +429,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "change",
         "drain_unavailable",
         "explore",
+        "regression",
     }
 
 

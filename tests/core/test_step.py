@@ -153,9 +153,11 @@ def test_the_policy_runs_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int | None] = []
     real = decide_mod.POLICIES["bands"]
 
-    def counting(history: History, config: Config, current: int | None, cal: Any) -> Any:
+    def counting(
+        history: History, config: Config, current: int | None, cal: Any, avoid: Any
+    ) -> Any:
         calls.append(current)
-        return real(history, config, current, cal)
+        return real(history, config, current, cal, avoid)
 
     monkeypatch.setattr(decide_mod, "POLICIES", {"bands": counting})
     held = tuple((OPEN - 700 + 5 * i, 3) for i in range(141))

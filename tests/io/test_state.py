@@ -17,6 +17,7 @@ from factories import make_observation, mounted_tmpfs
 
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
+from specd.core.outcome import Avoided, ChangeSnapshot
 from specd.io.state import (
     STATE_FILE,
     STATE_FILE_MODE,
@@ -54,6 +55,13 @@ def populated() -> State:
         frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
         recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
         explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2]],
+        verifying=ChangeSnapshot(
+            T0 - 7200, 3, 4, ((2, 30.0, 4500.0), (5, 10.0, 2000.0)), 0.02, until=T0 + 86400
+        ),
+        avoided=[
+            Avoided(5, T0 - 86400, ((2, 0.25), (5, 0.75)), 0.031, 4),
+            Avoided(6, T0 - 3600, ((8, 1.0),), 0.05, 4),
+        ],
         sglang_started_at=T0 - 7200,
     )
 
@@ -216,6 +224,18 @@ def _with_history(**parts: Any) -> dict[str, Any]:
     return data
 
 
+def _verifying(**parts: Any) -> dict[str, Any]:
+    data = _state_dict()
+    data["verifying"] = {**data["verifying"], **parts}
+    return data
+
+
+def _avoided_entry(index: int, **parts: Any) -> dict[str, Any]:
+    data = _state_dict()
+    data["avoided"][index] = {**data["avoided"][index], **parts}
+    return data
+
+
 def _history_cells(table: str, *rows: list[Any]) -> dict[str, Any]:
     data = _state_dict()
     data["history"][table]["cells"].extend(rows)
@@ -259,6 +279,48 @@ SALVAGED: list[Any] = [
         "explorations",
         {"explorations": []},
         id="explorations-type",
+    ),
+    pytest.param(
+        lambda: _with(verifying=[3, 4]), "verifying", {"verifying": None}, id="verifying-type"
+    ),
+    pytest.param(
+        lambda: _verifying(to_steps=3), "verifying", {"verifying": None}, id="verifying-no-change"
+    ),
+    pytest.param(
+        lambda: _verifying(from_steps=-1), "verifying", {"verifying": None}, id="verifying-steps"
+    ),
+    pytest.param(
+        lambda: _verifying(t=None), "verifying: t", {"verifying": None}, id="verifying-no-t"
+    ),
+    # One bad cell of the snapshot: that cell, not the change it verifies.
+    pytest.param(
+        lambda: _verifying(
+            cells={"ref_t": T0 - 7200, "cells": [[2, 30.0, 4500.0], [5, 10.0, 1e300]]}
+        ),
+        "verifying.cells[1]",
+        {"verifying": ChangeSnapshot(T0 - 7200, 3, 4, ((2, 30.0, 4500.0),), 0.02, T0 + 86400)},
+        id="verifying-cell-1e299-tok-s",
+    ),
+    pytest.param(
+        lambda: _with(avoided={"steps": 5}), "avoided", {"avoided": []}, id="avoided-type"
+    ),
+    pytest.param(
+        lambda: _avoided_entry(0, steps=99),
+        "avoided[0]: steps",
+        {"avoided": [Avoided(6, T0 - 3600, ((8, 1.0),), 0.05, 4)]},
+        id="avoided-steps-99",
+    ),
+    pytest.param(
+        lambda: _avoided_entry(1, mix=[[8, 7.0]]),
+        "avoided[1]: mix",
+        {"avoided": [Avoided(5, T0 - 86400, ((2, 0.25), (5, 0.75)), 0.031, 4)]},
+        id="avoided-share-7",
+    ),
+    pytest.param(
+        lambda: _avoided_entry(1, shortfall_ratio=float("nan")),
+        "avoided[1]: shortfall_ratio",
+        {"avoided": [Avoided(5, T0 - 86400, ((2, 0.25), (5, 0.75)), 0.031, 4)]},
+        id="avoided-nan",
     ),
     pytest.param(
         lambda: _with(sglang_started_at="x"),
@@ -360,6 +422,8 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         "frozen",
         "recommendations",
         "explorations",
+        "verifying",
+        "avoided",
         "sglang_started_at",
         "live",
     ):

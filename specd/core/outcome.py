@@ -1,0 +1,449 @@
+"""Verify each change by its outcome: did the new step count serve more than the old one?
+
+The model policy changes on a prediction; this module checks it against what happened.
+At a change (`Reason.CHANGE`), `snapshot` keeps the history's throughput cells of the new
+step count as they were at that moment (`ChangeSnapshot`, carried in ``Control``). At every
+tick after it, `verdict` subtracts that snapshot — decayed by the history's own half-life,
+so both sums decay alike — from the current cells: what remains is what the new step
+count served *since the change*, per offered concurrency. It is compared, weighted by the
+time seen at each concurrency, with what the old step count serves at the same
+concurrencies: its own observed mean there (from the history), blended with the model's
+prediction as that bin's evidence is thin (`specd.core.model.OBSERVED_PIVOT_S`).
+
+The model predicted the change for its epoch (until the next window opens), so that is what
+is verified: the snapshot lapses when the window at the end of that epoch closes
+(``ChangeSnapshot.until``); a regression found by then goes back in that window. Later
+traffic is the policy's to judge again, not this change's outcome.
+
+A regression is a shortfall beyond noise: the old step count's baseline exceeds what the
+new one served by more than ``regression_min_ratio`` and than the prediction interval of
+the difference (`EVIDENCE_Z` standard errors; each side's relative error is the
+calibration's noise shrunk by the seconds observed, as in
+`PerformanceModel.relative_error`), once the new step count has been observed for
+``outcome_min_observed_s`` busy seconds since the change. `step` puts the regressed step
+count on an avoid list at once (`Avoided`): the policies skip it for
+``regression_avoid_s`` unless the traffic they expect moved far from the mix it regressed
+under (the total variation distance of the concurrency mix beyond
+``regression_lift_mix_ratio``). While the traffic the policy expects is that close,
+`decide` goes back at the next window (`Reason.REGRESSION`, under the usual window, dwell
+and budget rules; a pin or a freeze wins); for other traffic (the night's batch jobs after
+a day's change) the policy decides.
+
+Pure: no hidden state besides the snapshot and the avoid list, both values; time is the
+history's or ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from specd.core import windows
+from specd.core.history import DecayingSums
+from specd.core.model import EVIDENCE_Z, OBSERVED_PIVOT_S, Calibration, PerformanceModel
+from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, MAX_TOKENS_PER_S
+
+if TYPE_CHECKING:
+    from specd.core.history import History
+    from specd.core.settings import Settings
+
+# Less than this (seconds of decayed weight) at a concurrency since the change is nothing.
+_MIN_CELL_S = 1e-6
+# Mix entries below this share are not kept in the avoid list (bounded state).
+_MIN_MIX_SHARE = 1e-3
+
+
+def _stamp(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+
+
+@dataclass(frozen=True)
+class ChangeSnapshot:
+    """A change specd made, and the new step count's throughput cells at that moment.
+
+    ``cells``: (offered concurrency, decayed seconds, decayed seconds × tok/s), as of ``t``
+    (the history's `DecayingSums` cells of ``to_steps``, scaled to ``t``).
+    """
+
+    t: float
+    from_steps: int
+    to_steps: int
+    cells: tuple[tuple[int, float, float], ...] = ()
+    # What the policy predicted the change would gain (tok/s of to over from, minus 1).
+    predicted_gain_ratio: float | None = None
+    # When the verification lapses (`verification_end`); None: never.
+    until: float | None = None
+
+    def lapsed(self, now: float) -> bool:
+        return self.until is not None and now >= self.until
+
+
+@dataclass(frozen=True)
+class Avoided:
+    """A step count that served less than the one before it: the policies skip it."""
+
+    steps: int
+    t: float  # when specd went back
+    # Share of busy time per offered concurrency it regressed under (sums to ~1).
+    mix: tuple[tuple[int, float], ...]
+    shortfall_ratio: float  # how much less it served than the old step count
+    from_steps: int  # the step count it was compared with
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of the change in ``Control.verifying``, as of the latest observation."""
+
+    from_steps: int
+    to_steps: int
+    observed_s: float  # busy seconds observed at to_steps since the change (decayed)
+    observed_tok_s: float  # what to_steps served there, time-weighted mean
+    baseline_tok_s: float  # what from_steps serves at the same concurrencies
+    margin_tok_s: float  # half-width of the interval of the difference
+    # It served less beyond noise, after the minimum time...
+    beyond_noise: bool
+    # ...and the traffic the policy expects is like the traffic it served less under: go back.
+    regressed: bool
+    why: str
+    mix: tuple[tuple[int, float], ...]  # the concurrency mix seen since the change
+
+    @property
+    def shortfall_ratio(self) -> float:
+        """How much less to_steps served than from_steps (negative: it served more)."""
+        if self.baseline_tok_s <= 0:
+            return 0.0
+        return 1.0 - self.observed_tok_s / self.baseline_tok_s
+
+
+# -- the snapshot -------------------------------------------------------------------------
+def verification_end(config: Settings, t: float) -> float:
+    """When the outcome of a change made at ``t`` stops being verified: the close of the
+    window that ends its epoch (the first window opening after ``t``'s)."""
+    # One second on: `next_open` answers a window opening at exactly ``t`` with ``t``.
+    at = datetime.fromtimestamp(t + 1.0, tz=timezone.utc)
+    try:
+        opened = windows.next_open(config.windows, at)
+        return windows.next_close(config.windows, opened).timestamp()
+    except ValueError:  # no window in the horizon: no later window to go back in either
+        return t
+
+
+def snapshot(
+    history: History,
+    from_steps: int,
+    to_steps: int,
+    predicted_gain_ratio: float | None = None,
+    until: float | None = None,
+) -> ChangeSnapshot:
+    """The snapshot of a change from ``from_steps`` to ``to_steps`` made now (the
+    history's latest observation), verified until ``until``."""
+    t = history.last_t if history.last_t is not None else 0.0
+    cells = tuple(
+        sorted(
+            (c, weight, weight * tok_s)
+            for (k, c), (tok_s, weight) in history.throughput_table().items()
+            if k == to_steps and c > 0
+        )
+    )
+    return ChangeSnapshot(t, from_steps, to_steps, cells, predicted_gain_ratio, until)
+
+
+def since_change(snap: ChangeSnapshot, history: History) -> dict[int, tuple[float, float]]:
+    """Offered concurrency → (decayed seconds, mean tok/s) ``snap.to_steps`` served since
+    the change: the current cells minus the snapshot, decayed alike."""
+    at = history.last_t if history.last_t is not None else snap.t
+    # The snapshot decays as the history does: the same half-life, from its own time.
+    decay = DecayingSums[int](history.settings.half_life_s, snap.t).scale_at(at)
+    before = {c: (w * decay, ws * decay) for c, w, ws in snap.cells}
+    out: dict[int, tuple[float, float]] = {}
+    for (k, c), (tok_s, weight) in history.throughput_table().items():
+        if k != snap.to_steps or c <= 0:
+            continue
+        w0, ws0 = before.get(c, (0.0, 0.0))
+        w = weight - w0
+        if w <= _MIN_CELL_S:
+            continue
+        out[c] = (w, max(weight * tok_s - ws0, 0.0) / w)
+    return out
+
+
+def _normalized_mix(weights: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
+    total = sum(w for c, w in weights.items() if c > 0 and w > 0)
+    if total <= 0:
+        return ()
+    return tuple(
+        (c, w / total)
+        for c, w in sorted(weights.items())
+        if c > 0 and w > 0 and w / total >= _MIN_MIX_SHARE
+    )
+
+
+def mix_distance(a: Mapping[int, float], b: Mapping[int, float]) -> float:
+    """Total variation distance of two busy concurrency mixes (0 same, 1 disjoint); 0 when
+    either is empty (no traffic to tell a change by)."""
+    pa, pb = dict(_normalized_mix(a)), dict(_normalized_mix(b))
+    if not pa or not pb:
+        return 0.0
+    return 0.5 * sum(abs(pa.get(c, 0.0) - pb.get(c, 0.0)) for c in set(pa) | set(pb))
+
+
+def _error_ratio(noise_ratio: float, evidence_s: float) -> float:
+    # As `PerformanceModel.relative_error` for an observed step count: the calibration's
+    # noise, shrunk as observation outweighs it.
+    return noise_ratio * math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + max(evidence_s, 0.0)))
+
+
+def verdict(
+    snap: ChangeSnapshot | None,
+    history: History,
+    config: Settings,
+    current: int | None,
+    calibration: Calibration | None = None,
+    coming: Mapping[int, float] | None = None,
+    model: PerformanceModel | None = None,
+) -> Verdict | None:
+    """The outcome of ``snap`` while its new step count is live; None when there is no
+    change to verify, its verification lapsed, it is not live, or nothing comparable was
+    seen since. A shortfall beyond noise is a regression to go back from only while the
+    ``coming`` traffic (the concurrency mix the policy expects; None: the same) is like the
+    traffic it was seen under (``regression_lift_mix_ratio``). ``model``: the policy's
+    `PerformanceModel` of this tick (of ``calibration`` and ``history``), else built here."""
+    if snap is None or current is None or current != snap.to_steps:
+        return None
+    if history.last_t is not None and snap.lapsed(history.last_t):
+        return None
+    seen = since_change(snap, history)
+    if not seen:
+        return None
+    if model is None:
+        model = PerformanceModel(calibration, history)
+    old = snap.from_steps
+    old_observed = {
+        c: (tok_s, w) for (k, c), (tok_s, w) in history.throughput_table().items() if k == old
+    }
+    can_predict = model.can_predict(old)
+    total_w = served = baseline = 0.0
+    mix: dict[int, float] = {}
+    for c, (w, tok_s) in seen.items():
+        obs_tok_s, obs_w = old_observed.get(c, (0.0, 0.0))
+        if can_predict:
+            predicted = model.throughput(old, float(c))
+            # The old step count's own mean at c, trusted as its evidence there grows.
+            base = (obs_w * obs_tok_s + OBSERVED_PIVOT_S * predicted) / (obs_w + OBSERVED_PIVOT_S)
+        elif obs_w > 0:
+            base = obs_tok_s
+        else:
+            continue  # nothing says what the old step count serves here
+        total_w += w
+        served += w * tok_s
+        baseline += w * base
+        mix[c] = w
+    if total_w <= 0 or baseline <= 0:
+        return None
+    served /= total_w
+    baseline /= total_w
+    noise = config.choose.calibration_noise_ratio
+    old_evidence = sum(w for _, w in old_observed.values())
+    margin = EVIDENCE_Z * math.hypot(
+        _error_ratio(noise, total_w) * served, _error_ratio(noise, old_evidence) * baseline
+    )
+    needed = config.choose.outcome_min_observed_s
+    floor = config.choose.regression_min_ratio * baseline
+    beyond_noise = total_w >= needed and baseline - served > max(margin, floor)
+    moved = 0.0 if coming is None else mix_distance(coming, mix)
+    regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
+    change = f"{old} → {snap.to_steps} at {_stamp(snap.t)}"
+    diff = served / baseline - 1.0
+    expected = (
+        ""
+        if snap.predicted_gain_ratio is None
+        else f", predicted {snap.predicted_gain_ratio * 100:+.1f}%"
+    )
+    measured = (
+        f"{snap.to_steps} served {served:.0f} tok/s over {total_w / 3600:.1f} h since, "
+        f"{old} serves {baseline:.0f} at the same concurrencies ({diff * 100:+.1f}%, interval "
+        f"±{margin / baseline * 100:.1f}%{expected})"
+    )
+    if regressed:
+        why = f"outcome of {change}: regression, {measured}"
+    elif beyond_noise:
+        why = (
+            f"outcome of {change}: regression under other traffic than expected now (mix "
+            f"{moved:.2f} away > {config.choose.regression_lift_mix_ratio:g}), the policy "
+            f"decides, {measured}"
+        )
+    elif total_w < needed:
+        why = f"outcome of {change}: {total_w:.0f} s observed < {needed:.0f} s needed, {measured}"
+    else:
+        why = f"outcome of {change}: no regression beyond noise, {measured}"
+    return Verdict(
+        old,
+        snap.to_steps,
+        total_w,
+        served,
+        baseline,
+        margin,
+        beyond_noise,
+        regressed,
+        why,
+        _normalized_mix(mix),
+    )
+
+
+# -- the avoid list -----------------------------------------------------------------------
+def avoid_entry(found: Verdict, now: float) -> Avoided:
+    """The avoid-list entry of a regression specd goes back from at ``now``."""
+    return Avoided(found.to_steps, now, found.mix, found.shortfall_ratio, found.from_steps)
+
+
+def with_avoided(
+    entries: Sequence[Avoided], entry: Avoided, now: float, config: Settings
+) -> tuple[Avoided, ...]:
+    """``entries`` still in force at ``now``, with ``entry`` replacing any of its steps."""
+    kept = [e for e in current_entries(entries, now, config) if e.steps != entry.steps]
+    return tuple(sorted([*kept, entry], key=lambda e: (e.t, e.steps)))
+
+
+def current_entries(
+    entries: Sequence[Avoided], now: float, config: Settings
+) -> tuple[Avoided, ...]:
+    """The entries whose time-to-live has not run out at ``now``."""
+    ttl = config.choose.regression_avoid_s
+    return tuple(e for e in entries if now - e.t < ttl)
+
+
+def avoided(
+    entries: Sequence[Avoided], now: float, config: Settings, mix: Mapping[int, float]
+) -> dict[int, str]:
+    """Step count → why the policies skip it, for traffic of concurrency ``mix``: entries
+    in force, unless that traffic moved far from the mix each regressed under."""
+    lift = config.choose.regression_lift_mix_ratio
+    out: dict[int, str] = {}
+    for e in current_entries(entries, now, config):
+        if mix_distance(mix, dict(e.mix)) > lift:
+            continue
+        out[e.steps] = (
+            f"{e.steps} served {e.shortfall_ratio * 100:.1f}% less than {e.from_steps} "
+            f"(went back {_stamp(e.t)})"
+        )
+    return out
+
+
+# -- persistence (state.json) -------------------------------------------------------------
+def _steps(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
+        raise ValueError(f"{name}: expected a step count 1..{MAX_STEPS}, got {value!r:.40}")
+    return value
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _concurrency(value: Any) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= 100 * MAX_RUNNING_REQUESTS
+    ):
+        raise ValueError(f"expected an offered concurrency, got {value!r:.40}")
+    return value
+
+
+def _check_cell(c: int, values: list[float]) -> str | None:
+    weight, weighted = values
+    if weight > 0 and not 0 <= weighted / weight <= MAX_TOKENS_PER_S:
+        return f"{weighted / weight:.6g} tokens/s at {c} is more than any SGLang server serves"
+    return None
+
+
+def snapshot_to_dict(snap: ChangeSnapshot, half_life_s: float) -> dict[str, Any]:
+    table: DecayingSums[int] = DecayingSums(half_life_s, snap.t)
+    table.cells = {c: [w, ws] for c, w, ws in snap.cells}
+    return {
+        "t": snap.t,
+        "from_steps": snap.from_steps,
+        "to_steps": snap.to_steps,
+        "predicted_gain_ratio": snap.predicted_gain_ratio,
+        "until": snap.until,
+        "cells": table.to_dict(snap.t, int),
+    }
+
+
+def snapshot_from_dict(
+    data: Any, half_life_s: float, dropped: list[str] | None = None
+) -> ChangeSnapshot:
+    """Rebuild from `snapshot_to_dict`. A bad snapshot raises ValueError; a bad cell does
+    too unless ``dropped`` is given: then it is left out and named there."""
+    if not isinstance(data, dict):
+        raise ValueError("verifying: expected an object or null")
+    try:
+        t = _number(data.get("t"), "t")
+        from_steps = _steps(data.get("from_steps"), "from_steps")
+        to_steps = _steps(data.get("to_steps"), "to_steps")
+        gain = data.get("predicted_gain_ratio")
+        gain_ratio = None if gain is None else _number(gain, "predicted_gain_ratio")
+        until = data.get("until")
+        until_t = None if until is None else _number(until, "until")
+        table = DecayingSums.from_dict(
+            data.get("cells"),
+            half_life_s,
+            2,
+            _concurrency,
+            check=_check_cell,
+            dropped=dropped,
+            where="verifying.cells",
+        )
+    except ValueError as exc:
+        raise ValueError(f"verifying: {exc}") from None
+    if from_steps == to_steps:
+        raise ValueError(f"verifying: from_steps and to_steps are both {to_steps}")
+    scale = table.scale_at(t)
+    cells = tuple(sorted((c, w * scale, ws * scale) for c, (w, ws) in table.cells.items()))
+    return ChangeSnapshot(t, from_steps, to_steps, cells, gain_ratio, until_t)
+
+
+def avoided_to_dict(entry: Avoided) -> dict[str, Any]:
+    return {
+        "steps": entry.steps,
+        "t": entry.t,
+        "from_steps": entry.from_steps,
+        "shortfall_ratio": entry.shortfall_ratio,
+        "mix": [[c, share] for c, share in entry.mix],
+    }
+
+
+def avoided_from_dict(index: int, data: Any) -> Avoided:
+    """One avoid-list entry from `avoided_to_dict`; ValueError naming ``avoided[index]``."""
+    where = f"avoided[{index}]"
+    try:
+        if not isinstance(data, dict):
+            raise ValueError(f"expected an object, got {data!r:.40}")
+        mix = data.get("mix")
+        if not isinstance(mix, list):
+            raise ValueError("mix: expected a list of [concurrency, share]")
+        shares: list[tuple[int, float]] = []
+        for row in mix:
+            if not isinstance(row, list) or len(row) != 2:
+                raise ValueError(f"mix: expected [concurrency, share], got {row!r:.40}")
+            share = _number(row[1], "mix share")
+            if not 0 <= share <= 1:
+                raise ValueError(f"mix: share {share:.6g} is not in [0, 1]")
+            shares.append((_concurrency(row[0]), share))
+        shortfall = _number(data.get("shortfall_ratio"), "shortfall_ratio")
+        if not -1 <= shortfall <= 1:
+            raise ValueError(f"shortfall_ratio: {shortfall:.6g} is not in [-1, 1]")
+        return Avoided(
+            steps=_steps(data.get("steps"), "steps"),
+            t=_number(data.get("t"), "t"),
+            mix=tuple(sorted(shares)),
+            shortfall_ratio=shortfall,
+            from_steps=_steps(data.get("from_steps"), "from_steps"),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

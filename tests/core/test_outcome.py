@@ -1,0 +1,483 @@
+"""specd.core.outcome: each change verified by what the new step count served since."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from factories import make_observation, seed_table, serve, tables
+
+from specd.core import outcome
+from specd.core.decide import Control, Pick, Reason, choose, decide
+from specd.core.history import History, HistorySettings
+from specd.core.model import Calibration, plan
+from specd.core.observation import Observation
+from specd.core.outcome import Avoided, ChangeSnapshot, Verdict
+from specd.core.override import Override
+from specd.core.settings import Settings
+from specd.core.step import StepContext, step
+
+UTC = timezone.utc
+MONDAY = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
+HOUR = 3600.0
+DAY = 86400.0
+# The default window opens daily at 03:00 UTC for an hour.
+CHANGED = MONDAY + 3 * HOUR + 600  # Monday 03:10: specd changed 3 → 4
+NEXT_WINDOW = MONDAY + DAY + 3 * HOUR + 1800  # Tuesday 03:30
+SCRAPE_S = 60.0
+
+
+def config(**kwargs: Any) -> Settings:
+    base: dict[str, Any] = {"min_history_s": 600, "stabilization_window_s": 600}
+    return Settings.model_validate(tables(**{**base, **kwargs}))
+
+
+def fresh() -> History:
+    return History(HistorySettings(half_life_s=DAY, warmup_exclude_s=0, scrape_interval_s=SCRAPE_S))
+
+
+def observed(t: float, steps: int, offered: int) -> Observation:
+    return make_observation(t, running=offered, steps=steps, max_running_requests=64)
+
+
+def run(
+    history: History, steps: int, start: float, until: float, offered: int, tok_s: float
+) -> Observation:
+    return serve(history, steps, start, until, offered, tok_s, SCRAPE_S)
+
+
+def changed(
+    new_tok_s: float,
+    until: float = NEXT_WINDOW,
+    *,
+    offered: int = 2,
+    old_tok_s: float = 1000.0,
+    new_before_tok_s: float | None = None,
+) -> tuple[History, ChangeSnapshot, Observation]:
+    """3 steps serve ``old_tok_s`` from Monday 00:00; specd changes to 4 at 03:10 and 4
+    serves ``new_tok_s`` until ``until``. With ``new_before_tok_s``, 4 also ran (at that
+    rate) the Sunday before."""
+    history = fresh()
+    if new_before_tok_s is not None:
+        run(history, 4, MONDAY - 6 * HOUR, MONDAY - 60, offered, new_before_tok_s)
+    run(history, 3, MONDAY, CHANGED - 60, offered, old_tok_s)
+    # Verified until the window after its epoch closes: Tuesday 04:00.
+    snap = outcome.snapshot(history, 3, 4, 0.02, outcome.verification_end(config(), CHANGED))
+    assert snap.until == MONDAY + DAY + 4 * HOUR
+    # A change made as its window opens is verified until the next one closes, too.
+    assert outcome.verification_end(config(), MONDAY + 3 * HOUR) == snap.until
+    last = run(history, 4, CHANGED + 100, until, offered, new_tok_s)
+    return history, snap, last
+
+
+# -- the verdict --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("new_tok_s", "until", "regressed", "says"),
+    [
+        pytest.param(950.0, NEXT_WINDOW, True, "regression", id="5%-less-for-a-day"),
+        pytest.param(950.0, CHANGED + 2 * HOUR, True, "regression", id="5%-less-for-2h"),
+        pytest.param(997.0, NEXT_WINDOW, False, "no regression beyond noise", id="within-noise"),
+        # Beyond the interval (±0.4 % after a day), not beyond regression_min_ratio (2 %).
+        pytest.param(985.0, NEXT_WINDOW, False, "no regression beyond noise", id="below-floor"),
+        pytest.param(1050.0, NEXT_WINDOW, False, "+5.0%", id="served-more"),
+        # Before outcome_min_observed_s (an hour) nothing counts, however bad it looks.
+        pytest.param(900.0, CHANGED + 1800, False, "s needed", id="before-the-minimum-time"),
+    ],
+)
+def test_a_regression_is_a_shortfall_beyond_noise_after_the_minimum_time(
+    new_tok_s: float, until: float, regressed: bool, says: str
+) -> None:
+    history, snap, _ = changed(new_tok_s, until)
+    found = outcome.verdict(snap, history, config(), 4)
+    assert found is not None
+    assert found.regressed is regressed
+    assert found.beyond_noise is regressed
+    assert says in found.why
+    assert (found.from_steps, found.to_steps) == (3, 4)
+    assert found.observed_tok_s == pytest.approx(new_tok_s, rel=1e-6)
+    assert found.baseline_tok_s == pytest.approx(1000.0, rel=1e-6)
+    assert found.margin_tok_s > 0
+    assert "predicted +2.0%" in found.why
+
+
+@pytest.mark.parametrize(
+    ("coming", "regressed"),
+    [
+        pytest.param({2: 1.0}, True, id="the-same-traffic-comes"),
+        pytest.param({0: 3.0, 2: 1.0}, True, id="idle-time-is-no-other-traffic"),
+        pytest.param({2: 0.6, 30: 0.4}, True, id="traffic-a-little-heavier"),
+        pytest.param({30: 1.0}, False, id="other-traffic-comes"),
+    ],
+)
+def test_a_regression_goes_back_only_for_the_traffic_it_was_seen_under(
+    coming: dict[int, float], regressed: bool
+) -> None:
+    # Light traffic since the change; the next epoch may be the night's batch jobs, for
+    # which the policy, not this outcome, decides.
+    history, snap, _ = changed(950.0)
+    found = outcome.verdict(snap, history, config(), 4, None, coming)
+    assert found is not None
+    assert found.beyond_noise
+    assert found.regressed is regressed
+    assert ("other traffic" in found.why) is not regressed
+
+
+def test_the_minimum_time_and_the_floor_are_config() -> None:
+    history, snap, _ = changed(900.0, CHANGED + 1800)
+    assert not outcome.verdict(snap, history, config(), 4).regressed  # type: ignore[union-attr]
+    shorter = config(outcome_min_observed_s=600)
+    assert outcome.verdict(snap, history, shorter, 4).regressed  # type: ignore[union-attr]
+    history, snap, _ = changed(985.0)
+    found = outcome.verdict(snap, history, config(regression_min_ratio=0.01), 4)
+    assert found is not None
+    assert found.regressed
+    assert found.margin_tok_s < 15.0  # the interval alone would have called it already
+
+
+def test_what_the_new_step_count_served_before_the_change_does_not_count() -> None:
+    # 4 served 2000 tok/s the day before (other prompts): only what it served since counts.
+    history, snap, _ = changed(950.0, new_before_tok_s=2000.0)
+    seen = outcome.since_change(snap, history)
+    assert set(seen) == {2}
+    assert seen[2][1] == pytest.approx(950.0, rel=1e-6)
+    assert history.throughput(4, 2) > 1000.0  # the history as a whole says 4 is better
+    found = outcome.verdict(snap, history, config(), 4)
+    assert found is not None
+    assert found.regressed
+
+
+def test_the_old_step_count_is_compared_at_the_concurrencies_seen_since() -> None:
+    # 3 was observed at 2 requests; at 8 only the calibration says what it serves.
+    history = fresh()
+    seed = seed_table()
+    run(history, 3, MONDAY, CHANGED - 60, 2, seed.throughput(3, 2))
+    snap = outcome.snapshot(history, 3, 4)
+    run(history, 4, CHANGED + 100, NEXT_WINDOW, 8, seed.throughput(4, 8) * 0.90)
+    found = outcome.verdict(snap, history, config(), 4, Calibration.of(seed))
+    assert found is not None
+    assert found.mix == ((8, 1.0),)
+    # The baseline is 3 at 8 requests (from the model), not what 3 served at 2.
+    assert found.baseline_tok_s == pytest.approx(seed.throughput(3, 8), rel=0.02)
+    assert found.regressed is (seed.throughput(4, 8) * 0.90 < seed.throughput(3, 8))
+
+
+def test_the_verification_lapses_when_the_window_after_its_epoch_closes() -> None:
+    # A later epoch's traffic is the policy's to judge, not this change's outcome.
+    history, snap, last = changed(950.0, MONDAY + DAY + 4 * HOUR + 120)
+    assert outcome.verdict(snap, history, config(), 4) is None
+    control = Control(None, restart_times=(CHANGED + 100,), verifying=snap)
+    result = step(context(history, control), last, last.t)
+    assert result.verdict is None
+    assert result.decision.reason is not Reason.REGRESSION
+    assert result.control.verifying is None
+
+
+@pytest.mark.parametrize(
+    ("snap_of", "current"),
+    [
+        pytest.param(False, 4, id="no-change-to-verify"),
+        pytest.param(True, 3, id="the-change-did-not-take"),  # rolled back: 3 is live
+        pytest.param(True, None, id="live-step-count-unknown"),
+    ],
+)
+def test_no_verdict_without_the_new_step_count_live(snap_of: bool, current: int | None) -> None:
+    history, snap, _ = changed(900.0)
+    assert outcome.verdict(snap if snap_of else None, history, config(), current) is None
+
+
+# -- the avoid list -----------------------------------------------------------------------
+REGRESSED = Avoided(4, NEXT_WINDOW, ((2, 1.0),), 0.05, 3)
+
+
+@pytest.mark.parametrize(
+    ("now", "mix", "avoided"),
+    [
+        pytest.param(NEXT_WINDOW + DAY, {2: 100.0}, {4}, id="same-traffic"),
+        pytest.param(NEXT_WINDOW + DAY, {2: 60.0, 30: 40.0}, {4}, id="traffic-moved-a-little"),
+        pytest.param(NEXT_WINDOW + DAY, {}, {4}, id="no-traffic-to-tell-by"),
+        pytest.param(NEXT_WINDOW + DAY, {0: 50.0, 2: 50.0}, {4}, id="idle-time-is-no-change"),
+        pytest.param(NEXT_WINDOW + DAY, {30: 100.0}, set(), id="traffic-moved-far"),
+        pytest.param(NEXT_WINDOW + 7 * DAY - 1, {2: 1.0}, {4}, id="just-inside-the-ttl"),
+        pytest.param(NEXT_WINDOW + 7 * DAY, {2: 1.0}, set(), id="ttl-over"),
+    ],
+)
+def test_the_avoid_list_holds_until_its_ttl_or_a_change_of_traffic(
+    now: float, mix: dict[int, float], avoided: set[int]
+) -> None:
+    blocked = outcome.avoided((REGRESSED,), now, config(), mix)
+    assert set(blocked) == avoided
+    for why in blocked.values():
+        assert "served 5.0% less than 3" in why
+
+
+def test_the_ttl_and_the_lift_are_config() -> None:
+    short = config(regression_avoid_s=HOUR, regression_lift_mix_ratio=0.3)
+    assert outcome.avoided((REGRESSED,), NEXT_WINDOW + 2 * HOUR, short, {2: 1.0}) == {}
+    moved = {2: 60.0, 30: 40.0}  # 0.4 away: lifts at 0.3, not at the default 0.5
+    assert outcome.avoided((REGRESSED,), NEXT_WINDOW + 60, short, moved) == {}
+    assert set(outcome.avoided((REGRESSED,), NEXT_WINDOW + 60, config(), moved)) == {4}
+
+
+def test_a_new_regression_of_the_same_step_count_replaces_the_old_and_expired_ones_go() -> None:
+    old = Avoided(5, NEXT_WINDOW - 8 * DAY, ((2, 1.0),), 0.1, 3)
+    again = replace(REGRESSED, t=NEXT_WINDOW + DAY, shortfall_ratio=0.07)
+    kept = outcome.with_avoided((old, REGRESSED), again, NEXT_WINDOW + DAY, config())
+    assert kept == (again,)
+
+
+def test_the_model_policy_skips_an_avoided_step_count() -> None:
+    seed = seed_table()
+    history = fresh()
+    run(history, 3, MONDAY, MONDAY + 3 * HOUR - 120, 2, seed.throughput(3, 2))
+    cfg = config()
+    free = plan(history, cfg, 3, Calibration.of(seed))
+    assert free is not None
+    assert free.target == 4  # at 2 requests, 4 beats 3 by ~20 %
+
+    def avoid(mix: Any) -> dict[int, str]:
+        assert mix  # the forecast's concurrency mix
+        return {4: "4 served 5.0% less than 3", 3: "the live one is never skipped"}
+
+    held = plan(history, cfg, 3, Calibration.of(seed), avoid)
+    assert held is not None
+    assert 4 not in held.predictions
+    assert 3 in held.predictions
+    assert held.target != 4
+    assert "avoiding 4 served 5.0% less than 3" in held.why
+
+
+def test_the_bands_policy_keeps_the_live_step_count_over_an_avoided_band() -> None:
+    history = fresh()
+    run(history, 3, MONDAY, MONDAY + HOUR, 2, 1000.0)
+    cfg = config(policy="bands")
+    assert choose(history, cfg, 3).steps == 4  # type: ignore[union-attr]
+    pick = choose(history, cfg, 3, None, lambda mix: {4: "4 served 5.0% less than 3"})
+    assert pick is not None
+    assert pick.steps == 3
+    assert "avoided: 4 served 5.0% less than 3" in pick.why
+
+
+# -- deciding on a regression ---------------------------------------------------------------
+def verdict_of(regressed: bool) -> Verdict:
+    return Verdict(
+        3, 4, 7200.0, 950.0, 1000.0, 10.0, True, regressed, "outcome of 3 → 4: ...", ((2, 1.0),)
+    )
+
+
+def pin(steps: int) -> Override:
+    return Override(
+        "pin", steps, datetime.fromtimestamp(NEXT_WINDOW + DAY, UTC), "eval", "next-window"
+    )
+
+
+FREEZE = Override(
+    "freeze", None, datetime.fromtimestamp(NEXT_WINDOW + DAY, UTC), "incident", "next-window"
+)
+
+
+@pytest.mark.parametrize(
+    ("now_offset", "regressed", "override", "control", "reason", "target", "pick"),
+    [
+        pytest.param(0.0, True, None, {}, Reason.REGRESSION, 5, 5, id="to-the-policys-other-pick"),
+        pytest.param(0.0, True, None, {}, Reason.REGRESSION, 3, 4, id="goes-back-in-the-window"),
+        pytest.param(6 * HOUR, True, None, {}, Reason.WINDOW_CLOSED, 3, 4, id="waits-for-a-window"),
+        pytest.param(
+            0.0,
+            True,
+            None,
+            {"restart_times": (NEXT_WINDOW - 600,)},
+            Reason.DWELL_TIME,
+            3,
+            4,
+            id="dwell",
+        ),
+        pytest.param(
+            0.0,
+            True,
+            None,
+            {"restart_times": tuple(NEXT_WINDOW - 600 * i for i in range(7, 11))},
+            Reason.RESTART_BUDGET,
+            3,
+            4,
+            id="budget",
+        ),
+        pytest.param(0.0, True, pin(5), {}, Reason.OVERRIDE_PIN, 5, 4, id="a-pin-wins"),
+        pytest.param(0.0, True, pin(4), {}, Reason.OVERRIDE_PIN, 4, 4, id="a-pin-on-it-wins"),
+        pytest.param(0.0, True, FREEZE, {}, Reason.FROZEN, 4, 4, id="a-freeze-wins"),
+        pytest.param(
+            0.0,
+            True,
+            None,
+            {"frozen": True, "frozen_reason": "restart failed"},
+            Reason.FROZEN,
+            4,
+            4,
+            id="frozen-after-a-failure",
+        ),
+        pytest.param(0.0, False, None, {}, Reason.WITHIN_TOLERANCE, 4, 4, id="no-regression"),
+    ],
+)
+def test_a_regression_goes_back_under_the_usual_rules(
+    now_offset: float,
+    regressed: bool,
+    override: Override | None,
+    control: dict[str, Any],
+    reason: Reason,
+    target: int,
+    pick: int,
+) -> None:
+    now = NEXT_WINDOW + now_offset
+    history, _, _ = changed(950.0, now)
+    obs = observed(now, 4, 2)
+    decision = decide(
+        history,
+        obs,
+        config(),
+        override,
+        now,
+        Control(current_steps=4, **control),
+        Pick(pick, f"the policy picks {pick}"),
+        0.0,
+        verdict_of(regressed),
+    )
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    if regressed and target == 3 and reason is not Reason.REGRESSION:
+        # Waiting says what waits, and why it would go back.
+        assert "outcome of 3 → 4" in decision.message
+        assert "going back 4 → 3" in decision.message
+
+
+# -- step: snapshot at a change, avoid after going back --------------------------------------
+def context(history: History, control: Control, **cfg: Any) -> StepContext:
+    return StepContext(config(**cfg), history, None, control)
+
+
+def test_a_change_that_acts_is_snapshotted() -> None:
+    history = fresh()
+    # 4 ran once before; then 3 at 2 requests, where the bands want 4.
+    run(history, 4, MONDAY - 6 * HOUR, MONDAY - 60, 2, 800.0)
+    last = run(history, 3, MONDAY, MONDAY + 3 * HOUR + 600, 2, 1000.0)
+    held = tuple((last.t - 900 + 5 * i, 4) for i in range(181))
+    result = step(context(history, Control(None, recommendations=held)), last, last.t)
+    assert result.decision.reason is Reason.CHANGE
+    assert result.acts
+    snap = result.control.verifying
+    assert snap is not None
+    assert (snap.from_steps, snap.to_steps, snap.t) == (3, 4, history.last_t)
+    assert snap.until == MONDAY + DAY + 4 * HOUR  # the window after its epoch closes
+    weight = history.throughput_table()[(4, 2)][1]
+    assert snap.cells == ((2, pytest.approx(weight), pytest.approx(weight * 800.0)),)
+    # What the new step count served before the change is all in the snapshot.
+    assert outcome.since_change(snap, history) == {}
+
+
+def test_step_goes_back_from_a_regression_and_does_not_repeat_it() -> None:
+    history, snap, last = changed(950.0)
+    control = Control(None, restart_times=(CHANGED + 100,), verifying=snap)
+    result = step(context(history, control), last, last.t)
+    assert result.verdict is not None
+    assert result.verdict.regressed
+    assert result.decision.reason is Reason.REGRESSION
+    assert result.decision.target_steps == 3
+    assert result.acts
+    assert result.control.verifying is None
+    (entry,) = result.control.avoided
+    assert (entry.steps, entry.from_steps, entry.t) == (4, 3, last.t)
+    assert entry.shortfall_ratio == pytest.approx(0.05, rel=1e-3)
+    assert entry.mix == ((2, 1.0),)
+
+    # Back at 3 the next day, the bands want 4 again at 2 requests: 4 is avoided.
+    later = run(history, 3, last.t + 200, last.t + DAY, 2, 1000.0)
+    after = replace(result.control, restart_times=(CHANGED + 100, last.t + 100))
+    again = step(context(history, after), later, later.t)
+    assert again.pick is not None
+    assert again.pick.steps == 3
+    assert again.decision.reason is Reason.WITHIN_TOLERANCE
+    assert "avoided: 4 served 5.0% less than 3" in again.decision.message
+    # Past the avoid list's TTL, 4 may be tried again.
+    forgot = step(context(history, after, regression_avoid_s=HOUR), later, later.t)
+    assert forgot.pick is not None
+    assert forgot.pick.steps == 4
+    assert forgot.control.avoided == ()
+
+
+def test_a_regression_is_remembered_as_soon_as_it_is_found() -> None:
+    # Monday 23:00: the window is closed, going back waits; 4 is on the avoid list already
+    # (for the traffic it served less under: the policy skips it there, whatever comes).
+    history, snap, last = changed(950.0, MONDAY + 23 * HOUR)
+    control = Control(None, restart_times=(CHANGED + 100,), verifying=snap)
+    result = step(context(history, control), last, last.t)
+    assert result.verdict is not None
+    assert result.verdict.regressed
+    assert result.decision.reason is Reason.WINDOW_CLOSED
+    assert result.decision.target_steps == 3
+    assert result.control.verifying == snap  # still verified until it goes back
+    assert [(e.steps, e.t) for e in result.control.avoided] == [(4, last.t)]
+
+
+def test_other_changes_are_not_verified() -> None:
+    # A pin that acts is the on-call's change, not specd's: nothing to verify.
+    history, snap, last = changed(1000.0)
+    control = Control(None, restart_times=(CHANGED + 100,), verifying=snap)
+    ctx = replace(context(history, control), override=pin(5))
+    result = step(ctx, last, last.t)
+    assert result.decision.reason is Reason.OVERRIDE_PIN
+    assert result.acts
+    assert result.control.verifying is None
+
+
+# -- persistence ----------------------------------------------------------------------------
+def test_the_snapshot_and_the_avoid_list_round_trip() -> None:
+    _, snap, _ = changed(950.0, CHANGED + HOUR, new_before_tok_s=800.0)
+    data = outcome.snapshot_to_dict(snap, DAY)
+    back = outcome.snapshot_from_dict(data, DAY)
+    assert back.t == snap.t
+    assert (back.from_steps, back.to_steps, back.predicted_gain_ratio) == (3, 4, 0.02)
+    assert back.until == snap.until
+    assert back.cells == tuple((c, pytest.approx(w), pytest.approx(ws)) for c, w, ws in snap.cells)
+    assert outcome.avoided_from_dict(0, outcome.avoided_to_dict(REGRESSED)) == REGRESSED
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (
+            {"t": 1.0, "from_steps": 3, "to_steps": 3, "cells": {"ref_t": 1.0, "cells": []}},
+            "both 3",
+        ),
+        (
+            {"t": 1.0, "from_steps": 3, "to_steps": 99, "cells": {"ref_t": 1.0, "cells": []}},
+            "to_steps",
+        ),
+        ({"t": "x", "from_steps": 3, "to_steps": 4, "cells": {"ref_t": 1.0, "cells": []}}, "t:"),
+        (
+            {
+                "t": 1.0,
+                "from_steps": 3,
+                "to_steps": 4,
+                "until": "then",
+                "cells": {"ref_t": 1.0, "cells": []},
+            },
+            "until",
+        ),
+        ({"t": 1.0, "from_steps": 3, "to_steps": 4, "cells": []}, "expected an object"),
+        (
+            {
+                "t": 1.0,
+                "from_steps": 3,
+                "to_steps": 4,
+                "cells": {"ref_t": 1.0, "cells": [[0, 1, 1]]},
+            },
+            "concurrency",
+        ),
+        ("3→4", "verifying: expected an object"),
+    ],
+)
+def test_a_bad_snapshot_is_a_one_line_value_error(data: Any, problem: str) -> None:
+    with pytest.raises(ValueError, match="verifying") as caught:
+        outcome.snapshot_from_dict(data, DAY)
+    assert problem in str(caught.value)
+    assert "\n" not in str(caught.value)
