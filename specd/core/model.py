@@ -464,8 +464,9 @@ class Plan:
     margin_tokens: float = 0.0
     # The keys of ``predictions`` that are not a static K: off (0) and adaptive sets.
     settings: Mapping[int, SpecSetting] = field(default_factory=dict)
-    # The model it predicted with (built once per tick; the outcome check reads it too).
-    model: PerformanceModel | None = None
+    # The model it predicted with (built once per tick; the outcome check reads it too):
+    # a means to the prediction, not part of it, so equal plans compare equal.
+    model: PerformanceModel | None = field(default=None, compare=False, repr=False)
 
     def setting_of(self, key: int) -> SpecSetting:
         return self.settings.get(key) or static(key)

@@ -146,6 +146,9 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         # The bands only matter where the model cannot predict (no calibration).
         band = None if all(k in known for k in allowed) else band_steps(ctx.history, config)
         exploration = explore.propose(static_plan, current, config, control.explorations, now, band)
+        if exploration is not None and exploration.steps in {a.steps for a in control.avoided}:
+            # It regressed when run (`specd.core.outcome`): measured already, and worse.
+            exploration = None
     needs_s = ctx.restart_needs_s
     if pick is not None and pick.chosen is not None:
         # An adaptive start captures a CUDA-graph set per candidate: the window must hold it.

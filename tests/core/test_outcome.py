@@ -340,7 +340,7 @@ def test_a_regression_goes_back_under_the_usual_rules(
         Control(current_steps=4, **control),
         Pick(pick, f"the policy picks {pick}"),
         0.0,
-        verdict_of(regressed),
+        verdict=verdict_of(regressed),
     )
     assert decision.reason is reason, decision.message
     assert decision.target_steps == target
