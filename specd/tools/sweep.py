@@ -23,6 +23,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -743,6 +744,20 @@ def check_plan(plan: SweepPlan, config: Config) -> None:
             )
 
 
+def with_live_algorithm(config: Config, info: Mapping[str, Any]) -> Config:
+    """``config`` with the algorithm SGLang runs now when it names none: once the sweep
+    has restarted SGLang into off, the server no longer reports it, and an adaptive set
+    (or the way back) must still be written with it."""
+    algorithm = info.get("speculative_algorithm")
+    if config.sglang.speculative_algorithm is not None or not isinstance(algorithm, str):
+        return config
+    algorithm = algorithm.upper()
+    if not re.fullmatch(r"[A-Z0-9_]{1,32}", algorithm) or algorithm == "NONE":
+        return config
+    sglang = config.sglang.model_copy(update={"speculative_algorithm": algorithm})
+    return config.model_copy(update={"sglang": sglang})
+
+
 def check_offered(plan: SweepPlan, config: Config, info: Mapping[str, Any]) -> None:
     """Refuse adaptive sets this server cannot run (SweepError naming why), judged as the
     daemon judges them (`choices.offer`) on the traits of its /server_info, with the
@@ -814,14 +829,17 @@ def sweep(
     try:
         sweeper.journal.open()
         original = _current_steps(sweeper.client)
+        info = sweeper.client.server_info()
+        if isinstance(info, dict):
+            sweeper.config = with_live_algorithm(config, info)
+        elif plan.adaptive:
+            raise SweepError(
+                f"cannot read SGLang's /server_info to tell whether it runs adaptive "
+                f"mode: {info.reason}"
+            )
         if plan.adaptive:
-            info = sweeper.client.server_info()
-            if not isinstance(info, dict):
-                raise SweepError(
-                    f"cannot read SGLang's /server_info to tell whether it runs adaptive "
-                    f"mode: {info.reason}"
-                )
-            check_offered(plan, config, info)
+            assert isinstance(info, dict)
+            check_offered(plan, sweeper.config, info)
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -23,7 +23,11 @@ import pytest
 from factories import make_observation, tables
 
 from specd.commands import sweep as sweep_cmd
+from specd.core.adaptive import AdaptiveModel
+from specd.core.model import Calibration, PerformanceModel, adaptive_slots
 from specd.core.observation import Observation
+from specd.core.setting import adaptive_config_text, sglang_args
+from specd.core.setting import parse as parse_setting
 from specd.io.apply import read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
@@ -31,7 +35,7 @@ from specd.io.tables import read_table
 from specd.tools import sweep as sw
 from specd.twin.preset import preset_table
 from specd.twin.process import free_port
-from specd.twin.unit import DEFAULT_STEPS, TwinUnitRunner, twin_unit_config
+from specd.twin.unit import DEFAULT_STEPS, ENV_ARGS, TwinUnitRunner, twin_unit_config
 
 REPO = Path(__file__).resolve().parents[2]
 TWIN_ARGS = ["--load-time-s", "0.2", "--warmup-s", "0.1", "--report-interval-s", "0.2"]
@@ -180,6 +184,123 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
     assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
     assert read_table(out / sw.CSV_NAME).steps() == [4]
+
+
+def test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back(
+    unit_factory: Any, tmp_path: Path
+) -> None:
+    unit = unit_factory()
+    out = tmp_path / "out"
+    plan = sw.SweepPlan(
+        steps=(3, 4),
+        concurrency=(1, 8),
+        duration_s=1.5,
+        warmup_s=0.2,
+        max_tokens=768,
+        off=True,
+        adaptive=("adaptive:4,3",),
+    )
+    recorder = Recorder()
+    report = sw.sweep(
+        unit.config, plan, out, runner=unit.runner, pacing=sweep_cmd.FAST_PACING, reporter=recorder
+    )
+
+    assert report.ok, report.to_dict()
+    # The original 3 steps last: off and the adaptive set each cost one restart, no more.
+    assert [r["to_setting"] for r in report.restarts] == ["4", "off", "adaptive:3,4", "3"]
+    assert unit.runner.restarted_to == [4, 0, 4, DEFAULT_STEPS]
+    info = httpx.get(unit.url + "/server_info", timeout=5).json()
+    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
+    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
+
+    truth = preset_table()
+    table = read_table(out / sw.CSV_NAME)  # the calibration format, read back
+    assert table.steps() == [0, 3, 4]
+    off_rows = [r for r in table.rows if r.steps == 0]
+    assert [r.concurrency for r in off_rows] == [1, 8]
+    for row in off_rows:
+        want = truth.throughput(0, row.concurrency)
+        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
+        assert row.max_running_requests == truth.capacity(0)  # the off server's, not K's
+    # The calibration predicts off from its steps-0 row.
+    model = PerformanceModel(Calibration.of(table))
+    assert model.can_predict(0)
+    assert model.throughput(0, 8) == pytest.approx(off_rows[1].output_tok_s)
+
+    # The adaptive rows are kept apart from the static curves, under their canonical text.
+    assert table.measured_settings() == ["adaptive:3,4"]
+    assert table.throughput(4, 8) == next(
+        r.output_tok_s for r in table.rows if (r.steps, r.concurrency) == (4, 8)
+    )
+    assert table.setting_capacity("adaptive:3,4") == truth.capacity(4)  # the deepest's
+    # Measured against what the model predicts for the set from the static rows.
+    predicted = AdaptiveModel.of(adaptive_slots(parse_setting("adaptive:3,4")), model)
+    for c in (1, 8):
+        measured = table.setting_throughput("adaptive:3,4", c)
+        assert abs(measured / predicted.throughput(c) - 1) <= TOLERANCE, (c, measured)
+    points = {(p.setting, p.steps) for p in report.points}
+    assert points == {(None, 0), (None, 3), (None, 4), ("adaptive:3,4", 4)}
+    md = (out / sw.MARKDOWN_NAME).read_text()
+    assert "| 0 | 8 |" in md
+    assert "| adaptive:3,4 |" in md
+    assert f"Restored the original {DEFAULT_STEPS} steps." in md
+    assert any(p.startswith("adaptive:3,4: measuring c=8") for p in recorder.phases)
+
+
+@pytest.mark.parametrize(
+    ("twin_args", "adaptive", "why"),
+    [
+        (
+            ["--enable-dp-attention"],
+            "adaptive:3,4",
+            "--adaptive: this server cannot run SGLang's adaptive mode: SGLang's adaptive mode "
+            "does not run with DP attention",
+        ),
+        (
+            ["--sglang-version", "0.5.13"],
+            "adaptive:1,3/1=1,3;8=0,1",
+            "--adaptive adaptive:1,3/1=1,3;8=0,1: this server cannot run it: step 0 in a slot "
+            "need SGLang >= 0.5.14; the server runs 0.5.13",
+        ),
+    ],
+    ids=["dp-attention", "slot-zero-on-0.5.13"],
+)
+def test_an_adaptive_set_the_server_cannot_run_is_refused_before_any_restart(
+    unit_factory: Any, tmp_path: Path, twin_args: list[str], adaptive: str, why: str
+) -> None:
+    unit = unit_factory(twin_args)
+    plan = sw.SweepPlan(steps=(4,), concurrency=(1,), duration_s=1.0, adaptive=(adaptive,))
+    with pytest.raises(sw.SweepError) as info:
+        sw.sweep(unit.config, plan, tmp_path / "out", runner=unit.runner, reporter=Recorder())
+    assert str(info.value) == why
+    assert unit.runner.restarted_to == []
+    assert not Path(unit.config.sglang.env_file).exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_of_a_server_running_adaptive_is_refused(tmp_path: Path) -> None:
+    # The sweep can only put back what it can name: off or a static K.
+    (tmp_path / "state").mkdir()
+    port = free_port()
+    config = make_config(tmp_path, port)
+    setting = parse_setting("adaptive:3,4")
+    runner = TwinUnitRunner(
+        config.sglang.unit,
+        Path(config.sglang.env_file),
+        port=port,
+        defaults={ENV_ARGS: " ".join(sglang_args(setting, algorithm="NEXTN",
+                                                 config_path=str(tmp_path / "a.json")))},
+        extra_args=TWIN_ARGS,
+    )  # fmt: skip
+    (tmp_path / "a.json").write_text(adaptive_config_text(setting))
+    runner.start().wait_healthy(30)
+    try:
+        plan = sw.SweepPlan(steps=(4,), concurrency=(1,), duration_s=1.0)
+        with pytest.raises(sw.SweepError, match=r"^SGLang runs adaptive \(a.json\); the sweep"):
+            sw.sweep(config, plan, tmp_path / "out", runner=runner, reporter=Recorder())
+        assert runner.restarted_to == []
+    finally:
+        runner.stop()
 
 
 def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
