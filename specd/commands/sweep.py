@@ -14,6 +14,8 @@ from typing import TextIO
 
 from specd.commands.args import MAX_CONCURRENCY, MAX_TOKENS, IntList, Seconds
 from specd.commands.check_config import load_for_command
+from specd.core.setting import format_setting
+from specd.core.setting import parse as parse_setting
 from specd.core.settings import DEFAULT_ADAPTIVE_SETS
 from specd.io import logs
 from specd.io.config import Config
@@ -147,7 +149,8 @@ def make_plan(args: argparse.Namespace, config_sets: Sequence[str]) -> SweepPlan
     adaptive: list[str] = []
     for text in args.adaptive or ():
         wanted = tuple(config_sets) if text == FROM_CONFIG else (text,)
-        adaptive += [t for t in wanted if t not in adaptive]
+        # A set named twice (in any spelling) is measured once; SweepPlan refuses bad text.
+        adaptive += [t for t in wanted if _canonical(t) not in map(_canonical, adaptive)]
     return SweepPlan(
         steps=args.steps,
         concurrency=tuple(sorted(args.concurrency)),
@@ -157,6 +160,13 @@ def make_plan(args: argparse.Namespace, config_sets: Sequence[str]) -> SweepPlan
         off=args.off,
         adaptive=tuple(adaptive),
     )
+
+
+def _canonical(text: str) -> str:
+    try:
+        return format_setting(parse_setting(text))
+    except ValueError:
+        return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,8 +35,10 @@ from typing import Any, TextIO, TypeVar
 
 import httpx
 
+from specd.core.adaptive import AdaptiveModel
 from specd.core.choices import offer
 from specd.core.history import HistorySettings
+from specd.core.model import adaptive_slots
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import (
@@ -949,6 +951,15 @@ def markdown(report: SweepReport) -> str:
     if best:
         lines += ["", "Best setting by aggregate throughput:", ""]
         lines += [f"- c={c}: {label} ({tok:.1f} tok/s)" for c, (label, tok) in best.items()]
+    checks = adaptive_checks(report)
+    if checks:
+        lines += [
+            "",
+            "Adaptive sets against what the static rows predict (the best candidate of each "
+            "batch's slot, at the deepest candidate's capacity):",
+            "",
+            *checks,
+        ]
     if report.failed_steps:
         lines += ["", "Not measured:", ""]
         lines += [
@@ -967,6 +978,36 @@ def markdown(report: SweepReport) -> str:
     )
     lines += ["", restored, ""]
     return "\n".join(lines)
+
+
+def adaptive_checks(report: SweepReport) -> list[str]:
+    """One line per measured adaptive point: measured vs predicted from this sweep's own
+    static rows, as the model predicts a set (`specd.core.adaptive`)."""
+    table = report.table()
+    if table is None:
+        return []
+    lines: list[str] = []
+    for text in table.measured_settings():
+        setting = parse_setting(text)
+        try:
+            predicted = AdaptiveModel.of(adaptive_slots(setting), table)
+        except ValueError as exc:
+            lines.append(f"- {text}: not predicted: {exc}")
+            continue
+        if predicted.skipped:
+            missing = ",".join(map(str, predicted.skipped))
+            lines.append(f"- {text}: not predicted: the sweep has no rows for steps {missing}")
+            continue
+        for p in sorted(
+            (p for p in report.points if p.setting == text), key=lambda p: p.concurrency
+        ):
+            want = predicted.throughput(float(p.concurrency))
+            error = f" ({(p.output_tok_s / want - 1) * 100:+.1f} %)" if want > 0 else ""
+            lines.append(
+                f"- {text} c={p.concurrency}: measured {p.output_tok_s:.1f} tok/s, "
+                f"predicted {want:.1f}{error}"
+            )
+    return lines
 
 
 def _setting_cell(p: SweepPoint) -> str:
