@@ -7,12 +7,16 @@ import json
 import signal
 import sys
 import tempfile
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
 from specd.commands.args import MAX_CONCURRENCY, MAX_TOKENS, IntList, Seconds
 from specd.commands.check_config import load_for_command
+from specd.core.setting import format_setting
+from specd.core.setting import parse as parse_setting
+from specd.core.settings import DEFAULT_ADAPTIVE_SETS
 from specd.io import logs
 from specd.io.config import Config
 from specd.io.runner import Runner
@@ -30,10 +34,13 @@ from specd.tools.sweep import (
     SweepPlan,
     SweepReport,
     check_plan,
+    describe_setting,
     sweep,
 )
 
 STEPS_LIST = IntList(1, 16, max_items=16)
+# `--adaptive` without a value: the sets the config lets the model policy consider.
+FROM_CONFIG = "[choose]"
 CONCURRENCY_LIST = IntList(1, MAX_CONCURRENCY, max_items=64)
 DURATION_S = Seconds(0, 86400, above_lo=True)
 WARMUP_S = Seconds(0, 86400)
@@ -50,6 +57,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=STEPS_LIST,
         required=True,
         help=f"step counts, e.g. 1,2,3,4 ({STEPS_LIST.spec})",
+    )
+    parser.add_argument(
+        "--off",
+        action="store_true",
+        help="also measure no speculation (written as steps 0, which the model reads as 'off')",
+    )
+    parser.add_argument(
+        "--adaptive",
+        action="append",
+        nargs="?",
+        const=FROM_CONFIG,
+        metavar="SET",
+        help="also measure an SGLang adaptive candidate set, e.g. adaptive:3,4 (repeatable; "
+        "without a value: [choose] adaptive_candidate_sets); refused where the server cannot "
+        "run it; written with the set in sweep.csv's setting column",
     )
     parser.add_argument(
         "--concurrency",
@@ -96,10 +118,12 @@ def confirm(
         return None
     if not stdin.isatty():
         return "refusing to restart SGLang without confirmation: no terminal to ask; pass --yes"
-    minutes = plan.load_seconds_per_steps() * len(plan.steps) / 60
+    settings = plan.settings()
+    minutes = plan.load_seconds_per_steps() * len(settings) / 60
     print(
-        f"This restarts {config.sglang.unit} up to {len(plan.steps) + 1} times (steps "
-        f"{','.join(map(str, plan.steps))}), serving nothing while it loads, and loads it for "
+        f"This restarts {config.sglang.unit} up to {len(settings) + 1} times ("
+        f"{', '.join(map(describe_setting, settings))}), serving nothing while it loads, and "
+        "loads it for "
         f"about {minutes:.0f} min. Continue? [y/N] ",
         end="",
         file=stderr,
@@ -119,26 +143,51 @@ def twin_config(workdir: Path, twin_port: int) -> Config:
 FAST_PACING: dict[str, float] = {"health_poll_interval_s": 0.2, "quiet_poll_interval_s": 0.2}
 
 
-def run(args: argparse.Namespace) -> int:
+def make_plan(args: argparse.Namespace, config_sets: Sequence[str]) -> SweepPlan:
+    """The plan the arguments ask for (``config_sets``: [choose] adaptive_candidate_sets);
+    ValueError (one line) when it is not one."""
+    adaptive: list[str] = []
+    for text in args.adaptive or ():
+        wanted = tuple(config_sets) if text == FROM_CONFIG else (text,)
+        # A set named twice (in any spelling) is measured once; SweepPlan refuses bad text.
+        adaptive += [t for t in wanted if _canonical(t) not in map(_canonical, adaptive)]
+    return SweepPlan(
+        steps=args.steps,
+        concurrency=tuple(sorted(args.concurrency)),
+        duration_s=args.duration_s,
+        warmup_s=args.warmup_s,
+        max_tokens=args.max_tokens,
+        off=args.off,
+        adaptive=tuple(adaptive),
+    )
+
+
+def _canonical(text: str) -> str:
     try:
-        plan = SweepPlan(
-            steps=args.steps,
-            concurrency=tuple(sorted(args.concurrency)),
-            duration_s=args.duration_s,
-            warmup_s=args.warmup_s,
-            max_tokens=args.max_tokens,
-        )
-    except ValueError as exc:
-        print(f"specd sweep: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return format_setting(parse_setting(text))
+    except ValueError:
+        return text
+
+
+def run(args: argparse.Namespace) -> int:
     out_dir = args.out or Path(f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     if args.twin:
         if args.config is not None:
             print("specd sweep: --twin and --config exclude each other", file=sys.stderr)
             return EXIT_USAGE
+        try:
+            plan = make_plan(args, DEFAULT_ADAPTIVE_SETS)
+        except ValueError as exc:
+            print(f"specd sweep: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         return _run_twin(args, plan, out_dir)
     config = load_for_command(args.config)
     if config is None:
+        return EXIT_USAGE
+    try:
+        plan = make_plan(args, config.choose.adaptive_candidate_sets)
+    except ValueError as exc:
+        print(f"specd sweep: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         check_plan(plan, config)

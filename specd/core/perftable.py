@@ -1,11 +1,16 @@
 """Performance tables: aggregate output tok/s per (speculative steps, concurrency).
 
 The CSV format is
-``steps,concurrency,output_tok_s[,accept_length][,max_running_requests]``: aggregate
-output tokens/s of the whole server at that many concurrent closed-loop clients; steps 0
-means speculation off; empty cells are unknown. The twin serves from a table, `specd
-sweep` writes one, and the model policy reads one. ``specd.io.tables`` reads and writes
-the files (bounded, atomic); this module parses and renders text.
+``steps,concurrency,output_tok_s[,accept_length][,max_running_requests][,setting]``:
+aggregate output tokens/s of the whole server at that many concurrent closed-loop clients;
+steps 0 means speculation off; empty cells are unknown. ``setting`` names the kind of
+setting a row measured (`specd.core.setting.parse` form): empty, the step count or "off"
+for the static and off rows the curves are built from; an adaptive set ("adaptive:3,4",
+steps = its deepest candidate) for rows kept apart (`measured_settings`), so static
+prediction never reads them and a measured adaptive set can be checked against the model.
+The twin serves from a table, `specd sweep` writes one, and the model policy reads one.
+``specd.io.tables`` reads and writes the files (bounded, atomic); this module parses and
+renders text.
 
 Reading a table (`reading_points`, `interpolate`; the model, replay's truth and `specd
 sweep` read it so): a measured point comes back exactly; between measured points the
@@ -22,11 +27,20 @@ import bisect
 import csv
 import io
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from specd.core.setting import format_setting
+from specd.core.setting import parse as parse_setting
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
-OPTIONAL_COLUMNS = ("accept_length", "max_running_requests")
+OPTIONAL_COLUMNS = ("accept_length", "max_running_requests", "setting")
+# The longest setting text a row may hold ("adaptive:..." with 16 slots of 8 candidates is
+# well under this); longer is not a setting and is refused before parsing.
+MAX_SETTING_CHARS = 512
+
+_K = TypeVar("_K", int, str)
 ALL_COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
 
 
@@ -41,6 +55,8 @@ class PerfRow:
     output_tok_s: float
     accept_length: float | None = None
     max_running_requests: int | None = None
+    # An adaptive set in its text form (`format_setting`); None for a static or off row.
+    setting: str | None = None
 
 
 @dataclass
@@ -98,26 +114,22 @@ class PerfTable:
 
     def __init__(self, rows: Iterable[PerfRow], source: str = "<table>") -> None:
         self.source = source
-        self.rows: list[PerfRow] = sorted(rows, key=lambda r: (r.steps, r.concurrency))
-        self._curves: dict[int, _StepCurve] = {}
-        for row in self.rows:
-            curve = self._curves.setdefault(row.steps, _StepCurve())
-            if curve.concurrency and curve.concurrency[-1] == row.concurrency:
-                raise PerfTableError(
-                    f"{source}: duplicate row for steps {row.steps} at concurrency "
-                    f"{row.concurrency:g}"
-                )
-            curve.concurrency.append(row.concurrency)
-            curve.tok_s.append(row.output_tok_s)
-            # The first known value per step wins; tables written by sweep repeat it.
-            if row.accept_length is not None and curve.accept_length is None:
-                curve.accept_length = row.accept_length
-            if row.max_running_requests is not None and curve.capacity is None:
-                curve.capacity = row.max_running_requests
-        if not self._curves:
-            raise PerfTableError(f"{source}: no data rows")
-        for curve in self._curves.values():
-            curve.xs, curve.ys = reading_points(curve.concurrency, curve.tok_s, curve.capacity)
+        ordered = sorted(rows, key=lambda r: (r.setting or "", r.steps, r.concurrency))
+        # Static and off rows: the curves every prediction reads.
+        self.rows: list[PerfRow] = [r for r in ordered if r.setting is None]
+        # Adaptive rows: measured to check a prediction, never read as a step count's curve.
+        self.setting_rows: list[PerfRow] = [r for r in ordered if r.setting is not None]
+        if not self.rows:
+            raise PerfTableError(
+                f"{source}: no data rows" if not self.setting_rows else
+                f"{source}: no static or off rows (only adaptive ones)"
+            )  # fmt: skip
+        self._curves: dict[int, _StepCurve] = _curves(
+            self.rows, lambda r: r.steps, lambda r: f"steps {r.steps}", source
+        )
+        self._setting_curves: dict[str, _StepCurve] = _curves(
+            self.setting_rows, lambda r: r.setting or "", lambda r: f"{r.setting}", source
+        )
 
     # -- reading -----------------------------------------------------------------------
 
@@ -138,7 +150,7 @@ class PerfTable:
                 if unknown or missing:
                     raise PerfTableError(
                         f"{source}:{line_no}: header must be "
-                        f"{','.join(REQUIRED_COLUMNS)}[,accept_length][,max_running_requests]"
+                        f"{','.join(REQUIRED_COLUMNS)}[,accept_length][,max_running_requests][,setting]"
                         f" (unknown: {','.join(unknown) or '-'}; missing: "
                         f"{','.join(missing) or '-'})"
                     )
@@ -156,22 +168,29 @@ class PerfTable:
     # -- writing -----------------------------------------------------------------------
 
     def to_csv_text(self) -> str:
-        has_accept = any(r.accept_length is not None for r in self.rows)
-        has_capacity = any(r.max_running_requests is not None for r in self.rows)
+        rows = self.rows + self.setting_rows
+        has_accept = any(r.accept_length is not None for r in rows)
+        has_capacity = any(r.max_running_requests is not None for r in rows)
+        # Written only when there is an adaptive row: a static table reads as it always did.
+        has_setting = bool(self.setting_rows)
         columns = list(REQUIRED_COLUMNS)
         if has_accept:
             columns.append("accept_length")
         if has_capacity:
             columns.append("max_running_requests")
+        if has_setting:
+            columns.append("setting")
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(columns)
-        for r in self.rows:
+        for r in rows:
             line = [str(r.steps), _fmt(r.concurrency), _fmt(r.output_tok_s)]
             if has_accept:
                 line.append("" if r.accept_length is None else _fmt(r.accept_length))
             if has_capacity:
                 line.append("" if r.max_running_requests is None else str(r.max_running_requests))
+            if has_setting:
+                line.append(r.setting or "")
             writer.writerow(line)
         return out.getvalue()
 
@@ -203,6 +222,29 @@ class PerfTable:
         curve = self._curve(steps)
         return interpolate(curve.xs, curve.ys, concurrency)
 
+    def measured_settings(self) -> list[str]:
+        """The adaptive sets the table measured, in their text form."""
+        return sorted(self._setting_curves)
+
+    def setting_capacity(self, setting: str) -> int | None:
+        return self._setting_curve(setting).capacity
+
+    def setting_throughput(self, setting: str, concurrency: float) -> float:
+        """Measured aggregate tok/s of an adaptive set, read as a step count's curve is."""
+        if not math.isfinite(concurrency) or concurrency < 0:
+            raise ValueError(f"concurrency must be a finite number >= 0, got {concurrency!r}")
+        curve = self._setting_curve(setting)
+        return interpolate(curve.xs, curve.ys, concurrency)
+
+    def _setting_curve(self, setting: str) -> _StepCurve:
+        try:
+            return self._setting_curves[setting]
+        except KeyError:
+            known = " ".join(self.measured_settings()) or "none"
+            raise KeyError(
+                f"{self.source}: no rows for setting {setting} (measured: {known})"
+            ) from None
+
     def _curve(self, steps: int) -> _StepCurve:
         try:
             return self._curves[steps]
@@ -213,9 +255,39 @@ class PerfTable:
             ) from None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PerfTable) and self.rows == other.rows
+        return (
+            isinstance(other, PerfTable)
+            and self.rows == other.rows
+            and self.setting_rows == other.setting_rows
+        )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _curves(
+    rows: Sequence[PerfRow],
+    key: Callable[[PerfRow], _K],
+    name: Callable[[PerfRow], str],
+    source: str,
+) -> dict[_K, _StepCurve]:
+    """One curve per key from rows sorted by (key, concurrency)."""
+    curves: dict[_K, _StepCurve] = {}
+    for row in rows:
+        curve = curves.setdefault(key(row), _StepCurve())
+        if curve.concurrency and curve.concurrency[-1] == row.concurrency:
+            raise PerfTableError(
+                f"{source}: duplicate row for {name(row)} at concurrency {row.concurrency:g}"
+            )
+        curve.concurrency.append(row.concurrency)
+        curve.tok_s.append(row.output_tok_s)
+        # The first known value per step wins; tables written by sweep repeat it.
+        if row.accept_length is not None and curve.accept_length is None:
+            curve.accept_length = row.accept_length
+        if row.max_running_requests is not None and curve.capacity is None:
+            curve.capacity = row.max_running_requests
+    for curve in curves.values():
+        curve.xs, curve.ys = reading_points(curve.concurrency, curve.tok_s, curve.capacity)
+    return curves
 
 
 def _fmt(value: float) -> str:
@@ -257,4 +329,24 @@ def _parse_row(values: dict[str, str], where: str) -> PerfRow:
         output_tok_s=tok_s,
         accept_length=accept,
         max_running_requests=None if capacity is None else int(capacity),
+        setting=_parse_setting(values.get("setting", ""), int(steps), where),
     )
+
+
+def _parse_setting(raw: str, steps: int, where: str) -> str | None:
+    """The adaptive set a row measured, canonical; None for a static or off row (whose
+    cell, when given, must agree with its steps)."""
+    if raw == "":
+        return None
+    if len(raw) > MAX_SETTING_CHARS:
+        raise PerfTableError(f"{where}: setting is longer than {MAX_SETTING_CHARS} characters")
+    try:
+        setting = parse_setting(raw)
+    except ValueError as exc:
+        raise PerfTableError(f"{where}: {exc}") from None
+    if setting.max_steps != steps:
+        raise PerfTableError(
+            f"{where}: setting {format_setting(setting)} runs at most {setting.max_steps} "
+            f"steps, the row says steps {steps}"
+        )
+    return format_setting(setting) if setting.kind == "adaptive" else None

@@ -1,11 +1,14 @@
 """`specd sweep`: the hand-tuning campaign in one command.
 
-For each step count K: apply it through the daemon's own restart sequence (env file,
-`systemctl restart`, /health_generate, verify), warm up, run closed-loop load at each
-concurrency, and record aggregate and per-request tok/s, TTFT, accept length and
-``max_running_requests``. Writes ``sweep.csv`` (the performance-table format the model
-policy and the twin read), ``sweep.md``, ``sweep.json`` and ``sweep.png``, and puts the
-original K back at the end, on failure, and on SIGINT/SIGTERM.
+For each setting (each step count K; with ``--off`` no speculation, written as steps 0;
+with ``--adaptive`` SGLang's adaptive candidate sets the server can run): apply it through
+the daemon's own restart sequence (env file, `systemctl restart`, /health_generate,
+verify), warm up, run closed-loop load at each concurrency, and record aggregate and
+per-request tok/s, TTFT, accept length and ``max_running_requests``. Writes ``sweep.csv``
+(the performance-table format the model policy and the twin read; adaptive rows carry
+their set in the ``setting`` column), ``sweep.md``, ``sweep.json`` and ``sweep.png``, and
+puts the original setting (off or static K) back at the end, on failure, and on
+SIGINT/SIGTERM.
 
 The restart journal goes to state.json like the daemon's, so a sweep killed mid-restart is
 finished (rolled back or verified) by the daemon's reconcile on its next start. The daemon
@@ -20,22 +23,35 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import httpx
 
+from specd.core.adaptive import AdaptiveModel
+from specd.core.choices import offer
 from specd.core.history import HistorySettings
+from specd.core.model import adaptive_slots
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.setting import (
+    SpecSetting,
+    describe_server,
+    format_setting,
+    static,
+    traits_from_server_info,
+)
+from specd.core.setting import off as setting_off
+from specd.core.setting import parse as parse_setting
 from specd.io import files, tables
-from specd.io.apply import Applier, ApplyOutcome
+from specd.io.apply import Applier, ApplyOutcome, setting_of_steps, setting_steps
 from specd.io.config import Config
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -69,6 +85,9 @@ class SweepError(Exception):
     """A sweep that cannot start; the message is one line."""
 
 
+_T = TypeVar("_T")
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     steps: tuple[int, ...]
@@ -76,10 +95,26 @@ class SweepPlan:
     duration_s: float = 60.0
     warmup_s: float = 20.0
     max_tokens: int = 256
+    # Measure no speculation too (rows with steps 0): the operator's --off.
+    off: bool = False
+    # SGLang adaptive candidate sets to measure, in their text form ("adaptive:3,4").
+    adaptive: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.steps:
             raise ValueError("--steps: give at least one step count")
+        canonical = []
+        for text in self.adaptive:
+            try:
+                setting = parse_setting(text)
+            except ValueError as exc:
+                raise ValueError(f"--adaptive: {exc}") from None
+            if setting.kind != "adaptive":
+                raise ValueError(f"--adaptive: {text!r} is not an adaptive set (adaptive:3,4)")
+            canonical.append(format_setting(setting))
+        if len(set(canonical)) != len(canonical):
+            raise ValueError("--adaptive: a set is listed twice")
+        object.__setattr__(self, "adaptive", tuple(canonical))
         if not self.concurrency:
             raise ValueError("--concurrency: give at least one concurrency")
         if len(set(self.steps)) != len(self.steps):
@@ -95,9 +130,16 @@ class SweepPlan:
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
 
+    def settings(self) -> list[SpecSetting]:
+        """What the sweep measures: each static K, then off, then each adaptive set."""
+        out = [static(k) for k in self.steps]
+        if self.off:
+            out.append(setting_off())
+        return out + [parse_setting(text) for text in self.adaptive]
+
     @property
     def points(self) -> int:
-        return len(self.steps) * len(self.concurrency)
+        return len(self.settings()) * len(self.concurrency)
 
     def load_seconds_per_steps(self) -> float:
         return self.warmup_s + self.duration_s * len(self.concurrency)
@@ -118,6 +160,32 @@ class SweepPoint:
     requests: int
     errors: int
     duration_s: float
+    # An adaptive set (text form) for its points, whose ``steps`` is its deepest candidate;
+    # None for static K and off (steps 0).
+    setting: str | None = None
+
+    @property
+    def label(self) -> str:
+        return label_of(self.steps, self.setting)
+
+
+def label_of(steps: int, setting: str | None) -> str:
+    """How a point's setting reads in progress lines and the report."""
+    if setting is not None:
+        return setting
+    return "off" if steps == 0 else f"steps {steps}"
+
+
+def describe_setting(setting: SpecSetting) -> str:
+    return label_of(
+        setting.max_steps, format_setting(setting) if setting.kind == "adaptive" else None
+    )
+
+
+def failure_key(setting: SpecSetting) -> int | str:
+    """The report's key for a setting: its step count (0 = off), an adaptive set's text."""
+    steps = setting_steps(setting)
+    return format_setting(setting) if steps is None else steps
 
 
 @dataclass
@@ -128,8 +196,8 @@ class SweepReport:
     plan: SweepPlan
     out_dir: Path
     points: list[SweepPoint] = field(default_factory=list)
-    # K -> why it was not (fully) measured.
-    failed_steps: dict[int, str] = field(default_factory=dict)
+    # K (0 = off) or adaptive set -> why it was not (fully) measured.
+    failed_steps: dict[int | str, str] = field(default_factory=dict)
     restarts: list[dict[str, Any]] = field(default_factory=list)
     interrupted_by: str | None = None
     error: str | None = None
@@ -154,6 +222,7 @@ class SweepReport:
                 output_tok_s=round(p.output_tok_s, 1),
                 accept_length=None if p.accept_length is None else round(p.accept_length, 4),
                 max_running_requests=p.max_running_requests,
+                setting=p.setting,
             )
             for p in self.points
         ]
@@ -180,8 +249,8 @@ class SweepReport:
 class Reporter:
     """Where a sweep tells its progress; the base class says nothing (tests, --json)."""
 
-    def start(self, plan: SweepPlan, order: Sequence[int], original: int) -> None:
-        """The sweep begins."""
+    def start(self, plan: SweepPlan, order: Sequence[SpecSetting], original: int) -> None:
+        """The sweep begins; ``original`` is SGLang's step count (0 = off)."""
 
     def phase(self, text: str) -> None:
         """A new activity (restarting, warming up, measuring ...)."""
@@ -199,6 +268,10 @@ class Reporter:
         """The sweep is over."""
 
 
+def _runs(steps: int) -> str:
+    return "no speculation" if steps == 0 else f"{steps} steps"
+
+
 def format_eta(seconds: float | None) -> str:
     if seconds is None:
         return "?"
@@ -213,7 +286,7 @@ def describe_point(p: SweepPoint) -> str:
     accept = "-" if p.accept_length is None else f"{p.accept_length:.2f}"
     errors = f", {p.errors} errors" if p.errors else ""
     return (
-        f"steps {p.steps} c={p.concurrency}: {p.output_tok_s:.1f} tok/s "
+        f"{p.label} c={p.concurrency}: {p.output_tok_s:.1f} tok/s "
         f"(per request {p.per_request_tok_s:.1f}, TTFT p50 {ttft}, accept {accept}{errors})"
     )
 
@@ -227,10 +300,10 @@ class PlainReporter(Reporter):
     def _say(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 
-    def start(self, plan: SweepPlan, order: Sequence[int], original: int) -> None:
+    def start(self, plan: SweepPlan, order: Sequence[SpecSetting], original: int) -> None:
         self._say(
-            f"sweep: steps {','.join(map(str, order))} × concurrency "
-            f"{','.join(map(str, plan.concurrency))}; SGLang runs {original} steps now"
+            f"sweep: {', '.join(map(describe_setting, order))} × concurrency "
+            f"{','.join(map(str, plan.concurrency))}; SGLang runs {_runs(original)} now"
         )
 
     def phase(self, text: str) -> None:
@@ -263,10 +336,10 @@ class RichReporter(Reporter):
         self.task = self.progress.add_task("starting", total=1.0, eta="?")
         self.total_s = 1.0
 
-    def start(self, plan: SweepPlan, order: Sequence[int], original: int) -> None:
+    def start(self, plan: SweepPlan, order: Sequence[SpecSetting], original: int) -> None:
         self.console.print(
-            f"sweep: steps {','.join(map(str, order))} × concurrency "
-            f"{','.join(map(str, plan.concurrency))}; SGLang runs {original} steps now"
+            f"sweep: {', '.join(map(describe_setting, order))} × concurrency "
+            f"{','.join(map(str, plan.concurrency))}; SGLang runs {_runs(original)} now"
         )
         self.total_s = plan.load_seconds_per_steps() * len(order)
         self.progress.update(self.task, total=self.total_s)
@@ -369,8 +442,9 @@ def daemon_running(config: Config) -> str | None:
 # -- measuring ----------------------------------------------------------------------------
 
 
-def steps_order(steps: Sequence[int], original: int) -> list[int]:
-    """The original K last (when swept), so the sweep ends where it began without a restart."""
+def steps_order(steps: Sequence[_T], original: _T) -> list[_T]:
+    """The original setting last (when swept), so the sweep ends where it began without a
+    restart."""
     rest = [k for k in steps if k != original]
     return [*rest, original] if original in steps else rest
 
@@ -443,17 +517,18 @@ class _Sweeper:
         self.pacing = dict(pacing)
         self.client = SGLangClient(config.sglang.url, timeout_s=config.observe.scrape_timeout_s)
         self.journal = StateJournal(config)
-        self.current: int | None = None
+        # What SGLang runs: off or static K (adaptive while one is measured); None: unknown.
+        self.current: SpecSetting | None = None
 
     def close(self) -> None:
         self.client.close()
 
     # -- restarts ---------------------------------------------------------------------
-    def _apply(self, target: int, *, stop: threading.Event) -> ApplyOutcome:
+    def _apply(self, target: SpecSetting, *, stop: threading.Event) -> ApplyOutcome:
         applier = Applier.from_settings(
             self.config, self.client, self.runner, self.journal, stop, **self.pacing
         )
-        outcome = applier.apply(target, self.current, window_open=lambda: True, force=True)
+        outcome = applier.apply_setting(target, self.current, window_open=lambda: True, force=True)
         # The outcome is reported below; the daemon has nothing left to reconcile.
         try:
             self.journal.clear()
@@ -461,59 +536,67 @@ class _Sweeper:
             self.reporter.message(f"warning: {exc}")
         return outcome
 
-    def change_to(self, target: int, report: SweepReport, clock: _Clock) -> ApplyOutcome:
-        self.reporter.phase(f"restarting SGLang: steps {self.current} → {target}")
+    def change_to(self, target: SpecSetting, report: SweepReport, clock: _Clock) -> ApplyOutcome:
+        before = "unknown" if self.current is None else describe_setting(self.current)
+        self.reporter.phase(f"restarting SGLang: {before} → {describe_setting(target)}")
         outcome = self._apply(target, stop=self.stop)
         report.restarts.append(outcome.to_dict())
         if outcome.restarts_issued:
             clock.restart_durations.append(outcome.duration_s)
+        self._follow(outcome, target)
+        return outcome
+
+    def _follow(self, outcome: ApplyOutcome, target: SpecSetting) -> None:
+        """What SGLang runs after ``outcome``."""
         if outcome.result == "success":
             self.current = target
         elif outcome.result == "rolled_back":
-            self.current = outcome.from_steps
+            self.current = (
+                None if outcome.from_setting is None else parse_setting(outcome.from_setting)
+            )
         elif outcome.result == "failed":
             self.current = None
-        return outcome
 
     def restore(self, report: SweepReport) -> None:
-        original = report.original_steps
+        original = setting_of_steps(report.original_steps)
+        assert original is not None  # the sweep starts only on off or a static K
+        said = _runs(report.original_steps)
         if self.current == original:
-            report.restored, report.final_steps = True, original
+            report.restored, report.final_steps = True, report.original_steps
             return
-        self.reporter.phase(f"restoring steps {original}")
-        self.reporter.message(f"restoring the original {original} steps …")
+        self.reporter.phase(f"restoring {said}")
+        self.reporter.message(f"restoring the original {said} …")
         # A fresh stop event: Ctrl-C already stopped the sweep, it must not stop the restore.
         outcome = self._apply(original, stop=threading.Event())
         report.restarts.append(outcome.to_dict())
-        if outcome.result == "success":
-            self.current = original
-        elif outcome.result == "rolled_back":
-            self.current = outcome.from_steps
-        elif outcome.result == "failed":
-            self.current = None
-        report.final_steps = self.current
+        self._follow(outcome, original)
+        report.final_steps = setting_steps(self.current)
         report.restored = self.current == original
         if report.restored:
-            self.reporter.message(f"restored: SGLang runs {original} steps again")
+            self.reporter.message(f"restored: SGLang runs {said} again")
         else:
             self.reporter.message(
-                f"RESTORE FAILED: SGLang is not back on {original} steps ({outcome.result}: "
-                f"{outcome.message}); fix it by hand: `specd override pin {original}` or the "
+                f"RESTORE FAILED: SGLang is not back on {said} ({outcome.result}: "
+                f"{outcome.message}); fix it by hand: "
+                f"`specd override pin {format_setting(original)}` or the "
                 f"env file {self.config.sglang.env_file}"
             )
 
     # -- load -------------------------------------------------------------------------
-    async def measure_steps(
+    async def measure(
         self,
-        steps: int,
+        setting: SpecSetting,
         capacity: int | None,
         clock: _Clock,
         on_point: Callable[[SweepPoint], None],
     ) -> str | None:
-        """Warm up and measure every concurrency at ``steps``; a problem, or None."""
+        """Warm up and measure every concurrency at ``setting``; a problem, or None."""
         plan = self.plan
+        steps = setting.max_steps
+        text = format_setting(setting) if setting.kind == "adaptive" else None
+        label = describe_setting(setting)
         if plan.warmup_s > 0:
-            self.reporter.phase(f"steps {steps}: warming up")
+            self.reporter.phase(f"{label}: warming up")
             async with self._generator(plan.concurrency[0]) as gen:
                 gen.set_concurrency(plan.concurrency[0])
                 await self._wait(plan.warmup_s, clock)
@@ -524,10 +607,10 @@ class _Sweeper:
             # A generator per point: the tokens-per-chunk ratio it learns (for servers that
             # report usage only at a stream's end) then belongs to this concurrency alone.
             async with self._generator(concurrency) as gen:
-                self.reporter.phase(f"steps {steps}: settling c={concurrency}")
+                self.reporter.phase(f"{label}: settling c={concurrency}")
                 gen.set_concurrency(concurrency)
                 await self._settle(gen, concurrency)
-                self.reporter.phase(f"steps {steps}: measuring c={concurrency}")
+                self.reporter.phase(f"{label}: measuring c={concurrency}")
                 gen.take_result()
                 first = await asyncio.to_thread(self.client.observe)
                 samples: list[Observation] = []
@@ -542,7 +625,7 @@ class _Sweeper:
                 return None
             if capacity is None:
                 capacity = _capacity_of(first, last)
-            problem = _load_problem(result, steps)
+            problem = _load_problem(result, label)
             if problem is not None:
                 return problem
             on_point(
@@ -558,6 +641,7 @@ class _Sweeper:
                     requests=result.requests,
                     errors=result.errors,
                     duration_s=result.duration_s,
+                    setting=text,
                 )
             )
         return None
@@ -605,19 +689,29 @@ def _capacity_of(*observations: Observation | ScrapeError | None) -> int | None:
     return None
 
 
-def _load_problem(result: LoadResult, steps: int) -> str | None:
+def _load_problem(result: LoadResult, label: str) -> str | None:
     if result.output_tokens > 0:
         return None
     kinds = ", ".join(f"{k}: {v}" for k, v in result.errors_by_kind.items()) or "none"
     return (
-        f"no output tokens at steps {steps} c={result.concurrency} "
+        f"no output tokens at {label} c={result.concurrency} "
         f"({result.requests} requests, errors: {kinds})"
     )
 
 
 def _current_steps(client: SGLangClient) -> int:
+    """SGLang's step count now, 0 for no speculation. SweepError when it cannot be told, or
+    when SGLang runs adaptive mode: the sweep can put back off or a static K only."""
     info = client.server_info()
     if isinstance(info, dict):
+        if info.get("speculative_adaptive") is True:
+            raise SweepError(
+                f"SGLang runs {describe_server(info)}; the sweep restores only no speculation "
+                "or a static step count: switch SGLang to one first"
+            )
+        algorithm = info.get("speculative_algorithm", "")
+        if algorithm is None or str(algorithm).upper() == "NONE":
+            return 0
         value = info.get("speculative_num_steps")
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
@@ -634,12 +728,56 @@ def _current_steps(client: SGLangClient) -> int:
 
 
 def check_plan(plan: SweepPlan, config: Config) -> None:
-    outside = [k for k in plan.steps if not config.choose.min_steps <= k <= config.choose.max_steps]
+    low, high = config.choose.min_steps, config.choose.max_steps
+    outside = [k for k in plan.steps if not low <= k <= high]
     if outside:
         raise SweepError(
             f"--steps {','.join(map(str, outside))} outside the configured range "
-            f"{config.choose.min_steps}..{config.choose.max_steps} (min_steps/max_steps)"
+            f"{low}..{high} (min_steps/max_steps)"
         )
+    for setting in plan.settings():
+        if (
+            setting.kind == "adaptive"
+            and not low <= min(setting.candidates) <= max(setting.candidates) <= high
+        ):
+            raise SweepError(
+                f"--adaptive {format_setting(setting)}: candidates outside the configured "
+                f"range {low}..{high} (min_steps/max_steps)"
+            )
+
+
+def with_live_algorithm(config: Config, info: Mapping[str, Any]) -> Config:
+    """``config`` with the algorithm SGLang runs now when it names none: once the sweep
+    has restarted SGLang into off, the server no longer reports it, and an adaptive set
+    (or the way back) must still be written with it."""
+    algorithm = info.get("speculative_algorithm")
+    if config.sglang.speculative_algorithm is not None or not isinstance(algorithm, str):
+        return config
+    algorithm = algorithm.upper()
+    if not re.fullmatch(r"[A-Z0-9_]{1,32}", algorithm) or algorithm == "NONE":
+        return config
+    sglang = config.sglang.model_copy(update={"speculative_algorithm": algorithm})
+    return config.model_copy(update={"sglang": sglang})
+
+
+def check_offered(plan: SweepPlan, config: Config, info: Mapping[str, Any]) -> None:
+    """Refuse adaptive sets this server cannot run (SweepError naming why), judged as the
+    daemon judges them (`choices.offer`) on the traits of its /server_info, with the
+    algorithm specd applies when the server runs none now (off)."""
+    if not plan.adaptive:
+        return
+    traits = traits_from_server_info(info)
+    algorithm = config.sglang.speculative_algorithm or traits.algorithm
+    traits = replace(traits, algorithm=algorithm.upper() if algorithm else None)
+    choose = config.choose.model_copy(
+        update={"kinds": ("adaptive",), "adaptive_candidate_sets": plan.adaptive}
+    )
+    offered = offer(choose, traits)
+    why = offered.kinds["adaptive"]
+    if why is not None:
+        raise SweepError(f"--adaptive: this server cannot run SGLang's adaptive mode: {why}")
+    for text, reason in offered.refused:
+        raise SweepError(f"--adaptive {text}: this server cannot run it: {reason}")
 
 
 @contextlib.contextmanager
@@ -693,13 +831,26 @@ def sweep(
     try:
         sweeper.journal.open()
         original = _current_steps(sweeper.client)
+        info = sweeper.client.server_info()
+        if isinstance(info, dict):
+            sweeper.config = with_live_algorithm(config, info)
+        elif plan.adaptive:
+            raise SweepError(
+                f"cannot read SGLang's /server_info to tell whether it runs adaptive "
+                f"mode: {info.reason}"
+            )
+        if plan.adaptive:
+            assert isinstance(info, dict)
+            check_offered(plan, sweeper.config, info)
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SweepError(f"cannot create {out_dir}: {exc.strerror or exc}") from None
         if sweeper.journal.problem is not None:
             reporter.message(f"warning: {sweeper.journal.problem}")
-        sweeper.current = original
+        sweeper.current = setting_of_steps(original)
+        if sweeper.current is None:
+            raise SweepError(f"SGLang runs {original} steps, which specd cannot put back")
         report = SweepReport(original_steps=original, plan=plan, out_dir=out_dir)
         with signals_stop(stop, reporter) if handle_signals else _no_signals() as caught:
             _run(sweeper, report)
@@ -720,11 +871,11 @@ def _no_signals() -> Iterator[list[str]]:
 
 def _run(sweeper: _Sweeper, report: SweepReport) -> None:
     plan = sweeper.plan
-    order = steps_order(plan.steps, report.original_steps)
+    original = setting_of_steps(report.original_steps)
+    assert original is not None  # `sweep` starts only on off or a static K
+    order = steps_order(plan.settings(), original)
     clock = _Clock(plan, len(order))
-    clock.restarts_left = sum(1 for k in order if k != report.original_steps) + (
-        0 if report.original_steps in order else 1
-    )
+    clock.restarts_left = sum(1 for k in order if k != original) + (0 if original in order else 1)
     sweeper.reporter.start(plan, order, report.original_steps)
 
     def on_point(point: SweepPoint) -> None:
@@ -732,30 +883,31 @@ def _run(sweeper: _Sweeper, report: SweepReport) -> None:
         sweeper.reporter.point(len(report.points), plan.points, point, clock.eta())
 
     try:
-        for steps in order:
+        for setting in order:
             if sweeper.stop.is_set():
                 return
+            key, label = failure_key(setting), describe_setting(setting)
             capacity: int | None = None
-            if sweeper.current != steps:
-                outcome = sweeper.change_to(steps, report, clock)
+            if sweeper.current != setting:
+                outcome = sweeper.change_to(setting, report, clock)
                 clock.restarts_left = max(0, clock.restarts_left - 1)
                 if outcome.result == "aborted" and sweeper.stop.is_set():
                     return  # interrupted before any restart: nothing failed
                 if outcome.result != "success":
-                    report.failed_steps[steps] = f"{outcome.result}: {outcome.message}"
+                    report.failed_steps[key] = f"{outcome.result}: {outcome.message}"
                     sweeper.reporter.message(
-                        f"steps {steps} failed ({outcome.result}): {outcome.message}"
+                        f"{label} failed ({outcome.result}): {outcome.message}"
                     )
                     clock.done_load_s += plan.load_seconds_per_steps()
                     if sweeper.current is None:
-                        report.error = f"SGLang's state is unknown after steps {steps} failed"
+                        report.error = f"SGLang's state is unknown after {label} failed"
                         return
                     # SGLang is healthy on the previous K again: the other Ks can still run.
                     continue
                 capacity = outcome.capacity
-            problem = asyncio.run(sweeper.measure_steps(steps, capacity, clock, on_point))
+            problem = asyncio.run(sweeper.measure(setting, capacity, clock, on_point))
             if problem is not None:
-                report.failed_steps[steps] = problem
+                report.failed_steps[key] = problem
                 report.error = problem
                 sweeper.reporter.message(f"stopping: {problem}")
                 return
@@ -773,54 +925,103 @@ def markdown(report: SweepReport) -> str:
     lines = [
         "# specd sweep",
         "",
-        f"Steps {', '.join(map(str, plan.steps))} × concurrency "
+        f"Steps {', '.join(map(str, plan.steps))}"
+        f"{', off' if plan.off else ''}{''.join(f', {a}' for a in plan.adaptive)} × concurrency "
         f"{', '.join(map(str, plan.concurrency))}; {plan.duration_s:g} s per point after "
         f"{plan.warmup_s:g} s warm-up; {plan.max_tokens} tokens per request. "
-        f"SGLang ran {report.original_steps} steps before the sweep.",
+        f"SGLang ran {_runs(report.original_steps)} before the sweep.",
         "",
         "| steps | concurrency | aggregate tok/s | per-request tok/s | TTFT p50 ms "
-        "| TTFT p90 ms | accept length | max_running_requests | requests | errors |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p90 ms | accept length | max_running_requests | requests | errors | setting |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
     ]
 
     def ms(value: float | None) -> str:
         return "" if value is None else f"{value * 1000:.0f}"
 
-    for p in sorted(report.points, key=lambda p: (p.steps, p.concurrency)):
+    for p in sorted(report.points, key=lambda p: (p.setting or "", p.steps, p.concurrency)):
         lines.append(
             f"| {p.steps} | {p.concurrency} | {p.output_tok_s:.1f} | {p.per_request_tok_s:.1f} "
             f"| {ms(p.ttft_p50_s)} | {ms(p.ttft_p90_s)} "
             f"| {'' if p.accept_length is None else f'{p.accept_length:.2f}'} "
             f"| {'' if p.max_running_requests is None else p.max_running_requests} "
-            f"| {p.requests} | {p.errors} |"
+            f"| {p.requests} | {p.errors} | {_setting_cell(p)} |"
         )
     best = best_steps(report.points)
     if best:
-        lines += ["", "Best steps by aggregate throughput:", ""]
-        lines += [f"- c={c}: steps {k} ({tok:.1f} tok/s)" for c, (k, tok) in best.items()]
+        lines += ["", "Best setting by aggregate throughput:", ""]
+        lines += [f"- c={c}: {label} ({tok:.1f} tok/s)" for c, (label, tok) in best.items()]
+    checks = adaptive_checks(report)
+    if checks:
+        lines += [
+            "",
+            "Adaptive sets against what the static rows predict (the best candidate of each "
+            "batch's slot, at the deepest candidate's capacity):",
+            "",
+            *checks,
+        ]
     if report.failed_steps:
         lines += ["", "Not measured:", ""]
-        lines += [f"- steps {k}: {why}" for k, why in report.failed_steps.items()]
+        lines += [
+            f"- {k if isinstance(k, str) else label_of(k, None)}: {why}"
+            for k, why in report.failed_steps.items()
+        ]
     if report.interrupted_by:
         lines += ["", f"Interrupted by {report.interrupted_by}."]
     if report.error:
         lines += ["", f"Stopped: {report.error}"]
+    final = "an unknown setting" if report.final_steps is None else _runs(report.final_steps)
     restored = (
-        f"Restored the original {report.original_steps} steps."
+        f"Restored the original {_runs(report.original_steps)}."
         if report.restored
-        else f"NOT restored: SGLang runs {report.final_steps} steps (was {report.original_steps})."
+        else f"NOT restored: SGLang runs {final} (was {_runs(report.original_steps)})."
     )
     lines += ["", restored, ""]
     return "\n".join(lines)
 
 
-def best_steps(points: Sequence[SweepPoint]) -> dict[int, tuple[int, float]]:
-    """concurrency -> (steps, tok/s) of the fastest measured step count."""
-    best: dict[int, tuple[int, float]] = {}
+def adaptive_checks(report: SweepReport) -> list[str]:
+    """One line per measured adaptive point: measured vs predicted from this sweep's own
+    static rows, as the model predicts a set (`specd.core.adaptive`)."""
+    table = report.table()
+    if table is None:
+        return []
+    lines: list[str] = []
+    for text in table.measured_settings():
+        setting = parse_setting(text)
+        try:
+            predicted = AdaptiveModel.of(adaptive_slots(setting), table)
+        except ValueError as exc:
+            lines.append(f"- {text}: not predicted: {exc}")
+            continue
+        if predicted.skipped:
+            missing = ",".join(map(str, predicted.skipped))
+            lines.append(f"- {text}: not predicted: the sweep has no rows for steps {missing}")
+            continue
+        for p in sorted(
+            (p for p in report.points if p.setting == text), key=lambda p: p.concurrency
+        ):
+            want = predicted.throughput(float(p.concurrency))
+            error = f" ({(p.output_tok_s / want - 1) * 100:+.1f} %)" if want > 0 else ""
+            lines.append(
+                f"- {text} c={p.concurrency}: measured {p.output_tok_s:.1f} tok/s, "
+                f"predicted {want:.1f}{error}"
+            )
+    return lines
+
+
+def _setting_cell(p: SweepPoint) -> str:
+    """The setting column: the adaptive set, "off" for steps 0, else the static K."""
+    return p.setting or ("off" if p.steps == 0 else str(p.steps))
+
+
+def best_steps(points: Sequence[SweepPoint]) -> dict[int, tuple[str, float]]:
+    """concurrency -> (setting label, tok/s) of the fastest measured setting."""
+    best: dict[int, tuple[str, float]] = {}
     for p in points:
         held = best.get(p.concurrency)
         if held is None or p.output_tok_s > held[1]:
-            best[p.concurrency] = (p.steps, p.output_tok_s)
+            best[p.concurrency] = (p.label, p.output_tok_s)
     return dict(sorted(best.items()))
 
 
@@ -832,10 +1033,17 @@ def render_chart(points: Sequence[SweepPoint], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5.5), dpi=100)
     try:
-        for steps in sorted({p.steps for p in points}):
-            curve = sorted((p.concurrency, p.output_tok_s) for p in points if p.steps == steps)
+        for steps, setting in sorted({(p.steps, p.setting or "") for p in points}):
+            curve = sorted(
+                (p.concurrency, p.output_tok_s)
+                for p in points
+                if (p.steps, p.setting or "") == (steps, setting)
+            )
             ax.plot(
-                [c for c, _ in curve], [t for _, t in curve], marker="o", label=f"steps {steps}"
+                [c for c, _ in curve],
+                [t for _, t in curve],
+                marker="o",
+                label=label_of(steps, setting or None),
             )
         concurrencies = sorted({p.concurrency for p in points})
         if len(concurrencies) > 1 and concurrencies[-1] / concurrencies[0] >= 8:
@@ -843,7 +1051,7 @@ def render_chart(points: Sequence[SweepPoint], path: Path) -> None:
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("concurrent requests (closed loop)")
         ax.set_ylabel("aggregate output tok/s")
-        ax.set_title("specd sweep: throughput vs concurrency, one line per step count")
+        ax.set_title("specd sweep: throughput vs concurrency, one line per setting")
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()

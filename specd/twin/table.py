@@ -1,9 +1,11 @@
 """The twin's performance table: aggregate output tok/s per (speculative steps, concurrency).
 
 The twin's own reading of the CSV format specd shares with it
-(``steps,concurrency,output_tok_s[,accept_length][,max_running_requests]``, see the design's
-"Performance tables"): a measured point comes back exactly, linear between points, the
-plateau from the capacity on, flat past the last point. It is deliberately not specd's
+(``steps,concurrency,output_tok_s[,accept_length][,max_running_requests][,setting]``, see the
+design's "Performance tables"): a measured point comes back exactly, linear between points,
+the plateau from the capacity on, flat past the last point. Rows whose ``setting`` is an
+adaptive set (`specd sweep --adaptive`) are skipped: the twin's adaptive mode runs on the
+static rows of its candidates, as SGLang's switches among them. It is deliberately not specd's
 ``specd.core.perftable``: the twin is the stand-in for the GPU server, so its truth must not
 share code with the model it is used to test (the import-linter contract in pyproject.toml).
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
-OPTIONAL_COLUMNS = ("accept_length", "max_running_requests")
+OPTIONAL_COLUMNS = ("accept_length", "max_running_requests", "setting")
 ALL_COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
 
 
@@ -127,7 +129,7 @@ class PerfTable:
                 if unknown or missing:
                     raise PerfTableError(
                         f"{source}:{line_no}: header must be "
-                        f"{','.join(REQUIRED_COLUMNS)}[,accept_length][,max_running_requests]"
+                        f"{','.join(REQUIRED_COLUMNS)}[,accept_length][,max_running_requests][,setting]"
                         f" (unknown: {','.join(unknown) or '-'}; missing: "
                         f"{','.join(missing) or '-'})"
                     )
@@ -137,7 +139,9 @@ class PerfTable:
                     f"{source}:{line_no}: expected {len(header)} cells, got {len(cells)}"
                 )
             values = dict(zip(header, cells, strict=True))
-            rows.append(_parse_row(values, f"{source}:{line_no}"))
+            row = _parse_row(values, f"{source}:{line_no}")
+            if _measures_steps(values.get("setting", ""), row.steps, f"{source}:{line_no}"):
+                rows.append(row)
         if header is None:
             raise PerfTableError(f"{source}: empty file (no header)")
         return cls(rows, source=source)
@@ -227,6 +231,18 @@ def _parse_row(values: dict[str, str], where: str) -> PerfRow:
         accept_length=accept,
         max_running_requests=None if capacity is None else int(capacity),
     )
+
+
+def _measures_steps(setting: str, steps: int, where: str) -> bool:
+    """Whether a row measured its step count (empty, K, "static:K" or "off" at steps 0);
+    False for an adaptive set's row. Anything else is not a setting."""
+    text = setting.lower()
+    if text.startswith("adaptive:"):
+        return False
+    if text in ("", str(steps), f"static:{steps}") or (text == "off" and steps == 0):
+        return True
+    shown = setting if len(setting) <= 40 else setting[:40] + "…"
+    raise PerfTableError(f"{where}: setting {shown!r} does not match steps {steps}")
 
 
 def _fmt(value: float) -> str:

@@ -94,6 +94,21 @@ def test_queries_and_roundtrip() -> None:
         ("steps,concurrency,output_tok_s\n1,1,2\n1,1,3\n", "duplicate row"),
         ("steps,concurrency,output_tok_s,accept_length\n1,1,2,0.5\n", r":2: accept_length"),
         ("steps,concurrency,output_tok_s\n", "no data rows"),
+        ("steps,concurrency,output_tok_s,setting\n4,1,2,adaptive:3,4\n", r":2: expected 4"),
+        ("steps,concurrency,output_tok_s,setting\n4,1,2,fast\n", r":2: setting 'fast' is not"),
+        ('steps,concurrency,output_tok_s,setting\n4,1,2,"a\nb"\n', r":2: setting 'a\\nb'"),
+        ("steps,concurrency,output_tok_s,setting\n4,1,2,3\n", r"runs at most 3 steps, the row"),
+        ("steps,concurrency,output_tok_s,setting\n4,1,2,off\n", r"runs at most 0 steps"),
+        ('steps,concurrency,output_tok_s,setting\n5,1,2,"adaptive:3,4"\n', r"at most 4 steps"),
+        ('steps,concurrency,output_tok_s,setting\n4,1,2,"adaptive:4,4"\n', r"repeat a step"),
+        ('steps,concurrency,output_tok_s,setting\n4,1,2,"adaptive:0,4"\n', r"candidates must"),
+        ("steps,concurrency,output_tok_s,setting\n4,1,2," + "9" * 600 + "\n", r"longer than"),
+        ('steps,concurrency,output_tok_s,setting\n4,1,2,"adaptive:3,4"\n', "only adaptive"),
+        (
+            "steps,concurrency,output_tok_s,setting\n3,1,2,\n"
+            '4,1,2,"adaptive:3,4"\n4,1,3,"adaptive:4,3"\n',
+            r"duplicate row for adaptive:3,4 at concurrency 1",
+        ),
     ],
 )
 def test_bad_tables_give_one_line_errors(text: str, message: str) -> None:
@@ -130,3 +145,43 @@ def test_preset_capacity(steps: int, cap: int) -> None:
 @pytest.mark.parametrize(("steps", "length"), [(0, 1.0), (1, 1.954), (4, 4.5607)])
 def test_preset_accept_length_follows_alpha(steps: int, length: float) -> None:
     assert preset.preset_table().accept_length(steps) == pytest.approx(length, abs=1e-3)
+
+
+SETTINGS = (
+    "steps,concurrency,output_tok_s,max_running_requests,setting\n"
+    "0,1,100,39,off\n0,8,700,39,\n3,1,230,15,3\n3,8,1660,15,\n4,1,280,13,\n4,8,1900,13,\n"
+    '4,1,270,13,"adaptive:3,4"\n4,16,2100,13," adaptive:4,3 "\n'
+)
+
+
+def test_setting_column_keeps_adaptive_rows_apart_from_the_curves() -> None:
+    table = PerfTable.from_csv_text(SETTINGS)
+    # Off (steps 0) and static rows are the curves; the adaptive rows are not a steps-4 curve.
+    assert table.steps() == [0, 3, 4]
+    assert table.throughput(4, 1) == 280
+    assert table.throughput(0, 8) == 700
+    assert all(r.setting is None for r in table.rows)
+    assert table.measured_settings() == ["adaptive:3,4"]  # canonical text
+    assert table.setting_throughput("adaptive:3,4", 1) == 270
+    assert table.setting_throughput("adaptive:3,4", 16) == 2100
+    # Past capacity the measured plateau, as a step count's curve reads.
+    assert table.setting_throughput("adaptive:3,4", 13) == 2100
+    assert table.setting_capacity("adaptive:3,4") == 13
+    with pytest.raises(KeyError, match="no rows for setting adaptive:1,3"):
+        table.setting_throughput("adaptive:1,3", 1)
+    text = table.to_csv_text()
+    assert text.splitlines()[0].endswith(",setting")
+    assert '4,1,270,13,"adaptive:3,4"' in text
+    assert PerfTable.from_csv_text(text) == table
+
+
+def test_old_tables_without_the_setting_column_read_and_write_as_before() -> None:
+    old = PerfTable.from_csv_text(GOOD)
+    assert old.measured_settings() == []
+    assert old.to_csv_text() == GOOD  # no setting column is added
+    # Empty or agreeing setting cells are the same static rows as no column at all.
+    with_column = (
+        "steps,concurrency,output_tok_s,accept_length,max_running_requests,setting\n"
+        "1,1,100,1.9,4,1\n1,2,180,,,static:1\n1,4,300,,,\n3,1,200,3.5,,3\n"
+    )
+    assert PerfTable.from_csv_text(with_column) == old

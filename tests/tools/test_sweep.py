@@ -4,6 +4,7 @@ pure parts. Real processes, real HTTP on 127.0.0.1, real files and signals."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.server
 import json
 import os
@@ -23,7 +24,11 @@ import pytest
 from factories import make_observation, tables
 
 from specd.commands import sweep as sweep_cmd
+from specd.core.adaptive import AdaptiveModel
+from specd.core.model import Calibration, PerformanceModel, adaptive_slots
 from specd.core.observation import Observation
+from specd.core.setting import adaptive_config_text, sglang_args, static
+from specd.core.setting import parse as parse_setting
 from specd.io.apply import read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
@@ -31,7 +36,7 @@ from specd.io.tables import read_table
 from specd.tools import sweep as sw
 from specd.twin.preset import preset_table
 from specd.twin.process import free_port
-from specd.twin.unit import DEFAULT_STEPS, TwinUnitRunner, twin_unit_config
+from specd.twin.unit import DEFAULT_STEPS, ENV_ARGS, TwinUnitRunner, twin_unit_config
 
 REPO = Path(__file__).resolve().parents[2]
 TWIN_ARGS = ["--load-time-s", "0.2", "--warmup-s", "0.1", "--report-interval-s", "0.2"]
@@ -182,6 +187,185 @@ def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
     assert read_table(out / sw.CSV_NAME).steps() == [4]
 
 
+def test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back(
+    unit_factory: Any, tmp_path: Path
+) -> None:
+    unit = unit_factory()
+    out = tmp_path / "out"
+    plan = sw.SweepPlan(
+        steps=(3, 4),
+        concurrency=(1, 8),
+        duration_s=1.5,
+        warmup_s=0.2,
+        max_tokens=768,
+        off=True,
+        adaptive=("adaptive:4,3",),
+    )
+    recorder = Recorder()
+    report = sw.sweep(
+        unit.config, plan, out, runner=unit.runner, pacing=sweep_cmd.FAST_PACING, reporter=recorder
+    )
+
+    assert report.ok, report.to_dict()
+    # The original 3 steps last: off and the adaptive set each cost one restart, no more.
+    assert [r["to_setting"] for r in report.restarts] == ["4", "off", "adaptive:3,4", "3"]
+    assert unit.runner.restarted_to == [4, 0, 4, DEFAULT_STEPS]
+    info = httpx.get(unit.url + "/server_info", timeout=5).json()
+    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
+    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
+
+    truth = preset_table()
+    table = read_table(out / sw.CSV_NAME)  # the calibration format, read back
+    assert table.steps() == [0, 3, 4]
+    off_rows = [r for r in table.rows if r.steps == 0]
+    assert [r.concurrency for r in off_rows] == [1, 8]
+    for row in off_rows:
+        want = truth.throughput(0, row.concurrency)
+        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
+        assert row.max_running_requests == truth.capacity(0)  # the off server's, not K's
+    # The calibration predicts off from its steps-0 row.
+    model = PerformanceModel(Calibration.of(table))
+    assert model.can_predict(0)
+    assert model.throughput(0, 8) == pytest.approx(off_rows[1].output_tok_s)
+
+    # The adaptive rows are kept apart from the static curves, under their canonical text.
+    assert table.measured_settings() == ["adaptive:3,4"]
+    assert table.throughput(4, 8) == next(
+        r.output_tok_s for r in table.rows if (r.steps, r.concurrency) == (4, 8)
+    )
+    assert table.setting_capacity("adaptive:3,4") == truth.capacity(4)  # the deepest's
+    # Measured against what the model predicts for the set from the static rows.
+    predicted = AdaptiveModel.of(adaptive_slots(parse_setting("adaptive:3,4")), model)
+    for c in (1, 8):
+        measured = table.setting_throughput("adaptive:3,4", c)
+        assert abs(measured / predicted.throughput(c) - 1) <= TOLERANCE, (c, measured)
+    points = {(p.setting, p.steps) for p in report.points}
+    assert points == {(None, 0), (None, 3), (None, 4), ("adaptive:3,4", 4)}
+    md = (out / sw.MARKDOWN_NAME).read_text()
+    assert "| 0 | 8 |" in md
+    assert "| adaptive:3,4 |" in md
+    assert "- adaptive:3,4 c=8: measured " in md
+    assert f"Restored the original {DEFAULT_STEPS} steps." in md
+    assert any(p.startswith("adaptive:3,4: measuring c=8") for p in recorder.phases)
+
+
+@pytest.mark.parametrize(
+    ("twin_args", "adaptive", "why"),
+    [
+        (
+            ["--enable-dp-attention"],
+            "adaptive:3,4",
+            "--adaptive: this server cannot run SGLang's adaptive mode: SGLang's adaptive mode "
+            "does not run with DP attention",
+        ),
+        (
+            ["--sglang-version", "0.5.13"],
+            "adaptive:1,3/1=1,3;8=0,1",
+            "--adaptive adaptive:1,3/1=1,3;8=0,1: this server cannot run it: step 0 in a slot "
+            "need SGLang >= 0.5.14; the server runs 0.5.13",
+        ),
+    ],
+    ids=["dp-attention", "slot-zero-on-0.5.13"],
+)
+def test_an_adaptive_set_the_server_cannot_run_is_refused_before_any_restart(
+    unit_factory: Any, tmp_path: Path, twin_args: list[str], adaptive: str, why: str
+) -> None:
+    unit = unit_factory(twin_args)
+    plan = sw.SweepPlan(steps=(4,), concurrency=(1,), duration_s=1.0, adaptive=(adaptive,))
+    with pytest.raises(sw.SweepError) as info:
+        sw.sweep(unit.config, plan, tmp_path / "out", runner=unit.runner, reporter=Recorder())
+    assert str(info.value) == why
+    assert unit.runner.restarted_to == []
+    assert not Path(unit.config.sglang.env_file).exists()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def started_with(tmp_path: Path) -> Iterator[Any]:
+    """A twin unit whose drop-in default runs the given speculative words (the setting
+    form, as `specd install` writes it), and the config for it."""
+    runners: list[TwinUnitRunner] = []
+
+    def start(words: list[str], **config: Any) -> tuple[Config, TwinUnitRunner]:
+        (tmp_path / "state").mkdir()
+        port = free_port()
+        cfg = make_config(tmp_path, port, **config)
+        runner = TwinUnitRunner(
+            cfg.sglang.unit,
+            Path(cfg.sglang.env_file),
+            port=port,
+            defaults={ENV_ARGS: " ".join(words)},
+            extra_args=TWIN_ARGS,
+        )
+        runners.append(runner)
+        runner.start().wait_healthy(30)
+        return cfg, runner
+
+    yield start
+    for runner in runners:
+        runner.stop()
+
+
+def test_a_sweep_of_a_server_running_adaptive_is_refused(started_with: Any, tmp_path: Path) -> None:
+    # The sweep can only put back what it can name: off or a static K.
+    setting = parse_setting("adaptive:3,4")
+    (tmp_path / "a.json").write_text(adaptive_config_text(setting))
+    words = sglang_args(setting, algorithm="NEXTN", config_path=str(tmp_path / "a.json"))
+    config, runner = started_with(list(words))
+    plan = sw.SweepPlan(steps=(4,), concurrency=(1,), duration_s=1.0)
+    with pytest.raises(sw.SweepError, match=r"^SGLang runs adaptive \(a.json\); the sweep"):
+        sw.sweep(config, plan, tmp_path / "out", runner=runner, reporter=Recorder())
+    assert runner.restarted_to == []
+
+
+def test_a_server_without_speculation_is_swept_and_put_back_to_off(
+    started_with: Any, tmp_path: Path
+) -> None:
+    config, runner = started_with([], speculative_algorithm="NEXTN")
+    out = tmp_path / "out"
+    plan = sw.SweepPlan(steps=(4,), concurrency=(2,), duration_s=1.0, warmup_s=0.1, off=True)
+    report = sw.sweep(
+        config, plan, out, runner=runner, pacing=sweep_cmd.FAST_PACING, reporter=Recorder()
+    )
+    assert report.ok, report.to_dict()
+    assert (report.original_steps, report.final_steps) == (0, 0)
+    # Off goes last: it is where SGLang began, so the sweep ends there with no restart.
+    assert runner.restarted_to == [4, 0]
+    info = httpx.get(config.sglang.url + "/server_info", timeout=5).json()
+    assert info["speculative_algorithm"] is None
+    assert read_table(out / sw.CSV_NAME).steps() == [0, 4]
+    assert "Restored the original no speculation." in (out / sw.MARKDOWN_NAME).read_text()
+
+
+def test_a_stop_while_an_adaptive_set_runs_restores_the_original(
+    unit_factory: Any, tmp_path: Path
+) -> None:
+    unit = unit_factory()
+    stop = threading.Event()
+    recorder = Recorder()
+    recorder.on_phase = lambda text: (
+        stop.set() if text.startswith("adaptive:3,4: measuring") else None
+    )
+    plan = sw.SweepPlan(
+        steps=(4,), concurrency=(1,), duration_s=5.0, warmup_s=0.1, adaptive=("adaptive:3,4",)
+    )
+    report = sw.sweep(
+        unit.config,
+        plan,
+        tmp_path / "out",
+        runner=unit.runner,
+        pacing=sweep_cmd.FAST_PACING,
+        reporter=recorder,
+        stop=stop,
+        handle_signals=False,
+    )
+    assert report.restored
+    assert [r["to_setting"] for r in report.restarts] == ["4", "adaptive:3,4", "3"]
+    info = httpx.get(unit.url + "/server_info", timeout=5).json()
+    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
+    assert all(p.setting is None for p in report.points)
+
+
 def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "specd.cli", "sweep", "--twin", "--yes", "--steps", "4",
@@ -220,6 +404,15 @@ def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
         (["--steps", "9"], subprocess.DEVNULL, "outside the configured range 1..6"),
         (["--concurrency", "1,x"], subprocess.DEVNULL, "expected a whole number in 1..4096"),
         (["--duration-s", "nan"], subprocess.DEVNULL, "expected a number > 0"),
+        (["--adaptive", "4"], subprocess.DEVNULL, "--adaptive: '4' is not an adaptive set"),
+        (["--adaptive", "fast"], subprocess.DEVNULL, "--adaptive: setting 'fast' is not"),
+        (
+            ["--adaptive", "adaptive:3,9"],
+            subprocess.DEVNULL,
+            "--adaptive adaptive:3,9: candidates outside the configured range 1..6",
+        ),
+        # Without a value: [choose] adaptive_candidate_sets, whose default first set goes to 7.
+        (["--off", "--adaptive"], subprocess.DEVNULL, "--adaptive adaptive:1,3,5,7/1=1,3,5,7"),
     ],
 )
 def test_cli_refuses_before_touching_anything(
@@ -356,6 +549,9 @@ def test_accept_length_from_counters_else_fresh_gauges(
         ({"duration_s": 0.0}, "--duration-s must be > 0"),
         ({"warmup_s": float("inf")}, "--warmup-s must be >= 0"),
         ({"max_tokens": 0}, "--max-tokens must be at least 1"),
+        ({"adaptive": ("off",)}, "--adaptive: 'off' is not an adaptive set"),
+        ({"adaptive": ("adaptive:3,4", "adaptive:4,3")}, "--adaptive: a set is listed twice"),
+        ({"adaptive": ("adaptive:",)}, "--adaptive: setting 'adaptive:': '' is not a comma"),
     ],
 )
 def test_bad_plans_are_one_line_errors(kwargs: dict[str, Any], problem: str) -> None:
@@ -375,6 +571,27 @@ def test_format_eta(seconds: float | None, text: str) -> None:
 def _point(steps: int, concurrency: int, tok_s: float) -> sw.SweepPoint:
     return sw.SweepPoint(steps, concurrency, tok_s, tok_s / concurrency, 0.05, 0.08, 2.5, 15, 10,
                          0, 2.0)  # fmt: skip
+
+
+def test_markdown_checks_adaptive_points_against_the_static_rows(tmp_path: Path) -> None:
+    plan = sw.SweepPlan(
+        steps=(3, 4), concurrency=(1, 16), adaptive=("adaptive:3,4", "adaptive:1,4")
+    )
+    report = sw.SweepReport(original_steps=3, plan=plan, out_dir=tmp_path, final_steps=3)
+    adaptive = [
+        dataclasses.replace(_point(4, c, tok), setting=text)
+        for text, c, tok in (("adaptive:3,4", 1, 270.0), ("adaptive:3,4", 16, 2310.0),
+                             ("adaptive:1,4", 1, 250.0))
+    ]  # fmt: skip
+    report.points = [_point(3, 1, 230), _point(4, 1, 280), _point(3, 16, 2100), *adaptive]
+    md = sw.markdown(report)
+    # c=1: the slot's best candidate is 4 (280); at c=16 the batch is capped at capacity 15,
+    # where 3 reads its plateau (2100) and 4, measured only at 1, stays flat at 280.
+    assert "- adaptive:3,4 c=1: measured 270.0 tok/s, predicted 280.0 (-3.6 %)" in md
+    assert "- adaptive:3,4 c=16: measured 2310.0 tok/s, predicted 2100.0 (+10.0 %)" in md
+    assert "- adaptive:1,4: not predicted: the sweep has no rows for steps 1" in md
+    assert "| 4 | 1 | 250.0 |" in md
+    assert "| adaptive:1,4 |" in md
 
 
 @pytest.mark.parametrize(
@@ -424,6 +641,25 @@ def test_configure_parses_lists(tmp_path: Path) -> None:
     assert ns.steps == (1, 2, 3)
     assert ns.concurrency == (1, 32)
     assert not ns.yes
+    assert not ns.off
+    assert ns.adaptive is None
+
+
+def test_off_and_adaptive_options_make_the_plan() -> None:
+    parser = argparse.ArgumentParser()
+    sweep_cmd.configure(parser)
+    argv = ["--steps", "3,4", "--concurrency", "1", "--off", "--adaptive", "adaptive:4,3"]
+    ns = parser.parse_args([*argv, "--adaptive"])
+    plan = sweep_cmd.make_plan(ns, ("adaptive:1,3", "adaptive:3,4"))
+    assert plan.off
+    # Canonical and once each: the explicit set, then the config's sets not yet named.
+    assert plan.adaptive == ("adaptive:3,4", "adaptive:1,3")
+    assert [s.kind for s in plan.settings()] == ["static", "static", "off", "adaptive", "adaptive"]
+    assert plan.points == 5
+    assert sweep_cmd.make_plan(parser.parse_args(argv[:4]), ("adaptive:1,3",)).settings() == [
+        static(3),
+        static(4),
+    ]
 
 
 def _report(out_dir: Path) -> sw.SweepReport:
