@@ -44,7 +44,12 @@ SEED = preset_table()
 def _truth() -> PerfTable:
     """The seed, but with 4 steps' capacity halved: under heavy load 3 serves ~20 % more,
     so the model policy has changes to make in both directions."""
-    rows = [r for r in SEED.rows if r.steps <= 3]
+    # The twin's preset is the twin's own table type: its rows, as specd's.
+    rows = [
+        PerfRow(r.steps, r.concurrency, r.output_tok_s, r.accept_length, r.max_running_requests)
+        for r in SEED.rows
+        if r.steps <= 3
+    ]
     for r in SEED.rows:
         if r.steps == 4:
             plateau = SEED.throughput(4, 7)
