@@ -171,6 +171,28 @@ def version_info_paths(version: str) -> tuple[str, ...]:
     return ("/get_server_info",) if version == "0.5.4" else ("/server_info", "/get_server_info")
 
 
+class LoopbackHTTP:
+    """A real HTTP server on 127.0.0.1 (a free port) for ``handler``, served from a daemon
+    thread; ``close`` (or leaving a ``with``) stops it."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.httpd.block_on_close = False
+        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> LoopbackHTTP:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class StaticSGLang:
     """A real HTTP server on 127.0.0.1 answering with one version's committed pages."""
 
@@ -204,14 +226,11 @@ class StaticSGLang:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.server = LoopbackHTTP(Handler)
+        self.url = self.server.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.close()
 
 
 def load_script(path: Path, name: str) -> ModuleType:

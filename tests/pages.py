@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
+
+from factories import LoopbackHTTP
 
 
 @dataclass
@@ -74,14 +75,6 @@ def page_server() -> Iterator[PageServer]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    httpd.block_on_close = False
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    state.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    try:
+    with LoopbackHTTP(Handler) as server:
+        state.url = server.url
         yield state
-    finally:
-        httpd.shutdown()
-        httpd.server_close()

@@ -11,11 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
-from factories import EtcdProcess
+from factories import EtcdProcess, LoopbackHTTP
 
 from specd.core.settings import FleetSettings
 from specd.io.fleet import (
@@ -322,14 +322,11 @@ class FakeEtcd:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, args=(0.02,), daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.server = LoopbackHTTP(Handler)
+        self.url = self.server.url
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.close()
 
 
 HEADER = {"header": {"revision": "1"}}
@@ -467,19 +464,13 @@ def test_an_etcd_that_trickles_its_answer_is_cut_at_the_deadline() -> None:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True).start()
-    try:
-        fleet = make_fleet(f"http://127.0.0.1:{httpd.server_address[1]}", "a", etcd_timeout_s=1)
+    with LoopbackHTTP(Slow) as server:
+        fleet = make_fleet(server.url, "a", etcd_timeout_s=1)
         started = time.monotonic()
         problem = fleet.probe()
         assert time.monotonic() - started < 3
         assert problem is not None
         assert "no answer within 1 s" in problem
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 def test_a_journal_slot_is_read_back_or_refused() -> None:
