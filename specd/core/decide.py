@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
 from specd.core.explore import WEEK_S
@@ -328,19 +328,12 @@ def choose(
     chosen, and under SGLang's adaptive mode (``current`` None) ``live_adaptive_config``
     names the config file it runs; only a policy in `CHOOSES_KINDS` reads them.
     """
-    policy = POLICIES[config.choose.policy]
-    if config.choose.policy not in CHOOSES_KINDS:
-        pick = policy(history, config, current, calibration, avoid)
-    else:
-        pick = policy(
-            history,
-            config,
-            current,
-            calibration,
-            avoid,
-            offer=offer,
-            live_adaptive_config=live_adaptive_config,
-        )
+    kinds: dict[str, Any] = (
+        {"offer": offer, "live_adaptive_config": live_adaptive_config}
+        if config.choose.policy in CHOOSES_KINDS
+        else {}
+    )
+    pick = POLICIES[config.choose.policy](history, config, current, calibration, avoid, **kinds)
     if pick is not None and not pick.mix:
         pick = replace(pick, mix=history.offered_weights())
     return pick
