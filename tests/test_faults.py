@@ -953,7 +953,10 @@ def test_several_sighups_at_once_reload_once_and_keep_serving(
         )
         time.sleep(1.0)  # a few more ticks: any late reload or crash would show now
         assert proc.poll() is None, log.read_text()
-        assert children_of(proc.pid) == []  # one process: nothing forked or left behind
+        # One process: nothing forked or left behind. A systemctl call of a restart in
+        # progress is a child for a moment (CI caught one), so wait for the daemon to be idle;
+        # a leaked or unreaped child would stay.
+        wait_for(lambda: children_of(proc.pid) == [], 30, "no child process left")
         reloads = events_named(log, "reloaded")
         assert 1 <= len(reloads) <= 8
         assert reloads[0]["changed"] == {"restart.daily_restart_budget": 3}
