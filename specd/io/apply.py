@@ -10,7 +10,8 @@ The only module that touches systemd or SGLang's env file. One sequence::
 
 With a ``[fleet]`` (specd/io/fleet.py) the sequence first takes one of the group's slots in
 etcd (waiting, while the window stays open, for one to free up), keeps its lease alive
-while it runs, checks the lease still holds right before the restart (a specd cut off from
+while it runs (the quiet moment is looked for once the slot is taken, not before the wait),
+checks the lease still holds right before the restart (a specd cut off from
 etcd may have lost it: then nothing is restarted), and releases it at every end. The
 journal names the slot, so a specd killed in between releases it on its next start; the
 slot frees itself anyway one lease TTL after the specd died.
@@ -734,6 +735,13 @@ class Applier:
 
         # The window check below (window_open) counts the unit's real stop timeout.
         self.read_stop_timeout()
+        if self.fleet is not None:
+            not_taken = self._take_slot(current, target, window_open, force)
+            if not_taken is not None:
+                return not_taken
+        # After the fleet's turn came, not before: a quiet moment seen before a long wait for
+        # a slot says nothing about the load once the slot is ours. (Any abort from here on
+        # releases the slot: apply_setting does.)
         if self.gateway is None:
             why_not = self._wait_quiet(window_open, force)
             if why_not is not None:
@@ -749,10 +757,6 @@ class Applier:
         except ValueError as exc:
             return self._aborted(current, target, str(exc))
         prev_text, prev_encoding = encode_env(previous)
-        if self.fleet is not None:
-            not_taken = self._take_slot(current, target, window_open, force)
-            if not_taken is not None:
-                return not_taken
         journal = Journal(
             phase="planned",
             from_steps=setting_steps(current),
