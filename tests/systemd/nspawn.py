@@ -423,16 +423,25 @@ class Container:
         )
         return path
 
-    def install_twin_sglang(self, load_time_s: float = 1.0, extra_args: Sequence[str] = ()) -> None:
+    def install_twin_sglang(
+        self,
+        load_time_s: float = 1.0,
+        extra_args: Sequence[str] = (),
+        unit: str = SGLANG_UNIT,
+        port: int = TWIN_PORT,
+        env_file: str | None = None,
+    ) -> None:
         """sglang.service = the twin, with the repo's drop-in 50-specd.conf installed unchanged.
 
         The drop-in's ExecStart names the real SGLang launcher; a 60-twin.conf drop-in (read
         after it) swaps only that command for the twin, with the same unbraced
         $SPECD_SPECULATIVE_ARGS, so Environment= defaults and EnvironmentFile= are the repo's
-        own.
+        own. Several servers in one container: another `unit` name and `port`, and its own
+        `env_file` (replacing the drop-in's /var/lib/specd/sglang.env, as an operator with
+        several SGLang units on one box sets [sglang] env_file).
         """
         self.write_unit(
-            SGLANG_UNIT,
+            unit,
             "[Unit]\nDescription=SGLang twin (stands in for the GPU server)\n"
             # Tests start it many times within seconds; systemd's default limit (5 starts in
             # 10 s) would refuse a rollback's restart. A real SGLang loads for minutes.
@@ -440,19 +449,23 @@ class Container:
             "[Service]\nType=simple\n"
             # The operator's original command line, with a fixed step count: the
             # drop-in must replace it.
-            f"ExecStart={twin_command(static_args('1', '2'), load_time_s=load_time_s)}\n"
+            f"ExecStart={twin_command(static_args('1', '2'), load_time_s=load_time_s, port=port)}\n"
             "TimeoutStopSec=30s\n",
         )
         self.install_file(
-            f"{SGLANG_UNIT}.d/50-specd.conf", REPO / "systemd/sglang.service.d/50-specd.conf"
+            f"{unit}.d/50-specd.conf", REPO / "systemd/sglang.service.d/50-specd.conf"
         )
         command = twin_command(
             [SPLIT_ARGS],
             load_time_s=load_time_s,
             extra_args=extra_args,
+            port=port,
         )
+        # The empty assignment drops the drop-in's env file from the list.
+        env_lines = f"EnvironmentFile=\nEnvironmentFile=-{env_file}\n" if env_file else ""
         self.write_unit(
-            f"{SGLANG_UNIT}.d/60-twin.conf", f"[Service]\nExecStart=\nExecStart={command}\n"
+            f"{unit}.d/60-twin.conf",
+            f"[Service]\n{env_lines}ExecStart=\nExecStart={command}\n",
         )
         self.daemon_reload()
 
@@ -525,7 +538,10 @@ def static_args(steps: str, draft_tokens: str) -> list[str]:
 
 
 def twin_command(
-    speculative: Sequence[str], load_time_s: float = 1.0, extra_args: Sequence[str] = ()
+    speculative: Sequence[str],
+    load_time_s: float = 1.0,
+    extra_args: Sequence[str] = (),
+    port: int = TWIN_PORT,
 ) -> str:
     """An ExecStart= command line running the twin as SGLang would be launched, with these
     speculative words (["$SPECD_SPECULATIVE_ARGS"] as specd's drop-in has them)."""
@@ -535,7 +551,7 @@ def twin_command(
         *speculative,
         "--enable-metrics",
         "--port",
-        str(TWIN_PORT),
+        str(port),
         "--load-time-s",
         f"{load_time_s:g}",
         *extra_args,
