@@ -20,6 +20,7 @@ table cannot predict are skipped, and a slot left without any is as if not confi
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -89,9 +90,14 @@ class Slots:
         """Every candidate of every slot: what SGLang builds at start."""
         return sorted({k for s in self.slots for k in s.candidates})
 
+    @functools.cached_property
+    def _thresholds(self) -> tuple[int, ...]:
+        # Once per (immutable) Slots: slot_for runs per concurrency bin per tick.
+        return tuple(s.min_batch for s in self.slots)
+
     def slot_for(self, batch: float) -> Slot:
         """The slot a batch of ``batch`` requests runs in (SGLang's routing)."""
-        i = bisect.bisect_right([s.min_batch for s in self.slots], batch) - 1
+        i = bisect.bisect_right(self._thresholds, batch) - 1
         return self.slots[max(i, 0)]
 
     def describe(self) -> str:

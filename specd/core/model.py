@@ -48,6 +48,7 @@ keys them by `specd.core.setting.setting_key` (K, 0 for off, negative for a set)
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +138,11 @@ class Calibration:
 
     table: PerfTable
     alpha: float | None
+    # Each K's measured (concurrencies, tok/s), in the table's order: the model reads them
+    # at every tick, and the table does not change under a Calibration.
+    points: Mapping[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def of(cls, table: PerfTable) -> Calibration:
@@ -145,17 +151,24 @@ class Calibration:
             for k in table.steps()
             if k >= 1 and (length := table.accept_length(k)) is not None and 1.0 <= length <= k + 1
         ]
-        return cls(table, _fit_alpha(measured) if measured else None)
+        points: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+        for k in table.steps():
+            rows = [r for r in table.rows if r.steps == k]
+            points[k] = (
+                tuple(r.concurrency for r in rows),
+                tuple(r.output_tok_s for r in rows),
+            )
+        return cls(table, _fit_alpha(measured) if measured else None, points)
 
 
 def _shape(
-    cal: PerfTable, k: int, capacity: int | None
+    cal: Calibration, k: int, capacity: int | None
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """K's calibration points, read as the table reads them with ``capacity`` (observed
     capacity wins over the table's): measured points as measured, every point at or past
     capacity the plateau, flat past capacity when measured only below it."""
-    points = [(r.concurrency, r.output_tok_s) for r in cal.rows if r.steps == k]
-    return reading_points([x for x, _ in points], [y for _, y in points], capacity)
+    xs, ys = cal.points.get(k, ((), ()))
+    return reading_points(xs, ys, capacity)
 
 
 class PerformanceModel:
@@ -166,6 +179,7 @@ class PerformanceModel:
     ) -> None:
         fitted = Calibration.of(calibration) if isinstance(calibration, PerfTable) else calibration
         self.calibration = fitted.table if fitted is not None else None
+        self._fitted = fitted
         calibration = self.calibration
         cal_steps = [k for k in calibration.steps() if k >= 1] if calibration else []
         self._cal_steps = cal_steps
@@ -185,6 +199,7 @@ class PerformanceModel:
         self._curves: dict[int, _Curve] = {}
         self._capacities = capacities
         self._cache: dict[tuple[int, int], float] = {}
+        self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
 
     # -- acceptance --------------------------------------------------------------------
     @staticmethod
@@ -269,6 +284,10 @@ class PerformanceModel:
             self._curves[k] = curve
         return curve
 
+    def _shape(self, k: int, capacity: int | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        assert self._fitted is not None, "only a model with a calibration reads its points"
+        return _shape(self._fitted, k, capacity)
+
     def _build_curve(self, k: int) -> _Curve | None:
         if k < 0:
             return None
@@ -276,11 +295,11 @@ class PerformanceModel:
         observed = self._observed.get(k, {})
         if k == 0 and cal is not None and self._off_row:
             capacity = self._capacities.get(0, cal.capacity(0))
-            xs, ys = _shape(cal, 0, capacity)
+            xs, ys = self._shape(0, capacity)
             return self._corrected(_Curve(xs, ys, capacity, 1.0, Source.CALIBRATION), observed)
         if cal is not None and k in self._cal_steps:
             capacity = self._capacities.get(k, cal.capacity(k))
-            xs, ys = _shape(cal, k, capacity)
+            xs, ys = self._shape(k, capacity)
             base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
             return self._corrected(base, observed)
         if observed:
@@ -358,7 +377,7 @@ class PerformanceModel:
             if (c := self._capacities.get(s, cal.capacity(s))) is not None
         ]
         capacity = max(1, math.floor(max(budgets) / (k + 2))) if budgets else None
-        xs, ys_a = _shape(cal, ka, cap_a)
+        xs, ys_a = self._shape(ka, cap_a)
         ys = tuple(y * factor for y in ys_a)
         base = _Curve(
             xs,
@@ -403,8 +422,38 @@ class PerformanceModel:
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        raw = self._raw
-        return sum(w * raw(curve, float(c)) for c, w in weights.items() if c > 0)
+        return sum(w * self._at(steps, curve, c) for c, w in weights.items() if c > 0)
+
+    def _at(self, steps: int, curve: _Curve, c: int) -> float:
+        """``throughput(steps, c)`` at a whole concurrency, through the same per-model
+        cache: the static rates and every adaptive set read the same (K, c) bins."""
+        key = (steps, c)
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = self._raw(curve, float(c))
+        return value
+
+    def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
+        """``setting``'s candidate sets over this model (once per model); None when the
+        model has none of its candidates."""
+        if setting not in self._adaptive:
+            try:
+                self._adaptive[setting] = AdaptiveModel.of(adaptive_slots(setting), self)
+            except ValueError:
+                self._adaptive[setting] = None
+        return self._adaptive[setting]
+
+    def best_of(self, candidates: Sequence[int], c: int) -> float:
+        """The most any of ``candidates`` (all predictable) serves at ``c`` requests running:
+        `AdaptiveModel.throughput` for a batch in its slot, read through the cache."""
+        best = -math.inf
+        for k in candidates:
+            curve = self._curves.get(k) or self._curve(k)
+            if curve is None:
+                raise ValueError(f"no calibration or observation to predict steps {k}")
+            value = self._at(k, curve, c)
+            best = max(best, value)
+        return best
 
     def saturation(self, steps: Sequence[int]) -> int | None:
         """The concurrency beyond which none of ``steps`` serves more (all queue)."""
@@ -486,6 +535,7 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     return close.timestamp(), opens.timestamp()
 
 
+@functools.lru_cache(maxsize=256)  # pure, keyed by the frozen setting: read at every tick
 def adaptive_slots(setting: SpecSetting) -> Slots:
     """An adaptive setting's slots as `specd.core.adaptive` models them (no slots: one
     candidate list for every batch size, as SGLang reads a config with one slot "1")."""
@@ -510,15 +560,14 @@ def _adaptive_rate(
     """Mean tok/s of an adaptive setting over ``weights`` (the best candidate of each
     batch's slot at the deepest candidate's capacity, `specd.core.adaptive`) and the step
     counts it reads; None when the model cannot predict every candidate."""
-    try:
-        am = AdaptiveModel.of(adaptive_slots(setting), model)
-    except ValueError:
+    am = model.adaptive(setting)
+    if am is None or am.skipped:
         return None
-    if am.skipped:
-        return None
-    # Past the deepest candidate's capacity every batch is the same: one bin (exact).
+    # Past the deepest candidate's capacity every batch is the same: one bin (exact). So
+    # each bin is the batch itself, read in its slot as `AdaptiveModel.throughput` does.
     folded = fold_above(weights, am.capacity)
-    rate = sum(w * am.throughput(float(c)) for c, w in folded.items() if c > 0)
+    slot_for, best_of = am.slots.slot_for, model.best_of
+    rate = sum(w * best_of(slot_for(c).candidates, c) for c, w in folded.items() if c > 0)
     return rate, tuple(am.slots.candidates())
 
 

@@ -6,6 +6,7 @@ which kinds a given server can run (with the reason when it cannot).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -156,6 +157,9 @@ def _ints(text: str, where: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+# Pure and keyed by the text: the policy parses [choose] adaptive_candidate_sets at every
+# tick. Bounded; a ValueError is raised again, never cached.
+@functools.lru_cache(maxsize=256)
 def parse(text: str) -> SpecSetting:
     """Parse the operator form: "off", "4" (or "static:4"), "adaptive:1,3,5" or with per-batch
     slots "adaptive:1,3,5/1=1,3,5;8=0,1,3". Raises ValueError with a one-line message."""
@@ -202,6 +206,7 @@ def format_setting(setting: SpecSetting) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=256)  # a sha256 per candidate per tick otherwise
 def setting_key(setting: SpecSetting) -> int:
     """One int per setting, for what records a choice as a number (the stabilization
     window's recommendations, kept in the state file): a static K is K, off is 0, an
