@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import pwd
 import shlex
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,25 @@ def check_url(url: str, flag: str = "--url") -> str:
 MAX_KEY_FILE_BYTES = 4096
 
 
+def key_file_problem(host: Path, *, others_ok: bool = False) -> str | None:
+    """Why the gateway admin key file at ``host`` is unfit (one line), or None. Checked
+    without opening it: a FIFO there would block whoever reads it. ``others_ok``: a file
+    readable by others passes (specd can use it; install alone insists on 0640)."""
+    try:
+        info = host.lstat()
+    except OSError as exc:
+        return f"not a regular file ({exc.strerror})"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_mode & 0o007 and not others_ok:
+        return "readable by others; chmod o-rwx it (0640, group specd)"
+    if info.st_size == 0 or info.st_size > MAX_KEY_FILE_BYTES:
+        return (
+            f"{info.st_size} bytes; an API key file holds one key (1 to {MAX_KEY_FILE_BYTES} bytes)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class GatewayOptions:
     """`specd install --gateway-url ... [--gateway-api-key-file F] [--gateway-worker-url U]`."""
@@ -179,17 +199,9 @@ def gateway_keys(options: GatewayOptions, layout: Layout) -> dict[str, str | lis
         flag = f"--gateway-api-key-file {options.api_key_file!r}"
         if not path.is_absolute():
             raise InstallError(f"{flag}: not an absolute path")
-        host = layout.host(path)
-        if not host.is_file() or host.is_symlink():
-            raise InstallError(f"{flag}: not a regular file")
-        info = host.stat()
-        if info.st_mode & 0o007:
-            raise InstallError(f"{flag}: readable by others; chmod o-rwx it (0640, group specd)")
-        if info.st_size == 0 or info.st_size > MAX_KEY_FILE_BYTES:
-            raise InstallError(
-                f"{flag}: {info.st_size} bytes; an API key file holds one key "
-                f"(1 to {MAX_KEY_FILE_BYTES} bytes)"
-            )
+        problem = key_file_problem(layout.host(path))
+        if problem is not None:
+            raise InstallError(f"{flag}: {problem}")
         keys["api_key_file"] = str(path)
     try:
         GatewaySettings.model_validate(keys)
