@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specd.commands.args import Int, Seconds
+from specd.core.settings import FleetSettings
 from specd.install.execute import execute
 from specd.install.layout import InstallError, Layout, check_unit_name
 from specd.install.manifest import load_manifest
@@ -18,6 +20,18 @@ from specd.install.render import specd_command
 from specd.install.uninstall import uninstall
 from specd.install.unit import read_unit
 from specd.io.runner import Runner, SubprocessRunner
+
+
+def _bound(name: str, kind: str) -> float:
+    """FleetSettings' own ``ge``/``le`` for a field: the flag's bounds are the setting's."""
+    for item in FleetSettings.model_fields[name].metadata:
+        if hasattr(item, kind):
+            return float(getattr(item, kind))
+    raise LookupError(f"FleetSettings.{name} has no {kind} bound")
+
+
+FLEET_SLOTS = Int(int(_bound("slots", "ge")), int(_bound("slots", "le")))
+FLEET_LEASE_TTL_S = Seconds(_bound("lease_ttl_s", "ge"), _bound("lease_ttl_s", "le"))
 
 
 def _ask(question: str) -> bool:
@@ -209,18 +223,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fleet-slots",
-        type=int,
+        type=FLEET_SLOTS,
         default=None,
         metavar="N",
-        help="how many servers of the group may restart at once (default 1)",
+        help=f"how many servers of the group may restart at once ({FLEET_SLOTS.spec}, default 1)",
     )
     parser.add_argument(
         "--fleet-lease-ttl-s",
-        type=float,
+        type=FLEET_LEASE_TTL_S,
         default=None,
         metavar="SECONDS",
         help="TTL of a slot's etcd lease: a specd that dies frees its slot this long after "
-        "(5 to 3600, default 30)",
+        f"({FLEET_LEASE_TTL_S.spec}, default 30)",
     )
     parser.add_argument(
         "--fleet-holder-name",

@@ -3,6 +3,8 @@ of the etcd endpoints and gateway replicas, against a real etcd and a real smg o
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 import re
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway
 from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, view_of
 from test_plan import config_of, install_files, key_file
 
+from specd.install.command import configure, install
 from specd.install.layout import CONFIG_FILE, InstallError, Layout
 from specd.install.plan import FleetOptions, GatewayOptions, build_plan
 from specd.install.probe import probe_config, probe_etcd
@@ -185,3 +188,27 @@ def test_probe_checks_every_gateway_replica_and_its_admin_key(
         assert problems == []
         assert len(notes) == 1
         assert "routes no worker with url http://127.0.0.1:1" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fleet-group", "g"], "need --etcd-endpoint"),
+        (["--fleet-slots", "2"], "need --etcd-endpoint"),
+        (["--etcd-endpoint", "http://127.0.0.1:2379"], "needs --fleet-group"),
+        (["--gateway-api-key-file", "/k"], "need --gateway-url"),
+    ],
+)
+def test_install_refuses_half_a_table_before_reading_the_unit(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
+    parser = argparse.ArgumentParser(prog="specd install")
+    configure(parser)
+    args = parser.parse_args(["--unit", "sglang.service", "--dry-run", *argv])
+    # A runner that fails the test if install got as far as asking systemd.
+    with pytest.raises(InstallError, match=message):
+        install(args, _no_runner, Layout(tmp_path), io.StringIO())
+
+
+def _no_runner(*args: object, **kwargs: object) -> object:
+    pytest.fail(f"install ran {args} before refusing its flags")
