@@ -7,7 +7,7 @@ import argparse
 import io
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -16,11 +16,14 @@ from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, view_of
 from test_plan import config_of, install_files, key_file
 
 from specd.install.command import configure, install
+from specd.install.execute import execute
 from specd.install.layout import CONFIG_FILE, InstallError, Layout
 from specd.install.plan import FleetOptions, GatewayOptions, build_plan
 from specd.install.probe import probe_config, probe_etcd
+from specd.install.uninstall import uninstall
 from specd.io.config import Config
 from specd.io.files import parse_toml
+from specd.io.runner import RunResult
 from specd.twin.process import TwinProcess, free_port
 
 FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
@@ -212,3 +215,31 @@ def test_install_refuses_half_a_table_before_reading_the_unit(
 
 def _no_runner(*args: object, **kwargs: object) -> object:
     pytest.fail(f"install ran {args} before refusing its flags")
+
+
+def test_uninstall_gives_back_the_operators_config_byte_for_byte(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    view = view_of(f"{BASE} {SPEC}")
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    # The operator's own file: comments, odd spacing, a [fleet] table of their own.
+    original = b'# ours\n[sglang]\nurl  =  "http://127.0.0.1:1"\n\n[fleet]\ngroup = "old"\n'
+    config.write_bytes(original)
+    layout.host(Path("/var/lib/specd")).mkdir(parents=True)
+    ran: list[tuple[str, ...]] = []
+
+    def systemctl(argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        # systemd itself is exercised in tests/systemd/; here only the files matter.
+        ran.append(tuple(argv))
+        stdout = view.cat if list(argv[:2]) == ["systemctl", "cat"] else ""
+        return RunResult(tuple(argv), 0, stdout, "", False, 0.0)
+
+    plan = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD, fleet=FLEET)
+    table = parse_toml(config_of(plan.files))["fleet"]
+    assert table["group"] == "llama-eu"
+    assert table["etcd_endpoints"] == ["http://10.0.0.5:2379", "http://10.0.0.6:2379"]
+    execute(plan, layout, systemctl, view, io.StringIO())
+    assert config.read_bytes() != original
+    uninstall(layout, systemctl, False, io.StringIO(), now_s=0.0)
+    assert config.read_bytes() == original
+    assert ("systemctl", "restart", "specd.service") in ran
