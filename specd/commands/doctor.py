@@ -31,6 +31,7 @@ from specd.core.setting import KINDS, describe_args, describe_server, traits_fro
 from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
 from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
+from specd.install.plan import key_file_problem
 from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
@@ -351,10 +352,24 @@ class Doctor:
         )
 
     def check_gateway(self) -> list[Check]:
-        """With a [gateway]: each replica answers its admin API and routes this server."""
+        """With a [gateway]: the admin key file is fit to read, and each replica answers its
+        admin API with that key and routes this server."""
         settings = self.config.gateway
         if settings is None:
             return []
+        key = settings.api_key_file
+        problem = None if key is None else key_file_problem(key, others_ok=True)
+        if key is not None and problem is not None:
+            # Not asked with it: reading a FIFO or a huge file there would hang or flood.
+            return [
+                Check(
+                    "gateway api key",
+                    False,
+                    f"{key}: {problem}",
+                    "[gateway] api_key_file must be a file holding one of the gateway's "
+                    "--control-plane-api-keys; no replica was asked",
+                )
+            ]
         client = GatewayClient.from_settings(settings, self.config.sglang.url)
         checks = []
         try:

@@ -9,14 +9,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specd.commands.args import Int, Seconds
+from specd.core.settings import FleetSettings
 from specd.install.execute import execute
 from specd.install.layout import InstallError, Layout, check_unit_name
 from specd.install.manifest import load_manifest
-from specd.install.plan import GatewayOptions, Plan, build_plan, system_state
+from specd.install.plan import FleetOptions, GatewayOptions, Plan, build_plan, system_state
+from specd.install.probe import probe_config
 from specd.install.render import specd_command
 from specd.install.uninstall import uninstall
 from specd.install.unit import read_unit
 from specd.io.runner import Runner, SubprocessRunner
+
+
+def _bound(name: str, kind: str) -> float:
+    """FleetSettings' own ``ge``/``le`` for a field: the flag's bounds are the setting's."""
+    for item in FleetSettings.model_fields[name].metadata:
+        if hasattr(item, kind):
+            return float(getattr(item, kind))
+    raise LookupError(f"FleetSettings.{name} has no {kind} bound")
+
+
+FLEET_SLOTS = Int(int(_bound("slots", "ge")), int(_bound("slots", "le")))
+FLEET_LEASE_TTL_S = Seconds(_bound("lease_ttl_s", "ge"), _bound("lease_ttl_s", "le"))
 
 
 def _ask(question: str) -> bool:
@@ -39,6 +54,20 @@ def install(
         )
     if not args.gateway_url and (args.gateway_api_key_file or args.gateway_worker_url):
         raise InstallError("--gateway-api-key-file/--gateway-worker-url need --gateway-url")
+    fleet_extras = (
+        args.fleet_group,
+        args.fleet_slots,
+        args.fleet_lease_ttl_s,
+        args.fleet_holder_name,
+    )
+    if not args.etcd_endpoint and any(v is not None for v in fleet_extras):
+        raise InstallError(
+            "--fleet-group/--fleet-slots/--fleet-lease-ttl-s/--fleet-holder-name need "
+            "--etcd-endpoint"
+        )
+    if args.etcd_endpoint and args.fleet_group is None:
+        raise InstallError("--etcd-endpoint needs --fleet-group (the same on every server)")
+    fleet = FleetOptions(args.etcd_endpoint, *fleet_extras) if args.etcd_endpoint else None
     view = read_unit(runner, unit)
     system = system_state(runner)
     interactive = sys.stdin.isatty() and not args.yes and not args.dry_run
@@ -59,6 +88,7 @@ def install(
             else GatewayOptions(
                 args.gateway_url, args.gateway_api_key_file, args.gateway_worker_url
             ),
+            fleet=fleet,
             now_s=moment,
         )
 
@@ -79,6 +109,23 @@ def install(
         f"SGLang at {plan.url}",
         file=out,
     )
+    problems, notes = probe_config(plan.fleet, plan.gateway, plan.url, layout)
+    for note in notes:
+        print(f"note: {note}", file=out)
+    for problem in problems:
+        print(f"warning: {problem}", file=out)
+    refuse = bool(problems) and not args.allow_unreachable and not plan.empty
+    if refuse and not args.dry_run:
+        raise InstallError(
+            f"{len(problems)} etcd endpoint(s)/gateway replica(s) do not answer (above): fix "
+            "the URL or key, or pass --allow-unreachable to install anyway (specd then makes "
+            "no restart until they answer; `specd doctor` shows it)"
+        )
+    if refuse:
+        print(
+            "(install without --dry-run refuses this; --allow-unreachable installs anyway)",
+            file=out,
+        )
     if plan.empty:
         print("nothing to do: specd is installed and running for this unit", file=out)
         return 0
@@ -158,6 +205,48 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="the URL the gateway knows this server by (default: SGLang's URL)",
+    )
+    parser.add_argument(
+        "--etcd-endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an etcd member's client URL, e.g. http://10.0.0.5:2379; repeat for each. "
+        "specd then takes a slot of --fleet-group before each restart ([fleet] in specd.toml)",
+    )
+    parser.add_argument(
+        "--fleet-group",
+        default=None,
+        metavar="NAME",
+        help="the servers that share restart slots, the same on each (letters, digits, "
+        "'.', '_', '-')",
+    )
+    parser.add_argument(
+        "--fleet-slots",
+        type=FLEET_SLOTS,
+        default=None,
+        metavar="N",
+        help=f"how many servers of the group may restart at once ({FLEET_SLOTS.spec}, default 1)",
+    )
+    parser.add_argument(
+        "--fleet-lease-ttl-s",
+        type=FLEET_LEASE_TTL_S,
+        default=None,
+        metavar="SECONDS",
+        help="TTL of a slot's etcd lease: a specd that dies frees its slot this long after "
+        f"({FLEET_LEASE_TTL_S.spec}, default 30)",
+    )
+    parser.add_argument(
+        "--fleet-holder-name",
+        default=None,
+        metavar="NAME",
+        help="how this specd names itself in a slot (default: host name and unit)",
+    )
+    parser.add_argument(
+        "--allow-unreachable",
+        action="store_true",
+        help="install even if an etcd endpoint or gateway replica does not answer now "
+        "(warned; specd makes no restart until it answers)",
     )
     parser.add_argument(
         "--add-enable-metrics",

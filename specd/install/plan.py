@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import pwd
 import shlex
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from specd.core.setting import static
-from specd.core.settings import GatewaySettings
+from specd.core.settings import FleetSettings, GatewaySettings
 from specd.install.layout import (
     ARCHIVE_ROOT,
     CONFIG_FILE,
@@ -101,6 +102,9 @@ class Plan:
     commands: list[tuple[str, ...]] = field(default_factory=list)
     create_user: bool = False
     notes: list[str] = field(default_factory=list)
+    # The [gateway] and [fleet] keys given on the command line, for install's probe.
+    gateway: dict[str, str | list[str]] | None = None
+    fleet: dict[str, str | int | float | list[str]] | None = None
 
     @property
     def empty(self) -> bool:
@@ -149,6 +153,29 @@ def check_url(url: str, flag: str = "--url") -> str:
     return url.rstrip("/")
 
 
+# An admin API key is a line; a bigger file is the wrong file.
+MAX_KEY_FILE_BYTES = 4096
+
+
+def key_file_problem(host: Path, *, others_ok: bool = False) -> str | None:
+    """Why the gateway admin key file at ``host`` is unfit (one line), or None. Checked
+    without opening it: a FIFO there would block whoever reads it. ``others_ok``: a file
+    readable by others passes (specd can use it; install alone insists on 0640)."""
+    try:
+        info = host.lstat()
+    except OSError as exc:
+        return f"not a regular file ({exc.strerror})"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_mode & 0o007 and not others_ok:
+        return "readable by others; chmod o-rwx it (0640, group specd)"
+    if info.st_size == 0 or info.st_size > MAX_KEY_FILE_BYTES:
+        return (
+            f"{info.st_size} bytes; an API key file holds one key (1 to {MAX_KEY_FILE_BYTES} bytes)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class GatewayOptions:
     """`specd install --gateway-url ... [--gateway-api-key-file F] [--gateway-worker-url U]`."""
@@ -172,17 +199,67 @@ def gateway_keys(options: GatewayOptions, layout: Layout) -> dict[str, str | lis
         flag = f"--gateway-api-key-file {options.api_key_file!r}"
         if not path.is_absolute():
             raise InstallError(f"{flag}: not an absolute path")
-        host = layout.host(path)
-        if not host.is_file() or host.is_symlink():
-            raise InstallError(f"{flag}: not a regular file")
-        if host.stat().st_mode & 0o007:
-            raise InstallError(f"{flag}: readable by others; chmod o-rwx it (0640, group specd)")
+        problem = key_file_problem(layout.host(path))
+        if problem is not None:
+            raise InstallError(f"{flag}: {problem}")
         keys["api_key_file"] = str(path)
     try:
         GatewaySettings.model_validate(keys)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise InstallError(f"gateway settings: {problems}") from None
+        raise _problems("gateway", exc) from None
+    return keys
+
+
+def _problems(section: str, exc: ValidationError) -> InstallError:
+    """One line per problem, each naming the setting as specd.toml spells it."""
+    lines = [
+        f"[{section}] {'.'.join(map(str, e['loc'])) or section}: "
+        + str(e["msg"]).removeprefix("Value error, ")
+        for e in exc.errors()
+    ]
+    return InstallError("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    """`specd install --etcd-endpoint URL ... --fleet-group G [--fleet-slots N]
+    [--fleet-lease-ttl-s S] [--fleet-holder-name NAME]`: what an operator sets per box; the
+    other [fleet] keys keep their defaults (or the operator's file)."""
+
+    etcd_endpoints: Sequence[str]
+    group: str
+    slots: int | None = None
+    lease_ttl_s: float | None = None
+    holder_name: str | None = None
+
+
+def fleet_keys(options: FleetOptions) -> dict[str, str | int | float | list[str]]:
+    """The ``[fleet]`` keys for the config, checked by FleetSettings itself (every problem
+    reported, one per line)."""
+    keys: dict[str, str | int | float | list[str]] = {
+        "etcd_endpoints": [u.rstrip("/") for u in options.etcd_endpoints],
+        "group": options.group,
+    }
+    if options.slots is not None:
+        keys["slots"] = options.slots
+    if options.lease_ttl_s is not None:
+        keys["lease_ttl_s"] = options.lease_ttl_s
+    if options.holder_name is not None:
+        keys["holder_name"] = options.holder_name
+    # FleetSettings takes any http(s) URL; the etcd client appends /v3/..., so a path
+    # (or query) would address nothing: install asks for the base URL, as for --gateway-url.
+    lines = []
+    for endpoint in options.etcd_endpoints:
+        try:
+            check_url(endpoint, "--etcd-endpoint")
+        except InstallError as exc:
+            lines.append(str(exc))
+    try:
+        FleetSettings.model_validate(keys)
+    except ValidationError as exc:
+        lines += str(_problems("fleet", exc)).splitlines()
+    if lines:
+        raise InstallError("\n".join(lines))
     return keys
 
 
@@ -217,6 +294,7 @@ def build_plan(
     fresh: bool = False,
     now_s: float = 0.0,
     gateway: GatewayOptions | None = None,
+    fleet: FleetOptions | None = None,
 ) -> Plan:
     """Everything install would write and run; raises InstallError for a unit it refuses.
     ``fresh``: no installation of specd is recorded here, so an override file left from an
@@ -250,12 +328,15 @@ def build_plan(
         url = sglang_url(spec.host, spec.port)
     else:
         url = check_url(url)
+    gateway_values = None if gateway is None else gateway_keys(gateway, layout)
+    fleet_values = None if fleet is None else fleet_keys(fleet)
     config_text = render_config(
         None if existing_config is None else existing_config.decode("utf-8", "replace"),
         url,
         unit,
         spec.algorithm,
-        None if gateway is None else gateway_keys(gateway, layout),
+        gateway_values,
+        fleet_values,
     )
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics),
@@ -266,7 +347,7 @@ def build_plan(
         SYSUSERS_FILE: template("sysusers"),
         CONFIG_FILE: config_text,
     }
-    plan = Plan(unit=unit, spec=spec, url=url)
+    plan = Plan(unit=unit, spec=spec, url=url, gateway=gateway_values, fleet=fleet_values)
     files, _ = configured_files(config_text)
     if fresh and layout.host(files.override_file).is_file():
         to = ARCHIVE_ROOT / f"install-{stamp(now_s)}" / files.override_file.relative_to("/")

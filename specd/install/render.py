@@ -156,8 +156,9 @@ def render_specd_service(text: str, unit: str, command: Sequence[str]) -> str:
 _TABLE_HEADER = re.compile(r"^[ \t]*\[", re.MULTILINE)
 
 
-def _set_key(text: str, path: tuple[str, ...], value: str | list[str]) -> str:
-    """``text`` with the key at ``path`` set to the string (or list of strings) ``value``;
+def _set_key(text: str, path: tuple[str, ...], value: str | int | float | list[str]) -> str:
+    """``text`` with the key at ``path`` set to ``value`` (JSON's spelling is TOML's for
+    strings, numbers and lists of strings);
     everything else kept."""
     *table, key = path
     line = f"{key} = {json.dumps(value)}"
@@ -194,16 +195,19 @@ def render_config(
     unit: str,
     algorithm: str,
     gateway: Mapping[str, str | list[str]] | None = None,
+    fleet: Mapping[str, str | int | float | list[str]] | None = None,
 ) -> str:
     """/etc/specd/specd.toml: the shipped example, or the operator's file, with SGLang's URL,
     unit and speculative algorithm (the applier writes it with each setting) set, and the
-    ``[gateway]`` keys given (checked: `gateway_settings`); everything else kept as
-    written."""
+    ``[gateway]`` and ``[fleet]`` keys given (checked: `gateway_keys`, `fleet_keys`);
+    everything else kept as written."""
     text = existing if existing is not None else template("config")
     for name, value in (("url", url), ("unit", unit), ("speculative_algorithm", algorithm)):
         text = _set_key(text, CONFIG_KEYS[name], value)
     for key, gateway_value in (gateway or {}).items():
         text = _set_key(text, ("gateway", key), gateway_value)
+    for key, fleet_value in (fleet or {}).items():
+        text = _set_key(text, ("fleet", key), fleet_value)
     return text
 
 

@@ -4,6 +4,8 @@ command-line comparison, env file vs running steps, windows against an injected 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -414,3 +416,31 @@ def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) ->
     assert check.detail.endswith("adaptive, which this server cannot run: the server's "
                                  "/server_info has not been read")  # fmt: skip
     assert "off: offered (no speculation)" in check.notes
+
+
+@pytest.mark.parametrize(
+    ("make", "detail"),
+    [
+        (lambda p: None, "not a regular file (No such file or directory)"),
+        (os.mkfifo, "not a regular file"),
+        (lambda p: p.mkdir(), "not a regular file"),
+        (lambda p: p.write_bytes(b"k" * 1_000_000), "1000000 bytes"),
+        (lambda p: p.write_bytes(b""), "0 bytes"),
+    ],
+    ids=["missing", "fifo", "directory", "huge", "empty"],
+)
+def test_gateway_check_refuses_an_unfit_key_file_without_reading_it(
+    tmp_path: Path, make: Callable[[Path], object], detail: str
+) -> None:
+    key = tmp_path / "gateway.key"
+    make(key)
+    # No gateway listens there: had doctor asked a replica, the detail would say so.
+    dead = f"http://127.0.0.1:{free_port()}"
+    found = doctor(
+        tmp_path,
+        f'[gateway]\nurls = ["{dead}"]\napi_key_file = "{key}"\nrequest_timeout_s = 1.0\n',
+    )
+    checks = found.check_gateway()
+    assert [(c.name, c.ok) for c in checks] == [("gateway api key", False)]
+    assert checks[0].detail.startswith(f"{key}: {detail}")
+    assert "--control-plane-api-keys" in checks[0].advice

@@ -49,6 +49,8 @@ ARGUMENTS: list[tuple[str, str, list[str]]] = [
     ("recommend", "--interval-s", ["recommend", "--interval-s={}"]),
     ("observe", "--timeout-s", ["observe", "--timeout-s={}"]),
     ("demo", "--duration-s", ["demo", "--duration-s={}"]),
+    ("install", "--fleet-slots", ["install", "--unit=u.service", "--fleet-slots={}"]),
+    ("install", "--fleet-lease-ttl-s", ["install", "--unit=u.service", "--fleet-lease-ttl-s={}"]),
     ("demo", "--metrics-port", ["demo", "--metrics-port={}"]),
     *(
         ("twin", flag, ["twin", f"{flag}={{}}"])

@@ -1,0 +1,84 @@
+"""Install's check that the etcd endpoints and gateway replicas it writes into specd.toml
+answer now: a typo found at install, not at the first maintenance window."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from specd.core.settings import FleetSettings, GatewaySettings
+from specd.install.layout import Layout
+from specd.io.fleet import EtcdClient, FleetUnavailable
+from specd.io.gateway import GatewayClient, GatewayUnavailable
+
+# Short: install waits on each endpoint in turn, and a down one is the case to report.
+PROBE_TIMEOUT_S = 3.0
+
+
+def probe_etcd(endpoints: Sequence[str], timeout_s: float = PROBE_TIMEOUT_S) -> list[str]:
+    """One line per etcd endpoint that does not answer its status call."""
+    problems = []
+    for endpoint in endpoints:
+        client = EtcdClient([endpoint], timeout_s)
+        try:
+            client.version()
+        except FleetUnavailable as exc:
+            problems.append(str(exc))
+        finally:
+            client.close()
+    return problems
+
+
+def probe_gateways(
+    settings: GatewaySettings,
+    worker_url: str,
+    layout: Layout,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> tuple[list[str], list[str]]:
+    """(one line per replica that does not answer GET /workers with the key, one note per
+    replica that answers but does not route this server yet)."""
+    key = None if settings.api_key_file is None else layout.host(settings.api_key_file)
+    client = GatewayClient(settings.urls, worker_url, api_key=key, timeout_s=timeout_s)
+    problems, notes = [], []
+    try:
+        for gateway in client.gateways:
+            try:
+                worker = client.find(gateway)
+            except GatewayUnavailable as exc:
+                hint = (
+                    " (is the admin key in --gateway-api-key-file one of the gateway's "
+                    "--control-plane-api-keys?)"
+                    if exc.kind in ("http_status", "api_key")
+                    else ""
+                )
+                problems.append(f"{exc}{hint}")
+                continue
+            if worker is None:
+                notes.append(
+                    f"gateway {gateway} routes no worker with url {client.worker_url} yet; "
+                    "specd drains only a worker the gateway knows (`specd doctor` checks it)"
+                )
+    finally:
+        client.close()
+    return problems, notes
+
+
+def probe_config(
+    fleet: Mapping[str, Any] | None,
+    gateway: Mapping[str, Any] | None,
+    sglang_url: str,
+    layout: Layout,
+) -> tuple[list[str], list[str]]:
+    """(problems, notes) for the [fleet] and [gateway] keys install is about to write."""
+    problems: list[str] = []
+    notes: list[str] = []
+    if fleet is not None:
+        problems += probe_etcd(FleetSettings.model_validate(fleet).etcd_endpoints)
+    if gateway is not None:
+        settings = GatewaySettings.model_validate(gateway)
+        found, notes = probe_gateways(settings, settings.worker_url or sglang_url, layout)
+        problems += found
+    return problems, notes
+
+
+__all__ = ["PROBE_TIMEOUT_S", "probe_config", "probe_etcd", "probe_gateways"]
