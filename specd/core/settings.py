@@ -540,6 +540,11 @@ class FleetSettings(BaseModel):
     @classmethod
     def _endpoints(cls, value: list[str]) -> list[str]:
         urls = [_http_url(u) for u in value]
+        for url in urls:
+            # specd adds the API's own path (/v3/...): a path here would double it.
+            parsed = urllib.parse.urlsplit(url)
+            if parsed.path or parsed.query or parsed.fragment:
+                raise ValueError(f"{url!r}: an etcd endpoint is scheme://host:port, without a path")
         if len(set(urls)) != len(urls):
             raise ValueError("each etcd endpoint may be listed once")
         return urls

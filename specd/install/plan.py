@@ -54,6 +54,7 @@ from specd.install.unit import (
     unit_environment,
 )
 from specd.io.apply import ENV_ARGS, ENV_STEPS, parse_env, render_setting_env
+from specd.io.gateway import MAX_API_KEY_FILE_BYTES
 from specd.io.runner import Runner
 
 
@@ -154,7 +155,7 @@ def check_url(url: str, flag: str = "--url") -> str:
 
 
 # An admin API key is a line; a bigger file is the wrong file.
-MAX_KEY_FILE_BYTES = 4096
+MAX_KEY_FILE_BYTES = MAX_API_KEY_FILE_BYTES
 
 
 def key_file_problem(host: Path, *, others_ok: bool = False) -> str | None:
@@ -246,8 +247,8 @@ def fleet_keys(options: FleetOptions) -> dict[str, str | int | float | list[str]
         keys["lease_ttl_s"] = options.lease_ttl_s
     if options.holder_name is not None:
         keys["holder_name"] = options.holder_name
-    # FleetSettings takes any http(s) URL; the etcd client appends /v3/..., so a path
-    # (or query) would address nothing: install asks for the base URL, as for --gateway-url.
+    # The flag's own check first, as for --gateway-url: its line names the flag, and then
+    # stands in for FleetSettings' line about the same endpoints.
     lines = []
     for endpoint in options.etcd_endpoints:
         try:
@@ -257,7 +258,12 @@ def fleet_keys(options: FleetOptions) -> dict[str, str | int | float | list[str]
     try:
         FleetSettings.model_validate(keys)
     except ValidationError as exc:
-        lines += str(_problems("fleet", exc)).splitlines()
+        settings_lines = str(_problems("fleet", exc)).splitlines()
+        if lines:
+            settings_lines = [
+                line for line in settings_lines if not line.startswith("[fleet] etcd_endpoints:")
+            ]
+        lines += settings_lines
     if lines:
         raise InstallError("\n".join(lines))
     return keys

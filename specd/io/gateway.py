@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from specd.core.settings import GatewaySettings
+from specd.io.files import FileReadError, read_text_file
 
 READY = "ready"
 DRAINING = "draining"
@@ -78,16 +79,20 @@ class Worker:
         )
 
 
+# An API key file holds one key.
+MAX_API_KEY_FILE_BYTES = 4096
+
+
 def read_api_key(path: Path | None) -> str | None:
     """The admin API key from ``path`` (None: no key); a one-line error names the file."""
     if path is None:
         return None
     try:
-        key = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise GatewayUnavailable(
-            f"gateway api key file {path}: {exc.strerror}", "api_key"
-        ) from None
+        # Bounded and regular files only: a FIFO or a huge file there must not hang or
+        # swamp the daemon. Symlinks are followed (secret mounts are symlinks).
+        key = read_text_file(path, MAX_API_KEY_FILE_BYTES, follow_symlinks=True).strip()
+    except FileReadError as exc:
+        raise GatewayUnavailable(f"gateway api key file {exc}", "api_key") from None
     if not key:
         raise GatewayUnavailable(f"gateway api key file {path}: empty", "api_key")
     return key

@@ -223,6 +223,19 @@ def test_example_passes_check_config_as_a_real_process() -> None:
         ),
         ("max_steps = \n", ["invalid TOML: Invalid value (at line 1, column 13)"]),
         ("[[windows]\n", ["invalid TOML:"]),
+        (
+            "[fleet]\netcd_endpoints = ['http://127.0.0.1:2379/v3']\ngroup = 'g'\n",
+            ["fleet.etcd_endpoints: 'http://127.0.0.1:2379/v3': an etcd endpoint is"],
+        ),
+        (
+            "[fleet]\netcd_endpoints = ['http://127.0.0.1:2379?x=1']\ngroup = 'g'\n",
+            ["fleet.etcd_endpoints: 'http://127.0.0.1:2379?x=1': an etcd endpoint is"],
+        ),
+        (
+            "[fleet]\netcd_endpoints = ['http://127.0.0.1:2379', 'http://127.0.0.1:2379/']\n"
+            "group = 'g/h'\n",
+            ["fleet.etcd_endpoints: each etcd endpoint may be listed once", "fleet.group:"],
+        ),
     ],
 )
 def test_bad_config_names_the_key(tmp_path: Path, text: str, expected: list[str]) -> None:

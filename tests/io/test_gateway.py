@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,9 +66,24 @@ def test_api_key_file_errors_name_the_file(tmp_path: Path) -> None:
     (tmp_path / "k").write_text("secret\n")
     assert read_api_key(tmp_path / "k") == "secret"
     (tmp_path / "e").write_text("\n")
-    for name in ("e", "missing"):
-        with pytest.raises(GatewayUnavailable, match=name):
+    (tmp_path / "huge").write_text("k" * 5000)
+    os.mkfifo(tmp_path / "fifo")  # nobody writes it: a plain read would block forever
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "bad").write_bytes(b"\xff\xfe")
+    cases = {
+        "e": "empty",
+        "missing": "cannot read",
+        "huge": "larger than the 4 KiB allowed",
+        "fifo": "is not a regular file",
+        "dir": "is not a regular file",
+        "bad": "is not UTF-8",
+    }
+    for name, problem in cases.items():
+        with pytest.raises(GatewayUnavailable) as err:
             read_api_key(tmp_path / name)
+        assert str(tmp_path / name) in str(err.value)
+        assert problem in str(err.value)
+        assert "\n" not in str(err.value)
     assert httpx  # the client's transport
 
 
