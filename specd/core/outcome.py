@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -374,6 +374,58 @@ def _predictor(
     except ValueError:
         return None
     return None if am.skipped else am.throughput
+
+
+# -- measured against predicted (specd recommend) ---------------------------------------
+@dataclass(frozen=True)
+class Measured:
+    """What one setting served in the history, and what the model predicts for it at the
+    same concurrencies (time-weighted), with its prediction interval."""
+
+    setting: str  # operator form ("4", "off", "adaptive:3,4")
+    key: int  # `setting_key`
+    observed_s: float  # decayed busy seconds
+    observed_tok_s: float
+    concurrencies: tuple[int, ...]  # the offered concurrencies it was seen at
+    predicted_tok_s: float | None = None  # None: the model cannot predict it
+    interval: tuple[float, float] | None = None
+
+
+def measured(
+    history: History,
+    model: PerformanceModel,
+    adaptive_sets: Sequence[SpecSetting],
+    noise_ratio: float,
+) -> tuple[Measured, ...]:
+    """Every setting with observations in ``history``: static K and off by their key, an
+    adaptive set of ``adaptive_sets`` by its config file's keys (an adaptive config that is
+    none of them is left out: nothing says which set it was)."""
+    sets = {k: s for s in adaptive_sets if s.kind == "adaptive" for k in observed_keys(s)}
+    groups: dict[int, tuple[SpecSetting | None, dict[int, tuple[float, float]]]] = {}
+    for (k, c), (tok_s, weight) in history.throughput_table().items():
+        if c <= 0 or weight <= 0:
+            continue
+        found = sets.get(k) if k < 0 else None
+        if k < 0 and found is None:
+            continue
+        key = setting_key(found) if found is not None else k
+        cells = groups.setdefault(key, (found, {}))[1]
+        w0, ws0 = cells.get(c, (0.0, 0.0))
+        cells[c] = (w0 + weight, ws0 + weight * tok_s)
+    out: list[Measured] = []
+    for key, (found, cells) in sorted(groups.items(), key=lambda item: (item[0] < 0, abs(item[0]))):
+        total = sum(w for w, _ in cells.values())
+        served = sum(ws for _, ws in cells.values()) / total
+        row = Measured(_label(key, found), key, total, served, tuple(sorted(cells)))
+        predict = _predictor(model, key, found)
+        if predict is not None:
+            predicted = sum(w * predict(float(c)) for c, (w, _) in cells.items()) / total
+            steps = found.candidates if found is not None else (key,)
+            half = EVIDENCE_Z * max(model.relative_error(k, noise_ratio) for k in steps)
+            interval = (max(predicted * (1 - half), 0.0), predicted * (1 + half))
+            row = replace(row, predicted_tok_s=predicted, interval=interval)
+        out.append(row)
+    return tuple(out)
 
 
 # -- the avoid list -----------------------------------------------------------------------
