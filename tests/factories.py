@@ -110,12 +110,16 @@ def serve(
     offered: int,
     tok_s: float,
     scrape_s: float = 60.0,
+    *,
+    adaptive_config: str | None = None,
 ) -> Observation:
     """Record SGLang at ``steps`` serving ``tok_s`` with ``offered`` requests from ``start``
     to ``until``, one scrape every ``scrape_s`` (decode counter from 0, as after a
-    restart); returns the last scrape."""
+    restart); returns the last scrape. With ``adaptive_config``, SGLang runs its adaptive
+    mode from that file (``steps``: the tier its gauge shows)."""
     served, t = 0.0, start
-    last = make_observation(t, running=offered, steps=steps)
+    adaptive = {"adaptive": True, "adaptive_config": adaptive_config} if adaptive_config else {}
+    last = make_observation(t, running=offered, steps=steps, **adaptive)
     while t <= until:
         last = make_observation(
             t,
@@ -124,6 +128,7 @@ def serve(
             max_running_requests=64,
             decode_tokens_total=served,
             generation_tokens_total=served,
+            **adaptive,
         )
         history.record(last)
         served += tok_s * scrape_s

@@ -18,8 +18,10 @@ from typing import Any
 from specd.commands.args import Int, Seconds
 from specd.commands.check_config import load_for_command
 from specd.core.history import History, HistorySettings
+from specd.core.model import PerformanceModel
 from specd.core.observation import Observation, ScrapeError
-from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
+from specd.core.outcome import Measured, measured
+from specd.core.setting import SpecSetting, format_setting, parse, traits_from_server_info
 from specd.core.step import StepContext, step
 from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
@@ -63,6 +65,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _text(setting: SpecSetting | None, steps: int) -> str:
     return format_setting(setting) if setting is not None else str(steps)
+
+
+def _measured_json(row: Measured) -> dict[str, Any]:
+    return {
+        "setting": row.setting,
+        "observed_s": row.observed_s,
+        "observed_tok_s": row.observed_tok_s,
+        "concurrencies": list(row.concurrencies),
+        "predicted_tok_s": row.predicted_tok_s,
+        "interval": None if row.interval is None else list(row.interval),
+    }
+
+
+def _measured_text(row: Measured) -> str:
+    seen = ",".join(str(c) for c in row.concurrencies[:8]) + (
+        ",…" if len(row.concurrencies) > 8 else ""
+    )
+    hours = row.observed_s / 3600
+    text = f"{row.setting}: {row.observed_tok_s:.0f} tok/s over {hours:.1f} h at {seen}"
+    if row.predicted_tok_s is None or row.interval is None:
+        return text + " (no prediction)"
+    low, high = row.interval
+    return text + f", predicted {row.predicted_tok_s:.0f} ({low:.0f}–{high:.0f})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +137,16 @@ def run(args: argparse.Namespace) -> int:
     )
     outcome = step(context, last, now)
     current, rec, decision = outcome.current, outcome.pick, outcome.decision
+    # Measured against predicted per setting, with the model of the decision when it made
+    # one (the decision above is the daemon's own; this only shows what it stood on).
+    plan = rec.plan if rec is not None else None
+    model = (
+        plan.model
+        if plan is not None and plan.model is not None
+        else PerformanceModel(calibration, history)
+    )
+    sets = [parse(text) for text in config.choose.adaptive_candidate_sets]
+    rows = measured(history, model, sets, config.choose.calibration_noise_ratio)
     out: dict[str, Any] = {
         "url": args.url,
         "history": source,
@@ -133,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             "message": decision.message,
             "would_restart": outcome.acts,
         },
+        "measured": [_measured_json(row) for row in rows],
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -155,5 +191,7 @@ def run(args: argparse.Namespace) -> int:
         f"decision       {decision.reason.value}: target {decision.target_steps} — "
         f"{decision.message}"
     )
+    for row in rows:
+        print(f"measured       {_measured_text(row)}")
     print("would restart  " + ("yes" if outcome.acts else "no") + " (nothing changed)")
     return 0

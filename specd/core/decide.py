@@ -24,7 +24,13 @@ from specd.core import windows
 from specd.core.explore import WEEK_S
 from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
-from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config, setting_key
+from specd.core.setting import (
+    SpecSetting,
+    format_setting,
+    off,
+    runs_adaptive_config,
+    setting_key,
+)
 from specd.core.text import duration_text as _duration
 
 if TYPE_CHECKING:
@@ -564,6 +570,8 @@ def _decide(
             "needed; "
             f"{_holding(current)}",
         )
+    if verdict is not None and verdict.regressed and verdict.to_setting is not None:
+        return _back_from_adaptive(config, at, now, control, restart_needs_s, pick, verdict)
     back = None if verdict is None else clamp(verdict.from_steps, config)
     if (
         verdict is not None
@@ -628,6 +636,36 @@ def _decide(
     if blocked is not None:
         return Decision(target, blocked[0], f"{why}; {blocked[1]}", chosen)
     return Decision(target, Reason.CHANGE, f"{why}: {change}", chosen)
+
+
+def _back_from_adaptive(
+    config: Settings,
+    at: datetime,
+    now: float,
+    control: Control,
+    restart_needs_s: float,
+    pick: Pick | None,
+    verdict: Verdict,
+) -> Decision:
+    """Going back from a live adaptive set that regressed: to the policy's pick when it
+    leaves the set (it is on the avoid list by now), else to the setting before it."""
+    assert verdict.to_setting is not None
+    by = ""
+    if pick is not None and pick.key != verdict.to_steps:
+        chosen, steps, by = pick.chosen, pick.steps, " (the policy's pick)"
+    elif verdict.from_setting is not None:
+        chosen, steps = verdict.from_setting, verdict.from_steps
+    elif verdict.from_steps == 0:
+        chosen, steps = off(), 0
+    else:
+        chosen, steps = None, clamp(verdict.from_steps, config)
+    target = None if chosen is not None and chosen.kind == "adaptive" else steps
+    shown = format_setting(chosen) if chosen is not None else str(steps)
+    change = f"going back {format_setting(verdict.to_setting)} → {shown}{by}"
+    blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
+    if blocked is not None:
+        return Decision(target, blocked[0], f"{verdict.why}; {blocked[1]}", chosen)
+    return Decision(target, Reason.REGRESSION, f"{verdict.why}: {change}", chosen)
 
 
 def _change_blocks(

@@ -34,6 +34,7 @@ from specd.core.observation import (
     impossible_fields,
     without_impossible,
 )
+from specd.core.setting import config_key
 
 if TYPE_CHECKING:
     from specd.core.observation import Observation
@@ -216,7 +217,14 @@ def _int_key(value: Any) -> int:
 def _pair_key(value: Any) -> tuple[int, int]:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"expected a [steps, concurrency] key, got {value!r:.40}")
-    return _int_key(value[0]), _int_key(value[1])
+    return _setting_key(value[0]), _int_key(value[1])
+
+
+def _setting_key(value: Any) -> int:
+    # A step count, or an adaptive set's `config_key` (negative, 48 bits).
+    if isinstance(value, bool) or not isinstance(value, int) or value < -(2**48):
+        raise ValueError(f"expected a step count or an adaptive set's key, got {value!r:.40}")
+    return value
 
 
 def _weighted_quantile(weights: Iterable[tuple[int, float]], q: float) -> float | None:
@@ -336,10 +344,14 @@ class History:
         # The reader rejects what SGLang cannot produce; replay and tools build
         # observations too, and what is learned lasts weeks: check again here.
         obs = without_impossible(obs)
+        # What an adaptive set serves is recorded under its config file's key: one setting.
+        adaptive_key = None
         if obs.adaptive:
             # The steps gauge follows SGLang's own tier changes: neither a restart nor
             # evidence about a static step count (whose capacity would differ).
             obs = replace(obs, steps=None)
+            if obs.adaptive_config:
+                adaptive_key = config_key(obs.adaptive_config)
         restarted = self._detect_restart(obs)
         if restarted:
             self.sglang_started_at = t
@@ -376,11 +388,14 @@ class History:
         kind.add(offered, t, dt)
 
         steps = obs.steps
+        if steps is not None:
+            length = obs.accept_length
+            if obs.spec_fresh and length is not None and math.isfinite(length) and length >= 1.0:
+                self._accept.add(steps, t, dt, dt * length)
+        else:
+            steps = adaptive_key
         if steps is None:
             return Recorded.COUNTED
-        length = obs.accept_length
-        if obs.spec_fresh and length is not None and math.isfinite(length) and length >= 1.0:
-            self._accept.add(steps, t, dt, dt * length)
         if offered > 0:
             throughput = self._throughput_of(obs, prev_decode, raw_dt)
             if throughput is not None:
@@ -471,7 +486,8 @@ class History:
         return cell[1] / cell[0]
 
     def throughput_table(self) -> dict[tuple[int, int], tuple[float, float]]:
-        """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence)."""
+        """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence); an adaptive
+        set's cells are keyed by its `specd.core.setting.config_key` (negative)."""
         scale = self._throughput.scale_at(self._at())
         return {
             key: (cell[1] / cell[0], cell[0] * scale)

@@ -608,22 +608,32 @@ def plan(
     if forecast is None:
         return None
     model = PerformanceModel(calibration, history)
-    skipped = {
-        k: why
-        for k, why in (avoid(forecast.weights) if avoid is not None else {}).items()
-        if k != current and config.choose.min_steps <= k <= config.choose.max_steps
-    }
     offered = (
         offer.settings
         if offer is not None
         else tuple(static(k) for k in range(config.choose.min_steps, config.choose.max_steps + 1))
     )
+    if live_adaptive_config is not None:
+        current = next(
+            (
+                setting_key(s)
+                for s in offered
+                if s.kind == "adaptive" and runs_adaptive_config(s, live_adaptive_config)
+            ),
+            None,
+        )
+    # An avoided adaptive set is skipped by its key (negative), as a step count is.
+    skipped = {
+        k: why
+        for k, why in (avoid(forecast.weights) if avoid is not None else {}).items()
+        if k != current and (k < 0 or config.choose.min_steps <= k <= config.choose.max_steps)
+    }
     candidates = [
         s.max_steps
         for s in offered
         if s.kind != "adaptive" and model.can_predict(s.max_steps) and s.max_steps not in skipped
     ]
-    adaptives = [s for s in offered if s.kind == "adaptive"]
+    adaptives = [s for s in offered if s.kind == "adaptive" and setting_key(s) not in skipped]
     settings: dict[int, SpecSetting] = {0: off()} if 0 in candidates else {}
     reads = {k for s in adaptives for k in adaptive_slots(s).candidates() if model.can_predict(k)}
     if not candidates and not adaptives:
@@ -632,11 +642,6 @@ def plan(
     predictions: dict[int, StepPrediction] = {}
     weights = fold_above(forecast.weights, model.saturation(sorted({*candidates, *reads})))
     noise = config.choose.calibration_noise_ratio
-    if live_adaptive_config is not None:
-        current = next(
-            (setting_key(s) for s in adaptives if runs_adaptive_config(s, live_adaptive_config)),
-            None,
-        )
     for k in candidates:
         source = model.source(k) or Source.EXTRAPOLATED
         tok_s = model.rate(k, weights)

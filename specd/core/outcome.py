@@ -29,6 +29,12 @@ under (the total variation distance of the concurrency mix beyond
 and budget rules; a pin or a freeze wins); for other traffic (the night's batch jobs after
 a day's change) the policy decides.
 
+Every kind of setting is verified alike: ``from_steps``/``to_steps`` are setting keys
+(`specd.core.setting.setting_key`: K, 0 for off, negative for an adaptive set), and an
+adaptive set's cells are the history's under its config file's key
+(`specd.core.setting.observed_keys`), whatever tier `sglang:spec_num_steps` shows; the
+old adaptive set's prediction is the model's (`specd.core.adaptive.AdaptiveModel`).
+
 Pure: no hidden state besides the snapshot and the avoid list, both values; time is the
 history's or ``now``.
 """
@@ -36,15 +42,30 @@ history's or ``now``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
+from specd.core.adaptive import AdaptiveModel
 from specd.core.history import DecayingSums
-from specd.core.model import EVIDENCE_Z, OBSERVED_PIVOT_S, Calibration, PerformanceModel
+from specd.core.model import (
+    EVIDENCE_Z,
+    OBSERVED_PIVOT_S,
+    Calibration,
+    PerformanceModel,
+    adaptive_slots,
+)
 from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, MAX_TOKENS_PER_S
+from specd.core.setting import (
+    SpecSetting,
+    format_setting,
+    observed_keys,
+    parse,
+    runs_adaptive_config,
+    setting_key,
+)
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -54,6 +75,19 @@ if TYPE_CHECKING:
 _MIN_CELL_S = 1e-6
 # Mix entries below this share are not kept in the avoid list (bounded state).
 _MIN_MIX_SHARE = 1e-3
+
+
+def _keys(key: int, setting: SpecSetting | None) -> tuple[int, ...]:
+    """The history keys of the setting ``key`` (``setting``: the adaptive set it is)."""
+    return observed_keys(setting) if setting is not None else (key,)
+
+
+def _label(key: int, setting: SpecSetting | None) -> str:
+    return format_setting(setting) if setting is not None else ("off" if key == 0 else str(key))
+
+
+def _adaptive(setting: SpecSetting | None) -> SpecSetting | None:
+    return setting if setting is not None and setting.kind == "adaptive" else None
 
 
 def _stamp(t: float) -> str:
@@ -76,6 +110,9 @@ class ChangeSnapshot:
     predicted_gain_ratio: float | None = None
     # When the verification lapses (`verification_end`); None: never.
     until: float | None = None
+    # The adaptive sets of from_steps / to_steps (their setting keys); None: static K or off.
+    from_setting: SpecSetting | None = None
+    to_setting: SpecSetting | None = None
 
     def lapsed(self, now: float) -> bool:
         return self.until is not None and now >= self.until
@@ -91,6 +128,9 @@ class Avoided:
     mix: tuple[tuple[int, float], ...]
     shortfall_ratio: float  # how much less it served than the old step count
     from_steps: int  # the step count it was compared with
+    # The adaptive set ``steps`` keys (None: a static K or off), for naming it.
+    setting: SpecSetting | None = None
+    from_setting: SpecSetting | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +149,9 @@ class Verdict:
     regressed: bool
     why: str
     mix: tuple[tuple[int, float], ...]  # the concurrency mix seen since the change
+    # The adaptive sets of from_steps / to_steps; None: static K or off.
+    from_setting: SpecSetting | None = None
+    to_setting: SpecSetting | None = None
 
     @property
     def shortfall_ratio(self) -> float:
@@ -137,18 +180,33 @@ def snapshot(
     to_steps: int,
     predicted_gain_ratio: float | None = None,
     until: float | None = None,
+    from_setting: SpecSetting | None = None,
+    to_setting: SpecSetting | None = None,
 ) -> ChangeSnapshot:
-    """The snapshot of a change from ``from_steps`` to ``to_steps`` made now (the
-    history's latest observation), verified until ``until``."""
+    """The snapshot of a change from ``from_steps`` to ``to_steps`` (setting keys; an
+    adaptive set given as ``from_setting`` / ``to_setting``) made now (the history's
+    latest observation), verified until ``until``."""
     t = history.last_t if history.last_t is not None else 0.0
+    from_setting, to_setting = _adaptive(from_setting), _adaptive(to_setting)
     cells = tuple(
-        sorted(
-            (c, weight, weight * tok_s)
-            for (k, c), (tok_s, weight) in history.throughput_table().items()
-            if k == to_steps and c > 0
-        )
+        sorted((c, w, ws) for c, (w, ws) in _cells(history, to_steps, to_setting).items())
     )
-    return ChangeSnapshot(t, from_steps, to_steps, cells, predicted_gain_ratio, until)
+    return ChangeSnapshot(
+        t, from_steps, to_steps, cells, predicted_gain_ratio, until, from_setting, to_setting
+    )
+
+
+def _cells(
+    history: History, key: int, setting: SpecSetting | None
+) -> dict[int, tuple[float, float]]:
+    """Offered concurrency → (decayed seconds, decayed seconds × tok/s) of a setting."""
+    keys = _keys(key, setting)
+    out: dict[int, tuple[float, float]] = {}
+    for (k, c), (tok_s, weight) in history.throughput_table().items():
+        if k in keys and c > 0:
+            w0, ws0 = out.get(c, (0.0, 0.0))
+            out[c] = (w0 + weight, ws0 + weight * tok_s)
+    return out
 
 
 def since_change(snap: ChangeSnapshot, history: History) -> dict[int, tuple[float, float]]:
@@ -159,14 +217,12 @@ def since_change(snap: ChangeSnapshot, history: History) -> dict[int, tuple[floa
     decay = DecayingSums[int](history.settings.half_life_s, snap.t).scale_at(at)
     before = {c: (w * decay, ws * decay) for c, w, ws in snap.cells}
     out: dict[int, tuple[float, float]] = {}
-    for (k, c), (tok_s, weight) in history.throughput_table().items():
-        if k != snap.to_steps or c <= 0:
-            continue
+    for c, (weight, weighted) in _cells(history, snap.to_steps, snap.to_setting).items():
         w0, ws0 = before.get(c, (0.0, 0.0))
         w = weight - w0
         if w <= _MIN_CELL_S:
             continue
-        out[c] = (w, max(weight * tok_s - ws0, 0.0) / w)
+        out[c] = (w, max(weighted - ws0, 0.0) / w)
     return out
 
 
@@ -204,14 +260,22 @@ def verdict(
     calibration: Calibration | None = None,
     coming: Mapping[int, float] | None = None,
     model: PerformanceModel | None = None,
+    live_config: str | None = None,
 ) -> Verdict | None:
     """The outcome of ``snap`` while its new step count is live; None when there is no
     change to verify, its verification lapsed, it is not live, or nothing comparable was
     seen since. A shortfall beyond noise is a regression to go back from only while the
     ``coming`` traffic (the concurrency mix the policy expects; None: the same) is like the
     traffic it was seen under (``regression_lift_mix_ratio``). ``model``: the policy's
-    `PerformanceModel` of this tick (of ``calibration`` and ``history``), else built here."""
-    if snap is None or current is None or current != snap.to_steps:
+    `PerformanceModel` of this tick (of ``calibration`` and ``history``), else built here.
+    ``current``: the static K live (0: off; None under SGLang's adaptive mode, reading the
+    config file ``live_config``)."""
+    if snap is None:
+        return None
+    if snap.to_setting is not None:
+        if current is not None or not runs_adaptive_config(snap.to_setting, live_config):
+            return None
+    elif current is None or current != snap.to_steps:
         return None
     if history.last_t is not None and snap.lapsed(history.last_t):
         return None
@@ -222,15 +286,15 @@ def verdict(
         model = PerformanceModel(calibration, history)
     old = snap.from_steps
     old_observed = {
-        c: (tok_s, w) for (k, c), (tok_s, w) in history.throughput_table().items() if k == old
+        c: (ws / w, w) for c, (w, ws) in _cells(history, old, snap.from_setting).items() if w > 0
     }
-    can_predict = model.can_predict(old)
+    predict = _predictor(model, old, snap.from_setting)
     total_w = served = baseline = 0.0
     mix: dict[int, float] = {}
     for c, (w, tok_s) in seen.items():
         obs_tok_s, obs_w = old_observed.get(c, (0.0, 0.0))
-        if can_predict:
-            predicted = model.throughput(old, float(c))
+        if predict is not None:
+            predicted = predict(float(c))
             # The old step count's own mean at c, trusted as its evidence there grows.
             base = (obs_w * obs_tok_s + OBSERVED_PIVOT_S * predicted) / (obs_w + OBSERVED_PIVOT_S)
         elif obs_w > 0:
@@ -255,7 +319,8 @@ def verdict(
     beyond_noise = total_w >= needed and baseline - served > max(margin, floor)
     moved = 0.0 if coming is None else mix_distance(coming, mix)
     regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
-    change = f"{old} → {snap.to_steps} at {_stamp(snap.t)}"
+    old_label, new_label = _label(old, snap.from_setting), _label(snap.to_steps, snap.to_setting)
+    change = f"{old_label} → {new_label} at {_stamp(snap.t)}"
     diff = served / baseline - 1.0
     expected = (
         ""
@@ -263,9 +328,9 @@ def verdict(
         else f", predicted {snap.predicted_gain_ratio * 100:+.1f}%"
     )
     measured = (
-        f"{snap.to_steps} served {served:.0f} tok/s over {total_w / 3600:.1f} h since, "
-        f"{old} serves {baseline:.0f} at the same concurrencies ({diff * 100:+.1f}%, interval "
-        f"±{margin / baseline * 100:.1f}%{expected})"
+        f"{new_label} served {served:.0f} tok/s over {total_w / 3600:.1f} h since, "
+        f"{old_label} serves {baseline:.0f} at the same concurrencies "
+        f"({diff * 100:+.1f}%, interval ±{margin / baseline * 100:.1f}%{expected})"
     )
     if regressed:
         why = f"outcome of {change}: regression, {measured}"
@@ -290,13 +355,91 @@ def verdict(
         regressed,
         why,
         _normalized_mix(mix),
+        snap.from_setting,
+        snap.to_setting,
     )
+
+
+def _predictor(
+    model: PerformanceModel, key: int, setting: SpecSetting | None
+) -> Callable[[float], float] | None:
+    """The model's tok/s of a setting by offered concurrency; None when it cannot predict
+    it (an adaptive set: every candidate, as `specd.core.model.plan` predicts it)."""
+    if setting is None:
+        if not model.can_predict(key):
+            return None
+        return lambda c: model.throughput(key, c)
+    try:
+        am = AdaptiveModel.of(adaptive_slots(setting), model)
+    except ValueError:
+        return None
+    return None if am.skipped else am.throughput
+
+
+# -- measured against predicted (specd recommend) ---------------------------------------
+@dataclass(frozen=True)
+class Measured:
+    """What one setting served in the history, and what the model predicts for it at the
+    same concurrencies (time-weighted), with its prediction interval."""
+
+    setting: str  # operator form ("4", "off", "adaptive:3,4")
+    key: int  # `setting_key`
+    observed_s: float  # decayed busy seconds
+    observed_tok_s: float
+    concurrencies: tuple[int, ...]  # the offered concurrencies it was seen at
+    predicted_tok_s: float | None = None  # None: the model cannot predict it
+    interval: tuple[float, float] | None = None
+
+
+def measured(
+    history: History,
+    model: PerformanceModel,
+    adaptive_sets: Sequence[SpecSetting],
+    noise_ratio: float,
+) -> tuple[Measured, ...]:
+    """Every setting with observations in ``history``: static K and off by their key, an
+    adaptive set of ``adaptive_sets`` by its config file's keys (an adaptive config that is
+    none of them is left out: nothing says which set it was)."""
+    sets = {k: s for s in adaptive_sets if s.kind == "adaptive" for k in observed_keys(s)}
+    groups: dict[int, tuple[SpecSetting | None, dict[int, tuple[float, float]]]] = {}
+    for (k, c), (tok_s, weight) in history.throughput_table().items():
+        if c <= 0 or weight <= 0:
+            continue
+        found = sets.get(k) if k < 0 else None
+        if k < 0 and found is None:
+            continue
+        key = setting_key(found) if found is not None else k
+        cells = groups.setdefault(key, (found, {}))[1]
+        w0, ws0 = cells.get(c, (0.0, 0.0))
+        cells[c] = (w0 + weight, ws0 + weight * tok_s)
+    out: list[Measured] = []
+    for key, (found, cells) in sorted(groups.items(), key=lambda item: (item[0] < 0, abs(item[0]))):
+        total = sum(w for w, _ in cells.values())
+        served = sum(ws for _, ws in cells.values()) / total
+        row = Measured(_label(key, found), key, total, served, tuple(sorted(cells)))
+        predict = _predictor(model, key, found)
+        if predict is not None:
+            predicted = sum(w * predict(float(c)) for c, (w, _) in cells.items()) / total
+            steps = found.candidates if found is not None else (key,)
+            half = EVIDENCE_Z * max(model.relative_error(k, noise_ratio) for k in steps)
+            interval = (max(predicted * (1 - half), 0.0), predicted * (1 + half))
+            row = replace(row, predicted_tok_s=predicted, interval=interval)
+        out.append(row)
+    return tuple(out)
 
 
 # -- the avoid list -----------------------------------------------------------------------
 def avoid_entry(found: Verdict, now: float) -> Avoided:
     """The avoid-list entry of a regression specd goes back from at ``now``."""
-    return Avoided(found.to_steps, now, found.mix, found.shortfall_ratio, found.from_steps)
+    return Avoided(
+        found.to_steps,
+        now,
+        found.mix,
+        found.shortfall_ratio,
+        found.from_steps,
+        found.to_setting,
+        found.from_setting,
+    )
 
 
 def with_avoided(
@@ -326,7 +469,8 @@ def avoided(
         if mix_distance(mix, dict(e.mix)) > lift:
             continue
         out[e.steps] = (
-            f"{e.steps} served {e.shortfall_ratio * 100:.1f}% less than {e.from_steps} "
+            f"{_label(e.steps, e.setting)} served {e.shortfall_ratio * 100:.1f}% less than "
+            f"{_label(e.from_steps, e.from_setting)} "
             f"(went back {_stamp(e.t)})"
         )
     return out
@@ -334,9 +478,31 @@ def avoided(
 
 # -- persistence (state.json) -------------------------------------------------------------
 def _steps(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEPS:
-        raise ValueError(f"{name}: expected a step count 1..{MAX_STEPS}, got {value!r:.40}")
+    # A setting key: K, 0 (off) or an adaptive set's (negative, 48 bits; `setting_key`).
+    if isinstance(value, bool) or not isinstance(value, int) or not -(2**48) <= value <= MAX_STEPS:
+        raise ValueError(
+            f"{name}: expected a setting (step count 0..{MAX_STEPS}), got {value!r:.40}"
+        )
     return value
+
+
+def _setting_of(data: dict[str, Any], name: str, key: int) -> SpecSetting | None:
+    """The adaptive set stored as ``name`` for setting key ``key``; None for K or off."""
+    text = data.get(name)
+    if text is None:
+        if key < 0:
+            raise ValueError(f"{name}: the adaptive set of key {key} is missing")
+        return None
+    if not isinstance(text, str):
+        raise ValueError(f"{name}: expected an adaptive setting such as 'adaptive:3,4'")
+    setting = parse(text)
+    if setting.kind != "adaptive" or setting_key(setting) != key:
+        raise ValueError(f"{name}: {text!r:.60} is not the adaptive set of key {key}")
+    return setting
+
+
+def _setting_text(setting: SpecSetting | None) -> str | None:
+    return None if setting is None else format_setting(setting)
 
 
 def _number(value: Any, name: str) -> float:
@@ -372,6 +538,8 @@ def snapshot_to_dict(snap: ChangeSnapshot, half_life_s: float) -> dict[str, Any]
         "predicted_gain_ratio": snap.predicted_gain_ratio,
         "until": snap.until,
         "cells": table.to_dict(snap.t, int),
+        "from_setting": _setting_text(snap.from_setting),
+        "to_setting": _setting_text(snap.to_setting),
     }
 
 
@@ -399,13 +567,17 @@ def snapshot_from_dict(
             dropped=dropped,
             where="verifying.cells",
         )
+        from_setting = _setting_of(data, "from_setting", from_steps)
+        to_setting = _setting_of(data, "to_setting", to_steps)
     except ValueError as exc:
         raise ValueError(f"verifying: {exc}") from None
     if from_steps == to_steps:
         raise ValueError(f"verifying: from_steps and to_steps are both {to_steps}")
     scale = table.scale_at(t)
     cells = tuple(sorted((c, w * scale, ws * scale) for c, (w, ws) in table.cells.items()))
-    return ChangeSnapshot(t, from_steps, to_steps, cells, gain_ratio, until_t)
+    return ChangeSnapshot(
+        t, from_steps, to_steps, cells, gain_ratio, until_t, from_setting, to_setting
+    )
 
 
 def avoided_to_dict(entry: Avoided) -> dict[str, Any]:
@@ -415,6 +587,8 @@ def avoided_to_dict(entry: Avoided) -> dict[str, Any]:
         "from_steps": entry.from_steps,
         "shortfall_ratio": entry.shortfall_ratio,
         "mix": [[c, share] for c, share in entry.mix],
+        "setting": _setting_text(entry.setting),
+        "from_setting": _setting_text(entry.from_setting),
     }
 
 
@@ -438,12 +612,16 @@ def avoided_from_dict(index: int, data: Any) -> Avoided:
         shortfall = _number(data.get("shortfall_ratio"), "shortfall_ratio")
         if not -1 <= shortfall <= 1:
             raise ValueError(f"shortfall_ratio: {shortfall:.6g} is not in [-1, 1]")
+        steps = _steps(data.get("steps"), "steps")
+        from_steps = _steps(data.get("from_steps"), "from_steps")
         return Avoided(
-            steps=_steps(data.get("steps"), "steps"),
+            steps=steps,
             t=_number(data.get("t"), "t"),
             mix=tuple(sorted(shares)),
             shortfall_ratio=shortfall,
-            from_steps=_steps(data.get("from_steps"), "from_steps"),
+            from_steps=from_steps,
+            setting=_setting_of(data, "setting", steps),
+            from_setting=_setting_of(data, "from_setting", from_steps),
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None

@@ -251,6 +251,27 @@ def adaptive_config_name(setting: SpecSetting, *, slots_supported: bool = True) 
     return f"adaptive-{digest}.json"
 
 
+def config_key(config_path: str) -> int:
+    """The key under which the history records what an adaptive server reading
+    ``config_path`` serves: a negative int fixed by the file's name (specd names the files it
+    writes by their content, `adaptive_config_name`), so one adaptive set is one setting
+    however `sglang:spec_num_steps` moves among its candidates."""
+    name = config_path.rstrip("/").rsplit("/", 1)[-1]
+    digest = hashlib.sha256(name.encode()).hexdigest()
+    return -1 - int(digest[:12], 16)
+
+
+def observed_keys(setting: SpecSetting) -> tuple[int, ...]:
+    """The history keys of what ``setting`` served: its K (0: off); an adaptive set's
+    `config_key` of each file name it may run under (with and without per-batch slots)."""
+    if setting.kind != "adaptive":
+        return (setting.max_steps,)
+    names = [adaptive_config_name(setting)]
+    if not setting.slots:
+        names.append(adaptive_config_name(setting, slots_supported=False))
+    return tuple(config_key(n) for n in names)
+
+
 def sglang_args(
     setting: SpecSetting, *, algorithm: str, config_path: str | None = None
 ) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from specd.core.choices import offer
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration, Plan, restart_cost_s
 from specd.core.observation import Observation, ScrapeError
+from specd.core.setting import SpecSetting, runs_adaptive_config, setting_key
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -111,13 +112,14 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         avoided=outcome.current_entries(ctx.control.avoided, now, config),
     )
     avoid = functools.partial(outcome.avoided, control.avoided, now, config)
+    offered = offer(config.choose, ctx.traits)
     pick = choose(
         ctx.history,
         config,
         current,
         ctx.calibration,
         avoid,
-        offer=offer(config.choose, ctx.traits),
+        offer=offered,
         live_adaptive_config=control.live_adaptive_config,
     )
     if pick is not None and ctx.calibration_problem:
@@ -125,7 +127,14 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     coming = pick.mix if pick is not None else ctx.history.offered_weights()
     model = pick.plan.model if pick is not None and pick.plan is not None else None
     verdict = outcome.verdict(
-        control.verifying, ctx.history, config, current, ctx.calibration, coming, model
+        control.verifying,
+        ctx.history,
+        config,
+        current,
+        ctx.calibration,
+        coming,
+        model,
+        control.live_adaptive_config,
     )
     if verdict is not None and verdict.beyond_noise:
         # Remembered as soon as it is found, for whatever traffic it regressed under.
@@ -174,7 +183,20 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         assert decision.target_steps is not None
         control = control.with_exploration(now, decision.target_steps)
     if acts:
-        control = _after_acting(control, decision, current, pick, ctx, now)
+        live = current
+        live_set = None
+        if control.live_adaptive:
+            # The adaptive set live, as the plan keys it: the offered one its config names.
+            live_set = next(
+                (
+                    s
+                    for s in offered.settings
+                    if runs_adaptive_config(s, control.live_adaptive_config)
+                ),
+                None,
+            )
+            live = None if live_set is None else setting_key(live_set)
+        control = _after_acting(control, decision, live, live_set, pick, ctx, now)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
     return StepResult(decision, current, pick, control, predictions, intervals, verdict)
@@ -184,14 +206,16 @@ def _after_acting(
     control: Control,
     decision: Decision,
     current: int | None,
+    current_setting: SpecSetting | None,
     pick: Pick | None,
     ctx: StepContext,
     now: float,
 ) -> Control:
     """The control state once ``decision`` acts: a policy change is to be verified; any
     other change (going back from a regression, a pin, ...) is no change of specd's to
-    verify."""
-    target = decision.target_steps
+    verify. ``current``: the setting key live (``current_setting``: its adaptive set)."""
+    chosen = decision.setting
+    target = setting_key(chosen) if chosen is not None else decision.target_steps
     if decision.reason is Reason.CHANGE and current is not None and target is not None:
         gain = None
         if (
@@ -200,8 +224,13 @@ def _after_acting(
             and target in pick.predictions
         ):
             gain = pick.predictions[target] / pick.predictions[current] - 1.0
+        elif pick is not None and pick.plan is not None:
+            # Adaptive sets are predicted in the plan only (keyed alike).
+            held, new = pick.plan.predictions.get(current), pick.plan.predictions.get(target)
+            if held is not None and new is not None and held.tok_s > 0:
+                gain = new.tok_s / held.tok_s - 1.0
         until = outcome.verification_end(ctx.config, now)
-        snap = outcome.snapshot(ctx.history, current, target, gain, until)
+        snap = outcome.snapshot(ctx.history, current, target, gain, until, current_setting, chosen)
         return replace(control, verifying=snap)
     return replace(control, verifying=None)
 

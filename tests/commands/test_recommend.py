@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from factories import make_observation
+from factories import make_observation, serve
 
 from specd.core.history import History, HistorySettings
+from specd.core.setting import adaptive, adaptive_config_name
 from specd.io.config import load_config
 from specd.io.state import State, StateStore
 from specd.twin.process import TwinProcess
@@ -50,13 +51,13 @@ ALL_DAY = ("0 0 0 * * *", 86399)
 NEVER = ("0 0 0 29 2 *", 3600)  # 29 February only
 
 
-def write_config(tmp: Path, window: tuple[str, int]) -> Path:
+def write_config(tmp: Path, window: tuple[str, int], choose: str = "") -> Path:
     cfg = tmp / "specd.toml"
     cfg.write_text(
         f'[files]\nstate_dir = "{tmp / "state"}"\n'
         f'override_file = "{tmp / "override.toml"}"\n'
         f'[sglang]\nenv_file = "{tmp / "sglang.env"}"\n'
-        "[choose]\nstabilization_window_s = 0\n"
+        f"[choose]\nstabilization_window_s = 0\n{choose}"
         f'[[windows]]\ncron = "{window[0]}"\nduration_s = {window[1]}\ntimezone = "UTC"\n'
     )
     return cfg
@@ -121,3 +122,31 @@ def test_recommend_against_a_dead_server_says_why(tmp_path: Path) -> None:
     assert out["decision"]["reason"] == "no_data"
     assert out["decision"]["would_restart"] is False
     assert "refused" in out["scrape_error"].lower() or out["scrape_error"]
+
+
+def test_recommend_shows_each_setting_measured_against_its_prediction(
+    tmp_path: Path, twin: TwinProcess
+) -> None:
+    choose = 'kinds = ["static", "adaptive"]\nadaptive_candidate_sets = ["adaptive:3,4"]\n'
+    cfg = write_config(tmp_path, NEVER, choose)
+    settings = HistorySettings.from_config(load_config(cfg))
+    history = History(settings)
+    now = time.time()
+    # 3 served 1000 tok/s at 2 requests, then adaptive {3,4} 950 (its gauge at tier 4).
+    serve(history, 3, now - 4 * 3600, now - 2 * 3600 - 60, 2, 1000.0, 5.0)
+    path = f"/var/lib/specd/{adaptive_config_name(adaptive((3, 4)))}"
+    serve(history, 4, now - 2 * 3600, now - 60, 2, 950.0, 5.0, adaptive_config=path)
+    store = StateStore(tmp_path / "state", history_settings=settings)
+    assert store.save(State(history=history)) is None
+    out = run_recommend(twin.url, cfg)
+    rows = {row["setting"]: row for row in out["measured"]}
+    assert rows["3"]["observed_tok_s"] == pytest.approx(1000.0, rel=1e-3)
+    assert rows["adaptive:3,4"]["observed_tok_s"] == pytest.approx(950.0, rel=1e-3)
+    assert rows["3"]["concurrencies"] == [2]
+    assert rows["adaptive:3,4"]["concurrencies"] == [2]
+    # Static 3 is predicted from what it served (no calibration): inside its interval.
+    low, high = rows["3"]["interval"]
+    assert low <= rows["3"]["predicted_tok_s"] <= high
+    assert low <= 1000.0 <= high
+    # The decision is still the daemon's step(): nothing restarts with no window open.
+    assert out["decision"]["would_restart"] is False

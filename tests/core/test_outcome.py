@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 from factories import make_observation, seed_table, serve, tables
 
-from specd.core import outcome
+from specd.core import choices, outcome, setting
 from specd.core.decide import Control, Pick, Reason, choose, decide
 from specd.core.history import History, HistorySettings
 from specd.core.model import Calibration, plan
@@ -477,6 +478,193 @@ def test_the_snapshot_and_the_avoid_list_round_trip() -> None:
     ],
 )
 def test_a_bad_snapshot_is_a_one_line_value_error(data: Any, problem: str) -> None:
+    with pytest.raises(ValueError, match="verifying") as caught:
+        outcome.snapshot_from_dict(data, DAY)
+    assert problem in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+# -- adaptive sets: one setting, however its steps gauge moves ---------------------------------
+ADAPTIVE = setting.adaptive((3, 4))
+ADAPTIVE_KEY = setting.setting_key(ADAPTIVE)
+ADAPTIVE_PATH = "/var/lib/specd/" + setting.adaptive_config_name(ADAPTIVE)
+OTHER_PATH = "/var/lib/specd/" + setting.adaptive_config_name(setting.adaptive((2, 5)))
+
+
+def run_adaptive(
+    history: History, start: float, until: float, tok_s: float, tier: int = 4
+) -> Observation:
+    return serve(history, tier, start, until, 2, tok_s, SCRAPE_S, adaptive_config=ADAPTIVE_PATH)
+
+
+def changed_to_adaptive(
+    new_tok_s: float, until: float = NEXT_WINDOW
+) -> tuple[History, ChangeSnapshot, Observation]:
+    """3 serves 1000 tok/s from Monday 00:00; specd changes to adaptive {3,4} at 03:10."""
+    history = fresh()
+    run(history, 3, MONDAY, CHANGED - 60, 2, 1000.0)
+    until_t = outcome.verification_end(config(), CHANGED)
+    snap = outcome.snapshot(history, 3, ADAPTIVE_KEY, 0.02, until_t, to_setting=ADAPTIVE)
+    last = run_adaptive(history, CHANGED + 100, until, new_tok_s)
+    return history, snap, last
+
+
+def test_the_history_keys_an_adaptive_set_by_its_config_not_its_tier() -> None:
+    history = fresh()
+    run_adaptive(history, MONDAY, MONDAY + HOUR, 900.0, tier=3)
+    run_adaptive(history, MONDAY + HOUR + 60, MONDAY + 2 * HOUR, 900.0, tier=4)
+    cells = history.throughput_table()
+    assert set(cells) == {(setting.config_key(ADAPTIVE_PATH), 2)}
+    assert setting.config_key(ADAPTIVE_PATH) in setting.observed_keys(ADAPTIVE)
+    assert cells[(setting.config_key(ADAPTIVE_PATH), 2)][0] == pytest.approx(900.0)
+    # Neither tier is evidence of a static step count (whose capacity would differ).
+    assert history.accept_length(3) is None
+    assert history.accept_length(4) is None
+    back = History.from_dict(history.to_dict())
+    ((key, (tok_s, weight)),) = back.throughput_table().items()
+    assert key == (setting.config_key(ADAPTIVE_PATH), 2)
+    assert (tok_s, weight) == pytest.approx(cells[key])
+
+
+@pytest.mark.parametrize(
+    ("new_tok_s", "until", "regressed", "says"),
+    [
+        pytest.param(950.0, NEXT_WINDOW, True, "regression", id="5%-less-for-a-day"),
+        pytest.param(997.0, NEXT_WINDOW, False, "no regression beyond noise", id="within-noise"),
+        pytest.param(1050.0, NEXT_WINDOW, False, "+5.0%", id="served-more"),
+        pytest.param(900.0, CHANGED + 1800, False, "s needed", id="before-the-minimum-time"),
+    ],
+)
+def test_an_adaptive_set_is_verified_as_a_step_count_is(
+    new_tok_s: float, until: float, regressed: bool, says: str
+) -> None:
+    history, snap, _ = changed_to_adaptive(new_tok_s, until)
+    found = outcome.verdict(snap, history, config(), None, live_config=ADAPTIVE_PATH)
+    assert found is not None
+    assert found.regressed is regressed
+    assert says in found.why
+    assert "outcome of 3 → adaptive:3,4" in found.why
+    assert (found.from_steps, found.to_steps, found.to_setting) == (3, ADAPTIVE_KEY, ADAPTIVE)
+    assert found.observed_tok_s == pytest.approx(new_tok_s, rel=1e-6)
+    assert found.baseline_tok_s == pytest.approx(1000.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("current", "live_config"),
+    [
+        pytest.param(3, None, id="static-3-is-live"),
+        pytest.param(None, OTHER_PATH, id="another-adaptive-set-is-live"),
+        pytest.param(None, None, id="adaptive-without-a-config"),
+    ],
+)
+def test_an_adaptive_set_not_live_is_not_verified(
+    current: int | None, live_config: str | None
+) -> None:
+    history, snap, _ = changed_to_adaptive(950.0)
+    assert outcome.verdict(snap, history, config(), current, live_config=live_config) is None
+
+
+def test_leaving_an_adaptive_set_compares_with_what_it_served() -> None:
+    history = fresh()
+    run_adaptive(history, MONDAY, CHANGED - 60, 1000.0)
+    snap = outcome.snapshot(
+        history, ADAPTIVE_KEY, 3, None, NEXT_WINDOW + HOUR, from_setting=ADAPTIVE
+    )
+    run(history, 3, CHANGED + 100, NEXT_WINDOW, 2, 950.0)
+    found = outcome.verdict(snap, history, config(), 3)
+    assert found is not None
+    assert found.regressed
+    assert found.baseline_tok_s == pytest.approx(1000.0, rel=1e-6)
+    assert "outcome of adaptive:3,4 → 3" in found.why
+    entry = outcome.avoid_entry(found, NEXT_WINDOW)
+    assert (entry.steps, entry.from_steps, entry.from_setting) == (3, ADAPTIVE_KEY, ADAPTIVE)
+    why = outcome.avoided([entry], NEXT_WINDOW, config(), {2: 1.0})
+    assert why == {3: "3 served 5.0% less than adaptive:3,4 (went back 2026-01-06T03:30Z)"}
+
+
+@pytest.mark.parametrize(
+    ("pick", "now_offset", "reason", "target", "chosen"),
+    [
+        pytest.param(Pick(3, "3"), 0.0, Reason.REGRESSION, 3, None, id="to-the-policy-pick"),
+        pytest.param(Pick(2, "2"), 0.0, Reason.REGRESSION, 2, None, id="to-another-pick"),
+        pytest.param(
+            Pick(4, "the set", setting=ADAPTIVE),
+            0.0,
+            Reason.REGRESSION,
+            3,
+            None,
+            id="the-pick-is-the-set-itself",
+        ),
+        pytest.param(Pick(3, "3"), -4.5 * HOUR, Reason.WINDOW_CLOSED, 3, None, id="window-closed"),
+    ],
+)
+def test_a_regressed_adaptive_set_goes_back_at_the_next_window(
+    pick: Pick, now_offset: float, reason: Reason, target: int, chosen: Any
+) -> None:
+    now = NEXT_WINDOW + now_offset
+    history, snap, _ = changed_to_adaptive(950.0, now)
+    found = outcome.verdict(snap, history, config(), None, live_config=ADAPTIVE_PATH)
+    assert found is not None
+    assert found.regressed
+    obs = make_observation(now, running=2, steps=4, adaptive=True, adaptive_config=ADAPTIVE_PATH)
+    control = Control(current_steps=None, live_adaptive=True, live_adaptive_config=ADAPTIVE_PATH)
+    decision = decide(history, obs, config(), None, now, control, pick, 0.0, verdict=found)
+    assert decision.reason is reason, decision.message
+    assert (decision.target_steps, decision.setting) == (target, chosen)
+    assert f"going back adaptive:3,4 → {target}" in decision.message
+    assert decision.acts(None, live_adaptive=True, live_config=ADAPTIVE_PATH) is (
+        reason is Reason.REGRESSION
+    )
+
+
+def test_an_avoided_adaptive_set_is_skipped_by_the_policy() -> None:
+    history = fresh()
+    run(history, 3, MONDAY, NEXT_WINDOW, 2, 1000.0)
+    cal = Calibration.of(seed_table())
+    cfg = config(kinds=["static", "adaptive"], adaptive_candidate_sets=["adaptive:3,4"])
+    traits = setting.traits_from_server_info(
+        {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 1, "version": "0.5.14"}
+    )
+    offer = choices.offer(cfg.choose, traits)
+    assert ADAPTIVE in offer.settings
+    entry = Avoided(ADAPTIVE_KEY, NEXT_WINDOW, ((2, 1.0),), 0.05, 3, ADAPTIVE)
+    avoid = functools.partial(outcome.avoided, [entry], NEXT_WINDOW, cfg)
+    with_set = plan(history, cfg, 3, cal, offer=offer)
+    without = plan(history, cfg, 3, cal, avoid, offer=offer)
+    assert with_set is not None
+    assert without is not None
+    assert ADAPTIVE_KEY in with_set.predictions
+    assert ADAPTIVE_KEY not in without.predictions
+    assert "avoiding adaptive:3,4 served 5.0% less than 3" in without.why
+
+
+def test_an_adaptive_snapshot_and_avoid_entry_round_trip() -> None:
+    _, snap, _ = changed_to_adaptive(950.0, CHANGED + HOUR)
+    data = outcome.snapshot_to_dict(snap, DAY)
+    assert data["to_setting"] == "adaptive:3,4"
+    back = outcome.snapshot_from_dict(data, DAY)
+    assert (back.to_steps, back.to_setting, back.from_setting) == (ADAPTIVE_KEY, ADAPTIVE, None)
+    entry = Avoided(ADAPTIVE_KEY, NEXT_WINDOW, ((2, 1.0),), 0.05, 3, ADAPTIVE)
+    assert outcome.avoided_from_dict(0, outcome.avoided_to_dict(entry)) == entry
+
+
+@pytest.mark.parametrize(
+    ("to_setting", "problem"),
+    [
+        pytest.param(None, "missing", id="a-set-key-without-its-set"),
+        pytest.param("adaptive:2,5", "is not the adaptive set of key", id="another-set"),
+        pytest.param("4", "is not the adaptive set of key", id="a-step-count"),
+        pytest.param(7, "expected an adaptive setting", id="not-text"),
+    ],
+)
+def test_a_bad_adaptive_snapshot_is_a_one_line_value_error(to_setting: Any, problem: str) -> None:
+    data = {
+        "t": 1.0,
+        "from_steps": 3,
+        "to_steps": ADAPTIVE_KEY,
+        "to_setting": to_setting,
+        "cells": {"ref_t": 1.0, "cells": []},
+    }
     with pytest.raises(ValueError, match="verifying") as caught:
         outcome.snapshot_from_dict(data, DAY)
     assert problem in str(caught.value)

@@ -608,3 +608,29 @@ def test_a_change_the_calibration_oversold_is_taken_back_and_not_repeated() -> N
     assert result.change_reasons[:2] == ["change", "regression"]
     assert 5 not in ks[3:]  # avoided for a week: the same mistake is not made again
     assert result.restarts_outside_windows == 0
+
+
+def test_an_adaptive_set_the_calibration_oversold_is_taken_back_and_not_repeated() -> None:
+    # As above, but the oversold step count is reachable only inside the adaptive set
+    # {5,6}: its config is one setting, verified by what it served since the change.
+    trace = minute_trace(4, lambda rng, hour: (2, 4))
+    config = build_config(
+        Config(
+            observe={"scrape_interval_s": 15},
+            choose={"adaptive_candidate_sets": ["adaptive:5,6"]},
+        ),
+        window_list=DAILY,
+        steps=(3, 3),
+        calibration=TRUTH / "near-k5up-calibration.csv",
+        restart_s=100,
+        kinds=("static", "adaptive"),
+    )
+    result = replay(trace, read_table(TRUTH / "near.csv"), config, initial_steps=3)
+    # The timeline's steps: None while SGLang runs the adaptive set.
+    settings = [s for _, s in result.steps_timeline]
+    assert settings[:2] == [3, None], result.steps_timeline
+    assert len(settings) >= 3, result.steps_timeline
+    assert settings[2] is not None
+    assert result.change_reasons[:2] == ["change", "regression"], result.steps_timeline
+    assert None not in settings[2:]  # avoided: the same set is not chosen again
+    assert result.restarts_outside_windows == 0
