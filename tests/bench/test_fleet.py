@@ -46,6 +46,7 @@ def cell(text: str, label: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~3 min alone; far longer on a shared 2-core box
 def test_a_tiny_run_writes_a_consistent_report(tmp_path: Path) -> None:
     out = tmp_path / "fleet.md"
     assert (
