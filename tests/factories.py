@@ -9,25 +9,22 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import httpx
 import pytest
 
 from specd.core.history import History
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.settings import TABLE_OF_KEY
-from specd.io.gateway import GatewayClient, GatewayUnavailable
-from specd.twin.process import TwinProcess, free_port
+from specd.tools import loopback
+from specd.tools.loopback import SMG, SMG_ADMIN_KEY, SmgGateway, StreamingLoad  # noqa: F401 - re-exported
+from specd.twin.process import TwinProcess
 
 
 def tables(**fields: Any) -> dict[str, Any]:
@@ -302,188 +299,12 @@ def etcd_binary() -> str:
     return path
 
 
-class EtcdProcess:
-    """A real one-member etcd on 127.0.0.1, its own data dir and free ports (never
-    2379/2380, where Debian's etcd.service may listen). ``stop``/``start`` keep the data
-    dir and ports: the same cluster comes back."""
+class EtcdProcess(loopback.EtcdProcess):
+    """specd.tools.loopback.EtcdProcess, failing (or skipping) the test when etcd is missing."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.binary = etcd_binary()
-        self.data_dir = data_dir
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
-        self.log_path = data_dir.parent / f"{data_dir.name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 20.0) -> EtcdProcess:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        argv = [
-            self.binary,
-            "--name=specd-test",
-            f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={self.url}",
-            f"--advertise-client-urls={self.url}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=specd-test={peer}",
-            "--listen-metrics-urls=",
-        ]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.post(f"{self.url}/v3/maintenance/status", json={}, timeout=1).is_success:
-                    return self
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"etcd not up within {timeout_s} s: {self.log_path.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-
-
-# -- the SGLang model gateway (smg) and load through it -------------------------------------
-
-SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
-SMG_ADMIN_KEY = "specd-test-admin-key"
-
-
-class SmgGateway:
-    """A real ``smg launch`` on loopback in front of ``worker_urls``, its Prometheus
-    exporter on a free loopback port too (smg binds 0.0.0.0:29000 otherwise), round robin
-    so every worker takes load, and an admin key when ``admin_key`` is set. ``retries=False``
-    passes a failed request on to its client instead of retrying it on another worker, so a
-    worker restarted while still routed shows up as client errors. ``wait_ready`` blocks
-    until every worker is ready."""
-
-    def __init__(
-        self,
-        worker_urls: list[str],
-        *,
-        admin_key: str | None = None,
-        retries: bool = True,
-        port: int | None = None,
-    ) -> None:
-        self.port = port if port is not None else free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.admin_key = admin_key
-        self.worker_urls = list(worker_urls)
-        argv = [SMG, "launch", "--worker-urls", *worker_urls, "--host", "127.0.0.1",
-                "--port", str(self.port), "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--policy", "round_robin",
-                "--health-check-interval-secs", "1"]  # fmt: skip
-        if not retries:
-            argv.append("--disable-retries")
-        if admin_key is not None:
-            argv += ["--control-plane-api-keys", f"specd:specd:admin:{admin_key}"]
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 30.0) -> SmgGateway:
-        end = time.monotonic() + timeout_s
-        for worker in self.worker_urls:
-            client = GatewayClient([self.url], worker, api_key=self.admin_key, timeout_s=1.0)
-            try:
-                while True:
-                    try:
-                        if client.wait_ready(0.5):
-                            break
-                    except GatewayUnavailable:
-                        time.sleep(0.2)
-                    if time.monotonic() > end or self.proc.poll() is not None:
-                        pytest.fail(f"smg never routed {worker} as ready: {self.log()[-2000:]}")
-            finally:
-                client.close()
-        return self
-
-    def log(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-    def __enter__(self) -> SmgGateway:
-        return self.wait_ready()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().__init__(data_dir, etcd_binary())
 
 
 class Killed(BaseException):
     """specd dying (SIGKILL) at a chosen point: nothing in apply or the daemon may catch it."""
-
-
-class StreamingLoad:
-    """``clients`` threads each sending streaming completions through ``url`` back to back
-    and recording how every one ended: ``ok`` counts complete 200s (the stream reached
-    ``data: [DONE]``), ``failures`` says what went wrong with each other one."""
-
-    def __init__(self, url: str, clients: int, max_tokens: int = 40) -> None:
-        self.url = url
-        self.max_tokens = max_tokens
-        self.ok = 0
-        self.failures: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
-
-    def _one(self, http: httpx.Client, model: str) -> str | None:
-        body = {"model": model, "prompt": "x", "max_tokens": self.max_tokens, "stream": True}
-        try:
-            with http.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
-                if resp.status_code != 200:
-                    return f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
-                last = ""
-                for line in resp.iter_lines():
-                    if line.strip():
-                        last = line.strip()
-                return None if last == "data: [DONE]" else f"stream cut after {last[:80]!r}"
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
-
-    def _client(self) -> None:
-        with httpx.Client(timeout=30.0) as http:
-            # The model the workers serve: the gateway routes by it.
-            model = http.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-            while not self._stop.is_set():
-                problem = self._one(http, model)
-                with self._lock:
-                    if problem is None:
-                        self.ok += 1
-                    else:
-                        self.failures.append(problem)
-
-    def wait_for(self, ok: int, timeout_s: float = 20.0) -> None:
-        end = time.monotonic() + timeout_s
-        while self.ok < ok:
-            if time.monotonic() > end:
-                pytest.fail(f"load got {self.ok} complete answers, not {ok}: {self.failures[:3]}")
-            time.sleep(0.05)
-
-    def __enter__(self) -> StreamingLoad:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=40)

@@ -44,12 +44,16 @@ from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
 from specd.io.state import STATE_FILE, State, StateStore
 from specd.twin.process import TwinProcess, free_port
+from specd.twin.standin import (  # noqa: F401 - re-exported: other tests import them from here
+    FAST_TWIN,
+    STANDIN,
+    UNIT,
+    StandIn,
+    make_standin,
+)
 from specd.twin.unit import TwinUnitRunner
 
 REPO = Path(__file__).resolve().parent.parent
-UNIT = "sglang.service"
-# A twin that "loads the model" in a blink, so a restart costs ~1-2 s of test time.
-FAST_TWIN = ("--load-time-s", "0.2", "--warmup-s", "0.1")
 # 2026-03-29 / 2026-10-25 are the EU DST change days; 02:30 Berlin is missing / doubled.
 BERLIN_0230 = Window(cron="30 2 * * mon-sun", duration_s=1800, timezone="Europe/Berlin")
 
@@ -702,132 +706,6 @@ def test_state_dir_faults_keep_the_daemon_running(tmp_path: Path, fault: str, wh
 
 
 # ---- a real `specd run` subprocess: signals ----------------------------------------
-
-# A `systemctl` for the daemon's PATH: restarts the twin like systemd restarts a unit with
-# EnvironmentFile=- (the daemon passes children only PATH and LC_ALL, so everything the
-# stand-in needs is written into it).
-STANDIN = """#!{python}
-import os, signal, subprocess, sys, time
-from pathlib import Path
-sys.path.insert(0, {repo!r})
-from specd.twin.unit import read_env_file
-
-UNIT, ENV, PIDFILE, LOG, PORT = {unit!r}, Path({env!r}), Path({pidfile!r}), {log!r}, {port!r}
-EXTRA, EXTRA_BY_STEPS, STOP_TIMEOUT_S = {extra!r}, {extra_by_steps!r}, {stop_timeout_s!r}
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{{pid}}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def current():
-    try:
-        return int(PIDFILE.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-verbs = [a for a in sys.argv[1:] if not a.startswith("-")]
-if verbs == ["is-active", UNIT]:
-    pid = current()
-    state = "active" if pid is not None and alive(pid) else "failed"
-    print(state)
-    sys.exit(0 if state == "active" else 3)
-if verbs == ["show", UNIT] and "--property=TimeoutStopUSec" in sys.argv:
-    print(f"{{STOP_TIMEOUT_S:g}}s")  # as `systemctl show --value` prints TimeoutStopSec=
-    sys.exit(0)
-if verbs != ["restart", UNIT]:
-    print(f"stand-in systemctl: refused {{sys.argv[1:]}}", file=sys.stderr)
-    sys.exit(1)
-pid = current()
-if pid is not None and alive(pid):
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if alive(pid):
-        os.kill(pid, signal.SIGKILL)
-env = {{"SPECULATIVE_NUM_STEPS": "3", "SPECULATIVE_NUM_DRAFT_TOKENS": "4", **read_env_file(ENV)}}
-argv = [{python!r}, "-m", "specd.cli", "twin", "--speculative-algorithm", "NEXTN",
-        "--speculative-num-steps", env["SPECULATIVE_NUM_STEPS"], "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", env["SPECULATIVE_NUM_DRAFT_TOKENS"], "--enable-metrics",
-        *EXTRA_BY_STEPS.get(env["SPECULATIVE_NUM_STEPS"], EXTRA), "--host", "127.0.0.1",
-        "--port", str(PORT)]
-with open(LOG, "ab") as log:
-    child = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd={repo!r})
-PIDFILE.write_text(str(child.pid))
-with open(PIDFILE.with_suffix(".restarts"), "a") as f:
-    f.write(env["SPECULATIVE_NUM_STEPS"] + "\\n")
-"""
-
-
-@dataclass
-class StandIn:
-    """The fake systemd side: a `systemctl` on PATH that owns one twin "unit"."""
-
-    bin_dir: Path
-    pidfile: Path
-    env_file: Path
-    port: int
-
-    @property
-    def restarts(self) -> list[int]:
-        path = self.pidfile.with_suffix(".restarts")
-        return [int(x) for x in path.read_text().split()] if path.exists() else []
-
-    def systemctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(self.bin_dir / "systemctl"), *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(self.pidfile.read_text())
-            os.kill(pid, signal.SIGKILL)
-
-
-def make_standin(
-    tmp_path: Path,
-    port: int,
-    extra: Sequence[str] = FAST_TWIN,
-    extra_by_steps: dict[int, Sequence[str]] | None = None,
-    stop_timeout_s: float = 10.0,
-) -> StandIn:
-    """``extra``: twin flags; ``extra_by_steps``: other flags for some step counts;
-    ``stop_timeout_s``: the unit's TimeoutStopSec= (SIGKILL after it)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    pidfile = tmp_path / "twin.pid"
-    env_file = tmp_path / "sglang.env"
-    script = bin_dir / "systemctl"
-    script.write_text(
-        STANDIN.format(
-            python=sys.executable,
-            repo=str(REPO),
-            unit=UNIT,
-            env=str(env_file),
-            pidfile=str(pidfile),
-            log=str(tmp_path / "twin.log"),
-            port=port,
-            extra=list(extra),
-            extra_by_steps={str(k): list(v) for k, v in (extra_by_steps or {}).items()},
-            stop_timeout_s=stop_timeout_s,
-        )
-    )
-    script.chmod(0o755)
-    return StandIn(bin_dir, pidfile, env_file, port)
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
