@@ -194,11 +194,7 @@ def fleet(
         # Rounded up so the 6-field cron's second is the one the window opens at.
         opens_at = float(int(time.time() + opens_in_s) + 1)
         for s in servers:
-            write_config(
-                s.home / "specd.toml",
-                s.home,
-                s.standin.port,
-                s.metrics_port,
+            keys: dict[str, Any] = dict(
                 windows=[window(opens_at, WINDOW_S)],
                 min_history_s=2,
                 history_half_life_s=30,
@@ -221,8 +217,9 @@ def fleet(
                 drain_timeout_s=20,
                 ready_timeout_s=30,
                 request_timeout_s=2,
-                **config,
             )
+            keys.update(config)
+            write_config(s.home / "specd.toml", s.home, s.standin.port, s.metrics_port, **keys)
             if start:
                 s.start()
         yield Fleet3(servers, gateway, etcd, key_file, opens_at)
@@ -302,3 +299,70 @@ def test_a_load_triggered_change_rolls_through_three_servers_with_zero_errors(
         # They wanted it together: all but the first found the one slot taken, and waited.
         waited = [s.metric("specd_decisions_total", reason="fleet_unavailable") for s in f.servers]
         assert sum(1 for n in waited if n) == len(f.servers) - 1, waited
+
+
+def reason_count(server: Server, reason: str) -> float:
+    return server.metric("specd_decisions_total", reason=reason) or 0.0
+
+
+@pytest.mark.parametrize("down", ["etcd", "gateway"])
+def test_no_restart_while_etcd_or_the_gateway_is_down_and_it_resumes_once_back(
+    tmp_path: Path, etcd: EtcdProcess, down: str
+) -> None:
+    reason = "fleet_unavailable" if down == "etcd" else "drain_unavailable"
+    with fleet(tmp_path, etcd, ("a",), plain_workers=1, start=False) as f:
+        (s,) = f.servers
+        gateway = f.gateway
+        if down == "etcd":
+            etcd.stop()
+        else:
+            gateway.stop()
+        s.start()
+        load = StreamingLoad(gateway.url, 2 * CLIENTS_PER_SERVER)
+        # Through the gateway while it is up; straight at the twin while it is not.
+        load.url = s.url if down == "gateway" else gateway.url
+        with load:
+            wait_for(lambda: reason_count(s, reason) >= 3 or not s.alive(), 30, reason)
+            f.check_alive()
+            assert s.metric("specd_last_decision", reason=reason) == 1
+            assert s.standin.restarts == [START_STEPS]
+            assert s.state().restarts == []
+            if down == "etcd":
+                etcd.start()
+            else:
+                gateway = SmgGateway(
+                    gateway.worker_urls, admin_key=SMG_ADMIN_KEY, retries=False, port=gateway.port
+                ).wait_ready()
+        try:
+            wait_for(lambda: s.state().restarts != [] or not s.alive(), 40, "the restart")
+            f.check_alive()
+            wait_for(lambda: s.state().journal is None, 20, "the restart done")
+            wait_for(lambda: f.observer().holders() == [], 10, "the slot released")
+            assert s.standin.restarts == [START_STEPS, HEAVY_STEPS]
+            assert live_steps(s) == HEAVY_STEPS
+            assert_ended_well(f, s, ["success"])
+        finally:
+            if down == "gateway":
+                gateway.stop()
+
+
+def test_a_setting_sglang_never_starts_at_rolls_back_readds_freezes_and_releases(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    failing = {HEAVY_STEPS: (*UNIT_TWIN, "--fail-start-at-steps", str(HEAVY_STEPS))}
+    with fleet(
+        tmp_path, etcd, ("a",), plain_workers=1, extra_by_steps=failing, startup_timeout_s=5
+    ) as f:
+        (s,) = f.servers
+        with StreamingLoad(f.gateway.url, 2 * CLIENTS_PER_SERVER) as load:
+            wait_for(lambda: s.state().restarts != [] or not s.alive(), 60, "the restart")
+            f.check_alive()
+            wait_for(lambda: f.workers().get(s.url) == "ready", 20, "the worker re-added")
+            load.wait_for(load.ok + 20)
+        assert load.failures == []
+        assert s.standin.restarts == [START_STEPS, HEAVY_STEPS, START_STEPS]
+        assert live_steps(s) == START_STEPS
+        assert s.state().frozen is not None
+        assert s.metric("specd_frozen") == 1
+        wait_for(lambda: f.observer().holders() == [], 10, "the slot released")
+        assert_ended_well(f, s, ["rolled_back"])
