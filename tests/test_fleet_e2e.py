@@ -28,6 +28,7 @@ from test_faults import (
     StandIn,
     daemon_env,
     healthy,
+    log_events,
     make_standin,
     metric,
     start_specd,
@@ -84,6 +85,7 @@ class Server:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+        self.proc = None  # dead on purpose: not an exit check_alive should report
 
     def stop(self) -> None:
         if self.proc is None:
@@ -366,3 +368,51 @@ def test_a_setting_sglang_never_starts_at_rolls_back_readds_freezes_and_releases
         assert s.metric("specd_frozen") == 1
         wait_for(lambda: f.observer().holders() == [], 10, "the slot released")
         assert_ended_well(f, s, ["rolled_back"])
+
+
+def test_a_specd_sigkilled_mid_restart_frees_the_slot_and_heals_its_worker_at_its_next_start(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    # SGLang loads for 2.5 s at the new setting: long enough to kill specd while it waits.
+    slow = {HEAVY_STEPS: ("--load-time-s", "2.5", "--warmup-s", "0.1")}
+    with fleet(tmp_path, etcd, ("a", "b"), plain_workers=1, extra_by_steps=slow) as f:
+        with StreamingLoad(f.gateway.url, 3 * CLIENTS_PER_SERVER) as load:
+
+            def restarting() -> Server | None:
+                f.check_alive()
+                found = [s for s in f.servers if s.standin.restarts == [START_STEPS, HEAVY_STEPS]]
+                return found[0] if found else None
+
+            wait_for(lambda: restarting() is not None, 40, "the first restart")
+            killed = restarting()
+            assert killed is not None
+            other = next(s for s in f.servers if s is not killed)
+            assert [h.name for h in f.observer().holders()] == [f"box-{killed.name}"]
+            killed.kill()
+            journal = killed.state().journal
+            assert journal is not None
+            assert journal["phase"] == "restart_issued"
+            assert [w["url"] for w in journal["drained"]] == [killed.url]
+
+            # Its lease expires: the other server takes the slot and restarts.
+            wait_for(
+                lambda: other.state().restarts != [] or not other.alive(), 40, "the other restart"
+            )
+            f.check_alive()
+            assert [r["result"] for r in other.state().restarts] == ["success"]
+            # Still drained from the gateway: nothing re-added it.
+            assert f.workers().get(killed.url) != "ready"
+
+            killed.start()
+            wait_for(lambda: killed.state().journal is None or not killed.alive(), 30, "the heal")
+            f.check_alive()
+            wait_for(lambda: f.workers().get(killed.url) == "ready", 20, "the worker re-added")
+            wait_for(lambda: f.observer().holders() == [], 10, "every slot released")
+            load.wait_for(load.ok + 20)
+        assert load.failures == []
+        for s in f.servers:
+            assert s.standin.restarts == [START_STEPS, HEAVY_STEPS]  # healed, not restarted again
+            assert live_steps(s) == HEAVY_STEPS
+            assert_ended_well(f, s, ["success"])
+        released = [e for e in log_events(killed.log) if e.get("event") == "fleet_slot_released"]
+        assert [e["detail"] for e in released] == ["released fleet slot 0 of group g"]
