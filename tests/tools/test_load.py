@@ -148,8 +148,11 @@ class FakeServer:
                 last = sent == total
                 finish = "length" if last and b.mode != "no_done" else None
                 usage = sent if b.usage == "every" else None
-                await response.write(self._chunk(chat, "ab" * n, finish, usage))
+                # Counted before the write: the client may read the chunk (and the test
+                # count it) before this task resumes from the write, or the write may be
+                # cancelled when the client hangs up right after reading it.
                 s.tokens_written += n
+                await response.write(self._chunk(chat, "ab" * n, finish, usage))
                 if b.mode == "cut" and sent * 2 >= total:
                     assert request.transport is not None
                     request.transport.abort()
