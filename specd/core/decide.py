@@ -607,6 +607,7 @@ def _decide(
         live = control.live_adaptive and runs_adaptive_config(chosen, control.live_adaptive_config)
     else:
         live = target == current and not control.live_adaptive
+    unseen = _unseen_epoch(pick, config)
     if live:
         if (
             exploration is not None
@@ -614,12 +615,22 @@ def _decide(
             and current is not None
             and exploration.steps != current
         ):
+            if unseen is not None:
+                return Decision(
+                    target,
+                    Reason.WITHIN_TOLERANCE,
+                    f"{why}; {shown} is live; {exploration.why}; but {unseen}: exploring waits",
+                    chosen,
+                )
             return _explore(config, at, now, control, restart_needs_s, why, exploration)
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {shown} is live", chosen)
     change = _arrow(current, shown, live_adaptive=control.live_adaptive)
     if exploration is not None and exploration.ongoing:
         # One whole epoch at the explored step count: what it serves there is the point.
         return Decision(current, Reason.EXPLORE, f"{why}; {exploration.why}: {change} waits")
+    if unseen is not None:
+        # Missing data means no change: a restart bets the epoch on traffic never seen.
+        return Decision(hold, Reason.INSUFFICIENT_DATA, f"{why}; but {unseen}: {change} waits")
     window_s = config.choose.stabilization_window_s
     held = _held_for(control.recommendations, pick.key, now)
     if held < window_s:
@@ -636,6 +647,23 @@ def _decide(
     if blocked is not None:
         return Decision(target, blocked[0], f"{why}; {blocked[1]}", chosen)
     return Decision(target, Reason.CHANGE, f"{why}: {change}", chosen)
+
+
+def _unseen_epoch(pick: Pick, config: Settings) -> str | None:
+    """Why the model's forecast of the coming epoch is too blind to act on (too much of it
+    from recent traffic alone: hours of the day not yet seen on a day of their kind), or
+    None; the bands forecast nothing."""
+    if pick.plan is None:
+        return None
+    unseen = pick.plan.forecast.recent_ratio
+    allowed = 1.0 - config.choose.min_forecast_seen_ratio
+    if unseen <= allowed + 1e-9:
+        return None
+    return (
+        f"{unseen * 100:.0f}% of the epoch is forecast from recent traffic alone (hours of "
+        f"the day not seen yet), more than the {allowed * 100:g}% min_forecast_seen_ratio "
+        "allows"
+    )
 
 
 def _back_from_adaptive(

@@ -47,6 +47,9 @@ class Forecast:
     weights: dict[int, float]
     source: str  # "same hours", "same hours, other days", "recent", or a mix "a+b"
     same_hours_ratio: float  # share of the epoch forecast from its own hours of the week
+    # Share of the epoch forecast from recent traffic alone: hours of the day never seen on
+    # a day of their kind, whose traffic the forecast cannot know (a daily rhythm unseen).
+    recent_ratio: float = 0.0
 
     def mean(self) -> float:
         return sum(k * w for k, w in self.weights.items())
@@ -135,7 +138,14 @@ def forecast_epoch(history: History, start: float, end: float) -> Forecast | Non
         return None
     weights = {k: w / covered for k, w in merged.items()}
     source = "+".join(name for name, _ in sorted(share.items(), key=lambda kv: -kv[1]))
-    return Forecast(start, end, weights, source, share.get("same hours", 0.0) / covered)
+    return Forecast(
+        start,
+        end,
+        weights,
+        source,
+        share.get("same hours", 0.0) / covered,
+        share.get("recent", 0.0) / covered,
+    )
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,7 @@ class PerformanceModel:
         self._capacities = capacities
         self._cache: dict[tuple[int, int], float] = {}
         self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
+        self._box: dict[int, tuple[float, float, float]] | None = None
 
     # -- acceptance --------------------------------------------------------------------
     @staticmethod
@@ -296,12 +297,13 @@ class PerformanceModel:
         if k == 0 and cal is not None and self._off_row:
             capacity = self._capacities.get(0, cal.capacity(0))
             xs, ys = self._shape(0, capacity)
-            return self._corrected(_Curve(xs, ys, capacity, 1.0, Source.CALIBRATION), observed)
+            off_curve = _Curve(xs, ys, capacity, 1.0, Source.CALIBRATION)
+            return self._corrected(off_curve, observed, prior=1.0)
         if cal is not None and k in self._cal_steps:
             capacity = self._capacities.get(k, cal.capacity(k))
             xs, ys = self._shape(k, capacity)
             base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
-            return self._corrected(base, observed)
+            return self._corrected(base, observed, prior=self._box_prior(k))
         if observed:
             points = sorted(observed.items())
             capacity = self._capacities.get(k)
@@ -314,28 +316,74 @@ class PerformanceModel:
             return None  # without drafting the speculative rows say nothing about it
         return self._extrapolated(k)
 
-    def _corrected(self, base: _Curve, observed: Mapping[int, tuple[float, float]]) -> _Curve:
-        """Scale a calibration curve by how observed throughput compared with it.
-
-        One ratio per K, of all tokens observed to all predicted at the concurrencies
-        seen: the totals are exact (counter deltas), whereas single bins are not — a
-        scrape interval's tokens are filed under the concurrency at its end, so across
-        level changes low bins read high and high bins low.
-        """
-        if not observed:
-            return base
+    @staticmethod
+    def _observed_sums(
+        base: _Curve, observed: Mapping[int, tuple[float, float]]
+    ) -> tuple[float, float, float]:
+        """(tokens observed, tokens ``base`` predicts, seconds) at the concurrencies seen:
+        the totals are exact (counter deltas), whereas single bins are not — a scrape
+        interval's tokens are filed under the concurrency at its end, so across level
+        changes low bins read high and high bins low."""
         seen = predicted = weight = 0.0
         for c, (tok_s, w) in observed.items():
-            p = self._raw(base, float(c))
+            p = PerformanceModel._raw(base, float(c))
             if p > 0:
                 seen += w * tok_s
                 predicted += w * p
                 weight += w
+        return seen, predicted, weight
+
+    def _box_sums(self) -> dict[int, tuple[float, float, float]]:
+        """`_observed_sums` of every calibrated speculative K observed, once per model."""
+        if self._box is None:
+            box: dict[int, tuple[float, float, float]] = {}
+            for k, observed in self._observed.items():
+                if k >= 1 and k in self._cal_steps and observed:
+                    capacity = self._capacities.get(k, self._cal_capacity(k))
+                    xs, ys = self._shape(k, capacity)
+                    base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
+                    box[k] = self._observed_sums(base, observed)
+            self._box = box
+        return self._box
+
+    def _cal_capacity(self, k: int) -> int | None:
+        return None if self.calibration is None else self.calibration.capacity(k)
+
+    def _box_prior(self, k: int) -> float:
+        """What the other step counts observed say of this box against the calibration: the
+        ratio of their observed tokens to their predicted ones, shrunk toward 1 while their
+        evidence is thin. A box (its clocks, its prompts, a sweep that stopped short of
+        its load) is off from a calibration for every K alike, so a K not yet observed
+        starts from the others' correction, not from the calibration as measured."""
+        seen = predicted = weight = 0.0
+        for j, (s, p, w) in self._box_sums().items():
+            if j != k:
+                seen, predicted, weight = seen + s, predicted + p, weight + w
         if predicted <= 0:
-            return base
-        # Shrink the correction toward 1 while evidence is thin.
+            return 1.0
+        return 1.0 + (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
+
+    def _corrected(
+        self, base: _Curve, observed: Mapping[int, tuple[float, float]], *, prior: float
+    ) -> _Curve:
+        """Scale a calibration curve by how observed throughput compared with it: one ratio
+        per K, of all tokens observed to all predicted at the concurrencies seen
+        (`_observed_sums`), shrunk toward ``prior`` (`_box_prior`) while evidence is thin."""
+        seen, predicted, weight = self._observed_sums(base, observed)
+        if predicted <= 0:
+            if prior == 1.0:
+                return base
+            return _Curve(
+                base.xs,
+                base.ys,
+                base.capacity,
+                base.scale * prior,
+                base.source,
+                base.clamp_at,
+                distance=base.distance,
+            )
         trust = weight / (weight + OBSERVED_PIVOT_S)
-        ratio = 1.0 + (seen / predicted - 1.0) * trust
+        ratio = prior + (seen / predicted - prior) * trust
         source = Source.OBSERVED if trust >= 0.5 else base.source
         return _Curve(
             base.xs,
@@ -388,7 +436,7 @@ class PerformanceModel:
             capacity,
             distance=abs(k - ka),
         )
-        return self._corrected(base, self._observed.get(k, {}))
+        return self._corrected(base, self._observed.get(k, {}), prior=self._box_prior(k))
 
     @staticmethod
     def _raw(curve: _Curve, c: float) -> float:

@@ -331,6 +331,16 @@ class ChooseSettings(BaseModel):
         description="Model policy: relative standard error of a calibration point (sweep "
         "noise); observation at a step count shrinks it. At most 0.5.",
     )
+    min_forecast_seen_ratio: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Model policy: share of the coming epoch whose traffic must be forecast "
+        "from those hours of the day as seen before (on a day of the same kind) for a change "
+        "or an exploration; the rest is forecast from recent traffic alone, which cannot "
+        "know a daily rhythm it has not seen (after a fresh start, say). Going back from a "
+        "regression is not held. 0 turns the check off; at most 1.",
+    )
     explore_max_loss_ratio: float = Field(
         default=0.01,
         ge=0,
