@@ -8,7 +8,12 @@ covers, the forecast uses, in order:
 1. that same hour of the week (the same hour on previous weeks);
 2. the same hour of the day on other days of the same kind (weekdays and weekends apart),
    which is what exists after a day or two;
-3. recent history (all hours), while there is too little of either.
+3. the same hour of the day on any day (a first weekend after weekdays, or the reverse):
+   a daily rhythm seen beats no rhythm at all;
+4. recent history (all hours), while that hour of the day was never seen. Such an hour's
+   traffic is unknown: `Forecast.recent_ratio` says how much of the epoch that is, and
+   the model policy does not restart on a forecast that is mostly that
+   (``[choose] min_forecast_seen_ratio``).
 
 The result is the fraction of the epoch's time expected at each offered concurrency
 (0 = idle included). `score` compares a forecast with what happened, so replays and the
@@ -45,10 +50,11 @@ class Forecast:
     start: float
     end: float
     weights: dict[int, float]
-    source: str  # "same hours", "same hours, other days", "recent", or a mix "a+b"
+    # "same hours", "same hours, other days", "same hours, any day", "recent", or a mix "a+b"
+    source: str
     same_hours_ratio: float  # share of the epoch forecast from its own hours of the week
-    # Share of the epoch forecast from recent traffic alone: hours of the day never seen on
-    # a day of their kind, whose traffic the forecast cannot know (a daily rhythm unseen).
+    # Share of the epoch forecast from recent traffic alone: hours of the day never seen,
+    # whose traffic the forecast cannot know (a daily rhythm unseen).
     recent_ratio: float = 0.0
 
     def mean(self) -> float:
@@ -73,6 +79,7 @@ class _HourSource:
         self.history = history
         self._own: dict[int, tuple[dict[int, float], float]] = {}
         self._kind: dict[int, dict[int, float] | None] = {}
+        self._day: dict[int, dict[int, float] | None] = {}
         self._recent: dict[int, float] | bool | None = False
 
     def own(self, how: int) -> tuple[dict[int, float], float]:
@@ -89,6 +96,14 @@ class _HourSource:
             self._kind[key] = _normalized(merged) if total >= MIN_HOUR_EVIDENCE_S else None
         return self._kind[key]
 
+    def any_day(self, how: int) -> dict[int, float] | None:
+        hour = how % 24
+        if hour not in self._day:
+            merged = self.history.hour_of_day_weights(how)
+            total = sum(merged.values())
+            self._day[hour] = _normalized(merged) if total >= MIN_HOUR_EVIDENCE_S else None
+        return self._day[hour]
+
     def recent(self) -> dict[int, float] | None:
         if self._recent is False:
             self._recent = _normalized(self.history.offered_weights())
@@ -104,6 +119,9 @@ class _HourSource:
         kind = self.same_kind(how)
         if kind is not None:
             return kind, "same hours, other days"
+        day = self.any_day(how)
+        if day is not None:
+            return day, "same hours, any day"
         recent = self.recent()
         return None if recent is None else (recent, "recent")
 

@@ -520,6 +520,19 @@ class History:
         scale = table.scale_at(self._at())
         return {k: cell[0] * scale for k, cell in table.cells.items()}
 
+    def hour_of_day_weights(self, how: int) -> dict[int, float]:
+        """Decayed seconds at each offered concurrency during this hour of the day on every
+        day seen, weekdays and weekends alike (``how`` itself included)."""
+        out: dict[int, float] = {}
+        hour = how % 24
+        for table in (self._day_kinds[hour], self._day_kinds[hour + 24]):
+            if table is None:
+                continue
+            scale = table.scale_at(self._at())
+            for k, cell in table.cells.items():
+                out[k] = out.get(k, 0.0) + cell[0] * scale
+        return out
+
     def _rebuild_day_kinds(self) -> None:
         at = self._at()
         kinds: list[DecayingSums[int] | None] = [None] * DAY_KINDS

@@ -336,7 +336,7 @@ class ChooseSettings(BaseModel):
         ge=0,
         le=1,
         description="Model policy: share of the coming epoch whose traffic must be forecast "
-        "from those hours of the day as seen before (on a day of the same kind) for a change "
+        "from those hours of the day as seen before (on any day) for a change "
         "or an exploration; the rest is forecast from recent traffic alone, which cannot "
         "know a daily rhythm it has not seen (after a fresh start, say). Going back from a "
         "regression is not held. 0 turns the check off; at most 1.",
