@@ -17,12 +17,17 @@ from specd.core.decide import (
     POLICIES,
     Control,
     Decision,
+    Pick,
     Reason,
     choose,
     decide,
 )
+from specd.core.explore import Exploration
+from specd.core.forecast import Forecast
 from specd.core.history import History, HistorySettings
+from specd.core.model import Plan
 from specd.core.observation import Observation, ScrapeError
+from specd.core.outcome import Verdict
 from specd.core.override import Override
 from specd.core.setting import SpecSetting, adaptive, adaptive_config_name, format_setting, off
 from specd.core.settings import ChooseSettings, Settings
@@ -767,3 +772,70 @@ def test_never_restarts_without_a_fleet_slot(s: dict[str, Any]) -> None:
     assert not decision.acts(s["control"].current_steps)
     if decide(*args).acts(s["control"].current_steps):
         assert decision.reason is Reason.FLEET_UNAVAILABLE
+
+
+def model_pick(steps: int, recent_ratio: float) -> Pick:
+    """A model policy's pick of ``steps`` on a forecast ``recent_ratio`` of which comes from
+    recent traffic alone (hours of the day never seen)."""
+    forecast = Forecast(OPEN, OPEN + DAY, {20: 1.0}, "recent", 0.0, recent_ratio)
+    plan = Plan(OPEN, OPEN + DAY, forecast, {}, steps, steps, 0.1, f"model: {steps} best")
+    return Pick(steps, f"model: {steps} best", plan=plan)
+
+
+def regressed(from_steps: int, to_steps: int) -> Verdict:
+    return Verdict(
+        from_steps, to_steps, 7200.0, 900.0, 1000.0, 20.0, True, True,
+        f"outcome of {from_steps} → {to_steps}: regression", ((20, 1.0),),
+    )  # fmt: skip
+
+
+UNSEEN = "87% of the epoch is forecast from recent traffic alone"
+SEEN_GATE = [
+    # (id, pick: (steps, recent ratio), min_forecast_seen_ratio, exploration, verdict,
+    #  reason, target, acts, message part)
+    ("mostly-unseen-holds", (3, 0.87), 0.5, None, None, Reason.INSUFFICIENT_DATA, 4, False,
+     f"{UNSEEN} (hours of the day not seen yet), more than the 50% "
+     "min_forecast_seen_ratio allows: 4 → 3 waits"),
+    ("half-seen-changes", (3, 0.5), 0.5, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    ("all-seen-changes", (3, 0.0), 1.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    ("one-hour-unseen-with-all-required", (3, 1 / 24), 1.0, None, None,
+     Reason.INSUFFICIENT_DATA, 4, False, "more than the 0% min_forecast_seen_ratio allows"),
+    ("check-off", (3, 1.0), 0.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    # The live one is the pick: nothing to hold, the epoch unseen or not.
+    ("live-within-tolerance", (4, 1.0), 0.5, None, None, Reason.WITHIN_TOLERANCE, 4, False,
+     "4 is live"),
+    ("exploration-waits", (4, 0.87), 0.5, Exploration(5, "5 is never observed"), None,
+     Reason.WITHIN_TOLERANCE, 4, False, f"5 is never observed; but {UNSEEN}"),
+    ("exploration-seen", (4, 0.2), 0.5, Exploration(5, "5 is never observed"), None,
+     Reason.EXPLORE, 5, True, "exploring 4 → 5 for one epoch"),
+    # Going back from a change that served less is never held: the old one was measured.
+    ("regression-goes-back", (4, 1.0), 0.5, None, regressed(3, 4), Reason.REGRESSION, 3, True,
+     "going back 4 → 3"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("picked", "seen_ratio", "exploration", "verdict", "reason", "target", "acts", "says"),
+    [pytest.param(*g[1:], id=g[0]) for g in SEEN_GATE],
+)
+def test_no_change_on_a_forecast_of_hours_never_seen(
+    picked: tuple[int, float],
+    seen_ratio: float,
+    exploration: Exploration | None,
+    verdict: Verdict | None,
+    reason: Reason,
+    target: int,
+    acts: bool,
+    says: str,
+) -> None:
+    hist, cfg = history(), config(min_forecast_seen_ratio=seen_ratio)
+    steps, recent = picked
+    ctl = control(recommendations=held(steps, OPEN))
+    decision = decide(
+        hist, observation(OPEN), cfg, None, OPEN, ctl, model_pick(steps, recent), 0.0,
+        exploration, verdict,
+    )  # fmt: skip
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    assert decision.acts(4) is acts
+    assert says in decision.message, decision.message

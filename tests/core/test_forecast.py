@@ -50,8 +50,11 @@ def office(t: float) -> int:
         (8.5, 8 * 24 + 9, 8, "same hours", 20.0),
         # Two days: Wednesday 09–17 borrows the same hours of Monday and Tuesday.
         (2.0, 2 * 24 + 9, 8, "same hours, other days", 20.0),
-        # Weekends apart: Saturday after a weekday-only history falls back to recent.
-        (5.0, 5 * 24 + 9, 8, "recent", None),
+        # Weekends apart, but a first Saturday after weekdays only has the same hours of
+        # the day on any day: a daily rhythm seen beats none.
+        (5.0, 5 * 24 + 9, 8, "same hours, any day", 20.0),
+        # Half a day: the afternoon was never seen at any hour of the day, only recently.
+        (0.5, 14, 8, "recent", None),
         # A week of history: Saturday's hours are known.
         (7.0, 12 * 24 + 9, 8, "same hours", 1.0),
     ],
@@ -71,6 +74,30 @@ def test_the_epoch_is_forecast_from_the_same_hours(
     else:
         # Recent history mixes office hours and evenings: neither 1 nor 20.
         assert 2.0 < forecast.mean() < 20.0
+
+
+@pytest.mark.parametrize(
+    ("hours_of_history", "start_hour", "hours", "recent_ratio"),
+    [
+        # A fresh start at midnight, three hours in: of the next 24 h only 00–03 of the
+        # following day were seen (same hours, other days); the rest is recent traffic.
+        (3, 3, 24, 21 / 24),
+        # A whole day seen: every hour of the next day has its own hour of the day.
+        (24, 24, 24, 0.0),
+        # Half of the coming 8 h seen (08–12 of the day before), half not (12–16).
+        (12, 24 + 8, 8, 0.5),
+    ],
+)
+def test_recent_ratio_is_the_share_of_the_epoch_never_seen_at_its_hour_of_the_day(
+    hours_of_history: int, start_hour: int, hours: int, recent_ratio: float
+) -> None:
+    history = new_history()
+    record(history, MONDAY, MONDAY + hours_of_history * HOUR, office)
+    start = MONDAY + start_hour * HOUR
+    forecast = forecast_epoch(history, start, start + hours * HOUR)
+    assert forecast is not None
+    assert forecast.recent_ratio == pytest.approx(recent_ratio)
+    assert ("recent" in forecast.source) is (recent_ratio > 0)
 
 
 def test_an_epoch_spanning_day_and_night_weighs_hours_by_their_share() -> None:
