@@ -492,7 +492,7 @@ def _decide(
         return Decision(
             hold,
             Reason.FROZEN,
-            f"override freeze{until} ({active.reason}); {_holding(current)}",
+            f"override freeze{until} ({_one_line(active.reason)}); {_holding(current)}",
         )
 
     # 2. An operator's pin. apply = "now" is the on-call's emergency lever, so it
@@ -520,7 +520,7 @@ def _decide(
                 live = adaptive_live and runs_adaptive_config(pinned, control.live_adaptive_config)
             else:  # off: the reader reports 0 steps for a server without speculation
                 live = current == 0 and not adaptive_live
-        said = f"pinned to {label} by override ({active.reason})"
+        said = f"pinned to {label} by override ({_one_line(active.reason)})"
         arrow = _arrow(current, label, live_adaptive=adaptive_live)
         if live:
             return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live", pinned)
