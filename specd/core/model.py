@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -110,6 +110,9 @@ class _Curve:
     clamp_at: int | None = None
     evidence_s: float = 0.0  # decayed seconds observed at this K
     distance: int = 0  # K away from the nearest measured K (extrapolated curves)
+    # The calibration's reading of (xs, ys) per whole concurrency, before ``scale``
+    # (`Calibration.reading`: shared by every tick's model); None: read the points.
+    readings: dict[float, float] | None = field(default=None, compare=False, repr=False)
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -143,6 +146,25 @@ class Calibration:
     points: Mapping[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # A memo of `reading`, a pure function of this (immutable) table: (K, capacity) → the
+    # points K's curve is read through and its reading per whole concurrency, filled as
+    # ticks read them. Every tick's model reads the same few curves at the same bins.
+    _readings: dict[
+        tuple[int, int | None],
+        tuple[tuple[float, ...], tuple[float, ...], dict[float, float]],
+    ] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def reading(
+        self, k: int, capacity: int | None
+    ) -> tuple[tuple[float, ...], tuple[float, ...], dict[float, float]]:
+        """`_shape` of K at ``capacity``, and a dict of `interpolate` over those points
+        per whole concurrency (filled by the reader: `PerformanceModel._raw`)."""
+        key = (k, capacity)
+        found = self._readings.get(key)
+        if found is None:
+            xs, ys = _shape(self, k, capacity)
+            found = self._readings[key] = (xs, ys, {})
+        return found
 
     @classmethod
     def of(cls, table: PerfTable) -> Calibration:
@@ -198,7 +220,9 @@ class PerformanceModel:
         self.alpha_live = self._live_alpha(history)
         self._curves: dict[int, _Curve] = {}
         self._capacities = capacities
-        self._cache: dict[tuple[int, int], float] = {}
+        # Per K: whole concurrency → predicted tok/s (this model's `throughput`).
+        self._values: dict[int, dict[int, float]] = {}
+        self._steps: list[int] | None = None
         self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
 
     # -- acceptance --------------------------------------------------------------------
@@ -242,9 +266,11 @@ class PerformanceModel:
     # -- curves ------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """The K this model can predict without extrapolating (0: speculation off)."""
-        return sorted(
-            set(self._cal_steps) | set(self._observed) | ({0} if self._off_row else set())
-        )
+        if self._steps is None:
+            self._steps = sorted(
+                set(self._cal_steps) | set(self._observed) | ({0} if self._off_row else set())
+            )
+        return list(self._steps)
 
     def can_predict(self, steps: int) -> bool:
         return self._curve(steps) is not None
@@ -286,7 +312,14 @@ class PerformanceModel:
 
     def _shape(self, k: int, capacity: int | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
         assert self._fitted is not None, "only a model with a calibration reads its points"
-        return _shape(self._fitted, k, capacity)
+        xs, ys, _ = self._fitted.reading(k, capacity)
+        return xs, ys
+
+    def _calibration_curve(self, k: int, capacity: int | None, scale: float) -> _Curve:
+        """K's calibration curve at ``capacity``, read through the calibration's memo."""
+        assert self._fitted is not None, "only a model with a calibration reads its points"
+        xs, ys, readings = self._fitted.reading(k, capacity)
+        return _Curve(xs, ys, capacity, scale, Source.CALIBRATION, readings=readings)
 
     def _build_curve(self, k: int) -> _Curve | None:
         if k < 0:
@@ -295,12 +328,10 @@ class PerformanceModel:
         observed = self._observed.get(k, {})
         if k == 0 and cal is not None and self._off_row:
             capacity = self._capacities.get(0, cal.capacity(0))
-            xs, ys = self._shape(0, capacity)
-            return self._corrected(_Curve(xs, ys, capacity, 1.0, Source.CALIBRATION), observed)
+            return self._corrected(self._calibration_curve(0, capacity, 1.0), observed)
         if cal is not None and k in self._cal_steps:
             capacity = self._capacities.get(k, cal.capacity(k))
-            xs, ys = self._shape(k, capacity)
-            base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
+            base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
             return self._corrected(base, observed)
         if observed:
             points = sorted(observed.items())
@@ -346,6 +377,7 @@ class PerformanceModel:
             base.clamp_at,
             evidence_s=weight,
             distance=base.distance,
+            readings=base.readings,
         )
 
     def _extrapolated(self, k: int) -> _Curve | None:
@@ -392,9 +424,17 @@ class PerformanceModel:
 
     @staticmethod
     def _raw(curve: _Curve, c: float) -> float:
+        c = float(c)
         if curve.clamp_at is not None:
             c = min(c, float(curve.clamp_at))
-        return interpolate(curve.xs, curve.ys, c) * curve.scale
+        readings = curve.readings
+        if readings is None or not c.is_integer():
+            return interpolate(curve.xs, curve.ys, c) * curve.scale
+        # The calibration's points do not change: their reading at c is read once per run.
+        value = readings.get(c)
+        if value is None:
+            value = readings[c] = interpolate(curve.xs, curve.ys, c)
+        return value * curve.scale
 
     def throughput(self, steps: int, concurrency: float) -> float:
         """Predicted aggregate output tok/s; ValueError if ``steps`` cannot be predicted."""
@@ -404,7 +444,7 @@ class PerformanceModel:
             return 0.0
         c_bin = round(concurrency)
         if c_bin == concurrency:
-            cached = self._cache.get((steps, c_bin))
+            cached = self._values.get(steps, {}).get(c_bin)
             if cached is not None:
                 return cached
         curve = self._curve(steps)
@@ -412,26 +452,31 @@ class PerformanceModel:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
         value = self._raw(curve, concurrency)
         if c_bin == concurrency:
-            self._cache[(steps, c_bin)] = value
+            self._values.setdefault(steps, {})[c_bin] = value
         return value
 
     def rate(self, steps: int, weights: Mapping[int, float]) -> float:
         """Mean tok/s over a distribution of offered concurrency (weights sum to 1)."""
         # One curve lookup for the whole distribution: this runs for every candidate at
         # every tick, and reading each bin through `throughput` doubled the decision's cost.
+        values = self._at(steps, weights)
+        return sum([w * values[c] for c, w in weights.items() if c > 0])
+
+    def _at(self, steps: int, concurrencies: Iterable[int]) -> dict[int, float]:
+        """``throughput(steps, c)`` for every whole ``c`` > 0 of ``concurrencies``, in the
+        per-model dict of K's values (returned): the static rates and every adaptive set
+        read the same (K, c) bins."""
+        values = self._values.get(steps)
+        if values is None:
+            values = self._values[steps] = {}
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        return sum(w * self._at(steps, curve, c) for c, w in weights.items() if c > 0)
-
-    def _at(self, steps: int, curve: _Curve, c: int) -> float:
-        """``throughput(steps, c)`` at a whole concurrency, through the same per-model
-        cache: the static rates and every adaptive set read the same (K, c) bins."""
-        key = (steps, c)
-        value = self._cache.get(key)
-        if value is None:
-            value = self._cache[key] = self._raw(curve, float(c))
-        return value
+        missing = [c for c in concurrencies if c > 0 and c not in values]
+        if missing:
+            for c in missing:
+                values[c] = self._raw(curve, float(c))
+        return values
 
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
         """``setting``'s candidate sets over this model (once per model); None when the
@@ -448,11 +493,15 @@ class PerformanceModel:
         `AdaptiveModel.throughput` for a batch in its slot, read through the cache."""
         best = -math.inf
         for k in candidates:
-            curve = self._curves.get(k) or self._curve(k)
-            if curve is None:
-                raise ValueError(f"no calibration or observation to predict steps {k}")
-            value = self._at(k, curve, c)
-            best = max(best, value)
+            values = self._values.get(k)
+            value = values.get(c) if values is not None else None
+            if value is None:
+                curve = self._curve(k)
+                if curve is None:
+                    raise ValueError(f"no calibration or observation to predict steps {k}")
+                value = self._values.setdefault(k, {})[c] = self._raw(curve, float(c))
+            if value > best:  # as max(best, value): the first of equals stays
+                best = value
         return best
 
     def saturation(self, steps: Sequence[int]) -> int | None:
