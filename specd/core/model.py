@@ -473,9 +473,21 @@ class PerformanceModel:
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
         missing = [c for c in concurrencies if c > 0 and c not in values]
-        if missing:
+        if not missing:
+            return values
+        readings, scale = curve.readings, curve.scale
+        if readings is None or curve.clamp_at is not None:
             for c in missing:
                 values[c] = self._raw(curve, float(c))
+            return values
+        # `_raw` inlined for the calibration's curves: the reading at c times the scale.
+        xs, ys = curve.xs, curve.ys
+        for c in missing:
+            x = float(c)
+            r = readings.get(x)
+            if r is None:
+                r = readings[x] = interpolate(xs, ys, x)
+            values[c] = r * scale
         return values
 
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
@@ -604,7 +616,10 @@ def restart_cost_s(setting: SpecSetting, config: Settings) -> float:
 
 
 def _adaptive_rate(
-    model: PerformanceModel, setting: SpecSetting, weights: Mapping[int, float]
+    model: PerformanceModel,
+    setting: SpecSetting,
+    weights: Mapping[int, float],
+    folds: dict[int | None, dict[int, float]] | None = None,
 ) -> tuple[float, tuple[int, ...]] | None:
     """Mean tok/s of an adaptive setting over ``weights`` (the best candidate of each
     batch's slot at the deepest candidate's capacity, `specd.core.adaptive`) and the step
@@ -614,9 +629,14 @@ def _adaptive_rate(
         return None
     # Past the deepest candidate's capacity every batch is the same: one bin (exact). So
     # each bin is the batch itself, read in its slot as `AdaptiveModel.throughput` does.
-    folded = fold_above(weights, am.capacity)
+    # ``folds``: the weights folded per capacity already (sets share their deepest K).
+    folded = None if folds is None else folds.get(am.capacity)
+    if folded is None:
+        folded = fold_above(weights, am.capacity)
+        if folds is not None:
+            folds[am.capacity] = folded
     slot_for, best_of = am.slots.slot_for, model.best_of
-    rate = sum(w * best_of(slot_for(c).candidates, c) for c, w in folded.items() if c > 0)
+    rate = sum([w * best_of(slot_for(c).candidates, c) for c, w in folded.items() if c > 0])
     return rate, tuple(am.slots.candidates())
 
 
@@ -703,8 +723,9 @@ def plan(
         predictions[k] = StepPrediction(
             k, tok_s, source, trusted * serving, error, model.evidence_s(k)
         )
+    folds: dict[int | None, dict[int, float]] = {}
     for setting in adaptives:
-        predicted = _adaptive_rate(model, setting, weights)
+        predicted = _adaptive_rate(model, setting, weights, folds)
         if predicted is None:
             continue
         tok_s, steps = predicted
