@@ -337,6 +337,9 @@ class History:
         # One slot for `specd.core.forecast` to keep its last forecast in, with what it was
         # made of (it checks that before reusing it): derived, never state.
         self.forecast_memo: Any = None
+        self._throughput_memo: (
+            tuple[DecayingSums[tuple[int, int]], int, float, dict[tuple[int, int], Any]] | None
+        ) = None
 
     # -- folding --------------------------------------------------------------------
     def mark_sglang_start(self, t: float) -> None:
@@ -509,12 +512,19 @@ class History:
     def throughput_table(self) -> dict[tuple[int, int], tuple[float, float]]:
         """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence); an adaptive
         set's cells are keyed by its `specd.core.setting.config_key` (negative)."""
-        scale = self._throughput.scale_at(self._at())
-        return {
-            key: (cell[1] / cell[0], cell[0] * scale)
-            for key, cell in self._throughput.cells.items()
-            if cell[0] > 0
-        }
+        table, at = self._throughput, self._at()
+        # Read up to three times a tick (the model, the outcome check): made once per
+        # (revision, time), a copy handed out.
+        memo = self._throughput_memo
+        if memo is None or memo[0] is not table or memo[1] != table.revision or memo[2] != at:
+            scale = table.scale_at(at)
+            made = {
+                key: (cell[1] / cell[0], cell[0] * scale)
+                for key, cell in table.cells.items()
+                if cell[0] > 0
+            }
+            memo = self._throughput_memo = (table, table.revision, at, made)
+        return dict(memo[3])
 
     def capacity(self, steps: int) -> int | None:
         """max_running_requests last seen while SGLang ran ``steps``."""

@@ -516,6 +516,25 @@ class PerformanceModel:
                 best = value
         return best
 
+    def slots_rate(self, slots: Slots, weights: Mapping[int, float]) -> float:
+        """Mean tok/s over ``weights`` (batches: fold them at the capacity first) with each
+        batch at the best candidate of its slot: `best_of` per bin, in one loop."""
+        values, slot_for = self._values, slots.slot_for
+        terms: list[float] = []
+        for c, w in weights.items():
+            if c <= 0:
+                continue
+            best = -math.inf
+            for k in slot_for(c).candidates:
+                of_k = values.get(k)
+                value = of_k.get(c) if of_k is not None else None
+                if value is None:
+                    value = self.best_of((k,), c)
+                if value > best:  # as max(best, value): the first of equals stays
+                    best = value
+            terms.append(w * best)
+        return sum(terms)
+
     def saturation(self, steps: Sequence[int]) -> int | None:
         """The concurrency beyond which none of ``steps`` serves more (all queue)."""
         caps = [self.capacity(k) for k in steps]
@@ -635,8 +654,7 @@ def _adaptive_rate(
         folded = fold_above(weights, am.capacity)
         if folds is not None:
             folds[am.capacity] = folded
-    slot_for, best_of = am.slots.slot_for, model.best_of
-    rate = sum([w * best_of(slot_for(c).candidates, c) for c, w in folded.items() if c > 0])
+    rate = model.slots_rate(am.slots, folded)
     return rate, tuple(am.slots.candidates())
 
 
