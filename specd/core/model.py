@@ -609,10 +609,15 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     """(next window close, the following window open) as unix times; None without one."""
     try:
         close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
-        opens = windows.next_open(config.windows, close)
+        opens = _next_open(tuple(config.windows), close)
     except ValueError:
         return None
     return close.timestamp(), opens.timestamp()
+
+
+@functools.lru_cache(maxsize=64)  # pure, of frozen values: the same close all epoch long
+def _next_open(configured: tuple[windows.WindowLike, ...], close: datetime) -> datetime:
+    return windows.next_open(configured, close)
 
 
 @functools.lru_cache(maxsize=256)  # pure, keyed by the frozen setting: read at every tick
