@@ -1,12 +1,13 @@
 """Decision cost, this tree against a base revision, side by side; write bench/results/decision.md.
 
-``python -m bench decision`` checks the base revision (``--base``; default: where HEAD forked from ``main``) out into a temporary git worktree and replays the same bench cases (`bench.bench_replay`'s
-truths, traces, windows and config) with both trees' code, alternating base and this tree
-case by case, each case in a fresh process of its own (one at a time: ``--jobs`` is not
-offered, so the two never compete for a core). Per case and tree it reports the decision
+``python -m bench decision`` checks the base revision (``--base``; default: where HEAD
+forked from ``main``) out into a temporary git worktree and replays the same bench cases
+(`bench.bench_replay`'s truths, traces, windows and config) with both trees' code, base
+then this tree case by case, each case in a fresh process of its own, one at a time (no
+``--jobs``: the two never compete for a core). Per case and tree it reports the decision
 cost per tick in the deciding thread's CPU time (`time.thread_time` around `step`, measured
-here the same way for both trees) and in wall time, the CPU ratio new/base, and whether
-every decision (time, target, reason) and the setting timeline are identical. ``--days N``
+here the same way for both trees) and in wall time, the ratios new/base, and whether every
+decision (time, target, reason) and the setting timeline are identical. ``--days N``
 (default 2), ``--case TRUTH/TRACE/POLICY`` (repeatable; default: `CASES`).
 """
 
@@ -21,6 +22,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO))
+
+from bench.traces import generate as traces  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "decision.md"
 # (truth, trace, policy): the costliest rows of bench/results/replay.md (choosing among
 # kinds, a regression taken back, weekly rhythms) and plain ones.
@@ -102,9 +108,6 @@ def _measure(tree: Path, case: tuple[str, str, str], trace: Path) -> dict[str, A
 
 
 def run(argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO))
-    from bench.traces import generate as traces
-
     parser = argparse.ArgumentParser(prog="python -m bench decision", description=__doc__)
     parser.add_argument(
         "--base", help="git revision to compare with (default: where HEAD forked from main)"
@@ -146,8 +149,8 @@ def run(argv: list[str]) -> int:
             for case in cases:
                 truth, trace_name, policy = case
                 trace = traces.write(trace_name, Path(tmp) / f"{trace_name}.csv", args.days)
-                old = _measure(base, case, trace)  # type: ignore[arg-type]
-                new = _measure(REPO, case, trace)  # type: ignore[arg-type]
+                old = _measure(base, case, trace)
+                new = _measure(REPO, case, trace)
                 same = all(old[k] == new[k] for k in ("decisions", "setting_timeline"))
                 same_everywhere &= same
                 oc, nc = _stats(old["cpu"]), _stats(new["cpu"])

@@ -9,8 +9,9 @@ per-epoch oracle and SGLang's ``--speculative-adaptive`` with its default slots,
 issue 12's "Figures to reach" (`FIGURES`) on each model row; it exits 1 if one fails.
 Decision cost (forecast + model + step per tick, as the daemon does) is measured in the
 same runs, in wall time and in the deciding thread's CPU time; the p99 figure reads the CPU
-time (cases run side by side on a shared machine: wall time counts preemption). ``--days N`` shortens the traces, ``--only NAME`` runs one trace, ``--truth
-NAME`` one truth, ``--jobs N`` runs cases in N processes (each case is still one run).
+time (cases run side by side on a shared machine: wall time counts preemption). ``--days
+N`` shortens the traces, ``--only NAME`` runs one trace, ``--truth NAME`` one truth,
+``--jobs N`` runs cases in N processes (each case is still one run).
 """
 
 from __future__ import annotations
@@ -266,7 +267,8 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "in any 7 days (changes with reason `explore`); decision p99 ≤ "
         f"{DECISION_P99_MS_MAX:g} ms in the deciding thread's CPU time (`time.thread_time` "
         "around each tick's `step`; the table shows wall time beside it, which on this "
-        "shared machine also counts the time the process waited for a core). Where the calibration claims a step count serves more "
+        "shared machine also counts the time the process waited for a core). Where the "
+        "calibration claims a step count serves more "
         f"than it does ({', '.join(f'`{t}`: {k}' for t, k in sorted(TAKEN_BACK.items()))}), "
         "a change to it is taken back and never made again (taken back: changes with reason "
         f"`{REGRESSION_REASON}`; changes to the oversold step count, which must be 1 and "

@@ -141,9 +141,7 @@ def forecast_epoch(history: History, start: float, end: float) -> Forecast | Non
     return _copy(made)
 
 
-def _same(
-    a: tuple[dict[int, float], str] | None, b: tuple[dict[int, float], str] | None
-) -> bool:
+def _same(a: tuple[dict[int, float], str] | None, b: tuple[dict[int, float], str] | None) -> bool:
     # The history hands out the same dict while its table is unchanged ("recent" is made
     # anew at every forecast, so a forecast reading it is never reused).
     if a is None or b is None:

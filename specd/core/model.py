@@ -512,7 +512,7 @@ class PerformanceModel:
                 if curve is None:
                     raise ValueError(f"no calibration or observation to predict steps {k}")
                 value = self._values.setdefault(k, {})[c] = self._raw(curve, float(c))
-            if value > best:  # as max(best, value): the first of equals stays
+            if value > best:  # noqa: PLR1730 -- max(best, value) without a call per bin
                 best = value
         return best
 
@@ -530,7 +530,7 @@ class PerformanceModel:
                 value = of_k.get(c) if of_k is not None else None
                 if value is None:
                     value = self.best_of((k,), c)
-                if value > best:  # as max(best, value): the first of equals stays
+                if value > best:  # noqa: PLR1730 -- max(best, value) without a call per bin
                     best = value
             terms.append(w * best)
         return sum(terms)

@@ -60,7 +60,8 @@ def test_a_kept_forecast_is_made_again_when_an_hour_of_the_epoch_changes() -> No
     # Next Wednesday 08:00–18:00: its own hours (last Wednesday) are known.
     start = MONDAY + (9 * 24 + 8) * HOUR
     before = forecast_epoch(asked, start, start + 10 * HOUR)
-    assert before is not None and before.source == "same hours"
+    assert before is not None
+    assert before.source == "same hours"
     again = forecast_epoch(asked, start, start + 10 * HOUR)
     assert again == before
     # Wednesday's 10:00 hour again, a week later: 50 requests all hour. The hour's table
@@ -84,7 +85,8 @@ def test_a_kept_forecast_follows_the_other_days_of_its_kind() -> None:
     # Wednesday 09:00–12:00 from Monday's and Tuesday's same hours.
     start = MONDAY + (2 * 24 + 9) * HOUR
     before = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert before is not None and before.source == "same hours, other days"
+    assert before is not None
+    assert before.source == "same hours, other days"
     # Wednesday 00:00–09:00 observed: no hour of the epoch, nor of its day kind's hours
     # 09–12: the forecast is kept, and equal to a fresh one.
     record([asked, cold], MONDAY + 2 * DAY, start)
@@ -94,7 +96,8 @@ def test_a_kept_forecast_follows_the_other_days_of_its_kind() -> None:
     # hour at 50 (Wednesday's own, the epoch's): the pooled hours change.
     record([asked, cold], start, start + 2 * HOUR, level=50)
     after = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert after is not None and after != before
+    assert after is not None
+    assert after != before
     assert after == forecast_epoch(cold, start, start + 3 * HOUR)
 
 
@@ -107,7 +110,8 @@ def test_a_forecast_handed_out_is_the_callers_own() -> None:
     expected = dict(first.weights)
     first.weights.clear()
     second = forecast_epoch(history, start, start + 10 * HOUR)
-    assert second is not None and second.weights == expected
+    assert second is not None
+    assert second.weights == expected
 
 
 def test_an_hour_distribution_is_kept_per_revision_of_its_table() -> None:
@@ -115,11 +119,13 @@ def test_an_hour_distribution_is_kept_per_revision_of_its_table() -> None:
     record([history], MONDAY, MONDAY + 2 * HOUR)
     shares, seconds = history.hour_of_week_distribution(hour_of_week(MONDAY))
     again, later = history.hour_of_week_distribution(hour_of_week(MONDAY))
-    assert again is shares and later == seconds
+    assert again is shares
+    assert later == seconds
     history.record(observation(MONDAY + 7 * DAY, 9))  # the same hour of the week, a week on
     changed, _ = history.hour_of_week_distribution(hour_of_week(MONDAY))
     assert changed is not shares
-    assert changed is not None and 9 in changed
+    assert changed is not None
+    assert 9 in changed
     # The decayed seconds follow the time read at, the shares not.
     assert sum(changed.values()) == pytest.approx(1.0)
 
