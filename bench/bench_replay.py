@@ -8,8 +8,10 @@ policy for comparison. Each run scores, side by side, specd, every static step c
 per-epoch oracle and SGLang's ``--speculative-adaptive`` with its default slots, and checks
 issue 12's "Figures to reach" (`FIGURES`) on each model row; it exits 1 if one fails.
 Decision cost (forecast + model + step per tick, as the daemon does) is measured in the
-same runs. ``--days N`` shortens the traces, ``--only NAME`` runs one trace, ``--truth
-NAME`` one truth, ``--jobs N`` runs cases in N processes (each case is still one run).
+same runs, in wall time and in the deciding thread's CPU time; the p99 figure reads the CPU
+time (cases run side by side on a shared machine: wall time counts preemption). ``--days
+N`` shortens the traces, ``--only NAME`` runs one trace, ``--truth NAME`` one truth,
+``--jobs N`` runs cases in N processes (each case is still one run).
 """
 
 from __future__ import annotations
@@ -167,13 +169,20 @@ class Row:
             self.taken_back(),
             Figure(
                 "decision p99 ms",
-                f"{r['decision_ms_p99']:.2f}",
-                r["decision_ms_p99"] <= DECISION_P99_MS_MAX,
+                f"{_cpu_p99(r):.2f}",
+                _cpu_p99(r) <= DECISION_P99_MS_MAX,
             ),
         ]
 
     def failures(self) -> list[str]:
         return [f"{f.name} {f.value}" for f in self.figures() if f.ok is False]
+
+
+def _cpu_p99(r: dict[str, Any]) -> float:
+    """The decision p99 in the thread's CPU time (a result from before it was measured:
+    the wall time)."""
+    p99: float = r.get("decision_cpu_ms_p99", r["decision_ms_p99"])
+    return p99
 
 
 def run_one(truth: tuple[str, Path, Path], trace_name: str, trace_path: Path, policy: str) -> Row:
@@ -256,7 +265,10 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         f"({KINDS_POLICY}); ≤ {RESTARTS_PER_DAY_MAX:g} restarts a day, 0 "
         f"outside windows; ≤ {EXPLORE_PER_STEPS_PER_WEEK_MAX:g} exploration per step count "
         "in any 7 days (changes with reason `explore`); decision p99 ≤ "
-        f"{DECISION_P99_MS_MAX:g} ms. Where the calibration claims a step count serves more "
+        f"{DECISION_P99_MS_MAX:g} ms in the deciding thread's CPU time (`time.thread_time` "
+        "around each tick's `step`; the table shows wall time beside it, which on this "
+        "shared machine also counts the time the process waited for a core). Where the "
+        "calibration claims a step count serves more "
         f"than it does ({', '.join(f'`{t}`: {k}' for t, k in sorted(TAKEN_BACK.items()))}), "
         "a change to it is taken back and never made again (taken back: changes with reason "
         f"`{REGRESSION_REASON}`; changes to the oversold step count, which must be 1 and "
@@ -277,12 +289,16 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
             f"| {name} | {sum(f.ok is True for f in marks)} | {len(fails)} "
             f"| {sum(f.ok is None for f in marks)} | {'; '.join(fails) or '–'} |"
         )
-    p99s = sorted(row.result["decision_ms_p99"] for row in model)
+    p99s = sorted(_cpu_p99(row.result) for row in model)
+    walls = sorted(row.result["decision_ms_p99"] for row in model)
     if p99s:
         lines += [
             "",
-            f"Decision cost p99 per case: median {p99s[len(p99s) // 2]:.2f} ms, worst "
-            f"{p99s[-1]:.2f} ms (mean per case "
+            f"Decision cost p99 per case, CPU time: median {p99s[len(p99s) // 2]:.2f} ms, "
+            f"worst {p99s[-1]:.2f} ms; wall time: median {walls[len(walls) // 2]:.2f} ms, "
+            f"worst {walls[-1]:.2f} ms (mean per case, CPU "
+            f"{min(r.result.get('decision_cpu_ms_mean', 0.0) for r in model):.2f}–"
+            f"{max(r.result.get('decision_cpu_ms_mean', 0.0) for r in model):.2f} ms, wall "
             f"{min(r.result['decision_ms_mean'] for r in model):.2f}–"
             f"{max(r.result['decision_ms_mean'] for r in model):.2f} ms).",
         ]
@@ -293,8 +309,8 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "| truth | trace | policy | specd | best static (K) | oracle | adaptive (cap) "
         "| ×oracle | ×best static | ×adaptive | oracle gap | gap captured | restarts/day "
         "| outside | steps | explored (per K) | above adaptive cap | lost restarting "
-        "| decision ms mean/p99 | replay s | figures |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|--:|--:|--:|---|",
+        "| decision ms mean/p99 CPU | wall | replay s | figures |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|--:|--:|--:|--:|--:|---|",
     ]
     for row in rows:
         r = row.result
@@ -313,6 +329,7 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
             else f"{adaptive['above_capacity_ratio']:.0%}"
         )
         to_ad = "–" if r["ratio_to_adaptive"] is None else f"{r['ratio_to_adaptive']:.4f}"
+        cpu = f"{r.get('decision_cpu_ms_mean', 0.0):.2f}/{_cpu_p99(r):.2f}"
         ms = f"{r['decision_ms_mean']:.2f}/{r['decision_ms_p99']:.2f}"
         lines.append(
             f"| {row.truth} | {row.trace} | {row.policy} | {r['specd_tokens'] / 1e6:.1f} "
@@ -320,7 +337,7 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
             f"| {r['ratio_to_oracle']:.4f} | {r['ratio_to_best_static']:.4f} | {to_ad} "
             f"| {r['oracle_gap_ratio']:.1%} | {captured} | {r['restarts_per_day']} "
             f"| {r['restarts_outside_windows']} | {_steps_path(r)} | {_explored(r)} | {above} "
-            f"| {r['restart_lost_tokens'] / 1e6:.2f} | {ms} | {row.seconds:.1f} | {check} |"
+            f"| {r['restart_lost_tokens'] / 1e6:.2f} | {cpu} | {ms} | {row.seconds:.1f} | {check} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 
@@ -16,6 +17,9 @@ def accept_length_from_alpha(alpha: float, steps: int) -> float:
     return (1.0 - alpha ** (steps + 1)) / (1.0 - alpha)
 
 
+# Pure: the model inverts every observed step count's accept length at every tick, and only
+# the live one's changes from tick to tick.
+@functools.lru_cache(maxsize=256)
 def alpha_from_accept_length(L: float, steps: int) -> float | None:
     """Invert L = (1 − α^(K+1)) / (1 − α); None when L is impossible at K steps."""
     length = L

@@ -28,6 +28,8 @@ from typing import Protocol
 
 # The largest step count a candidate may have (SGLang builds a CUDA graph set per candidate).
 MAX_CANDIDATE_STEPS = 16
+# Batch sizes `Slots.slot_for` remembers per set of slots (whole concurrencies, in practice).
+_ROUTED_MAX = 4096
 
 
 class Throughputs(Protocol):
@@ -95,13 +97,43 @@ class Slots:
         # Once per (immutable) Slots: slot_for runs per concurrency bin per tick.
         return tuple(s.min_batch for s in self.slots)
 
+    @functools.cached_property
+    def _routed(self) -> dict[float, Slot]:
+        # A memo of `slot_for` (a pure function of these immutable slots) per batch size.
+        return {}
+
     def slot_for(self, batch: float) -> Slot:
         """The slot a batch of ``batch`` requests runs in (SGLang's routing)."""
-        i = bisect.bisect_right(self._thresholds, batch) - 1
-        return self.slots[max(i, 0)]
+        slot = self._routed.get(batch)
+        if slot is None:
+            i = bisect.bisect_right(self._thresholds, batch) - 1
+            slot = self.slots[max(i, 0)]
+            if len(self._routed) < _ROUTED_MAX:
+                self._routed[batch] = slot
+        return slot
 
     def describe(self) -> str:
         return " ".join(f"≥{s.min_batch}:[{','.join(map(str, s.candidates))}]" for s in self.slots)
+
+
+@functools.lru_cache(maxsize=256)  # pure, of frozen values: the model reads it every tick
+def _usable(slots: Slots, steps: tuple[int, ...]) -> tuple[Slots, tuple[int, ...], int]:
+    """``slots`` with only the candidates of ``steps`` (a table's), the candidates left out,
+    and the deepest one kept; ValueError when none is kept."""
+    known = set(steps)
+    kept = {
+        s.min_batch: tuple(k for k in s.candidates if k in known)
+        for s in slots.slots
+        if any(k in known for k in s.candidates)
+    }
+    skipped = tuple(k for k in slots.candidates() if k not in known)
+    if not kept:
+        raise ValueError(
+            f"adaptive slots {slots.describe()}: the table has none of the candidates "
+            f"(it has steps {','.join(map(str, sorted(known))) or '-'})"
+        )
+    usable = Slots.of(kept)
+    return usable, skipped, max(usable.candidates())
 
 
 # SGLang 0.5.23's DEFAULT_ADAPTIVE_CONFIG (srt/speculative/adaptive_spec_params.py).
@@ -120,20 +152,7 @@ class AdaptiveModel:
 
     @classmethod
     def of(cls, slots: Slots, table: Throughputs) -> AdaptiveModel:
-        known = set(table.steps())
-        kept = {
-            s.min_batch: tuple(k for k in s.candidates if k in known)
-            for s in slots.slots
-            if any(k in known for k in s.candidates)
-        }
-        skipped = tuple(k for k in slots.candidates() if k not in known)
-        if not kept:
-            raise ValueError(
-                f"adaptive slots {slots.describe()}: the table has none of the candidates "
-                f"(it has steps {','.join(map(str, sorted(known))) or '-'})"
-            )
-        usable = Slots.of(kept)
-        deepest = max(usable.candidates())
+        usable, skipped, deepest = _usable(slots, tuple(table.steps()))
         return cls(slots, usable, table, skipped, table.capacity(deepest))
 
     def batch(self, concurrency: float) -> float:

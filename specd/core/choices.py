@@ -13,6 +13,7 @@ per-batch-size slots (0.5.13+, `sglang_features.ADAPTIVE_SLOTS`), and a set with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,8 @@ def _adaptive_kind(traits: ServerTraits | None) -> str | None:
     return None
 
 
+# Pure and keyed by frozen values: every tick asks, and they change only on a reload.
+@functools.lru_cache(maxsize=64)
 def offer(choose: ChooseSettings, traits: ServerTraits | None) -> Offer:
     """The settings of ``choose`` that a server with ``traits`` can run (None: not read
     yet; static K and off are offered then, as specd has always run static K).

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from specd.core.history import HOUR_S, HOURS_PER_WEEK, day_kind, hour_of_week
@@ -73,35 +73,26 @@ class Forecast:
 
 
 class _HourSource:
-    """Per-hour distributions, computed once per forecast."""
+    """Per-hour distributions, each read once per forecast."""
 
     def __init__(self, history: History) -> None:
         self.history = history
-        self._own: dict[int, tuple[dict[int, float], float]] = {}
         self._kind: dict[int, dict[int, float] | None] = {}
         self._day: dict[int, dict[int, float] | None] = {}
         self._recent: dict[int, float] | bool | None = False
 
-    def own(self, how: int) -> tuple[dict[int, float], float]:
-        if how not in self._own:
-            weights = self.history.hour_of_week_weights(how)
-            self._own[how] = (weights, sum(weights.values()))
-        return self._own[how]
-
     def same_kind(self, how: int) -> dict[int, float] | None:
         key = day_kind(how)
         if key not in self._kind:
-            merged = self.history.day_kind_weights(how)
-            total = sum(merged.values())
-            self._kind[key] = _normalized(merged) if total >= MIN_HOUR_EVIDENCE_S else None
+            shares, seconds = self.history.day_kind_distribution(how)
+            self._kind[key] = shares if seconds >= MIN_HOUR_EVIDENCE_S else None
         return self._kind[key]
 
     def any_day(self, how: int) -> dict[int, float] | None:
         hour = how % 24
         if hour not in self._day:
-            merged = self.history.hour_of_day_weights(how)
-            total = sum(merged.values())
-            self._day[hour] = _normalized(merged) if total >= MIN_HOUR_EVIDENCE_S else None
+            shares, seconds = self.history.hour_of_day_distribution(how)
+            self._day[hour] = shares if seconds >= MIN_HOUR_EVIDENCE_S else None
         return self._day[hour]
 
     def recent(self) -> dict[int, float] | None:
@@ -111,11 +102,9 @@ class _HourSource:
         return self._recent
 
     def distribution(self, how: int) -> tuple[dict[int, float], str] | None:
-        weights, total = self.own(how)
-        if total >= MIN_HOUR_EVIDENCE_S:
-            normalized = _normalized(weights)
-            if normalized is not None:
-                return normalized, "same hours"
+        shares, seconds = self.history.hour_of_week_distribution(how)
+        if seconds >= MIN_HOUR_EVIDENCE_S and shares is not None:
+            return shares, "same hours"
         kind = self.same_kind(how)
         if kind is not None:
             return kind, "same hours, other days"
@@ -126,32 +115,80 @@ class _HourSource:
         return None if recent is None else (recent, "recent")
 
 
+@dataclass(frozen=True)
+class _Made:
+    """A forecast and the distributions it was made of, each hour's (in order)."""
+
+    start: float
+    end: float
+    parts: tuple[tuple[dict[int, float], str] | None, ...]
+    forecast: Forecast | None
+
+
 def forecast_epoch(history: History, start: float, end: float) -> Forecast | None:
-    """Forecast for [start, end) (unix seconds); None when the history is empty."""
+    """Forecast for [start, end) (unix seconds); None when the history is empty.
+
+    Each hour's distribution is a share of its (decaying) time, the same however long ago
+    it was recorded; while the epoch and every distribution it reads are the same, so is
+    the forecast: the history keeps the last one (`History.forecast_memo`) for the next
+    tick, and it is made again only when one of them changed."""
     if not (math.isfinite(start) and math.isfinite(end)):
         return None
     if end <= start:
         end = start + HOUR_S  # a degenerate epoch: forecast the hour that follows
     hours = _HourSource(history)
-    merged: dict[int, float] = {}
-    share: dict[str, float] = {}
-    covered = 0.0
+    slots: list[tuple[float, tuple[dict[int, float], str] | None]] = []
     t = start
     while t < end:
         slot_end = min((math.floor(t / HOUR_S) + 1) * HOUR_S, end)
-        span = slot_end - t
-        how = hour_of_week(t)
-        got = hours.distribution(how)
+        slots.append((slot_end - t, hours.distribution(hour_of_week(t))))
+        t = slot_end
+        # Beyond a week the hours repeat: the first week's shape is the forecast.
+        if t - start >= HOURS_PER_WEEK * HOUR_S:
+            break
+    parts = tuple(got for _, got in slots)
+    memo = history.forecast_memo
+    if (
+        isinstance(memo, _Made)
+        and memo.start == start
+        and memo.end == end
+        and len(memo.parts) == len(parts)
+        and all(_same(a, b) for a, b in zip(memo.parts, parts, strict=True))
+    ):
+        return _copy(memo.forecast)
+    made = _merge(start, end, slots)
+    history.forecast_memo = _Made(start, end, parts, made)
+    return _copy(made)
+
+
+def _same(a: tuple[dict[int, float], str] | None, b: tuple[dict[int, float], str] | None) -> bool:
+    # The history hands out the same dict while its table is unchanged ("recent" is made
+    # anew at every forecast, so a forecast reading it is never reused).
+    if a is None or b is None:
+        return a is b
+    return a[0] is b[0] and a[1] == b[1]
+
+
+def _copy(forecast: Forecast | None) -> Forecast | None:
+    # Every caller gets weights of its own: the memo's are never handed out.
+    if forecast is None:
+        return None
+    return replace(forecast, weights=dict(forecast.weights))
+
+
+def _merge(
+    start: float, end: float, slots: list[tuple[float, tuple[dict[int, float], str] | None]]
+) -> Forecast | None:
+    merged: dict[int, float] = {}
+    share: dict[str, float] = {}
+    covered = 0.0
+    for span, got in slots:
         if got is not None:
             weights, source = got
             for k, w in weights.items():
                 merged[k] = merged.get(k, 0.0) + w * span
             share[source] = share.get(source, 0.0) + span
             covered += span
-        t = slot_end
-        # Beyond a week the hours repeat: the first week's shape is the forecast.
-        if t - start >= HOURS_PER_WEEK * HOUR_S:
-            break
     if covered <= 0:
         return None
     weights = {k: w / covered for k, w in merged.items()}

@@ -83,14 +83,18 @@ def _pow2(x: float) -> float:
 class DecayingSums(Generic[K]):
     """Vectors of sums per key, all decaying with one half-life, O(1) per update."""
 
-    __slots__ = ("cells", "half_life_s", "ref_t")
+    __slots__ = ("cells", "half_life_s", "ref_t", "revision")
 
     def __init__(self, half_life_s: float, ref_t: float = 0.0) -> None:
         self.half_life_s = half_life_s
         self.ref_t = ref_t
         self.cells: dict[K, list[float]] = {}
+        # Counts the changes of the stored sums (`add`, `rebase`): what is derived from
+        # them alone (not from the time they are read at) holds while it is the same.
+        self.revision = 0
 
     def add(self, key: K, t: float, *values: float) -> None:
+        self.revision += 1
         if not self.cells:
             self.ref_t = t  # keeps the factors near 1 for the precision of small sums
         x = (t - self.ref_t) / self.half_life_s
@@ -107,6 +111,7 @@ class DecayingSums(Generic[K]):
 
     def rebase(self, t: float) -> None:
         """Store the sums as their decayed values at ``t``."""
+        self.revision += 1
         factor = _pow2(-(t - self.ref_t) / self.half_life_s)
         for cell in self.cells.values():
             for i in range(len(cell)):
@@ -159,7 +164,17 @@ class DecayingSums(Generic[K]):
                 dropped.append(f"{where}[{index}]: {exc}")
                 continue
             table.cells[key] = values
+        table.revision += len(table.cells)
         return table
+
+    def distribution(self) -> tuple[dict[K, float] | None, float]:
+        """The first value of every cell as a share of their sum (None when it is 0), and
+        that sum, as stored: multiply by `scale_at` for its decayed value at a time. The
+        shares do not depend on the time they are read at."""
+        total = sum(cell[0] for cell in self.cells.values() if cell[0] > 0)
+        if total <= 0:
+            return None, 0.0
+        return {k: cell[0] / total for k, cell in self.cells.items() if cell[0] > 0}, total
 
 
 def _cell(row: Any, width: int, decode_key: Callable[[Any], K]) -> tuple[K, list[float]]:
@@ -316,6 +331,17 @@ class History:
         self.sglang_started_at: float | None = None
         self._counters: dict[str, float] = {}
         self._last_steps: int | None = None
+        # What the queries derive from the hourly tables, per table: (table, its revision,
+        # `DecayingSums.distribution`). Derived, never state: not persisted, not compared.
+        self._distributions: dict[int, tuple[DecayingSums[int], int, Any]] = {}
+        # One slot for `specd.core.forecast` to keep its last forecast in, with what it was
+        # made of (it checks that before reusing it): derived, never state.
+        self.forecast_memo: Any = None
+        # hour of the day -> (its two day-kind tables, their revisions, shares, seconds, at)
+        self._any_day: dict[int, tuple[Any, Any, dict[int, float] | None, float, float]] = {}
+        self._throughput_memo: (
+            tuple[DecayingSums[tuple[int, int]], int, float, dict[tuple[int, int], Any]] | None
+        ) = None
 
     # -- folding --------------------------------------------------------------------
     def mark_sglang_start(self, t: float) -> None:
@@ -488,12 +514,19 @@ class History:
     def throughput_table(self) -> dict[tuple[int, int], tuple[float, float]]:
         """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence); an adaptive
         set's cells are keyed by its `specd.core.setting.config_key` (negative)."""
-        scale = self._throughput.scale_at(self._at())
-        return {
-            key: (cell[1] / cell[0], cell[0] * scale)
-            for key, cell in self._throughput.cells.items()
-            if cell[0] > 0
-        }
+        table, at = self._throughput, self._at()
+        # Read up to three times a tick (the model, the outcome check): made once per
+        # (revision, time), a copy handed out.
+        memo = self._throughput_memo
+        if memo is None or memo[0] is not table or memo[1] != table.revision or memo[2] != at:
+            scale = table.scale_at(at)
+            made = {
+                key: (cell[1] / cell[0], cell[0] * scale)
+                for key, cell in table.cells.items()
+                if cell[0] > 0
+            }
+            memo = self._throughput_memo = (table, table.revision, at, made)
+        return dict(memo[3])
 
     def capacity(self, steps: int) -> int | None:
         """max_running_requests last seen while SGLang ran ``steps``."""
@@ -520,18 +553,58 @@ class History:
         scale = table.scale_at(self._at())
         return {k: cell[0] * scale for k, cell in table.cells.items()}
 
-    def hour_of_day_weights(self, how: int) -> dict[int, float]:
-        """Decayed seconds at each offered concurrency during this hour of the day on every
-        day seen, weekdays and weekends alike (``how`` itself included)."""
-        out: dict[int, float] = {}
+    def _distribution(
+        self, index: int, table: DecayingSums[int] | None
+    ) -> tuple[dict[int, float] | None, float]:
+        """``table``'s `DecayingSums.distribution` and its decayed seconds now, the first
+        derived once per revision of the table (``index``: which table it is)."""
+        if table is None:
+            return None, 0.0
+        memo = self._distributions.get(index)
+        if memo is None or memo[0] is not table or memo[1] != table.revision:
+            memo = self._distributions[index] = (table, table.revision, table.distribution())
+        shares, total = memo[2]
+        return shares, total * table.scale_at(self._at())
+
+    def hour_of_week_distribution(self, how: int) -> tuple[dict[int, float] | None, float]:
+        """The share of hour-of-week ``how``'s time at each offered concurrency (None without
+        any) and its decayed seconds. The shares are the same object while nothing was
+        recorded in that hour (whatever the time now): callers may key on it."""
+        how %= HOURS_PER_WEEK
+        return self._distribution(how, self._hourly[how])
+
+    def day_kind_distribution(self, how: int) -> tuple[dict[int, float] | None, float]:
+        """As `hour_of_week_distribution` over this hour of the day on every day of
+        ``how``'s kind (`day_kind_weights`)."""
+        kind = day_kind(how)
+        return self._distribution(HOURS_PER_WEEK + kind, self._day_kinds[kind])
+
+    def hour_of_day_distribution(self, how: int) -> tuple[dict[int, float] | None, float]:
+        """As `day_kind_distribution` over this hour of the day on every day seen, weekdays
+        and weekends alike. Both tables decay alike, so their shares of the sum do not
+        depend on the time read either: derived once per revision of the two."""
         hour = how % 24
-        for table in (self._day_kinds[hour], self._day_kinds[hour + 24]):
-            if table is None:
-                continue
-            scale = table.scale_at(self._at())
-            for k, cell in table.cells.items():
-                out[k] = out.get(k, 0.0) + cell[0] * scale
-        return out
+        tables = (self._day_kinds[hour], self._day_kinds[hour + 24])
+        revisions = tuple(-1 if t is None else t.revision for t in tables)
+        memo = self._any_day.get(hour)
+        if memo is None or memo[0] != tables or memo[1] != revisions:
+            at = self._at()
+            merged: dict[int, float] = {}
+            for table in tables:
+                if table is None:
+                    continue
+                scale = table.scale_at(at)
+                for k, cell in table.cells.items():
+                    merged[k] = merged.get(k, 0.0) + cell[0] * scale
+            total = sum(w for w in merged.values() if w > 0)
+            shares = {k: w / total for k, w in merged.items() if w > 0} if total > 0 else None
+            # Stored as seconds at ``at``: rescaled to now when read (the same half-life).
+            memo = self._any_day[hour] = (tables, revisions, shares, total, at)
+        _, _, shares, total, then = memo
+        if shares is None:
+            return None, 0.0
+        reference = next(t for t in tables if t is not None)
+        return shares, total * reference.scale_at(self._at()) / reference.scale_at(then)
 
     def _rebuild_day_kinds(self) -> None:
         at = self._at()

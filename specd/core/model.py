@@ -50,8 +50,8 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -110,6 +110,9 @@ class _Curve:
     clamp_at: int | None = None
     evidence_s: float = 0.0  # decayed seconds observed at this K
     distance: int = 0  # K away from the nearest measured K (extrapolated curves)
+    # The calibration's reading of (xs, ys) per whole concurrency, before ``scale``
+    # (`Calibration.reading`: shared by every tick's model); None: read the points.
+    readings: dict[float, float] | None = field(default=None, compare=False, repr=False)
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -143,6 +146,25 @@ class Calibration:
     points: Mapping[int, tuple[tuple[float, ...], tuple[float, ...]]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # A memo of `reading`, a pure function of this (immutable) table: (K, capacity) → the
+    # points K's curve is read through and its reading per whole concurrency, filled as
+    # ticks read them. Every tick's model reads the same few curves at the same bins.
+    _readings: dict[
+        tuple[int, int | None],
+        tuple[tuple[float, ...], tuple[float, ...], dict[float, float]],
+    ] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    def reading(
+        self, k: int, capacity: int | None
+    ) -> tuple[tuple[float, ...], tuple[float, ...], dict[float, float]]:
+        """`_shape` of K at ``capacity``, and a dict of `interpolate` over those points
+        per whole concurrency (filled by the reader: `PerformanceModel._raw`)."""
+        key = (k, capacity)
+        found = self._readings.get(key)
+        if found is None:
+            xs, ys = _shape(self, k, capacity)
+            found = self._readings[key] = (xs, ys, {})
+        return found
 
     @classmethod
     def of(cls, table: PerfTable) -> Calibration:
@@ -198,7 +220,9 @@ class PerformanceModel:
         self.alpha_live = self._live_alpha(history)
         self._curves: dict[int, _Curve] = {}
         self._capacities = capacities
-        self._cache: dict[tuple[int, int], float] = {}
+        # Per K: whole concurrency → predicted tok/s (this model's `throughput`).
+        self._values: dict[int, dict[int, float]] = {}
+        self._steps: list[int] | None = None
         self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
         self._box: dict[int, tuple[float, float, float]] | None = None
 
@@ -243,9 +267,11 @@ class PerformanceModel:
     # -- curves ------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """The K this model can predict without extrapolating (0: speculation off)."""
-        return sorted(
-            set(self._cal_steps) | set(self._observed) | ({0} if self._off_row else set())
-        )
+        if self._steps is None:
+            self._steps = sorted(
+                set(self._cal_steps) | set(self._observed) | ({0} if self._off_row else set())
+            )
+        return list(self._steps)
 
     def can_predict(self, steps: int) -> bool:
         return self._curve(steps) is not None
@@ -287,7 +313,14 @@ class PerformanceModel:
 
     def _shape(self, k: int, capacity: int | None) -> tuple[tuple[float, ...], tuple[float, ...]]:
         assert self._fitted is not None, "only a model with a calibration reads its points"
-        return _shape(self._fitted, k, capacity)
+        xs, ys, _ = self._fitted.reading(k, capacity)
+        return xs, ys
+
+    def _calibration_curve(self, k: int, capacity: int | None, scale: float) -> _Curve:
+        """K's calibration curve at ``capacity``, read through the calibration's memo."""
+        assert self._fitted is not None, "only a model with a calibration reads its points"
+        xs, ys, readings = self._fitted.reading(k, capacity)
+        return _Curve(xs, ys, capacity, scale, Source.CALIBRATION, readings=readings)
 
     def _build_curve(self, k: int) -> _Curve | None:
         if k < 0:
@@ -296,13 +329,11 @@ class PerformanceModel:
         observed = self._observed.get(k, {})
         if k == 0 and cal is not None and self._off_row:
             capacity = self._capacities.get(0, cal.capacity(0))
-            xs, ys = self._shape(0, capacity)
-            off_curve = _Curve(xs, ys, capacity, 1.0, Source.CALIBRATION)
+            off_curve = self._calibration_curve(0, capacity, 1.0)
             return self._corrected(off_curve, observed, prior=1.0)
         if cal is not None and k in self._cal_steps:
             capacity = self._capacities.get(k, cal.capacity(k))
-            xs, ys = self._shape(k, capacity)
-            base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
+            base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
             return self._corrected(base, observed, prior=self._box_prior(k))
         if observed:
             points = sorted(observed.items())
@@ -338,16 +369,12 @@ class PerformanceModel:
         if self._box is None:
             box: dict[int, tuple[float, float, float]] = {}
             for k, observed in self._observed.items():
-                if k >= 1 and k in self._cal_steps and observed:
-                    capacity = self._capacities.get(k, self._cal_capacity(k))
-                    xs, ys = self._shape(k, capacity)
-                    base = _Curve(xs, ys, capacity, self._acceptance_scale(k), Source.CALIBRATION)
+                if k >= 1 and k in self._cal_steps and observed and self.calibration is not None:
+                    capacity = self._capacities.get(k, self.calibration.capacity(k))
+                    base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
                     box[k] = self._observed_sums(base, observed)
             self._box = box
         return self._box
-
-    def _cal_capacity(self, k: int) -> int | None:
-        return None if self.calibration is None else self.calibration.capacity(k)
 
     def _box_prior(self, k: int) -> float:
         """What the other step counts observed say of this box against the calibration: the
@@ -371,17 +398,7 @@ class PerformanceModel:
         (`_observed_sums`), shrunk toward ``prior`` (`_box_prior`) while evidence is thin."""
         seen, predicted, weight = self._observed_sums(base, observed)
         if predicted <= 0:
-            if prior == 1.0:
-                return base
-            return _Curve(
-                base.xs,
-                base.ys,
-                base.capacity,
-                base.scale * prior,
-                base.source,
-                base.clamp_at,
-                distance=base.distance,
-            )
+            return base if prior == 1.0 else replace(base, scale=base.scale * prior)
         trust = weight / (weight + OBSERVED_PIVOT_S)
         ratio = prior + (seen / predicted - prior) * trust
         source = Source.OBSERVED if trust >= 0.5 else base.source
@@ -394,6 +411,7 @@ class PerformanceModel:
             base.clamp_at,
             evidence_s=weight,
             distance=base.distance,
+            readings=base.readings,
         )
 
     def _extrapolated(self, k: int) -> _Curve | None:
@@ -440,9 +458,17 @@ class PerformanceModel:
 
     @staticmethod
     def _raw(curve: _Curve, c: float) -> float:
+        c = float(c)
         if curve.clamp_at is not None:
             c = min(c, float(curve.clamp_at))
-        return interpolate(curve.xs, curve.ys, c) * curve.scale
+        readings = curve.readings
+        if readings is None or not c.is_integer():
+            return interpolate(curve.xs, curve.ys, c) * curve.scale
+        # The calibration's points do not change: their reading at c is read once per run.
+        value = readings.get(c)
+        if value is None:
+            value = readings[c] = interpolate(curve.xs, curve.ys, c)
+        return value * curve.scale
 
     def throughput(self, steps: int, concurrency: float) -> float:
         """Predicted aggregate output tok/s; ValueError if ``steps`` cannot be predicted."""
@@ -452,7 +478,7 @@ class PerformanceModel:
             return 0.0
         c_bin = round(concurrency)
         if c_bin == concurrency:
-            cached = self._cache.get((steps, c_bin))
+            cached = self._values.get(steps, {}).get(c_bin)
             if cached is not None:
                 return cached
         curve = self._curve(steps)
@@ -460,26 +486,43 @@ class PerformanceModel:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
         value = self._raw(curve, concurrency)
         if c_bin == concurrency:
-            self._cache[(steps, c_bin)] = value
+            self._values.setdefault(steps, {})[c_bin] = value
         return value
 
     def rate(self, steps: int, weights: Mapping[int, float]) -> float:
         """Mean tok/s over a distribution of offered concurrency (weights sum to 1)."""
         # One curve lookup for the whole distribution: this runs for every candidate at
         # every tick, and reading each bin through `throughput` doubled the decision's cost.
+        values = self._at(steps, weights)
+        return sum([w * values[c] for c, w in weights.items() if c > 0])
+
+    def _at(self, steps: int, concurrencies: Iterable[int]) -> dict[int, float]:
+        """``throughput(steps, c)`` for every whole ``c`` > 0 of ``concurrencies``, in the
+        per-model dict of K's values (returned): the static rates and every adaptive set
+        read the same (K, c) bins."""
+        values = self._values.get(steps)
+        if values is None:
+            values = self._values[steps] = {}
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        return sum(w * self._at(steps, curve, c) for c, w in weights.items() if c > 0)
-
-    def _at(self, steps: int, curve: _Curve, c: int) -> float:
-        """``throughput(steps, c)`` at a whole concurrency, through the same per-model
-        cache: the static rates and every adaptive set read the same (K, c) bins."""
-        key = (steps, c)
-        value = self._cache.get(key)
-        if value is None:
-            value = self._cache[key] = self._raw(curve, float(c))
-        return value
+        missing = [c for c in concurrencies if c > 0 and c not in values]
+        if not missing:
+            return values
+        readings, scale = curve.readings, curve.scale
+        if readings is None or curve.clamp_at is not None:
+            for c in missing:
+                values[c] = self._raw(curve, float(c))
+            return values
+        # `_raw` inlined for the calibration's curves: the reading at c times the scale.
+        xs, ys = curve.xs, curve.ys
+        for c in missing:
+            x = float(c)
+            r = readings.get(x)
+            if r is None:
+                r = readings[x] = interpolate(xs, ys, x)
+            values[c] = r * scale
+        return values
 
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
         """``setting``'s candidate sets over this model (once per model); None when the
@@ -496,12 +539,35 @@ class PerformanceModel:
         `AdaptiveModel.throughput` for a batch in its slot, read through the cache."""
         best = -math.inf
         for k in candidates:
-            curve = self._curves.get(k) or self._curve(k)
-            if curve is None:
-                raise ValueError(f"no calibration or observation to predict steps {k}")
-            value = self._at(k, curve, c)
-            best = max(best, value)
+            values = self._values.get(k)
+            value = values.get(c) if values is not None else None
+            if value is None:
+                curve = self._curve(k)
+                if curve is None:
+                    raise ValueError(f"no calibration or observation to predict steps {k}")
+                value = self._values.setdefault(k, {})[c] = self._raw(curve, float(c))
+            if value > best:  # noqa: PLR1730 -- max(best, value) without a call per bin
+                best = value
         return best
+
+    def slots_rate(self, slots: Slots, weights: Mapping[int, float]) -> float:
+        """Mean tok/s over ``weights`` (batches: fold them at the capacity first) with each
+        batch at the best candidate of its slot: `best_of` per bin, in one loop."""
+        values, slot_for = self._values, slots.slot_for
+        terms: list[float] = []
+        for c, w in weights.items():
+            if c <= 0:
+                continue
+            best = -math.inf
+            for k in slot_for(c).candidates:
+                of_k = values.get(k)
+                value = of_k.get(c) if of_k is not None else None
+                if value is None:
+                    value = self.best_of((k,), c)
+                if value > best:  # noqa: PLR1730 -- max(best, value) without a call per bin
+                    best = value
+            terms.append(w * best)
+        return sum(terms)
 
     def saturation(self, steps: Sequence[int]) -> int | None:
         """The concurrency beyond which none of ``steps`` serves more (all queue)."""
@@ -577,10 +643,15 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     """(next window close, the following window open) as unix times; None without one."""
     try:
         close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
-        opens = windows.next_open(config.windows, close)
+        opens = _next_open(tuple(config.windows), close)
     except ValueError:
         return None
     return close.timestamp(), opens.timestamp()
+
+
+@functools.lru_cache(maxsize=64)  # pure, of frozen values: the same close all epoch long
+def _next_open(configured: tuple[windows.WindowLike, ...], close: datetime) -> datetime:
+    return windows.next_open(configured, close)
 
 
 @functools.lru_cache(maxsize=256)  # pure, keyed by the frozen setting: read at every tick
@@ -603,7 +674,10 @@ def restart_cost_s(setting: SpecSetting, config: Settings) -> float:
 
 
 def _adaptive_rate(
-    model: PerformanceModel, setting: SpecSetting, weights: Mapping[int, float]
+    model: PerformanceModel,
+    setting: SpecSetting,
+    weights: Mapping[int, float],
+    folds: dict[int | None, dict[int, float]] | None = None,
 ) -> tuple[float, tuple[int, ...]] | None:
     """Mean tok/s of an adaptive setting over ``weights`` (the best candidate of each
     batch's slot at the deepest candidate's capacity, `specd.core.adaptive`) and the step
@@ -613,9 +687,13 @@ def _adaptive_rate(
         return None
     # Past the deepest candidate's capacity every batch is the same: one bin (exact). So
     # each bin is the batch itself, read in its slot as `AdaptiveModel.throughput` does.
-    folded = fold_above(weights, am.capacity)
-    slot_for, best_of = am.slots.slot_for, model.best_of
-    rate = sum(w * best_of(slot_for(c).candidates, c) for c, w in folded.items() if c > 0)
+    # ``folds``: the weights folded per capacity already (sets share their deepest K).
+    folded = None if folds is None else folds.get(am.capacity)
+    if folded is None:
+        folded = fold_above(weights, am.capacity)
+        if folds is not None:
+            folds[am.capacity] = folded
+    rate = model.slots_rate(am.slots, folded)
     return rate, tuple(am.slots.candidates())
 
 
@@ -702,8 +780,9 @@ def plan(
         predictions[k] = StepPrediction(
             k, tok_s, source, trusted * serving, error, model.evidence_s(k)
         )
+    folds: dict[int | None, dict[int, float]] = {}
     for setting in adaptives:
-        predicted = _adaptive_rate(model, setting, weights)
+        predicted = _adaptive_rate(model, setting, weights, folds)
         if predicted is None:
             continue
         tok_s, steps = predicted

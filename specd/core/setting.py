@@ -194,6 +194,7 @@ def parse(text: str) -> SpecSetting:
     raise ValueError(f"{where} is not 'off', a step count such as '4', or 'adaptive:1,3,5'")
 
 
+@functools.lru_cache(maxsize=256)  # pure, keyed by the frozen setting: labels every tick
 def format_setting(setting: SpecSetting) -> str:
     """The operator form; parse(format_setting(s)) == s."""
     if setting.kind == "off":
@@ -244,6 +245,7 @@ def adaptive_config_text(setting: SpecSetting, *, slots_supported: bool = True) 
     return json.dumps(body, sort_keys=True, separators=(",", ":")) + "\n"
 
 
+@functools.lru_cache(maxsize=256)  # pure: a JSON text and a sha256 per set per tick otherwise
 def adaptive_config_name(setting: SpecSetting, *, slots_supported: bool = True) -> str:
     """File name keyed by content, so a restart never reads a half-replaced config."""
     text = adaptive_config_text(setting, slots_supported=slots_supported)

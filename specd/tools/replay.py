@@ -234,9 +234,15 @@ class ReplayResult:
     forecast_median_error_ratio: float | None
     forecast_total_variation: float | None
     epochs: int
+    # Wall time of each tick's `step` (preemption on a shared box included).
     decision_ms_mean: float
     decision_ms_p99: float
     decision_ms_max: float
+    # The same ticks in this thread's CPU time (`time.thread_time`): what the decision
+    # itself costs, whatever else the machine runs.
+    decision_cpu_ms_mean: float = 0.0
+    decision_cpu_ms_p99: float = 0.0
+    decision_cpu_ms_max: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)
     # (unix t, target steps, reason) of every tick replay decided at, from each window's
     # lead-in on: tick for tick the daemon's decisions.
@@ -351,6 +357,9 @@ class ReplayResult:
             "decision_ms_mean": round(self.decision_ms_mean, 3),
             "decision_ms_p99": round(self.decision_ms_p99, 3),
             "decision_ms_max": round(self.decision_ms_max, 3),
+            "decision_cpu_ms_mean": round(self.decision_cpu_ms_mean, 3),
+            "decision_cpu_ms_p99": round(self.decision_cpu_ms_p99, 3),
+            "decision_cpu_ms_max": round(self.decision_cpu_ms_max, 3),
             "reasons": dict(sorted(self.reasons.items())),
         }
 
@@ -612,7 +621,8 @@ def replay(
     outside = 0
     reasons: dict[str, int] = {}
     decisions: list[tuple[float, int | None, str]] = []
-    costs: list[float] = []
+    costs: list[float] = []  # wall ms per decision
+    cpu_costs: list[float] = []  # this thread's CPU ms per decision
     # SGLang has been up long enough at the start: no warm-up to exclude.
     history.mark_sglang_start(t0 + first - config.observe.warmup_exclude_s - step_s)
     spans = evaluated_spans(config, opens)
@@ -649,8 +659,9 @@ def replay(
             restart_needs_s=config.choose.restart_cost_s,
             traits=REPLAY_TRAITS,
         )
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.thread_time()
         outcome = step(context, obs, t)
+        cpu_costs.append((time.thread_time() - began_cpu) * 1000)
         costs.append((time.perf_counter() - began) * 1000)
         control = outcome.control
         decision = outcome.decision
@@ -721,9 +732,12 @@ def replay(
         forecast_median_error_ratio=median_err,
         forecast_total_variation=tv,
         epochs=len(bounds) - 1,
-        decision_ms_mean=sum(costs) / len(costs) if costs else 0.0,
-        decision_ms_p99=sorted(costs)[int(0.99 * (len(costs) - 1))] if costs else 0.0,
+        decision_ms_mean=_mean(costs),
+        decision_ms_p99=_p99(costs),
         decision_ms_max=max(costs, default=0.0),
+        decision_cpu_ms_mean=_mean(cpu_costs),
+        decision_cpu_ms_p99=_p99(cpu_costs),
+        decision_cpu_ms_max=max(cpu_costs, default=0.0),
         reasons=reasons,
         decisions=decisions,
         restart_s=restart_s,
@@ -732,6 +746,14 @@ def replay(
         adaptive=adaptive_result,
         change_reasons=change_reasons,
     )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _p99(values: Sequence[float]) -> float:
+    return sorted(values)[int(0.99 * (len(values) - 1))] if values else 0.0
 
 
 def _forecast_quality(

@@ -253,7 +253,8 @@ def test_the_command_prints_the_agreed_json(tmp_path: Path) -> None:
     for key in (
         "specd_tokens", "oracle_tokens", "ratio_to_oracle", "static_tokens",
         "best_static_steps", "ratio_to_best_static", "restarts",
-        "restarts_outside_windows", "days",
+        "restarts_outside_windows", "days", "decision_ms_p99", "decision_cpu_ms_p99",
+        "decision_cpu_ms_mean", "decision_cpu_ms_max",
     ):  # fmt: skip
         assert key in data, key
     assert sorted(data["static_tokens"]) == ["1", "2", "3", "4", "5"]

@@ -1,0 +1,203 @@
+"""Decision cost, this tree against a base revision, side by side; write bench/results/decision.md.
+
+``python -m bench decision`` checks the base revision (``--base``; default: where HEAD
+forked from ``main``) out into a temporary git worktree and replays the same bench cases
+(`bench.bench_replay`'s truths, traces, windows and config) with both trees' code, base
+then this tree case by case, each case in a fresh process of its own, one at a time (no
+``--jobs``: the two never compete for a core). Per case and tree it reports the decision
+cost per tick in the deciding thread's CPU time (`time.thread_time` around `step`, measured
+here the same way for both trees) and in wall time, the ratios new/base, and whether every
+decision (time, target, reason) and the setting timeline are identical. ``--days N``
+(default 2), ``--case TRUTH/TRACE/POLICY`` (repeatable; default: `CASES`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO))
+
+from bench.traces import generate as traces  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "decision.md"
+# (truth, trace, policy): the costliest rows of bench/results/replay.md (choosing among
+# kinds, a regression taken back, weekly rhythms) and plain ones.
+CASES = (
+    ("heavyoff", "day_night", "model+kinds"),
+    ("heavyoff", "steady_heavy", "model+kinds"),
+    ("heavyoff", "weekly", "model+kinds"),
+    ("near cal 5+8%", "day_night", "model"),
+    ("k5to2", "weekly", "model"),
+    ("seed (twin)", "weekly", "model"),
+    ("k6to1", "day_night", "model"),
+    ("lowaccept", "steady_heavy", "model"),
+)
+BUDGET_MS = 2.0
+
+# The worker: run in a fresh interpreter with the tree to measure first on sys.path.
+WORKER = r"""
+import json, sys, time
+tree, truth_name, trace_name, policy, trace_path = sys.argv[1:6]
+sys.path.insert(0, tree)
+from bench import bench_replay as b
+import specd.tools.replay as R
+assert R.__file__.startswith(tree), (R.__file__, tree)
+original = R.step
+cpu, wall = [], []
+
+def measured(*args):
+    began, began_cpu = time.perf_counter(), time.thread_time()
+    out = original(*args)
+    cpu.append((time.thread_time() - began_cpu) * 1000)
+    wall.append((time.perf_counter() - began) * 1000)
+    return out
+
+R.step = measured
+results = []
+replay = b.replay
+
+def kept(*args, **kwargs):
+    results.append(replay(*args, **kwargs))
+    return results[-1]
+
+b.replay = kept
+truth = next(t for t in b.TRUTHS if t[0] == truth_name)
+from pathlib import Path
+b.run_one(truth, trace_name, Path(trace_path), policy)
+result = results[-1]
+print(json.dumps({
+    "cpu": cpu, "wall": wall,
+    "decisions": result.decisions,
+    "setting_timeline": result.setting_timeline,
+    "specd_tokens": result.specd_tokens,
+}))
+"""
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    n = len(ordered)
+    return {
+        "mean": sum(ordered) / n if n else 0.0,
+        "p50": ordered[n // 2] if n else 0.0,
+        "p99": ordered[int(0.99 * (n - 1))] if n else 0.0,
+        "max": ordered[-1] if n else 0.0,
+    }
+
+
+def _measure(tree: Path, case: tuple[str, str, str], trace: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER, str(tree), *case, str(trace)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tree,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tree} {case}: {proc.stderr.strip()[-2000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench decision", description=__doc__)
+    parser.add_argument(
+        "--base", help="git revision to compare with (default: where HEAD forked from main)"
+    )
+    parser.add_argument("--days", type=float, default=2.0)
+    parser.add_argument("--case", action="append", help="TRUTH/TRACE/POLICY (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    cases = [tuple(c.split("/")) for c in args.case] if args.case else list(CASES)
+    if args.base is None:
+        args.base = subprocess.run(
+            ["git", "-C", str(REPO), "merge-base", "HEAD", "main"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    base_rev = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", args.base],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    head_rev = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    rows: list[str] = []
+    same_everywhere = True
+    with tempfile.TemporaryDirectory(prefix="specd-decision-") as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.base],
+            capture_output=True,
+            check=True,
+        )
+        try:
+            for case in cases:
+                truth, trace_name, policy = case
+                trace = traces.write(trace_name, Path(tmp) / f"{trace_name}.csv", args.days)
+                old = _measure(base, case, trace)
+                new = _measure(REPO, case, trace)
+                same = all(old[k] == new[k] for k in ("decisions", "setting_timeline"))
+                same_everywhere &= same
+                oc, nc = _stats(old["cpu"]), _stats(new["cpu"])
+                ow, nw = _stats(old["wall"]), _stats(new["wall"])
+                line = (
+                    f"| {truth} | {trace_name} | {policy} | {len(new['cpu'])} "
+                    f"| {oc['mean']:.2f}/{oc['p99']:.2f} | {nc['mean']:.2f}/{nc['p99']:.2f} "
+                    f"| {nc['mean'] / oc['mean']:.2f} | {nc['p99'] / oc['p99']:.2f} "
+                    f"| {ow['p99']:.2f} | {nw['p99']:.2f} "
+                    f"| {'yes' if same else 'NO'} "
+                    f"| {'PASS' if nc['p99'] <= BUDGET_MS else 'FAIL'} |"
+                )
+                print(line, flush=True)
+                rows.append(line)
+        finally:
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
+                capture_output=True,
+                check=False,
+            )
+    text = "\n".join(
+        [
+            "# specd decision cost: this tree against a base revision, side by side",
+            "",
+            f"Base `{args.base}` ({base_rev}) against HEAD {head_rev} (plus any uncommitted "
+            f"change), {args.days:g}-day bench traces, each case replayed by both trees in "
+            "fresh processes one after the other (base first), with bench/bench_replay.py's "
+            "config. Decision cost per tick: `step` timed in the deciding thread's CPU time "
+            "(`time.thread_time`) and in wall time, by the same code for both trees; ms "
+            f"mean/p99. Budget: p99 CPU ≤ {BUDGET_MS:g} ms (issue 12). Same decisions: every "
+            "decision (time, target, reason) and the setting timeline identical.",
+            "",
+            "Reproduce: `.venv/bin/python -m bench decision` (`--base REV`, `--days N`, "
+            "`--case TRUTH/TRACE/POLICY`).",
+            "",
+            "| truth | trace | policy | ticks | base CPU ms | new CPU ms | ×mean | ×p99 "
+            "| base wall p99 | new wall p99 | same decisions | p99 CPU ≤ 2 ms |",
+            "|---|---|---|--:|--:|--:|--:|--:|--:|--:|---|---|",
+            *rows,
+            "",
+        ]
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text, encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0 if same_everywhere else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
