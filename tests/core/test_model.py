@@ -153,15 +153,13 @@ def test_a_sweep_is_read_right_measured_points_and_plateau(steps: int) -> None:
 @pytest.mark.parametrize("observed_steps", [3, 4])
 def test_live_acceptance_scales_every_step_count(live_alpha: float, observed_steps: int) -> None:
     history = fresh_history()
-    fill(
-        history,
-        MONDAY,
-        1800,
-        2,
-        observed_steps,
-        0.0,
-        accept_length_from_alpha(live_alpha, observed_steps),
+    live_length = accept_length_from_alpha(live_alpha, observed_steps)
+    # It serves as the sweep did, scaled by what it accepts: nothing else to correct (what
+    # the step count observed serves otherwise is lent to the others, tested below).
+    served = (
+        SEED.throughput(observed_steps, 2) * live_length / (SEED.accept_length(observed_steps) or 1)
     )
+    fill(history, MONDAY, 1800, 2, observed_steps, served, live_length)
     model = PerformanceModel(SEED, history)
     assert model.alpha_live == pytest.approx(live_alpha, abs=1e-6)
     for k in (1, 2, 5):
@@ -187,6 +185,41 @@ def test_observed_throughput_wins_where_plentiful(seconds: float, closer_to: str
     if closer_to == "observed":
         assert model.throughput(4, 2) < SEED.throughput(4, 2) * 0.85
         assert model.source(4) is Source.OBSERVED
+
+
+T2, T3 = SEED.throughput(2, 6), SEED.throughput(3, 6)
+BOX = [
+    # (id, (K, seconds, observed / calibration) observed, K asked, its expected scale over
+    #  the calibration: a K observed lends its correction to the ones not yet observed)
+    ("nothing-observed", (), 4, 1.0),
+    ("lent-to-a-neighbour", ((3, 6 * HOUR, 0.9),), 4, 1 + (0.9 - 1) * 21600 / (21600 + 600)),
+    ("thin-evidence-lends-little", ((3, 60.0, 0.9),), 4, 1 + (0.9 - 1) * 60 / 660),
+    ("lent-across-the-range", ((3, 6 * HOUR, 1.1),), 1, 1 + 0.1 * 21600 / 22200),
+    # Its own observation wins over what the others lend: 3 seen 10 % slow, 4 2 % fast.
+    ("own-evidence-first", ((3, 6 * HOUR, 0.9), (4, 6 * HOUR, 1.02)), 4,
+     (1 + (0.9 - 1) * 21600 / 22200) + (1.02 - (1 + (0.9 - 1) * 21600 / 22200)) * 21600 / 22200),
+    # Two observed lend the ratio of their pooled tokens to their pooled predictions.
+    ("pooled", ((2, 2 * HOUR, 0.8), (3, 6 * HOUR, 1.0)), 5,
+     1 + ((0.8 * T2 * 2 + T3 * 6) / (T2 * 2 + T3 * 6) - 1) * 28800 / 29400),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("seen", "steps", "scale"), [pytest.param(*b[1:], id=b[0]) for b in BOX])
+def test_a_step_count_not_yet_observed_starts_from_the_others_correction(
+    seen: tuple[tuple[int, float, float], ...], steps: int, scale: float
+) -> None:
+    # No decay over the test's hours: the evidence is the seconds observed.
+    history = History(HistorySettings(warmup_exclude_s=0, half_life_s=1e9))
+    t = MONDAY
+    for k, seconds, ratio in seen:
+        # One concurrency, the acceptance the sweep measured: only the speed differs.
+        t = fill(history, t, seconds, 6, k, SEED.throughput(k, 6) * ratio, SEED.accept_length(k))
+    model = PerformanceModel(SEED, history)
+    for c in (1, 6, 13):
+        expected = SEED.throughput(steps, c) * scale
+        assert model.throughput(steps, c) == pytest.approx(expected, rel=2e-3), c
+    # Off is no speculation: what the speculative step counts lend says nothing of it.
+    assert PerformanceModel(SEED, history).can_predict(0) is (0 in SEED.steps())
 
 
 def test_extrapolated_steps_follow_alpha_and_the_step_cost_and_say_so() -> None:
