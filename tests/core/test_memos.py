@@ -101,6 +101,35 @@ def test_a_kept_forecast_follows_the_other_days_of_its_kind() -> None:
     assert after == forecast_epoch(cold, start, start + 3 * HOUR)
 
 
+def test_a_kept_forecast_follows_the_same_hours_on_any_day() -> None:
+    asked, cold = new_history(), new_history()
+    record([asked, cold], MONDAY, MONDAY + 5 * DAY)
+    # A first Saturday 09:00–12:00: no weekend seen, the weekdays' same hours stand in.
+    start = MONDAY + (5 * 24 + 9) * HOUR
+    before = forecast_epoch(asked, start, start + 3 * HOUR)
+    assert before is not None
+    assert before.source == "same hours, any day"
+    assert before.mean() == pytest.approx(20.0)
+    # Saturday 00:00–09:00: weekend hours, but none of the epoch's hours of the day.
+    record([asked, cold], MONDAY + 5 * DAY, start)
+    kept = forecast_epoch(asked, start, start + 3 * HOUR)
+    assert kept == before == forecast_epoch(cold, start, start + 3 * HOUR)
+    # Weekday 10:00 hours on another weekday (next week's Monday) at 50: the weekdays' same
+    # hours change, and with them the forecast of a Saturday that has none of its own.
+    monday_10 = MONDAY + (7 * 24 + 10) * HOUR
+    record([asked, cold], monday_10, monday_10 + HOUR, level=50)
+    after = forecast_epoch(asked, start, start + 3 * HOUR)
+    assert after is not None
+    assert after != before
+    assert after == forecast_epoch(cold, start, start + 3 * HOUR)
+    distribution, seconds = asked.hour_of_day_distribution(hour_of_week(monday_10))
+    again, _ = asked.hour_of_day_distribution(hour_of_week(monday_10))
+    assert again is distribution
+    assert distribution is not None
+    assert 50 in distribution
+    assert seconds > 0
+
+
 def test_a_forecast_handed_out_is_the_callers_own() -> None:
     history = new_history()
     record([history], MONDAY, MONDAY + 8 * DAY)
