@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
 from specd.core.explore import WEEK_S
+from specd.core.forecast import RHYTHM_SPREAD
 from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
 from specd.core.setting import (
@@ -650,19 +651,21 @@ def _decide(
 
 
 def _unseen_epoch(pick: Pick, config: Settings) -> str | None:
-    """Why the model's forecast of the coming epoch is too blind to act on (too much of it
-    from recent traffic alone: hours of the day not yet seen on a day of their kind), or
-    None; the bands forecast nothing."""
+    """Why the model's forecast of the coming epoch is too blind to act on, or None: too
+    much of it from recent traffic alone (hours of the day not seen yet) while the hours
+    that were seen differ from recent traffic (a daily rhythm, whose unseen hours recent
+    traffic cannot tell). The bands forecast nothing."""
     if pick.plan is None:
         return None
-    unseen = pick.plan.forecast.recent_ratio
+    forecast = pick.plan.forecast
     allowed = 1.0 - config.choose.min_forecast_seen_ratio
-    if unseen <= allowed + 1e-9:
+    if forecast.recent_ratio <= allowed + 1e-9 or forecast.seen_spread < RHYTHM_SPREAD:
         return None
     return (
-        f"{unseen * 100:.0f}% of the epoch is forecast from recent traffic alone (hours of "
-        f"the day not seen yet), more than the {allowed * 100:g}% min_forecast_seen_ratio "
-        "allows"
+        f"{forecast.recent_ratio * 100:.0f}% of the epoch is forecast from recent traffic "
+        f"alone (hours of the day not seen yet), more than the {allowed * 100:g}% "
+        f"min_forecast_seen_ratio allows while the hours seen differ from it (total "
+        f"variation {forecast.seen_spread:.2f} ≥ {RHYTHM_SPREAD:g}: a daily rhythm)"
     )
 
 

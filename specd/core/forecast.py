@@ -12,8 +12,10 @@ covers, the forecast uses, in order:
    a daily rhythm seen beats no rhythm at all;
 4. recent history (all hours), while that hour of the day was never seen. Such an hour's
    traffic is unknown: `Forecast.recent_ratio` says how much of the epoch that is, and
-   the model policy does not restart on a forecast that is mostly that
-   (``[choose] min_forecast_seen_ratio``).
+   `Forecast.seen_spread` how far the hours of the day seen so far differ from recent
+   traffic. Where they differ (a daily rhythm shows), recent traffic says little of the
+   hours not seen: the model policy does not restart on a forecast that is mostly that
+   (``[choose] min_forecast_seen_ratio``); where they agree (steady so far), it trusts it.
 
 The result is the fraction of the epoch's time expected at each offered concurrency
 (0 = idle included). `score` compares a forecast with what happened, so replays and the
@@ -36,6 +38,12 @@ if TYPE_CHECKING:
 MIN_HOUR_EVIDENCE_S = 900.0
 
 
+# Hours of the day this far from recent traffic (total variation distance) show a daily
+# rhythm: recent traffic then says little of the hours not seen yet. Steady traffic's hours
+# differ from its whole by sampling noise only (well under this); day against night by ~1.
+RHYTHM_SPREAD = 0.5
+
+
 def _normalized(weights: Mapping[int, float]) -> dict[int, float] | None:
     total = sum(w for w in weights.values() if w > 0)
     if total <= 0:
@@ -56,6 +64,9 @@ class Forecast:
     # Share of the epoch forecast from recent traffic alone: hours of the day never seen,
     # whose traffic the forecast cannot know (a daily rhythm unseen).
     recent_ratio: float = 0.0
+    # With recent_ratio > 0: the largest total variation distance between an hour of the
+    # day seen so far and recent traffic (0 alike, 1 disjoint); 0 otherwise.
+    seen_spread: float = 0.0
 
     def mean(self) -> float:
         return sum(k * w for k, w in self.weights.items())
@@ -157,6 +168,8 @@ def forecast_epoch(history: History, start: float, end: float) -> Forecast | Non
     ):
         return _copy(memo.forecast)
     made = _merge(start, end, slots)
+    if made is not None and made.recent_ratio > 0:
+        made = replace(made, seen_spread=_seen_spread(history, hours.recent()))
     history.forecast_memo = _Made(start, end, parts, made)
     return _copy(made)
 
@@ -174,6 +187,21 @@ def _copy(forecast: Forecast | None) -> Forecast | None:
     if forecast is None:
         return None
     return replace(forecast, weights=dict(forecast.weights))
+
+
+def _seen_spread(history: History, recent: Mapping[int, float] | None) -> float:
+    """How far the hours of the day seen so far (each on any day) are from ``recent``: the
+    largest total variation distance, 0 when nothing was seen."""
+    if recent is None:
+        return 0.0
+    spread = 0.0
+    for hour in range(24):
+        shares, seconds = history.hour_of_day_distribution(hour)
+        if shares is None or seconds < MIN_HOUR_EVIDENCE_S:
+            continue
+        keys = shares.keys() | recent.keys()
+        spread = max(spread, 0.5 * sum(abs(shares.get(k, 0.0) - recent.get(k, 0.0)) for k in keys))
+    return spread
 
 
 def _merge(

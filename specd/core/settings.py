@@ -332,16 +332,15 @@ class ChooseSettings(BaseModel):
         "noise); observation at a step count shrinks it. At most 0.5.",
     )
     min_forecast_seen_ratio: float = Field(
-        default=0.0,
+        default=0.5,
         ge=0,
         le=1,
         description="Model policy: share of the coming epoch whose traffic must be forecast "
         "from those hours of the day as seen before (on any day) for a change or an "
-        "exploration; the rest is forecast from recent traffic alone, which cannot know a "
-        "daily rhythm it has not seen. 0 (the default) trusts recent traffic for the hours "
-        "not seen yet; 0.5 waits, after a fresh start, until half of the epoch's hours were "
-        "seen (a day, with one window a day). Going back from a regression is never held. "
-        "At most 1.",
+        "exploration, once the hours seen show a daily rhythm (they differ from recent "
+        "traffic); the rest is forecast from recent traffic alone, which cannot know the "
+        "hours of such a rhythm not seen yet. Steady traffic so far is trusted. Going back "
+        "from a regression is never held. 0 turns the check off; at most 1.",
     )
     explore_max_loss_ratio: float = Field(
         default=0.01,

@@ -774,10 +774,11 @@ def test_never_restarts_without_a_fleet_slot(s: dict[str, Any]) -> None:
         assert decision.reason is Reason.FLEET_UNAVAILABLE
 
 
-def model_pick(steps: int, recent_ratio: float) -> Pick:
+def model_pick(steps: int, recent_ratio: float, spread: float = 0.9) -> Pick:
     """A model policy's pick of ``steps`` on a forecast ``recent_ratio`` of which comes from
-    recent traffic alone (hours of the day never seen)."""
-    forecast = Forecast(OPEN, OPEN + DAY, {20: 1.0}, "recent", 0.0, recent_ratio)
+    recent traffic alone (hours of the day never seen), while the hours seen are ``spread``
+    (total variation) from recent traffic."""
+    forecast = Forecast(OPEN, OPEN + DAY, {20: 1.0}, "recent", 0.0, recent_ratio, spread)
     plan = Plan(OPEN, OPEN + DAY, forecast, {}, steps, steps, 0.1, f"model: {steps} best")
     return Pick(steps, f"model: {steps} best", plan=plan)
 
@@ -791,25 +792,31 @@ def regressed(from_steps: int, to_steps: int) -> Verdict:
 
 UNSEEN = "87% of the epoch is forecast from recent traffic alone"
 SEEN_GATE = [
-    # (id, pick: (steps, recent ratio), min_forecast_seen_ratio, exploration, verdict,
-    #  reason, target, acts, message part)
-    ("mostly-unseen-holds", (3, 0.87), 0.5, None, None, Reason.INSUFFICIENT_DATA, 4, False,
-     f"{UNSEEN} (hours of the day not seen yet), more than the 50% "
-     "min_forecast_seen_ratio allows: 4 → 3 waits"),
-    ("half-seen-changes", (3, 0.5), 0.5, None, None, Reason.CHANGE, 3, True, "4 → 3"),
-    ("all-seen-changes", (3, 0.0), 1.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
-    ("one-hour-unseen-with-all-required", (3, 1 / 24), 1.0, None, None,
+    # (id, pick: (steps, recent ratio, spread of the hours seen), min_forecast_seen_ratio,
+    #  exploration, verdict, reason, target, acts, message part)
+    ("mostly-unseen-holds", (3, 0.87, 0.9), 0.5, None, None, Reason.INSUFFICIENT_DATA, 4,
+     False, f"{UNSEEN} (hours of the day not seen yet), more than the 50% "
+     "min_forecast_seen_ratio allows while the hours seen differ from it (total variation "
+     "0.90 ≥ 0.5: a daily rhythm): 4 → 3 waits"),
+    # Steady so far: recent traffic stands in for the hours not seen.
+    ("mostly-unseen-but-steady", (3, 0.87, 0.2), 0.5, None, None, Reason.CHANGE, 3, True,
+     "4 → 3"),
+    ("just-a-rhythm", (3, 0.87, 0.5), 0.5, None, None, Reason.INSUFFICIENT_DATA, 4, False,
+     "total variation 0.50"),
+    ("half-seen-changes", (3, 0.5, 0.9), 0.5, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    ("all-seen-changes", (3, 0.0, 0.0), 1.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    ("one-hour-unseen-with-all-required", (3, 1 / 24, 0.9), 1.0, None, None,
      Reason.INSUFFICIENT_DATA, 4, False, "more than the 0% min_forecast_seen_ratio allows"),
-    ("check-off", (3, 1.0), 0.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    ("check-off", (3, 1.0, 1.0), 0.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
     # The live one is the pick: nothing to hold, the epoch unseen or not.
-    ("live-within-tolerance", (4, 1.0), 0.5, None, None, Reason.WITHIN_TOLERANCE, 4, False,
+    ("live-within-tolerance", (4, 1.0, 0.9), 0.5, None, None, Reason.WITHIN_TOLERANCE, 4, False,
      "4 is live"),
-    ("exploration-waits", (4, 0.87), 0.5, Exploration(5, "5 is never observed"), None,
+    ("exploration-waits", (4, 0.87, 0.9), 0.5, Exploration(5, "5 is never observed"), None,
      Reason.WITHIN_TOLERANCE, 4, False, f"5 is never observed; but {UNSEEN}"),
-    ("exploration-seen", (4, 0.2), 0.5, Exploration(5, "5 is never observed"), None,
+    ("exploration-seen", (4, 0.2, 0.9), 0.5, Exploration(5, "5 is never observed"), None,
      Reason.EXPLORE, 5, True, "exploring 4 → 5 for one epoch"),
     # Going back from a change that served less is never held: the old one was measured.
-    ("regression-goes-back", (4, 1.0), 0.5, None, regressed(3, 4), Reason.REGRESSION, 3, True,
+    ("regression-goes-back", (4, 1.0, 0.9), 0.5, None, regressed(3, 4), Reason.REGRESSION, 3, True,
      "going back 4 → 3"),
 ]  # fmt: skip
 
@@ -819,7 +826,7 @@ SEEN_GATE = [
     [pytest.param(*g[1:], id=g[0]) for g in SEEN_GATE],
 )
 def test_no_change_on_a_forecast_of_hours_never_seen(
-    picked: tuple[int, float],
+    picked: tuple[int, float, float],
     seen_ratio: float,
     exploration: Exploration | None,
     verdict: Verdict | None,
@@ -829,10 +836,10 @@ def test_no_change_on_a_forecast_of_hours_never_seen(
     says: str,
 ) -> None:
     hist, cfg = history(), config(min_forecast_seen_ratio=seen_ratio)
-    steps, recent = picked
+    steps, recent, spread = picked
     ctl = control(recommendations=held(steps, OPEN))
     decision = decide(
-        hist, observation(OPEN), cfg, None, OPEN, ctl, model_pick(steps, recent), 0.0,
+        hist, observation(OPEN), cfg, None, OPEN, ctl, model_pick(steps, recent, spread), 0.0,
         exploration, verdict,
     )  # fmt: skip
     assert decision.reason is reason, decision.message

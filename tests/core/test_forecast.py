@@ -77,19 +77,22 @@ def test_the_epoch_is_forecast_from_the_same_hours(
 
 
 @pytest.mark.parametrize(
-    ("hours_of_history", "start_hour", "hours", "recent_ratio"),
+    ("hours_of_history", "start_hour", "hours", "recent_ratio", "spread"),
     [
         # A fresh start at midnight, three hours in: of the next 24 h only 00–03 of the
-        # following day were seen (same hours, other days); the rest is recent traffic.
-        (3, 3, 24, 21 / 24),
+        # following day were seen (same hours, other days); the rest is recent traffic,
+        # whose hours all looked alike so far.
+        (3, 3, 24, 21 / 24, 0.0),
         # A whole day seen: every hour of the next day has its own hour of the day.
-        (24, 24, 24, 0.0),
-        # Half of the coming 8 h seen (08–12 of the day before), half not (12–16).
-        (12, 24 + 8, 8, 0.5),
+        (24, 24, 24, 0.0, 0.0),
+        # Half of the coming 8 h seen (08–12 of the day before), half not (12–16); the
+        # hours seen were 2 until 09:00 and 20 after, recent traffic 3/4 at 2: an hour at
+        # 20 is 0.75 from it (a little less: recent traffic decays, its 20s weigh more).
+        (12, 24 + 8, 8, 0.5, 0.75),
     ],
 )
 def test_recent_ratio_is_the_share_of_the_epoch_never_seen_at_its_hour_of_the_day(
-    hours_of_history: int, start_hour: int, hours: int, recent_ratio: float
+    hours_of_history: int, start_hour: int, hours: int, recent_ratio: float, spread: float
 ) -> None:
     history = new_history()
     record(history, MONDAY, MONDAY + hours_of_history * HOUR, office)
@@ -97,6 +100,7 @@ def test_recent_ratio_is_the_share_of_the_epoch_never_seen_at_its_hour_of_the_da
     forecast = forecast_epoch(history, start, start + hours * HOUR)
     assert forecast is not None
     assert forecast.recent_ratio == pytest.approx(recent_ratio)
+    assert forecast.seen_spread == pytest.approx(spread, abs=0.05)
     assert ("recent" in forecast.source) is (recent_ratio > 0)
 
 
