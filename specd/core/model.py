@@ -377,18 +377,25 @@ class PerformanceModel:
         return self._box
 
     def _box_prior(self, k: int) -> float:
-        """What the other step counts observed say of this box against the calibration: the
-        ratio of their observed tokens to their predicted ones, shrunk toward 1 while their
-        evidence is thin. A box (its clocks, its prompts, a sweep that stopped short of
-        its load) is off from a calibration for every K alike, so a K not yet observed
-        starts from the others' correction, not from the calibration as measured."""
-        seen = predicted = weight = 0.0
-        for j, (s, p, w) in self._box_sums().items():
-            if j != k:
-                seen, predicted, weight = seen + s, predicted + p, weight + w
-        if predicted <= 0:
-            return 1.0
-        return 1.0 + (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
+        """What every other step count observed says of this box against the calibration:
+        each one's correction (its observed tokens over its predicted ones, shrunk toward 1
+        while its evidence is thin), and of those the one nearest 1 when all lean the same
+        way, else 1. A box off from its calibration (its clocks, its prompts, a sweep that
+        stopped short of its load) is off for every K alike, so a K not yet observed starts
+        from that; a correction the others do not share is that K's own (a sweep point off,
+        an oversold K) and lends nothing."""
+        shared: float | None = None
+        for j, (seen, predicted, weight) in self._box_sums().items():
+            if j == k or predicted <= 0:
+                continue
+            lean = (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
+            if shared is None:
+                shared = lean
+            elif lean * shared <= 0:
+                return 1.0
+            elif abs(lean) < abs(shared):
+                shared = lean
+        return 1.0 if shared is None else 1.0 + shared
 
     def _corrected(
         self, base: _Curve, observed: Mapping[int, tuple[float, float]], *, prior: float

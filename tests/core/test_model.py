@@ -187,7 +187,6 @@ def test_observed_throughput_wins_where_plentiful(seconds: float, closer_to: str
         assert model.source(4) is Source.OBSERVED
 
 
-T2, T3 = SEED.throughput(2, 6), SEED.throughput(3, 6)
 BOX = [
     # (id, (K, seconds, observed / calibration) observed, K asked, its expected scale over
     #  the calibration: a K observed lends its correction to the ones not yet observed)
@@ -198,9 +197,13 @@ BOX = [
     # Its own observation wins over what the others lend: 3 seen 10 % slow, 4 2 % fast.
     ("own-evidence-first", ((3, 6 * HOUR, 0.9), (4, 6 * HOUR, 1.02)), 4,
      (1 + (0.9 - 1) * 21600 / 22200) + (1.02 - (1 + (0.9 - 1) * 21600 / 22200)) * 21600 / 22200),
-    # Two observed lend the ratio of their pooled tokens to their pooled predictions.
-    ("pooled", ((2, 2 * HOUR, 0.8), (3, 6 * HOUR, 1.0)), 5,
-     1 + ((0.8 * T2 * 2 + T3 * 6) / (T2 * 2 + T3 * 6) - 1) * 28800 / 29400),
+    # Two observed that agree lend what both say: the smaller correction.
+    ("agreed", ((2, 2 * HOUR, 0.8), (3, 6 * HOUR, 0.95)), 5, 1 + (0.95 - 1) * 21600 / 22200),
+    # Two that disagree: each one's own (a sweep point off, an oversold K), nothing lent.
+    ("disagreed", ((2, 2 * HOUR, 0.9), (3, 6 * HOUR, 1.05)), 5, 1.0),
+    # Its own evidence on top of what the one other lends (2 lends to 3; 3 does not count).
+    ("own-over-the-other", ((2, 2 * HOUR, 0.9), (3, 6 * HOUR, 1.05)), 3,
+     (P2 := 1 + (0.9 - 1) * 7200 / 7800) + (1.05 - P2) * 21600 / 22200),
 ]  # fmt: skip
 
 
