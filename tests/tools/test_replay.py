@@ -24,6 +24,7 @@ from specd.io.tables import read_table
 from specd.tools.replay import (
     DEFAULT_START,
     ReplayError,
+    ReplayResult,
     Trace,
     load_trace,
     replay,
@@ -591,20 +592,26 @@ def test_the_command_takes_the_kinds_specd_may_choose(
     assert "Traceback" not in proc.stderr
 
 
+def near_replay(calibration: str, levels: tuple[int, int]) -> ReplayResult:
+    """Four days at ``levels`` offered, daily windows, on near's truth from 3 steps, the
+    model policy reading ``calibration`` (a file in bench/truth)."""
+    config = build_config(
+        Config(observe={"scrape_interval_s": 15}),
+        window_list=DAILY,
+        steps=(1, 6),
+        calibration=TRUTH / calibration,
+        restart_s=100,
+    )
+    trace = minute_trace(4, lambda rng, hour: levels)
+    return replay(trace, read_table(TRUTH / "near.csv"), config, initial_steps=3)
+
+
 def test_a_sweep_that_stopped_short_of_the_load_does_not_hide_the_best_step_count() -> None:
     # near's truth: 4 serves 1.8 % more than the start value 3 at every load. Its sweep
     # stopped at 32 requests while the traffic runs 24–48: read flat past 32, every step
     # count looks ~4 % slower there than it is. Observing 3 shows that; lent to 4 (never
     # observed), 4 comes within the interval, is explored, measured better, and kept.
-    trace = minute_trace(4, lambda rng, hour: (24, 48))
-    config = build_config(
-        Config(observe={"scrape_interval_s": 15}),
-        window_list=DAILY,
-        steps=(1, 6),
-        calibration=TRUTH / "near-calibration.csv",
-        restart_s=100,
-    )
-    result = replay(trace, read_table(TRUTH / "near.csv"), config, initial_steps=3)
+    result = near_replay("near-calibration.csv", (24, 48))
     assert [k for _, k in result.steps_timeline] == [3, 4], result.steps_timeline
     assert result.change_reasons == ["explore"]
     assert result.to_dict()["ratio_to_best_static"] >= 0.995
@@ -614,15 +621,7 @@ def test_a_sweep_that_stopped_short_of_the_load_does_not_hide_the_best_step_coun
 def test_a_change_the_calibration_oversold_is_taken_back_and_not_repeated() -> None:
     # near-k5up's sweep says 5 serves 8 % more than it does: at 2–4 requests it looks best,
     # yet serves 3 % less than the start value 3. Only the outcome of the change tells.
-    trace = minute_trace(4, lambda rng, hour: (2, 4))
-    config = build_config(
-        Config(observe={"scrape_interval_s": 15}),
-        window_list=DAILY,
-        steps=(1, 6),
-        calibration=TRUTH / "near-k5up-calibration.csv",
-        restart_s=100,
-    )
-    result = replay(trace, read_table(TRUTH / "near.csv"), config, initial_steps=3)
+    result = near_replay("near-k5up-calibration.csv", (2, 4))
     ks = [k for _, k in result.steps_timeline]
     assert ks[:2] == [3, 5], result.steps_timeline
     assert ks[2] != 5
