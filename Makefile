@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 DEMO_ARGS ?=
 # Most tests wait on real processes, restarts and windows rather than burn CPU, so four
-# workers fit a 2-core CI machine; each file stays on one worker (shared fixtures).
+# workers fit a 2-core CI machine; each file stays on one worker (shared fixtures), the
+# longest files start first (tests/durations.json, see tests/conftest.py).
 PYTEST_ARGS ?= -n 4 --dist loadfile
 
 .PHONY: demo test lint typecheck unit system-deps constraints clean bench

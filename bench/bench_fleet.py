@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import tomli_w  # noqa: E402
 from specd.core.settings import TABLE_OF_KEY  # noqa: E402
 from specd.io.gateway import GatewayClient, GatewayUnavailable  # noqa: E402
 from specd.tools.loopback import EtcdProcess, SmgGateway, StreamingLoad  # noqa: E402
-from specd.twin.process import free_port  # noqa: E402
+from specd.twin.process import free_port, stop_process  # noqa: E402
 from specd.twin.standin import UNIT, StandIn, make_standin  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "fleet.md"
@@ -175,13 +174,7 @@ class Server:
 
     def stop_specd(self) -> None:
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(40)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
+            stop_process(self.proc, 40)
             self.proc = None
 
     def check_alive(self) -> None:

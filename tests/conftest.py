@@ -2,12 +2,52 @@
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
 from factories import EtcdProcess
+
+# Seconds each test file took in a full run (`pytest --record-durations` rewrites it). Only
+# the order the files start in depends on it: `--dist loadfile` keeps a file on one worker
+# and hands files out in collection order, so the longest go first and the short ones fill
+# the workers' ends (xdist's own reorder, by number of tests, put the few-but-slow files
+# last: the systemd, fleet and bench files made a minutes-long tail on one worker).
+DURATIONS = Path(__file__).with_name("durations.json")
+_spent: Counter[str] = Counter()
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help=f"write each test file's total seconds in this run to {DURATIONS}",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Longest files first (a stable sort: each file's tests keep their order)."""
+    known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    items.sort(key=lambda item: -known.get(_file_of(item.nodeid), 0.0))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _spent[_file_of(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    # The xdist controller sees every worker's reports; a worker writes nothing.
+    if config.getoption("record_durations") and not hasattr(config, "workerinput"):
+        spent = {f: round(s, 1) for f, s in sorted(_spent.items(), key=lambda fs: -fs[1])}
+        DURATIONS.write_text(json.dumps(spent, indent=1) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -40,7 +40,7 @@ from specd.core.settings import FleetSettings
 from specd.io.apply import render_env
 from specd.io.fleet import Fleet
 from specd.io.state import State, StateStore
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import TwinProcess, free_port, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -88,15 +88,8 @@ class Server:
         self.proc = None  # dead on purpose: not an exit check_alive should report
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(40)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, 40)
 
     def state(self) -> State:
         state, problem = StateStore(self.home / "state").load()

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import TwinProcess, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "specd.json"
@@ -163,16 +162,6 @@ class Stack:
             if result or time.monotonic() > self.deadline:
                 return result
             time.sleep(1.0)
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 def write_specd_config(tmp: Path, twin_url: str, metrics_port: int) -> Path:

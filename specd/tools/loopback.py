@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from specd.io.gateway import GatewayClient, GatewayUnavailable
-from specd.twin.process import free_port
+from specd.twin.process import free_port, stop_process
 
 
 class EtcdProcess:
@@ -63,13 +63,8 @@ class EtcdProcess:
         raise RuntimeError(f"etcd not up within {timeout_s} s: {self.log_path.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc, 10)
         self.proc = None
 
 
@@ -134,13 +129,7 @@ class SmgGateway:
         return self._log.read().decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc, 10)
         self._log.close()
 
     def __enter__(self) -> SmgGateway:

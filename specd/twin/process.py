@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -23,6 +24,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
+
+
+def stop_process(
+    proc: subprocess.Popen[Any], grace_s: float = 10.0, kill_wait_s: float = 10.0
+) -> int:
+    """A graceful stop: SIGTERM, up to ``grace_s`` for it to exit, then SIGKILL and up to
+    ``kill_wait_s`` more; returns the exit code. A process already gone is only reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            return proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait(timeout=kill_wait_s)
 
 
 class TwinProcess:
@@ -97,12 +112,7 @@ class TwinProcess:
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, wait, SIGKILL if it does not go; returns the exit code."""
-        self.terminate()
-        try:
-            code = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            code = self.proc.wait(timeout=timeout_s)
+        code = stop_process(self.proc, timeout_s, timeout_s)
         self._log.close()
         if self._own_log:
             with contextlib.suppress(OSError):

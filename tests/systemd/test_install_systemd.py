@@ -303,3 +303,7 @@ def test_reinstall_for_another_unit_acts_on_no_override_of_the_last(sd: Containe
                 str(REPO / "etc/polkit-1/rules.d/50-specd.rules"),
                 POLKIT_RULE,
             )
+            # polkitd sees rule files change through inotify, which a mount over the file
+            # does not trigger: it would keep the rules it read last (none for specd once
+            # uninstalled) and a later test's restart as specd would be refused.
+            sd.systemctl("restart", "polkit.service")
