@@ -180,13 +180,19 @@ def quiet_logs() -> None:
     logs.configure("json", stream=open("/dev/null", "w"))  # noqa: SIM115
 
 
-@pytest.mark.parametrize("policy", ["bands", "model", "model-uncalibrated"])
+@pytest.mark.parametrize("policy", ["bands", "model", "model-trusting", "model-uncalibrated"])
 def test_replay_decides_tick_for_tick_what_the_daemon_decides(tmp_path: Path, policy: str) -> None:
     tr = trace()
     # Uncalibrated, the model learns the box by exploring from the bands (specd.core.explore).
-    choose: dict[str, Any] = {"policy": policy.removesuffix("-uncalibrated")}
+    # "model": the first day's rhythm (2 by night, 20 by day) holds changes on hours not
+    # seen yet; "model-trusting" turns that hold off, so changes go through stabilization.
+    choose: dict[str, Any] = {
+        "policy": policy.removesuffix("-uncalibrated").removesuffix("-trusting")
+    }
+    if policy == "model-trusting":
+        choose["min_forecast_seen_ratio"] = 0.0
     calibration = None
-    if policy == "model":
+    if policy.startswith("model") and not policy.endswith("-uncalibrated"):
         cal_path = tmp_path / "calibration.csv"
         write_table(cal_path, TRUTH)
         choose["calibration_file"] = str(cal_path)
@@ -219,8 +225,15 @@ def test_replay_decides_tick_for_tick_what_the_daemon_decides(tmp_path: Path, po
         assert Reason.EXPLORE.value in result.change_reasons
     else:
         assert seen[Reason.CHANGE.value] >= 2
-        assert seen[Reason.STABILIZING.value] > 0
         assert seen[Reason.WINDOW_CLOSED.value] > 0
+        if policy == "model":
+            held = "is forecast from recent traffic alone"
+            assert any(
+                reason == Reason.INSUFFICIENT_DATA.value and held in daemon[t][2]
+                for t, _, reason in result.decisions
+            )
+        else:
+            assert seen[Reason.STABILIZING.value] > 0
     assert seen[Reason.WITHIN_TOLERANCE.value] > 0
     if policy == "bands":
         # Ticks inside the hysteresis band around the boundary of 4.
