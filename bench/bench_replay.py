@@ -238,11 +238,13 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "a sweep measured (sparse, noisy; `k5to2 cal±3%`: off by 3 % at every point; `near "
         "cal 5+8%`: claims 5 serves 8 % more than it does, 3 % less than the start value "
         "3). "
-        "Oracle: best fixed K per epoch (window opening to window opening) in hindsight, no "
-        "restart cost, the start K before the first window. SGLang adaptive: "
+        "Before the first window no one can choose: every comparison (each static K, the "
+        "oracle, SGLang adaptive, each adaptive set) runs the start K until it opens and its "
+        "own setting from then on, no restart charged. Oracle: best fixed K per epoch "
+        "(window opening to window opening) in hindsight. SGLang adaptive: "
         "`--speculative-adaptive` with its default slots (batch ≥1: [1,3,5,7], ≥8: [0,1,3], "
         "≥32: [0,1], ≥64: [0]), the best candidate of each batch's slot (an upper bound of "
-        "its switching), capacity of the deepest candidate the truth has, no restarts. "
+        "its switching), capacity of the deepest candidate the truth has. "
         "Every figure of a row comes from one replay; rows ran in "
         f"{jobs} process{'es' if jobs > 1 else ''} side by side. Millions of tokens.",
         "",
@@ -254,7 +256,7 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "among off, static K and `[choose] adaptive_candidate_sets` (the defaults: SGLang's "
         "default config, 1,3, 2,4, 3,4, 1,2,3), from a calibration swept at steps 0–7; an "
         "adaptive start takes 20 s more per candidate beyond the first. ×best adaptive set: "
-        "specd against the best of those sets run all along in hindsight (no restarts); "
+        "specd against the best of those sets run from the first window in hindsight; "
         "the steps column shows each setting (A1,2,3: adaptive with candidates 1,2,3).",
         "",
         "## Figures to reach (model policy, every case)",

@@ -9,16 +9,17 @@ decisions are the daemon's, tick for tick (tests/tools/test_replay_is_daemon.py)
 fraction of the cost. A restart serves nothing for ``--restart-s``.
 
 Compared in the same run: specd, every static K in the allowed range, the oracle (the
-best fixed K of each epoch — window opening to window opening — in hindsight, with no
-restart cost; before the first window no one can choose, so there it runs the start K, as
-specd does) and SGLang's ``--speculative-adaptive`` with its default slots
-(`specd.core.adaptive`: the best candidate of each batch's slot, capacity of the deepest
-candidate, no restarts). Tokens come from the truth table, piecewise constant per trace
-row; tokens specd's K would have served while SGLang restarts are lost. ``steps_timeline``
-(each change and when it was issued) with ``restart_s`` recounts specd's tokens from the
-truth alone; ``explorations`` counts the changes that were safe explorations (reason
-``explore``), per step count and per rolling week. ``--warmup-s`` replays the start of a
-trace without scoring it (steady state, as a daemon that has run a while).
+best fixed K of each epoch — window opening to window opening — in hindsight) and SGLang's
+``--speculative-adaptive`` with its default slots (`specd.core.adaptive`: the best
+candidate of each batch's slot, capacity of the deepest candidate). Before the first
+window no one can choose: each of them runs the start K there, as specd does, and its own
+setting from that window's opening on, with no restart charged. Tokens come from the
+truth table, piecewise constant per trace row; tokens specd's K would have served while
+SGLang restarts are lost. ``steps_timeline`` (each change and when it was issued) with
+``restart_s`` recounts specd's tokens from the truth alone; ``explorations`` counts the
+changes that were safe explorations (reason ``explore``), per step count and per rolling
+week. ``--warmup-s`` replays the start of a trace without scoring it (steady state, as a
+daemon that has run a while).
 """
 
 from __future__ import annotations
@@ -590,12 +591,7 @@ def replay(
     tokens = Tokens(trace, truth, allowed, adaptive)
     opens = _open_intervals(config, t0 + first, t0 + last)
     scored_from = min(first + max(warmup_s, 0.0), last)
-    static_tokens = {k: tokens.between(k, scored_from, last) for k in allowed}
-    # Each adaptive set specd may consider, run the whole span with no restart: the best
-    # single adaptive config in hindsight is the best of these.
-    set_tokens = {
-        format_setting(a): tokens.between(tokens.ensure(a), scored_from, last) for a in sets
-    }
+    set_keys = {format_setting(a): tokens.ensure(a) for a in sets}
     k = (
         initial_steps
         if initial_steps is not None
@@ -689,18 +685,31 @@ def replay(
     specd_tokens = sum(
         tokens.between(kk, max(a, scored_from), min(b, last)) for kk, a, b in segments if b > a
     )
-    # The oracle: the best fixed K per epoch (window opening to window opening). Before
-    # the first window of the scored span no one can choose: it runs specd's K there.
+    # Before the first window of the scored span no one can choose: every comparison (each
+    # static step count, each adaptive set, SGLang's adaptive mode and the oracle) runs what
+    # specd ran there, and its own setting from that window's opening on, no restart
+    # charged. The oracle: the best fixed K per epoch (window opening to window opening).
     live_then = tokens.ensure([kk for at, kk in timeline if at <= scored_from][-1])
     bounds = [scored_from]
     bounds += [o - t0 for o, _ in opens if scored_from < o - t0 < last]
     bounds.append(last)
     epochs = list(itertools.pairwise(bounds))
     chooses_first = any(a <= t0 + scored_from < b for a, b in opens)
+    fixed_until = scored_from if chooses_first else bounds[1]
     oracle = 0.0
     if epochs and not chooses_first:
         oracle += tokens.between(live_then, *epochs.pop(0))
     oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
+
+    def from_first_window(key: Key) -> float:
+        return tokens.between(live_then, scored_from, fixed_until) + tokens.between(
+            key, fixed_until, last
+        )
+
+    static_tokens = {kk: from_first_window(kk) for kk in allowed}
+    # Each adaptive set specd may consider, run from the first window on with no restart:
+    # the best single adaptive config in hindsight is the best of these.
+    set_tokens = {text: from_first_window(key) for text, key in set_keys.items()}
     scored_restarts = sum(1 for at, _ in timeline[1:] if at >= scored_from)
     lost = sum(
         tokens.between(tokens.ensure(old), max(at, scored_from), min(at + took, last))
@@ -714,7 +723,7 @@ def replay(
             slots=adaptive.slots,
             skipped=adaptive.skipped,
             capacity=adaptive.capacity,
-            tokens=tokens.between(ADAPTIVE, scored_from, last),
+            tokens=from_first_window(ADAPTIVE),
             above_capacity_ratio=_share_above(trace, adaptive.capacity, scored_from, last),
         )
     mean_err, median_err, tv = _forecast_quality(forecasts.values(), trace, t0)

@@ -129,7 +129,8 @@ def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
     result = replay(trace, table, config, restart_s=100, initial_steps=3)
     rate3, rate4 = table.throughput(3, 2), table.throughput(4, 2)
     assert result.static_tokens[3] == pytest.approx(rate3 * DAY)
-    assert result.static_tokens[4] == pytest.approx(rate4 * DAY)
+    # Before the first window (03:00) no one can choose: 4 runs from then on, as specd.
+    assert result.static_tokens[4] == pytest.approx(rate3 * 3 * 3600 + rate4 * (DAY - 3 * 3600))
     assert result.restarts == 1
     (switched_at, steps) = result.steps_timeline[1]
     assert steps == 4
@@ -427,17 +428,29 @@ def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) ->
     assert data["specd_tokens"] == pytest.approx(specd_tokens, abs=1)
     assert data["restart_lost_tokens"] == pytest.approx(lost, abs=1)
     assert lost > 0
+    # Before the first window (07:00) no one can choose: every comparison runs what specd
+    # ran (3, the start value), its own setting from the window's opening on.
+    first_open = 7 * 3600.0
+    start_k = timeline[0][1]
+    assert start_k == 3
+    before = _integrate(
+        times, levels, lambda c: truth.throughput(start_k, c), scored_from, first_open
+    )
     for k, tokens in data["static_tokens"].items():
-        recount = _integrate(
-            times, levels, lambda c, k=int(k): truth.throughput(k, c), scored_from, end
+        recount = before + _integrate(
+            times, levels, lambda c, k=int(k): truth.throughput(k, c), first_open, end
         )
         assert tokens == pytest.approx(recount, abs=1)
         assert data["ratio_to_static"][k] == pytest.approx(specd_tokens / recount, abs=1e-4)
     # The night's 32 concurrent is a measured point of the truth, on every K's plateau:
-    # the tokens are what it says, not an interpolation below capacity.
-    night_s = sum(1 for c in levels if c == 32) * 60 - scored_from
-    day_s = end - scored_from - night_s
-    assert data["static_tokens"]["4"] == pytest.approx(540 * day_s + 1750 * night_s, abs=1)
+    # the tokens are what it says, not an interpolation below capacity (01:00–07:00 at 3,
+    # on its plateau too).
+    night_s = sum(1 for c in levels if c == 32) * 60 - first_open
+    day_s = end - first_open - night_s
+    assert data["static_tokens"]["4"] == pytest.approx(
+        truth.throughput(3, 32) * (first_open - scored_from) + 540 * day_s + 1750 * night_s,
+        abs=1,
+    )
     # SGLang's adaptive mode, default slots: of its candidates the truth has only 3, so the
     # slots ≥32 and ≥64 are left out, and capacity is 3's.
     adaptive = data["adaptive"]
@@ -448,11 +461,12 @@ def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) ->
     def adaptive_rate(c: int) -> float:
         return truth.throughput(3, min(c, 15))
 
-    recount = _integrate(times, levels, adaptive_rate, scored_from, end)
+    recount = before + _integrate(times, levels, adaptive_rate, first_open, end)
     assert data["adaptive_tokens"] == pytest.approx(recount, abs=1)
     assert data["ratio_to_adaptive"] == pytest.approx(specd_tokens / recount, abs=1e-4)
+    scored_night_s = sum(1 for c in levels if c == 32) * 60 - scored_from
     assert adaptive["above_capacity_ratio"] == pytest.approx(
-        night_s / (end - scored_from), abs=1e-4
+        scored_night_s / (end - scored_from), abs=1e-4
     )
 
 
