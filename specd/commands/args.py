@@ -101,9 +101,10 @@ class IntList:
             try:
                 values.append(self.item(part))
             except argparse.ArgumentTypeError as exc:
-                raise argparse.ArgumentTypeError(
-                    f"{quoted(part)} in {quoted(text)}: {exc}"
-                ) from None
+                # The item's message quotes the part already: the list is quoted once more
+                # only when it holds more than that part (one line, never the text thrice).
+                where = "" if len(parts) == 1 else f"in {quoted(text)}: "
+                raise argparse.ArgumentTypeError(f"{where}{exc}") from None
         if len(set(values)) != len(values):
             raise argparse.ArgumentTypeError(f"a value is listed twice in {quoted(text)}")
         return tuple(values)
