@@ -11,6 +11,7 @@ healthy restart of a 100B model is not killed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -151,6 +152,7 @@ class Daemon:
         self.stop_event = BeatingEvent(self._heartbeat)
         self._wake = threading.Event()
         self._reload_requested = threading.Event()
+        self._signal_fd = -1  # the signal handlers' pipe (`install_signal_handlers`)
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
 
@@ -260,18 +262,40 @@ class Daemon:
 
     # -- signals ------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        signal.signal(signal.SIGINT, self._on_sigterm)
-        signal.signal(signal.SIGHUP, self._on_sighup)
+        """SIGTERM/SIGINT stop, SIGHUP reloads. A handler runs in the loop's own thread,
+        between two bytecodes — possibly inside ``Event.wait`` while that thread holds the
+        event's lock — so it must take no lock: it writes one byte to a pipe, and a relay
+        thread sets the events (an ``Event.set`` in the handler deadlocked the loop when a
+        burst of SIGHUPs landed there)."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._signal_fd = write_fd
+        threading.Thread(
+            target=self._relay_signals, args=(read_fd,), name="specd-signals", daemon=True
+        ).start()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_signal)
 
-    def _on_sigterm(self, _signum: int, _frame: FrameType | None) -> None:
-        self.stop_event.set()
-        self._wake.set()
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Full (thousands pending): the relay has plenty to act on already.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._signal_fd, b"H" if signum == signal.SIGHUP else b"T")
 
-    def _on_sighup(self, _signum: int, _frame: FrameType | None) -> None:
-        # Several SIGHUPs in a row collapse into one reload.
-        self._reload_requested.set()
-        self._wake.set()
+    def _relay_signals(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 512)
+            except OSError:
+                return
+            if not data:
+                return
+            if b"T" in data:
+                self.stop_event.set()
+            if b"H" in data:
+                # Several SIGHUPs in a row collapse into one reload.
+                self._reload_requested.set()
+            self._wake.set()
 
     def request_stop(self) -> None:
         self.stop_event.set()

@@ -9,10 +9,12 @@ import json
 import math
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -446,3 +448,30 @@ def test_a_regression_goes_back_is_counted_logged_saved_and_not_repeated(
     assert decision_again.reason is Reason.WITHIN_TOLERANCE
     assert "avoided" in decision_again.message
     assert applier.calls == [("3", "4")]
+
+
+@pytest.mark.parametrize(
+    ("signum", "stops", "reloads"),
+    [(signal.SIGHUP, False, True), (signal.SIGTERM, True, False), (signal.SIGINT, True, False)],
+)
+def test_a_signal_landing_while_the_loop_holds_an_events_lock_never_deadlocks(
+    tmp_path: Path, signum: int, stops: bool, reloads: bool
+) -> None:
+    # A handler runs in the loop's thread between two bytecodes, possibly inside
+    # Event.wait while that thread holds the event's (non-reentrant) lock: a handler that
+    # called Event.set there never returned (CI: the loop stopped after a burst of
+    # SIGHUPs). The handler only writes to a pipe; the relay thread sets the events.
+    previous = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)}
+    d = daemon(config(tmp_path), Reader([obs(1000.0)]), Applier(), [1000.0])
+    try:
+        d.install_signal_handlers()
+        for event in (d._wake, d.stop_event, d._reload_requested):
+            with event._cond:  # as Event.wait holds it
+                d._on_signal(signum, None)  # returns: it takes no lock
+        assert d._wake.wait(5)
+        time.sleep(0.2)  # the relay has set all it will
+        assert d.stop_event.is_set() is stops
+        assert d._reload_requested.is_set() is reloads
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
