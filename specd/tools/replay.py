@@ -13,7 +13,9 @@ best fixed K of each epoch — window opening to window opening — in hindsight
 ``--speculative-adaptive`` with its default slots (`specd.core.adaptive`: the best
 candidate of each batch's slot, capacity of the deepest candidate). Before the first
 window no one can choose: each of them runs the start K there, as specd does, and its own
-setting from that window's opening on, with no restart charged. Tokens come from the
+setting from that window's opening on. One that differs from the start K restarts into it
+then, and serves nothing while it does, as specd (the oracle alone is charged no restart:
+it is the bound of choosing in hindsight). Tokens come from the
 truth table, piecewise constant per trace row; tokens specd's K would have served while
 SGLang restarts are lost. ``steps_timeline`` (each change and when it was issued) with
 ``restart_s`` recounts specd's tokens from the truth alone; ``explorations`` counts the
@@ -687,8 +689,10 @@ def replay(
     )
     # Before the first window of the scored span no one can choose: every comparison (each
     # static step count, each adaptive set, SGLang's adaptive mode and the oracle) runs what
-    # specd ran there, and its own setting from that window's opening on, no restart
-    # charged. The oracle: the best fixed K per epoch (window opening to window opening).
+    # specd ran there, and its own setting from that window's opening on. A comparison
+    # whose setting differs restarts into it then and serves nothing meanwhile, as specd
+    # does: the same rule for everyone. The oracle, the best fixed K per epoch (window
+    # opening to window opening) in hindsight, is charged no restart: it is the bound.
     live_then = tokens.ensure([kk for at, kk in timeline if at <= scored_from][-1])
     bounds = [scored_from]
     bounds += [o - t0 for o, _ in opens if scored_from < o - t0 < last]
@@ -700,15 +704,27 @@ def replay(
     if epochs and not chooses_first:
         oracle += tokens.between(live_then, *epochs.pop(0))
     oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
+    # What a restart into each comparison's setting takes (an adaptive start captures one
+    # CUDA-graph set more per candidate, as `restart_cost_s` counts; off is none).
+    per_candidate_s = config.choose.adaptive_restart_extra_s_per_candidate
+
+    def restart_into_s(key: Key) -> float:
+        if isinstance(key, SpecSetting):
+            return restart_s + restart_cost_s(key, config) - config.choose.restart_cost_s
+        if key == ADAPTIVE and adaptive is not None:
+            drafting = [c for c in adaptive.configured.candidates() if c > 0]
+            return restart_s + per_candidate_s * max(len(drafting) - 1, 0)
+        return restart_s
 
     def from_first_window(key: Key) -> float:
+        served_from = fixed_until if key == live_then else fixed_until + restart_into_s(key)
         return tokens.between(live_then, scored_from, fixed_until) + tokens.between(
-            key, fixed_until, last
+            key, min(served_from, last), last
         )
 
     static_tokens = {kk: from_first_window(kk) for kk in allowed}
-    # Each adaptive set specd may consider, run from the first window on with no restart:
-    # the best single adaptive config in hindsight is the best of these.
+    # Each adaptive set specd may consider, run from the first window on: the best single
+    # adaptive config in hindsight is the best of these.
     set_tokens = {text: from_first_window(key) for text, key in set_keys.items()}
     scored_restarts = sum(1 for at, _ in timeline[1:] if at >= scored_from)
     lost = sum(
