@@ -43,6 +43,17 @@ def office(t: float) -> int:
     return 20 if 9 <= hour < 17 else 2
 
 
+def forecast_after(days: float, start_hour: int, hours: int) -> Forecast:
+    """The forecast of ``hours`` hours from ``start_hour`` (counted from MONDAY 00:00) after
+    ``days`` days of office traffic from MONDAY."""
+    history = new_history()
+    record(history, MONDAY, MONDAY + days * DAY, office)
+    start = MONDAY + start_hour * HOUR
+    forecast = forecast_epoch(history, start, start + hours * HOUR)
+    assert forecast is not None
+    return forecast
+
+
 @pytest.mark.parametrize(
     ("days_of_history", "start_hour", "hours", "source", "mean"),
     [
@@ -62,11 +73,7 @@ def office(t: float) -> int:
 def test_the_epoch_is_forecast_from_the_same_hours(
     days_of_history: float, start_hour: int, hours: int, source: str, mean: float | None
 ) -> None:
-    history = new_history()
-    record(history, MONDAY, MONDAY + days_of_history * DAY, office)
-    start = MONDAY + start_hour * HOUR
-    forecast = forecast_epoch(history, start, start + hours * HOUR)
-    assert forecast is not None
+    forecast = forecast_after(days_of_history, start_hour, hours)
     assert forecast.source == source
     assert sum(forecast.weights.values()) == pytest.approx(1.0)
     if mean is not None:
@@ -94,23 +101,15 @@ def test_the_epoch_is_forecast_from_the_same_hours(
 def test_recent_ratio_is_the_share_of_the_epoch_never_seen_at_its_hour_of_the_day(
     hours_of_history: int, start_hour: int, hours: int, recent_ratio: float, spread: float
 ) -> None:
-    history = new_history()
-    record(history, MONDAY, MONDAY + hours_of_history * HOUR, office)
-    start = MONDAY + start_hour * HOUR
-    forecast = forecast_epoch(history, start, start + hours * HOUR)
-    assert forecast is not None
+    forecast = forecast_after(hours_of_history / 24, start_hour, hours)
     assert forecast.recent_ratio == pytest.approx(recent_ratio)
     assert forecast.seen_spread == pytest.approx(spread, abs=0.05)
     assert ("recent" in forecast.source) is (recent_ratio > 0)
 
 
 def test_an_epoch_spanning_day_and_night_weighs_hours_by_their_share() -> None:
-    history = new_history()
-    record(history, MONDAY, MONDAY + 8 * DAY, office)
     # Next Tuesday 13:00 → 21:00: 4 office hours at 20, 4 evening hours at 2.
-    start = MONDAY + (8 * 24 + 13) * HOUR
-    forecast = forecast_epoch(history, start, start + 8 * HOUR)
-    assert forecast is not None
+    forecast = forecast_after(8, 8 * 24 + 13, 8)
     assert forecast.weights == pytest.approx({20: 0.5, 2: 0.5})
     assert forecast.quantile(0.25) == 2.0
     assert forecast.quantile(0.75) == 20.0

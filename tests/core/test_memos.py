@@ -8,6 +8,7 @@ one asked only at the end (nothing memoized) — or compares with a value built 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 from factories import make_observation, seed_table
@@ -54,79 +55,106 @@ def record(histories: list[History], start: float, end: float, level: int | None
         t += 60
 
 
-def test_a_kept_forecast_is_made_again_when_an_hour_of_the_epoch_changes() -> None:
+@pytest.mark.parametrize(
+    ("days", "epoch", "quiet_until", "change", "sources", "mean", "reader"),
+    [
+        # Next Wednesday 08:00–18:00: its own hours (last Wednesday) are known. The days
+        # between observed as before (its 08 and 09 hours at last week's levels), then
+        # Wednesday's 10:00 hour again, a week later, at 50: that hour's table changed.
+        pytest.param(
+            8,
+            (9 * 24 + 8, 10),
+            9 * 24 + 10,
+            (9 * 24 + 10, 1),
+            ("same hours", "same hours"),
+            16.4,
+            History.hour_of_week_distribution,
+            id="own hours",
+        ),
+        # Wednesday 09:00–12:00 from Monday's and Tuesday's same hours. Wednesday 00:00–09:00
+        # observed: no hour of the epoch, nor of its day kind's hours 09–12. Then Thursday's
+        # 10:00 hour at 50: not an hour of the epoch, only of its day kind's pooled hours.
+        pytest.param(
+            2,
+            (2 * 24 + 9, 3),
+            2 * 24 + 9,
+            (3 * 24 + 10, 1),
+            ("same hours, other days", "same hours, other days"),
+            20.0,
+            History.day_kind_distribution,
+            id="other days",
+        ),
+        # The same, but the weekday hours at 50 are Wednesday 09:00–11:00, the epoch's own:
+        # they are pooled with its day kind's hours, and two of its hours now have their own.
+        pytest.param(
+            2,
+            (2 * 24 + 9, 3),
+            2 * 24 + 9,
+            (2 * 24 + 9, 2),
+            ("same hours, other days", "same hours+same hours, other days"),
+            20.0,
+            History.day_kind_distribution,
+            id="other days, then its own",
+        ),
+        # A first Saturday 09:00–12:00: no weekend seen, the weekdays' same hours stand in.
+        # Saturday 00:00–09:00 observed: weekend hours, but none of the epoch's hours of the
+        # day. Then a weekday 10:00 hour on another weekday (next week's Monday) at 50: the
+        # weekdays' same hours change, and with them the forecast of a Saturday that has
+        # none of its own.
+        pytest.param(
+            5,
+            (5 * 24 + 9, 3),
+            5 * 24 + 9,
+            (7 * 24 + 10, 1),
+            ("same hours, any day", "same hours, any day"),
+            20.0,
+            History.hour_of_day_distribution,
+            id="any day",
+        ),
+    ],
+)
+def test_a_kept_forecast_is_made_again_when_a_distribution_it_reads_changes(
+    days: int,
+    epoch: tuple[int, int],
+    quiet_until: int,
+    change: tuple[int, int],
+    sources: tuple[str, str],
+    mean: float,
+    reader: Callable[[History, int], tuple[dict[int, float] | None, float]],
+) -> None:
+    """``epoch`` and ``change``: (first hour, hours), counted from MONDAY; ``quiet_until``:
+    the office traffic goes on that far (hours from MONDAY) without changing the forecast;
+    ``sources``: the forecast's before and after the change; ``reader``: the distribution
+    the changed hour lands in, derived once per revision of its table."""
     asked, cold = new_history(), new_history()
-    record([asked, cold], MONDAY, MONDAY + 8 * DAY)
-    # Next Wednesday 08:00–18:00: its own hours (last Wednesday) are known.
-    start = MONDAY + (9 * 24 + 8) * HOUR
-    before = forecast_epoch(asked, start, start + 10 * HOUR)
+    record([asked, cold], MONDAY, MONDAY + days * DAY)
+    start = MONDAY + epoch[0] * HOUR
+    end = start + epoch[1] * HOUR
+    before = forecast_epoch(asked, start, end)
     assert before is not None
-    assert before.source == "same hours"
-    again = forecast_epoch(asked, start, start + 10 * HOUR)
-    assert again == before
-    # Wednesday's 10:00 hour again, a week later: 50 requests all hour. The hour's table
-    # changed, so the forecast must too, exactly as a history never asked computes it.
-    ten = MONDAY + (9 * 24 + 10) * HOUR
-    assert hour_of_week(ten) == hour_of_week(MONDAY + (2 * 24 + 10) * HOUR)
-    record([asked, cold], MONDAY + 8 * DAY, ten)  # the days between, as before
-    forecast_epoch(asked, start, start + 10 * HOUR)  # kept again, then
-    record([asked, cold], ten, ten + HOUR, level=50)
-    after = forecast_epoch(asked, start, start + 10 * HOUR)
+    assert before.source == sources[0]
+    assert before.mean() == pytest.approx(mean)
+    assert forecast_epoch(asked, start, end) == before
+    record([asked, cold], MONDAY + days * DAY, MONDAY + quiet_until * HOUR)
+    kept = forecast_epoch(asked, start, end)
+    assert kept == before == forecast_epoch(cold, start, end)
+    # 50 requests all along the changed hours: the forecast must change too, exactly as a
+    # history never asked computes it.
+    changed = MONDAY + change[0] * HOUR
+    record([asked, cold], changed, changed + change[1] * HOUR, level=50)
+    after = forecast_epoch(asked, start, end)
     assert after is not None
+    assert after.source == sources[1]
     assert after.weights != before.weights
     assert 50 in after.weights
-    fresh = forecast_epoch(cold, start, start + 10 * HOUR)
-    assert after == fresh
-
-
-def test_a_kept_forecast_follows_the_other_days_of_its_kind() -> None:
-    asked, cold = new_history(), new_history()
-    record([asked, cold], MONDAY, MONDAY + 2 * DAY)
-    # Wednesday 09:00–12:00 from Monday's and Tuesday's same hours.
-    start = MONDAY + (2 * 24 + 9) * HOUR
-    before = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert before is not None
-    assert before.source == "same hours, other days"
-    # Wednesday 00:00–09:00 observed: no hour of the epoch, nor of its day kind's hours
-    # 09–12: the forecast is kept, and equal to a fresh one.
-    record([asked, cold], MONDAY + 2 * DAY, start)
-    kept = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert kept == before == forecast_epoch(cold, start, start + 3 * HOUR)
-    # Tuesday's 10:00 hour of next week would be the same day kind: record a weekday 10:00
-    # hour at 50 (Wednesday's own, the epoch's): the pooled hours change.
-    record([asked, cold], start, start + 2 * HOUR, level=50)
-    after = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert after is not None
-    assert after != before
-    assert after == forecast_epoch(cold, start, start + 3 * HOUR)
-
-
-def test_a_kept_forecast_follows_the_same_hours_on_any_day() -> None:
-    asked, cold = new_history(), new_history()
-    record([asked, cold], MONDAY, MONDAY + 5 * DAY)
-    # A first Saturday 09:00–12:00: no weekend seen, the weekdays' same hours stand in.
-    start = MONDAY + (5 * 24 + 9) * HOUR
-    before = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert before is not None
-    assert before.source == "same hours, any day"
-    assert before.mean() == pytest.approx(20.0)
-    # Saturday 00:00–09:00: weekend hours, but none of the epoch's hours of the day.
-    record([asked, cold], MONDAY + 5 * DAY, start)
-    kept = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert kept == before == forecast_epoch(cold, start, start + 3 * HOUR)
-    # Weekday 10:00 hours on another weekday (next week's Monday) at 50: the weekdays' same
-    # hours change, and with them the forecast of a Saturday that has none of its own.
-    monday_10 = MONDAY + (7 * 24 + 10) * HOUR
-    record([asked, cold], monday_10, monday_10 + HOUR, level=50)
-    after = forecast_epoch(asked, start, start + 3 * HOUR)
-    assert after is not None
-    assert after != before
-    assert after == forecast_epoch(cold, start, start + 3 * HOUR)
-    distribution, seconds = asked.hour_of_day_distribution(hour_of_week(monday_10))
-    again, _ = asked.hour_of_day_distribution(hour_of_week(monday_10))
+    assert after == forecast_epoch(cold, start, end)
+    # The table read holds the 50s beside the 20s recorded before (the table an earlier
+    # forecast read), one object until it changes again.
+    distribution, seconds = reader(asked, hour_of_week(changed))
+    again, _ = reader(asked, hour_of_week(changed))
     assert again is distribution
     assert distribution is not None
-    assert 50 in distribution
+    assert set(distribution) == {20, 50}
     assert seconds > 0
 
 
