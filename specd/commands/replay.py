@@ -273,4 +273,17 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
     ]
     first = data["setting_timeline"][0][1]
     lines.append(f"  setting: {first} at the start" + "".join(f", {c}" for c in changes))
+    later = data["after_first_day"]
+    if later is not None:
+        at = (start + timedelta(seconds=later["from_s"])).strftime("%a %Y-%m-%d %H:%M")
+        versus_adaptive = (
+            ""
+            if later["ratio_to_adaptive"] is None
+            else f", ×{later['ratio_to_adaptive']} adaptive"
+        )
+        lines.append(
+            f"  after the first day (from {at}): specd ×{later['ratio_to_oracle']} oracle, "
+            f"×{later['ratio_to_best_static']} best static ({later['best_static_steps']})"
+            + versus_adaptive
+        )
     return lines

@@ -57,6 +57,7 @@ from specd.core.setting import (
     static,
 )
 from specd.core.setting import parse as parse_setting
+from specd.core.settings import DAY_S
 from specd.core.step import StepContext, step
 from specd.io import files
 from specd.io.calibration import read_calibration
@@ -261,6 +262,10 @@ class ReplayResult:
     setting_timeline: list[tuple[float, str]] = field(default_factory=list)
     # Tokens of each adaptive set of the config the truth can score, run all along.
     adaptive_set_tokens: dict[str, float] = field(default_factory=dict)
+    # The same comparison from the first window opening a day or more into the scored span
+    # on (None: the trace ends first): what specd does once it has seen a day, apart from
+    # the cold start, when it knew only the first hours.
+    after_first_day: AfterFirstDay | None = None
 
     @property
     def best_adaptive_set(self) -> str | None:
@@ -364,6 +369,37 @@ class ReplayResult:
             "decision_cpu_ms_p99": round(self.decision_cpu_ms_p99, 3),
             "decision_cpu_ms_max": round(self.decision_cpu_ms_max, 3),
             "reasons": dict(sorted(self.reasons.items())),
+            "after_first_day": (
+                None if self.after_first_day is None else self.after_first_day.to_dict()
+            ),
+        }
+
+
+@dataclass(frozen=True)
+class AfterFirstDay:
+    """specd against the oracle, each static K and SGLang's adaptive mode, all counted
+    from ``from_s`` (a window opening a day or more into the scored span) to the end."""
+
+    from_s: float  # trace seconds
+    specd_tokens: float
+    oracle_tokens: float
+    static_tokens: dict[int, float]
+    adaptive_tokens: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        best = max(self.static_tokens, key=lambda k: (self.static_tokens[k], -k))
+        return {
+            "from_s": _seconds(self.from_s),
+            "specd_tokens": round(self.specd_tokens),
+            "oracle_tokens": round(self.oracle_tokens),
+            "ratio_to_oracle": _ratio(self.specd_tokens, self.oracle_tokens),
+            "best_static_steps": best,
+            "ratio_to_best_static": _ratio(self.specd_tokens, self.static_tokens[best]),
+            "ratio_to_adaptive": (
+                None
+                if self.adaptive_tokens is None
+                else _ratio(self.specd_tokens, self.adaptive_tokens)
+            ),
         }
 
 
@@ -742,6 +778,25 @@ def replay(
             tokens=from_first_window(ADAPTIVE),
             above_capacity_ratio=_share_above(trace, adaptive.capacity, scored_from, last),
         )
+    # From the first opening a day in on, each comparison runs its own setting already:
+    # specd's tokens from then, the oracle's epochs from then, each static K and SGLang's
+    # adaptive mode from then (no restart: they made theirs at the first window).
+    settled = next((b for b in bounds[1:-1] if b >= scored_from + DAY_S), None)
+    after_first_day = None
+    if settled is not None:
+        after_first_day = AfterFirstDay(
+            from_s=settled,
+            specd_tokens=sum(
+                tokens.between(kk, max(a, settled), min(b, last))
+                for kk, a, b in segments
+                if min(b, last) > max(a, settled)
+            ),
+            oracle_tokens=sum(
+                max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs if a >= settled
+            ),
+            static_tokens={kk: tokens.between(kk, settled, last) for kk in allowed},
+            adaptive_tokens=(None if adaptive is None else tokens.between(ADAPTIVE, settled, last)),
+        )
     mean_err, median_err, tv = _forecast_quality(forecasts.values(), trace, t0)
     return ReplayResult(
         specd_tokens=specd_tokens,
@@ -770,6 +825,7 @@ def replay(
         restart_lost_tokens=lost,
         adaptive=adaptive_result,
         change_reasons=change_reasons,
+        after_first_day=after_first_day,
     )
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -479,6 +480,37 @@ def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) ->
         scored_night_s / (end - scored_from), abs=1e-4
     )
 
+    # The same comparison from the first window opening a day into the scored span on (Tue
+    # 07:00), when every comparison runs its own setting already: specd's tokens from then,
+    # the oracle's epochs from then, each static K and SGLang adaptive from then.
+    later = data["after_first_day"]
+    settled = 31 * 3600.0
+    assert later["from_s"] == settled
+
+    def served(k: int, a: float, b: float) -> float:
+        return _integrate(times, levels, lambda c: truth.throughput(k, c), a, b)
+
+    specd_later = sum(
+        served(k, max(at + (restart_s if i else 0.0), settled), until)
+        for i, ((at, k), until) in enumerate(
+            zip(timeline, [t for t, _ in timeline[1:]] + [end], strict=True)
+        )
+    )
+    assert later["specd_tokens"] == pytest.approx(specd_later, abs=1)
+    bounds = [settled + 12 * 3600.0 * i for i in range(4)] + [end]
+    assert bounds[-2] < end
+    oracle_later = sum(
+        max(served(k, a, b) for k in (2, 3, 4)) for a, b in itertools.pairwise(bounds)
+    )
+    assert later["oracle_tokens"] == pytest.approx(oracle_later, abs=1)
+    assert later["ratio_to_oracle"] == pytest.approx(specd_later / oracle_later, abs=1e-4)
+    statics = {k: served(k, settled, end) for k in (2, 3, 4)}
+    best = max(statics, key=lambda k: (statics[k], -k))
+    assert later["best_static_steps"] == best
+    assert later["ratio_to_best_static"] == pytest.approx(specd_later / statics[best], abs=1e-4)
+    adaptive_later = _integrate(times, levels, adaptive_rate, settled, end)
+    assert later["ratio_to_adaptive"] == pytest.approx(specd_later / adaptive_later, abs=1e-4)
+
 
 def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
@@ -504,7 +536,34 @@ def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
     assert f"{data['adaptive_tokens']:,} tokens, specd ×{data['ratio_to_adaptive']}" in text
     assert "SGLang adaptive ≥1:[1,3,5] ≥8:[0,1,3] ≥32:[0,1] ≥64:[0] (not in the truth: 7)" in text
     assert f"{data['restart_lost_tokens']:,} tokens lost restarting" in text
+    # A day's trace has no window opening a day in: no such comparison, no line.
+    assert data["after_first_day"] is None
     assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 2
+
+
+def test_the_human_output_says_how_specd_fares_after_its_first_day(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    hours = 50
+    trace.write_text(
+        "t_s,concurrency\n"
+        + "".join(f"{m * 60},{2 if (m // 60) % 24 < 12 else 30}\n" for m in range(hours * 60))
+    )
+    args = (
+        "--trace", str(trace), "--truth", str(SEED), "--calibration", str(SWEPT),
+        "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-5",
+    )  # fmt: skip
+    data = json.loads(specd(*args, "--json").stdout)
+    later = data["after_first_day"]
+    # The trace starts Monday 00:00: the first opening a day in is Tuesday's 07:00.
+    assert later["from_s"] == 31 * 3600
+    assert later["specd_tokens"] < data["specd_tokens"]
+    assert later["oracle_tokens"] < data["oracle_tokens"]
+    text = specd(*args).stdout
+    assert text.strip().splitlines()[-1] == (
+        f"  after the first day (from Tue 2026-01-06 07:00): specd ×{later['ratio_to_oracle']} "
+        f"oracle, ×{later['ratio_to_best_static']} best static ({later['best_static_steps']}), "
+        f"×{later['ratio_to_adaptive']} adaptive"
+    )
 
 
 # -- choosing among kinds ---------------------------------------------------------------
