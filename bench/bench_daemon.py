@@ -22,6 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO))
+
+from bench.child import run_json  # noqa: E402
+
 CASES: tuple[tuple[str, int, int], ...] = (
     # (label, DP ranks, /metrics padding bytes)
     ("1 DP rank", 1, 0),
@@ -120,18 +125,8 @@ def measure_one(label: str, dp: int, pad: int, ticks: int) -> Row:
 
 def measure_in(tree: Path, label: str, ticks: int) -> Row:
     """One case in a child process running ``tree``'s own code (its bench and its specd)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, "-m", "bench", "daemon", "--one", label, "--ticks", str(ticks)],
-        capture_output=True,
-        text=True,
-        cwd=tree,
-        env=env,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{tree.name}: {label}: {out.stderr.strip()[-500:]}")
-    return Row(**json.loads(out.stdout))
+    argv = ["-m", "bench", "daemon", "--one", label, "--ticks", str(ticks)]
+    return Row(**run_json(tree, argv, f"{tree.name}: {label}"))
 
 
 def measure(ticks: int) -> list[Row]:

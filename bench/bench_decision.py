@@ -14,7 +14,6 @@ decision (time, target, reason) and the setting timeline are identical. ``--days
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
+from bench.child import run_json  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "decision.md"
@@ -94,16 +94,9 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 def _measure(tree: Path, case: tuple[str, str, str], trace: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER, str(tree), *case, str(trace)],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=tree,
+    out: dict[str, Any] = run_json(
+        tree, ["-c", WORKER, str(tree), *case, str(trace)], f"{tree} {case}"
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{tree} {case}: {proc.stderr.strip()[-2000:]}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 

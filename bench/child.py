@@ -1,0 +1,31 @@
+"""One measurement in a child interpreter that runs a given tree's own code.
+
+A benchmark comparing two trees (base against this one) measures each in a process of its
+own, so neither imports the other's modules and each starts as cold as the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_json(tree: Path, argv: list[str], what: str) -> Any:
+    """``python argv`` in ``tree`` with its code first on the path; the last line it
+    printed, read as JSON. RuntimeError naming ``what`` with the end of its stderr when it
+    fails."""
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what}: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
