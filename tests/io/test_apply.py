@@ -957,8 +957,12 @@ class Traffic:
             t.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
+        """Each client ends its request at its next chunk and sends no more."""
         self.deadline = 0.0
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
         for t in self.threads:
             t.join(timeout=10)
 
@@ -992,14 +996,19 @@ def test_quiet_moment_wait(
     opened = time.monotonic()
     window_s = 0.6 if case == "window_closes" else 60.0
     deadline_s = 0.6 if case == "deadline_passes" else 30.0
-    traffic_s = 1.0 if case == "traffic_ends" else 60.0
 
     def window_open() -> bool:
         return time.monotonic() - opened < window_s
 
     applier = applier_for(unit, rec, quiet_concurrency_max=1, quiet_deadline_s=deadline_s)
-    with Traffic(unit.url, 4, traffic_s, max_tokens=150 if case == "traffic_ends" else 1000):
+    max_tokens = 150 if case == "traffic_ends" else 1000
+    with Traffic(unit.url, 4, 60.0, max_tokens=max_tokens) as traffic:
         wait_for_offered(SGLangClient(unit.url), 3)
+        if case == "traffic_ends":
+            # The traffic ends a second after the twin showed it, however long a loaded
+            # machine took to get there (a fixed second from the start could end first).
+            ender = threading.Timer(1.0, traffic.stop)
+            ender.start()
         opened = time.monotonic()
         outcome = applier.apply(4, 3, window_open=window_open)
         waited = time.monotonic() - opened
