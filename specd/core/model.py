@@ -224,7 +224,7 @@ class PerformanceModel:
         self._values: dict[int, dict[int, float]] = {}
         self._steps: list[int] | None = None
         self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
-        self._box: dict[int, tuple[float, float, float]] | None = None
+        self._box: dict[int, tuple[_Curve, tuple[float, float, float]]] | None = None
 
     # -- acceptance --------------------------------------------------------------------
     @staticmethod
@@ -330,11 +330,16 @@ class PerformanceModel:
         if k == 0 and cal is not None and self._off_row:
             capacity = self._capacities.get(0, cal.capacity(0))
             off_curve = self._calibration_curve(0, capacity, 1.0)
-            return self._corrected(off_curve, observed, prior=1.0)
+            return self._corrected(off_curve, self._observed_sums(off_curve, observed), prior=1.0)
         if cal is not None and k in self._cal_steps:
+            prior = self._box_prior(k)
+            # An observed K's curve and sums were made for the box already: the same values.
+            boxed = self._box_sums().get(k)
+            if boxed is not None:
+                return self._corrected(boxed[0], boxed[1], prior=prior)
             capacity = self._capacities.get(k, cal.capacity(k))
             base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
-            return self._corrected(base, observed, prior=self._box_prior(k))
+            return self._corrected(base, self._observed_sums(base, observed), prior=prior)
         if observed:
             points = sorted(observed.items())
             capacity = self._capacities.get(k)
@@ -364,15 +369,17 @@ class PerformanceModel:
                 weight += w
         return seen, predicted, weight
 
-    def _box_sums(self) -> dict[int, tuple[float, float, float]]:
-        """`_observed_sums` of every calibrated speculative K observed, once per model."""
+    def _box_sums(self) -> dict[int, tuple[_Curve, tuple[float, float, float]]]:
+        """Every calibrated speculative K observed: its calibration curve and its
+        `_observed_sums`, once per model (`_box_prior` reads the sums of all, and
+        `_build_curve` corrects each one's curve by its own)."""
         if self._box is None:
-            box: dict[int, tuple[float, float, float]] = {}
+            box: dict[int, tuple[_Curve, tuple[float, float, float]]] = {}
             for k, observed in self._observed.items():
                 if k >= 1 and k in self._cal_steps and observed and self.calibration is not None:
                     capacity = self._capacities.get(k, self.calibration.capacity(k))
                     base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
-                    box[k] = self._observed_sums(base, observed)
+                    box[k] = (base, self._observed_sums(base, observed))
             self._box = box
         return self._box
 
@@ -385,7 +392,7 @@ class PerformanceModel:
         from that; a correction the others do not share is that K's own (a sweep point off,
         an oversold K) and lends nothing."""
         shared: float | None = None
-        for j, (seen, predicted, weight) in self._box_sums().items():
+        for j, (_, (seen, predicted, weight)) in self._box_sums().items():
             if j == k or predicted <= 0:
                 continue
             lean = (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
@@ -397,13 +404,13 @@ class PerformanceModel:
                 shared = lean
         return 1.0 if shared is None else 1.0 + shared
 
-    def _corrected(
-        self, base: _Curve, observed: Mapping[int, tuple[float, float]], *, prior: float
-    ) -> _Curve:
+    @staticmethod
+    def _corrected(base: _Curve, sums: tuple[float, float, float], *, prior: float) -> _Curve:
         """Scale a calibration curve by how observed throughput compared with it: one ratio
-        per K, of all tokens observed to all predicted at the concurrencies seen
-        (`_observed_sums`), shrunk toward ``prior`` (`_box_prior`) while evidence is thin."""
-        seen, predicted, weight = self._observed_sums(base, observed)
+        per K, of all tokens observed to all predicted at the concurrencies seen (``sums``:
+        `_observed_sums` of ``base``), shrunk toward ``prior`` (`_box_prior`) while evidence
+        is thin."""
+        seen, predicted, weight = sums
         if predicted <= 0:
             return base if prior == 1.0 else replace(base, scale=base.scale * prior)
         trust = weight / (weight + OBSERVED_PIVOT_S)
@@ -461,7 +468,8 @@ class PerformanceModel:
             capacity,
             distance=abs(k - ka),
         )
-        return self._corrected(base, self._observed.get(k, {}), prior=self._box_prior(k))
+        sums = self._observed_sums(base, self._observed.get(k, {}))
+        return self._corrected(base, sums, prior=self._box_prior(k))
 
     @staticmethod
     def _raw(curve: _Curve, c: float) -> float:
