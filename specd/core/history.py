@@ -337,8 +337,11 @@ class History:
         # One slot for `specd.core.forecast` to keep its last forecast in, with what it was
         # made of (it checks that before reusing it): derived, never state.
         self.forecast_memo: Any = None
-        # hour of the day -> (its two day-kind tables, their revisions, shares, seconds, at)
-        self._any_day: dict[int, tuple[Any, Any, dict[int, float] | None, float, float]] = {}
+        # And one for what `specd.core.forecast._seen_spread` keeps: derived, never state.
+        self.spread_memo: Any = None
+        # hour of the day -> (its two day-kind tables, their revisions, shares, seconds then,
+        # the first table, that table's `scale_at` then)
+        self._any_day: dict[int, tuple[Any, ...]] = {}
         self._throughput_memo: (
             tuple[DecayingSums[tuple[int, int]], int, float, dict[tuple[int, int], Any]] | None
         ) = None
@@ -584,13 +587,19 @@ class History:
         and weekends alike. Both tables decay alike, so their shares of the sum do not
         depend on the time read either: derived once per revision of the two."""
         hour = how % 24
-        tables = (self._day_kinds[hour], self._day_kinds[hour + 24])
-        revisions = tuple(-1 if t is None else t.revision for t in tables)
+        first, second = self._day_kinds[hour], self._day_kinds[hour + 24]
+        # Read for every hour of the day at every tick (`specd.core.forecast`): no tuples
+        # built to compare, and the reference's scale at the memo's time kept with it (its
+        # revision covers what that scale reads: ref_t, half_life_s).
+        revisions = (
+            -1 if first is None else first.revision,
+            -1 if second is None else second.revision,
+        )
         memo = self._any_day.get(hour)
-        if memo is None or memo[0] != tables or memo[1] != revisions:
+        if memo is None or memo[0] is not first or memo[1] is not second or memo[2] != revisions:
             at = self._at()
             merged: dict[int, float] = {}
-            for table in tables:
+            for table in (first, second):
                 if table is None:
                     continue
                 scale = table.scale_at(at)
@@ -598,13 +607,14 @@ class History:
                     merged[k] = merged.get(k, 0.0) + cell[0] * scale
             total = sum(w for w in merged.values() if w > 0)
             shares = {k: w / total for k, w in merged.items() if w > 0} if total > 0 else None
+            reference = first if first is not None else second
             # Stored as seconds at ``at``: rescaled to now when read (the same half-life).
-            memo = self._any_day[hour] = (tables, revisions, shares, total, at)
-        _, _, shares, total, then = memo
-        if shares is None:
+            then = 1.0 if reference is None else reference.scale_at(at)
+            memo = self._any_day[hour] = (first, second, revisions, shares, total, reference, then)
+        shares, total, reference, then = memo[3], memo[4], memo[5], memo[6]
+        if shares is None or reference is None:
             return None, 0.0
-        reference = next(t for t in tables if t is not None)
-        return shares, total * reference.scale_at(self._at()) / reference.scale_at(then)
+        return shares, total * reference.scale_at(self._at()) / then
 
     def _rebuild_day_kinds(self) -> None:
         at = self._at()

@@ -13,7 +13,7 @@ import pytest
 from factories import make_observation, seed_table
 
 from specd.core.adaptive import DEFAULT_SLOTS, Slots
-from specd.core.forecast import forecast_epoch
+from specd.core.forecast import MIN_HOUR_EVIDENCE_S, _seen_spread, forecast_epoch
 from specd.core.history import History, HistorySettings, hour_of_week
 from specd.core.model import Calibration, PerformanceModel
 from specd.core.observation import Observation
@@ -208,3 +208,75 @@ def test_slot_routing_is_the_same_remembered(batch: float) -> None:
     expected = [s for s in slots.slots if s.min_batch <= batch][-1:] or [slots.slots[0]]
     assert slots.slot_for(batch) == expected[0]
     assert slots.slot_for(batch) == expected[0]  # from the memo
+
+
+def _spread_afresh(history: History, recent: dict[int, float]) -> float:
+    # `_seen_spread` as it read before it kept anything: every hour compared.
+    spread = 0.0
+    for hour in range(24):
+        shares, seconds = history.hour_of_day_distribution(hour)
+        if shares is None or seconds < MIN_HOUR_EVIDENCE_S:
+            continue
+        keys = shares.keys() | recent.keys()
+        spread = max(spread, 0.5 * sum(abs(shares.get(k, 0.0) - recent.get(k, 0.0)) for k in keys))
+    return spread
+
+
+def test_the_seen_spread_follows_recent_traffic_and_the_hours() -> None:
+    asked, cold = new_history(), new_history()
+    record([asked, cold], MONDAY, MONDAY + DAY)  # office hours at 20, the rest at 2
+    # Mostly 2: the office hours are the farthest (0.9), the night hours near (0.1).
+    night = {2: 0.9, 20: 0.1}
+    assert _seen_spread(asked, night) == _spread_afresh(cold, night) == pytest.approx(0.9)
+    # Recent traffic moved to mostly 20: now the night hours are the farthest. An hour kept
+    # as near as it was would be skipped, and the spread read as the office hours' 0.4.
+    day = {2: 0.4, 20: 0.6}
+    assert _seen_spread(asked, day) == _spread_afresh(cold, day) == pytest.approx(0.6)
+    # Back a little: the office hours the farthest (0.6), the 03:00 hour near (0.4).
+    mixed = {2: 0.6, 20: 0.4}
+    assert _seen_spread(asked, mixed) == _spread_afresh(cold, mixed) == pytest.approx(0.6)
+    # The 03:00 hour changes (at 50 on the next three days): its shares are new, and it is
+    # the farthest now (about 0.75, the latest days weigh more) while recent traffic stayed.
+    for day_index in (1, 2, 3):
+        three = MONDAY + day_index * DAY + 3 * HOUR
+        record([asked, cold], three, three + HOUR, level=50)
+    farthest = _spread_afresh(cold, mixed)
+    assert _seen_spread(asked, mixed) == farthest == pytest.approx(0.75, abs=0.05)
+    # A concurrency recent traffic never had: every hour's terms include it.
+    burst = {2: 0.6, 20: 0.3, 50: 0.1}
+    assert _seen_spread(asked, burst) == _spread_afresh(cold, burst)
+    # Small moves, many times: the skipped hours' bounds keep up with each one.
+    for step in range(1, 40):
+        share = 0.6 - step * 0.002
+        moved = {2: share, 20: 0.9 - share, 50: 0.1}
+        assert _seen_spread(asked, moved) == _spread_afresh(cold, moved)
+
+
+def test_an_hour_of_the_day_decays_as_read_afresh() -> None:
+    # Its seconds are kept as of the time they were summed and rescaled when read: equal to
+    # a fresh sum up to rounding, never a scale behind.
+    asked, cold = new_history(), new_history()
+    record([asked, cold], MONDAY, MONDAY + DAY)
+    nine = hour_of_week(MONDAY + 9 * HOUR)
+    shares, seconds = asked.hour_of_day_distribution(nine)
+    # Later hours only: 09:00's shares are kept, its seconds decay with the time read.
+    record([asked, cold], MONDAY + DAY, MONDAY + DAY + 5 * HOUR)
+    again, later = asked.hour_of_day_distribution(nine)
+    fresh, fresh_seconds = cold.hour_of_day_distribution(nine)
+    assert again is shares
+    assert again == fresh
+    assert later == pytest.approx(fresh_seconds, rel=1e-12)
+    assert later < seconds
+    # A new half-life rebases the tables (the scale they are stored at changes).
+    settings = dataclasses.replace(asked.settings, hour_of_week_half_life_s=DAY)
+    for history in (asked, cold):
+        history.reconfigure(settings)
+    record([asked, cold], MONDAY + DAY + 5 * HOUR, MONDAY + DAY + 6 * HOUR)
+    again, later = asked.hour_of_day_distribution(nine)
+    rebuilt = new_history()
+    record([rebuilt], MONDAY, MONDAY + DAY + 5 * HOUR)
+    rebuilt.reconfigure(settings)
+    record([rebuilt], MONDAY + DAY + 5 * HOUR, MONDAY + DAY + 6 * HOUR)
+    expected, fresh_seconds = rebuilt.hour_of_day_distribution(nine)
+    assert again == expected
+    assert later == pytest.approx(fresh_seconds, rel=1e-12)
