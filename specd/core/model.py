@@ -654,14 +654,50 @@ class Plan:
         return self.setting_of(self.target)
 
 
+# `_next_epoch` trusts a kept epoch this far before the opening that ends it: a unix time
+# read as a datetime rounds to the microsecond.
+_EPOCH_EDGE_S = 1e-3
+
+
+@dataclass
+class _Epoch:
+    """The last epoch `_next_epoch` found while no window was open, and for which times
+    it holds: from then until the next window opens (no window opens in between, so
+    `windows.next_close` reads the same window)."""
+
+    since: float = math.inf
+    until: float = -math.inf
+    epoch: tuple[float, float] = (0.0, 0.0)
+
+
+@functools.lru_cache(maxsize=64)  # one per configured windows, as windows._holder
+def _epoch_holder(configured: tuple[windows.WindowLike, ...]) -> _Epoch:
+    return _Epoch()
+
+
 def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     """(next window close, the following window open) as unix times; None without one."""
+    configured = tuple(config.windows)
+    held = _epoch_holder(configured)
+    if held.since <= now < held.until:
+        return held.epoch
+    at = datetime.fromtimestamp(now, timezone.utc)
     try:
-        close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
-        opens = _next_open(tuple(config.windows), close)
+        # `windows.next_close`, with the opening it reads kept when no window is open.
+        current = windows.current_window(config.windows, at)
+        opening = None
+        if current is None:
+            opening = windows.next_open(config.windows, at)
+            current = windows.current_window(config.windows, opening)
+        assert current is not None  # next_open returns an opening, which is inside a window
+        close = current[1]
+        opens = _next_open(configured, close)
     except ValueError:
         return None
-    return close.timestamp(), opens.timestamp()
+    epoch = close.timestamp(), opens.timestamp()
+    if opening is not None:
+        held.since, held.until, held.epoch = now, opening.timestamp() - _EPOCH_EDGE_S, epoch
+    return epoch
 
 
 @functools.lru_cache(maxsize=64)  # pure, of frozen values: the same close all epoch long

@@ -8,16 +8,19 @@ one asked only at the end (nothing memoized) — or compares with a value built 
 from __future__ import annotations
 
 import dataclasses
+from datetime import datetime, timezone
 
 import pytest
-from factories import make_observation, seed_table
+from factories import make_observation, seed_table, tables
 
 from specd.core.adaptive import DEFAULT_SLOTS, Slots
 from specd.core.forecast import MIN_HOUR_EVIDENCE_S, _seen_spread, forecast_epoch
 from specd.core.history import History, HistorySettings, hour_of_week
-from specd.core.model import Calibration, PerformanceModel
+from specd.core.model import Calibration, PerformanceModel, _next_epoch
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.settings import Settings
+from specd.core.windows import next_close, next_open
 
 MONDAY = 1767571200.0  # 2026-01-05 00:00 UTC
 HOUR = 3600.0
@@ -280,3 +283,33 @@ def test_an_hour_of_the_day_decays_as_read_afresh() -> None:
     expected, fresh_seconds = rebuilt.hour_of_day_distribution(nine)
     assert again == expected
     assert later == pytest.approx(fresh_seconds, rel=1e-12)
+
+
+def _epoch_afresh(config: Settings, now: float) -> tuple[float, float]:
+    # `_next_epoch` as it read before it kept anything.
+    close = next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
+    return close.timestamp(), next_open(config.windows, close).timestamp()
+
+
+def test_a_kept_epoch_ends_when_a_window_opens() -> None:
+    twice = Settings.model_validate(
+        tables(
+            windows=[
+                {"cron": "0 7 * * *", "duration_s": 3600},
+                {"cron": "0 19 * * *", "duration_s": 3600},
+            ]
+        )
+    )
+    nightly = Settings.model_validate(tables(windows=[{"cron": "30 2 * * *", "duration_s": 1800}]))
+    seven = MONDAY + 7 * HOUR
+    times = [MONDAY + minutes * 60.0 for minutes in range(0, 2 * 24 * 60, 7)]
+    # Around an opening: just before it (to the microsecond and below), at it, inside.
+    times += [seven - 1.0, seven - 1e-3, seven - 1e-6, seven - 1e-7, seven, seven + 1.0]
+    times += [seven + HOUR - 1e-6, seven + HOUR, seven + HOUR + 1.0]
+    for now in times:
+        # Two configurations read in turn: each keeps its own epoch.
+        for config in (twice, nightly):
+            assert _next_epoch(config, now) == _epoch_afresh(config, now), (config, now)
+    # Back in time: the kept epoch does not hold before the time it was found at.
+    for now in (seven + 2 * HOUR, MONDAY + HOUR, seven - 1.0):
+        assert _next_epoch(twice, now) == _epoch_afresh(twice, now)
