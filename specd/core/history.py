@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from specd.core.acceptance import alpha_from_accept_length
@@ -345,6 +346,8 @@ class History:
         self._throughput_memo: (
             tuple[DecayingSums[tuple[int, int]], int, float, dict[tuple[int, int], Any]] | None
         ) = None
+        # (the table made, its cells grouped by key): `throughput_cells`.
+        self._throughput_by_key: tuple[Any, dict[int, dict[int, tuple[float, float]]]] | None = None
 
     # -- folding --------------------------------------------------------------------
     def mark_sglang_start(self, t: float) -> None:
@@ -517,9 +520,12 @@ class History:
     def throughput_table(self) -> dict[tuple[int, int], tuple[float, float]]:
         """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence); an adaptive
         set's cells are keyed by its `specd.core.setting.config_key` (negative)."""
+        return dict(self._throughput_made())
+
+    def _throughput_made(self) -> dict[tuple[int, int], tuple[float, float]]:
         table, at = self._throughput, self._at()
         # Read up to three times a tick (the model, the outcome check): made once per
-        # (revision, time), a copy handed out.
+        # (revision, time); readers get a copy or a read-only view.
         memo = self._throughput_memo
         if memo is None or memo[0] is not table or memo[1] != table.revision or memo[2] != at:
             scale = table.scale_at(at)
@@ -529,7 +535,22 @@ class History:
                 if cell[0] > 0
             }
             memo = self._throughput_memo = (table, table.revision, at, made)
-        return dict(memo[3])
+        return memo[3]
+
+    def throughput_cells(self, key: int) -> Mapping[int, tuple[float, float]]:
+        """`throughput_table`'s cells of one key with concurrency > 0: concurrency ->
+        (mean tokens/s, decayed seconds), in the table's order; read-only."""
+        made = self._throughput_made()
+        # The outcome check reads one key's cells several times a tick: grouped once per
+        # table made, instead of scanning every key's cells at each read.
+        grouped = self._throughput_by_key
+        if grouped is None or grouped[0] is not made:
+            by_key: dict[int, dict[int, tuple[float, float]]] = {}
+            for (k, c), cell in made.items():
+                if c > 0:
+                    by_key.setdefault(k, {})[c] = cell
+            grouped = self._throughput_by_key = (made, by_key)
+        return MappingProxyType(grouped[1].get(key, {}))
 
     def capacity(self, steps: int) -> int | None:
         """max_running_requests last seen while SGLang ran ``steps``."""

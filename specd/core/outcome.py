@@ -202,6 +202,12 @@ def _cells(
     """Offered concurrency → (decayed seconds, decayed seconds × tok/s) of a setting."""
     keys = _keys(key, setting)
     out: dict[int, tuple[float, float]] = {}
+    if len(keys) == 1:
+        # One key: its cells alone, in the table's order (the same sums as the scan below).
+        for c, (tok_s, weight) in history.throughput_cells(keys[0]).items():
+            w0, ws0 = out.get(c, (0.0, 0.0))
+            out[c] = (w0 + weight, ws0 + weight * tok_s)
+        return out
     for (k, c), (tok_s, weight) in history.throughput_table().items():
         if k in keys and c > 0:
             w0, ws0 = out.get(c, (0.0, 0.0))

@@ -313,3 +313,26 @@ def test_a_kept_epoch_ends_when_a_window_opens() -> None:
     # Back in time: the kept epoch does not hold before the time it was found at.
     for now in (seven + 2 * HOUR, MONDAY + HOUR, seven - 1.0):
         assert _next_epoch(twice, now) == _epoch_afresh(twice, now)
+
+
+def test_one_keys_throughput_cells_follow_every_observation() -> None:
+    asked, cold = new_history(), new_history()
+    t = MONDAY
+    served = 0.0
+    for i in range(60):
+        steps, offered = (3, 1 + i % 5) if i < 30 else (4, 1 + i % 7)
+        served += 1000.0 * offered
+        for history in (asked, cold):
+            history.record(
+                dataclasses.replace(
+                    observation(t, offered, steps=steps),
+                    decode_tokens_total=served,
+                    gen_throughput=None,
+                )
+            )
+        for key in (3, 4, 5):
+            table = cold.throughput_table().items()
+            expected = [(c, v) for (k, c), v in table if k == key and c > 0]
+            assert list(asked.throughput_cells(key).items()) == expected
+        t += 60
+    assert asked.throughput_cells(4)
