@@ -239,8 +239,7 @@ def _seen_spread(history: History, recent: Mapping[int, float] | None) -> float:
     memo.recent, memo.reads = recent, memo.reads + 1
     drift = memo.drift
     bounded: list[tuple[float, int, Mapping[int, float]]] = []
-    for hour in range(24):
-        shares, seconds = history.hour_of_day_distribution(hour)
+    for hour, (shares, seconds) in enumerate(history.hour_of_day_distributions()):
         if shares is None or seconds < MIN_HOUR_EVIDENCE_S:
             continue
         known = memo.known.get(hour)

@@ -637,6 +637,33 @@ class History:
             return None, 0.0
         return shares, total * reference.scale_at(self._at()) / then
 
+    def hour_of_day_distributions(self) -> list[tuple[dict[int, float] | None, float]]:
+        """`hour_of_day_distribution` of every hour of the day (0-23), the same values: the
+        forecast reads all 24 at every tick, a kept one here without a call of its own."""
+        at = self._at()
+        kinds, kept = self._day_kinds, self._any_day
+        out: list[tuple[dict[int, float] | None, float]] = []
+        for hour in range(24):
+            first, second = kinds[hour], kinds[hour + 24]
+            memo = kept.get(hour)
+            if (
+                memo is None
+                or memo[0] is not first
+                or memo[1] is not second
+                or memo[2][0] != (-1 if first is None else first.revision)
+                or memo[2][1] != (-1 if second is None else second.revision)
+            ):
+                out.append(self.hour_of_day_distribution(hour))
+                continue
+            shares, total, reference, then = memo[3], memo[4], memo[5], memo[6]
+            if shares is None or reference is None:
+                out.append((None, 0.0))
+                continue
+            # `DecayingSums.scale_at(at)`, inlined.
+            now = _pow2(-(at - reference.ref_t) / reference.half_life_s)
+            out.append((shares, total * now / then))
+        return out
+
     def _rebuild_day_kinds(self) -> None:
         at = self._at()
         kinds: list[DecayingSums[int] | None] = [None] * DAY_KINDS

@@ -336,3 +336,17 @@ def test_one_keys_throughput_cells_follow_every_observation() -> None:
             assert list(asked.throughput_cells(key).items()) == expected
         t += 60
     assert asked.throughput_cells(4)
+
+
+def test_every_hour_of_the_day_at_once_reads_as_each_alone() -> None:
+    asked, cold = new_history(), new_history()
+    t = MONDAY
+    while t < MONDAY + 2 * DAY:
+        for history in (asked, cold):
+            history.record(observation(t, office(t) + int(t // 600) % 3))
+        every = asked.hour_of_day_distributions()  # first: a kept hour is read as kept
+        alone = [asked.hour_of_day_distribution(hour) for hour in range(24)]
+        assert every == alone
+        fresh = [cold.hour_of_day_distribution(hour) for hour in range(24)]
+        assert [shares for shares, _ in every] == [shares for shares, _ in fresh]
+        t += 600
