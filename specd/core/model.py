@@ -542,12 +542,17 @@ class PerformanceModel:
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
         """``setting``'s candidate sets over this model (once per model); None when the
         model has none of its candidates."""
-        if setting not in self._adaptive:
-            try:
-                self._adaptive[setting] = AdaptiveModel.of(adaptive_slots(setting), self)
-            except ValueError:
-                self._adaptive[setting] = None
-        return self._adaptive[setting]
+        # One lookup when kept: a setting's hash is a Python call (a frozen dataclass's).
+        try:
+            return self._adaptive[setting]
+        except KeyError:
+            pass
+        try:
+            found: AdaptiveModel | None = AdaptiveModel.of(adaptive_slots(setting), self)
+        except ValueError:
+            found = None
+        self._adaptive[setting] = found
+        return found
 
     def best_of(self, candidates: Sequence[int], c: int) -> float:
         """The most any of ``candidates`` (all predictable) serves at ``c`` requests running:
@@ -745,7 +750,7 @@ def _adaptive_rate(
         if folds is not None:
             folds[am.capacity] = folded
     rate = model.slots_rate(am.slots, folded)
-    return rate, tuple(am.slots.candidates())
+    return rate, am.slots.candidate_steps
 
 
 def _distance(key: int, current: int | None) -> int:
@@ -812,15 +817,21 @@ def plan(
     ]
     adaptives = [s for s in offered if s.kind == "adaptive" and setting_key(s) not in skipped]
     settings: dict[int, SpecSetting] = {0: off()} if 0 in candidates else {}
-    reads = {k for s in adaptives for k in adaptive_slots(s).candidates() if model.can_predict(k)}
+    reads = {
+        k for s in adaptives for k in adaptive_slots(s).candidate_steps if model.can_predict(k)
+    }
     if not candidates and not adaptives:
         return None
     horizon = max(until_t - now, 0.0)
     predictions: dict[int, StepPrediction] = {}
     weights = fold_above(forecast.weights, model.saturation(sorted({*candidates, *reads})))
     noise = config.choose.calibration_noise_ratio
+    # Per K read, once a tick: (source, relative error, evidence) — the adaptive sets share
+    # their tiers with each other and with the static candidates.
+    facts: dict[int, tuple[Source | None, float, float]] = {}
     for k in candidates:
-        source = model.source(k) or Source.EXTRAPOLATED
+        known = model.source(k)
+        source = known or Source.EXTRAPOLATED
         tok_s = model.rate(k, weights)
         trusted = (
             tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
@@ -828,9 +839,9 @@ def plan(
         cost = restart_cost_s(settings.get(k) or static(k), config)
         serving = horizon if k == current else max(horizon - cost, 0.0)
         error = model.relative_error(k, noise)
-        predictions[k] = StepPrediction(
-            k, tok_s, source, trusted * serving, error, model.evidence_s(k)
-        )
+        evidence = model.evidence_s(k)
+        facts[k] = (known, error, evidence)
+        predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error, evidence)
     folds: dict[int | None, dict[int, float]] = {}
     for setting in adaptives:
         predicted = _adaptive_rate(model, setting, weights, folds)
@@ -838,12 +849,22 @@ def plan(
             continue
         tok_s, steps = predicted
         key = setting_key(setting)
-        observed = all(model.source(k) is Source.OBSERVED for k in steps)
+        tiers = []
+        for k in steps:
+            fact = facts.get(k)
+            if fact is None:
+                fact = facts[k] = (
+                    model.source(k),
+                    model.relative_error(k, noise),
+                    model.evidence_s(k),
+                )
+            tiers.append(fact)
+        observed = all(fact[0] is Source.OBSERVED for fact in tiers)
         source = Source.OBSERVED if observed else Source.CALIBRATION
         serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
-        error = max(model.relative_error(k, noise) for k in steps)
+        error = max(fact[1] for fact in tiers)
         # Its tiers are static Ks' rows: it is as well known as its least observed tier.
-        evidence = min(model.evidence_s(k) for k in steps)
+        evidence = min(fact[2] for fact in tiers)
         predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)
         settings[key] = setting
     if not predictions:

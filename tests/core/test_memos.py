@@ -350,3 +350,15 @@ def test_every_hour_of_the_day_at_once_reads_as_each_alone() -> None:
         fresh = [cold.hour_of_day_distribution(hour) for hour in range(24)]
         assert [shares for shares, _ in every] == [shares for shares, _ in fresh]
         t += 600
+
+
+@pytest.mark.parametrize(
+    "mapping", [{1: (1, 3, 5, 7), 8: (0, 1, 3), 32: (0, 1), 64: (0,)}, {1: (2,)}, {4: (6, 1)}]
+)
+def test_a_slots_candidates_are_the_same_kept(mapping: dict[int, tuple[int, ...]]) -> None:
+    slots = Slots.of(mapping)
+    expected = sorted({k for ks in mapping.values() for k in ks})
+    assert list(slots.candidate_steps) == slots.candidates() == expected
+    listed = slots.candidates()
+    listed.append(99)  # a list of the caller's own: the kept tuple is not affected
+    assert slots.candidates() == expected == list(Slots.of(mapping).candidate_steps)
