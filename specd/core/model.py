@@ -666,9 +666,9 @@ _EPOCH_EDGE_S = 1e-3
 
 @dataclass
 class _Epoch:
-    """The last epoch `_next_epoch` found while no window was open, and for which times
-    it holds: from then until the next window opens (no window opens in between, so
-    `windows.next_close` reads the same window)."""
+    """The last epoch `_next_epoch` found, and for which times it holds: from then until
+    the next window opens when none was open (no window opens in between, so
+    `windows.next_close` reads the same window), or until the open one closes."""
 
     since: float = math.inf
     until: float = -math.inf
@@ -702,6 +702,10 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     epoch = close.timestamp(), opens.timestamp()
     if opening is not None:
         held.since, held.until, held.epoch = now, opening.timestamp() - _EPOCH_EDGE_S, epoch
+    elif close - at < windows.LOOKBACK:
+        # Open: until it closes every time lies in the same chain of windows, which closes
+        # then (followed to its end here: not cut at LOOKBACK).
+        held.since, held.until, held.epoch = now, close.timestamp() - _EPOCH_EDGE_S, epoch
     return epoch
 
 

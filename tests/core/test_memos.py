@@ -301,14 +301,32 @@ def test_a_kept_epoch_ends_when_a_window_opens() -> None:
         )
     )
     nightly = Settings.model_validate(tables(windows=[{"cron": "30 2 * * *", "duration_s": 1800}]))
+    # Chains: 07:00-08:30 (overlapping), 09:00-10:00 (touching), 22:00-23:00 inside 21-24.
+    chained = Settings.model_validate(
+        tables(
+            windows=[
+                {"cron": "0 7 * * *", "duration_s": 3600},
+                {"cron": "30 7 * * *", "duration_s": 3600},
+                {"cron": "0 9 * * *", "duration_s": 1800},
+                {"cron": "30 9 * * *", "duration_s": 1800},
+                {"cron": "0 21 * * *", "duration_s": 3 * 3600},
+                {"cron": "0 22 * * *", "duration_s": 3600},
+            ]
+        )
+    )
     seven = MONDAY + 7 * HOUR
     times = [MONDAY + minutes * 60.0 for minutes in range(0, 2 * 24 * 60, 7)]
     # Around an opening: just before it (to the microsecond and below), at it, inside.
     times += [seven - 1.0, seven - 1e-3, seven - 1e-6, seven - 1e-7, seven, seven + 1.0]
     times += [seven + HOUR - 1e-6, seven + HOUR, seven + HOUR + 1.0]
+    # Inside the chains and at their joints and ends.
+    for at_hour in (7.5, 8.0, 8.5, 9.0, 9.5, 10.0, 22.0, 23.0, 24.0):
+        edge = MONDAY + at_hour * HOUR
+        times += [edge - 1e-3, edge - 1e-6, edge, edge + 1e-6, edge + 1.0]
+    times.sort()
     for now in times:
-        # Two configurations read in turn: each keeps its own epoch.
-        for config in (twice, nightly):
+        # Configurations read in turn: each keeps its own epoch.
+        for config in (twice, nightly, chained):
             assert _next_epoch(config, now) == _epoch_afresh(config, now), (config, now)
     # Back in time: the kept epoch does not hold before the time it was found at.
     for now in (seven + 2 * HOUR, MONDAY + HOUR, seven - 1.0):
