@@ -25,10 +25,8 @@ daemon can record how good the forecasts were.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 from specd.core.history import HOUR_S, HOURS_PER_WEEK, day_kind, hour_of_week
@@ -71,7 +69,7 @@ class Forecast:
     seen_spread: float = 0.0
 
     def mean(self) -> float:
-        return sum(k * w for k, w in self.weights.items())
+        return sum([k * w for k, w in self.weights.items()])  # a list: read every tick
 
     def busy_ratio(self) -> float:
         return sum(w for k, w in self.weights.items() if k > 0)
@@ -223,7 +221,7 @@ class _Spreads:
 
 def _distance(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     """Total variation distance of two distributions (only a bound is read of it)."""
-    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
+    return 0.5 * sum([abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys()])
 
 
 def _seen_spread(history: History, recent: Mapping[int, float] | None) -> float:
@@ -260,8 +258,8 @@ def _seen_spread(history: History, recent: Mapping[int, float] | None) -> float:
             keys = list(ours.keys() | recent.keys())
             kept = (ours, recent_keys, keys, [ours.get(k, 0.0) for k in keys])
             memo.terms[hour] = kept
-        theirs = map(recent.get, kept[2], repeat(0.0))
-        distance = 0.5 * sum(map(abs, map(operator.sub, kept[3], theirs)))
+        get = recent.get
+        distance = 0.5 * sum([abs(s - get(k, 0.0)) for s, k in zip(kept[3], kept[2], strict=True)])
         memo.known[hour] = (ours, distance, drift)
         spread = max(spread, distance)
     return spread

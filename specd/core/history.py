@@ -492,7 +492,7 @@ class History:
     @property
     def busy_seconds(self) -> float:
         """Decayed time with at least one request offered."""
-        return sum(w for k, w in self.offered_weights().items() if k > 0)
+        return sum([w for k, w in self.offered_weights().items() if k > 0])  # read every tick
 
     def accept_length(self, steps: int) -> float | None:
         cell = self._accept.cells.get(steps)

@@ -361,8 +361,12 @@ class PerformanceModel:
         interval's tokens are filed under the concurrency at its end, so across level
         changes low bins read high and high bins low."""
         seen = predicted = weight = 0.0
+        readings, scale = base.readings, base.scale
+        plain = readings is not None and base.clamp_at is None
         for c, (tok_s, w) in observed.items():
-            p = PerformanceModel._raw(base, float(c))
+            # `_raw`, inlined for a calibration curve read at a whole concurrency.
+            r = readings.get(c) if plain and readings is not None else None
+            p = r * scale if r is not None else PerformanceModel._raw(base, float(c))
             if p > 0:
                 seen += w * tok_s
                 predicted += w * p

@@ -233,13 +233,17 @@ def since_change(snap: ChangeSnapshot, history: History) -> dict[int, tuple[floa
 
 
 def _normalized_mix(weights: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
-    total = sum(w for c, w in weights.items() if c > 0 and w > 0)
+    # Lists, not generators, for the sums and the tuple: the same terms in the same order,
+    # read at every tick of a verification.
+    total = sum([w for c, w in weights.items() if c > 0 and w > 0])
     if total <= 0:
         return ()
     return tuple(
-        (c, w / total)
-        for c, w in sorted(weights.items())
-        if c > 0 and w > 0 and w / total >= _MIN_MIX_SHARE
+        [
+            (c, w / total)
+            for c, w in sorted(weights.items())
+            if c > 0 and w > 0 and w / total >= _MIN_MIX_SHARE
+        ]
     )
 
 
@@ -249,7 +253,7 @@ def mix_distance(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     pa, pb = dict(_normalized_mix(a)), dict(_normalized_mix(b))
     if not pa or not pb:
         return 0.0
-    return 0.5 * sum(abs(pa.get(c, 0.0) - pb.get(c, 0.0)) for c in set(pa) | set(pb))
+    return 0.5 * sum([abs(pa.get(c, 0.0) - pb.get(c, 0.0)) for c in set(pa) | set(pb)])
 
 
 def _error_ratio(noise_ratio: float, evidence_s: float) -> float:
