@@ -51,7 +51,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -416,7 +416,20 @@ class PerformanceModel:
         is thin."""
         seen, predicted, weight = sums
         if predicted <= 0:
-            return base if prior == 1.0 else replace(base, scale=base.scale * prior)
+            if prior == 1.0:
+                return base
+            # `dataclasses.replace(base, scale=...)`, built directly: once per curve per tick.
+            return _Curve(
+                base.xs,
+                base.ys,
+                base.capacity,
+                base.scale * prior,
+                base.source,
+                base.clamp_at,
+                base.evidence_s,
+                base.distance,
+                base.readings,
+            )
         trust = weight / (weight + OBSERVED_PIVOT_S)
         ratio = prior + (seen / predicted - prior) * trust
         source = Source.OBSERVED if trust >= 0.5 else base.source
