@@ -90,7 +90,13 @@ class Slots:
 
     def candidates(self) -> list[int]:
         """Every candidate of every slot: what SGLang builds at start."""
-        return sorted({k for s in self.slots for k in s.candidates})
+        return list(self.candidate_steps)
+
+    @functools.cached_property
+    def candidate_steps(self) -> tuple[int, ...]:
+        """`candidates` as a tuple, made once per (immutable) Slots: the model reads it for
+        every adaptive set at every tick."""
+        return tuple(sorted({k for s in self.slots for k in s.candidates}))
 
     @functools.cached_property
     def _thresholds(self) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specd.core.history import HOUR_S, HOURS_PER_WEEK, day_kind, hour_of_week
@@ -69,7 +69,7 @@ class Forecast:
     seen_spread: float = 0.0
 
     def mean(self) -> float:
-        return sum(k * w for k, w in self.weights.items())
+        return sum([k * w for k, w in self.weights.items()])  # a list: read every tick
 
     def busy_ratio(self) -> float:
         return sum(w for k, w in self.weights.items() if k > 0)
@@ -189,18 +189,79 @@ def _copy(forecast: Forecast | None) -> Forecast | None:
     return replace(forecast, weights=dict(forecast.weights))
 
 
+# `_seen_spread` skips an hour whose distance cannot reach the largest one found: far
+# above the rounding of the sums its bound adds (relative errors of ~1e-14 on sums ≤ 2).
+_SPREAD_SLACK = 1e-9
+# The drift of recent traffic is summed from 0 again past this (an hour's bound is then at
+# least 1, which no distance exceeds) or after this many reads (its rounding stays small).
+_DRIFT_RESET = 1.0
+_DRIFT_READS = 10_000
+
+
+@dataclass
+class _Spreads:
+    """What `_seen_spread` keeps for the next tick (`History.spread_memo`): derived only.
+
+    ``drift`` sums the distances between the recent traffic of consecutive reads: by the
+    triangle inequality an hour of the day whose shares did not change is at most its
+    distance then plus the drift since from recent traffic now, so only the hours that
+    could be the farthest are compared again."""
+
+    recent: Mapping[int, float] | None = None
+    drift: float = 0.0
+    reads: int = 0
+    # hour of the day → (its shares, its distance from recent traffic then, drift then)
+    known: dict[int, tuple[Mapping[int, float], float, float]] = field(default_factory=dict)
+    # hour of the day → (its shares, recent's keys, the keys compared in the order of their
+    # set, so a sum adds the same terms in the same order, and the hour's share of each)
+    terms: dict[int, tuple[Mapping[int, float], tuple[int, ...], list[int], list[float]]] = field(
+        default_factory=dict
+    )
+
+
+def _distance(a: Mapping[int, float], b: Mapping[int, float]) -> float:
+    """Total variation distance of two distributions (only a bound is read of it)."""
+    return 0.5 * sum([abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys()])
+
+
 def _seen_spread(history: History, recent: Mapping[int, float] | None) -> float:
     """How far the hours of the day seen so far (each on any day) are from ``recent``: the
     largest total variation distance, 0 when nothing was seen."""
     if recent is None:
         return 0.0
-    spread = 0.0
-    for hour in range(24):
-        shares, seconds = history.hour_of_day_distribution(hour)
+    memo = history.spread_memo
+    if not isinstance(memo, _Spreads) or memo.drift > _DRIFT_RESET or memo.reads >= _DRIFT_READS:
+        memo = history.spread_memo = _Spreads()
+    elif memo.recent is not None:
+        memo.drift += _distance(memo.recent, recent)
+    memo.recent, memo.reads = recent, memo.reads + 1
+    drift = memo.drift
+    bounded: list[tuple[float, int, Mapping[int, float]]] = []
+    for hour, (shares, seconds) in enumerate(history.hour_of_day_distributions()):
         if shares is None or seconds < MIN_HOUR_EVIDENCE_S:
             continue
-        keys = shares.keys() | recent.keys()
-        spread = max(spread, 0.5 * sum(abs(shares.get(k, 0.0) - recent.get(k, 0.0)) for k in keys))
+        known = memo.known.get(hour)
+        bound = (
+            known[1] + (drift - known[2]) + _SPREAD_SLACK
+            if known is not None and known[0] is shares
+            else math.inf
+        )
+        bounded.append((bound, hour, shares))
+    bounded.sort(key=lambda item: item[0], reverse=True)
+    recent_keys = tuple(recent)
+    spread = 0.0
+    for bound, hour, ours in bounded:
+        if bound < spread:
+            break  # this hour and every one after it are nearer than the farthest found
+        kept = memo.terms.get(hour)
+        if kept is None or kept[0] is not ours or kept[1] != recent_keys:
+            keys = list(ours.keys() | recent.keys())
+            kept = (ours, recent_keys, keys, [ours.get(k, 0.0) for k in keys])
+            memo.terms[hour] = kept
+        get = recent.get
+        distance = 0.5 * sum([abs(s - get(k, 0.0)) for s, k in zip(kept[3], kept[2], strict=True)])
+        memo.known[hour] = (ours, distance, drift)
+        spread = max(spread, distance)
     return spread
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from specd.core.acceptance import alpha_from_accept_length
@@ -337,11 +338,16 @@ class History:
         # One slot for `specd.core.forecast` to keep its last forecast in, with what it was
         # made of (it checks that before reusing it): derived, never state.
         self.forecast_memo: Any = None
-        # hour of the day -> (its two day-kind tables, their revisions, shares, seconds, at)
-        self._any_day: dict[int, tuple[Any, Any, dict[int, float] | None, float, float]] = {}
+        # And one for what `specd.core.forecast._seen_spread` keeps: derived, never state.
+        self.spread_memo: Any = None
+        # hour of the day -> (its two day-kind tables, their revisions, shares, seconds then,
+        # the first table, that table's `scale_at` then)
+        self._any_day: dict[int, tuple[Any, ...]] = {}
         self._throughput_memo: (
             tuple[DecayingSums[tuple[int, int]], int, float, dict[tuple[int, int], Any]] | None
         ) = None
+        # (the table made, its cells grouped by key): `throughput_cells`.
+        self._throughput_by_key: tuple[Any, dict[int, dict[int, tuple[float, float]]]] | None = None
 
     # -- folding --------------------------------------------------------------------
     def mark_sglang_start(self, t: float) -> None:
@@ -486,7 +492,7 @@ class History:
     @property
     def busy_seconds(self) -> float:
         """Decayed time with at least one request offered."""
-        return sum(w for k, w in self.offered_weights().items() if k > 0)
+        return sum([w for k, w in self.offered_weights().items() if k > 0])  # read every tick
 
     def accept_length(self, steps: int) -> float | None:
         cell = self._accept.cells.get(steps)
@@ -514,9 +520,12 @@ class History:
     def throughput_table(self) -> dict[tuple[int, int], tuple[float, float]]:
         """(steps, concurrency) -> (mean tokens/s, decayed seconds of evidence); an adaptive
         set's cells are keyed by its `specd.core.setting.config_key` (negative)."""
+        return dict(self._throughput_made())
+
+    def _throughput_made(self) -> dict[tuple[int, int], tuple[float, float]]:
         table, at = self._throughput, self._at()
         # Read up to three times a tick (the model, the outcome check): made once per
-        # (revision, time), a copy handed out.
+        # (revision, time); readers get a copy or a read-only view.
         memo = self._throughput_memo
         if memo is None or memo[0] is not table or memo[1] != table.revision or memo[2] != at:
             scale = table.scale_at(at)
@@ -526,7 +535,22 @@ class History:
                 if cell[0] > 0
             }
             memo = self._throughput_memo = (table, table.revision, at, made)
-        return dict(memo[3])
+        return memo[3]
+
+    def throughput_cells(self, key: int) -> Mapping[int, tuple[float, float]]:
+        """`throughput_table`'s cells of one key with concurrency > 0: concurrency ->
+        (mean tokens/s, decayed seconds), in the table's order; read-only."""
+        made = self._throughput_made()
+        # The outcome check reads one key's cells several times a tick: grouped once per
+        # table made, instead of scanning every key's cells at each read.
+        grouped = self._throughput_by_key
+        if grouped is None or grouped[0] is not made:
+            by_key: dict[int, dict[int, tuple[float, float]]] = {}
+            for (k, c), cell in made.items():
+                if c > 0:
+                    by_key.setdefault(k, {})[c] = cell
+            grouped = self._throughput_by_key = (made, by_key)
+        return MappingProxyType(grouped[1].get(key, {}))
 
     def capacity(self, steps: int) -> int | None:
         """max_running_requests last seen while SGLang ran ``steps``."""
@@ -584,13 +608,19 @@ class History:
         and weekends alike. Both tables decay alike, so their shares of the sum do not
         depend on the time read either: derived once per revision of the two."""
         hour = how % 24
-        tables = (self._day_kinds[hour], self._day_kinds[hour + 24])
-        revisions = tuple(-1 if t is None else t.revision for t in tables)
+        first, second = self._day_kinds[hour], self._day_kinds[hour + 24]
+        # Read for every hour of the day at every tick (`specd.core.forecast`): no tuples
+        # built to compare, and the reference's scale at the memo's time kept with it (its
+        # revision covers what that scale reads: ref_t, half_life_s).
+        revisions = (
+            -1 if first is None else first.revision,
+            -1 if second is None else second.revision,
+        )
         memo = self._any_day.get(hour)
-        if memo is None or memo[0] != tables or memo[1] != revisions:
+        if memo is None or memo[0] is not first or memo[1] is not second or memo[2] != revisions:
             at = self._at()
             merged: dict[int, float] = {}
-            for table in tables:
+            for table in (first, second):
                 if table is None:
                     continue
                 scale = table.scale_at(at)
@@ -598,13 +628,41 @@ class History:
                     merged[k] = merged.get(k, 0.0) + cell[0] * scale
             total = sum(w for w in merged.values() if w > 0)
             shares = {k: w / total for k, w in merged.items() if w > 0} if total > 0 else None
+            reference = first if first is not None else second
             # Stored as seconds at ``at``: rescaled to now when read (the same half-life).
-            memo = self._any_day[hour] = (tables, revisions, shares, total, at)
-        _, _, shares, total, then = memo
-        if shares is None:
+            then = 1.0 if reference is None else reference.scale_at(at)
+            memo = self._any_day[hour] = (first, second, revisions, shares, total, reference, then)
+        shares, total, reference, then = memo[3], memo[4], memo[5], memo[6]
+        if shares is None or reference is None:
             return None, 0.0
-        reference = next(t for t in tables if t is not None)
-        return shares, total * reference.scale_at(self._at()) / reference.scale_at(then)
+        return shares, total * reference.scale_at(self._at()) / then
+
+    def hour_of_day_distributions(self) -> list[tuple[dict[int, float] | None, float]]:
+        """`hour_of_day_distribution` of every hour of the day (0-23), the same values: the
+        forecast reads all 24 at every tick, a kept one here without a call of its own."""
+        at = self._at()
+        kinds, kept = self._day_kinds, self._any_day
+        out: list[tuple[dict[int, float] | None, float]] = []
+        for hour in range(24):
+            first, second = kinds[hour], kinds[hour + 24]
+            memo = kept.get(hour)
+            if (
+                memo is None
+                or memo[0] is not first
+                or memo[1] is not second
+                or memo[2][0] != (-1 if first is None else first.revision)
+                or memo[2][1] != (-1 if second is None else second.revision)
+            ):
+                out.append(self.hour_of_day_distribution(hour))
+                continue
+            shares, total, reference, then = memo[3], memo[4], memo[5], memo[6]
+            if shares is None or reference is None:
+                out.append((None, 0.0))
+                continue
+            # `DecayingSums.scale_at(at)`, inlined.
+            now = _pow2(-(at - reference.ref_t) / reference.half_life_s)
+            out.append((shares, total * now / then))
+        return out
 
     def _rebuild_day_kinds(self) -> None:
         at = self._at()

@@ -51,7 +51,7 @@ import enum
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -224,7 +224,7 @@ class PerformanceModel:
         self._values: dict[int, dict[int, float]] = {}
         self._steps: list[int] | None = None
         self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
-        self._box: dict[int, tuple[float, float, float]] | None = None
+        self._box: dict[int, tuple[_Curve, tuple[float, float, float]]] | None = None
 
     # -- acceptance --------------------------------------------------------------------
     @staticmethod
@@ -330,11 +330,16 @@ class PerformanceModel:
         if k == 0 and cal is not None and self._off_row:
             capacity = self._capacities.get(0, cal.capacity(0))
             off_curve = self._calibration_curve(0, capacity, 1.0)
-            return self._corrected(off_curve, observed, prior=1.0)
+            return self._corrected(off_curve, self._observed_sums(off_curve, observed), prior=1.0)
         if cal is not None and k in self._cal_steps:
+            prior = self._box_prior(k)
+            # An observed K's curve and sums were made for the box already: the same values.
+            boxed = self._box_sums().get(k)
+            if boxed is not None:
+                return self._corrected(boxed[0], boxed[1], prior=prior)
             capacity = self._capacities.get(k, cal.capacity(k))
             base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
-            return self._corrected(base, observed, prior=self._box_prior(k))
+            return self._corrected(base, self._observed_sums(base, observed), prior=prior)
         if observed:
             points = sorted(observed.items())
             capacity = self._capacities.get(k)
@@ -356,23 +361,29 @@ class PerformanceModel:
         interval's tokens are filed under the concurrency at its end, so across level
         changes low bins read high and high bins low."""
         seen = predicted = weight = 0.0
+        readings, scale = base.readings, base.scale
+        plain = readings is not None and base.clamp_at is None
         for c, (tok_s, w) in observed.items():
-            p = PerformanceModel._raw(base, float(c))
+            # `_raw`, inlined for a calibration curve read at a whole concurrency.
+            r = readings.get(c) if plain and readings is not None else None
+            p = r * scale if r is not None else PerformanceModel._raw(base, float(c))
             if p > 0:
                 seen += w * tok_s
                 predicted += w * p
                 weight += w
         return seen, predicted, weight
 
-    def _box_sums(self) -> dict[int, tuple[float, float, float]]:
-        """`_observed_sums` of every calibrated speculative K observed, once per model."""
+    def _box_sums(self) -> dict[int, tuple[_Curve, tuple[float, float, float]]]:
+        """Every calibrated speculative K observed: its calibration curve and its
+        `_observed_sums`, once per model (`_box_prior` reads the sums of all, and
+        `_build_curve` corrects each one's curve by its own)."""
         if self._box is None:
-            box: dict[int, tuple[float, float, float]] = {}
+            box: dict[int, tuple[_Curve, tuple[float, float, float]]] = {}
             for k, observed in self._observed.items():
                 if k >= 1 and k in self._cal_steps and observed and self.calibration is not None:
                     capacity = self._capacities.get(k, self.calibration.capacity(k))
                     base = self._calibration_curve(k, capacity, self._acceptance_scale(k))
-                    box[k] = self._observed_sums(base, observed)
+                    box[k] = (base, self._observed_sums(base, observed))
             self._box = box
         return self._box
 
@@ -385,7 +396,7 @@ class PerformanceModel:
         from that; a correction the others do not share is that K's own (a sweep point off,
         an oversold K) and lends nothing."""
         shared: float | None = None
-        for j, (seen, predicted, weight) in self._box_sums().items():
+        for j, (_, (seen, predicted, weight)) in self._box_sums().items():
             if j == k or predicted <= 0:
                 continue
             lean = (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
@@ -397,15 +408,28 @@ class PerformanceModel:
                 shared = lean
         return 1.0 if shared is None else 1.0 + shared
 
-    def _corrected(
-        self, base: _Curve, observed: Mapping[int, tuple[float, float]], *, prior: float
-    ) -> _Curve:
+    @staticmethod
+    def _corrected(base: _Curve, sums: tuple[float, float, float], *, prior: float) -> _Curve:
         """Scale a calibration curve by how observed throughput compared with it: one ratio
-        per K, of all tokens observed to all predicted at the concurrencies seen
-        (`_observed_sums`), shrunk toward ``prior`` (`_box_prior`) while evidence is thin."""
-        seen, predicted, weight = self._observed_sums(base, observed)
+        per K, of all tokens observed to all predicted at the concurrencies seen (``sums``:
+        `_observed_sums` of ``base``), shrunk toward ``prior`` (`_box_prior`) while evidence
+        is thin."""
+        seen, predicted, weight = sums
         if predicted <= 0:
-            return base if prior == 1.0 else replace(base, scale=base.scale * prior)
+            if prior == 1.0:
+                return base
+            # `dataclasses.replace(base, scale=...)`, built directly: once per curve per tick.
+            return _Curve(
+                base.xs,
+                base.ys,
+                base.capacity,
+                base.scale * prior,
+                base.source,
+                base.clamp_at,
+                base.evidence_s,
+                base.distance,
+                base.readings,
+            )
         trust = weight / (weight + OBSERVED_PIVOT_S)
         ratio = prior + (seen / predicted - prior) * trust
         source = Source.OBSERVED if trust >= 0.5 else base.source
@@ -461,7 +485,8 @@ class PerformanceModel:
             capacity,
             distance=abs(k - ka),
         )
-        return self._corrected(base, self._observed.get(k, {}), prior=self._box_prior(k))
+        sums = self._observed_sums(base, self._observed.get(k, {}))
+        return self._corrected(base, sums, prior=self._box_prior(k))
 
     @staticmethod
     def _raw(curve: _Curve, c: float) -> float:
@@ -534,12 +559,17 @@ class PerformanceModel:
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
         """``setting``'s candidate sets over this model (once per model); None when the
         model has none of its candidates."""
-        if setting not in self._adaptive:
-            try:
-                self._adaptive[setting] = AdaptiveModel.of(adaptive_slots(setting), self)
-            except ValueError:
-                self._adaptive[setting] = None
-        return self._adaptive[setting]
+        # One lookup when kept: a setting's hash is a Python call (a frozen dataclass's).
+        try:
+            return self._adaptive[setting]
+        except KeyError:
+            pass
+        try:
+            found: AdaptiveModel | None = AdaptiveModel.of(adaptive_slots(setting), self)
+        except ValueError:
+            found = None
+        self._adaptive[setting] = found
+        return found
 
     def best_of(self, candidates: Sequence[int], c: int) -> float:
         """The most any of ``candidates`` (all predictable) serves at ``c`` requests running:
@@ -646,14 +676,54 @@ class Plan:
         return self.setting_of(self.target)
 
 
+# `_next_epoch` trusts a kept epoch this far before the opening that ends it: a unix time
+# read as a datetime rounds to the microsecond.
+_EPOCH_EDGE_S = 1e-3
+
+
+@dataclass
+class _Epoch:
+    """The last epoch `_next_epoch` found, and for which times it holds: from then until
+    the next window opens when none was open (no window opens in between, so
+    `windows.next_close` reads the same window), or until the open one closes."""
+
+    since: float = math.inf
+    until: float = -math.inf
+    epoch: tuple[float, float] = (0.0, 0.0)
+
+
+@functools.lru_cache(maxsize=64)  # one per configured windows, as windows._holder
+def _epoch_holder(configured: tuple[windows.WindowLike, ...]) -> _Epoch:
+    return _Epoch()
+
+
 def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
     """(next window close, the following window open) as unix times; None without one."""
+    configured = tuple(config.windows)
+    held = _epoch_holder(configured)
+    if held.since <= now < held.until:
+        return held.epoch
+    at = datetime.fromtimestamp(now, timezone.utc)
     try:
-        close = windows.next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
-        opens = _next_open(tuple(config.windows), close)
+        # `windows.next_close`, with the opening it reads kept when no window is open.
+        current = windows.current_window(config.windows, at)
+        opening = None
+        if current is None:
+            opening = windows.next_open(config.windows, at)
+            current = windows.current_window(config.windows, opening)
+        assert current is not None  # next_open returns an opening, which is inside a window
+        close = current[1]
+        opens = _next_open(configured, close)
     except ValueError:
         return None
-    return close.timestamp(), opens.timestamp()
+    epoch = close.timestamp(), opens.timestamp()
+    if opening is not None:
+        held.since, held.until, held.epoch = now, opening.timestamp() - _EPOCH_EDGE_S, epoch
+    elif close - at < windows.LOOKBACK:
+        # Open: until it closes every time lies in the same chain of windows, which closes
+        # then (followed to its end here: not cut at LOOKBACK).
+        held.since, held.until, held.epoch = now, close.timestamp() - _EPOCH_EDGE_S, epoch
+    return epoch
 
 
 @functools.lru_cache(maxsize=64)  # pure, of frozen values: the same close all epoch long
@@ -701,7 +771,7 @@ def _adaptive_rate(
         if folds is not None:
             folds[am.capacity] = folded
     rate = model.slots_rate(am.slots, folded)
-    return rate, tuple(am.slots.candidates())
+    return rate, am.slots.candidate_steps
 
 
 def _distance(key: int, current: int | None) -> int:
@@ -768,15 +838,21 @@ def plan(
     ]
     adaptives = [s for s in offered if s.kind == "adaptive" and setting_key(s) not in skipped]
     settings: dict[int, SpecSetting] = {0: off()} if 0 in candidates else {}
-    reads = {k for s in adaptives for k in adaptive_slots(s).candidates() if model.can_predict(k)}
+    reads = {
+        k for s in adaptives for k in adaptive_slots(s).candidate_steps if model.can_predict(k)
+    }
     if not candidates and not adaptives:
         return None
     horizon = max(until_t - now, 0.0)
     predictions: dict[int, StepPrediction] = {}
     weights = fold_above(forecast.weights, model.saturation(sorted({*candidates, *reads})))
     noise = config.choose.calibration_noise_ratio
+    # Per K read, once a tick: (source, relative error, evidence) — the adaptive sets share
+    # their tiers with each other and with the static candidates.
+    facts: dict[int, tuple[Source | None, float, float]] = {}
     for k in candidates:
-        source = model.source(k) or Source.EXTRAPOLATED
+        known = model.source(k)
+        source = known or Source.EXTRAPOLATED
         tok_s = model.rate(k, weights)
         trusted = (
             tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
@@ -784,9 +860,9 @@ def plan(
         cost = restart_cost_s(settings.get(k) or static(k), config)
         serving = horizon if k == current else max(horizon - cost, 0.0)
         error = model.relative_error(k, noise)
-        predictions[k] = StepPrediction(
-            k, tok_s, source, trusted * serving, error, model.evidence_s(k)
-        )
+        evidence = model.evidence_s(k)
+        facts[k] = (known, error, evidence)
+        predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error, evidence)
     folds: dict[int | None, dict[int, float]] = {}
     for setting in adaptives:
         predicted = _adaptive_rate(model, setting, weights, folds)
@@ -794,12 +870,22 @@ def plan(
             continue
         tok_s, steps = predicted
         key = setting_key(setting)
-        observed = all(model.source(k) is Source.OBSERVED for k in steps)
+        tiers = []
+        for k in steps:
+            fact = facts.get(k)
+            if fact is None:
+                fact = facts[k] = (
+                    model.source(k),
+                    model.relative_error(k, noise),
+                    model.evidence_s(k),
+                )
+            tiers.append(fact)
+        observed = all(fact[0] is Source.OBSERVED for fact in tiers)
         source = Source.OBSERVED if observed else Source.CALIBRATION
         serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
-        error = max(model.relative_error(k, noise) for k in steps)
+        error = max(fact[1] for fact in tiers)
         # Its tiers are static Ks' rows: it is as well known as its least observed tier.
-        evidence = min(model.evidence_s(k) for k in steps)
+        evidence = min(fact[2] for fact in tiers)
         predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)
         settings[key] = setting
     if not predictions:

@@ -202,6 +202,12 @@ def _cells(
     """Offered concurrency → (decayed seconds, decayed seconds × tok/s) of a setting."""
     keys = _keys(key, setting)
     out: dict[int, tuple[float, float]] = {}
+    if len(keys) == 1:
+        # One key: its cells alone, in the table's order (the same sums as the scan below).
+        for c, (tok_s, weight) in history.throughput_cells(keys[0]).items():
+            w0, ws0 = out.get(c, (0.0, 0.0))
+            out[c] = (w0 + weight, ws0 + weight * tok_s)
+        return out
     for (k, c), (tok_s, weight) in history.throughput_table().items():
         if k in keys and c > 0:
             w0, ws0 = out.get(c, (0.0, 0.0))
@@ -227,13 +233,17 @@ def since_change(snap: ChangeSnapshot, history: History) -> dict[int, tuple[floa
 
 
 def _normalized_mix(weights: Mapping[int, float]) -> tuple[tuple[int, float], ...]:
-    total = sum(w for c, w in weights.items() if c > 0 and w > 0)
+    # Lists, not generators, for the sums and the tuple: the same terms in the same order,
+    # read at every tick of a verification.
+    total = sum([w for c, w in weights.items() if c > 0 and w > 0])
     if total <= 0:
         return ()
     return tuple(
-        (c, w / total)
-        for c, w in sorted(weights.items())
-        if c > 0 and w > 0 and w / total >= _MIN_MIX_SHARE
+        [
+            (c, w / total)
+            for c, w in sorted(weights.items())
+            if c > 0 and w > 0 and w / total >= _MIN_MIX_SHARE
+        ]
     )
 
 
@@ -243,7 +253,7 @@ def mix_distance(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     pa, pb = dict(_normalized_mix(a)), dict(_normalized_mix(b))
     if not pa or not pb:
         return 0.0
-    return 0.5 * sum(abs(pa.get(c, 0.0) - pb.get(c, 0.0)) for c in set(pa) | set(pb))
+    return 0.5 * sum([abs(pa.get(c, 0.0) - pb.get(c, 0.0)) for c in set(pa) | set(pb)])
 
 
 def _error_ratio(noise_ratio: float, evidence_s: float) -> float:

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from datetime import datetime, timezone
 
 import pytest
-from factories import make_observation, seed_table
+from factories import make_observation, seed_table, tables
 
 from specd.core.adaptive import DEFAULT_SLOTS, Slots
-from specd.core.forecast import forecast_epoch
+from specd.core.forecast import MIN_HOUR_EVIDENCE_S, _seen_spread, forecast_epoch
 from specd.core.history import History, HistorySettings, hour_of_week
-from specd.core.model import Calibration, PerformanceModel
+from specd.core.model import Calibration, PerformanceModel, _next_epoch
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
+from specd.core.settings import Settings
+from specd.core.windows import next_close, next_open
 
 MONDAY = 1767571200.0  # 2026-01-05 00:00 UTC
 HOUR = 3600.0
@@ -236,3 +239,172 @@ def test_slot_routing_is_the_same_remembered(batch: float) -> None:
     expected = [s for s in slots.slots if s.min_batch <= batch][-1:] or [slots.slots[0]]
     assert slots.slot_for(batch) == expected[0]
     assert slots.slot_for(batch) == expected[0]  # from the memo
+
+
+def _spread_afresh(history: History, recent: dict[int, float]) -> float:
+    # `_seen_spread` as it read before it kept anything: every hour compared.
+    spread = 0.0
+    for hour in range(24):
+        shares, seconds = history.hour_of_day_distribution(hour)
+        if shares is None or seconds < MIN_HOUR_EVIDENCE_S:
+            continue
+        keys = shares.keys() | recent.keys()
+        spread = max(spread, 0.5 * sum(abs(shares.get(k, 0.0) - recent.get(k, 0.0)) for k in keys))
+    return spread
+
+
+def test_the_seen_spread_follows_recent_traffic_and_the_hours() -> None:
+    asked, cold = new_history(), new_history()
+    record([asked, cold], MONDAY, MONDAY + DAY)  # office hours at 20, the rest at 2
+    # Mostly 2: the office hours are the farthest (0.9), the night hours near (0.1).
+    night = {2: 0.9, 20: 0.1}
+    assert _seen_spread(asked, night) == _spread_afresh(cold, night) == pytest.approx(0.9)
+    # Recent traffic moved to mostly 20: now the night hours are the farthest. An hour kept
+    # as near as it was would be skipped, and the spread read as the office hours' 0.4.
+    day = {2: 0.4, 20: 0.6}
+    assert _seen_spread(asked, day) == _spread_afresh(cold, day) == pytest.approx(0.6)
+    # Back a little: the office hours the farthest (0.6), the 03:00 hour near (0.4).
+    mixed = {2: 0.6, 20: 0.4}
+    assert _seen_spread(asked, mixed) == _spread_afresh(cold, mixed) == pytest.approx(0.6)
+    # The 03:00 hour changes (at 50 on the next three days): its shares are new, and it is
+    # the farthest now (about 0.75, the latest days weigh more) while recent traffic stayed.
+    for day_index in (1, 2, 3):
+        three = MONDAY + day_index * DAY + 3 * HOUR
+        record([asked, cold], three, three + HOUR, level=50)
+    farthest = _spread_afresh(cold, mixed)
+    assert _seen_spread(asked, mixed) == farthest == pytest.approx(0.75, abs=0.05)
+    # A concurrency recent traffic never had: every hour's terms include it.
+    burst = {2: 0.6, 20: 0.3, 50: 0.1}
+    assert _seen_spread(asked, burst) == _spread_afresh(cold, burst)
+    # Small moves, many times: the skipped hours' bounds keep up with each one.
+    for step in range(1, 40):
+        share = 0.6 - step * 0.002
+        moved = {2: share, 20: 0.9 - share, 50: 0.1}
+        assert _seen_spread(asked, moved) == _spread_afresh(cold, moved)
+
+
+def test_an_hour_of_the_day_decays_as_read_afresh() -> None:
+    # Its seconds are kept as of the time they were summed and rescaled when read: equal to
+    # a fresh sum up to rounding, never a scale behind.
+    asked, cold = new_history(), new_history()
+    record([asked, cold], MONDAY, MONDAY + DAY)
+    nine = hour_of_week(MONDAY + 9 * HOUR)
+    shares, seconds = asked.hour_of_day_distribution(nine)
+    # Later hours only: 09:00's shares are kept, its seconds decay with the time read.
+    record([asked, cold], MONDAY + DAY, MONDAY + DAY + 5 * HOUR)
+    again, later = asked.hour_of_day_distribution(nine)
+    fresh, fresh_seconds = cold.hour_of_day_distribution(nine)
+    assert again is shares
+    assert again == fresh
+    assert later == pytest.approx(fresh_seconds, rel=1e-12)
+    assert later < seconds
+    # A new half-life rebases the tables (the scale they are stored at changes).
+    settings = dataclasses.replace(asked.settings, hour_of_week_half_life_s=DAY)
+    for history in (asked, cold):
+        history.reconfigure(settings)
+    record([asked, cold], MONDAY + DAY + 5 * HOUR, MONDAY + DAY + 6 * HOUR)
+    again, later = asked.hour_of_day_distribution(nine)
+    rebuilt = new_history()
+    record([rebuilt], MONDAY, MONDAY + DAY + 5 * HOUR)
+    rebuilt.reconfigure(settings)
+    record([rebuilt], MONDAY + DAY + 5 * HOUR, MONDAY + DAY + 6 * HOUR)
+    expected, fresh_seconds = rebuilt.hour_of_day_distribution(nine)
+    assert again == expected
+    assert later == pytest.approx(fresh_seconds, rel=1e-12)
+
+
+def _epoch_afresh(config: Settings, now: float) -> tuple[float, float]:
+    # `_next_epoch` as it read before it kept anything.
+    close = next_close(config.windows, datetime.fromtimestamp(now, timezone.utc))
+    return close.timestamp(), next_open(config.windows, close).timestamp()
+
+
+def test_a_kept_epoch_ends_when_a_window_opens() -> None:
+    twice = Settings.model_validate(
+        tables(
+            windows=[
+                {"cron": "0 7 * * *", "duration_s": 3600},
+                {"cron": "0 19 * * *", "duration_s": 3600},
+            ]
+        )
+    )
+    nightly = Settings.model_validate(tables(windows=[{"cron": "30 2 * * *", "duration_s": 1800}]))
+    # Chains: 07:00-08:30 (overlapping), 09:00-10:00 (touching), 22:00-23:00 inside 21-24.
+    chained = Settings.model_validate(
+        tables(
+            windows=[
+                {"cron": "0 7 * * *", "duration_s": 3600},
+                {"cron": "30 7 * * *", "duration_s": 3600},
+                {"cron": "0 9 * * *", "duration_s": 1800},
+                {"cron": "30 9 * * *", "duration_s": 1800},
+                {"cron": "0 21 * * *", "duration_s": 3 * 3600},
+                {"cron": "0 22 * * *", "duration_s": 3600},
+            ]
+        )
+    )
+    seven = MONDAY + 7 * HOUR
+    times = [MONDAY + minutes * 60.0 for minutes in range(0, 2 * 24 * 60, 7)]
+    # Around an opening: just before it (to the microsecond and below), at it, inside.
+    times += [seven - 1.0, seven - 1e-3, seven - 1e-6, seven - 1e-7, seven, seven + 1.0]
+    times += [seven + HOUR - 1e-6, seven + HOUR, seven + HOUR + 1.0]
+    # Inside the chains and at their joints and ends.
+    for at_hour in (7.5, 8.0, 8.5, 9.0, 9.5, 10.0, 22.0, 23.0, 24.0):
+        edge = MONDAY + at_hour * HOUR
+        times += [edge - 1e-3, edge - 1e-6, edge, edge + 1e-6, edge + 1.0]
+    times.sort()
+    for now in times:
+        # Configurations read in turn: each keeps its own epoch.
+        for config in (twice, nightly, chained):
+            assert _next_epoch(config, now) == _epoch_afresh(config, now), (config, now)
+    # Back in time: the kept epoch does not hold before the time it was found at.
+    for now in (seven + 2 * HOUR, MONDAY + HOUR, seven - 1.0):
+        assert _next_epoch(twice, now) == _epoch_afresh(twice, now)
+
+
+def test_one_keys_throughput_cells_follow_every_observation() -> None:
+    asked, cold = new_history(), new_history()
+    t = MONDAY
+    served = 0.0
+    for i in range(60):
+        steps, offered = (3, 1 + i % 5) if i < 30 else (4, 1 + i % 7)
+        served += 1000.0 * offered
+        for history in (asked, cold):
+            history.record(
+                dataclasses.replace(
+                    observation(t, offered, steps=steps),
+                    decode_tokens_total=served,
+                    gen_throughput=None,
+                )
+            )
+        for key in (3, 4, 5):
+            table = cold.throughput_table().items()
+            expected = [(c, v) for (k, c), v in table if k == key and c > 0]
+            assert list(asked.throughput_cells(key).items()) == expected
+        t += 60
+    assert asked.throughput_cells(4)
+
+
+def test_every_hour_of_the_day_at_once_reads_as_each_alone() -> None:
+    asked, cold = new_history(), new_history()
+    t = MONDAY
+    while t < MONDAY + 2 * DAY:
+        for history in (asked, cold):
+            history.record(observation(t, office(t) + int(t // 600) % 3))
+        every = asked.hour_of_day_distributions()  # first: a kept hour is read as kept
+        alone = [asked.hour_of_day_distribution(hour) for hour in range(24)]
+        assert every == alone
+        fresh = [cold.hour_of_day_distribution(hour) for hour in range(24)]
+        assert [shares for shares, _ in every] == [shares for shares, _ in fresh]
+        t += 600
+
+
+@pytest.mark.parametrize(
+    "mapping", [{1: (1, 3, 5, 7), 8: (0, 1, 3), 32: (0, 1), 64: (0,)}, {1: (2,)}, {4: (6, 1)}]
+)
+def test_a_slots_candidates_are_the_same_kept(mapping: dict[int, tuple[int, ...]]) -> None:
+    slots = Slots.of(mapping)
+    expected = sorted({k for ks in mapping.values() for k in ks})
+    assert list(slots.candidate_steps) == slots.candidates() == expected
+    listed = slots.candidates()
+    listed.append(99)  # a list of the caller's own: the kept tuple is not affected
+    assert slots.candidates() == expected == list(Slots.of(mapping).candidate_steps)
