@@ -719,7 +719,9 @@ def test_cli_at_the_highest_concurrency_stops_within_seconds_of_a_signal(
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
+        # Set-up, not the property: a loaded 2-core machine (the suite's other workers) took
+        # over 60 s to open 1000 streams. The bound under test is the 5 s after the signal.
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline and (
             server.stats.open_streams < 1000 or server.stats.tokens_written == 0
         ):
