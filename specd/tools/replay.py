@@ -33,7 +33,7 @@ import io
 import itertools
 import math
 import time  # only to measure decision cost; simulated time is t
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -307,7 +307,7 @@ class ReplayResult:
 
     @property
     def best_static_steps(self) -> int:
-        return max(self.static_tokens, key=lambda k: (self.static_tokens[k], -k))
+        return _best_static(self.static_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best_static_steps
@@ -387,7 +387,7 @@ class AfterFirstDay:
     adaptive_tokens: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        best = max(self.static_tokens, key=lambda k: (self.static_tokens[k], -k))
+        best = _best_static(self.static_tokens)
         return {
             "from_s": _seconds(self.from_s),
             "specd_tokens": round(self.specd_tokens),
@@ -401,6 +401,11 @@ class AfterFirstDay:
                 else _ratio(self.specd_tokens, self.adaptive_tokens)
             ),
         }
+
+
+def _best_static(tokens_by_steps: Mapping[int, float]) -> int:
+    """The step count that served most (a tie to the shallower)."""
+    return max(tokens_by_steps, key=lambda k: (tokens_by_steps[k], -k))
 
 
 def _kinds_chosen(timeline: Sequence[tuple[float, str]]) -> dict[str, int]:
@@ -720,9 +725,15 @@ def replay(
             restart_spans.append(took)
             change_reasons.append(decision.reason.value)
     segments.append((server.key, server.serving_from, last))
-    specd_tokens = sum(
-        tokens.between(kk, max(a, scored_from), min(b, last)) for kk, a, b in segments if b > a
-    )
+
+    def specd_from(start: float) -> float:
+        return sum(
+            tokens.between(kk, max(a, start), min(b, last))
+            for kk, a, b in segments
+            if min(b, last) > max(a, start)
+        )
+
+    specd_tokens = specd_from(scored_from)
     # Before the first window of the scored span no one can choose: every comparison (each
     # static step count, each adaptive set, SGLang's adaptive mode and the oracle) runs what
     # specd ran there, and its own setting from that window's opening on. A comparison
@@ -739,7 +750,9 @@ def replay(
     oracle = 0.0
     if epochs and not chooses_first:
         oracle += tokens.between(live_then, *epochs.pop(0))
-    oracle += sum(max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs)
+    # The best fixed K's tokens of each epoch, by the epoch's start.
+    epoch_best = {a: max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs}
+    oracle += sum(epoch_best.values())
     # What a restart into each comparison's setting takes (an adaptive start captures one
     # CUDA-graph set more per candidate, as `restart_cost_s` counts; off is none).
     per_candidate_s = config.choose.adaptive_restart_extra_s_per_candidate
@@ -786,14 +799,8 @@ def replay(
     if settled is not None:
         after_first_day = AfterFirstDay(
             from_s=settled,
-            specd_tokens=sum(
-                tokens.between(kk, max(a, settled), min(b, last))
-                for kk, a, b in segments
-                if min(b, last) > max(a, settled)
-            ),
-            oracle_tokens=sum(
-                max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs if a >= settled
-            ),
+            specd_tokens=specd_from(settled),
+            oracle_tokens=sum(best for a, best in epoch_best.items() if a >= settled),
             static_tokens={kk: tokens.between(kk, settled, last) for kk in allowed},
             adaptive_tokens=(None if adaptive is None else tokens.between(ADAPTIVE, settled, last)),
         )
