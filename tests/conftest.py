@@ -46,7 +46,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     # The xdist controller sees every worker's reports; a worker writes nothing.
     if config.getoption("record_durations") and not hasattr(config, "workerinput"):
-        spent = {f: round(s, 1) for f, s in sorted(_spent.items(), key=lambda fs: -fs[1])}
+        # `make test` runs two sessions (the `alone` tests after the rest): each updates
+        # the files it ran and keeps the others'.
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        known.update({f: round(s, 1) for f, s in _spent.items()})
+        spent = dict(sorted(known.items(), key=lambda fs: -fs[1]))
         DURATIONS.write_text(json.dumps(spent, indent=1) + "\n")
 
 
