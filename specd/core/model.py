@@ -740,14 +740,22 @@ def adaptive_slots(setting: SpecSetting) -> Slots:
     return Slots.of(dict(setting.slots) if setting.slots else {1: setting.candidates})
 
 
+def adaptive_restart_extra_s(candidates: int, config: Settings) -> float:
+    """What an adaptive start with ``candidates`` drafting step counts takes beyond a static
+    one: one CUDA-graph set more to capture per candidate beyond the first."""
+    return config.choose.adaptive_restart_extra_s_per_candidate * max(candidates - 1, 0)
+
+
+def restart_extra_s(setting: SpecSetting, config: Settings) -> float:
+    """What a restart into ``setting`` takes beyond a static one (0 unless adaptive)."""
+    if setting.kind != "adaptive":
+        return 0.0
+    return adaptive_restart_extra_s(len(setting.candidates), config)
+
+
 def restart_cost_s(setting: SpecSetting, config: Settings) -> float:
-    """Serving time a restart into ``setting`` loses: one CUDA-graph set more to capture
-    per adaptive candidate beyond the first."""
-    extra = 0.0
-    if setting.kind == "adaptive":
-        per = config.choose.adaptive_restart_extra_s_per_candidate
-        extra = per * (len(setting.candidates) - 1)
-    return config.choose.restart_cost_s + extra
+    """Serving time a restart into ``setting`` loses."""
+    return config.choose.restart_cost_s + restart_extra_s(setting, config)
 
 
 def _adaptive_rate(

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from specd.core import explore, outcome
 from specd.core.choices import offer
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
-from specd.core.model import Calibration, Plan, restart_cost_s
+from specd.core.model import Calibration, Plan, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
 from specd.core.setting import SpecSetting, runs_adaptive_config, setting_key
 
@@ -161,7 +161,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     needs_s = ctx.restart_needs_s
     if pick is not None and pick.chosen is not None:
         # An adaptive start captures a CUDA-graph set per candidate: the window must hold it.
-        needs_s += restart_cost_s(pick.chosen, config) - config.choose.restart_cost_s
+        needs_s += restart_extra_s(pick.chosen, config)
     decision = decide(
         ctx.history,
         observation,

@@ -45,7 +45,12 @@ from specd.core.decide import Control, Reason
 from specd.core.explore import WEEK_S
 from specd.core.forecast import Forecast, forecast_epoch, score
 from specd.core.history import History, HistorySettings
-from specd.core.model import Calibration, adaptive_slots, restart_cost_s
+from specd.core.model import (
+    Calibration,
+    adaptive_restart_extra_s,
+    adaptive_slots,
+    restart_extra_s,
+)
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.setting import (
@@ -714,7 +719,7 @@ def replay(
             segments.append((server.key, server.serving_from, s))
             live = target
             # An adaptive start captures one CUDA-graph set more per candidate.
-            took = restart_s + restart_cost_s(live, config) - config.choose.restart_cost_s
+            took = restart_s + restart_extra_s(live, config)
             server.restart(live, s, took)
             # As the daemon: the restart is recorded when SGLang is back, and its warm-up
             # is kept out of the history.
@@ -753,16 +758,15 @@ def replay(
     # The best fixed K's tokens of each epoch, by the epoch's start.
     epoch_best = {a: max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs}
     oracle += sum(epoch_best.values())
-    # What a restart into each comparison's setting takes (an adaptive start captures one
-    # CUDA-graph set more per candidate, as `restart_cost_s` counts; off is none).
-    per_candidate_s = config.choose.adaptive_restart_extra_s_per_candidate
 
+    # What a restart into each comparison's setting takes (an adaptive start captures one
+    # CUDA-graph set more per candidate, as specd's own restarts count; off is none).
     def restart_into_s(key: Key) -> float:
         if isinstance(key, SpecSetting):
-            return restart_s + restart_cost_s(key, config) - config.choose.restart_cost_s
+            return restart_s + restart_extra_s(key, config)
         if key == ADAPTIVE and adaptive is not None:
             drafting = [c for c in adaptive.configured.candidates() if c > 0]
-            return restart_s + per_candidate_s * max(len(drafting) - 1, 0)
+            return restart_s + adaptive_restart_extra_s(len(drafting), config)
         return restart_s
 
     def from_first_window(key: Key) -> float:

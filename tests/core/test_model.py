@@ -18,12 +18,24 @@ from specd.core.model import (
     Calibration,
     PerformanceModel,
     Source,
+    adaptive_restart_extra_s,
     fold_above,
     plan,
+    restart_cost_s,
+    restart_extra_s,
 )
 from specd.core.observation import Observation
 from specd.core.perftable import PerfRow, PerfTable
-from specd.core.setting import adaptive_config_name, parse, setting_key, traits_from_server_info
+from specd.core.setting import (
+    SpecSetting,
+    adaptive,
+    adaptive_config_name,
+    off,
+    parse,
+    setting_key,
+    static,
+    traits_from_server_info,
+)
 from specd.core.settings import Settings
 from specd.core.step import StepContext, step
 from specd.io.calibration import CalibrationFile
@@ -710,3 +722,28 @@ def test_an_adaptive_start_must_fit_in_the_window_with_its_extra_graphs(
     decision = step(ctx, obs, now).decision
     assert decision.target_setting == parse(target)
     assert decision.reason.value == reason, decision.message
+
+
+@pytest.mark.parametrize(
+    ("setting", "per_candidate_s", "extra_s"),
+    [
+        (static(4), 20.0, 0.0),
+        (off(), 20.0, 0.0),
+        (adaptive([3]), 20.0, 0.0),
+        (adaptive([1, 3]), 20.0, 20.0),
+        # SGLang's default slots: four drafting candidates, three sets more to capture
+        (adaptive([1, 3, 5, 7]), 20.0, 60.0),
+        (adaptive([1, 2, 3]), 0.0, 0.0),
+        (adaptive([1, 2, 3]), 7.5, 15.0),
+    ],
+)
+def test_restart_cost_counts_a_graph_set_per_adaptive_candidate_beyond_the_first(
+    tmp_path: Path, setting: SpecSetting, per_candidate_s: float, extra_s: float
+) -> None:
+    cfg = config(tmp_path, choose={"adaptive_restart_extra_s_per_candidate": per_candidate_s})
+    assert restart_extra_s(setting, cfg) == extra_s
+    assert restart_cost_s(setting, cfg) == cfg.choose.restart_cost_s + extra_s
+    # The same count for a candidate list the replay reads off SGLang's slots.
+    drafting = len(setting.candidates) if setting.kind == "adaptive" else 1
+    assert adaptive_restart_extra_s(drafting, cfg) == extra_s
+    assert adaptive_restart_extra_s(0, cfg) == 0.0
