@@ -541,9 +541,14 @@ class History:
     def throughput_cells(self, key: int) -> Mapping[int, tuple[float, float]]:
         """`throughput_table`'s cells of one key with concurrency > 0: concurrency ->
         (mean tokens/s, decayed seconds), in the table's order; read-only."""
+        return MappingProxyType(self.throughput_by_key().get(key, {}))
+
+    def throughput_by_key(self) -> Mapping[int, Mapping[int, tuple[float, float]]]:
+        """`throughput_cells` of every key, keys in the table's order; read-only: shared by
+        the readers of this tick (the model, the outcome check)."""
         made = self._throughput_made()
-        # The outcome check reads one key's cells several times a tick: grouped once per
-        # table made, instead of scanning every key's cells at each read.
+        # Read several times a tick: grouped once per table made, instead of scanning every
+        # key's cells at each read.
         grouped = self._throughput_by_key
         if grouped is None or grouped[0] is not made:
             by_key: dict[int, dict[int, tuple[float, float]]] = {}
@@ -551,7 +556,7 @@ class History:
                 if c > 0:
                     by_key.setdefault(k, {})[c] = cell
             grouped = self._throughput_by_key = (made, by_key)
-        return MappingProxyType(grouped[1].get(key, {}))
+        return grouped[1]
 
     def capacity(self, steps: int) -> int | None:
         """max_running_requests last seen while SGLang ran ``steps``."""

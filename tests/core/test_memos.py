@@ -428,6 +428,12 @@ def test_one_keys_throughput_cells_follow_every_observation() -> None:
             table = cold.throughput_table().items()
             expected = [(c, v) for (k, c), v in table if k == key and c > 0]
             assert list(asked.throughput_cells(key).items()) == expected
+        grouped: dict[int, list[tuple[int, tuple[float, float]]]] = {}
+        for (k, c), v in cold.throughput_table().items():
+            if c > 0:
+                grouped.setdefault(k, []).append((c, v))
+        every = asked.throughput_by_key()
+        assert [(k, list(cells.items())) for k, cells in every.items()] == list(grouped.items())
         t += 60
     assert asked.throughput_cells(4)
 
