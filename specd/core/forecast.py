@@ -287,11 +287,13 @@ def _merge(
     kept: Sequence[_Sums] = (),
 ) -> tuple[Forecast | None, tuple[_Sums, ...]]:
     """The forecast of ``slots`` (each hour's seconds and distribution), and the running
-    sums before each slot and after the last. ``kept``: the running sums before the first
-    ``len(kept)`` slots, of a merge whose slots before the last of them were these: the
-    sums go on from there, adding the same terms in the same order as from the start."""
+    sums before each slot and after the last (up to the first hour of recent traffic).
+    ``kept``: the running sums before the first ``len(kept)`` slots, of a merge whose slots
+    before the last of them were these: the sums go on from there, adding the same terms
+    in the same order as from the start."""
     sums: list[_Sums] = list(kept) or [({}, {}, 0.0)]
     merged, share, covered = dict(sums[-1][0]), dict(sums[-1][1]), sums[-1][2]
+    resumable = True
     for span, got in slots[len(sums) - 1 :]:
         if got is not None:
             weights, source = got
@@ -299,7 +301,11 @@ def _merge(
                 merged[k] = merged.get(k, 0.0) + w * span
             share[source] = share.get(source, 0.0) + span
             covered += span
-        sums.append((dict(merged), dict(share), covered))
+            # Recent traffic is read anew at every forecast: no merge goes on past its
+            # first hour, so the sums after it are not kept (copying them costs).
+            resumable = resumable and source != _SOURCES[-1]
+        if resumable:
+            sums.append((dict(merged), dict(share), covered))
     return _forecast(start, end, merged, share, covered), tuple(sums)
 
 
