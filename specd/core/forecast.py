@@ -25,11 +25,11 @@ daemon can record how good the forecasts were.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from specd.core.history import HOUR_S, HOURS_PER_WEEK, day_kind, hour_of_week
+from specd.core.history import HOUR_S, HOURS_PER_WEEK, hour_of_week
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -83,28 +83,16 @@ class Forecast:
         return float(max(self.weights))
 
 
+# `History.hour_shares`'s sources, in its order; the last: recent traffic.
+_SOURCES = ("same hours", "same hours, other days", "same hours, any day", "recent")
+
+
 class _HourSource:
-    """Per-hour distributions, each read once per forecast."""
+    """Per-hour distributions; recent traffic read once per forecast."""
 
     def __init__(self, history: History) -> None:
         self.history = history
-        self._kind: dict[int, dict[int, float] | None] = {}
-        self._day: dict[int, dict[int, float] | None] = {}
         self._recent: dict[int, float] | bool | None = False
-
-    def same_kind(self, how: int) -> dict[int, float] | None:
-        key = day_kind(how)
-        if key not in self._kind:
-            shares, seconds = self.history.day_kind_distribution(how)
-            self._kind[key] = shares if seconds >= MIN_HOUR_EVIDENCE_S else None
-        return self._kind[key]
-
-    def any_day(self, how: int) -> dict[int, float] | None:
-        hour = how % 24
-        if hour not in self._day:
-            shares, seconds = self.history.hour_of_day_distribution(how)
-            self._day[hour] = shares if seconds >= MIN_HOUR_EVIDENCE_S else None
-        return self._day[hour]
 
     def recent(self) -> dict[int, float] | None:
         if self._recent is False:
@@ -113,17 +101,17 @@ class _HourSource:
         return self._recent
 
     def distribution(self, how: int) -> tuple[dict[int, float], str] | None:
-        shares, seconds = self.history.hour_of_week_distribution(how)
-        if seconds >= MIN_HOUR_EVIDENCE_S and shares is not None:
-            return shares, "same hours"
-        kind = self.same_kind(how)
-        if kind is not None:
-            return kind, "same hours, other days"
-        day = self.any_day(how)
-        if day is not None:
-            return day, "same hours, any day"
+        """Hour of the week ``how`` from its own hours, else its hours of the day on days
+        of its kind, else on any day (each with `MIN_HOUR_EVIDENCE_S`), else recent."""
+        shares, source = self.history.hour_shares(how, MIN_HOUR_EVIDENCE_S)
+        if shares is not None:
+            return shares, _SOURCES[source]
         recent = self.recent()
-        return None if recent is None else (recent, "recent")
+        return None if recent is None else (recent, _SOURCES[-1])
+
+
+# `_merge`'s running sums: seconds per offered concurrency, per source, and covered.
+_Sums = tuple[dict[int, float], dict[str, float], float]
 
 
 @dataclass(frozen=True)
@@ -132,8 +120,27 @@ class _Made:
 
     start: float
     end: float
+    # Each hour slot's (seconds, hour of the week): a function of (start, end) alone.
+    layout: tuple[tuple[float, int], ...]
     parts: tuple[tuple[dict[int, float], str] | None, ...]
     forecast: Forecast | None
+    # `_merge`'s running sums before each slot (and after the last): a forecast whose first
+    # hours read the same distributions goes on from the last of those.
+    sums: tuple[_Sums, ...] = ()
+
+
+def _layout(start: float, end: float) -> tuple[tuple[float, int], ...]:
+    """The hours [start, end) covers: each one's (seconds in the epoch, hour of the week)."""
+    slots: list[tuple[float, int]] = []
+    t = start
+    while t < end:
+        slot_end = min((math.floor(t / HOUR_S) + 1) * HOUR_S, end)
+        slots.append((slot_end - t, hour_of_week(t)))
+        t = slot_end
+        # Beyond a week the hours repeat: the first week's shape is the forecast.
+        if t - start >= HOURS_PER_WEEK * HOUR_S:
+            break
+    return tuple(slots)
 
 
 def forecast_epoch(history: History, start: float, end: float) -> Forecast | None:
@@ -147,30 +154,28 @@ def forecast_epoch(history: History, start: float, end: float) -> Forecast | Non
         return None
     if end <= start:
         end = start + HOUR_S  # a degenerate epoch: forecast the hour that follows
-    hours = _HourSource(history)
-    slots: list[tuple[float, tuple[dict[int, float], str] | None]] = []
-    t = start
-    while t < end:
-        slot_end = min((math.floor(t / HOUR_S) + 1) * HOUR_S, end)
-        slots.append((slot_end - t, hours.distribution(hour_of_week(t))))
-        t = slot_end
-        # Beyond a week the hours repeat: the first week's shape is the forecast.
-        if t - start >= HOURS_PER_WEEK * HOUR_S:
-            break
-    parts = tuple(got for _, got in slots)
     memo = history.forecast_memo
-    if (
-        isinstance(memo, _Made)
-        and memo.start == start
-        and memo.end == end
-        and len(memo.parts) == len(parts)
-        and all(_same(a, b) for a, b in zip(memo.parts, parts, strict=True))
-    ):
-        return _copy(memo.forecast)
-    made = _merge(start, end, slots)
+    same_epoch = isinstance(memo, _Made) and memo.start == start and memo.end == end
+    # The same epoch all day long (until a window opens): its hours are laid out once.
+    layout = memo.layout if same_epoch else _layout(start, end)
+    hours = _HourSource(history)
+    parts = tuple([hours.distribution(how) for _, how in layout])
+    kept: tuple[_Sums, ...] = ()
+    if same_epoch:
+        # The hours before the first that reads another distribution merge as before.
+        same = 0
+        for a, b in zip(memo.parts, parts, strict=True):
+            if not _same(a, b):
+                break
+            same += 1
+        if same == len(parts):
+            return _copy(memo.forecast)
+        kept = memo.sums[: same + 1]
+    slots = [(span, got) for (span, _), got in zip(layout, parts, strict=True)]
+    made, sums = _merge(start, end, slots, kept)
     if made is not None and made.recent_ratio > 0:
         made = replace(made, seen_spread=_seen_spread(history, hours.recent()))
-    history.forecast_memo = _Made(start, end, parts, made)
+    history.forecast_memo = _Made(start, end, layout, parts, made, sums)
     return _copy(made)
 
 
@@ -186,7 +191,17 @@ def _copy(forecast: Forecast | None) -> Forecast | None:
     # Every caller gets weights of its own: the memo's are never handed out.
     if forecast is None:
         return None
-    return replace(forecast, weights=dict(forecast.weights))
+    # `replace(forecast, weights=...)`, built directly: a third of `replace`'s cost, at
+    # every tick. Every field is passed (tests/core/test_memos.py checks the copy is equal).
+    return Forecast(
+        forecast.start,
+        forecast.end,
+        dict(forecast.weights),
+        forecast.source,
+        forecast.same_hours_ratio,
+        forecast.recent_ratio,
+        forecast.seen_spread,
+    )
 
 
 # `_seen_spread` skips an hour whose distance cannot reach the largest one found: far
@@ -266,18 +281,37 @@ def _seen_spread(history: History, recent: Mapping[int, float] | None) -> float:
 
 
 def _merge(
-    start: float, end: float, slots: list[tuple[float, tuple[dict[int, float], str] | None]]
-) -> Forecast | None:
-    merged: dict[int, float] = {}
-    share: dict[str, float] = {}
-    covered = 0.0
-    for span, got in slots:
+    start: float,
+    end: float,
+    slots: list[tuple[float, tuple[dict[int, float], str] | None]],
+    kept: Sequence[_Sums] = (),
+) -> tuple[Forecast | None, tuple[_Sums, ...]]:
+    """The forecast of ``slots`` (each hour's seconds and distribution), and the running
+    sums before each slot and after the last (up to the first hour of recent traffic).
+    ``kept``: the running sums before the first ``len(kept)`` slots, of a merge whose slots
+    before the last of them were these: the sums go on from there, adding the same terms
+    in the same order as from the start."""
+    sums: list[_Sums] = list(kept) or [({}, {}, 0.0)]
+    merged, share, covered = dict(sums[-1][0]), dict(sums[-1][1]), sums[-1][2]
+    resumable = True
+    for span, got in slots[len(sums) - 1 :]:
         if got is not None:
             weights, source = got
             for k, w in weights.items():
                 merged[k] = merged.get(k, 0.0) + w * span
             share[source] = share.get(source, 0.0) + span
             covered += span
+            # Recent traffic is read anew at every forecast: no merge goes on past its
+            # first hour, so the sums after it are not kept (copying them costs).
+            resumable = resumable and source != _SOURCES[-1]
+        if resumable:
+            sums.append((dict(merged), dict(share), covered))
+    return _forecast(start, end, merged, share, covered), tuple(sums)
+
+
+def _forecast(
+    start: float, end: float, merged: dict[int, float], share: dict[str, float], covered: float
+) -> Forecast | None:
     if covered <= 0:
         return None
     weights = {k: w / covered for k, w in merged.items()}

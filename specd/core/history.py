@@ -72,7 +72,8 @@ def is_weekend_hour(how: int) -> bool:
 def day_kind(how: int) -> int:
     """Index of hour-of-week ``how``'s hour of the day on its kind of day (weekday or
     weekend): the hours the forecast pools when an hour of the week has too little data."""
-    return how % 24 + (24 if is_weekend_hour(how) else 0)
+    # `is_weekend_hour`, inlined: the forecast reads the day kind of every hour of an epoch.
+    return how % 24 + (24 if how % HOURS_PER_WEEK >= _WEEKEND_FIRST_HOUR else 0)
 
 
 def _pow2(x: float) -> float:
@@ -540,9 +541,14 @@ class History:
     def throughput_cells(self, key: int) -> Mapping[int, tuple[float, float]]:
         """`throughput_table`'s cells of one key with concurrency > 0: concurrency ->
         (mean tokens/s, decayed seconds), in the table's order; read-only."""
+        return MappingProxyType(self.throughput_by_key().get(key, {}))
+
+    def throughput_by_key(self) -> Mapping[int, Mapping[int, tuple[float, float]]]:
+        """`throughput_cells` of every key, keys in the table's order; read-only: shared by
+        the readers of this tick (the model, the outcome check)."""
         made = self._throughput_made()
-        # The outcome check reads one key's cells several times a tick: grouped once per
-        # table made, instead of scanning every key's cells at each read.
+        # Read several times a tick: grouped once per table made, instead of scanning every
+        # key's cells at each read.
         grouped = self._throughput_by_key
         if grouped is None or grouped[0] is not made:
             by_key: dict[int, dict[int, tuple[float, float]]] = {}
@@ -550,7 +556,7 @@ class History:
                 if c > 0:
                     by_key.setdefault(k, {})[c] = cell
             grouped = self._throughput_by_key = (made, by_key)
-        return MappingProxyType(grouped[1].get(key, {}))
+        return grouped[1]
 
     def capacity(self, steps: int) -> int | None:
         """max_running_requests last seen while SGLang ran ``steps``."""
@@ -588,7 +594,9 @@ class History:
         if memo is None or memo[0] is not table or memo[1] != table.revision:
             memo = self._distributions[index] = (table, table.revision, table.distribution())
         shares, total = memo[2]
-        return shares, total * table.scale_at(self._at())
+        # `table.scale_at(self._at())`, inlined: read for every hour of an epoch at every tick.
+        at = self.last_t if self.last_t is not None else 0.0
+        return shares, total * _pow2(-(at - table.ref_t) / table.half_life_s)
 
     def hour_of_week_distribution(self, how: int) -> tuple[dict[int, float] | None, float]:
         """The share of hour-of-week ``how``'s time at each offered concurrency (None without
@@ -636,6 +644,29 @@ class History:
         if shares is None or reference is None:
             return None, 0.0
         return shares, total * reference.scale_at(self._at()) / then
+
+    def hour_shares(self, how: int, min_seconds: float) -> tuple[dict[int, float] | None, int]:
+        """The first of `hour_of_week_distribution` (0), `day_kind_distribution` (1) and
+        `hour_of_day_distribution` (2) of ``how`` with ``min_seconds`` of decayed time, and
+        which one it is; (None, 3) when none has. The forecast reads it for every hour of
+        an epoch at every tick: one call, each table read only when the one before falls
+        short, as those three read it."""
+        how %= HOURS_PER_WEEK
+        hourly = self._hourly[how]
+        if hourly is not None:
+            shares, seconds = self._distribution(how, hourly)
+            if seconds >= min_seconds and shares is not None:
+                return shares, 0
+        kind = day_kind(how)
+        pooled = self._day_kinds[kind]
+        if pooled is not None:
+            shares, seconds = self._distribution(HOURS_PER_WEEK + kind, pooled)
+            if seconds >= min_seconds and shares is not None:
+                return shares, 1
+        shares, seconds = self.hour_of_day_distribution(how)
+        if seconds >= min_seconds and shares is not None:
+            return shares, 2
+        return None, 3
 
     def hour_of_day_distributions(self) -> list[tuple[dict[int, float] | None, float]]:
         """`hour_of_day_distribution` of every hour of the day (0-23), the same values: the

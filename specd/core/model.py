@@ -50,7 +50,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -211,9 +211,13 @@ class PerformanceModel:
         observed: dict[int, dict[int, tuple[float, float]]] = {}
         capacities: dict[int, int] = {}
         if history is not None:
-            for (k, c), (tok_s, weight) in history.throughput_table().items():
-                if k >= 0 and c > 0 and weight > 0:
-                    observed.setdefault(k, {})[c] = (tok_s, weight)
+            # The table's cells grouped by K once per tick (`History.throughput_by_key`, the
+            # same cells in the same order as `throughput_table`'s, concurrency > 0).
+            for k, cells in history.throughput_by_key().items():
+                if k >= 0:
+                    kept = {c: cell for c, cell in cells.items() if cell[1] > 0}
+                    if kept:
+                        observed[k] = kept
             capacities = {k: v for k, v in history.capacities.items() if v > 0}
         self._observed = observed
         self._alpha_cal = fitted.alpha if fitted is not None else None
@@ -525,36 +529,33 @@ class PerformanceModel:
         """Mean tok/s over a distribution of offered concurrency (weights sum to 1)."""
         # One curve lookup for the whole distribution: this runs for every candidate at
         # every tick, and reading each bin through `throughput` doubled the decision's cost.
-        values = self._at(steps, weights)
-        return sum([w * values[c] for c, w in weights.items() if c > 0])
-
-    def _at(self, steps: int, concurrencies: Iterable[int]) -> dict[int, float]:
-        """``throughput(steps, c)`` for every whole ``c`` > 0 of ``concurrencies``, in the
-        per-model dict of K's values (returned): the static rates and every adaptive set
-        read the same (K, c) bins."""
         values = self._values.get(steps)
         if values is None:
             values = self._values[steps] = {}
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        missing = [c for c in concurrencies if c > 0 and c not in values]
-        if not missing:
-            return values
         readings, scale = curve.readings, curve.scale
-        if readings is None or curve.clamp_at is not None:
-            for c in missing:
-                values[c] = self._raw(curve, float(c))
-            return values
-        # `_raw` inlined for the calibration's curves: the reading at c times the scale.
-        xs, ys = curve.xs, curve.ys
-        for c in missing:
-            x = float(c)
-            r = readings.get(x)
-            if r is None:
-                r = readings[x] = interpolate(xs, ys, x)
-            values[c] = r * scale
-        return values
+        plain = readings is not None and curve.clamp_at is None
+        # One pass: each bin's value (made when not made yet, as `_raw` reads it) weighted in
+        # the order of ``weights``, the terms `sum` adds as sum([w * values[c] ...]) would.
+        terms: list[float] = []
+        for c, w in weights.items():
+            if c <= 0:
+                continue
+            value = values.get(c)
+            if value is None:
+                if plain and readings is not None:
+                    # `_raw` inlined for the calibration's curves: the reading times the scale.
+                    r = readings.get(c)  # whole concurrencies: an int finds its float key
+                    if r is None:
+                        r = readings[float(c)] = interpolate(curve.xs, curve.ys, float(c))
+                    value = r * scale
+                else:
+                    value = self._raw(curve, float(c))
+                values[c] = value
+            terms.append(w * value)
+        return sum(terms)
 
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
         """``setting``'s candidate sets over this model (once per model); None when the
@@ -618,6 +619,9 @@ def fold_above(weights: Mapping[int, float], ceiling: int | None) -> dict[int, f
     """Concurrency above ``ceiling`` only queues: count it at the ceiling (fewer bins)."""
     if ceiling is None:
         return dict(weights)
+    if not weights or max(weights) <= ceiling:
+        # Nothing to fold: each bin as the loop below makes it (0.0 + w), without the loop.
+        return {c: 0.0 + w for c, w in weights.items()}
     out: dict[int, float] = {}
     for c, w in weights.items():
         key = c if c <= ceiling else ceiling

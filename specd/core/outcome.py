@@ -250,7 +250,14 @@ def _normalized_mix(weights: Mapping[int, float]) -> tuple[tuple[int, float], ..
 def mix_distance(a: Mapping[int, float], b: Mapping[int, float]) -> float:
     """Total variation distance of two busy concurrency mixes (0 same, 1 disjoint); 0 when
     either is empty (no traffic to tell a change by)."""
-    pa, pb = dict(_normalized_mix(a)), dict(_normalized_mix(b))
+    return _normalized_distance(_normalized_mix(a), _normalized_mix(b))
+
+
+def _normalized_distance(
+    a: tuple[tuple[int, float], ...], b: tuple[tuple[int, float], ...]
+) -> float:
+    """`mix_distance` of two mixes `_normalized_mix` made already."""
+    pa, pb = dict(a), dict(b)
     if not pa or not pb:
         return 0.0
     return 0.5 * sum([abs(pa.get(c, 0.0) - pb.get(c, 0.0)) for c in set(pa) | set(pb)])
@@ -327,7 +334,9 @@ def verdict(
     needed = config.choose.outcome_min_observed_s
     floor = config.choose.regression_min_ratio * baseline
     beyond_noise = total_w >= needed and baseline - served > max(margin, floor)
-    moved = 0.0 if coming is None else mix_distance(coming, mix)
+    # The mix seen, normalized once: compared with the coming traffic and kept in the verdict.
+    seen_mix = _normalized_mix(mix)
+    moved = 0.0 if coming is None else _normalized_distance(_normalized_mix(coming), seen_mix)
     regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
     old_label, new_label = _label(old, snap.from_setting), _label(snap.to_steps, snap.to_setting)
     change = f"{old_label} → {new_label} at {_stamp(snap.t)}"
@@ -364,7 +373,7 @@ def verdict(
         beyond_noise,
         regressed,
         why,
-        _normalized_mix(mix),
+        seen_mix,
         snap.from_setting,
         snap.to_setting,
     )

@@ -15,7 +15,13 @@ import pytest
 from factories import make_observation, seed_table, tables
 
 from specd.core.adaptive import DEFAULT_SLOTS, Slots
-from specd.core.forecast import MIN_HOUR_EVIDENCE_S, _seen_spread, forecast_epoch
+from specd.core.forecast import (
+    MIN_HOUR_EVIDENCE_S,
+    Forecast,
+    _copy,
+    _seen_spread,
+    forecast_epoch,
+)
 from specd.core.history import History, HistorySettings, hour_of_week
 from specd.core.model import Calibration, PerformanceModel, _next_epoch
 from specd.core.observation import Observation
@@ -172,6 +178,48 @@ def test_a_forecast_handed_out_is_the_callers_own() -> None:
     second = forecast_epoch(history, start, start + 10 * HOUR)
     assert second is not None
     assert second.weights == expected
+
+
+@pytest.mark.parametrize("changed_hour", [9, 12, 14])
+def test_a_forecast_made_again_from_its_first_changed_hour_sums_as_afresh(
+    changed_hour: int,
+) -> None:
+    # Wednesday 09:00-15:00 from Monday's and Tuesday's same hours; then one of those hours
+    # on Tuesday changes (its hour of the epoch first, middle, last but one): the hours
+    # before it merge as kept, the rest again, to the same sums in the same order.
+    asked, cold = new_history(), new_history()
+    record([asked, cold], MONDAY, MONDAY + 2 * DAY)
+    start = MONDAY + (2 * 24 + 9) * HOUR
+    end = start + 6 * HOUR
+    before = forecast_epoch(asked, start, end)
+    assert before is not None
+    assert before.source == "same hours, other days"
+    changed = MONDAY + (24 + changed_hour) * HOUR + 600
+    for level in (50, 7):
+        for history in (asked, cold):
+            history.record(observation(changed, level))
+            history.record(observation(changed + 60, level))
+        changed += 120
+        after = forecast_epoch(asked, start, end)
+        fresh = forecast_epoch(cold, start, end)
+        cold.forecast_memo = None  # each of cold's from nothing kept
+        assert after is not None
+        assert fresh is not None
+        assert list(after.weights.items()) == list(fresh.weights.items())
+        assert after == fresh
+        assert level in after.weights
+
+
+def test_a_forecast_copy_has_every_field() -> None:
+    # `_copy` lists the fields (faster than `replace`): none may be left at its default.
+    made = Forecast(1.0, 2.0, {3: 1.0}, "recent", 0.25, 0.5, 0.75)
+    copied = _copy(made)
+    assert copied == made
+    assert copied is not None
+    assert copied.weights is not made.weights
+    assert [getattr(copied, f.name) for f in dataclasses.fields(Forecast)] == [
+        getattr(made, f.name) for f in dataclasses.fields(Forecast)
+    ]
 
 
 def test_an_hour_distribution_is_kept_per_revision_of_its_table() -> None:
@@ -380,6 +428,12 @@ def test_one_keys_throughput_cells_follow_every_observation() -> None:
             table = cold.throughput_table().items()
             expected = [(c, v) for (k, c), v in table if k == key and c > 0]
             assert list(asked.throughput_cells(key).items()) == expected
+        grouped: dict[int, list[tuple[int, tuple[float, float]]]] = {}
+        for (k, c), v in cold.throughput_table().items():
+            if c > 0:
+                grouped.setdefault(k, []).append((c, v))
+        every = asked.throughput_by_key()
+        assert [(k, list(cells.items())) for k, cells in every.items()] == list(grouped.items())
         t += 60
     assert asked.throughput_cells(4)
 
