@@ -247,8 +247,13 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "`--speculative-adaptive` with its default slots (batch ≥1: [1,3,5,7], ≥8: [0,1,3], "
         "≥32: [0,1], ≥64: [0]), the best candidate of each batch's slot (an upper bound of "
         "its switching), capacity of the deepest candidate the truth has. "
-        "Every figure of a row comes from one replay; rows ran in "
-        f"{jobs} process{'es' if jobs > 1 else ''} side by side. Millions of tokens.",
+        "Every figure of a row comes from one replay; "
+        + (
+            f"rows ran in {jobs} processes side by side"
+            if jobs > 1
+            else "rows ran one at a time, in one process"
+        )
+        + ". Millions of tokens.",
         "",
         "Reproduce: `.venv/bin/python -m bench replay` (`--jobs 2`, `--days N`, `--only "
         "TRACE`, `--truth NAME`); one case: `specd replay --trace T.csv --truth TABLE.csv "
