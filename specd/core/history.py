@@ -72,8 +72,7 @@ def is_weekend_hour(how: int) -> bool:
 def day_kind(how: int) -> int:
     """Index of hour-of-week ``how``'s hour of the day on its kind of day (weekday or
     weekend): the hours the forecast pools when an hour of the week has too little data."""
-    # `is_weekend_hour`, inlined: the forecast reads the day kind of every hour of an epoch.
-    return how % 24 + (24 if how % HOURS_PER_WEEK >= _WEEKEND_FIRST_HOUR else 0)
+    return how % 24 + (24 if is_weekend_hour(how) else 0)
 
 
 def _pow2(x: float) -> float:
@@ -594,9 +593,7 @@ class History:
         if memo is None or memo[0] is not table or memo[1] != table.revision:
             memo = self._distributions[index] = (table, table.revision, table.distribution())
         shares, total = memo[2]
-        # `table.scale_at(self._at())`, inlined: read for every hour of an epoch at every tick.
-        at = self.last_t if self.last_t is not None else 0.0
-        return shares, total * _pow2(-(at - table.ref_t) / table.half_life_s)
+        return shares, total * table.scale_at(self._at())
 
     def hour_of_week_distribution(self, how: int) -> tuple[dict[int, float] | None, float]:
         """The share of hour-of-week ``how``'s time at each offered concurrency (None without
@@ -650,23 +647,17 @@ class History:
         `hour_of_day_distribution` (2) of ``how`` with ``min_seconds`` of decayed time, and
         which one it is; (None, 3) when none has. The forecast reads it for every hour of
         an epoch at every tick: one call, each table read only when the one before falls
-        short, as those three read it."""
-        how %= HOURS_PER_WEEK
-        hourly = self._hourly[how]
-        if hourly is not None:
-            shares, seconds = self._distribution(how, hourly)
+        short."""
+        readers = (
+            self.hour_of_week_distribution,
+            self.day_kind_distribution,
+            self.hour_of_day_distribution,
+        )
+        for source, read in enumerate(readers):
+            shares, seconds = read(how)
             if seconds >= min_seconds and shares is not None:
-                return shares, 0
-        kind = day_kind(how)
-        pooled = self._day_kinds[kind]
-        if pooled is not None:
-            shares, seconds = self._distribution(HOURS_PER_WEEK + kind, pooled)
-            if seconds >= min_seconds and shares is not None:
-                return shares, 1
-        shares, seconds = self.hour_of_day_distribution(how)
-        if seconds >= min_seconds and shares is not None:
-            return shares, 2
-        return None, 3
+                return shares, source
+        return None, len(readers)
 
     def hour_of_day_distributions(self) -> list[tuple[dict[int, float] | None, float]]:
         """`hour_of_day_distribution` of every hour of the day (0-23), the same values: the
