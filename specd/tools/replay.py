@@ -637,6 +637,17 @@ def replay(
         except ValueError:
             adaptive = None  # the truth cannot say what any candidate serves
     tokens = Tokens(trace, truth, allowed, adaptive)
+
+    # What a restart into a setting takes, for specd and for every comparison alike (an
+    # adaptive start captures one CUDA-graph set more per candidate; off is none).
+    def restart_into_s(key: Key) -> float:
+        if isinstance(key, SpecSetting):
+            return restart_s + restart_extra_s(key, config)
+        if key == ADAPTIVE and adaptive is not None:
+            drafting = [c for c in adaptive.configured.candidates() if c > 0]
+            return restart_s + adaptive_restart_extra_s(len(drafting), config)
+        return restart_s
+
     opens = _open_intervals(config, t0 + first, t0 + last)
     scored_from = min(first + max(warmup_s, 0.0), last)
     set_keys = {format_setting(a): tokens.ensure(a) for a in sets}
@@ -718,8 +729,7 @@ def replay(
                 outside += 1
             segments.append((server.key, server.serving_from, s))
             live = target
-            # An adaptive start captures one CUDA-graph set more per candidate.
-            took = restart_s + restart_extra_s(live, config)
+            took = restart_into_s(live)
             server.restart(live, s, took)
             # As the daemon: the restart is recorded when SGLang is back, and its warm-up
             # is kept out of the history.
@@ -758,16 +768,6 @@ def replay(
     # The best fixed K's tokens of each epoch, by the epoch's start.
     epoch_best = {a: max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs}
     oracle += sum(epoch_best.values())
-
-    # What a restart into each comparison's setting takes (an adaptive start captures one
-    # CUDA-graph set more per candidate, as specd's own restarts count; off is none).
-    def restart_into_s(key: Key) -> float:
-        if isinstance(key, SpecSetting):
-            return restart_s + restart_extra_s(key, config)
-        if key == ADAPTIVE and adaptive is not None:
-            drafting = [c for c in adaptive.configured.candidates() if c > 0]
-            return restart_s + adaptive_restart_extra_s(len(drafting), config)
-        return restart_s
 
     def from_first_window(key: Key) -> float:
         served_from = fixed_until if key == live_then else fixed_until + restart_into_s(key)
