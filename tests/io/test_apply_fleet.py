@@ -188,8 +188,14 @@ def test_a_specd_killed_mid_restart_heals_and_releases(
 ) -> None:
     unit = make_unit(ORIGINAL_ENV)
     rec = Recorder(tmp_path / "state.json")
+    # Expiring: the shortest lease, which box-b waits out. Held: a lease that cannot run
+    # out while the heal restarts and verifies the twin, however loaded this machine is.
+    ttl_s = TTL_S if lease_expired else 600
     dying = with_fleet(
-        unit, rec, fleet_for(etcd.url, "box-a"), runner=KillingRunner(unit, kill_on_restart=1)
+        unit,
+        rec,
+        fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s),
+        runner=KillingRunner(unit, kill_on_restart=1),
     )
     with pytest.raises(Killed):
         dying.apply(4, 3, window_open=always_open)
@@ -209,7 +215,9 @@ def test_a_specd_killed_mid_restart_heals_and_releases(
         assert [h.name for h in other.holders()] == ["box-a"]
 
     after = Recorder(tmp_path / "state2.json")
-    outcome = with_fleet(unit, after, fleet_for(etcd.url, "box-a")).reconcile(journal)
+    outcome = with_fleet(unit, after, fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s)).reconcile(
+        journal
+    )
     assert outcome is not None
     assert outcome.result == "success", outcome.message
     assert unit.restarts == [4]  # healed without a second restart

@@ -89,7 +89,10 @@ def test_static_to_adaptive_to_off_and_back_each_verified_or_rolled_back(sd: Con
         )
         done = restarts[-1]
         outcomes.append((done["from_setting"], done["to_setting"], done["result"]))
-        assert (done["to_setting"], done["result"]) == (setting, result), done
+        # SGLang's journal says why a start failed or passed when the test expected not.
+        assert (done["to_setting"], done["result"]) == (setting, result), (
+            f"{done}\n--- sglang ---\n{sd.journal(SGLANG_UNIT, lines=40)}"
+        )
         sd.wait_http("/health", timeout=30)
         if result != "success":
             assert state(sd)["frozen"] is not None
