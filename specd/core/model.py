@@ -227,7 +227,10 @@ class PerformanceModel:
         # Per K: whole concurrency → predicted tok/s (this model's `throughput`).
         self._values: dict[int, dict[int, float]] = {}
         self._steps: list[int] | None = None
-        self._adaptive: dict[SpecSetting, AdaptiveModel | None] = {}
+        # Per adaptive setting: its AdaptiveModel's fields but the table (`adaptive`).
+        self._adaptive: dict[
+            SpecSetting, tuple[Slots, Slots, tuple[int, ...], int | None] | None
+        ] = {}
         self._box: dict[int, tuple[_Curve, tuple[float, float, float]]] | None = None
 
     # -- acceptance --------------------------------------------------------------------
@@ -562,15 +565,22 @@ class PerformanceModel:
         model has none of its candidates."""
         # One lookup when kept: a setting's hash is a Python call (a frozen dataclass's).
         try:
-            return self._adaptive[setting]
+            kept = self._adaptive[setting]
         except KeyError:
-            pass
-        try:
-            found: AdaptiveModel | None = AdaptiveModel.of(adaptive_slots(setting), self)
-        except ValueError:
-            found = None
-        self._adaptive[setting] = found
-        return found
+            try:
+                found = AdaptiveModel.of(adaptive_slots(setting), self)
+            except ValueError:
+                self._adaptive[setting] = None
+                return None
+            self._adaptive[setting] = (found.configured, found.slots, found.skipped, found.capacity)
+            return found
+        if kept is None:
+            return None
+        # Kept without the model it reads: an AdaptiveModel in the model's own memo would
+        # make a reference cycle, and every tick's model (curves, memos) would then wait
+        # for the garbage collector, whose runs inside ticks made the decision's p99.
+        configured, slots, skipped, capacity = kept
+        return AdaptiveModel(configured, slots, self, skipped, capacity)
 
     def best_of(self, candidates: Sequence[int], c: int) -> float:
         """The most any of ``candidates`` (all predictable) serves at ``c`` requests running:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 from datetime import datetime, timezone
 from pathlib import Path
@@ -613,6 +614,33 @@ def test_a_small_gain_of_another_kind_stays_within_the_prediction_interval(
     assert "within the prediction interval: keeping 1" in result.why
     tight = kinds_config(tmp_path)
     assert plan(history, tight, 1, table, offer=offer(tight.choose, SERVER)).target == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kinds", [False, True], ids=["static", "off+static+adaptive"])
+def test_a_tick_leaves_no_reference_cycle(tmp_path: Path, kinds: bool) -> None:
+    """Every tick's model, forecast and verdict are freed when its step returns, not left
+    for the garbage collector: a collection inside a tick costs the decision more than the
+    tick itself (an adaptive set's model kept in the model's own memo did this)."""
+    cfg = kinds_config(tmp_path) if kinds else config(tmp_path)
+    history = kinds_history((2, 60), steps=3)
+    now = history.last_t
+    assert now is not None
+    ctx = StepContext(cfg, history, None, Control(3), Calibration.of(KINDS_TABLE), traits=SERVER)
+    gc.disable()
+    try:
+        gc.collect()
+        for tick in range(5):
+            t = now + 5 * (tick + 1)
+            obs = make_observation(t, running=2, steps=3, accept_length=None, spec_fresh=False)
+            result = step(ctx, obs, t)
+            # Each tick made the whole model plan (every kind's prediction in its message).
+            message = result.decision.message
+            assert result.decision.reason.value == "stabilizing", message
+            assert ("adaptive:1,3:" in message and " off:" in message) == kinds, message
+            ctx = dataclasses.replace(ctx, control=result.control)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> None:
