@@ -947,6 +947,7 @@ class Traffic:
                         "stream": True,
                     },
                     timeout=10,
+                    verify=verifying_context(),
                 ) as resp:
                     for _ in resp.iter_bytes():
                         if time.monotonic() >= self.deadline:
@@ -1242,7 +1243,8 @@ def test_unreadable_journal_fails_without_touching_anything(
 
 def _live_from_get_server_info(unit: TwinUnit) -> int:
     # /get_server_info answers on every version (the only name before 0.5.6).
-    return int(httpx.get(f"{unit.url}/get_server_info", timeout=5).json()["speculative_num_steps"])
+    info = httpx.get(f"{unit.url}/get_server_info", timeout=5, verify=verifying_context()).json()
+    return int(info["speculative_num_steps"])
 
 
 @pytest.mark.parametrize(
