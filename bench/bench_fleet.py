@@ -41,6 +41,7 @@ import tomli_w  # noqa: E402
 
 from specd.core.settings import TABLE_OF_KEY  # noqa: E402
 from specd.io.gateway import GatewayClient, GatewayUnavailable  # noqa: E402
+from specd.io.tls import verifying_context  # noqa: E402
 from specd.tools.loopback import EtcdProcess, SmgGateway, StreamingLoad  # noqa: E402
 from specd.twin.process import free_port, stop_process  # noqa: E402
 from specd.twin.standin import UNIT, StandIn, make_standin  # noqa: E402
@@ -204,7 +205,7 @@ def healthy(url: str, http: httpx.Client | None = None) -> bool:
     try:
         if http is not None:
             return http.get(url + "/health").status_code == 200
-        return httpx.get(url + "/health", timeout=1).status_code == 200
+        return httpx.get(url + "/health", timeout=1, verify=verifying_context()).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -43,6 +43,7 @@ from specd.io.gateway import GatewayClient
 from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
 from specd.io.state import STATE_FILE, State, StateStore
+from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.standin import (  # noqa: F401 - re-exported: other tests import them from here
     FAST_TWIN,
@@ -719,7 +720,7 @@ def wait_for(predicate: Any, timeout_s: float, what: str) -> None:
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
+        return httpx.get(url + "/health", timeout=1, verify=verifying_context()).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -768,7 +769,8 @@ def log_events(log: Path) -> list[dict[str, Any]]:
 
 def metric(port: int, name: str) -> float | None:
     try:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = httpx.get(url, timeout=5, verify=verifying_context()).text
     except httpx.HTTPError:
         return None  # not serving (yet)
     for line in text.splitlines():

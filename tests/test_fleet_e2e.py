@@ -40,6 +40,7 @@ from specd.core.settings import FleetSettings
 from specd.io.apply import render_env
 from specd.io.fleet import Fleet
 from specd.io.state import State, StateStore
+from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port, stop_process
 
 pytestmark = pytest.mark.slow
@@ -121,6 +122,7 @@ class Fleet3:
             f"{self.gateway.url}/workers",
             headers={"Authorization": f"Bearer {SMG_ADMIN_KEY}"},
             timeout=2,
+            verify=verifying_context(),
         )
         resp.raise_for_status()
         data = resp.json()

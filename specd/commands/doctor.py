@@ -50,6 +50,7 @@ from specd.io.sglang import (
     SGLangClient,
     parse_metrics,
 )
+from specd.io.tls import verifying_context
 
 TIMEOUT_S = 10.0
 POLKIT_ACTION = "org.freedesktop.systemd1.manage-units"
@@ -532,7 +533,12 @@ class Doctor:
             f"http://{'[' + host + ']' if ':' in host else host}:{self.config.report.metrics_port}"
         )
         try:
-            response = httpx.get(url + "/metrics", timeout=TIMEOUT_S, trust_env=False)
+            response = httpx.get(
+                url + "/metrics",
+                timeout=TIMEOUT_S,
+                trust_env=False,
+                verify=verifying_context(trust_env=False),
+            )
         except httpx.HTTPError as exc:
             return Check("specd-metrics", False, f"{url}/metrics: {exc}", "is specd running?")
         if response.status_code != 200 or "specd_" not in response.text:

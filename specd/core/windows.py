@@ -184,6 +184,10 @@ def _trigger(fields: CronFields) -> CronTrigger:
 _GAP_SAMPLES = 200
 
 
+# A valid window is remembered: every config load validates its windows (~20 ms of cron
+# arithmetic each), and the daemon, its reloads and every command load the same few. A
+# refused one raises again each time (lru_cache keeps no exceptions).
+@functools.lru_cache(maxsize=256)
 def check_window(cron: str, tz_name: str, duration_s: float | None = None) -> None:
     """Validate a window's cron and zone, that it ever fires, and (given its duration) that
     it does not overlap itself. Raises ValueError.

@@ -25,6 +25,7 @@ import httpx
 
 from specd.core.settings import GatewaySettings
 from specd.io.files import FileReadError, read_text_file
+from specd.io.tls import verifying_context
 
 READY = "ready"
 DRAINING = "draining"
@@ -130,7 +131,7 @@ class GatewayClient:
         self._poll_s = poll_s
         self._pause = pause
         self._on_error = on_error
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = httpx.Client(timeout=timeout_s, verify=verifying_context())
 
     @classmethod
     def from_settings(

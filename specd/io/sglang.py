@@ -44,6 +44,7 @@ from specd.core.observation import (
 )
 from specd.core.text import check_http_url
 from specd.io.promtext import PromTextError, Sample, select_samples
+from specd.io.tls import verifying_context
 
 RUNNING = "sglang:num_running_reqs"
 QUEUED = "sglang:num_queue_reqs"
@@ -552,12 +553,12 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
 class _DeadlineTransport(httpx.HTTPTransport):
     def __init__(self, deadline: _Deadline, beat: Callable[[], None] | None) -> None:
-        super().__init__(trust_env=False)
+        super().__init__(verify=verifying_context(trust_env=False), trust_env=False)
         # httpx has no parameter for its pool's network backend: the pool is replaced by
         # one with httpx's defaults and ours (tests/io/test_sglang.py trickles bytes at it).
         limits = httpx.Limits()
         self._pool = httpcore.ConnectionPool(
-            ssl_context=httpx.create_ssl_context(trust_env=False),
+            ssl_context=verifying_context(trust_env=False),
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,

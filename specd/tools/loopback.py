@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from specd.io.gateway import GatewayClient, GatewayUnavailable
+from specd.io.tls import verifying_context
 from specd.twin.process import free_port, stop_process
 
 
@@ -56,7 +57,12 @@ class EtcdProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited: {self.log_path.read_text()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.post(f"{self.url}/v3/maintenance/status", json={}, timeout=1).is_success:
+                if httpx.post(
+                    f"{self.url}/v3/maintenance/status",
+                    json={},
+                    timeout=1,
+                    verify=verifying_context(),
+                ).is_success:
                     return self
             time.sleep(0.1)
         self.stop()
@@ -171,7 +177,7 @@ class StreamingLoad:
             return f"{type(exc).__name__}: {exc}"
 
     def _client(self) -> None:
-        with httpx.Client(timeout=30.0) as http:
+        with httpx.Client(timeout=30.0, verify=verifying_context()) as http:
             # The model the workers serve: the gateway routes by it.
             model = http.get(f"{self.url}/v1/models").json()["data"][0]["id"]
             while not self._stop.is_set():

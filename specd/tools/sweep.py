@@ -56,6 +56,7 @@ from specd.io.config import Config
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import State, StateStore
+from specd.io.tls import verifying_context
 from specd.tools.load import LoadGenerator, LoadResult
 
 CSV_NAME = "sweep.csv"
@@ -427,7 +428,12 @@ def daemon_running(config: Config) -> str | None:
     netloc = f"[{host}]" if ":" in host else host
     url = f"http://{netloc}:{config.report.metrics_port}/metrics"
     try:
-        response = httpx.get(url, timeout=DAEMON_PROBE_TIMEOUT_S, trust_env=False)
+        response = httpx.get(
+            url,
+            timeout=DAEMON_PROBE_TIMEOUT_S,
+            trust_env=False,
+            verify=verifying_context(trust_env=False),
+        )
     except httpx.HTTPError:
         return None
     if response.status_code == 200 and "specd_" in response.text:

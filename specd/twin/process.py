@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from specd.io.tls import verifying_context
+
 HOST = "127.0.0.1"
 
 
@@ -84,7 +86,7 @@ class TwinProcess:
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Wait until /health answers 200; raise RuntimeError if the twin exits or times out."""
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=verifying_context()) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(

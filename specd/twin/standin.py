@@ -25,7 +25,7 @@ STANDIN = """#!{python}
 import os, signal, subprocess, sys, time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from specd.twin.unit import read_env_file
+from specd.twin.envfile import read_env_file
 
 UNIT, ENV, PIDFILE, LOG, PORT = {unit!r}, Path({env!r}), Path({pidfile!r}), {log!r}, {port!r}
 EXTRA, EXTRA_BY_STEPS, STOP_TIMEOUT_S = {extra!r}, {extra_by_steps!r}, {stop_timeout_s!r}

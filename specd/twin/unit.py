@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specd.io.config import Config
 from specd.io.runner import RunResult
+from specd.twin.envfile import read_env_file
 from specd.twin.process import TwinProcess
 
 DEFAULT_STEPS = 3
@@ -64,22 +65,6 @@ def twin_unit_config(workdir: Path, twin_port: int, **overrides: object) -> Conf
         else:
             data[key] = value
     return Config.model_validate(data)
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines as systemd's EnvironmentFile= reads them (comments, blanks skipped)."""
-    values: dict[str, str] = {}
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return values  # EnvironmentFile=- : a missing file is fine
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")) or "=" not in line:
-            continue
-        key, value = line.split("=", 1)
-        values[key.strip()] = value.strip().strip('"').strip("'")
-    return values
 
 
 class TwinUnitRunner:

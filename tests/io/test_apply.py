@@ -49,6 +49,7 @@ from specd.io.config import Config
 from specd.io.gateway import GatewayClient, Worker
 from specd.io.runner import RunResult
 from specd.io.sglang import SGLangClient
+from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.unit import TwinUnitRunner
 
@@ -95,10 +96,11 @@ class TwinUnit(TwinUnitRunner):
     def running_steps(self) -> int | None:
         """What the live process runs, read straight off /server_info or /metrics."""
         try:
-            info = httpx.get(f"{self.url}/server_info", timeout=5).json()
+            tls = verifying_context()
+            info = httpx.get(f"{self.url}/server_info", timeout=5, verify=tls).json()
             if "speculative_num_steps" in info:
                 return int(info["speculative_num_steps"])
-            metrics = httpx.get(f"{self.url}/metrics", timeout=5).text
+            metrics = httpx.get(f"{self.url}/metrics", timeout=5, verify=tls).text
         except httpx.HTTPError:
             return None
         for line in metrics.splitlines():
@@ -945,6 +947,7 @@ class Traffic:
                         "stream": True,
                     },
                     timeout=10,
+                    verify=verifying_context(),
                 ) as resp:
                     for _ in resp.iter_bytes():
                         if time.monotonic() >= self.deadline:
@@ -1240,7 +1243,8 @@ def test_unreadable_journal_fails_without_touching_anything(
 
 def _live_from_get_server_info(unit: TwinUnit) -> int:
     # /get_server_info answers on every version (the only name before 0.5.6).
-    return int(httpx.get(f"{unit.url}/get_server_info", timeout=5).json()["speculative_num_steps"])
+    info = httpx.get(f"{unit.url}/get_server_info", timeout=5, verify=verifying_context()).json()
+    return int(info["speculative_num_steps"])
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from specd.io.sglang import (
     observation_from,
     parse_metrics,
 )
+from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
@@ -704,7 +705,7 @@ def twin_args(steps: int) -> list[str]:
 
 def server_info_hits(url: str) -> int:
     """How many /server_info requests the twin served, from its own request counter."""
-    text = httpx.get(url + "/metrics", timeout=5).text
+    text = httpx.get(url + "/metrics", timeout=5, verify=verifying_context()).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "sglang:http_requests_total" and sample.labels.get("endpoint") in (

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twin_kinds import SPEC, fast_table, write_config
 
 from specd.core import setting as specd_setting
+from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "metrics"
@@ -41,7 +42,8 @@ def _samples(page: str, prefix: str = "sglang:") -> dict[str, float]:
 
 
 def _gauge(url: str, name: str) -> float | None:
-    return _samples(httpx.get(url + "/metrics", timeout=5).text).get(name)
+    page = httpx.get(url + "/metrics", timeout=5, verify=verifying_context()).text
+    return _samples(page).get(name)
 
 
 def _wait_for(check: object, timeout_s: float = 10.0, every_s: float = 0.05) -> bool:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.preset import preset_table
 from specd.twin.process import TwinProcess, free_port
@@ -208,7 +209,7 @@ def test_failure_flags(flag: str, check: object) -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
-                httpx.get(twin.url + "/v1/models", timeout=2)
+                httpx.get(twin.url + "/v1/models", timeout=2, verify=verifying_context())
                 break
             except httpx.HTTPError:
                 time.sleep(0.05)
@@ -244,7 +245,8 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             try:
-                code = httpx.get(twin.url + "/health_generate", timeout=1).status_code
+                url = twin.url + "/health_generate"
+                code = httpx.get(url, timeout=1, verify=verifying_context()).status_code
                 state = str(code)
             except httpx.HTTPError:
                 state = "closed"
