@@ -214,9 +214,8 @@ def test_soak(tmp_path: Path, unit: StandIn) -> None:
     # `systemctl` child's pipes and the probes' sockets, which close again: the floor of
     # each window period (every period has quiet seconds) is the level, not any one sample.
     floors = fd_floors(baseline, WINDOW_PERIOD_S)
-    fds0 = floors[0]
     assert len(floors) >= 2, "soak too short to compare two window periods"
-    assert max(floors) <= fds0 + FD_BOUND, f"fds grew: floors per period {floors}: {samples}"
+    assert max(floors) <= floors[0] + FD_BOUND, f"fds grew: floors per period {floors}: {samples}"
 
     # Watchdog: never a gap systemd would punish, from READY to the stop.
     pings = notify.times("WATCHDOG=1")
