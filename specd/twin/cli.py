@@ -8,6 +8,7 @@ performance model and for failing on purpose in tests.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -146,6 +147,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The twin serves plain HTTP and is never a TLS client, yet importing aiohttp builds two
+    # verifying TLS contexts from the system CA bundle: a fifth of a start's CPU, and every
+    # restart of the stand-in SGLang is a start. This process (the twin alone: the demo
+    # runs it as a child) trusts no CA file unless its environment names one.
+    os.environ.setdefault("SSL_CERT_FILE", os.devnull)
     # aiohttp is imported only when the twin really runs (`specd twin --help` stays fast).
     from specd.twin.server import TwinConfigError, resolve, serve  # noqa: PLC0415
 
