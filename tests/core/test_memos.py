@@ -15,6 +15,7 @@ import pytest
 from factories import make_observation, seed_table, tables
 
 from specd.core.adaptive import DEFAULT_SLOTS, Slots
+from specd.core.explore import epoch_end
 from specd.core.forecast import (
     MIN_HOUR_EVIDENCE_S,
     Forecast,
@@ -407,6 +408,31 @@ def test_a_kept_epoch_ends_when_a_window_opens() -> None:
     # Back in time: the kept epoch does not hold before the time it was found at.
     for now in (seven + 2 * HOUR, MONDAY + HOUR, seven - 1.0):
         assert _next_epoch(twice, now) == _epoch_afresh(twice, now)
+
+
+@pytest.mark.parametrize(
+    "windows",
+    [
+        pytest.param([{"cron": "0 3 * * *", "duration_s": 3600}], id="daily"),
+        pytest.param(
+            [{"cron": "0 7 * * *", "duration_s": 3600}, {"cron": "0 19 * * *", "duration_s": 3600}],
+            id="twice-a-day",
+        ),
+        pytest.param([{"cron": "0 3 * * sat", "duration_s": 7200}], id="weekly"),
+    ],
+)
+def test_an_explorations_epoch_end_is_the_window_walk_afresh(windows: list[dict]) -> None:
+    config = Settings.model_validate(tables(windows=windows))
+    other = Settings.model_validate(tables(windows=[{"cron": "0 12 * * *", "duration_s": 600}]))
+    starts = [MONDAY + minutes * 60.0 for minutes in range(0, 8 * 24 * 60, 53)]
+    starts += [MONDAY + 3 * HOUR + d for d in (-1.0, -1e-6, 0.0, 1e-6, 1.0, HOUR, HOUR + 1.0)]
+    for started in starts:
+        # Twice each, another configuration read in between: each keeps its own.
+        for _ in range(2):
+            for settings in (config, other):
+                at = datetime.fromtimestamp(started + 1.0, tz=timezone.utc)
+                afresh = next_open(settings.windows, at).timestamp()
+                assert epoch_end(settings, started) == afresh, (settings.windows, started)
 
 
 def test_one_keys_throughput_cells_follow_every_observation() -> None:
