@@ -49,7 +49,6 @@ Pure: the exploration history is a value (``Control.explorations``), time is ``n
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -91,17 +90,11 @@ def this_week(explorations: Sequence[tuple[float, int]], now: float) -> list[tup
 def epoch_end(config: Settings, started: float) -> float | None:
     """When the epoch of an exploration started at ``started`` ends: the first window
     opening after the window it started in; None without one."""
-    return _epoch_end(tuple(config.windows), started)
-
-
-# Pure, of frozen values: read at every tick for the week an exploration is remembered,
-# always of the same few start times (three window walks a tick, a ninth of its cost).
-@functools.lru_cache(maxsize=64)
-def _epoch_end(configured: tuple[windows.WindowLike, ...], started: float) -> float | None:
     # One second on: `next_open` answers a window opening at exactly ``started`` itself.
     at = datetime.fromtimestamp(started + 1.0, tz=timezone.utc)
     try:
-        return windows.next_open(configured, at).timestamp()
+        # Remembered: read three times a tick for the week an exploration is remembered.
+        return windows.next_open_kept(tuple(config.windows), at).timestamp()
     except ValueError:
         return None
 

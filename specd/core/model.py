@@ -727,7 +727,7 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
             current = windows.current_window(config.windows, opening)
         assert current is not None  # next_open returns an opening, which is inside a window
         close = current[1]
-        opens = _next_open(configured, close)
+        opens = windows.next_open_kept(configured, close)
     except ValueError:
         return None
     epoch = close.timestamp(), opens.timestamp()
@@ -738,11 +738,6 @@ def _next_epoch(config: Settings, now: float) -> tuple[float, float] | None:
         # then (followed to its end here: not cut at LOOKBACK).
         held.since, held.until, held.epoch = now, close.timestamp() - _EPOCH_EDGE_S, epoch
     return epoch
-
-
-@functools.lru_cache(maxsize=64)  # pure, of frozen values: the same close all epoch long
-def _next_open(configured: tuple[windows.WindowLike, ...], close: datetime) -> datetime:
-    return windows.next_open(configured, close)
 
 
 @functools.lru_cache(maxsize=256)  # pure, keyed by the frozen setting: read at every tick

@@ -407,6 +407,14 @@ def next_open(windows: Sequence[WindowLike], now: datetime) -> datetime:
     raise ValueError("no maintenance window opens within the next 5 years")
 
 
+# Pure, of frozen values. For callers that ask every tick about the same fixed instant (an
+# epoch's close, an exploration's start): a walk of the windows is ~90 µs, a hit ~2 µs.
+@functools.lru_cache(maxsize=64)
+def next_open_kept(configured: tuple[WindowLike, ...], now: datetime) -> datetime:
+    """`next_open`, remembered per (windows, instant); ValueError each time, as it."""
+    return next_open(configured, now)
+
+
 def next_close(windows: Sequence[WindowLike], now: datetime) -> datetime:
     """When the open window closes; if none is open, when the next one will close."""
     now = _utc(now)
