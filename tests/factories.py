@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -232,6 +233,64 @@ class StaticSGLang:
         self.url = self.server.url
 
     def close(self) -> None:
+        self.server.close()
+
+
+class QueuedRemovalGateway:
+    """A real HTTP server on 127.0.0.1 with smg's admin API for one worker, whose removal,
+    as smg's, is queued: DELETE answers 202 and the entry stays ``ready`` (routed) until the
+    job runs ``applies_after_s`` later (None: never — a gateway whose job queue is stuck);
+    then it is ``draining``. ``deletes`` counts the DELETEs."""
+
+    def __init__(self, worker_url: str, applies_after_s: float | None) -> None:
+        self.deletes = 0
+        state = {"status": "ready", "removed_at": None}
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def handle(self) -> None:
+                with contextlib.suppress(ConnectionResetError):
+                    super().handle()  # a client closing its kept-alive connection
+
+            def _send(self, status: int, data: Any) -> None:
+                body = json.dumps(data).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                removed_at = state["removed_at"]
+                if (
+                    removed_at is not None
+                    and applies_after_s is not None
+                    and time.monotonic() >= removed_at + applies_after_s
+                ):
+                    state["status"] = "draining"
+                worker = {"id": "w-1", "url": worker_url, "status": state["status"],
+                          "worker_type": "regular", "runtime_type": "sglang"}  # fmt: skip
+                self._send(200, {"workers": [worker], "total": 1})
+
+            def do_DELETE(self) -> None:
+                gate.deletes += 1
+                if state["removed_at"] is None:
+                    state["removed_at"] = time.monotonic()
+                queued = "Worker removal queued for background processing"
+                self._send(202, {"status": "accepted", "worker_id": "w-1", "message": queued})
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = LoopbackHTTP(Handler)
+        self.url = self.server.url
+
+    def __enter__(self) -> QueuedRemovalGateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.server.close()
 
 

@@ -1448,6 +1448,8 @@ class Applier:
         try:
             for worker in found:
                 gateway.remove(worker)
+            # smg queues a removal: until it is done the replica still routes here.
+            gateway.await_removed(found, self.gateway_settings.request_timeout_s)
         except GatewayUnavailable as exc:
             report["duration_s"] = self._mono() - started
             return self._finish(journal, "aborted", f"drain failed: {exc}; nothing was restarted")

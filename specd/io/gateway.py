@@ -11,6 +11,9 @@ appears in an error or a log.
 smg's drain is a fixed settle time, not "until idle": ``DELETE /workers/{id}`` marks the
 worker ``draining`` (no new requests routed), its requests in flight run on, and the entry is
 gone after the settle time. Whether SGLang is idle is for the applier to read off SGLang.
+The DELETE only queues the removal (202, "queued for background processing"): until the
+gateway's job runs, the entry stays ``ready`` and requests are still routed to it, so a
+drain is over only once every replica says so (`GatewayClient.await_removed`).
 """
 
 from __future__ import annotations
@@ -238,25 +241,59 @@ class GatewayClient:
         self._call("DELETE", worker.gateway_url, f"/workers/{worker.worker_id}")
 
     def drain(self) -> list[Worker]:
-        """Remove this worker from routing on every replica; returns what each had."""
+        """Remove this worker from routing on every replica and wait until none routes it
+        (`await_removed`, bounded by one call's timeout); returns what each had."""
         removed = []
         for worker in self.find_all():
             if worker is None:
                 continue
             self.remove(worker)
             removed.append(worker)
+        self.await_removed(removed, self._timeout_s)
         return removed
+
+    def await_removed(self, removed: Sequence[Worker], timeout_s: float) -> None:
+        """Poll each replica a worker was removed from until it no longer routes this server
+        (its entry draining, gone, or in any state but ready). A replica that still does
+        after ``timeout_s`` raises ("timeout"): its removal is queued but not done, and a
+        restart now would cut the requests it still sends."""
+        end = time.monotonic() + timeout_s
+        for worker in removed:
+            gateway = worker.gateway_url
+            current = self.find(gateway)
+            while current is not None and current.status == READY:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise self._fail(
+                        f"gateway {gateway}: worker still routed {timeout_s:g} s after its "
+                        "removal was accepted",
+                        "timeout",
+                    )
+                self._pause(min(self._poll_s, left))
+                current = self.find(gateway)
 
     def readd(self, removed: Sequence[Worker], timeout_s: float) -> None:
         """Add the worker back where it was removed, with the URL, labels and settings it had.
 
         A draining worker answers POST with 409 until its settle time is over, so each
         replica is polled until the old entry is gone (bounded by ``timeout_s``). A replica
-        that already routes the worker again (a re-add before a crash) is left alone."""
+        that already routes the worker again (a re-add before a crash) is left alone. The
+        removed entry itself still ready is a removal queued and not yet done (a drain
+        given up waiting for it) or never accepted: it is given one call's timeout to
+        start draining before it counts as routed."""
         end = time.monotonic() + timeout_s
         for worker in removed:
             gateway = worker.gateway_url
             current = self.find(gateway)
+            pending_until = time.monotonic() + min(self._timeout_s, timeout_s)
+            while (
+                current is not None
+                and current.worker_id == worker.worker_id
+                and current.status == READY
+                and time.monotonic() < pending_until
+            ):
+                self._pause(min(self._poll_s, max(pending_until - time.monotonic(), 0.0)))
+                current = self.find(gateway)
             while current is not None and current.status == DRAINING:
                 left = end - time.monotonic()
                 if left <= 0:

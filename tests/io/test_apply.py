@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pydantic
 import pytest
-from factories import SMG_ADMIN_KEY, Killed, SmgGateway, StreamingLoad
+from factories import SMG_ADMIN_KEY, Killed, QueuedRemovalGateway, SmgGateway, StreamingLoad
 
 from specd.core.setting import SpecSetting, adaptive_config_name
 from specd.core.setting import off as setting_off
@@ -717,7 +717,7 @@ def fleet(make_unit: Any, tmp_path: Path) -> Iterator[tuple[TwinUnit, TwinProces
 
 def gateway_applier(
     unit: TwinUnit,
-    gateway: SmgGateway,
+    gateway: SmgGateway | QueuedRemovalGateway,
     tmp_path: Path,
     rec: Recorder,
     runner: Callable[..., RunResult] | None = None,
@@ -791,6 +791,27 @@ def test_gateway_stopped_means_no_restart(
     assert outcome.result == "aborted", outcome.message
     assert "cannot drain" in outcome.message
     assert "ConnectError" in outcome.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert outcome.drain is not None
+    assert outcome.drain["result"] == "error"
+
+
+def test_a_removal_the_gateway_queued_and_never_ran_means_no_restart(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """smg queues a removal (DELETE: 202): while its entry is still ready the replica routes
+    here, so a gateway that never runs the job is a drain that failed."""
+    unit = make_unit()
+    rec = Recorder(tmp_path / "journal.json")
+    with QueuedRemovalGateway(unit.url, None) as gateway:
+        applier = gateway_applier(unit, gateway, tmp_path, rec, request_timeout_s=1.0)
+        outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "aborted", outcome.message
+    assert "drain failed" in outcome.message
+    assert "worker still routed 1 s after its removal was accepted" in outcome.message
+    assert "nothing was restarted" in outcome.message
+    assert gateway.deletes == 1
     assert unit.restarts == []
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
     assert outcome.drain is not None

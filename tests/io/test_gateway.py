@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from factories import SMG_ADMIN_KEY, SmgGateway
+from factories import SMG_ADMIN_KEY, QueuedRemovalGateway, SmgGateway
 
 from specd.io.gateway import (
     IDLE_PROBE_S,
@@ -50,6 +51,56 @@ def test_drain_readd_ready(twin: TwinProcess, gateway: str) -> None:
     client.readd(removed, 15.0)
     assert client.wait_ready(15.0)
     client.close()
+
+
+@pytest.mark.parametrize("applies_after_s", [0.5, None])
+def test_a_drain_lasts_until_the_queued_removal_is_done(applies_after_s: float | None) -> None:
+    """smg answers a DELETE with 202 and removes the worker later: a drain that returned at
+    the 202 would let a restart cut the requests the replica still routes."""
+    worker_url = "http://127.0.0.1:1"
+    errors: list[str] = []
+    with QueuedRemovalGateway(worker_url, applies_after_s) as gate:
+        client = GatewayClient(
+            [gate.url], worker_url, timeout_s=1.5, poll_s=0.05, on_error=errors.append
+        )
+        started = time.monotonic()
+        if applies_after_s is not None:
+            removed = client.drain()
+            assert [w.worker_id for w in removed] == ["w-1"]
+            assert time.monotonic() - started >= applies_after_s
+            found = client.find(gate.url)
+            assert found is not None
+            assert found.status == "draining"
+            assert errors == []
+        else:
+            with pytest.raises(GatewayUnavailable) as err:
+                client.drain()
+            message = str(err.value)
+            assert err.value.kind == "timeout"
+            assert message == (
+                f"gateway {gate.url}: worker still routed 1.5 s after its removal was accepted"
+            )
+            assert time.monotonic() - started >= 1.5
+            assert errors == ["timeout"]
+        assert gate.deletes == 1
+        client.close()
+
+
+def test_a_readd_counts_a_removal_that_never_ran_as_routed_after_one_call_timeout() -> None:
+    """The removed entry still ready (a drain given up on its queued removal): waited for
+    one call's timeout, then left routed — no POST (this gateway would answer it 501)."""
+    worker_url = "http://127.0.0.1:1"
+    with QueuedRemovalGateway(worker_url, None) as gate:
+        client = GatewayClient([gate.url], worker_url, timeout_s=1.0, poll_s=0.05)
+        found = client.find(gate.url)
+        assert found is not None
+        client.remove(found)
+        started = time.monotonic()
+        client.readd([found], 30.0)
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 10.0
+        assert client.wait_ready(0.1)
+        client.close()
 
 
 def test_unreachable_gateway_is_one_line() -> None:
