@@ -1,0 +1,60 @@
+"""The replay bench's report of the machine's speed: each row's decision p99 scaled to the
+run's fastest probe, and the cases above the figure even then."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import bench_replay  # noqa: E402
+
+
+def _row(trace: str, p99_ms: float, probe_ms: float) -> bench_replay.Row:
+    result = {"decision_cpu_ms_p99": p99_ms, "decision_ms_p99": p99_ms}
+    return bench_replay.Row("seed (twin)", trace, "model", result, 1.0, probe_ms)
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        # The slow row's p99 is 1.5 ms at the fast row's speed: both within the figure.
+        (
+            [("a", 1.5, 5.0), ("b", 3.0, 10.0)],
+            "5.000–10.000 ms, the slowest row ×2.00 the fastest. Decision p99 scaled to the "
+            "run's fastest probe (p99 × fastest probe / the row's probe): ≤ 2 ms in 2 of 2 "
+            "cases. The figure above is the unscaled one.",
+        ),
+        # Above the figure at any speed: named with its scaled p99.
+        (
+            [("a", 2.5, 5.0), ("b", 2.3, 6.0)],
+            "5.000–6.000 ms, the slowest row ×1.20 the fastest. Decision p99 scaled to the "
+            "run's fastest probe (p99 × fastest probe / the row's probe): ≤ 2 ms in 1 of 2 "
+            "cases; above: seed (twin)/a 2.50. The figure above is the unscaled one.",
+        ),
+    ],
+)
+def test_each_p99_is_scaled_to_the_fastest_probe(
+    rows: list[tuple[str, float, float]], expected: str
+) -> None:
+    made = [_row(trace, p99, probe) for trace, p99, probe in rows]
+    lines = bench_replay._speed_lines(made, made)
+    assert lines[0] == ""
+    assert lines[1].endswith(expected)
+
+
+def test_rows_without_a_probe_say_nothing_of_speed() -> None:
+    made = [_row("a", 1.0, 0.0)]
+    assert bench_replay._speed_lines(made, made) == []
+    assert bench_replay._at_fastest(made[0], 5.0) == 1.0
+
+
+def test_the_probe_is_a_decisions_cpu_time_in_milliseconds() -> None:
+    probe = bench_replay.speed_probe_ms()
+    # A decision takes about a millisecond of CPU here (0.8 at the VM's fast moments);
+    # 0, or a second, would mean the probe timed something else.
+    assert 0.05 < probe < 50.0
