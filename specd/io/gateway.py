@@ -18,6 +18,7 @@ drain is over only once every replica says so (`GatewayClient.await_removed`).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -234,7 +235,7 @@ class GatewayClient:
             found = self.find_all()
         except GatewayUnavailable as exc:
             return str(exc), None
-        return None, sum(1 for w in found if w is None or w.status != READY)
+        return None, sum(1 for w in found if not _ready(w))
 
     def remove(self, worker: Worker) -> None:
         """Stop routing to ``worker`` on its replica (it goes draining, then away)."""
@@ -260,17 +261,30 @@ class GatewayClient:
         end = time.monotonic() + timeout_s
         for worker in removed:
             gateway = worker.gateway_url
+            if _ready(self._poll_while(gateway, self.find(gateway), _ready, end)):
+                raise self._fail(
+                    f"gateway {gateway}: worker still routed {timeout_s:g} s after its "
+                    "removal was accepted",
+                    "timeout",
+                )
+
+    def _poll_while(
+        self,
+        gateway: str,
+        current: Worker | None,
+        still: Callable[[Worker | None], bool],
+        end: float,
+    ) -> Worker | None:
+        """From ``current`` (this worker on ``gateway`` as just read), read it again every
+        poll interval while ``still`` holds, until ``end`` (monotonic); returns the last
+        read, of which ``still`` may hold when time ran out."""
+        while still(current):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self._pause(min(self._poll_s, left))
             current = self.find(gateway)
-            while current is not None and current.status == READY:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise self._fail(
-                        f"gateway {gateway}: worker still routed {timeout_s:g} s after its "
-                        "removal was accepted",
-                        "timeout",
-                    )
-                self._pause(min(self._poll_s, left))
-                current = self.find(gateway)
+        return current
 
     def readd(self, removed: Sequence[Worker], timeout_s: float) -> None:
         """Add the worker back where it was removed, with the URL, labels and settings it had.
@@ -284,22 +298,16 @@ class GatewayClient:
         end = time.monotonic() + timeout_s
         for worker in removed:
             gateway = worker.gateway_url
-            current = self.find(gateway)
             pending_until = time.monotonic() + min(self._timeout_s, timeout_s)
-            while (
-                current is not None
-                and current.worker_id == worker.worker_id
-                and current.status == READY
-                and time.monotonic() < pending_until
-            ):
-                self._pause(min(self._poll_s, max(pending_until - time.monotonic(), 0.0)))
-                current = self.find(gateway)
-            while current is not None and current.status == DRAINING:
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
-                self._pause(min(self._poll_s, left))
-                current = self.find(gateway)
+            current = self._poll_while(
+                gateway,
+                self.find(gateway),
+                functools.partial(_ready_as, worker.worker_id),
+                pending_until,
+            )
+            current = self._poll_while(gateway, current, _draining, end)
+            if _draining(current):
+                raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
             if current is not None:
                 continue
             body: dict[str, Any] = {**worker.settings, "url": self.worker_url}
@@ -314,12 +322,26 @@ class GatewayClient:
         end = time.monotonic() + timeout_s
         while True:
             workers = [self.find(g) for g in targets]
-            if all(w is not None and w.status == READY for w in workers):
+            if all(_ready(w) for w in workers):
                 return True
             left = end - time.monotonic()
             if left <= 0:
                 return False
             self._pause(min(self._poll_s, left))
+
+
+def _ready(worker: Worker | None) -> bool:
+    """Listed and routed to."""
+    return worker is not None and worker.status == READY
+
+
+def _ready_as(worker_id: str, worker: Worker | None) -> bool:
+    """The entry ``worker_id`` itself, still routed to (its removal not done)."""
+    return _ready(worker) and worker is not None and worker.worker_id == worker_id
+
+
+def _draining(worker: Worker | None) -> bool:
+    return worker is not None and worker.status == DRAINING
 
 
 # Without a window open, a change pending or a pin, the daemon still looks this often, so
