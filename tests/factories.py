@@ -196,6 +196,28 @@ class LoopbackHTTP:
         self.close()
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """A loopback server's handler: HTTP/1.1 (kept-alive connections), no access log, and a
+    client closing its kept-alive connection is not an error."""
+
+    protocol_version = "HTTP/1.1"
+
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionResetError):
+            super().handle()
+
+    def send_body(self, status: int, body: bytes, content_type: str | None = None) -> None:
+        self.send_response(status)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 class StaticSGLang:
     """A real HTTP server on 127.0.0.1 answering with one version's committed pages."""
 
@@ -209,25 +231,12 @@ class StaticSGLang:
         self.hits: list[str] = []
         routes, hits = self.routes, self.hits
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def handle(self) -> None:
-                with contextlib.suppress(ConnectionResetError):
-                    super().handle()  # a client closing its kept-alive connection
-
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 hits.append(self.path)
                 body = routes.get(self.path)
                 status = 200 if body is not None else 404
-                body = body if body is not None else b'{"detail":"Not Found"}'
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
+                self.send_body(status, body if body is not None else b'{"detail":"Not Found"}')
 
         self.server = LoopbackHTTP(Handler)
         self.url = self.server.url
@@ -243,49 +252,38 @@ class QueuedRemovalGateway:
     then it is ``draining``. ``deletes`` counts the DELETEs."""
 
     def __init__(self, worker_url: str, applies_after_s: float | None) -> None:
+        self.applies_after_s = applies_after_s
         self.deletes = 0
-        state = {"status": "ready", "removed_at": None}
+        self.removed_at: float | None = None
         gate = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def handle(self) -> None:
-                with contextlib.suppress(ConnectionResetError):
-                    super().handle()  # a client closing its kept-alive connection
-
-            def _send(self, status: int, data: Any) -> None:
-                body = json.dumps(data).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class Handler(QuietHandler):
+            def _send_json(self, status: int, data: Any) -> None:
+                self.send_body(status, json.dumps(data).encode(), "application/json")
 
             def do_GET(self) -> None:
-                removed_at = state["removed_at"]
-                if (
-                    removed_at is not None
-                    and applies_after_s is not None
-                    and time.monotonic() >= removed_at + applies_after_s
-                ):
-                    state["status"] = "draining"
-                worker = {"id": "w-1", "url": worker_url, "status": state["status"],
+                worker = {"id": "w-1", "url": worker_url, "status": gate.status(),
                           "worker_type": "regular", "runtime_type": "sglang"}  # fmt: skip
-                self._send(200, {"workers": [worker], "total": 1})
+                self._send_json(200, {"workers": [worker], "total": 1})
 
             def do_DELETE(self) -> None:
                 gate.deletes += 1
-                if state["removed_at"] is None:
-                    state["removed_at"] = time.monotonic()
+                if gate.removed_at is None:
+                    gate.removed_at = time.monotonic()
                 queued = "Worker removal queued for background processing"
-                self._send(202, {"status": "accepted", "worker_id": "w-1", "message": queued})
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
+                self._send_json(202, {"status": "accepted", "worker_id": "w-1", "message": queued})
 
         self.server = LoopbackHTTP(Handler)
         self.url = self.server.url
+
+    def status(self) -> str:
+        """The worker's status now: ``draining`` once its removal's job has run."""
+        done = (
+            self.removed_at is not None
+            and self.applies_after_s is not None
+            and time.monotonic() >= self.removed_at + self.applies_after_s
+        )
+        return "draining" if done else "ready"
 
     def __enter__(self) -> QueuedRemovalGateway:
         return self
