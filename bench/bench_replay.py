@@ -193,25 +193,28 @@ def _cpu_p99(r: dict[str, Any]) -> float:
 
 # The probe: the decision itself, on a fixed input (the first hours of one trace).
 _PROBE_CASE = ("seed (twin)", "day_night", 0.5)  # truth, trace, days
-_probe_trace: list[Path] = []
 # This process's latest probe: taken after a row, it is the next row's "before".
 _last_probe: list[float] = []
 
 
-def speed_probe_ms() -> float:
-    """The mean CPU milliseconds (`time.thread_time`) of a decision over a fixed replay (the
-    first half day of day_night, seed truth, the model policy), the least of two runs: how
-    fast this machine decides right now. A fixed pure-Python loop did not follow the
-    drift (it fits in a core's cache; the decision does not), so the probe is the same work
-    the p99 measures; it compares rows of one run, not versions of specd."""
-    truth_name, trace_name, days = _PROBE_CASE
+def write_probe_trace(directory: Path) -> Path:
+    """The probe's fixed input (`speed_probe_ms`), written into ``directory``."""
+    _, trace_name, days = _PROBE_CASE
+    return traces.write(trace_name, directory / f"probe-{trace_name}.csv", days)
+
+
+def speed_probe_ms(trace: Path) -> float:
+    """The mean CPU milliseconds (`time.thread_time`) of a decision over a fixed replay of
+    ``trace`` (`write_probe_trace`: the first half day of day_night; seed truth, the model
+    policy), the least of two runs: how fast this machine decides right now. A fixed
+    pure-Python loop did not follow the drift (it fits in a core's cache; the decision does
+    not), so the probe is the same work the p99 measures; it compares rows of one run, not
+    versions of specd."""
+    truth_name, trace_name, _ = _PROBE_CASE
     truth = next(t for t in TRUTHS if t[0] == truth_name)
-    if not _probe_trace:
-        tmp = Path(tempfile.mkdtemp(prefix="specd-probe-"))
-        _probe_trace.append(traces.write(trace_name, tmp / f"{trace_name}.csv", days))
     best = float("inf")
     for _ in range(2):
-        row = run_one(truth, trace_name, _probe_trace[0], "model", probe=False)
+        row = run_one(truth, trace_name, trace, "model")
         best = min(best, float(row.result["decision_cpu_ms_mean"]))
     return best
 
@@ -229,8 +232,10 @@ def run_one(
     trace_path: Path,
     policy: str,
     *,
-    probe: bool = True,
+    probe_trace: Path | None = None,
 ) -> Row:
+    """One case's replay; with ``probe_trace`` (`write_probe_trace`), also the machine's
+    speed around it (`speed_probe_ms`)."""
     name, truth_path, calibration = truth
     windows = [Window(cron=c, duration_s=d, timezone=z) for c, d, z in WINDOWS[trace_name]]
     config = build_config(
@@ -242,13 +247,15 @@ def run_one(
         restart_s=RESTART_S,
         kinds=ALL_KINDS if policy == KINDS_POLICY else None,
     )
-    before = (_last_probe[0] if _last_probe else speed_probe_ms()) if probe else 0.0
+    before = 0.0
+    if probe_trace is not None:
+        before = _last_probe[0] if _last_probe else speed_probe_ms(probe_trace)
     began = time.perf_counter()
     result = replay(load_trace(trace_path), read_table(truth_path), config, restart_s=RESTART_S)
     seconds = time.perf_counter() - began
     probe_ms = 0.0
-    if probe:
-        after = speed_probe_ms()
+    if probe_trace is not None:
+        after = speed_probe_ms(probe_trace)
         _last_probe[:] = [after]
         probe_ms = (before + after) / 2
     return Row(name, trace_name, policy, result.to_dict(), seconds, probe_ms)
@@ -480,8 +487,9 @@ def _after_first_day_cell(r: dict[str, Any]) -> str:
     )
 
 
-def _case(job: tuple[tuple[str, Path, Path], str, Path, str]) -> Row:
-    return run_one(*job)
+def _case(job: tuple[tuple[str, Path, Path], str, Path, str, Path]) -> Row:
+    truth, trace_name, trace_path, policy, probe_trace = job
+    return run_one(truth, trace_name, trace_path, policy, probe_trace=probe_trace)
 
 
 def run(argv: list[str]) -> int:
@@ -499,11 +507,12 @@ def run(argv: list[str]) -> int:
     policies = ["model"] if args.no_bands else ["model", "bands"]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="specd-traces-") as tmp:
+        probe = write_probe_trace(Path(tmp))
         jobs = []
         for name in names:
             path = traces.write(name, Path(tmp) / f"{name}.csv", args.days)
-            jobs += [(truth, name, path, policy) for truth in truths for policy in policies]
-            jobs += [(t, name, path, KINDS_POLICY) for t in truths if t[0] in KINDS_TRUTHS]
+            jobs += [(truth, name, path, policy, probe) for truth in truths for policy in policies]
+            jobs += [(t, name, path, KINDS_POLICY, probe) for t in truths if t[0] in KINDS_TRUTHS]
         with ProcessPoolExecutor(args.jobs) as pool:
             for row in pool.map(_case, jobs):
                 rows.append(row)

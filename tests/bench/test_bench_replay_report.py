@@ -53,8 +53,8 @@ def test_rows_without_a_probe_say_nothing_of_speed() -> None:
     assert bench_replay._at_fastest(made[0], 5.0) == 1.0
 
 
-def test_the_probe_is_a_decisions_cpu_time_in_milliseconds() -> None:
-    probe = bench_replay.speed_probe_ms()
+def test_the_probe_is_a_decisions_cpu_time_in_milliseconds(tmp_path: Path) -> None:
+    probe = bench_replay.speed_probe_ms(bench_replay.write_probe_trace(tmp_path))
     # A decision takes about a millisecond of CPU here (0.8 at the VM's fast moments);
     # 0, or a second, would mean the probe timed something else.
     assert 0.05 < probe < 50.0
