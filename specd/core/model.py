@@ -791,6 +791,18 @@ def _adaptive_rate(
     return rate, am.slots.candidate_steps
 
 
+def covers(setting: SpecSetting | None, current: int | None) -> bool:
+    """Whether the adaptive ``setting`` runs the static K ``current`` in every slot and at
+    its capacity (K is its deepest candidate: every request's KV is sized for K, as under
+    K): at every batch it then runs K or a candidate the model predicts to serve more."""
+    if setting is None or setting.kind != "adaptive" or current is None or current < 1:
+        return False
+    slots = adaptive_slots(setting)
+    return max(slots.candidate_steps) == current and all(
+        current in slot.candidates for slot in slots.slots
+    )
+
+
 def _distance(key: int, current: int | None) -> int:
     """Ties go to the setting nearest the live one: the same kind, the nearer K."""
     if current is None or key == current:
@@ -915,7 +927,11 @@ def plan(
         gain = b.tokens / held.tokens - 1.0 if held.tokens > 0 else math.inf
         gain_tokens = b.tokens - held.tokens
         margin = EVIDENCE_Z * math.hypot(b.error_ratio * b.tokens, held.error_ratio * held.tokens)
-        if gain_tokens <= margin or gain <= config.choose.min_gain_ratio:
+        # A set that covers the live K serves at least what K serves at every batch: it can
+        # lose only its restart, which the point prediction is net of. The interval guards
+        # a change that could serve less; this one needs only a gain.
+        needed = 0.0 if covers(settings.get(best), current) else margin
+        if gain_tokens <= needed or gain <= config.choose.min_gain_ratio:
             target = current
     elif current is not None and current not in predictions:
         gain = math.inf
@@ -923,6 +939,11 @@ def plan(
     why = _why(
         forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
     )
+    if target != current and covers(settings.get(best), current):
+        why += (
+            f"; {labels[best]} runs {current} at {current}'s capacity where {current} serves "
+            f"most: it can lose only its restart"
+        )
     if skipped:
         why += "; avoiding " + "; ".join(why_k for _, why_k in sorted(skipped.items()))
     return Plan(

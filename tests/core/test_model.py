@@ -21,6 +21,7 @@ from specd.core.model import (
     PerformanceModel,
     Source,
     adaptive_restart_extra_s,
+    covers,
     fold_above,
     plan,
     restart_cost_s,
@@ -615,6 +616,62 @@ def test_a_small_gain_of_another_kind_stays_within_the_prediction_interval(
     assert "within the prediction interval: keeping 1" in result.why
     tight = kinds_config(tmp_path)
     assert plan(history, tight, 1, table, offer=offer(tight.choose, SERVER)).target == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("setting", "live", "expected"),
+    [
+        ("adaptive:1,3", 3, True),
+        ("adaptive:1,2,3", 3, True),
+        ("adaptive:3", 3, True),
+        ("adaptive:1,3/1=1,3;8=3", 3, True),
+        ("adaptive:1,3", 1, False),  # deeper than 1: less KV per request, less capacity
+        ("adaptive:1,3,4", 3, False),
+        (MIXED_SET, 3, False),  # from 8 on it runs 0 or 1, never 3
+        ("adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0", 7, False),
+        ("3", 3, False),
+        ("off", 3, False),
+        ("adaptive:1,3", 0, False),
+        ("adaptive:1,3", None, False),
+    ],
+)
+def test_a_set_covers_the_live_k_when_it_runs_k_in_every_slot_at_ks_capacity(
+    setting: str, live: int | None, expected: bool
+) -> None:
+    assert covers(parse(setting), live) is expected
+
+
+@pytest.mark.parametrize(
+    ("sets", "changes"),
+    [
+        # 1,3 runs 3 wherever 3 serves most, at 3's capacity: at worst it loses its restart.
+        (["adaptive:1,3"], True),
+        # The mixed set runs 0 or 1 from 8 on: it could serve less than 3, so the
+        # prediction interval applies as to any change.
+        ([MIXED_SET], False),
+    ],
+)
+def test_a_set_covering_the_live_k_needs_a_gain_not_a_gain_beyond_the_interval(
+    tmp_path: Path, sets: list[str], changes: bool
+) -> None:
+    # Half the time at 2 (3 steps serve most), half at 12 (1 step serves 683 to 3's 667):
+    # the set gains ~1 % over 3, far inside a noisy calibration's interval (±20 % each).
+    cfg = kinds_config(
+        tmp_path,
+        adaptive_candidate_sets=sets,
+        kinds=["static", "adaptive"],
+        calibration_noise_ratio=0.1,
+    )
+    result = plan(
+        kinds_history((2, 12)), cfg, 3, Calibration.of(KINDS_TABLE), offer=offer(cfg.choose, SERVER)
+    )
+    assert result is not None
+    key = setting_key(parse(sets[0]))
+    assert result.best == key, result.why
+    assert 0 < result.gain_tokens < result.margin_tokens, result.why
+    assert result.target == (key if changes else 3), result.why
+    assert ("it can lose only its restart" in result.why) is changes, result.why
+    assert ("within the prediction interval: keeping 3" in result.why) is not changes
 
 
 @pytest.mark.parametrize("kinds", [False, True], ids=["static", "off+static+adaptive"])
