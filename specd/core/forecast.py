@@ -284,16 +284,25 @@ def _merge(
     sums: list[_Sums] = list(kept) or [({}, {}, 0.0)]
     merged, share, covered = dict(sums[-1][0]), dict(sums[-1][1]), sums[-1][2]
     resumable = True
-    for span, got in slots[len(sums) - 1 :]:
+    rest = slots[len(sums) - 1 :]
+    i = 0
+    while i < len(rest):
+        span, got = rest[i]
+        i += 1
         if got is not None:
             weights, source = got
+            if source == _SOURCES[-1]:
+                # Recent traffic is read anew at every forecast: no merge goes on past its
+                # first hour, so the sums after it are not kept (copying them costs), and
+                # the hours that read it in a row (a fresh start: all of them) add it once.
+                resumable = False
+                while i < len(rest) and rest[i][1] is got:
+                    span += rest[i][0]
+                    i += 1
             for k, w in weights.items():
                 merged[k] = merged.get(k, 0.0) + w * span
             share[source] = share.get(source, 0.0) + span
             covered += span
-            # Recent traffic is read anew at every forecast: no merge goes on past its
-            # first hour, so the sums after it are not kept (copying them costs).
-            resumable = resumable and source != _SOURCES[-1]
         if resumable:
             sums.append((dict(merged), dict(share), covered))
     return _forecast(start, end, merged, share, covered), tuple(sums)

@@ -648,6 +648,13 @@ class History:
         which one it is; (None, 3) when none has. The forecast reads it for every hour of
         an epoch at every tick: one call, each table read only when the one before falls
         short."""
+        hour = how % 24
+        if (
+            self._hourly[how % HOURS_PER_WEEK] is None
+            and self._day_kinds[hour] is None
+            and self._day_kinds[hour + 24] is None
+        ):
+            return None, 3  # that hour of the day never seen (a fresh start: most hours)
         readers = (
             self.hour_of_week_distribution,
             self.day_kind_distribution,
