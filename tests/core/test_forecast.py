@@ -166,3 +166,25 @@ def test_forecast_quality_is_recorded(
 
 def test_nothing_observed_scores_nothing() -> None:
     assert score(Forecast(0.0, 1.0, {1: 1.0}, "recent", 0.0), {}) is None
+
+
+@pytest.mark.parametrize("hours", [1, 5, 21])
+def test_hours_never_seen_forecast_recent_traffic_however_many(hours: int) -> None:
+    # A fresh start three hours in: 2 requests for the first hour, 6 for the next two.
+    history = new_history()
+    record(history, MONDAY, MONDAY + 3 * HOUR, lambda t: 2 if t < MONDAY + HOUR else 6)
+    recent = history.offered_weights()
+    total = sum(recent.values())
+    shares = {k: w / total for k, w in recent.items()}
+    start = MONDAY + 3 * HOUR  # 03:00-24:00 were never seen at their hour of the day
+    forecast = forecast_epoch(history, start, start + hours * HOUR)
+    assert forecast is not None
+    assert forecast.source == "recent"
+    assert forecast.recent_ratio == pytest.approx(1.0)
+    assert forecast.weights == pytest.approx(shares, rel=1e-12)
+    # To the next day's 03:00: its 00-03 hours were seen, one at 2 and two at 6.
+    day = forecast_epoch(history, start, start + 24 * HOUR)
+    assert day is not None
+    assert day.recent_ratio == pytest.approx(21 / 24)
+    expected = {k: (21 * w + (1 if k == 2 else 2)) / 24 for k, w in shares.items()}
+    assert day.weights == pytest.approx(expected, rel=1e-9)
