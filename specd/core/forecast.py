@@ -93,10 +93,15 @@ class _HourSource:
     def __init__(self, history: History) -> None:
         self.history = history
         self._recent: dict[int, float] | bool | None = False
+        # Every hour that reads recent traffic gets this one object: `_merge` adds a run
+        # of them at once.
+        self._recent_part: tuple[dict[int, float], str] | None = None
 
     def recent(self) -> dict[int, float] | None:
         if self._recent is False:
             self._recent = _normalized(self.history.offered_weights())
+            if self._recent is not None:
+                self._recent_part = (self._recent, _SOURCES[-1])
         assert self._recent is not True
         return self._recent
 
@@ -106,8 +111,8 @@ class _HourSource:
         shares, source = self.history.hour_shares(how, MIN_HOUR_EVIDENCE_S)
         if shares is not None:
             return shares, _SOURCES[source]
-        recent = self.recent()
-        return None if recent is None else (recent, _SOURCES[-1])
+        self.recent()
+        return self._recent_part
 
 
 # `_merge`'s running sums: seconds per offered concurrency, per source, and covered.
