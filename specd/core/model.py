@@ -922,6 +922,7 @@ def plan(
     keys = list(predictions)
     best = max(keys, key=lambda k: (predictions[k].tokens, -_distance(k, current)))
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
+    covering = False
     if current is not None and current in predictions and best != current:
         b, held = predictions[best], predictions[current]
         gain = b.tokens / held.tokens - 1.0 if held.tokens > 0 else math.inf
@@ -930,8 +931,8 @@ def plan(
         # A set that covers the live K serves at least what K serves at every batch: it can
         # lose only its restart, which the point prediction is net of. The interval guards
         # a change that could serve less; this one needs only a gain.
-        needed = 0.0 if covers(settings.get(best), current) else margin
-        if gain_tokens <= needed or gain <= config.choose.min_gain_ratio:
+        covering = covers(settings.get(best), current)
+        if gain_tokens <= (0.0 if covering else margin) or gain <= config.choose.min_gain_ratio:
             target = current
     elif current is not None and current not in predictions:
         gain = math.inf
@@ -939,7 +940,7 @@ def plan(
     why = _why(
         forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
     )
-    if target != current and covers(settings.get(best), current):
+    if covering and target != current:
         why += (
             f"; {labels[best]} runs {current} at {current}'s capacity where {current} serves "
             f"most: it can lose only its restart"
