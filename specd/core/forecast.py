@@ -92,18 +92,20 @@ class _HourSource:
 
     def __init__(self, history: History) -> None:
         self.history = history
-        self._recent: dict[int, float] | bool | None = False
-        # Every hour that reads recent traffic gets this one object: `_merge` adds a run
-        # of them at once.
-        self._recent_part: tuple[dict[int, float], str] | None = None
+        # (recent traffic's shares, "recent") once read, None without any traffic. Every
+        # hour that reads it gets this one object: `_merge` adds a run of them at once.
+        self._recent: tuple[dict[int, float], str] | bool | None = False
 
-    def recent(self) -> dict[int, float] | None:
+    def _recent_part(self) -> tuple[dict[int, float], str] | None:
         if self._recent is False:
-            self._recent = _normalized(self.history.offered_weights())
-            if self._recent is not None:
-                self._recent_part = (self._recent, _SOURCES[-1])
+            shares = _normalized(self.history.offered_weights())
+            self._recent = None if shares is None else (shares, _SOURCES[-1])
         assert self._recent is not True
         return self._recent
+
+    def recent(self) -> dict[int, float] | None:
+        part = self._recent_part()
+        return None if part is None else part[0]
 
     def distribution(self, how: int) -> tuple[dict[int, float], str] | None:
         """Hour of the week ``how`` from its own hours, else its hours of the day on days
@@ -111,8 +113,7 @@ class _HourSource:
         shares, source = self.history.hour_shares(how, MIN_HOUR_EVIDENCE_S)
         if shares is not None:
             return shares, _SOURCES[source]
-        self.recent()
-        return self._recent_part
+        return self._recent_part()
 
 
 # `_merge`'s running sums: seconds per offered concurrency, per source, and covered.
