@@ -608,12 +608,16 @@ class History:
         kind = day_kind(how)
         return self._distribution(HOURS_PER_WEEK + kind, self._day_kinds[kind])
 
+    def _day_tables(self, hour: int) -> tuple[DecayingSums[int] | None, DecayingSums[int] | None]:
+        """This hour of the day's tables on weekdays and on the weekend (`day_kind`)."""
+        return self._day_kinds[hour], self._day_kinds[hour + 24]
+
     def hour_of_day_distribution(self, how: int) -> tuple[dict[int, float] | None, float]:
         """As `day_kind_distribution` over this hour of the day on every day seen, weekdays
         and weekends alike. Both tables decay alike, so their shares of the sum do not
         depend on the time read either: derived once per revision of the two."""
         hour = how % 24
-        first, second = self._day_kinds[hour], self._day_kinds[hour + 24]
+        first, second = self._day_tables(hour)
         # Read for every hour of the day at every tick (`specd.core.forecast`): no tuples
         # built to compare, and the reference's scale at the memo's time kept with it (its
         # revision covers what that scale reads: ref_t, half_life_s).
@@ -648,12 +652,8 @@ class History:
         which one it is; (None, 3) when none has. The forecast reads it for every hour of
         an epoch at every tick: one call, each table read only when the one before falls
         short."""
-        hour = how % 24
-        if (
-            self._hourly[how % HOURS_PER_WEEK] is None
-            and self._day_kinds[hour] is None
-            and self._day_kinds[hour + 24] is None
-        ):
+        weekdays, weekend = self._day_tables(how % 24)
+        if weekdays is None and weekend is None and self._hourly[how % HOURS_PER_WEEK] is None:
             return None, 3  # that hour of the day never seen (a fresh start: most hours)
         readers = (
             self.hour_of_week_distribution,
