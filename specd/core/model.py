@@ -47,13 +47,15 @@ keys them by `specd.core.setting.setting_key` (K, 0 for off, negative for a set)
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
@@ -226,6 +228,8 @@ class PerformanceModel:
         self._capacities = capacities
         # Per K: whole concurrency → predicted tok/s (this model's `throughput`).
         self._values: dict[int, dict[int, float]] = {}
+        # Per (K, mix): predicted tok/s at each of the mix's levels (`levels`).
+        self._levels: dict[tuple[int, Mix], list[float]] = {}
         self._steps: list[int] | None = None
         # Per adaptive setting: its AdaptiveModel's fields but the table (`adaptive`).
         self._adaptive: dict[
@@ -528,37 +532,35 @@ class PerformanceModel:
             self._values.setdefault(steps, {})[c_bin] = value
         return value
 
-    def rate(self, steps: int, weights: Mapping[int, float]) -> float:
-        """Mean tok/s over a distribution of offered concurrency (weights sum to 1)."""
-        # One curve lookup for the whole distribution: this runs for every candidate at
-        # every tick, and reading each bin through `throughput` doubled the decision's cost.
-        values = self._values.get(steps)
-        if values is None:
-            values = self._values[steps] = {}
+    def levels(self, steps: int, mix: Mix) -> list[float]:
+        """Predicted tok/s of ``steps`` at each of ``mix``'s levels, in their order (once per
+        model and mix: the static candidates and the adaptive sets' tiers read the same)."""
+        key = (steps, mix)
+        found = self._levels.get(key)
+        if found is not None:
+            return found
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        readings, scale = curve.readings, curve.scale
-        plain = readings is not None and curve.clamp_at is None
-        # One pass: each bin's value (made when not made yet, as `_raw` reads it) weighted in
-        # the order of ``weights``, the terms `sum` adds as sum([w * values[c] ...]) would.
-        terms: list[float] = []
-        for c, w in weights.items():
-            if c <= 0:
-                continue
-            value = values.get(c)
-            if value is None:
-                if plain and readings is not None:
-                    # `_raw` inlined for the calibration's curves: the reading times the scale.
-                    r = readings.get(c)  # whole concurrencies: an int finds its float key
-                    if r is None:
-                        r = readings[float(c)] = interpolate(curve.xs, curve.ys, float(c))
-                    value = r * scale
-                else:
-                    value = self._raw(curve, float(c))
-                values[c] = value
-            terms.append(w * value)
-        return sum(terms)
+        readings = curve.readings
+        if readings is not None and curve.clamp_at is None:
+            # A calibration curve: its reading per whole concurrency (kept for the run; an
+            # int finds its float key) times the scale, read and scaled by `map`, not a
+            # loop per level: this runs for every candidate at every tick.
+            raw = list(map(readings.get, mix.levels))
+            if None in raw:
+                for i, c in enumerate(mix.levels):
+                    if raw[i] is None:
+                        raw[i] = readings[float(c)] = interpolate(curve.xs, curve.ys, float(c))
+            found = list(map(curve.scale.__mul__, cast("list[float]", raw)))
+        else:
+            found = [self._raw(curve, float(c)) for c in mix.levels]
+        self._levels[key] = found
+        return found
+
+    def rate(self, steps: int, mix: Mix) -> float:
+        """Mean tok/s over a distribution of offered concurrency (shares sum to 1)."""
+        return sum(map(operator.mul, mix.shares, self.levels(steps, mix)), 0.0)
 
     def adaptive(self, setting: SpecSetting) -> AdaptiveModel | None:
         """``setting``'s candidate sets over this model (once per model); None when the
@@ -582,40 +584,26 @@ class PerformanceModel:
         configured, slots, skipped, capacity = kept
         return AdaptiveModel(configured, slots, self, skipped, capacity)
 
-    def best_of(self, candidates: Sequence[int], c: int) -> float:
-        """The most any of ``candidates`` (all predictable) serves at ``c`` requests running:
-        `AdaptiveModel.throughput` for a batch in its slot, read through the cache."""
-        best = -math.inf
-        for k in candidates:
-            values = self._values.get(k)
-            value = values.get(c) if values is not None else None
-            if value is None:
-                curve = self._curve(k)
-                if curve is None:
-                    raise ValueError(f"no calibration or observation to predict steps {k}")
-                value = self._values.setdefault(k, {})[c] = self._raw(curve, float(c))
-            if value > best:  # noqa: PLR1730 -- max(best, value) without a call per bin
-                best = value
-        return best
-
-    def slots_rate(self, slots: Slots, weights: Mapping[int, float]) -> float:
-        """Mean tok/s over ``weights`` (batches: fold them at the capacity first) with each
-        batch at the best candidate of its slot: `best_of` per bin, in one loop."""
-        values, slot_for = self._values, slots.slot_for
-        terms: list[float] = []
-        for c, w in weights.items():
-            if c <= 0:
-                continue
-            best = -math.inf
-            for k in slot_for(c).candidates:
-                of_k = values.get(k)
-                value = of_k.get(c) if of_k is not None else None
-                if value is None:
-                    value = self.best_of((k,), c)
-                if value > best:  # noqa: PLR1730 -- max(best, value) without a call per bin
-                    best = value
-            terms.append(w * best)
-        return sum(terms)
+    def slots_rate(self, slots: Slots, mix: Mix) -> float:
+        """Mean tok/s over ``mix`` (batches: fold it at the capacity first) with each batch
+        at the best candidate of its slot (`AdaptiveModel.throughput`): per slot, the
+        levels it routes (SGLang's `Slots.slot_for`: a batch below the first threshold
+        runs in the first slot), each at the most any of its candidates serves there."""
+        levels = mix.levels
+        best: list[float] = []
+        start = 0
+        tiers = slots.slots
+        for i, slot in enumerate(tiers):
+            end = (
+                bisect.bisect_left(levels, tiers[i + 1].min_batch)
+                if i + 1 < len(tiers)
+                else len(levels)
+            )
+            if end > start:
+                rows = [self.levels(k, mix)[start:end] for k in slot.candidates]
+                best += rows[0] if len(rows) == 1 else map(max, *rows)
+            start = end
+        return sum(map(operator.mul, mix.shares, best), 0.0)
 
     def saturation(self, steps: Sequence[int]) -> int | None:
         """The concurrency beyond which none of ``steps`` serves more (all queue)."""
@@ -625,18 +613,42 @@ class PerformanceModel:
         return max(c for c in caps if c is not None)
 
 
-def fold_above(weights: Mapping[int, float], ceiling: int | None) -> dict[int, float]:
-    """Concurrency above ``ceiling`` only queues: count it at the ceiling (fewer bins)."""
-    if ceiling is None:
-        return dict(weights)
-    if not weights or max(weights) <= ceiling:
-        # Nothing to fold: each bin as the loop below makes it (0.0 + w), without the loop.
-        return {c: 0.0 + w for c, w in weights.items()}
-    out: dict[int, float] = {}
-    for c, w in weights.items():
-        key = c if c <= ceiling else ceiling
-        out[key] = out.get(key, 0.0) + w
-    return out
+@dataclass(frozen=True, eq=False)
+class Mix:
+    """A distribution of offered concurrency as the model reads it: the whole concurrencies
+    above 0 ascending (``levels``) and each one's share. Compared and hashed by identity:
+    a model keeps each candidate's predictions per mix (`PerformanceModel.levels`)."""
+
+    levels: tuple[int, ...]
+    shares: tuple[float, ...]
+    # `folded` per ceiling: the adaptive sets that share their deepest K fold alike.
+    _folds: dict[int, Mix] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, weights: Mapping[int, float]) -> Mix:
+        """From ``{concurrency: share}`` (concurrency 0 and below serve nothing: left out)."""
+        levels = sorted(c for c in weights if c > 0)
+        return cls(tuple(levels), tuple(weights[c] for c in levels))
+
+    def folded(self, ceiling: int | None) -> Mix:
+        """Concurrency above ``ceiling`` only queues: count it at the ceiling (fewer levels,
+        the same total)."""
+        levels = self.levels
+        if ceiling is None or not levels or levels[-1] <= ceiling:
+            return self
+        found = self._folds.get(ceiling)
+        if found is None:
+            cut = bisect.bisect_right(levels, ceiling)
+            shares = self.shares
+            above = math.fsum(shares[cut:])
+            if ceiling < 1:
+                found = Mix((), ())
+            elif cut and levels[cut - 1] == ceiling:
+                found = Mix(levels[:cut], (*shares[: cut - 1], shares[cut - 1] + above))
+            else:
+                found = Mix((*levels[:cut], ceiling), (*shares[:cut], above))
+            self._folds[ceiling] = found
+        return found
 
 
 # -- the policy -------------------------------------------------------------------------
@@ -768,26 +780,17 @@ def restart_cost_s(setting: SpecSetting, config: Settings) -> float:
 
 
 def _adaptive_rate(
-    model: PerformanceModel,
-    setting: SpecSetting,
-    weights: Mapping[int, float],
-    folds: dict[int | None, dict[int, float]] | None = None,
+    model: PerformanceModel, setting: SpecSetting, mix: Mix
 ) -> tuple[float, tuple[int, ...]] | None:
-    """Mean tok/s of an adaptive setting over ``weights`` (the best candidate of each
-    batch's slot at the deepest candidate's capacity, `specd.core.adaptive`) and the step
-    counts it reads; None when the model cannot predict every candidate."""
+    """Mean tok/s of an adaptive setting over ``mix`` (the best candidate of each batch's
+    slot at the deepest candidate's capacity, `specd.core.adaptive`) and the step counts it
+    reads; None when the model cannot predict every candidate."""
     am = model.adaptive(setting)
     if am is None or am.skipped:
         return None
-    # Past the deepest candidate's capacity every batch is the same: one bin (exact). So
-    # each bin is the batch itself, read in its slot as `AdaptiveModel.throughput` does.
-    # ``folds``: the weights folded per capacity already (sets share their deepest K).
-    folded = None if folds is None else folds.get(am.capacity)
-    if folded is None:
-        folded = fold_above(weights, am.capacity)
-        if folds is not None:
-            folds[am.capacity] = folded
-    rate = model.slots_rate(am.slots, folded)
+    # Past the deepest candidate's capacity every batch is the same: one level (exact). So
+    # each level is the batch itself, read in its slot as `AdaptiveModel.throughput` does.
+    rate = model.slots_rate(am.slots, mix.folded(am.capacity))
     return rate, am.slots.candidate_steps
 
 
@@ -874,7 +877,7 @@ def plan(
         return None
     horizon = max(until_t - now, 0.0)
     predictions: dict[int, StepPrediction] = {}
-    weights = fold_above(forecast.weights, model.saturation(sorted({*candidates, *reads})))
+    mix = Mix.of(forecast.weights).folded(model.saturation(sorted({*candidates, *reads})))
     noise = config.choose.calibration_noise_ratio
     # Per K read, once a tick: (source, relative error, evidence) — the adaptive sets share
     # their tiers with each other and with the static candidates.
@@ -882,7 +885,7 @@ def plan(
     for k in candidates:
         known = model.source(k)
         source = known or Source.EXTRAPOLATED
-        tok_s = model.rate(k, weights)
+        tok_s = model.rate(k, mix)
         trusted = (
             tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
         )
@@ -892,9 +895,8 @@ def plan(
         evidence = model.evidence_s(k)
         facts[k] = (known, error, evidence)
         predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error, evidence)
-    folds: dict[int | None, dict[int, float]] = {}
     for setting in adaptives:
-        predicted = _adaptive_rate(model, setting, weights, folds)
+        predicted = _adaptive_rate(model, setting, mix)
         if predicted is None:
             continue
         tok_s, steps = predicted

@@ -12,17 +12,18 @@ import pytest
 from factories import make_observation, seed_table, tables
 
 from specd.core.acceptance import accept_length_from_alpha
+from specd.core.adaptive import AdaptiveModel, Slots
 from specd.core.choices import offer
 from specd.core.decide import Control, choose
 from specd.core.history import History, HistorySettings
 from specd.core.model import (
     EXTRAPOLATION_DISCOUNT_RATIO,
     Calibration,
+    Mix,
     PerformanceModel,
     Source,
     adaptive_restart_extra_s,
     covers,
-    fold_above,
     plan,
     restart_cost_s,
     restart_extra_s,
@@ -280,10 +281,64 @@ def test_bad_concurrency_is_a_value_error(bad: float) -> None:
         PerformanceModel(SEED).throughput(3, bad)
 
 
-def test_fold_above_keeps_the_total() -> None:
-    folded = fold_above({0: 0.2, 5: 0.3, 30: 0.25, 60: 0.25}, 26)
-    assert folded == {0: 0.2, 5: 0.3, 26: 0.5}
-    assert fold_above({3: 1.0}, None) == {3: 1.0}
+@pytest.mark.parametrize(
+    ("weights", "ceiling", "levels", "shares"),
+    [
+        # Above the ceiling counted at it: it was a level already, or it becomes one.
+        ({0: 0.2, 5: 0.3, 26: 0.1, 30: 0.15, 60: 0.25}, 26, (5, 26), (0.3, 0.5)),
+        ({0: 0.2, 5: 0.3, 30: 0.25, 60: 0.25}, 26, (5, 26), (0.3, 0.5)),
+        ({30: 0.5, 60: 0.5}, 26, (26,), (1.0,)),
+        # Nothing above it, or no ceiling: the mix itself.
+        ({3: 0.5, 1: 0.5}, 3, (1, 3), (0.5, 0.5)),
+        ({3: 1.0}, None, (3,), (1.0,)),
+        # Concurrency 0 serves nothing: never a level, folded or not.
+        ({0: 1.0}, 4, (), ()),
+        ({}, 4, (), ()),
+    ],
+)
+def test_mix_folds_above_the_ceiling_and_keeps_the_total(
+    weights: dict[int, float],
+    ceiling: int | None,
+    levels: tuple[int, ...],
+    shares: tuple[float, ...],
+) -> None:
+    mix = Mix.of(weights)
+    folded = mix.folded(ceiling)
+    assert folded.levels == levels
+    assert folded.shares == pytest.approx(shares)
+    assert math.fsum(folded.shares) == pytest.approx(math.fsum(mix.shares))
+    # Folded once per ceiling: the adaptive sets that share a capacity read one mix.
+    assert mix.folded(ceiling) is folded
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {1: 0.25, 3: 0.25, 8: 0.2, 20: 0.1, 40: 0.1, 64: 0.05, 100: 0.05},
+        {2: 1.0},
+        {1: 0.5, 2: 0.25, 3: 0.25},  # below the first threshold: its slot
+        {5: 0.5, 6: 0.25, 7: 0.25},  # inside one slot
+        {70: 0.6, 64: 0.4},  # past the capacity: the last slot
+    ],
+)
+def test_rates_are_the_per_level_reads_weighted(weights: dict[int, float]) -> None:
+    """`rate` and `slots_rate` add, level by level, what `throughput` and
+    `AdaptiveModel.throughput` read there: the vectorised sums are the plain ones."""
+    model = PerformanceModel(SEED)
+    mix = Mix.of(weights)
+    for k in (1, 3, 6):
+        expected = math.fsum(w * model.throughput(k, c) for c, w in weights.items())
+        assert model.rate(k, mix) == pytest.approx(expected, rel=1e-12)
+    # Deepest 4 (capacity 13): every threshold routes levels below the fold, and a
+    # level at a threshold runs in the slot it opens (the two differ at 2, 3, 8 and 12).
+    slots = Slots.of({2: (1,), 3: (0, 4), 8: (2, 3), 12: (1, 4)})
+    adaptive = AdaptiveModel.of(slots, model)
+    # A batch past the deepest candidate's capacity runs at it: fold first, as the plan does.
+    folded = mix.folded(adaptive.capacity)
+    expected = math.fsum(
+        w * adaptive.throughput(c) for c, w in zip(folded.levels, folded.shares, strict=True)
+    )
+    assert model.slots_rate(adaptive.slots, folded) == pytest.approx(expected, rel=1e-12)
 
 
 # -- the policy -------------------------------------------------------------------------
