@@ -55,7 +55,7 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
@@ -98,9 +98,9 @@ class Source(str, enum.Enum):
 
 
 # -- the model --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Curve:
-    """Points of one K's throughput curve, and how to scale them."""
+class _Curve(NamedTuple):
+    """Points of one K's throughput curve, and how to scale them. A tuple: every tick's
+    model makes one or two per K (a frozen dataclass's init cost a tenth of the model)."""
 
     xs: tuple[float, ...]
     ys: tuple[float, ...]
@@ -114,7 +114,7 @@ class _Curve:
     distance: int = 0  # K away from the nearest measured K (extrapolated curves)
     # The calibration's reading of (xs, ys) per whole concurrency, before ``scale``
     # (`Calibration.reading`: shared by every tick's model); None: read the points.
-    readings: dict[float, float] | None = field(default=None, compare=False, repr=False)
+    readings: dict[float, float] | None = None
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -371,18 +371,32 @@ class PerformanceModel:
         the totals are exact (counter deltas), whereas single bins are not — a scrape
         interval's tokens are filed under the concurrency at its end, so across level
         changes low bins read high and high bins low."""
-        seen = predicted = weight = 0.0
+        if not observed:
+            return 0.0, 0.0, 0.0
         readings, scale = base.readings, base.scale
-        plain = readings is not None and base.clamp_at is None
-        for c, (tok_s, w) in observed.items():
-            # `_raw`, inlined for a calibration curve read at a whole concurrency.
-            r = readings.get(c) if plain and readings is not None else None
-            p = r * scale if r is not None else PerformanceModel._raw(base, float(c))
-            if p > 0:
-                seen += w * tok_s
-                predicted += w * p
-                weight += w
-        return seen, predicted, weight
+        if readings is not None and base.clamp_at is None:
+            # A calibration curve: the readings of the concurrencies seen, by `map` (the
+            # model sums two K's cells at every tick), each read once per run.
+            raw = list(map(readings.get, observed))
+            if None in raw:
+                for i, c in enumerate(observed):
+                    if raw[i] is None:
+                        raw[i] = readings[float(c)] = interpolate(base.xs, base.ys, float(c))
+            predicted_at = list(map(scale.__mul__, cast("list[float]", raw)))
+        else:
+            predicted_at = [PerformanceModel._raw(base, float(c)) for c in observed]
+        rates, seconds = zip(*observed.values(), strict=True)
+        if min(predicted_at) <= 0:
+            # Where the curve predicts nothing the cell says nothing of it: left out.
+            kept = [i for i, p in enumerate(predicted_at) if p > 0]
+            rates = tuple(rates[i] for i in kept)
+            seconds = tuple(seconds[i] for i in kept)
+            predicted_at = [predicted_at[i] for i in kept]
+        return (
+            sum(map(operator.mul, seconds, rates), 0.0),
+            sum(map(operator.mul, seconds, predicted_at), 0.0),
+            sum(seconds, 0.0),
+        )
 
     def _box_sums(self) -> dict[int, tuple[_Curve, tuple[float, float, float]]]:
         """Every calibrated speculative K observed: its calibration curve and its
