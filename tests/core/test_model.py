@@ -22,6 +22,7 @@ from specd.core.model import (
     Mix,
     PerformanceModel,
     Source,
+    _Curve,
     adaptive_restart_extra_s,
     covers,
     plan,
@@ -907,3 +908,55 @@ def test_restart_cost_counts_a_graph_set_per_adaptive_candidate_beyond_the_first
     drafting = len(setting.candidates) if setting.kind == "adaptive" else 1
     assert adaptive_restart_extra_s(drafting, cfg) == extra_s
     assert adaptive_restart_extra_s(0, cfg) == 0.0
+
+
+def _sums_one_by_one(
+    curve: _Curve, observed: dict[int, tuple[float, float]]
+) -> tuple[float, float, float]:
+    seen = predicted = weight = 0.0
+    for c, (tok_s, w) in observed.items():
+        p = PerformanceModel._raw(curve, float(c))
+        if p > 0:
+            seen, predicted, weight = seen + w * tok_s, predicted + w * p, weight + w
+    return seen, predicted, weight
+
+
+@pytest.mark.parametrize(
+    ("curve", "observed"),
+    [
+        # A calibration curve (read through its readings, one of them new to the run).
+        (
+            _Curve(
+                (1.0, 4.0, 16.0),
+                (100.0, 300.0, 600.0),
+                16,
+                1.1,
+                Source.CALIBRATION,
+                readings={1.0: 100.0, 4.0: 300.0},
+            ),
+            {1: (95.0, 30.0), 4: (310.0, 600.0), 9: (420.0, 12.5), 40: (590.0, 3.0)},
+        ),
+        # Clamped (an extrapolated K): read through the points, at the clamp.
+        (
+            _Curve((1.0, 8.0), (50.0, 400.0), 6, 0.9, Source.EXTRAPOLATED, clamp_at=6),
+            {2: (110.0, 10.0), 7: (380.0, 20.0)},
+        ),
+        # Where the curve predicts nothing, the cell is left out of all three sums.
+        (
+            _Curve((1.0, 2.0, 3.0), (0.0, 0.0, 90.0), None, 1.0, Source.CALIBRATION, readings={}),
+            {1: (40.0, 100.0), 3: (80.0, 50.0), 2: (10.0, 7.0)},
+        ),
+        (_Curve((1.0,), (10.0,), None, 1.0, Source.CALIBRATION, readings={}), {}),
+    ],
+)
+def test_observed_sums_are_the_cells_added_one_by_one(
+    curve: _Curve, observed: dict[int, tuple[float, float]]
+) -> None:
+    """The correction's totals: every cell the curve predicts, its tokens observed and
+    predicted and its seconds; a cell where the curve predicts nothing says nothing."""
+    expected = _sums_one_by_one(curve._replace(readings=None), observed)
+    got = PerformanceModel._observed_sums(curve, observed)
+    assert got == pytest.approx(expected, rel=1e-12)
+    if observed and curve.readings is not None:
+        # The readings learnt every concurrency seen (read once per run).
+        assert set(observed) <= set(curve.readings)
