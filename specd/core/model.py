@@ -903,7 +903,8 @@ def plan(
         trusted = (
             tok_s * (1 - EXTRAPOLATION_DISCOUNT_RATIO) if source is Source.EXTRAPOLATED else tok_s
         )
-        cost = restart_cost_s(settings.get(k) or static(k), config)
+        # Off and static K restart alike (`restart_cost_s`: only an adaptive start is longer).
+        cost = config.choose.restart_cost_s
         serving = horizon if k == current else max(horizon - cost, 0.0)
         error = model.relative_error(k, noise)
         evidence = model.evidence_s(k)
