@@ -52,7 +52,7 @@ import enum
 import functools
 import math
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -115,6 +115,23 @@ class _Curve(NamedTuple):
     # The calibration's reading of (xs, ys) per whole concurrency, before ``scale``
     # (`Calibration.reading`: shared by every tick's model); None: read the points.
     readings: dict[float, float] | None = None
+
+
+def _read(
+    xs: tuple[float, ...],
+    ys: tuple[float, ...],
+    readings: dict[float, float],
+    concurrencies: Collection[int],
+) -> list[float]:
+    """A calibration curve's reading (before its scale) at each of ``concurrencies``
+    (whole), from its ``readings`` (`Calibration.reading`: an int finds its float key),
+    each one not read yet in the run interpolated once and kept there."""
+    found = list(map(readings.get, concurrencies))
+    if None in found:
+        for i, c in enumerate(concurrencies):
+            if found[i] is None:
+                found[i] = readings[float(c)] = interpolate(xs, ys, float(c))
+    return cast("list[float]", found)
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -375,14 +392,8 @@ class PerformanceModel:
             return 0.0, 0.0, 0.0
         readings, scale = base.readings, base.scale
         if readings is not None and base.clamp_at is None:
-            # A calibration curve: the readings of the concurrencies seen, by `map` (the
-            # model sums two K's cells at every tick), each read once per run.
-            raw = list(map(readings.get, observed))
-            if None in raw:
-                for i, c in enumerate(observed):
-                    if raw[i] is None:
-                        raw[i] = readings[float(c)] = interpolate(base.xs, base.ys, float(c))
-            predicted_at = list(map(scale.__mul__, cast("list[float]", raw)))
+            # By `map`, not a loop per cell: the model sums two K's cells at every tick.
+            predicted_at = list(map(scale.__mul__, _read(base.xs, base.ys, readings, observed)))
         else:
             predicted_at = [PerformanceModel._raw(base, float(c)) for c in observed]
         rates, seconds = zip(*observed.values(), strict=True)
@@ -558,15 +569,9 @@ class PerformanceModel:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
         readings = curve.readings
         if readings is not None and curve.clamp_at is None:
-            # A calibration curve: its reading per whole concurrency (kept for the run; an
-            # int finds its float key) times the scale, read and scaled by `map`, not a
-            # loop per level: this runs for every candidate at every tick.
-            raw = list(map(readings.get, mix.levels))
-            if None in raw:
-                for i, c in enumerate(mix.levels):
-                    if raw[i] is None:
-                        raw[i] = readings[float(c)] = interpolate(curve.xs, curve.ys, float(c))
-            found = list(map(curve.scale.__mul__, cast("list[float]", raw)))
+            # By `map`, not a loop per level: this runs for every candidate at every tick.
+            raw = _read(curve.xs, curve.ys, readings, mix.levels)
+            found = list(map(curve.scale.__mul__, raw))
         else:
             found = [self._raw(curve, float(c)) for c in mix.levels]
         self._levels[key] = found
