@@ -345,6 +345,11 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
 # ---- the gateway: stopped means no restart; a specd killed while drained heals -------
 
 
+# The twins' gauges refresh this often (their default, 1 s, is a drain's idle reads' wait).
+GAUGE_REFRESH = ("--report-interval-s", "0.2")
+GATEWAY_SCRAPE_S = 1.0
+
+
 @contextlib.contextmanager
 def gateway_fleet(
     tmp_path: Path, unit_args: Sequence[str] = (), **overrides: Any
@@ -355,9 +360,12 @@ def gateway_fleet(
     port = free_port()
     gateway = None
     unit = TwinUnitRunner(
-        UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN, *unit_args]
+        UNIT,
+        tmp_path / "sglang.env",
+        port=port,
+        extra_args=[*FAST_TWIN, *GAUGE_REFRESH, *unit_args],
     )
-    with TwinProcess(twin_argv(3)) as other:
+    with TwinProcess(twin_argv(3, *GAUGE_REFRESH)) as other:
         unit.start().wait_healthy()
         try:
             other.wait_healthy()
@@ -370,6 +378,10 @@ def gateway_fleet(
                 drain_timeout_s=20.0,
                 ready_timeout_s=30.0,
                 request_timeout_s=2.0,
+                # A drain waits for two idle reads in a row, one per scrape: at the default
+                # 5 s the drain alone took 10 s of each test. Nothing here depends on the
+                # interval (the clock is the test's own).
+                scrape_interval_s=GATEWAY_SCRAPE_S,
                 **overrides,
             )
             yield unit, gateway, config

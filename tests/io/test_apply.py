@@ -703,16 +703,33 @@ def test_a_rollback_replaces_a_planted_symlink_with_the_previous_bytes(
 # -- with a gateway: drain, restart, re-add ------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def other_twin() -> Iterator[TwinProcess]:
+    """The second worker behind the gateway, one for the file: no test restarts, stops or
+    inspects it (each has its own unit and smg); it only serves what is routed to it."""
+    with TwinProcess(TWIN_TIMING) as other:
+        other.wait_healthy(START_TIMEOUT_S)
+        yield other
+
+
 @pytest.fixture
-def fleet(make_unit: Any, tmp_path: Path) -> Iterator[tuple[TwinUnit, TwinProcess, SmgGateway]]:
+def second_worker(other_twin: TwinProcess) -> TwinProcess:
+    if other_twin.poll() is not None:
+        raise RuntimeError(f"the shared second twin exited: {other_twin.log()[-2000:]}")
+    return other_twin
+
+
+@pytest.fixture
+def fleet(
+    make_unit: Any, second_worker: TwinProcess
+) -> Iterator[tuple[TwinUnit, TwinProcess, SmgGateway]]:
     """The unit specd restarts and a second twin behind one real smg (admin key set): the
     second serves what the gateway stops routing to the first while it is drained. smg does
     not retry, so a restart of a worker still routed to would reach the clients."""
     unit = make_unit()
-    with TwinProcess(TWIN_TIMING) as other:
-        other.wait_healthy(START_TIMEOUT_S)
-        with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
-            yield unit, other, gateway
+    other = second_worker
+    with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+        yield unit, other, gateway
 
 
 def gateway_applier(
@@ -860,18 +877,19 @@ def test_not_idle_in_time_is_no_restart_and_readded(
     assert after.status == "ready"
 
 
-def test_failed_restart_rolls_back_and_readds(make_unit: Any, tmp_path: Path) -> None:
+def test_failed_restart_rolls_back_and_readds(
+    make_unit: Any, second_worker: TwinProcess, tmp_path: Path
+) -> None:
     unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
-    with TwinProcess(TWIN_TIMING) as other:
-        other.wait_healthy(START_TIMEOUT_S)
-        with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
-            rec = Recorder(tmp_path / "journal.json")
-            applier = gateway_applier(unit, gateway, tmp_path, rec, startup_timeout_s=3.0)
-            with StreamingLoad(gateway.url, 4) as load:
-                load.wait_for(10)
-                outcome = applier.apply(4, 3, window_open=always_open)
-                load.wait_for(load.ok + 10)
-            after = routed(gateway, unit)
+    other = second_worker
+    with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+        rec = Recorder(tmp_path / "journal.json")
+        applier = gateway_applier(unit, gateway, tmp_path, rec, startup_timeout_s=3.0)
+        with StreamingLoad(gateway.url, 4) as load:
+            load.wait_for(10)
+            outcome = applier.apply(4, 3, window_open=always_open)
+            load.wait_for(load.ok + 10)
+        after = routed(gateway, unit)
     assert outcome.result == "rolled_back", outcome.message
     assert load.failures == []
     assert unit.restarts == [4, 3]
