@@ -55,7 +55,7 @@ import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple
 
 from specd.core import windows
 from specd.core.acceptance import accept_length_from_alpha
@@ -114,24 +114,26 @@ class _Curve(NamedTuple):
     distance: int = 0  # K away from the nearest measured K (extrapolated curves)
     # The calibration's reading of (xs, ys) per whole concurrency, before ``scale``
     # (`Calibration.reading`: shared by every tick's model); None: read the points.
-    readings: dict[float, float] | None = None
+    readings: dict[int, float] | None = None
 
 
 def _read(
     xs: tuple[float, ...],
     ys: tuple[float, ...],
-    readings: dict[float, float],
+    readings: dict[int, float],
     concurrencies: Collection[int],
 ) -> list[float]:
     """A calibration curve's reading (before its scale) at each of ``concurrencies``
-    (whole), from its ``readings`` (`Calibration.reading`: an int finds its float key),
-    each one not read yet in the run interpolated once and kept there."""
-    found = list(map(readings.get, concurrencies))
-    if None in found:
-        for i, c in enumerate(concurrencies):
-            if found[i] is None:
-                found[i] = readings[float(c)] = interpolate(xs, ys, float(c))
-    return cast("list[float]", found)
+    (whole), from its ``readings`` (`Calibration.reading`), each one not read yet in the
+    run interpolated once and kept there."""
+    try:
+        # Int keys, most of them small ints (one object each): found by identity.
+        return list(map(readings.__getitem__, concurrencies))
+    except KeyError:
+        for c in concurrencies:
+            if c not in readings:
+                readings[c] = interpolate(xs, ys, float(c))
+        return list(map(readings.__getitem__, concurrencies))
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -170,12 +172,12 @@ class Calibration:
     # ticks read them. Every tick's model reads the same few curves at the same bins.
     _readings: dict[
         tuple[int, int | None],
-        tuple[tuple[float, ...], tuple[float, ...], dict[float, float]],
+        tuple[tuple[float, ...], tuple[float, ...], dict[int, float]],
     ] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def reading(
         self, k: int, capacity: int | None
-    ) -> tuple[tuple[float, ...], tuple[float, ...], dict[float, float]]:
+    ) -> tuple[tuple[float, ...], tuple[float, ...], dict[int, float]]:
         """`_shape` of K at ``capacity``, and a dict of `interpolate` over those points
         per whole concurrency (filled by the reader: `PerformanceModel._raw`)."""
         key = (k, capacity)
@@ -533,9 +535,9 @@ class PerformanceModel:
         if readings is None or not c.is_integer():
             return interpolate(curve.xs, curve.ys, c) * curve.scale
         # The calibration's points do not change: their reading at c is read once per run.
-        value = readings.get(c)
+        value = readings.get(int(c))
         if value is None:
-            value = readings[c] = interpolate(curve.xs, curve.ys, c)
+            value = readings[int(c)] = interpolate(curve.xs, curve.ys, c)
         return value * curve.scale
 
     def throughput(self, steps: int, concurrency: float) -> float:
