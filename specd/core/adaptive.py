@@ -108,6 +108,11 @@ class Slots:
         # A memo of `slot_for` (a pure function of these immutable slots) per batch size.
         return {}
 
+    @functools.cached_property
+    def _usable_for(self) -> dict[tuple[int, ...], tuple[Slots, tuple[int, ...], int] | str]:
+        # A memo of `_usable` (pure, of these immutable slots) per table's steps.
+        return {}
+
     def slot_for(self, batch: float) -> Slot:
         """The slot a batch of ``batch`` requests runs in (SGLang's routing)."""
         slot = self._routed.get(batch)
@@ -122,10 +127,24 @@ class Slots:
         return " ".join(f"≥{s.min_batch}:[{','.join(map(str, s.candidates))}]" for s in self.slots)
 
 
-@functools.lru_cache(maxsize=256)  # pure, of frozen values: the model reads it every tick
 def _usable(slots: Slots, steps: tuple[int, ...]) -> tuple[Slots, tuple[int, ...], int]:
     """``slots`` with only the candidates of ``steps`` (a table's), the candidates left out,
     and the deepest one kept; ValueError when none is kept."""
+    # Kept per steps on the (immutable) slots: the model reads it for every adaptive set
+    # at every tick, and a cache keyed by the slots hashed them (a Python call per slot).
+    memo = slots._usable_for
+    found = memo.get(steps)
+    if found is None:
+        found = _usable_made(slots, steps)
+        if len(memo) < _ROUTED_MAX:
+            memo[steps] = found
+    if isinstance(found, str):
+        raise ValueError(found)
+    return found
+
+
+def _usable_made(slots: Slots, steps: tuple[int, ...]) -> tuple[Slots, tuple[int, ...], int] | str:
+    """`_usable`, or why none is kept."""
     known = set(steps)
     kept = {
         s.min_batch: tuple(k for k in s.candidates if k in known)
@@ -134,7 +153,7 @@ def _usable(slots: Slots, steps: tuple[int, ...]) -> tuple[Slots, tuple[int, ...
     }
     skipped = tuple(k for k in slots.candidates() if k not in known)
     if not kept:
-        raise ValueError(
+        return (
             f"adaptive slots {slots.describe()}: the table has none of the candidates "
             f"(it has steps {','.join(map(str, sorted(known))) or '-'})"
         )

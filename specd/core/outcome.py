@@ -41,6 +41,7 @@ history's or ``now``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -90,6 +91,7 @@ def _adaptive(setting: SpecSetting | None) -> SpecSetting | None:
     return setting if setting is not None and setting.kind == "adaptive" else None
 
 
+@functools.lru_cache(maxsize=64)  # the change verified, named at every tick
 def _stamp(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
 
