@@ -9,11 +9,18 @@ cost per tick in the deciding thread's CPU time (`time.thread_time` around `step
 here the same way for both trees) and in wall time, the ratios new/base, and whether every
 decision (time, target, reason) and the setting timeline are identical. ``--days N``
 (default 2), ``--case TRUTH/TRACE/POLICY`` (repeatable; default: `CASES`).
+
+``--instructions`` also runs each case's two replays under valgrind's callgrind, counting
+only the instructions executed inside `step` (each call goes through `functools.reduce`,
+whose C function callgrind toggles collection on): instructions per tick do not move with
+how busy the machine is, as the timings do, so a change's ratio holds on a shared machine.
+Valgrind runs the replay some 50 times slower: use it with ``--days 0.5`` and a case or two.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +51,7 @@ BUDGET_MS = 2.0
 
 # The worker: run in a fresh interpreter with the tree to measure first on sys.path.
 WORKER = r"""
-import gc, json, sys, time
+import functools, gc, json, sys, time
 tree, truth_name, trace_name, policy, trace_path = sys.argv[1:6]
 sys.path.insert(0, tree)
 from bench import bench_replay as b
@@ -71,7 +78,8 @@ def measured(*args):
     began, began_cpu = time.perf_counter(), time.thread_time()
     inside[0] = True
     try:
-        out = original(*args)
+        # Through a C function callgrind can toggle on (``--instructions``): one call.
+        out = functools.reduce(lambda _a, _b: original(*args), (0,), None)
     finally:
         inside[0] = False
     cpu.append((time.thread_time() - began_cpu) * 1000)
@@ -100,6 +108,15 @@ print(json.dumps({
 """
 
 
+def _instructions(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """Instructions per tick, base → new and their ratio; – when not counted."""
+    if "instructions" not in old or not old["cpu"] or not new["cpu"]:
+        return "–"
+    per_old = old["instructions"] / len(old["cpu"])
+    per_new = new["instructions"] / len(new["cpu"])
+    return f"{per_old / 1000:.0f} k → {per_new / 1000:.0f} k, ×{per_new / per_old:.3f}"
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
     n = len(ordered)
@@ -111,11 +128,36 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def _measure(tree: Path, case: tuple[str, str, str], trace: Path) -> dict[str, Any]:
+# callgrind counting only inside `step` (the WORKER calls it through `functools.reduce`).
+CALLGRIND = ("valgrind", "--tool=callgrind", "--collect-atstart=no")
+TOGGLE = "--toggle-collect=functools_reduce*"
+
+
+def _measure(
+    tree: Path, case: tuple[str, str, str], trace: Path, counts: Path | None = None
+) -> dict[str, Any]:
+    """One tree's replay of ``case``; with ``counts`` (a callgrind output file to write),
+    run under callgrind, and the instructions executed inside `step` as ``instructions``."""
+    prefix = () if counts is None else (*CALLGRIND, TOGGLE, f"--callgrind-out-file={counts}")
     out: dict[str, Any] = run_json(
-        tree, ["-c", WORKER, str(tree), *case, str(trace)], f"{tree} {case}"
+        tree, ["-c", WORKER, str(tree), *case, str(trace)], f"{tree} {case}", prefix
     )
+    if counts is not None:
+        out["instructions"] = callgrind_total(counts)
+        if not out["instructions"]:
+            raise RuntimeError(
+                f"{tree} {case}: callgrind counted nothing inside functools_reduce "
+                "(an interpreter without symbols?)"
+            )
     return out
+
+
+def callgrind_total(path: Path) -> int:
+    """The instructions a callgrind output file counted (its ``summary:`` line)."""
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{path}: no summary line (not a callgrind output file?)")
 
 
 def run(argv: list[str]) -> int:
@@ -125,8 +167,15 @@ def run(argv: list[str]) -> int:
     )
     parser.add_argument("--days", type=float, default=2.0)
     parser.add_argument("--case", action="append", help="TRUTH/TRACE/POLICY (repeatable)")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count the instructions inside each tick with valgrind (slow)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind on PATH")
     cases = [tuple(c.split("/")) for c in args.case] if args.case else list(CASES)
     if args.base is None:
         args.base = subprocess.run(
@@ -160,12 +209,21 @@ def run(argv: list[str]) -> int:
             for case in cases:
                 truth, trace_name, policy = case
                 trace = traces.write(trace_name, Path(tmp) / f"{trace_name}.csv", args.days)
-                old = _measure(base, case, trace)
-                new = _measure(REPO, case, trace)
+                counts = (Path(tmp) / "base.cg", Path(tmp) / "new.cg")
+                old = _measure(base, case, trace, counts[0] if args.instructions else None)
+                new = _measure(REPO, case, trace, counts[1] if args.instructions else None)
                 same = all(old[k] == new[k] for k in ("decisions", "setting_timeline"))
                 same_everywhere &= same
                 oc, nc = _stats(old["cpu"]), _stats(new["cpu"])
                 ow, nw = _stats(old["wall"]), _stats(new["wall"])
+                # Under valgrind the timings are its own: no budget to judge them by.
+                budget = (
+                    "– (valgrind)"
+                    if args.instructions
+                    else "PASS"
+                    if nc["p99"] <= BUDGET_MS
+                    else "FAIL"
+                )
                 line = (
                     f"| {truth} | {trace_name} | {policy} | {len(new['cpu'])} "
                     f"| {oc['mean']:.2f}/{oc['p99']:.2f} | {nc['mean']:.2f}/{nc['p99']:.2f} "
@@ -173,8 +231,9 @@ def run(argv: list[str]) -> int:
                     f"| {ow['p99']:.2f} | {nw['p99']:.2f} "
                     f"| {old['gc_runs']} → {new['gc_runs']} "
                     f"| {old['gc_cpu_ms']:.0f} → {new['gc_cpu_ms']:.0f} "
+                    f"| {_instructions(old, new)} "
                     f"| {'yes' if same else 'NO'} "
-                    f"| {'PASS' if nc['p99'] <= BUDGET_MS else 'FAIL'} |"
+                    f"| {budget} |"
                 )
                 print(line, flush=True)
                 rows.append(line)
@@ -197,15 +256,17 @@ def run(argv: list[str]) -> int:
             "the collector's runs inside ticks and their CPU ms in all (base → new); counts, "
             "they do not move with how busy the machine is, as the timings do. Same "
             "decisions: every decision (time, target, reason) and the setting timeline "
-            "identical.",
+            "identical. Instructions per tick (`--instructions`): executed inside `step`, "
+            "counted by valgrind's callgrind (under it the timings are valgrind's, not the "
+            "machine's).",
             "",
             "Reproduce: `.venv/bin/python -m bench decision` (`--base REV`, `--days N`, "
-            "`--case TRUTH/TRACE/POLICY`).",
+            "`--case TRUTH/TRACE/POLICY`, `--instructions`).",
             "",
             "| truth | trace | policy | ticks | base CPU ms | new CPU ms | ×mean | ×p99 "
             "| base wall p99 | new wall p99 | gc runs in ticks | gc CPU ms in ticks "
-            "| same decisions | p99 CPU ≤ 2 ms |",
-            "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|",
+            "| instructions per tick (base → new, ×) | same decisions | p99 CPU ≤ 2 ms |",
+            "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|",
             *rows,
             "",
         ]

@@ -10,16 +10,17 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 
-def run_json(tree: Path, argv: list[str], what: str) -> Any:
-    """``python argv`` in ``tree`` with its code first on the path; the last line it
-    printed, read as JSON. RuntimeError naming ``what`` with the end of its stderr when it
-    fails."""
+def run_json(tree: Path, argv: list[str], what: str, prefix: Sequence[str] = ()) -> Any:
+    """``python argv`` in ``tree`` with its code first on the path (run by ``prefix``, a
+    tool such as valgrind, when given); the last line it printed, read as JSON.
+    RuntimeError naming ``what`` with the end of its stderr when it fails."""
     proc = subprocess.run(
-        [sys.executable, *argv],
+        [*prefix, sys.executable, *argv],
         capture_output=True,
         text=True,
         cwd=tree,
