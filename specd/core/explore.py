@@ -4,10 +4,11 @@ The model policy only observes the step count it runs, so a calibration point th
 by a few percent would decide forever. When the policy holds the live step count because
 the best candidate is within the prediction interval (`specd.core.model.plan`: its gain is
 not beyond the margin) and that candidate was observed too little for the interval to
-shrink, or when a candidate was never observed on this box, specd may run one epoch at that
-candidate — from a window to the next window's opening — and let what it observes there
-outweigh the calibration (an epoch is hours of observation, far past
-`specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
+shrink, or when a candidate was never observed on this box at the epoch's load (its
+`StepPrediction.evidence_s`: what it did under other traffic leaves it as uncertain here),
+specd may run one epoch at that candidate — from a window to the next window's opening — and
+let what it observes there outweigh the calibration (an epoch is hours of observation, far
+past `specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
 
 * its predicted tokens over the epoch, net of the restart and of the discount the policy
   gives an extrapolated candidate, are at most ``explore_max_loss_ratio`` below the live

@@ -31,7 +31,9 @@ gain in tokens (net of the restart) must beat the prediction interval of the dif
 (`EVIDENCE_Z` standard errors), and the relative gain must beat ``min_gain_ratio`` (0 by
 default: the evidence decides). Each K's relative standard error comes from the
 calibration's noise (``calibration_noise_ratio``), shrinks with the seconds observed at that
-K (``OBSERVED_PIVOT_S``), and grows with how far an extrapolated K lies from a measured one.
+K (``OBSERVED_PIVOT_S``) in the load bands of the epoch's traffic (`load_band`: what K did
+at night says little of the day's load), and grows with how far an extrapolated K lies
+from a measured one.
 It reads no clock and no file: "now" is the history's last observation, and the calibration
 comes in as a `Calibration` value.
 
@@ -134,6 +136,13 @@ def _read(
             if c not in readings:
                 readings[c] = interpolate(xs, ys, float(c))
         return list(map(readings.__getitem__, concurrencies))
+
+
+def load_band(concurrency: int) -> int:
+    """The load band of a whole concurrency (≥ 1): the power of two it lies within a
+    factor √2 of, as log2 (1; 2; 3–5; 6–11; 12–22; 23–45; ...), the sweep's doubling
+    concurrencies. Observation in one band says how that load serves, not another's."""
+    return round(math.log2(concurrency))
 
 
 def _fit_alpha(measured: Sequence[tuple[int, float]]) -> float:
@@ -249,6 +258,8 @@ class PerformanceModel:
         self._values: dict[int, dict[int, float]] = {}
         # Per (K, mix): predicted tok/s at each of the mix's levels (`levels`).
         self._levels: dict[tuple[int, Mix], list[float]] = {}
+        # Per K: decayed seconds observed per load band (`error_at`).
+        self._bands: dict[int, dict[int, float]] = {}
         self._steps: list[int] | None = None
         # Per adaptive setting: its AdaptiveModel's fields but the table (`adaptive`).
         self._adaptive: dict[
@@ -323,6 +334,46 @@ class PerformanceModel:
         base = noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
         error = base * math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + curve.evidence_s))
         return error + EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
+
+    def error_at(self, steps: int, noise_ratio: float, mix: Mix) -> tuple[float, float]:
+        """``steps``' relative standard error over ``mix``, and the seconds observed that it
+        counts: `relative_error`, with the observation at each of the mix's levels only
+        what was observed at ``steps`` in that level's load band (`load_band`), each level
+        weighted by its share of the tokens predicted. What a step count did at night says
+        little of how a day's load serves there: its correction is shared by every load,
+        its error is not."""
+        curve = self._curve(steps)
+        if curve is None:
+            raise ValueError(f"no calibration or observation to predict steps {steps}")
+        base = noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
+        extrapolation = EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
+        seconds = self._band_seconds(steps)
+        if not seconds:
+            return base + extrapolation, 0.0  # never observed: nothing shrinks it
+        weights = list(map(operator.mul, mix.shares, self.levels(steps, mix)))
+        weight = sum(weights, 0.0)
+        if weight <= 0:
+            return self.relative_error(steps, noise_ratio), curve.evidence_s
+        shrinks = {
+            band: math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + s))
+            for band, s in seconds.items()
+        }
+        by_level = [shrinks.get(band, 1.0) for band in mix.bands]
+        shrink = sum(map(operator.mul, weights, by_level), 0.0) / weight
+        # The seconds observed at one load that would shrink the error as much.
+        evidence = OBSERVED_PIVOT_S / (shrink * shrink) - OBSERVED_PIVOT_S
+        return base * shrink + extrapolation, evidence
+
+    def _band_seconds(self, steps: int) -> dict[int, float]:
+        """Decayed seconds observed at ``steps`` per load band (once per model)."""
+        found = self._bands.get(steps)
+        if found is None:
+            found = {}
+            for c, (_, w) in self._observed.get(steps, {}).items():
+                band = load_band(c)
+                found[band] = found.get(band, 0.0) + w
+            self._bands[steps] = found
+        return found
 
     def evidence_s(self, steps: int) -> float:
         """Decayed seconds of throughput observed at ``steps`` (0 when it cannot be predicted)."""
@@ -645,6 +696,11 @@ class Mix:
     # `folded` per ceiling: the adaptive sets that share their deepest K fold alike.
     _folds: dict[int, Mix] = field(default_factory=dict, repr=False)
 
+    @functools.cached_property
+    def bands(self) -> tuple[int, ...]:
+        """Each level's `load_band`, in order (once per mix)."""
+        return tuple(map(load_band, self.levels))
+
     @classmethod
     def of(cls, weights: Mapping[int, float]) -> Mix:
         """From ``{concurrency: share}`` (concurrency 0 and below serve nothing: left out)."""
@@ -684,7 +740,9 @@ class StepPrediction:
     # and of the discount of an extrapolated K.
     tokens: float
     error_ratio: float = 0.0  # relative standard error of tok_s
-    evidence_s: float = 0.0  # decayed seconds observed at this step count on this box
+    # Decayed seconds observed at this step count on this box at the epoch's load (the
+    # seconds at one load that narrow its error as much: `PerformanceModel.error_at`).
+    evidence_s: float = 0.0
 
     @property
     def interval(self) -> tuple[float, float]:
@@ -913,8 +971,7 @@ def plan(
         # Off and static K restart alike (`restart_cost_s`: only an adaptive start is longer).
         cost = config.choose.restart_cost_s
         serving = horizon if k == current else max(horizon - cost, 0.0)
-        error = model.relative_error(k, noise)
-        evidence = model.evidence_s(k)
+        error, evidence = model.error_at(k, noise, mix)
         facts[k] = (known, error, evidence)
         predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error, evidence)
     for setting in adaptives:
@@ -927,11 +984,7 @@ def plan(
         for k in steps:
             fact = facts.get(k)
             if fact is None:
-                fact = facts[k] = (
-                    model.source(k),
-                    model.relative_error(k, noise),
-                    model.evidence_s(k),
-                )
+                fact = facts[k] = (model.source(k), *model.error_at(k, noise, mix))
             tiers.append(fact)
         observed = all(fact[0] is Source.OBSERVED for fact in tiers)
         source = Source.OBSERVED if observed else Source.CALIBRATION

@@ -25,6 +25,7 @@ from specd.core.model import (
     _Curve,
     adaptive_restart_extra_s,
     covers,
+    load_band,
     plan,
     restart_cost_s,
     restart_extra_s,
@@ -520,6 +521,63 @@ def test_observation_narrows_a_prediction_and_extrapolation_widens_it() -> None:
     assert seen.relative_error(4, 0.01) == pytest.approx(0.01)  # 4 was never observed
     assert none.relative_error(5, 0.01) == pytest.approx(0.01 + EXTRAPOLATION_DISCOUNT_RATIO)
     assert none.relative_error(6, 0.01) == pytest.approx(0.01 + 2 * EXTRAPOLATION_DISCOUNT_RATIO)
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "band"),
+    [(1, 0), (2, 1), (3, 2), (5, 2), (6, 3), (11, 3), (12, 4), (22, 4), (23, 5), (64, 6)],
+)
+def test_load_bands_are_the_sweeps_doublings(concurrency: int, band: int) -> None:
+    assert load_band(concurrency) == band
+
+
+def test_observation_narrows_the_error_only_at_the_load_it_was_seen_at() -> None:
+    """3 observed for two hours at 2 requests: an epoch of 2 requests reads that evidence,
+    one of 16 (another load band) the calibration's noise alone, a mix of both in between
+    (each level by its share of the tokens); 4, never observed, and 5, extrapolated, are
+    read as `relative_error` reads them."""
+    cal = Calibration.of(PerfTable([r for r in SEED.rows if r.steps <= 4]))
+    history = fresh_history()
+    fill(history, MONDAY, 2 * HOUR, 2, 3, SEED.throughput(3, 2), SEED.accept_length(3))
+    model = PerformanceModel(cal, history)
+    seen_s = model.evidence_s(3)
+    assert seen_s > HOUR
+    light, heavy, both = Mix.of({2: 1.0}), Mix.of({16: 1.0}), Mix.of({2: 0.5, 16: 0.5})
+    assert model.error_at(3, 0.01, light) == pytest.approx((model.relative_error(3, 0.01), seen_s))
+    assert model.error_at(3, 0.01, heavy) == pytest.approx((0.01, 0.0))
+    assert model.error_at(3, 0.01, Mix.of({3: 1.0})) == pytest.approx((0.01, 0.0))
+    error, evidence = model.error_at(3, 0.01, both)
+    light_tokens, heavy_tokens = model.throughput(3, 2), model.throughput(3, 16)
+    shrink = (light_tokens * model.relative_error(3, 0.01) / 0.01 + heavy_tokens) / (
+        light_tokens + heavy_tokens
+    )
+    assert error == pytest.approx(0.01 * shrink)
+    assert 0 < evidence < seen_s
+    assert model.error_at(4, 0.01, light) == pytest.approx((0.01, 0.0))
+    assert model.error_at(5, 0.01, light) == pytest.approx(
+        (0.01 + EXTRAPOLATION_DISCOUNT_RATIO, 0.0)
+    )
+
+
+def test_a_step_count_seen_only_at_another_load_is_predicted_as_never_observed(
+    tmp_path: Path,
+) -> None:
+    """The plan's evidence is the epoch's: 4 ran for two hours at 2 requests, then 3 for two
+    at 16. The epoch ahead (recent traffic) is mostly 16 requests by its tokens: 4 is
+    nearly as uncertain there as the calibration says, whatever it did at 2."""
+    cfg = config(tmp_path, min_steps=3, max_steps=4)
+    history = fresh_history()
+    fill(history, MONDAY - 3 * HOUR, 2 * HOUR, 2, 4, SEED.throughput(4, 2), SEED.accept_length(4))
+    fill(history, MONDAY, 2 * HOUR, 16, 3, SEED.throughput(3, 16), SEED.accept_length(3))
+    model = PerformanceModel(Calibration.of(SEED), history)
+    assert model.evidence_s(4) > HOUR
+    result = plan(history, cfg, 3, Calibration.of(SEED))
+    assert result is not None
+    assert result.forecast.mean() > 8
+    assert result.predictions[4].evidence_s < 0.1 * model.evidence_s(4)
+    assert 0.008 < result.predictions[4].error_ratio < 0.01
+    # 3 ran at the epoch's load: its evidence counts.
+    assert result.predictions[3].evidence_s > 10 * result.predictions[4].evidence_s
 
 
 # -- choosing among kinds: off, static K, adaptive sets ---------------------------------
