@@ -195,7 +195,6 @@ def parse(text: str) -> SpecSetting:
 
 
 @functools.lru_cache(maxsize=256)  # pure, keyed by the frozen setting: labels every tick
-@functools.lru_cache(maxsize=256)  # every prediction's label, at every tick
 def format_setting(setting: SpecSetting) -> str:
     """The operator form; parse(format_setting(s)) == s."""
     if setting.kind == "off":
