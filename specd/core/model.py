@@ -138,6 +138,12 @@ def _read(
         return list(map(readings.__getitem__, concurrencies))
 
 
+def observed_shrink(evidence_s: float) -> float:
+    """What ``evidence_s`` decayed seconds observed leave of a prediction's relative error:
+    an hour at ``OBSERVED_PIVOT_S`` = 600 s divides the variance by 7."""
+    return math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + max(evidence_s, 0.0)))
+
+
 def load_band(concurrency: int) -> int:
     """The load band of a whole concurrency (≥ 1): the power of two it lies within a
     factor √2 of, as log2 (1; 2; 3–5; 6–11; 12–22; 23–45; ...), the sweep's doubling
@@ -188,7 +194,7 @@ class Calibration:
         self, k: int, capacity: int | None
     ) -> tuple[tuple[float, ...], tuple[float, ...], dict[int, float]]:
         """`_shape` of K at ``capacity``, and a dict of `interpolate` over those points
-        per whole concurrency (filled by the reader: `PerformanceModel._raw`)."""
+        per whole concurrency (filled by the readers: `PerformanceModel._raw`, `_read`)."""
         key = (k, capacity)
         found = self._readings.get(key)
         if found is None:
@@ -331,9 +337,13 @@ class PerformanceModel:
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        base = noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
-        error = base * math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + curve.evidence_s))
+        error = self._noise(noise_ratio) * observed_shrink(curve.evidence_s)
         return error + EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
+
+    def _noise(self, noise_ratio: float) -> float:
+        """A prediction's relative error before observation: the calibration's noise, at
+        least 5 % where only observation predicts (no calibration)."""
+        return noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
 
     def error_at(self, steps: int, noise_ratio: float, mix: Mix) -> tuple[float, float]:
         """``steps``' relative standard error over ``mix``, and the seconds observed that it
@@ -345,7 +355,7 @@ class PerformanceModel:
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        base = noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
+        base = self._noise(noise_ratio)
         extrapolation = EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
         seconds = self._band_seconds(steps)
         if not seconds:
@@ -354,10 +364,7 @@ class PerformanceModel:
         weight = sum(weights, 0.0)
         if weight <= 0:
             return self.relative_error(steps, noise_ratio), curve.evidence_s
-        shrinks = {
-            band: math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + s))
-            for band, s in seconds.items()
-        }
+        shrinks = {band: observed_shrink(s) for band, s in seconds.items()}
         by_level = [shrinks.get(band, 1.0) for band in mix.bands]
         shrink = sum(map(operator.mul, weights, by_level), 0.0) / weight
         # The seconds observed at one load that would shrink the error as much.

@@ -57,6 +57,7 @@ from specd.core.model import (
     Calibration,
     PerformanceModel,
     adaptive_slots,
+    observed_shrink,
 )
 from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, MAX_TOKENS_PER_S
 from specd.core.setting import (
@@ -268,7 +269,7 @@ def _normalized_distance(
 def _error_ratio(noise_ratio: float, evidence_s: float) -> float:
     # As `PerformanceModel.relative_error` for an observed step count: the calibration's
     # noise, shrunk as observation outweighs it.
-    return noise_ratio * math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + max(evidence_s, 0.0)))
+    return noise_ratio * observed_shrink(evidence_s)
 
 
 def verdict(
