@@ -228,6 +228,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _versus(part: dict[str, Any]) -> str:
+    """specd against SGLang adaptive over some of the seconds (`where_capacity_binds`)."""
+    if part["ratio_to_adaptive"] is None:
+        return "SGLang adaptive served nothing there"
+    return (
+        f"specd ×{part['ratio_to_adaptive']} ({part['specd_tokens']:,} against "
+        f"{part['adaptive_tokens']:,} tokens)"
+    )
+
+
 def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
     """The same figures as the JSON, one comparison a line."""
     specd = data["specd_tokens"]
@@ -266,6 +276,15 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
             + f", capacity {adaptive['capacity']}: {adaptive['tokens']:,} tokens, "
             f"specd ×{data['ratio_to_adaptive']}" + hindsight
         )
+        binds, free = adaptive["where_capacity_binds"], adaptive["where_capacity_does_not_bind"]
+        if binds is not None and free is not None:
+            lines.append(
+                f"    where its capacity binds (offered above {adaptive['capacity']}, "
+                f"{adaptive['above_capacity_ratio']:.0%} of the time): "
+                + _versus(binds)
+                + "; elsewhere: "
+                + _versus(free)
+            )
     changes = [
         f"{k} at {(start + timedelta(seconds=t)).strftime('%a %Y-%m-%d %H:%M:%S')}"
         + (" (explore)" if reason == "explore" else "")

@@ -185,6 +185,8 @@ class Tokens:
         self.truth = truth
         self.rate: dict[Key, list[float]] = {}
         self.cum: dict[Key, list[float]] = {}
+        # (key, ceiling) → prefix sums of the runs with more offered than the ceiling.
+        self._cum_above: dict[tuple[Key, int], list[float]] = {}
         self.models: dict[SpecSetting, AdaptiveModel] = {}
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
@@ -218,14 +220,29 @@ class Tokens:
         self.rate[key] = rates
         self.cum[key] = cum
 
-    def upto(self, k: Key, s: float) -> float:
+    def _above(self, k: Key, ceiling: int) -> list[float]:
+        cum = self._cum_above.get((k, ceiling))
+        if cum is None:
+            t, level = self.trace.t, self.trace.level
+            cum = [0.0]
+            for i, r in enumerate(self.rate[k]):
+                cum.append(cum[-1] + (r * (t[i + 1] - t[i]) if level[i] > ceiling else 0.0))
+            self._cum_above[(k, ceiling)] = cum
+        return cum
+
+    def upto(self, k: Key, s: float, above: int | None = None) -> float:
+        """Tokens ``k`` serves from the trace's start to ``s``; with ``above``, only in
+        the seconds with more offered than that."""
         t = self.trace.t
         s = min(max(s, t[0]), t[-1])
         i = min(bisect.bisect_right(t, s) - 1, len(t) - 2)
-        return self.cum[k][i] + self.rate[k][i] * (s - t[i])
+        if above is None:
+            return self.cum[k][i] + self.rate[k][i] * (s - t[i])
+        partial = self.rate[k][i] * (s - t[i]) if self.trace.level[i] > above else 0.0
+        return self._above(k, above)[i] + partial
 
-    def between(self, k: Key, a: float, b: float) -> float:
-        return max(0.0, self.upto(k, b) - self.upto(k, a))
+    def between(self, k: Key, a: float, b: float, above: int | None = None) -> float:
+        return max(0.0, self.upto(k, b, above) - self.upto(k, a, above))
 
 
 # -- the replay -------------------------------------------------------------------------
@@ -331,7 +348,7 @@ class ReplayResult:
             "ratio_to_adaptive": (
                 None if self.adaptive is None else _ratio(self.specd_tokens, self.adaptive.tokens)
             ),
-            "adaptive": None if self.adaptive is None else self.adaptive.to_dict(),
+            "adaptive": None if self.adaptive is None else self.adaptive.to_dict(self.specd_tokens),
             "oracle_gap_ratio": _ratio(self.oracle_tokens, best_tokens) - 1.0,
             "gap_captured_ratio": (
                 None
@@ -440,8 +457,13 @@ class AdaptiveResult:
     # Share of the scored span with more offered than the adaptive capacity: there the
     # deepest candidate's KV sizing binds.
     above_capacity_ratio: float | None
+    # Tokens in those seconds, SGLang adaptive's and specd's (None without a capacity):
+    # the margin where capacity binds, and apart from it where it does not.
+    above_capacity_tokens: float | None = None
+    specd_above_capacity_tokens: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, specd_tokens: float) -> dict[str, Any]:
+        """As JSON; ``specd_tokens``: specd's over the whole scored span."""
         return {
             "slots": self.slots.to_sglang_config(),
             "candidates_skipped": list(self.skipped),
@@ -450,6 +472,29 @@ class AdaptiveResult:
             "above_capacity_ratio": (
                 None if self.above_capacity_ratio is None else round(self.above_capacity_ratio, 4)
             ),
+            "where_capacity_binds": self._part(
+                self.specd_above_capacity_tokens, self.above_capacity_tokens
+            ),
+            "where_capacity_does_not_bind": self._part(
+                None
+                if self.specd_above_capacity_tokens is None
+                else specd_tokens - self.specd_above_capacity_tokens,
+                None
+                if self.above_capacity_tokens is None
+                else self.tokens - self.above_capacity_tokens,
+            ),
+        }
+
+    @staticmethod
+    def _part(specd: float | None, adaptive: float | None) -> dict[str, Any] | None:
+        """specd against SGLang adaptive over some of the scored seconds; the ratio is None
+        where adaptive served nothing there (no such seconds)."""
+        if specd is None or adaptive is None:
+            return None
+        return {
+            "specd_tokens": round(specd),
+            "adaptive_tokens": round(adaptive),
+            "ratio_to_adaptive": _ratio(specd, adaptive) if adaptive > 0 else None,
         }
 
 
@@ -741,9 +786,9 @@ def replay(
             change_reasons.append(decision.reason.value)
     segments.append((server.key, server.serving_from, last))
 
-    def specd_from(start: float) -> float:
+    def specd_from(start: float, above: int | None = None) -> float:
         return sum(
-            tokens.between(kk, max(a, start), min(b, last))
+            tokens.between(kk, max(a, start), min(b, last), above)
             for kk, a, b in segments
             if min(b, last) > max(a, start)
         )
@@ -769,10 +814,10 @@ def replay(
     epoch_best = {a: max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs}
     oracle += sum(epoch_best.values())
 
-    def from_first_window(key: Key) -> float:
+    def from_first_window(key: Key, above: int | None = None) -> float:
         served_from = fixed_until if key == live_then else fixed_until + restart_into_s(key)
-        return tokens.between(live_then, scored_from, fixed_until) + tokens.between(
-            key, min(served_from, last), last
+        return tokens.between(live_then, scored_from, fixed_until, above) + tokens.between(
+            key, min(served_from, last), last, above
         )
 
     static_tokens = {kk: from_first_window(kk) for kk in allowed}
@@ -794,6 +839,14 @@ def replay(
             capacity=adaptive.capacity,
             tokens=from_first_window(ADAPTIVE),
             above_capacity_ratio=_share_above(trace, adaptive.capacity, scored_from, last),
+            above_capacity_tokens=(
+                None
+                if adaptive.capacity is None
+                else from_first_window(ADAPTIVE, adaptive.capacity)
+            ),
+            specd_above_capacity_tokens=(
+                None if adaptive.capacity is None else specd_from(scored_from, adaptive.capacity)
+            ),
         )
     # From the first opening a day in on, each comparison runs its own setting already:
     # specd's tokens from then, the oracle's epochs from then, each static K and SGLang's

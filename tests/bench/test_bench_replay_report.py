@@ -58,3 +58,34 @@ def test_the_probe_is_a_decisions_cpu_time_in_milliseconds(tmp_path: Path) -> No
     # A decision takes about a millisecond of CPU here (0.8 at the VM's fast moments);
     # 0, or a second, would mean the probe timed something else.
     assert 0.05 < probe < 50.0
+
+
+def _versus(ratios: tuple[float | None, float | None] | None) -> dict[str, object]:
+    """A row whose replay scored SGLang adaptive with these ×adaptive ratios where its
+    capacity binds and where it does not (None: no such seconds; None for both: no
+    capacity)."""
+    parts: dict[str, object] = {"where_capacity_binds": None, "where_capacity_does_not_bind": None}
+    if ratios is not None:
+        for key, ratio in zip(parts, ratios, strict=True):
+            parts[key] = {"specd_tokens": 1, "adaptive_tokens": 1, "ratio_to_adaptive": ratio}
+    return {"adaptive": parts}
+
+
+def test_the_margin_where_adaptive_capacity_binds_is_stated_over_the_cases_that_have_it() -> None:
+    cases = {
+        "a": (1.2, 1.01),
+        "b": (0.97, 1.03),
+        "c": (None, 1.05),  # never above the capacity: left out of that part
+        "d": (1.1, 0.99),
+        "e": None,  # no capacity at all: left out of both
+    }
+    made = [bench_replay.Row("k6to1", t, "model", _versus(v), 1.0) for t, v in cases.items()]
+    lines = bench_replay._capacity_lines(made)
+    assert lines[-2:] == [
+        "| where its capacity binds | 3 | 1.1000 | 0.9700 (k6to1/b) | 1.2000 (k6to1/a) "
+        "| k6to1/b 0.9700 |",
+        "| where it does not | 4 | 1.0200 | 0.9900 (k6to1/d) | 1.0500 (k6to1/c) | k6to1/d 0.9900 |",
+    ]
+    assert bench_replay._capacity_cell(made[2].result["adaptive"]) == "–/1.0500"
+    assert bench_replay._capacity_cell(None) == "–/–"
+    assert bench_replay._capacity_lines(made[4:]) == []

@@ -17,7 +17,7 @@ import pytest
 
 from specd.commands.replay import build_config
 from specd.core import windows
-from specd.core.adaptive import AdaptiveModel
+from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel
 from specd.core.model import adaptive_slots
 from specd.core.setting import parse
 from specd.io.config import Config, Window
@@ -26,6 +26,7 @@ from specd.tools.replay import (
     DEFAULT_START,
     ReplayError,
     ReplayResult,
+    Tokens,
     Trace,
     load_trace,
     replay,
@@ -142,6 +143,84 @@ def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
     # Before the first window no one can choose, so the oracle runs 3 there too; it alone
     # restarts for free (the bound of choosing in hindsight).
     assert result.oracle_tokens == pytest.approx(rate3 * 3 * 3600 + rate4 * (DAY - 3 * 3600))
+
+
+def test_the_margin_over_sglang_adaptive_is_split_where_its_capacity_binds() -> None:
+    # Two requests, a batch job at 40 from 06:00 to 12:00, two again: adaptive's capacity
+    # (its deepest candidate's) binds only in the batch job's six hours.
+    levels = [40.0 if 6 <= h < 12 else 2.0 for h in range(24)]
+    trace = trace_from_rows([h * 3600.0 for h in range(24)], levels)
+    table = read_table(SEED)
+    config = build_config(
+        Config(), window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100
+    )
+    result = replay(trace, table, config, restart_s=100, initial_steps=3)
+    data = result.to_dict()["adaptive"]
+    adaptive = AdaptiveModel.of(DEFAULT_SLOTS, table)
+    assert adaptive.capacity is not None
+    assert 2 < adaptive.capacity < 40
+    assert data["capacity"] == adaptive.capacity
+    assert data["above_capacity_ratio"] == pytest.approx(0.25)
+    # The batch job runs long after every restart (the window is 03:00-04:00): in those
+    # hours adaptive serves its tier for 40 at its capacity, specd the K it changed to.
+    live = [k for t_s, k in result.steps_timeline if t_s < 6 * 3600][-1]
+    assert live is not None
+    binds = data["where_capacity_binds"]
+    assert binds["adaptive_tokens"] == round(adaptive.throughput(40.0) * 6 * 3600)
+    assert binds["specd_tokens"] == round(table.throughput(live, 40.0) * 6 * 3600)
+    assert binds["ratio_to_adaptive"] == pytest.approx(
+        table.throughput(live, 40.0) / adaptive.throughput(40.0), abs=1e-4
+    )
+    # The two parts are the whole: each side's tokens, restarts included, add up.
+    free = data["where_capacity_does_not_bind"]
+    assert binds["specd_tokens"] + free["specd_tokens"] == pytest.approx(result.specd_tokens, abs=1)
+    assert binds["adaptive_tokens"] + free["adaptive_tokens"] == pytest.approx(
+        data["tokens"], abs=1
+    )
+    assert free["ratio_to_adaptive"] == pytest.approx(
+        free["specd_tokens"] / free["adaptive_tokens"], abs=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "ceiling"),
+    [(0, 10_800, 11), (90, 7_170, 11), (61, 119, 0), (3_000, 3_001, 20), (500, 9_000, 29)],
+)
+def test_tokens_above_a_ceiling_count_only_the_seconds_above_it(
+    a: int, b: int, ceiling: int
+) -> None:
+    # Runs of a minute at random levels; spans that start and end inside runs.
+    rng = random.Random(3)
+    levels = [float(rng.randint(0, 30)) for _ in range(180)]
+    trace = trace_from_rows([m * 60.0 for m in range(180)], levels)
+    table = read_table(SEED)
+    tokens = Tokens(trace, table, [4])
+    expected = sum(
+        table.throughput(4, level)
+        for s in range(a, b)
+        if (level := levels[s // 60]) > ceiling and level > 0
+    )
+    assert tokens.between(4, a, b, above=ceiling) == pytest.approx(expected, rel=1e-9)
+    everything = sum(table.throughput(4, levels[s // 60]) for s in range(a, b) if levels[s // 60])
+    assert tokens.between(4, a, b) == pytest.approx(everything, rel=1e-9)
+
+
+def test_where_adaptive_capacity_never_binds_that_part_is_empty() -> None:
+    trace = trace_from_rows([h * 3600.0 for h in range(24)], [2.0] * 24)
+    config = build_config(
+        Config(), window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100
+    )
+    data = replay(trace, read_table(SEED), config, restart_s=100).to_dict()
+    adaptive = data["adaptive"]
+    assert adaptive["above_capacity_ratio"] == 0
+    assert adaptive["where_capacity_binds"] == {
+        "specd_tokens": 0,
+        "adaptive_tokens": 0,
+        "ratio_to_adaptive": None,
+    }
+    assert (
+        adaptive["where_capacity_does_not_bind"]["ratio_to_adaptive"] == data["ratio_to_adaptive"]
+    )
 
 
 def test_the_bands_policy_replays_too() -> None:
@@ -536,9 +615,17 @@ def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
     assert f"{data['adaptive_tokens']:,} tokens, specd ×{data['ratio_to_adaptive']}" in text
     assert "SGLang adaptive ≥1:[1,3,5] ≥8:[0,1,3] ≥32:[0,1] ≥64:[0] (not in the truth: 7)" in text
     assert f"{data['restart_lost_tokens']:,} tokens lost restarting" in text
+    binds = data["adaptive"]["where_capacity_binds"]
+    free = data["adaptive"]["where_capacity_does_not_bind"]
+    assert (
+        f"    where its capacity binds (offered above {data['adaptive']['capacity']}, 50% of "
+        f"the time): specd ×{binds['ratio_to_adaptive']} ({binds['specd_tokens']:,} against "
+        f"{binds['adaptive_tokens']:,} tokens); elsewhere: specd ×{free['ratio_to_adaptive']} "
+        f"({free['specd_tokens']:,} against {free['adaptive_tokens']:,} tokens)"
+    ) in text
     # A day's trace has no window opening a day in: no such comparison, no line.
     assert data["after_first_day"] is None
-    assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 2
+    assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 3
 
 
 def test_the_human_output_says_how_specd_fares_after_its_first_day(tmp_path: Path) -> None:
