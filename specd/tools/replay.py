@@ -348,7 +348,7 @@ class ReplayResult:
             "ratio_to_adaptive": (
                 None if self.adaptive is None else _ratio(self.specd_tokens, self.adaptive.tokens)
             ),
-            "adaptive": None if self.adaptive is None else self.adaptive.to_dict(self.specd_tokens),
+            "adaptive": None if self.adaptive is None else self.adaptive.to_dict(),
             "oracle_gap_ratio": _ratio(self.oracle_tokens, best_tokens) - 1.0,
             "gap_captured_ratio": (
                 None
@@ -457,13 +457,11 @@ class AdaptiveResult:
     # Share of the scored span with more offered than the adaptive capacity: there the
     # deepest candidate's KV sizing binds.
     above_capacity_ratio: float | None
-    # Tokens in those seconds, SGLang adaptive's and specd's (None without a capacity):
-    # the margin where capacity binds, and apart from it where it does not.
-    above_capacity_tokens: float | None = None
-    specd_above_capacity_tokens: float | None = None
+    # specd against it in those seconds, and in the rest (None without a capacity).
+    where_capacity_binds: CapacityPart | None = None
+    where_capacity_does_not_bind: CapacityPart | None = None
 
-    def to_dict(self, specd_tokens: float) -> dict[str, Any]:
-        """As JSON; ``specd_tokens``: specd's over the whole scored span."""
+    def to_dict(self) -> dict[str, Any]:
         return {
             "slots": self.slots.to_sglang_config(),
             "candidates_skipped": list(self.skipped),
@@ -472,29 +470,35 @@ class AdaptiveResult:
             "above_capacity_ratio": (
                 None if self.above_capacity_ratio is None else round(self.above_capacity_ratio, 4)
             ),
-            "where_capacity_binds": self._part(
-                self.specd_above_capacity_tokens, self.above_capacity_tokens
+            "where_capacity_binds": (
+                None if self.where_capacity_binds is None else self.where_capacity_binds.to_dict()
             ),
-            "where_capacity_does_not_bind": self._part(
+            "where_capacity_does_not_bind": (
                 None
-                if self.specd_above_capacity_tokens is None
-                else specd_tokens - self.specd_above_capacity_tokens,
-                None
-                if self.above_capacity_tokens is None
-                else self.tokens - self.above_capacity_tokens,
+                if self.where_capacity_does_not_bind is None
+                else self.where_capacity_does_not_bind.to_dict()
             ),
         }
 
-    @staticmethod
-    def _part(specd: float | None, adaptive: float | None) -> dict[str, Any] | None:
-        """specd against SGLang adaptive over some of the scored seconds; the ratio is None
-        where adaptive served nothing there (no such seconds)."""
-        if specd is None or adaptive is None:
-            return None
+
+@dataclass(frozen=True)
+class CapacityPart:
+    """specd's and SGLang adaptive's tokens over some of the scored seconds: those with more
+    offered than adaptive's capacity (its deepest candidate's KV sizing binds), or the rest."""
+
+    specd_tokens: float
+    adaptive_tokens: float
+
+    def to_dict(self) -> dict[str, Any]:
+        # No ratio where adaptive served nothing (no such seconds, or only its restart).
         return {
-            "specd_tokens": round(specd),
-            "adaptive_tokens": round(adaptive),
-            "ratio_to_adaptive": _ratio(specd, adaptive) if adaptive > 0 else None,
+            "specd_tokens": round(self.specd_tokens),
+            "adaptive_tokens": round(self.adaptive_tokens),
+            "ratio_to_adaptive": (
+                _ratio(self.specd_tokens, self.adaptive_tokens)
+                if self.adaptive_tokens > 0
+                else None
+            ),
         }
 
 
@@ -833,20 +837,24 @@ def replay(
     )
     adaptive_result = None
     if adaptive is not None:
+        adaptive_tokens = from_first_window(ADAPTIVE)
+        binds = rest = None
+        if adaptive.capacity is not None:
+            binds = CapacityPart(
+                specd_from(scored_from, adaptive.capacity),
+                from_first_window(ADAPTIVE, adaptive.capacity),
+            )
+            rest = CapacityPart(
+                specd_tokens - binds.specd_tokens, adaptive_tokens - binds.adaptive_tokens
+            )
         adaptive_result = AdaptiveResult(
             slots=adaptive.slots,
             skipped=adaptive.skipped,
             capacity=adaptive.capacity,
-            tokens=from_first_window(ADAPTIVE),
+            tokens=adaptive_tokens,
             above_capacity_ratio=_share_above(trace, adaptive.capacity, scored_from, last),
-            above_capacity_tokens=(
-                None
-                if adaptive.capacity is None
-                else from_first_window(ADAPTIVE, adaptive.capacity)
-            ),
-            specd_above_capacity_tokens=(
-                None if adaptive.capacity is None else specd_from(scored_from, adaptive.capacity)
-            ),
+            where_capacity_binds=binds,
+            where_capacity_does_not_bind=rest,
         )
     # From the first opening a day in on, each comparison runs its own setting already:
     # specd's tokens from then, the oracle's epochs from then, each static K and SGLang's
