@@ -144,6 +144,9 @@ def observed_shrink(evidence_s: float) -> float:
     return math.sqrt(OBSERVED_PIVOT_S / (OBSERVED_PIVOT_S + max(evidence_s, 0.0)))
 
 
+# Read for every cell observed at every K at every tick: a whole concurrency's band is
+# looked up, not computed again.
+@functools.lru_cache(maxsize=4096)
 def load_band(concurrency: int) -> int:
     """The load band of a whole concurrency (≥ 1): the power of two it lies within a
     factor √2 of, as log2 (1; 2; 3–5; 6–11; 12–22; 23–45; ...), the sweep's doubling
@@ -736,8 +739,10 @@ class Mix:
 
 
 # -- the policy -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepPrediction:
+class StepPrediction(NamedTuple):
+    """One setting's prediction for the epoch. A tuple: a dozen are made at every tick,
+    and a frozen dataclass's init (a call per field) was a few percent of a decision."""
+
     # The setting's key (`specd.core.setting.setting_key`): K for static K, 0 for off, a
     # negative number for an adaptive set (``Plan.settings`` has it).
     steps: int
