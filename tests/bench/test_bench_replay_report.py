@@ -1,5 +1,6 @@
-"""The replay bench's report of the machine's speed: each row's decision p99 scaled to the
-run's fastest probe, and the cases above the figure even then."""
+"""The replay bench's report: the machine's speed (each row's decision p99 scaled to the
+run's fastest probe, and the cases above the figure even then), and specd's margin over
+SGLang adaptive where its capacity binds and where it does not."""
 
 from __future__ import annotations
 
