@@ -185,8 +185,8 @@ class Tokens:
         self.truth = truth
         self.rate: dict[Key, list[float]] = {}
         self.cum: dict[Key, list[float]] = {}
-        # (key, ceiling) → prefix sums of the runs with more offered than the ceiling.
-        self._cum_above: dict[tuple[Key, int], list[float]] = {}
+        # (key, ceiling) → `_series` of the runs with more offered than the ceiling.
+        self._above: dict[tuple[Key, int], tuple[list[float], list[float]]] = {}
         self.models: dict[SpecSetting, AdaptiveModel] = {}
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
@@ -214,21 +214,29 @@ class Tokens:
             if c not in memo:
                 memo[c] = rate_at(c) if c > 0 else 0.0
             rates.append(memo[c])
+        self.rate[key] = rates
+        self.cum[key] = self._prefix(rates)
+
+    def _prefix(self, rates: list[float]) -> list[float]:
+        """Tokens served before each run: prefix sums of each run's rate × its seconds."""
+        t = self.trace.t
         cum = [0.0]
         for i, r in enumerate(rates):
-            cum.append(cum[-1] + r * (self.trace.t[i + 1] - self.trace.t[i]))
-        self.rate[key] = rates
-        self.cum[key] = cum
-
-    def _above(self, k: Key, ceiling: int) -> list[float]:
-        cum = self._cum_above.get((k, ceiling))
-        if cum is None:
-            t, level = self.trace.t, self.trace.level
-            cum = [0.0]
-            for i, r in enumerate(self.rate[k]):
-                cum.append(cum[-1] + (r * (t[i + 1] - t[i]) if level[i] > ceiling else 0.0))
-            self._cum_above[(k, ceiling)] = cum
+            cum.append(cum[-1] + r * (t[i + 1] - t[i]))
         return cum
+
+    def _series(self, k: Key, above: int | None) -> tuple[list[float], list[float]]:
+        """``k``'s rate per run and its prefix sums; with ``above``, counting only the runs
+        with more offered than that (the others at rate 0)."""
+        if above is None:
+            return self.rate[k], self.cum[k]
+        found = self._above.get((k, above))
+        if found is None:
+            rates = [
+                r if c > above else 0.0 for r, c in zip(self.rate[k], self.trace.level, strict=True)
+            ]
+            found = self._above[(k, above)] = (rates, self._prefix(rates))
+        return found
 
     def upto(self, k: Key, s: float, above: int | None = None) -> float:
         """Tokens ``k`` serves from the trace's start to ``s``; with ``above``, only in
@@ -236,10 +244,8 @@ class Tokens:
         t = self.trace.t
         s = min(max(s, t[0]), t[-1])
         i = min(bisect.bisect_right(t, s) - 1, len(t) - 2)
-        if above is None:
-            return self.cum[k][i] + self.rate[k][i] * (s - t[i])
-        partial = self.rate[k][i] * (s - t[i]) if self.trace.level[i] > above else 0.0
-        return self._above(k, above)[i] + partial
+        rates, cum = self._series(k, above)
+        return cum[i] + rates[i] * (s - t[i])
 
     def between(self, k: Key, a: float, b: float, above: int | None = None) -> float:
         return max(0.0, self.upto(k, b, above) - self.upto(k, a, above))
