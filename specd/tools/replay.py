@@ -520,7 +520,7 @@ def _share_above(trace: Trace, ceiling: int | None, a: float, b: float) -> float
     return above / (b - a)
 
 
-def _open_intervals(config: Config, start: float, end: float) -> list[tuple[float, float]]:
+def open_intervals(config: Config, start: float, end: float) -> list[tuple[float, float]]:
     """Every maintenance window (opened, closes) overlapping [start, end], by specd's code."""
     out: list[tuple[float, float]] = []
     at = datetime.fromtimestamp(start, timezone.utc)
@@ -703,7 +703,7 @@ def replay(
             return restart_s + adaptive_restart_extra_s(len(drafting), config)
         return restart_s
 
-    opens = _open_intervals(config, t0 + first, t0 + last)
+    opens = open_intervals(config, t0 + first, t0 + last)
     scored_from = min(first + max(warmup_s, 0.0), last)
     set_keys = {format_setting(a): tokens.ensure(a) for a in sets}
     k = (

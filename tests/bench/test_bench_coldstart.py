@@ -1,0 +1,95 @@
+"""The cold-start bench: its bound counted by hand on a tiny case, its denominators equal to
+the replay's, and specd's own tokens never above the bound of the step count it ran."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import bench_coldstart, bench_replay  # noqa: E402
+from bench.traces import generate as traces  # noqa: E402
+from specd.core.perftable import PerfTable  # noqa: E402
+from specd.tools.replay import Trace  # noqa: E402
+
+# Two step counts, each measured at exactly the two levels the trace offers.
+TINY = PerfTable.from_csv_text(
+    "steps,concurrency,output_tok_s,accept_length,max_running_requests\n"
+    "1,1,100,1.5,64\n1,10,500,1.5,64\n"
+    "2,1,150,2.0,64\n2,10,400,2.0,64\n"
+)
+# 1 offered for 10 s, 10 for 20 s, 1 for 10 s; windows open at 5 s and 20 s for 2 s each.
+TINY_TRACE = Trace([0.0, 10.0, 30.0, 40.0], [1, 10, 1])
+TINY_OPENS = [(5.0, 7.0), (20.0, 22.0)]
+
+
+def _tiny() -> bench_coldstart.Bounds:
+    return bench_coldstart.upper_bound(
+        TINY_TRACE, TINY, TINY_OPENS, [1, 2], start_steps=1, restart_s=2.0
+    )
+
+
+def test_the_denominators_are_counted_as_the_replay_counts_them() -> None:
+    bounds = _tiny()
+    # Before the first window everyone runs the start K 1: 5 s × 100 = 500.
+    # Static 1 from there: 5 × 100 + 20 × 500 + 10 × 100 = 11500; static 2 restarts at 5 s
+    # and serves from 7 s: 3 × 150 + 20 × 400 + 10 × 150 = 9950.
+    assert bounds.static_tokens == pytest.approx({1: 500 + 11500, 2: 500 + 9950})
+    assert bounds.best_static_tokens == pytest.approx(500 + 11500)
+    # Epochs 5-20 and 20-40: the best fixed K of each (1: 5500 and 6000).
+    assert bounds.oracle_tokens == pytest.approx(500 + 5500 + 6000)
+    assert (bounds.seen_min, bounds.seen_max, bounds.seen_mean) == (1, 1, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("k1", "tokens"),
+    [
+        # start 500; windows at the best K each second: 5-7 at 150 (2) = 300, 20-22 at 500
+        # (1) = 1000; K1 from 7 to 20; the rest of epoch 2 (22-40) at its best fixed K, 1:
+        # 8 × 500 + 10 × 100 = 5000.
+        (1, 500 + 300 + 1000 + (3 * 100 + 10 * 500) + 5000),
+        (2, 500 + 300 + 1000 + (3 * 150 + 10 * 400) + 5000),
+    ],
+)
+def test_the_bound_of_each_first_epoch_step_count(k1: int, tokens: float) -> None:
+    bounds = _tiny()
+    assert bounds.upper[k1] == pytest.approx(tokens)
+    assert bounds.to_best_static(k1) == pytest.approx(tokens / 12000)
+    assert bounds.to_oracle(k1) == pytest.approx(tokens / 12000)
+
+
+def test_a_step_count_reaches_the_figures_only_where_its_bound_does() -> None:
+    # 1: 12100 / 12000 reaches both; 2: 11250 / 12000 = 0.9375 neither.
+    assert _tiny().reaching() == [1]
+
+
+def test_no_window_inside_the_trace_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no window opens"):
+        bench_coldstart.upper_bound(TINY_TRACE, TINY, [(50.0, 52.0)], [1, 2], start_steps=1)
+
+
+def test_the_bound_holds_over_specds_own_replay(tmp_path: Path) -> None:
+    # Two days of the weekly trace on lowcap, whose first epoch specd bets on 6 (the quiet
+    # night says light traffic; the weekday is not).
+    path = traces.write("weekly", tmp_path / "weekly.csv", 2.0)
+    truth = next(t for t in bench_replay.TRUTHS if t[0] == "lowcap")
+    row = bench_replay.run_one(truth, "weekly", path, "model")
+    bounds = bench_coldstart.case(truth[1], "weekly", path)
+    result = row.result
+    # The replay's own denominators, to the token.
+    assert bounds.static_tokens == pytest.approx(
+        {int(k): v for k, v in result["static_tokens"].items()}
+    )
+    assert bounds.oracle_tokens == pytest.approx(result["oracle_tokens"])
+    # What specd ran when the first window (Monday 03:00-04:00) closed, until Tuesday 03:00.
+    first_close, next_open = 4 * 3600, 27 * 3600
+    timeline = result["steps_timeline"]
+    k1 = [k for at, k in timeline if at <= first_close][-1]
+    assert all(not first_close < at < next_open for at, _ in timeline)
+    assert result["specd_tokens"] <= bounds.upper[k1]
+    # Not a bound so loose that it says nothing: specd is within a few percent of it.
+    assert result["specd_tokens"] >= 0.95 * bounds.upper[k1]
