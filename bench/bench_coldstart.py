@@ -5,33 +5,22 @@ setting it picks there runs until the next window opens: for the daily windows, 
 03:00 to Tuesday 03:00, after three hours of traffic. ``python -m bench coldstart`` asks,
 for each truth, trace and step count K1 that could run through that first epoch, how much
 of issue 12's two token figures *any* policy choosing among the static step counts can
-still reach, by an upper bound on its tokens (`upper_bound`), counted by the replay's own
-`specd.tools.replay.Tokens` and window code on the same traces, truths and windows as
-``python -m bench replay``:
-
-* before the first window: the start K, as for everyone (nobody can choose there);
-* every window's open hour: the best step count second by second (a policy may restart
-  inside a window; no restart is charged anywhere);
-* the rest of the first epoch: K1;
-* the rest of every later epoch: the best fixed step count of that stretch in hindsight.
-
-The denominators are the replay's exactly: the best static step count run from the first
-window on (a restart charged if it differs from the start K) and the per-epoch oracle.
-A policy that ran K1 through the first epoch serves at most the bound, so where the bound
-is below a figure no policy reaches it with that K1. Where two traces looked alike before
-their first window (`ALIKE`) and no K1 reaches a figure on both, no policy reaches it on
-both without telling the two apart from those first hours.
+still reach, by an upper bound on its tokens (`bench.firstepoch.upper_bound`: windows at
+the best step count second by second, the best fixed one in hindsight for every later
+epoch, no restart charged) over the replay's own denominators, on the same traces, truths
+and windows as ``python -m bench replay``. A policy that ran K1 through the first epoch
+serves at most the bound, so where the bound is below a figure no policy reaches it with
+that K1. Where two traces looked alike before their first window (`ALIKE`) and no K1
+reaches a figure on both, no policy reaches it on both without telling the two apart from
+those first hours.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import itertools
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,132 +35,28 @@ from bench.bench_replay import (  # noqa: E402
     TRUTHS,
     WINDOWS,
 )
+from bench.firstepoch import START_STEPS, Bounds, bounds_of  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.commands.replay import build_config  # noqa: E402
-from specd.core.perftable import PerfTable  # noqa: E402
 from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
-from specd.tools.replay import DEFAULT_START, Tokens, Trace, load_trace, open_intervals  # noqa: E402
+from specd.tools.replay import load_trace  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "coldstart.md"
-START_STEPS = 3  # the replay's start value
 # Traces that show alike before their first window opens: three quiet hours of one to a few
 # requests (weekly's nights are 1-4 concurrent, steady_low's 1-3).
 ALIKE = (("weekly", "steady_low"),)
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """One truth and trace: the replay's denominators and each first-epoch K's bound."""
-
-    static_tokens: dict[int, float]  # each K from the first window on, as the replay counts it
-    oracle_tokens: float
-    upper: dict[int, float]  # K1 → the most any static policy running it can serve
-    seen_min: int  # offered concurrency seen before the first window
-    seen_max: int
-    seen_mean: float
-
-    @property
-    def best_static_tokens(self) -> float:
-        return max(self.static_tokens.values())
-
-    def to_best_static(self, k: int) -> float:
-        return self.upper[k] / self.best_static_tokens
-
-    def to_oracle(self, k: int) -> float:
-        return self.upper[k] / self.oracle_tokens
-
-    def reaching(self) -> list[int]:
-        """The first-epoch step counts with which both figures stay within reach."""
-        return [
-            k
-            for k in sorted(self.upper)
-            if self.to_best_static(k) >= BEST_STATIC_MIN and self.to_oracle(k) >= ORACLE_MIN
-        ]
-
-
-def _best_each_second(tokens: Tokens, keys: Sequence[int], a: float, b: float) -> float:
-    """Tokens of the best of ``keys`` in every run of the trace between ``a`` and ``b``."""
-    t = tokens.trace.t
-    if b <= a:
-        return 0.0
-    total = 0.0
-    i = max(bisect.bisect_right(t, a) - 1, 0)
-    while i < len(t) - 1 and t[i] < b:
-        span = min(t[i + 1], b) - max(t[i], a)
-        if span > 0:
-            total += span * max(tokens.rate[k][i] for k in keys)
-        i += 1
-    return total
-
-
-def upper_bound(
-    trace: Trace,
-    truth: PerfTable,
-    opens: Sequence[tuple[float, float]],
-    steps: Sequence[int],
-    start_steps: int = START_STEPS,
-    restart_s: float = RESTART_S,
-) -> Bounds:
-    """`Bounds` of ``trace`` (seconds from its start) under ``truth``, with the maintenance
-    windows ``opens`` ((opened, closes) in trace seconds, in order, as
-    `specd.tools.replay.open_intervals` gives them less the trace's start)."""
-    tokens = Tokens(trace, truth, steps)
-    first, last = trace.t[0], trace.t[-1]
-    inside = [(max(a, first), min(b, last)) for a, b in opens if first < a < last]
-    if not inside:
-        raise ValueError("no window opens inside the trace: nothing to choose")
-    o1 = inside[0][0]
-    pre = tokens.between(start_steps, first, o1)
-    # The replay's denominators (specd.tools.replay.replay): each static K from the first
-    # opening on, restarting into it there unless it is the start K; the oracle's best
-    # fixed K per epoch, charged no restart.
-    static = {
-        k: pre + tokens.between(k, o1 + (0.0 if k == start_steps else restart_s), last)
-        for k in steps
-    }
-    edges = [a for a, _ in inside] + [last]
-    epochs = list(itertools.pairwise(edges))
-    oracle = pre + sum(max(tokens.between(k, a, b) for k in steps) for a, b in epochs)
-    # Every epoch: its window's open stretch at the best K second by second, then (the
-    # first epoch) K1 or (later ones) the best fixed K in hindsight.
-    closes = [min(b, end) for (_, b), (_, end) in zip(inside, epochs, strict=True)]
-    window_part = sum(
-        _best_each_second(tokens, steps, a, c) for (a, _), c in zip(epochs, closes, strict=True)
-    )
-    later = sum(
-        max(tokens.between(k, c, end) for k in steps)
-        for (_, end), c in zip(epochs[1:], closes[1:], strict=True)
-    )
-    first_end = epochs[0][1]
-    upper = {
-        k1: pre + window_part + tokens.between(k1, closes[0], first_end) + later for k1 in steps
-    }
-    seen = [
-        (lvl, min(t1, o1) - t0)
-        for (t0, t1), lvl in zip(itertools.pairwise(trace.t), trace.level, strict=True)
-        if t0 < o1
-    ]
-    seen_s = sum(s for _, s in seen)
-    return Bounds(
-        static_tokens=static,
-        oracle_tokens=oracle,
-        upper=upper,
-        seen_min=min(lvl for lvl, _ in seen),
-        seen_max=max(lvl for lvl, _ in seen),
-        seen_mean=sum(lvl * s for lvl, s in seen) / seen_s if seen_s > 0 else 0.0,
-    )
 
 
 def case(truth_path: Path, trace_name: str, trace_path: Path) -> Bounds:
     """One bench case, with bench/bench_replay.py's windows, step counts and restart."""
     windows = [Window(cron=c, duration_s=d, timezone=z) for c, d, z in WINDOWS[trace_name]]
     config = build_config(Config(), window_list=windows, steps=STEPS, restart_s=RESTART_S)
-    trace = load_trace(trace_path)
-    t0 = DEFAULT_START.timestamp()
-    opens = [(a - t0, b - t0) for a, b in open_intervals(config, t0 + trace.t[0], t0 + trace.t[-1])]
-    steps = list(range(STEPS[0], STEPS[1] + 1))
-    return upper_bound(trace, read_table(truth_path), opens, steps)
+    return bounds_of(load_trace(trace_path), read_table(truth_path), config)
+
+
+def _reaching(bounds: Bounds) -> list[int]:
+    return bounds.reaching(BEST_STATIC_MIN, ORACLE_MIN)
 
 
 def _ks(ks: Sequence[int]) -> str:
@@ -216,7 +101,7 @@ def markdown(results: dict[tuple[str, str], Bounds], names: Sequence[str], days:
             "|---|---|---|---|",
         ]
         for truth in truths:
-            on_a, on_b = results[(truth, a)].reaching(), results[(truth, b)].reaching()
+            on_a, on_b = _reaching(results[(truth, a)]), _reaching(results[(truth, b)])
             both = [k for k in on_a if k in on_b]
             lines.append(
                 f"| {truth} | {_ks(on_a)} | {_ks(on_b)} | "
@@ -238,7 +123,7 @@ def markdown(results: dict[tuple[str, str], Bounds], names: Sequence[str], days:
         )
         lines.append(
             f"| {truth} | {name} | {bounds.seen_min}–{bounds.seen_max} "
-            f"(mean {bounds.seen_mean:.1f}) | {cells} | {_ks(bounds.reaching())} |"
+            f"(mean {bounds.seen_mean:.1f}) | {cells} | {_ks(_reaching(bounds))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -255,7 +140,7 @@ def run(argv: list[str]) -> int:
         for truth, truth_path, _ in TRUTHS:
             for name in names:
                 bounds = results[(truth, name)] = case(truth_path, name, paths[name])
-                print(f"{truth:>13} {name:>13}: K1 reaching both {_ks(bounds.reaching())}")
+                print(f"{truth:>13} {name:>13}: K1 reaching both {_ks(_reaching(bounds))}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(results, names, args.days), encoding="utf-8")
     print(f"wrote {args.out}")

@@ -35,11 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` importable
     sys.path.insert(0, str(REPO))
 
+from bench import firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.commands.replay import build_config  # noqa: E402
+from specd.core.perftable import PerfTable  # noqa: E402
 from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
-from specd.tools.replay import load_trace, replay  # noqa: E402
+from specd.tools.replay import Trace, load_trace, replay  # noqa: E402
 
 TRUTH = REPO / "bench" / "truth"
 RESULTS = REPO / "bench" / "results" / "replay.md"
@@ -108,6 +110,11 @@ class Row:
     seconds: float
     # `speed_probe_ms` before and after the replay, averaged: how fast the machine ran.
     probe_ms: float = 0.0
+    # The model policy's (static kinds) first-epoch bet (`first_epoch`): the step count it
+    # ran from the first window's close to the next opening and what any policy running
+    # it there can still reach, ``{"steps", "to_best_static", "to_oracle"}``; None where
+    # the bound does not apply.
+    first_epoch: dict[str, Any] | None = None
 
     def explorations_per_steps_per_week(self) -> int:
         """The most explorations of one step count begun in any 7 days of the run."""
@@ -252,14 +259,33 @@ def run_one(
     if probe_trace is not None:
         before = _last_probe[0] if _last_probe else speed_probe_ms(probe_trace)
     began = time.perf_counter()
-    result = replay(load_trace(trace_path), read_table(truth_path), config, restart_s=RESTART_S)
+    trace, table = load_trace(trace_path), read_table(truth_path)
+    result = replay(trace, table, config, restart_s=RESTART_S)
     seconds = time.perf_counter() - began
     probe_ms = 0.0
     if probe_trace is not None:
         after = speed_probe_ms(probe_trace)
         _last_probe[:] = [after]
         probe_ms = (before + after) / 2
-    return Row(name, trace_name, policy, result.to_dict(), seconds, probe_ms)
+    data = result.to_dict()
+    bet = first_epoch(trace, table, config, data) if policy == "model" else None
+    return Row(name, trace_name, policy, data, seconds, probe_ms, bet)
+
+
+def first_epoch(
+    trace: Trace, truth: PerfTable, config: Config, result: dict[str, Any]
+) -> dict[str, Any] | None:
+    """`bench.firstepoch`'s bound for the step count ``result`` ran through the first
+    epoch: the most any static policy that ran it there can reach of the token figures."""
+    bounds = firstepoch.bounds_of(trace, truth, config)
+    k1 = firstepoch.first_epoch_steps(result["steps_timeline"], bounds)
+    if k1 is None:
+        return None
+    return {
+        "steps": k1,
+        "to_best_static": round(bounds.to_best_static(k1), 4),
+        "to_oracle": round(bounds.to_oracle(k1), 4),
+    }
 
 
 def _short(setting: str) -> str:
@@ -359,6 +385,7 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
             f"| {sum(f.ok is None for f in marks)} | {'; '.join(fails) or '–'} |"
         )
     lines += _after_first_day_lines(model)
+    lines += _first_epoch_lines(model)
     lines += _capacity_lines(model)
     p99s = sorted(_cpu_p99(row.result) for row in model)
     walls = sorted(row.result["decision_ms_p99"] for row in model)
@@ -537,6 +564,54 @@ def _after_first_day_lines(model: list[Row]) -> list[str]:
     return lines
 
 
+def _first_epoch_lines(model: list[Row]) -> list[str]:
+    """For each model row below ×oracle or ×best static: the step count specd bet the
+    first epoch on, and the most any static policy that bet the same can reach."""
+    short = [
+        row
+        for row in model
+        if row.first_epoch is not None
+        and (
+            row.result["ratio_to_oracle"] < ORACLE_MIN
+            or row.result["ratio_to_best_static"] < BEST_STATIC_MIN
+        )
+    ]
+    if not short:
+        return []
+    lines = [
+        "",
+        "The first epoch's bet (`python -m bench coldstart`, bench/results/coldstart.md): for "
+        "each case below ×oracle or ×best static, the step count specd ran from the first "
+        "window's close to the next opening, and an upper bound on what any policy choosing "
+        "among static step counts that ran it there reaches (the best step count second by "
+        "second inside every window, the best fixed one in hindsight for the rest of every "
+        "later epoch, no restart charged). Where the bound is below a figure, the first "
+        "epoch decided it: no play after it reaches the figure.",
+        "",
+        "| case | first-epoch K | specd ×oracle / ×best static | bound ×oracle / ×best static "
+        "| out of reach after the first epoch |",
+        "|---|--:|--:|--:|---|",
+    ]
+    for row in short:
+        bet, r = row.first_epoch, row.result
+        assert bet is not None
+        lost = [
+            name
+            for name, bound, least in (
+                ("×oracle", bet["to_oracle"], ORACLE_MIN),
+                ("×best static", bet["to_best_static"], BEST_STATIC_MIN),
+            )
+            if bound < least
+        ]
+        lines.append(
+            f"| {row.truth}/{row.trace} | {bet['steps']} "
+            f"| {r['ratio_to_oracle']:.4f} / {r['ratio_to_best_static']:.4f} "
+            f"| {bet['to_oracle']:.4f} / {bet['to_best_static']:.4f} "
+            f"| {', '.join(lost) or '–'} |"
+        )
+    return lines
+
+
 def _after_first_day_cell(r: dict[str, Any]) -> str:
     later = r.get("after_first_day")
     if later is None:
@@ -590,7 +665,13 @@ def run(argv: list[str]) -> int:
                 if args.json:
                     print(
                         json.dumps(
-                            {"truth": row.truth, "trace": row.trace, "policy": row.policy, **r}
+                            {
+                                "truth": row.truth,
+                                "trace": row.trace,
+                                "policy": row.policy,
+                                **r,
+                                "first_epoch": row.first_epoch,
+                            }
                         )
                     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

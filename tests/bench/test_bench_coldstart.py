@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench import bench_coldstart, bench_replay  # noqa: E402
+from bench import bench_coldstart, bench_replay, firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.core.perftable import PerfTable  # noqa: E402
 from specd.tools.replay import Trace  # noqa: E402
@@ -27,8 +27,8 @@ TINY_TRACE = Trace([0.0, 10.0, 30.0, 40.0], [1, 10, 1])
 TINY_OPENS = [(5.0, 7.0), (20.0, 22.0)]
 
 
-def _tiny() -> bench_coldstart.Bounds:
-    return bench_coldstart.upper_bound(
+def _tiny() -> firstepoch.Bounds:
+    return firstepoch.upper_bound(
         TINY_TRACE, TINY, TINY_OPENS, [1, 2], start_steps=1, restart_s=2.0
     )
 
@@ -64,12 +64,13 @@ def test_the_bound_of_each_first_epoch_step_count(k1: int, tokens: float) -> Non
 
 def test_a_step_count_reaches_the_figures_only_where_its_bound_does() -> None:
     # 1: 12100 / 12000 reaches both; 2: 11250 / 12000 = 0.9375 neither.
-    assert _tiny().reaching() == [1]
+    assert _tiny().reaching(0.995, 0.99) == [1]
+    assert _tiny().reaching(0.9, 0.9) == [1, 2]
 
 
 def test_no_window_inside_the_trace_is_an_error() -> None:
     with pytest.raises(ValueError, match="no window opens"):
-        bench_coldstart.upper_bound(TINY_TRACE, TINY, [(50.0, 52.0)], [1, 2], start_steps=1)
+        firstepoch.upper_bound(TINY_TRACE, TINY, [(50.0, 52.0)], [1, 2], start_steps=1)
 
 
 def test_the_bound_holds_over_specds_own_replay(tmp_path: Path) -> None:
@@ -93,3 +94,21 @@ def test_the_bound_holds_over_specds_own_replay(tmp_path: Path) -> None:
     assert result["specd_tokens"] <= bounds.upper[k1]
     # Not a bound so loose that it says nothing: specd is within a few percent of it.
     assert result["specd_tokens"] >= 0.95 * bounds.upper[k1]
+
+
+@pytest.mark.parametrize(
+    ("timeline", "k1"),
+    [
+        ([(0.0, 1)], 1),  # the start K all along
+        ([(0.0, 1), (5.0, 2)], 2),  # changed in the first window
+        ([(0.0, 1), (7.0, 2)], 2),  # ...at its close
+        ([(0.0, 1), (5.0, 2), (12.0, 1)], None),  # changed inside the epoch: no single K1
+        ([(0.0, 1), (5.0, 0)], None),  # off: the bound covers static step counts only
+        ([(0.0, 1), (5.0, None)], None),  # an adaptive set
+        ([(0.0, 1), (20.0, 2)], 1),  # changed at the next opening: K1 was 1
+    ],
+)
+def test_the_step_count_a_replay_bet_the_first_epoch_on(
+    timeline: list[tuple[float, int | None]], k1: int | None
+) -> None:
+    assert firstepoch.first_epoch_steps(timeline, _tiny()) == k1

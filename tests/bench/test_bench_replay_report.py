@@ -90,3 +90,39 @@ def test_the_margin_where_adaptive_capacity_binds_is_stated_over_the_cases_that_
     assert bench_replay._capacity_cell(made[2].result["adaptive"]) == "–/1.0500"
     assert bench_replay._capacity_cell(None) == "–/–"
     assert bench_replay._capacity_lines(made[4:]) == []
+
+
+def _bet_row(
+    trace: str, oracle: float, best: float, bet: dict[str, float] | None
+) -> bench_replay.Row:
+    result = {"ratio_to_oracle": oracle, "ratio_to_best_static": best}
+    return bench_replay.Row("lowcap", trace, "model", result, 1.0, 0.0, bet)
+
+
+@pytest.mark.parametrize(
+    ("oracle", "best", "bound_oracle", "bound_best", "out_of_reach"),
+    [
+        # Both bounds below the figures: the first epoch decided both.
+        (0.9574, 0.9632, 0.9674, 0.9733, "×oracle, ×best static"),
+        # Only the oracle's bound below 0.99.
+        (0.9793, 0.9899, 0.9876, 0.9983, "×oracle"),
+        # Both within reach after the first epoch: the shortfall came later.
+        (0.9909, 0.9938, 0.9942, 0.9971, "–"),
+    ],
+)
+def test_each_shortfall_names_what_the_first_epoch_put_out_of_reach(
+    oracle: float, best: float, bound_oracle: float, bound_best: float, out_of_reach: str
+) -> None:
+    bet = {"steps": 6, "to_oracle": bound_oracle, "to_best_static": bound_best}
+    lines = bench_replay._first_epoch_lines([_bet_row("weekly", oracle, best, bet)])
+    assert lines[-1] == (
+        f"| lowcap/weekly | 6 | {oracle:.4f} / {best:.4f} | {bound_oracle:.4f} / "
+        f"{bound_best:.4f} | {out_of_reach} |"
+    )
+
+
+def test_cases_meeting_the_figures_or_without_a_bound_are_left_out() -> None:
+    bet = {"steps": 4, "to_oracle": 1.0, "to_best_static": 1.0}
+    meets = _bet_row("steady_low", 0.9999, 1.0, bet)
+    unbounded = _bet_row("weekly", 0.95, 0.95, None)  # an adaptive set or a change inside
+    assert bench_replay._first_epoch_lines([meets, unbounded]) == []

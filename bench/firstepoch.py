@@ -1,0 +1,153 @@
+"""The bound behind ``python -m bench coldstart``: what any policy choosing among static step
+counts can still reach of issue 12's token figures after betting the first epoch on one.
+
+`upper_bound` counts, with the replay's own `specd.tools.replay.Tokens`, an upper bound on
+the tokens of any such policy that ran K1 from the first window's close to the next
+opening: the start K before the first window (as everyone), every window's open stretch at
+the best step count second by second (a policy may restart inside a window; no restart is
+charged anywhere), K1 for the rest of the first epoch, the best fixed step count in
+hindsight for the rest of every later epoch. Its denominators are the replay's exactly.
+`bench.bench_replay` reads it for the step count specd ran (`first_epoch_steps`);
+`bench.bench_coldstart` for every K1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specd.core.perftable import PerfTable
+from specd.io.config import Config
+from specd.tools.replay import DEFAULT_START, Tokens, Trace, open_intervals
+
+START_STEPS = 3  # the replay's start value
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """One truth and trace: the replay's denominators and each first-epoch K's bound."""
+
+    static_tokens: dict[int, float]  # each K from the first window on, as the replay counts it
+    oracle_tokens: float
+    upper: dict[int, float]  # K1 → the most any static policy running it can serve
+    seen_min: int  # offered concurrency seen before the first window
+    seen_max: int
+    seen_mean: float
+    # The first window's close and the next opening (trace seconds): K1's stretch.
+    first_close_s: float = 0.0
+    first_end_s: float = 0.0
+
+    @property
+    def best_static_tokens(self) -> float:
+        return max(self.static_tokens.values())
+
+    def to_best_static(self, k: int) -> float:
+        return self.upper[k] / self.best_static_tokens
+
+    def to_oracle(self, k: int) -> float:
+        return self.upper[k] / self.oracle_tokens
+
+    def reaching(self, best_static_min: float, oracle_min: float) -> list[int]:
+        """The first-epoch step counts with which both figures stay within reach."""
+        return [
+            k
+            for k in sorted(self.upper)
+            if self.to_best_static(k) >= best_static_min and self.to_oracle(k) >= oracle_min
+        ]
+
+
+def _best_each_second(tokens: Tokens, keys: Sequence[int], a: float, b: float) -> float:
+    """Tokens of the best of ``keys`` in every run of the trace between ``a`` and ``b``."""
+    t = tokens.trace.t
+    if b <= a:
+        return 0.0
+    total = 0.0
+    i = max(bisect.bisect_right(t, a) - 1, 0)
+    while i < len(t) - 1 and t[i] < b:
+        span = min(t[i + 1], b) - max(t[i], a)
+        if span > 0:
+            total += span * max(tokens.rate[k][i] for k in keys)
+        i += 1
+    return total
+
+
+def upper_bound(
+    trace: Trace,
+    truth: PerfTable,
+    opens: Sequence[tuple[float, float]],
+    steps: Sequence[int],
+    start_steps: int = START_STEPS,
+    restart_s: float = 100.0,
+) -> Bounds:
+    """`Bounds` of ``trace`` (seconds from its start) under ``truth``, with the maintenance
+    windows ``opens`` ((opened, closes) in trace seconds, in order, as
+    `specd.tools.replay.open_intervals` gives them less the trace's start)."""
+    tokens = Tokens(trace, truth, steps)
+    first, last = trace.t[0], trace.t[-1]
+    inside = [(max(a, first), min(b, last)) for a, b in opens if first < a < last]
+    if not inside:
+        raise ValueError("no window opens inside the trace: nothing to choose")
+    o1 = inside[0][0]
+    pre = tokens.between(start_steps, first, o1)
+    # The replay's denominators (specd.tools.replay.replay): each static K from the first
+    # opening on, restarting into it there unless it is the start K; the oracle's best
+    # fixed K per epoch, charged no restart.
+    static = {
+        k: pre + tokens.between(k, o1 + (0.0 if k == start_steps else restart_s), last)
+        for k in steps
+    }
+    edges = [a for a, _ in inside] + [last]
+    epochs = list(itertools.pairwise(edges))
+    oracle = pre + sum(max(tokens.between(k, a, b) for k in steps) for a, b in epochs)
+    # Every epoch: its window's open stretch at the best K second by second, then (the
+    # first epoch) K1 or (later ones) the best fixed K in hindsight.
+    closes = [min(b, end) for (_, b), (_, end) in zip(inside, epochs, strict=True)]
+    window_part = sum(
+        _best_each_second(tokens, steps, a, c) for (a, _), c in zip(epochs, closes, strict=True)
+    )
+    later = sum(
+        max(tokens.between(k, c, end) for k in steps)
+        for (_, end), c in zip(epochs[1:], closes[1:], strict=True)
+    )
+    first_end = epochs[0][1]
+    upper = {
+        k1: pre + window_part + tokens.between(k1, closes[0], first_end) + later for k1 in steps
+    }
+    seen = [
+        (lvl, min(t1, o1) - t0)
+        for (t0, t1), lvl in zip(itertools.pairwise(trace.t), trace.level, strict=True)
+        if t0 < o1
+    ]
+    seen_s = sum(s for _, s in seen)
+    return Bounds(
+        static_tokens=static,
+        oracle_tokens=oracle,
+        upper=upper,
+        seen_min=min(lvl for lvl, _ in seen),
+        seen_max=max(lvl for lvl, _ in seen),
+        seen_mean=sum(lvl * s for lvl, s in seen) / seen_s if seen_s > 0 else 0.0,
+        first_close_s=closes[0],
+        first_end_s=first_end,
+    )
+
+
+def first_epoch_steps(timeline: Sequence[tuple[float, int | None]], bounds: Bounds) -> int | None:
+    """The step count a replay's ``steps_timeline`` ran from the first window's close to the
+    next opening (K1 of `Bounds.upper`); None where it changed in between or ran a setting
+    the bound does not cover (off, an adaptive set)."""
+    if any(bounds.first_close_s < at < bounds.first_end_s for at, _ in timeline):
+        return None
+    before = [k for at, k in timeline if at <= bounds.first_close_s]
+    k1 = before[-1] if before else None
+    return k1 if k1 is not None and k1 in bounds.upper else None
+
+
+def bounds_of(trace: Trace, truth: PerfTable, config: Config) -> Bounds:
+    """`upper_bound` under a replay's ``config``: its windows (the trace starting at
+    `specd.tools.replay.DEFAULT_START`), its step counts and its restart cost."""
+    t0 = DEFAULT_START.timestamp()
+    opens = [(a - t0, b - t0) for a, b in open_intervals(config, t0 + trace.t[0], t0 + trace.t[-1])]
+    steps = list(range(config.choose.min_steps, config.choose.max_steps + 1))
+    return upper_bound(trace, truth, opens, steps, restart_s=config.choose.restart_cost_s)
