@@ -81,6 +81,9 @@ def test_sigkill_mid_restart_frees_the_slot_and_the_next_start_heals(
     assert slot is not None, why
     assert other.release(slot) is None
 
+    # A fresh metrics port: the killed specd's was free for the seconds above, and a server
+    # of another test running beside this one may listen on it by now.
+    write_config(config_path, tmp_path, standin.port, free_port(), **fleet_keys)
     log2 = tmp_path / "specd2.log"
     proc = start_specd(config_path, daemon_env(standin), log2)
     try:
