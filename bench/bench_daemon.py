@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
-from bench.child import run_json  # noqa: E402
+from bench.child import export_revision, run_json  # noqa: E402
 
 CASES: tuple[tuple[str, int, int], ...] = (
     # (label, DP ranks, /metrics padding bytes)
@@ -131,19 +130,6 @@ def measure_in(tree: Path, label: str, ticks: int) -> Row:
 
 def measure(ticks: int) -> list[Row]:
     return [measure_in(REPO, label, ticks) for label, _dp, _pad in CASES]
-
-
-def export_revision(rev: str, into: Path) -> Path:
-    """``rev`` of this repository as a plain tree in ``into`` (git archive, no worktree)."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "--format=tar", rev],
-        capture_output=True,
-        check=False,
-    )
-    if archive.returncode != 0:
-        raise RuntimeError(f"git archive {rev}: {archive.stderr.decode(errors='replace')[-300:]}")
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
 
 
 def compare(rev: str, ticks: int, rounds: int) -> str:

@@ -1,0 +1,185 @@
+"""A policy change's effect on every bench case's tokens: a base revision against this tree.
+
+``python -m bench tokens`` replays every model-policy case of `bench.bench_replay` (its
+truths, traces, windows and config; ``model+kinds`` where it runs that) once with a base
+revision's code and once with this tree's, uncommitted changes included, each case and tree
+in a fresh process of its own. Per case it reports whether specd's tokens moved, their ratio
+new/base, and issue 12's token figures (×oracle, ×best static, ×adaptive) before and after;
+above them, how many cases meet each figure with either tree. The comparisons' tokens (each
+static K, the oracle, SGLang adaptive) do not depend on specd's code, so a figure moves
+only with specd's tokens. Token counts do not move with how busy the machine is: cases run
+side by side (``--jobs``).
+
+``--base REV`` (default HEAD: the working tree's uncommitted change against its commit),
+``--days N`` (7), ``--jobs N`` (2), ``--truth NAME`` and ``--only TRACE`` as in ``python -m
+bench replay``, ``--out FILE`` writes the report too. Every case on 2 cores: about 5
+minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO))
+
+from bench.bench_replay import (  # noqa: E402
+    ADAPTIVE_MIN,
+    BEST_STATIC_MIN,
+    KINDS_POLICY,
+    KINDS_TRUTHS,
+    ORACLE_MIN,
+    TRUTHS,
+)
+from bench.child import export_revision, run_json, short_revision  # noqa: E402
+from bench.traces import generate as traces  # noqa: E402
+
+Case = tuple[str, str, str]  # truth, trace, policy
+# The token figures: (name, the result's key, the least that meets it).
+FIGURES = (
+    ("×oracle", "ratio_to_oracle", ORACLE_MIN),
+    ("×best static", "ratio_to_best_static", BEST_STATIC_MIN),
+    ("×adaptive", "ratio_to_adaptive", ADAPTIVE_MIN),
+)
+
+# The worker: one case, in a fresh interpreter with the tree to measure first on sys.path.
+WORKER = r"""
+import json, sys
+tree, truth_name, trace_name, policy, trace_path = sys.argv[1:6]
+sys.path.insert(0, tree)
+from pathlib import Path
+from bench import bench_replay as b
+assert b.__file__.startswith(tree), (b.__file__, tree)
+truth = next(t for t in b.TRUTHS if t[0] == truth_name)
+r = b.run_one(truth, trace_name, Path(trace_path), policy).result
+keys = ("specd_tokens", "ratio_to_oracle", "ratio_to_best_static", "ratio_to_adaptive")
+print(json.dumps({**{k: r[k] for k in keys}, "steps": b._steps_path(r)}))
+"""
+
+
+def cases(truth: str | None, only: str | None) -> list[Case]:
+    names = [only] if only else list(traces.PATTERNS)
+    out: list[Case] = []
+    for name in names:
+        for t, _, _ in TRUTHS:
+            if truth in (None, t):
+                out.append((t, name, "model"))
+                if t in KINDS_TRUTHS:
+                    out.append((t, name, KINDS_POLICY))
+    return out
+
+
+def _ratio(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
+def report(
+    base: Mapping[Case, Mapping[str, Any]], new: Mapping[Case, Mapping[str, Any]]
+) -> list[str]:
+    """The comparison's markdown lines: how many cases meet each figure with either tree,
+    then every case whose tokens moved."""
+    both = [case for case in base if case in new]
+    same = sum(1 for case in both if base[case]["specd_tokens"] == new[case]["specd_tokens"])
+    lines = [
+        f"specd's tokens identical in {same} of {len(both)} cases.",
+        "",
+        "| figure | cases meeting it, base | this tree |",
+        "|---|--:|--:|",
+    ]
+    for name, key, least in FIGURES:
+        counted = [c for c in both if base[c][key] is not None and new[c][key] is not None]
+
+        def meeting(side: Mapping[Case, Mapping[str, Any]], key: str = key) -> int:
+            return sum(1 for c in counted if side[c][key] >= least)  # noqa: B023
+
+        lines.append(
+            f"| {name} ≥ {least:g} | {meeting(base)} of {len(counted)} "
+            f"| {meeting(new)} of {len(counted)} |"
+        )
+    moved = [c for c in both if base[c]["specd_tokens"] != new[c]["specd_tokens"]]
+    if moved:
+        lines += [
+            "",
+            "| truth | trace | policy | tokens new/base | "
+            + " | ".join(f"{name} base → new" for name, _, _ in FIGURES)
+            + " | steps base → new |",
+            "|---|---|---|--:|" + "---|" * len(FIGURES) + "---|",
+        ]
+        for c in moved:
+            old, now = base[c], new[c]
+            cells = " | ".join(f"{_ratio(old[key])} → {_ratio(now[key])}" for _, key, _ in FIGURES)
+            lines.append(
+                f"| {c[0]} | {c[1]} | {c[2]} "
+                f"| ×{now['specd_tokens'] / old['specd_tokens']:.4f} | {cells} "
+                f"| {old['steps']} → {now['steps']} |"
+            )
+    return lines
+
+
+def _one(tree: Path, case: Case, trace: Path) -> dict[str, Any]:
+    out: dict[str, Any] = run_json(
+        tree, ["-c", WORKER, str(tree), *case, str(trace)], f"{tree} {'/'.join(case)}"
+    )
+    return out
+
+
+def compare(
+    base_tree: Path, new_tree: Path, todo: list[Case], days: float, jobs: int
+) -> tuple[dict[Case, dict[str, Any]], dict[Case, dict[str, Any]]]:
+    """Each case of ``todo`` replayed by both trees on ``days``-day traces, ``jobs`` at a
+    time: (the base tree's results, the new tree's), by case."""
+    with tempfile.TemporaryDirectory(prefix="specd-tokens-traces-") as tmp:
+        paths = {
+            name: traces.write(name, Path(tmp) / f"{name}.csv", days)
+            for name in sorted({c[1] for c in todo})
+        }
+        runs = [(tree, c) for c in todo for tree in (base_tree, new_tree)]
+        with ThreadPoolExecutor(jobs) as pool:
+            done = list(pool.map(lambda job: _one(job[0], job[1], paths[job[1][1]]), runs))
+    results = dict(zip(runs, done, strict=True))
+    return (
+        {c: results[(base_tree, c)] for c in todo},
+        {c: results[(new_tree, c)] for c in todo},
+    )
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench tokens", description=__doc__)
+    parser.add_argument("--base", default="HEAD", help="git revision to compare with")
+    parser.add_argument("--days", type=float, default=7.0)
+    parser.add_argument("--jobs", type=int, default=2, choices=range(1, 9), metavar="1-8")
+    parser.add_argument("--truth", choices=[t[0] for t in TRUTHS], help="one truth only")
+    parser.add_argument("--only", choices=sorted(traces.PATTERNS), help="one trace only")
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    todo = cases(args.truth, args.only)
+    with tempfile.TemporaryDirectory(prefix="specd-tokens-") as tmp:
+        base_tree = export_revision(args.base, Path(tmp) / "base")
+        base, new = compare(base_tree, REPO, todo, args.days, args.jobs)
+    lines = [
+        "# specd's tokens: a base revision against this tree, side by side",
+        "",
+        f"Base `{args.base}` ({short_revision(args.base)}) against this tree (HEAD "
+        f"{short_revision('HEAD')} plus any uncommitted change), {args.days:g}-day bench "
+        "traces, bench/bench_replay.py's truths, windows and config, each case and tree in a "
+        "fresh process.",
+        "",
+        *report(base, new),
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,91 @@
+"""`python -m bench tokens`: a base revision's tokens against this tree's, case by case."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench import bench_tokens  # noqa: E402
+from bench.child import export_revision  # noqa: E402
+
+
+def _result(tokens: float, oracle: float, best: float, adaptive: float | None) -> dict[str, Any]:
+    return {
+        "specd_tokens": tokens,
+        "ratio_to_oracle": oracle,
+        "ratio_to_best_static": best,
+        "ratio_to_adaptive": adaptive,
+        "steps": "3→4",
+    }
+
+
+STILL = ("near", "steady_low", "model")
+MOVED = ("lowcap", "steady_low", "model")
+
+
+@pytest.mark.parametrize(
+    ("base", "new", "expected"),
+    [
+        # Nothing moved: the counts only.
+        (
+            {STILL: _result(100.0, 0.999, 1.0, 1.01)},
+            {STILL: _result(100.0, 0.999, 1.0, 1.01)},
+            [
+                "specd's tokens identical in 1 of 1 cases.",
+                "| ×oracle ≥ 0.99 | 1 of 1 | 1 of 1 |",
+                "| ×best static ≥ 0.995 | 1 of 1 | 1 of 1 |",
+                "| ×adaptive ≥ 1 | 1 of 1 | 1 of 1 |",
+            ],
+        ),
+        # One case lost tokens below two figures; a case without adaptive is not counted
+        # for that figure.
+        (
+            {STILL: _result(100.0, 0.999, 1.0, None), MOVED: _result(200.0, 1.0, 1.0, 1.004)},
+            {STILL: _result(100.0, 0.999, 1.0, None), MOVED: _result(198.0, 0.99, 0.99, 0.994)},
+            [
+                "specd's tokens identical in 1 of 2 cases.",
+                "| ×oracle ≥ 0.99 | 2 of 2 | 2 of 2 |",
+                "| ×best static ≥ 0.995 | 2 of 2 | 1 of 2 |",
+                "| ×adaptive ≥ 1 | 1 of 1 | 0 of 1 |",
+                "| lowcap | steady_low | model | ×0.9900 | 1.0000 → 0.9900 | 1.0000 → 0.9900 "
+                "| 1.0040 → 0.9940 | 3→4 → 3→4 |",
+            ],
+        ),
+    ],
+)
+def test_the_report_counts_each_figure_and_lists_what_moved(
+    base: dict[bench_tokens.Case, dict[str, Any]],
+    new: dict[bench_tokens.Case, dict[str, Any]],
+    expected: list[str],
+) -> None:
+    lines = bench_tokens.report(base, new)
+    for line in expected:
+        assert line in lines
+    moved = [line for line in lines if line.startswith("| lowcap")]
+    assert len(moved) == sum(1 for c in base if base[c] != new[c])
+
+
+def test_the_cases_are_the_replay_benchs_model_cases() -> None:
+    every = bench_tokens.cases(None, None)
+    assert len(every) == 9 * 5 + 5  # each truth and trace, and heavyoff's model+kinds
+    assert bench_tokens.cases("heavyoff", "weekly") == [
+        ("heavyoff", "weekly", "model"),
+        ("heavyoff", "weekly", "model+kinds"),
+    ]
+
+
+def test_one_tree_against_itself_moves_nothing(tmp_path: Path) -> None:
+    # The committed tree, exported, replayed as both sides: the whole pipeline (export,
+    # workers in fresh processes, results by case), whatever the working tree holds.
+    tree = export_revision("HEAD", tmp_path / "head")
+    todo = bench_tokens.cases("near", "steady_low")
+    base, new = bench_tokens.compare(tree, tree, todo, 0.5, 2)
+    assert base == new
+    assert base[todo[0]]["specd_tokens"] > 0
+    assert "specd's tokens identical in 1 of 1 cases." in bench_tokens.report(base, new)
