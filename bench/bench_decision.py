@@ -1,8 +1,8 @@
 """Decision cost, this tree against a base revision, side by side; write bench/results/decision.md.
 
-``python -m bench decision`` checks the base revision (``--base``; default: where HEAD
-forked from ``main``) out into a temporary git worktree and replays the same bench cases
-(`bench.bench_replay`'s truths, traces, windows and config) with both trees' code, base
+``python -m bench decision`` exports the base revision (``--base``; default: where HEAD
+forked from ``main``) into a temporary directory (``git archive``) and replays the same bench
+cases (`bench.bench_replay`'s truths, traces, windows and config) with both trees' code, base
 then this tree case by case, each case in a fresh process of its own, one at a time (no
 ``--jobs``: the two never compete for a core). Per case and tree it reports the decision
 cost per tick in the deciding thread's CPU time (`time.thread_time` around `step`, measured
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
-from bench.child import run_json  # noqa: E402
+from bench.child import export_revision, run_json, short_revision  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "decision.md"
@@ -184,65 +184,42 @@ def run(argv: list[str]) -> int:
             text=True,
             check=True,
         ).stdout.strip()
-    base_rev = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", args.base],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    head_rev = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    base_rev, head_rev = short_revision(args.base), short_revision("HEAD")
     rows: list[str] = []
     same_everywhere = True
     with tempfile.TemporaryDirectory(prefix="specd-decision-") as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.base],
-            capture_output=True,
-            check=True,
-        )
-        try:
-            for case in cases:
-                truth, trace_name, policy = case
-                trace = traces.write(trace_name, Path(tmp) / f"{trace_name}.csv", args.days)
-                counts = (Path(tmp) / "base.cg", Path(tmp) / "new.cg")
-                old = _measure(base, case, trace, counts[0] if args.instructions else None)
-                new = _measure(REPO, case, trace, counts[1] if args.instructions else None)
-                same = all(old[k] == new[k] for k in ("decisions", "setting_timeline"))
-                same_everywhere &= same
-                oc, nc = _stats(old["cpu"]), _stats(new["cpu"])
-                ow, nw = _stats(old["wall"]), _stats(new["wall"])
-                # Under valgrind the timings are its own: no budget to judge them by.
-                budget = (
-                    "– (valgrind)"
-                    if args.instructions
-                    else "PASS"
-                    if nc["p99"] <= BUDGET_MS
-                    else "FAIL"
-                )
-                line = (
-                    f"| {truth} | {trace_name} | {policy} | {len(new['cpu'])} "
-                    f"| {oc['mean']:.2f}/{oc['p99']:.2f} | {nc['mean']:.2f}/{nc['p99']:.2f} "
-                    f"| {nc['mean'] / oc['mean']:.2f} | {nc['p99'] / oc['p99']:.2f} "
-                    f"| {ow['p99']:.2f} | {nw['p99']:.2f} "
-                    f"| {old['gc_runs']} → {new['gc_runs']} "
-                    f"| {old['gc_cpu_ms']:.0f} → {new['gc_cpu_ms']:.0f} "
-                    f"| {_instructions(old, new)} "
-                    f"| {'yes' if same else 'NO'} "
-                    f"| {budget} |"
-                )
-                print(line, flush=True)
-                rows.append(line)
-        finally:
-            subprocess.run(
-                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)],
-                capture_output=True,
-                check=False,
+        base = export_revision(args.base, Path(tmp) / "base")
+        for case in cases:
+            truth, trace_name, policy = case
+            trace = traces.write(trace_name, Path(tmp) / f"{trace_name}.csv", args.days)
+            counts = (Path(tmp) / "base.cg", Path(tmp) / "new.cg")
+            old = _measure(base, case, trace, counts[0] if args.instructions else None)
+            new = _measure(REPO, case, trace, counts[1] if args.instructions else None)
+            same = all(old[k] == new[k] for k in ("decisions", "setting_timeline"))
+            same_everywhere &= same
+            oc, nc = _stats(old["cpu"]), _stats(new["cpu"])
+            ow, nw = _stats(old["wall"]), _stats(new["wall"])
+            # Under valgrind the timings are its own: no budget to judge them by.
+            budget = (
+                "– (valgrind)"
+                if args.instructions
+                else "PASS"
+                if nc["p99"] <= BUDGET_MS
+                else "FAIL"
             )
+            line = (
+                f"| {truth} | {trace_name} | {policy} | {len(new['cpu'])} "
+                f"| {oc['mean']:.2f}/{oc['p99']:.2f} | {nc['mean']:.2f}/{nc['p99']:.2f} "
+                f"| {nc['mean'] / oc['mean']:.2f} | {nc['p99'] / oc['p99']:.2f} "
+                f"| {ow['p99']:.2f} | {nw['p99']:.2f} "
+                f"| {old['gc_runs']} → {new['gc_runs']} "
+                f"| {old['gc_cpu_ms']:.0f} → {new['gc_cpu_ms']:.0f} "
+                f"| {_instructions(old, new)} "
+                f"| {'yes' if same else 'NO'} "
+                f"| {budget} |"
+            )
+            print(line, flush=True)
+            rows.append(line)
     text = "\n".join(
         [
             "# specd decision cost: this tree against a base revision, side by side",
