@@ -95,13 +95,9 @@ def report(
     ]
     for name, key, least in FIGURES:
         counted = [c for c in both if base[c][key] is not None and new[c][key] is not None]
-
-        def meeting(side: Mapping[Case, Mapping[str, Any]], key: str = key) -> int:
-            return sum(1 for c in counted if side[c][key] >= least)  # noqa: B023
-
+        met = [sum(1 for c in counted if side[c][key] >= least) for side in (base, new)]
         lines.append(
-            f"| {name} ≥ {least:g} | {meeting(base)} of {len(counted)} "
-            f"| {meeting(new)} of {len(counted)} |"
+            f"| {name} ≥ {least:g} | {met[0]} of {len(counted)} | {met[1]} of {len(counted)} |"
         )
     moved = [c for c in both if base[c]["specd_tokens"] != new[c]["specd_tokens"]]
     if moved:
