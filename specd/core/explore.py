@@ -19,6 +19,11 @@ past `specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
 * never under a pin or a freeze, never outside a window, nor when dwell or the restart
   budget say no: `specd.core.decide.decide` gates an exploration like a change.
 
+Exploration measures static step counts: it reads the plan's static K alone
+(`specd.core.model.Plan.static_only`). Where off or an adaptive set is best but not sure to
+serve more, the static ones stay open to it; a plan that moves to off or a set explores
+nothing.
+
 Without a calibration (none configured, or unusable) the model predicts only the step
 counts observed on this box, so specd starts from the bands and walks one step at a time:
 

@@ -29,7 +29,9 @@ tokens each K would serve until the next window opens, charges a change the toke
 while SGLang restarts (``restart_cost_s``), and changes only on evidence: the predicted
 gain in tokens (net of the restart) must beat the prediction interval of the difference
 (`EVIDENCE_Z` standard errors), and the relative gain must beat ``min_gain_ratio`` (0 by
-default: the evidence decides). Each K's relative standard error comes from the
+default: the evidence decides). Where the best is not sure to serve more than the live
+setting but a lesser one is, the one of those that serves most is chosen: a set whose gain
+drowns in its untried tier's interval does not hold back a K measured to serve more. Each K's relative standard error comes from the
 calibration's noise (``calibration_noise_ratio``), shrinks with the seconds observed at that
 K (``OBSERVED_PIVOT_S``) in the load bands of the epoch's traffic (`load_band`: what K did
 at night says little of the day's load), and grows with how far an extrapolated K lies
@@ -55,7 +57,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -792,6 +794,29 @@ class Plan:
     def target_setting(self) -> SpecSetting:
         return self.setting_of(self.target)
 
+    def static_only(self, current: int) -> Plan:
+        """This plan over static step counts alone, the live K ``current`` held: its best
+        static K and that one's evidence against ``current``. Where an adaptive set or off
+        was best yet not sure to serve more, the static K that may still be worth
+        measuring is this plan's best."""
+        predictions = {k: p for k, p in self.predictions.items() if k >= 1}
+        if self.best in predictions:
+            return replace(self, predictions=predictions)
+        best = max(predictions, key=lambda k: (predictions[k].tokens, -_distance(k, current)))
+        gain = gain_tokens = margin = 0.0
+        if best != current:
+            gain, gain_tokens, margin, _ = _evidence(
+                predictions[best], predictions[current], None, current
+            )
+        return replace(
+            self,
+            predictions=predictions,
+            best=best,
+            gain_ratio=gain,
+            gain_tokens=gain_tokens,
+            margin_tokens=margin,
+        )
+
 
 # `_next_epoch` trusts a kept epoch this far before the opening that ends it: a unix time
 # read as a datetime rounds to the microsecond.
@@ -895,6 +920,26 @@ def covers(setting: SpecSetting | None, current: int | None) -> bool:
     return max(slots.candidate_steps) == current and all(
         current in slot.candidates for slot in slots.slots
     )
+
+
+def _evidence(
+    new: StepPrediction, held: StepPrediction, setting: SpecSetting | None, current: int
+) -> tuple[float, float, float, bool]:
+    """A change from ``held`` to ``new``: (relative gain, extra tokens, the interval's
+    half-width, whether ``new`` is an adaptive set covering the live K)."""
+    gain = new.tokens / held.tokens - 1.0 if held.tokens > 0 else math.inf
+    margin = EVIDENCE_Z * math.hypot(new.error_ratio * new.tokens, held.error_ratio * held.tokens)
+    return gain, new.tokens - held.tokens, margin, covers(setting, current)
+
+
+def _beats(
+    gain: float, gain_tokens: float, margin: float, covering: bool, config: Settings
+) -> bool:
+    """Whether a change's evidence is enough: its extra tokens beyond the interval (a set
+    that covers the live K serves at least what K serves at every batch: it can lose only
+    its restart, which the point prediction is net of, so it needs only a gain) and its
+    gain beyond ``min_gain_ratio``."""
+    return gain_tokens > (0.0 if covering else margin) and gain > config.choose.min_gain_ratio
 
 
 def _distance(key: int, current: int | None) -> int:
@@ -1012,24 +1057,33 @@ def plan(
     best = max(keys, key=lambda k: (predictions[k].tokens, -_distance(k, current)))
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     covering = False
+    runner_up: tuple[int, float] | None = None
     if current is not None and current in predictions and best != current:
-        b, held = predictions[best], predictions[current]
-        gain = b.tokens / held.tokens - 1.0 if held.tokens > 0 else math.inf
-        gain_tokens = b.tokens - held.tokens
-        margin = EVIDENCE_Z * math.hypot(b.error_ratio * b.tokens, held.error_ratio * held.tokens)
-        # A set that covers the live K serves at least what K serves at every batch: it can
-        # lose only its restart, which the point prediction is net of. The interval guards
-        # a change that could serve less; this one needs only a gain.
-        covering = covers(settings.get(best), current)
-        if gain_tokens <= (0.0 if covering else margin) or gain <= config.choose.min_gain_ratio:
+        held = predictions[current]
+        gain, gain_tokens, margin, covering = _evidence(
+            predictions[best], held, settings.get(best), current
+        )
+        if not _beats(gain, gain_tokens, margin, covering, config):
             target = current
+            # The best is not sure to serve more than the live one, but a lesser choice may
+            # be: take the one that serves most of those that are (beyond their interval).
+            for k in sorted(keys, key=lambda k: (-predictions[k].tokens, _distance(k, current))):
+                if k in (best, current) or predictions[k].tokens <= held.tokens:
+                    continue
+                if _beats(*_evidence(predictions[k], held, settings.get(k), current), config):
+                    target = k
+                    runner_up = (k, predictions[k].tokens / held.tokens - 1.0)
+                    break
     elif current is not None and current not in predictions:
         gain = math.inf
     labels = {k: (format_setting(settings[k]) if k in settings else str(k)) for k in predictions}
     why = _why(
         forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
     )
-    if covering and target != current:
+    if runner_up is not None:
+        k, up = runner_up
+        why += f"; {labels[k]} serves {up * 100:+.1f}% beyond its interval: {current} → {labels[k]}"
+    if covering and target == best != current:
         why += (
             f"; {labels[best]} runs {current} at {current}'s capacity where {current} serves "
             f"most: it can lose only its restart"
@@ -1083,17 +1137,18 @@ def _why(
     held = predictions.get(current) if current is not None else None
     extra = predictions[best].tokens - held.tokens if held is not None else math.inf
     evidence = "" if math.isinf(extra) else f" ({extra:.0f} tokens, interval ±{margin:.0f})"
-    if target == current:
+    if target != best:
         floor = config.choose.min_gain_ratio
-        kept = labels[current]
+        # Kept, or a lesser choice that is sure to serve more (`plan` says which).
+        kept = f": keeping {labels[current]}" if target == current else ""
         if extra <= margin:
             return (
                 f"{head}; {shown} best by {gain_text}{evidence} net of the restart, "
-                f"within the prediction interval: keeping {kept}"
+                f"within the prediction interval{kept}"
             )
         return (
             f"{head}; {shown} best by {gain_text}{evidence} net of the restart, below "
-            f"min_gain_ratio {floor * 100:g}%: keeping {kept}"
+            f"min_gain_ratio {floor * 100:g}%{kept}"
         )
     return f"{head}; {shown} best by {gain_text}{evidence} net of the restart"
 

@@ -142,7 +142,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         control = replace(
             control, avoided=outcome.with_avoided(control.avoided, entry, now, config)
         )
-    static_plan = _static_plan(pick.plan if pick is not None else None)
+    static_plan = _static_plan(pick.plan if pick is not None else None, current)
     back = explore.settle(static_plan, current, control.explorations, config, now)
     if pick is not None and back is not None:
         pick = replace(pick, steps=back[0], why=f"{pick.why}; {back[1]}")
@@ -235,10 +235,13 @@ def _after_acting(
     return replace(control, verifying=None)
 
 
-def _static_plan(plan: Plan | None) -> Plan | None:
-    """The plan as safe exploration reads it: static step counts only. Exploration measures
-    a step count; a plan that moves to off or to an adaptive set explores nothing."""
-    if plan is None or plan.best < 1 or plan.target < 1:
+def _static_plan(plan: Plan | None, current: int | None) -> Plan | None:
+    """The plan as safe exploration reads it: static step counts only, the live static K
+    held. Exploration measures a step count; a plan that moves to off or to an adaptive
+    set explores nothing. One that keeps the live K because the best (static, off or a
+    set) is not sure to serve more reads its best static K (`Plan.static_only`)."""
+    if plan is None or current is None or current < 1 or plan.target < 1:
         return None
-    static_only = {k: p for k, p in plan.predictions.items() if k >= 1}
-    return replace(plan, predictions=static_only)
+    if current not in plan.predictions:
+        return None
+    return plan.static_only(current)

@@ -17,6 +17,7 @@ from specd.core.choices import offer
 from specd.core.decide import Control, choose
 from specd.core.history import History, HistorySettings
 from specd.core.model import (
+    EVIDENCE_Z,
     EXTRAPOLATION_DISCOUNT_RATIO,
     Calibration,
     Mix,
@@ -613,31 +614,39 @@ def kinds_config(tmp_path: Path, **kwargs: Any) -> Settings:
     return config(tmp_path, **{**base, **kwargs})
 
 
-def kinds_history(levels: tuple[int, ...], steps: int = 3, hours: float = 3.0) -> History:
+def kinds_history(
+    levels: tuple[int, ...], steps: int = 3, hours: float = 3.0, earlier: int | None = None
+) -> History:
     """Offered concurrency cycling through ``levels`` every 10 minutes from Monday 00:00
-    until just before the 03:00 window, served at ``steps`` as KINDS_TABLE says."""
+    until just before the 03:00 window, served at ``steps`` as KINDS_TABLE says; with
+    ``earlier``, the same traffic served at that step count for the ``hours`` before."""
     history = fresh_history()
-    cap = KINDS_TABLE.capacity(steps)
-    assert cap is not None
-    t, served = MONDAY, 0.0
-    while t < MONDAY + hours * HOUR:
-        c = levels[int((t - MONDAY) // 600) % len(levels)]
-        history.record(
-            make_observation(
-                t,
-                running=min(c, cap),
-                queued=max(0, c - cap),
-                accept_length=None,
-                spec_fresh=False,
-                steps=steps,
-                max_running_requests=cap,
-                generation_tokens_total=served,
-                decode_tokens_total=served,
-                version="test",
+    runs = [(MONDAY, steps)]
+    if earlier is not None:
+        runs.insert(0, (MONDAY - hours * HOUR, earlier))
+    served = 0.0
+    for start, k in runs:
+        cap = KINDS_TABLE.capacity(k)
+        assert cap is not None
+        t = start
+        while t < start + hours * HOUR:
+            c = levels[int((t - start) // 600) % len(levels)]
+            history.record(
+                make_observation(
+                    t,
+                    running=min(c, cap),
+                    queued=max(0, c - cap),
+                    accept_length=None,
+                    spec_fresh=False,
+                    steps=k,
+                    max_running_requests=cap,
+                    generation_tokens_total=served,
+                    decode_tokens_total=served,
+                    version="test",
+                )
             )
-        )
-        served += KINDS_TABLE.throughput(steps, c) * 5
-        t += 5
+            served += KINDS_TABLE.throughput(k, c) * 5
+            t += 5
     return history
 
 
@@ -786,6 +795,91 @@ def test_a_set_covering_the_live_k_needs_a_gain_not_a_gain_beyond_the_interval(
     assert result.target == (key if changes else 3), result.why
     assert ("it can lose only its restart" in result.why) is changes, result.why
     assert ("within the prediction interval: keeping 3" in result.why) is not changes
+
+
+# 1 ran three hours at 32 requests, then 3 (live) three more; off was never run. At 32 off
+# serves 1400, 1 step 1300, 3 steps 1000; the sets' best tiers there are off (mixed) and 1.
+@pytest.mark.parametrize(
+    ("noise", "sets", "target", "why"),
+    [
+        (0.05, [MIXED_SET, "adaptive:1,3"], "off", "the best is sure: it is taken"),
+        (0.15, [MIXED_SET, "adaptive:1,3"], "1", "off may not beat 3; 1 (observed) is sure"),
+        (0.5, [MIXED_SET, "adaptive:1,3"], "adaptive:1,3", "1 is not sure either; 1,3 covers 3"),
+        (0.5, [MIXED_SET], "3", "nothing is sure to serve more than 3: keep it"),
+    ],
+)
+def test_when_the_best_is_not_sure_the_most_of_those_that_are_wins(
+    tmp_path: Path, noise: float, sets: list[str], target: str, why: str
+) -> None:
+    cfg = kinds_config(tmp_path, calibration_noise_ratio=noise, adaptive_candidate_sets=sets)
+    history = kinds_history((32,), steps=3, earlier=1)
+    result = plan(history, cfg, 3, Calibration.of(KINDS_TABLE), offer=offer(cfg.choose, SERVER))
+    assert result is not None
+    assert result.best == 0, result.why
+    assert result.target == setting_key(parse(target)), (why, result.why)
+    sure = target not in ("off", "3")
+    assert "off best by +39.8%" in result.why
+    assert ("within the prediction interval" in result.why) is (target != "off"), result.why
+    assert (f"beyond its interval: 3 → {target}" in result.why) is sure, result.why
+    assert ("keeping 3" in result.why) is (target == "3"), result.why
+
+
+def test_a_plans_static_only_view_is_its_best_static_k_against_the_live_one(
+    tmp_path: Path,
+) -> None:
+    cfg = kinds_config(tmp_path, calibration_noise_ratio=0.15)
+    history = kinds_history((32,), steps=3, earlier=1)
+    result = plan(history, cfg, 3, Calibration.of(KINDS_TABLE), offer=offer(cfg.choose, SERVER))
+    assert result is not None
+    view = result.static_only(3)
+    assert set(view.predictions) == {1, 3}
+    one, three = view.predictions[1], view.predictions[3]
+    assert view.best == 1
+    assert view.target == result.target == 1
+    assert view.gain_tokens == pytest.approx(one.tokens - three.tokens)
+    assert view.gain_ratio == pytest.approx(one.tokens / three.tokens - 1)
+    assert view.margin_tokens == pytest.approx(
+        EVIDENCE_Z * math.hypot(one.error_ratio * one.tokens, three.error_ratio * three.tokens)
+    )
+    # The live K best of the static ones: no gain, no interval.
+    held = result.static_only(1)
+    assert (held.best, held.gain_tokens, held.margin_tokens) == (1, 0.0, 0.0)
+    # A plan whose best is static already only drops the other kinds.
+    static_best = plan(history, config(tmp_path), 3, Calibration.of(KINDS_TABLE))
+    assert static_best is not None
+    assert static_best.static_only(3) == static_best
+
+
+@pytest.mark.parametrize(
+    ("loss_ratio", "explored", "why"),
+    [
+        (0.01, 2, "2 is never observed, predicted from the trend"),
+        (0.03, 1, "1 is never observed on this box; predicted loss 1.84%"),
+    ],
+)
+def test_a_set_best_within_the_interval_leaves_the_static_ks_open_to_exploration(
+    tmp_path: Path, loss_ratio: float, explored: int, why: str
+) -> None:
+    """The mixed set is best by 1.8 % at 2 and 12 requests, far inside a noisy calibration's
+    interval: 3 stays live. The static step counts never observed are still measured as
+    they would be without the set (exploration reads the plan's static K only)."""
+    cfg = kinds_config(
+        tmp_path,
+        adaptive_candidate_sets=[MIXED_SET],
+        kinds=["static", "adaptive"],
+        calibration_noise_ratio=0.1,
+        explore_max_loss_ratio=loss_ratio,
+    )
+    history = kinds_history((2, 12), steps=3)
+    ctx = StepContext(cfg, history, None, Control(3), Calibration.of(KINDS_TABLE), traits=SERVER)
+    t = MONDAY + 3 * HOUR  # the window opens
+    obs = make_observation(t, running=2, steps=3, accept_length=None, spec_fresh=False)
+    decision = step(ctx, obs, t).decision
+    assert decision.reason.value == "explore", decision.message
+    assert decision.target_steps == explored, decision.message
+    assert f"{MIXED_SET} best by +1.8%" in decision.message, decision.message
+    assert "within the prediction interval: keeping 3" in decision.message, decision.message
+    assert why in decision.message, decision.message
 
 
 @pytest.mark.parametrize("kinds", [False, True], ids=["static", "off+static+adaptive"])
