@@ -39,6 +39,8 @@ from bench import firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.commands.replay import build_config  # noqa: E402
 from specd.core.perftable import PerfTable  # noqa: E402
+from specd.core.setting import parse as parse_setting  # noqa: E402
+from specd.core.settings import DEFAULT_ADAPTIVE_SETS  # noqa: E402
 from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
 from specd.tools.replay import Trace, load_trace, replay  # noqa: E402
@@ -58,12 +60,12 @@ TRUTHS = (
     ("heavyoff", TRUTH / "heavyoff.csv", TRUTH / "heavyoff-calibration.csv"),
     ("near cal 5+8%", TRUTH / "near.csv", TRUTH / "near-k5up-calibration.csv"),
 )
-# Truths whose calibration has every step count of every default adaptive set (0-7): there
-# the model policy also runs choosing among all kinds ("model+kinds": off, static K and
-# [choose] adaptive_candidate_sets).
-KINDS_TRUTHS = frozenset({"heavyoff"})
+# Truths where the model policy also runs choosing among every kind its calibration can
+# predict ("model+kinds", `kinds_of`): heavyoff's is swept at steps 0-7 (off, static K and
+# every default adaptive set), near's at 1-6 (static K and the default sets but SGLang's
+# own, which needs 0 and 7).
+KINDS_TRUTHS = frozenset({"heavyoff", "near"})
 KINDS_POLICY = "model+kinds"
-ALL_KINDS = ("off", "static", "adaptive")
 # Cases whose calibration claims a step count (the value) serves more than it does: once
 # specd changed to it, the change must be taken back and never made again (issue 12 item
 # 4: the outcome check goes back with reason regression, or, where the next epoch's
@@ -245,16 +247,7 @@ def run_one(
     """One case's replay; with ``probe_trace`` (`write_probe_trace`), also the machine's
     speed around it (`speed_probe_ms`)."""
     name, truth_path, calibration = truth
-    windows = [Window(cron=c, duration_s=d, timezone=z) for c, d, z in WINDOWS[trace_name]]
-    config = build_config(
-        Config(),
-        window_list=windows,
-        steps=STEPS,
-        policy="model" if policy == KINDS_POLICY else policy,
-        calibration=calibration,
-        restart_s=RESTART_S,
-        kinds=ALL_KINDS if policy == KINDS_POLICY else None,
-    )
+    config = case_config(calibration, trace_name, policy)
     before = 0.0
     if probe_trace is not None:
         before = _last_probe[0] if _last_probe else speed_probe_ms(probe_trace)
@@ -270,6 +263,35 @@ def run_one(
     data = result.to_dict()
     bet = first_epoch(trace, table, config, data) if policy == "model" else None
     return Row(name, trace_name, policy, data, seconds, probe_ms, bet)
+
+
+def kinds_of(calibration: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kinds and the default adaptive sets `model+kinds` chooses among with this
+    calibration: each whose rows it has (off: a steps-0 row; a set: each of its steps)."""
+    have = set(read_table(calibration).steps())
+    sets = tuple(t for t in DEFAULT_ADAPTIVE_SETS if parse_setting(t).table_steps <= have)
+    wanted = (("off", 0 in have), ("static", True), ("adaptive", bool(sets)))
+    return tuple(kind for kind, ok in wanted if ok), sets
+
+
+def case_config(calibration: Path, trace_name: str, policy: str) -> Config:
+    """A case's config: the trace's windows, steps 1-6, the restart, the policy (for
+    `model+kinds`, the model with `kinds_of` the calibration), config defaults otherwise."""
+    windows = [Window(cron=c, duration_s=d, timezone=z) for c, d, z in WINDOWS[trace_name]]
+    base, kinds = Config(), None
+    if policy == KINDS_POLICY:
+        kinds, sets = kinds_of(calibration)
+        if sets:
+            base = Config(choose={"adaptive_candidate_sets": list(sets)})
+    return build_config(
+        base,
+        window_list=windows,
+        steps=STEPS,
+        policy="model" if policy == KINDS_POLICY else policy,
+        calibration=calibration,
+        restart_s=RESTART_S,
+        kinds=kinds,
+    )
 
 
 def first_epoch(
@@ -346,8 +368,11 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "--calibration CAL.csv --window '0 3 * * mon-sun;3600;UTC' --steps 1-6 --json`.",
         "",
         f"`{KINDS_POLICY}` ({', '.join(sorted(KINDS_TRUTHS))}): the model policy choosing "
-        "among off, static K and `[choose] adaptive_candidate_sets` (the defaults: SGLang's "
-        "default config, 1,3, 2,4, 3,4, 1,2,3), from a calibration swept at steps 0–7; an "
+        "among static K and every other kind its calibration can predict: off where it has "
+        "a steps-0 row, and each of the default `[choose] adaptive_candidate_sets` (SGLang's "
+        "default config, 1,3, 2,4, 3,4, 1,2,3) whose step counts it has rows for (heavyoff, "
+        "swept at steps 0–7: off and all five; near, swept at 1–6: the four but SGLang's "
+        "own, which needs 0 and 7). An "
         "adaptive start takes 20 s more per candidate beyond the first. ×best adaptive set: "
         "specd against the best of those sets run from the first window in hindsight; "
         "the steps column shows each setting (A1,2,3: adaptive with candidates 1,2,3).",

@@ -57,7 +57,10 @@ sys.path.insert(0, tree)
 from pathlib import Path
 from bench import bench_replay as b
 assert b.__file__.startswith(tree), (b.__file__, tree)
-truth = next(t for t in b.TRUTHS if t[0] == truth_name)
+truth = next((t for t in b.TRUTHS if t[0] == truth_name), None)
+if truth is None or (policy == b.KINDS_POLICY and truth_name not in b.KINDS_TRUTHS):
+    print("null")  # a case this tree's bench does not run
+    sys.exit()
 r = b.run_one(truth, trace_name, Path(trace_path), policy).result
 keys = ("specd_tokens", "ratio_to_oracle", "ratio_to_best_static", "ratio_to_adaptive")
 print(json.dumps({**{k: r[k] for k in keys}, "steps": b._steps_path(r)}))
@@ -87,8 +90,12 @@ def report(
     then every case whose tokens moved."""
     both = [case for case in base if case in new]
     same = sum(1 for case in both if base[case]["specd_tokens"] == new[case]["specd_tokens"])
-    lines = [
-        f"specd's tokens identical in {same} of {len(both)} cases.",
+    lines = [f"specd's tokens identical in {same} of {len(both)} cases."]
+    for side, name in ((base, "base"), (new, "this tree")):
+        alone = [c for c in side if c not in both]
+        if alone:
+            lines.append(f"Only {name} runs: " + "; ".join("/".join(c) for c in alone) + ".")
+    lines += [
         "",
         "| figure | cases meeting it, base | this tree |",
         "|---|--:|--:|",
@@ -119,8 +126,9 @@ def report(
     return lines
 
 
-def _one(tree: Path, case: Case, trace: Path) -> dict[str, Any]:
-    out: dict[str, Any] = run_json(
+def _one(tree: Path, case: Case, trace: Path) -> dict[str, Any] | None:
+    """One case replayed by ``tree``; None where that tree's bench does not run it."""
+    out: dict[str, Any] | None = run_json(
         tree, ["-c", WORKER, str(tree), *case, str(trace)], f"{tree} {'/'.join(case)}"
     )
     return out
@@ -140,10 +148,11 @@ def compare(
         with ThreadPoolExecutor(jobs) as pool:
             done = list(pool.map(lambda job: _one(job[0], job[1], paths[job[1][1]]), runs))
     results = dict(zip(runs, done, strict=True))
-    return (
-        {c: results[(base_tree, c)] for c in todo},
-        {c: results[(new_tree, c)] for c in todo},
-    )
+
+    def ran(tree: Path) -> dict[Case, dict[str, Any]]:
+        return {c: r for c in todo if (r := results[(tree, c)]) is not None}
+
+    return ran(base_tree), ran(new_tree)
 
 
 def run(argv: list[str]) -> int:

@@ -100,6 +100,14 @@ class SpecSetting:
         return 0
 
     @property
+    def table_steps(self) -> frozenset[int]:
+        """The step counts a table must have to predict this setting: K, 0 for off, an
+        adaptive set's candidates and its slots' tiers (0: no drafting)."""
+        if self.kind != "adaptive":
+            return frozenset({self.max_steps})
+        return frozenset(self.candidates).union(*(cands for _, cands in self.slots))
+
+    @property
     def uses_slot_zero(self) -> bool:
         return any(0 in cands for _, cands in self.slots)
 

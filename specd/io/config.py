@@ -338,8 +338,7 @@ def check_calibration(settings: Settings) -> list[str]:
     problems = []
     for text in settings.choose.adaptive_candidate_sets:
         setting = parse_setting(text)
-        steps = {k for _, cands in setting.slots for k in cands} | set(setting.candidates)
-        lacking = sorted(steps - known)
+        lacking = sorted(setting.table_steps - known)
         if lacking:
             problems.append(
                 f"choose.adaptive_candidate_sets: {text!r} uses steps "

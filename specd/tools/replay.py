@@ -624,8 +624,7 @@ def _check_kinds(truth: PerfTable, config: Config) -> list[SpecSetting]:
     sets = []
     for text in config.choose.adaptive_candidate_sets:
         setting = parse_setting(text)
-        used = {k for _, c in setting.slots for k in c} | set(setting.candidates)
-        lacking = sorted(used - have)
+        lacking = sorted(setting.table_steps - have)
         if not lacking:
             sets.append(setting)
         elif "adaptive" in config.choose.kinds:

@@ -126,3 +126,39 @@ def test_cases_meeting_the_figures_or_without_a_bound_are_left_out() -> None:
     meets = _bet_row("steady_low", 0.9999, 1.0, bet)
     unbounded = _bet_row("weekly", 0.95, 0.95, None)  # an adaptive set or a change inside
     assert bench_replay._first_epoch_lines([meets, unbounded]) == []
+
+
+SGLANGS_OWN = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
+OTHER_SETS = ("adaptive:1,3", "adaptive:2,4", "adaptive:3,4", "adaptive:1,2,3")
+
+
+@pytest.mark.parametrize(
+    ("truth", "kinds", "sets"),
+    [
+        # Swept at steps 0-7: off and every default set.
+        ("heavyoff", ("off", "static", "adaptive"), (SGLANGS_OWN, *OTHER_SETS)),
+        # Swept at 1-6: no steps-0 row for off or for SGLang's own set's 0 tier, no 7.
+        ("near", ("static", "adaptive"), OTHER_SETS),
+        ("seed (twin)", ("static", "adaptive"), OTHER_SETS),
+    ],
+)
+def test_model_kinds_chooses_among_what_the_calibration_can_predict(
+    truth: str, kinds: tuple[str, ...], sets: tuple[str, ...]
+) -> None:
+    _, _, calibration = next(t for t in bench_replay.TRUTHS if t[0] == truth)
+    assert bench_replay.kinds_of(calibration) == (kinds, sets)
+    config = bench_replay.case_config(calibration, "weekly", bench_replay.KINDS_POLICY)
+    assert (config.choose.policy, config.choose.kinds) == ("model", kinds)
+    assert config.choose.adaptive_candidate_sets == sets
+    plain = bench_replay.case_config(calibration, "weekly", "model")
+    assert plain.choose.kinds == ("static",)
+
+
+def test_a_calibration_of_static_rows_one_to_two_offers_static_only(tmp_path: Path) -> None:
+    path = tmp_path / "cal.csv"
+    path.write_text(
+        "steps,concurrency,output_tok_s,accept_length,max_running_requests\n"
+        "1,1,100,1.5,40\n2,1,120,2.0,30\n",
+        encoding="utf-8",
+    )
+    assert bench_replay.kinds_of(path) == (("static",), ())

@@ -19,8 +19,6 @@ sys.path.insert(0, str(REPO))
 
 from bench import bench_replay  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
-from specd.commands.replay import build_config  # noqa: E402
-from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
 from specd.tools.replay import load_trace, replay  # noqa: E402
 
@@ -40,18 +38,7 @@ def _decide(truth_name: str, trace_name: str, policy: str, tmp: Path) -> dict[st
     _, truth_path, calibration = next(t for t in bench_replay.TRUTHS if t[0] == truth_name)
     days = CASES[(truth_name, trace_name, policy)]
     trace = traces.write(trace_name, tmp / f"{trace_name}-{days:g}.csv", days)
-    kinds = policy == bench_replay.KINDS_POLICY
-    config = build_config(
-        Config(),
-        window_list=[
-            Window(cron=c, duration_s=d, timezone=z) for c, d, z in bench_replay.WINDOWS[trace_name]
-        ],
-        steps=bench_replay.STEPS,
-        policy="model" if kinds else policy,
-        calibration=calibration,
-        restart_s=bench_replay.RESTART_S,
-        kinds=bench_replay.ALL_KINDS if kinds else None,
-    )
+    config = bench_replay.case_config(calibration, trace_name, policy)
     result = replay(
         load_trace(trace), read_table(truth_path), config, restart_s=bench_replay.RESTART_S
     )

@@ -74,6 +74,20 @@ def test_bad_settings_are_one_line_errors(text: str, message: str) -> None:
     assert repr(text) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "steps"),
+    [
+        ("off", {0}),
+        ("4", {4}),
+        ("adaptive:2,4", {2, 4}),
+        ("adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0", {0, 1, 3, 5, 7}),
+        ("adaptive:1,3/1=1,3;8=3", {1, 3}),
+    ],
+)
+def test_table_steps_are_every_row_a_prediction_reads(text: str, steps: set[int]) -> None:
+    assert parse(text).table_steps == steps
+
+
 def test_equality_and_hash_are_by_value() -> None:
     assert adaptive([3, 4]) == adaptive((4, 3))
     assert len({static(4), static(4), adaptive((3, 4)), off(), off()}) == 3
