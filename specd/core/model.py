@@ -31,11 +31,11 @@ gain in tokens (net of the restart) must beat the prediction interval of the dif
 (`EVIDENCE_Z` standard errors), and the relative gain must beat ``min_gain_ratio`` (0 by
 default: the evidence decides). Where the best is not sure to serve more than the live
 setting but a lesser one is, the one of those that serves most is chosen: a set whose gain
-drowns in its untried tier's interval does not hold back a K measured to serve more. Each K's relative standard error comes from the
-calibration's noise (``calibration_noise_ratio``), shrinks with the seconds observed at that
-K (``OBSERVED_PIVOT_S``) in the load bands of the epoch's traffic (`load_band`: what K did
-at night says little of the day's load), and grows with how far an extrapolated K lies
-from a measured one.
+drowns in its untried tier's interval does not hold back a K measured to serve more. Each
+K's relative standard error comes from the calibration's noise (``calibration_noise_ratio``),
+shrinks with the seconds observed at that K (``OBSERVED_PIVOT_S``) in the load bands of the
+epoch's traffic (`load_band`: what K did at night says little of the day's load), and grows
+with how far an extrapolated K lies from a measured one.
 It reads no clock and no file: "now" is the history's last observation, and the calibration
 comes in as a `Calibration` value.
 
