@@ -573,25 +573,19 @@ def _decide(
         )
     if verdict is not None and verdict.regressed and verdict.to_setting is not None:
         return _back_from_adaptive(config, at, now, control, restart_needs_s, pick, verdict)
-    back = None if verdict is None else clamp(verdict.from_steps, config)
-    if (
-        verdict is not None
-        and verdict.regressed
-        and pick is not None
-        and pick.chosen is None  # a static pick: off and adaptive sets go through the policy
-        and pick.steps != current
-    ):
-        # The policy, having seen the outcome too, leaves the regressed step count for
-        # another: its pick, not necessarily the old one, serves the coming epoch best.
-        back = pick.steps
-    if verdict is not None and verdict.regressed and verdict.to_steps == current != back:
-        assert back is not None
-        by = "" if back == clamp(verdict.from_steps, config) else " (the policy's pick)"
-        change = f"going back {_arrow(current, back)}{by}"
-        blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
-        if blocked is not None:
-            return Decision(back, blocked[0], f"{verdict.why}; {blocked[1]}")
-        return Decision(back, Reason.REGRESSION, f"{verdict.why}: {change}")
+    if verdict is not None and verdict.regressed and verdict.to_steps == current:
+        before = clamp(verdict.from_steps, config)
+        back: tuple[SpecSetting | None, int, str] = (None, before, "")
+        if pick is not None and pick.key != current:
+            # The policy, having seen the outcome too, leaves the regressed step count: its
+            # pick (a K, off or an adaptive set), not necessarily the old K, serves the
+            # coming epoch best.
+            old_k = pick.chosen is None and pick.steps == before
+            back = (pick.chosen, pick.steps, "" if old_k else " (the policy's pick)")
+        if back[0] is not None or back[1] != current:
+            return _going_back(
+                config, at, now, control, restart_needs_s, verdict, back, str(current)
+            )
     if pick is None:
         return Decision(
             hold, Reason.INSUFFICIENT_DATA, f"no busy traffic in the history; {_holding(current)}"
@@ -690,9 +684,35 @@ def _back_from_adaptive(
         chosen, steps = off(), 0
     else:
         chosen, steps = None, clamp(verdict.from_steps, config)
+    return _going_back(
+        config,
+        at,
+        now,
+        control,
+        restart_needs_s,
+        verdict,
+        (chosen, steps, by),
+        format_setting(verdict.to_setting),
+    )
+
+
+def _going_back(
+    config: Settings,
+    at: datetime,
+    now: float,
+    control: Control,
+    restart_needs_s: float,
+    verdict: Verdict,
+    back: tuple[SpecSetting | None, int, str],
+    regressed: str,
+) -> Decision:
+    """The decision going back from the ``regressed`` setting to ``back`` (its setting when
+    not a static K, its step count, and " (the policy's pick)" or ""), unless a window,
+    dwell or the restart budget hold it."""
+    chosen, steps, by = back
     target = None if chosen is not None and chosen.kind == "adaptive" else steps
     shown = format_setting(chosen) if chosen is not None else str(steps)
-    change = f"going back {format_setting(verdict.to_setting)} → {shown}{by}"
+    change = f"going back {regressed} → {shown}{by}"
     blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
     if blocked is not None:
         return Decision(target, blocked[0], f"{verdict.why}; {blocked[1]}", chosen)

@@ -821,6 +821,35 @@ SEEN_GATE = [
 ]  # fmt: skip
 
 
+GOING_BACK = [
+    # (id, the policy's pick after 3 → 4 regressed, target, setting, how the message ends)
+    ("the-regressed-k-itself", Pick(4, "4"), 3, None, "going back 4 → 3"),
+    ("the-old-k", Pick(3, "3"), 3, None, "going back 4 → 3"),
+    ("another-k", Pick(2, "2"), 2, None, "going back 4 → 2 (the policy's pick)"),
+    ("off", Pick(0, "off", setting=off()), 0, off(), "going back 4 → off (the policy's pick)"),
+    ("an-adaptive-set", Pick(4, "the set", setting=adaptive((3, 4))), None, adaptive((3, 4)),
+     "going back 4 → adaptive:3,4 (the policy's pick)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pick", "target", "setting", "says"), [pytest.param(*g[1:], id=g[0]) for g in GOING_BACK]
+)
+def test_going_back_from_a_regressed_k_goes_to_the_policys_pick_of_any_kind(
+    pick: Pick, target: int | None, setting: SpecSetting | None, says: str
+) -> None:
+    """The policy has seen the outcome too: where it leaves the regressed K, its pick (a K,
+    off or an adaptive set) serves the coming epoch best, not necessarily the old K."""
+    ctl = control(recommendations=held(4, OPEN))
+    decision = decide(
+        history(), observation(OPEN), config(), None, OPEN, ctl, pick, 0.0, None, regressed(3, 4)
+    )
+    assert decision.reason is Reason.REGRESSION, decision.message
+    assert (decision.target_steps, decision.setting) == (target, setting), decision.message
+    assert decision.message.endswith(f"regression: {says}"), decision.message
+    assert decision.acts(4)
+
+
 @pytest.mark.parametrize(
     ("picked", "seen_ratio", "exploration", "verdict", "reason", "target", "acts", "says"),
     [pytest.param(*g[1:], id=g[0]) for g in SEEN_GATE],
