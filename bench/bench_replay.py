@@ -61,10 +61,10 @@ TRUTHS = (
     ("near cal 5+8%", TRUTH / "near.csv", TRUTH / "near-k5up-calibration.csv"),
 )
 # Truths where the model policy also runs choosing among every kind its calibration can
-# predict ("model+kinds", `kinds_of`): heavyoff's is swept at steps 0-7 (off, static K and
-# every default adaptive set), near's at 1-6 (static K and the default sets but SGLang's
-# own, which needs 0 and 7).
-KINDS_TRUTHS = frozenset({"heavyoff", "near"})
+# predict ("model+kinds", `kinds_of`): every one. heavyoff's is swept at steps 0-7 (off,
+# static K and every default adaptive set), the others at 1-5 or 1-6 (static K and the
+# default sets but SGLang's own, which needs 0 and 7).
+KINDS_TRUTHS = frozenset(t[0] for t in TRUTHS)
 KINDS_POLICY = "model+kinds"
 # Cases whose calibration claims a step count (the value) serves more than it does: once
 # specd changed to it, the change must be taken back and never made again (issue 12 item
@@ -367,12 +367,13 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "TRACE`, `--truth NAME`); one case: `specd replay --trace T.csv --truth TABLE.csv "
         "--calibration CAL.csv --window '0 3 * * mon-sun;3600;UTC' --steps 1-6 --json`.",
         "",
-        f"`{KINDS_POLICY}` ({', '.join(sorted(KINDS_TRUTHS))}): the model policy choosing "
+        f"`model` is the model policy as configured by default (`[choose] kinds = "
+        f'["static"]`). `{KINDS_POLICY}`, on every case too: the model policy choosing '
         "among static K and every other kind its calibration can predict: off where it has "
         "a steps-0 row, and each of the default `[choose] adaptive_candidate_sets` (SGLang's "
         "default config, 1,3, 2,4, 3,4, 1,2,3) whose step counts it has rows for (heavyoff, "
-        "swept at steps 0–7: off and all five; near, swept at 1–6: the four but SGLang's "
-        "own, which needs 0 and 7). An "
+        "swept at steps 0–7: off and all five; the others, swept at 1–5 or 1–6: the four "
+        "but SGLang's own, which needs 0 and 7). An "
         "adaptive start takes 20 s more per candidate beyond the first. ×best adaptive set: "
         "specd against the best of those sets run from the first window in hindsight; "
         "the steps column shows each setting (A1,2,3: adaptive with candidates 1,2,3).",
@@ -393,22 +394,12 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "a change to it is taken back and never made again (taken back: changes with reason "
         f"`{REGRESSION_REASON}`; changes to the oversold step count, which must be 1 and "
         "left).",
-        "",
-        "| figure | PASS | FAIL | n/a | failing cases |",
-        "|---|--:|--:|--:|---|",
     ]
-    names = [f.name for f in model[0].figures()] if model else []
-    for i, name in enumerate(names):
-        marks = [row.figures()[i] for row in model]
-        fails = [
-            f"{row.truth}/{row.trace} {f.value}"
-            for row, f in zip(model, marks, strict=True)
-            if f.ok is False
-        ]
-        lines.append(
-            f"| {name} | {sum(f.ok is True for f in marks)} | {len(fails)} "
-            f"| {sum(f.ok is None for f in marks)} | {'; '.join(fails) or '–'} |"
-        )
+    for policy, what in (
+        ("model", "the default: static K"),
+        (KINDS_POLICY, "off, static K and adaptive sets, where the calibration predicts them"),
+    ):
+        lines += _figure_lines([row for row in model if row.policy == policy], policy, what)
     lines += _after_first_day_lines(model)
     lines += _first_epoch_lines(model)
     lines += _capacity_lines(model)
@@ -470,6 +461,32 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
             f"| {_after_first_day_cell(r)} | {check} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _figure_lines(rows: list[Row], policy: str, what: str) -> list[str]:
+    """The figure table of one policy's rows: how many cases pass or fail each figure, and
+    which fail."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"### `{policy}` ({what})",
+        "",
+        "| figure | PASS | FAIL | n/a | failing cases |",
+        "|---|--:|--:|--:|---|",
+    ]
+    for i, name in enumerate(f.name for f in rows[0].figures()):
+        marks = [row.figures()[i] for row in rows]
+        fails = [
+            f"{row.truth}/{row.trace} {f.value}"
+            for row, f in zip(rows, marks, strict=True)
+            if f.ok is False
+        ]
+        lines.append(
+            f"| {name} | {sum(f.ok is True for f in marks)} | {len(fails)} "
+            f"| {sum(f.ok is None for f in marks)} | {'; '.join(fails) or '–'} |"
+        )
+    return lines
 
 
 def _speed_lines(rows: list[Row], model: list[Row]) -> list[str]:
