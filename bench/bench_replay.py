@@ -15,7 +15,8 @@ this VM's speed drifts by up to ×1.8 within minutes, which moves a p99 in CPU t
 as a change of the code would, so the report says how fast the machine ran for each row
 and what each p99 would have been at the run's fastest moment. ``--days
 N`` shortens the traces, ``--only NAME`` runs one trace, ``--truth NAME`` one truth,
-``--jobs N`` runs cases in N processes (each case is still one run).
+``--jobs N`` runs cases in N processes (each case is still one run). A partial run (any of
+``--days``, ``--only``, ``--truth``, ``--no-bands``) writes its report only with ``--out``.
 """
 
 from __future__ import annotations
@@ -663,6 +664,18 @@ def _after_first_day_cell(r: dict[str, Any]) -> str:
     )
 
 
+def report_path(
+    out: Path | None, only: str | None, truth: str | None, days: float, no_bands: bool
+) -> Path | None:
+    """Where the report goes: ``out`` when given; else the committed report, but only for
+    a whole run (every trace and truth, 7 days, bands too): a partial one would overwrite
+    it with a few rows."""
+    if out is not None:
+        return out
+    whole = only is None and truth is None and days == 7.0 and not no_bands
+    return RESULTS if whole else None
+
+
 def _case(job: tuple[tuple[str, Path, Path], str, Path, str, Path]) -> Row:
     truth, trace_name, trace_path, policy, probe_trace = job
     return run_one(truth, trace_name, trace_path, policy, probe_trace=probe_trace)
@@ -675,9 +688,12 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--truth", choices=[t[0] for t in TRUTHS], help="one truth only")
     parser.add_argument("--no-bands", action="store_true", help="skip the bands comparison")
     parser.add_argument("--jobs", type=int, default=1, choices=range(1, 9), metavar="1-8")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out", type=Path, help=f"write the report here (default {RESULTS}, whole runs only)"
+    )
     parser.add_argument("--json", action="store_true", help="also print each result as JSON")
     args = parser.parse_args(argv)
+    out = report_path(args.out, args.only, args.truth, args.days, args.no_bands)
     names = [args.only] if args.only else list(traces.PATTERNS)
     truths = [t for t in TRUTHS if args.truth in (None, t[0])]
     policies = ["model"] if args.no_bands else ["model", "bands"]
@@ -716,9 +732,12 @@ def run(argv: list[str]) -> int:
                             }
                         )
                     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(rows, args.days, args.jobs), encoding="utf-8")
-    print(f"wrote {args.out}")
+    if out is None:
+        print(f"{RESULTS} left as it is: a partial run writes its report only with --out")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(markdown(rows, args.days, args.jobs), encoding="utf-8")
+        print(f"wrote {out}")
     return 1 if any(row.failures() for row in rows if row.policy != "bands") else 0
 
 

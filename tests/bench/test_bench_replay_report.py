@@ -162,3 +162,40 @@ def test_a_calibration_of_static_rows_one_to_two_offers_static_only(tmp_path: Pa
         encoding="utf-8",
     )
     assert bench_replay.kinds_of(path) == (("static",), ())
+
+
+@pytest.mark.parametrize(
+    ("out", "only", "truth", "days", "no_bands", "expected"),
+    [
+        (None, None, None, 7.0, False, bench_replay.RESULTS),  # the whole bench
+        (None, None, "near", 7.0, False, None),
+        (None, "weekly", None, 7.0, False, None),
+        (None, None, None, 1.0, False, None),
+        (None, None, None, 7.0, True, None),
+        (Path("/tmp/kinds.md"), None, "heavyoff", 7.0, False, Path("/tmp/kinds.md")),
+    ],
+)
+def test_only_a_whole_run_overwrites_the_committed_report(
+    out: Path | None,
+    only: str | None,
+    truth: str | None,
+    days: float,
+    no_bands: bool,
+    expected: Path | None,
+) -> None:
+    assert bench_replay.report_path(out, only, truth, days, no_bands) == expected
+
+
+def test_a_partial_run_leaves_the_report_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stand-in for the committed report: a failure here must not overwrite the real one.
+    report = tmp_path / "replay.md"
+    report.write_text("the committed report\n", encoding="utf-8")
+    monkeypatch.setattr(bench_replay, "RESULTS", report)
+    code = bench_replay.run(["--days", "0.2", "--only", "steady_low", "--truth", "near"])
+    assert code in (0, 1)
+    assert report.read_text(encoding="utf-8") == "the committed report\n"
+    assert "left as it is: a partial run writes its report only with --out" in (
+        capsys.readouterr().out
+    )
