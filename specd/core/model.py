@@ -1070,9 +1070,9 @@ def plan(
             for k in sorted(keys, key=lambda k: (-predictions[k].tokens, _distance(k, current))):
                 if k in (best, current) or predictions[k].tokens <= held.tokens:
                     continue
-                if _beats(*_evidence(predictions[k], held, settings.get(k), current), config):
-                    target = k
-                    runner_up = (k, predictions[k].tokens / held.tokens - 1.0)
+                change = _evidence(predictions[k], held, settings.get(k), current)
+                if _beats(*change, config):
+                    target, runner_up = k, (k, change[0])
                     break
     elif current is not None and current not in predictions:
         gain = math.inf
@@ -1082,7 +1082,8 @@ def plan(
     )
     if runner_up is not None:
         k, up = runner_up
-        why += f"; {labels[k]} serves {up * 100:+.1f}% beyond its interval: {current} → {labels[k]}"
+        up_text = "∞" if math.isinf(up) else f"{up * 100:+.1f}%"
+        why += f"; {labels[k]} serves {up_text} beyond its interval: {current} → {labels[k]}"
     if covering and target == best != current:
         why += (
             f"; {labels[best]} runs {current} at {current}'s capacity where {current} serves "

@@ -23,7 +23,9 @@ from specd.core.model import (
     Mix,
     PerformanceModel,
     Source,
+    StepPrediction,
     _Curve,
+    _evidence,
     adaptive_restart_extra_s,
     covers,
     load_band,
@@ -822,6 +824,21 @@ def test_when_the_best_is_not_sure_the_most_of_those_that_are_wins(
     assert ("within the prediction interval" in result.why) is (target != "off"), result.why
     assert (f"beyond its interval: 3 → {target}" in result.why) is sure, result.why
     assert ("keeping 3" in result.why) is (target == "3"), result.why
+
+
+@pytest.mark.parametrize(
+    ("held_tokens", "gain", "extra"),
+    [(1000.0, 0.5, 500.0), (0.0, math.inf, 1500.0)],  # nothing held: any gain is infinite
+)
+def test_a_changes_evidence_is_its_gain_extra_tokens_and_interval(
+    held_tokens: float, gain: float, extra: float
+) -> None:
+    new = StepPrediction(4, 1.0, Source.CALIBRATION, 1500.0, 0.02)
+    held = StepPrediction(3, 1.0, Source.OBSERVED, held_tokens, 0.01)
+    found = _evidence(new, held, None, 3)
+    assert found[:2] == (gain, extra)
+    assert found[2] == pytest.approx(EVIDENCE_Z * math.hypot(30.0, 0.01 * held_tokens))
+    assert found[3] is False  # a static K covers nothing
 
 
 def test_a_plans_static_only_view_is_its_best_static_k_against_the_live_one(
