@@ -33,14 +33,12 @@ from bench.bench_replay import (  # noqa: E402
     RESTART_S,
     STEPS,
     TRUTHS,
-    WINDOWS,
+    case_config,
 )
-from bench.firstepoch import START_STEPS, Bounds, bounds_of  # noqa: E402
+from bench.firstepoch import Bounds, bounds_of  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
-from specd.commands.replay import build_config  # noqa: E402
-from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
-from specd.tools.replay import load_trace  # noqa: E402
+from specd.tools.replay import DEFAULT_START_STEPS, load_trace  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "coldstart.md"
 # Traces that show alike before their first window opens: three quiet hours of one to a few
@@ -48,10 +46,11 @@ RESULTS = REPO / "bench" / "results" / "coldstart.md"
 ALIKE = (("weekly", "steady_low"),)
 
 
-def case(truth_path: Path, trace_name: str, trace_path: Path) -> Bounds:
-    """One bench case, with bench/bench_replay.py's windows, step counts and restart."""
-    windows = [Window(cron=c, duration_s=d, timezone=z) for c, d, z in WINDOWS[trace_name]]
-    config = build_config(Config(), window_list=windows, steps=STEPS, restart_s=RESTART_S)
+def case(truth: tuple[str, Path, Path], trace_name: str, trace_path: Path) -> Bounds:
+    """One bench case, with the model policy's config of ``python -m bench replay`` (its
+    windows, step counts and restart)."""
+    _, truth_path, calibration = truth
+    config = case_config(calibration, trace_name, "model")
     return bounds_of(load_trace(trace_path), read_table(truth_path), config)
 
 
@@ -69,16 +68,16 @@ def markdown(results: dict[tuple[str, str], Bounds], names: Sequence[str], days:
         "# The first epoch's bet: what any static policy can still reach after it",
         "",
         f"{days:g}-day bench traces, the truths, windows, step counts {STEPS[0]}–{STEPS[1]}, "
-        f"start K {START_STEPS} and {RESTART_S:g} s restart of `python -m bench replay`. For "
-        "each step count K1 run through the first epoch (the first window's opening to the "
-        "next one's), an upper bound on the tokens of any policy choosing among the static "
-        "step counts: the start K before the first window (as everyone), every window's open "
-        "stretch at the best K second by second, K1 for the rest of the first epoch, the best "
-        "fixed K in hindsight for the rest of every later epoch, and no restart charged. "
-        "Divided by the replay's own denominators (the best static step count from the first "
-        "window on, the per-epoch oracle), it is the most any policy that ran K1 there can "
-        f"reach of issue 12's figures (×best static ≥ {BEST_STATIC_MIN:g}, ×oracle ≥ "
-        f"{ORACLE_MIN:g}).",
+        f"start K {DEFAULT_START_STEPS} and {RESTART_S:g} s restart of `python -m bench "
+        "replay`. For each step count K1 run through the first epoch (the first window's "
+        "opening to the next one's), an upper bound on the tokens of any policy choosing "
+        "among the static step counts: the start K before the first window (as everyone), "
+        "every window's open stretch at the best K second by second, K1 for the rest of the "
+        "first epoch, the best fixed K in hindsight for the rest of every later epoch, and no "
+        "restart charged. Divided by the replay's own denominators (the best static step "
+        "count from the first window on, the per-epoch oracle), it is the most any policy "
+        f"that ran K1 there can reach of issue 12's figures (×best static ≥ "
+        f"{BEST_STATIC_MIN:g}, ×oracle ≥ {ORACLE_MIN:g}).",
         "",
         "Reproduce: `.venv/bin/python -m bench coldstart` (`--days N`).",
         "",
@@ -137,9 +136,10 @@ def run(argv: list[str]) -> int:
     results: dict[tuple[str, str], Bounds] = {}
     with tempfile.TemporaryDirectory(prefix="specd-traces-") as tmp:
         paths = {n: traces.write(n, Path(tmp) / f"{n}.csv", args.days) for n in names}
-        for truth, truth_path, _ in TRUTHS:
+        for entry in TRUTHS:
+            truth = entry[0]
             for name in names:
-                bounds = results[(truth, name)] = case(truth_path, name, paths[name])
+                bounds = results[(truth, name)] = case(entry, name, paths[name])
                 print(f"{truth:>13} {name:>13}: K1 reaching both {_ks(_reaching(bounds))}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown(results, names, args.days), encoding="utf-8")

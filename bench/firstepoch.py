@@ -20,9 +20,14 @@ from dataclasses import dataclass
 
 from specd.core.perftable import PerfTable
 from specd.io.config import Config
-from specd.tools.replay import DEFAULT_START, Tokens, Trace, open_intervals
-
-START_STEPS = 3  # the replay's start value
+from specd.tools.replay import (
+    DEFAULT_START,
+    DEFAULT_START_STEPS,
+    Tokens,
+    Trace,
+    open_intervals,
+)
+from specd.tools.replay import start_steps as replay_start_steps
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ def upper_bound(
     truth: PerfTable,
     opens: Sequence[tuple[float, float]],
     steps: Sequence[int],
-    start_steps: int = START_STEPS,
+    start_steps: int = DEFAULT_START_STEPS,
     restart_s: float = 100.0,
 ) -> Bounds:
     """`Bounds` of ``trace`` (seconds from its start) under ``truth``, with the maintenance
@@ -150,4 +155,11 @@ def bounds_of(trace: Trace, truth: PerfTable, config: Config) -> Bounds:
     t0 = DEFAULT_START.timestamp()
     opens = [(a - t0, b - t0) for a, b in open_intervals(config, t0 + trace.t[0], t0 + trace.t[-1])]
     steps = list(range(config.choose.min_steps, config.choose.max_steps + 1))
-    return upper_bound(trace, truth, opens, steps, restart_s=config.choose.restart_cost_s)
+    return upper_bound(
+        trace,
+        truth,
+        opens,
+        steps,
+        start_steps=replay_start_steps(config),
+        restart_s=config.choose.restart_cost_s,
+    )

@@ -81,6 +81,9 @@ REPLAY_TRAITS = ServerTraits(
     version=(0, 5, 23),
 )
 DEFAULT_RESTART_S = 100.0
+# The step count everyone runs before the first window, unless the caller names one: the
+# seed campaign's value, within the config's allowed range.
+DEFAULT_START_STEPS = 3
 MAX_TRACE_ROWS = 10_000_000
 # Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each).
 MAX_TRACE_BYTES = 256 * files.MIB
@@ -655,6 +658,12 @@ def evaluated_spans(
     return [(a - 2 * lead, a - lead, b) for a, b in opens]
 
 
+def start_steps(config: Config) -> int:
+    """The step count a replay under ``config`` starts at by default: `DEFAULT_START_STEPS`
+    clamped to the allowed range."""
+    return min(max(DEFAULT_START_STEPS, config.choose.min_steps), config.choose.max_steps)
+
+
 def replay(
     trace: Trace,
     truth: PerfTable,
@@ -705,11 +714,7 @@ def replay(
     opens = open_intervals(config, t0 + first, t0 + last)
     scored_from = min(first + max(warmup_s, 0.0), last)
     set_keys = {format_setting(a): tokens.ensure(a) for a in sets}
-    k = (
-        initial_steps
-        if initial_steps is not None
-        else min(max(3, config.choose.min_steps), config.choose.max_steps)
-    )
+    k = initial_steps if initial_steps is not None else start_steps(config)
     if k not in allowed:
         raise ReplayError(
             f"initial steps {k} outside the allowed "

@@ -79,7 +79,7 @@ def test_the_bound_holds_over_specds_own_replay(tmp_path: Path) -> None:
     path = traces.write("weekly", tmp_path / "weekly.csv", 2.0)
     truth = next(t for t in bench_replay.TRUTHS if t[0] == "lowcap")
     row = bench_replay.run_one(truth, "weekly", path, "model")
-    bounds = bench_coldstart.case(truth[1], "weekly", path)
+    bounds = bench_coldstart.case(truth, "weekly", path)
     result = row.result
     # The replay's own denominators, to the token.
     assert bounds.static_tokens == pytest.approx(
