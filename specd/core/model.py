@@ -802,7 +802,7 @@ class Plan:
         predictions = {k: p for k, p in self.predictions.items() if k >= 1}
         if self.best in predictions:
             return replace(self, predictions=predictions)
-        best = max(predictions, key=lambda k: (predictions[k].tokens, -_distance(k, current)))
+        best = max(predictions, key=_preference(predictions, current))
         gain = gain_tokens = margin = 0.0
         if best != current:
             gain, gain_tokens, margin, _ = _evidence(
@@ -942,6 +942,13 @@ def _beats(
     return gain_tokens > (0.0 if covering else margin) and gain > config.choose.min_gain_ratio
 
 
+def _preference(
+    predictions: Mapping[int, StepPrediction], current: int | None
+) -> Callable[[int], tuple[float, int]]:
+    """The order of choices, best last: most tokens, ties to the nearest the live one."""
+    return lambda k: (predictions[k].tokens, -_distance(k, current))
+
+
 def _distance(key: int, current: int | None) -> int:
     """Ties go to the setting nearest the live one: the same kind, the nearer K."""
     if current is None or key == current:
@@ -1054,7 +1061,8 @@ def plan(
     if not predictions:
         return None
     keys = list(predictions)
-    best = max(keys, key=lambda k: (predictions[k].tokens, -_distance(k, current)))
+    preference = _preference(predictions, current)
+    best = max(keys, key=preference)
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     covering = False
     runner_up: tuple[int, float] | None = None
@@ -1067,7 +1075,7 @@ def plan(
             target = current
             # The best is not sure to serve more than the live one, but a lesser choice may
             # be: take the one that serves most of those that are (beyond their interval).
-            for k in sorted(keys, key=lambda k: (-predictions[k].tokens, _distance(k, current))):
+            for k in sorted(keys, key=preference, reverse=True):
                 if k in (best, current) or predictions[k].tokens <= held.tokens:
                     continue
                 change = _evidence(predictions[k], held, settings.get(k), current)
