@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from factories import EtcdProcess
 # last: the systemd, fleet and bench files made a minutes-long tail on one worker).
 DURATIONS = Path(__file__).with_name("durations.json")
 _spent: Counter[str] = Counter()
+MAX_LOGS_SHOWN, LOG_TAIL_CHARS = 6, 4000
 
 
 def _file_of(nodeid: str) -> str:
@@ -36,6 +37,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest files first (a stable sort: each file's tests keep their order)."""
     known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     items.sort(key=lambda item: -known.get(_file_of(item.nodeid), 0.0))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that ran `specd run` (its logs under tmp_path: the fleet and fault
+    tests) shows each log's tail: CI prints the failure only, and a timed-out wait says what
+    it waited for, not what specd was doing."""
+    report = yield
+    tmp_path = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or call.when != "call" or not isinstance(tmp_path, Path):
+        return report
+    for log in sorted(tmp_path.rglob("specd*.log"))[:MAX_LOGS_SHOWN]:
+        tail = log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        report.sections.append((f"specd log {log.relative_to(tmp_path)}", tail))
+    return report
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

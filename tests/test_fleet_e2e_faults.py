@@ -46,33 +46,40 @@ def test_no_restart_while_etcd_or_the_gateway_is_down_and_it_resumes_once_back(
         load = StreamingLoad(gateway.url, 2 * CLIENTS_PER_SERVER)
         # Through the gateway while it is up; straight at the twin while it is not.
         load.url = s.url if down == "gateway" else gateway.url
-        with load:
-            # Seen as the live reason, not just counted: one sample of both at once (a tick in
-            # the window's closed gap may say window_closed in between; CI caught one).
-            wait_for(
-                lambda: (
-                    (
-                        reason_count(s, reason) >= 3
-                        and s.metric("specd_last_decision", reason=reason) == 1
-                    )
-                    or not s.alive()
-                ),
-                90,
-                reason,
-            )
-            f.check_alive()
-            assert s.standin.restarts == [START_STEPS]
-            assert s.state().restarts == []
-            if down == "etcd":
-                etcd.start()
-            else:
-                gateway = SmgGateway(
-                    gateway.worker_urls, admin_key=SMG_ADMIN_KEY, retries=False, port=gateway.port
-                ).wait_ready()
         try:
-            wait_for(lambda: s.state().restarts != [] or not s.alive(), 90, "the restart")
-            f.check_alive()
-            wait_for(lambda: s.state().journal is None, 20, "the restart done")
+            with load:
+                # Seen as the live reason, not just counted: one sample of both at once (a tick
+                # in the window's closed gap may say window_closed in between; CI caught one).
+                wait_for(
+                    lambda: (
+                        (
+                            reason_count(s, reason) >= 3
+                            and s.metric("specd_last_decision", reason=reason) == 1
+                        )
+                        or not s.alive()
+                    ),
+                    90,
+                    reason,
+                )
+                f.check_alive()
+                assert s.standin.restarts == [START_STEPS]
+                assert s.state().restarts == []
+                if down == "etcd":
+                    etcd.start()
+                else:
+                    gateway = SmgGateway(
+                        gateway.worker_urls,
+                        admin_key=SMG_ADMIN_KEY,
+                        retries=False,
+                        port=gateway.port,
+                    ).wait_ready()
+                    load.url = gateway.url  # through it again, so the drain routes it away
+                # Under load until the restart is done: without it the history soon says 4
+                # steps again and nothing is left to resume (CI caught the load ending as etcd
+                # came back, before specd's next decision).
+                wait_for(lambda: s.state().restarts != [] or not s.alive(), 90, "the restart")
+                f.check_alive()
+                wait_for(lambda: s.state().journal is None, 20, "the restart done")
             wait_for(lambda: f.observer().holders() == [], 10, "the slot released")
             assert s.standin.restarts == [START_STEPS, HEAVY_STEPS]
             assert live_steps(s) == HEAVY_STEPS
