@@ -112,6 +112,8 @@ class RestartApplier(Protocol):
 
     def read_stop_timeout(self) -> None: ...
 
+    def read_wiring(self) -> str | None: ...
+
 
 @dataclass
 class OverrideTracker:
@@ -183,6 +185,7 @@ class Daemon:
         self.live_steps: int | None = None
         self.live_adaptive = False  # SGLang runs its adaptive mode (live_steps is then None)
         self._algorithm_seen: str | None = None  # the last speculative algorithm SGLang named
+        self._static_only: str | None = None  # why the unit takes static K only (its wiring)
         self.last_decision: Decision | None = None
         self._last_logged: tuple[str, int | None] | None = None
         self._last_decision_key: object = None
@@ -333,6 +336,7 @@ class Daemon:
             applier.read_stop_timeout()
             if old_fleet is not None and old_fleet is not self.fleet:
                 old_fleet.close()
+        self._read_wiring()
         if self.gateway is not None:
             self.gateway.close()
         self.gateway = self._make_gateway(new)
@@ -403,8 +407,10 @@ class Daemon:
             return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
         self._reconcile_journal()
-        # Once at start (and at each reload), never between: does a restart fit a window?
+        # Once at start (and at each reload), never between: does a restart fit a window,
+        # and which settings can the unit be given?
         self.applier.read_stop_timeout()
+        self._read_wiring()
         self.tick()  # READY comes after the first scrape was attempted
         self.notifier.ready(self._status_text())
         while not self.stop_event.is_set():
@@ -456,6 +462,7 @@ class Daemon:
             restart_needs_s=self._restart_needs_s(),
             gateway_problem=gateway_problem,
             traits=self._traits(),
+            static_only=self._static_only,
         )
         outcome = step(context, result, now)
         if outcome.acts:
@@ -649,6 +656,14 @@ class Daemon:
             self._last_logged = key
             self._last_logged_at = now
         return changed
+
+    def _read_wiring(self) -> None:
+        """Which settings the unit can be given (`specd install` restarts specd after it
+        rewrites the unit, so start and reload are when it can change)."""
+        static_only = self.applier.read_wiring()
+        if static_only is not None and static_only != self._static_only:
+            self.log.warning("unit_static_only", message=static_only)
+        self._static_only = static_only
 
     def _traits(self) -> ServerTraits | None:
         """What the running SGLang can run (`specd.core.choices.offer` reads it); None

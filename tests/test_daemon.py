@@ -98,6 +98,9 @@ class Applier:
     def read_stop_timeout(self) -> None:
         pass
 
+    def read_wiring(self) -> str | None:
+        return None
+
 
 def config(tmp_path: Path, **extra: Any) -> Config:
     (tmp_path / "state").mkdir(exist_ok=True)

@@ -35,7 +35,8 @@ from specd.install.plan import key_file_problem
 from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
-from specd.io.apply import ENV_ARGS, env_setting_words, parse_env
+from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_wiring
+from specd.io.calibration import calibration_steps
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable
@@ -89,6 +90,8 @@ class Doctor:
         # The endpoint that answered for /server_info (/get_server_info before SGLang 0.5.6).
         self.info_path: str | None = None
         self.unit_env_files: list[Path] = []
+        # Why the unit takes static step counts only (its drop-in's wiring), or None.
+        self.static_only: str | None = None
 
     def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
         try:
@@ -139,9 +142,14 @@ class Doctor:
         """Which kinds of setting specd may choose on this server, and why not the others
         (from the config and /server_info, as the brain offers them)."""
         traits = None if self.info is None else traits_from_server_info(self.info)
-        got = offer(self.config.choose, traits)
+        choose = self.config.choose
+        table_steps = calibration_steps(choose.calibration_file)
+        got = offer(choose, traits, table_steps, self.static_only)
         notes = tuple(got.lines())
-        refused = [k for k in self.config.choose.kinds if not got.allows(k)]
+        # The default kinds are every kind, each where it can be: only kinds the operator
+        # listed are a problem when they cannot be chosen.
+        listed = choose.kinds if "kinds" in choose.model_fields_set else ()
+        refused = [k for k in listed if not got.allows(k)]
         if refused:
             kind = refused[0]
             return Check(
@@ -243,6 +251,7 @@ class Doctor:
         except InstallError as exc:
             return Check("drop-in", False, str(exc), advice), None, {}
         self.unit_env_files = [Path(p) for p in view.environment_files]
+        self.static_only = static_only_wiring(unit, [e.argv_text for e in view.exec_start])
         if dropin not in view.dropin_paths:
             return (
                 Check("drop-in", False, f"{dropin} is not among {unit}'s drop-ins", advice),
@@ -594,8 +603,8 @@ class Doctor:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         checks += self.check_gateway()
+        dropin, words, defaults = self.check_dropin()  # the unit's wiring, for the choices
         checks.append(self.check_choices())
-        dropin, words, defaults = self.check_dropin()
         checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
         for check in (
             self.check_polkit,

@@ -292,6 +292,10 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
     ]
     first = data["setting_timeline"][0][1]
     lines.append(f"  setting: {first} at the start" + "".join(f", {c}" for c in changes))
+    if data["not_offered"]:
+        lines.append(
+            "  not offered: " + "; ".join(f"{k} ({why})" for k, why in data["not_offered"].items())
+        )
     later = data["after_first_day"]
     if later is not None:
         at = (start + timedelta(seconds=later["from_s"])).strftime("%a %Y-%m-%d %H:%M")

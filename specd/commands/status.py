@@ -22,9 +22,12 @@ from specd.core.choices import offer
 from specd.core.history import HistorySettings
 from specd.core.observation import ScrapeError
 from specd.core.setting import format_setting, traits_from_server_info
+from specd.io.apply import read_static_only
+from specd.io.calibration import calibration_steps
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
+from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
@@ -58,10 +61,15 @@ def server_info(config: Config) -> dict[str, Any] | str:
     return info
 
 
-def choices(config: Config, info: dict[str, Any] | str | None) -> dict[str, Any]:
-    """Which kinds of setting specd may choose on the server, and why not the others."""
+def choices(
+    config: Config, info: dict[str, Any] | str | None, static_only: str | None = None
+) -> dict[str, Any]:
+    """Which kinds of setting specd may choose on the server, and why not the others:
+    as the daemon offers them, from the config, the calibration's rows, /server_info and
+    the unit's wiring (``static_only``, `specd.io.apply.read_static_only`)."""
     traits = traits_from_server_info(info) if isinstance(info, dict) else None
-    got = offer(config.choose, traits)
+    table_steps = calibration_steps(config.choose.calibration_file)
+    got = offer(config.choose, traits, table_steps, static_only)
     return {
         "kinds": dict(got.kinds),
         "settings": [format_setting(s) for s in got.settings],
@@ -71,9 +79,15 @@ def choices(config: Config, info: dict[str, Any] | str | None) -> dict[str, Any]
     }
 
 
-def collect(config: Config, now: float, info: dict[str, Any] | str | None = None) -> dict[str, Any]:
+def collect(
+    config: Config,
+    now: float,
+    info: dict[str, Any] | str | None = None,
+    static_only: str | None = None,
+) -> dict[str, Any]:
     """What the on-call needs, from the state file as the daemon validates it; ``info`` is
-    SGLang's /server_info (or why it did not answer) for the choices."""
+    SGLang's /server_info (or why it did not answer) and ``static_only`` why the unit takes
+    static step counts only, for the choices."""
     state_path = Path(config.files.state_dir) / STATE_FILE
     state_problem: str | None = None
     unreadable = False
@@ -146,7 +160,7 @@ def collect(config: Config, now: float, info: dict[str, Any] | str | None = None
         "next_window_open": windows.next_open(config.windows, at).timestamp(),
         "next_window_close": windows.next_close(config.windows, at).timestamp(),
         "fleet": fleet_status(config),
-        "choices": choices(config, info),
+        "choices": choices(config, info, static_only),
     }
 
 
@@ -300,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_for_command(args.config)
     if config is None:
         return 2
-    info = collect(config, now, server_info(config))
+    static_only = read_static_only(SubprocessRunner(), config.sglang.unit)
+    info = collect(config, now, server_info(config), static_only)
     print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
     if info["state_unreadable"]:
         # Unreadable (permissions: run as root or a member of group specd), invalid, or

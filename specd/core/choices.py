@@ -1,5 +1,9 @@
 """Which settings specd may choose for the epoch ahead: what the operator allows ([choose]
-kinds, adaptive_candidate_sets) and what the server can run (its traits, /server_info).
+kinds, adaptive_candidate_sets), what the server can run (its traits, /server_info), what
+its unit can be given (a unit still wired with the step variables takes static K only) and
+what the calibration can predict (off needs its steps-0 row, a set a row for each of its
+step counts: a prediction of the rest would be a guess about the deepest candidate's
+capacity).
 
 Pure. The model policy predicts only what `offer` returns; `specd doctor` and `specd
 status` print each kind with the reason it is not offered.
@@ -86,23 +90,41 @@ def _adaptive_kind(traits: ServerTraits | None) -> str | None:
     return None
 
 
+def _unpredictable(setting: SpecSetting, table_steps: frozenset[int] | None) -> str | None:
+    lacking = sorted(setting.table_steps - table_steps) if table_steps is not None else []
+    if not lacking:
+        return None
+    return f"the calibration has no rows for steps {','.join(map(str, lacking))}"
+
+
 # Pure and keyed by frozen values: every tick asks, and they change only on a reload.
 @functools.lru_cache(maxsize=64)
-def offer(choose: ChooseSettings, traits: ServerTraits | None) -> Offer:
+def offer(
+    choose: ChooseSettings,
+    traits: ServerTraits | None,
+    table_steps: frozenset[int] | None = None,
+    static_only: str | None = None,
+) -> Offer:
     """The settings of ``choose`` that a server with ``traits`` can run (None: not read
     yet; static K and off are offered then, as specd has always run static K).
 
     ``traits.algorithm`` must be the algorithm specd applies: a server running "off"
-    reports none, and static K stays offered only if the caller keeps the algorithm."""
+    reports none, and static K stays offered only if the caller keeps the algorithm.
+    ``table_steps``: the step counts the calibration has rows for (None: no calibration,
+    nothing to leave out). ``static_only``: why the unit can be given static K only (its
+    wiring), or None."""
     allowed = set(choose.kinds)
     kinds: dict[Kind, str | None] = {}
     for kind in KINDS:
         if kind not in allowed:
             kinds[kind] = f"not in [choose] kinds ({', '.join(choose.kinds)})"
-        elif kind == "off":
-            kinds[kind] = None
         elif kind == "static":
             kinds[kind] = None if traits is None else unavailable(static(1), traits, allow_off=True)
+        elif static_only is not None:
+            kinds[kind] = static_only
+        elif kind == "off":
+            lacks_off = table_steps is not None and 0 not in table_steps
+            kinds[kind] = "the calibration has no steps-0 row" if lacks_off else None
         else:
             kinds[kind] = _adaptive_kind(traits)
     settings: list[SpecSetting] = []
@@ -115,7 +137,9 @@ def offer(choose: ChooseSettings, traits: ServerTraits | None) -> Offer:
         assert traits is not None
         for text in choose.adaptive_candidate_sets:
             setting = parse_setting(text)
-            why = unavailable(setting, traits, allow_off=True)
+            why = unavailable(setting, traits, allow_off=True) or _unpredictable(
+                setting, table_steps
+            )
             if why is None:
                 settings.append(setting)
             else:

@@ -64,6 +64,9 @@ class StepContext:
     # What the server can run (`specd.core.setting.traits_from_server_info`, with the
     # algorithm specd applies); None until /server_info was read: static K and off only.
     traits: ServerTraits | None = None
+    # Why the unit can be given static K only (its ExecStart= reads specd's step variables,
+    # not the setting's; found by io at start and on reload); None: any setting.
+    static_only: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,11 @@ class StepResult:
         )
 
 
+def table_steps(calibration: Calibration | None) -> frozenset[int] | None:
+    """The step counts ``calibration`` has rows for, as `offer` reads them."""
+    return None if calibration is None else frozenset(calibration.table.steps())
+
+
 def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: float) -> StepResult:
     """Decide for ``now``; see the module docstring."""
     config = ctx.config
@@ -112,7 +120,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         avoided=outcome.current_entries(ctx.control.avoided, now, config),
     )
     avoid = functools.partial(outcome.avoided, control.avoided, now, config)
-    offered = offer(config.choose, ctx.traits)
+    offered = offer(config.choose, ctx.traits, table_steps(ctx.calibration), ctx.static_only)
     pick = choose(
         ctx.history,
         config,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from specd.install.execline import Command, expand_argv, expand_word, whole_word_variable
 from specd.install.layout import InstallError
-from specd.io.apply import ENV_ARGS, ENV_DRAFT_TOKENS, ENV_STEPS
+from specd.io.apply import ARGS_WORD, ENV_ARGS, ENV_DRAFT_TOKENS, ENV_STEPS
 
 # What specd's drop-in used before the variables left the SPECD_ settings prefix. An
 # installation of that form is read as installed, and rewritten to today's names.
@@ -23,7 +23,6 @@ LEGACY_ENV_STEPS = "SPECD_SPEC_STEPS"
 LEGACY_ENV_DRAFT_TOKENS = "SPECD_SPEC_DRAFT_TOKENS"
 LEGACY_NAMES = {LEGACY_ENV_STEPS: ENV_STEPS, LEGACY_ENV_DRAFT_TOKENS: ENV_DRAFT_TOKENS}
 SPECD_VARIABLES = frozenset({ENV_STEPS, ENV_DRAFT_TOKENS, *LEGACY_NAMES})
-ARGS_WORD = "$" + ENV_ARGS  # unbraced: systemd splits it into words, empty adds none
 # The options that make up a speculative setting: they move into specd's variable.
 SETTING_OPTIONS = (
     "--speculative-algorithm",

@@ -42,9 +42,10 @@ import base64
 import binascii
 import itertools
 import json
+import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -73,6 +74,7 @@ from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus, ParsedMetrics
+from specd.io.systemd import SystemctlError, show
 from specd.io.timespan import timespan_s
 
 # The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
@@ -169,7 +171,42 @@ def render_env(steps: int) -> str:
 # The drop-in's ExecStart carries this unbraced ($NAME): systemd splits it into words, and an
 # empty value (off) adds no argument at all.
 ENV_ARGS = "SPECD_SPECULATIVE_ARGS"
+ARGS_WORD = "$" + ENV_ARGS  # unbraced: systemd splits it into words, empty adds none
 ADAPTIVE_CONFIG_MODE = 0o644
+# A step variable in an ExecStart= line, braced or a whole word.
+_STEP_VARIABLE = re.compile(
+    rf"\$(?:\{{({ENV_STEPS}|{ENV_DRAFT_TOKENS})\}}|({ENV_STEPS}|{ENV_DRAFT_TOKENS})\b)"
+)
+
+
+def static_only_wiring(unit: str, exec_start: Sequence[str]) -> str | None:
+    """Why ``unit`` can be given static step counts only, from its ExecStart= lines as
+    ``systemctl show`` prints them: it reads the step variables (a drop-in from before
+    `specd install` wrote ``$SPECD_SPECULATIVE_ARGS``), which cannot say "off" or an
+    adaptive set. None when it reads ``$SPECD_SPECULATIVE_ARGS``, or neither (then nothing
+    specd writes reaches SGLang, and a restart's verification says so)."""
+    if any(ARGS_WORD in line.split() for line in exec_start):
+        return None
+    for line in exec_start:
+        found = _STEP_VARIABLE.search(line)
+        if found:
+            name = found.group(1) or found.group(2)
+            return (
+                f"{unit}'s ExecStart= reads ${{{name}}}, not {ARGS_WORD}: static step counts "
+                "only (`specd install` rewrites it)"
+            )
+    return None
+
+
+def read_static_only(runner: Runner, unit: str) -> str | None:
+    """Why ``unit`` can be given static step counts only (`static_only_wiring`), read from
+    systemd now; None also when systemd cannot say (a setting that does not reach SGLang is
+    still caught by the restart's verification and rolled back)."""
+    try:
+        props = show(runner, unit, ["ExecStart"], timeout_s=UNIT_STATE_TIMEOUT_S)
+    except SystemctlError:
+        return None
+    return static_only_wiring(unit, props.get("ExecStart", []))
 
 
 def render_setting_env(setting: SpecSetting, *, algorithm: str, config_dir: Path | str) -> str:
@@ -732,6 +769,12 @@ class Applier:
             return self._aborted(current, target, problem)
         if target == current:
             return self._aborted(current, target, f"SGLang already runs {_describe(target)}")
+        if target.kind != "static":
+            # A pin reaches here whatever the unit can take: a unit reading the step
+            # variables would start at the old K, fail verification and freeze specd.
+            static_only = self.read_wiring()
+            if static_only is not None:
+                return self._aborted(current, target, static_only)
 
         # The window check below (window_open) counts the unit's real stop timeout.
         self.read_stop_timeout()
@@ -1124,6 +1167,10 @@ class Applier:
         value = timespan_s(result.stdout) if result.returncode == 0 else None
         if value is not None:
             self._stop_timeout_s = min(value, self.restart.restart_command_timeout_s)
+
+    def read_wiring(self) -> str | None:
+        """Why the unit can be given static step counts only (`read_static_only`)."""
+        return read_static_only(self.runner, self.sglang.unit)
 
     def _unit_failed(self) -> bool:
         """True only when systemd says the unit failed; any doubt means keep waiting."""

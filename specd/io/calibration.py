@@ -29,6 +29,17 @@ def read_calibration(path: str | Path) -> Calibration:
     return Calibration.of(table)
 
 
+def calibration_steps(path: str | Path | None) -> frozenset[int] | None:
+    """The step counts the calibration at ``path`` has rows for, as `offer` reads them;
+    None without one, or when it cannot be read (the daemon would have none either)."""
+    if path is None:
+        return None
+    try:
+        return frozenset(read_calibration(path).table.steps())
+    except CalibrationError:
+        return None
+
+
 class CalibrationFile:
     """One configured calibration path; `current` re-reads it only when it changes."""
 

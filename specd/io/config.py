@@ -37,6 +37,7 @@ from pydantic_settings import (
 from specd.core.setting import parse as parse_setting
 from specd.core.settings import (
     ARRAYS,
+    DEFAULT_ADAPTIVE_SETS,
     RENAMED_KEYS,
     TABLE_OF_KEY,
     TABLES,
@@ -330,16 +331,29 @@ def check_calibration(settings: Settings) -> list[str]:
         calibration = read_calibration(path)
     except CalibrationError as exc:
         return [f"choose.calibration_file: {exc}"]
-    if "adaptive" not in settings.choose.kinds:
+    choose = settings.choose
+    known = set(calibration.table.steps())
+    sets = [(text, parse_setting(text)) for text in choose.adaptive_candidate_sets]
+    predicted = [text for text, s in sets if s.table_steps <= known]
+    if not (
+        "static" in choose.kinds
+        or ("off" in choose.kinds and 0 in known)
+        or ("adaptive" in choose.kinds and predicted)
+    ):
+        return [
+            f"choose.kinds: {path} can predict none of {list(choose.kinds)} (off needs a "
+            "steps-0 row, an adaptive set a row for each of its step counts)"
+        ]
+    if "adaptive" not in choose.kinds:
         return []
     # specd predicts an adaptive set from its candidates' rows: one the table lacks
-    # would be a guess about the deepest candidate's capacity.
-    known = set(calibration.table.steps())
+    # would be a guess about the deepest candidate's capacity. A set the operator wrote
+    # that the table cannot predict is a mistake to stop on; one of specd's default sets
+    # is left out of the choices instead (`specd.core.choices.offer`; doctor says so).
     problems = []
-    for text in settings.choose.adaptive_candidate_sets:
-        setting = parse_setting(text)
+    for text, setting in sets:
         lacking = sorted(setting.table_steps - known)
-        if lacking:
+        if lacking and text not in DEFAULT_ADAPTIVE_SETS:
             problems.append(
                 f"choose.adaptive_candidate_sets: {text!r} uses steps "
                 f"{','.join(map(str, lacking))}, which {path} has no rows for"

@@ -293,6 +293,9 @@ class ReplayResult:
     setting_timeline: list[tuple[float, str]] = field(default_factory=list)
     # Tokens of each adaptive set of the config the truth can score, run all along.
     adaptive_set_tokens: dict[str, float] = field(default_factory=dict)
+    # Kinds and adaptive sets of the config the truth cannot serve, left out of specd's
+    # choices: each with why.
+    not_offered: dict[str, str] = field(default_factory=dict)
     # The same comparison from the first window opening a day or more into the scored span
     # on (None: the trace ends first): what specd does once it has seen a day, apart from
     # the cold start, when it knew only the first hours.
@@ -380,6 +383,7 @@ class ReplayResult:
             # [trace second, setting] of the same start and changes.
             "setting_timeline": [[_seconds(t), text] for t, text in self.setting_timeline],
             "kinds_chosen": _kinds_chosen(self.setting_timeline),
+            "not_offered": dict(self.not_offered),
             "adaptive_set_tokens": {k: round(v) for k, v in self.adaptive_set_tokens.items()},
             "best_adaptive_set": self.best_adaptive_set,
             "ratio_to_best_adaptive_set": (
@@ -618,24 +622,45 @@ def _steps_of(setting: SpecSetting) -> int | None:
     return None if setting.kind == "adaptive" else setting.max_steps
 
 
-def _check_kinds(truth: PerfTable, config: Config) -> list[SpecSetting]:
-    """The adaptive sets of the config the truth can score; a kind specd may choose that
-    the truth cannot serve is an error (off needs a steps-0 row, a set its steps' rows)."""
+def _truth_offer(
+    truth: PerfTable, config: Config
+) -> tuple[Config, list[SpecSetting], dict[str, str]]:
+    """What the truth can serve: the config with the kinds and sets it cannot left out of
+    specd's choices (as a server that cannot run a setting is not offered it), the sets it
+    can score, and what was left out, why. Nothing left to choose is an error."""
+    choose = config.choose
     have = set(truth.steps())
-    if "off" in config.choose.kinds and 0 not in have:
-        raise ReplayError(f"{truth.source}: truth has no steps-0 row, and kinds has off")
-    sets = []
-    for text in config.choose.adaptive_candidate_sets:
+    left_out: dict[str, str] = {}
+    kinds = list(choose.kinds)
+    if "off" in kinds and 0 not in have:
+        kinds.remove("off")
+        left_out["off"] = "the truth has no steps-0 row"
+    sets: list[SpecSetting] = []
+    kept: list[str] = []
+    for text in choose.adaptive_candidate_sets:
         setting = parse_setting(text)
         lacking = sorted(setting.table_steps - have)
         if not lacking:
             sets.append(setting)
-        elif "adaptive" in config.choose.kinds:
-            raise ReplayError(
-                f"{truth.source}: truth has no steps {','.join(map(str, lacking))}, which "
-                f"adaptive set {text} uses"
-            )
-    return sets
+            kept.append(text)
+        elif "adaptive" in kinds:
+            left_out[text] = f"the truth has no steps {','.join(map(str, lacking))}"
+    if "adaptive" in kinds and not kept:
+        kinds.remove("adaptive")
+    if not kinds:
+        raise ReplayError(
+            f"{truth.source}: the truth can serve none of kinds {list(choose.kinds)}: "
+            + "; ".join(f"{what}: {why}" for what, why in left_out.items())
+        )
+    if left_out:
+        narrowed = choose.model_copy(
+            update={
+                "kinds": tuple(kinds),
+                "adaptive_candidate_sets": tuple(kept) or choose.adaptive_candidate_sets,
+            }
+        )
+        config = config.model_copy(update={"choose": narrowed})
+    return config, sets, left_out
 
 
 def _as_setting(steps: int | SpecSetting) -> SpecSetting:
@@ -690,7 +715,7 @@ def replay(
             f"{truth.source}: truth has no steps {','.join(map(str, missing))} "
             f"(allowed {config.choose.min_steps}-{config.choose.max_steps}; narrow it with --steps)"
         )
-    sets = _check_kinds(truth, config)
+    config, sets, left_out = _truth_offer(truth, config)
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
     adaptive: AdaptiveModel | None = None
@@ -890,6 +915,7 @@ def replay(
         steps_timeline=[(at, _steps_of(setting)) for at, setting in timeline],
         setting_timeline=[(at, format_setting(setting)) for at, setting in timeline],
         adaptive_set_tokens=set_tokens,
+        not_offered=left_out,
         forecast_mean_error_ratio=mean_err,
         forecast_median_error_ratio=median_err,
         forecast_total_variation=tv,

@@ -55,6 +55,14 @@ if verbs == ["is-active", UNIT]:
 if verbs == ["show", UNIT] and "--property=TimeoutStopUSec" in sys.argv:
     print(f"{{STOP_TIMEOUT_S:g}}s")  # as `systemctl show --value` prints TimeoutStopSec=
     sys.exit(0)
+if verbs == ["show", UNIT] and "--property=ExecStart" in sys.argv:
+    # This unit reads the step variables (the form before `specd install` wrote
+    # $SPECD_SPECULATIVE_ARGS): static step counts only.
+    words = "{python} -m specd.cli twin --speculative-num-steps ${{SPECULATIVE_NUM_STEPS}} " \
+        "--speculative-num-draft-tokens ${{SPECULATIVE_NUM_DRAFT_TOKENS}}"
+    print(f"ExecStart={{{{ path={python} ; argv[]={{words}} ; ignore_errors=no ; "
+          "start_time=[n/a] ; stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }}}}")
+    sys.exit(0)
 if verbs != ["restart", UNIT]:
     print(f"stand-in systemctl: refused {{sys.argv[1:]}}", file=sys.stderr)
     sys.exit(1)

@@ -181,6 +181,18 @@ class TwinUnitRunner:
                 timed_out=False,
                 duration_s=time.monotonic() - started,
             )
+        if is_systemctl and verbs == ["show", self.unit] and "--property=ExecStart" in args:
+            # As systemd prints it for specd's drop-in: the setting comes in $ENV_ARGS.
+            words = f"twin --enable-metrics ${ENV_ARGS}"
+            return RunResult(
+                argv=tuple(args),
+                returncode=0,
+                stdout=f"ExecStart={{ path=twin ; argv[]={words} ; ignore_errors=no ; "
+                "start_time=[n/a] ; stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }\n",
+                stderr="",
+                timed_out=False,
+                duration_s=time.monotonic() - started,
+            )
         if not is_systemctl or verbs != ["restart", self.unit]:
             return RunResult(
                 argv=tuple(args),

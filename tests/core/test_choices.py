@@ -91,6 +91,43 @@ def test_step_zero_in_a_slot_is_refused_before_0_5_14_and_said_why() -> None:
     assert at_14.refused == ()
 
 
+WIRED = "the unit's ExecStart= reads the step variable ${SPECD_STEPS}"
+
+
+@pytest.mark.parametrize(
+    ("table", "static_only", "settings", "notes"),
+    [
+        # (the calibration's rows, the unit's wiring, what is offered, the lines that say why not)
+        (None, None, ["1", "2", "3", "off", "adaptive:1,3", "adaptive:3,4/1=3,4;8=0,3"], []),
+        ({0, 1, 2, 3, 4}, None,
+         ["1", "2", "3", "off", "adaptive:1,3", "adaptive:3,4/1=3,4;8=0,3"], []),
+        # No steps-0 row: off cannot be predicted, nor a set with a 0 tier.
+        ({1, 2, 3, 4}, None, ["1", "2", "3", "adaptive:1,3"],
+         ["off: not offered: the calibration has no steps-0 row",
+          "adaptive:3,4/1=3,4;8=0,3: not offered: the calibration has no rows for steps 0"]),
+        ({1, 3}, None, ["1", "2", "3", "adaptive:1,3"],
+         ["off: not offered: the calibration has no steps-0 row",
+          "adaptive:3,4/1=3,4;8=0,3: not offered: the calibration has no rows for steps 0,4"]),
+        # A unit wired with the step variables takes static K only, whatever the table.
+        ({0, 1, 2, 3, 4}, WIRED, ["1", "2", "3"],
+         [f"off: not offered: {WIRED}", f"adaptive: not offered: {WIRED}"]),
+    ],
+)  # fmt: skip
+def test_only_what_the_calibration_predicts_and_the_unit_takes_is_offered(
+    table: set[int] | None, static_only: str | None, settings: list[str], notes: list[str]
+) -> None:
+    cfg = choose(
+        kinds=list(ALL),
+        max_steps=3,
+        adaptive_candidate_sets=["adaptive:1,3", "adaptive:3,4/1=3,4;8=0,3"],
+    )
+    table_steps = None if table is None else frozenset(table)
+    got = offer(cfg, traits_from_server_info(GOOD), table_steps, static_only)
+    assert [format_setting(s) for s in got.settings] == settings
+    lines = got.lines()
+    assert [line for line in lines if "not offered" in line] == notes
+
+
 def test_the_default_offers_what_specd_always_chose() -> None:
     # Unknown traits (no /server_info yet) and the defaults: static K in range, nothing else.
     got = offer(ChooseSettings(), None)

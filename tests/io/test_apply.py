@@ -43,14 +43,16 @@ from specd.io.apply import (
     render_env,
     render_setting_env,
     restart_argv,
+    static_only_wiring,
     write_adaptive_config,
 )
 from specd.io.config import Config
 from specd.io.gateway import GatewayClient, Worker
-from specd.io.runner import RunResult
+from specd.io.runner import RunResult, SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
+from specd.twin.standin import make_standin
 from specd.twin.unit import TwinUnitRunner
 
 UNIT = "sglang.service"
@@ -228,6 +230,76 @@ def applier_for(
 
 def always_open() -> bool:
     return True
+
+
+# -- the unit's wiring --------------------------------------------------------------------
+
+
+def _exec(argv: str) -> str:
+    return f"{{ path=/usr/bin/python3 ; argv[]={argv} ; ignore_errors=no ; pid=0 }}"
+
+
+@pytest.mark.parametrize(
+    ("exec_start", "variable"),
+    [
+        # (ExecStart= values as `systemctl show` prints them, the step variable named or None)
+        ([_exec("/usr/bin/python3 -m sglang.launch_server --x 1 $SPECD_SPECULATIVE_ARGS")], None),
+        ([_exec("/usr/bin/python3 -m sglang.launch_server --speculative-num-steps "
+                "${SPECULATIVE_NUM_STEPS} --speculative-num-draft-tokens "
+                "${SPECULATIVE_NUM_DRAFT_TOKENS}")], "SPECULATIVE_NUM_STEPS"),
+        ([_exec("/x --speculative-num-draft-tokens=${SPECULATIVE_NUM_DRAFT_TOKENS}")],
+         "SPECULATIVE_NUM_DRAFT_TOKENS"),
+        ([_exec("/x --speculative-num-steps $SPECULATIVE_NUM_STEPS")], "SPECULATIVE_NUM_STEPS"),
+        # Both: the setting's variable carries off and adaptive sets.
+        ([_exec("/x $SPECD_SPECULATIVE_ARGS ${SPECULATIVE_NUM_STEPS}")], None),
+        # A second command (ExecStartPre= is another property; two ExecStart= lines a oneshot).
+        ([_exec("/bin/true"), _exec("/x $SPECD_SPECULATIVE_ARGS")], None),
+        # Neither, or a look-alike: nothing to limit (verification catches what never arrives).
+        ([_exec("/x --speculative-num-steps 3")], None),
+        ([_exec("/x ${SPECD_SPECULATIVE_ARGS}")], None),
+        ([_exec("/x $SPECULATIVE_NUM_STEPSX")], None),
+        ([], None),
+        (["garbage"], None),
+    ],
+)  # fmt: skip
+def test_a_unit_reading_the_step_variables_takes_static_step_counts_only(
+    exec_start: list[str], variable: str | None
+) -> None:
+    why = static_only_wiring(UNIT, exec_start)
+    if variable is None:
+        assert why is None
+    else:
+        assert why == (
+            f"{UNIT}'s ExecStart= reads ${{{variable}}}, not $SPECD_SPECULATIVE_ARGS: static "
+            "step counts only (`specd install` rewrites it)"
+        )
+
+
+def test_off_on_a_unit_of_the_step_variables_is_refused_before_any_restart(
+    tmp_path: Path, make_unit: Callable[..., TwinUnit]
+) -> None:
+    # The stand-in systemctl of the fault tests: a real process, a unit of the old form.
+    (tmp_path / "standin").mkdir()
+    standin = make_standin(tmp_path / "standin", free_port())
+    standin.env_file.write_bytes(ORIGINAL_ENV)
+    runner = SubprocessRunner({"PATH": f"{standin.bin_dir}:{os.environ['PATH']}"})
+    recorder = Recorder(tmp_path / "journal.json")
+    applier = make_applier(
+        settings_for(standin.env_file),
+        SGLangClient(standin.url(), timeout_s=1.0),
+        runner,
+        recorder,
+        threading.Event(),
+    )
+    assert applier.read_wiring() is not None
+    for target in (setting_off(), setting_parse("adaptive:1,3")):
+        got = applier.apply_setting(target, setting_static(3), window_open=always_open)
+        assert got.result == "aborted", got
+        assert "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS" in got.message
+    assert standin.restarts == []
+    assert standin.env_file.read_bytes() == ORIGINAL_ENV
+    # The twin unit of the demo and sweep reads the setting's variable: anything goes.
+    assert applier_for(make_unit(start=False), recorder).read_wiring() is None
 
 
 # -- env file -----------------------------------------------------------------------------

@@ -730,13 +730,26 @@ def test_on_a_mixed_day_specd_beats_sglangs_adaptive_and_the_best_single_set() -
     assert data["specd_tokens"] == pytest.approx(recount(data, trace, HEAVYOFF[0]), rel=1e-6)
 
 
-def test_a_kind_the_truth_cannot_serve_is_refused(tmp_path: Path) -> None:
-    config = build_config(Config(), steps=(1, 6), kinds=("off", "static"))
-    with pytest.raises(ReplayError, match="no steps-0 row, and kinds has off"):
-        replay(minute_trace(0.1, heavy), read_table(TRUTH / "k5to2.csv"), config)
-    sets = build_config(Config(), steps=(1, 6), kinds=("static", "adaptive"))
-    with pytest.raises(ReplayError, match=r"no steps 0,7, which adaptive set adaptive:1,3,5,7"):
-        replay(minute_trace(0.1, heavy), read_table(TRUTH / "k5to2.csv"), sets)
+def test_a_kind_the_truth_cannot_serve_is_left_out_and_said_why() -> None:
+    # k5to2 has steps 1-6: no off, nor SGLang's default set (0 and 7).
+    truth = read_table(TRUTH / "k5to2.csv")
+    trace = minute_trace(0.1, heavy)
+    every = build_config(Config(), steps=(1, 6), kinds=("off", "static", "adaptive"))
+    data = replay(trace, truth, every).to_dict()
+    default_set = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
+    assert data["not_offered"] == {
+        "off": "the truth has no steps-0 row",
+        default_set: "the truth has no steps 0,7",
+    }
+    assert default_set not in data["adaptive_set_tokens"]  # nor scored beside
+    assert "adaptive:1,3" in data["adaptive_set_tokens"]
+    static = build_config(Config(), steps=(1, 6), kinds=("static",))
+    assert replay(trace, truth, static).to_dict()["not_offered"] == {}
+    # Nothing left to choose is an error, naming each reason.
+    nothing = build_config(Config(), steps=(1, 6), kinds=("off", "adaptive"))
+    only_default = nothing.choose.model_copy(update={"adaptive_candidate_sets": (default_set,)})
+    with pytest.raises(ReplayError, match=r"can serve none of kinds \['off', 'adaptive'\]"):
+        replay(trace, truth, nothing.model_copy(update={"choose": only_default}))
 
 
 @pytest.mark.parametrize(

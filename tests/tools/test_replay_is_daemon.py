@@ -144,6 +144,9 @@ class SimulatedApplier:
     def read_stop_timeout(self) -> None:
         pass
 
+    def read_wiring(self) -> str | None:
+        return None
+
 
 def run_daemon(
     tr: Trace, cfg: Config, initial: int
