@@ -38,9 +38,9 @@ RESULTS = REPO / "bench" / "results" / "decision.md"
 # (truth, trace, policy): the costliest rows of bench/results/replay.md (choosing among
 # kinds, a regression taken back, weekly rhythms) and plain ones.
 CASES = (
-    ("heavyoff", "day_night", "model+kinds"),
-    ("heavyoff", "steady_heavy", "model+kinds"),
-    ("heavyoff", "weekly", "model+kinds"),
+    ("heavyoff", "day_night", "model"),
+    ("heavyoff", "steady_heavy", "model"),
+    ("heavyoff", "weekly", "model"),
     ("near cal 5+8%", "day_night", "model"),
     ("k5to2", "weekly", "model"),
     ("seed (twin)", "weekly", "model"),

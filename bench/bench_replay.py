@@ -40,8 +40,6 @@ from bench import firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.commands.replay import build_config  # noqa: E402
 from specd.core.perftable import PerfTable  # noqa: E402
-from specd.core.setting import parse as parse_setting  # noqa: E402
-from specd.core.settings import DEFAULT_ADAPTIVE_SETS  # noqa: E402
 from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
 from specd.tools.replay import Trace, load_trace, replay  # noqa: E402
@@ -61,12 +59,12 @@ TRUTHS = (
     ("heavyoff", TRUTH / "heavyoff.csv", TRUTH / "heavyoff-calibration.csv"),
     ("near cal 5+8%", TRUTH / "near.csv", TRUTH / "near-k5up-calibration.csv"),
 )
-# Truths where the model policy also runs choosing among every kind its calibration can
-# predict ("model+kinds", `kinds_of`): every one. heavyoff's is swept at steps 0-7 (off,
-# static K and every default adaptive set), the others at 1-5 or 1-6 (static K and the
-# default sets but SGLang's own, which needs 0 and 7).
-KINDS_TRUTHS = frozenset(t[0] for t in TRUTHS)
-KINDS_POLICY = "model+kinds"
+# Truths where the model policy also runs with `[choose] kinds = ["static"]` ("model
+# static"), beside the default (every kind its calibration can predict): every one.
+# heavyoff's is swept at steps 0-7 (off, static K and every default adaptive set), the
+# others at 1-5 or 1-6 (static K and the default sets but SGLang's own, which needs 0 and 7).
+STATIC_TRUTHS = frozenset(t[0] for t in TRUTHS)
+STATIC_POLICY = "model static"
 # Cases whose calibration claims a step count (the value) serves more than it does: once
 # specd changed to it, the change must be taken back and never made again (issue 12 item
 # 4: the outcome check goes back with reason regression, or, where the next epoch's
@@ -166,7 +164,7 @@ class Row:
             Figure(
                 "×best adaptive set",
                 "–" if to_set is None else f"{to_set:.4f}",
-                None if self.policy != KINDS_POLICY or to_set is None else to_set >= BEST_SET_MIN,
+                None if self.policy != "model" or to_set is None else to_set >= BEST_SET_MIN,
             ),
             Figure(
                 "restarts/day",
@@ -266,32 +264,19 @@ def run_one(
     return Row(name, trace_name, policy, data, seconds, probe_ms, bet)
 
 
-def kinds_of(calibration: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The kinds and the default adaptive sets `model+kinds` chooses among with this
-    calibration: each whose rows it has (off: a steps-0 row; a set: each of its steps)."""
-    have = set(read_table(calibration).steps())
-    sets = tuple(t for t in DEFAULT_ADAPTIVE_SETS if parse_setting(t).table_steps <= have)
-    wanted = (("off", 0 in have), ("static", True), ("adaptive", bool(sets)))
-    return tuple(kind for kind, ok in wanted if ok), sets
-
-
 def case_config(calibration: Path, trace_name: str, policy: str) -> Config:
     """A case's config: the trace's windows, steps 1-6, the restart, the policy (for
-    `model+kinds`, the model with `kinds_of` the calibration), config defaults otherwise."""
+    `model static`, the model with `[choose] kinds = ["static"]`), config defaults
+    otherwise."""
     windows = [Window(cron=c, duration_s=d, timezone=z) for c, d, z in WINDOWS[trace_name]]
-    base, kinds = Config(), None
-    if policy == KINDS_POLICY:
-        kinds, sets = kinds_of(calibration)
-        if sets:
-            base = Config(choose={"adaptive_candidate_sets": list(sets)})
     return build_config(
-        base,
+        Config(),
         window_list=windows,
         steps=STEPS,
-        policy="model" if policy == KINDS_POLICY else policy,
+        policy="model" if policy == STATIC_POLICY else policy,
         calibration=calibration,
         restart_s=RESTART_S,
-        kinds=kinds,
+        kinds=("static",) if policy == STATIC_POLICY else None,
     )
 
 
@@ -336,7 +321,7 @@ def _explored(r: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[Row], days: float, jobs: int) -> str:
-    model = [row for row in rows if row.policy in ("model", KINDS_POLICY)]
+    model = [row for row in rows if row.policy in ("model", STATIC_POLICY)]
     lines = [
         "# specd replay: specd vs every static step count, the oracle and SGLang adaptive",
         "",
@@ -368,13 +353,14 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "TRACE`, `--truth NAME`); one case: `specd replay --trace T.csv --truth TABLE.csv "
         "--calibration CAL.csv --window '0 3 * * mon-sun;3600;UTC' --steps 1-6 --json`.",
         "",
-        f"`model` is the model policy as configured by default (`[choose] kinds = "
-        f'["static"]`). `{KINDS_POLICY}`, on every case too: the model policy choosing '
-        "among static K and every other kind its calibration can predict: off where it has "
-        "a steps-0 row, and each of the default `[choose] adaptive_candidate_sets` (SGLang's "
-        "default config, 1,3, 2,4, 3,4, 1,2,3) whose step counts it has rows for (heavyoff, "
-        "swept at steps 0–7: off and all five; the others, swept at 1–5 or 1–6: the four "
-        "but SGLang's own, which needs 0 and 7). An "
+        "`model` is the model policy as configured by default: it chooses among static K "
+        'and every other kind its calibration can predict (`[choose] kinds = ["off", '
+        '"static", "adaptive"]`): off where it has a steps-0 row, and each of the default '
+        "`[choose] adaptive_candidate_sets` (SGLang's default config, 1,3, 2,4, 3,4, 1,2,3) "
+        "whose step counts it has rows for (heavyoff, swept at steps 0–7: off and all five; "
+        "the others, swept at 1–5 or 1–6: the four but SGLang's own, which needs 0 and 7). "
+        f'`{STATIC_POLICY}`, on every case too: the same with `kinds = ["static"]`, the '
+        "default before. An "
         "adaptive start takes 20 s more per candidate beyond the first. ×best adaptive set: "
         "specd against the best of those sets run from the first window in hindsight; "
         "the steps column shows each setting (A1,2,3: adaptive with candidates 1,2,3).",
@@ -384,7 +370,8 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         f"≥ {ORACLE_MIN} × the per-epoch oracle; ≥ {BEST_STATIC_MIN} × the best static; "
         f"≥ 2/3 of the oracle's gain over the best static where it is > {GAP_MIN_RATIO:.0%}; "
         f"≥ {ADAPTIVE_MIN} × SGLang adaptive; ≥ {BEST_SET_MIN} × the best adaptive set "
-        f"({KINDS_POLICY}); ≤ {RESTARTS_PER_DAY_MAX:g} restarts a day, 0 "
+        "(`model`); ≤ "
+        f"{RESTARTS_PER_DAY_MAX:g} restarts a day, 0 "
         f"outside windows; ≤ {EXPLORE_PER_STEPS_PER_WEEK_MAX:g} exploration per step count "
         "in any 7 days (changes with reason `explore`); decision p99 ≤ "
         f"{DECISION_P99_MS_MAX:g} ms in the deciding thread's CPU time (`time.thread_time` "
@@ -397,8 +384,11 @@ def markdown(rows: list[Row], days: float, jobs: int) -> str:
         "left).",
     ]
     for policy, what in (
-        ("model", "the default: static K"),
-        (KINDS_POLICY, "off, static K and adaptive sets, where the calibration predicts them"),
+        (
+            "model",
+            "the default: off, static K and adaptive sets, where the calibration predicts them",
+        ),
+        (STATIC_POLICY, 'kinds = ["static"]: static K only'),
     ):
         lines += _figure_lines([row for row in model if row.policy == policy], policy, what)
     lines += _after_first_day_lines(model)
@@ -704,7 +694,7 @@ def run(argv: list[str]) -> int:
         for name in names:
             path = traces.write(name, Path(tmp) / f"{name}.csv", args.days)
             jobs += [(truth, name, path, policy, probe) for truth in truths for policy in policies]
-            jobs += [(t, name, path, KINDS_POLICY, probe) for t in truths if t[0] in KINDS_TRUTHS]
+            jobs += [(t, name, path, STATIC_POLICY, probe) for t in truths if t[0] in STATIC_TRUTHS]
         with ProcessPoolExecutor(args.jobs) as pool:
             for row in pool.map(_case, jobs):
                 rows.append(row)

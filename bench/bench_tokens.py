@@ -1,7 +1,7 @@
 """A policy change's effect on every bench case's tokens: a base revision against this tree.
 
 ``python -m bench tokens`` replays every model-policy case of `bench.bench_replay` (its
-truths, traces, windows and config; ``model+kinds`` where it runs that) once with a base
+truths, traces, windows and config; ``model static`` where it runs that) once with a base
 revision's code and once with this tree's, uncommitted changes included, each case and tree
 in a fresh process of its own. Per case it reports whether specd's tokens moved, their ratio
 new/base, and issue 12's token figures (×oracle, ×best static, ×adaptive) before and after;
@@ -33,9 +33,9 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` importable
 from bench.bench_replay import (  # noqa: E402
     ADAPTIVE_MIN,
     BEST_STATIC_MIN,
-    KINDS_POLICY,
-    KINDS_TRUTHS,
     ORACLE_MIN,
+    STATIC_POLICY,
+    STATIC_TRUTHS,
     TRUTHS,
 )
 from bench.child import export_revision, run_json, short_revision  # noqa: E402
@@ -58,7 +58,10 @@ from pathlib import Path
 from bench import bench_replay as b
 assert b.__file__.startswith(tree), (b.__file__, tree)
 truth = next((t for t in b.TRUTHS if t[0] == truth_name), None)
-if truth is None or (policy == b.KINDS_POLICY and truth_name not in b.KINDS_TRUTHS):
+# An older tree may name its policies otherwise (before "model static": "model+kinds").
+static = getattr(b, "STATIC_POLICY", None)
+runs = policy == "model" or (policy == static and truth_name in b.STATIC_TRUTHS)
+if truth is None or not runs:
     print("null")  # a case this tree's bench does not run
     sys.exit()
 r = b.run_one(truth, trace_name, Path(trace_path), policy).result
@@ -74,8 +77,8 @@ def cases(truth: str | None, only: str | None) -> list[Case]:
         for t, _, _ in TRUTHS:
             if truth in (None, t):
                 out.append((t, name, "model"))
-                if t in KINDS_TRUTHS:
-                    out.append((t, name, KINDS_POLICY))
+                if t in STATIC_TRUTHS:
+                    out.append((t, name, STATIC_POLICY))
     return out
 
 

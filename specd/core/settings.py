@@ -359,12 +359,14 @@ class ChooseSettings(BaseModel):
     )
 
     kinds: tuple[Literal["off", "static", "adaptive"], ...] = Field(
-        default=("static",),
+        default=("off", "static", "adaptive"),
         min_length=1,
         description='Kinds of setting the model policy may choose for the epoch ahead: "off" '
         '(no speculation), "static" (K steps in min_steps..max_steps) and "adaptive" '
         "(SGLang's --speculative-adaptive with one of adaptive_candidate_sets). Each only "
-        "where the server supports it (`specd doctor` says why not).",
+        "where the server runs it, the unit's ExecStart= can be given it and the calibration "
+        "can predict it (off: a steps-0 row; a set: a row per step count); `specd doctor` "
+        'says why not. ["static"] chooses step counts only.',
     )
     adaptive_candidate_sets: tuple[str, ...] = Field(
         default=DEFAULT_ADAPTIVE_SETS,

@@ -13,6 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import bench_replay  # noqa: E402
+from specd.core.choices import offer  # noqa: E402
+from specd.core.setting import format_setting  # noqa: E402
+from specd.io.calibration import calibration_steps  # noqa: E402
+from specd.tools.replay import REPLAY_TRAITS  # noqa: E402
 
 
 def _row(trace: str, p99_ms: float, probe_ms: float) -> bench_replay.Row:
@@ -142,26 +146,17 @@ OTHER_SETS = ("adaptive:1,3", "adaptive:2,4", "adaptive:3,4", "adaptive:1,2,3")
         ("seed (twin)", ("static", "adaptive"), OTHER_SETS),
     ],
 )
-def test_model_kinds_chooses_among_what_the_calibration_can_predict(
+def test_the_model_chooses_among_what_the_calibration_can_predict(
     truth: str, kinds: tuple[str, ...], sets: tuple[str, ...]
 ) -> None:
     _, _, calibration = next(t for t in bench_replay.TRUTHS if t[0] == truth)
-    assert bench_replay.kinds_of(calibration) == (kinds, sets)
-    config = bench_replay.case_config(calibration, "weekly", bench_replay.KINDS_POLICY)
-    assert (config.choose.policy, config.choose.kinds) == ("model", kinds)
-    assert config.choose.adaptive_candidate_sets == sets
-    plain = bench_replay.case_config(calibration, "weekly", "model")
-    assert plain.choose.kinds == ("static",)
-
-
-def test_a_calibration_of_static_rows_one_to_two_offers_static_only(tmp_path: Path) -> None:
-    path = tmp_path / "cal.csv"
-    path.write_text(
-        "steps,concurrency,output_tok_s,accept_length,max_running_requests\n"
-        "1,1,100,1.5,40\n2,1,120,2.0,30\n",
-        encoding="utf-8",
-    )
-    assert bench_replay.kinds_of(path) == (("static",), ())
+    config = bench_replay.case_config(calibration, "weekly", "model")
+    assert (config.choose.policy, config.choose.kinds) == ("model", ("off", "static", "adaptive"))
+    got = offer(config.choose, REPLAY_TRAITS, calibration_steps(calibration))
+    assert tuple(k for k in ("off", "static", "adaptive") if got.allows(k)) == kinds
+    assert tuple(format_setting(s) for s in got.settings if s.kind == "adaptive") == sets
+    static = bench_replay.case_config(calibration, "weekly", bench_replay.STATIC_POLICY)
+    assert (static.choose.policy, static.choose.kinds) == ("model", ("static",))
 
 
 @pytest.mark.parametrize(

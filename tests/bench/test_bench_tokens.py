@@ -74,11 +74,11 @@ def test_the_report_counts_each_figure_and_lists_what_moved(
 
 def test_the_cases_are_the_replay_benchs_model_cases() -> None:
     every = bench_tokens.cases(None, None)
-    # Each truth and trace, with the model policy and model+kinds.
+    # Each truth and trace, with the model policy by default and with static K only.
     assert len(every) == 9 * 5 * 2
     assert bench_tokens.cases("heavyoff", "weekly") == [
         ("heavyoff", "weekly", "model"),
-        ("heavyoff", "weekly", "model+kinds"),
+        ("heavyoff", "weekly", "model static"),
     ]
 
 
@@ -90,26 +90,26 @@ def test_one_tree_against_itself_moves_nothing(tmp_path: Path) -> None:
     base, new = bench_tokens.compare(tree, tree, todo, 0.5, 2)
     assert base == new
     assert base[todo[0]]["specd_tokens"] > 0
-    assert len(todo) == 2  # near's model and model+kinds
+    assert len(todo) == 2  # near's model and model static
     assert "specd's tokens identical in 2 of 2 cases." in bench_tokens.report(base, new)
 
 
 def test_a_case_one_tree_does_not_run_is_named_and_left_out(tmp_path: Path) -> None:
-    # A base whose bench ran model+kinds on heavyoff only (as it did before near's).
+    # A base whose bench ran model static on heavyoff only.
     tree = export_revision("HEAD", tmp_path / "head")
     old = tmp_path / "old"
     shutil.copytree(tree, old)
     source = old / "bench" / "bench_replay.py"
     text = source.read_text(encoding="utf-8")
-    line = "KINDS_TRUTHS = frozenset(t[0] for t in TRUTHS)"
+    line = "STATIC_TRUTHS = frozenset(t[0] for t in TRUTHS)"
     assert line in text
-    source.write_text(text.replace(line, 'KINDS_TRUTHS = frozenset({"heavyoff"})'), "utf-8")
+    source.write_text(text.replace(line, 'STATIC_TRUTHS = frozenset({"heavyoff"})'), "utf-8")
     todo = bench_tokens.cases("near", "steady_low")
-    assert todo == [("near", "steady_low", "model"), ("near", "steady_low", "model+kinds")]
+    assert todo == [("near", "steady_low", "model"), ("near", "steady_low", "model static")]
     base, new = bench_tokens.compare(old, tree, todo, 0.25, 2)
     assert list(base) == todo[:1]
     assert list(new) == todo
     lines = bench_tokens.report(base, new)
     assert "specd's tokens identical in 1 of 1 cases." in lines
-    assert "Only this tree runs: near/steady_low/model+kinds." in lines
+    assert "Only this tree runs: near/steady_low/model static." in lines
     assert not any(line.startswith("Only base") for line in lines)

@@ -26,8 +26,8 @@ FIXTURE = REPO / "tests" / "fixtures" / "replay" / "decisions.json"
 # (truth, trace, policy) → days replayed: choosing among kinds (off, then an adaptive set
 # on day 2), a change to an oversold step count taken back, a weekly rhythm.
 CASES = {
-    ("heavyoff", "day_night", bench_replay.KINDS_POLICY): 2.0,
-    ("heavyoff", "steady_heavy", bench_replay.KINDS_POLICY): 1.0,
+    ("heavyoff", "day_night", "model"): 2.0,
+    ("heavyoff", "steady_heavy", "model"): 1.0,
     ("near cal 5+8%", "day_night", "model"): 2.0,
     ("k5to2", "weekly", "model"): 1.0,
 }

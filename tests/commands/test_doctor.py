@@ -409,6 +409,23 @@ def test_choices_check_says_what_specd_may_choose_on_this_server(
     assert ("take adaptive out of [choose] kinds" in check.advice) == (not ok)
 
 
+def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(tmp_path: Path) -> None:
+    found = doctor(tmp_path, "")  # [choose] kinds left at every kind
+    with version_twin("0.5.11") as twin:
+        twin.wait_healthy(20)
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            assert found.check_sglang(client).ok
+    check = found.check_choices()
+    assert (check.ok, check.detail) == (True, "specd may choose off, static")
+    assert "adaptive: not offered: needs SGLang >= 0.5.13 (per-batch slots); the server runs "\
+        "0.5.11" in check.notes  # fmt: skip
+    # A drop-in of the step-variable form (as check_dropin reads it) takes static K only.
+    found.static_only = "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}"
+    check = found.check_choices()
+    assert (check.ok, check.detail) == (True, "specd may choose static")
+    assert f"off: not offered: {found.static_only}" in check.notes
+
+
 def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) -> None:
     found = doctor(tmp_path, '[choose]\nkinds = ["off", "static", "adaptive"]\n')
     check = found.check_choices()  # SGLang never answered

@@ -128,18 +128,20 @@ def test_only_what_the_calibration_predicts_and_the_unit_takes_is_offered(
     assert [line for line in lines if "not offered" in line] == notes
 
 
-def test_the_default_offers_what_specd_always_chose() -> None:
-    # Unknown traits (no /server_info yet) and the defaults: static K in range, nothing else.
+def test_the_default_offers_every_kind_the_server_is_known_to_run() -> None:
+    # Unknown traits (no /server_info yet): static K in range and off; adaptive once read.
     got = offer(ChooseSettings(), None)
-    assert got.settings == tuple(static(k) for k in range(1, 7))
+    assert got.settings == (*(static(k) for k in range(1, 7)), off())
     assert got.lines() == [
-        "off: not offered: not in [choose] kinds (static)",
+        "off: offered (no speculation)",
         "static: offered (steps 1-6)",
-        "adaptive: not offered: not in [choose] kinds (static)",
+        "adaptive: not offered: the server's /server_info has not been read",
     ]
-    unknown = offer(choose(kinds=list(ALL)), None)
-    assert unknown.kinds["adaptive"] == "the server's /server_info has not been read"
-    assert off() in unknown.settings
+    read = offer(ChooseSettings(), traits_from_server_info(GOOD))
+    assert [format_setting(s) for s in read.settings[7:]] == list(DEFAULT_ADAPTIVE_SETS)
+    static_only = offer(choose(kinds=["static"]), traits_from_server_info(GOOD))
+    assert static_only.settings == tuple(static(k) for k in range(1, 7))
+    assert static_only.lines()[0] == "off: not offered: not in [choose] kinds (static)"
 
 
 def test_offered_settings_come_in_order_static_off_adaptive() -> None:
@@ -156,7 +158,7 @@ def test_offered_settings_come_in_order_static_off_adaptive() -> None:
 
 
 def test_the_defaults_start_with_sglangs_own_config() -> None:
-    assert ChooseSettings().kinds == ("static",)
+    assert ChooseSettings().kinds == ALL
     assert ChooseSettings().adaptive_candidate_sets == DEFAULT_ADAPTIVE_SETS
     assert adaptive_slots(parse(DEFAULT_ADAPTIVE_SETS[0])) == DEFAULT_SLOTS
 

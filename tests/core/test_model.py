@@ -904,7 +904,7 @@ def test_a_tick_leaves_no_reference_cycle(tmp_path: Path, kinds: bool) -> None:
     """Every tick's model, forecast and verdict are freed when its step returns, not left
     for the garbage collector: a collection inside a tick costs the decision more than the
     tick itself (an adaptive set's model kept in the model's own memo did this)."""
-    cfg = kinds_config(tmp_path) if kinds else config(tmp_path)
+    cfg = kinds_config(tmp_path) if kinds else config(tmp_path, kinds=["static"])
     history = kinds_history((2, 60), steps=3)
     now = history.last_t
     assert now is not None
@@ -977,10 +977,10 @@ def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("levels", [(60,), (2, 32), (2,)])
-def test_the_defaults_keep_todays_static_decisions(tmp_path: Path, levels: tuple[int, ...]) -> None:
+def test_static_kinds_keep_the_static_decisions(tmp_path: Path, levels: tuple[int, ...]) -> None:
     # A table with a steps-0 row and every traffic shape: without "off" or "adaptive" in
     # kinds the plan is exactly the static one, whatever the server supports.
-    cfg = config(tmp_path, min_steps=1, max_steps=3, bands=[{"steps": 3}])
+    cfg = config(tmp_path, min_steps=1, max_steps=3, bands=[{"steps": 3}], kinds=["static"])
     history = kinds_history(levels, steps=3)
     cal = Calibration.of(KINDS_TABLE)
     before = plan(history, cfg, 3, cal)

@@ -623,9 +623,13 @@ def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
         f"{binds['adaptive_tokens']:,} tokens); elsewhere: specd ×{free['ratio_to_adaptive']} "
         f"({free['specd_tokens']:,} against {free['adaptive_tokens']:,} tokens)"
     ) in text
+    # The seed's table stops at 5 steps: SGLang's default set (to 7) is not offered.
+    default_set = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
+    assert data["not_offered"] == {default_set: "the truth has no steps 7"}
+    assert f"  not offered: {default_set} (the truth has no steps 7)\n" in text
     # A day's trace has no window opening a day in: no such comparison, no line.
     assert data["after_first_day"] is None
-    assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 3
+    assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 4
 
 
 def test_the_human_output_says_how_specd_fares_after_its_first_day(tmp_path: Path) -> None:

@@ -17,10 +17,10 @@ from factories import tables
 from prometheus_client import CollectorRegistry
 
 from specd.core.decide import ACTING_REASONS, Reason
-from specd.core.model import Calibration
+from specd.core.model import Calibration, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
-from specd.core.setting import SpecSetting
+from specd.core.setting import SpecSetting, format_setting
 from specd.daemon import Daemon
 from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
@@ -29,6 +29,7 @@ from specd.io.notify import Notifier
 from specd.io.tables import read_table, write_table
 from specd.tools.replay import (
     DEFAULT_START,
+    REPLAY_TRAITS,
     ReplayResult,
     SimulatedServer,
     Tokens,
@@ -105,6 +106,22 @@ class SimulatedReader:
             return ScrapeError("refused", "SGLang is loading the model", now)
         return self.server.observe(now - self.t0)
 
+    @property
+    def last_server_info(self) -> dict[str, Any]:
+        """/server_info of the server replay simulates (its REPLAY_TRAITS): the daemon is
+        offered what replay is."""
+        t = REPLAY_TRAITS
+        assert t.version is not None
+        return {
+            "speculative_algorithm": t.algorithm,
+            "speculative_eagle_topk": t.topk,
+            "enable_dp_attention": t.dp_attention,
+            "enable_multi_layer_eagle": t.multi_layer_eagle,
+            "enable_two_batch_overlap": t.two_batch_overlap,
+            "enable_pdmux": t.pdmux,
+            "version": ".".join(map(str, t.version)),
+        }
+
     def close(self) -> None:
         pass
 
@@ -112,9 +129,9 @@ class SimulatedReader:
 class SimulatedApplier:
     """A restart that blocks, as the real applier does, until SGLang serves again."""
 
-    def __init__(self, server: SimulatedServer, clock: list[float], t0: float) -> None:
-        self.server, self.clock, self.t0 = server, clock, t0
-        self.restarts: list[tuple[float, int]] = []
+    def __init__(self, server: SimulatedServer, clock: list[float], t0: float, cfg: Config) -> None:
+        self.server, self.clock, self.t0, self.cfg = server, clock, t0, cfg
+        self.restarts: list[tuple[float, int | None]] = []  # None: an adaptive set
 
     def apply_setting(
         self,
@@ -126,13 +143,22 @@ class SimulatedApplier:
     ) -> ApplyOutcome:
         assert window_open() or force
         steps = setting_steps(target)
-        assert steps is not None, "this replay's server runs static step counts and off"
         s = self.clock[0] - self.t0
         self.restarts.append((s, steps))
-        self.server.restart(steps, s, RESTART_S)
+        # As replay restarts: an adaptive start captures one CUDA-graph set per candidate.
+        took = RESTART_S + restart_extra_s(target, self.cfg)
+        self.server.restart(target, s, took)
         self.clock[0] = self.t0 + self.server.serving_from
         return ApplyOutcome(
-            "success", setting_steps(current), steps, RESTART_S, "verified", None, 1
+            "success",
+            setting_steps(current),
+            steps,
+            took,
+            "verified",
+            None,
+            1,
+            from_setting=None if current is None else format_setting(current),
+            to_setting=format_setting(target),
         )
 
     def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
@@ -150,12 +176,12 @@ class SimulatedApplier:
 
 def run_daemon(
     tr: Trace, cfg: Config, initial: int
-) -> tuple[dict[float, tuple[int | None, str, str]], list[tuple[float, int]]]:
+) -> tuple[dict[float, tuple[int | None, str, str]], list[tuple[float, int | None]]]:
     t0 = DEFAULT_START.timestamp()
     allowed = list(range(cfg.choose.min_steps, cfg.choose.max_steps + 1))
     server = SimulatedServer(tr, TRUTH, Tokens(tr, TRUTH, allowed), t0, initial)
     clock = [t0 + tr.t[0]]
-    applier = SimulatedApplier(server, clock, t0)
+    applier = SimulatedApplier(server, clock, t0, cfg)
     daemon = Daemon(
         cfg,
         registry=CollectorRegistry(),
@@ -255,6 +281,10 @@ def test_replay_decides_tick_for_tick_what_the_daemon_decides(
             )
         else:
             assert seen[Reason.STABILIZING.value] > 0
+        if policy == "model-trusting":
+            # Every kind is offered by default: the daemon, reading /server_info, changed
+            # to an adaptive set where replay did.
+            assert any(k is None for _, k in restarts), restarts
     assert seen[Reason.WITHIN_TOLERANCE.value] > 0
     if policy == "bands":
         # Ticks inside the hysteresis band around the boundary of 4.
