@@ -63,9 +63,10 @@ class Reader:
 class Applier:
     """Records what the daemon asked; the restart succeeds at once."""
 
-    def __init__(self, stop_timeout_s: float = 0.0) -> None:
+    def __init__(self, stop_timeout_s: float = 0.0, static_only: str | None = None) -> None:
         self.calls: list[tuple[str, str | None]] = []
         self._stop_timeout_s = stop_timeout_s
+        self._static_only = static_only
 
     def apply_setting(
         self,
@@ -99,7 +100,7 @@ class Applier:
         pass
 
     def read_wiring(self) -> str | None:
-        return None
+        return self._static_only
 
 
 def config(tmp_path: Path, **extra: Any) -> Config:
@@ -451,6 +452,30 @@ def test_a_regression_goes_back_is_counted_logged_saved_and_not_repeated(
     assert decision_again.reason is Reason.WITHIN_TOLERANCE
     assert "avoided" in decision_again.message
     assert applier.calls == [("3", "4")]
+
+
+WIRED = (
+    "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS: "
+    "static step counts only (`specd install` rewrites it)"
+)
+
+
+@pytest.mark.parametrize(("static_only", "target"), [(None, "off"), (WIRED, "1")])
+def test_what_the_unit_can_be_given_bounds_what_specd_changes_to(
+    tmp_path: Path, static_only: str | None, target: str
+) -> None:
+    # 48 requests on heavyoff's calibration: off serves ~1.8x what 3 steps do, 1 step ~1.6x.
+    calibration = REPO / "bench" / "truth" / "heavyoff-calibration.csv"
+    cfg = config(tmp_path, policy="model", calibration_file=str(calibration), scrape_interval_s=60)
+    history = History(HistorySettings.from_config(cfg))
+    last = serve(history, 3, IN_WINDOW - 6 * 3600, IN_WINDOW, 48, 730.0)
+    applier = Applier(static_only=static_only)
+    d = daemon(cfg, Reader([last]), applier, [last.t])
+    d.state.history = history
+    d._read_wiring()  # as run() does at start, and reload() at each reload
+    decision = d.tick()
+    assert decision.reason is Reason.CHANGE, decision.message
+    assert applier.calls == [(target, "3")]
 
 
 @pytest.mark.parametrize(
