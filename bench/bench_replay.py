@@ -489,9 +489,7 @@ def _speed_lines(rows: list[Row], model: list[Row]) -> list[str]:
         return []
     fastest, slowest = min(probes), max(probes)
     scaled = [(row, _at_fastest(row, fastest)) for row in model]
-    fails = [
-        f"{row.truth}/{row.trace} {p99:.2f}" for row, p99 in scaled if p99 > DECISION_P99_MS_MAX
-    ]
+    fails = [f"{_named(row)} {p99:.2f}" for row, p99 in scaled if p99 > DECISION_P99_MS_MAX]
     return [
         "",
         f"Machine speed over the run (`speed_probe_ms`: the mean decision CPU time of a fixed "
@@ -524,6 +522,11 @@ def _capacity_cell(adaptive: dict[str, Any] | None) -> str:
     return "/".join("–" if v is None else f"{v:.4f}" for v in ratios)
 
 
+def _named(row: Row) -> str:
+    """A row's case for the lists under the tables: a policy but the default is named."""
+    return f"{row.truth}/{row.trace}" + ("" if row.policy == "model" else f" ({row.policy})")
+
+
 def _capacity_lines(model: list[Row]) -> list[str]:
     """specd's margin over SGLang adaptive in the seconds its capacity binds and in the
     rest (issue 12: the margin where capacity binds, stated), over the model-policy cases
@@ -550,11 +553,11 @@ def _capacity_lines(model: list[Row]) -> list[str]:
             ]
         ordered = sorted(values, key=lambda rv: rv[1])
         low, high = ordered[0], ordered[-1]
-        below = [f"{row.truth}/{row.trace} {v:.4f}" for row, v in ordered if v < ADAPTIVE_MIN]
+        below = [f"{_named(row)} {v:.4f}" for row, v in ordered if v < ADAPTIVE_MIN]
         lines.append(
             f"| {name} | {len(values)} | {statistics.median(v for _, v in values):.4f} "
-            f"| {low[1]:.4f} ({low[0].truth}/{low[0].trace}) "
-            f"| {high[1]:.4f} ({high[0].truth}/{high[0].trace}) | {'; '.join(below) or '–'} |"
+            f"| {low[1]:.4f} ({_named(low[0])}) "
+            f"| {high[1]:.4f} ({_named(high[0])}) | {'; '.join(below) or '–'} |"
         )
     return lines
 
@@ -586,9 +589,7 @@ def _after_first_day_lines(model: list[Row]) -> list[str]:
     ]
     for name, key, least in AFTER_FIRST_DAY:
         values = [(row, d[key]) for row, d in counted]
-        below = [
-            f"{row.truth}/{row.trace} {v:.4f}" for row, v in values if v is not None and v < least
-        ]
+        below = [f"{_named(row)} {v:.4f}" for row, v in values if v is not None and v < least]
         known = sum(v is not None for _, v in values)
         lines.append(
             f"| {name} ≥ {least} | {known - len(below)} | {len(below)} "

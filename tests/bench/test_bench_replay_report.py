@@ -91,6 +91,10 @@ def test_the_margin_where_adaptive_capacity_binds_is_stated_over_the_cases_that_
         "| k6to1/b 0.9700 |",
         "| where it does not | 4 | 1.0200 | 0.9900 (k6to1/d) | 1.0500 (k6to1/c) | k6to1/d 0.9900 |",
     ]
+    # The same case under the static-only policy is told apart from the default's.
+    static = bench_replay.Row("k6to1", "b", bench_replay.STATIC_POLICY, _versus((0.96, 1.0)), 1.0)
+    both = bench_replay._capacity_lines([made[1], static])
+    assert "| k6to1/b (model static) 0.9600; k6to1/b 0.9700 |" in both[-2]
     assert bench_replay._capacity_cell(made[2].result["adaptive"]) == "–/1.0500"
     assert bench_replay._capacity_cell(None) == "–/–"
     assert bench_replay._capacity_lines(made[4:]) == []
