@@ -21,6 +21,8 @@ import httpx
 import pydantic
 import pytest
 from factories import SMG_ADMIN_KEY, Killed, QueuedRemovalGateway, SmgGateway, StreamingLoad
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specd.core.setting import SpecSetting, adaptive_config_name
 from specd.core.setting import off as setting_off
@@ -273,6 +275,17 @@ def test_a_unit_reading_the_step_variables_takes_static_step_counts_only(
             f"{UNIT}'s ExecStart= reads ${{{variable}}}, not $SPECD_SPECULATIVE_ARGS: static "
             "step counts only (`specd install` rewrites it)"
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(max_size=300), max_size=4))
+def test_any_execstart_text_gives_a_reason_or_none_and_never_raises(lines: list[str]) -> None:
+    # Whatever systemctl (or something in its place) prints: one line naming the unit, or
+    # None; never an exception out of the daemon's start or reload.
+    why = static_only_wiring(UNIT, lines)
+    assert why is None or (why.startswith(f"{UNIT}'s ExecStart= reads ${{") and "\n" not in why)
+    # With the setting's variable as a word of any line, always None.
+    assert static_only_wiring(UNIT, [*lines, "/x $SPECD_SPECULATIVE_ARGS"]) is None
 
 
 def test_off_on_a_unit_of_the_step_variables_is_refused_before_any_restart(
