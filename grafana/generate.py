@@ -54,6 +54,7 @@ REASON_COLORS: dict[str, str] = {
     "frozen": "dark-red",
     "drain_unavailable": "red",
     "regression": "dark-orange",
+    "unsupported": "red",
 }
 STEPS_UNIT = "none"
 TOKS_UNIT = "suffix: tok/s"

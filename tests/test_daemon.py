@@ -478,6 +478,23 @@ def test_what_the_unit_can_be_given_bounds_what_specd_changes_to(
     assert applier.calls == [(target, "3")]
 
 
+def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    applier = Applier(static_only=WIRED)
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, [IN_WINDOW])
+    d._read_wiring()
+    expires = datetime.fromtimestamp(IN_WINDOW + 3600, tz=UTC)
+    override = {"mode": "pin", "setting": "off", "expires_at": expires, "reason": "incident"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps({**override, "apply": "now"}))
+    os.chmod(cfg.files.override_file, 0o600)
+    decision = d.tick()
+    assert decision.reason is Reason.UNSUPPORTED, decision.message
+    assert decision.message.endswith(f"; not applied: {WIRED}")
+    assert applier.calls == []
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_decisions_total", {"reason": "unsupported"}) == 1
+
+
 @pytest.mark.parametrize(
     ("signum", "stops", "reloads"),
     [(signal.SIGHUP, False, True), (signal.SIGTERM, True, False), (signal.SIGINT, True, False)],

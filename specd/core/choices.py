@@ -90,6 +90,21 @@ def _adaptive_kind(traits: ServerTraits | None) -> str | None:
     return None
 
 
+def cannot_run(
+    traits: ServerTraits | None, static_only: str | None, setting: SpecSetting
+) -> str | None:
+    """Why a server with ``traits`` whose unit can be given static K only when
+    ``static_only`` names why, cannot run ``setting`` (any operator's setting, whatever
+    [choose] allows); None when it can, or when /server_info has not been read to say."""
+    if setting.kind != "static" and static_only is not None:
+        return static_only
+    if traits is None:
+        return None
+    if setting.kind == "adaptive":
+        return _adaptive_kind(traits) or unavailable(setting, traits, allow_off=True)
+    return unavailable(setting, traits, allow_off=True)
+
+
 def _unpredictable(setting: SpecSetting, table_steps: frozenset[int] | None) -> str | None:
     lacking = sorted(setting.table_steps - table_steps) if table_steps is not None else []
     if not lacking:

@@ -66,6 +66,9 @@ class Reason(str, enum.Enum):
     FLEET_UNAVAILABLE = "fleet_unavailable"
     # A gateway is configured but could not drain this server: no restart without a drain.
     DRAIN_UNAVAILABLE = "drain_unavailable"
+    # The target is a setting this server cannot run (its /server_info) or its unit cannot
+    # be given (a drop-in of the step-variable form): an on-call pin of one. No restart.
+    UNSUPPORTED = "unsupported"
     CHANGE = "change"
     # One epoch at a step count the evidence cannot judge, to measure it (specd.core.explore).
     EXPLORE = "explore"
@@ -424,6 +427,7 @@ def decide(
     *,
     fleet_problem: str | None = None,
     gateway_problem: str | None = None,
+    cannot_run: Callable[[SpecSetting], str | None] | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
     ``control.current_steps`` (`choose`); a restart outside a forced pin must fit in the
@@ -435,7 +439,10 @@ def decide(
     configured fleet can be taken this tick (None: one can, or no fleet is configured);
     ``gateway_problem``: why the configured gateway cannot drain this server this tick
     (None: it can, or none is configured). Either holds every restart, a pin applied now
-    included; the fleet is checked first. See the module docstring."""
+    included; the fleet is checked first. ``cannot_run`` says why the server or its unit
+    cannot run a setting (`specd.core.choices.cannot_run`): a target it names is held
+    before either (the policy only picks what can run; an on-call pin may name anything).
+    See the module docstring."""
     decision = _decide(
         history, obs, config, override, now, control, pick, restart_needs_s, exploration, verdict
     )
@@ -444,10 +451,20 @@ def decide(
         live_adaptive=control.live_adaptive,
         live_config=control.live_adaptive_config,
     )
-    if not acts or not (fleet_problem or gateway_problem):
+    if not acts:
         return decision
     wanted = decision.target_setting
     assert wanted is not None
+    unsupported = cannot_run(wanted) if cannot_run is not None else None
+    if unsupported:
+        return Decision(
+            decision.target_steps,
+            Reason.UNSUPPORTED,
+            f"{decision.message}; not applied: {_one_line(unsupported)}",
+            decision.setting,
+        )
+    if not (fleet_problem or gateway_problem):
+        return decision
     target = decision.target_steps if wanted.kind == "static" else format_setting(wanted)
     assert target is not None
     arrow = _arrow(control.current_steps, target, live_adaptive=control.live_adaptive)

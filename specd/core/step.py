@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specd.core import explore, outcome
-from specd.core.choices import offer
+from specd.core.choices import cannot_run, offer
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration, Plan, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
@@ -183,6 +183,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         verdict,
         fleet_problem=ctx.fleet_problem,
         gateway_problem=ctx.gateway_problem,
+        cannot_run=functools.partial(cannot_run, ctx.traits, ctx.static_only),
     )
     acts = decision.acts(
         current, live_adaptive=control.live_adaptive, live_config=control.live_adaptive_config

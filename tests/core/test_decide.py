@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specd.core import windows
+from specd.core.choices import cannot_run
 from specd.core.decide import (
     ACTING_REASONS,
     POLICIES,
@@ -29,7 +30,15 @@ from specd.core.model import Plan
 from specd.core.observation import Observation, ScrapeError
 from specd.core.outcome import Verdict
 from specd.core.override import Override
-from specd.core.setting import SpecSetting, adaptive, adaptive_config_name, format_setting, off
+from specd.core.setting import (
+    ServerTraits,
+    SpecSetting,
+    adaptive,
+    adaptive_config_name,
+    format_setting,
+    off,
+    traits_from_server_info,
+)
 from specd.core.settings import ChooseSettings, Settings
 
 UTC = timezone.utc
@@ -435,6 +444,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "drain_unavailable",
         "explore",
         "regression",
+        "unsupported",
     }
 
 
@@ -761,6 +771,53 @@ def test_a_fleet_problem_holds_every_restart(
         assert f"no fleet slot can be taken ({problem} second line)" in decision.message
         assert decide(*args).acts(ctl.current_steps)  # without the problem it would act
     assert "\n" not in decision.message
+
+
+WIRED = "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
+SERVER = traits_from_server_info(
+    {"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 1, "version": "0.5.23"}
+)
+
+
+@pytest.mark.parametrize(
+    ("override", "traits", "static_only", "reason", "why"),
+    [
+        # (the pin, the server's traits, the unit's wiring, the reason, what the message says)
+        (pin_setting(off()), SERVER, WIRED, Reason.UNSUPPORTED, WIRED),
+        (pin_setting(adaptive((1, 3)), apply="now"), SERVER, WIRED, Reason.UNSUPPORTED, WIRED),
+        (pin_setting(adaptive((1, 3))), replace(SERVER, version=(0, 5, 11)), None,
+         Reason.UNSUPPORTED, "needs SGLang >= 0.5.13"),
+        (pin(2), replace(SERVER, algorithm=None), None, Reason.UNSUPPORTED,
+         "no speculative algorithm"),
+        # What can run is applied: a static K on a unit of the step variables, anything on a
+        # server whose /server_info was not read yet (the applier's checks still stand).
+        (pin(2), SERVER, WIRED, Reason.OVERRIDE_PIN, None),
+        (pin_setting(off()), SERVER, None, Reason.OVERRIDE_PIN, None),
+        (pin_setting(adaptive((1, 3))), None, None, Reason.OVERRIDE_PIN, None),
+    ],
+)  # fmt: skip
+def test_a_pin_of_what_cannot_run_here_is_held_and_says_why(
+    override: Override,
+    traits: ServerTraits | None,
+    static_only: str | None,
+    reason: Reason,
+    why: str | None,
+) -> None:
+    hist, cfg, ctl = history(), config(), control()
+    pick = choose(hist, cfg, ctl.current_steps)
+    args = (hist, observation(OPEN), cfg, override, OPEN, ctl, pick, 0.0)
+    check = functools.partial(cannot_run, traits, static_only)
+    decision = decide(*args, cannot_run=check)
+    assert decision.reason is reason, decision.message
+    assert decision.acts(ctl.current_steps) == (why is None)
+    assert decide(*args).acts(ctl.current_steps)  # unchecked, it would restart
+    if why is not None:
+        assert "; not applied: " in decision.message
+        assert why in decision.message.split("; not applied: ", 1)[1]
+        assert decision.target_setting == decide(*args).target_setting  # what was asked
+        # Held before the fleet or the gateway is even asked about.
+        both = decide(*args, cannot_run=check, fleet_problem=SLOTS_BUSY)
+        assert both.reason is Reason.UNSUPPORTED
 
 
 @PROPERTY
