@@ -140,7 +140,8 @@ class Doctor:
 
     def check_choices(self) -> Check:
         """Which kinds of setting specd may choose on this server, and why not the others
-        (from the config and /server_info, as the brain offers them)."""
+        (from the config, the calibration's rows, /server_info and the drop-in's wiring, as
+        the brain offers them)."""
         traits = None if self.info is None else traits_from_server_info(self.info)
         choose = self.config.choose
         table_steps = calibration_steps(choose.calibration_file)

@@ -376,7 +376,8 @@ class ChooseSettings(BaseModel):
         "(one candidate list for every batch size) or with per-batch slots "
         '"adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3" (0 = no drafting in that slot); candidates '
         "ascending, unique. The default starts with SGLang's own default config. At most "
-        f"{MAX_ADAPTIVE_SETS}; each step count must be in the calibration table.",
+        f"{MAX_ADAPTIVE_SETS}; each step count of a set listed here must be a row of the "
+        "calibration table (a default set it lacks rows for is left out).",
     )
     adaptive_restart_extra_s_per_candidate: float = Field(
         default=20,
