@@ -60,6 +60,29 @@ def test_status_names_the_choices_on_the_running_server(
     assert info["choices"]["server_problem"] is None
 
 
+def test_status_names_what_the_calibration_and_the_unit_leave_out(tmp_path: Path) -> None:
+    calibration = tmp_path / "cal.csv"
+    calibration.write_text(
+        "steps,concurrency,output_tok_s\n" + "".join(f"{k},1,{100 + k}\n" for k in (1, 2, 3, 4))
+    )
+    with version_twin("0.5.23") as twin:
+        twin.wait_healthy(20)
+        path = config_file(tmp_path, twin.url, '["off", "static", "adaptive"]')
+        path.write_text(path.read_text() + f'calibration_file = "{calibration}"\n')
+        config = load_config(path)
+        info = collect(config, NOW, server_info(config))
+        wired = "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}"
+        static_only = collect(config, NOW, server_info(config), wired)
+    text = render(info, NOW)
+    assert "choices        off: not offered: the calibration has no steps-0 row\n" in text
+    assert "adaptive: offered (adaptive:1,3 adaptive:2,4 adaptive:3,4 adaptive:1,2,3)" in text
+    assert (
+        "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0: not offered: the calibration has no "
+        "rows for steps 0,5,7"
+    ) in text
+    assert static_only["choices"]["kinds"] == {"off": wired, "static": None, "adaptive": wired}
+
+
 def test_status_says_when_sglang_did_not_answer(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
