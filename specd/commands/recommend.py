@@ -23,9 +23,11 @@ from specd.core.observation import Observation, ScrapeError
 from specd.core.outcome import Measured, measured
 from specd.core.setting import SpecSetting, format_setting, parse, traits_from_server_info
 from specd.core.step import StepContext, step
+from specd.io.apply import read_static_only
 from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.override import daemon_uids, read_override
+from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
@@ -134,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration,
         calibration_problem=calibration_problem,
         traits=traits,
+        # What the unit can be given, as the daemon reads it at start (`systemctl show`).
+        static_only=read_static_only(SubprocessRunner(), config.sglang.unit),
     )
     outcome = step(context, last, now)
     current, rec, decision = outcome.current, outcome.pick, outcome.decision

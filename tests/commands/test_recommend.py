@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+import tomli_w
 from factories import make_observation, serve
 
 from specd.core.history import History, HistorySettings
 from specd.core.setting import adaptive, adaptive_config_name
 from specd.io.config import load_config
 from specd.io.state import State, StateStore
-from specd.twin.process import TwinProcess
+from specd.twin.process import TwinProcess, free_port
+from specd.twin.standin import make_standin
 
 TWIN = [
     "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "4",
@@ -63,11 +67,15 @@ def write_config(tmp: Path, window: tuple[str, int], choose: str = "") -> Path:
     return cfg
 
 
-def run_recommend(url: str, cfg: Path) -> dict:
+def run_recommend(url: str, cfg: Path, systemctl_dir: Path | None = None) -> dict:
+    """``systemctl_dir``: a stand-in systemctl found first on PATH."""
+    env = dict(os.environ)
+    if systemctl_dir is not None:
+        env["PATH"] = f"{systemctl_dir}:{env['PATH']}"
     proc = subprocess.run(
         [sys.executable, "-m", "specd.cli", "recommend", "--url", url, "--config", str(cfg),
          "--samples", "2", "--interval-s", "0.1", "--json"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -150,3 +158,23 @@ def test_recommend_shows_each_setting_measured_against_its_prediction(
     assert low <= 1000.0 <= high
     # The decision is still the daemon's step(): nothing restarts with no window open.
     assert out["decision"]["would_restart"] is False
+
+
+def test_recommend_holds_a_pin_the_unit_cannot_take_as_the_daemon_does(
+    tmp_path: Path, twin: TwinProcess
+) -> None:
+    cfg = write_config(tmp_path, ALL_DAY)
+    expires = datetime.fromtimestamp(time.time() + 3600, tz=timezone.utc)
+    override = {"mode": "pin", "setting": "off", "expires_at": expires, "reason": "incident"}
+    (tmp_path / "override.toml").write_text(tomli_w.dumps({**override, "apply": "now"}))
+    os.chmod(tmp_path / "override.toml", 0o600)
+    # This machine's systemd has no sglang.service: nothing says the unit cannot take off.
+    assert run_recommend(twin.url, cfg)["decision"]["would_restart"] is True
+    # The fault tests' stand-in systemctl: a unit of the step-variable form.
+    (tmp_path / "unit").mkdir()
+    standin = make_standin(tmp_path / "unit", free_port())
+    out = run_recommend(twin.url, cfg, standin.bin_dir)
+    assert out["decision"]["reason"] == "unsupported"
+    assert out["decision"]["would_restart"] is False
+    message = out["decision"]["message"]
+    assert "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS" in message
