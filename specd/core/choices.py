@@ -36,6 +36,7 @@ from specd.core.setting import parse as parse_setting
 from specd.core.sglang_features import ADAPTIVE_SLOTS, version_text
 
 if TYPE_CHECKING:
+    from specd.core.model import Calibration
     from specd.core.settings import ChooseSettings
 
 
@@ -103,6 +104,12 @@ def cannot_run(
     if setting.kind == "adaptive":
         return _adaptive_kind(traits) or unavailable(setting, traits, allow_off=True)
     return unavailable(setting, traits, allow_off=True)
+
+
+def table_steps(calibration: Calibration | None) -> frozenset[int] | None:
+    """The step counts ``calibration`` has rows for, as `offer` reads them (None: no
+    calibration)."""
+    return None if calibration is None else frozenset(calibration.table.steps())
 
 
 def _unpredictable(setting: SpecSetting, table_steps: frozenset[int] | None) -> str | None:

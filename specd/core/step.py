@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from specd.core import explore, outcome
-from specd.core.choices import cannot_run, offer
+from specd.core.choices import cannot_run, offer, table_steps
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration, Plan, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
@@ -90,11 +90,6 @@ class StepResult:
             live_adaptive=self.control.live_adaptive,
             live_config=self.control.live_adaptive_config,
         )
-
-
-def table_steps(calibration: Calibration | None) -> frozenset[int] | None:
-    """The step counts ``calibration`` has rows for, as `offer` reads them."""
-    return None if calibration is None else frozenset(calibration.table.steps())
 
 
 def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: float) -> StepResult:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specd.core.choices import table_steps
 from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
 from specd.io.tables import read_table
@@ -35,7 +36,7 @@ def calibration_steps(path: str | Path | None) -> frozenset[int] | None:
     if path is None:
         return None
     try:
-        return frozenset(read_calibration(path).table.steps())
+        return table_steps(read_calibration(path))
     except CalibrationError:
         return None
 
