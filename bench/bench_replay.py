@@ -242,6 +242,7 @@ def run_one(
     policy: str,
     *,
     probe_trace: Path | None = None,
+    adaptive_loss_ratio: float = 0.0,
 ) -> Row:
     """One case's replay; with ``probe_trace`` (`write_probe_trace`), also the machine's
     speed around it (`speed_probe_ms`)."""
@@ -252,7 +253,9 @@ def run_one(
         before = _last_probe[0] if _last_probe else speed_probe_ms(probe_trace)
     began = time.perf_counter()
     trace, table = load_trace(trace_path), read_table(truth_path)
-    result = replay(trace, table, config, restart_s=RESTART_S)
+    result = replay(
+        trace, table, config, restart_s=RESTART_S, adaptive_loss_ratio=adaptive_loss_ratio
+    )
     seconds = time.perf_counter() - began
     probe_ms = 0.0
     if probe_trace is not None:

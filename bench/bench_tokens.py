@@ -12,8 +12,10 @@ side by side (``--jobs``).
 
 ``--base REV`` (default HEAD: the working tree's uncommitted change against its commit),
 ``--days N`` (7), ``--jobs N`` (2), ``--truth NAME`` and ``--only TRACE`` as in ``python -m
-bench replay``, ``--out FILE`` writes the report too. Every case on 2 cores: about 5
-minutes.
+bench replay``, ``--out FILE`` writes the report too. ``--adaptive-loss R`` makes every
+adaptive setting serve R less than the truth's best candidate per batch (SGLang's switching
+and its extra graphs' memory, which no calibration shows; both trees' replay must know the
+option). Every case on 2 cores: about 8 minutes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from bench.bench_replay import (  # noqa: E402
 )
 from bench.child import export_revision, run_json, short_revision  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
+from specd.commands.replay import ADAPTIVE_LOSS  # noqa: E402
 
 Case = tuple[str, str, str]  # truth, trace, policy
 # The token figures: (name, the result's key, the least that meets it).
@@ -52,7 +55,7 @@ FIGURES = (
 # The worker: one case, in a fresh interpreter with the tree to measure first on sys.path.
 WORKER = r"""
 import json, sys
-tree, truth_name, trace_name, policy, trace_path = sys.argv[1:6]
+tree, truth_name, trace_name, policy, trace_path, loss = sys.argv[1:7]
 sys.path.insert(0, tree)
 from pathlib import Path
 from bench import bench_replay as b
@@ -64,7 +67,9 @@ runs = policy == "model" or (policy == static and truth_name in b.STATIC_TRUTHS)
 if truth is None or not runs:
     print("null")  # a case this tree's bench does not run
     sys.exit()
-r = b.run_one(truth, trace_name, Path(trace_path), policy).result
+# Only a tree whose replay knows the adaptive loss is asked for it (0: the default).
+extra = {"adaptive_loss_ratio": float(loss)} if float(loss) else {}
+r = b.run_one(truth, trace_name, Path(trace_path), policy, **extra).result
 keys = ("specd_tokens", "ratio_to_oracle", "ratio_to_best_static", "ratio_to_adaptive")
 print(json.dumps({**{k: r[k] for k in keys}, "steps": b._steps_path(r)}))
 """
@@ -129,19 +134,26 @@ def report(
     return lines
 
 
-def _one(tree: Path, case: Case, trace: Path) -> dict[str, Any] | None:
+def _one(tree: Path, case: Case, trace: Path, loss: float) -> dict[str, Any] | None:
     """One case replayed by ``tree``; None where that tree's bench does not run it."""
     out: dict[str, Any] | None = run_json(
-        tree, ["-c", WORKER, str(tree), *case, str(trace)], f"{tree} {'/'.join(case)}"
+        tree, ["-c", WORKER, str(tree), *case, str(trace), repr(loss)], f"{tree} {'/'.join(case)}"
     )
     return out
 
 
 def compare(
-    base_tree: Path, new_tree: Path, todo: list[Case], days: float, jobs: int
+    base_tree: Path,
+    new_tree: Path,
+    todo: list[Case],
+    days: float,
+    jobs: int,
+    adaptive_loss: float = 0.0,
 ) -> tuple[dict[Case, dict[str, Any]], dict[Case, dict[str, Any]]]:
     """Each case of ``todo`` replayed by both trees on ``days``-day traces, ``jobs`` at a
-    time: (the base tree's results, the new tree's), by case."""
+    time, every adaptive setting serving ``adaptive_loss`` less than the truth's best
+    candidate per batch (`specd.tools.replay.replay`): (the base tree's results, the new
+    tree's), by case."""
     with tempfile.TemporaryDirectory(prefix="specd-tokens-traces-") as tmp:
         paths = {
             name: traces.write(name, Path(tmp) / f"{name}.csv", days)
@@ -149,7 +161,9 @@ def compare(
         }
         runs = [(tree, c) for c in todo for tree in (base_tree, new_tree)]
         with ThreadPoolExecutor(jobs) as pool:
-            done = list(pool.map(lambda job: _one(job[0], job[1], paths[job[1][1]]), runs))
+            done = list(
+                pool.map(lambda job: _one(job[0], job[1], paths[job[1][1]], adaptive_loss), runs)
+            )
     results = dict(zip(runs, done, strict=True))
 
     def ran(tree: Path) -> dict[Case, dict[str, Any]]:
@@ -166,18 +180,33 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--truth", choices=[t[0] for t in TRUTHS], help="one truth only")
     parser.add_argument("--only", choices=sorted(traces.PATTERNS), help="one trace only")
     parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument(
+        "--adaptive-loss",
+        type=ADAPTIVE_LOSS,
+        default=0.0,
+        help="share of tokens every adaptive setting serves less than the truth's best "
+        f"candidate of each batch's slot ({ADAPTIVE_LOSS.spec}; default 0; both trees' "
+        "replay must know it)",
+    )
     args = parser.parse_args(argv)
     todo = cases(args.truth, args.only)
     with tempfile.TemporaryDirectory(prefix="specd-tokens-") as tmp:
         base_tree = export_revision(args.base, Path(tmp) / "base")
-        base, new = compare(base_tree, REPO, todo, args.days, args.jobs)
+        base, new = compare(base_tree, REPO, todo, args.days, args.jobs, args.adaptive_loss)
     lines = [
         "# specd's tokens: a base revision against this tree, side by side",
         "",
         f"Base `{args.base}` ({short_revision(args.base)}) against this tree (HEAD "
         f"{short_revision('HEAD')} plus any uncommitted change), {args.days:g}-day bench "
         "traces, bench/bench_replay.py's truths, windows and config, each case and tree in a "
-        "fresh process.",
+        "fresh process."
+        + (
+            f" Every adaptive setting (specd's and SGLang's default alike) serves "
+            f"{args.adaptive_loss:.1%} less than the truth's best candidate of each batch's "
+            "slot, which no calibration says (`--adaptive-loss`)."
+            if args.adaptive_loss
+            else ""
+        ),
         "",
         *report(base, new),
     ]

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from specd.commands.args import STEPS, IntRange, Seconds, Timestamp, quoted
+from specd.commands.args import STEPS, Float, IntRange, Seconds, Timestamp, quoted
 from specd.core.perftable import PerfTableError
 from specd.core.setting import KINDS
 from specd.io.config import (
@@ -40,6 +40,7 @@ STEPS_RANGE = IntRange(1, 16)
 START = Timestamp(1970, 9000)
 RESTART_S = Seconds(0, 86400)
 WARMUP_S = Seconds(0, MAX_SPAN_S)
+ADAPTIVE_LOSS = Float(0, 0.5)
 WINDOW_DURATION_S = Seconds(0, 7 * 86400, above_lo=True)
 
 
@@ -146,6 +147,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_START,
         help=f"when the trace starts ({START.spec}; default a Monday)",
     )
+    parser.add_argument(
+        "--adaptive-loss",
+        type=ADAPTIVE_LOSS,
+        default=0.0,
+        help="share of tokens every adaptive setting serves less than the best candidate of "
+        f"each batch's slot, which the truth table gives ({ADAPTIVE_LOSS.spec}; default 0)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -212,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             restart_s=args.restart_s,
             initial_steps=args.initial_steps,
             warmup_s=args.warmup_s,
+            adaptive_loss_ratio=args.adaptive_loss,
         )
     except ConfigError as exc:
         print(f"specd replay: {args.config}: {'; '.join(exc.problems)}", file=sys.stderr)
@@ -276,6 +285,13 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
             + f", capacity {adaptive['capacity']}: {adaptive['tokens']:,} tokens, "
             f"specd ×{data['ratio_to_adaptive']}" + hindsight
         )
+    loss = data.get("adaptive_loss_ratio") or 0.0
+    if loss:
+        lines.append(
+            f"    every adaptive setting served {loss:.1%} less than the best candidate of "
+            "each batch's slot (--adaptive-loss)"
+        )
+    if adaptive is not None:
         binds, free = adaptive["where_capacity_binds"], adaptive["where_capacity_does_not_bind"]
         if binds is not None and free is not None:
             lines.append(

@@ -175,7 +175,9 @@ ADAPTIVE_CONFIG_DIR = "/var/lib/specd"
 class Tokens:
     """Cumulative tokens served per K over the trace (prefix sums over runs); also, under
     `ADAPTIVE`, by SGLang's adaptive mode when ``adaptive`` is given, and under each
-    adaptive setting `ensure` was asked for (`models` holds what it runs)."""
+    adaptive setting `ensure` was asked for (`models` holds what it runs). Every adaptive
+    setting serves ``adaptive_loss_ratio`` less than the best candidate of each batch's
+    slot (`adaptive_rate`)."""
 
     def __init__(
         self,
@@ -183,9 +185,13 @@ class Tokens:
         truth: PerfTable,
         steps: Sequence[int],
         adaptive: AdaptiveModel | None = None,
+        adaptive_loss_ratio: float = 0.0,
     ) -> None:
+        if not 0.0 <= adaptive_loss_ratio < 1.0:
+            raise ReplayError(f"adaptive loss must be 0..1 (below 1), got {adaptive_loss_ratio!r}")
         self.trace = trace
         self.truth = truth
+        self.adaptive_loss_ratio = adaptive_loss_ratio
         self.rate: dict[Key, list[float]] = {}
         self.cum: dict[Key, list[float]] = {}
         # (key, ceiling) → `_series` of the runs with more offered than the ceiling.
@@ -194,7 +200,7 @@ class Tokens:
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
         if adaptive is not None:
-            self._add(ADAPTIVE, lambda c: adaptive.throughput(float(c)))
+            self._add(ADAPTIVE, functools.partial(self.adaptive_rate, adaptive))
 
     def ensure(self, setting: SpecSetting) -> Key:
         """The key ``setting``'s tokens are under, counted from the truth on first use
@@ -207,8 +213,13 @@ class Tokens:
         if setting not in self.rate:
             model = AdaptiveModel.of(adaptive_slots(setting), self.truth)
             self.models[setting] = model
-            self._add(setting, lambda c: model.throughput(float(c)))
+            self._add(setting, functools.partial(self.adaptive_rate, model))
         return setting
+
+    def adaptive_rate(self, model: AdaptiveModel, concurrency: float) -> float:
+        """What an adaptive setting serves at ``concurrency`` offered: the best candidate of
+        its batch's slot, less ``adaptive_loss_ratio``."""
+        return model.throughput(float(concurrency)) * (1.0 - self.adaptive_loss_ratio)
 
     def _add(self, key: Key, rate_at: Callable[[int], float]) -> None:
         memo: dict[int, float] = {}
@@ -283,6 +294,9 @@ class ReplayResult:
     # lead-in on: tick for tick the daemon's decisions.
     decisions: list[tuple[float, int | None, str]] = field(default_factory=list)
     restart_s: float = DEFAULT_RESTART_S
+    # The share of tokens every adaptive setting served less than the best candidate of
+    # each batch's slot (0: that upper bound).
+    adaptive_loss_ratio: float = 0.0
     scored_from_s: float = 0.0  # trace seconds
     # What the live K would have served while SGLang restarted (scored span).
     restart_lost_tokens: float = 0.0
@@ -392,6 +406,7 @@ class ReplayResult:
                 else _ratio(self.specd_tokens, self.adaptive_set_tokens[self.best_adaptive_set])
             ),
             "restart_s": self.restart_s,
+            "adaptive_loss_ratio": self.adaptive_loss_ratio,
             "scored_from_s": _seconds(self.scored_from_s),
             "restart_lost_tokens": round(self.restart_lost_tokens),
             "forecast_mean_error_ratio": self.forecast_mean_error_ratio,
@@ -585,7 +600,7 @@ class SimulatedServer:
             model = self.tokens.models[setting]
             # The tier SGLang runs for this batch; capacity is the deepest candidate's.
             k, cap = model.choice(float(offered)), model.capacity
-            tok_s = model.throughput(float(offered)) if offered > 0 else 0.0
+            tok_s = self.tokens.adaptive_rate(model, offered) if offered > 0 else 0.0
             config = f"{ADAPTIVE_CONFIG_DIR}/{adaptive_config_name(setting)}"
         else:
             k, cap = setting.max_steps, truth.capacity(setting.max_steps)
@@ -700,13 +715,17 @@ def replay(
     warmup_s: float = 0.0,
     calibration: Calibration | None = None,
     adaptive_slots: Slots | None = DEFAULT_SLOTS,
+    adaptive_loss_ratio: float = 0.0,
 ) -> ReplayResult:
     """Replay ``trace`` (seconds from ``start``) under ``config`` against ``truth``.
 
     The first ``warmup_s`` of the trace are replayed (specd learns and acts) but not
     scored: tokens, restarts and days count from there on, for steady-state comparisons.
     SGLang's adaptive mode with ``adaptive_slots`` is scored beside (None: not; a truth
-    with none of the candidates: not either).
+    with none of the candidates: not either). Every adaptive setting, specd's and SGLang's
+    default alike, serves ``adaptive_loss_ratio`` less than the best candidate of each
+    batch's slot (its switching, and the KV its extra graphs take: 0 scores that upper
+    bound); specd's calibration does not know it, only what specd observes does.
     """
     allowed = list(range(config.choose.min_steps, config.choose.max_steps + 1))
     missing = [k for k in allowed if k not in truth.steps()]
@@ -724,7 +743,7 @@ def replay(
             adaptive = AdaptiveModel.of(adaptive_slots, truth)
         except ValueError:
             adaptive = None  # the truth cannot say what any candidate serves
-    tokens = Tokens(trace, truth, allowed, adaptive)
+    tokens = Tokens(trace, truth, allowed, adaptive, adaptive_loss_ratio)
 
     # What a restart into a setting takes, for specd and for every comparison alike (an
     # adaptive start captures one CUDA-graph set more per candidate; off is none).
@@ -929,6 +948,7 @@ def replay(
         reasons=reasons,
         decisions=decisions,
         restart_s=restart_s,
+        adaptive_loss_ratio=adaptive_loss_ratio,
         scored_from_s=scored_from,
         restart_lost_tokens=lost,
         adaptive=adaptive_result,

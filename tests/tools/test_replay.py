@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from specd.commands.replay import build_config
+from specd.commands.replay import build_config, human_lines
 from specd.core import windows
 from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel
 from specd.core.model import adaptive_slots
@@ -23,6 +24,7 @@ from specd.core.setting import parse
 from specd.io.config import Config, Window
 from specd.io.tables import read_table
 from specd.tools.replay import (
+    ADAPTIVE,
     DEFAULT_START,
     ReplayError,
     ReplayResult,
@@ -363,6 +365,8 @@ def test_the_command_prints_the_agreed_json(tmp_path: Path) -> None:
         (["--restart-s", "inf"], "--restart-s"),
         (["--initial-steps", "99"], "--initial-steps"),
         (["--window", "0 7 * * mon;1e308;UTC"], "DURATION_S must be > 0"),
+        (["--adaptive-loss", "0.6"], "--adaptive-loss: must be 0..0.5"),
+        (["--adaptive-loss", "nan"], "--adaptive-loss"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -673,7 +677,7 @@ def mixed(rng: random.Random, hour: int) -> tuple[int, int]:
     return 0, 1
 
 
-def kinds_replay(trace: Trace, kinds: tuple[str, ...]) -> dict[str, Any]:
+def kinds_replay(trace: Trace, kinds: tuple[str, ...], **options: Any) -> dict[str, Any]:
     table, calibration = HEAVYOFF
     config = build_config(
         Config(observe={"scrape_interval_s": 15}),
@@ -683,12 +687,14 @@ def kinds_replay(trace: Trace, kinds: tuple[str, ...]) -> dict[str, Any]:
         restart_s=100,
         kinds=kinds,
     )
-    return replay(trace, read_table(table), config, warmup_s=DAY).to_dict()
+    return replay(trace, read_table(table), config, warmup_s=DAY, **options).to_dict()
 
 
 def recount(data: dict[str, Any], trace: Trace, truth_path: Path) -> float:
     """specd's tokens from the setting timeline and the truth alone (an adaptive start takes
-    20 s more per candidate beyond the first)."""
+    20 s more per candidate beyond the first; an adaptive setting serves the JSON's
+    ``adaptive_loss_ratio`` less than the best candidate of each batch's slot)."""
+    kept = 1.0 - data["adaptive_loss_ratio"]
     truth = read_table(truth_path)
     times, levels = trace.t, trace.level
     timeline = data["setting_timeline"]
@@ -698,7 +704,7 @@ def recount(data: dict[str, Any], trace: Trace, truth_path: Path) -> float:
         took = data["restart_s"] + (20 * (len(setting.candidates) - 1) if setting.candidates else 0)
         if setting.kind == "adaptive":
             model = AdaptiveModel.of(adaptive_slots(setting), truth)
-            rate: Callable[[int], float] = lambda c, m=model: m.throughput(float(c))  # noqa: E731
+            rate: Callable[[int], float] = lambda c, m=model: m.throughput(float(c)) * kept  # noqa: E731
         else:
             rate = lambda c, k=setting.max_steps: truth.throughput(k, float(c))  # noqa: E731
         serving_from = at + (took if i else 0.0)
@@ -732,6 +738,50 @@ def test_on_a_mixed_day_specd_beats_sglangs_adaptive_and_the_best_single_set() -
     assert data["ratio_to_best_adaptive_set"] >= 0.99  # the best set in hindsight
     assert data["restarts_outside_windows"] == 0
     assert data["specd_tokens"] == pytest.approx(recount(data, trace, HEAVYOFF[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("loss", [0.02, 0.1])
+def test_an_adaptive_loss_costs_every_adaptive_setting_and_no_static_one(loss: float) -> None:
+    trace = minute_trace(2, mixed)
+    exact = kinds_replay(trace, ("off", "static", "adaptive"))
+    lossy = kinds_replay(trace, ("off", "static", "adaptive"), adaptive_loss_ratio=loss)
+    assert (exact["adaptive_loss_ratio"], lossy["adaptive_loss_ratio"]) == (0.0, loss)
+    assert lossy["static_tokens"] == exact["static_tokens"]
+    # SGLang's own adaptive mode and every set run from the first window serve less (before
+    # it, they run specd's start K as everyone does)...
+    assert lossy["adaptive_tokens"] < exact["adaptive_tokens"]
+    assert set(lossy["adaptive_set_tokens"]) == set(exact["adaptive_set_tokens"])
+    for text, tokens in exact["adaptive_set_tokens"].items():
+        assert tokens * (1 - loss) < lossy["adaptive_set_tokens"][text] < tokens, text
+    # ...and so does specd whenever it runs a set: its tokens recount with the loss.
+    assert lossy["specd_tokens"] == pytest.approx(recount(lossy, trace, HEAVYOFF[0]), rel=1e-6)
+    assert lossy["kinds_chosen"]["adaptive"] >= 1
+    said = human_lines({"policy": "model", **lossy}, DEFAULT_START)
+    assert f"every adaptive setting served {loss:.1%} less" in "\n".join(said)
+    silent = human_lines({"policy": "model", **exact}, DEFAULT_START)
+    assert not any("adaptive setting served" in line for line in silent)
+
+
+@pytest.mark.parametrize("loss", [0.0, 0.03, 0.5])
+def test_an_adaptive_setting_serves_the_loss_less_second_by_second(loss: float) -> None:
+    trace = minute_trace(1, mixed)
+    truth = read_table(HEAVYOFF[0])
+    exact = Tokens(trace, truth, [1, 3], AdaptiveModel.of(DEFAULT_SLOTS, truth))
+    lossy = Tokens(trace, truth, [1, 3], AdaptiveModel.of(DEFAULT_SLOTS, truth), loss)
+    sets = [exact.ensure(parse("adaptive:1,3")), lossy.ensure(parse("adaptive:1,3"))]
+    assert sets[0] == sets[1]
+    for a, b in ((0, 3600), (5 * 3600, 11 * 3600), (0, DAY)):
+        for key in (ADAPTIVE, sets[0]):
+            assert lossy.between(key, a, b) == pytest.approx(exact.between(key, a, b) * (1 - loss))
+        for k in (1, 3):
+            assert lossy.between(k, a, b) == exact.between(k, a, b)
+
+
+@pytest.mark.parametrize("loss", [-0.01, 1.0, math.nan])
+def test_an_impossible_adaptive_loss_is_refused(loss: float) -> None:
+    trace = minute_trace(0.1, heavy)
+    with pytest.raises(ReplayError, match=re.escape("adaptive loss must be 0..1")):
+        kinds_replay(trace, ("static",), adaptive_loss_ratio=loss)
 
 
 def test_a_kind_the_truth_cannot_serve_is_left_out_and_said_why() -> None:
