@@ -45,8 +45,12 @@ extrapolated), an adaptive set as the best candidate of each batch-size slot at 
 capacity of its deepest candidate (`specd.core.adaptive` over this model; a set with a
 candidate the model cannot read without extrapolating is no candidate), its error the
 largest of its candidates', its restart `adaptive_restart_extra_s_per_candidate` longer per
-candidate beyond the first. Every choice meets the same evidence gate; `Plan.predictions`
-keys them by `specd.core.setting.setting_key` (K, 0 for off, negative for a set).
+candidate beyond the first. What a set served while it ran here (the history's cells under
+its config file's key) corrects its prediction as a K's observation corrects its curve (one
+ratio for every load, trusted as those seconds grow) and narrows its error at the loads it
+was seen at, as a K's does. Every choice meets the same evidence gate;
+`Plan.predictions` keys them by `specd.core.setting.setting_key` (K, 0 for off, negative
+for a set).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from specd.core.perftable import PerfTable, interpolate, reading_points
 from specd.core.setting import (
     SpecSetting,
     format_setting,
+    observed_keys,
     off,
     runs_adaptive_config,
     setting_key,
@@ -250,17 +255,19 @@ class PerformanceModel:
         # extrapolated from the speculative rows.
         self._off_row = calibration is not None and 0 in calibration.steps()
         observed: dict[int, dict[int, tuple[float, float]]] = {}
+        observed_sets: dict[int, dict[int, tuple[float, float]]] = {}
         capacities: dict[int, int] = {}
         if history is not None:
             # The table's cells grouped by K once per tick (`History.throughput_by_key`, the
             # same cells in the same order as `throughput_table`'s, concurrency > 0).
             for k, cells in history.throughput_by_key().items():
-                if k >= 0:
-                    kept = {c: cell for c, cell in cells.items() if cell[1] > 0}
-                    if kept:
-                        observed[k] = kept
+                kept = {c: cell for c, cell in cells.items() if cell[1] > 0}
+                if kept:
+                    # An adaptive set's cells are under its config file's key (negative).
+                    (observed if k >= 0 else observed_sets)[k] = kept
             capacities = {k: v for k, v in history.capacities.items() if v > 0}
         self._observed = observed
+        self._observed_sets = observed_sets
         self._alpha_cal = fitted.alpha if fitted is not None else None
         self.alpha_live = self._live_alpha(history)
         self._curves: dict[int, _Curve] = {}
@@ -342,10 +349,10 @@ class PerformanceModel:
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        error = self._noise(noise_ratio) * observed_shrink(curve.evidence_s)
+        error = self.prior_error(noise_ratio) * observed_shrink(curve.evidence_s)
         return error + EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
 
-    def _noise(self, noise_ratio: float) -> float:
+    def prior_error(self, noise_ratio: float) -> float:
         """A prediction's relative error before observation: the calibration's noise, at
         least 5 % where only observation predicts (no calibration)."""
         return noise_ratio if self.calibration is not None else max(noise_ratio, 0.05)
@@ -360,7 +367,7 @@ class PerformanceModel:
         curve = self._curve(steps)
         if curve is None:
             raise ValueError(f"no calibration or observation to predict steps {steps}")
-        base = self._noise(noise_ratio)
+        base = self.prior_error(noise_ratio)
         extrapolation = EXTRAPOLATION_DISCOUNT_RATIO * curve.distance
         seconds = self._band_seconds(steps)
         if not seconds:
@@ -667,6 +674,45 @@ class PerformanceModel:
         # for the garbage collector, whose runs inside ticks made the decision's p99.
         configured, slots, skipped, capacity = kept
         return AdaptiveModel(configured, slots, self, skipped, capacity)
+
+    def observed_set(self, setting: SpecSetting, mix: Mix) -> tuple[float, float, float] | None:
+        """What the adaptive ``setting`` served while it ran on this box, read as a step
+        count's observation is (`_corrected`, `error_at`): (the factor that corrects its
+        prediction — its tokens observed over those its candidates' curves predict at the
+        same concurrencies, each batch at the best of its slot, trusted as its seconds grow
+        past `OBSERVED_PIVOT_S` —, the decayed seconds observed, and the seconds of those
+        that count at ``mix``'s load, weighted by load band). One correction for every load,
+        as a step count's: per band, a set's would stand against a step count's that is
+        not, and every noisy band would tip the choice between the two (a bench day/night
+        case flapped so). None: never observed, or not predictable."""
+        am = self.adaptive(setting)
+        if am is None:
+            return None
+        seen = predicted = weight = 0.0
+        bands: dict[int, float] = {}
+        for key in observed_keys(setting):
+            for c, (tok_s, w) in self._observed_sets.get(key, {}).items():
+                rate = am.throughput(float(c))
+                if rate <= 0:
+                    continue  # where it predicts nothing a cell says nothing of it
+                seen += w * tok_s
+                predicted += w * rate
+                weight += w
+                band = load_band(c)
+                bands[band] = bands.get(band, 0.0) + w
+        if weight <= 0:
+            return None
+        factor = 1.0 + (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
+        levels = zip(mix.levels, mix.shares, strict=True)
+        by_level = [share * am.throughput(float(c)) for c, share in levels]
+        total = sum(by_level, 0.0)
+        if total <= 0:
+            return factor, weight, 0.0
+        shrink = 0.0
+        for w, band in zip(by_level, mix.bands, strict=True):
+            shrink += w * observed_shrink(bands.get(band, 0.0))
+        shrink /= total
+        return factor, weight, OBSERVED_PIVOT_S / (shrink * shrink) - OBSERVED_PIVOT_S
 
     def slots_rate(self, slots: Slots, mix: Mix) -> float:
         """Mean tok/s over ``mix`` (batches: fold it at the capacity first) with each batch
@@ -1051,11 +1097,21 @@ def plan(
                 fact = facts[k] = (model.source(k), *model.error_at(k, noise, mix))
             tiers.append(fact)
         observed = all(fact[0] is Source.OBSERVED for fact in tiers)
+        error = max(fact[1] for fact in tiers)
+        # Its tiers are static Ks' rows: it is as well known as its least observed tier...
+        evidence = min(fact[2] for fact in tiers)
+        own = model.observed_set(setting, mix)
+        if own is not None:
+            # ...or as what it served itself while it ran here, which corrects it as a step
+            # count's observation corrects its curve.
+            factor, seconds, counted = own
+            tok_s *= factor
+            observed = observed or seconds >= OBSERVED_PIVOT_S
+            if counted > evidence:
+                error = min(error, model.prior_error(noise) * observed_shrink(counted))
+                evidence = counted
         source = Source.OBSERVED if observed else Source.CALIBRATION
         serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
-        error = max(fact[1] for fact in tiers)
-        # Its tiers are static Ks' rows: it is as well known as its least observed tier.
-        evidence = min(fact[2] for fact in tiers)
         predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)
         settings[key] = setting
     if not predictions:

@@ -19,6 +19,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.model import (
     EVIDENCE_Z,
     EXTRAPOLATION_DISCOUNT_RATIO,
+    OBSERVED_PIVOT_S,
     Calibration,
     Mix,
     PerformanceModel,
@@ -27,6 +28,7 @@ from specd.core.model import (
     _Curve,
     _evidence,
     adaptive_restart_extra_s,
+    adaptive_slots,
     covers,
     load_band,
     plan,
@@ -943,6 +945,108 @@ def brain_garbage() -> list[str]:
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
+
+
+def set_history(levels: tuple[int, ...], setting: str, served_ratio: float) -> History:
+    """``setting`` live from Monday 00:00 until just before the 03:00 window, offered
+    concurrency cycling through ``levels`` every 10 minutes, serving ``served_ratio`` of
+    what its candidates' rows in KINDS_TABLE say (SGLang's adaptive mode as the daemon
+    sees it: the steps gauge moves between tiers, the counters count)."""
+    live = parse(setting)
+    composed = AdaptiveModel.of(adaptive_slots(live), KINDS_TABLE)
+    history = fresh_history()
+    served, t = 0.0, MONDAY
+    while t < MONDAY + 3 * HOUR:
+        c = levels[int((t - MONDAY) // 600) % len(levels)]
+        history.record(
+            make_observation(
+                t,
+                running=min(c, 64),
+                queued=max(0, c - 64),
+                spec_fresh=False,
+                steps=composed.choice(c) or None,
+                adaptive=True,
+                adaptive_config=f"/var/lib/specd/{adaptive_config_name(live)}",
+                decode_tokens_total=served,
+                version="test",
+            )
+        )
+        served += composed.throughput(c) * served_ratio * 5
+        t += 5
+    return history
+
+
+@pytest.mark.parametrize(
+    ("seen_at", "asked_at", "served_ratio", "bands_seen_asked"),
+    [
+        pytest.param((2, 32), (2, 32), 0.85, 2, id="served less, two bands, asked at both"),
+        pytest.param((2, 32), (2, 32), 1.1, 2, id="served more"),
+        pytest.param((2, 32), (2, 32), 1.0, 2, id="served as predicted"),
+        pytest.param((32,), (32,), 0.85, 1, id="one band, asked there"),
+        pytest.param((32,), (2,), 0.85, 0, id="seen at another load only"),
+    ],
+)
+def test_what_a_set_served_corrects_it_as_a_step_counts_observation_does(
+    seen_at: tuple[int, ...], asked_at: tuple[int, ...], served_ratio: float, bands_seen_asked: int
+) -> None:
+    live = parse(MIXED_SET)
+    model = PerformanceModel(KINDS_TABLE, set_history(seen_at, MIXED_SET, served_ratio))
+    found = model.observed_set(live, Mix.of(dict.fromkeys(asked_at, 1 / len(asked_at))))
+    assert found is not None
+    factor, seconds, counted = found
+    # Three hours observed, decayed: trusted far past the pivot, not wholly; one
+    # correction for every load, as a step count's curve has.
+    assert 2 * HOUR < seconds <= 3 * HOUR
+    trust = seconds / (seconds + OBSERVED_PIVOT_S)
+    assert factor == pytest.approx(1 + (served_ratio - 1) * trust, rel=1e-3)
+    # Its error narrows only by what it served at the load asked about (`error_at`): the
+    # seconds at one load that narrow it as much are each band's own, shared alike here.
+    if bands_seen_asked:
+        assert counted == pytest.approx(seconds / len(seen_at), rel=0.05)
+    else:
+        assert counted == pytest.approx(0.0, abs=1e-6)
+    # Another set, never run, is its candidates' rows alone.
+    assert model.observed_set(parse("adaptive:1,3"), Mix.of({2: 1.0})) is None
+
+
+def test_a_set_serving_less_than_its_candidates_rows_say_is_left_for_what_serves_more(
+    tmp_path: Path,
+) -> None:
+    # At 2 and 32 requests the set runs 3 steps, then off: 790 tok/s by the rows, more than
+    # off alone (748). Serving 15 % less than that for three hours, it is worth 672: off
+    # serves more, and what the set served here outweighs what its rows say.
+    cfg = kinds_config(tmp_path)
+    live = parse(MIXED_SET)
+    key = setting_key(live)
+    config_path = f"/var/lib/specd/{adaptive_config_name(live)}"
+    table = Calibration.of(KINDS_TABLE)
+    as_rows = plan(
+        set_history((2, 32), MIXED_SET, 1.0),
+        cfg,
+        None,
+        table,
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config=config_path,
+    )
+    assert as_rows is not None
+    assert as_rows.target == key
+    less = plan(
+        set_history((2, 32), MIXED_SET, 0.85),
+        cfg,
+        None,
+        table,
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config=config_path,
+    )
+    assert less is not None
+    held = less.predictions[key]
+    assert held.tok_s == pytest.approx(0.85 * as_rows.predictions[key].tok_s, rel=0.03)
+    assert held.source is Source.OBSERVED
+    # Observed for hours, its interval is narrower than its never-observed candidates'.
+    assert held.error_ratio < as_rows.predictions[1].error_ratio
+    assert held.evidence_s > HOUR  # in each of its two load bands
+    assert less.target == 0
+    assert less.target_setting == off()
 
 
 def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> None:
