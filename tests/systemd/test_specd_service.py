@@ -489,7 +489,15 @@ def test_sighup_reloads_rejects_bad_config_and_sigterm_stops_cleanly(sd: Contain
 
     config_file.write_text(config_toml(opens_at, scrape_interval_s=-1, bogus_key=1))
     sd.sh("kill", "-HUP", str(pid))
-    rejected = wait_or_dump(sd, lambda: events_named(sd, since, "reload_rejected"), timeout=10)
+
+    def each_problem_rejected() -> list[tuple[int, dict[str, Any]]]:
+        # One event per problem: the journal may show the first before the second.
+        found = events_named(sd, since, "reload_rejected")
+        return found if len(found) >= 2 else []
+
+    rejected = wait_or_dump(
+        sd, each_problem_rejected, timeout=10, what="a reload_rejected event per problem"
+    )
     problems = " ".join(e["problem"] for _, e in rejected)
     assert "observe.scrape_interval_s" in problems, problems
     assert "bogus_key" in problems, problems
