@@ -23,6 +23,7 @@ from specd.core.model import (
     Calibration,
     Mix,
     PerformanceModel,
+    Plan,
     Source,
     StepPrediction,
     _Curve,
@@ -1018,27 +1019,21 @@ def test_a_set_serving_less_than_its_candidates_rows_say_is_left_for_what_serves
     cfg = kinds_config(tmp_path)
     live = parse(MIXED_SET)
     key = setting_key(live)
-    config_path = f"/var/lib/specd/{adaptive_config_name(live)}"
-    table = Calibration.of(KINDS_TABLE)
-    as_rows = plan(
-        set_history((2, 32), MIXED_SET, 1.0),
-        cfg,
-        None,
-        table,
-        offer=offer(cfg.choose, SERVER),
-        live_adaptive_config=config_path,
-    )
-    assert as_rows is not None
+
+    def planned(served_ratio: float) -> Plan:
+        found = plan(
+            set_history((2, 32), MIXED_SET, served_ratio),
+            cfg,
+            None,
+            Calibration.of(KINDS_TABLE),
+            offer=offer(cfg.choose, SERVER),
+            live_adaptive_config=f"/var/lib/specd/{adaptive_config_name(live)}",
+        )
+        assert found is not None
+        return found
+
+    as_rows, less = planned(1.0), planned(0.85)
     assert as_rows.target == key
-    less = plan(
-        set_history((2, 32), MIXED_SET, 0.85),
-        cfg,
-        None,
-        table,
-        offer=offer(cfg.choose, SERVER),
-        live_adaptive_config=config_path,
-    )
-    assert less is not None
     held = less.predictions[key]
     assert held.tok_s == pytest.approx(0.85 * as_rows.predictions[key].tok_s, rel=0.03)
     assert held.source is Source.OBSERVED
