@@ -285,13 +285,6 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
             + f", capacity {adaptive['capacity']}: {adaptive['tokens']:,} tokens, "
             f"specd ×{data['ratio_to_adaptive']}" + hindsight
         )
-    loss = data.get("adaptive_loss_ratio") or 0.0
-    if loss:
-        lines.append(
-            f"    every adaptive setting served {loss:.1%} less than the best candidate of "
-            "each batch's slot (--adaptive-loss)"
-        )
-    if adaptive is not None:
         binds, free = adaptive["where_capacity_binds"], adaptive["where_capacity_does_not_bind"]
         if binds is not None and free is not None:
             lines.append(
@@ -301,6 +294,12 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
                 + "; elsewhere: "
                 + _versus(free)
             )
+    loss = data["adaptive_loss_ratio"]
+    if loss:
+        lines.append(
+            f"    every adaptive setting served {loss:.1%} less than the best candidate of "
+            "each batch's slot (--adaptive-loss)"
+        )
     changes = [
         f"{k} at {(start + timedelta(seconds=t)).strftime('%a %Y-%m-%d %H:%M:%S')}"
         + (" (explore)" if reason == "explore" else "")

@@ -271,6 +271,7 @@ def config_key(config_path: str) -> int:
     return -1 - int(digest[:12], 16)
 
 
+@functools.lru_cache(maxsize=256)  # pure: the model reads each set's keys at every tick
 def observed_keys(setting: SpecSetting) -> tuple[int, ...]:
     """The history keys of what ``setting`` served: its K (0: off); an adaptive set's
     `config_key` of each file name it may run under (with and without per-batch slots)."""
