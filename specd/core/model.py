@@ -48,7 +48,11 @@ largest of its candidates', its restart `adaptive_restart_extra_s_per_candidate`
 candidate beyond the first. What a set served while it ran here (the history's cells under
 its config file's key) corrects its prediction as a K's observation corrects its curve (one
 ratio for every load, trusted as those seconds grow) and narrows its error at the loads it
-was seen at, as a K's does. Every choice meets the same evidence gate;
+was seen at, as a K's does. Before it runs, what a sweep measured of it (``specd sweep
+--adaptive``: the table's rows with its ``setting`` cell) corrects it the same way, as the
+calibration: by the ratio of those rows to its candidates' rows at the same concurrencies
+(`Calibration.set_factor`), which its own observation then outweighs. Every choice meets the
+same evidence gate;
 `Plan.predictions` keys them by `specd.core.setting.setting_key` (K, 0 for off, negative
 for a set).
 """
@@ -199,6 +203,10 @@ class Calibration:
         tuple[int, int | None],
         tuple[tuple[float, ...], tuple[float, ...], dict[int, float]],
     ] = field(default_factory=dict, compare=False, repr=False, hash=False)
+    # A memo of `set_factor` per adaptive setting (pure, as `_readings`).
+    _set_factors: dict[SpecSetting, float | None] = field(
+        default_factory=dict, compare=False, repr=False, hash=False
+    )
 
     def reading(
         self, k: int, capacity: int | None
@@ -210,6 +218,41 @@ class Calibration:
         if found is None:
             xs, ys = _shape(self, k, capacity)
             found = self._readings[key] = (xs, ys, {})
+        return found
+
+    def set_factor(self, setting: SpecSetting) -> float | None:
+        """What a sweep measured of the adaptive ``setting`` (the table's rows with its
+        ``setting`` cell, `PerfTable.setting_rows`) over what its candidates' rows in the same
+        table predict at those concurrencies (each batch at the best of its slot,
+        `AdaptiveModel`): SGLang's switching and its extra CUDA graphs' KV, which no step
+        count's row shows. One ratio for every load, as a set's observation is read
+        (`PerformanceModel.observed_set`). At most 1: the best candidate of each batch is all
+        a set can serve, so a swept row above it is the sweep's noise. None: the table has
+        no row of it, or cannot predict it from its candidates' rows."""
+        try:
+            return self._set_factors[setting]
+        except KeyError:
+            pass
+        found: float | None = None
+        text = format_setting(setting)
+        rows = [r for r in self.table.setting_rows if r.setting == text]
+        if rows:
+            try:
+                composed: AdaptiveModel | None = AdaptiveModel.of(
+                    adaptive_slots(setting), self.table
+                )
+            except ValueError:
+                composed = None
+            if composed is not None and not composed.skipped:
+                measured = predicted = 0.0
+                for r in rows:
+                    rate = composed.throughput(r.concurrency)
+                    if rate > 0:  # where its rows predict nothing, a swept row says nothing
+                        measured += r.output_tok_s
+                        predicted += rate
+                if predicted > 0:
+                    found = min(measured / predicted, 1.0)
+        self._set_factors[setting] = found
         return found
 
     @classmethod
@@ -675,12 +718,18 @@ class PerformanceModel:
         configured, slots, skipped, capacity = kept
         return AdaptiveModel(configured, slots, self, skipped, capacity)
 
+    def swept_set(self, setting: SpecSetting) -> float | None:
+        """The calibration's correction of the adaptive ``setting`` from its swept rows
+        (`Calibration.set_factor`); None: not swept."""
+        return None if self._fitted is None else self._fitted.set_factor(setting)
+
     def observed_set(self, setting: SpecSetting, mix: Mix) -> tuple[float, float, float] | None:
         """What the adaptive ``setting`` served while it ran on this box, read as a step
         count's observation is (`_corrected`, `error_at`): (the factor that corrects its
         prediction — its tokens observed over those its candidates' curves predict at the
         same concurrencies, each batch at the best of its slot, trusted as its seconds grow
-        past `OBSERVED_PIVOT_S` —, the decayed seconds observed, and the seconds of those
+        past `OBSERVED_PIVOT_S` over the calibration's own correction (`swept_set`, else
+        1) —, the decayed seconds observed, and the seconds of those
         that count at ``mix``'s load, weighted by load band). One correction for every load,
         as a step count's: per band, a set's would stand against a step count's that is
         not, and every noisy band would tip the choice between the two (a bench day/night
@@ -702,7 +751,9 @@ class PerformanceModel:
                 bands[band] = bands.get(band, 0.0) + w
         if weight <= 0:
             return None
-        factor = 1.0 + (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
+        prior = self.swept_set(setting)
+        prior = 1.0 if prior is None else prior
+        factor = prior + (seen / predicted - prior) * weight / (weight + OBSERVED_PIVOT_S)
         levels = zip(mix.levels, mix.shares, strict=True)
         by_level = [share * am.throughput(float(c)) for c, share in levels]
         total = sum(by_level, 0.0)
@@ -1100,16 +1151,21 @@ def plan(
         error = max(fact[1] for fact in tiers)
         # Its tiers are static Ks' rows: it is as well known as its least observed tier...
         evidence = min(fact[2] for fact in tiers)
+        # What a sweep measured of it corrects its rows (its error stays its tiers': the
+        # calibration's noise, as the swept rows' own).
+        swept = model.swept_set(setting)
         own = model.observed_set(setting, mix)
         if own is not None:
             # ...or as what it served itself while it ran here, which corrects it as a step
-            # count's observation corrects its curve.
+            # count's observation corrects its curve (over what the sweep said of it).
             factor, seconds, counted = own
             tok_s *= factor
             observed = observed or seconds >= OBSERVED_PIVOT_S
             if counted > evidence:
                 error = min(error, model.prior_error(noise) * observed_shrink(counted))
                 evidence = counted
+        elif swept is not None:
+            tok_s *= swept
         source = Source.OBSERVED if observed else Source.CALIBRATION
         serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
         predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)

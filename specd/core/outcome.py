@@ -395,7 +395,11 @@ def _predictor(
         am = AdaptiveModel.of(adaptive_slots(setting), model)
     except ValueError:
         return None
-    return None if am.skipped else am.throughput
+    if am.skipped:
+        return None
+    # As the calibration predicts it: what a sweep measured of the set corrects its rows.
+    swept = model.swept_set(setting)
+    return am.throughput if swept is None else (lambda c: am.throughput(c) * swept)
 
 
 # -- measured against predicted (specd recommend) ---------------------------------------

@@ -38,7 +38,7 @@ import httpx
 from specd.core.adaptive import AdaptiveModel
 from specd.core.choices import offer
 from specd.core.history import HistorySettings
-from specd.core.model import adaptive_slots
+from specd.core.model import Calibration, adaptive_slots
 from specd.core.observation import Observation, ScrapeError
 from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import (
@@ -993,6 +993,7 @@ def adaptive_checks(report: SweepReport) -> list[str]:
     if table is None:
         return []
     lines: list[str] = []
+    calibration = Calibration.of(table)
     for text in table.measured_settings():
         setting = parse_setting(text)
         try:
@@ -1012,6 +1013,12 @@ def adaptive_checks(report: SweepReport) -> list[str]:
             lines.append(
                 f"- {text} c={p.concurrency}: measured {p.output_tok_s:.1f} tok/s, "
                 f"predicted {want:.1f}{error}"
+            )
+        factor = calibration.set_factor(setting)
+        if factor is not None:
+            lines.append(
+                f"- {text}: as the calibration, specd predicts it at {factor:.3f} × its "
+                "candidates' rows (measured over predicted, at most 1) until it has served here"
             )
     return lines
 

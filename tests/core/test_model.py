@@ -1044,6 +1044,120 @@ def test_a_set_serving_less_than_its_candidates_rows_say_is_left_for_what_serves
     assert less.target_setting == off()
 
 
+def swept_table(setting: str, ratios: dict[int, float]) -> PerfTable:
+    """KINDS_TABLE with the rows a sweep measured of ``setting`` (``specd sweep
+    --adaptive``): at each concurrency, ``ratio`` of what its candidates' rows say."""
+    live = parse(setting)
+    composed = AdaptiveModel.of(adaptive_slots(live), KINDS_TABLE)
+    rows = [
+        PerfRow(live.max_steps, float(c), composed.throughput(c) * ratio, None, None, setting)
+        for c, ratio in ratios.items()
+    ]
+    return PerfTable([*KINDS_TABLE.rows, *rows], source="swept")
+
+
+def _composed(setting: str, c: int) -> float:
+    return AdaptiveModel.of(adaptive_slots(parse(setting)), KINDS_TABLE).throughput(c)
+
+
+@pytest.mark.parametrize(
+    ("swept", "ratios", "asked", "want"),
+    [
+        pytest.param(MIXED_SET, {2: 0.85, 32: 0.85}, MIXED_SET, 0.85, id="served less"),
+        pytest.param(
+            MIXED_SET,
+            {2: 0.9, 32: 0.8},
+            MIXED_SET,
+            (0.9 * _composed(MIXED_SET, 2) + 0.8 * _composed(MIXED_SET, 32))
+            / (_composed(MIXED_SET, 2) + _composed(MIXED_SET, 32)),
+            id="one ratio for every load, as its tokens weigh",
+        ),
+        pytest.param(MIXED_SET, {2: 1.0, 32: 1.0}, MIXED_SET, 1.0, id="as its rows say"),
+        pytest.param(MIXED_SET, {2: 1.2, 32: 1.1}, MIXED_SET, 1.0, id="above its rows: noise"),
+        pytest.param(MIXED_SET, {2: 0.0}, MIXED_SET, 0.0, id="served nothing"),
+        pytest.param(MIXED_SET, {2: 0.85}, "adaptive:1,3", None, id="another set swept"),
+        pytest.param(
+            "adaptive:1,3", {2: 0.85}, "adaptive:1,3/1=1;8=1,3", None, id="same steps, other slots"
+        ),
+    ],
+)
+def test_what_a_sweep_measured_of_a_set_is_its_ratio_to_its_candidates_rows(
+    swept: str, ratios: dict[int, float], asked: str, want: float | None
+) -> None:
+    calibration = Calibration.of(swept_table(swept, ratios))
+    found = calibration.set_factor(parse(asked))
+    assert found == (None if want is None else pytest.approx(want))
+    # The model reads it as the calibration's; without swept rows there is nothing to read.
+    assert PerformanceModel(calibration).swept_set(parse(asked)) == found
+    assert Calibration.of(KINDS_TABLE).set_factor(parse(asked)) is None
+    assert PerformanceModel(None).swept_set(parse(asked)) is None
+
+
+def test_a_swept_set_whose_candidates_the_table_lacks_is_not_corrected() -> None:
+    # adaptive:2,3: the table has no steps-2 rows, so nothing says what its rows predict.
+    rows = [*KINDS_TABLE.rows, PerfRow(3, 2.0, 150.0, None, None, "adaptive:2,3")]
+    assert Calibration.of(PerfTable(rows, source="swept")).set_factor(parse("adaptive:2,3")) is None
+
+
+def swept_plan(tmp_path: Path, history: History, table: PerfTable, live: str | None) -> Plan:
+    cfg = kinds_config(tmp_path)
+    setting = parse(live) if live is not None else None
+    found = plan(
+        history,
+        cfg,
+        None if setting is not None else 3,
+        Calibration.of(table),
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config=(
+            f"/var/lib/specd/{adaptive_config_name(setting)}" if setting is not None else None
+        ),
+    )
+    assert found is not None
+    return found
+
+
+def test_a_set_swept_serving_less_than_its_rows_is_predicted_so_before_it_ever_runs(
+    tmp_path: Path,
+) -> None:
+    # 3 live at 2 and 32 requests: by its candidates' rows the set serves most (790 tok/s,
+    # off 748); swept at 15 % less it serves 672, and off is the better change.
+    key = setting_key(parse(MIXED_SET))
+    history = kinds_history((2, 32), steps=3)
+    by_rows = swept_plan(tmp_path, history, KINDS_TABLE, None)
+    swept = swept_plan(tmp_path, history, swept_table(MIXED_SET, {2: 0.85, 32: 0.85}), None)
+    assert by_rows.best == key
+    assert swept.predictions[key].tok_s == pytest.approx(0.85 * by_rows.predictions[key].tok_s)
+    assert swept.predictions[key].source is Source.CALIBRATION
+    assert swept.best != key
+    assert swept.best == 0
+    # The static step counts' predictions are the table's, swept or not.
+    for k in (0, 1, 3):
+        assert swept.predictions[k] == by_rows.predictions[k]
+
+
+def test_what_a_set_served_here_outweighs_what_a_sweep_said_of_it(tmp_path: Path) -> None:
+    # Swept 15 % below its rows, it served as its rows say for three hours: trusted past
+    # the pivot, the observation corrects the sweep's ratio towards what it served.
+    key = setting_key(parse(MIXED_SET))
+    table = swept_table(MIXED_SET, {2: 0.85, 32: 0.85})
+    history = set_history((2, 32), MIXED_SET, 1.0)
+    found = PerformanceModel(Calibration.of(table), history).observed_set(
+        parse(MIXED_SET), Mix.of({2: 0.5, 32: 0.5})
+    )
+    assert found is not None
+    factor, seconds, _ = found
+    trust = seconds / (seconds + OBSERVED_PIVOT_S)
+    assert factor == pytest.approx(0.85 + 0.15 * trust, rel=1e-3)
+    assert 0.98 < factor < 1.0
+    held = swept_plan(tmp_path, history, table, MIXED_SET)
+    by_rows = swept_plan(tmp_path, history, KINDS_TABLE, MIXED_SET)
+    assert held.target == by_rows.target == key
+    # Served as its rows say, the set's own observation over its rows alone is 1.
+    assert held.predictions[key].tok_s == pytest.approx(
+        by_rows.predictions[key].tok_s * factor, rel=2e-3
+    )
+
+
 def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> None:
     cfg = kinds_config(tmp_path)
     live = parse(MIXED_SET)

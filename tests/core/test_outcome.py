@@ -11,12 +11,14 @@ import pytest
 from factories import make_observation, seed_table, serve, tables
 
 from specd.core import choices, outcome, setting
+from specd.core.adaptive import AdaptiveModel
 from specd.core.decide import Control, Pick, Reason, choose, decide
 from specd.core.history import History, HistorySettings
-from specd.core.model import Calibration, plan
+from specd.core.model import Calibration, PerformanceModel, adaptive_slots, plan
 from specd.core.observation import Observation
 from specd.core.outcome import Avoided, ChangeSnapshot, Verdict
 from specd.core.override import Override
+from specd.core.perftable import PerfRow, PerfTable
 from specd.core.settings import Settings
 from specd.core.step import StepContext, step
 
@@ -507,6 +509,28 @@ def changed_to_adaptive(
     snap = outcome.snapshot(history, 3, ADAPTIVE_KEY, 0.02, until_t, to_setting=ADAPTIVE)
     last = run_adaptive(history, CHANGED + 100, until, new_tok_s)
     return history, snap, last
+
+
+@pytest.mark.parametrize("swept_ratio", [None, 0.9, 0.8])
+def test_an_adaptive_set_is_measured_against_what_its_sweep_predicts(
+    swept_ratio: float | None,
+) -> None:
+    # `specd recommend`'s rows: a set swept below its candidates' rows is predicted so.
+    table = seed_table()
+    composed = AdaptiveModel.of(adaptive_slots(ADAPTIVE), table)
+    rows = [
+        PerfRow(4, float(c), composed.throughput(c) * swept_ratio, None, None, "adaptive:3,4")
+        for c in (1, 2, 4)
+        if swept_ratio is not None
+    ]
+    history = fresh()
+    run_adaptive(history, MONDAY, MONDAY + 2 * HOUR, 900.0)
+    performance = PerformanceModel(
+        Calibration.of(PerfTable([*table.rows, *rows], source="swept")), history
+    )
+    (found,) = outcome.measured(history, performance, [ADAPTIVE], 0.02)
+    assert (found.setting, found.observed_tok_s) == ("adaptive:3,4", pytest.approx(900.0))
+    assert found.predicted_tok_s == pytest.approx(composed.throughput(2) * (swept_ratio or 1.0))
 
 
 def test_the_history_keys_an_adaptive_set_by_its_config_not_its_tier() -> None:

@@ -593,6 +593,13 @@ def test_markdown_checks_adaptive_points_against_the_static_rows(tmp_path: Path)
     assert "- adaptive:3,4 c=1: measured 270.0 tok/s, predicted 280.0 (-3.6 %)" in md
     assert "- adaptive:3,4 c=16: measured 2310.0 tok/s, predicted 2100.0 (+10.0 %)" in md
     assert "- adaptive:1,4: not predicted: the sweep has no rows for steps 1" in md
+    # (270 + 2310) / (280 + 2100) is above its rows: noise, read as 1.
+    assert "- adaptive:3,4: as the calibration, specd predicts it at 1.000 ×" in md
+    report.points[-2] = dataclasses.replace(adaptive[1], output_tok_s=1900.0)
+    factor = (270 + 1900) / (280 + 2100)
+    said = f"- adaptive:3,4: as the calibration, specd predicts it at {factor:.3f} ×"
+    assert said in sw.markdown(report)
+    assert "adaptive:1,4: as the calibration" not in md
     assert "| 4 | 1 | 250.0 |" in md
     assert "| adaptive:1,4 |" in md
 
