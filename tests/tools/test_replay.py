@@ -20,9 +20,11 @@ from specd.commands.replay import build_config, human_lines
 from specd.core import windows
 from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel
 from specd.core.model import adaptive_slots
+from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import parse
+from specd.core.settings import DEFAULT_ADAPTIVE_SETS
 from specd.io.config import Config, Window
-from specd.io.tables import read_table
+from specd.io.tables import read_table, write_table
 from specd.tools.replay import (
     ADAPTIVE,
     DEFAULT_START,
@@ -677,8 +679,10 @@ def mixed(rng: random.Random, hour: int) -> tuple[int, int]:
     return 0, 1
 
 
-def kinds_replay(trace: Trace, kinds: tuple[str, ...], **options: Any) -> dict[str, Any]:
-    table, calibration = HEAVYOFF
+def kinds_replay(
+    trace: Trace, kinds: tuple[str, ...], calibration: Path = HEAVYOFF[1], **options: Any
+) -> dict[str, Any]:
+    table = HEAVYOFF[0]
     config = build_config(
         Config(observe={"scrape_interval_s": 15}),
         window_list=TWICE_A_DAY,
@@ -760,6 +764,37 @@ def test_an_adaptive_loss_costs_every_adaptive_setting_and_no_static_one(loss: f
     assert f"every adaptive setting served {loss:.1%} less" in "\n".join(said)
     silent = human_lines({"policy": "model", **exact}, DEFAULT_START)
     assert not any("adaptive setting served" in line for line in silent)
+
+
+def test_a_set_swept_short_of_its_rows_is_not_chosen_on_its_rows_word(tmp_path: Path) -> None:
+    # Every adaptive setting serves 10 % less than its best candidate per batch. Told only
+    # the static rows, specd runs a set and learns it by serving it; told what a sweep of
+    # each set measured on this box (`specd sweep --adaptive`), it never runs one.
+    trace = minute_trace(2, mixed)
+    truth = read_table(HEAVYOFF[0])
+    calibration = read_table(HEAVYOFF[1])
+    swept = []
+    for text in DEFAULT_ADAPTIVE_SETS:
+        setting = parse(text)
+        try:
+            served = AdaptiveModel.of(adaptive_slots(setting), truth)
+        except ValueError:
+            continue
+        swept += [
+            PerfRow(setting.max_steps, float(c), served.throughput(c) * 0.9, None, None, text)
+            for c in (1, 2, 4, 8, 16, 32, 64)
+        ]
+    assert swept
+    path = tmp_path / "swept.csv"
+    write_table(path, PerfTable([*calibration.rows, *swept], source="swept"))
+    told_rows = kinds_replay(trace, ("off", "static", "adaptive"), adaptive_loss_ratio=0.1)
+    told_sweep = kinds_replay(trace, ("off", "static", "adaptive"), path, adaptive_loss_ratio=0.1)
+    assert told_rows["kinds_chosen"]["adaptive"] >= 1
+    assert told_sweep["kinds_chosen"]["adaptive"] == 0
+    assert told_sweep["specd_tokens"] > told_rows["specd_tokens"]
+    assert told_sweep["specd_tokens"] == pytest.approx(
+        recount(told_sweep, trace, HEAVYOFF[0]), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize("loss", [0.0, 0.03, 0.5])
