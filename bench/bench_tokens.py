@@ -15,7 +15,11 @@ side by side (``--jobs``).
 bench replay``, ``--out FILE`` writes the report too. ``--adaptive-loss R`` makes every
 adaptive setting serve R less than the truth's best candidate per batch (SGLang's switching
 and its extra graphs' memory, which no calibration shows; both trees' replay must know the
-option). Every case on 2 cores: about 8 minutes.
+option). ``--swept-sets`` gives both trees each truth's calibration with the rows ``specd
+sweep --adaptive`` would add for the default adaptive sets (`bench.truth.generate.sweep_sets`:
+each set served as the truth's best candidate per batch less the adaptive loss, with a
+static row's noise); a tree whose model does not read them runs as without. Every case on
+2 cores: about 8 minutes.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from bench.bench_replay import (  # noqa: E402
 )
 from bench.child import export_revision, run_json, short_revision  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
+from bench.truth.generate import sweep_sets  # noqa: E402
 from specd.commands.replay import ADAPTIVE_LOSS  # noqa: E402
+from specd.core.settings import DEFAULT_ADAPTIVE_SETS  # noqa: E402
+from specd.io.tables import read_table, write_table  # noqa: E402
 
 Case = tuple[str, str, str]  # truth, trace, policy
 # The token figures: (name, the result's key, the least that meets it).
@@ -55,12 +62,14 @@ FIGURES = (
 # The worker: one case, in a fresh interpreter with the tree to measure first on sys.path.
 WORKER = r"""
 import json, sys
-tree, truth_name, trace_name, policy, trace_path, loss = sys.argv[1:7]
+tree, truth_name, trace_name, policy, trace_path, loss, calibration = sys.argv[1:8]
 sys.path.insert(0, tree)
 from pathlib import Path
 from bench import bench_replay as b
 assert b.__file__.startswith(tree), (b.__file__, tree)
 truth = next((t for t in b.TRUTHS if t[0] == truth_name), None)
+if truth is not None and calibration:
+    truth = (truth[0], truth[1], Path(calibration))  # the sets swept (--swept-sets)
 # An older tree may name its policies otherwise (before "model static": "model+kinds").
 static = getattr(b, "STATIC_POLICY", None)
 runs = policy == "model" or (policy == static and truth_name in b.STATIC_TRUTHS)
@@ -134,11 +143,28 @@ def report(
     return lines
 
 
-def _one(tree: Path, case: Case, trace: Path, loss: float) -> dict[str, Any] | None:
-    """One case replayed by ``tree``; None where that tree's bench does not run it."""
-    out: dict[str, Any] | None = run_json(
-        tree, ["-c", WORKER, str(tree), *case, str(trace), repr(loss)], f"{tree} {'/'.join(case)}"
-    )
+def _one(
+    tree: Path, case: Case, trace: Path, loss: float, calibration: Path | None
+) -> dict[str, Any] | None:
+    """One case replayed by ``tree`` (with ``calibration`` in place of its truth's); None
+    where that tree's bench does not run it."""
+    argv = [str(tree), *case, str(trace), repr(loss), str(calibration or "")]
+    out: dict[str, Any] | None = run_json(tree, ["-c", WORKER, *argv], f"{tree} {'/'.join(case)}")
+    return out
+
+
+def swept_calibrations(into: Path, names: set[str], loss: float) -> dict[str, Path]:
+    """Per truth of ``names``, its calibration with the default adaptive sets swept on it
+    (`bench.truth.generate.sweep_sets`), written under ``into``."""
+    out: dict[str, Path] = {}
+    for i, (name, truth_path, calibration) in enumerate(TRUTHS):
+        if name not in names:
+            continue
+        table = sweep_sets(
+            read_table(truth_path), read_table(calibration), DEFAULT_ADAPTIVE_SETS, loss, 100 + i
+        )
+        out[name] = into / f"swept-{i}.csv"
+        write_table(out[name], table)
     return out
 
 
@@ -149,21 +175,29 @@ def compare(
     days: float,
     jobs: int,
     adaptive_loss: float = 0.0,
+    swept_sets: bool = False,
 ) -> tuple[dict[Case, dict[str, Any]], dict[Case, dict[str, Any]]]:
     """Each case of ``todo`` replayed by both trees on ``days``-day traces, ``jobs`` at a
     time, every adaptive setting serving ``adaptive_loss`` less than the truth's best
-    candidate per batch (`specd.tools.replay.replay`): (the base tree's results, the new
-    tree's), by case."""
+    candidate per batch (`specd.tools.replay.replay`), with ``swept_sets`` the default
+    sets swept into each calibration (`swept_calibrations`): (the base tree's results,
+    the new tree's), by case."""
     with tempfile.TemporaryDirectory(prefix="specd-tokens-traces-") as tmp:
         paths = {
             name: traces.write(name, Path(tmp) / f"{name}.csv", days)
             for name in sorted({c[1] for c in todo})
         }
+        cals = (
+            swept_calibrations(Path(tmp), {c[0] for c in todo}, adaptive_loss) if swept_sets else {}
+        )
         runs = [(tree, c) for c in todo for tree in (base_tree, new_tree)]
+
+        def one(job: tuple[Path, Case]) -> dict[str, Any] | None:
+            tree, case = job
+            return _one(tree, case, paths[case[1]], adaptive_loss, cals.get(case[0]))
+
         with ThreadPoolExecutor(jobs) as pool:
-            done = list(
-                pool.map(lambda job: _one(job[0], job[1], paths[job[1][1]], adaptive_loss), runs)
-            )
+            done = list(pool.map(one, runs))
     results = dict(zip(runs, done, strict=True))
 
     def ran(tree: Path) -> dict[Case, dict[str, Any]]:
@@ -188,11 +222,19 @@ def run(argv: list[str]) -> int:
         f"candidate of each batch's slot ({ADAPTIVE_LOSS.spec}; default 0; both trees' "
         "replay must know it)",
     )
+    parser.add_argument(
+        "--swept-sets",
+        action="store_true",
+        help="give both trees each calibration with the default adaptive sets swept on its "
+        "truth (served less by --adaptive-loss, a static row's noise)",
+    )
     args = parser.parse_args(argv)
     todo = cases(args.truth, args.only)
     with tempfile.TemporaryDirectory(prefix="specd-tokens-") as tmp:
         base_tree = export_revision(args.base, Path(tmp) / "base")
-        base, new = compare(base_tree, REPO, todo, args.days, args.jobs, args.adaptive_loss)
+        base, new = compare(
+            base_tree, REPO, todo, args.days, args.jobs, args.adaptive_loss, args.swept_sets
+        )
     lines = [
         "# specd's tokens: a base revision against this tree, side by side",
         "",
@@ -205,6 +247,12 @@ def run(argv: list[str]) -> int:
             f"{args.adaptive_loss:.1%} less than the truth's best candidate of each batch's "
             "slot, which no calibration says (`--adaptive-loss`)."
             if args.adaptive_loss
+            else ""
+        )
+        + (
+            " Each calibration also has the rows `specd sweep --adaptive` would add for the "
+            "default adaptive sets, measured on its truth as they serve (`--swept-sets`)."
+            if args.swept_sets
             else ""
         ),
         "",

@@ -196,6 +196,44 @@ def sweep(
     return PerfTable(rows, source="sweep")
 
 
+def sweep_sets(
+    truth: PerfTable,
+    calibration: PerfTable,
+    sets: tuple[str, ...],
+    loss_ratio: float,
+    seed: int,
+) -> PerfTable:
+    """``calibration`` with the rows ``specd sweep --adaptive`` would add for each of
+    ``sets`` whose candidates both tables have: at the calibration's concurrencies, the
+    truth's best candidate of each batch's slot served ``loss_ratio`` less (SGLang's
+    switching and its extra graphs' memory), with a static row's noise (seeded)."""
+    # Imported here: the truths themselves need nothing of the brain's adaptive model.
+    from specd.core.adaptive import AdaptiveModel  # noqa: PLC0415
+    from specd.core.model import adaptive_slots  # noqa: PLC0415
+    from specd.core.setting import format_setting  # noqa: PLC0415
+    from specd.core.setting import parse as parse_setting  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    concurrency = sorted({r.concurrency for r in calibration.rows})
+    rows = list(calibration.rows)
+    for setting in dict.fromkeys(map(parse_setting, sets)):  # each set once, in order
+        slots = adaptive_slots(setting)
+        try:
+            served = AdaptiveModel.of(slots, truth)
+            told = AdaptiveModel.of(slots, calibration)
+        except ValueError:
+            continue
+        if served.skipped or told.skipped:
+            continue
+        for c in concurrency:
+            noise = max(-2 * NOISE_RATIO, min(2 * NOISE_RATIO, rng.gauss(0, NOISE_RATIO)))
+            tok_s = served.throughput(c) * (1 - loss_ratio) * (1 + noise)
+            rows.append(
+                PerfRow(setting.max_steps, c, round(tok_s, 1), None, None, format_setting(setting))
+            )
+    return PerfTable(rows, source=f"{calibration.source}, sets swept")
+
+
 def write_all(out: Path = HERE) -> list[Path]:
     written = []
     seed = read_table(SEED_TRUTH)

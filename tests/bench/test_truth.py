@@ -11,9 +11,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.truth import generate  # noqa: E402
-from specd.io.tables import read_table  # noqa: E402
+from specd.core.adaptive import AdaptiveModel  # noqa: E402
+from specd.core.model import adaptive_slots  # noqa: E402
+from specd.core.setting import format_setting, parse  # noqa: E402
+from specd.io.tables import read_table, write_table  # noqa: E402
 
 TRUTH = REPO / "bench" / "truth"
+DEFAULT_SGLANG = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
 
 
 def test_committed_tables_equal_the_generator(tmp_path: Path) -> None:
@@ -59,3 +63,41 @@ def test_off3_calibration_is_three_percent_off_the_truth() -> None:
     for row in cal.rows:
         ratio = row.output_tok_s / truth.throughput(row.steps, row.concurrency)
         assert ratio == pytest.approx(1.03 if row.steps % 2 else 0.97, abs=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("truth", "calibration", "sets"),
+    [
+        # Swept at steps 0-7: every default set, SGLang's own (0-7) too.
+        ("heavyoff", "heavyoff-calibration", ("adaptive:1,3", "adaptive:2,4", DEFAULT_SGLANG)),
+        # Swept at steps 1-5: SGLang's own set (0 and 7) cannot be swept or predicted.
+        ("k5to2", "k5to2-calibration", ("adaptive:1,3", "adaptive:2,4")),
+    ],
+)
+@pytest.mark.parametrize("loss", [0.0, 0.1])
+def test_sets_are_swept_as_the_truth_serves_them_less_the_loss(
+    tmp_path: Path, truth: str, calibration: str, sets: tuple[str, ...], loss: float
+) -> None:
+    served_by = read_table(TRUTH / f"{truth}.csv")
+    static = read_table(TRUTH / f"{calibration}.csv")
+    asked = (*sets, DEFAULT_SGLANG, sets[0])  # a set asked twice is swept once
+    swept = generate.sweep_sets(served_by, static, asked, loss, seed=7)
+    # Read back as specd reads a calibration: the static rows untouched, each set a row at
+    # every swept concurrency, within a static row's noise of what it serves.
+    path = tmp_path / "swept.csv"
+    write_table(path, swept)
+    back = read_table(path)
+    assert back.rows == static.rows
+    assert back.measured_settings() == sorted({format_setting(parse(t)) for t in sets})
+    concurrency = sorted({r.concurrency for r in static.rows})
+    for text in back.measured_settings():
+        setting = parse(text)
+        serves = AdaptiveModel.of(adaptive_slots(setting), served_by)
+        rows = [r for r in back.setting_rows if r.setting == text]
+        assert [r.concurrency for r in rows] == concurrency
+        for r in rows:
+            ratio = r.output_tok_s / (serves.throughput(r.concurrency) * (1 - loss))
+            assert abs(ratio - 1) <= 2 * generate.NOISE_RATIO + 1e-3, (text, r)
+        assert r.steps == setting.max_steps
+    # Seeded: the same sweep twice is the same table.
+    assert generate.sweep_sets(served_by, static, asked, loss, seed=7) == swept
