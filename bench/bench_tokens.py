@@ -154,14 +154,21 @@ def _one(
 
 
 def swept_calibrations(into: Path, names: set[str], loss: float) -> dict[str, Path]:
-    """Per truth of ``names``, its calibration with the default adaptive sets swept on it
-    (`bench.truth.generate.sweep_sets`), written under ``into``."""
+    """Per truth of ``names``, its calibration with the default adaptive sets swept in the
+    same sweep (`bench.truth.generate.sweep_sets`), written under ``into``: on the machine
+    the calibration measured, the first truth it is the calibration of (lowaccept's is the
+    seed's: a greedy benchmark, which measures its sets as greedily)."""
+    swept_on = {calibration: truth for _, truth, calibration in reversed(TRUTHS)}
     out: dict[str, Path] = {}
-    for i, (name, truth_path, calibration) in enumerate(TRUTHS):
+    for i, (name, _, calibration) in enumerate(TRUTHS):
         if name not in names:
             continue
         table = sweep_sets(
-            read_table(truth_path), read_table(calibration), DEFAULT_ADAPTIVE_SETS, loss, 100 + i
+            read_table(swept_on[calibration]),
+            read_table(calibration),
+            DEFAULT_ADAPTIVE_SETS,
+            loss,
+            100 + i,
         )
         out[name] = into / f"swept-{i}.csv"
         write_table(out[name], table)

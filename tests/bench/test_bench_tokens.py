@@ -14,6 +14,10 @@ sys.path.insert(0, str(REPO))
 
 from bench import bench_tokens  # noqa: E402
 from bench.child import export_revision  # noqa: E402
+from bench.truth import generate  # noqa: E402
+from specd.core.model import Calibration  # noqa: E402
+from specd.core.setting import parse  # noqa: E402
+from specd.io.tables import read_table  # noqa: E402
 
 
 def _result(tokens: float, oracle: float, best: float, adaptive: float | None) -> dict[str, Any]:
@@ -113,3 +117,35 @@ def test_a_case_one_tree_does_not_run_is_named_and_left_out(tmp_path: Path) -> N
     assert "specd's tokens identical in 1 of 1 cases." in lines
     assert "Only this tree runs: near/steady_low/model static." in lines
     assert not any(line.startswith("Only base") for line in lines)
+
+
+def test_swept_calibrations_add_the_default_sets_to_each_truths_own(tmp_path: Path) -> None:
+    names = {"heavyoff", "seed (twin)", "lowaccept"}
+    found = bench_tokens.swept_calibrations(tmp_path, names, 0.03)
+    assert set(found) == names
+    truths = {name: calibration for name, _, calibration in bench_tokens.TRUTHS}
+    for name, path in found.items():
+        assert path.parent == tmp_path
+        swept, own = read_table(path), read_table(truths[name])
+        assert swept.rows == own.rows
+        # heavyoff is swept at 0-7: SGLang's own set too; the seed at 1-5: not that one.
+        assert len(swept.measured_settings()) == (5 if name == "heavyoff" else 4)
+        # Swept with its static rows, on the machine they measured: a set's rows are its
+        # candidates' less the loss, within the two rows' noise (lowaccept's calibration is
+        # the seed's greedy sweep, whose sets serve as greedily).
+        calibration = Calibration.of(swept)
+        for text in swept.measured_settings():
+            factor = calibration.set_factor(parse(text))
+            assert factor is not None
+            assert 0.97 * (1 - 4 * generate.NOISE_RATIO) <= factor <= 1.0, (name, text)
+
+
+def test_swept_sets_reach_the_worker_in_place_of_the_truths_calibration(tmp_path: Path) -> None:
+    # Every set swept at half of what it serves: told so, specd never runs one; told only
+    # the static rows, it does (on heavyoff's mixed day, a set serves most by its rows).
+    tree = export_revision("HEAD", tmp_path / "head")
+    todo = [("heavyoff", "day_night", "model")]
+    _, rows = bench_tokens.compare(tree, tree, todo, 1.0, 2, 0.5)
+    _, swept = bench_tokens.compare(tree, tree, todo, 1.0, 2, 0.5, swept_sets=True)
+    assert "A" in rows[todo[0]]["steps"]
+    assert "A" not in swept[todo[0]]["steps"]
