@@ -145,7 +145,7 @@ def test_swept_sets_reach_the_worker_in_place_of_the_truths_calibration(tmp_path
     # the static rows, it does (on heavyoff's mixed day, a set serves most by its rows).
     tree = export_revision("HEAD", tmp_path / "head")
     todo = [("heavyoff", "day_night", "model")]
-    _, rows = bench_tokens.compare(tree, tree, todo, 1.0, 2, 0.5)
-    _, swept = bench_tokens.compare(tree, tree, todo, 1.0, 2, 0.5, swept_sets=True)
+    _, rows = bench_tokens.compare(tree, tree, todo, 2.0, 2, 0.5)
+    _, swept = bench_tokens.compare(tree, tree, todo, 2.0, 2, 0.5, swept_sets=True)
     assert "A" in rows[todo[0]]["steps"]
     assert "A" not in swept[todo[0]]["steps"]
