@@ -36,7 +36,7 @@ from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_wiring
-from specd.io.calibration import calibration_steps
+from specd.io.calibration import calibration_steps, swept_sets
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable
@@ -146,7 +146,8 @@ class Doctor:
         choose = self.config.choose
         table_steps = calibration_steps(choose.calibration_file)
         got = offer(choose, traits, table_steps, self.static_only)
-        notes = tuple(got.lines())
+        sets = tuple(s for s in got.settings if s.kind == "adaptive")
+        notes = (*got.lines(), *swept_sets(choose.calibration_file, sets))
         # The default kinds are every kind, each where it can be: only kinds the operator
         # listed are a problem when they cannot be chosen.
         listed = choose.kinds if "kinds" in choose.model_fields_set else ()

@@ -11,6 +11,7 @@ from pathlib import Path
 from specd.core.choices import table_steps
 from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
+from specd.core.setting import SpecSetting, format_setting
 from specd.io.tables import read_table
 
 
@@ -39,6 +40,27 @@ def calibration_steps(path: str | Path | None) -> frozenset[int] | None:
         return table_steps(read_calibration(path))
     except CalibrationError:
         return None
+
+
+def swept_sets(path: str | Path | None, sets: tuple[SpecSetting, ...]) -> list[str]:
+    """One line per set of ``sets`` the calibration at ``path`` swept (``specd sweep
+    --adaptive`` rows): the ratio of its rows to its candidates' that the model predicts it
+    by (`Calibration.set_factor`); none without a readable calibration."""
+    if path is None:
+        return []
+    try:
+        calibration = read_calibration(path)
+    except CalibrationError:
+        return []
+    lines = []
+    for setting in sets:
+        factor = calibration.set_factor(setting)
+        if factor is not None:
+            lines.append(
+                f"{format_setting(setting)}: swept: predicted at {factor:.3f} × its "
+                "candidates' rows until it has served here"
+            )
+    return lines
 
 
 class CalibrationFile:

@@ -10,14 +10,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, version_twin
+from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_table, version_twin
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
 from specd.commands.doctor import Check, Doctor, _usec, render
+from specd.core.adaptive import AdaptiveModel
+from specd.core.model import adaptive_slots
+from specd.core.perftable import PerfRow, PerfTable
+from specd.core.setting import parse
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
+from specd.io.tables import write_table
 from specd.twin.process import TwinProcess, free_port
 
 WORDS = [
@@ -424,6 +429,32 @@ def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(tmp_path: 
     check = found.check_choices()
     assert (check.ok, check.detail) == (True, "specd may choose static")
     assert f"off: not offered: {found.static_only}" in check.notes
+
+
+def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None:
+    # The seed's rows, and adaptive:3,4 swept at 90 % of what its candidates' rows say.
+    table = seed_table()
+    set_34 = parse("adaptive:3,4")
+    composed = AdaptiveModel.of(adaptive_slots(set_34), table)
+    swept = [
+        PerfRow(4, float(c), composed.throughput(c) * 0.9, None, None, "adaptive:3,4")
+        for c in (1, 8)
+    ]
+    write_table(tmp_path / "cal.csv", PerfTable([*table.rows, *swept], source="swept"))
+    found = doctor(
+        tmp_path,
+        f'[choose]\nkinds = ["static", "adaptive"]\ncalibration_file = "{tmp_path}/cal.csv"\n',
+    )
+    with version_twin("0.5.23") as twin:
+        twin.wait_healthy(20)
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            assert found.check_sglang(client).ok
+    check = found.check_choices()
+    assert check.ok
+    said = "adaptive:3,4: swept: predicted at 0.900 × its candidates' rows until it has served here"
+    assert said in check.notes
+    # Only the set swept is said so.
+    assert sum(1 for note in check.notes if "swept" in note) == 1
 
 
 def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) -> None:
