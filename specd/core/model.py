@@ -51,8 +51,10 @@ ratio for every load, trusted as those seconds grow) and narrows its error at th
 was seen at, as a K's does. Before it runs, what a sweep measured of it (``specd sweep
 --adaptive``: the table's rows with its ``setting`` cell) corrects it the same way, as the
 calibration: by the ratio of those rows to its candidates' rows at the same concurrencies
-(`Calibration.set_factor`), which its own observation then outweighs. Every choice meets the
-same evidence gate;
+(`Calibration.set_factor`), which its own observation then outweighs; not swept, it starts
+from what the other sets served here (`PerformanceModel.set_prior`: switching costs every set
+on a box alike, as `_box_prior` reads the step counts). Every choice meets the same evidence
+gate;
 `Plan.predictions` keys them by `specd.core.setting.setting_key` (K, 0 for off, negative
 for a set).
 """
@@ -64,7 +66,7 @@ import enum
 import functools
 import math
 import operator
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, NamedTuple
@@ -327,6 +329,8 @@ class PerformanceModel:
             SpecSetting, tuple[Slots, Slots, tuple[int, ...], int | None] | None
         ] = {}
         self._box: dict[int, tuple[_Curve, tuple[float, float, float]]] | None = None
+        # Per adaptive setting: `_set_sums`.
+        self._set_memo: dict[SpecSetting, tuple[float, float, float, dict[int, float]]] = {}
 
     # -- acceptance --------------------------------------------------------------------
     @staticmethod
@@ -546,18 +550,7 @@ class PerformanceModel:
         stopped short of its load) is off for every K alike, so a K not yet observed starts
         from that; a correction the others do not share is that K's own (a sweep point off,
         an oversold K) and lends nothing."""
-        shared: float | None = None
-        for j, (_, (seen, predicted, weight)) in self._box_sums().items():
-            if j == k or predicted <= 0:
-                continue
-            lean = (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
-            if shared is None:
-                shared = lean
-            elif lean * shared <= 0:
-                return 1.0
-            elif abs(lean) < abs(shared):
-                shared = lean
-        return 1.0 if shared is None else 1.0 + shared
+        return _shared(sums for j, (_, sums) in self._box_sums().items() if j != k)
 
     @staticmethod
     def _corrected(base: _Curve, sums: tuple[float, float, float], *, prior: float) -> _Curve:
@@ -723,36 +716,62 @@ class PerformanceModel:
         (`Calibration.set_factor`); None: not swept."""
         return None if self._fitted is None else self._fitted.set_factor(setting)
 
-    def observed_set(self, setting: SpecSetting, mix: Mix) -> tuple[float, float, float] | None:
+    def _set_sums(self, setting: SpecSetting) -> tuple[float, float, float, dict[int, float]]:
+        """What the adaptive ``setting`` served here against what its candidates' curves
+        predict at the same concurrencies (each batch at the best of its slot), once per
+        model: (tokens seen, tokens predicted, decayed seconds, seconds per load band), all
+        0 when never observed or not predictable."""
+        found = self._set_memo.get(setting)
+        if found is not None:
+            return found
+        seen = predicted = weight = 0.0
+        bands: dict[int, float] = {}
+        am = self.adaptive(setting)
+        if am is not None:
+            for key in observed_keys(setting):
+                for c, (tok_s, w) in self._observed_sets.get(key, {}).items():
+                    rate = am.throughput(float(c))
+                    if rate <= 0:
+                        continue  # where it predicts nothing a cell says nothing of it
+                    seen += w * tok_s
+                    predicted += w * rate
+                    weight += w
+                    band = load_band(c)
+                    bands[band] = bands.get(band, 0.0) + w
+        found = self._set_memo[setting] = (seen, predicted, weight, bands)
+        return found
+
+    def set_prior(self, setting: SpecSetting, others: Sequence[SpecSetting] = ()) -> float:
+        """What ``setting`` is predicted to serve of its candidates' rows before it has run
+        here: what a sweep measured of it (`swept_set`); else what the sets of ``others``
+        served here, read as `_box_prior` reads the other step counts — each one's ratio
+        (trusted as its seconds grow), and of those the one nearest 1 when all lean the
+        same way, else 1. SGLang's switching costs every set on a box alike; a shortfall
+        the others do not share is that set's own and lends nothing."""
+        swept = self.swept_set(setting)
+        if swept is not None:
+            return swept
+        return _shared(self._set_sums(other)[:3] for other in others if other != setting)
+
+    def observed_set(
+        self, setting: SpecSetting, mix: Mix, others: Sequence[SpecSetting] = ()
+    ) -> tuple[float, float, float] | None:
         """What the adaptive ``setting`` served while it ran on this box, read as a step
         count's observation is (`_corrected`, `error_at`): (the factor that corrects its
         prediction — its tokens observed over those its candidates' curves predict at the
         same concurrencies, each batch at the best of its slot, trusted as its seconds grow
-        past `OBSERVED_PIVOT_S` over the calibration's own correction (`swept_set`, else
-        1) —, the decayed seconds observed, and the seconds of those
-        that count at ``mix``'s load, weighted by load band). One correction for every load,
-        as a step count's: per band, a set's would stand against a step count's that is
-        not, and every noisy band would tip the choice between the two (a bench day/night
-        case flapped so). None: never observed, or not predictable."""
+        past `OBSERVED_PIVOT_S` over its prior (`set_prior` with ``others``) —, the
+        decayed seconds observed, and the seconds of those that count at ``mix``'s load,
+        weighted by load band). One correction for every load, as a step count's: per
+        band, a set's would stand against a step count's that is not, and every noisy band
+        would tip the choice between the two (a bench day/night case flapped so). None:
+        never observed, or not predictable."""
+        seen, predicted, weight, bands = self._set_sums(setting)
+        if weight <= 0 or predicted <= 0:
+            return None
         am = self.adaptive(setting)
-        if am is None:
-            return None
-        seen = predicted = weight = 0.0
-        bands: dict[int, float] = {}
-        for key in observed_keys(setting):
-            for c, (tok_s, w) in self._observed_sets.get(key, {}).items():
-                rate = am.throughput(float(c))
-                if rate <= 0:
-                    continue  # where it predicts nothing a cell says nothing of it
-                seen += w * tok_s
-                predicted += w * rate
-                weight += w
-                band = load_band(c)
-                bands[band] = bands.get(band, 0.0) + w
-        if weight <= 0:
-            return None
-        prior = self.swept_set(setting)
-        prior = 1.0 if prior is None else prior
+        assert am is not None  # observed and predicted: `_set_sums` read it
+        prior = self.set_prior(setting, others)
         factor = prior + (seen / predicted - prior) * weight / (weight + OBSERVED_PIVOT_S)
         levels = zip(mix.levels, mix.shares, strict=True)
         by_level = [share * am.throughput(float(c)) for c, share in levels]
@@ -792,6 +811,25 @@ class PerformanceModel:
         if not caps or any(c is None for c in caps):
             return None
         return max(c for c in caps if c is not None)
+
+
+def _shared(sums: Iterable[tuple[float, float, float]]) -> float:
+    """What several observations lend one not yet made (`_box_prior`, `set_prior`): of
+    each one's (tokens seen, tokens predicted, seconds), its correction shrunk toward 1
+    while its seconds are few; of those, the one nearest 1 when all lean the same way, else
+    1 (a correction the others do not share is that one's own)."""
+    shared: float | None = None
+    for seen, predicted, weight in sums:
+        if predicted <= 0:
+            continue
+        lean = (seen / predicted - 1.0) * weight / (weight + OBSERVED_PIVOT_S)
+        if shared is None:
+            shared = lean
+        elif lean * shared <= 0:
+            return 1.0
+        elif abs(lean) < abs(shared):
+            shared = lean
+    return 1.0 if shared is None else 1.0 + shared
 
 
 @dataclass(frozen=True, eq=False)
@@ -1108,7 +1146,9 @@ def plan(
         for s in offered
         if s.kind != "adaptive" and model.can_predict(s.max_steps) and s.max_steps not in skipped
     ]
-    adaptives = [s for s in offered if s.kind == "adaptive" and setting_key(s) not in skipped]
+    # Every set offered, avoided or not, says what switching costs on this box (`set_prior`).
+    sets = [s for s in offered if s.kind == "adaptive"]
+    adaptives = [s for s in sets if setting_key(s) not in skipped]
     settings: dict[int, SpecSetting] = {0: off()} if 0 in candidates else {}
     reads = {
         k for s in adaptives for k in adaptive_slots(s).candidate_steps if model.can_predict(k)
@@ -1151,21 +1191,20 @@ def plan(
         error = max(fact[1] for fact in tiers)
         # Its tiers are static Ks' rows: it is as well known as its least observed tier...
         evidence = min(fact[2] for fact in tiers)
-        # What a sweep measured of it corrects its rows (its error stays its tiers': the
-        # calibration's noise, as the swept rows' own).
-        swept = model.swept_set(setting)
-        own = model.observed_set(setting, mix)
+        own = model.observed_set(setting, mix, sets)
         if own is not None:
             # ...or as what it served itself while it ran here, which corrects it as a step
-            # count's observation corrects its curve (over what the sweep said of it).
+            # count's observation corrects its curve (over its prior, below).
             factor, seconds, counted = own
             tok_s *= factor
             observed = observed or seconds >= OBSERVED_PIVOT_S
             if counted > evidence:
                 error = min(error, model.prior_error(noise) * observed_shrink(counted))
                 evidence = counted
-        elif swept is not None:
-            tok_s *= swept
+        else:
+            # Not run here: what a sweep measured of it, else what the other sets served
+            # here, corrects its rows (its error stays its tiers').
+            tok_s *= model.set_prior(setting, sets)
         source = Source.OBSERVED if observed else Source.CALIBRATION
         serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
         predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)

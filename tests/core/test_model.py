@@ -4,6 +4,7 @@ import dataclasses
 import gc
 import math
 import types
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -620,12 +621,17 @@ def kinds_config(tmp_path: Path, **kwargs: Any) -> Settings:
 
 
 def kinds_history(
-    levels: tuple[int, ...], steps: int = 3, hours: float = 3.0, earlier: int | None = None
+    levels: tuple[int, ...],
+    steps: int = 3,
+    hours: float = 3.0,
+    earlier: int | None = None,
+    history: History | None = None,
 ) -> History:
     """Offered concurrency cycling through ``levels`` every 10 minutes from Monday 00:00
     until just before the 03:00 window, served at ``steps`` as KINDS_TABLE says; with
-    ``earlier``, the same traffic served at that step count for the ``hours`` before."""
-    history = fresh_history()
+    ``earlier``, the same traffic served at that step count for the ``hours`` before;
+    recorded into ``history`` when given."""
+    history = fresh_history() if history is None else history
     runs = [(MONDAY, steps)]
     if earlier is not None:
         runs.insert(0, (MONDAY - hours * HOUR, earlier))
@@ -948,17 +954,24 @@ def brain_garbage() -> list[str]:
         gc.garbage.clear()
 
 
-def set_history(levels: tuple[int, ...], setting: str, served_ratio: float) -> History:
-    """``setting`` live from Monday 00:00 until just before the 03:00 window, offered
-    concurrency cycling through ``levels`` every 10 minutes, serving ``served_ratio`` of
-    what its candidates' rows in KINDS_TABLE say (SGLang's adaptive mode as the daemon
-    sees it: the steps gauge moves between tiers, the counters count)."""
+def set_history(
+    levels: tuple[int, ...],
+    setting: str,
+    served_ratio: float,
+    history: History | None = None,
+    start: float = MONDAY,
+) -> History:
+    """``setting`` live from ``start`` (Monday 00:00) for three hours (until just before
+    the 03:00 window), offered concurrency cycling through ``levels`` every 10 minutes,
+    serving ``served_ratio`` of what its candidates' rows in KINDS_TABLE say (SGLang's
+    adaptive mode as the daemon sees it: the steps gauge moves between tiers, the counters
+    count); recorded into ``history`` when given."""
     live = parse(setting)
     composed = AdaptiveModel.of(adaptive_slots(live), KINDS_TABLE)
-    history = fresh_history()
-    served, t = 0.0, MONDAY
-    while t < MONDAY + 3 * HOUR:
-        c = levels[int((t - MONDAY) // 600) % len(levels)]
+    history = fresh_history() if history is None else history
+    served, t = 0.0, start
+    while t < start + 3 * HOUR:
+        c = levels[int((t - start) // 600) % len(levels)]
         history.record(
             make_observation(
                 t,
@@ -1156,6 +1169,70 @@ def test_what_a_set_served_here_outweighs_what_a_sweep_said_of_it(tmp_path: Path
     assert held.predictions[key].tok_s == pytest.approx(
         by_rows.predictions[key].tok_s * factor, rel=2e-3
     )
+
+
+OTHER_SET = "adaptive:1,3"
+THIRD_SET = "adaptive:1,3/1=1;8=1,3"
+
+
+def _own(history: History, setting: str) -> float:
+    """What ``setting`` served here lends another set: its own correction over its rows
+    (its observed ratio, trusted as its seconds grow), as it corrects itself."""
+    found = PerformanceModel(KINDS_TABLE, history).observed_set(parse(setting), Mix.of({2: 1.0}))
+    assert found is not None
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    ("served", "swept", "want"),
+    [
+        pytest.param({}, None, lambda h: 1.0, id="no set ran here"),
+        pytest.param({OTHER_SET: 0.85}, None, lambda h: _own(h, OTHER_SET), id="another set short"),
+        pytest.param(
+            {OTHER_SET: 0.85, THIRD_SET: 0.9},
+            None,
+            lambda h: _own(h, THIRD_SET),
+            id="two short: the one nearest 1",
+        ),
+        pytest.param(
+            {OTHER_SET: 0.85, THIRD_SET: 1.1}, None, lambda h: 1.0, id="leaning apart: its own"
+        ),
+        pytest.param({OTHER_SET: 0.85}, 0.95, lambda h: 0.95, id="swept: its own sweep wins"),
+        pytest.param({MIXED_SET: 0.85}, None, lambda h: 1.0, id="only itself ran: no prior"),
+    ],
+)
+def test_a_set_not_run_here_starts_from_what_the_other_sets_served(
+    served: dict[str, float], swept: float | None, want: Callable[[History], float]
+) -> None:
+    history = fresh_history()
+    for i, (text, ratio) in enumerate(served.items()):
+        set_history((2, 32), text, ratio, history, MONDAY - (len(served) - i) * 4 * HOUR)
+    table = KINDS_TABLE if swept is None else swept_table(MIXED_SET, {2: swept, 32: swept})
+    model = PerformanceModel(Calibration.of(table), history)
+    sets = [parse(t) for t in (MIXED_SET, OTHER_SET, THIRD_SET)]
+    prior = model.set_prior(parse(MIXED_SET), sets)
+    assert prior == pytest.approx(want(history), rel=1e-6)
+    # Without the others it starts from its own sweep, else its rows.
+    assert model.set_prior(parse(MIXED_SET)) == (1.0 if swept is None else pytest.approx(swept))
+
+
+def test_a_set_starts_from_another_sets_shortfall_in_the_plan(tmp_path: Path) -> None:
+    # adaptive:1,3 served 15 % short of its rows for three hours and then static 3 ran:
+    # the never-run MIXED_SET is predicted short alike, so off beats it.
+    cfg = kinds_config(tmp_path)
+    key = setting_key(parse(MIXED_SET))
+    after_set = kinds_history(
+        (2, 32), steps=3, history=set_history((2, 32), OTHER_SET, 0.85, start=MONDAY - 6 * HOUR)
+    )
+    calibration, offered = Calibration.of(KINDS_TABLE), offer(cfg.choose, SERVER)
+    lent = plan(after_set, cfg, 3, calibration, offer=offered)
+    alone = plan(kinds_history((2, 32), steps=3), cfg, 3, calibration, offer=offered)
+    assert lent is not None
+    assert alone is not None
+    assert alone.best == key
+    ratio = lent.predictions[key].tok_s / alone.predictions[key].tok_s
+    assert 0.85 < ratio < 0.88
+    assert lent.best != key
 
 
 def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> None:
