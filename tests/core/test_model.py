@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 from factories import make_observation, seed_table, tables
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.adaptive import AdaptiveModel, Slots
@@ -1104,6 +1106,37 @@ def test_what_a_sweep_measured_of_a_set_is_its_ratio_to_its_candidates_rows(
     assert PerformanceModel(calibration).swept_set(parse(asked)) == found
     assert Calibration.of(KINDS_TABLE).set_factor(parse(asked)) is None
     assert PerformanceModel(None).swept_set(parse(asked)) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from([1, 2, 5, 8, 20, 32, 64, 500]),
+        st.floats(min_value=0.0, max_value=1e12, allow_nan=False),
+        min_size=1,
+    )
+)
+def test_any_swept_rows_give_a_ratio_in_0_to_1_and_never_poison_the_plan(
+    tok_s: dict[int, float],
+) -> None:
+    # Whatever a table's set rows hold (none, 0, far above what any set serves), the model's
+    # ratio is the rows' total over their prediction's, at most 1, and the plan still runs.
+    rows = [PerfRow(3, float(c), v, None, None, MIXED_SET) for c, v in tok_s.items()]
+    table = PerfTable([*KINDS_TABLE.rows, *rows], source="hostile")
+    found = Calibration.of(table).set_factor(parse(MIXED_SET))
+    predicted = sum(_composed(MIXED_SET, c) for c in tok_s)
+    assert found == pytest.approx(min(sum(tok_s.values()) / predicted, 1.0))
+    assert 0.0 <= found <= 1.0
+    history = kinds_history((2, 32), steps=3, hours=1.0)
+    cfg = Settings.model_validate(
+        tables(kinds=["off", "static", "adaptive"], adaptive_candidate_sets=[MIXED_SET],
+               min_steps=1, max_steps=3, bands=[{"steps": 3}])
+    )  # fmt: skip
+    made = plan(history, cfg, 3, Calibration.of(table), offer=offer(cfg.choose, SERVER))
+    assert made is not None
+    key = setting_key(parse(MIXED_SET))
+    assert made.predictions[key].tok_s >= 0.0
+    assert math.isfinite(made.predictions[key].tok_s)
 
 
 def test_a_swept_set_whose_candidates_the_table_lacks_is_not_corrected() -> None:
