@@ -43,9 +43,10 @@ def calibration_steps(path: str | Path | None) -> frozenset[int] | None:
 
 
 def swept_sets(path: str | Path | None, sets: tuple[SpecSetting, ...]) -> list[str]:
-    """One line per set of ``sets`` the calibration at ``path`` swept (``specd sweep
-    --adaptive`` rows): the ratio of its rows to its candidates' that the model predicts it
-    by (`Calibration.set_factor`); none without a readable calibration."""
+    """One line per set of ``sets`` (those offered) the calibration at ``path`` swept
+    (``specd sweep --adaptive`` rows): the ratio of its rows to its candidates' that the
+    model predicts it by (`Calibration.set_factor`); then one per set it swept that is not
+    offered. None without a readable calibration."""
     if path is None:
         return []
     try:
@@ -60,6 +61,14 @@ def swept_sets(path: str | Path | None, sets: tuple[SpecSetting, ...]) -> list[s
                 f"{format_setting(setting)}: swept: predicted at {factor:.3f} × its "
                 "candidates' rows until it has served here"
             )
+    # A sweep of a set specd may not choose is read by nothing: say so, not nothing.
+    offered = {format_setting(s) for s in sets}
+    lines += [
+        f"{text}: swept, but not offered: specd does not choose it (not in [choose] "
+        "adaptive_candidate_sets, or not offered on this server)"
+        for text in calibration.table.measured_settings()
+        if text not in offered
+    ]
     return lines
 
 

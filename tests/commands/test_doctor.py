@@ -440,6 +440,8 @@ def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None
         PerfRow(4, float(c), composed.throughput(c) * 0.9, None, None, "adaptive:3,4")
         for c in (1, 8)
     ]
+    # A set not among [choose] adaptive_candidate_sets, swept too.
+    swept.append(PerfRow(5, 1.0, 100.0, None, None, "adaptive:2,5"))
     write_table(tmp_path / "cal.csv", PerfTable([*table.rows, *swept], source="swept"))
     found = doctor(
         tmp_path,
@@ -453,8 +455,12 @@ def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None
     assert check.ok
     said = "adaptive:3,4: swept: predicted at 0.900 × its candidates' rows until it has served here"
     assert said in check.notes
-    # Only the set swept is said so.
-    assert sum(1 for note in check.notes if "swept" in note) == 1
+    assert (
+        "adaptive:2,5: swept, but not offered: specd does not choose it (not in [choose] "
+        "adaptive_candidate_sets, or not offered on this server)"
+    ) in check.notes
+    # Only the sets swept are said so.
+    assert sum(1 for note in check.notes if "swept" in note) == 2
 
 
 def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) -> None:
