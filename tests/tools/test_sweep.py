@@ -248,6 +248,11 @@ def test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back(
     assert "| 0 | 8 |" in md
     assert "| adaptive:3,4 |" in md
     assert "- adaptive:3,4 c=8: measured " in md
+    # The model reads the set's rows from the file written: the ratio sweep.md states.
+    factor = Calibration.of(table).set_factor(parse_setting("adaptive:3,4"))
+    assert factor is not None
+    assert 1 - 2 * TOLERANCE <= factor <= 1.0  # the twin serves a set as its candidates
+    assert f"- adaptive:3,4: as the calibration, specd predicts it at {factor:.3f} ×" in md
     assert f"Restored the original {DEFAULT_STEPS} steps." in md
     assert any(p.startswith("adaptive:3,4: measuring c=8") for p in recorder.phases)
 
