@@ -16,9 +16,10 @@ bench replay``, ``--out FILE`` writes the report too. ``--adaptive-loss R`` make
 adaptive setting serve R less than the truth's best candidate per batch (SGLang's switching
 and its extra graphs' memory, which no calibration shows; both trees' replay must know the
 option). ``--swept-sets`` gives both trees each truth's calibration with the rows ``specd
-sweep --adaptive`` would add for the default adaptive sets (`bench.truth.generate.sweep_sets`:
-each set served as the truth's best candidate per batch less the adaptive loss, with a
-static row's noise); a tree whose model does not read them runs as without. Every case on
+sweep --adaptive`` would add for the default adaptive sets in the same sweep
+(`swept_calibrations`: on the machine the calibration measured, each set served as its
+best candidate per batch less the adaptive loss, with a static row's noise); a tree whose
+model does not read them runs as without. Every case on
 2 cores: about 8 minutes.
 """
 
@@ -232,8 +233,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument(
         "--swept-sets",
         action="store_true",
-        help="give both trees each calibration with the default adaptive sets swept on its "
-        "truth (served less by --adaptive-loss, a static row's noise)",
+        help="give both trees each calibration with the default adaptive sets swept in the "
+        "same sweep (served less by --adaptive-loss, a static row's noise)",
     )
     args = parser.parse_args(argv)
     todo = cases(args.truth, args.only)
@@ -258,7 +259,8 @@ def run(argv: list[str]) -> int:
         )
         + (
             " Each calibration also has the rows `specd sweep --adaptive` would add for the "
-            "default adaptive sets, measured on its truth as they serve (`--swept-sets`)."
+            "default adaptive sets, measured on the machine it measured, as they serve "
+            "(`--swept-sets`)."
             if args.swept_sets
             else ""
         ),
