@@ -98,6 +98,6 @@ def test_sets_are_swept_as_the_truth_serves_them_less_the_loss(
         for r in rows:
             ratio = r.output_tok_s / (serves.throughput(r.concurrency) * (1 - loss))
             assert abs(ratio - 1) <= 2 * generate.NOISE_RATIO + 1e-3, (text, r)
-        assert r.steps == setting.max_steps
+            assert r.steps == setting.max_steps
     # Seeded: the same sweep twice is the same table.
     assert generate.sweep_sets(served_by, static, asked, loss, seed=7) == swept
