@@ -1175,6 +1175,8 @@ def plan(
         error, evidence = model.error_at(k, noise, mix)
         facts[k] = (known, error, evidence)
         predictions[k] = StepPrediction(k, tok_s, source, trusted * serving, error, evidence)
+    # Each set predicted off its rows before it has run here, and why (said in the message).
+    priors: list[str] = []
     for setting in adaptives:
         predicted = _adaptive_rate(model, setting, mix)
         if predicted is None:
@@ -1204,7 +1206,14 @@ def plan(
         else:
             # Not run here: what a sweep measured of it, else what the other sets served
             # here, corrects its rows (its error stays its tiers').
-            tok_s *= model.set_prior(setting, sets)
+            prior = model.set_prior(setting, sets)
+            tok_s *= prior
+            if prior != 1.0:
+                swept = model.swept_set(setting) is not None
+                priors.append(
+                    f"{format_setting(setting)} ×{prior:.3f} "
+                    + ("(swept)" if swept else "(as the other sets served here)")
+                )
         source = Source.OBSERVED if observed else Source.CALIBRATION
         serving = horizon if key == current else max(horizon - restart_cost_s(setting, config), 0.0)
         predictions[key] = StepPrediction(key, tok_s, source, tok_s * serving, error, evidence)
@@ -1239,6 +1248,8 @@ def plan(
     why = _why(
         forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
     )
+    if priors:
+        why += "; of their candidates' rows, before they run here: " + ", ".join(priors)
     if runner_up is not None:
         k, up = runner_up
         up_text = "∞" if math.isinf(up) else f"{up * 100:+.1f}%"

@@ -1176,6 +1176,9 @@ def test_a_set_swept_serving_less_than_its_rows_is_predicted_so_before_it_ever_r
     assert swept.predictions[key].source is Source.CALIBRATION
     assert swept.best != key
     assert swept.best == 0
+    # The message says why the set is predicted below its rows; by its rows, nothing.
+    assert f"before they run here: {MIXED_SET} ×0.850 (swept)" in swept.why
+    assert "before they run here" not in by_rows.why
     # The static step counts' predictions are the table's, swept or not.
     for k in (0, 1, 3):
         assert swept.predictions[k] == by_rows.predictions[k]
@@ -1266,6 +1269,8 @@ def test_a_set_starts_from_another_sets_shortfall_in_the_plan(tmp_path: Path) ->
     ratio = lent.predictions[key].tok_s / alone.predictions[key].tok_s
     assert 0.85 < ratio < 0.88
     assert lent.best != key
+    assert f"{MIXED_SET} ×{ratio:.3f} (as the other sets served here)" in lent.why
+    assert "before they run here" not in alone.why
 
 
 def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> None:
