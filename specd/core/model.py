@@ -78,6 +78,7 @@ from specd.core.forecast import Forecast, forecast_epoch
 from specd.core.perftable import PerfTable, interpolate, reading_points
 from specd.core.setting import (
     SpecSetting,
+    adaptive_config_name,
     format_setting,
     observed_keys,
     off,
@@ -85,6 +86,7 @@ from specd.core.setting import (
     setting_key,
     static,
 )
+from specd.core.setting import parse as parse_setting
 
 if TYPE_CHECKING:
     from specd.core.choices import Offer
@@ -236,8 +238,14 @@ class Calibration:
         except KeyError:
             pass
         found: float | None = None
-        text = format_setting(setting)
-        rows = [r for r in self.table.setting_rows if r.setting == text]
+        # The same set however written: one config file (``adaptive:1,3`` and its default
+        # slots spelled out run alike), as the history keys it.
+        name = adaptive_config_name(setting)
+        rows = [
+            r
+            for r in self.table.setting_rows
+            if r.setting is not None and adaptive_config_name(parse_setting(r.setting)) == name
+        ]
         if rows:
             try:
                 composed: AdaptiveModel | None = AdaptiveModel.of(

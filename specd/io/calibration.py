@@ -11,7 +11,8 @@ from pathlib import Path
 from specd.core.choices import table_steps
 from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
-from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
+from specd.core.setting import parse as parse_setting
 from specd.io.tables import read_table
 
 
@@ -62,12 +63,12 @@ def swept_sets(path: str | Path | None, sets: tuple[SpecSetting, ...]) -> list[s
                 "candidates' rows until it has served here"
             )
     # A sweep of a set specd may not choose is read by nothing: say so, not nothing.
-    offered = {format_setting(s) for s in sets}
+    offered = {adaptive_config_name(s) for s in sets}  # one set however written
     lines += [
         f"{text}: swept, but not offered: specd does not choose it (not in [choose] "
         "adaptive_candidate_sets, or not offered on this server)"
         for text in calibration.table.measured_settings()
-        if text not in offered
+        if adaptive_config_name(parse_setting(text)) not in offered
     ]
     return lines
 

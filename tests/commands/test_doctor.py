@@ -436,9 +436,10 @@ def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None
     table = seed_table()
     set_34 = parse("adaptive:3,4")
     composed = AdaptiveModel.of(adaptive_slots(set_34), table)
+    # Its 8-request row written with SGLang's slots spelled out: the same set, one config.
     swept = [
-        PerfRow(4, float(c), composed.throughput(c) * 0.9, None, None, "adaptive:3,4")
-        for c in (1, 8)
+        PerfRow(4, float(c), composed.throughput(c) * 0.9, None, None, text)
+        for c, text in ((1, "adaptive:3,4"), (8, "adaptive:3,4/1=3,4"))
     ]
     # A set not among [choose] adaptive_candidate_sets, swept too.
     swept.append(PerfRow(5, 1.0, 100.0, None, None, "adaptive:2,5"))

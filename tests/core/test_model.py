@@ -1094,6 +1094,9 @@ def _composed(setting: str, c: int) -> float:
         pytest.param(
             "adaptive:1,3", {2: 0.85}, "adaptive:1,3/1=1;8=1,3", None, id="same steps, other slots"
         ),
+        pytest.param(
+            "adaptive:1,3", {2: 0.85}, "adaptive:1,3/1=1,3", 0.85, id="same set, slots spelled out"
+        ),
     ],
 )
 def test_what_a_sweep_measured_of_a_set_is_its_ratio_to_its_candidates_rows(
