@@ -23,7 +23,7 @@ from specd.core.history import HistorySettings
 from specd.core.observation import ScrapeError
 from specd.core.setting import format_setting, traits_from_server_info
 from specd.io.apply import read_static_only
-from specd.io.calibration import calibration_steps
+from specd.io.calibration import calibration_steps, swept_sets
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
@@ -70,11 +70,13 @@ def choices(
     traits = traits_from_server_info(info) if isinstance(info, dict) else None
     table_steps = calibration_steps(config.choose.calibration_file)
     got = offer(config.choose, traits, table_steps, static_only)
+    sets = tuple(s for s in got.settings if s.kind == "adaptive")
     return {
         "kinds": dict(got.kinds),
         "settings": [format_setting(s) for s in got.settings],
         "refused": dict(got.refused),
-        "lines": got.lines(),
+        # As doctor says them: how each swept set is predicted, and a sweep nothing reads.
+        "lines": [*got.lines(), *swept_sets(config.choose.calibration_file, sets)],
         "server_problem": info if isinstance(info, str) else None,
     }
 

@@ -63,7 +63,10 @@ def test_status_names_the_choices_on_the_running_server(
 def test_status_names_what_the_calibration_and_the_unit_leave_out(tmp_path: Path) -> None:
     calibration = tmp_path / "cal.csv"
     calibration.write_text(
-        "steps,concurrency,output_tok_s\n" + "".join(f"{k},1,{100 + k}\n" for k in (1, 2, 3, 4))
+        "steps,concurrency,output_tok_s,setting\n"
+        + "".join(f"{k},1,{100 + k},\n" for k in (1, 2, 3, 4))
+        # adaptive:3,4 swept at one request: 90 tok/s where its best candidate's row says 104.
+        + '4,1,90,"adaptive:3,4"\n'
     )
     with version_twin("0.5.23") as twin:
         twin.wait_healthy(20)
@@ -81,6 +84,10 @@ def test_status_names_what_the_calibration_and_the_unit_leave_out(tmp_path: Path
         "rows for steps 0,5,7"
     ) in text
     assert static_only["choices"]["kinds"] == {"off": wired, "static": None, "adaptive": wired}
+    said = "adaptive:3,4: swept: predicted at 0.865 × its candidates' rows until it has served"
+    assert f"               {said} here\n" in text
+    # Where the unit takes step counts only, no set is offered: the sweep is read by nothing.
+    assert "adaptive:3,4: swept, but not offered" in "\n".join(static_only["choices"]["lines"])
 
 
 def test_status_says_when_sglang_did_not_answer(tmp_path: Path) -> None:
