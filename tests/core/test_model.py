@@ -992,6 +992,27 @@ def set_history(
     return history
 
 
+def kinds_plan(
+    tmp_path: Path, history: History, table: PerfTable = KINDS_TABLE, live: str | None = None
+) -> Plan:
+    """The plan on kinds_config over ``table``: with ``live``, that adaptive set runs from
+    specd's own config file; else static 3."""
+    cfg = kinds_config(tmp_path)
+    setting = parse(live) if live is not None else None
+    found = plan(
+        history,
+        cfg,
+        None if setting is not None else 3,
+        Calibration.of(table),
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config=(
+            f"/var/lib/specd/{adaptive_config_name(setting)}" if setting is not None else None
+        ),
+    )
+    assert found is not None
+    return found
+
+
 @pytest.mark.parametrize(
     ("seen_at", "asked_at", "served_ratio", "bands_seen_asked"),
     [
@@ -1031,21 +1052,10 @@ def test_a_set_serving_less_than_its_candidates_rows_say_is_left_for_what_serves
     # At 2 and 32 requests the set runs 3 steps, then off: 790 tok/s by the rows, more than
     # off alone (748). Serving 15 % less than that for three hours, it is worth 672: off
     # serves more, and what the set served here outweighs what its rows say.
-    cfg = kinds_config(tmp_path)
-    live = parse(MIXED_SET)
-    key = setting_key(live)
+    key = setting_key(parse(MIXED_SET))
 
     def planned(served_ratio: float) -> Plan:
-        found = plan(
-            set_history((2, 32), MIXED_SET, served_ratio),
-            cfg,
-            None,
-            Calibration.of(KINDS_TABLE),
-            offer=offer(cfg.choose, SERVER),
-            live_adaptive_config=f"/var/lib/specd/{adaptive_config_name(live)}",
-        )
-        assert found is not None
-        return found
+        return kinds_plan(tmp_path, set_history((2, 32), MIXED_SET, served_ratio), live=MIXED_SET)
 
     as_rows, less = planned(1.0), planned(0.85)
     assert as_rows.target == key
@@ -1148,23 +1158,6 @@ def test_a_swept_set_whose_candidates_the_table_lacks_is_not_corrected() -> None
     assert Calibration.of(PerfTable(rows, source="swept")).set_factor(parse("adaptive:2,3")) is None
 
 
-def swept_plan(tmp_path: Path, history: History, table: PerfTable, live: str | None) -> Plan:
-    cfg = kinds_config(tmp_path)
-    setting = parse(live) if live is not None else None
-    found = plan(
-        history,
-        cfg,
-        None if setting is not None else 3,
-        Calibration.of(table),
-        offer=offer(cfg.choose, SERVER),
-        live_adaptive_config=(
-            f"/var/lib/specd/{adaptive_config_name(setting)}" if setting is not None else None
-        ),
-    )
-    assert found is not None
-    return found
-
-
 def test_a_set_swept_serving_less_than_its_rows_is_predicted_so_before_it_ever_runs(
     tmp_path: Path,
 ) -> None:
@@ -1172,8 +1165,8 @@ def test_a_set_swept_serving_less_than_its_rows_is_predicted_so_before_it_ever_r
     # off 748); swept at 15 % less it serves 672, and off is the better change.
     key = setting_key(parse(MIXED_SET))
     history = kinds_history((2, 32), steps=3)
-    by_rows = swept_plan(tmp_path, history, KINDS_TABLE, None)
-    swept = swept_plan(tmp_path, history, swept_table(MIXED_SET, {2: 0.85, 32: 0.85}), None)
+    by_rows = kinds_plan(tmp_path, history)
+    swept = kinds_plan(tmp_path, history, swept_table(MIXED_SET, {2: 0.85, 32: 0.85}))
     assert by_rows.best == key
     assert swept.predictions[key].tok_s == pytest.approx(0.85 * by_rows.predictions[key].tok_s)
     assert swept.predictions[key].source is Source.CALIBRATION
@@ -1201,8 +1194,8 @@ def test_what_a_set_served_here_outweighs_what_a_sweep_said_of_it(tmp_path: Path
     trust = seconds / (seconds + OBSERVED_PIVOT_S)
     assert factor == pytest.approx(0.85 + 0.15 * trust, rel=1e-3)
     assert 0.98 < factor < 1.0
-    held = swept_plan(tmp_path, history, table, MIXED_SET)
-    by_rows = swept_plan(tmp_path, history, KINDS_TABLE, MIXED_SET)
+    held = kinds_plan(tmp_path, history, table, MIXED_SET)
+    by_rows = kinds_plan(tmp_path, history, live=MIXED_SET)
     assert held.target == by_rows.target == key
     # Served as its rows say, the set's own observation over its rows alone is 1.
     assert held.predictions[key].tok_s == pytest.approx(
@@ -1258,16 +1251,12 @@ def test_a_set_not_run_here_starts_from_what_the_other_sets_served(
 def test_a_set_starts_from_another_sets_shortfall_in_the_plan(tmp_path: Path) -> None:
     # adaptive:1,3 served 15 % short of its rows for three hours and then static 3 ran:
     # the never-run MIXED_SET is predicted short alike, so off beats it.
-    cfg = kinds_config(tmp_path)
     key = setting_key(parse(MIXED_SET))
     after_set = kinds_history(
         (2, 32), steps=3, history=set_history((2, 32), OTHER_SET, 0.85, start=MONDAY - 6 * HOUR)
     )
-    calibration, offered = Calibration.of(KINDS_TABLE), offer(cfg.choose, SERVER)
-    lent = plan(after_set, cfg, 3, calibration, offer=offered)
-    alone = plan(kinds_history((2, 32), steps=3), cfg, 3, calibration, offer=offered)
-    assert lent is not None
-    assert alone is not None
+    lent = kinds_plan(tmp_path, after_set)
+    alone = kinds_plan(tmp_path, kinds_history((2, 32), steps=3))
     assert alone.best == key
     ratio = lent.predictions[key].tok_s / alone.predictions[key].tok_s
     assert 0.85 < ratio < 0.88
@@ -1280,15 +1269,7 @@ def test_the_live_adaptive_set_is_the_one_a_change_must_beat(tmp_path: Path) -> 
     cfg = kinds_config(tmp_path)
     live = parse(MIXED_SET)
     history = kinds_history((2, 32), steps=3)
-    result = plan(
-        history,
-        cfg,
-        None,
-        Calibration.of(KINDS_TABLE),
-        offer=offer(cfg.choose, SERVER),
-        live_adaptive_config=f"/var/lib/specd/{adaptive_config_name(live)}",
-    )
-    assert result is not None
+    result = kinds_plan(tmp_path, history, live=MIXED_SET)
     key = setting_key(live)
     assert result.target == key
     assert result.target_setting == live
