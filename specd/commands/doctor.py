@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.core import sglang_features as features
 from specd.core import windows
-from specd.core.choices import offer
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
@@ -36,7 +35,7 @@ from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_wiring
-from specd.io.calibration import calibration_steps, swept_sets
+from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable
@@ -144,10 +143,8 @@ class Doctor:
         the brain offers them)."""
         traits = None if self.info is None else traits_from_server_info(self.info)
         choose = self.config.choose
-        table_steps = calibration_steps(choose.calibration_file)
-        got = offer(choose, traits, table_steps, self.static_only)
-        sets = tuple(s for s in got.settings if s.kind == "adaptive")
-        notes = (*got.lines(), *swept_sets(choose.calibration_file, sets))
+        got, lines = configured_offer(choose, traits, self.static_only)
+        notes = tuple(lines)
         # The default kinds are every kind, each where it can be: only kinds the operator
         # listed are a problem when they cannot be chosen.
         listed = choose.kinds if "kinds" in choose.model_fields_set else ()

@@ -18,12 +18,11 @@ from typing import Any
 
 from specd.commands.check_config import load_for_command
 from specd.core import windows
-from specd.core.choices import offer
 from specd.core.history import HistorySettings
 from specd.core.observation import ScrapeError
 from specd.core.setting import format_setting, traits_from_server_info
 from specd.io.apply import read_static_only
-from specd.io.calibration import calibration_steps, swept_sets
+from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
@@ -68,15 +67,13 @@ def choices(
     as the daemon offers them, from the config, the calibration's rows, /server_info and
     the unit's wiring (``static_only``, `specd.io.apply.read_static_only`)."""
     traits = traits_from_server_info(info) if isinstance(info, dict) else None
-    table_steps = calibration_steps(config.choose.calibration_file)
-    got = offer(config.choose, traits, table_steps, static_only)
-    sets = tuple(s for s in got.settings if s.kind == "adaptive")
+    got, lines = configured_offer(config.choose, traits, static_only)
     return {
         "kinds": dict(got.kinds),
         "settings": [format_setting(s) for s in got.settings],
         "refused": dict(got.refused),
         # As doctor says them: how each swept set is predicted, and a sweep nothing reads.
-        "lines": [*got.lines(), *swept_sets(config.choose.calibration_file, sets)],
+        "lines": lines,
         "server_problem": info if isinstance(info, str) else None,
     }
 

@@ -6,14 +6,20 @@ the result to `step`. A stat per tick, a re-read and a new α fit only when the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from specd.core.choices import table_steps
+from specd.core.choices import Offer, offer, table_steps
 from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
 from specd.core.setting import parse as parse_setting
 from specd.io.tables import read_table
+
+if TYPE_CHECKING:
+    from specd.core.setting import ServerTraits
+    from specd.core.settings import ChooseSettings
 
 
 class CalibrationError(ValueError):
@@ -32,28 +38,45 @@ def read_calibration(path: str | Path) -> Calibration:
     return Calibration.of(table)
 
 
+def _readable(path: str | Path | None) -> Calibration | None:
+    """The calibration at ``path``; None without one, or when it cannot be read (the
+    daemon would have none either)."""
+    if path is None:
+        return None
+    try:
+        return read_calibration(path)
+    except CalibrationError:
+        return None
+
+
 def calibration_steps(path: str | Path | None) -> frozenset[int] | None:
     """The step counts the calibration at ``path`` has rows for, as `offer` reads them;
-    None without one, or when it cannot be read (the daemon would have none either)."""
-    if path is None:
-        return None
-    try:
-        return table_steps(read_calibration(path))
-    except CalibrationError:
-        return None
+    None without one, or when it cannot be read."""
+    calibration = _readable(path)
+    return None if calibration is None else table_steps(calibration)
 
 
-def swept_sets(path: str | Path | None, sets: tuple[SpecSetting, ...]) -> list[str]:
-    """One line per set of ``sets`` (those offered) the calibration at ``path`` swept
-    (``specd sweep --adaptive`` rows): the ratio of its rows to its candidates' that the
-    model predicts it by (`Calibration.set_factor`); then one per set it swept that is not
-    offered. None without a readable calibration."""
-    if path is None:
+def configured_offer(
+    choose: ChooseSettings, traits: ServerTraits | None, static_only: str | None
+) -> tuple[Offer, list[str]]:
+    """What specd may choose on a server of ``traits`` with the configured calibration
+    (read once), as the daemon offers it (`specd.core.choices.offer`), and what doctor and
+    status say of it: `Offer.lines`, then `swept_lines`."""
+    calibration = _readable(choose.calibration_file)
+    got = offer(
+        choose, traits, None if calibration is None else table_steps(calibration), static_only
+    )
+    return got, [*got.lines(), *swept_lines(calibration, got.settings)]
+
+
+def swept_lines(calibration: Calibration | None, offered: Sequence[SpecSetting]) -> list[str]:
+    """One line per adaptive set of ``offered`` the calibration swept (``specd sweep
+    --adaptive`` rows): the ratio of its rows to its candidates' that the model predicts it
+    by (`Calibration.set_factor`); then one per set it swept that is not offered. None
+    without a calibration."""
+    if calibration is None:
         return []
-    try:
-        calibration = read_calibration(path)
-    except CalibrationError:
-        return []
+    sets = [s for s in offered if s.kind == "adaptive"]
     lines = []
     for setting in sets:
         factor = calibration.set_factor(setting)
@@ -63,12 +86,12 @@ def swept_sets(path: str | Path | None, sets: tuple[SpecSetting, ...]) -> list[s
                 "candidates' rows until it has served here"
             )
     # A sweep of a set specd may not choose is read by nothing: say so, not nothing.
-    offered = {adaptive_config_name(s) for s in sets}  # one set however written
+    names = {adaptive_config_name(s) for s in sets}  # one set however written
     lines += [
         f"{text}: swept, but not offered: specd does not choose it (not in [choose] "
         "adaptive_candidate_sets, or not offered on this server)"
         for text in calibration.table.measured_settings()
-        if adaptive_config_name(parse_setting(text)) not in offered
+        if adaptive_config_name(parse_setting(text)) not in names
     ]
     return lines
 
