@@ -1008,9 +1008,9 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         "Regressions",
         "dark-orange",
         f"sum by (instance, steps) (increase(specd_regressions_total{{{INST}}}[1m])) > 0",
-        "{{steps}} steps regressed",
-        "specd on {{instance}} went back: {{steps}} steps served less than the step count "
-        "before (see the decision log's outcome)",
+        "{{steps}} regressed",
+        "specd on {{instance}} went back: {{steps}} (a step count, off or an adaptive set) "
+        "served less than the setting before (see the decision log's outcome)",
     ),
 )
 

@@ -146,6 +146,7 @@ class Daemon:
             registry,
             reasons=[r.value for r in Reason],
             steps=range(config.choose.min_steps, config.choose.max_steps + 1),
+            settings=_regressing_settings(config),
         )
         self.notifier = notifier or Notifier()
         self.runner: Runner = runner or SubprocessRunner(beat=self._heartbeat)
@@ -703,11 +704,15 @@ class Daemon:
         # Counted when specd goes back, as `step` puts the step count on the avoid list.
         found = result.verdict
         assert found is not None
-        self.metrics.regressions.labels(steps=str(found.to_steps)).inc()
+        # Named as the operator writes it: an adaptive set's key is a hash, not a name.
+        self.metrics.regressions.labels(steps=found.to_name).inc()
         self.log.warning(
             "regression",
-            from_steps=found.from_steps,
-            to_steps=found.to_steps,
+            # K (0: off) as before; None for an adaptive set, which the *_setting name.
+            from_steps=found.from_steps if found.from_setting is None else None,
+            to_steps=found.to_steps if found.to_setting is None else None,
+            from_setting=found.from_name,
+            to_setting=found.to_name,
             observed_s=round(found.observed_s),
             observed_tok_s=round(found.observed_tok_s, 1),
             baseline_tok_s=round(found.baseline_tok_s, 1),
@@ -907,6 +912,15 @@ class Daemon:
         if self.state.frozen is not None:
             parts.append("FROZEN")
         return ", ".join(parts)
+
+
+def _regressing_settings(config: Config) -> list[str]:
+    """The regressions counter's labels beyond the step counts: off and the adaptive sets
+    the policy may change to."""
+    kinds = config.choose.kinds
+    return (["off"] if "off" in kinds else []) + (
+        list(config.choose.adaptive_candidate_sets) if "adaptive" in kinds else []
+    )
 
 
 def _band_boundary(config: Config) -> float:

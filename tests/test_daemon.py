@@ -29,7 +29,7 @@ from specd.core import outcome
 from specd.core.decide import Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
-from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
+from specd.core.setting import SpecSetting, adaptive_config_name, format_setting, setting_key
 from specd.core.setting import parse as parse_setting
 from specd.daemon import Daemon
 from specd.io import logs
@@ -436,6 +436,7 @@ def test_a_regression_goes_back_is_counted_logged_saved_and_not_repeated(
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
     (logged,) = [e for e in events if e["event"] == "regression"]
     assert (logged["from_steps"], logged["to_steps"]) == (3, 4)
+    assert (logged["from_setting"], logged["to_setting"]) == ("3", "4")
     assert logged["shortfall_ratio"] == pytest.approx(0.05, abs=1e-3)
     decision = next(e for e in events if e["event"] == "decision")
     assert decision["reason"] == "regression"
@@ -452,6 +453,38 @@ def test_a_regression_goes_back_is_counted_logged_saved_and_not_repeated(
     assert decision_again.reason is Reason.WITHIN_TOLERANCE
     assert "avoided" in decision_again.message
     assert applier.calls == [("3", "4")]
+
+
+def test_an_adaptive_set_that_regressed_is_counted_and_logged_by_its_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = config(tmp_path, scrape_interval_s=60)
+    # As above, but specd changed 3 → adaptive:3,4, which served 5 % less at 2 requests.
+    changed = IN_WINDOW - 86400 - 1200
+    target = parse_setting("adaptive:3,4")
+    history = History(HistorySettings.from_config(cfg))
+    serve(history, 3, changed - 3 * 3600, changed - 60, 2, 1000.0)
+    until = outcome.verification_end(cfg, changed)
+    snap = outcome.snapshot(history, 3, setting_key(target), 0.05, until, to_setting=target)
+    last = serve(history, 4, changed + 100, IN_WINDOW, 2, 950.0, adaptive_config=ADAPTIVE_34)
+    clock = [last.t]
+    applier = Applier()
+    logs.configure("json", stream=sys.stdout)
+    d = daemon(cfg, Reader([last]), applier, clock)
+    d.state.history = history
+    d.state.verifying = snap
+    sample = d.metrics.registry.get_sample_value
+    # There from the start (an `increase` sees the first), as every set specd may choose.
+    assert sample("specd_regressions_total", {"steps": "adaptive:3,4"}) == 0
+    assert sample("specd_regressions_total", {"steps": "off"}) == 0
+    assert d.tick().reason is Reason.REGRESSION
+    assert applier.calls == [("4", None)]  # the bands' pick for 2 requests
+    assert sample("specd_regressions_total", {"steps": "adaptive:3,4"}) == 1
+    assert sample("specd_regressions_total", {"steps": str(setting_key(target))}) is None
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    (logged,) = [e for e in events if e["event"] == "regression"]
+    assert (logged["from_setting"], logged["to_setting"]) == ("3", "adaptive:3,4")
+    assert (logged["from_steps"], logged["to_steps"]) == (3, None)
 
 
 WIRED = (

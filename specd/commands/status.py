@@ -35,6 +35,11 @@ DAY_S = 86400.0
 SERVER_INFO_TIMEOUT_S = 2.0
 
 
+def _setting_text(name: str) -> str:
+    """"4 steps", "off", "adaptive:3,4": a bare number would not say what it counts."""
+    return f"{name} steps" if name.isdigit() else name
+
+
 def _when(ts: float | None, now: float) -> str:
     if ts is None:
         return "never"
@@ -142,8 +147,11 @@ def collect(
         # Step counts that regressed after a change, skipped by the policy until "until".
         "avoided": [
             {
-                "steps": e.steps,
-                "from_steps": e.from_steps,
+                # K (0: off); None for an adaptive set, whose key is a hash: "setting" names it.
+                "steps": e.steps if e.setting is None else None,
+                "from_steps": e.from_steps if e.from_setting is None else None,
+                "setting": e.name,
+                "from_setting": e.from_name,
                 "shortfall_ratio": e.shortfall_ratio,
                 "since": e.t,
                 "until": e.t + config.choose.regression_avoid_s,
@@ -283,8 +291,9 @@ def render(info: dict[str, Any], now: float) -> str:
         )
     for e in info["avoided"]:
         lines.append(
-            f"avoided        {e['steps']} steps: served {e['shortfall_ratio'] * 100:.1f}% less "
-            f"than {e['from_steps']} (regression {_when(e['since'], now)}), until "
+            f"avoided        {_setting_text(e['setting'])}: served "
+            f"{e['shortfall_ratio'] * 100:.1f}% less than {e['from_setting']} (regression "
+            f"{_when(e['since'], now)}), until "
             f"{_when(e['until'], now)}"
         )
     picks = info["choices"]

@@ -84,7 +84,8 @@ def _keys(key: int, setting: SpecSetting | None) -> tuple[int, ...]:
     return observed_keys(setting) if setting is not None else (key,)
 
 
-def _label(key: int, setting: SpecSetting | None) -> str:
+def label(key: int, setting: SpecSetting | None) -> str:
+    """A setting key's operator form: an adaptive set's key is a hash, not a name."""
     return format_setting(setting) if setting is not None else ("off" if key == 0 else str(key))
 
 
@@ -135,6 +136,15 @@ class Avoided:
     setting: SpecSetting | None = None
     from_setting: SpecSetting | None = None
 
+    @property
+    def name(self) -> str:
+        """The avoided setting's operator form ("4", "off", "adaptive:3,4")."""
+        return label(self.steps, self.setting)
+
+    @property
+    def from_name(self) -> str:
+        return label(self.from_steps, self.from_setting)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -155,6 +165,15 @@ class Verdict:
     # The adaptive sets of from_steps / to_steps; None: static K or off.
     from_setting: SpecSetting | None = None
     to_setting: SpecSetting | None = None
+
+    @property
+    def to_name(self) -> str:
+        """The changed-to setting's operator form ("4", "off", "adaptive:3,4")."""
+        return label(self.to_steps, self.to_setting)
+
+    @property
+    def from_name(self) -> str:
+        return label(self.from_steps, self.from_setting)
 
     @property
     def shortfall_ratio(self) -> float:
@@ -341,7 +360,7 @@ def verdict(
     seen_mix = _normalized_mix(mix)
     moved = 0.0 if coming is None else _normalized_distance(_normalized_mix(coming), seen_mix)
     regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
-    old_label, new_label = _label(old, snap.from_setting), _label(snap.to_steps, snap.to_setting)
+    old_label, new_label = label(old, snap.from_setting), label(snap.to_steps, snap.to_setting)
     change = f"{old_label} → {new_label} at {_stamp(snap.t)}"
     diff = served / baseline - 1.0
     expected = (
@@ -442,7 +461,7 @@ def measured(
     for key, (found, cells) in sorted(groups.items(), key=lambda item: (item[0] < 0, abs(item[0]))):
         total = sum(w for w, _ in cells.values())
         served = sum(ws for _, ws in cells.values()) / total
-        row = Measured(_label(key, found), key, total, served, tuple(sorted(cells)))
+        row = Measured(label(key, found), key, total, served, tuple(sorted(cells)))
         predict = _predictor(model, key, found)
         if predict is not None:
             predicted = sum(w * predict(float(c)) for c, (w, _) in cells.items()) / total
@@ -495,8 +514,7 @@ def avoided(
         if mix_distance(mix, dict(e.mix)) > lift:
             continue
         out[e.steps] = (
-            f"{_label(e.steps, e.setting)} served {e.shortfall_ratio * 100:.1f}% less than "
-            f"{_label(e.from_steps, e.from_setting)} "
+            f"{e.name} served {e.shortfall_ratio * 100:.1f}% less than {e.from_name} "
             f"(went back {_stamp(e.t)})"
         )
     return out

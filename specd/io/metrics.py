@@ -43,6 +43,7 @@ class Metrics:
         registry: CollectorRegistry | None = None,
         reasons: Iterable[str] = (),
         steps: Iterable[int] = (),
+        settings: Iterable[str] = (),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
@@ -188,8 +189,9 @@ class Metrics:
         )
         self.regressions = Counter(
             "specd_regressions_total",
-            "Changes specd took back: the step count it changed to served less than the one "
-            "before it, beyond noise (decision reason regression), by the regressed step count.",
+            "Changes specd took back: the setting it changed to served less than the one "
+            "before it, beyond noise (decision reason regression), by the regressed setting "
+            'as the operator writes it (a step count, "off" or "adaptive:3,4").',
             ["steps"],
             registry=r,
         )
@@ -337,10 +339,13 @@ class Metrics:
         for before in CHANGE_KINDS:
             for after in CHANGE_KINDS:
                 self.setting_changes.labels(from_kind=before, to_kind=after)
-        for k in steps:
-            self.explorations.labels(steps=str(k))
-        for k in steps:
-            self.regressions.labels(steps=str(k))
+        step_labels = [str(k) for k in steps]
+        for label in step_labels:
+            self.explorations.labels(steps=label)
+        # Off and adaptive sets can regress too; there from the start, so that `increase`
+        # sees the first one.
+        for label in [*step_labels, *settings]:
+            self.regressions.labels(steps=label)
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)

@@ -9,7 +9,10 @@ import pytest
 from factories import version_twin
 
 from specd.commands.status import collect, render, server_info
+from specd.core.outcome import Avoided
+from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
+from specd.io.state import State, StateStore
 
 NOW = 1_764_000_000.0
 
@@ -100,3 +103,46 @@ def test_status_says_when_sglang_did_not_answer(tmp_path: Path) -> None:
     assert "choices        off: not offered: not in [choose] kinds (static)\n" in text
     assert "               static: offered (steps 1-6)\n" in text
     assert f"(http://127.0.0.1:{port} did not answer /server_info: " in text
+
+
+ADAPTIVE_34 = adaptive((3, 4))
+
+
+def test_status_names_each_avoided_setting_as_the_operator_writes_it(tmp_path: Path) -> None:
+    # An adaptive set's key is a hash: shown bare it says nothing at 3 a.m.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
+    mix = ((2, 1.0),)
+    avoided = [
+        Avoided(4, NOW - 3600, mix, 0.05, 3),
+        Avoided(setting_key(ADAPTIVE_34), NOW - 1800, mix, 0.031, 3, setting=ADAPTIVE_34),
+        Avoided(
+            0,
+            NOW - 900,
+            mix,
+            0.2,
+            setting_key(ADAPTIVE_34),
+            from_setting=ADAPTIVE_34,
+        ),
+    ]
+    assert StateStore(tmp_path).save(State(avoided=avoided)) is None
+    info = collect(config, NOW, server_info(config))
+    text = render(info, NOW)
+    shown = [
+        line.split(" (regression")[0] for line in text.splitlines() if line.startswith("avoided")
+    ]
+    assert shown == [
+        "avoided        4 steps: served 5.0% less than 3",
+        "avoided        adaptive:3,4: served 3.1% less than 3",
+        "avoided        off: served 20.0% less than adaptive:3,4",
+    ]
+    named = [
+        (e["steps"], e["from_steps"], e["setting"], e["from_setting"]) for e in info["avoided"]
+    ]
+    assert named == [
+        (4, 3, "4", "3"),
+        (None, 3, "adaptive:3,4", "3"),
+        (0, None, "off", "adaptive:3,4"),
+    ]
