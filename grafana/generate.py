@@ -353,32 +353,32 @@ def model_panels() -> list[tuple[Panel, int, int]]:
     )
     predicted = (
         ts(
-            "Predicted throughput per candidate step count",
+            "Predicted throughput per candidate setting",
             "The model policy's predicted mean output tokens/s over the coming epoch for each "
-            "candidate K, with the low and high ends of its prediction interval. specd moves to "
-            "the best one when its predicted gain over the epoch beats the restart and the "
-            "interval.",
+            "candidate setting (a step count, off, an adaptive set such as adaptive:3,4), with "
+            "the low and high ends of its prediction interval. specd moves to the best one "
+            "when its predicted gain over the epoch beats the restart and the interval.",
             TOKS_UNIT,
         )
         .min(0)
         .with_target(
             q(
                 f"specd_predicted_throughput_tokens_per_second{{{INST}}}",
-                "K={{steps}} {{instance}}",
+                "{{steps}} {{instance}}",
                 "A",
             )
         )
         .with_target(
             q(
                 f"specd_predicted_throughput_low_tokens_per_second{{{INST}}}",
-                "K={{steps}} low {{instance}}",
+                "{{steps}} low {{instance}}",
                 "B",
             )
         )
         .with_target(
             q(
                 f"specd_predicted_throughput_high_tokens_per_second{{{INST}}}",
-                "K={{steps}} high {{instance}}",
+                "{{steps}} high {{instance}}",
                 "C",
             )
         )

@@ -601,12 +601,13 @@ class Daemon:
         low = self.metrics.predicted_throughput_low
         high = self.metrics.predicted_throughput_high
         for g in (gauge, low, high):
-            g.clear()  # a step count that left the candidates must not keep a stale value
-        for steps, tok_s in outcome.predictions.items():
-            gauge.labels(steps=str(steps)).set(tok_s)
-        for steps, (lo, hi) in outcome.intervals.items():
-            low.labels(steps=str(steps)).set(lo)
-            high.labels(steps=str(steps)).set(hi)
+            g.clear()  # a setting that left the candidates must not keep a stale value
+        # Off and the adaptive sets too, by name: the chosen one is often among them.
+        for name, tok_s in outcome.named_predictions.items():
+            gauge.labels(steps=name).set(tok_s)
+        for name, (lo, hi) in outcome.named_intervals.items():
+            low.labels(steps=name).set(lo)
+            high.labels(steps=name).set(hi)
 
     def _report_decision(
         self,
@@ -648,7 +649,8 @@ class Daemon:
                 else None,
                 recommendation_why=pick.why if pick else None,
                 prediction_interval={
-                    str(k): [round(lo, 1), round(hi, 1)] for k, (lo, hi) in pick.intervals.items()
+                    name: [round(lo, 1), round(hi, 1)]
+                    for name, (lo, hi) in outcome.named_intervals.items()
                 }
                 if pick
                 else None,

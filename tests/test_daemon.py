@@ -48,10 +48,14 @@ WINDOW_CLOSES = datetime(2026, 1, 5, 4, 0, tzinfo=UTC).timestamp()
 
 
 class Reader:
-    """SGLang as a script: each observe() returns the next result (the last repeats)."""
+    """SGLang as a script: each observe() returns the next result (the last repeats);
+    ``server_info``: what its /server_info said (None: not read yet)."""
 
-    def __init__(self, results: list[Observation | ScrapeError]) -> None:
+    def __init__(
+        self, results: list[Observation | ScrapeError], server_info: dict[str, Any] | None = None
+    ) -> None:
         self.results = results
+        self.last_server_info = server_info
 
     def observe(self) -> Observation | ScrapeError:
         return self.results.pop(0) if len(self.results) > 1 else self.results[0]
@@ -509,6 +513,39 @@ def test_what_the_unit_can_be_given_bounds_what_specd_changes_to(
     decision = d.tick()
     assert decision.reason is Reason.CHANGE, decision.message
     assert applier.calls == [(target, "3")]
+
+
+def test_every_candidate_setting_is_predicted_on_the_dashboard_and_in_the_log_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # heavyoff's calibration has rows for steps 0-7: off and every default adaptive set are
+    # candidates beside the step counts, and are what specd picks there.
+    calibration = REPO / "bench" / "truth" / "heavyoff-calibration.csv"
+    cfg = config(tmp_path, policy="model", calibration_file=str(calibration), scrape_interval_s=60)
+    history = History(HistorySettings.from_config(cfg))
+    last = serve(history, 3, IN_WINDOW - 6 * 3600, IN_WINDOW, 48, 730.0)
+    server = {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "version": "0.5.23"}
+    logs.configure("json", stream=sys.stdout)
+    d = daemon(cfg, Reader([last], server), Applier(), [last.t])
+    d.state.history = history
+    d.tick()
+    names = {"1", "2", "3", "4", "5", "6", "off", *cfg.choose.adaptive_candidate_sets}
+    exported: dict[str, dict[str, float]] = {}
+    for metric in d.metrics.registry.collect():
+        if metric.name.startswith("specd_predicted_throughput"):
+            for sample in metric.samples:
+                exported.setdefault(sample.labels["steps"], {})[sample.name] = sample.value
+    assert set(exported) == names
+    for name, values in exported.items():
+        low, mid, high = (
+            values[f"specd_predicted_throughput{part}_tokens_per_second"]
+            for part in ("_low", "", "_high")
+        )
+        assert 0 < low <= mid <= high, name
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    logged = next(e for e in events if e["event"] == "decision")
+    assert set(logged["prediction_interval"]) == names
+    assert logged["recommendation"] in names
 
 
 def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:

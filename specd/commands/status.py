@@ -36,7 +36,8 @@ SERVER_INFO_TIMEOUT_S = 2.0
 
 
 def _setting_text(name: str) -> str:
-    """"4 steps", "off", "adaptive:3,4": a bare number would not say what it counts."""
+    """A setting for a line: "4 steps", "off", "adaptive:3,4" (a bare number would not say
+    what it counts)."""
     return f"{name} steps" if name.isdigit() else name
 
 

@@ -83,6 +83,19 @@ class StepResult:
     verdict: outcome.Verdict | None = None
 
     @property
+    def named_predictions(self) -> dict[str, float]:
+        """Every candidate's predicted mean tok/s by its operator form ("4", "off",
+        "adaptive:3,4"): ``predictions`` keys off as 0 and leaves the sets to the pick."""
+        sets = self.pick.setting_predictions if self.pick is not None else {}
+        return {outcome.label(k, None): v for k, v in self.predictions.items()} | dict(sets)
+
+    @property
+    def named_intervals(self) -> dict[str, tuple[float, float]]:
+        """``named_predictions``' prediction intervals (low, high)."""
+        sets = self.pick.setting_intervals if self.pick is not None else {}
+        return {outcome.label(k, None): v for k, v in self.intervals.items()} | dict(sets)
+
+    @property
     def acts(self) -> bool:
         """True iff the caller should apply ``decision.target_steps`` now."""
         return self.decision.acts(

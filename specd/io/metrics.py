@@ -164,7 +164,8 @@ class Metrics:
         )
         self.predicted_throughput = Gauge(
             "specd_predicted_throughput_tokens_per_second",
-            "Predicted mean output tokens/s over the coming epoch for each candidate step count.",
+            "Predicted mean output tokens/s over the coming epoch for each candidate setting: "
+            'steps is a step count, "off" or an adaptive set ("adaptive:3,4").',
             ["steps"],
             registry=r,
         )
