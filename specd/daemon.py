@@ -185,6 +185,7 @@ class Daemon:
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
         self.live_adaptive = False  # SGLang runs its adaptive mode (live_steps is then None)
+        self.live_name: str | None = None  # what it runs, as the operator writes it
         self._algorithm_seen: str | None = None  # the last speculative algorithm SGLang named
         self._static_only: str | None = None  # why the unit takes static K only (its wiring)
         self.last_decision: Decision | None = None
@@ -474,9 +475,8 @@ class Daemon:
         self.state.adopt(outcome.control)
         decision = outcome.decision
         self.last_decision = decision
-        self.live_steps = outcome.current
         self.live_adaptive = outcome.control.live_adaptive
-        self._note_live(outcome.current, now, "observation")
+        self._note_live(outcome.current, now, "observation", outcome.live_name)
         self._report_predictions(outcome)
         changed = self._report_decision(decision, outcome, now)
         if outcome.acts:
@@ -592,9 +592,11 @@ class Daemon:
             good = None
         return good
 
-    def _note_live(self, steps: int | None, now: float, source: str) -> None:
-        self.live_steps = steps
-        self.state.live = {"t": now, "steps": steps, "source": source}
+    def _note_live(self, steps: int | None, now: float, source: str, name: str | None) -> None:
+        """``steps``: the step count (None under adaptive or unknown); ``name``: the setting
+        as the operator writes it, which `specd status` shows ("adaptive:3,4" has no K)."""
+        self.live_steps, self.live_name = steps, name
+        self.state.live = {"t": now, "steps": steps, "setting": name, "source": source}
 
     def _report_predictions(self, outcome: StepResult) -> None:
         gauge = self.metrics.predicted_throughput
@@ -619,9 +621,12 @@ class Daemon:
         current, pick = outcome.current, outcome.pick
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
+        wanted = decision.target_setting
         self.state.last_decision = {
             "t": now,
             "target_steps": target,
+            # An adaptive target has no step count: `specd status` shows this.
+            "target_setting": format_setting(wanted) if wanted else None,
             "reason": decision.reason.value,
             "message": decision.message,
             "current_steps": current,
@@ -635,9 +640,7 @@ class Daemon:
                 "decision",
                 reason=decision.reason.value,
                 target_steps=target,
-                target_setting=format_setting(wanted)
-                if (wanted := decision.target_setting)
-                else None,
+                target_setting=format_setting(wanted) if wanted else None,
                 current_steps=current,
                 live_adaptive=outcome.control.live_adaptive,
                 acts=acts,
@@ -808,11 +811,11 @@ class Daemon:
         self.state.sglang_started_at = now
         self.state.adopt(self.state.control().after_restart(now))
         if outcome.result == "rolled_back":
-            self._note_live(outcome.from_steps, now, "rollback")
+            self._note_live(outcome.from_steps, now, "rollback", outcome.from_setting)
         elif outcome.result != "success":
-            self._note_live(None, now, "failed restart")
+            self._note_live(None, now, "failed restart", None)
         if outcome.result == "success":
-            self._note_live(outcome.to_steps, now, "verified restart")
+            self._note_live(outcome.to_steps, now, "verified restart", outcome.to_setting)
             before, after = _kind_of(outcome.from_setting), _kind_of(outcome.to_setting)
             if before is not None and after is not None:
                 self.metrics.setting_changes.labels(from_kind=before, to_kind=after).inc()
@@ -904,7 +907,10 @@ class Daemon:
     def _status_text(self) -> str:
         d = self.last_decision
         live = self.live_steps
-        parts = ["adaptive" if self.live_adaptive else f"steps {live if live is not None else '?'}"]
+        if self.live_adaptive:
+            parts = [self.live_name or "adaptive"]
+        else:
+            parts = [f"steps {live if live is not None else '?'}"]
         if d is not None:
             wanted = d.target_setting
             parts.append(f"target {format_setting(wanted) if wanted else d.target_steps}")

@@ -192,7 +192,8 @@ def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Pa
     d.tick()  # wants 4, changes: the restart outcome is saved with what now runs
     assert applier.calls == [("4", "3")]
     state = saved(cfg)
-    assert state["live"] == {"t": IN_WINDOW, "steps": 4, "source": "verified restart"}
+    live = {"t": IN_WINDOW, "steps": 4, "setting": "4", "source": "verified restart"}
+    assert state["live"] == live
     assert state["restarts"][-1]["to_steps"] == 4
     # A few seconds later (well inside the 60 s save interval) the decision changes: saved.
     reader.results = [obs(IN_WINDOW + 5, steps=4)]
@@ -209,6 +210,8 @@ def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Pa
 
 
 ADAPTIVE_34 = "/var/lib/specd/" + adaptive_config_name(parse_setting("adaptive:3,4"))
+# An SGLang that runs every kind of setting (its /server_info, as specd reads it).
+SERVER_INFO = {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "version": "0.5.23"}
 
 
 @pytest.mark.parametrize(
@@ -524,9 +527,8 @@ def test_every_candidate_setting_is_predicted_on_the_dashboard_and_in_the_log_by
     cfg = config(tmp_path, policy="model", calibration_file=str(calibration), scrape_interval_s=60)
     history = History(HistorySettings.from_config(cfg))
     last = serve(history, 3, IN_WINDOW - 6 * 3600, IN_WINDOW, 48, 730.0)
-    server = {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "version": "0.5.23"}
     logs.configure("json", stream=sys.stdout)
-    d = daemon(cfg, Reader([last], server), Applier(), [last.t])
+    d = daemon(cfg, Reader([last], SERVER_INFO), Applier(), [last.t])
     d.state.history = history
     d.tick()
     names = {"1", "2", "3", "4", "5", "6", "off", *cfg.choose.adaptive_candidate_sets}
@@ -546,6 +548,34 @@ def test_every_candidate_setting_is_predicted_on_the_dashboard_and_in_the_log_by
     logged = next(e for e in events if e["event"] == "decision")
     assert set(logged["prediction_interval"]) == names
     assert logged["recommendation"] in names
+
+
+@pytest.mark.parametrize(
+    ("server", "live"),
+    [
+        (SERVER_INFO, "adaptive:3,4"),
+        # /server_info not read yet: no set is offered, so the file names it.
+        (None, f"adaptive ({ADAPTIVE_34.rsplit('/', 1)[-1]})"),
+    ],
+)
+def test_an_adaptive_set_live_is_named_in_the_state_and_the_status(
+    tmp_path: Path, server: dict[str, Any] | None, live: str
+) -> None:
+    cfg = config(tmp_path)
+    seen = make_observation(
+        IN_WINDOW, steps=3, running=1, adaptive=True, adaptive_config=ADAPTIVE_34
+    )
+    d = daemon(cfg, Reader([seen], server), Applier(), [IN_WINDOW])
+    expires = datetime.fromtimestamp(IN_WINDOW + 3600, tz=UTC)
+    pin = {"mode": "pin", "setting": "adaptive:3,4", "expires_at": expires, "reason": "incident"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+    os.chmod(cfg.files.override_file, 0o600)
+    assert d.tick().reason is Reason.OVERRIDE_PIN
+    d._save_state(force=True)
+    state = saved(cfg)
+    assert (state["live"]["steps"], state["live"]["setting"]) == (None, live)
+    assert state["last_decision"]["target_setting"] == "adaptive:3,4"
+    assert d._status_text().startswith(f"{live}, target adaptive:3,4, override_pin")
 
 
 def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:

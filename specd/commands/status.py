@@ -35,6 +35,17 @@ DAY_S = 86400.0
 SERVER_INFO_TIMEOUT_S = 2.0
 
 
+def _name_of(steps: object) -> str | None:
+    """A step count from the state file as a setting's name (0: off); None if not one."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        return None
+    return "off" if steps == 0 else str(steps)
+
+
+def _shown(name: object) -> str:
+    return name if isinstance(name, str) and name else "?"
+
+
 def _setting_text(name: str) -> str:
     """A setting for a line: "4 steps", "off", "adaptive:3,4" (a bare number would not say
     what it counts)."""
@@ -127,9 +138,13 @@ def collect(
         "state_problem": state_problem,
         "state_unreadable": unreadable,
         "current_steps": live.get("steps"),
+        # What runs as the operator writes it ("4", "off", "adaptive:3,4"); a state file
+        # from before names only the step count.
+        "current_setting": live.get("setting", _name_of(live.get("steps"))),
         "live_since": live.get("t"),
         "live_source": live.get("source"),
         "target_steps": decision.get("target_steps"),
+        "target_setting": decision.get("target_setting", _name_of(decision.get("target_steps"))),
         "last_decision": decision,
         "mode": current.mode if current is not None and current.active(at) else "auto",
         "override": {
@@ -259,13 +274,13 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
     lines = [
-        f"steps live     {info['current_steps'] if info['current_steps'] is not None else '?'}"
+        f"steps live     {_shown(info['current_setting'])}"
         + (
             f" ({info['live_source']}, {_when(info['live_since'], now)})"
             if info["live_since"]
             else ""
         ),
-        f"target         {info['target_steps'] if info['target_steps'] is not None else '?'}",
+        f"target         {_shown(info['target_setting'])}",
         f"mode           {info['mode']}",
         f"last decision  {d.get('reason', '-')}: {d.get('message', '-')} "
         f"({_when(d.get('t'), now) if d.get('t') else 'never'})",

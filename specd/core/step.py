@@ -32,7 +32,7 @@ from specd.core.choices import cannot_run, offer, table_steps
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
 from specd.core.model import Calibration, Plan, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
-from specd.core.setting import SpecSetting, runs_adaptive_config, setting_key
+from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config, setting_key
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -81,6 +81,9 @@ class StepResult:
     intervals: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     # The outcome of the latest change while its step count is live (specd.core.outcome).
     verdict: outcome.Verdict | None = None
+    # What SGLang runs per this tick's observation, as the operator writes it ("4", "off",
+    # "adaptive:3,4"; an adaptive config specd does not offer by its file); None: unknown.
+    live_name: str | None = None
 
     @property
     def named_predictions(self) -> dict[str, float]:
@@ -199,24 +202,45 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     if decision.reason is Reason.EXPLORE and acts:
         assert decision.target_steps is not None
         control = control.with_exploration(now, decision.target_steps)
+    # The adaptive set live, as the plan keys it: the offered one its config names.
+    live_set = (
+        next(
+            (s for s in offered.settings if runs_adaptive_config(s, control.live_adaptive_config)),
+            None,
+        )
+        if control.live_adaptive
+        else None
+    )
     if acts:
-        live = current
-        live_set = None
-        if control.live_adaptive:
-            # The adaptive set live, as the plan keys it: the offered one its config names.
-            live_set = next(
-                (
-                    s
-                    for s in offered.settings
-                    if runs_adaptive_config(s, control.live_adaptive_config)
-                ),
-                None,
-            )
-            live = None if live_set is None else setting_key(live_set)
+        live = current if not control.live_adaptive else None
+        if live_set is not None:
+            live = setting_key(live_set)
         control = _after_acting(control, decision, live, live_set, pick, ctx, now)
     predictions = pick.predictions if pick is not None else {}
     intervals = pick.intervals if pick is not None else {}
-    return StepResult(decision, current, pick, control, predictions, intervals, verdict)
+    return StepResult(
+        decision,
+        current,
+        pick,
+        control,
+        predictions,
+        intervals,
+        verdict,
+        _live_name(current, control.live_adaptive, live_set, control.live_adaptive_config),
+    )
+
+
+def _live_name(
+    current: int | None, adaptive: bool, live_set: SpecSetting | None, config_path: str | None
+) -> str | None:
+    """``StepResult.live_name``: under SGLang's adaptive mode the steps gauge follows the
+    tier of the moment, so the set is named by its config file."""
+    if not adaptive:
+        return None if current is None else outcome.label(current, None)
+    if live_set is not None:
+        return format_setting(live_set)
+    name = (config_path or "").rstrip("/").rsplit("/", 1)[-1]
+    return f"adaptive ({name})" if name else "adaptive"
 
 
 def _after_acting(

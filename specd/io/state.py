@@ -276,6 +276,11 @@ def _frozen(value: Any) -> dict[str, Any] | None:
     return value
 
 
+def _short_text_or_none(value: Any) -> bool:
+    # A setting's name: "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0" is among the longest.
+    return value is None or (isinstance(value, str) and len(value) <= 256)
+
+
 def _live(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -285,8 +290,11 @@ def _live(value: Any) -> dict[str, Any] | None:
         or not _is_number(value.get("t"))
         or not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool)))
         or not isinstance(value.get("source"), str)
+        or not _short_text_or_none(value.get("setting"))
     ):
-        raise StateFormatError("live: expected null or an object with numeric t, steps, source")
+        raise StateFormatError(
+            "live: expected null or an object with numeric t, steps, source (and setting)"
+        )
     return value
 
 

@@ -146,3 +146,33 @@ def test_status_names_each_avoided_setting_as_the_operator_writes_it(tmp_path: P
         (None, 3, "adaptive:3,4", "3"),
         (0, None, "off", "adaptive:3,4"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("live", "decision", "shown"),
+    [
+        # Under SGLang's adaptive mode there is no step count: the set is what runs.
+        (
+            {"steps": None, "setting": "adaptive:2,4"},
+            {"target_steps": None, "target_setting": "adaptive:2,4"},
+            ("adaptive:2,4", "adaptive:2,4"),
+        ),
+        ({"steps": 0, "setting": "off"}, {"target_steps": 3, "target_setting": "3"}, ("off", "3")),
+        # A state file from before names step counts only.
+        ({"steps": 0}, {"target_steps": 4}, ("off", "4")),
+        ({"steps": None}, {}, ("?", "?")),
+    ],
+)
+def test_status_shows_what_runs_and_what_specd_wants_as_settings(
+    tmp_path: Path, live: dict[str, object], decision: dict[str, object], shown: tuple[str, str]
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
+    last = {"t": NOW - 60, "reason": "within_tolerance", "message": "m", **decision}
+    state = State(live={"t": NOW - 60, "source": "observation", **live}, last_decision=last)
+    assert StateStore(tmp_path).save(state) is None
+    text = render(collect(config, NOW, server_info(config)), NOW)
+    assert f"steps live     {shown[0]} (observation" in text
+    assert f"target         {shown[1]}\n" in text

@@ -329,6 +329,18 @@ SALVAGED: list[Any] = [
         id="started-type",
     ),
     pytest.param(lambda: _with(live={"t": "now"}), "live", {"live": None}, id="live-type"),
+    pytest.param(
+        lambda: _with(live={"t": T0, "steps": None, "source": "observation", "setting": [1]}),
+        "live",
+        {"live": None},
+        id="live-setting-type",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0, "steps": 3, "source": "observation", "setting": "x" * 9999}),
+        "live",
+        {"live": None},
+        id="live-setting-huge",
+    ),
     pytest.param(lambda: _with(history=None), "history", {"history": "fresh"}, id="no-history"),
     pytest.param(
         lambda: _with(history={"format": 1}),
