@@ -189,7 +189,7 @@ class Daemon:
         self._algorithm_seen: str | None = None  # the last speculative algorithm SGLang named
         self._static_only: str | None = None  # why the unit takes static K only (its wiring)
         self.last_decision: Decision | None = None
-        self._last_logged: tuple[str, int | None] | None = None
+        self._last_logged: tuple[str, str | int | None] | None = None
         self._last_decision_key: object = None
         self._last_logged_at = 0.0
         self._last_saved_at = 0.0
@@ -622,25 +622,27 @@ class Daemon:
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
         wanted = decision.target_setting
+        named = format_setting(wanted) if wanted else None
         self.state.last_decision = {
             "t": now,
             "target_steps": target,
             # An adaptive target has no step count: `specd status` shows this.
-            "target_setting": format_setting(wanted) if wanted else None,
+            "target_setting": named,
             "reason": decision.reason.value,
             "message": decision.message,
             "current_steps": current,
         }
-        key = (decision.reason.value, target)
-        changed = (key, current) != self._last_decision_key
-        self._last_decision_key = (key, current)
+        # By name: two adaptive sets (or one and none) share target_steps None.
+        key = (decision.reason.value, named if named is not None else target)
+        changed = (key, outcome.live_name) != self._last_decision_key
+        self._last_decision_key = (key, outcome.live_name)
         acts = outcome.acts
         if acts or key != self._last_logged or now - self._last_logged_at >= DECISION_RELOG_S:
             self.log.info(
                 "decision",
                 reason=decision.reason.value,
                 target_steps=target,
-                target_setting=format_setting(wanted) if wanted else None,
+                target_setting=named,
                 current_steps=current,
                 live_adaptive=outcome.control.live_adaptive,
                 acts=acts,

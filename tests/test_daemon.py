@@ -578,6 +578,30 @@ def test_an_adaptive_set_live_is_named_in_the_state_and_the_status(
     assert d._status_text().startswith(f"{live}, target adaptive:3,4, override_pin")
 
 
+def test_a_new_adaptive_target_is_logged_and_saved_at_once_though_no_step_count_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = config(tmp_path)
+    now = WINDOW_CLOSES + 3600  # no window: each pin waits for the next, for the same reason
+    clock = [now]
+    logs.configure("json", stream=sys.stdout)
+    d = daemon(cfg, Reader([obs(now, steps=3)], SERVER_INFO), Applier(), clock)
+    expires = datetime.fromtimestamp(now + 86400, tz=UTC)
+    reasons = []
+    for setting in ("adaptive:3,4", "adaptive:2,4"):
+        pin = {"mode": "pin", "setting": setting, "expires_at": expires, "reason": "incident"}
+        Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+        os.chmod(cfg.files.override_file, 0o600)
+        reasons.append(d.tick().reason)
+        # Saved at once (well inside the 60 s save interval), as any change of decision.
+        assert saved(cfg)["last_decision"]["target_setting"] == setting
+        clock[0] += 5
+    assert reasons[0] is reasons[1], reasons
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
+    logged = [e["target_setting"] for e in events if e["event"] == "decision"]
+    assert logged == ["adaptive:3,4", "adaptive:2,4"]
+
+
 def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     applier = Applier(static_only=WIRED)
