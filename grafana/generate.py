@@ -228,6 +228,30 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
         .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="live", index=0)})])
         .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("green"))
     )
+    setting = (
+        statetimeline.Panel()
+        .title("Setting: live and target")
+        .unit("none")
+        .description(
+            "Which setting SGLang runs (live) and which specd's latest decision wants (target), "
+            "as the operator writes it: a step count, off, or an adaptive set such as "
+            "adaptive:3,4 (which has no one step count for the steps panel to show). They "
+            "differ while a change waits for its window."
+        )
+        .datasource(DS)
+        .with_target(
+            q(f"max by (setting) (specd_setting_live{{{INST}}} == 1)", "live {{setting}}", "A")
+        )
+        .with_target(
+            q(f"max by (setting) (specd_setting_target{{{INST}}} == 1)", "target {{setting}}", "B")
+        )
+        .show_value(cm.VisibilityMode("never"))
+        .merge_values(True)
+        .row_height(0.8)
+        .legend(cb.VizLegendOptions().show_legend(False))
+        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="yes", index=0)})])
+        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("blue"))
+    )
     kind_changes = (
         ts(
             "Changes between kinds",
@@ -253,6 +277,7 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
         (decisions, 12, 8),
         (kind, 12, 6),
         (kind_changes, 12, 6),
+        (setting, 24, 6),
     ]
 
 

@@ -868,6 +868,8 @@ class Daemon:
         obs = self.last_obs
         m.steps_current.set(self.live_steps if self.live_steps is not None else float("nan"))
         m.set_setting_kind(_live_kind(self.live_steps, self.live_adaptive))
+        wanted = self.last_decision.target_setting if self.last_decision is not None else None
+        m.set_settings(self.live_name, format_setting(wanted) if wanted else None)
         if obs is not None:
             m.offered_concurrency_now.set(obs.offered)
         history: History = self.state.history

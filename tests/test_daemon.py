@@ -194,6 +194,9 @@ def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Pa
     state = saved(cfg)
     live = {"t": IN_WINDOW, "steps": 4, "setting": "4", "source": "verified restart"}
     assert state["live"] == live
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_setting_live", {"setting": "4"}) == 1
+    assert sample("specd_setting_live", {"setting": "3"}) is None  # cleared, not 0: one lane
     assert state["restarts"][-1]["to_steps"] == 4
     # A few seconds later (well inside the 60 s save interval) the decision changes: saved.
     reader.results = [obs(IN_WINDOW + 5, steps=4)]
@@ -576,6 +579,15 @@ def test_an_adaptive_set_live_is_named_in_the_state_and_the_status(
     assert (state["live"]["steps"], state["live"]["setting"]) == (None, live)
     assert state["last_decision"]["target_setting"] == "adaptive:3,4"
     assert d._status_text().startswith(f"{live}, target adaptive:3,4, override_pin")
+    # Grafana too: one sample each, by name (the steps gauges have no number for a set).
+    exported = {
+        (s.name, s.labels["setting"])
+        for m in d.metrics.registry.collect()
+        if m.name in ("specd_setting_live", "specd_setting_target")
+        for s in m.samples
+        if s.value == 1
+    }
+    assert exported == {("specd_setting_live", live), ("specd_setting_target", "adaptive:3,4")}
 
 
 def test_a_new_adaptive_target_is_logged_and_saved_at_once_though_no_step_count_changed(

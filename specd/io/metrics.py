@@ -74,6 +74,22 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        # Which setting, not only its kind: under adaptive there is no step count to show.
+        self.setting_live = Gauge(
+            "specd_setting_live",
+            "1 for the speculative setting SGLang runs now, as the operator writes it "
+            '("4", "off", "adaptive:3,4"; an adaptive config specd does not offer: '
+            '"adaptive (its file)"); no sample while unknown.',
+            ["setting"],
+            registry=r,
+        )
+        self.setting_target = Gauge(
+            "specd_setting_target",
+            "1 for the setting of specd's latest decision, as the operator writes it; no "
+            "sample while it names none.",
+            ["setting"],
+            registry=r,
+        )
         self.setting_changes = Counter(
             "specd_setting_changes_total",
             "Verified restarts by the kind of setting before and after (static to static is a "
@@ -364,6 +380,13 @@ class Metrics:
     def set_setting_kind(self, kind: str) -> None:
         for k in SETTING_KINDS:
             self.setting_kind.labels(kind=k).set(1 if k == kind else 0)
+
+    def set_settings(self, live: str | None, target: str | None) -> None:
+        """One sample each (or none): the live setting's and the target's names."""
+        for gauge, name in ((self.setting_live, live), (self.setting_target, target)):
+            gauge.clear()
+            if name:
+                gauge.labels(setting=name[:80]).set(1)
 
     def set_override_info(self, mode: str | None, reason: str) -> None:
         self.override_info.clear()
