@@ -137,6 +137,24 @@ def dashed() -> list[dm.DynamicConfigValue]:
 
 
 # ---------------------------------------------------------------------------- panels
+def lanes(
+    title: str, description: str, targets: list[pb.Dataquery], text: str, color: str
+) -> statetimeline.Panel:
+    """A state timeline with one lane per series of 1s (``text`` where a series is 1)."""
+    panel = statetimeline.Panel().title(title).unit("none").description(description)
+    panel = panel.datasource(DS)
+    for target in targets:
+        panel = panel.with_target(target)
+    return (
+        panel.show_value(cm.VisibilityMode("never"))
+        .merge_values(True)
+        .row_height(0.8)
+        .legend(cb.VizLegendOptions().show_legend(False))
+        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text=text, index=0)})])
+        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color(color))
+    )
+
+
 def steps_panels() -> list[tuple[Panel, int, int]]:
     steps_over_time = (
         ts(
@@ -171,23 +189,14 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
         .mappings(value_text({}))
         .thresholds(thresholds((None, "blue")))
     )
-    reasons = (
-        statetimeline.Panel()
-        .title("Decision reason")
-        .unit("none")
-        .description(
-            "The reason of specd's latest decision over time, one lane per reason: why it "
-            "changed the target (change) or why it held still (tolerance, dwell time, "
-            "budget, window closed, override, frozen, not enough data)."
-        )
-        .datasource(DS)
-        .with_target(q(f"max by (reason) (specd_last_decision{{{INST}}} == 1)", "{{reason}}", "A"))
-        .show_value(cm.VisibilityMode("never"))
-        .merge_values(True)
-        .row_height(0.8)
-        .legend(cb.VizLegendOptions().show_legend(False))
-        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="latest", index=0)})])
-        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("blue"))
+    reasons = lanes(
+        "Decision reason",
+        "The reason of specd's latest decision over time, one lane per reason: why it "
+        "changed the target (change) or why it held still (tolerance, dwell time, "
+        "budget, window closed, override, frozen, not enough data).",
+        [q(f"max by (reason) (specd_last_decision{{{INST}}} == 1)", "{{reason}}", "A")],
+        "latest",
+        "blue",
     )
     for reason, color in REASON_COLORS.items():
         reasons = reasons.override_by_name(
@@ -210,47 +219,27 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
             )
         )
     )
-    kind = (
-        statetimeline.Panel()
-        .title("Kind of setting")
-        .unit("none")
-        .description(
-            "What SGLang runs, one lane per kind: off (no speculation), static (one step "
-            "count: see the steps panel), adaptive (SGLang switches among a candidate set per "
-            "batch; the steps panel then shows its live tier), unknown (SGLang unreadable)."
-        )
-        .datasource(DS)
-        .with_target(q(f"max by (kind) (specd_setting_kind{{{INST}}} == 1)", "{{kind}}", "A"))
-        .show_value(cm.VisibilityMode("never"))
-        .merge_values(True)
-        .row_height(0.8)
-        .legend(cb.VizLegendOptions().show_legend(False))
-        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="live", index=0)})])
-        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("green"))
+    kind = lanes(
+        "Kind of setting",
+        "What SGLang runs, one lane per kind: off (no speculation), static (one step "
+        "count: see the steps panel), adaptive (SGLang switches among a candidate set per "
+        "batch; the steps panel then shows its live tier), unknown (SGLang unreadable).",
+        [q(f"max by (kind) (specd_setting_kind{{{INST}}} == 1)", "{{kind}}", "A")],
+        "live",
+        "green",
     )
-    setting = (
-        statetimeline.Panel()
-        .title("Setting: live and target")
-        .unit("none")
-        .description(
-            "Which setting SGLang runs (live) and which specd's latest decision wants (target), "
-            "as the operator writes it: a step count, off, or an adaptive set such as "
-            "adaptive:3,4 (which has no one step count for the steps panel to show). They "
-            "differ while a change waits for its window."
-        )
-        .datasource(DS)
-        .with_target(
-            q(f"max by (setting) (specd_setting_live{{{INST}}} == 1)", "live {{setting}}", "A")
-        )
-        .with_target(
-            q(f"max by (setting) (specd_setting_target{{{INST}}} == 1)", "target {{setting}}", "B")
-        )
-        .show_value(cm.VisibilityMode("never"))
-        .merge_values(True)
-        .row_height(0.8)
-        .legend(cb.VizLegendOptions().show_legend(False))
-        .mappings([dm.ValueMap(options={"1": dm.ValueMappingResult(text="yes", index=0)})])
-        .color_scheme(db.FieldColor().mode(dm.FieldColorModeId("fixed")).fixed_color("blue"))
+    setting = lanes(
+        "Setting: live and target",
+        "Which setting SGLang runs (live) and which specd's latest decision wants (target), "
+        "as the operator writes it: a step count, off, or an adaptive set such as "
+        "adaptive:3,4 (which has no one step count for the steps panel to show). They "
+        "differ while a change waits for its window.",
+        [
+            q(f"max by (setting) (specd_setting_live{{{INST}}} == 1)", "live {{setting}}", "A"),
+            q(f"max by (setting) (specd_setting_target{{{INST}}} == 1)", "target {{setting}}", "B"),
+        ],
+        "yes",
+        "blue",
     )
     kind_changes = (
         ts(

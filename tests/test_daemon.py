@@ -419,23 +419,35 @@ def test_a_pin_applied_now_outside_a_window_waits_for_the_gateway_to_answer(
     assert d.metrics.registry.get_sample_value("specd_gateway_worker_not_ready_replicas") == 1
 
 
-def test_a_regression_goes_back_is_counted_logged_saved_and_not_repeated(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    cfg = config(tmp_path, scrape_interval_s=60)
-    # Sunday 03:10 specd changed 3 → 4 (the bands want 4 at 2 requests); since then 4
-    # served 5 % less than 3 did at the same 2 requests.
-    changed = IN_WINDOW - 86400 - 1200
+# Sunday 03:10: specd changed 3 → 4 (the bands want 4 at 2 requests) or to an adaptive set.
+REGRESSED_CHANGE = IN_WINDOW - 86400 - 1200
+
+
+def regressed(cfg: Config, to: SpecSetting | None) -> tuple[Daemon, Applier, History, list[float]]:
+    """A daemon verifying the change of `REGRESSED_CHANGE` from 3 to ``to`` (None: 4 steps),
+    which since served 5 % less than 3 did at the same 2 requests; JSON logs on stdout."""
     history = History(HistorySettings.from_config(cfg))
-    serve(history, 3, changed - 3 * 3600, changed - 60, 2, 1000.0)
-    snap = outcome.snapshot(history, 3, 4, 0.05, outcome.verification_end(cfg, changed))
-    last = serve(history, 4, changed + 100, IN_WINDOW, 2, 950.0)
+    serve(history, 3, REGRESSED_CHANGE - 3 * 3600, REGRESSED_CHANGE - 60, 2, 1000.0)
+    until = outcome.verification_end(cfg, REGRESSED_CHANGE)
+    key = 4 if to is None else setting_key(to)
+    snap = outcome.snapshot(history, 3, key, 0.05, until, to_setting=to)
+    runs = {} if to is None else {"adaptive_config": "/var/lib/specd/" + adaptive_config_name(to)}
+    last = serve(history, 4, REGRESSED_CHANGE + 100, IN_WINDOW, 2, 950.0, **runs)
     clock = [last.t]
     applier = Applier()
     logs.configure("json", stream=sys.stdout)
     d = daemon(cfg, Reader([last]), applier, clock)
     d.state.history = history
     d.state.verifying = snap
+    return d, applier, history, clock
+
+
+def test_a_regression_goes_back_is_counted_logged_saved_and_not_repeated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = config(tmp_path, scrape_interval_s=60)
+    d, applier, history, clock = regressed(cfg, None)
+    changed = REGRESSED_CHANGE
     d.state.restarts = [{"t": changed + 100, "from_steps": 3, "to_steps": 4, "result": "success"}]
     sample = d.metrics.registry.get_sample_value
     assert sample("specd_regressions_total", {"steps": "4"}) == 0  # there from the start
@@ -469,20 +481,8 @@ def test_an_adaptive_set_that_regressed_is_counted_and_logged_by_its_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = config(tmp_path, scrape_interval_s=60)
-    # As above, but specd changed 3 → adaptive:3,4, which served 5 % less at 2 requests.
-    changed = IN_WINDOW - 86400 - 1200
     target = parse_setting("adaptive:3,4")
-    history = History(HistorySettings.from_config(cfg))
-    serve(history, 3, changed - 3 * 3600, changed - 60, 2, 1000.0)
-    until = outcome.verification_end(cfg, changed)
-    snap = outcome.snapshot(history, 3, setting_key(target), 0.05, until, to_setting=target)
-    last = serve(history, 4, changed + 100, IN_WINDOW, 2, 950.0, adaptive_config=ADAPTIVE_34)
-    clock = [last.t]
-    applier = Applier()
-    logs.configure("json", stream=sys.stdout)
-    d = daemon(cfg, Reader([last]), applier, clock)
-    d.state.history = history
-    d.state.verifying = snap
+    d, applier, _, _ = regressed(cfg, target)
     sample = d.metrics.registry.get_sample_value
     # There from the start (an `increase` sees the first), as every set specd may choose.
     assert sample("specd_regressions_total", {"steps": "adaptive:3,4"}) == 0
