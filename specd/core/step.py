@@ -230,6 +230,11 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     )
 
 
+# The longest adaptive config file name `StepResult.live_name` shows (specd's own are 30
+# characters, "adaptive-9dbb2fdde921af3e.json").
+LIVE_FILE_NAME_MAX = 64
+
+
 def _live_name(
     current: int | None, adaptive: bool, live_set: SpecSetting | None, config_path: str | None
 ) -> str | None:
@@ -240,6 +245,9 @@ def _live_name(
     if live_set is not None:
         return format_setting(live_set)
     name = (config_path or "").rstrip("/").rsplit("/", 1)[-1]
+    if len(name) > LIVE_FILE_NAME_MAX:
+        # What SGLang reports is not bounded; the name goes into state.json and a label.
+        name = name[: LIVE_FILE_NAME_MAX - 1] + "…"
     return f"adaptive ({name})" if name else "adaptive"
 
 

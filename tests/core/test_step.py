@@ -17,8 +17,15 @@ from specd.core.decide import Control, Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
-from specd.core.setting import SpecSetting, adaptive, adaptive_config_name, off
-from specd.core.step import StepContext, step
+from specd.core.setting import (
+    ServerTraits,
+    SpecSetting,
+    adaptive,
+    adaptive_config_name,
+    off,
+    traits_from_server_info,
+)
+from specd.core.step import LIVE_FILE_NAME_MAX, StepContext, step
 from specd.io.config import Config
 
 UTC = timezone.utc
@@ -187,3 +194,44 @@ def test_the_core_keeps_no_mutable_module_state() -> None:
             if isinstance(value, mutable) and not name.startswith("__"):
                 found.append(f"{module.__name__}.{name}")
     assert found == []
+
+
+SERVER = traits_from_server_info(
+    {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "version": "0.5.23"}
+)
+HOSTILE_FILE = "/etc/" + "x" * 5000 + ".json"
+
+
+@pytest.mark.parametrize(
+    ("observed", "traits", "name"),
+    [
+        (observation(OPEN, steps=3), None, "3"),
+        (observation(OPEN, steps=0), None, "off"),
+        (observation(OPEN, steps=None), None, None),
+        (None, None, None),
+        (ScrapeError("timeout", "no answer", OPEN), None, None),
+        # An offered set by its name; not offered (server not read yet), by its file.
+        (
+            make_observation(OPEN, steps=3, adaptive=True, adaptive_config=ADAPTIVE_FILE),
+            SERVER,
+            "adaptive:3,4",
+        ),
+        (
+            make_observation(OPEN, steps=3, adaptive=True, adaptive_config=ADAPTIVE_FILE),
+            None,
+            f"adaptive ({ADAPTIVE_FILE.rsplit('/', 1)[-1]})",
+        ),
+        (make_observation(OPEN, steps=3, adaptive=True), None, "adaptive"),
+        # Whatever SGLang reports, the name stays short (state.json keeps it, a label shows it).
+        (
+            make_observation(OPEN, steps=3, adaptive=True, adaptive_config=HOSTILE_FILE),
+            SERVER,
+            f"adaptive ({'x' * (LIVE_FILE_NAME_MAX - 1)}…)",
+        ),
+    ],
+)
+def test_the_live_setting_is_named_as_the_operator_writes_it(
+    observed: Observation | ScrapeError | None, traits: ServerTraits | None, name: str | None
+) -> None:
+    result = step(replace(context(busy_history()), traits=traits), observed, OPEN)
+    assert result.live_name == name
