@@ -155,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         "url": args.url,
         "history": source,
         "current_steps": current,
+        # What runs as the operator writes it: under adaptive there is no step count.
+        "current_setting": outcome.live_name,
         "offered_now": last.offered if isinstance(last, Observation) else None,
         "offered_p50": history.quantile(0.5),
         "scrape_error": last.reason if isinstance(last, ScrapeError) else None,
@@ -177,8 +179,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
+    live = outcome.live_name
     print(
-        f"SGLang         {args.url}: steps {current if current is not None else '?'}"
+        f"SGLang         {args.url}: "
+        + (f"steps {live}" if live is not None and live.isdigit() else live or "steps ?")
         + (f", offered {out['offered_now']}" if out["offered_now"] is not None else "")
         + (f" (scrape failed: {out['scrape_error']})" if out["scrape_error"] else "")
     )
@@ -191,10 +195,8 @@ def run(args: argparse.Namespace) -> int:
             else "nothing yet (no busy history)"
         )
     )
-    print(
-        f"decision       {decision.reason.value}: target {decision.target_steps} — "
-        f"{decision.message}"
-    )
+    wanted = out["decision"]["target_setting"] or decision.target_steps
+    print(f"decision       {decision.reason.value}: target {wanted} — {decision.message}")
     for row in rows:
         print(f"measured       {_measured_text(row)}")
     print("would restart  " + ("yes" if outcome.acts else "no") + " (nothing changed)")

@@ -15,7 +15,7 @@ import tomli_w
 from factories import make_observation, serve
 
 from specd.core.history import History, HistorySettings
-from specd.core.setting import adaptive, adaptive_config_name
+from specd.core.setting import adaptive, adaptive_config_name, adaptive_config_text
 from specd.io.config import load_config
 from specd.io.state import State, StateStore
 from specd.twin.process import TwinProcess, free_port
@@ -178,3 +178,31 @@ def test_recommend_holds_a_pin_the_unit_cannot_take_as_the_daemon_does(
     assert out["decision"]["would_restart"] is False
     message = out["decision"]["message"]
     assert "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS" in message
+
+
+def test_recommend_names_the_adaptive_set_sglang_runs_and_the_one_it_would_run(
+    tmp_path: Path,
+) -> None:
+    # Under SGLang's adaptive mode there is no step count: it said "steps ?" and "target None".
+    wanted = adaptive((3, 4))
+    config = tmp_path / adaptive_config_name(wanted)
+    config.write_text(adaptive_config_text(wanted))
+    argv = [*TWIN, "--speculative-adaptive", "--speculative-adaptive-config", str(config)]
+    choose = 'kinds = ["static", "adaptive"]\nadaptive_candidate_sets = ["adaptive:3,4"]\n'
+    cfg = write_config(tmp_path, NEVER, choose)
+    expires = datetime.fromtimestamp(time.time() + 3600, tz=timezone.utc)
+    override = {"mode": "pin", "setting": "adaptive:3,4", "expires_at": expires, "reason": "x"}
+    (tmp_path / "override.toml").write_text(tomli_w.dumps(override))
+    os.chmod(tmp_path / "override.toml", 0o600)
+    with TwinProcess(argv) as adaptive_twin:
+        adaptive_twin.wait_healthy(20)
+        out = run_recommend(adaptive_twin.url, cfg)
+        text = subprocess.run(
+            [sys.executable, "-m", "specd.cli", "recommend", "--url", adaptive_twin.url,
+             "--config", str(cfg), "--samples", "1"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+    assert (out["current_steps"], out["current_setting"]) == (None, "adaptive:3,4")
+    assert out["decision"]["target_setting"] == "adaptive:3,4"
+    assert f"SGLang         {adaptive_twin.url}: adaptive:3,4" in text, text
+    assert "decision       override_pin: target adaptive:3,4 — " in text, text
