@@ -346,6 +346,9 @@ class Daemon:
         self.state.history.reconfigure(history_settings)
         self.override.fingerprint = None  # re-read the override file too
         self.metrics.config_reload_success.set(1)
+        self.metrics.declare_choices(
+            range(new.choose.min_steps, new.choose.max_steps + 1), _regressing_settings(new)
+        )
         if (new.report.metrics_listen_address, new.report.metrics_port) != (
             old.report.metrics_listen_address,
             old.report.metrics_port,

@@ -614,6 +614,28 @@ def test_a_new_adaptive_target_is_logged_and_saved_at_once_though_no_step_count_
     assert logged == ["adaptive:3,4", "adaptive:2,4"]
 
 
+def test_a_reload_declares_the_counters_of_the_settings_it_adds(tmp_path: Path) -> None:
+    d = daemon(config(tmp_path), Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_regressions_total", {"steps": "adaptive:2,5"}) is None
+    assert sample("specd_explorations_total", {"steps": "7"}) is None
+    fields = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "max_steps": 7,
+        "adaptive_candidate_sets": ["adaptive:2,5"],
+    }
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**fields)))
+    d.reload()
+    assert sample("specd_config_reload_success") == 1
+    # There before the first one, as at start: the dashboard's increase() sees it.
+    assert sample("specd_regressions_total", {"steps": "adaptive:2,5"}) == 0
+    assert sample("specd_regressions_total", {"steps": "7"}) == 0
+    assert sample("specd_explorations_total", {"steps": "7"}) == 0
+
+
 def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     applier = Applier(static_only=WIRED)

@@ -356,13 +356,7 @@ class Metrics:
         for before in CHANGE_KINDS:
             for after in CHANGE_KINDS:
                 self.setting_changes.labels(from_kind=before, to_kind=after)
-        step_labels = [str(k) for k in steps]
-        for label in step_labels:
-            self.explorations.labels(steps=label)
-        # Off and adaptive sets can regress too; there from the start, so that `increase`
-        # sees the first one.
-        for label in [*step_labels, *settings]:
-            self.regressions.labels(steps=label)
+        self.declare_choices(steps, settings)
         for reason in reasons:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)
@@ -372,6 +366,16 @@ class Metrics:
         self.gateway_worker_not_ready.set(float("nan"))
         self.override_expiry.set(float("nan"))
         self.override_valid.set(1)
+
+    def declare_choices(self, steps: Iterable[int], settings: Iterable[str] = ()) -> None:
+        """Per-setting counters at 0 for every step count and every other setting (off,
+        adaptive sets) specd may choose: there before the first event, so that `increase`
+        sees it. At start and at each reload (a label once made stays)."""
+        step_labels = [str(k) for k in steps]
+        for label in step_labels:
+            self.explorations.labels(steps=label)
+        for label in [*step_labels, *settings]:
+            self.regressions.labels(steps=label)
 
     def set_mode(self, mode: str) -> None:
         for m in MODES:
