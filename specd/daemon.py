@@ -718,7 +718,7 @@ class Daemon:
         self.metrics.regressions.labels(steps=found.to_name).inc()
         self.log.warning(
             "regression",
-            # K (0: off) as before; None for an adaptive set, which the *_setting name.
+            # K (0: off) as before; None for an adaptive set, which *_setting names.
             from_steps=found.from_steps if found.from_setting is None else None,
             to_steps=found.to_steps if found.to_setting is None else None,
             from_setting=found.from_name,
