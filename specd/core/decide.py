@@ -624,7 +624,7 @@ def _decide(
         if (
             exploration is not None
             and not exploration.ongoing
-            and current is not None
+            and (current is not None or control.live_adaptive)
             and exploration.steps != current
         ):
             if unseen is not None:
@@ -634,7 +634,9 @@ def _decide(
                     f"{why}; {shown} is live; {exploration.why}; but {unseen}: exploring waits",
                     chosen,
                 )
-            return _explore(config, at, now, control, restart_needs_s, why, exploration)
+            return _explore(
+                config, at, now, control, restart_needs_s, why, exploration, (target, chosen)
+            )
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {shown} is live", chosen)
     change = _arrow(current, shown, live_adaptive=control.live_adaptive)
     if exploration is not None and exploration.ongoing:
@@ -773,19 +775,24 @@ def _explore(
     restart_needs_s: float,
     why: str,
     exploration: Exploration,
+    held: tuple[int | None, SpecSetting | None],
 ) -> Decision:
-    """The policy holds the live step count and `specd.core.explore` proposes one epoch at
-    another: gated like a change, but a blocked exploration is no pending change — the
-    policy is content, so the decision stays within tolerance and says what waits."""
+    """The policy holds the live setting (``held``: its target and setting, as a decision
+    carries them) and `specd.core.explore` proposes one epoch at a step count: gated like
+    a change, but a blocked exploration is no pending change — the policy is content, so
+    the decision stays within tolerance and says what waits."""
     current = control.current_steps
-    assert current is not None
-    change = f"exploring {_arrow(current, exploration.steps)}"
+    live: int | str = "?" if current is None else current
+    if held[1] is not None and held[1].kind == "adaptive":
+        live = format_setting(held[1])
+    change = f"exploring {live} → {exploration.steps}"
     blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
     if blocked is not None:
         return Decision(
-            current,
+            held[0],
             Reason.WITHIN_TOLERANCE,
-            f"{why}; {current} is live; {exploration.why}; {blocked[1]}",
+            f"{why}; {live} is live; {exploration.why}; {blocked[1]}",
+            held[1],
         )
     return Decision(
         exploration.steps,

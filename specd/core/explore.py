@@ -22,7 +22,13 @@ past `specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
 Exploration measures static step counts: it reads the plan's static K alone
 (`specd.core.model.Plan.static_only`). Where off or an adaptive set is best but not sure to
 serve more, the static ones stay open to it; a plan that moves to off or a set explores
-nothing.
+nothing. While an adaptive set runs and the plan keeps it, and it served less than its
+candidates' rows predict by more than `regression_min_ratio` (what SGLang's switching
+costs on this box, which no row shows), the step counts are measured against it alike
+(their loss counted against the set's tokens): a set only ever shows what its tiers serve,
+so a step count it never runs would otherwise never be measured here once a set is live.
+A set serving as its rows say leaves nothing to doubt (the bench lost tokens exploring
+from such sets).
 
 Without a calibration (none configured, or unusable) the model predicts only the step
 counts observed on this box, so specd starts from the bands and walks one step at a time:
@@ -275,7 +281,9 @@ def propose(
         for p in unobserved
         if p.evidence_s < UNOBSERVED_BELOW_S
     ]
-    candidates += _unpredicted(plan, current, config, band_steps)
+    if current >= 1:
+        # The walk without a calibration starts from a step count (no set runs without one).
+        candidates += _unpredicted(plan, current, config, band_steps)
     for steps, tok_s, why in candidates:
         if steps in explored or held * horizon <= 0:
             continue

@@ -761,6 +761,15 @@ class PerformanceModel:
             return swept
         return _shared(self._set_sums(other)[:3] for other in others if other != setting)
 
+    def set_served(self, setting: SpecSetting) -> tuple[float, float] | None:
+        """What the adaptive ``setting`` served here over what its candidates' curves
+        predict at the same concurrencies (each batch at the best of its slot), and the
+        decayed seconds behind it; None: never observed, or not predictable."""
+        seen, predicted, weight, _ = self._set_sums(setting)
+        if weight <= 0 or predicted <= 0:
+            return None
+        return seen / predicted, weight
+
     def observed_set(
         self, setting: SpecSetting, mix: Mix, others: Sequence[SpecSetting] = ()
     ) -> tuple[float, float, float] | None:
@@ -938,11 +947,11 @@ class Plan:
         return self.setting_of(self.target)
 
     def static_only(self, current: int) -> Plan:
-        """This plan over static step counts alone, the live K ``current`` held: its best
-        static K and that one's evidence against ``current``. Where an adaptive set or off
-        was best yet not sure to serve more, the static K that may still be worth
-        measuring is this plan's best."""
-        predictions = {k: p for k, p in self.predictions.items() if k >= 1}
+        """This plan over static step counts alone, the live setting ``current`` held (a K,
+        or an adaptive set's key): its best static K (or ``current``) and that one's
+        evidence against ``current``. Where an adaptive set or off was best yet not sure to
+        serve more, the static K that may still be worth measuring is this plan's best."""
+        predictions = {k: p for k, p in self.predictions.items() if k >= 1 or k == current}
         if self.best in predictions:
             return replace(self, predictions=predictions)
         best = max(predictions, key=_preference(predictions, current))

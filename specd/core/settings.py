@@ -292,7 +292,9 @@ class ChooseSettings(BaseModel):
         description="A regression's shortfall (what the new step count served below the old "
         "one, relative) must also exceed this, on top of the prediction interval: what one "
         "step count serves varies with the day's prompts by about this much, which the "
-        "calibration's noise does not cover. Below 1.",
+        "calibration's noise does not cover. Also how far short of its candidates' rows a "
+        "live adaptive set must serve before safe exploration measures step counts from it. "
+        "Below 1.",
     )
     regression_avoid_s: float = Field(
         default=WEEK_S,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from specd.core import explore, outcome
 from specd.core.choices import cannot_run, offer, table_steps
 from specd.core.decide import Control, Decision, Pick, Reason, band_steps, choose, decide
-from specd.core.model import Calibration, Plan, restart_extra_s
+from specd.core.model import OBSERVED_PIVOT_S, Calibration, Plan, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
 from specd.core.setting import SpecSetting, format_setting, runs_adaptive_config, setting_key
 
@@ -161,7 +161,20 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         control = replace(
             control, avoided=outcome.with_avoided(control.avoided, entry, now, config)
         )
-    static_plan = _static_plan(pick.plan if pick is not None else None, current)
+    # The adaptive set live, as the plan keys it: the offered one its config names.
+    live_set = (
+        next(
+            (s for s in offered.settings if runs_adaptive_config(s, control.live_adaptive_config)),
+            None,
+        )
+        if control.live_adaptive
+        else None
+    )
+    live_key = current if live_set is None else setting_key(live_set)
+    full = pick.plan if pick is not None else None
+    if live_set is not None and not _short_of_its_rows(full, live_set, config):
+        live_key = None  # a set serving what its candidates' rows say: nothing to doubt
+    static_plan = _static_plan(full, live_key)
     back = explore.settle(static_plan, current, control.explorations, config, now)
     if pick is not None and back is not None:
         pick = replace(pick, steps=back[0], why=f"{pick.why}; {back[1]}")
@@ -173,7 +186,9 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         allowed = range(config.choose.min_steps, config.choose.max_steps + 1)
         # The bands only matter where the model cannot predict (no calibration).
         band = None if all(k in known for k in allowed) else band_steps(ctx.history, config)
-        exploration = explore.propose(static_plan, current, config, control.explorations, now, band)
+        exploration = explore.propose(
+            static_plan, live_key, config, control.explorations, now, band
+        )
         if exploration is not None and exploration.steps in {a.steps for a in control.avoided}:
             # It regressed when run (`specd.core.outcome`): measured already, and worse.
             exploration = None
@@ -202,15 +217,6 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
     if decision.reason is Reason.EXPLORE and acts:
         assert decision.target_steps is not None
         control = control.with_exploration(now, decision.target_steps)
-    # The adaptive set live, as the plan keys it: the offered one its config names.
-    live_set = (
-        next(
-            (s for s in offered.settings if runs_adaptive_config(s, control.live_adaptive_config)),
-            None,
-        )
-        if control.live_adaptive
-        else None
-    )
     if acts:
         live = current if not control.live_adaptive else None
         if live_set is not None:
@@ -284,13 +290,29 @@ def _after_acting(
     return replace(control, verifying=None)
 
 
-def _static_plan(plan: Plan | None, current: int | None) -> Plan | None:
-    """The plan as safe exploration reads it: static step counts only, the live static K
-    held. Exploration measures a step count; a plan that moves to off or to an adaptive
-    set explores nothing. One that keeps the live K because the best (static, off or a
-    set) is not sure to serve more reads its best static K (`Plan.static_only`)."""
-    if plan is None or current is None or current < 1 or plan.target < 1:
+def _short_of_its_rows(plan: Plan | None, live_set: SpecSetting, config: Settings) -> bool:
+    """Whether the live adaptive set served less than its candidates' rows predict, by
+    more than a day's prompts vary (`regression_min_ratio`), over an epoch's worth of
+    seconds: what SGLang's switching costs on this box, which the rows cannot show. Only
+    then are the step counts it never runs worth an epoch of measuring from it."""
+    if plan is None or plan.model is None:
+        return False
+    served = plan.model.set_served(live_set)
+    if served is None:
+        return False
+    ratio, seconds = served
+    return seconds >= OBSERVED_PIVOT_S and ratio < 1.0 - config.choose.regression_min_ratio
+
+
+def _static_plan(plan: Plan | None, live: int | None) -> Plan | None:
+    """The plan as safe exploration reads it: static step counts only, the live setting
+    ``live`` held (a static K, or an offered adaptive set's key: a set that runs never
+    learns what a step count it has not run serves here). Exploration measures a step
+    count; a plan that moves to off or to an adaptive set explores nothing. One that keeps
+    the live setting because the best (static, off or a set) is not sure to serve more
+    reads its best static K (`Plan.static_only`)."""
+    if plan is None or live is None or live == 0 or live not in plan.predictions:
         return None
-    if current not in plan.predictions:
+    if plan.target < 1 if live >= 1 else plan.target != live:
         return None
-    return plan.static_only(current)
+    return plan.static_only(live)

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from factories import tables
+from factories import serve, tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decide import situations
@@ -31,6 +31,8 @@ from specd.core.model import (
 )
 from specd.core.override import Override
 from specd.core.perftable import PerfTable
+from specd.core.setting import adaptive_config_name, traits_from_server_info
+from specd.core.setting import parse as parse_setting
 from specd.core.settings import Settings
 from specd.core.step import StepContext, StepResult, step
 
@@ -501,3 +503,52 @@ def test_an_exploration_acts_only_where_a_change_may(s: dict[str, Any], data: An
     assert s["history"].busy_seconds >= cfg.observe.min_history_s
     assert pick is not None
     assert pick.steps == ctl.current_steps  # only when the policy holds
+
+
+# -- from a live adaptive set --------------------------------------------------------------
+SET_34 = parse_setting("adaptive:3,4")
+SET_34_FILE = "/var/lib/specd/" + adaptive_config_name(SET_34)
+SERVER = traits_from_server_info(
+    {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 1, "version": "0.5.23"}
+)
+
+
+@pytest.mark.parametrize(
+    ("at", "served_ratio", "reason", "target", "says"),
+    [
+        (OPEN, 0.97, Reason.EXPLORE, 4, "exploring adaptive:3,4 → 4 for one epoch"),
+        # Blocked, the set stays live and wanted: no pending change, nothing to restart.
+        (CLOSED, 0.97, Reason.WITHIN_TOLERANCE, None, "exploring adaptive:3,4 → 4 waits"),
+        # Serving what its candidates' rows say (within a day's variation), the set leaves
+        # nothing to doubt: no epoch is spent measuring a step count from it.
+        (OPEN, 0.99, Reason.WITHIN_TOLERANCE, None, "adaptive:3,4 is live"),
+    ],
+)
+def test_from_a_live_adaptive_set_short_of_its_rows_a_step_count_is_explored(
+    at: float, served_ratio: float, reason: Reason, target: int | None, says: str
+) -> None:
+    # A set only shows what its tiers serve: a box whose switching costs (the set served
+    # 3 % short of its candidates' rows) may serve more at a step count the set never ran,
+    # here inside the prediction interval (a sweep noisy by 2 %).
+    cfg = config(
+        **TWO_STEPS,
+        kinds=["static", "adaptive"],
+        adaptive_candidate_sets=["adaptive:3,4"],
+        calibration_noise_ratio=0.02,
+    )
+    history = fresh_history()
+    rate = scaled(0.01).throughput(4, 2) * served_ratio
+    last = serve(history, 4, at - 3 * HOUR, at, 2, rate, 5.0, adaptive_config=SET_34_FILE)
+    ctx = StepContext(cfg, history, None, Control(None), calibration(0.01), traits=SERVER)
+    result = step(ctx, last, at)
+    decision = result.decision
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    assert says in decision.message
+    if reason is Reason.EXPLORE:
+        assert result.acts
+        assert [k for _, k in result.control.explorations] == [4]
+    else:
+        assert decision.setting == SET_34
+        assert not result.acts
+        assert result.control.explorations == ()
