@@ -292,9 +292,10 @@ def _after_acting(
 
 def _short_of_its_rows(plan: Plan | None, live_set: SpecSetting, config: Settings) -> bool:
     """Whether the live adaptive set served less than its candidates' rows predict, by
-    more than a day's prompts vary (`regression_min_ratio`), over an epoch's worth of
-    seconds: what SGLang's switching costs on this box, which the rows cannot show. Only
-    then are the step counts it never runs worth an epoch of measuring from it."""
+    more than a day's prompts vary (`regression_min_ratio`), over at least
+    `OBSERVED_PIVOT_S` busy seconds (where observation weighs as much as the rows): what
+    SGLang's switching costs on this box, which the rows cannot show. Only then are the
+    step counts it never runs worth an epoch of measuring from it."""
     if plan is None or plan.model is None:
         return False
     served = plan.model.set_served(live_set)
