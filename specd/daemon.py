@@ -624,8 +624,7 @@ class Daemon:
         current, pick = outcome.current, outcome.pick
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
-        wanted = decision.target_setting
-        named = format_setting(wanted) if wanted else None
+        named = decision.target_name
         self.state.last_decision = {
             "t": now,
             "target_steps": target,
@@ -871,8 +870,8 @@ class Daemon:
         obs = self.last_obs
         m.steps_current.set(self.live_steps if self.live_steps is not None else float("nan"))
         m.set_setting_kind(_live_kind(self.live_steps, self.live_adaptive))
-        wanted = self.last_decision.target_setting if self.last_decision is not None else None
-        m.set_settings(self.live_name, format_setting(wanted) if wanted else None)
+        wanted = self.last_decision.target_name if self.last_decision is not None else None
+        m.set_settings(self.live_name, wanted)
         if obs is not None:
             m.offered_concurrency_now.set(obs.offered)
         history: History = self.state.history
@@ -919,8 +918,7 @@ class Daemon:
         else:
             parts = [f"steps {live if live is not None else '?'}"]
         if d is not None:
-            wanted = d.target_setting
-            parts.append(f"target {format_setting(wanted) if wanted else d.target_steps}")
+            parts.append(f"target {d.target_name or d.target_steps}")
             parts.append(d.reason.value)
         mode = self.override.good.mode if self.override.good else "auto"
         parts.append(f"mode {mode}")

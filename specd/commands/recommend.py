@@ -167,9 +167,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         "decision": {
             "target_steps": decision.target_steps,
-            "target_setting": (
-                None if decision.target_setting is None else format_setting(decision.target_setting)
-            ),
+            "target_setting": decision.target_name,
             "reason": decision.reason.value,
             "message": decision.message,
             "would_restart": outcome.acts,

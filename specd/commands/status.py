@@ -20,6 +20,7 @@ from specd.commands.check_config import load_for_command
 from specd.core import windows
 from specd.core.history import HistorySettings
 from specd.core.observation import ScrapeError
+from specd.core.outcome import label
 from specd.core.setting import format_setting, traits_from_server_info
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
@@ -39,7 +40,7 @@ def _name_of(steps: object) -> str | None:
     """A step count from the state file as a setting's name (0: off); None if not one."""
     if isinstance(steps, bool) or not isinstance(steps, int):
         return None
-    return "off" if steps == 0 else str(steps)
+    return label(steps, None)
 
 
 def _shown(name: object) -> str:

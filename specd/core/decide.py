@@ -113,6 +113,12 @@ class Decision:
             return None
         return SpecSetting("static", steps=self.target_steps)
 
+    @property
+    def target_name(self) -> str | None:
+        """`target_setting` as the operator writes it ("4", "off", "adaptive:3,4")."""
+        wanted = self.target_setting
+        return None if wanted is None else format_setting(wanted)
+
 
 @dataclass(frozen=True)
 class Control:

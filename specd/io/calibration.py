@@ -49,13 +49,6 @@ def _readable(path: str | Path | None) -> Calibration | None:
         return None
 
 
-def calibration_steps(path: str | Path | None) -> frozenset[int] | None:
-    """The step counts the calibration at ``path`` has rows for, as `offer` reads them;
-    None without one, or when it cannot be read."""
-    calibration = _readable(path)
-    return None if calibration is None else table_steps(calibration)
-
-
 def configured_offer(
     choose: ChooseSettings, traits: ServerTraits | None, static_only: str | None
 ) -> tuple[Offer, list[str]]:

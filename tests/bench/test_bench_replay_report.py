@@ -13,9 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import bench_replay  # noqa: E402
-from specd.core.choices import offer  # noqa: E402
 from specd.core.setting import format_setting  # noqa: E402
-from specd.io.calibration import calibration_steps  # noqa: E402
+from specd.io.calibration import configured_offer  # noqa: E402
 from specd.tools.replay import REPLAY_TRAITS  # noqa: E402
 
 
@@ -156,7 +155,8 @@ def test_the_model_chooses_among_what_the_calibration_can_predict(
     _, _, calibration = next(t for t in bench_replay.TRUTHS if t[0] == truth)
     config = bench_replay.case_config(calibration, "weekly", "model")
     assert (config.choose.policy, config.choose.kinds) == ("model", ("off", "static", "adaptive"))
-    got = offer(config.choose, REPLAY_TRAITS, calibration_steps(calibration))
+    assert config.choose.calibration_file == calibration
+    got, _ = configured_offer(config.choose, REPLAY_TRAITS, None)
     assert tuple(k for k in ("off", "static", "adaptive") if got.allows(k)) == kinds
     assert tuple(format_setting(s) for s in got.settings if s.kind == "adaptive") == sets
     static = bench_replay.case_config(calibration, "weekly", bench_replay.STATIC_POLICY)
