@@ -55,6 +55,8 @@ _EPOCH_HOUR_OF_WEEK = 72
 _REBASE_HALF_LIVES = 64.0
 # Cells lighter than this (in seconds of weight) are dropped when serializing.
 _PRUNE_WEIGHT_S = 1e-3
+# Seconds of acceptance evidence one step count can have gathered: three centuries.
+MAX_ACCEPT_SEEN_S = 1e10
 HISTORY_FORMAT = 1
 
 K = TypeVar("K", bound=Hashable)
@@ -322,6 +324,9 @@ class History:
         s = self.settings
         self._offered: DecayingSums[int] = DecayingSums(s.half_life_s)
         self._accept: DecayingSums[int] = DecayingSums(s.half_life_s)
+        # Per K: seconds of acceptance evidence ever recorded, undecayed. The decayed sums
+        # say how recent it is; this, how much was measured (`accept_seen_s`).
+        self._accept_seen: dict[int, float] = {}
         self._throughput: DecayingSums[tuple[int, int]] = DecayingSums(s.half_life_s)
         self._hourly: list[DecayingSums[int] | None] = [None] * HOURS_PER_WEEK
         # The hourly tables summed per `day_kind`, kept as they are fed (same half-life, so
@@ -424,6 +429,9 @@ class History:
             length = obs.accept_length
             if obs.spec_fresh and length is not None and math.isfinite(length) and length >= 1.0:
                 self._accept.add(steps, t, dt, dt * length)
+                self._accept_seen[steps] = min(
+                    self._accept_seen.get(steps, 0.0) + dt, MAX_ACCEPT_SEEN_S
+                )
         else:
             steps = adaptive_key
         if steps is None:
@@ -504,6 +512,11 @@ class History:
         """Decayed time of fresh acceptance evidence at ``steps``."""
         cell = self._accept.cells.get(steps)
         return 0.0 if cell is None else cell[0] * self._accept.scale_at(self._at())
+
+    def accept_seen_s(self, steps: int) -> float:
+        """Seconds of acceptance evidence ever recorded at ``steps``, undecayed (at least
+        the decayed ones, for a state file older than this count)."""
+        return max(self._accept_seen.get(steps, 0.0), self.accept_seconds(steps))
 
     def alpha(self, steps: int) -> float | None:
         """Per-draft-token acceptance α at ``steps``, inverted from the accept length."""
@@ -738,6 +751,7 @@ class History:
             "counters": dict(sorted(self._counters.items())),
             "offered": self._offered.to_dict(at, int),
             "accept": self._accept.to_dict(at, int),
+            "accept_seen": [[k, v] for k, v in sorted(self._accept_seen.items())],
             "throughput": self._throughput.to_dict(at, list),
             "capacity": [[k, v] for k, v in sorted(self._capacity.items())],
             "hourly": [None if table is None else table.to_dict(at, int) for table in self._hourly],
@@ -825,6 +839,18 @@ class History:
                 )
                 for name, width, key, check in tables
             )
+            # Absent from state files older than it: the decayed seconds stand in.
+            seen = data.get("accept_seen", [])
+            if not isinstance(seen, list):
+                salvage("accept_seen", "expected a list")
+                seen = []
+            for index, row in enumerate(seen):
+                try:
+                    steps, seconds = _seen_row(row)
+                except ValueError as exc:
+                    salvage(f"accept_seen[{index}]", str(exc))
+                    continue
+                history._accept_seen[steps] = seconds
             capacity = data.get("capacity")
             if not isinstance(capacity, list):
                 raise ValueError("capacity: expected a list")
@@ -873,6 +899,15 @@ def _capacity_row(row: Any) -> tuple[int, int]:
     if not 1 <= requests <= MAX_RUNNING_REQUESTS:
         raise ValueError(f"{requests} running requests at most is no capacity")
     return steps, requests
+
+
+def _seen_row(row: Any) -> tuple[int, float]:
+    if not isinstance(row, list) or len(row) != 2:
+        raise ValueError(f"expected [steps, seconds], got {row!r:.40}")
+    steps, seconds = _steps_key(row[0]), _finite(row[1], "seconds")
+    if not 0 <= seconds <= MAX_ACCEPT_SEEN_S:
+        raise ValueError(f"{seconds:.6g} s is no time of acceptance evidence")
+    return steps, seconds
 
 
 def _change_half_life(table: DecayingSums[Any], half_life_s: float, at: float) -> None:

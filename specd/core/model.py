@@ -343,10 +343,13 @@ class PerformanceModel:
     # -- acceptance --------------------------------------------------------------------
     @staticmethod
     def _live_alpha(history: History | None) -> float | None:
-        """Evidence-weighted α over the K specd observed (recent K weigh most)."""
+        """Evidence-weighted α over the K specd observed (recent K weigh most), once
+        `MIN_ACCEPT_EVIDENCE_S` of it was measured, however long ago: while an adaptive set
+        or speculation off runs, SGLang reports no accept length of a step count, and this
+        box's acceptance, even days old, is newer than the calibration's."""
         if history is None:
             return None
-        total = weighted = 0.0
+        total = weighted = measured = 0.0
         for k in range(1, 17):
             seconds = history.accept_seconds(k)
             if seconds <= 0:
@@ -355,7 +358,8 @@ class PerformanceModel:
             if a is not None:
                 total += seconds
                 weighted += seconds * a
-        if total < MIN_ACCEPT_EVIDENCE_S:
+                measured += history.accept_seen_s(k)
+        if measured < MIN_ACCEPT_EVIDENCE_S:
             return None
         return weighted / total
 

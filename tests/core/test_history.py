@@ -268,6 +268,29 @@ def test_accept_length_per_steps(
         assert history.accept_length(steps) == pytest.approx(length)
 
 
+def test_acceptance_evidence_decays_but_how_much_was_measured_does_not() -> None:
+    history = History(HistorySettings(half_life_s=3600, warmup_exclude_s=0, scrape_interval_s=5))
+    t = T0
+    for _ in range(720):  # an hour at 3 steps
+        history.record(obs(t, running=2, steps=3, accept_length=2.1))
+        t += 5
+    measured, recent = history.accept_seen_s(3), history.accept_seconds(3)
+    assert measured == pytest.approx(3600.0, rel=0.01)
+    assert recent < measured  # the hour's first minutes have decayed already
+    # Three hours under an adaptive set: no accept length of a step count is recorded.
+    while t < T0 + 4 * 3600:
+        history.record(
+            make_observation(
+                t, running=2, steps=3, accept_length=2.4, spec_fresh=True, adaptive=True
+            )
+        )
+        t += 60
+    assert history.accept_seconds(3) == pytest.approx(recent / 8, rel=0.02)
+    assert history.accept_seen_s(3) == measured
+    assert history.accept_length(3) == pytest.approx(2.1)
+    assert history.accept_seen_s(4) == 0.0
+
+
 @pytest.mark.parametrize(("alpha", "steps"), [(0.6, 1), (0.7, 3), (0.85, 4), (0.0, 2)])
 def test_alpha_is_inverted_from_the_accept_length(alpha: float, steps: int) -> None:
     history = History(NO_DECAY)
@@ -416,6 +439,7 @@ def test_round_trip_through_json_keeps_every_query() -> None:
     assert back.observed_seconds == pytest.approx(history.observed_seconds)
     for k in (3, 4):
         assert back.accept_length(k) == pytest.approx(history.accept_length(k))
+        assert back.accept_seen_s(k) == pytest.approx(history.accept_seen_s(k))
     assert back.capacities == history.capacities
     assert back.throughput_table().keys() == history.throughput_table().keys()
     for key, (mean, weight) in history.throughput_table().items():

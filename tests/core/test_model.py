@@ -61,6 +61,7 @@ UTC = timezone.utc
 # Monday 2026-01-05; the default window opens daily at 03:00 UTC.
 MONDAY = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
 HOUR = 3600.0
+DAY = 24 * HOUR
 SEED = seed_table()
 
 
@@ -193,6 +194,45 @@ def test_live_acceptance_scales_every_step_count(live_alpha: float, observed_ste
         ratio = accept_length_from_alpha(live_alpha, k) / (SEED.accept_length(k) or 1)
         assert model.throughput(k, 4) == pytest.approx(SEED.throughput(k, 4) * ratio, rel=1e-3)
         assert model.accept_length(k) == pytest.approx(accept_length_from_alpha(live_alpha, k))
+
+
+@pytest.mark.parametrize(
+    ("measured_s", "days_since", "learned"),
+    [
+        (3 * HOUR, 0.0, True),
+        # A week on an adaptive set: the 3 h decayed to under 100 s, yet nothing newer
+        # says what this box accepts (SGLang reports no step count's accept length there).
+        (3 * HOUR, 7.0, True),
+        (60.0, 0.0, False),  # too little measured to trust, then as later
+        (60.0, 7.0, False),
+    ],
+)
+def test_live_acceptance_is_kept_while_no_step_count_runs(
+    measured_s: float, days_since: float, learned: bool
+) -> None:
+    alpha = 0.636  # far below the sweep's
+    history = fresh_history()
+    length = accept_length_from_alpha(alpha, 3)
+    served = SEED.throughput(3, 2) * length / (SEED.accept_length(3) or 1)
+    t = fill(history, MONDAY, measured_s, 2, 3, served, length)
+    end = t + days_since * DAY
+    while t < end:
+        history.record(
+            make_observation(
+                t, running=2, steps=3, accept_length=2.0, spec_fresh=True, adaptive=True
+            )
+        )
+        t += HOUR
+    model = PerformanceModel(SEED, history)
+    if not learned:
+        assert model.alpha_live is None
+        assert model.accept_length(5) == PerformanceModel(SEED).accept_length(5)
+        return
+    assert model.alpha_live == pytest.approx(alpha, abs=1e-6)
+    assert model.accept_length(5) == pytest.approx(accept_length_from_alpha(alpha, 5))
+    ratio = accept_length_from_alpha(alpha, 5) / (SEED.accept_length(5) or 1)
+    assert ratio < 0.8
+    assert model.throughput(5, 4) == pytest.approx(SEED.throughput(5, 4) * ratio, rel=1e-3)
 
 
 @pytest.mark.parametrize(

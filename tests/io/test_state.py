@@ -386,6 +386,24 @@ SALVAGED: list[Any] = [
         lambda: _history_cells("offered", [-1, 10.0]), "history.offered[", {}, id="negative-offered"
     ),
     pytest.param(
+        lambda: _with_history(accept_seen=[[4, 3600.0], [3, -5.0]]),
+        "history.accept_seen[1]",
+        {"seen4": 3600.0},
+        id="negative-acceptance-seconds",
+    ),
+    pytest.param(
+        lambda: _with_history(accept_seen=[[4, 1e300]]),
+        "history.accept_seen[0]",
+        {"seen4": "decayed"},
+        id="seen-1e300",
+    ),
+    pytest.param(
+        lambda: _with_history(accept_seen={"4": 5}),
+        "history.accept_seen",
+        {"seen4": "decayed"},
+        id="seen-type",
+    ),
+    pytest.param(
         lambda: _with_history(counters={"decode_tokens_total": -1.0}),
         "history.counters.decode_tokens_total",
         {},
@@ -449,6 +467,11 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
     assert history.busy_seconds == pytest.approx(learned.busy_seconds)
     assert history.accept_length(4) == pytest.approx(learned.accept_length(4))
     assert history.accept_length(3) == expect.get("accept3", learned.accept_length(3))
+    # Without its count of seconds measured, a step count's decayed seconds stand in.
+    seen4 = expect.get("seen4", learned.accept_seen_s(4))
+    assert history.accept_seen_s(4) == pytest.approx(
+        learned.accept_seconds(4) if seen4 == "decayed" else seen4
+    )
     assert history.throughput(3, 4) == expect.get("throughput34", learned.throughput(3, 4))
     assert history.throughput(4, 3) == pytest.approx(learned.throughput(4, 3))
     # The next save writes only what was kept, and the next load has nothing to say.
