@@ -795,6 +795,29 @@ class History:
                 raise ValueError(f"{where}: {problem}")
             notes.append(f"history.{where}: {problem}")
 
+        def keyed_rows(
+            name: str,
+            parse: Callable[[Any], tuple[int, Any]],
+            into: dict[int, Any],
+            *,
+            required: bool,
+        ) -> None:
+            # A list of [steps, value] rows: a bad row is left out; no list at all loses
+            # the whole history if it is a part every history has, else only this part.
+            rows = data.get(name, None if required else [])
+            if not isinstance(rows, list):
+                if required:
+                    raise ValueError(f"{name}: expected a list")
+                salvage(name, "expected a list")
+                return
+            for index, row in enumerate(rows):
+                try:
+                    key, value = parse(row)
+                except ValueError as exc:
+                    salvage(f"{name}[{index}]", str(exc))
+                    continue
+                into[key] = value
+
         try:
             history.last_t = _optional_finite(data.get("last_t"), "last_t")
             history.sglang_started_at = _optional_finite(
@@ -840,27 +863,8 @@ class History:
                 for name, width, key, check in tables
             )
             # Absent from state files older than it: the decayed seconds stand in.
-            seen = data.get("accept_seen", [])
-            if not isinstance(seen, list):
-                salvage("accept_seen", "expected a list")
-                seen = []
-            for index, row in enumerate(seen):
-                try:
-                    steps, seconds = _seen_row(row)
-                except ValueError as exc:
-                    salvage(f"accept_seen[{index}]", str(exc))
-                    continue
-                history._accept_seen[steps] = seconds
-            capacity = data.get("capacity")
-            if not isinstance(capacity, list):
-                raise ValueError("capacity: expected a list")
-            for index, row in enumerate(capacity):
-                try:
-                    steps, requests = _capacity_row(row)
-                except ValueError as exc:
-                    salvage(f"capacity[{index}]", str(exc))
-                    continue
-                history._capacity[steps] = requests
+            keyed_rows("accept_seen", _seen_row, history._accept_seen, required=False)
+            keyed_rows("capacity", _capacity_row, history._capacity, required=True)
             hourly = data.get("hourly")
             if not isinstance(hourly, list) or len(hourly) != HOURS_PER_WEEK:
                 raise ValueError(f"hourly: expected a list of {HOURS_PER_WEEK}")
