@@ -19,9 +19,11 @@ from typing import Any
 from specd.commands.check_config import load_for_command
 from specd.core import windows
 from specd.core.history import HistorySettings
+from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
 from specd.core.outcome import label
 from specd.core.setting import format_setting, traits_from_server_info
+from specd.core.text import duration_text
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
@@ -176,6 +178,7 @@ def collect(
             for e in state.avoided
             if now - e.t < config.choose.regression_avoid_s
         ],
+        "acceptance": _acceptance(state),
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
         "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
@@ -186,6 +189,41 @@ def collect(
         "fleet": fleet_status(config),
         "choices": choices(config, info, static_only),
     }
+
+
+def _acceptance(state: State) -> dict[str, Any]:
+    """What specd measured of the box's acceptance, as the model reads it: the α that
+    scales every step count's sweep row (None: the sweep's own), and per step count."""
+    live = live_acceptance(state.history)
+    return {
+        "alpha": live.alpha,
+        "measured_s": live.measured_s,
+        "needed_s": MIN_ACCEPT_EVIDENCE_S,
+        "per_steps": [
+            {"steps": k, "accept_length": length, "measured_s": seconds}
+            for k, length, seconds in live.lengths
+        ],
+    }
+
+
+def _acceptance_line(acceptance: dict[str, Any]) -> str:
+    per = ", ".join(
+        f"{p['steps']} steps {p['accept_length']:.2f} tokens per verify over "
+        f"{duration_text(p['measured_s'])}"
+        for p in acceptance["per_steps"]
+    )
+    if acceptance["alpha"] is not None:
+        return (
+            f"acceptance     α {acceptance['alpha']:.3f} measured here ({per}): every step "
+            "count is predicted with it"
+        )
+    measured = (
+        f"{duration_text(acceptance['measured_s'])} measured of the "
+        f"{duration_text(acceptance['needed_s'])} needed ({per})"
+        if per
+        else "none measured yet"
+    )
+    return f"acceptance     the sweep's: {measured}"
 
 
 def fleet_status(config: Config) -> dict[str, Any] | None:
@@ -313,6 +351,7 @@ def render(info: dict[str, Any], now: float) -> str:
             f"{_when(e['since'], now)}), until "
             f"{_when(e['until'], now)}"
         )
+    lines.append(_acceptance_line(info["acceptance"]))
     picks = info["choices"]
     lines.append(f"choices        {picks['lines'][0]}")
     lines += [f"               {line}" for line in picks["lines"][1:]]

@@ -292,6 +292,38 @@ def _shape(
     return reading_points(xs, ys, capacity)
 
 
+class LiveAcceptance(NamedTuple):
+    """What specd measured of this box's acceptance (`live_acceptance`)."""
+
+    alpha: float | None  # the α every step count's sweep row is scaled by; None: the sweep's
+    measured_s: float  # seconds of accept lengths measured, undecayed
+    lengths: tuple[tuple[int, float, float], ...]  # per K: (K, mean accept length, seconds)
+
+
+def live_acceptance(history: History | None) -> LiveAcceptance:
+    """Evidence-weighted α over the K specd observed (recent K weigh most), once
+    `MIN_ACCEPT_EVIDENCE_S` of it was measured, however long ago: while an adaptive set or
+    speculation off runs, SGLang reports no accept length of a step count, and this box's
+    acceptance, even days old, is newer than the calibration's."""
+    if history is None:
+        return LiveAcceptance(None, 0.0, ())
+    total = weighted = measured = 0.0
+    lengths: list[tuple[int, float, float]] = []
+    for k in range(1, 17):
+        seconds = history.accept_seconds(k)
+        if seconds <= 0:
+            continue
+        a, length = history.alpha(k), history.accept_length(k)
+        if a is not None and length is not None:
+            total += seconds
+            weighted += seconds * a
+            seen = history.accept_seen_s(k)
+            measured += seen
+            lengths.append((k, length, seen))
+    alpha = weighted / total if measured >= MIN_ACCEPT_EVIDENCE_S else None
+    return LiveAcceptance(alpha, measured, tuple(lengths))
+
+
 class PerformanceModel:
     """Predicted aggregate output tok/s per (steps, offered concurrency)."""
 
@@ -322,7 +354,7 @@ class PerformanceModel:
         self._observed = observed
         self._observed_sets = observed_sets
         self._alpha_cal = fitted.alpha if fitted is not None else None
-        self.alpha_live = self._live_alpha(history)
+        self.alpha_live = live_acceptance(history).alpha
         self._curves: dict[int, _Curve] = {}
         self._capacities = capacities
         # Per K: whole concurrency → predicted tok/s (this model's `throughput`).
@@ -341,28 +373,6 @@ class PerformanceModel:
         self._set_memo: dict[SpecSetting, tuple[float, float, float, dict[int, float]]] = {}
 
     # -- acceptance --------------------------------------------------------------------
-    @staticmethod
-    def _live_alpha(history: History | None) -> float | None:
-        """Evidence-weighted α over the K specd observed (recent K weigh most), once
-        `MIN_ACCEPT_EVIDENCE_S` of it was measured, however long ago: while an adaptive set
-        or speculation off runs, SGLang reports no accept length of a step count, and this
-        box's acceptance, even days old, is newer than the calibration's."""
-        if history is None:
-            return None
-        total = weighted = measured = 0.0
-        for k in range(1, 17):
-            seconds = history.accept_seconds(k)
-            if seconds <= 0:
-                continue
-            a = history.alpha(k)
-            if a is not None:
-                total += seconds
-                weighted += seconds * a
-                measured += history.accept_seen_s(k)
-        if measured < MIN_ACCEPT_EVIDENCE_S:
-            return None
-        return weighted / total
-
     def _cal_accept_length(self, k: int) -> float | None:
         # From the α fitted over all the calibration's K: one noisy measurement at one K
         # would otherwise skew that K's scaling. A calibration without accept lengths is

@@ -6,9 +6,11 @@ import socket
 from pathlib import Path
 
 import pytest
-from factories import version_twin
+from factories import make_observation, version_twin
 
 from specd.commands.status import collect, render, server_info
+from specd.core.acceptance import accept_length_from_alpha
+from specd.core.history import History, HistorySettings
 from specd.core.outcome import Avoided
 from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
@@ -176,3 +178,53 @@ def test_status_shows_what_runs_and_what_specd_wants_as_settings(
     text = render(collect(config, NOW, server_info(config)), NOW)
     assert f"steps live     {shown[0]} (observation" in text
     assert f"target         {shown[1]}\n" in text
+
+
+def _measured(seconds: float, days_after: float) -> History:
+    """``seconds`` of accept lengths at 3 steps (α 0.636), then ``days_after`` days of an
+    adaptive set, which reports none of a step count."""
+    history = History(HistorySettings(warmup_exclude_s=0))
+    length = accept_length_from_alpha(0.636, 3)
+    t = NOW - days_after * 86400 - seconds
+    while t < NOW - days_after * 86400:
+        history.record(make_observation(t, running=2, steps=3, accept_length=length))
+        t += 5
+    if days_after:
+        history.record(make_observation(NOW, running=2, steps=3, accept_length=2.0, adaptive=True))
+    return history
+
+
+@pytest.mark.parametrize(
+    ("seconds", "days_after", "alpha", "line"),
+    [
+        (0.0, 0.0, None, "acceptance     the sweep's: none measured yet"),
+        (
+            60.0,
+            0.0,
+            None,
+            "acceptance     the sweep's: 60 s measured of the 5.0 min needed (3 steps 2.30 tokens "
+            "per verify over 60 s)",
+        ),
+        # A week on a set: days old, what this box accepts is still newer than the sweep.
+        (
+            3 * 3600.0,
+            7.0,
+            0.636,
+            "acceptance     α 0.636 measured here (3 steps 2.30 tokens per verify over 3.0 h): "
+            "every step count is predicted with it",
+        ),
+    ],
+)
+def test_status_says_what_specd_measured_of_the_acceptance(
+    tmp_path: Path, seconds: float, days_after: float, alpha: float | None, line: str
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
+    assert StateStore(tmp_path).save(State(history=_measured(seconds, days_after))) is None
+    info = collect(config, NOW, server_info(config))
+    assert info["acceptance"]["alpha"] == (
+        None if alpha is None else pytest.approx(alpha, abs=1e-6)
+    )
+    assert line in render(info, NOW).splitlines()
