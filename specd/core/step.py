@@ -314,6 +314,6 @@ def _static_plan(plan: Plan | None, live: int | None) -> Plan | None:
     reads its best static K (`Plan.static_only`)."""
     if plan is None or live is None or live == 0 or live not in plan.predictions:
         return None
-    if plan.target < 1 if live >= 1 else plan.target != live:
-        return None
-    return plan.static_only(live)
+    # From a static K the plan may move to another K; from a set it must keep the set.
+    stays = plan.target >= 1 if live >= 1 else plan.target == live
+    return plan.static_only(live) if stays else None
