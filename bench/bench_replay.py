@@ -111,10 +111,10 @@ class Row:
     seconds: float
     # `speed_probe_ms` before and after the replay, averaged: how fast the machine ran.
     probe_ms: float = 0.0
-    # The model policy's (static kinds) first-epoch bet (`first_epoch`): the step count it
-    # ran from the first window's close to the next opening and what any policy running
-    # it there can still reach, ``{"steps", "to_best_static", "to_oracle"}``; None where
-    # the bound does not apply.
+    # The first-epoch bet (`first_epoch`): the setting the policy ran from the first
+    # window's close to the next opening and what any policy offered the same running it
+    # there can still reach, ``{"setting", "to_best_static", "to_oracle"}``; None where it
+    # changed in between.
     first_epoch: dict[str, Any] | None = None
 
     def explorations_per_steps_per_week(self) -> int:
@@ -263,7 +263,7 @@ def run_one(
         _last_probe[:] = [after]
         probe_ms = (before + after) / 2
     data = result.to_dict()
-    bet = first_epoch(trace, table, config, data) if policy == "model" else None
+    bet = first_epoch(trace, table, config, data)
     return Row(name, trace_name, policy, data, seconds, probe_ms, bet)
 
 
@@ -286,16 +286,17 @@ def case_config(calibration: Path, trace_name: str, policy: str) -> Config:
 def first_epoch(
     trace: Trace, truth: PerfTable, config: Config, result: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """`bench.firstepoch`'s bound for the step count ``result`` ran through the first
-    epoch: the most any static policy that ran it there can reach of the token figures."""
+    """`bench.firstepoch`'s bound for the setting ``result`` ran through the first epoch:
+    the most any policy offered what ``config`` offers that ran it there can reach of the
+    token figures."""
     bounds = firstepoch.bounds_of(trace, truth, config)
-    k1 = firstepoch.first_epoch_steps(result["steps_timeline"], bounds)
-    if k1 is None:
+    s1 = firstepoch.first_epoch_setting(result["setting_timeline"], bounds)
+    if s1 is None:
         return None
     return {
-        "steps": k1,
-        "to_best_static": round(bounds.to_best_static(k1), 4),
-        "to_oracle": round(bounds.to_oracle(k1), 4),
+        "setting": s1,
+        "to_best_static": round(bounds.to_best_static(s1), 4),
+        "to_oracle": round(bounds.to_oracle(s1), 4),
     }
 
 
@@ -602,8 +603,8 @@ def _after_first_day_lines(model: list[Row]) -> list[str]:
 
 
 def _first_epoch_lines(model: list[Row]) -> list[str]:
-    """For each model row below ×oracle or ×best static: the step count specd bet the
-    first epoch on, and the most any static policy that bet the same can reach."""
+    """For each model row below ×oracle or ×best static: the setting specd bet the first
+    epoch on, and the most any policy offered the same that bet it can reach."""
     short = [
         row
         for row in model
@@ -618,15 +619,16 @@ def _first_epoch_lines(model: list[Row]) -> list[str]:
     lines = [
         "",
         "The first epoch's bet (`python -m bench coldstart`, bench/results/coldstart.md): for "
-        "each case below ×oracle or ×best static, the step count specd ran from the first "
-        "window's close to the next opening, and an upper bound on what any policy choosing "
-        "among static step counts that ran it there reaches (the best step count second by "
-        "second inside every window, the best fixed one in hindsight for the rest of every "
-        "later epoch, no restart charged). Where the bound is below a figure, the first "
-        "epoch decided it: no play after it reaches the figure.",
+        "each case below ×oracle or ×best static, the setting specd ran from the first "
+        "window's close to the next opening, and an upper bound on what any policy offered "
+        "the same settings (the default: static K, off and the adaptive sets; `model "
+        "static`: static K) that ran it there reaches (the best setting second by second "
+        "inside every window, the best fixed one in hindsight for the rest of every later "
+        "epoch, no restart charged). Where the bound is below a figure, the first epoch "
+        "decided it: no play after it reaches the figure.",
         "",
-        "| case | first-epoch K | specd ×oracle / ×best static | bound ×oracle / ×best static "
-        "| out of reach after the first epoch |",
+        "| case | first-epoch setting | specd ×oracle / ×best static "
+        "| bound ×oracle / ×best static | out of reach after the first epoch |",
         "|---|--:|--:|--:|---|",
     ]
     for row in short:
@@ -641,7 +643,7 @@ def _first_epoch_lines(model: list[Row]) -> list[str]:
             if bound < least
         ]
         lines.append(
-            f"| {row.truth}/{row.trace} | {bet['steps']} "
+            f"| {_named(row)} | {bet['setting']} "
             f"| {r['ratio_to_oracle']:.4f} / {r['ratio_to_best_static']:.4f} "
             f"| {bet['to_oracle']:.4f} / {bet['to_best_static']:.4f} "
             f"| {', '.join(lost) or '–'} |"

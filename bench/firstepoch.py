@@ -1,14 +1,17 @@
-"""The bound behind ``python -m bench coldstart``: what any policy choosing among static step
-counts can still reach of issue 12's token figures after betting the first epoch on one.
+"""The bound behind ``python -m bench coldstart``: what any policy choosing among the settings
+it is offered can still reach of issue 12's token figures after betting the first epoch on
+one.
 
 `upper_bound` counts, with the replay's own `specd.tools.replay.Tokens`, an upper bound on
-the tokens of any such policy that ran K1 from the first window's close to the next
+the tokens of any such policy that ran setting S1 from the first window's close to the next
 opening: the start K before the first window (as everyone), every window's open stretch at
-the best step count second by second (a policy may restart inside a window; no restart is
-charged anywhere), K1 for the rest of the first epoch, the best fixed step count in
-hindsight for the rest of every later epoch. Its denominators are the replay's exactly.
-`bench.bench_replay` reads it for the step count specd ran (`first_epoch_steps`);
-`bench.bench_coldstart` for every K1.
+the best setting second by second (a policy may restart inside a window; no restart is
+charged anywhere), S1 for the rest of the first epoch, the best fixed setting in hindsight
+for the rest of every later epoch. The settings are the static step counts and, where the
+policy is offered them, off and the adaptive sets: a policy that may run a set can hedge
+the first epoch with it. Its denominators are the replay's exactly (static step counts and
+the oracle's, whatever the policy may choose). `bench.bench_replay` reads it for the
+setting specd ran (`first_epoch_setting`); `bench.bench_coldstart` for every S1.
 """
 
 from __future__ import annotations
@@ -17,30 +20,36 @@ import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specd.core.perftable import PerfTable
+from specd.core.setting import SpecSetting, format_setting, off, static
 from specd.io.config import Config
 from specd.tools.replay import (
     DEFAULT_START,
     DEFAULT_START_STEPS,
+    Key,
     Tokens,
     Trace,
     open_intervals,
+    truth_offer,
 )
 from specd.tools.replay import start_steps as replay_start_steps
 
 
 @dataclass(frozen=True)
 class Bounds:
-    """One truth and trace: the replay's denominators and each first-epoch K's bound."""
+    """One truth and trace: the replay's denominators and each first-epoch setting's bound."""
 
     static_tokens: dict[int, float]  # each K from the first window on, as the replay counts it
     oracle_tokens: float
-    upper: dict[int, float]  # K1 → the most any static policy running it can serve
+    # S1 (operator form: "4", "off", "adaptive:2,4") → the most any policy running it can
+    # serve; static step counts first, in order, then off and the sets as offered.
+    upper: dict[str, float]
     seen_min: int  # offered concurrency seen before the first window
     seen_max: int
     seen_mean: float
-    # The first window's close and the next opening (trace seconds): K1's stretch.
+    # The first window's close and the next opening (trace seconds): S1's stretch.
     first_close_s: float = 0.0
     first_end_s: float = 0.0
 
@@ -48,22 +57,22 @@ class Bounds:
     def best_static_tokens(self) -> float:
         return max(self.static_tokens.values())
 
-    def to_best_static(self, k: int) -> float:
-        return self.upper[k] / self.best_static_tokens
+    def to_best_static(self, name: str) -> float:
+        return self.upper[name] / self.best_static_tokens
 
-    def to_oracle(self, k: int) -> float:
-        return self.upper[k] / self.oracle_tokens
+    def to_oracle(self, name: str) -> float:
+        return self.upper[name] / self.oracle_tokens
 
-    def reaching(self, best_static_min: float, oracle_min: float) -> list[int]:
-        """The first-epoch step counts with which both figures stay within reach."""
+    def reaching(self, best_static_min: float, oracle_min: float) -> list[str]:
+        """The first-epoch settings with which both figures stay within reach."""
         return [
-            k
-            for k in sorted(self.upper)
-            if self.to_best_static(k) >= best_static_min and self.to_oracle(k) >= oracle_min
+            name
+            for name in self.upper
+            if self.to_best_static(name) >= best_static_min and self.to_oracle(name) >= oracle_min
         ]
 
 
-def _best_each_second(tokens: Tokens, keys: Sequence[int], a: float, b: float) -> float:
+def _best_each_second(tokens: Tokens, keys: Sequence[Key], a: float, b: float) -> float:
     """Tokens of the best of ``keys`` in every run of the trace between ``a`` and ``b``."""
     t = tokens.trace.t
     if b <= a:
@@ -85,11 +94,16 @@ def upper_bound(
     steps: Sequence[int],
     start_steps: int = DEFAULT_START_STEPS,
     restart_s: float = 100.0,
+    others: Sequence[SpecSetting] = (),
 ) -> Bounds:
     """`Bounds` of ``trace`` (seconds from its start) under ``truth``, with the maintenance
     windows ``opens`` ((opened, closes) in trace seconds, in order, as
-    `specd.tools.replay.open_intervals` gives them less the trace's start)."""
+    `specd.tools.replay.open_intervals` gives them less the trace's start), for a policy
+    choosing among the static ``steps`` and ``others`` (off, adaptive sets)."""
     tokens = Tokens(trace, truth, steps)
+    settings = [static(k) for k in steps] + [s for s in others if s.kind != "static"]
+    named = {format_setting(s): tokens.ensure(s) for s in settings}
+    keys = list(named.values())
     first, last = trace.t[0], trace.t[-1]
     inside = [(max(a, first), min(b, last)) for a, b in opens if first < a < last]
     if not inside:
@@ -99,26 +113,27 @@ def upper_bound(
     # The replay's denominators (specd.tools.replay.replay): each static K from the first
     # opening on, restarting into it there unless it is the start K; the oracle's best
     # fixed K per epoch, charged no restart.
-    static = {
+    static_tokens = {
         k: pre + tokens.between(k, o1 + (0.0 if k == start_steps else restart_s), last)
         for k in steps
     }
     edges = [a for a, _ in inside] + [last]
     epochs = list(itertools.pairwise(edges))
     oracle = pre + sum(max(tokens.between(k, a, b) for k in steps) for a, b in epochs)
-    # Every epoch: its window's open stretch at the best K second by second, then (the
-    # first epoch) K1 or (later ones) the best fixed K in hindsight.
+    # Every epoch: its window's open stretch at the best setting second by second, then
+    # (the first epoch) S1 or (later ones) the best fixed setting in hindsight.
     closes = [min(b, end) for (_, b), (_, end) in zip(inside, epochs, strict=True)]
     window_part = sum(
-        _best_each_second(tokens, steps, a, c) for (a, _), c in zip(epochs, closes, strict=True)
+        _best_each_second(tokens, keys, a, c) for (a, _), c in zip(epochs, closes, strict=True)
     )
     later = sum(
-        max(tokens.between(k, c, end) for k in steps)
+        max(tokens.between(k, c, end) for k in keys)
         for (_, end), c in zip(epochs[1:], closes[1:], strict=True)
     )
     first_end = epochs[0][1]
     upper = {
-        k1: pre + window_part + tokens.between(k1, closes[0], first_end) + later for k1 in steps
+        name: pre + window_part + tokens.between(key, closes[0], first_end) + later
+        for name, key in named.items()
     }
     seen = [
         (lvl, min(t1, o1) - t0)
@@ -127,7 +142,7 @@ def upper_bound(
     ]
     seen_s = sum(s for _, s in seen)
     return Bounds(
-        static_tokens=static,
+        static_tokens=static_tokens,
         oracle_tokens=oracle,
         upper=upper,
         seen_min=min(lvl for lvl, _ in seen),
@@ -138,20 +153,29 @@ def upper_bound(
     )
 
 
-def first_epoch_steps(timeline: Sequence[tuple[float, int | None]], bounds: Bounds) -> int | None:
-    """The step count a replay's ``steps_timeline`` ran from the first window's close to the
-    next opening (K1 of `Bounds.upper`); None where it changed in between or ran a setting
-    the bound does not cover (off, an adaptive set)."""
-    if any(bounds.first_close_s < at < bounds.first_end_s for at, _ in timeline):
+def first_epoch_setting(timeline: Sequence[Sequence[Any]], bounds: Bounds) -> str | None:
+    """The setting a replay's ``setting_timeline`` ([seconds, operator form] per change)
+    ran from the first window's close to the next opening (S1 of `Bounds.upper`); None
+    where it changed in between or ran a setting the bound does not cover."""
+    changes = [(float(at), str(name)) for at, name in timeline]
+    if any(bounds.first_close_s < at < bounds.first_end_s for at, _ in changes):
         return None
-    before = [k for at, k in timeline if at <= bounds.first_close_s]
-    k1 = before[-1] if before else None
-    return k1 if k1 is not None and k1 in bounds.upper else None
+    before = [name for at, name in changes if at <= bounds.first_close_s]
+    s1 = before[-1] if before else None
+    return s1 if s1 is not None and s1 in bounds.upper else None
+
+
+def offered_others(truth: PerfTable, config: Config) -> list[SpecSetting]:
+    """Off and the adaptive sets a replay of ``config`` on ``truth`` may choose, as the
+    replay offers them (`specd.tools.replay.truth_offer`)."""
+    narrowed, sets, _ = truth_offer(truth, config)
+    kinds = narrowed.choose.kinds
+    return ([off()] if "off" in kinds else []) + (list(sets) if "adaptive" in kinds else [])
 
 
 def bounds_of(trace: Trace, truth: PerfTable, config: Config) -> Bounds:
     """`upper_bound` under a replay's ``config``: its windows (the trace starting at
-    `specd.tools.replay.DEFAULT_START`), its step counts and its restart cost."""
+    `specd.tools.replay.DEFAULT_START`), the settings it offers and its restart cost."""
     t0 = DEFAULT_START.timestamp()
     opens = [(a - t0, b - t0) for a, b in open_intervals(config, t0 + trace.t[0], t0 + trace.t[-1])]
     steps = list(range(config.choose.min_steps, config.choose.max_steps + 1))
@@ -162,4 +186,5 @@ def bounds_of(trace: Trace, truth: PerfTable, config: Config) -> Bounds:
         steps,
         start_steps=replay_start_steps(config),
         restart_s=config.choose.restart_cost_s,
+        others=offered_others(truth, config),
     )

@@ -637,7 +637,7 @@ def _steps_of(setting: SpecSetting) -> int | None:
     return None if setting.kind == "adaptive" else setting.max_steps
 
 
-def _truth_offer(
+def truth_offer(
     truth: PerfTable, config: Config
 ) -> tuple[Config, list[SpecSetting], dict[str, str]]:
     """What the truth can serve: the config with the kinds and sets it cannot left out of
@@ -734,7 +734,7 @@ def replay(
             f"{truth.source}: truth has no steps {','.join(map(str, missing))} "
             f"(allowed {config.choose.min_steps}-{config.choose.max_steps}; narrow it with --steps)"
         )
-    config, sets, left_out = _truth_offer(truth, config)
+    config, sets, left_out = truth_offer(truth, config)
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
     adaptive: AdaptiveModel | None = None

@@ -1,5 +1,5 @@
 """The cold-start bench: its bound counted by hand on a tiny case, its denominators equal to
-the replay's, and specd's own tokens never above the bound of the step count it ran."""
+the replay's, and specd's own tokens never above the bound of the setting it ran."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ sys.path.insert(0, str(REPO))
 from bench import bench_coldstart, bench_replay, firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.core.perftable import PerfTable  # noqa: E402
+from specd.core.setting import off, parse  # noqa: E402
 from specd.tools.replay import Trace  # noqa: E402
 
-# Two step counts, each measured at exactly the two levels the trace offers.
+# Two step counts and off, each measured at exactly the two levels the trace offers.
 TINY = PerfTable.from_csv_text(
     "steps,concurrency,output_tok_s,accept_length,max_running_requests\n"
+    "0,1,80,1.0,64\n0,10,450,1.0,64\n"
     "1,1,100,1.5,64\n1,10,500,1.5,64\n"
     "2,1,150,2.0,64\n2,10,400,2.0,64\n"
 )
@@ -46,26 +48,57 @@ def test_the_denominators_are_counted_as_the_replay_counts_them() -> None:
 
 
 @pytest.mark.parametrize(
-    ("k1", "tokens"),
+    ("s1", "tokens"),
     [
         # start 500; windows at the best K each second: 5-7 at 150 (2) = 300, 20-22 at 500
-        # (1) = 1000; K1 from 7 to 20; the rest of epoch 2 (22-40) at its best fixed K, 1:
+        # (1) = 1000; S1 from 7 to 20; the rest of epoch 2 (22-40) at its best fixed K, 1:
         # 8 × 500 + 10 × 100 = 5000.
-        (1, 500 + 300 + 1000 + (3 * 100 + 10 * 500) + 5000),
-        (2, 500 + 300 + 1000 + (3 * 150 + 10 * 400) + 5000),
+        ("1", 500 + 300 + 1000 + (3 * 100 + 10 * 500) + 5000),
+        ("2", 500 + 300 + 1000 + (3 * 150 + 10 * 400) + 5000),
     ],
 )
-def test_the_bound_of_each_first_epoch_step_count(k1: int, tokens: float) -> None:
+def test_the_bound_of_each_first_epoch_step_count(s1: str, tokens: float) -> None:
     bounds = _tiny()
-    assert bounds.upper[k1] == pytest.approx(tokens)
-    assert bounds.to_best_static(k1) == pytest.approx(tokens / 12000)
-    assert bounds.to_oracle(k1) == pytest.approx(tokens / 12000)
+    assert list(bounds.upper) == ["1", "2"]  # a static-only policy: off is not offered
+    assert bounds.upper[s1] == pytest.approx(tokens)
+    assert bounds.to_best_static(s1) == pytest.approx(tokens / 12000)
+    assert bounds.to_oracle(s1) == pytest.approx(tokens / 12000)
+
+
+# adaptive:1,2 runs the better of 1 and 2 at each batch (150 at 1, 500 at 10), both sized
+# for 64 requests; off serves 80 at 1 and 450 at 10.
+BOTH = parse("adaptive:1,2")
+
+
+@pytest.mark.parametrize(
+    ("s1", "tokens"),
+    [
+        # start 500; windows 300 + 1000 as before (the set matches the best K there); S1
+        # from 7 to 20 (3 s at 1, 10 s at 10); the rest of epoch 2 at its best fixed
+        # setting, now the set: 8 × 500 + 10 × 150 = 5500.
+        ("1", 500 + 300 + 1000 + (3 * 100 + 10 * 500) + 5500),
+        ("2", 500 + 300 + 1000 + (3 * 150 + 10 * 400) + 5500),
+        ("off", 500 + 300 + 1000 + (3 * 80 + 10 * 450) + 5500),
+        ("adaptive:1,2", 500 + 300 + 1000 + (3 * 150 + 10 * 500) + 5500),
+    ],
+)
+def test_a_policy_offered_off_and_a_set_is_bounded_over_them_too(s1: str, tokens: float) -> None:
+    bounds = firstepoch.upper_bound(
+        TINY_TRACE, TINY, TINY_OPENS, [1, 2], start_steps=1, restart_s=2.0, others=[off(), BOTH]
+    )
+    assert list(bounds.upper) == ["1", "2", "off", "adaptive:1,2"]
+    assert bounds.upper[s1] == pytest.approx(tokens)
+    # The denominators stay the replay's: static step counts and their oracle.
+    assert bounds.best_static_tokens == pytest.approx(12000)
+    assert bounds.oracle_tokens == pytest.approx(12000)
+    # The set hedges the first epoch: it alone reaches 1.06 of both.
+    assert bounds.reaching(1.06, 1.06) == ["adaptive:1,2"]
 
 
 def test_a_step_count_reaches_the_figures_only_where_its_bound_does() -> None:
     # 1: 12100 / 12000 reaches both; 2: 11250 / 12000 = 0.9375 neither.
-    assert _tiny().reaching(0.995, 0.99) == [1]
-    assert _tiny().reaching(0.9, 0.9) == [1, 2]
+    assert _tiny().reaching(0.995, 0.99) == ["1"]
+    assert _tiny().reaching(0.9, 0.9) == ["1", "2"]
 
 
 def test_no_window_inside_the_trace_is_an_error() -> None:
@@ -73,42 +106,62 @@ def test_no_window_inside_the_trace_is_an_error() -> None:
         firstepoch.upper_bound(TINY_TRACE, TINY, [(50.0, 52.0)], [1, 2], start_steps=1)
 
 
-def test_the_bound_holds_over_specds_own_replay(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["model", bench_replay.STATIC_POLICY])
+def test_the_bound_holds_over_specds_own_replay(tmp_path: Path, policy: str) -> None:
     # Two days of the weekly trace on lowcap, whose first epoch specd bets on 6 (the quiet
     # night says light traffic; the weekday is not).
     path = traces.write("weekly", tmp_path / "weekly.csv", 2.0)
     truth = next(t for t in bench_replay.TRUTHS if t[0] == "lowcap")
-    row = bench_replay.run_one(truth, "weekly", path, "model")
-    bounds = bench_coldstart.case(truth, "weekly", path)
+    row = bench_replay.run_one(truth, "weekly", path, policy)
+    bounds = bench_coldstart.case(truth, "weekly", path, policy)
     result = row.result
     # The replay's own denominators, to the token.
     assert bounds.static_tokens == pytest.approx(
         {int(k): v for k, v in result["static_tokens"].items()}
     )
     assert bounds.oracle_tokens == pytest.approx(result["oracle_tokens"])
+    # Offered what the policy is offered: the default also off and the sets the truth serves.
+    sets = [s for s in bounds.upper if s.startswith("adaptive:")]
+    assert ("off" in bounds.upper, len(sets) > 1) == (policy == "model", policy == "model")
     # What specd ran when the first window (Monday 03:00-04:00) closed, until Tuesday 03:00.
     first_close, next_open = 4 * 3600, 27 * 3600
-    timeline = result["steps_timeline"]
-    k1 = [k for at, k in timeline if at <= first_close][-1]
+    timeline = result["setting_timeline"]
+    s1 = [name for at, name in timeline if at <= first_close][-1]
     assert all(not first_close < at < next_open for at, _ in timeline)
-    assert result["specd_tokens"] <= bounds.upper[k1]
+    assert result["specd_tokens"] <= bounds.upper[s1]
     # Not a bound so loose that it says nothing: specd is within a few percent of it.
-    assert result["specd_tokens"] >= 0.95 * bounds.upper[k1]
+    assert result["specd_tokens"] >= 0.95 * bounds.upper[s1]
+    assert row.first_epoch == {
+        "setting": s1,
+        "to_best_static": round(bounds.to_best_static(s1), 4),
+        "to_oracle": round(bounds.to_oracle(s1), 4),
+    }
 
 
 @pytest.mark.parametrize(
-    ("timeline", "k1"),
+    ("timeline", "s1"),
     [
-        ([(0.0, 1)], 1),  # the start K all along
-        ([(0.0, 1), (5.0, 2)], 2),  # changed in the first window
-        ([(0.0, 1), (7.0, 2)], 2),  # ...at its close
-        ([(0.0, 1), (5.0, 2), (12.0, 1)], None),  # changed inside the epoch: no single K1
-        ([(0.0, 1), (5.0, 0)], None),  # off: the bound covers static step counts only
-        ([(0.0, 1), (5.0, None)], None),  # an adaptive set
-        ([(0.0, 1), (20.0, 2)], 1),  # changed at the next opening: K1 was 1
+        ([(0.0, "1")], "1"),  # the start K all along
+        ([(0.0, "1"), (5.0, "2")], "2"),  # changed in the first window
+        ([(0.0, "1"), (7.0, "2")], "2"),  # ...at its close
+        ([(0.0, "1"), (5.0, "2"), (12.0, "1")], None),  # changed inside the epoch: no one S1
+        ([(0.0, "1"), (5.0, "off")], None),  # off: not offered to this bound's policy
+        ([(0.0, "1"), (5.0, "adaptive:1,2")], None),  # nor a set
+        ([(0.0, "1"), (20.0, "2")], "1"),  # changed at the next opening: S1 was 1
     ],
 )
-def test_the_step_count_a_replay_bet_the_first_epoch_on(
-    timeline: list[tuple[float, int | None]], k1: int | None
+def test_the_setting_a_replay_bet_the_first_epoch_on(
+    timeline: list[tuple[float, str]], s1: str | None
 ) -> None:
-    assert firstepoch.first_epoch_steps(timeline, _tiny()) == k1
+    assert firstepoch.first_epoch_setting(timeline, _tiny()) == s1
+
+
+def test_a_set_the_policy_was_offered_is_the_bet() -> None:
+    bounds = firstepoch.upper_bound(
+        TINY_TRACE, TINY, TINY_OPENS, [1, 2], start_steps=1, restart_s=2.0, others=[off(), BOTH]
+    )
+    # As the replay's JSON has it: [seconds, operator form].
+    assert firstepoch.first_epoch_setting([[0.0, "1"], [5.0, "adaptive:1,2"]], bounds) == (
+        "adaptive:1,2"
+    )
+    assert firstepoch.first_epoch_setting([[0.0, "1"], [6.0, "off"]], bounds) == "off"

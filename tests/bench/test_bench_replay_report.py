@@ -120,7 +120,7 @@ def _bet_row(
 def test_each_shortfall_names_what_the_first_epoch_put_out_of_reach(
     oracle: float, best: float, bound_oracle: float, bound_best: float, out_of_reach: str
 ) -> None:
-    bet = {"steps": 6, "to_oracle": bound_oracle, "to_best_static": bound_best}
+    bet = {"setting": "6", "to_oracle": bound_oracle, "to_best_static": bound_best}
     lines = bench_replay._first_epoch_lines([_bet_row("weekly", oracle, best, bet)])
     assert lines[-1] == (
         f"| lowcap/weekly | 6 | {oracle:.4f} / {best:.4f} | {bound_oracle:.4f} / "
@@ -129,10 +129,26 @@ def test_each_shortfall_names_what_the_first_epoch_put_out_of_reach(
 
 
 def test_cases_meeting_the_figures_or_without_a_bound_are_left_out() -> None:
-    bet = {"steps": 4, "to_oracle": 1.0, "to_best_static": 1.0}
+    bet = {"setting": "4", "to_oracle": 1.0, "to_best_static": 1.0}
     meets = _bet_row("steady_low", 0.9999, 1.0, bet)
     unbounded = _bet_row("weekly", 0.95, 0.95, None)  # an adaptive set or a change inside
     assert bench_replay._first_epoch_lines([meets, unbounded]) == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "setting", "named"),
+    [
+        ("model", "adaptive:2,4", "lowcap/weekly"),
+        (bench_replay.STATIC_POLICY, "4", "lowcap/weekly (model static)"),
+    ],
+)
+def test_the_bet_setting_and_the_policy_are_named(policy: str, setting: str, named: str) -> None:
+    bet = {"setting": setting, "to_oracle": 0.9874, "to_best_static": 1.0002}
+    result = {"ratio_to_oracle": 0.98, "ratio_to_best_static": 0.99}
+    row = bench_replay.Row("lowcap", "weekly", policy, result, 1.0, 0.0, bet)
+    assert bench_replay._first_epoch_lines([row])[-1] == (
+        f"| {named} | {setting} | 0.9800 / 0.9900 | 0.9874 / 1.0002 | ×oracle |"
+    )
 
 
 SGLANGS_OWN = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
