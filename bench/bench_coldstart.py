@@ -36,8 +36,8 @@ from bench.bench_replay import (  # noqa: E402
     STEPS,
     TRUTHS,
     case_config,
+    short_setting,
 )
-from bench.bench_replay import _short as short_setting  # noqa: E402
 from bench.firstepoch import Bounds, bounds_of  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402

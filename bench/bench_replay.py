@@ -300,7 +300,7 @@ def first_epoch(
     }
 
 
-def _short(setting: str) -> str:
+def short_setting(setting: str) -> str:
     """ "adaptive:1,3,5,7/1=…" → "A1,3,5,7": the table's column stays narrow."""
     return (
         "A" + setting.removeprefix("adaptive:").split("/")[0]
@@ -310,7 +310,7 @@ def _short(setting: str) -> str:
 
 
 def _steps_path(r: dict[str, Any]) -> str:
-    ks = [_short(text) for _, text in r["setting_timeline"]]
+    ks = [short_setting(text) for _, text in r["setting_timeline"]]
     if len(ks) > 6:
         return "→".join(map(str, ks[:3])) + f"→…({len(ks) - 1} changes)"
     return "→".join(map(str, ks))
