@@ -22,12 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specd.core.choices import offer, table_steps
 from specd.core.perftable import PerfTable
-from specd.core.setting import SpecSetting, format_setting, off, static
+from specd.core.setting import SpecSetting, format_setting, static
+from specd.io.calibration import read_calibration
 from specd.io.config import Config
 from specd.tools.replay import (
     DEFAULT_START,
     DEFAULT_START_STEPS,
+    REPLAY_TRAITS,
     Key,
     Tokens,
     Trace,
@@ -166,11 +169,15 @@ def first_epoch_setting(timeline: Sequence[Sequence[Any]], bounds: Bounds) -> st
 
 
 def offered_others(truth: PerfTable, config: Config) -> list[SpecSetting]:
-    """Off and the adaptive sets a replay of ``config`` on ``truth`` may choose, as the
-    replay offers them (`specd.tools.replay.truth_offer`)."""
-    narrowed, sets, _ = truth_offer(truth, config)
-    kinds = narrowed.choose.kinds
-    return ([off()] if "off" in kinds else []) + (list(sets) if "adaptive" in kinds else [])
+    """Off and the adaptive sets the model policy may choose in a replay of ``config`` on
+    ``truth``, exactly as `specd.core.step` offers them there: what the truth can serve
+    (`specd.tools.replay.truth_offer`), on the replay's server, with the calibration's
+    rows (a set it cannot predict is not offered)."""
+    narrowed, _, _ = truth_offer(truth, config)
+    path = narrowed.choose.calibration_file
+    calibration = None if path is None else read_calibration(path)
+    offered = offer(narrowed.choose, REPLAY_TRAITS, table_steps(calibration))
+    return [s for s in offered.settings if s.kind != "static"]
 
 
 def bounds_of(trace: Trace, truth: PerfTable, config: Config) -> Bounds:

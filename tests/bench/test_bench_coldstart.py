@@ -14,7 +14,9 @@ sys.path.insert(0, str(REPO))
 from bench import bench_coldstart, bench_replay, firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
 from specd.core.perftable import PerfTable  # noqa: E402
-from specd.core.setting import off, parse  # noqa: E402
+from specd.core.setting import format_setting, off, parse  # noqa: E402
+from specd.core.settings import DEFAULT_ADAPTIVE_SETS  # noqa: E402
+from specd.io.tables import read_table  # noqa: E402
 from specd.tools.replay import Trace  # noqa: E402
 
 # Two step counts and off, each measured at exactly the two levels the trace offers.
@@ -120,9 +122,12 @@ def test_the_bound_holds_over_specds_own_replay(tmp_path: Path, policy: str) -> 
         {int(k): v for k, v in result["static_tokens"].items()}
     )
     assert bounds.oracle_tokens == pytest.approx(result["oracle_tokens"])
-    # Offered what the policy is offered: the default also off and the sets the truth serves.
-    sets = [s for s in bounds.upper if s.startswith("adaptive:")]
-    assert ("off" in bounds.upper, len(sets) > 1) == (policy == "model", policy == "model")
+    # Offered what the policy is offered in the replay: lowcap's calibration has no steps-0
+    # row (no off) nor rows for 0 and 7 (not SGLang's own set); the default takes the rest.
+    sets = ["adaptive:1,3", "adaptive:2,4", "adaptive:3,4", "adaptive:1,2,3"]
+    assert list(bounds.upper) == ["1", "2", "3", "4", "5", "6"] + (
+        sets if policy == "model" else []
+    )
     # What specd ran when the first window (Monday 03:00-04:00) closed, until Tuesday 03:00.
     first_close, next_open = 4 * 3600, 27 * 3600
     timeline = result["setting_timeline"]
@@ -165,3 +170,22 @@ def test_a_set_the_policy_was_offered_is_the_bet() -> None:
         "adaptive:1,2"
     )
     assert firstepoch.first_epoch_setting([[0.0, "1"], [6.0, "off"]], bounds) == "off"
+
+
+@pytest.mark.parametrize(
+    ("truth", "policy", "others"),
+    [
+        # heavyoff's calibration is swept at 0-7: off and every default set, SGLang's too.
+        ("heavyoff", "model", ["off", *DEFAULT_ADAPTIVE_SETS]),
+        ("heavyoff", bench_replay.STATIC_POLICY, []),
+        # seed's at 1-6: no off, no SGLang's own (it needs 0 and 7).
+        ("seed (twin)", "model", list(DEFAULT_ADAPTIVE_SETS[1:])),
+    ],
+)
+def test_the_bound_offers_what_the_replay_offers(
+    truth: str, policy: str, others: list[str]
+) -> None:
+    entry = next(t for t in bench_replay.TRUTHS if t[0] == truth)
+    config = bench_replay.case_config(entry[2], "weekly", policy)
+    got = firstepoch.offered_others(read_table(entry[1]), config)
+    assert [format_setting(s) for s in got] == others
