@@ -143,6 +143,13 @@ def test_the_bound_holds_over_specds_own_replay(tmp_path: Path, policy: str) -> 
     }
 
 
+def test_the_bands_row_is_given_no_bound(tmp_path: Path) -> None:
+    # The figures, and so the first epoch's bound, are the model policies'.
+    path = traces.write("weekly", tmp_path / "weekly.csv", 2.0)
+    truth = next(t for t in bench_replay.TRUTHS if t[0] == "lowcap")
+    assert bench_replay.run_one(truth, "weekly", path, "bands").first_epoch is None
+
+
 @pytest.mark.parametrize(
     ("timeline", "s1"),
     [
