@@ -34,6 +34,10 @@ UID = "specd-overview"
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # Regex matcher: the variable is multi-valued, with ".+" as its "All".
 INST = 'instance=~"$instance"'
+# SGLang's scheduler gauges, totals only: with priority scheduling each scheduler exports one
+# series per priority beside its total (priority=""; the matcher also takes series without
+# the label), and a sum over all of them counts every request twice.
+SCHED = INST + ', priority=""'
 
 # Decision reasons the daemon exports (label `reason`), with the colour each gets in the
 # state timeline: blue when specd acts, red when it is blocked by a safety rule.
@@ -295,7 +299,7 @@ def traffic_panels() -> list[tuple[Panel, int, int]]:
         )
         .min(0)
         .with_target(
-            q(f"sum by (instance) (sglang:gen_throughput{{{INST}}})", "gauge {{instance}}", "A")
+            q(f"sum by (instance) (sglang:gen_throughput{{{SCHED}}})", "gauge {{instance}}", "A")
         )
         .with_target(
             q(
@@ -315,10 +319,14 @@ def traffic_panels() -> list[tuple[Panel, int, int]]:
         )
         .min(0)
         .with_target(
-            q(f"sum by (instance) (sglang:num_running_reqs{{{INST}}})", "running {{instance}}", "A")
+            q(
+                f"sum by (instance) (sglang:num_running_reqs{{{SCHED}}})",
+                "running {{instance}}",
+                "A",
+            )
         )
         .with_target(
-            q(f"sum by (instance) (sglang:num_queue_reqs{{{INST}}})", "queued {{instance}}", "B")
+            q(f"sum by (instance) (sglang:num_queue_reqs{{{SCHED}}})", "queued {{instance}}", "B")
         )
         .override_by_regexp(
             "^queued.*",
@@ -342,9 +350,9 @@ def model_panels() -> list[tuple[Panel, int, int]]:
         .with_target(q(f"specd_accept_length{{{INST}}}", "K={{steps}} {{instance}}", "A"))
         .with_target(
             q(
-                f"sum by (instance) (sglang:spec_accept_length{{{INST}}} * "
-                f"sglang:num_running_reqs{{{INST}}}) / "
-                f"(sum by (instance) (sglang:num_running_reqs{{{INST}}}) > 0)",
+                f"sum by (instance) (sglang:spec_accept_length{{{SCHED}}} * "
+                f"sglang:num_running_reqs{{{SCHED}}}) / "
+                f"(sum by (instance) (sglang:num_running_reqs{{{SCHED}}}) > 0)",
                 "sglang live {{instance}}",
                 "B",
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "etc" / "prometheus"
@@ -160,3 +162,109 @@ def test_every_alert_is_documented(alert: str) -> None:
         for heading in re.findall(r"^#+\s+(\S+)\s*$", doc.read_text(encoding="utf-8"), re.M)
     }
     assert alert in headings, f"no runbook heading for {alert} in README.md"
+
+
+# -- the dashboard's SGLang panels over a priority-scheduling page ----------------------
+PRIORITY_PAGE = ROOT / "tests" / "fixtures" / "metrics" / "priority.prom"
+DASHBOARD = ROOT / "grafana" / "dashboards" / "specd.json"
+SCHEDULER_GAUGES = (
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:spec_accept_length",
+    "sglang:gen_throughput",
+)
+
+
+def _page_series() -> list[tuple[str, dict[str, str], float]]:
+    """The scheduler gauges of SGLang's page with priority scheduling: each scheduler's
+    total (priority="") and one series per priority beside it."""
+    text = PRIORITY_PAGE.read_text(encoding="utf-8")
+    return [
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in SCHEDULER_GAUGES
+    ]
+
+
+def _series_text(name: str, labels: dict[str, str]) -> str:
+    # As Prometheus stores a scrape: an empty label is no label.
+    kept = {**{k: v for k, v in labels.items() if v}, "job": "sglang", "instance": "gpu1"}
+    return name + "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(kept.items())) + "}"
+
+
+def _dashboard_sglang_queries() -> dict[str, str]:
+    """Every panel query that reads a scheduler gauge, by panel title and refId, with
+    Grafana's macros expanded."""
+    macros = {"$__rate_interval": "1m", "$__range": "5m", "$instance": ".+"}
+    found = {}
+    for panel in json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            if any(g in expr for g in SCHEDULER_GAUGES):
+                for macro, value in macros.items():
+                    expr = expr.replace(macro, value)
+                found[f"{panel['title']}/{target['refId']}"] = expr
+    return found
+
+
+def test_dashboard_counts_each_request_once_under_priority_scheduling(tmp_path: Path) -> None:
+    """Prometheus evaluates the dashboard's SGLang panels over the page SGLang serves with
+    priority scheduling: running and queued requests, throughput and the running-weighted
+    accept length come out as the schedulers' totals say, not doubled or halved by the
+    per-priority series beside them."""
+    series = _page_series()
+    assert any(labels.get("priority") for _, labels, _ in series), "page lost its priorities"
+    totals = [(n, v) for n, labels, v in series if not labels.get("priority")]
+    total = {g: sum(v for n, v in totals if n == g) for g in SCHEDULER_GAUGES}
+    accept = sum(v for n, v in totals if n == "sglang:spec_accept_length")  # one scheduler
+    expected = {
+        "SGLang running and queued requests/A": total["sglang:num_running_reqs"],
+        "SGLang running and queued requests/B": total["sglang:num_queue_reqs"],
+        "Accept length by step count/B": accept,
+    }
+    queries = _dashboard_sglang_queries()
+    assert set(expected) <= set(queries), sorted(queries)
+    gen = [key for key, expr in queries.items() if "sglang:gen_throughput" in expr]
+    assert gen, "no panel reads sglang:gen_throughput"
+    expected.update({key: total["sglang:gen_throughput"] for key in gen})
+    names = {key: f"dashboard:query_{i}" for i, key in enumerate(sorted(expected))}
+    rules = tmp_path / "dashboard.rules.yml"
+    rules.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "dashboard",
+                        "rules": [{"record": names[k], "expr": queries[k]} for k in expected],
+                    }
+                ]
+            }
+        ),
+        encoding="utf-8",
+    )
+    cases = [
+        {
+            "expr": f"sum({names[key]})",
+            "eval_time": "5m",
+            "exp_samples": [{"labels": "{}", "value": value}],
+        }
+        for key, value in expected.items()
+    ]
+    inputs = [
+        {"series": _series_text(name, labels), "values": f"{value}x10"}
+        for name, labels, value in series
+    ]
+    tests = tmp_path / "dashboard.test.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [rules.name],
+                "evaluation_interval": "1m",
+                "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": cases}],
+            }
+        ),
+        encoding="utf-8",
+    )
+    result = run_promtool("test", "rules", tests)
+    assert result.returncode == 0, result.stdout + result.stderr
