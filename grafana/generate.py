@@ -691,8 +691,8 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
     mode = (
         big(
             "Mode",
-            "auto: specd decides. pin: an override holds a step count. freeze: an override "
-            "forbids changes.",
+            "auto: specd decides. pin: an override holds a setting. freeze: no automatic "
+            "change — an override freeze, or a failed restart (Frozen: until specd unfreeze).",
             "none",
         )
         .text_mode(cm.BigValueTextMode("name"))
@@ -908,8 +908,9 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
     wait = (
         ts(
             "Fleet slot wait",
-            "p50 and max time a restart waited for a free slot of its group (another host "
-            "restarting meanwhile).",
+            "p50 and the largest time a restart waited for a free slot of its group (another "
+            "host restarting meanwhile); both read off the histogram's buckets (upper bounds, "
+            "the last one 1 h).",
             "s",
         )
         .min(0)
@@ -925,7 +926,7 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
             q(
                 "histogram_quantile(1, sum by (instance, le) (rate("
                 f"specd_fleet_slot_wait_seconds_bucket{{{INST}}}[$__rate_interval])))",
-                "max {{instance}}",
+                "max (bucket bound) {{instance}}",
                 "B",
             )
         )
@@ -1019,12 +1020,22 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         "pinned by override",
         "an on-call pin on {{instance}} holds the step count",
     ),
+    # Two freezes, cleared two ways: an on-call's (the override file) and specd's own after
+    # a failed restart (specd_frozen; `specd unfreeze`). specd_mode says "freeze" for both.
     Annotation(
-        "Freezes",
+        "Override freezes",
         "purple",
-        f'max by (instance) (specd_mode{{{INST}, mode="freeze"}}) == 1',
-        "automatic changes frozen",
-        "frozen on {{instance}} until specd unfreeze",
+        f'max by (instance) (specd_override_info{{{INST}, mode="freeze"}}) == 1',
+        "frozen by override",
+        "an on-call freeze on {{instance}} forbids automatic changes (specd override clear)",
+    ),
+    Annotation(
+        "Freezes after a failed restart",
+        "dark-purple",
+        f"max by (instance) (specd_frozen{{{INST}}}) == 1",
+        "frozen after a failed restart",
+        "a restart failed on {{instance}}: specd rolled back and changes nothing until "
+        "specd unfreeze",
     ),
     Annotation(
         "Regressions",

@@ -162,7 +162,8 @@ def test_every_restart_result_exploration_and_pin_is_annotated() -> None:
     assert 'result="success"' in text
     assert 'result!="success"' in text  # rolled_back and failed
     assert 'mode="pin"' in text
-    assert 'mode="freeze"' in text
+    assert 'specd_override_info{instance=~"$instance", mode="freeze"}' in text
+    assert "specd_frozen{" in text  # the freeze after a failed restart, apart
     assert "specd_explorations_total{" in text
 
 
@@ -256,12 +257,17 @@ def test_thresholds_set_where_a_value_means_trouble() -> None:
 def test_every_specd_metric_is_on_the_dashboard() -> None:
     registry = CollectorRegistry()
     Metrics(registry=registry)
-    names = set()
+    # Whole names: specd_offered_concurrency is not on the dashboard by way of
+    # specd_offered_concurrency_current. A family is there when a query reads any of its
+    # series (a counter's _total, a histogram's _bucket, _sum or _count).
+    used = set(re.findall(r"\bspecd_\w+", " ".join(exprs())))
+    missing = set()
     for family in registry.collect():
         suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
-        names.add(family.name + suffix)
-    used = " ".join(exprs())
-    missing = {n for n in names - NOT_ON_DASHBOARD if n not in used}
+        name = family.name + suffix
+        sample_names = {s.name for s in family.samples} | {name}
+        if name not in NOT_ON_DASHBOARD and not sample_names & used:
+            missing.add(name)
     assert missing == set()
 
 
@@ -280,3 +286,60 @@ def test_provisioning_files() -> None:
 
 def test_decision_timeline_colours_every_reason() -> None:
     assert set(generator().REASON_COLORS) == {r.value for r in Reason}
+
+
+SPECD_SELECTOR = re.compile(r"\b(specd_[a-z_]+)\{([^}]*)\}")
+MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+RULES = ROOT / "etc" / "prometheus" / "specd.rules.yml"
+
+
+def exported_label_values() -> dict[tuple[str, str], set[str]]:
+    """Every (sample name, label) specd exports and the values it takes: the fixed ones
+    declared at start, and an override's mode as the daemon sets it."""
+    metrics = Metrics(
+        registry=CollectorRegistry(), reasons=[r.value for r in Reason], steps=range(1, 7)
+    )
+    values: dict[tuple[str, str], set[str]] = {}
+    for mode in ("pin", "freeze"):
+        metrics.set_override_info(mode, "on-call's reason")
+        for family in metrics.registry.collect():
+            for sample in family.samples:
+                for label, value in sample.labels.items():
+                    values.setdefault((sample.name, label), set()).add(value)
+    return values
+
+
+def matched_label_values() -> list[tuple[str, str, str, str]]:
+    """(where, metric, label, value) of every matcher on a specd metric in the dashboard
+    and the rules; a regex alternation ("pin|freeze") counts each alternative."""
+    rules = yaml.safe_load(RULES.read_text(encoding="utf-8"))["groups"]
+    sources = [("dashboard", e) for e in exprs()] + [
+        (r.get("alert") or r["record"], r["expr"]) for g in rules for r in g["rules"]
+    ]
+    found = []
+    for where, expr in sources:
+        for selector in SPECD_SELECTOR.finditer(expr):
+            for label, op, value in MATCHER.findall(selector.group(2)):
+                if label in ("instance", "job"):
+                    continue
+                for option in value.split("|") if op in ("=~", "!~") else [value]:
+                    found.append((where, selector.group(1), label, option))
+    return found
+
+
+def test_every_matched_label_value_is_exported() -> None:
+    """A label value a panel, annotation or alert matches on is one specd exports: a
+    renamed result, mode or reason would leave the query silently empty."""
+    exported = exported_label_values()
+    matched = matched_label_values()
+    assert {(m, label) for _, m, label, _ in matched} >= {
+        ("specd_mode", "mode"),
+        ("specd_override_info", "mode"),
+        ("specd_restarts_total", "result"),
+    }
+    wrong = [
+        f"{where}: {metric}{{{label}={value!r}}}"
+        for where, metric, label, value in matched
+        if value not in exported.get((metric, label), set())
+    ]
+    assert wrong == []

@@ -65,7 +65,12 @@ class Metrics:
             registry=r,
         )
         self.mode = Gauge(
-            "specd_mode", "1 for the active mode (auto, pin, freeze), else 0.", ["mode"], registry=r
+            "specd_mode",
+            "1 for the active mode, else 0: auto (specd decides), pin (an override holds a "
+            "setting), freeze (no automatic change: an override freeze, or specd_frozen after "
+            "a failed restart).",
+            ["mode"],
+            registry=r,
         )
         self.setting_kind = Gauge(
             "specd_setting_kind",
