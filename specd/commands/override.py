@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import math
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -13,18 +14,39 @@ from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import SpecSetting, format_setting
 from specd.core.setting import parse as parse_setting
-from specd.core.text import duration_text
+from specd.core.text import duration_text, printable
 from specd.io import config as config_mod
 from specd.io.override import (
     MAX_CLI_DURATION,
     OverrideStatus,
+    check_override_text,
     daemon_uids,
+    expired,
     read_override,
     render_override,
     write_override,
 )
 
-FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
+PIN_FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
+FREEZE_FOR = Duration(
+    MAX_CLI_DURATION,
+    "for longer, turn automatic restarts off in the config (restart.daily_restart_budget = 0)",
+)
+
+
+def _reason(text: str) -> str:
+    """``--reason``: what the next on-call reads (status, logs, the dashboard); never empty,
+    no control characters (they would act on the terminal of whoever reads it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("say why: the next on-call reads it")
+    if printable(text) != text:
+        raise argparse.ArgumentTypeError(
+            f"{quoted(printable(text))} has control characters (a newline, a terminal escape)"
+        )
+    return text.strip()
+
+
+_reason.__name__ = "reason"
 
 
 def _pin_setting(text: str) -> SpecSetting:
@@ -56,16 +78,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="a step count K, off (no speculation) or adaptive:K1,K2,... (SGLang's own "
         "per-batch switching among those step counts)",
     )
-    pin.add_argument("--for", dest="duration", type=FOR, required=True, help=FOR.spec)
-    pin.add_argument("--reason", required=True)
+    pin.add_argument("--for", dest="duration", type=PIN_FOR, required=True, help=PIN_FOR.spec)
+    pin.add_argument("--reason", type=_reason, required=True)
     pin.add_argument(
         "--now", action="store_true", help="restart at once instead of at the next window"
     )
     freeze = sub.add_parser("freeze", parents=[common], help="make no changes until it expires")
-    freeze.add_argument("--for", dest="duration", type=FOR, required=True, help=FOR.spec)
-    freeze.add_argument("--reason", required=True)
+    freeze.add_argument(
+        "--for", dest="duration", type=FREEZE_FOR, required=True, help=FREEZE_FOR.spec
+    )
+    freeze.add_argument("--reason", type=_reason, required=True)
     clear = sub.add_parser("clear", parents=[common], help="back to automatic (mode = auto)")
-    clear.add_argument("--reason", default="override cleared")
+    clear.add_argument("--reason", type=_reason, default="override cleared")
     sub.add_parser("show", parents=[common], help="say whether the file is valid and its effect")
 
 
@@ -74,7 +98,7 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
         return f"{path}: no override file; specd decides automatically."
     if not status.valid:
         return (
-            f"INVALID: {status.problem}\n"
+            f"INVALID: {printable(status.problem or '')}\n"
             "specd ignores this file and keeps its last good state; fix or run "
             "`specd override clear`."
         )
@@ -83,9 +107,17 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     if override.mode == "auto":
         return f"{path}: valid, mode auto; specd decides automatically."
     assert override.expires_at is not None
+    why = f" — reason: {printable(override.reason)}" if override.reason else ""
+    ago = expired(override, now)
+    if ago is not None:
+        return (
+            f"{path}: {override.mode} expired {ago} ago "
+            f"({override.expires_at:%Y-%m-%d %H:%M:%SZ}){why}\n"
+            "specd decides automatically again; delete the file or run "
+            "`specd override clear`, so nobody takes it for the setting in force."
+        )
     left = duration_text((override.expires_at - now).total_seconds())
     until = f"until {override.expires_at:%Y-%m-%d %H:%M:%SZ} ({left} from now)"
-    why = f" — reason: {override.reason}" if override.reason else ""
     if override.mode == "freeze":
         return f"{path}: valid, freeze {until}{why}\nspecd makes no step changes until then."
     when = "at once (apply = now)" if override.apply == "now" else windows_text
@@ -94,12 +126,39 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
         what = "no speculation" if text == "off" else f"SGLang's adaptive mode {text}"
         return (
             f"{path}: valid, pin {text} {until}{why}\n"
-            f"specd runs {what}; if SGLang runs another setting it restarts {when}."
+            f"specd runs {what}; if SGLang runs another setting it restarts {when}, once "
+            "it has checked that this server supports it (`specd doctor` lists what it offers)."
         )
     return (
         f"{path}: valid, pin {override.steps} steps {until}{why}\n"
         f"specd runs {override.steps} steps; if SGLang runs another count it restarts {when}."
     )
+
+
+def _never_applies(
+    override: Override, cfg: config_mod.Config, now: datetime
+) -> tuple[datetime, timedelta] | None:
+    """A pin waiting for a window that expires before one opens: (when the next window
+    opens, the shortest --for that reaches it). None when it can apply."""
+    if override.mode != "pin" or override.apply == "now" or override.expires_at is None:
+        return None
+    try:
+        if windows.is_open(cfg.windows, now):
+            return None
+        opens = windows.next_open(cfg.windows, now)
+    except ValueError:
+        return None
+    if override.expires_at > opens:
+        return None
+    # Into the window by one restart's worth, rounded up to the hour.
+    reach = opens - now + timedelta(seconds=cfg.choose.restart_cost_s)
+    return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600))
+
+
+def _hours(delta: timedelta) -> str:
+    """Whole hours as --for takes them: ``20h``, ``1d``, ``1d4h``."""
+    days, hours = divmod(int(delta.total_seconds() // 3600), 24)
+    return (f"{days}d" if days else "") + (f"{hours}h" if hours or not days else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,9 +202,27 @@ def run(args: argparse.Namespace) -> int:
             steps = pinned.steps if pinned is not None and pinned.kind == "static" else None
             other = pinned if pinned is not None and pinned.kind != "static" else None
             override = Override(args.action, steps, now + duration, args.reason, apply, other)
+        late = _never_applies(override, cfg, now)
+        if late is not None:
+            opens, reach = late
+            print(
+                f"specd override: the pin expires at {override.expires_at:%Y-%m-%d %H:%M}Z, "
+                f"before the next maintenance window opens ({opens:%Y-%m-%d %H:%M}Z): it "
+                f"would never apply. Restart at once with --now, or pin --for {_hours(reach)} "
+                "or more; nothing written",
+                file=sys.stderr,
+            )
+            return 2
         header = f"written by `specd override {args.action}` as {user} at {now:%Y-%m-%dT%H:%M:%SZ}"
+        text = render_override(override, header)
+        # Checked as specd will read it before it replaces what is there: a file specd
+        # would ignore must not take the place of one it obeys.
+        refused = check_override_text(text, cfg.choose.min_steps, cfg.choose.max_steps, now)
+        if refused is not None:
+            print(f"specd override: {refused}; nothing written", file=sys.stderr)
+            return 2
         try:
-            write_override(path, render_override(override, header))
+            write_override(path, text)
         except OSError as exc:
             print(f"specd override: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
             return 1

@@ -59,3 +59,14 @@ def duration_text(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+# C0 and C1 controls, DEL: in text an operator wrote they would move the cursor, recolour or
+# clear the terminal of whoever reads it later.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters (a terminal's escapes, newlines) written as
+    ``\\x1b``-style escapes, so printing it shows it and does nothing else."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)

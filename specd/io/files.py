@@ -37,6 +37,10 @@ MIB = 1024 * KIB
 # the interpreter's recursion limit, so whatever walks the parsed value later cannot recurse
 # out of stack either.
 MAX_NESTING_DEPTH = 64
+# Some Windows editors start a text file with it; TOML forbids it, and tomllib's message
+# ("Invalid statement (at line 1, column 1)") does not say what is there.
+UTF8_BOM = b"\xef\xbb\xbf"
+BOM_PROBLEM = "starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM"
 _TEMP_ATTEMPTS = 16
 
 

@@ -13,9 +13,11 @@ apply = "next-window"                # or "now": restart at once, outside any wi
 ```
 
 ``read_override`` never raises: a bad file (invalid TOML, unknown key or mode, steps out of
-range, missing or past ``expires_at``, world- or group-writable, owned by someone other than
-root or specd) comes back ``valid=False`` with a one-line ``problem``; the daemon then keeps
-its last good state. A missing file means no override.
+range, missing ``expires_at``, world- or group-writable, owned by someone other than root or
+specd) comes back ``valid=False`` with a one-line ``problem``; the daemon then keeps its last
+good state. A missing file means no override. A pin or freeze whose ``expires_at`` has
+passed is a valid file with nothing in force (`Override.active` is False): specd decides by
+itself again, and its expiry stays known (the metrics and `specd override show` say so).
 """
 
 from __future__ import annotations
@@ -92,13 +94,31 @@ def _permission_problem(
             f"{path} is group-writable by gid {st.st_gid} (mode {mode:04o}); run: chmod g-w {path}"
         )
     if st.st_uid not in allowed_uids:
-        return f"{path} is owned by uid {st.st_uid}, not root or specd (uids {allowed_uids})"
+        owners = " or ".join(sorted({_user_name(uid) for uid in allowed_uids}))
+        return f"{path} is owned by {_user_name(st.st_uid)}, not by {owners}"
     parent = path.parent.stat()
     if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX:
         return (
             f"{path.parent} is world-writable without the sticky bit: anyone can replace the file"
         )
     return None
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def expired(override: Override | None, now: datetime | float) -> str | None:
+    """How long ago a pin or freeze expired ("2.0 h"), or None while it holds (or for auto)."""
+    if override is None or override.mode == "auto" or override.expires_at is None:
+        return None
+    current = _as_datetime(now)
+    if override.expires_at > current:
+        return None
+    return duration_text((current - override.expires_at).total_seconds())
 
 
 def _parse_expires(value: Any) -> datetime:
@@ -128,7 +148,9 @@ def parse_override(
     unknown = [key for key in data if key not in KEYS]
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
-    mode = data.get("mode")
+    if "mode" not in data:
+        raise ValueError("mode: missing; one of auto, pin, freeze")
+    mode = data["mode"]
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of auto, pin, freeze")
     apply = data.get("apply", "next-window")
@@ -160,16 +182,10 @@ def parse_override(
     expires_at = None
     if "expires_at" in data:
         expires_at = _parse_expires(data["expires_at"])
-    if mode != "auto":
-        if expires_at is None:
-            raise ValueError(f"expires_at: required with mode = {mode!r}")
-        current = _as_datetime(now)
-        if expires_at <= current:
-            raise ValueError(
-                f"expires_at: {expires_at:%Y-%m-%dT%H:%M:%SZ} has passed "
-                f"({duration_text((current - expires_at).total_seconds())} ago); "
-                f"specd ignores this {mode}"
-            )
+    if mode != "auto" and expires_at is None:
+        raise ValueError(f"expires_at: required with mode = {mode!r}")
+    # A passed expires_at is no error: the file is what the on-call wrote, no longer in
+    # force (`Override.active`); `expired` says so.
     return Override(
         mode=mode, steps=steps, expires_at=expires_at, reason=reason, apply=apply, setting=pinned
     )
@@ -225,6 +241,8 @@ def read_override(
         problem = f"cannot check {path.parent}: {exc.strerror or exc}"
     if problem is not None:
         return _invalid(problem, fingerprint)
+    if raw.startswith(files.UTF8_BOM):
+        return _invalid(f"{path}: {files.BOM_PROBLEM}", fingerprint)
     try:
         data = files.parse_toml(raw.decode("utf-8"))
         override = parse_override(data, cfg_min_steps, cfg_max_steps, now)
@@ -250,6 +268,24 @@ def render_override(override: Override, header: str = "") -> str:
     table["apply"] = override.apply
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + tomli_w.dumps(table)
+
+
+def check_override_text(
+    text: str, cfg_min_steps: int, cfg_max_steps: int, now: datetime | float
+) -> str | None:
+    """The problem `read_override` would find in a file of ``text`` (its size and content;
+    not its owner or mode, which writing sets), or None."""
+    size = len(text.encode("utf-8"))
+    if size > MAX_OVERRIDE_BYTES:
+        return (
+            f"the override would be {size // files.KIB} KiB, larger than the "
+            f"{MAX_OVERRIDE_BYTES // files.KIB} KiB allowed (a shorter --reason)"
+        )
+    try:
+        parse_override(files.parse_toml(text), cfg_min_steps, cfg_max_steps, now)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def write_override(path: str | Path, text: str) -> None:

@@ -15,7 +15,7 @@ from specd.cli import main
 from specd.commands.args import parse_duration
 from specd.core.override import Override
 from specd.core.setting import adaptive, off
-from specd.io.override import ABSENT, read_override, write_override
+from specd.io.override import ABSENT, expired, read_override, write_override
 
 UTC = timezone.utc
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -86,11 +86,37 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
 
 
 @pytest.mark.parametrize(
+    ("expires_at", "ago"),
+    [
+        ("2026-05-01T11:00:00Z", "60.0 min"),
+        ("2026-05-01T12:00:00Z", "0 s"),
+        ("2026-05-01T12:00:01Z", None),
+    ],
+)
+@pytest.mark.parametrize("body", ['mode = "pin"\nsteps = 3\n', 'mode = "freeze"\n'])
+def test_an_expired_override_is_a_valid_file_with_nothing_in_force(
+    tmp_path: Path, body: str, expires_at: str, ago: str | None
+) -> None:
+    """What the on-call wrote stays known after it expires (its expiry is exported, so the
+    expired-in-file alert can fire); it is no longer in force."""
+    status = read_override(
+        write(tmp_path, f"{body}expires_at = {expires_at}\n"), 1, 6, NOW, allowed_uids=OWN
+    )
+    assert (status.valid, status.present, status.problem) == (True, True, None)
+    assert status.override is not None
+    assert status.override.expires_at == datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    assert status.override.active(NOW) is (ago is None)
+    assert expired(status.override, NOW) == ago
+
+
+@pytest.mark.parametrize(
     ("text", "problem"),
     [
         ("mode = \n", "invalid TOML: Invalid value (at line 1, column 8)"),
         ('mode = "pinned"\n', "mode: 'pinned' is not one of auto, pin, freeze"),
-        ("steps = 3\n", "mode: None is not one of"),
+        ("steps = 3\n", "mode: missing; one of auto, pin, freeze"),
+        ("", "mode: missing"),
+        ('\ufeffmode = "auto"\n', "starts with a UTF-8 byte order mark (BOM)"),
         ('mode = "auto"\nstep = 3\n', "unknown key 'step'"),
         ('mode = "pin"\nexpires_at = 2026-05-01T16:00:00Z\n', "steps: required"),
         ('mode = "pin"\nsteps = 9\nexpires_at = 2026-05-01T16:00:00Z\n', "outside the configured"),
@@ -99,11 +125,6 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
         ('mode = "pin"\nsteps = true\nexpires_at = 2026-05-01T16:00:00Z\n', "expected an integer"),
         ('mode = "pin"\nsteps = 3\n', "expires_at: required with mode = 'pin'"),
         ('mode = "freeze"\n', "expires_at: required with mode = 'freeze'"),
-        (
-            'mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T11:00:00Z\n',
-            "has passed (60.0 min ago)",
-        ),
-        ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T12:00:00Z\n', "has passed"),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T16:00:00\n', "has no UTC offset"),
         ('mode = "pin"\nsteps = 3\nexpires_at = "tomorrow"\n', "is not an RFC 3339 time"),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-02\n', "expected a date-time"),
@@ -168,7 +189,7 @@ def test_owned_by_another_user(tmp_path: Path) -> None:
         os.chown(path, 4242, -1)
         status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
         assert status.problem is not None
-        assert "owned by uid 4242, not root or specd" in status.problem
+        assert "owned by uid 4242, not by root" in status.problem
     # Whoever we are: an owner outside the allowed list is refused.
     status = read_override(path, 1, 6, NOW, allowed_uids=(4343,))
     assert not status.valid
@@ -261,11 +282,19 @@ def test_parse_duration_rejects(text: str) -> None:
 
 @pytest.fixture
 def setup(tmp_path: Path) -> tuple[Path, Path]:
+    return make_config(tmp_path, window_opens_in_h=0)
+
+
+def make_config(tmp_path: Path, window_opens_in_h: int) -> tuple[Path, Path]:
+    """A config whose one daily two-hour window opened at the start of this hour (0, open
+    now) or opens ``window_opens_in_h`` hours after it."""
     override = tmp_path / "override.toml"
     config = tmp_path / "specd.toml"
+    hour = (datetime.now(UTC).hour + window_opens_in_h) % 24
     config.write_text(
         f'[files]\noverride_file = "{override}"\n[choose]\nmin_steps = 2\nmax_steps = 5\n'
         "[[bands]]\nmax_concurrency = 4\nsteps = 4\n[[bands]]\nsteps = 3\n"
+        f'[[windows]]\ncron = "0 {hour} * * *"\nduration_s = 7200\ntimezone = "UTC"\n'
     )
     return config, override
 
@@ -371,7 +400,12 @@ def test_file_flag_overrides_the_configured_path(setup: tuple[Path, Path], tmp_p
             0,
             "maintenance window",
         ),
-        ('mode = "pin"\nsteps = 3\nexpires_at = 2000-01-01T00:00:00Z\n', 0o644, 1, "has passed"),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2000-01-01T00:00:00Z\n',
+            0o644,
+            0,
+            "specd decides automatically again; delete the file",
+        ),
         ('mode = "pin"\nsteps = 9\nexpires_at = 2999-01-01T00:00:00Z\n', 0o644, 1, "range 2..5"),
         ('mode = "auto"\n', 0o666, 1, "world-writable"),
         ("mode = \n", 0o644, 1, "invalid TOML"),
@@ -510,3 +544,86 @@ def test_pin_of_any_setting_round_trips(
     assert (status.override.steps, status.override.setting) == (steps, setting)
     assert main(["override", "show", "--config", str(config)]) == 0
     assert says in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "says"),
+    [
+        # The window opens in 11–12 h: a 2 h pin waiting for it would never apply.
+        (
+            ["pin", "3", "--for", "2h", "--reason", "tonight"],
+            2,
+            "before the next maintenance window opens",
+        ),
+        (["pin", "3", "--for", "2h", "--reason", "tonight"], 2, "or pin --for 12h or more"),
+        (["pin", "adaptive:3,4", "--for", "1h", "--reason", "r"], 2, "would never apply"),
+        (["pin", "3", "--for", "2h", "--reason", "now", "--now"], 0, "restarts at once"),
+        (["pin", "3", "--for", "14h", "--reason", "tonight"], 0, "in the next maintenance window"),
+        # Nothing changes outside a window anyway: a short freeze is harmless.
+        (["freeze", "--for", "2h", "--reason", "incident"], 0, "makes no step changes"),
+    ],
+)
+def test_a_pin_that_expires_before_the_next_window_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, says: str
+) -> None:
+    config, override = make_config(tmp_path, window_opens_in_h=12)
+    assert main(["override", *argv, "--config", str(config)]) == code
+    captured = capsys.readouterr()
+    assert says in (captured.err if code else captured.out)
+    assert override.exists() is (code == 0)
+    if code:
+        assert "nothing written" in captured.err
+        assert len(captured.err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("reason", "says"),
+    [
+        ("x" * 70_000, "larger than the 64 KiB allowed"),
+        ("", "say why"),
+        ("   ", "say why"),
+        ("ok\x1b[2Jgone", "control characters"),
+        ("two\nlines", "control characters"),
+    ],
+)
+def test_a_pin_specd_would_ignore_leaves_the_file_in_force_untouched(
+    setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str], reason: str, says: str
+) -> None:
+    config, override = setup
+    argv = ["override", "freeze", "--for", "1h", "--reason", "incident", "--config", str(config)]
+    assert main(argv) == 0
+    before = override.read_bytes()
+    capsys.readouterr()
+    argv = ["override", "pin", "3", "--for", "1h", "--reason", reason, "--config", str(config)]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse refuses a bad --reason before the command runs
+        code = exc.code
+    assert code == 2
+    assert says in capsys.readouterr().err
+    assert override.read_bytes() == before
+
+
+def test_show_prints_a_hand_written_reason_without_its_control_characters(
+    setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, override = setup
+    override.write_text(
+        'mode = "freeze"\nexpires_at = 2999-01-01T00:00:00Z\nreason = "see \\u001b[2Jticket"\n'
+    )
+    override.chmod(0o644)
+    assert main(["override", "show", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "reason: see \\x1b[2Jticket" in out
+
+
+def test_a_freeze_longer_than_the_cli_allows_names_the_config_way(
+    setup: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, _ = setup
+    with pytest.raises(SystemExit):
+        main(["override", "freeze", "--for", "31d", "--reason", "r", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert "restart.daily_restart_budget = 0" in err
+    assert "min_steps" not in err
