@@ -577,11 +577,14 @@ class Daemon:
                 tracker.good = None
             elif status.valid:
                 tracker.good = status.override
-                self.log.info(
-                    "override_loaded",
-                    mode=status.override.mode if status.override else None,
-                    reason=status.override.reason if status.override else None,
-                )
+                loaded = status.override
+                # One that has already expired is said below (override_expired).
+                if loaded is None or loaded.mode == "auto" or loaded.active(utc(now)):
+                    self.log.info(
+                        "override_loaded",
+                        mode=loaded.mode if loaded else None,
+                        reason=loaded.reason if loaded else None,
+                    )
             else:
                 # Logged once per change of the file; the last good override holds.
                 self.log.error("override_ignored", problem=status.problem, file=str(path))
@@ -589,8 +592,13 @@ class Daemon:
         tracker.status = status
         good = tracker.good
         if good is not None and not good.active(utc(now)):
-            if changed or tracker.good is not None:
-                self.log.info("override_expired", mode=good.mode)
+            # Said once: at the tick it expires, or when a file already expired is read.
+            if good.mode != "auto":
+                self.log.info(
+                    "override_expired",
+                    mode=good.mode,
+                    expired_at=good.expires_at.isoformat() if good.expires_at else None,
+                )
             tracker.good = None
             good = None
         return good

@@ -24,6 +24,7 @@ import pytest
 import tomli_w
 from factories import FAST_TWIN_VERSION_ARGS, SmgGateway, make_observation, serve, tables
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from specd.core import outcome
 from specd.core.decide import Reason
@@ -678,3 +679,44 @@ def test_a_signal_landing_while_the_loop_holds_an_events_lock_never_deadlocks(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_an_override_that_expires_is_said_once_and_its_expiry_stays_exported(
+    tmp_path: Path,
+) -> None:
+    """The file stays as the on-call wrote it: valid, no longer in force, its expiry still
+    exported (so SpecdOverrideExpiredInFile can fire and SpecdOverrideInvalid does not)."""
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), clock)
+    expires = IN_WINDOW + 10
+    freeze = {
+        "mode": "freeze",
+        "expires_at": datetime.fromtimestamp(expires, tz=UTC),
+        "reason": "incident",
+    }
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(freeze))
+    os.chmod(cfg.files.override_file, 0o600)
+    sample = d.metrics.registry.get_sample_value
+    with capture_logs() as logged:
+        assert d.tick().reason is Reason.FROZEN
+        assert sample("specd_mode", {"mode": "freeze"}) == 1
+        assert sample("specd_override_info", {"mode": "freeze", "reason": "incident"}) == 1
+        for _ in range(3):  # expired from the first of these ticks on
+            clock[0] += 10
+            assert d.tick().reason is not Reason.FROZEN
+    assert sample("specd_mode", {"mode": "auto"}) == 1
+    assert (sample("specd_override_present"), sample("specd_override_valid")) == (1, 1)
+    assert sample("specd_override_expiry_timestamp_seconds") == expires
+    assert sample("specd_override_info", {"mode": "freeze", "reason": "incident"}) is None
+    events = [e["event"] for e in logged if e["event"].startswith("override_")]
+    assert events == ["override_loaded", "override_expired"]
+
+    # Read already expired (a restart of specd): said once, as expired, never as loaded.
+    restarted = daemon(cfg, Reader([obs(clock[0], steps=4)]), Applier(), clock)
+    with capture_logs() as logged:
+        restarted.tick()
+        clock[0] += 10
+        restarted.tick()
+    events = [e["event"] for e in logged if e["event"].startswith("override_")]
+    assert events == ["override_expired"]

@@ -22,8 +22,9 @@ from specd.core.history import HistorySettings
 from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
 from specd.core.outcome import label
+from specd.core.override import Override
 from specd.core.setting import format_setting, traits_from_server_info
-from specd.core.text import duration_text
+from specd.core.text import duration_text, printable
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
@@ -53,6 +54,31 @@ def _setting_text(name: str) -> str:
     """A setting for a line: "4 steps", "off", "adaptive:3,4" (a bare number would not say
     what it counts)."""
     return f"{name} steps" if name.isdigit() else name
+
+
+def _pinned_name(override: Override | None) -> str | None:
+    if override is None or override.mode != "pin":
+        return None
+    if override.setting is not None:
+        return format_setting(override.setting)
+    return None if override.steps is None else str(override.steps)
+
+
+def _override_text(ov: dict[str, Any]) -> str:
+    """The override line: what is in force, or why nothing in the file is."""
+    if not ov["valid"]:
+        return f"INVALID, ignored (specd keeps its last good state): {printable(ov['problem'])}"
+    mode = ov["mode"]
+    if mode == "auto":
+        return "auto: specd decides"
+    what = f"pin {_setting_text(ov['setting'] or '?')}" if mode == "pin" else "freeze"
+    why = f": {printable(ov['reason'])}" if ov["reason"] else ""
+    if ov["expired_s"] is not None:
+        return (
+            f"{what} EXPIRED {duration_text(ov['expired_s'])} ago ({ov['expires_at']}){why}; "
+            "specd decides by itself: delete the file or `specd override clear`"
+        )
+    return f"{what} until {ov['expires_at']}{why}"
 
 
 def _when(ts: float | None, now: float) -> str:
@@ -157,9 +183,20 @@ def collect(
             "problem": override.problem,
             "mode": current.mode if current else None,
             "steps": current.steps if current else None,
+            # What a pin holds as the operator writes it ("4", "off", "adaptive:3,4").
+            "setting": _pinned_name(current),
             "expires_at": current.expires_at.isoformat()
             if current and current.expires_at
             else None,
+            # Seconds since a pin or freeze expired (still in the file, no longer in force).
+            "expired_s": (
+                (at - current.expires_at).total_seconds()
+                if current
+                and current.mode != "auto"
+                and current.expires_at
+                and not current.active(at)
+                else None
+            ),
             "reason": current.reason if current else None,
         },
         "frozen": state.frozen,
@@ -338,12 +375,7 @@ def render(info: dict[str, Any], now: float) -> str:
     ]
     ov = info["override"]
     if ov["present"]:
-        lines.append(
-            f"override       {ov['mode']} steps={ov['steps']} until {ov['expires_at']}: "
-            f"{ov['reason']}"
-            if ov["valid"]
-            else f"override       INVALID, ignored: {ov['problem']}"
-        )
+        lines.append(f"override       {_override_text(ov)}")
     for e in info["avoided"]:
         lines.append(
             f"avoided        {_setting_text(e['setting'])}: served "

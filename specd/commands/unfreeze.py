@@ -13,13 +13,25 @@ import time
 from pathlib import Path
 
 from specd.commands.check_config import load_for_command
+from specd.core.setting import format_setting
+from specd.core.text import printable
 from specd.daemon import UNFREEZE_REQUEST
-from specd.io.config import DEFAULT_CONFIG_PATH
+from specd.io.config import DEFAULT_CONFIG_PATH, Config
+from specd.io.override import daemon_uids, read_override
 from specd.io.state import STATE_FILE, atomic_write_json, read_json
 
 
+def _reason(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("say why it is safe to resume: the log keeps it")
+    return text.strip()
+
+
+_reason.__name__ = "reason"
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reason", required=True, help="why it is safe to resume")
+    parser.add_argument("--reason", type=_reason, required=True, help="why it is safe to resume")
     parser.add_argument("--config", type=Path, default=None, help=f"default {DEFAULT_CONFIG_PATH}")
 
 
@@ -45,6 +57,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"specd: cannot write the request into {state_dir}: {exc} (run as root?)")
         return 1
     print(
-        f"frozen since: {frozen.get('reason')}\nunfreeze requested; specd clears it within one tick"
+        f"frozen since: {printable(str(frozen.get('reason')))}\n"
+        "unfreeze requested; specd clears it within one tick"
     )
+    pin = _pin_now(config)
+    if pin is not None:
+        # A freeze after a failed restart often follows an on-call pin that failed: the pin
+        # is still in force and, with apply = now, is retried at the first tick unfrozen.
+        print(
+            f"note: the override pins {pin} with apply = now: unfrozen, specd restarts SGLang "
+            "into it at once, outside any window. If that is what failed, clear the override "
+            "first: specd override clear"
+        )
     return 0
+
+
+def _pin_now(config: Config) -> str | None:
+    """The setting an override in force pins with apply = now, or None."""
+    status = read_override(
+        config.files.override_file,
+        config.choose.min_steps,
+        config.choose.max_steps,
+        time.time(),
+        allowed_uids=daemon_uids(),
+    )
+    held = status.override
+    if held is None or held.mode != "pin" or held.apply != "now" or not held.active(time.time()):
+        return None
+    if held.setting is not None:
+        return format_setting(held.setting)
+    return f"{held.steps} steps"

@@ -9,9 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
+import tomli_w
 from prometheus_client import CollectorRegistry
 
 from specd import cli
@@ -222,3 +225,44 @@ def test_run_with_its_metrics_port_taken_says_so_in_one_line(tmp_path: Path) -> 
     [line] = [json.loads(x) for x in proc.stdout.splitlines() if "metrics_listen_failed" in x]
     assert line["level"] == "error"
     assert line["address"] == f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    ("override", "note"),
+    [
+        (None, False),
+        ({"mode": "pin", "steps": 6, "apply": "now"}, True),
+        ({"mode": "pin", "setting": "adaptive:3,4", "apply": "now"}, True),
+        ({"mode": "pin", "steps": 6, "apply": "next-window"}, False),
+        ({"mode": "freeze"}, False),
+    ],
+)
+def test_unfreeze_warns_of_a_pin_it_would_retry_at_once(
+    tmp_path: Path, override: dict[str, Any] | None, note: bool
+) -> None:
+    """A failed `pin --now` freezes specd; unfrozen with the pin still in force, specd
+    restarts into it again at once: the on-call hears so before that happens."""
+    cfg_path = write_config(tmp_path)
+    config = load_config(cfg_path)
+    frozen = {"since": time.time() - 60, "reason": "restart to 6 rolled_back: never healthy"}
+    assert StateStore(config.files.state_dir).save(State(frozen=frozen)) is None
+    if override is not None:
+        expires = datetime.now(timezone.utc) + timedelta(hours=1)
+        table = {**override, "expires_at": expires, "reason": "incident"}
+        Path(config.files.override_file).write_text(tomli_w.dumps(table))
+        Path(config.files.override_file).chmod(0o644)
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed")
+    assert done.returncode == 0, done.stderr
+    assert ("specd override clear" in done.stdout) is note
+    if note:
+        assert "restarts SGLang into it at once" in done.stdout
+        assert ("6 steps" if "steps" in override else "adaptive:3,4") in done.stdout
+
+
+@pytest.mark.parametrize("reason", ["", "   "])
+def test_unfreeze_needs_a_reason(tmp_path: Path, reason: str) -> None:
+    cfg_path = write_config(tmp_path)
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", reason)
+    assert done.returncode == 2
+    assert "say why it is safe to resume" in done.stderr
+    assert "Traceback" not in done.stderr

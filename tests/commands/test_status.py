@@ -228,3 +228,58 @@ def test_status_says_what_specd_measured_of_the_acceptance(
         None if alpha is None else pytest.approx(alpha, abs=1e-6)
     )
     assert line in render(info, NOW).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("override", "line", "mode"),
+    [
+        (None, None, "auto"),
+        ('mode = "auto"\n', "override       auto: specd decides", "auto"),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2099-01-01T00:00:00Z\nreason = "eval"\n',
+            "override       pin 3 steps until 2099-01-01T00:00:00+00:00: eval",
+            "pin",
+        ),
+        (
+            'mode = "pin"\nsetting = "adaptive:3,4"\nexpires_at = 2099-01-01T00:00:00Z\n',
+            "override       pin adaptive:3,4 until 2099-01-01T00:00:00+00:00",
+            "pin",
+        ),
+        (
+            'mode = "freeze"\nexpires_at = 2099-01-01T00:00:00Z\nreason = "a \\u001b[2J b"\n',
+            "override       freeze until 2099-01-01T00:00:00+00:00: a \\x1b[2J b",
+            "freeze",
+        ),
+        (
+            # NOW is 2025-11-24T16:00:00Z: expired two hours before.
+            'mode = "pin"\nsteps = 4\nexpires_at = 2025-11-24T14:00:00Z\nreason = "night"\n',
+            "override       pin 4 steps EXPIRED 2.0 h ago (2025-11-24T14:00:00+00:00): night; "
+            "specd decides by itself: delete the file or `specd override clear`",
+            "auto",
+        ),
+        (
+            'mode = "pinned"\n',
+            "override       INVALID, ignored (specd keeps its last good state): ",
+            "auto",
+        ),
+    ],
+)
+def test_status_says_what_the_override_file_holds(
+    tmp_path: Path, override: str | None, line: str | None, mode: str
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens: status does not need SGLang here
+    config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
+    if override is not None:
+        (tmp_path / "override.toml").write_text(override)
+        (tmp_path / "override.toml").chmod(0o644)
+    info = collect(config, NOW, server_info(config))
+    text = render(info, NOW)
+    assert info["mode"] == mode
+    if line is None:
+        assert "override " not in text
+    else:
+        assert line in text, text
+        assert "\x1b" not in text
+        assert "None" not in text.split("override       ", 1)[1].splitlines()[0]
