@@ -5,6 +5,7 @@ stops every command that reads it with one line per problem, and the on-call com
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -222,3 +223,33 @@ def test_run_with_its_metrics_port_taken_says_so_in_one_line(tmp_path: Path) -> 
     [line] = [json.loads(x) for x in proc.stdout.splitlines() if "metrics_listen_failed" in x]
     assert line["level"] == "error"
     assert line["address"] == f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["check-config"],
+        ["override", "show"],
+        ["doctor", "--json"],
+    ],
+    ids=" ".join,
+)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    # `specd status | head -1`: the pipe's reader is gone before the command writes.
+    with subprocess.Popen(
+        [sys.executable, "-m", "specd.cli", *argv, "--config", str(write_config(tmp_path))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+        code = proc.wait(timeout=60)
+    # What a shell reports for a command a closed pipe killed; no traceback.
+    assert (code, stderr) == (128 + signal.SIGPIPE, "")
