@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -106,7 +108,27 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a shell reports for a command a closed pipe killed (as 130 for ^C).
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Written out here, not at exit, so that a reader gone is caught below (also
+            # after --help's SystemExit).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left early (`specd status | head -1`): Python's "Note on SIGPIPE".
+        # stdout goes to devnull so that the flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
     if not args or args[0].startswith("-"):

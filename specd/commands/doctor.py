@@ -60,6 +60,24 @@ PROBE_OTHER_UNIT = "specd-doctor-probe.service"
 MAX_WINDOW_GAP_S = 31 * 86400.0
 NEEDED_METRICS = (RUNNING, QUEUED, ACCEPT_LENGTH)
 USEFUL_METRICS = (SPEC_STEPS, VERIFY_CALLS)
+# The checks that read what to check from the config, and the part they read: with an
+# invalid config they are skipped, as probing the built-in defaults instead (another URL,
+# unit or port) would pass or fail for a setup that is not the operator's.
+NEEDS_CONFIG = (
+    ("sglang", "[sglang] url"),
+    ("metrics", "[sglang] url"),
+    ("version", "[sglang] url"),
+    ("gateway", "[gateway]"),
+    ("choices", "[choose]"),
+    ("drop-in", "[sglang] unit"),
+    ("command", "[sglang] unit"),
+    ("setting", "[sglang] env_file"),
+    ("polkit", "[sglang] unit"),
+    ("windows", "[[windows]]"),
+    ("override", "[files] override_file"),
+    ("fleet", "[fleet]"),
+    ("specd-metrics", "[report] metrics_port"),
+)
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,8 @@ class Check:
     advice: str = ""
     # What the operator should know either way (e.g. what specd cannot see on this SGLang).
     notes: tuple[str, ...] = ()
+    # Not run (``ok`` is False): what it would check is not known.
+    skipped: bool = False
 
 
 class Doctor:
@@ -131,7 +151,7 @@ class Doctor:
                 False,
                 info.reason,
                 f"is {self.config.sglang.unit} running? `systemctl status "
-                f"{self.config.sglang.unit}`; sglang_url is {self.config.sglang.url}",
+                f"{self.config.sglang.unit}`; [sglang] url is {self.config.sglang.url}",
             )
         self.info = info
         self.info_path = client.info_path or "/server_info"
@@ -168,7 +188,7 @@ class Doctor:
                 f"add --enable-metrics to {self.config.sglang.unit}'s command line "
                 "(`specd install --add-enable-metrics`) and restart it"
                 if "404" in text.reason
-                else "check that SGLang is up and sglang_url points at it"
+                else "check that SGLang is up and [sglang] url points at it"
             )
             return [Check("metrics", False, text.reason, advice)]
         parsed = parse_metrics(text)
@@ -598,6 +618,18 @@ class Doctor:
 
     def run(self) -> list[Check]:
         checks = [self.check_config()]
+        if not checks[0].ok:
+            skipped = [
+                Check(
+                    name,
+                    False,
+                    f"skipped: it needs {what} from the config, which is invalid",
+                    skipped=True,
+                )
+                for name, what in NEEDS_CONFIG
+            ]
+            # specd.service is named by specd, not by the config: still worth knowing.
+            return [*checks, *skipped, self._guarded(self.check_service)]
         with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
@@ -613,11 +645,15 @@ class Doctor:
             self.check_service,
             self.check_own_metrics,
         ):
-            try:
-                checks.append(check())
-            except (InstallError, OSError, ValueError) as exc:
-                checks.append(Check(check.__name__.removeprefix("check_"), False, str(exc), ""))
+            checks.append(self._guarded(check))
         return checks
+
+    @staticmethod
+    def _guarded(check: Callable[[], Check]) -> Check:
+        try:
+            return check()
+        except (InstallError, OSError, ValueError) as exc:
+            return Check(check.__name__.removeprefix("check_"), False, str(exc), "")
 
 
 def _reports_effective_capacity(info: dict[str, Any]) -> bool:
@@ -663,7 +699,8 @@ def render(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     lines = []
     for check in checks:
-        lines.append(f"{'✓' if check.ok else '✗'} {check.name:<{width}}  {check.detail}")
+        mark = "-" if check.skipped else "✓" if check.ok else "✗"
+        lines.append(f"{mark} {check.name:<{width}}  {check.detail}")
         if not check.ok and check.advice:
             lines.append(f"  {'':<{width}}  → {check.advice}")
         lines += [f"  {'':<{width}}  · {note}" for note in check.notes]

@@ -3,13 +3,15 @@
 Changes nothing: it reads the daemon's state file (when there is one) for the learned
 history, restarts and freeze, samples the server a few times, and runs the same
 `step` as the daemon on a copy. Useful before installing specd (what
-would it do with this traffic?) and on call (why is it not acting?).
+would it do with this traffic?) and on call (why is it not acting?). Exits 1, as `specd
+observe` does, when not one scrape of SGLang answered.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         client = SGLangClient(args.url, timeout_s=config.observe.scrape_timeout_s)
     except ValueError as exc:
-        print(f"specd recommend: {exc}")
+        print(f"specd recommend: {exc}", file=sys.stderr)
         return 2
     traits = None
+    read_any = False
     with client:
         info = client.server_info()
         if not isinstance(info, ScrapeError):
@@ -116,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             last = client.observe()
             if isinstance(last, Observation):
                 history.record(last)
+                read_any = True
             if i + 1 < args.samples:
                 pause.wait(args.interval_s)
     now = time.time()
@@ -174,9 +178,11 @@ def run(args: argparse.Namespace) -> int:
         },
         "measured": [_measured_json(row) for row in rows],
     }
+    # As `specd observe`: not one answer from SGLang is a failure, whatever was printed.
+    code = 0 if read_any else 1
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return code
     live = outcome.live_name
     print(
         f"SGLang         {args.url}: "
@@ -193,9 +199,13 @@ def run(args: argparse.Namespace) -> int:
             else "nothing yet (no busy history)"
         )
     )
-    wanted = out["decision"]["target_setting"] or decision.target_steps
-    print(f"decision       {decision.reason.value}: target {wanted} — {decision.message}")
+    wanted = decision.target_name or (
+        None if decision.target_steps is None else str(decision.target_steps)
+    )
+    target = "no target" if wanted is None else f"target {wanted}"
+    print(f"decision       {decision.reason.value}: {target} — {decision.message}")
     for row in rows:
         print(f"measured       {_measured_text(row)}")
-    print("would restart  " + ("yes" if outcome.acts else "no") + " (nothing changed)")
-    return 0
+    # The daemon's answer; this command itself restarts nothing.
+    print("would restart  " + (f"yes, to {wanted}" if outcome.acts else "no"))
+    return code

@@ -193,6 +193,12 @@ def build_config(
         raise ReplayError(_validation_message(exc)) from None
     problems = check_calibration(config)
     if problems:
+        # The problem names the config key; name the flag when the flag set it.
+        key, sep, rest = problems[0].partition(": ")
+        flag = {"choose.calibration_file": calibration, "choose.kinds": kinds}
+        flags = {"choose.calibration_file": "--calibration", "choose.kinds": "--kinds"}
+        if sep and flag.get(key) is not None:
+            raise ReplayError(f"{flags[key]}: {rest}")
         raise ReplayError(problems[0])
     return config
 

@@ -18,6 +18,7 @@ Environment values are strings, one table level per ``__``
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import re
 import sys
@@ -27,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined, to_jsonable_python
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -233,8 +235,16 @@ def _env_name_of(loc: tuple[int | str, ...]) -> str | None:
 
 def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
     problems = []
-    for err in error.errors(include_url=False):
+    errors = error.errors(include_url=False)
+    for err in errors:
         loc = tuple(err["loc"])
+        if err["type"] in ("too_short", "too_long") and any(
+            tuple(other["loc"])[: len(loc)] == loc and len(other["loc"]) > len(loc)
+            for other in errors
+        ):
+            # pydantic counts the items that validated: kinds = ["statc"] is also "at
+            # least 1 item, not 0". The item's own error is the problem.
+            continue
         key = _format_loc(loc)
         env_name = _env_name_of(loc)
         message = str(err["msg"]).removeprefix("Value error, ")
@@ -281,6 +291,61 @@ def _env_hint(name: str) -> str:
     else:
         return " (check the spelling)"
     return f"; {_home_of(key)}: use {ENV_PREFIX}{home.upper()}{ENV_NESTED_DELIMITER}{new.upper()}"
+
+
+def _default_of(field: FieldInfo) -> Any:
+    default = field.get_default(call_default_factory=True)
+    return None if default is PydanticUndefined else default
+
+
+def _json_shape(name: str) -> tuple[str, str] | None:
+    """For a SPECD_* variable whose value pydantic-settings parses as JSON: what it must be
+    and an example value (from the default; "" for none), else None."""
+    table, nested, key = name.upper()[len(ENV_PREFIX) :].lower().partition(ENV_NESTED_DELIMITER)
+    if nested:
+        model = TABLES.get(table)
+        field = None if model is None else model.model_fields.get(key)
+        if field is None or getattr(field.annotation, "__origin__", None) not in (list, tuple):
+            return None  # a scalar: taken as it is
+        default = _default_of(field)
+        example = json.dumps(to_jsonable_python(list(default)[:1])) if default else ""
+        return "a list must be JSON", example
+    if table in ARRAYS:
+        default = _default_of(Settings.model_fields[table])
+        return "an array of tables must be JSON", json.dumps(to_jsonable_python(default[:1]))
+    if table in TABLES:
+        for field_name, info in TABLES[table].model_fields.items():
+            if (default := _default_of(info)) is not None:
+                example = json.dumps({field_name: to_jsonable_python(default)})
+                return "a table must be a JSON object", example
+        return "a table must be a JSON object", ""
+    return None
+
+
+def _env_json_problems() -> list[str]:
+    """One line per SPECD_* variable that must be JSON and is not: pydantic-settings stops
+    at the first, and names its table only (SPECD_CHOOSE for SPECD_CHOOSE__KINDS)."""
+    problems = []
+    for name, value in sorted(os.environ.items()):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        shape = _json_shape(name)
+        # An empty list variable is left to pydantic ("Input should be a valid tuple").
+        if shape is None or (not value and ENV_NESTED_DELIMITER in name):
+            continue
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            what, example = shape
+            bare = not value.lstrip().startswith(("[", "{", '"'))
+            if what.startswith("a list") and bare and value.strip():
+                example = json.dumps([value.strip()])  # the operator's item, quoted
+            # For a bare word, JSON's "Expecting value at char 0" says nothing; for a
+            # broken JSON text it says where.
+            where = "" if bare else f" ({exc})"
+            such_as = f", such as {name}='{example}'" if example else ""
+            problems.append(f"{name}: not valid JSON{where}; {what}{such_as}")
+    return problems
 
 
 def _unknown_env() -> tuple[list[str], set[str]]:
@@ -387,9 +452,12 @@ def load_config(path: str | Path | None = None) -> Config:
         problems += [p for p in _problems_from(exc, env_names) if p.split(":", 1)[0] not in seen]
     except SettingsError as exc:
         # pydantic-settings fails this way on malformed JSON in a variable.
-        field = re.search(r'field "(\w+)"', str(exc))
-        name = ENV_PREFIX + field.group(1).upper() if field else "environment"
-        problems.append(f"{name}: not valid JSON: {exc.__cause__ or exc}")
+        found = _env_json_problems()
+        if not found:
+            field = re.search(r'field "(\w+)"', str(exc))
+            name = ENV_PREFIX + field.group(1).upper() if field else "environment"
+            found = [f"{name}: not valid JSON: {exc.__cause__ or exc}"]
+        problems += found
     finally:
         _FILE_DATA.reset(token)
     if config is not None:

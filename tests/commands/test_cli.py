@@ -5,6 +5,7 @@ stops every command that reads it with one line per problem, and the on-call com
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -266,3 +267,33 @@ def test_unfreeze_needs_a_reason(tmp_path: Path, reason: str) -> None:
     assert done.returncode == 2
     assert "say why it is safe to resume" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["check-config"],
+        ["override", "show"],
+        ["doctor", "--json"],
+    ],
+    ids=" ".join,
+)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    # `specd status | head -1`: the pipe's reader is gone before the command writes.
+    with subprocess.Popen(
+        [sys.executable, "-m", "specd.cli", *argv, "--config", str(write_config(tmp_path))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+        code = proc.wait(timeout=60)
+    # What a shell reports for a command a closed pipe killed; no traceback.
+    assert (code, stderr) == (128 + signal.SIGPIPE, "")

@@ -14,6 +14,7 @@ from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_ta
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
+from specd import cli
 from specd.commands.doctor import Check, Doctor, _usec, render
 from specd.core.adaptive import AdaptiveModel
 from specd.core.model import adaptive_slots
@@ -224,6 +225,42 @@ def test_config_check_without_a_config_file(
     assert not named.ok  # a file named on the command line must exist
     absent.write_text("[choose]\nmin_steps = 2\n")
     assert Doctor(None, SubprocessRunner()).check_config().detail == f"{absent} is valid"
+
+
+def test_an_invalid_config_skips_the_checks_that_read_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The URL is right, a typo makes the config invalid: the checks must not fall back
+    # to the built-in defaults (SGLang at :30000, /var/lib/specd, specd's port 9464).
+    config = tmp_path / "specd.toml"
+    config.write_text(f'[sglang]\nurl = "http://127.0.0.1:{free_port()}"\nunti = "x.service"\n')
+    assert cli.main(["doctor", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    for default in ("127.0.0.1:30000", "sglang.service", "/var/lib/specd", "9464"):
+        assert default not in out, out
+    lines = {line.split()[1]: line for line in out.splitlines() if not line.startswith(" ")}
+    assert lines["config"].startswith("✗ config ")
+    assert "sglang.unti: unknown key" in lines["config"]
+    for name in ("sglang", "metrics", "choices", "drop-in", "polkit", "specd-metrics"):
+        assert lines[name].startswith(f"- {name} "), out
+        assert "skipped: it needs [" in lines[name]
+        assert "from the config, which is invalid" in lines[name]
+    assert "service" in lines  # named by specd, not by the config: still checked
+    assert cli.main(["doctor", "--config", str(config), "--json"]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert (checks["sglang"]["ok"], checks["sglang"]["skipped"]) == (False, True)
+    assert checks["config"]["skipped"] is False
+
+
+@pytest.mark.parametrize("check", ["sglang", "metrics"])
+def test_advice_names_the_url_key_as_the_config_spells_it(tmp_path: Path, check: str) -> None:
+    found = doctor(tmp_path)
+    with SGLangClient(f"http://127.0.0.1:{free_port()}", timeout_s=5) as client:
+        got = found.check_sglang(client) if check == "sglang" else found.check_metrics(client)[0]
+    assert not got.ok
+    # `sglang_url` is the old flat key, which check-config refuses.
+    assert "[sglang] url" in got.advice
+    assert "sglang_url" not in got.advice
 
 
 # What specd cannot see, per SGLang version: the start of each note, in the table's order.

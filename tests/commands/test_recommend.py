@@ -67,8 +67,9 @@ def write_config(tmp: Path, window: tuple[str, int], choose: str = "") -> Path:
     return cfg
 
 
-def run_recommend(url: str, cfg: Path, systemctl_dir: Path | None = None) -> dict:
-    """``systemctl_dir``: a stand-in systemctl found first on PATH."""
+def run_recommend(url: str, cfg: Path, systemctl_dir: Path | None = None, code: int = 0) -> dict:
+    """``systemctl_dir``: a stand-in systemctl found first on PATH; ``code``: the exit
+    status expected."""
     env = dict(os.environ)
     if systemctl_dir is not None:
         env["PATH"] = f"{systemctl_dir}:{env['PATH']}"
@@ -77,7 +78,7 @@ def run_recommend(url: str, cfg: Path, systemctl_dir: Path | None = None) -> dic
          "--samples", "2", "--interval-s", "0.1", "--json"],
         capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == code, proc.stderr
     return json.loads(proc.stdout)
 
 
@@ -126,10 +127,47 @@ def test_recommend_decides_like_the_daemon_and_changes_nothing(
 
 
 def test_recommend_against_a_dead_server_says_why(tmp_path: Path) -> None:
-    out = run_recommend("http://127.0.0.1:9", write_config(tmp_path, ALL_DAY))
+    # SGLang not read at all: a failure, as for `specd observe`.
+    out = run_recommend("http://127.0.0.1:9", write_config(tmp_path, ALL_DAY), code=1)
     assert out["decision"]["reason"] == "no_data"
     assert out["decision"]["would_restart"] is False
     assert "refused" in out["scrape_error"].lower() or out["scrape_error"]
+
+
+@pytest.mark.parametrize(
+    ("learned", "server", "code", "decision", "restart"),
+    [
+        # Nothing read: no target to name, nothing to restart, and a failure.
+        (False, "dead", 1, "decision       no_data: no target — scrape failed", "no"),
+        (False, "twin", 0, "decision       insufficient_data: target 4 — ", "no"),
+        (True, "twin", 0, "decision       change: target 3 — ", "yes, to 3"),
+    ],
+)
+def test_recommend_says_plainly_what_it_would_do(
+    tmp_path: Path,
+    twin: TwinProcess,
+    learned: bool,
+    server: str,
+    code: int,
+    decision: str,
+    restart: str,
+) -> None:
+    cfg = write_config(tmp_path, ALL_DAY)
+    if learned:
+        settings = HistorySettings.from_config(load_config(cfg))
+        store = StateStore(tmp_path / "state", history_settings=settings)
+        assert store.save(State(history=heavy_history(settings, time.time()))) is None
+    url = twin.url if server == "twin" else f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "recommend", "--url", url, "--config", str(cfg),
+         "--samples", "1"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (code, ""), proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith(decision) for line in lines), lines
+    assert f"would restart  {restart}" in lines, lines
+    assert "None" not in proc.stdout
 
 
 def test_recommend_shows_each_setting_measured_against_its_prediction(

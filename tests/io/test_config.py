@@ -159,6 +159,11 @@ def test_example_passes_check_config_as_a_real_process() -> None:
         ("windows = 'daily'\n", ["windows: expected an array of tables"]),
         ("observe = 5\n", ["observe: expected a table ([observe]), got int 5"]),
         ("[choose]\npolicy = 'magic'\n", ["choose.policy: Input should be 'bands' or 'model'"]),
+        # The item only, not also pydantic's count of the items that validated ("not 0").
+        (
+            "[choose]\nkinds = ['statc']\n",
+            ["choose.kinds[0]: Input should be 'off', 'static' or 'adaptive' (got 'statc')"],
+        ),
         ("[choose]\nmin_steps = 5\nmax_steps = 3\n", ["choose: min_steps (5) > max_steps (3)"]),
         (
             "[choose]\nmax_steps = 17\n",
@@ -521,7 +526,18 @@ def test_environment_overrides_file(
         ),
         # The old names of the SGLang unit's variables share the prefix no more.
         ({"SPECD_SPEC_STEPS": "3"}, "SPECD_SPEC_STEPS: unknown setting in the environment"),
-        ({"SPECD_WINDOWS": "[{oops"}, "SPECD_WINDOWS: not valid JSON"),
+        ({"SPECD_WINDOWS": "[{oops"}, "SPECD_WINDOWS: not valid JSON (Expecting property name"),
+        # The variable itself, not its table (SPECD_CHOOSE), and what a list looks like.
+        (
+            {"SPECD_CHOOSE__KINDS": "static"},
+            "SPECD_CHOOSE__KINDS: not valid JSON; a list must be JSON, such as "
+            "SPECD_CHOOSE__KINDS='[\"static\"]'",
+        ),
+        (
+            {"SPECD_CHOOSE": "static"},
+            "SPECD_CHOOSE: not valid JSON; a table must be a JSON object, such as "
+            "SPECD_CHOOSE='{\"min_steps\": 1}'",
+        ),
         ({"SPECD_WINDOWS": '[{"cron": "0 4 * * 6", "duration_s": 60}]'}, "windows[0].cron:"),
     ],
 )
@@ -534,6 +550,22 @@ def test_bad_environment(
         load_config(write(tmp_path, ""))
     assert len(info.value.problems) == 1, info.value.problems
     assert expected in info.value.problems[0]
+
+
+def test_every_variable_that_is_not_json_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECD_CHOOSE__KINDS", "static")
+    monkeypatch.setenv("SPECD_FLEET__ETCD_ENDPOINTS", "http://10.0.0.5:2379")
+    monkeypatch.setenv("SPECD_CHOOSE__MAX_STEPS", "4")  # a number: not JSON to parse
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, ""))
+    assert info.value.problems == [
+        "SPECD_CHOOSE__KINDS: not valid JSON; a list must be JSON, such as "
+        "SPECD_CHOOSE__KINDS='[\"static\"]'",
+        "SPECD_FLEET__ETCD_ENDPOINTS: not valid JSON; a list must be JSON, such as "
+        "SPECD_FLEET__ETCD_ENDPOINTS='[\"http://10.0.0.5:2379\"]'",
+    ]
 
 
 def test_the_sglang_unit_variables_do_not_share_the_settings_prefix() -> None:

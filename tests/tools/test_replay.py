@@ -398,6 +398,30 @@ def test_a_garbage_calibration_names_the_file_in_one_line(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
+    ("calibration", "kinds", "message"),
+    [
+        # Not a table: the flag that named it, not the config key it fills.
+        (b"\x7fELF\x02\x01\x01\x00\xff\xfe", None, "--calibration: {cal}: is not UTF-8 text"),
+        ((TRUTH / "k5to2-calibration.csv").read_bytes(), "off", "--kinds: {cal} can predict none"),
+    ],
+    ids=["binary", "kinds"],
+)
+def test_a_calibration_problem_names_the_flag_that_set_it(
+    tmp_path: Path, calibration: bytes, kinds: str | None, message: str
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n0,1\n60,2\n")
+    cal = tmp_path / "cal.csv"
+    cal.write_bytes(calibration)
+    more = [] if kinds is None else ["--kinds", kinds]
+    proc = specd("--trace", str(trace), "--truth", str(SEED), "--calibration", str(cal), *more)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("specd replay: " + message.format(cal=cal)), proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "choose." not in proc.stderr
+
+
+@pytest.mark.parametrize(
     ("rows", "message"),
     [
         (["0,1", "1e308,2"], "the trace spans inf s; at most 3.16224e+07 s (366 days)"),
