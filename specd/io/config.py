@@ -74,7 +74,6 @@ ENV_PREFIX = "SPECD_"
 ENV_NESTED_DELIMITER = "__"
 # A config file is a few KiB; refusing huge ones keeps a mistake from eating memory.
 MAX_CONFIG_BYTES = 1 << 20
-UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class ConfigError(Exception):
@@ -371,13 +370,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raw = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
     except files.FileReadError as exc:
         raise ConfigError([exc.problem], path) from None
-    if raw.startswith(UTF8_BOM):
-        # Some Windows editors add it; TOML forbids it, and tomllib's own message
-        # ("Invalid statement (at line 1, column 1)") does not say what is there.
-        raise ConfigError(
-            ["starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM"],
-            path,
-        )
+    if raw.startswith(files.UTF8_BOM):
+        raise ConfigError([files.BOM_PROBLEM], path)
     try:
         return files.parse_toml(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
