@@ -89,6 +89,16 @@ def twin() -> TwinProcess:
         yield proc
 
 
+def configured(tmp_path: Path, window: tuple[str, int], learned: bool) -> Path:
+    """A config; with ``learned``, a state file whose history is a heavy day."""
+    cfg = write_config(tmp_path, window)
+    if learned:
+        settings = HistorySettings.from_config(load_config(cfg))
+        store = StateStore(tmp_path / "state", history_settings=settings)
+        assert store.save(State(history=heavy_history(settings, time.time()))) is None
+    return cfg
+
+
 @pytest.mark.parametrize(
     ("learned", "window", "reason", "target", "restart"),
     [
@@ -109,11 +119,7 @@ def test_recommend_decides_like_the_daemon_and_changes_nothing(
     target: int,
     restart: bool,
 ) -> None:
-    cfg = write_config(tmp_path, window)
-    if learned:
-        settings = HistorySettings.from_config(load_config(cfg))
-        store = StateStore(tmp_path / "state", history_settings=settings)
-        assert store.save(State(history=heavy_history(settings, time.time()))) is None
+    cfg = configured(tmp_path, window, learned)
     before = sorted(p.name for p in tmp_path.rglob("*"))
     out = run_recommend(twin.url, cfg)
     assert out["current_steps"] == 4
@@ -152,11 +158,7 @@ def test_recommend_says_plainly_what_it_would_do(
     decision: str,
     restart: str,
 ) -> None:
-    cfg = write_config(tmp_path, ALL_DAY)
-    if learned:
-        settings = HistorySettings.from_config(load_config(cfg))
-        store = StateStore(tmp_path / "state", history_settings=settings)
-        assert store.save(State(history=heavy_history(settings, time.time()))) is None
+    cfg = configured(tmp_path, ALL_DAY, learned)
     url = twin.url if server == "twin" else f"http://127.0.0.1:{free_port()}"
     proc = subprocess.run(
         [sys.executable, "-m", "specd.cli", "recommend", "--url", url, "--config", str(cfg),
