@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
 
 from specd.core.setting import SpecSetting
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on 3.10 only
-    pass  # type: ignore[import-not-found,unused-ignore]
-
 
 Mode = Literal["auto", "pin", "freeze"]
 
