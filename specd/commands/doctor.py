@@ -38,7 +38,7 @@ from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_w
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
-from specd.io.gateway import READY, GatewayClient, GatewayUnavailable
+from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
@@ -99,9 +99,12 @@ class Doctor:
         runner: Runner,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        daemon_user: str = SPECD_USER,
     ) -> None:
         self.config_path = config_path
         self.runner = runner
+        # Whom the files the daemon reads are judged for: doctor runs as root, specd not.
+        self.daemon_user = daemon_user
         self.clock = clock
         self.monotonic = monotonic
         self.config = Config()
@@ -380,9 +383,29 @@ class Doctor:
             f"restart {unit}, or see `specd status` for a failed change",
         )
 
+    def check_key_reader(self, key: Path) -> Check:
+        """The daemon's user can read the admin key file (doctor, as root, always can)."""
+        user = self.daemon_user
+        try:
+            unreadable = key_file_unreadable_by(key, user)
+        except KeyError:
+            return Check(
+                "gateway api key",
+                False,
+                f"{key}: no user {user} ({SPECD_UNIT} runs as it) to judge the file for",
+                f"create the user: `specd install --unit {self.config.sglang.unit}`",
+            )
+        except OSError as exc:
+            return Check("gateway api key", False, f"{key}: {exc.strerror}", "")
+        if unreadable is not None:
+            why, fix = unreadable
+            detail = f"{key}: {SPECD_UNIT} runs as user {user}, which {why}"
+            return Check("gateway api key", False, detail, fix)
+        return Check("gateway api key", True, f"{key}: readable by user {user} ({SPECD_UNIT})")
+
     def check_gateway(self) -> list[Check]:
-        """With a [gateway]: the admin key file is fit to read, and each replica answers its
-        admin API with that key and routes this server."""
+        """With a [gateway]: the admin key file is fit to read, by the daemon's user too, and
+        each replica answers its admin API with that key and routes this server."""
         settings = self.config.gateway
         if settings is None:
             return []
@@ -399,8 +422,9 @@ class Doctor:
                     "--control-plane-api-keys; no replica was asked",
                 )
             ]
+        # The replicas are asked even when the daemon cannot read the key: doctor can.
+        checks = [] if key is None else [self.check_key_reader(key)]
         client = GatewayClient.from_settings(settings, self.config.sglang.url)
-        checks = []
         try:
             for gateway in client.gateways:
                 name = f"gateway {gateway}"

@@ -19,8 +19,13 @@ drain is over only once every replica says so (`GatewayClient.await_removed`).
 from __future__ import annotations
 
 import functools
+import grp
 import ipaddress
+import os
+import pwd
+import shlex
 import socket
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -115,6 +120,65 @@ def read_api_key(path: Path | None) -> str | None:
     if not key:
         raise GatewayUnavailable(f"gateway api key file {path}: empty", "api_key")
     return key
+
+
+def _name(table: Callable[[int], Any], number: int) -> str:
+    try:
+        return str(table(number)[0])
+    except KeyError:
+        return str(number)
+
+
+def _may(info: os.stat_result, uid: int, gids: set[int], bit: int) -> bool:
+    """Whether user ``uid`` in groups ``gids`` has permission ``bit`` (4 read, 1 search)
+    on a file with ``info``, by its mode bits as the kernel picks them (owner, else group,
+    else others; root has all)."""
+    if uid == 0:
+        return True
+    if info.st_uid == uid:
+        return bool(info.st_mode >> 6 & bit)
+    if info.st_gid in gids:
+        return bool(info.st_mode >> 3 & bit)
+    return bool(info.st_mode & bit)
+
+
+def key_file_unreadable_by(path: Path, user: str) -> tuple[str, str] | None:
+    """(why ``user`` cannot read the key file at ``path``: "cannot read it (0640 root:root)"
+    or "cannot enter DIR (…)", the advice that lets it), or
+    None when it can. Judged by owner, group and mode (ACLs are not read), for the file and
+    every directory on the way to it, as the daemon (running as ``user``) would open it:
+    a check run as root passes a 0600 root file the daemon then cannot read. KeyError: no
+    such user."""
+    entry = pwd.getpwnam(user)
+    uid, group = entry.pw_uid, _name(grp.getgrgid, entry.pw_gid)
+    gids = set(os.getgrouplist(user, entry.pw_gid))
+    real = Path(os.path.realpath(path))
+    # Both the way to the link (secret mounts are symlinks) and the way to its target.
+    ways = [*reversed(Path(os.path.abspath(path)).parents), *reversed(real.parents)]
+    for directory in dict.fromkeys(ways):
+        info = directory.stat()
+        if not _may(info, uid, gids, 1):
+            owner = f"{_name(pwd.getpwuid, info.st_uid)}:{_name(grp.getgrgid, info.st_gid)}"
+            return (
+                f"cannot enter {directory} ({stat.S_IMODE(info.st_mode):04o} {owner})",
+                f"keep the key where user {user} can reach it, e.g. /etc/specd/gateway.key "
+                f"(0640 root:{group})",
+            )
+    info = real.stat()
+    if _may(info, uid, gids, 4):
+        return None
+    owner = f"{_name(pwd.getpwuid, info.st_uid)}:{_name(grp.getgrgid, info.st_gid)}"
+    shown = shlex.quote(str(path))
+    if info.st_uid == uid:
+        fix = f"chmod u+r {shown}"
+    elif info.st_gid in gids:
+        fix = f"chmod g+r {shown}"
+    else:
+        fix = f"chgrp {group} {shown} && chmod 0640 {shown}"
+    return (
+        f"cannot read it ({stat.S_IMODE(info.st_mode):04o} {owner})",
+        f"run `{fix}`",
+    )
 
 
 def _same_url(a: str, b: str) -> bool:
