@@ -31,7 +31,7 @@ from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
 from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
 from specd.install.plan import key_file_problem
-from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
+from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_wiring
@@ -114,6 +114,8 @@ class Doctor:
         self.unit_env_files: list[Path] = []
         # Why the unit takes static step counts only (its drop-in's wiring), or None.
         self.static_only: str | None = None
+        # The arguments systemd would start SGLang with now (None: the unit was not read).
+        self.unit_args: list[str] | None = None
 
     def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
         try:
@@ -187,12 +189,21 @@ class Doctor:
     def check_metrics(self, client: SGLangClient) -> list[Check]:
         text = client.metrics_text()
         if isinstance(text, ScrapeError):
-            advice = (
-                f"add --enable-metrics to {self.config.sglang.unit}'s command line "
-                "(`specd install --add-enable-metrics`) and restart it"
-                if "404" in text.reason
-                else "check that SGLang is up and [sglang] url points at it"
-            )
+            unit = self.config.sglang.unit
+            if "404" not in text.reason:
+                advice = "check that SGLang is up and [sglang] url points at it"
+            elif self._unit_enables_metrics():
+                # Added (by install) since SGLang started: only a restart turns it on, and
+                # specd, deciding no_data without /metrics, never makes one.
+                advice = (
+                    f"{unit}'s command line has --enable-metrics, SGLang started without it: "
+                    f"`systemctl restart {unit}` now (specd cannot: it needs /metrics to act)"
+                )
+            else:
+                advice = (
+                    f"add --enable-metrics to {unit}'s command line "
+                    "(`specd install --add-enable-metrics`) and restart it"
+                )
             return [Check("metrics", False, text.reason, advice)]
         parsed = parse_metrics(text)
         if isinstance(parsed, ScrapeError):
@@ -274,6 +285,8 @@ class Doctor:
             return Check("drop-in", False, str(exc), advice), None, {}
         self.unit_env_files = [Path(p) for p in view.environment_files]
         self.static_only = static_only_wiring(unit, [e.argv_text for e in view.exec_start])
+        expanded = expand_argv(command.words, self._expected_values(view.environment))
+        self.unit_args = [arg.text for arg in expanded]
         if dropin not in view.dropin_paths:
             return (
                 Check("drop-in", False, f"{dropin} is not among {unit}'s drop-ins", advice),
@@ -306,6 +319,9 @@ class Doctor:
             )
         return Check("drop-in", True, f"{dropin} is live"), list(command.words), view.environment
 
+    def _unit_enables_metrics(self) -> bool:
+        return self.unit_args is not None and "--enable-metrics" in find_flags(self.unit_args)
+
     def _expected_values(self, defaults: dict[str, str]) -> dict[str, str]:
         """The variables SGLang's next start would see: Environment=, then the unit's
         EnvironmentFile= files and specd's env file (the files win, as in systemd)."""
@@ -336,12 +352,19 @@ class Doctor:
         if want == have:
             return Check("command", True, "SGLang runs the drop-in's command line")
         diff = sorted(set(want) ^ set(have))[:4]
+        # Without --enable-metrics SGLang serves no /metrics, and specd, deciding no_data
+        # on every tick, never restarts it: the next window would not help.
+        metrics_off = "--enable-metrics" in want and "--enable-metrics" not in have
         return Check(
             "command",
             False,
             f"SGLang's running command differs from the drop-in ({' '.join(diff)})",
             f"restart it to pick up the drop-in: `systemctl restart {unit}` "
-            "(or let specd do it in the next window)",
+            + (
+                "now (specd cannot: it needs the /metrics that --enable-metrics turns on)"
+                if metrics_off
+                else "(or let specd do it in the next window)"
+            ),
         )
 
     def check_setting(self, defaults: dict[str, str]) -> Check:
@@ -654,11 +677,12 @@ class Doctor:
             ]
             # specd.service is named by specd, not by the config: still worth knowing.
             return [*checks, *skipped, self._guarded(self.check_service)]
+        # The unit first (listed later): its command line says what a metrics 404 needs.
+        dropin, words, defaults = self.check_dropin()
         with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         checks += self.check_gateway()
-        dropin, words, defaults = self.check_dropin()  # the unit's wiring, for the choices
         checks.append(self.check_choices())
         checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
         for check in (

@@ -24,6 +24,7 @@ from specd.core.adaptive import AdaptiveModel
 from specd.core.model import adaptive_slots
 from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import parse
+from specd.install.execline import expand_argv
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -646,3 +647,38 @@ def test_gateway_key_check_follows_the_way_to_the_file(tmp_path: Path, open_dir:
     os.chmod(closed, 0o755)
     assert found.check_key_reader(link).ok
     assert reads_as(READER, link)
+
+
+def test_metrics_off_with_the_flag_in_the_unit_already_advises_a_restart_now(
+    tmp_path: Path,
+) -> None:
+    """After `specd install --add-enable-metrics` the unit's command line has the flag but
+    SGLang, not restarted since, serves no /metrics: specd decides no_data on every tick and
+    never restarts it. Neither install again nor "the next window" is the way out."""
+    found = doctor(tmp_path)
+    with TwinProcess(FAST_TWIN_VERSION_ARGS) as twin:
+        twin.wait_healthy()
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            without = found.check_metrics(client)[0]
+            # What check_dropin reads of the unit once install added the flag.
+            found.unit_args = [arg.text for arg in expand_argv(WORDS, DEFAULTS)]
+            added = found.check_metrics(client)[0]
+    assert not without.ok
+    assert "404" in without.detail
+    assert without.advice == (
+        "add --enable-metrics to sglang.service's command line "
+        "(`specd install --add-enable-metrics`) and restart it"
+    )
+    assert not added.ok
+    assert added.advice == (
+        "sglang.service's command line has --enable-metrics, SGLang started without it: "
+        "`systemctl restart sglang.service` now (specd cannot: it needs /metrics to act)"
+    )
+    found.info = {"launch_command": f"/x {args_of(3)}"}
+    command = found.check_command(WORDS, DEFAULTS)
+    assert not command.ok
+    assert command.detail == "SGLang's running command differs from the drop-in (--enable-metrics)"
+    assert command.advice == (
+        "restart it to pick up the drop-in: `systemctl restart sglang.service` now (specd "
+        "cannot: it needs the /metrics that --enable-metrics turns on)"
+    )
