@@ -29,7 +29,16 @@ from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
-from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
+from specd.install.layout import (
+    DROPIN_NAME,
+    MANIFEST_FILE,
+    SPECD_UNIT,
+    SPECD_USER,
+    UNITS_DIR,
+    InstallError,
+    Layout,
+)
+from specd.install.manifest import load_manifest
 from specd.install.plan import key_file_problem
 from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
@@ -100,11 +109,15 @@ class Doctor:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         daemon_user: str = SPECD_USER,
+        layout: Layout | None = None,
     ) -> None:
         self.config_path = config_path
         self.runner = runner
         # Whom the files the daemon reads are judged for: doctor runs as root, specd not.
         self.daemon_user = daemon_user
+        # Where install's manifest is (a directory in tests), and the unit it names.
+        self.layout = layout or Layout()
+        self.installed_unit: str | None = None
         self.clock = clock
         self.monotonic = monotonic
         self.config = Config()
@@ -147,6 +160,29 @@ class Doctor:
                 f" (SGLang at {self.config.sglang.url}, unit {self.config.sglang.unit})",
             )
         return Check("config", True, f"{shown} is valid")
+
+    def check_installed_unit(self) -> Check | None:
+        """A ✗ when [sglang] unit is not the unit install set specd up for (its manifest),
+        else None (no manifest: installed by hand, nothing to compare)."""
+        try:
+            manifest = load_manifest(self.layout)
+        except InstallError as exc:
+            return Check("unit", False, str(exc), "")
+        except OSError:
+            return None  # 0600 root: doctor not run as root cannot tell
+        installed = None if manifest is None else manifest.get("unit")
+        self.installed_unit = installed if isinstance(installed, str) else None
+        unit = self.config.sglang.unit
+        if installed is None or installed == unit:
+            return None
+        shown = self.config_path or DEFAULT_CONFIG_PATH
+        return Check(
+            "unit",
+            False,
+            f"[sglang] unit is {unit}, but specd was installed for {installed} ({MANIFEST_FILE})",
+            f'set unit = "{installed}" under [sglang] in {shown}; to move specd to {unit}: '
+            f"`specd uninstall`, then `specd install --unit {unit}`",
+        )
 
     def check_sglang(self, client: SGLangClient) -> Check:
         info = client.server_info()
@@ -677,16 +713,38 @@ class Doctor:
             ]
             # specd.service is named by specd, not by the config: still worth knowing.
             return [*checks, *skipped, self._guarded(self.check_service)]
+        other_unit = self.check_installed_unit()
+        if other_unit is not None:
+            checks.append(other_unit)
+        # Not run for a unit specd was not installed for: each would advise an install
+        # for it, which refuses.
+        elsewhere = self.installed_unit not in (None, self.config.sglang.unit)
+
+        def skip(name: str) -> Check:
+            return Check(
+                name,
+                False,
+                f"skipped: specd is not installed for [sglang] unit {self.config.sglang.unit}",
+                skipped=True,
+            )
+
         # The unit first (listed later): its command line says what a metrics 404 needs.
-        dropin, words, defaults = self.check_dropin()
+        dropin, words, defaults = (skip("drop-in"), None, {}) if elsewhere else self.check_dropin()
         with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         checks += self.check_gateway()
         checks.append(self.check_choices())
-        checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
+        checks.append(dropin)
+        if elsewhere:
+            checks += [skip("command"), skip("setting"), skip("polkit")]
+        else:
+            checks += [
+                self.check_command(words, defaults),
+                self.check_setting(defaults),
+                self._guarded(self.check_polkit),
+            ]
         for check in (
-            self.check_polkit,
             self.check_windows,
             self.check_override,
             self.check_fleet,

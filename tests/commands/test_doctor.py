@@ -25,6 +25,8 @@ from specd.core.model import adaptive_slots
 from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import parse
 from specd.install.execline import expand_argv
+from specd.install.layout import Layout
+from specd.install.manifest import new_manifest, save_manifest
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -84,13 +86,19 @@ def test_usec(text: str, usec: int) -> None:
     assert _usec(text) == usec
 
 
-def doctor(tmp_path: Path, extra: str = "", daemon_user: str = "specd") -> Doctor:
+def doctor(tmp_path: Path, extra: str = "", daemon_user: str = "specd", sglang: str = "") -> Doctor:
     config = tmp_path / "specd.toml"
     config.write_text(
-        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\n{sglang}'
         f'[files]\noverride_file = "{tmp_path}/override.toml"\n' + extra
     )
-    found = Doctor(config, SubprocessRunner(), clock=lambda: NOW, daemon_user=daemon_user)
+    found = Doctor(
+        config,
+        SubprocessRunner(),
+        clock=lambda: NOW,
+        daemon_user=daemon_user,
+        layout=Layout(tmp_path / "root"),
+    )
     found.config = load_config(config)
     return found
 
@@ -682,3 +690,36 @@ def test_metrics_off_with_the_flag_in_the_unit_already_advises_a_restart_now(
         "restart it to pick up the drop-in: `systemctl restart sglang.service` now (specd "
         "cannot: it needs the /metrics that --enable-metrics turns on)"
     )
+
+
+def test_a_config_for_another_unit_than_installed_says_so_once(tmp_path: Path) -> None:
+    """[sglang] unit names a unit specd was not installed for: the checks of the unit's
+    wiring would each advise `specd install --unit` for it, which refuses ("installed for
+    sglang.service"). One check says what differs and what to fix; those are skipped."""
+    save_manifest(Layout(tmp_path / "root"), new_manifest("sglang.service", ""))
+    dead = f"http://127.0.0.1:{free_port()}"
+    found = doctor(tmp_path, sglang=f'unit = "dbus.service"\nurl = "{dead}"\n')
+    checks = {c.name: c for c in found.run()}
+    unit = checks["unit"]
+    assert not unit.ok
+    assert unit.detail == (
+        "[sglang] unit is dbus.service, but specd was installed for sglang.service "
+        "(/etc/specd/install-manifest.json)"
+    )
+    assert unit.advice == (
+        f'set unit = "sglang.service" under [sglang] in {tmp_path / "specd.toml"}; to move '
+        "specd to dbus.service: `specd uninstall`, then `specd install --unit dbus.service`"
+    )
+    for name in ("drop-in", "command", "setting", "polkit"):
+        assert checks[name].skipped, checks[name]
+        assert checks[name].detail == (
+            "skipped: specd is not installed for [sglang] unit dbus.service"
+        )
+    advising = [c.name for c in checks.values() if "install --unit dbus.service" in c.advice]
+    assert advising == ["unit"]
+    # The unit it was installed for: no such line (and the checks run).
+    found = doctor(tmp_path, sglang=f'unit = "sglang.service"\nurl = "{dead}"\n')
+    names = [c.name for c in found.run()]
+    assert "unit" not in names
+    assert found.installed_unit == "sglang.service"
+    assert not any(c.skipped for c in found.run())
