@@ -391,33 +391,50 @@ def test_status_reads_as_group_specd_and_fails_loudly_when_it_cannot(
 def test_a_pin_applied_now_outside_a_window_waits_for_the_gateway_to_answer(
     tmp_path: Path,
 ) -> None:
+    """The gateway must answer and list this server (a twin stands in for it there; the
+    daemon reads its observations from the test): a pin applied now waits for both."""
     port = free_port()
-    cfg = config(tmp_path, urls=[f"http://127.0.0.1:{port}"], request_timeout_s=2.0)
-    now = WINDOW_CLOSES + 3600  # no window open: only the pin makes specd ask the gateway
-    clock = [now]
-    applier = Applier()
-    d = daemon(cfg, Reader([obs(now, steps=3)]), applier, clock)
-    expires = datetime.fromtimestamp(now + 7200, tz=UTC)
-    pin = {"mode": "pin", "steps": 4, "expires_at": expires, "reason": "incident", "apply": "now"}
-    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
-    os.chmod(cfg.files.override_file, 0o600)
-    decision = d.tick()
-    assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision.message
-    assert "ConnectError" in decision.message
-    assert applier.calls == []
-    assert (
-        d.metrics.registry.get_sample_value("specd_gateway_errors_total", {"kind": "connect"}) == 1
-    )
-    # The gateway answers (it routes some other server): the pin goes ahead.
-    with TwinProcess(FAST_TWIN_VERSION_ARGS) as twin:
-        twin.wait_healthy()
-        with SmgGateway([twin.url], port=port):
+    with TwinProcess(FAST_TWIN_VERSION_ARGS) as this, TwinProcess(FAST_TWIN_VERSION_ARGS) as other:
+        cfg = config(
+            tmp_path,
+            urls=[f"http://127.0.0.1:{port}"],
+            worker_url=this.url,
+            request_timeout_s=2.0,
+        )
+        now = WINDOW_CLOSES + 3600  # no window open: only the pin makes specd ask the gateway
+        clock = [now]
+        applier = Applier()
+        d = daemon(cfg, Reader([obs(now, steps=3)]), applier, clock)
+        expires = datetime.fromtimestamp(now + 7200, tz=UTC)
+        pin = {"mode": "pin", "steps": 4, "expires_at": expires, "reason": "incident",
+               "apply": "now"}  # fmt: skip
+        Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+        os.chmod(cfg.files.override_file, 0o600)
+        decision = d.tick()
+        assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision.message
+        assert "ConnectError" in decision.message
+        assert applier.calls == []
+        sample = d.metrics.registry.get_sample_value
+        assert sample("specd_gateway_errors_total", {"kind": "connect"}) == 1
+        this.wait_healthy()
+        other.wait_healthy()
+        # The gateway answers but routes only another server: a drain would remove nothing.
+        with SmgGateway([other.url], port=port):
+            clock[0] += 5
+            d.client = Reader([obs(clock[0], steps=3)])
+            decision = d.tick()
+        assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision.message
+        assert f"does not list worker {this.url} (it lists {other.url})" in decision.message
+        assert applier.calls == []
+        assert sample("specd_gateway_worker_not_ready_replicas") == 1
+        # It routes this server: the pin goes ahead.
+        with SmgGateway([this.url, other.url], port=port):
             clock[0] += 5
             d.client = Reader([obs(clock[0], steps=3)])
             decision = d.tick()
     assert decision.reason is Reason.OVERRIDE_PIN, decision.message
     assert applier.calls == [("4", "3")]
-    assert d.metrics.registry.get_sample_value("specd_gateway_worker_not_ready_replicas") == 1
+    assert sample("specd_gateway_worker_not_ready_replicas") == 0
 
 
 # Sunday 03:10: specd changed 3 → 4 (the bands want 4 at 2 requests) or to an adaptive set.

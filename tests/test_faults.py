@@ -352,11 +352,15 @@ GATEWAY_SCRAPE_S = 1.0
 
 @contextlib.contextmanager
 def gateway_fleet(
-    tmp_path: Path, unit_args: Sequence[str] = (), **overrides: Any
+    tmp_path: Path,
+    unit_args: Sequence[str] = (),
+    unit_listed_as: str | None = "127.0.0.1",
+    **overrides: Any,
 ) -> Iterator[tuple[TwinUnitRunner, SmgGateway, Config]]:
     """The unit the daemon restarts (with ``unit_args``) and a second twin behind one real
     smg (no retries: a restart without a drain reaches the clients), and the daemon's
-    config for them (with ``overrides``)."""
+    config for them (with ``overrides``). smg lists the unit under the host
+    ``unit_listed_as`` (the daemon's URL says 127.0.0.1), or not at all (None)."""
     port = free_port()
     gateway = None
     unit = TwinUnitRunner(
@@ -369,7 +373,8 @@ def gateway_fleet(
         unit.start().wait_healthy()
         try:
             other.wait_healthy()
-            gateway = SmgGateway([unit.url, other.url], retries=False)
+            listed = [unit.url.replace("127.0.0.1", unit_listed_as)] if unit_listed_as else []
+            gateway = SmgGateway([*listed, other.url], retries=False)
             gateway.wait_ready()
             config = make_config(
                 tmp_path,
@@ -475,6 +480,80 @@ def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Pat
     assert status == "ready"
     last = daemon.state.gateway["last_drain"] if daemon.state.gateway else {}
     assert (last["result"], last["readd_problem"]) == ("idle", None)
+
+
+@pytest.mark.parametrize("unit_listed_as", ["localhost", None])
+def test_a_worker_the_gateway_does_not_list_by_specds_url_is_never_restarted(
+    tmp_path: Path, unit_listed_as: str | None
+) -> None:
+    """specd's worker URL (its SGLang URL by default) is not one the gateway lists: a drain
+    would remove nothing. Listed under another URL of this host (smg knows SGLang by its LAN
+    address), the gateway still routes it through a restart; listed nowhere, specd cannot
+    tell that from a name it does not recognise. Either way no restart, and status and the
+    log say which URL is missing and what the gateway lists instead."""
+    with gateway_fleet(tmp_path, unit_listed_as=unit_listed_as) as (unit, gateway, config):
+        clock = Clock(INSIDE)
+        runner = RecordingRunner(clock, unit)
+        daemon = make_daemon(config, runner, clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        listed = unit.url.replace("127.0.0.1", unit_listed_as or "")
+        other = gateway.worker_urls[-1]
+        if unit_listed_as is not None:
+            problem = (
+                f"gateway {gateway.url} lists this server as {listed}, not as {unit.url}: "
+                f'set [gateway] worker_url = "{listed}"'
+            )
+        else:
+            problem = (
+                f"gateway {gateway.url} does not list worker {unit.url} (it lists {other}): "
+                "add this server to the gateway, or set [gateway] worker_url to the URL the "
+                "gateway routes it by"
+            )
+        with capture_logs() as logs:
+            decision = daemon.tick()
+            clock.now += config.observe.scrape_interval_s
+            again = daemon.tick()
+        assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision
+        assert again.reason is Reason.DRAIN_UNAVAILABLE, again
+        assert problem in decision.message
+        assert runner.restarts == []
+        assert unit.restarted_to == []
+        assert [e["problem"] for e in events(logs, "gateway_unavailable")] == [problem]
+        # Listed under another URL it is routed, not left out: no SpecdWorkerLeftOutOfGateway.
+        # Listed nowhere, it is out of routing as far as specd can tell: the alert's case.
+        not_ready = sample(daemon, "specd_gateway_worker_not_ready_replicas")
+        if unit_listed_as is not None:
+            assert math.isnan(not_ready)
+            assert worker_status(gateway.url, listed) == "ready"
+        else:
+            assert not_ready == 1
+        assert sample(daemon, "specd_gateway_errors_total", {"kind": "malformed"}) == 0
+        shown = status_text(config, clock.now)
+        assert f"gateway        UNAVAILABLE: {problem} (" in shown
+        assert "NOT READY" not in shown
+        if unit_listed_as is None:
+            return
+
+        # The operator sets the URL the gateway lists: drained there, restarted, re-added.
+        fixed = make_config(
+            tmp_path,
+            int(unit.url.rsplit(":", 1)[1]),
+            urls=[gateway.url],
+            worker_url=listed,
+            request_timeout_s=2.0,
+            scrape_interval_s=GATEWAY_SCRAPE_S,
+        )
+        daemon = make_daemon(fixed, runner, clock)
+        daemon.state.history = wanting(fixed, 4, clock.now)
+        with StreamingLoad(gateway.url, 4, max_tokens=200) as load:
+            load.wait_for(20)
+            decision = daemon.tick()
+            load.wait_for(load.ok + 20)
+        assert decision.reason is Reason.CHANGE, decision
+        assert load.failures == []
+        assert unit.restarted_to == [4]
+        assert worker_status(gateway.url, listed) == "ready"
+        assert "gateway        worker ready on all 1 replicas" in status_text(fixed, clock.now)
 
 
 class KillAfterRestart:

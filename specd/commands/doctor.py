@@ -29,16 +29,25 @@ from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
 from specd.install.execline import expand_argv
-from specd.install.layout import DROPIN_NAME, SPECD_UNIT, SPECD_USER, UNITS_DIR, InstallError
+from specd.install.layout import (
+    DROPIN_NAME,
+    MANIFEST_FILE,
+    SPECD_UNIT,
+    SPECD_USER,
+    UNITS_DIR,
+    InstallError,
+    Layout,
+)
+from specd.install.manifest import load_manifest
 from specd.install.plan import key_file_problem
-from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES
+from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_wiring
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
-from specd.io.gateway import READY, GatewayClient, GatewayUnavailable
+from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
@@ -99,9 +108,16 @@ class Doctor:
         runner: Runner,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        daemon_user: str = SPECD_USER,
+        layout: Layout | None = None,
     ) -> None:
         self.config_path = config_path
         self.runner = runner
+        # Whom the files the daemon reads are judged for: doctor runs as root, specd not.
+        self.daemon_user = daemon_user
+        # Where install's manifest is (a directory in tests), and the unit it names.
+        self.layout = layout or Layout()
+        self.installed_unit: str | None = None
         self.clock = clock
         self.monotonic = monotonic
         self.config = Config()
@@ -111,6 +127,8 @@ class Doctor:
         self.unit_env_files: list[Path] = []
         # Why the unit takes static step counts only (its drop-in's wiring), or None.
         self.static_only: str | None = None
+        # The arguments systemd would start SGLang with now (None: the unit was not read).
+        self.unit_args: list[str] | None = None
 
     def systemctl_show(self, unit: str, *props: str) -> dict[str, str]:
         try:
@@ -142,6 +160,29 @@ class Doctor:
                 f" (SGLang at {self.config.sglang.url}, unit {self.config.sglang.unit})",
             )
         return Check("config", True, f"{shown} is valid")
+
+    def check_installed_unit(self) -> Check | None:
+        """A ✗ when [sglang] unit is not the unit install set specd up for (its manifest),
+        else None (no manifest: installed by hand, nothing to compare)."""
+        try:
+            manifest = load_manifest(self.layout)
+        except InstallError as exc:
+            return Check("unit", False, str(exc), "")
+        except OSError:
+            return None  # 0600 root: doctor not run as root cannot tell
+        installed = None if manifest is None else manifest.get("unit")
+        self.installed_unit = installed if isinstance(installed, str) else None
+        unit = self.config.sglang.unit
+        if installed is None or installed == unit:
+            return None
+        shown = self.config_path or DEFAULT_CONFIG_PATH
+        return Check(
+            "unit",
+            False,
+            f"[sglang] unit is {unit}, but specd was installed for {installed} ({MANIFEST_FILE})",
+            f'set unit = "{installed}" under [sglang] in {shown}; to move specd to {unit}: '
+            f"`specd uninstall`, then `specd install --unit {unit}`",
+        )
 
     def check_sglang(self, client: SGLangClient) -> Check:
         info = client.server_info()
@@ -184,12 +225,21 @@ class Doctor:
     def check_metrics(self, client: SGLangClient) -> list[Check]:
         text = client.metrics_text()
         if isinstance(text, ScrapeError):
-            advice = (
-                f"add --enable-metrics to {self.config.sglang.unit}'s command line "
-                "(`specd install --add-enable-metrics`) and restart it"
-                if "404" in text.reason
-                else "check that SGLang is up and [sglang] url points at it"
-            )
+            unit = self.config.sglang.unit
+            if "404" not in text.reason:
+                advice = "check that SGLang is up and [sglang] url points at it"
+            elif self._unit_enables_metrics():
+                # Added (by install) since SGLang started: only a restart turns it on, and
+                # specd, deciding no_data without /metrics, never makes one.
+                advice = (
+                    f"{unit}'s command line has --enable-metrics, SGLang started without it: "
+                    f"`systemctl restart {unit}` now (specd cannot: it needs /metrics to act)"
+                )
+            else:
+                advice = (
+                    f"add --enable-metrics to {unit}'s command line "
+                    "(`specd install --add-enable-metrics`) and restart it"
+                )
             return [Check("metrics", False, text.reason, advice)]
         parsed = parse_metrics(text)
         if isinstance(parsed, ScrapeError):
@@ -271,6 +321,8 @@ class Doctor:
             return Check("drop-in", False, str(exc), advice), None, {}
         self.unit_env_files = [Path(p) for p in view.environment_files]
         self.static_only = static_only_wiring(unit, [e.argv_text for e in view.exec_start])
+        expanded = expand_argv(command.words, self._expected_values(view.environment))
+        self.unit_args = [arg.text for arg in expanded]
         if dropin not in view.dropin_paths:
             return (
                 Check("drop-in", False, f"{dropin} is not among {unit}'s drop-ins", advice),
@@ -303,6 +355,9 @@ class Doctor:
             )
         return Check("drop-in", True, f"{dropin} is live"), list(command.words), view.environment
 
+    def _unit_enables_metrics(self) -> bool:
+        return self.unit_args is not None and "--enable-metrics" in find_flags(self.unit_args)
+
     def _expected_values(self, defaults: dict[str, str]) -> dict[str, str]:
         """The variables SGLang's next start would see: Environment=, then the unit's
         EnvironmentFile= files and specd's env file (the files win, as in systemd)."""
@@ -333,12 +388,19 @@ class Doctor:
         if want == have:
             return Check("command", True, "SGLang runs the drop-in's command line")
         diff = sorted(set(want) ^ set(have))[:4]
+        # Without --enable-metrics SGLang serves no /metrics, and specd, deciding no_data
+        # on every tick, never restarts it: the next window would not help.
+        metrics_off = "--enable-metrics" in want and "--enable-metrics" not in have
         return Check(
             "command",
             False,
             f"SGLang's running command differs from the drop-in ({' '.join(diff)})",
             f"restart it to pick up the drop-in: `systemctl restart {unit}` "
-            "(or let specd do it in the next window)",
+            + (
+                "now (specd cannot: it needs the /metrics that --enable-metrics turns on)"
+                if metrics_off
+                else "(or let specd do it in the next window)"
+            ),
         )
 
     def check_setting(self, defaults: dict[str, str]) -> Check:
@@ -380,9 +442,29 @@ class Doctor:
             f"restart {unit}, or see `specd status` for a failed change",
         )
 
+    def check_key_reader(self, key: Path) -> Check:
+        """The daemon's user can read the admin key file (doctor, as root, always can)."""
+        user = self.daemon_user
+        try:
+            unreadable = key_file_unreadable_by(key, user)
+        except KeyError:
+            return Check(
+                "gateway api key",
+                False,
+                f"{key}: no user {user} ({SPECD_UNIT} runs as it) to judge the file for",
+                f"create the user: `specd install --unit {self.config.sglang.unit}`",
+            )
+        except OSError as exc:
+            return Check("gateway api key", False, f"{key}: {exc.strerror}", "")
+        if unreadable is not None:
+            why, fix = unreadable
+            detail = f"{key}: {SPECD_UNIT} runs as user {user}, which {why}"
+            return Check("gateway api key", False, detail, fix)
+        return Check("gateway api key", True, f"{key}: readable by user {user} ({SPECD_UNIT})")
+
     def check_gateway(self) -> list[Check]:
-        """With a [gateway]: the admin key file is fit to read, and each replica answers its
-        admin API with that key and routes this server."""
+        """With a [gateway]: the admin key file is fit to read, by the daemon's user too, and
+        each replica answers its admin API with that key and routes this server."""
         settings = self.config.gateway
         if settings is None:
             return []
@@ -399,8 +481,9 @@ class Doctor:
                     "--control-plane-api-keys; no replica was asked",
                 )
             ]
+        # The replicas are asked even when the daemon cannot read the key: doctor can.
+        checks = [] if key is None else [self.check_key_reader(key)]
         client = GatewayClient.from_settings(settings, self.config.sglang.url)
-        checks = []
         try:
             for gateway in client.gateways:
                 name = f"gateway {gateway}"
@@ -630,15 +713,38 @@ class Doctor:
             ]
             # specd.service is named by specd, not by the config: still worth knowing.
             return [*checks, *skipped, self._guarded(self.check_service)]
+        other_unit = self.check_installed_unit()
+        if other_unit is not None:
+            checks.append(other_unit)
+        # Not run for a unit specd was not installed for: each would advise an install
+        # for it, which refuses.
+        elsewhere = self.installed_unit not in (None, self.config.sglang.unit)
+
+        def skip(name: str) -> Check:
+            return Check(
+                name,
+                False,
+                f"skipped: specd is not installed for [sglang] unit {self.config.sglang.unit}",
+                skipped=True,
+            )
+
+        # The unit first (listed later): its command line says what a metrics 404 needs.
+        dropin, words, defaults = (skip("drop-in"), None, {}) if elsewhere else self.check_dropin()
         with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         checks += self.check_gateway()
-        dropin, words, defaults = self.check_dropin()  # the unit's wiring, for the choices
         checks.append(self.check_choices())
-        checks += [dropin, self.check_command(words, defaults), self.check_setting(defaults)]
+        checks.append(dropin)
+        if elsewhere:
+            checks += [skip("command"), skip("setting"), skip("polkit")]
+        else:
+            checks += [
+                self.check_command(words, defaults),
+                self.check_setting(defaults),
+                self._guarded(self.check_polkit),
+            ]
         for check in (
-            self.check_polkit,
             self.check_windows,
             self.check_override,
             self.check_fleet,

@@ -19,11 +19,19 @@ drain is over only once every replica says so (`GatewayClient.await_removed`).
 from __future__ import annotations
 
 import functools
+import grp
+import ipaddress
+import os
+import pwd
+import shlex
+import socket
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -45,6 +53,17 @@ class GatewayUnavailable(Exception):
     def __init__(self, message: str, kind: str = "malformed") -> None:
         super().__init__(message)
         self.kind = kind if kind in ERROR_KINDS else "malformed"
+
+
+class WorkerNotListed(GatewayUnavailable):
+    """Every replica answered, but none can be drained of this server: none lists the worker
+    URL, or one lists this host's port under another URL instead. No call failed (nothing
+    for specd_gateway_errors_total). ``elsewhere``: the gateway routes this server under
+    another URL (so it is not left out, whatever specd's URL says)."""
+
+    def __init__(self, message: str, *, elsewhere: bool) -> None:
+        super().__init__(message)
+        self.elsewhere = elsewhere
 
 
 @dataclass(frozen=True)
@@ -103,8 +122,119 @@ def read_api_key(path: Path | None) -> str | None:
     return key
 
 
+def _name(table: Callable[[int], Any], number: int) -> str:
+    try:
+        return str(table(number)[0])
+    except KeyError:
+        return str(number)
+
+
+def _may(info: os.stat_result, uid: int, gids: set[int], bit: int) -> bool:
+    """Whether user ``uid`` in groups ``gids`` has permission ``bit`` (4 read, 1 search)
+    on a file with ``info``, by its mode bits as the kernel picks them (owner, else group,
+    else others; root has all)."""
+    if uid == 0:
+        return True
+    if info.st_uid == uid:
+        return bool(info.st_mode >> 6 & bit)
+    if info.st_gid in gids:
+        return bool(info.st_mode >> 3 & bit)
+    return bool(info.st_mode & bit)
+
+
+def key_file_unreadable_by(path: Path, user: str) -> tuple[str, str] | None:
+    """(why ``user`` cannot read the key file at ``path``: "cannot read it (0640 root:root)"
+    or "cannot enter DIR (…)", the advice that lets it), or
+    None when it can. Judged by owner, group and mode (ACLs are not read), for the file and
+    every directory on the way to it, as the daemon (running as ``user``) would open it:
+    a check run as root passes a 0600 root file the daemon then cannot read. KeyError: no
+    such user."""
+    entry = pwd.getpwnam(user)
+    uid, group = entry.pw_uid, _name(grp.getgrgid, entry.pw_gid)
+    gids = set(os.getgrouplist(user, entry.pw_gid))
+    real = Path(os.path.realpath(path))
+    # Both the way to the link (secret mounts are symlinks) and the way to its target.
+    ways = [*reversed(Path(os.path.abspath(path)).parents), *reversed(real.parents)]
+    for directory in dict.fromkeys(ways):
+        info = directory.stat()
+        if not _may(info, uid, gids, 1):
+            owner = f"{_name(pwd.getpwuid, info.st_uid)}:{_name(grp.getgrgid, info.st_gid)}"
+            return (
+                f"cannot enter {directory} ({stat.S_IMODE(info.st_mode):04o} {owner})",
+                f"keep the key where user {user} can reach it, e.g. /etc/specd/gateway.key "
+                f"(0640 root:{group})",
+            )
+    info = real.stat()
+    if _may(info, uid, gids, 4):
+        return None
+    owner = f"{_name(pwd.getpwuid, info.st_uid)}:{_name(grp.getgrgid, info.st_gid)}"
+    shown = shlex.quote(str(path))
+    if info.st_uid == uid:
+        fix = f"chmod u+r {shown}"
+    elif info.st_gid in gids:
+        fix = f"chmod g+r {shown}"
+    else:
+        fix = f"chgrp {group} {shown} && chmod 0640 {shown}"
+    return (
+        f"cannot read it ({stat.S_IMODE(info.st_mode):04o} {owner})",
+        f"run `{fix}`",
+    )
+
+
 def _same_url(a: str, b: str) -> bool:
     return a.rstrip("/") == b.rstrip("/")
+
+
+# The listed URLs a "not listed" message shows at most: it is one line, a fleet has many.
+MAX_LISTED_SHOWN = 3
+
+
+def _host_port(url: str) -> tuple[str, int | None]:
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return "", None
+    return (parts.hostname or "").lower(), port
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether ``host`` (from a worker URL) names this machine. No DNS: an address is this
+    machine's if a socket can be bound to it, a name if it is localhost or our hostname."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        name = socket.gethostname().lower()
+        return host.rstrip(".") in ("localhost", name, name.split(".")[0])
+    if address.is_loopback:
+        return True
+    if address.is_unspecified:
+        return False
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
+
+
+def this_server_as(worker_url: str, listed: Sequence[str]) -> list[str]:
+    """The URLs in ``listed`` other than ``worker_url`` that name this server: this host,
+    the same port (the gateway knows the server by its LAN address, specd by loopback)."""
+    _, port = _host_port(worker_url)
+    mine = []
+    for url in listed:
+        host, other_port = _host_port(url)
+        if not _same_url(url, worker_url) and other_port == port and _is_this_host(host):
+            mine.append(url)
+    return mine
+
+
+def _some(urls: Sequence[str]) -> str:
+    shown = ", ".join(urls[:MAX_LISTED_SHOWN])
+    more = len(urls) - MAX_LISTED_SHOWN
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 class GatewayClient:
@@ -205,16 +335,18 @@ class GatewayClient:
             raise self._fail(f"gateway {gateway}: GET /workers: no worker list", "malformed")
         return [w for w in items if isinstance(w, Mapping)]
 
-    def find(self, gateway: str) -> Worker | None:
-        """This server's worker on ``gateway`` (None: not routed there)."""
-        for w in self._workers(gateway):
+    def look(self, gateway: str) -> tuple[Worker | None, list[str]]:
+        """(this server's worker on ``gateway`` or None, the URL of every worker it lists)."""
+        workers = self._workers(gateway)
+        urls = [w["url"] for w in workers if isinstance(w.get("url"), str)]
+        for w in workers:
             url = w.get("url")
             if isinstance(url, str) and _same_url(url, self.worker_url):
                 raw = w.get("labels")
                 labels = (
                     {str(k): str(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
                 )
-                return Worker(
+                worker = Worker(
                     gateway_url=gateway,
                     worker_id=str(w.get("id", "")),
                     url=url,
@@ -222,17 +354,56 @@ class GatewayClient:
                     labels=labels,
                     settings={k: w[k] for k in SETTING_KEYS if k in w},
                 )
-        return None
+                return worker, urls
+        return None, urls
+
+    def find(self, gateway: str) -> Worker | None:
+        """This server's worker on ``gateway`` (None: not routed there)."""
+        return self.look(gateway)[0]
 
     def find_all(self) -> list[Worker | None]:
-        """This worker on each replica, in order; raises if any replica cannot say."""
-        return [self.find(g) for g in self.gateways]
+        """This worker on each replica, in order, to drain it; raises if any replica cannot
+        say. Raises ``WorkerNotListed`` when a drain could not take it out of routing: a
+        replica lists this server under another URL (it would go on routing to it), or no
+        replica lists the worker URL at all (then specd cannot tell a server the gateway
+        does not route from one it knows by another name: never a restart without a drain).
+        A replica that lists neither while another lists the worker is left out there:
+        nothing to drain on it."""
+        found, listed = [], []
+        for gateway in self.gateways:
+            worker, urls = self.look(gateway)
+            found.append(worker)
+            if worker is None:
+                mine = this_server_as(self.worker_url, urls)
+                if mine:
+                    raise WorkerNotListed(
+                        f"gateway {gateway} lists this server as {_some(mine)}, not as "
+                        f'{self.worker_url}: set [gateway] worker_url = "{mine[0]}"',
+                        elsewhere=True,
+                    )
+            listed += [u for u in urls if u not in listed]
+        if any(w is not None for w in found):
+            return found
+        several = len(self.gateways) > 1
+        where = (
+            "no gateway replica lists" if several else f"gateway {self.gateways[0]} does not list"
+        )
+        raise WorkerNotListed(
+            f"{where} worker {self.worker_url} ({'they list' if several else 'it lists'} "
+            f"{_some(listed) if listed else 'no worker'}): add this server to the gateway, "
+            "or set [gateway] worker_url to the URL the gateway routes it by",
+            elsewhere=False,
+        )
 
     def probe(self) -> tuple[str | None, int | None]:
         """(why a drain is impossible now or None, replicas not routing this worker as
         ready or None when unknown). The cheap check the daemon runs each tick."""
         try:
             found = self.find_all()
+        except WorkerNotListed as exc:
+            # Listed under no URL at all: left out on every replica (the alert's case), or
+            # known by a name specd cannot recognise. Under another URL: not left out.
+            return str(exc), None if exc.elsewhere else len(self.gateways)
         except GatewayUnavailable as exc:
             return str(exc), None
         return None, sum(1 for w in found if not _ready(w))

@@ -3,9 +3,13 @@ command-line comparison, env file vs running steps, windows against an injected 
 
 from __future__ import annotations
 
+import grp
 import json
 import os
-from collections.abc import Callable
+import pwd
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,6 +24,9 @@ from specd.core.adaptive import AdaptiveModel
 from specd.core.model import adaptive_slots
 from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import parse
+from specd.install.execline import expand_argv
+from specd.install.layout import Layout
+from specd.install.manifest import new_manifest, save_manifest
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -79,13 +86,19 @@ def test_usec(text: str, usec: int) -> None:
     assert _usec(text) == usec
 
 
-def doctor(tmp_path: Path, extra: str = "") -> Doctor:
+def doctor(tmp_path: Path, extra: str = "", daemon_user: str = "specd", sglang: str = "") -> Doctor:
     config = tmp_path / "specd.toml"
     config.write_text(
-        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\n{sglang}'
         f'[files]\noverride_file = "{tmp_path}/override.toml"\n' + extra
     )
-    found = Doctor(config, SubprocessRunner(), clock=lambda: NOW)
+    found = Doctor(
+        config,
+        SubprocessRunner(),
+        clock=lambda: NOW,
+        daemon_user=daemon_user,
+        layout=Layout(tmp_path / "root"),
+    )
     found.config = load_config(config)
     return found
 
@@ -385,11 +398,14 @@ def test_gateway_checks_each_replica_answers_and_routes_this_server(tmp_path: Pa
                 tmp_path,
                 f'[gateway]\nurls = {json.dumps(urls)}\nworker_url = "{twin.url}"\n'
                 f'api_key_file = "{key}"\nrequest_timeout_s = 2.0\n',
+                # Here the daemon's user is ours: the key check passes, the replicas are asked.
+                daemon_user=pwd.getpwuid(os.geteuid()).pw_name,
             )
-            checks = found.check_gateway()
+            key_check, *checks = found.check_gateway()
             # The wrong key: every replica that answers says so.
             key.write_text("wrong\n")
-            refused = found.check_gateway()[0]
+            refused = found.check_gateway()[1]
+    assert key_check.ok, key_check
     assert [c.name for c in checks] == [f"gateway {u}" for u in urls]
     assert [c.ok for c in checks] == [True, False, False]
     assert "ready" in checks[0].detail
@@ -536,3 +552,174 @@ def test_gateway_check_refuses_an_unfit_key_file_without_reading_it(
     assert [(c.name, c.ok) for c in checks] == [("gateway api key", False)]
     assert checks[0].detail.startswith(f"{key}: {detail}")
     assert "--control-plane-api-keys" in checks[0].advice
+
+
+# A real unprivileged user stands in for specd (no specd user on a build machine).
+READER = "nobody"
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory any user may enter: pytest's tmp_path is under a 0700 one."""
+    with tempfile.TemporaryDirectory() as name:
+        os.chmod(name, 0o755)
+        yield Path(name)
+
+
+def reads_as(user: str, path: Path) -> bool:
+    """Whether a process of ``user`` (its groups too) can read ``path``: the kernel's say."""
+    entry = pwd.getpwnam(user)
+    result = subprocess.run(
+        ["cat", str(path)],
+        user=entry.pw_uid,
+        group=entry.pw_gid,
+        extra_groups=os.getgrouplist(user, entry.pw_gid),
+        capture_output=True,
+        check=False,
+    )
+    return result.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: files owned by another user")
+@pytest.mark.parametrize(
+    ("owner", "group", "mode", "fix"),
+    [
+        ("root", "root", 0o640, "chgrp nogroup {key} && chmod 0640 {key}"),
+        ("root", "root", 0o600, "chgrp nogroup {key} && chmod 0640 {key}"),
+        ("root", "nogroup", 0o600, "chmod g+r {key}"),
+        ("nobody", "root", 0o200, "chmod u+r {key}"),
+        ("root", "nogroup", 0o640, None),
+        ("nobody", "root", 0o400, None),
+        ("root", "root", 0o644, None),
+    ],
+)
+def test_gateway_key_check_reads_the_file_as_the_daemons_user(
+    tmp_path: Path, open_dir: Path, owner: str, group: str, mode: int, fix: str | None
+) -> None:
+    """doctor runs as root, which reads any file; specd runs as its own user. A 0640
+    root:root key passed doctor and the daemon then never drained (nor restarted)."""
+    key = open_dir / "gateway.key"
+    key.write_text(SMG_ADMIN_KEY + "\n")
+    os.chown(key, pwd.getpwnam(owner).pw_uid, grp.getgrnam(group).gr_gid)
+    os.chmod(key, mode)
+    dead = f"http://127.0.0.1:{free_port()}"
+    found = doctor(
+        tmp_path,
+        f'[gateway]\nurls = ["{dead}"]\napi_key_file = "{key}"\nrequest_timeout_s = 1.0\n',
+        daemon_user=READER,
+    )
+    checks = found.check_gateway()
+    # The replica is asked all the same: doctor can read the key.
+    assert [c.name for c in checks] == ["gateway api key", f"gateway {dead}"]
+    check = checks[0]
+    assert check.ok is (fix is None)
+    assert reads_as(READER, key) is check.ok
+    if fix is None:
+        assert check.detail == f"{key}: readable by user {READER} (specd.service)"
+        return
+    assert check.detail == (
+        f"{key}: specd.service runs as user {READER}, which cannot read it "
+        f"({mode:04o} {owner}:{group})"
+    )
+    assert check.advice == f"run `{fix.format(key=key)}`"
+    # The advice, run as given, is the whole fix.
+    subprocess.run(["sh", "-c", fix.format(key=key)], check=True)
+    assert found.check_gateway()[0].ok
+    assert reads_as(READER, key)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: files owned by another user")
+def test_gateway_key_check_follows_the_way_to_the_file(tmp_path: Path, open_dir: Path) -> None:
+    """A key the daemon's user could read in a directory it cannot enter (or behind a link
+    in one) is unreadable all the same."""
+    closed = open_dir / "closed"
+    closed.mkdir(mode=0o700)
+    key = closed / "gateway.key"
+    key.write_text(SMG_ADMIN_KEY + "\n")
+    os.chmod(key, 0o644)
+    link = open_dir / "gateway.key"
+    link.symlink_to(key)
+    for path in (key, link):
+        found = doctor(
+            tmp_path, f'[gateway]\nurls = ["http://127.0.0.1:1"]\napi_key_file = "{path}"\n',
+            daemon_user=READER,
+        )  # fmt: skip
+        check = found.check_key_reader(path)
+        assert not check.ok
+        assert not reads_as(READER, path)
+        assert check.detail == (
+            f"{path}: specd.service runs as user {READER}, which cannot enter {closed} "
+            "(0700 root:root)"
+        )
+        assert "/etc/specd/gateway.key (0640 root:nogroup)" in check.advice
+    os.chmod(closed, 0o755)
+    assert found.check_key_reader(link).ok
+    assert reads_as(READER, link)
+
+
+def test_metrics_off_with_the_flag_in_the_unit_already_advises_a_restart_now(
+    tmp_path: Path,
+) -> None:
+    """After `specd install --add-enable-metrics` the unit's command line has the flag but
+    SGLang, not restarted since, serves no /metrics: specd decides no_data on every tick and
+    never restarts it. Neither install again nor "the next window" is the way out."""
+    found = doctor(tmp_path)
+    with TwinProcess(FAST_TWIN_VERSION_ARGS) as twin:
+        twin.wait_healthy()
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            without = found.check_metrics(client)[0]
+            # What check_dropin reads of the unit once install added the flag.
+            found.unit_args = [arg.text for arg in expand_argv(WORDS, DEFAULTS)]
+            added = found.check_metrics(client)[0]
+    assert not without.ok
+    assert "404" in without.detail
+    assert without.advice == (
+        "add --enable-metrics to sglang.service's command line "
+        "(`specd install --add-enable-metrics`) and restart it"
+    )
+    assert not added.ok
+    assert added.advice == (
+        "sglang.service's command line has --enable-metrics, SGLang started without it: "
+        "`systemctl restart sglang.service` now (specd cannot: it needs /metrics to act)"
+    )
+    found.info = {"launch_command": f"/x {args_of(3)}"}
+    command = found.check_command(WORDS, DEFAULTS)
+    assert not command.ok
+    assert command.detail == "SGLang's running command differs from the drop-in (--enable-metrics)"
+    assert command.advice == (
+        "restart it to pick up the drop-in: `systemctl restart sglang.service` now (specd "
+        "cannot: it needs the /metrics that --enable-metrics turns on)"
+    )
+
+
+def test_a_config_for_another_unit_than_installed_says_so_once(tmp_path: Path) -> None:
+    """[sglang] unit names a unit specd was not installed for: the checks of the unit's
+    wiring would each advise `specd install --unit` for it, which refuses ("installed for
+    sglang.service"). One check says what differs and what to fix; those are skipped."""
+    save_manifest(Layout(tmp_path / "root"), new_manifest("sglang.service", ""))
+    dead = f"http://127.0.0.1:{free_port()}"
+    found = doctor(tmp_path, sglang=f'unit = "dbus.service"\nurl = "{dead}"\n')
+    checks = {c.name: c for c in found.run()}
+    unit = checks["unit"]
+    assert not unit.ok
+    assert unit.detail == (
+        "[sglang] unit is dbus.service, but specd was installed for sglang.service "
+        "(/etc/specd/install-manifest.json)"
+    )
+    assert unit.advice == (
+        f'set unit = "sglang.service" under [sglang] in {tmp_path / "specd.toml"}; to move '
+        "specd to dbus.service: `specd uninstall`, then `specd install --unit dbus.service`"
+    )
+    for name in ("drop-in", "command", "setting", "polkit"):
+        assert checks[name].skipped, checks[name]
+        assert checks[name].detail == (
+            "skipped: specd is not installed for [sglang] unit dbus.service"
+        )
+    advising = [c.name for c in checks.values() if "install --unit dbus.service" in c.advice]
+    assert advising == ["unit"]
+    # The unit it was installed for: no such line (and the checks run).
+    found = doctor(tmp_path, sglang=f'unit = "sglang.service"\nurl = "{dead}"\n')
+    names = [c.name for c in found.run()]
+    assert "unit" not in names
+    assert found.installed_unit == "sglang.service"
+    assert not any(c.skipped for c in found.run())

@@ -920,6 +920,31 @@ def test_a_removal_the_gateway_queued_and_never_ran_means_no_restart(
     assert outcome.drain["result"] == "error"
 
 
+def test_a_worker_the_gateway_knows_by_another_url_is_not_restarted(
+    make_unit: Any, second_worker: TwinProcess, tmp_path: Path
+) -> None:
+    """The applier asks again before draining (the daemon's probe may be a tick old): a
+    gateway that routes this server under another URL than specd's would keep routing to
+    it through the restart."""
+    unit = make_unit()
+    listed = unit.url.replace("127.0.0.1", "localhost")
+    with SmgGateway([listed, second_worker.url], admin_key=SMG_ADMIN_KEY) as gateway:
+        rec = Recorder(tmp_path / "journal.json")
+        outcome = gateway_applier(unit, gateway, tmp_path, rec).apply(4, 3, window_open=always_open)
+        client = GatewayClient([gateway.url], listed, api_key=SMG_ADMIN_KEY)
+        still = client.find(gateway.url)
+        client.close()
+    assert outcome.result == "aborted", outcome.message
+    assert outcome.message == (
+        f"cannot drain: gateway {gateway.url} lists this server as {listed}, not as "
+        f'{unit.url}: set [gateway] worker_url = "{listed}"; nothing was restarted'
+    )
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert still is not None
+    assert still.status == "ready"
+
+
 @pytest.mark.parametrize(
     ("case", "result", "why"),
     [

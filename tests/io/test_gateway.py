@@ -16,6 +16,7 @@ from specd.io.gateway import (
     GatewayClient,
     GatewayUnavailable,
     GatewayWatch,
+    WorkerNotListed,
     read_api_key,
 )
 from specd.twin.process import TwinProcess, free_port
@@ -100,6 +101,63 @@ def test_a_readd_counts_a_removal_that_never_ran_as_routed_after_one_call_timeou
         waited = time.monotonic() - started
         assert 1.0 <= waited < 10.0
         assert client.wait_ready(0.1)
+        client.close()
+
+
+def test_a_gateway_that_knows_this_server_by_another_url_is_no_drain(twin: TwinProcess) -> None:
+    """smg routes SGLang by its LAN address, specd's worker URL defaults to loopback: a drain
+    that found no worker by that URL removed nothing, and the restart after it cut the
+    requests the gateway still routed. Here the gateway knows the twin as localhost."""
+    listed = twin.url.replace("127.0.0.1", "localhost")
+    errors: list[str] = []
+    with SmgGateway([listed]) as smg:
+        client = GatewayClient([smg.url], twin.url, timeout_s=2.0, on_error=errors.append)
+        want = (
+            f"gateway {smg.url} lists this server as {listed}, not as {twin.url}: "
+            f'set [gateway] worker_url = "{listed}"'
+        )
+        # Not "NOT READY on 1": the gateway routes this server, under another name.
+        assert client.probe() == (want, None)
+        with pytest.raises(WorkerNotListed) as err:
+            client.drain()
+        assert str(err.value) == want
+        assert errors == []  # every call answered: not a gateway error
+        # Nothing was removed: the worker is still routed.
+        found = GatewayClient([smg.url], listed).find(smg.url)
+        assert found is not None
+        assert found.status == "ready"
+        client.close()
+
+
+def test_a_worker_no_replica_lists_is_no_drain_and_counts_as_left_out(twin: TwinProcess) -> None:
+    """A worker URL no replica lists, and none that is this server under another URL: left
+    out (never added, or a re-add that failed) or named in a way specd cannot recognise.
+    specd cannot drain it either way, and the alert on a worker left out still counts it."""
+    away = "http://127.0.0.1:1"
+    with SmgGateway([twin.url]) as one, SmgGateway([twin.url]) as two:
+        client = GatewayClient([one.url, two.url], away, timeout_s=2.0)
+        problem, not_ready = client.probe()
+        assert problem == (
+            f"no gateway replica lists worker {away} (they list {twin.url}): add this server "
+            "to the gateway, or set [gateway] worker_url to the URL the gateway routes it by"
+        )
+        assert not_ready == 2
+        with pytest.raises(WorkerNotListed):
+            client.drain()
+        # Listed on one replica and not on the other: left out there, drained where it is.
+        present = GatewayClient([one.url, two.url], twin.url, timeout_s=2.0, poll_s=0.1)
+        assert present.probe() == (None, 0)
+        two.stop()
+        with SmgGateway([]) as empty:
+            present = GatewayClient([one.url, empty.url], twin.url, timeout_s=2.0, poll_s=0.1)
+            # With no worker to wait for, SmgGateway returns before smg listens.
+            end = time.monotonic() + 20.0
+            while "ConnectError" in str(present.probe()[0]) and time.monotonic() < end:
+                time.sleep(0.1)
+            assert present.probe() == (None, 1)
+            removed = present.drain()
+            assert [w.gateway_url for w in removed] == [one.url]
+            present.close()
         client.close()
 
 

@@ -1,0 +1,78 @@
+"""`specd doctor` under a real systemd, on what an install leaves: --enable-metrics added by
+install but not live until SGLang restarts, and a config naming another unit than the one
+specd was installed for."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from nspawn import SGLANG_UNIT, VENV_SPECD, Container
+from test_install_systemd import deployment_unit, operator_config
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+
+def verdicts(sd: Container) -> tuple[int, dict[str, dict[str, Any]]]:
+    doctor = sd.sh(str(VENV_SPECD), "doctor", "--json", check=False, timeout=60)
+    return doctor.returncode, {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+
+
+def test_doctor_after_add_enable_metrics_and_for_another_unit(sd: Container) -> None:
+    unit = SGLANG_UNIT
+    text = deployment_unit().replace(" \\\n    --enable-metrics", "")
+    assert "--enable-metrics" not in text
+    sd.write_unit(unit, text)
+    sd.daemon_reload()
+    sd.systemctl("start", unit)
+    sd.wait_http("/health")
+    # No window for a month: nothing here waits for specd.
+    closed = float(sd.sh("date", "+%s.%N").stdout) + 30 * 86400
+    (sd.config_dir / "specd.toml").write_text(operator_config(closed))
+    specd = str(VENV_SPECD)
+    try:
+        sd.sh(specd, "install", "--unit", unit, "--add-enable-metrics", "--yes", timeout=90)
+        # The drop-in has the flag; SGLang, not restarted, still serves no /metrics, and
+        # specd (no_data on every tick) will not restart it.
+        code, found = verdicts(sd)
+        assert code == 1
+        assert not found["metrics"]["ok"]
+        assert found["metrics"]["advice"] == (
+            f"{unit}'s command line has --enable-metrics, SGLang started without it: "
+            f"`systemctl restart {unit}` now (specd cannot: it needs /metrics to act)"
+        )
+        assert not found["command"]["ok"]
+        assert found["command"]["advice"].endswith(
+            f"`systemctl restart {unit}` now (specd cannot: it needs the /metrics that "
+            "--enable-metrics turns on)"
+        )
+        # The advice, followed, is the fix.
+        sd.systemctl("restart", unit)
+        sd.wait_http("/health")
+        code, found = verdicts(sd)
+        assert found["metrics"]["ok"], found["metrics"]
+        assert found["command"]["ok"], found["command"]
+
+        # A config that names a unit specd was not installed for: one line says so, rather
+        # than a ✗ per check each advising an install that refuses.
+        config = sd.config_dir / "specd.toml"
+        installed = config.read_text()
+        assert f'unit = "{unit}"' in installed
+        config.write_text(installed.replace(f'unit = "{unit}"', 'unit = "dbus.service"'))
+        code, found = verdicts(sd)
+        config.write_text(installed)
+        assert code == 1
+        assert found["unit"]["detail"] == (
+            f"[sglang] unit is dbus.service, but specd was installed for {unit} "
+            "(/etc/specd/install-manifest.json)"
+        )
+        for name in ("drop-in", "command", "setting", "polkit"):
+            assert found[name]["skipped"], found[name]
+        advising = [n for n, c in found.items() if "install --unit dbus.service" in c["advice"]]
+        assert advising == ["unit"]
+        refused = sd.sh(specd, "install", "--unit", "dbus.service", "--dry-run", check=False)
+        assert refused.returncode != 0
+        assert f"specd is installed for {unit}" in refused.stderr
+    finally:
+        sd.sh(specd, "uninstall", check=False, timeout=90)
