@@ -7,6 +7,8 @@ import difflib
 import pwd
 import shlex
 import stat
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +56,14 @@ from specd.install.unit import (
     unit_environment,
 )
 from specd.io.apply import ENV_ARGS, ENV_STEPS, parse_env, render_setting_env
+from specd.io.config import ConfigError, load_config
 from specd.io.gateway import MAX_API_KEY_FILE_BYTES
 from specd.io.runner import Runner
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 
 @dataclass(frozen=True)
@@ -269,6 +277,39 @@ def fleet_keys(options: FleetOptions) -> dict[str, str | int | float | list[str]
     return keys
 
 
+def config_problems(path: Path) -> list[str]:
+    """What `specd check-config` says about the config file at ``path``, one line per
+    problem (none: specd would start with it)."""
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def _is_toml(raw: bytes) -> bool:
+    try:
+        tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return False
+    return True
+
+
+def _config_refusal(lines: list[str]) -> InstallError:
+    return InstallError(
+        "\n".join(lines) + f"\n{CONFIG_FILE}: install writes only a config specd accepts: fix "
+        f"the above (`specd check-config {CONFIG_FILE}` checks it) and run install again"
+    )
+
+
+def config_text_problems(text: str) -> list[str]:
+    """`config_problems` of a config not written yet, read from a private scratch file."""
+    with tempfile.TemporaryDirectory(prefix="specd-install-") as scratch:
+        path = Path(scratch) / "specd.toml"
+        path.write_text(text, encoding="utf-8")
+        return config_problems(path)
+
+
 def _migrated_env(old: bytes, spec: Speculation) -> bytes | None:
     """The env file of the step-variable form (today's or the old SPECD_SPEC_* names) as the
     same setting in the $SPECD_SPECULATIVE_ARGS form; None when it already has that form or
@@ -329,6 +370,10 @@ def build_plan(
                 "would have no effect; fold it into the unit or remove it"
             )
     existing_config = layout.read(CONFIG_FILE)
+    problems_now = [] if existing_config is None else config_problems(layout.host(CONFIG_FILE))
+    if existing_config is not None and not _is_toml(existing_config):
+        # Nothing to edit: refused before anything is written, as check-config says it.
+        raise _config_refusal([f"{CONFIG_FILE}: {p}" for p in problems_now])
     if url is None:
         assert spec.port is not None
         url = sglang_url(spec.host, spec.port)
@@ -337,13 +382,26 @@ def build_plan(
     gateway_values = None if gateway is None else gateway_keys(gateway, layout)
     fleet_values = None if fleet is None else fleet_keys(fleet)
     config_text = render_config(
-        None if existing_config is None else existing_config.decode("utf-8", "replace"),
+        None if existing_config is None else existing_config.decode("utf-8"),
         url,
         unit,
         spec.algorithm,
         gateway_values,
         fleet_values,
     )
+    # Checked as specd will read it, before anything is written: a config specd refuses
+    # would leave specd.service enabled and failing. A problem of the file as it is now is
+    # named as check-config names it; one that install's edit would fix is no reason to stop.
+    problems = config_text_problems(config_text)
+    if problems:
+        raise _config_refusal(
+            [
+                f"{CONFIG_FILE}: {p}"
+                if p in problems_now
+                else f"{CONFIG_FILE} as install would write it: {p}"
+                for p in problems
+            ]
+        )
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics),
         UNITS_DIR / SPECD_UNIT: render_specd_service(

@@ -336,3 +336,60 @@ def test_gateway_settings_are_checked(
             specd_argv=SPECD,
             gateway=GatewayOptions(urls, key),
         )
+
+
+@pytest.mark.parametrize(
+    ("raw", "lines"),
+    [
+        # The flat form from before the tables: what check-config says, one line each.
+        (
+            b'sglang_url = "http://127.0.0.1:30000"\nunit = "sglang.service"\n',
+            ["`sglang_url` is now `url` in [sglang]", "`unit` belongs in [sglang]"],
+        ),
+        (b"[sglang]\nurl = [\n", ["invalid TOML: Invalid value (at end of document)"]),
+        (b"[sglang]\n# caf\xe9\n", ["not UTF-8 text (byte 14)"]),
+    ],
+    ids=["flat", "not-toml", "not-utf8"],
+)
+def test_an_invalid_config_is_refused_before_anything_is_written(
+    tmp_path: Path, raw: bytes, lines: list[str]
+) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_bytes(raw)
+    before = sorted(tmp_path.rglob("*"))
+    view = view_of(f"{BASE} {SPEC}")
+    with pytest.raises(InstallError) as err:
+        build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    said = str(err.value).splitlines()
+    assert said[:-1] == [f"{CONFIG_FILE}: {line}" for line in lines]
+    assert "specd check-config" in said[-1]
+    assert sorted(tmp_path.rglob("*")) == before
+    assert config.read_bytes() == raw
+
+
+def test_what_install_would_write_is_checked_too(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_text("[observe]\nmin_history_s = 5.0\n")
+    # A unit install reads fine, whose algorithm as written is not what specd.toml takes.
+    view = view_of(f"{BASE} {SPEC.replace('NEXTN', 'nextn')}")
+    with pytest.raises(InstallError) as err:
+        build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    line, hint = str(err.value).splitlines()
+    assert line.startswith(f"{CONFIG_FILE} as install would write it: sglang.speculative_algorithm")
+    assert "specd check-config" in hint
+    assert config.read_text() == "[observe]\nmin_history_s = 5.0\n"
+
+
+def test_a_problem_install_itself_fixes_is_no_reason_to_refuse(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_text('[sglang]  # box 3\nunit = "sglang"  # not a service name; install sets it\n')
+    plan = build_plan(view_of(f"{BASE} {SPEC}"), layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    text = config_of(plan.files)
+    assert Config.model_validate(parse_toml(text)).sglang.unit == UNIT
+    assert "# not a service name; install sets it" in text
