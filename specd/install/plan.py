@@ -450,7 +450,14 @@ def build_plan(
         plan.commands.append(("systemctl", "enable", "--now", SPECD_UNIT))
     elif units_changed or plan.moves or any(c.path == CONFIG_FILE for c in plan.files):
         plan.commands.append(("systemctl", "restart", SPECD_UNIT))
-    if any(c.path == dropin for c in plan.files):
+    if any(c.path == dropin for c in plan.files) and not spec.metrics:
+        # Without /metrics specd decides no_data on every tick: it never restarts SGLang.
+        plan.notes.append(
+            f"SGLang is not restarted: --enable-metrics is live only from {unit}'s next "
+            "restart, and specd cannot decide anything (nor restart it) without SGLang's "
+            f"metrics: run `systemctl restart {unit}` now to start tuning."
+        )
+    elif any(c.path == dropin for c in plan.files):
         plan.notes.append(
             f"SGLang is not restarted: the drop-in takes effect at {unit}'s next restart "
             f"(specd restarts it in its next maintenance window when it changes the step count, "

@@ -37,6 +37,10 @@ def test_refuses_a_unit_without_metrics_unless_asked(tmp_path: Path) -> None:
     plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=True, specd_argv=SPECD)
     dropin = next(c for c in plan.files if c.path.name == DROPIN_NAME).new.decode()
     assert dropin.rstrip().endswith("--enable-metrics")
+    # specd sees no metrics until SGLang restarts, so it would never restart it itself.
+    [note] = [n for n in plan.notes if "SGLang is not restarted" in n]
+    assert f"run `systemctl restart {UNIT}` now" in note
+    assert "maintenance window" not in note
 
 
 def test_refuses_when_a_later_dropin_sets_execstart(tmp_path: Path) -> None:
