@@ -114,6 +114,8 @@ def install(
         print(f"note: {note}", file=out)
     for problem in problems:
         print(f"warning: {problem}", file=out)
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=out)
     refuse = bool(problems) and not args.allow_unreachable and not plan.empty
     if refuse and not args.dry_run:
         raise InstallError(

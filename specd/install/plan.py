@@ -33,6 +33,7 @@ from specd.install.layout import (
     Layout,
     stamp,
 )
+from specd.install.network import reach
 from specd.install.render import (
     configured_files,
     render_config,
@@ -111,6 +112,8 @@ class Plan:
     commands: list[tuple[str, ...]] = field(default_factory=list)
     create_user: bool = False
     notes: list[str] = field(default_factory=list)
+    # Said before the plan, with install's probe of the endpoints.
+    warnings: list[str] = field(default_factory=list)
     # The [gateway] and [fleet] keys given on the command line, for install's probe.
     gateway: dict[str, str | list[str]] | None = None
     fleet: dict[str, str | int | float | list[str]] | None = None
@@ -402,16 +405,19 @@ def build_plan(
                 for p in problems
             ]
         )
+    reachable = reach(config_text, layout)
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics),
         UNITS_DIR / SPECD_UNIT: render_specd_service(
-            template("specd.service"), unit, list(specd_argv)
+            template("specd.service"), unit, list(specd_argv), reachable.addresses
         ),
         POLKIT_FILE: render_polkit(template("polkit"), unit),
         SYSUSERS_FILE: template("sysusers"),
         CONFIG_FILE: config_text,
     }
     plan = Plan(unit=unit, spec=spec, url=url, gateway=gateway_values, fleet=fleet_values)
+    plan.notes += reachable.notes
+    plan.warnings += reachable.warnings
     files, _ = configured_files(config_text)
     if fresh and layout.host(files.override_file).is_file():
         to = ARCHIVE_ROOT / f"install-{stamp(now_s)}" / files.override_file.relative_to("/")

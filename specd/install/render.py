@@ -131,7 +131,9 @@ def hidden_code_paths(command: Sequence[str]) -> list[Path]:
     return sorted(hidden)
 
 
-def render_specd_service(text: str, unit: str, command: Sequence[str]) -> str:
+def render_specd_service(
+    text: str, unit: str, command: Sequence[str], allow: Sequence[str] = ()
+) -> str:
     exec_line = " ".join(quote_word(w) for w in [*command, "run", "--config", str(CONFIG_FILE)])
     out, count = re.subn(r"^ExecStart=.*$", lambda _: f"ExecStart={exec_line}", text, flags=re.M)
     if count != 1:
@@ -152,6 +154,14 @@ def render_specd_service(text: str, unit: str, command: Sequence[str]) -> str:
             extra += "ProtectHome=tmpfs\n"
         extra += f"BindReadOnlyPaths={' '.join(map(str, hidden))}\n"
         out = out.rstrip("\n") + "\n" + extra
+    if allow:
+        # The shipped unit reaches loopback only (IPAddressDeny=any).
+        out = out.rstrip("\n") + (
+            f"\n\n[Service]\n# What {CONFIG_FILE} names beyond loopback (SGLang, gateway "
+            "replicas, etcd\n# endpoints); host names as resolved by `specd install`: run it "
+            "again if they move.\n"
+            f"IPAddressAllow={' '.join(allow)}\n"
+        )
     return out
 
 
