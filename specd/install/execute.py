@@ -16,7 +16,13 @@ from specd.install.layout import (
     Layout,
     run_checked,
 )
-from specd.install.manifest import load_manifest, new_manifest, save_manifest, sha256
+from specd.install.manifest import (
+    load_manifest,
+    new_manifest,
+    original_record,
+    save_manifest,
+    sha256,
+)
 from specd.install.plan import Plan
 from specd.install.unit import UnitView
 from specd.io.files import write_atomic
@@ -51,16 +57,15 @@ def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any
     for change in plan.files:
         target = layout.host(change.path)
         if change.record:
-            record = manifest["files"].setdefault(
-                str(change.path),
-                {"original": None if change.old is None else change.old.decode("utf-8", "replace")},
-            )
+            record = manifest["files"].setdefault(str(change.path), original_record(change))
             record["sha256"] = sha256(change.new)
             if not target.parent.is_dir():
                 target.parent.mkdir(parents=True, mode=0o755)
                 manifest["dirs"].append(str(change.path.parent))
             save_manifest(layout, manifest)
         write_atomic(target, change.new, mode=change.mode)
+        if change.owner is not None:
+            os.chown(target, *change.owner)
         print(f"wrote {change.path}", file=out)
     if plan.create_user:
         manifest["user_created"] = True

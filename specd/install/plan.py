@@ -4,6 +4,7 @@ without touching anything; ``--dry-run`` prints it and ``execute`` carries it ou
 from __future__ import annotations
 
 import difflib
+import os
 import pwd
 import shlex
 import stat
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import tomli_w
 from pydantic import ValidationError
 
 from specd.core.setting import static
@@ -75,6 +77,11 @@ class FileChange:
     mode: int = 0o644
     # False for specd's own state (the env file): archived at uninstall, not restored.
     record: bool = True
+    # An existing file's owner, kept by the rewrite (a 0640 root:specd config stays readable
+    # by specd); None: a new file, root's.
+    owner: tuple[int, int] | None = None
+    # The symlink that was at the path, which the rewrite replaces; uninstall puts it back.
+    link: str | None = None
 
     def diff(self) -> str:
         old = (self.old or b"").decode("utf-8", "replace").splitlines(keepends=True)
@@ -290,6 +297,36 @@ def config_problems(path: Path) -> list[str]:
     return []
 
 
+def file_change(layout: Layout, path: Path, old: bytes | None, new: bytes) -> FileChange:
+    """``path`` rewritten to ``new``, keeping the mode and owner it has (a link: its
+    target's), and recording a symlink that was there."""
+    host = layout.host(path)
+    link = os.readlink(host) if host.is_symlink() else None
+    try:
+        info = host.stat()
+    except FileNotFoundError:
+        return FileChange(path, old, new, link=link)
+    return FileChange(
+        path, old, new, stat.S_IMODE(info.st_mode), owner=(info.st_uid, info.st_gid), link=link
+    )
+
+
+def _changed_keys(old: bytes | None, new: str) -> str:
+    """The keys that differ between two configs, as ``[table] key = value`` (TOML's own
+    spelling of the value), for an operator to copy."""
+    before = tomllib.loads((old or b"").decode("utf-8"))
+    after = tomllib.loads(new)
+    found = []
+    for table, values in after.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            was = before.get(table)
+            if not isinstance(was, dict) or was.get(key) != value:
+                found.append(f"[{table}] {tomli_w.dumps({key: value}).strip()}")
+    return ", ".join(found)
+
+
 def _is_toml(raw: bytes) -> bool:
     try:
         tomllib.loads(raw.decode("utf-8"))
@@ -428,10 +465,19 @@ def build_plan(
                 "an override left by an earlier installation: this one starts in auto mode",
             )
         )
+    config_host = layout.host(CONFIG_FILE)
+    if config_host.is_symlink() and existing_config != config_text.encode():
+        # Whatever manages the link (configuration management) owns its target: an edit
+        # there would be undone by it, or land in its source unseen.
+        keys = _changed_keys(existing_config, config_text)
+        raise InstallError(
+            f"{CONFIG_FILE} is a symlink to {os.readlink(config_host)}: install does not edit "
+            f"through it; set {keys} where that file comes from, then run install again"
+        )
     for path, text in wanted.items():
         old = layout.read(path)
         if old != text.encode():
-            plan.files.append(FileChange(path, old, text.encode()))
+            plan.files.append(file_change(layout, path, old, text.encode()))
     if spec.step_variables:
         old_names = ", ".join(LEGACY_NAMES if spec.legacy else LEGACY_NAMES.values())
         plan.notes.append(

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from specd.install.layout import (
     run_checked,
     stamp,
 )
-from specd.install.manifest import load_manifest, sha256
+from specd.install.manifest import load_manifest, original_bytes, sha256
 from specd.install.render import SpecdFiles, configured_files
 from specd.io.files import write_atomic
 from specd.io.runner import Runner
@@ -104,18 +106,26 @@ def uninstall(
         if current is not None and sha256(current) != record.get("sha256"):
             if path == CONFIG_FILE:
                 backup = path.with_name(f"{path.name}.specd-uninstall-{when}")
-                write_atomic(layout.host(backup), current, mode=0o644)
+                write_atomic(layout.host(backup), current, mode=_mode_of(target))
                 print(f"{path} was edited since install: kept it as {backup}", file=out)
             else:
                 kept = _archive_copy(layout, path, archive)
                 print(f"{path} was edited since install: kept a copy as {kept}", file=out)
-        original = record.get("original")
-        if original is None:
+        original = original_bytes(record)
+        link = record.get("link")
+        if link is not None:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+            target.symlink_to(str(link))
+            print(f"restored {path} (a symlink to {link})", file=out)
+        elif original is None:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
             print(f"removed {path}", file=out)
         else:
-            write_atomic(target, str(original).encode(), mode=0o644)
+            write_atomic(target, original, mode=int(record.get("mode", 0o644)))
+            if "uid" in record:
+                os.chown(target, int(record["uid"]), int(record["gid"]))
             print(f"restored {path}", file=out)
     for name in reversed(manifest["dirs"]):
         path = Path(name)
@@ -147,6 +157,13 @@ def uninstall(
             file=out,
         )
     return 0
+
+
+def _mode_of(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return 0o600
 
 
 def _remove_dir(layout: Layout, path: Path, out: Any) -> None:
