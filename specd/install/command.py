@@ -159,8 +159,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     if parser.prog.endswith("uninstall"):
         parser.description = (
             "Remove exactly what `specd install` added (its manifest says what), restore the "
-            "files it changed, archive specd's state, env file and override under "
-            "/var/backups/specd/, and leave the SGLang unit as it was."
+            "files it changed (bytes, mode, owner), archive specd's state, env file and "
+            "override under /var/backups/specd/ (an env file install converted is put back "
+            "as it was), and leave the SGLang unit as it was."
         )
         parser.add_argument(
             "--restart-sglang",

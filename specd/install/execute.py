@@ -6,12 +6,14 @@ import os
 import pwd
 import shlex
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from specd.install.layout import (
     CONFIG_DIR,
     START_TIMEOUT_S,
+    STATE_DIR,
     InstallError,
     Layout,
     run_checked,
@@ -41,7 +43,18 @@ def move_to_archive(layout: Layout, path: Path, to: Path) -> None:
 
 def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any) -> None:
     """Carry the plan out, recording every change in the manifest before making it."""
-    manifest = load_manifest(layout) or new_manifest(plan.unit, view.cat)
+    manifest = load_manifest(layout)
+    if manifest is None:
+        manifest = new_manifest(plan.unit, view.cat)
+        state = layout.host(STATE_DIR)
+        if state.is_dir() and not state.is_symlink():
+            # specd.service's StateDirectory= makes it specd's, 0751: uninstall gives it back.
+            info = state.stat()
+            manifest["state_dir_before"] = {
+                "mode": stat.S_IMODE(info.st_mode),
+                "uid": info.st_uid,
+                "gid": info.st_gid,
+            }
     if manifest["unit"] != plan.unit:
         raise InstallError(
             f"specd is installed for {manifest['unit']}; run `specd uninstall` before "
@@ -56,13 +69,12 @@ def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any
         manifest["dirs"].append(str(CONFIG_DIR))
     for change in plan.files:
         target = layout.host(change.path)
-        if change.record:
-            record = manifest["files"].setdefault(str(change.path), original_record(change))
-            record["sha256"] = sha256(change.new)
-            if not target.parent.is_dir():
-                target.parent.mkdir(parents=True, mode=0o755)
-                manifest["dirs"].append(str(change.path.parent))
-            save_manifest(layout, manifest)
+        record = manifest["files"].setdefault(str(change.path), original_record(change))
+        record["sha256"] = sha256(change.new)
+        if not target.parent.is_dir():
+            target.parent.mkdir(parents=True, mode=0o755)
+            manifest["dirs"].append(str(change.path.parent))
+        save_manifest(layout, manifest)
         write_atomic(target, change.new, mode=change.mode)
         if change.owner is not None:
             os.chown(target, *change.owner)

@@ -75,8 +75,6 @@ class FileChange:
     old: bytes | None
     new: bytes
     mode: int = 0o644
-    # False for specd's own state (the env file): archived at uninstall, not restored.
-    record: bool = True
     # An existing file's owner, kept by the rewrite (a 0640 root:specd config stays readable
     # by specd); None: a new file, root's.
     owner: tuple[int, int] | None = None
@@ -488,7 +486,9 @@ def build_plan(
         env_old = layout.read(files.env_file)
         env_new = None if env_old is None else _migrated_env(env_old, spec)
         if env_old is not None and env_new is not None:
-            plan.files.append(FileChange(files.env_file, env_old, env_new, record=False))
+            # Recorded like install's other files: the drop-in uninstall restores reads the
+            # step variables from this file, so it gets back what it said before.
+            plan.files.append(file_change(layout, files.env_file, env_old, env_new))
     if not system.user_exists:
         plan.create_user = True
         plan.commands.append(("systemd-sysusers", str(SYSUSERS_FILE)))

@@ -22,6 +22,7 @@ from specd.install.layout import (
     SPECD_UNIT,
     SPECD_USER,
     START_TIMEOUT_S,
+    STATE_DIR,
     SYSTEMCTL_TIMEOUT_S,
     InstallError,
     Layout,
@@ -127,6 +128,16 @@ def uninstall(
             if "uid" in record:
                 os.chown(target, int(record["uid"]), int(record["gid"]))
             print(f"restored {path}", file=out)
+    before = manifest.get("state_dir_before")
+    state = layout.host(STATE_DIR)
+    if isinstance(before, dict) and state.is_dir() and not state.is_symlink():
+        os.chown(state, int(before["uid"]), int(before["gid"]))
+        os.chmod(state, int(before["mode"]))
+        print(
+            f"gave {STATE_DIR}/ back its owner and mode from before install "
+            f"({before['uid']}:{before['gid']} {int(before['mode']):04o})",
+            file=out,
+        )
     for name in reversed(manifest["dirs"]):
         path = Path(name)
         if path == CONFIG_DIR:

@@ -223,7 +223,6 @@ def test_an_installation_with_step_variables_is_migrated_to_the_setting_variable
     ) in text
     # The value specd chose survives: the env file says 4 steps in the setting form.
     env_change = next(c for c in plan.files if c.path == ENV_FILE)
-    assert not env_change.record  # specd's own state: archived at uninstall, not restored
     assert (
         env_change.new
         == render_setting_env(static(4), algorithm="NEXTN", config_dir="/var/lib/specd").encode()

@@ -1,12 +1,15 @@
 """`specd install` / `specd uninstall` under a real systemd, in the situations an operator
 audit found them wrong: an etcd endpoint named by host name (the shipped unit reaches
-loopback only)."""
+loopback only); uninstall after install migrated a drop-in of the older form."""
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container
-from test_install_systemd import deployment_unit, operator_config
+from test_install_systemd import deployment_unit, live_steps, operator_config
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -63,3 +66,53 @@ def test_an_etcd_endpoint_named_by_host_is_allowed_at_its_address(sd: Container)
         if installed:
             sd.sh(SPECD, "uninstall", check=False, timeout=90)
         sd.sh("sh", "-c", "cp /run/hosts.orig /etc/hosts", check=False)
+
+
+def step_variable_dropin() -> str:
+    """The drop-in of the older form (README's "by hand" of before): the two step variables
+    in the unit's own command, read from specd's env file."""
+    command = deployment_unit().split("ExecStart=", 1)[1].split("\nTimeoutStopSec", 1)[0]
+    for written, variable in (
+        ("--speculative-num-steps=3", "--speculative-num-steps=${SPECULATIVE_NUM_STEPS}"),
+        ("--speculative-num-draft-tokens 4 ", "--speculative-num-draft-tokens "
+         "${SPECULATIVE_NUM_DRAFT_TOKENS} "),
+    ):  # fmt: skip
+        assert written in command
+        command = command.replace(written, variable)
+    return (
+        "[Service]\nEnvironment=SPECULATIVE_NUM_STEPS=3 SPECULATIVE_NUM_DRAFT_TOKENS=4\n"
+        f"EnvironmentFile=-/var/lib/specd/sglang.env\nExecStart=\nExecStart={command}\n"
+    )
+
+
+def test_uninstall_after_a_migration_gives_sglang_back_what_it_ran(sd: Container) -> None:
+    sd.write_unit(SGLANG_UNIT, deployment_unit())
+    sd.write_unit(f"{SGLANG_UNIT}.d/50-specd.conf", step_variable_dropin())
+    env = sd.state_dir / "sglang.env"
+    env_before = (
+        b"# the step count specd chose\nSPECULATIVE_NUM_STEPS=4\nSPECULATIVE_NUM_DRAFT_TOKENS=5\n"
+    )
+    env.write_bytes(env_before)
+    os.chown(sd.state_dir, 0, 0)
+    sd.state_dir.chmod(0o755)
+    sd.daemon_reload()
+    sd.systemctl("start", SGLANG_UNIT)
+    sd.wait_http("/health")
+    assert live_steps(sd) == 4  # the env file's, not the drop-in's default 3
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    done = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+    try:
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "step variables" in done.stdout
+        assert b"SPECD_SPECULATIVE_ARGS=" in env.read_bytes()
+    finally:
+        gone = sd.sh(SPECD, "uninstall", timeout=90, check=False)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    info = sd.state_dir.stat()
+    assert (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid) == (0o755, 0, 0), gone.stdout
+    # The restored drop-in reads the env file it read before install, and so SGLang runs,
+    # after its next restart, what it ran then.
+    assert env.read_bytes() == env_before, gone.stdout
+    sd.systemctl("restart", SGLANG_UNIT)
+    sd.wait_http("/health")
+    assert live_steps(sd) == 4
