@@ -50,8 +50,12 @@ def load_manifest(layout: Layout) -> dict[str, Any] | None:
 
 def save_manifest(layout: Layout, manifest: dict[str, Any]) -> None:
     path = layout.host(MANIFEST_FILE)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode(), mode=0o600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, (json.dumps(manifest, indent=2) + "\n").encode(), mode=0o600)
+    except OSError as exc:
+        # The manifest's path, not the temporary file beside it that the error names.
+        raise InstallError(f"cannot write {MANIFEST_FILE}: {exc.strerror or exc}") from None
 
 
 def original_record(change: FileChange) -> dict[str, Any]:

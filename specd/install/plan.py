@@ -152,6 +152,7 @@ class SystemState:
     user_exists: bool
     specd_enabled: bool
     specd_active: bool
+    specd_needs_reload: bool = False
 
 
 def check_url(url: str, flag: str = "--url") -> str:
@@ -496,7 +497,9 @@ def build_plan(
         # Traversable by SGLang's user, which reads the adaptive config specd writes there.
         plan.dirs.append(DirChange(STATE_DIR, 0o751, SPECD_USER))
     units_changed = any(c.path.is_relative_to(UNITS_DIR) for c in plan.files)
-    if units_changed:
+    # A run that stopped after writing a unit file left systemd without it: this one reloads.
+    unread = layout.host(dropin).is_file() and str(dropin) not in view.dropin_paths
+    if units_changed or unread or view.need_reload or system.specd_needs_reload:
         plan.commands.append(("systemctl", "daemon-reload"))
     if not (system.specd_enabled and system.specd_active):
         plan.commands.append(("systemctl", "enable", "--now", SPECD_UNIT))
@@ -529,8 +532,13 @@ def _user_exists(name: str) -> bool:
 def system_state(runner: Runner) -> SystemState:
     enabled = runner(["systemctl", "is-enabled", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
     active = runner(["systemctl", "is-active", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    reload = runner(
+        ["systemctl", "show", "--property=NeedDaemonReload", "--value", SPECD_UNIT],
+        timeout_s=SYSTEMCTL_TIMEOUT_S,
+    )
     return SystemState(
         user_exists=_user_exists(SPECD_USER),
         specd_enabled=enabled.stdout.strip() == "enabled",
         specd_active=active.stdout.strip() == "active",
+        specd_needs_reload=reload.stdout.strip() == "yes",
     )

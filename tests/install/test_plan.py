@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, UNIT, view_of
+from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, UNIT, installed_view, view_of
 
 from specd.core.setting import static
 from specd.install.layout import (
@@ -146,8 +146,12 @@ def test_plan_is_empty_once_installed(tmp_path: Path) -> None:
     first = build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
     install_files(layout, first.files)
     layout.host(Path("/var/lib/specd")).mkdir(parents=True)
-    again = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    again = build_plan(installed_view(layout), layout, RUNNING, add_metrics=False, specd_argv=SPECD)
     assert again.empty, again.render()
+    # Until systemd has read the drop-in (a run that stopped before daemon-reload), the
+    # files are right but the plan still reloads.
+    unread = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    assert unread.commands == [("systemctl", "daemon-reload")], unread.render()
 
 
 def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path) -> None:

@@ -116,3 +116,77 @@ def test_uninstall_after_a_migration_gives_sglang_back_what_it_ran(sd: Container
     sd.systemctl("restart", SGLANG_UNIT)
     sd.wait_http("/health")
     assert live_steps(sd) == 4
+
+
+RULES_DIR = "/etc/polkit-1/rules.d"
+
+
+def test_a_failed_step_names_its_path_and_a_second_run_finishes(sd: Container) -> None:
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    # A read-only rules.d: install writes the drop-in and specd.service before the rule.
+    sd.sh("mount", "-t", "tmpfs", "-o", "ro,mode=0755", "tmpfs", RULES_DIR)
+    mounted = True
+    try:
+        failed = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert failed.returncode == 1
+        lines = failed.stderr.splitlines()
+        assert lines[0] == (
+            f"specd install: cannot write {RULES_DIR}/50-specd.rules: Read-only file system"
+        ), failed.stderr
+        assert lines[1] == (
+            f"install stopped after: wrote /etc/systemd/system/{SGLANG_UNIT}.d/50-specd.conf; "
+            f"wrote /etc/systemd/system/{SPECD_UNIT}"
+        )
+        assert "run `specd install` again" in lines[2]
+        assert "`specd uninstall`" in lines[2]
+        sd.sh("umount", RULES_DIR)
+        mounted = False
+        again = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+        # systemd has not read the drop-in written by the first run: this one reloads.
+        assert "ran systemctl daemon-reload" in again.stdout, again.stdout
+        assert sd.show(SGLANG_UNIT, "NeedDaemonReload") == "no"
+        assert "50-specd.conf" in sd.show(SGLANG_UNIT, "DropInPaths")
+        assert sd.active_state(SPECD_UNIT) == "active"
+        nothing = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=60)
+        assert "nothing to do" in nothing.stdout, nothing.stdout
+    finally:
+        if mounted:
+            sd.sh("umount", RULES_DIR, check=False)
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_a_reinstall_that_stopped_midway_reloads_systemd_when_run_again(sd: Container) -> None:
+    """specd is installed and running; a reinstall that changes specd.service stops before
+    its daemon-reload. Run again, it finds the unit files right but systemd still on the old
+    specd.service, and must reload before it restarts specd."""
+    start_sglang(sd)
+    config = "/etc/specd/specd.toml"
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+    fleet = ["--etcd-endpoint", "http://10.1.2.3:2379", "--fleet-group", "g"]
+    # The config cannot be replaced (a mount point), after specd.service was rewritten.
+    sd.sh("mount", "--bind", "-o", "ro", config, config)
+    mounted = True
+    try:
+        failed = sd.sh(
+            SPECD, "install", "--unit", SGLANG_UNIT, *fleet, "--allow-unreachable", "--yes",
+            timeout=90, check=False,
+        )  # fmt: skip
+        assert failed.returncode == 1
+        lines = failed.stderr.splitlines()
+        assert lines[0] == f"specd install: cannot write {config}: Device or resource busy"
+        assert lines[1] == f"install stopped after: wrote /etc/systemd/system/{SPECD_UNIT}"
+        sd.sh("umount", config)
+        mounted = False
+        again = sd.sh(
+            SPECD, "install", "--unit", SGLANG_UNIT, *fleet, "--allow-unreachable", "--yes",
+            timeout=90,
+        )  # fmt: skip
+        assert "ran systemctl daemon-reload" in again.stdout, again.stdout
+        assert sd.show(SPECD_UNIT, "NeedDaemonReload") == "no"
+        assert "10.1.2.3/32" in sd.show(SPECD_UNIT, "IPAddressAllow").split()
+    finally:
+        if mounted:
+            sd.sh("umount", config, check=False)
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
