@@ -151,7 +151,18 @@ def uninstall(
     layout.host(MANIFEST_FILE).unlink()
     if str(CONFIG_DIR) in manifest["dirs"]:
         _remove_dir(layout, CONFIG_DIR, out)
-    cat_now = run_checked(runner, ["systemctl", "cat", "--no-pager", unit]).stdout
+    cat = runner(["systemctl", "cat", "--no-pager", unit], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    if not cat.ok and _unit_gone(runner, unit):
+        # Deleted since install: everything of specd's is gone, which is what was asked.
+        print(
+            f"note: {unit} no longer exists (no unit file): nothing to compare"
+            + (" or restart" if restart_sglang else ""),
+            file=out,
+        )
+        return 0
+    if not cat.ok:
+        raise InstallError(cat.summary())
+    cat_now = cat.stdout
     if cat_now == manifest.get("cat_before"):
         print(f"✓ `systemctl cat {unit}` is byte-for-byte what it was before install", file=out)
     else:
@@ -168,6 +179,14 @@ def uninstall(
             file=out,
         )
     return 0
+
+
+def _unit_gone(runner: Runner, unit: str) -> bool:
+    shown = runner(
+        ["systemctl", "show", "--property=LoadState", "--value", unit],
+        timeout_s=SYSTEMCTL_TIMEOUT_S,
+    )
+    return shown.ok and shown.stdout.strip() == "not-found"
 
 
 def _mode_of(path: Path) -> int:

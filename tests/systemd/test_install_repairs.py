@@ -190,3 +190,21 @@ def test_a_reinstall_that_stopped_midway_reloads_systemd_when_run_again(sd: Cont
         if mounted:
             sd.sh("umount", config, check=False)
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_uninstall_after_the_sglang_unit_was_deleted_succeeds(sd: Container) -> None:
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+    sd.systemctl("stop", SGLANG_UNIT)
+    (sd.units_dir / SGLANG_UNIT).unlink()
+    sd.daemon_reload()
+    gone = sd.sh(SPECD, "uninstall", "--restart-sglang", timeout=90, check=False)
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert (
+        f"note: {SGLANG_UNIT} no longer exists (no unit file): nothing to compare or restart"
+        in (gone.stdout)
+    )
+    assert gone.stderr == ""
+    assert not (sd.units_dir / SPECD_UNIT).exists()
+    assert not (sd.config_dir / "install-manifest.json").exists()
