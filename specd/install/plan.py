@@ -122,6 +122,8 @@ class Plan:
     # The [gateway] and [fleet] keys given on the command line, for install's probe.
     gateway: dict[str, str | list[str]] | None = None
     fleet: dict[str, str | int | float | list[str]] | None = None
+    # Files this user may not read (a --dry-run without root): path → why.
+    unreadable: dict[Path, str] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -408,7 +410,18 @@ def build_plan(
                 f"{later_path} sets ExecStart= and is read after {DROPIN_NAME}, so specd's drop-in "
                 "would have no effect; fold it into the unit or remove it"
             )
-    existing_config = layout.read(CONFIG_FILE)
+    # --dry-run works without root: a file this user cannot read is left out of the plan,
+    # and said (Debian's /etc/polkit-1/rules.d is root's alone).
+    unreadable: dict[Path, str] = {}
+
+    def read(path: Path) -> bytes | None:
+        try:
+            return layout.read(path)
+        except PermissionError as exc:
+            unreadable[path] = exc.strerror or "permission denied"
+            return None
+
+    existing_config = read(CONFIG_FILE)
     problems_now = [] if existing_config is None else config_problems(layout.host(CONFIG_FILE))
     if existing_config is not None and not _is_toml(existing_config):
         # Nothing to edit: refused before anything is written, as check-config says it.
@@ -451,7 +464,14 @@ def build_plan(
         SYSUSERS_FILE: template("sysusers"),
         CONFIG_FILE: config_text,
     }
-    plan = Plan(unit=unit, spec=spec, url=url, gateway=gateway_values, fleet=fleet_values)
+    plan = Plan(
+        unit=unit,
+        spec=spec,
+        url=url,
+        gateway=gateway_values,
+        fleet=fleet_values,
+        unreadable=unreadable,
+    )
     plan.notes += reachable.notes
     plan.warnings += reachable.warnings
     files, _ = configured_files(config_text)
@@ -465,7 +485,11 @@ def build_plan(
             )
         )
     config_host = layout.host(CONFIG_FILE)
-    if config_host.is_symlink() and existing_config != config_text.encode():
+    if (
+        config_host.is_symlink()
+        and CONFIG_FILE not in unreadable
+        and existing_config != config_text.encode()
+    ):
         # Whatever manages the link (configuration management) owns its target: an edit
         # there would be undone by it, or land in its source unseen.
         keys = _changed_keys(existing_config, config_text)
@@ -474,8 +498,8 @@ def build_plan(
             f"through it; set {keys} where that file comes from, then run install again"
         )
     for path, text in wanted.items():
-        old = layout.read(path)
-        if old != text.encode():
+        old = read(path)
+        if path not in unreadable and old != text.encode():
             plan.files.append(file_change(layout, path, old, text.encode()))
     if spec.step_variables:
         old_names = ", ".join(LEGACY_NAMES if spec.legacy else LEGACY_NAMES.values())
@@ -484,7 +508,7 @@ def build_plan(
             f"the whole speculative setting in ${ENV_ARGS}, and specd's env file says the "
             "same setting in that form"
         )
-        env_old = layout.read(files.env_file)
+        env_old = read(files.env_file)
         env_new = None if env_old is None else _migrated_env(env_old, spec)
         if env_old is not None and env_new is not None:
             # Recorded like install's other files: the drop-in uninstall restores reads the

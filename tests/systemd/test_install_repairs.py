@@ -208,3 +208,31 @@ def test_uninstall_after_the_sglang_unit_was_deleted_succeeds(sd: Container) -> 
     assert gone.stderr == ""
     assert not (sd.units_dir / SPECD_UNIT).exists()
     assert not (sd.config_dir / "install-manifest.json").exists()
+
+
+def test_a_dry_run_needs_no_root_and_an_install_says_it_does(sd: Container) -> None:
+    start_sglang(sd)
+    config = sd.config_dir / "specd.toml"
+    config.write_text(no_window(sd))
+    config.chmod(0o640)  # root's and its group's, as an operator may keep it
+    # Debian's polkit keeps its rules directory to itself.
+    mode = sd.sh("stat", "-c", "%a", RULES_DIR).stdout.strip()
+    sd.sh("chmod", "0700", RULES_DIR)
+    try:
+        dry = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--dry-run", user="nobody",
+                    timeout=60, check=False)  # fmt: skip
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        for unreadable in (f"{RULES_DIR}/50-specd.rules", "/etc/specd/specd.toml"):
+            assert f"note: cannot read {unreadable} as this user (Permission denied)" in (
+                dry.stdout
+            ), dry.stdout
+        # What it can read it still shows.
+        assert f"+++ /etc/systemd/system/{SGLANG_UNIT}.d/50-specd.conf (new, 0644)" in dry.stdout
+        done = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", user="nobody",
+                     timeout=60, check=False)  # fmt: skip
+        assert (done.returncode, done.stdout) == (1, "")
+        assert done.stderr == (
+            "specd install: must run as root (writes /etc, runs systemctl); see --dry-run\n"
+        )
+    finally:
+        sd.sh("chmod", mode, RULES_DIR)
