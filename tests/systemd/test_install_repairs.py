@@ -1,6 +1,8 @@
 """`specd install` / `specd uninstall` under a real systemd, in the situations an operator
 audit found them wrong: an etcd endpoint named by host name (the shipped unit reaches
-loopback only); uninstall after install migrated a drop-in of the older form."""
+loopback only); uninstall after install migrated a drop-in of the older form; a step that
+fails midway, and the run after it; uninstall once the SGLang unit is gone; a dry run
+without root."""
 
 from __future__ import annotations
 
