@@ -12,7 +12,7 @@ from typing import Any
 from specd.commands.args import Int, Seconds
 from specd.core.settings import FleetSettings
 from specd.install.execute import execute
-from specd.install.layout import InstallError, Layout, check_unit_name
+from specd.install.layout import MANIFEST_FILE, InstallError, Layout, check_unit_name
 from specd.install.manifest import load_manifest
 from specd.install.plan import FleetOptions, GatewayOptions, Plan, build_plan, system_state
 from specd.install.probe import probe_config
@@ -46,7 +46,18 @@ def install(
     args: argparse.Namespace, runner: Runner, layout: Layout, out: Any, now_s: float | None = None
 ) -> int:
     unit = check_unit_name(args.unit)
-    manifest = load_manifest(layout)
+    if not args.dry_run and os.geteuid() != 0 and layout.root == Path("/"):
+        raise InstallError("must run as root (writes /etc, runs systemctl); see --dry-run")
+    try:
+        manifest = load_manifest(layout)
+    except PermissionError:
+        if not args.dry_run:
+            raise
+        # Root's alone (0600). Read as "not installed": the plan is what a first install does.
+        print(
+            f"note: cannot read {MANIFEST_FILE} as this user: planned as a first install", file=out
+        )
+        manifest = None
     if manifest is not None and manifest.get("unit") != unit:
         raise InstallError(
             f"specd is installed for {manifest.get('unit')}; run `specd uninstall` before "
@@ -114,6 +125,8 @@ def install(
         print(f"note: {note}", file=out)
     for problem in problems:
         print(f"warning: {problem}", file=out)
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=out)
     refuse = bool(problems) and not args.allow_unreachable and not plan.empty
     if refuse and not args.dry_run:
         raise InstallError(
@@ -126,7 +139,15 @@ def install(
             "(install without --dry-run refuses this; --allow-unreachable installs anyway)",
             file=out,
         )
-    if plan.empty:
+    for path, why in plan.unreadable.items():
+        print(
+            f"note: cannot read {path} as this user ({why}): what install would change there "
+            "is not shown (`sudo specd install --dry-run` shows it)",
+            file=out,
+        )
+    if plan.unreadable and not args.dry_run:
+        raise InstallError(f"cannot read {', '.join(map(str, plan.unreadable))}")
+    if plan.empty and not plan.unreadable:
         print("nothing to do: specd is installed and running for this unit", file=out)
         return 0
     if args.dry_run:
@@ -135,8 +156,6 @@ def install(
         for note in plan.notes:
             print("\n" + note, file=out)
         return 0
-    if os.geteuid() != 0 and layout.root == Path("/"):
-        raise InstallError("must run as root (writes /etc, runs systemctl); see --dry-run")
     if not args.yes:
         if not interactive:
             raise InstallError(
@@ -157,8 +176,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     if parser.prog.endswith("uninstall"):
         parser.description = (
             "Remove exactly what `specd install` added (its manifest says what), restore the "
-            "files it changed, archive specd's state, env file and override under "
-            "/var/backups/specd/, and leave the SGLang unit as it was."
+            "files it changed (bytes, mode, owner), archive specd's state, env file and "
+            "override under /var/backups/specd/ (an env file install converted is put back "
+            "as it was), and leave the SGLang unit as it was."
         )
         parser.add_argument(
             "--restart-sglang",

@@ -4,14 +4,18 @@ without touching anything; ``--dry-run`` prints it and ``execute`` carries it ou
 from __future__ import annotations
 
 import difflib
+import os
 import pwd
 import shlex
 import stat
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import tomli_w
 from pydantic import ValidationError
 
 from specd.core.setting import static
@@ -31,6 +35,7 @@ from specd.install.layout import (
     Layout,
     stamp,
 )
+from specd.install.network import reach
 from specd.install.render import (
     configured_files,
     render_config,
@@ -54,8 +59,14 @@ from specd.install.unit import (
     unit_environment,
 )
 from specd.io.apply import ENV_ARGS, ENV_STEPS, parse_env, render_setting_env
+from specd.io.config import ConfigError, load_config
 from specd.io.gateway import MAX_API_KEY_FILE_BYTES
 from specd.io.runner import Runner
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,11 @@ class FileChange:
     old: bytes | None
     new: bytes
     mode: int = 0o644
-    # False for specd's own state (the env file): archived at uninstall, not restored.
-    record: bool = True
+    # An existing file's owner, kept by the rewrite (a 0640 root:specd config stays readable
+    # by specd); None: a new file, root's.
+    owner: tuple[int, int] | None = None
+    # The symlink that was at the path, which the rewrite replaces; uninstall puts it back.
+    link: str | None = None
 
     def diff(self) -> str:
         old = (self.old or b"").decode("utf-8", "replace").splitlines(keepends=True)
@@ -103,9 +117,13 @@ class Plan:
     commands: list[tuple[str, ...]] = field(default_factory=list)
     create_user: bool = False
     notes: list[str] = field(default_factory=list)
+    # Said before the plan, with install's probe of the endpoints.
+    warnings: list[str] = field(default_factory=list)
     # The [gateway] and [fleet] keys given on the command line, for install's probe.
     gateway: dict[str, str | list[str]] | None = None
     fleet: dict[str, str | int | float | list[str]] | None = None
+    # Files this user may not read (a --dry-run without root): path → why.
+    unreadable: dict[Path, str] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -136,6 +154,7 @@ class SystemState:
     user_exists: bool
     specd_enabled: bool
     specd_active: bool
+    specd_needs_reload: bool = False
 
 
 def check_url(url: str, flag: str = "--url") -> str:
@@ -269,6 +288,69 @@ def fleet_keys(options: FleetOptions) -> dict[str, str | int | float | list[str]
     return keys
 
 
+def config_problems(path: Path) -> list[str]:
+    """What `specd check-config` says about the config file at ``path``, one line per
+    problem (none: specd would start with it)."""
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def file_change(layout: Layout, path: Path, old: bytes | None, new: bytes) -> FileChange:
+    """``path`` rewritten to ``new``, keeping the mode and owner it has (a link: its
+    target's), and recording a symlink that was there."""
+    host = layout.host(path)
+    link = os.readlink(host) if host.is_symlink() else None
+    try:
+        info = host.stat()
+    except FileNotFoundError:
+        return FileChange(path, old, new, link=link)
+    return FileChange(
+        path, old, new, stat.S_IMODE(info.st_mode), owner=(info.st_uid, info.st_gid), link=link
+    )
+
+
+def _changed_keys(old: bytes | None, new: str) -> str:
+    """The keys that differ between two configs, as ``[table] key = value`` (TOML's own
+    spelling of the value), for an operator to copy."""
+    before = tomllib.loads((old or b"").decode("utf-8"))
+    after = tomllib.loads(new)
+    found = []
+    for table, values in after.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            was = before.get(table)
+            if not isinstance(was, dict) or was.get(key) != value:
+                found.append(f"[{table}] {tomli_w.dumps({key: value}).strip()}")
+    return ", ".join(found)
+
+
+def _is_toml(raw: bytes) -> bool:
+    try:
+        tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return False
+    return True
+
+
+def _config_refusal(lines: list[str]) -> InstallError:
+    return InstallError(
+        "\n".join(lines) + f"\n{CONFIG_FILE}: install writes only a config specd accepts: fix "
+        f"the above (`specd check-config {CONFIG_FILE}` checks it) and run install again"
+    )
+
+
+def config_text_problems(text: str) -> list[str]:
+    """`config_problems` of a config not written yet, read from a private scratch file."""
+    with tempfile.TemporaryDirectory(prefix="specd-install-") as scratch:
+        path = Path(scratch) / "specd.toml"
+        path.write_text(text, encoding="utf-8")
+        return config_problems(path)
+
+
 def _migrated_env(old: bytes, spec: Speculation) -> bytes | None:
     """The env file of the step-variable form (today's or the old SPECD_SPEC_* names) as the
     same setting in the $SPECD_SPECULATIVE_ARGS form; None when it already has that form or
@@ -328,7 +410,22 @@ def build_plan(
                 f"{later_path} sets ExecStart= and is read after {DROPIN_NAME}, so specd's drop-in "
                 "would have no effect; fold it into the unit or remove it"
             )
-    existing_config = layout.read(CONFIG_FILE)
+    # --dry-run works without root: a file this user cannot read is left out of the plan,
+    # and said (Debian's /etc/polkit-1/rules.d is root's alone).
+    unreadable: dict[Path, str] = {}
+
+    def read(path: Path) -> bytes | None:
+        try:
+            return layout.read(path)
+        except PermissionError as exc:
+            unreadable[path] = exc.strerror or "permission denied"
+            return None
+
+    existing_config = read(CONFIG_FILE)
+    problems_now = [] if existing_config is None else config_problems(layout.host(CONFIG_FILE))
+    if existing_config is not None and not _is_toml(existing_config):
+        # Nothing to edit: refused before anything is written, as check-config says it.
+        raise _config_refusal([f"{CONFIG_FILE}: {p}" for p in problems_now])
     if url is None:
         assert spec.port is not None
         url = sglang_url(spec.host, spec.port)
@@ -337,23 +434,46 @@ def build_plan(
     gateway_values = None if gateway is None else gateway_keys(gateway, layout)
     fleet_values = None if fleet is None else fleet_keys(fleet)
     config_text = render_config(
-        None if existing_config is None else existing_config.decode("utf-8", "replace"),
+        None if existing_config is None else existing_config.decode("utf-8"),
         url,
         unit,
         spec.algorithm,
         gateway_values,
         fleet_values,
     )
+    # Checked as specd will read it, before anything is written: a config specd refuses
+    # would leave specd.service enabled and failing. A problem of the file as it is now is
+    # named as check-config names it; one that install's edit would fix is no reason to stop.
+    problems = config_text_problems(config_text)
+    if problems:
+        raise _config_refusal(
+            [
+                f"{CONFIG_FILE}: {p}"
+                if p in problems_now
+                else f"{CONFIG_FILE} as install would write it: {p}"
+                for p in problems
+            ]
+        )
+    reachable = reach(config_text, layout)
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics),
         UNITS_DIR / SPECD_UNIT: render_specd_service(
-            template("specd.service"), unit, list(specd_argv)
+            template("specd.service"), unit, list(specd_argv), reachable.addresses
         ),
         POLKIT_FILE: render_polkit(template("polkit"), unit),
         SYSUSERS_FILE: template("sysusers"),
         CONFIG_FILE: config_text,
     }
-    plan = Plan(unit=unit, spec=spec, url=url, gateway=gateway_values, fleet=fleet_values)
+    plan = Plan(
+        unit=unit,
+        spec=spec,
+        url=url,
+        gateway=gateway_values,
+        fleet=fleet_values,
+        unreadable=unreadable,
+    )
+    plan.notes += reachable.notes
+    plan.warnings += reachable.warnings
     files, _ = configured_files(config_text)
     if fresh and layout.host(files.override_file).is_file():
         to = ARCHIVE_ROOT / f"install-{stamp(now_s)}" / files.override_file.relative_to("/")
@@ -364,10 +484,23 @@ def build_plan(
                 "an override left by an earlier installation: this one starts in auto mode",
             )
         )
+    config_host = layout.host(CONFIG_FILE)
+    if (
+        config_host.is_symlink()
+        and CONFIG_FILE not in unreadable
+        and existing_config != config_text.encode()
+    ):
+        # Whatever manages the link (configuration management) owns its target: an edit
+        # there would be undone by it, or land in its source unseen.
+        keys = _changed_keys(existing_config, config_text)
+        raise InstallError(
+            f"{CONFIG_FILE} is a symlink to {os.readlink(config_host)}: install does not edit "
+            f"through it; set {keys} where that file comes from, then run install again"
+        )
     for path, text in wanted.items():
-        old = layout.read(path)
-        if old != text.encode():
-            plan.files.append(FileChange(path, old, text.encode()))
+        old = read(path)
+        if path not in unreadable and old != text.encode():
+            plan.files.append(file_change(layout, path, old, text.encode()))
     if spec.step_variables:
         old_names = ", ".join(LEGACY_NAMES if spec.legacy else LEGACY_NAMES.values())
         plan.notes.append(
@@ -375,10 +508,12 @@ def build_plan(
             f"the whole speculative setting in ${ENV_ARGS}, and specd's env file says the "
             "same setting in that form"
         )
-        env_old = layout.read(files.env_file)
+        env_old = read(files.env_file)
         env_new = None if env_old is None else _migrated_env(env_old, spec)
         if env_old is not None and env_new is not None:
-            plan.files.append(FileChange(files.env_file, env_old, env_new, record=False))
+            # Recorded like install's other files: the drop-in uninstall restores reads the
+            # step variables from this file, so it gets back what it said before.
+            plan.files.append(file_change(layout, files.env_file, env_old, env_new))
     if not system.user_exists:
         plan.create_user = True
         plan.commands.append(("systemd-sysusers", str(SYSUSERS_FILE)))
@@ -386,13 +521,22 @@ def build_plan(
         # Traversable by SGLang's user, which reads the adaptive config specd writes there.
         plan.dirs.append(DirChange(STATE_DIR, 0o751, SPECD_USER))
     units_changed = any(c.path.is_relative_to(UNITS_DIR) for c in plan.files)
-    if units_changed:
+    # A run that stopped after writing a unit file left systemd without it: this one reloads.
+    unread = layout.host(dropin).is_file() and str(dropin) not in view.dropin_paths
+    if units_changed or unread or view.need_reload or system.specd_needs_reload:
         plan.commands.append(("systemctl", "daemon-reload"))
     if not (system.specd_enabled and system.specd_active):
         plan.commands.append(("systemctl", "enable", "--now", SPECD_UNIT))
     elif units_changed or plan.moves or any(c.path == CONFIG_FILE for c in plan.files):
         plan.commands.append(("systemctl", "restart", SPECD_UNIT))
-    if any(c.path == dropin for c in plan.files):
+    if any(c.path == dropin for c in plan.files) and not spec.metrics:
+        # Without /metrics specd decides no_data on every tick: it never restarts SGLang.
+        plan.notes.append(
+            f"SGLang is not restarted: --enable-metrics is live only from {unit}'s next "
+            "restart, and specd cannot decide anything (nor restart it) without SGLang's "
+            f"metrics: run `systemctl restart {unit}` now to start tuning."
+        )
+    elif any(c.path == dropin for c in plan.files):
         plan.notes.append(
             f"SGLang is not restarted: the drop-in takes effect at {unit}'s next restart "
             f"(specd restarts it in its next maintenance window when it changes the step count, "
@@ -412,8 +556,13 @@ def _user_exists(name: str) -> bool:
 def system_state(runner: Runner) -> SystemState:
     enabled = runner(["systemctl", "is-enabled", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
     active = runner(["systemctl", "is-active", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    reload = runner(
+        ["systemctl", "show", "--property=NeedDaemonReload", "--value", SPECD_UNIT],
+        timeout_s=SYSTEMCTL_TIMEOUT_S,
+    )
     return SystemState(
         user_exists=_user_exists(SPECD_USER),
         specd_enabled=enabled.stdout.strip() == "enabled",
         specd_active=active.stdout.strip() == "active",
+        specd_needs_reload=reload.stdout.strip() == "yes",
     )

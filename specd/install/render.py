@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomlkit
+import tomlkit.exceptions
+import tomlkit.items
+
 from specd.install.execline import Command, format_exec, quote_word
 from specd.install.layout import CONFIG_FILE, ENV_FILE, OVERRIDE_FILE, STATE_DIR, InstallError
 from specd.install.sglang_args import Speculation, wired_command
@@ -127,7 +131,9 @@ def hidden_code_paths(command: Sequence[str]) -> list[Path]:
     return sorted(hidden)
 
 
-def render_specd_service(text: str, unit: str, command: Sequence[str]) -> str:
+def render_specd_service(
+    text: str, unit: str, command: Sequence[str], allow: Sequence[str] = ()
+) -> str:
     exec_line = " ".join(quote_word(w) for w in [*command, "run", "--config", str(CONFIG_FILE)])
     out, count = re.subn(r"^ExecStart=.*$", lambda _: f"ExecStart={exec_line}", text, flags=re.M)
     if count != 1:
@@ -148,45 +154,92 @@ def render_specd_service(text: str, unit: str, command: Sequence[str]) -> str:
             extra += "ProtectHome=tmpfs\n"
         extra += f"BindReadOnlyPaths={' '.join(map(str, hidden))}\n"
         out = out.rstrip("\n") + "\n" + extra
+    if allow:
+        # The shipped unit reaches loopback only (IPAddressDeny=any).
+        out = out.rstrip("\n") + (
+            f"\n\n[Service]\n# What {CONFIG_FILE} names beyond loopback (SGLang, gateway "
+            "replicas, etcd\n# endpoints); host names as resolved by `specd install`: run it "
+            "again if they move.\n"
+            f"IPAddressAllow={' '.join(allow)}\n"
+        )
     return out
 
 
 # -- specd.toml ------------------------------------------------------------------------------
 
-_TABLE_HEADER = re.compile(r"^[ \t]*\[", re.MULTILINE)
+ConfigValue = str | int | float | list[str]
 
 
-def _set_key(text: str, path: tuple[str, ...], value: str | int | float | list[str]) -> str:
-    """``text`` with the key at ``path`` set to ``value`` (JSON's spelling is TOML's for
-    strings, numbers and lists of strings);
-    everything else kept."""
-    *table, key = path
-    line = f"{key} = {json.dumps(value)}"
-    pattern = re.compile(rf"^[ \t]*{re.escape(key)}[ \t]*=.*$", re.MULTILINE)
-    if not table:
-        # Top-level keys live before the first table header.
-        first = _TABLE_HEADER.search(text)
-        start, end = 0, first.start() if first is not None else len(text)
+def config_values(
+    url: str,
+    unit: str,
+    algorithm: str,
+    gateway: Mapping[str, str | list[str]] | None = None,
+    fleet: Mapping[str, str | int | float | list[str]] | None = None,
+) -> list[tuple[tuple[str, ...], ConfigValue]]:
+    """Every (key path, value) install sets in specd.toml, in the order it sets them."""
+    values: list[tuple[tuple[str, ...], ConfigValue]] = [
+        (CONFIG_KEYS["url"], url),
+        (CONFIG_KEYS["unit"], unit),
+        (CONFIG_KEYS["speculative_algorithm"], algorithm),
+    ]
+    values += [(("gateway", key), value) for key, value in (gateway or {}).items()]
+    values += [(("fleet", key), value) for key, value in (fleet or {}).items()]
+    return values
+
+
+def _set_value(doc: tomlkit.TOMLDocument, path: tuple[str, ...], value: ConfigValue) -> None:
+    """Set one key with tomlkit, which keeps every comment and the layout around it and
+    knows each way TOML spells a table (headers, dotted keys, inline tables). A key that
+    already holds the value is left as written (quotes, spacing, comment)."""
+    *tables, key = path
+    node: Any = doc
+    for name in tables:
+        if name not in node:
+            node[name] = tomlkit.table()
+        node = node[name]
+    old = node.get(key)
+    if old is not None and _plain(old) == value:
+        return
+    item: Any = value
+    if isinstance(value, list) and isinstance(old, tomlkit.items.Array):
+        # An array the operator wrote one item a line stays one item a line.
+        item = tomlkit.array()
+        item.extend(value)
+        item.multiline("\n" in old.as_string())
+    if old is None and _is_header_table(node):
+        _append_before_trailing_comments(node.value, key, item)
     else:
-        header = re.compile(rf"^[ \t]*\[[ \t]*{re.escape(table[0])}[ \t]*\][ \t]*$", re.M)
-        found = header.search(text)
-        if found is None:
-            sep = (
-                ""
-                if not text or text.endswith("\n\n")
-                else ("\n" if text.endswith("\n") else "\n\n")
-            )
-            return f"{text}{sep}[{table[0]}]\n{line}\n"
-        start = found.end() + 1
-        following = _TABLE_HEADER.search(text, start)
-        end = following.start() if following is not None else len(text)
-    section = text[start:end]
-    match = pattern.search(section)
-    if match is not None:
-        section = section[: match.start()] + line + section[match.end() :]
-    else:
-        section = f"{line}\n{section}"
-    return text[:start] + section + text[end:]
+        node[key] = item
+
+
+def _is_header_table(node: Any) -> bool:
+    """A table written under its own ``[name]`` header (not dotted keys, not inline)."""
+    return (
+        isinstance(node, tomlkit.items.Table)
+        and not node.is_super_table()
+        and node.value.body is not None
+    )
+
+
+def _append_before_trailing_comments(container: Any, key: str, item: Any) -> None:
+    """Add a key after the table's last one: the comments and blank lines that end a
+    table introduce whatever follows it (the shipped file's ``# --- specd's own files``)."""
+    body = container.body
+    end = len(body)
+    while end and body[end - 1][0] is None and isinstance(body[end - 1][1], _TRIVIA):
+        end -= 1
+    trailing = body[end:]
+    del body[end:]
+    container.append(key, item)
+    body.extend(trailing)
+
+
+_TRIVIA = (tomlkit.items.Comment, tomlkit.items.Whitespace)
+
+
+def _plain(item: Any) -> Any:
+    return item.unwrap() if hasattr(item, "unwrap") else item
 
 
 def render_config(
@@ -200,15 +253,19 @@ def render_config(
     """/etc/specd/specd.toml: the shipped example, or the operator's file, with SGLang's URL,
     unit and speculative algorithm (the applier writes it with each setting) set, and the
     ``[gateway]`` and ``[fleet]`` keys given (checked: `gateway_keys`, `fleet_keys`);
-    everything else kept as written."""
+    everything else kept as written. ``existing`` must be TOML (install checks it first)."""
     text = existing if existing is not None else template("config")
-    for name, value in (("url", url), ("unit", unit), ("speculative_algorithm", algorithm)):
-        text = _set_key(text, CONFIG_KEYS[name], value)
-    for key, gateway_value in (gateway or {}).items():
-        text = _set_key(text, ("gateway", key), gateway_value)
-    for key, fleet_value in (fleet or {}).items():
-        text = _set_key(text, ("fleet", key), fleet_value)
-    return text
+    try:
+        doc = tomlkit.parse(text)
+    except tomlkit.exceptions.ParseError as exc:
+        raise InstallError(f"{CONFIG_FILE}: not valid TOML ({exc})") from None
+    for path, value in config_values(url, unit, algorithm, gateway, fleet):
+        _set_value(doc, path, value)
+    out = tomlkit.dumps(doc)
+    if "\r\n" in text and text.count("\n") == text.count("\r\n"):
+        # tomlkit ends the lines it adds with "\n": a file written with CRLF stays CRLF.
+        out = out.replace("\r\n", "\n").replace("\n", "\r\n")
+    return out
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
 import shutil
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from specd.install.layout import (
     SPECD_UNIT,
     SPECD_USER,
     START_TIMEOUT_S,
+    STATE_DIR,
     SYSTEMCTL_TIMEOUT_S,
     InstallError,
     Layout,
@@ -27,7 +30,7 @@ from specd.install.layout import (
     run_checked,
     stamp,
 )
-from specd.install.manifest import load_manifest, sha256
+from specd.install.manifest import load_manifest, original_bytes, sha256
 from specd.install.render import SpecdFiles, configured_files
 from specd.io.files import write_atomic
 from specd.io.runner import Runner
@@ -104,19 +107,37 @@ def uninstall(
         if current is not None and sha256(current) != record.get("sha256"):
             if path == CONFIG_FILE:
                 backup = path.with_name(f"{path.name}.specd-uninstall-{when}")
-                write_atomic(layout.host(backup), current, mode=0o644)
+                write_atomic(layout.host(backup), current, mode=_mode_of(target))
                 print(f"{path} was edited since install: kept it as {backup}", file=out)
             else:
                 kept = _archive_copy(layout, path, archive)
                 print(f"{path} was edited since install: kept a copy as {kept}", file=out)
-        original = record.get("original")
-        if original is None:
+        original = original_bytes(record)
+        link = record.get("link")
+        if link is not None:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+            target.symlink_to(str(link))
+            print(f"restored {path} (a symlink to {link})", file=out)
+        elif original is None:
             with contextlib.suppress(FileNotFoundError):
                 target.unlink()
             print(f"removed {path}", file=out)
         else:
-            write_atomic(target, str(original).encode(), mode=0o644)
+            write_atomic(target, original, mode=int(record.get("mode", 0o644)))
+            if "uid" in record:
+                os.chown(target, int(record["uid"]), int(record["gid"]))
             print(f"restored {path}", file=out)
+    before = manifest.get("state_dir_before")
+    state = layout.host(STATE_DIR)
+    if isinstance(before, dict) and state.is_dir() and not state.is_symlink():
+        os.chown(state, int(before["uid"]), int(before["gid"]))
+        os.chmod(state, int(before["mode"]))
+        print(
+            f"gave {STATE_DIR}/ back its owner and mode from before install "
+            f"({before['uid']}:{before['gid']} {int(before['mode']):04o})",
+            file=out,
+        )
     for name in reversed(manifest["dirs"]):
         path = Path(name)
         if path == CONFIG_DIR:
@@ -130,7 +151,18 @@ def uninstall(
     layout.host(MANIFEST_FILE).unlink()
     if str(CONFIG_DIR) in manifest["dirs"]:
         _remove_dir(layout, CONFIG_DIR, out)
-    cat_now = run_checked(runner, ["systemctl", "cat", "--no-pager", unit]).stdout
+    cat = runner(["systemctl", "cat", "--no-pager", unit], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    if not cat.ok and _unit_gone(runner, unit):
+        # Deleted since install: everything of specd's is gone, which is what was asked.
+        print(
+            f"note: {unit} no longer exists (no unit file): nothing to compare"
+            + (" or restart" if restart_sglang else ""),
+            file=out,
+        )
+        return 0
+    if not cat.ok:
+        raise InstallError(cat.summary())
+    cat_now = cat.stdout
     if cat_now == manifest.get("cat_before"):
         print(f"✓ `systemctl cat {unit}` is byte-for-byte what it was before install", file=out)
     else:
@@ -147,6 +179,21 @@ def uninstall(
             file=out,
         )
     return 0
+
+
+def _unit_gone(runner: Runner, unit: str) -> bool:
+    shown = runner(
+        ["systemctl", "show", "--property=LoadState", "--value", unit],
+        timeout_s=SYSTEMCTL_TIMEOUT_S,
+    )
+    return shown.ok and shown.stdout.strip() == "not-found"
+
+
+def _mode_of(path: Path) -> int:
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return 0o600
 
 
 def _remove_dir(layout: Layout, path: Path, out: Any) -> None:

@@ -27,6 +27,7 @@ SHOW_PROPERTIES = (
     "EnvironmentFiles",
     "FragmentPath",
     "DropInPaths",
+    "NeedDaemonReload",
 )
 
 
@@ -51,6 +52,8 @@ class UnitView:
     dropin_paths: tuple[str, ...]
     cat: str
     environment_files: tuple[str, ...] = ()
+    # Its files changed on disk since systemd loaded them (an install that stopped midway).
+    need_reload: bool = False
 
 
 def parse_exec_property(value: str) -> ShowExec:
@@ -104,6 +107,7 @@ def parse_show(unit: str, show_text: str, cat_text: str) -> UnitView:
         dropin_paths=dropins,
         cat=cat_text,
         environment_files=env_files,
+        need_reload=(props.get("NeedDaemonReload") or [""])[-1] == "yes",
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specd.install.execline import split_exec
+from specd.install.layout import DROPIN_NAME, ENV_FILE, UNITS_DIR, Layout
 from specd.install.plan import SystemState
 from specd.install.unit import UnitView, parse_show
 
@@ -55,3 +56,18 @@ def view_of(
     for path, text in dropins.items():
         cat += f"\n# {path}\n{text}"
     return parse_show(unit, show, cat)
+
+
+def installed_view(layout: Layout, unit: str = UNIT) -> UnitView:
+    """The unit as systemd shows it once install's drop-in (in ``layout``) is loaded: its
+    ExecStart= with $SPECD_SPECULATIVE_ARGS, today's SPEC as the variable's default."""
+    dropin = UNITS_DIR / f"{unit}.d" / DROPIN_NAME
+    return view_of(
+        "/bin/false",
+        dropins={str(dropin): layout.host(dropin).read_text()},
+        # As systemctl show prints a value with spaces: the assignment quoted whole.
+        environment=f'"SPECD_SPECULATIVE_ARGS={SPEC}"',
+        shown_argv=f"{BASE} $SPECD_SPECULATIVE_ARGS",
+        environment_files=(str(ENV_FILE),),
+        unit=unit,
+    )

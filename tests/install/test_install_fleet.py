@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway
-from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, view_of
+from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, installed_view, view_of
 from test_plan import config_of, install_files, key_file
 
 from specd.install.command import configure, install
@@ -49,6 +49,7 @@ def test_fleet_settings_go_into_the_config_and_reinstall_is_a_no_op(tmp_path: Pa
     )  # fmt: skip
     install_files(layout, plan.files)
     layout.host(Path("/var/lib/specd")).mkdir(parents=True)
+    view = installed_view(layout)
     again = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD, fleet=FLEET)
     assert again.empty, again.render()
     # Only the group given: the defaults stay FleetSettings' own, not written.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, UNIT, view_of
+from install_views import BASE, FRESH, PYTHON, RUNNING, SPEC, SPECD, UNIT, installed_view, view_of
 
 from specd.core.setting import static
 from specd.install.layout import (
@@ -37,6 +37,10 @@ def test_refuses_a_unit_without_metrics_unless_asked(tmp_path: Path) -> None:
     plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=True, specd_argv=SPECD)
     dropin = next(c for c in plan.files if c.path.name == DROPIN_NAME).new.decode()
     assert dropin.rstrip().endswith("--enable-metrics")
+    # specd sees no metrics until SGLang restarts, so it would never restart it itself.
+    [note] = [n for n in plan.notes if "SGLang is not restarted" in n]
+    assert f"run `systemctl restart {UNIT}` now" in note
+    assert "maintenance window" not in note
 
 
 def test_refuses_when_a_later_dropin_sets_execstart(tmp_path: Path) -> None:
@@ -142,8 +146,12 @@ def test_plan_is_empty_once_installed(tmp_path: Path) -> None:
     first = build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
     install_files(layout, first.files)
     layout.host(Path("/var/lib/specd")).mkdir(parents=True)
-    again = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    again = build_plan(installed_view(layout), layout, RUNNING, add_metrics=False, specd_argv=SPECD)
     assert again.empty, again.render()
+    # Until systemd has read the drop-in (a run that stopped before daemon-reload), the
+    # files are right but the plan still reloads.
+    unread = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    assert unread.commands == [("systemctl", "daemon-reload")], unread.render()
 
 
 def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path) -> None:
@@ -219,7 +227,6 @@ def test_an_installation_with_step_variables_is_migrated_to_the_setting_variable
     ) in text
     # The value specd chose survives: the env file says 4 steps in the setting form.
     env_change = next(c for c in plan.files if c.path == ENV_FILE)
-    assert not env_change.record  # specd's own state: archived at uninstall, not restored
     assert (
         env_change.new
         == render_setting_env(static(4), algorithm="NEXTN", config_dir="/var/lib/specd").encode()
@@ -336,3 +343,60 @@ def test_gateway_settings_are_checked(
             specd_argv=SPECD,
             gateway=GatewayOptions(urls, key),
         )
+
+
+@pytest.mark.parametrize(
+    ("raw", "lines"),
+    [
+        # The flat form from before the tables: what check-config says, one line each.
+        (
+            b'sglang_url = "http://127.0.0.1:30000"\nunit = "sglang.service"\n',
+            ["`sglang_url` is now `url` in [sglang]", "`unit` belongs in [sglang]"],
+        ),
+        (b"[sglang]\nurl = [\n", ["invalid TOML: Invalid value (at end of document)"]),
+        (b"[sglang]\n# caf\xe9\n", ["not UTF-8 text (byte 14)"]),
+    ],
+    ids=["flat", "not-toml", "not-utf8"],
+)
+def test_an_invalid_config_is_refused_before_anything_is_written(
+    tmp_path: Path, raw: bytes, lines: list[str]
+) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_bytes(raw)
+    before = sorted(tmp_path.rglob("*"))
+    view = view_of(f"{BASE} {SPEC}")
+    with pytest.raises(InstallError) as err:
+        build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    said = str(err.value).splitlines()
+    assert said[:-1] == [f"{CONFIG_FILE}: {line}" for line in lines]
+    assert "specd check-config" in said[-1]
+    assert sorted(tmp_path.rglob("*")) == before
+    assert config.read_bytes() == raw
+
+
+def test_what_install_would_write_is_checked_too(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_text("[observe]\nmin_history_s = 5.0\n")
+    # A unit install reads fine, whose algorithm as written is not what specd.toml takes.
+    view = view_of(f"{BASE} {SPEC.replace('NEXTN', 'nextn')}")
+    with pytest.raises(InstallError) as err:
+        build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    line, hint = str(err.value).splitlines()
+    assert line.startswith(f"{CONFIG_FILE} as install would write it: sglang.speculative_algorithm")
+    assert "specd check-config" in hint
+    assert config.read_text() == "[observe]\nmin_history_s = 5.0\n"
+
+
+def test_a_problem_install_itself_fixes_is_no_reason_to_refuse(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_text('[sglang]  # box 3\nunit = "sglang"  # not a service name; install sets it\n')
+    plan = build_plan(view_of(f"{BASE} {SPEC}"), layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    text = config_of(plan.files)
+    assert Config.model_validate(parse_toml(text)).sglang.unit == UNIT
+    assert "# not a service name; install sets it" in text

@@ -12,7 +12,6 @@ from specd.core.settings import Settings
 from specd.install.layout import InstallError
 from specd.install.render import (
     DEFAULT_FILES,
-    _set_key,
     configured_files,
     render_config,
     render_polkit,
@@ -49,25 +48,82 @@ def test_render_config(existing: str | None, kept: list[str]) -> None:
         Settings.model_validate(data)
 
 
+SET = {"url": "u", "unit": "llm.service", "speculative_algorithm": "NEXTN"}
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("", {"sglang": {"url": "u"}}),
-        ("a = 1\n", {"a": 1, "sglang": {"url": "u"}}),
-        ('[sglang]\nurl = "old"\nunit = "x"\n', {"sglang": {"url": "u", "unit": "x"}}),
-        (
-            '[sglang]\nunit = "x"\n[observe]\nurl = 2\n',
-            {"sglang": {"url": "u", "unit": "x"}, "observe": {"url": 2}},
-        ),
+        ("", {"sglang": SET}),
+        ("a = 1\n", {"a": 1, "sglang": SET}),
+        ('[sglang]\nurl = "old"\nunit = "x"\n', {"sglang": SET}),
+        ('[sglang]\nunit = "x"\n[observe]\nurl = 2\n', {"sglang": SET, "observe": {"url": 2}}),
         (
             'url = "top"\n[sglang]\n[[windows]]\nurl = 3\n',
-            {"url": "top", "sglang": {"url": "u"}, "windows": [{"url": 3}]},
+            {"url": "top", "sglang": SET, "windows": [{"url": 3}]},
         ),
     ],
 )
-def test_set_key_in_a_table(text: str, expected: dict[str, object]) -> None:
-    """Keys in TOML tables ([sglang] url): the same writer, for when the config moves there."""
-    assert parse_toml(_set_key(text, ("sglang", "url"), "u")) == expected
+def test_a_key_is_set_in_its_table_only(text: str, expected: dict[str, object]) -> None:
+    assert parse_toml(render_config(text, "u", "llm.service", "NEXTN")) == expected
+
+
+GATEWAY = {"urls": ["http://10.0.0.9:30080", "http://10.0.0.8:30080"]}
+FLEET = {"etcd_endpoints": ["http://10.0.0.7:2379"], "group": "g"}
+
+# Ordinary TOML an operator writes, each form of it (audit item 1): the regex editor gave the
+# first a second [sglang], left the arrays' old items dangling, and broke the dotted keys
+# and the inline table.
+FORMS = {
+    "header with a comment": (
+        '[sglang]  # our box\nurl = "http://old:1"  # set by hand\n',
+        ["[sglang]  # our box", "# set by hand"],
+    ),
+    "multi-line arrays": (
+        '# gateways and etcd\n[gateway]\nurls = [\n  "http://10.0.0.2:30080",  # rack a\n'
+        '  "http://10.0.0.3:30080",\n]\n\n[fleet]\netcd_endpoints = [\n'
+        '  "http://10.0.0.5:2379",\n  "http://10.0.0.6:2379",\n]\ngroup = "g"  # ours\n',
+        ["# gateways and etcd", 'group = "g"  # ours', 'urls = [\n    "http://10.0.0.9:30080",\n'],
+    ),
+    "dotted keys": (
+        '# flat\nsglang.url = "http://old:1"\ngateway.urls = ["http://old:2"]\n',
+        ["# flat", 'sglang.url = "http://h:1"'],
+    ),
+    "inline tables": (
+        'sglang = { url = "http://old:1" }  # inline\nfleet = { group = "old" }\n',
+        ["# inline"],
+    ),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_of_toml_is_edited_in_place(form: str) -> None:
+    text, kept = FORMS[form]
+    out = render_config(text, "http://h:1", "llm.service", "EAGLE3", GATEWAY, FLEET)
+    data = parse_toml(out)  # still TOML
+    assert data["sglang"]["url"] == "http://h:1"
+    assert data["sglang"]["unit"] == "llm.service"
+    assert data["gateway"]["urls"] == GATEWAY["urls"]
+    assert data["fleet"]["etcd_endpoints"] == FLEET["etcd_endpoints"]
+    assert data["fleet"]["group"] == "g"
+    for part in kept:  # comments and layout survive
+        assert part in out, out
+    for gone in ("http://old:", "10.0.0.2", "10.0.0.5"):
+        assert gone not in out, out
+
+
+def test_a_key_already_right_is_left_as_written() -> None:
+    text = "[sglang]\nurl = 'http://h:1'   # ours\nunit = \"llm.service\"\n"
+    out = render_config(text, "http://h:1", "llm.service", "EAGLE3")
+    assert out.startswith(text)
+    assert render_config(out, "http://h:1", "llm.service", "EAGLE3") == out
+
+
+def test_a_crlf_file_stays_crlf() -> None:
+    text = '[sglang]\r\nurl = "http://old:1"\r\n[observe]\r\nmin_history_s = 5.0\r\n'
+    out = render_config(text, "http://h:1", "llm.service", "EAGLE3", GATEWAY)
+    assert "\n" not in out.replace("\r\n", "")
+    assert parse_toml(out)["gateway"] == GATEWAY
 
 
 def test_polkit_rule_is_scoped_to_the_unit() -> None:
