@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from nspawn import SGLANG_UNIT, VENV_SPECD, Container
-from test_install_systemd import deployment_unit, operator_config
+from test_install_systemd import deployment_unit, serve_with_no_window
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -23,13 +23,7 @@ def test_doctor_after_add_enable_metrics_and_for_another_unit(sd: Container) -> 
     unit = SGLANG_UNIT
     text = deployment_unit().replace(" \\\n    --enable-metrics", "")
     assert "--enable-metrics" not in text
-    sd.write_unit(unit, text)
-    sd.daemon_reload()
-    sd.systemctl("start", unit)
-    sd.wait_http("/health")
-    # No window for a month: nothing here waits for specd.
-    closed = float(sd.sh("date", "+%s.%N").stdout) + 30 * 86400
-    (sd.config_dir / "specd.toml").write_text(operator_config(closed))
+    serve_with_no_window(sd, unit, text)  # nothing here waits for specd
     specd = str(VENV_SPECD)
     try:
         sd.sh(specd, "install", "--unit", unit, "--add-enable-metrics", "--yes", timeout=90)

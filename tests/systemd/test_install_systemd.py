@@ -100,6 +100,19 @@ def operator_config(opens_at: float) -> str:
     )
 
 
+def serve_with_no_window(sd: Container, unit: str, text: str) -> float:
+    """SGLang's ``unit`` (``text``) started and answering, and the operator's specd.toml with
+    no window for a month (its opening returned): only an override applied "now" could
+    restart SGLang."""
+    sd.write_unit(unit, text)
+    sd.daemon_reload()
+    sd.systemctl("start", unit)
+    sd.wait_http("/health")
+    closed = float(sd.sh("date", "+%s.%N").stdout) + 30 * 86400
+    (sd.config_dir / "specd.toml").write_text(operator_config(closed))
+    return closed
+
+
 def live_steps(sd: Container) -> int:
     return int(sd.twin_server_info()["speculative_num_steps"])
 
@@ -223,13 +236,7 @@ def test_doctor_and_install_on_a_broken_setup(sd: Container) -> None:
 
 
 def test_reinstall_for_another_unit_acts_on_no_override_of_the_last(sd: Container) -> None:
-    sd.write_unit(SGLANG_UNIT, deployment_unit())
-    sd.daemon_reload()
-    sd.systemctl("start", SGLANG_UNIT)
-    sd.wait_http("/health")
-    # No window for a month: only an override applied "now" could restart SGLang.
-    closed = float(sd.sh("date", "+%s.%N").stdout) + 30 * 86400
-    (sd.config_dir / "specd.toml").write_text(operator_config(closed))
+    closed = serve_with_no_window(sd, SGLANG_UNIT, deployment_unit())
     specd = str(VENV_SPECD)
     other = "llm.service"
     rebound = uninstalled = False
