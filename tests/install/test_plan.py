@@ -30,6 +30,15 @@ from specd.io.files import parse_toml
 NOW = 1796209200.0
 
 
+def with_config(tmp_path: Path, content: str | bytes) -> tuple[Layout, Path]:
+    """A scratch root whose /etc/specd/specd.toml holds ``content``, and that file."""
+    layout = Layout(tmp_path)
+    config = layout.host(CONFIG_FILE)
+    config.parent.mkdir(parents=True)
+    config.write_bytes(content.encode() if isinstance(content, str) else content)
+    return layout, config
+
+
 def test_refuses_a_unit_without_metrics_unless_asked(tmp_path: Path) -> None:
     view = view_of(f"{PYTHON} {SPEC}")
     with pytest.raises(InstallError, match=r"runs without --enable-metrics.*--add-enable-metrics"):
@@ -155,10 +164,10 @@ def test_plan_is_empty_once_installed(tmp_path: Path) -> None:
 
 
 def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path) -> None:
-    layout = Layout(tmp_path)
-    config = layout.host(CONFIG_FILE)
-    config.parent.mkdir(parents=True)
-    config.write_text('[sglang]\nurl = "http://127.0.0.1:30000"\n[observe]\nmin_history_s = 5.0\n')
+    layout, config = with_config(
+        tmp_path,
+        '[sglang]\nurl = "http://127.0.0.1:30000"\n[observe]\nmin_history_s = 5.0\n',
+    )
     view = view_of(f"{PYTHON} --enable-metrics --port 31000 {SPEC}")
     plan = build_plan(view, layout, RUNNING, add_metrics=False, specd_argv=SPECD)
     change = next(c for c in plan.files if c.path == CONFIG_FILE)
@@ -276,10 +285,10 @@ def test_a_fresh_install_moves_an_old_override_aside(tmp_path: Path) -> None:
 
 
 def test_an_override_the_config_names_elsewhere_is_moved_too(tmp_path: Path) -> None:
-    layout = Layout(tmp_path)
-    config = layout.host(CONFIG_FILE)
-    config.parent.mkdir(parents=True)
-    config.write_text('[files]\noverride_file = "/srv/oncall/override.toml"\n')
+    layout, _ = with_config(
+        tmp_path,
+        '[files]\noverride_file = "/srv/oncall/override.toml"\n',
+    )
     layout.host(Path("/srv/oncall")).mkdir(parents=True)
     layout.host(Path("/srv/oncall/override.toml")).write_text('mode = "freeze"\n')
     plan = build_plan(
@@ -361,10 +370,10 @@ def test_gateway_settings_are_checked(
 def test_an_invalid_config_is_refused_before_anything_is_written(
     tmp_path: Path, raw: bytes, lines: list[str]
 ) -> None:
-    layout = Layout(tmp_path)
-    config = layout.host(CONFIG_FILE)
-    config.parent.mkdir(parents=True)
-    config.write_bytes(raw)
+    layout, config = with_config(
+        tmp_path,
+        raw,
+    )
     before = sorted(tmp_path.rglob("*"))
     view = view_of(f"{BASE} {SPEC}")
     with pytest.raises(InstallError) as err:
@@ -377,10 +386,10 @@ def test_an_invalid_config_is_refused_before_anything_is_written(
 
 
 def test_what_install_would_write_is_checked_too(tmp_path: Path) -> None:
-    layout = Layout(tmp_path)
-    config = layout.host(CONFIG_FILE)
-    config.parent.mkdir(parents=True)
-    config.write_text("[observe]\nmin_history_s = 5.0\n")
+    layout, config = with_config(
+        tmp_path,
+        "[observe]\nmin_history_s = 5.0\n",
+    )
     # A unit install reads fine, whose algorithm as written is not what specd.toml takes.
     view = view_of(f"{BASE} {SPEC.replace('NEXTN', 'nextn')}")
     with pytest.raises(InstallError) as err:
@@ -392,10 +401,10 @@ def test_what_install_would_write_is_checked_too(tmp_path: Path) -> None:
 
 
 def test_a_problem_install_itself_fixes_is_no_reason_to_refuse(tmp_path: Path) -> None:
-    layout = Layout(tmp_path)
-    config = layout.host(CONFIG_FILE)
-    config.parent.mkdir(parents=True)
-    config.write_text('[sglang]  # box 3\nunit = "sglang"  # not a service name; install sets it\n')
+    layout, _ = with_config(
+        tmp_path,
+        '[sglang]  # box 3\nunit = "sglang"  # not a service name; install sets it\n',
+    )
     plan = build_plan(view_of(f"{BASE} {SPEC}"), layout, FRESH, add_metrics=False, specd_argv=SPECD)
     text = config_of(plan.files)
     assert Config.model_validate(parse_toml(text)).sglang.unit == UNIT
