@@ -60,7 +60,7 @@ from specd.install.unit import (
 )
 from specd.io.apply import ENV_ARGS, ENV_STEPS, parse_env, render_setting_env
 from specd.io.config import ConfigError, load_config
-from specd.io.gateway import MAX_API_KEY_FILE_BYTES
+from specd.io.gateway import MAX_API_KEY_FILE_BYTES, key_file_unreadable_by
 from specd.io.runner import Runner
 
 if sys.version_info >= (3, 11):
@@ -182,7 +182,8 @@ def key_file_problem(host: Path, *, others_ok: bool = False) -> str | None:
     without opening it: a FIFO there would block whoever reads it. ``others_ok``: a file
     readable by others passes (specd can use it; install alone insists on 0640)."""
     try:
-        info = host.lstat()
+        # Followed, as the daemon reads it: secret mounts are symlinks to a regular file.
+        info = host.stat()
     except OSError as exc:
         return f"not a regular file ({exc.strerror})"
     if not stat.S_ISREG(info.st_mode):
@@ -205,9 +206,12 @@ class GatewayOptions:
     worker_url: str | None = None
 
 
-def gateway_keys(options: GatewayOptions, layout: Layout) -> dict[str, str | list[str]]:
+def gateway_keys(
+    options: GatewayOptions, layout: Layout, user: str = SPECD_USER
+) -> dict[str, str | list[str]]:
     """The ``[gateway]`` keys for the config, checked as specd will read them, and the key
-    file as specd will find it (a regular file, not readable by others)."""
+    file as specd will find it (a regular file, not readable by others, and readable by
+    ``user`` — the daemon's — once that user exists: root reads any file)."""
     urls = [check_url(u, "--gateway-url") for u in options.urls]
     if len(set(urls)) != len(urls):
         raise InstallError("--gateway-url: each gateway replica may be listed once")
@@ -220,6 +224,11 @@ def gateway_keys(options: GatewayOptions, layout: Layout) -> dict[str, str | lis
         if not path.is_absolute():
             raise InstallError(f"{flag}: not an absolute path")
         problem = key_file_problem(layout.host(path))
+        if problem is None and _user_exists(user):
+            unreadable = key_file_unreadable_by(layout.host(path), user)
+            if unreadable is not None:
+                why, advice = unreadable
+                problem = f"user {user} {why}: {advice}"
         if problem is not None:
             raise InstallError(f"{flag}: {problem}")
         keys["api_key_file"] = str(path)

@@ -4,6 +4,11 @@ override left by an earlier installation."""
 
 from __future__ import annotations
 
+import grp
+import os
+import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ from specd.install.layout import (
     InstallError,
     Layout,
 )
-from specd.install.plan import GatewayOptions, build_plan, check_url
+from specd.install.plan import GatewayOptions, build_plan, check_url, gateway_keys
 from specd.io.apply import render_setting_env
 from specd.io.config import Config
 from specd.io.files import parse_toml
@@ -352,6 +357,50 @@ def test_gateway_settings_are_checked(
             specd_argv=SPECD,
             gateway=GatewayOptions(urls, key),
         )
+
+
+@pytest.fixture
+def open_root() -> Iterator[Path]:
+    """A scratch root any user may enter: pytest's tmp_path is under a 0700 directory."""
+    with tempfile.TemporaryDirectory() as name:
+        os.chmod(name, 0o755)
+        yield Path(name)
+
+
+@pytest.mark.parametrize(
+    ("group", "mode", "link", "problem"),
+    [
+        # root reads any file; the daemon's user does not (a real user stands in for specd).
+        ("root", 0o640, False, "user nobody cannot read it (0640 root:root): run `chgrp"),
+        ("root", 0o600, False, "user nobody cannot read it (0600 root:root)"),
+        ("nogroup", 0o640, False, None),
+        # A secret mount is a symlink to the key: followed, as the daemon reads it.
+        ("nogroup", 0o640, True, None),
+    ],
+)
+def test_the_key_file_is_checked_as_the_daemons_user_reads_it(
+    open_root: Path, group: str, mode: int, link: bool, problem: str | None
+) -> None:
+    key = open_root / "etc/specd/gateway.key"
+    key.parent.mkdir(parents=True)
+    for part in (open_root / "etc", key.parent):
+        part.chmod(0o755)
+    target = open_root / "run/secrets/gateway-key" if link else key
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.chmod(0o755)
+    target.parent.parent.chmod(0o755)
+    target.write_text("admin-key\n")
+    os.chown(target, 0, grp.getgrnam(group).gr_gid)
+    target.chmod(mode)
+    if link:
+        key.symlink_to("../../run/secrets/gateway-key")
+    options = GatewayOptions(["http://10.0.0.2:30080"], "/etc/specd/gateway.key")
+    if problem is None:
+        keys = gateway_keys(options, Layout(open_root), user="nobody")
+        assert keys["api_key_file"] == "/etc/specd/gateway.key"
+    else:
+        with pytest.raises(InstallError, match=re.escape(problem)):
+            gateway_keys(options, Layout(open_root), user="nobody")
 
 
 @pytest.mark.parametrize(
