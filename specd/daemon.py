@@ -237,9 +237,9 @@ class Daemon:
     def _gateway_error(self, kind: str) -> None:
         self.metrics.gateway_errors.labels(kind=kind).inc()
 
-    def _persist_journal(self, journal: dict[str, Any] | None) -> None:
+    def _persist_journal(self, journal: dict[str, Any] | None) -> str | None:
         self.state.journal = journal
-        self._save_state(force=True)
+        return self._save_state(force=True)
 
     def _heartbeat(self) -> None:
         """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier)."""
@@ -255,15 +255,19 @@ class Daemon:
             if self._wake.wait(min(left, slice_s)):
                 return
 
-    def _save_state(self, *, force: bool = False) -> None:
+    def _save_state(self, *, force: bool = False) -> str | None:
+        """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
+        could not be written, or None."""
         now = self.clock()
-        if not force and now - self._last_saved_at < STATE_SAVE_INTERVAL_S:
-            return
+        # A clock stepped back (now before the last save) is no reason to stop saving.
+        if not force and 0 <= now - self._last_saved_at < STATE_SAVE_INTERVAL_S:
+            return None
         error = self.store.save(self.state)
         self._last_saved_at = now
         if error:
             self.metrics.state_write_errors.inc()
             self.log.error("state_write_failed", error=error)
+        return error or None
 
     # -- signals ------------------------------------------------------------------
     def install_signal_handlers(self) -> None:
@@ -647,7 +651,8 @@ class Daemon:
         changed = (key, outcome.live_name) != self._last_decision_key
         self._last_decision_key = (key, outcome.live_name)
         acts = outcome.acts
-        if acts or key != self._last_logged or now - self._last_logged_at >= DECISION_RELOG_S:
+        since = now - self._last_logged_at  # negative: the clock stepped back
+        if acts or key != self._last_logged or not 0 <= since < DECISION_RELOG_S:
             self.log.info(
                 "decision",
                 reason=decision.reason.value,

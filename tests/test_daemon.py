@@ -737,3 +737,21 @@ def test_an_override_that_expires_is_said_once_and_its_expiry_stays_exported(
         restarted.tick()
     events = [e["event"] for e in logged if e["event"].startswith("override_")]
     assert events == ["override_expired"]
+
+
+def test_a_clock_stepped_back_does_not_stop_the_state_saves(tmp_path: Path) -> None:
+    """What specd learned is saved every minute; after the clock steps back an hour it must
+    not wait for the clock to catch up (a crash in that hour lost the hour's learning)."""
+    cfg = config(tmp_path)
+    back = [IN_WINDOW - 3600 + 61 * i for i in range(1, 4)]  # a minute apart, an hour back
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(t, steps=4) for t in [IN_WINDOW, *back]]), Applier(), clock)
+    assert d.tick().reason is Reason.WITHIN_TOLERANCE
+    state_file = Path(cfg.files.state_dir) / STATE_FILE
+    writes = []
+    for t in back:
+        clock[0] = t
+        state_file.unlink()
+        assert d.tick().reason is Reason.WITHIN_TOLERANCE  # no change: no forced save
+        writes.append(state_file.exists())
+    assert writes == [True, True, True]

@@ -595,7 +595,7 @@ class Applier:
         restart: RestartSettings,
         client: SGLangProbe,
         runner: Runner,
-        persist: Callable[[dict[str, Any] | None], None],
+        persist: Callable[[dict[str, Any] | None], str | None],
         stop: threading.Event,
         *,
         quiet_poll_interval_s: float = 5.0,
@@ -655,7 +655,7 @@ class Applier:
         settings: Settings,
         client: SGLangProbe,
         runner: Runner,
-        persist: Callable[[dict[str, Any] | None], None],
+        persist: Callable[[dict[str, Any] | None], str | None],
         stop: threading.Event,
         **pacing: Any,
     ) -> Applier:
@@ -816,7 +816,14 @@ class Applier:
         )
         journal.note(f"{_describe(current)} → {_describe(target)}")
         self._journal = journal
-        self._persist(journal)
+        unsaved = self._persist(journal)
+        if unsaved is not None:
+            # The journal is what finishes or rolls back a restart after a crash, and what
+            # keeps the freeze after a failed one: none starts without it on disk.
+            self._journal = None
+            return self._aborted(
+                current, target, f"cannot save the restart journal ({unsaved}): no restart"
+            )
         if self.gateway is not None:
             stopped = self._drain(journal, self.gateway, window_open, force)
             if stopped is not None:
@@ -1302,8 +1309,9 @@ class Applier:
         journal.note(message)
         self._persist(journal)
 
-    def _persist(self, journal: Journal) -> None:
-        self._persist_cb(journal.to_dict())
+    def _persist(self, journal: Journal) -> str | None:
+        """Save the journal; why it could not be saved, or None."""
+        return self._persist_cb(journal.to_dict())
 
     def _finish(self, journal: Journal, phase: str, message: str) -> ApplyOutcome:
         # The worker goes back into routing before the sequence may end: a terminal journal

@@ -1492,3 +1492,31 @@ def test_adaptive_config_replaces_a_symlink_instead_of_writing_through_it(tmp_pa
     assert victim.read_text() == "keep"
     assert not path.is_symlink()
     assert json.loads(path.read_text()) == {"1": {"candidate_steps": [1, 3]}}
+
+
+def test_no_restart_without_its_journal_on_disk(make_unit: Any, tmp_path: Path) -> None:
+    """The journal finishes or rolls back a restart after a crash and keeps the freeze after
+    a failed one: a state directory that cannot take it (full, read-only) means no restart,
+    and nothing changed."""
+    unit = make_unit()
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    saved: list[dict[str, Any] | None] = []
+
+    def persist(journal: dict[str, Any] | None) -> str | None:
+        try:  # a real write that fails: the state "directory" is a regular file
+            files.write_atomic(blocker / "state.json", json.dumps(journal).encode(), mode=0o600)
+        except OSError as exc:
+            return f"cannot write: {exc.strerror}"
+        saved.append(journal)
+        return None
+
+    before = unit.env_file.read_bytes()
+    outcome = applier_for(unit, persist).apply(4, 3, window_open=always_open)
+    assert outcome.result == "aborted"
+    assert "cannot save the restart journal (cannot write: Not a directory): no restart" in (
+        outcome.message
+    )
+    assert (unit.restarts, saved) == ([], [])
+    assert unit.env_file.read_bytes() == before
+    assert unit.running_steps() == 3
