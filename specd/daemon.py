@@ -327,6 +327,14 @@ class Daemon:
             problems = [f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"]
         else:
             problems = []
+            if new.files.state_dir != self.config.files.state_dir:
+                # Half applied, it split what runs from what `specd status` and the next
+                # start read: the journal, the freeze and what specd learned stay behind.
+                problems = [
+                    f"files.state_dir: {self.config.files.state_dir} → {new.files.state_dir} "
+                    "needs a restart of specd (move state.json along; its journal, freeze "
+                    "and learned history live there)"
+                ]
         if problems:
             self.metrics.config_reload_success.set(0)
             for problem in problems:

@@ -755,3 +755,25 @@ def test_a_clock_stepped_back_does_not_stop_the_state_saves(tmp_path: Path) -> N
         assert d.tick().reason is Reason.WITHIN_TOLERANCE  # no change: no forced save
         writes.append(state_file.exists())
     assert writes == [True, True, True]
+
+
+def test_a_reload_that_moves_the_state_dir_is_rejected_whole(tmp_path: Path) -> None:
+    """Accepted, it was half applied: the daemon kept writing the old directory while
+    `specd status`, `specd unfreeze` and the next start read the new, empty one."""
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    moved = {
+        "state_dir": str(tmp_path / "elsewhere"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "max_steps": 5,
+    }
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**moved)))
+    with capture_logs() as logged:
+        d.reload()
+    assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 0
+    assert d.config is cfg  # the running config, whole
+    (rejected,) = [e for e in logged if e["event"] == "reload_rejected"]
+    assert rejected["problem"].startswith(f"files.state_dir: {tmp_path / 'state'} → ")
+    assert "needs a restart of specd" in rejected["problem"]
