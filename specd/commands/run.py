@@ -9,6 +9,7 @@ from specd.commands.check_config import load_for_command
 from specd.daemon import Daemon
 from specd.io import logs
 from specd.io.config import DEFAULT_CONFIG_PATH
+from specd.io.state import StateDirLocked, lock_state_dir
 
 
 # -- CLI: specd run ----------------------------------------------------------------
@@ -26,6 +27,17 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2  # a bad config stops start-up, one line per problem
     logs.configure(config.report.log_format)
+    try:
+        # Held for the process's life: the descriptor is never closed.
+        lock_state_dir(config.files.state_dir)
+    except (StateDirLocked, OSError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        logs.get_logger().error(
+            "state_dir_locked" if isinstance(exc, StateDirLocked) else "state_dir_unusable",
+            state_dir=str(config.files.state_dir),
+            error=detail,
+        )
+        return 1
     daemon = Daemon(config, args.config)
     daemon.install_signal_handlers()
     return daemon.run()

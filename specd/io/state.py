@@ -8,6 +8,7 @@ Plain JSON only (no pickles), so an operator can read it and nothing in it execu
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -372,6 +373,37 @@ def salvage_note(dropped: list[str], limit: int = 3) -> str:
     more = f"; and {len(dropped) - limit} more" if len(dropped) > limit else ""
     entries = "entry" if len(dropped) == 1 else "entries"
     return f"left out {len(dropped)} bad {entries} and kept the rest ({shown}{more})"
+
+
+LOCK_FILE = "specd.lock"
+
+
+class StateDirLocked(Exception):
+    """Another process holds the state directory (another `specd run` on the same box)."""
+
+
+def lock_state_dir(state_dir: str | Path) -> int:
+    """Hold ``state_dir`` for this process (an advisory ``flock`` on its lock file, released
+    when the process ends, even killed): two daemons on one state directory each restart
+    SGLang and each overwrite what the other saved. Returns the descriptor to keep open.
+    StateDirLocked (naming the holder's pid when it wrote one) if another process holds it;
+    OSError if the directory cannot be made or the lock file opened."""
+    directory = Path(state_dir)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o751)
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        who = f" (pid {holder})" if holder.isdigit() else ""
+        raise StateDirLocked(f"another specd runs with state directory {directory}{who}") from None
+    except OSError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class StateStore:
