@@ -27,12 +27,13 @@ import bisect
 import csv
 import io
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from specd.core.setting import format_setting
 from specd.core.setting import parse as parse_setting
+from specd.core.text import BOM_PROBLEM
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
 OPTIONAL_COLUMNS = ("accept_length", "max_running_requests", "setting")
@@ -42,6 +43,20 @@ MAX_SETTING_CHARS = 512
 
 _K = TypeVar("_K", int, str)
 ALL_COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
+
+
+def csv_rows(
+    reader: Iterator[list[str]], source: str, error: type[Exception]
+) -> Iterator[tuple[int, list[str]]]:
+    """(line number, cells) of a CSV reader; the csv module's own errors (a field over its
+    128 KiB limit, a NUL byte) as ``error`` naming the source and line, not a traceback: a
+    file handed to specd must never take a command, or the running daemon, down."""
+    line_no = 0
+    try:
+        for line_no, cells in enumerate(reader, start=1):
+            yield line_no, cells
+    except csv.Error as exc:
+        raise error(f"{source}:{line_no + 1}: not a CSV row ({exc})") from None
 
 
 class PerfTableError(ValueError):
@@ -136,10 +151,12 @@ class PerfTable:
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<table>") -> PerfTable:
         """Parse the CSV text of a table; ``source`` names it in every error."""
+        if text.startswith("\ufeff"):
+            raise PerfTableError(f"{source}: {BOM_PROBLEM}")
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         rows: list[PerfRow] = []
-        for line_no, raw_cells in enumerate(reader, start=1):
+        for line_no, raw_cells in csv_rows(reader, source, PerfTableError):
             cells = [c.strip() for c in raw_cells]
             if not cells or all(not c for c in cells) or cells[0].startswith("#"):
                 continue

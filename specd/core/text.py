@@ -61,6 +61,11 @@ def duration_text(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+# Some Windows editors (and spreadsheets exporting CSV) start a text file with it; TOML and
+# our CSV headers do not take it, and the parsers' own messages do not say what is there.
+BOM_PROBLEM = "starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM"
+
+
 # C0 and C1 controls, DEL: in text an operator wrote they would move the cursor, recolour or
 # clear the terminal of whoever reads it later.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specd.core import text
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -37,10 +39,9 @@ MIB = 1024 * KIB
 # the interpreter's recursion limit, so whatever walks the parsed value later cannot recurse
 # out of stack either.
 MAX_NESTING_DEPTH = 64
-# Some Windows editors start a text file with it; TOML forbids it, and tomllib's message
-# ("Invalid statement (at line 1, column 1)") does not say what is there.
+# Some Windows editors start a text file with it (see text.BOM_PROBLEM).
 UTF8_BOM = b"\xef\xbb\xbf"
-BOM_PROBLEM = "starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM"
+BOM_PROBLEM = text.BOM_PROBLEM
 _TEMP_ATTEMPTS = 16
 
 

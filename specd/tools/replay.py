@@ -52,7 +52,7 @@ from specd.core.model import (
     restart_extra_s,
 )
 from specd.core.observation import Observation
-from specd.core.perftable import PerfTable
+from specd.core.perftable import PerfTable, csv_rows
 from specd.core.setting import (
     ServerTraits,
     SpecSetting,
@@ -64,6 +64,7 @@ from specd.core.setting import (
 from specd.core.setting import parse as parse_setting
 from specd.core.settings import DAY_S
 from specd.core.step import StepContext, step
+from specd.core.text import BOM_PROBLEM
 from specd.io import files
 from specd.io.calibration import read_calibration
 from specd.io.config import Config
@@ -119,11 +120,13 @@ def load_trace(path: str | Path) -> Trace:
         text = files.read_text_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
     except files.FileReadError as exc:
         raise ReplayError(str(exc)) from None
-    reader = csv.reader(io.StringIO(text, newline=""))
-    header = [c.strip() for c in next(reader, [])]
+    if text.startswith("\ufeff"):
+        raise ReplayError(f"{p}: {BOM_PROBLEM}")
+    rows = csv_rows(csv.reader(io.StringIO(text, newline="")), str(p), ReplayError)
+    header = [c.strip() for c in next(rows, (1, []))[1]]
     if header[:2] != ["t_s", "concurrency"]:
         raise ReplayError(f"{p}:1: header must be t_s,concurrency")
-    for n, row in enumerate(reader, start=2):
+    for n, row in rows:
         if not row or not "".join(row).strip():
             continue
         if len(row) < 2:

@@ -104,6 +104,13 @@ def test_queries_and_roundtrip() -> None:
         ('steps,concurrency,output_tok_s,setting\n4,1,2,"adaptive:0,4"\n', r"candidates must"),
         ("steps,concurrency,output_tok_s,setting\n4,1,2," + "9" * 600 + "\n", r"longer than"),
         ('steps,concurrency,output_tok_s,setting\n4,1,2,"adaptive:3,4"\n', "only adaptive"),
+        # The csv module's own limits (a field over 128 KiB): the table's error, not csv's
+        # traceback, which took a running daemon down when its calibration file held one.
+        (
+            "steps,concurrency,output_tok_s\n1,1,100\n" + "1" * 200_000 + ",1,100\n",
+            r":3: not a CSV",
+        ),
+        ("\ufeffsteps,concurrency,output_tok_s\n1,1,2\n", r"x.csv: starts with a UTF-8 byte order"),
         (
             "steps,concurrency,output_tok_s,setting\n3,1,2,\n"
             '4,1,2,"adaptive:3,4"\n4,1,3,"adaptive:4,3"\n',

@@ -117,3 +117,22 @@ def test_a_calibration_is_reread_only_when_it_changes(tmp_path: Path) -> None:
     assert gone is None
     assert problem is not None
     assert "cannot read calibration" in problem
+
+
+def test_a_calibration_swapped_for_one_csv_cannot_read_is_a_problem_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """The running daemon re-reads its calibration when the file changes: a field over the
+    csv module's 128 KiB limit raised csv.Error out of the tick and took specd down."""
+    path = tmp_path / "cal.csv"
+    path.write_text(GOOD)
+    source = CalibrationFile(path)
+    assert source.current()[1] is None
+    bad = tmp_path / "new.csv"
+    bad.write_text(GOOD + "1" * 200_000 + ",1,300\n")
+    os.replace(bad, path)
+    calibration, problem = source.current()
+    assert calibration is None
+    assert problem is not None
+    assert f"{path}:4: not a CSV row (field larger than field limit" in problem
+    assert "\n" not in problem

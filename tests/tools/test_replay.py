@@ -296,6 +296,8 @@ def test_without_calibration_specd_learns_the_box_by_exploring(
         ("t_s,concurrency\n0,-1\n", "concurrency >= 0"),
         ("t_s,concurrency\n0,abc\n", "not numbers"),
         ("t_s,concurrency\n0\n", "expected t_s,concurrency"),
+        ("t_s,concurrency\n0,1\n" + "1" * 200_000 + ",1\n", r":3: not a CSV row"),
+        ("\ufefft_s,concurrency\n0,1\n", "starts with a UTF-8 byte order mark"),
     ],
 )
 def test_bad_traces_are_one_line_errors(tmp_path: Path, content: str, message: str) -> None:
