@@ -299,23 +299,30 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(
     assert (code, stderr) == (128 + signal.SIGPIPE, "")
 
 
-def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> None:
-    """Two daemons on one state directory each restart SGLang and each overwrite the
-    other's state.json (the restart budget undercounted): the second says why and exits."""
-    cfg = write_config(tmp_path)
-    first = subprocess.Popen(
+def start_holding_the_lock(cfg: Path, lock: Path) -> subprocess.Popen[str]:
+    """`specd run` on ``cfg``, once it holds the state directory's ``lock``."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "specd.cli", "run", "--config", str(cfg)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 30
+    while not (lock.exists() and lock.read_text().strip() == str(proc.pid)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"specd run never took the lock: {proc.communicate()}")
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(tmp_path: Path) -> None:
+    """Two daemons on one state directory each restart SGLang and each overwrite the
+    other's state.json (the restart budget undercounted): the second says why and exits."""
+    cfg = write_config(tmp_path)
+    lock = tmp_path / "state" / "specd.lock"
+    first = start_holding_the_lock(cfg, lock)
     try:
-        lock = tmp_path / "state" / "specd.lock"
-        deadline = time.monotonic() + 30
-        while not (lock.exists() and lock.read_text().strip() == str(first.pid)):
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, "the first daemon never took the lock"
-            time.sleep(0.1)
         second = specd("run", "--config", str(cfg))
         assert second.returncode == 1, second.stdout + second.stderr
         assert "Traceback" not in second.stdout + second.stderr
@@ -329,18 +336,6 @@ def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(tmp_path: Path) 
         first.terminate()
         first.communicate(timeout=30)
     # Gone with its process (even killed): the next start takes it.
-    again = subprocess.Popen(
-        [sys.executable, "-m", "specd.cli", "run", "--config", str(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while lock.read_text().strip() != str(again.pid):
-            assert again.poll() is None, again.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-    finally:
-        again.terminate()
-        again.communicate(timeout=30)
+    again = start_holding_the_lock(cfg, lock)
+    again.terminate()
+    again.communicate(timeout=30)
