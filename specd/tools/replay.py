@@ -740,6 +740,12 @@ def replay(
     config, sets, left_out = truth_offer(truth, config)
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
+    if warmup_s >= last - first:
+        # Nothing would be scored: every figure 0 tokens, every ratio meaningless.
+        raise ReplayError(
+            f"warmup {warmup_s:g} s leaves nothing to score: the trace spans "
+            f"{last - first:g} s (its last row lasting as long as the median one)"
+        )
     adaptive: AdaptiveModel | None = None
     if adaptive_slots is not None:
         try:

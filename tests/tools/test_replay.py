@@ -423,6 +423,20 @@ def test_a_calibration_problem_names_the_flag_that_set_it(
     assert "choose." not in proc.stderr
 
 
+@pytest.mark.parametrize("warmup", ["180", "181", "86400"])
+def test_a_warmup_that_leaves_nothing_to_score_is_refused(tmp_path: Path, warmup: str) -> None:
+    """It printed a TypeError (human lines) or, with --json, 0 tokens and every ratio 1.0."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n0,1\n60,2\n120,1\n")
+    for extra in ([], ["--json"]):
+        proc = specd("--trace", str(trace), "--truth", str(SEED), "--warmup-s", warmup, *extra)
+        assert proc.returncode == 2, proc.stdout
+        assert proc.stderr == (
+            f"specd replay: warmup {float(warmup):g} s leaves nothing to score: the trace "
+            "spans 180 s (its last row lasting as long as the median one)\n"
+        )
+
+
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
