@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -56,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
         workdir = Path(tmp.name)
     else:
         workdir = args.workdir
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there, or no permission
+            print(f"specd demo: --workdir {workdir}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     try:
         return _run(args, workdir)
     finally:
@@ -93,8 +98,23 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
             config, None, registry=CollectorRegistry(), runner=unit, notifier=Notifier(environ={})
         )
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        thread = threading.Thread(target=daemon.run, name="specd", daemon=True)
+        # A --workdir used before holds that run's state: only this run's restarts count.
+        restarts_before = len(daemon.state.restarts)
+        exit_code: list[int] = []
+        thread = threading.Thread(
+            target=lambda: exit_code.append(daemon.run()), name="specd", daemon=True
+        )
         thread.start()
+        # The daemon's start can fail at once (its metrics port taken): say so, not a
+        # whole demo of "steps ?" and an empty summary.
+        thread.join(timeout=2.0)
+        if not thread.is_alive():
+            print(
+                f"specd demo: specd stopped at start (exit {exit_code[0] if exit_code else '?'}"
+                f"); its log: {log_path}: {_last_line(log_path)}",
+                file=sys.stderr,
+            )
+            return 1
         console.print(f"specd runs; its metrics: {metrics_url}; its log: {log_path}")
         record = DemoRecord()
         try:
@@ -113,7 +133,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         finally:
             daemon.request_stop()
             thread.join(timeout=120)
-        summary = _summary(daemon, record, args.duration)
+        summary = _summary(daemon, record, args.duration, restarts_before)
     finally:
         unit.stop()
         log_file.close()
@@ -124,8 +144,15 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     return 0
 
 
-def _summary(daemon: Daemon, record: DemoRecord, duration: float) -> dict[str, Any]:
-    restarts = daemon.state.restarts
+def _last_line(path: Path) -> str:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return lines[-1] if lines else "(empty)"
+
+
+def _summary(
+    daemon: Daemon, record: DemoRecord, duration: float, restarts_before: int = 0
+) -> dict[str, Any]:
+    restarts = daemon.state.restarts[restarts_before:]
     return {
         "duration_s": duration,
         "restarts": [
