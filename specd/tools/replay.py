@@ -740,12 +740,6 @@ def replay(
     config, sets, left_out = truth_offer(truth, config)
     t0 = start.timestamp()  # absolute time of t_s = 0
     first, last = trace.t[0], trace.t[-1]
-    if warmup_s >= last - first:
-        # Nothing would be scored: every figure 0 tokens, every ratio meaningless.
-        raise ReplayError(
-            f"warmup {warmup_s:g} s leaves nothing to score: the trace spans "
-            f"{last - first:g} s (its last row lasting as long as the median one)"
-        )
     adaptive: AdaptiveModel | None = None
     if adaptive_slots is not None:
         try:
@@ -753,6 +747,12 @@ def replay(
         except ValueError:
             adaptive = None  # the truth cannot say what any candidate serves
     tokens = Tokens(trace, truth, allowed, adaptive, adaptive_loss_ratio)
+    if warmup_s >= last - first:
+        # Nothing would be scored: every figure 0 tokens, every ratio meaningless.
+        raise ReplayError(
+            f"warmup {warmup_s:g} s leaves nothing to score: the trace spans "
+            f"{last - first:g} s (its last row lasting as long as the median one)"
+        )
 
     # What a restart into a setting takes, for specd and for every comparison alike (an
     # adaptive start captures one CUDA-graph set more per candidate; off is none).
