@@ -367,6 +367,7 @@ def open_root() -> Iterator[Path]:
         yield Path(name)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a key owned by root:nogroup")
 @pytest.mark.parametrize(
     ("group", "mode", "link", "problem"),
     [
