@@ -22,7 +22,6 @@ from specd.core.history import HistorySettings
 from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
 from specd.core.outcome import label
-from specd.core.override import Override
 from specd.core.setting import format_setting, traits_from_server_info
 from specd.core.text import duration_text, printable
 from specd.io.apply import read_static_only
@@ -54,14 +53,6 @@ def _setting_text(name: str) -> str:
     """A setting for a line: "4 steps", "off", "adaptive:3,4" (a bare number would not say
     what it counts)."""
     return f"{name} steps" if name.isdigit() else name
-
-
-def _pinned_name(override: Override | None) -> str | None:
-    if override is None or override.mode != "pin":
-        return None
-    if override.setting is not None:
-        return format_setting(override.setting)
-    return None if override.steps is None else str(override.steps)
 
 
 def _override_text(ov: dict[str, Any]) -> str:
@@ -184,7 +175,7 @@ def collect(
             "mode": current.mode if current else None,
             "steps": current.steps if current else None,
             # What a pin holds as the operator writes it ("4", "off", "adaptive:3,4").
-            "setting": _pinned_name(current),
+            "setting": current.pinned_name if current else None,
             "expires_at": current.expires_at.isoformat()
             if current and current.expires_at
             else None,

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from specd.commands.check_config import load_for_command
-from specd.core.setting import format_setting
 from specd.core.text import printable
 from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
@@ -82,8 +81,7 @@ def _pin_now(config: Config) -> str | None:
         allowed_uids=daemon_uids(),
     )
     held = status.override
-    if held is None or held.mode != "pin" or held.apply != "now" or not held.active(time.time()):
+    if held is None or held.apply != "now" or not held.active(time.time()):
         return None
-    if held.setting is not None:
-        return format_setting(held.setting)
-    return f"{held.steps} steps"
+    name = held.pinned_name  # None unless a pin
+    return f"{name} steps" if name is not None and name.isdigit() else name

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
 
-from specd.core.setting import SpecSetting
+from specd.core.setting import SpecSetting, format_setting
 
 Mode = Literal["auto", "pin", "freeze"]
 
@@ -33,6 +33,16 @@ class Override:
     # A pin of a setting that is not a static step count ("off", "adaptive:3,4"); a static
     # pin says its count in ``steps`` and leaves this None.
     setting: SpecSetting | None = None
+
+    @property
+    def pinned_name(self) -> str | None:
+        """What a pin holds as the operator writes it ("4", "off", "adaptive:3,4"); None
+        for auto and freeze."""
+        if self.mode != "pin":
+            return None
+        if self.setting is not None:
+            return format_setting(self.setting)
+        return None if self.steps is None else str(self.steps)
 
     def active(self, now: datetime | float) -> bool:
         """True while a pin or freeze is in force (auto is never "active")."""
