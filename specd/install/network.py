@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from specd.install.layout import CONFIG_FILE, Layout
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
+from specd.io.files import parse_toml
 
 RESOLV_CONF = Path("/etc/resolv.conf")
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -88,7 +83,7 @@ def reach(config_text: str, layout: Layout) -> Reach:
     """The addresses beyond loopback that the config (as install writes it) has specd reach:
     IP literals as written, host names resolved now (said in a note: the unit does not follow
     a later change of address), and then also the name servers, so specd can resolve them."""
-    data = tomllib.loads(config_text)
+    data = parse_toml(config_text)
     out = Reach()
     allowed: set[IPAddress] = set()
     named_hosts = False

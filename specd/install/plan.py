@@ -8,7 +8,6 @@ import os
 import pwd
 import shlex
 import stat
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,13 +59,9 @@ from specd.install.unit import (
 )
 from specd.io.apply import ENV_ARGS, ENV_STEPS, parse_env, render_setting_env
 from specd.io.config import ConfigError, load_config
+from specd.io.files import ParseError, parse_toml
 from specd.io.gateway import MAX_API_KEY_FILE_BYTES, key_file_unreadable_by
 from specd.io.runner import Runner
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib  # type: ignore[import-not-found,unused-ignore]
 
 
 @dataclass(frozen=True)
@@ -324,8 +319,8 @@ def file_change(layout: Layout, path: Path, old: bytes | None, new: bytes) -> Fi
 def _changed_keys(old: bytes | None, new: str) -> str:
     """The keys that differ between two configs, as ``[table] key = value`` (TOML's own
     spelling of the value), for an operator to copy."""
-    before = tomllib.loads((old or b"").decode("utf-8"))
-    after = tomllib.loads(new)
+    before = parse_toml((old or b"").decode("utf-8"))
+    after = parse_toml(new)
     found = []
     for table, values in after.items():
         if not isinstance(values, dict):
@@ -339,8 +334,8 @@ def _changed_keys(old: bytes | None, new: str) -> str:
 
 def _is_toml(raw: bytes) -> bool:
     try:
-        tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        parse_toml(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ParseError):
         return False
     return True
 
