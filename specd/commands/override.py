@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from specd.commands.args import Duration, quoted
+from specd.commands.reason import reason_type
 from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import SpecSetting, format_setting
@@ -34,19 +35,7 @@ FREEZE_FOR = Duration(
 )
 
 
-def _reason(text: str) -> str:
-    """``--reason``: what the next on-call reads (status, logs, the dashboard); never empty,
-    no control characters (they would act on the terminal of whoever reads it)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("say why: the next on-call reads it")
-    if printable(text) != text:
-        raise argparse.ArgumentTypeError(
-            f"{quoted(printable(text))} has control characters (a newline, a terminal escape)"
-        )
-    return text.strip()
-
-
-_reason.__name__ = "reason"
+_reason = reason_type("say why: the next on-call reads it")
 
 
 def _pin_setting(text: str) -> SpecSetting:

@@ -13,20 +13,14 @@ import time
 from pathlib import Path
 
 from specd.commands.check_config import load_for_command
+from specd.commands.reason import reason_type
 from specd.core.text import printable
 from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import daemon_uids, read_override
 from specd.io.state import STATE_FILE, atomic_write_json, read_json
 
-
-def _reason(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("say why it is safe to resume: the log keeps it")
-    return text.strip()
-
-
-_reason.__name__ = "reason"
+_reason = reason_type("say why it is safe to resume: the log keeps it")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -260,12 +260,24 @@ def test_unfreeze_warns_of_a_pin_it_would_retry_at_once(
         assert ("6 steps" if "steps" in override else "adaptive:3,4") in done.stdout
 
 
-@pytest.mark.parametrize("reason", ["", "   "])
-def test_unfreeze_needs_a_reason(tmp_path: Path, reason: str) -> None:
+@pytest.mark.parametrize(
+    ("reason", "says"),
+    [
+        ("", "say why it is safe to resume"),
+        ("   ", "say why it is safe to resume"),
+        # Refused as `override` refuses them: they would act on the reader's terminal, or
+        # make the request file too large to read (the daemon then logs no reason at all).
+        ("ok\x1b[2Jgone", "control characters"),
+        ("two\nlines", "control characters"),
+        ("x" * 70_000, "70000 characters; at most 2000"),
+    ],
+)
+def test_unfreeze_needs_a_reason_it_can_keep(tmp_path: Path, reason: str, says: str) -> None:
     cfg_path = write_config(tmp_path)
     done = specd("unfreeze", "--config", str(cfg_path), "--reason", reason)
     assert done.returncode == 2
-    assert "say why it is safe to resume" in done.stderr
+    assert says in done.stderr
+    assert len(done.stderr.strip().splitlines()[-1]) < 300
     assert "Traceback" not in done.stderr
 
 

@@ -579,7 +579,8 @@ def test_a_pin_that_expires_before_the_next_window_is_refused(
 @pytest.mark.parametrize(
     ("reason", "says"),
     [
-        ("x" * 70_000, "larger than the 64 KiB allowed"),
+        ("x" * 70_000, "70000 characters; at most 2000"),
+        ("x" * 2001, "2001 characters; at most 2000"),
         ("", "say why"),
         ("   ", "say why"),
         ("ok\x1b[2Jgone", "control characters"),

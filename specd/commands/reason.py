@@ -1,0 +1,36 @@
+"""``--reason TEXT``: the operator's words that the next on-call reads (status, logs, the
+dashboard). One check for every command that takes one, so what `override` refuses
+`unfreeze` refuses too."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from specd.commands.args import quoted
+from specd.core.text import printable
+
+# A sentence or a ticket link, not a document: the files that carry it are read with a
+# 64 KiB cap, and a longer one would make the whole file unreadable.
+MAX_REASON_CHARS = 2000
+
+
+def reason_type(missing: str) -> Callable[[str], str]:
+    """The argparse type of a ``--reason``; ``missing`` is what an empty one is told."""
+
+    def reason(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(missing)
+        if printable(text) != text:
+            # They would act on the terminal of whoever reads the reason.
+            raise argparse.ArgumentTypeError(
+                f"{quoted(printable(text))} has control characters (a newline, a terminal escape)"
+            )
+        if len(text) > MAX_REASON_CHARS:
+            raise argparse.ArgumentTypeError(
+                f"{len(text)} characters; at most {MAX_REASON_CHARS} (link a ticket for more)"
+            )
+        return text.strip()
+
+    reason.__name__ = "reason"  # what argparse calls the type in its messages
+    return reason
