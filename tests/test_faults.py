@@ -1030,16 +1030,20 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("label", "bad"),
+    ("label", "bad", "said"),
     [
-        ("unknown key", b"no_such_key = 1\n"),
-        ("not TOML", b"this is = = not toml\n"),
-        ("nested thousands deep", b"x = " + b"[" * 100_000 + b"\n"),
-        ("not UTF-8", b"\xff\xfe = 1\n"),
+        ("unknown key", b"no_such_key = 1\n", "no_such_key: unknown key"),
+        ("not TOML", b"this is = = not toml\n", "invalid TOML"),
+        ("nested thousands deep", b"x = " + b"[" * 100_000 + b"\n", "invalid TOML"),
+        ("not UTF-8", b"\xff\xfe = 1\n", "not UTF-8"),
+        # What a reload reads in the middle of `cp new.toml specd.toml`: truncated, not
+        # written yet. TOML reads it as no keys: it applied every default (another SGLang).
+        ("empty", b"", "the file is empty (0 bytes)"),
+        ("whitespace only", b"\n  \n", "the file is only whitespace (4 bytes)"),
     ],
 )
 def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
-    tmp_path: Path, specd_setup: tuple[StandIn, Path, int], label: str, bad: bytes
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int], label: str, bad: bytes, said: str
 ) -> None:
     standin, config_path, metrics_port = specd_setup
     write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
