@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
@@ -52,6 +52,12 @@ MAX_UNFREEZE_REQUEST_BYTES = 64 * 1024
 # Re-log an unchanged decision this often, so the journal shows specd is alive and why
 # it is not acting, without a line every scrape.
 DECISION_RELOG_S = 600.0
+# While SGLang cannot be scraped, say so again this often (with how long and how many
+# failures), not every scrape: a 100 s restart or an hour-long outage is a few lines.
+SCRAPE_FAILED_RELOG_S = 300.0
+# A failure of a new kind or reason is said at once, up to this many per outage (a reason
+# that carries a value changing every scrape must not bring the flood back).
+SCRAPE_FAILED_MAX_DISTINCT = 8
 STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
@@ -113,6 +119,16 @@ class RestartApplier(Protocol):
     def read_stop_timeout(self) -> None: ...
 
     def read_wiring(self) -> str | None: ...
+
+
+@dataclass
+class ScrapeOutage:
+    """SGLang cannot be scraped since ``since``: what the journal was told of it."""
+
+    since: float
+    failures: int = 0
+    logged_at: float = 0.0
+    said: set[tuple[str, str]] = field(default_factory=set)  # (kind, reason) logged
 
 
 @dataclass
@@ -181,6 +197,7 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        self._outage: ScrapeOutage | None = None  # scrapes failing since, what was logged
         self._rejected_logged: set[str] = set()
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
@@ -540,8 +557,15 @@ class Daemon:
         if isinstance(result, ScrapeError):
             self.metrics.sglang_up.set(0)
             self.metrics.scrape_errors.labels(kind=result.kind).inc()
-            self.log.warning("scrape_failed", kind=result.kind, reason=result.reason)
+            self._report_scrape_failure(result, now)
             return result
+        if self._outage is not None:
+            outage, self._outage = self._outage, None
+            self.log.info(
+                "scrape_recovered",
+                failing_s=round(max(0.0, now - outage.since), 1),
+                failures=outage.failures,
+            )
         self.metrics.sglang_up.set(1)
         self.metrics.last_scrape_success.set(result.t)
         self._report_rejected(result)
@@ -552,6 +576,33 @@ class Daemon:
             self.state.sglang_started_at = now
         self.last_obs = result
         return result
+
+    def _report_scrape_failure(self, error: ScrapeError, now: float) -> None:
+        """Counted every scrape (metrics); logged at the first failure, at a failure of a new
+        kind or reason, and every SCRAPE_FAILED_RELOG_S while it lasts; `scrape_recovered`
+        ends it (`_observe`). specd's own restarts of SGLang are not seen here: the loop
+        waits in the applier until SGLang is verified healthy, or rolled back."""
+        outage = self._outage
+        if outage is None:
+            outage = self._outage = ScrapeOutage(since=now)
+        outage.failures += 1
+        said = (error.kind, error.reason)
+        new_kind = error.kind not in {kind for kind, _ in outage.said}
+        new = said not in outage.said and (
+            new_kind or len(outage.said) < SCRAPE_FAILED_MAX_DISTINCT
+        )
+        since = now - outage.logged_at  # negative: the clock stepped back
+        if not new and 0 <= since < SCRAPE_FAILED_RELOG_S:
+            return
+        outage.said.add(said)
+        outage.logged_at = now
+        self.log.warning(
+            "scrape_failed",
+            kind=error.kind,
+            reason=error.reason,
+            failing_s=round(max(0.0, now - outage.since), 1),
+            failures=outage.failures,
+        )
 
     def _report_rejected(self, obs: Observation) -> None:
         # Counted every scrape (the rate shows how often SGLang lies); logged once per

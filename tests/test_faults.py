@@ -193,47 +193,55 @@ def test_sglang_faults_hold_without_restart_and_recover(
     clock = Clock(INSIDE)
     runner = RecordingRunner(clock)
     twin = None if twin_flags is None else TwinProcess(twin_argv(3, *twin_flags), port=port)
-    try:
-        if twin is not None:
-            # The slow twin answers /health only after --slow-s: that is the fault working.
-            twin.wait_healthy(timeout_s=20)
-        daemon = make_daemon(config, runner, clock)
-        if fault == "killed mid-epoch":
-            # Healthy first: observed, decided with data; then SGLang dies under us.
-            clock.now = OUTSIDE
-            daemon.state.history = wanting(config, 4, OUTSIDE)
-            assert daemon.tick().reason is Reason.WINDOW_CLOSED
-            assert twin is not None
-            twin.proc.send_signal(signal.SIGKILL)
-            twin.wait(timeout_s=10)
-            clock.now = INSIDE
-        # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
-        for i in range(3):
-            clock.now = INSIDE + i * config.observe.scrape_interval_s
+    with capture_logs() as captured:
+        try:
+            if twin is not None:
+                # The slow twin answers /health only after --slow-s: that is the fault working.
+                twin.wait_healthy(timeout_s=20)
+            daemon = make_daemon(config, runner, clock)
+            if fault == "killed mid-epoch":
+                # Healthy first: observed, decided with data; then SGLang dies under us.
+                clock.now = OUTSIDE
+                daemon.state.history = wanting(config, 4, OUTSIDE)
+                assert daemon.tick().reason is Reason.WINDOW_CLOSED
+                assert twin is not None
+                twin.proc.send_signal(signal.SIGKILL)
+                twin.wait(timeout_s=10)
+                clock.now = INSIDE
+            # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
+            for i in range(3):
+                clock.now = INSIDE + i * config.observe.scrape_interval_s
+                daemon.state.history = wanting(config, 4, clock.now)
+                decision = daemon.tick()
+                assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
+                assert not decision.acts(None if daemon.last_obs is None else daemon.last_obs.steps)
+            errors = scrape_errors(daemon)
+            assert errors[kind] == 3, errors
+            assert sum(errors.values()) == 3, errors
+            assert sample(daemon, "specd_sglang_up") == 0
+            assert runner.calls == []
+        finally:
+            if twin is not None:
+                twin.stop()
+        # SGLang healthy again on the same port: the next tick sees it and decides with data.
+        with TwinProcess(twin_argv(3), port=port) as healthy:
+            healthy.wait_healthy()
+            clock.now = OUTSIDE + 3600
             daemon.state.history = wanting(config, 4, clock.now)
             decision = daemon.tick()
-            assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
-            assert not decision.acts(None if daemon.last_obs is None else daemon.last_obs.steps)
-        errors = scrape_errors(daemon)
-        assert errors[kind] == 3, errors
-        assert sum(errors.values()) == 3, errors
-        assert sample(daemon, "specd_sglang_up") == 0
-        assert runner.calls == []
-    finally:
-        if twin is not None:
-            twin.stop()
-    # SGLang healthy again on the same port: the next tick sees it and decides with data.
-    with TwinProcess(twin_argv(3), port=port) as healthy:
-        healthy.wait_healthy()
-        clock.now = OUTSIDE + 3600
-        daemon.state.history = wanting(config, 4, clock.now)
-        decision = daemon.tick()
     assert (decision.reason, decision.target_steps) == (Reason.WINDOW_CLOSED, 4), decision
     assert sample(daemon, "specd_sglang_up") == 1
     assert daemon.last_obs is not None
     assert daemon.last_obs.steps == 3
     assert sum(scrape_errors(daemon).values()) == 3
     assert runner.calls == []
+    # Counted every scrape; said when it starts and when it ends, not every scrape.
+    said = [
+        (e["event"], e.get("kind"), e["failures"])
+        for e in captured
+        if e["event"] in ("scrape_failed", "scrape_recovered")
+    ]
+    assert said == [("scrape_failed", kind, 1), ("scrape_recovered", None, 3)]
 
 
 def test_server_info_missing_fields_degrades_to_metrics_only(tmp_path: Path) -> None:
@@ -1072,6 +1080,7 @@ def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
         rejected = events_named(log, "reload_rejected")
         assert rejected, log.read_text()[-2000:]
         assert all("\n" not in str(e["problem"]) for e in rejected)
+        assert said in rejected[0]["problem"], rejected
         assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
         assert (metric(metrics_port, "specd_config_reload_timestamp_seconds") or 0) > 0
         # The next good reload takes effect and clears the signal.
