@@ -133,11 +133,14 @@ class ScrapeOutage:
 
 @dataclass
 class OverrideTracker:
-    """The override in force: the last valid file content; invalid files are ignored."""
+    """The override in force: the last valid file content; invalid files are ignored.
+    ``judged_by``: the path and step bounds the file was last read with (a reload may
+    change them, and with them what the same file means)."""
 
     good: Override | None = None
     fingerprint: object = None
     status: OverrideStatus | None = None
+    judged_by: object = None
 
 
 class Daemon:
@@ -373,7 +376,6 @@ class Daemon:
         self.gateway = self._make_gateway(new)
         self.calibration = calibration
         self.state.history.reconfigure(history_settings)
-        self.override.fingerprint = None  # re-read the override file too
         self.metrics.config_reload_success.set(1)
         self.metrics.declare_choices(
             range(new.choose.min_steps, new.choose.max_steps + 1), _regressing_settings(new)
@@ -622,17 +624,23 @@ class Daemon:
 
     def _refresh_override(self, now: float) -> Override | None:
         path = Path(self.config.files.override_file)
+        cfg_min, cfg_max = self.config.choose.min_steps, self.config.choose.max_steps
         status = read_override(
-            path,
-            self.config.choose.min_steps,
-            self.config.choose.max_steps,
-            utc(now),
-            allowed_uids=self.allowed_override_uids,
+            path, cfg_min, cfg_max, utc(now), allowed_uids=self.allowed_override_uids
         )
         tracker = self.override
-        changed = status.fingerprint != tracker.fingerprint or (
-            tracker.status is not None and status.valid != tracker.status.valid
+        judged_by = (path, cfg_min, cfg_max)
+        same_file = status.fingerprint == tracker.fingerprint
+        before = tracker.status
+        changed = (
+            not same_file
+            or judged_by != tracker.judged_by
+            or (before is not None and status.valid != before.valid)
         )
+        # The same file judged again under a reloaded config means what it meant: nothing
+        # to say (a reload used to log the untouched override as loaded anew).
+        if same_file and before is not None and _same_meaning(before, status):
+            changed = False
         if changed:
             if not status.present:
                 if tracker.good is not None:
@@ -651,7 +659,8 @@ class Daemon:
             else:
                 # Logged once per change of the file; the last good override holds.
                 self.log.error("override_ignored", problem=status.problem, file=str(path))
-            tracker.fingerprint = status.fingerprint
+        tracker.fingerprint = status.fingerprint
+        tracker.judged_by = judged_by
         tracker.status = status
         good = tracker.good
         if good is not None and not good.active(utc(now)):
@@ -997,6 +1006,11 @@ class Daemon:
         if self.state.frozen is not None:
             parts.append("FROZEN")
         return ", ".join(parts)
+
+
+def _same_meaning(a: OverrideStatus, b: OverrideStatus) -> bool:
+    """Two readings of one override file that say the same: in force or ignored alike."""
+    return (a.valid, a.override, a.problem) == (b.valid, b.override, b.problem)
 
 
 def _regressing_settings(config: Config) -> list[str]:

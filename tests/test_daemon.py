@@ -875,3 +875,58 @@ def test_an_sglang_outage_is_logged_when_it_starts_changes_lasts_and_ends(
         "malformed": sum(e == "garbage" for _, e in script),
     }
     assert sample("specd_sglang_up") == (1 if script[-1][1] is None else 0)
+
+
+@pytest.mark.parametrize(
+    ("override", "reloaded", "said"),
+    [
+        pytest.param({"mode": "pin", "steps": 4}, {}, [], id="the same file and config"),
+        pytest.param({"mode": "pin", "steps": 4}, {"max_steps": 5}, [], id="bounds it fits"),
+        pytest.param(
+            {"mode": "pin", "steps": 2}, {"min_steps": 3}, ["override_ignored"], id="now outside"
+        ),
+        pytest.param(
+            {"mode": "pin", "steps": 7}, {"max_steps": 7}, ["override_loaded"], id="now inside"
+        ),
+        pytest.param(
+            {"mode": "pin", "steps": 9}, {"max_steps": 7}, ["override_ignored"], id="new problem"
+        ),
+        pytest.param(
+            {"mode": "pin", "steps": 4, "colour": "red"}, {"max_steps": 5}, [], id="same problem"
+        ),
+        pytest.param({"mode": "freeze", "expires_in_s": -10}, {}, [], id="expired"),
+    ],
+)
+def test_a_reload_says_what_it_changed_in_the_override_and_nothing_else(
+    tmp_path: Path, override: dict[str, Any], reloaded: dict[str, Any], said: list[str]
+) -> None:
+    """A reload re-judges the untouched override file under the new bounds; it said
+    `override_loaded` (or `override_expired`) again though nothing about it changed."""
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), clock)
+    expires = datetime.fromtimestamp(IN_WINDOW + override.pop("expires_in_s", 3600), tz=UTC)
+    Path(cfg.files.override_file).write_text(
+        tomli_w.dumps({**override, "expires_at": expires, "reason": "incident"})
+    )
+    os.chmod(cfg.files.override_file, 0o600)
+    d.tick()
+    fields = {
+        "state_dir": str(cfg.files.state_dir),
+        "override_file": str(cfg.files.override_file),
+        "env_file": str(cfg.sglang.env_file),
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+        **reloaded,
+    }
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**fields)))
+    with capture_logs() as logged:
+        d.reload()
+        for _ in range(2):
+            clock[0] += 10
+            d.tick()
+    assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
+    assert [e["event"] for e in logged if e["event"].startswith("override_")] == said

@@ -954,6 +954,59 @@ def events_named(log: Path, name: str) -> list[dict[str, Any]]:
     return [e for e in log_events(log) if e.get("event") == name]
 
 
+def test_a_sighup_re_reads_the_override_but_says_it_loaded_only_when_it_changed(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    """A reload re-judged the override file, rightly (the new bounds may change what it
+    means), but logged `override_loaded` again for a file nobody touched: the on-call read
+    it as a new override at every `systemctl reload specd`."""
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port)
+    override = tmp_path / "override.toml"
+    freeze = 'mode = "freeze"\nexpires_at = 2099-01-01T00:00:00Z\nreason = "{}"\n'
+    override.write_text(freeze.format("investigating"))
+    override.chmod(0o600)
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+
+    def reload_and_tick(reloads: int) -> None:
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: len(events_named(log, "reloaded")) == reloads or proc.poll() is not None,
+            10,
+            "the reload",
+        )
+        scrapes = metric(metrics_port, "specd_scrapes_total") or 0
+        wait_for(
+            lambda: (metric(metrics_port, "specd_scrapes_total") or 0) >= scrapes + 2,
+            10,
+            "two ticks after the reload",
+        )
+
+    try:
+        wait_for(
+            lambda: events_named(log, "override_loaded") or proc.poll() is not None,
+            20,
+            "the override",
+        )
+        assert proc.poll() is None, log.read_text()
+        reload_and_tick(1)  # the same file, the same config
+        write_config(config_path, tmp_path, standin.port, metrics_port, max_steps=5)
+        reload_and_tick(2)  # new bounds, within which the freeze means the same
+        override.write_text(freeze.format("still investigating"))
+        reload_and_tick(3)  # a new file
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    loaded = [(e["mode"], e["reason"]) for e in events_named(log, "override_loaded")]
+    assert loaded == [("freeze", "investigating"), ("freeze", "still investigating")]
+    assert events_named(log, "override_ignored") == []
+
+
 def test_sighup_and_sigterm_during_a_restart_finish_it_and_exit_0(
     tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
 ) -> None:
