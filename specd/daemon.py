@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
@@ -52,6 +52,12 @@ MAX_UNFREEZE_REQUEST_BYTES = 64 * 1024
 # Re-log an unchanged decision this often, so the journal shows specd is alive and why
 # it is not acting, without a line every scrape.
 DECISION_RELOG_S = 600.0
+# While SGLang cannot be scraped, say so again this often (with how long and how many
+# failures), not every scrape: a 100 s restart or an hour-long outage is a few lines.
+SCRAPE_FAILED_RELOG_S = 300.0
+# A failure of a new kind or reason is said at once, up to this many per outage (a reason
+# that carries a value changing every scrape must not bring the flood back).
+SCRAPE_FAILED_MAX_DISTINCT = 8
 STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
@@ -116,12 +122,25 @@ class RestartApplier(Protocol):
 
 
 @dataclass
+class ScrapeOutage:
+    """SGLang cannot be scraped since ``since``: what the journal was told of it."""
+
+    since: float
+    failures: int = 0
+    logged_at: float = 0.0
+    said: set[tuple[str, str]] = field(default_factory=set)  # (kind, reason) logged
+
+
+@dataclass
 class OverrideTracker:
-    """The override in force: the last valid file content; invalid files are ignored."""
+    """The override in force: the last valid file content; invalid files are ignored.
+    ``judged_by``: the path and step bounds the file was last read with (a reload may
+    change them, and with them what the same file means)."""
 
     good: Override | None = None
     fingerprint: object = None
     status: OverrideStatus | None = None
+    judged_by: object = None
 
 
 class Daemon:
@@ -181,6 +200,7 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        self._outage: ScrapeOutage | None = None  # scrapes failing since, what was logged
         self._rejected_logged: set[str] = set()
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
@@ -356,7 +376,6 @@ class Daemon:
         self.gateway = self._make_gateway(new)
         self.calibration = calibration
         self.state.history.reconfigure(history_settings)
-        self.override.fingerprint = None  # re-read the override file too
         self.metrics.config_reload_success.set(1)
         self.metrics.declare_choices(
             range(new.choose.min_steps, new.choose.max_steps + 1), _regressing_settings(new)
@@ -540,8 +559,15 @@ class Daemon:
         if isinstance(result, ScrapeError):
             self.metrics.sglang_up.set(0)
             self.metrics.scrape_errors.labels(kind=result.kind).inc()
-            self.log.warning("scrape_failed", kind=result.kind, reason=result.reason)
+            self._report_scrape_failure(result, now)
             return result
+        if self._outage is not None:
+            outage, self._outage = self._outage, None
+            self.log.info(
+                "scrape_recovered",
+                failing_s=round(max(0.0, now - outage.since), 1),
+                failures=outage.failures,
+            )
         self.metrics.sglang_up.set(1)
         self.metrics.last_scrape_success.set(result.t)
         self._report_rejected(result)
@@ -552,6 +578,33 @@ class Daemon:
             self.state.sglang_started_at = now
         self.last_obs = result
         return result
+
+    def _report_scrape_failure(self, error: ScrapeError, now: float) -> None:
+        """Counted every scrape (metrics); logged at the first failure, at a failure of a new
+        kind or reason, and every SCRAPE_FAILED_RELOG_S while it lasts; `scrape_recovered`
+        ends it (`_observe`). specd's own restarts of SGLang are not seen here: the loop
+        waits in the applier until SGLang is verified healthy, or rolled back."""
+        outage = self._outage
+        if outage is None:
+            outage = self._outage = ScrapeOutage(since=now)
+        outage.failures += 1
+        said = (error.kind, error.reason)
+        new_kind = error.kind not in {kind for kind, _ in outage.said}
+        new = said not in outage.said and (
+            new_kind or len(outage.said) < SCRAPE_FAILED_MAX_DISTINCT
+        )
+        since = now - outage.logged_at  # negative: the clock stepped back
+        if not new and 0 <= since < SCRAPE_FAILED_RELOG_S:
+            return
+        outage.said.add(said)
+        outage.logged_at = now
+        self.log.warning(
+            "scrape_failed",
+            kind=error.kind,
+            reason=error.reason,
+            failing_s=round(max(0.0, now - outage.since), 1),
+            failures=outage.failures,
+        )
 
     def _report_rejected(self, obs: Observation) -> None:
         # Counted every scrape (the rate shows how often SGLang lies); logged once per
@@ -571,17 +624,23 @@ class Daemon:
 
     def _refresh_override(self, now: float) -> Override | None:
         path = Path(self.config.files.override_file)
+        cfg_min, cfg_max = self.config.choose.min_steps, self.config.choose.max_steps
         status = read_override(
-            path,
-            self.config.choose.min_steps,
-            self.config.choose.max_steps,
-            utc(now),
-            allowed_uids=self.allowed_override_uids,
+            path, cfg_min, cfg_max, utc(now), allowed_uids=self.allowed_override_uids
         )
         tracker = self.override
-        changed = status.fingerprint != tracker.fingerprint or (
-            tracker.status is not None and status.valid != tracker.status.valid
+        judged_by = (path, cfg_min, cfg_max)
+        same_file = status.fingerprint == tracker.fingerprint
+        before = tracker.status
+        changed = (
+            not same_file
+            or judged_by != tracker.judged_by
+            or (before is not None and status.valid != before.valid)
         )
+        # The same file judged again under a reloaded config means what it meant: nothing
+        # to say (a reload used to log the untouched override as loaded anew).
+        if same_file and before is not None and _same_meaning(before, status):
+            changed = False
         if changed:
             if not status.present:
                 if tracker.good is not None:
@@ -600,7 +659,8 @@ class Daemon:
             else:
                 # Logged once per change of the file; the last good override holds.
                 self.log.error("override_ignored", problem=status.problem, file=str(path))
-            tracker.fingerprint = status.fingerprint
+        tracker.fingerprint = status.fingerprint
+        tracker.judged_by = judged_by
         tracker.status = status
         good = tracker.good
         if good is not None and not good.active(utc(now)):
@@ -946,6 +1006,11 @@ class Daemon:
         if self.state.frozen is not None:
             parts.append("FROZEN")
         return ", ".join(parts)
+
+
+def _same_meaning(a: OverrideStatus, b: OverrideStatus) -> bool:
+    """Two readings of one override file that say the same: in force or ignored alike."""
+    return (a.valid, a.override, a.problem) == (b.valid, b.override, b.problem)
 
 
 def _regressing_settings(config: Config) -> list[str]:

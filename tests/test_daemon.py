@@ -777,3 +777,156 @@ def test_a_reload_that_moves_the_state_dir_is_rejected_whole(tmp_path: Path) -> 
     (rejected,) = [e for e in logged if e["event"] == "reload_rejected"]
     assert rejected["problem"].startswith(f"files.state_dir: {tmp_path / 'state'} → ")
     assert "needs a restart of specd" in rejected["problem"]
+
+
+REFUSED = "GET /metrics: cannot connect to http://127.0.0.1:30000: [Errno 111] Connection refused"
+STARTING = "GET /metrics: 503 Service Unavailable"
+DOWN_HOUR = [(30.0 * i, "refused") for i in range(120)] + [(3600.0, None)]
+FLAPPING = [
+    (10.0 * i, e)
+    for i, e in enumerate(["refused", "refused", "starting", "starting", "refused", "starting"])
+] + [(60.0, None), (70.0, None)]
+GARBAGE = [(10.0 * i, "garbage") for i in range(20)] + [(200.0, "refused"), (210.0, None)]
+
+
+@pytest.mark.parametrize(
+    ("script", "logged"),
+    [
+        pytest.param(
+            [(10.0 * i, "refused") for i in range(10)] + [(100.0, None)],
+            [("scrape_failed", "refused", 0.0, 1), ("scrape_recovered", None, 100.0, 10)],
+            id="a 100 s restart of SGLang: one line when it goes, one when it is back",
+        ),
+        pytest.param(
+            DOWN_HOUR,
+            [("scrape_failed", "refused", 300.0 * i, 10 * i + 1) for i in range(12)]
+            + [("scrape_recovered", None, 3600.0, 120)],
+            id="an hour down: a reminder every 5 minutes, with how long and how many",
+        ),
+        pytest.param(
+            FLAPPING,
+            [
+                ("scrape_failed", "refused", 0.0, 1),
+                ("scrape_failed", "http_status", 20.0, 3),  # a new failure: said at once
+                ("scrape_recovered", None, 60.0, 6),  # one already said is not said again
+            ],
+            id="a new kind of failure is said at once, a failure already said is not",
+        ),
+        pytest.param(
+            GARBAGE,
+            [("scrape_failed", "malformed", 10.0 * i, i + 1) for i in range(8)]
+            + [("scrape_failed", "refused", 200.0, 21), ("scrape_recovered", None, 210.0, 21)],
+            id="a reason that changes every scrape: 8 lines, then a new kind only",
+        ),
+        pytest.param(
+            [(0.0, "refused"), (10.0, "refused"), (-3590.0, "refused"), (-3580.0, "refused")],
+            [("scrape_failed", "refused", 0.0, 1), ("scrape_failed", "refused", 0.0, 3)],
+            id="the clock stepped back an hour: said again",
+        ),
+        pytest.param(
+            [(0.0, None), (10.0, "refused"), (20.0, None), (30.0, "refused"), (40.0, "refused")],
+            [
+                ("scrape_failed", "refused", 0.0, 1),
+                ("scrape_recovered", None, 10.0, 1),
+                ("scrape_failed", "refused", 0.0, 1),  # a new outage is said from its start
+            ],
+            id="each outage is said from its start",
+        ),
+    ],
+)
+def test_an_sglang_outage_is_logged_when_it_starts_changes_lasts_and_ends(
+    tmp_path: Path,
+    script: list[tuple[float, str | None]],
+    logged: list[tuple[str, str | None, float, int]],
+) -> None:
+    """Every failed scrape was a warning: an hour-long outage, scraped every 10 s, was 360
+    identical lines in the journal. The metrics still count every scrape."""
+    errors = {
+        "refused": lambda _: ScrapeError("refused", REFUSED, 0.0),
+        "starting": lambda _: ScrapeError("http_status", STARTING, 0.0),
+        "garbage": lambda i: ScrapeError("malformed", f"GET /metrics: x is -{i}", 0.0),
+    }
+    cfg = config(tmp_path)
+    reader = Reader(
+        [obs(IN_WINDOW + t, steps=4) if e is None else errors[e](i) for i, (t, e) in
+         enumerate(script)]
+    )  # fmt: skip
+    clock = [IN_WINDOW]
+    d = daemon(cfg, reader, Applier(), clock)
+    with capture_logs() as captured:
+        for t, _ in script:
+            clock[0] = IN_WINDOW + t
+            d.tick()
+    said = [
+        (e["event"], e.get("kind"), e.get("failing_s"), e.get("failures"))
+        for e in captured
+        if e["event"] in ("scrape_failed", "scrape_recovered")
+    ]
+    assert said == logged
+    failed = [e for e in captured if e["event"] == "scrape_failed"]
+    assert all(e["log_level"] == "warning" and e["reason"] for e in failed)
+    assert all(e["log_level"] == "info" for e in captured if e["event"] == "scrape_recovered")
+    sample = d.metrics.registry.get_sample_value
+    counted = {kind: sample("specd_scrape_errors_total", {"kind": kind}) or 0.0 for kind in
+               ("refused", "http_status", "malformed")}  # fmt: skip
+    assert counted == {
+        "refused": sum(e == "refused" for _, e in script),
+        "http_status": sum(e == "starting" for _, e in script),
+        "malformed": sum(e == "garbage" for _, e in script),
+    }
+    assert sample("specd_sglang_up") == (1 if script[-1][1] is None else 0)
+
+
+@pytest.mark.parametrize(
+    ("override", "reloaded", "said"),
+    [
+        pytest.param({"mode": "pin", "steps": 4}, {}, [], id="the same file and config"),
+        pytest.param({"mode": "pin", "steps": 4}, {"max_steps": 5}, [], id="bounds it fits"),
+        pytest.param(
+            {"mode": "pin", "steps": 2}, {"min_steps": 3}, ["override_ignored"], id="now outside"
+        ),
+        pytest.param(
+            {"mode": "pin", "steps": 7}, {"max_steps": 7}, ["override_loaded"], id="now inside"
+        ),
+        pytest.param(
+            {"mode": "pin", "steps": 9}, {"max_steps": 7}, ["override_ignored"], id="new problem"
+        ),
+        pytest.param(
+            {"mode": "pin", "steps": 4, "colour": "red"}, {"max_steps": 5}, [], id="same problem"
+        ),
+        pytest.param({"mode": "freeze", "expires_in_s": -10}, {}, [], id="expired"),
+    ],
+)
+def test_a_reload_says_what_it_changed_in_the_override_and_nothing_else(
+    tmp_path: Path, override: dict[str, Any], reloaded: dict[str, Any], said: list[str]
+) -> None:
+    """A reload re-judges the untouched override file under the new bounds; it said
+    `override_loaded` (or `override_expired`) again though nothing about it changed."""
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), clock)
+    expires = datetime.fromtimestamp(IN_WINDOW + override.pop("expires_in_s", 3600), tz=UTC)
+    Path(cfg.files.override_file).write_text(
+        tomli_w.dumps({**override, "expires_at": expires, "reason": "incident"})
+    )
+    os.chmod(cfg.files.override_file, 0o600)
+    d.tick()
+    fields = {
+        "state_dir": str(cfg.files.state_dir),
+        "override_file": str(cfg.files.override_file),
+        "env_file": str(cfg.sglang.env_file),
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+        **reloaded,
+    }
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**fields)))
+    with capture_logs() as logged:
+        d.reload()
+        for _ in range(2):
+            clock[0] += 10
+            d.tick()
+    assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
+    assert [e["event"] for e in logged if e["event"].startswith("override_")] == said

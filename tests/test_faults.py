@@ -193,47 +193,55 @@ def test_sglang_faults_hold_without_restart_and_recover(
     clock = Clock(INSIDE)
     runner = RecordingRunner(clock)
     twin = None if twin_flags is None else TwinProcess(twin_argv(3, *twin_flags), port=port)
-    try:
-        if twin is not None:
-            # The slow twin answers /health only after --slow-s: that is the fault working.
-            twin.wait_healthy(timeout_s=20)
-        daemon = make_daemon(config, runner, clock)
-        if fault == "killed mid-epoch":
-            # Healthy first: observed, decided with data; then SGLang dies under us.
-            clock.now = OUTSIDE
-            daemon.state.history = wanting(config, 4, OUTSIDE)
-            assert daemon.tick().reason is Reason.WINDOW_CLOSED
-            assert twin is not None
-            twin.proc.send_signal(signal.SIGKILL)
-            twin.wait(timeout_s=10)
-            clock.now = INSIDE
-        # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
-        for i in range(3):
-            clock.now = INSIDE + i * config.observe.scrape_interval_s
+    with capture_logs() as captured:
+        try:
+            if twin is not None:
+                # The slow twin answers /health only after --slow-s: that is the fault working.
+                twin.wait_healthy(timeout_s=20)
+            daemon = make_daemon(config, runner, clock)
+            if fault == "killed mid-epoch":
+                # Healthy first: observed, decided with data; then SGLang dies under us.
+                clock.now = OUTSIDE
+                daemon.state.history = wanting(config, 4, OUTSIDE)
+                assert daemon.tick().reason is Reason.WINDOW_CLOSED
+                assert twin is not None
+                twin.proc.send_signal(signal.SIGKILL)
+                twin.wait(timeout_s=10)
+                clock.now = INSIDE
+            # In the window, with a history that wants 4 while 3 runs: only the fault holds it.
+            for i in range(3):
+                clock.now = INSIDE + i * config.observe.scrape_interval_s
+                daemon.state.history = wanting(config, 4, clock.now)
+                decision = daemon.tick()
+                assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
+                assert not decision.acts(None if daemon.last_obs is None else daemon.last_obs.steps)
+            errors = scrape_errors(daemon)
+            assert errors[kind] == 3, errors
+            assert sum(errors.values()) == 3, errors
+            assert sample(daemon, "specd_sglang_up") == 0
+            assert runner.calls == []
+        finally:
+            if twin is not None:
+                twin.stop()
+        # SGLang healthy again on the same port: the next tick sees it and decides with data.
+        with TwinProcess(twin_argv(3), port=port) as healthy:
+            healthy.wait_healthy()
+            clock.now = OUTSIDE + 3600
             daemon.state.history = wanting(config, 4, clock.now)
             decision = daemon.tick()
-            assert decision.reason in (Reason.NO_DATA, Reason.STALE_DATA), decision
-            assert not decision.acts(None if daemon.last_obs is None else daemon.last_obs.steps)
-        errors = scrape_errors(daemon)
-        assert errors[kind] == 3, errors
-        assert sum(errors.values()) == 3, errors
-        assert sample(daemon, "specd_sglang_up") == 0
-        assert runner.calls == []
-    finally:
-        if twin is not None:
-            twin.stop()
-    # SGLang healthy again on the same port: the next tick sees it and decides with data.
-    with TwinProcess(twin_argv(3), port=port) as healthy:
-        healthy.wait_healthy()
-        clock.now = OUTSIDE + 3600
-        daemon.state.history = wanting(config, 4, clock.now)
-        decision = daemon.tick()
     assert (decision.reason, decision.target_steps) == (Reason.WINDOW_CLOSED, 4), decision
     assert sample(daemon, "specd_sglang_up") == 1
     assert daemon.last_obs is not None
     assert daemon.last_obs.steps == 3
     assert sum(scrape_errors(daemon).values()) == 3
     assert runner.calls == []
+    # Counted every scrape; said when it starts and when it ends, not every scrape.
+    said = [
+        (e["event"], e.get("kind"), e["failures"])
+        for e in captured
+        if e["event"] in ("scrape_failed", "scrape_recovered")
+    ]
+    assert said == [("scrape_failed", kind, 1), ("scrape_recovered", None, 3)]
 
 
 def test_server_info_missing_fields_degrades_to_metrics_only(tmp_path: Path) -> None:
@@ -946,6 +954,59 @@ def events_named(log: Path, name: str) -> list[dict[str, Any]]:
     return [e for e in log_events(log) if e.get("event") == name]
 
 
+def test_a_sighup_re_reads_the_override_but_says_it_loaded_only_when_it_changed(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    """A reload re-judged the override file, rightly (the new bounds may change what it
+    means), but logged `override_loaded` again for a file nobody touched: the on-call read
+    it as a new override at every `systemctl reload specd`."""
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port)
+    override = tmp_path / "override.toml"
+    freeze = 'mode = "freeze"\nexpires_at = 2099-01-01T00:00:00Z\nreason = "{}"\n'
+    override.write_text(freeze.format("investigating"))
+    override.chmod(0o600)
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+
+    def reload_and_tick(reloads: int) -> None:
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: len(events_named(log, "reloaded")) == reloads or proc.poll() is not None,
+            10,
+            "the reload",
+        )
+        scrapes = metric(metrics_port, "specd_scrapes_total") or 0
+        wait_for(
+            lambda: (metric(metrics_port, "specd_scrapes_total") or 0) >= scrapes + 2,
+            10,
+            "two ticks after the reload",
+        )
+
+    try:
+        wait_for(
+            lambda: events_named(log, "override_loaded") or proc.poll() is not None,
+            20,
+            "the override",
+        )
+        assert proc.poll() is None, log.read_text()
+        reload_and_tick(1)  # the same file, the same config
+        write_config(config_path, tmp_path, standin.port, metrics_port, max_steps=5)
+        reload_and_tick(2)  # new bounds, within which the freeze means the same
+        override.write_text(freeze.format("still investigating"))
+        reload_and_tick(3)  # a new file
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    loaded = [(e["mode"], e["reason"]) for e in events_named(log, "override_loaded")]
+    assert loaded == [("freeze", "investigating"), ("freeze", "still investigating")]
+    assert events_named(log, "override_ignored") == []
+
+
 def test_sighup_and_sigterm_during_a_restart_finish_it_and_exit_0(
     tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
 ) -> None:
@@ -1030,16 +1091,20 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(
-    ("label", "bad"),
+    ("label", "bad", "said"),
     [
-        ("unknown key", b"no_such_key = 1\n"),
-        ("not TOML", b"this is = = not toml\n"),
-        ("nested thousands deep", b"x = " + b"[" * 100_000 + b"\n"),
-        ("not UTF-8", b"\xff\xfe = 1\n"),
+        ("unknown key", b"no_such_key = 1\n", "no_such_key: unknown key"),
+        ("not TOML", b"this is = = not toml\n", "invalid TOML"),
+        ("nested thousands deep", b"x = " + b"[" * 100_000 + b"\n", "invalid TOML"),
+        ("not UTF-8", b"\xff\xfe = 1\n", "not UTF-8"),
+        # What a reload reads in the middle of `cp new.toml specd.toml`: truncated, not
+        # written yet. TOML reads it as no keys: it applied every default (another SGLang).
+        ("empty", b"", "the file is empty (0 bytes)"),
+        ("whitespace only", b"\n  \n", "the file is only whitespace (4 bytes)"),
     ],
 )
 def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
-    tmp_path: Path, specd_setup: tuple[StandIn, Path, int], label: str, bad: bytes
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int], label: str, bad: bytes, said: str
 ) -> None:
     standin, config_path, metrics_port = specd_setup
     write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
@@ -1068,6 +1133,7 @@ def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
         rejected = events_named(log, "reload_rejected")
         assert rejected, log.read_text()[-2000:]
         assert all("\n" not in str(e["problem"]) for e in rejected)
+        assert said in rejected[0]["problem"], rejected
         assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
         assert (metric(metrics_port, "specd_config_reload_timestamp_seconds") or 0) > 0
         # The next good reload takes effect and clears the signal.

@@ -253,8 +253,10 @@ def render_config(
     """/etc/specd/specd.toml: the shipped example, or the operator's file, with SGLang's URL,
     unit and speculative algorithm (the applier writes it with each setting) set, and the
     ``[gateway]`` and ``[fleet]`` keys given (checked: `gateway_keys`, `fleet_keys`);
-    everything else kept as written. ``existing`` must be TOML (install checks it first)."""
-    text = existing if existing is not None else template("config")
+    everything else kept as written. ``existing`` must be TOML (install checks it first).
+    An empty file (or one of whitespace only), which specd refuses, gets the shipped example
+    as a fresh box does: it holds nothing of the operator's to keep."""
+    text = existing if existing is not None and existing.strip() else template("config")
     try:
         doc = tomlkit.parse(text)
     except tomlkit.exceptions.ParseError as exc:

@@ -362,10 +362,15 @@ def _unknown_env() -> tuple[list[str], set[str]]:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The TOML file's contents; ConfigError (one line) if unreadable or not TOML.
+    """The TOML file's contents; ConfigError (one line) if unreadable, empty or not TOML.
 
     A regular file only (a FIFO or device is refused at once), at most MAX_CONFIG_BYTES;
-    a link is followed (configuration management often links /etc files)."""
+    a link is followed (configuration management often links /etc files).
+
+    An empty file (or one of whitespace only) is refused although TOML reads it as no keys:
+    it is what a reload sees in the middle of a `cp new.toml specd.toml` (truncated, not yet
+    written), and taken as all defaults it would point the running daemon at another SGLang
+    URL, unit and windows. A file of comments only is all defaults, as written."""
     try:
         raw = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
     except files.FileReadError as exc:
@@ -373,11 +378,23 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if raw.startswith(files.UTF8_BOM):
         raise ConfigError([files.BOM_PROBLEM], path)
     try:
-        return files.parse_toml(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"not UTF-8 text (byte {exc.start})"], path) from None
+    if not text.strip():
+        raise ConfigError([_empty_problem(len(raw))], path)
+    try:
+        return files.parse_toml(text)
     except files.ParseError as exc:
         raise ConfigError([str(exc)], path) from None
+
+
+def _empty_problem(size: int) -> str:
+    what = "empty (0 bytes)" if size == 0 else f"only whitespace ({size} bytes)"
+    return (
+        f"the file is {what}, perhaps half written: write the keys you set, "
+        "or a comment line (# defaults) to keep every default"
+    )
 
 
 def check_calibration(settings: Settings) -> list[str]:

@@ -435,6 +435,20 @@ def test_an_invalid_config_is_refused_before_anything_is_written(
     assert config.read_bytes() == raw
 
 
+@pytest.mark.parametrize("raw", [b"", b"\n \t\n"], ids=["empty", "whitespace"])
+def test_an_empty_config_is_written_as_on_a_fresh_box(tmp_path: Path, raw: bytes) -> None:
+    """specd refuses an empty specd.toml (a half-written copy would run on defaults); install
+    writes the shipped example with the unit's values into it, not three keys alone."""
+    layout, config = with_config(tmp_path / "edited", raw)
+    view = view_of(f"{BASE} {SPEC}")
+    plan = build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD)
+    (tmp_path / "fresh").mkdir()
+    fresh = build_plan(view, Layout(tmp_path / "fresh"), FRESH, add_metrics=False, specd_argv=SPECD)
+    assert config_of(plan.files) == config_of(fresh.files)
+    assert next(c for c in plan.files if c.path == CONFIG_FILE).old == raw
+    assert config.read_bytes() == raw  # planned, not written
+
+
 def test_what_install_would_write_is_checked_too(tmp_path: Path) -> None:
     layout, config = with_config(
         tmp_path,

@@ -54,7 +54,7 @@ SET = {"url": "u", "unit": "llm.service", "speculative_algorithm": "NEXTN"}
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("", {"sglang": SET}),
+        ("# no keys yet\n", {"sglang": SET}),  # an empty file gets the shipped example
         ("a = 1\n", {"a": 1, "sglang": SET}),
         ('[sglang]\nurl = "old"\nunit = "x"\n', {"sglang": SET}),
         ('[sglang]\nunit = "x"\n[observe]\nurl = 2\n', {"sglang": SET, "observe": {"url": 2}}),

@@ -420,6 +420,44 @@ def test_a_utf8_bom_is_named(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (b"", "the file is empty (0 bytes)"),
+        (b"\n \t\r\n", "the file is only whitespace (5 bytes)"),
+    ],
+)
+def test_an_empty_config_file_stops_check_config_and_the_start_in_one_line(
+    tmp_path: Path, text: bytes, problem: str
+) -> None:
+    """TOML reads an empty file as no keys, so specd took it as every default: a start (or a
+    reload) in the middle of `cp new.toml specd.toml` ran on another SGLang URL, unit and
+    windows. A file of comments only is still every default (test_good_config)."""
+    path = tmp_path / "specd.toml"
+    path.write_bytes(text)
+    # Were the file taken as defaults, `specd run` would stay up on these, not on /var/lib.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+    env |= {
+        "SPECD_FILES__STATE_DIR": str(tmp_path),
+        "SPECD_REPORT__METRICS_PORT": "0",
+        "SPECD_SGLANG__URL": "http://127.0.0.1:9",
+    }
+    said = (
+        f"{path}: {problem}, perhaps half written: write the keys you set, or a comment line "
+        "(# defaults) to keep every default"
+    )
+    for command in ("check-config", "run"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "specd.cli", command, "--config", str(path)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert (proc.returncode, proc.stderr.splitlines(), proc.stdout) == (2, [said], "")
+
+
 def test_check_config_names_the_bom_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "specd.toml"
     path.write_bytes(b"\xef\xbb\xbf\n")
@@ -439,7 +477,7 @@ def test_check_config_names_the_bom_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "check"),
     [
-        ("", lambda c: c == Config()),
+        ("# every default\n", lambda c: c == Config()),  # comments only: said on purpose
         ("[choose]\nmax_steps = 4\n", lambda c: c.choose.max_steps == 4),
         ("[observe]\nscrape_interval_s = 2\n", lambda c: c.observe.scrape_interval_s == 2.0),
         ("[sglang]\nurl = 'http://10.0.0.5:30000/'\n", lambda c: c.sglang.url.endswith(":30000")),
@@ -547,7 +585,7 @@ def test_bad_environment(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, ""))
+        load_config(write(tmp_path, "# every default\n"))
     assert len(info.value.problems) == 1, info.value.problems
     assert expected in info.value.problems[0]
 
@@ -559,7 +597,7 @@ def test_every_variable_that_is_not_json_is_named(
     monkeypatch.setenv("SPECD_FLEET__ETCD_ENDPOINTS", "http://10.0.0.5:2379")
     monkeypatch.setenv("SPECD_CHOOSE__MAX_STEPS", "4")  # a number: not JSON to parse
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, ""))
+        load_config(write(tmp_path, "# every default\n"))
     assert info.value.problems == [
         "SPECD_CHOOSE__KINDS: not valid JSON; a list must be JSON, such as "
         "SPECD_CHOOSE__KINDS='[\"static\"]'",
@@ -576,7 +614,7 @@ def test_the_sglang_unit_variables_do_not_share_the_settings_prefix() -> None:
 def test_env_problem_says_which_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECD_CHOOSE__MAX_STEPS", "six")
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, ""))
+        load_config(write(tmp_path, "# every default\n"))
     assert info.value.problems[0].endswith("(set by SPECD_CHOOSE__MAX_STEPS)")
 
 
