@@ -271,6 +271,7 @@ EXPECTED_PRIORITIES = {
     "metrics_serving": 6,  # info
     "decision": 6,  # info
     "scrape_failed": 4,  # warning: SGLang not up yet
+    "scrape_recovered": 6,  # info: SGLang answers again
     "override_ignored": 3,  # error: invalid override file
 }
 
