@@ -49,6 +49,19 @@ def page(text: str = BASE, **values: float) -> str:
 
 NO_STATES = {"internal_states": []}  # capacity from max_running_requests alone
 
+
+def one_series(text: str, prefix: str, value: str) -> str:
+    """``text`` with the value of the one sample line starting with ``prefix`` replaced."""
+    lines = text.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+    lines[at] = f"{lines[at].rsplit(' ', 1)[0]} {value}"
+    return "\n".join(lines) + "\n"
+
+
+REALTIME = 'sglang:realtime_tokens_total{engine_type="unified",'
+DP2 = (FIXTURES / "dp2.prom").read_text()  # two replicas, 18 running
+DP2_INFO: dict[str, Any] = json.loads((FIXTURES / "server_info-dp2.json").read_text())
+
 # (what, page, /server_info, expected fields, rejected fields)
 CASES: list[Any] = [
     pytest.param(
@@ -151,6 +164,80 @@ CASES: list[Any] = [
         ("topk",),
         id="topk-0",
     ),
+    # What no gauge or counter can hold (NaN, ±Inf, negative) costs its field, as 1e300
+    # does: a 0/0 accept length is not SGLang down.
+    pytest.param(
+        page(spec_accept_length=math.nan),
+        info(),
+        {"accept_length": None, "steps": 4, "running": 13, "gen_throughput": 1510.0},
+        ("accept_length",),
+        id="accept-length-nan",
+    ),
+    pytest.param(
+        page(spec_accept_length=-1.0),
+        info(),
+        {"accept_length": None},
+        ("accept_length",),
+        id="accept-length-negative",
+    ),
+    pytest.param(
+        (FIXTURES / "garbage-nan-usage.prom").read_text(),
+        info(),
+        {"token_usage": None, "accept_length": 3.61},
+        ("token_usage",),
+        id="token-usage-nan",
+    ),
+    pytest.param(
+        (FIXTURES / "garbage-inf.prom").read_text(),
+        info(),
+        {"gen_throughput": None, "steps": 4},
+        ("gen_throughput",),
+        id="throughput-inf",
+    ),
+    pytest.param(
+        page(generation_tokens_total=-5.0, spec_verify_calls_total=math.nan),
+        info(),
+        {"generation_tokens_total": None, "spec_verify_calls_total": None},
+        ("generation_tokens_total", "spec_verify_calls_total"),
+        id="counters-negative-and-nan",
+    ),
+    pytest.param(
+        one_series(BASE, REALTIME + 'mode="decode"', "NaN"),
+        info(),
+        {"decode_tokens_total": None},
+        ("decode_tokens_total",),
+        id="decode-counter-nan",
+    ),
+    # Only the decode series is read: a bad prefill one costs nothing.
+    pytest.param(
+        one_series(BASE, REALTIME + 'mode="prefill_cache"', "-1"),
+        info(),
+        {"decode_tokens_total": 43990.0},
+        (),
+        id="prefill-counter-negative-unread",
+    ),
+    pytest.param(
+        page(spec_num_steps=math.nan, spec_num_draft_tokens=-math.inf),
+        info(),
+        {"steps": 4, "draft_tokens": 5},  # the gauges are impossible: /server_info says
+        ("steps", "draft_tokens"),
+        id="steps-gauges-nan-and-minus-inf",
+    ),
+    pytest.param(
+        page(spec_num_steps=3.5),
+        info(),
+        {"steps": 4, "accept_length": 3.61},
+        ("steps",),
+        id="steps-gauge-not-whole",
+    ),
+    # One replica's NaN: the server's accept length is unknown, its load stands.
+    pytest.param(
+        one_series(DP2, 'sglang:spec_accept_length{dp_rank="1"', "NaN"),
+        DP2_INFO,
+        {"accept_length": None, "running": 18, "dp_ranks": 2},
+        ("accept_length",),
+        id="dp2-one-replica-nan",
+    ),
 ]
 
 
@@ -182,6 +269,15 @@ def test_impossible_values_cost_their_field_only(
         assert getattr(obs, name) == value, name
     # What is left is possible: nothing the history would have to refuse.
     assert impossible_fields(obs) == ()
+
+
+def test_a_rejected_value_is_named_as_the_page_spells_it(server: PageServer) -> None:
+    obs = observe(server, page(spec_accept_length=math.nan, gen_throughput=-math.inf), info())
+    assert isinstance(obs, Observation), obs
+    assert dict(zip(obs.rejected, obs.rejected_values, strict=True)) == {
+        "accept_length": "NaN",
+        "gen_throughput": "-Inf",
+    }
 
 
 @pytest.mark.parametrize(
