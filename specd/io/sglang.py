@@ -373,17 +373,38 @@ def _live(
     return from_info
 
 
-def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
+def _per_dp_capacities(info: Mapping[str, Any] | None) -> list[int]:
+    """Each DP rank's effective max_running_requests (SGLang 0.5.8+); [] if any is unusable."""
     states = info.get("internal_states") if info is not None else None
-    if isinstance(states, list):
-        per_dp = [
-            _int_field(s, "effective_max_running_requests_per_dp")
-            for s in states
-            if isinstance(s, dict)
-        ]
-        if per_dp and all(v is not None and v > 0 for v in per_dp):
-            return sum(v for v in per_dp if v is not None)
-    return _int_field(info, "max_running_requests")
+    if not isinstance(states, list):
+        return []
+    key = "effective_max_running_requests_per_dp"
+    per_dp = [_int_field(s, key) for s in states if isinstance(s, dict)]
+    usable = [v for v in per_dp if v is not None and v > 0]
+    return usable if len(usable) == len(per_dp) else []
+
+
+def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
+    per_dp = _per_dp_capacities(info)
+    return sum(per_dp) if per_dp else _int_field(info, "max_running_requests")
+
+
+def _most_running(obs: Observation, info: Mapping[str, Any] | None) -> int | None:
+    """The most requests SGLang's schedulers can run at once, all DP ranks together; None
+    when /server_info does not say (not read yet, or what it says was rejected).
+
+    Each scheduler admits a request only while its running batch is below its effective
+    max_running_requests (`effective_max_running_requests_per_dp`, fixed for a start), so
+    their sum bounds ``num_running_reqs`` exactly: no slack. Without the per-rank values
+    (SGLang < 0.5.8) only the argument is known, which is the total with DP attention but
+    each replica's without it: it is counted once per replica the page shows.
+    """
+    if obs.max_running_requests is None:
+        return None
+    per_dp = _per_dp_capacities(info)
+    if per_dp:
+        return sum(per_dp) if len(per_dp) >= obs.dp_ranks else max(per_dp) * obs.dp_ranks
+    return obs.max_running_requests * max(obs.dp_ranks, 1)
 
 
 def _from_info(
@@ -456,11 +477,28 @@ def observation_from(
     return without_impossible(obs, adaptive=adaptive)
 
 
-def _impossible_load(obs: Observation) -> str:
-    return (
-        f"GET /metrics: {RUNNING} {obs.running} / {QUEUED} {obs.queued} "
-        "is more than any SGLang server holds"
-    )
+def _impossible_load(obs: Observation, info: Mapping[str, Any] | None) -> str | None:
+    """Why the load ``obs`` reports cannot be (one line), or None when it can.
+
+    Running cannot be unknown, and the forecast learns offered load from it: a load past
+    what the server holds fails the scrape (no change, `specd_scrape_errors_total` and a
+    `scrape_failed` line name it) rather than reach the history. Rejecting the capacity
+    instead would let the load in, and which of the two lies specd cannot tell. A failed
+    scrape reads /server_info again, so a capacity from before a restart specd did not see
+    costs one scrape, not every scrape.
+    """
+    if {"running", "queued"} & set(impossible_fields(obs)):
+        return (
+            f"GET /metrics: {RUNNING} {obs.running} / {QUEUED} {obs.queued} "
+            "is more than any SGLang server holds"
+        )
+    most = _most_running(obs, info)
+    if most is not None and obs.running > most:
+        return (
+            f"GET /metrics: {RUNNING} {obs.running} is more than the {most} requests "
+            "this SGLang runs at once (max_running_requests, /server_info)"
+        )
+    return None
 
 
 def check_base_url(base_url: str) -> str:
@@ -819,9 +857,12 @@ class SGLangClient:
                 self._info = info if isinstance(info, dict) else None
             self._page = parsed
             obs = observation_from(parsed, self._info, t)
-            if {"running", "queued"} & set(impossible_fields(obs)):
-                # The load decides everything: a page that lies about it is no page.
-                return ScrapeError("malformed", _impossible_load(obs), t)
+            problem = _impossible_load(obs, self._info)
+            if problem is not None:
+                # The load decides everything: a page that lies about it is no page, and
+                # /server_info is read again with the next one.
+                self._info = self._page = None
+                return ScrapeError("malformed", problem, t)
             return obs
         except Exception as exc:
             self._info = self._page = None

@@ -295,6 +295,97 @@ def test_an_impossible_load_is_no_observation(
     assert "\n" not in obs.reason
 
 
+def dp2(running: tuple[int, int]) -> str:
+    text = DP2
+    for rank, value in enumerate(running):
+        text = one_series(text, f'sglang:num_running_reqs{{dp_rank="{rank}"', f"{value}.0")
+    return text
+
+
+PER_DP_13 = {"internal_states": [{"effective_max_running_requests_per_dp": 13}]}
+PER_DP_12_12 = {"internal_states": [{"effective_max_running_requests_per_dp": 12}] * 2}
+# SGLang < 0.5.8: the argument only, each replica's without DP attention.
+ARGUMENT_12 = {**DP2_INFO, "max_running_requests": 12, "internal_states": [{}, {}]}
+
+# (page, /server_info, None when an observation, else what the error says)
+CAPACITY: list[Any] = [
+    pytest.param(page(num_running_reqs=13), info(**PER_DP_13), None, id="at-capacity"),
+    pytest.param(
+        page(num_running_reqs=14),
+        info(**PER_DP_13),
+        "sglang:num_running_reqs 14 is more than the 13 requests",
+        id="one-past-capacity",
+    ),
+    pytest.param(
+        page(num_running_reqs=5000),
+        info(max_running_requests=48, **NO_STATES),
+        "sglang:num_running_reqs 5000 is more than the 48 requests",
+        id="past-the-argument",
+    ),
+    pytest.param(dp2((12, 12)), info(**PER_DP_12_12), None, id="dp2-full"),
+    pytest.param(
+        dp2((13, 12)),
+        info(**PER_DP_12_12),
+        "sglang:num_running_reqs 25 is more than the 24 requests",
+        id="dp2-past-the-sum",
+    ),
+    pytest.param(dp2((12, 12)), ARGUMENT_12, None, id="dp2-argument-per-replica"),
+    pytest.param(
+        dp2((13, 12)),
+        ARGUMENT_12,
+        "sglang:num_running_reqs 25 is more than the 24 requests",
+        id="dp2-past-the-argument-per-replica",
+    ),
+    # Capacity unknown, or itself impossible: no bound to hold the load to.
+    pytest.param(
+        page(num_running_reqs=5000),
+        {k: v for k, v in info(**NO_STATES).items() if k != "max_running_requests"},
+        None,
+        id="capacity-unknown",
+    ),
+    pytest.param(
+        page(num_running_reqs=5000),
+        info(max_running_requests=-5, **NO_STATES),
+        None,
+        id="capacity-rejected",
+    ),
+    pytest.param(page(num_running_reqs=5000), None, None, id="no-server-info"),
+]
+
+
+@pytest.mark.parametrize(("metrics", "server_info", "problem"), CAPACITY)
+def test_running_past_the_capacity_is_no_observation(
+    server: PageServer, metrics: str, server_info: dict[str, Any] | None, problem: str | None
+) -> None:
+    server.routes.clear()
+    obs = observe(server, metrics, server_info)
+    if problem is None:
+        assert isinstance(obs, Observation), obs
+        return
+    assert isinstance(obs, ScrapeError)
+    assert obs.kind == "malformed"
+    assert problem in obs.reason
+    assert "\n" not in obs.reason
+
+
+def test_a_capacity_from_before_a_restart_costs_one_scrape(server: PageServer) -> None:
+    """SGLang restarted with room for more, and the page does not show a new start: the
+    scrape that finds the old capacity too small fails, and reads /server_info again."""
+    server.serve_sglang(page(num_running_reqs=13), info(**PER_DP_13))
+    with SGLangClient(server.url, timeout_s=2.0) as client:
+        assert isinstance(client.observe(), Observation)
+        server.serve_sglang(
+            page(num_running_reqs=40),
+            info(internal_states=[{"effective_max_running_requests_per_dp": 48}]),
+        )
+        failed = client.observe()
+        assert isinstance(failed, ScrapeError), failed
+        assert "40 is more than the 13 requests" in failed.reason
+        obs = client.observe()
+    assert isinstance(obs, Observation), obs
+    assert (obs.running, obs.max_running_requests) == (40, 48)
+
+
 @settings(
     max_examples=60,
     deadline=None,
@@ -303,7 +394,9 @@ def test_an_impossible_load_is_no_observation(
 @given(
     accept=st.floats(min_value=0.0, max_value=1e308, allow_nan=False),
     steps=st.integers(min_value=0, max_value=2**40),
-    capacity=st.integers(min_value=-(2**63), max_value=2**63),
+    capacity=st.one_of(
+        st.integers(min_value=-(2**63), max_value=2**63), st.integers(min_value=0, max_value=20)
+    ),
     throughput=st.floats(min_value=0.0, max_value=1e308, allow_nan=False),
 )
 def test_any_number_from_sglang_is_kept_only_when_possible(
@@ -314,6 +407,11 @@ def test_any_number_from_sglang_is_kept_only_when_possible(
         page(spec_num_steps=steps, spec_accept_length=accept, gen_throughput=throughput),
         info(max_running_requests=capacity, **NO_STATES),
     )
+    if 1 <= capacity < 13:
+        # Fewer than the 13 running: the load is impossible, not the capacity.
+        assert isinstance(obs, ScrapeError)
+        assert "is more than the" in obs.reason
+        return
     assert isinstance(obs, Observation), obs
     assert impossible_fields(obs) == ()
     assert obs.running == 13  # whatever else lies, the load stands
