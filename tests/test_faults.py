@@ -1085,6 +1085,59 @@ def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
             proc.wait()
 
 
+def test_an_impossible_calibration_stops_the_start_and_is_refused_at_reload(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    standin, config_path, metrics_port = specd_setup
+    cal = tmp_path / "cal.csv"
+    cal.write_text("steps,concurrency,output_tok_s,accept_length\n1,1,100,50\n")
+    problem = f"{cal}:2: accept_length 50 is more than steps + 1 = 2"
+    write_config(config_path, tmp_path, standin.port, metrics_port, calibration_file=str(cal))
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    assert proc.wait(timeout=30) == 2
+    assert [line for line in log.read_text().splitlines() if problem in line], log.read_text()
+    # Running, it keeps its config when a reload brings the same table.
+    write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_restart_budget_remaining") == 4
+                or proc.poll() is not None
+            ),
+            20,
+            "specd's metrics",
+        )
+        assert proc.poll() is None, log.read_text()
+        write_config(
+            config_path,
+            tmp_path,
+            standin.port,
+            metrics_port,
+            daily_restart_budget=3,
+            calibration_file=str(cal),
+        )
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_config_reload_success") == 0 or proc.poll() is not None
+            ),
+            10,
+            "the rejected reload",
+        )
+        assert proc.poll() is None, log.read_text()[-2000:]
+        (rejected,) = events_named(log, "reload_rejected")
+        assert problem in rejected["problem"]
+        assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ---- values SGLang cannot produce: counted, logged once, never learned, no restart ----
 def _lying_sglang(page_name: str, accept: str, **info_changes: Any) -> tuple[str, str]:
     fixtures = REPO / "tests" / "fixtures" / "metrics"
