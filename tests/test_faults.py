@@ -1095,7 +1095,12 @@ def test_an_impossible_calibration_stops_the_start_and_is_refused_at_reload(
     write_config(config_path, tmp_path, standin.port, metrics_port, calibration_file=str(cal))
     log = tmp_path / "specd.log"
     proc = start_specd(config_path, daemon_env(standin), log)
-    assert proc.wait(timeout=30) == 2
+    try:
+        assert proc.wait(timeout=30) == 2
+    finally:
+        if proc.poll() is None:  # it started: not what this test wants, and not to leak
+            proc.kill()
+            proc.wait()
     assert [line for line in log.read_text().splitlines() if problem in line], log.read_text()
     # Running, it keeps its config when a reload brings the same table.
     write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
