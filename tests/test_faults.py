@@ -1151,8 +1151,66 @@ def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
             proc.wait()
 
 
+def test_an_impossible_calibration_stops_the_start_and_is_refused_at_reload(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    standin, config_path, metrics_port = specd_setup
+    cal = tmp_path / "cal.csv"
+    cal.write_text("steps,concurrency,output_tok_s,accept_length\n1,1,100,50\n")
+    problem = f"{cal}:2: accept_length 50 is more than steps + 1 = 2"
+    write_config(config_path, tmp_path, standin.port, metrics_port, calibration_file=str(cal))
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        assert proc.wait(timeout=30) == 2
+    finally:
+        if proc.poll() is None:  # it started: not what this test wants, and not to leak
+            proc.kill()
+            proc.wait()
+    assert [line for line in log.read_text().splitlines() if problem in line], log.read_text()
+    # Running, it keeps its config when a reload brings the same table.
+    write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_restart_budget_remaining") == 4
+                or proc.poll() is not None
+            ),
+            20,
+            "specd's metrics",
+        )
+        assert proc.poll() is None, log.read_text()
+        write_config(
+            config_path,
+            tmp_path,
+            standin.port,
+            metrics_port,
+            daily_restart_budget=3,
+            calibration_file=str(cal),
+        )
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: (
+                metric(metrics_port, "specd_config_reload_success") == 0 or proc.poll() is not None
+            ),
+            10,
+            "the rejected reload",
+        )
+        assert proc.poll() is None, log.read_text()[-2000:]
+        (rejected,) = events_named(log, "reload_rejected")
+        assert problem in rejected["problem"]
+        assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # ---- values SGLang cannot produce: counted, logged once, never learned, no restart ----
-def _lying_sglang(page_name: str, **info_changes: Any) -> tuple[str, str]:
+def _lying_sglang(page_name: str, accept: str, **info_changes: Any) -> tuple[str, str]:
     fixtures = REPO / "tests" / "fixtures" / "metrics"
     info = json.loads((fixtures / "server_info-loaded.json").read_text())
     info.update(internal_states=[], **info_changes)
@@ -1160,7 +1218,7 @@ def _lying_sglang(page_name: str, **info_changes: Any) -> tuple[str, str]:
     values = {
         "sglang:num_running_reqs": "1.0",
         "sglang:num_queue_reqs": "0.0",
-        "sglang:spec_accept_length": "50.0",
+        "sglang:spec_accept_length": accept,
     }
     lines = []
     for line in (fixtures / page_name).read_text().splitlines():
@@ -1170,11 +1228,12 @@ def _lying_sglang(page_name: str, **info_changes: Any) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("page_name", "info_changes", "rejected", "reason", "live"),
+    ("page_name", "accept", "info_changes", "rejected", "reason", "live"),
     [
         # The gauge still shows 4 steps: specd decides, on what it can trust.
         (
             "sglang-0.5.23-loaded.prom",
+            "50.0",
             {"max_running_requests": -5, "speculative_num_steps": -3},
             {"max_running_requests", "steps", "accept_length"},
             Reason.WITHIN_TOLERANCE,
@@ -1183,24 +1242,28 @@ def _lying_sglang(page_name: str, **info_changes: Any) -> tuple[str, str]:
         # Before 0.5.13 /server_info is the only source: the live setting is unknown.
         (
             "pre-0.5.13.prom",
+            "50.0",
             {"max_running_requests": -5, "speculative_num_steps": -3},
             # Steps unknown: 50 is within the widest bound, and never learned per step.
             {"max_running_requests", "steps"},
             Reason.NO_DATA,
             None,
         ),
+        # A 0/0 accept length: that field unknown, SGLang still up (it failed the scrape).
+        ("sglang-0.5.23-loaded.prom", "NaN", {}, {"accept_length"}, Reason.WITHIN_TOLERANCE, 4),
     ],
-    ids=["0.5.23", "0.5.12"],
+    ids=["0.5.23", "0.5.12", "accept-length-nan"],
 )
 def test_impossible_values_are_counted_never_learned_and_never_restart(
     tmp_path: Path,
     page_name: str,
+    accept: str,
     info_changes: dict[str, Any],
     rejected: set[str],
     reason: Reason,
     live: int | None,
 ) -> None:
-    metrics, info = _lying_sglang(page_name, **info_changes)
+    metrics, info = _lying_sglang(page_name, accept, **info_changes)
     with page_server() as sglang:
         sglang.serve("/metrics", metrics)
         sglang.serve("/server_info", info)
@@ -1227,8 +1290,9 @@ def test_impossible_values_are_counted_never_learned_and_never_restart(
         assert sample(daemon, "specd_sglang_rejected_values_total", {"field": name}) == ticks
         lines = [e for e in events(logs, "sglang_value_rejected") if e["field"] == name]
         assert len(lines) == 1, lines
-        assert lines[0]["value"] in ("-5", "-3", "50.0")
+        assert lines[0]["value"] in ("-5", "-3", "50.0", "NaN")
     assert sum(scrape_errors(daemon).values()) == 0
+    assert sample(daemon, "specd_sglang_up") == 1
     # Nothing impossible reached what specd keeps; the next start loads it all.
     state, problem = StateStore(Path(config.files.state_dir)).load()
     assert problem is None
@@ -1236,4 +1300,5 @@ def test_impossible_values_are_counted_never_learned_and_never_restart(
     assert all(v >= 1 for v in history.capacities.values())
     assert history.accept_length(4) == daemon.state.history.accept_length(4)
     assert (history.accept_length(4) or 0) < 5.0
-    assert history.to_dict()["capacity"] == learned["capacity"]
+    if "max_running_requests" in rejected:
+        assert history.to_dict()["capacity"] == learned["capacity"]

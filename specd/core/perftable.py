@@ -8,6 +8,10 @@ setting a row measured (`specd.core.setting.parse` form): empty, the step count 
 for the static and off rows the curves are built from; an adaptive set ("adaptive:3,4",
 steps = its deepest candidate) for rows kept apart (`measured_settings`), so static
 prediction never reads them and a measured adaptive set can be checked against the model.
+Values no server measures refuse the whole table with ``file:line: problem``: steps past
+``MAX_STEPS``, a concurrency or capacity past ``MAX_RUNNING_REQUESTS``, a throughput past
+``MAX_TOKENS_PER_S`` (core.observation's bounds), an accept length below 1 or past
+steps + 1 by more than ``ACCEPT_LENGTH_NOISE_RATIO`` (so an off row's is empty or 1).
 The twin serves from a table, `specd sweep` writes one, and the model policy reads one.
 ``specd.io.tables`` reads and writes the files (bounded, atomic); this module parses and
 renders text.
@@ -31,12 +35,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, MAX_TOKENS_PER_S
 from specd.core.setting import format_setting
 from specd.core.setting import parse as parse_setting
 from specd.core.text import BOM_PROBLEM
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
 OPTIONAL_COLUMNS = ("accept_length", "max_running_requests", "setting")
+# A row's accept length is measured: every verify yields the bonus token plus at most one
+# per step, so 1 <= L <= steps + 1, give or take the measurement's noise (bench/truth's
+# generated sweeps carry 1 % of it, floored at 1: an off row there reads 1.005). Past
+# that a row did not measure what it says (50 at 1 step), and the table is refused.
+ACCEPT_LENGTH_NOISE_RATIO = 0.02
 # The longest setting text a row may hold ("adaptive:..." with 16 slots of 8 candidates is
 # well under this); longer is not a setting and is refused before parsing.
 MAX_SETTING_CHARS = 512
@@ -313,7 +323,9 @@ def _fmt(value: float) -> str:
 
 
 def _parse_row(values: dict[str, str], where: str) -> PerfRow:
-    def number(name: str, *, integer: bool = False, minimum: float = 0.0) -> float | None:
+    def number(
+        name: str, *, integer: bool = False, minimum: float = 0.0, maximum: float = math.inf
+    ) -> float | None:
         raw = values.get(name, "")
         if raw == "":
             return None
@@ -325,11 +337,14 @@ def _parse_row(values: dict[str, str], where: str) -> PerfRow:
             raise PerfTableError(f"{where}: {name} must be a finite number >= {minimum:g}")
         if integer and not value.is_integer():
             raise PerfTableError(f"{where}: {name} must be a whole number, got {raw!r}")
+        if value > maximum:
+            # Bounds of what one server does (core.observation): past them, not a measurement.
+            raise PerfTableError(f"{where}: {name} {raw} is more than {maximum:g}")
         return value
 
-    steps = number("steps", integer=True)
-    concurrency = number("concurrency")
-    tok_s = number("output_tok_s")
+    steps = number("steps", integer=True, maximum=MAX_STEPS)
+    concurrency = number("concurrency", maximum=MAX_RUNNING_REQUESTS)
+    tok_s = number("output_tok_s", maximum=MAX_TOKENS_PER_S)
     for name, value in (("steps", steps), ("concurrency", concurrency), ("output_tok_s", tok_s)):
         if value is None:
             raise PerfTableError(f"{where}: {name} is required")
@@ -339,7 +354,14 @@ def _parse_row(values: dict[str, str], where: str) -> PerfRow:
     if concurrency <= 0:
         raise PerfTableError(f"{where}: concurrency must be > 0")
     accept = number("accept_length", minimum=1.0)
-    capacity = number("max_running_requests", integer=True, minimum=1.0)
+    if accept is not None and accept > (steps + 1) * (1 + ACCEPT_LENGTH_NOISE_RATIO):
+        raise PerfTableError(
+            f"{where}: accept_length {values['accept_length']} is more than steps + 1 = "
+            f"{int(steps) + 1} (each verify accepts at most one token per step and the bonus)"
+        )
+    capacity = number(
+        "max_running_requests", integer=True, minimum=1.0, maximum=MAX_RUNNING_REQUESTS
+    )
     return PerfRow(
         steps=int(steps),
         concurrency=concurrency,

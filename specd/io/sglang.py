@@ -113,7 +113,10 @@ class ParsedMetrics:
     ``observation_from`` settles them against /server_info. ``accept_length`` is
     None when no series has measured one (speculation off, or no decode yet).
     ``retracted_total`` is None when SGLang has not retracted anything yet (the
-    counter appears at the first retraction) or predates the counter.
+    counter appears at the first retraction) or predates the counter. A field whose
+    series hold a value no gauge or counter can have (NaN, ±Inf, negative; a step count
+    that is not whole) is None too, and named with that value in ``rejected``:
+    `observation_from` passes it on, as it does the values only it finds impossible.
     """
 
     running: int
@@ -133,6 +136,8 @@ class ParsedMetrics:
     # and the process start time.
     scheduler_pids: frozenset[str] = frozenset()
     process_start_s: float | None = None
+    # (field, the value as the page spells it) of each field left unknown above.
+    rejected: tuple[tuple[str, str], ...] = ()
 
     def same_start(self, before: ParsedMetrics) -> bool:
         """Whether this page and ``before`` come from the same start of SGLang."""
@@ -202,15 +207,24 @@ def _sum(samples: list[Sample] | None) -> float | None:
     return math.fsum(s.value for s in samples) if samples else None
 
 
+def _bad_value(value: float) -> bool:
+    # No gauge or counter specd reads can hold these.
+    return not math.isfinite(value) or value < 0
+
+
 def parse_metrics(text: str, *, t: float = 0.0) -> ParsedMetrics | ScrapeError:
-    """Read specd's families from a /metrics page; ``t`` stamps a returned error."""
+    """Read specd's families from a /metrics page; ``t`` stamps a returned error.
+
+    A bad running or queued value fails the scrape (there is no observation without the
+    load); a bad value anywhere else costs its field only (`ParsedMetrics.rejected`).
+    """
     try:
         found = select_samples(text, FAMILIES)
     except PromTextError as exc:
         return ScrapeError("malformed", _one_line(f"GET /metrics: {exc}"), t)
-    for samples in found.values():
-        for sample in samples:
-            if not math.isfinite(sample.value) or sample.value < 0:
+    for name in (RUNNING, QUEUED):
+        for sample in found.get(name, []):
+            if _bad_value(sample.value):
                 return ScrapeError(
                     "malformed",
                     _one_line(f"GET /metrics: {_series(sample)} is {_value(sample.value)}"),
@@ -221,8 +235,7 @@ def parse_metrics(text: str, *, t: float = 0.0) -> ParsedMetrics | ScrapeError:
         if not replicas.get(name):
             hint = "" if "sglang:" in text else " (no sglang: metrics at all: not SGLang?)"
             return ScrapeError("missing", f"GET /metrics: {name} not in page{hint}", t)
-    for name in (RUNNING, QUEUED, SPEC_STEPS, SPEC_DRAFT_TOKENS):
-        for sample in replicas.get(name, []):
+        for sample in replicas[name]:
             if not sample.value.is_integer():
                 return ScrapeError(
                     "malformed",
@@ -239,7 +252,25 @@ def parse_metrics(text: str, *, t: float = 0.0) -> ParsedMetrics | ScrapeError:
         return ScrapeError("malformed", "GET /metrics: values too large to add up", t)
 
 
+class _Checked:
+    """The series each field is read from, with the bad ones taken out as rejections."""
+
+    def __init__(self) -> None:
+        self.rejected: list[tuple[str, str]] = []
+
+    def good(
+        self, field: str, series: list[Sample] | None, *, whole: bool = False
+    ) -> list[Sample] | None:
+        """``series``, or None (``field`` rejected) when one of them is impossible."""
+        for sample in series or []:
+            if _bad_value(sample.value) or (whole and not sample.value.is_integer()):
+                self.rejected.append((field, _value(sample.value)))
+                return None
+        return series
+
+
 def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]) -> ParsedMetrics:
+    check = _Checked()
     running_series = replicas[RUNNING]
     running_by_replica = {_replica_key(s): s.value for s in running_series}
     running = int(sum(running_by_replica.values()))
@@ -248,7 +279,7 @@ def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]
     # 0 means "no speculation" or "no decode measured yet": not an accept length.
     measured = [
         (s.value, running_by_replica.get(_replica_key(s), 0.0))
-        for s in replicas.get(ACCEPT_LENGTH, [])
+        for s in check.good("accept_length", replicas.get(ACCEPT_LENGTH)) or []
         if s.value > 0
     ]
     weight = sum(w for _, w in measured)
@@ -261,39 +292,49 @@ def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]
         # Idle: the gauges hold their last values; report them, marked not fresh.
         accept_length = math.fsum(v for v, _ in measured) / len(measured)
 
-    def busiest(name: str) -> int | None:
-        series = replicas.get(name)
+    def busiest(field: str, name: str) -> int | None:
+        series = check.good(field, replicas.get(name), whole=True)
         if not series:
             return None
         top = max(series, key=lambda s: running_by_replica.get(_replica_key(s), 0.0))
         return int(top.value)
 
-    usage = replicas.get(KV_USAGE)
+    steps = busiest("steps", SPEC_STEPS)
+    draft_tokens = busiest("draft_tokens", SPEC_DRAFT_TOKENS)
+    usage = check.good("token_usage", replicas.get(KV_USAGE))
+    gen_throughput = _sum(check.good("gen_throughput", replicas.get(GEN_THROUGHPUT)))
+    generation = _sum(check.good("generation_tokens_total", replicas.get(GENERATION_TOKENS)))
     decode = [s for s in found.get(REALTIME_TOKENS, []) if s.labels.get("mode") == "decode"]
+    decoded = _sum(check.good("decode_tokens_total", _per_replica(decode)))
+    verify_calls = _sum(check.good("spec_verify_calls_total", replicas.get(VERIFY_CALLS)))
+    retracted = _sum(check.good("retracted_total", replicas.get(RETRACTED)))
+    # Only the pid labels of these gauges are read: their values cannot matter.
     pids = frozenset(
         s.labels["pid"]
         for name in (RETRACTED_NOW, PAUSED_NOW)
         for s in found.get(name, [])
         if "pid" in s.labels
     )
-    started = found.get(PROCESS_START)
+    # It only tells starts apart: a time no process started at is left out, not rejected.
+    started = [s.value for s in found.get(PROCESS_START, []) if not _bad_value(s.value)]
     return ParsedMetrics(
         running=running,
         queued=queued,
         accept_length=accept_length,
         spec_fresh=running > 0,
-        steps=busiest(SPEC_STEPS),
-        draft_tokens=busiest(SPEC_DRAFT_TOKENS),
+        steps=steps,
+        draft_tokens=draft_tokens,
         # Each replica has its own KV pool of the same size: the mean is the server's.
         token_usage=math.fsum(s.value for s in usage) / len(usage) if usage else None,
-        gen_throughput=_sum(replicas.get(GEN_THROUGHPUT)),
-        generation_tokens_total=_sum(replicas.get(GENERATION_TOKENS)),
-        decode_tokens_total=_sum(_per_replica(decode)),
-        spec_verify_calls_total=_sum(replicas.get(VERIFY_CALLS)),
-        retracted_total=_sum(replicas.get(RETRACTED)),
+        gen_throughput=gen_throughput,
+        generation_tokens_total=generation,
+        decode_tokens_total=decoded,
+        spec_verify_calls_total=verify_calls,
+        retracted_total=retracted,
         dp_ranks=len(running_series),
         scheduler_pids=pids,
-        process_start_s=min(s.value for s in started) if started else None,
+        process_start_s=min(started) if started else None,
+        rejected=tuple(check.rejected),
     )
 
 
@@ -332,17 +373,38 @@ def _live(
     return from_info
 
 
-def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
+def _per_dp_capacities(info: Mapping[str, Any] | None) -> list[int]:
+    """Each DP rank's effective max_running_requests (SGLang 0.5.8+); [] if any is unusable."""
     states = info.get("internal_states") if info is not None else None
-    if isinstance(states, list):
-        per_dp = [
-            _int_field(s, "effective_max_running_requests_per_dp")
-            for s in states
-            if isinstance(s, dict)
-        ]
-        if per_dp and all(v is not None and v > 0 for v in per_dp):
-            return sum(v for v in per_dp if v is not None)
-    return _int_field(info, "max_running_requests")
+    if not isinstance(states, list):
+        return []
+    key = "effective_max_running_requests_per_dp"
+    per_dp = [_int_field(s, key) for s in states if isinstance(s, dict)]
+    usable = [v for v in per_dp if v is not None and v > 0]
+    return usable if len(usable) == len(per_dp) else []
+
+
+def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
+    per_dp = _per_dp_capacities(info)
+    return sum(per_dp) if per_dp else _int_field(info, "max_running_requests")
+
+
+def _most_running(obs: Observation, info: Mapping[str, Any] | None) -> int | None:
+    """The most requests SGLang's schedulers can run at once, all DP ranks together; None
+    when /server_info does not say (not read yet, or what it says was rejected).
+
+    Each scheduler admits a request only while its running batch is below its effective
+    max_running_requests (`effective_max_running_requests_per_dp`, fixed for a start), so
+    their sum bounds ``num_running_reqs`` exactly: no slack. Without the per-rank values
+    (SGLang < 0.5.8) only the argument is known, which is the total with DP attention but
+    each replica's without it: it is counted once per replica the page shows.
+    """
+    if obs.max_running_requests is None:
+        return None
+    per_dp = _per_dp_capacities(info)
+    if per_dp:
+        return sum(per_dp) if len(per_dp) >= obs.dp_ranks else max(per_dp) * obs.dp_ranks
+    return obs.max_running_requests * max(obs.dp_ranks, 1)
 
 
 def _from_info(
@@ -374,7 +436,9 @@ def observation_from(
     """
     spec_on = _spec_on(server_info)
     adaptive = bool(server_info.get("speculative_adaptive")) if server_info is not None else False
-    rejected: list[tuple[str, str]] = []
+    # What the page itself could not hold first, then what /server_info and the bounds add:
+    # one list, one `Observation.rejected`, one metric and log line per field.
+    rejected: list[tuple[str, str]] = list(parsed.rejected)
     # /server_info's settings only stand in where the page has no gauge: check them on
     # their own, so a lie there never hides what the page says.
     info_steps = _from_info(server_info, "speculative_num_steps", MAX_STEPS, rejected, "steps")
@@ -413,11 +477,28 @@ def observation_from(
     return without_impossible(obs, adaptive=adaptive)
 
 
-def _impossible_load(obs: Observation) -> str:
-    return (
-        f"GET /metrics: {RUNNING} {obs.running} / {QUEUED} {obs.queued} "
-        "is more than any SGLang server holds"
-    )
+def _impossible_load(obs: Observation, info: Mapping[str, Any] | None) -> str | None:
+    """Why the load ``obs`` reports cannot be (one line), or None when it can.
+
+    Running cannot be unknown, and the forecast learns offered load from it: a load past
+    what the server holds fails the scrape (no change, `specd_scrape_errors_total` and a
+    `scrape_failed` line name it) rather than reach the history. Rejecting the capacity
+    instead would let the load in, and which of the two lies specd cannot tell. A failed
+    scrape reads /server_info again, so a capacity from before a restart specd did not see
+    costs one scrape, not every scrape.
+    """
+    if {"running", "queued"} & set(impossible_fields(obs)):
+        return (
+            f"GET /metrics: {RUNNING} {obs.running} / {QUEUED} {obs.queued} "
+            "is more than any SGLang server holds"
+        )
+    most = _most_running(obs, info)
+    if most is not None and obs.running > most:
+        return (
+            f"GET /metrics: {RUNNING} {obs.running} is more than the {most} requests "
+            "this SGLang runs at once (max_running_requests, /server_info)"
+        )
+    return None
 
 
 def check_base_url(base_url: str) -> str:
@@ -776,9 +857,12 @@ class SGLangClient:
                 self._info = info if isinstance(info, dict) else None
             self._page = parsed
             obs = observation_from(parsed, self._info, t)
-            if {"running", "queued"} & set(impossible_fields(obs)):
-                # The load decides everything: a page that lies about it is no page.
-                return ScrapeError("malformed", _impossible_load(obs), t)
+            problem = _impossible_load(obs, self._info)
+            if problem is not None:
+                # The load decides everything: a page that lies about it is no page, and
+                # /server_info is read again with the next one.
+                self._info = self._page = None
+                return ScrapeError("malformed", problem, t)
             return obs
         except Exception as exc:
             self._info = self._page = None

@@ -110,6 +110,26 @@ def test_queries_and_roundtrip() -> None:
             "steps,concurrency,output_tok_s\n1,1,100\n" + "1" * 200_000 + ",1,100\n",
             r":3: not a CSV",
         ),
+        # What no server measures: the table is refused, not read as a curve.
+        (
+            "steps,concurrency,output_tok_s,accept_length\n1,1,100,50\n",
+            r"x.csv:2: accept_length 50 is more than steps \+ 1 = 2",
+        ),
+        (
+            "steps,concurrency,output_tok_s,accept_length\n0,1,100,1.5\n",
+            r"x.csv:2: accept_length 1.5 is more than steps \+ 1 = 1",
+        ),
+        (
+            "steps,concurrency,output_tok_s,accept_length\n3,1,100,4.2\n",
+            r"x.csv:2: accept_length 4.2 is more than steps \+ 1 = 4",
+        ),
+        ("steps,concurrency,output_tok_s\n1,1,1e308\n", r"x.csv:2: output_tok_s 1e308 is more"),
+        ("steps,concurrency,output_tok_s\n1,1e300,100\n", r"x.csv:2: concurrency 1e300 is more"),
+        (
+            "steps,concurrency,output_tok_s,max_running_requests\n1,1,100,1e9\n",
+            r"x.csv:2: max_running_requests 1e9 is more",
+        ),
+        ("steps,concurrency,output_tok_s\n1000,1,100\n", r"x.csv:2: steps 1000 is more than 64"),
         ("\ufeffsteps,concurrency,output_tok_s\n1,1,2\n", r"x.csv: starts with a UTF-8 byte order"),
         (
             "steps,concurrency,output_tok_s,setting\n3,1,2,\n"

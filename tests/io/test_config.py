@@ -743,6 +743,13 @@ def test_policy_defaults_to_model_once_a_calibration_is_configured(
         (None, "/nonexistent/cal.csv", "cannot read"),
         ("steps,concurrency\n1,1\n", "{cal}", "header must be"),
         ("steps,concurrency,output_tok_s\n0,1,100\n", "{cal}", "no speculative step count"),
+        # What no server measures stops the start (and a reload) here, not a decision later.
+        (
+            "steps,concurrency,output_tok_s,accept_length\n1,1,100,50\n",
+            "{cal}",
+            "cal.csv:2: accept_length 50 is more than steps + 1 = 2",
+        ),
+        ("steps,concurrency,output_tok_s\n1,1,1e308\n", "{cal}", "cal.csv:2: output_tok_s 1e308"),
         (CALIBRATION, "relative.csv", "must be an absolute path"),
     ],
 )

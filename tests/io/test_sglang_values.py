@@ -49,6 +49,19 @@ def page(text: str = BASE, **values: float) -> str:
 
 NO_STATES = {"internal_states": []}  # capacity from max_running_requests alone
 
+
+def one_series(text: str, prefix: str, value: str) -> str:
+    """``text`` with the value of the one sample line starting with ``prefix`` replaced."""
+    lines = text.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+    lines[at] = f"{lines[at].rsplit(' ', 1)[0]} {value}"
+    return "\n".join(lines) + "\n"
+
+
+REALTIME = 'sglang:realtime_tokens_total{engine_type="unified",'
+DP2 = (FIXTURES / "dp2.prom").read_text()  # two replicas, 18 running
+DP2_INFO: dict[str, Any] = json.loads((FIXTURES / "server_info-dp2.json").read_text())
+
 # (what, page, /server_info, expected fields, rejected fields)
 CASES: list[Any] = [
     pytest.param(
@@ -151,6 +164,80 @@ CASES: list[Any] = [
         ("topk",),
         id="topk-0",
     ),
+    # What no gauge or counter can hold (NaN, ±Inf, negative) costs its field, as 1e300
+    # does: a 0/0 accept length is not SGLang down.
+    pytest.param(
+        page(spec_accept_length=math.nan),
+        info(),
+        {"accept_length": None, "steps": 4, "running": 13, "gen_throughput": 1510.0},
+        ("accept_length",),
+        id="accept-length-nan",
+    ),
+    pytest.param(
+        page(spec_accept_length=-1.0),
+        info(),
+        {"accept_length": None},
+        ("accept_length",),
+        id="accept-length-negative",
+    ),
+    pytest.param(
+        (FIXTURES / "garbage-nan-usage.prom").read_text(),
+        info(),
+        {"token_usage": None, "accept_length": 3.61},
+        ("token_usage",),
+        id="token-usage-nan",
+    ),
+    pytest.param(
+        (FIXTURES / "garbage-inf.prom").read_text(),
+        info(),
+        {"gen_throughput": None, "steps": 4},
+        ("gen_throughput",),
+        id="throughput-inf",
+    ),
+    pytest.param(
+        page(generation_tokens_total=-5.0, spec_verify_calls_total=math.nan),
+        info(),
+        {"generation_tokens_total": None, "spec_verify_calls_total": None},
+        ("generation_tokens_total", "spec_verify_calls_total"),
+        id="counters-negative-and-nan",
+    ),
+    pytest.param(
+        one_series(BASE, REALTIME + 'mode="decode"', "NaN"),
+        info(),
+        {"decode_tokens_total": None},
+        ("decode_tokens_total",),
+        id="decode-counter-nan",
+    ),
+    # Only the decode series is read: a bad prefill one costs nothing.
+    pytest.param(
+        one_series(BASE, REALTIME + 'mode="prefill_cache"', "-1"),
+        info(),
+        {"decode_tokens_total": 43990.0},
+        (),
+        id="prefill-counter-negative-unread",
+    ),
+    pytest.param(
+        page(spec_num_steps=math.nan, spec_num_draft_tokens=-math.inf),
+        info(),
+        {"steps": 4, "draft_tokens": 5},  # the gauges are impossible: /server_info says
+        ("steps", "draft_tokens"),
+        id="steps-gauges-nan-and-minus-inf",
+    ),
+    pytest.param(
+        page(spec_num_steps=3.5),
+        info(),
+        {"steps": 4, "accept_length": 3.61},
+        ("steps",),
+        id="steps-gauge-not-whole",
+    ),
+    # One replica's NaN: the server's accept length is unknown, its load stands.
+    pytest.param(
+        one_series(DP2, 'sglang:spec_accept_length{dp_rank="1"', "NaN"),
+        DP2_INFO,
+        {"accept_length": None, "running": 18, "dp_ranks": 2},
+        ("accept_length",),
+        id="dp2-one-replica-nan",
+    ),
 ]
 
 
@@ -184,6 +271,15 @@ def test_impossible_values_cost_their_field_only(
     assert impossible_fields(obs) == ()
 
 
+def test_a_rejected_value_is_named_as_the_page_spells_it(server: PageServer) -> None:
+    obs = observe(server, page(spec_accept_length=math.nan, gen_throughput=-math.inf), info())
+    assert isinstance(obs, Observation), obs
+    assert dict(zip(obs.rejected, obs.rejected_values, strict=True)) == {
+        "accept_length": "NaN",
+        "gen_throughput": "-Inf",
+    }
+
+
 @pytest.mark.parametrize(
     ("running", "queued"),
     [(10**12, 0), (0, 10**15)],
@@ -199,6 +295,97 @@ def test_an_impossible_load_is_no_observation(
     assert "\n" not in obs.reason
 
 
+def dp2(running: tuple[int, int]) -> str:
+    text = DP2
+    for rank, value in enumerate(running):
+        text = one_series(text, f'sglang:num_running_reqs{{dp_rank="{rank}"', f"{value}.0")
+    return text
+
+
+PER_DP_13 = {"internal_states": [{"effective_max_running_requests_per_dp": 13}]}
+PER_DP_12_12 = {"internal_states": [{"effective_max_running_requests_per_dp": 12}] * 2}
+# SGLang < 0.5.8: the argument only, each replica's without DP attention.
+ARGUMENT_12 = {**DP2_INFO, "max_running_requests": 12, "internal_states": [{}, {}]}
+
+# (page, /server_info, None when an observation, else what the error says)
+CAPACITY: list[Any] = [
+    pytest.param(page(num_running_reqs=13), info(**PER_DP_13), None, id="at-capacity"),
+    pytest.param(
+        page(num_running_reqs=14),
+        info(**PER_DP_13),
+        "sglang:num_running_reqs 14 is more than the 13 requests",
+        id="one-past-capacity",
+    ),
+    pytest.param(
+        page(num_running_reqs=5000),
+        info(max_running_requests=48, **NO_STATES),
+        "sglang:num_running_reqs 5000 is more than the 48 requests",
+        id="past-the-argument",
+    ),
+    pytest.param(dp2((12, 12)), info(**PER_DP_12_12), None, id="dp2-full"),
+    pytest.param(
+        dp2((13, 12)),
+        info(**PER_DP_12_12),
+        "sglang:num_running_reqs 25 is more than the 24 requests",
+        id="dp2-past-the-sum",
+    ),
+    pytest.param(dp2((12, 12)), ARGUMENT_12, None, id="dp2-argument-per-replica"),
+    pytest.param(
+        dp2((13, 12)),
+        ARGUMENT_12,
+        "sglang:num_running_reqs 25 is more than the 24 requests",
+        id="dp2-past-the-argument-per-replica",
+    ),
+    # Capacity unknown, or itself impossible: no bound to hold the load to.
+    pytest.param(
+        page(num_running_reqs=5000),
+        {k: v for k, v in info(**NO_STATES).items() if k != "max_running_requests"},
+        None,
+        id="capacity-unknown",
+    ),
+    pytest.param(
+        page(num_running_reqs=5000),
+        info(max_running_requests=-5, **NO_STATES),
+        None,
+        id="capacity-rejected",
+    ),
+    pytest.param(page(num_running_reqs=5000), None, None, id="no-server-info"),
+]
+
+
+@pytest.mark.parametrize(("metrics", "server_info", "problem"), CAPACITY)
+def test_running_past_the_capacity_is_no_observation(
+    server: PageServer, metrics: str, server_info: dict[str, Any] | None, problem: str | None
+) -> None:
+    server.routes.clear()
+    obs = observe(server, metrics, server_info)
+    if problem is None:
+        assert isinstance(obs, Observation), obs
+        return
+    assert isinstance(obs, ScrapeError)
+    assert obs.kind == "malformed"
+    assert problem in obs.reason
+    assert "\n" not in obs.reason
+
+
+def test_a_capacity_from_before_a_restart_costs_one_scrape(server: PageServer) -> None:
+    """SGLang restarted with room for more, and the page does not show a new start: the
+    scrape that finds the old capacity too small fails, and reads /server_info again."""
+    server.serve_sglang(page(num_running_reqs=13), info(**PER_DP_13))
+    with SGLangClient(server.url, timeout_s=2.0) as client:
+        assert isinstance(client.observe(), Observation)
+        server.serve_sglang(
+            page(num_running_reqs=40),
+            info(internal_states=[{"effective_max_running_requests_per_dp": 48}]),
+        )
+        failed = client.observe()
+        assert isinstance(failed, ScrapeError), failed
+        assert "40 is more than the 13 requests" in failed.reason
+        obs = client.observe()
+    assert isinstance(obs, Observation), obs
+    assert (obs.running, obs.max_running_requests) == (40, 48)
+
+
 @settings(
     max_examples=60,
     deadline=None,
@@ -207,7 +394,9 @@ def test_an_impossible_load_is_no_observation(
 @given(
     accept=st.floats(min_value=0.0, max_value=1e308, allow_nan=False),
     steps=st.integers(min_value=0, max_value=2**40),
-    capacity=st.integers(min_value=-(2**63), max_value=2**63),
+    capacity=st.one_of(
+        st.integers(min_value=-(2**63), max_value=2**63), st.integers(min_value=0, max_value=20)
+    ),
     throughput=st.floats(min_value=0.0, max_value=1e308, allow_nan=False),
 )
 def test_any_number_from_sglang_is_kept_only_when_possible(
@@ -218,6 +407,11 @@ def test_any_number_from_sglang_is_kept_only_when_possible(
         page(spec_num_steps=steps, spec_accept_length=accept, gen_throughput=throughput),
         info(max_running_requests=capacity, **NO_STATES),
     )
+    if 1 <= capacity < 13:
+        # Fewer than the 13 running: the load is impossible, not the capacity.
+        assert isinstance(obs, ScrapeError)
+        assert "is more than the" in obs.reason
+        return
     assert isinstance(obs, Observation), obs
     assert impossible_fields(obs) == ()
     assert obs.running == 13  # whatever else lies, the load stands
