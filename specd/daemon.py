@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from specd.core import windows
 from specd.core.decide import Decision, Reason, window_left_s
 from specd.core.history import History, HistorySettings, Recorded
+from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits_from_server_info
@@ -202,6 +203,7 @@ class Daemon:
         self.last_obs: Observation | None = None
         self._outage: ScrapeOutage | None = None  # scrapes failing since, what was logged
         self._rejected_logged: set[str] = set()
+        self._calibration_problem: str | None = None  # the one last logged
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
         self.live_steps: int | None = None
         self.live_adaptive = False  # SGLang runs its adaptive mode (live_steps is then None)
@@ -487,6 +489,7 @@ class Daemon:
         result = self._observe(now)
         override = self._refresh_override(now)
         calibration, calibration_problem = self.calibration.current()
+        self._report_calibration(calibration, calibration_problem)
         gateway_problem = self._probe_gateway(now, override)
         context = StepContext(
             config=self.config,
@@ -605,6 +608,21 @@ class Daemon:
             failing_s=round(max(0.0, now - outage.since), 1),
             failures=outage.failures,
         )
+
+    def _report_calibration(self, calibration: Calibration | None, problem: str | None) -> None:
+        # Once per change: a calibration file broken for a week is one line, and one more
+        # when it is good again. Decisions name the problem meanwhile.
+        if problem == self._calibration_problem:
+            return
+        if problem is not None:
+            self.log.error(
+                "calibration_unusable",
+                problem=problem,
+                kept="the last good calibration" if calibration is not None else "none",
+            )
+        else:
+            self.log.info("calibration_usable", file=str(self.calibration.path))
+        self._calibration_problem = problem
 
     def _report_rejected(self, obs: Observation) -> None:
         # Counted every scrape (the rate shows how often SGLang lies); logged once per

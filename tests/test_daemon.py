@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -930,3 +931,59 @@ def test_a_reload_says_what_it_changed_in_the_override_and_nothing_else(
             d.tick()
     assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
     assert [e["event"] for e in logged if e["event"].startswith("override_")] == said
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "removed",
+        "truncated",  # a `cp` caught half way: the header only
+        "garbage",
+        "impossible",  # an accept length no server measures
+    ],
+)
+def test_a_calibration_broken_under_the_daemon_keeps_the_last_good_one(
+    tmp_path: Path, broken: str
+) -> None:
+    # Outside the window: each tick says what it would change to, and changes nothing.
+    # Without a calibration specd would decide on the bands (3 for 48 requests) and go on to
+    # explore from them: a broken file must not undo what the good one said (off).
+    calibration = tmp_path / "cal.csv"
+    shutil.copy(REPO / "bench" / "truth" / "heavyoff-calibration.csv", calibration)
+    good = calibration.read_bytes()
+    cfg = config(tmp_path, policy="model", calibration_file=str(calibration), scrape_interval_s=60)
+    history = History(HistorySettings.from_config(cfg))
+    outside = IN_WINDOW + 3 * 3600
+    last = serve(history, 3, outside - 6 * 3600, outside, 48, 730.0)
+    clock = [last.t]
+    applier = Applier()
+    fresh = [replace(last, t=last.t + 60 * i) for i in range(5)]
+    d = daemon(cfg, Reader(fresh), applier, clock)
+    d.state.history = history
+    with capture_logs() as logged:
+        first = d.tick()
+        assert first.target_name == "off", first.message
+        if broken == "removed":
+            calibration.unlink()
+        elif broken == "truncated":
+            calibration.write_bytes(good[: good.index(b"\n") + 1])
+        elif broken == "garbage":
+            calibration.write_bytes(b"\x00\xff" * 5000)
+        else:
+            calibration.write_bytes(good + b"1,1,100,50\n")
+        for _ in range(3):
+            clock[0] += 60
+            kept = d.tick()
+            assert kept.target_name == "off", kept.message
+            assert "calibration unusable, the last good one kept: " in kept.message
+        calibration.write_bytes(good)
+        clock[0] += 60
+        again = d.tick()
+    assert again.target_name == "off"
+    assert "calibration unusable" not in again.message
+    assert applier.calls == []
+    said = [(e["event"], e.get("kept")) for e in logged if e["event"].startswith("calibration_")]
+    assert said == [
+        ("calibration_unusable", "the last good calibration"),
+        ("calibration_usable", None),
+    ]

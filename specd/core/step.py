@@ -142,7 +142,10 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         live_adaptive_config=control.live_adaptive_config,
     )
     if pick is not None and ctx.calibration_problem:
-        pick = replace(pick, why=f"{pick.why} (calibration unusable: {ctx.calibration_problem})")
+        kept = ", the last good one kept" if ctx.calibration is not None else ""
+        pick = replace(
+            pick, why=f"{pick.why} (calibration unusable{kept}: {ctx.calibration_problem})"
+        )
     coming = pick.mix if pick is not None else ctx.history.offered_weights()
     model = pick.plan.model if pick is not None and pick.plan is not None else None
     verdict = outcome.verdict(

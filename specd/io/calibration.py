@@ -90,28 +90,37 @@ def swept_lines(calibration: Calibration | None, offered: Sequence[SpecSetting])
 
 
 class CalibrationFile:
-    """One configured calibration path; `current` re-reads it only when it changes."""
+    """One configured calibration path; `current` re-reads it only when it changes.
+
+    A file that was good and turns unusable under the running daemon (swapped for a bad
+    one, removed, half written) keeps the last good calibration in use, as a bad reload
+    keeps the running config: a broken file must not turn specd into a daemon without a
+    calibration, which explores from the bands and restarts SGLang to learn what the good
+    file said. The problem is still returned, so every decision names it."""
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = None if path is None else Path(path)
         self._key: tuple[int, int, int, int] | None = None
         self._value: tuple[Calibration | None, str | None] = (None, None)
+        self._good: Calibration | None = None
 
     def current(self) -> tuple[Calibration | None, str | None]:
-        """(the calibration, None), or (None, a one-line problem); (None, None) when unset."""
+        """(the calibration, None); (the last good one or None, a one-line problem) when
+        the file cannot be used now; (None, None) when unset."""
         if self.path is None:
             return None, None
         try:
             st = self.path.stat()
         except OSError as exc:
             self._key = None
-            return None, f"{self.path}: cannot read calibration: {exc.strerror or exc}"
+            return self._good, f"{self.path}: cannot read calibration: {exc.strerror or exc}"
         # A new inode too: editors and `specd sweep` replace the file by renaming.
         key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._key:
             try:
-                self._value = (read_calibration(self.path), None)
+                self._good = read_calibration(self.path)
+                self._value = (self._good, None)
             except CalibrationError as exc:
-                self._value = (None, str(exc))
+                self._value = (self._good, str(exc))
             self._key = key
         return self._value

@@ -113,10 +113,12 @@ def test_a_calibration_is_reread_only_when_it_changes(tmp_path: Path) -> None:
     assert again.table.steps() == [3, 4, 5]
     assert isinstance(first.table, PerfTable)
     path.unlink()
-    gone, problem = source.current()
-    assert gone is None
+    kept, problem = source.current()
+    assert kept is again  # the last good one stays in use, with the problem said
     assert problem is not None
     assert "cannot read calibration" in problem
+    # Never read good: nothing to keep.
+    assert CalibrationFile(path).current()[0] is None
 
 
 def test_a_calibration_swapped_for_one_csv_cannot_read_is_a_problem_not_a_crash(
@@ -127,12 +129,13 @@ def test_a_calibration_swapped_for_one_csv_cannot_read_is_a_problem_not_a_crash(
     path = tmp_path / "cal.csv"
     path.write_text(GOOD)
     source = CalibrationFile(path)
-    assert source.current()[1] is None
+    good, problem = source.current()
+    assert problem is None
     bad = tmp_path / "new.csv"
     bad.write_text(GOOD + "1" * 200_000 + ",1,300\n")
     os.replace(bad, path)
     calibration, problem = source.current()
-    assert calibration is None
+    assert calibration is good  # the last good one, kept
     assert problem is not None
     assert f"{path}:4: not a CSV row (field larger than field limit" in problem
     assert "\n" not in problem
