@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.preset import preset_table
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import TwinProcess, free_port, stop_process
 from specd.twin.server import TwinConfigError, resolve
 
 REAL_PAGE = Path(__file__).parents[1] / "fixtures" / "twin" / "sglang-0.5.23-metrics-loaded.prom"
@@ -131,6 +133,40 @@ def test_cli_exits_nonzero_with_one_line_error() -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("specd twin: error: TypeError")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_port_0_serves_on_a_free_port_it_announces(tmp_path: Path) -> None:
+    """`--port 0` (allowed by --help): the twin listens on a port the system picks, warms
+    up on it, reports it in /server_info and says it in its 'listening on' line."""
+    log = tmp_path / "twin.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specd.cli", "twin", *SPEC4, *FAST, "--port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        found = None
+        while found is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", log.read_text())
+            time.sleep(0.05)
+        assert found is not None, log.read_text()
+        port = int(found.group(1))
+        assert port != 0, log.read_text()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+            while time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    if c.get("/health").status_code == 200:
+                        break
+                time.sleep(0.05)
+            assert c.get("/health").status_code == 200, log.read_text()
+            assert c.get("/server_info").json()["port"] == port
+        assert proc.poll() is None, log.read_text()
+    finally:
+        stop_process(proc)
+    assert "ERROR" not in log.read_text(), log.read_text()
 
 
 # -- hostile files: what --table and --speculative-adaptive-config name ----------------------
