@@ -30,12 +30,14 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` impor
 
 from bench.bench_replay import (  # noqa: E402
     BEST_STATIC_MIN,
+    DAYS,
     ORACLE_MIN,
     RESTART_S,
     STATIC_POLICY,
     STEPS,
     TRUTHS,
     case_config,
+    check_days,
     short_setting,
 )
 from bench.firstepoch import Bounds, bounds_of  # noqa: E402
@@ -158,10 +160,11 @@ def markdown(results: Results, names: Sequence[str], days: float) -> str:
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench coldstart", description=__doc__)
-    parser.add_argument("--days", type=float, default=7.0)
+    parser.add_argument("--days", type=DAYS, default=7.0, help=f"trace length ({DAYS.spec})")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     names = list(traces.PATTERNS)
+    check_days(parser, args.days, names)
     results: Results = {}
     with tempfile.TemporaryDirectory(prefix="specd-traces-") as tmp:
         paths = {n: traces.write(n, Path(tmp) / f"{n}.csv", args.days) for n in names}

@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
 from bench.child import export_revision, run_json  # noqa: E402
+from specd.commands.args import Int  # noqa: E402
 
 CASES: tuple[tuple[str, int, int], ...] = (
     # (label, DP ranks, /metrics padding bytes)
@@ -172,10 +173,16 @@ def report(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+TICKS = Int(1, 100_000)
+ROUNDS = Int(1, 100)
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench daemon", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--ticks", type=int, default=40, help="measured ticks per case")
+    parser.add_argument(
+        "--ticks", type=TICKS, default=40, help=f"measured ticks per case ({TICKS.spec})"
+    )
     parser.add_argument("--quick", action="store_true", help="10 ticks per case")
     parser.add_argument("--one", choices=[c[0] for c in CASES], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -183,18 +190,18 @@ def run(argv: list[str]) -> int:
         metavar="REV",
         help="also run git revision REV's own code in the same run; print CPU ratios",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--against)")
+    parser.add_argument(
+        "--rounds", type=ROUNDS, default=3, help=f"interleaved rounds (--against; {ROUNDS.spec})"
+    )
     args = parser.parse_args(argv)
     ticks = 10 if args.quick else args.ticks
-    if ticks < 1:
-        parser.error("--ticks must be at least 1")
     if args.one is not None:
         label, dp, pad = next(c for c in CASES if c[0] == args.one)
         print(json.dumps(asdict(measure_one(label, dp, pad, ticks))))
         return 0
     try:
         if args.against:
-            print(compare(args.against, ticks, max(1, args.rounds)))
+            print(compare(args.against, ticks, args.rounds))
             return 0
         rows = measure(ticks)
     except RuntimeError as exc:

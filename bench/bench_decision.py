@@ -31,8 +31,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
+from bench.bench_replay import DAYS, STATIC_POLICY, TRUTHS, check_days  # noqa: E402
 from bench.child import export_revision, run_json, short_revision  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
+from specd.commands.args import quoted  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "decision.md"
 # (truth, trace, policy): the costliest rows of bench/results/replay.md (choosing among
@@ -47,6 +49,7 @@ CASES = (
     ("k6to1", "day_night", "model"),
     ("lowaccept", "steady_heavy", "model"),
 )
+POLICIES = ("model", "bands", STATIC_POLICY)
 BUDGET_MS = 2.0
 
 # The worker: run in a fresh interpreter with the tree to measure first on sys.path.
@@ -160,13 +163,34 @@ def callgrind_total(path: Path) -> int:
     raise RuntimeError(f"{path}: no summary line (not a callgrind output file?)")
 
 
+def _case(text: str) -> tuple[str, str, str]:
+    """``TRUTH/TRACE/POLICY`` of a bench replay case (a truth may hold no slash)."""
+    parts = tuple(text.split("/"))
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected TRUTH/TRACE/POLICY, got {quoted(text)}")
+    truth, trace, policy = parts
+    if truth not in {t[0] for t in TRUTHS}:
+        raise argparse.ArgumentTypeError(f"no truth {quoted(truth)}")
+    if trace not in traces.PATTERNS:
+        raise argparse.ArgumentTypeError(
+            f"no trace {quoted(trace)} (have: {', '.join(traces.PATTERNS)})"
+        )
+    if policy not in POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"no policy {quoted(policy)} (have: {', '.join(POLICIES)})"
+        )
+    return truth, trace, policy
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench decision", description=__doc__)
     parser.add_argument(
         "--base", help="git revision to compare with (default: where HEAD forked from main)"
     )
-    parser.add_argument("--days", type=float, default=2.0)
-    parser.add_argument("--case", action="append", help="TRUTH/TRACE/POLICY (repeatable)")
+    parser.add_argument("--days", type=DAYS, default=2.0, help=f"trace length ({DAYS.spec})")
+    parser.add_argument(
+        "--case", type=_case, action="append", help="TRUTH/TRACE/POLICY (repeatable)"
+    )
     parser.add_argument(
         "--instructions",
         action="store_true",
@@ -176,7 +200,8 @@ def run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.instructions and shutil.which("valgrind") is None:
         parser.error("--instructions needs valgrind on PATH")
-    cases = [tuple(c.split("/")) for c in args.case] if args.case else list(CASES)
+    cases = args.case or list(CASES)
+    check_days(parser, args.days, sorted({trace for _, trace, _ in cases}))
     if args.base is None:
         args.base = subprocess.run(
             ["git", "-C", str(REPO), "merge-base", "HEAD", "main"],

@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` impor
 import httpx  # noqa: E402
 import tomli_w  # noqa: E402
 
+from specd.commands.args import Int, Seconds  # noqa: E402
 from specd.core.settings import TABLE_OF_KEY  # noqa: E402
 from specd.io.gateway import GatewayClient, GatewayUnavailable  # noqa: E402
 from specd.io.tls import verifying_context  # noqa: E402
@@ -410,11 +411,25 @@ def render(report: Report, argv: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+LOAD_TIME_S = Seconds(0, 600)
+CLIENTS = Int(1, 256)
+MAX_TOKENS = Int(1, 100_000)
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench fleet", description=__doc__)
-    parser.add_argument("--load-time-s", type=float, default=4.0, help="twin model load time")
-    parser.add_argument("--clients", type=int, default=6, help="streaming clients")
-    parser.add_argument("--max-tokens", type=int, default=40, help="tokens per request")
+    parser.add_argument(
+        "--load-time-s",
+        type=LOAD_TIME_S,
+        default=4.0,
+        help=f"twin model load time ({LOAD_TIME_S.spec})",
+    )
+    parser.add_argument(
+        "--clients", type=CLIENTS, default=6, help=f"streaming clients ({CLIENTS.spec})"
+    )
+    parser.add_argument(
+        "--max-tokens", type=MAX_TOKENS, default=40, help=f"tokens per request ({MAX_TOKENS.spec})"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the report")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +40,19 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` impor
 
 from bench import firstepoch  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
+from specd.commands.args import Float, Int  # noqa: E402
 from specd.commands.replay import build_config  # noqa: E402
 from specd.core.perftable import PerfTable  # noqa: E402
 from specd.io.config import Config, Window  # noqa: E402
 from specd.io.tables import read_table  # noqa: E402
-from specd.tools.replay import Trace, load_trace, replay  # noqa: E402
+from specd.tools.replay import (  # noqa: E402
+    DEFAULT_START,
+    MAX_TRACE_ROWS,
+    Trace,
+    load_trace,
+    open_intervals,
+    replay,
+)
 
 TRUTH = REPO / "bench" / "truth"
 RESULTS = REPO / "bench" / "results" / "replay.md"
@@ -82,6 +92,12 @@ WINDOWS: dict[str, tuple[tuple[str, float, str], ...]] = {
 }
 STEPS = (1, 6)
 RESTART_S = 100.0
+DAY_S = 86400
+# The traces have a row a second, and a replay reads at most MAX_TRACE_ROWS (~115 days).
+MAX_DAYS = 100.0
+assert MAX_DAYS * DAY_S <= MAX_TRACE_ROWS
+DAYS = Float(0, MAX_DAYS, above_lo=True, unit="days")
+JOBS = Int(1, 8)
 
 # Issue 12's "Figures to reach", per model row.
 ORACLE_MIN = 0.99
@@ -661,6 +677,30 @@ def _after_first_day_cell(r: dict[str, Any]) -> str:
     )
 
 
+def first_opening_s(trace_name: str) -> float:
+    """Seconds from a trace's start (`DEFAULT_START`) to the first opening of its windows,
+    by the replay's own window code."""
+    config = case_config(TRUTHS[0][2], trace_name, "model")
+    t0 = DEFAULT_START.timestamp()
+    opens = [a - t0 for a, _ in open_intervals(config, t0, t0 + 8 * DAY_S) if a > t0]
+    return opens[0]
+
+
+def check_days(parser: argparse.ArgumentParser, days: float, trace_names: Iterable[str]) -> None:
+    """A usage error (exit 2) unless a ``days``-long trace of each name sees a window open
+    (after its first row, before its last): else there is nothing to choose and each case
+    would die in the middle of the run."""
+    for name in trace_names:
+        opens = first_opening_s(name)
+        least = (opens + 2) / DAY_S  # rows 0 .. int(days * DAY_S) - 1; the last one after
+        if days < least:
+            parser.error(
+                f"argument --days: {days:g} days of trace {name} end before its first "
+                f"maintenance window opens ({opens / 3600:g} h in): at least "
+                f"{math.ceil(least * 1e4) / 1e4:g}"
+            )
+
+
 def report_path(
     out: Path | None, only: str | None, truth: str | None, days: float, no_bands: bool
 ) -> Path | None:
@@ -680,11 +720,11 @@ def _case(job: tuple[tuple[str, Path, Path], str, Path, str, Path]) -> Row:
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench replay", description=__doc__)
-    parser.add_argument("--days", type=float, default=7.0)
+    parser.add_argument("--days", type=DAYS, default=7.0, help=f"trace length ({DAYS.spec})")
     parser.add_argument("--only", choices=sorted(traces.PATTERNS))
     parser.add_argument("--truth", choices=[t[0] for t in TRUTHS], help="one truth only")
     parser.add_argument("--no-bands", action="store_true", help="skip the bands comparison")
-    parser.add_argument("--jobs", type=int, default=1, choices=range(1, 9), metavar="1-8")
+    parser.add_argument("--jobs", type=JOBS, default=1, help=f"processes ({JOBS.spec})")
     parser.add_argument(
         "--out", type=Path, help=f"write the report here (default {RESULTS}, whole runs only)"
     )
@@ -692,6 +732,7 @@ def run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     out = report_path(args.out, args.only, args.truth, args.days, args.no_bands)
     names = [args.only] if args.only else list(traces.PATTERNS)
+    check_days(parser, args.days, names)
     truths = [t for t in TRUTHS if args.truth in (None, t[0])]
     policies = ["model"] if args.no_bands else ["model", "bands"]
     rows: list[Row] = []

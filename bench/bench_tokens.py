@@ -40,10 +40,13 @@ if str(REPO) not in sys.path:  # run as a script: make `bench` importable
 from bench.bench_replay import (  # noqa: E402
     ADAPTIVE_MIN,
     BEST_STATIC_MIN,
+    DAYS,
+    JOBS,
     ORACLE_MIN,
     STATIC_POLICY,
     STATIC_TRUTHS,
     TRUTHS,
+    check_days,
 )
 from bench.child import export_revision, run_json, short_revision  # noqa: E402
 from bench.traces import generate as traces  # noqa: E402
@@ -217,8 +220,8 @@ def compare(
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench tokens", description=__doc__)
     parser.add_argument("--base", default="HEAD", help="git revision to compare with")
-    parser.add_argument("--days", type=float, default=7.0)
-    parser.add_argument("--jobs", type=int, default=2, choices=range(1, 9), metavar="1-8")
+    parser.add_argument("--days", type=DAYS, default=7.0, help=f"trace length ({DAYS.spec})")
+    parser.add_argument("--jobs", type=JOBS, default=2, help=f"processes ({JOBS.spec})")
     parser.add_argument("--truth", choices=[t[0] for t in TRUTHS], help="one truth only")
     parser.add_argument("--only", choices=sorted(traces.PATTERNS), help="one trace only")
     parser.add_argument("--out", type=Path, help="also write the report here")
@@ -237,6 +240,7 @@ def run(argv: list[str]) -> int:
         "same sweep (served less by --adaptive-loss, a static row's noise)",
     )
     args = parser.parse_args(argv)
+    check_days(parser, args.days, [args.only] if args.only else list(traces.PATTERNS))
     todo = cases(args.truth, args.only)
     with tempfile.TemporaryDirectory(prefix="specd-tokens-") as tmp:
         base_tree = export_revision(args.base, Path(tmp) / "base")

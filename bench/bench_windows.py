@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` and `specd` importable
     sys.path.insert(0, str(REPO))
 
+from specd.commands.args import Float, Int, Seconds  # noqa: E402
 from specd.core import windows  # noqa: E402
 from specd.core.windows import WindowLike, WindowSpec  # noqa: E402
 
@@ -92,14 +93,26 @@ def measure(name: str, ws: Sequence[WindowSpec], ticks: int, step_s: float, roun
     return Row(name, ticks, calendar * per, cron * per)
 
 
+DAYS = Float(0, 366, above_lo=True, unit="days")
+STEP_S = Seconds(0, 3600, above_lo=True)
+ROUNDS = Int(1, 10)
+# Some 10 µs a tick per round and case: past this a run takes hours.
+MAX_TICKS = 10_000_000
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench windows", description=__doc__)
-    parser.add_argument("--days", type=float, default=1.0)
-    parser.add_argument("--step-s", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=2, choices=range(1, 11), metavar="1-10")
+    parser.add_argument("--days", type=DAYS, default=1.0, help=f"ticked span ({DAYS.spec})")
+    parser.add_argument("--step-s", type=STEP_S, default=5.0, help=f"tick ({STEP_S.spec})")
+    parser.add_argument("--rounds", type=ROUNDS, default=2, help=f"rounds ({ROUNDS.spec})")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     ticks = int(args.days * 86400 / args.step_s)
+    if not 1 <= ticks <= MAX_TICKS:
+        parser.error(
+            f"--days {args.days:g} at --step-s {args.step_s:g} is {ticks} ticks; "
+            f"1..{MAX_TICKS} can be measured"
+        )
     rows = []
     for name, ws in CASES:
         # The demo's window opens every 20 s: a day of ticks says as much as a week.

@@ -10,14 +10,19 @@ import time
 from specd.commands.args import Seconds
 from specd.core.acceptance import alpha_from_accept_length
 from specd.core.observation import Observation, ScrapeError
+from specd.core.text import check_root_url
 from specd.io.sglang import SGLangClient, check_base_url
 
 
-def _url_arg(value: str) -> str:
+def sglang_url(value: str) -> str:
+    """``--url``: SGLang's root URL (a path such as /v1, copied from an OpenAI client, would
+    read /v1/metrics and be blamed on metrics being off)."""
     try:
-        return check_base_url(value)
+        url = check_base_url(value)
+        check_root_url(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return url
 
 
 TIMEOUT_S = Seconds(0, 300, above_lo=True)
@@ -25,7 +30,10 @@ TIMEOUT_S = Seconds(0, 300, above_lo=True)
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url", required=True, type=_url_arg, help="SGLang base URL, e.g. http://127.0.0.1:30000"
+        "--url",
+        required=True,
+        type=sglang_url,
+        help="SGLang's root URL, e.g. http://127.0.0.1:30000 (not .../v1)",
     )
     parser.add_argument("--json", action="store_true", help="print the Observation as JSON")
     parser.add_argument(

@@ -19,6 +19,7 @@ from typing import Any
 
 from specd.commands.args import Int, Seconds
 from specd.commands.check_config import load_for_command
+from specd.commands.observe import sglang_url
 from specd.core.history import History, HistorySettings
 from specd.core.model import PerformanceModel
 from specd.core.observation import Observation, ScrapeError
@@ -53,7 +54,12 @@ def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, s
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument(
+        "--url",
+        required=True,
+        type=sglang_url,
+        help="SGLang's root URL, e.g. http://127.0.0.1:30000 (not .../v1)",
+    )
     parser.add_argument("--config", type=Path, default=None, help=f"default {DEFAULT_CONFIG_PATH}")
     parser.add_argument(
         "--samples", type=SAMPLES, default=5, help=f"scrapes to take ({SAMPLES.spec}; default 5)"

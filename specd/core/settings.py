@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from specd.core import windows as windows_mod
 from specd.core.setting import format_setting
 from specd.core.setting import parse as parse_setting
+from specd.core.text import check_root_url
 
 MINUTE_S = 60.0
 HOUR_S = 3600.0
@@ -131,7 +132,8 @@ class SGLangSettings(BaseModel):
 
     url: str = Field(
         default="http://127.0.0.1:30000",
-        description="SGLang base URL (http or https); its /metrics needs --enable-metrics.",
+        description="SGLang's root URL (http or https; no path: not .../v1); its /metrics "
+        "needs --enable-metrics.",
     )
     unit: str = Field(
         default="sglang.service",
@@ -159,7 +161,8 @@ class SGLangSettings(BaseModel):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        return _http_url(value)
+        # The root only: a path such as /v1 would read /v1/metrics (as if metrics were off).
+        return check_root_url(_http_url(value))
 
     @field_validator("unit")
     @classmethod

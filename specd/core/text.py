@@ -50,6 +50,33 @@ def check_http_url(value: str) -> str:
     return value.rstrip("/")
 
 
+def _cut(text: str, most: int = 80) -> str:
+    return text if len(text) <= most else text[:most] + "…"
+
+
+def check_root_url(value: str) -> str:
+    """``check_http_url``, and the server's root only: no path, query or fragment.
+
+    specd reads /metrics, /server_info and /health_generate under the URL it is given, so
+    ``http://127.0.0.1:30000/v1`` (the OpenAI API's URL, as OpenAI clients are given it)
+    would read /v1/metrics and fail as if metrics were off. ValueError with a one-line
+    reason naming the root URL to give instead.
+    """
+    url = check_http_url(value)
+    parts = urllib.parse.urlsplit(url)
+    extra = parts.path.rstrip("/")
+    extra += f"?{parts.query}" if parts.query else ""
+    extra += f"#{parts.fragment}" if parts.fragment else ""
+    if extra:
+        root = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+        shown = extra if len(extra) <= 40 else extra[:40] + "…"
+        raise ValueError(
+            f"{_cut(value)!r} is not the server's root URL: specd wants {root} "
+            f"(it reads /metrics and /server_info there: drop {shown})"
+        )
+    return url
+
+
 def duration_text(seconds: float) -> str:
     """``42 s``, ``7.5 min``, ``3.2 h``: how specd writes a span of time in messages."""
     if not math.isfinite(seconds):

@@ -17,8 +17,11 @@ setting from that window's opening on. One that differs from the start K restart
 then, and serves nothing while it does, as specd (the oracle alone is charged no restart:
 it is the bound of choosing in hindsight). Tokens come from the
 truth table, piecewise constant per trace row; tokens specd's K would have served while
-SGLang restarts are lost. ``steps_timeline`` (each change and when it was issued) with
-``restart_s`` recounts specd's tokens from the truth alone; ``explorations`` counts the
+SGLang restarts are lost. ``setting_timeline`` (each change and when it was issued) with
+``change_restart_s`` (how long each change's restart took: ``restart_s``, an adaptive start
+more) recounts specd's tokens from the truth alone, as ``static_restart_s``,
+``adaptive_set_restart_s`` and ``adaptive.restart_s`` (what each comparison's restart at
+the first window took) recount theirs; ``explorations`` counts the
 changes that were safe explorations (reason ``explore``), per step count and per rolling
 week. ``--warmup-s`` replays the start of a trace without scoring it (steady state, as a
 daemon that has run a while).
@@ -306,6 +309,13 @@ class ReplayResult:
     adaptive: AdaptiveResult | None = None
     # The reason of each change in steps_timeline[1:] (the decision that restarted).
     change_reasons: list[str] = field(default_factory=list)
+    # How long each of those changes' restart served nothing (restart_s, and an adaptive
+    # start's extra CUDA-graph sets).
+    change_restart_s: list[float] = field(default_factory=list)
+    # What each comparison's restart into its setting at the first window served nothing
+    # (0: the start setting, no restart), by step count and by adaptive set.
+    static_restart_s: dict[int, float] = field(default_factory=dict)
+    adaptive_set_restart_s: dict[str, float] = field(default_factory=dict)
     # steps_timeline with each setting in its operator form ("off", "4", "adaptive:1,3").
     setting_timeline: list[tuple[float, str]] = field(default_factory=list)
     # Tokens of each adaptive set of the config the truth can score, run all along.
@@ -368,6 +378,9 @@ class ReplayResult:
             "oracle_tokens": round(self.oracle_tokens),
             "ratio_to_oracle": _ratio(self.specd_tokens, self.oracle_tokens),
             "static_tokens": {str(k): round(v) for k, v in sorted(self.static_tokens.items())},
+            "static_restart_s": {
+                str(k): _seconds(v) for k, v in sorted(self.static_restart_s.items())
+            },
             "best_static_steps": best,
             "ratio_to_best_static": _ratio(self.specd_tokens, best_tokens),
             "ratio_to_static": {
@@ -378,7 +391,11 @@ class ReplayResult:
                 None if self.adaptive is None else _ratio(self.specd_tokens, self.adaptive.tokens)
             ),
             "adaptive": None if self.adaptive is None else self.adaptive.to_dict(),
-            "oracle_gap_ratio": _ratio(self.oracle_tokens, best_tokens) - 1.0,
+            # From the unrounded tokens, rounded once (a rounded ratio less 1 kept its
+            # rounding error: 0.012299999999999978).
+            "oracle_gap_ratio": (
+                round(self.oracle_tokens / best_tokens - 1.0, 4) if best_tokens > 0 else 0.0
+            ),
             "gap_captured_ratio": (
                 None
                 if self.oracle_tokens <= best_tokens
@@ -392,9 +409,10 @@ class ReplayResult:
             "days": round(self.days, 4),
             "epochs": self.epochs,
             # Each change: [trace second the restart was issued, steps]; the first entry is
-            # the start. SGLang serves nothing for restart_s after each change.
+            # the start. SGLang serves nothing for change_restart_s[i] after change i.
             "steps_timeline": [[_seconds(t), k] for t, k in self.steps_timeline],
             "change_reasons": list(self.change_reasons),
+            "change_restart_s": [_seconds(s) for s in self.change_restart_s],
             # Explorations (changes with reason explore) begun in the scored span.
             "explorations": self.explorations_dict(),
             # [trace second, setting] of the same start and changes.
@@ -402,6 +420,9 @@ class ReplayResult:
             "kinds_chosen": _kinds_chosen(self.setting_timeline),
             "not_offered": dict(self.not_offered),
             "adaptive_set_tokens": {k: round(v) for k, v in self.adaptive_set_tokens.items()},
+            "adaptive_set_restart_s": {
+                k: _seconds(v) for k, v in self.adaptive_set_restart_s.items()
+            },
             "best_adaptive_set": self.best_adaptive_set,
             "ratio_to_best_adaptive_set": (
                 None
@@ -491,6 +512,8 @@ class AdaptiveResult:
     # specd against it in those seconds, and in the rest (None without a capacity).
     where_capacity_binds: CapacityPart | None = None
     where_capacity_does_not_bind: CapacityPart | None = None
+    # What its restart into the slots at the first window served nothing.
+    restart_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -498,6 +521,7 @@ class AdaptiveResult:
             "candidates_skipped": list(self.skipped),
             "capacity": self.capacity,
             "tokens": round(self.tokens),
+            "restart_s": _seconds(self.restart_s),
             "above_capacity_ratio": (
                 None if self.above_capacity_ratio is None else round(self.above_capacity_ratio, 4)
             ),
@@ -881,8 +905,12 @@ def replay(
     epoch_best = {a: max(tokens.between(kk, a, b) for kk in allowed) for a, b in epochs}
     oracle += sum(epoch_best.values())
 
+    def charged_s(key: Key) -> float:
+        """What a comparison's restart into ``key`` at the first window serves nothing."""
+        return 0.0 if key == live_then else restart_into_s(key)
+
     def from_first_window(key: Key, above: int | None = None) -> float:
-        served_from = fixed_until if key == live_then else fixed_until + restart_into_s(key)
+        served_from = fixed_until + charged_s(key)
         return tokens.between(live_then, scored_from, fixed_until, above) + tokens.between(
             key, min(served_from, last), last, above
         )
@@ -918,6 +946,7 @@ def replay(
             above_capacity_ratio=_share_above(trace, adaptive.capacity, scored_from, last),
             where_capacity_binds=binds,
             where_capacity_does_not_bind=rest,
+            restart_s=charged_s(ADAPTIVE),
         )
     # From the first opening a day in on, each comparison runs its own setting already:
     # specd's tokens from then, the oracle's epochs from then, each static K and SGLang's
@@ -962,6 +991,9 @@ def replay(
         restart_lost_tokens=lost,
         adaptive=adaptive_result,
         change_reasons=change_reasons,
+        change_restart_s=restart_spans,
+        static_restart_s={kk: charged_s(kk) for kk in allowed},
+        adaptive_set_restart_s={text: charged_s(key) for text, key in set_keys.items()},
         after_first_day=after_first_day,
     )
 

@@ -21,15 +21,18 @@ Nothing here imports specd's core: the twin is the stand-in for SGLang, not for 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from specd.io import files
+
 FLAT, SLOTS = "flat", "slots"
 # AdaptiveSpeculativeParams' own default before per-batch slots (0.5.11).
 FLAT_DEFAULT_CANDIDATES = (1, 3, 7)
+# A config is a few hundred bytes (one slot per batch size); a file 1000x that is not one.
+MAX_CONFIG_BYTES = 1 * files.MIB
 
 
 def _slot(steps: list[int], down: float) -> dict[str, Any]:
@@ -114,17 +117,26 @@ def unsupported_reason(
 
 
 def _read(path: str) -> Any:
+    """The JSON in the file at ``path``, read as specd reads a file (``specd.io.files``: a
+    regular file only, at most ``MAX_CONFIG_BYTES``, nesting bounded), so a FIFO, a device or
+    a huge file is one error line naming it, as SGLang would die on a bad file, never a hang
+    or a traceback. The message starts with the exception SGLang would die with."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except FileNotFoundError as exc:
+        data = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
+    except files.MissingFileError as exc:
         raise AdaptiveConfigError(f"FileNotFoundError: {exc}") from None
-    except OSError as exc:
-        raise AdaptiveConfigError(f"{type(exc).__name__}: {exc}") from None
+    except files.FileReadError as exc:
+        raise AdaptiveConfigError(f"OSError: {exc}") from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise AdaptiveConfigError(f"UnicodeDecodeError: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise AdaptiveConfigError(f"json.decoder.JSONDecodeError: {exc}") from None
+        raise AdaptiveConfigError(
+            f"UnicodeDecodeError: {path}: is not UTF-8 text (byte {exc.start})"
+        ) from None
+    try:
+        return files.parse_json(text)
+    except files.ParseError as exc:
+        raise AdaptiveConfigError(f"json.decoder.JSONDecodeError: {path}: {exc}") from None
 
 
 def load_slots(rules: AdaptiveRules, path: str | None) -> dict[int, dict[str, Any]]:

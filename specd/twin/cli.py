@@ -61,7 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--model-path", "--model", default="Qwen/Qwen3.5-122B-A10B")
     sg.add_argument("--served-model-name", default=None)
     sg.add_argument("--host", default="127.0.0.1")
-    sg.add_argument("--port", type=PORT_OR_FREE, default=30000, help=PORT_OR_FREE.spec)
+    sg.add_argument(
+        "--port",
+        type=PORT_OR_FREE,
+        default=30000,
+        help=f"{PORT_OR_FREE.spec}; 0: a free port, announced on stderr as "
+        "'[twin] listening on http://HOST:PORT'",
+    )
     sg.add_argument("--speculative-algorithm", default=None)
     sg.add_argument("--speculative-num-steps", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--speculative-eagle-topk", type=COUNT, default=None, help=COUNT.spec)

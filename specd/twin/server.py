@@ -814,6 +814,14 @@ def _self_url(host: str, port: int) -> str:
     return f"http://[{reach}]:{port}" if ":" in reach else f"http://{reach}:{port}"
 
 
+def _bound_port(addresses: list[Any]) -> int:
+    """The port the listening sockets got (the first's: one host, one socket, one port)."""
+    for address in addresses:
+        if isinstance(address, tuple) and len(address) >= 2 and isinstance(address[1], int):
+            return address[1]
+    raise RuntimeError(f"no TCP port among the listening sockets {addresses!r}")
+
+
 def _padding(size: int) -> str:
     header = "# HELP sglang:twin_padding Padding series for large-page tests.\n"
     header += "# TYPE sglang:twin_padding gauge\n"
@@ -874,6 +882,10 @@ async def _main(config: TwinConfig) -> int:
         print(f"[twin] ERROR: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         await runner.cleanup()
         return 1
+    if args.port == 0:
+        # --port 0: the system picked a free port. It is the twin's port from now on (its
+        # warm-up, /server_info) and is announced below, where a caller reads it.
+        args.port = _bound_port(runner.addresses)
     mode = f"adaptive {config.candidates}" if config.adaptive else f"steps {config.steps}"
     print(f"[twin] listening on http://{args.host}:{args.port} ({mode})",
           file=sys.stderr, flush=True)  # fmt: skip

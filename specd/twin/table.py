@@ -8,6 +8,8 @@ adaptive set (`specd sweep --adaptive`) are skipped: the twin's adaptive mode ru
 static rows of its candidates, as SGLang's switches among them. It is deliberately not specd's
 ``specd.core.perftable``: the twin is the stand-in for the GPU server, so its truth must not
 share code with the model it is used to test (the import-linter contract in pyproject.toml).
+The file itself is read as specd reads every file (``specd.io.files``): a regular file only, at
+most ``MAX_TABLE_BYTES``, so a FIFO or a huge file is one line, never a hang or a traceback.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import bisect
 import csv
 import io
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from specd.io import files
 
 REQUIRED_COLUMNS = ("steps", "concurrency", "output_tok_s")
 OPTIONAL_COLUMNS = ("accept_length", "max_running_requests", "setting")
 ALL_COLUMNS = REQUIRED_COLUMNS + OPTIONAL_COLUMNS
+# As specd's own (specd.io.tables): the seed table is 1 KB and a dense sweep ~50 KB.
+MAX_TABLE_BYTES = 4 * files.MIB
 
 
 class PerfTableError(ValueError):
@@ -106,11 +112,14 @@ class PerfTable:
 
     @classmethod
     def from_csv(cls, path: str | Path) -> PerfTable:
-        path = Path(path)
+        """The table in the CSV file at ``path``; ``PerfTableError`` (one line naming the file)
+        for a file that is missing, not a regular file (a FIFO would hang the twin), larger
+        than ``MAX_TABLE_BYTES``, not UTF-8 or not a table. A symlink is followed (an
+        operator's table, not the twin's state)."""
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PerfTableError(f"{path}: cannot read: {exc}") from exc
+            text = files.read_text_file(path, MAX_TABLE_BYTES, follow_symlinks=True)
+        except files.FileReadError as exc:
+            raise PerfTableError(str(exc)) from None
         return cls.from_csv_text(text, source=str(path))
 
     @classmethod
@@ -118,7 +127,7 @@ class PerfTable:
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         rows: list[PerfRow] = []
-        for line_no, raw_cells in enumerate(reader, start=1):
+        for line_no, raw_cells in _csv_rows(reader, source):
             cells = [c.strip() for c in raw_cells]
             if not cells or all(not c for c in cells) or cells[0].startswith("#"):
                 continue
@@ -194,6 +203,17 @@ class PerfTable:
             raise KeyError(
                 f"{self.source}: no data for steps {steps} (table has steps {known})"
             ) from None
+
+
+def _csv_rows(reader: Iterator[list[str]], source: str) -> Iterator[tuple[int, list[str]]]:
+    """(line number, cells); the csv module's own errors (a field over its 128 KiB limit)
+    as one ``PerfTableError`` naming the source and line, not a traceback."""
+    line_no = 0
+    try:
+        for line_no, cells in enumerate(reader, start=1):
+            yield line_no, cells
+    except csv.Error as exc:
+        raise PerfTableError(f"{source}:{line_no + 1}: not a CSV row ({exc})") from None
 
 
 def _parse_row(values: dict[str, str], where: str) -> PerfRow:

@@ -150,6 +150,28 @@ def test_a_bad_config_stops_the_command_with_one_line_per_problem(
         assert key in named, lines
 
 
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://127.0.0.1:30000/v1", "http://127.0.0.1:30000"),
+        ("http://gpu-7:30000/v1/", "http://gpu-7:30000"),
+        ("https://sglang.internal/generate?x=1", "https://sglang.internal"),
+    ],
+)
+def test_a_sglang_url_under_the_root_is_a_config_error(tmp_path: Path, url: str, root: str) -> None:
+    """[sglang] url = ".../v1" read /v1/metrics in every tick, as if metrics were off."""
+    path = tmp_path / "specd.toml"
+    path.write_text(f'[sglang]\nurl = "{url}"\n')
+    proc = specd("check-config", str(path))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        f"{path}: sglang.url: {url.rstrip('/')!r} is not the server's root URL: specd wants {root} "
+        f"(it reads /metrics and /server_info there: drop "
+        f"{url.removeprefix(root).rstrip('/')})"
+    ]
+
+
 def write_config(tmp_path: Path) -> Path:
     path = tmp_path / "specd.toml"
     path.write_text(

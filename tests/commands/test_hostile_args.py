@@ -157,6 +157,35 @@ def test_hostile_values_through_a_process_of_their_own(
         check_refusal(command, name, value, proc.returncode, proc.stdout, proc.stderr, took)
 
 
+# A URL under SGLang's root (as OpenAI clients are given it, http://HOST:PORT/v1) read
+# /v1/metrics and was blamed on metrics being off: refused, naming the root URL to give.
+URLS = [
+    "http://127.0.0.1:30000/v1",
+    "http://127.0.0.1:30000/v1/",
+    "http://127.0.0.1:30000/v1/chat/completions",
+    "http://127.0.0.1:30000/metrics",
+    "http://127.0.0.1:30000/?x=1",
+]
+
+
+@pytest.mark.parametrize("command", ["observe", "recommend"])
+def test_a_url_under_the_servers_root_is_one_usage_error(command: str) -> None:
+    argvs = [[command, f"--url={url}"] for url in URLS]
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for url, (code, stdout, stderr, took) in zip(URLS, json.loads(proc.stdout), strict=True):
+        check_refusal(command, "--url", url, code, stdout, stderr, took)
+        assert "is not the server's root URL: specd wants http://127.0.0.1:30000 " in stderr
+        assert "--enable-metrics" not in stderr, stderr
+
+
 # -- the types, in-process ----------------------------------------------------------------
 TYPES: list[object] = [
     cli_args.Int(1, 16),

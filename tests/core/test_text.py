@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from specd.core import text
 from specd.core.text import check_http_url, check_service_name, duration_text, is_service_name
 
 
@@ -66,6 +67,38 @@ def test_bad_urls_are_one_line(url: str, problem: str) -> None:
         check_http_url(url)
     assert str(info.value).startswith(f"{url!r} {problem}")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("http://127.0.0.1:30000", "http://127.0.0.1:30000"),
+        ("http://127.0.0.1:30000/", "http://127.0.0.1:30000"),
+        ("https://user:pw@sglang.internal", "https://user:pw@sglang.internal"),
+        ("http://[::1]:8000/", "http://[::1]:8000"),
+        # Under the root, specd would read /v1/metrics: one line naming the root to give.
+        ("http://127.0.0.1:30000/v1", "http://127.0.0.1:30000 (it reads /metrics and "),
+        ("http://127.0.0.1:30000/v1/", "http://127.0.0.1:30000 (it reads /metrics and "),
+        (
+            "http://h:1/v1/chat/completions",
+            "http://h:1 (it reads /metrics and /server_info there: drop /v1/chat/completions)",
+        ),
+        ("http://h:1/metrics", "http://h:1 (it reads /metrics and /server_info there: drop "),
+        ("http://h:1?x=1", "http://h:1 (it reads /metrics and /server_info there: drop ?x=1)"),
+        ("http://h:1/#top", "http://h:1 (it reads /metrics and /server_info there: drop #top)"),
+        ("http://h:1/" + "a" * 5000, "http://h:1 (it reads /metrics and /server_info there: "),
+    ],
+)
+def test_only_a_root_url_is_a_servers_url(url: str, expected: str) -> None:
+    if "(it reads" not in expected:
+        assert text.check_root_url(url) == expected
+        return
+    with pytest.raises(ValueError) as info:
+        text.check_root_url(url)
+    message = str(info.value)
+    assert "is not the server's root URL: specd wants " + expected in message
+    assert "\n" not in message
+    assert len(message) < 300
 
 
 @pytest.mark.parametrize(

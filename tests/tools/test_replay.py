@@ -757,6 +757,47 @@ def recount(data: dict[str, Any], trace: Trace, truth_path: Path) -> float:
     return total
 
 
+def test_the_json_says_what_each_restart_took_and_rounds_the_gap_once() -> None:
+    """Every restart's length is in the JSON, specd's and each comparison's (an adaptive
+    start captures one CUDA-graph set more per candidate beyond the first, 20 s each), so
+    anyone can recount the tokens; the oracle's gap over the best static is rounded once,
+    from the tokens (a rounded ratio less 1 kept its rounding error)."""
+    trace = minute_trace(2, mixed)
+    config = build_config(
+        Config(observe={"scrape_interval_s": 15}),
+        window_list=TWICE_A_DAY,
+        steps=(1, 6),
+        calibration=HEAVYOFF[1],
+        restart_s=100,
+        kinds=("off", "static", "adaptive"),
+    )
+    result = replay(trace, read_table(HEAVYOFF[0]), config, warmup_s=DAY)
+    data = json.loads(json.dumps(result.to_dict()))
+    best = result.static_tokens[result.best_static_steps]
+    assert result.oracle_tokens > best  # a gap to round
+    assert data["oracle_gap_ratio"] == round(result.oracle_tokens / best - 1.0, 4)
+
+    def took(text: str) -> float:
+        setting = parse(text)
+        return 100 + (20 * (len(setting.candidates) - 1) if setting.kind == "adaptive" else 0)
+
+    # specd's own changes, one length each, an adaptive one among them.
+    changes = [text for _, text in data["setting_timeline"][1:]]
+    assert any(text.startswith("adaptive:") for text in changes)
+    assert data["change_restart_s"] == [took(text) for text in changes]
+    # Each comparison restarts at the first window into its setting unless it runs it then.
+    at_scoring = [text for at, text in data["setting_timeline"] if at <= DAY][-1]
+    assert data["static_restart_s"] == {
+        k: 0 if k == at_scoring else 100 for k in data["static_tokens"]
+    }
+    assert set(data["adaptive_set_restart_s"]) == set(data["adaptive_set_tokens"])
+    for text, seconds in data["adaptive_set_restart_s"].items():
+        assert seconds == (0 if text == at_scoring else took(text)), text
+    assert data["adaptive_set_restart_s"]["adaptive:1,3"] == 120
+    # SGLang's default slots draft at 1, 3, 5 and 7: three sets more than a static start.
+    assert data["adaptive"]["restart_s"] == 160
+
+
 def test_under_heavy_load_specd_turns_speculation_off_where_the_truth_says_it_pays() -> None:
     trace = minute_trace(3, heavy)
     data = kinds_replay(trace, ("off", "static", "adaptive"))

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -16,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.preset import preset_table
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import TwinProcess, free_port, stop_process
 from specd.twin.server import TwinConfigError, resolve
 
 REAL_PAGE = Path(__file__).parents[1] / "fixtures" / "twin" / "sglang-0.5.23-metrics-loaded.prom"
@@ -129,6 +133,158 @@ def test_cli_exits_nonzero_with_one_line_error() -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("specd twin: error: TypeError")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_port_0_serves_on_a_free_port_it_announces(tmp_path: Path) -> None:
+    """`--port 0` (allowed by --help): the twin listens on a port the system picks, warms
+    up on it, reports it in /server_info and says it in its 'listening on' line."""
+    log = tmp_path / "twin.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specd.cli", "twin", *SPEC4, *FAST, "--port", "0"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        found = None
+        while found is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", log.read_text())
+            time.sleep(0.05)
+        assert found is not None, log.read_text()
+        port = int(found.group(1))
+        assert port != 0, log.read_text()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+            while time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(httpx.HTTPError):
+                    if c.get("/health").status_code == 200:
+                        break
+                time.sleep(0.05)
+            assert c.get("/health").status_code == 200, log.read_text()
+            assert c.get("/server_info").json()["port"] == port
+        assert proc.poll() is None, log.read_text()
+    finally:
+        stop_process(proc)
+    assert "ERROR" not in log.read_text(), log.read_text()
+
+
+# -- hostile files: what --table and --speculative-adaptive-config name ----------------------
+ADAPTIVE = [*SPEC4[:1], "EAGLE", *SPEC4[2:], "--speculative-adaptive"]
+
+
+def _fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "fifo")
+    return tmp / "fifo"
+
+
+def _sparse_300_mb(tmp: Path) -> Path:
+    path = tmp / "huge"
+    with open(path, "wb") as fh:
+        fh.truncate(300 * 1024 * 1024)  # sparse: no disk, but 300 MB to read
+    return path
+
+
+def _long_field(tmp: Path) -> Path:
+    path = tmp / "long.csv"
+    path.write_text('steps,concurrency,output_tok_s\n1,1,"' + "9" * 200_000 + '"\n')
+    return path
+
+
+def _deep_json(tmp: Path) -> Path:
+    path = tmp / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    return path
+
+
+def _bad_json(tmp: Path) -> Path:
+    path = tmp / "bad.json"
+    path.write_text('{"1": {"candidate_steps": [1, 3]}\n,,}')
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flags", "make", "problem"),
+    [
+        (["--table"], _fifo, "{path}: is not a regular file (a FIFO)"),
+        (["--table"], lambda tmp: Path("/dev/zero"), "{path}: is not a regular file (a character"),
+        (["--table"], _sparse_300_mb, "{path}: is 300 MiB, larger than the 4 MiB allowed"),
+        (["--table"], _long_field, "{path}:2: not a CSV row (field larger than field limit"),
+        (
+            [*ADAPTIVE, "--speculative-adaptive-config"],
+            _fifo,
+            "{path}: is not a regular file (a FIFO)",
+        ),
+        (
+            [*ADAPTIVE, "--speculative-adaptive-config"],
+            lambda tmp: Path("/dev/zero"),
+            "{path}: is not a regular file (a character device)",
+        ),
+        (
+            [*ADAPTIVE, "--speculative-adaptive-config"],
+            _sparse_300_mb,
+            "{path}: is 300 MiB, larger than the 1 MiB allowed",
+        ),
+        (
+            [*ADAPTIVE, "--speculative-adaptive-config"],
+            _deep_json,
+            "json.decoder.JSONDecodeError: {path}: invalid JSON: nested deeper than 64",
+        ),
+        (
+            [*ADAPTIVE, "--speculative-adaptive-config"],
+            _bad_json,
+            "JSONDecodeError: {path}: invalid JSON: Expecting property name enclosed in double "
+            "quotes: line 2",
+        ),
+        # 0.5.11 reads the file when the worker loads, and dies then (here at once).
+        (
+            [
+                "--sglang-version",
+                "0.5.11",
+                *ADAPTIVE,
+                "--disable-overlap-schedule",
+                "--speculative-adaptive-config",
+            ],
+            _fifo,
+            "[twin] ERROR: OSError: {path}: is not a regular file (a FIFO)",
+        ),
+    ],
+    ids=[
+        "table-fifo",
+        "table-device",
+        "table-300MB",
+        "table-long-field",
+        "adaptive-fifo",
+        "adaptive-device",
+        "adaptive-300MB",
+        "adaptive-deep",
+        "adaptive-bad-json",
+        "adaptive-0.5.11-fifo",
+    ],
+)
+def test_a_hostile_file_is_one_error_line_at_once(
+    tmp_path: Path, flags: list[str], make: Callable[[Path], Path], problem: str
+) -> None:
+    """Never a hang on a FIFO or device, never a huge read, never a traceback: one line
+    naming the file (and line), exit 1 as for any file the twin (or SGLang) cannot use."""
+    path = make(tmp_path)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "twin", *flags, str(path),
+         "--load-time-s", "0", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert time.monotonic() - started < 15
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert problem.format(path=path) in errors[0], errors[0]
+    assert len(errors[0]) < 300, errors[0]
 
 
 def _shape(text: str) -> dict[str, tuple[str, str, frozenset[frozenset[str]]]]:
