@@ -82,6 +82,10 @@ class Engine:
         self._lifetime = [0.0, 0.0]  # verify forwards and their tokens since start
         self.draft_tokens = draft_tokens
         self.max_running = max_running
+        # Each DP rank's scheduler admits up to its own share, as SGLang divides
+        # --max-running-requests among them (and /server_info reports per rank): the
+        # server-wide cap alone let one rank run more than the capacity it reports.
+        self.max_running_per_rank = max(max_running // max(state.dp_size, 1), 1)
         self.state = state
         self.accept_length = accept_length
         self.accept_noise = accept_noise
@@ -189,14 +193,30 @@ class Engine:
 
     def _admit(self) -> None:
         now = self.clock()
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting.popleft()
-            req.admitted = now
-            self.running.append(req)
-            fam = BY_NAME["sglang:queue_time_seconds"]
-            self.state.observe(fam, now - req.arrival, rank=req.rank)
-            self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
-                           (("mode", "prefill_compute"),))  # fmt: skip
+        ranks = max(self.state.dp_size, 1)
+        if ranks == 1:
+            while self.waiting and len(self.running) < self.max_running:
+                self._start(self.waiting.popleft(), now)
+            return
+        per_rank = [0] * ranks
+        for req in self.running:
+            per_rank[req.rank] += 1
+        for req in list(self.waiting):
+            if min(per_rank) >= self.max_running_per_rank:
+                break
+            if per_rank[req.rank] >= self.max_running_per_rank:
+                continue  # its rank is full; a later request on another rank may go
+            self.waiting.remove(req)
+            per_rank[req.rank] += 1
+            self._start(req, now)
+
+    def _start(self, req: Request, now: float) -> None:
+        req.admitted = now
+        self.running.append(req)
+        fam = BY_NAME["sglang:queue_time_seconds"]
+        self.state.observe(fam, now - req.arrival, rank=req.rank)
+        self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
+                       (("mode", "prefill_compute"),))  # fmt: skip
 
     def advance(self) -> None:
         now = self.clock()

@@ -17,6 +17,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.core.observation import Observation
+from specd.io.sglang import SGLangClient
 from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.preset import preset_table
@@ -548,3 +550,38 @@ def test_server_info_accept_length_only_with_speculation(argv: list[str], has_ac
         twin.wait_healthy()
         states = httpx.get(twin.url + "/server_info", timeout=10).json()["internal_states"]
         assert ("avg_spec_accept_length" in states[0]) is has_accept
+
+
+LOAD = [sys.executable, "-m", "specd.cli", "load", "--max-tokens", "100000"]
+
+
+def test_dp_ranks_never_run_more_than_the_capacity_they_report() -> None:
+    # SGLang divides --max-running-requests among its DP ranks and /server_info reports
+    # each rank's share; specd refuses a page with more running than their sum. The twin
+    # admitted up to the server-wide 13 while reporting 6 + 6, so under load specd's
+    # reader failed every scrape of it.
+    args = [*SPEC4, "--enable-metrics", "--dp-size", "2", "--max-running-requests", "13", *FAST]
+    with TwinProcess(args) as twin:
+        twin.wait_healthy(20)
+        load = subprocess.Popen(
+            [*LOAD, "--url", twin.url, "--concurrency", "20", "--duration-s", "6"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            info = httpx.get(twin.url + "/server_info", timeout=10).json()
+            shares = [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]]
+            assert shares == [6, 6]
+            client = SGLangClient(twin.url, timeout_s=5.0)
+            seen: list[int] = []
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and (not seen or max(seen) < sum(shares)):
+                result = client.observe()
+                assert isinstance(result, Observation), result
+                seen.append(result.running)
+                time.sleep(0.25)
+            client.close()
+        finally:
+            load.terminate()
+            load.wait(10)
+    assert max(seen) == sum(shares), seen  # full, and never past it
