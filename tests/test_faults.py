@@ -1090,6 +1090,35 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
     assert runner.calls == []
 
 
+def _serving_with_budget(
+    config_path: Path, standin: StandIn, metrics_port: int, log: Path, budget: int
+) -> subprocess.Popen[bytes]:
+    """A real `specd run` on ``config_path``, once its metrics show ``budget`` (the config's
+    daily restart budget: which config it runs)."""
+    proc = start_specd(config_path, daemon_env(standin), log)
+    wait_for(
+        lambda: (
+            metric(metrics_port, "specd_restart_budget_remaining") == budget
+            or proc.poll() is not None
+        ),
+        20,
+        "specd's metrics",
+    )
+    assert proc.poll() is None, log.read_text()
+    return proc
+
+
+def _reload_rejected(proc: subprocess.Popen[bytes], metrics_port: int, log: Path) -> None:
+    """SIGHUP, and wait for specd to say the reload was rejected; it must live on."""
+    proc.send_signal(signal.SIGHUP)
+    wait_for(
+        lambda: metric(metrics_port, "specd_config_reload_success") == 0 or proc.poll() is not None,
+        10,
+        "the rejected reload",
+    )
+    assert proc.poll() is None, log.read_text()[-2000:]
+
+
 @pytest.mark.parametrize(
     ("label", "bad", "said"),
     [
@@ -1109,27 +1138,10 @@ def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(
     standin, config_path, metrics_port = specd_setup
     write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
     log = tmp_path / "specd.log"
-    proc = start_specd(config_path, daemon_env(standin), log)
+    proc = _serving_with_budget(config_path, standin, metrics_port, log, 4)
     try:
-        wait_for(
-            lambda: (
-                metric(metrics_port, "specd_restart_budget_remaining") == 4
-                or proc.poll() is not None
-            ),
-            20,
-            "specd's metrics",
-        )
-        assert proc.poll() is None, log.read_text()
         config_path.write_bytes(bad)
-        proc.send_signal(signal.SIGHUP)
-        wait_for(
-            lambda: (
-                metric(metrics_port, "specd_config_reload_success") == 0 or proc.poll() is not None
-            ),
-            10,
-            "the rejected reload",
-        )
-        assert proc.poll() is None, log.read_text()[-2000:]
+        _reload_rejected(proc, metrics_port, log)
         rejected = events_named(log, "reload_rejected")
         assert rejected, log.read_text()[-2000:]
         assert all("\n" not in str(e["problem"]) for e in rejected)
@@ -1170,17 +1182,8 @@ def test_an_impossible_calibration_stops_the_start_and_is_refused_at_reload(
     assert [line for line in log.read_text().splitlines() if problem in line], log.read_text()
     # Running, it keeps its config when a reload brings the same table.
     write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
-    proc = start_specd(config_path, daemon_env(standin), log)
+    proc = _serving_with_budget(config_path, standin, metrics_port, log, 4)
     try:
-        wait_for(
-            lambda: (
-                metric(metrics_port, "specd_restart_budget_remaining") == 4
-                or proc.poll() is not None
-            ),
-            20,
-            "specd's metrics",
-        )
-        assert proc.poll() is None, log.read_text()
         write_config(
             config_path,
             tmp_path,
@@ -1189,15 +1192,7 @@ def test_an_impossible_calibration_stops_the_start_and_is_refused_at_reload(
             daily_restart_budget=3,
             calibration_file=str(cal),
         )
-        proc.send_signal(signal.SIGHUP)
-        wait_for(
-            lambda: (
-                metric(metrics_port, "specd_config_reload_success") == 0 or proc.poll() is not None
-            ),
-            10,
-            "the rejected reload",
-        )
-        assert proc.poll() is None, log.read_text()[-2000:]
+        _reload_rejected(proc, metrics_port, log)
         (rejected,) = events_named(log, "reload_rejected")
         assert problem in rejected["problem"]
         assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
