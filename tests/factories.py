@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -136,6 +137,7 @@ def serve(
 
 # ---- SGLang versions: each one's own pages (tests/fixtures/metrics/versions/) ----
 
+REPO = Path(__file__).resolve().parents[1]
 VERSION_PAGES = Path(__file__).resolve().parent / "fixtures" / "metrics" / "versions"
 OLD_VERSIONS = ("0.5.4", "0.5.11")  # no sglang:spec_num_steps / spec_num_draft_tokens gauges
 
@@ -365,3 +367,44 @@ class EtcdProcess(loopback.EtcdProcess):
 
 class Killed(BaseException):
     """specd dying (SIGKILL) at a chosen point: nothing in apply or the daemon may catch it."""
+
+
+# Runs ``main`` (``module:function``, a main(argv)) once per argv in one interpreter:
+# interpreter start-up, not parsing, is what costs CPU on a 2-core CI machine. Whatever
+# escapes ``main`` is printed and its code is "raised".
+_MAINS_DRIVER = """
+import contextlib, importlib, io, json, sys, time, traceback
+module, _, function = sys.argv[1].partition(":")
+main = getattr(importlib.import_module(module), function)
+results = []
+for argv in json.loads(sys.argv[2]):
+    out, err = io.StringIO(), io.StringIO()
+    started = time.monotonic()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except Exception:
+            traceback.print_exc()
+            code = "raised"
+    results.append([code, out.getvalue(), err.getvalue(), time.monotonic() - started])
+print(json.dumps(results))
+"""
+
+
+def run_mains(main: str, argvs: list[list[str]]) -> list[tuple[object, str, str, float]]:
+    """(exit code, stdout, stderr, seconds) of ``main`` run on each of ``argvs``, in order."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _MAINS_DRIVER, main, json.dumps(argvs)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    assert len(results) == len(argvs)
+    return [tuple(r) for r in results]

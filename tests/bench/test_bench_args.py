@@ -8,12 +8,10 @@ maintenance window opens died of "nothing to choose" in the middle of the run).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from factories import run_mains
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE = ["0", "-1", "nan", "inf", "1e308", "", "0x10", "9" * 5000]
@@ -58,41 +56,9 @@ IMPOSSIBLE: list[tuple[str, list[str], str]] = [
     ("windows", ["--days=366", "--step-s=0.001"], "is 31622400000 ticks; 1..10000000"),
 ]
 
-# One interpreter per bench runs `python -m bench`'s entry point once per argv.
-DRIVER = """
-import contextlib, io, json, sys, time, traceback
-from bench.__main__ import main
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    started = time.monotonic()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-        except Exception:
-            traceback.print_exc()
-            code = "raised"
-    results.append([code, out.getvalue(), err.getvalue(), time.monotonic() - started])
-print(json.dumps(results))
-"""
-
 
 def _run(argvs: list[list[str]]) -> list[tuple[object, str, str, float]]:
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
-    assert len(results) == len(argvs)
-    return [tuple(r) for r in results]
+    return run_mains("bench.__main__:main", argvs)
 
 
 def _check(bench: str, shown: str, result: tuple[object, str, str, float], want: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import time
 from datetime import datetime, timedelta
 
 import pytest
+from factories import run_mains
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,23 +77,9 @@ ARGUMENTS: list[tuple[str, str, list[str]]] = [
 
 
 # One interpreter per argument runs the real `specd` entry point (cli.main, as `python -m
-# specd.cli` does) once per value: interpreter start-up, not parsing, is what costs CPU, and
-# 38 arguments × 8 values as separate processes took minutes of a 2-core CI machine.
-DRIVER = """
-import contextlib, io, json, sys, time
-from specd import cli
-results = []
-for argv in json.loads(sys.argv[1]):
-    out, err = io.StringIO(), io.StringIO()
-    started = time.monotonic()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    results.append([code, out.getvalue(), err.getvalue(), time.monotonic() - started])
-print(json.dumps(results))
-"""
+# specd.cli` does) once per value: 38 arguments × 8 values as separate processes took
+# minutes of a 2-core CI machine.
+CLI_MAIN = "specd.cli:main"
 
 
 def check_refusal(
@@ -120,17 +106,7 @@ def check_refusal(
 )
 def test_every_hostile_value_is_one_usage_error(command: str, name: str, argv: list[str]) -> None:
     argvs = [[part.replace("{}", value) for part in argv] for value in HOSTILE]
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]  # nothing escaped cli.main
-    results = json.loads(proc.stdout)
-    assert len(results) == len(HOSTILE)
+    results = run_mains(CLI_MAIN, argvs)
     for value, (code, stdout, stderr, took) in zip(HOSTILE, results, strict=True):
         check_refusal(command, name, value, code, stdout, stderr, took)
 
@@ -171,16 +147,7 @@ URLS = [
 @pytest.mark.parametrize("command", ["observe", "recommend"])
 def test_a_url_under_the_servers_root_is_one_usage_error(command: str) -> None:
     argvs = [[command, f"--url={url}"] for url in URLS]
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for url, (code, stdout, stderr, took) in zip(URLS, json.loads(proc.stdout), strict=True):
+    for url, (code, stdout, stderr, took) in zip(URLS, run_mains(CLI_MAIN, argvs), strict=True):
         check_refusal(command, "--url", url, code, stdout, stderr, took)
         assert "is not the server's root URL: specd wants http://127.0.0.1:30000 " in stderr
         assert "--enable-metrics" not in stderr, stderr
