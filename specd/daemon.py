@@ -12,6 +12,7 @@ healthy restart of a 100B model is not killed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -63,6 +64,9 @@ STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
 DAY_S = 86400.0
+# The wall clock moved this much more (or less) than the monotonic clock between two reads:
+# it was stepped (NTP, `date -s`). Slewing moves it by milliseconds a minute.
+CLOCK_STEP_S = 30.0
 
 
 def utc(ts: float) -> datetime:
@@ -132,6 +136,15 @@ class ScrapeOutage:
     said: set[tuple[str, str]] = field(default_factory=set)  # (kind, reason) logged
 
 
+def _boot_clock() -> Callable[[], float]:
+    """Seconds since boot, counting suspend (where the system has such a clock): the
+    clock a wall-clock step is told from time passing by."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is None:
+        return time.monotonic
+    return functools.partial(time.clock_gettime, boottime)
+
+
 @dataclass
 class OverrideTracker:
     """The override in force: the last valid file content; invalid files are ignored.
@@ -157,10 +170,19 @@ class Daemon:
         allowed_override_uids: tuple[int, ...] | None = None,
         reader: SGLangReader | None = None,
         applier: RestartApplier | None = None,
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
+        """``clock`` is the wall clock (unix time). ``monotonic`` only moves forward, to
+        tell a step of the wall clock from time passing (`_now`); None: the boot clock when
+        ``clock`` is the real `time.time`, else no step is looked for (an injected wall
+        clock moves as its caller says)."""
         self.config = config
         self.config_path = config_path
         self.clock = clock
+        if monotonic is None and clock is time.time:
+            monotonic = _boot_clock()
+        self.monotonic = monotonic
+        self._clock_read: tuple[float, float] | None = None  # (wall, monotonic) last read
         self.log = logs.get_logger()
         self.metrics = Metrics(
             registry,
@@ -276,6 +298,57 @@ class Daemon:
             self._heartbeat()
             if self._wake.wait(min(left, slice_s)):
                 return
+
+    def _now(self) -> float:
+        """The wall clock, for what is recorded and decided. When it was stepped since the
+        last read, what specd recorded (restarts, recommendations, explorations) moves with
+        it: each happened as long ago as it did, so dwell, the restart budget and the
+        stabilization window count real time, and a day's step forward is no new budget.
+        A time still ahead of the clock (stepped back while specd was stopped) is taken as
+        now: it cannot have happened later than now."""
+        now = self.clock()
+        if self.monotonic is not None:
+            mono = self.monotonic()
+            last, self._clock_read = self._clock_read, (now, mono)
+            if last is not None:
+                stepped = (now - last[0]) - (mono - last[1])
+                if abs(stepped) >= CLOCK_STEP_S:
+                    self.log.warning(
+                        "clock_stepped",
+                        step_s=round(stepped, 1),
+                        expected=utc(last[0] + mono - last[1]).isoformat(),
+                        now=utc(now).isoformat(),
+                    )
+                    self._shift_records(stepped)
+        self._clamp_records(now)
+        return now
+
+    def _shift_records(self, seconds: float) -> None:
+        state = self.state
+        for restart in state.restarts:
+            restart["t"] = float(restart["t"]) + seconds
+        state.recommendations = [[float(t) + seconds, k] for t, k in state.recommendations]
+        state.explorations = [[float(t) + seconds, k] for t, k in state.explorations]
+        if state.frozen is not None and isinstance(state.frozen.get("since"), (int, float)):
+            state.frozen["since"] = float(state.frozen["since"]) + seconds
+
+    def _clamp_records(self, now: float) -> None:
+        state = self.state
+        times = [
+            *(float(r["t"]) for r in state.restarts),
+            *(float(t) for t, _ in state.recommendations),
+            *(float(t) for t, _ in state.explorations),
+        ]
+        ahead = max(times, default=now) - now
+        if ahead <= 0:
+            return
+        self.log.warning(
+            "records_ahead_of_clock", ahead_s=round(ahead, 1), taken_as=utc(now).isoformat()
+        )
+        for restart in state.restarts:
+            restart["t"] = min(float(restart["t"]), now)
+        state.recommendations = [[min(float(t), now), k] for t, k in state.recommendations]
+        state.explorations = [[min(float(t), now), k] for t, k in state.explorations]
 
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
@@ -476,14 +549,14 @@ class Daemon:
         self.log.warning("reconciling_interrupted_restart", journal=self.state.journal)
         outcome = self.applier.reconcile(self.state.journal)
         if outcome is not None:
-            self._record_outcome(outcome, self.clock())
+            self._record_outcome(outcome, self._now())
         else:
             self.state.journal = None
             self._save_state(force=True)
 
     def tick(self) -> Decision:
         started = time.perf_counter()
-        now = self.clock()
+        now = self._now()
         self._heartbeat()
         self._check_unfreeze_request(now)
         result = self._observe(now)
@@ -874,7 +947,7 @@ class Daemon:
             )
         finally:
             self.metrics.restart_in_progress.set(0)
-        self._record_outcome(applied, self.clock())
+        self._record_outcome(applied, self._now())
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:
         log = self.log.bind(
