@@ -147,14 +147,22 @@ def _boot_clock() -> Callable[[], float]:
 
 @dataclass
 class OverrideTracker:
-    """The override in force: the last valid file content; invalid files are ignored.
+    """The override: the last valid file content; invalid files are ignored.
     ``judged_by``: the path and step bounds the file was last read with (a reload may
-    change them, and with them what the same file means)."""
+    change them, and with them what the same file means). ``lapsed``: its expiry has
+    passed (said once); a clock stepped back before it puts it in force again."""
 
     good: Override | None = None
     fingerprint: object = None
     status: OverrideStatus | None = None
     judged_by: object = None
+    lapsed: bool = False
+
+    @property
+    def in_force(self) -> Override | None:
+        """The pin or freeze in force, or None."""
+        good = self.good
+        return None if good is None or good.mode == "auto" or self.lapsed else good
 
 
 class Daemon:
@@ -734,10 +742,12 @@ class Daemon:
             changed = False
         if changed:
             if not status.present:
-                if tracker.good is not None:
+                if tracker.in_force is not None:
                     self.log.info("override_removed")
-                tracker.good = None
+                tracker.good, tracker.lapsed = None, False
             elif status.valid:
+                if status.override != tracker.good:
+                    tracker.lapsed = False
                 tracker.good = status.override
                 loaded = status.override
                 # One that has already expired is said below (override_expired).
@@ -754,17 +764,21 @@ class Daemon:
         tracker.judged_by = judged_by
         tracker.status = status
         good = tracker.good
-        if good is not None and not good.active(utc(now)):
+        if good is None or good.mode == "auto":
+            return None
+        expires_at = good.expires_at.isoformat() if good.expires_at else None
+        if good.active(utc(now)):
+            if tracker.lapsed:
+                # The wall clock was stepped back before its expiry: the file is in force
+                # again, as `specd status` and `specd override show` say.
+                self.log.warning("override_in_force_again", mode=good.mode, expires_at=expires_at)
+                tracker.lapsed = False
+            return good
+        if not tracker.lapsed:
             # Said once: at the tick it expires, or when a file already expired is read.
-            if good.mode != "auto":
-                self.log.info(
-                    "override_expired",
-                    mode=good.mode,
-                    expired_at=good.expires_at.isoformat() if good.expires_at else None,
-                )
-            tracker.good = None
-            good = None
-        return good
+            self.log.info("override_expired", mode=good.mode, expired_at=expires_at)
+            tracker.lapsed = True
+        return None
 
     def _note_live(self, steps: int | None, now: float, source: str, name: str | None) -> None:
         """``steps``: the step count (None under adaptive or unknown); ``name``: the setting
@@ -1092,7 +1106,8 @@ class Daemon:
         if d is not None:
             parts.append(f"target {d.target_name or d.target_steps}")
             parts.append(d.reason.value)
-        mode = self.override.good.mode if self.override.good else "auto"
+        in_force = self.override.in_force
+        mode = in_force.mode if in_force is not None else "auto"
         parts.append(f"mode {mode}")
         if self.state.frozen is not None:
             parts.append("FROZEN")

@@ -909,6 +909,46 @@ def test_a_stepped_wall_clock_leaves_dwell_budget_and_stabilization_in_real_time
         assert [(e["event"], e["step_s"]) for e in said] == [("clock_stepped", step)]
 
 
+@pytest.mark.parametrize(
+    ("override", "in_force"),
+    [
+        ({"mode": "freeze"}, Reason.FROZEN),
+        ({"mode": "pin", "steps": 3}, Reason.OVERRIDE_PIN),
+    ],
+)
+def test_an_override_lapsed_by_a_clock_running_ahead_is_in_force_again_when_it_steps_back(
+    tmp_path: Path, override: dict[str, Any], in_force: Reason
+) -> None:
+    """The clock ran 15 min ahead past the override's expiry, then NTP stepped it back: by
+    the clock the file is in force again, and `specd status` and `specd override show` say
+    so. The daemon had dropped it for good at the expiry and decided by itself (a change
+    in the middle of an on-call freeze) until its own restart read the file again."""
+    cfg = config(tmp_path, daily_restart_budget=10)
+    wall = [IN_WINDOW]
+    d = daemon(cfg, LiveReader(wall, steps=3, offered=1), Applier(), wall)  # bands want 4
+    expires = datetime.fromtimestamp(IN_WINDOW + 600, tz=UTC)
+    body = {**override, "expires_at": expires, "reason": "incident"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(body))
+    os.chmod(cfg.files.override_file, 0o600)
+    with capture_logs() as logged:
+        assert d.tick().reason is in_force
+        wall[0] = IN_WINDOW + 900  # running ahead: past the expiry
+        assert d.tick().reason is Reason.CHANGE
+        assert "mode auto" in d._status_text()
+        wall[0] = IN_WINDOW + 300  # stepped back: five minutes before it
+        assert d.tick().reason is in_force
+        assert f"mode {override['mode']}" in d._status_text()
+        wall[0] = IN_WINDOW + 700
+        assert d.tick().reason is Reason.CHANGE
+    events = [e["event"] for e in logged if e["event"].startswith("override_")]
+    assert events == [
+        "override_loaded",
+        "override_expired",
+        "override_in_force_again",
+        "override_expired",
+    ]
+
+
 def test_a_reload_that_moves_the_state_dir_is_rejected_whole(tmp_path: Path) -> None:
     """Accepted, it was half applied: the daemon kept writing the old directory while
     `specd status`, `specd unfreeze` and the next start read the new, empty one."""
