@@ -12,6 +12,7 @@ healthy restart of a 100B model is not killed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
@@ -63,6 +64,9 @@ STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
 DAY_S = 86400.0
+# The wall clock moved this much more (or less) than the monotonic clock between two reads:
+# it was stepped (NTP, `date -s`). Slewing moves it by milliseconds a minute.
+CLOCK_STEP_S = 30.0
 
 
 def utc(ts: float) -> datetime:
@@ -132,16 +136,33 @@ class ScrapeOutage:
     said: set[tuple[str, str]] = field(default_factory=set)  # (kind, reason) logged
 
 
+def _boot_clock() -> Callable[[], float]:
+    """Seconds since boot, counting suspend (where the system has such a clock): the
+    clock a wall-clock step is told from time passing by."""
+    boottime = getattr(time, "CLOCK_BOOTTIME", None)
+    if boottime is None:
+        return time.monotonic
+    return functools.partial(time.clock_gettime, boottime)
+
+
 @dataclass
 class OverrideTracker:
-    """The override in force: the last valid file content; invalid files are ignored.
+    """The override: the last valid file content; invalid files are ignored.
     ``judged_by``: the path and step bounds the file was last read with (a reload may
-    change them, and with them what the same file means)."""
+    change them, and with them what the same file means). ``lapsed``: its expiry has
+    passed (said once); a clock stepped back before it puts it in force again."""
 
     good: Override | None = None
     fingerprint: object = None
     status: OverrideStatus | None = None
     judged_by: object = None
+    lapsed: bool = False
+
+    @property
+    def in_force(self) -> Override | None:
+        """The pin or freeze in force, or None."""
+        good = self.good
+        return None if good is None or good.mode == "auto" or self.lapsed else good
 
 
 class Daemon:
@@ -157,10 +178,19 @@ class Daemon:
         allowed_override_uids: tuple[int, ...] | None = None,
         reader: SGLangReader | None = None,
         applier: RestartApplier | None = None,
+        monotonic: Callable[[], float] | None = None,
     ) -> None:
+        """``clock`` is the wall clock (unix time). ``monotonic`` only moves forward, to
+        tell a step of the wall clock from time passing (`_now`); None: the boot clock when
+        ``clock`` is the real `time.time`, else no step is looked for (an injected wall
+        clock moves as its caller says)."""
         self.config = config
         self.config_path = config_path
         self.clock = clock
+        if monotonic is None and clock is time.time:
+            monotonic = _boot_clock()
+        self.monotonic = monotonic
+        self._clock_read: tuple[float, float] | None = None  # (wall, monotonic) last read
         self.log = logs.get_logger()
         self.metrics = Metrics(
             registry,
@@ -276,6 +306,57 @@ class Daemon:
             self._heartbeat()
             if self._wake.wait(min(left, slice_s)):
                 return
+
+    def _now(self) -> float:
+        """The wall clock, for what is recorded and decided. When it was stepped since the
+        last read, what specd recorded (restarts, recommendations, explorations) moves with
+        it: each happened as long ago as it did, so dwell, the restart budget and the
+        stabilization window count real time, and a day's step forward is no new budget.
+        A time still ahead of the clock (stepped back while specd was stopped) is taken as
+        now: it cannot have happened later than now."""
+        now = self.clock()
+        if self.monotonic is not None:
+            mono = self.monotonic()
+            last, self._clock_read = self._clock_read, (now, mono)
+            if last is not None:
+                stepped = (now - last[0]) - (mono - last[1])
+                if abs(stepped) >= CLOCK_STEP_S:
+                    self.log.warning(
+                        "clock_stepped",
+                        step_s=round(stepped, 1),
+                        expected=utc(last[0] + mono - last[1]).isoformat(),
+                        now=utc(now).isoformat(),
+                    )
+                    self._shift_records(stepped)
+        self._clamp_records(now)
+        return now
+
+    def _shift_records(self, seconds: float) -> None:
+        state = self.state
+        for restart in state.restarts:
+            restart["t"] = float(restart["t"]) + seconds
+        state.recommendations = [[float(t) + seconds, k] for t, k in state.recommendations]
+        state.explorations = [[float(t) + seconds, k] for t, k in state.explorations]
+        if state.frozen is not None and isinstance(state.frozen.get("since"), (int, float)):
+            state.frozen["since"] = float(state.frozen["since"]) + seconds
+
+    def _clamp_records(self, now: float) -> None:
+        state = self.state
+        times = [
+            *(float(r["t"]) for r in state.restarts),
+            *(float(t) for t, _ in state.recommendations),
+            *(float(t) for t, _ in state.explorations),
+        ]
+        ahead = max(times, default=now) - now
+        if ahead <= 0:
+            return
+        self.log.warning(
+            "records_ahead_of_clock", ahead_s=round(ahead, 1), taken_as=utc(now).isoformat()
+        )
+        for restart in state.restarts:
+            restart["t"] = min(float(restart["t"]), now)
+        state.recommendations = [[min(float(t), now), k] for t, k in state.recommendations]
+        state.explorations = [[min(float(t), now), k] for t, k in state.explorations]
 
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
@@ -476,14 +557,14 @@ class Daemon:
         self.log.warning("reconciling_interrupted_restart", journal=self.state.journal)
         outcome = self.applier.reconcile(self.state.journal)
         if outcome is not None:
-            self._record_outcome(outcome, self.clock())
+            self._record_outcome(outcome, self._now())
         else:
             self.state.journal = None
             self._save_state(force=True)
 
     def tick(self) -> Decision:
         started = time.perf_counter()
-        now = self.clock()
+        now = self._now()
         self._heartbeat()
         self._check_unfreeze_request(now)
         result = self._observe(now)
@@ -661,10 +742,12 @@ class Daemon:
             changed = False
         if changed:
             if not status.present:
-                if tracker.good is not None:
+                if tracker.in_force is not None:
                     self.log.info("override_removed")
-                tracker.good = None
+                tracker.good, tracker.lapsed = None, False
             elif status.valid:
+                if status.override != tracker.good:
+                    tracker.lapsed = False
                 tracker.good = status.override
                 loaded = status.override
                 # One that has already expired is said below (override_expired).
@@ -681,17 +764,21 @@ class Daemon:
         tracker.judged_by = judged_by
         tracker.status = status
         good = tracker.good
-        if good is not None and not good.active(utc(now)):
+        if good is None or good.mode == "auto":
+            return None
+        expires_at = good.expires_at.isoformat() if good.expires_at else None
+        if good.active(utc(now)):
+            if tracker.lapsed:
+                # The wall clock was stepped back before its expiry: the file is in force
+                # again, as `specd status` and `specd override show` say.
+                self.log.warning("override_in_force_again", mode=good.mode, expires_at=expires_at)
+                tracker.lapsed = False
+            return good
+        if not tracker.lapsed:
             # Said once: at the tick it expires, or when a file already expired is read.
-            if good.mode != "auto":
-                self.log.info(
-                    "override_expired",
-                    mode=good.mode,
-                    expired_at=good.expires_at.isoformat() if good.expires_at else None,
-                )
-            tracker.good = None
-            good = None
-        return good
+            self.log.info("override_expired", mode=good.mode, expired_at=expires_at)
+            tracker.lapsed = True
+        return None
 
     def _note_live(self, steps: int | None, now: float, source: str, name: str | None) -> None:
         """``steps``: the step count (None under adaptive or unknown); ``name``: the setting
@@ -874,7 +961,7 @@ class Daemon:
             )
         finally:
             self.metrics.restart_in_progress.set(0)
-        self._record_outcome(applied, self.clock())
+        self._record_outcome(applied, self._now())
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:
         log = self.log.bind(
@@ -1019,7 +1106,8 @@ class Daemon:
         if d is not None:
             parts.append(f"target {d.target_name or d.target_steps}")
             parts.append(d.reason.value)
-        mode = self.override.good.mode if self.override.good else "auto"
+        in_force = self.override.in_force
+        mode = in_force.mode if in_force is not None else "auto"
         parts.append(f"mode {mode}")
         if self.state.frozen is not None:
             parts.append("FROZEN")

@@ -111,18 +111,16 @@ class Applier:
 
 def config(tmp_path: Path, **extra: Any) -> Config:
     (tmp_path / "state").mkdir(exist_ok=True)
-    return Config(
-        **tables(
-            state_dir=str(tmp_path / "state"),
-            override_file=str(tmp_path / "override.toml"),
-            env_file=str(tmp_path / "sglang.env"),
-            min_history_s=600,
-            stabilization_window_s=0,
-            min_dwell_s=0,
-            warmup_exclude_s=0,
-            **extra,
-        )
-    )
+    defaults: dict[str, Any] = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+    }
+    return Config(**tables(**{**defaults, **extra}))
 
 
 def obs(t: float, steps: int | None = 3, running: int = 1) -> Observation:
@@ -756,6 +754,199 @@ def test_a_clock_stepped_back_does_not_stop_the_state_saves(tmp_path: Path) -> N
         assert d.tick().reason is Reason.WITHIN_TOLERANCE  # no change: no forced save
         writes.append(state_file.exists())
     assert writes == [True, True, True]
+
+
+class LiveReader(Reader):
+    """SGLang serving ``offered`` concurrent requests at the step count it was last started
+    with; every scrape stamped with the daemon's wall clock."""
+
+    def __init__(self, wall: list[float], steps: int, offered: int) -> None:
+        super().__init__([])
+        self.wall, self.steps, self.offered = wall, steps, offered
+
+    def observe(self) -> Observation | ScrapeError:
+        return obs(self.wall[0], steps=self.steps, running=self.offered)
+
+
+class RestartingApplier(Applier):
+    def __init__(self, reader: LiveReader) -> None:
+        super().__init__()
+        self.reader = reader
+
+    def apply_setting(self, target: SpecSetting, *args: Any, **kwargs: Any) -> ApplyOutcome:
+        done = super().apply_setting(target, *args, **kwargs)
+        self.reader.steps = target.steps or 0
+        return done
+
+
+# Monday 2026-01-05 02:00 UTC, inside a window open 01:00-07:00 every day.
+STEP_T0 = datetime(2026, 1, 5, 2, 0, tzinfo=UTC).timestamp()
+SIX_HOURS_DAILY = [{"cron": "0 1 * * *", "duration_s": 6 * 3600, "timezone": "UTC"}]
+
+
+@pytest.mark.parametrize(
+    ("settings", "restart", "first_tick", "step", "stopped", "after", "expected"),
+    [
+        pytest.param(
+            {"min_dwell_s": 1800, "daily_restart_budget": 4},
+            True,
+            600,
+            86400,
+            False,
+            60,
+            Reason.DWELL_TIME,
+            id="forward a day 10 min after a restart: 30 min dwell still holds",
+        ),
+        pytest.param(
+            {"min_dwell_s": 1800, "daily_restart_budget": 1},
+            True,
+            2400,
+            86400,
+            False,
+            60,
+            Reason.RESTART_BUDGET,
+            id="forward a day 40 min after a restart: a budget of 1 is used up",
+        ),
+        pytest.param(
+            {"min_dwell_s": 0, "stabilization_window_s": 1800},
+            False,
+            0,
+            86400,
+            False,
+            300,
+            Reason.STABILIZING,
+            id="forward a day: wanted for 5 min of a 30 min stabilization window",
+        ),
+        pytest.param(
+            {"min_dwell_s": 1800, "daily_restart_budget": 4},
+            True,
+            600,
+            -3600,
+            False,
+            1860,
+            Reason.CHANGE,
+            id="back an hour: 41 min after a restart the 30 min dwell is over",
+        ),
+        pytest.param(
+            {"min_dwell_s": 1800, "daily_restart_budget": 4},
+            True,
+            60,
+            -86400,
+            True,
+            1860,
+            Reason.CHANGE,
+            id="back a day while specd was stopped: dwell counts from its start",
+        ),
+        pytest.param(
+            {"min_dwell_s": 1800, "daily_restart_budget": 1},
+            True,
+            60,
+            -86400,
+            True,
+            25 * 3600,
+            Reason.CHANGE,
+            id="back a day while specd was stopped: the budget frees a day after its start",
+        ),
+    ],
+)
+def test_a_stepped_wall_clock_leaves_dwell_budget_and_stabilization_in_real_time(
+    tmp_path: Path,
+    settings: dict[str, Any],
+    restart: bool,
+    first_tick: float,
+    step: float,
+    stopped: bool,
+    after: float,
+    expected: Reason,
+) -> None:
+    """SGLang runs 4 steps, the traffic wants 3, a window is open all along. The wall clock
+    is stepped (NTP, `date -s`) between two ticks, or while specd was stopped. Dwell, the
+    daily budget and the stabilization window guard against restart loops in real time: a
+    day's step forward used to be a new budget, a passed dwell and a held recommendation;
+    one back, or a restart stamped a day ahead, held them up to two days."""
+    cfg = config(tmp_path, windows=SIX_HOURS_DAILY, **settings)
+    wall, mono = [STEP_T0], [1000.0]
+    reader = LiveReader(wall, steps=4, offered=12)
+
+    def start() -> Daemon:
+        d = Daemon(
+            cfg,
+            registry=CollectorRegistry(),
+            clock=lambda: wall[0],
+            monotonic=lambda: mono[0],
+            notifier=Notifier({}),
+            reader=reader,
+            applier=RestartingApplier(reader),
+        )
+        d.state.history = busy(cfg, wall[0], offered=12)  # the bands want 3 steps
+        return d
+
+    d = start()
+    if restart:  # SGLang was restarted into 4 steps just now
+        d.state.restarts.append({"t": STEP_T0, "from_steps": 3, "to_steps": 4})
+    wall[0] += first_tick
+    mono[0] += first_tick
+    with capture_logs() as logged:
+        if not stopped:
+            d.tick()
+            wall[0] += step  # the wall clock alone moves
+        else:
+            d.tick()
+            d._save_state(force=True)
+            wall[0] += step
+            mono[0] = 50.0  # a new process: its own monotonic reading
+            d = start()
+            d.tick()  # at start
+        wall[0] += after
+        mono[0] += after
+        decision = d.tick()
+    assert decision.reason is expected, decision.message
+    said = [e for e in logged if e["event"] in ("clock_stepped", "records_ahead_of_clock")]
+    if stopped:
+        assert [e["event"] for e in said] == ["records_ahead_of_clock"]
+        assert said[0]["ahead_s"] == -step  # the last tick's recommendation, a day ahead
+    else:
+        assert [(e["event"], e["step_s"]) for e in said] == [("clock_stepped", step)]
+
+
+@pytest.mark.parametrize(
+    ("override", "in_force"),
+    [
+        ({"mode": "freeze"}, Reason.FROZEN),
+        ({"mode": "pin", "steps": 3}, Reason.OVERRIDE_PIN),
+    ],
+)
+def test_an_override_lapsed_by_a_clock_running_ahead_is_in_force_again_when_it_steps_back(
+    tmp_path: Path, override: dict[str, Any], in_force: Reason
+) -> None:
+    """The clock ran 15 min ahead past the override's expiry, then NTP stepped it back: by
+    the clock the file is in force again, and `specd status` and `specd override show` say
+    so. The daemon had dropped it for good at the expiry and decided by itself (a change
+    in the middle of an on-call freeze) until its own restart read the file again."""
+    cfg = config(tmp_path, daily_restart_budget=10)
+    wall = [IN_WINDOW]
+    d = daemon(cfg, LiveReader(wall, steps=3, offered=1), Applier(), wall)  # bands want 4
+    expires = datetime.fromtimestamp(IN_WINDOW + 600, tz=UTC)
+    body = {**override, "expires_at": expires, "reason": "incident"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(body))
+    os.chmod(cfg.files.override_file, 0o600)
+    with capture_logs() as logged:
+        assert d.tick().reason is in_force
+        wall[0] = IN_WINDOW + 900  # running ahead: past the expiry
+        assert d.tick().reason is Reason.CHANGE
+        assert "mode auto" in d._status_text()
+        wall[0] = IN_WINDOW + 300  # stepped back: five minutes before it
+        assert d.tick().reason is in_force
+        assert f"mode {override['mode']}" in d._status_text()
+        wall[0] = IN_WINDOW + 700
+        assert d.tick().reason is Reason.CHANGE
+    events = [e["event"] for e in logged if e["event"].startswith("override_")]
+    assert events == [
+        "override_loaded",
+        "override_expired",
+        "override_in_force_again",
+        "override_expired",
+    ]
 
 
 def test_a_reload_that_moves_the_state_dir_is_rejected_whole(tmp_path: Path) -> None:

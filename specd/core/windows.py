@@ -6,7 +6,10 @@ DOW", e.g. ``"*/30 * * * * *"``: a window every 30 s, for tests and the demo); w
 start is at second 0, so a 5-field cron means what it means in crontab. A window is open
 at ``now`` when some start ``s`` satisfies ``s <= now < s + duration``.
 Windows that overlap or touch (across all configured windows) count as one open period:
-``current_window`` reports its first opening and its last closing.
+``current_window`` reports its first opening and its last closing, followed each way for
+``LOOKBACK`` (8 days) or ``CHAIN_MAX`` openings, whichever ends first: back to back windows
+of a minute (``* * * * *`` lasting 60 s, open all the time) are read as open for the next 34
+hours, not walked opening by opening at every tick.
 
 Fire times come from APScheduler 3.x ``CronTrigger`` evaluated on the *local wall clock*
 (a trigger in UTC over naive local times), then mapped to real instants by these rules, which
@@ -47,8 +50,13 @@ FIELD_NAMES = ("second", "minute", "hour", "day", "month", "day_of_week")
 # "this cron never fires" and for how far ahead we ever look.
 HORIZON = timedelta(days=5 * 366)
 # How far a chain of overlapping windows is followed, back to its first opening and
-# forward to its last closing; a window that never closes is reported as this long.
+# forward to its last closing; a window that never closes is reported as this long...
 LOOKBACK = timedelta(days=8)
+# ...or as this many openings, whichever is shorter: an always-open chain of per-minute
+# windows holds 11,520 openings in LOOKBACK, of per-second ones 691,200, and every tick asks
+# about the open window several times (each walk of a per-minute chain took a second, of a
+# per-5-second one half a minute: past the watchdog).
+CHAIN_MAX = 2048
 
 _NUMERIC_ITEM = re.compile(r"^(\*|\d+(-\d+)?)(/\d+)?$")
 _MONTH_ITEM = re.compile(r"^(\*|(\d+|[a-z]{3})(-(\d+|[a-z]{3}))?)(/\d+)?$")
@@ -368,19 +376,45 @@ def current_window(
         return None
     opened = min(s for s, _ in covering)
     closes = max(e for _, e in covering)
-    # Follow overlapping or touching windows back to the first opening of the chain.
-    floor = now - LOOKBACK
-    while opened > floor:
-        earlier = [s for s, e in _intervals(windows, opened - longest, opened) if s < opened <= e]
-        if not earlier:
-            break
-        opened = max(min(earlier), floor)
-    # ...and forward to the last closing (a chain is followed for LOOKBACK at most).
-    for start, end in _intervals(windows, now, now + LOOKBACK):
+    # Follow overlapping or touching windows back to the first opening of the chain...
+    opened = _chain_start(windows, opened, longest, now - LOOKBACK)
+    # ...and forward to the last closing (for LOOKBACK or CHAIN_MAX openings at most).
+    for count, (start, end) in enumerate(_intervals(windows, now, now + LOOKBACK), 1):
         if start > closes:
             break
         closes = max(closes, end)
+        if count >= CHAIN_MAX:
+            break
     return opened, closes
+
+
+def _chain_start(
+    windows: Sequence[WindowLike], opened: datetime, longest: timedelta, floor: datetime
+) -> datetime:
+    """The first opening of the chain of touching or overlapping windows that ``opened``
+    belongs to: no earlier than ``floor``, nor more than CHAIN_MAX openings back.
+
+    Read in blocks going back, each twice as long as the one after it, latest opening
+    first: a window opening before ``opened`` extends the chain if it lasts until
+    ``opened``; one opening more than the longest duration before it ends the chain.
+    """
+    span = longest
+    hi = opened
+    links = 0
+    while opened > floor:
+        lo = hi - span
+        for start, end in reversed(list(_intervals(windows, lo, hi))):
+            if start < opened - longest:
+                return max(opened, floor)  # it closed before ``opened``, as all before it
+            if start < opened <= end:
+                opened = start
+                links += 1
+                if links >= CHAIN_MAX:
+                    return max(opened, floor)
+        if lo <= opened - longest:
+            break  # every opening that could reach ``opened`` was read
+        hi, span = lo, span * 2
+    return max(opened, floor)
 
 
 def is_open(windows: Sequence[WindowLike], now: datetime) -> bool:

@@ -138,7 +138,14 @@ def _parse_expires(value: Any) -> datetime:
         )
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError(f"expires_at: {value.isoformat()} has no UTC offset; add Z or +HH:MM")
-    return value.astimezone(_UTC)
+    try:
+        return value.astimezone(_UTC)
+    except OverflowError:
+        # 9999-12-31T23:00:00-05:00 ("forever") is in year 10000 in UTC: no datetime.
+        raise ValueError(
+            f"expires_at: {value.isoformat()} is outside years 1-9999 in UTC; "
+            "for a very long override write e.g. 9999-01-01T00:00:00Z"
+        ) from None
 
 
 def parse_override(

@@ -181,6 +181,107 @@ def test_windows_that_never_close_are_open() -> None:
     assert closes >= now + timedelta(days=7)
 
 
+def _chain_walked_opening_by_opening(
+    configured: list[WindowSpec], now: datetime
+) -> tuple[datetime, datetime] | None:
+    """`current_window` as it was before CHAIN_MAX: every link of a chain, one at a time."""
+    longest = timedelta(seconds=max(w.duration_s for w in configured))
+    covering = [(s, e) for s, e in windows._intervals(configured, now - longest, now) if e > now]
+    if not covering:
+        return None
+    opened = min(s for s, _ in covering)
+    closes = max(e for _, e in covering)
+    floor = now - windows.LOOKBACK
+    while opened > floor:
+        earlier = [
+            s
+            for s, e in windows._intervals(configured, opened - longest, opened)
+            if s < opened <= e
+        ]
+        if not earlier:
+            break
+        opened = max(min(earlier), floor)
+    for start, end in windows._intervals(configured, now, now + windows.LOOKBACK):
+        if start > closes:
+            break
+        closes = max(closes, end)
+    return opened, closes
+
+
+@pytest.mark.parametrize(
+    "configured",
+    [
+        # A day long each day: DST makes the Berlin ones overlap (23 h day) or leave a gap.
+        [WindowSpec("0 3 * * *", 86400, "Europe/Berlin")],
+        [WindowSpec("0 */6 * * *", 6 * 3600, "America/New_York")],
+        [WindowSpec("*/20 1-3 * * *", 1200, "America/New_York")],
+        [WindowSpec("0 1 * * mon-fri", 7200, "UTC"), WindowSpec("0 2 * * *", 7200, "UTC")],
+        [WindowSpec("30 2 * * *", 3600, "Europe/Berlin"), WindowSpec("0 2 * * sun", 5400, "UTC")],
+        TOUCHING,
+        OVERLAP,
+    ],
+)
+def test_a_chain_shorter_than_chain_max_reads_as_walked_link_by_link(
+    configured: list[WindowSpec],
+) -> None:
+    rng = random.Random(repr(configured))
+    # Around both of 2025's DST changes in Europe and North America.
+    for start in (at(2025, 3, 7), at(2025, 10, 24)):
+        for _ in range(40):
+            now = start + timedelta(seconds=rng.randrange(10 * 86400))
+            expected = _chain_walked_opening_by_opening(configured, now)
+            assert current_window(configured, now) == expected, now
+
+
+# Windows open all the time (back to back, or two that take turns), as an operator may write
+# "restarts any time": every tick asks about the open window several times.
+ALWAYS_OPEN = {
+    "a minute long every minute": [WindowSpec("* * * * *", 60, "UTC")],
+    "5 s long every 5 s": [WindowSpec("*/5 * * * * *", 5, "UTC")],
+    "two taking turns": [
+        WindowSpec("*/10 * * * *", 300, "Europe/Berlin"),
+        WindowSpec("5-59/10 * * * *", 300, "Europe/Berlin"),
+    ],
+    "a day long every day": [WindowSpec("0 3 * * *", 86400, "UTC")],
+}
+
+
+@pytest.mark.parametrize("name", list(ALWAYS_OPEN))
+def test_an_always_open_chain_costs_a_bounded_walk_per_tick(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each query used to walk the chain one opening at a time for 8 days each way (a
+    second per query of per-minute windows, half a minute of per-5-second ones: ticks past
+    the watchdog). Now a chain is followed for CHAIN_MAX openings at most."""
+    configured = ALWAYS_OPEN[name]
+    # Cron arithmetic done: each opening computed, and each search begun. Over the budget,
+    # fail at once rather than after minutes.
+    work = [0]
+    budget = 12 * windows.CHAIN_MAX * len(configured)
+    real = windows._cron_starts
+
+    def counted(*args: object) -> object:
+        work[0] += 1
+        for start in real(*args):  # type: ignore[arg-type]
+            work[0] += 1
+            if work[0] > budget:
+                raise AssertionError(f"more than {budget} openings computed")
+            yield start
+
+    monkeypatch.setattr(windows, "_cron_starts", counted)
+    windows._holder.cache_clear()
+    now = at(2025, 10, 26, 12)  # the day after Berlin fell back
+    for tick in range(30):
+        t = now + timedelta(seconds=10 * tick)
+        opened, closes = current_window(configured, t) or (t, t)
+        assert opened < t - timedelta(hours=2), opened
+        assert closes > t + timedelta(hours=2), closes
+        # As a tick asks: is one open, how long is left, when is the next, when does it close.
+        assert next_open(configured, t) > t
+        assert next_close(configured, t) == closes
+    windows._holder.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("cron", "fields"),
     [

@@ -73,6 +73,14 @@ def write(tmp_path: Path, text: str, mode: int = 0o644) -> Path:
             'mode = "pin"\nsetting = "4"\nexpires_at = 2026-05-01T16:00:00Z\n',
             Override("pin", 4, datetime(2026, 5, 1, 16, tzinfo=UTC), "", "next-window"),
         ),
+        (  # the latest instant there is, and an offset that stays inside it
+            'mode = "freeze"\nexpires_at = "9999-12-31T23:59:59.999999+00:00"\n',
+            Override("freeze", None, datetime.max.replace(tzinfo=UTC), "", "next-window"),
+        ),
+        (
+            'mode = "freeze"\nexpires_at = 9999-12-31T23:00:00+05:00\n',
+            Override("freeze", None, datetime(9999, 12, 31, 18, tzinfo=UTC), "", "next-window"),
+        ),
         (
             'mode = "auto"\nexpires_at = 2020-01-01T00:00:00Z\n',
             Override("auto", None, datetime(2020, 1, 1, tzinfo=UTC), "", "next-window"),
@@ -128,6 +136,11 @@ def test_an_expired_override_is_a_valid_file_with_nothing_in_force(
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-01T16:00:00\n', "has no UTC offset"),
         ('mode = "pin"\nsteps = 3\nexpires_at = "tomorrow"\n', "is not an RFC 3339 time"),
         ('mode = "pin"\nsteps = 3\nexpires_at = 2026-05-02\n', "expected a date-time"),
+        # "Forever" with an offset is past year 9999 in UTC (an OverflowError used to escape
+        # the reader, which never raises: the daemon's tick, `specd status`, `override show`).
+        ('mode = "freeze"\nexpires_at = 9999-12-31T23:00:00-05:00\n', "outside years 1-9999"),
+        ('mode = "freeze"\nexpires_at = "9999-12-31T23:59:59-00:01"\n', "outside years 1-9999"),
+        ('mode = "pin"\nsteps = 3\nexpires_at = 0001-01-01T00:30:00+01:00\n', "outside years"),
         ('mode = "freeze"\nsteps = 3\nexpires_at = 2026-05-02T00:00:00Z\n', "only allowed with"),
         ('mode = "auto"\napply = "immediately"\n', "apply: 'immediately' is not one of"),
         ('mode = "auto"\nreason = 42\n', "reason: expected a string"),
