@@ -43,7 +43,13 @@ from specd.install.plan import key_file_problem
 from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
-from specd.io.apply import ENV_ARGS, env_setting_words, parse_env, static_only_wiring
+from specd.io.apply import (
+    DEFAULT_STOP_TIMEOUT_S,
+    ENV_ARGS,
+    env_setting_words,
+    parse_env,
+    static_only_wiring,
+)
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
@@ -59,6 +65,7 @@ from specd.io.sglang import (
     SGLangClient,
     parse_metrics,
 )
+from specd.io.timespan import timespan_s
 from specd.io.tls import verifying_context
 
 TIMEOUT_S = 10.0
@@ -590,9 +597,39 @@ class Doctor:
         gap = (opens - now).total_seconds()
         state = "open now; " if windows.is_open(self.config.windows, now) else ""
         detail = f"{state}next opens {opens:%Y-%m-%d %H:%M} UTC (in {gap / 3600:.1f} h)"
+        short = self._windows_too_short()
+        if short is not None:
+            return Check("windows", False, f"{detail}; {short[0]}", short[1])
         if gap > MAX_WINDOW_GAP_S:
             return Check("windows", False, detail, "a window this rare means specd rarely acts")
         return Check("windows", True, detail)
+
+    def _windows_too_short(self) -> tuple[str, str] | None:
+        """(what, advice) when a window is shorter than one restart needs: specd starts a
+        restart only with that much of the window left, so in such a window it never
+        changes anything (each decision says window_ending), and says so nowhere else."""
+        unit = self.config.sglang.unit
+        stop_s: float | None = None
+        with contextlib.suppress(InstallError):
+            shown = self.systemctl_show(unit, "TimeoutStopUSec")
+            stop_s = timespan_s(shown.get("TimeoutStopUSec", ""))
+        source = f"{unit}'s TimeoutStopSec="
+        if stop_s is None:
+            stop_s = DEFAULT_STOP_TIMEOUT_S
+            source = "systemd's default stop timeout (the unit's not read)"
+        # As the applier counts it: an infinite stop timeout is bounded by its own command's.
+        stop_s = min(stop_s, self.config.restart.restart_command_timeout_s)
+        cost_s = self.config.choose.restart_cost_s
+        needs = stop_s + cost_s
+        short = [w for w in self.config.windows if w.duration_s < needs]
+        if not short:
+            return None
+        names = ", ".join(f"{w.cron!r} ({w.duration_s:g} s)" for w in short[:3])
+        return (
+            f"{names} shorter than one restart needs, {needs:g} s ({source} {stop_s:g} s + "
+            f"restart_cost_s {cost_s:g} s): specd never restarts there",
+            f"make duration_s at least {needs:g} s, or lower {unit}'s TimeoutStopSec=",
+        )
 
     def check_override(self) -> Check:
         now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)

@@ -175,6 +175,37 @@ def test_windows_check(tmp_path: Path, cron: str, ok: bool, detail: str) -> None
     assert detail in check.detail
 
 
+@pytest.mark.parametrize(
+    ("duration_s", "restart_cost_s", "ok"),
+    [
+        # No systemd here to read sglang.service: its stop timeout is systemd's default 90 s.
+        (3600.0, 100.0, True),
+        (190.0, 100.0, True),  # exactly one restart's worth
+        (189.0, 100.0, False),
+        (60.0, 100.0, False),
+        (60.0, 1.0, False),
+    ],
+)
+def test_a_window_too_short_for_one_restart_is_said(
+    tmp_path: Path, duration_s: float, restart_cost_s: float, ok: bool
+) -> None:
+    # specd starts a restart only with its stop timeout + restart_cost_s of the window left:
+    # in a shorter one it never changes anything, and every decision says window_ending.
+    found = doctor(
+        tmp_path,
+        f"[choose]\nrestart_cost_s = {restart_cost_s}\n"
+        f'[[windows]]\ncron = "0 3 * * mon-sun"\nduration_s = {duration_s}\n',
+    )
+    check = found.check_windows()
+    assert check.ok is ok, check
+    if not ok:
+        needs = 90 + restart_cost_s
+        assert "shorter than one restart needs" in check.detail
+        assert "systemd's default stop timeout (the unit's not read) 90 s" in check.detail
+        assert "specd never restarts there" in check.detail
+        assert f"make duration_s at least {needs:g} s" in check.advice
+
+
 def test_override_check(tmp_path: Path) -> None:
     found = doctor(tmp_path)
     assert found.check_override() == Check("override", True, "none")

@@ -223,6 +223,25 @@ def test_doctor_and_install_on_a_broken_setup(sd: Container) -> None:
     assert f"restart {unit}: denied" in verdicts["polkit"]["detail"]
     assert not verdicts["service"]["ok"]
 
+    # A window shorter than one restart (the unit's TimeoutStopSec=3s, as systemd resolved
+    # it, + restart_cost_s) never holds one: said, with the figures it was judged by.
+    window = {"cron": "0 3 * * mon-sun", "duration_s": 50.0, "timezone": "UTC"}
+    for cost_s, fits in ((40.0, True), (60.0, False)):
+        (sd.config_dir / "specd.toml").write_text(
+            tomli_w.dumps(
+                {
+                    "sglang": {"url": TWIN_URL, "unit": unit},
+                    "choose": {"restart_cost_s": cost_s},
+                    "windows": [window],
+                }
+            )
+        )
+        doctor = sd.sh(specd, "doctor", "--json", check=False, timeout=60)
+        windows = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}["windows"]
+        assert windows["ok"] is fits, windows
+        if not fits:
+            assert f"({unit}'s TimeoutStopSec= 3 s + restart_cost_s 60 s)" in windows["detail"]
+
     refused = sd.sh(specd, "install", "--unit", unit, "--yes", check=False)
     assert refused.returncode == 1
     assert "runs without --enable-metrics" in refused.stderr
