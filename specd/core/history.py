@@ -22,6 +22,7 @@ import enum
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -36,6 +37,7 @@ from specd.core.observation import (
     without_impossible,
 )
 from specd.core.setting import config_key
+from specd.core.text import duration_text
 
 if TYPE_CHECKING:
     from specd.core.observation import Observation
@@ -57,6 +59,14 @@ _REBASE_HALF_LIVES = 64.0
 _PRUNE_WEIGHT_S = 1e-3
 # Seconds of acceptance evidence one step count can have gathered: three centuries.
 MAX_ACCEPT_SEEN_S = 1e10
+# How far after the clock reading a state file a time in it may lie: the clock stepped back
+# since it was written (an RTC read as local time is hours off). Further is no time specd
+# wrote, and a time from the future would hold a restart, an avoided setting or the
+# history's weight there for as long.
+FUTURE_SLACK_S = DAY_S
+# Without a clock to compare with (a strict read): no clock specd runs under shows this
+# (2242), and every later time is past what a date can show.
+LATEST_TIME = float(2**33)
 HISTORY_FORMAT = 1
 
 K = TypeVar("K", bound=Hashable)
@@ -224,6 +234,21 @@ def _finite(value: Any, name: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name}: not finite")
     return float(value)
+
+
+def check_time(value: Any, name: str, now: float | None) -> float:
+    """``value`` as a time specd can have written by ``now`` (a unix time, not before 1970,
+    at most `FUTURE_SLACK_S` after ``now``); ValueError naming ``name`` otherwise."""
+    number = _finite(value, name)
+    if number < 0:
+        raise ValueError(f"{name}: {number:.6g} is before 1970")
+    latest = LATEST_TIME if now is None else now + FUTURE_SLACK_S
+    if number > latest:
+        if now is None or number > LATEST_TIME:
+            raise ValueError(f"{name}: {number:.6g} is past any time specd runs at")
+        at = datetime.fromtimestamp(number, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+        raise ValueError(f"{name}: {at} is {duration_text(number - now)} after now")
+    return number
 
 
 def _int_key(value: Any) -> int:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
 from specd.core.adaptive import AdaptiveModel
-from specd.core.history import DecayingSums
+from specd.core.history import DecayingSums, check_time
 from specd.core.model import (
     EVIDENCE_Z,
     OBSERVED_PIVOT_S,
@@ -587,21 +587,28 @@ def snapshot_to_dict(snap: ChangeSnapshot, half_life_s: float) -> dict[str, Any]
     }
 
 
+# How long after its change a verification can last: the windows' horizon, and a year.
+_MAX_VERIFYING_S = 6 * 366 * 86400.0
+
+
 def snapshot_from_dict(
-    data: Any, half_life_s: float, dropped: list[str] | None = None
+    data: Any, half_life_s: float, dropped: list[str] | None = None, *, now: float | None = None
 ) -> ChangeSnapshot:
     """Rebuild from `snapshot_to_dict`. A bad snapshot raises ValueError; a bad cell does
-    too unless ``dropped`` is given: then it is left out and named there."""
+    too unless ``dropped`` is given: then it is left out and named there. Its time must be
+    one specd can have written by ``now`` (`specd.core.history.check_time`)."""
     if not isinstance(data, dict):
         raise ValueError("verifying: expected an object or null")
     try:
-        t = _number(data.get("t"), "t")
+        t = check_time(data.get("t"), "t", now)
         from_steps = _steps(data.get("from_steps"), "from_steps")
         to_steps = _steps(data.get("to_steps"), "to_steps")
         gain = data.get("predicted_gain_ratio")
         gain_ratio = None if gain is None else _number(gain, "predicted_gain_ratio")
         until = data.get("until")
         until_t = None if until is None else _number(until, "until")
+        if until_t is not None and not t <= until_t <= t + _MAX_VERIFYING_S:
+            raise ValueError(f"until: {until_t:.6g} is not within the windows' horizon of t")
         table = DecayingSums.from_dict(
             data.get("cells"),
             half_life_s,
@@ -636,8 +643,9 @@ def avoided_to_dict(entry: Avoided) -> dict[str, Any]:
     }
 
 
-def avoided_from_dict(index: int, data: Any) -> Avoided:
-    """One avoid-list entry from `avoided_to_dict`; ValueError naming ``avoided[index]``."""
+def avoided_from_dict(index: int, data: Any, *, now: float | None = None) -> Avoided:
+    """One avoid-list entry from `avoided_to_dict`; ValueError naming ``avoided[index]``.
+    Its time must be one specd can have written by ``now``."""
     where = f"avoided[{index}]"
     try:
         if not isinstance(data, dict):
@@ -660,7 +668,7 @@ def avoided_from_dict(index: int, data: Any) -> Avoided:
         from_steps = _steps(data.get("from_steps"), "from_steps")
         return Avoided(
             steps=steps,
-            t=_number(data.get("t"), "t"),
+            t=check_time(data.get("t"), "t", now),
             mix=tuple(sorted(shares)),
             shortfall_ratio=shortfall,
             from_steps=from_steps,

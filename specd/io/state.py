@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 from specd.core import outcome
 from specd.core.decide import Control
-from specd.core.history import History, HistorySettings
+from specd.core.history import History, HistorySettings, check_time
+from specd.core.observation import MAX_STEPS
 from specd.io import files
 
 T = TypeVar("T")
@@ -136,6 +137,8 @@ class State:
             raise StateFormatError(f"version: {version} is not a valid schema version")
         strict = dropped is None
         notes: list[str] = [] if dropped is None else dropped
+        # Where one field of a part is bad (a NaN), that field is dropped, not the part.
+        fields = None if strict else notes
 
         def part(parse: Callable[[], T], fallback: Callable[[str], T]) -> T:
             try:
@@ -152,33 +155,52 @@ class State:
             ),
             lambda why: History(history_settings),
         )
+        unreadable_journal: list[str] = []
+
+        def journal_fallback(why: str) -> dict[str, Any] | None:
+            unreadable_journal.append(why)
+            return None  # the freeze below stands for it
+
+        frozen = part(
+            lambda: _frozen(data.get("frozen"), now, fields),
+            # A freeze stops automatic restarts until an operator looks: one that
+            # cannot be read must not be read as "not frozen".
+            lambda why: _fallback_freeze(f"a freeze specd cannot read ({why})", now),
+        )
+        journal = part(lambda: _journal(data.get("journal")), journal_fallback)
+        if unreadable_journal and frozen is None:
+            # The restart it recorded may have been cut short anywhere: SGLang and the env
+            # file are left as they are, as the applier leaves them for a journal it cannot
+            # read, and nothing restarts until an operator looked.
+            frozen = _fallback_freeze(
+                f"a restart journal specd cannot read ({unreadable_journal[0]}); SGLang and "
+                "the env file were left as they are",
+                now,
+            )
         return cls(
             history=history,
-            last_decision=part(lambda: _object(data, "last_decision"), lambda why: {}),
-            journal=part(lambda: _optional_object(data, "journal"), lambda why: None),
-            restarts=_entries(data, "restarts", _restart, strict, notes),
-            frozen=part(
-                lambda: _frozen(data.get("frozen")),
-                # A freeze stops automatic restarts until an operator looks: one that
-                # cannot be read must not be read as "not frozen".
-                lambda why: {
-                    "since": now if now is not None else 0.0,
-                    "reason": f"state.json held a freeze specd cannot read ({why}); "
-                    "check, then run specd unfreeze",
-                },
+            last_decision=part(lambda: _last_decision(data, now, fields), lambda why: {}),
+            journal=journal,
+            restarts=_entries(
+                data, "restarts", lambda i, e: _restart(i, e, now, fields), strict, notes
             ),
-            recommendations=_entries(data, "recommendations", _recommendation, strict, notes),
-            explorations=_entries(data, "explorations", _exploration, strict, notes),
+            frozen=frozen,
+            recommendations=_entries(
+                data, "recommendations", lambda i, e: _recommendation(i, e, now), strict, notes
+            ),
+            explorations=_entries(
+                data, "explorations", lambda i, e: _exploration(i, e, now), strict, notes
+            ),
             verifying=part(
-                lambda: _verifying(data.get("verifying"), history, None if strict else notes),
+                lambda: _verifying(data.get("verifying"), history, None if strict else notes, now),
                 lambda why: None,
             ),
-            avoided=_entries(data, "avoided", _avoided, strict, notes),
+            avoided=_entries(data, "avoided", lambda i, e: _avoided(i, e, now), strict, notes),
             sglang_started_at=part(
-                lambda: _optional_number(data, "sglang_started_at"), lambda why: None
+                lambda: _optional_time(data, "sglang_started_at", now), lambda why: None
             ),
-            live=part(lambda: _live(data.get("live")), lambda why: None),
-            gateway=part(lambda: _optional_object(data, "gateway"), lambda why: None),
+            live=part(lambda: _live(data.get("live"), now, fields), lambda why: None),
+            gateway=part(lambda: _gateway(data.get("gateway"), now, fields), lambda why: None),
             version=STATE_VERSION,
         )
 
@@ -208,13 +230,6 @@ def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
     value = data.get(key, {})
     if not isinstance(value, dict):
         raise StateFormatError(f"{key}: expected an object, got {type(value).__name__}")
-    return value
-
-
-def _optional_object(data: dict[str, Any], key: str) -> dict[str, Any] | None:
-    value = data.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise StateFormatError(f"{key}: expected an object or null, got {type(value).__name__}")
     return value
 
 
@@ -254,27 +269,86 @@ def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _optional_number(data: dict[str, Any], key: str) -> float | None:
+def _scrub(value: T, where: str, notes: list[str] | None) -> T:
+    """``value`` with every NaN or infinity in it made null, each named in ``notes``
+    (StateFormatError instead when ``notes`` is None: a strict read).
+
+    Python's json reads the literals NaN and Infinity; kept, they make every later save of
+    the state fail (it writes JSON only): what specd learns after would never reach disk.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        problem = f"{where}: {value!r} is not a number JSON can hold"
+        if notes is None:
+            raise StateFormatError(problem)
+        notes.append(f"{problem} (read as null)")
+        return None  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {k: _scrub(v, f"{where}.{k}", notes) for k, v in value.items()}  # type: ignore[return-value]
+    if isinstance(value, list):
+        return [_scrub(v, f"{where}[{i}]", notes) for i, v in enumerate(value)]  # type: ignore[return-value]
+    return value
+
+
+def _finite_json(value: Any, where: str) -> None:
+    """Raise StateFormatError when ``value`` holds a NaN or an infinity anywhere."""
+    _scrub(value, where, None)
+
+
+def _time(value: Any, name: str, now: float | None) -> float:
+    try:
+        return check_time(value, name, now)
+    except ValueError as exc:
+        raise StateFormatError(str(exc)) from None
+
+
+def _optional_time(data: dict[str, Any], key: str, now: float | None) -> float | None:
     value = data.get(key)
-    if value is None:
-        return None
-    if not _is_number(value):
-        raise StateFormatError(f"{key}: expected a number or null, got {value!r:.40}")
-    return float(value)
+    return None if value is None else _time(value, key, now)
 
 
-def _restart(index: int, entry: Any) -> dict[str, Any]:
-    if not isinstance(entry, dict) or not _is_number(entry.get("t")):
-        raise StateFormatError(f"restarts[{index}]: expected an object with a numeric t")
-    return entry
+def _last_decision(
+    data: dict[str, Any], now: float | None, notes: list[str] | None
+) -> dict[str, Any]:
+    value = _object(data, "last_decision")
+    if "t" in value:
+        _time(value["t"], "last_decision.t", now)
+    return _scrub(value, "last_decision", notes)
 
 
-def _frozen(value: Any) -> dict[str, Any] | None:
+def _journal(value: Any) -> dict[str, Any] | None:
+    # Stored opaquely: `specd.io.apply.Journal` judges the rest when it reconciles it.
+    if value is not None and not isinstance(value, dict):
+        raise StateFormatError(f"journal: expected an object or null, got {type(value).__name__}")
+    _finite_json(value, "journal")
+    return value
+
+
+def _fallback_freeze(what: str, now: float | None) -> dict[str, Any]:
+    return {
+        "since": now if now is not None else 0.0,
+        "reason": f"state.json held {what}; check, then run specd unfreeze",
+    }
+
+
+def _restart(index: int, entry: Any, now: float | None, notes: list[str] | None) -> dict[str, Any]:
+    where = f"restarts[{index}]"
+    if not isinstance(entry, dict):
+        raise StateFormatError(f"{where}: expected an object with a numeric t")
+    # Its time counts against dwell and the budget: a bad detail costs that detail only.
+    _time(entry.get("t"), f"{where}.t", now)
+    return _scrub(entry, where, notes)
+
+
+def _frozen(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not _is_number(value.get("since")):
         raise StateFormatError("frozen: expected null or an object with a numeric since")
-    return value
+    _time(value["since"], "frozen.since", now)
+    reason = value.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise StateFormatError(f"frozen.reason: expected text, got {reason!r:.40}")
+    return _scrub(value, "frozen", notes)
 
 
 def _short_text_or_none(value: Any) -> bool:
@@ -282,36 +356,71 @@ def _short_text_or_none(value: Any) -> bool:
     return value is None or (isinstance(value, str) and len(value) <= 256)
 
 
-def _live(value: Any) -> dict[str, Any] | None:
+def _steps_or_none(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS
+    )
+
+
+def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    steps = value.get("steps") if isinstance(value, dict) else None
     if (
         not isinstance(value, dict)
         or not _is_number(value.get("t"))
-        or not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool)))
+        or not _steps_or_none(value.get("steps"))
         or not isinstance(value.get("source"), str)
         or not _short_text_or_none(value.get("setting"))
     ):
         raise StateFormatError(
             "live: expected null or an object with numeric t, steps, source (and setting)"
         )
+    _time(value["t"], "live.t", now)
+    return _scrub(value, "live", notes)
+
+
+# The gateway's record, as `specd status` reads it: each part an object, its times times.
+_GATEWAY_PARTS = ("probe", "last_drain")
+
+
+def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise StateFormatError(f"gateway: expected an object or null, got {type(value).__name__}")
+    value = _scrub(value, "gateway", notes)
+    for name in _GATEWAY_PARTS:
+        part = value.get(name)
+        if part is None:
+            continue
+        if not isinstance(part, dict):
+            raise StateFormatError(f"gateway.{name}: expected an object, got {part!r:.40}")
+        if part.get("t") is not None:
+            _time(part["t"], f"gateway.{name}.t", now)
+        duration = part.get("duration_s")
+        if duration is not None and not _is_number(duration):
+            raise StateFormatError(f"gateway.{name}.duration_s: expected a number")
     return value
 
 
-def _recommendation(index: int, entry: Any) -> list[float]:
+# A setting key: K, 0 (off) or an adaptive set's (negative, 48 bits; `setting_key`).
+_MIN_SETTING_KEY = -(2**48)
+
+
+def _recommendation(index: int, entry: Any, now: float | None) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
         or not _is_number(entry[0])
         or isinstance(entry[1], bool)
         or not isinstance(entry[1], int)
+        or not _MIN_SETTING_KEY <= entry[1] <= MAX_STEPS
     ):
         raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
-    return [float(entry[0]), entry[1]]
+    return [_time(entry[0], f"recommendations[{index}].t", now), entry[1]]
 
 
-def _exploration(index: int, entry: Any) -> list[float]:
+def _exploration(index: int, entry: Any, now: float | None) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
@@ -321,21 +430,21 @@ def _exploration(index: int, entry: Any) -> list[float]:
         or not 1 <= entry[1] <= 16
     ):
         raise StateFormatError(f"explorations[{index}]: expected [t, steps], got {entry!r:.40}")
-    return [float(entry[0]), entry[1]]
+    return [_time(entry[0], f"explorations[{index}].t", now), entry[1]]
 
 
 def _verifying(
-    value: Any, history: History, dropped: list[str] | None
+    value: Any, history: History, dropped: list[str] | None, now: float | None
 ) -> outcome.ChangeSnapshot | None:
     if value is None:
         return None
     # Its cells decay as the history's do.
-    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped)
+    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped, now=now)
 
 
-def _avoided(index: int, entry: Any) -> outcome.Avoided:
+def _avoided(index: int, entry: Any, now: float | None) -> outcome.Avoided:
     try:
-        return outcome.avoided_from_dict(index, entry)
+        return outcome.avoided_from_dict(index, entry, now=now)
     except ValueError as exc:
         raise StateFormatError(str(exc)) from None
 

@@ -199,19 +199,19 @@ def test_a_file_that_is_no_state_is_moved_aside_and_specd_starts_fresh(
     else:
         path.write_text(data)
     original = path.read_bytes()
-    store = StateStore(tmp_path, clock=lambda: 1_700_000_000.9)
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_200.9)
     state, message = store.load()
     assert message is not None
     assert problem in message
     assert "\n" not in message
-    assert "moved to state.json.corrupt-1700000000" in message
+    assert "moved to state.json.corrupt-1767229200" in message
     assert state.to_dict() == State().to_dict()
     assert not path.exists()
-    assert (tmp_path / "state.json.corrupt-1700000000").read_bytes() == original
+    assert (tmp_path / "state.json.corrupt-1767229200").read_bytes() == original
     # The next save works, and a second corrupt file in the same second gets its own name.
     assert store.save(state) is None
     path.write_text("{")
-    assert "corrupt-1700000000.1" in (store.load()[1] or "")
+    assert "corrupt-1767229200.1" in (store.load()[1] or "")
 
 
 def _with(**parts: Any) -> dict[str, Any]:
@@ -409,6 +409,127 @@ SALVAGED: list[Any] = [
         {},
         id="negative-counter",
     ),
+    # Hand-edited or damaged, still JSON. Python's json reads NaN and Infinity: kept, they
+    # made every later save fail (the state is written as JSON only).
+    pytest.param(
+        lambda: _with(restarts=[{**populated().restarts[0], "duration_s": math.nan}]),
+        "restarts[0].duration_s",
+        {"restarts": [{**populated().restarts[0], "duration_s": None}]},
+        id="restart-duration-nan",
+    ),
+    pytest.param(
+        lambda: _with(last_decision={"t": T0, "reason": "change", "message": math.inf}),
+        "last_decision.message",
+        {"last_decision": {"t": T0, "reason": "change", "message": None}},
+        id="decision-message-infinity",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0, "steps": 3, "source": "observation", "x": -math.inf}),
+        "live.x",
+        {"live": {"t": T0, "steps": 3, "source": "observation", "x": None}},
+        id="live-field-minus-infinity",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"probe": {"t": math.nan, "problem": None}}),
+        "gateway.probe.t",
+        {"gateway": {"probe": {"t": None, "problem": None}}},
+        id="gateway-probe-nan",
+    ),
+    pytest.param(
+        lambda: _with(journal={"phase": "planned", "started_at": math.nan}),
+        "journal.started_at",
+        {"journal": None},  # and the freeze it had stays (see the test of a journal alone)
+        id="journal-nan",
+    ),
+    # A time no clock specd ran under: 1e308 crashed every tick (datetime overflow), and a
+    # time ahead of the clock held a restart, an exploration or an avoided setting there.
+    pytest.param(
+        lambda: _with(restarts=[*populated().restarts, {"t": T0 + 2 * 86400, "result": "x"}]),
+        "restarts[1].t: 2026-01-03T00:00Z is 47.0 h after now",
+        {},
+        id="restart-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with(restarts=[*populated().restarts, {"t": -1.0}]),
+        "restarts[1].t: -1 is before 1970",
+        {},
+        id="restart-before-1970",
+    ),
+    pytest.param(
+        lambda: _with(last_decision={"t": 1e308}),
+        "last_decision.t: 1e+308 is past any time",
+        {"last_decision": {}},
+        id="decision-t-1e308",
+    ),
+    pytest.param(
+        lambda: _with(last_decision={"t": "yesterday"}),
+        "last_decision.t",
+        {"last_decision": {}},
+        id="decision-t-text",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0 + 400 * 86400, "steps": 3, "source": "observation"}),
+        "live.t",
+        {"live": None},
+        id="live-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0, "steps": 99, "source": "observation"}),
+        "live",
+        {"live": None},
+        id="live-steps-99",
+    ),
+    pytest.param(
+        lambda: _with(recommendations=[[T0 - 5, 99], [T0 + 86400 * 30, 3], [T0 - 10, 3]]),
+        "recommendations[0]",
+        {"recommendations": [[T0 - 10, 3]]},
+        id="recommendation-99-steps-or-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with(explorations=[[1e308, 5], [-1e308, 5], [T0 - 86400, 2]]),
+        "explorations[0].t",
+        {"explorations": [[T0 - 86400, 2]]},
+        id="exploration-t-1e308",
+    ),
+    pytest.param(
+        lambda: _avoided_entry(0, t=T0 + 30 * 86400),
+        "avoided[0]: t:",
+        {"avoided": [Avoided(6, T0 - 3600, ((8, 1.0),), 0.05, 4)]},
+        id="avoided-from-the-future",
+    ),
+    pytest.param(
+        lambda: _verifying(t=-1e308), "verifying: t", {"verifying": None}, id="verifying-t-1e308"
+    ),
+    pytest.param(
+        lambda: _verifying(until=1e308),
+        "verifying: until",
+        {"verifying": None},
+        id="verifying-until-1e308",
+    ),
+    pytest.param(
+        lambda: _verifying(until=T0 - 86400),
+        "verifying: until",
+        {"verifying": None},
+        id="verifying-until-before-its-change",
+    ),
+    pytest.param(
+        lambda: _with(sglang_started_at=1e308),
+        "sglang_started_at",
+        {"sglang_started_at": None},
+        id="started-1e308",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"probe": "ready", "last_drain": None}),
+        "gateway.probe",
+        {"gateway": None},
+        id="gateway-probe-text",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"last_drain": {"t": T0, "duration_s": "long"}}),
+        "gateway.last_drain.duration_s",
+        {"gateway": None},
+        id="gateway-drain-duration-text",
+    ),
 ]
 
 
@@ -417,7 +538,7 @@ def test_every_bad_exploration_is_left_out_and_named(tmp_path: Path) -> None:
     bad = [[T0, 17], [T0, 4, 1], "4@T0", [T0, 4.5]]
     content = _with(explorations=[good[0], *bad, good[1]])
     (tmp_path / STATE_FILE).write_text(json.dumps(content))
-    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.9).load()
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.9).load()
     assert state.explorations == good
     assert state.control().explorations == ((T0 - 86400, 2), (T0 - 3600, 6))
     assert message is not None
@@ -436,14 +557,14 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
     path.write_text(json.dumps(content()))
     original = path.read_bytes()
     good = populated()
-    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.9).load()
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.9).load()
     assert message is not None
     assert "\n" not in message
     assert problem in message
     assert "kept the rest" in message
     # Nothing is lost: the file as it was is kept for a post-mortem, and stays put.
-    assert "state.json.corrupt-1700000000" in message
-    assert (tmp_path / "state.json.corrupt-1700000000").read_bytes() == original
+    assert "state.json.corrupt-1767229200" in message
+    assert (tmp_path / "state.json.corrupt-1767229200").read_bytes() == original
     assert path.read_bytes() == original
     for part in (
         "last_decision",
@@ -456,6 +577,7 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         "avoided",
         "sglang_started_at",
         "live",
+        "gateway",
     ):
         want = expect.get(part, getattr(good, part))
         assert getattr(state, part) == want, part
@@ -475,19 +597,72 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
     assert history.throughput(3, 4) == expect.get("throughput34", learned.throughput(3, 4))
     assert history.throughput(4, 3) == pytest.approx(learned.throughput(4, 3))
     # The next save writes only what was kept, and the next load has nothing to say.
-    store = StateStore(tmp_path, clock=lambda: 1_700_000_001.0)
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_201.0)
     assert store.save(state) is None
     assert store.load()[1] is None
 
 
-def test_an_unreadable_freeze_stays_a_freeze(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("frozen", "problem"),
+    [
+        ("yes", "frozen: expected null or an object"),
+        # A reason that is no text crashed every tick (the decision's message is text).
+        ({"since": T0, "reason": 5}, "frozen.reason: expected text, got 5"),
+        ({"since": T0, "reason": {"why": "rollback"}}, "frozen.reason"),
+        ({"since": T0, "reason": math.nan}, "frozen.reason"),
+        ({"since": math.inf, "reason": "x"}, "frozen: expected null or an object"),
+        ({"since": 1e308, "reason": "x"}, "frozen.since: 1e+308 is past any time"),
+        ({"since": T0 + 7 * 86400, "reason": "x"}, "frozen.since: 2026-01-08T00:00Z"),
+        ({"since": T0, "reason": "x", "by": -math.inf}, "frozen.by"),
+    ],
+    ids=[
+        "text",
+        "reason-a-number",
+        "reason-an-object",
+        "reason-nan",
+        "since-infinity",
+        "since-1e308",
+        "since-from-the-future",
+        "field-minus-infinity",
+    ],
+)
+def test_an_unreadable_freeze_stays_a_freeze(tmp_path: Path, frozen: Any, problem: str) -> None:
     # "Not frozen" would let specd restart SGLang after an operator-visible failure.
-    (tmp_path / STATE_FILE).write_text(json.dumps(_with(frozen="yes")))
-    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.0).load()
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(frozen=frozen)))
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.0).load()
     assert message is not None
-    assert "frozen" in message
+    assert problem in message
     assert state.frozen is not None
-    assert state.frozen["since"] == 1_700_000_000.0
+    assert state.control().frozen
+    assert isinstance(state.control().frozen_reason, str)
+    if "by" in frozen:  # one bad field of a good freeze: that field only
+        assert state.frozen == {**frozen, "by": None}
+    else:
+        assert state.frozen["since"] == 1_767_229_200.0
+        assert "specd unfreeze" in state.frozen["reason"]
+    assert state.restarts == populated().restarts
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_201.0)
+    assert store.save(state) is None
+    assert store.load()[1] is None
+
+
+@pytest.mark.parametrize(
+    "journal",
+    [[1], "env_written", {"phase": "restart_issued", "started_at": math.inf}],
+    ids=["list", "text", "infinity"],
+)
+def test_an_unreadable_restart_journal_is_a_freeze(tmp_path: Path, journal: Any) -> None:
+    # The restart it records may have been cut short anywhere: as the applier does with a
+    # journal it cannot read, specd leaves SGLang and the env file alone and waits for an
+    # operator, rather than forget it and go on deciding (and restarting).
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(journal=journal, frozen=None)))
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.0).load()
+    assert message is not None
+    assert "journal" in message
+    assert state.journal is None
+    assert state.frozen is not None
+    assert state.frozen["since"] == 1_767_229_200.0
+    assert "restart journal specd cannot read" in state.frozen["reason"]
     assert "specd unfreeze" in state.frozen["reason"]
     assert state.control().frozen
     assert state.restarts == populated().restarts
