@@ -999,6 +999,13 @@ def _damaged(part: str, value: Callable[[float], Any]) -> Callable[[dict[str, An
     return damage
 
 
+def _learned(damage: Callable[[dict[str, Any]], object]) -> Callable[[dict[str, Any], float], None]:
+    def learned(data: dict[str, Any], t: float) -> None:
+        damage(data["history"])
+
+    return learned
+
+
 # Each a state.json that is still JSON (NaN and Infinity included: Python reads them), with
 # one part no specd wrote. The daemon starts, leaves that part out with one line, decides
 # on the rest, restarts nothing, and saves.
@@ -1041,6 +1048,27 @@ DAMAGED_STATE = [
         _damaged("gateway", lambda t: {"probe": {"t": t, "problem": math.inf}}),
         "gateway.probe.problem",
         id="gateway-infinity",
+    ),
+    # A weight no time that passed holds: 3 steps "measured" at 1000 tok/s for 1e9 s made
+    # the model change to 3 and restart; 1e12 s at 64 requests in every hour seen made the
+    # coming epoch heavy, and it explored (restarted) twice.
+    pytest.param(
+        _learned(lambda h: h["throughput"]["cells"].append([[3, 2], 1e9, 1e12])),
+        "history.throughput[1]: 1e+09 s of weight",
+        id="throughput-1e9-s",
+    ),
+    pytest.param(
+        _learned(
+            lambda h: [hour["cells"].append([64, 1e12]) for hour in h["hourly"] if hour is not None]
+        ),
+        "s of weight is more time than it can hold",
+        id="hours-1e12-s",
+    ),
+    # Written a year ahead of the clock: its sums outweighed all observed after them.
+    pytest.param(
+        _learned(lambda h: h.update(last_t=h["last_t"] + 366 * 86400)),
+        "history: last_t",
+        id="history-a-year-ahead",
     ),
 ]
 
@@ -1090,5 +1118,6 @@ def test_a_damaged_state_file_costs_its_bad_part_only(
     assert [e for e in logged if e["event"] == "state_write_failed"] == []
     assert applier.calls == []
     # What was learned is kept, and the file it saves is one the next start reads whole.
-    assert d.state.history.busy_seconds == pytest.approx(history.busy_seconds, rel=0.01)
+    if "last_t" not in named:
+        assert d.state.history.busy_seconds == pytest.approx(history.busy_seconds, rel=0.01)
     assert StateStore(Path(cfg.files.state_dir), clock=lambda: clock[0]).load()[1] is None

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
 from specd.core.adaptive import AdaptiveModel
-from specd.core.history import DecayingSums, check_time
+from specd.core.history import DecayingSums, check_time, max_weight_s
 from specd.core.model import (
     EVIDENCE_Z,
     OBSERVED_PIVOT_S,
@@ -617,6 +617,9 @@ def snapshot_from_dict(
             check=_check_cell,
             dropped=dropped,
             where="verifying.cells",
+            at=t,
+            # The new setting's throughput cells at the change: as much as they can hold.
+            max_weight_s=max_weight_s(half_life_s),
         )
         from_setting = _setting_of(data, "from_setting", from_steps)
         to_setting = _setting_of(data, "to_setting", to_steps)

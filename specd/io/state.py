@@ -151,7 +151,7 @@ class State:
 
         history = part(
             lambda: History.from_dict(
-                data.get("history"), history_settings, None if strict else notes
+                data.get("history"), history_settings, None if strict else notes, now=now
             ),
             lambda why: History(history_settings),
         )

@@ -242,6 +242,22 @@ def _history_cells(table: str, *rows: list[Any]) -> dict[str, Any]:
     return data
 
 
+def _history_table(table: str, **parts: Any) -> dict[str, Any]:
+    data = _state_dict()
+    data["history"][table] = {**data["history"][table], **parts}
+    return data
+
+
+def _hour(how: int, *rows: list[Any]) -> dict[str, Any]:
+    data = _state_dict()
+    data["history"]["hourly"][how]["cells"].extend(rows)
+    return data
+
+
+# The hour of the week `populated` observed in (Thursday 2026-01-01 00:00 UTC).
+HOW = 72
+
+
 # Each damages one part: that part is left out (named in the message), all else is kept.
 # `expect` maps the parts that differ from the undamaged state to what they load as.
 SALVAGED: list[Any] = [
@@ -530,6 +546,60 @@ SALVAGED: list[Any] = [
         {"gateway": None},
         id="gateway-drain-duration-text",
     ),
+    # What no time that passed can hold: the model took 1e9 s at 3 steps for the truth
+    # (and changed to it), a busy hour of 1e12 s for the coming epoch's traffic.
+    pytest.param(
+        lambda: _history_cells("throughput", [[3, 4], 1e9, 1e9 * 900.0]),
+        "history.throughput[5]: 1e+09 s of weight is more time than it can hold",
+        {"throughput34": None},
+        id="throughput-cell-1e9-s",
+    ),
+    pytest.param(
+        lambda: _hour(HOW, [64, 1e12]),
+        "history.hourly[72][6]: 1e+12 s of weight",
+        {},
+        id="hour-cell-1e12-s",
+    ),
+    # Each cell possible, their sum not: which one lies is unknown, so the table goes.
+    pytest.param(
+        lambda: _history_cells("offered", *([k, 200_000.0] for k in range(10, 20))),
+        "history.offered: its cells: 2.00",
+        {"busy": 0.0},
+        id="offered-sums-past-time",
+    ),
+    pytest.param(
+        lambda: _history_cells("offered", [2, 1.0]),
+        "history.offered[6]: a second cell for 2",
+        {},
+        id="offered-cell-twice",
+    ),
+    # A table written after the history's time: its sums would outweigh everything
+    # observed after them by 2^(days / half-life). That table only.
+    pytest.param(
+        lambda: _history_table("accept", ref_t=T0 + 30 * 86400),
+        "history.accept: ref_t: 2026-01-31T00:00Z is 719.9 h after the time it was read at",
+        {"accept4": None},
+        id="accept-table-from-the-future",
+    ),
+    pytest.param(
+        lambda: _history_table("offered", ref_t=1e308),
+        "history.offered: ref_t: 1e+308 is past any time",
+        {"busy": 0.0},
+        id="offered-table-1e308",
+    ),
+    # A history whose time is ahead of the clock by more than a day: it starts over.
+    pytest.param(
+        lambda: _with_history(last_t=T0 + 30 * 86400),
+        "history: last_t: 2026-01-31T00:00Z is 719.0 h after now",
+        {"history": "fresh"},
+        id="history-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with_history(sglang_started_at=1e308),
+        "history.sglang_started_at",
+        {},
+        id="history-started-1e308",
+    ),
 ]
 
 
@@ -586,8 +656,13 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         assert history.busy_seconds == 0
         return
     assert history.capacities == expect.get("capacity", learned.capacities)
-    assert history.busy_seconds == pytest.approx(learned.busy_seconds)
-    assert history.accept_length(4) == pytest.approx(learned.accept_length(4))
+    assert history.busy_seconds == pytest.approx(expect.get("busy", learned.busy_seconds))
+    assert history.accept_length(4) == pytest.approx(
+        expect.get("accept4", learned.accept_length(4))
+    )
+    for how in range(168):
+        want_hour = expect.get("hourly", {}).get(how, learned.hour_of_week_weights(how))
+        assert history.hour_of_week_weights(how) == pytest.approx(want_hour)
     assert history.accept_length(3) == expect.get("accept3", learned.accept_length(3))
     # Without its count of seconds measured, a step count's decayed seconds stand in.
     seen4 = expect.get("seen4", learned.accept_seen_s(4))
@@ -831,3 +906,30 @@ def test_a_save_replaces_a_planted_symlink_not_its_target(tmp_path: Path) -> Non
     assert victim.read_text() == "keep"
     assert not (tmp_path / STATE_FILE).is_symlink()
     assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == STATE_FILE_MODE
+
+
+def test_a_history_learned_under_a_longer_half_life_loads_whole_under_a_shorter_one(
+    tmp_path: Path,
+) -> None:
+    # A year at one concurrency under a 90-day half-life weighs ~1e7 s: the most a 1-hour
+    # half-life holds is ~3e4 s. What no time holds is refused; what a config change since
+    # leaves is kept, scaled to what the new half-life holds (its means and mix unchanged).
+    long = HistorySettings(half_life_s=90 * 86400.0, scrape_interval_s=3600.0, warmup_exclude_s=0)
+    history = History(long)
+    for i in range(400 * 24):
+        history.record(obs(T0 + 3600.0 * i, running=2))
+    now = T0 + 3600.0 * 400 * 24
+    short = HistorySettings(half_life_s=3600.0)
+    StateStore(tmp_path, history_settings=long).save(State(history=history))
+    for _ in range(2):  # loaded, saved, loaded again
+        store = StateStore(tmp_path, history_settings=short, clock=lambda: now)
+        state, problem = store.load()
+        assert problem is None
+        assert state.history.accept_length(4) == pytest.approx(2.6)
+        assert state.history.throughput(4, 2) == pytest.approx(150.0)
+        assert 0 < state.history.busy_seconds <= 2 * (3600.0 / math.log(2) + 7200.0)
+        assert store.save(state) is None
+    # A reload (SIGHUP) to the shorter half-life, then a restart of specd: the same.
+    history.reconfigure(short)
+    StateStore(tmp_path, history_settings=short).save(State(history=history))
+    assert StateStore(tmp_path, history_settings=short, clock=lambda: now).load()[1] is None
