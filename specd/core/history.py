@@ -4,7 +4,9 @@ Observations are folded into exponentially decaying, time-weighted sums, so rece
 traffic counts most and the state stays small however long specd runs:
 
 - the distribution of offered concurrency (running + queued) in integer bins, with the
-  time observed and the busy time (offered > 0);
+  time observed and the busy time (offered > 0): one per concurrency up to 256, then 32
+  per doubling (`concurrency_bin`), so a queue of any length, every second a new one,
+  adds no more than ~900 bins to a table;
 - the mean accept length per step count (only while the spec gauges are fresh);
 - the mean throughput per (steps, offered concurrency);
 - the capacity (max_running_requests) last seen per step count;
@@ -72,6 +74,24 @@ HISTORY_FORMAT = 1
 MAX_HALF_LIFE_S = 90 * DAY_S
 
 K = TypeVar("K", bound=Hashable)
+
+# Offered concurrency is learned exactly up to this; above it, in bins of a 32nd of a
+# doubling (at most 3.1 % wide: a server's throughput is flat there, past its capacity,
+# and a forecast's mix no finer). Each distinct key is a cell of the offered, throughput
+# and hour-of-week tables, kept until it decays (weeks): a queue that took a new length
+# every scrape grew the state without bound (megabytes a day), past the size the next
+# start reads (`specd.io.state.MAX_STATE_BYTES`), which then moved it all aside.
+EXACT_CONCURRENCY = 256
+_BIN_BITS = 5  # 2**5 bins per doubling
+
+
+def concurrency_bin(offered: int) -> int:
+    """The key ``offered`` requests are learned under: itself up to `EXACT_CONCURRENCY`,
+    else the lowest concurrency of its bin."""
+    if offered <= EXACT_CONCURRENCY:
+        return offered
+    width = 1 << (offered.bit_length() - 1 - _BIN_BITS)
+    return offered - offered % width
 
 
 def hour_of_week(t: float) -> int:
@@ -178,14 +198,16 @@ class DecayingSums(Generic[K]):
         cells = data.get("cells")
         if not isinstance(cells, list):
             raise ValueError("cells: expected a list")
+        raw_keys: set[Any] = set()
         for index, row in enumerate(cells):
             try:
                 key, values = _cell(row, width, decode_key)
                 problem = check(key, values) if check is not None else None
                 if problem is None and max_weight_s is not None and values[0] > max_weight_s:
                     problem = _too_heavy(values[0], max_weight_s)
-                if problem is None and key in table.cells:
-                    problem = f"a second cell for {key!r} (the first is kept)"
+                raw = tuple(row[0]) if isinstance(row[0], list) else row[0]
+                if problem is None and raw in raw_keys:
+                    problem = f"a second cell for {row[0]!r:.40} (the first is kept)"
                 if problem is not None:
                     raise ValueError(problem)
             except ValueError as exc:
@@ -193,7 +215,13 @@ class DecayingSums(Generic[K]):
                     raise ValueError(f"cells: {exc}") from None
                 dropped.append(f"{where}[{index}]: {exc}")
                 continue
-            table.cells[key] = values
+            raw_keys.add(raw)
+            cell = table.cells.get(key)
+            if cell is None:
+                table.cells[key] = values
+            else:  # two keys of one bin (`concurrency_bin`): one cell
+                for i, value in enumerate(values):
+                    cell[i] += value
         total = sum(cell[0] for cell in table.cells.values())
         if max_weight_s is not None and total > max_weight_s:
             raise ValueError(f"its cells: {_too_heavy(total, max_weight_s)}")
@@ -313,10 +341,15 @@ def _int_key(value: Any) -> int:
     return value
 
 
+def _concurrency_key(value: Any) -> int:
+    # A file from before the bins: its cells are merged into theirs as they load.
+    return concurrency_bin(_int_key(value))
+
+
 def _pair_key(value: Any) -> tuple[int, int]:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"expected a [steps, concurrency] key, got {value!r:.40}")
-    return _setting_key(value[0]), _int_key(value[1])
+    return _setting_key(value[0]), _concurrency_key(value[1])
 
 
 def _setting_key(value: Any) -> int:
@@ -499,7 +532,7 @@ class History:
             return Recorded.WARMUP
         dt = min(raw_dt, self.settings.max_interval_s)
 
-        offered = max(0, obs.offered)
+        offered = concurrency_bin(max(0, obs.offered))
         self._offered.add(offered, t, dt)
         how = hour_of_week(t)
         hourly = self._hourly[how]
@@ -987,7 +1020,7 @@ class History:
 
             hl = settings.half_life_s
             history._offered = table(
-                data.get("offered"), "offered", hl, 1, _int_key, _check_offered
+                data.get("offered"), "offered", hl, 1, _concurrency_key, _check_offered
             ) or DecayingSums(hl)
             history._accept = table(
                 data.get("accept"), "accept", hl, 2, _int_key, _check_accept
@@ -1005,7 +1038,7 @@ class History:
             history._hourly = [
                 None
                 if h is None
-                else table(h, f"hourly[{how}]", hw, 1, _int_key, _check_offered, WEEK_S)
+                else table(h, f"hourly[{how}]", hw, 1, _concurrency_key, _check_offered, WEEK_S)
                 for how, h in enumerate(hourly)
             ]
             history._rebuild_day_kinds()

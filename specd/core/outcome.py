@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
 from specd.core.adaptive import AdaptiveModel
-from specd.core.history import DecayingSums, check_time, max_weight_s
+from specd.core.history import DecayingSums, check_time, concurrency_bin, max_weight_s
 from specd.core.model import (
     EVIDENCE_Z,
     OBSERVED_PIVOT_S,
@@ -613,7 +613,8 @@ def snapshot_from_dict(
             data.get("cells"),
             half_life_s,
             2,
-            _concurrency,
+            # Keyed as the history's throughput cells it is subtracted from.
+            lambda value: concurrency_bin(_concurrency(value)),
             check=_check_cell,
             dropped=dropped,
             where="verifying.cells",
@@ -656,14 +657,16 @@ def avoided_from_dict(index: int, data: Any, *, now: float | None = None) -> Avo
         mix = data.get("mix")
         if not isinstance(mix, list):
             raise ValueError("mix: expected a list of [concurrency, share]")
-        shares: list[tuple[int, float]] = []
+        shares: dict[int, float] = {}
         for row in mix:
             if not isinstance(row, list) or len(row) != 2:
                 raise ValueError(f"mix: expected [concurrency, share], got {row!r:.40}")
             share = _number(row[1], "mix share")
             if not 0 <= share <= 1:
                 raise ValueError(f"mix: share {share:.6g} is not in [0, 1]")
-            shares.append((_concurrency(row[0]), share))
+            # Keyed as the forecast's mix it is compared with (`concurrency_bin`).
+            key = concurrency_bin(_concurrency(row[0]))
+            shares[key] = shares.get(key, 0.0) + share
         shortfall = _number(data.get("shortfall_ratio"), "shortfall_ratio")
         if not -1 <= shortfall <= 1:
             raise ValueError(f"shortfall_ratio: {shortfall:.6g} is not in [-1, 1]")
@@ -672,7 +675,7 @@ def avoided_from_dict(index: int, data: Any, *, now: float | None = None) -> Avo
         return Avoided(
             steps=steps,
             t=check_time(data.get("t"), "t", now),
-            mix=tuple(sorted(shares)),
+            mix=tuple(sorted(shares.items())),
             shortfall_ratio=shortfall,
             from_steps=from_steps,
             setting=_setting_of(data, "setting", steps),

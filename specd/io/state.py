@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -185,8 +185,10 @@ class State:
                 data, "restarts", lambda i, e: _restart(i, e, now, fields), strict, notes
             ),
             frozen=frozen,
-            recommendations=_entries(
-                data, "recommendations", lambda i, e: _recommendation(i, e, now), strict, notes
+            recommendations=_runs(
+                _entries(
+                    data, "recommendations", lambda i, e: _recommendation(i, e, now), strict, notes
+                )
             ),
             explorations=_entries(
                 data, "explorations", lambda i, e: _exploration(i, e, now), strict, notes
@@ -220,7 +222,7 @@ class State:
     def adopt(self, control: Control) -> None:
         """Keep what `step` changed in the control state (restarts and the freeze are
         recorded by the daemon with their details)."""
-        self.recommendations = [[t, s] for t, s in control.recommendations]
+        self.recommendations = _runs(control.recommendations)
         self.explorations = [[t, s] for t, s in control.explorations]
         self.verifying = control.verifying
         self.avoided = list(control.avoided)
@@ -418,6 +420,21 @@ def _recommendation(index: int, entry: Any, now: float | None) -> list[float]:
     ):
         raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
     return [_time(entry[0], f"recommendations[{index}].t", now), entry[1]]
+
+
+def _runs(recommendations: Iterable[Sequence[float]]) -> list[list[float]]:
+    """The recommendations in time order, each only where it differs from the one before.
+
+    What the stabilization window reads of them (`specd.core.decide`): since when the
+    latest recommendation has held, and whether it held when the window began; the entries
+    in between say nothing more. The step appends one at every tick and drops them only
+    past the window, so a week's window at one scrape a second kept 600,000 of them.
+    """
+    kept: list[list[float]] = []
+    for t, steps in sorted((float(t), int(s)) for t, s in recommendations):
+        if not kept or kept[-1][1] != steps:
+            kept.append([t, steps])
+    return kept
 
 
 def _exploration(index: int, entry: Any, now: float | None) -> list[float]:

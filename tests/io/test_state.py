@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from factories import make_observation, mounted_tmpfs
 
+from specd.core.decide import Control, _held_for
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.core.outcome import Avoided, ChangeSnapshot
@@ -53,7 +55,7 @@ def populated() -> State:
         journal={"phase": "env_written", "from_steps": 4, "to_steps": 3, "previous_env": "X=1\n"},
         restarts=[{"t": T0 - 7200, "from_steps": 3, "to_steps": 4, "result": "success"}],
         frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
-        recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
+        recommendations=[[T0 - 10, 4], [T0 - 5, 3]],
         explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2]],
         verifying=ChangeSnapshot(
             T0 - 7200, 3, 4, ((2, 30.0, 4500.0), (5, 10.0, 2000.0)), 0.02, until=T0 + 86400
@@ -933,3 +935,51 @@ def test_a_history_learned_under_a_longer_half_life_loads_whole_under_a_shorter_
     history.reconfigure(short)
     StateStore(tmp_path, history_settings=short).save(State(history=history))
     assert StateStore(tmp_path, history_settings=short, clock=lambda: now).load()[1] is None
+
+
+def test_running_values_that_swing_every_second_keep_the_state_small(tmp_path: Path) -> None:
+    # Half a day of scrapes a second, each with another queue length (a batch queue
+    # draining, refilled): every length was a cell kept for weeks, ~5 MB a day of state
+    # rewritten every minute, past the 16 MiB the next start reads within days (which then
+    # moved it aside: everything learned lost).
+    history = History(HistorySettings(scrape_interval_s=1.0, warmup_exclude_s=0))
+    for i in range(43_200):
+        queued = (i * 7919) % 100_000 if i % 2 else 0
+        history.record(
+            make_observation(T0 + i, running=13, queued=queued, steps=4, gen_throughput=900.0)
+        )
+    store = StateStore(tmp_path, clock=lambda: T0 + 43_200)
+    started = time.perf_counter()
+    assert store.save(State(history=history)) is None
+    took = time.perf_counter() - started
+    size = (tmp_path / STATE_FILE).stat().st_size
+    assert size < 512 * 1024, size
+    assert took < 2.0  # ~0.05 s here; it was seconds, in the daemon's loop
+    state, problem = store.load()
+    assert problem is None
+    assert state.history.busy_seconds == pytest.approx(history.busy_seconds)
+
+
+def test_recommendations_are_kept_where_they_change_and_stabilize_as_before() -> None:
+    # The step appends one at every tick and drops them only past the stabilization
+    # window: a week's window at a scrape a second kept 600,000 (16 MiB). Only where the
+    # recommendation changes says anything to the stabilization check, and it says the same.
+    rng = random.Random(12)
+    for _ in range(300):
+        window = rng.choice([0.0, 30.0, 900.0])
+        every: Control = Control(current_steps=3)
+        state = State()
+        t = T0
+        for _ in range(40):
+            t += rng.choice([1.0, 5.0, 60.0, 600.0])
+            steps = rng.choice([3, 3, 3, 4, 0, -5])
+            every = every.with_recommendation(t, steps, window)
+            state.adopt(state.control().with_recommendation(t, steps, window))
+            for target in (3, 4, 0, -5):
+                held = _held_for(every.recommendations, target, t)
+                kept = _held_for(state.control().recommendations, target, t)
+                assert min(held, window) == min(kept, window)
+    week = State()
+    for i in range(10_000):
+        week.adopt(week.control().with_recommendation(T0 + i, 4, 7 * 86400.0))
+    assert week.recommendations == [[T0, 4]]
