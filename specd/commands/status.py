@@ -349,12 +349,13 @@ def render(info: dict[str, Any], now: float) -> str:
         ),
         f"target         {_shown(info['target_setting'])}",
         f"mode           {info['mode']}",
-        f"last decision  {d.get('reason', '-')}: {d.get('message', '-')} "
+        f"last decision  {printable(str(d.get('reason', '-')))}: "
+        f"{printable(str(d.get('message', '-')))} "
         f"({_when(d.get('t'), now) if d.get('t') else 'never'})",
         "frozen         "
         + (
             f"YES, FROZEN since {_when(info['frozen'].get('since'), now)}: "
-            f"{info['frozen'].get('reason')}"
+            f"{printable(str(info['frozen'].get('reason')))}"
             "  (clear: specd unfreeze --reason ...)"
             if info["frozen"]
             else "no"

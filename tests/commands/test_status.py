@@ -324,3 +324,17 @@ def test_status_reads_a_damaged_state_as_the_daemon_does(
     assert named in info["state_problem"]
     assert "state          " in text
     json.dumps(info, allow_nan=False, default=str)
+
+
+def test_status_shows_text_from_the_state_without_acting_on_the_terminal(tmp_path: Path) -> None:
+    # A restart's failure message carries what systemctl and SGLang said; a hand edit,
+    # anything: printed raw, an escape clears or retitles the on-call's terminal.
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    frozen = {"since": NOW - 60, "reason": "restart failed: \x1b[2Jgone"}
+    decision = {"t": NOW - 5, "reason": "frozen", "message": "held\x1b]0;pwned\x07\nnext line"}
+    assert StateStore(tmp_path).save(State(frozen=frozen, last_decision=decision)) is None
+    text = render(collect(config, NOW, "down"), NOW)
+    assert "\x1b" not in text
+    assert "\x07" not in text
+    assert "restart failed: \\x1b[2Jgone" in text
+    assert "held\\x1b]0;pwned\\x07\\x0anext line" in text
