@@ -21,7 +21,7 @@ from specd.core.text import printable
 from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import daemon_uids, read_override
-from specd.io.state import STATE_FILE, atomic_write_json, read_state
+from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_state
 
 _reason = reason_type("say why it is safe to resume: the log keeps it")
 
@@ -45,10 +45,14 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         pass
     except ValueError as exc:
-        # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not read
-        # the file cannot tell. Ask all the same: the daemon clears a freeze, if any.
-        unknown = f"cannot tell whether specd is frozen: {path} is {exc}"
-        print(f"specd unfreeze: {unknown}", file=sys.stderr)
+        held = getattr(exc, "held", None)
+        if held:  # the daemon keeps a freeze for it (a newer specd's file)
+            frozen = held_freeze(held, str(exc), time.time())
+        else:
+            # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not
+            # read the file cannot tell. Ask all the same: the daemon clears one, if any.
+            unknown = f"cannot tell whether specd is frozen: {path} is {exc}"
+            print(f"specd unfreeze: {unknown}", file=sys.stderr)
     if frozen is None and unknown is None:
         print("specd is not frozen; nothing to clear")
         return 0

@@ -56,7 +56,12 @@ def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
 
 
 class StateFormatError(ValueError):
-    """state.json parsed but does not hold a valid state; the message is one line."""
+    """state.json parsed but does not hold a valid state; the message is one line.
+
+    ``held``: what in it must still hold specd back though it cannot be read (a freeze, a
+    restart journal: `_held`), as the daemon keeps it frozen for them."""
+
+    held: str | None = None
 
 
 @dataclass
@@ -490,7 +495,9 @@ def read_state(
     try:
         return State.from_dict(data, history_settings, dropped, now=now)
     except StateFormatError as exc:
-        raise StateFormatError(f"invalid ({_one_line(exc)})") from None
+        error = StateFormatError(f"invalid ({_one_line(exc)})")
+        error.held = _held(data)
+        raise error from None
 
 
 def salvage_note(dropped: list[str], limit: int = 3) -> str:
@@ -499,6 +506,23 @@ def salvage_note(dropped: list[str], limit: int = 3) -> str:
     more = f"; and {len(dropped) - limit} more" if len(dropped) > limit else ""
     entries = "entry" if len(dropped) == 1 else "entries"
     return f"left out {len(dropped)} bad {entries} and kept the rest ({shown}{more})"
+
+
+def held_freeze(held: str, why: str, now: float | None) -> dict[str, Any]:
+    """The freeze specd keeps for what a state it cannot read held (`StateFormatError`)."""
+    return _fallback_freeze(f"{held} in a file specd cannot read ({why}; it is kept aside)", now)
+
+
+def _held(data: Any) -> str | None:
+    """What in a file that is no state this specd can read must still hold specd back."""
+    if not isinstance(data, dict):
+        return None
+    held = [
+        what
+        for key, what in (("frozen", "a freeze"), ("journal", "a restart journal"))
+        if data.get(key) is not None
+    ]
+    return " and ".join(held) or None
 
 
 LOCK_FILE = "specd.lock"
@@ -559,12 +583,20 @@ class StateStore:
         file as it was goes to the same place.
         """
         dropped: list[str] = []
+        now = self._clock()
         try:
-            state = read_state(self.path, self.history_settings, dropped, now=self._clock())
+            state = read_state(self.path, self.history_settings, dropped, now=now)
         except FileNotFoundError:
             return self.fresh(), None
         except ValueError as exc:
-            return self.fresh(), self._set_aside(str(exc))
+            fresh, problem = self.fresh(), self._set_aside(str(exc))
+            held = getattr(exc, "held", None)
+            if held:
+                # A newer specd's file, rolled back to this one: its freeze (or the restart
+                # it was in) still stands; what it learned waits in the file set aside.
+                fresh.frozen = held_freeze(held, str(exc), now)
+                problem += f"; it held {held}: frozen until specd unfreeze"
+            return fresh, problem
         if not dropped:
             return state, None
         return state, f"{self.path} {salvage_note(dropped)}; {self._copy_aside()}"

@@ -367,6 +367,12 @@ def _state_with(**parts: Any) -> str:
         # A state that cannot be read says nothing of the freeze the daemon runs with.
         ("{", "cannot tell whether specd is frozen", True),
         (_state_with(frozen={"since": time.time(), "reason": "ok\x1b[2Jgone"}), "ok\\x1b[2J", True),
+        # A newer specd's file: the daemon sets it aside and keeps its freeze.
+        (
+            _state_with(version=2, frozen={"since": time.time(), "reason": "failed"}),
+            "frozen since: state.json held a freeze in a file specd cannot read",
+            True,
+        ),
         (_state_with(frozen=None), "specd is not frozen; nothing to clear", False),
         (None, "specd is not frozen; nothing to clear", False),
     ],
@@ -375,6 +381,7 @@ def _state_with(**parts: Any) -> str:
         "journal-unreadable",
         "state-not-json",
         "reason-escapes",
+        "newer-specd-frozen",
         "not-frozen",
         "none",
     ],

@@ -338,3 +338,15 @@ def test_status_shows_text_from_the_state_without_acting_on_the_terminal(tmp_pat
     assert "\x07" not in text
     assert "restart failed: \\x1b[2Jgone" in text
     assert "held\\x1b]0;pwned\\x07\\x0anext line" in text
+
+
+def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> None:
+    # The daemon cannot read it: it sets it aside and stays frozen for the freeze in it.
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    data = State(frozen={"since": NOW - 60, "reason": "restart failed"}).to_dict()
+    (tmp_path / "state.json").write_text(json.dumps({**data, "version": 2}))
+    info = collect(config, NOW, "down")
+    assert info["state_unreadable"]
+    assert "version 2 is newer than this specd understands" in info["state_problem"]
+    assert info["frozen"] is not None
+    assert "YES, FROZEN" in render(info, NOW)

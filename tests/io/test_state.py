@@ -170,6 +170,11 @@ def _state_dict() -> dict[str, Any]:
     return populated().to_dict()
 
 
+def _idle_state() -> dict[str, Any]:
+    """`populated` neither frozen nor in a restart."""
+    return {**_state_dict(), "frozen": None, "journal": None}
+
+
 @pytest.mark.parametrize(
     ("content", "problem"),
     [
@@ -178,8 +183,8 @@ def _state_dict() -> dict[str, Any]:
         (lambda: "\x00\x01garbage", "unreadable"),
         (lambda: b"\xff\xfe{}", "unreadable"),
         (lambda: "[]", "expected a JSON object"),
-        (lambda: json.dumps({**_state_dict(), "version": STATE_VERSION + 1}), "newer"),
-        (lambda: json.dumps({**_state_dict(), "version": "1"}), "version"),
+        (lambda: json.dumps({**_idle_state(), "version": STATE_VERSION + 1}), "newer"),
+        (lambda: json.dumps({**_idle_state(), "version": "1"}), "version"),
     ],
     ids=[
         "truncated",
@@ -983,3 +988,41 @@ def test_recommendations_are_kept_where_they_change_and_stabilize_as_before() ->
     for i in range(10_000):
         week.adopt(week.control().with_recommendation(T0 + i, 4, 7 * 86400.0))
     assert week.recommendations == [[T0, 4]]
+
+
+@pytest.mark.parametrize(
+    ("parts", "held"),
+    [
+        ({"version": STATE_VERSION + 1}, "a freeze and a restart journal"),
+        ({"version": STATE_VERSION + 1, "journal": None}, "a freeze"),
+        ({"version": "2", "frozen": None}, "a restart journal"),
+        ({"version": 0, "frozen": "yes", "journal": None}, "a freeze"),
+    ],
+    ids=["newer-frozen-mid-restart", "newer-frozen", "version-text-mid-restart", "version-0"],
+)
+def test_a_file_from_a_newer_specd_is_set_aside_and_its_freeze_still_holds(
+    tmp_path: Path, parts: dict[str, Any], held: str
+) -> None:
+    # A rollback to this specd from a newer one: it cannot read what the newer one wrote,
+    # so it starts over, the file kept aside for the newer one. A freeze in it (or a restart
+    # it was in the middle of, whose env file it cannot judge) still holds specd back.
+    path = tmp_path / STATE_FILE
+    path.write_text(json.dumps({**_state_dict(), **parts}))
+    original = path.read_bytes()
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_200.9)
+    state, message = store.load()
+    assert message is not None
+    assert "moved to state.json.corrupt-1767229200" in message
+    assert f"it held {held}: frozen until specd unfreeze" in message
+    assert (tmp_path / "state.json.corrupt-1767229200").read_bytes() == original
+    assert state.frozen is not None
+    assert state.frozen["since"] == 1_767_229_200.9
+    assert f"state.json held {held} in a file specd cannot read" in state.frozen["reason"]
+    assert "specd unfreeze" in state.frozen["reason"]
+    assert state.journal is None
+    assert state.history.busy_seconds == 0
+    # Saved as this specd's, frozen: the next start, status and unfreeze read it so.
+    assert store.save(state) is None
+    again, problem = store.load()
+    assert problem is None
+    assert again.frozen == state.frozen
