@@ -262,9 +262,17 @@ def _entries(
         notes.append(str(exc))
         return []
     kept: list[E] = []
+    seen: set[str] = set()
     for index, entry in enumerate(entries):
         try:
-            kept.append(parse(index, entry))
+            parsed = parse(index, entry)
+            identity = json.dumps(parsed, sort_keys=True, default=repr)
+            if identity in seen:
+                # specd records each restart and exploration once: a copy would count twice
+                # against the budget or the week's explorations.
+                raise StateFormatError(f"{key}[{index}]: a second copy of {entry!r:.60}")
+            seen.add(identity)
+            kept.append(parsed)
         except StateFormatError as exc:
             if strict:
                 raise

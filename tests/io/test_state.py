@@ -607,6 +607,20 @@ SALVAGED: list[Any] = [
         {},
         id="history-started-1e308",
     ),
+    # Copied lines: specd writes each restart and exploration once; twice, they counted
+    # twice against the day's budget and the week's explorations.
+    pytest.param(
+        lambda: _with(restarts=populated().restarts * 2),
+        "restarts[1]: a second copy",
+        {},
+        id="restart-twice",
+    ),
+    pytest.param(
+        lambda: _with(explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2], [T0 - 3 * 86400, 5]]),
+        "explorations[2]: a second copy",
+        {},
+        id="exploration-twice",
+    ),
 ]
 
 
