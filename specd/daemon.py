@@ -210,7 +210,9 @@ class Daemon:
         self._metrics_server: Any = None
 
         self.store = StateStore(
-            Path(config.files.state_dir), history_settings=HistorySettings.from_config(config)
+            Path(config.files.state_dir),
+            history_settings=HistorySettings.from_config(config),
+            clock=self.clock,
         )
         self.state, problem = self.store.load()
         if problem:

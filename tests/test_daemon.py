@@ -38,7 +38,7 @@ from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
 from specd.io.notify import Notifier
-from specd.io.state import STATE_FILE
+from specd.io.state import STATE_FILE, State, StateStore
 from specd.io.timespan import timespan_s
 from specd.twin.process import TwinProcess, free_port
 
@@ -1178,3 +1178,137 @@ def test_a_calibration_broken_under_the_daemon_keeps_the_last_good_one(
         ("calibration_unusable", "the last good calibration"),
         ("calibration_usable", None),
     ]
+
+
+# -- a state.json damaged by hand -------------------------------------------------------
+
+
+def _damaged(part: str, value: Callable[[float], Any]) -> Callable[[dict[str, Any], float], None]:
+    def damage(data: dict[str, Any], t: float) -> None:
+        data[part] = value(t)
+
+    return damage
+
+
+def _learned(damage: Callable[[dict[str, Any]], object]) -> Callable[[dict[str, Any], float], None]:
+    def learned(data: dict[str, Any], t: float) -> None:
+        damage(data["history"])
+
+    return learned
+
+
+# Each a state.json that is still JSON (NaN and Infinity included: Python reads them), with
+# one part no specd wrote. The daemon starts, leaves that part out with one line, decides
+# on the rest, restarts nothing, and saves.
+DAMAGED_STATE = [
+    # A freeze whose reason is no text crashed every tick.
+    pytest.param(_damaged("frozen", lambda t: {"since": t, "reason": 5}), "frozen", id="freeze-5"),
+    pytest.param(
+        _damaged("frozen", lambda t: {"since": t, "reason": math.nan}), "frozen", id="freeze-nan"
+    ),
+    # A time no clock shows crashed every tick (datetime overflow) under the model policy.
+    pytest.param(
+        _damaged("explorations", lambda t: [[1e308, 4]]), "explorations[0]", id="explored-1e308"
+    ),
+    pytest.param(
+        _damaged("explorations", lambda t: [[-1e308, 4]]), "explorations[0]", id="explored-1e-308"
+    ),
+    pytest.param(
+        _damaged(
+            "verifying",
+            lambda t: {
+                "t": 1e308,
+                "from_steps": 3,
+                "to_steps": 4,
+                "cells": {"ref_t": t, "cells": []},
+                "until": None,
+            },
+        ),
+        "verifying",
+        id="verifying-1e308",
+    ),
+    # A NaN kept made every later save fail: nothing learned after reached disk.
+    pytest.param(
+        _damaged(
+            "restarts", lambda t: [{"t": t - 86400, "result": "success", "duration_s": math.nan}]
+        ),
+        "restarts[0].duration_s",
+        id="restart-duration-nan",
+    ),
+    pytest.param(
+        _damaged("gateway", lambda t: {"probe": {"t": t, "problem": math.inf}}),
+        "gateway.probe.problem",
+        id="gateway-infinity",
+    ),
+    # A weight no time that passed holds: 3 steps "measured" at 1000 tok/s for 1e9 s made
+    # the model change to 3 and restart; 1e12 s at 64 requests in every hour seen made the
+    # coming epoch heavy, and it explored (restarted) twice.
+    pytest.param(
+        _learned(lambda h: h["throughput"]["cells"].append([[3, 2], 1e9, 1e12])),
+        "history.throughput[1]: 1e+09 s of weight",
+        id="throughput-1e9-s",
+    ),
+    pytest.param(
+        _learned(
+            lambda h: [hour["cells"].append([64, 1e12]) for hour in h["hourly"] if hour is not None]
+        ),
+        "s of weight is more time than it can hold",
+        id="hours-1e12-s",
+    ),
+    # Written a year ahead of the clock: its sums outweighed all observed after them.
+    pytest.param(
+        _learned(lambda h: h.update(last_t=h["last_t"] + 366 * 86400)),
+        "history: last_t",
+        id="history-a-year-ahead",
+    ),
+]
+
+
+@pytest.mark.parametrize(("damage", "named"), DAMAGED_STATE)
+def test_a_damaged_state_file_costs_its_bad_part_only(
+    tmp_path: Path, damage: Callable[[dict[str, Any], float], None], named: str
+) -> None:
+    # The model policy on the seed's calibration, 4 steps live and best for 2 requests.
+    calibration = REPO / "bench" / "truth" / "seed-calibration.csv"
+    cfg = config(
+        tmp_path,
+        policy="model",
+        calibration_file=str(calibration),
+        scrape_interval_s=60,
+        kinds=["static"],
+    )
+    history = History(HistorySettings.from_config(cfg))
+    last = serve(history, 4, IN_WINDOW - 3 * 86400, IN_WINDOW, 2, 400.0)
+    data = State(history=history).to_dict()
+    damage(data, last.t)
+    path = Path(cfg.files.state_dir) / STATE_FILE
+    path.write_text(json.dumps(data))
+    clock = [last.t]
+    served = last.decode_tokens_total or 0.0
+    fresh = [
+        replace(last, t=last.t + 60 * i, decode_tokens_total=served + 400.0 * 60 * i)
+        for i in range(1, 4)
+    ]
+    applier = Applier()
+    with capture_logs() as logged:
+        d = Daemon(
+            cfg,
+            registry=CollectorRegistry(),
+            clock=lambda: clock[0],
+            notifier=Notifier({}),
+            reader=Reader(fresh),
+            applier=applier,
+        )
+        for _ in fresh:
+            clock[0] += 60
+            d.tick()
+        d._save_state(force=True)
+    problems = [e["problem"] for e in logged if e["event"] == "state_load_failed"]
+    assert len(problems) == 1
+    assert named in problems[0]
+    assert [e for e in logged if e["event"] == "state_write_failed"] == []
+    assert applier.calls == []
+    # What was learned is kept, and the file it saves is one the next start reads whole.
+    if "last_t" not in named:
+        assert d.state.history.busy_seconds == pytest.approx(history.busy_seconds, rel=0.01)
+    assert StateStore(Path(cfg.files.state_dir), clock=lambda: clock[0]).load()[1] is None

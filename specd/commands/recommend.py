@@ -43,7 +43,7 @@ def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, s
     path = state_dir / STATE_FILE
     dropped: list[str] = []
     try:
-        state = read_state(path, settings, dropped)
+        state = read_state(path, settings, dropped, now=time.time())
         if dropped:
             return state, f"history from {path} ({salvage_note(dropped)})"
         return state, f"history from {path}"

@@ -31,7 +31,7 @@ from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import STATE_FILE, State, read_state, salvage_note
+from specd.io.state import STATE_FILE, State, held_freeze, read_state, salvage_note
 
 DAY_S = 86400.0
 # status must answer at once, also when SGLang is down or still loading.
@@ -141,6 +141,9 @@ def collect(
     except (OSError, ValueError) as exc:
         detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
         state, state_problem, unreadable = State(), f"{state_path}: {detail}", True
+        held = getattr(exc, "held", None)
+        if held:  # as the daemon's next start keeps it: frozen
+            state.frozen = held_freeze(held, detail, now)
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override(
         Path(config.files.override_file),
@@ -349,12 +352,13 @@ def render(info: dict[str, Any], now: float) -> str:
         ),
         f"target         {_shown(info['target_setting'])}",
         f"mode           {info['mode']}",
-        f"last decision  {d.get('reason', '-')}: {d.get('message', '-')} "
+        f"last decision  {printable(str(d.get('reason', '-')))}: "
+        f"{printable(str(d.get('message', '-')))} "
         f"({_when(d.get('t'), now) if d.get('t') else 'never'})",
         "frozen         "
         + (
             f"YES, FROZEN since {_when(info['frozen'].get('since'), now)}: "
-            f"{info['frozen'].get('reason')}"
+            f"{printable(str(info['frozen'].get('reason')))}"
             "  (clear: specd unfreeze --reason ...)"
             if info["frozen"]
             else "no"

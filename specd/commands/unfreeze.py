@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from specd.commands.check_config import load_for_command
 from specd.commands.reason import reason_type
+from specd.core.history import HistorySettings
 from specd.core.text import printable
 from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import daemon_uids, read_override
-from specd.io.state import STATE_FILE, atomic_write_json, read_json
+from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_state
 
 _reason = reason_type("say why it is safe to resume: the log keeps it")
 
@@ -33,11 +36,24 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     state_dir = Path(config.files.state_dir)
+    path = state_dir / STATE_FILE
+    unknown: str | None = None
+    frozen: dict[str, Any] | None = None
     try:
-        frozen = read_json(state_dir / STATE_FILE).get("frozen")
-    except (OSError, ValueError, AttributeError):
-        frozen = None
-    if not frozen:
+        # As the daemon reads it: a freeze it cannot read is a freeze all the same.
+        frozen = read_state(path, HistorySettings.from_config(config), [], now=time.time()).frozen
+    except FileNotFoundError:
+        pass
+    except ValueError as exc:
+        held = getattr(exc, "held", None)
+        if held:  # the daemon keeps a freeze for it (a newer specd's file)
+            frozen = held_freeze(held, str(exc), time.time())
+        else:
+            # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not
+            # read the file cannot tell. Ask all the same: the daemon clears one, if any.
+            unknown = f"cannot tell whether specd is frozen: {path} is {exc}"
+            print(f"specd unfreeze: {unknown}", file=sys.stderr)
+    if frozen is None and unknown is None:
         print("specd is not frozen; nothing to clear")
         return 0
     try:
@@ -49,10 +65,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"specd: cannot write the request into {state_dir}: {exc} (run as root?)")
         return 1
-    print(
-        f"frozen since: {printable(str(frozen.get('reason')))}\n"
-        "unfreeze requested; specd clears it within one tick"
-    )
+    if frozen is not None:
+        print(f"frozen since: {printable(str(frozen.get('reason')))}")
+    print("unfreeze requested; specd clears it within one tick")
     pin = _pin_now(config)
     if pin is not None:
         # A freeze after a failed restart often follows an on-call pin that failed: the pin

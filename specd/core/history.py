@@ -4,7 +4,9 @@ Observations are folded into exponentially decaying, time-weighted sums, so rece
 traffic counts most and the state stays small however long specd runs:
 
 - the distribution of offered concurrency (running + queued) in integer bins, with the
-  time observed and the busy time (offered > 0);
+  time observed and the busy time (offered > 0): one per concurrency up to 256, then 32
+  per doubling (`concurrency_bin`), so a queue of any length, every second a new one,
+  adds no more than ~900 bins to a table;
 - the mean accept length per step count (only while the spec gauges are fresh);
 - the mean throughput per (steps, offered concurrency);
 - the capacity (max_running_requests) last seen per step count;
@@ -22,6 +24,7 @@ import enum
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -36,6 +39,7 @@ from specd.core.observation import (
     without_impossible,
 )
 from specd.core.setting import config_key
+from specd.core.text import duration_text
 
 if TYPE_CHECKING:
     from specd.core.observation import Observation
@@ -57,9 +61,37 @@ _REBASE_HALF_LIVES = 64.0
 _PRUNE_WEIGHT_S = 1e-3
 # Seconds of acceptance evidence one step count can have gathered: three centuries.
 MAX_ACCEPT_SEEN_S = 1e10
+# How far after the clock reading a state file a time in it may lie: the clock stepped back
+# since it was written (an RTC read as local time is hours off). Further is no time specd
+# wrote, and a time from the future would hold a restart, an avoided setting or the
+# history's weight there for as long.
+FUTURE_SLACK_S = DAY_S
+# Without a clock to compare with (a strict read): no clock specd runs under shows this
+# (2242), and every later time is past what a date can show.
+LATEST_TIME = float(2**33)
 HISTORY_FORMAT = 1
+# The longest half-life a config sets (`observe.history_half_life_s`).
+MAX_HALF_LIFE_S = 90 * DAY_S
 
 K = TypeVar("K", bound=Hashable)
+
+# Offered concurrency is learned exactly up to this; above it, in bins of a 32nd of a
+# doubling (at most 3.1 % wide: a server's throughput is flat there, past its capacity,
+# and a forecast's mix no finer). Each distinct key is a cell of the offered, throughput
+# and hour-of-week tables, kept until it decays (weeks): a queue that took a new length
+# every scrape grew the state without bound (megabytes a day), past the size the next
+# start reads (`specd.io.state.MAX_STATE_BYTES`), which then moved it all aside.
+EXACT_CONCURRENCY = 256
+_BIN_BITS = 5  # 2**5 bins per doubling
+
+
+def concurrency_bin(offered: int) -> int:
+    """The key ``offered`` requests are learned under: itself up to `EXACT_CONCURRENCY`,
+    else the lowest concurrency of its bin."""
+    if offered <= EXACT_CONCURRENCY:
+        return offered
+    width = 1 << (offered.bit_length() - 1 - _BIN_BITS)
+    return offered - offered % width
 
 
 def hour_of_week(t: float) -> int:
@@ -145,20 +177,37 @@ class DecayingSums(Generic[K]):
         check: Callable[[K, list[float]], str | None] | None = None,
         dropped: list[str] | None = None,
         where: str = "cells",
+        at: float | None = None,
+        max_weight_s: float | None = None,
     ) -> DecayingSums[K]:
         """Rebuild from `to_dict`. A bad table raises ValueError; a bad cell raises too,
-        unless ``dropped`` is given: then it is left out and named there."""
+        unless ``dropped`` is given: then it is left out and named there.
+
+        ``at``: when the sums were read last (a history's last observation, a snapshot's
+        change); the table cannot have been written after it (`check_time`: its sums would
+        be worth 2^(days / half-life) times what anything recorded after them is).
+        ``max_weight_s``: the most seconds of weight the table can hold (`max_weight_s`):
+        a cell past it, and then the table's sum past it, is no time that passed.
+        """
         if not isinstance(data, dict):
             raise ValueError("expected an object")
-        ref_t = _finite(data.get("ref_t"), "ref_t")
+        ref_t = check_time(data.get("ref_t"), "ref_t", at, "the time it was read at")
+        if at is not None and ref_t > at:
+            ref_t = at  # a clock stepped back a little: the sums as they were written
         table: DecayingSums[K] = cls(half_life_s, ref_t)
         cells = data.get("cells")
         if not isinstance(cells, list):
             raise ValueError("cells: expected a list")
+        raw_keys: set[Any] = set()
         for index, row in enumerate(cells):
             try:
                 key, values = _cell(row, width, decode_key)
                 problem = check(key, values) if check is not None else None
+                if problem is None and max_weight_s is not None and values[0] > max_weight_s:
+                    problem = _too_heavy(values[0], max_weight_s)
+                raw = tuple(row[0]) if isinstance(row[0], list) else row[0]
+                if problem is None and raw in raw_keys:
+                    problem = f"a second cell for {row[0]!r:.40} (the first is kept)"
                 if problem is not None:
                     raise ValueError(problem)
             except ValueError as exc:
@@ -166,7 +215,16 @@ class DecayingSums(Generic[K]):
                     raise ValueError(f"cells: {exc}") from None
                 dropped.append(f"{where}[{index}]: {exc}")
                 continue
-            table.cells[key] = values
+            raw_keys.add(raw)
+            cell = table.cells.get(key)
+            if cell is None:
+                table.cells[key] = values
+            else:  # two keys of one bin (`concurrency_bin`): one cell
+                for i, value in enumerate(values):
+                    cell[i] += value
+        total = sum(cell[0] for cell in table.cells.values())
+        if max_weight_s is not None and total > max_weight_s:
+            raise ValueError(f"its cells: {_too_heavy(total, max_weight_s)}")
         table.revision += len(table.cells)
         return table
 
@@ -178,6 +236,41 @@ class DecayingSums(Generic[K]):
         if total <= 0:
             return None, 0.0
         return {k: cell[0] / total for k, cell in self.cells.items() if cell[0] > 0}, total
+
+
+def max_weight_s(half_life_s: float, period_s: float | None = None) -> float:
+    """The most seconds of weight a table of this half-life can hold, twice over.
+
+    Each observation adds at most the seconds since the one before, so a table holds at
+    most the decayed integral of one second per second: half-life / ln 2. An hour-of-week
+    table (``period_s``, a week) gets at most an hour of every period. Twice that (and an
+    observation's longest interval, two scrapes of an hour) leaves room for a clock
+    stepped back, which counts some seconds twice; past it, a weight is no time that
+    passed — and would outweigh everything observed after it.
+    """
+    longest = 2 * HOUR_S
+    if period_s is None:
+        return 2 * (half_life_s / math.log(2) + longest)
+    return 2 * (HOUR_S + longest) / (1 - 2.0 ** (-period_s / half_life_s))
+
+
+def _cap_weight(table: DecayingSums[Any], most: float) -> bool:
+    """Scale ``table`` down to ``most`` seconds of weight in all, if it holds more: what
+    a shorter half-life than it was written under keeps of it (means and shares as they
+    were, the evidence no more than that half-life can hold). True if it did."""
+    total = sum(cell[0] for cell in table.cells.values())
+    if total <= most:
+        return False
+    factor = most / total
+    for cell in table.cells.values():
+        for i in range(len(cell)):
+            cell[i] *= factor
+    table.revision += 1
+    return True
+
+
+def _too_heavy(weight: float, most: float) -> str:
+    return f"{weight:.6g} s of weight is more time than it can hold ({most:.6g} s)"
 
 
 def _cell(row: Any, width: int, decode_key: Callable[[Any], K]) -> tuple[K, list[float]]:
@@ -226,16 +319,37 @@ def _finite(value: Any, name: str) -> float:
     return float(value)
 
 
+def check_time(value: Any, name: str, now: float | None, what: str = "now") -> float:
+    """``value`` as a time specd can have written by ``now`` (a unix time, not before 1970,
+    at most `FUTURE_SLACK_S` after ``now``, which is ``what``); ValueError naming ``name``
+    otherwise."""
+    number = _finite(value, name)
+    if number < 0:
+        raise ValueError(f"{name}: {number:.6g} is before 1970")
+    latest = LATEST_TIME if now is None else now + FUTURE_SLACK_S
+    if number > latest:
+        if now is None or number > LATEST_TIME:
+            raise ValueError(f"{name}: {number:.6g} is past any time specd runs at")
+        at = datetime.fromtimestamp(number, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+        raise ValueError(f"{name}: {at} is {duration_text(number - now)} after {what}")
+    return number
+
+
 def _int_key(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"expected a non-negative integer key, got {value!r:.40}")
     return value
 
 
+def _concurrency_key(value: Any) -> int:
+    # A file from before the bins: its cells are merged into theirs as they load.
+    return concurrency_bin(_int_key(value))
+
+
 def _pair_key(value: Any) -> tuple[int, int]:
     if not isinstance(value, list) or len(value) != 2:
         raise ValueError(f"expected a [steps, concurrency] key, got {value!r:.40}")
-    return _setting_key(value[0]), _int_key(value[1])
+    return _setting_key(value[0]), _concurrency_key(value[1])
 
 
 def _setting_key(value: Any) -> int:
@@ -365,11 +479,17 @@ class History:
         """Adopt new settings (config reload); what was learned is kept."""
         self.settings = settings
         at = self._at()
+        most = max_weight_s(settings.half_life_s)
         for table in (self._offered, self._accept, self._throughput):
             _change_half_life(table, settings.half_life_s, at)
+            _cap_weight(table, most)
+        most = max_weight_s(settings.hour_of_week_half_life_s, WEEK_S)
         for hourly in (*self._hourly, *self._day_kinds):
             if hourly is not None:
                 _change_half_life(hourly, settings.hour_of_week_half_life_s, at)
+        capped = [_cap_weight(hourly, most) for hourly in self._hourly if hourly is not None]
+        if any(capped):
+            self._rebuild_day_kinds()
 
     def record(self, obs: Observation) -> Recorded:
         """Fold one observation in; it stands for the time since the previous one."""
@@ -412,7 +532,7 @@ class History:
             return Recorded.WARMUP
         dt = min(raw_dt, self.settings.max_interval_s)
 
-        offered = max(0, obs.offered)
+        offered = concurrency_bin(max(0, obs.offered))
         self._offered.add(offered, t, dt)
         how = hour_of_week(t)
         hourly = self._hourly[how]
@@ -763,12 +883,16 @@ class History:
         data: Any,
         settings: HistorySettings | None = None,
         dropped: list[str] | None = None,
+        *,
+        now: float | None = None,
     ) -> History:
         """Rebuild from `to_dict`; ``settings`` (from the config) win over stored ones.
 
         Raises ValueError with a one-line reason when the history as a whole is unusable.
-        A bad entry (a cell, a capacity, a counter) raises too, unless ``dropped`` is
-        given: then it is left out, named there, and the rest is kept.
+        A bad entry (a cell, a capacity, a counter, a table) raises too, unless ``dropped``
+        is given: then it is left out, named there, and the rest is kept. Its times must be
+        ones specd can have written by ``now`` (`check_time`), and its weights time that
+        can have passed (`max_weight_s`).
         """
         if not isinstance(data, dict):
             raise ValueError("history: expected an object")
@@ -819,10 +943,20 @@ class History:
                 into[key] = value
 
         try:
-            history.last_t = _optional_finite(data.get("last_t"), "last_t")
-            history.sglang_started_at = _optional_finite(
-                data.get("sglang_started_at"), "sglang_started_at"
-            )
+            last_t = data.get("last_t")
+            # A history from the future cannot be read as of now: every sum in it would
+            # outweigh what is observed from now on (it starts over, named).
+            at = None if last_t is None else check_time(last_t, "last_t", now)
+            if at is not None and now is not None and at > now:
+                at = now  # a clock stepped back a little: the sums as they were written
+            history.last_t = at
+            try:
+                started = data.get("sglang_started_at")
+                history.sglang_started_at = (
+                    None if started is None else check_time(started, "sglang_started_at", now)
+                )
+            except ValueError as exc:
+                salvage("sglang_started_at", str(exc).partition(": ")[2] or str(exc))
             last_steps = data.get("last_steps")
             try:
                 history._last_steps = None if last_steps is None else _steps_key(last_steps)
@@ -842,26 +976,58 @@ class History:
                     salvage(f"counters.{name}", str(exc).partition(": ")[2] or str(exc))
                     continue
                 history._counters[str(name)] = number
-            hl = settings.half_life_s
             keep = None if strict else notes
-            # (table, cells' width, key decoder, check): each read the same way.
-            tables: tuple[tuple[str, int, Callable[[Any], Any], Callable[..., str | None]], ...] = (
-                ("offered", 1, _int_key, _check_offered),
-                ("accept", 2, _int_key, _check_accept),
-                ("throughput", 2, _pair_key, _check_throughput),
-            )
-            history._offered, history._accept, history._throughput = (
-                DecayingSums.from_dict(
-                    data.get(name),
-                    hl,
-                    width,
-                    key,
-                    check=check,
-                    where=f"history.{name}",
-                    dropped=keep,
-                )
-                for name, width, key, check in tables
-            )
+            # The tables were written at the history's last observation (none: never).
+            written = at if at is not None else 0.0
+
+            def table(
+                raw: Any,
+                where: str,
+                half_life_s: float,
+                width: int,
+                key: Callable[[Any], Any],
+                check: Callable[..., str | None],
+                period_s: float | None = None,
+            ) -> DecayingSums[Any] | None:
+                """One table, or None when it is unusable (named; strict: raises)."""
+                # It may hold what the half-life it was written under allows (a config
+                # with a shorter one since), up to the longest any config sets.
+                stored = raw.get("half_life_s") if isinstance(raw, dict) else None
+                longest = half_life_s
+                if (
+                    isinstance(stored, (int, float))
+                    and not isinstance(stored, bool)
+                    and half_life_s < stored <= MAX_HALF_LIFE_S
+                ):
+                    longest = float(stored)
+                try:
+                    loaded = DecayingSums.from_dict(
+                        raw,
+                        half_life_s,
+                        width,
+                        key,
+                        check=check,
+                        where=f"history.{where}",
+                        dropped=keep,
+                        at=written,
+                        max_weight_s=max_weight_s(longest, period_s),
+                    )
+                except ValueError as exc:
+                    salvage(where, str(exc))
+                    return None
+                _cap_weight(loaded, max_weight_s(half_life_s, period_s))
+                return loaded
+
+            hl = settings.half_life_s
+            history._offered = table(
+                data.get("offered"), "offered", hl, 1, _concurrency_key, _check_offered
+            ) or DecayingSums(hl)
+            history._accept = table(
+                data.get("accept"), "accept", hl, 2, _int_key, _check_accept
+            ) or DecayingSums(hl)
+            history._throughput = table(
+                data.get("throughput"), "throughput", hl, 2, _pair_key, _check_throughput
+            ) or DecayingSums(hl)
             # Absent from state files older than it: the decayed seconds stand in.
             keyed_rows("accept_seen", _seen_row, history._accept_seen, required=False)
             keyed_rows("capacity", _capacity_row, history._capacity, required=True)
@@ -872,15 +1038,7 @@ class History:
             history._hourly = [
                 None
                 if h is None
-                else DecayingSums.from_dict(
-                    h,
-                    hw,
-                    1,
-                    _int_key,
-                    check=_check_offered,
-                    where=f"history.hourly[{how}]",
-                    dropped=keep,
-                )
+                else table(h, f"hourly[{how}]", hw, 1, _concurrency_key, _check_offered, WEEK_S)
                 for how, h in enumerate(hourly)
             ]
             history._rebuild_day_kinds()
@@ -919,7 +1077,3 @@ def _change_half_life(table: DecayingSums[Any], half_life_s: float, at: float) -
     if table.half_life_s != half_life_s:
         table.rebase(at)
         table.half_life_s = half_life_s
-
-
-def _optional_finite(value: Any, name: str) -> float | None:
-    return None if value is None else _finite(value, name)

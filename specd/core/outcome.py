@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
 from specd.core.adaptive import AdaptiveModel
-from specd.core.history import DecayingSums
+from specd.core.history import DecayingSums, check_time, concurrency_bin, max_weight_s
 from specd.core.model import (
     EVIDENCE_Z,
     OBSERVED_PIVOT_S,
@@ -587,29 +587,40 @@ def snapshot_to_dict(snap: ChangeSnapshot, half_life_s: float) -> dict[str, Any]
     }
 
 
+# How long after its change a verification can last: the windows' horizon, and a year.
+_MAX_VERIFYING_S = 6 * 366 * 86400.0
+
+
 def snapshot_from_dict(
-    data: Any, half_life_s: float, dropped: list[str] | None = None
+    data: Any, half_life_s: float, dropped: list[str] | None = None, *, now: float | None = None
 ) -> ChangeSnapshot:
     """Rebuild from `snapshot_to_dict`. A bad snapshot raises ValueError; a bad cell does
-    too unless ``dropped`` is given: then it is left out and named there."""
+    too unless ``dropped`` is given: then it is left out and named there. Its time must be
+    one specd can have written by ``now`` (`specd.core.history.check_time`)."""
     if not isinstance(data, dict):
         raise ValueError("verifying: expected an object or null")
     try:
-        t = _number(data.get("t"), "t")
+        t = check_time(data.get("t"), "t", now)
         from_steps = _steps(data.get("from_steps"), "from_steps")
         to_steps = _steps(data.get("to_steps"), "to_steps")
         gain = data.get("predicted_gain_ratio")
         gain_ratio = None if gain is None else _number(gain, "predicted_gain_ratio")
         until = data.get("until")
         until_t = None if until is None else _number(until, "until")
+        if until_t is not None and not t <= until_t <= t + _MAX_VERIFYING_S:
+            raise ValueError(f"until: {until_t:.6g} is not within the windows' horizon of t")
         table = DecayingSums.from_dict(
             data.get("cells"),
             half_life_s,
             2,
-            _concurrency,
+            # Keyed as the history's throughput cells it is subtracted from.
+            lambda value: concurrency_bin(_concurrency(value)),
             check=_check_cell,
             dropped=dropped,
             where="verifying.cells",
+            at=t,
+            # The new setting's throughput cells at the change: as much as they can hold.
+            max_weight_s=max_weight_s(half_life_s),
         )
         from_setting = _setting_of(data, "from_setting", from_steps)
         to_setting = _setting_of(data, "to_setting", to_steps)
@@ -636,8 +647,9 @@ def avoided_to_dict(entry: Avoided) -> dict[str, Any]:
     }
 
 
-def avoided_from_dict(index: int, data: Any) -> Avoided:
-    """One avoid-list entry from `avoided_to_dict`; ValueError naming ``avoided[index]``."""
+def avoided_from_dict(index: int, data: Any, *, now: float | None = None) -> Avoided:
+    """One avoid-list entry from `avoided_to_dict`; ValueError naming ``avoided[index]``.
+    Its time must be one specd can have written by ``now``."""
     where = f"avoided[{index}]"
     try:
         if not isinstance(data, dict):
@@ -645,14 +657,16 @@ def avoided_from_dict(index: int, data: Any) -> Avoided:
         mix = data.get("mix")
         if not isinstance(mix, list):
             raise ValueError("mix: expected a list of [concurrency, share]")
-        shares: list[tuple[int, float]] = []
+        shares: dict[int, float] = {}
         for row in mix:
             if not isinstance(row, list) or len(row) != 2:
                 raise ValueError(f"mix: expected [concurrency, share], got {row!r:.40}")
             share = _number(row[1], "mix share")
             if not 0 <= share <= 1:
                 raise ValueError(f"mix: share {share:.6g} is not in [0, 1]")
-            shares.append((_concurrency(row[0]), share))
+            # Keyed as the forecast's mix it is compared with (`concurrency_bin`).
+            key = concurrency_bin(_concurrency(row[0]))
+            shares[key] = shares.get(key, 0.0) + share
         shortfall = _number(data.get("shortfall_ratio"), "shortfall_ratio")
         if not -1 <= shortfall <= 1:
             raise ValueError(f"shortfall_ratio: {shortfall:.6g} is not in [-1, 1]")
@@ -660,8 +674,8 @@ def avoided_from_dict(index: int, data: Any) -> Avoided:
         from_steps = _steps(data.get("from_steps"), "from_steps")
         return Avoided(
             steps=steps,
-            t=_number(data.get("t"), "t"),
-            mix=tuple(sorted(shares)),
+            t=check_time(data.get("t"), "t", now),
+            mix=tuple(sorted(shares.items())),
             shortfall_ratio=shortfall,
             from_steps=from_steps,
             setting=_setting_of(data, "setting", steps),

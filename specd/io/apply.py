@@ -50,7 +50,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from specd.core.observation import Observation, ScrapeError
+from specd.core.history import LATEST_TIME
+from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, Observation, ScrapeError
 from specd.core.setting import (
     SpecSetting,
     adaptive_config_name,
@@ -404,20 +405,28 @@ class Journal:
         if phase not in PHASES:
             raise JournalError(f"restart journal phase {phase!r} unknown")
 
-        def opt_int(name: str) -> int | None:
+        def opt_int(name: str, low: int = 0, high: int = MAX_RUNNING_REQUESTS) -> int | None:
+            # A count, a step count or a capacity: what a sequence specd ran can hold (a
+            # negative attempt count never reached the give-up; steps 99 became "live").
             value = data.get(name)
             if value is None:
                 return None
             if isinstance(value, bool) or not isinstance(value, int):
-                raise JournalError(f"restart journal {name} {value!r} is not an integer")
+                raise JournalError(f"restart journal {name} {value!r:.40} is not an integer")
+            if not low <= value <= high:
+                raise JournalError(f"restart journal {name} {value} is not in {low}..{high}")
             return value
 
         def opt_float(name: str) -> float | None:
+            # A time: finite and one a clock shows (1e308 and -1e308 made a duration of
+            # infinity, which no later save of the state could write).
             value = data.get(name)
             if value is None:
                 return None
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise JournalError(f"restart journal {name} {value!r} is not a number")
+                raise JournalError(f"restart journal {name} {value!r:.40} is not a number")
+            if not 0 <= value <= LATEST_TIME:
+                raise JournalError(f"restart journal {name} {value!r:.40} is no time")
             return float(value)
 
         def text(name: str) -> str:
@@ -429,8 +438,8 @@ class Journal:
         def opt_text(name: str) -> str | None:
             return None if data.get(name) is None else text(name)
 
-        to_steps = opt_int("to_steps")
-        from_steps = opt_int("from_steps")
+        to_steps = opt_int("to_steps", high=MAX_STEPS)
+        from_steps = opt_int("from_steps", high=MAX_STEPS)
         started_at = opt_float("started_at")
         to_setting = opt_text("to_setting")
         from_setting = opt_text("from_setting")
@@ -491,7 +500,7 @@ class Journal:
             if data.get("rollback_reason") is None
             else text("rollback_reason"),
             finished_at=opt_float("finished_at"),
-            capacity=opt_int("capacity"),
+            capacity=opt_int("capacity", low=1),
             fleet_slot=fleet_slot,
             fleet_released=data.get("fleet_released") is True,
             messages=[str(m) for m in messages],
@@ -554,6 +563,12 @@ class _Live:
     capacity: int | None = None
     # SGLang answered and runs something else: re-reading will not change that.
     mismatch: bool = False
+
+
+def _steps_or_none(value: Any) -> int | None:
+    """A step count an unreadable journal names, if it is one SGLang runs (for the log)."""
+    steps = _as_int(value)
+    return steps if steps is not None and 0 <= steps <= MAX_STEPS else None
 
 
 def _as_int(value: Any) -> int | None:
@@ -1094,8 +1109,8 @@ class Applier:
     def _reconcile_unreadable(self, data: Any, problem: str) -> ApplyOutcome:
         # Without a trustworthy journal the previous env file is unknown: leave files and
         # SGLang alone and report a failure so the daemon freezes for an operator.
-        to_steps = _as_int(data.get("to_steps")) if isinstance(data, Mapping) else None
-        from_steps = _as_int(data.get("from_steps")) if isinstance(data, Mapping) else None
+        to_steps = _steps_or_none(data.get("to_steps")) if isinstance(data, Mapping) else None
+        from_steps = _steps_or_none(data.get("from_steps")) if isinstance(data, Mapping) else None
         self.log.error("restart_journal_unreadable", problem=problem)
         return ApplyOutcome(
             "failed",

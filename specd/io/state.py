@@ -13,14 +13,15 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from specd.core import outcome
 from specd.core.decide import Control
-from specd.core.history import History, HistorySettings
+from specd.core.history import History, HistorySettings, check_time
+from specd.core.observation import MAX_STEPS
 from specd.io import files
 
 T = TypeVar("T")
@@ -55,7 +56,12 @@ def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
 
 
 class StateFormatError(ValueError):
-    """state.json parsed but does not hold a valid state; the message is one line."""
+    """state.json parsed but does not hold a valid state; the message is one line.
+
+    ``held``: what in it must still hold specd back though it cannot be read (a freeze, a
+    restart journal: `_held`), as the daemon keeps it frozen for them."""
+
+    held: str | None = None
 
 
 @dataclass
@@ -136,6 +142,8 @@ class State:
             raise StateFormatError(f"version: {version} is not a valid schema version")
         strict = dropped is None
         notes: list[str] = [] if dropped is None else dropped
+        # Where one field of a part is bad (a NaN), that field is dropped, not the part.
+        fields = None if strict else notes
 
         def part(parse: Callable[[], T], fallback: Callable[[str], T]) -> T:
             try:
@@ -148,37 +156,58 @@ class State:
 
         history = part(
             lambda: History.from_dict(
-                data.get("history"), history_settings, None if strict else notes
+                data.get("history"), history_settings, None if strict else notes, now=now
             ),
             lambda why: History(history_settings),
         )
+        unreadable_journal: list[str] = []
+
+        def journal_fallback(why: str) -> dict[str, Any] | None:
+            unreadable_journal.append(why)
+            return None  # the freeze below stands for it
+
+        frozen = part(
+            lambda: _frozen(data.get("frozen"), now, fields),
+            # A freeze stops automatic restarts until an operator looks: one that
+            # cannot be read must not be read as "not frozen".
+            lambda why: _fallback_freeze(f"a freeze specd cannot read ({why})", now),
+        )
+        journal = part(lambda: _journal(data.get("journal")), journal_fallback)
+        if unreadable_journal and frozen is None:
+            # The restart it recorded may have been cut short anywhere: SGLang and the env
+            # file are left as they are, as the applier leaves them for a journal it cannot
+            # read, and nothing restarts until an operator looked.
+            frozen = _fallback_freeze(
+                f"a restart journal specd cannot read ({unreadable_journal[0]}); SGLang and "
+                "the env file were left as they are",
+                now,
+            )
         return cls(
             history=history,
-            last_decision=part(lambda: _object(data, "last_decision"), lambda why: {}),
-            journal=part(lambda: _optional_object(data, "journal"), lambda why: None),
-            restarts=_entries(data, "restarts", _restart, strict, notes),
-            frozen=part(
-                lambda: _frozen(data.get("frozen")),
-                # A freeze stops automatic restarts until an operator looks: one that
-                # cannot be read must not be read as "not frozen".
-                lambda why: {
-                    "since": now if now is not None else 0.0,
-                    "reason": f"state.json held a freeze specd cannot read ({why}); "
-                    "check, then run specd unfreeze",
-                },
+            last_decision=part(lambda: _last_decision(data, now, fields), lambda why: {}),
+            journal=journal,
+            restarts=_entries(
+                data, "restarts", lambda i, e: _restart(i, e, now, fields), strict, notes
             ),
-            recommendations=_entries(data, "recommendations", _recommendation, strict, notes),
-            explorations=_entries(data, "explorations", _exploration, strict, notes),
+            frozen=frozen,
+            recommendations=_runs(
+                _entries(
+                    data, "recommendations", lambda i, e: _recommendation(i, e, now), strict, notes
+                )
+            ),
+            explorations=_entries(
+                data, "explorations", lambda i, e: _exploration(i, e, now), strict, notes
+            ),
             verifying=part(
-                lambda: _verifying(data.get("verifying"), history, None if strict else notes),
+                lambda: _verifying(data.get("verifying"), history, None if strict else notes, now),
                 lambda why: None,
             ),
-            avoided=_entries(data, "avoided", _avoided, strict, notes),
+            avoided=_entries(data, "avoided", lambda i, e: _avoided(i, e, now), strict, notes),
             sglang_started_at=part(
-                lambda: _optional_number(data, "sglang_started_at"), lambda why: None
+                lambda: _optional_time(data, "sglang_started_at", now), lambda why: None
             ),
-            live=part(lambda: _live(data.get("live")), lambda why: None),
-            gateway=part(lambda: _optional_object(data, "gateway"), lambda why: None),
+            live=part(lambda: _live(data.get("live"), now, fields), lambda why: None),
+            gateway=part(lambda: _gateway(data.get("gateway"), now, fields), lambda why: None),
             version=STATE_VERSION,
         )
 
@@ -198,7 +227,7 @@ class State:
     def adopt(self, control: Control) -> None:
         """Keep what `step` changed in the control state (restarts and the freeze are
         recorded by the daemon with their details)."""
-        self.recommendations = [[t, s] for t, s in control.recommendations]
+        self.recommendations = _runs(control.recommendations)
         self.explorations = [[t, s] for t, s in control.explorations]
         self.verifying = control.verifying
         self.avoided = list(control.avoided)
@@ -208,13 +237,6 @@ def _object(data: dict[str, Any], key: str) -> dict[str, Any]:
     value = data.get(key, {})
     if not isinstance(value, dict):
         raise StateFormatError(f"{key}: expected an object, got {type(value).__name__}")
-    return value
-
-
-def _optional_object(data: dict[str, Any], key: str) -> dict[str, Any] | None:
-    value = data.get(key)
-    if value is not None and not isinstance(value, dict):
-        raise StateFormatError(f"{key}: expected an object or null, got {type(value).__name__}")
     return value
 
 
@@ -240,9 +262,17 @@ def _entries(
         notes.append(str(exc))
         return []
     kept: list[E] = []
+    seen: set[str] = set()
     for index, entry in enumerate(entries):
         try:
-            kept.append(parse(index, entry))
+            parsed = parse(index, entry)
+            identity = json.dumps(parsed, sort_keys=True, default=repr)
+            if identity in seen:
+                # specd records each restart and exploration once: a copy would count twice
+                # against the budget or the week's explorations.
+                raise StateFormatError(f"{key}[{index}]: a second copy of {entry!r:.60}")
+            seen.add(identity)
+            kept.append(parsed)
         except StateFormatError as exc:
             if strict:
                 raise
@@ -254,27 +284,86 @@ def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _optional_number(data: dict[str, Any], key: str) -> float | None:
+def _scrub(value: T, where: str, notes: list[str] | None) -> T:
+    """``value`` with every NaN or infinity in it made null, each named in ``notes``
+    (StateFormatError instead when ``notes`` is None: a strict read).
+
+    Python's json reads the literals NaN and Infinity; kept, they make every later save of
+    the state fail (it writes JSON only): what specd learns after would never reach disk.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        problem = f"{where}: {value!r} is not a number JSON can hold"
+        if notes is None:
+            raise StateFormatError(problem)
+        notes.append(f"{problem} (read as null)")
+        return None  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {k: _scrub(v, f"{where}.{k}", notes) for k, v in value.items()}  # type: ignore[return-value]
+    if isinstance(value, list):
+        return [_scrub(v, f"{where}[{i}]", notes) for i, v in enumerate(value)]  # type: ignore[return-value]
+    return value
+
+
+def _finite_json(value: Any, where: str) -> None:
+    """Raise StateFormatError when ``value`` holds a NaN or an infinity anywhere."""
+    _scrub(value, where, None)
+
+
+def _time(value: Any, name: str, now: float | None) -> float:
+    try:
+        return check_time(value, name, now)
+    except ValueError as exc:
+        raise StateFormatError(str(exc)) from None
+
+
+def _optional_time(data: dict[str, Any], key: str, now: float | None) -> float | None:
     value = data.get(key)
-    if value is None:
-        return None
-    if not _is_number(value):
-        raise StateFormatError(f"{key}: expected a number or null, got {value!r:.40}")
-    return float(value)
+    return None if value is None else _time(value, key, now)
 
 
-def _restart(index: int, entry: Any) -> dict[str, Any]:
-    if not isinstance(entry, dict) or not _is_number(entry.get("t")):
-        raise StateFormatError(f"restarts[{index}]: expected an object with a numeric t")
-    return entry
+def _last_decision(
+    data: dict[str, Any], now: float | None, notes: list[str] | None
+) -> dict[str, Any]:
+    value = _object(data, "last_decision")
+    if "t" in value:
+        _time(value["t"], "last_decision.t", now)
+    return _scrub(value, "last_decision", notes)
 
 
-def _frozen(value: Any) -> dict[str, Any] | None:
+def _journal(value: Any) -> dict[str, Any] | None:
+    # Stored opaquely: `specd.io.apply.Journal` judges the rest when it reconciles it.
+    if value is not None and not isinstance(value, dict):
+        raise StateFormatError(f"journal: expected an object or null, got {type(value).__name__}")
+    _finite_json(value, "journal")
+    return value
+
+
+def _fallback_freeze(what: str, now: float | None) -> dict[str, Any]:
+    return {
+        "since": now if now is not None else 0.0,
+        "reason": f"state.json held {what}; check, then run specd unfreeze",
+    }
+
+
+def _restart(index: int, entry: Any, now: float | None, notes: list[str] | None) -> dict[str, Any]:
+    where = f"restarts[{index}]"
+    if not isinstance(entry, dict):
+        raise StateFormatError(f"{where}: expected an object with a numeric t")
+    # Its time counts against dwell and the budget: a bad detail costs that detail only.
+    _time(entry.get("t"), f"{where}.t", now)
+    return _scrub(entry, where, notes)
+
+
+def _frozen(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict) or not _is_number(value.get("since")):
         raise StateFormatError("frozen: expected null or an object with a numeric since")
-    return value
+    _time(value["since"], "frozen.since", now)
+    reason = value.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise StateFormatError(f"frozen.reason: expected text, got {reason!r:.40}")
+    return _scrub(value, "frozen", notes)
 
 
 def _short_text_or_none(value: Any) -> bool:
@@ -282,36 +371,86 @@ def _short_text_or_none(value: Any) -> bool:
     return value is None or (isinstance(value, str) and len(value) <= 256)
 
 
-def _live(value: Any) -> dict[str, Any] | None:
+def _steps_or_none(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEPS
+    )
+
+
+def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    steps = value.get("steps") if isinstance(value, dict) else None
     if (
         not isinstance(value, dict)
         or not _is_number(value.get("t"))
-        or not (steps is None or (isinstance(steps, int) and not isinstance(steps, bool)))
+        or not _steps_or_none(value.get("steps"))
         or not isinstance(value.get("source"), str)
         or not _short_text_or_none(value.get("setting"))
     ):
         raise StateFormatError(
             "live: expected null or an object with numeric t, steps, source (and setting)"
         )
+    _time(value["t"], "live.t", now)
+    return _scrub(value, "live", notes)
+
+
+# The gateway's record, as `specd status` reads it: each part an object, its times times.
+_GATEWAY_PARTS = ("probe", "last_drain")
+
+
+def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise StateFormatError(f"gateway: expected an object or null, got {type(value).__name__}")
+    value = _scrub(value, "gateway", notes)
+    for name in _GATEWAY_PARTS:
+        part = value.get(name)
+        if part is None:
+            continue
+        if not isinstance(part, dict):
+            raise StateFormatError(f"gateway.{name}: expected an object, got {part!r:.40}")
+        if part.get("t") is not None:
+            _time(part["t"], f"gateway.{name}.t", now)
+        duration = part.get("duration_s")
+        if duration is not None and not _is_number(duration):
+            raise StateFormatError(f"gateway.{name}.duration_s: expected a number")
     return value
 
 
-def _recommendation(index: int, entry: Any) -> list[float]:
+# A setting key: K, 0 (off) or an adaptive set's (negative, 48 bits; `setting_key`).
+_MIN_SETTING_KEY = -(2**48)
+
+
+def _recommendation(index: int, entry: Any, now: float | None) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
         or not _is_number(entry[0])
         or isinstance(entry[1], bool)
         or not isinstance(entry[1], int)
+        or not _MIN_SETTING_KEY <= entry[1] <= MAX_STEPS
     ):
         raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
-    return [float(entry[0]), entry[1]]
+    return [_time(entry[0], f"recommendations[{index}].t", now), entry[1]]
 
 
-def _exploration(index: int, entry: Any) -> list[float]:
+def _runs(recommendations: Iterable[Sequence[float]]) -> list[list[float]]:
+    """The recommendations in time order, each only where it differs from the one before.
+
+    What the stabilization window reads of them (`specd.core.decide`): since when the
+    latest recommendation has held, and whether it held when the window began; the entries
+    in between say nothing more. The step appends one at every tick and drops them only
+    past the window, so a week's window at one scrape a second kept 600,000 of them.
+    """
+    kept: list[list[float]] = []
+    for t, steps in sorted((float(t), int(s)) for t, s in recommendations):
+        if not kept or kept[-1][1] != steps:
+            kept.append([t, steps])
+    return kept
+
+
+def _exploration(index: int, entry: Any, now: float | None) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
@@ -321,21 +460,21 @@ def _exploration(index: int, entry: Any) -> list[float]:
         or not 1 <= entry[1] <= 16
     ):
         raise StateFormatError(f"explorations[{index}]: expected [t, steps], got {entry!r:.40}")
-    return [float(entry[0]), entry[1]]
+    return [_time(entry[0], f"explorations[{index}].t", now), entry[1]]
 
 
 def _verifying(
-    value: Any, history: History, dropped: list[str] | None
+    value: Any, history: History, dropped: list[str] | None, now: float | None
 ) -> outcome.ChangeSnapshot | None:
     if value is None:
         return None
     # Its cells decay as the history's do.
-    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped)
+    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped, now=now)
 
 
-def _avoided(index: int, entry: Any) -> outcome.Avoided:
+def _avoided(index: int, entry: Any, now: float | None) -> outcome.Avoided:
     try:
-        return outcome.avoided_from_dict(index, entry)
+        return outcome.avoided_from_dict(index, entry, now=now)
     except ValueError as exc:
         raise StateFormatError(str(exc)) from None
 
@@ -364,7 +503,9 @@ def read_state(
     try:
         return State.from_dict(data, history_settings, dropped, now=now)
     except StateFormatError as exc:
-        raise StateFormatError(f"invalid ({_one_line(exc)})") from None
+        error = StateFormatError(f"invalid ({_one_line(exc)})")
+        error.held = _held(data)
+        raise error from None
 
 
 def salvage_note(dropped: list[str], limit: int = 3) -> str:
@@ -373,6 +514,23 @@ def salvage_note(dropped: list[str], limit: int = 3) -> str:
     more = f"; and {len(dropped) - limit} more" if len(dropped) > limit else ""
     entries = "entry" if len(dropped) == 1 else "entries"
     return f"left out {len(dropped)} bad {entries} and kept the rest ({shown}{more})"
+
+
+def held_freeze(held: str, why: str, now: float | None) -> dict[str, Any]:
+    """The freeze specd keeps for what a state it cannot read held (`StateFormatError`)."""
+    return _fallback_freeze(f"{held} in a file specd cannot read ({why}; it is kept aside)", now)
+
+
+def _held(data: Any) -> str | None:
+    """What in a file that is no state this specd can read must still hold specd back."""
+    if not isinstance(data, dict):
+        return None
+    held = [
+        what
+        for key, what in (("frozen", "a freeze"), ("journal", "a restart journal"))
+        if data.get(key) is not None
+    ]
+    return " and ".join(held) or None
 
 
 LOCK_FILE = "specd.lock"
@@ -433,12 +591,20 @@ class StateStore:
         file as it was goes to the same place.
         """
         dropped: list[str] = []
+        now = self._clock()
         try:
-            state = read_state(self.path, self.history_settings, dropped, now=self._clock())
+            state = read_state(self.path, self.history_settings, dropped, now=now)
         except FileNotFoundError:
             return self.fresh(), None
         except ValueError as exc:
-            return self.fresh(), self._set_aside(str(exc))
+            fresh, problem = self.fresh(), self._set_aside(str(exc))
+            held = getattr(exc, "held", None)
+            if held:
+                # A newer specd's file, rolled back to this one: its freeze (or the restart
+                # it was in) still stands; what it learned waits in the file set aside.
+                fresh.frozen = held_freeze(held, str(exc), now)
+                problem += f"; it held {held}: frozen until specd unfreeze"
+            return fresh, problem
         if not dropped:
             return state, None
         return state, f"{self.path} {salvage_note(dropped)}; {self._copy_aside()}"

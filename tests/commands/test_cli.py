@@ -373,3 +373,52 @@ def test_a_second_daemon_on_the_same_state_dir_refuses_to_start(tmp_path: Path) 
     again = start_holding_the_lock(cfg, lock)
     again.terminate()
     again.communicate(timeout=30)
+
+
+def _state_with(**parts: Any) -> str:
+    return json.dumps({**State(last_decision={"t": time.time() - 60}).to_dict(), **parts})
+
+
+@pytest.mark.parametrize(
+    ("content", "said", "requested"),
+    [
+        # A freeze the daemon reads as one (it cannot read it): crashed after the request.
+        (_state_with(frozen="yes"), "frozen since: state.json held a freeze specd cannot", True),
+        # A journal the daemon cannot read keeps it frozen: "not frozen" was wrong.
+        (_state_with(journal=["x"]), "frozen since: state.json held a restart journal", True),
+        # A state that cannot be read says nothing of the freeze the daemon runs with.
+        ("{", "cannot tell whether specd is frozen", True),
+        (_state_with(frozen={"since": time.time(), "reason": "ok\x1b[2Jgone"}), "ok\\x1b[2J", True),
+        # A newer specd's file: the daemon sets it aside and keeps its freeze.
+        (
+            _state_with(version=2, frozen={"since": time.time(), "reason": "failed"}),
+            "frozen since: state.json held a freeze in a file specd cannot read",
+            True,
+        ),
+        (_state_with(frozen=None), "specd is not frozen; nothing to clear", False),
+        (None, "specd is not frozen; nothing to clear", False),
+    ],
+    ids=[
+        "freeze-text",
+        "journal-unreadable",
+        "state-not-json",
+        "reason-escapes",
+        "newer-specd-frozen",
+        "not-frozen",
+        "none",
+    ],
+)
+def test_unfreeze_reads_the_freeze_as_the_daemon_does(
+    tmp_path: Path, content: str | None, said: str, requested: bool
+) -> None:
+    cfg_path = write_config(tmp_path)
+    state_dir = Path(load_config(cfg_path).files.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if content is not None:
+        (state_dir / "state.json").write_text(content)
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "looked at it")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert said in done.stdout + done.stderr
+    assert "\x1b" not in done.stdout + done.stderr
+    assert (state_dir / UNFREEZE_REQUEST).exists() is requested

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
@@ -283,3 +284,69 @@ def test_status_says_what_the_override_file_holds(
         assert line in text, text
         assert "\x1b" not in text
         assert "None" not in text.split("override       ", 1)[1].splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("part", "value", "named"),
+    [
+        ("last_decision", {"t": 1e308, "reason": "change", "message": "4 → 3"}, "last_decision.t"),
+        ("last_decision", {"t": "now", "reason": "change"}, "last_decision.t"),
+        ("live", {"t": 1e308, "steps": 3, "source": "observation"}, "live.t"),
+        ("live", {"t": NOW, "steps": 3, "source": "observation", "x": float("nan")}, "live.x"),
+        ("frozen", {"since": -1e308, "reason": "restart failed"}, "frozen.since"),
+        (
+            "avoided",
+            [{"steps": 5, "t": 1e308, "from_steps": 4, "shortfall_ratio": 0.1, "mix": [[2, 1]]}],
+            "avoided[0]: t",
+        ),
+    ],
+    ids=[
+        "decided-1e308",
+        "decided-text",
+        "live-1e308",
+        "live-nan",
+        "frozen-1e308",
+        "avoided-1e308",
+    ],
+)
+def test_status_reads_a_damaged_state_as_the_daemon_does(
+    tmp_path: Path, part: str, value: object, named: str
+) -> None:
+    # A time past what a date can show crashed `specd status` with a traceback, and a NaN
+    # made `specd status --json` print what is not JSON.
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    data = State(last_decision={"t": NOW - 60, "reason": "within_tolerance"}).to_dict()
+    data[part] = value
+    (tmp_path / "state.json").write_text(json.dumps(data))
+    info = collect(config, NOW, "down")
+    text = render(info, NOW)
+    assert info["state_unreadable"]
+    assert named in info["state_problem"]
+    assert "state          " in text
+    json.dumps(info, allow_nan=False, default=str)
+
+
+def test_status_shows_text_from_the_state_without_acting_on_the_terminal(tmp_path: Path) -> None:
+    # A restart's failure message carries what systemctl and SGLang said; a hand edit,
+    # anything: printed raw, an escape clears or retitles the on-call's terminal.
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    frozen = {"since": NOW - 60, "reason": "restart failed: \x1b[2Jgone"}
+    decision = {"t": NOW - 5, "reason": "frozen", "message": "held\x1b]0;pwned\x07\nnext line"}
+    assert StateStore(tmp_path).save(State(frozen=frozen, last_decision=decision)) is None
+    text = render(collect(config, NOW, "down"), NOW)
+    assert "\x1b" not in text
+    assert "\x07" not in text
+    assert "restart failed: \\x1b[2Jgone" in text
+    assert "held\\x1b]0;pwned\\x07\\x0anext line" in text
+
+
+def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> None:
+    # The daemon cannot read it: it sets it aside and stays frozen for the freeze in it.
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    data = State(frozen={"since": NOW - 60, "reason": "restart failed"}).to_dict()
+    (tmp_path / "state.json").write_text(json.dumps({**data, "version": 2}))
+    info = collect(config, NOW, "down")
+    assert info["state_unreadable"]
+    assert "version 2 is newer than this specd understands" in info["state_problem"]
+    assert info["frozen"] is not None
+    assert "YES, FROZEN" in render(info, NOW)

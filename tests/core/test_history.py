@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -14,6 +15,7 @@ from specd.core.history import (
     History,
     HistorySettings,
     Recorded,
+    concurrency_bin,
     hour_of_week,
     is_weekend_hour,
 )
@@ -523,3 +525,52 @@ def test_settings_from_config() -> None:
     assert HistorySettings.from_config(config) == HistorySettings(
         half_life_s=7200, warmup_exclude_s=30, scrape_interval_s=2
     )
+
+
+@pytest.mark.parametrize(
+    ("offered", "key"),
+    [
+        *((0, 0), (1, 1), (255, 255), (256, 256), (257, 256), (263, 256), (264, 264)),
+        *((511, 504), (512, 512), (1000, 992), (1023, 1008), (100_000, 98_304)),
+        (10**8, 98_566_144),
+    ],
+)
+def test_a_concurrency_is_learned_exactly_to_256_then_in_bins_of_a_32nd_doubling(
+    offered: int, key: int
+) -> None:
+    assert concurrency_bin(offered) == key
+    assert offered - key <= offered / 32
+
+
+def test_a_queue_of_a_new_length_every_second_adds_no_more_than_the_bins() -> None:
+    # A batch queue whose length differs at every scrape: each length used to be a cell of
+    # the offered, throughput and hour-of-week tables, kept for weeks as it decayed.
+    history = History(replace(NO_DECAY, scrape_interval_s=1.0, warmup_exclude_s=0))
+    for i in range(20_000):
+        queued = (i * 7919) % 200_000  # every length once, all over the range
+        history.record(
+            obs(T0 + i, running=64, queued=queued, max_running_requests=64, gen_throughput=900.0)
+        )
+    data = history.to_dict()
+    bins = 257 + 32 * math.ceil(math.log2(200_064 / 256))
+    assert len(data["offered"]["cells"]) <= bins
+    assert len(data["throughput"]["cells"]) <= bins
+    assert sum(len(h["cells"]) for h in data["hourly"] if h is not None) <= 6 * bins
+    # The time and the mean stay whole.
+    assert history.busy_seconds == pytest.approx(20_000.0, rel=0.01)
+    assert history.throughput(4, concurrency_bin(64 + 150_000)) == pytest.approx(900.0)
+
+
+def test_a_history_from_before_the_bins_is_merged_into_them_as_it_loads() -> None:
+    history = History(NO_DECAY)
+    history.record(obs(T0, running=1, gen_throughput=100.0))
+    data = history.to_dict()
+    data["offered"]["cells"] += [[1000, 30.0], [1001, 10.0], [1023, 20.0]]
+    data["throughput"]["cells"] += [[[4, 1000], 30.0, 30.0 * 200], [[4, 1001], 10.0, 10.0 * 600]]
+    dropped: list[str] = []
+    loaded = History.from_dict(data, NO_DECAY, dropped, now=T0)
+    assert dropped == []
+    weights = loaded.offered_weights()
+    assert weights[992] == pytest.approx(30.0 + 10.0)
+    assert weights[1008] == pytest.approx(20.0)
+    assert loaded.throughput(4, 992) == pytest.approx(300.0)  # weighted: (30·200 + 10·600) / 40

@@ -472,6 +472,17 @@ def _journal(**changes: Any) -> dict[str, Any]:
         ({"drained": ["x"]}, "drained worker 'x' is not an object"),
         ({"drained": [{**DRAINED, "worker_id": 7}]}, "drained worker worker_id 7 is not a string"),
         ({"drained": [{**DRAINED, "labels": []}]}, "labels/settings are not objects"),
+        # Hand-edited numbers no sequence writes: a finished restart to 99 steps was taken
+        # as verified (what runs, per the state), -1e308/1e308 made a duration of infinity
+        # (no later save of the state could write it), a negative attempt count never
+        # reached the give-up after repeated interruptions.
+        ({"phase": "done", "to_steps": 99}, "to_steps 99 is not in 0..64"),
+        ({"from_steps": -1}, "from_steps -1 is not in 0..64"),
+        ({"phase": "done", "restart_issued_at": -1e308, "finished_at": 1e308}, "is no time"),
+        ({"started_at": float("inf")}, "started_at inf is no time"),
+        ({"attempt": -100}, "attempt -100 is not in"),
+        ({"restarts_issued": -1}, "restarts_issued -1 is not in"),
+        ({"phase": "failed", "capacity": -5}, "capacity -5 is not in 1.."),
     ],
 )
 def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
@@ -1372,7 +1383,14 @@ def test_a_journal_naming_the_configured_env_file_is_acted_on(
 
 @pytest.mark.parametrize(
     "journal",
-    [{"phase": "restart_issued"}, {"version": 1, "phase": "x"}, ["not", "a", "dict"], "junk"],
+    [
+        {"phase": "restart_issued"},
+        {"version": 1, "phase": "x"},
+        ["not", "a", "dict"],
+        "junk",
+        # Read as a verified restart to 99 steps, of an infinite duration, before.
+        _journal(phase="done", to_steps=99, restart_issued_at=-1e308, finished_at=1e308),
+    ],
 )
 def test_unreadable_journal_fails_without_touching_anything(
     make_unit: Any, tmp_path: Path, journal: Any
@@ -1385,6 +1403,8 @@ def test_unreadable_journal_fails_without_touching_anything(
     assert "\n" not in outcome.message
     assert (rec.calls, unit.restarts) == ([], [])
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert outcome.duration_s == 0.0
+    assert outcome.to_steps in (None, 4)  # never a step count no server runs
 
 
 # -- the outcome check on every SGLang version -------------------------------------------

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from factories import make_observation, mounted_tmpfs
 
+from specd.core.decide import Control, _held_for
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.core.outcome import Avoided, ChangeSnapshot
@@ -53,7 +55,7 @@ def populated() -> State:
         journal={"phase": "env_written", "from_steps": 4, "to_steps": 3, "previous_env": "X=1\n"},
         restarts=[{"t": T0 - 7200, "from_steps": 3, "to_steps": 4, "result": "success"}],
         frozen={"since": T0 - 60, "reason": "restart to 5 failed"},
-        recommendations=[[T0 - 10, 3], [T0 - 5, 3]],
+        recommendations=[[T0 - 10, 4], [T0 - 5, 3]],
         explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2]],
         verifying=ChangeSnapshot(
             T0 - 7200, 3, 4, ((2, 30.0, 4500.0), (5, 10.0, 2000.0)), 0.02, until=T0 + 86400
@@ -168,6 +170,11 @@ def _state_dict() -> dict[str, Any]:
     return populated().to_dict()
 
 
+def _idle_state() -> dict[str, Any]:
+    """`populated` neither frozen nor in a restart."""
+    return {**_state_dict(), "frozen": None, "journal": None}
+
+
 @pytest.mark.parametrize(
     ("content", "problem"),
     [
@@ -176,8 +183,8 @@ def _state_dict() -> dict[str, Any]:
         (lambda: "\x00\x01garbage", "unreadable"),
         (lambda: b"\xff\xfe{}", "unreadable"),
         (lambda: "[]", "expected a JSON object"),
-        (lambda: json.dumps({**_state_dict(), "version": STATE_VERSION + 1}), "newer"),
-        (lambda: json.dumps({**_state_dict(), "version": "1"}), "version"),
+        (lambda: json.dumps({**_idle_state(), "version": STATE_VERSION + 1}), "newer"),
+        (lambda: json.dumps({**_idle_state(), "version": "1"}), "version"),
     ],
     ids=[
         "truncated",
@@ -199,19 +206,19 @@ def test_a_file_that_is_no_state_is_moved_aside_and_specd_starts_fresh(
     else:
         path.write_text(data)
     original = path.read_bytes()
-    store = StateStore(tmp_path, clock=lambda: 1_700_000_000.9)
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_200.9)
     state, message = store.load()
     assert message is not None
     assert problem in message
     assert "\n" not in message
-    assert "moved to state.json.corrupt-1700000000" in message
+    assert "moved to state.json.corrupt-1767229200" in message
     assert state.to_dict() == State().to_dict()
     assert not path.exists()
-    assert (tmp_path / "state.json.corrupt-1700000000").read_bytes() == original
+    assert (tmp_path / "state.json.corrupt-1767229200").read_bytes() == original
     # The next save works, and a second corrupt file in the same second gets its own name.
     assert store.save(state) is None
     path.write_text("{")
-    assert "corrupt-1700000000.1" in (store.load()[1] or "")
+    assert "corrupt-1767229200.1" in (store.load()[1] or "")
 
 
 def _with(**parts: Any) -> dict[str, Any]:
@@ -240,6 +247,22 @@ def _history_cells(table: str, *rows: list[Any]) -> dict[str, Any]:
     data = _state_dict()
     data["history"][table]["cells"].extend(rows)
     return data
+
+
+def _history_table(table: str, **parts: Any) -> dict[str, Any]:
+    data = _state_dict()
+    data["history"][table] = {**data["history"][table], **parts}
+    return data
+
+
+def _hour(how: int, *rows: list[Any]) -> dict[str, Any]:
+    data = _state_dict()
+    data["history"]["hourly"][how]["cells"].extend(rows)
+    return data
+
+
+# The hour of the week `populated` observed in (Thursday 2026-01-01 00:00 UTC).
+HOW = 72
 
 
 # Each damages one part: that part is left out (named in the message), all else is kept.
@@ -409,6 +432,195 @@ SALVAGED: list[Any] = [
         {},
         id="negative-counter",
     ),
+    # Hand-edited or damaged, still JSON. Python's json reads NaN and Infinity: kept, they
+    # made every later save fail (the state is written as JSON only).
+    pytest.param(
+        lambda: _with(restarts=[{**populated().restarts[0], "duration_s": math.nan}]),
+        "restarts[0].duration_s",
+        {"restarts": [{**populated().restarts[0], "duration_s": None}]},
+        id="restart-duration-nan",
+    ),
+    pytest.param(
+        lambda: _with(last_decision={"t": T0, "reason": "change", "message": math.inf}),
+        "last_decision.message",
+        {"last_decision": {"t": T0, "reason": "change", "message": None}},
+        id="decision-message-infinity",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0, "steps": 3, "source": "observation", "x": -math.inf}),
+        "live.x",
+        {"live": {"t": T0, "steps": 3, "source": "observation", "x": None}},
+        id="live-field-minus-infinity",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"probe": {"t": math.nan, "problem": None}}),
+        "gateway.probe.t",
+        {"gateway": {"probe": {"t": None, "problem": None}}},
+        id="gateway-probe-nan",
+    ),
+    pytest.param(
+        lambda: _with(journal={"phase": "planned", "started_at": math.nan}),
+        "journal.started_at",
+        {"journal": None},  # and the freeze it had stays (see the test of a journal alone)
+        id="journal-nan",
+    ),
+    # A time no clock specd ran under: 1e308 crashed every tick (datetime overflow), and a
+    # time ahead of the clock held a restart, an exploration or an avoided setting there.
+    pytest.param(
+        lambda: _with(restarts=[*populated().restarts, {"t": T0 + 2 * 86400, "result": "x"}]),
+        "restarts[1].t: 2026-01-03T00:00Z is 47.0 h after now",
+        {},
+        id="restart-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with(restarts=[*populated().restarts, {"t": -1.0}]),
+        "restarts[1].t: -1 is before 1970",
+        {},
+        id="restart-before-1970",
+    ),
+    pytest.param(
+        lambda: _with(last_decision={"t": 1e308}),
+        "last_decision.t: 1e+308 is past any time",
+        {"last_decision": {}},
+        id="decision-t-1e308",
+    ),
+    pytest.param(
+        lambda: _with(last_decision={"t": "yesterday"}),
+        "last_decision.t",
+        {"last_decision": {}},
+        id="decision-t-text",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0 + 400 * 86400, "steps": 3, "source": "observation"}),
+        "live.t",
+        {"live": None},
+        id="live-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with(live={"t": T0, "steps": 99, "source": "observation"}),
+        "live",
+        {"live": None},
+        id="live-steps-99",
+    ),
+    pytest.param(
+        lambda: _with(recommendations=[[T0 - 5, 99], [T0 + 86400 * 30, 3], [T0 - 10, 3]]),
+        "recommendations[0]",
+        {"recommendations": [[T0 - 10, 3]]},
+        id="recommendation-99-steps-or-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with(explorations=[[1e308, 5], [-1e308, 5], [T0 - 86400, 2]]),
+        "explorations[0].t",
+        {"explorations": [[T0 - 86400, 2]]},
+        id="exploration-t-1e308",
+    ),
+    pytest.param(
+        lambda: _avoided_entry(0, t=T0 + 30 * 86400),
+        "avoided[0]: t:",
+        {"avoided": [Avoided(6, T0 - 3600, ((8, 1.0),), 0.05, 4)]},
+        id="avoided-from-the-future",
+    ),
+    pytest.param(
+        lambda: _verifying(t=-1e308), "verifying: t", {"verifying": None}, id="verifying-t-1e308"
+    ),
+    pytest.param(
+        lambda: _verifying(until=1e308),
+        "verifying: until",
+        {"verifying": None},
+        id="verifying-until-1e308",
+    ),
+    pytest.param(
+        lambda: _verifying(until=T0 - 86400),
+        "verifying: until",
+        {"verifying": None},
+        id="verifying-until-before-its-change",
+    ),
+    pytest.param(
+        lambda: _with(sglang_started_at=1e308),
+        "sglang_started_at",
+        {"sglang_started_at": None},
+        id="started-1e308",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"probe": "ready", "last_drain": None}),
+        "gateway.probe",
+        {"gateway": None},
+        id="gateway-probe-text",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"last_drain": {"t": T0, "duration_s": "long"}}),
+        "gateway.last_drain.duration_s",
+        {"gateway": None},
+        id="gateway-drain-duration-text",
+    ),
+    # What no time that passed can hold: the model took 1e9 s at 3 steps for the truth
+    # (and changed to it), a busy hour of 1e12 s for the coming epoch's traffic.
+    pytest.param(
+        lambda: _history_cells("throughput", [[3, 4], 1e9, 1e9 * 900.0]),
+        "history.throughput[5]: 1e+09 s of weight is more time than it can hold",
+        {"throughput34": None},
+        id="throughput-cell-1e9-s",
+    ),
+    pytest.param(
+        lambda: _hour(HOW, [64, 1e12]),
+        "history.hourly[72][6]: 1e+12 s of weight",
+        {},
+        id="hour-cell-1e12-s",
+    ),
+    # Each cell possible, their sum not: which one lies is unknown, so the table goes.
+    pytest.param(
+        lambda: _history_cells("offered", *([k, 200_000.0] for k in range(10, 20))),
+        "history.offered: its cells: 2.00",
+        {"busy": 0.0},
+        id="offered-sums-past-time",
+    ),
+    pytest.param(
+        lambda: _history_cells("offered", [2, 1.0]),
+        "history.offered[6]: a second cell for 2",
+        {},
+        id="offered-cell-twice",
+    ),
+    # A table written after the history's time: its sums would outweigh everything
+    # observed after them by 2^(days / half-life). That table only.
+    pytest.param(
+        lambda: _history_table("accept", ref_t=T0 + 30 * 86400),
+        "history.accept: ref_t: 2026-01-31T00:00Z is 719.9 h after the time it was read at",
+        {"accept4": None},
+        id="accept-table-from-the-future",
+    ),
+    pytest.param(
+        lambda: _history_table("offered", ref_t=1e308),
+        "history.offered: ref_t: 1e+308 is past any time",
+        {"busy": 0.0},
+        id="offered-table-1e308",
+    ),
+    # A history whose time is ahead of the clock by more than a day: it starts over.
+    pytest.param(
+        lambda: _with_history(last_t=T0 + 30 * 86400),
+        "history: last_t: 2026-01-31T00:00Z is 719.0 h after now",
+        {"history": "fresh"},
+        id="history-from-the-future",
+    ),
+    pytest.param(
+        lambda: _with_history(sglang_started_at=1e308),
+        "history.sglang_started_at",
+        {},
+        id="history-started-1e308",
+    ),
+    # Copied lines: specd writes each restart and exploration once; twice, they counted
+    # twice against the day's budget and the week's explorations.
+    pytest.param(
+        lambda: _with(restarts=populated().restarts * 2),
+        "restarts[1]: a second copy",
+        {},
+        id="restart-twice",
+    ),
+    pytest.param(
+        lambda: _with(explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2], [T0 - 3 * 86400, 5]]),
+        "explorations[2]: a second copy",
+        {},
+        id="exploration-twice",
+    ),
 ]
 
 
@@ -417,7 +629,7 @@ def test_every_bad_exploration_is_left_out_and_named(tmp_path: Path) -> None:
     bad = [[T0, 17], [T0, 4, 1], "4@T0", [T0, 4.5]]
     content = _with(explorations=[good[0], *bad, good[1]])
     (tmp_path / STATE_FILE).write_text(json.dumps(content))
-    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.9).load()
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.9).load()
     assert state.explorations == good
     assert state.control().explorations == ((T0 - 86400, 2), (T0 - 3600, 6))
     assert message is not None
@@ -436,14 +648,14 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
     path.write_text(json.dumps(content()))
     original = path.read_bytes()
     good = populated()
-    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.9).load()
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.9).load()
     assert message is not None
     assert "\n" not in message
     assert problem in message
     assert "kept the rest" in message
     # Nothing is lost: the file as it was is kept for a post-mortem, and stays put.
-    assert "state.json.corrupt-1700000000" in message
-    assert (tmp_path / "state.json.corrupt-1700000000").read_bytes() == original
+    assert "state.json.corrupt-1767229200" in message
+    assert (tmp_path / "state.json.corrupt-1767229200").read_bytes() == original
     assert path.read_bytes() == original
     for part in (
         "last_decision",
@@ -456,6 +668,7 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         "avoided",
         "sglang_started_at",
         "live",
+        "gateway",
     ):
         want = expect.get(part, getattr(good, part))
         assert getattr(state, part) == want, part
@@ -464,8 +677,13 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
         assert history.busy_seconds == 0
         return
     assert history.capacities == expect.get("capacity", learned.capacities)
-    assert history.busy_seconds == pytest.approx(learned.busy_seconds)
-    assert history.accept_length(4) == pytest.approx(learned.accept_length(4))
+    assert history.busy_seconds == pytest.approx(expect.get("busy", learned.busy_seconds))
+    assert history.accept_length(4) == pytest.approx(
+        expect.get("accept4", learned.accept_length(4))
+    )
+    for how in range(168):
+        want_hour = expect.get("hourly", {}).get(how, learned.hour_of_week_weights(how))
+        assert history.hour_of_week_weights(how) == pytest.approx(want_hour)
     assert history.accept_length(3) == expect.get("accept3", learned.accept_length(3))
     # Without its count of seconds measured, a step count's decayed seconds stand in.
     seen4 = expect.get("seen4", learned.accept_seen_s(4))
@@ -475,19 +693,72 @@ def test_a_state_with_bad_parts_keeps_every_good_part(
     assert history.throughput(3, 4) == expect.get("throughput34", learned.throughput(3, 4))
     assert history.throughput(4, 3) == pytest.approx(learned.throughput(4, 3))
     # The next save writes only what was kept, and the next load has nothing to say.
-    store = StateStore(tmp_path, clock=lambda: 1_700_000_001.0)
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_201.0)
     assert store.save(state) is None
     assert store.load()[1] is None
 
 
-def test_an_unreadable_freeze_stays_a_freeze(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("frozen", "problem"),
+    [
+        ("yes", "frozen: expected null or an object"),
+        # A reason that is no text crashed every tick (the decision's message is text).
+        ({"since": T0, "reason": 5}, "frozen.reason: expected text, got 5"),
+        ({"since": T0, "reason": {"why": "rollback"}}, "frozen.reason"),
+        ({"since": T0, "reason": math.nan}, "frozen.reason"),
+        ({"since": math.inf, "reason": "x"}, "frozen: expected null or an object"),
+        ({"since": 1e308, "reason": "x"}, "frozen.since: 1e+308 is past any time"),
+        ({"since": T0 + 7 * 86400, "reason": "x"}, "frozen.since: 2026-01-08T00:00Z"),
+        ({"since": T0, "reason": "x", "by": -math.inf}, "frozen.by"),
+    ],
+    ids=[
+        "text",
+        "reason-a-number",
+        "reason-an-object",
+        "reason-nan",
+        "since-infinity",
+        "since-1e308",
+        "since-from-the-future",
+        "field-minus-infinity",
+    ],
+)
+def test_an_unreadable_freeze_stays_a_freeze(tmp_path: Path, frozen: Any, problem: str) -> None:
     # "Not frozen" would let specd restart SGLang after an operator-visible failure.
-    (tmp_path / STATE_FILE).write_text(json.dumps(_with(frozen="yes")))
-    state, message = StateStore(tmp_path, clock=lambda: 1_700_000_000.0).load()
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(frozen=frozen)))
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.0).load()
     assert message is not None
-    assert "frozen" in message
+    assert problem in message
     assert state.frozen is not None
-    assert state.frozen["since"] == 1_700_000_000.0
+    assert state.control().frozen
+    assert isinstance(state.control().frozen_reason, str)
+    if "by" in frozen:  # one bad field of a good freeze: that field only
+        assert state.frozen == {**frozen, "by": None}
+    else:
+        assert state.frozen["since"] == 1_767_229_200.0
+        assert "specd unfreeze" in state.frozen["reason"]
+    assert state.restarts == populated().restarts
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_201.0)
+    assert store.save(state) is None
+    assert store.load()[1] is None
+
+
+@pytest.mark.parametrize(
+    "journal",
+    [[1], "env_written", {"phase": "restart_issued", "started_at": math.inf}],
+    ids=["list", "text", "infinity"],
+)
+def test_an_unreadable_restart_journal_is_a_freeze(tmp_path: Path, journal: Any) -> None:
+    # The restart it records may have been cut short anywhere: as the applier does with a
+    # journal it cannot read, specd leaves SGLang and the env file alone and waits for an
+    # operator, rather than forget it and go on deciding (and restarting).
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(journal=journal, frozen=None)))
+    state, message = StateStore(tmp_path, clock=lambda: 1_767_229_200.0).load()
+    assert message is not None
+    assert "journal" in message
+    assert state.journal is None
+    assert state.frozen is not None
+    assert state.frozen["since"] == 1_767_229_200.0
+    assert "restart journal specd cannot read" in state.frozen["reason"]
     assert "specd unfreeze" in state.frozen["reason"]
     assert state.control().frozen
     assert state.restarts == populated().restarts
@@ -656,3 +927,116 @@ def test_a_save_replaces_a_planted_symlink_not_its_target(tmp_path: Path) -> Non
     assert victim.read_text() == "keep"
     assert not (tmp_path / STATE_FILE).is_symlink()
     assert stat.S_IMODE((tmp_path / STATE_FILE).stat().st_mode) == STATE_FILE_MODE
+
+
+def test_a_history_learned_under_a_longer_half_life_loads_whole_under_a_shorter_one(
+    tmp_path: Path,
+) -> None:
+    # A year at one concurrency under a 90-day half-life weighs ~1e7 s: the most a 1-hour
+    # half-life holds is ~3e4 s. What no time holds is refused; what a config change since
+    # leaves is kept, scaled to what the new half-life holds (its means and mix unchanged).
+    long = HistorySettings(half_life_s=90 * 86400.0, scrape_interval_s=3600.0, warmup_exclude_s=0)
+    history = History(long)
+    for i in range(400 * 24):
+        history.record(obs(T0 + 3600.0 * i, running=2))
+    now = T0 + 3600.0 * 400 * 24
+    short = HistorySettings(half_life_s=3600.0)
+    StateStore(tmp_path, history_settings=long).save(State(history=history))
+    for _ in range(2):  # loaded, saved, loaded again
+        store = StateStore(tmp_path, history_settings=short, clock=lambda: now)
+        state, problem = store.load()
+        assert problem is None
+        assert state.history.accept_length(4) == pytest.approx(2.6)
+        assert state.history.throughput(4, 2) == pytest.approx(150.0)
+        assert 0 < state.history.busy_seconds <= 2 * (3600.0 / math.log(2) + 7200.0)
+        assert store.save(state) is None
+    # A reload (SIGHUP) to the shorter half-life, then a restart of specd: the same.
+    history.reconfigure(short)
+    StateStore(tmp_path, history_settings=short).save(State(history=history))
+    assert StateStore(tmp_path, history_settings=short, clock=lambda: now).load()[1] is None
+
+
+def test_running_values_that_swing_every_second_keep_the_state_small(tmp_path: Path) -> None:
+    # Half a day of scrapes a second, each with another queue length (a batch queue
+    # draining, refilled): every length was a cell kept for weeks, ~5 MB a day of state
+    # rewritten every minute, past the 16 MiB the next start reads within days (which then
+    # moved it aside: everything learned lost).
+    history = History(HistorySettings(scrape_interval_s=1.0, warmup_exclude_s=0))
+    for i in range(43_200):
+        queued = (i * 7919) % 100_000 if i % 2 else 0
+        history.record(
+            make_observation(T0 + i, running=13, queued=queued, steps=4, gen_throughput=900.0)
+        )
+    store = StateStore(tmp_path, clock=lambda: T0 + 43_200)
+    started = time.perf_counter()
+    assert store.save(State(history=history)) is None
+    took = time.perf_counter() - started
+    size = (tmp_path / STATE_FILE).stat().st_size
+    assert size < 512 * 1024, size
+    assert took < 2.0  # ~0.05 s here; it was seconds, in the daemon's loop
+    state, problem = store.load()
+    assert problem is None
+    assert state.history.busy_seconds == pytest.approx(history.busy_seconds)
+
+
+def test_recommendations_are_kept_where_they_change_and_stabilize_as_before() -> None:
+    # The step appends one at every tick and drops them only past the stabilization
+    # window: a week's window at a scrape a second kept 600,000 (16 MiB). Only where the
+    # recommendation changes says anything to the stabilization check, and it says the same.
+    rng = random.Random(12)
+    for _ in range(300):
+        window = rng.choice([0.0, 30.0, 900.0])
+        every: Control = Control(current_steps=3)
+        state = State()
+        t = T0
+        for _ in range(40):
+            t += rng.choice([1.0, 5.0, 60.0, 600.0])
+            steps = rng.choice([3, 3, 3, 4, 0, -5])
+            every = every.with_recommendation(t, steps, window)
+            state.adopt(state.control().with_recommendation(t, steps, window))
+            for target in (3, 4, 0, -5):
+                held = _held_for(every.recommendations, target, t)
+                kept = _held_for(state.control().recommendations, target, t)
+                assert min(held, window) == min(kept, window)
+    week = State()
+    for i in range(10_000):
+        week.adopt(week.control().with_recommendation(T0 + i, 4, 7 * 86400.0))
+    assert week.recommendations == [[T0, 4]]
+
+
+@pytest.mark.parametrize(
+    ("parts", "held"),
+    [
+        ({"version": STATE_VERSION + 1}, "a freeze and a restart journal"),
+        ({"version": STATE_VERSION + 1, "journal": None}, "a freeze"),
+        ({"version": "2", "frozen": None}, "a restart journal"),
+        ({"version": 0, "frozen": "yes", "journal": None}, "a freeze"),
+    ],
+    ids=["newer-frozen-mid-restart", "newer-frozen", "version-text-mid-restart", "version-0"],
+)
+def test_a_file_from_a_newer_specd_is_set_aside_and_its_freeze_still_holds(
+    tmp_path: Path, parts: dict[str, Any], held: str
+) -> None:
+    # A rollback to this specd from a newer one: it cannot read what the newer one wrote,
+    # so it starts over, the file kept aside for the newer one. A freeze in it (or a restart
+    # it was in the middle of, whose env file it cannot judge) still holds specd back.
+    path = tmp_path / STATE_FILE
+    path.write_text(json.dumps({**_state_dict(), **parts}))
+    original = path.read_bytes()
+    store = StateStore(tmp_path, clock=lambda: 1_767_229_200.9)
+    state, message = store.load()
+    assert message is not None
+    assert "moved to state.json.corrupt-1767229200" in message
+    assert f"it held {held}: frozen until specd unfreeze" in message
+    assert (tmp_path / "state.json.corrupt-1767229200").read_bytes() == original
+    assert state.frozen is not None
+    assert state.frozen["since"] == 1_767_229_200.9
+    assert f"state.json held {held} in a file specd cannot read" in state.frozen["reason"]
+    assert "specd unfreeze" in state.frozen["reason"]
+    assert state.journal is None
+    assert state.history.busy_seconds == 0
+    # Saved as this specd's, frozen: the next start, status and unfreeze read it so.
+    assert store.save(state) is None
+    again, problem = store.load()
+    assert problem is None
+    assert again.frozen == state.frozen
