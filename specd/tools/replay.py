@@ -30,12 +30,14 @@ daemon that has run a while).
 from __future__ import annotations
 
 import bisect
+import codecs
 import csv
 import functools
 import io
 import itertools
 import math
 import time  # only to measure decision cost; simulated time is t
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -91,6 +93,13 @@ DEFAULT_START_STEPS = 3
 MAX_TRACE_ROWS = 10_000_000
 # Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each).
 MAX_TRACE_BYTES = 256 * files.MIB
+# Levels are kept as 64-bit integers; a float above 2**53 holds no exact whole number of
+# requests anyway.
+MAX_CONCURRENCY = float(2**53)
+# Bytes of the trace checked for UTF-8 at a time.
+_UTF8_CHUNK = files.MIB
+# Distinct gap values `_median_gap` counts before it sorts every gap instead.
+_MAX_GAP_VALUES = 65_536
 
 
 class ReplayError(ValueError):
@@ -100,10 +109,13 @@ class ReplayError(ValueError):
 # -- the trace --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Trace:
-    """Offered concurrency, piecewise constant: ``level[i]`` from ``t[i]`` to ``t[i+1]``."""
+    """Offered concurrency, piecewise constant: ``level[i]`` from ``t[i]`` to ``t[i+1]``.
 
-    t: list[float]  # run starts (seconds from the trace start), then the end
-    level: list[int]
+    `load_trace` and `trace_from_rows` keep both in arrays (8 bytes a run each), not lists
+    of Python numbers (a list of floats takes 32 bytes an item)."""
+
+    t: Sequence[float]  # run starts (seconds from the trace start), then the end
+    level: Sequence[int]
 
     @property
     def duration_s(self) -> float:
@@ -115,17 +127,26 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read ``t_s,concurrency`` rows; the last row lasts as long as the median row."""
+    """Read ``t_s,concurrency`` rows; the last row lasts as long as the median row.
+
+    The rows are parsed as the file's bytes are decoded, a few KiB at a time: neither the
+    whole text as one str nor every row is held at once, only the bytes and one float
+    array each for the times and the levels (the file must be UTF-8 first: checked before
+    any row, so a bad byte is found as it was when the whole file was decoded at once)."""
     p = Path(path)
-    times: list[float] = []
-    levels: list[float] = []
     try:
-        text = files.read_text_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
+        data = files.read_regular_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
+        _check_utf8(p, data)
     except files.FileReadError as exc:
         raise ReplayError(str(exc)) from None
-    if text.startswith("\ufeff"):
+    if data.startswith(files.UTF8_BOM):
         raise ReplayError(f"{p}: {BOM_PROBLEM}")
-    rows = csv_rows(csv.reader(io.StringIO(text, newline="")), str(p), ReplayError)
+    times = array("d")
+    levels = array("d")
+    # As io.StringIO(text, newline="") split it (lines end at \n, \r or \r\n, kept), but
+    # without StringIO's copy of the whole text at 4 bytes a character.
+    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", newline="")
+    rows = csv_rows(csv.reader(text), str(p), ReplayError)
     header = [c.strip() for c in next(rows, (1, []))[1]]
     if header[:2] != ["t_s", "concurrency"]:
         raise ReplayError(f"{p}:1: header must be t_s,concurrency")
@@ -140,6 +161,8 @@ def load_trace(path: str | Path) -> Trace:
             raise ReplayError(f"{p}:{n}: not numbers: {','.join(row)[:60]!r}") from None
         if not (math.isfinite(t) and math.isfinite(c)) or c < 0:
             raise ReplayError(f"{p}:{n}: t_s must be finite, concurrency >= 0")
+        if c > MAX_CONCURRENCY:
+            raise ReplayError(f"{p}:{n}: concurrency must be at most 2**53, got {c:g}")
         if times and t <= times[-1]:
             raise ReplayError(f"{p}:{n}: t_s must increase ({t:g} after {times[-1]:g})")
         times.append(t)
@@ -148,14 +171,29 @@ def load_trace(path: str | Path) -> Trace:
             raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows")
     if not times:
         raise ReplayError(f"{p}: no rows")
+    del text, data, rows  # the bytes: before the runs are made
     return trace_from_rows(times, levels)
 
 
+def _check_utf8(path: Path, data: bytes) -> None:
+    """FileReadError naming the first byte of ``data`` that is not UTF-8, as decoding it
+    whole would, without a str of the whole file."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(data)
+    for at in range(0, len(data), _UTF8_CHUNK):
+        pending = len(decoder.getstate()[0])  # bytes of a character the last chunk began
+        try:
+            decoder.decode(view[at : at + _UTF8_CHUNK], final=at + _UTF8_CHUNK >= len(data))
+        except UnicodeDecodeError as exc:
+            raise files.FileReadError(
+                path, f"is not UTF-8 text (byte {at - pending + exc.start})"
+            ) from None
+
+
 def trace_from_rows(times: Sequence[float], levels: Sequence[float]) -> Trace:
-    gaps = sorted(b - a for a, b in itertools.pairwise(times))
-    last = gaps[len(gaps) // 2] if gaps else 1.0
-    t: list[float] = []
-    level: list[int] = []
+    last = _median_gap(times)
+    t = array("d")
+    level = array("q")
     for s, c in zip(times, levels, strict=True):
         c_int = round(c)
         if not level or level[-1] != c_int:
@@ -163,6 +201,27 @@ def trace_from_rows(times: Sequence[float], levels: Sequence[float]) -> Trace:
             level.append(c_int)
     t.append(float(times[-1]) + last)
     return Trace(t, level)
+
+
+def _median_gap(times: Sequence[float]) -> float:
+    """``sorted(gaps)[len(gaps) // 2]`` of the gaps between consecutive ``times`` (1.0 for
+    one row), counting each gap value once while few values recur (a trace of 1-second rows
+    has one) instead of sorting a list of every gap; the sort past `_MAX_GAP_VALUES`."""
+    if len(times) < 2:
+        return 1.0
+    half = (len(times) - 1) // 2
+    counts: dict[float, int] = {}
+    for a, b in itertools.pairwise(times):
+        gap = b - a
+        counts[gap] = counts.get(gap, 0) + 1
+        if len(counts) > _MAX_GAP_VALUES:
+            return sorted(b - a for a, b in itertools.pairwise(times))[half]
+    seen = 0
+    for gap in sorted(counts):
+        seen += counts[gap]
+        if seen > half:
+            return gap
+    raise AssertionError("unreachable: the counts add up to every gap")
 
 
 # -- tokens from the truth --------------------------------------------------------------

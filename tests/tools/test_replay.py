@@ -25,6 +25,7 @@ from specd.core.setting import parse
 from specd.core.settings import DEFAULT_ADAPTIVE_SETS
 from specd.io.config import Config, Window
 from specd.io.tables import read_table, write_table
+from specd.tools import replay as replay_module
 from specd.tools.replay import (
     ADAPTIVE,
     DEFAULT_START,
@@ -295,6 +296,7 @@ def test_without_calibration_specd_learns_the_box_by_exploring(
         ("t_s,concurrency\n0,1\n0,2\n", "t_s must increase"),
         ("t_s,concurrency\n0,-1\n", "concurrency >= 0"),
         ("t_s,concurrency\n0,abc\n", "not numbers"),
+        ("t_s,concurrency\n0,1e300\n", "concurrency must be at most 2\\*\\*53, got 1e\\+300"),
         ("t_s,concurrency\n0\n", "expected t_s,concurrency"),
         ("t_s,concurrency\n0,1\n" + "1" * 200_000 + ",1\n", r":3: not a CSV row"),
         ("\ufefft_s,concurrency\n0,1\n", "starts with a UTF-8 byte order mark"),
@@ -312,9 +314,63 @@ def test_a_trace_is_runs_of_constant_concurrency(tmp_path: Path) -> None:
     path = tmp_path / "trace.csv"
     path.write_text("t_s,concurrency\n0,1\n10,1\n20,3\n30,3\n40,0\n")
     trace = load_trace(path)
-    assert trace.level == [1, 3, 0]
-    assert trace.t == [0.0, 20.0, 40.0, 50.0]  # the last row lasts the median row (10 s)
+    assert list(trace.level) == [1, 3, 0]
+    assert list(trace.t) == [0.0, 20.0, 40.0, 50.0]  # the last row lasts the median row (10 s)
     assert [trace.at(s) for s in (0, 19.9, 20, 45)] == [1, 1, 3, 0]
+
+
+# -- parsing: as before, in arrays ------------------------------------------------------
+@pytest.mark.parametrize("max_values", [3, 65_536], ids=["sorted", "counted"])
+def test_the_last_row_lasts_the_median_gap_a_sort_finds(
+    monkeypatch: pytest.MonkeyPatch, max_values: int
+) -> None:
+    monkeypatch.setattr(replay_module, "_MAX_GAP_VALUES", max_values)
+    rng = random.Random(9)
+    for n in range(1, 80):
+        times = sorted(x + rng.choice([0.0, 0.25, 0.1]) for x in rng.sample(range(200), n))
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        last = gaps[len(gaps) // 2] if gaps else 1.0
+        assert trace_from_rows(times, [1.0] * n).t[-1] == times[-1] + last
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"], ids=["lf", "crlf", "cr"])
+def test_every_line_ending_splits_rows(tmp_path: Path, end: str) -> None:
+    """As io.StringIO(text, newline="") split them, also where the 8 KiB chunks the text is
+    decoded in end between a \r and its \n (one of the header's paddings puts it there)."""
+    rows = 3000
+    path = tmp_path / "trace.csv"
+    across = []
+    for pad in range(8):
+        lines = ["t_s,concurrency" + " " * pad, *(f"{t},{1 + t % 3}" for t in range(rows))]
+        data = (end.join(lines) + end).encode()
+        across.append(data[8191:8193] == b"\r\n")
+        path.write_bytes(data)
+        trace = load_trace(path)
+        assert list(trace.level) == [1 + t % 3 for t in range(rows)]
+        assert list(trace.t) == [float(t) for t in range(rows + 1)]
+    assert any(across) == (end == "\r\n")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 2**20])
+@pytest.mark.parametrize(
+    "tail",
+    [b"\xff", b"\xc3", b"\xe2\x82", b"\xe2\x28\xa1", b"\xc0\xaf", b"\xed\xa0\x80", b"0,1\n\x80"],
+)
+def test_a_bad_byte_is_the_one_decoding_whole_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, tail: bytes
+) -> None:
+    monkeypatch.setattr(replay_module, "_UTF8_CHUNK", chunk)
+    data = "t_s,concurrency\n0,1\n1,é€😀\n".encode() + tail + b"\n"
+    with pytest.raises(UnicodeDecodeError) as whole:
+        data.decode("utf-8")
+    path = tmp_path / "trace.csv"
+    path.write_bytes(data)
+    with pytest.raises(ReplayError, match=re.escape(f"(byte {whole.value.start})")):
+        load_trace(path)
+    # Characters across the chunks are no error: the row is.
+    path.write_bytes(data[: -len(tail) - 1])
+    with pytest.raises(ReplayError, match="not numbers: '1,é€😀'"):
+        load_trace(path)
 
 
 # -- the command ------------------------------------------------------------------------
