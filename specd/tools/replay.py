@@ -235,6 +235,14 @@ ADAPTIVE = -1
 Key = int | SpecSetting
 # What the simulated server reports as the --speculative-adaptive-config it runs.
 ADAPTIVE_CONFIG_DIR = "/var/lib/specd"
+# Rates remembered per key, by offered concurrency: a trace rarely has more levels, and one
+# that has is counted as well, only slower (the memo starts over when full).
+_MAX_RATE_MEMO = 16_384
+# `Tokens` keeps each key's prefix sum at every _STRIDE-th run only (half a byte a run, not
+# 8: with every step count, adaptive set and ceiling a replay counts, the prefix sums were
+# most of its memory) and adds the runs since, one by one in the same order as the sums
+# were made, so to the very same bits: a few µs a call.
+_STRIDE = 16
 
 
 class Tokens:
@@ -242,7 +250,10 @@ class Tokens:
     `ADAPTIVE`, by SGLang's adaptive mode when ``adaptive`` is given, and under each
     adaptive setting `ensure` was asked for (`models` holds what it runs). Every adaptive
     setting serves ``adaptive_loss_ratio`` less than the best candidate of each batch's
-    slot (`adaptive_rate`)."""
+    slot (`adaptive_rate`).
+
+    Per key only every `_STRIDE`-th prefix sum is kept, in an array; a run's rate is the
+    key's rate at the run's level, remembered by level (`run_rate`)."""
 
     def __init__(
         self,
@@ -257,10 +268,12 @@ class Tokens:
         self.trace = trace
         self.truth = truth
         self.adaptive_loss_ratio = adaptive_loss_ratio
-        self.rate: dict[Key, list[float]] = {}
-        self.cum: dict[Key, list[float]] = {}
-        # (key, ceiling) → `_series` of the runs with more offered than the ceiling.
-        self._above: dict[tuple[Key, int], tuple[list[float], list[float]]] = {}
+        self._rate_at: dict[Key, Callable[[int], float]] = {}
+        self._memo: dict[Key, dict[int, float]] = {}
+        # key → its prefix sums at runs 0, _STRIDE, 2·_STRIDE, ... (`_cum`).
+        self.marks: dict[Key, array[float]] = {}
+        # (key, ceiling) → the same of the runs with more offered than the ceiling only.
+        self._above: dict[tuple[Key, int], array[float]] = {}
         self.models: dict[SpecSetting, AdaptiveModel] = {}
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
@@ -272,10 +285,10 @@ class Tokens:
         (off: the steps-0 row; adaptive: `specd.core.adaptive` over the truth)."""
         if setting.kind != "adaptive":
             k = setting.max_steps
-            if k not in self.rate:
+            if k not in self.marks:
                 self._add(k, functools.partial(_static_rate, self.truth, k))
             return k
-        if setting not in self.rate:
+        if setting not in self.marks:
             model = AdaptiveModel.of(adaptive_slots(setting), self.truth)
             self.models[setting] = model
             self._add(setting, functools.partial(self.adaptive_rate, model))
@@ -287,35 +300,62 @@ class Tokens:
         return model.throughput(float(concurrency)) * (1.0 - self.adaptive_loss_ratio)
 
     def _add(self, key: Key, rate_at: Callable[[int], float]) -> None:
-        memo: dict[int, float] = {}
-        rates = []
-        for c in self.trace.level:
-            if c not in memo:
-                memo[c] = rate_at(c) if c > 0 else 0.0
-            rates.append(memo[c])
-        self.rate[key] = rates
-        self.cum[key] = self._prefix(rates)
+        self._rate_at[key] = rate_at
+        self._memo[key] = {}
+        self.marks[key] = self._prefix(key, None)
 
-    def _prefix(self, rates: list[float]) -> list[float]:
-        """Tokens served before each run: prefix sums of each run's rate × its seconds."""
-        t = self.trace.t
-        cum = [0.0]
-        for i, r in enumerate(rates):
-            cum.append(cum[-1] + r * (t[i + 1] - t[i]))
-        return cum
+    def level_rate(self, key: Key, c: int) -> float:
+        """What ``key`` serves at ``c`` offered (0 at none)."""
+        memo = self._memo[key]
+        rate = memo.get(c)
+        if rate is None:
+            if len(memo) >= _MAX_RATE_MEMO:
+                memo.clear()
+            rate = memo[c] = self._rate_at[key](c) if c > 0 else 0.0
+        return rate
 
-    def _series(self, k: Key, above: int | None) -> tuple[list[float], list[float]]:
-        """``k``'s rate per run and its prefix sums; with ``above``, counting only the runs
-        with more offered than that (the others at rate 0)."""
+    def run_rate(self, key: Key, i: int, above: int | None = None) -> float:
+        """``key``'s rate in run ``i``; with ``above``, 0 unless more than that is offered."""
+        c = self.trace.level[i]
+        if above is not None and c <= above:
+            return 0.0
+        return self.level_rate(key, c)
+
+    def _prefix(self, key: Key, above: int | None) -> array[float]:
+        """Tokens served before runs 0, _STRIDE, 2·_STRIDE, ...: prefix sums of each run's
+        rate × its seconds (with ``above``, of the runs with more offered than that only)."""
+        marks = array("d", [0.0])
+        total = 0.0
+        level_rate = self.level_rate
+        left = _STRIDE
+        for (a, b), c in zip(itertools.pairwise(self.trace.t), self.trace.level, strict=True):
+            rate = 0.0 if above is not None and c <= above else level_rate(key, c)
+            total = total + rate * (b - a)
+            left -= 1
+            if not left:
+                marks.append(total)
+                left = _STRIDE
+        return marks
+
+    def _cum(self, k: Key, i: int, above: int | None) -> float:
+        """Tokens ``k`` served before run ``i`` (with ``above``, only in the runs with more
+        offered than that): the mark at or before it, plus the runs since, summed as
+        `_prefix` summed them."""
         if above is None:
-            return self.rate[k], self.cum[k]
-        found = self._above.get((k, above))
-        if found is None:
-            rates = [
-                r if c > above else 0.0 for r, c in zip(self.rate[k], self.trace.level, strict=True)
-            ]
-            found = self._above[(k, above)] = (rates, self._prefix(rates))
-        return found
+            marks = self.marks[k]
+        else:
+            found = self._above.get((k, above))
+            if found is None:
+                found = self._above[(k, above)] = self._prefix(k, above)
+            marks = found
+        start = i - i % _STRIDE
+        total = marks[start // _STRIDE]
+        t, level, level_rate = self.trace.t, self.trace.level, self.level_rate
+        for r in range(start, i):
+            c = level[r]
+            rate = 0.0 if above is not None and c <= above else level_rate(k, c)
+            total = total + rate * (t[r + 1] - t[r])
+        return total
 
     def upto(self, k: Key, s: float, above: int | None = None) -> float:
         """Tokens ``k`` serves from the trace's start to ``s``; with ``above``, only in
@@ -323,8 +363,7 @@ class Tokens:
         t = self.trace.t
         s = min(max(s, t[0]), t[-1])
         i = min(bisect.bisect_right(t, s) - 1, len(t) - 2)
-        rates, cum = self._series(k, above)
-        return cum[i] + rates[i] * (s - t[i])
+        return self._cum(k, i, above) + self.run_rate(k, i, above) * (s - t[i])
 
     def between(self, k: Key, a: float, b: float, above: int | None = None) -> float:
         return max(0.0, self.upto(k, b, above) - self.upto(k, a, above))

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -319,7 +320,66 @@ def test_a_trace_is_runs_of_constant_concurrency(tmp_path: Path) -> None:
     assert [trace.at(s) for s in (0, 19.9, 20, 45)] == [1, 1, 3, 0]
 
 
-# -- parsing: as before, in arrays ------------------------------------------------------
+# -- memory: a run costs bytes, not lists of Python floats ------------------------------
+def _churn(path: Path, rows: int) -> Path:
+    """1-second rows whose concurrency changes at every row: a run a row, replay's worst."""
+    path.write_text("t_s,concurrency\n" + "".join(f"{t},{1 + t % 7}\n" for t in range(rows)))
+    return path
+
+
+def test_a_trace_and_its_tokens_take_tens_of_bytes_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text, csv rows and lists of floats made a row of this trace cost ~700 bytes, 7 GB
+    at the row cap: the trace, every step count's, set's and ceiling's tokens now ~40."""
+    rows = 100_000
+    # os.read asks for the whole cap at once: keep that allocation out of the peak.
+    monkeypatch.setattr(replay_module, "MAX_TRACE_BYTES", 2 * 2**20)
+    path = _churn(tmp_path / "trace.csv", rows)
+    table = read_table(TRUTH / "k5to2.csv")
+    sets = [parse(text) for text in DEFAULT_ADAPTIVE_SETS]
+    tracemalloc.start()
+    try:
+        trace = load_trace(path)
+        tokens = Tokens(trace, table, range(1, 7), AdaptiveModel.of(DEFAULT_SLOTS, table))
+        keys = [tokens.ensure(s) for s in sets if s.table_steps <= set(table.steps())]
+        for key in [*range(1, 7), ADAPTIVE, *keys]:
+            assert tokens.between(key, 10.5, rows - 0.5, above=4) > 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(trace.level) == rows
+    assert len(keys) == 4
+    assert peak < 48 * rows + 2**20, f"{peak / rows:.0f} bytes a row"
+
+
+def test_sparse_prefix_sums_count_to_the_bit_of_a_running_sum() -> None:
+    """`Tokens` keeps every 16th prefix sum and adds the runs since: every figure is the
+    very float the running sum over all runs gave (the decisions and tokens must not move)."""
+    rng = random.Random(5)
+    times = [0.0]
+    for _ in range(999):
+        times.append(times[-1] + rng.choice([0.1, 0.7, 1.0, 3.3, 60.0]))
+    trace = trace_from_rows(times, [float(rng.randint(0, 40)) for _ in times])
+    table = read_table(SEED)
+    tokens = Tokens(trace, table, [1, 4])
+    t, levels = list(trace.t), list(trace.level)
+    for k, above in itertools.product((1, 4), (None, 11)):
+        rates = [
+            table.throughput(k, float(c)) if c > 0 and (above is None or c > above) else 0.0
+            for c in levels
+        ]
+        cum = [0.0]
+        for i, r in enumerate(rates):
+            cum.append(cum[-1] + r * (t[i + 1] - t[i]))
+        for i, r in enumerate(rates):
+            s = t[i] + (t[i + 1] - t[i]) * rng.random()
+            assert tokens.upto(k, t[i], above) == cum[i]
+            assert tokens.upto(k, s, above) == cum[i] + r * (s - t[i])
+            assert tokens.run_rate(k, i, above) == r
+        assert tokens.upto(k, t[-1], above) == cum[-2] + rates[-1] * (t[-1] - t[-2])
+
+
 @pytest.mark.parametrize("max_values", [3, 65_536], ids=["sorted", "counted"])
 def test_the_last_row_lasts_the_median_gap_a_sort_finds(
     monkeypatch: pytest.MonkeyPatch, max_values: int
