@@ -90,9 +90,21 @@ DEFAULT_RESTART_S = 100.0
 # The step count everyone runs before the first window, unless the caller names one: the
 # seed campaign's value, within the config's allowed range.
 DEFAULT_START_STEPS = 3
+# The longest trace replay reads: 115 days of 1-second rows (the bench runs up to 100).
+# Measured at this cap, a level change at every row (`python -m bench replaymem --rows 10`,
+# truth k5to2, --steps 1-6; the README's replay section) peaks at 345 MiB RSS, and 638 MiB
+# with a distinct gap between every two rows (the median sorts them) in a 248 MiB file;
+# before the trace was kept in arrays and `Tokens` in sparse prefix sums: 6,497 MiB,
+# enough for the OOM killer to pick a process on the GPU box that runs SGLang. What is
+# left is mostly the parse: the file's bytes and 16 bytes a row of arrays, then 16 a run.
 MAX_TRACE_ROWS = 10_000_000
-# Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each).
+# Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each); held while parsing.
 MAX_TRACE_BYTES = 256 * files.MIB
+# What to do with a trace over either cap.
+TRACE_TOO_LONG = (
+    "resample it coarser, e.g. to 10-second rows "
+    f"(1-second rows fit up to {MAX_TRACE_ROWS // 86400} days)"
+)
 # Levels are kept as 64-bit integers; a float above 2**53 holds no exact whole number of
 # requests anyway.
 MAX_CONCURRENCY = float(2**53)
@@ -138,7 +150,8 @@ def load_trace(path: str | Path) -> Trace:
         data = files.read_regular_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
         _check_utf8(p, data)
     except files.FileReadError as exc:
-        raise ReplayError(str(exc)) from None
+        too_large = exc.st is not None and exc.st.st_size > MAX_TRACE_BYTES
+        raise ReplayError(f"{exc}: {TRACE_TOO_LONG}" if too_large else str(exc)) from None
     if data.startswith(files.UTF8_BOM):
         raise ReplayError(f"{p}: {BOM_PROBLEM}")
     times = array("d")
@@ -168,7 +181,7 @@ def load_trace(path: str | Path) -> Trace:
         times.append(t)
         levels.append(c)
         if len(times) > MAX_TRACE_ROWS:
-            raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows")
+            raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows: {TRACE_TOO_LONG}")
     if not times:
         raise ReplayError(f"{p}: no rows")
     del text, data, rows  # the bytes: before the runs are made

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from specd.cli import main as specd_main
 from specd.commands.replay import build_config, human_lines
 from specd.core import windows
 from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel
@@ -30,6 +31,8 @@ from specd.tools import replay as replay_module
 from specd.tools.replay import (
     ADAPTIVE,
     DEFAULT_START,
+    MAX_TRACE_ROWS,
+    TRACE_TOO_LONG,
     ReplayError,
     ReplayResult,
     Tokens,
@@ -351,6 +354,34 @@ def test_a_trace_and_its_tokens_take_tens_of_bytes_a_row(
     assert len(trace.level) == rows
     assert len(keys) == 4
     assert peak < 48 * rows + 2**20, f"{peak / rows:.0f} bytes a row"
+
+
+def test_the_row_cap_is_one_line_that_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(replay_module, "MAX_TRACE_ROWS", 100)
+    path = _churn(tmp_path / "trace.csv", 100)
+    assert len(load_trace(path).level) == 100
+    _churn(path, 101)
+    code = specd_main(["replay", "--trace", str(path), "--truth", str(SEED), "--steps", "1-5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"specd replay: {path}: more than 100 rows: {TRACE_TOO_LONG}\n"
+    assert TRACE_TOO_LONG == (
+        "resample it coarser, e.g. to 10-second rows (1-second rows fit up to 115 days)"
+    )
+    # The bench's longest traces (--days 28; bench_replay allows 100) fit the real cap.
+    assert 100 * DAY <= MAX_TRACE_ROWS
+
+
+def test_too_large_a_trace_file_says_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    _trace_huge(path)
+    with pytest.raises(ReplayError) as info:
+        load_trace(path)
+    assert str(info.value) == (
+        f"{path}: is 1.024e+04 MiB, larger than the 256 MiB allowed: {TRACE_TOO_LONG}"
+    )
 
 
 def test_sparse_prefix_sums_count_to_the_bit_of_a_running_sum() -> None:
