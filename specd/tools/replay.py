@@ -256,6 +256,8 @@ _MAX_RATE_MEMO = 16_384
 # most of its memory) and adds the runs since, one by one in the same order as the sums
 # were made, so to the very same bits: a few µs a call.
 _STRIDE = 16
+# `_cum`s remembered (a tick asks for the run its segment began in and the run it is in).
+_MAX_RECENT = 64
 
 
 class Tokens:
@@ -287,6 +289,8 @@ class Tokens:
         self.marks: dict[Key, array[float]] = {}
         # (key, ceiling) → the same of the runs with more offered than the ceiling only.
         self._above: dict[tuple[Key, int], array[float]] = {}
+        # (key, ceiling, run) → `_cum`, for the ticks of a run: the same runs asked again.
+        self._recent: dict[tuple[Key, int | None, int], float] = {}
         self.models: dict[SpecSetting, AdaptiveModel] = {}
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
@@ -354,6 +358,9 @@ class Tokens:
         """Tokens ``k`` served before run ``i`` (with ``above``, only in the runs with more
         offered than that): the mark at or before it, plus the runs since, summed as
         `_prefix` summed them."""
+        known = self._recent.get((k, above, i))
+        if known is not None:
+            return known
         if above is None:
             marks = self.marks[k]
         else:
@@ -368,6 +375,9 @@ class Tokens:
             c = level[r]
             rate = 0.0 if above is not None and c <= above else level_rate(k, c)
             total = total + rate * (t[r + 1] - t[r])
+        if len(self._recent) >= _MAX_RECENT:
+            self._recent.clear()
+        self._recent[(k, above, i)] = total
         return total
 
     def upto(self, k: Key, s: float, above: int | None = None) -> float:
