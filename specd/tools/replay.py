@@ -92,7 +92,7 @@ DEFAULT_RESTART_S = 100.0
 DEFAULT_START_STEPS = 3
 # The longest trace replay reads: 115 days of 1-second rows (the bench runs up to 100).
 # Measured at this cap, a level change at every row (`python -m bench replaymem --rows 10`,
-# truth k5to2, --steps 1-6; the README's replay section) peaks at 345 MiB RSS, and 638 MiB
+# truth k5to2, --steps 1-6; the README's replay section) peaks at 343 MiB RSS, and 638 MiB
 # with a distinct gap between every two rows (the median sorts them) in a 248 MiB file;
 # before the trace was kept in arrays and `Tokens` in sparse prefix sums: 6,497 MiB,
 # enough for the OOM killer to pick a process on the GPU box that runs SGLang. What is
@@ -251,10 +251,10 @@ ADAPTIVE_CONFIG_DIR = "/var/lib/specd"
 # Rates remembered per key, by offered concurrency: a trace rarely has more levels, and one
 # that has is counted as well, only slower (the memo starts over when full).
 _MAX_RATE_MEMO = 16_384
-# `Tokens` keeps each key's prefix sum at every _STRIDE-th run only (half a byte a run, not
-# 8: with every step count, adaptive set and ceiling a replay counts, the prefix sums were
-# most of its memory) and adds the runs since, one by one in the same order as the sums
-# were made, so to the very same bits: a few µs a call.
+# `Tokens` keeps each key's prefix sum at every _STRIDE-th run only (half a byte a run a
+# key; a list of every run's rate and one of its sum took ~40, most of replay's memory with
+# every step count, adaptive set and ceiling it counts) and adds the runs since, one by one
+# in the order the sums were made, so to the very same bits: a few µs a call.
 _STRIDE = 16
 # `_cum`s remembered (a tick asks for the run its segment began in and the run it is in).
 _MAX_RECENT = 64
