@@ -85,7 +85,7 @@ def _best_each_second(tokens: Tokens, keys: Sequence[Key], a: float, b: float) -
     while i < len(t) - 1 and t[i] < b:
         span = min(t[i + 1], b) - max(t[i], a)
         if span > 0:
-            total += span * max(tokens.rate[k][i] for k in keys)
+            total += span * max(tokens.run_rate(k, i) for k in keys)
         i += 1
     return total
 

@@ -30,12 +30,14 @@ daemon that has run a while).
 from __future__ import annotations
 
 import bisect
+import codecs
 import csv
 import functools
 import io
 import itertools
 import math
 import time  # only to measure decision cost; simulated time is t
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -88,9 +90,28 @@ DEFAULT_RESTART_S = 100.0
 # The step count everyone runs before the first window, unless the caller names one: the
 # seed campaign's value, within the config's allowed range.
 DEFAULT_START_STEPS = 3
+# The longest trace replay reads: 115 days of 1-second rows (the bench runs up to 100).
+# Measured at this cap, a level change at every row (`python -m bench replaymem --rows 10`,
+# truth k5to2, --steps 1-6; the README's replay section) peaks at 343 MiB RSS, and 638 MiB
+# with a distinct gap between every two rows (the median sorts them) in a 248 MiB file;
+# before the trace was kept in arrays and `Tokens` in sparse prefix sums: 6,497 MiB,
+# enough for the OOM killer to pick a process on the GPU box that runs SGLang. What is
+# left is mostly the parse: the file's bytes and 16 bytes a row of arrays, then 16 a run.
 MAX_TRACE_ROWS = 10_000_000
-# Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each).
+# Room for MAX_TRACE_ROWS rows of "t_s,concurrency" (~25 bytes each); held while parsing.
 MAX_TRACE_BYTES = 256 * files.MIB
+# What to do with a trace over either cap.
+TRACE_TOO_LONG = (
+    "resample it coarser, e.g. to 10-second rows "
+    f"(1-second rows fit up to {MAX_TRACE_ROWS // 86400} days)"
+)
+# Levels are kept as 64-bit integers; a float above 2**53 holds no exact whole number of
+# requests anyway.
+MAX_CONCURRENCY = float(2**53)
+# Bytes of the trace checked for UTF-8 at a time.
+_UTF8_CHUNK = files.MIB
+# Distinct gap values `_median_gap` counts before it sorts every gap instead.
+_MAX_GAP_VALUES = 65_536
 
 
 class ReplayError(ValueError):
@@ -100,10 +121,13 @@ class ReplayError(ValueError):
 # -- the trace --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Trace:
-    """Offered concurrency, piecewise constant: ``level[i]`` from ``t[i]`` to ``t[i+1]``."""
+    """Offered concurrency, piecewise constant: ``level[i]`` from ``t[i]`` to ``t[i+1]``.
 
-    t: list[float]  # run starts (seconds from the trace start), then the end
-    level: list[int]
+    `load_trace` and `trace_from_rows` keep both in arrays (8 bytes a run each), not lists
+    of Python numbers (a list of floats takes 32 bytes an item)."""
+
+    t: Sequence[float]  # run starts (seconds from the trace start), then the end
+    level: Sequence[int]
 
     @property
     def duration_s(self) -> float:
@@ -115,17 +139,27 @@ class Trace:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read ``t_s,concurrency`` rows; the last row lasts as long as the median row."""
+    """Read ``t_s,concurrency`` rows; the last row lasts as long as the median row.
+
+    The rows are parsed as the file's bytes are decoded, a few KiB at a time: neither the
+    whole text as one str nor every row is held at once, only the bytes and one float
+    array each for the times and the levels (the file must be UTF-8 first: checked before
+    any row, so a bad byte is found as it was when the whole file was decoded at once)."""
     p = Path(path)
-    times: list[float] = []
-    levels: list[float] = []
     try:
-        text = files.read_text_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
+        data = files.read_regular_file(p, MAX_TRACE_BYTES, follow_symlinks=True)
+        _check_utf8(p, data)
     except files.FileReadError as exc:
-        raise ReplayError(str(exc)) from None
-    if text.startswith("\ufeff"):
+        too_large = exc.st is not None and exc.st.st_size > MAX_TRACE_BYTES
+        raise ReplayError(f"{exc}: {TRACE_TOO_LONG}" if too_large else str(exc)) from None
+    if data.startswith(files.UTF8_BOM):
         raise ReplayError(f"{p}: {BOM_PROBLEM}")
-    rows = csv_rows(csv.reader(io.StringIO(text, newline="")), str(p), ReplayError)
+    times = array("d")
+    levels = array("d")
+    # As io.StringIO(text, newline="") split it (lines end at \n, \r or \r\n, kept), but
+    # without StringIO's copy of the whole text at 4 bytes a character.
+    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", newline="")
+    rows = csv_rows(csv.reader(text), str(p), ReplayError)
     header = [c.strip() for c in next(rows, (1, []))[1]]
     if header[:2] != ["t_s", "concurrency"]:
         raise ReplayError(f"{p}:1: header must be t_s,concurrency")
@@ -140,22 +174,39 @@ def load_trace(path: str | Path) -> Trace:
             raise ReplayError(f"{p}:{n}: not numbers: {','.join(row)[:60]!r}") from None
         if not (math.isfinite(t) and math.isfinite(c)) or c < 0:
             raise ReplayError(f"{p}:{n}: t_s must be finite, concurrency >= 0")
+        if c > MAX_CONCURRENCY:
+            raise ReplayError(f"{p}:{n}: concurrency must be at most 2**53, got {c:g}")
         if times and t <= times[-1]:
             raise ReplayError(f"{p}:{n}: t_s must increase ({t:g} after {times[-1]:g})")
         times.append(t)
         levels.append(c)
         if len(times) > MAX_TRACE_ROWS:
-            raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows")
+            raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows: {TRACE_TOO_LONG}")
     if not times:
         raise ReplayError(f"{p}: no rows")
+    del text, data, rows  # the bytes: before the runs are made
     return trace_from_rows(times, levels)
 
 
+def _check_utf8(path: Path, data: bytes) -> None:
+    """FileReadError naming the first byte of ``data`` that is not UTF-8, as decoding it
+    whole would, without a str of the whole file."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    view = memoryview(data)
+    for at in range(0, len(data), _UTF8_CHUNK):
+        pending = len(decoder.getstate()[0])  # bytes of a character the last chunk began
+        try:
+            decoder.decode(view[at : at + _UTF8_CHUNK], final=at + _UTF8_CHUNK >= len(data))
+        except UnicodeDecodeError as exc:
+            raise files.FileReadError(
+                path, f"is not UTF-8 text (byte {at - pending + exc.start})"
+            ) from None
+
+
 def trace_from_rows(times: Sequence[float], levels: Sequence[float]) -> Trace:
-    gaps = sorted(b - a for a, b in itertools.pairwise(times))
-    last = gaps[len(gaps) // 2] if gaps else 1.0
-    t: list[float] = []
-    level: list[int] = []
+    last = _median_gap(times)
+    t = array("d")
+    level = array("q")
     for s, c in zip(times, levels, strict=True):
         c_int = round(c)
         if not level or level[-1] != c_int:
@@ -163,6 +214,27 @@ def trace_from_rows(times: Sequence[float], levels: Sequence[float]) -> Trace:
             level.append(c_int)
     t.append(float(times[-1]) + last)
     return Trace(t, level)
+
+
+def _median_gap(times: Sequence[float]) -> float:
+    """``sorted(gaps)[len(gaps) // 2]`` of the gaps between consecutive ``times`` (1.0 for
+    one row), counting each gap value once while few values recur (a trace of 1-second rows
+    has one) instead of sorting a list of every gap; the sort past `_MAX_GAP_VALUES`."""
+    if len(times) < 2:
+        return 1.0
+    half = (len(times) - 1) // 2
+    counts: dict[float, int] = {}
+    for a, b in itertools.pairwise(times):
+        gap = b - a
+        counts[gap] = counts.get(gap, 0) + 1
+        if len(counts) > _MAX_GAP_VALUES:
+            return sorted(b - a for a, b in itertools.pairwise(times))[half]
+    seen = 0
+    for gap in sorted(counts):
+        seen += counts[gap]
+        if seen > half:
+            return gap
+    raise AssertionError("unreachable: the counts add up to every gap")
 
 
 # -- tokens from the truth --------------------------------------------------------------
@@ -176,6 +248,16 @@ ADAPTIVE = -1
 Key = int | SpecSetting
 # What the simulated server reports as the --speculative-adaptive-config it runs.
 ADAPTIVE_CONFIG_DIR = "/var/lib/specd"
+# Rates remembered per key, by offered concurrency: a trace rarely has more levels, and one
+# that has is counted as well, only slower (the memo starts over when full).
+_MAX_RATE_MEMO = 16_384
+# `Tokens` keeps each key's prefix sum at every _STRIDE-th run only (half a byte a run a
+# key; a list of every run's rate and one of its sum took ~40, most of replay's memory with
+# every step count, adaptive set and ceiling it counts) and adds the runs since, one by one
+# in the order the sums were made, so to the very same bits: a few µs a call.
+_STRIDE = 16
+# `_cum`s remembered (a tick asks for the run its segment began in and the run it is in).
+_MAX_RECENT = 64
 
 
 class Tokens:
@@ -183,7 +265,10 @@ class Tokens:
     `ADAPTIVE`, by SGLang's adaptive mode when ``adaptive`` is given, and under each
     adaptive setting `ensure` was asked for (`models` holds what it runs). Every adaptive
     setting serves ``adaptive_loss_ratio`` less than the best candidate of each batch's
-    slot (`adaptive_rate`)."""
+    slot (`adaptive_rate`).
+
+    Per key only every `_STRIDE`-th prefix sum is kept, in an array; a run's rate is the
+    key's rate at the run's level, remembered by level (`run_rate`)."""
 
     def __init__(
         self,
@@ -198,10 +283,14 @@ class Tokens:
         self.trace = trace
         self.truth = truth
         self.adaptive_loss_ratio = adaptive_loss_ratio
-        self.rate: dict[Key, list[float]] = {}
-        self.cum: dict[Key, list[float]] = {}
-        # (key, ceiling) → `_series` of the runs with more offered than the ceiling.
-        self._above: dict[tuple[Key, int], tuple[list[float], list[float]]] = {}
+        self._rate_at: dict[Key, Callable[[int], float]] = {}
+        self._memo: dict[Key, dict[int, float]] = {}
+        # key → its prefix sums at runs 0, _STRIDE, 2·_STRIDE, ... (`_cum`).
+        self.marks: dict[Key, array[float]] = {}
+        # (key, ceiling) → the same of the runs with more offered than the ceiling only.
+        self._above: dict[tuple[Key, int], array[float]] = {}
+        # (key, ceiling, run) → `_cum`, for the ticks of a run: the same runs asked again.
+        self._recent: dict[tuple[Key, int | None, int], float] = {}
         self.models: dict[SpecSetting, AdaptiveModel] = {}
         for k in steps:
             self._add(k, functools.partial(_static_rate, truth, k))
@@ -213,10 +302,10 @@ class Tokens:
         (off: the steps-0 row; adaptive: `specd.core.adaptive` over the truth)."""
         if setting.kind != "adaptive":
             k = setting.max_steps
-            if k not in self.rate:
+            if k not in self.marks:
                 self._add(k, functools.partial(_static_rate, self.truth, k))
             return k
-        if setting not in self.rate:
+        if setting not in self.marks:
             model = AdaptiveModel.of(adaptive_slots(setting), self.truth)
             self.models[setting] = model
             self._add(setting, functools.partial(self.adaptive_rate, model))
@@ -228,35 +317,68 @@ class Tokens:
         return model.throughput(float(concurrency)) * (1.0 - self.adaptive_loss_ratio)
 
     def _add(self, key: Key, rate_at: Callable[[int], float]) -> None:
-        memo: dict[int, float] = {}
-        rates = []
-        for c in self.trace.level:
-            if c not in memo:
-                memo[c] = rate_at(c) if c > 0 else 0.0
-            rates.append(memo[c])
-        self.rate[key] = rates
-        self.cum[key] = self._prefix(rates)
+        self._rate_at[key] = rate_at
+        self._memo[key] = {}
+        self.marks[key] = self._prefix(key, None)
 
-    def _prefix(self, rates: list[float]) -> list[float]:
-        """Tokens served before each run: prefix sums of each run's rate × its seconds."""
-        t = self.trace.t
-        cum = [0.0]
-        for i, r in enumerate(rates):
-            cum.append(cum[-1] + r * (t[i + 1] - t[i]))
-        return cum
+    def level_rate(self, key: Key, c: int) -> float:
+        """What ``key`` serves at ``c`` offered (0 at none)."""
+        memo = self._memo[key]
+        rate = memo.get(c)
+        if rate is None:
+            if len(memo) >= _MAX_RATE_MEMO:
+                memo.clear()
+            rate = memo[c] = self._rate_at[key](c) if c > 0 else 0.0
+        return rate
 
-    def _series(self, k: Key, above: int | None) -> tuple[list[float], list[float]]:
-        """``k``'s rate per run and its prefix sums; with ``above``, counting only the runs
-        with more offered than that (the others at rate 0)."""
+    def run_rate(self, key: Key, i: int, above: int | None = None) -> float:
+        """``key``'s rate in run ``i``; with ``above``, 0 unless more than that is offered."""
+        c = self.trace.level[i]
+        if above is not None and c <= above:
+            return 0.0
+        return self.level_rate(key, c)
+
+    def _prefix(self, key: Key, above: int | None) -> array[float]:
+        """Tokens served before runs 0, _STRIDE, 2·_STRIDE, ...: prefix sums of each run's
+        rate × its seconds (with ``above``, of the runs with more offered than that only)."""
+        marks = array("d", [0.0])
+        total = 0.0
+        level_rate = self.level_rate
+        left = _STRIDE
+        for (a, b), c in zip(itertools.pairwise(self.trace.t), self.trace.level, strict=True):
+            rate = 0.0 if above is not None and c <= above else level_rate(key, c)
+            total = total + rate * (b - a)
+            left -= 1
+            if not left:
+                marks.append(total)
+                left = _STRIDE
+        return marks
+
+    def _cum(self, k: Key, i: int, above: int | None) -> float:
+        """Tokens ``k`` served before run ``i`` (with ``above``, only in the runs with more
+        offered than that): the mark at or before it, plus the runs since, summed as
+        `_prefix` summed them."""
+        known = self._recent.get((k, above, i))
+        if known is not None:
+            return known
         if above is None:
-            return self.rate[k], self.cum[k]
-        found = self._above.get((k, above))
-        if found is None:
-            rates = [
-                r if c > above else 0.0 for r, c in zip(self.rate[k], self.trace.level, strict=True)
-            ]
-            found = self._above[(k, above)] = (rates, self._prefix(rates))
-        return found
+            marks = self.marks[k]
+        else:
+            found = self._above.get((k, above))
+            if found is None:
+                found = self._above[(k, above)] = self._prefix(k, above)
+            marks = found
+        start = i - i % _STRIDE
+        total = marks[start // _STRIDE]
+        t, level, level_rate = self.trace.t, self.trace.level, self.level_rate
+        for r in range(start, i):
+            c = level[r]
+            rate = 0.0 if above is not None and c <= above else level_rate(k, c)
+            total = total + rate * (t[r + 1] - t[r])
+        if len(self._recent) >= _MAX_RECENT:
+            self._recent.clear()
+        self._recent[(k, above, i)] = total
+        return total
 
     def upto(self, k: Key, s: float, above: int | None = None) -> float:
         """Tokens ``k`` serves from the trace's start to ``s``; with ``above``, only in
@@ -264,8 +386,7 @@ class Tokens:
         t = self.trace.t
         s = min(max(s, t[0]), t[-1])
         i = min(bisect.bisect_right(t, s) - 1, len(t) - 2)
-        rates, cum = self._series(k, above)
-        return cum[i] + rates[i] * (s - t[i])
+        return self._cum(k, i, above) + self.run_rate(k, i, above) * (s - t[i])
 
     def between(self, k: Key, a: float, b: float, above: int | None = None) -> float:
         return max(0.0, self.upto(k, b, above) - self.upto(k, a, above))

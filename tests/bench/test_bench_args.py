@@ -32,6 +32,7 @@ ARGUMENTS: list[tuple[str, str, list[str]]] = [
     ("fleet", "--load-time-s", ["--load-time-s={}"]),
     ("fleet", "--clients", ["--clients={}"]),
     ("fleet", "--max-tokens", ["--max-tokens={}"]),
+    ("replaymem", "--rows", ["--rows={}"]),
 ]
 ZERO_ALLOWED = {("fleet", "--load-time-s")}  # the twin can load at once
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from specd.cli import main as specd_main
 from specd.commands.replay import build_config, human_lines
 from specd.core import windows
 from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel
@@ -25,9 +27,12 @@ from specd.core.setting import parse
 from specd.core.settings import DEFAULT_ADAPTIVE_SETS
 from specd.io.config import Config, Window
 from specd.io.tables import read_table, write_table
+from specd.tools import replay as replay_module
 from specd.tools.replay import (
     ADAPTIVE,
     DEFAULT_START,
+    MAX_TRACE_ROWS,
+    TRACE_TOO_LONG,
     ReplayError,
     ReplayResult,
     Tokens,
@@ -295,6 +300,7 @@ def test_without_calibration_specd_learns_the_box_by_exploring(
         ("t_s,concurrency\n0,1\n0,2\n", "t_s must increase"),
         ("t_s,concurrency\n0,-1\n", "concurrency >= 0"),
         ("t_s,concurrency\n0,abc\n", "not numbers"),
+        ("t_s,concurrency\n0,1e300\n", "concurrency must be at most 2\\*\\*53, got 1e\\+300"),
         ("t_s,concurrency\n0\n", "expected t_s,concurrency"),
         ("t_s,concurrency\n0,1\n" + "1" * 200_000 + ",1\n", r":3: not a CSV row"),
         ("\ufefft_s,concurrency\n0,1\n", "starts with a UTF-8 byte order mark"),
@@ -312,9 +318,150 @@ def test_a_trace_is_runs_of_constant_concurrency(tmp_path: Path) -> None:
     path = tmp_path / "trace.csv"
     path.write_text("t_s,concurrency\n0,1\n10,1\n20,3\n30,3\n40,0\n")
     trace = load_trace(path)
-    assert trace.level == [1, 3, 0]
-    assert trace.t == [0.0, 20.0, 40.0, 50.0]  # the last row lasts the median row (10 s)
+    assert list(trace.level) == [1, 3, 0]
+    assert list(trace.t) == [0.0, 20.0, 40.0, 50.0]  # the last row lasts the median row (10 s)
     assert [trace.at(s) for s in (0, 19.9, 20, 45)] == [1, 1, 3, 0]
+
+
+# -- memory: a run costs bytes, not lists of Python floats ------------------------------
+def _churn(path: Path, rows: int) -> Path:
+    """1-second rows whose concurrency changes at every row: a run a row, replay's worst."""
+    path.write_text("t_s,concurrency\n" + "".join(f"{t},{1 + t % 7}\n" for t in range(rows)))
+    return path
+
+
+def test_a_trace_and_its_tokens_take_tens_of_bytes_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text, csv rows and lists of floats made a row of this trace cost ~700 bytes, 7 GB
+    at the row cap: the trace, every step count's, set's and ceiling's tokens now ~40."""
+    rows = 100_000
+    # os.read asks for the whole cap at once: keep that allocation out of the peak.
+    monkeypatch.setattr(replay_module, "MAX_TRACE_BYTES", 2 * 2**20)
+    path = _churn(tmp_path / "trace.csv", rows)
+    table = read_table(TRUTH / "k5to2.csv")
+    sets = [parse(text) for text in DEFAULT_ADAPTIVE_SETS]
+    tracemalloc.start()
+    try:
+        trace = load_trace(path)
+        tokens = Tokens(trace, table, range(1, 7), AdaptiveModel.of(DEFAULT_SLOTS, table))
+        keys = [tokens.ensure(s) for s in sets if s.table_steps <= set(table.steps())]
+        for key in [*range(1, 7), ADAPTIVE, *keys]:
+            assert tokens.between(key, 10.5, rows - 0.5, above=4) > 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(trace.level) == rows
+    assert len(keys) == 4
+    assert peak < 48 * rows + 2**20, f"{peak / rows:.0f} bytes a row"
+
+
+def test_the_row_cap_is_one_line_that_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(replay_module, "MAX_TRACE_ROWS", 100)
+    path = _churn(tmp_path / "trace.csv", 100)
+    assert len(load_trace(path).level) == 100
+    _churn(path, 101)
+    code = specd_main(["replay", "--trace", str(path), "--truth", str(SEED), "--steps", "1-5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"specd replay: {path}: more than 100 rows: {TRACE_TOO_LONG}\n"
+    assert TRACE_TOO_LONG == (
+        "resample it coarser, e.g. to 10-second rows (1-second rows fit up to 115 days)"
+    )
+    # The bench's longest traces (--days 28; bench_replay allows 100) fit the real cap.
+    assert 100 * DAY <= MAX_TRACE_ROWS
+
+
+def test_too_large_a_trace_file_says_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    _trace_huge(path)
+    with pytest.raises(ReplayError) as info:
+        load_trace(path)
+    assert str(info.value) == (
+        f"{path}: is 1.024e+04 MiB, larger than the 256 MiB allowed: {TRACE_TOO_LONG}"
+    )
+
+
+def test_sparse_prefix_sums_count_to_the_bit_of_a_running_sum() -> None:
+    """`Tokens` keeps every 16th prefix sum and adds the runs since: every figure is the
+    very float the running sum over all runs gave (the decisions and tokens must not move)."""
+    rng = random.Random(5)
+    times = [0.0]
+    for _ in range(999):
+        times.append(times[-1] + rng.choice([0.1, 0.7, 1.0, 3.3, 60.0]))
+    trace = trace_from_rows(times, [float(rng.randint(0, 40)) for _ in times])
+    table = read_table(SEED)
+    tokens = Tokens(trace, table, [1, 4])
+    t, levels = list(trace.t), list(trace.level)
+    for k, above in itertools.product((1, 4), (None, 11)):
+        rates = [
+            table.throughput(k, float(c)) if c > 0 and (above is None or c > above) else 0.0
+            for c in levels
+        ]
+        cum = [0.0]
+        for i, r in enumerate(rates):
+            cum.append(cum[-1] + r * (t[i + 1] - t[i]))
+        for i, r in enumerate(rates):
+            s = t[i] + (t[i + 1] - t[i]) * rng.random()
+            assert tokens.upto(k, t[i], above) == cum[i]
+            assert tokens.upto(k, s, above) == cum[i] + r * (s - t[i])
+            assert tokens.run_rate(k, i, above) == r
+        assert tokens.upto(k, t[-1], above) == cum[-2] + rates[-1] * (t[-1] - t[-2])
+
+
+@pytest.mark.parametrize("max_values", [3, 65_536], ids=["sorted", "counted"])
+def test_the_last_row_lasts_the_median_gap_a_sort_finds(
+    monkeypatch: pytest.MonkeyPatch, max_values: int
+) -> None:
+    monkeypatch.setattr(replay_module, "_MAX_GAP_VALUES", max_values)
+    rng = random.Random(9)
+    for n in range(1, 80):
+        times = sorted(x + rng.choice([0.0, 0.25, 0.1]) for x in rng.sample(range(200), n))
+        gaps = sorted(b - a for a, b in itertools.pairwise(times))
+        last = gaps[len(gaps) // 2] if gaps else 1.0
+        assert trace_from_rows(times, [1.0] * n).t[-1] == times[-1] + last
+
+
+@pytest.mark.parametrize("end", ["\n", "\r\n", "\r"], ids=["lf", "crlf", "cr"])
+def test_every_line_ending_splits_rows(tmp_path: Path, end: str) -> None:
+    """As io.StringIO(text, newline="") split them, also where the 8 KiB chunks the text is
+    decoded in end between a \r and its \n (one of the header's paddings puts it there)."""
+    rows = 3000
+    path = tmp_path / "trace.csv"
+    across = []
+    for pad in range(8):
+        lines = ["t_s,concurrency" + " " * pad, *(f"{t},{1 + t % 3}" for t in range(rows))]
+        data = (end.join(lines) + end).encode()
+        across.append(data[8191:8193] == b"\r\n")
+        path.write_bytes(data)
+        trace = load_trace(path)
+        assert list(trace.level) == [1 + t % 3 for t in range(rows)]
+        assert list(trace.t) == [float(t) for t in range(rows + 1)]
+    assert any(across) == (end == "\r\n")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 2**20])
+@pytest.mark.parametrize(
+    "tail",
+    [b"\xff", b"\xc3", b"\xe2\x82", b"\xe2\x28\xa1", b"\xc0\xaf", b"\xed\xa0\x80", b"0,1\n\x80"],
+)
+def test_a_bad_byte_is_the_one_decoding_whole_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, tail: bytes
+) -> None:
+    monkeypatch.setattr(replay_module, "_UTF8_CHUNK", chunk)
+    data = "t_s,concurrency\n0,1\n1,é€😀\n".encode() + tail + b"\n"
+    with pytest.raises(UnicodeDecodeError) as whole:
+        data.decode("utf-8")
+    path = tmp_path / "trace.csv"
+    path.write_bytes(data)
+    with pytest.raises(ReplayError, match=re.escape(f"(byte {whole.value.start})")):
+        load_trace(path)
+    # Characters across the chunks are no error: the row is.
+    path.write_bytes(data[: -len(tail) - 1])
+    with pytest.raises(ReplayError, match="not numbers: '1,é€😀'"):
+        load_trace(path)
 
 
 # -- the command ------------------------------------------------------------------------
