@@ -334,13 +334,10 @@ class Daemon:
         return now
 
     def _shift_records(self, seconds: float) -> None:
-        state = self.state
-        for restart in state.restarts:
-            restart["t"] = float(restart["t"]) + seconds
-        state.recommendations = [[float(t) + seconds, k] for t, k in state.recommendations]
-        state.explorations = [[float(t) + seconds, k] for t, k in state.explorations]
-        if state.frozen is not None and isinstance(state.frozen.get("since"), (int, float)):
-            state.frozen["since"] = float(state.frozen["since"]) + seconds
+        self._retime_records(lambda t: t + seconds)
+        frozen = self.state.frozen
+        if frozen is not None and isinstance(frozen.get("since"), (int, float)):
+            frozen["since"] = float(frozen["since"]) + seconds
 
     def _clamp_records(self, now: float) -> None:
         state = self.state
@@ -355,10 +352,15 @@ class Daemon:
         self.log.warning(
             "records_ahead_of_clock", ahead_s=round(ahead, 1), taken_as=utc(now).isoformat()
         )
+        self._retime_records(lambda t: min(t, now))
+
+    def _retime_records(self, retime: Callable[[float], float]) -> None:
+        """Each time of what dwell, the budget and stabilization count from, ``retime``d."""
+        state = self.state
         for restart in state.restarts:
-            restart["t"] = min(float(restart["t"]), now)
-        state.recommendations = [[min(float(t), now), k] for t, k in state.recommendations]
-        state.explorations = [[min(float(t), now), k] for t, k in state.explorations]
+            restart["t"] = retime(float(restart["t"]))
+        state.recommendations = [[retime(float(t)), k] for t, k in state.recommendations]
+        state.explorations = [[retime(float(t)), k] for t, k in state.explorations]
 
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
