@@ -69,10 +69,9 @@ def check_root_url(value: str) -> str:
     extra += f"#{parts.fragment}" if parts.fragment else ""
     if extra:
         root = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
-        shown = extra if len(extra) <= 40 else extra[:40] + "…"
         raise ValueError(
             f"{_cut(value)!r} is not the server's root URL: specd wants {root} "
-            f"(it reads /metrics and /server_info there: drop {shown})"
+            f"(it reads /metrics and /server_info there: drop {_cut(extra, 40)})"
         )
     return url
 
