@@ -101,8 +101,8 @@ class CalibrationFile:
     def __init__(self, path: str | Path | None) -> None:
         self.path = None if path is None else Path(path)
         self._key: tuple[int, int, int, int] | None = None
-        self._value: tuple[Calibration | None, str | None] = (None, None)
-        self._good: Calibration | None = None
+        self._good: Calibration | None = None  # the last calibration the file gave
+        self._problem: str | None = None  # why the file as last read gives none
 
     def current(self) -> tuple[Calibration | None, str | None]:
         """(the calibration, None); (the last good one or None, a one-line problem) when
@@ -118,9 +118,8 @@ class CalibrationFile:
         key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._key:
             try:
-                self._good = read_calibration(self.path)
-                self._value = (self._good, None)
+                self._good, self._problem = read_calibration(self.path), None
             except CalibrationError as exc:
-                self._value = (self._good, str(exc))
+                self._problem = str(exc)
             self._key = key
-        return self._value
+        return self._good, self._problem
