@@ -141,9 +141,7 @@ def collect(
     except (OSError, ValueError) as exc:
         detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
         state, state_problem, unreadable = State(), f"{state_path}: {detail}", True
-        held = getattr(exc, "held", None)
-        if held:  # as the daemon's next start keeps it: frozen
-            state.frozen = held_freeze(held, detail, now)
+        state.frozen = held_freeze(exc, now, detail)  # as the daemon's next start keeps it
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override(
         Path(config.files.override_file),

@@ -45,10 +45,8 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         pass
     except ValueError as exc:
-        held = getattr(exc, "held", None)
-        if held:  # the daemon keeps a freeze for it (a newer specd's file)
-            frozen = held_freeze(held, str(exc), time.time())
-        else:
+        frozen = held_freeze(exc, time.time())  # as the daemon keeps it (a newer specd's file)
+        if frozen is None:
             # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not
             # read the file cannot tell. Ask all the same: the daemon clears one, if any.
             unknown = f"cannot tell whether specd is frozen: {path} is {exc}"

@@ -516,8 +516,15 @@ def salvage_note(dropped: list[str], limit: int = 3) -> str:
     return f"left out {len(dropped)} bad {entries} and kept the rest ({shown}{more})"
 
 
-def held_freeze(held: str, why: str, now: float | None) -> dict[str, Any]:
-    """The freeze specd keeps for what a state it cannot read held (`StateFormatError`)."""
+def held_freeze(
+    exc: BaseException, now: float | None, why: str | None = None
+) -> dict[str, Any] | None:
+    """The freeze specd keeps for what a state it could not read (``exc``, a
+    `StateFormatError`) held, or None when it held none; ``why``: the problem as shown."""
+    held = getattr(exc, "held", None)
+    if not held:
+        return None
+    why = str(exc) if why is None else why
     return _fallback_freeze(f"{held} in a file specd cannot read ({why}; it is kept aside)", now)
 
 
@@ -598,12 +605,11 @@ class StateStore:
             return self.fresh(), None
         except ValueError as exc:
             fresh, problem = self.fresh(), self._set_aside(str(exc))
-            held = getattr(exc, "held", None)
-            if held:
-                # A newer specd's file, rolled back to this one: its freeze (or the restart
-                # it was in) still stands; what it learned waits in the file set aside.
-                fresh.frozen = held_freeze(held, str(exc), now)
-                problem += f"; it held {held}: frozen until specd unfreeze"
+            # A newer specd's file, rolled back to this one: its freeze (or the restart it
+            # was in) still stands; what it learned waits in the file set aside.
+            fresh.frozen = held_freeze(exc, now)
+            if fresh.frozen is not None:
+                problem += f"; it held {getattr(exc, 'held', '')}: frozen until specd unfreeze"
             return fresh, problem
         if not dropped:
             return state, None
