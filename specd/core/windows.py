@@ -174,6 +174,13 @@ def parse_cron(cron: str) -> CronFields:
     return fields
 
 
+def _month_numbers(field: str) -> str:
+    """The month field with each name as its number. APScheduler reads a name only as the
+    start of an item: ``jan-dec/2`` as every month (the step dropped), ``jan-12`` as
+    January, and ``1-mar`` not at all."""
+    return re.sub(r"[a-z]{3}", lambda name: str(MONTHS.index(name.group()) + 1), field)
+
+
 def _trigger(fields: CronFields) -> CronTrigger:
     # A UTC trigger over naive local times: the zone is applied by _to_instant.
     return CronTrigger(
@@ -181,7 +188,7 @@ def _trigger(fields: CronFields) -> CronTrigger:
         minute=fields.minute,
         hour=fields.hour,
         day=fields.day,
-        month=fields.month,
+        month=_month_numbers(fields.month),
         day_of_week=fields.day_of_week,
         timezone=_UTC,
     )

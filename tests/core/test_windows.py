@@ -356,6 +356,32 @@ def test_leap_day_window_fires_within_the_horizon() -> None:
     assert next_open(windows, at(2025, 3, 1)) == at(2028, 2, 29, 3)
 
 
+@pytest.mark.parametrize(
+    ("named", "numbered", "months"),
+    [
+        # A name means its number anywhere in the field, with a step or in a mixed range
+        # (APScheduler read "jan-dec/2" as every month, "jan-12" as January only).
+        ("jan-dec/2", "1-12/2", ["mar", "may", "jul", "sep", "nov", "jan"]),
+        ("JAN-Mar/2", "1-3/2", ["mar", "jan", "mar", "jan", "mar", "jan"]),
+        ("jan-12", "1-12", ["feb", "mar", "apr", "may", "jun", "jul"]),
+        ("1-mar", "1-3", ["feb", "mar", "jan", "feb", "mar", "jan"]),
+        ("jan/3", "1/3", ["apr", "jul", "oct", "jan", "apr", "jul"]),
+    ],
+)
+def test_month_names_read_as_their_numbers(named: str, numbered: str, months: list[str]) -> None:
+    def opening_months(month: str) -> list[str]:
+        configured = [WindowSpec(f"0 3 1 {month} *", 3600, "Europe/Berlin")]
+        check_window(configured[0].cron, "Europe/Berlin", 3600)
+        now, seen = at(2026, 1, 5), []
+        for _ in range(len(months)):
+            now = next_open(configured, now)
+            seen.append(windows.MONTHS[now.month - 1])
+            now += timedelta(days=1)
+        return seen
+
+    assert opening_months(named) == opening_months(numbered) == months
+
+
 @pytest.mark.parametrize("func", [is_open, current_window, next_open, next_close])
 def test_naive_now_is_rejected(func: object) -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
