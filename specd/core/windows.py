@@ -23,6 +23,13 @@ follow ISC/Vixie cron:
   occurrence; the repeat of that hour opens nothing. So the duplicated hour never yields a
   second window (and with it, a second restart).
 
+These are cron's rules for a job at a fixed time. Cron runs a job with ``*`` in its minute
+or hour field by the wall clock as it reads after the change (again in the repeated hour,
+never at the jump); specd applies the fixed-time rules to every start, so back-to-back
+windows (``*/5 1-4 * * *`` lasting 300 s, or ``* * * * *`` lasting 60 s) are closed for
+the repeated hour, and an hourly ``30 * * * *`` also opens at the jump. Either moves, adds
+or leaves out an opening on one night a year; dwell and the restart budget hold as ever.
+
 We do not let APScheduler apply the zone itself: 3.11 returns non-monotonic fire times in a
 fall-back hour (02:30+01:00 again and again, even for a ``now`` past it), which would loop.
 """
@@ -227,6 +234,16 @@ def check_window(cron: str, tz_name: str, duration_s: float | None = None) -> No
         gap = (following - fire).total_seconds()
         shortest = gap if shortest is None else min(shortest, gap)
         fire = following
+    # The gaps are read on the wall clock, as the cron is written, and a window's duration
+    # is real time. On a spring-forward night the real gap is shorter by the shift (23 h
+    # between two daily starts in Europe/Berlin), so a window longer than that (23.5 h)
+    # overlaps that one next opening and the two are one open period, closing when the
+    # second closes. Not refused: it is neither of the harms above (it closes, and the
+    # chain is two openings, once a year), and it is only the far end of what every
+    # window lasting across that night does: its real seconds end an hour later on the
+    # wall clock, so its closed gap shrinks by the shift (a 22 h one's from 2 h to 1 h).
+    # Refusing it would refuse in Berlin a window UTC takes, and stop a daemon at its
+    # next start with a config it ran with.
     if shortest is not None and shortest < duration_s:
         raise ValueError(
             f"{cron!r} opens every {shortest:g} s but each window lasts {duration_s:g} s: "
