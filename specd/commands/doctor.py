@@ -596,7 +596,9 @@ class Doctor:
             return Check("windows", False, str(exc), "fix [[windows]] in the config")
         gap = (opens - now).total_seconds()
         state = "open now; " if windows.is_open(self.config.windows, now) else ""
-        detail = f"{state}next opens {opens:%Y-%m-%d %H:%M} UTC (in {gap / 3600:.1f} h)"
+        # On the window's own clock, with its offset: as the operator wrote the cron.
+        shown = windows.local_time(self.config.windows, opens).isoformat(timespec="seconds")
+        detail = f"{state}next opens {shown} (in {gap / 3600:.1f} h)"
         short = self._windows_too_short()
         if short is not None:
             return Check("windows", False, f"{detail}; {short[0]}", short[1])

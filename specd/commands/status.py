@@ -72,10 +72,11 @@ def _override_text(ov: dict[str, Any]) -> str:
     return f"{what} until {ov['expires_at']}{why}"
 
 
-def _when(ts: float | None, now: float) -> str:
+def _when(ts: float | None, now: float, shown: str | None = None) -> str:
+    """``ts`` in UTC (or as ``shown``), and how long before or after ``now``."""
     if ts is None:
         return "never"
-    at = datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    at = shown or datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     delta = ts - now
     span = abs(delta)
     human = (
@@ -152,6 +153,8 @@ def collect(
     )
     current = override.override if override.valid else None
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
+    opens = windows.next_open(config.windows, at)
+    closes = windows.next_close(config.windows, at)
     decision = state.last_decision
     live = state.live or {}
     return {
@@ -213,11 +216,19 @@ def collect(
         "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
         "gateway": _gateway_info(config, state),
         "window_open": windows.is_open(config.windows, at),
-        "next_window_open": windows.next_open(config.windows, at).timestamp(),
-        "next_window_close": windows.next_close(config.windows, at).timestamp(),
+        "next_window_open": opens.timestamp(),
+        "next_window_close": closes.timestamp(),
+        # The same instants on the window's own clock, ISO 8601 with its offset (as the
+        # cron reads them: 2026-12-07T03:00:00+01:00 for 03:00 in Europe/Berlin).
+        "next_window_open_at": _local(config, opens),
+        "next_window_close_at": _local(config, closes),
         "fleet": fleet_status(config),
         "choices": choices(config, info, static_only),
     }
+
+
+def _local(config: Config, at: datetime) -> str:
+    return windows.local_time(config.windows, at).isoformat(timespec="seconds")
 
 
 def _acceptance(state: State) -> dict[str, Any]:
@@ -362,7 +373,8 @@ def render(info: dict[str, Any], now: float) -> str:
             else "no"
         ),
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
-        f"{_when(info['next_window_open'], now)}, closes {_when(info['next_window_close'], now)}",
+        f"{_when(info['next_window_open'], now, info['next_window_open_at'])}, closes "
+        f"{_when(info['next_window_close'], now, info['next_window_close_at'])}",
         f"restarts 24h   {len(info['restarts_last_24h'])} "
         f"(budget left {info['restart_budget_remaining']})",
     ]

@@ -473,6 +473,18 @@ def next_open_kept(configured: tuple[WindowLike, ...], now: datetime) -> datetim
     return next_open(configured, now)
 
 
+def local_time(windows: Sequence[WindowLike], at: datetime) -> datetime:
+    """``at`` on the wall clock of the window that opens or closes then (the first such one
+    configured), else of the first window: as its operator wrote the cron, with its offset."""
+    at = _utc(at)
+    for window in windows:
+        length = timedelta(seconds=float(window.duration_s))
+        for edge in (at, at - length):
+            if next(_starts(window, edge, edge), None) is not None:
+                return at.astimezone(load_zone(window.timezone))
+    return at.astimezone(load_zone(windows[0].timezone)) if windows else at
+
+
 def next_close(windows: Sequence[WindowLike], now: datetime) -> datetime:
     """When the open window closes; if none is open, when the next one will close."""
     now = _utc(now)

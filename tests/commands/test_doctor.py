@@ -160,16 +160,56 @@ def test_setting_check(
     assert (check.ok, detail in check.detail) == (ok, True), check
 
 
+def utc(year: int, month: int, day: int, hour: int) -> float:
+    return datetime(year, month, day, hour, tzinfo=timezone.utc).timestamp()
+
+
 @pytest.mark.parametrize(
-    ("cron", "ok", "detail"),
+    ("cron", "zone", "now", "ok", "detail"),
     [
-        ("0 3 * * mon-sun", True, "next opens 2026-12-03 03:00 UTC (in 16.0 h)"),
-        ("30 10 * * wed", True, "open now; next opens 2026-12-09 10:30"),
-        ("0 3 1 mar *", False, "next opens 2027-03-01 03:00"),
+        ("0 3 * * mon-sun", "UTC", NOW, True, "next opens 2026-12-03T03:00:00+00:00 (in 16.0 h)"),
+        ("30 10 * * wed", "UTC", NOW, True, "open now; next opens 2026-12-09T10:30:00+00:00"),
+        ("0 3 1 mar *", "UTC", NOW, False, "next opens 2027-03-01T03:00:00+00:00"),
+        # On the window's own clock, with its offset: 03:00 CET is 02:00Z.
+        (
+            "0 3 * * mon-sun",
+            "Europe/Berlin",
+            NOW,
+            True,
+            "next opens 2026-12-03T03:00:00+01:00 (in 15.0 h)",
+        ),
+        (
+            "0 3 * * mon-sun",
+            "Europe/Berlin",
+            utc(2026, 7, 1, 12),
+            True,
+            "next opens 2026-07-02T03:00:00+02:00 (in 13.0 h)",
+        ),
+        # Spring forward: 02:30 does not exist that night; it opens at the jump, 03:00 CEST.
+        (
+            "30 2 * * mon-sun",
+            "Europe/Berlin",
+            utc(2026, 3, 28, 12),
+            True,
+            "next opens 2026-03-29T03:00:00+02:00 (in 13.0 h)",
+        ),
+        # Fall back: 02:30 happens twice; it opens at the first, still summer time.
+        (
+            "30 2 * * mon-sun",
+            "Europe/Berlin",
+            utc(2026, 10, 24, 12),
+            True,
+            "next opens 2026-10-25T02:30:00+02:00 (in 12.5 h)",
+        ),
     ],
 )
-def test_windows_check(tmp_path: Path, cron: str, ok: bool, detail: str) -> None:
-    found = doctor(tmp_path, f'[[windows]]\ncron = "{cron}"\nduration_s = 3600.0\n')
+def test_windows_check(
+    tmp_path: Path, cron: str, zone: str, now: float, ok: bool, detail: str
+) -> None:
+    found = doctor(
+        tmp_path, f'[[windows]]\ncron = "{cron}"\nduration_s = 3600.0\ntimezone = "{zone}"\n'
+    )
+    found.clock = lambda: now
     check = found.check_windows()
     assert check.ok is ok
     assert detail in check.detail

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -350,3 +351,59 @@ def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> N
     assert "version 2 is newer than this specd understands" in info["state_problem"]
     assert info["frozen"] is not None
     assert "YES, FROZEN" in render(info, NOW)
+
+
+def _utc(year: int, month: int, day: int, hour: int) -> float:
+    return datetime(year, month, day, hour, tzinfo=timezone.utc).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("cron", "now", "opens", "closes"),
+    [
+        # Winter: 03:00 CET is 02:00Z, shown as the cron reads it.
+        (
+            "0 3 * * *",
+            _utc(2026, 12, 6, 12),
+            "2026-12-07T03:00:00+01:00",
+            "2026-12-07T04:00:00+01:00",
+        ),
+        (
+            "0 3 * * *",
+            _utc(2026, 7, 1, 12),
+            "2026-07-02T03:00:00+02:00",
+            "2026-07-02T04:00:00+02:00",
+        ),
+        # Spring forward: 02:30 does not exist that night; the window opens at the jump.
+        (
+            "30 2 * * *",
+            _utc(2026, 3, 28, 12),
+            "2026-03-29T03:00:00+02:00",
+            "2026-03-29T04:00:00+02:00",
+        ),
+        # Fall back: opens at the first 02:30 and closes an hour later, at the second: the
+        # same wall-clock time, told apart by the offset alone.
+        (
+            "30 2 * * *",
+            _utc(2026, 10, 24, 12),
+            "2026-10-25T02:30:00+02:00",
+            "2026-10-25T02:30:00+01:00",
+        ),
+    ],
+)
+def test_status_shows_window_times_on_the_windows_own_clock(
+    tmp_path: Path, cron: str, now: float, opens: str, closes: str
+) -> None:
+    path = config_file(tmp_path, "http://127.0.0.1:9", '["static"]')
+    with path.open("a") as file:
+        file.write(
+            f'[[windows]]\ncron = "{cron}"\nduration_s = 3600.0\ntimezone = "Europe/Berlin"\n'
+        )
+    info = collect(load_config(path), now, "down")
+    # The epoch seconds stay as they were; the ISO 8601 strings are new beside them.
+    assert info["next_window_open"] == datetime.fromisoformat(opens).timestamp()
+    assert info["next_window_close"] == datetime.fromisoformat(closes).timestamp()
+    assert (info["next_window_open_at"], info["next_window_close_at"]) == (opens, closes)
+    assert json.loads(json.dumps(info, default=str))["next_window_open_at"] == opens
+    line = next(x for x in render(info, now).splitlines() if x.startswith("window "))
+    assert f"next opens {opens} (in " in line
+    assert f", closes {closes} (in " in line

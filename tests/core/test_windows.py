@@ -382,6 +382,42 @@ def test_month_names_read_as_their_numbers(named: str, numbered: str, months: li
     assert opening_months(named) == opening_months(numbered) == months
 
 
+NOON_UTC_AND_BERLIN_NIGHT = [
+    WindowSpec("0 12 * * *", 1800, "UTC"),
+    WindowSpec("0 3 * * *", 3600, "Europe/Berlin"),
+]
+NEW_YORK_THEN_BERLIN = [  # 20:00 EST is 01:00Z, one hour before 03:00 CET: one open period
+    WindowSpec("0 20 * * *", 3600, "America/New_York"),
+    WindowSpec("0 3 * * *", 3600, "Europe/Berlin"),
+]
+
+
+@pytest.mark.parametrize(
+    ("configured", "instant", "shown"),
+    [
+        # The zone of the window opening or closing then, not the first one configured.
+        (NOON_UTC_AND_BERLIN_NIGHT, at(2026, 12, 7, 2), "2026-12-07T03:00:00+01:00"),
+        (NOON_UTC_AND_BERLIN_NIGHT, at(2026, 12, 7, 3), "2026-12-07T04:00:00+01:00"),
+        (NOON_UTC_AND_BERLIN_NIGHT, at(2026, 12, 7, 12, 30), "2026-12-07T12:30:00+00:00"),
+        (NOON_UTC_AND_BERLIN_NIGHT, at(2026, 7, 7, 1), "2026-07-07T03:00:00+02:00"),
+        # A chain: opened by New York's window, closed by Berlin's.
+        (NEW_YORK_THEN_BERLIN, at(2026, 12, 7, 1), "2026-12-06T20:00:00-05:00"),
+        (NEW_YORK_THEN_BERLIN, at(2026, 12, 7, 3), "2026-12-07T04:00:00+01:00"),
+        # Neither opens nor closes then: the first window's zone.
+        (NEW_YORK_THEN_BERLIN, at(2026, 12, 7, 1, 30), "2026-12-06T20:30:00-05:00"),
+        # Spring forward (02:30 opens at the jump) and fall back (closes at the second 02:30).
+        (BERLIN, at(2026, 3, 29, 1), "2026-03-29T03:00:00+02:00"),
+        (BERLIN, at(2026, 10, 25, 1, 30), "2026-10-25T02:30:00+01:00"),
+    ],
+)
+def test_local_time_reads_an_instant_on_its_windows_clock(
+    configured: list[WindowSpec], instant: datetime, shown: str
+) -> None:
+    local = windows.local_time(configured, instant)
+    assert local.timestamp() == instant.timestamp()  # (== is False for a repeated hour)
+    assert local.isoformat() == shown
+
+
 @pytest.mark.parametrize("func", [is_open, current_window, next_open, next_close])
 def test_naive_now_is_rejected(func: object) -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
