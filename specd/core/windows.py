@@ -366,15 +366,22 @@ def _starts(window: WindowLike, after: datetime, until: datetime) -> Iterator[da
             _extend(cal, cron, tz_name, until)
 
 
+def _spans(
+    window: WindowLike, after: datetime, until: datetime
+) -> Iterator[tuple[datetime, datetime]]:
+    """(start, end) of each opening of ``window`` in [after, until], in start order."""
+    length = timedelta(seconds=float(window.duration_s))
+    for start in _starts(window, after, until):
+        yield start, start + length
+
+
 def _intervals(
     windows: Sequence[WindowLike], after: datetime, until: datetime
 ) -> Iterator[tuple[datetime, datetime]]:
     """(start, end) of every window opening in [after, until], in start order."""
-    streams = []
-    for window in windows:
-        length = timedelta(seconds=float(window.duration_s))
-        streams.append((s, s + length) for s in _starts(window, after, until))
-    return heapq.merge(*streams)
+    # One generator per window, each with its own length: a generator expression in the
+    # loop read ``length`` when iterated, so every window lasted as long as the last one.
+    return heapq.merge(*(_spans(window, after, until) for window in windows))
 
 
 def _utc(now: datetime) -> datetime:

@@ -356,6 +356,36 @@ def test_leap_day_window_fires_within_the_horizon() -> None:
     assert next_open(windows, at(2025, 3, 1)) == at(2028, 2, 29, 3)
 
 
+NIGHT_HOUR = WindowSpec("0 3 * * *", 3600, "UTC")
+NOON_MINUTE = WindowSpec("0 12 * * *", 60, "Europe/Berlin")  # 11:00Z in winter
+
+
+@pytest.mark.parametrize(
+    ("configured", "now", "current", "closes"),
+    [
+        # Each window lasts its own duration_s, whichever is configured last (each lasted
+        # the last one's: the night's hour a minute, the noon minute an hour).
+        ([NIGHT_HOUR, NOON_MINUTE], at(2026, 12, 2, 2), None, at(2026, 12, 2, 4)),
+        (
+            [NIGHT_HOUR, NOON_MINUTE],
+            at(2026, 12, 2, 3, 30),
+            (at(2026, 12, 2, 3), at(2026, 12, 2, 4)),
+            at(2026, 12, 2, 4),
+        ),
+        ([NOON_MINUTE, NIGHT_HOUR], at(2026, 12, 2, 10), None, at(2026, 12, 2, 11, 1)),
+        ([NOON_MINUTE, NIGHT_HOUR], at(2026, 12, 2, 11, 30), None, at(2026, 12, 3, 4)),
+    ],
+)
+def test_each_window_lasts_its_own_duration(
+    configured: list[WindowSpec],
+    now: datetime,
+    current: tuple[datetime, datetime] | None,
+    closes: datetime,
+) -> None:
+    assert current_window(configured, now) == current
+    assert next_close(configured, now) == closes
+
+
 @pytest.mark.parametrize(
     ("named", "numbered", "months"),
     [
