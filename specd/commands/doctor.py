@@ -608,8 +608,9 @@ class Doctor:
 
     def _windows_too_short(self) -> tuple[str, str] | None:
         """(what, advice) when a window is shorter than one restart needs: specd starts a
-        restart only with that much of the window left, so in such a window it never
-        changes anything (each decision says window_ending), and says so nowhere else."""
+        restart only with that much of the open window left (with the windows it touches or
+        overlaps), so in such a window it never changes anything (each decision says
+        window_ending), and says so nowhere else."""
         unit = self.config.sglang.unit
         stop_s: float | None = None
         with contextlib.suppress(InstallError):
@@ -623,7 +624,9 @@ class Doctor:
         stop_s = min(stop_s, self.config.restart.restart_command_timeout_s)
         cost_s = self.config.choose.restart_cost_s
         needs = stop_s + cost_s
-        short = [w for w in self.config.windows if w.duration_s < needs]
+        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        configured = self.config.windows
+        short = [configured[i] for i, _ in windows.too_short(configured, needs, now)]
         if not short:
             return None
         names = ", ".join(f"{w.cron!r} ({w.duration_s:g} s)" for w in short[:3])

@@ -480,6 +480,47 @@ def next_open_kept(configured: tuple[WindowLike, ...], now: datetime) -> datetim
     return next_open(configured, now)
 
 
+# How far `too_short` looks ahead: a year, or as many openings as a chain is followed.
+_HOLD_SPAN = timedelta(days=366)
+
+
+def too_short(
+    windows: Sequence[WindowLike], needs_s: float, now: datetime
+) -> list[tuple[int, float]]:
+    """The windows (by index) no restart needing ``needs_s`` fits in, each with the longest
+    open period it opens into: shorter than that, and never (over the next year, or
+    CHAIN_MAX openings of all windows) part of an open period of ``needs_s`` or more with
+    the windows it touches or overlaps. A restart waits for an open period with that much
+    left, not for a window: back to back windows of a minute (``* * * * *`` lasting 60 s)
+    hold any restart."""
+    now = _utc(now)
+    longest = {i: float(w.duration_s) for i, w in enumerate(windows) if w.duration_s < needs_s}
+    if not longest:
+        return []
+
+    def tagged(i: int, window: WindowLike) -> Iterator[tuple[datetime, datetime, int]]:
+        for start, end in _spans(window, now, now + _HOLD_SPAN):
+            yield start, end, i
+
+    streams = [tagged(i, window) for i, window in enumerate(windows)]
+    members: set[int] = set()
+    opened = closes = now
+
+    def close_period() -> None:
+        period = (closes - opened).total_seconds()
+        for i in members & longest.keys():
+            longest[i] = max(longest[i], period)
+
+    for start, end, i in itertools.islice(heapq.merge(*streams), CHAIN_MAX):
+        if not members or start > closes:
+            close_period()
+            opened, closes, members = start, end, set()
+        closes = max(closes, end)
+        members.add(i)
+    close_period()
+    return [(i, period) for i, period in longest.items() if period < needs_s]
+
+
 def local_time(windows: Sequence[WindowLike], at: datetime) -> datetime:
     """``at`` on the wall clock of the window that opens or closes then (the first such one
     configured), else of the first window: as its operator wrote the cron, with its offset."""

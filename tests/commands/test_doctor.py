@@ -246,6 +246,28 @@ def test_a_window_too_short_for_one_restart_is_said(
         assert f"make duration_s at least {needs:g} s" in check.advice
 
 
+@pytest.mark.parametrize(
+    "windows",
+    [
+        # Back to back windows of a minute are open all the time: any restart fits.
+        [("* * * * *", 60.0)],
+        # A minute that runs into an hour: one open period of 3660 s.
+        [("0 1 * * *", 60.0), ("1 1 * * *", 3600.0)],
+    ],
+)
+def test_a_short_window_in_a_longer_open_period_holds_a_restart(
+    tmp_path: Path, windows: list[tuple[str, float]]
+) -> None:
+    # specd restarts when the open period has one restart's time left, whichever windows
+    # make it up (a minute apart from the hour, the first is too short: tests/core).
+    found = doctor(
+        tmp_path,
+        "".join(f'[[windows]]\ncron = "{cron}"\nduration_s = {d}\n' for cron, d in windows),
+    )
+    check = found.check_windows()
+    assert check.ok, check
+
+
 def test_override_check(tmp_path: Path) -> None:
     found = doctor(tmp_path)
     assert found.check_override() == Check("override", True, "none")

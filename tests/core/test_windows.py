@@ -387,6 +387,37 @@ def test_each_window_lasts_its_own_duration(
 
 
 @pytest.mark.parametrize(
+    ("configured", "short"),
+    [
+        ([WindowSpec("0 3 * * *", 60, "UTC")], [(0, 60.0)]),
+        ([WindowSpec("0 3 * * *", 190, "UTC")], []),
+        # Back to back: one open period, always open.
+        ([WindowSpec("* * * * *", 60, "Europe/Berlin")], []),
+        # Touching a long one (one period of 3660 s), or apart from it.
+        ([WindowSpec("0 1 * * *", 60, "UTC"), WindowSpec("1 1 * * *", 3600, "UTC")], []),
+        (
+            [WindowSpec("0 1 * * *", 60, "UTC"), WindowSpec("2 1 * * *", 3600, "UTC")],
+            [(0, 60.0)],
+        ),
+        # Overlapped by a long one on Sundays only: a restart fits then.
+        ([WindowSpec("0 3 * * *", 60, "UTC"), WindowSpec("30 2 * * sun", 3600, "UTC")], []),
+        # Two short ones overlapping: one period of 90 s, still short; each named.
+        (
+            [WindowSpec("0 3 * * *", 60, "UTC"), WindowSpec("30 0 3 * * *", 60, "UTC")],
+            [(0, 90.0), (1, 90.0)],
+        ),
+        # The demo's: every 20 s for 15 s.
+        ([WindowSpec("*/20 * * * * *", 15, "UTC")], [(0, 15.0)]),
+    ],
+)
+def test_too_short_judges_the_open_period_not_the_window(
+    configured: list[WindowSpec], short: list[tuple[int, float]]
+) -> None:
+    # A restart needing 190 s (systemd's default stop timeout + 100 s to start).
+    assert windows.too_short(configured, 190.0, at(2026, 12, 2, 11)) == short
+
+
+@pytest.mark.parametrize(
     ("named", "numbered", "months"),
     [
         # A name means its number anywhere in the field, with a step or in a mixed range
