@@ -6,11 +6,15 @@ import argparse
 import json
 import os
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+from specd.core import windows
+from specd.io.apply import DEFAULT_STOP_TIMEOUT_S
 from specd.io.config import (
     DEFAULT_CONFIG_PATH,
     ENV_PREFIX,
@@ -61,6 +65,44 @@ def grouped_toml(data: dict[str, Any]) -> str:
     return "\n".join(blocks)
 
 
+def window_warnings(config: Config, now: datetime) -> list[str]:
+    """A line for each window no restart fits in, as far as the config tells: one restart
+    needs the unit's TimeoutStopSec= (systemd's, which `specd doctor` reads) + restart_cost_s,
+    and specd starts one only with that much of the open window left. Shorter than
+    restart_cost_s alone, it never does; shorter than that + systemd's default stop
+    timeout, only if the unit stops faster. Valid either way: the daemon runs with it."""
+    unit = config.sglang.unit
+    cost_s = config.choose.restart_cost_s
+    # As the applier counts it: a stop timeout is bounded by the restart command's own.
+    stop_s = min(DEFAULT_STOP_TIMEOUT_S, config.restart.restart_command_timeout_s)
+    stop = (
+        f"systemd's default stop timeout {stop_s:g} s"
+        if stop_s == DEFAULT_STOP_TIMEOUT_S
+        else f"restart_command_timeout_s {stop_s:g} s, the longest a stop is waited for"
+    )
+    never = {i for i, _ in windows.too_short(config.windows, cost_s, now)}
+    lines = []
+    for i, open_s in windows.too_short(config.windows, stop_s + cost_s, now):
+        window = config.windows[i]
+        where = f"windows[{i}].duration_s"
+        name = f"{window.cron!r} ({window.duration_s:g} s)"
+        if i in never:
+            lines.append(
+                f"{where}: warning: {name} shorter than restart_cost_s alone, {cost_s:g} s: "
+                f"specd never restarts there (one restart needs {unit}'s TimeoutStopSec= + "
+                f"restart_cost_s, {stop_s + cost_s:g} s with {stop}; `specd doctor` reads "
+                "the unit's)"
+            )
+        else:
+            lines.append(
+                f"{where}: warning: {name} shorter than one restart needs, {stop_s + cost_s:g} s "
+                f"({stop} + restart_cost_s {cost_s:g} s): "
+                f"specd never restarts there unless {unit}'s TimeoutStopSec= is at most "
+                f"{open_s - cost_s:g} s (`specd doctor` reads it)"
+            )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     if args.path is not None and args.config is not None and args.path != args.config:
         print("specd check-config: give the file once (PATH or --config)", file=sys.stderr)
@@ -80,5 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if env:
             print(f"# overridden by environment: {', '.join(env)}")
         sys.stdout.write(grouped_toml(data))
+    for line in window_warnings(config, datetime.fromtimestamp(time.time(), tz=timezone.utc)):
+        print(f"{shown}: {line}", file=sys.stderr)
     print(f"{shown}: OK", file=sys.stderr)
     return 0
