@@ -193,6 +193,12 @@ def _long_field(tmp: Path) -> Path:
     return path
 
 
+def _bom_table(tmp: Path) -> Path:
+    path = tmp / "excel.csv"  # Excel's "CSV UTF-8" starts with a byte order mark
+    path.write_bytes(b"\xef\xbb\xbfsteps,concurrency,output_tok_s\n1,1,100\n")
+    return path
+
+
 def _deep_json(tmp: Path) -> Path:
     path = tmp / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
@@ -212,6 +218,11 @@ def _bad_json(tmp: Path) -> Path:
         (["--table"], lambda tmp: Path("/dev/zero"), "{path}: is not a regular file (a character"),
         (["--table"], _sparse_300_mb, "{path}: is 300 MiB, larger than the 4 MiB allowed"),
         (["--table"], _long_field, "{path}:2: not a CSV row (field larger than field limit"),
+        (
+            ["--table"],
+            _bom_table,
+            "{path}: starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM",
+        ),
         (
             [*ADAPTIVE, "--speculative-adaptive-config"],
             _fifo,
@@ -256,6 +267,7 @@ def _bad_json(tmp: Path) -> Path:
         "table-device",
         "table-300MB",
         "table-long-field",
+        "table-bom",
         "adaptive-fifo",
         "adaptive-device",
         "adaptive-300MB",
