@@ -94,7 +94,7 @@ STEPS = (1, 6)
 RESTART_S = 100.0
 DAY_S = 86400
 # The traces have a row a second, and a replay reads at most MAX_TRACE_ROWS (~115 days).
-MAX_DAYS = 100.0
+MAX_DAYS = traces.MAX_DAYS
 assert MAX_DAYS * DAY_S <= MAX_TRACE_ROWS
 DAYS = Float(0, MAX_DAYS, above_lo=True, unit="days")
 JOBS = Int(1, 8)

@@ -1,9 +1,9 @@
 """Traffic traces that look like real use: offered concurrency, one row per second.
 
-``python bench/traces/generate.py OUTDIR [--days N]`` writes ``NAME.csv`` (``t_s,concurrency``)
-for every trace below; `bench/bench_replay.py` generates them itself (a week of 1-second
-rows is ~7 MB per trace, so the CSVs are not kept in the repository). Seeded: the same
-command writes the same files.
+``python bench/traces/generate.py OUTDIR [--days N]`` (0 < N <= 100) writes ``NAME.csv``
+(``t_s,concurrency``) for every trace below; `bench/bench_replay.py` generates them itself (a
+week of 1-second rows is ~7 MB per trace, so the CSVs are not kept in the repository).
+Seeded: the same command writes the same files.
 
 Concurrency holds for a random spell (seconds to minutes, as requests come and go) at a
 level drawn around the hour's pattern; t_s = 0 is Monday 00:00 UTC.
@@ -20,11 +20,21 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: make `specd` importable
+    sys.path.insert(0, str(REPO))
+
+from specd.commands.args import Float  # noqa: E402
+
 DAY_S = 86400
 HOUR_S = 3600
+# A row a second: 100 days are ~100 MB a trace, and what a replay reads (MAX_TRACE_ROWS).
+MAX_DAYS = 100.0
+DAYS = Float(0, MAX_DAYS, above_lo=True, unit="days")
 Pattern = Callable[[random.Random, int, int], tuple[int, int]]  # (rng, hour, weekday) -> range
 
 
@@ -92,10 +102,15 @@ def write(name: str, path: Path, days: float = 7.0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python bench/traces/generate.py",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
     parser.add_argument("outdir", type=Path)
-    parser.add_argument("--days", type=float, default=7.0)
+    parser.add_argument("--days", type=DAYS, default=7.0, help=f"trace length ({DAYS.spec})")
     args = parser.parse_args(argv)
+    if int(args.days * DAY_S) < 1:
+        parser.error(f"argument --days: {args.days:g} days is less than one row (1 s) of trace")
     args.outdir.mkdir(parents=True, exist_ok=True)
     for name in PATTERNS:
         print(write(name, args.outdir / f"{name}.csv", args.days))

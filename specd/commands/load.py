@@ -32,8 +32,21 @@ from specd.tools.load import (
 DURATION_S = Seconds(0, 7 * 86400, above_lo=True)
 
 
+def server_url(value: str) -> str:
+    """``--url``: the server's root URL, as ``specd observe --url`` takes it (not .../v1)."""
+    try:
+        return normalize_base_url(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument(
+        "--url",
+        required=True,
+        type=server_url,
+        help="the server's root URL, e.g. http://127.0.0.1:30000 (not .../v1)",
+    )
     parser.add_argument(
         "--concurrency",
         type=CONCURRENCY,
@@ -190,7 +203,6 @@ def _run_cli(args: argparse.Namespace) -> tuple[LoadResult, threading.Thread]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        normalize_base_url(args.url)
         result, loop_thread = _run_cli(args)
     except ValueError as exc:
         print(f"specd load: {exc}", file=sys.stderr)

@@ -253,13 +253,30 @@ def _versus(part: dict[str, Any]) -> str:
     )
 
 
+def _restart_lengths(data: dict[str, Any]) -> str:
+    """How long the scored restarts served nothing: `` (100 s each)``, or their total and
+    range when they differ (an adaptive start captures more CUDA graphs); none: nothing."""
+    spans = [
+        took
+        for (at, _), took in zip(
+            data["setting_timeline"][1:], data["change_restart_s"], strict=True
+        )
+        if at >= data["scored_from_s"]
+    ]
+    if not spans:
+        return ""
+    if min(spans) == max(spans):
+        return f" ({spans[0]:g} s each)"
+    return f" ({sum(spans):,.10g} s in all, {min(spans):g} to {max(spans):g} s each)"
+
+
 def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
     """The same figures as the JSON, one comparison a line."""
     specd = data["specd_tokens"]
     lines = [
         f"policy {data['policy']}: specd {specd:,} tokens in {data['days']} days, "
         f"{data['restarts']} restarts ({data['restarts_outside_windows']} outside windows), "
-        f"{data['restart_lost_tokens']:,} tokens lost restarting ({data['restart_s']:g} s each)",
+        f"{data['restart_lost_tokens']:,} tokens lost restarting{_restart_lengths(data)}",
         f"  oracle per epoch: {data['oracle_tokens']:,} tokens, specd ×{data['ratio_to_oracle']}",
     ]
     for k, tokens in data["static_tokens"].items():

@@ -54,13 +54,13 @@ def _cut(text: str, most: int = 80) -> str:
     return text if len(text) <= most else text[:most] + "…"
 
 
-def check_root_url(value: str) -> str:
+def check_root_url(value: str, *, uses: str = "it reads /metrics and /server_info there") -> str:
     """``check_http_url``, and the server's root only: no path, query or fragment.
 
     specd reads /metrics, /server_info and /health_generate under the URL it is given, so
     ``http://127.0.0.1:30000/v1`` (the OpenAI API's URL, as OpenAI clients are given it)
     would read /v1/metrics and fail as if metrics were off. ValueError with a one-line
-    reason naming the root URL to give instead.
+    reason naming the root URL to give instead; ``uses`` says what specd does with it.
     """
     url = check_http_url(value)
     parts = urllib.parse.urlsplit(url)
@@ -71,7 +71,7 @@ def check_root_url(value: str) -> str:
         root = urllib.parse.urlunsplit((parts.scheme, parts.netloc, "", "", ""))
         raise ValueError(
             f"{_cut(value)!r} is not the server's root URL: specd wants {root} "
-            f"(it reads /metrics and /server_info there: drop {_cut(extra, 40)})"
+            f"({uses}: drop {_cut(extra, 40)})"
         )
     return url
 

@@ -384,9 +384,23 @@ def _per_dp_capacities(info: Mapping[str, Any] | None) -> list[int]:
     return usable if len(usable) == len(per_dp) else []
 
 
-def _effective_max_running(info: Mapping[str, Any] | None) -> int | None:
+def _effective_max_running(info: Mapping[str, Any] | None, dp_ranks: int) -> int | None:
+    """The most requests the server runs at once, all DP ranks together.
+
+    SGLang 0.5.8+ says each DP rank's own limit (`effective_max_running_requests_per_dp`,
+    after memory sizing): their sum. Before, /server_info has the argument only, and each
+    DP rank's scheduler takes ``max_running_requests // dp_size`` of it with DP attention
+    (the ranks share one model) but all of it without (each DP replica is a server of its
+    own: ``dp_size`` of them, or the replicas the page shows when /server_info lacks it).
+    """
     per_dp = _per_dp_capacities(info)
-    return sum(per_dp) if per_dp else _int_field(info, "max_running_requests")
+    if per_dp:
+        return sum(per_dp)
+    argument = _int_field(info, "max_running_requests")
+    if argument is None or info is None or info.get("enable_dp_attention") is True:
+        return argument
+    replicas = _int_field(info, "dp_size")
+    return argument * (replicas if replicas is not None and replicas >= 1 else max(dp_ranks, 1))
 
 
 def _most_running(obs: Observation, info: Mapping[str, Any] | None) -> int | None:
@@ -396,15 +410,15 @@ def _most_running(obs: Observation, info: Mapping[str, Any] | None) -> int | Non
     Each scheduler admits a request only while its running batch is below its effective
     max_running_requests (`effective_max_running_requests_per_dp`, fixed for a start), so
     their sum bounds ``num_running_reqs`` exactly: no slack. Without the per-rank values
-    (SGLang < 0.5.8) only the argument is known, which is the total with DP attention but
-    each replica's without it: it is counted once per replica the page shows.
+    (SGLang < 0.5.8) the argument bounds it, counted once per replica without DP attention
+    (`_effective_max_running`).
     """
     if obs.max_running_requests is None:
         return None
     per_dp = _per_dp_capacities(info)
     if per_dp:
         return sum(per_dp) if len(per_dp) >= obs.dp_ranks else max(per_dp) * obs.dp_ranks
-    return obs.max_running_requests * max(obs.dp_ranks, 1)
+    return obs.max_running_requests
 
 
 def _from_info(
@@ -457,7 +471,7 @@ def observation_from(
         draft_tokens=_live(page_drafts, info_drafts, spec_on, adaptive),
         topk=_int_field(server_info, "speculative_eagle_topk") if spec_on is not False else None,
         algorithm=_str_field(server_info, "speculative_algorithm") if spec_on else None,
-        max_running_requests=_effective_max_running(server_info),
+        max_running_requests=_effective_max_running(server_info, parsed.dp_ranks),
         token_usage=parsed.token_usage,
         gen_throughput=parsed.gen_throughput,
         generation_tokens_total=parsed.generation_tokens_total,

@@ -40,6 +40,8 @@ from typing import Any, Literal
 
 import httpx
 
+from specd.core.text import check_root_url
+
 # httpcore imports sniffio on every request; when it is not installed, each miss searches
 # sys.path again (about 0.6 ms: seconds of CPU at thousands of clients). None in
 # sys.modules makes the miss immediate, as Python documents.
@@ -362,15 +364,19 @@ async def stream_request(
 
 
 def normalize_base_url(url: str) -> str:
-    """``http://host:port`` from what a user may type (trailing ``/`` or ``/v1``)."""
+    """``http://host:port`` (a trailing ``/`` dropped): the server's root, as every specd
+    command takes it; ValueError with a one-line reason otherwise.
+
+    ``http://host:port/v1`` (as OpenAI clients are given it) is refused, naming the root to
+    give, as ``specd observe --url`` refuses it: the generator adds /v1/... itself.
+    """
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as exc:
         raise ValueError(f"invalid URL {url!r}: {exc}") from exc
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"URL must look like http://HOST:PORT, got {url!r}")
-    base = url.rstrip("/")
-    return base.removesuffix("/v1")
+    return check_root_url(url, uses="it adds /v1/... itself")
 
 
 class LoadGenerator:

@@ -82,9 +82,9 @@ class Engine:
         self._lifetime = [0.0, 0.0]  # verify forwards and their tokens since start
         self.draft_tokens = draft_tokens
         self.max_running = max_running
-        # Each DP rank's scheduler admits up to its own share, as SGLang divides
-        # --max-running-requests among them (and /server_info reports per rank): the
-        # server-wide cap alone let one rank run more than the capacity it reports.
+        # Each DP rank's scheduler admits up to its own limit (max_running is their sum,
+        # and /server_info reports each): the server-wide cap alone let one rank run more
+        # than the capacity it reports.
         self.max_running_per_rank = max(max_running // max(state.dp_size, 1), 1)
         self.state = state
         self.accept_length = accept_length

@@ -69,7 +69,10 @@ class TwinConfig:
     draft_tokens: int
     topk: int | None
     algorithm: str | None
+    # The most requests the server runs at once, all DP ranks together, and each rank's
+    # scheduler's own limit (what /server_info and /v1/loads report per rank).
     max_running: int
+    max_running_per_rank: int
     accept_length: float
     model_name: str
     launch_command: str
@@ -95,6 +98,29 @@ class TwinConfig:
     @property
     def candidates(self) -> list[int]:
         return candidate_union(self.adaptive_slots) if self.adaptive_slots else [self.steps]
+
+
+def _max_running_per_rank(
+    max_running: int | None, capacity: int | None, args: argparse.Namespace
+) -> int:
+    """Each DP rank's scheduler's max_running_requests, as SGLang sizes it.
+
+    Every version (0.5.4 tp_worker, 0.5.8-0.5.11 model_runner, 0.5.23
+    kv_cache_configurator.resolve_max_num_reqs) gives each scheduler
+    ``--max-running-requests // dp_size`` with DP attention (the ranks share one model) and
+    the whole argument without it (each DP replica is a server of its own); memory can
+    only lower it. The table's capacity is the whole server's (what specd reads and
+    sweeps: the ranks' sum), so each rank's memory holds its share of it.
+    """
+    ranks = max(args.dp_size, 1)
+    limits = []
+    if max_running is not None:
+        limits.append(max_running // ranks if args.enable_dp_attention else max_running)
+    if capacity is not None:
+        limits.append(capacity // ranks)
+    # No argument and no capacity in the table: 48 in all stands in for what SGLang would
+    # size from memory.
+    return max(min(limits) if limits else 48 // ranks, 1)
 
 
 def _accept(table: PerfTable, steps: int) -> float:
@@ -248,8 +274,7 @@ def resolve(
     capacity = table.capacity(max(run_steps))
     if max_running is not None and max_running < 1:
         raise TwinConfigError(f"--max-running-requests must be >= 1, got {max_running}")
-    limits = [c for c in (max_running, capacity) if c is not None]
-    effective = min(limits) if limits else 48
+    per_rank = _max_running_per_rank(max_running, capacity, args)
     if slots is not None and rules is not None:
         # Tuning values SGLang would only trip over at run time are refused up front.
         try:
@@ -282,7 +307,8 @@ def resolve(
         draft_tokens=resolved_draft,
         topk=topk,
         algorithm=algorithm,
-        max_running=effective,
+        max_running=per_rank * max(args.dp_size, 1),
+        max_running_per_rank=per_rank,
         accept_length=_accept(table, resolved_steps),
         model_name=args.served_model_name or args.model_path,
         launch_command=shlex.join([sys.executable, *argv]),
@@ -330,7 +356,7 @@ class Twin:
         rules = cfg.profile.adaptive
         if cfg.adaptive_slots is None or rules is None:
             return None
-        per_rank = max(cfg.max_running // max(self.args.dp_size, 1), 1)
+        per_rank = cfg.max_running_per_rank
         return Controller(cfg.steps, cfg.adaptive_slots, rules, cuda_graph_batch_sizes(per_rank))
 
     def _init_metrics(self) -> None:
@@ -356,7 +382,7 @@ class Twin:
                       "draft_extend"):  # fmt: skip
             st.set("sglang:startup_cuda_graph_time_seconds", graphs * shares.get(phase, 0.0),
                    -1, (("phase", phase),))  # fmt: skip
-        per_rank = max(self.config.max_running // max(a.dp_size, 1), 1)
+        per_rank = self.config.max_running_per_rank
         for rank in range(a.dp_size):
             total = float(per_rank * KV_TOKENS_PER_REQUEST)
             st.set("sglang:max_total_num_tokens", total, rank)
@@ -478,7 +504,17 @@ class Twin:
             max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
             version=cfg.profile.version,
         )
-        per_dp = max(cfg.max_running // max(a.dp_size, 1), 1)
+        if cfg.profile.attn_dp_size:
+            # 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` into
+            # `--attn-dp-size N` with dp_size 1 (parallel_hook), and reports
+            # enable_dp_attention as whether attention DP runs (ServerArgs.resolved_dict).
+            attn = a.dp_size if a.enable_dp_attention else 1
+            info.update(
+                dp_size=1 if attn > 1 else a.dp_size,
+                attn_dp_size=attn,
+                enable_dp_attention=attn > 1,
+            )
+        per_dp = cfg.max_running_per_rank
         info["internal_states"] = [
             {
                 "effective_max_running_requests_per_dp": per_dp,
@@ -553,7 +589,8 @@ class Twin:
                     "dp_rank": rank,
                     "num_running_reqs": sum(1 for r in self.engine.running if r.rank == rank),
                     "num_waiting_reqs": sum(1 for r in self.engine.waiting if r.rank == rank),
-                    "max_running_requests": self.config.max_running,
+                    # The rank's scheduler's own limit (load_inquirer), as per_dp above.
+                    "max_running_requests": self.config.max_running_per_rank,
                     "token_usage": self.state.get("sglang:token_usage", rank),
                     "gen_throughput": self.state.get("sglang:gen_throughput", rank),
                     "speculative": {"accept_length": self.engine.lifetime_accept_length()}

@@ -124,6 +124,10 @@ class PerfTable:
 
     @classmethod
     def from_csv_text(cls, text: str, source: str = "<table>") -> PerfTable:
+        # Excel's "CSV UTF-8" starts with one: refused as specd refuses it, by name (read as
+        # part of the first header cell it was an "unknown: steps" header).
+        if text.startswith("\ufeff"):
+            raise PerfTableError(f"{source}: {files.BOM_PROBLEM}")
         reader = csv.reader(io.StringIO(text))
         header: list[str] | None = None
         rows: list[PerfRow] = []

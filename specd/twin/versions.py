@@ -44,7 +44,8 @@ class Profile:
     cache_rank_labels: bool
     # spec_accept_rate = accepted drafts / proposed drafts (0.5.11+); before: L / draft tokens.
     accept_rate_of_drafts: bool
-    # /server_info's internal states carry effective_max_running_requests_per_dp (0.5.11+).
+    # /server_info's internal states carry effective_max_running_requests_per_dp (0.5.8+;
+    # of the versions here, 0.5.11+).
     effective_capacity: bool
     # /server_info since 0.5.6 (/get_server_info stays as the old alias).
     server_info: bool
@@ -57,6 +58,9 @@ class Profile:
     freeze_gc_after_warmup: bool
     # --speculative-adaptive (0.5.11+; None: argparse does not know the flag).
     adaptive: AdaptiveRules | None = None
+    # --attn-dp-size replaces `--dp-size N --enable-dp-attention`, which /server_info shows
+    # as attn_dp_size N, dp_size 1 (0.5.23; 0.5.13 has no attn_dp_size).
+    attn_dp_size: bool = False
 
     @cached_property
     def by_name(self) -> dict[str, Family]:
@@ -350,6 +354,7 @@ PROFILES: dict[str, Profile] = {
         v1_loads=True,
         freeze_gc_after_warmup=True,
         adaptive=ADAPTIVE_SLOTS_ZERO,
+        attn_dp_size=True,
     ),
 }
 VERSIONS = tuple(PROFILES)

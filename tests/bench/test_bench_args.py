@@ -8,6 +8,9 @@ maintenance window opens died of "nothing to choose" in the middle of the run).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -62,13 +65,19 @@ def _run(argvs: list[list[str]]) -> list[tuple[object, str, str, float]]:
     return run_mains("bench.__main__:main", argvs)
 
 
-def _check(bench: str, shown: str, result: tuple[object, str, str, float], want: str) -> None:
+def _check(
+    bench: str,
+    shown: str,
+    result: tuple[object, str, str, float],
+    want: str,
+    prog: str = "python -m bench {bench}",
+) -> None:
     code, stdout, stderr, took = result
     assert code == 2, (shown, code, stderr[-1000:])
     assert "Traceback" not in stderr, (shown, stderr[-2000:])
     assert stdout == "", (shown, stdout[:500])
     lines = stderr.rstrip("\n").splitlines()
-    errors = [line for line in lines if f"python -m bench {bench}: error:" in line]
+    errors = [line for line in lines if f"{prog.format(bench=bench)}: error:" in line]
     assert len(errors) == 1, (shown, stderr[-1000:])
     assert errors[0] == lines[-1], (shown, stderr[-1000:])
     assert want in errors[0], (shown, errors[0])
@@ -91,3 +100,37 @@ def test_a_run_that_cannot_be_done_is_one_usage_error() -> None:
     argvs = [[bench, *argv] for bench, argv, _ in IMPOSSIBLE]
     for (bench, argv, want), result in zip(IMPOSSIBLE, _run(argvs), strict=True):
         _check(bench, " ".join(argv), result, want)
+
+
+# bench/traces/generate.py run on its own took --days as any float: 0 wrote empty traces,
+# nan and 1e308 died a traceback deep in rows(), 1e6 would have filled the disk.
+GENERATE = "python bench/traces/generate.py"
+GENERATE_REFUSED = [(v, "argument --days:") for v in HOSTILE] + [
+    ("101", "argument --days: must be > 0 and <= 100 days"),
+    ("1e-9", "argument --days: 1e-09 days is less than one row (1 s) of trace"),
+]
+
+
+def test_the_trace_generator_on_its_own_bounds_its_days(tmp_path: Path) -> None:
+    out = tmp_path / "traces"
+    argvs = [[str(out), f"--days={value}"] for value, _ in GENERATE_REFUSED]
+    results = run_mains("bench.traces.generate:main", argvs)
+    for (value, want), result in zip(GENERATE_REFUSED, results, strict=True):
+        shown = value if len(value) < 20 else value[:20] + "…"
+        _check("traces", shown, result, want, prog=GENERATE)
+    assert not out.exists()  # refused before anything is written
+    # As a script, as its docstring says to run it: one refusal, then a short trace written.
+    script = [sys.executable, str(REPO / "bench" / "traces" / "generate.py"), str(out)]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [*script, "--days=nan"], capture_output=True, text=True, timeout=60, check=False
+    )
+    _check("traces", "nan", (proc.returncode, proc.stdout, proc.stderr, 0.0), "--days", GENERATE)
+    proc = subprocess.run(
+        [*script, "--days=0.001"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(proc.stdout.split()) == 5  # day_night, weekly, steady_low, steady_heavy, bursty
+    for path in proc.stdout.split():
+        assert Path(path).read_text().count("\n") == 1 + 86  # the header and 86 seconds

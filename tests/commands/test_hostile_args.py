@@ -144,9 +144,18 @@ URLS = [
 ]
 
 
-@pytest.mark.parametrize("command", ["observe", "recommend"])
+# `specd load` took /v1 silently (it dropped it) and answered a path it could not use with
+# requests to HOST:PORT/PATH/v1/...: the same refusal as observe's.
+URL_ARGVS = {
+    "observe": [],
+    "recommend": [],
+    "load": ["--concurrency=1", "--duration-s=1"],
+}
+
+
+@pytest.mark.parametrize("command", list(URL_ARGVS))
 def test_a_url_under_the_servers_root_is_one_usage_error(command: str) -> None:
-    argvs = [[command, f"--url={url}"] for url in URLS]
+    argvs = [[command, f"--url={url}", *URL_ARGVS[command]] for url in URLS]
     for url, (code, stdout, stderr, took) in zip(URLS, run_mains(CLI_MAIN, argvs), strict=True):
         check_refusal(command, "--url", url, code, stdout, stderr, took)
         assert "is not the server's root URL: specd wants http://127.0.0.1:30000 " in stderr

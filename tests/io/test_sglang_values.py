@@ -61,6 +61,11 @@ def one_series(text: str, prefix: str, value: str) -> str:
 REALTIME = 'sglang:realtime_tokens_total{engine_type="unified",'
 DP2 = (FIXTURES / "dp2.prom").read_text()  # two replicas, 18 running
 DP2_INFO: dict[str, Any] = json.loads((FIXTURES / "server_info-dp2.json").read_text())
+# SGLang < 0.5.8: the argument only. Each of two DP replicas takes all 12 of it; with DP
+# attention the two ranks split 24 (each scheduler gets max_running_requests // dp_size).
+BEFORE_PER_DP = {**DP2_INFO, "version": "0.5.7", "internal_states": [{}, {}]}
+ARGUMENT_12 = {**BEFORE_PER_DP, "enable_dp_attention": False, "max_running_requests": 12}
+ARGUMENT_24_SHARED = {**BEFORE_PER_DP, "enable_dp_attention": True, "max_running_requests": 24}
 
 # (what, page, /server_info, expected fields, rejected fields)
 CASES: list[Any] = [
@@ -91,6 +96,44 @@ CASES: list[Any] = [
         {"max_running_requests": None},
         ("max_running_requests",),
         id="capacity-1e9",
+    ),
+    # SGLang < 0.5.8 with two DP replicas: each runs up to the whole argument, so the
+    # server twice it (the argument alone read as the server's halved its capacity);
+    # with DP attention the argument is the server's. The dp_size /server_info gives.
+    pytest.param(
+        DP2,
+        ARGUMENT_12,
+        {"max_running_requests": 24, "dp_ranks": 2, "running": 18},
+        (),
+        id="before-0.5.8-two-replicas",
+    ),
+    pytest.param(
+        DP2,
+        ARGUMENT_24_SHARED,
+        {"max_running_requests": 24, "dp_ranks": 2, "running": 18},
+        (),
+        id="before-0.5.8-dp-attention",
+    ),
+    pytest.param(
+        DP2,
+        {**ARGUMENT_12, "dp_size": 4},
+        {"max_running_requests": 48},
+        (),
+        id="before-0.5.8-dp-size-over-the-page",
+    ),
+    pytest.param(
+        DP2,
+        {k: v for k, v in ARGUMENT_12.items() if k != "dp_size"},
+        {"max_running_requests": 24},  # no dp_size: the replicas the page shows
+        (),
+        id="before-0.5.8-replicas-from-the-page",
+    ),
+    pytest.param(
+        DP2,
+        {**ARGUMENT_12, "dp_size": 10**6},
+        {"max_running_requests": None},
+        ("max_running_requests",),
+        id="before-0.5.8-a-million-replicas",
     ),
     # The page's own gauge stands: only /server_info's lie is counted.
     pytest.param(
@@ -304,8 +347,6 @@ def dp2(running: tuple[int, int]) -> str:
 
 PER_DP_13 = {"internal_states": [{"effective_max_running_requests_per_dp": 13}]}
 PER_DP_12_12 = {"internal_states": [{"effective_max_running_requests_per_dp": 12}] * 2}
-# SGLang < 0.5.8: the argument only, each replica's without DP attention.
-ARGUMENT_12 = {**DP2_INFO, "max_running_requests": 12, "internal_states": [{}, {}]}
 
 # (page, /server_info, None when an observation, else what the error says)
 CAPACITY: list[Any] = [
@@ -335,6 +376,14 @@ CAPACITY: list[Any] = [
         ARGUMENT_12,
         "sglang:num_running_reqs 25 is more than the 24 requests",
         id="dp2-past-the-argument-per-replica",
+    ),
+    pytest.param(dp2((12, 12)), ARGUMENT_24_SHARED, None, id="dp2-argument-shared"),
+    # Counted once per rank, DP attention's 24 let 48 run.
+    pytest.param(
+        dp2((13, 12)),
+        ARGUMENT_24_SHARED,
+        "sglang:num_running_reqs 25 is more than the 24 requests",
+        id="dp2-past-the-argument-shared",
     ),
     # Capacity unknown, or itself impossible: no bound to hold the load to.
     pytest.param(

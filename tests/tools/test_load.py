@@ -580,6 +580,9 @@ def test_run_profile_measures_each_phase(server: FakeServer) -> None:
     [
         ({"url": "ftp://127.0.0.1:1", "concurrency": 1}, "http://HOST:PORT"),
         ({"url": "not a url", "concurrency": 1}, "URL"),
+        # As observe and recommend: the generator adds /v1/... itself (it dropped /v1).
+        ({"url": "http://127.0.0.1:1/v1", "concurrency": 1}, "wants http://127.0.0.1:1 "),
+        ({"url": "http://127.0.0.1:1/v1/completions", "concurrency": 1}, "root URL"),
         ({"url": "http://127.0.0.1:1", "concurrency": 0}, "concurrency"),
         ({"url": "http://127.0.0.1:1", "concurrency": 1, "endpoint": "embed"}, "endpoint"),
         ({"url": "http://127.0.0.1:1", "concurrency": 1, "max_tokens": 0}, "max tokens"),
@@ -634,7 +637,7 @@ def test_cli_json_summary(server: FakeServer, endpoint: str) -> None:
         specd(
             "load",
             "--url",
-            server.url + "/v1/",
+            server.url + "/",
             "--concurrency",
             "2",
             "--duration",

@@ -950,6 +950,38 @@ def test_the_json_says_what_each_restart_took_and_rounds_the_gap_once() -> None:
     assert data["adaptive"]["restart_s"] == 160
 
 
+@pytest.mark.parametrize(
+    ("kinds", "said"),
+    [
+        # Static restarts take --restart-s each.
+        (("static",), "(100 s each)"),
+        # An adaptive start takes 20 s more per drafting candidate beyond the first: the
+        # human line said "(100 s each)" of them too.
+        (("off", "static", "adaptive"), "(240 s in all, 100 to 140 s each)"),
+    ],
+)
+def test_the_human_line_says_how_long_the_scored_restarts_took(
+    kinds: tuple[str, ...], said: str
+) -> None:
+    data = kinds_replay(minute_trace(2, mixed), kinds)
+    # The restarts scored (after the warm-up day), with what the JSON says each took.
+    scored = [
+        took
+        for (at, _), took in zip(
+            data["setting_timeline"][1:], data["change_restart_s"], strict=True
+        )
+        if at >= data["scored_from_s"]
+    ]
+    assert len(scored) == data["restarts"] == 2
+    head = human_lines({"policy": "model", **data}, DEFAULT_START)[0]
+    assert head.endswith(f"{data['restart_lost_tokens']:,} tokens lost restarting {said}"), head
+    assert said == (
+        f"({scored[0]:g} s each)"
+        if len(set(scored)) == 1
+        else f"({sum(scored):g} s in all, {min(scored):g} to {max(scored):g} s each)"
+    )
+
+
 def test_under_heavy_load_specd_turns_speculation_off_where_the_truth_says_it_pays() -> None:
     trace = minute_trace(3, heavy)
     data = kinds_replay(trace, ("off", "static", "adaptive"))

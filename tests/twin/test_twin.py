@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -193,6 +194,12 @@ def _long_field(tmp: Path) -> Path:
     return path
 
 
+def _bom_table(tmp: Path) -> Path:
+    path = tmp / "excel.csv"  # Excel's "CSV UTF-8" starts with a byte order mark
+    path.write_bytes(b"\xef\xbb\xbfsteps,concurrency,output_tok_s\n1,1,100\n")
+    return path
+
+
 def _deep_json(tmp: Path) -> Path:
     path = tmp / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
@@ -212,6 +219,11 @@ def _bad_json(tmp: Path) -> Path:
         (["--table"], lambda tmp: Path("/dev/zero"), "{path}: is not a regular file (a character"),
         (["--table"], _sparse_300_mb, "{path}: is 300 MiB, larger than the 4 MiB allowed"),
         (["--table"], _long_field, "{path}:2: not a CSV row (field larger than field limit"),
+        (
+            ["--table"],
+            _bom_table,
+            "{path}: starts with a UTF-8 byte order mark (BOM); save the file as UTF-8 without BOM",
+        ),
         (
             [*ADAPTIVE, "--speculative-adaptive-config"],
             _fifo,
@@ -256,6 +268,7 @@ def _bad_json(tmp: Path) -> Path:
         "table-device",
         "table-300MB",
         "table-long-field",
+        "table-bom",
         "adaptive-fifo",
         "adaptive-device",
         "adaptive-300MB",
@@ -555,33 +568,75 @@ def test_server_info_accept_length_only_with_speculation(argv: list[str], has_ac
 LOAD = [sys.executable, "-m", "specd.cli", "load", "--max-tokens", "100000"]
 
 
-def test_dp_ranks_never_run_more_than_the_capacity_they_report() -> None:
-    # SGLang divides --max-running-requests among its DP ranks and /server_info reports
-    # each rank's share; specd refuses a page with more running than their sum. The twin
-    # admitted up to the server-wide 13 while reporting 6 + 6, so under load specd's
-    # reader failed every scrape of it.
-    args = [*SPEC4, "--enable-metrics", "--dp-size", "2", "--max-running-requests", "13", *FAST]
-    with TwinProcess(args) as twin:
+# Each DP rank's scheduler gets max_running_requests // dp_size with DP attention (the ranks
+# share one model) and the whole argument without it (each replica is a server of its own);
+# memory (the table's 13 at 4 steps, the server's) is split among the ranks either way. So
+# SGLang sizes it in every version (0.5.4's tp_worker, 0.5.8-0.5.11's model_runner, 0.5.23's
+# kv_cache_configurator), and /server_info (0.5.8+) and /v1/loads report each rank's limit.
+# The twin divided the argument among plain DP replicas too; specd read SGLang < 0.5.8's
+# argument as the server's capacity, one replica's without DP attention.
+# (version, flags, each rank's limit, /server_info's dp_size and attn_dp_size)
+DP_CAPACITY: list[Any] = [
+    pytest.param("0.5.23", ["--max-running-requests", "4"], [4, 4], (2, 1), id="0.5.23-replicas"),
+    pytest.param(
+        "0.5.23",
+        ["--max-running-requests", "4", "--enable-dp-attention"],
+        [2, 2],
+        (1, 2),  # --dp-size 2 --enable-dp-attention resolves into --attn-dp-size 2
+        id="0.5.23-dp-attention",
+    ),
+    pytest.param("0.5.23", [], [6, 6], (2, 1), id="0.5.23-replicas-memory-bound"),
+    pytest.param(
+        "0.5.11", ["--max-running-requests", "4"], [4, 4], (2, None), id="0.5.11-replicas"
+    ),
+    pytest.param("0.5.4", ["--max-running-requests", "4"], [4, 4], (2, None), id="0.5.4-replicas"),
+    pytest.param(
+        "0.5.4",
+        ["--max-running-requests", "4", "--enable-dp-attention"],
+        [2, 2],
+        (2, None),
+        id="0.5.4-dp-attention",
+    ),
+]
+
+
+@pytest.mark.parametrize(("version", "flags", "shares", "sizes"), DP_CAPACITY)
+def test_dp_ranks_run_what_sglang_gives_them_and_specd_reads_it(
+    version: str, flags: list[str], shares: list[int], sizes: tuple[int, int | None]
+) -> None:
+    args = [*SPEC4, "--enable-metrics", "--dp-size", "2", "--sglang-version", version, *flags]
+    with TwinProcess([*args, *FAST]) as twin:
         twin.wait_healthy(20)
+        info = httpx.get(twin.url + "/get_server_info", timeout=10).json()
+        assert (info["dp_size"], info.get("attn_dp_size")) == sizes
+        assert info["enable_dp_attention"] is ("--enable-dp-attention" in flags)
+        states = info["internal_states"]
+        assert len(states) == 2
+        if version == "0.5.4":  # before 0.5.8: the argument only
+            assert not any("effective_max_running_requests_per_dp" in st for st in states)
+        else:
+            assert [st["effective_max_running_requests_per_dp"] for st in states] == shares
+            loads = httpx.get(twin.url + "/v1/loads", timeout=10).json()["loads"]
+            assert [ld["max_running_requests"] for ld in loads] == shares
         load = subprocess.Popen(
             [*LOAD, "--url", twin.url, "--concurrency", "20", "--duration-s", "6"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         try:
-            info = httpx.get(twin.url + "/server_info", timeout=10).json()
-            shares = [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]]
-            assert shares == [6, 6]
             client = SGLangClient(twin.url, timeout_s=5.0)
             seen: list[int] = []
+            capacities: set[int | None] = set()
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and (not seen or max(seen) < sum(shares)):
                 result = client.observe()
                 assert isinstance(result, Observation), result
                 seen.append(result.running)
+                capacities.add(result.max_running_requests)
                 time.sleep(0.25)
             client.close()
         finally:
             load.terminate()
             load.wait(10)
     assert max(seen) == sum(shares), seen  # full, and never past it
+    assert capacities == {sum(shares)}  # what specd learns the server holds
