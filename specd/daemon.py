@@ -311,11 +311,11 @@ class Daemon:
 
     def _now(self) -> float:
         """The wall clock, for what is recorded and decided. When it was stepped since the
-        last read, what specd recorded (restarts, recommendations, explorations) moves with
-        it: each happened as long ago as it did, so dwell, the restart budget and the
-        stabilization window count real time, and a day's step forward is no new budget.
-        A time still ahead of the clock (stepped back while specd was stopped) is taken as
-        now: it cannot have happened later than now."""
+        last read, every time specd keeps moves with it (`_shift_records`): each thing
+        happened as long ago as it did, so dwell, the restart budget, the stabilization
+        window, the avoid list and the outcome check count real time, and a day's step
+        forward is no new budget. A time still ahead of the clock (stepped back while specd
+        was stopped) is taken as now: it cannot have happened later than now."""
         now = self.clock()
         if self.monotonic is not None:
             mono = self.monotonic()
@@ -335,9 +335,25 @@ class Daemon:
 
     def _shift_records(self, seconds: float) -> None:
         self._retime_records(lambda t: t + seconds)
-        frozen = self.state.frozen
+        state = self.state
+        frozen = state.frozen
         if frozen is not None and isinstance(frozen.get("since"), (int, float)):
             frozen["since"] = float(frozen["since"]) + seconds
+        snap = state.verifying
+        if snap is not None and snap.until is not None:
+            # The check ends as long after the change as it did.
+            state.verifying = replace(snap, until=snap.until + seconds)
+        # The snapshot's cells are subtracted from the history's, decayed to one time: both
+        # move, or the step would decay one and not the other.
+        state.history.shift(seconds)
+        if state.sglang_started_at is not None:
+            state.sglang_started_at += seconds
+        for part in (state.gateway or {}).values():  # a drain kept for `specd status`
+            if isinstance(part, dict) and isinstance(part.get("t"), (int, float)):
+                part["t"] = float(part["t"]) + seconds
+        if self._outage is not None:
+            self._outage.since += seconds
+            self._outage.logged_at += seconds
 
     def _clamp_records(self, now: float) -> None:
         state = self.state
@@ -345,6 +361,8 @@ class Daemon:
             *(float(r["t"]) for r in state.restarts),
             *(float(t) for t, _ in state.recommendations),
             *(float(t) for t, _ in state.explorations),
+            *(a.t for a in state.avoided),
+            *([state.verifying.t] if state.verifying is not None else []),
         ]
         ahead = max(times, default=now) - now
         if ahead <= 0:
@@ -355,12 +373,16 @@ class Daemon:
         self._retime_records(lambda t: min(t, now))
 
     def _retime_records(self, retime: Callable[[float], float]) -> None:
-        """Each time of what dwell, the budget and stabilization count from, ``retime``d."""
+        """Each time of what dwell, the budget, stabilization, the avoid list and the
+        outcome check count from, ``retime``d."""
         state = self.state
         for restart in state.restarts:
             restart["t"] = retime(float(restart["t"]))
         state.recommendations = [[retime(float(t)), k] for t, k in state.recommendations]
         state.explorations = [[retime(float(t)), k] for t, k in state.explorations]
+        state.avoided = [replace(a, t=retime(a.t)) for a in state.avoided]
+        if state.verifying is not None:
+            state.verifying = replace(state.verifying, t=retime(state.verifying.t))
 
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
