@@ -233,6 +233,9 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        # When SGLang was last seen: a scrape that answered, or the end of a restart sequence
+        # (the applier watches it meanwhile); at start, the history's last observation.
+        self._seen_at: float | None = self.state.history.last_t
         self._outage: ScrapeOutage | None = None  # scrapes failing since, what was logged
         self._rejected_logged: set[str] = set()
         self._calibration_problem: str | None = None  # the one last logged
@@ -354,6 +357,8 @@ class Daemon:
         if self._outage is not None:
             self._outage.since += seconds
             self._outage.logged_at += seconds
+        if self._seen_at is not None:
+            self._seen_at += seconds
 
     def _clamp_records(self, now: float) -> None:
         state = self.state
@@ -594,6 +599,8 @@ class Daemon:
         self._heartbeat()
         self._check_unfreeze_request(now)
         result = self._observe(now)
+        if isinstance(result, Observation):
+            self._seen_again(now)
         override = self._refresh_override(now)
         calibration, calibration_problem = self.calibration.current()
         self._report_calibration(calibration, calibration_problem)
@@ -688,6 +695,20 @@ class Daemon:
             self.state.sglang_started_at = now
         self.last_obs = result
         return result
+
+    def _seen_again(self, now: float) -> None:
+        """SGLang answered at ``now``. After a longer gap than `stale_after_s` (and two
+        scrape intervals) without seeing it (scrapes failing, specd stopped), what was
+        recommended before the gap is no evidence that it held through it: the
+        stabilization window starts over, instead of counting the gap as holding."""
+        seen, self._seen_at = self._seen_at, now
+        observe = self.config.observe
+        gap = now - seen if seen is not None else 0.0
+        if gap <= max(observe.stale_after_s, 2 * observe.scrape_interval_s):
+            return
+        if self.state.recommendations:
+            self.log.info("stabilization_restarted", unobserved_s=round(gap, 1))
+            self.state.recommendations = []
 
     def _report_scrape_failure(self, error: ScrapeError, now: float) -> None:
         """Counted every scrape (metrics); logged at the first failure, at a failure of a new
@@ -990,6 +1011,7 @@ class Daemon:
         self._record_outcome(applied, self._now())
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:
+        self._seen_at = now  # the sequence watched SGLang: no gap in what specd saw
         log = self.log.bind(
             result=outcome.result,
             from_steps=outcome.from_steps,

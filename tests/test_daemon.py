@@ -1084,6 +1084,69 @@ def test_every_time_specd_keeps_moves_with_a_stepped_wall_clock(
 
 
 @pytest.mark.parametrize(
+    ("down_s", "stopped", "waited"),
+    [
+        pytest.param(7200, False, 1800, id="SGLang unobservable 2 h: the 30 min start over"),
+        pytest.param(7200, True, 1800, id="specd stopped 2 h: the 30 min start over"),
+        pytest.param(120, False, 1800 - 300 - 180, id="two scrapes failed: held across them"),
+    ],
+)
+def test_a_recommendation_holds_only_while_sglang_is_observed(
+    tmp_path: Path, down_s: float, stopped: bool, waited: float
+) -> None:
+    """SGLang runs 3, the bands want 4, and a change needs 30 min of wanting it. After 5 min
+    of it SGLang cannot be scraped for 2 h (or specd is stopped): the gap counted as 2 h of
+    holding, and specd restarted SGLang at the first scrape after it, on the 5 min of
+    evidence from before. A gap of at most stale_after_s (3 min) is bridged."""
+    cfg = config(
+        tmp_path,
+        windows=ALL_DAY,
+        stabilization_window_s=1800,
+        scrape_interval_s=60,
+        stale_after_s=180,
+    )
+    wall, mono = [IN_WINDOW], [1000.0]
+    live = LiveReader(wall, steps=3, offered=1)
+    down = Reader([ScrapeError("refused", "connection refused", IN_WINDOW)])
+
+    def start() -> Daemon:
+        d = stepping(cfg, live, wall, mono)
+        if d.state.history.last_t is None:  # what a restarted specd learned is its file's
+            d.state.history = busy(cfg, wall[0], offered=1)
+        return d
+
+    def later(seconds: float) -> None:
+        wall[0] += seconds
+        mono[0] += seconds
+
+    d = start()
+    for _ in range(6):  # 0 to 5 min of wanting 4
+        assert d.tick().reason is Reason.STABILIZING
+        later(60)
+    later(-60)
+    if stopped:
+        d._save_state(force=True)
+        later(down_s + 60)
+        mono[0] = 50.0
+        d = start()
+    else:
+        d.client = down
+        for _ in range(int(down_s // 60)):
+            later(60)
+            assert d.tick().reason is Reason.NO_DATA
+        d.client = live
+        later(60)
+    back = wall[0]
+    with capture_logs() as logged:
+        while (decision := d.tick()).reason is Reason.STABILIZING:
+            later(60)
+    assert decision.reason is Reason.CHANGE, decision.message
+    assert wall[0] - back == waited
+    said = [e["unobserved_s"] for e in logged if e["event"] == "stabilization_restarted"]
+    assert said == ([down_s + 60] if down_s > 180 else [])
+
+
+@pytest.mark.parametrize(
     ("override", "in_force"),
     [
         ({"mode": "freeze"}, Reason.FROZEN),
