@@ -453,7 +453,8 @@ class Daemon:
         self.notifier.reloading()
         self.metrics.config_reload_time.set(self.clock())
         try:
-            new = load_config(self.config_path)
+            # Read once it stopped changing: a file caught mid-write may still be TOML.
+            new = load_config(self.config_path, settle=self.stop_event.wait)
             parts = self._build_for(new)
         except ConfigError as exc:
             problems = exc.problems
