@@ -233,6 +233,9 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        # When SGLang was last seen: a scrape that answered, or the end of a restart sequence
+        # (the applier watches it meanwhile); at start, the history's last observation.
+        self._seen_at: float | None = self.state.history.last_t
         self._outage: ScrapeOutage | None = None  # scrapes failing since, what was logged
         self._rejected_logged: set[str] = set()
         self._calibration_problem: str | None = None  # the one last logged
@@ -311,11 +314,11 @@ class Daemon:
 
     def _now(self) -> float:
         """The wall clock, for what is recorded and decided. When it was stepped since the
-        last read, what specd recorded (restarts, recommendations, explorations) moves with
-        it: each happened as long ago as it did, so dwell, the restart budget and the
-        stabilization window count real time, and a day's step forward is no new budget.
-        A time still ahead of the clock (stepped back while specd was stopped) is taken as
-        now: it cannot have happened later than now."""
+        last read, every time specd keeps moves with it (`_shift_records`): each thing
+        happened as long ago as it did, so dwell, the restart budget, the stabilization
+        window, the avoid list and the outcome check count real time, and a day's step
+        forward is no new budget. A time still ahead of the clock (stepped back while specd
+        was stopped) is taken as now: it cannot have happened later than now."""
         now = self.clock()
         if self.monotonic is not None:
             mono = self.monotonic()
@@ -335,9 +338,27 @@ class Daemon:
 
     def _shift_records(self, seconds: float) -> None:
         self._retime_records(lambda t: t + seconds)
-        frozen = self.state.frozen
+        state = self.state
+        frozen = state.frozen
         if frozen is not None and isinstance(frozen.get("since"), (int, float)):
             frozen["since"] = float(frozen["since"]) + seconds
+        snap = state.verifying
+        if snap is not None and snap.until is not None:
+            # The check ends as long after the change as it did.
+            state.verifying = replace(snap, until=snap.until + seconds)
+        # The snapshot's cells are subtracted from the history's, decayed to one time: both
+        # move, or the step would decay one and not the other.
+        state.history.shift(seconds)
+        if state.sglang_started_at is not None:
+            state.sglang_started_at += seconds
+        for part in (state.gateway or {}).values():  # a drain kept for `specd status`
+            if isinstance(part, dict) and isinstance(part.get("t"), (int, float)):
+                part["t"] = float(part["t"]) + seconds
+        if self._outage is not None:
+            self._outage.since += seconds
+            self._outage.logged_at += seconds
+        if self._seen_at is not None:
+            self._seen_at += seconds
 
     def _clamp_records(self, now: float) -> None:
         state = self.state
@@ -345,6 +366,8 @@ class Daemon:
             *(float(r["t"]) for r in state.restarts),
             *(float(t) for t, _ in state.recommendations),
             *(float(t) for t, _ in state.explorations),
+            *(a.t for a in state.avoided),
+            *([state.verifying.t] if state.verifying is not None else []),
         ]
         ahead = max(times, default=now) - now
         if ahead <= 0:
@@ -355,12 +378,16 @@ class Daemon:
         self._retime_records(lambda t: min(t, now))
 
     def _retime_records(self, retime: Callable[[float], float]) -> None:
-        """Each time of what dwell, the budget and stabilization count from, ``retime``d."""
+        """Each time of what dwell, the budget, stabilization, the avoid list and the
+        outcome check count from, ``retime``d."""
         state = self.state
         for restart in state.restarts:
             restart["t"] = retime(float(restart["t"]))
         state.recommendations = [[retime(float(t)), k] for t, k in state.recommendations]
         state.explorations = [[retime(float(t)), k] for t, k in state.explorations]
+        state.avoided = [replace(a, t=retime(a.t)) for a in state.avoided]
+        if state.verifying is not None:
+            state.verifying = replace(state.verifying, t=retime(state.verifying.t))
 
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
@@ -426,7 +453,8 @@ class Daemon:
         self.notifier.reloading()
         self.metrics.config_reload_time.set(self.clock())
         try:
-            new = load_config(self.config_path)
+            # Read once it stopped changing: a file caught mid-write may still be TOML.
+            new = load_config(self.config_path, settle=self.stop_event.wait)
             parts = self._build_for(new)
         except ConfigError as exc:
             problems = exc.problems
@@ -572,6 +600,8 @@ class Daemon:
         self._heartbeat()
         self._check_unfreeze_request(now)
         result = self._observe(now)
+        if isinstance(result, Observation):
+            self._seen_again(now)
         override = self._refresh_override(now)
         calibration, calibration_problem = self.calibration.current()
         self._report_calibration(calibration, calibration_problem)
@@ -666,6 +696,20 @@ class Daemon:
             self.state.sglang_started_at = now
         self.last_obs = result
         return result
+
+    def _seen_again(self, now: float) -> None:
+        """SGLang answered at ``now``. After a longer gap than `stale_after_s` (and two
+        scrape intervals) without seeing it (scrapes failing, specd stopped), what was
+        recommended before the gap is no evidence that it held through it: the
+        stabilization window starts over, instead of counting the gap as holding."""
+        seen, self._seen_at = self._seen_at, now
+        observe = self.config.observe
+        gap = now - seen if seen is not None else 0.0
+        if gap <= max(observe.stale_after_s, 2 * observe.scrape_interval_s):
+            return
+        if self.state.recommendations:
+            self.log.info("stabilization_restarted", unobserved_s=round(gap, 1))
+            self.state.recommendations = []
 
     def _report_scrape_failure(self, error: ScrapeError, now: float) -> None:
         """Counted every scrape (metrics); logged at the first failure, at a failure of a new
@@ -968,6 +1012,7 @@ class Daemon:
         self._record_outcome(applied, self._now())
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:
+        self._seen_at = now  # the sequence watched SGLang: no gap in what specd saw
         log = self.log.bind(
             result=outcome.result,
             from_steps=outcome.from_steps,

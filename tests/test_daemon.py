@@ -909,6 +909,243 @@ def test_a_stepped_wall_clock_leaves_dwell_budget_and_stabilization_in_real_time
         assert [(e["event"], e["step_s"]) for e in said] == [("clock_stepped", step)]
 
 
+def stepping(cfg: Config, reader: Reader, wall: list[float], mono: list[float]) -> Daemon:
+    """A daemon on a wall clock the test steps and a boot clock that only moves forward."""
+    return Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: wall[0],
+        monotonic=lambda: mono[0],
+        notifier=Notifier({}),
+        reader=reader,
+        applier=Applier(),
+    )
+
+
+# 4 served 5 % less than 3 at one request; specd went back to 3.
+AVOIDED_4 = outcome.Avoided(steps=4, t=0.0, mix=((1, 1.0),), shortfall_ratio=0.05, from_steps=3)
+# A window open all day, every day: only the avoid list stands between 3 and 4.
+ALL_DAY = [{"cron": "0 3 * * *", "duration_s": 86400, "timezone": "UTC"}]
+
+
+@pytest.mark.parametrize(
+    ("avoided_ago", "step", "stopped", "after", "expected"),
+    [
+        pytest.param(
+            3600,
+            86400,
+            False,
+            60,
+            Reason.WITHIN_TOLERANCE,
+            id="forward a day an hour after going back from 4: 4 stays avoided its 3 h",
+        ),
+        pytest.param(
+            0,
+            -43200,
+            True,
+            3 * 3600 + 60,
+            Reason.CHANGE,
+            id="back 12 h while specd was stopped: 4 is avoided 3 h from the start, no more",
+        ),
+    ],
+)
+def test_a_stepped_wall_clock_leaves_the_avoid_list_in_real_time(
+    tmp_path: Path,
+    avoided_ago: float,
+    step: float,
+    stopped: bool,
+    after: float,
+    expected: Reason,
+) -> None:
+    """SGLang runs 3, the bands want 4 at one request, but 4 regressed: it is avoided for
+    `regression_avoid_s` (3 h). The avoid list kept its wall-clock time through a step: a
+    day forward expired it at once and specd changed back to the setting it had found
+    worse; an entry stamped 12 h ahead (stepped back while stopped) held 15 h."""
+    cfg = config(tmp_path, windows=ALL_DAY, regression_avoid_s=3 * 3600)
+    wall, mono = [IN_WINDOW], [1000.0]
+    reader = LiveReader(wall, steps=3, offered=1)
+
+    def start() -> Daemon:
+        d = stepping(cfg, reader, wall, mono)
+        d.state.history = busy(cfg, wall[0], offered=1)
+        return d
+
+    d = start()
+    d.state.avoided = [replace(AVOIDED_4, t=wall[0] - avoided_ago)]
+    assert d.tick().reason is Reason.WITHIN_TOLERANCE
+    d._save_state(force=True)
+    wall[0] += step
+    if stopped:
+        mono[0] = 50.0  # a new process: its own boot clock reading
+        d = start()
+        d.tick()
+    wall[0] += after
+    mono[0] += after
+    decision = d.tick()
+    assert decision.reason is expected, decision.message
+
+
+def test_a_clock_step_mid_verification_still_finds_the_regression_and_goes_back(
+    tmp_path: Path,
+) -> None:
+    """specd changed 3 → 4 yesterday; 4 served 5 % less. The wall clock is stepped a day
+    forward before the next scrape: the outcome check lapsed at once (its end stayed on the
+    old clock) and specd kept the regressed 4. Moved with the history it is subtracted
+    from, it finds the regression and goes back."""
+    cfg = config(tmp_path, scrape_interval_s=60)
+    d, applier, _, clock = regressed(cfg, None)
+    last = d.client.observe()
+    assert isinstance(last, Observation)
+    mono = [1000.0]
+    d.monotonic = lambda: mono[0]
+    clock[0] = last.t + 30
+    after = replace(
+        last,
+        t=last.t + 60 + 86400,
+        decode_tokens_total=(last.decode_tokens_total or 0) + 950.0 * 60,
+        generation_tokens_total=(last.generation_tokens_total or 0) + 950.0 * 60,
+    )
+    d.client = Reader([ScrapeError("timeout", "no answer", clock[0]), after])
+    assert d.tick().reason is Reason.NO_DATA  # the scrape fails: nothing decided yet
+    clock[0], mono[0] = after.t, mono[0] + 30
+    decision = d.tick()
+    assert decision.reason is Reason.REGRESSION, decision.message
+    assert applier.calls == [("3", "4")]
+
+
+@pytest.mark.parametrize(
+    ("step", "stopped"),
+    [
+        pytest.param(86400.0, False, id="forward a day"),
+        pytest.param(-86400.0, False, id="back a day"),
+        pytest.param(-43200.0, True, id="back 12 h while specd was stopped"),
+    ],
+)
+def test_every_time_specd_keeps_moves_with_a_stepped_wall_clock(
+    tmp_path: Path, step: float, stopped: bool
+) -> None:
+    """What specd counts from (a restart, the avoid list, the outcome check and its end, the
+    history, SGLang's start, a freeze, a drain, an outage) stays as long ago as it was;
+    stepped back while specd was stopped, a time ahead of the clock is taken as now."""
+    cfg = config(tmp_path)
+    t0 = IN_WINDOW
+    wall, mono = [t0], [1000.0]
+    reader = Reader([ScrapeError("refused", "connection refused", t0)])  # nothing new learned
+
+    def start() -> Daemon:
+        d = stepping(cfg, reader, wall, mono)
+        if not stopped or d.state.history.last_t is None:
+            d.state.history = busy(cfg, t0, offered=1)
+        return d
+
+    d = start()
+    state = d.state
+    state.history.mark_sglang_start(t0 - 600)
+    state.sglang_started_at = t0 - 600
+    state.restarts = [{"t": t0 - 600, "from_steps": 4, "to_steps": 3, "result": "success"}]
+    state.avoided = [replace(AVOIDED_4, t=t0 - 3600)]
+    state.verifying = outcome.ChangeSnapshot(t0 - 7200, 4, 3, until=t0 + 3600)
+    state.frozen = {"since": t0 - 300, "reason": "the on-call froze it"}
+    state.gateway = {"last_drain": {"t": t0 - 600, "result": "idle"}}
+    learned = state.history.last_t
+    d.tick()
+    d._save_state(force=True)
+    wall[0] += step + 5
+    mono[0] += 5
+    if stopped:
+        mono[0] = 50.0
+        d = start()
+    d.tick()
+    now, state = wall[0], d.state
+    assert state.verifying is not None
+    if stopped:
+        # Nothing can have happened after now; the check still ends when it did.
+        assert (state.avoided[0].t, state.verifying.t) == (now, now)
+        assert state.verifying.until == t0 + 3600
+        assert state.history.last_t == now
+        return
+    assert state.frozen is not None
+    assert state.gateway is not None
+    moved = {  # what: (now, before the step)
+        "restart": (state.restarts[0]["t"], t0 - 600),
+        "avoided": (state.avoided[0].t, t0 - 3600),
+        "change verified": (state.verifying.t, t0 - 7200),
+        "verified until": (state.verifying.until, t0 + 3600),
+        "history": (state.history.last_t, learned),
+        "history's SGLang start": (state.history.sglang_started_at, t0 - 600),
+        "SGLang start": (state.sglang_started_at, t0 - 600),
+        "frozen": (state.frozen["since"], t0 - 300),
+        "drain": (state.gateway["last_drain"]["t"], t0 - 600),
+        "scrapes failing": (d._outage.since if d._outage else None, t0),
+    }
+    assert {what: now - before for what, (now, before) in moved.items()} == dict.fromkeys(
+        moved, step
+    )
+
+
+@pytest.mark.parametrize(
+    ("down_s", "stopped", "waited"),
+    [
+        pytest.param(7200, False, 1800, id="SGLang unobservable 2 h: the 30 min start over"),
+        pytest.param(7200, True, 1800, id="specd stopped 2 h: the 30 min start over"),
+        pytest.param(120, False, 1800 - 300 - 180, id="two scrapes failed: held across them"),
+    ],
+)
+def test_a_recommendation_holds_only_while_sglang_is_observed(
+    tmp_path: Path, down_s: float, stopped: bool, waited: float
+) -> None:
+    """SGLang runs 3, the bands want 4, and a change needs 30 min of wanting it. After 5 min
+    of it SGLang cannot be scraped for 2 h (or specd is stopped): the gap counted as 2 h of
+    holding, and specd restarted SGLang at the first scrape after it, on the 5 min of
+    evidence from before. A gap of at most stale_after_s (3 min) is bridged."""
+    cfg = config(
+        tmp_path,
+        windows=ALL_DAY,
+        stabilization_window_s=1800,
+        scrape_interval_s=60,
+        stale_after_s=180,
+    )
+    wall, mono = [IN_WINDOW], [1000.0]
+    live = LiveReader(wall, steps=3, offered=1)
+    down = Reader([ScrapeError("refused", "connection refused", IN_WINDOW)])
+
+    def start() -> Daemon:
+        d = stepping(cfg, live, wall, mono)
+        if d.state.history.last_t is None:  # what a restarted specd learned is its file's
+            d.state.history = busy(cfg, wall[0], offered=1)
+        return d
+
+    def later(seconds: float) -> None:
+        wall[0] += seconds
+        mono[0] += seconds
+
+    d = start()
+    for _ in range(6):  # 0 to 5 min of wanting 4
+        assert d.tick().reason is Reason.STABILIZING
+        later(60)
+    later(-60)
+    if stopped:
+        d._save_state(force=True)
+        later(down_s + 60)
+        mono[0] = 50.0
+        d = start()
+    else:
+        d.client = down
+        for _ in range(int(down_s // 60)):
+            later(60)
+            assert d.tick().reason is Reason.NO_DATA
+        d.client = live
+        later(60)
+    back = wall[0]
+    with capture_logs() as logged:
+        while (decision := d.tick()).reason is Reason.STABILIZING:
+            later(60)
+    assert decision.reason is Reason.CHANGE, decision.message
+    assert wall[0] - back == waited
+    said = [e["unobserved_s"] for e in logged if e["event"] == "stabilization_restarted"]
+    assert said == ([down_s + 60] if down_s > 180 else [])
+
+
 @pytest.mark.parametrize(
     ("override", "in_force"),
     [

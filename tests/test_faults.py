@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -826,6 +827,10 @@ def healthy(url: str) -> bool:
 
 
 def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> None:
+    path.write_text(config_text(tmp_path, port, metrics_port, **extra))
+
+
+def config_text(tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> str:
     values: dict[str, Any] = {
         "url": f"http://127.0.0.1:{port}",
         "state_dir": str(tmp_path / "state"),
@@ -838,7 +843,9 @@ def write_config(path: Path, tmp_path: Path, port: int, metrics_port: int, **ext
         "log_format": "json",
         **extra,
     }
-    path.write_text(tomli_w.dumps(tables(**values)))
+    data = tables(**values)
+    # [sglang] last: the file cut short before it names no server (a default one is taken).
+    return tomli_w.dumps({key: data[key] for key in sorted(data, key=lambda key: key == "sglang")})
 
 
 def daemon_env(standin: StandIn, **extra: str) -> dict[str, str]:
@@ -1200,6 +1207,80 @@ def test_an_impossible_calibration_stops_the_start_and_is_refused_at_reload(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_reload_of_a_file_caught_mid_write_waits_for_it_and_applies_it_whole(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    """`cp new.toml specd.toml` caught by the SIGHUP at a line: the half written file is
+    still TOML, and specd applied it (here: no [sglang], so the default URL, another
+    server). It now reads the file until it stops changing."""
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
+    log = tmp_path / "specd.log"
+    proc = _serving_with_budget(config_path, standin, metrics_port, log, 4)
+    whole = config_text(tmp_path, standin.port, metrics_port, daily_restart_budget=3)
+    try:
+        config_path.write_text(whole[: whole.index("[sglang]")])
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.15)  # well inside the 0.5 s specd waits before it reads again
+        config_path.write_text(whole)
+        wait_for(lambda: events_named(log, "reloaded") or proc.poll() is not None, 10, "the reload")
+        assert proc.poll() is None, log.read_text()[-2000:]
+        (reloaded,) = events_named(log, "reloaded")
+        assert reloaded["changed"] == {"restart.daily_restart_budget": 3}
+        assert events_named(log, "reload_rejected") == []
+        assert metric(metrics_port, "specd_restart_budget_remaining") == 3
+        assert metric(metrics_port, "specd_sglang_up") == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_reload_of_a_file_written_all_along_keeps_the_running_config_in_one_line(
+    tmp_path: Path, specd_setup: tuple[StandIn, Path, int]
+) -> None:
+    """A file that never settles (rewritten every 50 ms: a tool in a loop, a slow copy) is
+    not read at some moment of it: the running config stays, said once."""
+    standin, config_path, metrics_port = specd_setup
+    write_config(config_path, tmp_path, standin.port, metrics_port, daily_restart_budget=4)
+    log = tmp_path / "specd.log"
+    proc = _serving_with_budget(config_path, standin, metrics_port, log, 4)
+    whole = config_text(tmp_path, standin.port, metrics_port, daily_restart_budget=3)
+    done = threading.Event()
+
+    def keep_writing() -> None:
+        n = 0
+        while not done.wait(0.05):
+            n += 1
+            config_path.write_text(f"{whole}# {n}\n")
+        config_path.write_text(whole)
+
+    writer = threading.Thread(target=keep_writing)
+    writer.start()
+    try:
+        _reload_rejected(proc, metrics_port, log)
+        done.set()
+        writer.join()
+        (rejected,) = events_named(log, "reload_rejected")
+        assert rejected["problem"].startswith("still changing after 10 reads 0.5 s apart")
+        assert metric(metrics_port, "specd_restart_budget_remaining") == 4  # old config
+        # Written out, the next reload takes it.
+        proc.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: metric(metrics_port, "specd_restart_budget_remaining") == 3, 10, "the reload"
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        done.set()
+        writer.join()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

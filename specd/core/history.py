@@ -153,6 +153,12 @@ class DecayingSums(Generic[K]):
                 cell[i] *= factor
         self.ref_t = t
 
+    def shift(self, seconds: float) -> None:
+        """Move the sums' time by ``seconds`` (the wall clock was stepped): each decays
+        from when it really was recorded."""
+        self.revision += 1
+        self.ref_t += seconds
+
     def scale_at(self, t: float) -> float:
         """Multiply a stored sum by this to get its decayed value at ``t``."""
         return _pow2(-(t - self.ref_t) / self.half_life_s)
@@ -474,6 +480,20 @@ class History:
         self.sglang_started_at = t
         self._counters = {}
         self._last_steps = None
+
+    def shift(self, seconds: float) -> None:
+        """Move every time in the history by ``seconds``: the wall clock was stepped (the
+        daemon tells it from its boot clock). What was learned stays as long ago as it was,
+        so a day's step forward does not decay it by a day, and one back does not make every
+        observation until the clock catches up out of order (none learned meanwhile)."""
+        if self.last_t is not None:
+            self.last_t += seconds
+        if self.sglang_started_at is not None:
+            self.sglang_started_at += seconds
+        tables = (self._offered, self._accept, self._throughput, *self._hourly, *self._day_kinds)
+        for table in tables:
+            if table is not None:
+                table.shift(seconds)
 
     def reconfigure(self, settings: HistorySettings) -> None:
         """Adopt new settings (config reload); what was learned is kept."""

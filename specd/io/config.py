@@ -22,7 +22,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,6 +74,10 @@ ENV_PREFIX = "SPECD_"
 ENV_NESTED_DELIMITER = "__"
 # A config file is a few KiB; refusing huge ones keeps a mistake from eating memory.
 MAX_CONFIG_BYTES = 1 << 20
+# A reload reads the file until two reads this far apart agree, at most this many times
+# (4.5 s): a write in progress (`cp`, an editor) has moved on by the next read.
+SETTLE_INTERVAL_S = 0.5
+SETTLE_READS = 10
 
 
 class ConfigError(Exception):
@@ -361,7 +365,7 @@ def _unknown_env() -> tuple[list[str], set[str]]:
 # -- the file -----------------------------------------------------------------------------
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path, settle: Callable[[float], bool] | None = None) -> dict[str, Any]:
     """The TOML file's contents; ConfigError (one line) if unreadable, empty or not TOML.
 
     A regular file only (a FIFO or device is refused at once), at most MAX_CONFIG_BYTES;
@@ -370,9 +374,23 @@ def read_config_file(path: Path) -> dict[str, Any]:
     An empty file (or one of whitespace only) is refused although TOML reads it as no keys:
     it is what a reload sees in the middle of a `cp new.toml specd.toml` (truncated, not yet
     written), and taken as all defaults it would point the running daemon at another SGLang
-    URL, unit and windows. A file of comments only is all defaults, as written."""
+    URL, unit and windows. A file of comments only is all defaults, as written.
+
+    With ``settle`` (a reload's interruptible wait: True to give up), the file is read until
+    it stays the same for SETTLE_INTERVAL_S (`files.read_settled`): cut short at a line,
+    the half written file is still TOML, and read once it was applied."""
     try:
-        raw = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
+        if settle is None:
+            raw = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
+        else:
+            raw = files.read_settled(
+                path,
+                MAX_CONFIG_BYTES,
+                pause=settle,
+                interval_s=SETTLE_INTERVAL_S,
+                reads=SETTLE_READS,
+                follow_symlinks=True,
+            )
     except files.FileReadError as exc:
         raise ConfigError([exc.problem], path) from None
     if raw.startswith(files.UTF8_BOM):
@@ -437,18 +455,21 @@ def check_calibration(settings: Settings) -> list[str]:
     return problems
 
 
-def load_config(path: str | Path | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, *, settle: Callable[[float], bool] | None = None
+) -> Config:
     """Load the config file (default /etc/specd/specd.toml), environment over file.
 
     A missing *default* file means built-in defaults (plus environment); a missing file that
-    was named explicitly is an error.
+    was named explicitly is an error. ``settle``: read the file once it stopped changing
+    (`read_config_file`), as a reload does.
     """
     config_path: Path | None = DEFAULT_CONFIG_PATH if path is None else Path(path)
     data: dict[str, Any] = {}
     if path is None and not DEFAULT_CONFIG_PATH.exists():
         config_path = None
     elif config_path is not None:
-        data = read_config_file(config_path)
+        data = read_config_file(config_path, settle)
     problems, data = _placement_problems(data)
     problems += _type_problems(data)
     env_problems, env_names = _unknown_env()

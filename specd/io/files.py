@@ -23,6 +23,7 @@ import os
 import secrets
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,45 @@ def read_regular_file_and_stat(
         raise FileReadError(path, f"cannot read: {exc.strerror or exc}", st) from None
     finally:
         os.close(fd)
+
+
+def read_settled(
+    path: str | Path,
+    max_bytes: int,
+    *,
+    pause: Callable[[float], bool],
+    interval_s: float,
+    reads: int,
+    follow_symlinks: bool = False,
+) -> bytes:
+    """``read_regular_file``, once two reads ``interval_s`` apart find the file the same:
+    its bytes, size, inode, modification and change times, or the same problem. A file
+    read in the middle of a write (an editor's, a `cp`'s: truncated at a line, it may
+    still parse) has changed by the next read. ``pause(seconds)`` waits between reads and
+    returns True to give up (specd is stopping). Raises what the settled read raised, or
+    ``FileReadError`` when the file still changed at the last of ``reads`` reads."""
+
+    def look() -> tuple[bytes | FileReadError, object]:
+        try:
+            data, st = read_regular_file_and_stat(path, max_bytes, follow_symlinks=follow_symlinks)
+        except FileReadError as exc:
+            return exc, (type(exc), exc.problem)
+        return data, (data, st.st_size, st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns)
+
+    _, seen = look()
+    for _ in range(reads - 1):
+        if pause(interval_s):
+            raise FileReadError(path, "not read: specd is stopping")
+        result, now = look()
+        if now == seen:
+            if isinstance(result, FileReadError):
+                raise result
+            return result
+        seen = now
+    raise FileReadError(
+        path,
+        f"still changing after {reads} reads {interval_s:g} s apart (a write in progress?)",
+    )
 
 
 def read_text_file(path: str | Path, max_bytes: int, *, follow_symlinks: bool = False) -> str:

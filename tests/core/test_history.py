@@ -456,6 +456,47 @@ def test_round_trip_through_json_keeps_every_query() -> None:
     assert back.busy_seconds == pytest.approx(history.busy_seconds)
 
 
+@pytest.mark.parametrize("step", [86400.0, -86400.0, -600.0])
+def test_a_history_moved_with_a_stepped_clock_learns_on_as_one_on_a_steady_clock(
+    step: float,
+) -> None:
+    """The daemon moves the history when the wall clock is stepped (`History.shift`). Left
+    where it was, a day forward decayed everything learned by a day at once, and a day back
+    refused every observation as out of order until the clock caught up."""
+    settings = HistorySettings(half_life_s=3600, warmup_exclude_s=10, scrape_interval_s=5)
+    steady, stepped = History(settings), History(settings)
+
+    def seen(i: int, t: float) -> Observation:
+        return obs(
+            t,
+            running=i % 7,
+            steps=4 if i < 100 else 3,
+            accept_length=2.5,
+            decode_tokens_total=100.0 * i,
+            generation_tokens_total=90.0 * i,
+        )
+
+    for i in range(200):
+        assert stepped.record(seen(i, T0 + 5 * i)) is steady.record(seen(i, T0 + 5 * i))
+    stepped.mark_sglang_start(T0 + 900)
+    steady.mark_sglang_start(T0 + 900)
+    stepped.shift(step)
+    for i in range(200, 400):
+        t = T0 + 5 * i
+        assert stepped.record(seen(i, t + step)) is steady.record(seen(i, t))
+    assert steady.last_t is not None
+    assert stepped.last_t == steady.last_t + step
+    assert stepped.sglang_started_at == T0 + 900 + step
+    assert stepped.busy_seconds == pytest.approx(steady.busy_seconds)
+    assert stepped.offered_weights() == pytest.approx(steady.offered_weights())
+    for k in (3, 4):
+        assert stepped.accept_length(k) == pytest.approx(steady.accept_length(k))
+    table = stepped.throughput_table()
+    assert table.keys() == steady.throughput_table().keys()
+    for key, (mean, weight) in steady.throughput_table().items():
+        assert table[key] == pytest.approx((mean, weight))
+
+
 def test_settings_from_the_config_win_over_stored_ones() -> None:
     history = History(NO_DECAY)
     feed(history, [1, 2, 3])

@@ -177,6 +177,91 @@ def test_text_must_be_utf8(tmp_path: Path) -> None:
     assert files.read_text_file(path, CAP) == "é"
 
 
+# -- a file read while it is written ------------------------------------------------------
+
+FULL = b'[sglang]\nurl = "http://10.0.0.2:30000"\n[restart]\ndaily_restart_budget = 3\n'
+HALF = FULL[: FULL.index(b"[restart]")]  # cut at a line: still TOML
+
+
+def put(data: bytes) -> Callable[[Path], None]:
+    return lambda path: path.write_bytes(data)
+
+
+def rewritten_alike(path: Path) -> None:
+    # The same bytes written again a second later: still a write in progress.
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def renamed_alike(path: Path) -> None:
+    new = path.with_name("new")
+    new.write_bytes(path.read_bytes())
+    os.replace(new, path)
+
+
+def appended(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"#\n")
+
+
+def idle(path: Path) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("first", "meanwhile", "expected", "waits"),
+    [
+        pytest.param(FULL, [idle], FULL, 1, id="the same at once"),
+        pytest.param(HALF, [put(FULL), idle], FULL, 2, id="cut at a line, then written out"),
+        pytest.param(b"", [put(HALF), put(FULL), idle], FULL, 3, id="empty, half, whole"),
+        pytest.param(FULL, [rewritten_alike, idle], FULL, 2, id="the same bytes written again"),
+        pytest.param(FULL, [renamed_alike, idle], FULL, 2, id="the same bytes renamed over it"),
+        pytest.param(None, [put(FULL), idle], FULL, 2, id="missing, then there"),
+        pytest.param(None, [idle], "cannot read: No such file", 1, id="missing for good"),
+        pytest.param(
+            FULL,
+            [appended] * 9,
+            "still changing after 10 reads 0.5 s apart (a write in progress?)",
+            9,
+            id="written all along",
+        ),
+        pytest.param(FULL, [], "not read: specd is stopping", 1, id="specd stops meanwhile"),
+    ],
+)
+def test_a_file_is_read_once_two_reads_agree(
+    tmp_path: Path,
+    first: bytes | None,
+    meanwhile: list[Callable[[Path], None]],
+    expected: bytes | str,
+    waits: int,
+) -> None:
+    """A reload read specd.toml once: caught in the middle of a write (`cp`, an editor),
+    a file cut at a line is still TOML, and was applied. Each pause here is the moment
+    the writer gets on with it; the file is real."""
+    path = tmp_path / "specd.toml"
+    if first is not None:
+        path.write_bytes(first)
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> bool:
+        pauses.append(seconds)
+        if len(pauses) > len(meanwhile):
+            return True  # the stop event, set
+        meanwhile[len(pauses) - 1](path)
+        return False
+
+    def read() -> bytes:
+        return files.read_settled(path, CAP, pause=pause, interval_s=0.5, reads=10)
+
+    if isinstance(expected, bytes):
+        assert read() == expected
+    else:
+        with pytest.raises(files.FileReadError) as info:
+            read()
+        assert info.value.problem.startswith(expected)
+    assert pauses == [0.5] * waits
+
+
 # -- parsing: deep nesting and absurd input -----------------------------------------------
 
 DEEP = 100_000
