@@ -215,7 +215,8 @@ class ObserveSettings(BaseModel):
         gt=0,
         le=DAY_S,
         description="An observation older than this (seconds) is stale: no change is made on "
-        "it. At most a day.",
+        "it; SGLang unseen for longer (scrapes failing, specd stopped) restarts the "
+        "stabilization window. At most a day.",
     )
     history_half_life_s: float = Field(
         default=DAY_S,
