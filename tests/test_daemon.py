@@ -869,15 +869,7 @@ def test_a_stepped_wall_clock_leaves_dwell_budget_and_stabilization_in_real_time
     reader = LiveReader(wall, steps=4, offered=12)
 
     def start() -> Daemon:
-        d = Daemon(
-            cfg,
-            registry=CollectorRegistry(),
-            clock=lambda: wall[0],
-            monotonic=lambda: mono[0],
-            notifier=Notifier({}),
-            reader=reader,
-            applier=RestartingApplier(reader),
-        )
+        d = stepping(cfg, reader, wall, mono, RestartingApplier(reader))
         d.state.history = busy(cfg, wall[0], offered=12)  # the bands want 3 steps
         return d
 
@@ -909,7 +901,13 @@ def test_a_stepped_wall_clock_leaves_dwell_budget_and_stabilization_in_real_time
         assert [(e["event"], e["step_s"]) for e in said] == [("clock_stepped", step)]
 
 
-def stepping(cfg: Config, reader: Reader, wall: list[float], mono: list[float]) -> Daemon:
+def stepping(
+    cfg: Config,
+    reader: Reader,
+    wall: list[float],
+    mono: list[float],
+    applier: Applier | None = None,
+) -> Daemon:
     """A daemon on a wall clock the test steps and a boot clock that only moves forward."""
     return Daemon(
         cfg,
@@ -918,7 +916,7 @@ def stepping(cfg: Config, reader: Reader, wall: list[float], mono: list[float]) 
         monotonic=lambda: mono[0],
         notifier=Notifier({}),
         reader=reader,
-        applier=Applier(),
+        applier=applier if applier is not None else Applier(),
     )
 
 
