@@ -15,7 +15,7 @@ from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import SpecSetting, format_setting
 from specd.core.setting import parse as parse_setting
-from specd.core.text import duration_text, printable
+from specd.core.text import duration_text, iso_time, printable
 from specd.io import config as config_mod
 from specd.io.override import (
     MAX_CLI_DURATION,
@@ -101,12 +101,12 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     if ago is not None:
         return (
             f"{path}: {override.mode} expired {ago} ago "
-            f"({override.expires_at:%Y-%m-%d %H:%M:%SZ}){why}\n"
+            f"({iso_time(override.expires_at)}){why}\n"
             "specd decides automatically again; delete the file or run "
             "`specd override clear`, so nobody takes it for the setting in force."
         )
     left = duration_text((override.expires_at - now).total_seconds())
-    until = f"until {override.expires_at:%Y-%m-%d %H:%M:%SZ} ({left} from now)"
+    until = f"until {iso_time(override.expires_at)} ({left} from now)"
     if override.mode == "freeze":
         return f"{path}: valid, freeze {until}{why}\nspecd makes no step changes until then."
     when = "at once (apply = now)" if override.apply == "now" else windows_text
@@ -144,6 +144,11 @@ def _never_applies(
     return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600))
 
 
+def _window_time(cfg: config_mod.Config, at: datetime) -> str:
+    """A window's opening on its own clock, as `specd status` and the decisions say it."""
+    return iso_time(windows.local_time(cfg.windows, at))
+
+
 def _hours(delta: timedelta) -> str:
     """Whole hours as --for takes them: ``20h``, ``1d``, ``1d4h``."""
     days, hours = divmod(int(delta.total_seconds() // 3600), 24)
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         windows_text = (
             "now, inside the open maintenance window"
             if windows.is_open(cfg.windows, now)
-            else f"in the next maintenance window ({opens:%Y-%m-%d %H:%M}Z)"
+            else f"in the next maintenance window ({_window_time(cfg, opens)})"
         )
     except ValueError:
         windows_text = "in the next maintenance window"
@@ -194,15 +199,16 @@ def run(args: argparse.Namespace) -> int:
         late = _never_applies(override, cfg, now)
         if late is not None:
             opens, reach = late
+            assert override.expires_at is not None  # a pin that expires, or not late
             print(
-                f"specd override: the pin expires at {override.expires_at:%Y-%m-%d %H:%M}Z, "
-                f"before the next maintenance window opens ({opens:%Y-%m-%d %H:%M}Z): it "
+                f"specd override: the pin expires at {iso_time(override.expires_at)}, "
+                f"before the next maintenance window opens ({_window_time(cfg, opens)}): it "
                 f"would never apply. Restart at once with --now, or pin --for {_hours(reach)} "
                 "or more; nothing written",
                 file=sys.stderr,
             )
             return 2
-        header = f"written by `specd override {args.action}` as {user} at {now:%Y-%m-%dT%H:%M:%SZ}"
+        header = f"written by `specd override {args.action}` as {user} at {iso_time(now)}"
         text = render_override(override, header)
         # Checked as specd will read it before it replaces what is there: a file specd
         # would ignore must not take the place of one it obeys.

@@ -23,7 +23,7 @@ from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
 from specd.core.outcome import label
 from specd.core.setting import format_setting, traits_from_server_info
-from specd.core.text import duration_text, printable
+from specd.core.text import duration_text, iso_time, printable
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
@@ -55,7 +55,7 @@ def _setting_text(name: str) -> str:
     return f"{name} steps" if name.isdigit() else name
 
 
-def _override_text(ov: dict[str, Any]) -> str:
+def _override_text(ov: dict[str, Any], now: float) -> str:
     """The override line: what is in force, or why nothing in the file is."""
     if not ov["valid"]:
         return f"INVALID, ignored (specd keeps its last good state): {printable(ov['problem'])}"
@@ -69,7 +69,8 @@ def _override_text(ov: dict[str, Any]) -> str:
             f"{what} EXPIRED {duration_text(ov['expired_s'])} ago ({ov['expires_at']}){why}; "
             "specd decides by itself: delete the file or `specd override clear`"
         )
-    return f"{what} until {ov['expires_at']}{why}"
+    until = datetime.fromisoformat(ov["expires_at"]).timestamp()
+    return f"{what} until {_when(until, now, ov['expires_at'])}{why}"
 
 
 def _when(ts: float | None, now: float, shown: str | None = None) -> str:
@@ -180,9 +181,7 @@ def collect(
             "steps": current.steps if current else None,
             # What a pin holds as the operator writes it ("4", "off", "adaptive:3,4").
             "setting": current.pinned_name if current else None,
-            "expires_at": current.expires_at.isoformat()
-            if current and current.expires_at
-            else None,
+            "expires_at": iso_time(current.expires_at) if current and current.expires_at else None,
             # Seconds since a pin or freeze expired (still in the file, no longer in force).
             "expired_s": (
                 (at - current.expires_at).total_seconds()
@@ -380,7 +379,7 @@ def render(info: dict[str, Any], now: float) -> str:
     ]
     ov = info["override"]
     if ov["present"]:
-        lines.append(f"override       {_override_text(ov)}")
+        lines.append(f"override       {_override_text(ov, now)}")
     for e in info["avoided"]:
         lines.append(
             f"avoided        {_setting_text(e['setting'])}: served "

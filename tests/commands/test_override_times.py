@@ -1,0 +1,112 @@
+"""`specd override` as the on-call reads it: the times it names are the ones `specd status`
+and the daemon's decisions name, in the same text."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from specd.cli import main
+from specd.commands.status import collect, render
+from specd.io.config import load_config
+
+UTC = timezone.utc
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("SPECD_"):
+            monkeypatch.delenv(name)
+
+
+def zoned_config(tmp_path: Path, zone: str, opens_in_h: int) -> Path:
+    """A daily one-hour window in ``zone`` opening ``opens_in_h`` hours after this hour
+    began there (never open now)."""
+    hour = (datetime.now(ZoneInfo(zone)).hour + opens_in_h) % 24
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        '[sglang]\nurl = "http://127.0.0.1:9"\n'
+        f'[files]\nstate_dir = "{tmp_path / "state"}"\n'
+        f'override_file = "{tmp_path / "override.toml"}"\n'
+        f'[[windows]]\ncron = "0 {hour} * * *"\nduration_s = 3600\ntimezone = "{zone}"\n'
+    )
+    return path
+
+
+ZONES = ["Europe/Berlin", "America/New_York", "Asia/Kolkata", "UTC"]
+
+
+@pytest.mark.parametrize("zone", ZONES)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["pin", "3", "--for", "1d"],
+        ["pin", "3", "--for", "1d", "--now"],
+        ["freeze", "--for", "20h"],
+    ],
+    ids=["pin", "pin-now", "freeze"],
+)
+def test_what_override_writes_is_named_in_the_text_status_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], zone: str, argv: list[str]
+) -> None:
+    """`specd override pin` said `until 2026-12-07 10:05:28Z` and `in the next maintenance
+    window (2026-12-07 02:00Z)` where status said `until 2026-12-07T10:05:28+00:00` and
+    `next opens 2026-12-07T03:00:00+01:00` for the same instants."""
+    cfg = zoned_config(tmp_path, zone, opens_in_h=6)
+    assert main(["override", *argv, "--reason", "incident 7", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    now = time.time()
+    info = collect(load_config(cfg), now, "down")
+    expires = info["override"]["expires_at"]
+    assert f"until {expires} (" in out
+    assert f"override       {argv[0]} " in render(info, now)
+    assert f"until {expires} (" in render(info, now)
+    if argv[0] == "pin" and "--now" not in argv:
+        assert f"in the next maintenance window ({info['next_window_open_at']})" in out
+    # Nothing in UTC-with-a-Z beside the offsets: one way of writing a time.
+    assert "Z " not in out
+    assert "Z)" not in out
+
+
+@pytest.mark.parametrize("zone", ZONES)
+def test_a_pin_refused_for_expiring_first_names_both_times_as_status_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], zone: str
+) -> None:
+    cfg = zoned_config(tmp_path, zone, opens_in_h=6)
+    before = datetime.now(UTC).replace(microsecond=0)
+    assert main(["override", "pin", "3", "--for", "1h", "--reason", "r", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    opens = collect(load_config(cfg), time.time(), "down")["next_window_open_at"]
+    assert f"before the next maintenance window opens ({opens})" in err
+    expiries = {(before + timedelta(hours=1, seconds=s)).isoformat() for s in (0, 1, 2)}
+    assert any(f"the pin expires at {e}," in err for e in expiries), err
+
+
+@pytest.mark.parametrize(
+    ("expires_at", "shown"),
+    [
+        ("2000-01-01T00:00:00Z", "2000-01-01T00:00:00+00:00"),
+        # Written with another offset (or fractions of a second): said in UTC to the second.
+        ("2000-01-01T01:00:00.75+01:00", "2000-01-01T00:00:00+00:00"),
+    ],
+)
+def test_an_expired_override_names_its_expiry_as_status_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], expires_at: str, shown: str
+) -> None:
+    cfg = zoned_config(tmp_path, "Europe/Berlin", opens_in_h=6)
+    override = tmp_path / "override.toml"
+    override.write_text(f'mode = "freeze"\nexpires_at = {expires_at}\nreason = "old"\n')
+    override.chmod(0o644)
+    assert main(["override", "show", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert f" ago ({shown})" in out
+    now = time.time()
+    info = collect(load_config(cfg), now, "down")
+    assert info["override"]["expires_at"] == shown
+    assert f" ago ({shown})" in render(info, now)
