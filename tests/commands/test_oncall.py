@@ -1,0 +1,157 @@
+"""The on-call commands against a real `specd run` on the twin, read as the on-call reads
+them at 3 a.m.: `specd status`, `specd override`, `specd unfreeze`, the daemon's decisions.
+
+Real parts throughout: the twin "unit" behind the stand-in systemctl of tests/test_faults.py,
+`specd run` and every command as subprocesses, real files and signals.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+from test_faults import (
+    UNIT,
+    config_text,
+    daemon_env,
+    events_named,
+    healthy,
+    make_standin,
+    start_specd,
+    wait_for,
+)
+
+from specd.twin.process import free_port
+from specd.twin.standin import FAST_TWIN, StandIn
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ZONE = "Europe/Berlin"
+# The twin at this step count never gets healthy: a restart into it fails and rolls back.
+NEVER_HEALTHY = 6
+
+
+@dataclass
+class Oncall:
+    """A twin unit at 3 steps, a `specd run` deciding for it, and its files."""
+
+    tmp_path: Path
+    standin: StandIn
+    config: Path
+    log: Path
+    metrics_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def override(self) -> Path:
+        return self.tmp_path / "override.toml"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.tmp_path / "state"
+
+    def env(self) -> dict[str, str]:
+        return daemon_env(self.standin)
+
+    def start(self) -> None:
+        self.proc = start_specd(self.config, self.env(), self.log)
+        wait_for(lambda: self.status_json()["last_decision"] != {}, 20, "the first decision")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                assert self.proc.wait(timeout=15) == 0
+            finally:
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                    self.proc.wait()
+        self.proc = None
+
+    def specd(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "specd.cli", *args, "--config", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env=self.env(),
+            cwd=REPO,
+        )
+
+    def status_json(self) -> dict[str, Any]:
+        done = self.specd("status", "--json")
+        try:
+            return json.loads(done.stdout)  # type: ignore[no-any-return]
+        except ValueError:
+            raise AssertionError(done.stdout + done.stderr) from None
+
+    def wait_decision(self, predicate: Callable[[dict[str, Any]], bool], what: str) -> None:
+        wait_for(lambda: predicate(self.status_json()["last_decision"]), 60, what)
+
+
+def closed_window(opens_in_h: int = 6) -> dict[str, Any]:
+    """A daily one-hour window in Berlin that is closed now."""
+    hour = (datetime.now(ZoneInfo(ZONE)).hour + opens_in_h) % 24
+    return {"cron": f"0 {hour} * * *", "duration_s": 3600, "timezone": ZONE}
+
+
+@pytest.fixture
+def oncall(tmp_path: Path) -> Iterator[Oncall]:
+    port, metrics_port = free_port(), free_port()
+    standin = make_standin(
+        tmp_path, port, FAST_TWIN, extra_by_steps={NEVER_HEALTHY: ("--load-time-s", "1000")}
+    )
+    (tmp_path / "state").mkdir()
+    config = tmp_path / "specd.toml"
+    config.write_text(
+        config_text(
+            tmp_path,
+            port,
+            metrics_port,
+            startup_timeout_s=3,
+            windows=[closed_window()],
+        )
+    )
+    assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
+    world = Oncall(tmp_path, standin, config, tmp_path / "specd.log", metrics_port)
+    try:
+        wait_for(lambda: healthy(standin.url()), 20, "the twin unit")
+        yield world
+    finally:
+        world.stop()
+        standin.stop()
+
+
+def line(text: str, name: str) -> str:
+    return next(x for x in text.splitlines() if x.startswith(name + " "))
+
+
+def test_the_last_decision_and_the_window_line_name_the_same_opening(oncall: Oncall) -> None:
+    """status's last decision said `next opens 2026-12-07T02:00Z` right above its window
+    line's `next opens 2026-12-07T03:00:00+01:00`: one opening, two times to a tired eye."""
+    oncall.start()
+    pin = oncall.specd("override", "pin", "4", "--for", "1d", "--reason", "batch eval tonight")
+    assert pin.returncode == 0, pin.stderr
+    oncall.wait_decision(lambda d: d.get("reason") == "window_closed", "the pin to wait")
+    text = oncall.specd("status").stdout
+    said = re.findall(r"next opens ([^\s)]+)", line(text, "last decision"))
+    shown = re.findall(r"next opens (\S+) \(in ", line(text, "window"))
+    assert said == shown, text
+    assert shown[0].endswith(("+01:00", "+02:00")), text
+    # The daemon's own log line says it the same way.
+    (logged,) = {e["message"] for e in events_named(oncall.log, "decision")} & {
+        oncall.status_json()["last_decision"]["message"]
+    }
+    assert f"next opens {shown[0]})" in logged
