@@ -28,7 +28,7 @@ from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
-from specd.io.override import daemon_uids, read_override
+from specd.io.override import OverrideStatus, daemon_uids, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import STATE_FILE, State, held_freeze, read_state, salvage_note
@@ -71,6 +71,25 @@ def _override_text(ov: dict[str, Any], now: float) -> str:
         )
     until = datetime.fromisoformat(ov["expires_at"]).timestamp()
     return f"{what} until {_when(until, now, ov['expires_at'])}{why}"
+
+
+def _mode(override: OverrideStatus, at: datetime) -> str | None:
+    """What the override file puts in force: "pin", "freeze" or "auto"; None when the file
+    is invalid: specd ignores it and keeps the last valid override it read since its start,
+    which only the daemon knows (not "auto": that may be a freeze)."""
+    if override.present and not override.valid:
+        return None
+    held = override.override
+    return held.mode if held is not None and held.active(at) else "auto"
+
+
+def _mode_text(mode: str | None) -> str:
+    if mode is not None:
+        return mode
+    return (
+        "unknown: the override file is invalid, so specd keeps the last valid override it "
+        "read since it started, if any (the last decision says which)"
+    )
 
 
 def _when(ts: float | None, now: float, shown: str | None = None) -> str:
@@ -171,7 +190,7 @@ def collect(
         "target_steps": decision.get("target_steps"),
         "target_setting": decision.get("target_setting", _name_of(decision.get("target_steps"))),
         "last_decision": decision,
-        "mode": current.mode if current is not None and current.active(at) else "auto",
+        "mode": _mode(override, at),
         "override": {
             "file": str(config.files.override_file),
             "present": override.present,
@@ -359,7 +378,7 @@ def render(info: dict[str, Any], now: float) -> str:
             else ""
         ),
         f"target         {_shown(info['target_setting'])}",
-        f"mode           {info['mode']}",
+        f"mode           {_mode_text(info['mode'])}",
         f"last decision  {printable(str(d.get('reason', '-')))}: "
         f"{printable(str(d.get('message', '-')))} "
         f"({_when(d.get('t'), now) if d.get('t') else 'never'})",

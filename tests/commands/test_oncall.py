@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -155,3 +156,37 @@ def test_the_last_decision_and_the_window_line_name_the_same_opening(oncall: Onc
         oncall.status_json()["last_decision"]["message"]
     }
     assert f"next opens {shown[0]})" in logged
+
+
+@pytest.mark.parametrize(
+    ("in_force", "holds"),
+    [
+        (["freeze", "--for", "2h"], "frozen"),
+        (["pin", "4", "--for", "1d"], "window_closed"),
+    ],
+    ids=["freeze", "pin"],
+)
+@pytest.mark.parametrize(
+    "broken",
+    ['mode = "frez"\n', 'mode = "pin"\nsteps = 4\nexpires_at = 2099-01-01T00:00:00\n'],
+    ids=["typo", "no-offset"],
+)
+def test_status_never_says_auto_while_specd_holds_the_last_good_override(
+    oncall: Oncall, in_force: list[str], holds: str, broken: str
+) -> None:
+    """A freeze in force, then a hand edit that breaks the file: specd keeps the freeze
+    (its last good state), and `specd status` said `mode auto`, in text and JSON."""
+    oncall.start()
+    done = oncall.specd("override", *in_force, "--reason", "investigating latency")
+    assert done.returncode == 0, done.stderr
+    oncall.wait_decision(lambda d: d.get("reason") == holds, "the override in force")
+    oncall.override.write_text(broken)
+    wait_for(lambda: events_named(oncall.log, "override_ignored"), 20, "specd to ignore it")
+    time.sleep(1.0)  # a few ticks: specd still decides under the last good override
+    assert oncall.status_json()["last_decision"]["reason"] == holds
+    status = oncall.specd("status")
+    mode = line(status.stdout, "mode")
+    assert "auto" not in mode, status.stdout
+    assert "unknown" in mode
+    assert "last decision" in mode  # where to look instead
+    assert oncall.status_json()["mode"] is None

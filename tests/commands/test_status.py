@@ -262,12 +262,12 @@ def test_status_says_what_specd_measured_of_the_acceptance(
         (
             'mode = "pinned"\n',
             "override       INVALID, ignored (specd keeps its last good state): ",
-            "auto",
+            None,
         ),
     ],
 )
 def test_status_says_what_the_override_file_holds(
-    tmp_path: Path, override: str | None, line: str | None, mode: str
+    tmp_path: Path, override: str | None, line: str | None, mode: str | None
 ) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
