@@ -49,7 +49,7 @@ def _shown(name: object) -> str:
     return name if isinstance(name, str) and name else "?"
 
 
-def _setting_text(name: str) -> str:
+def setting_text(name: str) -> str:
     """A setting for a line: "4 steps", "off", "adaptive:3,4" (a bare number would not say
     what it counts)."""
     return f"{name} steps" if name.isdigit() else name
@@ -62,7 +62,7 @@ def _override_text(ov: dict[str, Any], now: float) -> str:
     mode = ov["mode"]
     if mode == "auto":
         return "auto: specd decides"
-    what = f"pin {_setting_text(ov['setting'] or '?')}" if mode == "pin" else "freeze"
+    what = f"pin {setting_text(ov['setting'] or '?')}" if mode == "pin" else "freeze"
     why = f": {printable(ov['reason'])}" if ov["reason"] else ""
     if ov["expired_s"] is not None:
         return (
@@ -70,7 +70,7 @@ def _override_text(ov: dict[str, Any], now: float) -> str:
             "specd decides by itself: delete the file or `specd override clear`"
         )
     until = datetime.fromisoformat(ov["expires_at"]).timestamp()
-    return f"{what} until {_when(until, now, ov['expires_at'])}{why}"
+    return f"{what} until {when_text(until, now, ov['expires_at'])}{why}"
 
 
 def _mode(override: OverrideStatus, at: datetime) -> str | None:
@@ -92,7 +92,7 @@ def _mode_text(mode: str | None) -> str:
     )
 
 
-def _when(ts: float | None, now: float, shown: str | None = None) -> str:
+def when_text(ts: float | None, now: float, shown: str | None = None) -> str:
     """``ts`` in UTC (or as ``shown``), and how long before or after ``now``."""
     if ts is None:
         return "never"
@@ -313,7 +313,7 @@ def _fleet_line(fleet: dict[str, Any], now: float) -> str:
     held = [
         f"slot {h['slot']} held by {h['name']}"
         + (" (this specd)" if h["name"] == fleet["this_holder"] else "")
-        + (f" since {_when(h['since'], now)}" if h["since"] is not None else "")
+        + (f" since {when_text(h['since'], now)}" if h["since"] is not None else "")
         for h in fleet["holders"]
     ]
     return f"{head}: " + ("; ".join(held) if held else "all free")
@@ -344,14 +344,14 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
     elif not probe:
         head = f"{replicas} replicas, not asked yet"
     elif probe.get("problem"):
-        head = f"UNAVAILABLE: {probe['problem']} ({_when(probe.get('t'), now)})"
+        head = f"UNAVAILABLE: {probe['problem']} ({when_text(probe.get('t'), now)})"
     elif probe.get("not_ready_replicas"):
         head = (
             f"worker NOT READY on {probe['not_ready_replicas']} of {replicas} replicas "
-            f"({_when(probe.get('t'), now)})"
+            f"({when_text(probe.get('t'), now)})"
         )
     else:
-        head = f"worker ready on all {replicas} replicas ({_when(probe.get('t'), now)})"
+        head = f"worker ready on all {replicas} replicas ({when_text(probe.get('t'), now)})"
     lines.append(f"gateway        {head}")
     drain = gateway["last_drain"]
     if drain:
@@ -364,7 +364,7 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
             what += f", {drain['in_flight_at_restart']} in flight at the restart"
         if drain.get("readd_problem"):
             what += f"; WORKER LEFT OUT: {drain['readd_problem']}"
-        lines.append(f"last drain     {what} ({_when(drain.get('t'), now)})")
+        lines.append(f"last drain     {what} ({when_text(drain.get('t'), now)})")
     return lines
 
 
@@ -373,7 +373,7 @@ def render(info: dict[str, Any], now: float) -> str:
     lines = [
         f"steps live     {_shown(info['current_setting'])}"
         + (
-            f" ({info['live_source']}, {_when(info['live_since'], now)})"
+            f" ({info['live_source']}, {when_text(info['live_since'], now)})"
             if info["live_since"]
             else ""
         ),
@@ -381,18 +381,18 @@ def render(info: dict[str, Any], now: float) -> str:
         f"mode           {_mode_text(info['mode'])}",
         f"last decision  {printable(str(d.get('reason', '-')))}: "
         f"{printable(str(d.get('message', '-')))} "
-        f"({_when(d.get('t'), now) if d.get('t') else 'never'})",
+        f"({when_text(d.get('t'), now) if d.get('t') else 'never'})",
         "frozen         "
         + (
-            f"YES, FROZEN since {_when(info['frozen'].get('since'), now)}: "
+            f"YES, FROZEN since {when_text(info['frozen'].get('since'), now)}: "
             f"{printable(str(info['frozen'].get('reason')))}"
             "  (clear: specd unfreeze --reason ...)"
             if info["frozen"]
             else "no"
         ),
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
-        f"{_when(info['next_window_open'], now, info['next_window_open_at'])}, closes "
-        f"{_when(info['next_window_close'], now, info['next_window_close_at'])}",
+        f"{when_text(info['next_window_open'], now, info['next_window_open_at'])}, closes "
+        f"{when_text(info['next_window_close'], now, info['next_window_close_at'])}",
         f"restarts 24h   {len(info['restarts_last_24h'])} "
         f"(budget left {info['restart_budget_remaining']})",
     ]
@@ -401,10 +401,10 @@ def render(info: dict[str, Any], now: float) -> str:
         lines.append(f"override       {_override_text(ov, now)}")
     for e in info["avoided"]:
         lines.append(
-            f"avoided        {_setting_text(e['setting'])}: served "
+            f"avoided        {setting_text(e['setting'])}: served "
             f"{e['shortfall_ratio'] * 100:.1f}% less than {e['from_setting']} (regression "
-            f"{_when(e['since'], now)}), until "
-            f"{_when(e['until'], now)}"
+            f"{when_text(e['since'], now)}), until "
+            f"{when_text(e['until'], now)}"
         )
     lines.append(_acceptance_line(info["acceptance"]))
     picks = info["choices"]

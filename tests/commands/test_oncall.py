@@ -32,6 +32,7 @@ from test_faults import (
     wait_for,
 )
 
+from specd.daemon import UNFREEZE_REQUEST
 from specd.twin.process import free_port
 from specd.twin.standin import FAST_TWIN, StandIn
 
@@ -190,3 +191,41 @@ def test_status_never_says_auto_while_specd_holds_the_last_good_override(
     assert "unknown" in mode
     assert "last decision" in mode  # where to look instead
     assert oncall.status_json()["mode"] is None
+
+
+def test_unfreeze_after_a_failed_pin_now_does_not_retry_it_unasked(oncall: Oncall) -> None:
+    """`pin 6 --now` fails and freezes specd. `specd unfreeze` wrote its request, then said
+    "if that is what failed, clear the override first": by then the daemon had unfrozen and
+    was restarting SGLang into 6 again, outside any window."""
+    oncall.start()
+    pin = oncall.specd(
+        "override", "pin", str(NEVER_HEALTHY), "--for", "1h", "--now", "--reason", "try"
+    )
+    assert pin.returncode == 0, pin.stderr
+    wait_for(lambda: oncall.status_json()["frozen"], 60, "the failed restart to freeze specd")
+    restarts = list(oncall.standin.restarts)
+    assert restarts[-2:] == [NEVER_HEALTHY, 3]  # tried, rolled back
+
+    refused = oncall.specd("unfreeze", "--reason", "looked at it")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "nothing written" in refused.stderr
+    assert "specd override clear" in refused.stderr
+    assert "--retry-pin" in refused.stderr
+    assert f"{NEVER_HEALTHY} steps" in refused.stderr
+    assert not (oncall.state_dir / UNFREEZE_REQUEST).exists()
+    time.sleep(2.0)  # ticks: still frozen, nothing restarted
+    assert oncall.status_json()["frozen"]
+    assert oncall.standin.restarts == restarts
+
+    assert oncall.specd("override", "clear", "--reason", "6 does not fit").returncode == 0
+    done = oncall.specd("unfreeze", "--reason", "pin cleared")
+    assert done.returncode == 0, done.stderr
+    # What it cleared (since when, and why), and what happens next.
+    frozen_line, *rest = done.stdout.splitlines()
+    assert re.match(
+        r"frozen since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(\d+s ago\): restart to 6", frozen_line
+    ), done.stdout
+    assert any(x.startswith("then: specd decides by itself") for x in rest), done.stdout
+    wait_for(lambda: not oncall.status_json()["frozen"], 20, "the daemon to clear the freeze")
+    time.sleep(1.0)
+    assert oncall.standin.restarts == restarts
