@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specd.commands.args import Duration, quoted
 from specd.commands.reason import reason_type
+from specd.commands.status import daemon
 from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import SpecSetting, format_setting
@@ -225,4 +226,9 @@ def run(args: argparse.Namespace) -> int:
         path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
     )
     print(_describe(status, path, now, windows_text))
+    if daemon(cfg.files.state_dir)["running"] is False:
+        print(
+            "note: specd is not running: nothing reads this file until it starts "
+            "(`systemctl start specd`)"
+        )
     return 0 if status.valid else 1

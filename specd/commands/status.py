@@ -31,9 +31,19 @@ from specd.io.fleet import Fleet, FleetUnavailable
 from specd.io.override import OverrideStatus, daemon_uids, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import STATE_FILE, State, held_freeze, read_state, salvage_note
+from specd.io.state import (
+    LOCK_FILE,
+    STATE_FILE,
+    State,
+    held_freeze,
+    read_state,
+    salvage_note,
+)
 
 DAY_S = 86400.0
+# The kernel's table of file locks: who holds the `specd run` lock, read without taking it
+# (a status holding it for a moment would make a daemon starting then refuse to run).
+PROC_LOCKS = Path("/proc/locks")
 # status must answer at once, also when SGLang is down or still loading.
 SERVER_INFO_TIMEOUT_S = 2.0
 
@@ -109,6 +119,49 @@ def when_text(ts: float | None, now: float, shown: str | None = None) -> str:
     return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
 
 
+def daemon(state_dir: str | Path, locks: Path = PROC_LOCKS) -> dict[str, Any]:
+    """Whether a `specd run` holds ``state_dir``'s lock: ``{"running": bool | None, "pid":
+    int | None}``, running None when it cannot tell (no /proc/locks, the directory not
+    searchable). The lock is the daemon's (`specd.io.state.lock_state_dir`): an flock held
+    for its life, released when it ends, even killed; the pid is the kernel's."""
+    path = Path(state_dir) / LOCK_FILE
+    try:
+        inode = path.stat().st_ino
+    except FileNotFoundError:
+        return {"running": False, "pid": None}  # no specd ever ran on this directory
+    except OSError:
+        return {"running": None, "pid": None}
+    try:
+        written = path.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        written = ""  # 0640 root:specd: whoever may not read it still sees the lock
+    try:
+        table = locks.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return {"running": None, "pid": None}
+    for entry in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 27467 fe:00:2205828 0 EOF"; "1: -> FLOCK ..." waits.
+        fields = entry.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or not fields[4].isdigit():
+            continue
+        pid, where = fields[4], fields[5].rsplit(":", 1)[-1]
+        if where == str(inode) and (not written.isdigit() or written == pid):
+            return {"running": True, "pid": int(pid)}
+    return {"running": False, "pid": None}
+
+
+def daemon_text(info: dict[str, Any]) -> str:
+    """The `specd` line of status."""
+    if info["running"]:
+        return f"running (pid {info['pid']})"
+    if info["running"] is None:
+        return "? (cannot tell whether `specd run` holds its state directory's lock)"
+    return (
+        "NOT RUNNING: nothing decides or restarts; below is what it saved last "
+        "(`systemctl start specd`; why it stopped: `journalctl -u specd`)"
+    )
+
+
 def server_info(config: Config) -> dict[str, Any] | str:
     """SGLang's /server_info, or why it did not answer (one line)."""
     with SGLangClient(config.sglang.url, timeout_s=SERVER_INFO_TIMEOUT_S) as client:
@@ -178,6 +231,9 @@ def collect(
     decision = state.last_decision
     live = state.live or {}
     return {
+        # Whether a `specd run` holds the state directory now: without one, what follows is
+        # what it saved last, and nothing decides.
+        "daemon": daemon(config.files.state_dir),
         "state_file": str(state_path),
         "state_problem": state_problem,
         "state_unreadable": unreadable,
@@ -371,6 +427,7 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
     lines = [
+        f"specd          {daemon_text(info['daemon'])}",
         f"steps live     {_shown(info['current_setting'])}"
         + (
             f" ({info['live_source']}, {when_text(info['live_since'], now)})"

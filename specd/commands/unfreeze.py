@@ -22,7 +22,7 @@ from typing import Any
 
 from specd.commands.check_config import load_for_command
 from specd.commands.reason import reason_type
-from specd.commands.status import setting_text, when_text
+from specd.commands.status import daemon, setting_text, when_text
 from specd.core import windows
 from specd.core.history import HistorySettings
 from specd.core.text import iso_time, printable
@@ -108,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
         since = frozen.get("since")
         when = when_text(float(since), now) if isinstance(since, (int, float)) else "?"
         print(f"frozen since {when}: {printable(str(frozen.get('reason')))}")
-    print("unfreeze requested; specd clears it within one tick (its log says `unfrozen`)")
+    if daemon(state_dir)["running"] is False:
+        print("unfreeze requested; specd is not running: it clears the freeze when it starts")
+    else:
+        print("unfreeze requested; specd clears it within one tick (its log says `unfrozen`)")
     print(f"then: {_next(config, override, pinned, live, now)}")
     return 0
 

@@ -229,3 +229,45 @@ def test_unfreeze_after_a_failed_pin_now_does_not_retry_it_unasked(oncall: Oncal
     wait_for(lambda: not oncall.status_json()["frozen"], 20, "the daemon to clear the freeze")
     time.sleep(1.0)
     assert oncall.standin.restarts == restarts
+
+
+def test_status_says_whether_specd_runs(oncall: Oncall) -> None:
+    """With specd stopped, status showed what it saved last as if it were deciding still:
+    `mode pin`, the last decision, `frozen no`; only the ages hinted that nothing ran."""
+    never = oncall.specd("status")
+    assert line(never.stdout, "specd").startswith("specd          NOT RUNNING"), never.stdout
+    oncall.start()
+    assert oncall.proc is not None
+    running = oncall.specd("status")
+    assert line(running.stdout, "specd") == f"specd          running (pid {oncall.proc.pid})"
+    assert oncall.status_json()["daemon"] == {"running": True, "pid": oncall.proc.pid}
+    pin = oncall.specd("override", "pin", "4", "--for", "1d", "--reason", "batch eval")
+    assert "not running" not in pin.stdout + pin.stderr
+    oncall.stop()
+    stopped = oncall.specd("status")
+    assert stopped.returncode == 0
+    said = line(stopped.stdout, "specd")
+    assert said.startswith("specd          NOT RUNNING: nothing decides or restarts"), said
+    assert "systemctl start specd" in said
+    assert oncall.status_json()["daemon"] == {"running": False, "pid": None}
+    # Written while it is down, the override says it waits for specd.
+    freeze = oncall.specd("override", "freeze", "--for", "2h", "--reason", "while it is down")
+    assert freeze.returncode == 0, freeze.stderr
+    assert "specd is not running: nothing reads this file until it starts" in freeze.stdout
+
+
+def test_unfreeze_while_specd_is_down_says_when_the_freeze_clears(oncall: Oncall) -> None:
+    oncall.start()
+    pin = oncall.specd(
+        "override", "pin", str(NEVER_HEALTHY), "--for", "1h", "--now", "--reason", "t"
+    )
+    assert pin.returncode == 0, pin.stderr
+    wait_for(lambda: oncall.status_json()["frozen"], 60, "the failed restart to freeze specd")
+    assert oncall.specd("override", "clear").returncode == 0
+    oncall.stop()
+    done = oncall.specd("unfreeze", "--reason", "pin cleared")
+    assert done.returncode == 0, done.stderr
+    assert "within one tick" not in done.stdout
+    assert "specd is not running: it clears the freeze when it starts" in done.stdout
+    oncall.start()
+    wait_for(lambda: not oncall.status_json()["frozen"], 20, "the start to clear the freeze")

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from factories import make_observation, version_twin
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specd.commands.status import collect, render, server_info
+from specd.commands.status import collect, daemon, render, server_info
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import History, HistorySettings
 from specd.core.outcome import Avoided
 from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
-from specd.io.state import State, StateStore
+from specd.io.state import LOCK_FILE, State, StateStore
 
 NOW = 1_764_000_000.0
 
@@ -407,3 +413,63 @@ def test_status_shows_window_times_on_the_windows_own_clock(
     line = next(x for x in render(info, now).splitlines() if x.startswith("window "))
     assert f"next opens {opens} (in " in line
     assert f", closes {closes} (in " in line
+
+
+def _holder(state_dir: Path) -> subprocess.Popen[str]:
+    """A process holding ``state_dir`` as `specd run` does (specd.io.state.lock_state_dir)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom specd.io.state import lock_state_dir\n"
+            f"lock_state_dir({str(state_dir)!r})\nprint('held', flush=True)\ntime.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_status_tells_a_held_state_directory_from_a_left_one(tmp_path: Path, how: str) -> None:
+    state_dir = tmp_path / "state"
+    assert daemon(state_dir) == {"running": False, "pid": None}  # never ran
+    holder = _holder(state_dir)
+    try:
+        assert daemon(state_dir) == {"running": True, "pid": holder.pid}
+    finally:
+        holder.send_signal(getattr(signal, how))
+        holder.wait()
+    # The lock file stays, with the dead process's pid in it: not a running specd.
+    assert (state_dir / LOCK_FILE).read_text().strip() == str(holder.pid)
+    assert daemon(state_dir) == {"running": False, "pid": None}
+    assert daemon(state_dir, tmp_path / "no-proc-locks") == {"running": None, "pid": None}
+
+
+def _lock_line(pid: int, inode: int) -> str:
+    return f"1: FLOCK  ADVISORY  WRITE {pid} fe:00:{inode} 0 EOF"
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(st.characters(exclude_categories=("Cs",)), max_size=80),
+            st.builds(_lock_line, st.integers(0, 2**22), st.integers(0, 2**40)),
+        ),
+        max_size=20,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_status_reads_any_lock_table_and_sees_only_its_own_lock(lines: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        state_dir = Path(tmp)
+        (state_dir / LOCK_FILE).write_text("4242\n")
+        inode = (state_dir / LOCK_FILE).stat().st_ino
+        locks = state_dir / "locks"
+        locks.write_text("\n".join(lines), errors="surrogateescape")
+        ours = _lock_line(4242, inode) in lines
+        assert daemon(state_dir, locks) == (
+            {"running": True, "pid": 4242} if ours else {"running": False, "pid": None}
+        )
