@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import getpass
 import math
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from specd.commands.args import Duration, quoted
-from specd.commands.reason import reason_type
-from specd.commands.status import daemon
+from specd.commands.reason import operator, reason_type
+from specd.commands.status import daemon, setting_text, when_text
 from specd.core import windows
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import SpecSetting, format_setting
@@ -27,6 +26,7 @@ from specd.io.override import (
     read_override,
     render_override,
     write_override,
+    written_by,
 )
 
 PIN_FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
@@ -125,6 +125,23 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     )
 
 
+def _in_force(path: Path, cfg: config_mod.Config, now: datetime) -> str | None:
+    """The pin or freeze in force in ``path`` that writing replaces, and who wrote it (the
+    next on-call may not know a colleague's freeze is there): None when none is."""
+    status = read_override(
+        path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
+    )
+    held = status.override
+    if held is None or not held.active(now) or held.expires_at is None:
+        return None
+    name = held.pinned_name
+    what = f"the pin {setting_text(name)}" if name is not None else f"the {held.mode}"
+    until = when_text(held.expires_at.timestamp(), now.timestamp(), iso_time(held.expires_at))
+    why = f": {printable(held.reason)}" if held.reason else ""
+    who = written_by(path)
+    return f"{what} in force until {until}{why}" + (f" — written by {who}" if who else "")
+
+
 def _never_applies(
     override: Override, cfg: config_mod.Config, now: datetime
 ) -> tuple[datetime, timedelta] | None:
@@ -174,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError:
         windows_text = "in the next maintenance window"
+    replaced: str | None = None
     if args.action != "show":
-        user = getpass.getuser()
+        user = operator()
         if args.action == "clear":
             override = Override("auto", None, None, args.reason, "next-window")
         else:
@@ -217,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         if refused is not None:
             print(f"specd override: {refused}; nothing written", file=sys.stderr)
             return 2
+        replaced = _in_force(path, cfg, now)
         try:
             write_override(path, text)
         except OSError as exc:
@@ -226,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
         path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
     )
     print(_describe(status, path, now, windows_text))
+    if replaced is not None:
+        print(f"replaces {replaced}")
     if daemon(cfg.files.state_dir)["running"] is False:
         print(
             "note: specd is not running: nothing reads this file until it starts "

@@ -13,7 +13,6 @@ on-call clears the pin first, or retries it knowingly.
 from __future__ import annotations
 
 import argparse
-import getpass
 import sys
 import time
 from datetime import datetime, timezone
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specd.commands.check_config import load_for_command
-from specd.commands.reason import reason_type
+from specd.commands.reason import operator, reason_type
 from specd.commands.status import daemon, setting_text, when_text
 from specd.core import windows
 from specd.core.history import HistorySettings
@@ -98,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         atomic_write_json(
             state_dir / UNFREEZE_REQUEST,
-            {"requested_at": now, "reason": args.reason, "by": getpass.getuser()},
+            {"requested_at": now, "reason": args.reason, "by": operator()},
             mode=0o640,
         )
     except OSError as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import stat
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -293,6 +294,22 @@ def check_override_text(
     except ValueError as exc:
         return str(exc)
     return None
+
+
+# The first line `specd override` writes: who wrote the file, and when.
+_WRITTEN_BY = re.compile(r"# written by `specd override \w+` as (.{1,80}) at (\S{1,40})\s*")
+
+
+def written_by(path: str | Path) -> str | None:
+    """``alice (sudo) at 2026-12-06T10:05:51+00:00`` from the header `specd override` wrote
+    in ``path``; None for a file without one (written by hand) or that cannot be read."""
+    try:
+        raw = files.read_regular_file(path, MAX_OVERRIDE_BYTES)
+    except (files.FileReadError, OSError):
+        return None
+    first = raw.split(b"\n", 1)[0].decode("utf-8", "replace")
+    found = _WRITTEN_BY.fullmatch(first)
+    return None if found is None else f"{found[1]} at {found[2]}"
 
 
 def write_override(path: str | Path, text: str) -> None:

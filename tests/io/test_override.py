@@ -4,18 +4,21 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specd.cli import main
 from specd.commands.args import parse_duration
 from specd.core.override import Override
 from specd.core.setting import adaptive, off
-from specd.io.override import ABSENT, expired, read_override, write_override
+from specd.io.override import ABSENT, expired, read_override, write_override, written_by
 
 UTC = timezone.utc
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -641,3 +644,33 @@ def test_a_freeze_longer_than_the_cli_allows_names_the_config_way(
     err = capsys.readouterr().err
     assert "restart.daily_restart_budget = 0" in err
     assert "min_steps" not in err
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_who_wrote_an_override_is_read_from_any_first_line_in_one_line(head: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "override.toml"
+        path.write_bytes(head + b'\nmode = "auto"\n')
+        who = written_by(path)
+        assert who is None or ("\n" not in who and len(who) <= 125)
+
+
+@pytest.mark.parametrize(
+    ("head", "who"),
+    [
+        (
+            "# written by `specd override pin` as alice (sudo) at 2026-12-06T10:05:51+00:00",
+            "alice (sudo) at 2026-12-06T10:05:51+00:00",
+        ),
+        ("# written by `specd override freeze` as root at 2026-12-06T10:05:51Z", "root at "),
+        ("# by hand, see INC-42", None),
+        ("", None),
+    ],
+)
+def test_who_wrote_an_override(tmp_path: Path, head: str, who: str | None) -> None:
+    path = tmp_path / "override.toml"
+    path.write_text(f'{head}\nmode = "auto"\n')
+    found = written_by(path)
+    assert (found is None) if who is None else (found is not None and found.startswith(who))
+    assert written_by(tmp_path / "absent.toml") is None

@@ -1,9 +1,12 @@
 """`specd override` as the on-call reads it: the times it names are the ones `specd status`
-and the daemon's decisions name, in the same text."""
+and the daemon's decisions name, in the same text; it says whose override it replaces."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -110,3 +113,59 @@ def test_an_expired_override_names_its_expiry_as_status_does(
     info = collect(load_config(cfg), now, "down")
     assert info["override"]["expires_at"] == shown
     assert f" ago ({shown})" in render(info, now)
+
+
+def run_as(cfg: Path, user: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`specd override` run by ``user`` through sudo (root's USER, the caller's SUDO_USER)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECD_", "SUDO_"))}
+    env |= {"USER": "root", "LOGNAME": "root", "SUDO_USER": user}
+    return subprocess.run(
+        [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+FREEZE = ["freeze", "--for", "2h", "--reason", "investigating latency"]
+PIN = ["pin", "4", "--for", "1d", "--reason", "batch eval"]
+
+
+@pytest.mark.parametrize(
+    ("before", "argv", "says"),
+    [
+        # A colleague's freeze, replaced by a pin: the on-call hears whose and what.
+        (FREEZE, PIN, "replaces the freeze in force until "),
+        (PIN, ["clear", "--reason", "eval done"], "replaces the pin 4 steps in force until "),
+        (PIN, FREEZE, "replaces the pin 4 steps in force until "),
+        # Nothing in force: nothing to say.
+        (None, PIN, None),
+        (["clear"], PIN, None),
+    ],
+)
+def test_an_override_says_whose_override_in_force_it_replaces(
+    tmp_path: Path, before: list[str] | None, argv: list[str], says: str | None
+) -> None:
+    """Two on-calls: alice froze specd while investigating; bob, not knowing, pinned a step
+    count. bob's pin replaced her freeze without a word."""
+    cfg = zoned_config(tmp_path, "Europe/Berlin", opens_in_h=6)
+    if before is not None:
+        first = run_as(cfg, "alice", *before)
+        assert first.returncode == 0, first.stderr
+        assert "as alice (sudo) at " in (tmp_path / "override.toml").read_text()
+    done = run_as(cfg, "bob", *argv)
+    assert done.returncode == 0, done.stderr
+    # Who wrote it, under sudo: the one who ran sudo, not root.
+    assert "as bob (sudo) at " in (tmp_path / "override.toml").read_text()
+    replaced = [x for x in done.stdout.splitlines() if "replaces" in x]
+    if says is None:
+        assert replaced == []
+        return
+    (said,) = replaced
+    assert says in said
+    assert re.search(r"until \S+\+00:00 \(in \d+(\.\d)?[hm]\)", said), said
+    assert before is not None
+    assert f": {before[-1]}" in said  # its reason
+    assert re.search(r"written by alice \(sudo\) at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", said)
