@@ -5,18 +5,21 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from specd.commands.args import Duration, quoted
 from specd.commands.reason import operator, reason_type
-from specd.commands.status import daemon, setting_text, when_text
+from specd.commands.status import daemon, server_info, setting_text, when_text
 from specd.core import windows
+from specd.core.choices import cannot_run
 from specd.core.override import _UTC, Apply, Override
-from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text, iso_time, printable
 from specd.io import config as config_mod
+from specd.io.apply import read_static_only
 from specd.io.override import (
     MAX_CLI_DURATION,
     OverrideStatus,
@@ -28,6 +31,7 @@ from specd.io.override import (
     write_override,
     written_by,
 )
+from specd.io.runner import SubprocessRunner
 
 PIN_FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
 FREEZE_FOR = Duration(
@@ -83,7 +87,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("show", parents=[common], help="say whether the file is valid and its effect")
 
 
-def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: str) -> str:
+def _describe(
+    status: OverrideStatus,
+    path: Path,
+    now: datetime,
+    windows_text: str,
+    checked: str | None = None,
+) -> str:
+    """What the file says and what specd does with it; ``checked``: what `_can_run` found
+    of the pin just written (None: not asked)."""
     if not status.present:
         return f"{path}: no override file; specd decides automatically."
     if not status.valid:
@@ -114,15 +126,46 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     if override.setting is not None:
         text = format_setting(override.setting)
         what = "no speculation" if text == "off" else f"SGLang's adaptive mode {text}"
+        if checked is None:
+            return (
+                f"{path}: valid, pin {text} {until}{why}\n"
+                f"specd runs {what}; if SGLang runs another setting it restarts {when}, once "
+                "it has checked that this server supports it (`specd doctor` lists what it "
+                "offers)."
+            )
         return (
             f"{path}: valid, pin {text} {until}{why}\n"
-            f"specd runs {what}; if SGLang runs another setting it restarts {when}, once "
-            "it has checked that this server supports it (`specd doctor` lists what it offers)."
+            f"specd runs {what}; if SGLang runs another setting it restarts {when}.\n{checked}"
         )
     return (
         f"{path}: valid, pin {override.steps} steps {until}{why}\n"
         f"specd runs {override.steps} steps; if SGLang runs another count it restarts {when}."
+        + (f"\n{checked}" if checked else "")
     )
+
+
+def _can_run(cfg: config_mod.Config, setting: SpecSetting) -> tuple[str | None, str]:
+    """Why this server or its unit cannot run ``setting`` (None: it can, or cannot be
+    asked), and what was checked, as the daemon judges a pin (`unsupported`): a pin it
+    cannot run restarts nothing and holds every automatic change until it expires."""
+    static_only = read_static_only(SubprocessRunner(), cfg.sglang.unit)
+    info = server_info(cfg)
+    traits = traits_from_server_info(info) if isinstance(info, dict) else None
+    if traits is not None and traits.algorithm is None:
+        # SGLang runs off and reports no algorithm: the one specd applies stands in, as
+        # the daemon's own; without one configured the daemon's memory may know it.
+        known = cfg.sglang.speculative_algorithm
+        traits = None if known is None else replace(traits, algorithm=known.upper(), topk=1)
+    why = cannot_run(traits, static_only, setting)
+    if why is not None:
+        return why, ""
+    if traits is None:
+        asked = info if isinstance(info, str) else "it runs no speculation"
+        return None, (
+            f"could not ask SGLang whether it can run it ({printable(asked)}): specd checks "
+            "before it restarts and holds the pin (`unsupported`) if it cannot"
+        )
+    return None, f"checked: SGLang at {cfg.sglang.url} and {cfg.sglang.unit} can run it"
 
 
 def _in_force(path: Path, cfg: config_mod.Config, now: datetime) -> str | None:
@@ -192,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         windows_text = "in the next maintenance window"
     replaced: str | None = None
+    checked: str | None = None
     if args.action != "show":
         user = operator()
         if args.action == "clear":
@@ -215,6 +259,17 @@ def run(args: argparse.Namespace) -> int:
             steps = pinned.steps if pinned is not None and pinned.kind == "static" else None
             other = pinned if pinned is not None and pinned.kind != "static" else None
             override = Override(args.action, steps, now + duration, args.reason, apply, other)
+            if pinned is not None:
+                cannot, checked = _can_run(cfg, pinned)
+                if cannot is not None:
+                    print(
+                        f"specd override: this server cannot run {format_setting(pinned)}: "
+                        f"{printable(cannot)}; specd would restart nothing and hold every "
+                        "automatic change until the pin expired (`specd doctor` lists what "
+                        "it offers); nothing written",
+                        file=sys.stderr,
+                    )
+                    return 2
         late = _never_applies(override, cfg, now)
         if late is not None:
             opens, reach = late
@@ -244,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     status = read_override(
         path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
     )
-    print(_describe(status, path, now, windows_text))
+    print(_describe(status, path, now, windows_text, checked))
     if replaced is not None:
         print(f"replaces {replaced}")
     if daemon(cfg.files.state_dir)["running"] is False:

@@ -3,6 +3,7 @@ and the daemon's decisions name, in the same text; it says whose override it rep
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -12,11 +13,15 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
+import httpx
 import pytest
+from factories import version_twin
 
 from specd.cli import main
 from specd.commands.status import collect, render
 from specd.io.config import load_config
+from specd.twin.process import free_port
+from specd.twin.standin import UNIT, make_standin
 
 UTC = timezone.utc
 
@@ -169,3 +174,97 @@ def test_an_override_says_whose_override_in_force_it_replaces(
     assert before is not None
     assert f": {before[-1]}" in said  # its reason
     assert re.search(r"written by alice \(sudo\) at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", said)
+
+
+def served_config(tmp_path: Path, url: str) -> Path:
+    path = zoned_config(tmp_path, "UTC", opens_in_h=6)
+    path.write_text(path.read_text().replace("http://127.0.0.1:9", url))
+    return path
+
+
+def override_cmd(cfg: Path, path_env: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+    env["PATH"] = path_env
+    return subprocess.run(
+        [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+# A pin this server or its unit cannot run: refused before it replaces what is in force.
+STATIC_ONLY = "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
+DP_ATTENTION = ("--dp-size", "2", "--enable-dp-attention")
+
+
+@pytest.mark.parametrize(
+    ("server", "setting", "refused"),
+    [
+        # The unit's drop-in takes static step counts only (the stand-in's, as before
+        # `specd install` rewrote it).
+        ("static-only unit", "off", STATIC_ONLY),
+        ("static-only unit", "adaptive:3,4", STATIC_ONLY),
+        ("static-only unit", "4", None),
+        # What /server_info says the server runs.
+        ("DP attention", "adaptive:3,4", "adaptive mode does not run with DP attention"),
+        ("DP attention", "off", None),
+        ("DP attention", "4", None),
+        # SGLang down: nothing to check against; written, and said so.
+        ("down", "adaptive:3,4", None),
+    ],
+)
+@pytest.mark.parametrize("now", [False, True], ids=["next-window", "now"])
+def test_a_pin_the_server_cannot_run_is_refused_before_it_replaces_anything(
+    tmp_path: Path, server: str, setting: str, refused: str | None, now: bool
+) -> None:
+    """`pin off --now` on a unit whose drop-in takes step counts only was written and said
+    "restarts at once, once it has checked": specd then held every decision `unsupported`,
+    restarting nothing and choosing nothing, until the pin expired."""
+    path_env = os.environ.get("PATH", "/usr/bin:/bin")
+    stack = contextlib.ExitStack()
+    with stack:
+        if server == "static-only unit":
+            port = free_port()
+            standin = make_standin(tmp_path, port)
+            stack.callback(standin.stop)
+            assert standin.systemctl("restart", UNIT).returncode == 0
+            path_env = f"{standin.bin_dir}:{path_env}"
+            url = standin.url()
+        elif server == "DP attention":
+            twin = stack.enter_context(version_twin("0.5.23", *DP_ATTENTION))
+            twin.wait_healthy()
+            url = twin.url
+        else:
+            url = f"http://127.0.0.1:{free_port()}"
+        cfg = served_config(tmp_path, url)
+        if server == "static-only unit":
+            wait_healthy(url)
+        first = override_cmd(cfg, path_env, *FREEZE)
+        assert first.returncode == 0, first.stderr
+        before = (tmp_path / "override.toml").read_bytes()
+        argv = ["pin", setting, "--for", "1d", "--reason", "try it", *(["--now"] if now else [])]
+        done = override_cmd(cfg, path_env, *argv)
+    if refused is None:
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "override.toml").read_bytes() != before
+        assert ("could not ask" if server == "down" else "checked: SGLang at ") in done.stdout
+        return
+    assert done.returncode == 2, done.stdout + done.stderr
+    (said,) = done.stderr.splitlines()
+    assert said.startswith(f"specd override: this server cannot run {setting}: ")
+    assert refused in said
+    assert "nothing written" in said
+    assert (tmp_path / "override.toml").read_bytes() == before
+
+
+def wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never healthy")
