@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import sys
 from dataclasses import replace
@@ -33,6 +34,7 @@ from specd.io.override import (
 )
 from specd.io.runner import SubprocessRunner
 
+PERMISSION = (errno.EACCES, errno.EPERM)
 PIN_FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
 FREEZE_FOR = Duration(
     MAX_CLI_DURATION,
@@ -294,7 +296,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_override(path, text)
         except OSError as exc:
-            print(f"specd override: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            hint = " (run it as root: sudo specd override ...)" if exc.errno in PERMISSION else ""
+            print(
+                f"specd override: cannot write {path}: {exc.strerror or exc}{hint}",
+                file=sys.stderr,
+            )
             return 1
     status = read_override(
         path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()

@@ -13,6 +13,7 @@ on-call clears the pin first, or retries it knowingly.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from datetime import datetime, timezone
@@ -29,6 +30,8 @@ from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import OverrideStatus, daemon_uids, read_override
 from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_state
+
+PERMISSION = (errno.EACCES, errno.EPERM)
 
 _reason = reason_type("say why it is safe to resume: the log keeps it")
 
@@ -101,7 +104,12 @@ def run(args: argparse.Namespace) -> int:
             mode=0o640,
         )
     except OSError as exc:
-        print(f"specd: cannot write the request into {state_dir}: {exc} (run as root?)")
+        hint = " (run it as root or as the specd user)" if exc.errno in PERMISSION else ""
+        print(
+            f"specd unfreeze: cannot write the request into {state_dir}: "
+            f"{exc.strerror or exc}{hint}",
+            file=sys.stderr,
+        )
         return 1
     if frozen is not None:
         since = frozen.get("since")

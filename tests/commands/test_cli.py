@@ -452,3 +452,16 @@ def test_unfreeze_reads_the_freeze_as_the_daemon_does(
     assert said in done.stdout + done.stderr
     assert "\x1b" not in done.stdout + done.stderr
     assert (state_dir / UNFREEZE_REQUEST).exists() is requested
+
+
+def test_unfreeze_that_cannot_write_its_request_says_so_on_stderr(tmp_path: Path) -> None:
+    """The error went to stdout, as `specd:`, where a script reading the output took it
+    for what unfreeze had done."""
+    cfg_path = write_config(tmp_path)
+    (tmp_path / "state").write_text("not a directory\n")
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "specd unfreeze: cannot write the request into " in done.stderr
+    assert "Not a directory" in done.stderr
+    assert "Traceback" not in done.stderr
