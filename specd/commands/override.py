@@ -305,6 +305,17 @@ def run(args: argparse.Namespace) -> int:
     status = read_override(
         path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
     )
+    held = status.override
+    if args.action == "show" and held is not None and held.active(now) and held.mode == "pin":
+        # What the daemon does with it: a pin it cannot run is held `unsupported`.
+        pinned = held.setting or SpecSetting("static", steps=held.steps)
+        cannot, checked = _can_run(cfg, pinned)
+        if cannot is not None:
+            checked = (
+                f"BUT this server cannot run it: {printable(cannot)}; specd restarts nothing "
+                "and holds every automatic change (`unsupported`) until it expires: "
+                "`specd override clear`, or pin a setting `specd doctor` lists"
+            )
     print(_describe(status, path, now, windows_text, checked))
     if replaced is not None:
         print(f"replaces {replaced}")

@@ -271,3 +271,23 @@ def test_unfreeze_while_specd_is_down_says_when_the_freeze_clears(oncall: Oncall
     assert "specd is not running: it clears the freeze when it starts" in done.stdout
     oncall.start()
     wait_for(lambda: not oncall.status_json()["frozen"], 20, "the start to clear the freeze")
+
+
+@pytest.mark.parametrize("setting", ["off", "adaptive:3,4"])
+def test_override_show_and_the_daemon_agree_on_a_pin_the_unit_cannot_run(
+    oncall: Oncall, setting: str
+) -> None:
+    """Written by hand (the command refuses it), a pin the unit cannot be given: specd holds
+    it `unsupported`; show said specd would run it once it had checked."""
+    oncall.start()
+    oncall.override.write_text(
+        f'mode = "pin"\nsetting = "{setting}"\nexpires_at = 2099-01-01T00:00:00Z\n'
+        'reason = "by hand"\napply = "now"\n'
+    )
+    oncall.override.chmod(0o644)
+    oncall.wait_decision(lambda d: d.get("reason") == "unsupported", "specd to refuse it")
+    show = oncall.specd("override", "show")
+    assert show.returncode == 0, show.stderr
+    assert "BUT this server cannot run it: " in show.stdout
+    assert "static step counts only" in show.stdout
+    assert oncall.standin.restarts == [3]  # only the test's own start

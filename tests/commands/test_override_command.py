@@ -1,5 +1,6 @@
 """`specd override` as the on-call reads it: the times it names are the ones `specd status`
-and the daemon's decisions name, in the same text; it says whose override it replaces."""
+and the daemon's decisions name, in the same text; it says whose override it replaces, and
+refuses or flags a pin the server cannot run, as the daemon judges it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -200,6 +202,29 @@ STATIC_ONLY = "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
 DP_ATTENTION = ("--dp-size", "2", "--enable-dp-attention")
 
 
+@contextlib.contextmanager
+def serving(tmp_path: Path, server: str) -> Iterator[tuple[Path, str]]:
+    """A config for SGLang as ``server`` ("static-only unit": the stand-in unit, whose
+    drop-in takes step counts only; "DP attention": a twin with it; "down"), and the PATH
+    to run specd with."""
+    path_env = os.environ.get("PATH", "/usr/bin:/bin")
+    with contextlib.ExitStack() as stack:
+        if server == "static-only unit":
+            standin = make_standin(tmp_path, free_port())
+            stack.callback(standin.stop)
+            assert standin.systemctl("restart", UNIT).returncode == 0
+            path_env = f"{standin.bin_dir}:{path_env}"
+            url = standin.url()
+            wait_healthy(url)
+        elif server == "DP attention":
+            twin = stack.enter_context(version_twin("0.5.23", *DP_ATTENTION))
+            twin.wait_healthy()
+            url = twin.url
+        else:
+            url = f"http://127.0.0.1:{free_port()}"
+        yield served_config(tmp_path, url), path_env
+
+
 @pytest.mark.parametrize(
     ("server", "setting", "refused"),
     [
@@ -223,25 +248,7 @@ def test_a_pin_the_server_cannot_run_is_refused_before_it_replaces_anything(
     """`pin off --now` on a unit whose drop-in takes step counts only was written and said
     "restarts at once, once it has checked": specd then held every decision `unsupported`,
     restarting nothing and choosing nothing, until the pin expired."""
-    path_env = os.environ.get("PATH", "/usr/bin:/bin")
-    stack = contextlib.ExitStack()
-    with stack:
-        if server == "static-only unit":
-            port = free_port()
-            standin = make_standin(tmp_path, port)
-            stack.callback(standin.stop)
-            assert standin.systemctl("restart", UNIT).returncode == 0
-            path_env = f"{standin.bin_dir}:{path_env}"
-            url = standin.url()
-        elif server == "DP attention":
-            twin = stack.enter_context(version_twin("0.5.23", *DP_ATTENTION))
-            twin.wait_healthy()
-            url = twin.url
-        else:
-            url = f"http://127.0.0.1:{free_port()}"
-        cfg = served_config(tmp_path, url)
-        if server == "static-only unit":
-            wait_healthy(url)
+    with serving(tmp_path, server) as (cfg, path_env):
         first = override_cmd(cfg, path_env, *FREEZE)
         assert first.returncode == 0, first.stderr
         before = (tmp_path / "override.toml").read_bytes()
@@ -268,3 +275,33 @@ def wait_healthy(url: str) -> None:
                 return
         time.sleep(0.1)
     raise AssertionError(f"{url} never healthy")
+
+
+@pytest.mark.parametrize(
+    ("server", "pinned", "says"),
+    [
+        ("static-only unit", 'setting = "off"', "BUT this server cannot run it: "),
+        ("static-only unit", 'setting = "adaptive:3,4"', "BUT this server cannot run it: "),
+        ("static-only unit", "steps = 4", "checked: SGLang at "),
+        ("DP attention", 'setting = "adaptive:3,4"', "BUT this server cannot run it: "),
+        ("DP attention", 'setting = "off"', "checked: SGLang at "),
+        ("down", 'setting = "off"', "could not ask SGLang whether it can run it"),
+    ],
+)
+def test_show_says_whether_the_server_can_run_the_pin_as_the_daemon_judges_it(
+    tmp_path: Path, server: str, pinned: str, says: str
+) -> None:
+    """A hand-written pin of off on a step-variable drop-in: show said "specd runs no
+    speculation ... once it has checked", while specd held it `unsupported`."""
+    with serving(tmp_path, server) as (cfg, path_env):
+        override = tmp_path / "override.toml"
+        override.write_text(
+            f'mode = "pin"\n{pinned}\nexpires_at = 2099-01-01T00:00:00Z\nreason = "r"\n'
+        )
+        override.chmod(0o644)
+        done = override_cmd(cfg, path_env, "show")
+    assert done.returncode == 0, done.stderr
+    assert says in done.stdout
+    assert "once it has checked" not in done.stdout
+    if "BUT" in says:
+        assert "`specd override clear`" in done.stdout
