@@ -103,10 +103,11 @@ def _mode_text(mode: str | None) -> str:
 
 
 def when_text(ts: float | None, now: float, shown: str | None = None) -> str:
-    """``ts`` in UTC (or as ``shown``), and how long before or after ``now``."""
+    """``ts`` in UTC as every time specd prints (ISO 8601 with its offset; or as
+    ``shown``, a window's own clock), and how long before or after ``now``."""
     if ts is None:
         return "never"
-    at = shown or datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    at = shown or iso_time(datetime.fromtimestamp(ts, tz=timezone.utc))
     delta = ts - now
     span = abs(delta)
     human = (

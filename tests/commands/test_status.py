@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -473,3 +474,43 @@ def test_status_reads_any_lock_table_and_sees_only_its_own_lock(lines: list[str]
         assert daemon(state_dir, locks) == (
             {"running": True, "pid": 4242} if ours else {"running": False, "pid": None}
         )
+
+
+# A date and time as status could print one: ISO 8601 or "2026-12-06 10:05:20 UTC".
+_TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d(:\d\d)?\S*( UTC)?")
+
+
+def test_every_time_status_prints_is_iso_8601_with_its_offset(tmp_path: Path) -> None:
+    """Window times were `2026-12-07T03:00:00+01:00`, the override's expiry
+    `2026-12-07T10:05:28+00:00`, every other time `2026-12-06 10:05:20 UTC`: three ways
+    of writing a time in one screen, four with the decisions' `…T02:00Z`."""
+    path = config_file(tmp_path, "http://127.0.0.1:9", '["static"]')
+    with path.open("a") as file:
+        file.write(
+            '[gateway]\nurls = ["http://127.0.0.1:9"]\n'
+            '[[windows]]\ncron = "0 3 * * *"\nduration_s = 3600.0\n'
+            'timezone = "Europe/Berlin"\n'
+        )
+    config = load_config(path)
+    state = State(
+        live={"t": NOW - 5, "steps": 3, "setting": "3", "source": "observation"},
+        last_decision={"t": NOW - 5, "reason": "frozen", "message": "frozen (x); holding 3"},
+        frozen={"since": NOW - 600, "reason": "restart to 6 rolled_back"},
+        avoided=[Avoided(5, NOW - 3600, ((2, 1.0),), 0.031, 3)],
+        gateway={
+            "probe": {"t": NOW - 30, "problem": None, "not_ready_replicas": 0},
+            "last_drain": {"t": NOW - 900, "result": "idle", "duration_s": 4.0},
+        },
+    )
+    assert StateStore(config.files.state_dir).save(state) is None
+    (tmp_path / "override.toml").write_text(
+        'mode = "freeze"\nexpires_at = 2025-11-25T16:00:00Z\nreason = "r"\n'
+    )
+    (tmp_path / "override.toml").chmod(0o644)
+    text = render(collect(config, NOW, "down"), NOW)
+    found = [m.group(0) for m in _TIME.finditer(text)]
+    assert len(found) >= 10, text  # live, decision, frozen, window ×2, override, avoided ×2,
+    # gateway, last drain
+    for shown in found:
+        assert "UTC" not in shown, text
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", shown), shown
