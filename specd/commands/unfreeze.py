@@ -33,6 +33,8 @@ from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_stat
 
 PERMISSION = (errno.EACCES, errno.EPERM)
 
+DAY_S = 86400.0
+
 _reason = reason_type("say why it is safe to resume: the log keeps it")
 
 
@@ -57,11 +59,13 @@ def run(args: argparse.Namespace) -> int:
     unknown: str | None = None
     frozen: dict[str, Any] | None = None
     live: str | None = None
+    restarts: list[float] = []
     try:
         # As the daemon reads it: a freeze it cannot read is a freeze all the same.
         state = read_state(path, HistorySettings.from_config(config), [], now=now)
         frozen = state.frozen
         live = (state.live or {}).get("setting")
+        restarts = [float(r["t"]) for r in state.restarts]
     except FileNotFoundError:
         pass
     except ValueError as exc:
@@ -119,14 +123,20 @@ def run(args: argparse.Namespace) -> int:
         print("unfreeze requested; specd is not running: it clears the freeze when it starts")
     else:
         print("unfreeze requested; specd clears it within one tick (its log says `unfrozen`)")
-    print(f"then: {_next(config, override, pinned, live, now)}")
+    print(f"then: {_next(config, override, pinned, live, now, restarts)}")
     return 0
 
 
 def _next(
-    config: Config, override: OverrideStatus, pinned: str | None, live: str | None, now: float
+    config: Config,
+    override: OverrideStatus,
+    pinned: str | None,
+    live: str | None,
+    now: float,
+    restarts: list[float],
 ) -> str:
-    """What specd does once unfrozen, as the override file and the windows make it."""
+    """What specd does once unfrozen, as the override file, the windows and the daily
+    restart budget (``restarts``: when the saved ones were) make it."""
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     if not override.valid:
         return (
@@ -140,15 +150,25 @@ def _next(
             f"the override's freeze holds until {iso_time(held.expires_at)}: still no "
             "change until then (`specd override clear` ends it)"
         )
+    opens: float | None = now
     try:
-        opens = iso_time(windows.local_time(config.windows, windows.next_open(config.windows, at)))
-        window = (
-            "inside the open maintenance window"
-            if windows.is_open(config.windows, at)
-            else f"in the next maintenance window ({opens})"
-        )
+        if windows.is_open(config.windows, at):
+            window = "inside the open maintenance window"
+        else:
+            nxt = windows.next_open(config.windows, at)
+            opens = nxt.timestamp()
+            shown = iso_time(windows.local_time(config.windows, nxt))
+            window = f"in the next maintenance window ({shown})"
     except ValueError:
-        window = "in a maintenance window"
+        window, opens = "in a maintenance window", None
+    budget = config.restart.daily_restart_budget
+    recent = sorted(t for t in restarts if now - DAY_S < t <= now)
+    # As decide counts it: no restart until enough of these are a day old (a pin with apply
+    # = now is not held by it); said when that is later than the window opens.
+    free = recent[len(recent) - budget] + DAY_S if budget and len(recent) >= budget else None
+    if len(recent) >= budget and (free is None or opens is None or free > opens):
+        after = f"none before {when_text(free, now)}" if free is not None else "none at all"
+        window += f"; {after} (restart budget: {len(recent)} restarts in 24 h, {budget} allowed)"
     if held is not None and pinned is not None:
         what = f"the override pins {setting_text(pinned)}"
         if pinned == live:

@@ -270,6 +270,10 @@ PIN_6_NOW = {"mode": "pin", "steps": 6, "apply": "now"}
         ({"mode": "freeze"}, "3", [], 0, "then: the override's freeze holds until "),
         ({**PIN_6_NOW, "expires_at": "2000-01-01T00:00:00Z"}, "3", [], 0, "decides by itself"),
         ({"mode": "pinn"}, "3", [], 0, "then: the override file is invalid"),
+        # The restart budget used up (by the failed restart and its rollback, say): the
+        # next window opens to no restart.
+        (None, "3-budget", [], 0, "; none before 20"),
+        ({**PIN_6_NOW, "apply": "next-window"}, "3-budget", [], 0, "(restart budget: 4 "),
     ],
 )
 def test_unfreeze_says_what_happens_next_and_never_retries_a_pin_unasked(
@@ -284,10 +288,18 @@ def test_unfreeze_says_what_happens_next_and_never_retries_a_pin_unasked(
     config = load_config(cfg_path)
     now = time.time()
     frozen = {"since": now - 60, "reason": "restart to 6 rolled_back: never healthy"}
+    restarts = []
+    if live is not None and live.endswith("-budget"):
+        live = live.removesuffix("-budget")
+        restarts = [
+            {"t": now - h * 3600, "from_steps": 3, "to_steps": 4, "result": "success"}
+            for h in (1.0, 0.9, 0.8, 0.7)
+        ]
     running = None if live is None else {"t": now - 5, "steps": 3, "source": "observation"}
     if running is not None:
         running |= {"setting": live, "steps": int(live) if live.isdigit() else None}
-    assert StateStore(config.files.state_dir).save(State(frozen=frozen, live=running)) is None
+    saved = State(frozen=frozen, live=running, restarts=restarts)
+    assert StateStore(config.files.state_dir).save(saved) is None
     if override is not None:
         expires = datetime.now(timezone.utc) + timedelta(hours=1)
         table = {"expires_at": expires, "reason": "incident", **override}
