@@ -25,7 +25,6 @@ from specd.io.override import (
     MAX_CLI_DURATION,
     OverrideStatus,
     check_override_text,
-    daemon_uids,
     expired,
     read_override,
     render_override,
@@ -173,9 +172,7 @@ def _can_run(cfg: config_mod.Config, setting: SpecSetting) -> tuple[str | None, 
 def _in_force(path: Path, cfg: config_mod.Config, now: datetime) -> str | None:
     """The pin or freeze in force in ``path`` that writing replaces, and who wrote it (the
     next on-call may not know a colleague's freeze is there): None when none is."""
-    status = read_override(
-        path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
-    )
+    status = read_override(path, cfg.choose.min_steps, cfg.choose.max_steps, now, as_daemon=True)
     held = status.override
     if held is None or not held.active(now) or held.expires_at is None:
         return None
@@ -302,9 +299,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    status = read_override(
-        path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
-    )
+    status = read_override(path, cfg.choose.min_steps, cfg.choose.max_steps, now, as_daemon=True)
     held = status.override
     if args.action == "show" and held is not None and held.active(now) and held.mode == "pin":
         # What the daemon does with it: a pin it cannot run is held `unsupported`.

@@ -28,7 +28,7 @@ from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
-from specd.io.override import OverrideStatus, daemon_uids, read_override
+from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import (
@@ -223,7 +223,7 @@ def collect(
         config.choose.min_steps,
         config.choose.max_steps,
         at,
-        allowed_uids=daemon_uids(),
+        as_daemon=True,
     )
     current = override.override if override.valid else None
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]

@@ -28,7 +28,7 @@ from specd.core.history import HistorySettings
 from specd.core.text import iso_time, printable
 from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
-from specd.io.override import OverrideStatus, daemon_uids, read_override
+from specd.io.override import OverrideStatus, read_override
 from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_state
 
 PERMISSION = (errno.EACCES, errno.EPERM)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         config.choose.min_steps,
         config.choose.max_steps,
         now,
-        allowed_uids=daemon_uids(),
+        as_daemon=True,
     )
     held = override.override if override.valid else None
     pinned = held.pinned_name if held is not None and held.active(now) else None

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -21,6 +23,7 @@ from factories import version_twin
 
 from specd.cli import main
 from specd.commands.status import collect, render
+from specd.io import override as override_io
 from specd.io.config import load_config
 from specd.twin.process import free_port
 from specd.twin.standin import UNIT, make_standin
@@ -305,3 +308,32 @@ def test_show_says_whether_the_server_can_run_the_pin_as_the_daemon_judges_it(
     assert "once it has checked" not in done.stdout
     if "BUT" in says:
         assert "`specd override clear`" in done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="judging another user's access needs root")
+def test_show_and_status_call_a_file_the_daemon_cannot_read_invalid(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A freeze written by hand with root's umask 077: `override show` and `status` (as
+    root) said it was in force; specd (as its user) could not read it and ignored it."""
+    monkeypatch.setattr(override_io, "DAEMON_USER", "nobody")
+    top = Path(tempfile.mkdtemp(dir="/tmp", prefix="specd-override-"))
+    try:
+        top.chmod(0o755)
+        cfg = zoned_config(top, "UTC", opens_in_h=6)
+        override = top / "override.toml"
+        override.write_text('mode = "freeze"\nexpires_at = 2999-01-01T00:00:00Z\nreason = "r"\n')
+        override.chmod(0o600)
+        assert main(["override", "show", "--config", str(cfg)]) == 1
+        out = capsys.readouterr().out
+        assert out.startswith(f"INVALID: user nobody cannot read {override} (0600 root:root)")
+        info = collect(load_config(cfg), time.time(), "down")
+        assert info["mode"] is None
+        assert "user nobody cannot read" in info["override"]["problem"]
+        # What `specd override` writes, the daemon's user reads.
+        assert (
+            main(["override", "freeze", "--for", "1h", "--reason", "r", "--config", str(cfg)]) == 0
+        )
+        assert "valid, freeze" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(top)
