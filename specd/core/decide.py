@@ -518,13 +518,19 @@ def _decide(
     if control.frozen:
         # One line, whatever the state file holds: messages are log fields and STATUS=.
         why = _one_line(control.frozen_reason or "") or "a restart failed"
-        return Decision(hold, Reason.FROZEN, f"frozen ({why}); {_holding(current)}")
+        return Decision(
+            hold,
+            Reason.FROZEN,
+            f"frozen ({why}); {_holding(current)} until an operator runs "
+            "`specd unfreeze --reason ...`",
+        )
     if active is not None and active.mode == "freeze":
         until = f" until {_stamp(active.expires_at)}" if active.expires_at else ""
         return Decision(
             hold,
             Reason.FROZEN,
-            f"override freeze{until} ({_one_line(active.reason)}); {_holding(current)}",
+            f"override freeze{until} ({_one_line(active.reason)}); {_holding(current)} "
+            "(`specd override clear` ends it sooner)",
         )
 
     # 2. An operator's pin. apply = "now" is the on-call's emergency lever, so it

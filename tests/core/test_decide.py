@@ -158,10 +158,12 @@ def case(
 BUDGET_USED = (OPEN - 5 * HOUR, OPEN - 4 * HOUR, OPEN - 3 * HOUR, OPEN - 2 * HOUR)
 CASES = [
     # Frozen beats everything, even a pin that says now.
-    case("frozen", Reason.FROZEN, 4, False, "frozen (rb); holding 4",
+    case("frozen", Reason.FROZEN, 4, False,
+         "frozen (rb); holding 4 until an operator runs `specd unfreeze --reason ...`",
          override=pin(2, "now"), ctl=control(frozen=True, frozen_reason="rb")),
     case("freeze-override", Reason.FROZEN, 4, False,
-         "override freeze until 2026-01-06T03:30:00+00:00 (incident 42)", override=freeze()),
+         "override freeze until 2026-01-06T03:30:00+00:00 (incident 42); holding 4 "
+         "(`specd override clear` ends it sooner)", override=freeze()),
     case("frozen-unknown-steps", Reason.FROZEN, None, False, "no change",
          obs=None, ctl=control(current=None, frozen=True)),
     case("freeze-expired", Reason.CHANGE, 3, True, "4 → 3", override=freeze(expires=OPEN - 1)),
