@@ -132,12 +132,14 @@ def test_duration_text(seconds: float, text: str) -> None:
     st.datetimes(
         min_value=datetime(1970, 1, 2),
         max_value=datetime(9998, 12, 31),
-        timezones=st.sampled_from(
-            [timezone.utc, timezone(timedelta(hours=-5)), ZoneInfo("Europe/Berlin")]
-        ),
-    )
+        timezones=st.just(timezone.utc),
+    ),
+    st.sampled_from([timezone.utc, timezone(timedelta(hours=-5)), ZoneInfo("Europe/Berlin")]),
 )
-def test_an_instant_is_written_to_the_second_with_its_offset(at: datetime) -> None:
+def test_an_instant_is_written_to_the_second_with_its_offset(
+    instant: datetime, clock: timezone | ZoneInfo
+) -> None:
+    at = instant.astimezone(clock)  # as specd has its times: an instant, on some clock
     text = iso_time(at)
     back = datetime.fromisoformat(text)
     assert back == at.replace(microsecond=0)
