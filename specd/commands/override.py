@@ -3,31 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import getpass
+import errno
 import math
 import sys
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from specd.commands.args import Duration, quoted
-from specd.commands.reason import reason_type
+from specd.commands.reason import operator, reason_type
+from specd.commands.status import daemon, server_info, setting_text, when_text
 from specd.core import windows
+from specd.core.choices import cannot_run
 from specd.core.override import _UTC, Apply, Override
-from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
-from specd.core.text import duration_text, printable
+from specd.core.text import duration_text, iso_time, printable
 from specd.io import config as config_mod
+from specd.io.apply import read_static_only
 from specd.io.override import (
     MAX_CLI_DURATION,
     OverrideStatus,
     check_override_text,
-    daemon_uids,
     expired,
     read_override,
     render_override,
     write_override,
+    written_by,
 )
+from specd.io.runner import SubprocessRunner
 
+PERMISSION = (errno.EACCES, errno.EPERM)
 PIN_FOR = Duration(MAX_CLI_DURATION, "for longer, change min_steps/max_steps in the config")
 FREEZE_FOR = Duration(
     MAX_CLI_DURATION,
@@ -82,7 +88,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("show", parents=[common], help="say whether the file is valid and its effect")
 
 
-def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: str) -> str:
+def _describe(
+    status: OverrideStatus,
+    path: Path,
+    now: datetime,
+    windows_text: str,
+    checked: str | None = None,
+) -> str:
+    """What the file says and what specd does with it; ``checked``: what `_can_run` found
+    of the pin just written (None: not asked)."""
     if not status.present:
         return f"{path}: no override file; specd decides automatically."
     if not status.valid:
@@ -101,27 +115,73 @@ def _describe(status: OverrideStatus, path: Path, now: datetime, windows_text: s
     if ago is not None:
         return (
             f"{path}: {override.mode} expired {ago} ago "
-            f"({override.expires_at:%Y-%m-%d %H:%M:%SZ}){why}\n"
+            f"({iso_time(override.expires_at)}){why}\n"
             "specd decides automatically again; delete the file or run "
             "`specd override clear`, so nobody takes it for the setting in force."
         )
     left = duration_text((override.expires_at - now).total_seconds())
-    until = f"until {override.expires_at:%Y-%m-%d %H:%M:%SZ} ({left} from now)"
+    until = f"until {iso_time(override.expires_at)} ({left} from now)"
     if override.mode == "freeze":
         return f"{path}: valid, freeze {until}{why}\nspecd makes no step changes until then."
     when = "at once (apply = now)" if override.apply == "now" else windows_text
     if override.setting is not None:
         text = format_setting(override.setting)
         what = "no speculation" if text == "off" else f"SGLang's adaptive mode {text}"
+        if checked is None:
+            return (
+                f"{path}: valid, pin {text} {until}{why}\n"
+                f"specd runs {what}; if SGLang runs another setting it restarts {when}, once "
+                "it has checked that this server supports it (`specd doctor` lists what it "
+                "offers)."
+            )
         return (
             f"{path}: valid, pin {text} {until}{why}\n"
-            f"specd runs {what}; if SGLang runs another setting it restarts {when}, once "
-            "it has checked that this server supports it (`specd doctor` lists what it offers)."
+            f"specd runs {what}; if SGLang runs another setting it restarts {when}.\n{checked}"
         )
     return (
         f"{path}: valid, pin {override.steps} steps {until}{why}\n"
         f"specd runs {override.steps} steps; if SGLang runs another count it restarts {when}."
+        + (f"\n{checked}" if checked else "")
     )
+
+
+def _can_run(cfg: config_mod.Config, setting: SpecSetting) -> tuple[str | None, str]:
+    """Why this server or its unit cannot run ``setting`` (None: it can, or cannot be
+    asked), and what was checked, as the daemon judges a pin (`unsupported`): a pin it
+    cannot run restarts nothing and holds every automatic change until it expires."""
+    static_only = read_static_only(SubprocessRunner(), cfg.sglang.unit)
+    info = server_info(cfg)
+    traits = traits_from_server_info(info) if isinstance(info, dict) else None
+    if traits is not None and traits.algorithm is None:
+        # SGLang runs off and reports no algorithm: the one specd applies stands in, as
+        # the daemon's own; without one configured the daemon's memory may know it.
+        known = cfg.sglang.speculative_algorithm
+        traits = None if known is None else replace(traits, algorithm=known.upper(), topk=1)
+    why = cannot_run(traits, static_only, setting)
+    if why is not None:
+        return why, ""
+    if traits is None:
+        asked = info if isinstance(info, str) else "it runs no speculation"
+        return None, (
+            f"could not ask SGLang whether it can run it ({printable(asked)}): specd checks "
+            "before it restarts and holds the pin (`unsupported`) if it cannot"
+        )
+    return None, f"checked: SGLang at {cfg.sglang.url} and {cfg.sglang.unit} can run it"
+
+
+def _in_force(path: Path, cfg: config_mod.Config, now: datetime) -> str | None:
+    """The pin or freeze in force in ``path`` that writing replaces, and who wrote it (the
+    next on-call may not know a colleague's freeze is there): None when none is."""
+    status = read_override(path, cfg.choose.min_steps, cfg.choose.max_steps, now, as_daemon=True)
+    held = status.override
+    if held is None or not held.active(now) or held.expires_at is None:
+        return None
+    name = held.pinned_name
+    what = f"the pin {setting_text(name)}" if name is not None else f"the {held.mode}"
+    until = when_text(held.expires_at.timestamp(), now.timestamp(), iso_time(held.expires_at))
+    why = f": {printable(held.reason)}" if held.reason else ""
+    who = written_by(path)
+    return f"{what} in force until {until}{why}" + (f" — written by {who}" if who else "")
 
 
 def _never_applies(
@@ -144,6 +204,11 @@ def _never_applies(
     return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600))
 
 
+def _window_time(cfg: config_mod.Config, at: datetime) -> str:
+    """A window's opening on its own clock, as `specd status` and the decisions say it."""
+    return iso_time(windows.local_time(cfg.windows, at))
+
+
 def _hours(delta: timedelta) -> str:
     """Whole hours as --for takes them: ``20h``, ``1d``, ``1d4h``."""
     days, hours = divmod(int(delta.total_seconds() // 3600), 24)
@@ -164,12 +229,14 @@ def run(args: argparse.Namespace) -> int:
         windows_text = (
             "now, inside the open maintenance window"
             if windows.is_open(cfg.windows, now)
-            else f"in the next maintenance window ({opens:%Y-%m-%d %H:%M}Z)"
+            else f"in the next maintenance window ({_window_time(cfg, opens)})"
         )
     except ValueError:
         windows_text = "in the next maintenance window"
+    replaced: str | None = None
+    checked: str | None = None
     if args.action != "show":
-        user = getpass.getuser()
+        user = operator()
         if args.action == "clear":
             override = Override("auto", None, None, args.reason, "next-window")
         else:
@@ -191,18 +258,30 @@ def run(args: argparse.Namespace) -> int:
             steps = pinned.steps if pinned is not None and pinned.kind == "static" else None
             other = pinned if pinned is not None and pinned.kind != "static" else None
             override = Override(args.action, steps, now + duration, args.reason, apply, other)
+            if pinned is not None:
+                cannot, checked = _can_run(cfg, pinned)
+                if cannot is not None:
+                    print(
+                        f"specd override: this server cannot run {format_setting(pinned)}: "
+                        f"{printable(cannot)}; specd would restart nothing and hold every "
+                        "automatic change until the pin expired (`specd doctor` lists what "
+                        "it offers); nothing written",
+                        file=sys.stderr,
+                    )
+                    return 2
         late = _never_applies(override, cfg, now)
         if late is not None:
             opens, reach = late
+            assert override.expires_at is not None  # a pin that expires, or not late
             print(
-                f"specd override: the pin expires at {override.expires_at:%Y-%m-%d %H:%M}Z, "
-                f"before the next maintenance window opens ({opens:%Y-%m-%d %H:%M}Z): it "
+                f"specd override: the pin expires at {iso_time(override.expires_at)}, "
+                f"before the next maintenance window opens ({_window_time(cfg, opens)}): it "
                 f"would never apply. Restart at once with --now, or pin --for {_hours(reach)} "
                 "or more; nothing written",
                 file=sys.stderr,
             )
             return 2
-        header = f"written by `specd override {args.action}` as {user} at {now:%Y-%m-%dT%H:%M:%SZ}"
+        header = f"written by `specd override {args.action}` as {user} at {iso_time(now)}"
         text = render_override(override, header)
         # Checked as specd will read it before it replaces what is there: a file specd
         # would ignore must not take the place of one it obeys.
@@ -210,13 +289,34 @@ def run(args: argparse.Namespace) -> int:
         if refused is not None:
             print(f"specd override: {refused}; nothing written", file=sys.stderr)
             return 2
+        replaced = _in_force(path, cfg, now)
         try:
             write_override(path, text)
         except OSError as exc:
-            print(f"specd override: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+            hint = " (run it as root: sudo specd override ...)" if exc.errno in PERMISSION else ""
+            print(
+                f"specd override: cannot write {path}: {exc.strerror or exc}{hint}",
+                file=sys.stderr,
+            )
             return 1
-    status = read_override(
-        path, cfg.choose.min_steps, cfg.choose.max_steps, now, allowed_uids=daemon_uids()
-    )
-    print(_describe(status, path, now, windows_text))
+    status = read_override(path, cfg.choose.min_steps, cfg.choose.max_steps, now, as_daemon=True)
+    held = status.override
+    if args.action == "show" and held is not None and held.active(now) and held.mode == "pin":
+        # What the daemon does with it: a pin it cannot run is held `unsupported`.
+        pinned = held.setting or SpecSetting("static", steps=held.steps)
+        cannot, checked = _can_run(cfg, pinned)
+        if cannot is not None:
+            checked = (
+                f"BUT this server cannot run it: {printable(cannot)}; specd restarts nothing "
+                "and holds every automatic change (`unsupported`) until it expires: "
+                "`specd override clear`, or pin a setting `specd doctor` lists"
+            )
+    print(_describe(status, path, now, windows_text, checked))
+    if replaced is not None:
+        print(f"replaces {replaced}")
+    if daemon(cfg.files.state_dir)["running"] is False:
+        print(
+            "note: specd is not running: nothing reads this file until it starts "
+            "(`systemctl start specd`)"
+        )
     return 0 if status.valid else 1

@@ -5,6 +5,8 @@ dashboard). One check for every command that takes one, so what `override` refus
 from __future__ import annotations
 
 import argparse
+import getpass
+import os
 from collections.abc import Callable
 
 from specd.commands.args import quoted
@@ -34,3 +36,13 @@ def reason_type(missing: str) -> Callable[[str], str]:
 
     reason.__name__ = "reason"  # what argparse calls the type in its messages
     return reason
+
+
+def operator() -> str:
+    """Who runs the command, as the next on-call should read it: the login name, and under
+    sudo the one who ran sudo (``alice (sudo)``), not ``root``."""
+    user = getpass.getuser()
+    sudo = os.environ.get("SUDO_USER", "")
+    if user == "root" and sudo and sudo != "root":
+        return f"{printable(sudo[:64])} (sudo)"
+    return printable(user)

@@ -23,17 +23,27 @@ from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
 from specd.core.outcome import label
 from specd.core.setting import format_setting, traits_from_server_info
-from specd.core.text import duration_text, printable
+from specd.core.text import duration_text, iso_time, printable
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.fleet import Fleet, FleetUnavailable
-from specd.io.override import daemon_uids, read_override
+from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import STATE_FILE, State, held_freeze, read_state, salvage_note
+from specd.io.state import (
+    LOCK_FILE,
+    STATE_FILE,
+    State,
+    held_freeze,
+    read_state,
+    salvage_note,
+)
 
 DAY_S = 86400.0
+# The kernel's table of file locks: who holds the `specd run` lock, read without taking it
+# (a status holding it for a moment would make a daemon starting then refuse to run).
+PROC_LOCKS = Path("/proc/locks")
 # status must answer at once, also when SGLang is down or still loading.
 SERVER_INFO_TIMEOUT_S = 2.0
 
@@ -49,34 +59,55 @@ def _shown(name: object) -> str:
     return name if isinstance(name, str) and name else "?"
 
 
-def _setting_text(name: str) -> str:
+def setting_text(name: str) -> str:
     """A setting for a line: "4 steps", "off", "adaptive:3,4" (a bare number would not say
     what it counts)."""
     return f"{name} steps" if name.isdigit() else name
 
 
-def _override_text(ov: dict[str, Any]) -> str:
+def _override_text(ov: dict[str, Any], now: float) -> str:
     """The override line: what is in force, or why nothing in the file is."""
     if not ov["valid"]:
         return f"INVALID, ignored (specd keeps its last good state): {printable(ov['problem'])}"
     mode = ov["mode"]
     if mode == "auto":
         return "auto: specd decides"
-    what = f"pin {_setting_text(ov['setting'] or '?')}" if mode == "pin" else "freeze"
+    what = f"pin {setting_text(ov['setting'] or '?')}" if mode == "pin" else "freeze"
     why = f": {printable(ov['reason'])}" if ov["reason"] else ""
     if ov["expired_s"] is not None:
         return (
             f"{what} EXPIRED {duration_text(ov['expired_s'])} ago ({ov['expires_at']}){why}; "
             "specd decides by itself: delete the file or `specd override clear`"
         )
-    return f"{what} until {ov['expires_at']}{why}"
+    until = datetime.fromisoformat(ov["expires_at"]).timestamp()
+    return f"{what} until {when_text(until, now, ov['expires_at'])}{why}"
 
 
-def _when(ts: float | None, now: float, shown: str | None = None) -> str:
-    """``ts`` in UTC (or as ``shown``), and how long before or after ``now``."""
+def _mode(override: OverrideStatus, at: datetime) -> str | None:
+    """What the override file puts in force: "pin", "freeze" or "auto"; None when the file
+    is invalid: specd ignores it and keeps the last valid override it read since its start,
+    which only the daemon knows (not "auto": that may be a freeze)."""
+    if override.present and not override.valid:
+        return None
+    held = override.override
+    return held.mode if held is not None and held.active(at) else "auto"
+
+
+def _mode_text(mode: str | None) -> str:
+    if mode is not None:
+        return mode
+    return (
+        "unknown: the override file is invalid, so specd keeps the last valid override it "
+        "read since it started, if any (the last decision says which)"
+    )
+
+
+def when_text(ts: float | None, now: float, shown: str | None = None) -> str:
+    """``ts`` in UTC as every time specd prints (ISO 8601 with its offset; or as
+    ``shown``, a window's own clock), and how long before or after ``now``."""
     if ts is None:
         return "never"
-    at = shown or datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    at = shown or iso_time(datetime.fromtimestamp(ts, tz=timezone.utc))
     delta = ts - now
     span = abs(delta)
     human = (
@@ -87,6 +118,49 @@ def _when(ts: float | None, now: float, shown: str | None = None) -> str:
         else f"{span / 3600:.1f}h"
     )
     return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
+
+
+def daemon(state_dir: str | Path, locks: Path = PROC_LOCKS) -> dict[str, Any]:
+    """Whether a `specd run` holds ``state_dir``'s lock: ``{"running": bool | None, "pid":
+    int | None}``, running None when it cannot tell (no /proc/locks, the directory not
+    searchable). The lock is the daemon's (`specd.io.state.lock_state_dir`): an flock held
+    for its life, released when it ends, even killed; the pid is the kernel's."""
+    path = Path(state_dir) / LOCK_FILE
+    try:
+        inode = path.stat().st_ino
+    except FileNotFoundError:
+        return {"running": False, "pid": None}  # no specd ever ran on this directory
+    except OSError:
+        return {"running": None, "pid": None}
+    try:
+        written = path.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        written = ""  # 0640 root:specd: whoever may not read it still sees the lock
+    try:
+        table = locks.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return {"running": None, "pid": None}
+    for entry in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 27467 fe:00:2205828 0 EOF"; "1: -> FLOCK ..." waits.
+        fields = entry.split()
+        if len(fields) < 6 or fields[1] != "FLOCK" or not fields[4].isdigit():
+            continue
+        pid, where = fields[4], fields[5].rsplit(":", 1)[-1]
+        if where == str(inode) and (not written.isdigit() or written == pid):
+            return {"running": True, "pid": int(pid)}
+    return {"running": False, "pid": None}
+
+
+def daemon_text(info: dict[str, Any]) -> str:
+    """The `specd` line of status."""
+    if info["running"]:
+        return f"running (pid {info['pid']})"
+    if info["running"] is None:
+        return "? (cannot tell whether `specd run` holds its state directory's lock)"
+    return (
+        "NOT RUNNING: nothing decides or restarts; below is what it saved last "
+        "(`systemctl start specd`; why it stopped: `journalctl -u specd`)"
+    )
 
 
 def server_info(config: Config) -> dict[str, Any] | str:
@@ -149,7 +223,7 @@ def collect(
         config.choose.min_steps,
         config.choose.max_steps,
         at,
-        allowed_uids=daemon_uids(),
+        as_daemon=True,
     )
     current = override.override if override.valid else None
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
@@ -158,6 +232,9 @@ def collect(
     decision = state.last_decision
     live = state.live or {}
     return {
+        # Whether a `specd run` holds the state directory now: without one, what follows is
+        # what it saved last, and nothing decides.
+        "daemon": daemon(config.files.state_dir),
         "state_file": str(state_path),
         "state_problem": state_problem,
         "state_unreadable": unreadable,
@@ -170,7 +247,7 @@ def collect(
         "target_steps": decision.get("target_steps"),
         "target_setting": decision.get("target_setting", _name_of(decision.get("target_steps"))),
         "last_decision": decision,
-        "mode": current.mode if current is not None and current.active(at) else "auto",
+        "mode": _mode(override, at),
         "override": {
             "file": str(config.files.override_file),
             "present": override.present,
@@ -180,9 +257,7 @@ def collect(
             "steps": current.steps if current else None,
             # What a pin holds as the operator writes it ("4", "off", "adaptive:3,4").
             "setting": current.pinned_name if current else None,
-            "expires_at": current.expires_at.isoformat()
-            if current and current.expires_at
-            else None,
+            "expires_at": iso_time(current.expires_at) if current and current.expires_at else None,
             # Seconds since a pin or freeze expired (still in the file, no longer in force).
             "expired_s": (
                 (at - current.expires_at).total_seconds()
@@ -295,7 +370,7 @@ def _fleet_line(fleet: dict[str, Any], now: float) -> str:
     held = [
         f"slot {h['slot']} held by {h['name']}"
         + (" (this specd)" if h["name"] == fleet["this_holder"] else "")
-        + (f" since {_when(h['since'], now)}" if h["since"] is not None else "")
+        + (f" since {when_text(h['since'], now)}" if h["since"] is not None else "")
         for h in fleet["holders"]
     ]
     return f"{head}: " + ("; ".join(held) if held else "all free")
@@ -326,14 +401,14 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
     elif not probe:
         head = f"{replicas} replicas, not asked yet"
     elif probe.get("problem"):
-        head = f"UNAVAILABLE: {probe['problem']} ({_when(probe.get('t'), now)})"
+        head = f"UNAVAILABLE: {probe['problem']} ({when_text(probe.get('t'), now)})"
     elif probe.get("not_ready_replicas"):
         head = (
             f"worker NOT READY on {probe['not_ready_replicas']} of {replicas} replicas "
-            f"({_when(probe.get('t'), now)})"
+            f"({when_text(probe.get('t'), now)})"
         )
     else:
-        head = f"worker ready on all {replicas} replicas ({_when(probe.get('t'), now)})"
+        head = f"worker ready on all {replicas} replicas ({when_text(probe.get('t'), now)})"
     lines.append(f"gateway        {head}")
     drain = gateway["last_drain"]
     if drain:
@@ -346,47 +421,48 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
             what += f", {drain['in_flight_at_restart']} in flight at the restart"
         if drain.get("readd_problem"):
             what += f"; WORKER LEFT OUT: {drain['readd_problem']}"
-        lines.append(f"last drain     {what} ({_when(drain.get('t'), now)})")
+        lines.append(f"last drain     {what} ({when_text(drain.get('t'), now)})")
     return lines
 
 
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
     lines = [
+        f"specd          {daemon_text(info['daemon'])}",
         f"steps live     {_shown(info['current_setting'])}"
         + (
-            f" ({info['live_source']}, {_when(info['live_since'], now)})"
+            f" ({info['live_source']}, {when_text(info['live_since'], now)})"
             if info["live_since"]
             else ""
         ),
         f"target         {_shown(info['target_setting'])}",
-        f"mode           {info['mode']}",
+        f"mode           {_mode_text(info['mode'])}",
         f"last decision  {printable(str(d.get('reason', '-')))}: "
         f"{printable(str(d.get('message', '-')))} "
-        f"({_when(d.get('t'), now) if d.get('t') else 'never'})",
+        f"({when_text(d.get('t'), now) if d.get('t') else 'never'})",
         "frozen         "
         + (
-            f"YES, FROZEN since {_when(info['frozen'].get('since'), now)}: "
+            f"YES, FROZEN since {when_text(info['frozen'].get('since'), now)}: "
             f"{printable(str(info['frozen'].get('reason')))}"
             "  (clear: specd unfreeze --reason ...)"
             if info["frozen"]
             else "no"
         ),
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
-        f"{_when(info['next_window_open'], now, info['next_window_open_at'])}, closes "
-        f"{_when(info['next_window_close'], now, info['next_window_close_at'])}",
+        f"{when_text(info['next_window_open'], now, info['next_window_open_at'])}, closes "
+        f"{when_text(info['next_window_close'], now, info['next_window_close_at'])}",
         f"restarts 24h   {len(info['restarts_last_24h'])} "
         f"(budget left {info['restart_budget_remaining']})",
     ]
     ov = info["override"]
     if ov["present"]:
-        lines.append(f"override       {_override_text(ov)}")
+        lines.append(f"override       {_override_text(ov, now)}")
     for e in info["avoided"]:
         lines.append(
-            f"avoided        {_setting_text(e['setting'])}: served "
+            f"avoided        {setting_text(e['setting'])}: served "
             f"{e['shortfall_ratio'] * 100:.1f}% less than {e['from_setting']} (regression "
-            f"{_when(e['since'], now)}), until "
-            f"{_when(e['until'], now)}"
+            f"{when_text(e['since'], now)}), until "
+            f"{when_text(e['until'], now)}"
         )
     lines.append(_acceptance_line(info["acceptance"]))
     picks = info["choices"]

@@ -3,31 +3,49 @@
 specd freezes automatic changes after a restart failed and was rolled back. Clearing that
 is deliberately a human act: this writes a request into specd's state directory (root or
 the specd user can), and the daemon clears the freeze at its next tick and logs who and why.
+
+A pin with apply = now that does not run is restarted into at the first tick unfrozen, outside
+any window: after a failed `specd override pin K --now` that is the restart that failed.
+Unfreezing then is refused (exit 2, nothing written) unless ``--retry-pin`` says so: the
+on-call clears the pin first, or retries it knowingly.
 """
 
 from __future__ import annotations
 
 import argparse
-import getpass
+import errno
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from specd.commands.check_config import load_for_command
-from specd.commands.reason import reason_type
+from specd.commands.reason import operator, reason_type
+from specd.commands.status import daemon, setting_text, when_text
+from specd.core import windows
 from specd.core.history import HistorySettings
-from specd.core.text import printable
+from specd.core.text import iso_time, printable
 from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
-from specd.io.override import daemon_uids, read_override
+from specd.io.override import OverrideStatus, read_override
 from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_state
+
+PERMISSION = (errno.EACCES, errno.EPERM)
+
+DAY_S = 86400.0
 
 _reason = reason_type("say why it is safe to resume: the log keeps it")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reason", type=_reason, required=True, help="why it is safe to resume")
+    parser.add_argument(
+        "--retry-pin",
+        action="store_true",
+        help="unfreeze even though the override pins, with apply = now, a setting SGLang does "
+        "not run: specd restarts into it at once (after a failed pin --now, that restart again)",
+    )
     parser.add_argument("--config", type=Path, default=None, help=f"default {DEFAULT_CONFIG_PATH}")
 
 
@@ -37,15 +55,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     state_dir = Path(config.files.state_dir)
     path = state_dir / STATE_FILE
+    now = time.time()
     unknown: str | None = None
     frozen: dict[str, Any] | None = None
+    live: str | None = None
+    restarts: list[float] = []
     try:
         # As the daemon reads it: a freeze it cannot read is a freeze all the same.
-        frozen = read_state(path, HistorySettings.from_config(config), [], now=time.time()).frozen
+        state = read_state(path, HistorySettings.from_config(config), [], now=now)
+        frozen = state.frozen
+        live = (state.live or {}).get("setting")
+        restarts = [float(r["t"]) for r in state.restarts]
     except FileNotFoundError:
         pass
     except ValueError as exc:
-        frozen = held_freeze(exc, time.time())  # as the daemon keeps it (a newer specd's file)
+        frozen = held_freeze(exc, now)  # as the daemon keeps it (a newer specd's file)
         if frozen is None:
             # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not
             # read the file cannot tell. Ask all the same: the daemon clears one, if any.
@@ -54,41 +78,102 @@ def run(args: argparse.Namespace) -> int:
     if frozen is None and unknown is None:
         print("specd is not frozen; nothing to clear")
         return 0
-    try:
-        atomic_write_json(
-            state_dir / UNFREEZE_REQUEST,
-            {"requested_at": time.time(), "reason": args.reason, "by": getpass.getuser()},
-            mode=0o640,
-        )
-    except OSError as exc:
-        print(f"specd: cannot write the request into {state_dir}: {exc} (run as root?)")
-        return 1
-    if frozen is not None:
-        print(f"frozen since: {printable(str(frozen.get('reason')))}")
-    print("unfreeze requested; specd clears it within one tick")
-    pin = _pin_now(config)
-    if pin is not None:
-        # A freeze after a failed restart often follows an on-call pin that failed: the pin
-        # is still in force and, with apply = now, is retried at the first tick unfrozen.
-        print(
-            f"note: the override pins {pin} with apply = now: unfrozen, specd restarts SGLang "
-            "into it at once, outside any window. If that is what failed, clear the override "
-            "first: specd override clear"
-        )
-    return 0
-
-
-def _pin_now(config: Config) -> str | None:
-    """The setting an override in force pins with apply = now, or None."""
-    status = read_override(
+    override = read_override(
         config.files.override_file,
         config.choose.min_steps,
         config.choose.max_steps,
-        time.time(),
-        allowed_uids=daemon_uids(),
+        now,
+        as_daemon=True,
     )
-    held = status.override
-    if held is None or held.apply != "now" or not held.active(time.time()):
-        return None
-    name = held.pinned_name  # None unless a pin
-    return f"{name} steps" if name is not None and name.isdigit() else name
+    held = override.override if override.valid else None
+    pinned = held.pinned_name if held is not None and held.active(now) else None
+    retried = held is not None and held.apply == "now" and pinned != live
+    if pinned is not None and retried and not args.retry_pin:
+        # Said before anything is written: once the request is there, the daemon unfreezes
+        # at its next tick and restarts at once; advice printed after it comes too late.
+        runs = f"SGLang runs {setting_text(live)}" if live else "what SGLang runs is unknown"
+        print(
+            f"specd unfreeze: the override pins {setting_text(pinned)} with apply = now and "
+            f"{runs}: unfrozen, specd would restart SGLang into it at once, outside any "
+            "window (after a failed `specd override pin --now`, the restart that failed). "
+            "Clear the pin first (`specd override clear`) and unfreeze again, or retry it "
+            "knowingly with --retry-pin; nothing written",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        atomic_write_json(
+            state_dir / UNFREEZE_REQUEST,
+            {"requested_at": now, "reason": args.reason, "by": operator()},
+            mode=0o640,
+        )
+    except OSError as exc:
+        hint = " (run it as root or as the specd user)" if exc.errno in PERMISSION else ""
+        print(
+            f"specd unfreeze: cannot write the request into {state_dir}: "
+            f"{exc.strerror or exc}{hint}",
+            file=sys.stderr,
+        )
+        return 1
+    if frozen is not None:
+        since = frozen.get("since")
+        when = when_text(float(since), now) if isinstance(since, (int, float)) else "?"
+        print(f"frozen since {when}: {printable(str(frozen.get('reason')))}")
+    if daemon(state_dir)["running"] is False:
+        print("unfreeze requested; specd is not running: it clears the freeze when it starts")
+    else:
+        print("unfreeze requested; specd clears it within one tick (its log says `unfrozen`)")
+    print(f"then: {_next(config, override, pinned, live, now, restarts)}")
+    return 0
+
+
+def _next(
+    config: Config,
+    override: OverrideStatus,
+    pinned: str | None,
+    live: str | None,
+    now: float,
+    restarts: list[float],
+) -> str:
+    """What specd does once unfrozen, as the override file, the windows and the daily
+    restart budget (``restarts``: when the saved ones were) make it."""
+    at = datetime.fromtimestamp(now, tz=timezone.utc)
+    if not override.valid:
+        return (
+            "the override file is invalid: specd keeps the last valid override it read, if "
+            "any (`specd status`: mode, last decision)"
+        )
+    held = override.override
+    if held is not None and held.active(now) and held.mode == "freeze":
+        assert held.expires_at is not None
+        return (
+            f"the override's freeze holds until {iso_time(held.expires_at)}: still no "
+            "change until then (`specd override clear` ends it)"
+        )
+    opens: float | None = now
+    try:
+        if windows.is_open(config.windows, at):
+            window = "inside the open maintenance window"
+        else:
+            nxt = windows.next_open(config.windows, at)
+            opens = nxt.timestamp()
+            shown = iso_time(windows.local_time(config.windows, nxt))
+            window = f"in the next maintenance window ({shown})"
+    except ValueError:
+        window, opens = "in a maintenance window", None
+    budget = config.restart.daily_restart_budget
+    recent = sorted(t for t in restarts if now - DAY_S < t <= now)
+    # As decide counts it: no restart until enough of these are a day old (a pin with apply
+    # = now is not held by it); said when that is later than the window opens.
+    free = recent[len(recent) - budget] + DAY_S if budget and len(recent) >= budget else None
+    if len(recent) >= budget and (free is None or opens is None or free > opens):
+        after = f"none before {when_text(free, now)}" if free is not None else "none at all"
+        window += f"; {after} (restart budget: {len(recent)} restarts in 24 h, {budget} allowed)"
+    if held is not None and pinned is not None:
+        what = f"the override pins {setting_text(pinned)}"
+        if pinned == live:
+            return f"{what}, which runs: no restart"
+        if held.apply == "now":
+            return f"{what} with apply = now: specd restarts SGLang into it at once"
+        return f"{what}: specd restarts SGLang into it {window}"
+    return f"specd decides by itself again; a change it wants restarts SGLang {window}"

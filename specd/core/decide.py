@@ -33,6 +33,7 @@ from specd.core.setting import (
     setting_key,
 )
 from specd.core.text import duration_text as _duration
+from specd.core.text import iso_time
 
 if TYPE_CHECKING:
     from specd.core.choices import Offer
@@ -361,7 +362,14 @@ def _utc(now: float) -> datetime:
 
 
 def _stamp(at: datetime) -> str:
-    return at.strftime("%Y-%m-%dT%H:%MZ")
+    """An override's expiry as `specd status` and `specd override show` write it (UTC)."""
+    return iso_time(at.astimezone(timezone.utc))
+
+
+def _window_stamp(config: Settings, at: datetime) -> str:
+    """A window's opening on its own clock, as `specd status` and `specd doctor` write it
+    (``2026-12-07T03:00:00+01:00`` for 03:00 in Europe/Berlin)."""
+    return iso_time(windows.local_time(config.windows, at))
 
 
 def _held_for(recommendations: Sequence[tuple[float, int]], target: int, now: float) -> float:
@@ -391,7 +399,7 @@ def _arrow(current: int | None, target: int | str, *, live_adaptive: bool = Fals
 
 def _window_message(config: Settings, at: datetime, change: str) -> str:
     try:
-        nxt = f"next opens {_stamp(windows.next_open(config.windows, at))}"
+        nxt = f"next opens {_window_stamp(config, windows.next_open(config.windows, at))}"
     except ValueError as exc:
         nxt = str(exc)
     return f"maintenance window closed ({nxt}): {change} waits"
@@ -510,13 +518,19 @@ def _decide(
     if control.frozen:
         # One line, whatever the state file holds: messages are log fields and STATUS=.
         why = _one_line(control.frozen_reason or "") or "a restart failed"
-        return Decision(hold, Reason.FROZEN, f"frozen ({why}); {_holding(current)}")
+        return Decision(
+            hold,
+            Reason.FROZEN,
+            f"frozen ({why}); {_holding(current)} until an operator runs "
+            "`specd unfreeze --reason ...`",
+        )
     if active is not None and active.mode == "freeze":
         until = f" until {_stamp(active.expires_at)}" if active.expires_at else ""
         return Decision(
             hold,
             Reason.FROZEN,
-            f"override freeze{until} ({_one_line(active.reason)}); {_holding(current)}",
+            f"override freeze{until} ({_one_line(active.reason)}); {_holding(current)} "
+            "(`specd override clear` ends it sooner)",
         )
 
     # 2. An operator's pin. apply = "now" is the on-call's emergency lever, so it

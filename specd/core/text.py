@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import urllib.parse
+from datetime import datetime
 
 # systemd's unit-name characters (systemd.unit(5)), at most 255 of them; a service, since
 # specd restarts it; not starting with "-" (systemctl would read an option); a template
@@ -85,6 +86,15 @@ def duration_text(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def iso_time(at: datetime) -> str:
+    """An instant as specd writes it for the operator: ISO 8601 to the second with its
+    offset (``2026-12-07T03:00:00+01:00``), the same text in every message, status line
+    and JSON field, on whichever clock ``at`` is (a window's own, or UTC)."""
+    if at.tzinfo is None or at.utcoffset() is None:
+        raise ValueError("iso_time needs a timezone-aware datetime")
+    return at.replace(microsecond=0).isoformat()
 
 
 # Some Windows editors (and spreadsheets exporting CSV) start a text file with it; TOML and

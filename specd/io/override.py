@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import stat
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -36,7 +37,7 @@ from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
 from specd.core.setting import SpecSetting, format_setting
 from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text
-from specd.io import files
+from specd.io import files, gateway
 
 KEYS = ("mode", "steps", "setting", "expires_at", "reason", "apply")
 # An override file is a few lines; anything bigger is not one.
@@ -222,6 +223,26 @@ def _pinned_setting(value: Any, mode: Any, low: int, high: int) -> SpecSetting |
     return pinned
 
 
+def unreadable_by(path: Path, user: str) -> str | None:
+    """Why ``user`` (the daemon's) cannot read the override file at ``path``, judged by the
+    owner, group and mode of the file and of every directory on the way (ACLs are not
+    read): root reads a 0600 root file the daemon cannot, and ignores. None when it can,
+    when ``user`` is root or ourselves, or when there is no such user."""
+    try:
+        entry = pwd.getpwnam(user)
+        if entry.pw_uid in (0, os.geteuid()):
+            return None
+        found = gateway.key_file_unreadable_by(path, user)
+    except (KeyError, OSError):
+        return None
+    if found is None:
+        return None
+    why = found[0]
+    if why.startswith("cannot enter "):
+        return f"user {user} {why}, so specd cannot read {path}"
+    return f"user {user} {why.replace('it', str(path), 1)}, so specd ignores it; {found[1]}"
+
+
 def read_override(
     path: str | Path,
     cfg_min_steps: int,
@@ -229,10 +250,16 @@ def read_override(
     now: datetime | float,
     *,
     allowed_uids: tuple[int, ...] | None = None,
+    as_daemon: bool = False,
 ) -> OverrideStatus:
-    """Read and judge the override file. Never raises."""
+    """Read and judge the override file. Never raises. ``as_daemon`` (the commands, run as
+    root or an operator): judged as the daemon, running as `DAEMON_USER`, finds it: owned
+    by root or that user (`daemon_uids`), and readable by that user."""
     path = Path(path)
+    if as_daemon and allowed_uids is None:
+        allowed_uids = daemon_uids()
     uids = allowed_uids if allowed_uids is not None else (0, os.getuid())
+    reader = DAEMON_USER if as_daemon else None
     try:
         # Not through a symlink: the ownership and directory checks below must judge the
         # file that is read, and `specd override` replaces the file, never a link target.
@@ -246,6 +273,8 @@ def read_override(
         problem = _permission_problem(st, path, uids)
     except OSError as exc:
         problem = f"cannot check {path.parent}: {exc.strerror or exc}"
+    if problem is None and reader is not None:
+        problem = unreadable_by(path, reader)
     if problem is not None:
         return _invalid(problem, fingerprint)
     if raw.startswith(files.UTF8_BOM):
@@ -293,6 +322,22 @@ def check_override_text(
     except ValueError as exc:
         return str(exc)
     return None
+
+
+# The first line `specd override` writes: who wrote the file, and when.
+_WRITTEN_BY = re.compile(r"# written by `specd override \w+` as (.{1,80}) at (\S{1,40})\s*")
+
+
+def written_by(path: str | Path) -> str | None:
+    """``alice (sudo) at 2026-12-06T10:05:51+00:00`` from the header `specd override` wrote
+    in ``path``; None for a file without one (written by hand) or that cannot be read."""
+    try:
+        raw = files.read_regular_file(path, MAX_OVERRIDE_BYTES)
+    except (files.FileReadError, OSError):
+        return None
+    first = raw.split(b"\n", 1)[0].decode("utf-8", "replace")
+    found = _WRITTEN_BY.fullmatch(first)
+    return None if found is None else f"{found[1]} at {found[2]}"
 
 
 def write_override(path: str | Path, text: str) -> None:

@@ -5,6 +5,7 @@ stops every command that reads it with one line per problem, and the on-call com
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -250,36 +251,77 @@ def test_run_with_its_metrics_port_taken_says_so_in_one_line(tmp_path: Path) -> 
     assert line["address"] == f"127.0.0.1:{port}"
 
 
+PIN_6_NOW = {"mode": "pin", "steps": 6, "apply": "now"}
+
+
 @pytest.mark.parametrize(
-    ("override", "note"),
+    ("override", "live", "argv", "code", "says"),
     [
-        (None, False),
-        ({"mode": "pin", "steps": 6, "apply": "now"}, True),
-        ({"mode": "pin", "setting": "adaptive:3,4", "apply": "now"}, True),
-        ({"mode": "pin", "steps": 6, "apply": "next-window"}, False),
-        ({"mode": "freeze"}, False),
+        (None, "3", [], 0, "then: specd decides by itself again; a change it wants restarts"),
+        # A failed `pin --now` freezes specd; unfrozen with the pin still in force, specd
+        # restarts into it again at once: refused before anything is written.
+        (PIN_6_NOW, "3", [], 2, "the override pins 6 steps with apply = now and SGLang runs 3"),
+        (PIN_6_NOW, None, [], 2, "what SGLang runs is unknown"),
+        ({**PIN_6_NOW, "steps": None, "setting": "adaptive:3,4"}, "3", [], 2, "adaptive:3,4"),
+        (PIN_6_NOW, "3", ["--retry-pin"], 0, "pins 6 steps with apply = now: specd restarts"),
+        # The pin runs: unfrozen, nothing restarts.
+        (PIN_6_NOW, "6", [], 0, "then: the override pins 6 steps, which runs: no restart"),
+        ({**PIN_6_NOW, "apply": "next-window"}, "3", [], 0, "into it in the next maintenance"),
+        ({"mode": "freeze"}, "3", [], 0, "then: the override's freeze holds until "),
+        ({**PIN_6_NOW, "expires_at": "2000-01-01T00:00:00Z"}, "3", [], 0, "decides by itself"),
+        ({"mode": "pinn"}, "3", [], 0, "then: the override file is invalid"),
+        # The restart budget used up (by the failed restart and its rollback, say): the
+        # next window opens to no restart.
+        (None, "3-budget", [], 0, "; none before 20"),
+        ({**PIN_6_NOW, "apply": "next-window"}, "3-budget", [], 0, "(restart budget: 4 "),
     ],
 )
-def test_unfreeze_warns_of_a_pin_it_would_retry_at_once(
-    tmp_path: Path, override: dict[str, Any] | None, note: bool
+def test_unfreeze_says_what_happens_next_and_never_retries_a_pin_unasked(
+    tmp_path: Path,
+    override: dict[str, Any] | None,
+    live: str | None,
+    argv: list[str],
+    code: int,
+    says: str,
 ) -> None:
-    """A failed `pin --now` freezes specd; unfrozen with the pin still in force, specd
-    restarts into it again at once: the on-call hears so before that happens."""
     cfg_path = write_config(tmp_path)
     config = load_config(cfg_path)
-    frozen = {"since": time.time() - 60, "reason": "restart to 6 rolled_back: never healthy"}
-    assert StateStore(config.files.state_dir).save(State(frozen=frozen)) is None
+    now = time.time()
+    frozen = {"since": now - 60, "reason": "restart to 6 rolled_back: never healthy"}
+    restarts = []
+    if live is not None and live.endswith("-budget"):
+        live = live.removesuffix("-budget")
+        restarts = [
+            {"t": now - h * 3600, "from_steps": 3, "to_steps": 4, "result": "success"}
+            for h in (1.0, 0.9, 0.8, 0.7)
+        ]
+    running = None if live is None else {"t": now - 5, "steps": 3, "source": "observation"}
+    if running is not None:
+        running |= {"setting": live, "steps": int(live) if live.isdigit() else None}
+    saved = State(frozen=frozen, live=running, restarts=restarts)
+    assert StateStore(config.files.state_dir).save(saved) is None
     if override is not None:
         expires = datetime.now(timezone.utc) + timedelta(hours=1)
-        table = {**override, "expires_at": expires, "reason": "incident"}
+        table = {"expires_at": expires, "reason": "incident", **override}
+        table = {k: v for k, v in table.items() if v is not None}
         Path(config.files.override_file).write_text(tomli_w.dumps(table))
         Path(config.files.override_file).chmod(0o644)
-    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed")
-    assert done.returncode == 0, done.stderr
-    assert ("specd override clear" in done.stdout) is note
-    if note:
-        assert "restarts SGLang into it at once" in done.stdout
-        assert ("6 steps" if "steps" in override else "adaptive:3,4") in done.stdout
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed", *argv)
+    assert done.returncode == code, done.stdout + done.stderr
+    request = Path(config.files.state_dir) / UNFREEZE_REQUEST
+    assert request.exists() is (code == 0)
+    if code:
+        assert says in done.stderr
+        assert "nothing written" in done.stderr
+        assert "specd override clear" in done.stderr
+        assert "--retry-pin" in done.stderr
+        assert done.stdout == ""
+    else:
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith("frozen since ")
+        assert re.search(r" \(6\ds ago\): restart to 6 rolled_back: never healthy$", lines[0])
+        assert says in lines[-1]
+        assert lines[-1].startswith("then: ")
 
 
 @pytest.mark.parametrize(
@@ -383,16 +425,16 @@ def _state_with(**parts: Any) -> str:
     ("content", "said", "requested"),
     [
         # A freeze the daemon reads as one (it cannot read it): crashed after the request.
-        (_state_with(frozen="yes"), "frozen since: state.json held a freeze specd cannot", True),
+        (_state_with(frozen="yes"), "ago): state.json held a freeze specd cannot", True),
         # A journal the daemon cannot read keeps it frozen: "not frozen" was wrong.
-        (_state_with(journal=["x"]), "frozen since: state.json held a restart journal", True),
+        (_state_with(journal=["x"]), "ago): state.json held a restart journal", True),
         # A state that cannot be read says nothing of the freeze the daemon runs with.
         ("{", "cannot tell whether specd is frozen", True),
         (_state_with(frozen={"since": time.time(), "reason": "ok\x1b[2Jgone"}), "ok\\x1b[2J", True),
         # A newer specd's file: the daemon sets it aside and keeps its freeze.
         (
             _state_with(version=2, frozen={"since": time.time(), "reason": "failed"}),
-            "frozen since: state.json held a freeze in a file specd cannot read",
+            "ago): state.json held a freeze in a file specd cannot read",
             True,
         ),
         (_state_with(frozen=None), "specd is not frozen; nothing to clear", False),
@@ -422,3 +464,16 @@ def test_unfreeze_reads_the_freeze_as_the_daemon_does(
     assert said in done.stdout + done.stderr
     assert "\x1b" not in done.stdout + done.stderr
     assert (state_dir / UNFREEZE_REQUEST).exists() is requested
+
+
+def test_unfreeze_that_cannot_write_its_request_says_so_on_stderr(tmp_path: Path) -> None:
+    """The error went to stdout, as `specd:`, where a script reading the output took it
+    for what unfreeze had done."""
+    cfg_path = write_config(tmp_path)
+    (tmp_path / "state").write_text("not a directory\n")
+    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed")
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "specd unfreeze: cannot write the request into " in done.stderr
+    assert "Not a directory" in done.stderr
+    assert "Traceback" not in done.stderr

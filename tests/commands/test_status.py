@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from factories import make_observation, version_twin
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specd.commands.status import collect, render, server_info
+from specd.commands.status import collect, daemon, render, server_info
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import History, HistorySettings
 from specd.core.outcome import Avoided
 from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
-from specd.io.state import State, StateStore
+from specd.io.state import LOCK_FILE, State, StateStore
 
 NOW = 1_764_000_000.0
 
@@ -239,17 +246,17 @@ def test_status_says_what_specd_measured_of_the_acceptance(
         ('mode = "auto"\n', "override       auto: specd decides", "auto"),
         (
             'mode = "pin"\nsteps = 3\nexpires_at = 2099-01-01T00:00:00Z\nreason = "eval"\n',
-            "override       pin 3 steps until 2099-01-01T00:00:00+00:00: eval",
+            "override       pin 3 steps until 2099-01-01T00:00:00+00:00 (in 640808.0h): eval",
             "pin",
         ),
         (
             'mode = "pin"\nsetting = "adaptive:3,4"\nexpires_at = 2099-01-01T00:00:00Z\n',
-            "override       pin adaptive:3,4 until 2099-01-01T00:00:00+00:00",
+            "override       pin adaptive:3,4 until 2099-01-01T00:00:00+00:00 (in 640808.0h)",
             "pin",
         ),
         (
             'mode = "freeze"\nexpires_at = 2099-01-01T00:00:00Z\nreason = "a \\u001b[2J b"\n',
-            "override       freeze until 2099-01-01T00:00:00+00:00: a \\x1b[2J b",
+            "override       freeze until 2099-01-01T00:00:00+00:00 (in 640808.0h): a \\x1b[2J b",
             "freeze",
         ),
         (
@@ -262,12 +269,12 @@ def test_status_says_what_specd_measured_of_the_acceptance(
         (
             'mode = "pinned"\n',
             "override       INVALID, ignored (specd keeps its last good state): ",
-            "auto",
+            None,
         ),
     ],
 )
 def test_status_says_what_the_override_file_holds(
-    tmp_path: Path, override: str | None, line: str | None, mode: str
+    tmp_path: Path, override: str | None, line: str | None, mode: str | None
 ) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -407,3 +414,103 @@ def test_status_shows_window_times_on_the_windows_own_clock(
     line = next(x for x in render(info, now).splitlines() if x.startswith("window "))
     assert f"next opens {opens} (in " in line
     assert f", closes {closes} (in " in line
+
+
+def _holder(state_dir: Path) -> subprocess.Popen[str]:
+    """A process holding ``state_dir`` as `specd run` does (specd.io.state.lock_state_dir)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom specd.io.state import lock_state_dir\n"
+            f"lock_state_dir({str(state_dir)!r})\nprint('held', flush=True)\ntime.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_status_tells_a_held_state_directory_from_a_left_one(tmp_path: Path, how: str) -> None:
+    state_dir = tmp_path / "state"
+    assert daemon(state_dir) == {"running": False, "pid": None}  # never ran
+    holder = _holder(state_dir)
+    try:
+        assert daemon(state_dir) == {"running": True, "pid": holder.pid}
+    finally:
+        holder.send_signal(getattr(signal, how))
+        holder.wait()
+    # The lock file stays, with the dead process's pid in it: not a running specd.
+    assert (state_dir / LOCK_FILE).read_text().strip() == str(holder.pid)
+    assert daemon(state_dir) == {"running": False, "pid": None}
+    assert daemon(state_dir, tmp_path / "no-proc-locks") == {"running": None, "pid": None}
+
+
+def _lock_line(pid: int, inode: int) -> str:
+    return f"1: FLOCK  ADVISORY  WRITE {pid} fe:00:{inode} 0 EOF"
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.text(st.characters(exclude_categories=("Cs",)), max_size=80),
+            st.builds(_lock_line, st.integers(0, 2**22), st.integers(0, 2**40)),
+        ),
+        max_size=20,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_status_reads_any_lock_table_and_sees_only_its_own_lock(lines: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        state_dir = Path(tmp)
+        (state_dir / LOCK_FILE).write_text("4242\n")
+        inode = (state_dir / LOCK_FILE).stat().st_ino
+        locks = state_dir / "locks"
+        locks.write_text("\n".join(lines), errors="surrogateescape")
+        ours = _lock_line(4242, inode) in lines
+        assert daemon(state_dir, locks) == (
+            {"running": True, "pid": 4242} if ours else {"running": False, "pid": None}
+        )
+
+
+# A date and time as status could print one: ISO 8601 or "2026-12-06 10:05:20 UTC".
+_TIME = re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d(:\d\d)?\S*( UTC)?")
+
+
+def test_every_time_status_prints_is_iso_8601_with_its_offset(tmp_path: Path) -> None:
+    """Window times were `2026-12-07T03:00:00+01:00`, the override's expiry
+    `2026-12-07T10:05:28+00:00`, every other time `2026-12-06 10:05:20 UTC`: three ways
+    of writing a time in one screen, four with the decisions' `…T02:00Z`."""
+    path = config_file(tmp_path, "http://127.0.0.1:9", '["static"]')
+    with path.open("a") as file:
+        file.write(
+            '[gateway]\nurls = ["http://127.0.0.1:9"]\n'
+            '[[windows]]\ncron = "0 3 * * *"\nduration_s = 3600.0\n'
+            'timezone = "Europe/Berlin"\n'
+        )
+    config = load_config(path)
+    state = State(
+        live={"t": NOW - 5, "steps": 3, "setting": "3", "source": "observation"},
+        last_decision={"t": NOW - 5, "reason": "frozen", "message": "frozen (x); holding 3"},
+        frozen={"since": NOW - 600, "reason": "restart to 6 rolled_back"},
+        avoided=[Avoided(5, NOW - 3600, ((2, 1.0),), 0.031, 3)],
+        gateway={
+            "probe": {"t": NOW - 30, "problem": None, "not_ready_replicas": 0},
+            "last_drain": {"t": NOW - 900, "result": "idle", "duration_s": 4.0},
+        },
+    )
+    assert StateStore(config.files.state_dir).save(state) is None
+    (tmp_path / "override.toml").write_text(
+        'mode = "freeze"\nexpires_at = 2025-11-25T16:00:00Z\nreason = "r"\n'
+    )
+    (tmp_path / "override.toml").chmod(0o644)
+    text = render(collect(config, NOW, "down"), NOW)
+    found = [m.group(0) for m in _TIME.finditer(text)]
+    assert len(found) >= 10, text  # live, decision, frozen, window ×2, override, avoided ×2,
+    # gateway, last drain
+    for shown in found:
+        assert "UTC" not in shown, text
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", shown), shown

@@ -158,10 +158,12 @@ def case(
 BUDGET_USED = (OPEN - 5 * HOUR, OPEN - 4 * HOUR, OPEN - 3 * HOUR, OPEN - 2 * HOUR)
 CASES = [
     # Frozen beats everything, even a pin that says now.
-    case("frozen", Reason.FROZEN, 4, False, "frozen (rb); holding 4",
+    case("frozen", Reason.FROZEN, 4, False,
+         "frozen (rb); holding 4 until an operator runs `specd unfreeze --reason ...`",
          override=pin(2, "now"), ctl=control(frozen=True, frozen_reason="rb")),
     case("freeze-override", Reason.FROZEN, 4, False,
-         "override freeze until 2026-01-06T03:30Z (incident 42)", override=freeze()),
+         "override freeze until 2026-01-06T03:30:00+00:00 (incident 42); holding 4 "
+         "(`specd override clear` ends it sooner)", override=freeze()),
     case("frozen-unknown-steps", Reason.FROZEN, None, False, "no change",
          obs=None, ctl=control(current=None, frozen=True)),
     case("freeze-expired", Reason.CHANGE, 3, True, "4 → 3", override=freeze(expires=OPEN - 1)),
@@ -173,8 +175,8 @@ CASES = [
     case("pin-in-window-ignores-dwell-and-data", Reason.OVERRIDE_PIN, 2, True,
          "pinned to 2 by override (eval tonight): 4 → 2",
          obs=None, override=pin(2), ctl=control(restart_times=(OPEN - 60,))),
-    case("pin-waits-for-window", Reason.WINDOW_CLOSED, 2, False, "next opens 2026-01-06T03:00Z",
-         now=CLOSED, override=pin(2)),
+    case("pin-waits-for-window", Reason.WINDOW_CLOSED, 2, False,
+         "next opens 2026-01-06T03:00:00+00:00", now=CLOSED, override=pin(2)),
     case("pin-within-budget", Reason.RESTART_BUDGET, 2, False,
          "4 restarts in the last 24 h ≥ budget 4",
          override=pin(2), ctl=control(restart_times=BUDGET_USED)),
@@ -245,7 +247,7 @@ CASES = [
          ctl=control(recommendations=()), cfg=config(stabilization_window_s=0)),
     # When.
     case("window-closed", Reason.WINDOW_CLOSED, 3, False,
-         "maintenance window closed (next opens 2026-01-06T03:00Z)",
+         "maintenance window closed (next opens 2026-01-06T03:00:00+00:00)",
          now=CLOSED, hist=history(end=CLOSED)),
     case("dwell", Reason.DWELL_TIME, 3, False, "last restart 60.0 min ago < 60.0 min dwell",
          ctl=control(restart_times=(OPEN - HOUR + 1,))),
@@ -290,6 +292,69 @@ def test_each_reason(
     assert acted is acts
     assert says in decision.message
     assert "\n" not in decision.message
+
+
+def _at(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("window", "now", "opens"),
+    [
+        # 03:00 in Berlin's winter is 02:00Z: the cron's 03:00 is what the operator reads.
+        ("0 3 * * *;Europe/Berlin", "2026-12-06T12:00:00+00:00", "2026-12-07T03:00:00+01:00"),
+        ("0 3 * * *;Europe/Berlin", "2026-07-01T12:00:00+00:00", "2026-07-02T03:00:00+02:00"),
+        # Spring forward: 02:30 does not exist that night; it opens at the jump.
+        ("30 2 * * *;Europe/Berlin", "2026-03-28T12:00:00+00:00", "2026-03-29T03:00:00+02:00"),
+        # Fall back: the first 02:30, told from the second by its offset alone.
+        ("30 2 * * *;Europe/Berlin", "2026-10-24T12:00:00+00:00", "2026-10-25T02:30:00+02:00"),
+        ("0 22 * * fri;America/New_York", "2026-01-05T12:00:00+00:00", "2026-01-09T22:00:00-05:00"),
+        ("0 3 * * *;UTC", "2026-01-05T12:00:00+00:00", "2026-01-06T03:00:00+00:00"),
+    ],
+)
+@pytest.mark.parametrize("pinned", [False, True], ids=["auto", "pin"])
+def test_a_closed_window_is_named_on_its_own_clock_as_status_names_it(
+    window: str, now: str, opens: str, pinned: bool
+) -> None:
+    """The decision said `next opens 2026-12-07T02:00Z` for a 03:00 Berlin window, while
+    `specd status` and `specd doctor` said 2026-12-07T03:00:00+01:00 on the line below."""
+    cron, zone = window.split(";")
+    t = _at(now)
+    cfg = config(windows=[{"cron": cron, "duration_s": 3600, "timezone": zone}])
+    hist = history(end=t)
+    ctl = control(now=t)
+    decision = decide(
+        hist,
+        observation(t),
+        cfg,
+        pin(2, expires=t + 30 * DAY) if pinned else None,
+        t,
+        ctl,
+        choose(hist, cfg, ctl.current_steps),
+    )
+    assert decision.reason is Reason.WINDOW_CLOSED, decision.message
+    assert f"maintenance window closed (next opens {opens}): " in decision.message
+    # The text `specd status` prints for it (specd.commands.status: next_window_open_at).
+    at = windows.next_open(cfg.windows, datetime.fromtimestamp(t, tz=UTC))
+    assert windows.local_time(cfg.windows, at).isoformat(timespec="seconds") == opens
+
+
+@pytest.mark.parametrize(
+    ("expires", "says"),
+    [
+        ("2026-01-05T14:00:00+00:00", "override freeze until 2026-01-05T14:00:00+00:00 ("),
+        # Given with another offset in the file: said in UTC, to the second, as status says it.
+        ("2026-01-05T15:00:30+01:00", "override freeze until 2026-01-05T14:00:30+00:00 ("),
+    ],
+)
+def test_a_freezes_expiry_is_said_as_status_and_override_show_say_it(
+    expires: str, says: str
+) -> None:
+    freeze_ = Override("freeze", None, datetime.fromisoformat(expires), "incident 42", "now")
+    ctl = control(now=CLOSED)
+    decision = decide(history(), observation(CLOSED), config(), freeze_, CLOSED, ctl, None)
+    assert decision.reason is Reason.FROZEN
+    assert says in decision.message
 
 
 @pytest.mark.parametrize(

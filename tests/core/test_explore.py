@@ -327,7 +327,7 @@ GATES = [
     ("frozen", OPEN, Control(3, frozen=True, frozen_reason="rb"), None, {}, Reason.FROZEN, 3,
      "frozen (rb)"),
     ("window-closed", CLOSED, Control(3), None, {}, Reason.WITHIN_TOLERANCE, 3,
-     "maintenance window closed (next opens 2026-01-06T03:00Z): exploring 3 → 4 waits"),
+     "maintenance window closed (next opens 2026-01-06T03:00:00+00:00): exploring 3 → 4 waits"),
     ("dwell", OPEN, Control(3, restart_times=(OPEN - 600,)), None, {}, Reason.WITHIN_TOLERANCE,
      3, "< 60.0 min dwell: exploring 3 → 4 waits"),
     ("budget", OPEN, Control(3, restart_times=tuple(OPEN - h * HOUR for h in (5, 4, 3, 2))),

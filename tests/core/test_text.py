@@ -1,11 +1,21 @@
 from __future__ import annotations
 
 import math
+from datetime import datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specd.core import text
-from specd.core.text import check_http_url, check_service_name, duration_text, is_service_name
+from specd.core.text import (
+    check_http_url,
+    check_service_name,
+    duration_text,
+    is_service_name,
+    iso_time,
+)
 
 
 @pytest.mark.parametrize(
@@ -116,3 +126,27 @@ def test_only_a_root_url_is_a_servers_url(url: str, expected: str) -> None:
 )
 def test_duration_text(seconds: float, text: str) -> None:
     assert duration_text(seconds) == text
+
+
+@given(
+    st.datetimes(
+        min_value=datetime(1970, 1, 2),
+        max_value=datetime(9998, 12, 31),
+        timezones=st.just(timezone.utc),
+    ),
+    st.sampled_from([timezone.utc, timezone(timedelta(hours=-5)), ZoneInfo("Europe/Berlin")]),
+)
+def test_an_instant_is_written_to_the_second_with_its_offset(
+    instant: datetime, clock: timezone | ZoneInfo
+) -> None:
+    at = instant.astimezone(clock)  # as specd has its times: an instant, on some clock
+    text = iso_time(at)
+    back = datetime.fromisoformat(text)
+    assert back == at.replace(microsecond=0)
+    assert back.utcoffset() == at.utcoffset()
+    assert len(text) == len("2026-12-07T03:00:00+01:00")
+
+
+def test_an_instant_without_a_clock_is_refused() -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        iso_time(datetime(2026, 12, 7, 3))

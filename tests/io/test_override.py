@@ -1,21 +1,28 @@
 from __future__ import annotations
 
+import grp
 import os
+import pwd
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specd.cli import main
 from specd.commands.args import parse_duration
 from specd.core.override import Override
 from specd.core.setting import adaptive, off
-from specd.io.override import ABSENT, expired, read_override, write_override
+from specd.io import override as override_io
+from specd.io.override import ABSENT, expired, read_override, write_override, written_by
 
 UTC = timezone.utc
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
@@ -641,3 +648,85 @@ def test_a_freeze_longer_than_the_cli_allows_names_the_config_way(
     err = capsys.readouterr().err
     assert "restart.daily_restart_budget = 0" in err
     assert "min_steps" not in err
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_who_wrote_an_override_is_read_from_any_first_line_in_one_line(head: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "override.toml"
+        path.write_bytes(head + b'\nmode = "auto"\n')
+        who = written_by(path)
+        assert who is None or ("\n" not in who and len(who) <= 125)
+
+
+@pytest.mark.parametrize(
+    ("head", "who"),
+    [
+        (
+            "# written by `specd override pin` as alice (sudo) at 2026-12-06T10:05:51+00:00",
+            "alice (sudo) at 2026-12-06T10:05:51+00:00",
+        ),
+        ("# written by `specd override freeze` as root at 2026-12-06T10:05:51Z", "root at "),
+        ("# by hand, see INC-42", None),
+        ("", None),
+    ],
+)
+def test_who_wrote_an_override(tmp_path: Path, head: str, who: str | None) -> None:
+    path = tmp_path / "override.toml"
+    path.write_text(f'{head}\nmode = "auto"\n')
+    found = written_by(path)
+    assert (found is None) if who is None else (found is not None and found.startswith(who))
+    assert written_by(tmp_path / "absent.toml") is None
+
+
+def _kernel_lets(user: str, path: Path) -> bool:
+    """Whether ``user`` can open ``path`` for reading, asked of the kernel: a forked child
+    takes the user's ids and tries (no exec: the interpreter may be where it cannot go)."""
+    entry = pwd.getpwnam(user)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.setgroups(os.getgrouplist(user, entry.pw_gid))
+            os.setgid(entry.pw_gid)
+            os.setuid(entry.pw_uid)
+            with open(path, "rb"):
+                os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="judging another user's access needs root")
+@pytest.mark.parametrize("dir_mode", [0o755, 0o750, 0o700])
+@pytest.mark.parametrize("group", ["root", "nogroup"])
+@pytest.mark.parametrize("file_mode", [0o644, 0o640, 0o604, 0o600, 0o400])
+def test_a_file_the_daemon_user_cannot_read_is_invalid_as_the_daemon_finds_it(
+    monkeypatch: pytest.MonkeyPatch, dir_mode: int, group: str, file_mode: int
+) -> None:
+    """Written by hand as root with umask 077 (0600 root:root), the file was valid to
+    `override show` and `status`, run as root, while specd, running as its own user, could
+    not read it and ignored it."""
+    monkeypatch.setattr(override_io, "DAEMON_USER", "nobody")
+    top = Path(tempfile.mkdtemp(dir="/tmp", prefix="specd-override-"))
+    try:
+        top.chmod(0o755)
+        directory = top / "etc"
+        directory.mkdir()
+        os.chown(directory, 0, grp.getgrnam(group).gr_gid)
+        directory.chmod(dir_mode)
+        path = directory / "override.toml"
+        path.write_text('mode = "freeze"\nexpires_at = 2999-01-01T00:00:00Z\nreason = "r"\n')
+        os.chown(path, 0, grp.getgrnam(group).gr_gid)
+        path.chmod(file_mode)
+        readable = _kernel_lets("nobody", path)
+        status = read_override(path, 1, 6, NOW, as_daemon=True)
+        assert status.valid is readable, status.problem
+        if not readable:
+            assert status.problem is not None
+            assert status.problem.startswith("user nobody cannot ")
+            assert "\n" not in status.problem
+        # The daemon itself reads as itself: unchanged.
+        assert read_override(path, 1, 6, NOW, allowed_uids=(0,)).valid
+    finally:
+        shutil.rmtree(top)

@@ -1,0 +1,339 @@
+"""`specd override` as the on-call reads it: the times it names are the ones `specd status`
+and the daemon's decisions name, in the same text; it says whose override it replaces, and
+refuses or flags a pin the server cannot run, as the daemon judges it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import httpx
+import pytest
+from factories import version_twin
+
+from specd.cli import main
+from specd.commands.status import collect, render
+from specd.io import override as override_io
+from specd.io.config import load_config
+from specd.twin.process import free_port
+from specd.twin.standin import UNIT, make_standin
+
+UTC = timezone.utc
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("SPECD_"):
+            monkeypatch.delenv(name)
+
+
+def zoned_config(tmp_path: Path, zone: str, opens_in_h: int) -> Path:
+    """A daily one-hour window in ``zone`` opening ``opens_in_h`` hours after this hour
+    began there (never open now)."""
+    hour = (datetime.now(ZoneInfo(zone)).hour + opens_in_h) % 24
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        '[sglang]\nurl = "http://127.0.0.1:9"\n'
+        f'[files]\nstate_dir = "{tmp_path / "state"}"\n'
+        f'override_file = "{tmp_path / "override.toml"}"\n'
+        f'[[windows]]\ncron = "0 {hour} * * *"\nduration_s = 3600\ntimezone = "{zone}"\n'
+    )
+    return path
+
+
+ZONES = ["Europe/Berlin", "America/New_York", "Asia/Kolkata", "UTC"]
+
+
+@pytest.mark.parametrize("zone", ZONES)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["pin", "3", "--for", "1d"],
+        ["pin", "3", "--for", "1d", "--now"],
+        ["freeze", "--for", "20h"],
+    ],
+    ids=["pin", "pin-now", "freeze"],
+)
+def test_what_override_writes_is_named_in_the_text_status_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], zone: str, argv: list[str]
+) -> None:
+    """`specd override pin` said `until 2026-12-07 10:05:28Z` and `in the next maintenance
+    window (2026-12-07 02:00Z)` where status said `until 2026-12-07T10:05:28+00:00` and
+    `next opens 2026-12-07T03:00:00+01:00` for the same instants."""
+    cfg = zoned_config(tmp_path, zone, opens_in_h=6)
+    assert main(["override", *argv, "--reason", "incident 7", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    now = time.time()
+    info = collect(load_config(cfg), now, "down")
+    expires = info["override"]["expires_at"]
+    assert f"until {expires} (" in out
+    assert f"override       {argv[0]} " in render(info, now)
+    assert f"until {expires} (" in render(info, now)
+    if argv[0] == "pin" and "--now" not in argv:
+        assert f"in the next maintenance window ({info['next_window_open_at']})" in out
+    # Nothing in UTC-with-a-Z beside the offsets: one way of writing a time.
+    assert "Z " not in out
+    assert "Z)" not in out
+
+
+@pytest.mark.parametrize("zone", ZONES)
+def test_a_pin_refused_for_expiring_first_names_both_times_as_status_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], zone: str
+) -> None:
+    cfg = zoned_config(tmp_path, zone, opens_in_h=6)
+    before = datetime.now(UTC).replace(microsecond=0)
+    assert main(["override", "pin", "3", "--for", "1h", "--reason", "r", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    opens = collect(load_config(cfg), time.time(), "down")["next_window_open_at"]
+    assert f"before the next maintenance window opens ({opens})" in err
+    expiries = {(before + timedelta(hours=1, seconds=s)).isoformat() for s in (0, 1, 2)}
+    assert any(f"the pin expires at {e}," in err for e in expiries), err
+
+
+@pytest.mark.parametrize(
+    ("expires_at", "shown"),
+    [
+        ("2000-01-01T00:00:00Z", "2000-01-01T00:00:00+00:00"),
+        # Written with another offset (or fractions of a second): said in UTC to the second.
+        ("2000-01-01T01:00:00.75+01:00", "2000-01-01T00:00:00+00:00"),
+    ],
+)
+def test_an_expired_override_names_its_expiry_as_status_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], expires_at: str, shown: str
+) -> None:
+    cfg = zoned_config(tmp_path, "Europe/Berlin", opens_in_h=6)
+    override = tmp_path / "override.toml"
+    override.write_text(f'mode = "freeze"\nexpires_at = {expires_at}\nreason = "old"\n')
+    override.chmod(0o644)
+    assert main(["override", "show", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert f" ago ({shown})" in out
+    now = time.time()
+    info = collect(load_config(cfg), now, "down")
+    assert info["override"]["expires_at"] == shown
+    assert f" ago ({shown})" in render(info, now)
+
+
+def run_as(cfg: Path, user: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`specd override` run by ``user`` through sudo (root's USER, the caller's SUDO_USER)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECD_", "SUDO_"))}
+    env |= {"USER": "root", "LOGNAME": "root", "SUDO_USER": user}
+    return subprocess.run(
+        [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+FREEZE = ["freeze", "--for", "2h", "--reason", "investigating latency"]
+PIN = ["pin", "4", "--for", "1d", "--reason", "batch eval"]
+
+
+@pytest.mark.parametrize(
+    ("before", "argv", "says"),
+    [
+        # A colleague's freeze, replaced by a pin: the on-call hears whose and what.
+        (FREEZE, PIN, "replaces the freeze in force until "),
+        (PIN, ["clear", "--reason", "eval done"], "replaces the pin 4 steps in force until "),
+        (PIN, FREEZE, "replaces the pin 4 steps in force until "),
+        # Nothing in force: nothing to say.
+        (None, PIN, None),
+        (["clear"], PIN, None),
+    ],
+)
+def test_an_override_says_whose_override_in_force_it_replaces(
+    tmp_path: Path, before: list[str] | None, argv: list[str], says: str | None
+) -> None:
+    """Two on-calls: alice froze specd while investigating; bob, not knowing, pinned a step
+    count. bob's pin replaced her freeze without a word."""
+    cfg = zoned_config(tmp_path, "Europe/Berlin", opens_in_h=6)
+    if before is not None:
+        first = run_as(cfg, "alice", *before)
+        assert first.returncode == 0, first.stderr
+        assert "as alice (sudo) at " in (tmp_path / "override.toml").read_text()
+    done = run_as(cfg, "bob", *argv)
+    assert done.returncode == 0, done.stderr
+    # Who wrote it, under sudo: the one who ran sudo, not root.
+    assert "as bob (sudo) at " in (tmp_path / "override.toml").read_text()
+    replaced = [x for x in done.stdout.splitlines() if "replaces" in x]
+    if says is None:
+        assert replaced == []
+        return
+    (said,) = replaced
+    assert says in said
+    assert re.search(r"until \S+\+00:00 \(in \d+(\.\d)?[hm]\)", said), said
+    assert before is not None
+    assert f": {before[-1]}" in said  # its reason
+    assert re.search(r"written by alice \(sudo\) at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", said)
+
+
+def served_config(tmp_path: Path, url: str) -> Path:
+    path = zoned_config(tmp_path, "UTC", opens_in_h=6)
+    path.write_text(path.read_text().replace("http://127.0.0.1:9", url))
+    return path
+
+
+def override_cmd(cfg: Path, path_env: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+    env["PATH"] = path_env
+    return subprocess.run(
+        [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+
+
+# A pin this server or its unit cannot run: refused before it replaces what is in force.
+STATIC_ONLY = "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
+DP_ATTENTION = ("--dp-size", "2", "--enable-dp-attention")
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, server: str) -> Iterator[tuple[Path, str]]:
+    """A config for SGLang as ``server`` ("static-only unit": the stand-in unit, whose
+    drop-in takes step counts only; "DP attention": a twin with it; "down"), and the PATH
+    to run specd with."""
+    path_env = os.environ.get("PATH", "/usr/bin:/bin")
+    with contextlib.ExitStack() as stack:
+        if server == "static-only unit":
+            standin = make_standin(tmp_path, free_port())
+            stack.callback(standin.stop)
+            assert standin.systemctl("restart", UNIT).returncode == 0
+            path_env = f"{standin.bin_dir}:{path_env}"
+            url = standin.url()
+            wait_healthy(url)
+        elif server == "DP attention":
+            twin = stack.enter_context(version_twin("0.5.23", *DP_ATTENTION))
+            twin.wait_healthy()
+            url = twin.url
+        else:
+            url = f"http://127.0.0.1:{free_port()}"
+        yield served_config(tmp_path, url), path_env
+
+
+@pytest.mark.parametrize(
+    ("server", "setting", "refused"),
+    [
+        # The unit's drop-in takes static step counts only (the stand-in's, as before
+        # `specd install` rewrote it).
+        ("static-only unit", "off", STATIC_ONLY),
+        ("static-only unit", "adaptive:3,4", STATIC_ONLY),
+        ("static-only unit", "4", None),
+        # What /server_info says the server runs.
+        ("DP attention", "adaptive:3,4", "adaptive mode does not run with DP attention"),
+        ("DP attention", "off", None),
+        ("DP attention", "4", None),
+        # SGLang down: nothing to check against; written, and said so.
+        ("down", "adaptive:3,4", None),
+    ],
+)
+@pytest.mark.parametrize("now", [False, True], ids=["next-window", "now"])
+def test_a_pin_the_server_cannot_run_is_refused_before_it_replaces_anything(
+    tmp_path: Path, server: str, setting: str, refused: str | None, now: bool
+) -> None:
+    """`pin off --now` on a unit whose drop-in takes step counts only was written and said
+    "restarts at once, once it has checked": specd then held every decision `unsupported`,
+    restarting nothing and choosing nothing, until the pin expired."""
+    with serving(tmp_path, server) as (cfg, path_env):
+        first = override_cmd(cfg, path_env, *FREEZE)
+        assert first.returncode == 0, first.stderr
+        before = (tmp_path / "override.toml").read_bytes()
+        argv = ["pin", setting, "--for", "1d", "--reason", "try it", *(["--now"] if now else [])]
+        done = override_cmd(cfg, path_env, *argv)
+    if refused is None:
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "override.toml").read_bytes() != before
+        assert ("could not ask" if server == "down" else "checked: SGLang at ") in done.stdout
+        return
+    assert done.returncode == 2, done.stdout + done.stderr
+    (said,) = done.stderr.splitlines()
+    assert said.startswith(f"specd override: this server cannot run {setting}: ")
+    assert refused in said
+    assert "nothing written" in said
+    assert (tmp_path / "override.toml").read_bytes() == before
+
+
+def wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never healthy")
+
+
+@pytest.mark.parametrize(
+    ("server", "pinned", "says"),
+    [
+        ("static-only unit", 'setting = "off"', "BUT this server cannot run it: "),
+        ("static-only unit", 'setting = "adaptive:3,4"', "BUT this server cannot run it: "),
+        ("static-only unit", "steps = 4", "checked: SGLang at "),
+        ("DP attention", 'setting = "adaptive:3,4"', "BUT this server cannot run it: "),
+        ("DP attention", 'setting = "off"', "checked: SGLang at "),
+        ("down", 'setting = "off"', "could not ask SGLang whether it can run it"),
+    ],
+)
+def test_show_says_whether_the_server_can_run_the_pin_as_the_daemon_judges_it(
+    tmp_path: Path, server: str, pinned: str, says: str
+) -> None:
+    """A hand-written pin of off on a step-variable drop-in: show said "specd runs no
+    speculation ... once it has checked", while specd held it `unsupported`."""
+    with serving(tmp_path, server) as (cfg, path_env):
+        override = tmp_path / "override.toml"
+        override.write_text(
+            f'mode = "pin"\n{pinned}\nexpires_at = 2099-01-01T00:00:00Z\nreason = "r"\n'
+        )
+        override.chmod(0o644)
+        done = override_cmd(cfg, path_env, "show")
+    assert done.returncode == 0, done.stderr
+    assert says in done.stdout
+    assert "once it has checked" not in done.stdout
+    if "BUT" in says:
+        assert "`specd override clear`" in done.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="judging another user's access needs root")
+def test_show_and_status_call_a_file_the_daemon_cannot_read_invalid(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A freeze written by hand with root's umask 077: `override show` and `status` (as
+    root) said it was in force; specd (as its user) could not read it and ignored it."""
+    monkeypatch.setattr(override_io, "DAEMON_USER", "nobody")
+    top = Path(tempfile.mkdtemp(dir="/tmp", prefix="specd-override-"))
+    try:
+        top.chmod(0o755)
+        cfg = zoned_config(top, "UTC", opens_in_h=6)
+        override = top / "override.toml"
+        override.write_text('mode = "freeze"\nexpires_at = 2999-01-01T00:00:00Z\nreason = "r"\n')
+        override.chmod(0o600)
+        assert main(["override", "show", "--config", str(cfg)]) == 1
+        out = capsys.readouterr().out
+        assert out.startswith(f"INVALID: user nobody cannot read {override} (0600 root:root)")
+        info = collect(load_config(cfg), time.time(), "down")
+        assert info["mode"] is None
+        assert "user nobody cannot read" in info["override"]["problem"]
+        # What `specd override` writes, the daemon's user reads.
+        assert (
+            main(["override", "freeze", "--for", "1h", "--reason", "r", "--config", str(cfg)]) == 0
+        )
+        assert "valid, freeze" in capsys.readouterr().out
+    finally:
+        shutil.rmtree(top)
