@@ -35,6 +35,7 @@ from specd.core.override import Override
 from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
+from specd.core.text import iso_time
 from specd.io import files, logs
 from specd.io.apply import Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
@@ -1090,7 +1091,10 @@ class Daemon:
             reason = f"(unreadable request: {exc})"
         if self.state.frozen is not None:
             self.log.warning(
-                "unfrozen", reason=reason, was=self.state.frozen.get("reason"), at=utc(now)
+                "unfrozen",
+                reason=reason,
+                was=self.state.frozen.get("reason"),
+                at=iso_time(utc(now)),
             )
             self.state.frozen = None
         try:

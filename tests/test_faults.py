@@ -743,6 +743,11 @@ def test_an_unfreeze_request_is_read_bounded_and_never_hangs_the_loop(
     assert len(unfrozen) == 1
     assert logged in unfrozen[0]["reason"]
     assert "\n" not in unfrozen[0]["reason"]
+    # When, as every time specd logs: ISO 8601 text (a datetime reached the JSON log as
+    # its Python repr, "datetime.datetime(2026, ...)").
+    at = unfrozen[0]["at"]
+    assert isinstance(at, str), at
+    assert datetime.fromisoformat(at).utcoffset() is not None, at
 
 
 @pytest.mark.parametrize("fault", ["disk full", "read-only", "corrupted under us"])
