@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING
 
 from specd.core import windows
 from specd.core.model import EVIDENCE_Z, OBSERVED_PIVOT_S
+from specd.core.text import iso_time, utc_time
 
 if TYPE_CHECKING:
     from specd.core.model import Plan, StepPrediction
@@ -88,10 +89,6 @@ class Exploration:
     steps: int
     why: str
     ongoing: bool = False
-
-
-def _stamp(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
 
 
 def this_week(explorations: Sequence[tuple[float, int]], now: float) -> list[tuple[float, int]]:
@@ -123,10 +120,12 @@ def ongoing(
     end = epoch_end(config, started)
     if end is None or now >= end:
         return None
+    # The window's opening on its own clock, as status and every decision name one.
+    opening = windows.local_time(config.windows, datetime.fromtimestamp(end, timezone.utc))
     return Exploration(
         steps,
-        f"exploring {steps} since {_stamp(started)}: measuring it until the window of "
-        f"{_stamp(end)}",
+        f"exploring {steps} since {utc_time(started)}: measuring it until the window of "
+        f"{iso_time(opening)}",
         ongoing=True,
     )
 
@@ -180,7 +179,7 @@ def settle(
     if best.tokens <= held.tokens:
         return None
     return best.steps, (
-        f"{current}, explored since {_stamp(started)}, measured below {best.steps} by "
+        f"{current}, explored since {utc_time(started)}, measured below {best.steps} by "
         f"{best.tokens - held.tokens:.0f} tokens over the epoch, net of the restart: back to "
         f"{best.steps}"
     )

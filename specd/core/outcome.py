@@ -68,6 +68,7 @@ from specd.core.setting import (
     runs_adaptive_config,
     setting_key,
 )
+from specd.core.text import utc_time
 
 if TYPE_CHECKING:
     from specd.core.history import History
@@ -95,7 +96,7 @@ def _adaptive(setting: SpecSetting | None) -> SpecSetting | None:
 
 @functools.lru_cache(maxsize=64)  # the change verified, named at every tick
 def _stamp(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    return utc_time(t)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 import urllib.parse
-from datetime import datetime
+from datetime import datetime, timezone
 
 # systemd's unit-name characters (systemd.unit(5)), at most 255 of them; a service, since
 # specd restarts it; not starting with "-" (systemctl would read an option); a template
@@ -95,6 +95,12 @@ def iso_time(at: datetime) -> str:
     if at.tzinfo is None or at.utcoffset() is None:
         raise ValueError("iso_time needs a timezone-aware datetime")
     return at.replace(microsecond=0).isoformat()
+
+
+def utc_time(t: float) -> str:
+    """A Unix time as `iso_time` writes it in UTC: when something happened (a change, a
+    going back, an exploration's start), as `specd status` writes such times."""
+    return iso_time(datetime.fromtimestamp(t, tz=timezone.utc))
 
 
 # Some Windows editors (and spreadsheets exporting CSV) start a text file with it; TOML and

@@ -221,7 +221,28 @@ def test_an_exploration_runs_until_the_next_window_opens(
     if result is not None:
         assert result.ongoing
         assert result.steps == 4
-        assert "until the window of 2026-01-06T03:00Z" in result.why
+        assert "since 2026-01-05T03:10:00+00:00" in result.why
+        assert "until the window of 2026-01-06T03:00:00+00:00" in result.why
+
+
+@pytest.mark.parametrize(
+    ("zone", "opens"),
+    [
+        ("Europe/Berlin", "2026-01-06T03:00:00+01:00"),
+        ("America/New_York", "2026-01-06T03:00:00-05:00"),
+        ("UTC", "2026-01-06T03:00:00+00:00"),
+    ],
+)
+def test_an_exploration_names_the_next_opening_on_the_windows_clock(zone: str, opens: str) -> None:
+    """The window an exploration runs until is named as status names it (03:00 in Berlin,
+    not 02:00Z); when it began, in UTC, as status writes past times."""
+    cfg = config(windows=[{"cron": "0 3 * * *", "duration_s": 3600, "timezone": zone}])
+    first = windows.next_open(cfg.windows, datetime.fromtimestamp(MONDAY, timezone.utc))
+    started = first.timestamp()
+    result = explore.ongoing(((started, 4),), 4, cfg, started + 600)
+    assert result is not None
+    assert f"until the window of {opens}" in result.why, result.why
+    assert f"since {datetime.fromtimestamp(started, timezone.utc).isoformat()}" in result.why
 
 
 SETTLE = [
@@ -267,7 +288,8 @@ def test_after_its_epoch_an_explored_step_count_goes_back_unless_best(
         return
     assert result is not None
     assert result[0] == back
-    assert f"{live}, explored since 2026-01-05T03:10Z, measured below {back} by" in result[1]
+    said = f"{live}, explored since 2026-01-05T03:10:00+00:00, measured below {back} by"
+    assert said in result[1]
 
 
 def test_explorations_older_than_a_week_are_dropped() -> None:

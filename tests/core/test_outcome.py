@@ -603,7 +603,7 @@ def test_leaving_an_adaptive_set_compares_with_what_it_served() -> None:
     entry = outcome.avoid_entry(found, NEXT_WINDOW)
     assert (entry.steps, entry.from_steps, entry.from_setting) == (3, ADAPTIVE_KEY, ADAPTIVE)
     why = outcome.avoided([entry], NEXT_WINDOW, config(), {2: 1.0})
-    assert why == {3: "3 served 5.0% less than adaptive:3,4 (went back 2026-01-06T03:30Z)"}
+    assert why == {3: "3 served 5.0% less than adaptive:3,4 (went back 2026-01-06T03:30:00+00:00)"}
 
 
 @pytest.mark.parametrize(
