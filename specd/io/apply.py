@@ -25,7 +25,8 @@ where it was drained and waits until it is ready there. The journal lists the dr
 workers, so a specd killed in between re-adds them on its next start (``reconcile``).
 
 Before each step the journal (a JSON-able dict, see ``Journal``) is handed to ``persist``,
-which the daemon stores atomically in state.json. A specd killed at any point finds on its
+which the daemon stores atomically in state.json; a change whose plan or restart it cannot
+save (disk full, read-only) is not restarted. A specd killed at any point finds on its
 next start a journal saying what may have happened, and ``Applier.reconcile`` finishes the
 sequence without a second restart of a server that may still be loading.
 
@@ -920,7 +921,16 @@ class Applier:
                 return self._env_write_failed(journal, exc)
         self._set_phase(journal, "env_written", f"wrote {self.sglang.env_file}")
 
-        self._issue_restart(journal, "restart_issued")
+        unsaved = self._issue_restart(journal, "restart_issued")
+        if unsaved is not None:
+            # A journal on disk that does not say the restart may have gone out would make a
+            # specd killed while SGLang loads put the previous env file back and call the
+            # change aborted, with SGLang on the new setting, unverified: no restart.
+            journal.restarts_issued -= 1
+            journal.restart_issued_at = None
+            self._restart_started = None
+            journal.phase = "env_written"
+            return self._unwind(journal, f"cannot save the restart journal ({unsaved})")
         result = self.runner(
             restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
         )
@@ -945,12 +955,16 @@ class Applier:
     def _env_write_failed(
         self, journal: Journal, exc: OSError, what: str | None = None
     ) -> ApplyOutcome:
+        return self._unwind(journal, f"writing {what or self.sglang.env_file} failed: {exc}")
+
+    def _unwind(self, journal: Journal, problem: str) -> ApplyOutcome:
         # Nothing was restarted; only make sure the file is what it was.
-        problem = f"writing {what or self.sglang.env_file} failed: {exc}"
         restored = self._restore_env(journal)
         if restored is not None:
             journal.note(problem)
-            return self._finish(journal, "failed", f"{problem}; restoring it failed: {restored}")
+            return self._finish(
+                journal, "failed", f"{problem}; restoring {self.sglang.env_file} failed: {restored}"
+            )
         return self._finish(journal, "aborted", f"{problem}; nothing was restarted")
 
     # -- rollback -------------------------------------------------------------------
@@ -1310,14 +1324,16 @@ class Applier:
         return _Live(True, f"verified {expected} steps ({', '.join(seen)})", capacity)
 
     # -- bookkeeping ----------------------------------------------------------------
-    def _issue_restart(self, journal: Journal, phase: str) -> None:
+    def _issue_restart(self, journal: Journal, phase: str) -> str | None:
+        """Journal the restart as issued, before it is: why that could not be saved, or
+        None. A change does not go out unsaved; a rollback does (SGLang needs it more)."""
         journal.restarts_issued += 1
         journal.restart_issued_at = self._clock()
         if self._restart_started is None:
             self._restart_started = self._mono()
         journal.phase = phase
         journal.note(f"issuing `{' '.join(restart_argv(journal.unit))}`")
-        self._persist(journal)
+        return self._persist(journal)
 
     def _set_phase(self, journal: Journal, phase: str, message: str) -> None:
         journal.phase = phase

@@ -8,9 +8,11 @@ SGLang client, HTTP, files, processes, signals) is the real thing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +22,14 @@ from typing import Any
 import httpx
 import pydantic
 import pytest
-from factories import SMG_ADMIN_KEY, Killed, QueuedRemovalGateway, SmgGateway, StreamingLoad
+from factories import (
+    SMG_ADMIN_KEY,
+    Killed,
+    QueuedRemovalGateway,
+    SmgGateway,
+    StreamingLoad,
+    mounted_tmpfs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,6 +61,7 @@ from specd.io.config import Config
 from specd.io.gateway import GatewayClient, Worker
 from specd.io.runner import RunResult, SubprocessRunner
 from specd.io.sglang import SGLangClient
+from specd.io.state import StateStore
 from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.standin import make_standin
@@ -1539,4 +1549,73 @@ def test_no_restart_without_its_journal_on_disk(make_unit: Any, tmp_path: Path) 
     )
     assert (unit.restarts, saved) == ([], [])
     assert unit.env_file.read_bytes() == before
+    assert unit.running_steps() == 3
+
+
+class FailingStateDir:
+    """The daemon's persist callback on a real state directory (a small tmpfs) that stops
+    taking writes at the ``fail_at``-th save: the disk fills up, or is remounted read-only."""
+
+    def __init__(self, state_dir: Path, fault: str, fail_at: int) -> None:
+        self.store = StateStore(state_dir)
+        self.state = self.store.fresh()
+        self.fault = fault
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def __call__(self, journal: dict[str, Any] | None) -> str | None:
+        if self.calls == self.fail_at:
+            if self.fault == "disk full":
+                filler = self.store.state_dir / "filler"
+                with contextlib.suppress(OSError), filler.open("wb") as f:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                        os.fsync(f.fileno())
+            else:
+                subprocess.run(["mount", "-o", "remount,ro", str(self.store.state_dir)], check=True)
+        self.calls += 1
+        self.state.journal = journal
+        return self.store.save(self.state)
+
+    def on_disk(self) -> dict[str, Any] | None:
+        state, problem = self.store.load()
+        assert problem is None, problem
+        return state.journal
+
+
+@pytest.mark.parametrize("fault", ["disk full", "read-only"])
+@pytest.mark.parametrize(
+    ("fail_at", "on_disk"), [(1, "planned"), (2, "env_written")], ids=["env_written", "restart"]
+)
+def test_no_restart_once_the_journal_cannot_be_saved_mid_sequence(
+    make_unit: Any, tmp_path: Path, fault: str, fail_at: int, on_disk: str
+) -> None:
+    """The plan was saved, then the state directory stopped taking writes: the journal on
+    disk cannot say that a restart may have gone out, so none goes out. (Issued all the
+    same, a specd killed while SGLang loaded found a journal saying none was issued on its
+    next start: it put the previous env file back and called the change aborted, with
+    SGLang running the new setting, unverified, and nothing frozen.)"""
+    unit = make_unit()
+    with mounted_tmpfs(tmp_path / "state", "512k") as state_dir:
+        persist = FailingStateDir(state_dir, fault, fail_at)
+        outcome = applier_for(unit, persist).apply(4, 3, window_open=always_open)
+        journal = persist.on_disk()
+    assert outcome.result == "aborted", outcome.message
+    why = "No space left on device" if fault == "disk full" else "Read-only file system"
+    assert f"cannot save the restart journal (cannot write {state_dir}" in outcome.message
+    assert why in outcome.message
+    assert "nothing was restarted" in outcome.message
+    assert (outcome.restarts_issued, outcome.duration_s) == (0, 0.0)
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == 3
+    # What the next start finds on disk agrees with what happened: it changes nothing.
+    assert journal is not None
+    assert journal["phase"] == on_disk
+    again = applier_for(unit, Recorder(tmp_path / "state2.json")).reconcile(journal)
+    assert again is not None
+    assert again.result == "aborted", again.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
     assert unit.running_steps() == 3
