@@ -76,7 +76,7 @@ from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus, ParsedMetrics
-from specd.io.systemd import SystemctlError, show
+from specd.io.systemd import SystemctlError, UnitState, show, unit_state
 from specd.io.timespan import timespan_s
 
 # The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
@@ -1169,17 +1169,20 @@ class Applier:
         so a heartbeat-counting event still sees the loop alive. Returns (healthy, why not).
         """
         deadline = self._mono() + self.restart.startup_timeout_s
+        # Restart= counts its starts: one more than now is SGLang dying while it starts.
+        before = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
         while True:
             status = self.client.health_generate(self._probe_timeout(deadline))
             if status is HealthStatus.OK:
                 return True, "/health_generate OK"
             # An SGLang that crashed while loading (out of memory with more draft tokens)
             # will not get healthy: no need to wait out a startup timeout of minutes.
-            if self._unit_failed():
+            failed = self._start_failed(before)
+            if failed is not None:
                 return (
                     False,
                     f"{self.sglang.unit} failed while starting "
-                    f"(last /health_generate: {status.name})",
+                    f"({failed}last /health_generate: {status.name})",
                 )
             left = deadline - self._mono()
             if left <= 0:
@@ -1208,10 +1211,28 @@ class Applier:
         """Why the unit can be given static step counts only (`read_static_only`)."""
         return read_static_only(self.runner, self.sglang.unit)
 
-    def _unit_failed(self) -> bool:
-        """True only when systemd says the unit failed; any doubt means keep waiting."""
-        result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
-        return result.stdout.strip() == "failed"
+    def _start_failed(self, before: UnitState | None) -> str | None:
+        """Why systemd says the unit's start failed ("" when it only says "failed"), or
+        None: any doubt means keep waiting. Under Restart= a start that dies never leaves the
+        unit failed: it is "activating" again and again (SubState auto-restart between
+        starts, NRestarts one more each time)."""
+        now = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
+        if now is None:
+            # systemd cannot say more (or a stand-in does not): is-active alone.
+            result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+            return "" if result.stdout.strip() == "failed" else None
+        if now.active == "failed":
+            return ""
+        restarted = (
+            0
+            if before is None or before.restarts is None or now.restarts is None
+            else now.restarts - before.restarts
+        )
+        if restarted > 0:
+            return f"it died, and Restart= started it again {restarted}x; "
+        if now.sub == "auto-restart":
+            return "it died, and Restart= starts it again; "
+        return None
 
     def _probe_timeout(self, deadline: float | None) -> float:
         timeout = self.restart.health_probe_timeout_s
