@@ -43,6 +43,7 @@ import base64
 import binascii
 import itertools
 import json
+import os
 import re
 import threading
 import time
@@ -209,6 +210,42 @@ def read_static_only(runner: Runner, unit: str) -> str | None:
     except SystemctlError:
         return None
     return static_only_wiring(unit, props.get("ExecStart", []))
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
+
+
+def env_file_unread(
+    unit: str, env_file: Path | str, props: Mapping[str, Sequence[str]]
+) -> str | None:
+    """Why ``unit`` would start SGLang without reading ``env_file``, from ``systemctl show``
+    of its LoadState and EnvironmentFiles: none of its EnvironmentFile= lines names it (the
+    drop-in was removed: `systemctl revert`, an upgrade, config management). None when it
+    does, or when systemd does not say the unit is loaded (it cannot tell; a unit that is
+    not found fails the restart command, which changes nothing)."""
+    if (props.get("LoadState") or [""])[-1] != "loaded":
+        return None
+    # "EnvironmentFiles=/var/lib/specd/sglang.env (ignore_errors=yes)", one line per file.
+    listed = [v.rsplit(" (ignore_errors=", 1)[0] for v in props.get("EnvironmentFiles", []) if v]
+    if any(_same_path(path, str(env_file)) for path in listed):
+        return None
+    return (
+        f"{unit} does not read {env_file} (its EnvironmentFile= lines: "
+        f"{', '.join(listed) or 'none'}; was its drop-in removed?): nothing specd writes "
+        "would reach SGLang, so no restart (`specd install` puts the drop-in back)"
+    )
+
+
+def read_env_file_unread(runner: Runner, unit: str, env_file: Path | str) -> str | None:
+    """`env_file_unread`, read from systemd now; None also when systemd cannot say."""
+    try:
+        props = show(
+            runner, unit, ["LoadState", "EnvironmentFiles"], timeout_s=UNIT_STATE_TIMEOUT_S
+        )
+    except SystemctlError:
+        return None
+    return env_file_unread(unit, env_file, props)
 
 
 def render_setting_env(setting: SpecSetting, *, algorithm: str, config_dir: Path | str) -> str:
@@ -785,6 +822,11 @@ class Applier:
             return self._aborted(current, target, problem)
         if target == current:
             return self._aborted(current, target, f"SGLang already runs {_describe(target)}")
+        # A unit that does not read the env file would restart on its own command: the change
+        # would fail verification, and so would the rollback, for two restarts of nothing.
+        unread = read_env_file_unread(self.runner, self.sglang.unit, self.sglang.env_file)
+        if unread is not None:
+            return self._aborted(current, target, unread)
         if target.kind != "static":
             # A pin reaches here whatever the unit can take: a unit reading the step
             # variables would start at the old K, fail verification and freeze specd.

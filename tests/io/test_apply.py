@@ -49,6 +49,7 @@ from specd.io.apply import (
     Journal,
     JournalError,
     encode_env,
+    env_file_unread,
     parse_env,
     read_env_steps,
     render_env,
@@ -62,6 +63,7 @@ from specd.io.gateway import GatewayClient, Worker
 from specd.io.runner import RunResult, SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import StateStore
+from specd.io.systemd import parse_show
 from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.standin import make_standin
@@ -323,6 +325,42 @@ def test_off_on_a_unit_of_the_step_variables_is_refused_before_any_restart(
     assert standin.env_file.read_bytes() == ORIGINAL_ENV
     # The twin unit of the demo and sweep reads the setting's variable: anything goes.
     assert applier_for(make_unit(start=False), recorder).read_wiring() is None
+
+
+@pytest.mark.parametrize(
+    ("show", "unread"),
+    [
+        # As systemd 252 prints them: specd's drop-in in place (also named by another path
+        # to the same directory), or one more file beside it.
+        ("EnvironmentFiles=/var/lib/specd/sglang.env (ignore_errors=yes)\nLoadState=loaded", False),
+        (
+            "EnvironmentFiles=/var/lib/specd/./sglang.env (ignore_errors=yes)\nLoadState=loaded",
+            False,
+        ),
+        (
+            "EnvironmentFiles=/etc/default/sglang (ignore_errors=no)\n"
+            "EnvironmentFiles=/var/lib/specd/sglang.env (ignore_errors=yes)\nLoadState=loaded",
+            False,
+        ),
+        # The drop-in gone: another file, or none (systemd then prints no line at all).
+        ("EnvironmentFiles=/etc/default/sglang (ignore_errors=no)\nLoadState=loaded", True),
+        ("LoadState=loaded", True),
+        # Cannot tell: systemd does not say the unit is loaded (not found: the restart
+        # command fails and changes nothing), or something in its place says nothing of it.
+        ("LoadState=not-found", False),
+        ("ExecStart={ path=twin ; argv[]=twin $SPECD_SPECULATIVE_ARGS }", False),
+        ("", False),
+    ],
+)
+def test_a_unit_that_does_not_read_the_env_file_is_named(show: str, unread: bool) -> None:
+    why = env_file_unread(UNIT, "/var/lib/specd/sglang.env", parse_show(show))
+    if not unread:
+        assert why is None
+        return
+    assert why is not None
+    assert why.startswith(f"{UNIT} does not read /var/lib/specd/sglang.env (its EnvironmentFile=")
+    assert "no restart" in why
+    assert "\n" not in why
 
 
 # -- env file -----------------------------------------------------------------------------

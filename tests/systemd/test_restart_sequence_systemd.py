@@ -14,9 +14,13 @@ from nspawn import SGLANG_UNIT, Container
 from test_specd_service import (
     closed_window_config,
     env_steps,
+    events_named,
+    journal_mark,
     pin_now,
+    sglang_starts,
     start_specd,
     state,
+    status_text,
     twin_live_steps,
     wait_or_dump,
 )
@@ -83,3 +87,34 @@ def test_a_target_crash_looping_under_restart_on_failure_is_rolled_back_at_once(
     time.sleep(3)
     assert (sd.main_pid(SGLANG_UNIT), sd.show(SGLANG_UNIT, "NRestarts")) == (settled, restarted)
     assert sd.active_state(SGLANG_UNIT) == "active"
+
+
+def test_a_unit_that_no_longer_reads_the_env_file_is_not_restarted(sd: Container) -> None:
+    """`systemctl revert` (or an upgrade, a config-management run) took the drop-in away:
+    the unit starts SGLang with its own command again, whatever the env file says. specd
+    restarted it twice for nothing (the change, then the rollback, neither of which the env
+    file could reach) and left SGLang on the unit's own setting, frozen."""
+    since = journal_mark(sd)
+    pid = start_twin_unit(sd, 4, [])
+    start_specd(sd, closed_window_config(sd))
+    wait_or_dump(sd, lambda: status_text(sd).startswith("steps 4"), timeout=10)
+    sd.systemctl("revert", SGLANG_UNIT)
+    sd.daemon_reload()
+    assert "sglang.env" not in sd.show(SGLANG_UNIT, "EnvironmentFiles")
+    pin_now(sd, 3)
+    aborted = wait_or_dump(
+        sd,
+        lambda: [e for _, e in events_named(sd, since, "restart_aborted") if "message" in e],
+        timeout=20,
+        what="the pinned restart refused",
+    )
+    message = aborted[0]["message"]
+    assert f"{SGLANG_UNIT} does not read /var/lib/specd/sglang.env" in message, message
+    assert "no restart" in message, message
+    time.sleep(3)  # more ticks: each refuses again, none restarts
+    assert sd.main_pid(SGLANG_UNIT) == pid
+    assert sglang_starts(sd, since) == 1
+    assert state(sd)["restarts"] == []
+    assert state(sd)["frozen"] is None
+    assert env_steps(sd) == 4
+    assert twin_live_steps(sd) == (4, 4.0)
