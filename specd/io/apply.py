@@ -58,6 +58,8 @@ from specd.core.setting import (
     SpecSetting,
     adaptive_config_name,
     adaptive_config_text,
+    describe_args,
+    describe_server,
     format_setting,
     mismatch,
     sglang_args,
@@ -141,6 +143,9 @@ class SGLangProbe(Protocol):
 
     @property
     def live_algorithm(self) -> str | None: ...
+
+    @property
+    def last_server_info(self) -> dict[str, Any] | None: ...
 
     def health_generate(self, timeout_s: float) -> HealthStatus: ...
 
@@ -873,6 +878,22 @@ class Applier:
             fleet_slot=None if self._slot is None else self._slot.to_dict(),
         )
         journal.note(f"{_describe(current)} → {_describe(target)}")
+        edited = self._env_edited(previous)
+        if edited is not None:
+            asks, runs = edited
+            # Who wins: the change (the file's header says every change overwrites it; a
+            # pin is the way to choose by hand). Said first; the journal keeps the bytes.
+            journal.note(
+                f"{env_path} asks for {asks}, SGLang runs {runs} (edited by hand since specd "
+                "wrote it?): the change overwrites it"
+            )
+            self.log.warning(
+                "env_file_edited",
+                env_file=str(env_path),
+                env_file_asks=asks,
+                sglang_runs=runs,
+                message="overwritten by this change; `specd override pin` chooses by hand",
+            )
         self._journal = journal
         unsaved = self._persist(journal)
         if unsaved is not None:
@@ -887,6 +908,22 @@ class Applier:
             if stopped is not None:
                 return stopped
         return self._forward(journal, previous, new_env)
+
+    def _env_edited(self, previous: bytes | None) -> tuple[str, str] | None:
+        """(what the env file asks for, what SGLang runs) when they differ, as `specd
+        doctor` words them; None when they agree or either is unknown (no file, no setting
+        in it, /server_info not read or lacking the step count). Adaptive sets count as one
+        kind: /server_info may not name the config a set runs."""
+        info = self.client.last_server_info
+        words = None if previous is None else env_setting_words(previous)
+        if words is None or not isinstance(info, dict):
+            return None
+        asks, runs = describe_args(words), describe_server(info)
+        if asks == runs or "?" in (asks + runs):  # "? steps": a field SGLang did not give
+            return None
+        if asks.startswith("adaptive") and runs.startswith("adaptive"):
+            return None
+        return asks, runs
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None:
         """Finish a sequence a previous specd left unfinished (it was killed)."""

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pydantic
 import pytest
+import structlog.testing
 from factories import (
     SMG_ADMIN_KEY,
     Killed,
@@ -1657,3 +1658,61 @@ def test_no_restart_once_the_journal_cannot_be_saved_mid_sequence(
     assert unit.restarts == []
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
     assert unit.running_steps() == 3
+
+
+# -- the env file edited by hand between restarts ---------------------------------------------
+
+
+def test_an_env_file_edited_by_hand_is_reported_before_the_change_overwrites_it(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """Someone wrote 5 steps into the env file and restarted nothing: SGLang runs 3. The
+    change overwrites the file (its header says so; `specd override pin` is the way), and
+    now says so first, naming both, in the log and in the journal; the journal keeps the
+    file's bytes for a rollback. (It was overwritten silently.)"""
+    unit = make_unit()
+    edited = b"# tried 5 by hand\nSPECULATIVE_NUM_STEPS=5\nSPECULATIVE_NUM_DRAFT_TOKENS=6\n"
+    unit.env_file.write_bytes(edited)
+    rec = Recorder(tmp_path / "journal.json")
+    applier = applier_for(unit, rec)
+    assert not isinstance(applier.client.observe(), Exception)  # the daemon's tick before
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert unit.restarts == [4]
+    said = [e for e in logs if e["event"] == "env_file_edited"]
+    assert len(said) == 1, logs
+    assert said[0]["log_level"] == "warning"
+    assert (said[0]["env_file_asks"], said[0]["sglang_runs"]) == ("5 steps", "3 steps")
+    planned = rec.calls[0]
+    assert planned is not None
+    assert planned["previous_env"] == edited.decode()
+    assert any(
+        f"{unit.env_file} asks for 5 steps, SGLang runs 3 steps" in m for m in planned["messages"]
+    ), planned["messages"]
+
+
+@pytest.mark.parametrize(
+    ("env", "twin_args"),
+    [
+        (ORIGINAL_ENV, []),  # asks for what runs
+        (None, []),  # no file: the drop-in's default runs
+        (b"# not specd's\nOTHER=1\n", []),  # names no setting
+        # /server_info does not say the step count: unknown, not another one (the file is
+        # rewritten to 5 once SGLang runs 3).
+        (render_env(5).encode(), ["--server-info-missing", "speculative_num_steps"]),
+    ],
+)
+def test_an_env_file_that_asks_for_what_runs_or_nothing_is_not_reported(
+    make_unit: Any, tmp_path: Path, env: bytes | None, twin_args: list[str]
+) -> None:
+    unit = make_unit(ORIGINAL_ENV if twin_args else env, lambda steps: twin_args)
+    if twin_args:
+        assert env is not None
+        unit.env_file.write_bytes(env)
+    applier = applier_for(unit, Recorder(tmp_path / "journal.json"))
+    assert not isinstance(applier.client.observe(), Exception)
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert [e for e in logs if e["event"] == "env_file_edited"] == []
