@@ -878,21 +878,14 @@ class Applier:
             fleet_slot=None if self._slot is None else self._slot.to_dict(),
         )
         journal.note(f"{_describe(current)} → {_describe(target)}")
+        # Who wins over a file edited by hand: the change (the file's header says every
+        # change overwrites it; a pin is the way to choose by hand). Said first; the journal
+        # keeps the bytes, which a rollback puts back.
         edited = self._env_edited(previous)
         if edited is not None:
-            asks, runs = edited
-            # Who wins: the change (the file's header says every change overwrites it; a
-            # pin is the way to choose by hand). Said first; the journal keeps the bytes.
             journal.note(
-                f"{env_path} asks for {asks}, SGLang runs {runs} (edited by hand since specd "
-                "wrote it?): the change overwrites it"
-            )
-            self.log.warning(
-                "env_file_edited",
-                env_file=str(env_path),
-                env_file_asks=asks,
-                sglang_runs=runs,
-                message="overwritten by this change; `specd override pin` chooses by hand",
+                f"{env_path} asks for {edited[0]}, SGLang runs {edited[1]} (edited by hand "
+                "since specd wrote it?): the change overwrites it"
             )
         self._journal = journal
         unsaved = self._persist(journal)
@@ -902,6 +895,15 @@ class Applier:
             self._journal = None
             return self._aborted(
                 current, target, f"cannot save the restart journal ({unsaved}): no restart"
+            )
+        if edited is not None:
+            self.log.warning(
+                "env_file_edited",
+                env_file=str(env_path),
+                env_file_asks=edited[0],
+                sglang_runs=edited[1],
+                message="the change to "
+                f"{_describe(target)} overwrites it; `specd override pin` chooses by hand",
             )
         if self.gateway is not None:
             stopped = self._drain(journal, self.gateway, window_open, force)
