@@ -949,6 +949,15 @@ class Applier:
                 f"restart journal names env file {journal.env_file!r}, not the configured "
                 f"{str(self.sglang.env_file)!r}; not acting on it",
             )
+        if journal.unit != self.sglang.unit:
+            # Nor one naming another unit: its previous env file is that unit's, and this
+            # unit was never restarted by it (a reinstall for another unit, the state
+            # carried along).
+            return self._reconcile_unreadable(
+                journal_data,
+                f"restart journal names unit {journal.unit!r}, not the configured "
+                f"{self.sglang.unit!r}; not acting on it",
+            )
         try:
             self._reattach_slot(journal)
             outcome = self._resume(journal)

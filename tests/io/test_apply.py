@@ -1415,6 +1415,39 @@ def test_a_journal_naming_another_env_file_is_reported_and_not_acted_on(
         assert (rec.calls, unit.restarts) == ([], [])
 
 
+@pytest.mark.parametrize(
+    ("phase", "restarts_issued"),
+    [("env_written", 0), ("restart_issued", 1), ("rolling_back", 1), ("rolling_back", 2)],
+)
+def test_a_journal_naming_another_unit_is_reported_and_not_acted_on(
+    make_unit: Any, tmp_path: Path, phase: str, restarts_issued: int
+) -> None:
+    """The state (and the env file's path) came along to a specd configured for another
+    unit (a reinstall for it, a config edited while specd was down): the journal's restart
+    was of a unit this specd does not run. Healing it here put that unit's previous env file
+    over this unit's and restarted this one, or verified it as the other's."""
+    now_asks = render_env(5).encode()
+    unit = make_unit(now_asks)  # this unit runs 5, as its env file says
+    journal = _journal(
+        phase=phase,
+        unit="old-sglang.service",
+        env_file=str(unit.env_file),
+        previous_env=ORIGINAL_ENV.decode(),
+        written_env=render_env(4),
+        restarts_issued=restarts_issued,
+    )
+    rec = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, rec).reconcile(journal)
+    assert outcome is not None
+    assert outcome.result == "failed", outcome.message
+    assert "restart journal names unit 'old-sglang.service'" in outcome.message
+    assert f"not the configured {UNIT!r}" in outcome.message
+    assert "\n" not in outcome.message
+    assert unit.env_file.read_bytes() == now_asks
+    assert (rec.calls, unit.restarts) == ([], [])
+    assert unit.running_steps() == 5
+
+
 def test_a_journal_naming_the_configured_env_file_is_acted_on(
     make_unit: Any, tmp_path: Path
 ) -> None:
