@@ -25,7 +25,8 @@ where it was drained and waits until it is ready there. The journal lists the dr
 workers, so a specd killed in between re-adds them on its next start (``reconcile``).
 
 Before each step the journal (a JSON-able dict, see ``Journal``) is handed to ``persist``,
-which the daemon stores atomically in state.json. A specd killed at any point finds on its
+which the daemon stores atomically in state.json; a change whose plan or restart it cannot
+save (disk full, read-only) is not restarted. A specd killed at any point finds on its
 next start a journal saying what may have happened, and ``Applier.reconcile`` finishes the
 sequence without a second restart of a server that may still be loading.
 
@@ -42,6 +43,7 @@ import base64
 import binascii
 import itertools
 import json
+import os
 import re
 import threading
 import time
@@ -56,6 +58,8 @@ from specd.core.setting import (
     SpecSetting,
     adaptive_config_name,
     adaptive_config_text,
+    describe_args,
+    describe_server,
     format_setting,
     mismatch,
     sglang_args,
@@ -75,7 +79,7 @@ from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner
 from specd.io.sglang import HealthStatus, ParsedMetrics
-from specd.io.systemd import SystemctlError, show
+from specd.io.systemd import SystemctlError, UnitState, show, unit_state
 from specd.io.timespan import timespan_s
 
 # The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
@@ -139,6 +143,9 @@ class SGLangProbe(Protocol):
 
     @property
     def live_algorithm(self) -> str | None: ...
+
+    @property
+    def last_server_info(self) -> dict[str, Any] | None: ...
 
     def health_generate(self, timeout_s: float) -> HealthStatus: ...
 
@@ -208,6 +215,42 @@ def read_static_only(runner: Runner, unit: str) -> str | None:
     except SystemctlError:
         return None
     return static_only_wiring(unit, props.get("ExecStart", []))
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b) or os.path.realpath(a) == os.path.realpath(b)
+
+
+def env_file_unread(
+    unit: str, env_file: Path | str, props: Mapping[str, Sequence[str]]
+) -> str | None:
+    """Why ``unit`` would start SGLang without reading ``env_file``, from ``systemctl show``
+    of its LoadState and EnvironmentFiles: none of its EnvironmentFile= lines names it (the
+    drop-in was removed: `systemctl revert`, an upgrade, config management). None when it
+    does, or when systemd does not say the unit is loaded (it cannot tell; a unit that is
+    not found fails the restart command, which changes nothing)."""
+    if (props.get("LoadState") or [""])[-1] != "loaded":
+        return None
+    # "EnvironmentFiles=/var/lib/specd/sglang.env (ignore_errors=yes)", one line per file.
+    listed = [v.rsplit(" (ignore_errors=", 1)[0] for v in props.get("EnvironmentFiles", []) if v]
+    if any(_same_path(path, str(env_file)) for path in listed):
+        return None
+    return (
+        f"{unit} does not read {env_file} (its EnvironmentFile= lines: "
+        f"{', '.join(listed) or 'none'}; was its drop-in removed?): nothing specd writes "
+        "would reach SGLang, so no restart (`specd install` puts the drop-in back)"
+    )
+
+
+def read_env_file_unread(runner: Runner, unit: str, env_file: Path | str) -> str | None:
+    """`env_file_unread`, read from systemd now; None also when systemd cannot say."""
+    try:
+        props = show(
+            runner, unit, ["LoadState", "EnvironmentFiles"], timeout_s=UNIT_STATE_TIMEOUT_S
+        )
+    except SystemctlError:
+        return None
+    return env_file_unread(unit, env_file, props)
 
 
 def render_setting_env(setting: SpecSetting, *, algorithm: str, config_dir: Path | str) -> str:
@@ -784,6 +827,11 @@ class Applier:
             return self._aborted(current, target, problem)
         if target == current:
             return self._aborted(current, target, f"SGLang already runs {_describe(target)}")
+        # A unit that does not read the env file would restart on its own command: the change
+        # would fail verification, and so would the rollback, for two restarts of nothing.
+        unread = read_env_file_unread(self.runner, self.sglang.unit, self.sglang.env_file)
+        if unread is not None:
+            return self._aborted(current, target, unread)
         if target.kind != "static":
             # A pin reaches here whatever the unit can take: a unit reading the step
             # variables would start at the old K, fail verification and freeze specd.
@@ -830,6 +878,15 @@ class Applier:
             fleet_slot=None if self._slot is None else self._slot.to_dict(),
         )
         journal.note(f"{_describe(current)} → {_describe(target)}")
+        # Who wins over a file edited by hand: the change (the file's header says every
+        # change overwrites it; a pin is the way to choose by hand). Said first; the journal
+        # keeps the bytes, which a rollback puts back.
+        edited = self._env_edited(previous)
+        if edited is not None:
+            journal.note(
+                f"{env_path} asks for {edited[0]}, SGLang runs {edited[1]} (edited by hand "
+                "since specd wrote it?): the change overwrites it"
+            )
         self._journal = journal
         unsaved = self._persist(journal)
         if unsaved is not None:
@@ -839,11 +896,36 @@ class Applier:
             return self._aborted(
                 current, target, f"cannot save the restart journal ({unsaved}): no restart"
             )
+        if edited is not None:
+            self.log.warning(
+                "env_file_edited",
+                env_file=str(env_path),
+                env_file_asks=edited[0],
+                sglang_runs=edited[1],
+                message="the change to "
+                f"{_describe(target)} overwrites it; `specd override pin` chooses by hand",
+            )
         if self.gateway is not None:
             stopped = self._drain(journal, self.gateway, window_open, force)
             if stopped is not None:
                 return stopped
         return self._forward(journal, previous, new_env)
+
+    def _env_edited(self, previous: bytes | None) -> tuple[str, str] | None:
+        """(what the env file asks for, what SGLang runs) when they differ, as `specd
+        doctor` words them; None when they agree or either is unknown (no file, no setting
+        in it, /server_info not read or lacking the step count). Adaptive sets count as one
+        kind: /server_info may not name the config a set runs."""
+        info = self.client.last_server_info
+        words = None if previous is None else env_setting_words(previous)
+        if words is None or not isinstance(info, dict):
+            return None
+        asks, runs = describe_args(words), describe_server(info)
+        if asks == runs or "?" in (asks + runs):  # "? steps": a field SGLang did not give
+            return None
+        if asks.startswith("adaptive") and runs.startswith("adaptive"):
+            return None
+        return asks, runs
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None:
         """Finish a sequence a previous specd left unfinished (it was killed)."""
@@ -866,6 +948,15 @@ class Applier:
                 journal_data,
                 f"restart journal names env file {journal.env_file!r}, not the configured "
                 f"{str(self.sglang.env_file)!r}; not acting on it",
+            )
+        if journal.unit != self.sglang.unit:
+            # Nor one naming another unit: its previous env file is that unit's, and this
+            # unit was never restarted by it (a reinstall for another unit, the state
+            # carried along).
+            return self._reconcile_unreadable(
+                journal_data,
+                f"restart journal names unit {journal.unit!r}, not the configured "
+                f"{self.sglang.unit!r}; not acting on it",
             )
         try:
             self._reattach_slot(journal)
@@ -920,7 +1011,16 @@ class Applier:
                 return self._env_write_failed(journal, exc)
         self._set_phase(journal, "env_written", f"wrote {self.sglang.env_file}")
 
-        self._issue_restart(journal, "restart_issued")
+        unsaved = self._issue_restart(journal, "restart_issued")
+        if unsaved is not None:
+            # A journal on disk that does not say the restart may have gone out would make a
+            # specd killed while SGLang loads put the previous env file back and call the
+            # change aborted, with SGLang on the new setting, unverified: no restart.
+            journal.restarts_issued -= 1
+            journal.restart_issued_at = None
+            self._restart_started = None
+            journal.phase = "env_written"
+            return self._unwind(journal, f"cannot save the restart journal ({unsaved})")
         result = self.runner(
             restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
         )
@@ -945,12 +1045,16 @@ class Applier:
     def _env_write_failed(
         self, journal: Journal, exc: OSError, what: str | None = None
     ) -> ApplyOutcome:
+        return self._unwind(journal, f"writing {what or self.sglang.env_file} failed: {exc}")
+
+    def _unwind(self, journal: Journal, problem: str) -> ApplyOutcome:
         # Nothing was restarted; only make sure the file is what it was.
-        problem = f"writing {what or self.sglang.env_file} failed: {exc}"
         restored = self._restore_env(journal)
         if restored is not None:
             journal.note(problem)
-            return self._finish(journal, "failed", f"{problem}; restoring it failed: {restored}")
+            return self._finish(
+                journal, "failed", f"{problem}; restoring {self.sglang.env_file} failed: {restored}"
+            )
         return self._finish(journal, "aborted", f"{problem}; nothing was restarted")
 
     # -- rollback -------------------------------------------------------------------
@@ -1155,17 +1259,20 @@ class Applier:
         so a heartbeat-counting event still sees the loop alive. Returns (healthy, why not).
         """
         deadline = self._mono() + self.restart.startup_timeout_s
+        # Restart= counts its starts: one more than now is SGLang dying while it starts.
+        before = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
         while True:
             status = self.client.health_generate(self._probe_timeout(deadline))
             if status is HealthStatus.OK:
                 return True, "/health_generate OK"
             # An SGLang that crashed while loading (out of memory with more draft tokens)
             # will not get healthy: no need to wait out a startup timeout of minutes.
-            if self._unit_failed():
+            failed = self._start_failed(before)
+            if failed is not None:
                 return (
                     False,
                     f"{self.sglang.unit} failed while starting "
-                    f"(last /health_generate: {status.name})",
+                    f"({failed}last /health_generate: {status.name})",
                 )
             left = deadline - self._mono()
             if left <= 0:
@@ -1194,10 +1301,28 @@ class Applier:
         """Why the unit can be given static step counts only (`read_static_only`)."""
         return read_static_only(self.runner, self.sglang.unit)
 
-    def _unit_failed(self) -> bool:
-        """True only when systemd says the unit failed; any doubt means keep waiting."""
-        result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
-        return result.stdout.strip() == "failed"
+    def _start_failed(self, before: UnitState | None) -> str | None:
+        """Why systemd says the unit's start failed ("" when it only says "failed"), or
+        None: any doubt means keep waiting. Under Restart= a start that dies never leaves the
+        unit failed: it is "activating" again and again (SubState auto-restart between
+        starts, NRestarts one more each time)."""
+        now = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
+        if now is None:
+            # systemd cannot say more (or a stand-in does not): is-active alone.
+            result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+            return "" if result.stdout.strip() == "failed" else None
+        if now.active == "failed":
+            return ""
+        restarted = (
+            0
+            if before is None or before.restarts is None or now.restarts is None
+            else now.restarts - before.restarts
+        )
+        if restarted > 0:
+            return f"it died, and Restart= started it again {restarted}x; "
+        if now.sub == "auto-restart":
+            return "it died, and Restart= starts it again; "
+        return None
 
     def _probe_timeout(self, deadline: float | None) -> float:
         timeout = self.restart.health_probe_timeout_s
@@ -1310,14 +1435,16 @@ class Applier:
         return _Live(True, f"verified {expected} steps ({', '.join(seen)})", capacity)
 
     # -- bookkeeping ----------------------------------------------------------------
-    def _issue_restart(self, journal: Journal, phase: str) -> None:
+    def _issue_restart(self, journal: Journal, phase: str) -> str | None:
+        """Journal the restart as issued, before it is: why that could not be saved, or
+        None. A change does not go out unsaved; a rollback does (SGLang needs it more)."""
         journal.restarts_issued += 1
         journal.restart_issued_at = self._clock()
         if self._restart_started is None:
             self._restart_started = self._mono()
         journal.phase = phase
         journal.note(f"issuing `{' '.join(restart_argv(journal.unit))}`")
-        self._persist(journal)
+        return self._persist(journal)
 
     def _set_phase(self, journal: Journal, phase: str, message: str) -> None:
         journal.phase = phase

@@ -7,6 +7,7 @@ may repeat (one ``ExecStart=`` line per command), so each key maps to all its va
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from specd.io.runner import Runner
 
@@ -44,3 +45,32 @@ def show(
     if not result.ok:
         raise SystemctlError(result.summary())
     return parse_show(result.stdout)
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """Where a unit is, as ``systemctl show`` says: ``active`` (ActiveState: active,
+    activating, failed, ...), ``sub`` (SubState: running, auto-restart, ...) and ``restarts``
+    (NRestarts: the starts Restart= made; None when systemd does not say)."""
+
+    active: str
+    sub: str
+    restarts: int | None
+
+
+UNIT_STATE_PROPERTIES = ("ActiveState", "SubState", "NRestarts")
+
+
+def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> UnitState | None:
+    """The unit's state now; None when systemd cannot say (or a stand-in does not)."""
+    try:
+        props = last_values(show(runner, unit, UNIT_STATE_PROPERTIES, timeout_s))
+    except SystemctlError:
+        return None
+    active = props.get("ActiveState", "")
+    if not active:
+        return None
+    restarts = props.get("NRestarts", "")
+    return UnitState(
+        active, props.get("SubState", ""), int(restarts) if restarts.isdigit() else None
+    )

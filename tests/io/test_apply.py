@@ -8,9 +8,11 @@ SGLang client, HTTP, files, processes, signals) is the real thing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +22,15 @@ from typing import Any
 import httpx
 import pydantic
 import pytest
-from factories import SMG_ADMIN_KEY, Killed, QueuedRemovalGateway, SmgGateway, StreamingLoad
+import structlog.testing
+from factories import (
+    SMG_ADMIN_KEY,
+    Killed,
+    QueuedRemovalGateway,
+    SmgGateway,
+    StreamingLoad,
+    mounted_tmpfs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,6 +50,7 @@ from specd.io.apply import (
     Journal,
     JournalError,
     encode_env,
+    env_file_unread,
     parse_env,
     read_env_steps,
     render_env,
@@ -52,6 +63,8 @@ from specd.io.config import Config
 from specd.io.gateway import GatewayClient, Worker
 from specd.io.runner import RunResult, SubprocessRunner
 from specd.io.sglang import SGLangClient
+from specd.io.state import StateStore
+from specd.io.systemd import parse_show
 from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.standin import make_standin
@@ -313,6 +326,42 @@ def test_off_on_a_unit_of_the_step_variables_is_refused_before_any_restart(
     assert standin.env_file.read_bytes() == ORIGINAL_ENV
     # The twin unit of the demo and sweep reads the setting's variable: anything goes.
     assert applier_for(make_unit(start=False), recorder).read_wiring() is None
+
+
+@pytest.mark.parametrize(
+    ("show", "unread"),
+    [
+        # As systemd 252 prints them: specd's drop-in in place (also named by another path
+        # to the same directory), or one more file beside it.
+        ("EnvironmentFiles=/var/lib/specd/sglang.env (ignore_errors=yes)\nLoadState=loaded", False),
+        (
+            "EnvironmentFiles=/var/lib/specd/./sglang.env (ignore_errors=yes)\nLoadState=loaded",
+            False,
+        ),
+        (
+            "EnvironmentFiles=/etc/default/sglang (ignore_errors=no)\n"
+            "EnvironmentFiles=/var/lib/specd/sglang.env (ignore_errors=yes)\nLoadState=loaded",
+            False,
+        ),
+        # The drop-in gone: another file, or none (systemd then prints no line at all).
+        ("EnvironmentFiles=/etc/default/sglang (ignore_errors=no)\nLoadState=loaded", True),
+        ("LoadState=loaded", True),
+        # Cannot tell: systemd does not say the unit is loaded (not found: the restart
+        # command fails and changes nothing), or something in its place says nothing of it.
+        ("LoadState=not-found", False),
+        ("ExecStart={ path=twin ; argv[]=twin $SPECD_SPECULATIVE_ARGS }", False),
+        ("", False),
+    ],
+)
+def test_a_unit_that_does_not_read_the_env_file_is_named(show: str, unread: bool) -> None:
+    why = env_file_unread(UNIT, "/var/lib/specd/sglang.env", parse_show(show))
+    if not unread:
+        assert why is None
+        return
+    assert why is not None
+    assert why.startswith(f"{UNIT} does not read /var/lib/specd/sglang.env (its EnvironmentFile=")
+    assert "no restart" in why
+    assert "\n" not in why
 
 
 # -- env file -----------------------------------------------------------------------------
@@ -1366,6 +1415,39 @@ def test_a_journal_naming_another_env_file_is_reported_and_not_acted_on(
         assert (rec.calls, unit.restarts) == ([], [])
 
 
+@pytest.mark.parametrize(
+    ("phase", "restarts_issued"),
+    [("env_written", 0), ("restart_issued", 1), ("rolling_back", 1), ("rolling_back", 2)],
+)
+def test_a_journal_naming_another_unit_is_reported_and_not_acted_on(
+    make_unit: Any, tmp_path: Path, phase: str, restarts_issued: int
+) -> None:
+    """The state (and the env file's path) came along to a specd configured for another
+    unit (a reinstall for it, a config edited while specd was down): the journal's restart
+    was of a unit this specd does not run. Healing it here put that unit's previous env file
+    over this unit's and restarted this one, or verified it as the other's."""
+    now_asks = render_env(5).encode()
+    unit = make_unit(now_asks)  # this unit runs 5, as its env file says
+    journal = _journal(
+        phase=phase,
+        unit="old-sglang.service",
+        env_file=str(unit.env_file),
+        previous_env=ORIGINAL_ENV.decode(),
+        written_env=render_env(4),
+        restarts_issued=restarts_issued,
+    )
+    rec = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, rec).reconcile(journal)
+    assert outcome is not None
+    assert outcome.result == "failed", outcome.message
+    assert "restart journal names unit 'old-sglang.service'" in outcome.message
+    assert f"not the configured {UNIT!r}" in outcome.message
+    assert "\n" not in outcome.message
+    assert unit.env_file.read_bytes() == now_asks
+    assert (rec.calls, unit.restarts) == ([], [])
+    assert unit.running_steps() == 5
+
+
 def test_a_journal_naming_the_configured_env_file_is_acted_on(
     make_unit: Any, tmp_path: Path
 ) -> None:
@@ -1540,3 +1622,130 @@ def test_no_restart_without_its_journal_on_disk(make_unit: Any, tmp_path: Path) 
     assert (unit.restarts, saved) == ([], [])
     assert unit.env_file.read_bytes() == before
     assert unit.running_steps() == 3
+
+
+class FailingStateDir:
+    """The daemon's persist callback on a real state directory (a small tmpfs) that stops
+    taking writes at the ``fail_at``-th save: the disk fills up, or is remounted read-only."""
+
+    def __init__(self, state_dir: Path, fault: str, fail_at: int) -> None:
+        self.store = StateStore(state_dir)
+        self.state = self.store.fresh()
+        self.fault = fault
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def __call__(self, journal: dict[str, Any] | None) -> str | None:
+        if self.calls == self.fail_at:
+            if self.fault == "disk full":
+                filler = self.store.state_dir / "filler"
+                with contextlib.suppress(OSError), filler.open("wb") as f:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                        os.fsync(f.fileno())
+            else:
+                subprocess.run(["mount", "-o", "remount,ro", str(self.store.state_dir)], check=True)
+        self.calls += 1
+        self.state.journal = journal
+        return self.store.save(self.state)
+
+    def on_disk(self) -> dict[str, Any] | None:
+        state, problem = self.store.load()
+        assert problem is None, problem
+        return state.journal
+
+
+@pytest.mark.parametrize("fault", ["disk full", "read-only"])
+@pytest.mark.parametrize(
+    ("fail_at", "on_disk"), [(1, "planned"), (2, "env_written")], ids=["env_written", "restart"]
+)
+def test_no_restart_once_the_journal_cannot_be_saved_mid_sequence(
+    make_unit: Any, tmp_path: Path, fault: str, fail_at: int, on_disk: str
+) -> None:
+    """The plan was saved, then the state directory stopped taking writes: the journal on
+    disk cannot say that a restart may have gone out, so none goes out. (Issued all the
+    same, a specd killed while SGLang loaded found a journal saying none was issued on its
+    next start: it put the previous env file back and called the change aborted, with
+    SGLang running the new setting, unverified, and nothing frozen.)"""
+    unit = make_unit()
+    with mounted_tmpfs(tmp_path / "state", "512k") as state_dir:
+        persist = FailingStateDir(state_dir, fault, fail_at)
+        outcome = applier_for(unit, persist).apply(4, 3, window_open=always_open)
+        journal = persist.on_disk()
+    assert outcome.result == "aborted", outcome.message
+    why = "No space left on device" if fault == "disk full" else "Read-only file system"
+    assert f"cannot save the restart journal (cannot write {state_dir}" in outcome.message
+    assert why in outcome.message
+    assert "nothing was restarted" in outcome.message
+    assert (outcome.restarts_issued, outcome.duration_s) == (0, 0.0)
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == 3
+    # What the next start finds on disk agrees with what happened: it changes nothing.
+    assert journal is not None
+    assert journal["phase"] == on_disk
+    again = applier_for(unit, Recorder(tmp_path / "state2.json")).reconcile(journal)
+    assert again is not None
+    assert again.result == "aborted", again.message
+    assert unit.restarts == []
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == 3
+
+
+# -- the env file edited by hand between restarts ---------------------------------------------
+
+
+def test_an_env_file_edited_by_hand_is_reported_before_the_change_overwrites_it(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """Someone wrote 5 steps into the env file and restarted nothing: SGLang runs 3. The
+    change overwrites the file (its header says so; `specd override pin` is the way), and
+    now says so first, naming both, in the log and in the journal; the journal keeps the
+    file's bytes for a rollback. (It was overwritten silently.)"""
+    unit = make_unit()
+    edited = b"# tried 5 by hand\nSPECULATIVE_NUM_STEPS=5\nSPECULATIVE_NUM_DRAFT_TOKENS=6\n"
+    unit.env_file.write_bytes(edited)
+    rec = Recorder(tmp_path / "journal.json")
+    applier = applier_for(unit, rec)
+    assert not isinstance(applier.client.observe(), Exception)  # the daemon's tick before
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert unit.restarts == [4]
+    said = [e for e in logs if e["event"] == "env_file_edited"]
+    assert len(said) == 1, logs
+    assert said[0]["log_level"] == "warning"
+    assert (said[0]["env_file_asks"], said[0]["sglang_runs"]) == ("5 steps", "3 steps")
+    planned = rec.calls[0]
+    assert planned is not None
+    assert planned["previous_env"] == edited.decode()
+    assert any(
+        f"{unit.env_file} asks for 5 steps, SGLang runs 3 steps" in m for m in planned["messages"]
+    ), planned["messages"]
+
+
+@pytest.mark.parametrize(
+    ("env", "twin_args"),
+    [
+        (ORIGINAL_ENV, []),  # asks for what runs
+        (None, []),  # no file: the drop-in's default runs
+        (b"# not specd's\nOTHER=1\n", []),  # names no setting
+        # /server_info does not say the step count: unknown, not another one (the file is
+        # rewritten to 5 once SGLang runs 3).
+        (render_env(5).encode(), ["--server-info-missing", "speculative_num_steps"]),
+    ],
+)
+def test_an_env_file_that_asks_for_what_runs_or_nothing_is_not_reported(
+    make_unit: Any, tmp_path: Path, env: bytes | None, twin_args: list[str]
+) -> None:
+    unit = make_unit(ORIGINAL_ENV if twin_args else env, lambda steps: twin_args)
+    if twin_args:
+        assert env is not None
+        unit.env_file.write_bytes(env)
+    applier = applier_for(unit, Recorder(tmp_path / "journal.json"))
+    assert not isinstance(applier.client.observe(), Exception)
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert [e for e in logs if e["event"] == "env_file_edited"] == []

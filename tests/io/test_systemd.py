@@ -68,3 +68,34 @@ def test_a_failed_show_is_one_line() -> None:
     with pytest.raises(systemd.SystemctlError) as info:
         systemd.show(FakeSystemctl("", 3), "sglang.service", ["LoadState"])
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("stdout", "code", "expected"),
+    [
+        # As systemd 252 prints them (in its own order) for a unit between two starts of
+        # Restart=, and for one that gave up.
+        (
+            "NRestarts=2\nActiveState=activating\nSubState=auto-restart\n",
+            0,
+            systemd.UnitState("activating", "auto-restart", 2),
+        ),
+        ("ActiveState=failed\nSubState=failed\n", 0, systemd.UnitState("failed", "failed", None)),
+        # systemd cannot say, or something in its place says nothing of it: unknown.
+        ("", 1, None),
+        ("ExecStart=x\n", 0, None),
+    ],
+)
+def test_unit_state_reads_active_sub_state_and_restarts(
+    stdout: str, code: int, expected: systemd.UnitState | None
+) -> None:
+    runner = FakeSystemctl(stdout, code)
+    assert systemd.unit_state(runner, "sglang.service") == expected
+    assert runner.argv == [
+        "systemctl",
+        "show",
+        "--property=ActiveState",
+        "--property=SubState",
+        "--property=NRestarts",
+        "sglang.service",
+    ]

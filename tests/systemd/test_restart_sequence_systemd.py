@@ -1,0 +1,120 @@
+"""The restart sequence against what a real systemd does to the SGLang unit around it.
+
+The twin runs as sglang.service with the repo's drop-in (see nspawn.py), specd as the repo's
+specd.service; the test changes the SGLang unit the way operators' units and upgrades do,
+and reads what systemd, the files and the twin say. Helpers from test_specd_service.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from nspawn import SGLANG_UNIT, Container
+from test_specd_service import (
+    closed_window_config,
+    env_steps,
+    events_named,
+    journal_mark,
+    pin_now,
+    sglang_starts,
+    start_specd,
+    state,
+    status_text,
+    twin_live_steps,
+    wait_or_dump,
+)
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+TWIN_LOAD_S = 0.5
+# Far longer than any wait below: a test that passes did not wait it out.
+LONG_STARTUP_TIMEOUT_S = 300.0
+
+
+def start_twin_unit(sd: Container, steps: int, extra: list[str], service_lines: str = "") -> int:
+    """The twin as sglang.service, with extra [Service] lines of the operator's own."""
+    sd.install_twin_sglang(load_time_s=TWIN_LOAD_S, extra_args=extra)
+    if service_lines:
+        sd.write_unit(f"{SGLANG_UNIT}.d/70-operator.conf", f"[Service]\n{service_lines}")
+        sd.daemon_reload()
+    sd.write_env_file(steps)
+    sd.systemctl("start", SGLANG_UNIT)
+    sd.wait_http("/health", timeout=TWIN_LOAD_S + 20)
+    return sd.main_pid(SGLANG_UNIT)
+
+
+# systemd's default RestartSec= (the unit crash-loops: one failed start every second or two)
+# and the example unit's 30 s (the unit waits between starts, "activating (auto-restart)").
+@pytest.mark.parametrize("restart_sec", ["100ms", "30s"])
+def test_a_target_crash_looping_under_restart_on_failure_is_rolled_back_at_once(
+    sd: Container, restart_sec: str
+) -> None:
+    """With Restart=on-failure (systemd/examples/sglang.service has it), a setting SGLang
+    cannot start at never leaves the unit "failed": systemd starts it again and again and
+    `systemctl is-active` says "activating" throughout. specd took that for a slow load
+    and waited out startup_timeout_s (10 min by default) before rolling back."""
+    start_twin_unit(
+        sd,
+        4,
+        ["--fail-start-at-steps", "3"],
+        f"Restart=on-failure\nRestartSec={restart_sec}\n",
+    )
+    start_specd(sd, closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S))
+    pinned = time.monotonic()
+    pin_now(sd, 3)
+    frozen = wait_or_dump(
+        sd,
+        lambda: state(sd).get("frozen"),
+        timeout=60,
+        what="the crash-looping restart rolled back and frozen",
+    )
+    assert time.monotonic() - pinned < 60
+    restarts = state(sd)["restarts"]
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [
+        (4, 3, "rolled_back")
+    ], restarts
+    message = restarts[0]["message"]
+    assert f"{SGLANG_UNIT} failed while starting" in message, message
+    assert "Restart=" in message, message
+    assert "rolled back, verified 4 steps" in message, message
+    assert "rolled_back" in frozen["reason"]
+    # Back on the setting it ran, and it stays there: no more restarts by systemd.
+    assert env_steps(sd) == 4
+    assert twin_live_steps(sd) == (4, 4.0)
+    settled = sd.main_pid(SGLANG_UNIT)
+    restarted = sd.show(SGLANG_UNIT, "NRestarts")
+    time.sleep(3)
+    assert (sd.main_pid(SGLANG_UNIT), sd.show(SGLANG_UNIT, "NRestarts")) == (settled, restarted)
+    assert sd.active_state(SGLANG_UNIT) == "active"
+
+
+def test_a_unit_that_no_longer_reads_the_env_file_is_not_restarted(sd: Container) -> None:
+    """`systemctl revert` (or an upgrade, a config-management run) took the drop-in away:
+    the unit starts SGLang with its own command again, whatever the env file says. specd
+    restarted it twice for nothing (the change, then the rollback, neither of which the env
+    file could reach) and left SGLang on the unit's own setting, frozen."""
+    since = journal_mark(sd)
+    pid = start_twin_unit(sd, 4, [])
+    start_specd(sd, closed_window_config(sd))
+    wait_or_dump(sd, lambda: status_text(sd).startswith("steps 4"), timeout=10)
+    sd.systemctl("revert", SGLANG_UNIT)
+    sd.daemon_reload()
+    assert "sglang.env" not in sd.show(SGLANG_UNIT, "EnvironmentFiles")
+    pin_now(sd, 3)
+    aborted = wait_or_dump(
+        sd,
+        lambda: [e for _, e in events_named(sd, since, "restart_aborted") if "message" in e],
+        timeout=20,
+        what="the pinned restart refused",
+    )
+    message = aborted[0]["message"]
+    assert f"{SGLANG_UNIT} does not read /var/lib/specd/sglang.env" in message, message
+    assert "no restart" in message, message
+    time.sleep(3)  # more ticks: each refuses again, none restarts
+    assert sd.main_pid(SGLANG_UNIT) == pid
+    assert sglang_starts(sd, since) == 1
+    assert state(sd)["restarts"] == []
+    assert state(sd)["frozen"] is None
+    assert env_steps(sd) == 4
+    assert twin_live_steps(sd) == (4, 4.0)
