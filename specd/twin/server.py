@@ -100,8 +100,44 @@ class TwinConfig:
         return candidate_union(self.adaptive_slots) if self.adaptive_slots else [self.steps]
 
 
+def _resolve_dp_layout(args: argparse.Namespace, profile: Profile) -> None:
+    """The DP layout as that version resolves it, in the twin's one form: ``dp_size`` DP
+    ranks, and ``enable_dp_attention`` whether they are attention-DP groups of one model
+    (else replicas, each a server of its own).
+
+    Before 0.5.23 (server_args._handle_data_parallelism) DP attention at ``--dp-size 1`` is
+    turned off; ``--attn-dp-size`` is not a flag yet. 0.5.23 (parallel_hook) reads
+    ``--dp-size N --enable-dp-attention`` as ``--attn-dp-size N`` with one replica, and
+    refuses replicas beside attention DP.
+    """
+    given = args.attn_dp_size
+    if not profile.attn_dp_size:
+        if given is not None:
+            # argparse's own refusal of a flag that version does not have.
+            raise TwinConfigError(f"unrecognized arguments: --attn-dp-size {given}", exit_code=2)
+        if args.dp_size == 1:
+            args.enable_dp_attention = False
+    else:
+        groups = 1 if given is None else given
+        if groups < 1:
+            raise TwinConfigError(f"ValueError: --attn-dp-size must be positive (got {groups}).")
+        if args.enable_dp_attention and groups == 1:
+            groups, args.dp_size = args.dp_size, 1
+        if groups > 1 and args.dp_size > 1:
+            raise TwinConfigError(
+                f"ValueError: --dp-size {args.dp_size} with --attn-dp-size {groups}: "
+                "data-parallel replicas combined with attention data parallelism are not "
+                "supported."
+            )
+        args.enable_dp_attention = groups > 1
+        if groups > 1:
+            args.dp_size = groups
+    # SGLang also asserts tp_size % groups == 0 with attention DP; the twin has no TP ranks
+    # to split and lets it pass (tests run DP attention at the default --tp-size 1).
+
+
 def _max_running_per_rank(
-    max_running: int | None, capacity: int | None, args: argparse.Namespace
+    max_running: int | None, capacity: int | None, args: argparse.Namespace, profile: Profile
 ) -> int:
     """Each DP rank's scheduler's max_running_requests, as SGLang sizes it.
 
@@ -109,18 +145,21 @@ def _max_running_per_rank(
     kv_cache_configurator.resolve_max_num_reqs) gives each scheduler
     ``--max-running-requests // dp_size`` with DP attention (the ranks share one model) and
     the whole argument without it (each DP replica is a server of its own); memory can
-    only lower it. The table's capacity is the whole server's (what specd reads and
-    sweeps: the ranks' sum), so each rank's memory holds its share of it.
+    only lower it. Before 0.5.23 the share may be 0 (tp_worker then fails the load);
+    0.5.23 gives each at least 1. The table's capacity is the whole server's
+    (what specd reads and sweeps: the ranks' sum), so each rank's memory holds its share of
+    it.
     """
     ranks = max(args.dp_size, 1)
     limits = []
     if max_running is not None:
-        limits.append(max_running // ranks if args.enable_dp_attention else max_running)
+        share = max_running // ranks if args.enable_dp_attention else max_running
+        limits.append(max(share, 1) if profile.attn_dp_size else share)
     if capacity is not None:
-        limits.append(capacity // ranks)
+        limits.append(max(capacity // ranks, 1))
     # No argument and no capacity in the table: 48 in all stands in for what SGLang would
     # size from memory.
-    return max(min(limits) if limits else 48 // ranks, 1)
+    return min(limits) if limits else max(48 // ranks, 1)
 
 
 def _accept(table: PerfTable, steps: int) -> float:
@@ -162,6 +201,7 @@ def resolve(
             raise TwinConfigError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
     if args.port > 65535:
         raise TwinConfigError(f"--port out of range: {args.port}")
+    _resolve_dp_layout(args, profile)
     try:
         failing = fail_settings(args.fail_setting, os.environ if env is None else env)
     except ValueError as exc:
@@ -274,7 +314,10 @@ def resolve(
     capacity = table.capacity(max(run_steps))
     if max_running is not None and max_running < 1:
         raise TwinConfigError(f"--max-running-requests must be >= 1, got {max_running}")
-    per_rank = _max_running_per_rank(max_running, capacity, args)
+    per_rank = _max_running_per_rank(max_running, capacity, args, profile)
+    if per_rank < 1 and load_error is None:
+        # tp_worker's check once the weights are in: the scheduler dies, and the server.
+        load_error = "AssertionError: max_running_request is zero"
     if slots is not None and rules is not None:
         # Tuning values SGLang would only trip over at run time are refused up front.
         try:
@@ -504,7 +547,9 @@ class Twin:
             max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
             version=cfg.profile.version,
         )
-        if cfg.profile.attn_dp_size:
+        if not cfg.profile.attn_dp_size:
+            info.pop("attn_dp_size", None)  # not an argument before 0.5.23
+        else:
             # 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` into
             # `--attn-dp-size N` with dp_size 1 (parallel_hook), and reports
             # enable_dp_attention as whether attention DP runs (ServerArgs.resolved_dict).
