@@ -48,6 +48,9 @@ class MetricState:
     model_name: str
     dp_size: int = 1
     tp_size: int = 1
+    # The DP ranks are attention-DP groups of one model (else replicas, each a server of its
+    # own with its own TP ranks counted from 0).
+    dp_attention: bool = False
     pid: int = 0
     profile: Profile = field(default_factory=lambda: profile_for(DEFAULT_VERSION))
     values: dict[Key, float] = field(default_factory=dict)
@@ -93,19 +96,32 @@ def _label_text(labels: dict[str, str]) -> str:
     return "{" + inner + "}"
 
 
-def _base_labels(state: MetricState, scope: str, rank: int) -> dict[str, str]:
+def _group_tp(state: MetricState) -> int:
+    """TP ranks per DP rank: an attention-DP group's share of the TP group, or a replica's
+    own TP group."""
+    if state.dp_attention:
+        return max(state.tp_size // max(state.dp_size, 1), 1)
+    return max(state.tp_size, 1)
+
+
+def _base_labels(state: MetricState, scope: str, rank: int, tp: int = 0) -> dict[str, str]:
+    """The labels SGLang gives DP rank ``rank``'s series (TP rank ``tp`` of it, for the
+    radix cache, whose every TP rank reports)."""
     profile = state.profile
     if scope in (REQ, STARTUP):
         if not profile.req_engine_label:
             return {"model_name": state.model_name}
         return {"engine_type": "unified", "model_name": state.model_name}
-    tp_rank = str(rank * max(state.tp_size // max(state.dp_size, 1), 1))
     if scope == SCHED:
+        # The reporting scheduler is each DP rank's first TP rank: with DP attention the
+        # ranks are slices of one TP group (tp_rank = group x its width), each replica
+        # counts its TP ranks from 0.
+        first = rank * _group_tp(state) if state.dp_attention else 0
         labels = {
             "engine_type": "unified",
             "model_name": state.model_name,
             "pp_rank": "0",
-            "tp_rank": tp_rank,
+            "tp_rank": str(first),
         }
         if profile.sched_moe_label:
             labels["moe_ep_rank"] = "0"
@@ -115,28 +131,52 @@ def _base_labels(state: MetricState, scope: str, rank: int) -> dict[str, str]:
     if scope == CACHE:
         if not profile.cache_rank_labels:
             return {}
-        return {"dp_rank": str(rank), "pp_rank": "0", "tp_rank": tp_rank}
+        # metrics_collector.radix_cache_metric_labels: the attention ranks with DP attention,
+        # else the TP rank and DP rank 0, so replicas share label sets (and add up).
+        dp_rank = rank if state.dp_attention else 0
+        return {"dp_rank": str(dp_rank), "pp_rank": "0", "tp_rank": str(tp)}
     return {}
 
 
-def _series(state: MetricState, family: Family) -> list[tuple[int, Labels]]:
-    ranked = family.scope in RANKED_SCOPES
-    if family.scope == CACHE and not state.profile.cache_rank_labels:
-        ranked = False  # one series for all ranks: multiprocess mode adds them up
-    ranks = range(state.dp_size) if ranked else (-1,)
+Series = tuple[int, Labels, dict[str, str]]
+
+
+def _series(state: MetricState, family: Family) -> list[Series]:
+    """Each series of ``family``: its value key (DP rank or -1, extra labels), its labels."""
     if family.dynamic:
         seen = sorted(
             {(r, labels) for (name, r, labels) in list(state.values) if name == family.name}
         )
-        return seen
-    out: list[tuple[int, Labels]] = []
+        return [(r, labels, _base_labels(state, family.scope, r)) for r, labels in seen]
+    if family.scope == CACHE:
+        return _cache_series(state, family)
+    ranked = family.scope in RANKED_SCOPES
+    ranks = range(state.dp_size) if ranked else (-1,)
+    out: list[Series] = []
     for rank in ranks:
         for variant in family.variants:
             key = (family.name, rank, variant)
             if family.scope in LAZY_SCOPES and key not in state.values and key not in state.hists:
                 continue
-            out.append((rank, variant))
+            out.append((rank, variant, _base_labels(state, family.scope, rank)))
     return out
+
+
+def _cache_series(state: MetricState, family: Family) -> list[Series]:
+    """The radix cache's series: every scheduler (each TP rank of each DP rank) runs its
+    own cache and collector. Before 0.5.2x they carry cache_type only, so multiprocess mode
+    adds all of them into one series; since, their rank labels set them apart, except that
+    replicas (no DP attention) all say dp_rank 0 and add up per TP rank. One value per DP
+    rank stands for all its TP ranks (they evict alike)."""
+    if not state.profile.cache_rank_labels:
+        return [(-1, variant, {}) for variant in family.variants]
+    keys = range(state.dp_size) if state.dp_attention else (-1,)
+    return [
+        (rank, variant, _base_labels(state, CACHE, rank, tp))
+        for rank in keys
+        for tp in range(_group_tp(state))
+        for variant in family.variants
+    ]
 
 
 def render(state: MetricState, families: tuple[Family, ...] | None = None) -> str:
@@ -148,8 +188,8 @@ def render(state: MetricState, families: tuple[Family, ...] | None = None) -> st
             continue
         add(f"# HELP {family.name} {family.help}")
         add(f"# TYPE {family.name} {family.type}")
-        for rank, variant in series:
-            labels = _base_labels(state, family.scope, rank)
+        for rank, variant, base in series:
+            labels = dict(base)
             labels.update(variant)
             if family.pid:
                 labels["pid"] = str(state.pid + max(rank, 0))

@@ -377,6 +377,7 @@ class Twin:
             model_name=config.model_name,
             dp_size=self.args.dp_size,
             tp_size=self.args.tp_size,
+            dp_attention=self.args.enable_dp_attention,
             pid=os.getpid(),
             profile=config.profile,
         )

@@ -760,3 +760,78 @@ def test_a_start_that_fails_for_a_zero_share_keeps_the_port_closed_and_exits_1()
         assert twin.proc.wait(20) == 1
         log = twin.log()
     assert "max_running_request is zero" in log
+
+
+def _label_sets(page: str, name: str, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    return sorted(
+        tuple(s.labels.get(k, "-") for k in keys)
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == name
+    )
+
+
+# Who reports what under each DP layout at --tp-size 4, --dp-size 2 (SGLang's
+# data_parallel_controller and its collectors' labels): the scheduler series come from each
+# DP rank's first TP rank, tp_rank 0 of each replica without DP attention (replicas count
+# their TP ranks from 0), 0 and 2 with it (slices of one TP group). Every TP rank runs its
+# own radix cache: 0.5.23 labels it with the attention ranks under DP attention, else with
+# its TP rank and dp_rank 0, so the replicas' series share label sets (multiprocess mode adds
+# them up); before, cache_type alone.
+# (version, flags, scheduler (dp_rank, tp_rank), radix (dp_rank, tp_rank))
+REPORTERS: list[Any] = [
+    pytest.param(
+        "0.5.23",
+        [],
+        [("0", "0"), ("1", "0")],
+        [("0", "0"), ("0", "1"), ("0", "2"), ("0", "3")],
+        id="0.5.23-replicas",
+    ),
+    pytest.param(
+        "0.5.23",
+        ["--enable-dp-attention"],
+        [("0", "0"), ("1", "2")],
+        [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")],
+        id="0.5.23-dp-attention",
+    ),
+    pytest.param("0.5.13", [], [("0", "0"), ("1", "0")], [("-", "-")], id="0.5.13-replicas"),
+    pytest.param("0.5.4", ["--enable-dp-attention"], [("0", "0"), ("1", "2")], [], id="0.5.4-attn"),
+]
+
+
+@pytest.mark.parametrize(("version", "flags", "scheduler", "radix"), REPORTERS)
+def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
+    version: str,
+    flags: list[str],
+    scheduler: list[tuple[str, str]],
+    radix: list[tuple[str, str]],
+) -> None:
+    args = [*SPEC4, "--enable-metrics", "--sglang-version", version, "--dp-size", "2"]
+    args += ["--tp-size", "4", "--max-running-requests", "6", *flags, *FAST]
+    body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+    with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
+        twin.wait_healthy(20)
+        client = httpx.Client(base_url=twin.url, timeout=20)
+        streams.callback(client.close)
+        for _ in range(14):  # more than the server runs: some queue
+            # Open (the twin answers the headers once the request is in), never read.
+            streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        time.sleep(0.6)  # a report
+        page = client.get("/metrics").text
+        with SGLangClient(twin.url, timeout_s=5.0) as reader:
+            obs = reader.observe()
+    assert _label_sets(page, "sglang:num_running_reqs", ("dp_rank", "tp_rank")) == scheduler
+    assert _label_sets(page, "sglang:evicted_tokens_total", ("dp_rank", "tp_rank")) == radix
+    running = _label_sets(page, "sglang:num_running_reqs", ("dp_rank", "tp_rank"))
+    assert len(running) == 2
+    assert isinstance(obs, Observation), obs
+    ranks_running = sum(
+        s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_running_reqs"
+    )
+    assert obs.dp_ranks == 2
+    assert obs.running + obs.queued == 14
+    assert obs.running == obs.max_running_requests  # 6 per replica, 6 over attention DP
+    assert obs.running == ranks_running
