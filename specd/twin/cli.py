@@ -100,6 +100,18 @@ def _sglang_flags(sg: argparse._ArgumentGroup) -> None:
     )
 
 
+def _dests() -> tuple[str, ...]:
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group()
+    _sglang_flags(group)
+    return tuple(action.dest for action in group._group_actions)
+
+
+# The parsed arguments that are SGLang's own: what /server_info reports. The twin's own
+# flags (performance model, failure injection) are not SGLang's and stay out of it.
+SGLANG_DESTS: tuple[str, ...] = _dests()
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     # The dispatcher builds a plain parser; unknown SGLang flags must pass through it.
     parser.__class__ = _LenientParser

@@ -70,6 +70,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         controller: Controller | None = None,
         accept_lengths: dict[int, float] | None = None,
+        decode_log_interval: int = 40,
     ) -> None:
         self.table = table
         self.steps = steps  # the live tier under adaptive mode
@@ -80,6 +81,10 @@ class Engine:
         # Since the last report: verify forwards, tokens they gave, drafts accepted.
         self._window = [0.0, 0.0, 0.0]
         self._lifetime = [0.0, 0.0]  # verify forwards and their tokens since start
+        # Decode batches each rank's scheduler has run: SGLang folds its lifetime accept
+        # counts in at every --decode-log-interval-th, so none are known before the first.
+        self.decode_log_interval = decode_log_interval
+        self._decode_batches = [0.0] * max(state.dp_size, 1)
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         # Each DP rank's scheduler admits up to its own limit (max_running is their sum,
@@ -181,9 +186,16 @@ class Engine:
         self._lifetime[0] += forwards
         self._lifetime[1] += forwards * accept
 
-    def lifetime_accept_length(self) -> float:
-        """Tokens per verify since start (SGLang's avg_spec_accept_length): the launch
-        step count's under static mode, the mix of the tiers run under adaptive mode."""
+    def lifetime_accept_length(self, rank: int = 0) -> float | None:
+        """Tokens per verify since start (SGLang's avg_spec_accept_length and /v1/loads'
+        speculative accept_length): the launch step count's under static mode, the mix of
+        the tiers run under adaptive mode. None without speculation, or before the rank's
+        first decode log (SGLang's lifetime counts are still 0 then: the warm-up's few
+        decode batches are not one)."""
+        if self.draft_tokens <= 0 and self.controller is None:
+            return None
+        if self._decode_batches[rank] < self.decode_log_interval:
+            return None
         forwards, tokens = self._lifetime
         if self.controller is None or forwards <= 0:
             return self.accept_length
@@ -226,6 +238,9 @@ class Engine:
             return
         self._last_busy = now
         gained, verifies = self._decode(dt)
+        # Every running request takes part in each of its rank's decode batches.
+        for rank in {req.rank for req in self.running}:
+            self._decode_batches[rank] += verifies
         done: list[Request] = []
         for req in self.running:
             before = req.emitted

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
-import shlex
 import signal
 import sys
 import time
@@ -33,10 +33,12 @@ from specd.twin.adaptive import (
     load_slots,
     unsupported_reason,
 )
+from specd.twin.cli import SGLANG_DESTS
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
+from specd.twin.sglang_args import DEFAULTS
 from specd.twin.table import PerfTable, PerfTableError
 from specd.twin.versions import Profile, UnknownVersionError, profile_for
 
@@ -48,6 +50,17 @@ WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
+# What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
+# graphs, free memory when the pool was sized.
+WEIGHT_GB, KV_CACHE_GB, GRAPH_GB, STARTUP_FREE_GB = 61.87, 44.13, 2.32, 9.87
+CONTEXT_LEN = 262144
+# SGLang's CUDA-graph phases (model_executor.graph_memory_usage), and the twin's share of
+# capture time and memory in each: plain decode graphs without speculation, verify and
+# draft graphs with it.
+GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                "draft_extend")  # fmt: skip
+SPEC_GRAPH_SHARES = {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
+DECODE_GRAPH_PHASES = ("decode", "target_verify", "draft_decode", "draft_extend")
 log = logging.getLogger("specd.twin")
 WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
 
@@ -162,6 +175,49 @@ def _max_running_per_rank(
     return min(limits) if limits else max(48 // ranks, 1)
 
 
+def _given_arguments(words: list[str], known: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of the SGLang flags the twin does not model (``--context-length 8192``,
+    ``--trust-remote-code``), for the arguments of that version among ``known``, typed
+    like their defaults (a number for a flag whose default is unset)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            continue
+        name, eq, text = word[2:].partition("=")
+        key = name.replace("-", "_")
+        if not eq and i < len(words) and not words[i].startswith("--"):
+            text, eq = words[i], "="
+            i += 1
+        if key not in known:
+            continue
+        default = known[key]
+        if not eq:
+            out[key] = True
+        elif isinstance(default, bool):
+            out[key] = text.lower() in ("1", "true", "yes")
+        else:
+            out[key] = _typed(text, default)
+    return out
+
+
+def _typed(text: str, default: Any) -> Any:
+    for kind in (int, float):
+        if default is None or isinstance(default, kind):
+            with contextlib.suppress(ValueError):
+                return kind(text)
+    return text
+
+
+def _launch_command(argv: list[str]) -> str:
+    """How the server was asked to run, as 0.5.2x's /server_info says it: the launch's
+    arguments (``sys.argv[1:]`` of ``sglang.launch_server``) joined by spaces."""
+    start = next((i for i, word in enumerate(argv) if word.startswith("-")), len(argv))
+    return " ".join(argv[start:])
+
+
 def _accept(table: PerfTable, steps: int) -> float:
     if steps <= 0:
         return 1.0
@@ -212,6 +268,9 @@ def resolve(
     if adaptive_words and rules is None:
         # Before 0.5.11 SGLang's argparse does not know the flags.
         raise TwinConfigError(f"unrecognized arguments: {' '.join(adaptive_words)}", exit_code=2)
+
+    if args.enable_multi_layer_eagle and "enable_multi_layer_eagle" in profile.lacks_args:
+        raise TwinConfigError("unrecognized arguments: --enable-multi-layer-eagle", exit_code=2)
 
     algorithm = args.speculative_algorithm.upper() if args.speculative_algorithm else None
     if algorithm is not None and algorithm not in EAGLE_FAMILY:
@@ -354,7 +413,7 @@ def resolve(
         max_running_per_rank=per_rank,
         accept_length=_accept(table, resolved_steps),
         model_name=args.served_model_name or args.model_path,
-        launch_command=shlex.join([sys.executable, *argv]),
+        launch_command=_launch_command(argv),
         profile=profile,
         warnings=warnings,
         adaptive_slots=slots,
@@ -392,6 +451,7 @@ class Twin:
             seed=self.args.seed,
             controller=self._controller(),
             accept_lengths=config.accept_lengths,
+            decode_log_interval=self.args.decode_log_interval,
         )
         self._init_metrics()
 
@@ -403,29 +463,32 @@ class Twin:
         per_rank = cfg.max_running_per_rank
         return Controller(cfg.steps, cfg.adaptive_slots, rules, cuda_graph_batch_sizes(per_rank))
 
+    def graph_shares(self) -> dict[str, float]:
+        shares = SPEC_GRAPH_SHARES if self.config.algorithm is not None else {"decode": 1.0}
+        return {phase: shares.get(phase, 0.0) for phase in GRAPH_PHASES}
+
+    def startup_time(self) -> dict[str, Any]:
+        """The scheduler's startup durations by phase (SGLang's build_scheduler_startup_time:
+        what /server_info and sglang:startup_*_seconds report)."""
+        a, cfg = self.args, self.config
+        graphs = cfg.graph_set_s * cfg.graph_sets
+        return {
+            "load_weight": a.load_time_s * 0.6,
+            "kv_cache_allocation": a.load_time_s * 0.05,
+            "scheduler_e2e": cfg.load_s * 0.95,
+            "cuda_graph": {phase: graphs * share for phase, share in self.graph_shares().items()},
+        }
+
     def _init_metrics(self) -> None:
         st, a, cfg = self.state, self.args, self.config
         weights = a.load_time_s
         load = cfg.load_s
-        for phase, value in (
-            ("load_weight", weights * 0.6),
-            ("kv_cache_allocation", weights * 0.05),
-            ("scheduler_e2e", load * 0.95),
-            ("tokenizer_e2e", load),
-        ):
-            st.set("sglang:startup_time_seconds", value, -1, (("phase", phase),))
-        # One graph set per step count the server may run: plain decode without
-        # speculation, verify and draft graphs with it.
-        graphs = cfg.graph_set_s * cfg.graph_sets
-        shares = (
-            {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
-            if cfg.algorithm is not None
-            else {"decode": 1.0}
-        )
-        for phase in ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
-                      "draft_extend"):  # fmt: skip
-            st.set("sglang:startup_cuda_graph_time_seconds", graphs * shares.get(phase, 0.0),
-                   -1, (("phase", phase),))  # fmt: skip
+        startup = self.startup_time()
+        for phase in ("load_weight", "kv_cache_allocation", "scheduler_e2e"):
+            st.set("sglang:startup_time_seconds", startup[phase], -1, (("phase", phase),))
+        st.set("sglang:startup_time_seconds", load, -1, (("phase", "tokenizer_e2e"),))
+        for phase, seconds in startup["cuda_graph"].items():
+            st.set("sglang:startup_cuda_graph_time_seconds", seconds, -1, (("phase", phase),))
         per_rank = self.config.max_running_per_rank
         for rank in range(a.dp_size):
             total = float(per_rank * KV_TOKENS_PER_REQUEST)
@@ -433,10 +496,13 @@ class Twin:
             st.set("sglang:num_pages", total, rank)
             st.set("sglang:kv_available_tokens", total, rank)
             st.set("sglang:page_size", 1.0, rank)
-            st.set("sglang:context_len", 262144.0, rank)
-            st.set("sglang:weight_memory_usage_gb", 61.87, rank)
-            st.set("sglang:kv_cache_memory_usage_gb", 44.13, rank)
-            st.set("sglang:startup_available_gpu_memory_gb", 9.87, rank)
+            st.set("sglang:context_len", float(CONTEXT_LEN), rank)
+            st.set("sglang:weight_memory_usage_gb", WEIGHT_GB, rank)
+            st.set("sglang:kv_cache_memory_usage_gb", KV_CACHE_GB, rank)
+            st.set("sglang:startup_available_gpu_memory_gb", STARTUP_FREE_GB, rank)
+            for phase, share in self.graph_shares().items():
+                st.set("sglang:graph_memory_usage_gb", GRAPH_GB * share, rank,
+                       (("phase", phase),))  # fmt: skip
             # Before 0.5.18: two gauges instead of startup_time_seconds{phase}.
             st.set("sglang:engine_startup_time", load * 0.95, rank)
             st.set("sglang:engine_load_weights_time", weights * 0.6, rank)
@@ -529,28 +595,29 @@ class Twin:
             text = _padding(pad) + text
         return web.Response(body=text.encode(), headers={"Content-Type": ctype})
 
-    def server_info_dict(self) -> dict[str, Any]:
+    def server_arguments(self) -> dict[str, Any]:
+        """The server arguments as this SGLang resolved them: /server_info's top level and
+        the start of each internal state."""
         a, cfg = self.args, self.config
-        info: dict[str, Any] = {
-            k: v for k, v in vars(a).items() if k not in ("ignored_args",) and not callable(v)
+        # That version's arguments at their defaults, then those given: the twin's own
+        # (as the twin resolved them), and the SGLang flags it does not model.
+        info: dict[str, Any] = dict(DEFAULTS[cfg.profile.version])
+        info.update(_given_arguments(a.ignored_args, info))
+        info.update({k: v for k, v in vars(a).items() if k in SGLANG_DESTS and k in info})
+        resolved = {
+            "model_path": a.model_path,
+            "tokenizer_path": info.get("tokenizer_path") or a.model_path,
+            "served_model_name": cfg.model_name,
+            "speculative_algorithm": cfg.algorithm,
+            "speculative_num_steps": a.speculative_num_steps,
+            "speculative_eagle_topk": a.speculative_eagle_topk,
+            "speculative_num_draft_tokens": a.speculative_num_draft_tokens,
+            "speculative_adaptive": cfg.adaptive,
+            "speculative_adaptive_config": a.speculative_adaptive_config,
+            "max_running_requests": a.max_running_requests,
         }
-        info.update(
-            model_path=a.model_path,
-            served_model_name=cfg.model_name,
-            speculative_algorithm=cfg.algorithm,
-            speculative_num_steps=a.speculative_num_steps,
-            speculative_eagle_topk=a.speculative_eagle_topk,
-            speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-            speculative_adaptive=cfg.adaptive,
-            speculative_adaptive_config=a.speculative_adaptive_config,
-            max_running_requests=a.max_running_requests,
-            launch_command=cfg.launch_command,
-            max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
-            version=cfg.profile.version,
-        )
-        if not cfg.profile.attn_dp_size:
-            info.pop("attn_dp_size", None)  # not an argument before 0.5.23
-        else:
+        info.update({k: v for k, v in resolved.items() if k in info})
+        if cfg.profile.attn_dp_size:
             # 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` into
             # `--attn-dp-size N` with dp_size 1 (parallel_hook), and reports
             # enable_dp_attention as whether attention DP runs (ServerArgs.resolved_dict).
@@ -560,33 +627,99 @@ class Twin:
                 attn_dp_size=attn,
                 enable_dp_attention=attn > 1,
             )
-        per_dp = cfg.max_running_per_rank
-        info["internal_states"] = [
-            {
-                "effective_max_running_requests_per_dp": per_dp,
-                "last_gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                "avg_spec_accept_length": self.engine.lifetime_accept_length(),
-                "memory_usage": {"weight": 61.87, "kvcache": 44.13, "graph": 2.32},
+        return info
+
+    def _scheduler_pids(self) -> list[int]:
+        """The scheduler processes the DP controller started: every TP rank of every DP
+        rank; each DP rank's first is the pid its metrics carry."""
+        ranks, tp = self.args.dp_size, max(self.args.tp_size, 1)
+        per_rank = max(tp // ranks, 1) if self.args.enable_dp_attention else tp
+        pid = self.state.pid
+        others = iter(range(pid + ranks, pid + ranks * per_rank))
+        return [pid + k if t == 0 else next(others) for k in range(ranks) for t in range(per_rank)]
+
+    def internal_state(self, rank: int, arguments: dict[str, Any]) -> dict[str, Any]:
+        """What DP rank ``rank``'s scheduler answers to get_internal_state: its server
+        arguments (a copy of the launch's) plus its own figures, per version."""
+        cfg = self.config
+        state = dict(arguments)
+        total = int(self.state.get("sglang:max_total_num_tokens", rank))
+        graphs = {phase: GRAPH_GB * share for phase, share in self.graph_shares().items()}
+        throughput = self.state.get("sglang:gen_throughput", rank)
+        if cfg.profile.resolved_server_info:
+            # internal_state.SchedulerInternalStateController.get_internal_state.
+            a = self.args
+            replicas = 1 if a.enable_dp_attention else a.dp_size
+            state["world_size"] = replicas * max(a.tp_size, 1)
+            state["startup_time"] = self.startup_time()
+            state["effective_max_running_requests_per_dp"] = cfg.max_running_per_rank
+            state["last_gen_throughput"] = throughput
+            state["memory_usage"] = {
+                "weight": round(WEIGHT_GB, 3),
+                "kvcache": round(KV_CACHE_GB, 3),
+                "startup_available": round(STARTUP_FREE_GB, 3),
+                "token_capacity": total,
+                "token_capacity_swa": None,
+                "graph": {phase: round(gb, 3) for phase, gb in graphs.items()},
             }
-            for rank in range(a.dp_size)
+            state["disaggregation_mode"] = "null"
+            state["decode_cuda_graph_bs"] = cuda_graph_batch_sizes(cfg.max_running_per_rank)
+            state["decode_cuda_graph_memory_gb"] = round(
+                sum(graphs[phase] for phase in DECODE_GRAPH_PHASES), 3
+            )
+        else:
+            # scheduler.get_internal_state: vars(server_args) and the scheduler's figures;
+            # the limit memory sizing left it with since 0.5.8.
+            state["last_gen_throughput"] = throughput
+            state["memory_usage"] = {
+                "weight": round(WEIGHT_GB, 2),
+                "kvcache": round(KV_CACHE_GB, 2),
+                "token_capacity": total,
+                "graph": round(GRAPH_GB, 2),
+            }
+            if cfg.profile.effective_capacity:
+                state["effective_max_running_requests_per_dp"] = cfg.max_running_per_rank
+        # Only with speculation, once a decode log has counted its verify steps.
+        accept = self.engine.lifetime_accept_length(rank)
+        if accept is not None:
+            state["avg_spec_accept_length"] = accept
+        return state
+
+    def server_info_dict(self) -> dict[str, Any]:
+        """/server_info (/get_server_info), as that version's http_server builds it."""
+        a, cfg = self.args, self.config
+        profile = cfg.profile
+        arguments = self.server_arguments()
+        info: dict[str, Any] = dict(arguments)
+        if profile.resolved_server_info:
+            info["launch_command"] = cfg.launch_command
+        total = int(self.state.get("sglang:max_total_num_tokens", 0))
+        # The scheduler's (or DP controller's) ready message.
+        info["status"] = "ready"
+        info["max_total_num_tokens"] = total
+        info["max_req_input_len"] = min(CONTEXT_LEN - 1, total - 1) - 5
+        if profile.resolved_server_info:
+            # The tokenizer's startup times (the schedulers', its own end to end added)
+            # stand where the ready message's are.
+            info["startup_time"] = {**self.startup_time(), "tokenizer_e2e": cfg.load_s}
+            info["hicache_object_layout"] = {
+                "enabled": False,
+                "backend": None,
+                "page_size": 1,
+                "hicache_object_layout": {"pools": []},
+                "reason": "Hierarchical cache is disabled",
+            }
+            if a.dp_size > 1:
+                info["scheduler_pids"] = self._scheduler_pids()
+            info["kv_events"] = None
+        info["internal_states"] = [
+            self.internal_state(rank, arguments) for rank in range(a.dp_size)
         ]
-        if cfg.algorithm is None:
-            # SGLang (internal_state._add_speculative) adds no accept length without speculation.
-            for st in info["internal_states"]:
-                del st["avg_spec_accept_length"]
-        if not cfg.profile.effective_capacity:
-            # Before 0.5.11 an internal state is the scheduler's server arguments plus its
-            # figures; the limit memory sizing left it with is not among them.
-            args_now = {k: v for k, v in info.items() if k != "internal_states"}
-            info["internal_states"] = [
-                {**args_now, **{k: v for k, v in st.items()
-                                if k != "effective_max_running_requests_per_dp"}}
-                for st in info["internal_states"]
-            ]  # fmt: skip
-        if cfg.profile.adaptive is None:
-            # Before 0.5.11 the server arguments have no adaptive fields.
-            info.pop("speculative_adaptive", None)
-            info.pop("speculative_adaptive_config", None)
+        info["version"] = profile.version
+        if profile.resolved_server_info:
+            info["frontend"] = "python"
+        elif profile.kv_events:
+            info["kv_events"] = None
         for name in a.server_info_missing:
             info.pop(name, None)
         return info
@@ -620,7 +753,7 @@ class Twin:
                         "created": int(self.started),
                         "owned_by": "sglang",
                         "root": self.config.model_name,
-                        "max_model_len": 262144,
+                        "max_model_len": CONTEXT_LEN,
                     }
                 ],
             }
@@ -639,9 +772,10 @@ class Twin:
                     "max_running_requests": self.config.max_running_per_rank,
                     "token_usage": self.state.get("sglang:token_usage", rank),
                     "gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                    "speculative": {"accept_length": self.engine.lifetime_accept_length()}
-                    if self.config.steps > 0
-                    else None,
+                    # None until a decode log has counted verify steps (load_inquirer).
+                    "speculative": None
+                    if (accept := self.engine.lifetime_accept_length(rank)) is None
+                    else {"accept_length": accept},
                 }
             )
         return web.json_response({"loads": loads})

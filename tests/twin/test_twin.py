@@ -561,6 +561,8 @@ def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
 def test_server_info_accept_length_only_with_speculation(argv: list[str], has_accept: bool) -> None:
     with TwinProcess([*argv, *FAST]) as twin:
         twin.wait_healthy()
+        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 400}, timeout=20)
+        time.sleep(0.5)  # a decode log
         states = httpx.get(twin.url + "/server_info", timeout=10).json()["internal_states"]
         assert ("avg_spec_accept_length" in states[0]) is has_accept
 

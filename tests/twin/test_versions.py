@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from factories import version_server_info
 from factories import version_twin as _twin
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -161,3 +163,52 @@ def test_unknown_version_is_a_one_line_error() -> None:
     twin_cli.configure(parser)
     with pytest.raises(TwinConfigError, match=r"--sglang-version '0\.4\.9' .*known: 0\.5\.4"):
         resolve(parser.parse_args(["--sglang-version", "0.4.9"]))
+
+
+def _figures(info: dict[str, Any]) -> tuple[set[str], set[str], dict[str, Any]]:
+    """What an internal state adds to the server arguments, what /server_info's top level
+    adds to them, and the state's memory_usage."""
+    state = info["internal_states"][0]
+    return set(state) - set(info), set(info) - set(state), state["memory_usage"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
+    version: str,
+) -> None:
+    real = version_server_info(version)
+    with _twin(version, "--dp-size", "2") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            fresh = c.get("/get_server_info").json()
+            fresh_loads = c.get("/v1/loads")
+            for _ in range(2):  # one per DP rank: each runs decode logs
+                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
+            time.sleep(0.5)
+            info = c.get("/get_server_info").json()
+            loads = c.get("/v1/loads")
+    # That SGLang's fields exactly: all its arguments, no twin flags, nothing newer.
+    top = set(info) - {"scheduler_pids"}  # the DP controller's (0.5.23), with DP ranks
+    assert sorted(top) == sorted(real)
+    assert [sorted(st) for st in info["internal_states"]] == [
+        sorted(real["internal_states"][0])
+    ] * 2
+    arguments = set(info) & set(info["internal_states"][0])
+    for state in info["internal_states"]:
+        # Each scheduler's state: its server arguments, then its own figures.
+        assert {k: state[k] for k in arguments - {"startup_time"}} == {
+            k: info[k] for k in arguments - {"startup_time"}
+        }
+    figures, _, memory = _figures(info)
+    real_figures, _, real_memory = _figures(real)
+    assert figures == real_figures
+    assert sorted(memory) == sorted(real_memory)
+    assert type(memory["graph"]) is type(real_memory["graph"])
+    if isinstance(memory["graph"], dict):
+        assert sorted(memory["graph"]) == sorted(real_memory["graph"])
+    # The lifetime accept length is counted at decode logs: the warm-up's few decode
+    # batches are none, so a fresh server has none yet.
+    assert not any("avg_spec_accept_length" in st for st in fresh["internal_states"])
+    if version != "0.5.4":  # /v1/loads since 0.5.8: the same lifetime figure, None before
+        assert [ld["speculative"] for ld in fresh_loads.json()["loads"]] == [None, None]
+        assert all(ld["speculative"]["accept_length"] > 1 for ld in loads.json()["loads"])
