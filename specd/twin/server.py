@@ -50,6 +50,8 @@ WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
+# health_generate sleeps this long before it first looks for its generation's answer.
+HEALTH_FIRST_LOOK_S = 1.0
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
 # graphs, free memory when the pool was sized.
 WEIGHT_GB, KV_CACHE_GB, GRAPH_GB, STARTUP_FREE_GB = 61.87, 44.13, 2.32, 9.87
@@ -574,12 +576,30 @@ class Twin:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.phase != "ready" or self.args.never_healthy:
+        """SGLang's health_generate (both paths): 503 at once while starting or draining;
+        else it sends a 1-token generation and, a second later and every second after, looks
+        whether anything came back since (the twin's always has), so 200 takes >= 1 s."""
+        if self.phase != "ready":
             return web.Response(status=503)
+        if request.path == "/health" and not self._health_generates():
+            return web.Response(status=200)
+        if self.args.never_healthy:
+            return web.Response(status=503)
+        await asyncio.sleep(HEALTH_FIRST_LOOK_S)
         return web.Response(status=200)
 
+    def _health_generates(self) -> bool:
+        """Whether /health runs the generation too: always before 0.5.11, since unless
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false."""
+        if not self.config.profile.health_generation_env:
+            return True
+        value = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
+        return value.lower() not in ("false", "0", "no", "n")
+
     async def ready(self, request: web.Request) -> web.Response:
-        return await self.health(request)
+        # /ready (0.5.20+): up and not shutting down, answered at once, no generation.
+        healthy = self.phase == "ready" and not self.args.never_healthy
+        return web.Response(status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.args.enable_metrics or self.args.metrics_404:

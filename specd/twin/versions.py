@@ -69,6 +69,9 @@ class Profile:
     resolved_server_info: bool = False
     # /server_info's kv_events (0.5.13+; null while KV events are off).
     kv_events: bool = False
+    # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false makes /health answer without a
+    # generation (0.5.11+; of the versions here).
+    health_generation_env: bool = True
     # Server arguments of the twin's that this version does not have yet: argparse refuses
     # the flag, /server_info has no such field.
     lacks_args: frozenset[str] = frozenset({"attn_dp_size"})
@@ -301,6 +304,7 @@ PROFILES: dict[str, Profile] = {
         ready=False,
         v1_loads=False,
         freeze_gc_after_warmup=False,
+        health_generation_env=False,
         lacks_args=frozenset(
             {
                 "speculative_adaptive",

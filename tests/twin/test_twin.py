@@ -417,7 +417,8 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
         while time.monotonic() < deadline:
             try:
                 url = twin.url + "/health_generate"
-                code = httpx.get(url, timeout=1, verify=verifying_context()).status_code
+                # SGLang answers a healthy server's probe after >= 1 s: not within 1 s.
+                code = httpx.get(url, timeout=5, verify=verifying_context()).status_code
                 state = str(code)
             except httpx.HTTPError:
                 state = "closed"

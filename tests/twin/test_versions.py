@@ -4,17 +4,19 @@ wrote (tests/fixtures/metrics/versions/), its endpoints, and SGLang's warm-up re
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from factories import version_server_info
+from factories import FAST_TWIN_VERSION_ARGS, SPEC4_ARGS, version_server_info
 from factories import version_twin as _twin
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.twin import cli as twin_cli
+from specd.twin.process import TwinProcess
 from specd.twin.server import TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
@@ -212,3 +214,40 @@ def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
     if version != "0.5.4":  # /v1/loads since 0.5.8: the same lifetime figure, None before
         assert [ld["speculative"] for ld in fresh_loads.json()["loads"]] == [None, None]
         assert all(ld["speculative"]["accept_length"] > 1 for ld in loads.json()["loads"])
+
+
+def _timed_status(client: httpx.Client, path: str) -> tuple[int, float]:
+    start = time.monotonic()
+    status = client.get(path).status_code
+    return status, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("version", "env", "health_waits"),
+    [
+        ("0.5.23", {}, True),
+        # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers at once (0.5.11+).
+        ("0.5.23", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, False),
+        ("0.5.4", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, True),
+    ],
+)
+def test_health_checks_take_sglangs_second(
+    version: str, env: dict[str, str], health_waits: bool
+) -> None:
+    # SGLang's health_generate sends a 1-token generation, then sleeps a second before it
+    # first looks for an answer: a healthy server answers 200 after >= 1 s, never sooner.
+    with TwinProcess(
+        [*SPEC4_ARGS, "--sglang-version", version, *FAST_TWIN_VERSION_ARGS],
+        env={**os.environ, **env},
+    ) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            status, took = _timed_status(c, "/health_generate")
+            assert status == 200
+            assert took >= 1.0
+            status, took = _timed_status(c, "/health")
+            assert status == 200
+            assert (took >= 1.0) is health_waits
+            if version == "0.5.23":
+                status, took = _timed_status(c, "/ready")  # no generation
+                assert (status, took < 0.5) == (200, True)
