@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -527,11 +528,13 @@ class Twin:
     async def middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        endpoint = (
-            request.match_info.route.resource.canonical
-            if request.match_info.route.resource
-            else "other"
+        resource = request.match_info.route.resource
+        # The route's path, else (no route, or not this method) the path asked for, as
+        # SGLang's HTTP middleware labels it.
+        handled = resource is not None and not isinstance(
+            request.match_info.http_exception, web.HTTPMethodNotAllowed
         )
+        endpoint = resource.canonical if handled and resource is not None else request.path
         labels = (("endpoint", endpoint), ("method", request.method))
         self.state.inc("sglang:http_requests_total", 1, -1, labels)
         self.state.inc("sglang:http_requests_active", 1, -1, labels)
@@ -539,7 +542,17 @@ class Twin:
         try:
             if self.args.slow_s > 0:
                 await asyncio.sleep(self.args.slow_s)
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except web.HTTPNotFound:
+                # FastAPI's own answer for a path no route has.
+                response = web.json_response({"detail": "Not Found"}, status=404)
+            except web.HTTPMethodNotAllowed as exc:
+                response = web.json_response(
+                    {"detail": "Method Not Allowed"},
+                    status=405,
+                    headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
+                )
             status = response.status
             return response
         except web.HTTPException as exc:
@@ -555,24 +568,29 @@ class Twin:
         app = web.Application(middlewares=[self.middleware])
         r = app.router
         profile = self.config.profile
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
+        # FastAPI routes: GET ones do not answer HEAD.
+        get: Callable[..., Any] = functools.partial(r.add_get, allow_head=False)
+        get("/health", self.health)
+        get("/health_generate", self.health)
         if profile.ready:
-            r.add_get("/ready", self.ready)
-        r.add_get("/metrics", self.metrics)
+            get("/ready", self.ready)
+        if self.args.enable_metrics and not self.args.metrics_404:
+            get("/metrics", self.metrics)
         if profile.server_info:
-            r.add_get("/server_info", self.server_info)
-        r.add_get("/get_server_info", self.server_info)
+            get("/server_info", self.server_info)
+        get("/get_server_info", self.server_info)
         if profile.model_info:
-            r.add_get("/model_info", self.model_info)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_route("*", "/freeze_gc", self.freeze_gc)
-        r.add_get("/v1/models", self.models)
+            get("/model_info", self.model_info)
+        get("/get_model_info", self.model_info)
+        get("/freeze_gc", self.freeze_gc)
+        r.add_post("/freeze_gc", self.freeze_gc)
+        get("/v1/models", self.models)
         if profile.v1_loads:
-            r.add_get("/v1/loads", self.loads)
+            get("/v1/loads", self.loads)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -602,8 +620,6 @@ class Twin:
         return web.Response(status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if not self.args.enable_metrics or self.args.metrics_404:
-            return web.Response(status=404, text="Not Found")
         ctype = "text/plain; version=0.0.4; charset=utf-8"
         if self.args.garbage_metrics:
             body = 'sglang:num_running_reqs{engine_type="unified" 3\n# TYPE broken\n\x00garbage'
@@ -747,37 +763,52 @@ class Twin:
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(self.server_info_dict())
 
+    def model_info_dict(self) -> dict[str, Any]:
+        """/model_info (/get_model_info), as that version's http_server builds it."""
+        arguments = self.server_arguments()
+        profile = self.config.profile
+        info: dict[str, Any] = {"model_path": self.args.model_path}
+        if profile.resolved_server_info:
+            info["served_model_name"] = self.config.model_name
+        info.update(
+            tokenizer_path=arguments["tokenizer_path"],
+            is_generation=True,
+            preferred_sampling_params=arguments["preferred_sampling_params"],
+            weight_version=arguments["weight_version"],
+        )
+        if profile.resolved_server_info:
+            for name in ("load_format", "reasoning_parser", "tool_call_parser",
+                         "disaggregation_mode"):  # fmt: skip
+                info[name] = arguments[name]
+        if profile.model_info:
+            # The model's own config (Qwen3.5's, a multimodal MoE), since 0.5.11.
+            info.update(
+                has_image_understanding=True,
+                has_audio_understanding=False,
+                model_type="qwen3_5_moe",
+                architectures=["Qwen3_5MoeForConditionalGeneration"],
+            )
+        return info
+
     async def model_info(self, request: web.Request) -> web.Response:
         # Answered while warming up too: SGLang's warm-up waits for exactly this.
-        return web.json_response(
-            {
-                "model_path": self.args.model_path,
-                "tokenizer_path": self.args.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-            }
-        )
+        return web.json_response(self.model_info_dict())
 
     async def freeze_gc(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=200, text="Garbage collection frozen.\n")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.model_name,
-                        "object": "model",
-                        "created": int(self.started),
-                        "owned_by": "sglang",
-                        "root": self.config.model_name,
-                        "max_model_len": CONTEXT_LEN,
-                    }
-                ],
-            }
-        )
+        # A ModelCard made per request: created is now.
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": self.config.model_name,
+            "parent": None,
+            "max_model_len": CONTEXT_LEN,
+        }
+        return web.json_response({"object": "list", "data": [card]})
 
     async def loads(self, request: web.Request) -> web.Response:
         self.engine.advance()
@@ -807,12 +838,12 @@ class Twin:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": "request body is not valid JSON"}}),
+                text=json.dumps(_bad_request("request body is not valid JSON")),
                 content_type="application/json",
             ) from None
         if not isinstance(body, dict):
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": "request body must be a JSON object"}}),
+                text=json.dumps(_bad_request("request body must be a JSON object")),
                 content_type="application/json",
             )
         return body
@@ -823,7 +854,7 @@ class Twin:
             raw = DEFAULT_MAX_TOKENS
         if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": f"{max_key} must be a positive integer"}}),
+                text=json.dumps(_bad_request(f"{max_key} must be a positive integer")),
                 content_type="application/json",
             )
         prompt_tokens = max(1, len(prompt_text.split()))
@@ -1043,6 +1074,13 @@ class Twin:
         while True:
             await asyncio.sleep(interval)
             self.engine.report()
+
+
+def _bad_request(message: str) -> dict[str, Any]:
+    """SGLang's ErrorResponse for a request it cannot validate (its RequestValidationError
+    handler: 400, "Bad Request")."""
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None,
+            "code": 400}  # fmt: skip
 
 
 def _self_url(host: str, port: int) -> str:

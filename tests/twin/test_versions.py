@@ -251,3 +251,74 @@ def test_health_checks_take_sglangs_second(
             if version == "0.5.23":
                 status, took = _timed_status(c, "/ready")  # no generation
                 assert (status, took < 0.5) == (200, True)
+
+
+# /model_info (/get_model_info) as each version's http_server builds it.
+MODEL_INFO_KEYS = {
+    "0.5.4": ["model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
+              "weight_version"],
+    "0.5.11": ["model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
+               "weight_version", "has_image_understanding", "has_audio_understanding",
+               "model_type", "architectures"],
+    "0.5.23": ["model_path", "served_model_name", "tokenizer_path", "is_generation",
+               "preferred_sampling_params", "weight_version", "load_format",
+               "reasoning_parser", "tool_call_parser", "disaggregation_mode",
+               "has_image_understanding", "has_audio_understanding", "model_type",
+               "architectures"],
+}  # fmt: skip
+MODEL_INFO_KEYS["0.5.13"] = MODEL_INFO_KEYS["0.5.11"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            model_info = c.get("/get_model_info").json()
+            models = c.get("/v1/models").json()
+            missing = c.get("/no/such/path")
+            wrong_method = c.get("/v1/completions")
+            head = c.head("/get_server_info")
+            freeze = c.get("/freeze_gc")
+            put = c.put("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
+            bad = c.post(
+                "/v1/completions", content=b"{", headers={"Content-Type": "application/json"}
+            )
+            page = c.get("/metrics").text
+    assert list(model_info) == MODEL_INFO_KEYS[version]
+    assert model_info["tokenizer_path"] == model_info["model_path"]
+    assert list(models["data"][0]) == [
+        "id", "object", "created", "owned_by", "root", "parent", "max_model_len"
+    ]  # fmt: skip
+    # FastAPI's answers: no route, a route without that method (GET routes answer no HEAD).
+    assert (missing.status_code, missing.json()) == (404, {"detail": "Not Found"})
+    assert (wrong_method.status_code, wrong_method.json()) == (
+        405,
+        {"detail": "Method Not Allowed"},
+    )
+    assert wrong_method.headers["Allow"] == "POST"
+    assert head.status_code == 405
+    assert (freeze.status_code, freeze.text) == (200, "Garbage collection frozen.\n")
+    assert put.status_code == 200  # /generate is POST and PUT
+    # SGLang's ErrorResponse for a body it cannot validate.
+    assert bad.status_code == 400
+    assert {k: bad.json()[k] for k in ("object", "type", "code")} == {
+        "object": "error",
+        "type": "Bad Request",
+        "code": 400,
+    }
+    if version == "0.5.23":
+        # SGLang's HTTP middleware labels an unrouted request with the path asked for.
+        http = {
+            (labels["endpoint"], labels["method"], labels["status_code"])
+            for labels, _ in _samples(page, "sglang:http_responses_total")
+        }
+        assert ("/no/such/path", "GET", "404") in http
+        assert ("/v1/completions", "GET", "405") in http
+
+
+def test_metrics_off_is_fastapis_404() -> None:
+    with TwinProcess([*SPEC4_ARGS, *FAST_TWIN_VERSION_ARGS]) as twin:
+        twin.wait_healthy(20)
+        response = httpx.get(twin.url + "/metrics", timeout=10)
+    assert (response.status_code, response.json()) == (404, {"detail": "Not Found"})
