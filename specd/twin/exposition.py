@@ -7,8 +7,19 @@ rank for scheduler metrics (``dp_rank`` only with several ranks).
 
 from __future__ import annotations
 
+import gzip
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from prometheus_client.exposition import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    choose_encoder,
+    generate_latest,
+    gzip_accepted,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from specd.twin.families import CACHE, PLAIN, REQ, SCHED, STARTUP, Family, Labels
@@ -208,4 +219,46 @@ def render(state: MetricState, families: tuple[Family, ...] | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["PLAIN", "Hist", "MetricState", "render"]
+class _Page:
+    """A collector holding the families of one rendered page."""
+
+    def __init__(self, text: str) -> None:
+        self.families = list(text_string_to_metric_families(text))
+
+    def collect(self) -> Iterable[Any]:
+        return self.families
+
+
+def serve_page(
+    text: str, accept: str, accept_encoding: str, query: Mapping[str, Sequence[str]]
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers SGLang's /metrics answers with for ``text``: its route is
+    prometheus_client's ASGI app over a registry holding one MultiProcessCollector, so the
+    format follows the Accept header (text 1.0.0 with name escaping, else text 0.0.4),
+    Accept-Encoding: gzip compresses it, and ``name[]`` gives an empty page (the collector
+    describes no names for the registry to keep). The page is re-read into that app's
+    encoders, which give ``text`` itself back as text 0.0.4.
+
+    Not OpenMetrics: asked for it (Prometheus 2's default Accept), prometheus_client >= 0.23
+    under SGLang writes the samples' names with ``_`` for ``:`` (sglang_num_running_reqs,
+    while HELP and TYPE keep sglang:...), so the series a Prometheus 2 stores from a real
+    SGLang are not the ones specd's rules and dashboard query; the twin answers that Accept
+    with text 0.0.4, as prometheus_client < 0.23 in effect did, until they do."""
+    encoder, content_type = choose_encoder(accept)
+    if content_type.startswith("application/openmetrics-text"):
+        encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+    names = list(query.get("name[]", ()))
+    if encoder is generate_latest and not names:
+        body = text.encode()
+    else:
+        registry = CollectorRegistry()  # SGLang's: no auto-describe, a collector without
+        registry.register(_Page(text))  # describe(), as MultiProcessCollector
+        body = encoder(registry.restricted_registry(names) if names else registry)
+    headers = {"Content-Type": content_type}
+    if gzip_accepted(accept_encoding):
+        body = gzip.compress(body)
+        headers["Content-Encoding"] = "gzip"
+    return body, headers
+
+
+__all__ = ["PLAIN", "Hist", "MetricState", "render", "serve_page"]

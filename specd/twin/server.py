@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 from aiohttp import web
 
@@ -36,7 +37,7 @@ from specd.twin.adaptive import (
 )
 from specd.twin.cli import SGLANG_DESTS
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
-from specd.twin.exposition import MetricState, render
+from specd.twin.exposition import MetricState, render, serve_page
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
 from specd.twin.sglang_args import DEFAULTS
@@ -575,7 +576,8 @@ class Twin:
         if profile.ready:
             get("/ready", self.ready)
         if self.args.enable_metrics and not self.args.metrics_404:
-            get("/metrics", self.metrics)
+            # A mounted ASGI app: it answers every method.
+            r.add_route("*", "/metrics", self.metrics)
         if profile.server_info:
             get("/server_info", self.server_info)
         get("/get_server_info", self.server_info)
@@ -622,14 +624,20 @@ class Twin:
     async def metrics(self, request: web.Request) -> web.Response:
         ctype = "text/plain; version=0.0.4; charset=utf-8"
         if self.args.garbage_metrics:
-            body = 'sglang:num_running_reqs{engine_type="unified" 3\n# TYPE broken\n\x00garbage'
-            return web.Response(body=body.encode(), headers={"Content-Type": ctype})
+            garbage = 'sglang:num_running_reqs{engine_type="unified" 3\n# TYPE broken\n\x00garbage'
+            return web.Response(body=garbage.encode(), headers={"Content-Type": ctype})
         self.engine.advance()
         text = render(self.state)
         pad = self.args.metrics_pad_bytes
         if pad > 0:
             text = _padding(pad) + text
-        return web.Response(body=text.encode(), headers={"Content-Type": ctype})
+        body, headers = serve_page(
+            text,
+            ",".join(request.headers.getall("Accept", [])),
+            ",".join(request.headers.getall("Accept-Encoding", [])),
+            parse_qs(request.query_string),
+        )
+        return web.Response(body=body, headers=headers)
 
     def server_arguments(self) -> dict[str, Any]:
         """The server arguments as this SGLang resolved them: /server_info's top level and

@@ -4,6 +4,7 @@ wrote (tests/fixtures/metrics/versions/), its endpoints, and SGLang's warm-up re
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import time
 from pathlib import Path
@@ -322,3 +323,96 @@ def test_metrics_off_is_fastapis_404() -> None:
         twin.wait_healthy(20)
         response = httpx.get(twin.url + "/metrics", timeout=10)
     assert (response.status_code, response.json()) == (404, {"detail": "Not Found"})
+
+
+def _asgi_answer(text: str, method: str, query: bytes, headers: dict[str, str]) -> Any:
+    """What prometheus_client's ASGI app (SGLang's /metrics route) answers over a registry
+    holding the families of ``text``."""
+    import asyncio  # noqa: PLC0415
+
+    from prometheus_client import CollectorRegistry, make_asgi_app  # noqa: PLC0415
+
+    families = list(text_string_to_metric_families(text))
+
+    class Page:
+        def collect(self) -> Any:
+            return families
+
+    registry = CollectorRegistry()
+    registry.register(Page())
+    app = make_asgi_app(registry=registry)
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": "/",
+        "query_string": query,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+# (method, query, headers): what a Prometheus server, a curl and a browser send. Not
+# OpenMetrics: the twin answers text 0.0.4 to it (exposition.serve_page says why).
+ASKS = [
+    ("GET", b"", {"Accept": "*/*"}),
+    ("GET", b"", {"Accept": "text/plain;version=1.0.0;escaping=underscores"}),
+    ("GET", b"", {"Accept-Encoding": "gzip"}),
+    ("GET", b"name[]=sglang:num_running_reqs&name[]=sglang:gen_throughput", {}),
+    ("POST", b"", {}),
+]
+
+
+def test_metrics_negotiates_like_prometheus_clients_asgi_app() -> None:
+    with _twin("0.5.23") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            plain = c.get("/metrics", headers={"Accept": "*/*"}).text
+            prometheus_2 = c.get("/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+            answers = []
+            for method, query, headers in ASKS:
+                response = c.request(
+                    method,
+                    "/metrics",
+                    params=query.decode() or None,
+                    headers={"Accept-Encoding": "identity", **headers},
+                )
+                answers.append((response.status_code, dict(response.headers), response.content))
+    assert prometheus_2.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert 'sglang:num_running_reqs{engine_type="unified"' in prometheus_2.text
+    # SGLang's registry describes no names: name[] keeps nothing.
+    assert answers[3][0] == 200
+    assert answers[3][2] == b""
+    for (method, query, headers), (status, got_headers, body) in zip(ASKS, answers, strict=True):
+        want_status, want_headers, want = _asgi_answer(
+            plain, method, query, {"Accept-Encoding": "identity", **headers}
+        )
+        assert status == want_status
+        for name, value in want_headers.items():
+            assert got_headers[name.decode().lower()] == value.decode(), (headers, name)
+        # Another scrape, other values: the same families, names and series (but the HTTP
+        # ones, which count these requests). httpx has undone the twin's gzip already.
+        if b"Content-Encoding" in want_headers:
+            want = gzip.decompress(want)
+        assert _series_of(body) == _series_of(want), headers
+
+
+def _series_of(body: bytes) -> list[str]:
+    """The page's lines without their values (and without the HTTP families)."""
+    return [
+        line if line.startswith("#") else line.rsplit(" ", 1)[0]
+        for line in body.decode().splitlines()
+        if "sglang:http_" not in line and "sglang_http_" not in line
+    ]
