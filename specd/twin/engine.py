@@ -85,6 +85,11 @@ class Engine:
         # counts in at every --decode-log-interval-th, so none are known before the first.
         self.decode_log_interval = decode_log_interval
         self._decode_batches = [0.0] * max(state.dp_size, 1)
+        # Per rank, for /v1/loads: prompt tokens prefilled, and SGLang's decode moments
+        # (batches, sum of batch sizes, of step us, of squared sizes, of size x step us, and
+        # tokens generated).
+        self.prefill_tokens = [0] * max(state.dp_size, 1)
+        self.decode_moments = [[0.0] * 6 for _ in range(max(state.dp_size, 1))]
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         # Each DP rank's scheduler admits up to its own limit (max_running is their sum,
@@ -227,6 +232,7 @@ class Engine:
         self.running.append(req)
         fam = BY_NAME["sglang:queue_time_seconds"]
         self.state.observe(fam, now - req.arrival, rank=req.rank)
+        self.prefill_tokens[req.rank] += req.prompt_tokens
         self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
                        (("mode", "prefill_compute"),))  # fmt: skip
 
@@ -239,8 +245,17 @@ class Engine:
         self._last_busy = now
         gained, verifies = self._decode(dt)
         # Every running request takes part in each of its rank's decode batches.
-        for rank in {req.rank for req in self.running}:
+        sizes: dict[int, int] = {}
+        for req in self.running:
+            sizes[req.rank] = sizes.get(req.rank, 0) + 1
+        for rank, size in sizes.items():
             self._decode_batches[rank] += verifies
+            if verifies > 0:
+                moments, step_us = self.decode_moments[rank], dt * 1e6
+                for i, value in enumerate((verifies, verifies * size, step_us,
+                                           verifies * size * size, size * step_us,
+                                           gained * size)):  # fmt: skip
+                    moments[i] += value
         done: list[Request] = []
         for req in self.running:
             before = req.emitted

@@ -38,7 +38,9 @@ from specd.twin.adaptive import (
 from specd.twin.cli import SGLANG_DESTS
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
 from specd.twin.exposition import MetricState, render, serve_page
+from specd.twin.families import BY_NAME
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
+from specd.twin.loads import BadInclude, RankLoad, loads_json, loads_prometheus
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
 from specd.twin.sglang_args import DEFAULTS
 from specd.twin.table import PerfTable, PerfTableError
@@ -52,6 +54,8 @@ WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
+# The twin's prefill speed, for /v1/loads' prefill busy time.
+PREFILL_US_PER_TOKEN = 20.0
 # health_generate sleeps this long before it first looks for its generation's answer.
 HEALTH_FIRST_LOOK_S = 1.0
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
@@ -818,26 +822,82 @@ class Twin:
         }
         return web.json_response({"object": "list", "data": [card]})
 
-    async def loads(self, request: web.Request) -> web.Response:
-        self.engine.advance()
-        loads = []
-        for rank in range(self.args.dp_size):
-            loads.append(
-                {
-                    "dp_rank": rank,
-                    "num_running_reqs": sum(1 for r in self.engine.running if r.rank == rank),
-                    "num_waiting_reqs": sum(1 for r in self.engine.waiting if r.rank == rank),
-                    # The rank's scheduler's own limit (load_inquirer), as per_dp above.
-                    "max_running_requests": self.config.max_running_per_rank,
-                    "token_usage": self.state.get("sglang:token_usage", rank),
-                    "gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                    # None until a decode log has counted verify steps (load_inquirer).
-                    "speculative": None
-                    if (accept := self.engine.lifetime_accept_length(rank)) is None
-                    else {"accept_length": accept},
-                }
+    def rank_loads(self) -> list[RankLoad]:
+        """Each DP rank's scheduler's load figures (its load_inquirer's)."""
+        engine, st = self.engine, self.state
+        engine.advance()
+        ranks = self.args.dp_size
+        out = []
+        for rank in range(ranks):
+            running = [r for r in engine.running if r.rank == rank]
+            waiting = [r for r in engine.waiting if r.rank == rank]
+            out.append(
+                RankLoad(
+                    dp_rank=rank if ranks > 1 else None,
+                    running=len(running),
+                    waiting=len(waiting),
+                    used_tokens=sum(r.prompt_tokens + r.emitted for r in running),
+                    waiting_tokens=sum(r.prompt_tokens for r in waiting),
+                    max_total_num_tokens=int(st.get("sglang:max_total_num_tokens", rank)),
+                    # The rank's scheduler's own limit, as internal_states report it.
+                    max_running_requests=self.config.max_running_per_rank,
+                    token_usage=st.get("sglang:token_usage", rank),
+                    gen_throughput=st.get("sglang:gen_throughput", rank),
+                    utilization=st.get("sglang:utilization", rank),
+                    # None until a decode log has counted verify steps.
+                    accept_length=engine.lifetime_accept_length(rank),
+                    accept_rate=st.get("sglang:spec_accept_rate", rank),
+                    weight_gb=WEIGHT_GB,
+                    kv_cache_gb=KV_CACHE_GB,
+                    graph_gb=GRAPH_GB,
+                    prefill_tokens=engine.prefill_tokens[rank],
+                    # The twin prefills at PREFILL_US_PER_TOKEN.
+                    prefill_busy_us=int(engine.prefill_tokens[rank] * PREFILL_US_PER_TOKEN),
+                    decode_moments=list(engine.decode_moments[rank]),
+                    timestamp=time.time(),
+                )
             )
-        return web.json_response({"loads": loads})
+        return out
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """/v1/loads (0.5.8+), as that version answers it (specd.twin.loads)."""
+        start = time.perf_counter()
+        try:
+            return self._loads(request)
+        finally:
+            if self.config.profile.has_family("sglang:get_loads_duration_seconds"):
+                self.state.observe(
+                    BY_NAME["sglang:get_loads_duration_seconds"],
+                    time.perf_counter() - start,
+                    -1,
+                )
+
+    def _loads(self, request: web.Request) -> web.Response:
+        version = self.config.profile.version
+        query = request.query
+        include = {s.strip() for s in query["include"].split(",")} if "include" in query else None
+        ranks = self.rank_loads()
+        if "dp_rank" in query:
+            try:
+                wanted = int(query["dp_rank"])
+            except ValueError:
+                return web.json_response(_bad_request("dp_rank: not a valid integer"), status=400)
+            ranks = [load for load in ranks if (load.dp_rank or 0) == wanted]
+            if version == "0.5.11":  # filtered on the scheduler's dp_rank, None without DP
+                ranks = [load for load in ranks if load.dp_rank == wanted]
+        try:
+            if query.get("format") == "prometheus":
+                text = loads_prometheus(ranks, version, include)
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+                return web.Response(body=text.encode(), headers={"Content-Type": ctype})
+            tp, ranks_n = max(self.args.tp_size, 1), max(self.args.dp_size, 1)
+            accelerators = tp // ranks_n if self.args.enable_dp_attention else tp
+            return web.json_response(
+                loads_json(ranks, version, include, accelerators=max(accelerators, 1))
+            )
+        except BadInclude:
+            # Raised past the endpoint's own handling: Starlette's 500.
+            return web.Response(status=500, text="Internal Server Error")
 
     # -- generation ------------------------------------------------------------------
 

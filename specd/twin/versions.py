@@ -80,6 +80,9 @@ class Profile:
     def by_name(self) -> dict[str, Family]:
         return {f.name: f for f in self.families}
 
+    def has_family(self, name: str) -> bool:
+        return name in self.by_name
+
     @property
     def names(self) -> frozenset[str]:
         return frozenset(f.name for f in self.families)
@@ -159,6 +162,7 @@ _AFTER_0_5_13 = frozenset(
 )
 # Added between 0.5.11 and 0.5.13.
 _AFTER_0_5_11 = _AFTER_0_5_13 | {
+    "sglang:get_loads_duration_seconds",
     "sglang:uncached_prompt_tokens_histogram",
     "sglang:swa_available_tokens",
     "sglang:swa_evictable_tokens",

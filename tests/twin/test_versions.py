@@ -213,7 +213,7 @@ def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
     # batches are none, so a fresh server has none yet.
     assert not any("avg_spec_accept_length" in st for st in fresh["internal_states"])
     if version != "0.5.4":  # /v1/loads since 0.5.8: the same lifetime figure, None before
-        assert [ld["speculative"] for ld in fresh_loads.json()["loads"]] == [None, None]
+        assert [ld.get("speculative") for ld in fresh_loads.json()["loads"]] == [None, None]
         assert all(ld["speculative"]["accept_length"] > 1 for ld in loads.json()["loads"])
 
 
@@ -416,3 +416,68 @@ def _series_of(body: bytes) -> list[str]:
         for line in body.decode().splitlines()
         if "sglang:http_" not in line and "sglang_http_" not in line
     ]
+
+
+_CORE_0_5_13 = ["dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens",
+                "num_used_tokens", "num_total_tokens", "max_total_num_tokens",
+                "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+                "utilization"]  # fmt: skip
+_SECTIONS = ["memory", "speculative", "disaggregation", "queues"]
+# /v1/loads per version: (top-level keys, a rank's keys, its queues' keys).
+LOADS_SHAPE: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "0.5.11": (
+        ["timestamp", "version", "dp_rank_count", "loads", "aggregate"],
+        ["dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+         "num_total_tokens", "max_total_num_tokens", "token_usage", "gen_throughput",
+         "cache_hit_rate", "utilization", "max_running_requests", *_SECTIONS,
+         "num_total_reqs"],
+        ["waiting", "grammar", "paused", "retracted"],
+    ),
+    "0.5.13": (
+        ["timestamp", "version", "loads"],
+        [*_CORE_0_5_13, *_SECTIONS],
+        ["waiting", "grammar", "paused", "retracted"],
+    ),
+    "0.5.23": (
+        ["timestamp", "version", "accelerator", "num_accelerators", "loads"],
+        ["timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs",
+         "num_waiting_uncached_tokens", "num_used_tokens", "num_total_tokens",
+         "num_active_tokens", "num_prealloc_ready_tokens", "max_total_num_tokens",
+         "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+         "utilization", "total_prefill_uncached_tokens", "total_prefill_busy_us",
+         "decode_moments", *_SECTIONS],
+        ["waiting", "grammar", "paused", "retracted", "prealloc_ready"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("version", sorted(LOADS_SHAPE))
+def test_v1_loads_is_that_versions_shape(version: str) -> None:
+    top, rank_keys, queue_keys = LOADS_SHAPE[version]
+    with _twin(version, "--dp-size", "2") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            for _ in range(2):
+                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
+            time.sleep(0.5)
+            body = c.get("/v1/loads").json()
+            core = c.get("/v1/loads", params={"include": "core", "dp_rank": "1"}).json()
+            bad = c.get("/v1/loads", params={"include": "nonsense"})
+            prometheus = c.get("/v1/loads", params={"format": "prometheus"}).text
+            page = c.get("/metrics").text
+    assert list(body) == top
+    assert [list(ld) for ld in body["loads"]] == [rank_keys] * 2
+    assert [list(ld["queues"]) for ld in body["loads"]] == [queue_keys] * 2
+    assert [ld["dp_rank"] for ld in body["loads"]] == [0, 1]
+    assert [ld["dp_rank"] for ld in core["loads"]] == [1]
+    assert not set(_SECTIONS) & set(core["loads"][0])
+    assert 'sglang_num_running_reqs{dp_rank="0"}' in prometheus
+    assert 'sglang_spec_accept_length{dp_rank="1"}' in prometheus
+    if version == "0.5.11":
+        assert bad.status_code == 200  # unknown sections were left out, no error
+        assert body["aggregate"]["total_running_reqs"] == 0
+        assert _samples(page, "sglang:get_loads_duration_seconds_count") == []
+    else:
+        assert (bad.status_code, bad.text) == (500, "Internal Server Error")
+        # Every /v1/loads is timed, the failed one too.
+        assert _total(page, "sglang:get_loads_duration_seconds_count") == 4
