@@ -29,6 +29,10 @@ MAX_BATCHES_PER_ADVANCE = 100_000
 IDLE_THROUGHPUT_RESET_S = 30.0
 # KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
 KV_TOKENS_PER_REQUEST = 8192
+# What the twin's scheduler spends on a request before its decode: receiving it, and
+# prefilling its prompt (per token).
+REQUEST_PROCESS_S = 0.0002
+PREFILL_S_PER_TOKEN = 20e-6
 
 
 @dataclass(eq=False)
@@ -89,6 +93,8 @@ class Engine:
         # (batches, sum of batch sizes, of step us, of squared sizes, of size x step us, and
         # tokens generated).
         self.prefill_tokens = [0] * max(state.dp_size, 1)
+        # Decode forward passes each rank has run (each a CUDA-graph replay).
+        self._forwards = [0.0] * max(state.dp_size, 1)
         self.decode_moments = [[0.0] * 6 for _ in range(max(state.dp_size, 1))]
         self.draft_tokens = draft_tokens
         self.max_running = max_running
@@ -212,12 +218,16 @@ class Engine:
         now = self.clock()
         ranks = max(self.state.dp_size, 1)
         if ranks == 1:
+            admitted = False
             while self.waiting and len(self.running) < self.max_running:
                 self._start(self.waiting.popleft(), now)
+                admitted = True
+            self._prefill_passes({0} if admitted else set())
             return
         per_rank = [0] * ranks
         for req in self.running:
             per_rank[req.rank] += 1
+        started: set[int] = set()
         for req in list(self.waiting):
             if min(per_rank) >= self.max_running_per_rank:
                 break
@@ -226,6 +236,13 @@ class Engine:
             self.waiting.remove(req)
             per_rank[req.rank] += 1
             self._start(req, now)
+            started.add(req.rank)
+        self._prefill_passes(started)
+
+    def _prefill_passes(self, ranks: set[int]) -> None:
+        """One prefill forward (no CUDA graph) per rank that admitted requests together."""
+        for rank in ranks:
+            self.state.inc("sglang:cuda_graph_passes_total", 1, rank, (("mode", "prefill_none"),))
 
     def _start(self, req: Request, now: float) -> None:
         req.admitted = now
@@ -233,6 +250,13 @@ class Engine:
         fam = BY_NAME["sglang:queue_time_seconds"]
         self.state.observe(fam, now - req.arrival, rank=req.rank)
         self.prefill_tokens[req.rank] += req.prompt_tokens
+        st = self.state
+        st.inc("sglang:prefill_effective_tokens_total", req.prompt_tokens, req.rank,
+               (("mode", "input"),))  # fmt: skip
+        stages = BY_NAME["sglang:per_stage_req_latency_seconds"]
+        st.observe(stages, REQUEST_PROCESS_S, req.rank, (("stage", "request_process"),))
+        st.observe(stages, req.prompt_tokens * PREFILL_S_PER_TOKEN, req.rank,
+                   (("stage", "prefill_forward"),))  # fmt: skip
         self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
                        (("mode", "prefill_compute"),))  # fmt: skip
 
@@ -250,6 +274,13 @@ class Engine:
             sizes[req.rank] = sizes.get(req.rank, 0) + 1
         for rank, size in sizes.items():
             self._decode_batches[rank] += verifies
+            # A decode forward per verify, or per token without speculation.
+            before = self._forwards[rank]
+            self._forwards[rank] += verifies if verifies > 0 else gained
+            passes = math.floor(self._forwards[rank]) - math.floor(before)
+            if passes > 0:
+                self.state.inc("sglang:cuda_graph_passes_total", passes, rank,
+                               (("mode", "decode_cuda_graph"),))  # fmt: skip
             if verifies > 0:
                 moments, step_us = self.decode_moments[rank], dt * 1e6
                 for i, value in enumerate((verifies, verifies * size, step_us,

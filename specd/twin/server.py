@@ -36,7 +36,7 @@ from specd.twin.adaptive import (
     unsupported_reason,
 )
 from specd.twin.cli import SGLANG_DESTS
-from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
+from specd.twin.engine import KV_TOKENS_PER_REQUEST, PREFILL_S_PER_TOKEN, Engine, Request
 from specd.twin.exposition import MetricState, render, serve_page
 from specd.twin.families import BY_NAME
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
@@ -54,8 +54,6 @@ WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
-# The twin's prefill speed, for /v1/loads' prefill busy time.
-PREFILL_US_PER_TOKEN = 20.0
 # health_generate sleeps this long before it first looks for its generation's answer.
 HEALTH_FIRST_LOOK_S = 1.0
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
@@ -851,8 +849,7 @@ class Twin:
                     kv_cache_gb=KV_CACHE_GB,
                     graph_gb=GRAPH_GB,
                     prefill_tokens=engine.prefill_tokens[rank],
-                    # The twin prefills at PREFILL_US_PER_TOKEN.
-                    prefill_busy_us=int(engine.prefill_tokens[rank] * PREFILL_US_PER_TOKEN),
+                    prefill_busy_us=int(engine.prefill_tokens[rank] * PREFILL_S_PER_TOKEN * 1e6),
                     decode_moments=list(engine.decode_moments[rank]),
                     timestamp=time.time(),
                 )

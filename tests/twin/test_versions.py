@@ -481,3 +481,34 @@ def test_v1_loads_is_that_versions_shape(version: str) -> None:
         assert (bad.status_code, bad.text) == (500, "Internal Server Error")
         # Every /v1/loads is timed, the failed one too.
         assert _total(page, "sglang:get_loads_duration_seconds_count") == 4
+
+
+def _value(page: str, name: str, **labels: str) -> float:
+    return sum(v for got, v in _samples(page, name) if labels.items() <= got.items())
+
+
+def test_scheduler_counters_move_with_the_work_it_did() -> None:
+    # What SGLang's scheduler counts per forward and per prefilled request moves with the
+    # requests: one prefill pass (no CUDA graph) per admission, a decode pass (a graph replay)
+    # per verify, prompt tokens as effective prefill input, each request's stages.
+    with _twin("0.5.23", "--accept-noise", "0") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            for tokens in (120, 80, 200):  # one after the other: admitted alone
+                c.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": tokens})
+            time.sleep(0.5)
+            page = c.get("/metrics").text
+    requests = _total(page, "sglang:num_requests_total")  # the warm-up's and these 3
+    assert requests == 4
+    assert _value(page, "sglang:cuda_graph_passes_total", mode="prefill_none") == requests
+    assert _value(page, "sglang:prefill_effective_tokens_total", mode="input") == _value(
+        page, "sglang:realtime_tokens_total", mode="prefill_compute"
+    )
+    for stage in ("request_process", "prefill_forward"):
+        assert _value(page, "sglang:per_stage_req_latency_seconds_count", stage=stage) == (
+            _total(page, "sglang:queue_time_seconds_count")
+        )
+    verifies = _total(page, "sglang:spec_verify_calls_total")
+    decode = _value(page, "sglang:cuda_graph_passes_total", mode="decode_cuda_graph")
+    assert verifies > 50
+    assert abs(decode - verifies) <= requests  # each request's last verify rounds up
