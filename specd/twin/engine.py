@@ -33,6 +33,12 @@ KV_TOKENS_PER_REQUEST = 8192
 # prefilling its prompt (per token).
 REQUEST_PROCESS_S = 0.0002
 PREFILL_S_PER_TOKEN = 20e-6
+# SGLang's NewTokenRatioTracker at its defaults (SGLANG_INIT_NEW_TOKEN_RATIO 0.7 x
+# --schedule-conservativeness 1, SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14,
+# SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600): down a step per decode batch, back up when idle.
+NEW_TOKEN_RATIO_INIT = 0.7
+NEW_TOKEN_RATIO_MIN = NEW_TOKEN_RATIO_INIT * 0.14
+NEW_TOKEN_RATIO_DECAY = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / 600
 
 
 @dataclass(eq=False)
@@ -93,8 +99,10 @@ class Engine:
         # (batches, sum of batch sizes, of step us, of squared sizes, of size x step us, and
         # tokens generated).
         self.prefill_tokens = [0] * max(state.dp_size, 1)
-        # Decode forward passes each rank has run (each a CUDA-graph replay).
+        # Decode forward passes each rank has run (each a CUDA-graph replay), and those since
+        # it was last idle (what its new-token ratio has decayed by).
         self._forwards = [0.0] * max(state.dp_size, 1)
+        self._busy_forwards = [0.0] * max(state.dp_size, 1)
         self.decode_moments = [[0.0] * 6 for _ in range(max(state.dp_size, 1))]
         self.draft_tokens = draft_tokens
         self.max_running = max_running
@@ -253,6 +261,9 @@ class Engine:
         st = self.state
         st.inc("sglang:prefill_effective_tokens_total", req.prompt_tokens, req.rank,
                (("mode", "input"),))  # fmt: skip
+        # The prefill log reports the tracker's ratio as it stands.
+        decayed = NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_DECAY * self._busy_forwards[req.rank]
+        st.set("sglang:new_token_ratio", max(decayed, NEW_TOKEN_RATIO_MIN), req.rank)
         stages = BY_NAME["sglang:per_stage_req_latency_seconds"]
         st.observe(stages, REQUEST_PROCESS_S, req.rank, (("stage", "request_process"),))
         st.observe(stages, req.prompt_tokens * PREFILL_S_PER_TOKEN, req.rank,
@@ -264,6 +275,11 @@ class Engine:
         now = self.clock()
         dt = max(0.0, now - self._last)
         self._last = now
+        # A scheduler with nothing to run resets its new-token ratio (self_check_during_idle).
+        busy = {req.rank for req in self.running} | {req.rank for req in self.waiting}
+        for rank in range(len(self._busy_forwards)):
+            if rank not in busy:
+                self._busy_forwards[rank] = 0.0
         if not self.running:
             return
         self._last_busy = now
@@ -277,6 +293,7 @@ class Engine:
             # A decode forward per verify, or per token without speculation.
             before = self._forwards[rank]
             self._forwards[rank] += verifies if verifies > 0 else gained
+            self._busy_forwards[rank] += verifies if verifies > 0 else gained
             passes = math.floor(self._forwards[rank]) - math.floor(before)
             if passes > 0:
                 self.state.inc("sglang:cuda_graph_passes_total", passes, rank,

@@ -512,3 +512,24 @@ def test_scheduler_counters_move_with_the_work_it_did() -> None:
     decode = _value(page, "sglang:cuda_graph_passes_total", mode="decode_cuda_graph")
     assert verifies > 50
     assert abs(decode - verifies) <= requests  # each request's last verify rounds up
+
+
+def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
+    # SGLang's prefill log reports its NewTokenRatioTracker: 0.7 after an idle spell, a
+    # (0.7 - 0.098) / 600 step lower per decode batch run since, never below 0.098.
+    with _twin("0.5.23", "--accept-noise", "0") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=30) as c:
+            time.sleep(0.3)
+            body = {"prompt": "p", "max_tokens": 3000, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as long:
+                lines = long.iter_lines()
+                next(lines)
+                time.sleep(1.0)  # decode batches go by
+                c.post("/v1/completions", json={"prompt": "q", "max_tokens": 2})
+                busy = _value(c.get("/metrics").text, "sglang:new_token_ratio")
+            time.sleep(0.5)
+            c.post("/v1/completions", json={"prompt": "r", "max_tokens": 2})
+            fresh = _value(c.get("/metrics").text, "sglang:new_token_ratio")
+    assert 0.098 <= busy < 0.69
+    assert fresh == pytest.approx(0.7)
