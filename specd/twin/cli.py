@@ -54,10 +54,8 @@ NOISE = Float(0, 1)
 PAD_BYTES = Int(0, 64 * 1024 * 1024)
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    # The dispatcher builds a plain parser; unknown SGLang flags must pass through it.
-    parser.__class__ = _LenientParser
-    sg = parser.add_argument_group("SGLang launch flags (same names and meaning)")
+def _sglang_flags(sg: argparse._ArgumentGroup) -> None:
+    """The SGLang launch flags the twin reads (names and meaning as SGLang's)."""
     sg.add_argument("--model-path", "--model", default="Qwen/Qwen3.5-122B-A10B")
     sg.add_argument("--served-model-name", default=None)
     sg.add_argument("--host", default="127.0.0.1")
@@ -86,6 +84,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sg.add_argument("--max-running-requests", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--enable-metrics", action="store_true")
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
+    sg.add_argument(
+        "--attn-dp-size",
+        type=COUNT,
+        default=None,
+        help="attention DP groups (SGLang 0.5.23; the old form is --dp-size N "
+        f"--enable-dp-attention; {COUNT.spec})",
+    )
     sg.add_argument("--tp-size", "--tensor-parallel-size", type=SIZE, default=1, help=SIZE.spec)
     sg.add_argument("--decode-log-interval", type=LOG_EVERY, default=40, help=LOG_EVERY.spec)
     sg.add_argument(
@@ -93,6 +98,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="report healthy without sending the warm-up request first",
     )
+
+
+def _dests() -> tuple[str, ...]:
+    parser = argparse.ArgumentParser(add_help=False)
+    group = parser.add_argument_group()
+    _sglang_flags(group)
+    return tuple(action.dest for action in group._group_actions)
+
+
+# The parsed arguments that are SGLang's own: what /server_info reports. The twin's own
+# flags (performance model, failure injection) are not SGLang's and stay out of it.
+SGLANG_DESTS: tuple[str, ...] = _dests()
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    # The dispatcher builds a plain parser; unknown SGLang flags must pass through it.
+    parser.__class__ = _LenientParser
+    _sglang_flags(parser.add_argument_group("SGLang launch flags (same names and meaning)"))
     tw = parser.add_argument_group("twin")
     tw.add_argument(
         "--sglang-version",

@@ -29,6 +29,16 @@ MAX_BATCHES_PER_ADVANCE = 100_000
 IDLE_THROUGHPUT_RESET_S = 30.0
 # KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
 KV_TOKENS_PER_REQUEST = 8192
+# What the twin's scheduler spends on a request before its decode: receiving it, and
+# prefilling its prompt (per token).
+REQUEST_PROCESS_S = 0.0002
+PREFILL_S_PER_TOKEN = 20e-6
+# SGLang's NewTokenRatioTracker at its defaults (SGLANG_INIT_NEW_TOKEN_RATIO 0.7 x
+# --schedule-conservativeness 1, SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14,
+# SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 600): down a step per decode batch, back up when idle.
+NEW_TOKEN_RATIO_INIT = 0.7
+NEW_TOKEN_RATIO_MIN = NEW_TOKEN_RATIO_INIT * 0.14
+NEW_TOKEN_RATIO_DECAY = (NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_MIN) / 600
 
 
 @dataclass(eq=False)
@@ -70,6 +80,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         controller: Controller | None = None,
         accept_lengths: dict[int, float] | None = None,
+        decode_log_interval: int = 40,
     ) -> None:
         self.table = table
         self.steps = steps  # the live tier under adaptive mode
@@ -80,6 +91,19 @@ class Engine:
         # Since the last report: verify forwards, tokens they gave, drafts accepted.
         self._window = [0.0, 0.0, 0.0]
         self._lifetime = [0.0, 0.0]  # verify forwards and their tokens since start
+        # Decode batches each rank's scheduler has run: SGLang folds its lifetime accept
+        # counts in at every --decode-log-interval-th, so none are known before the first.
+        self.decode_log_interval = decode_log_interval
+        self._decode_batches = [0.0] * max(state.dp_size, 1)
+        # Per rank, for /v1/loads: prompt tokens prefilled, and SGLang's decode moments
+        # (batches, sum of batch sizes, of step us, of squared sizes, of size x step us, and
+        # tokens generated).
+        self.prefill_tokens = [0] * max(state.dp_size, 1)
+        # Decode forward passes each rank has run (each a CUDA-graph replay), and those since
+        # it was last idle (what its new-token ratio has decayed by).
+        self._forwards = [0.0] * max(state.dp_size, 1)
+        self._busy_forwards = [0.0] * max(state.dp_size, 1)
+        self.decode_moments = [[0.0] * 6 for _ in range(max(state.dp_size, 1))]
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         # Each DP rank's scheduler admits up to its own limit (max_running is their sum,
@@ -181,9 +205,16 @@ class Engine:
         self._lifetime[0] += forwards
         self._lifetime[1] += forwards * accept
 
-    def lifetime_accept_length(self) -> float:
-        """Tokens per verify since start (SGLang's avg_spec_accept_length): the launch
-        step count's under static mode, the mix of the tiers run under adaptive mode."""
+    def lifetime_accept_length(self, rank: int = 0) -> float | None:
+        """Tokens per verify since start (SGLang's avg_spec_accept_length and /v1/loads'
+        speculative accept_length): the launch step count's under static mode, the mix of
+        the tiers run under adaptive mode. None without speculation, or before the rank's
+        first decode log (SGLang's lifetime counts are still 0 then: the warm-up's few
+        decode batches are not one)."""
+        if self.draft_tokens <= 0 and self.controller is None:
+            return None
+        if self._decode_batches[rank] < self.decode_log_interval:
+            return None
         forwards, tokens = self._lifetime
         if self.controller is None or forwards <= 0:
             return self.accept_length
@@ -195,12 +226,16 @@ class Engine:
         now = self.clock()
         ranks = max(self.state.dp_size, 1)
         if ranks == 1:
+            admitted = False
             while self.waiting and len(self.running) < self.max_running:
                 self._start(self.waiting.popleft(), now)
+                admitted = True
+            self._prefill_passes({0} if admitted else set())
             return
         per_rank = [0] * ranks
         for req in self.running:
             per_rank[req.rank] += 1
+        started: set[int] = set()
         for req in list(self.waiting):
             if min(per_rank) >= self.max_running_per_rank:
                 break
@@ -209,12 +244,30 @@ class Engine:
             self.waiting.remove(req)
             per_rank[req.rank] += 1
             self._start(req, now)
+            started.add(req.rank)
+        self._prefill_passes(started)
+
+    def _prefill_passes(self, ranks: set[int]) -> None:
+        """One prefill forward (no CUDA graph) per rank that admitted requests together."""
+        for rank in ranks:
+            self.state.inc("sglang:cuda_graph_passes_total", 1, rank, (("mode", "prefill_none"),))
 
     def _start(self, req: Request, now: float) -> None:
         req.admitted = now
         self.running.append(req)
         fam = BY_NAME["sglang:queue_time_seconds"]
         self.state.observe(fam, now - req.arrival, rank=req.rank)
+        self.prefill_tokens[req.rank] += req.prompt_tokens
+        st = self.state
+        st.inc("sglang:prefill_effective_tokens_total", req.prompt_tokens, req.rank,
+               (("mode", "input"),))  # fmt: skip
+        # The prefill log reports the tracker's ratio as it stands.
+        decayed = NEW_TOKEN_RATIO_INIT - NEW_TOKEN_RATIO_DECAY * self._busy_forwards[req.rank]
+        st.set("sglang:new_token_ratio", max(decayed, NEW_TOKEN_RATIO_MIN), req.rank)
+        stages = BY_NAME["sglang:per_stage_req_latency_seconds"]
+        st.observe(stages, REQUEST_PROCESS_S, req.rank, (("stage", "request_process"),))
+        st.observe(stages, req.prompt_tokens * PREFILL_S_PER_TOKEN, req.rank,
+                   (("stage", "prefill_forward"),))  # fmt: skip
         self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
                        (("mode", "prefill_compute"),))  # fmt: skip
 
@@ -222,10 +275,35 @@ class Engine:
         now = self.clock()
         dt = max(0.0, now - self._last)
         self._last = now
+        # A scheduler with nothing to run resets its new-token ratio (self_check_during_idle).
+        busy = {req.rank for req in self.running} | {req.rank for req in self.waiting}
+        for rank in range(len(self._busy_forwards)):
+            if rank not in busy:
+                self._busy_forwards[rank] = 0.0
         if not self.running:
             return
         self._last_busy = now
         gained, verifies = self._decode(dt)
+        # Every running request takes part in each of its rank's decode batches.
+        sizes: dict[int, int] = {}
+        for req in self.running:
+            sizes[req.rank] = sizes.get(req.rank, 0) + 1
+        for rank, size in sizes.items():
+            self._decode_batches[rank] += verifies
+            # A decode forward per verify, or per token without speculation.
+            before = self._forwards[rank]
+            self._forwards[rank] += verifies if verifies > 0 else gained
+            self._busy_forwards[rank] += verifies if verifies > 0 else gained
+            passes = math.floor(self._forwards[rank]) - math.floor(before)
+            if passes > 0:
+                self.state.inc("sglang:cuda_graph_passes_total", passes, rank,
+                               (("mode", "decode_cuda_graph"),))  # fmt: skip
+            if verifies > 0:
+                moments, step_us = self.decode_moments[rank], dt * 1e6
+                for i, value in enumerate((verifies, verifies * size, step_us,
+                                           verifies * size * size, size * step_us,
+                                           gained * size)):  # fmt: skip
+                    moments[i] += value
         done: list[Request] = []
         for req in self.running:
             before = req.emitted

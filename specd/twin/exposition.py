@@ -7,8 +7,19 @@ rank for scheduler metrics (``dp_rank`` only with several ranks).
 
 from __future__ import annotations
 
+import gzip
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from prometheus_client.exposition import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    choose_encoder,
+    generate_latest,
+    gzip_accepted,
+)
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from specd.twin.families import CACHE, PLAIN, REQ, SCHED, STARTUP, Family, Labels
@@ -48,6 +59,9 @@ class MetricState:
     model_name: str
     dp_size: int = 1
     tp_size: int = 1
+    # The DP ranks are attention-DP groups of one model (else replicas, each a server of its
+    # own with its own TP ranks counted from 0).
+    dp_attention: bool = False
     pid: int = 0
     profile: Profile = field(default_factory=lambda: profile_for(DEFAULT_VERSION))
     values: dict[Key, float] = field(default_factory=dict)
@@ -93,19 +107,32 @@ def _label_text(labels: dict[str, str]) -> str:
     return "{" + inner + "}"
 
 
-def _base_labels(state: MetricState, scope: str, rank: int) -> dict[str, str]:
+def _group_tp(state: MetricState) -> int:
+    """TP ranks per DP rank: an attention-DP group's share of the TP group, or a replica's
+    own TP group."""
+    if state.dp_attention:
+        return max(state.tp_size // max(state.dp_size, 1), 1)
+    return max(state.tp_size, 1)
+
+
+def _base_labels(state: MetricState, scope: str, rank: int, tp: int = 0) -> dict[str, str]:
+    """The labels SGLang gives DP rank ``rank``'s series (TP rank ``tp`` of it, for the
+    radix cache, whose every TP rank reports)."""
     profile = state.profile
     if scope in (REQ, STARTUP):
         if not profile.req_engine_label:
             return {"model_name": state.model_name}
         return {"engine_type": "unified", "model_name": state.model_name}
-    tp_rank = str(rank * max(state.tp_size // max(state.dp_size, 1), 1))
     if scope == SCHED:
+        # The reporting scheduler is each DP rank's first TP rank: with DP attention the
+        # ranks are slices of one TP group (tp_rank = group x its width), each replica
+        # counts its TP ranks from 0.
+        first = rank * _group_tp(state) if state.dp_attention else 0
         labels = {
             "engine_type": "unified",
             "model_name": state.model_name,
             "pp_rank": "0",
-            "tp_rank": tp_rank,
+            "tp_rank": str(first),
         }
         if profile.sched_moe_label:
             labels["moe_ep_rank"] = "0"
@@ -115,28 +142,52 @@ def _base_labels(state: MetricState, scope: str, rank: int) -> dict[str, str]:
     if scope == CACHE:
         if not profile.cache_rank_labels:
             return {}
-        return {"dp_rank": str(rank), "pp_rank": "0", "tp_rank": tp_rank}
+        # metrics_collector.radix_cache_metric_labels: the attention ranks with DP attention,
+        # else the TP rank and DP rank 0, so replicas share label sets (and add up).
+        dp_rank = rank if state.dp_attention else 0
+        return {"dp_rank": str(dp_rank), "pp_rank": "0", "tp_rank": str(tp)}
     return {}
 
 
-def _series(state: MetricState, family: Family) -> list[tuple[int, Labels]]:
-    ranked = family.scope in RANKED_SCOPES
-    if family.scope == CACHE and not state.profile.cache_rank_labels:
-        ranked = False  # one series for all ranks: multiprocess mode adds them up
-    ranks = range(state.dp_size) if ranked else (-1,)
+Series = tuple[int, Labels, dict[str, str]]
+
+
+def _series(state: MetricState, family: Family) -> list[Series]:
+    """Each series of ``family``: its value key (DP rank or -1, extra labels), its labels."""
     if family.dynamic:
         seen = sorted(
             {(r, labels) for (name, r, labels) in list(state.values) if name == family.name}
         )
-        return seen
-    out: list[tuple[int, Labels]] = []
+        return [(r, labels, _base_labels(state, family.scope, r)) for r, labels in seen]
+    if family.scope == CACHE:
+        return _cache_series(state, family)
+    ranked = family.scope in RANKED_SCOPES
+    ranks = range(state.dp_size) if ranked else (-1,)
+    out: list[Series] = []
     for rank in ranks:
         for variant in family.variants:
             key = (family.name, rank, variant)
             if family.scope in LAZY_SCOPES and key not in state.values and key not in state.hists:
                 continue
-            out.append((rank, variant))
+            out.append((rank, variant, _base_labels(state, family.scope, rank)))
     return out
+
+
+def _cache_series(state: MetricState, family: Family) -> list[Series]:
+    """The radix cache's series: every scheduler (each TP rank of each DP rank) runs its
+    own cache and collector. Before 0.5.2x they carry cache_type only, so multiprocess mode
+    adds all of them into one series; since, their rank labels set them apart, except that
+    replicas (no DP attention) all say dp_rank 0 and add up per TP rank. One value per DP
+    rank stands for all its TP ranks (they evict alike)."""
+    if not state.profile.cache_rank_labels:
+        return [(-1, variant, {}) for variant in family.variants]
+    keys = range(state.dp_size) if state.dp_attention else (-1,)
+    return [
+        (rank, variant, _base_labels(state, CACHE, rank, tp))
+        for rank in keys
+        for tp in range(_group_tp(state))
+        for variant in family.variants
+    ]
 
 
 def render(state: MetricState, families: tuple[Family, ...] | None = None) -> str:
@@ -148,8 +199,8 @@ def render(state: MetricState, families: tuple[Family, ...] | None = None) -> st
             continue
         add(f"# HELP {family.name} {family.help}")
         add(f"# TYPE {family.name} {family.type}")
-        for rank, variant in series:
-            labels = _base_labels(state, family.scope, rank)
+        for rank, variant, base in series:
+            labels = dict(base)
             labels.update(variant)
             if family.pid:
                 labels["pid"] = str(state.pid + max(rank, 0))
@@ -168,4 +219,46 @@ def render(state: MetricState, families: tuple[Family, ...] | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["PLAIN", "Hist", "MetricState", "render"]
+class _Page:
+    """A collector holding the families of one rendered page."""
+
+    def __init__(self, text: str) -> None:
+        self.families = list(text_string_to_metric_families(text))
+
+    def collect(self) -> Iterable[Any]:
+        return self.families
+
+
+def serve_page(
+    text: str, accept: str, accept_encoding: str, query: Mapping[str, Sequence[str]]
+) -> tuple[bytes, dict[str, str]]:
+    """The body and headers SGLang's /metrics answers with for ``text``: its route is
+    prometheus_client's ASGI app over a registry holding one MultiProcessCollector, so the
+    format follows the Accept header (text 1.0.0 with name escaping, else text 0.0.4),
+    Accept-Encoding: gzip compresses it, and ``name[]`` gives an empty page (the collector
+    describes no names for the registry to keep). The page is re-read into that app's
+    encoders, which give ``text`` itself back as text 0.0.4.
+
+    Not OpenMetrics: asked for it (Prometheus 2's default Accept), prometheus_client >= 0.23
+    under SGLang writes the samples' names with ``_`` for ``:`` (sglang_num_running_reqs,
+    while HELP and TYPE keep sglang:...), so the series a Prometheus 2 stores from a real
+    SGLang are not the ones specd's rules and dashboard query; the twin answers that Accept
+    with text 0.0.4, as prometheus_client < 0.23 in effect did, until they do."""
+    encoder, content_type = choose_encoder(accept)
+    if content_type.startswith("application/openmetrics-text"):
+        encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+    names = list(query.get("name[]", ()))
+    if encoder is generate_latest and not names:
+        body = text.encode()
+    else:
+        registry = CollectorRegistry()  # SGLang's: no auto-describe, a collector without
+        registry.register(_Page(text))  # describe(), as MultiProcessCollector
+        body = encoder(registry.restricted_registry(names) if names else registry)
+    headers = {"Content-Type": content_type}
+    if gzip_accepted(accept_encoding):
+        body = gzip.compress(body)
+        headers["Content-Encoding"] = "gzip"
+    return body, headers
+
+
+__all__ = ["PLAIN", "Hist", "MetricState", "render", "serve_page"]

@@ -329,6 +329,14 @@ FAMILIES: tuple[Family, ...] = (
         REQ,
         buckets=_B2,
     ),
+    # Observed at every /v1/loads (0.5.13+): present once one was served.
+    Family(
+        "sglang:get_loads_duration_seconds",
+        H,
+        "Time spent serving /v1/loads requests (seconds).",
+        REQ,
+        buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0),
+    ),
     Family(
         "sglang:prefill_effective_tokens_total",
         C,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import os
-import shlex
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 from aiohttp import web
 
@@ -33,10 +35,14 @@ from specd.twin.adaptive import (
     load_slots,
     unsupported_reason,
 )
-from specd.twin.engine import KV_TOKENS_PER_REQUEST, Engine, Request
-from specd.twin.exposition import MetricState, render
+from specd.twin.cli import SGLANG_DESTS
+from specd.twin.engine import KV_TOKENS_PER_REQUEST, PREFILL_S_PER_TOKEN, Engine, Request
+from specd.twin.exposition import MetricState, render, serve_page
+from specd.twin.families import BY_NAME
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
+from specd.twin.loads import BadInclude, RankLoad, loads_json, loads_prometheus
 from specd.twin.preset import ALPHA, PRESET_NAME, accept_length, preset_table
+from specd.twin.sglang_args import DEFAULTS
 from specd.twin.table import PerfTable, PerfTableError
 from specd.twin.versions import Profile, UnknownVersionError, profile_for
 
@@ -48,6 +54,19 @@ WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
+# health_generate sleeps this long before it first looks for its generation's answer.
+HEALTH_FIRST_LOOK_S = 1.0
+# What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
+# graphs, free memory when the pool was sized.
+WEIGHT_GB, KV_CACHE_GB, GRAPH_GB, STARTUP_FREE_GB = 61.87, 44.13, 2.32, 9.87
+CONTEXT_LEN = 262144
+# SGLang's CUDA-graph phases (model_executor.graph_memory_usage), and the twin's share of
+# capture time and memory in each: plain decode graphs without speculation, verify and
+# draft graphs with it.
+GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
+                "draft_extend")  # fmt: skip
+SPEC_GRAPH_SHARES = {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
+DECODE_GRAPH_PHASES = ("decode", "target_verify", "draft_decode", "draft_extend")
 log = logging.getLogger("specd.twin")
 WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
 
@@ -100,8 +119,44 @@ class TwinConfig:
         return candidate_union(self.adaptive_slots) if self.adaptive_slots else [self.steps]
 
 
+def _resolve_dp_layout(args: argparse.Namespace, profile: Profile) -> None:
+    """The DP layout as that version resolves it, in the twin's one form: ``dp_size`` DP
+    ranks, and ``enable_dp_attention`` whether they are attention-DP groups of one model
+    (else replicas, each a server of its own).
+
+    Before 0.5.23 (server_args._handle_data_parallelism) DP attention at ``--dp-size 1`` is
+    turned off; ``--attn-dp-size`` is not a flag yet. 0.5.23 (parallel_hook) reads
+    ``--dp-size N --enable-dp-attention`` as ``--attn-dp-size N`` with one replica, and
+    refuses replicas beside attention DP.
+    """
+    given = args.attn_dp_size
+    if not profile.attn_dp_size:
+        if given is not None:
+            # argparse's own refusal of a flag that version does not have.
+            raise TwinConfigError(f"unrecognized arguments: --attn-dp-size {given}", exit_code=2)
+        if args.dp_size == 1:
+            args.enable_dp_attention = False
+    else:
+        groups = 1 if given is None else given
+        if groups < 1:
+            raise TwinConfigError(f"ValueError: --attn-dp-size must be positive (got {groups}).")
+        if args.enable_dp_attention and groups == 1:
+            groups, args.dp_size = args.dp_size, 1
+        if groups > 1 and args.dp_size > 1:
+            raise TwinConfigError(
+                f"ValueError: --dp-size {args.dp_size} with --attn-dp-size {groups}: "
+                "data-parallel replicas combined with attention data parallelism are not "
+                "supported."
+            )
+        args.enable_dp_attention = groups > 1
+        if groups > 1:
+            args.dp_size = groups
+    # SGLang also asserts tp_size % groups == 0 with attention DP; the twin has no TP ranks
+    # to split and lets it pass (tests run DP attention at the default --tp-size 1).
+
+
 def _max_running_per_rank(
-    max_running: int | None, capacity: int | None, args: argparse.Namespace
+    max_running: int | None, capacity: int | None, args: argparse.Namespace, profile: Profile
 ) -> int:
     """Each DP rank's scheduler's max_running_requests, as SGLang sizes it.
 
@@ -109,18 +164,64 @@ def _max_running_per_rank(
     kv_cache_configurator.resolve_max_num_reqs) gives each scheduler
     ``--max-running-requests // dp_size`` with DP attention (the ranks share one model) and
     the whole argument without it (each DP replica is a server of its own); memory can
-    only lower it. The table's capacity is the whole server's (what specd reads and
-    sweeps: the ranks' sum), so each rank's memory holds its share of it.
+    only lower it. Before 0.5.23 the share may be 0 (tp_worker then fails the load);
+    0.5.23 gives each at least 1. The table's capacity is the whole server's
+    (what specd reads and sweeps: the ranks' sum), so each rank's memory holds its share of
+    it.
     """
     ranks = max(args.dp_size, 1)
     limits = []
     if max_running is not None:
-        limits.append(max_running // ranks if args.enable_dp_attention else max_running)
+        share = max_running // ranks if args.enable_dp_attention else max_running
+        limits.append(max(share, 1) if profile.attn_dp_size else share)
     if capacity is not None:
-        limits.append(capacity // ranks)
+        limits.append(max(capacity // ranks, 1))
     # No argument and no capacity in the table: 48 in all stands in for what SGLang would
     # size from memory.
-    return max(min(limits) if limits else 48 // ranks, 1)
+    return min(limits) if limits else max(48 // ranks, 1)
+
+
+def _given_arguments(words: list[str], known: Mapping[str, Any]) -> dict[str, Any]:
+    """The values of the SGLang flags the twin does not model (``--context-length 8192``,
+    ``--trust-remote-code``), for the arguments of that version among ``known``, typed
+    like their defaults (a number for a flag whose default is unset)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if not word.startswith("--"):
+            continue
+        name, eq, text = word[2:].partition("=")
+        key = name.replace("-", "_")
+        if not eq and i < len(words) and not words[i].startswith("--"):
+            text, eq = words[i], "="
+            i += 1
+        if key not in known:
+            continue
+        default = known[key]
+        if not eq:
+            out[key] = True
+        elif isinstance(default, bool):
+            out[key] = text.lower() in ("1", "true", "yes")
+        else:
+            out[key] = _typed(text, default)
+    return out
+
+
+def _typed(text: str, default: Any) -> Any:
+    for kind in (int, float):
+        if default is None or isinstance(default, kind):
+            with contextlib.suppress(ValueError):
+                return kind(text)
+    return text
+
+
+def _launch_command(argv: list[str]) -> str:
+    """How the server was asked to run, as 0.5.2x's /server_info says it: the launch's
+    arguments (``sys.argv[1:]`` of ``sglang.launch_server``) joined by spaces."""
+    start = next((i for i, word in enumerate(argv) if word.startswith("-")), len(argv))
+    return " ".join(argv[start:])
 
 
 def _accept(table: PerfTable, steps: int) -> float:
@@ -162,6 +263,7 @@ def resolve(
             raise TwinConfigError(f"--{name.replace('_', '-')} out of range: {getattr(args, name)}")
     if args.port > 65535:
         raise TwinConfigError(f"--port out of range: {args.port}")
+    _resolve_dp_layout(args, profile)
     try:
         failing = fail_settings(args.fail_setting, os.environ if env is None else env)
     except ValueError as exc:
@@ -172,6 +274,9 @@ def resolve(
     if adaptive_words and rules is None:
         # Before 0.5.11 SGLang's argparse does not know the flags.
         raise TwinConfigError(f"unrecognized arguments: {' '.join(adaptive_words)}", exit_code=2)
+
+    if args.enable_multi_layer_eagle and "enable_multi_layer_eagle" in profile.lacks_args:
+        raise TwinConfigError("unrecognized arguments: --enable-multi-layer-eagle", exit_code=2)
 
     algorithm = args.speculative_algorithm.upper() if args.speculative_algorithm else None
     if algorithm is not None and algorithm not in EAGLE_FAMILY:
@@ -274,7 +379,10 @@ def resolve(
     capacity = table.capacity(max(run_steps))
     if max_running is not None and max_running < 1:
         raise TwinConfigError(f"--max-running-requests must be >= 1, got {max_running}")
-    per_rank = _max_running_per_rank(max_running, capacity, args)
+    per_rank = _max_running_per_rank(max_running, capacity, args, profile)
+    if per_rank < 1 and load_error is None:
+        # tp_worker's check once the weights are in: the scheduler dies, and the server.
+        load_error = "AssertionError: max_running_request is zero"
     if slots is not None and rules is not None:
         # Tuning values SGLang would only trip over at run time are refused up front.
         try:
@@ -311,7 +419,7 @@ def resolve(
         max_running_per_rank=per_rank,
         accept_length=_accept(table, resolved_steps),
         model_name=args.served_model_name or args.model_path,
-        launch_command=shlex.join([sys.executable, *argv]),
+        launch_command=_launch_command(argv),
         profile=profile,
         warnings=warnings,
         adaptive_slots=slots,
@@ -334,6 +442,7 @@ class Twin:
             model_name=config.model_name,
             dp_size=self.args.dp_size,
             tp_size=self.args.tp_size,
+            dp_attention=self.args.enable_dp_attention,
             pid=os.getpid(),
             profile=config.profile,
         )
@@ -348,6 +457,7 @@ class Twin:
             seed=self.args.seed,
             controller=self._controller(),
             accept_lengths=config.accept_lengths,
+            decode_log_interval=self.args.decode_log_interval,
         )
         self._init_metrics()
 
@@ -359,29 +469,32 @@ class Twin:
         per_rank = cfg.max_running_per_rank
         return Controller(cfg.steps, cfg.adaptive_slots, rules, cuda_graph_batch_sizes(per_rank))
 
+    def graph_shares(self) -> dict[str, float]:
+        shares = SPEC_GRAPH_SHARES if self.config.algorithm is not None else {"decode": 1.0}
+        return {phase: shares.get(phase, 0.0) for phase in GRAPH_PHASES}
+
+    def startup_time(self) -> dict[str, Any]:
+        """The scheduler's startup durations by phase (SGLang's build_scheduler_startup_time:
+        what /server_info and sglang:startup_*_seconds report)."""
+        a, cfg = self.args, self.config
+        graphs = cfg.graph_set_s * cfg.graph_sets
+        return {
+            "load_weight": a.load_time_s * 0.6,
+            "kv_cache_allocation": a.load_time_s * 0.05,
+            "scheduler_e2e": cfg.load_s * 0.95,
+            "cuda_graph": {phase: graphs * share for phase, share in self.graph_shares().items()},
+        }
+
     def _init_metrics(self) -> None:
         st, a, cfg = self.state, self.args, self.config
         weights = a.load_time_s
         load = cfg.load_s
-        for phase, value in (
-            ("load_weight", weights * 0.6),
-            ("kv_cache_allocation", weights * 0.05),
-            ("scheduler_e2e", load * 0.95),
-            ("tokenizer_e2e", load),
-        ):
-            st.set("sglang:startup_time_seconds", value, -1, (("phase", phase),))
-        # One graph set per step count the server may run: plain decode without
-        # speculation, verify and draft graphs with it.
-        graphs = cfg.graph_set_s * cfg.graph_sets
-        shares = (
-            {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
-            if cfg.algorithm is not None
-            else {"decode": 1.0}
-        )
-        for phase in ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode",
-                      "draft_extend"):  # fmt: skip
-            st.set("sglang:startup_cuda_graph_time_seconds", graphs * shares.get(phase, 0.0),
-                   -1, (("phase", phase),))  # fmt: skip
+        startup = self.startup_time()
+        for phase in ("load_weight", "kv_cache_allocation", "scheduler_e2e"):
+            st.set("sglang:startup_time_seconds", startup[phase], -1, (("phase", phase),))
+        st.set("sglang:startup_time_seconds", load, -1, (("phase", "tokenizer_e2e"),))
+        for phase, seconds in startup["cuda_graph"].items():
+            st.set("sglang:startup_cuda_graph_time_seconds", seconds, -1, (("phase", phase),))
         per_rank = self.config.max_running_per_rank
         for rank in range(a.dp_size):
             total = float(per_rank * KV_TOKENS_PER_REQUEST)
@@ -389,10 +502,13 @@ class Twin:
             st.set("sglang:num_pages", total, rank)
             st.set("sglang:kv_available_tokens", total, rank)
             st.set("sglang:page_size", 1.0, rank)
-            st.set("sglang:context_len", 262144.0, rank)
-            st.set("sglang:weight_memory_usage_gb", 61.87, rank)
-            st.set("sglang:kv_cache_memory_usage_gb", 44.13, rank)
-            st.set("sglang:startup_available_gpu_memory_gb", 9.87, rank)
+            st.set("sglang:context_len", float(CONTEXT_LEN), rank)
+            st.set("sglang:weight_memory_usage_gb", WEIGHT_GB, rank)
+            st.set("sglang:kv_cache_memory_usage_gb", KV_CACHE_GB, rank)
+            st.set("sglang:startup_available_gpu_memory_gb", STARTUP_FREE_GB, rank)
+            for phase, share in self.graph_shares().items():
+                st.set("sglang:graph_memory_usage_gb", GRAPH_GB * share, rank,
+                       (("phase", phase),))  # fmt: skip
             # Before 0.5.18: two gauges instead of startup_time_seconds{phase}.
             st.set("sglang:engine_startup_time", load * 0.95, rank)
             st.set("sglang:engine_load_weights_time", weights * 0.6, rank)
@@ -415,11 +531,13 @@ class Twin:
     async def middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        endpoint = (
-            request.match_info.route.resource.canonical
-            if request.match_info.route.resource
-            else "other"
+        resource = request.match_info.route.resource
+        # The route's path, else (no route, or not this method) the path asked for, as
+        # SGLang's HTTP middleware labels it.
+        handled = resource is not None and not isinstance(
+            request.match_info.http_exception, web.HTTPMethodNotAllowed
         )
+        endpoint = resource.canonical if handled and resource is not None else request.path
         labels = (("endpoint", endpoint), ("method", request.method))
         self.state.inc("sglang:http_requests_total", 1, -1, labels)
         self.state.inc("sglang:http_requests_active", 1, -1, labels)
@@ -427,7 +545,17 @@ class Twin:
         try:
             if self.args.slow_s > 0:
                 await asyncio.sleep(self.args.slow_s)
-            response = await handler(request)
+            try:
+                response = await handler(request)
+            except web.HTTPNotFound:
+                # FastAPI's own answer for a path no route has.
+                response = web.json_response({"detail": "Not Found"}, status=404)
+            except web.HTTPMethodNotAllowed as exc:
+                response = web.json_response(
+                    {"detail": "Method Not Allowed"},
+                    status=405,
+                    headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
+                )
             status = response.status
             return response
         except web.HTTPException as exc:
@@ -443,67 +571,98 @@ class Twin:
         app = web.Application(middlewares=[self.middleware])
         r = app.router
         profile = self.config.profile
-        r.add_get("/health", self.health)
-        r.add_get("/health_generate", self.health)
+        # FastAPI routes: GET ones do not answer HEAD.
+        get: Callable[..., Any] = functools.partial(r.add_get, allow_head=False)
+        get("/health", self.health)
+        get("/health_generate", self.health)
         if profile.ready:
-            r.add_get("/ready", self.ready)
-        r.add_get("/metrics", self.metrics)
+            get("/ready", self.ready)
+        if self.args.enable_metrics and not self.args.metrics_404:
+            # A mounted ASGI app: it answers every method.
+            r.add_route("*", "/metrics", self.metrics)
         if profile.server_info:
-            r.add_get("/server_info", self.server_info)
-        r.add_get("/get_server_info", self.server_info)
+            get("/server_info", self.server_info)
+        get("/get_server_info", self.server_info)
         if profile.model_info:
-            r.add_get("/model_info", self.model_info)
-        r.add_get("/get_model_info", self.model_info)
-        r.add_route("*", "/freeze_gc", self.freeze_gc)
-        r.add_get("/v1/models", self.models)
+            get("/model_info", self.model_info)
+        get("/get_model_info", self.model_info)
+        get("/freeze_gc", self.freeze_gc)
+        r.add_post("/freeze_gc", self.freeze_gc)
+        get("/v1/models", self.models)
         if profile.v1_loads:
-            r.add_get("/v1/loads", self.loads)
+            get("/v1/loads", self.loads)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat_completions)
         r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.phase != "ready" or self.args.never_healthy:
+        """SGLang's health_generate (both paths): 503 at once while starting or draining;
+        else it sends a 1-token generation and, a second later and every second after, looks
+        whether anything came back since (the twin's always has), so 200 takes >= 1 s."""
+        if self.phase != "ready":
             return web.Response(status=503)
+        if request.path == "/health" and not self._health_generates():
+            return web.Response(status=200)
+        if self.args.never_healthy:
+            return web.Response(status=503)
+        await asyncio.sleep(HEALTH_FIRST_LOOK_S)
         return web.Response(status=200)
 
+    def _health_generates(self) -> bool:
+        """Whether /health runs the generation too: always before 0.5.11, since unless
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false."""
+        if not self.config.profile.health_generation_env:
+            return True
+        value = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
+        return value.lower() not in ("false", "0", "no", "n")
+
     async def ready(self, request: web.Request) -> web.Response:
-        return await self.health(request)
+        # /ready (0.5.20+): up and not shutting down, answered at once, no generation.
+        healthy = self.phase == "ready" and not self.args.never_healthy
+        return web.Response(status=200 if healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if not self.args.enable_metrics or self.args.metrics_404:
-            return web.Response(status=404, text="Not Found")
         ctype = "text/plain; version=0.0.4; charset=utf-8"
         if self.args.garbage_metrics:
-            body = 'sglang:num_running_reqs{engine_type="unified" 3\n# TYPE broken\n\x00garbage'
-            return web.Response(body=body.encode(), headers={"Content-Type": ctype})
+            garbage = 'sglang:num_running_reqs{engine_type="unified" 3\n# TYPE broken\n\x00garbage'
+            return web.Response(body=garbage.encode(), headers={"Content-Type": ctype})
         self.engine.advance()
         text = render(self.state)
         pad = self.args.metrics_pad_bytes
         if pad > 0:
             text = _padding(pad) + text
-        return web.Response(body=text.encode(), headers={"Content-Type": ctype})
-
-    def server_info_dict(self) -> dict[str, Any]:
-        a, cfg = self.args, self.config
-        info: dict[str, Any] = {
-            k: v for k, v in vars(a).items() if k not in ("ignored_args",) and not callable(v)
-        }
-        info.update(
-            model_path=a.model_path,
-            served_model_name=cfg.model_name,
-            speculative_algorithm=cfg.algorithm,
-            speculative_num_steps=a.speculative_num_steps,
-            speculative_eagle_topk=a.speculative_eagle_topk,
-            speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-            speculative_adaptive=cfg.adaptive,
-            speculative_adaptive_config=a.speculative_adaptive_config,
-            max_running_requests=a.max_running_requests,
-            launch_command=cfg.launch_command,
-            max_total_num_tokens=int(self.state.get("sglang:max_total_num_tokens", 0)),
-            version=cfg.profile.version,
+        body, headers = serve_page(
+            text,
+            ",".join(request.headers.getall("Accept", [])),
+            ",".join(request.headers.getall("Accept-Encoding", [])),
+            parse_qs(request.query_string),
         )
+        return web.Response(body=body, headers=headers)
+
+    def server_arguments(self) -> dict[str, Any]:
+        """The server arguments as this SGLang resolved them: /server_info's top level and
+        the start of each internal state."""
+        a, cfg = self.args, self.config
+        # That version's arguments at their defaults, then those given: the twin's own
+        # (as the twin resolved them), and the SGLang flags it does not model.
+        info: dict[str, Any] = dict(DEFAULTS[cfg.profile.version])
+        info.update(_given_arguments(a.ignored_args, info))
+        info.update({k: v for k, v in vars(a).items() if k in SGLANG_DESTS and k in info})
+        resolved = {
+            "model_path": a.model_path,
+            "tokenizer_path": info.get("tokenizer_path") or a.model_path,
+            "served_model_name": cfg.model_name,
+            "speculative_algorithm": cfg.algorithm,
+            "speculative_num_steps": a.speculative_num_steps,
+            "speculative_eagle_topk": a.speculative_eagle_topk,
+            "speculative_num_draft_tokens": a.speculative_num_draft_tokens,
+            "speculative_adaptive": cfg.adaptive,
+            "speculative_adaptive_config": a.speculative_adaptive_config,
+            "max_running_requests": a.max_running_requests,
+        }
+        info.update({k: v for k, v in resolved.items() if k in info})
         if cfg.profile.attn_dp_size:
             # 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` into
             # `--attn-dp-size N` with dp_size 1 (parallel_hook), and reports
@@ -514,33 +673,99 @@ class Twin:
                 attn_dp_size=attn,
                 enable_dp_attention=attn > 1,
             )
-        per_dp = cfg.max_running_per_rank
-        info["internal_states"] = [
-            {
-                "effective_max_running_requests_per_dp": per_dp,
-                "last_gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                "avg_spec_accept_length": self.engine.lifetime_accept_length(),
-                "memory_usage": {"weight": 61.87, "kvcache": 44.13, "graph": 2.32},
+        return info
+
+    def _scheduler_pids(self) -> list[int]:
+        """The scheduler processes the DP controller started: every TP rank of every DP
+        rank; each DP rank's first is the pid its metrics carry."""
+        ranks, tp = self.args.dp_size, max(self.args.tp_size, 1)
+        per_rank = max(tp // ranks, 1) if self.args.enable_dp_attention else tp
+        pid = self.state.pid
+        others = iter(range(pid + ranks, pid + ranks * per_rank))
+        return [pid + k if t == 0 else next(others) for k in range(ranks) for t in range(per_rank)]
+
+    def internal_state(self, rank: int, arguments: dict[str, Any]) -> dict[str, Any]:
+        """What DP rank ``rank``'s scheduler answers to get_internal_state: its server
+        arguments (a copy of the launch's) plus its own figures, per version."""
+        cfg = self.config
+        state = dict(arguments)
+        total = int(self.state.get("sglang:max_total_num_tokens", rank))
+        graphs = {phase: GRAPH_GB * share for phase, share in self.graph_shares().items()}
+        throughput = self.state.get("sglang:gen_throughput", rank)
+        if cfg.profile.resolved_server_info:
+            # internal_state.SchedulerInternalStateController.get_internal_state.
+            a = self.args
+            replicas = 1 if a.enable_dp_attention else a.dp_size
+            state["world_size"] = replicas * max(a.tp_size, 1)
+            state["startup_time"] = self.startup_time()
+            state["effective_max_running_requests_per_dp"] = cfg.max_running_per_rank
+            state["last_gen_throughput"] = throughput
+            state["memory_usage"] = {
+                "weight": round(WEIGHT_GB, 3),
+                "kvcache": round(KV_CACHE_GB, 3),
+                "startup_available": round(STARTUP_FREE_GB, 3),
+                "token_capacity": total,
+                "token_capacity_swa": None,
+                "graph": {phase: round(gb, 3) for phase, gb in graphs.items()},
             }
-            for rank in range(a.dp_size)
+            state["disaggregation_mode"] = "null"
+            state["decode_cuda_graph_bs"] = cuda_graph_batch_sizes(cfg.max_running_per_rank)
+            state["decode_cuda_graph_memory_gb"] = round(
+                sum(graphs[phase] for phase in DECODE_GRAPH_PHASES), 3
+            )
+        else:
+            # scheduler.get_internal_state: vars(server_args) and the scheduler's figures;
+            # the limit memory sizing left it with since 0.5.8.
+            state["last_gen_throughput"] = throughput
+            state["memory_usage"] = {
+                "weight": round(WEIGHT_GB, 2),
+                "kvcache": round(KV_CACHE_GB, 2),
+                "token_capacity": total,
+                "graph": round(GRAPH_GB, 2),
+            }
+            if cfg.profile.effective_capacity:
+                state["effective_max_running_requests_per_dp"] = cfg.max_running_per_rank
+        # Only with speculation, once a decode log has counted its verify steps.
+        accept = self.engine.lifetime_accept_length(rank)
+        if accept is not None:
+            state["avg_spec_accept_length"] = accept
+        return state
+
+    def server_info_dict(self) -> dict[str, Any]:
+        """/server_info (/get_server_info), as that version's http_server builds it."""
+        a, cfg = self.args, self.config
+        profile = cfg.profile
+        arguments = self.server_arguments()
+        info: dict[str, Any] = dict(arguments)
+        if profile.resolved_server_info:
+            info["launch_command"] = cfg.launch_command
+        total = int(self.state.get("sglang:max_total_num_tokens", 0))
+        # The scheduler's (or DP controller's) ready message.
+        info["status"] = "ready"
+        info["max_total_num_tokens"] = total
+        info["max_req_input_len"] = min(CONTEXT_LEN - 1, total - 1) - 5
+        if profile.resolved_server_info:
+            # The tokenizer's startup times (the schedulers', its own end to end added)
+            # stand where the ready message's are.
+            info["startup_time"] = {**self.startup_time(), "tokenizer_e2e": cfg.load_s}
+            info["hicache_object_layout"] = {
+                "enabled": False,
+                "backend": None,
+                "page_size": 1,
+                "hicache_object_layout": {"pools": []},
+                "reason": "Hierarchical cache is disabled",
+            }
+            if a.dp_size > 1:
+                info["scheduler_pids"] = self._scheduler_pids()
+            info["kv_events"] = None
+        info["internal_states"] = [
+            self.internal_state(rank, arguments) for rank in range(a.dp_size)
         ]
-        if cfg.algorithm is None:
-            # SGLang (internal_state._add_speculative) adds no accept length without speculation.
-            for st in info["internal_states"]:
-                del st["avg_spec_accept_length"]
-        if not cfg.profile.effective_capacity:
-            # Before 0.5.11 an internal state is the scheduler's server arguments plus its
-            # figures; the limit memory sizing left it with is not among them.
-            args_now = {k: v for k, v in info.items() if k != "internal_states"}
-            info["internal_states"] = [
-                {**args_now, **{k: v for k, v in st.items()
-                                if k != "effective_max_running_requests_per_dp"}}
-                for st in info["internal_states"]
-            ]  # fmt: skip
-        if cfg.profile.adaptive is None:
-            # Before 0.5.11 the server arguments have no adaptive fields.
-            info.pop("speculative_adaptive", None)
-            info.pop("speculative_adaptive_config", None)
+        info["version"] = profile.version
+        if profile.resolved_server_info:
+            info["frontend"] = "python"
+        elif profile.kv_events:
+            info["kv_events"] = None
         for name in a.server_info_missing:
             info.pop(name, None)
         return info
@@ -548,57 +773,128 @@ class Twin:
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(self.server_info_dict())
 
+    def model_info_dict(self) -> dict[str, Any]:
+        """/model_info (/get_model_info), as that version's http_server builds it."""
+        arguments = self.server_arguments()
+        profile = self.config.profile
+        info: dict[str, Any] = {"model_path": self.args.model_path}
+        if profile.resolved_server_info:
+            info["served_model_name"] = self.config.model_name
+        info.update(
+            tokenizer_path=arguments["tokenizer_path"],
+            is_generation=True,
+            preferred_sampling_params=arguments["preferred_sampling_params"],
+            weight_version=arguments["weight_version"],
+        )
+        if profile.resolved_server_info:
+            for name in ("load_format", "reasoning_parser", "tool_call_parser",
+                         "disaggregation_mode"):  # fmt: skip
+                info[name] = arguments[name]
+        if profile.model_info:
+            # The model's own config (Qwen3.5's, a multimodal MoE), since 0.5.11.
+            info.update(
+                has_image_understanding=True,
+                has_audio_understanding=False,
+                model_type="qwen3_5_moe",
+                architectures=["Qwen3_5MoeForConditionalGeneration"],
+            )
+        return info
+
     async def model_info(self, request: web.Request) -> web.Response:
         # Answered while warming up too: SGLang's warm-up waits for exactly this.
-        return web.json_response(
-            {
-                "model_path": self.args.model_path,
-                "tokenizer_path": self.args.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-            }
-        )
+        return web.json_response(self.model_info_dict())
 
     async def freeze_gc(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        return web.Response(status=200, text="Garbage collection frozen.\n")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.model_name,
-                        "object": "model",
-                        "created": int(self.started),
-                        "owned_by": "sglang",
-                        "root": self.config.model_name,
-                        "max_model_len": 262144,
-                    }
-                ],
-            }
-        )
+        # A ModelCard made per request: created is now.
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": self.config.model_name,
+            "parent": None,
+            "max_model_len": CONTEXT_LEN,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    def rank_loads(self) -> list[RankLoad]:
+        """Each DP rank's scheduler's load figures (its load_inquirer's)."""
+        engine, st = self.engine, self.state
+        engine.advance()
+        ranks = self.args.dp_size
+        out = []
+        for rank in range(ranks):
+            running = [r for r in engine.running if r.rank == rank]
+            waiting = [r for r in engine.waiting if r.rank == rank]
+            out.append(
+                RankLoad(
+                    dp_rank=rank if ranks > 1 else None,
+                    running=len(running),
+                    waiting=len(waiting),
+                    used_tokens=sum(r.prompt_tokens + r.emitted for r in running),
+                    waiting_tokens=sum(r.prompt_tokens for r in waiting),
+                    max_total_num_tokens=int(st.get("sglang:max_total_num_tokens", rank)),
+                    # The rank's scheduler's own limit, as internal_states report it.
+                    max_running_requests=self.config.max_running_per_rank,
+                    token_usage=st.get("sglang:token_usage", rank),
+                    gen_throughput=st.get("sglang:gen_throughput", rank),
+                    utilization=st.get("sglang:utilization", rank),
+                    # None until a decode log has counted verify steps.
+                    accept_length=engine.lifetime_accept_length(rank),
+                    accept_rate=st.get("sglang:spec_accept_rate", rank),
+                    weight_gb=WEIGHT_GB,
+                    kv_cache_gb=KV_CACHE_GB,
+                    graph_gb=GRAPH_GB,
+                    prefill_tokens=engine.prefill_tokens[rank],
+                    prefill_busy_us=int(engine.prefill_tokens[rank] * PREFILL_S_PER_TOKEN * 1e6),
+                    decode_moments=list(engine.decode_moments[rank]),
+                    timestamp=time.time(),
+                )
+            )
+        return out
 
     async def loads(self, request: web.Request) -> web.Response:
-        self.engine.advance()
-        loads = []
-        for rank in range(self.args.dp_size):
-            loads.append(
-                {
-                    "dp_rank": rank,
-                    "num_running_reqs": sum(1 for r in self.engine.running if r.rank == rank),
-                    "num_waiting_reqs": sum(1 for r in self.engine.waiting if r.rank == rank),
-                    # The rank's scheduler's own limit (load_inquirer), as per_dp above.
-                    "max_running_requests": self.config.max_running_per_rank,
-                    "token_usage": self.state.get("sglang:token_usage", rank),
-                    "gen_throughput": self.state.get("sglang:gen_throughput", rank),
-                    "speculative": {"accept_length": self.engine.lifetime_accept_length()}
-                    if self.config.steps > 0
-                    else None,
-                }
+        """/v1/loads (0.5.8+), as that version answers it (specd.twin.loads)."""
+        start = time.perf_counter()
+        try:
+            return self._loads(request)
+        finally:
+            if self.config.profile.has_family("sglang:get_loads_duration_seconds"):
+                self.state.observe(
+                    BY_NAME["sglang:get_loads_duration_seconds"],
+                    time.perf_counter() - start,
+                    -1,
+                )
+
+    def _loads(self, request: web.Request) -> web.Response:
+        version = self.config.profile.version
+        query = request.query
+        include = {s.strip() for s in query["include"].split(",")} if "include" in query else None
+        ranks = self.rank_loads()
+        if "dp_rank" in query:
+            try:
+                wanted = int(query["dp_rank"])
+            except ValueError:
+                return web.json_response(_bad_request("dp_rank: not a valid integer"), status=400)
+            ranks = [load for load in ranks if (load.dp_rank or 0) == wanted]
+            if version == "0.5.11":  # filtered on the scheduler's dp_rank, None without DP
+                ranks = [load for load in ranks if load.dp_rank == wanted]
+        try:
+            if query.get("format") == "prometheus":
+                text = loads_prometheus(ranks, version, include)
+                ctype = "text/plain; version=0.0.4; charset=utf-8"
+                return web.Response(body=text.encode(), headers={"Content-Type": ctype})
+            tp, ranks_n = max(self.args.tp_size, 1), max(self.args.dp_size, 1)
+            accelerators = tp // ranks_n if self.args.enable_dp_attention else tp
+            return web.json_response(
+                loads_json(ranks, version, include, accelerators=max(accelerators, 1))
             )
-        return web.json_response({"loads": loads})
+        except BadInclude:
+            # Raised past the endpoint's own handling: Starlette's 500.
+            return web.Response(status=500, text="Internal Server Error")
 
     # -- generation ------------------------------------------------------------------
 
@@ -607,12 +903,12 @@ class Twin:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": "request body is not valid JSON"}}),
+                text=json.dumps(_bad_request("request body is not valid JSON")),
                 content_type="application/json",
             ) from None
         if not isinstance(body, dict):
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": "request body must be a JSON object"}}),
+                text=json.dumps(_bad_request("request body must be a JSON object")),
                 content_type="application/json",
             )
         return body
@@ -623,7 +919,7 @@ class Twin:
             raw = DEFAULT_MAX_TOKENS
         if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
             raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": f"{max_key} must be a positive integer"}}),
+                text=json.dumps(_bad_request(f"{max_key} must be a positive integer")),
                 content_type="application/json",
             )
         prompt_tokens = max(1, len(prompt_text.split()))
@@ -843,6 +1139,13 @@ class Twin:
         while True:
             await asyncio.sleep(interval)
             self.engine.report()
+
+
+def _bad_request(message: str) -> dict[str, Any]:
+    """SGLang's ErrorResponse for a request it cannot validate (its RequestValidationError
+    handler: 400, "Bad Request")."""
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None,
+            "code": 400}  # fmt: skip
 
 
 def _self_url(host: str, port: int) -> str:

@@ -45,7 +45,8 @@ class Profile:
     # spec_accept_rate = accepted drafts / proposed drafts (0.5.11+); before: L / draft tokens.
     accept_rate_of_drafts: bool
     # /server_info's internal states carry effective_max_running_requests_per_dp (0.5.8+;
-    # of the versions here, 0.5.11+).
+    # of the versions here, 0.5.11+). Every version's internal state is the scheduler's
+    # server arguments plus its own figures.
     effective_capacity: bool
     # /server_info since 0.5.6 (/get_server_info stays as the old alias).
     server_info: bool
@@ -61,10 +62,26 @@ class Profile:
     # --attn-dp-size replaces `--dp-size N --enable-dp-attention`, which /server_info shows
     # as attn_dp_size N, dp_size 1 (0.5.23; 0.5.13 has no attn_dp_size).
     attn_dp_size: bool = False
+    # /server_info as 0.5.2x builds it (utils.build_server_info, the scheduler's
+    # SchedulerInternalStateController): launch_command, startup_time and frontend at the
+    # top, and in each internal state the scheduler's world size, startup times, memory by
+    # CUDA-graph phase and decode graph sizes.
+    resolved_server_info: bool = False
+    # /server_info's kv_events (0.5.13+; null while KV events are off).
+    kv_events: bool = False
+    # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false makes /health answer without a
+    # generation (0.5.11+; of the versions here).
+    health_generation_env: bool = True
+    # Server arguments of the twin's that this version does not have yet: argparse refuses
+    # the flag, /server_info has no such field.
+    lacks_args: frozenset[str] = frozenset({"attn_dp_size"})
 
     @cached_property
     def by_name(self) -> dict[str, Family]:
         return {f.name: f for f in self.families}
+
+    def has_family(self, name: str) -> bool:
+        return name in self.by_name
 
     @property
     def names(self) -> frozenset[str]:
@@ -145,6 +162,7 @@ _AFTER_0_5_13 = frozenset(
 )
 # Added between 0.5.11 and 0.5.13.
 _AFTER_0_5_11 = _AFTER_0_5_13 | {
+    "sglang:get_loads_duration_seconds",
     "sglang:uncached_prompt_tokens_histogram",
     "sglang:swa_available_tokens",
     "sglang:swa_evictable_tokens",
@@ -290,6 +308,15 @@ PROFILES: dict[str, Profile] = {
         ready=False,
         v1_loads=False,
         freeze_gc_after_warmup=False,
+        health_generation_env=False,
+        lacks_args=frozenset(
+            {
+                "speculative_adaptive",
+                "speculative_adaptive_config",
+                "enable_multi_layer_eagle",
+                "attn_dp_size",
+            }
+        ),
     ),
     "0.5.11": Profile(
         version="0.5.11",
@@ -337,6 +364,7 @@ PROFILES: dict[str, Profile] = {
         v1_loads=True,
         freeze_gc_after_warmup=False,
         adaptive=ADAPTIVE_SLOTS,
+        kv_events=True,
     ),
     "0.5.23": Profile(
         version="0.5.23",
@@ -355,6 +383,9 @@ PROFILES: dict[str, Profile] = {
         freeze_gc_after_warmup=True,
         adaptive=ADAPTIVE_SLOTS_ZERO,
         attn_dp_size=True,
+        resolved_server_info=True,
+        kv_events=True,
+        lacks_args=frozenset(),
     ),
 }
 VERSIONS = tuple(PROFILES)

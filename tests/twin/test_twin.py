@@ -24,7 +24,7 @@ from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.preset import preset_table
 from specd.twin.process import TwinProcess, free_port, stop_process
-from specd.twin.server import TwinConfigError, resolve
+from specd.twin.server import Twin, TwinConfigError, resolve
 
 REAL_PAGE = Path(__file__).parents[1] / "fixtures" / "twin" / "sglang-0.5.23-metrics-loaded.prom"
 FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
@@ -417,7 +417,8 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
         while time.monotonic() < deadline:
             try:
                 url = twin.url + "/health_generate"
-                code = httpx.get(url, timeout=1, verify=verifying_context()).status_code
+                # SGLang answers a healthy server's probe after >= 1 s: not within 1 s.
+                code = httpx.get(url, timeout=5, verify=verifying_context()).status_code
                 state = str(code)
             except httpx.HTTPError:
                 state = "closed"
@@ -561,6 +562,8 @@ def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
 def test_server_info_accept_length_only_with_speculation(argv: list[str], has_accept: bool) -> None:
     with TwinProcess([*argv, *FAST]) as twin:
         twin.wait_healthy()
+        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 400}, timeout=20)
+        time.sleep(0.5)  # a decode log
         states = httpx.get(twin.url + "/server_info", timeout=10).json()["internal_states"]
         assert ("avg_spec_accept_length" in states[0]) is has_accept
 
@@ -640,3 +643,198 @@ def test_dp_ranks_run_what_sglang_gives_them_and_specd_reads_it(
             load.wait(10)
     assert max(seen) == sum(shares), seen  # full, and never past it
     assert capacities == {sum(shares)}  # what specd learns the server holds
+
+
+# How each version lays out DP ranks (server_args._handle_data_parallelism before 0.5.23,
+# parallel_hook in 0.5.23): (version, flags, DP ranks, attention DP, /server_info's
+# dp_size, attn_dp_size, enable_dp_attention).
+DP_LAYOUTS: list[Any] = [
+    pytest.param("0.5.23", ["--attn-dp-size", "2"], 2, True, (1, 2, True), id="0.5.23-attn"),
+    pytest.param(
+        "0.5.23",
+        ["--attn-dp-size", "2", "--enable-dp-attention"],
+        2,
+        True,
+        (1, 2, True),
+        id="0.5.23-attn-and-old-flag",
+    ),
+    pytest.param(
+        "0.5.23",
+        ["--dp-size", "2", "--enable-dp-attention"],
+        2,
+        True,
+        (1, 2, True),
+        id="0.5.23-old",
+    ),
+    pytest.param("0.5.23", ["--enable-dp-attention"], 1, False, (1, 1, False), id="0.5.23-dp1"),
+    pytest.param("0.5.23", ["--dp-size", "2"], 2, False, (2, 1, False), id="0.5.23-replicas"),
+    # Before 0.5.23 DP attention at --dp-size 1 is turned off (and /server_info says so).
+    pytest.param("0.5.13", ["--enable-dp-attention"], 1, False, (1, None, False), id="0.5.13-dp1"),
+    pytest.param(
+        "0.5.4",
+        ["--dp-size", "2", "--enable-dp-attention"],
+        2,
+        True,
+        (2, None, True),
+        id="0.5.4-attn",
+    ),
+]
+
+
+@pytest.mark.parametrize(("version", "flags", "ranks", "attention", "shown"), DP_LAYOUTS)
+def test_dp_layout_as_each_version_resolves_it(
+    version: str,
+    flags: list[str],
+    ranks: int,
+    attention: bool,
+    shown: tuple[int, int | None, bool],
+) -> None:
+    cfg = resolve(_parse([*SPEC4, "--tp-size", "4", "--sglang-version", version, *flags]))
+    assert (cfg.args.dp_size, cfg.args.enable_dp_attention) == (ranks, attention)
+    assert cfg.load_error is None
+    info = Twin(cfg).server_info_dict()
+    assert (info["dp_size"], info.get("attn_dp_size"), info["enable_dp_attention"]) == shown
+    assert len(info["internal_states"]) == ranks
+
+
+@pytest.mark.parametrize(
+    ("version", "flags", "message", "code"),
+    [
+        ("0.5.13", ["--attn-dp-size", "2"], "unrecognized arguments: --attn-dp-size 2", 2),
+        ("0.5.4", ["--attn-dp-size", "1"], "unrecognized arguments: --attn-dp-size 1", 2),
+        (
+            "0.5.23",
+            ["--attn-dp-size", "2", "--dp-size", "2"],
+            "ValueError: --dp-size 2 with --attn-dp-size 2: data-parallel replicas combined",
+            1,
+        ),
+        ("0.5.23", ["--attn-dp-size", "0"], "--attn-dp-size must be positive (got 0)", 1),
+    ],
+)
+def test_dp_layouts_sglang_refuses(version: str, flags: list[str], message: str, code: int) -> None:
+    with pytest.raises(TwinConfigError) as exc:
+        resolve(_parse([*SPEC4, "--tp-size", "4", "--sglang-version", version, *flags]))
+    assert message in str(exc.value)
+    assert exc.value.exit_code == code
+
+
+@pytest.mark.parametrize(
+    ("version", "share", "error"),
+    [
+        ("0.5.4", 0, "AssertionError: max_running_request is zero"),
+        ("0.5.11", 0, "AssertionError: max_running_request is zero"),
+        ("0.5.13", 0, "AssertionError: max_running_request is zero"),
+        ("0.5.23", 1, None),  # resolve_max_num_reqs: max(1, argument // attn_dp_size)
+    ],
+)
+def test_one_request_among_two_attention_dp_groups(
+    version: str, share: int, error: str | None
+) -> None:
+    argv = ["--max-running-requests", "1", "--dp-size", "2", "--enable-dp-attention"]
+    cfg = resolve(_parse([*SPEC4, "--tp-size", "2", "--sglang-version", version, *argv]))
+    assert cfg.max_running_per_rank == share
+    assert cfg.load_error == error
+
+
+def test_attn_dp_size_runs_attention_dp_groups_end_to_end() -> None:
+    args = [*SPEC4, "--enable-metrics", "--tp-size", "4", "--attn-dp-size", "2", *FAST]
+    with TwinProcess(args) as twin:
+        twin.wait_healthy(20)
+        info = httpx.get(twin.url + "/server_info", timeout=10).json()
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+    assert (info["dp_size"], info["attn_dp_size"], info["enable_dp_attention"]) == (1, 2, True)
+    assert [st["effective_max_running_requests_per_dp"] for st in info["internal_states"]] == [
+        6,
+        6,
+    ]
+    running = {
+        (s.labels["dp_rank"], s.labels["tp_rank"])
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_running_reqs"
+    }
+    assert running == {("0", "0"), ("1", "2")}  # each group's first TP rank reports
+
+
+def test_a_start_that_fails_for_a_zero_share_keeps_the_port_closed_and_exits_1() -> None:
+    argv = ["--max-running-requests", "1", "--dp-size", "2", "--enable-dp-attention"]
+    args = [*SPEC4, "--tp-size", "2", "--sglang-version", "0.5.13", *argv, *FAST]
+    with TwinProcess(args) as twin:
+        assert twin.proc.wait(20) == 1
+        log = twin.log()
+    assert "max_running_request is zero" in log
+
+
+def _label_sets(page: str, name: str, keys: tuple[str, ...]) -> list[tuple[str, ...]]:
+    return sorted(
+        tuple(s.labels.get(k, "-") for k in keys)
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == name
+    )
+
+
+# Who reports what under each DP layout at --tp-size 4, --dp-size 2 (SGLang's
+# data_parallel_controller and its collectors' labels): the scheduler series come from each
+# DP rank's first TP rank, tp_rank 0 of each replica without DP attention (replicas count
+# their TP ranks from 0), 0 and 2 with it (slices of one TP group). Every TP rank runs its
+# own radix cache: 0.5.23 labels it with the attention ranks under DP attention, else with
+# its TP rank and dp_rank 0, so the replicas' series share label sets (multiprocess mode adds
+# them up); before, cache_type alone.
+# (version, flags, scheduler (dp_rank, tp_rank), radix (dp_rank, tp_rank))
+REPORTERS: list[Any] = [
+    pytest.param(
+        "0.5.23",
+        [],
+        [("0", "0"), ("1", "0")],
+        [("0", "0"), ("0", "1"), ("0", "2"), ("0", "3")],
+        id="0.5.23-replicas",
+    ),
+    pytest.param(
+        "0.5.23",
+        ["--enable-dp-attention"],
+        [("0", "0"), ("1", "2")],
+        [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")],
+        id="0.5.23-dp-attention",
+    ),
+    pytest.param("0.5.13", [], [("0", "0"), ("1", "0")], [("-", "-")], id="0.5.13-replicas"),
+    pytest.param("0.5.4", ["--enable-dp-attention"], [("0", "0"), ("1", "2")], [], id="0.5.4-attn"),
+]
+
+
+@pytest.mark.parametrize(("version", "flags", "scheduler", "radix"), REPORTERS)
+def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
+    version: str,
+    flags: list[str],
+    scheduler: list[tuple[str, str]],
+    radix: list[tuple[str, str]],
+) -> None:
+    args = [*SPEC4, "--enable-metrics", "--sglang-version", version, "--dp-size", "2"]
+    args += ["--tp-size", "4", "--max-running-requests", "6", *flags, *FAST]
+    body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+    with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
+        twin.wait_healthy(20)
+        client = httpx.Client(base_url=twin.url, timeout=20)
+        streams.callback(client.close)
+        for _ in range(14):  # more than the server runs: some queue
+            # Open (the twin answers the headers once the request is in), never read.
+            streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        time.sleep(0.6)  # a report
+        page = client.get("/metrics").text
+        with SGLangClient(twin.url, timeout_s=5.0) as reader:
+            obs = reader.observe()
+    assert _label_sets(page, "sglang:num_running_reqs", ("dp_rank", "tp_rank")) == scheduler
+    assert _label_sets(page, "sglang:evicted_tokens_total", ("dp_rank", "tp_rank")) == radix
+    running = _label_sets(page, "sglang:num_running_reqs", ("dp_rank", "tp_rank"))
+    assert len(running) == 2
+    assert isinstance(obs, Observation), obs
+    ranks_running = sum(
+        s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_running_reqs"
+    )
+    assert obs.dp_ranks == 2
+    assert obs.running + obs.queued == 14
+    assert obs.running == obs.max_running_requests  # 6 per replica, 6 over attention DP
+    assert obs.running == ranks_running

@@ -4,15 +4,20 @@ wrote (tests/fixtures/metrics/versions/), its endpoints, and SGLang's warm-up re
 from __future__ import annotations
 
 import argparse
+import gzip
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from factories import FAST_TWIN_VERSION_ARGS, SPEC4_ARGS, version_server_info
 from factories import version_twin as _twin
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.twin import cli as twin_cli
+from specd.twin.process import TwinProcess
 from specd.twin.server import TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
@@ -161,3 +166,370 @@ def test_unknown_version_is_a_one_line_error() -> None:
     twin_cli.configure(parser)
     with pytest.raises(TwinConfigError, match=r"--sglang-version '0\.4\.9' .*known: 0\.5\.4"):
         resolve(parser.parse_args(["--sglang-version", "0.4.9"]))
+
+
+def _figures(info: dict[str, Any]) -> tuple[set[str], set[str], dict[str, Any]]:
+    """What an internal state adds to the server arguments, what /server_info's top level
+    adds to them, and the state's memory_usage."""
+    state = info["internal_states"][0]
+    return set(state) - set(info), set(info) - set(state), state["memory_usage"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
+    version: str,
+) -> None:
+    real = version_server_info(version)
+    with _twin(version, "--dp-size", "2") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            fresh = c.get("/get_server_info").json()
+            fresh_loads = c.get("/v1/loads")
+            for _ in range(2):  # one per DP rank: each runs decode logs
+                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
+            time.sleep(0.5)
+            info = c.get("/get_server_info").json()
+            loads = c.get("/v1/loads")
+    # That SGLang's fields exactly: all its arguments, no twin flags, nothing newer.
+    top = set(info) - {"scheduler_pids"}  # the DP controller's (0.5.23), with DP ranks
+    assert sorted(top) == sorted(real)
+    assert [sorted(st) for st in info["internal_states"]] == [
+        sorted(real["internal_states"][0])
+    ] * 2
+    arguments = set(info) & set(info["internal_states"][0])
+    for state in info["internal_states"]:
+        # Each scheduler's state: its server arguments, then its own figures.
+        assert {k: state[k] for k in arguments - {"startup_time"}} == {
+            k: info[k] for k in arguments - {"startup_time"}
+        }
+    figures, _, memory = _figures(info)
+    real_figures, _, real_memory = _figures(real)
+    assert figures == real_figures
+    assert sorted(memory) == sorted(real_memory)
+    assert type(memory["graph"]) is type(real_memory["graph"])
+    if isinstance(memory["graph"], dict):
+        assert sorted(memory["graph"]) == sorted(real_memory["graph"])
+    # The lifetime accept length is counted at decode logs: the warm-up's few decode
+    # batches are none, so a fresh server has none yet.
+    assert not any("avg_spec_accept_length" in st for st in fresh["internal_states"])
+    if version != "0.5.4":  # /v1/loads since 0.5.8: the same lifetime figure, None before
+        assert [ld.get("speculative") for ld in fresh_loads.json()["loads"]] == [None, None]
+        assert all(ld["speculative"]["accept_length"] > 1 for ld in loads.json()["loads"])
+
+
+def _timed_status(client: httpx.Client, path: str) -> tuple[int, float]:
+    start = time.monotonic()
+    status = client.get(path).status_code
+    return status, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("version", "env", "health_waits"),
+    [
+        ("0.5.23", {}, True),
+        # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: /health answers at once (0.5.11+).
+        ("0.5.23", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, False),
+        ("0.5.4", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, True),
+    ],
+)
+def test_health_checks_take_sglangs_second(
+    version: str, env: dict[str, str], health_waits: bool
+) -> None:
+    # SGLang's health_generate sends a 1-token generation, then sleeps a second before it
+    # first looks for an answer: a healthy server answers 200 after >= 1 s, never sooner.
+    with TwinProcess(
+        [*SPEC4_ARGS, "--sglang-version", version, *FAST_TWIN_VERSION_ARGS],
+        env={**os.environ, **env},
+    ) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            status, took = _timed_status(c, "/health_generate")
+            assert status == 200
+            assert took >= 1.0
+            status, took = _timed_status(c, "/health")
+            assert status == 200
+            assert (took >= 1.0) is health_waits
+            if version == "0.5.23":
+                status, took = _timed_status(c, "/ready")  # no generation
+                assert (status, took < 0.5) == (200, True)
+
+
+# /model_info (/get_model_info) as each version's http_server builds it.
+MODEL_INFO_KEYS = {
+    "0.5.4": ["model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
+              "weight_version"],
+    "0.5.11": ["model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
+               "weight_version", "has_image_understanding", "has_audio_understanding",
+               "model_type", "architectures"],
+    "0.5.23": ["model_path", "served_model_name", "tokenizer_path", "is_generation",
+               "preferred_sampling_params", "weight_version", "load_format",
+               "reasoning_parser", "tool_call_parser", "disaggregation_mode",
+               "has_image_understanding", "has_audio_understanding", "model_type",
+               "architectures"],
+}  # fmt: skip
+MODEL_INFO_KEYS["0.5.13"] = MODEL_INFO_KEYS["0.5.11"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            model_info = c.get("/get_model_info").json()
+            models = c.get("/v1/models").json()
+            missing = c.get("/no/such/path")
+            wrong_method = c.get("/v1/completions")
+            head = c.head("/get_server_info")
+            freeze = c.get("/freeze_gc")
+            put = c.put("/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
+            bad = c.post(
+                "/v1/completions", content=b"{", headers={"Content-Type": "application/json"}
+            )
+            page = c.get("/metrics").text
+    assert list(model_info) == MODEL_INFO_KEYS[version]
+    assert model_info["tokenizer_path"] == model_info["model_path"]
+    assert list(models["data"][0]) == [
+        "id", "object", "created", "owned_by", "root", "parent", "max_model_len"
+    ]  # fmt: skip
+    # FastAPI's answers: no route, a route without that method (GET routes answer no HEAD).
+    assert (missing.status_code, missing.json()) == (404, {"detail": "Not Found"})
+    assert (wrong_method.status_code, wrong_method.json()) == (
+        405,
+        {"detail": "Method Not Allowed"},
+    )
+    assert wrong_method.headers["Allow"] == "POST"
+    assert head.status_code == 405
+    assert (freeze.status_code, freeze.text) == (200, "Garbage collection frozen.\n")
+    assert put.status_code == 200  # /generate is POST and PUT
+    # SGLang's ErrorResponse for a body it cannot validate.
+    assert bad.status_code == 400
+    assert {k: bad.json()[k] for k in ("object", "type", "code")} == {
+        "object": "error",
+        "type": "Bad Request",
+        "code": 400,
+    }
+    if version == "0.5.23":
+        # SGLang's HTTP middleware labels an unrouted request with the path asked for.
+        http = {
+            (labels["endpoint"], labels["method"], labels["status_code"])
+            for labels, _ in _samples(page, "sglang:http_responses_total")
+        }
+        assert ("/no/such/path", "GET", "404") in http
+        assert ("/v1/completions", "GET", "405") in http
+
+
+def test_metrics_off_is_fastapis_404() -> None:
+    with TwinProcess([*SPEC4_ARGS, *FAST_TWIN_VERSION_ARGS]) as twin:
+        twin.wait_healthy(20)
+        response = httpx.get(twin.url + "/metrics", timeout=10)
+    assert (response.status_code, response.json()) == (404, {"detail": "Not Found"})
+
+
+def _asgi_answer(text: str, method: str, query: bytes, headers: dict[str, str]) -> Any:
+    """What prometheus_client's ASGI app (SGLang's /metrics route) answers over a registry
+    holding the families of ``text``."""
+    import asyncio  # noqa: PLC0415
+
+    from prometheus_client import CollectorRegistry, make_asgi_app  # noqa: PLC0415
+
+    families = list(text_string_to_metric_families(text))
+
+    class Page:
+        def collect(self) -> Any:
+            return families
+
+    registry = CollectorRegistry()
+    registry.register(Page())
+    app = make_asgi_app(registry=registry)
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": "/",
+        "query_string": query,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+# (method, query, headers): what a Prometheus server, a curl and a browser send. Not
+# OpenMetrics: the twin answers text 0.0.4 to it (exposition.serve_page says why).
+ASKS = [
+    ("GET", b"", {"Accept": "*/*"}),
+    ("GET", b"", {"Accept": "text/plain;version=1.0.0;escaping=underscores"}),
+    ("GET", b"", {"Accept-Encoding": "gzip"}),
+    ("GET", b"name[]=sglang:num_running_reqs&name[]=sglang:gen_throughput", {}),
+    ("POST", b"", {}),
+]
+
+
+def test_metrics_negotiates_like_prometheus_clients_asgi_app() -> None:
+    with _twin("0.5.23") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            plain = c.get("/metrics", headers={"Accept": "*/*"}).text
+            prometheus_2 = c.get("/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+            answers = []
+            for method, query, headers in ASKS:
+                response = c.request(
+                    method,
+                    "/metrics",
+                    params=query.decode() or None,
+                    headers={"Accept-Encoding": "identity", **headers},
+                )
+                answers.append((response.status_code, dict(response.headers), response.content))
+    assert prometheus_2.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert 'sglang:num_running_reqs{engine_type="unified"' in prometheus_2.text
+    # SGLang's registry describes no names: name[] keeps nothing.
+    assert answers[3][0] == 200
+    assert answers[3][2] == b""
+    for (method, query, headers), (status, got_headers, body) in zip(ASKS, answers, strict=True):
+        want_status, want_headers, want = _asgi_answer(
+            plain, method, query, {"Accept-Encoding": "identity", **headers}
+        )
+        assert status == want_status
+        for name, value in want_headers.items():
+            assert got_headers[name.decode().lower()] == value.decode(), (headers, name)
+        # Another scrape, other values: the same families, names and series (but the HTTP
+        # ones, which count these requests). httpx has undone the twin's gzip already.
+        if b"Content-Encoding" in want_headers:
+            want = gzip.decompress(want)
+        assert _series_of(body) == _series_of(want), headers
+
+
+def _series_of(body: bytes) -> list[str]:
+    """The page's lines without their values (and without the HTTP families)."""
+    return [
+        line if line.startswith("#") else line.rsplit(" ", 1)[0]
+        for line in body.decode().splitlines()
+        if "sglang:http_" not in line and "sglang_http_" not in line
+    ]
+
+
+_CORE_0_5_13 = ["dp_rank", "num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens",
+                "num_used_tokens", "num_total_tokens", "max_total_num_tokens",
+                "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+                "utilization"]  # fmt: skip
+_SECTIONS = ["memory", "speculative", "disaggregation", "queues"]
+# /v1/loads per version: (top-level keys, a rank's keys, its queues' keys).
+LOADS_SHAPE: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "0.5.11": (
+        ["timestamp", "version", "dp_rank_count", "loads", "aggregate"],
+        ["dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+         "num_total_tokens", "max_total_num_tokens", "token_usage", "gen_throughput",
+         "cache_hit_rate", "utilization", "max_running_requests", *_SECTIONS,
+         "num_total_reqs"],
+        ["waiting", "grammar", "paused", "retracted"],
+    ),
+    "0.5.13": (
+        ["timestamp", "version", "loads"],
+        [*_CORE_0_5_13, *_SECTIONS],
+        ["waiting", "grammar", "paused", "retracted"],
+    ),
+    "0.5.23": (
+        ["timestamp", "version", "accelerator", "num_accelerators", "loads"],
+        ["timestamp", "dp_rank", "num_running_reqs", "num_waiting_reqs",
+         "num_waiting_uncached_tokens", "num_used_tokens", "num_total_tokens",
+         "num_active_tokens", "num_prealloc_ready_tokens", "max_total_num_tokens",
+         "max_running_requests", "token_usage", "gen_throughput", "cache_hit_rate",
+         "utilization", "total_prefill_uncached_tokens", "total_prefill_busy_us",
+         "decode_moments", *_SECTIONS],
+        ["waiting", "grammar", "paused", "retracted", "prealloc_ready"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("version", sorted(LOADS_SHAPE))
+def test_v1_loads_is_that_versions_shape(version: str) -> None:
+    top, rank_keys, queue_keys = LOADS_SHAPE[version]
+    with _twin(version, "--dp-size", "2") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            for _ in range(2):
+                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
+            time.sleep(0.5)
+            body = c.get("/v1/loads").json()
+            core = c.get("/v1/loads", params={"include": "core", "dp_rank": "1"}).json()
+            bad = c.get("/v1/loads", params={"include": "nonsense"})
+            prometheus = c.get("/v1/loads", params={"format": "prometheus"}).text
+            page = c.get("/metrics").text
+    assert list(body) == top
+    assert [list(ld) for ld in body["loads"]] == [rank_keys] * 2
+    assert [list(ld["queues"]) for ld in body["loads"]] == [queue_keys] * 2
+    assert [ld["dp_rank"] for ld in body["loads"]] == [0, 1]
+    assert [ld["dp_rank"] for ld in core["loads"]] == [1]
+    assert not set(_SECTIONS) & set(core["loads"][0])
+    assert 'sglang_num_running_reqs{dp_rank="0"}' in prometheus
+    assert 'sglang_spec_accept_length{dp_rank="1"}' in prometheus
+    if version == "0.5.11":
+        assert bad.status_code == 200  # unknown sections were left out, no error
+        assert body["aggregate"]["total_running_reqs"] == 0
+        assert _samples(page, "sglang:get_loads_duration_seconds_count") == []
+    else:
+        assert (bad.status_code, bad.text) == (500, "Internal Server Error")
+        # Every /v1/loads is timed, the failed one too.
+        assert _total(page, "sglang:get_loads_duration_seconds_count") == 4
+
+
+def _value(page: str, name: str, **labels: str) -> float:
+    return sum(v for got, v in _samples(page, name) if labels.items() <= got.items())
+
+
+def test_scheduler_counters_move_with_the_work_it_did() -> None:
+    # What SGLang's scheduler counts per forward and per prefilled request moves with the
+    # requests: one prefill pass (no CUDA graph) per admission, a decode pass (a graph replay)
+    # per verify, prompt tokens as effective prefill input, each request's stages.
+    with _twin("0.5.23", "--accept-noise", "0") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            for tokens in (120, 80, 200):  # one after the other: admitted alone
+                c.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": tokens})
+            time.sleep(0.5)
+            page = c.get("/metrics").text
+    requests = _total(page, "sglang:num_requests_total")  # the warm-up's and these 3
+    assert requests == 4
+    assert _value(page, "sglang:cuda_graph_passes_total", mode="prefill_none") == requests
+    assert _value(page, "sglang:prefill_effective_tokens_total", mode="input") == _value(
+        page, "sglang:realtime_tokens_total", mode="prefill_compute"
+    )
+    for stage in ("request_process", "prefill_forward"):
+        assert _value(page, "sglang:per_stage_req_latency_seconds_count", stage=stage) == (
+            _total(page, "sglang:queue_time_seconds_count")
+        )
+    verifies = _total(page, "sglang:spec_verify_calls_total")
+    decode = _value(page, "sglang:cuda_graph_passes_total", mode="decode_cuda_graph")
+    assert verifies > 50
+    assert abs(decode - verifies) <= requests  # each request's last verify rounds up
+
+
+def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
+    # SGLang's prefill log reports its NewTokenRatioTracker: 0.7 after an idle spell, a
+    # (0.7 - 0.098) / 600 step lower per decode batch run since, never below 0.098.
+    with _twin("0.5.23", "--accept-noise", "0") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=30) as c:
+            time.sleep(0.3)
+            body = {"prompt": "p", "max_tokens": 3000, "stream": True}
+            with c.stream("POST", "/v1/completions", json=body) as long:
+                lines = long.iter_lines()
+                next(lines)
+                time.sleep(1.0)  # decode batches go by
+                c.post("/v1/completions", json={"prompt": "q", "max_tokens": 2})
+                busy = _value(c.get("/metrics").text, "sglang:new_token_ratio")
+            time.sleep(0.5)
+            c.post("/v1/completions", json={"prompt": "r", "max_tokens": 2})
+            fresh = _value(c.get("/metrics").text, "sglang:new_token_ratio")
+    assert 0.098 <= busy < 0.69
+    assert fresh == pytest.approx(0.7)
