@@ -77,7 +77,7 @@ from specd.core.settings import (
 from specd.io import files, logs
 from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
-from specd.io.runner import Runner
+from specd.io.runner import Runner, RunResult
 from specd.io.sglang import HealthStatus, ParsedMetrics
 from specd.io.systemd import SystemctlError, UnitState, show, unit_state
 from specd.io.timespan import timespan_s
@@ -152,6 +152,12 @@ class SGLangProbe(Protocol):
 
 def restart_argv(unit: str) -> list[str]:
     return ["systemctl", "--no-ask-password", "restart", unit]
+
+
+def reset_failed_argv(unit: str) -> list[str]:
+    """Clears the unit's failed state and systemd's count of its starts (its start limit):
+    the one other verb specd's polkit rule allows, on this unit only."""
+    return ["systemctl", "--no-ask-password", "reset-failed", unit]
 
 
 def stop_timeout_argv(unit: str) -> list[str]:
@@ -1021,9 +1027,7 @@ class Applier:
             self._restart_started = None
             journal.phase = "env_written"
             return self._unwind(journal, f"cannot save the restart journal ({unsaved})")
-        result = self.runner(
-            restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
-        )
+        result = self._restart_unit(journal, rollback=False)
         if not result.ok:
             # A failed `systemctl` may have changed nothing (not found, access denied):
             # then the old server still runs and the rollback needs no restart.
@@ -1098,9 +1102,7 @@ class Applier:
 
         if journal.restarts_issued < 2:
             self._issue_restart(journal, "rolling_back")
-            result = self.runner(
-                restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
-            )
+            result = self._restart_unit(journal, rollback=True)
             if not result.ok:
                 return self._finish(
                     journal, "failed", f"{reason}; rollback restart: {result.summary()}"
@@ -1311,13 +1313,20 @@ class Applier:
             # systemd cannot say more (or a stand-in does not): is-active alone.
             result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
             return "" if result.stdout.strip() == "failed" else None
-        if now.active == "failed":
-            return ""
         restarted = (
             0
             if before is None or before.restarts is None or now.restarts is None
             else now.restarts - before.restarts
         )
+        if now.active == "failed":
+            # systemd 252 keeps the crash's Result= (exit-code) when its start limit stops
+            # Restart=: that the unit was restarted before it ended failed is the sign.
+            if restarted > 0:
+                return (
+                    f"it died, Restart= started it again {restarted}x, then gave up "
+                    "(the unit's start limit); "
+                )
+            return ""
         if restarted > 0:
             return f"it died, and Restart= started it again {restarted}x; "
         if now.sub == "auto-restart":
@@ -1433,6 +1442,55 @@ class Applier:
         if not any(item.startswith((f"{info_source} steps", "metrics steps")) for item in seen):
             return _Live(False, f"cannot verify steps: neither {info_source} nor metrics show them")
         return _Live(True, f"verified {expected} steps ({', '.join(seen)})", capacity)
+
+    # -- the restart command, through systemd's start limit ---------------------------
+    def _restart_unit(self, journal: Journal, *, rollback: bool) -> RunResult:
+        """`systemctl restart` the unit, its start limit cleared first where it may refuse.
+
+        A setting SGLang cannot start at, under Restart=, uses up the unit's start limit
+        (StartLimitBurst= starts in StartLimitIntervalSec=; 5 in 10 s by default): systemd
+        leaves the unit failed and refuses every start, the rollback's too, until the
+        interval has passed or `systemctl reset-failed`. systemd 252 does not say so (the
+        unit's Result= stays the crash's exit-code), and the rollback's own start may be the
+        one over the limit; so the failed state and the start count are cleared before every
+        rollback restart, and before a change's when the unit is failed. A refusal of that
+        (a polkit rule from before specd did it) is noted; the restart goes ahead.
+        """
+        unit = self.sglang.unit
+        state = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
+        # None: no systemd answers (a stand-in): it has no start limit to clear either.
+        if state is not None and (rollback or state.active == "failed"):
+            self._reset_failed(journal, state)
+        return self._run_restart()
+
+    def _run_restart(self) -> RunResult:
+        return self.runner(
+            restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
+        )
+
+    def _reset_failed(self, journal: Journal, state: UnitState) -> bool:
+        """`systemctl reset-failed` the unit (its failed state, its start count); whether
+        systemd did. A refusal is noted and logged; the restart goes ahead all the same."""
+        unit = self.sglang.unit
+        result = self.runner(reset_failed_argv(unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+        was = state.active if state.sub in ("", state.active) else f"{state.active} ({state.sub})"
+        if result.ok:
+            journal.note(
+                f"{unit} was {was}: cleared its failed state and start count "
+                f"(`{' '.join(reset_failed_argv(unit))}`)"
+            )
+            self.log.info("unit_reset_failed", unit=unit, was=was)
+        else:
+            journal.note(f"{unit} was {was}; clearing its start count: {result.summary()}")
+            self.log.warning(
+                "unit_reset_failed_refused",
+                unit=unit,
+                was=was,
+                problem=result.summary(),
+                advice=f"`specd install --unit {unit}` installs the polkit rule that allows it",
+            )
+        self._persist(journal)
+        return result.ok
 
     # -- bookkeeping ----------------------------------------------------------------
     def _issue_restart(self, journal: Journal, phase: str) -> str | None:
