@@ -45,6 +45,7 @@ from specd.io.apply import (
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
     PHASES,
+    START_LIMIT_MARGIN_S,
     Applier,
     ApplyOutcome,
     Journal,
@@ -810,6 +811,57 @@ def test_a_change_to_a_unit_left_failed_by_its_start_limit_clears_it_first(
     assert unit.restarts == [4]
     assert unit.running_steps() == 4
     assert systemd.reset_failed_calls() == 1
+
+
+def test_a_rollback_that_may_not_reset_failed_waits_out_the_start_limit(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """A polkit rule from before specd cleared the start limit refuses `reset-failed`: the
+    rollback's restart is refused, and it restarts again once the limit's interval has
+    passed, rather than leaving SGLang down."""
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    interval_s = 1.5
+    systemd = StartLimited(unit, burst=2, interval_s=interval_s, may_reset=False)
+    rec = Recorder(tmp_path / "journal.json")
+    stop = CountingEvent()
+    applier = applier_for(unit, rec, runner=systemd, stop=stop, startup_timeout_s=10.0)
+    with structlog.testing.capture_logs() as logs:
+        started = time.monotonic()
+        outcome = applier.apply(4, 3, window_open=always_open)
+        took = time.monotonic() - started
+    assert outcome.result == "rolled_back", outcome.message
+    assert "rolled back, verified 3 steps" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert took >= interval_s + START_LIMIT_MARGIN_S
+    waited = [e for e in logs if e["event"] == "restart_waits_for_start_limit"]
+    assert [e["wait_s"] for e in waited] == [interval_s + START_LIMIT_MARGIN_S]
+    assert [e["event"] for e in logs].count("unit_reset_failed_refused") == 1
+    stored = rec.stored()
+    assert stored is not None
+    assert any("Access denied" in m for m in stored["messages"])
+    assert outcome.restarts_issued == 2  # a refused start restarted nothing
+
+
+def test_a_start_limit_longer_than_the_startup_timeout_is_not_waited_out_but_named(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    systemd = StartLimited(unit, burst=2, interval_s=3600.0, may_reset=False)
+    rec = Recorder(tmp_path / "journal.json")
+    started = time.monotonic()
+    outcome = applier_for(unit, rec, runner=systemd, startup_timeout_s=10.0).apply(
+        4, 3, window_open=always_open
+    )
+    assert time.monotonic() - started < 10.0
+    assert outcome.result == "failed", outcome.message
+    assert "rollback restart" in outcome.message
+    assert (
+        f"systemd may refuse to start {UNIT} until its start limit (StartLimitBurst=2 in "
+        "StartLimitIntervalSec=3600 s) has passed, and specd may not clear it: run "
+        f"`specd install --unit {UNIT}`"
+    ) in outcome.message
+    assert unit.restarts == [4]
 
 
 def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_path: Path) -> None:
