@@ -317,5 +317,5 @@ def test_polkit_rule_names_the_user_the_unit_and_the_verbs(specd_unit: list[Entr
     rule = POLKIT_RULE.read_text()
     assert f'subject.user !== "{single(specd_unit, "Service", "User")}"' in rule
     assert 'var SGLANG_UNIT = "sglang.service";' in rule
-    assert re.findall(r'verb === "([a-z-]+)"', rule) == ["restart", "try-restart"]
+    assert re.findall(r'verb === "([a-z-]+)"', rule) == ["restart", "try-restart", "reset-failed"]
     assert '"org.freedesktop.systemd1.manage-units"' in rule

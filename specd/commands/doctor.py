@@ -545,10 +545,13 @@ class Doctor:
         # pkcheck's "pid,start-time,uid" subject asks as user specd, whether or not the
         # daemon runs (only root may ask for another user and pass details).
         subject = f"{os.getpid()},0,{uid}"
+        # reset-failed: a rollback clears the start limit a failed change used up.
         cases = (
             (unit, "restart", True),
+            (unit, "reset-failed", True),
             (unit, "stop", False),
             (PROBE_OTHER_UNIT, "restart", False),
+            (PROBE_OTHER_UNIT, "reset-failed", False),
         )
         wrong = []
         for target, verb, allowed in cases:
@@ -586,7 +589,9 @@ class Doctor:
                 f"user {SPECD_USER}: " + "; ".join(wrong),
                 f"install the rule scoped to {unit}: `specd install --unit {unit}`",
             )
-        return Check("polkit", True, f"user {SPECD_USER} may restart {unit} and nothing else")
+        return Check(
+            "polkit", True, f"user {SPECD_USER} may restart and reset-failed {unit}, nothing else"
+        )
 
     def check_windows(self) -> Check:
         now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)

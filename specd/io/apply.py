@@ -43,6 +43,7 @@ import base64
 import binascii
 import itertools
 import json
+import math
 import os
 import re
 import threading
@@ -77,9 +78,9 @@ from specd.core.settings import (
 from specd.io import files, logs
 from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
-from specd.io.runner import Runner
+from specd.io.runner import Runner, RunResult
 from specd.io.sglang import HealthStatus, ParsedMetrics
-from specd.io.systemd import SystemctlError, UnitState, show, unit_state
+from specd.io.systemd import SystemctlError, UnitState, show, start_limit, unit_state
 from specd.io.timespan import timespan_s
 
 # The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
@@ -152,6 +153,17 @@ class SGLangProbe(Protocol):
 
 def restart_argv(unit: str) -> list[str]:
     return ["systemctl", "--no-ask-password", "restart", unit]
+
+
+def reset_failed_argv(unit: str) -> list[str]:
+    """Clears the unit's failed state and systemd's count of its starts (its start limit):
+    the one other verb specd's polkit rule allows, on this unit only."""
+    return ["systemctl", "--no-ask-password", "reset-failed", unit]
+
+
+# Waiting out a start limit: past the interval's end, by this much (systemd forgets the
+# starts once more than the interval has passed since the first of them).
+START_LIMIT_MARGIN_S = 1.0
 
 
 def stop_timeout_argv(unit: str) -> list[str]:
@@ -1021,9 +1033,8 @@ class Applier:
             self._restart_started = None
             journal.phase = "env_written"
             return self._unwind(journal, f"cannot save the restart journal ({unsaved})")
-        result = self.runner(
-            restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
-        )
+        # Why systemd may refuse it, if it does, the rollback's own restart says.
+        result, _ = self._restart_unit(journal, rollback=False)
         if not result.ok:
             # A failed `systemctl` may have changed nothing (not found, access denied):
             # then the old server still runs and the rollback needs no restart.
@@ -1098,12 +1109,10 @@ class Applier:
 
         if journal.restarts_issued < 2:
             self._issue_restart(journal, "rolling_back")
-            result = self.runner(
-                restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
-            )
+            result, refused = self._restart_unit(journal, rollback=True)
             if not result.ok:
                 return self._finish(
-                    journal, "failed", f"{reason}; rollback restart: {result.summary()}"
+                    journal, "failed", f"{reason}; rollback restart: {result.summary()}{refused}"
                 )
             journal.note(f"rollback: {result.summary()}")
         return self._verify_rollback(journal, reason)
@@ -1311,13 +1320,20 @@ class Applier:
             # systemd cannot say more (or a stand-in does not): is-active alone.
             result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
             return "" if result.stdout.strip() == "failed" else None
-        if now.active == "failed":
-            return ""
         restarted = (
             0
             if before is None or before.restarts is None or now.restarts is None
             else now.restarts - before.restarts
         )
+        if now.active == "failed":
+            # systemd 252 keeps the crash's Result= (exit-code) when its start limit stops
+            # Restart=: that the unit was restarted before it ended failed is the sign.
+            if restarted > 0:
+                return (
+                    f"it died, Restart= started it again {restarted}x, then gave up "
+                    "(the unit's start limit); "
+                )
+            return ""
         if restarted > 0:
             return f"it died, and Restart= started it again {restarted}x; "
         if now.sub == "auto-restart":
@@ -1433,6 +1449,92 @@ class Applier:
         if not any(item.startswith((f"{info_source} steps", "metrics steps")) for item in seen):
             return _Live(False, f"cannot verify steps: neither {info_source} nor metrics show them")
         return _Live(True, f"verified {expected} steps ({', '.join(seen)})", capacity)
+
+    # -- the restart command, through systemd's start limit ---------------------------
+    def _restart_unit(self, journal: Journal, *, rollback: bool) -> tuple[RunResult, str]:
+        """`systemctl restart` the unit: its result, and why systemd refuses to start the
+        unit ("" when that is not the case, or not known).
+
+        A setting SGLang cannot start at, under Restart=, uses up the unit's start limit
+        (StartLimitBurst= starts in StartLimitIntervalSec=; 5 in 10 s by default): systemd
+        leaves the unit failed and refuses every start, the rollback's too, until the
+        interval has passed or `systemctl reset-failed`. systemd 252 does not say so (the
+        unit's Result= stays the crash's exit-code), and the rollback's own start may be the
+        one over the limit; so the failed state and the start count are cleared before every
+        rollback restart, and before a change's when the unit is failed. Where that is
+        refused (a polkit rule from before specd did it), a rollback whose restart leaves
+        the unit failed waits for the limit's interval to pass, if it is no longer than
+        startup_timeout_s, and restarts once more.
+        """
+        unit = self.sglang.unit
+        state = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
+        # None: no systemd answers (a stand-in): it has no start limit to clear either.
+        cleared = None
+        if state is not None and (rollback or state.active == "failed"):
+            cleared = self._reset_failed(journal, state)
+        result = self._run_restart()
+        if result.ok or cleared is not False:
+            return result, ""
+        now = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
+        limit = start_limit(self.runner, unit, UNIT_STATE_TIMEOUT_S)
+        if now is None or now.active != "failed" or limit is None:
+            return result, ""
+        interval = f"{limit.interval_s:g} s" if math.isfinite(limit.interval_s) else "infinity"
+        refused = (
+            f"; systemd may refuse to start {unit} until its start limit "
+            f"(StartLimitBurst={limit.burst} in StartLimitIntervalSec={interval}) has passed, "
+            f"and specd may not clear it: run `specd install --unit {unit}` (its polkit rule "
+            f"allows `{' '.join(reset_failed_argv(unit))}`), or that and `systemctl restart "
+            f"{unit}` by hand"
+        )
+        wait_s = limit.interval_s + START_LIMIT_MARGIN_S
+        if not rollback or wait_s > self.restart.startup_timeout_s:
+            return result, refused
+        journal.note(
+            f"{result.summary()}{refused}; waiting {wait_s:g} s for the limit to pass, then "
+            "restarting once more"
+        )
+        self._persist(journal)
+        self.log.warning(
+            "restart_waits_for_start_limit",
+            unit=unit,
+            wait_s=wait_s,
+            start_limit_burst=limit.burst,
+            start_limit_interval_s=limit.interval_s,
+            refused=result.summary(),
+        )
+        self._pause(wait_s)
+        again = self._run_restart()
+        return again, "" if again.ok else refused
+
+    def _run_restart(self) -> RunResult:
+        return self.runner(
+            restart_argv(self.sglang.unit), timeout_s=self.restart.restart_command_timeout_s
+        )
+
+    def _reset_failed(self, journal: Journal, state: UnitState) -> bool:
+        """`systemctl reset-failed` the unit (its failed state, its start count); whether
+        systemd did. A refusal is noted and logged; the restart goes ahead all the same."""
+        unit = self.sglang.unit
+        result = self.runner(reset_failed_argv(unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+        was = state.active if state.sub in ("", state.active) else f"{state.active} ({state.sub})"
+        if result.ok:
+            journal.note(
+                f"{unit} was {was}: cleared its failed state and start count "
+                f"(`{' '.join(reset_failed_argv(unit))}`)"
+            )
+            self.log.info("unit_reset_failed", unit=unit, was=was)
+        else:
+            journal.note(f"{unit} was {was}; clearing its start count: {result.summary()}")
+            self.log.warning(
+                "unit_reset_failed_refused",
+                unit=unit,
+                was=was,
+                problem=result.summary(),
+                advice=f"`specd install --unit {unit}` installs the polkit rule that allows it",
+            )
+        self._persist(journal)
+        return result.ok
 
     # -- bookkeeping ----------------------------------------------------------------
     def _issue_restart(self, journal: Journal, phase: str) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from specd.io.runner import Runner
+from specd.io.timespan import timespan_s
 
 SHOW_TIMEOUT_S = 10.0
 
@@ -74,3 +75,30 @@ def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> 
     return UnitState(
         active, props.get("SubState", ""), int(restarts) if restarts.isdigit() else None
     )
+
+
+@dataclass(frozen=True)
+class StartLimit:
+    """The unit's start rate limit: systemd refuses a start (``Restart=``'s or anyone's
+    `systemctl restart`) once ``burst`` starts were made within ``interval_s`` (math.inf:
+    never forgotten), until the interval has passed or `systemctl reset-failed UNIT`."""
+
+    interval_s: float
+    burst: int
+
+
+START_LIMIT_PROPERTIES = ("StartLimitIntervalUSec", "StartLimitBurst")
+
+
+def start_limit(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> StartLimit | None:
+    """The unit's StartLimitIntervalSec= and StartLimitBurst= as systemd resolved them; None
+    when it has none (either is 0) or systemd cannot say."""
+    try:
+        props = last_values(show(runner, unit, START_LIMIT_PROPERTIES, timeout_s))
+    except SystemctlError:
+        return None
+    interval = timespan_s(props.get("StartLimitIntervalUSec", ""))
+    burst = props.get("StartLimitBurst", "")
+    if interval is None or not burst.isdigit() or interval == 0 or int(burst) == 0:
+        return None
+    return StartLimit(interval, int(burst))

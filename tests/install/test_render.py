@@ -3,6 +3,7 @@ unit, and which of specd's own files a config names."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,18 @@ def test_polkit_rule_is_scoped_to_the_unit() -> None:
     assert 'var SGLANG_UNIT = "llm@a.service";' in render_polkit(shipped, "llm@a.service")
     with pytest.raises(InstallError, match="no `var SGLANG_UNIT"):
         render_polkit("polkit.addRule(function () {});", UNIT)
+
+
+def test_the_rendered_polkit_rule_lets_specd_restart_and_reset_failed_the_unit_only() -> None:
+    """What a rollback needs after a change used up the unit's start limit (`systemctl
+    reset-failed UNIT`) comes with the rule install writes, for that unit, and nothing more:
+    behaviour under a real polkitd is tested in tests/systemd/test_sglang_unit.py."""
+    rule = render_polkit(template("polkit"), "llm@a.service")
+    assert re.findall(r'verb === "([a-z-]+)"', rule) == ["restart", "try-restart", "reset-failed"]
+    # Every verb under the one test of the unit, which names the rendered unit.
+    assert rule.count('action.lookup("unit") === SGLANG_UNIT') == 1
+    assert rule.count("polkit.Result.YES") == 1
+    assert 'var SGLANG_UNIT = "llm@a.service";' in rule
 
 
 def test_configured_files() -> None:

@@ -45,6 +45,7 @@ from specd.io.apply import (
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
     PHASES,
+    START_LIMIT_MARGIN_S,
     Applier,
     ApplyOutcome,
     Journal,
@@ -55,6 +56,7 @@ from specd.io.apply import (
     read_env_steps,
     render_env,
     render_setting_env,
+    reset_failed_argv,
     restart_argv,
     static_only_wiring,
     write_adaptive_config,
@@ -698,6 +700,168 @@ class CountingEvent(threading.Event):
         if self.is_set():
             self.waits_after_set += 1
         return super().wait(timeout)
+
+
+class StartLimited:
+    """The twin unit behind systemd's start limit, as systemd 252 keeps it: a start past
+    ``burst`` within ``interval_s`` is refused (`systemctl restart` exits 1, and the unit is
+    left failed, its process stopped), Restart='s crash result kept (no start-limit-hit to
+    read); `systemctl reset-failed UNIT` forgets the starts and the failed state, unless
+    polkit refuses it (``may_reset``: a rule from before specd did it). ``starts`` are the
+    times of the starts it counts; ``calls`` every command it was given."""
+
+    def __init__(
+        self, unit: TwinUnit, burst: int, interval_s: float, *, may_reset: bool = True
+    ) -> None:
+        self.unit = unit
+        self.burst = burst
+        self.interval_s = interval_s
+        self.may_reset = may_reset
+        self.starts = [time.monotonic()]  # SGLang's own start
+        self.failed = False
+        self.calls: list[list[str]] = []
+
+    @staticmethod
+    def _done(argv: Sequence[str], code: int, out: str = "", err: str = "") -> RunResult:
+        return RunResult(tuple(argv), code, out, err, False, 0.01)
+
+    def state(self) -> str:
+        return "failed" if self.failed else self.unit.is_active()
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        args = list(argv)
+        self.calls.append(args)
+        verbs = [a for a in args[1:] if not a.startswith("-")]
+        if verbs == ["reset-failed", UNIT]:
+            if not self.may_reset:
+                denied = f"Failed to reset failed state of unit {UNIT}: Access denied\n"
+                return self._done(argv, 1, err=denied)
+            self.starts, self.failed = [], False
+            return self._done(argv, 0)
+        if verbs == ["show", UNIT] and "--property=ActiveState" in args:
+            state = self.state()
+            return self._done(argv, 0, f"ActiveState={state}\nSubState={state}\nNRestarts=0\n")
+        if verbs == ["show", UNIT] and "--property=StartLimitIntervalUSec" in args:
+            return self._done(
+                argv,
+                0,
+                f"StartLimitIntervalUSec={self.interval_s:g}s\nStartLimitBurst={self.burst}\n",
+            )
+        if verbs == ["restart", UNIT]:
+            now = time.monotonic()
+            self.starts = [t for t in self.starts if now - t <= self.interval_s]
+            if len(self.starts) >= self.burst:
+                self.unit.stop()
+                self.failed = True
+                return self._done(
+                    argv,
+                    1,
+                    err=f"Job for {UNIT} failed because the control process exited with "
+                    f'error code.\nSee "systemctl status {UNIT}" for details.\n',
+                )
+            self.starts.append(now)
+            self.failed = False
+        return self.unit(argv, timeout_s=timeout_s)
+
+    def reset_failed_calls(self) -> int:
+        return sum(1 for argv in self.calls if "reset-failed" in argv)
+
+
+def test_a_target_that_used_up_the_start_limit_is_rolled_back_after_reset_failed(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """SGLang's start and the change's use up a limit of 2 starts: systemd refused the
+    rollback's restart, and SGLang stayed down. The rollback clears the unit's failed state
+    and start count first."""
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    systemd = StartLimited(unit, burst=2, interval_s=3600.0)
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec, runner=systemd, startup_timeout_s=60.0).apply(
+        4, 3, window_open=always_open
+    )
+    assert outcome.result == "rolled_back", outcome.message
+    assert "rolled back, verified 3 steps" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert outcome.restarts_issued == 2
+    # Once, right before the rollback's restart; never before the change's (not failed).
+    assert systemd.reset_failed_calls() == 1
+    restarts = [i for i, argv in enumerate(systemd.calls) if argv == restart_argv(UNIT)]
+    assert systemd.calls[restarts[1] - 1] == reset_failed_argv(UNIT)
+    stored = rec.stored()
+    assert stored is not None
+    assert any("cleared its failed state and start count" in m for m in stored["messages"])
+
+
+def test_a_change_to_a_unit_left_failed_by_its_start_limit_clears_it_first(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """SGLang crash-looped on its own until systemd gave up on it; an on-call pin now
+    restarts it: its restart was refused, and so was the rollback's. The change clears
+    the failed state first."""
+    unit = make_unit(ORIGINAL_ENV)
+    systemd = StartLimited(unit, burst=1, interval_s=3600.0)
+    unit.stop()
+    systemd.failed = True
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec, runner=systemd, quiet_deadline_s=0.0).apply(
+        4, 3, window_open=always_open, force=True
+    )
+    assert outcome.result == "success", outcome.message
+    assert unit.restarts == [4]
+    assert unit.running_steps() == 4
+    assert systemd.reset_failed_calls() == 1
+
+
+def test_a_rollback_that_may_not_reset_failed_waits_out_the_start_limit(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """A polkit rule from before specd cleared the start limit refuses `reset-failed`: the
+    rollback's restart is refused, and it restarts again once the limit's interval has
+    passed, rather than leaving SGLang down."""
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    interval_s = 1.5
+    systemd = StartLimited(unit, burst=2, interval_s=interval_s, may_reset=False)
+    rec = Recorder(tmp_path / "journal.json")
+    stop = CountingEvent()
+    applier = applier_for(unit, rec, runner=systemd, stop=stop, startup_timeout_s=10.0)
+    with structlog.testing.capture_logs() as logs:
+        started = time.monotonic()
+        outcome = applier.apply(4, 3, window_open=always_open)
+        took = time.monotonic() - started
+    assert outcome.result == "rolled_back", outcome.message
+    assert "rolled back, verified 3 steps" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert took >= interval_s + START_LIMIT_MARGIN_S
+    waited = [e for e in logs if e["event"] == "restart_waits_for_start_limit"]
+    assert [e["wait_s"] for e in waited] == [interval_s + START_LIMIT_MARGIN_S]
+    assert [e["event"] for e in logs].count("unit_reset_failed_refused") == 1
+    stored = rec.stored()
+    assert stored is not None
+    assert any("Access denied" in m for m in stored["messages"])
+    assert outcome.restarts_issued == 2  # a refused start restarted nothing
+
+
+def test_a_start_limit_longer_than_the_startup_timeout_is_not_waited_out_but_named(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    systemd = StartLimited(unit, burst=2, interval_s=3600.0, may_reset=False)
+    rec = Recorder(tmp_path / "journal.json")
+    started = time.monotonic()
+    outcome = applier_for(unit, rec, runner=systemd, startup_timeout_s=10.0).apply(
+        4, 3, window_open=always_open
+    )
+    assert time.monotonic() - started < 10.0
+    assert outcome.result == "failed", outcome.message
+    assert "rollback restart" in outcome.message
+    assert (
+        f"systemd may refuse to start {UNIT} until its start limit (StartLimitBurst=2 in "
+        "StartLimitIntervalSec=3600 s) has passed, and specd may not clear it: run "
+        f"`specd install --unit {UNIT}`"
+    ) in outcome.message
+    assert unit.restarts == [4]
 
 
 def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -97,5 +98,39 @@ def test_unit_state_reads_active_sub_state_and_restarts(
         "--property=ActiveState",
         "--property=SubState",
         "--property=NRestarts",
+        "sglang.service",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stdout", "code", "expected"),
+    [
+        # As systemd 252 prints them: its default (DefaultStartLimitIntervalSec=10s,
+        # DefaultStartLimitBurst=5), an operator's, one that is never forgotten.
+        ("StartLimitIntervalUSec=10s\nStartLimitBurst=5\n", 0, systemd.StartLimit(10.0, 5)),
+        ("StartLimitIntervalUSec=1h\nStartLimitBurst=2\n", 0, systemd.StartLimit(3600.0, 2)),
+        (
+            "StartLimitIntervalUSec=infinity\nStartLimitBurst=3\n",
+            0,
+            systemd.StartLimit(math.inf, 3),
+        ),
+        # No limit (StartLimitIntervalSec=0 or StartLimitBurst=0), or nothing said of it.
+        ("StartLimitIntervalUSec=0\nStartLimitBurst=5\n", 0, None),
+        ("StartLimitIntervalUSec=10s\nStartLimitBurst=0\n", 0, None),
+        ("StartLimitIntervalUSec=soon\nStartLimitBurst=5\n", 0, None),
+        ("", 1, None),
+        ("ExecStart=x\n", 0, None),
+    ],
+)
+def test_start_limit_reads_the_units_interval_and_burst(
+    stdout: str, code: int, expected: systemd.StartLimit | None
+) -> None:
+    runner = FakeSystemctl(stdout, code)
+    assert systemd.start_limit(runner, "sglang.service") == expected
+    assert runner.argv == [
+        "systemctl",
+        "show",
+        "--property=StartLimitIntervalUSec",
+        "--property=StartLimitBurst",
         "sglang.service",
     ]

@@ -8,8 +8,10 @@ import json
 from typing import Any
 
 import pytest
-from nspawn import SGLANG_UNIT, VENV_SPECD, Container
+import tomli_w
+from nspawn import SGLANG_UNIT, TWIN_URL, VENV_SPECD, Container
 from test_install_systemd import deployment_unit, serve_with_no_window
+from test_restart_sequence_systemd import rule_without_reset_failed
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -70,3 +72,22 @@ def test_doctor_after_add_enable_metrics_and_for_another_unit(sd: Container) -> 
         assert f"specd is installed for {unit}" in refused.stderr
     finally:
         sd.sh(specd, "uninstall", check=False, timeout=90)
+
+
+def test_doctor_says_a_polkit_rule_that_denies_reset_failed_is_not_enough(sd: Container) -> None:
+    """A rollback clears the start limit a failed change used up (`systemctl reset-failed`),
+    and a rule from before specd did that denies it: doctor said such a rule was fine."""
+    (sd.config_dir / "specd.toml").write_text(
+        tomli_w.dumps({"sglang": {"url": TWIN_URL, "unit": SGLANG_UNIT}})
+    )
+    _, found = verdicts(sd)
+    assert found["polkit"]["ok"], found["polkit"]
+    assert found["polkit"]["detail"] == (
+        f"user specd may restart and reset-failed {SGLANG_UNIT}, nothing else"
+    )
+    with rule_without_reset_failed(sd):
+        code, found = verdicts(sd)
+    assert code == 1
+    assert not found["polkit"]["ok"]
+    assert found["polkit"]["detail"] == f"user specd: reset-failed {SGLANG_UNIT}: denied"
+    assert f"`specd install --unit {SGLANG_UNIT}`" in found["polkit"]["advice"]

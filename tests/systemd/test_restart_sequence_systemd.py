@@ -8,13 +8,16 @@ and reads what systemd, the files and the twin say. Helpers from test_specd_serv
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
-from nspawn import SGLANG_UNIT, Container
+from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, Container
 from test_specd_service import (
     closed_window_config,
     env_steps,
     events_named,
+    journal_entries,
     journal_mark,
     pin_now,
     sglang_starts,
@@ -118,3 +121,121 @@ def test_a_unit_that_no_longer_reads_the_env_file_is_not_restarted(sd: Container
     assert state(sd)["frozen"] is None
     assert env_steps(sd) == 4
     assert twin_live_steps(sd) == (4, 4.0)
+
+
+# The operator's own start limit (systemd's default is 5 starts in 10 s): the twin's start,
+# specd's restart into a setting it cannot start at, and Restart='s first start again use
+# it up, so systemd leaves the unit failed ("Start request repeated too quickly") before
+# specd rolls back; an hour is longer than any wait here.
+START_LIMIT = "[Unit]\nStartLimitIntervalSec=1h\nStartLimitBurst=2\n"
+CRASH_LOOP = "Restart=on-failure\nRestartSec=100ms\n"
+REPEATED_TOO_QUICKLY = "Start request repeated too quickly."
+
+
+def sglang_journal_says(sd: Container, since: int, text: str) -> bool:
+    return any(
+        text in str(entry.get("MESSAGE", "")) for entry in journal_entries(sd, SGLANG_UNIT, since)
+    )
+
+
+def assert_rolled_back_to_four(sd: Container) -> None:
+    restarts = state(sd)["restarts"]
+    outcomes = [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts]
+    verified = len(restarts) == 1 and "rolled back, verified 4 steps" in restarts[0]["message"]
+    rolled_back = outcomes == [(4, 3, "rolled_back")] and verified
+    assert rolled_back, (
+        f"{restarts}\n--- specd ---\n{sd.journal(SPECD_UNIT, lines=40)}"
+        f"\n--- sglang ---\n{sd.journal(SGLANG_UNIT, lines=60)}"
+    )
+
+
+def assert_back_on_four_and_stays(sd: Container) -> None:
+    assert env_steps(sd) == 4
+    assert twin_live_steps(sd) == (4, 4.0)
+    settled = sd.main_pid(SGLANG_UNIT)
+    restarted = sd.show(SGLANG_UNIT, "NRestarts")
+    time.sleep(3)
+    assert (sd.main_pid(SGLANG_UNIT), sd.show(SGLANG_UNIT, "NRestarts")) == (settled, restarted)
+    assert sd.active_state(SGLANG_UNIT) == "active"
+
+
+def test_a_target_that_uses_up_the_start_limit_is_still_rolled_back(sd: Container) -> None:
+    """Under Restart=on-failure a setting SGLang cannot start at used up the unit's start
+    limit: systemd left the unit failed and refused the rollback's `systemctl restart` until
+    StartLimitIntervalSec= passed. The rollback failed, SGLang stayed down, specd frozen.
+    specd now clears the unit's failed state and start count (`systemctl reset-failed`,
+    which its polkit rule allows on this unit) before the rollback's restart."""
+    since = journal_mark(sd)
+    start_twin_unit(sd, 4, ["--fail-start-at-steps", "3"], CRASH_LOOP + START_LIMIT)
+    start_specd(sd, closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S))
+    pin_now(sd, 3)
+    frozen = wait_or_dump(
+        sd,
+        lambda: state(sd).get("frozen"),
+        timeout=60,
+        what="the restart that used up the start limit rolled back and frozen",
+    )
+    # systemd did refuse a start: the test is about what it claims.
+    assert sglang_journal_says(sd, since, REPEATED_TOO_QUICKLY), sd.journal(SGLANG_UNIT)
+    assert_rolled_back_to_four(sd)
+    message = state(sd)["restarts"][0]["message"]
+    assert f"{SGLANG_UNIT} failed while starting" in message, message
+    assert "rolled_back" in frozen["reason"]
+    cleared = events_named(sd, since, "unit_reset_failed")
+    assert [e["unit"] for _, e in cleared] == [SGLANG_UNIT], cleared
+    assert not events_named(sd, since, "unit_reset_failed_refused")
+    assert_back_on_four_and_stays(sd)
+
+
+# A polkit rule installed by a specd from before it cleared the start limit.
+RULE = "/etc/polkit-1/rules.d/50-specd.rules"
+RESET_FAILED_ALLOWED = ' || verb === "reset-failed"'
+SHORT_START_LIMIT_S = 15
+
+
+@contextmanager
+def rule_without_reset_failed(sd: Container) -> Iterator[None]:
+    shipped = (REPO / "etc/polkit-1/rules.d/50-specd.rules").read_text()
+    assert RESET_FAILED_ALLOWED in shipped
+    older = shipped.replace(RESET_FAILED_ALLOWED, "")
+    sd.sh("sh", "-c", "cat > /run/specd-older.rules", input_text=older)
+    # Over the container's bind of the repo's rule; polkitd reads rules when it starts.
+    sd.sh("mount", "--bind", "/run/specd-older.rules", RULE)
+    sd.systemctl("restart", "polkit.service")
+    try:
+        yield
+    finally:
+        sd.sh("umount", RULE, check=False)
+        sd.systemctl("restart", "polkit.service")
+
+
+def test_a_rollback_specd_may_not_reset_failed_waits_out_the_start_limit(sd: Container) -> None:
+    """With a polkit rule from before specd cleared the start limit (specd upgraded, `specd
+    install` not run again), `systemctl reset-failed` is refused: the rollback waits until
+    the unit's StartLimitIntervalSec= has passed, restarts then, and gets SGLang back
+    (rather than failing at once and leaving it down)."""
+    since = journal_mark(sd)
+    limit = f"[Unit]\nStartLimitIntervalSec={SHORT_START_LIMIT_S}s\nStartLimitBurst=2\n"
+    start_twin_unit(sd, 4, ["--fail-start-at-steps", "3"], CRASH_LOOP + limit)
+    with rule_without_reset_failed(sd):
+        refused = sd.sh(
+            "systemctl", "--no-ask-password", "reset-failed", SGLANG_UNIT, user="specd", check=False
+        )
+        assert "Access denied" in refused.stderr, refused.stderr
+        start_specd(sd, closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S))
+        pinned = time.monotonic()
+        pin_now(sd, 3)
+        wait_or_dump(
+            sd,
+            lambda: state(sd).get("frozen"),
+            timeout=60 + SHORT_START_LIMIT_S,
+            what="the rollback after the start limit's interval",
+        )
+        took = time.monotonic() - pinned
+    assert sglang_journal_says(sd, since, REPEATED_TOO_QUICKLY), sd.journal(SGLANG_UNIT)
+    assert_rolled_back_to_four(sd)
+    assert events_named(sd, since, "unit_reset_failed_refused")
+    waited = events_named(sd, since, "restart_waits_for_start_limit")
+    assert [e["wait_s"] for _, e in waited] == [SHORT_START_LIMIT_S + 1.0], waited
+    assert took >= SHORT_START_LIMIT_S
+    assert_back_on_four_and_stays(sd)

@@ -133,6 +133,50 @@ def test_polkit_rule_lets_specd_restart_only_sglang(
         assert sd.show(OTHER_UNIT, "LoadState") == "loaded"  # not masked
 
 
+# A unit systemd refuses a second start within the hour: started, then restarted once, it is
+# left failed by its start limit, as a setting SGLang cannot start at leaves sglang.service.
+LIMITED_SLEEPER = "[Unit]\nStartLimitIntervalSec=1h\nStartLimitBurst=1\n" + SLEEPER
+
+
+def test_polkit_rule_lets_specd_reset_failed_only_sglang(sd: Container) -> None:
+    """The rollback after a change that used up the start limit clears it first (systemctl
+    reset-failed, polkit verb "reset-failed"): allowed on sglang.service only, never on
+    another unit nor on every unit at once, nor for another user."""
+    sd.write_unit(SGLANG_UNIT, LIMITED_SLEEPER)
+    sd.write_unit(OTHER_UNIT, LIMITED_SLEEPER)
+    sd.daemon_reload()
+    sd.systemctl("start", SGLANG_UNIT, OTHER_UNIT)
+    for unit in (SGLANG_UNIT, OTHER_UNIT):
+        refused = sd.systemctl("restart", unit, check=False)
+        assert sd.show(unit, "Result") == "start-limit-hit", refused
+    # A restart is refused all the same, also to specd.
+    again = sd.sh(
+        "systemctl", "--no-ask-password", "restart", SGLANG_UNIT, user="specd", check=False
+    )
+    assert "attempted too often" in again.stderr, again.stderr
+
+    denied = [
+        ("specd", ["reset-failed", OTHER_UNIT], "Access denied"),
+        ("specd", ["reset-failed"], "Access denied"),  # every unit at once
+        ("nobody", ["reset-failed", SGLANG_UNIT], "Interactive authentication required"),
+    ]
+    for user, args, why in denied:
+        done = sd.sh("systemctl", "--no-ask-password", *args, user=user, check=False)
+        assert done.returncode != 0, (user, args)
+        assert why in done.stderr, (user, args, done.stderr)
+        assert sd.active_state(SGLANG_UNIT) == sd.active_state(OTHER_UNIT) == "failed"
+
+    done = sd.sh("systemctl", "--no-ask-password", "reset-failed", SGLANG_UNIT, user="specd",
+                 check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (sd.active_state(SGLANG_UNIT), sd.show(SGLANG_UNIT, "Result")) == ("inactive", "success")
+    assert sd.active_state(OTHER_UNIT) == "failed"
+    # The start count is gone with it: specd's restart starts the unit again.
+    sd.sh("systemctl", "--no-ask-password", "restart", SGLANG_UNIT, user="specd")
+    assert sd.active_state(SGLANG_UNIT) == "active"
+    assert sd.main_pid(SGLANG_UNIT) != 0
+
+
 def test_specd_unit_hardening_keeps_what_the_daemon_needs(sd: Container) -> None:
     """The shipped specd.service, with only its command swapped for a probe: it can load
     the daemon's libraries, reach SGLang on loopback, listen on 127.0.0.1, restart
