@@ -1238,7 +1238,12 @@ def test_a_reload_of_a_file_caught_mid_write_waits_for_it_and_applies_it_whole(
         (reloaded,) = events_named(log, "reloaded")
         assert reloaded["changed"] == {"restart.daily_restart_budget": 3}
         assert events_named(log, "reload_rejected") == []
-        assert metric(metrics_port, "specd_restart_budget_remaining") == 3
+        # The gauges are published at the tick after the reload, not with its log line.
+        wait_for(
+            lambda: metric(metrics_port, "specd_restart_budget_remaining") == 3,
+            10,
+            "the new budget published",
+        )
         assert metric(metrics_port, "specd_sglang_up") == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
