@@ -59,7 +59,7 @@ HEALTH_FIRST_LOOK_S = 1.0
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
 # graphs, free memory when the pool was sized.
 WEIGHT_GB, KV_CACHE_GB, GRAPH_GB, STARTUP_FREE_GB = 61.87, 44.13, 2.32, 9.87
-CONTEXT_LEN = 262144
+CONTEXT_LEN = 262144  # the model's own (Qwen3.5's max_position_embeddings)
 # SGLang's CUDA-graph phases (model_executor.graph_memory_usage), and the twin's share of
 # capture time and memory in each: plain decode graphs without speculation, verify and
 # draft graphs with it.
@@ -179,6 +179,12 @@ def _max_running_per_rank(
     # No argument and no capacity in the table: 48 in all stands in for what SGLang would
     # size from memory.
     return min(limits) if limits else max(48 // ranks, 1)
+
+
+def _ignored(args: argparse.Namespace) -> list[str]:
+    """The SGLang flags the twin's parser passed over (none from a plain parser)."""
+    words = getattr(args, "ignored_args", None)
+    return list(words) if isinstance(words, list) else []
 
 
 def _given_arguments(words: list[str], known: Mapping[str, Any]) -> dict[str, Any]:
@@ -446,6 +452,10 @@ class Twin:
             pid=os.getpid(),
             profile=config.profile,
         )
+        # --context-length, where given, is the model's context (model_config.context_len).
+        given = _given_arguments(_ignored(self.args), DEFAULTS[config.profile.version])
+        length = given.get("context_length")
+        self.context_len = length if isinstance(length, int) and length > 0 else CONTEXT_LEN
         self.engine = Engine(
             config.table,
             steps=config.steps,
@@ -502,7 +512,7 @@ class Twin:
             st.set("sglang:num_pages", total, rank)
             st.set("sglang:kv_available_tokens", total, rank)
             st.set("sglang:page_size", 1.0, rank)
-            st.set("sglang:context_len", float(CONTEXT_LEN), rank)
+            st.set("sglang:context_len", float(self.context_len), rank)
             st.set("sglang:weight_memory_usage_gb", WEIGHT_GB, rank)
             st.set("sglang:kv_cache_memory_usage_gb", KV_CACHE_GB, rank)
             st.set("sglang:startup_available_gpu_memory_gb", STARTUP_FREE_GB, rank)
@@ -648,7 +658,7 @@ class Twin:
         # That version's arguments at their defaults, then those given: the twin's own
         # (as the twin resolved them), and the SGLang flags it does not model.
         info: dict[str, Any] = dict(DEFAULTS[cfg.profile.version])
-        info.update(_given_arguments(a.ignored_args, info))
+        info.update(_given_arguments(_ignored(a), info))
         info.update({k: v for k, v in vars(a).items() if k in SGLANG_DESTS and k in info})
         resolved = {
             "model_path": a.model_path,
@@ -743,7 +753,7 @@ class Twin:
         # The scheduler's (or DP controller's) ready message.
         info["status"] = "ready"
         info["max_total_num_tokens"] = total
-        info["max_req_input_len"] = min(CONTEXT_LEN - 1, total - 1) - 5
+        info["max_req_input_len"] = min(self.context_len - 1, total - 1) - 5
         if profile.resolved_server_info:
             # The tokenizer's startup times (the schedulers', its own end to end added)
             # stand where the ready message's are.
@@ -816,7 +826,7 @@ class Twin:
             "owned_by": "sglang",
             "root": self.config.model_name,
             "parent": None,
-            "max_model_len": CONTEXT_LEN,
+            "max_model_len": self.context_len,
         }
         return web.json_response({"object": "list", "data": [card]})
 

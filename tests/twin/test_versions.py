@@ -533,3 +533,16 @@ def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
             fresh = _value(c.get("/metrics").text, "sglang:new_token_ratio")
     assert 0.098 <= busy < 0.69
     assert fresh == pytest.approx(0.7)
+
+
+def test_context_length_given_is_the_servers_context() -> None:
+    with _twin("0.5.23", "--context-length", "32768", "--mem-fraction-static", "0.85") as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            info = c.get("/server_info").json()
+            models = c.get("/v1/models").json()
+            page = c.get("/metrics").text
+    assert (info["context_length"], info["mem_fraction_static"]) == (32768, 0.85)
+    assert models["data"][0]["max_model_len"] == 32768
+    assert _value(page, "sglang:context_len") == 32768
+    assert info["max_req_input_len"] == min(32767, info["max_total_num_tokens"] - 1) - 5
