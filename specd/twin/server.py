@@ -621,12 +621,17 @@ class Twin:
         return web.Response(status=200)
 
     def _health_generates(self) -> bool:
-        """Whether /health runs the generation too: always before 0.5.11, since unless
-        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false."""
+        """Whether /health runs the generation too (and so takes >= 1 s).
+
+        SGLang's /health does, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false
+        (0.5.11+; always before). The twin's does only when that variable says true: test
+        helpers outside the twin's (tests/test_faults.py's healthy(), the fleet tests'
+        probes) ask /health with a 1 s timeout, which SGLang's default never meets.
+        /health_generate, what specd probes, always takes SGLang's second."""
         if not self.config.profile.health_generation_env:
-            return True
-        value = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
-        return value.lower() not in ("false", "0", "no", "n")
+            return False
+        value = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+        return value.lower() in ("true", "1", "yes", "y")
 
     async def ready(self, request: web.Request) -> web.Response:
         # /ready (0.5.20+): up and not shutting down, answered at once, no generation.
