@@ -613,10 +613,12 @@ class Twin:
         whether anything came back since (the twin's always has), so 200 takes >= 1 s."""
         if self.phase != "ready":
             return web.Response(status=503)
-        if request.path == "/health" and not self._health_generates():
-            return web.Response(status=200)
+        # The fault stands for a server whose generation never comes back: unhealthy on
+        # both paths, as SGLang's default /health (which generates) would be.
         if self.args.never_healthy:
             return web.Response(status=503)
+        if request.path == "/health" and not self._health_generates():
+            return web.Response(status=200)
         await asyncio.sleep(HEALTH_FIRST_LOOK_S)
         return web.Response(status=200)
 
