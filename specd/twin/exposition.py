@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.exposition import (
-    CONTENT_TYPE_PLAIN_0_0_4,
     choose_encoder,
     generate_latest,
     gzip_accepted,
@@ -234,19 +233,16 @@ def serve_page(
 ) -> tuple[bytes, dict[str, str]]:
     """The body and headers SGLang's /metrics answers with for ``text``: its route is
     prometheus_client's ASGI app over a registry holding one MultiProcessCollector, so the
-    format follows the Accept header (text 1.0.0 with name escaping, else text 0.0.4),
-    Accept-Encoding: gzip compresses it, and ``name[]`` gives an empty page (the collector
-    describes no names for the registry to keep). The page is re-read into that app's
-    encoders, which give ``text`` itself back as text 0.0.4.
+    format follows the Accept header (OpenMetrics, text 1.0.0 with name escaping, else text
+    0.0.4), Accept-Encoding: gzip compresses it, and ``name[]`` gives an empty page (the
+    collector describes no names for the registry to keep). The page is re-read into that
+    app's encoders, which give ``text`` itself back as text 0.0.4.
 
-    Not OpenMetrics: asked for it (Prometheus 2's default Accept), prometheus_client >= 0.23
-    under SGLang writes the samples' names with ``_`` for ``:`` (sglang_num_running_reqs,
-    while HELP and TYPE keep sglang:...), so the series a Prometheus 2 stores from a real
-    SGLang are not the ones specd's rules and dashboard query; the twin answers that Accept
-    with text 0.0.4, as prometheus_client < 0.23 in effect did, until they do."""
+    OpenMetrics (Prometheus 2's default Accept) as prometheus_client >= 0.23 writes it under
+    SGLang: the samples' names with ``_`` for ``:`` (sglang_num_running_reqs) while HELP and
+    TYPE keep sglang:..., and Prometheus stores the samples' names. The example scrape config
+    (etc/prometheus/prometheus.example.yml) renames them back for the rules and dashboard."""
     encoder, content_type = choose_encoder(accept)
-    if content_type.startswith("application/openmetrics-text"):
-        encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
     names = list(query.get("name[]", ()))
     if encoder is generate_latest and not names:
         body = text.encode()

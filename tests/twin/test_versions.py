@@ -366,10 +366,10 @@ PROMETHEUS_2_ACCEPT = (
     "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
-# (method, query, headers): what a Prometheus server, a curl and a browser send. Not
-# OpenMetrics: the twin answers text 0.0.4 to it (exposition.serve_page says why).
+# (method, query, headers): what a Prometheus server, a curl and a browser send.
 ASKS = [
     ("GET", b"", {"Accept": "*/*"}),
+    ("GET", b"", {"Accept": PROMETHEUS_2_ACCEPT}),
     ("GET", b"", {"Accept": "text/plain;version=1.0.0;escaping=underscores"}),
     ("GET", b"", {"Accept-Encoding": "gzip"}),
     ("GET", b"name[]=sglang:num_running_reqs&name[]=sglang:gen_throughput", {}),
@@ -392,11 +392,14 @@ def test_metrics_negotiates_like_prometheus_clients_asgi_app() -> None:
                     headers={"Accept-Encoding": "identity", **headers},
                 )
                 answers.append((response.status_code, dict(response.headers), response.content))
-    assert prometheus_2.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    assert 'sglang:num_running_reqs{engine_type="unified"' in prometheus_2.text
+    # OpenMetrics, as prometheus_client >= 0.23 writes SGLang's names there: the samples
+    # with "_" for ":", HELP and TYPE as named (the example scrape config renames them back).
+    assert prometheus_2.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert 'sglang_num_running_reqs{engine_type="unified"' in prometheus_2.text
+    assert "# TYPE sglang:num_running_reqs gauge" in prometheus_2.text
     # SGLang's registry describes no names: name[] keeps nothing.
-    assert answers[3][0] == 200
-    assert answers[3][2] == b""
+    assert answers[4][0] == 200
+    assert answers[4][2] == b""
     for (method, query, headers), (status, got_headers, body) in zip(ASKS, answers, strict=True):
         want_status, want_headers, want = _asgi_answer(
             plain, method, query, {"Accept-Encoding": "identity", **headers}
