@@ -167,11 +167,14 @@ def parse_cron(cron: str) -> CronFields:
         words = re.findall(r"[a-z]+", item)
         if not _MONTH_ITEM.match(item) or any(w not in MONTHS for w in words):
             raise ValueError(f"month {month!r}: expected 1-12 or jan..dec, ranges, lists")
-    weekdays = _check_weekdays(dow)
-    if day != "*" and len(weekdays) < len(WEEKDAYS):
+    _check_weekdays(dow)
+    # cron (Vixie, cronie) ORs the two day fields unless one of them starts with '*', and
+    # APScheduler always ANDs them: `0 3 1 * mon-sun` is every day to cron and the 1st
+    # only to APScheduler, `0 3 */2 * mon` the same to both.
+    if not day.startswith("*") and not dow.startswith("*"):
         raise ValueError(
-            f"{cron!r} restricts both day of month and weekday; cron would OR them and "
-            "APScheduler ANDs them, so restrict only one"
+            f"{cron!r} restricts both day of month ({day}) and weekday ({dow}): cron runs it "
+            "on either and APScheduler only on both, so restrict one and write * for the other"
         )
     fields = CronFields(minute, hour, day, month, dow, second)
     try:

@@ -295,6 +295,8 @@ def test_an_always_open_chain_costs_a_bounded_walk_per_tick(
         ("*/20 * * * * *", ("*/20", "*", "*", "*", "*", "*")),
         ("15,45 */5 2 * * sat,sun", ("15,45", "*/5", "2", "*", "*", "sat,sun")),
         ("0-10 0 3 1 jan *", ("0-10", "0", "3", "1", "jan", "*")),
+        # A day field starting with * makes cron AND the day fields too, as APScheduler does.
+        ("0 3 */2 * mon", ("0", "3", "*/2", "*", "mon")),
     ],
 )
 def test_parse_cron_accepts(cron: str, fields: tuple[str, ...]) -> None:
@@ -326,7 +328,10 @@ def test_parse_cron_accepts(cron: str, fields: tuple[str, ...]) -> None:
         ("*/0 3 * * *", "Increment must be higher than 0"),
         ("0 3 last * *", "day 'last'"),
         ("0 3 * foo *", "month 'foo'"),
-        ("0 3 1 * mon", "restricts both day of month and weekday"),
+        ("0 3 1 * mon", r"restricts both day of month \(1\) and weekday \(mon\)"),
+        # Every weekday named is still a restriction to cron, which then ORs: every day.
+        ("0 3 1 * mon-sun", "restricts both day of month"),
+        ("0 3 1-7 * sat,sun", "runs it on either"),
         ("", "has 0 fields"),
     ],
 )
@@ -348,6 +353,13 @@ def test_parse_cron_rejects(cron: str, message: str) -> None:
 def test_check_window_rejects(cron: str, zone: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_window(cron, zone)
+
+
+def test_odd_days_that_are_mondays_as_cron_reads_them() -> None:
+    # cron ANDs `*/2` (it starts with *) with `mon`: odd days of the month that are Mondays.
+    windows = [WindowSpec("0 3 */2 * mon", 3600, "UTC")]
+    # 2025-12-01 is a Monday (odd day); Dec 8 (even) is skipped; Dec 15 is the next.
+    assert next_open(windows, at(2025, 12, 1, 4)) == at(2025, 12, 15, 3)
 
 
 def test_leap_day_window_fires_within_the_horizon() -> None:
