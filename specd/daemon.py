@@ -548,6 +548,12 @@ class Daemon:
         )
 
     def run(self) -> int:
+        # /metrics answers from here on, before the first tick ends (its scrape may wait a
+        # timeout; a journal's resumption, minutes): serve what the saved state and the
+        # override file say, not the defaults, or Prometheus reads a frozen specd as not
+        # frozen (SpecdFrozen resolves, then pages again) and a pin as auto.
+        now = self._now()
+        self._update_gauges(now, self._refresh_override(now))
         try:
             self.start_metrics_server()
         except OSError as exc:
@@ -588,7 +594,13 @@ class Daemon:
         if not self.state.journal:
             return
         self.log.warning("reconciling_interrupted_restart", journal=self.state.journal)
-        outcome = self.applier.reconcile(self.state.journal)
+        # Resuming may wait for SGLang to load, or roll back: a restart in progress, which
+        # SGLangDown and SpecdNotScrapingSGLang stay quiet for.
+        self.metrics.restart_in_progress.set(1)
+        try:
+            outcome = self.applier.reconcile(self.state.journal)
+        finally:
+            self.metrics.restart_in_progress.set(0)
         if outcome is not None:
             self._record_outcome(outcome, self._now())
         else:

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -21,10 +22,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import tomli_w
 from factories import FAST_TWIN_VERSION_ARGS, SmgGateway, make_observation, serve, tables
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from specd.core import outcome
@@ -1547,3 +1550,126 @@ def test_a_damaged_state_file_costs_its_bad_part_only(
     if "last_t" not in named:
         assert d.state.history.busy_seconds == pytest.approx(history.busy_seconds, rel=0.01)
     assert StateStore(Path(cfg.files.state_dir), clock=lambda: clock[0]).load()[1] is None
+
+
+# ---- what specd exports before its first tick ----------------------------------------
+
+
+class HeldReader(Reader):
+    """SGLang that does not answer until released: the first tick waits in its scrape."""
+
+    def __init__(self, entered: threading.Event, release: threading.Event) -> None:
+        super().__init__([ScrapeError("timeout", "no answer", IN_WINDOW)])
+        self.entered, self.release = entered, release
+
+    def observe(self) -> Observation | ScrapeError:
+        self.entered.set()
+        self.release.wait(30)
+        return super().observe()
+
+
+class HeldApplier(Applier):
+    """A restart journal whose resumption (waiting for SGLang to load) lasts until released."""
+
+    def __init__(self, entered: threading.Event, release: threading.Event) -> None:
+        super().__init__()
+        self.entered, self.release = entered, release
+
+    def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
+        if journal_data is None:
+            return None
+        self.entered.set()
+        self.release.wait(30)
+        return None
+
+
+def _frozen(state: State, _cfg: Config) -> None:
+    state.frozen = {"since": IN_WINDOW - 300, "reason": "restart to 4 rolled_back: OOM"}
+    rollback = {"t": IN_WINDOW - 600, "from_steps": 3, "to_steps": 4, "result": "rolled_back"}
+    state.restarts = [rollback]
+
+
+def _pinned(state: State, cfg: Config) -> None:
+    expires = datetime.fromtimestamp(IN_WINDOW + 7200, tz=UTC)
+    pin = {"mode": "pin", "steps": 4, "expires_at": expires, "reason": "incident 42"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+    os.chmod(cfg.files.override_file, 0o644)
+
+
+def _mid_restart(state: State, _cfg: Config) -> None:
+    state.journal = {"phase": "restart_issued", "from_steps": 3, "to_steps": 4}
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        pytest.param(
+            _frozen,
+            {
+                ("specd_frozen", ()): 1.0,
+                ("specd_mode", (("mode", "freeze"),)): 1.0,
+                ("specd_mode", (("mode", "auto"),)): 0.0,
+                ("specd_restart_budget_remaining", ()): 3.0,
+            },
+            id="frozen",
+        ),
+        pytest.param(
+            _pinned,
+            {
+                ("specd_mode", (("mode", "pin"),)): 1.0,
+                ("specd_override_info", (("mode", "pin"), ("reason", "incident 42"))): 1.0,
+                ("specd_override_present", ()): 1.0,
+                ("specd_frozen", ()): 0.0,
+            },
+            id="pinned",
+        ),
+        pytest.param(
+            _mid_restart,
+            {("specd_restart_in_progress", ()): 1.0},
+            id="resuming an interrupted restart",
+        ),
+    ],
+)
+def test_first_metrics_page_tells_the_saved_state(
+    tmp_path: Path,
+    setup: Callable[[State, Config], None],
+    expected: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+) -> None:
+    """A restarted specd serves /metrics before its first tick ends (that tick may wait a
+    whole scrape timeout for SGLang; resuming an interrupted restart may wait minutes for
+    SGLang to load). Prometheus scraping it then must read what the saved state says: a
+    specd_frozen 0 there resolved SpecdFrozen and paged again a tick later, an override
+    pin read as auto reset SpecdOverrideActiveTooLong's day, and a resumed restart read
+    as none let SGLangDown page for the load specd was waiting for."""
+    cfg = config(tmp_path, metrics_listen_address="127.0.0.1", metrics_port=0)
+    clock = [IN_WINDOW]
+    first = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), clock)
+    setup(first.state, cfg)
+    first._save_state(force=True)
+
+    entered, release = threading.Event(), threading.Event()
+    d = Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: clock[0],
+        notifier=Notifier({}),
+        reader=HeldReader(entered, release),
+        applier=HeldApplier(entered, release),
+    )
+    runner = threading.Thread(target=d.run, daemon=True)
+    runner.start()
+    try:
+        assert entered.wait(10), "specd never reached its first scrape or the journal"
+        assert d.metrics_port is not None
+        page = httpx.get(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=5).text
+    finally:
+        release.set()
+        d.request_stop()
+        runner.join(10)
+    assert not runner.is_alive()
+    served = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+    }
+    assert {key: served.get(key) for key in expected} == expected
