@@ -978,13 +978,22 @@ class Annotation(NamedTuple):
     text: str
 
 
+# Grafana evaluates an annotation at every ANNOTATION_STEP; an event's counter steps between
+# two scrapes, which straddle a step boundary as often as not. A window of one step holds
+# only the samples inside that step and missed such a step (every one at a 1 m scrape): the
+# window is a step plus the longest scrape interval (1 m, Prometheus' default), so the two
+# samples around every step are inside one window.
+ANNOTATION_STEP = "1m"
+EVENT_WINDOW = "2m"
+
 # What explains a throughput dip: every restart specd made, every rollback, every
 # exploration, every pin, every change specd took back.
 ANNOTATIONS: tuple[Annotation, ...] = (
     Annotation(
         "Restarts",
         "blue",
-        f'sum by (instance) (increase(specd_restarts_total{{{INST}, result="success"}}[1m])) > 0',
+        "sum by (instance) "
+        f'(increase(specd_restarts_total{{{INST}, result="success"}}[{EVENT_WINDOW}])) > 0',
         "specd restarted SGLang",
         "verified restart on {{instance}}",
     ),
@@ -992,7 +1001,7 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         "Rollbacks and failed restarts",
         "red",
         "sum by (instance, result) "
-        f'(increase(specd_restarts_total{{{INST}, result!="success"}}[1m])) > 0',
+        f'(increase(specd_restarts_total{{{INST}, result!="success"}}[{EVENT_WINDOW}])) > 0',
         "restart {{result}}",
         "a restart on {{instance}} ended {{result}}: see specd_frozen",
     ),
@@ -1001,15 +1010,17 @@ ANNOTATIONS: tuple[Annotation, ...] = (
         "green",
         # Every pair but static → static (a change of step count: the restarts' annotation).
         "sum by (instance, from_kind, to_kind) (increase(specd_setting_changes_total"
-        f'{{{INST}, from_kind!="static"}}[1m])) > 0 or sum by (instance, from_kind, to_kind) '
-        f'(increase(specd_setting_changes_total{{{INST}, to_kind!="static"}}[1m])) > 0',
+        f'{{{INST}, from_kind!="static"}}[{EVENT_WINDOW}])) > 0 '
+        "or sum by (instance, from_kind, to_kind) (increase(specd_setting_changes_total"
+        f'{{{INST}, to_kind!="static"}}[{EVENT_WINDOW}])) > 0',
         "{{from_kind}} → {{to_kind}}",
         "SGLang on {{instance}} changed from {{from_kind}} to {{to_kind}}",
     ),
     Annotation(
         "Explorations",
         "green",
-        f"sum by (instance, steps) (increase(specd_explorations_total{{{INST}}}[1m])) > 0",
+        "sum by (instance, steps) "
+        f"(increase(specd_explorations_total{{{INST}}}[{EVENT_WINDOW}])) > 0",
         "exploring {{steps}} steps",
         "specd on {{instance}} runs one epoch at {{steps}} steps to measure it",
     ),
@@ -1040,7 +1051,8 @@ ANNOTATIONS: tuple[Annotation, ...] = (
     Annotation(
         "Regressions",
         "dark-orange",
-        f"sum by (instance, steps) (increase(specd_regressions_total{{{INST}}}[1m])) > 0",
+        "sum by (instance, steps) "
+        f"(increase(specd_regressions_total{{{INST}}}[{EVENT_WINDOW}])) > 0",
         "{{steps}} regressed",
         "specd on {{instance}} went back: {{steps}} (a step count, off or an adaptive set) "
         "served less than the setting before (see the decision log's outcome)",
@@ -1055,7 +1067,7 @@ def annotation_query(a: Annotation) -> db.AnnotationQuery:
 def _prometheus_annotation_fields(a: Annotation) -> dict[str, Any]:
     return {
         "expr": a.expr,
-        "step": "1m",
+        "step": ANNOTATION_STEP,
         "titleFormat": a.title,
         "textFormat": a.text,
         "useValueForTime": False,

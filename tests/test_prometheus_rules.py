@@ -7,12 +7,16 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from specd.twin.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "etc" / "prometheus"
@@ -268,3 +272,120 @@ def test_dashboard_counts_each_request_once_under_priority_scheduling(tmp_path: 
     )
     result = run_promtool("test", "rules", tests)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- the dashboard's event annotations over real scrape timestamps ----------------------
+# Counters behind the annotations that mark events, each bumped once per case, with labels
+# every annotation's matchers take (a change of kind: static → off).
+EVENT_COUNTERS = (
+    'specd_restarts_total{result="success"}',
+    'specd_restarts_total{result="rolled_back"}',
+    'specd_setting_changes_total{from_kind="static", to_kind="off"}',
+    'specd_explorations_total{steps="4"}',
+    'specd_regressions_total{steps="4"}',
+)
+# Prometheus scrapes at its own offset inside each interval, never on Grafana's steps.
+SCRAPE_OFFSET_S = 7
+EVENT_CASES = [
+    (interval, gap)
+    for interval in (15, 30, 60)
+    # Every gap between two samples of one minute (and the one across its end).
+    for gap in range(60 // interval + 1)
+]
+
+
+def _event_series(t0: int) -> str:
+    """OpenMetrics text: per case an instance whose counters step from 0 to 1 between two
+    samples, the ``gap``-th pair after minute 10, scraped every ``interval`` seconds."""
+    lines: dict[str, list[str]] = {}
+    for interval, gap in EVENT_CASES:
+        instance = f"every-{interval}s-gap-{gap}"
+        first = t0 + SCRAPE_OFFSET_S
+        bump_after = first + 600 + gap * interval  # the last sample still 0
+        for selector in EVENT_COUNTERS:
+            name, labels = selector.rstrip("}").split("{")
+            family = name.removesuffix("_total")
+            series = f'{name}{{instance="{instance}", job="specd", {labels}}}'.replace(" ", "")
+            lines.setdefault(family, []).extend(
+                f"{series} {0 if t <= bump_after else 1} {t}"
+                for t in range(first, first + 1800, interval)
+            )
+    text = [
+        f"# TYPE {family} counter\n" + "\n".join(samples) + "\n"
+        for family, samples in lines.items()
+    ]
+    return "".join(text) + "# EOF\n"
+
+
+def _annotation_marks(tmp_path: Path) -> dict[str, set[str]]:
+    """Grafana's range query of each event annotation (its expr at its step, the range
+    aligned to the step) against a real Prometheus: the instances each marks."""
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        if os.environ.get("SPECD_ALLOW_SKIP") == "1":
+            pytest.skip("prometheus missing (apt-get install prometheus)")
+        pytest.fail("prometheus missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
+    t0 = (int(time.time()) // 3600 - 3) * 3600  # three hours ago, on the hour
+    source = tmp_path / "events.om"
+    source.write_text(_event_series(t0), encoding="utf-8")
+    data = tmp_path / "data"
+    made = run_promtool("tsdb", "create-blocks-from", "openmetrics", source, data)
+    assert made.returncode == 0, made.stdout + made.stderr
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global: {}\n", encoding="utf-8")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        server = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={data}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        marks: dict[str, set[str]] = {}
+        with httpx.Client(timeout=10) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if client.get(f"{url}/-/ready").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()
+                time.sleep(0.2)
+            dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+            for annotation in dashboard["annotations"]["list"]:
+                if "increase(" not in annotation.get("expr", ""):
+                    continue  # a state (a pin, a freeze), not an event
+                step = int(annotation["step"].removesuffix("m")) * 60
+                params = {
+                    "query": annotation["expr"].replace("$instance", ".+"),
+                    "start": str(t0),
+                    "end": str(t0 + 1800),
+                    "step": str(step),
+                }
+                body = client.get(f"{url}/api/v1/query_range", params=params).json()
+                assert body["status"] == "success", body
+                found = body["data"]["result"]
+                marks[annotation["name"]] = {r["metric"]["instance"] for r in found}
+    finally:
+        stop_process(server)
+    return marks
+
+
+def test_event_annotations_mark_every_event(tmp_path: Path) -> None:
+    """Each restart, rollback, change of kind, exploration and regression is marked on the
+    dashboard, wherever its counter's step falls between two scrapes. A window as long as
+    the annotation's step (increase(...[1m]) at a 1 m step) saw only the samples inside one
+    step: a bump between the last sample of one step and the first of the next was in no
+    window, so a quarter of the events went unmarked at a 15 s scrape, and all at 60 s."""
+    marks = _annotation_marks(tmp_path)
+    assert len(marks) == 5, sorted(marks)
+    every = {f"every-{interval}s-gap-{gap}" for interval, gap in EVENT_CASES}
+    unmarked = {name: sorted(every - marked) for name, marked in marks.items()}
+    assert unmarked == {name: [] for name in marks}
