@@ -731,13 +731,17 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
     override_file = (
         big(
             "Override file",
-            "ignored: the override file exists but is invalid, expired or unsafe; specd "
-            "ignores it and keeps its last good state.",
+            "in effect: a valid override file. ignored: the file exists but is invalid or "
+            "unsafe; specd ignores it and keeps its last good state. expired: its expires_at "
+            "passed; specd decides by itself again (delete the file or specd override clear).",
             "none",
         )
         .with_target(
+            # An expired file is still a valid one (specd_override_valid 1): its expiry
+            # tells it apart, or the panel said "in effect" for a pin specd ignores.
             q(
-                f"specd_override_present{{{INST}}} + 2 * (1 - specd_override_valid{{{INST}}})",
+                f"specd_override_present{{{INST}}} + 2 * (1 - specd_override_valid{{{INST}}})"
+                f" + 4 * (time() >= bool specd_override_expiry_timestamp_seconds{{{INST}}})",
                 "{{instance}}",
                 instant=True,
             )
@@ -749,6 +753,7 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
                     "1": ("in effect", "blue"),
                     "2": ("ignored", "red"),
                     "3": ("ignored", "red"),
+                    "5": ("expired", "orange"),
                 }
             )
         )

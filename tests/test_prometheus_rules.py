@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,25 +319,25 @@ def _event_series(t0: int) -> str:
     return "".join(text) + "# EOF\n"
 
 
-def _annotation_marks(tmp_path: Path) -> dict[str, set[str]]:
-    """Grafana's range query of each event annotation (its expr at its step, the range
-    aligned to the step) against a real Prometheus: the instances each marks."""
+@contextlib.contextmanager
+def prometheus_over(tmp_path: Path, openmetrics: str) -> Iterator[httpx.Client]:
+    """A real Prometheus serving ``openmetrics`` (written into its TSDB as blocks, exactly
+    as timestamped); yields a client for its HTTP API."""
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         if os.environ.get("SPECD_ALLOW_SKIP") == "1":
             pytest.skip("prometheus missing (apt-get install prometheus)")
         pytest.fail("prometheus missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
-    t0 = (int(time.time()) // 3600 - 3) * 3600  # three hours ago, on the hour
-    source = tmp_path / "events.om"
-    source.write_text(_event_series(t0), encoding="utf-8")
+    source = tmp_path / "series.om"
+    source.write_text(openmetrics, encoding="utf-8")
     data = tmp_path / "data"
     made = run_promtool("tsdb", "create-blocks-from", "openmetrics", source, data)
     assert made.returncode == 0, made.stdout + made.stderr
     config = tmp_path / "prometheus.yml"
     config.write_text("global: {}\n", encoding="utf-8")
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with (tmp_path / "prometheus.log").open("wb") as log:
+    log_path = tmp_path / "prometheus.log"
+    with log_path.open("wb") as log:
         server = subprocess.Popen(
             [
                 prometheus,
@@ -347,34 +349,47 @@ def _annotation_marks(tmp_path: Path) -> dict[str, set[str]]:
             stderr=subprocess.STDOUT,
         )
     try:
-        marks: dict[str, set[str]] = {}
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    if client.get(f"{url}/-/ready").status_code == 200:
+                    if client.get("/-/ready").status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
-                assert time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()
+                assert time.monotonic() < deadline, log_path.read_text(errors="replace")
                 time.sleep(0.2)
-            dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
-            for annotation in dashboard["annotations"]["list"]:
-                if "increase(" not in annotation.get("expr", ""):
-                    continue  # a state (a pin, a freeze), not an event
-                step = int(annotation["step"].removesuffix("m")) * 60
-                params = {
-                    "query": annotation["expr"].replace("$instance", ".+"),
-                    "start": str(t0),
-                    "end": str(t0 + 1800),
-                    "step": str(step),
-                }
-                body = client.get(f"{url}/api/v1/query_range", params=params).json()
-                assert body["status"] == "success", body
-                found = body["data"]["result"]
-                marks[annotation["name"]] = {r["metric"]["instance"] for r in found}
+            yield client
     finally:
         stop_process(server)
+
+
+def _result(client: httpx.Client, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
+    body = client.get(path, params=params).json()
+    assert body["status"] == "success", body
+    found: list[dict[str, Any]] = body["data"]["result"]
+    return found
+
+
+def _annotation_marks(tmp_path: Path) -> dict[str, set[str]]:
+    """Grafana's range query of each event annotation (its expr at its step, the range
+    aligned to the step) against a real Prometheus: the instances each marks."""
+    t0 = (int(time.time()) // 3600 - 3) * 3600  # three hours ago, on the hour
+    marks: dict[str, set[str]] = {}
+    with prometheus_over(tmp_path, _event_series(t0)) as client:
+        dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+        for annotation in dashboard["annotations"]["list"]:
+            if "increase(" not in annotation.get("expr", ""):
+                continue  # a state (a pin, a freeze), not an event
+            step = int(annotation["step"].removesuffix("m")) * 60
+            params = {
+                "query": annotation["expr"].replace("$instance", ".+"),
+                "start": str(t0),
+                "end": str(t0 + 1800),
+                "step": str(step),
+            }
+            found = _result(client, "/api/v1/query_range", params)
+            marks[annotation["name"]] = {r["metric"]["instance"] for r in found}
     return marks
 
 
@@ -389,3 +404,60 @@ def test_event_annotations_mark_every_event(tmp_path: Path) -> None:
     every = {f"every-{interval}s-gap-{gap}" for interval, gap in EVENT_CASES}
     unmarked = {name: sorted(every - marked) for name, marked in marks.items()}
     assert unmarked == {name: [] for name in marks}
+
+
+def _displayed(panel: dict[str, Any], value: float) -> str:
+    """The text a stat panel shows for ``value``: its value mappings, else the number."""
+    for mapping in panel["fieldConfig"]["defaults"].get("mappings", []):
+        if mapping["type"] == "value":
+            for key, result in mapping["options"].items():
+                if float(key) == value:
+                    return str(result["text"])
+        if mapping["type"] == "special" and value != value:  # NaN
+            return str(mapping["options"]["result"]["text"])
+    return f"{value:g}"
+
+
+# (specd_override_present, specd_override_valid, expiry relative to now or None for NaN):
+# as specd exports them for each state of the override file, and what the panel must say.
+OVERRIDE_FILE_CASES = {
+    "no-file": ((0, 1, None), "none"),
+    "pin-in-force": ((1, 1, 3600), "in effect"),
+    "invalid": ((1, 0, None), "ignored"),
+    # A pin whose expires_at passed: the file still parses (valid 1), specd ignores it.
+    "expired-pin": ((1, 1, -600), "expired"),
+}
+
+
+def test_override_file_panel_says_what_specd_does_with_the_file(tmp_path: Path) -> None:
+    """The Override file panel over the series specd exports for each state of the file. An
+    expired pin is a valid file (specd_override_valid 1), so present + 2 * (1 - valid) read
+    1 and the panel said "in effect" while specd ignored it and decided by itself."""
+    now = int(time.time()) - 60
+    samples: dict[str, list[str]] = {}
+    for instance, ((present, valid, expires_in), _) in OVERRIDE_FILE_CASES.items():
+        expiry = "NaN" if expires_in is None else str(now + expires_in)
+        values = {
+            "specd_override_present": str(present),
+            "specd_override_valid": str(valid),
+            "specd_override_expiry_timestamp_seconds": expiry,
+        }
+        for name, value in values.items():
+            samples.setdefault(name, []).extend(
+                f'{name}{{instance="{instance}",job="specd"}} {value} {t}'
+                for t in range(now - 600, now + 1, 15)
+            )
+    text = "".join(
+        f"# TYPE {name} gauge\n" + "\n".join(lines) + "\n" for name, lines in samples.items()
+    )
+    (panel,) = [
+        p
+        for p in json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]
+        if p["title"] == "Override file"
+    ]
+    (target,) = panel["targets"]
+    with prometheus_over(tmp_path, text + "# EOF\n") as client:
+        params = {"query": target["expr"].replace("$instance", ".+"), "time": str(now)}
+        found = _result(client, "/api/v1/query", params)
+    shown = {r["metric"]["instance"]: _displayed(panel, float(r["value"][1])) for r in found}
+    assert shown == {instance: said for instance, (_, said) in OVERRIDE_FILE_CASES.items()}

@@ -242,8 +242,8 @@ class Metrics:
         )
         self.override_valid = Gauge(
             "specd_override_valid",
-            "0 when the override file exists but is invalid, expired or unsafe (it is "
-            "ignored); 1 otherwise.",
+            "0 when the override file exists but is invalid or unsafe (it is ignored); 1 "
+            "otherwise, also for an expired one (see specd_override_expiry_timestamp_seconds).",
             registry=r,
         )
         self.override_present = Gauge(
