@@ -903,7 +903,7 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
             "Fleet slot held",
             "1 while this host's specd holds one of its group's restart slots in etcd: at "
             "most `slots` hosts of a group at once. SpecdFleetSlotHeldTooLong fires after "
-            "45 minutes.",
+            "an hour.",
             "none",
         )
         .min(0)

@@ -343,3 +343,38 @@ def test_every_matched_label_value_is_exported() -> None:
         if value not in exported.get((metric, label), set())
     ]
     assert wrong == []
+
+
+ALERT_TIMING = re.compile(r"\b((?:Specd|SGLang)\w+) fires after (an hour|\d+ minutes)")
+
+
+def _seconds(text: str) -> int:
+    """Seconds of a rule's `for` ("1h", "15m") or of a description's "an hour", "45 minutes"."""
+    if text == "an hour":
+        return 3600
+    if text.endswith(" minutes"):
+        return int(text.removesuffix(" minutes")) * 60
+    return int(text[:-1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[text[-1]]
+
+
+def test_panel_descriptions_give_each_alert_its_rules_delay() -> None:
+    """A panel that tells the on-call when an alert fires says what the rule does: Fleet
+    slot held said SpecdFleetSlotHeldTooLong fires after 45 minutes; its `for` is 1h."""
+    rules = {
+        r["alert"]: r
+        for g in yaml.safe_load(RULES.read_text(encoding="utf-8"))["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+    said = [
+        (p["title"], alert, when)
+        for p in panels()
+        for alert, when in ALERT_TIMING.findall(p["description"])
+    ]
+    assert said, "no panel names an alert's delay: the check checks nothing"
+    wrong = [
+        f"{title}: {alert} fires after {when}, its rule after {rules[alert].get('for', '0s')}"
+        for title, alert, when in said
+        if _seconds(when) != _seconds(rules[alert].get("for", "0s"))
+    ]
+    assert wrong == []
