@@ -662,6 +662,9 @@ class Daemon:
         """Can the gateway drain this server? Asked every tick while specd may restart (a
         window open, a change pending, a pin); the applier asks again before draining."""
         if self.gateway is None:
+            # No gateway (a reload may have removed it): no replica to leave this server out.
+            # A count kept from before kept SpecdWorkerLeftOutOfGateway firing for good.
+            self.metrics.gateway_worker_not_ready.set(float("nan"))
             return None
         d = self.last_decision
         needed = (

@@ -25,7 +25,15 @@ from typing import Any
 import httpx
 import pytest
 import tomli_w
-from factories import FAST_TWIN_VERSION_ARGS, SmgGateway, make_observation, serve, tables
+from factories import (
+    FAST_TWIN_VERSION_ARGS,
+    LoopbackHTTP,
+    QuietHandler,
+    SmgGateway,
+    make_observation,
+    serve,
+    tables,
+)
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
@@ -1673,3 +1681,37 @@ def test_first_metrics_page_tells_the_saved_state(
         for s in family.samples
     }
     assert {key: served.get(key) for key in expected} == expected
+
+
+def test_a_reload_that_removes_the_gateway_clears_its_not_ready_count(tmp_path: Path) -> None:
+    """specd_gateway_worker_not_ready_replicas is what the latest probe found. A reload that
+    removed [gateway] (say, the on-call gave up on a broken one) stopped the probes but left
+    the last count: SpecdWorkerLeftOutOfGateway paged on for a gateway specd no longer has."""
+
+    class ListsAnotherWorker(QuietHandler):
+        def do_GET(self) -> None:
+            worker = {"id": "w-9", "url": "http://10.0.0.9:30000", "status": "ready"}
+            self.send_body(200, json.dumps({"workers": [worker]}).encode(), "application/json")
+
+    fields = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+    }
+    with LoopbackHTTP(ListsAnotherWorker) as gateway:
+        cfg = config(tmp_path, urls=[gateway.url], worker_url="http://127.0.0.1:30000")
+        clock = [IN_WINDOW]
+        d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), Applier(), clock)
+        d.tick()
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_gateway_worker_not_ready_replicas") == 1
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**fields)))
+    d.reload()
+    assert sample("specd_config_reload_success") == 1
+    assert d.gateway is None
+    clock[0] += 5
+    d.tick()
+    value = sample("specd_gateway_worker_not_ready_replicas")
+    assert value is not None
+    assert math.isnan(value)
