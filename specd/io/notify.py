@@ -32,7 +32,10 @@ class Notifier:
 
     def _send(self, message: str) -> None:
         if self._notifier is not None:
-            self._notifier.notify(message)
+            # sdnotify encodes Latin-1 and drops, silently, a message it cannot (the "→"
+            # of "restarting SGLang: 4 → 3"; READY=1 with it). systemd reads UTF-8: hand
+            # it the UTF-8 bytes as the Latin-1 text that encodes to exactly them.
+            self._notifier.notify(message.encode("utf-8").decode("latin-1"))
 
     def ready(self, status: str) -> None:
         self._send(f"READY=1\nSTATUS={status}")
