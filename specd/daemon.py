@@ -7,6 +7,15 @@ on every tick and on every slice of every wait — between ticks, inside a resta
 SGLang waits (the reader). Each of those waits is bounded, so a loop stuck anywhere else
 stops the beats and systemd kills and restarts specd within WatchdogSec=, while a long,
 healthy restart of a 100B model is not killed.
+
+A restart sequence (up to two SGLang loads of ``startup_timeout_s`` each) never runs inside
+systemd's start or stop timeout unguarded. READY=1 goes out before any sequence begins —
+the replay of an interrupted one at start, or one the first tick starts — so the start
+timeout never cuts SGLang's load short; no decision is made until a replay ends. A stop
+(SIGTERM) finishes a sequence in flight, and each heartbeat meanwhile extends systemd's stop
+timeout (EXTEND_TIMEOUT_USEC=) by one watchdog period, with STATUS= saying what it waits
+for: systemd runs no watchdog while a unit stops, and this keeps its effect (a loop that
+hangs mid-stop is killed one period after its last beat).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
 from specd.core.text import iso_time
 from specd.io import files, logs
-from specd.io.apply import Applier, ApplyOutcome, setting_of_steps
+from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.fleet import Fleet, FleetHooks
@@ -68,6 +77,10 @@ DAY_S = 86400.0
 # The wall clock moved this much more (or less) than the monotonic clock between two reads:
 # it was stepped (NTP, `date -s`). Slewing moves it by milliseconds a minute.
 CLOCK_STEP_S = 30.0
+# How far one extension of systemd's stop timeout reaches while a stop waits for a restart
+# in flight, when no WatchdogSec= gives the period the loop beats within (the shipped unit
+# sets 60 s, and then that period is used).
+STOP_EXTEND_S = 60.0
 
 
 def utc(ts: float) -> datetime:
@@ -125,6 +138,19 @@ class RestartApplier(Protocol):
     def read_stop_timeout(self) -> None: ...
 
     def read_wiring(self) -> str | None: ...
+
+
+@dataclass
+class InFlight:
+    """The restart sequence the loop is in: the change (settings as the operator writes
+    them), whether it is the replay of one a previous specd left unfinished, the phase its
+    journal was last saved in, and when systemd's stop timeout was last extended for it."""
+
+    was: str
+    wanted: str
+    replay: bool = False
+    phase: str | None = None
+    extended_at: float | None = None  # time.monotonic()
 
 
 @dataclass
@@ -251,6 +277,8 @@ class Daemon:
         self._last_decision_key: object = None
         self._last_logged_at = 0.0
         self._last_saved_at = 0.0
+        self._ready_sent = False
+        self._in_flight: InFlight | None = None
 
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self, config: Config, client: SGLangReader) -> Applier:
@@ -297,11 +325,88 @@ class Daemon:
 
     def _persist_journal(self, journal: dict[str, Any] | None) -> str | None:
         self.state.journal = journal
-        return self._save_state(force=True)
+        error = self._save_state(force=True)
+        flight = self._in_flight
+        if flight is not None and journal is not None:
+            # Each step is saved before it is taken: STATUS= follows the sequence.
+            flight.phase = str(journal.get("phase"))
+            self.notifier.status(self._flight_status(flight))
+        return error
 
     def _heartbeat(self) -> None:
-        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier)."""
+        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier), and
+        while a stop waits for a restart in flight, its stop timeout."""
         self.notifier.beat()
+        flight = self._in_flight
+        # Before its journal exists a sequence has restarted nothing, and a stop ends it.
+        if flight is not None and flight.phase is not None and self.stop_event.is_set():
+            self._extend_stop(flight)
+
+    def _extend_stop(self, flight: InFlight) -> None:
+        """Extend systemd's stop timeout by one watchdog period, every half period, while
+        the loop beats: the stop lasts as long as the sequence (each of its waits bounded by
+        the config), and a loop that hangs is killed one period after its last beat."""
+        period = self.notifier.watchdog_period_s or STOP_EXTEND_S
+        now = time.monotonic()
+        first = flight.extended_at is None
+        if flight.extended_at is not None and now - flight.extended_at < period / 2:
+            return
+        flight.extended_at = now
+        status = self._flight_status(flight)
+        if first:
+            # SIGTERM from outside systemd (`kill`): STOPPING=1 gives the unit its stop
+            # state, whose timeout the extension applies to.
+            self.notifier.stopping(status)
+            self.log.warning(
+                "stop_waits_for_restart",
+                from_setting=flight.was,
+                to_setting=flight.wanted,
+                phase=flight.phase,
+                message=status,
+            )
+        self.notifier.extend_timeout(period, status)
+
+    def _ready(self, status: str) -> None:
+        """READY=1, once: after the first scrape, or before a restart sequence if one comes
+        first (systemd's start timeout must not run while SGLang loads)."""
+        if not self._ready_sent:
+            self._ready_sent = True
+            self.notifier.ready(status)
+
+    def _flight_status(self, flight: InFlight) -> str:
+        """STATUS= during a restart sequence: the change, what it waits for now and how
+        long that may take, and why a stop or the start takes that long."""
+        unit = self.config.sglang.unit
+        restart = self.config.restart
+        restarting = (
+            f"waiting for {unit} to restart (up to {restart.restart_command_timeout_s:g} s) "
+            f"and answer /health_generate (up to {restart.startup_timeout_s:g} s)"
+        )
+        phase = flight.phase
+        doings: dict[str | None, str] = {
+            None: "not restarted yet (waiting for a quiet moment or a fleet slot)",
+            "planned": f"about to restart {unit}",
+            "draining": f"draining {unit} at the gateway before its restart",
+            "env_written": f"restarting {unit}",
+            "restart_issued": restarting,
+            "verifying": f"verifying what {unit} runs",
+            "rolling_back": f"rolling back to {flight.was}: {restarting}",
+            **{end: f"{end}; recording the outcome" for end in TERMINAL_RESULTS},
+        }
+        # A phase no sequence writes comes from a journal the applier refuses to act on.
+        doing = doings.get(phase, "a journal it cannot read: failed, SGLang left as it is")
+        change = f"{flight.was} → {flight.wanted}"
+        if self.stop_event.is_set():
+            return (
+                f"stopping once the restart in flight ends ({change}): {doing}; "
+                "killed now, specd's next start finishes it"
+            )
+        if flight.replay:
+            return (
+                f"finishing the restart interrupted when specd stopped ({change}): {doing}; "
+                "no decision until it ends"
+            )
+        return f"restarting SGLang: {change}: {doing}"
 
     def _idle(self, seconds: float) -> None:
         """Wait for the next tick or a signal, beating on every slice of the wait."""
@@ -569,8 +674,9 @@ class Daemon:
         # and which settings can the unit be given?
         self.applier.read_stop_timeout()
         self._read_wiring()
-        self.tick()  # READY comes after the first scrape was attempted
-        self.notifier.ready(self._status_text())
+        if not self.stop_event.is_set():  # stopped during a replay: nothing more to decide
+            self.tick()  # READY comes after the first scrape was attempted
+            self._ready(self._status_text())
         while not self.stop_event.is_set():
             self._idle(self.config.observe.scrape_interval_s)
             self._wake.clear()
@@ -591,21 +697,30 @@ class Daemon:
         return 0
 
     def _reconcile_journal(self) -> None:
-        if not self.state.journal:
+        journal = self.state.journal
+        if not journal:
             return
-        self.log.warning("reconciling_interrupted_restart", journal=self.state.journal)
-        # Resuming may wait for SGLang to load, or roll back: a restart in progress, which
-        # SGLangDown and SpecdNotScrapingSGLang stay quiet for.
+        was, wanted = _journal_change(journal)
+        phase = journal.get("phase") if isinstance(journal, Mapping) else None
+        flight = InFlight(was, wanted, replay=True, phase=None if phase is None else str(phase))
+        self._in_flight = flight
+        # Ready before the replay, which may wait out SGLang's load twice (a rollback):
+        # systemd's start timeout would kill specd mid-replay, and the next start would
+        # resume it again. The loop makes no decision until it ends; the watchdog, now
+        # running, watches it.
+        self._ready(self._flight_status(flight))
+        self.log.warning("reconciling_interrupted_restart", journal=journal)
         self.metrics.restart_in_progress.set(1)
         try:
-            outcome = self.applier.reconcile(self.state.journal)
+            outcome = self.applier.reconcile(journal)
+            if outcome is not None:
+                self._record_outcome(outcome, self._now())
+            else:
+                self.state.journal = None
+                self._save_state(force=True)
         finally:
+            self._in_flight = None
             self.metrics.restart_in_progress.set(0)
-        if outcome is not None:
-            self._record_outcome(outcome, self._now())
-        else:
-            self.state.journal = None
-            self._save_state(force=True)
 
     def tick(self) -> Decision:
         started = time.perf_counter()
@@ -1004,10 +1119,14 @@ class Daemon:
             and override.apply == "now"
             and decision.reason is Reason.OVERRIDE_PIN
         )
-        self.metrics.restart_in_progress.set(1)
         was = format_setting(live) if live is not None else "unknown"
         wanted = format_setting(target)
-        self.notifier.status(f"restarting SGLang: {was} → {wanted}")
+        # The first tick may restart (a pin applied now, a change already stable in an open
+        # window): ready first, as before a replay.
+        self._ready(self._status_text())
+        self.metrics.restart_in_progress.set(1)
+        self._in_flight = InFlight(was, wanted)
+        self.notifier.status(self._flight_status(self._in_flight))
         self.log.info(
             "restart_begin",
             from_steps=current,
@@ -1023,9 +1142,11 @@ class Daemon:
                 window_open=self._window_open,
                 force=force,
             )
+            # Still in flight for a stop: the outcome's save ends the sequence.
+            self._record_outcome(applied, self._now())
         finally:
             self.metrics.restart_in_progress.set(0)
-        self._record_outcome(applied, self._now())
+            self._in_flight = None
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:
         self._seen_at = now  # the sequence watched SGLang: no gap in what specd saw
@@ -1180,6 +1301,21 @@ class Daemon:
         if self.state.frozen is not None:
             parts.append("FROZEN")
         return ", ".join(parts)
+
+
+def _journal_change(journal: object) -> tuple[str, str]:
+    """(from, to) of a persisted journal for STATUS=, as the operator writes settings; it
+    may be one the applier cannot read, so nothing about it is trusted but its text."""
+    if not isinstance(journal, Mapping):
+        return "unknown", "unknown"
+
+    def named(end: str) -> str:
+        value = journal.get(f"{end}_setting")
+        if value is None:
+            value = journal.get(f"{end}_steps")
+        return "unknown" if value is None else " ".join(str(value).split())[:40]
+
+    return named("from"), named("to")
 
 
 def _same_meaning(a: OverrideStatus, b: OverrideStatus) -> bool:

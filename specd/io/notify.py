@@ -6,6 +6,11 @@ from ``WATCHDOG_USEC`` and does nothing outside systemd (no ``NOTIFY_SOCKET``).
 ``beat()`` is how the daemon's loop says it is alive: called as often as the loop likes, it
 sends ``WATCHDOG=1`` at most once per half watchdog period. Nothing else sends it, so a loop
 that stops beating is killed by systemd within ``WatchdogSec=``.
+
+systemd runs no watchdog while a unit starts or stops: ``extend_timeout()`` is how a stop
+that must outlast ``TimeoutStopSec=`` (a restart of SGLang in flight) says it is still
+making progress. The daemon sends it from its heartbeat too, so a loop that hangs mid-stop
+stops extending and is killed one extension later.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ class Notifier:
 
     def _send(self, message: str) -> None:
         if self._notifier is not None:
-            self._notifier.notify(message)
+            # sdnotify encodes Latin-1 and drops, silently, a message it cannot (the "→"
+            # of "restarting SGLang: 4 → 3"; READY=1 with it). systemd reads UTF-8: hand
+            # it the UTF-8 bytes as the Latin-1 text that encodes to exactly them.
+            self._notifier.notify(message.encode("utf-8").decode("latin-1"))
 
     def ready(self, status: str) -> None:
         self._send(f"READY=1\nSTATUS={status}")
@@ -63,3 +71,10 @@ class Notifier:
 
     def stopping(self, status: str) -> None:
         self._send(f"STOPPING=1\nSTATUS={status}")
+
+    def extend_timeout(self, seconds: float, status: str) -> None:
+        """EXTEND_TIMEOUT_USEC= (systemd >= 236): the start or stop under way may take
+        ``seconds`` more from now, past TimeoutStartSec=/TimeoutStopSec=; an older systemd
+        ignores it. Never sent while running: there systemd applies it to the watchdog."""
+        usec = max(1, round(seconds * 1e6))
+        self._send(f"EXTEND_TIMEOUT_USEC={usec}\nSTATUS={status}")

@@ -72,3 +72,19 @@ def test_without_a_watchdog_for_us_beats_send_nothing(
     notifier.status("alive")
     # The socket works: the STATUS= arrives, no WATCHDOG=1 does.
     assert received(notify_socket) == ["STATUS=alive"]
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        "steps 4, target 3, window_closed, mode auto",
+        "restarting SGLang: 4 → 3",  # not Latin-1: sdnotify dropped it whole
+        "pinned by José",  # Latin-1, but not UTF-8 as sdnotify sent it
+    ],
+)
+def test_status_reaches_systemd_as_utf8(notify_socket: socket.socket, status: str) -> None:
+    notifier = Notifier()
+    notifier.status(status)
+    notifier.ready(status)
+    # systemd ignores a STATUS= that is not UTF-8; READY=1 in the same message must arrive.
+    assert received(notify_socket) == [f"STATUS={status}", f"READY=1\nSTATUS={status}"]

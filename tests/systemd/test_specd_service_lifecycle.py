@@ -1,0 +1,200 @@
+"""specd.service's own start and stop while a restart of SGLang is in flight, under a real
+systemd with short TimeoutStartSec=/TimeoutStopSec=/WatchdogSec= and a twin that loads for
+longer than each (a 100B model loads for minutes; startup_timeout_s is 10 min by default).
+
+systemd runs no watchdog while a unit starts or stops, only those timeouts: specd used to
+replay an interrupted restart before READY=1 (killed by the start timeout mid-replay, and
+again at the next start), start a pinned restart at its first tick before READY=1 (the
+same), and finish a restart in flight on SIGTERM within a fixed TimeoutStopSec= shorter
+than a restart and its rollback (SIGKILLed, the restart left to the next start).
+Helpers from test_specd_service.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from nspawn import SGLANG_UNIT, SPECD_UNIT, Container
+from test_specd_service import (
+    closed_window_config,
+    env_steps,
+    events_named,
+    journal_entries,
+    journal_mark,
+    pin_now,
+    sglang_starts,
+    specd_events,
+    start_specd,
+    start_twin,
+    state,
+    status_text,
+    twin_live_steps,
+    wait_or_dump,
+)
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+# systemd's timeouts, short; the twin's next start takes longer than any of them.
+WATCHDOG_S = 4.0
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 3.0
+SLOW_LOAD_S = 25.0
+# Far longer than the slow load: nothing below waits it out.
+STARTUP_TIMEOUT_S = 60.0
+
+
+def slow_down_next_start(sd: Container, load_s: float = SLOW_LOAD_S) -> None:
+    """The running twin keeps serving; its next start (specd's restart) loads for load_s."""
+    sd.install_twin_sglang(load_time_s=load_s)
+
+
+def restart_in_flight(sd: Container, old_pid: int) -> int:
+    """Wait until specd has restarted the twin, which is still loading: the new twin's pid."""
+
+    def loading() -> int:
+        if not (sd.state_dir / "state.json").exists():
+            return 0  # a specd just started may not have saved any state yet
+        journal = state(sd).get("journal") or {}
+        pid = sd.main_pid(SGLANG_UNIT)
+        return pid if journal.get("phase") == "restart_issued" and pid not in (0, old_pid) else 0
+
+    pid = wait_or_dump(sd, loading, timeout=20, what="specd waiting on the restarted twin")
+    assert sd.http_get("/health")["status"] != 200  # still loading
+    return pid
+
+
+def systemd_says(sd: Container, since: int) -> list[str]:
+    return [
+        str(e["MESSAGE"]) for e in journal_entries(sd, SPECD_UNIT, since) if e.get("_PID") == "1"
+    ]
+
+
+def test_a_replay_longer_than_the_start_timeout_runs_after_ready(sd: Container) -> None:
+    """specd killed while SGLang loads: the next start is ready at once, says what it
+    finishes, decides nothing until it has, and is neither timed out nor watchdog-killed."""
+    old_pid = start_twin(sd, steps=4)
+    config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
+    lines = (f"TimeoutStartSec={START_TIMEOUT_S:g}s", "Restart=no")
+    specd_pid = start_specd(sd, config, watchdog_s=WATCHDOG_S, overrides=lines)
+    slow_down_next_start(sd)
+    pin_now(sd, 3)
+    loading_pid = restart_in_flight(sd, old_pid)
+    sd.sh("kill", "-KILL", str(specd_pid))
+    wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=10)
+    sd.systemctl("reset-failed", SPECD_UNIT)
+
+    since = journal_mark(sd)
+    started = time.monotonic()
+    sd.systemctl("start", SPECD_UNIT, timeout=60)  # Type=notify: returns at READY=1
+    assert time.monotonic() - started < START_TIMEOUT_S
+    assert sd.active_state(SPECD_UNIT) == "active"
+    # Ready while the twin still loads, saying so.
+    assert (state(sd).get("journal") or {}).get("phase") == "restart_issued"
+    text = status_text(sd)
+    assert text.startswith("finishing the restart interrupted when specd stopped (4 → 3): "), text
+    assert "/health_generate" in text, text
+    assert "no decision until it ends" in text, text
+
+    restarts = wait_or_dump(
+        sd, lambda: state(sd)["restarts"], timeout=SLOW_LOAD_S + 15, what="the replay's outcome"
+    )
+    assert time.monotonic() - started > START_TIMEOUT_S + WATCHDOG_S  # it outlasted both
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
+    assert state(sd)["journal"] is None
+    # The twin specd was waiting on is the one serving, at 3 steps: no second restart.
+    assert sd.main_pid(SGLANG_UNIT) == loading_pid
+    assert env_steps(sd) == 3
+    assert twin_live_steps(sd) == (3, 3.0)
+    wait_or_dump(sd, lambda: status_text(sd).startswith("steps 3"), timeout=10)
+    assert sd.active_state(SPECD_UNIT) == "active"
+    assert sd.show(SPECD_UNIT, "NRestarts") == "0"
+    said = systemd_says(sd, since)
+    assert not any("timed out" in m or "Watchdog timeout" in m for m in said), said
+    # The first decision comes after the replay's outcome.
+    names = [e["event"] for _, e in specd_events(sd, since)]
+    assert "restart_done" in names, names
+    assert "decision" not in names[: names.index("restart_done")], names
+
+
+def test_a_pinned_restart_at_the_first_tick_runs_after_ready(sd: Container) -> None:
+    """A pin applied now, waiting when specd starts: the first tick restarts SGLang, and
+    `systemctl start` returns before that restart's load, not at its end (or its timeout)."""
+    old_pid = start_twin(sd, steps=4)
+    slow_down_next_start(sd)
+    config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
+    lines = (f"TimeoutStartSec={START_TIMEOUT_S:g}s", "Restart=no")
+    sd.install_specd(config_toml=config, watchdog_sec=WATCHDOG_S, service_overrides=lines)
+    pin_now(sd, 3)  # specd is not running yet: read at its first tick
+
+    since = journal_mark(sd)
+    started = time.monotonic()
+    sd.systemctl("start", SPECD_UNIT, timeout=60)
+    assert time.monotonic() - started < START_TIMEOUT_S
+    restart_in_flight(sd, old_pid)
+    wait_or_dump(
+        sd,
+        lambda: status_text(sd).startswith("restarting SGLang: 4 → 3: waiting for sglang"),
+        timeout=5,
+        what="STATUS= saying what the restart waits for",
+    )
+
+    restarts = wait_or_dump(
+        sd, lambda: state(sd)["restarts"], timeout=SLOW_LOAD_S + 15, what="the pinned restart"
+    )
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
+    assert twin_live_steps(sd) == (3, 3.0)
+    assert sd.active_state(SPECD_UNIT) == "active"
+    assert sd.show(SPECD_UNIT, "NRestarts") == "0"
+    said = systemd_says(sd, since)
+    assert not any("timed out" in m or "Watchdog timeout" in m for m in said), said
+
+
+def test_a_stop_waits_for_the_restart_in_flight_past_the_stop_timeout(sd: Container) -> None:
+    """`systemctl stop specd` while SGLang loads: specd finishes the restart (verified) and
+    exits cleanly long after TimeoutStopSec=, saying why meanwhile; nothing is left for the
+    next start, and SGLang is not restarted again."""
+    old_pid = start_twin(sd, steps=4)
+    config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
+    lines = (f"TimeoutStopSec={STOP_TIMEOUT_S:g}s", "Restart=no")
+    start_specd(sd, config, watchdog_s=WATCHDOG_S, overrides=lines)
+    slow_down_next_start(sd)
+    since = journal_mark(sd)
+    pin_now(sd, 3)
+    loading_pid = restart_in_flight(sd, old_pid)
+
+    stopped = time.monotonic()
+    sd.systemctl("stop", "--no-block", SPECD_UNIT)
+    text = wait_or_dump(
+        sd,
+        lambda: (t := status_text(sd)).startswith("stopping once the restart in flight ends") and t,
+        timeout=5,
+        what="STATUS= saying why the stop waits",
+    )
+    assert "(4 → 3): waiting for sglang.service to restart" in text, text
+    assert "killed now, specd's next start finishes it" in text, text
+    # Past TimeoutStopSec= and a watchdog period, still finishing.
+    time.sleep(STOP_TIMEOUT_S + WATCHDOG_S)
+    assert sd.active_state(SPECD_UNIT) == "deactivating"
+
+    wait_or_dump(
+        sd,
+        lambda: sd.active_state(SPECD_UNIT) == "inactive",
+        timeout=SLOW_LOAD_S + 15,
+        what="specd to stop once the restart ended",
+    )
+    assert time.monotonic() - stopped > STOP_TIMEOUT_S + WATCHDOG_S
+    assert sd.show(SPECD_UNIT, "Result") == "success"
+    assert sd.show(SPECD_UNIT, "ExecMainStatus") == "0"
+    saved = state(sd)
+    assert saved["journal"] is None
+    restarts = saved["restarts"]
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
+    assert sd.main_pid(SGLANG_UNIT) == loading_pid
+    assert twin_live_steps(sd) == (3, 3.0)
+    assert sglang_starts(sd, since) == 1
+    said = systemd_says(sd, since)
+    assert not any("timed out" in m or "Killing" in m for m in said), said
+    waits = events_named(sd, since, "stop_waits_for_restart")
+    assert [e["phase"] for _, e in waits] == ["restart_issued"], waits
+    assert events_named(sd, since, "stopped")
