@@ -28,6 +28,7 @@ from specd.core import windows
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
+from specd.core.text import duration_text
 from specd.install.execline import expand_argv
 from specd.install.layout import (
     DROPIN_NAME,
@@ -603,7 +604,7 @@ class Doctor:
         state = "open now; " if windows.is_open(self.config.windows, now) else ""
         # On the window's own clock, with its offset: as the operator wrote the cron.
         shown = windows.local_time(self.config.windows, opens).isoformat(timespec="seconds")
-        detail = f"{state}next opens {shown} (in {gap / 3600:.1f} h)"
+        detail = f"{state}next opens {shown} (in {duration_text(gap)})"
         short = self._windows_too_short()
         if short is not None:
             return Check("windows", False, f"{detail}; {short[0]}", short[1])

@@ -109,14 +109,8 @@ def when_text(ts: float | None, now: float, shown: str | None = None) -> str:
         return "never"
     at = shown or iso_time(datetime.fromtimestamp(ts, tz=timezone.utc))
     delta = ts - now
-    span = abs(delta)
-    human = (
-        f"{span:.0f}s"
-        if span < 120
-        else f"{span / 60:.0f}m"
-        if span < 7200
-        else f"{span / 3600:.1f}h"
-    )
+    # As every span specd prints: "42 s", "7.5 min", "3.2 h" (doctor, override, decisions).
+    human = duration_text(abs(delta))
     return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
 
 

@@ -168,6 +168,14 @@ def utc(year: int, month: int, day: int, hour: int) -> float:
     ("cron", "zone", "now", "ok", "detail"),
     [
         ("0 3 * * mon-sun", "UTC", NOW, True, "next opens 2026-12-03T03:00:00+00:00 (in 16.0 h)"),
+        # Within two hours in minutes, as `specd status` and every message write a span.
+        (
+            "0 12 * * mon-sun",
+            "UTC",
+            NOW,
+            True,
+            "next opens 2026-12-02T12:00:00+00:00 (in 60.0 min)",
+        ),
         ("30 10 * * wed", "UTC", NOW, True, "open now; next opens 2026-12-09T10:30:00+00:00"),
         ("0 3 1 mar *", "UTC", NOW, False, "next opens 2027-03-01T03:00:00+00:00"),
         # On the window's own clock, with its offset: 03:00 CET is 02:00Z.
