@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.commands.override import pin_unrunnable, pinned_setting, unsupported_pin_text
+from specd.commands.status import override_info, override_text, read_override_as_daemon
 from specd.core import sglang_features as features
 from specd.core import windows
 from specd.core.observation import ScrapeError
@@ -55,7 +57,6 @@ from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
-from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
     ACCEPT_LENGTH,
@@ -643,19 +644,28 @@ class Doctor:
         )
 
     def check_override(self) -> Check:
-        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
-        status = read_override(
-            Path(self.config.files.override_file),
-            self.config.choose.min_steps,
-            self.config.choose.max_steps,
-            now,
-            allowed_uids=daemon_uids(),
-        )
-        if not status.valid:
-            return Check("override", False, str(status.problem), "fix it or `specd override clear`")
-        if status.override is None:
+        """The override line as `specd status` says it (expired, invalid, or unreadable by
+        user specd: judged as the daemon reads the file), and a pin in force that this
+        server or its unit cannot run as `specd override show` judges it."""
+        at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        status = read_override_as_daemon(self.config, at)
+        if not status.present:
             return Check("override", True, "none")
-        return Check("override", True, f"{status.override.mode} ({status.override.reason})")
+        line = override_text(override_info(self.config, status, at), self.clock())
+        if not status.valid:
+            return Check("override", False, line, "fix it or `specd override clear`")
+        held = status.override
+        if held is not None and held.mode == "pin" and held.active(at):
+            info: dict[str, Any] | str = "SGLang did not answer" if self.info is None else self.info
+            cannot, _ = pin_unrunnable(self.config, pinned_setting(held), info, self.static_only)
+            if cannot is not None:
+                return Check(
+                    "override",
+                    False,
+                    f"{line}; BUT {unsupported_pin_text(cannot)}",
+                    "clear it (`specd override clear`) or pin a setting listed under choices",
+                )
+        return Check("override", True, line)
 
     def check_service(self) -> Check:
         props = self.systemctl_show(
