@@ -84,6 +84,11 @@ def install(
     interactive = sys.stdin.isatty() and not args.yes and not args.dry_run
     add_metrics = args.add_enable_metrics
     moment = time.time() if now_s is None else now_s
+    installed = {
+        str(path): str(record.get("sha256"))
+        for path, record in (manifest or {}).get("files", {}).items()
+        if isinstance(record, dict)
+    }
 
     def plan_for(metrics: bool) -> Plan:
         return build_plan(
@@ -101,6 +106,7 @@ def install(
             ),
             fleet=fleet,
             now_s=moment,
+            installed=installed,
         )
 
     try:

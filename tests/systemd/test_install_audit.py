@@ -1,0 +1,107 @@
+"""`specd install` under a real systemd, on what an operator's box may already hold: a drop-in
+written by hand at specd's path (with settings of the operator's own), and one edited since
+install. Install must not drop what the operator wrote without saying so."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container
+from test_install_repairs import no_window
+from test_install_systemd import deployment_unit, live_steps
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+SPECD = str(VENV_SPECD)
+DROPIN = f"{SGLANG_UNIT}.d/50-specd.conf"
+GPUS = "Environment=CUDA_VISIBLE_DEVICES=0,1,2,3"
+
+
+def by_hand_dropin() -> str:
+    """README's "by hand" drop-in, with a line of the operator's own in it."""
+    command = deployment_unit().split("ExecStart=", 1)[1].split("\nTimeoutStopSec", 1)[0]
+    speculative = (
+        "--speculative-algorithm NEXTN \\\n    --speculative-num-steps=3 \\\n    "
+        "--speculative-eagle-topk 1 \\\n    --speculative-num-draft-tokens 4"
+    )
+    assert speculative in command
+    command = command.replace(speculative, "$SPECD_SPECULATIVE_ARGS")
+    return (
+        "# specd by hand (alice, 2026-11)\n[Service]\n"
+        'Environment="SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN '
+        "--speculative-num-steps 3 --speculative-eagle-topk 1 "
+        '--speculative-num-draft-tokens 4"\n'
+        "EnvironmentFile=-/var/lib/specd/sglang.env\n"
+        f"# GPUs 4-7 are the other team's\n{GPUS}\n"
+        f"ExecStart=\nExecStart={command}\n"
+    )
+
+
+def environment(sd: Container) -> str:
+    return sd.show(SGLANG_UNIT, "Environment")
+
+
+def test_an_operators_settings_in_the_dropin_are_refused_not_dropped(sd: Container) -> None:
+    """A drop-in at specd's path with a setting of the operator's own: install replaced the
+    file whole, and SGLang's next restart (specd's, in a window) ran without the setting.
+    Now install refuses, naming it, and keeps a copy of whatever else it replaces."""
+    sd.write_unit(SGLANG_UNIT, deployment_unit())
+    path = sd.write_unit(DROPIN, by_hand_dropin())
+    sd.daemon_reload()
+    sd.systemctl("start", SGLANG_UNIT)
+    sd.wait_http("/health")
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in environment(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    before = path.read_bytes()
+    try:
+        refused = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert f"/etc/systemd/system/{DROPIN} has settings of its own" in refused.stderr
+        assert GPUS in refused.stderr
+        assert f"`systemctl edit {SGLANG_UNIT}`" in refused.stderr
+        assert path.read_bytes() == before
+        assert not (sd.units_dir / SPECD_UNIT).exists()
+        assert not (sd.config_dir / "install-manifest.json").exists()
+
+        # Moved where the advice says (`systemctl edit` writes override.conf), install goes
+        # on, and keeps the file it replaces whole, as it was.
+        path.write_text(by_hand_dropin().replace(f"{GPUS}\n", ""))
+        hand_written = path.read_bytes()
+        sd.write_unit(f"{SGLANG_UNIT}.d/override.conf", f"[Service]\n{GPUS}\n")
+        sd.daemon_reload()
+        done = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        kept = re.search(
+            rf"kept /etc/systemd/system/{re.escape(DROPIN)} \(not written by specd install\) "
+            r"as (/var/backups/specd/install-\S+)$",
+            done.stdout,
+            re.MULTILINE,
+        )
+        assert kept, done.stdout
+        assert sd.sh("cat", kept.group(1)).stdout.encode() == hand_written
+
+        # Edited since install: a setting is refused again, a comment is kept.
+        installed = path.read_text()
+        path.write_text(installed + "LimitMEMLOCK=infinity\n")
+        again = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert again.returncode == 1, again.stdout + again.stderr
+        assert "would drop: LimitMEMLOCK=infinity." in again.stderr
+        path.write_text(installed.replace("# Written by", "# (checked by bob) Written by"))
+        edited = path.read_bytes()
+        again = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+        kept = re.search(r"\(not written by specd install\) as (\S+)$", again.stdout, re.M)
+        assert kept, again.stdout
+        assert sd.sh("cat", kept.group(1)).stdout.encode() == edited
+        assert path.read_text() == installed
+        nothing = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=60)
+        assert "nothing to do" in nothing.stdout, nothing.stdout
+
+        sd.systemctl("restart", SGLANG_UNIT)
+        sd.wait_http("/health")
+        assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in environment(sd)
+        assert live_steps(sd) == 3
+    finally:
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+    # Uninstall gives back the file as it was before the first install.
+    assert path.read_bytes() == hand_written
