@@ -524,6 +524,20 @@ def build_plan(
                 "an override left by an earlier installation: this one starts in auto mode",
             )
         )
+    env_host = layout.host(files.env_file)
+    if (
+        fresh
+        and (env_host.exists() or env_host.is_symlink())
+        and str(files.env_file) not in view.environment_files
+    ):
+        plan.moves.append(
+            MoveAside(
+                files.env_file,
+                archive / files.env_file.relative_to("/"),
+                f"an env file left by an earlier installation, which {unit} does not read now: "
+                "SGLang would start with its setting at its next restart, not with today's",
+            )
+        )
     config_host = layout.host(CONFIG_FILE)
     if (
         config_host.is_symlink()

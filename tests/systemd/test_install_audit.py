@@ -1,6 +1,7 @@
 """`specd install` under a real systemd, on what an operator's box may already hold: a drop-in
-written by hand at specd's path (with settings of the operator's own), and one edited since
-install. Install must not drop what the operator wrote without saying so."""
+written by hand at specd's path (with settings of the operator's own), one edited since
+install, and an env file left by an earlier installation. Install must neither drop what the
+operator wrote without saying so, nor let SGLang's next restart run a setting nobody chose."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 
 import pytest
 from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container
-from test_install_repairs import no_window
+from test_install_repairs import no_window, start_sglang
 from test_install_systemd import deployment_unit, live_steps
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
@@ -105,3 +106,29 @@ def test_an_operators_settings_in_the_dropin_are_refused_not_dropped(sd: Contain
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
     # Uninstall gives back the file as it was before the first install.
     assert path.read_bytes() == hand_written
+
+
+def test_a_fresh_install_moves_aside_an_env_file_the_unit_does_not_read(sd: Container) -> None:
+    """An earlier installation's env file (5 steps) in /var/lib/specd: install wired the unit
+    to it and said SGLang's next restart changes nothing; that restart ran 5 steps, which
+    this specd never chose or verified, and doctor advised the restart."""
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    env = sd.state_dir / "sglang.env"
+    left = (
+        b"SPECD_SPECULATIVE_ARGS=--speculative-algorithm NEXTN --speculative-num-steps 5 "
+        b"--speculative-eagle-topk 1 --speculative-num-draft-tokens 6\n"
+    )
+    env.write_bytes(left)
+    try:
+        done = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        moved = re.search(r"^moved /var/lib/specd/sglang.env to (\S+) \(", done.stdout, re.M)
+        assert moved, done.stdout
+        assert sd.sh("cat", moved.group(1)).stdout.encode() == left
+        assert not env.exists()
+        sd.systemctl("restart", SGLANG_UNIT)
+        sd.wait_http("/health")
+        assert live_steps(sd) == 3  # today's, as install said
+    finally:
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
