@@ -338,6 +338,23 @@ class Doctor:
                 None,
                 view.environment,
             )
+        env_file = Path(self.config.sglang.env_file)
+        if env_file not in self.unit_env_files:
+            # Every change specd makes would restart SGLang into what it ran before, fail
+            # its verification, roll back (a second restart) and freeze.
+            reads = ", ".join(map(str, self.unit_env_files)) or "no EnvironmentFile="
+            return (
+                Check(
+                    "drop-in",
+                    False,
+                    f"{unit} does not read [sglang] env_file {env_file} (it reads {reads}): "
+                    "no setting specd writes would reach SGLang",
+                    f"{advice} (its drop-in reads the configured env_file), or set [sglang] "
+                    "env_file to the file the unit reads",
+                ),
+                None,
+                view.environment,
+            )
         joined = " ".join(command.words)
         step_variables = [
             name for name in (*LEGACY_NAMES, *LEGACY_NAMES.values()) if f"${{{name}}}" in joined

@@ -477,8 +477,10 @@ def build_plan(
             ]
         )
     reachable = reach(config_text, layout)
+    # The env file specd writes, as the config names it: the drop-in reads that one.
+    files, _ = configured_files(config_text)
     wanted = {
-        dropin: render_dropin(unit, command, spec, add_metrics),
+        dropin: render_dropin(unit, command, spec, add_metrics, files.env_file),
         UNITS_DIR / SPECD_UNIT: render_specd_service(
             template("specd.service"), unit, list(specd_argv), reachable.addresses
         ),
@@ -496,7 +498,6 @@ def build_plan(
     )
     plan.notes += reachable.notes
     plan.warnings += reachable.warnings
-    files, _ = configured_files(config_text)
     old_dropin = read(dropin)
     extras = (
         []

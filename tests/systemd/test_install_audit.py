@@ -8,9 +8,13 @@ from __future__ import annotations
 import re
 
 import pytest
+import tomli_w
 from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container
+from test_doctor_systemd import verdicts
 from test_install_repairs import no_window, start_sglang
 from test_install_systemd import deployment_unit, live_steps
+
+from specd.io.files import parse_toml
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -130,5 +134,39 @@ def test_a_fresh_install_moves_aside_an_env_file_the_unit_does_not_read(sd: Cont
         sd.systemctl("restart", SGLANG_UNIT)
         sd.wait_http("/health")
         assert live_steps(sd) == 3  # today's, as install said
+    finally:
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_the_dropin_reads_the_env_file_the_config_names(sd: Container) -> None:
+    """specd.toml names another env file ([sglang] env_file): the drop-in install wrote read
+    /var/lib/specd/sglang.env all the same, so a pin restarted SGLang into the step count it
+    had, failed its verification and rolled back (a second restart), and doctor saw nothing
+    wrong."""
+    start_sglang(sd)
+    config = parse_toml(no_window(sd))
+    config.setdefault("sglang", {})["env_file"] = "/var/lib/specd/llm.env"
+    (sd.config_dir / "specd.toml").write_text(tomli_w.dumps(config))
+    try:
+        sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+        assert "/var/lib/specd/llm.env" in sd.show(SGLANG_UNIT, "EnvironmentFiles")
+        _, found = verdicts(sd)
+        assert found["drop-in"]["ok"], found["drop-in"]
+        sd.sh(SPECD, "override", "pin", "4", "--for", "2h", "--reason", "on-call", "--now")
+        sd.wait_for(lambda: live_steps(sd) == 4, timeout=45, interval=0.5, what="pinned 4")
+        assert "frozen         no" in sd.sh(SPECD, "status").stdout
+
+        # The operator moves the env file in the config, not in the unit: doctor says so.
+        text = (sd.config_dir / "specd.toml").read_text()
+        (sd.config_dir / "specd.toml").write_text(text.replace("llm.env", "other.env"))
+        code, found = verdicts(sd)
+        assert code == 1
+        assert not found["drop-in"]["ok"]
+        assert found["drop-in"]["detail"].startswith(
+            f"{SGLANG_UNIT} does not read [sglang] env_file /var/lib/specd/other.env (it "
+            "reads /var/lib/specd/llm.env): no setting specd writes would reach SGLang"
+        ), found["drop-in"]
+        assert f"`specd install --unit {SGLANG_UNIT}`" in found["drop-in"]["advice"]
+        (sd.config_dir / "specd.toml").write_text(text)
     finally:
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
