@@ -36,7 +36,7 @@ from specd.install.layout import (
     stamp,
 )
 from specd.install.manifest import sha256
-from specd.install.network import reach
+from specd.install.network import elsewhere, reach
 from specd.install.render import (
     configured_files,
     render_config,
@@ -453,6 +453,14 @@ def build_plan(
         url = sglang_url(spec.host, spec.port)
     else:
         url = check_url(url)
+        away = elsewhere(url)
+        if away is not None:
+            # specd would watch that server and restart this unit: every change would fail
+            # its verification, restart the unit again to roll back, and freeze.
+            raise InstallError(
+                f"--url {url}: {away}, and specd restarts {unit} on this one: give the URL "
+                f"this machine's {unit} answers at (its --host/--port)"
+            )
     gateway_values = None if gateway is None else gateway_keys(gateway, layout)
     fleet_values = None if fleet is None else fleet_keys(fleet)
     config_text = render_config(

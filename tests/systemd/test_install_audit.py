@@ -170,3 +170,51 @@ def test_the_dropin_reads_the_env_file_the_config_names(sd: Container) -> None:
         (sd.config_dir / "specd.toml").write_text(text)
     finally:
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+OTHER_SGLANG = "other-sglang.service"
+
+
+def test_an_url_that_is_not_the_units_server_is_refused(sd: Container) -> None:
+    """`--url` naming another server (another box of the fleet, or another SGLang of this
+    one): install wired specd to watch it and restart this unit, so every change failed its
+    verification, restarted the unit again to roll back, and froze specd."""
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    sd.sh(
+        "systemd-run", f"--unit={OTHER_SGLANG}", "--quiet", SPECD, "twin", "--port", "31000",
+        "--enable-metrics", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
+        "--load-time-s", "0.5",
+    )  # fmt: skip
+    try:
+        sd.wait_http("/health", base="http://127.0.0.1:31000")
+        for url, says in (
+            (
+                "http://10.1.2.3:30000",
+                f"--url http://10.1.2.3:30000: 10.1.2.3 is not an address of this machine, "
+                f"and specd restarts {SGLANG_UNIT} on this one",
+            ),
+            (
+                "http://127.0.0.1:31000",
+                f"--url http://127.0.0.1:31000: the SGLang there runs --port 31000, but "
+                f"{SGLANG_UNIT} runs --port 30000: that is another server",
+            ),
+        ):
+            refused = sd.sh(
+                SPECD, "install", "--unit", SGLANG_UNIT, "--url", url, "--yes",
+                timeout=90, check=False,
+            )  # fmt: skip
+            assert refused.returncode == 1, refused.stdout + refused.stderr
+            assert says in refused.stderr, refused.stderr
+            assert not (sd.units_dir / DROPIN).exists()
+            assert not (sd.units_dir / SPECD_UNIT).exists()
+        # Its own server, named explicitly, is fine.
+        done = sd.sh(
+            SPECD, "install", "--unit", SGLANG_UNIT, "--url", "http://127.0.0.1:30000", "--yes",
+            timeout=90, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        sd.systemctl("stop", OTHER_SGLANG, check=False)
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
