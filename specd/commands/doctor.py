@@ -42,8 +42,9 @@ from specd.install.layout import (
     Layout,
 )
 from specd.install.manifest import load_manifest
+from specd.install.network import elsewhere
 from specd.install.plan import key_file_problem
-from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES, find_flags
+from specd.install.sglang_args import ARGS_WORD, DEFAULT_PORT, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import (
@@ -205,7 +206,36 @@ class Doctor:
             )
         self.info = info
         self.info_path = client.info_path or "/server_info"
+        other = self._another_server(info)
+        if other is not None:
+            unit = self.config.sglang.unit
+            return Check(
+                "sglang",
+                False,
+                f"{client.base_url} answers {self.info_path}, but {other}: specd would watch "
+                f"that server and restart {unit} (every change fails its verification)",
+                f"set [sglang] url to the URL {unit} answers at (its --host/--port)",
+            )
         return Check("sglang", True, f"{client.base_url} answers {self.info_path}")
+
+    def _another_server(self, info: dict[str, Any]) -> str | None:
+        """Why the SGLang at [sglang] url is not the unit's (as install judges a --url):
+        its host is no address of this machine, or it runs another --port than the unit's
+        command line (read by check_dropin). None when it is, or cannot be told."""
+        away = elsewhere(self.config.sglang.url)
+        if away is not None:
+            return away
+        answered = info.get("port")
+        if self.unit_args is None or not isinstance(answered, int) or isinstance(answered, bool):
+            return None
+        try:
+            flag = find_flags(self.unit_args).get("--port")
+        except InstallError:
+            return None  # an ambiguous option: the drop-in check says so
+        wanted = str(DEFAULT_PORT) if flag is None else flag.value or ""
+        if not wanted.isdigit() or int(wanted) == answered:
+            return None
+        return f"it runs --port {answered}, {self.config.sglang.unit} --port {wanted}"
 
     def check_choices(self) -> Check:
         """Which kinds of setting specd may choose on this server, and why not the others

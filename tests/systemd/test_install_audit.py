@@ -215,6 +215,22 @@ def test_an_url_that_is_not_the_units_server_is_refused(sd: Container) -> None:
             timeout=90, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
+        _, found = verdicts(sd)
+        assert found["sglang"]["ok"], found["sglang"]
+
+        # The config pointed at the other server after install: doctor says which.
+        config = sd.config_dir / "specd.toml"
+        text = config.read_text()
+        config.write_text(text.replace("http://127.0.0.1:30000", "http://127.0.0.1:31000"))
+        code, found = verdicts(sd)
+        config.write_text(text)
+        assert code == 1
+        assert found["sglang"]["detail"] == (
+            "http://127.0.0.1:31000 answers /server_info, but it runs --port 31000, "
+            f"{SGLANG_UNIT} --port 30000: specd would watch that server and restart "
+            f"{SGLANG_UNIT} (every change fails its verification)"
+        ), found["sglang"]
+        assert "set [sglang] url to the URL" in found["sglang"]["advice"]
     finally:
         sd.systemctl("stop", OTHER_SGLANG, check=False)
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
