@@ -43,6 +43,7 @@ from specd.install.render import (
     render_dropin,
     render_polkit,
     render_specd_service,
+    specd_owned,
     template,
 )
 from specd.install.sglang_args import (
@@ -547,6 +548,19 @@ def build_plan(
                 "SGLang would start with its setting at its next restart, not with today's",
             )
         )
+    if fresh and str(files.env_file) not in view.environment_files and not system.specd_active:
+        # No specd runs on them, and no unit reads what one wrote: an earlier installation's,
+        # whose restart journal the new specd would finish, restarting the unit at install.
+        for path in specd_owned(layout, files):
+            if path.parent == files.state_dir and path != files.env_file:
+                plan.moves.append(
+                    MoveAside(
+                        path,
+                        archive / path.relative_to("/"),
+                        "left by an earlier installation: this one starts from none of its "
+                        "state (its restart journal, freeze, what it learned)",
+                    )
+                )
     config_host = layout.host(CONFIG_FILE)
     if (
         config_host.is_symlink()

@@ -31,30 +31,9 @@ from specd.install.layout import (
     stamp,
 )
 from specd.install.manifest import load_manifest, original_bytes, sha256
-from specd.install.render import SpecdFiles, configured_files
+from specd.install.render import configured_files, specd_owned
 from specd.io.files import write_atomic
 from specd.io.runner import Runner
-
-
-def _exists(layout: Layout, path: Path) -> bool:
-    host = layout.host(path)
-    return host.exists() or host.is_symlink()
-
-
-def specd_owned(layout: Layout, files: SpecdFiles) -> list[Path]:
-    """specd's own files that are there now: the override, the env file, and everything in
-    the state directory."""
-    found: list[Path] = []
-    for path in (files.override_file, files.env_file):
-        if _exists(layout, path):
-            found.append(path)
-    state = layout.host(files.state_dir)
-    if state.is_dir() and not state.is_symlink():
-        for child in sorted(state.iterdir()):
-            path = files.state_dir / child.name
-            if path not in found:
-                found.append(path)
-    return found
 
 
 def _archive_copy(layout: Layout, path: Path, archive: Path) -> Path:

@@ -6,15 +6,18 @@ operator wrote without saying so, nor let SGLang's next restart run a setting no
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import tomli_w
-from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container
+from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container, static_args
 from test_doctor_systemd import verdicts
 from test_install_repairs import no_window, start_sglang
-from test_install_systemd import deployment_unit, live_steps
+from test_install_systemd import QUIET_AFTER_INSTALL_S, deployment_unit, live_steps
 
+from specd.io.apply import Journal
 from specd.io.files import parse_toml
+from specd.io.state import State, StateStore
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
@@ -233,4 +236,45 @@ def test_an_url_that_is_not_the_units_server_is_refused(sd: Container) -> None:
         assert "set [sglang] url to the URL" in found["sglang"]["advice"]
     finally:
         sd.systemctl("stop", OTHER_SGLANG, check=False)
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_a_fresh_install_acts_on_no_restart_journal_left_by_an_earlier_one(sd: Container) -> None:
+    """An earlier installation, killed in the middle of a restart (4 → 5 steps) and removed
+    by hand, left its state.json in /var/lib/specd. The new specd, started by install, found
+    its journal and rolled that restart back: it restarted SGLang into 4 steps at install."""
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    old_env = "SPECD_SPECULATIVE_ARGS=" + " ".join(static_args("4", "5")) + "\n"
+    journal = Journal(
+        phase="restart_issued",
+        from_steps=4,
+        to_steps=5,
+        unit=SGLANG_UNIT,
+        env_file="/var/lib/specd/sglang.env",
+        previous_env=old_env,
+        previous_env_encoding="utf-8",
+        started_at=time.time() - 86400,
+        restarts_issued=1,
+        restart_issued_at=time.time() - 86400,
+        from_setting="4",
+        to_setting="5",
+    )
+    assert StateStore(sd.state_dir).save(State(journal=journal.to_dict())) is None
+    pid = sd.main_pid(SGLANG_UNIT)
+    try:
+        done = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert re.search(r"^moved /var/lib/specd/state.json to \S+ \(", done.stdout, re.M), (
+            done.stdout
+        )
+        sd.wait_for(
+            lambda: "steps" in sd.show(SPECD_UNIT, "StatusText"), timeout=30, what="specd ticks"
+        )
+        watched_until = time.monotonic() + QUIET_AFTER_INSTALL_S
+        while time.monotonic() < watched_until:
+            assert sd.main_pid(SGLANG_UNIT) == pid, sd.journal(SPECD_UNIT)
+            time.sleep(0.5)
+        assert live_steps(sd) == 3
+    finally:
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
