@@ -716,7 +716,12 @@ class Doctor:
 
     def check_service(self) -> Check:
         props = self.systemctl_show(
-            SPECD_UNIT, "ActiveState", "SubState", "WatchdogUSec", "WatchdogTimestampMonotonic"
+            SPECD_UNIT,
+            "ActiveState",
+            "SubState",
+            "UnitFileState",
+            "WatchdogUSec",
+            "WatchdogTimestampMonotonic",
         )
         state = f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}"
         if props.get("ActiveState") != "active":
@@ -733,6 +738,16 @@ class Doctor:
                 "service", False, f"{SPECD_UNIT} is {state} without a watchdog", "keep WatchdogSec="
             )
         age_s = self.monotonic() - int(last_us) / 1e6
+        enabled = props.get("UnitFileState", "")
+        if enabled != "enabled":
+            # Running now, but not started at boot: the next reboot ends the tuning unseen.
+            return Check(
+                "service",
+                False,
+                f"{SPECD_UNIT} is {state} but {enabled or 'not enabled'}: it does not start at "
+                "boot",
+                f"`systemctl enable {SPECD_UNIT}`",
+            )
         if age_s > period_us / 1e6:
             return Check(
                 "service",

@@ -278,3 +278,23 @@ def test_a_fresh_install_acts_on_no_restart_journal_left_by_an_earlier_one(sd: C
         assert live_steps(sd) == 3
     finally:
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_doctor_fails_a_specd_that_does_not_start_at_boot(sd: Container) -> None:
+    """`systemctl disable specd` (or an install by hand that only started it): doctor said
+    ✓ service, and the next reboot ended the tuning."""
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    try:
+        sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+        _, found = verdicts(sd)
+        assert found["service"]["ok"], found["service"]
+        sd.systemctl("disable", SPECD_UNIT)
+        code, found = verdicts(sd)
+        assert code == 1
+        assert found["service"]["detail"] == (
+            f"{SPECD_UNIT} is active/running but disabled: it does not start at boot"
+        ), found["service"]
+        assert found["service"]["advice"] == f"`systemctl enable {SPECD_UNIT}`"
+    finally:
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
