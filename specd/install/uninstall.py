@@ -68,6 +68,8 @@ def uninstall(
     if manifest.get("enabled_specd"):
         result = runner(["systemctl", "disable", "--now", SPECD_UNIT], timeout_s=START_TIMEOUT_S)
         print(("ran " if result.ok else "failed: ") + result.summary(), file=out)
+        if not result.ok:
+            _stop(runner, out)
     # specd is stopped: nothing writes its files while they move.
     owned = specd_owned(layout, files)
     for path in owned:
@@ -158,6 +160,30 @@ def uninstall(
             file=out,
         )
     return 0
+
+
+RUNNING_STATES = ("active", "activating", "reloading", "deactivating", "refreshing")
+
+
+def _running(runner: Runner) -> bool:
+    shown = runner(["systemctl", "is-active", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    return shown.stdout.strip() in RUNNING_STATES
+
+
+def _stop(runner: Runner, out: Any) -> None:
+    """specd stopped after its disable failed (a read-only /etc/systemd/system: `disable
+    --now` then stops nothing), or InstallError before anything else is touched: a running
+    specd would go on restarting SGLang with its state moved from under it."""
+    if not _running(runner):
+        return
+    stopped = runner(["systemctl", "stop", SPECD_UNIT], timeout_s=START_TIMEOUT_S)
+    print(("ran " if stopped.ok else "failed: ") + stopped.summary(), file=out)
+    if _running(runner):
+        raise InstallError(
+            f"{SPECD_UNIT} still runs: uninstall changed nothing else (it does not move "
+            f"specd's files from under it); stop it (`systemctl stop {SPECD_UNIT}`) and run "
+            "uninstall again"
+        )
 
 
 def _unit_gone(runner: Runner, unit: str) -> bool:

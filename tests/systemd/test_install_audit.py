@@ -298,3 +298,32 @@ def test_doctor_fails_a_specd_that_does_not_start_at_boot(sd: Container) -> None
         assert found["service"]["advice"] == f"`systemctl enable {SPECD_UNIT}`"
     finally:
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_an_uninstall_that_cannot_disable_specd_stops_it_first(sd: Container) -> None:
+    """A read-only /etc/systemd/system: `systemctl disable --now` failed (and so stopped
+    nothing), and uninstall went on moving the running specd's state and lock away and
+    restoring the config from under it, until it failed at the drop-in: specd ran on,
+    restarting SGLang in its windows, with no state."""
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    cat_before = sd.systemctl("cat", "--no-pager", SGLANG_UNIT)
+    sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90)
+    sd.sh("mount", "-o", "remount,ro,bind", "/etc/systemd/system")
+    read_only = True
+    try:
+        failed = sd.sh(SPECD, "uninstall", timeout=90, check=False)
+        assert failed.returncode == 1, failed.stdout + failed.stderr
+        assert "failed: `systemctl disable --now specd.service` exit 1" in failed.stdout
+        assert "ran `systemctl stop specd.service` exit 0" in failed.stdout, failed.stdout
+        assert sd.active_state(SPECD_UNIT) == "inactive"
+        sd.sh("mount", "-o", "remount,rw,bind", "/etc/systemd/system")
+        read_only = False
+        done = sd.sh(SPECD, "uninstall", timeout=90, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert sd.systemctl("cat", "--no-pager", SGLANG_UNIT) == cat_before
+        assert not (sd.units_dir / SPECD_UNIT).exists()
+    finally:
+        if read_only:
+            sd.sh("mount", "-o", "remount,rw,bind", "/etc/systemd/system", check=False)
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
