@@ -70,6 +70,9 @@ def uninstall(
         print(("ran " if result.ok else "failed: ") + result.summary(), file=out)
         if not result.ok:
             _stop(runner, out)
+        # A specd that failed (its start refused) would stay listed as failed once its unit
+        # file is gone, and leave the system "degraded"; a no-op otherwise.
+        runner(["systemctl", "reset-failed", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
     # specd is stopped: nothing writes its files while they move.
     owned = specd_owned(layout, files)
     for path in owned:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import tomli_w
-from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container, static_args
+from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_PYTHON, VENV_SPECD, Container, static_args
 from test_doctor_systemd import verdicts
 from test_install_repairs import no_window, start_sglang
 from test_install_systemd import QUIET_AFTER_INSTALL_S, deployment_unit, live_steps
@@ -326,4 +326,27 @@ def test_an_uninstall_that_cannot_disable_specd_stops_it_first(sd: Container) ->
     finally:
         if read_only:
             sd.sh("mount", "-o", "remount,rw,bind", "/etc/systemd/system", check=False)
+        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+
+
+def test_uninstall_after_specd_failed_leaves_no_failed_unit(sd: Container) -> None:
+    """Install stopped at `enable --now` (specd's metrics port held by another process), then
+    uninstall: specd.service stayed listed as failed, the system "degraded"."""
+    start_sglang(sd)
+    (sd.config_dir / "specd.toml").write_text(no_window(sd))
+    blocker = "specd-port-blocker.service"
+    sd.sh(
+        "systemd-run", f"--unit={blocker}", "--quiet", str(VENV_PYTHON), "-m", "http.server",
+        "9464", "--bind", "127.0.0.1",
+    )  # fmt: skip
+    try:
+        failed = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
+        assert failed.returncode == 1, failed.stdout + failed.stderr
+        assert "`systemctl enable --now specd.service` exit 1" in failed.stderr
+        done = sd.sh(SPECD, "uninstall", timeout=90, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert sd.systemctl("list-units", "--failed", "--no-legend", "--plain") == ""
+        assert sd.sh("systemctl", "is-system-running", check=False).stdout.strip() == "running"
+    finally:
+        sd.systemctl("stop", blocker, check=False)
         sd.sh(SPECD, "uninstall", check=False, timeout=90)
