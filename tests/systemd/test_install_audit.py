@@ -343,6 +343,13 @@ def test_uninstall_after_specd_failed_leaves_no_failed_unit(sd: Container) -> No
         failed = sd.sh(SPECD, "install", "--unit", SGLANG_UNIT, "--yes", timeout=90, check=False)
         assert failed.returncode == 1, failed.stdout + failed.stderr
         assert "`systemctl enable --now specd.service` exit 1" in failed.stderr
+
+        def gave_up() -> bool:
+            # Each start fails at once; past StartLimitBurst= systemd stops retrying.
+            sd.systemctl("restart", SPECD_UNIT, check=False, timeout=60)
+            return sd.active_state(SPECD_UNIT) == "failed"
+
+        sd.wait_for(gave_up, timeout=90, interval=0.2, what="specd.service failed")
         done = sd.sh(SPECD, "uninstall", timeout=90, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
         assert sd.systemctl("list-units", "--failed", "--no-legend", "--plain") == ""
