@@ -23,11 +23,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.commands.override import pin_unrunnable, pinned_setting, unsupported_pin_text
+from specd.commands.status import override_info, override_text, read_override_as_daemon
 from specd.core import sglang_features as features
 from specd.core import windows
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
+from specd.core.text import duration_text
 from specd.install.execline import expand_argv
 from specd.install.layout import (
     DROPIN_NAME,
@@ -39,8 +42,9 @@ from specd.install.layout import (
     Layout,
 )
 from specd.install.manifest import load_manifest
+from specd.install.network import elsewhere
 from specd.install.plan import key_file_problem
-from specd.install.sglang_args import ARGS_WORD, LEGACY_NAMES, find_flags
+from specd.install.sglang_args import ARGS_WORD, DEFAULT_PORT, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import (
@@ -54,7 +58,6 @@ from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
-from specd.io.override import daemon_uids, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
     ACCEPT_LENGTH,
@@ -203,7 +206,36 @@ class Doctor:
             )
         self.info = info
         self.info_path = client.info_path or "/server_info"
+        other = self._another_server(info)
+        if other is not None:
+            unit = self.config.sglang.unit
+            return Check(
+                "sglang",
+                False,
+                f"{client.base_url} answers {self.info_path}, but {other}: specd would watch "
+                f"that server and restart {unit} (every change fails its verification)",
+                f"set [sglang] url to the URL {unit} answers at (its --host/--port)",
+            )
         return Check("sglang", True, f"{client.base_url} answers {self.info_path}")
+
+    def _another_server(self, info: dict[str, Any]) -> str | None:
+        """Why the SGLang at [sglang] url is not the unit's (as install judges a --url):
+        its host is no address of this machine, or it runs another --port than the unit's
+        command line (read by check_dropin). None when it is, or cannot be told."""
+        away = elsewhere(self.config.sglang.url)
+        if away is not None:
+            return away
+        answered = info.get("port")
+        if self.unit_args is None or not isinstance(answered, int) or isinstance(answered, bool):
+            return None
+        try:
+            flag = find_flags(self.unit_args).get("--port")
+        except InstallError:
+            return None  # an ambiguous option: the drop-in check says so
+        wanted = str(DEFAULT_PORT) if flag is None else flag.value or ""
+        if not wanted.isdigit() or int(wanted) == answered:
+            return None
+        return f"it runs --port {answered}, {self.config.sglang.unit} --port {wanted}"
 
     def check_choices(self) -> Check:
         """Which kinds of setting specd may choose on this server, and why not the others
@@ -333,6 +365,23 @@ class Doctor:
         if dropin not in view.dropin_paths:
             return (
                 Check("drop-in", False, f"{dropin} is not among {unit}'s drop-ins", advice),
+                None,
+                view.environment,
+            )
+        env_file = Path(self.config.sglang.env_file)
+        if env_file not in self.unit_env_files:
+            # Every change specd makes would restart SGLang into what it ran before, fail
+            # its verification, roll back (a second restart) and freeze.
+            reads = ", ".join(map(str, self.unit_env_files)) or "no EnvironmentFile="
+            return (
+                Check(
+                    "drop-in",
+                    False,
+                    f"{unit} does not read [sglang] env_file {env_file} (it reads {reads}): "
+                    "no setting specd writes would reach SGLang",
+                    f"{advice} (its drop-in reads the configured env_file), or set [sglang] "
+                    "env_file to the file the unit reads",
+                ),
                 None,
                 view.environment,
             )
@@ -603,7 +652,7 @@ class Doctor:
         state = "open now; " if windows.is_open(self.config.windows, now) else ""
         # On the window's own clock, with its offset: as the operator wrote the cron.
         shown = windows.local_time(self.config.windows, opens).isoformat(timespec="seconds")
-        detail = f"{state}next opens {shown} (in {gap / 3600:.1f} h)"
+        detail = f"{state}next opens {shown} (in {duration_text(gap)})"
         short = self._windows_too_short()
         if short is not None:
             return Check("windows", False, f"{detail}; {short[0]}", short[1])
@@ -642,23 +691,37 @@ class Doctor:
         )
 
     def check_override(self) -> Check:
-        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
-        status = read_override(
-            Path(self.config.files.override_file),
-            self.config.choose.min_steps,
-            self.config.choose.max_steps,
-            now,
-            allowed_uids=daemon_uids(),
-        )
-        if not status.valid:
-            return Check("override", False, str(status.problem), "fix it or `specd override clear`")
-        if status.override is None:
+        """The override line as `specd status` says it (expired, invalid, or unreadable by
+        user specd: judged as the daemon reads the file), and a pin in force that this
+        server or its unit cannot run as `specd override show` judges it."""
+        at = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        status = read_override_as_daemon(self.config, at)
+        if not status.present:
             return Check("override", True, "none")
-        return Check("override", True, f"{status.override.mode} ({status.override.reason})")
+        line = override_text(override_info(self.config, status, at), self.clock())
+        if not status.valid:
+            return Check("override", False, line, "fix it or `specd override clear`")
+        held = status.override
+        if held is not None and held.mode == "pin" and held.active(at):
+            info: dict[str, Any] | str = "SGLang did not answer" if self.info is None else self.info
+            cannot, _ = pin_unrunnable(self.config, pinned_setting(held), info, self.static_only)
+            if cannot is not None:
+                return Check(
+                    "override",
+                    False,
+                    f"{line}; BUT {unsupported_pin_text(cannot)}",
+                    "clear it (`specd override clear`) or pin a setting listed under choices",
+                )
+        return Check("override", True, line)
 
     def check_service(self) -> Check:
         props = self.systemctl_show(
-            SPECD_UNIT, "ActiveState", "SubState", "WatchdogUSec", "WatchdogTimestampMonotonic"
+            SPECD_UNIT,
+            "ActiveState",
+            "SubState",
+            "UnitFileState",
+            "WatchdogUSec",
+            "WatchdogTimestampMonotonic",
         )
         state = f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}"
         if props.get("ActiveState") != "active":
@@ -675,6 +738,16 @@ class Doctor:
                 "service", False, f"{SPECD_UNIT} is {state} without a watchdog", "keep WatchdogSec="
             )
         age_s = self.monotonic() - int(last_us) / 1e6
+        enabled = props.get("UnitFileState", "")
+        if enabled != "enabled":
+            # Running now, but not started at boot: the next reboot ends the tuning unseen.
+            return Check(
+                "service",
+                False,
+                f"{SPECD_UNIT} is {state} but {enabled or 'not enabled'}: it does not start at "
+                "boot",
+                f"`systemctl enable {SPECD_UNIT}`",
+            )
         if age_s > period_us / 1e6:
             return Check(
                 "service",

@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from specd.commands.args import Duration, quoted
 from specd.commands.reason import operator, reason_type
@@ -150,7 +151,17 @@ def _can_run(cfg: config_mod.Config, setting: SpecSetting) -> tuple[str | None, 
     asked), and what was checked, as the daemon judges a pin (`unsupported`): a pin it
     cannot run restarts nothing and holds every automatic change until it expires."""
     static_only = read_static_only(SubprocessRunner(), cfg.sglang.unit)
-    info = server_info(cfg)
+    return pin_unrunnable(cfg, setting, server_info(cfg), static_only)
+
+
+def pin_unrunnable(
+    cfg: config_mod.Config,
+    setting: SpecSetting,
+    info: dict[str, Any] | str,
+    static_only: str | None,
+) -> tuple[str | None, str]:
+    """`_can_run`'s judgement from what was already read: SGLang's /server_info (or why it
+    did not answer) and why the unit takes static step counts only (None: any)."""
     traits = traits_from_server_info(info) if isinstance(info, dict) else None
     if traits is not None and traits.algorithm is None:
         # SGLang runs off and reports no algorithm: the one specd applies stands in, as
@@ -167,6 +178,21 @@ def _can_run(cfg: config_mod.Config, setting: SpecSetting) -> tuple[str | None, 
             "before it restarts and holds the pin (`unsupported`) if it cannot"
         )
     return None, f"checked: SGLang at {cfg.sglang.url} and {cfg.sglang.unit} can run it"
+
+
+def unsupported_pin_text(cannot: str) -> str:
+    """What a pin in force that the server cannot run (``cannot``: why) does, and the way
+    out: as `override show` and `specd doctor` say it."""
+    return (
+        f"this server cannot run it: {printable(cannot)}; specd restarts nothing "
+        "and holds every automatic change (`unsupported`) until it expires: "
+        "`specd override clear`, or pin a setting `specd doctor` lists"
+    )
+
+
+def pinned_setting(override: Override) -> SpecSetting:
+    """The setting a pin holds (a static K is written as ``steps``)."""
+    return override.setting or SpecSetting("static", steps=override.steps)
 
 
 def _in_force(path: Path, cfg: config_mod.Config, now: datetime) -> str | None:
@@ -303,14 +329,10 @@ def run(args: argparse.Namespace) -> int:
     held = status.override
     if args.action == "show" and held is not None and held.active(now) and held.mode == "pin":
         # What the daemon does with it: a pin it cannot run is held `unsupported`.
-        pinned = held.setting or SpecSetting("static", steps=held.steps)
+        pinned = pinned_setting(held)
         cannot, checked = _can_run(cfg, pinned)
         if cannot is not None:
-            checked = (
-                f"BUT this server cannot run it: {printable(cannot)}; specd restarts nothing "
-                "and holds every automatic change (`unsupported`) until it expires: "
-                "`specd override clear`, or pin a setting `specd doctor` lists"
-            )
+            checked = f"BUT {unsupported_pin_text(cannot)}"
     print(_describe(status, path, now, windows_text, checked))
     if replaced is not None:
         print(f"replaces {replaced}")

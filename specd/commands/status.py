@@ -65,8 +65,9 @@ def setting_text(name: str) -> str:
     return f"{name} steps" if name.isdigit() else name
 
 
-def _override_text(ov: dict[str, Any], now: float) -> str:
-    """The override line: what is in force, or why nothing in the file is."""
+def override_text(ov: dict[str, Any], now: float) -> str:
+    """The override line (`override_info`): what is in force, or why nothing in the file
+    is; `specd doctor` says the same."""
     if not ov["valid"]:
         return f"INVALID, ignored (specd keeps its last good state): {printable(ov['problem'])}"
     mode = ov["mode"]
@@ -109,14 +110,8 @@ def when_text(ts: float | None, now: float, shown: str | None = None) -> str:
         return "never"
     at = shown or iso_time(datetime.fromtimestamp(ts, tz=timezone.utc))
     delta = ts - now
-    span = abs(delta)
-    human = (
-        f"{span:.0f}s"
-        if span < 120
-        else f"{span / 60:.0f}m"
-        if span < 7200
-        else f"{span / 3600:.1f}h"
-    )
+    # As every span specd prints: "42 s", "7.5 min", "3.2 h" (doctor, override, decisions).
+    human = duration_text(abs(delta))
     return f"{at} ({'in ' + human if delta > 0 else human + ' ago'})"
 
 
@@ -190,6 +185,42 @@ def choices(
     }
 
 
+def read_override_as_daemon(config: Config, at: datetime) -> OverrideStatus:
+    """The override file judged as the daemon, running as user specd, finds it (its owner,
+    mode, and whether that user can read it at all)."""
+    return read_override(
+        Path(config.files.override_file),
+        config.choose.min_steps,
+        config.choose.max_steps,
+        at,
+        as_daemon=True,
+    )
+
+
+def override_info(config: Config, override: OverrideStatus, at: datetime) -> dict[str, Any]:
+    """What the override file holds and whether it is in force, for `override_text` (and
+    status's JSON)."""
+    current = override.override if override.valid else None
+    return {
+        "file": str(config.files.override_file),
+        "present": override.present,
+        "valid": override.valid,
+        "problem": override.problem,
+        "mode": current.mode if current else None,
+        "steps": current.steps if current else None,
+        # What a pin holds as the operator writes it ("4", "off", "adaptive:3,4").
+        "setting": current.pinned_name if current else None,
+        "expires_at": iso_time(current.expires_at) if current and current.expires_at else None,
+        # Seconds since a pin or freeze expired (still in the file, no longer in force).
+        "expired_s": (
+            (at - current.expires_at).total_seconds()
+            if current and current.mode != "auto" and current.expires_at and not current.active(at)
+            else None
+        ),
+        "reason": current.reason if current else None,
+    }
+
+
 def collect(
     config: Config,
     now: float,
@@ -218,14 +249,7 @@ def collect(
         state, state_problem, unreadable = State(), f"{state_path}: {detail}", True
         state.frozen = held_freeze(exc, now, detail)  # as the daemon's next start keeps it
     at = datetime.fromtimestamp(now, tz=timezone.utc)
-    override = read_override(
-        Path(config.files.override_file),
-        config.choose.min_steps,
-        config.choose.max_steps,
-        at,
-        as_daemon=True,
-    )
-    current = override.override if override.valid else None
+    override = read_override_as_daemon(config, at)
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
     opens = windows.next_open(config.windows, at)
     closes = windows.next_close(config.windows, at)
@@ -248,27 +272,7 @@ def collect(
         "target_setting": decision.get("target_setting", _name_of(decision.get("target_steps"))),
         "last_decision": decision,
         "mode": _mode(override, at),
-        "override": {
-            "file": str(config.files.override_file),
-            "present": override.present,
-            "valid": override.valid,
-            "problem": override.problem,
-            "mode": current.mode if current else None,
-            "steps": current.steps if current else None,
-            # What a pin holds as the operator writes it ("4", "off", "adaptive:3,4").
-            "setting": current.pinned_name if current else None,
-            "expires_at": iso_time(current.expires_at) if current and current.expires_at else None,
-            # Seconds since a pin or freeze expired (still in the file, no longer in force).
-            "expired_s": (
-                (at - current.expires_at).total_seconds()
-                if current
-                and current.mode != "auto"
-                and current.expires_at
-                and not current.active(at)
-                else None
-            ),
-            "reason": current.reason if current else None,
-        },
+        "override": override_info(config, override, at),
         "frozen": state.frozen,
         # Step counts that regressed after a change, skipped by the policy until "until".
         "avoided": [
@@ -456,7 +460,7 @@ def render(info: dict[str, Any], now: float) -> str:
     ]
     ov = info["override"]
     if ov["present"]:
-        lines.append(f"override       {_override_text(ov, now)}")
+        lines.append(f"override       {override_text(ov, now)}")
     for e in info["avoided"]:
         lines.append(
             f"avoided        {setting_text(e['setting'])}: served "

@@ -15,7 +15,7 @@ from specd.install.execute import execute
 from specd.install.layout import MANIFEST_FILE, InstallError, Layout, check_unit_name
 from specd.install.manifest import load_manifest
 from specd.install.plan import FleetOptions, GatewayOptions, Plan, build_plan, system_state
-from specd.install.probe import probe_config
+from specd.install.probe import probe_config, server_port
 from specd.install.render import specd_command
 from specd.install.uninstall import uninstall
 from specd.install.unit import read_unit
@@ -84,6 +84,11 @@ def install(
     interactive = sys.stdin.isatty() and not args.yes and not args.dry_run
     add_metrics = args.add_enable_metrics
     moment = time.time() if now_s is None else now_s
+    installed = {
+        str(path): str(record.get("sha256"))
+        for path, record in (manifest or {}).get("files", {}).items()
+        if isinstance(record, dict)
+    }
 
     def plan_for(metrics: bool) -> Plan:
         return build_plan(
@@ -101,6 +106,7 @@ def install(
             ),
             fleet=fleet,
             now_s=moment,
+            installed=installed,
         )
 
     try:
@@ -120,6 +126,15 @@ def install(
         f"SGLang at {plan.url}",
         file=out,
     )
+    if args.url is not None and spec.port is not None:
+        answered = server_port(plan.url)
+        if answered is not None and answered != spec.port:
+            # Another SGLang of this machine: specd would watch it and restart this unit,
+            # fail every change's verification, restart again to roll back, and freeze.
+            raise InstallError(
+                f"--url {plan.url}: the SGLang there runs --port {answered}, but {unit} runs "
+                f"--port {spec.port}: that is another server; give the URL {unit} answers at"
+            )
     problems, notes = probe_config(plan.fleet, plan.gateway, plan.url, layout)
     for note in notes:
         print(f"note: {note}", file=out)

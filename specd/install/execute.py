@@ -31,14 +31,24 @@ from specd.io.files import write_atomic
 from specd.io.runner import Runner
 
 
-def move_to_archive(layout: Layout, path: Path, to: Path) -> None:
-    """Move ``path`` to ``to`` (another file system is fine); the archive is root's alone."""
-    target = layout.host(to)
+def _archive_dirs(layout: Layout, to: Path) -> None:
+    """The directories above ``to``; the archive is root's alone."""
     for parent in reversed(to.parents):
         here = layout.host(parent)
         if not here.is_dir():
             here.mkdir(mode=0o700)
-    shutil.move(str(layout.host(path)), str(target))
+
+
+def move_to_archive(layout: Layout, path: Path, to: Path) -> None:
+    """Move ``path`` to ``to`` (another file system is fine)."""
+    _archive_dirs(layout, to)
+    shutil.move(str(layout.host(path)), str(layout.host(to)))
+
+
+def copy_to_archive(layout: Layout, data: bytes, to: Path) -> None:
+    """Keep ``data`` (a file as it was before install replaced it) at ``to``."""
+    _archive_dirs(layout, to)
+    write_atomic(layout.host(to), data, mode=0o600)
 
 
 def execute(plan: Plan, layout: Layout, runner: Runner, view: UnitView, out: Any) -> None:
@@ -101,6 +111,14 @@ def _carry_out(
     for change in plan.files:
         target = layout.host(change.path)
         name = str(change.path)
+        if change.backup is not None and change.old is not None:
+            try:
+                copy_to_archive(layout, change.old, change.backup)
+            except OSError as exc:
+                raise InstallError(
+                    f"cannot keep {change.path} as {change.backup}: {exc.strerror or exc}"
+                ) from None
+            did(f"kept {change.path} (not written by specd install) as {change.backup}")
         first = name not in manifest["files"]
         record = manifest["files"].setdefault(name, original_record(change))
         record["sha256"] = sha256(change.new)

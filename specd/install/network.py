@@ -125,3 +125,34 @@ def reach(config_text: str, layout: Layout) -> Reach:
             )
     out.addresses = [str(a) for a in sorted(allowed, key=lambda a: (a.version, a))]
     return out
+
+
+def is_local(address: IPAddress) -> bool:
+    """Whether ``address`` is one of this machine's: only those can be bound."""
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
+
+
+def elsewhere(url: str) -> str | None:
+    """Why ``url`` is not a server on this machine (its host names no address of it), or
+    None: it is, or the name does not resolve now (reach() warns of that)."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return None
+    if not host or host == "localhost":
+        return None
+    literal = _literal(host)
+    try:
+        addresses = [literal] if literal is not None else _resolve(host)
+    except (OSError, UnicodeError):
+        return None
+    if not addresses or any(a.is_loopback or is_local(a) for a in addresses):
+        return None
+    shown = host if literal is not None else f"{host} ({', '.join(map(str, addresses))})"
+    return f"{shown} is not an address of this machine"

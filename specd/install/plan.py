@@ -9,8 +9,8 @@ import pwd
 import shlex
 import stat
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,6 +23,7 @@ from specd.install.layout import (
     ARCHIVE_ROOT,
     CONFIG_FILE,
     DROPIN_NAME,
+    ENV_FILE,
     POLKIT_FILE,
     SPECD_UNIT,
     SPECD_USER,
@@ -34,18 +35,21 @@ from specd.install.layout import (
     Layout,
     stamp,
 )
-from specd.install.network import reach
+from specd.install.manifest import sha256
+from specd.install.network import elsewhere, reach
 from specd.install.render import (
     configured_files,
     render_config,
     render_dropin,
     render_polkit,
     render_specd_service,
+    specd_owned,
     template,
 )
 from specd.install.sglang_args import (
     LEGACY_ENV_STEPS,
     LEGACY_NAMES,
+    SPECD_VARIABLES,
     Speculation,
     analyse,
     sglang_url,
@@ -53,6 +57,7 @@ from specd.install.sglang_args import (
 from specd.install.unit import (
     UnitView,
     cat_sections,
+    dropin_extras,
     live_command,
     service_assignments,
     unit_environment,
@@ -62,6 +67,9 @@ from specd.io.config import ConfigError, load_config
 from specd.io.files import ParseError, parse_toml
 from specd.io.gateway import MAX_API_KEY_FILE_BYTES, key_file_unreadable_by
 from specd.io.runner import Runner
+
+# The variables specd's drop-in sets (and older forms of it did): install rewrites them.
+DROPIN_VARIABLES = frozenset({ENV_ARGS, *SPECD_VARIABLES})
 
 
 @dataclass(frozen=True)
@@ -75,14 +83,22 @@ class FileChange:
     owner: tuple[int, int] | None = None
     # The symlink that was at the path, which the rewrite replaces; uninstall puts it back.
     link: str | None = None
+    # Where the file as it is now is kept before install replaces it whole: it holds what
+    # install did not write (an operator's, or edited since install).
+    backup: Path | None = None
 
     def diff(self) -> str:
+        kept = (
+            ""
+            if self.backup is None
+            else f"# {self.path} holds what specd install did not write: kept as {self.backup}\n"
+        )
         old = (self.old or b"").decode("utf-8", "replace").splitlines(keepends=True)
         new = self.new.decode("utf-8", "replace").splitlines(keepends=True)
         label_old = f"{self.path} (absent)" if self.old is None else str(self.path)
         label_new = f"{self.path} (new, {self.mode:04o})" if self.old is None else str(self.path)
         lines = list(difflib.unified_diff(old, new, label_old, label_new))
-        return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+        return kept + "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
 
 @dataclass(frozen=True)
@@ -387,10 +403,13 @@ def build_plan(
     now_s: float = 0.0,
     gateway: GatewayOptions | None = None,
     fleet: FleetOptions | None = None,
+    installed: Mapping[str, str] | None = None,
 ) -> Plan:
     """Everything install would write and run; raises InstallError for a unit it refuses.
     ``fresh``: no installation of specd is recorded here, so an override file left from an
-    earlier one is moved aside (``now_s`` names where)."""
+    earlier one is moved aside (``now_s`` names where). ``installed``: the sha256 of what
+    install last wrote, by path (its manifest); a file it would replace whole that holds
+    anything else is kept in the archive first."""
     unit = view.unit
     command = live_command(view)
     spec = analyse(
@@ -435,6 +454,14 @@ def build_plan(
         url = sglang_url(spec.host, spec.port)
     else:
         url = check_url(url)
+        away = elsewhere(url)
+        if away is not None:
+            # specd would watch that server and restart this unit: every change would fail
+            # its verification, restart the unit again to roll back, and freeze.
+            raise InstallError(
+                f"--url {url}: {away}, and specd restarts {unit} on this one: give the URL "
+                f"this machine's {unit} answers at (its --host/--port)"
+            )
     gateway_values = None if gateway is None else gateway_keys(gateway, layout)
     fleet_values = None if fleet is None else fleet_keys(fleet)
     config_text = render_config(
@@ -459,8 +486,10 @@ def build_plan(
             ]
         )
     reachable = reach(config_text, layout)
+    # The env file specd writes, as the config names it: the drop-in reads that one.
+    files, _ = configured_files(config_text)
     wanted = {
-        dropin: render_dropin(unit, command, spec, add_metrics),
+        dropin: render_dropin(unit, command, spec, add_metrics, files.env_file),
         UNITS_DIR / SPECD_UNIT: render_specd_service(
             template("specd.service"), unit, list(specd_argv), reachable.addresses
         ),
@@ -478,9 +507,26 @@ def build_plan(
     )
     plan.notes += reachable.notes
     plan.warnings += reachable.warnings
-    files, _ = configured_files(config_text)
+    old_dropin = read(dropin)
+    extras = (
+        []
+        if old_dropin is None
+        else dropin_extras(
+            old_dropin.decode("utf-8", "replace"),
+            DROPIN_VARIABLES,
+            frozenset({str(ENV_FILE), str(files.env_file)}),
+        )
+    )
+    if extras:
+        # Replaced whole, they would be gone at SGLang's next restart, which specd makes.
+        raise InstallError(
+            f"{dropin} has settings of its own, which specd's drop-in (it replaces that file "
+            f"whole) would drop: {'; '.join(extras)}. Move them to a drop-in of your own "
+            f"(`systemctl edit {unit}`), then run install again"
+        )
+    archive = ARCHIVE_ROOT / f"install-{stamp(now_s)}"
     if fresh and layout.host(files.override_file).is_file():
-        to = ARCHIVE_ROOT / f"install-{stamp(now_s)}" / files.override_file.relative_to("/")
+        to = archive / files.override_file.relative_to("/")
         plan.moves.append(
             MoveAside(
                 files.override_file,
@@ -488,6 +534,33 @@ def build_plan(
                 "an override left by an earlier installation: this one starts in auto mode",
             )
         )
+    env_host = layout.host(files.env_file)
+    if (
+        fresh
+        and (env_host.exists() or env_host.is_symlink())
+        and str(files.env_file) not in view.environment_files
+    ):
+        plan.moves.append(
+            MoveAside(
+                files.env_file,
+                archive / files.env_file.relative_to("/"),
+                f"an env file left by an earlier installation, which {unit} does not read now: "
+                "SGLang would start with its setting at its next restart, not with today's",
+            )
+        )
+    if fresh and str(files.env_file) not in view.environment_files and not system.specd_active:
+        # No specd runs on them, and no unit reads what one wrote: an earlier installation's,
+        # whose restart journal the new specd would finish, restarting the unit at install.
+        for path in specd_owned(layout, files):
+            if path.parent == files.state_dir and path != files.env_file:
+                plan.moves.append(
+                    MoveAside(
+                        path,
+                        archive / path.relative_to("/"),
+                        "left by an earlier installation: this one starts from none of its "
+                        "state (its restart journal, freeze, what it learned)",
+                    )
+                )
     config_host = layout.host(CONFIG_FILE)
     if (
         config_host.is_symlink()
@@ -501,10 +574,15 @@ def build_plan(
             f"{CONFIG_FILE} is a symlink to {os.readlink(config_host)}: install does not edit "
             f"through it; set {keys} where that file comes from, then run install again"
         )
+    written = installed or {}
     for path, text in wanted.items():
         old = read(path)
         if path not in unreadable and old != text.encode():
-            plan.files.append(file_change(layout, path, old, text.encode()))
+            change = file_change(layout, path, old, text.encode())
+            if path != CONFIG_FILE and old is not None and sha256(old) != written.get(str(path)):
+                # Replaced whole (specd.toml is edited in place): what is there now is kept.
+                change = replace(change, backup=archive / path.relative_to("/"))
+            plan.files.append(change)
     if spec.step_variables:
         old_names = ", ".join(LEGACY_NAMES if spec.legacy else LEGACY_NAMES.values())
         plan.notes.append(

@@ -10,6 +10,7 @@ from specd.core.settings import FleetSettings, GatewaySettings
 from specd.install.layout import Layout
 from specd.io.fleet import EtcdClient, FleetUnavailable
 from specd.io.gateway import GatewayClient, GatewayUnavailable
+from specd.io.sglang import SGLangClient
 
 # Short: install waits on each endpoint in turn, and a down one is the case to report.
 PROBE_TIMEOUT_S = 3.0
@@ -63,6 +64,17 @@ def probe_gateways(
     return problems, notes
 
 
+def server_port(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
+    """The --port the SGLang at ``url`` says it was started with (its /server_info), or None
+    when it does not answer or say."""
+    with SGLangClient(url, timeout_s=timeout_s) as client:
+        info = client.server_info()
+    if not isinstance(info, dict):
+        return None
+    port = info.get("port")
+    return port if isinstance(port, int) and not isinstance(port, bool) else None
+
+
 def probe_config(
     fleet: Mapping[str, Any] | None,
     gateway: Mapping[str, Any] | None,
@@ -81,4 +93,4 @@ def probe_config(
     return problems, notes
 
 
-__all__ = ["PROBE_TIMEOUT_S", "probe_config", "probe_etcd", "probe_gateways"]
+__all__ = ["PROBE_TIMEOUT_S", "probe_config", "probe_etcd", "probe_gateways", "server_port"]

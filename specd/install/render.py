@@ -16,7 +16,14 @@ import tomlkit.exceptions
 import tomlkit.items
 
 from specd.install.execline import Command, format_exec, quote_word
-from specd.install.layout import CONFIG_FILE, ENV_FILE, OVERRIDE_FILE, STATE_DIR, InstallError
+from specd.install.layout import (
+    CONFIG_FILE,
+    ENV_FILE,
+    OVERRIDE_FILE,
+    STATE_DIR,
+    InstallError,
+    Layout,
+)
 from specd.install.sglang_args import Speculation, wired_command
 from specd.io.apply import ENV_ARGS
 
@@ -308,3 +315,24 @@ def configured_files(text: str | None) -> tuple[SpecdFiles, str | None]:
         else:
             values[name] = getattr(DEFAULT_FILES, name)
     return SpecdFiles(**values), None
+
+
+def _exists(layout: Layout, path: Path) -> bool:
+    host = layout.host(path)
+    return host.exists() or host.is_symlink()
+
+
+def specd_owned(layout: Layout, files: SpecdFiles) -> list[Path]:
+    """specd's own files that are there now: the override, the env file, and everything in
+    the state directory."""
+    found: list[Path] = []
+    for path in (files.override_file, files.env_file):
+        if _exists(layout, path):
+            found.append(path)
+    state = layout.host(files.state_dir)
+    if state.is_dir() and not state.is_symlink():
+        for child in sorted(state.iterdir()):
+            path = files.state_dir / child.name
+            if path not in found:
+                found.append(path)
+    return found

@@ -122,7 +122,7 @@ class Speculation:
     draft_flag: Flag
     metrics: bool
     host: str
-    port: int | None  # None: not read from the command (the operator gave --url)
+    port: int | None  # None: not readable from the command (the operator gave --url)
     legacy: bool = False  # wired with the old SPECD_SPEC_* variables
     # Word indices (option and separate value) of the setting's options on the command line:
     # the drop-in replaces them with $SPECD_SPECULATIVE_ARGS. Empty when already wired so.
@@ -258,7 +258,15 @@ def analyse(
     )
     host_flag = flags.get("--host")
     host = host_flag.value if host_flag is not None and host_flag.value else DEFAULT_HOST
-    port = _port(unit, written.get("--port"), flags) if read_url else None
+    if read_url:
+        port: int | None = _port(unit, written.get("--port"), flags)
+    else:
+        # The operator gave the URL (perhaps because the port is unreadable): kept only to
+        # check that URL is this unit's server.
+        try:
+            port = _port(unit, written.get("--port"), flags)
+        except InstallError:
+            port = None
     words: list[int] = []
     moved = frozenset((*SETTING_OPTIONS, *ADAPTIVE_OPTIONS))
     # Every occurrence: argparse keeps the last, and none may stay behind.

@@ -31,30 +31,9 @@ from specd.install.layout import (
     stamp,
 )
 from specd.install.manifest import load_manifest, original_bytes, sha256
-from specd.install.render import SpecdFiles, configured_files
+from specd.install.render import configured_files, specd_owned
 from specd.io.files import write_atomic
 from specd.io.runner import Runner
-
-
-def _exists(layout: Layout, path: Path) -> bool:
-    host = layout.host(path)
-    return host.exists() or host.is_symlink()
-
-
-def specd_owned(layout: Layout, files: SpecdFiles) -> list[Path]:
-    """specd's own files that are there now: the override, the env file, and everything in
-    the state directory."""
-    found: list[Path] = []
-    for path in (files.override_file, files.env_file):
-        if _exists(layout, path):
-            found.append(path)
-    state = layout.host(files.state_dir)
-    if state.is_dir() and not state.is_symlink():
-        for child in sorted(state.iterdir()):
-            path = files.state_dir / child.name
-            if path not in found:
-                found.append(path)
-    return found
 
 
 def _archive_copy(layout: Layout, path: Path, archive: Path) -> Path:
@@ -89,6 +68,11 @@ def uninstall(
     if manifest.get("enabled_specd"):
         result = runner(["systemctl", "disable", "--now", SPECD_UNIT], timeout_s=START_TIMEOUT_S)
         print(("ran " if result.ok else "failed: ") + result.summary(), file=out)
+        if not result.ok:
+            _stop(runner, out)
+        # A specd that failed (its start refused) would stay listed as failed once its unit
+        # file is gone, and leave the system "degraded"; a no-op otherwise.
+        runner(["systemctl", "reset-failed", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
     # specd is stopped: nothing writes its files while they move.
     owned = specd_owned(layout, files)
     for path in owned:
@@ -179,6 +163,30 @@ def uninstall(
             file=out,
         )
     return 0
+
+
+RUNNING_STATES = ("active", "activating", "reloading", "deactivating", "refreshing")
+
+
+def _running(runner: Runner) -> bool:
+    shown = runner(["systemctl", "is-active", SPECD_UNIT], timeout_s=SYSTEMCTL_TIMEOUT_S)
+    return shown.stdout.strip() in RUNNING_STATES
+
+
+def _stop(runner: Runner, out: Any) -> None:
+    """specd stopped after its disable failed (a read-only /etc/systemd/system: `disable
+    --now` then stops nothing), or InstallError before anything else is touched: a running
+    specd would go on restarting SGLang with its state moved from under it."""
+    if not _running(runner):
+        return
+    stopped = runner(["systemctl", "stop", SPECD_UNIT], timeout_s=START_TIMEOUT_S)
+    print(("ran " if stopped.ok else "failed: ") + stopped.summary(), file=out)
+    if _running(runner):
+        raise InstallError(
+            f"{SPECD_UNIT} still runs: uninstall changed nothing else (it does not move "
+            f"specd's files from under it); stop it (`systemctl stop {SPECD_UNIT}`) and run "
+            "uninstall again"
+        )
 
 
 def _unit_gone(runner: Runner, unit: str) -> bool:

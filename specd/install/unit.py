@@ -165,6 +165,40 @@ def service_assignments(text: str, key: str) -> list[str]:
     return values
 
 
+def dropin_extras(text: str, variables: frozenset[str], env_files: frozenset[str]) -> list[str]:
+    """The settings of the file at specd's drop-in path that specd's own drop-in would not
+    keep, one logical line each as written: anything but ``ExecStart=`` (install carries
+    the command over), ``Environment=`` of specd's ``variables`` only, and
+    ``EnvironmentFile=`` of one of ``env_files``."""
+    section = ""
+    extras: list[str] = []
+    for line in _logical_lines(text):
+        stripped = line.strip()
+        if not stripped or stripped[0] in "#;":
+            continue
+        if stripped.startswith("[") and stripped.endswith("]"):
+            section = stripped[1:-1]
+            continue
+        name, sep, value = (part.strip() for part in stripped.partition("="))
+        if section == "Service" and sep:
+            if name == "ExecStart":
+                continue
+            if name == "EnvironmentFile" and value.removeprefix("-") in env_files:
+                continue
+            if name == "Environment" and _only_variables(value, variables):
+                continue
+        extras.append(stripped if section == "Service" else f"[{section}] {stripped}")
+    return extras
+
+
+def _only_variables(value: str, variables: frozenset[str]) -> bool:
+    try:
+        words = shlex.split(value)
+    except ValueError:
+        return False
+    return bool(words) and all(word.partition("=")[0] in variables for word in words)
+
+
 def _effective_exec_lines(view: UnitView) -> list[str]:
     """The ExecStart= values in force, after drop-ins (an empty assignment resets)."""
     current: list[str] = []

@@ -7,6 +7,7 @@ import grp
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_ta
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
+import specd.io.override as override_io
 from specd import cli
 from specd.commands.doctor import Check, Doctor, _usec, render
 from specd.core.adaptive import AdaptiveModel
@@ -27,6 +29,7 @@ from specd.core.setting import parse
 from specd.install.execline import expand_argv
 from specd.install.layout import Layout
 from specd.install.manifest import new_manifest, save_manifest
+from specd.io.apply import static_only_wiring
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -168,6 +171,14 @@ def utc(year: int, month: int, day: int, hour: int) -> float:
     ("cron", "zone", "now", "ok", "detail"),
     [
         ("0 3 * * mon-sun", "UTC", NOW, True, "next opens 2026-12-03T03:00:00+00:00 (in 16.0 h)"),
+        # Within two hours in minutes, as `specd status` and every message write a span.
+        (
+            "0 12 * * mon-sun",
+            "UTC",
+            NOW,
+            True,
+            "next opens 2026-12-02T12:00:00+00:00 (in 60.0 min)",
+        ),
         ("30 10 * * wed", "UTC", NOW, True, "open now; next opens 2026-12-09T10:30:00+00:00"),
         ("0 3 1 mar *", "UTC", NOW, False, "next opens 2027-03-01T03:00:00+00:00"),
         # On the window's own clock, with its offset: 03:00 CET is 02:00Z.
@@ -276,6 +287,95 @@ def test_override_check(tmp_path: Path) -> None:
     check = found.check_override()
     assert not check.ok
     assert "sideways" in check.detail
+
+
+STEP_VARIABLES_EXEC = (
+    "/opt/sglang/bin/python -m sglang.launch_server --speculative-num-steps "
+    "${SPECULATIVE_NUM_STEPS} --speculative-num-draft-tokens ${SPECULATIVE_NUM_DRAFT_TOKENS}"
+)
+
+
+@pytest.mark.parametrize(
+    ("override", "static_only", "ok", "detail"),
+    [
+        # NOW is 2026-12-02T11:00:00Z.
+        (
+            'mode = "pin"\nsteps = 4\nexpires_at = 2026-12-02T09:00:00Z\nreason = "night"\n',
+            False,
+            True,
+            "pin 4 steps EXPIRED 2.0 h ago (2026-12-02T09:00:00+00:00): night; specd decides "
+            "by itself: delete the file or `specd override clear`",
+        ),
+        (
+            'mode = "freeze"\nexpires_at = 2026-12-02T10:00:00Z\nreason = "incident"\n',
+            False,
+            True,
+            "freeze EXPIRED 60.0 min ago (2026-12-02T10:00:00+00:00): incident; specd decides "
+            "by itself: delete the file or `specd override clear`",
+        ),
+        (
+            'mode = "pin"\nsteps = 3\nexpires_at = 2026-12-03T03:00:00Z\nreason = "eval"\n',
+            True,
+            True,
+            "pin 3 steps until 2026-12-03T03:00:00+00:00 (in 16.0 h): eval",
+        ),
+        # A drop-in of the step-variable form takes static K only: specd holds this pin
+        # `unsupported`, restarting nothing and making no automatic change until it expires.
+        (
+            'mode = "pin"\nsetting = "off"\nexpires_at = 2026-12-03T03:00:00Z\nreason = "r"\n',
+            True,
+            False,
+            "pin off until 2026-12-03T03:00:00+00:00 (in 16.0 h): r; BUT this server cannot "
+            "run it: sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}, not "
+            "$SPECD_SPECULATIVE_ARGS: static step counts only",
+        ),
+        (
+            'mode = "pin"\nsetting = "off"\nexpires_at = 2026-12-03T03:00:00Z\nreason = "r"\n',
+            False,
+            True,
+            "pin off until 2026-12-03T03:00:00+00:00 (in 16.0 h): r",
+        ),
+    ],
+)
+def test_override_check_says_what_status_and_override_show_say(
+    tmp_path: Path, override: str, static_only: bool, ok: bool, detail: str
+) -> None:
+    """Doctor said `pin (night)` for a pin that had expired, or that the unit cannot run."""
+    found = doctor(tmp_path)
+    (tmp_path / "override.toml").write_text(override)
+    (tmp_path / "override.toml").chmod(0o644)
+    found.static_only = (
+        static_only_wiring("sglang.service", [STEP_VARIABLES_EXEC]) if static_only else None
+    )
+    check = found.check_override()
+    assert (check.ok, check.detail[: len(detail)]) == (ok, detail), check
+    assert ok or check.advice.startswith("clear it (`specd override clear`)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="judging another user's access needs root")
+def test_override_check_calls_a_file_the_daemon_cannot_read_invalid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A freeze written with root's umask 077: doctor (as root) said `freeze (r)`; specd,
+    as its own user, cannot read it and ignores it."""
+    monkeypatch.setattr(override_io, "DAEMON_USER", "nobody")
+    top = Path(tempfile.mkdtemp(dir="/tmp", prefix="specd-doctor-"))
+    try:
+        top.chmod(0o755)
+        found = doctor(top)
+        override = top / "override.toml"
+        override.write_text('mode = "freeze"\nexpires_at = 2999-01-01T00:00:00Z\nreason = "r"\n')
+        override.chmod(0o600)
+        check = found.check_override()
+        assert not check.ok
+        assert check.detail.startswith(
+            "INVALID, ignored (specd keeps its last good state): user nobody cannot read "
+            f"{override} (0600 root:root)"
+        ), check.detail
+        override.chmod(0o644)
+        assert found.check_override().ok
+    finally:
+        shutil.rmtree(top)
 
 
 def test_render_gives_advice_only_for_failures() -> None:

@@ -228,7 +228,7 @@ def test_unfreeze_after_a_failed_pin_now_does_not_retry_it_unasked(oncall: Oncal
     # What it cleared (since when, and why), and what happens next.
     frozen_line, *rest = done.stdout.splitlines()
     assert re.match(
-        r"frozen since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00 \(\d+s ago\): restart to 6",
+        r"frozen since \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00 \(\d+ s ago\): restart to 6",
         frozen_line,
     ), done.stdout
     assert any(x.startswith("then: specd decides by itself") for x in rest), done.stdout

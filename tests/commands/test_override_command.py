@@ -175,7 +175,7 @@ def test_an_override_says_whose_override_in_force_it_replaces(
         return
     (said,) = replaced
     assert says in said
-    assert re.search(r"until \S+\+00:00 \(in \d+(\.\d)?[hm]\)", said), said
+    assert re.search(r"until \S+\+00:00 \(in \d+(\.\d)? (h|min)\)", said), said
     assert before is not None
     assert f": {before[-1]}" in said  # its reason
     assert re.search(r"written by alice \(sudo\) at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", said)

@@ -246,17 +246,17 @@ def test_status_says_what_specd_measured_of_the_acceptance(
         ('mode = "auto"\n', "override       auto: specd decides", "auto"),
         (
             'mode = "pin"\nsteps = 3\nexpires_at = 2099-01-01T00:00:00Z\nreason = "eval"\n',
-            "override       pin 3 steps until 2099-01-01T00:00:00+00:00 (in 640808.0h): eval",
+            "override       pin 3 steps until 2099-01-01T00:00:00+00:00 (in 640808.0 h): eval",
             "pin",
         ),
         (
             'mode = "pin"\nsetting = "adaptive:3,4"\nexpires_at = 2099-01-01T00:00:00Z\n',
-            "override       pin adaptive:3,4 until 2099-01-01T00:00:00+00:00 (in 640808.0h)",
+            "override       pin adaptive:3,4 until 2099-01-01T00:00:00+00:00 (in 640808.0 h)",
             "pin",
         ),
         (
             'mode = "freeze"\nexpires_at = 2099-01-01T00:00:00Z\nreason = "a \\u001b[2J b"\n',
-            "override       freeze until 2099-01-01T00:00:00+00:00 (in 640808.0h): a \\x1b[2J b",
+            "override       freeze until 2099-01-01T00:00:00+00:00 (in 640808.0 h): a \\x1b[2J b",
             "freeze",
         ),
         (

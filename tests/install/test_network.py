@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from install_views import BASE, FRESH, PYTHON, SPEC, SPECD, view_of
 
-from specd.install.layout import SPECD_UNIT, UNITS_DIR, Layout
+from specd.install.layout import SPECD_UNIT, UNITS_DIR, InstallError, Layout
 from specd.install.network import reach
 from specd.install.plan import FleetOptions, GatewayOptions, build_plan
 
@@ -53,15 +53,43 @@ def test_sglang_elsewhere_is_allowed_and_loopback_adds_nothing(tmp_path: Path) -
     view = view_of(f"{PYTHON} --enable-metrics --port 31000 {SPEC}")
     plan = build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
     assert allow_lines(specd_service(plan.files)) == ["IPAddressAllow=localhost"]
+    # SGLang listening on an address of the machine beyond loopback.
     elsewhere = build_plan(
-        view,
+        view_of(f"{PYTHON} --enable-metrics --host 192.0.2.7 --port 31000 {SPEC}"),
         Layout(tmp_path),
         FRESH,
         add_metrics=False,
         specd_argv=SPECD,
-        url="http://192.0.2.7:31000",
     )
     assert allow_lines(specd_service(elsewhere.files))[1:] == ["IPAddressAllow=192.0.2.7"]
+
+
+@pytest.mark.parametrize(
+    ("url", "refused"),
+    [
+        ("http://127.0.0.1:31000", False),
+        ("http://[::1]:31000", False),
+        ("http://localhost:31000", False),
+        # No address of this machine: specd would watch it and restart the unit here.
+        ("http://192.0.2.7:31000", True),
+        ("http://[2001:db8::7]:31000", True),
+        # Not resolvable now: install warns of that (reach), and cannot tell.
+        ("http://no-such-host.invalid:31000", False),
+    ],
+)
+def test_an_url_on_another_machine_is_refused(tmp_path: Path, url: str, refused: bool) -> None:
+    view = view_of(f"{PYTHON} --enable-metrics --port 31000 {SPEC}")
+
+    def plan() -> object:
+        return build_plan(
+            view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD, url=url
+        )
+
+    if not refused:
+        plan()
+        return
+    with pytest.raises(InstallError, match=r"is not an address of this machine, and specd"):
+        plan()
 
 
 def test_a_host_name_is_resolved_now_and_its_name_servers_allowed(tmp_path: Path) -> None:
