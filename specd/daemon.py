@@ -1032,6 +1032,7 @@ class Daemon:
             log.info("restart_aborted")
             self._save_state(force=True)
             return
+        restarted = outcome.sglang_restarts
         self.state.restarts.append(
             {
                 "t": now,
@@ -1042,6 +1043,9 @@ class Daemon:
                 "result": outcome.result,
                 "duration_s": outcome.duration_s,
                 "message": outcome.message,
+                # What the daily budget counts (state.restart_count): none where SGLang
+                # was not restarted, two for a rollback.
+                "restarts": restarted,
             }
         )
         self.state.restarts = [r for r in self.state.restarts if now - float(r["t"]) < 30 * DAY_S]
@@ -1128,7 +1132,7 @@ class Daemon:
         m.window_open.set(1 if windows.is_open(cfg.windows, at) else 0)
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
         m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
-        recent = [r for r in self.state.restarts if now - float(r["t"]) < DAY_S]
+        recent = [t for t in self.state.restart_times() if now - t < DAY_S]
         m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - len(recent)))
         m.frozen.set(1 if self.state.frozen is not None else 0)
 

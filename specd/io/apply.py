@@ -415,8 +415,11 @@ class Journal:
     ``written_env`` is the env file this sequence wrote, so a resumed sequence can tell
     whether the file still asks for the target.
     ``restarts_issued`` counts restart commands issued (or about to be: it is persisted
-    first): 1 for the change, 2 once the rollback restart went out. ``attempt`` counts runs
-    of this sequence: 1 by ``apply``, +1 each time ``reconcile`` resumes it.
+    first): 1 for the change, 2 once the rollback restart went out. ``not_started`` of them
+    started no SGLang: one that reached nothing (SGLang found on its previous setting,
+    healthy: "SGLang kept …"). The rest are the SGLang restarts the daily budget counts,
+    each a start (a model load) of SGLang. ``attempt`` counts runs of this sequence: 1 by
+    ``apply``, +1 each time ``reconcile`` resumes it.
     """
 
     phase: str
@@ -446,6 +449,7 @@ class Journal:
     from_setting: str | None = None
     to_setting: str | None = None
     written_env: str | None = None
+    not_started: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -500,6 +504,13 @@ class Journal:
         from_setting = opt_text("from_setting")
         if (to_steps is None and to_setting is None) or started_at is None:
             raise JournalError("restart journal lacks to_steps or started_at")
+        restarts_issued = opt_int("restarts_issued") or 0
+        not_started = opt_int("not_started") or 0
+        if not_started > restarts_issued:
+            raise JournalError(
+                f"restart journal not_started {not_started} is more than its {restarts_issued} "
+                "restarts issued"
+            )
         for name, setting_text, steps in (
             ("to_setting", to_setting, to_steps),
             ("from_setting", from_setting, from_steps),
@@ -549,7 +560,8 @@ class Journal:
             previous_env_encoding=encoding,
             started_at=started_at,
             attempt=opt_int("attempt") or 1,
-            restarts_issued=opt_int("restarts_issued") or 0,
+            restarts_issued=restarts_issued,
+            not_started=not_started,
             restart_issued_at=opt_float("restart_issued_at"),
             rollback_reason=None
             if data.get("rollback_reason") is None
@@ -604,9 +616,17 @@ class ApplyOutcome:
     # With a gateway: {result (DRAIN_RESULTS; None for a re-add after specd restarted),
     # duration_s, in_flight_at_restart, replicas, readd_problem}; None: nothing drained.
     drain: dict[str, Any] | None = None
+    # Of restarts_issued, those that started no SGLang (Journal.not_started).
+    not_started: int = 0
+
+    @property
+    def sglang_restarts(self) -> int:
+        """The SGLang restarts this sequence made: what the daily restart budget counts (a
+        rollback's two; none where SGLang was never restarted)."""
+        return max(0, self.restarts_issued - self.not_started)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "sglang_restarts": self.sglang_restarts}
 
 
 @dataclass(frozen=True)
@@ -1000,6 +1020,7 @@ class Applier:
                 journal.from_setting,
                 journal.to_setting,
                 self._drain_report,
+                journal.not_started,
             )
 
     # -- forward --------------------------------------------------------------------
@@ -1103,6 +1124,8 @@ class Applier:
             live = self._verify(journal.previous())
             if live.ok:
                 journal.capacity = live.capacity
+                if journal.restarts_issued == 1:
+                    journal.not_started = 1  # the change's restart reached nothing
                 return self._finish(
                     journal, "rolled_back", f"{reason}; SGLang kept {live.message}, no restart"
                 )
@@ -1591,6 +1614,7 @@ class Applier:
             journal.from_setting,
             journal.to_setting,
             self._drain_report,
+            journal.not_started,
         )
 
     def _aborted(

@@ -133,7 +133,7 @@ class Metrics:
         )
         self.restart_budget_remaining = Gauge(
             "specd_restart_budget_remaining",
-            "Restarts still allowed in the current 24 h budget.",
+            "SGLang restarts still allowed in the rolling 24 h budget (a rollback uses two).",
             registry=r,
         )
         self.frozen = Gauge(

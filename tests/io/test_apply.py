@@ -534,6 +534,8 @@ def _journal(**changes: Any) -> dict[str, Any]:
         ({"attempt": -100}, "attempt -100 is not in"),
         ({"restarts_issued": -1}, "restarts_issued -1 is not in"),
         ({"phase": "failed", "capacity": -5}, "capacity -5 is not in 1.."),
+        # More restarts that started nothing than were issued: a budget made up.
+        ({"restarts_issued": 1, "not_started": 2}, "not_started 2 is more than its 1"),
     ],
 )
 def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
@@ -685,6 +687,8 @@ def test_failed_restart_command_with_sglang_untouched_needs_no_restart(
     assert "Access denied" in outcome.message
     assert "no restart" in outcome.message
     assert unit.restarts == []
+    # Nothing for the daily budget: the command reached nothing.
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (1, 0)
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
     assert unit.running_steps() == 3
 
