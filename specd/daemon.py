@@ -1028,11 +1028,11 @@ class Daemon:
         self.state.journal = None
         if outcome.drain is not None:
             self._record_drain(outcome.drain, now)
-        if outcome.result == "aborted":
+        restarted = outcome.sglang_restarts
+        if outcome.result == "aborted" and restarted == 0:
             log.info("restart_aborted")
             self._save_state(force=True)
             return
-        restarted = outcome.sglang_restarts
         self.state.restarts.append(
             {
                 "t": now,
@@ -1054,7 +1054,7 @@ class Daemon:
         self.state.history.mark_sglang_start(now)
         self.state.sglang_started_at = now
         self.state.adopt(self.state.control().after_restart(now))
-        if outcome.result == "rolled_back":
+        if outcome.result in ("rolled_back", "aborted"):
             self._note_live(outcome.from_steps, now, "rollback", outcome.from_setting)
         elif outcome.result != "success":
             self._note_live(None, now, "failed restart", None)
@@ -1064,6 +1064,10 @@ class Daemon:
             if before is not None and after is not None:
                 self.metrics.setting_changes.labels(from_kind=before, to_kind=after).inc()
             log.info("restart_done", capacity=outcome.capacity)
+        elif outcome.result == "aborted":
+            # Backed out to the setting SGLang ran, for a cause that is not the target's
+            # (systemd's start limit refused the change's start): nothing to freeze for.
+            log.warning("restart_aborted", restarts=restarted)
         else:
             self.state.frozen = {
                 "since": now,

@@ -821,6 +821,19 @@ class Outcome(Applier):
         pytest.param(
             {
                 "result": "aborted",
+                "duration_s": 20.0,
+                "message": "the unit's start limit, used up before this change, refused its "
+                "start; 4 steps was never tried; rolled back, verified 3 steps",
+                "restarts_issued": 2,
+                "not_started": 1,
+            },
+            1,
+            False,
+            id="the start limit refused the change, SGLang started again on 3: one, no freeze",
+        ),
+        pytest.param(
+            {
+                "result": "aborted",
                 "duration_s": 0.0,
                 "message": "window closed while waiting for a quiet moment",
             },

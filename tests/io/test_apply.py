@@ -710,7 +710,8 @@ class StartLimited:
     """The twin unit behind systemd's start limit, as systemd 252 keeps it: a start past
     ``burst`` within ``interval_s`` is refused (`systemctl restart` exits 1, and the unit is
     left failed, its process stopped), Restart='s crash result kept (no start-limit-hit to
-    read); `systemctl reset-failed UNIT` forgets the starts and the failed state, unless
+    read), else Result=start-limit-hit (a running unit the restart stopped cleanly);
+    `systemctl reset-failed UNIT` forgets the starts and the failed state, unless
     polkit refuses it (``may_reset``: a rule from before specd did it). ``starts`` are the
     times of the starts it counts; ``calls`` every command it was given."""
 
@@ -723,6 +724,7 @@ class StartLimited:
         self.may_reset = may_reset
         self.starts = [time.monotonic()]  # SGLang's own start
         self.failed = False
+        self.result = "success"
         self.calls: list[list[str]] = []
 
     @staticmethod
@@ -740,11 +742,15 @@ class StartLimited:
             if not self.may_reset:
                 denied = f"Failed to reset failed state of unit {UNIT}: Access denied\n"
                 return self._done(argv, 1, err=denied)
-            self.starts, self.failed = [], False
+            self.starts, self.failed, self.result = [], False, "success"
             return self._done(argv, 0)
         if verbs == ["show", UNIT] and "--property=ActiveState" in args:
             state = self.state()
-            return self._done(argv, 0, f"ActiveState={state}\nSubState={state}\nNRestarts=0\n")
+            return self._done(
+                argv,
+                0,
+                f"ActiveState={state}\nSubState={state}\nNRestarts=0\nResult={self.result}\n",
+            )
         if verbs == ["show", UNIT] and "--property=StartLimitIntervalUSec" in args:
             return self._done(
                 argv,
@@ -755,6 +761,10 @@ class StartLimited:
             now = time.monotonic()
             self.starts = [t for t in self.starts if now - t <= self.interval_s]
             if len(self.starts) >= self.burst:
+                if self.unit.is_active() == "failed":
+                    self.result = "exit-code"  # the crash's, kept
+                elif self.result == "success":
+                    self.result = "start-limit-hit"
                 self.unit.stop()
                 self.failed = True
                 return self._done(
@@ -764,7 +774,7 @@ class StartLimited:
                     f'error code.\nSee "systemctl status {UNIT}" for details.\n',
                 )
             self.starts.append(now)
-            self.failed = False
+            self.failed, self.result = False, "success"
         return self.unit(argv, timeout_s=timeout_s)
 
     def reset_failed_calls(self) -> int:
@@ -866,6 +876,76 @@ def test_a_start_limit_longer_than_the_startup_timeout_is_not_waited_out_but_nam
         f"`specd install --unit {UNIT}`"
     ) in outcome.message
     assert unit.restarts == [4]
+
+
+def test_a_change_refused_for_a_start_limit_used_up_before_it_clears_it_and_goes_ahead(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """SGLang runs 3, healthy, but earlier starts (a crash loop that recovered, an
+    operator's restarts) used up its unit's start limit: systemd stopped it for the change's
+    restart and refused the start (Result=start-limit-hit). The rollback brought 3 back and
+    specd froze as if 4 had failed, 4 never having run. Now the count is cleared and the
+    restart made again: the change goes ahead, one SGLang restart."""
+    unit = make_unit(ORIGINAL_ENV)
+    systemd = StartLimited(unit, burst=1, interval_s=3600.0)  # SGLang's own start used it
+    rec = Recorder(tmp_path / "journal.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, rec, runner=systemd).apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert unit.restarts == [4]
+    assert unit.running_steps() == 4
+    assert systemd.reset_failed_calls() == 1
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (1, 1)
+    refused = [e for e in logs if e["event"] == "restart_refused_by_start_limit"]
+    assert len(refused) == 1, logs
+    assert "not the fault of 4 steps, which never ran" in refused[0]["message"]
+    assert "StartLimitBurst=1 in StartLimitIntervalSec=3600 s" in refused[0]["message"]
+    stored = rec.stored()
+    assert stored is not None
+    assert any("refused its start" in m for m in stored["messages"]), stored["messages"]
+
+
+@pytest.mark.parametrize(
+    ("interval_s", "result", "restarted_to", "says"),
+    [
+        # The limit passes within startup_timeout_s: back on 3 once it has, nothing blamed
+        # on 4 (aborted, not rolled back: the daemon does not freeze).
+        (3.0, "aborted", [3], "rolled back, verified 3 steps"),
+        # It does not: SGLang stays down (systemd stopped it), which needs an operator.
+        (3600.0, "failed", [], "run `specd install --unit sglang.service`"),
+    ],
+)
+def test_a_change_refused_for_the_start_limit_specd_may_not_clear_is_backed_out_unblamed(
+    make_unit: Any,
+    tmp_path: Path,
+    interval_s: float,
+    result: str,
+    restarted_to: list[int],
+    says: str,
+) -> None:
+    """As above, with a polkit rule that refuses `reset-failed`: the change is given up
+    (4 was never tried) and SGLang started again on 3 once the limit has passed."""
+    unit = make_unit(ORIGINAL_ENV)
+    systemd = StartLimited(unit, burst=1, interval_s=interval_s, may_reset=False)
+    systemd.starts = [time.monotonic()]  # SGLang's own start, just now on a loaded machine
+    rec = Recorder(tmp_path / "journal.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, rec, runner=systemd, startup_timeout_s=10.0).apply(
+            4, 3, window_open=always_open
+        )
+    assert outcome.result == result, outcome.message
+    assert (
+        "the unit's start limit, used up before this change, refused its start; 4 steps was "
+        "never tried"
+    ) in outcome.message
+    assert says in outcome.message
+    assert unit.restarts == restarted_to
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert [e["event"] for e in logs].count("restart_refused_by_start_limit") == 1
+    if result == "aborted":
+        assert unit.running_steps() == 3
+        # SGLang was stopped once and started once, on 3: one restart for the budget.
+        assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, 1)
 
 
 def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_path: Path) -> None:
