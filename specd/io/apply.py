@@ -461,6 +461,10 @@ class Journal:
     to_setting: str | None = None
     written_env: str | None = None
     not_started: int = 0
+    # The rollback's restart was refused for the unit's start limit, which specd may not
+    # clear: it waits until this wall-clock time, then restarts once more. A specd killed
+    # while it waits finds it here and does the rest at its next start.
+    refused_until: float | None = None
     # systemd's start limit, used up before this change, refused the change's own start
     # (the new setting never ran) and specd may not clear it: the sequence goes back to the
     # previous setting and ends aborted, not rolled back: nothing is held against the target.
@@ -577,6 +581,7 @@ class Journal:
             attempt=opt_int("attempt") or 1,
             restarts_issued=restarts_issued,
             not_started=not_started,
+            refused_until=opt_float("refused_until"),
             change_refused=data.get("change_refused") is True,
             restart_issued_at=opt_float("restart_issued_at"),
             rollback_reason=None
@@ -1267,6 +1272,13 @@ class Applier:
             problem = self._restore_env(journal)
             if problem is not None:
                 return self._finish(journal, "failed", f"restoring the env file failed: {problem}")
+            if journal.refused_until is not None:
+                # Killed while it waited out the unit's start limit: SGLang is down, its
+                # rollback restart refused. Clear the limit (specd may by now), else wait
+                # what is left of it, then restart.
+                journal.note("its restart was refused for the unit's start limit: trying again")
+                self._persist(journal)
+                return self._rollback_restart(journal, reason)
             return self._verify_rollback(journal, reason)
         return self._rollback(journal, reason, maybe_untouched=True)
 
@@ -1544,7 +1556,8 @@ class Applier:
         rollback restart, and before a change's when the unit is failed. Where that is
         refused (a polkit rule from before specd did it), a rollback whose restart leaves
         the unit failed waits for the limit's interval to pass, if it is no longer than
-        startup_timeout_s, and restarts once more.
+        startup_timeout_s, and restarts once more (``journal.refused_until`` says until when,
+        for a specd killed meanwhile: ``refused_until`` given, only what is left of it).
 
         The limit may also be used up by starts before a change (an earlier crash loop, an
         operator's restarts): systemd then stops the active unit and refuses the change's
@@ -1553,6 +1566,11 @@ class Applier:
         ``start_limit`` tells the caller to back out.
         """
         unit = self.sglang.unit
+        # A restart is about to go out: a specd killed once it has must not make another
+        # (SGLang may be loading), so the journal stops saying it waits.
+        until, journal.refused_until = journal.refused_until, None
+        if until is not None:
+            self._persist(journal)
         state = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
         # None: no systemd answers (a stand-in): it has no start limit to clear either.
         cleared = None
@@ -1570,9 +1588,16 @@ class Applier:
         if now is None or now.active != "failed" or limit is None:
             return _Restarted(result)
         refused = self._refused_text(limit)
-        wait_s = limit.interval_s + START_LIMIT_MARGIN_S
-        if not rollback or wait_s > self.restart.startup_timeout_s:
+        full_s = limit.interval_s + START_LIMIT_MARGIN_S
+        if not rollback or full_s > self.restart.startup_timeout_s:
             return _Restarted(result, refused)
+        # systemd counts the limit's interval from the first start it counts, which a
+        # refused start does not move: a full interval from now always outlasts it. A specd
+        # killed while it waited waits only what was left (unless its clock says that has
+        # passed, and systemd still refuses).
+        left = None if until is None else until - self._clock()
+        wait_s = left if left is not None and 0 < left <= full_s else full_s
+        journal.refused_until = self._clock() + wait_s
         journal.note(
             f"{result.summary()}{refused}; waiting {wait_s:g} s for the limit to pass, then "
             "restarting once more"
@@ -1587,6 +1612,11 @@ class Applier:
             refused=result.summary(),
         )
         self._pause(wait_s)
+        # Persisted before it goes out: a specd killed from here on finds a restart issued,
+        # and waits for SGLang rather than restart it again.
+        journal.refused_until = None
+        journal.note("the start limit's interval has passed: restarting once more")
+        self._persist(journal)
         again = self._run_restart()
         return _Restarted(again, "" if again.ok else refused)
 

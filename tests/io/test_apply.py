@@ -536,6 +536,7 @@ def _journal(**changes: Any) -> dict[str, Any]:
         ({"phase": "failed", "capacity": -5}, "capacity -5 is not in 1.."),
         # More restarts that started nothing than were issued: a budget made up.
         ({"restarts_issued": 1, "not_started": 2}, "not_started 2 is more than its 1"),
+        ({"refused_until": 1e308}, "refused_until 1e\\+308 is no time"),
     ],
 )
 def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
@@ -946,6 +947,81 @@ def test_a_change_refused_for_the_start_limit_specd_may_not_clear_is_backed_out_
         assert unit.running_steps() == 3
         # SGLang was stopped once and started once, on 3: one restart for the budget.
         assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, 1)
+
+
+class KilledWhileWaiting(Recorder):
+    """specd killed (SIGKILL, a reboot of specd alone) once its journal says it waits out
+    the unit's start limit before the rollback's restart."""
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        waiting = journal is not None and any(
+            "for the limit to pass" in m for m in journal["messages"][-1:]
+        )
+        if waiting and self.kill_at is None:
+            self.kill_at = len(self.calls)
+            self.store_first = True
+        super().__call__(journal)
+
+
+@pytest.mark.parametrize(
+    ("may_reset_after", "waits"),
+    [
+        # Still refused: the resumed specd waits what is left of the limit, then restarts.
+        (False, True),
+        # `specd install` run meanwhile: it clears the limit and restarts at once.
+        (True, False),
+    ],
+)
+def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
+    make_unit: Any, tmp_path: Path, may_reset_after: bool, waits: bool
+) -> None:
+    """specd was killed while its rollback waited out the unit's start limit (the polkit
+    rule refusing `reset-failed`). Its next start ended the sequence failed at once, SGLang
+    down. It now clears the limit if it may, else waits what is left of it, restarts on
+    the previous setting and verifies it."""
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    # Long enough that the change's start and its crash fit in it on a loaded machine.
+    interval_s = 5.0
+    systemd = StartLimited(unit, burst=1, interval_s=interval_s, may_reset=False)
+    systemd.starts = []  # the change's start uses the limit up
+    rec = KilledWhileWaiting(tmp_path / "journal.json")
+    with pytest.raises(Killed):
+        applier_for(unit, rec, runner=systemd, startup_timeout_s=10.0).apply(
+            4, 3, window_open=always_open
+        )
+    killed_at, killed_wall = time.monotonic(), time.time()
+    journal = rec.stored()
+    assert journal is not None
+    assert (journal["phase"], journal["restarts_issued"]) == ("rolling_back", 2)
+    assert unit.restarts == [4]
+    assert unit.is_active() != "active"  # SGLang down, its rollback restart refused
+    time.sleep(1.0)  # specd starts again a while later
+    systemd.may_reset = may_reset_after
+    resumed = Recorder(tmp_path / "state.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, resumed, runner=systemd, startup_timeout_s=10.0).reconcile(
+            journal
+        )
+    took = time.monotonic() - killed_at
+    assert outcome is not None
+    assert outcome.result == "rolled_back", outcome.message
+    assert "rolled back, verified 3 steps" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, 2)
+    waited = [e["wait_s"] for e in logs if e["event"] == "restart_waits_for_start_limit"]
+    if waits:
+        # What was left of the limit's interval (+ margin), not the whole of it again.
+        assert len(waited) == 1, logs
+        left = journal["refused_until"] - killed_wall
+        assert 0 < waited[0] < left < interval_s + START_LIMIT_MARGIN_S
+        assert took >= left
+    else:
+        assert waited == []
+    final = resumed.stored()
+    assert final is not None
+    assert final["refused_until"] is None
 
 
 def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_path: Path) -> None:

@@ -247,6 +247,50 @@ def test_a_rollback_specd_may_not_reset_failed_waits_out_the_start_limit(sd: Con
     assert_back_on_four_and_stays(sd)
 
 
+# Alone: systemd's start limit counts starts against a rate (as above).
+@pytest.mark.alone
+def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
+    sd: Container,
+) -> None:
+    """As above, but specd is killed while its rollback waits out the start limit. Its next
+    start ended the sequence failed at once and left SGLang down. It now finishes the
+    rollback from its journal: `reset-failed` again (refused again here), what is left of
+    the limit's interval, the restart on 4 steps, verified."""
+    since = journal_mark(sd)
+    limit = f"[Unit]\nStartLimitIntervalSec={SHORT_START_LIMIT_S}s\nStartLimitBurst=2\n"
+    start_twin_unit(sd, 4, ["--fail-start-at-steps", "3"], CRASH_LOOP + limit)
+    with rule_without_reset_failed(sd):
+        config = closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S)
+        specd_pid = start_specd(sd, config, overrides=("Restart=no",))
+        pin_now(sd, 3)
+        wait_or_dump(
+            sd,
+            lambda: events_named(sd, since, "restart_waits_for_start_limit"),
+            timeout=60,
+            what="the rollback waiting out the start limit",
+        )
+        sd.sh("kill", "-KILL", str(specd_pid))
+        wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=10)
+        journal = state(sd)["journal"]
+        assert (journal["phase"], journal["restarts_issued"]) == ("rolling_back", 2), journal
+        assert sd.active_state(SGLANG_UNIT) == "failed"  # SGLang down, its restart refused
+        # Type=notify: returns once specd is READY, after it reconciled the journal.
+        sd.systemctl("start", SPECD_UNIT, timeout=60 + SHORT_START_LIMIT_S)
+        frozen = wait_or_dump(
+            sd, lambda: state(sd).get("frozen"), timeout=30, what="the rollback finished"
+        )
+    assert events_named(sd, since, "reconciling_interrupted_restart")
+    assert_rolled_back_to_four(sd)
+    assert "rolled_back" in frozen["reason"]
+    assert state(sd)["restarts"][0]["restarts"] == 2  # the change's and the rollback's
+    waited = [e["wait_s"] for _, e in events_named(sd, since, "restart_waits_for_start_limit")]
+    # The whole interval first; after the kill, only what was left of it.
+    assert len(waited) == 2, waited
+    assert waited[0] == SHORT_START_LIMIT_S + 1.0
+    assert 0 < waited[1] < waited[0]
+    assert_back_on_four_and_stays(sd)
+
+
 def use_up_start_limit_by_hand(sd: Container) -> None:
     """An operator's two `systemctl restart`s (or crashes Restart= recovered from): the
     unit's start limit (StartLimitBurst=2) used up, SGLang running. After specd started:
