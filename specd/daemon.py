@@ -64,6 +64,9 @@ SCRAPE_FAILED_MAX_DISTINCT = 8
 STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
+# Before READY, each heartbeat gives the start this long, plus one /health_generate probe
+# (health_probe_timeout_s: the longest wait that does not beat), beyond TimeoutStartSec=.
+START_EXTEND_S = 60.0
 DAY_S = 86400.0
 # The wall clock moved this much more (or less) than the monotonic clock between two reads:
 # it was stepped (NTP, `date -s`). Slewing moves it by milliseconds a minute.
@@ -200,6 +203,7 @@ class Daemon:
             settings=_regressing_settings(config),
         )
         self.notifier = notifier or Notifier()
+        self._ready = False  # READY=1 sent
         self.runner: Runner = runner or SubprocessRunner(beat=self._heartbeat)
         self.allowed_override_uids = allowed_override_uids or (0, os.getuid())
 
@@ -300,8 +304,12 @@ class Daemon:
         return self._save_state(force=True)
 
     def _heartbeat(self) -> None:
-        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier)."""
+        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier), and
+        before READY extends the start: finishing an interrupted restart sequence (a model
+        load, a start limit waited out) may outlast TimeoutStartSec= (90 s by default)."""
         self.notifier.beat()
+        if not self._ready:
+            self.notifier.extend_start(START_EXTEND_S + self.config.restart.health_probe_timeout_s)
 
     def _idle(self, seconds: float) -> None:
         """Wait for the next tick or a signal, beating on every slice of the wait."""
@@ -565,6 +573,7 @@ class Daemon:
         self._read_wiring()
         self.tick()  # READY comes after the first scrape was attempted
         self.notifier.ready(self._status_text())
+        self._ready = True
         while not self.stop_event.is_set():
             self._idle(self.config.observe.scrape_interval_s)
             self._wake.clear()

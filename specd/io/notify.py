@@ -6,6 +6,11 @@ from ``WATCHDOG_USEC`` and does nothing outside systemd (no ``NOTIFY_SOCKET``).
 ``beat()`` is how the daemon's loop says it is alive: called as often as the loop likes, it
 sends ``WATCHDOG=1`` at most once per half watchdog period. Nothing else sends it, so a loop
 that stops beating is killed by systemd within ``WatchdogSec=``.
+
+``extend_start()`` is how a start that is still making progress before ``READY=1`` keeps
+systemd's ``TimeoutStartSec=`` (90 s by default) from ending it: specd finishes a restart
+sequence a killed predecessor left (a model load, a start limit waited out) before it is
+ready, which can take minutes.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import os
 import time
 
 import sdnotify
+
+# EXTEND_TIMEOUT_USEC goes out at most this often (each one pushes the deadline forward).
+EXTEND_EVERY_S = 5.0
 
 
 class Notifier:
@@ -29,6 +37,7 @@ class Notifier:
             int(usec) / 1e6 if usec.isdigit() and int(usec) > 0 and mine else None
         )
         self._last_watchdog: float | None = None
+        self._last_extend: float | None = None
 
     def _send(self, message: str) -> None:
         if self._notifier is not None:
@@ -54,6 +63,15 @@ class Notifier:
             return
         self._last_watchdog = now
         self.watchdog()
+
+    def extend_start(self, seconds: float) -> None:
+        """Before READY: give the start ``seconds`` more from now (EXTEND_TIMEOUT_USEC),
+        unless that was said less than ``EXTEND_EVERY_S`` ago."""
+        now = time.monotonic()
+        if self._last_extend is not None and now - self._last_extend < EXTEND_EVERY_S:
+            return
+        self._last_extend = now
+        self._send(f"EXTEND_TIMEOUT_USEC={round(seconds * 1e6)}")
 
     def reloading(self) -> None:
         self._send("RELOADING=1")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from specd.io import notify
 from specd.io.notify import Notifier
 
 
@@ -50,6 +51,21 @@ def test_beats_send_watchdog_at_most_every_half_period(
     # Many beats in 1.3 s with a 1 s period: one at once, then one per half period.
     assert beats > 50
     assert received(notify_socket) == ["WATCHDOG=1"] * 3
+
+
+def test_extending_the_start_says_so_at_most_every_few_seconds(
+    notify_socket: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before READY a start that makes progress (an interrupted restart finished: a model
+    load, a start limit waited out) must not meet TimeoutStartSec=: each extension gives it
+    that long again from now."""
+    monkeypatch.setattr(notify, "EXTEND_EVERY_S", 0.5)
+    notifier = Notifier()
+    end = time.monotonic() + 1.2
+    while time.monotonic() < end:
+        notifier.extend_start(90.0)
+        time.sleep(0.01)
+    assert received(notify_socket) == ["EXTEND_TIMEOUT_USEC=90000000"] * 3
 
 
 @pytest.mark.parametrize(

@@ -247,6 +247,10 @@ def test_a_rollback_specd_may_not_reset_failed_waits_out_the_start_limit(sd: Con
     assert_back_on_four_and_stays(sd)
 
 
+# Shorter than what is left of the start limit's interval when specd starts again.
+START_TIMEOUT = f"TimeoutStartSec={SHORT_START_LIMIT_S // 2}s"
+
+
 # Alone: systemd's start limit counts starts against a rate (as above).
 @pytest.mark.alone
 def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
@@ -255,13 +259,16 @@ def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
     """As above, but specd is killed while its rollback waits out the start limit. Its next
     start ended the sequence failed at once and left SGLang down. It now finishes the
     rollback from its journal: `reset-failed` again (refused again here), what is left of
-    the limit's interval, the restart on 4 steps, verified."""
+    the limit's interval, the restart on 4 steps, verified. It does so before READY=1, for
+    longer than the unit's start timeout here (TimeoutStartSec=, 90 s by default, less than
+    a long start limit or a model load): systemd killed it at that timeout, and again at
+    each start after; it now extends the start while it makes progress."""
     since = journal_mark(sd)
     limit = f"[Unit]\nStartLimitIntervalSec={SHORT_START_LIMIT_S}s\nStartLimitBurst=2\n"
     start_twin_unit(sd, 4, ["--fail-start-at-steps", "3"], CRASH_LOOP + limit)
     with rule_without_reset_failed(sd):
         config = closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S)
-        specd_pid = start_specd(sd, config, overrides=("Restart=no",))
+        specd_pid = start_specd(sd, config, overrides=("Restart=no", START_TIMEOUT))
         pin_now(sd, 3)
         wait_or_dump(
             sd,
