@@ -1164,7 +1164,8 @@ class Daemon:
         self.state.journal = None
         if outcome.drain is not None:
             self._record_drain(outcome.drain, now)
-        if outcome.result == "aborted":
+        restarted = outcome.sglang_restarts
+        if outcome.result == "aborted" and restarted == 0:
             log.info("restart_aborted")
             self._save_state(force=True)
             return
@@ -1178,6 +1179,9 @@ class Daemon:
                 "result": outcome.result,
                 "duration_s": outcome.duration_s,
                 "message": outcome.message,
+                # What the daily budget counts (state.restart_count): none where SGLang
+                # was not restarted, two for a rollback.
+                "restarts": restarted,
             }
         )
         self.state.restarts = [r for r in self.state.restarts if now - float(r["t"]) < 30 * DAY_S]
@@ -1186,7 +1190,7 @@ class Daemon:
         self.state.history.mark_sglang_start(now)
         self.state.sglang_started_at = now
         self.state.adopt(self.state.control().after_restart(now))
-        if outcome.result == "rolled_back":
+        if outcome.result in ("rolled_back", "aborted"):
             self._note_live(outcome.from_steps, now, "rollback", outcome.from_setting)
         elif outcome.result != "success":
             self._note_live(None, now, "failed restart", None)
@@ -1196,6 +1200,10 @@ class Daemon:
             if before is not None and after is not None:
                 self.metrics.setting_changes.labels(from_kind=before, to_kind=after).inc()
             log.info("restart_done", capacity=outcome.capacity)
+        elif outcome.result == "aborted":
+            # Backed out to the setting SGLang ran, for a cause that is not the target's
+            # (systemd's start limit refused the change's start): nothing to freeze for.
+            log.warning("restart_aborted", restarts=restarted)
         else:
             self.state.frozen = {
                 "since": now,
@@ -1264,7 +1272,7 @@ class Daemon:
         m.window_open.set(1 if windows.is_open(cfg.windows, at) else 0)
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
         m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
-        recent = [r for r in self.state.restarts if now - float(r["t"]) < DAY_S]
+        recent = [t for t in self.state.restart_times() if now - t < DAY_S]
         m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - len(recent)))
         m.frozen.set(1 if self.state.frozen is not None else 0)
 

@@ -767,6 +767,117 @@ def test_a_clock_stepped_back_does_not_stop_the_state_saves(tmp_path: Path) -> N
     assert writes == [True, True, True]
 
 
+class Outcome(Applier):
+    """The applier's sequence ends as the test says (the live setting stays as it was)."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__()
+        self.fields = fields
+
+    def apply_setting(
+        self,
+        target: SpecSetting,
+        current: SpecSetting | None,
+        *,
+        window_open: Callable[[], bool],
+        force: bool = False,
+    ) -> ApplyOutcome:
+        super().apply_setting(target, current, window_open=window_open, force=force)
+        return ApplyOutcome(from_steps=3, to_steps=4, capacity=13, **self.fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "counted", "frozen"),
+    [
+        pytest.param(
+            {"result": "success", "duration_s": 90.0, "message": "verified", "restarts_issued": 1},
+            1,
+            False,
+            id="a change: one restart",
+        ),
+        pytest.param(
+            {
+                "result": "rolled_back",
+                "duration_s": 200.0,
+                "message": "not healthy; rolled back, verified 3 steps",
+                "restarts_issued": 2,
+            },
+            2,
+            True,
+            id="a change and its rollback: two",
+        ),
+        pytest.param(
+            {
+                "result": "rolled_back",
+                "duration_s": 0.0,
+                "message": "Access denied; SGLang kept verified 3 steps, no restart",
+                "restarts_issued": 1,
+                "not_started": 1,
+            },
+            0,
+            True,
+            id="the restart command reached nothing: none",
+        ),
+        pytest.param(
+            {
+                "result": "failed",
+                "duration_s": 0.0,
+                "message": "restart journal phase 'x' unknown; SGLang and the env file left",
+                "restarts_issued": 0,
+            },
+            0,
+            True,
+            id="a journal specd cannot read: none",
+        ),
+        pytest.param(
+            {
+                "result": "aborted",
+                "duration_s": 20.0,
+                "message": "the unit's start limit, used up before this change, refused its "
+                "start; 4 steps was never tried; rolled back, verified 3 steps",
+                "restarts_issued": 2,
+                "not_started": 1,
+            },
+            1,
+            False,
+            id="the start limit refused the change, SGLang started again on 3: one, no freeze",
+        ),
+        pytest.param(
+            {
+                "result": "aborted",
+                "duration_s": 0.0,
+                "message": "window closed while waiting for a quiet moment",
+            },
+            None,
+            False,
+            id="aborted before any restart: nothing recorded",
+        ),
+    ],
+)
+def test_the_restart_budget_counts_the_sglang_restarts_a_sequence_made(
+    tmp_path: Path, fields: dict[str, Any], counted: int | None, frozen: bool
+) -> None:
+    """The daily budget counted restart sequences: a rollback (two SGLang restarts) was
+    one, and sequences that restarted nothing (a journal it could not read, SGLang found
+    untouched on its old setting) counted all the same. It counts SGLang restarts now."""
+    cfg = config(tmp_path, daily_restart_budget=4)
+    clock = [IN_WINDOW]
+    applier = Outcome(fields)
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, clock)
+    d.tick()  # the bands want 4: the change is applied, its outcome recorded
+    assert applier.calls == [("4", "3")]
+    left = d.metrics.registry.get_sample_value("specd_restart_budget_remaining")
+    assert left == 4 - (counted or 0)
+    # What decide counts for dwell and the budget: one time per SGLang restart.
+    assert d.state.control().restart_times == (IN_WINDOW,) * (counted or 0)
+    entries = saved(cfg)["restarts"]
+    if counted is None:
+        assert entries == []
+    else:
+        assert [(e["result"], e["restarts"]) for e in entries] == [(fields["result"], counted)]
+    assert (saved(cfg)["frozen"] is not None) is frozen
+
+
 class LiveReader(Reader):
     """SGLang serving ``offered`` concurrent requests at the step count it was last started
     with; every scrape stamped with the daemon's wall clock."""

@@ -251,6 +251,8 @@ def collect(
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override_as_daemon(config, at)
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
+    # What the budget counts: SGLang restarts (a rollback's two), not sequences.
+    restarted = sum(1 for t in state.restart_times() if now - t < DAY_S)
     opens = windows.next_open(config.windows, at)
     closes = windows.next_close(config.windows, at)
     decision = state.last_decision
@@ -292,7 +294,8 @@ def collect(
         "acceptance": _acceptance(state),
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
-        "restart_budget_remaining": max(0, config.restart.daily_restart_budget - len(restarts)),
+        "sglang_restarts_last_24h": restarted,
+        "restart_budget_remaining": max(0, config.restart.daily_restart_budget - restarted),
         "gateway": _gateway_info(config, state),
         "window_open": windows.is_open(config.windows, at),
         "next_window_open": opens.timestamp(),
@@ -455,7 +458,7 @@ def render(info: dict[str, Any], now: float) -> str:
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
         f"{when_text(info['next_window_open'], now, info['next_window_open_at'])}, closes "
         f"{when_text(info['next_window_close'], now, info['next_window_close_at'])}",
-        f"restarts 24h   {len(info['restarts_last_24h'])} "
+        f"restarts 24h   {info['sglang_restarts_last_24h']} "
         f"(budget left {info['restart_budget_remaining']})",
     ]
     ov = info["override"]

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         state = read_state(path, HistorySettings.from_config(config), [], now=now)
         frozen = state.frozen
         live = (state.live or {}).get("setting")
-        restarts = [float(r["t"]) for r in state.restarts]
+        restarts = list(state.restart_times())
     except FileNotFoundError:
         pass
     except ValueError as exc:
@@ -136,7 +136,7 @@ def _next(
     restarts: list[float],
 ) -> str:
     """What specd does once unfrozen, as the override file, the windows and the daily
-    restart budget (``restarts``: when the saved ones were) make it."""
+    restart budget (``restarts``: when SGLang was restarted, once per restart) make it."""
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     if not override.valid:
         return (

@@ -126,6 +126,7 @@ class Control:
     """The part of specd's state that decide reads, carried from tick to tick by `step`."""
 
     current_steps: int | None
+    # One time per SGLang restart specd made (a rollback's two), for dwell and the budget.
     restart_times: tuple[float, ...] = ()
     frozen: bool = False
     frozen_reason: str | None = None

@@ -457,8 +457,9 @@ class RestartSettings(BaseModel):
         default=4,
         ge=0,
         le=1440,
-        description="Automatic restarts allowed per rolling 24 hours; at most 1440 (one a "
-        "minute: a restart takes longer than that).",
+        description="Automatic SGLang restarts allowed per rolling 24 hours: each restart "
+        "specd issues counts (a change 1, a change and its rollback 2), none where SGLang was "
+        "not restarted; at most 1440 (one a minute: a restart takes longer than that).",
     )
     quiet_concurrency_max: int = Field(
         default=2,

@@ -80,7 +80,15 @@ from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner, RunResult
 from specd.io.sglang import HealthStatus, ParsedMetrics
-from specd.io.systemd import SystemctlError, UnitState, show, start_limit, unit_state
+from specd.io.systemd import (
+    START_LIMIT_HIT,
+    StartLimit,
+    SystemctlError,
+    UnitState,
+    show,
+    start_limit,
+    unit_state,
+)
 from specd.io.timespan import timespan_s
 
 # The SGLang unit's drop-in reads these; they must not start with specd's SPECD_ settings
@@ -415,8 +423,14 @@ class Journal:
     ``written_env`` is the env file this sequence wrote, so a resumed sequence can tell
     whether the file still asks for the target.
     ``restarts_issued`` counts restart commands issued (or about to be: it is persisted
-    first): 1 for the change, 2 once the rollback restart went out. ``attempt`` counts runs
-    of this sequence: 1 by ``apply``, +1 each time ``reconcile`` resumes it.
+    first): 1 for the change, 2 once the rollback restart went out. ``not_started`` of them
+    started no SGLang: the change's own, refused for the unit's start limit and backed out
+    (``change_refused``), or one that reached nothing (SGLang found on its previous setting,
+    healthy: "SGLang kept …"). The rest are the SGLang restarts the daily budget counts,
+    each a start (a model load) of SGLang; a restart refused for the start limit and made
+    again (after `reset-failed`, or once the limit's interval passed) is one.
+    ``attempt`` counts runs of this sequence: 1 by ``apply``, +1 each time ``reconcile``
+    resumes it.
     """
 
     phase: str
@@ -446,6 +460,15 @@ class Journal:
     from_setting: str | None = None
     to_setting: str | None = None
     written_env: str | None = None
+    not_started: int = 0
+    # The rollback's restart was refused for the unit's start limit, which specd may not
+    # clear: it waits until this wall-clock time, then restarts once more. A specd killed
+    # while it waits finds it here and does the rest at its next start.
+    refused_until: float | None = None
+    # systemd's start limit, used up before this change, refused the change's own start
+    # (the new setting never ran) and specd may not clear it: the sequence goes back to the
+    # previous setting and ends aborted, not rolled back: nothing is held against the target.
+    change_refused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -500,6 +523,13 @@ class Journal:
         from_setting = opt_text("from_setting")
         if (to_steps is None and to_setting is None) or started_at is None:
             raise JournalError("restart journal lacks to_steps or started_at")
+        restarts_issued = opt_int("restarts_issued") or 0
+        not_started = opt_int("not_started") or 0
+        if not_started > restarts_issued:
+            raise JournalError(
+                f"restart journal not_started {not_started} is more than its {restarts_issued} "
+                "restarts issued"
+            )
         for name, setting_text, steps in (
             ("to_setting", to_setting, to_steps),
             ("from_setting", from_setting, from_steps),
@@ -549,7 +579,10 @@ class Journal:
             previous_env_encoding=encoding,
             started_at=started_at,
             attempt=opt_int("attempt") or 1,
-            restarts_issued=opt_int("restarts_issued") or 0,
+            restarts_issued=restarts_issued,
+            not_started=not_started,
+            refused_until=opt_float("refused_until"),
+            change_refused=data.get("change_refused") is True,
             restart_issued_at=opt_float("restart_issued_at"),
             rollback_reason=None
             if data.get("rollback_reason") is None
@@ -604,9 +637,28 @@ class ApplyOutcome:
     # With a gateway: {result (DRAIN_RESULTS; None for a re-add after specd restarted),
     # duration_s, in_flight_at_restart, replicas, readd_problem}; None: nothing drained.
     drain: dict[str, Any] | None = None
+    # Of restarts_issued, those that started no SGLang (Journal.not_started).
+    not_started: int = 0
+
+    @property
+    def sglang_restarts(self) -> int:
+        """The SGLang restarts this sequence made: what the daily restart budget counts (a
+        rollback's two; none where SGLang was never restarted)."""
+        return max(0, self.restarts_issued - self.not_started)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "sglang_restarts": self.sglang_restarts}
+
+
+@dataclass(frozen=True)
+class _Restarted:
+    """How the unit's restart went: the command's result; why systemd may refuse to start
+    the unit ("" when that is not the case, or not known); ``start_limit``: systemd's start
+    limit, used up before a change, refused the change's start and specd may not clear it."""
+
+    result: RunResult
+    refused: str = ""
+    start_limit: bool = False
 
 
 @dataclass(frozen=True)
@@ -1000,6 +1052,7 @@ class Applier:
                 journal.from_setting,
                 journal.to_setting,
                 self._drain_report,
+                journal.not_started,
             )
 
     # -- forward --------------------------------------------------------------------
@@ -1034,7 +1087,20 @@ class Applier:
             journal.phase = "env_written"
             return self._unwind(journal, f"cannot save the restart journal ({unsaved})")
         # Why systemd may refuse it, if it does, the rollback's own restart says.
-        result, _ = self._restart_unit(journal, rollback=False)
+        restarted = self._restart_unit(journal, rollback=False)
+        result = restarted.result
+        if restarted.start_limit:
+            # Refused before the new setting ran: no evidence against it. Back to the
+            # previous setting (systemd stopped SGLang first), and the change is aborted.
+            journal.change_refused = True
+            journal.not_started += 1
+            return self._rollback(
+                journal,
+                f"{result.summary()}: the unit's start limit, used up before this change, "
+                f"refused its start; {_describe(journal.target())} was never tried"
+                f"{restarted.refused}",
+                maybe_untouched=True,
+            )
         if not result.ok:
             # A failed `systemctl` may have changed nothing (not found, access denied):
             # then the old server still runs and the rollback needs no restart.
@@ -1103,19 +1169,36 @@ class Applier:
             live = self._verify(journal.previous())
             if live.ok:
                 journal.capacity = live.capacity
+                if journal.restarts_issued == 1:
+                    journal.not_started = 1  # the change's restart reached nothing
                 return self._finish(
-                    journal, "rolled_back", f"{reason}; SGLang kept {live.message}, no restart"
+                    journal,
+                    self._backed_out(journal),
+                    f"{reason}; SGLang kept {live.message}, no restart",
                 )
 
         if journal.restarts_issued < 2:
             self._issue_restart(journal, "rolling_back")
-            result, refused = self._restart_unit(journal, rollback=True)
-            if not result.ok:
-                return self._finish(
-                    journal, "failed", f"{reason}; rollback restart: {result.summary()}{refused}"
-                )
-            journal.note(f"rollback: {result.summary()}")
+            return self._rollback_restart(journal, reason)
         return self._verify_rollback(journal, reason)
+
+    def _rollback_restart(self, journal: Journal, reason: str) -> ApplyOutcome:
+        """The rollback's restart (journalled as issued), then its verification."""
+        restarted = self._restart_unit(journal, rollback=True)
+        if not restarted.result.ok:
+            return self._finish(
+                journal,
+                "failed",
+                f"{reason}; rollback restart: {restarted.result.summary()}{restarted.refused}",
+            )
+        journal.note(f"rollback: {restarted.result.summary()}")
+        return self._verify_rollback(journal, reason)
+
+    @staticmethod
+    def _backed_out(journal: Journal) -> Literal["rolled_back", "aborted"]:
+        """How a sequence back on its previous setting ends: rolled back (the target failed),
+        or aborted where the start limit refused the change before the target ran."""
+        return "aborted" if journal.change_refused else "rolled_back"
 
     def _verify_rollback(self, journal: Journal, reason: str) -> ApplyOutcome:
         healthy, why = self._wait_healthy()
@@ -1125,7 +1208,9 @@ class Applier:
         if not live.ok:
             return self._finish(journal, "failed", f"{reason}; after rollback {live.message}")
         journal.capacity = live.capacity
-        return self._finish(journal, "rolled_back", f"{reason}; rolled back, {live.message}")
+        return self._finish(
+            journal, self._backed_out(journal), f"{reason}; rolled back, {live.message}"
+        )
 
     def _restore_env(self, journal: Journal) -> str | None:
         """Put the previous env file back (idempotent). Returns a problem or None.
@@ -1187,6 +1272,13 @@ class Applier:
             problem = self._restore_env(journal)
             if problem is not None:
                 return self._finish(journal, "failed", f"restoring the env file failed: {problem}")
+            if journal.refused_until is not None:
+                # Killed while it waited out the unit's start limit: SGLang is down, its
+                # rollback restart refused. Clear the limit (specd may by now), else wait
+                # what is left of it, then restart.
+                journal.note("its restart was refused for the unit's start limit: trying again")
+                self._persist(journal)
+                return self._rollback_restart(journal, reason)
             return self._verify_rollback(journal, reason)
         return self._rollback(journal, reason, maybe_untouched=True)
 
@@ -1451,7 +1543,7 @@ class Applier:
         return _Live(True, f"verified {expected} steps ({', '.join(seen)})", capacity)
 
     # -- the restart command, through systemd's start limit ---------------------------
-    def _restart_unit(self, journal: Journal, *, rollback: bool) -> tuple[RunResult, str]:
+    def _restart_unit(self, journal: Journal, *, rollback: bool) -> _Restarted:
         """`systemctl restart` the unit: its result, and why systemd refuses to start the
         unit ("" when that is not the case, or not known).
 
@@ -1464,32 +1556,48 @@ class Applier:
         rollback restart, and before a change's when the unit is failed. Where that is
         refused (a polkit rule from before specd did it), a rollback whose restart leaves
         the unit failed waits for the limit's interval to pass, if it is no longer than
-        startup_timeout_s, and restarts once more.
+        startup_timeout_s, and restarts once more (``journal.refused_until`` says until when,
+        for a specd killed meanwhile: ``refused_until`` given, only what is left of it).
+
+        The limit may also be used up by starts before a change (an earlier crash loop, an
+        operator's restarts): systemd then stops the active unit and refuses the change's
+        start (Result=start-limit-hit). That says nothing of the new setting, which never
+        ran: the count is cleared and the restart made again; where specd may not clear it,
+        ``start_limit`` tells the caller to back out.
         """
         unit = self.sglang.unit
+        # A restart is about to go out: a specd killed once it has must not make another
+        # (SGLang may be loading), so the journal stops saying it waits.
+        until, journal.refused_until = journal.refused_until, None
+        if until is not None:
+            self._persist(journal)
         state = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
         # None: no systemd answers (a stand-in): it has no start limit to clear either.
         cleared = None
         if state is not None and (rollback or state.active == "failed"):
             cleared = self._reset_failed(journal, state)
         result = self._run_restart()
-        if result.ok or cleared is not False:
-            return result, ""
+        if result.ok:
+            return _Restarted(result)
+        if not rollback and cleared is None:
+            return self._refused_change(journal, result)
+        if cleared is not False:
+            return _Restarted(result)
         now = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
         limit = start_limit(self.runner, unit, UNIT_STATE_TIMEOUT_S)
         if now is None or now.active != "failed" or limit is None:
-            return result, ""
-        interval = f"{limit.interval_s:g} s" if math.isfinite(limit.interval_s) else "infinity"
-        refused = (
-            f"; systemd may refuse to start {unit} until its start limit "
-            f"(StartLimitBurst={limit.burst} in StartLimitIntervalSec={interval}) has passed, "
-            f"and specd may not clear it: run `specd install --unit {unit}` (its polkit rule "
-            f"allows `{' '.join(reset_failed_argv(unit))}`), or that and `systemctl restart "
-            f"{unit}` by hand"
-        )
-        wait_s = limit.interval_s + START_LIMIT_MARGIN_S
-        if not rollback or wait_s > self.restart.startup_timeout_s:
-            return result, refused
+            return _Restarted(result)
+        refused = self._refused_text(limit)
+        full_s = limit.interval_s + START_LIMIT_MARGIN_S
+        if not rollback or full_s > self.restart.startup_timeout_s:
+            return _Restarted(result, refused)
+        # systemd counts the limit's interval from the first start it counts, which a
+        # refused start does not move: a full interval from now always outlasts it. A specd
+        # killed while it waited waits only what was left (unless its clock says that has
+        # passed, and systemd still refuses).
+        left = None if until is None else until - self._clock()
+        wait_s = left if left is not None and 0 < left <= full_s else full_s
+        journal.refused_until = self._clock() + wait_s
         journal.note(
             f"{result.summary()}{refused}; waiting {wait_s:g} s for the limit to pass, then "
             "restarting once more"
@@ -1504,8 +1612,53 @@ class Applier:
             refused=result.summary(),
         )
         self._pause(wait_s)
+        # Persisted before it goes out: a specd killed from here on finds a restart issued,
+        # and waits for SGLang rather than restart it again.
+        journal.refused_until = None
+        journal.note("the start limit's interval has passed: restarting once more")
+        self._persist(journal)
         again = self._run_restart()
-        return again, "" if again.ok else refused
+        return _Restarted(again, "" if again.ok else refused)
+
+    def _refused_change(self, journal: Journal, result: RunResult) -> _Restarted:
+        """The change's restart of a unit that was not failed did not go through: if
+        systemd's start limit refused it, clear the count and restart once more."""
+        unit = self.sglang.unit
+        now = unit_state(self.runner, unit, UNIT_STATE_TIMEOUT_S)
+        if now is None or now.active != "failed" or now.result != START_LIMIT_HIT:
+            return _Restarted(result)
+        limit = start_limit(self.runner, unit, UNIT_STATE_TIMEOUT_S)
+        described = "" if limit is None else f" ({_limit_text(limit)})"
+        self.log.warning(
+            "restart_refused_by_start_limit",
+            unit=unit,
+            refused=result.summary(),
+            message=f"systemd refused to start {unit}: its start limit{described} was used "
+            f"up by starts before this change; not the fault of {_describe(journal.target())}"
+            ", which never ran",
+        )
+        journal.note(
+            f"{result.summary()}: the unit's start limit{described}, used up before this "
+            "change, refused its start"
+        )
+        if self._reset_failed(journal, now):
+            again = self._run_restart()
+            journal.note(f"restarting once more: {again.summary()}")
+            # Refused again, it is no longer the limit's doing: the rollback says what it is.
+            return _Restarted(again)
+        return _Restarted(
+            result, "" if limit is None else self._refused_text(limit), start_limit=True
+        )
+
+    def _refused_text(self, limit: StartLimit) -> str:
+        unit = self.sglang.unit
+        return (
+            f"; systemd may refuse to start {unit} until its start limit "
+            f"({_limit_text(limit)}) has passed, "
+            f"and specd may not clear it: run `specd install --unit {unit}` (its polkit rule "
+            f"allows `{' '.join(reset_failed_argv(unit))}`), or that and `systemctl restart "
+            f"{unit}` by hand"
+        )
 
     def _run_restart(self) -> RunResult:
         return self.runner(
@@ -1591,6 +1744,7 @@ class Applier:
             journal.from_setting,
             journal.to_setting,
             self._drain_report,
+            journal.not_started,
         )
 
     def _aborted(
@@ -1831,6 +1985,11 @@ class Applier:
         self._drain_report["readd_problem"] = problem
         self._persist(journal)
         return problem
+
+
+def _limit_text(limit: StartLimit) -> str:
+    interval = f"{limit.interval_s:g} s" if math.isfinite(limit.interval_s) else "infinity"
+    return f"StartLimitBurst={limit.burst} in StartLimitIntervalSec={interval}"
 
 
 def _describe(setting: SpecSetting | None) -> str:

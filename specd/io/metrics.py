@@ -20,7 +20,9 @@ from specd.io.gateway import ERROR_KINDS as GATEWAY_ERROR_KINDS
 # Fixed label values, so dashboards and alerts can rely on every series existing from
 # the first scrape (a counter that appears only after its first increment breaks
 # `increase()` and `absent()` based rules).
-RESTART_RESULTS = ("success", "rolled_back", "failed")
+# aborted: only those that restarted SGLang all the same (systemd's start limit refused the
+# change's start, and SGLang was started again on the setting it ran).
+RESTART_RESULTS = ("success", "rolled_back", "failed", "aborted")
 SCRAPE_ERROR_KINDS = ("timeout", "refused", "http_status", "malformed", "missing")
 MODES = ("auto", "pin", "freeze")
 # The kind of speculative setting SGLang runs (specd.core.setting.Kind) or "unknown".
@@ -118,7 +120,8 @@ class Metrics:
         )
         self.restarts = Counter(
             "specd_restarts_total",
-            "SGLang restarts specd performed, by result (success, rolled_back, failed).",
+            "Restart sequences specd ran, by result (success, rolled_back, failed; aborted "
+            "where it restarted SGLang all the same).",
             ["result"],
             registry=r,
         )
@@ -133,7 +136,7 @@ class Metrics:
         )
         self.restart_budget_remaining = Gauge(
             "specd_restart_budget_remaining",
-            "Restarts still allowed in the current 24 h budget.",
+            "SGLang restarts still allowed in the rolling 24 h budget (a rollback uses two).",
             registry=r,
         )
         self.frozen = Gauge(

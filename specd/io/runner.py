@@ -1,7 +1,13 @@
 """The one way specd runs a program: argv only, no shell, bounded in time, never raising.
 
-apply is the only caller in production (``systemctl --no-ask-password restart UNIT``); tests
-swap in any callable with the same signature (the ``Runner`` protocol).
+In the daemon, the applier (specd/io/apply.py) is the only caller that changes anything:
+``systemctl --no-ask-password restart UNIT`` and ``systemctl --no-ask-password reset-failed
+UNIT`` (clearing the unit's start limit before a rollback's restart, or when systemd refused a
+start for it), the two verbs specd's polkit rule allows, on that unit only. Everything else
+run through it only reads: ``systemctl show`` and ``is-active`` (the applier, the daemon,
+`specd status`, `doctor`, `override`, `recommend`), ``pkcheck`` (`doctor`). `specd install`
+and `uninstall`, run by root, use it for their own systemctl commands, `specd sweep` for the
+applier's. Tests swap in any callable with the same signature (the ``Runner`` protocol).
 """
 
 from __future__ import annotations

@@ -32,6 +32,18 @@ STATE_VERSION = 1
 STATE_FILE_MODE = 0o640
 # Weeks of history are ~100 KB; a state file 100x that is not one specd wrote.
 MAX_STATE_BYTES = 16 * files.MIB
+# SGLang restarts one sequence makes at most: the change's and the rollback's.
+MAX_SEQUENCE_RESTARTS = 2
+
+
+def restart_count(entry: dict[str, Any]) -> int:
+    """The SGLang restarts a recorded sequence made, which the daily budget counts: its
+    ``restarts``. An entry from a specd before it counted them has none, and counts 1, as
+    every entry did then."""
+    count = entry.get("restarts")
+    if isinstance(count, int) and not isinstance(count, bool):
+        return count
+    return 1
 
 
 def atomic_write_json(path: str | Path, obj: Any, mode: int = 0o600) -> None:
@@ -73,7 +85,8 @@ class State:
     last_decision: dict[str, Any] = field(default_factory=dict)
     # The restart journal: defined and written by specd.apply, stored here opaquely.
     journal: dict[str, Any] | None = None
-    # One entry per restart: {t, from_steps, to_steps, result, ...}.
+    # One entry per restart sequence: {t, from_steps, to_steps, result, restarts (the
+    # SGLang restarts it made: `restart_count`), ...}.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     # {since, reason} after a failed restart; only an operator clears it.
     frozen: dict[str, Any] | None = None
@@ -215,7 +228,7 @@ class State:
         """The control state the brain carries from tick to tick (`specd.core.step`)."""
         return Control(
             current_steps=None,  # each tick's observation says what is live
-            restart_times=tuple(float(r["t"]) for r in self.restarts),
+            restart_times=self.restart_times(),
             frozen=self.frozen is not None,
             frozen_reason=self.frozen.get("reason") if self.frozen else None,
             recommendations=tuple((float(t), int(s)) for t, s in self.recommendations),
@@ -223,6 +236,11 @@ class State:
             verifying=self.verifying,
             avoided=tuple(self.avoided),
         )
+
+    def restart_times(self) -> tuple[float, ...]:
+        """One time per SGLang restart specd made (a rollback's two at its end, none for a
+        sequence that restarted nothing), oldest first: what dwell and the budget count."""
+        return tuple(sorted(float(r["t"]) for r in self.restarts for _ in range(restart_count(r))))
 
     def adopt(self, control: Control) -> None:
         """Keep what `step` changed in the control state (restarts and the freeze are
@@ -351,6 +369,18 @@ def _restart(index: int, entry: Any, now: float | None, notes: list[str] | None)
         raise StateFormatError(f"{where}: expected an object with a numeric t")
     # Its time counts against dwell and the budget: a bad detail costs that detail only.
     _time(entry.get("t"), f"{where}.t", now)
+    count = entry.get("restarts")
+    if count is not None and (
+        isinstance(count, bool)
+        or not isinstance(count, int)
+        or not 0 <= count <= MAX_SEQUENCE_RESTARTS
+    ):
+        problem = f"{where}.restarts: {count!r:.40} is no count of 0..{MAX_SEQUENCE_RESTARTS}"
+        if notes is None:
+            raise StateFormatError(problem)
+        # Counted 1, as an entry without a count: never none, never a day's budget.
+        notes.append(f"{problem} (counted 1)")
+        entry = {k: v for k, v in entry.items() if k != "restarts"}
     return _scrub(entry, where, notes)
 
 

@@ -51,15 +51,22 @@ def show(
 @dataclass(frozen=True)
 class UnitState:
     """Where a unit is, as ``systemctl show`` says: ``active`` (ActiveState: active,
-    activating, failed, ...), ``sub`` (SubState: running, auto-restart, ...) and ``restarts``
-    (NRestarts: the starts Restart= made; None when systemd does not say)."""
+    activating, failed, ...), ``sub`` (SubState: running, auto-restart, ...), ``restarts``
+    (NRestarts: the starts Restart= made; None when systemd does not say) and ``result``
+    (Result: success, exit-code, start-limit-hit, ...; "" when systemd does not say)."""
 
     active: str
     sub: str
     restarts: int | None
+    result: str = ""
 
 
-UNIT_STATE_PROPERTIES = ("ActiveState", "SubState", "NRestarts")
+# Result= of a unit whose start systemd refused for its start limit. systemd 252 sets it only
+# where the unit's result was success (a unit stopped cleanly, e.g. by `systemctl restart`);
+# after a crash it keeps the crash's (exit-code).
+START_LIMIT_HIT = "start-limit-hit"
+
+UNIT_STATE_PROPERTIES = ("ActiveState", "SubState", "NRestarts", "Result")
 
 
 def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> UnitState | None:
@@ -73,7 +80,10 @@ def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> 
         return None
     restarts = props.get("NRestarts", "")
     return UnitState(
-        active, props.get("SubState", ""), int(restarts) if restarts.isdigit() else None
+        active,
+        props.get("SubState", ""),
+        int(restarts) if restarts.isdigit() else None,
+        props.get("Result", ""),
     )
 
 

@@ -189,6 +189,27 @@ def test_status_shows_what_runs_and_what_specd_wants_as_settings(
     assert f"target         {shown[1]}\n" in text
 
 
+def test_status_counts_the_sglang_restarts_the_budget_counts(tmp_path: Path) -> None:
+    """A rollback is two SGLang restarts; SGLang found untouched, none; an entry from before
+    specd counted them, one. `restarts 24h` counted entries: 4, where SGLang was restarted
+    5 times."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
+    restarts = [
+        {"t": NOW - 7200, "result": "success"},
+        {"t": NOW - 3600, "result": "rolled_back", "restarts": 2},
+        {"t": NOW - 1800, "result": "rolled_back", "restarts": 2},
+        {"t": NOW - 600, "result": "rolled_back", "restarts": 0},
+        {"t": NOW - 2 * 86400, "result": "success", "restarts": 1},  # a day ago: free
+    ]
+    assert StateStore(tmp_path).save(State(restarts=restarts)) is None
+    info = collect(config, NOW, server_info(config))
+    assert (info["sglang_restarts_last_24h"], info["restart_budget_remaining"]) == (5, 0)
+    assert "restarts 24h   5 (budget left 0)\n" in render(info, NOW)
+
+
 def _measured(seconds: float, days_after: float) -> History:
     """``seconds`` of accept lengths at 3 steps (α 0.636), then ``days_after`` days of an
     adaptive set, which reports none of a step count."""

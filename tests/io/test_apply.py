@@ -534,6 +534,9 @@ def _journal(**changes: Any) -> dict[str, Any]:
         ({"attempt": -100}, "attempt -100 is not in"),
         ({"restarts_issued": -1}, "restarts_issued -1 is not in"),
         ({"phase": "failed", "capacity": -5}, "capacity -5 is not in 1.."),
+        # More restarts that started nothing than were issued: a budget made up.
+        ({"restarts_issued": 1, "not_started": 2}, "not_started 2 is more than its 1"),
+        ({"refused_until": 1e308}, "refused_until 1e\\+308 is no time"),
     ],
 )
 def test_journal_from_dict_rejects_bad_shapes(changes: dict[str, Any], problem: str) -> None:
@@ -685,6 +688,8 @@ def test_failed_restart_command_with_sglang_untouched_needs_no_restart(
     assert "Access denied" in outcome.message
     assert "no restart" in outcome.message
     assert unit.restarts == []
+    # Nothing for the daily budget: the command reached nothing.
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (1, 0)
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
     assert unit.running_steps() == 3
 
@@ -706,7 +711,8 @@ class StartLimited:
     """The twin unit behind systemd's start limit, as systemd 252 keeps it: a start past
     ``burst`` within ``interval_s`` is refused (`systemctl restart` exits 1, and the unit is
     left failed, its process stopped), Restart='s crash result kept (no start-limit-hit to
-    read); `systemctl reset-failed UNIT` forgets the starts and the failed state, unless
+    read), else Result=start-limit-hit (a running unit the restart stopped cleanly);
+    `systemctl reset-failed UNIT` forgets the starts and the failed state, unless
     polkit refuses it (``may_reset``: a rule from before specd did it). ``starts`` are the
     times of the starts it counts; ``calls`` every command it was given."""
 
@@ -719,6 +725,7 @@ class StartLimited:
         self.may_reset = may_reset
         self.starts = [time.monotonic()]  # SGLang's own start
         self.failed = False
+        self.result = "success"
         self.calls: list[list[str]] = []
 
     @staticmethod
@@ -736,11 +743,15 @@ class StartLimited:
             if not self.may_reset:
                 denied = f"Failed to reset failed state of unit {UNIT}: Access denied\n"
                 return self._done(argv, 1, err=denied)
-            self.starts, self.failed = [], False
+            self.starts, self.failed, self.result = [], False, "success"
             return self._done(argv, 0)
         if verbs == ["show", UNIT] and "--property=ActiveState" in args:
             state = self.state()
-            return self._done(argv, 0, f"ActiveState={state}\nSubState={state}\nNRestarts=0\n")
+            return self._done(
+                argv,
+                0,
+                f"ActiveState={state}\nSubState={state}\nNRestarts=0\nResult={self.result}\n",
+            )
         if verbs == ["show", UNIT] and "--property=StartLimitIntervalUSec" in args:
             return self._done(
                 argv,
@@ -751,6 +762,10 @@ class StartLimited:
             now = time.monotonic()
             self.starts = [t for t in self.starts if now - t <= self.interval_s]
             if len(self.starts) >= self.burst:
+                if self.unit.is_active() == "failed":
+                    self.result = "exit-code"  # the crash's, kept
+                elif self.result == "success":
+                    self.result = "start-limit-hit"
                 self.unit.stop()
                 self.failed = True
                 return self._done(
@@ -760,7 +775,7 @@ class StartLimited:
                     f'error code.\nSee "systemctl status {UNIT}" for details.\n',
                 )
             self.starts.append(now)
-            self.failed = False
+            self.failed, self.result = False, "success"
         return self.unit(argv, timeout_s=timeout_s)
 
     def reset_failed_calls(self) -> int:
@@ -862,6 +877,151 @@ def test_a_start_limit_longer_than_the_startup_timeout_is_not_waited_out_but_nam
         f"`specd install --unit {UNIT}`"
     ) in outcome.message
     assert unit.restarts == [4]
+
+
+def test_a_change_refused_for_a_start_limit_used_up_before_it_clears_it_and_goes_ahead(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """SGLang runs 3, healthy, but earlier starts (a crash loop that recovered, an
+    operator's restarts) used up its unit's start limit: systemd stopped it for the change's
+    restart and refused the start (Result=start-limit-hit). The rollback brought 3 back and
+    specd froze as if 4 had failed, 4 never having run. Now the count is cleared and the
+    restart made again: the change goes ahead, one SGLang restart."""
+    unit = make_unit(ORIGINAL_ENV)
+    systemd = StartLimited(unit, burst=1, interval_s=3600.0)  # SGLang's own start used it
+    rec = Recorder(tmp_path / "journal.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, rec, runner=systemd).apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert unit.restarts == [4]
+    assert unit.running_steps() == 4
+    assert systemd.reset_failed_calls() == 1
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (1, 1)
+    refused = [e for e in logs if e["event"] == "restart_refused_by_start_limit"]
+    assert len(refused) == 1, logs
+    assert "not the fault of 4 steps, which never ran" in refused[0]["message"]
+    assert "StartLimitBurst=1 in StartLimitIntervalSec=3600 s" in refused[0]["message"]
+    stored = rec.stored()
+    assert stored is not None
+    assert any("refused its start" in m for m in stored["messages"]), stored["messages"]
+
+
+@pytest.mark.parametrize(
+    ("interval_s", "result", "restarted_to", "says"),
+    [
+        # The limit passes within startup_timeout_s: back on 3 once it has, nothing blamed
+        # on 4 (aborted, not rolled back: the daemon does not freeze).
+        (3.0, "aborted", [3], "rolled back, verified 3 steps"),
+        # It does not: SGLang stays down (systemd stopped it), which needs an operator.
+        (3600.0, "failed", [], "run `specd install --unit sglang.service`"),
+    ],
+)
+def test_a_change_refused_for_the_start_limit_specd_may_not_clear_is_backed_out_unblamed(
+    make_unit: Any,
+    tmp_path: Path,
+    interval_s: float,
+    result: str,
+    restarted_to: list[int],
+    says: str,
+) -> None:
+    """As above, with a polkit rule that refuses `reset-failed`: the change is given up
+    (4 was never tried) and SGLang started again on 3 once the limit has passed."""
+    unit = make_unit(ORIGINAL_ENV)
+    systemd = StartLimited(unit, burst=1, interval_s=interval_s, may_reset=False)
+    systemd.starts = [time.monotonic()]  # SGLang's own start, just now on a loaded machine
+    rec = Recorder(tmp_path / "journal.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, rec, runner=systemd, startup_timeout_s=10.0).apply(
+            4, 3, window_open=always_open
+        )
+    assert outcome.result == result, outcome.message
+    assert (
+        "the unit's start limit, used up before this change, refused its start; 4 steps was "
+        "never tried"
+    ) in outcome.message
+    assert says in outcome.message
+    assert unit.restarts == restarted_to
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert [e["event"] for e in logs].count("restart_refused_by_start_limit") == 1
+    if result == "aborted":
+        assert unit.running_steps() == 3
+        # SGLang was stopped once and started once, on 3: one restart for the budget.
+        assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, 1)
+
+
+class KilledWhileWaiting(Recorder):
+    """specd killed (SIGKILL, a reboot of specd alone) once its journal says it waits out
+    the unit's start limit before the rollback's restart."""
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        waiting = journal is not None and any(
+            "for the limit to pass" in m for m in journal["messages"][-1:]
+        )
+        if waiting and self.kill_at is None:
+            self.kill_at = len(self.calls)
+            self.store_first = True
+        super().__call__(journal)
+
+
+@pytest.mark.parametrize(
+    ("may_reset_after", "waits"),
+    [
+        # Still refused: the resumed specd waits what is left of the limit, then restarts.
+        (False, True),
+        # `specd install` run meanwhile: it clears the limit and restarts at once.
+        (True, False),
+    ],
+)
+def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
+    make_unit: Any, tmp_path: Path, may_reset_after: bool, waits: bool
+) -> None:
+    """specd was killed while its rollback waited out the unit's start limit (the polkit
+    rule refusing `reset-failed`). Its next start ended the sequence failed at once, SGLang
+    down. It now clears the limit if it may, else waits what is left of it, restarts on
+    the previous setting and verifies it."""
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
+    # Long enough that the change's start and its crash fit in it on a loaded machine.
+    interval_s = 5.0
+    systemd = StartLimited(unit, burst=1, interval_s=interval_s, may_reset=False)
+    systemd.starts = []  # the change's start uses the limit up
+    rec = KilledWhileWaiting(tmp_path / "journal.json")
+    with pytest.raises(Killed):
+        applier_for(unit, rec, runner=systemd, startup_timeout_s=10.0).apply(
+            4, 3, window_open=always_open
+        )
+    killed_at, killed_wall = time.monotonic(), time.time()
+    journal = rec.stored()
+    assert journal is not None
+    assert (journal["phase"], journal["restarts_issued"]) == ("rolling_back", 2)
+    assert unit.restarts == [4]
+    assert unit.is_active() != "active"  # SGLang down, its rollback restart refused
+    time.sleep(1.0)  # specd starts again a while later
+    systemd.may_reset = may_reset_after
+    resumed = Recorder(tmp_path / "state.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, resumed, runner=systemd, startup_timeout_s=10.0).reconcile(
+            journal
+        )
+    took = time.monotonic() - killed_at
+    assert outcome is not None
+    assert outcome.result == "rolled_back", outcome.message
+    assert "rolled back, verified 3 steps" in outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.running_steps() == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, 2)
+    waited = [e["wait_s"] for e in logs if e["event"] == "restart_waits_for_start_limit"]
+    if waits:
+        # What was left of the limit's interval (+ margin), not the whole of it again.
+        assert len(waited) == 1, logs
+        left = journal["refused_until"] - killed_wall
+        assert 0 < waited[0] < left < interval_s + START_LIMIT_MARGIN_S
+        assert took >= left
+    else:
+        assert waited == []
+    final = resumed.stored()
+    assert final is not None
+    assert final["refused_until"] is None
 
 
 def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_path: Path) -> None:

@@ -764,6 +764,63 @@ def test_an_unreadable_restart_journal_is_a_freeze(tmp_path: Path, journal: Any)
     assert state.restarts == populated().restarts
 
 
+NOW = 1_767_229_200.0  # T0 + 1 h
+
+
+@pytest.mark.parametrize(
+    ("entries", "times", "problem"),
+    [
+        pytest.param(
+            [{"t": NOW - 90, "result": "rolled_back"}, {"t": NOW - 30, "result": "success"}],
+            (NOW - 90, NOW - 30),
+            None,
+            id="a file from before specd counted restarts: one each, as then",
+        ),
+        pytest.param(
+            [
+                {"t": NOW - 90, "result": "rolled_back", "restarts": 2},
+                {"t": NOW - 60, "result": "success", "restarts": 1},
+                {"t": NOW - 30, "result": "failed", "restarts": 0},
+            ],
+            (NOW - 90, NOW - 90, NOW - 60),
+            None,
+            id="a rollback two, a change one, a sequence that restarted nothing none",
+        ),
+        pytest.param(
+            [{"t": NOW - 30, "result": "success", "restarts": 7}],
+            (NOW - 30,),
+            "restarts[0].restarts: 7 is no count of 0..2 (counted 1)",
+            id="a count no sequence makes: one, named",
+        ),
+        pytest.param(
+            [{"t": NOW - 30, "result": "success", "restarts": True}],
+            (NOW - 30,),
+            "restarts[0].restarts: True is no count of 0..2 (counted 1)",
+            id="a count that is no number: one, named",
+        ),
+    ],
+)
+def test_the_restart_budget_counts_sglang_restarts_and_old_state_files_still_load(
+    tmp_path: Path, entries: list[dict[str, Any]], times: tuple[float, ...], problem: str | None
+) -> None:
+    """Dwell and the daily budget (Control.restart_times) count one time per SGLang restart
+    a sequence made, as its entry says; an entry written before specd said (every one then)
+    counts one, as it did."""
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(restarts=entries)))
+    store = StateStore(tmp_path, clock=lambda: NOW)
+    state, message = store.load()
+    if problem is None:
+        assert message is None
+    else:
+        assert message is not None
+        assert problem in message
+    assert state.control().restart_times == times
+    assert len(state.restarts) == len(entries)  # nothing dropped, a bad count included
+    assert store.save(state) is None
+    again, message = StateStore(tmp_path, clock=lambda: NOW).load()
+    assert (again.control().restart_times, message) == (times, None)
+
+
 def test_strict_reading_still_names_the_first_bad_part() -> None:
     with pytest.raises(StateFormatError, match=r"capacity"):
         State.from_dict(_with_history(capacity=[[3, -5]]))

@@ -82,6 +82,13 @@ def test_a_failed_show_is_one_line() -> None:
             systemd.UnitState("activating", "auto-restart", 2),
         ),
         ("ActiveState=failed\nSubState=failed\n", 0, systemd.UnitState("failed", "failed", None)),
+        # systemd 252 after it stopped an active unit for `systemctl restart` and refused the
+        # start for its start limit (a crash's Result= would have been kept instead).
+        (
+            "ActiveState=failed\nSubState=failed\nNRestarts=0\nResult=start-limit-hit\n",
+            0,
+            systemd.UnitState("failed", "failed", 0, systemd.START_LIMIT_HIT),
+        ),
         # systemd cannot say, or something in its place says nothing of it: unknown.
         ("", 1, None),
         ("ExecStart=x\n", 0, None),
@@ -98,6 +105,7 @@ def test_unit_state_reads_active_sub_state_and_restarts(
         "--property=ActiveState",
         "--property=SubState",
         "--property=NRestarts",
+        "--property=Result",
         "sglang.service",
     ]
 

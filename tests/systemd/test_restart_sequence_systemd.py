@@ -245,3 +245,137 @@ def test_a_rollback_specd_may_not_reset_failed_waits_out_the_start_limit(sd: Con
     assert [e["wait_s"] for _, e in waited] == [SHORT_START_LIMIT_S + 1.0], waited
     assert took >= SHORT_START_LIMIT_S
     assert_back_on_four_and_stays(sd)
+
+
+# Shorter than what is left of the start limit's interval when specd starts again.
+START_TIMEOUT = f"TimeoutStartSec={SHORT_START_LIMIT_S // 2}s"
+
+
+# Alone: systemd's start limit counts starts against a rate (as above).
+@pytest.mark.alone
+def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
+    sd: Container,
+) -> None:
+    """As above, but specd is killed while its rollback waits out the start limit. Its next
+    start ended the sequence failed at once and left SGLang down. It now finishes the
+    rollback from its journal: `reset-failed` again (refused again here), what is left of
+    the limit's interval, the restart on 4 steps, verified. It waits longer than the unit's
+    start timeout here (TimeoutStartSec=, 90 s by default, less than a long start limit or a
+    model load), which ended a start that finished the rollback before READY=1; specd is
+    ready first, and then finishes it."""
+    since = journal_mark(sd)
+    limit = f"[Unit]\nStartLimitIntervalSec={SHORT_START_LIMIT_S}s\nStartLimitBurst=2\n"
+    start_twin_unit(sd, 4, ["--fail-start-at-steps", "3"], CRASH_LOOP + limit)
+    with rule_without_reset_failed(sd):
+        config = closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S)
+        specd_pid = start_specd(sd, config, overrides=("Restart=no", START_TIMEOUT))
+        pin_now(sd, 3)
+        wait_or_dump(
+            sd,
+            lambda: events_named(sd, since, "restart_waits_for_start_limit"),
+            timeout=60,
+            what="the rollback waiting out the start limit",
+        )
+        sd.sh("kill", "-KILL", str(specd_pid))
+        wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=10)
+        journal = state(sd)["journal"]
+        assert (journal["phase"], journal["restarts_issued"]) == ("rolling_back", 2), journal
+        assert sd.active_state(SGLANG_UNIT) == "failed"  # SGLang down, its restart refused
+        # Type=notify: returns once specd is READY, after it reconciled the journal.
+        sd.systemctl("start", SPECD_UNIT, timeout=60 + SHORT_START_LIMIT_S)
+        frozen = wait_or_dump(
+            sd, lambda: state(sd).get("frozen"), timeout=30, what="the rollback finished"
+        )
+    assert events_named(sd, since, "reconciling_interrupted_restart")
+    assert_rolled_back_to_four(sd)
+    assert "rolled_back" in frozen["reason"]
+    assert state(sd)["restarts"][0]["restarts"] == 2  # the change's and the rollback's
+    waited = [e["wait_s"] for _, e in events_named(sd, since, "restart_waits_for_start_limit")]
+    # The whole interval first; after the kill, only what was left of it.
+    assert len(waited) == 2, waited
+    assert waited[0] == SHORT_START_LIMIT_S + 1.0
+    assert 0 < waited[1] < waited[0]
+    assert_back_on_four_and_stays(sd)
+
+
+def use_up_start_limit_by_hand(sd: Container) -> None:
+    """An operator's two `systemctl restart`s (or crashes Restart= recovered from): the
+    unit's start limit (StartLimitBurst=2) used up, SGLang running. After specd started:
+    systemd 252 forgets the starts it counted at a daemon-reload, which installing specd's
+    unit makes."""
+    for _ in range(2):
+        sd.systemctl("restart", SGLANG_UNIT)
+        sd.wait_http("/health", timeout=TWIN_LOAD_S + 20)
+
+
+def outcomes(sd: Container) -> list[tuple[int, int, str, int]]:
+    return [
+        (r["from_steps"], r["to_steps"], r["result"], r.get("restarts"))
+        for r in state(sd)["restarts"]
+    ]
+
+
+# Alone: systemd's start limit counts starts against a rate (as above).
+@pytest.mark.alone
+def test_a_change_refused_for_a_start_limit_used_up_before_it_clears_it_and_goes_ahead(
+    sd: Container,
+) -> None:
+    """SGLang runs 4, healthy, its start limit used up by earlier starts (an operator's
+    restarts: 2 in an hour). systemd stopped it for the change's restart and
+    refused the start (Result=start-limit-hit); the rollback got 4 back and specd froze as
+    if 3 had failed, though 3 never ran. specd now clears the count (`reset-failed`, which
+    its polkit rule allows) and restarts again: SGLang runs 3, nothing frozen."""
+    since = journal_mark(sd)
+    start_twin_unit(sd, 4, [], START_LIMIT)
+    start_specd(sd, closed_window_config(sd))
+    use_up_start_limit_by_hand(sd)
+    pin_now(sd, 3)
+    wait_or_dump(sd, lambda: state(sd)["restarts"], timeout=60, what="the change's outcome")
+    assert sglang_journal_says(sd, since, REPEATED_TOO_QUICKLY), sd.journal(SGLANG_UNIT)
+    assert outcomes(sd) == [(4, 3, "success", 1)], sd.journal(SPECD_UNIT, lines=40)
+    assert state(sd)["frozen"] is None
+    refused = events_named(sd, since, "restart_refused_by_start_limit")
+    assert len(refused) == 1, refused
+    assert "not the fault of 3 steps, which never ran" in refused[0][1]["message"]
+    assert [e["unit"] for _, e in events_named(sd, since, "unit_reset_failed")] == [SGLANG_UNIT]
+    assert env_steps(sd) == 3
+    assert twin_live_steps(sd) == (3, 3.0)
+    assert sd.active_state(SGLANG_UNIT) == "active"
+
+
+# Alone: systemd's start limit counts starts against a rate (as above).
+@pytest.mark.alone
+def test_a_change_refused_for_a_start_limit_specd_may_not_clear_is_aborted_not_frozen(
+    sd: Container,
+) -> None:
+    """As above with a polkit rule that refuses `reset-failed`: the change is given up
+    without blame (aborted, not frozen), SGLang started again on 4 once the limit's interval
+    passed, and the pin that wanted 3 gets it at the next tick, the limit allowing."""
+    since = journal_mark(sd)
+    limit = f"[Unit]\nStartLimitIntervalSec={SHORT_START_LIMIT_S}s\nStartLimitBurst=2\n"
+    start_twin_unit(sd, 4, [], limit)
+    with rule_without_reset_failed(sd):
+        start_specd(sd, closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S))
+        use_up_start_limit_by_hand(sd)
+        pin_now(sd, 3)
+        wait_or_dump(
+            sd,
+            lambda: state(sd)["restarts"] or state(sd).get("frozen"),
+            timeout=60 + SHORT_START_LIMIT_S,
+            what="the refused change backed out",
+        )
+        first = state(sd)["restarts"]
+        assert outcomes(sd)[:1] == [(4, 3, "aborted", 1)], first
+        assert "3 steps was never tried" in first[0]["message"], first
+        assert "rolled back, verified 4 steps" in first[0]["message"], first
+        wait_or_dump(
+            sd, lambda: len(state(sd)["restarts"]) == 2, timeout=60, what="the pin applied"
+        )
+    assert sglang_journal_says(sd, since, REPEATED_TOO_QUICKLY), sd.journal(SGLANG_UNIT)
+    assert outcomes(sd) == [(4, 3, "aborted", 1), (4, 3, "success", 1)]
+    assert state(sd)["frozen"] is None
+    aborted = [e for _, e in events_named(sd, since, "restart_aborted") if "message" in e]
+    assert aborted, events_named(sd, since, "restart_aborted")
+    assert "start limit" in aborted[0]["message"], aborted
+    assert env_steps(sd) == 3
+    assert twin_live_steps(sd) == (3, 3.0)
