@@ -3,12 +3,12 @@
 Slot ``i`` of group ``g`` is the key ``/specd/g/slots/i``. Taking it is one transaction that
 puts the key, attached to a fresh lease, only if the key does not exist (its
 ``create_revision`` is 0), so two specds can never both hold it. While the restart runs a
-``LeaseKeeper`` thread renews the lease every third of its TTL; the applier checks the key is
-still on the lease right before the restart (a specd cut off from etcd for a TTL has lost
-its slot and must not restart: no split brain), and releases it (revokes the lease, which
-deletes the key) once SGLang is verified or rolled back. A specd that dies, even by SIGKILL,
-stops renewing: etcd deletes the key one TTL later and the next server may go. The key's
-value says who holds it (JSON: holder, since) for ``specd status``.
+``LeaseKeeper`` thread renews the lease at once, then every third of its TTL; the applier
+checks the key is still on the lease right before the restart (a specd cut off from etcd
+for a TTL has lost its slot and must not restart: no split brain), and releases it
+(revokes the lease, which deletes the key) once SGLang is verified or rolled back. A specd
+that dies, even by SIGKILL, stops renewing: etcd deletes the key one TTL later and the next
+server may go. The key's value says who holds it (JSON: holder, since) for ``specd status``.
 
 Client: etcd's v3 JSON gateway (grpc-gateway, served on the client port since etcd 3.3;
 3.4.23 here), spoken with httpx, specd's HTTP client already. Chosen over ``etcd3gw``
@@ -539,10 +539,10 @@ class Fleet:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews a slot's lease every third of its TTL until ``stop``. Its waits are on its
-    own event, so stopping it is immediate; a renewal that fails is retried sooner, and
-    once etcd says the lease is gone (or a whole TTL passed without a renewal) ``lost``
-    says why. Its own etcd client, with requests short enough to retry within a TTL, so
+    """Renews a slot's lease at once, then every third of its TTL until ``stop``. Its waits
+    are on its own event, so stopping it is immediate; a renewal that fails is retried
+    sooner, and once etcd says the lease is gone (or a whole TTL passed without a renewal)
+    ``lost`` says why. Its own etcd client, with requests short enough to retry within a TTL, so
     a renewal never waits for the applier's requests nor they for it."""
 
     def __init__(self, fleet: Fleet, slot: Slot) -> None:
@@ -568,7 +568,9 @@ class LeaseKeeper(threading.Thread):
     def _renew(self) -> None:
         mono = time.monotonic
         renewed = mono()
-        wait = self.interval_s
+        # The first renewal at once: a slot taken back after a restart of specd may have
+        # seconds of its lease left, fewer than the interval (RestartSec= of a 30 s lease).
+        wait = 0.0
         while not self._halt.wait(wait):
             try:
                 ttl = self.etcd.keepalive(self.slot.lease)
