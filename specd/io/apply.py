@@ -1804,17 +1804,25 @@ class Applier:
             )
         else:
             workers = [Worker.from_dict(w) for w in journal.drained]
+            problems = []
+            # Replica by replica: one away does not keep the worker out of the others.
+            failed = gateway.readd(workers, settings.ready_timeout_s)
+            if failed:
+                problems.append(
+                    f"re-adding the worker failed on {len(failed)} of {len(workers)} replicas: "
+                    + "; ".join(why for _, why in failed)
+                )
+            failed_at = {w.gateway_url for w, _ in failed}
+            back = [w.gateway_url for w in workers if w.gateway_url not in failed_at]
             try:
-                gateway.readd(workers, settings.ready_timeout_s)
-                if not gateway.wait_ready(
-                    settings.ready_timeout_s, [w.gateway_url for w in workers]
-                ):
-                    problem = (
+                if back and not gateway.wait_ready(settings.ready_timeout_s, back):
+                    problems.append(
                         f"worker re-added but not ready on every gateway replica within "
                         f"{settings.ready_timeout_s:g} s"
                     )
             except GatewayUnavailable as exc:
-                problem = f"re-adding the worker failed: {exc}"
+                problems.append(f"waiting for the re-added worker failed: {exc}")
+            problem = "; ".join(problems) or None
         journal.readded = True
         journal.note(problem or f"worker re-added, ready on {len(journal.drained)} replicas")
         if problem is not None:

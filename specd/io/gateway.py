@@ -457,9 +457,11 @@ class GatewayClient:
             current = self.find(gateway)
         return current
 
-    def readd(self, removed: Sequence[Worker], timeout_s: float) -> None:
-        """Add the worker back where it was removed, with the URL, labels and settings it had.
+    def readd(self, removed: Sequence[Worker], timeout_s: float) -> list[tuple[Worker, str]]:
+        """Add the worker back where it was removed, with the URL, labels and settings it had;
+        returns each one that could not be, with why (one line).
 
+        Each replica on its own: one that is away must not keep the worker out of the others.
         A draining worker answers POST with 409 until its settle time is over, so each
         replica is polled until the old entry is gone (bounded by ``timeout_s``). A replica
         that already routes the worker again (a re-add before a crash) is left alone. The
@@ -467,24 +469,32 @@ class GatewayClient:
         given up waiting for it) or never accepted: it is given one call's timeout to
         start draining before it counts as routed."""
         end = time.monotonic() + timeout_s
+        failed = []
         for worker in removed:
-            gateway = worker.gateway_url
-            pending_until = time.monotonic() + min(self._timeout_s, timeout_s)
-            current = self._poll_while(
-                gateway,
-                self.find(gateway),
-                functools.partial(_ready_as, worker.worker_id),
-                pending_until,
-            )
-            current = self._poll_while(gateway, current, _draining, end)
-            if _draining(current):
-                raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
-            if current is not None:
-                continue
-            body: dict[str, Any] = {**worker.settings, "url": self.worker_url}
-            if worker.labels:
-                body["labels"] = dict(worker.labels)
-            self._call("POST", gateway, "/workers", body)
+            try:
+                self._readd_one(worker, timeout_s, end)
+            except GatewayUnavailable as exc:
+                failed.append((worker, str(exc)))
+        return failed
+
+    def _readd_one(self, worker: Worker, timeout_s: float, end: float) -> None:
+        gateway = worker.gateway_url
+        pending_until = time.monotonic() + min(self._timeout_s, timeout_s)
+        current = self._poll_while(
+            gateway,
+            self.find(gateway),
+            functools.partial(_ready_as, worker.worker_id),
+            pending_until,
+        )
+        current = self._poll_while(gateway, current, _draining, end)
+        if _draining(current):
+            raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
+        if current is not None:
+            return
+        body: dict[str, Any] = {**worker.settings, "url": self.worker_url}
+        if worker.labels:
+            body["labels"] = dict(worker.labels)
+        self._call("POST", gateway, "/workers", body)
 
     def wait_ready(self, timeout_s: float, gateways: Sequence[str] | None = None) -> bool:
         """True once every replica (or each of ``gateways``) reports the worker ready;
