@@ -108,6 +108,9 @@ class Applier:
     def read_wiring(self) -> str | None:
         return self._static_only
 
+    def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
+        return None
+
 
 def config(tmp_path: Path, **extra: Any) -> Config:
     (tmp_path / "state").mkdir(exist_ok=True)

@@ -613,6 +613,78 @@ def test_a_specd_killed_while_drained_readds_the_worker_at_its_next_start(
         )
 
 
+class FreezesTheGatewayOnRestart:
+    """Runs the unit's commands; as SGLang restarts the gateway replica stops answering
+    (SIGSTOP: a host that hangs, a network blip) and is still away at the re-add."""
+
+    def __init__(self, clock: Clock, unit: TwinUnitRunner, gateway: SmgGateway) -> None:
+        self.inner = RecordingRunner(clock, unit)
+        self.gateway = gateway
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if "restart" in argv:
+            os.kill(self.gateway.proc.pid, signal.SIGSTOP)
+        return self.inner(argv, timeout_s=timeout_s)
+
+
+def wait_for_status(gateway_url: str, worker_url: str, wanted: str | None) -> None:
+    end = time.monotonic() + 30
+    while (now := worker_status(gateway_url, worker_url)) != wanted:
+        assert time.monotonic() < end, f"worker {now}, not {wanted}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["next-minute", "specd-restarted"])
+def test_a_worker_a_failed_readd_left_out_is_put_back_once_the_gateway_answers(
+    tmp_path: Path, restarted: bool
+) -> None:
+    """The re-add after a restart failed (the replica away): the journal that named the
+    drained worker is cleared with the outcome, so nothing put it back and the fleet served a
+    server short until someone re-added it by hand (restarting specd, as the alert's runbook
+    said, did nothing). specd now keeps it and re-adds it, each minute and at its start."""
+    with gateway_fleet(tmp_path) as (unit, gateway, config):
+        clock = Clock(INSIDE)
+        daemon = make_daemon(config, FreezesTheGatewayOnRestart(clock, unit, gateway), clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        try:
+            daemon.tick()
+        finally:
+            os.kill(gateway.proc.pid, signal.SIGCONT)
+        assert unit.restarted_to == [4]
+        assert [r["result"] for r in daemon.state.restarts] == ["success"]
+        last = daemon.state.gateway["last_drain"] if daemon.state.gateway else {}
+        assert "no answer within 2 s" in last["readd_problem"]
+        shown = status_text(config, clock.now)
+        assert "WORKER LEFT OUT: re-adding the worker failed on 1 of 1 replicas" in shown
+        assert "left out       worker out of routing on 1 replica(s) since " in shown
+        # Back, the replica runs the removal it had queued: out of routing for good.
+        wait_for_status(gateway.url, unit.url, None)
+
+        clock.now += GATEWAY_SCRAPE_S
+        if restarted:
+            daemon = make_daemon(config, RecordingRunner(clock, unit), clock)
+        else:
+            daemon.tick()  # within the minute: not tried again yet
+            assert worker_status(gateway.url, unit.url) is None
+            clock.now += 60
+        with capture_logs() as logs:
+            daemon.tick()
+        assert [e["event"] for e in logs if "gateway_worker" in e["event"]] == [
+            "gateway_worker_readd_accepted"
+        ]
+        wait_for_status(gateway.url, unit.url, "ready")
+        clock.now += GATEWAY_SCRAPE_S
+        daemon.tick()  # the probe sees it routed again
+        assert daemon.state.gateway is not None
+        assert "left_out" not in daemon.state.gateway
+        assert sample(daemon, "specd_gateway_worker_not_ready_replicas") == 0
+        shown = status_text(config, clock.now)
+        assert "WORKER LEFT OUT" not in shown
+        assert "left out  " not in shown
+        assert "; worker left out, routed again " in shown
+        assert unit.restarted_to == [4]  # put back, never restarted again
+
+
 # ---- state directory faults, at start and while running ------------------------------
 
 

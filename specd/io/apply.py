@@ -602,7 +602,8 @@ class ApplyOutcome:
     from_setting: str | None = None
     to_setting: str | None = None
     # With a gateway: {result (DRAIN_RESULTS; None for a re-add after specd restarted),
-    # duration_s, in_flight_at_restart, replicas, readd_problem}; None: nothing drained.
+    # duration_s, in_flight_at_restart, replicas, readd_problem, left_out (the drained
+    # workers, Worker.to_dict, a failed re-add did not put back)}; None: nothing drained.
     drain: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -1730,6 +1731,7 @@ class Applier:
             "in_flight_at_restart": None,
             "replicas": 0,
             "readd_problem": None,
+            "left_out": [],
         }
         self._drain_report = report
         try:
@@ -1797,6 +1799,7 @@ class Applier:
             return None
         gateway, settings = self.gateway, self.gateway_settings
         problem: str | None = None
+        left_out: list[Worker] = []
         if gateway is None or settings is None:
             problem = (
                 f"{len(journal.drained)} drained gateway worker(s) in the journal but no "
@@ -1808,20 +1811,22 @@ class Applier:
             # Replica by replica: one away does not keep the worker out of the others.
             failed = gateway.readd(workers, settings.ready_timeout_s)
             if failed:
-                problems.append(
-                    f"re-adding the worker failed on {len(failed)} of {len(workers)} replicas: "
-                    + "; ".join(why for _, why in failed)
-                )
+                problems.append(_readd_failed(failed, len(workers)))
+                left_out += [w for w, _ in failed]
             failed_at = {w.gateway_url for w, _ in failed}
-            back = [w.gateway_url for w in workers if w.gateway_url not in failed_at]
+            back = [w for w in workers if w.gateway_url not in failed_at]
             try:
-                if back and not gateway.wait_ready(settings.ready_timeout_s, back):
+                if back and not gateway.wait_ready(
+                    settings.ready_timeout_s, [w.gateway_url for w in back]
+                ):
                     problems.append(
                         f"worker re-added but not ready on every gateway replica within "
                         f"{settings.ready_timeout_s:g} s"
                     )
+                    left_out += back
             except GatewayUnavailable as exc:
                 problems.append(f"waiting for the re-added worker failed: {exc}")
+                left_out += back
             problem = "; ".join(problems) or None
         journal.readded = True
         journal.note(problem or f"worker re-added, ready on {len(journal.drained)} replicas")
@@ -1835,10 +1840,37 @@ class Applier:
                 "in_flight_at_restart": None,
                 "replicas": len(journal.drained),
                 "readd_problem": None,
+                "left_out": [],
             }
         self._drain_report["readd_problem"] = problem
+        # What the daemon keeps re-adding once the journal is cleared (readd_left_out).
+        self._drain_report["left_out"] = [w.to_dict() for w in left_out]
         self._persist(journal)
         return problem
+
+    def readd_left_out(self, drained: Sequence[Mapping[str, Any]]) -> str | None:
+        """One more try to put back workers an earlier re-add left out (``left_out`` of a
+        drain report), on the replicas still configured; a replica that lists the worker
+        again is left alone. Bounded by one call's timeout per replica (a draining entry is
+        waited for that long): a try made between ticks must not hold up the loop. Returns
+        the problem, or None when every replica took it back (ready is for the gateway
+        probe to see)."""
+        gateway, settings = self.gateway, self.gateway_settings
+        if gateway is None or settings is None:
+            return "no [gateway] configured: re-add the worker by hand"
+        try:
+            workers = [Worker.from_dict(w) for w in drained]
+        except ValueError as exc:
+            return f"cannot re-add: {exc}"
+        workers = [w for w in workers if w.gateway_url in gateway.gateways]
+        failed = gateway.readd(workers, settings.request_timeout_s)
+        return _readd_failed(failed, len(workers)) if failed else None
+
+
+def _readd_failed(failed: Sequence[tuple[Worker, str]], of: int) -> str:
+    return f"re-adding the worker failed on {len(failed)} of {of} replicas: " + "; ".join(
+        why for _, why in failed
+    )
 
 
 def _describe(setting: SpecSetting | None) -> str:

@@ -173,6 +173,9 @@ class SimulatedApplier:
     def read_wiring(self) -> str | None:
         return None
 
+    def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
+        return None
+
 
 def run_daemon(
     tr: Trace, cfg: Config, initial: int
