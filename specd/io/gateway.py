@@ -265,7 +265,9 @@ class GatewayClient:
         self._poll_s = poll_s
         self._pause = pause
         self._on_error = on_error
-        self._http = httpx.Client(timeout=timeout_s, verify=verifying_context())
+        # trust_env=False: an HTTP(S)_PROXY meant for the internet must not carry the admin
+        # API (nor its key), as for etcd and SGLang.
+        self._http = httpx.Client(timeout=timeout_s, verify=verifying_context(), trust_env=False)
 
     @classmethod
     def from_settings(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from factories import SMG_ADMIN_KEY, QueuedRemovalGateway, SmgGateway
+from factories import SMG_ADMIN_KEY, LoopbackHTTP, QueuedRemovalGateway, QuietHandler, SmgGateway
 
 from specd.io.gateway import (
     IDLE_PROBE_S,
@@ -218,6 +218,37 @@ def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> 
         assert keyed.readd(removed, 15.0) == []
         assert keyed.wait_ready(15.0)
         keyed.close()
+
+
+def test_a_proxy_in_the_environment_never_sees_the_admin_api(
+    twin: TwinProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HTTP(S)_PROXY meant for the internet (an operator's shell running `specd doctor`,
+    a DefaultEnvironment= of systemd) must not carry the drain: the proxy cannot reach the
+    gateway (every drain refused, doctor calling a healthy gateway down), and would be
+    handed the admin key. etcd and SGLang are asked directly already."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Proxy(QuietHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_body(502, b"proxy: no route")
+
+    key_file = tmp_path / "key"
+    key_file.write_text(SMG_ADMIN_KEY + "\n")
+    with LoopbackHTTP(Proxy) as proxy, SmgGateway([twin.url], admin_key=SMG_ADMIN_KEY) as smg:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        client = GatewayClient([smg.url], twin.url, api_key=key_file, timeout_s=2.0)
+        try:
+            found = client.find(smg.url)
+        finally:
+            client.close()
+    assert seen == []
+    assert found is not None
+    assert found.status == "ready"
 
 
 def test_the_watch_asks_every_tick_when_needed_else_once_a_minute() -> None:
