@@ -418,7 +418,7 @@ class Fleet:
     # -- reading ----------------------------------------------------------------------
     def holders(self) -> list[Holder]:
         """Every slot key of the group, by slot (also slots beyond ``slots``, held by a
-        specd configured with more: they are shown, never taken)."""
+        specd configured with more: they are shown and counted, never taken)."""
         prefix = slot_prefix(self.group)
         found: list[Holder] = []
         for key, value, lease in self.etcd.range_prefix(prefix):
@@ -434,23 +434,32 @@ class Fleet:
         """Why this specd could not take a slot now (one line), or None: etcd answers and
         a slot is free."""
         try:
-            held = [h for h in self.holders() if h.slot < self.slots]
+            held = self.holders()
         except FleetUnavailable as exc:
             return str(exc)
-        if len(held) < self.slots:
+        if self._free(held) is not None:
             return None
-        return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(held)
+        return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(
+            held, self.slots
+        )
+
+    def _free(self, held: list[Holder]) -> int | None:
+        """The slot to take, or None. Every holder counts against this specd's ``slots``,
+        also one beyond them (a specd of the group configured with more, as while `slots`
+        is raised host by host): at most ``slots`` restart at once, as this config says."""
+        taken = {h.slot for h in held}
+        if len(taken) >= self.slots:
+            return None
+        return next((i for i in range(self.slots) if i not in taken), None)
 
     # -- taking, keeping, releasing ---------------------------------------------------
     def try_acquire(self) -> Slot | None:
         """Take a free slot now, or None when all are held (or another specd took the one
         tried first: the next try sees it). At most four etcd requests, so one try stays
         inside the watchdog whatever etcd does."""
-        held = {h.slot for h in self.holders()}
-        free = [i for i in range(self.slots) if i not in held]
-        if not free:
+        index = self._free(self.holders())
+        if index is None:
             return None
-        index = free[0]
         lease = self.etcd.grant(self.ttl_s)
         value = json.dumps({"holder": self.holder, "since": self._clock()})
         try:
@@ -612,5 +621,13 @@ def _parse_holder(value: bytes) -> tuple[str, float | None]:
     return name, None
 
 
-def _who(held: list[Holder]) -> str:
-    return ", ".join(f"slot {h.slot} held by {h.name}" for h in held)
+def _who(held: list[Holder], slots: int) -> str:
+    return ", ".join(
+        f"slot {h.slot} held by {h.name}"
+        + (
+            f" (a specd of the group with more slots than this one's {slots})"
+            if h.slot >= slots
+            else ""
+        )
+        for h in held
+    )
