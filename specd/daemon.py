@@ -279,6 +279,7 @@ class Daemon:
             error=lambda kind: m.fleet_etcd_errors.labels(kind=kind).inc(),
             held=lambda held: m.fleet_slot_held.set(1 if held else 0),
             waited=m.fleet_slot_wait.observe,
+            beat=self._heartbeat,
         )
         return Fleet.from_settings(config.fleet, config.sglang.unit, hooks)
 
@@ -293,7 +294,10 @@ class Daemon:
             return None
         return GatewayWatch(
             GatewayClient.from_settings(
-                config.gateway, config.sglang.url, on_error=self._gateway_error
+                config.gateway,
+                config.sglang.url,
+                on_error=self._gateway_error,
+                beat=self._heartbeat,
             )
         )
 

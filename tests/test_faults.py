@@ -12,6 +12,7 @@ tests/test_apply.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -29,7 +30,18 @@ from typing import Any
 import httpx
 import pytest
 import tomli_w
-from factories import Killed, SmgGateway, StreamingLoad, make_observation, mounted_tmpfs, tables
+from factories import (
+    EtcdProcess,
+    Killed,
+    LoopbackHTTP,
+    NotifySocket,
+    QuietHandler,
+    SmgGateway,
+    StreamingLoad,
+    make_observation,
+    mounted_tmpfs,
+    tables,
+)
 from pages import page_server
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
@@ -683,6 +695,146 @@ def test_a_worker_a_failed_readd_left_out_is_put_back_once_the_gateway_answers(
         assert "left out  " not in shown
         assert "; worker left out, routed again " in shown
         assert unit.restarted_to == [4]  # put back, never restarted again
+
+
+# ---- the watchdog while the gateway or etcd takes its whole timeouts ---------------------
+
+# A short watchdog: the daemon pings at most every half of it (the notifier's rate limit).
+WATCHDOG_S = 2.0
+
+
+def watched_daemon(
+    config: Config,
+    runner: Runner,
+    clock: Clock,
+    notify: NotifySocket,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Daemon:
+    """The daemon as systemd runs it with WatchdogSec=, pinging a real NOTIFY_SOCKET."""
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notify.path))
+    environ = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}
+    return Daemon(
+        config,
+        None,
+        registry=CollectorRegistry(),
+        runner=runner,
+        clock=clock,
+        notifier=Notifier(environ=environ),
+    )
+
+
+def longest_silence(notify: NotifySocket, start: float, end: float) -> float:
+    """The longest time between two WATCHDOG=1 from ``start`` to ``end`` (monotonic)."""
+    times = [start, *(t for t in notify.times("WATCHDOG=1") if start < t < end), end]
+    return max(b - a for a, b in itertools.pairwise(times))
+
+
+class Slow(QuietHandler):
+    """A gateway replica that answers just within request_timeout_s (a loaded one)."""
+
+    delay_s = 0.5
+
+    def do_GET(self) -> None:
+        time.sleep(self.delay_s)
+        self.send_body(200, b'{"workers": []}', "application/json")
+
+
+def test_the_watchdog_is_fed_while_every_gateway_replica_answers_slowly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each replica a tick asks may take up to its request_timeout_s: with many replicas
+    (or a long timeout) the tick outlasted WatchdogSec= and systemd killed specd, again at
+    each tick while the gateway was slow (and, past the unit's start limit, for good)."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    replicas = [LoopbackHTTP(Slow) for _ in range(5)]
+    try:
+        with TwinProcess(twin_argv(3)) as twin:
+            twin.wait_healthy()
+            config = make_config(
+                tmp_path,
+                int(twin.url.rsplit(":", 1)[1]),
+                urls=[r.url for r in replicas],
+                request_timeout_s=0.6,
+            )
+            clock = Clock(INSIDE)
+            daemon = watched_daemon(config, RecordingRunner(clock), clock, notify, monkeypatch)
+            daemon.state.history = wanting(config, 4, clock.now)
+            daemon.notifier.beat()
+            started = time.monotonic()
+            decision = daemon.tick()
+            ended = time.monotonic()
+    finally:
+        for replica in replicas:
+            replica.close()
+        notify.close()
+    assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision
+    assert "no gateway replica lists worker" in decision.message
+    assert ended - started >= 5 * Slow.delay_s
+    assert longest_silence(notify, started, ended) < WATCHDOG_S
+
+
+class SlowEtcd(QuietHandler):
+    """A real etcd behind a proxy that answers each call late (a loaded etcd, disk stalls)."""
+
+    upstream = ""
+    delay_s = 0.8
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        time.sleep(self.delay_s)
+        answer = httpx.post(self.upstream + self.path, content=body, timeout=5)
+        self.send_body(answer.status_code, answer.content, "application/json")
+
+
+class NotesTheRestart:
+    """The unit's commands; notes when `systemctl restart` goes out."""
+
+    def __init__(self, clock: Clock, unit: TwinUnitRunner) -> None:
+        self.inner = RecordingRunner(clock, unit)
+        self.restart_at: float | None = None
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if "restart" in argv and self.restart_at is None:
+            self.restart_at = time.monotonic()
+        return self.inner(argv, timeout_s=timeout_s)
+
+
+def test_the_watchdog_is_fed_while_a_slow_etcd_hands_out_a_slot(
+    tmp_path: Path, etcd: EtcdProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A try for a slot is a few etcd calls in a row (range, lease grant, txn), each up to
+    etcd_timeout_s (10 s allowed, "well inside specd's watchdog"): with the heartbeat sent
+    at most every half period, a slow etcd outlasted WatchdogSec= and systemd killed specd
+    while it took its turn."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+
+    class Proxy(SlowEtcd):
+        upstream = etcd.url
+
+    port = free_port()
+    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN])
+    try:
+        with LoopbackHTTP(Proxy) as proxy:
+            unit.start().wait_healthy()
+            config = make_config(
+                tmp_path, port, etcd_endpoints=[proxy.url], group="g", etcd_timeout_s=3
+            )
+            clock = Clock(INSIDE)
+            runner = NotesTheRestart(clock, unit)
+            daemon = watched_daemon(config, runner, clock, notify, monkeypatch)
+            daemon.state.history = wanting(config, 4, clock.now)
+            daemon.notifier.beat()
+            started = time.monotonic()
+            decision = daemon.tick()
+    finally:
+        unit.stop()
+        notify.close()
+    assert decision.reason is Reason.CHANGE, decision
+    assert [r["result"] for r in daemon.state.restarts] == ["success"]
+    assert runner.restart_at is not None
+    # From the tick's start to the restart: etcd's probe, the try for a slot, the check.
+    assert runner.restart_at - started >= 5 * SlowEtcd.delay_s
+    assert longest_silence(notify, started, runner.restart_at) < WATCHDOG_S
 
 
 # ---- state directory faults, at start and while running ------------------------------

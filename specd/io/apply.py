@@ -717,6 +717,7 @@ class Applier:
                 pause=self._pause,
                 on_error=on_gateway_error,
                 poll_s=health_poll_interval_s,
+                beat=self._beat,
             )
         self._drain_report: dict[str, Any] | None = None
 
@@ -1347,6 +1348,10 @@ class Applier:
             return timeout
         # The last probe may not overrun the deadline by a whole probe timeout.
         return max(0.5, min(timeout, deadline - self._mono()))
+
+    def _beat(self) -> None:
+        # A wait of no time on the daemon's stop event is its heartbeat.
+        self._stop.wait(0)
 
     def _pause(self, seconds: float) -> None:
         end = self._mono() + seconds

@@ -109,7 +109,10 @@ class EtcdClient:
 
     One call has one deadline (``timeout_s``) over all its endpoints, body reads included;
     an endpoint that cannot be reached, times out, answers 5xx or garbage gives way to the
-    next. ``on_error(kind)`` is called once per failed call."""
+    next. ``on_error(kind)`` is called once per failed call. ``beat()`` before each request
+    and with each piece of an answer: the few calls of one try for a slot, each up to its
+    timeout, still show the daemon's loop alive (its watchdog heartbeat is sent at most
+    every half period, so a gap of 4 calls of 10 s could outlast it)."""
 
     def __init__(
         self,
@@ -117,12 +120,14 @@ class EtcdClient:
         timeout_s: float,
         *,
         on_error: Callable[[str], None] | None = None,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         self._on_error = on_error
+        self._beat = beat or (lambda: None)
         # trust_env=False: an HTTP(S)_PROXY meant for the internet must not capture etcd.
         self._http = httpx.Client(
             timeout=timeout_s,
@@ -172,6 +177,7 @@ class EtcdClient:
         self, endpoint: str, path: str, body: Mapping[str, Any], deadline: float
     ) -> Mapping[str, Any]:
         where = f"etcd {endpoint} POST {path}"
+        self._beat()
         left = max(0.05, deadline - time.monotonic())
         try:
             with (
@@ -206,14 +212,14 @@ class EtcdClient:
             raise FleetUnavailable("protocol", f"{where}: answer is not a JSON object")
         return data
 
-    @staticmethod
-    def _read(resp: httpx.Response, where: str, deadline: float) -> bytes:
+    def _read(self, resp: httpx.Response, where: str, deadline: float) -> bytes:
         declared = resp.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
             raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
         chunks: list[bytes] = []
         size = 0
         for chunk in resp.iter_bytes():
+            self._beat()
             size += len(chunk)
             if size > MAX_ANSWER_BYTES:
                 raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
@@ -379,6 +385,9 @@ class FleetHooks:
     error: Callable[[str], None] = field(default=lambda kind: None)
     held: Callable[[bool], None] = field(default=lambda held: None)
     waited: Callable[[float], None] = field(default=lambda seconds: None)
+    # The daemon loop's heartbeat, called around etcd requests made by the loop's own
+    # thread (never by the lease keeper's: the watchdog must see the loop stuck).
+    beat: Callable[[], None] = field(default=lambda: None)
 
 
 class Fleet:
@@ -399,7 +408,10 @@ class Fleet:
         self.holder = holder[:MAX_HOLDER_CHARS]
         self.hooks = hooks or FleetHooks()
         self.etcd = EtcdClient(
-            settings.etcd_endpoints, settings.etcd_timeout_s, on_error=self.hooks.error
+            settings.etcd_endpoints,
+            settings.etcd_timeout_s,
+            on_error=self.hooks.error,
+            beat=self.hooks.beat,
         )
         self._clock = clock
         self._mono = monotonic

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import grp
 import ipaddress
+import json
 import os
 import pwd
 import shlex
@@ -237,13 +238,20 @@ def _some(urls: Sequence[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+# A /workers answer is ~1.5 KB per worker; far beyond is no gateway's to read whole.
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+
+
 class GatewayClient:
-    """Every replica of one gateway; each call is bounded by ``timeout_s``.
+    """Every replica of one gateway; each call is bounded by ``timeout_s``, its whole answer
+    included (a replica trickling bytes never ends a read timeout).
 
     ``api_key`` is a key, or a file to read it from at each call (``Path``).
     ``on_error(kind)`` is told of every failed call (metrics). ``pause(seconds)`` paces
     the polls: the applier's keeps the watchdog fed and is not cut short by a stop request,
-    because a worker drained for a restart must be re-added even while specd stops."""
+    because a worker drained for a restart must be re-added even while specd stops.
+    ``beat()`` is called before each call and with each piece of an answer: calls to many
+    replicas that each take their whole timeout still show the daemon's loop alive."""
 
     def __init__(
         self,
@@ -255,6 +263,7 @@ class GatewayClient:
         poll_s: float = 0.25,
         pause: Callable[[float], None] = time.sleep,
         on_error: Callable[[str], None] | None = None,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         if not gateway_urls:
             raise ValueError("gateway_urls: at least one gateway URL is needed")
@@ -265,6 +274,7 @@ class GatewayClient:
         self._poll_s = poll_s
         self._pause = pause
         self._on_error = on_error
+        self._beat = beat or (lambda: None)
         # trust_env=False: an HTTP(S)_PROXY meant for the internet must not carry the admin
         # API (nor its key), as for etcd and SGLang.
         self._http = httpx.Client(timeout=timeout_s, verify=verifying_context(), trust_env=False)
@@ -278,6 +288,7 @@ class GatewayClient:
         pause: Callable[[float], None] = time.sleep,
         on_error: Callable[[str], None] | None = None,
         poll_s: float = 1.0,
+        beat: Callable[[], None] | None = None,
     ) -> GatewayClient:
         return cls(
             settings.urls,
@@ -287,6 +298,7 @@ class GatewayClient:
             poll_s=poll_s,
             pause=pause,
             on_error=on_error,
+            beat=beat,
         )
 
     def close(self) -> None:
@@ -308,8 +320,11 @@ class GatewayClient:
 
     def _call(self, method: str, gateway: str, path: str, body: Any = None) -> Any:
         headers = self._headers()
+        deadline = time.monotonic() + self._timeout_s
+        self._beat()
         try:
-            reply = self._http.request(method, gateway + path, json=body, headers=headers)
+            with self._http.stream(method, gateway + path, json=body, headers=headers) as reply:
+                raw = self._read(reply, deadline)
         except httpx.TimeoutException:
             raise self._fail(
                 f"gateway {gateway}: {method} {path}: no answer within {self._timeout_s:g} s",
@@ -323,12 +338,34 @@ class GatewayClient:
             raise self._fail(
                 f"gateway {gateway}: {method} {path}: HTTP {reply.status_code}", "http_status"
             )
-        if not reply.content:
+        if raw is None:
+            raise self._fail(
+                f"gateway {gateway}: {method} {path}: answer over {MAX_ANSWER_BYTES} bytes",
+                "malformed",
+            )
+        if not raw:
             return None
         try:
-            return reply.json()
-        except ValueError:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
             raise self._fail(f"gateway {gateway}: {method} {path}: not JSON", "malformed") from None
+
+    def _read(self, reply: httpx.Response, deadline: float) -> bytes | None:
+        """The answer's body, by ``deadline``; None when it is over MAX_ANSWER_BYTES."""
+        declared = reply.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in reply.iter_bytes():
+            self._beat()
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                return None
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout("answer not complete by the deadline")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _workers(self, gateway: str) -> list[Mapping[str, Any]]:
         data = self._call("GET", gateway, "/workers")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -249,6 +250,46 @@ def test_a_proxy_in_the_environment_never_sees_the_admin_api(
     assert seen == []
     assert found is not None
     assert found.status == "ready"
+
+
+class Trickling(QuietHandler):
+    """A replica that answers GET /workers a byte at a time (a hung proxy in front of it):
+    httpx's read timeout restarts with each byte, so no single read ever times out."""
+
+    def do_GET(self) -> None:
+        body = b'{"workers": []}' + b" " * 200
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # specd hung up
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.1)
+
+
+def test_a_replica_that_trickles_its_answer_is_cut_at_the_call_timeout() -> None:
+    """One call to a replica ends by request_timeout_s, whole answer included: else the
+    daemon's tick (and a drain, a re-add) hung for as long as the replica kept sending, and
+    systemd's watchdog killed specd over and over, a worker drained or not."""
+    beats: list[float] = []
+    errors: list[str] = []
+    with LoopbackHTTP(Trickling) as replica:
+        client = GatewayClient(
+            [replica.url],
+            "http://127.0.0.1:30000",
+            timeout_s=1.0,
+            on_error=errors.append,
+            beat=lambda: beats.append(time.monotonic()),
+        )
+        started = time.monotonic()
+        problem, _ = client.probe()
+        took = time.monotonic() - started
+        client.close()
+    assert took < 2.5, took
+    assert problem == f"gateway {replica.url}: GET /workers: no answer within 1 s"
+    assert errors == ["timeout"]
+    assert beats  # the loop is shown alive while it waits
 
 
 def test_the_watch_asks_every_tick_when_needed_else_once_a_minute() -> None:
