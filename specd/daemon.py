@@ -116,6 +116,7 @@ class RestartApplier(Protocol):
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome: ...
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None: ...
@@ -1021,6 +1022,23 @@ class Daemon:
         """The longest one restart takes: the unit's stop timeout plus the start."""
         return self.applier.stop_timeout_s() + self.config.choose.restart_cost_s
 
+    def _freeze_written(self) -> str | None:
+        """Asked by the restart sequence's waits (a fleet slot, a quiet moment, a drain: up
+        to half an hour with the tick blocked): an on-call freeze written since the change
+        began ends it before the restart. The file only read, as the next tick reads it."""
+        config = self.config
+        status = read_override(
+            Path(config.files.override_file),
+            config.choose.min_steps,
+            config.choose.max_steps,
+            utc(self.clock()),
+            allowed_uids=self.allowed_override_uids,
+        )
+        found = status.override if status.valid else None
+        if found is None or found.mode != "freeze" or not found.active(utc(self.clock())):
+            return None
+        return f"an override freezes specd now ({found.reason or 'no reason given'})"
+
     def _window_open(self) -> bool:
         """Open, with time left for one whole restart (the quiet wait ends before that)."""
         left = window_left_s(self.config, utc(self.clock()))
@@ -1059,6 +1077,7 @@ class Daemon:
                 live,
                 window_open=self._window_open,
                 force=force,
+                cancelled=self._freeze_written,
             )
         finally:
             self.metrics.restart_in_progress.set(0)

@@ -81,6 +81,7 @@ class Applier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         was = format_setting(current) if current is not None else None
         self.calls.append((format_setting(target), was))

@@ -52,6 +52,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.daemon import STATE_SAVE_INTERVAL_S, UNFREEZE_REQUEST, Daemon
 from specd.io.config import Config, Window
+from specd.io.fleet import Fleet
 from specd.io.gateway import GatewayClient
 from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
@@ -835,6 +836,78 @@ def test_the_watchdog_is_fed_while_a_slow_etcd_hands_out_a_slot(
     # From the tick's start to the restart: etcd's probe, the try for a slot, the check.
     assert runner.restart_at - started >= 5 * SlowEtcd.delay_s
     assert longest_silence(notify, started, runner.restart_at) < WATCHDOG_S
+
+
+class RaceForTheSlot:
+    """The unit's commands; at the first (the change has begun, etcd said a slot was free)
+    another server takes the group's only slot, gives it back ``hold_s`` later, and the
+    on-call freezes specd meanwhile."""
+
+    def __init__(
+        self, clock: Clock, unit: TwinUnitRunner, other: Fleet, freeze: Path, hold_s: float
+    ) -> None:
+        self.inner = RecordingRunner(clock, unit)
+        self.other, self.freeze, self.hold_s = other, freeze, hold_s
+        self.raced = False
+        self.release = threading.Timer(hold_s, lambda: None)
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if not self.raced:
+            self.raced = True
+            slot = self.other.try_acquire()
+            assert slot is not None
+            self.release = threading.Timer(self.hold_s, self.other.release, args=(slot,))
+            self.release.start()
+            override = {"mode": "freeze", "expires_at": datetime.now(timezone.utc).replace(
+                year=2100), "reason": "incident 4711"}  # fmt: skip
+            self.freeze.write_text(tomli_w.dumps(override))
+            os.chmod(self.freeze, 0o600)
+        return self.inner(argv, timeout_s=timeout_s)
+
+
+def test_an_oncall_freeze_written_while_specd_waits_for_a_fleet_slot_stops_the_restart(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """A change that lost the race for the group's slot waits for it (up to slot_wait_max_s,
+    half an hour by default), its tick blocked: a freeze the on-call wrote meanwhile was never
+    read, and SGLang was restarted once the slot freed. The wait now gives up on a freeze."""
+    port = free_port()
+    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN])
+    try:
+        unit.start().wait_healthy()
+        config = make_config(
+            tmp_path,
+            port,
+            etcd_endpoints=[etcd.url],
+            group="g",
+            slot_poll_interval_s=0.2,
+        )
+        assert config.fleet is not None
+        other = Fleet(config.fleet, "box-b")
+        clock = Clock(INSIDE)
+        freeze = Path(config.files.override_file)
+        runner = RaceForTheSlot(clock, unit, other, freeze, hold_s=2.0)
+        daemon = make_daemon(config, runner, clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        started = time.monotonic()
+        with capture_logs() as logs:
+            decision = daemon.tick()
+        took = time.monotonic() - started
+    finally:
+        unit.stop()
+    assert runner.raced
+    assert decision.reason is Reason.CHANGE, decision
+    assert unit.restarted_to == []
+    assert daemon.state.restarts == []
+    [aborted] = [e for e in events(logs, "restart_aborted") if "result" in e]  # the daemon's
+    assert aborted["message"] == (
+        "an override freezes specd now (incident 4711) while waiting 0 s for a fleet slot "
+        "(all 1 slot(s) of fleet group g busy); nothing was restarted"
+    )
+    assert took < 2.0  # given up at the next poll, not once the slot freed
+    assert [h.name for h in other.holders()] == ["box-b"]  # never box-a's
+    runner.release.join()
+    assert daemon.tick().reason is Reason.FROZEN
 
 
 # ---- state directory faults, at start and while running ------------------------------

@@ -720,6 +720,7 @@ class Applier:
                 beat=self._beat,
             )
         self._drain_report: dict[str, Any] | None = None
+        self._cancelled: Callable[[], str | None] = lambda: None
 
     @classmethod
     def from_settings(
@@ -754,6 +755,7 @@ class Applier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         """Change SGLang to ``target`` steps (static); ``apply_setting`` of ``static(target)``.
         ``current`` 0 is no drafting (off); None is unknown."""
@@ -767,7 +769,11 @@ class Applier:
                 to_steps=target,
             )
         return self.apply_setting(
-            wanted, setting_of_steps(current), window_open=window_open, force=force
+            wanted,
+            setting_of_steps(current),
+            window_open=window_open,
+            force=force,
+            cancelled=cancelled,
         )
 
     def apply_setting(
@@ -777,12 +783,16 @@ class Applier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         """Change SGLang to ``target`` (off, static K or adaptive). ``force`` ignores the
-        window (override now). ``current`` None: what SGLang runs is unknown."""
+        window (override now). ``current`` None: what SGLang runs is unknown.
+        ``cancelled()``: why the change is no longer wanted (an on-call freeze written
+        since it began), asked by every wait before the restart, force or not."""
         self._restart_started = None
         self._journal = None
         self._drain_report = None
+        self._cancelled = cancelled or (lambda: None)
         try:
             outcome = self._apply(target, current, window_open, force)
         except Exception as exc:  # a bug must still leave SGLang and the env file consistent
@@ -1006,7 +1016,7 @@ class Applier:
 
     # -- forward --------------------------------------------------------------------
     def _forward(self, journal: Journal, previous: bytes | None, new_env: bytes) -> ApplyOutcome:
-        lost = self._slot_lost()
+        lost = self._slot_lost() or self._cancelled()
         if lost is not None:
             return self._finish(journal, "aborted", f"{lost}; nothing was restarted")
         target = journal.target()
@@ -1244,6 +1254,9 @@ class Applier:
         while True:
             if self._stop.is_set():
                 return "stop requested while waiting for a quiet moment"
+            cancelled = self._cancelled()
+            if cancelled is not None:
+                return f"{cancelled} while waiting for a quiet moment"
             if not force and not window_open():
                 return f"window closed while waiting for a quiet moment ({last})"
             obs = self.client.observe()
@@ -1642,7 +1655,7 @@ class Applier:
         assert self.fleet is not None
 
         def closed() -> str | None:
-            return None if force or window_open() else "window closed"
+            return self._cancelled() or (None if force or window_open() else "window closed")
 
         try:
             slot, why = self.fleet.acquire(self._stop, closed)
@@ -1779,6 +1792,9 @@ class Applier:
         while True:
             if self._stop.is_set():
                 return "aborted", "stop requested while draining", None
+            cancelled = self._cancelled()
+            if cancelled is not None:
+                return "aborted", f"{cancelled} while draining", None
             if not force and not window_open():
                 return "aborted", f"window closed while draining ({last})", None
             obs = self.client.observe()

@@ -140,6 +140,7 @@ class SimulatedApplier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         assert window_open() or force
         steps = setting_steps(target)
