@@ -49,6 +49,8 @@ KEY_PREFIX = "/specd"
 # An etcd answer to these calls is a few hundred bytes; a range over 64 slots a few KB.
 MAX_ANSWER_BYTES = 1024 * 1024
 MAX_HOLDER_CHARS = 200
+# 9999-12-31T23:59:59Z: the last second a datetime (and `specd status`) can show.
+MAX_SINCE = 253402300799
 # Bounded labels of specd_fleet_etcd_errors_total.
 ERROR_KINDS = ("connect", "timeout", "http", "protocol", "lost")
 
@@ -628,7 +630,13 @@ def _parse_holder(value: bytes) -> tuple[str, float | None]:
         return _one_line(str(data), MAX_HOLDER_CHARS), None
     since = data.get("since")
     name = _one_line(str(data.get("holder", "?")), MAX_HOLDER_CHARS)
-    if isinstance(since, (int, float)) and not isinstance(since, bool) and math.isfinite(since):
+    # Another host's word: only a time a calendar can show (not ms, not year 10000+).
+    if (
+        isinstance(since, (int, float))
+        and not isinstance(since, bool)
+        and math.isfinite(since)
+        and 0 <= since <= MAX_SINCE
+    ):
         return name, float(since)
     return name, None
 
