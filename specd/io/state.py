@@ -412,8 +412,9 @@ def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str
             continue
         if not isinstance(part, dict):
             raise StateFormatError(f"gateway.{name}: expected an object, got {part!r:.40}")
-        if part.get("t") is not None:
-            _time(part["t"], f"gateway.{name}.t", now)
+        for key in ("t", "tried_at", "readded_at"):  # times status shows
+            if part.get(key) is not None:
+                _time(part[key], f"gateway.{name}.{key}", now)
         duration = part.get("duration_s")
         if duration is not None and not _is_number(duration):
             raise StateFormatError(f"gateway.{name}.duration_s: expected a number")
