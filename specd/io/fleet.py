@@ -111,10 +111,11 @@ class EtcdClient:
 
     One call has one deadline (``timeout_s``) over all its endpoints, body reads included;
     an endpoint that cannot be reached, times out, answers 5xx or garbage gives way to the
-    next. ``on_error(kind)`` is called once per failed call. ``beat()`` before each request
-    and with each piece of an answer: the few calls of one try for a slot, each up to its
-    timeout, still show the daemon's loop alive (its watchdog heartbeat is sent at most
-    every half period, so a gap of 4 calls of 10 s could outlast it)."""
+    next, and goes to the end of the order for the calls after. ``on_error(kind)`` is
+    called once per failed call. ``beat()`` before each request and with each piece of an
+    answer: the few calls of one try for a slot, each up to its timeout, still show the
+    daemon's loop alive (its watchdog heartbeat is sent at most every half period, so a gap
+    of 4 calls of 10 s could outlast it)."""
 
     def __init__(
         self,
@@ -149,15 +150,21 @@ class EtcdClient:
         that are an answer, not an error (raised, but not counted)."""
         deadline = time.monotonic() + self.timeout_s
         problems: list[FleetUnavailable] = []
-        for endpoint in self.endpoints:
+        for endpoint in list(self.endpoints):
             if time.monotonic() >= deadline and problems:
                 break
             try:
-                return self._call_one(endpoint, path, body, deadline)
+                answer = self._call_one(endpoint, path, body, deadline)
             except FleetUnavailable as exc:
                 problems.append(exc)
                 if exc.status is not None and 400 <= exc.status < 500:
                     break  # etcd refused the request itself: another member would too
+                # Asked last from now on: a member that hangs (its host down, SYNs dropped)
+                # would take each call's whole deadline before the others were asked.
+                self.endpoints.remove(endpoint)
+                self.endpoints.append(endpoint)
+                continue
+            return answer
         last = problems[-1]
         tried = f"{len(problems)} of {len(self.endpoints)} etcd endpoints"
         error = FleetUnavailable(last.kind, f"{last} ({tried} tried)", last.status)

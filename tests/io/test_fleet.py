@@ -297,6 +297,40 @@ def test_a_dead_first_endpoint_gives_way_to_the_next(etcd: EtcdProcess) -> None:
     assert fleet.release(slot) is None
 
 
+class Hung(BaseHTTPRequestHandler):
+    """An etcd member that takes requests and never answers (stopped, its disk stalled)."""
+
+    def do_POST(self) -> None:
+        time.sleep(30)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_hung_first_endpoint_costs_one_call_not_every_call(etcd: EtcdProcess) -> None:
+    """Every call tried the endpoints in the configured order under one deadline: a first
+    member that hangs took the whole deadline each time, the healthy ones after it were
+    never asked, and specd made no restart (fleet_unavailable) while etcd had a quorum. The
+    endpoint that last answered is now asked first."""
+    with LoopbackHTTP(Hung) as hung:
+        fleet = Fleet(fleet_settings(hung.url, etcd.url, etcd_timeout_s=1), "a")
+        first = fleet.probe()
+        assert first is not None
+        assert first.startswith(f"etcd {hung.url} POST /v3/kv/range: no answer within 1 s")
+        assert first.endswith("(1 of 2 etcd endpoints tried)")
+        started = time.monotonic()
+        assert fleet.probe() is None
+        slot = take(fleet)
+        assert fleet.check(slot) is None
+        keeper = fleet.keep_alive(slot)
+        time.sleep(TTL_S + 1)  # renewed past a TTL, through the healthy member
+        assert keeper.lost is None
+        keeper.stop()
+        assert fleet.release(slot) is None
+        assert time.monotonic() - started < TTL_S + 4
+        fleet.close()
+
+
 def test_garbage_in_a_slot_key_is_shown_not_trusted(etcd: EtcdProcess) -> None:
     fleet = make_fleet(etcd.url, "a")
     lease = fleet.etcd.grant(TTL_S)
