@@ -50,7 +50,7 @@ from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_s
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.fleet import Fleet, FleetHooks
-from specd.io.gateway import GatewayClient, GatewayWatch
+from specd.io.gateway import IDLE_PROBE_S, GatewayClient, GatewayWatch
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
@@ -129,6 +129,7 @@ class RestartApplier(Protocol):
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome: ...
 
     def reconcile(self, journal_data: Mapping[str, Any] | None) -> ApplyOutcome | None: ...
@@ -138,6 +139,8 @@ class RestartApplier(Protocol):
     def read_stop_timeout(self) -> None: ...
 
     def read_wiring(self) -> str | None: ...
+
+    def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None: ...
 
 
 @dataclass
@@ -279,6 +282,9 @@ class Daemon:
         self._last_saved_at = 0.0
         self._ready_sent = False
         self._in_flight: InFlight | None = None
+        # A worker left out of the gateway: when it was last re-added (_readd_left_out).
+        self._readd_tried_at: float | None = None
+        self._gateway_changed = False  # what status shows of the gateway changed this tick
 
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self, config: Config, client: SGLangReader) -> Applier:
@@ -302,6 +308,7 @@ class Daemon:
             error=lambda kind: m.fleet_etcd_errors.labels(kind=kind).inc(),
             held=lambda held: m.fleet_slot_held.set(1 if held else 0),
             waited=m.fleet_slot_wait.observe,
+            beat=self._heartbeat,
         )
         return Fleet.from_settings(config.fleet, config.sglang.unit, hooks)
 
@@ -316,7 +323,10 @@ class Daemon:
             return None
         return GatewayWatch(
             GatewayClient.from_settings(
-                config.gateway, config.sglang.url, on_error=self._gateway_error
+                config.gateway,
+                config.sglang.url,
+                on_error=self._gateway_error,
+                beat=self._heartbeat,
             )
         )
 
@@ -733,6 +743,7 @@ class Daemon:
         override = self._refresh_override(now)
         calibration, calibration_problem = self.calibration.current()
         self._report_calibration(calibration, calibration_problem)
+        self._readd_left_out(now, result)
         gateway_problem = self._probe_gateway(now, override)
         context = StepContext(
             config=self.config,
@@ -767,31 +778,73 @@ class Daemon:
             self._apply(decision, outcome, override, now)
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
-        # What `specd status` shows must not lag a change of decision by a save interval.
-        self._save_state(force=changed)
+        # What `specd status` shows must not lag a change of decision by a save interval,
+        # nor a worker put back into routing (or tried).
+        self._save_state(force=changed or self._gateway_changed)
+        self._gateway_changed = False
         self.metrics.tick_duration.observe(time.perf_counter() - started)
         return decision
 
     # -- pieces of a tick ---------------------------------------------------------
+    def _readd_left_out(self, now: float, result: Observation | ScrapeError) -> None:
+        """Put back a worker a failed re-add left out of routing (a replica away at the end
+        of a restart): at the first tick (a restart of specd) and then at most once a
+        minute, while SGLang answers, until the gateway routes it again (`_probe_gateway`
+        says so, whoever re-added it)."""
+        kept = (self.state.gateway or {}).get("left_out")
+        if not kept or self.gateway is None:
+            return
+        # Paced in memory, not by the state's tried_at: a specd restarted tries at once.
+        tried_at = self._readd_tried_at
+        if tried_at is not None and 0 <= now - tried_at < IDLE_PROBE_S:
+            return
+        if not isinstance(result, Observation):
+            return  # not put back into routing while SGLang does not answer
+        self._readd_tried_at = now
+        self._gateway_changed = True
+        workers = kept.get("workers")
+        problem = self.applier.readd_left_out(workers if isinstance(workers, list) else [])
+        if problem != kept.get("problem"):  # once per change, not every minute of an outage
+            if problem is None:
+                self.log.info("gateway_worker_readd_accepted", replicas=len(workers or []))
+            else:
+                self.log.error("gateway_worker_left_out", problem=problem)
+        self.state.gateway = {
+            **(self.state.gateway or {}),
+            "left_out": {**kept, "tried_at": now, "problem": problem},
+        }
+
     def _probe_gateway(self, now: float, override: Override | None) -> str | None:
         """Can the gateway drain this server? Asked every tick while specd may restart (a
-        window open, a change pending, a pin); the applier asks again before draining."""
+        window open, a change pending, a pin) or a worker is left out; the applier asks
+        again before draining."""
         if self.gateway is None:
             # No gateway (a reload may have removed it): no replica to leave this server out.
             # A count kept from before kept SpecdWorkerLeftOutOfGateway firing for good.
             self.metrics.gateway_worker_not_ready.set(float("nan"))
             return None
         d = self.last_decision
+        left_out = (self.state.gateway or {}).get("left_out")
         needed = (
             windows.is_open(self.config.windows, utc(now))
             or (override is not None and override.mode == "pin")
             or (d is not None and d.target_steps is not None and d.target_steps != self.live_steps)
+            or bool(left_out)
         )
         before = (self.gateway.last or {}).get("problem")
         problem = self.gateway.check(now, needed)
         last = self.gateway.last or {}
         self.state.gateway = {**(self.state.gateway or {}), "probe": last}
         not_ready = last.get("not_ready_replicas")
+        if left_out and problem is None and not_ready == 0:
+            # Every replica routes it again (specd's re-add, or one by hand).
+            gateway = dict(self.state.gateway)
+            del gateway["left_out"]
+            if isinstance(gateway.get("last_drain"), dict):
+                gateway["last_drain"] = {**gateway["last_drain"], "readded_at": now}
+            self.state.gateway = gateway
+            self._gateway_changed = True
+            self.log.info("gateway_worker_readded", replicas=last.get("replicas"))
         self.metrics.gateway_worker_not_ready.set(
             float(not_ready) if isinstance(not_ready, int) else float("nan")
         )
@@ -1099,6 +1152,23 @@ class Daemon:
         """The longest one restart takes: the unit's stop timeout plus the start."""
         return self.applier.stop_timeout_s() + self.config.choose.restart_cost_s
 
+    def _freeze_written(self) -> str | None:
+        """Asked by the restart sequence's waits (a fleet slot, a quiet moment, a drain: up
+        to half an hour with the tick blocked): an on-call freeze written since the change
+        began ends it before the restart. The file only read, as the next tick reads it."""
+        config = self.config
+        status = read_override(
+            Path(config.files.override_file),
+            config.choose.min_steps,
+            config.choose.max_steps,
+            utc(self.clock()),
+            allowed_uids=self.allowed_override_uids,
+        )
+        found = status.override if status.valid else None
+        if found is None or found.mode != "freeze" or not found.active(utc(self.clock())):
+            return None
+        return f"an override freezes specd now ({found.reason or 'no reason given'})"
+
     def _window_open(self) -> bool:
         """Open, with time left for one whole restart (the quiet wait ends before that)."""
         left = window_left_s(self.config, utc(self.clock()))
@@ -1141,6 +1211,7 @@ class Daemon:
                 live,
                 window_open=self._window_open,
                 force=force,
+                cancelled=self._freeze_written,
             )
             # Still in flight for a stop: the outcome's save ends the sequence.
             self._record_outcome(applied, self._now())
@@ -1220,9 +1291,26 @@ class Daemon:
             m.drain_duration.observe(float(drain["duration_s"]))
         if drain["in_flight_at_restart"] is not None:
             m.requests_in_flight_at_restart.set(drain["in_flight_at_restart"])
-        self.state.gateway = {**(self.state.gateway or {}), "last_drain": {"t": now, **drain}}
+        record = {k: v for k, v in drain.items() if k != "left_out"}
+        gateway = {**(self.state.gateway or {}), "last_drain": {"t": now, **record}}
         if drain["readd_problem"] is not None:
             self.log.error("gateway_worker_left_out", problem=drain["readd_problem"])
+        left_out = [w for w in drain.get("left_out") or [] if isinstance(w, dict)]
+        if left_out:
+            # Kept past the journal: re-added from the next tick on (_readd_left_out). One
+            # entry per replica, this drain's over an older one's.
+            kept = gateway.get("left_out") or {}
+            older = [w for w in kept.get("workers") or [] if isinstance(w, dict)]
+            mine = {w.get("gateway_url") for w in left_out}
+            workers = [w for w in older if w.get("gateway_url") not in mine] + left_out
+            gateway["left_out"] = {
+                "t": kept.get("t", now),
+                "workers": workers,
+                "tried_at": now,
+                "problem": drain["readd_problem"],
+            }
+            self._readd_tried_at = now
+        self.state.gateway = gateway
 
     def _check_unfreeze_request(self, now: float) -> None:
         path = Path(self.config.files.state_dir) / UNFREEZE_REQUEST

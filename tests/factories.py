@@ -8,11 +8,13 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -408,3 +410,37 @@ def run_mains(main: str, argvs: list[list[str]]) -> list[tuple[object, str, str,
     results = json.loads(proc.stdout.splitlines()[-1])
     assert len(results) == len(argvs)
     return [tuple(r) for r in results]
+
+
+@dataclass
+class NotifySocket:
+    """A real AF_UNIX SOCK_DGRAM socket as systemd's NOTIFY_SOCKET; records every message."""
+
+    path: Path
+    messages: list[tuple[float, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode(errors="replace")))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+    def times(self, line: str) -> list[float]:
+        return [t for t, m in self.messages if line in m.split("\n")]

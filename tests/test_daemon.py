@@ -92,6 +92,7 @@ class Applier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         was = format_setting(current) if current is not None else None
         self.calls.append((format_setting(target), was))
@@ -118,6 +119,9 @@ class Applier:
 
     def read_wiring(self) -> str | None:
         return self._static_only
+
+    def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
+        return None
 
 
 def config(tmp_path: Path, **extra: Any) -> Config:

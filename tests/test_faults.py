@@ -12,6 +12,7 @@ tests/test_apply.py.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -29,7 +30,18 @@ from typing import Any
 import httpx
 import pytest
 import tomli_w
-from factories import Killed, SmgGateway, StreamingLoad, make_observation, mounted_tmpfs, tables
+from factories import (
+    EtcdProcess,
+    Killed,
+    LoopbackHTTP,
+    NotifySocket,
+    QuietHandler,
+    SmgGateway,
+    StreamingLoad,
+    make_observation,
+    mounted_tmpfs,
+    tables,
+)
 from pages import page_server
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
@@ -40,6 +52,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.daemon import STATE_SAVE_INTERVAL_S, UNFREEZE_REQUEST, Daemon
 from specd.io.config import Config, Window
+from specd.io.fleet import Fleet
 from specd.io.gateway import GatewayClient
 from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
@@ -611,6 +624,290 @@ def test_a_specd_killed_while_drained_readds_the_worker_at_its_next_start(
             )
             == 0
         )
+
+
+class FreezesTheGatewayOnRestart:
+    """Runs the unit's commands; as SGLang restarts the gateway replica stops answering
+    (SIGSTOP: a host that hangs, a network blip) and is still away at the re-add."""
+
+    def __init__(self, clock: Clock, unit: TwinUnitRunner, gateway: SmgGateway) -> None:
+        self.inner = RecordingRunner(clock, unit)
+        self.gateway = gateway
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if "restart" in argv:
+            os.kill(self.gateway.proc.pid, signal.SIGSTOP)
+        return self.inner(argv, timeout_s=timeout_s)
+
+
+def wait_for_status(gateway_url: str, worker_url: str, wanted: str | None) -> None:
+    end = time.monotonic() + 30
+    while (now := worker_status(gateway_url, worker_url)) != wanted:
+        assert time.monotonic() < end, f"worker {now}, not {wanted}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["next-minute", "specd-restarted"])
+def test_a_worker_a_failed_readd_left_out_is_put_back_once_the_gateway_answers(
+    tmp_path: Path, restarted: bool
+) -> None:
+    """The re-add after a restart failed (the replica away): the journal that named the
+    drained worker is cleared with the outcome, so nothing put it back and the fleet served a
+    server short until someone re-added it by hand (restarting specd, as the alert's runbook
+    said, did nothing). specd now keeps it and re-adds it, each minute and at its start."""
+    with gateway_fleet(tmp_path) as (unit, gateway, config):
+        clock = Clock(INSIDE)
+        daemon = make_daemon(config, FreezesTheGatewayOnRestart(clock, unit, gateway), clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        try:
+            daemon.tick()
+        finally:
+            os.kill(gateway.proc.pid, signal.SIGCONT)
+        assert unit.restarted_to == [4]
+        assert [r["result"] for r in daemon.state.restarts] == ["success"]
+        last = daemon.state.gateway["last_drain"] if daemon.state.gateway else {}
+        assert "no answer within 2 s" in last["readd_problem"]
+        shown = status_text(config, clock.now)
+        assert "WORKER LEFT OUT: re-adding the worker failed on 1 of 1 replicas" in shown
+        assert "left out       worker out of routing on 1 replica(s) since " in shown
+        # Back, the replica runs the removal it had queued: out of routing for good.
+        wait_for_status(gateway.url, unit.url, None)
+
+        clock.now += GATEWAY_SCRAPE_S
+        if restarted:
+            daemon = make_daemon(config, RecordingRunner(clock, unit), clock)
+        else:
+            daemon.tick()  # within the minute: not tried again yet
+            assert worker_status(gateway.url, unit.url) is None
+            clock.now += 60
+        with capture_logs() as logs:
+            daemon.tick()
+        assert [e["event"] for e in logs if "gateway_worker" in e["event"]] == [
+            "gateway_worker_readd_accepted"
+        ]
+        wait_for_status(gateway.url, unit.url, "ready")
+        clock.now += GATEWAY_SCRAPE_S
+        daemon.tick()  # the probe sees it routed again
+        assert daemon.state.gateway is not None
+        assert "left_out" not in daemon.state.gateway
+        assert sample(daemon, "specd_gateway_worker_not_ready_replicas") == 0
+        shown = status_text(config, clock.now)
+        assert "WORKER LEFT OUT" not in shown
+        assert "left out  " not in shown
+        assert "; worker left out, routed again " in shown
+        assert unit.restarted_to == [4]  # put back, never restarted again
+
+
+# ---- the watchdog while the gateway or etcd takes its whole timeouts ---------------------
+
+# A short watchdog: the daemon pings at most every half of it (the notifier's rate limit).
+WATCHDOG_S = 2.0
+
+
+def watched_daemon(
+    config: Config,
+    runner: Runner,
+    clock: Clock,
+    notify: NotifySocket,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Daemon:
+    """The daemon as systemd runs it with WatchdogSec=, pinging a real NOTIFY_SOCKET."""
+    monkeypatch.setenv("NOTIFY_SOCKET", str(notify.path))
+    environ = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}
+    return Daemon(
+        config,
+        None,
+        registry=CollectorRegistry(),
+        runner=runner,
+        clock=clock,
+        notifier=Notifier(environ=environ),
+    )
+
+
+def longest_silence(notify: NotifySocket, start: float, end: float) -> float:
+    """The longest time between two WATCHDOG=1 from ``start`` to ``end`` (monotonic)."""
+    times = [start, *(t for t in notify.times("WATCHDOG=1") if start < t < end), end]
+    return max(b - a for a, b in itertools.pairwise(times))
+
+
+class Slow(QuietHandler):
+    """A gateway replica that answers just within request_timeout_s (a loaded one)."""
+
+    delay_s = 0.5
+
+    def do_GET(self) -> None:
+        time.sleep(self.delay_s)
+        self.send_body(200, b'{"workers": []}', "application/json")
+
+
+def test_the_watchdog_is_fed_while_every_gateway_replica_answers_slowly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each replica a tick asks may take up to its request_timeout_s: with many replicas
+    (or a long timeout) the tick outlasted WatchdogSec= and systemd killed specd, again at
+    each tick while the gateway was slow (and, past the unit's start limit, for good)."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    replicas = [LoopbackHTTP(Slow) for _ in range(5)]
+    try:
+        with TwinProcess(twin_argv(3)) as twin:
+            twin.wait_healthy()
+            config = make_config(
+                tmp_path,
+                int(twin.url.rsplit(":", 1)[1]),
+                urls=[r.url for r in replicas],
+                request_timeout_s=0.6,
+            )
+            clock = Clock(INSIDE)
+            daemon = watched_daemon(config, RecordingRunner(clock), clock, notify, monkeypatch)
+            daemon.state.history = wanting(config, 4, clock.now)
+            daemon.notifier.beat()
+            started = time.monotonic()
+            decision = daemon.tick()
+            ended = time.monotonic()
+    finally:
+        for replica in replicas:
+            replica.close()
+        notify.close()
+    assert decision.reason is Reason.DRAIN_UNAVAILABLE, decision
+    assert "no gateway replica lists worker" in decision.message
+    assert ended - started >= 5 * Slow.delay_s
+    assert longest_silence(notify, started, ended) < WATCHDOG_S
+
+
+class SlowEtcd(QuietHandler):
+    """A real etcd behind a proxy that answers each call late (a loaded etcd, disk stalls)."""
+
+    upstream = ""
+    delay_s = 0.8
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        time.sleep(self.delay_s)
+        answer = httpx.post(self.upstream + self.path, content=body, timeout=5)
+        self.send_body(answer.status_code, answer.content, "application/json")
+
+
+class NotesTheRestart:
+    """The unit's commands; notes when `systemctl restart` goes out."""
+
+    def __init__(self, clock: Clock, unit: TwinUnitRunner) -> None:
+        self.inner = RecordingRunner(clock, unit)
+        self.restart_at: float | None = None
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if "restart" in argv and self.restart_at is None:
+            self.restart_at = time.monotonic()
+        return self.inner(argv, timeout_s=timeout_s)
+
+
+def test_the_watchdog_is_fed_while_a_slow_etcd_hands_out_a_slot(
+    tmp_path: Path, etcd: EtcdProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A try for a slot is a few etcd calls in a row (range, lease grant, txn), each up to
+    etcd_timeout_s (10 s allowed, "well inside specd's watchdog"): with the heartbeat sent
+    at most every half period, a slow etcd outlasted WatchdogSec= and systemd killed specd
+    while it took its turn."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+
+    class Proxy(SlowEtcd):
+        upstream = etcd.url
+
+    port = free_port()
+    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN])
+    try:
+        with LoopbackHTTP(Proxy) as proxy:
+            unit.start().wait_healthy()
+            config = make_config(
+                tmp_path, port, etcd_endpoints=[proxy.url], group="g", etcd_timeout_s=3
+            )
+            clock = Clock(INSIDE)
+            runner = NotesTheRestart(clock, unit)
+            daemon = watched_daemon(config, runner, clock, notify, monkeypatch)
+            daemon.state.history = wanting(config, 4, clock.now)
+            daemon.notifier.beat()
+            started = time.monotonic()
+            decision = daemon.tick()
+    finally:
+        unit.stop()
+        notify.close()
+    assert decision.reason is Reason.CHANGE, decision
+    assert [r["result"] for r in daemon.state.restarts] == ["success"]
+    assert runner.restart_at is not None
+    # From the tick's start to the restart: etcd's probe, the try for a slot, the check.
+    assert runner.restart_at - started >= 5 * SlowEtcd.delay_s
+    assert longest_silence(notify, started, runner.restart_at) < WATCHDOG_S
+
+
+class RaceForTheSlot:
+    """The unit's commands; at the first (the change has begun, etcd said a slot was free)
+    another server takes the group's only slot, gives it back ``hold_s`` later, and the
+    on-call freezes specd meanwhile."""
+
+    def __init__(
+        self, clock: Clock, unit: TwinUnitRunner, other: Fleet, freeze: Path, hold_s: float
+    ) -> None:
+        self.inner = RecordingRunner(clock, unit)
+        self.other, self.freeze, self.hold_s = other, freeze, hold_s
+        self.raced = False
+        self.release = threading.Timer(hold_s, lambda: None)
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if not self.raced:
+            self.raced = True
+            slot = self.other.try_acquire()
+            assert slot is not None
+            self.release = threading.Timer(self.hold_s, self.other.release, args=(slot,))
+            self.release.start()
+            override = {"mode": "freeze", "expires_at": datetime.now(timezone.utc).replace(
+                year=2100), "reason": "incident 4711"}  # fmt: skip
+            self.freeze.write_text(tomli_w.dumps(override))
+            os.chmod(self.freeze, 0o600)
+        return self.inner(argv, timeout_s=timeout_s)
+
+
+def test_an_oncall_freeze_written_while_specd_waits_for_a_fleet_slot_stops_the_restart(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """A change that lost the race for the group's slot waits for it (up to slot_wait_max_s,
+    half an hour by default), its tick blocked: a freeze the on-call wrote meanwhile was never
+    read, and SGLang was restarted once the slot freed. The wait now gives up on a freeze."""
+    port = free_port()
+    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN])
+    try:
+        unit.start().wait_healthy()
+        config = make_config(
+            tmp_path,
+            port,
+            etcd_endpoints=[etcd.url],
+            group="g",
+            slot_poll_interval_s=0.2,
+        )
+        assert config.fleet is not None
+        other = Fleet(config.fleet, "box-b")
+        clock = Clock(INSIDE)
+        freeze = Path(config.files.override_file)
+        runner = RaceForTheSlot(clock, unit, other, freeze, hold_s=2.0)
+        daemon = make_daemon(config, runner, clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        started = time.monotonic()
+        with capture_logs() as logs:
+            decision = daemon.tick()
+        took = time.monotonic() - started
+    finally:
+        unit.stop()
+    assert runner.raced
+    assert decision.reason is Reason.CHANGE, decision
+    assert unit.restarted_to == []
+    assert daemon.state.restarts == []
+    [aborted] = [e for e in events(logs, "restart_aborted") if "result" in e]  # the daemon's
+    assert aborted["message"] == (
+        "an override freezes specd now (incident 4711) while waiting 0 s for a fleet slot "
+        "(all 1 slot(s) of fleet group g busy); nothing was restarted"
+    )
+    assert took < 2.0  # given up at the next poll, not once the slot freed
+    assert [h.name for h in other.holders()] == ["box-b"]  # never box-a's
+    runner.release.join()
+    assert daemon.tick().reason is Reason.FROZEN
 
 
 # ---- state directory faults, at start and while running ------------------------------

@@ -22,16 +22,15 @@ import asyncio
 import itertools
 import os
 import signal
-import socket
 import statistics
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
+from factories import NotifySocket
 from test_faults import (
     UNIT,
     StandIn,
@@ -59,40 +58,6 @@ RSS_BOUND_KIB = 8 * 1024
 FD_BOUND = 4
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass
-class NotifySocket:
-    """A real AF_UNIX SOCK_DGRAM socket as systemd's NOTIFY_SOCKET; records every message."""
-
-    path: Path
-    messages: list[tuple[float, str]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(self.path))
-        self.sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.messages.append((time.monotonic(), data.decode(errors="replace")))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self.sock.close()
-
-    def times(self, line: str) -> list[float]:
-        return [t for t, m in self.messages if line in m.split("\n")]
 
 
 def fd_floors(samples: list[tuple[float, int, int]], period_s: float) -> list[int]:

@@ -396,6 +396,7 @@ def _gateway_info(config: Config, state: State) -> dict[str, Any] | None:
         "probe": kept.get("probe"),
         "last_drain": kept.get("last_drain"),
         "drained_now": [w.get("gateway_url") for w in drained or [] if isinstance(w, dict)],
+        "left_out": kept.get("left_out"),
     }
 
 
@@ -426,9 +427,20 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
         )
         if drain.get("in_flight_at_restart") is not None:
             what += f", {drain['in_flight_at_restart']} in flight at the restart"
-        if drain.get("readd_problem"):
+        if drain.get("readd_problem") and drain.get("readded_at") is not None:
+            what += f"; worker left out, routed again {when_text(drain['readded_at'], now)}"
+        elif drain.get("readd_problem"):
             what += f"; WORKER LEFT OUT: {drain['readd_problem']}"
         lines.append(f"last drain     {what} ({when_text(drain.get('t'), now)})")
+    left_out = gateway.get("left_out")
+    if isinstance(left_out, dict):
+        replicas = len(left_out.get("workers") or [])
+        tried = left_out.get("problem") or "the gateway took it, not routed as ready yet"
+        lines.append(
+            f"left out       worker out of routing on {replicas} replica(s) since "
+            f"{when_text(left_out.get('t'), now)}: specd re-adds it each minute while SGLang "
+            f"answers (last try {when_text(left_out.get('tried_at'), now)}: {tried})"
+        )
     return lines
 
 

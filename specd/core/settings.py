@@ -514,7 +514,8 @@ class FleetSettings(BaseModel):
         min_length=1,
         max_length=16,
         description="Base URL of each etcd member's client API (its v3 JSON gateway), e.g. "
-        "['http://10.0.0.5:2379']; tried in order; at most 16.",
+        "['http://10.0.0.5:2379']; tried in order, one that fails tried last after; at "
+        "most 16.",
     )
     group: str = Field(
         description="The servers that share slots: the same name on every specd of a fleet "

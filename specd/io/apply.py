@@ -635,7 +635,8 @@ class ApplyOutcome:
     from_setting: str | None = None
     to_setting: str | None = None
     # With a gateway: {result (DRAIN_RESULTS; None for a re-add after specd restarted),
-    # duration_s, in_flight_at_restart, replicas, readd_problem}; None: nothing drained.
+    # duration_s, in_flight_at_restart, replicas, readd_problem, left_out (the drained
+    # workers, Worker.to_dict, a failed re-add did not put back)}; None: nothing drained.
     drain: dict[str, Any] | None = None
     # Of restarts_issued, those that started no SGLang (Journal.not_started).
     not_started: int = 0
@@ -768,8 +769,10 @@ class Applier:
                 pause=self._pause,
                 on_error=on_gateway_error,
                 poll_s=health_poll_interval_s,
+                beat=self._beat,
             )
         self._drain_report: dict[str, Any] | None = None
+        self._cancelled: Callable[[], str | None] = lambda: None
 
     @classmethod
     def from_settings(
@@ -804,6 +807,7 @@ class Applier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         """Change SGLang to ``target`` steps (static); ``apply_setting`` of ``static(target)``.
         ``current`` 0 is no drafting (off); None is unknown."""
@@ -817,7 +821,11 @@ class Applier:
                 to_steps=target,
             )
         return self.apply_setting(
-            wanted, setting_of_steps(current), window_open=window_open, force=force
+            wanted,
+            setting_of_steps(current),
+            window_open=window_open,
+            force=force,
+            cancelled=cancelled,
         )
 
     def apply_setting(
@@ -827,12 +835,16 @@ class Applier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         """Change SGLang to ``target`` (off, static K or adaptive). ``force`` ignores the
-        window (override now). ``current`` None: what SGLang runs is unknown."""
+        window (override now). ``current`` None: what SGLang runs is unknown.
+        ``cancelled()``: why the change is no longer wanted (an on-call freeze written
+        since it began), asked by every wait before the restart, force or not."""
         self._restart_started = None
         self._journal = None
         self._drain_report = None
+        self._cancelled = cancelled or (lambda: None)
         try:
             outcome = self._apply(target, current, window_open, force)
         except Exception as exc:  # a bug must still leave SGLang and the env file consistent
@@ -1057,7 +1069,7 @@ class Applier:
 
     # -- forward --------------------------------------------------------------------
     def _forward(self, journal: Journal, previous: bytes | None, new_env: bytes) -> ApplyOutcome:
-        lost = self._slot_lost()
+        lost = self._slot_lost() or self._cancelled()
         if lost is not None:
             return self._finish(journal, "aborted", f"{lost}; nothing was restarted")
         target = journal.target()
@@ -1334,6 +1346,9 @@ class Applier:
         while True:
             if self._stop.is_set():
                 return "stop requested while waiting for a quiet moment"
+            cancelled = self._cancelled()
+            if cancelled is not None:
+                return f"{cancelled} while waiting for a quiet moment"
             if not force and not window_open():
                 return f"window closed while waiting for a quiet moment ({last})"
             obs = self.client.observe()
@@ -1438,6 +1453,10 @@ class Applier:
             return timeout
         # The last probe may not overrun the deadline by a whole probe timeout.
         return max(0.5, min(timeout, deadline - self._mono()))
+
+    def _beat(self) -> None:
+        # A wait of no time on the daemon's stop event is its heartbeat.
+        self._stop.wait(0)
 
     def _pause(self, seconds: float) -> None:
         end = self._mono() + seconds
@@ -1790,7 +1809,7 @@ class Applier:
         assert self.fleet is not None
 
         def closed() -> str | None:
-            return None if force or window_open() else "window closed"
+            return self._cancelled() or (None if force or window_open() else "window closed")
 
         try:
             slot, why = self.fleet.acquire(self._stop, closed)
@@ -1884,6 +1903,7 @@ class Applier:
             "in_flight_at_restart": None,
             "replicas": 0,
             "readd_problem": None,
+            "left_out": [],
         }
         self._drain_report = report
         try:
@@ -1926,6 +1946,9 @@ class Applier:
         while True:
             if self._stop.is_set():
                 return "aborted", "stop requested while draining", None
+            cancelled = self._cancelled()
+            if cancelled is not None:
+                return "aborted", f"{cancelled} while draining", None
             if not force and not window_open():
                 return "aborted", f"window closed while draining ({last})", None
             obs = self.client.observe()
@@ -1951,6 +1974,7 @@ class Applier:
             return None
         gateway, settings = self.gateway, self.gateway_settings
         problem: str | None = None
+        left_out: list[Worker] = []
         if gateway is None or settings is None:
             problem = (
                 f"{len(journal.drained)} drained gateway worker(s) in the journal but no "
@@ -1958,17 +1982,27 @@ class Applier:
             )
         else:
             workers = [Worker.from_dict(w) for w in journal.drained]
+            problems = []
+            # Replica by replica: one away does not keep the worker out of the others.
+            failed = gateway.readd(workers, settings.ready_timeout_s)
+            if failed:
+                problems.append(_readd_failed(failed, len(workers)))
+                left_out += [w for w, _ in failed]
+            failed_at = {w.gateway_url for w, _ in failed}
+            back = [w for w in workers if w.gateway_url not in failed_at]
             try:
-                gateway.readd(workers, settings.ready_timeout_s)
-                if not gateway.wait_ready(
-                    settings.ready_timeout_s, [w.gateway_url for w in workers]
+                if back and not gateway.wait_ready(
+                    settings.ready_timeout_s, [w.gateway_url for w in back]
                 ):
-                    problem = (
+                    problems.append(
                         f"worker re-added but not ready on every gateway replica within "
                         f"{settings.ready_timeout_s:g} s"
                     )
+                    left_out += back
             except GatewayUnavailable as exc:
-                problem = f"re-adding the worker failed: {exc}"
+                problems.append(f"waiting for the re-added worker failed: {exc}")
+                left_out += back
+            problem = "; ".join(problems) or None
         journal.readded = True
         journal.note(problem or f"worker re-added, ready on {len(journal.drained)} replicas")
         if problem is not None:
@@ -1981,10 +2015,37 @@ class Applier:
                 "in_flight_at_restart": None,
                 "replicas": len(journal.drained),
                 "readd_problem": None,
+                "left_out": [],
             }
         self._drain_report["readd_problem"] = problem
+        # What the daemon keeps re-adding once the journal is cleared (readd_left_out).
+        self._drain_report["left_out"] = [w.to_dict() for w in left_out]
         self._persist(journal)
         return problem
+
+    def readd_left_out(self, drained: Sequence[Mapping[str, Any]]) -> str | None:
+        """One more try to put back workers an earlier re-add left out (``left_out`` of a
+        drain report), on the replicas still configured; a replica that lists the worker
+        again is left alone. Bounded by one call's timeout per replica (a draining entry is
+        waited for that long): a try made between ticks must not hold up the loop. Returns
+        the problem, or None when every replica took it back (ready is for the gateway
+        probe to see)."""
+        gateway, settings = self.gateway, self.gateway_settings
+        if gateway is None or settings is None:
+            return "no [gateway] configured: re-add the worker by hand"
+        try:
+            workers = [Worker.from_dict(w) for w in drained]
+        except ValueError as exc:
+            return f"cannot re-add: {exc}"
+        workers = [w for w in workers if w.gateway_url in gateway.gateways]
+        failed = gateway.readd(workers, settings.request_timeout_s)
+        return _readd_failed(failed, len(workers)) if failed else None
+
+
+def _readd_failed(failed: Sequence[tuple[Worker, str]], of: int) -> str:
+    return f"re-adding the worker failed on {len(failed)} of {of} replicas: " + "; ".join(
+        why for _, why in failed
+    )
 
 
 def _limit_text(limit: StartLimit) -> str:

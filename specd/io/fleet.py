@@ -3,12 +3,12 @@
 Slot ``i`` of group ``g`` is the key ``/specd/g/slots/i``. Taking it is one transaction that
 puts the key, attached to a fresh lease, only if the key does not exist (its
 ``create_revision`` is 0), so two specds can never both hold it. While the restart runs a
-``LeaseKeeper`` thread renews the lease every third of its TTL; the applier checks the key is
-still on the lease right before the restart (a specd cut off from etcd for a TTL has lost
-its slot and must not restart: no split brain), and releases it (revokes the lease, which
-deletes the key) once SGLang is verified or rolled back. A specd that dies, even by SIGKILL,
-stops renewing: etcd deletes the key one TTL later and the next server may go. The key's
-value says who holds it (JSON: holder, since) for ``specd status``.
+``LeaseKeeper`` thread renews the lease at once, then every third of its TTL; the applier
+checks the key is still on the lease right before the restart (a specd cut off from etcd
+for a TTL has lost its slot and must not restart: no split brain), and releases it
+(revokes the lease, which deletes the key) once SGLang is verified or rolled back. A specd
+that dies, even by SIGKILL, stops renewing: etcd deletes the key one TTL later and the next
+server may go. The key's value says who holds it (JSON: holder, since) for ``specd status``.
 
 Client: etcd's v3 JSON gateway (grpc-gateway, served on the client port since etcd 3.3;
 3.4.23 here), spoken with httpx, specd's HTTP client already. Chosen over ``etcd3gw``
@@ -49,6 +49,8 @@ KEY_PREFIX = "/specd"
 # An etcd answer to these calls is a few hundred bytes; a range over 64 slots a few KB.
 MAX_ANSWER_BYTES = 1024 * 1024
 MAX_HOLDER_CHARS = 200
+# 9999-12-31T23:59:59Z: the last second a datetime (and `specd status`) can show.
+MAX_SINCE = 253402300799
 # Bounded labels of specd_fleet_etcd_errors_total.
 ERROR_KINDS = ("connect", "timeout", "http", "protocol", "lost")
 
@@ -109,7 +111,11 @@ class EtcdClient:
 
     One call has one deadline (``timeout_s``) over all its endpoints, body reads included;
     an endpoint that cannot be reached, times out, answers 5xx or garbage gives way to the
-    next. ``on_error(kind)`` is called once per failed call."""
+    next, and goes to the end of the order for the calls after. ``on_error(kind)`` is
+    called once per failed call. ``beat()`` before each request and with each piece of an
+    answer: the few calls of one try for a slot, each up to its timeout, still show the
+    daemon's loop alive (its watchdog heartbeat is sent at most every half period, so a gap
+    of 4 calls of 10 s could outlast it)."""
 
     def __init__(
         self,
@@ -117,12 +123,14 @@ class EtcdClient:
         timeout_s: float,
         *,
         on_error: Callable[[str], None] | None = None,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is needed")
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         self._on_error = on_error
+        self._beat = beat or (lambda: None)
         # trust_env=False: an HTTP(S)_PROXY meant for the internet must not capture etcd.
         self._http = httpx.Client(
             timeout=timeout_s,
@@ -142,15 +150,21 @@ class EtcdClient:
         that are an answer, not an error (raised, but not counted)."""
         deadline = time.monotonic() + self.timeout_s
         problems: list[FleetUnavailable] = []
-        for endpoint in self.endpoints:
+        for endpoint in list(self.endpoints):
             if time.monotonic() >= deadline and problems:
                 break
             try:
-                return self._call_one(endpoint, path, body, deadline)
+                answer = self._call_one(endpoint, path, body, deadline)
             except FleetUnavailable as exc:
                 problems.append(exc)
                 if exc.status is not None and 400 <= exc.status < 500:
                     break  # etcd refused the request itself: another member would too
+                # Asked last from now on: a member that hangs (its host down, SYNs dropped)
+                # would take each call's whole deadline before the others were asked.
+                self.endpoints.remove(endpoint)
+                self.endpoints.append(endpoint)
+                continue
+            return answer
         last = problems[-1]
         tried = f"{len(problems)} of {len(self.endpoints)} etcd endpoints"
         error = FleetUnavailable(last.kind, f"{last} ({tried} tried)", last.status)
@@ -172,6 +186,7 @@ class EtcdClient:
         self, endpoint: str, path: str, body: Mapping[str, Any], deadline: float
     ) -> Mapping[str, Any]:
         where = f"etcd {endpoint} POST {path}"
+        self._beat()
         left = max(0.05, deadline - time.monotonic())
         try:
             with (
@@ -206,14 +221,14 @@ class EtcdClient:
             raise FleetUnavailable("protocol", f"{where}: answer is not a JSON object")
         return data
 
-    @staticmethod
-    def _read(resp: httpx.Response, where: str, deadline: float) -> bytes:
+    def _read(self, resp: httpx.Response, where: str, deadline: float) -> bytes:
         declared = resp.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
             raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
         chunks: list[bytes] = []
         size = 0
         for chunk in resp.iter_bytes():
+            self._beat()
             size += len(chunk)
             if size > MAX_ANSWER_BYTES:
                 raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
@@ -379,6 +394,9 @@ class FleetHooks:
     error: Callable[[str], None] = field(default=lambda kind: None)
     held: Callable[[bool], None] = field(default=lambda held: None)
     waited: Callable[[float], None] = field(default=lambda seconds: None)
+    # The daemon loop's heartbeat, called around etcd requests made by the loop's own
+    # thread (never by the lease keeper's: the watchdog must see the loop stuck).
+    beat: Callable[[], None] = field(default=lambda: None)
 
 
 class Fleet:
@@ -399,7 +417,10 @@ class Fleet:
         self.holder = holder[:MAX_HOLDER_CHARS]
         self.hooks = hooks or FleetHooks()
         self.etcd = EtcdClient(
-            settings.etcd_endpoints, settings.etcd_timeout_s, on_error=self.hooks.error
+            settings.etcd_endpoints,
+            settings.etcd_timeout_s,
+            on_error=self.hooks.error,
+            beat=self.hooks.beat,
         )
         self._clock = clock
         self._mono = monotonic
@@ -418,7 +439,7 @@ class Fleet:
     # -- reading ----------------------------------------------------------------------
     def holders(self) -> list[Holder]:
         """Every slot key of the group, by slot (also slots beyond ``slots``, held by a
-        specd configured with more: they are shown, never taken)."""
+        specd configured with more: they are shown and counted, never taken)."""
         prefix = slot_prefix(self.group)
         found: list[Holder] = []
         for key, value, lease in self.etcd.range_prefix(prefix):
@@ -434,23 +455,32 @@ class Fleet:
         """Why this specd could not take a slot now (one line), or None: etcd answers and
         a slot is free."""
         try:
-            held = [h for h in self.holders() if h.slot < self.slots]
+            held = self.holders()
         except FleetUnavailable as exc:
             return str(exc)
-        if len(held) < self.slots:
+        if self._free(held) is not None:
             return None
-        return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(held)
+        return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(
+            held, self.slots
+        )
+
+    def _free(self, held: list[Holder]) -> int | None:
+        """The slot to take, or None. Every holder counts against this specd's ``slots``,
+        also one beyond them (a specd of the group configured with more, as while `slots`
+        is raised host by host): at most ``slots`` restart at once, as this config says."""
+        taken = {h.slot for h in held}
+        if len(taken) >= self.slots:
+            return None
+        return next((i for i in range(self.slots) if i not in taken), None)
 
     # -- taking, keeping, releasing ---------------------------------------------------
     def try_acquire(self) -> Slot | None:
         """Take a free slot now, or None when all are held (or another specd took the one
         tried first: the next try sees it). At most four etcd requests, so one try stays
         inside the watchdog whatever etcd does."""
-        held = {h.slot for h in self.holders()}
-        free = [i for i in range(self.slots) if i not in held]
-        if not free:
+        index = self._free(self.holders())
+        if index is None:
             return None
-        index = free[0]
         lease = self.etcd.grant(self.ttl_s)
         value = json.dumps({"holder": self.holder, "since": self._clock()})
         try:
@@ -539,10 +569,10 @@ class Fleet:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews a slot's lease every third of its TTL until ``stop``. Its waits are on its
-    own event, so stopping it is immediate; a renewal that fails is retried sooner, and
-    once etcd says the lease is gone (or a whole TTL passed without a renewal) ``lost``
-    says why. Its own etcd client, with requests short enough to retry within a TTL, so
+    """Renews a slot's lease at once, then every third of its TTL until ``stop``. Its waits
+    are on its own event, so stopping it is immediate; a renewal that fails is retried
+    sooner, and once etcd says the lease is gone (or a whole TTL passed without a renewal)
+    ``lost`` says why. Its own etcd client, with requests short enough to retry within a TTL, so
     a renewal never waits for the applier's requests nor they for it."""
 
     def __init__(self, fleet: Fleet, slot: Slot) -> None:
@@ -568,7 +598,9 @@ class LeaseKeeper(threading.Thread):
     def _renew(self) -> None:
         mono = time.monotonic
         renewed = mono()
-        wait = self.interval_s
+        # The first renewal at once: a slot taken back after a restart of specd may have
+        # seconds of its lease left, fewer than the interval (RestartSec= of a 30 s lease).
+        wait = 0.0
         while not self._halt.wait(wait):
             try:
                 ttl = self.etcd.keepalive(self.slot.lease)
@@ -605,10 +637,24 @@ def _parse_holder(value: bytes) -> tuple[str, float | None]:
         return _one_line(str(data), MAX_HOLDER_CHARS), None
     since = data.get("since")
     name = _one_line(str(data.get("holder", "?")), MAX_HOLDER_CHARS)
-    if isinstance(since, (int, float)) and not isinstance(since, bool) and math.isfinite(since):
+    # Another host's word: only a time a calendar can show (not ms, not year 10000+).
+    if (
+        isinstance(since, (int, float))
+        and not isinstance(since, bool)
+        and math.isfinite(since)
+        and 0 <= since <= MAX_SINCE
+    ):
         return name, float(since)
     return name, None
 
 
-def _who(held: list[Holder]) -> str:
-    return ", ".join(f"slot {h.slot} held by {h.name}" for h in held)
+def _who(held: list[Holder], slots: int) -> str:
+    return ", ".join(
+        f"slot {h.slot} held by {h.name}"
+        + (
+            f" (a specd of the group with more slots than this one's {slots})"
+            if h.slot >= slots
+            else ""
+        )
+        for h in held
+    )

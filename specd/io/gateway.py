@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import grp
 import ipaddress
+import json
 import os
 import pwd
 import shlex
@@ -237,13 +238,20 @@ def _some(urls: Sequence[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
+# A /workers answer is ~1.5 KB per worker; far beyond is no gateway's to read whole.
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+
+
 class GatewayClient:
-    """Every replica of one gateway; each call is bounded by ``timeout_s``.
+    """Every replica of one gateway; each call is bounded by ``timeout_s``, its whole answer
+    included (a replica trickling bytes never ends a read timeout).
 
     ``api_key`` is a key, or a file to read it from at each call (``Path``).
     ``on_error(kind)`` is told of every failed call (metrics). ``pause(seconds)`` paces
     the polls: the applier's keeps the watchdog fed and is not cut short by a stop request,
-    because a worker drained for a restart must be re-added even while specd stops."""
+    because a worker drained for a restart must be re-added even while specd stops.
+    ``beat()`` is called before each call and with each piece of an answer: calls to many
+    replicas that each take their whole timeout still show the daemon's loop alive."""
 
     def __init__(
         self,
@@ -255,6 +263,7 @@ class GatewayClient:
         poll_s: float = 0.25,
         pause: Callable[[float], None] = time.sleep,
         on_error: Callable[[str], None] | None = None,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         if not gateway_urls:
             raise ValueError("gateway_urls: at least one gateway URL is needed")
@@ -265,7 +274,10 @@ class GatewayClient:
         self._poll_s = poll_s
         self._pause = pause
         self._on_error = on_error
-        self._http = httpx.Client(timeout=timeout_s, verify=verifying_context())
+        self._beat = beat or (lambda: None)
+        # trust_env=False: an HTTP(S)_PROXY meant for the internet must not carry the admin
+        # API (nor its key), as for etcd and SGLang.
+        self._http = httpx.Client(timeout=timeout_s, verify=verifying_context(), trust_env=False)
 
     @classmethod
     def from_settings(
@@ -276,6 +288,7 @@ class GatewayClient:
         pause: Callable[[float], None] = time.sleep,
         on_error: Callable[[str], None] | None = None,
         poll_s: float = 1.0,
+        beat: Callable[[], None] | None = None,
     ) -> GatewayClient:
         return cls(
             settings.urls,
@@ -285,6 +298,7 @@ class GatewayClient:
             poll_s=poll_s,
             pause=pause,
             on_error=on_error,
+            beat=beat,
         )
 
     def close(self) -> None:
@@ -306,8 +320,11 @@ class GatewayClient:
 
     def _call(self, method: str, gateway: str, path: str, body: Any = None) -> Any:
         headers = self._headers()
+        deadline = time.monotonic() + self._timeout_s
+        self._beat()
         try:
-            reply = self._http.request(method, gateway + path, json=body, headers=headers)
+            with self._http.stream(method, gateway + path, json=body, headers=headers) as reply:
+                raw = self._read(reply, deadline)
         except httpx.TimeoutException:
             raise self._fail(
                 f"gateway {gateway}: {method} {path}: no answer within {self._timeout_s:g} s",
@@ -321,12 +338,34 @@ class GatewayClient:
             raise self._fail(
                 f"gateway {gateway}: {method} {path}: HTTP {reply.status_code}", "http_status"
             )
-        if not reply.content:
+        if raw is None:
+            raise self._fail(
+                f"gateway {gateway}: {method} {path}: answer over {MAX_ANSWER_BYTES} bytes",
+                "malformed",
+            )
+        if not raw:
             return None
         try:
-            return reply.json()
-        except ValueError:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
             raise self._fail(f"gateway {gateway}: {method} {path}: not JSON", "malformed") from None
+
+    def _read(self, reply: httpx.Response, deadline: float) -> bytes | None:
+        """The answer's body, by ``deadline``; None when it is over MAX_ANSWER_BYTES."""
+        declared = reply.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        for chunk in reply.iter_bytes():
+            self._beat()
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                return None
+            if time.monotonic() > deadline:
+                raise httpx.ReadTimeout("answer not complete by the deadline")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _workers(self, gateway: str) -> list[Mapping[str, Any]]:
         data = self._call("GET", gateway, "/workers")
@@ -457,9 +496,11 @@ class GatewayClient:
             current = self.find(gateway)
         return current
 
-    def readd(self, removed: Sequence[Worker], timeout_s: float) -> None:
-        """Add the worker back where it was removed, with the URL, labels and settings it had.
+    def readd(self, removed: Sequence[Worker], timeout_s: float) -> list[tuple[Worker, str]]:
+        """Add the worker back where it was removed, with the URL, labels and settings it had;
+        returns each one that could not be, with why (one line).
 
+        Each replica on its own: one that is away must not keep the worker out of the others.
         A draining worker answers POST with 409 until its settle time is over, so each
         replica is polled until the old entry is gone (bounded by ``timeout_s``). A replica
         that already routes the worker again (a re-add before a crash) is left alone. The
@@ -467,24 +508,32 @@ class GatewayClient:
         given up waiting for it) or never accepted: it is given one call's timeout to
         start draining before it counts as routed."""
         end = time.monotonic() + timeout_s
+        failed = []
         for worker in removed:
-            gateway = worker.gateway_url
-            pending_until = time.monotonic() + min(self._timeout_s, timeout_s)
-            current = self._poll_while(
-                gateway,
-                self.find(gateway),
-                functools.partial(_ready_as, worker.worker_id),
-                pending_until,
-            )
-            current = self._poll_while(gateway, current, _draining, end)
-            if _draining(current):
-                raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
-            if current is not None:
-                continue
-            body: dict[str, Any] = {**worker.settings, "url": self.worker_url}
-            if worker.labels:
-                body["labels"] = dict(worker.labels)
-            self._call("POST", gateway, "/workers", body)
+            try:
+                self._readd_one(worker, timeout_s, end)
+            except GatewayUnavailable as exc:
+                failed.append((worker, str(exc)))
+        return failed
+
+    def _readd_one(self, worker: Worker, timeout_s: float, end: float) -> None:
+        gateway = worker.gateway_url
+        pending_until = time.monotonic() + min(self._timeout_s, timeout_s)
+        current = self._poll_while(
+            gateway,
+            self.find(gateway),
+            functools.partial(_ready_as, worker.worker_id),
+            pending_until,
+        )
+        current = self._poll_while(gateway, current, _draining, end)
+        if _draining(current):
+            raise self._fail(f"gateway {gateway}: worker still draining", "timeout")
+        if current is not None:
+            return
+        body: dict[str, Any] = {**worker.settings, "url": self.worker_url}
+        if worker.labels:
+            body["labels"] = dict(worker.labels)
+        self._call("POST", gateway, "/workers", body)
 
     def wait_ready(self, timeout_s: float, gateways: Sequence[str] | None = None) -> bool:
         """True once every replica (or each of ``gateways``) reports the worker ready;

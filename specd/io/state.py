@@ -103,7 +103,9 @@ class State:
     # (steps null when the latest scrape failed). `specd status` shows it.
     live: dict[str, Any] | None = None
     # With a [gateway]: probe {t, problem, not_ready_replicas, replicas}, the latest look,
-    # and last_drain {t, result, duration_s, in_flight_at_restart, replicas, readd_problem}.
+    # last_drain {t, result, duration_s, in_flight_at_restart, replicas, readd_problem,
+    # readded_at}, and left_out {t, workers, tried_at, problem}: the workers a failed re-add
+    # did not put back, which the daemon re-adds until the gateway routes them again.
     gateway: dict[str, Any] | None = None
     version: int = STATE_VERSION
 
@@ -425,7 +427,7 @@ def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, A
 
 
 # The gateway's record, as `specd status` reads it: each part an object, its times times.
-_GATEWAY_PARTS = ("probe", "last_drain")
+_GATEWAY_PARTS = ("probe", "last_drain", "left_out")
 
 
 def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
@@ -440,8 +442,9 @@ def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str
             continue
         if not isinstance(part, dict):
             raise StateFormatError(f"gateway.{name}: expected an object, got {part!r:.40}")
-        if part.get("t") is not None:
-            _time(part["t"], f"gateway.{name}.t", now)
+        for key in ("t", "tried_at", "readded_at"):  # times status shows
+            if part.get(key) is not None:
+                _time(part[key], f"gateway.{name}.{key}", now)
         duration = part.get("duration_s")
         if duration is not None and not _is_number(duration):
             raise StateFormatError(f"gateway.{name}.duration_s: expected a number")

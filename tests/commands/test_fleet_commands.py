@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from factories import EtcdProcess
 from test_doctor import doctor
 
 from specd.commands.status import collect, render
 from specd.core.settings import FleetSettings
 from specd.io.config import load_config
-from specd.io.fleet import Fleet
+from specd.io.fleet import Fleet, slot_key
 from specd.twin.process import free_port
 
 
@@ -67,6 +68,36 @@ def test_status_shows_the_group_and_who_holds_which_slot(tmp_path: Path, etcd: E
     assert info["fleet"]["holders"] is None
     assert "cannot connect" in info["fleet"]["problem"]
     assert "etcd UNAVAILABLE (no restart until it answers)" in render(info, time.time())
+
+
+@pytest.mark.parametrize(
+    "since",
+    [1e308, -1e20, 1.7e12, 1e19],  # out of any calendar; milliseconds; past 64-bit time_t
+)
+def test_status_shows_a_holder_whose_since_no_clock_can_show(
+    tmp_path: Path, etcd: EtcdProcess, since: float
+) -> None:
+    """A slot key's `since` is another host's word (its clock, or whatever wrote the key):
+    one no calendar can show made `specd status` die with a traceback, the fleet line and
+    everything after it lost to the on-call. It is shown without a time."""
+    path = write_config(tmp_path, fleet_table(etcd.url))
+    config = load_config(path)
+    assert config.fleet is not None
+    fleet = Fleet(config.fleet, "writer")
+    lease = fleet.etcd.grant(60)
+    value = json.dumps({"holder": "box-b", "since": since})
+    assert fleet.etcd.put_if_absent(slot_key("g", 0), value, lease)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "status", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("fleet "))
+    assert line == "fleet          group g, 1 slot(s): slot 0 held by box-b"
 
 
 def test_status_without_a_fleet_has_no_fleet_line(tmp_path: Path) -> None:

@@ -1395,6 +1395,50 @@ def test_failed_restart_rolls_back_and_readds(
     assert after.status == "ready"
 
 
+class StopsAReplicaOnRestart:
+    """The unit's runner; a gateway replica goes away as SGLang restarts (its host rebooted,
+    a network blip) and is still away at the re-add."""
+
+    def __init__(self, unit: TwinUnit, replica: SmgGateway) -> None:
+        self.unit, self.replica = unit, replica
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        if list(argv) == restart_argv(UNIT):
+            self.replica.stop()
+        return self.unit(argv, timeout_s=timeout_s)
+
+
+def test_a_replica_away_at_the_readd_leaves_the_worker_out_of_that_one_only(
+    make_unit: Any, second_worker: TwinProcess, tmp_path: Path
+) -> None:
+    """Each replica is re-added on its own: the first one away must not keep the worker out
+    of the others, which answer (the fleet would serve a server short until someone adds it
+    back by hand)."""
+    unit = make_unit()
+    workers = [unit.url, second_worker.url]
+    with (
+        SmgGateway(workers, admin_key=SMG_ADMIN_KEY) as away,
+        SmgGateway(workers, admin_key=SMG_ADMIN_KEY) as there,
+    ):
+        rec = Recorder(tmp_path / "journal.json")
+        applier = gateway_applier(
+            unit, there, tmp_path, rec, StopsAReplicaOnRestart(unit, away), ready_timeout_s=20.0
+        )
+        assert applier.gateway is not None
+        applier.gateway.gateways = [away.url, there.url]  # the first one goes away
+        outcome = applier.apply(4, 3, window_open=always_open)
+        after = routed(there, unit)
+    assert outcome.result == "success", outcome.message
+    assert unit.restarts == [4]
+    assert after is not None
+    assert after.status == "ready"
+    assert outcome.drain is not None
+    problem = outcome.drain["readd_problem"]
+    assert problem is not None
+    assert problem.startswith(f"re-adding the worker failed on 1 of 2 replicas: gateway {away.url}")
+    assert there.url not in problem
+
+
 @pytest.mark.parametrize(
     ("kill_at", "kill_on_restart", "expect_result", "expect_restarts"),
     [

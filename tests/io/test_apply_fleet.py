@@ -281,3 +281,61 @@ def test_two_specds_restart_one_after_the_other(tmp_path: Path, etcd: EtcdProces
     assert outcomes == {"a": "success", "b": "success"}
     (a0, a1), (b0, b1) = spans["a"], spans["b"]
     assert a1 < b0 or b1 < a0, spans  # never both out at once
+
+
+class SlowHeal(Recorder):
+    """Persists like the daemon; the first write after the slot was taken back stands for a
+    heal that takes a while (SGLang still loading), and records who held the group's slots
+    at its end, as another specd would see them."""
+
+    def __init__(self, path: Path, watcher: Fleet, heal_s: float) -> None:
+        super().__init__(path)
+        self.watcher = watcher
+        self.heal_s = heal_s
+        self.holders_after_wait: list[str] | None = None
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        super().__call__(journal)
+        notes = (journal or {}).get("messages", [])
+        if self.holders_after_wait is None and any("still held" in n for n in notes):
+            time.sleep(self.heal_s)
+            self.holders_after_wait = [h.name for h in self.watcher.holders()]
+
+
+def test_a_restarted_specd_keeps_a_slot_whose_lease_was_about_to_run_out(
+    make_unit: Any,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    """specd.service comes back RestartSec= (10 s) after a kill: of a 30 s lease that was
+    renewed up to 10 s before the kill, a few seconds may be left. The slot is taken back to
+    heal, so it must be renewed at once, not a third of a TTL later: by then the lease ran
+    out and another server of the group took its turn while this one was still out."""
+    ttl_s = 9
+    unit = make_unit(ORIGINAL_ENV)
+    rec = Recorder(tmp_path / "state.json")
+    dying = with_fleet(
+        unit,
+        rec,
+        fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s),
+        runner=KillingRunner(unit, kill_on_restart=1),
+    )
+    with pytest.raises(Killed):
+        dying.apply(4, 3, window_open=always_open)
+    assert dying._keeper is not None
+    dying._keeper.stop()  # the process is gone: nothing renews the lease any more
+    journal = rec.stored()
+    assert journal is not None
+    lease = Slot.from_dict(journal["fleet_slot"]).lease
+    watcher = fleet_for(etcd.url, "box-b")
+    while watcher.etcd.time_to_live(lease)[0] > 2:  # the lease about to run out
+        time.sleep(0.2)
+
+    after = SlowHeal(tmp_path / "state2.json", watcher, heal_s=ttl_s / 3 + 1)
+    outcome = with_fleet(unit, after, fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s)).reconcile(
+        journal
+    )
+    assert outcome is not None
+    assert outcome.result == "success", outcome.message
+    assert after.holders_after_wait == ["box-a"]  # nobody else's turn while this one heals
+    assert watcher.holders() == []  # released at the end

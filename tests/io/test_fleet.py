@@ -122,6 +122,27 @@ def test_holders_and_probe_say_who_holds_which_slot(etcd: EtcdProcess) -> None:
     assert a.release(slot) is None  # releasing twice is harmless (the lease is gone)
 
 
+def test_a_specd_counts_every_holder_of_its_group_against_its_own_slots(
+    etcd: EtcdProcess,
+) -> None:
+    """While `slots` is being raised across a fleet (1 → 2, one host at a time), a specd
+    still at 1 found slot 0 free while one at 2 held slot 1, and restarted beside it: two
+    servers out where its config allows one. It now waits while as many servers of the group
+    as its own `slots` restart, whichever slots they hold."""
+    wider_a = make_fleet(etcd.url, "box-a", slots=2)
+    wider_b = make_fleet(etcd.url, "box-b", slots=2)
+    first, second = take(wider_a), take(wider_b)
+    assert (first.index, second.index) == (0, 1)
+    assert wider_a.release(first) is None  # box-b alone now, on slot 1
+    narrow = make_fleet(etcd.url, "box-c", slots=1)
+    assert narrow.try_acquire() is None
+    assert narrow.probe() == (
+        "all 1 slot(s) of fleet group g1 busy: slot 1 held by box-b "
+        "(a specd of the group with more slots than this one's 1)"
+    )
+    assert wider_a.try_acquire() is not None  # box-a's own 2 allow it
+
+
 def test_a_waiting_specd_gives_up_when_its_window_closes(etcd: EtcdProcess) -> None:
     holder, waiter = make_fleet(etcd.url, "holder"), make_fleet(etcd.url, "waiter")
     take(holder)
@@ -274,6 +295,40 @@ def test_a_dead_first_endpoint_gives_way_to_the_next(etcd: EtcdProcess) -> None:
     slot = take(fleet)
     assert fleet.check(slot) is None
     assert fleet.release(slot) is None
+
+
+class Hung(BaseHTTPRequestHandler):
+    """An etcd member that takes requests and never answers (stopped, its disk stalled)."""
+
+    def do_POST(self) -> None:
+        time.sleep(30)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_hung_first_endpoint_costs_one_call_not_every_call(etcd: EtcdProcess) -> None:
+    """Every call tried the endpoints in the configured order under one deadline: a first
+    member that hangs took the whole deadline each time, the healthy ones after it were
+    never asked, and specd made no restart (fleet_unavailable) while etcd had a quorum. The
+    endpoint that last answered is now asked first."""
+    with LoopbackHTTP(Hung) as hung:
+        fleet = Fleet(fleet_settings(hung.url, etcd.url, etcd_timeout_s=1), "a")
+        first = fleet.probe()
+        assert first is not None
+        assert first.startswith(f"etcd {hung.url} POST /v3/kv/range: no answer within 1 s")
+        assert first.endswith("(1 of 2 etcd endpoints tried)")
+        started = time.monotonic()
+        assert fleet.probe() is None
+        slot = take(fleet)
+        assert fleet.check(slot) is None
+        keeper = fleet.keep_alive(slot)
+        time.sleep(TTL_S + 1)  # renewed past a TTL, through the healthy member
+        assert keeper.lost is None
+        keeper.stop()
+        assert fleet.release(slot) is None
+        assert time.monotonic() - started < TTL_S + 4
+        fleet.close()
 
 
 def test_garbage_in_a_slot_key_is_shown_not_trusted(etcd: EtcdProcess) -> None:

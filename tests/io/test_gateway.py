@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from factories import SMG_ADMIN_KEY, QueuedRemovalGateway, SmgGateway
+from factories import SMG_ADMIN_KEY, LoopbackHTTP, QueuedRemovalGateway, QuietHandler, SmgGateway
 
 from specd.io.gateway import (
     IDLE_PROBE_S,
@@ -49,7 +50,7 @@ def test_drain_readd_ready(twin: TwinProcess, gateway: str) -> None:
     after = client.find(gateway)
     assert after is None or after.status == "draining"
     assert not client.wait_ready(0.3)
-    client.readd(removed, 15.0)
+    assert client.readd(removed, 15.0) == []
     assert client.wait_ready(15.0)
     client.close()
 
@@ -97,7 +98,7 @@ def test_a_readd_counts_a_removal_that_never_ran_as_routed_after_one_call_timeou
         assert found is not None
         client.remove(found)
         started = time.monotonic()
-        client.readd([found], 30.0)
+        assert client.readd([found], 30.0) == []
         waited = time.monotonic() - started
         assert 1.0 <= waited < 10.0
         assert client.wait_ready(0.1)
@@ -204,16 +205,91 @@ def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> 
         removed = keyed.drain()
         assert len(removed) == 1
         for key in (None, "wrong-key"):
-            client = GatewayClient([smg.url], twin.url, api_key=key, timeout_s=2.0)
-            with pytest.raises(GatewayUnavailable) as err:
-                client.readd(removed, 15.0)
-            assert err.value.kind == "http_status"
-            assert "HTTP 401" in str(err.value)
-            assert "wrong-key" not in str(err.value)
+            errors: list[str] = []
+            client = GatewayClient(
+                [smg.url], twin.url, api_key=key, timeout_s=2.0, on_error=errors.append
+            )
+            # A re-add reports each replica that refused, rather than raise at the first.
+            [(worker, why)] = client.readd(removed, 15.0)
+            assert worker == removed[0]
+            assert errors == ["http_status"]
+            assert "HTTP 401" in why
+            assert "wrong-key" not in why
             client.close()
-        keyed.readd(removed, 15.0)
+        assert keyed.readd(removed, 15.0) == []
         assert keyed.wait_ready(15.0)
         keyed.close()
+
+
+def test_a_proxy_in_the_environment_never_sees_the_admin_api(
+    twin: TwinProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HTTP(S)_PROXY meant for the internet (an operator's shell running `specd doctor`,
+    a DefaultEnvironment= of systemd) must not carry the drain: the proxy cannot reach the
+    gateway (every drain refused, doctor calling a healthy gateway down), and would be
+    handed the admin key. etcd and SGLang are asked directly already."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Proxy(QuietHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_body(502, b"proxy: no route")
+
+    key_file = tmp_path / "key"
+    key_file.write_text(SMG_ADMIN_KEY + "\n")
+    with LoopbackHTTP(Proxy) as proxy, SmgGateway([twin.url], admin_key=SMG_ADMIN_KEY) as smg:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxy.url)
+        for name in ("NO_PROXY", "no_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        client = GatewayClient([smg.url], twin.url, api_key=key_file, timeout_s=2.0)
+        try:
+            found = client.find(smg.url)
+        finally:
+            client.close()
+    assert seen == []
+    assert found is not None
+    assert found.status == "ready"
+
+
+class Trickling(QuietHandler):
+    """A replica that answers GET /workers a byte at a time (a hung proxy in front of it):
+    httpx's read timeout restarts with each byte, so no single read ever times out."""
+
+    def do_GET(self) -> None:
+        body = b'{"workers": []}' + b" " * 200
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # specd hung up
+            for byte in body:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.1)
+
+
+def test_a_replica_that_trickles_its_answer_is_cut_at_the_call_timeout() -> None:
+    """One call to a replica ends by request_timeout_s, whole answer included: else the
+    daemon's tick (and a drain, a re-add) hung for as long as the replica kept sending, and
+    systemd's watchdog killed specd over and over, a worker drained or not."""
+    beats: list[float] = []
+    errors: list[str] = []
+    with LoopbackHTTP(Trickling) as replica:
+        client = GatewayClient(
+            [replica.url],
+            "http://127.0.0.1:30000",
+            timeout_s=1.0,
+            on_error=errors.append,
+            beat=lambda: beats.append(time.monotonic()),
+        )
+        started = time.monotonic()
+        problem, _ = client.probe()
+        took = time.monotonic() - started
+        client.close()
+    assert took < 2.5, took
+    assert problem == f"gateway {replica.url}: GET /workers: no answer within 1 s"
+    assert errors == ["timeout"]
+    assert beats  # the loop is shown alive while it waits
 
 
 def test_the_watch_asks_every_tick_when_needed_else_once_a_minute() -> None:

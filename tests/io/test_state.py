@@ -553,6 +553,18 @@ SALVAGED: list[Any] = [
         {"gateway": None},
         id="gateway-drain-duration-text",
     ),
+    pytest.param(
+        lambda: _with(gateway={"left_out": {"t": T0, "tried_at": 1e308, "workers": []}}),
+        "gateway.left_out.tried_at",
+        {"gateway": None},
+        id="gateway-left-out-tried-1e308",
+    ),
+    pytest.param(
+        lambda: _with(gateway={"last_drain": {"t": T0, "readded_at": -1e308}}),
+        "gateway.last_drain.readded_at",
+        {"gateway": None},
+        id="gateway-readded-at-1e308",
+    ),
     # What no time that passed can hold: the model took 1e9 s at 3 steps for the truth
     # (and changed to it), a busy hour of 1e12 s for the coming epoch's traffic.
     pytest.param(

@@ -140,6 +140,7 @@ class SimulatedApplier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         assert window_open() or force
         steps = setting_steps(target)
@@ -171,6 +172,9 @@ class SimulatedApplier:
         pass
 
     def read_wiring(self) -> str | None:
+        return None
+
+    def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
         return None
 
 
