@@ -785,8 +785,11 @@ class Outcome(Applier):
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
-        super().apply_setting(target, current, window_open=window_open, force=force)
+        super().apply_setting(
+            target, current, window_open=window_open, force=force, cancelled=cancelled
+        )
         return ApplyOutcome(from_steps=3, to_steps=4, capacity=13, **self.fields)
 
 

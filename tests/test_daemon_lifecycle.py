@@ -150,6 +150,7 @@ class ScriptedApplier:
         *,
         window_open: Callable[[], bool],
         force: bool = False,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> ApplyOutcome:
         was = format_setting(current) if current is not None else "unknown"
         assert setting_steps(target) == 3
