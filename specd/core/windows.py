@@ -337,9 +337,20 @@ def _calendar(cron: str, tz_name: str, after: datetime) -> _Calendar:
     if cal is None or after >= cal.hi or len(cal.starts) > _CALENDAR_MAX:
         cal = _Calendar(after, after, [])
     elif after < cal.lo:
+        # Filled back to the old start only when that is near: a wall clock stepped back a
+        # year (a wrong RTC corrected by NTP) would otherwise compute every opening of the
+        # year between, 1.5 million of a per-20-second window (a tick of 40 s).
+        earlier = list(
+            itertools.islice(
+                (s for s in _cron_starts(cron, tz_name, after, cal.lo) if s < cal.lo),
+                _CALENDAR_MAX + 1,
+            )
+        )
         # A new object: an iteration over the old list (a suspended _starts) stays valid.
-        earlier = [s for s in _cron_starts(cron, tz_name, after, cal.lo) if s < cal.lo]
-        cal = _Calendar(after, cal.hi, earlier + cal.starts)
+        if len(earlier) > _CALENDAR_MAX:
+            cal = _Calendar(after, after, [])
+        else:
+            cal = _Calendar(after, cal.hi, earlier + cal.starts)
     holder.calendar = cal
     return cal
 

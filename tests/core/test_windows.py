@@ -233,6 +233,45 @@ def test_a_chain_shorter_than_chain_max_reads_as_walked_link_by_link(
             assert current_window(configured, now) == expected, now
 
 
+@pytest.mark.parametrize(
+    ("configured", "back"),
+    [
+        ([WindowSpec("*/20 * * * * *", 10, "UTC")], timedelta(days=365)),
+        ([WindowSpec("* * * * *", 60, "Europe/Berlin")], timedelta(days=56 * 365)),
+        ([WindowSpec("0 3 * * *", 3600, "UTC")], timedelta(minutes=1)),
+    ],
+)
+def test_a_clock_stepped_far_back_computes_no_opening_in_between(
+    configured: list[WindowSpec], back: timedelta, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A question far before the calendar kept (the wall clock stepped back a year, a
+    wrong RTC corrected) filled the calendar with every opening in between: a year of a
+    per-20-second window is 1.5 million, a tick of 40 s, past the watchdog. The answers
+    stay the cron arithmetic's."""
+    windows._holder.cache_clear()
+    later = at(2026, 7, 1, 12, 0, 5)
+    ahead = current_window(configured, later), next_open(configured, later)
+    computed = [0]
+    real = windows._cron_starts
+
+    def counted(*args: object) -> object:
+        for start in real(*args):  # type: ignore[arg-type]
+            computed[0] += 1
+            if computed[0] > 2 * windows._CALENDAR_MAX:
+                raise AssertionError("computed the openings between the two times")
+            yield start
+
+    monkeypatch.setattr(windows, "_cron_starts", counted)
+    earlier = later - back
+    got = current_window(configured, earlier), next_open(configured, earlier)
+    monkeypatch.setattr(windows, "_cron_starts", real)
+    windows._holder.cache_clear()
+    assert got == (current_window(configured, earlier), next_open(configured, earlier))
+    # And forward again, as the clock runs on from there.
+    assert (current_window(configured, later), next_open(configured, later)) == ahead
+    windows._holder.cache_clear()
+
+
 # Windows open all the time (back to back, or two that take turns), as an operator may write
 # "restarts any time": every tick asks about the open window several times.
 ALWAYS_OPEN = {
