@@ -1257,10 +1257,15 @@ class Daemon:
         )
         self.state.restarts = [r for r in self.state.restarts if now - float(r["t"]) < 30 * DAY_S]
         self.metrics.restarts.labels(result=outcome.result).inc()
-        self.metrics.restart_duration.observe(outcome.duration_s)
-        self.state.history.mark_sglang_start(now)
-        self.state.sglang_started_at = now
-        self.state.adopt(self.state.control().after_restart(now))
+        if restarted:
+            # SGLang started afresh: its warm-up stays out of what is learned, and a new
+            # setting earns its stabilization window anew. A sequence that restarted nothing
+            # ("SGLang kept …", a journal specd could not read) left SGLang serving as it
+            # was: marking a start would throw its next observations away as warm-up.
+            self.metrics.restart_duration.observe(outcome.duration_s)
+            self.state.history.mark_sglang_start(now)
+            self.state.sglang_started_at = now
+            self.state.adopt(self.state.control().after_restart(now))
         if outcome.result in ("rolled_back", "aborted"):
             self._note_live(outcome.from_steps, now, "rollback", outcome.from_setting)
         elif outcome.result != "success":

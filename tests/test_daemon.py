@@ -883,6 +883,17 @@ def test_the_restart_budget_counts_the_sglang_restarts_a_sequence_made(
     else:
         assert [(e["result"], e["restarts"]) for e in entries] == [(fields["result"], counted)]
     assert (saved(cfg)["frozen"] is not None) is frozen
+    # specd_restarts_total counts the sequence (every one recorded); the warm-up and the
+    # restart's duration only where SGLang was restarted: a sequence that left it serving
+    # must not have its next observations thrown away as an SGLang start's.
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_restarts_total", {"result": fields["result"]}) == (
+        0 if counted is None else 1
+    )
+    assert sample("specd_restart_duration_seconds_count") == (1 if counted else 0)
+    started = IN_WINDOW if counted else None
+    assert (d.state.sglang_started_at, d.state.history.sglang_started_at) == (started, started)
+    assert saved(cfg)["sglang_started_at"] == started
 
 
 class LiveReader(Reader):
