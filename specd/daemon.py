@@ -348,7 +348,9 @@ class Daemon:
         while a stop waits for a restart in flight, its stop timeout."""
         self.notifier.beat()
         flight = self._in_flight
-        # Before its journal exists a sequence has restarted nothing, and a stop ends it.
+        # Before its journal exists a sequence has restarted nothing, and a stop ends it at
+        # once; from then on it may have a drained worker to re-add (ready_timeout_s) even
+        # when the stop ends it before the restart, or a restart to finish.
         if flight is not None and flight.phase is not None and self.stop_event.is_set():
             self._extend_stop(flight)
 
@@ -406,6 +408,14 @@ class Daemon:
         # A phase no sequence writes comes from a journal the applier refuses to act on.
         doing = doings.get(phase, "a journal it cannot read: failed, SGLang left as it is")
         change = f"{flight.was} → {flight.wanted}"
+        if self.stop_event.is_set() and phase in ("planned", "draining", "env_written"):
+            # The applier gives up a change whose restart has not gone out.
+            return (
+                f"stopping: the restart ({change}) had not gone out and will not; "
+                "undoing what it began (env file, gateway drain, fleet slot)"
+            )
+        if self.stop_event.is_set() and phase in TERMINAL_RESULTS:
+            return f"stopping: the restart sequence ({change}) ended {phase}; recording it"
         if self.stop_event.is_set():
             return (
                 f"stopping once the restart in flight ends ({change}): {doing}; "

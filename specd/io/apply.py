@@ -1069,7 +1069,7 @@ class Applier:
 
     # -- forward --------------------------------------------------------------------
     def _forward(self, journal: Journal, previous: bytes | None, new_env: bytes) -> ApplyOutcome:
-        lost = self._slot_lost() or self._cancelled()
+        lost = self._halted("before the restart went out") or self._slot_lost()
         if lost is not None:
             return self._finish(journal, "aborted", f"{lost}; nothing was restarted")
         target = journal.target()
@@ -1087,6 +1087,11 @@ class Applier:
             except OSError as exc:
                 return self._env_write_failed(journal, exc)
         self._set_phase(journal, "env_written", f"wrote {self.sglang.env_file}")
+        # The last look before the restart: a stop (or freeze) that came during the slot
+        # check or the writes above still ends the change with nothing restarted.
+        halted = self._halted("before the restart went out")
+        if halted is not None:
+            return self._unwind(journal, halted)
 
         unsaved = self._issue_restart(journal, "restart_issued")
         if unsaved is not None:
@@ -1833,6 +1838,14 @@ class Applier:
         problem = self.fleet.check(self._slot)
         return None if problem is None else f"lost the fleet slot: {problem}"
 
+    def _halted(self, when: str) -> str | None:
+        """Why the change must not go on ``when`` (a stop requested: no new restart may begin
+        once specd is asked to stop; a freeze written since the change began), or None."""
+        if self._stop.is_set():
+            return f"stop requested {when}"
+        cancelled = self._cancelled()
+        return None if cancelled is None else f"{cancelled} {when}"
+
     def _reattach_slot(self, journal: Journal) -> None:
         """A resumed sequence keeps the slot its killed predecessor took, if it still holds;
         if not, it heals all the same: SGLang is already out of service, and a rollback
@@ -1896,6 +1909,10 @@ class Applier:
         """Take this server out of routing on every replica and wait until SGLang is idle.
         None: drained and idle, go ahead; else the (aborted) outcome, worker re-added."""
         assert self.gateway_settings is not None
+        halted = self._halted("before the drain")
+        if halted is not None:
+            # Not taken out of routing only to be put back at once.
+            return self._finish(journal, "aborted", f"{halted}; nothing was restarted")
         started = self._mono()
         report: dict[str, Any] = {
             "result": "error",

@@ -44,6 +44,7 @@ from specd.io.apply import (
     ENV_ARGS,
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
+    IDLE_READS,
     PHASES,
     START_LIMIT_MARGIN_S,
     Applier,
@@ -1626,6 +1627,103 @@ def test_stop_during_quiet_wait_aborts_with_nothing_changed(
     assert elapsed < 5
     assert (rec.calls, unit.restarts) == ([], [])
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+class StopsWhenQuiet(SGLangClient):
+    """The SGLang reader; the stop (SIGTERM) arrives right after its ``nth`` read of a quiet
+    SGLang: the end of the quiet-moment wait (1st) or of the drain (IDLE_READS-th)."""
+
+    def __init__(self, url: str, stop: threading.Event, nth: int) -> None:
+        super().__init__(url, timeout_s=3.0)
+        self.stop, self.nth, self.quiet = stop, nth, 0
+
+    def observe(self) -> Any:
+        obs = super().observe()
+        if not isinstance(obs, Exception) and obs.offered == 0 and not self.stop.is_set():
+            self.quiet += 1
+            if self.quiet == self.nth:
+                self.stop.set()
+        return obs
+
+
+class StopsAtPhase(Recorder):
+    """The state file; the stop arrives as the journal is saved in ``phase``."""
+
+    def __init__(self, path: Path, stop: threading.Event, phase: str) -> None:
+        super().__init__(path)
+        self.stop, self.phase = stop, phase
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        super().__call__(journal)
+        if journal is not None and journal["phase"] == self.phase:
+            self.stop.set()
+
+
+@pytest.mark.parametrize(
+    ("gap", "gateway"),
+    [
+        pytest.param("quiet", False, id="the quiet moment found"),
+        pytest.param("env_written", False, id="the env file written"),
+        pytest.param("idle", True, id="the drain found SGLang idle"),
+        pytest.param("planned", True, id="the change planned, before the drain"),
+        # Not a stop: the on-call's freeze, read at the same last look.
+        pytest.param("freeze", False, id="a freeze written as the env file is written"),
+    ],
+)
+def test_a_stop_after_the_waits_ends_the_change_before_its_restart(
+    make_unit: Any, second_worker: TwinProcess, tmp_path: Path, gap: str, gateway: bool
+) -> None:
+    """`systemctl stop specd` right after the last wait before the restart (the quiet moment,
+    the drain) was not looked at: the restart went out all the same, and the stop then
+    waited for SGLang's load. No new restart begins once a stop is asked for: the change
+    ends aborted, the env file as it was, the worker back in routing."""
+    unit = make_unit()
+    stop = threading.Event()
+    rec: Recorder = Recorder(tmp_path / "journal.json")
+    frozen = threading.Event()
+    if gap in ("env_written", "planned"):
+        rec = StopsAtPhase(tmp_path / "journal.json", stop, gap)
+    elif gap == "freeze":
+        rec = StopsAtPhase(tmp_path / "journal.json", frozen, "env_written")
+    nth = {"quiet": 1, "idle": IDLE_READS}.get(gap, 0)
+    client = StopsWhenQuiet(unit.url, stop, nth)
+    with contextlib.ExitStack() as stack:
+        overrides: dict[str, Any] = {}
+        if gateway:
+            smg = stack.enter_context(
+                SmgGateway([unit.url, second_worker.url], admin_key=SMG_ADMIN_KEY)
+            )
+            key_file = tmp_path / "gateway.key"
+            key_file.write_text(SMG_ADMIN_KEY + "\n")
+            overrides = {"urls": [smg.url], "worker_url": unit.url, "api_key_file": key_file}
+        settings = settings_for(unit.env_file, **overrides)
+        applier = make_applier(settings, client, unit, rec, stop)
+        started = time.monotonic()
+        outcome = applier.apply(
+            4,
+            3,
+            window_open=always_open,
+            cancelled=lambda: "an override freezes specd now (t)" if frozen.is_set() else None,
+        )
+        took = time.monotonic() - started
+        after = routed(smg, unit) if gateway else None
+    assert stop.is_set() or frozen.is_set()
+    assert outcome.result == "aborted", outcome.message
+    when = "before the drain" if gap == "planned" else "before the restart went out"
+    why = "an override freezes specd now (t)" if gap == "freeze" else "stop requested"
+    assert outcome.message.startswith(f"{why} {when}"), outcome.message
+    assert outcome.message.endswith("nothing was restarted"), outcome.message
+    assert (unit.restarts, outcome.sglang_restarts) == ([], 0)
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == 3
+    assert rec.phases()[-1] == "aborted"
+    assert took < 10  # ended at once, no load waited for
+    if gateway:
+        assert after is not None
+        assert after.status == "ready"
+        assert rec.phases()[:2] == (
+            ["planned", "aborted"] if gap == "planned" else ["planned", "draining"]
+        )
 
 
 # -- reconcile: specd killed at every step ------------------------------------------------
