@@ -15,7 +15,9 @@ timeout never cuts SGLang's load short; no decision is made until a replay ends.
 (SIGTERM) finishes a sequence in flight, and each heartbeat meanwhile extends systemd's stop
 timeout (EXTEND_TIMEOUT_USEC=) by one watchdog period, with STATUS= saying what it waits
 for: systemd runs no watchdog while a unit stops, and this keeps its effect (a loop that
-hangs mid-stop is killed one period after its last beat).
+hangs mid-stop is killed one period after its last beat). At the system's shutdown the
+applier leaves the sequence instead (``ApplyOutcome.pending``): its journal stays in
+state.json for the next start, after the reboot, to finish.
 """
 
 from __future__ import annotations
@@ -1240,6 +1242,12 @@ class Daemon:
             duration_s=round(outcome.duration_s, 1),
             message=outcome.message,
         )
+        if outcome.pending:
+            # The system shuts down mid-restart: the sequence is not over, and its journal
+            # (the applier saved it) is for the next start to finish, after the reboot.
+            log.warning("restart_pending_until_next_start")
+            self._save_state(force=True)
+            return
         # The outcome is recorded in the same state write that clears the journal, so a
         # specd restarted later neither loses it nor counts it twice.
         self.state.journal = None
