@@ -15,7 +15,9 @@ timeout never cuts SGLang's load short; no decision is made until a replay ends.
 (SIGTERM) finishes a sequence in flight, and each heartbeat meanwhile extends systemd's stop
 timeout (EXTEND_TIMEOUT_USEC=) by one watchdog period, with STATUS= saying what it waits
 for: systemd runs no watchdog while a unit stops, and this keeps its effect (a loop that
-hangs mid-stop is killed one period after its last beat).
+hangs mid-stop is killed one period after its last beat). At the system's shutdown the
+applier leaves the sequence instead (``ApplyOutcome.pending``): its journal stays in
+state.json for the next start, after the reboot, to finish.
 """
 
 from __future__ import annotations
@@ -348,7 +350,9 @@ class Daemon:
         while a stop waits for a restart in flight, its stop timeout."""
         self.notifier.beat()
         flight = self._in_flight
-        # Before its journal exists a sequence has restarted nothing, and a stop ends it.
+        # Before its journal exists a sequence has restarted nothing, and a stop ends it at
+        # once; from then on it may have a drained worker to re-add (ready_timeout_s) even
+        # when the stop ends it before the restart, or a restart to finish.
         if flight is not None and flight.phase is not None and self.stop_event.is_set():
             self._extend_stop(flight)
 
@@ -406,6 +410,14 @@ class Daemon:
         # A phase no sequence writes comes from a journal the applier refuses to act on.
         doing = doings.get(phase, "a journal it cannot read: failed, SGLang left as it is")
         change = f"{flight.was} → {flight.wanted}"
+        if self.stop_event.is_set() and phase in ("planned", "draining", "env_written"):
+            # The applier gives up a change whose restart has not gone out.
+            return (
+                f"stopping: the restart ({change}) had not gone out and will not; "
+                "undoing what it began (env file, gateway drain, fleet slot)"
+            )
+        if self.stop_event.is_set() and phase in TERMINAL_RESULTS:
+            return f"stopping: the restart sequence ({change}) ended {phase}; recording it"
         if self.stop_event.is_set():
             return (
                 f"stopping once the restart in flight ends ({change}): {doing}; "
@@ -1230,6 +1242,12 @@ class Daemon:
             duration_s=round(outcome.duration_s, 1),
             message=outcome.message,
         )
+        if outcome.pending:
+            # The system shuts down mid-restart: the sequence is not over, and its journal
+            # (the applier saved it) is for the next start to finish, after the reboot.
+            log.warning("restart_pending_until_next_start")
+            self._save_state(force=True)
+            return
         # The outcome is recorded in the same state write that clears the journal, so a
         # specd restarted later neither loses it nor counts it twice.
         self.state.journal = None
@@ -1257,10 +1275,15 @@ class Daemon:
         )
         self.state.restarts = [r for r in self.state.restarts if now - float(r["t"]) < 30 * DAY_S]
         self.metrics.restarts.labels(result=outcome.result).inc()
-        self.metrics.restart_duration.observe(outcome.duration_s)
-        self.state.history.mark_sglang_start(now)
-        self.state.sglang_started_at = now
-        self.state.adopt(self.state.control().after_restart(now))
+        if restarted:
+            # SGLang started afresh: its warm-up stays out of what is learned, and a new
+            # setting earns its stabilization window anew. A sequence that restarted nothing
+            # ("SGLang kept …", a journal specd could not read) left SGLang serving as it
+            # was: marking a start would throw its next observations away as warm-up.
+            self.metrics.restart_duration.observe(outcome.duration_s)
+            self.state.history.mark_sglang_start(now)
+            self.state.sglang_started_at = now
+            self.state.adopt(self.state.control().after_restart(now))
         if outcome.result in ("rolled_back", "aborted"):
             self._note_live(outcome.from_steps, now, "rollback", outcome.from_setting)
         elif outcome.result != "success":

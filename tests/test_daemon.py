@@ -883,6 +883,91 @@ def test_the_restart_budget_counts_the_sglang_restarts_a_sequence_made(
     else:
         assert [(e["result"], e["restarts"]) for e in entries] == [(fields["result"], counted)]
     assert (saved(cfg)["frozen"] is not None) is frozen
+    # specd_restarts_total counts the sequence (every one recorded); the warm-up and the
+    # restart's duration only where SGLang was restarted: a sequence that left it serving
+    # must not have its next observations thrown away as an SGLang start's.
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_restarts_total", {"result": fields["result"]}) == (
+        0 if counted is None else 1
+    )
+    assert sample("specd_restart_duration_seconds_count") == (1 if counted else 0)
+    started = IN_WINDOW if counted else None
+    assert (d.state.sglang_started_at, d.state.history.sglang_started_at) == (started, started)
+    assert saved(cfg)["sglang_started_at"] == started
+
+
+SHUT_DOWN = "the system is shutting down (`systemctl is-system-running`: stopping)"
+
+
+class RebootedMidRestart(Applier):
+    """The system shuts down while SGLang loads the change: the applier leaves the journal
+    (env file back on 3) for the next start and says so (``pending``), as
+    `Applier._leave_for_boot` does; the next start's replay verifies 3 and ends aborted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.daemon: Daemon | None = None
+        self.replayed: list[Any] = []
+
+    def apply_setting(self, target: SpecSetting, *args: Any, **kwargs: Any) -> ApplyOutcome:
+        super().apply_setting(target, *args, **kwargs)
+        assert self.daemon is not None
+        journal = {"phase": "restart_issued", "from_setting": "3", "to_setting": "4"}
+        self.daemon._persist_journal(journal)
+        self.daemon.stop_event.set()  # the shutdown's SIGTERM
+        self.daemon._persist_journal({**journal, "shutdown": SHUT_DOWN, "no_verdict": True})
+        message = f"{SHUT_DOWN}: sglang.env back on 3 steps, which sglang.service starts on at boot"
+        return ApplyOutcome("aborted", 3, 4, 5.0, message, None, 1, "3", "4", pending=True)
+
+    def reconcile(self, journal_data: Any) -> ApplyOutcome | None:
+        if journal_data is None:
+            return None
+        self.replayed.append(journal_data)
+        message = f"{SHUT_DOWN}; since then, verified 3 steps"
+        return ApplyOutcome("aborted", 3, 4, 100.0, message, 13, 1, "3", "4")
+
+
+def test_a_restart_the_shutdown_interrupted_is_left_for_the_next_start_to_verify(
+    tmp_path: Path,
+) -> None:
+    """The daemon recorded whatever outcome the applier returned and cleared the journal: a
+    sequence the system's shutdown cut short would be over before SGLang was seen on its
+    setting again. Now the journal stays for the next start (after the reboot), which
+    verifies the previous setting and records the sequence then: no freeze either time."""
+    cfg = config(tmp_path, metrics_listen_address="127.0.0.1", metrics_port=0)
+    clock = [IN_WINDOW]
+    applier = RebootedMidRestart()
+    first = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, clock)
+    applier.daemon = first
+    with capture_logs() as logs:
+        assert first.run() == 0  # the change, then the stop it brought
+    assert applier.calls == [("4", "3")]
+    left = saved(cfg)
+    assert left["journal"] == {
+        "phase": "restart_issued",
+        "from_setting": "3",
+        "to_setting": "4",
+        "shutdown": SHUT_DOWN,
+        "no_verdict": True,
+    }
+    assert (left["restarts"], left["frozen"], left["sglang_started_at"]) == ([], None, None)
+    assert first.metrics.registry.get_sample_value(
+        "specd_restarts_total", {"result": "aborted"}
+    ) in (None, 0.0)
+    [pending] = [e for e in logs if e["event"] == "restart_pending_until_next_start"]
+    assert pending["message"].startswith(SHUT_DOWN)
+
+    clock[0] = IN_WINDOW + 300  # after the reboot
+    second = daemon(cfg, Reader([obs(IN_WINDOW + 300, steps=3)]), RebootedMidRestart(), clock)
+    replay = second.applier
+    assert isinstance(replay, RebootedMidRestart)
+    assert second.state.journal == left["journal"]  # loaded from state.json
+    second._reconcile_journal()
+    assert replay.replayed == [left["journal"]]
+    after = saved(cfg)
+    assert after["journal"] is None
+    assert [(r["result"], r["restarts"]) for r in after["restarts"]] == [("aborted", 1)]
+    assert after["frozen"] is None
 
 
 class LiveReader(Reader):

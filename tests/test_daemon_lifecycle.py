@@ -98,10 +98,13 @@ class ScriptedApplier:
         *,
         pre_journal: bool = False,
         hang_after_stop: bool = False,
+        planned: bool = False,
     ) -> None:
         self.received = received
         self.reader = reader
         self.pre_journal = pre_journal
+        # A journal at "planned" (a drain may follow), and a stop there ends the change.
+        self.planned = planned
         self.hang_after_stop = hang_after_stop
         self.daemon: Daemon | None = None
         self.in_sequence = threading.Event()
@@ -121,6 +124,17 @@ class ScriptedApplier:
             self.in_sequence.set()
             while not stop.wait(0.02):
                 pass
+            return ApplyOutcome("aborted", 4, 3, 0.0, "stop requested", None, 0, was, wanted)
+        if self.planned:
+            self.daemon._persist_journal(
+                {**JOURNAL, "phase": "planned", "from_setting": was, "to_setting": wanted}
+            )
+            self.in_sequence.set()
+            while not stop.wait(0.02):
+                pass
+            time.sleep(0.1)  # the re-add of a drained worker: the loop beats meanwhile
+            stop.wait(0)
+            self.daemon._persist_journal({**JOURNAL, "phase": "aborted"})
             return ApplyOutcome("aborted", 4, 3, 0.0, "stop requested", None, 0, was, wanted)
         self.daemon._persist_journal({**JOURNAL, "from_setting": was, "to_setting": wanted})
         self.in_sequence.set()
@@ -198,6 +212,12 @@ def extensions(received: Received, after: float) -> list[float]:
         pytest.param(
             "pin", "in_flight", {"pre_journal": True}, id="a stop before any journal: no extension"
         ),
+        pytest.param(
+            "pin",
+            "in_flight",
+            {"planned": True},
+            id="a stop before the restart went out says it gives the change up",
+        ),
     ],
 )
 def test_what_systemd_is_told_around_a_restart_sequence(
@@ -258,6 +278,16 @@ def test_what_systemd_is_told_around_a_restart_sequence(
     stopping = [m for m in texts[:-1] if m.startswith("STOPPING=1")]
     if script.get("pre_journal"):
         assert (extended, stopping) == ([], []), texts
+        return
+    if script.get("planned"):
+        # Not "stopping once the restart in flight ends … killed now, specd's next start
+        # finishes it": there is no restart to finish, and the stop ends the change.
+        assert len(stopping) == 1, texts
+        assert stopping[0] == (
+            "STOPPING=1\nSTATUS=stopping: the restart (4 → 3) had not gone out and will not; "
+            "undoing what it began (env file, gateway drain, fleet slot)"
+        ), stopping
+        assert not [m for m in texts if "restart in flight ends" in m], texts
         return
     assert len(stopping) == 1, texts
     assert stopping[0].startswith(

@@ -35,6 +35,12 @@ terminal phase (done, rolled_back, failed, aborted) and return the outcome; the 
 records the outcome and clears the journal (``persist(None)`` or the equivalent) in the same
 state write. ``reconcile`` of a terminal journal only reports its outcome, so an outcome is
 never lost, and is recorded twice only if the caller does not clear it.
+
+One exception: the system shutting down while a restart is in flight (specd asked to stop,
+and systemd says "stopping" or is gone from the bus). The sequence puts the env file back
+on the previous setting, which SGLang starts on at boot, and returns at once with
+``pending`` set, its journal persisted as it is (``shutdown`` says why): the caller keeps
+it, and the next start's ``reconcile`` verifies what SGLang booted on.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -186,6 +192,32 @@ DEFAULT_STOP_TIMEOUT_S = 90.0
 def unit_state_argv(unit: str) -> list[str]:
     """Read-only (needs no polkit rule): prints active, activating, failed, ..."""
     return ["systemctl", "is-active", unit]
+
+
+def system_state_argv() -> list[str]:
+    """Read-only (needs no polkit rule): the system's state, "stopping" once a shutdown
+    (poweroff, reboot, halt, kexec) has begun."""
+    return ["systemctl", "is-system-running"]
+
+
+# What systemctl says when it cannot reach systemd over the system bus. At shutdown the bus
+# (dbus.service) stops beside specd, which is not ordered after it, and a specd that is not
+# root has no other way to systemd: from then on every systemctl of specd's fails so.
+BUS_GONE = ("Failed to connect to bus", "Transport endpoint is not connected")
+
+
+# A shutdown seen before specd's own stop: systemd stops specd at the shutdown's start
+# (nothing is ordered to stop before it), so its SIGTERM follows within moments.
+SHUTDOWN_STOP_WAIT_S = 10.0
+
+
+class ShuttingDown(Exception):
+    """The system shuts down while a restart is in flight (raised by the waits and the
+    restart commands of the sequence, caught by ``apply_setting`` and ``reconcile``)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
 
 
 # -- the env file -------------------------------------------------------------------------
@@ -469,6 +501,14 @@ class Journal:
     # (the new setting never ran) and specd may not clear it: the sequence goes back to the
     # previous setting and ends aborted, not rolled back: nothing is held against the target.
     change_refused: bool = False
+    # The system shut down while the restart was in flight (why): the env file was put back
+    # on the previous setting, which SGLang starts on at boot, and specd's next start
+    # verifies it there (``_resume_after_shutdown``) instead of restarting SGLang.
+    shutdown: str | None = None
+    # ... before the target was either verified or found failing: the sequence ends
+    # aborted, nothing held against the target (a load cut short, or failing while the
+    # system goes down around SGLang, says nothing of the setting).
+    no_verdict: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -583,6 +623,8 @@ class Journal:
             not_started=not_started,
             refused_until=opt_float("refused_until"),
             change_refused=data.get("change_refused") is True,
+            shutdown=opt_text("shutdown"),
+            no_verdict=data.get("no_verdict") is True,
             restart_issued_at=opt_float("restart_issued_at"),
             rollback_reason=None
             if data.get("rollback_reason") is None
@@ -640,6 +682,10 @@ class ApplyOutcome:
     drain: dict[str, Any] | None = None
     # Of restarts_issued, those that started no SGLang (Journal.not_started).
     not_started: int = 0
+    # The sequence is not over: the system shuts down, and its journal (persisted, not
+    # terminal) is for specd's next start to finish. The caller keeps the journal and
+    # records nothing; ``result`` and ``message`` only say how it was left.
+    pending: bool = False
 
     @property
     def sglang_restarts(self) -> int:
@@ -847,6 +893,12 @@ class Applier:
         self._cancelled = cancelled or (lambda: None)
         try:
             outcome = self._apply(target, current, window_open, force)
+        except ShuttingDown as down:
+            # Raised only once a restart went out, so with a journal.
+            if self._journal is None:
+                outcome = self._aborted(current, target, down.why)
+            else:
+                outcome = self._leave_for_boot(self._journal, down.why)
         except Exception as exc:  # a bug must still leave SGLang and the env file consistent
             self.log.exception("apply_internal_error")
             if self._journal is None:
@@ -1037,6 +1089,8 @@ class Applier:
         try:
             self._reattach_slot(journal)
             outcome = self._resume(journal)
+        except ShuttingDown as down:
+            outcome = self._leave_for_boot(journal, down.why)
         except Exception as exc:
             self.log.exception("reconcile_internal_error")
             outcome = self._recover(journal, exc)
@@ -1069,7 +1123,7 @@ class Applier:
 
     # -- forward --------------------------------------------------------------------
     def _forward(self, journal: Journal, previous: bytes | None, new_env: bytes) -> ApplyOutcome:
-        lost = self._slot_lost() or self._cancelled()
+        lost = self._halted("before the restart went out") or self._slot_lost()
         if lost is not None:
             return self._finish(journal, "aborted", f"{lost}; nothing was restarted")
         target = journal.target()
@@ -1087,6 +1141,11 @@ class Applier:
             except OSError as exc:
                 return self._env_write_failed(journal, exc)
         self._set_phase(journal, "env_written", f"wrote {self.sglang.env_file}")
+        # The last look before the restart: a stop (or freeze) that came during the slot
+        # check or the writes above still ends the change with nothing restarted.
+        halted = self._halted("before the restart went out")
+        if halted is not None:
+            return self._unwind(journal, halted)
 
         unsaved = self._issue_restart(journal, "restart_issued")
         if unsaved is not None:
@@ -1114,6 +1173,7 @@ class Applier:
                 maybe_untouched=True,
             )
         if not result.ok:
+            self._refused_by_shutdown(journal, result)
             # A failed `systemctl` may have changed nothing (not found, access denied):
             # then the old server still runs and the rollback needs no restart.
             return self._rollback(journal, result.summary(), maybe_untouched=True)
@@ -1198,6 +1258,7 @@ class Applier:
         """The rollback's restart (journalled as issued), then its verification."""
         restarted = self._restart_unit(journal, rollback=True)
         if not restarted.result.ok:
+            self._refused_by_shutdown(journal, restarted.result)
             return self._finish(
                 journal,
                 "failed",
@@ -1210,7 +1271,7 @@ class Applier:
     def _backed_out(journal: Journal) -> Literal["rolled_back", "aborted"]:
         """How a sequence back on its previous setting ends: rolled back (the target failed),
         or aborted where the start limit refused the change before the target ran."""
-        return "aborted" if journal.change_refused else "rolled_back"
+        return "aborted" if journal.change_refused or journal.no_verdict else "rolled_back"
 
     def _verify_rollback(self, journal: Journal, reason: str) -> ApplyOutcome:
         healthy, why = self._wait_healthy()
@@ -1267,6 +1328,8 @@ class Applier:
                 0.0, self._clock() - journal.restart_issued_at
             )
 
+        if journal.shutdown is not None:
+            return self._resume_after_shutdown(journal)
         if journal.phase in ("planned", "draining", "env_written"):
             # No restart was issued: SGLang never saw the new file. Undo the file only.
             problem = self._restore_env(journal)
@@ -1293,6 +1356,32 @@ class Applier:
                 return self._rollback_restart(journal, reason)
             return self._verify_rollback(journal, reason)
         return self._rollback(journal, reason, maybe_untouched=True)
+
+    def _resume_after_shutdown(self, journal: Journal) -> ApplyOutcome:
+        """The first start after a shutdown that came mid-sequence (`_leave_for_boot`):
+        SGLang was started at boot on the previous setting, and may still be loading. Wait
+        for it and verify; only an SGLang that does not come up on it (no shutdown came
+        after all, its start failed) is restarted, as a rollback."""
+        reason = journal.shutdown or "the system shut down mid-restart"
+        problem = self._restore_env(journal)
+        if problem is not None:
+            return self._finish(
+                journal, "failed", f"{reason}; restoring the env file failed: {problem}"
+            )
+        healthy, why = self._wait_healthy()
+        if healthy:
+            live = self._verify(journal.previous())
+            if live.ok:
+                journal.capacity = live.capacity
+                return self._finish(
+                    journal, self._backed_out(journal), f"{reason}; since then, {live.message}"
+                )
+            why = live.message
+        reason = f"{reason}; since then, {why}"
+        journal.rollback_reason = journal.rollback_reason or reason
+        journal.note(reason)
+        self._issue_restart(journal, "rolling_back")
+        return self._rollback_restart(journal, reason)
 
     def _resume_forward(self, journal: Journal) -> ApplyOutcome:
         # The restart may be under way (SGLang loading); restarting again would throw that
@@ -1381,6 +1470,11 @@ class Applier:
             status = self.client.health_generate(self._probe_timeout(deadline))
             if status is HealthStatus.OK:
                 return True, "/health_generate OK"
+            if self._stop.is_set():
+                # Asked to stop while SGLang loads: by the system's shutdown, the load is
+                # thrown away (SGLang's own stop waits only for specd's), and what fails
+                # meanwhile may be the shutdown's doing. Looked at before any verdict.
+                self._leave_if_shutting_down()
             # An SGLang that crashed while loading (out of memory with more draft tokens)
             # will not get healthy: no need to wait out a startup timeout of minutes.
             failed = self._start_failed(before)
@@ -1397,6 +1491,94 @@ class Applier:
                     f"(last /health_generate: {status.name})"
                 )
             self._pause(min(self.health_poll_interval_s, left))
+
+    # -- the system's shutdown --------------------------------------------------------
+    def _shutting_down(self) -> str | None:
+        """Why the system looks to be shutting down, or None: systemd says "stopping", or
+        cannot be reached over the system bus any more. Only with specd asked to stop is
+        that taken for a shutdown (the bus may go before specd's SIGTERM comes, or, on a
+        running system, hiccup). Read-only; a stand-in that refuses the command is none."""
+        result = self.runner(system_state_argv(), timeout_s=UNIT_STATE_TIMEOUT_S)
+        words = result.stdout.split()
+        state = words[-1] if words else ""
+        if state == "stopping":
+            return "the system is shutting down (`systemctl is-system-running`: stopping)"
+        if state in ("", "unknown") and any(gone in result.stderr for gone in BUS_GONE):
+            said = result.stderr.strip().splitlines()[0]
+            return (
+                "the system is shutting down (specd asked to stop, and systemd gone from the "
+                f"system bus: {said})"
+            )
+        return None
+
+    def _leave_if_shutting_down(self) -> None:
+        """Once a stop is asked for: leave the sequence if the system shuts down."""
+        why = self._shutting_down() if self._stop.is_set() else None
+        if why is not None:
+            raise ShuttingDown(why)
+
+    def _refused_by_shutdown(self, journal: Journal, result: RunResult) -> None:
+        """A restart command that failed while the system shuts down (systemd refuses jobs
+        that would undo the shutdown's, or is off the bus) started nothing: the sequence is
+        left for specd's next start. systemd stops specd as soon as the shutdown begins,
+        so a shutdown seen before specd's SIGTERM is waited on for that, briefly."""
+        why = self._shutting_down()
+        if why is None:
+            return
+        if not self._stop.is_set():
+            self._stop.wait(SHUTDOWN_STOP_WAIT_S)
+            if not self._stop.is_set():
+                return
+        journal.not_started += 1
+        raise ShuttingDown(f"{why}: {result.summary()}")
+
+    def _pause_unless_shutting_down(self, seconds: float, journal: Journal) -> None:
+        """``_pause``, looking (once a stop is asked for) whether the system shuts down: a
+        wait for the unit's start limit to pass would only hold up the reboot, and the
+        restart after it be refused. The restart refused before it started nothing."""
+        end = self._mono() + seconds
+        while (left := end - self._mono()) > 0:
+            self._pause(min(left, self.health_poll_interval_s))
+            why = self._shutting_down() if self._stop.is_set() else None
+            if why is not None:
+                journal.not_started += 1
+                raise ShuttingDown(why)
+
+    def _leave_for_boot(self, journal: Journal, why: str) -> ApplyOutcome:
+        """The system shuts down with a restart in flight. Waiting on would hold up the
+        shutdown for a load it throws away (SGLang is stopped once specd is), and a
+        rollback's restart would be refused: put the env file back on the previous setting,
+        which SGLang starts on at boot, and leave the journal for specd's next start, which
+        verifies it there (nothing frozen, nothing held against an untried target). A
+        drained worker stays out of routing until then."""
+        problem = self._restore_env(journal)
+        journal.refused_until = None
+        previous = _describe(journal.previous())
+        if problem is None:
+            if journal.shutdown is None:  # a second shutdown (mid-replay) changes no verdict
+                journal.no_verdict = journal.rollback_reason is None
+            journal.shutdown = why
+            message = (
+                f"{why}: {self.sglang.env_file} back on {previous}, which {journal.unit} "
+                "starts on at boot; specd's next start verifies it"
+            )
+        else:
+            # Left as a kill leaves it: the next start verifies what SGLang boots on.
+            message = (
+                f"{why}: restoring {self.sglang.env_file} failed ({problem}); specd's next "
+                f"start verifies what {journal.unit} boots on"
+            )
+        journal.note(message)
+        self._persist(journal)
+        self.log.warning(
+            "restart_left_for_next_start",
+            phase=journal.phase,
+            from_setting=journal.from_setting,
+            to_setting=journal.to_setting,
+            message=message,
+        )
+        outcome = self._outcome_from(journal, "aborted", message)
+        return replace(outcome, pending=True)
 
     def stop_timeout_s(self) -> float:
         """How long systemd lets the unit stop (TimeoutStopSec=), as last read at a restart;
@@ -1630,7 +1812,7 @@ class Applier:
             start_limit_interval_s=limit.interval_s,
             refused=result.summary(),
         )
-        self._pause(wait_s)
+        self._pause_unless_shutting_down(wait_s, journal)
         # Persisted before it goes out: a specd killed from here on finds a restart issued,
         # and waits for SGLang rather than restart it again.
         journal.refused_until = None
@@ -1833,6 +2015,14 @@ class Applier:
         problem = self.fleet.check(self._slot)
         return None if problem is None else f"lost the fleet slot: {problem}"
 
+    def _halted(self, when: str) -> str | None:
+        """Why the change must not go on ``when`` (a stop requested: no new restart may begin
+        once specd is asked to stop; a freeze written since the change began), or None."""
+        if self._stop.is_set():
+            return f"stop requested {when}"
+        cancelled = self._cancelled()
+        return None if cancelled is None else f"{cancelled} {when}"
+
     def _reattach_slot(self, journal: Journal) -> None:
         """A resumed sequence keeps the slot its killed predecessor took, if it still holds;
         if not, it heals all the same: SGLang is already out of service, and a rollback
@@ -1896,6 +2086,10 @@ class Applier:
         """Take this server out of routing on every replica and wait until SGLang is idle.
         None: drained and idle, go ahead; else the (aborted) outcome, worker re-added."""
         assert self.gateway_settings is not None
+        halted = self._halted("before the drain")
+        if halted is not None:
+            # Not taken out of routing only to be put back at once.
+            return self._finish(journal, "aborted", f"{halted}; nothing was restarted")
         started = self._mono()
         report: dict[str, Any] = {
             "result": "error",

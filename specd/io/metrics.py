@@ -120,14 +120,17 @@ class Metrics:
         )
         self.restarts = Counter(
             "specd_restarts_total",
-            "Restart sequences specd ran, by result (success, rolled_back, failed; aborted "
-            "where it restarted SGLang all the same).",
+            "Restart sequences specd ended, by result: success, rolled_back, failed (each "
+            "with 0, 1 or 2 SGLang restarts: a rollback is one sequence of two), aborted only "
+            "where it restarted SGLang all the same. Not SGLang restarts: the daily budget "
+            "counts those (specd_restart_budget_remaining).",
             ["result"],
             registry=r,
         )
         self.restart_duration = Histogram(
             "specd_restart_duration_seconds",
-            "Time from `systemctl restart` to a verified, healthy SGLang.",
+            "Time from a sequence's first `systemctl restart` to its end (verified, rolled "
+            "back or failed), for sequences that restarted SGLang.",
             buckets=RESTART_DURATION_BUCKETS,
             registry=r,
         )

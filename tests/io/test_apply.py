@@ -44,6 +44,7 @@ from specd.io.apply import (
     ENV_ARGS,
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
+    IDLE_READS,
     PHASES,
     START_LIMIT_MARGIN_S,
     Applier,
@@ -1045,6 +1046,191 @@ def test_stop_after_restart_issued_still_finishes_verified(make_unit: Any, tmp_p
     assert stop.waits_after_set > 0
 
 
+DESTRUCTIVE = (
+    "Failed to restart sglang.service: Transaction for sglang.service/restart is destructive "
+    "(poweroff.target has 'start' job queued, but 'stop' is included in transaction).\n"
+)
+
+
+class ShuttingDownSystemd:
+    """The unit's systemd, and the system shutting down at the ``at``-th restart command
+    (1: once the change's restart went out, SGLang loading; 2: refusing the rollback's):
+    specd's SIGTERM comes (``stop``), and from then on ``mode`` says what systemctl does.
+    "stopping": systemd answers, says so, and refuses a restart as the shutdown's jobs
+    would be undone (root's specd, or the bus not yet stopped). "bus": dbus.service has
+    stopped, as at a real shutdown (seen under systemd 252 in nspawn): every systemctl of a
+    non-root specd fails to reach systemd. ``stop_too`` False: the bus goes with no stop."""
+
+    def __init__(
+        self, unit: TwinUnit, stop: threading.Event, mode: str, at: int, stop_too: bool = True
+    ) -> None:
+        self.unit, self.stop, self.mode, self.at, self.stop_too = unit, stop, mode, at, stop_too
+        self.down = threading.Event()
+        self.restarts = 0
+
+    def _fail(self, argv: Sequence[str], stdout: str, stderr: str) -> RunResult:
+        return RunResult(tuple(argv), 1, stdout, stderr, False, 0.01)
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        args = list(argv)
+        if args == restart_argv(UNIT):
+            self.restarts += 1
+            if self.restarts == self.at and self.at > 1:
+                self._go_down()
+            if self.down.is_set():
+                if self.mode == "bus":
+                    return self._fail(args, "", "Failed to connect to bus: Broken pipe\n")
+                return self._fail(args, "", DESTRUCTIVE)
+            result = self.unit(argv, timeout_s=timeout_s)
+            if self.restarts == self.at:
+                self._go_down()
+            return result
+        if args == ["systemctl", "is-system-running"]:
+            if not self.down.is_set():
+                return RunResult(tuple(args), 0, "running\n", "", False, 0.01)
+            if self.mode == "bus":
+                return self._fail(
+                    args, "unknown\n", "Failed to query system state: Transport endpoint is "
+                    "not connected\n"
+                )  # fmt: skip
+            return self._fail(args, "stopping\n", "")
+        if self.down.is_set() and self.mode == "bus" and args[0] == "systemctl":
+            return self._fail(args, "", "Failed to connect to bus: Broken pipe\n")
+        return self.unit(argv, timeout_s=timeout_s)
+
+    def _go_down(self) -> None:
+        self.down.set()
+        if self.stop_too:
+            self.stop.set()
+
+
+def boot(unit: TwinUnit) -> None:
+    """The reboot: SGLang stopped at shutdown, started at boot from its env file."""
+    unit.stop()
+    unit.start_healthy()
+
+
+@pytest.mark.parametrize(
+    ("mode", "at", "phase", "after_boot", "said"),
+    [
+        pytest.param(
+            "stopping",
+            1,
+            "restart_issued",
+            "aborted",
+            "`systemctl is-system-running`: stopping",
+            id="SIGTERM while the target loads, systemd says stopping",
+        ),
+        pytest.param(
+            "bus",
+            1,
+            "restart_issued",
+            "aborted",
+            "systemd gone from the system bus: Failed to query system state",
+            id="SIGTERM while the target loads, the system bus gone",
+        ),
+        pytest.param(
+            "stopping",
+            2,
+            "rolling_back",
+            "rolled_back",
+            "`systemctl is-system-running`: stopping): `systemctl --no-ask-password restart "
+            "sglang.service` exit 1: Failed to restart sglang.service: Transaction for "
+            "sglang.service/restart is destructive",
+            id="the target failed before the shutdown, its rollback's restart refused",
+        ),
+        pytest.param(
+            "bus",
+            2,
+            "rolling_back",
+            "rolled_back",
+            "systemd gone from the system bus: Failed to query system state: Transport "
+            "endpoint is not connected): `systemctl --no-ask-password restart sglang.service` "
+            "exit 1: Failed to connect to bus: Broken pipe",
+            id="the target failed before the shutdown, the bus gone at its rollback",
+        ),
+    ],
+)
+def test_a_shutdown_mid_restart_leaves_the_previous_setting_for_the_boot_to_verify(
+    make_unit: Any, tmp_path: Path, mode: str, at: int, phase: str, after_boot: str, said: str
+) -> None:
+    """A reboot while SGLang loaded a change: SGLang's stop waits for specd's, specd waited
+    for the load (or, the load failing, for a rollback restart systemd refuses while it
+    shuts down) and ended "failed", frozen after the reboot though SGLang booted on its old
+    setting. Now specd leaves at once: env file back on the previous setting, the journal
+    kept for its next start, which verifies what SGLang booted on. A load cut short is no
+    verdict on the target (aborted, nothing frozen); a target that had failed before the
+    shutdown is still rolled back (frozen, as without a reboot)."""
+    # The target loads for 30 s, then fails (at 15 s): nothing below waits for either.
+    unit = make_unit(
+        ORIGINAL_ENV,
+        lambda steps: ["--load-time-s", "30", "--fail-start-at-steps", "4"] if steps == 4 else [],
+    )
+    if at == 2:  # fails at once: the verdict comes before the shutdown
+        unit.extra_args = lambda steps: [*TWIN_TIMING, "--fail-start-at-steps", "4"]
+    stop = threading.Event()
+    systemd = ShuttingDownSystemd(unit, stop, mode, at)
+    rec = Recorder(tmp_path / "state.json")
+    started = time.monotonic()
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, rec, runner=systemd, stop=stop, startup_timeout_s=60.0).apply(
+            4, 3, window_open=always_open
+        )
+    took = time.monotonic() - started
+    assert outcome.result == "aborted", outcome.message  # not "failed": nothing to freeze for
+    assert outcome.message.startswith("the system is shutting down ("), outcome.message
+    assert said in outcome.message, outcome.message
+    assert outcome.message.endswith(
+        f"{unit.env_file} back on 3 steps, which sglang.service starts on at boot; specd's "
+        "next start verifies it"
+    ), outcome.message
+    assert took < 12, "it waited for the load"
+    assert outcome.pending, outcome  # the daemon keeps the journal for its next start
+    assert unit.restarts == [4]  # no rollback restart went out (or none was let through)
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    left = rec.stored()
+    assert left is not None
+    assert (left["phase"], left["no_verdict"], left["refused_until"]) == (
+        phase,
+        after_boot == "aborted",
+        None,
+    )
+    assert left["shutdown"] is not None
+    assert [e["event"] for e in logs if e["event"].startswith("restart_")][-1] == (
+        "restart_left_for_next_start"
+    )
+
+    # The reboot: SGLang starts on the env file; specd's next start finishes the journal.
+    boot(unit)
+    resumed = Recorder(tmp_path / "state-after-boot.json")
+    final = applier_for(unit, resumed, startup_timeout_s=20.0).reconcile(left)
+    assert final is not None
+    assert not final.pending
+    assert final.result == after_boot, final.message
+    assert final.message.endswith("; since then, verified 3 steps (/server_info steps=3, "
+                                  "/server_info draft_tokens=4, metrics steps=3, metrics "
+                                  "draft_tokens=4)"), final.message  # fmt: skip
+    assert unit.restarts == [4]  # the boot started SGLang: specd restarted nothing
+    assert unit.running_steps() == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    # The change's restart was one; a rollback restart refused by the shutdown none.
+    assert final.sglang_restarts == 1
+    assert resumed.phases()[-1] == after_boot
+
+
+def test_a_bus_gone_without_a_stop_is_no_shutdown(make_unit: Any, tmp_path: Path) -> None:
+    """systemd off the bus while specd was not asked to stop (dbus restarted on a running
+    system): no shutdown is assumed, the load is waited for and verified as ever."""
+    unit = make_unit()
+    stop = threading.Event()
+    systemd = ShuttingDownSystemd(unit, stop, "bus", 1, stop_too=False)
+    rec = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, rec, runner=systemd, stop=stop).apply(4, 3, window_open=always_open)
+    assert systemd.down.is_set()
+    assert (outcome.result, outcome.pending) == ("success", False), outcome.message
+    assert unit.running_steps() == 4
+
+
 @pytest.mark.parametrize(
     ("make_env", "expect"),
     [
@@ -1626,6 +1812,103 @@ def test_stop_during_quiet_wait_aborts_with_nothing_changed(
     assert elapsed < 5
     assert (rec.calls, unit.restarts) == ([], [])
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
+class StopsWhenQuiet(SGLangClient):
+    """The SGLang reader; the stop (SIGTERM) arrives right after its ``nth`` read of a quiet
+    SGLang: the end of the quiet-moment wait (1st) or of the drain (IDLE_READS-th)."""
+
+    def __init__(self, url: str, stop: threading.Event, nth: int) -> None:
+        super().__init__(url, timeout_s=3.0)
+        self.stop, self.nth, self.quiet = stop, nth, 0
+
+    def observe(self) -> Any:
+        obs = super().observe()
+        if not isinstance(obs, Exception) and obs.offered == 0 and not self.stop.is_set():
+            self.quiet += 1
+            if self.quiet == self.nth:
+                self.stop.set()
+        return obs
+
+
+class StopsAtPhase(Recorder):
+    """The state file; the stop arrives as the journal is saved in ``phase``."""
+
+    def __init__(self, path: Path, stop: threading.Event, phase: str) -> None:
+        super().__init__(path)
+        self.stop, self.phase = stop, phase
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        super().__call__(journal)
+        if journal is not None and journal["phase"] == self.phase:
+            self.stop.set()
+
+
+@pytest.mark.parametrize(
+    ("gap", "gateway"),
+    [
+        pytest.param("quiet", False, id="the quiet moment found"),
+        pytest.param("env_written", False, id="the env file written"),
+        pytest.param("idle", True, id="the drain found SGLang idle"),
+        pytest.param("planned", True, id="the change planned, before the drain"),
+        # Not a stop: the on-call's freeze, read at the same last look.
+        pytest.param("freeze", False, id="a freeze written as the env file is written"),
+    ],
+)
+def test_a_stop_after_the_waits_ends_the_change_before_its_restart(
+    make_unit: Any, second_worker: TwinProcess, tmp_path: Path, gap: str, gateway: bool
+) -> None:
+    """`systemctl stop specd` right after the last wait before the restart (the quiet moment,
+    the drain) was not looked at: the restart went out all the same, and the stop then
+    waited for SGLang's load. No new restart begins once a stop is asked for: the change
+    ends aborted, the env file as it was, the worker back in routing."""
+    unit = make_unit()
+    stop = threading.Event()
+    rec: Recorder = Recorder(tmp_path / "journal.json")
+    frozen = threading.Event()
+    if gap in ("env_written", "planned"):
+        rec = StopsAtPhase(tmp_path / "journal.json", stop, gap)
+    elif gap == "freeze":
+        rec = StopsAtPhase(tmp_path / "journal.json", frozen, "env_written")
+    nth = {"quiet": 1, "idle": IDLE_READS}.get(gap, 0)
+    client = StopsWhenQuiet(unit.url, stop, nth)
+    with contextlib.ExitStack() as stack:
+        overrides: dict[str, Any] = {}
+        if gateway:
+            smg = stack.enter_context(
+                SmgGateway([unit.url, second_worker.url], admin_key=SMG_ADMIN_KEY)
+            )
+            key_file = tmp_path / "gateway.key"
+            key_file.write_text(SMG_ADMIN_KEY + "\n")
+            overrides = {"urls": [smg.url], "worker_url": unit.url, "api_key_file": key_file}
+        settings = settings_for(unit.env_file, **overrides)
+        applier = make_applier(settings, client, unit, rec, stop)
+        started = time.monotonic()
+        outcome = applier.apply(
+            4,
+            3,
+            window_open=always_open,
+            cancelled=lambda: "an override freezes specd now (t)" if frozen.is_set() else None,
+        )
+        took = time.monotonic() - started
+        after = routed(smg, unit) if gateway else None
+    assert stop.is_set() or frozen.is_set()
+    assert outcome.result == "aborted", outcome.message
+    when = "before the drain" if gap == "planned" else "before the restart went out"
+    why = "an override freezes specd now (t)" if gap == "freeze" else "stop requested"
+    assert outcome.message.startswith(f"{why} {when}"), outcome.message
+    assert outcome.message.endswith("nothing was restarted"), outcome.message
+    assert (unit.restarts, outcome.sglang_restarts) == ([], 0)
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert unit.running_steps() == 3
+    assert rec.phases()[-1] == "aborted"
+    assert took < 10  # ended at once, no load waited for
+    if gateway:
+        assert after is not None
+        assert after.status == "ready"
+        assert rec.phases()[:2] == (
+            ["planned", "aborted"] if gap == "planned" else ["planned", "draining"]
+        )
 
 
 # -- reconcile: specd killed at every step ------------------------------------------------

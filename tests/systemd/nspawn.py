@@ -120,7 +120,9 @@ class Container:
             directory.mkdir(parents=True, exist_ok=True)
         # An empty /etc makes systemd-firstboot prompt on the console and the system
         # report "degraded"; the tests need neither.
-        (self.units_dir / "systemd-firstboot.service").symlink_to("/dev/null")
+        firstboot = self.units_dir / "systemd-firstboot.service"
+        if not firstboot.is_symlink():  # booted before: a reboot on the same directories
+            firstboot.symlink_to("/dev/null")
         # /etc is empty, so this is a "first boot" and systemd would apply the presets of
         # every package on the host (prometheus, postgresql, networkd, ...) into the units
         # dir and start them. The container runs only what the tests start. The first
