@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,10 +148,10 @@ def _logical_lines(text: str) -> Iterable[str]:
         yield pending
 
 
-def service_assignments(text: str, key: str) -> list[str]:
-    """Values of ``KEY=`` in the [Service] section of one unit file, in order."""
+def _settings(text: str) -> Iterator[tuple[str, str]]:
+    """(section, logical line stripped) of each setting line of one unit file: no blank
+    line, comment or section header."""
     section = ""
-    values: list[str] = []
     for line in _logical_lines(text):
         stripped = line.strip()
         if not stripped or stripped[0] in "#;":
@@ -159,6 +159,13 @@ def service_assignments(text: str, key: str) -> list[str]:
         if stripped.startswith("[") and stripped.endswith("]"):
             section = stripped[1:-1]
             continue
+        yield section, stripped
+
+
+def service_assignments(text: str, key: str) -> list[str]:
+    """Values of ``KEY=`` in the [Service] section of one unit file, in order."""
+    values: list[str] = []
+    for section, stripped in _settings(text):
         name, sep, value = stripped.partition("=")
         if sep and section == "Service" and name.strip() == key:
             values.append(value.strip())
@@ -170,15 +177,8 @@ def dropin_extras(text: str, variables: frozenset[str], env_files: frozenset[str
     keep, one logical line each as written: anything but ``ExecStart=`` (install carries
     the command over), ``Environment=`` of specd's ``variables`` only, and
     ``EnvironmentFile=`` of one of ``env_files``."""
-    section = ""
     extras: list[str] = []
-    for line in _logical_lines(text):
-        stripped = line.strip()
-        if not stripped or stripped[0] in "#;":
-            continue
-        if stripped.startswith("[") and stripped.endswith("]"):
-            section = stripped[1:-1]
-            continue
+    for section, stripped in _settings(text):
         name, sep, value = (part.strip() for part in stripped.partition("="))
         if section == "Service" and sep:
             if name == "ExecStart":
