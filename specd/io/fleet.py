@@ -43,6 +43,7 @@ import httpx
 
 from specd import __version__
 from specd.core.settings import FleetSettings
+from specd.io.answers import read_capped
 from specd.io.tls import verifying_context
 
 KEY_PREFIX = "/specd"
@@ -195,7 +196,7 @@ class EtcdClient:
                     "POST", endpoint + path, json=dict(body), timeout=httpx.Timeout(left)
                 ) as resp,
             ):
-                raw = self._read(resp, where, deadline)
+                raw = read_capped(resp, MAX_ANSWER_BYTES, deadline, self._beat)
                 status = resp.status_code
         except httpx.TimeoutException:
             raise FleetUnavailable(
@@ -207,6 +208,8 @@ class EtcdClient:
             raise FleetUnavailable(
                 "protocol", f"{where}: broken response: {type(exc).__name__} {exc}"
             ) from None
+        if raw is None:
+            raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
         try:
             data = json.loads(raw)
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -220,23 +223,6 @@ class EtcdClient:
         if not isinstance(data, dict):
             raise FleetUnavailable("protocol", f"{where}: answer is not a JSON object")
         return data
-
-    def _read(self, resp: httpx.Response, where: str, deadline: float) -> bytes:
-        declared = resp.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
-            raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in resp.iter_bytes():
-            self._beat()
-            size += len(chunk)
-            if size > MAX_ANSWER_BYTES:
-                raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
-            # A server trickling bytes resets httpx's read timeout with each one.
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout("answer not complete by the deadline")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     # -- the calls ------------------------------------------------------------------
     def version(self) -> str:

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from specd.core.settings import GatewaySettings
+from specd.io.answers import read_capped
 from specd.io.files import FileReadError, read_text_file
 from specd.io.tls import verifying_context
 
@@ -324,7 +325,7 @@ class GatewayClient:
         self._beat()
         try:
             with self._http.stream(method, gateway + path, json=body, headers=headers) as reply:
-                raw = self._read(reply, deadline)
+                raw = read_capped(reply, MAX_ANSWER_BYTES, deadline, self._beat)
         except httpx.TimeoutException:
             raise self._fail(
                 f"gateway {gateway}: {method} {path}: no answer within {self._timeout_s:g} s",
@@ -349,23 +350,6 @@ class GatewayClient:
             return json.loads(raw)
         except (ValueError, RecursionError):
             raise self._fail(f"gateway {gateway}: {method} {path}: not JSON", "malformed") from None
-
-    def _read(self, reply: httpx.Response, deadline: float) -> bytes | None:
-        """The answer's body, by ``deadline``; None when it is over MAX_ANSWER_BYTES."""
-        declared = reply.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        for chunk in reply.iter_bytes():
-            self._beat()
-            size += len(chunk)
-            if size > MAX_ANSWER_BYTES:
-                return None
-            if time.monotonic() > deadline:
-                raise httpx.ReadTimeout("answer not complete by the deadline")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _workers(self, gateway: str) -> list[Mapping[str, Any]]:
         data = self._call("GET", gateway, "/workers")
