@@ -965,12 +965,21 @@ class Daemon:
             )
         self._rejected_logged = set(obs.rejected)
 
+    def _read_override(self, now: float) -> OverrideStatus:
+        """The override file as the daemon judges it (its config's step range, its uids)."""
+        choose = self.config.choose
+        return read_override(
+            Path(self.config.files.override_file),
+            choose.min_steps,
+            choose.max_steps,
+            utc(now),
+            allowed_uids=self.allowed_override_uids,
+        )
+
     def _refresh_override(self, now: float) -> Override | None:
         path = Path(self.config.files.override_file)
         cfg_min, cfg_max = self.config.choose.min_steps, self.config.choose.max_steps
-        status = read_override(
-            path, cfg_min, cfg_max, utc(now), allowed_uids=self.allowed_override_uids
-        )
+        status = self._read_override(now)
         tracker = self.override
         judged_by = (path, cfg_min, cfg_max)
         same_file = status.fingerprint == tracker.fingerprint
@@ -1168,16 +1177,10 @@ class Daemon:
         """Asked by the restart sequence's waits (a fleet slot, a quiet moment, a drain: up
         to half an hour with the tick blocked): an on-call freeze written since the change
         began ends it before the restart. The file only read, as the next tick reads it."""
-        config = self.config
-        status = read_override(
-            Path(config.files.override_file),
-            config.choose.min_steps,
-            config.choose.max_steps,
-            utc(self.clock()),
-            allowed_uids=self.allowed_override_uids,
-        )
+        now = self.clock()
+        status = self._read_override(now)
         found = status.override if status.valid else None
-        if found is None or found.mode != "freeze" or not found.active(utc(self.clock())):
+        if found is None or found.mode != "freeze" or not found.active(utc(now)):
             return None
         return f"an override freezes specd now ({found.reason or 'no reason given'})"
 

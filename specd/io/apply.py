@@ -1433,11 +1433,9 @@ class Applier:
         deadline = self._mono() + self.restart.quiet_deadline_s
         last = "no observation yet"
         while True:
-            if self._stop.is_set():
-                return "stop requested while waiting for a quiet moment"
-            cancelled = self._cancelled()
-            if cancelled is not None:
-                return f"{cancelled} while waiting for a quiet moment"
+            halted = self._halted("while waiting for a quiet moment")
+            if halted is not None:
+                return halted
             if not force and not window_open():
                 return f"window closed while waiting for a quiet moment ({last})"
             obs = self.client.observe()
@@ -2138,11 +2136,9 @@ class Applier:
         deadline = started + timeout_s
         idle_reads, last = 0, "no observation yet"
         while True:
-            if self._stop.is_set():
-                return "aborted", "stop requested while draining", None
-            cancelled = self._cancelled()
-            if cancelled is not None:
-                return "aborted", f"{cancelled} while draining", None
+            halted = self._halted("while draining")
+            if halted is not None:
+                return "aborted", halted, None
             if not force and not window_open():
                 return "aborted", f"window closed while draining ({last})", None
             obs = self.client.observe()
