@@ -39,6 +39,19 @@ INST = 'instance=~"$instance"'
 # the label), and a sum over all of them counts every request twice.
 SCHED = INST + ', priority=""'
 
+
+def replicas(series: str) -> str:
+    """One series per DP replica: with --enable-metrics-for-all-schedulers every TP (and
+    PP, MoE-EP) rank of a replica exports the same batch, and a sum over ranks counts it
+    once per rank."""
+    return f"max without (tp_rank, pp_rank, moe_ep_rank) ({series})"
+
+
+def per_host(series: str) -> str:
+    """A count summed over a host's DP replicas, each counted once."""
+    return f"sum by (instance) ({replicas(series)})"
+
+
 # Decision reasons the daemon exports (label `reason`), with the colour each gets in the
 # state timeline: blue when specd acts, red when it is blocked by a safety rule.
 REASON_COLORS: dict[str, str] = {
@@ -299,12 +312,17 @@ def traffic_panels() -> list[tuple[Panel, int, int]]:
         )
         .min(0)
         .with_target(
-            q(f"sum by (instance) (sglang:gen_throughput{{{SCHED}}})", "gauge {{instance}}", "A")
+            q(
+                per_host(f"sglang:gen_throughput{{{SCHED}}}"),
+                "gauge {{instance}}",
+                "A",
+            )
         )
         .with_target(
             q(
-                "sum by (instance) (rate(sglang:realtime_tokens_total"
-                f'{{{INST}, mode="decode"}}[$__rate_interval]))',
+                per_host(
+                    f'rate(sglang:realtime_tokens_total{{{INST}, mode="decode"}}[$__rate_interval])'
+                ),
                 "decode rate {{instance}}",
                 "B",
             )
@@ -320,13 +338,17 @@ def traffic_panels() -> list[tuple[Panel, int, int]]:
         .min(0)
         .with_target(
             q(
-                f"sum by (instance) (sglang:num_running_reqs{{{SCHED}}})",
+                per_host(f"sglang:num_running_reqs{{{SCHED}}}"),
                 "running {{instance}}",
                 "A",
             )
         )
         .with_target(
-            q(f"sum by (instance) (sglang:num_queue_reqs{{{SCHED}}})", "queued {{instance}}", "B")
+            q(
+                per_host(f"sglang:num_queue_reqs{{{SCHED}}}"),
+                "queued {{instance}}",
+                "B",
+            )
         )
         .override_by_regexp(
             "^queued.*",
@@ -350,9 +372,13 @@ def model_panels() -> list[tuple[Panel, int, int]]:
         .with_target(q(f"specd_accept_length{{{INST}}}", "K={{steps}} {{instance}}", "A"))
         .with_target(
             q(
-                f"sum by (instance) (sglang:spec_accept_length{{{SCHED}}} * "
-                f"sglang:num_running_reqs{{{SCHED}}}) / "
-                f"(sum by (instance) (sglang:num_running_reqs{{{SCHED}}}) > 0)",
+                "sum by (instance) ("
+                + replicas(f"sglang:spec_accept_length{{{SCHED}}}")
+                + " * "
+                + replicas(f"sglang:num_running_reqs{{{SCHED}}}")
+                + ") / ("
+                + per_host(f"sglang:num_running_reqs{{{SCHED}}}")
+                + " > 0)",
                 "sglang live {{instance}}",
                 "B",
             )
