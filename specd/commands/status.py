@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from datetime import datetime, timezone
@@ -444,6 +445,45 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
     return lines
 
 
+def _journal_number(journal: dict[str, Any], key: str) -> float | None:
+    value = journal.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _restart_line(journal: dict[str, Any], daemon: dict[str, Any], now: float) -> str:
+    """The restart a journal records: the change, where it stands, and who finishes it. A
+    bare phase read "restart_issued" for a restart a shutdown cut short, which the next
+    start only verifies, and said nothing of a rollback waiting out the start limit."""
+    old = setting_text(
+        printable(str(journal.get("from_setting") or _name_of(journal.get("from_steps")) or "?"))
+    )
+    new = setting_text(
+        printable(str(journal.get("to_setting") or _name_of(journal.get("to_steps")) or "?"))
+    )
+    change = f"{old} → {new}"
+    phase = printable(str(journal.get("phase")))
+    started = when_text(_journal_number(journal, "started_at"), now)
+    shutdown = journal.get("shutdown")
+    if isinstance(shutdown, str):
+        return (
+            f"restart        {change} cut short by a shutdown (started {started}; "
+            f"{printable(shutdown)}): the env file is back on {old}, which "
+            "SGLang boots on; specd's next start verifies it, restarting nothing"
+        )
+    line = f"restart        IN PROGRESS: {change}, {phase} (started {started})"
+    until = _journal_number(journal, "refused_until")
+    if until is not None:
+        line += (
+            f"; the rollback waits out {printable(str(journal.get('unit')))}'s start limit "
+            f"until {when_text(until, now)}"
+        )
+    if daemon.get("running") is False:
+        line += "; specd is not running: its next start finishes it"
+    return line
+
+
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
     lines = [
@@ -494,7 +534,7 @@ def render(info: dict[str, Any], now: float) -> str:
     if info["gateway"] is not None:
         lines.extend(_gateway_lines(info["gateway"], now))
     if info["restart_in_progress"]:
-        lines.append(f"restart        in progress: {info['restart_in_progress'].get('phase')}")
+        lines.append(_restart_line(info["restart_in_progress"], info["daemon"], now))
     if info["state_problem"]:
         lines.append(f"state          {info['state_problem']}")
     return "\n".join(lines)

@@ -535,3 +535,68 @@ def test_every_time_status_prints_is_iso_8601_with_its_offset(tmp_path: Path) ->
     for shown in found:
         assert "UTC" not in shown, text
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", shown), shown
+
+
+_JOURNAL = {
+    "phase": "restart_issued",
+    "from_steps": 3,
+    "to_steps": 4,
+    "from_setting": "3",
+    "to_setting": "4",
+    "unit": "sglang.service",
+    "started_at": NOW - 120,
+}
+
+
+@pytest.mark.parametrize(
+    ("journal", "running", "said", "unsaid"),
+    [
+        # In flight, specd running: the change and where it stands.
+        (
+            _JOURNAL,
+            True,
+            "restart        IN PROGRESS: 3 steps → 4 steps, restart_issued (started "
+            "2025-11-24T15:58:00+00:00 (2.0 min ago))",
+            "not running",
+        ),
+        # specd stopped (killed) mid-restart: its next start finishes it.
+        (_JOURNAL, False, "; specd is not running: its next start finishes it", "shutdown"),
+        # A shutdown cut it short: it read "in progress: restart_issued", yet the next start
+        # only verifies the previous setting SGLang booted on.
+        (
+            {**_JOURNAL, "shutdown": "`systemctl is-system-running`: stopping"},
+            False,
+            "restart        3 steps → 4 steps cut short by a shutdown (started "
+            "2025-11-24T15:58:00+00:00 (2.0 min ago); `systemctl is-system-running`: stopping): "
+            "the env file is back on 3 steps, which SGLang boots on; specd's next start "
+            "verifies it, restarting nothing",
+            "restart_issued",
+        ),
+        # The rollback waits out the unit's start limit: until when.
+        (
+            {**_JOURNAL, "phase": "rolling_back", "refused_until": NOW + 300},
+            True,
+            "rolling_back (started 2025-11-24T15:58:00+00:00 (2.0 min ago)); the rollback waits "
+            "out sglang.service's start limit until 2025-11-24T16:05:00+00:00 (in 5.0 min)",
+            "not running",
+        ),
+        # A damaged journal (hand-edited, another version's) is shown, never a crash.
+        (
+            {"phase": ["x"], "to_setting": "\x1b[2J", "started_at": "yesterday"},
+            False,
+            "restart        IN PROGRESS: ? → \\x1b[2J, ['x'] (started never)",
+            "\x1b",
+        ),
+    ],
+)
+def test_status_says_what_an_unfinished_restart_waits_for(
+    tmp_path: Path, journal: dict[str, object], running: bool, said: str, unsaid: str
+) -> None:
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    assert StateStore(config.files.state_dir).save(State(journal=journal)) is None
+    info = collect(config, NOW, "down")
+    info["daemon"] = {"running": running, "pid": 4242 if running else None}
+    text = render(info, NOW)
+    line = next(x for x in text.splitlines() if x.startswith("restart  "))
+    assert said in line, line
+    assert unsaid not in line, line
