@@ -1040,17 +1040,12 @@ class Daemon:
         self.state.live = {"t": now, "steps": steps, "setting": name, "source": source}
 
     def _report_predictions(self, outcome: StepResult) -> None:
-        gauge = self.metrics.predicted_throughput
-        low = self.metrics.predicted_throughput_low
-        high = self.metrics.predicted_throughput_high
-        for g in (gauge, low, high):
-            g.clear()  # a setting that left the candidates must not keep a stale value
+        m = self.metrics
         # Off and the adaptive sets too, by name: the chosen one is often among them.
-        for name, tok_s in outcome.named_predictions.items():
-            gauge.labels(steps=name).set(tok_s)
-        for name, (lo, hi) in outcome.named_intervals.items():
-            low.labels(steps=name).set(lo)
-            high.labels(steps=name).set(hi)
+        intervals = outcome.named_intervals
+        m.set_by_setting(m.predicted_throughput, outcome.named_predictions)
+        m.set_by_setting(m.predicted_throughput_low, {n: lo for n, (lo, _) in intervals.items()})
+        m.set_by_setting(m.predicted_throughput_high, {n: hi for n, (_, hi) in intervals.items()})
 
     def _report_decision(
         self,
@@ -1375,13 +1370,18 @@ class Daemon:
         for q in OFFERED_QUANTILES:
             value = history.quantile(float(q))
             m.offered_concurrency.labels(quantile=q).set(value if value is not None else 0.0)
+        lengths: dict[str, float] = {}
+        alphas: dict[str, float] = {}
         for k in range(cfg.choose.min_steps, cfg.choose.max_steps + 1):
             length = history.accept_length(k)
             if length is not None:
-                m.accept_length.labels(steps=str(k)).set(length)
+                lengths[str(k)] = length
                 alpha = history.alpha(k)
                 if alpha is not None:
-                    m.acceptance_alpha.labels(steps=str(k)).set(alpha)
+                    alphas[str(k)] = alpha
+        # Only the configured step counts: one a reload left out keeps no old value.
+        m.set_by_setting(m.accept_length, lengths)
+        m.set_by_setting(m.acceptance_alpha, alphas)
         at = utc(now)
         m.window_open.set(1 if windows.is_open(cfg.windows, at) else 0)
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())

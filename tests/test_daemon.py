@@ -668,6 +668,46 @@ def test_a_reload_declares_the_counters_of_the_settings_it_adds(tmp_path: Path) 
     assert sample("specd_explorations_total", {"steps": "7"}) == 0
 
 
+def test_a_reload_that_narrows_the_step_range_takes_its_accept_lengths_off_the_page(
+    tmp_path: Path,
+) -> None:
+    """specd_accept_length and specd_acceptance_alpha_ratio kept the last value of a step
+    count a reload took out of [choose]: a panel went on showing K=6 as learned."""
+    fields = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+    }
+    history = History(HistorySettings.from_config(config(tmp_path)))
+    t = IN_WINDOW - 6 * 3600
+    for k in (3, 5, 6):  # half an hour of fresh acceptance at each
+        for _ in range(30):
+            last = make_observation(t, steps=k, running=4, accept_length=2.5)
+            history.record(last)
+            t += 60
+    d = daemon(config(tmp_path), Reader([last]), Applier(), [last.t])
+    d.state.history = history
+    d.tick()
+
+    def shown() -> dict[str, set[str]]:
+        return {
+            name: {
+                s.labels["steps"]
+                for m in d.metrics.registry.collect()
+                if m.name == name
+                for s in m.samples
+            }
+            for name in ("specd_accept_length", "specd_acceptance_alpha_ratio")
+        }
+
+    assert shown() == {n: {"3", "5", "6"} for n in shown()}
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**fields, max_steps=5)))
+    d.reload()
+    d.tick()
+    assert shown() == {n: {"3", "5"} for n in shown()}
+
+
 def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     applier = Applier(static_only=WIRED)

@@ -7,7 +7,7 @@ enums, and ``steps`` is bounded by the configured step range.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -49,6 +49,8 @@ class Metrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # The ``steps`` values each gauge of set_by_setting shows now, by gauge.
+        self._by_setting: dict[int, set[str]] = {}
         self.build_info = Info("specd_build", "specd version.", registry=r)
         self.build_info.info({"version": __version__})
 
@@ -402,6 +404,19 @@ class Metrics:
             gauge.clear()
             if name:
                 gauge.labels(setting=name[:80]).set(1)
+
+    def set_by_setting(self, gauge: Gauge, values: Mapping[str, float]) -> None:
+        """Exactly ``values`` on a gauge labelled ``steps``: each set, then the series no
+        longer in it removed (a step count a reload took out of the range, a setting that
+        left the candidates), so none keeps its last value and a scrape in between never
+        finds the gauge empty."""
+        for name, value in values.items():
+            gauge.labels(steps=name).set(value)
+        shown = self._by_setting.setdefault(id(gauge), set())
+        for name in shown - values.keys():
+            gauge.remove(name)
+        shown.clear()
+        shown.update(values)
 
     def set_override_info(self, mode: str | None, reason: str) -> None:
         self.override_info.clear()
