@@ -83,6 +83,7 @@ def _sglang_flags(sg: argparse._ArgumentGroup) -> None:
         sg.add_argument(flag, action="store_true")
     sg.add_argument("--max-running-requests", type=COUNT, default=None, help=COUNT.spec)
     sg.add_argument("--enable-metrics", action="store_true")
+    sg.add_argument("--enable-metrics-for-all-schedulers", action="store_true")
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
     sg.add_argument(
         "--attn-dp-size",

@@ -61,6 +61,9 @@ class MetricState:
     # The DP ranks are attention-DP groups of one model (else replicas, each a server of its
     # own with its own TP ranks counted from 0).
     dp_attention: bool = False
+    # --enable-metrics-for-all-schedulers: every TP rank reports the batch, not only the
+    # first of each DP rank.
+    all_schedulers: bool = False
     pid: int = 0
     profile: Profile = field(default_factory=lambda: profile_for(DEFAULT_VERSION))
     values: dict[Key, float] = field(default_factory=dict)
@@ -114,24 +117,37 @@ def _group_tp(state: MetricState) -> int:
     return max(state.tp_size, 1)
 
 
+def _first_tp(state: MetricState, rank: int) -> int:
+    """DP rank ``rank``'s first TP rank: with DP attention the ranks are slices of one TP
+    group (tp_rank = group x its width), each replica counts its TP ranks from 0."""
+    return max(rank, 0) * _group_tp(state) if state.dp_attention else 0
+
+
+def scheduler_pid(state: MetricState, rank: int, tp: int = 0) -> int:
+    """The pid of DP rank ``rank``'s ``tp``-th TP rank's scheduler: each DP rank's first is
+    the twin's pid plus the rank, the others follow all of those."""
+    if tp == 0:
+        return state.pid + max(rank, 0)
+    width = _group_tp(state)
+    return state.pid + state.dp_size + max(rank, 0) * (width - 1) + tp - 1
+
+
 def _base_labels(state: MetricState, scope: str, rank: int, tp: int = 0) -> dict[str, str]:
-    """The labels SGLang gives DP rank ``rank``'s series (TP rank ``tp`` of it, for the
-    radix cache, whose every TP rank reports)."""
+    """The labels SGLang gives DP rank ``rank``'s series (TP rank ``tp`` of it, counted from
+    its first, for the series every TP rank's scheduler has)."""
     profile = state.profile
     if scope in (REQ, STARTUP):
         if not profile.req_engine_label:
             return {"model_name": state.model_name}
         return {"engine_type": "unified", "model_name": state.model_name}
     if scope == SCHED:
-        # The reporting scheduler is each DP rank's first TP rank: with DP attention the
-        # ranks are slices of one TP group (tp_rank = group x its width), each replica
-        # counts its TP ranks from 0.
-        first = rank * _group_tp(state) if state.dp_attention else 0
+        # The reporting scheduler is each DP rank's first TP rank.
+        first = _first_tp(state, rank)
         labels = {
             "engine_type": "unified",
             "model_name": state.model_name,
             "pp_rank": "0",
-            "tp_rank": str(first),
+            "tp_rank": str(first + tp),
         }
         if profile.sched_moe_label:
             labels["moe_ep_rank"] = "0"
@@ -168,8 +184,19 @@ def _series(state: MetricState, family: Family) -> list[Series]:
             key = (family.name, rank, variant)
             if family.scope in LAZY_SCOPES and key not in state.values and key not in state.hists:
                 continue
-            out.append((rank, variant, _base_labels(state, family.scope, rank)))
+            # The TP ranks of a DP rank run the same batches: one value stands for all.
+            for tp in _reporting_tp(state, family, variant):
+                out.append((rank, variant, _base_labels(state, family.scope, rank, tp)))
     return out
+
+
+def _reporting_tp(state: MetricState, family: Family, variant: Labels) -> range:
+    """Which TP ranks of a DP rank (counted from its first) have a scheduler series."""
+    if family.scope != SCHED:
+        return range(1)
+    if state.all_schedulers or state.profile.every_rank_emits(family, variant):
+        return range(_group_tp(state))
+    return range(1)
 
 
 def _cache_series(state: MetricState, family: Family) -> list[Series]:
@@ -202,7 +229,8 @@ def render(state: MetricState, families: tuple[Family, ...] | None = None) -> st
             labels = dict(base)
             labels.update(variant)
             if family.pid:
-                labels["pid"] = str(state.pid + max(rank, 0))
+                tp = int(base["tp_rank"]) - _first_tp(state, rank)
+                labels["pid"] = str(scheduler_pid(state, rank, tp))
             if family.type == "histogram":
                 hist = state.hists.get((family.name, rank, variant)) or Hist(family.buckets)
                 add(f"{family.name}_sum{_label_text(labels)} {floatToGoString(hist.total)}")
@@ -257,4 +285,4 @@ def serve_page(
     return body, headers
 
 
-__all__ = ["PLAIN", "Hist", "MetricState", "render", "serve_page"]
+__all__ = ["PLAIN", "Hist", "MetricState", "render", "scheduler_pid", "serve_page"]

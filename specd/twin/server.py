@@ -37,7 +37,7 @@ from specd.twin.adaptive import (
 )
 from specd.twin.cli import SGLANG_DESTS
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, PREFILL_S_PER_TOKEN, Engine, Request
-from specd.twin.exposition import MetricState, render, serve_page
+from specd.twin.exposition import MetricState, render, scheduler_pid, serve_page
 from specd.twin.families import BY_NAME
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
 from specd.twin.loads import BadInclude, RankLoad, loads_json, loads_prometheus
@@ -449,6 +449,7 @@ class Twin:
             dp_size=self.args.dp_size,
             tp_size=self.args.tp_size,
             dp_attention=self.args.enable_dp_attention,
+            all_schedulers=self.args.enable_metrics_for_all_schedulers,
             pid=os.getpid(),
             profile=config.profile,
         )
@@ -497,7 +498,6 @@ class Twin:
 
     def _init_metrics(self) -> None:
         st, a, cfg = self.state, self.args, self.config
-        weights = a.load_time_s
         load = cfg.load_s
         startup = self.startup_time()
         for phase in ("load_weight", "kv_cache_allocation", "scheduler_e2e"):
@@ -519,9 +519,10 @@ class Twin:
             for phase, share in self.graph_shares().items():
                 st.set("sglang:graph_memory_usage_gb", GRAPH_GB * share, rank,
                        (("phase", phase),))  # fmt: skip
-            # Before 0.5.18: two gauges instead of startup_time_seconds{phase}.
-            st.set("sglang:engine_startup_time", load * 0.95, rank)
-            st.set("sglang:engine_load_weights_time", weights * 0.6, rank)
+            # Before 0.5.18 two gauges stood for startup_time_seconds{phase}; the scheduler
+            # set both to 0.0 (0.5.11-0.5.13 pass 0.0; 0.5.4 never sets its stats' 0.0).
+            st.set("sglang:engine_startup_time", 0.0, rank)
+            st.set("sglang:engine_load_weights_time", 0.0, rank)
             st.set("sglang:spec_num_steps", float(self.config.steps), rank)
             st.set("sglang:spec_num_draft_tokens", float(self.config.draft_tokens), rank)
             st.set("sglang:is_cuda_graph", 1.0, rank)
@@ -694,12 +695,10 @@ class Twin:
 
     def _scheduler_pids(self) -> list[int]:
         """The scheduler processes the DP controller started: every TP rank of every DP
-        rank; each DP rank's first is the pid its metrics carry."""
+        rank, as their metrics' pid labels say."""
         ranks, tp = self.args.dp_size, max(self.args.tp_size, 1)
         per_rank = max(tp // ranks, 1) if self.args.enable_dp_attention else tp
-        pid = self.state.pid
-        others = iter(range(pid + ranks, pid + ranks * per_rank))
-        return [pid + k if t == 0 else next(others) for k in range(ranks) for t in range(per_rank)]
+        return [scheduler_pid(self.state, k, t) for k in range(ranks) for t in range(per_rank)]
 
     def internal_state(self, rank: int, arguments: dict[str, Any]) -> dict[str, Any]:
         """What DP rank ``rank``'s scheduler answers to get_internal_state: its server

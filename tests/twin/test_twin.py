@@ -838,3 +838,56 @@ def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
     assert obs.running + obs.queued == 14
     assert obs.running == obs.max_running_requests  # 6 per replica, 6 over attention DP
     assert obs.running == ranks_running
+
+
+# --enable-metrics-for-all-schedulers: every TP rank of a DP rank reports the batch they all
+# run, so the page has tp x DP ranks' worth of series with the same counts. specd reads each
+# DP rank once (its lowest TP rank), which summing every series or taking the lowest TP rank
+# of the whole page would not: the ranks run 2 and 1 of the 3 requests.
+# (version, flags, DP ranks, TP ranks per DP rank)
+ALL_SCHEDULERS: list[Any] = [
+    pytest.param("0.5.23", ["--enable-dp-attention"], 2, 2, id="0.5.23-dp-attention"),
+    pytest.param("0.5.23", [], 2, 4, id="0.5.23-replicas"),
+    pytest.param("0.5.13", ["--enable-dp-attention"], 2, 2, id="0.5.13-dp-attention"),
+]
+
+
+@pytest.mark.parametrize(("version", "flags", "dp", "width"), ALL_SCHEDULERS)
+def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
+    version: str, flags: list[str], dp: int, width: int
+) -> None:
+    args = [*SPEC4, "--enable-metrics", "--enable-metrics-for-all-schedulers", "--tp-size", "4"]
+    args += ["--dp-size", str(dp), "--sglang-version", version, *flags, *FAST]
+    body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+    with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
+        twin.wait_healthy(20)
+        client = httpx.Client(base_url=twin.url, timeout=20)
+        streams.callback(client.close)
+        for _ in range(3):  # round robin: 2 on DP rank 0, 1 on DP rank 1
+            streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        time.sleep(0.6)  # a report
+        page = client.get("/metrics").text
+        info = client.get("/get_server_info").json()
+        with SGLangClient(twin.url, timeout_s=5.0) as reader:
+            obs = reader.observe()
+            parsed = reader.last_page
+    running = {
+        (s.labels["dp_rank"], s.labels["tp_rank"]): s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_running_reqs"
+    }
+    assert len(running) == dp * width  # every TP rank of every DP rank
+    per_dp = {d: {v for (rank, _), v in running.items() if rank == d} for d, _ in running}
+    assert per_dp == {"0": {2.0}, "1": {1.0}}  # the TP ranks of a DP rank agree
+    assert isinstance(obs, Observation), obs
+    assert (obs.running, obs.dp_ranks) == (3, dp)
+    assert sum(running.values()) == 3 * width  # what adding up every series would say
+    assert obs.accept_length is not None
+    assert 1.0 < obs.accept_length <= 5.0
+    # Every scheduler's pid is on its retracted-requests gauge, as /server_info lists them.
+    assert parsed is not None
+    if "scheduler_pids" in info:
+        assert parsed.scheduler_pids == {str(p) for p in info["scheduler_pids"]}
+    else:
+        assert len(parsed.scheduler_pids) == dp * width

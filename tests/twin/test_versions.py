@@ -74,6 +74,37 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
             assert ours[name] == (type_, help_, keys), (which, name)
 
 
+def _scheduler_series(text: str) -> set[tuple[str, str, str | None]]:
+    """(family, tp_rank, pass) of every scheduler series: which TP ranks have each family,
+    and of the CUDA-graph passes which kind (the radix cache's are not the scheduler's)."""
+    return {
+        (fam.name, s.labels["tp_rank"], s.labels.get("mode") if "passes" in fam.name else None)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if "tp_rank" in s.labels and "cache_type" not in s.labels
+    }
+
+
+# Every TP rank's scheduler has a collector of its own; TP rank 0 reports the batch, or every
+# rank with --enable-metrics-for-all-schedulers. The twin emitted TP rank 0's series only.
+@pytest.mark.parametrize("all_schedulers", [False, True], ids=["tp2", "tp2-all"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_each_tp_rank_has_the_series_its_scheduler_emits(
+    version: str, all_schedulers: bool
+) -> None:
+    flags = ["--enable-metrics-for-all-schedulers"] if all_schedulers else []
+    with _twin(version, "--tp-size", "2", *flags) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
+            time.sleep(0.5)
+            page = c.get("/metrics").text
+    name = f"sglang-{version}-loaded-tp2{'-all' if all_schedulers else ''}.prom"
+    real = _scheduler_series((PAGES / name).read_text())
+    assert {tp for _, tp, _ in real} == {"0", "1"}
+    assert _scheduler_series(page) == real
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
     with _twin(version) as twin:
