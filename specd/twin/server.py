@@ -254,6 +254,10 @@ def resolve(
         profile = profile_for(args.sglang_version)
     except UnknownVersionError as exc:
         raise TwinConfigError(str(exc)) from None
+    removed = getattr(args, "removed_flag", None)
+    if removed is not None:
+        # A flag that version removed: its DeprecatedAction raises as argparse meets it.
+        raise TwinConfigError(f"ValueError: {removed}")
     if args.table and args.preset:
         raise TwinConfigError("give --table or --preset, not both")
     try:

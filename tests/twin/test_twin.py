@@ -138,6 +138,57 @@ def test_cli_exits_nonzero_with_one_line_error() -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+# SGLang reads its command line with argparse's parse_args over that version's options
+# (specd/twin/sglang_args.py OPTIONS, from its own add_cli_args): an option it lacks is
+# refused (exit 2) before anything starts, a flag it removed raises its ValueError (exit 1),
+# a unique prefix is that option. The twin kept every word it did not know, and took an
+# abbreviation of SGLang's for its own flag. (version, words, exit code, stderr's last line)
+REFUSED_COMMAND_LINES = [
+    pytest.param(
+        "0.5.23",
+        ["--mem-fraction-statik", "0.9"],
+        2,
+        "specd twin: error: unrecognized arguments: --mem-fraction-statik 0.9",
+        id="typo",
+    ),
+    pytest.param(
+        "0.5.4",
+        ["--admin-api-key", "k"],
+        2,
+        "specd twin: error: unrecognized arguments: --admin-api-key k",
+        id="newer-flag",
+    ),
+    pytest.param(
+        "0.5.13",
+        ["--enable-piecewise-cuda-graph"],
+        1,
+        "specd twin: error: ValueError: Deprecated: Piecewise cuda graph is enabled by default",
+        id="removed-flag",
+    ),
+]
+
+
+@pytest.mark.parametrize(("version", "words", "code", "says"), REFUSED_COMMAND_LINES)
+def test_a_command_line_that_sglang_refuses_is_refused(
+    version: str, words: list[str], code: int, says: str
+) -> None:
+    argv = [sys.executable, "-m", "specd.cli", "twin", "--sglang-version", version]
+    argv += [*SPEC4, "--port", str(free_port()), *words]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == code
+    assert proc.stderr.strip().splitlines()[-1].startswith(says)
+
+
+# What SGLang takes, the twin takes the same way: an unambiguous prefix of an SGLang option
+# (--gra is --grammar-backend), an alias of an option the twin models.
+def test_a_command_line_that_sglang_takes_is_read_as_sglang_reads_it() -> None:
+    args = _parse(["--gra", "xgrammar", "--attention-data-parallel-size", "2", "--tp-size", "2"])
+    assert args.ignored_args == ["--grammar-backend", "xgrammar"]
+    config = resolve(args)
+    assert (config.args.dp_size, config.args.enable_dp_attention) == (2, True)
+    assert Twin(config).server_arguments()["grammar_backend"] == "xgrammar"
+
+
 def test_port_0_serves_on_a_free_port_it_announces(tmp_path: Path) -> None:
     """`--port 0` (allowed by --help): the twin listens on a port the system picks, warms
     up on it, reports it in /server_info and says it in its 'listening on' line."""
