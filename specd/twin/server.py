@@ -151,8 +151,13 @@ def _resolve_dp_layout(args: argparse.Namespace, profile: Profile) -> None:
         args.enable_dp_attention = groups > 1
         if groups > 1:
             args.dp_size = groups
-    # SGLang also asserts tp_size % groups == 0 with attention DP; the twin has no TP ranks
-    # to split and lets it pass (tests run DP attention at the default --tp-size 1).
+    if args.enable_dp_attention and args.tp_size % args.dp_size:
+        # Attention DP splits one TP group: a bare assert in every version
+        # (_handle_data_parallelism; 0.5.23's parallel_hook), before anything loads.
+        raise TwinConfigError(
+            f"AssertionError: tp_size % dp_size == 0 with DP attention "
+            f"(--tp-size {args.tp_size}, {args.dp_size} attention DP groups)"
+        )
 
 
 def _max_running_per_rank(

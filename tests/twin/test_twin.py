@@ -634,7 +634,7 @@ DP_CAPACITY: list[Any] = [
     pytest.param("0.5.23", ["--max-running-requests", "4"], [4, 4], (2, 1), id="0.5.23-replicas"),
     pytest.param(
         "0.5.23",
-        ["--max-running-requests", "4", "--enable-dp-attention"],
+        ["--max-running-requests", "4", "--enable-dp-attention", "--tp-size", "2"],
         [2, 2],
         (1, 2),  # --dp-size 2 --enable-dp-attention resolves into --attn-dp-size 2
         id="0.5.23-dp-attention",
@@ -646,7 +646,7 @@ DP_CAPACITY: list[Any] = [
     pytest.param("0.5.4", ["--max-running-requests", "4"], [4, 4], (2, None), id="0.5.4-replicas"),
     pytest.param(
         "0.5.4",
-        ["--max-running-requests", "4", "--enable-dp-attention"],
+        ["--max-running-requests", "4", "--enable-dp-attention", "--tp-size", "2"],
         [2, 2],
         (2, None),
         id="0.5.4-dp-attention",
@@ -719,6 +719,8 @@ DP_LAYOUTS: list[Any] = [
     ),
     pytest.param("0.5.23", ["--enable-dp-attention"], 1, False, (1, 1, False), id="0.5.23-dp1"),
     pytest.param("0.5.23", ["--dp-size", "2"], 2, False, (2, 1, False), id="0.5.23-replicas"),
+    # Replicas are servers of their own, each with all --tp-size ranks: no need to divide.
+    pytest.param("0.5.23", ["--dp-size", "3"], 3, False, (3, 1, False), id="0.5.23-3-replicas"),
     # Before 0.5.23 DP attention at --dp-size 1 is turned off (and /server_info says so).
     pytest.param("0.5.13", ["--enable-dp-attention"], 1, False, (1, None, False), id="0.5.13-dp1"),
     pytest.param(
@@ -760,6 +762,10 @@ def test_dp_layout_as_each_version_resolves_it(
             1,
         ),
         ("0.5.23", ["--attn-dp-size", "0"], "--attn-dp-size must be positive (got 0)", 1),
+        # Attention DP groups split the TP ranks: SGLang asserts they divide them.
+        ("0.5.23", ["--attn-dp-size", "3"], "AssertionError: tp_size % dp_size == 0", 1),
+        ("0.5.13", ["--dp-size", "3", "--enable-dp-attention"], "AssertionError", 1),
+        ("0.5.4", ["--dp-size", "3", "--enable-dp-attention"], "AssertionError", 1),
     ],
 )
 def test_dp_layouts_sglang_refuses(version: str, flags: list[str], message: str, code: int) -> None:
