@@ -149,6 +149,17 @@ def _sglang_flags(sg: argparse._ArgumentGroup) -> None:
     ):
         sg.add_argument(flag, action="store_true")
     sg.add_argument("--max-running-requests", type=COUNT, default=None, help=COUNT.spec)
+    sg.add_argument(
+        "--max-total-tokens",
+        type=COUNT,
+        default=None,
+        help=f"KV pool size per scheduler, at most what memory gives ({COUNT.spec})",
+    )
+    sg.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: finished sequences leave the KV pool (nothing to evict)",
+    )
     sg.add_argument("--enable-metrics", action="store_true")
     sg.add_argument("--enable-metrics-for-all-schedulers", action="store_true")
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)

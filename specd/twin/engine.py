@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specd.twin.adaptive import Controller
-from specd.twin.exposition import MetricState
+from specd.twin.exposition import MetricState, cache_copies, cache_ranks
 from specd.twin.families import BY_NAME
 from specd.twin.table import PerfTable
 
@@ -29,6 +29,9 @@ MAX_BATCHES_PER_ADVANCE = 100_000
 IDLE_THROUGHPUT_RESET_S = 30.0
 # KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
 KV_TOKENS_PER_REQUEST = 8192
+# An eviction pass over the radix tree: a fixed cost and a little per token freed.
+EVICTION_S_BASE = 0.0005
+EVICTION_S_PER_TOKEN = 2e-7
 # What the twin's scheduler spends on a request before its decode: receiving it, and
 # prefilling its prompt (per token).
 REQUEST_PROCESS_S = 0.0002
@@ -54,7 +57,13 @@ class Request:
     produced: float = 0.0
     emitted: int = 0
     verifies: float = 0.0  # verify forwards that produced its tokens
+    retractions: int = 0  # times it was pushed back to the queue for lack of KV memory
     chunks: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots its sequence holds: the prompt and every token generated so far."""
+        return self.prompt_tokens + self.emitted
 
 
 @dataclass
@@ -81,6 +90,7 @@ class Engine:
         controller: Controller | None = None,
         accept_lengths: dict[int, float] | None = None,
         decode_log_interval: int = 40,
+        radix_cache: bool = True,
     ) -> None:
         self.table = table
         self.steps = steps  # the live tier under adaptive mode
@@ -104,6 +114,11 @@ class Engine:
         self._forwards = [0.0] * max(state.dp_size, 1)
         self._busy_forwards = [0.0] * max(state.dp_size, 1)
         self.decode_moments = [[0.0] * 6 for _ in range(max(state.dp_size, 1))]
+        # Each rank's prefix cache: the KV of finished sequences stays in the pool, evictable,
+        # least recently finished first (token counts); retractions since the last log.
+        self.radix_cache = radix_cache
+        self._cache: list[deque[int]] = [deque() for _ in range(max(state.dp_size, 1))]
+        self._retracted = [0] * max(state.dp_size, 1)
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         # Each DP rank's scheduler admits up to its own limit (max_running is their sum,
@@ -228,6 +243,8 @@ class Engine:
         if ranks == 1:
             admitted = False
             while self.waiting and len(self.running) < self.max_running:
+                if not self._fits(self.waiting[0]):
+                    break
                 self._start(self.waiting.popleft(), now)
                 admitted = True
             self._prefill_passes({0} if admitted else set())
@@ -239,7 +256,7 @@ class Engine:
         for req in list(self.waiting):
             if min(per_rank) >= self.max_running_per_rank:
                 break
-            if per_rank[req.rank] >= self.max_running_per_rank:
+            if per_rank[req.rank] >= self.max_running_per_rank or not self._fits(req):
                 continue  # its rank is full; a later request on another rank may go
             self.waiting.remove(req)
             per_rank[req.rank] += 1
@@ -252,13 +269,32 @@ class Engine:
         for rank in ranks:
             self.state.inc("sglang:cuda_graph_passes_total", 1, rank, (("mode", "prefill_none"),))
 
+    def _pool(self, rank: int) -> float:
+        """The rank's KV pool in tokens; unbounded when never sized (an engine driven
+        alone, without the server that sizes it)."""
+        total = self.state.get("sglang:max_total_num_tokens", rank)
+        return total if total > 0 else math.inf
+
+    def _fits(self, req: Request) -> bool:
+        """Whether the request's sequence fits the rank's KV pool beside its running ones
+        (the prefix cache gives way); a rank that runs nothing takes it regardless."""
+        running = [r for r in self.running if r.rank == req.rank]
+        total = self._pool(req.rank)
+        return not running or sum(r.kv_tokens for r in running) + req.kv_tokens <= total
+
     def _start(self, req: Request, now: float) -> None:
         req.admitted = now
         self.running.append(req)
+        st = self.state
+        if req.retractions:
+            # Back from a retraction: its prompt and output so far are prefilled again.
+            st.inc("sglang:realtime_tokens_total", req.kv_tokens, req.rank,
+                   (("mode", "prefill_compute"),))  # fmt: skip
+            self._make_room(req.rank)
+            return
         fam = BY_NAME["sglang:queue_time_seconds"]
         self.state.observe(fam, now - req.arrival, rank=req.rank)
         self.prefill_tokens[req.rank] += req.prompt_tokens
-        st = self.state
         st.inc("sglang:prefill_effective_tokens_total", req.prompt_tokens, req.rank,
                (("mode", "input"),))  # fmt: skip
         # The prefill log reports the tracker's ratio as it stands.
@@ -270,6 +306,55 @@ class Engine:
                    (("stage", "prefill_forward"),))  # fmt: skip
         self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
                        (("mode", "prefill_compute"),))  # fmt: skip
+        self._make_room(req.rank)
+
+    # -- the KV pool: prefix cache, eviction, retraction ------------------------------
+
+    def _make_room(self, rank: int, keep: frozenset[int] = frozenset()) -> None:
+        """Fit the rank's sequences into its KV pool, as SGLang's allocation does: evict
+        cached sequences (least recently finished first), and when the running ones alone
+        overflow it, retract them (fewest generated tokens first, then longest prompt; never
+        the last one, nor one finishing now: ``keep`` holds their ids) back to the queue."""
+        total = self._pool(rank)
+        running = [r for r in self.running if r.rank == rank]
+        used = sum(r.kv_tokens for r in running)
+        cache = self._cache[rank]
+        over = used + sum(cache) - total
+        freed = 0
+        while over > freed and cache:
+            freed += cache.popleft()
+        if freed:
+            self._evicted(rank, freed)
+        victims = sorted(
+            (r for r in running if id(r) not in keep),
+            key=lambda r: (r.emitted, -r.prompt_tokens),
+        )
+        while used > total and victims and len(running) > 1:
+            req = victims.pop(0)
+            running.remove(req)
+            used -= req.kv_tokens
+            self._retract(req)
+
+    def _evicted(self, rank: int, tokens: int) -> None:
+        st = self.state
+        key = rank if cache_ranks(st) != (-1,) else -1
+        copies = cache_copies(st)
+        counter = BY_NAME["sglang:evicted_tokens_total"]
+        variant = counter.variants[0]
+        st.inc(counter.name, tokens * copies, key, variant)
+        for _ in range(copies):
+            st.observe(BY_NAME["sglang:eviction_duration_seconds"], EVICTION_S_BASE +
+                       tokens * EVICTION_S_PER_TOKEN, key, variant)  # fmt: skip
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        req.retractions += 1
+        self.waiting.appendleft(req)
+        st, rank = self.state, req.rank
+        st.inc("sglang:num_retracted_requests_total", 1, rank)
+        st.inc("sglang:num_retracted_input_tokens_total", req.prompt_tokens, rank)
+        st.inc("sglang:num_retracted_output_tokens_total", req.emitted, rank)
+        self._retracted[rank] += 1
 
     def advance(self) -> None:
         now = self.clock()
@@ -322,6 +407,9 @@ class Engine:
                 self._stats[req.rank].tokens += whole - before
             if req.emitted >= req.max_tokens:
                 done.append(req)
+        finishing = frozenset(id(r) for r in done)
+        for rank in sizes:
+            self._make_room(rank, finishing)
         for req in done:
             self.running.remove(req)
             self._finish(req, now)
@@ -331,6 +419,8 @@ class Engine:
     def _finish(self, req: Request, now: float) -> None:
         req.finished = now
         req.chunks.put_nowait(None)
+        if self.radix_cache:
+            self._cache[req.rank].append(req.kv_tokens)  # stays in the pool, evictable
         st = self.state
         streaming = st.request_labels(req.streaming)
         first = req.first_token if req.first_token is not None else now
@@ -393,11 +483,16 @@ class Engine:
             queued = sum(1 for r in self.waiting if r.rank == rank)
             st.set("sglang:num_running_reqs", running, rank)
             st.set("sglang:num_queue_reqs", queued, rank)
-            used = sum(r.prompt_tokens + r.emitted for r in self.running if r.rank == rank)
+            used = sum(r.kv_tokens for r in self.running if r.rank == rank)
+            cached = sum(self._cache[rank])
             total = st.get("sglang:max_total_num_tokens", rank) or 1.0
             st.set("sglang:num_used_tokens", used, rank)
             st.set("sglang:kv_used_tokens", used, rank)
-            st.set("sglang:kv_available_tokens", total - used, rank)
+            st.set("sglang:kv_evictable_tokens", cached, rank)
+            st.set("sglang:kv_available_tokens", total - used - cached, rank)
+            # Retractions since the last log (then cleared, as SGLang's reporter does).
+            st.set("sglang:num_retracted_reqs", self._retracted[rank], rank)
+            self._retracted[rank] = 0
             st.set("sglang:token_usage", used / total, rank)
             st.set("sglang:full_token_usage", used / total, rank)
             st.set("sglang:decode_sum_seq_lens", used, rank)

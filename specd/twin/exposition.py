@@ -79,6 +79,11 @@ class MetricState:
     def get(self, name: str, rank: int = -1, labels: Labels = ()) -> float:
         return self.values.get((name, rank, labels), 0.0)
 
+    def touched(self, name: str, rank: int, labels: Labels) -> bool:
+        """Whether the series was ever set, added to or observed."""
+        key = (name, rank, labels)
+        return key in self.values or key in self.hists
+
     def request_labels(self, streaming: bool) -> Labels:
         """The extra labels of a finished request's series at this version."""
         if not self.profile.req_streaming_label:
@@ -182,7 +187,8 @@ def _series(state: MetricState, family: Family) -> list[Series]:
     for rank in ranks:
         for variant in family.variants:
             key = (family.name, rank, variant)
-            if family.scope in LAZY_SCOPES and key not in state.values and key not in state.hists:
+            lazy = family.lazy or family.scope in LAZY_SCOPES
+            if lazy and not state.touched(*key):
                 continue
             # The TP ranks of a DP rank run the same batches: one value stands for all.
             for tp in _reporting_tp(state, family, variant):
@@ -205,15 +211,35 @@ def _cache_series(state: MetricState, family: Family) -> list[Series]:
     adds all of them into one series; since, their rank labels set them apart, except that
     replicas (no DP attention) all say dp_rank 0 and add up per TP rank. One value per DP
     rank stands for all its TP ranks (they evict alike)."""
+    ranks = cache_ranks(state)
+    seen = [
+        (rank, variant)
+        for rank in ranks
+        for variant in family.variants
+        if state.touched(family.name, rank, variant)
+    ]  # the cache's series come with its first eviction
     if not state.profile.cache_rank_labels:
-        return [(-1, variant, {}) for variant in family.variants]
-    keys = range(state.dp_size) if state.dp_attention else (-1,)
+        return [(rank, variant, {}) for rank, variant in seen]
     return [
         (rank, variant, _base_labels(state, CACHE, rank, tp))
-        for rank in keys
+        for rank, variant in seen
         for tp in range(_group_tp(state))
-        for variant in family.variants
     ]
+
+
+def cache_ranks(state: MetricState) -> tuple[int, ...]:
+    """The value keys of the radix cache's series: one per attention-DP group in 0.5.2x;
+    else one (-1), which replicas (dp_rank 0 each in 0.5.2x) and, before, every cache of
+    every TP rank add up to in multiprocess mode."""
+    if state.profile.cache_rank_labels and state.dp_attention:
+        return tuple(range(state.dp_size))
+    return (-1,)
+
+
+def cache_copies(state: MetricState) -> int:
+    """How many TP ranks' caches one series adds up: before 0.5.2x (cache_type alone) every
+    TP rank of a DP rank, evicting alike; since, each has its own series."""
+    return 1 if state.profile.cache_rank_labels else _group_tp(state)
 
 
 def render(state: MetricState, families: tuple[Family, ...] | None = None) -> str:
@@ -285,4 +311,13 @@ def serve_page(
     return body, headers
 
 
-__all__ = ["PLAIN", "Hist", "MetricState", "render", "scheduler_pid", "serve_page"]
+__all__ = [
+    "PLAIN",
+    "Hist",
+    "MetricState",
+    "cache_copies",
+    "cache_ranks",
+    "render",
+    "scheduler_pid",
+    "serve_page",
+]

@@ -478,6 +478,7 @@ class Twin:
             controller=self._controller(),
             accept_lengths=config.accept_lengths,
             decode_log_interval=self.args.decode_log_interval,
+            radix_cache=not self.args.disable_radix_cache,
         )
         self._init_metrics()
 
@@ -517,6 +518,9 @@ class Twin:
         per_rank = self.config.max_running_per_rank
         for rank in range(a.dp_size):
             total = float(per_rank * KV_TOKENS_PER_REQUEST)
+            if a.max_total_tokens:
+                # SGLang takes --max-total-tokens where memory holds it (a warning if not).
+                total = min(total, float(a.max_total_tokens))
             st.set("sglang:max_total_num_tokens", total, rank)
             st.set("sglang:num_pages", total, rank)
             st.set("sglang:kv_available_tokens", total, rank)

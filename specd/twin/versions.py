@@ -195,6 +195,9 @@ _AFTER_0_5_11 = _AFTER_0_5_13 | {
 }
 # Added between 0.5.4 and 0.5.11.
 _AFTER_0_5_4 = _AFTER_0_5_11 | {
+    "sglang:num_retracted_requests_total",
+    "sglang:num_retracted_input_tokens_total",
+    "sglang:num_retracted_output_tokens_total",
     "sglang:prompt_tokens_histogram",
     "sglang:generation_tokens_histogram",
     "sglang:cuda_graph_passes_total",
@@ -276,9 +279,13 @@ CUDA_GRAPH_PASSES = "sglang:cuda_graph_passes_total"
 # Every TP rank: each request's queue time and stages (0.5.4: scheduler.py and
 # Req.add_latency; 0.5.11+: req_time_stats, its collector set on every rank).
 _EVERY_RANK_0_5_4 = frozenset({"sglang:queue_time_seconds", "sglang:per_stage_req_latency_seconds"})
-# 0.5.11-0.5.13: also emit_constants at start and each decode pass.
+# 0.5.11-0.5.13: also emit_constants at start, each decode pass, and each retraction
+# (scheduler.py: gated on enable_metrics).
 _EVERY_RANK_0_5_11 = _EVERY_RANK_0_5_4 | {
     CUDA_GRAPH_PASSES,
+    "sglang:num_retracted_requests_total",
+    "sglang:num_retracted_input_tokens_total",
+    "sglang:num_retracted_output_tokens_total",
     "sglang:max_total_num_tokens",
     "sglang:page_size",
     "sglang:num_pages",

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -362,7 +363,8 @@ def _shape(text: str) -> dict[str, tuple[str, str, frozenset[frozenset[str]]]]:
 
 
 def test_exposition_matches_real_sglang_page() -> None:
-    with TwinProcess([*SPEC4, "--enable-metrics", *FAST]) as twin:
+    # A 48-token KV pool: the twin's prefix cache evicts, as the real page's server had.
+    with TwinProcess([*SPEC4, "--enable-metrics", "--max-total-tokens", "48", *FAST]) as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
@@ -867,12 +869,17 @@ def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
     radix: list[tuple[str, str]],
 ) -> None:
     args = [*SPEC4, "--enable-metrics", "--sglang-version", version, "--dp-size", "2"]
-    args += ["--tp-size", "4", "--max-running-requests", "6", *flags, *FAST]
+    args += ["--tp-size", "4", "--max-running-requests", "6", "--max-total-tokens", "2000"]
+    args += [*flags, *FAST]
     body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
     with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
         twin.wait_healthy(20)
         client = httpx.Client(base_url=twin.url, timeout=20)
         streams.callback(client.close)
+        # Two 1000-token prompts per DP rank: the second needs the first's cached slots in
+        # the 2000-token pool, so every rank's radix cache evicts (its series appear).
+        for _ in range(4):
+            client.post("/v1/completions", json={"prompt": "w " * 1000, "max_tokens": 1})
         for _ in range(14):  # more than the server runs: some queue
             # Open (the twin answers the headers once the request is in), never read.
             streams.enter_context(client.stream("POST", "/v1/completions", json=body))
@@ -948,3 +955,38 @@ def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
         assert parsed.scheduler_pids == {str(p) for p in info["scheduler_pids"]}
     else:
         assert len(parsed.scheduler_pids) == dp * width
+
+
+# Out of KV memory, SGLang pushes running requests back to the queue and counts each in
+# sglang:num_retracted_requests_total, from every TP rank's scheduler (0.5.11+: gated on
+# --enable-metrics alone): specd reads one TP rank's count, not their sum. 0.5.4 has no such
+# counter. The twin never ran out of KV memory (its pool had no size to fill).
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.13", "0.5.4"])
+def test_retractions_are_counted_on_every_tp_rank_and_read_once(version: str) -> None:
+    args = [*SPEC4, "--enable-metrics", "--sglang-version", version, "--tp-size", "2"]
+    args += ["--max-running-requests", "4", "--max-total-tokens", "150", *FAST]
+    with TwinProcess(args) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=60) as client:
+            body = {"prompt": "a b c", "max_tokens": 60}
+            with ThreadPoolExecutor(4) as pool:  # 4 x 63 tokens: more than the pool holds
+                done = list(pool.map(lambda _: client.post("/v1/completions", json=body), "abcd"))
+            page = client.get("/metrics").text
+        with SGLangClient(twin.url, timeout_s=5.0) as reader:
+            obs = reader.observe()
+    # Every request still finished: a retracted one waits, is prefilled again, goes on.
+    assert [r.json()["usage"]["completion_tokens"] for r in done] == [60] * 4
+    counted = _label_sets(page, "sglang:num_retracted_requests_total", ("tp_rank",))
+    values = {
+        s.labels["tp_rank"]: s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_retracted_requests_total"
+    }
+    assert isinstance(obs, Observation), obs
+    if version == "0.5.4":
+        assert (counted, obs.retracted_total) == ([], None)
+        return
+    assert counted == [("0",), ("1",)]
+    assert values["0"] == values["1"] >= 1
+    assert obs.retracted_total == values["0"]
