@@ -26,7 +26,9 @@ from specd.twin.table import PerfTable
 TICK_S = 0.05
 # A stalled event loop must not turn one advance() into an unbounded loop of verify batches.
 MAX_BATCHES_PER_ADVANCE = 100_000
-IDLE_THROUGHPUT_RESET_S = 30.0
+# An idle scheduler logs its stats again only this long after its last log (every version
+# here; 0.5.23 also at once when its running gauge no longer matches the running batch).
+IDLE_LOG_EVERY_S = 30.0
 # KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
 KV_TOKENS_PER_REQUEST = 8192
 # An eviction pass over the radix tree: a fixed cost and a little per token freed.
@@ -68,10 +70,13 @@ class Request:
 
 @dataclass
 class _RankStats:
+    """One scheduler's reporting: tokens since its last decode log, the decode batches run
+    at that log, when it was, and when it last logged its stats at all."""
+
     tokens: float = 0.0
-    verify_calls: float = 0.0
-    last_accept: float = 0.0
-    last_throughput: float = 0.0
+    logged_batches: float = 0.0
+    decode_log_t: float = 0.0
+    log_t: float = 0.0
 
 
 class Engine:
@@ -135,8 +140,8 @@ class Engine:
         self._rr = itertools.cycle(range(state.dp_size))
         self._last = clock()
         self._wake = asyncio.Event()
-        self._stats = [_RankStats() for _ in range(state.dp_size)]
-        self._last_busy = clock()
+        start = clock()
+        self._stats = [_RankStats(decode_log_t=start, log_t=start) for _ in range(state.dp_size)]
         self._last_report = clock()
 
     # -- requests --------------------------------------------------------------------
@@ -367,14 +372,14 @@ class Engine:
                 self._busy_forwards[rank] = 0.0
         if not self.running:
             return
-        self._last_busy = now
         gained, verifies = self._decode(dt)
         # Every running request takes part in each of its rank's decode batches.
         sizes: dict[int, int] = {}
         for req in self.running:
             sizes[req.rank] = sizes.get(req.rank, 0) + 1
         for rank, size in sizes.items():
-            self._decode_batches[rank] += verifies
+            # A verify per decode batch, or a token per batch without speculation.
+            self._decode_batches[rank] += verifies if verifies > 0 else gained
             # A decode forward per verify, or per token without speculation.
             before = self._forwards[rank]
             self._forwards[rank] += verifies if verifies > 0 else gained
@@ -405,11 +410,18 @@ class Engine:
                 req.emitted = whole
                 req.chunks.put_nowait(whole - before)
                 self._stats[req.rank].tokens += whole - before
+                # Counted at every decode batch (0.5.11+), not at the decode log.
+                self.state.inc("sglang:realtime_tokens_total", whole - before, req.rank,
+                               (("mode", "decode"),))  # fmt: skip
             if req.emitted >= req.max_tokens:
                 done.append(req)
         finishing = frozenset(id(r) for r in done)
         for rank in sizes:
             self._make_room(rank, finishing)
+        # SGLang logs a rank's stats at its decode batch, the finishing requests still in it.
+        logged = [self._maybe_decode_log(rank, now) for rank in sizes]
+        if any(logged):
+            self._window = [0.0, 0.0, 0.0]
         for req in done:
             self.running.remove(req)
             self._finish(req, now)
@@ -472,56 +484,89 @@ class Engine:
     # -- reporting (SGLang's decode log interval) --------------------------------------
 
     def report(self) -> None:
+        """Each rank's scheduler's logs between decode logs (every --report-interval-s).
+
+        A busy scheduler's running, queued and memory gauges are refreshed (SGLang logs them
+        at each prefill batch besides its decode logs). Throughput and the speculative gauges
+        change only at a decode log (`_maybe_decode_log`, as the batches run): every
+        --decode-log-interval decode batches, so the warm-up's few leave them at 0. An idle
+        scheduler logs (gen_throughput 0, the rest as they stand) only IDLE_LOG_EVERY_S after
+        its last log, so until then its gauges show the last batch; 0.5.23 logs at once when
+        its running gauge is stale."""
         self.advance()
         now = self.clock()
-        interval = max(now - self._last_report, 1e-6)
-        self._last_report = now
         st = self.state
-        idle_for = now - self._last_busy if not self.running else 0.0
         for rank, stats in enumerate(self._stats):
             running = sum(1 for r in self.running if r.rank == rank)
             queued = sum(1 for r in self.waiting if r.rank == rank)
-            st.set("sglang:num_running_reqs", running, rank)
-            st.set("sglang:num_queue_reqs", queued, rank)
-            used = sum(r.kv_tokens for r in self.running if r.rank == rank)
-            cached = sum(self._cache[rank])
-            total = st.get("sglang:max_total_num_tokens", rank) or 1.0
-            st.set("sglang:num_used_tokens", used, rank)
-            st.set("sglang:kv_used_tokens", used, rank)
-            st.set("sglang:kv_evictable_tokens", cached, rank)
-            st.set("sglang:kv_available_tokens", total - used - cached, rank)
-            # Retractions since the last log (then cleared, as SGLang's reporter does).
-            st.set("sglang:num_retracted_reqs", self._retracted[rank], rank)
-            self._retracted[rank] = 0
-            st.set("sglang:token_usage", used / total, rank)
-            st.set("sglang:full_token_usage", used / total, rank)
-            st.set("sglang:decode_sum_seq_lens", used, rank)
-            if stats.tokens > 0:
-                stats.last_throughput = stats.tokens / interval
-                st.inc("sglang:realtime_tokens_total", stats.tokens, rank, (("mode", "decode"),))
-                st.set("sglang:gen_throughput", stats.last_throughput, rank)
-                if self.controller is not None:
-                    self._report_adaptive(rank)
-                elif self.steps > 0:
-                    noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
-                    accept = min(max(noisy, 1.0), float(self.steps + 1))
-                    st.set("sglang:spec_accept_length", accept, rank)
-                    if not st.profile.accept_rate_of_drafts:
-                        # Before 0.5.11 the gauge was tokens per verify over draft tokens.
-                        rate = accept / self.draft_tokens if self.draft_tokens else 0
-                    elif self.draft_tokens > 1:
-                        rate = (accept - 1) / (self.draft_tokens - 1)
-                    else:
-                        rate = 0
-                    st.set("sglang:spec_accept_rate", rate, rank)
-                stats.tokens = 0.0
-            elif idle_for >= IDLE_THROUGHPUT_RESET_S:
+            if running or queued:
+                self._log_batch(rank, running, queued)
+                stats.log_t = now
+                continue
+            st.inc("sglang:scheduler_idle_seconds_total", max(now - self._last_report, 0.0), rank)
+            stale = st.profile.idle_log_when_stale and st.get("sglang:num_running_reqs", rank) != 0
+            if stale or now - stats.log_t > IDLE_LOG_EVERY_S:
+                self._log_batch(rank, 0, 0)
                 st.set("sglang:gen_throughput", 0.0, rank)
-            if not self.running:
-                st.inc(
-                    "sglang:scheduler_idle_seconds_total", interval, rank
-                )  # idle time while nothing runs
-        self._window = [0.0, 0.0, 0.0]
+                stats.log_t = now
+        self._last_report = now
+
+    def _log_batch(self, rank: int, running: int, queued: int) -> None:
+        """The gauges every log sets: load and the KV pool."""
+        st = self.state
+        st.set("sglang:num_running_reqs", running, rank)
+        st.set("sglang:num_queue_reqs", queued, rank)
+        used = sum(r.kv_tokens for r in self.running if r.rank == rank)
+        cached = sum(self._cache[rank])
+        total = st.get("sglang:max_total_num_tokens", rank) or 1.0
+        st.set("sglang:num_used_tokens", used, rank)
+        st.set("sglang:kv_used_tokens", used, rank)
+        st.set("sglang:kv_evictable_tokens", cached, rank)
+        st.set("sglang:kv_available_tokens", total - used - cached, rank)
+        # Retractions since the last log (then cleared, as SGLang's reporter does).
+        st.set("sglang:num_retracted_reqs", self._retracted[rank], rank)
+        self._retracted[rank] = 0
+        st.set("sglang:token_usage", used / total, rank)
+        st.set("sglang:full_token_usage", used / total, rank)
+        st.set("sglang:decode_sum_seq_lens", used, rank)
+
+    def _maybe_decode_log(self, rank: int, now: float) -> bool:
+        """The rank's decode log, if it has run another --decode-log-interval batches."""
+        stats, every = self._stats[rank], self.decode_log_interval
+        if math.floor(self._decode_batches[rank] / every) <= math.floor(
+            stats.logged_batches / every
+        ):
+            return False
+        running = sum(1 for r in self.running if r.rank == rank)
+        queued = sum(1 for r in self.waiting if r.rank == rank)
+        self._log_batch(rank, running, queued)
+        self._decode_log(rank, stats, now)
+        return True
+
+    def _decode_log(self, rank: int, stats: _RankStats, now: float) -> None:
+        """The figures of a decode log: throughput over the time since the previous one
+        (idle time included, as SGLang's gap), the window's accept length, the live setting."""
+        st = self.state
+        st.set("sglang:gen_throughput", stats.tokens / max(now - stats.decode_log_t, 1e-6), rank)
+        if self.controller is not None:
+            self._report_adaptive(rank)
+        elif self.steps > 0:
+            noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
+            accept = min(max(noisy, 1.0), float(self.steps + 1))
+            st.set("sglang:spec_accept_length", accept, rank)
+            if not st.profile.accept_rate_of_drafts:
+                # Before 0.5.11 the gauge was tokens per verify over draft tokens.
+                rate = accept / self.draft_tokens if self.draft_tokens else 0
+            elif self.draft_tokens > 1:
+                rate = (accept - 1) / (self.draft_tokens - 1)
+            else:
+                rate = 0
+            st.set("sglang:spec_accept_rate", rate, rank)
+            st.set("sglang:spec_num_steps", float(self.steps), rank)
+            st.set("sglang:spec_num_draft_tokens", float(self.draft_tokens), rank)
+        stats.tokens = 0.0
+        stats.logged_batches = self._decode_batches[rank]
+        stats.decode_log_t = stats.log_t = now
 
     def _report_adaptive(self, rank: int) -> None:
         """SGLang's decode-log figures under adaptive mode: accept length over the window's

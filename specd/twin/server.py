@@ -536,8 +536,6 @@ class Twin:
             # set both to 0.0 (0.5.11-0.5.13 pass 0.0; 0.5.4 never sets its stats' 0.0).
             st.set("sglang:engine_startup_time", 0.0, rank)
             st.set("sglang:engine_load_weights_time", 0.0, rank)
-            st.set("sglang:spec_num_steps", float(self.config.steps), rank)
-            st.set("sglang:spec_num_draft_tokens", float(self.config.draft_tokens), rank)
             st.set("sglang:is_cuda_graph", 1.0, rank)
             st.set("sglang:fwd_occupancy", float("nan"), rank)
             for gt, le in (("0", "1"), ("1", "2"), ("2", "3"), ("3", "5"), ("5", "7"),

@@ -83,6 +83,9 @@ class Profile:
     # --enable-metrics-for-all-schedulers. Read from each version's scheduler code and
     # checked against the --tp-size 2 pages its collectors wrote.
     every_rank: frozenset[str] = frozenset()
+    # An idle scheduler logs at once when its running gauge no longer matches its running
+    # batch (0.5.23's _maybe_log_idle_metrics); before, only 30 s after its last log.
+    idle_log_when_stale: bool = False
 
     def every_rank_emits(self, family: Family, variant: Labels) -> bool:
         """Whether each TP rank's scheduler has this series (not only the reporting one)."""
@@ -429,6 +432,7 @@ PROFILES: dict[str, Profile] = {
     "0.5.23": Profile(
         version="0.5.23",
         every_rank=_EVERY_RANK_0_5_23,
+        idle_log_when_stale=True,
         families=FAMILIES,
         sched_moe_label=True,
         req_engine_label=True,

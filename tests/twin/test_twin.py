@@ -465,6 +465,8 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
     assert not _port_open(port)
     seen: list[str] = []
     args = [*SPEC4, "--enable-metrics", "--load-time-s", "1.0", "--warmup-s", "0.8"]
+    # A decode log per batch: the warm-up's sets sglang:spec_num_steps (read below).
+    args += ["--decode-log-interval", "1"]
     with TwinProcess(args, port=port) as twin:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -921,7 +923,9 @@ def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
     version: str, flags: list[str], dp: int, width: int
 ) -> None:
     args = [*SPEC4, "--enable-metrics", "--enable-metrics-for-all-schedulers", "--tp-size", "4"]
-    args += ["--dp-size", str(dp), "--sglang-version", version, *flags, *FAST]
+    # A decode log per batch: the accept length is reported within the test's 0.6 s.
+    args += ["--dp-size", str(dp), "--sglang-version", version, "--decode-log-interval", "1"]
+    args += [*flags, *FAST]
     body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
     with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
         twin.wait_healthy(20)

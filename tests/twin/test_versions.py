@@ -161,7 +161,8 @@ ENDPOINTS = [
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_endpoints_and_reported_version(version: str) -> None:
-    with _twin(version) as twin:
+    # A decode log per decode batch: the warm-up's set the step gauge (see below).
+    with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=10) as c:
             for path, have in ENDPOINTS:
@@ -172,6 +173,43 @@ def test_endpoints_and_reported_version(version: str) -> None:
     assert info["speculative_num_steps"] == 4
     steps = _samples(page, "sglang:spec_num_steps")
     assert [v for _, v in steps] == ([] if version in ("0.5.4", "0.5.11") else [4.0])
+
+
+def _value(page: str, name: str) -> float:
+    (value,) = [v for _, v in _samples(page, name)]
+    return value
+
+
+# SGLang sets its throughput and speculative gauges at a decode log, every
+# --decode-log-interval (40) decode batches: the warm-up's two leave them at 0, and one log
+# per batch sets them at once. An idle scheduler logs again 30 s after its last log (0.5.23:
+# at once when its running gauge is stale, with gen_throughput 0): until then the page shows
+# its last batch. The twin set the step gauges at start and refreshed every gauge each second.
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.23"])
+def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            fresh = c.get("/metrics").text
+            c.post("/v1/completions", json={"prompt": "p", "max_tokens": 300})  # ~80 batches
+            time.sleep(0.5)  # reports of an idle scheduler
+            idle = c.get("/metrics").text
+    with _twin(version, "--decode-log-interval", "1") as twin:
+        twin.wait_healthy(20)
+        logged = httpx.get(twin.url + "/metrics", timeout=10).text
+    for name in ("spec_num_steps", "spec_num_draft_tokens", "spec_accept_length"):
+        assert _value(fresh, f"sglang:{name}") == 0.0, name
+    assert (_value(logged, "sglang:spec_num_steps"), _value(idle, "sglang:spec_num_steps")) == (
+        4.0,
+        4.0,
+    )
+    assert _value(idle, "sglang:spec_accept_length") > 1.0
+    if version == "0.5.23":
+        assert _value(idle, "sglang:num_running_reqs") == 0.0
+        assert _value(idle, "sglang:gen_throughput") == 0.0
+    else:  # the last decode log's, for up to 30 s
+        assert _value(idle, "sglang:num_running_reqs") == 1.0
+        assert _value(idle, "sglang:gen_throughput") > 0.0
 
 
 @pytest.mark.parametrize(
