@@ -16,6 +16,8 @@ from factories import FAST_TWIN_VERSION_ARGS, SPEC4_ARGS, version_server_info
 from factories import version_twin as _twin
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.core.observation import Observation
+from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
 from specd.twin import cli as twin_cli
 from specd.twin.process import TwinProcess
 from specd.twin.server import TwinConfigError, resolve
@@ -210,6 +212,25 @@ def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
     else:  # the last decode log's, for up to 30 s
         assert _value(idle, "sglang:num_running_reqs") == 1.0
         assert _value(idle, "sglang:gen_throughput") > 0.0
+
+
+# What specd reads of an idle server that still shows its last batch (0.5.13) or not (0.5.23):
+# the gauge at first (one page cannot tell), none running once no forward pass was counted
+# for STALE_LOAD_AFTER_S. It read the 0.5.13 server as running one request for 30 s.
+@pytest.mark.parametrize(("version", "shown"), [("0.5.13", 1), ("0.5.23", 0)])
+def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown: int) -> None:
+    with _twin(version) as twin, SGLangClient(twin.url, timeout_s=5.0) as reader:
+        twin.wait_healthy(20)
+        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 300}, timeout=20)
+        time.sleep(0.5)  # reports of an idle scheduler
+        first = reader.observe()
+        time.sleep(STALE_LOAD_AFTER_S + 0.5)
+        later = reader.observe()
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+    assert isinstance(first, Observation), first
+    assert isinstance(later, Observation), later
+    assert _value(page, "sglang:num_running_reqs") == shown
+    assert (first.running, later.running, later.spec_fresh) == (shown, 0, False)
 
 
 @pytest.mark.parametrize(
