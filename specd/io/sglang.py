@@ -378,11 +378,18 @@ def _spec_on(info: Mapping[str, Any] | None) -> bool | None:
 
 
 def _live(
-    metric: int | None, from_info: int | None, spec_on: bool | None, adaptive: bool
+    metric: int | None,
+    from_info: int | None,
+    spec_on: bool | None,
+    adaptive: bool,
+    drafted: bool,
 ) -> int | None:
-    # Before the first decode report a speculative server's gauge may still read its
-    # default 0; only adaptive mode (0 = "no drafting" tier) makes 0 a real value then.
-    if metric is not None and (metric > 0 or spec_on is not True or adaptive):
+    # Until its first decode log (40 decode batches after a start) a speculative server's
+    # gauge reads its default 0; only adaptive mode (0 = "no drafting" tier) makes 0 a real
+    # value then. Without /server_info the page itself says whether it drafted: its verify
+    # steps (spec_verify_calls_total, there wherever the gauge is).
+    unknown_zero = spec_on is True or (spec_on is None and drafted)
+    if metric is not None and (metric > 0 or adaptive or not unknown_zero):
         return metric
     if spec_on is False:
         return 0
@@ -477,14 +484,15 @@ def observation_from(
     )
     page_steps = _within(parsed.steps, MAX_STEPS, rejected, "steps")
     page_drafts = _within(parsed.draft_tokens, MAX_DRAFT_TOKENS, rejected, "draft_tokens")
+    drafted = (parsed.spec_verify_calls_total or 0) > 0
     obs = Observation(
         t=t,
         running=parsed.running,
         queued=parsed.queued,
         accept_length=parsed.accept_length if spec_on is not False else None,
         spec_fresh=parsed.spec_fresh,
-        steps=_live(page_steps, info_steps, spec_on, adaptive),
-        draft_tokens=_live(page_drafts, info_drafts, spec_on, adaptive),
+        steps=_live(page_steps, info_steps, spec_on, adaptive, drafted),
+        draft_tokens=_live(page_drafts, info_drafts, spec_on, adaptive, drafted),
         topk=_int_field(server_info, "speculative_eagle_topk") if spec_on is not False else None,
         algorithm=_str_field(server_info, "speculative_algorithm") if spec_on else None,
         max_running_requests=_effective_max_running(server_info, parsed.dp_ranks),

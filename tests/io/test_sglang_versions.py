@@ -75,6 +75,19 @@ def test_without_server_info_old_versions_have_no_live_steps(version: str) -> No
     assert obs.running == 13
 
 
+# A fresh SGLang (its warm-up short of a decode log) shows spec_num_steps 0 while it runs 4
+# steps: without /server_info that 0 is no step count (its verify steps say it drafts),
+# where specd read it as 0 steps, a server running something else (a restart it did not
+# make, a change to want). With /server_info, its step count (above).
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v not in OLD])
+def test_a_fresh_servers_zero_step_gauge_is_no_step_count(version: str) -> None:
+    parsed = parse_metrics(page(version, "fresh"))
+    assert isinstance(parsed, ParsedMetrics), parsed
+    assert (parsed.steps, parsed.draft_tokens, parsed.spec_verify_calls_total) == (0, 0, 2.0)
+    obs = observation_from(parsed, None, t=5.0)
+    assert (obs.steps, obs.draft_tokens) == (None, None)
+
+
 @pytest.mark.parametrize("sglang", [(v, True) for v in VERSIONS], indirect=True, ids=list(VERSIONS))
 def test_client_reads_each_version_over_http(sglang: StaticSGLang) -> None:
     version = sglang.version
