@@ -496,14 +496,23 @@ class Engine:
         self.advance()
         now = self.clock()
         st = self.state
+        spent = max(now - self._last_report, 0.0)
         for rank, stats in enumerate(self._stats):
             running = sum(1 for r in self.running if r.rank == rank)
             queued = sum(1 for r in self.waiting if r.rank == rank)
-            if running or queued:
+            # 0.5.23's scheduler time accounting: its loop polls without sleeping (unless
+            # --sleep-on-idle), so its process burns a core; the loop's time goes to the
+            # batch it runs, or to idle.
+            st.inc("sglang:scheduler_process_cpu_seconds_total", spent, rank)
+            busy = running or queued
+            stage = ("category", "run_batch" if busy else "idle")
+            st.inc("sglang:scheduler_stage_seconds_total", spent, rank,
+                   (stage, ("forward_overlap", "none")))  # fmt: skip
+            if busy:
                 self._log_batch(rank, running, queued)
                 stats.log_t = now
                 continue
-            st.inc("sglang:scheduler_idle_seconds_total", max(now - self._last_report, 0.0), rank)
+            st.inc("sglang:scheduler_idle_seconds_total", spent, rank)
             stale = st.profile.idle_log_when_stale and st.get("sglang:num_running_reqs", rank) != 0
             if stale or now - stats.log_t > IDLE_LOG_EVERY_S:
                 self._log_batch(rank, 0, 0)

@@ -435,7 +435,12 @@ FAMILIES: tuple[Family, ...] = (
         C,
         "Total CPU time consumed by this process (user + system)",
         PLAIN,
-        variants=((("component", "detokenizer"),), (("component", "tokenizer"),)),
+        variants=(
+            (("component", "detokenizer"),),
+            (("component", "tokenizer"),),
+            (("component", "data_parallel_controller"),),
+        ),
+        lazy=True,
     ),
     Family(
         "sglang:dp_attention_token_imbalance_ratio",

@@ -67,6 +67,8 @@ GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_de
                 "draft_extend")  # fmt: skip
 SPEC_GRAPH_SHARES = {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
 DECODE_GRAPH_PHASES = ("decode", "target_verify", "draft_decode", "draft_extend")
+# cpu_monitor.start_cpu_monitor_thread's default interval.
+CPU_MONITOR_S = 5.0
 log = logging.getLogger("specd.twin")
 WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
 
@@ -1167,6 +1169,27 @@ class Twin:
             await asyncio.sleep(interval)
             self.engine.report()
 
+    async def cpu_monitor(self) -> None:
+        """SGLang's cpu_monitor threads (0.5.11+): each process adds the CPU time it used to
+        sglang:process_cpu_seconds_total{component} every 5 s, from before the model loads
+        (so a ready server has its series). The twin is all of them in one process: the
+        tokenizer gets half of its CPU time, the detokenizer and, with several DP ranks,
+        the DP controller the rest."""
+        components = ["tokenizer", "detokenizer"]
+        if self.args.dp_size > 1:
+            components.append("data_parallel_controller")
+        shares = {"tokenizer": 0.5}
+        rest = 0.5 / (len(components) - 1)
+        last = time.process_time()
+        while True:
+            now = time.process_time()
+            for component in components:
+                self.state.inc("sglang:process_cpu_seconds_total",
+                               (now - last) * shares.get(component, rest), -1,
+                               (("component", component),))  # fmt: skip
+            last = now
+            await asyncio.sleep(CPU_MONITOR_S)
+
 
 def _bad_request(message: str) -> dict[str, Any]:
     """SGLang's ErrorResponse for a request it cannot validate (its RequestValidationError
@@ -1257,6 +1280,7 @@ async def _main(config: TwinConfig) -> int:
     print(f"[twin] listening on http://{args.host}:{args.port} ({mode})",
           file=sys.stderr, flush=True)  # fmt: skip
     tasks = [asyncio.create_task(twin.engine.run()), asyncio.create_task(twin.reporter())]
+    tasks.append(asyncio.create_task(twin.cpu_monitor()))
     try:
         try:
             await asyncio.wait_for(stop.wait(), timeout=max(args.warmup_s, 0.0))

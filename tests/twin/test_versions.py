@@ -20,7 +20,7 @@ from specd.core.observation import Observation
 from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
 from specd.twin import cli as twin_cli
 from specd.twin.process import TwinProcess
-from specd.twin.server import TwinConfigError, resolve
+from specd.twin.server import CPU_MONITOR_S, TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
 PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
@@ -231,6 +231,36 @@ def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown
     assert isinstance(later, Observation), later
     assert _value(page, "sglang:num_running_reqs") == shown
     assert (first.running, later.running, later.spec_fresh) == (shown, 0, False)
+
+
+# SGLang's processes add the CPU time they used to sglang:process_cpu_seconds_total every 5 s
+# from before the model loads (0.5.11+; the DP controller too, with several DP ranks), and
+# 0.5.23's schedulers, polling without sleep, count their CPU and loop time on every TP
+# rank. The twin left all of them at 0, and had no DP controller.
+def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
+    with _twin("0.5.23", "--dp-size", "2", "--tp-size", "2") as twin:
+        twin.wait_healthy(20)
+        first = httpx.get(twin.url + "/metrics", timeout=10).text
+        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 100}, timeout=20)
+        time.sleep(CPU_MONITOR_S + 0.5)
+        later = httpx.get(twin.url + "/metrics", timeout=10).text
+    used = {
+        labels["component"]: value
+        for labels, value in _samples(later, "sglang:process_cpu_seconds_total")
+    }
+    assert set(used) == {"tokenizer", "detokenizer", "data_parallel_controller"}
+    assert _total(later, "sglang:process_cpu_seconds_total") > _total(
+        first, "sglang:process_cpu_seconds_total"
+    )
+    scheduler = _samples(later, "sglang:scheduler_process_cpu_seconds_total")
+    assert len(scheduler) == 4  # every TP rank of both replicas
+    assert all(value > CPU_MONITOR_S for _, value in scheduler)
+    idle = [
+        value
+        for labels, value in _samples(later, "sglang:scheduler_stage_seconds_total")
+        if labels["category"] == "idle"
+    ]
+    assert min(idle) > 1.0
 
 
 @pytest.mark.parametrize(
