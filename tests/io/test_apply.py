@@ -1172,13 +1172,18 @@ def test_a_shutdown_mid_restart_leaves_the_previous_setting_for_the_boot_to_veri
     kept for its next start, which verifies what SGLang booted on. A load cut short is no
     verdict on the target (aborted, nothing frozen); a target that had failed before the
     shutdown is still rolled back (frozen, as without a reboot)."""
-    # The target loads for 30 s, then fails (at 15 s): nothing below waits for either.
+    # The target loads for 30 s, then fails (at 15 s): nothing below waits for either. A
+    # decode log per batch: the warm-up sets sglang:spec_num_steps, the boot's verification
+    # reads it beside /server_info.
+    each_batch = ["--decode-log-interval", "1"]
     unit = make_unit(
         ORIGINAL_ENV,
-        lambda steps: ["--load-time-s", "30", "--fail-start-at-steps", "4"] if steps == 4 else [],
+        lambda steps: (
+            ["--load-time-s", "30", "--fail-start-at-steps", "4"] if steps == 4 else each_batch
+        ),
     )
     if at == 2:  # fails at once: the verdict comes before the shutdown
-        unit.extra_args = lambda steps: [*TWIN_TIMING, "--fail-start-at-steps", "4"]
+        unit.extra_args = lambda steps: [*TWIN_TIMING, "--fail-start-at-steps", "4", *each_batch]
     stop = threading.Event()
     systemd = ShuttingDownSystemd(unit, stop, mode, at)
     rec = Recorder(tmp_path / "state.json")
