@@ -260,7 +260,8 @@ def test_sglang_faults_hold_without_restart_and_recover(
 
 def test_server_info_missing_fields_degrades_to_metrics_only(tmp_path: Path) -> None:
     """/server_info without the spec and capacity fields is no scrape error: /metrics still
-    shows the live step count, so specd decides, with capacity unknown."""
+    shows the live step count (SGLang sets it at a decode log: one per batch here, so the
+    warm-up's set it), so specd decides, with capacity unknown."""
     port = free_port()
     config = make_config(tmp_path, port)
     clock = Clock(OUTSIDE)
@@ -269,7 +270,8 @@ def test_server_info_missing_fields_degrades_to_metrics_only(tmp_path: Path) -> 
         "speculative_algorithm,speculative_num_steps,speculative_num_draft_tokens,"
         "speculative_eagle_topk,internal_states,max_running_requests,version"
     )
-    with TwinProcess(twin_argv(3, "--server-info-missing", missing), port=port) as twin:
+    argv = twin_argv(3, "--server-info-missing", missing, "--decode-log-interval", "1")
+    with TwinProcess(argv, port=port) as twin:
         twin.wait_healthy()
         daemon = make_daemon(config, runner, clock)
         daemon.state.history = wanting(config, 4, clock.now)

@@ -11,6 +11,11 @@ specd keeps one series per replica (the lowest-ranked one), sums counts across
 replicas, weights the accept length by running requests, and skips the per-priority
 breakdown series that priority scheduling adds next to the totals (``priority=""``).
 
+Gauges that lag: SGLang before 0.5.2x logs an idle scheduler's stats only 30 s after its last
+log, so for up to 30 s after the last request ends the page still says it runs (0.5.23 logs
+at once). ``realtime_tokens_total`` (0.5.11+) counts every forward pass; once it has stood
+still for ``STALE_LOAD_AFTER_S`` while the page says requests run, specd reads none running.
+
 Cost and time: /server_info makes SGLang ask every scheduler, so it is read once per SGLang
 start (again when the page shows a new start, after a failed scrape, or on request), and
 every request runs against one deadline: a whole scrape, however slowly a server sends its
@@ -26,7 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -88,6 +93,10 @@ _COUNTERS = (
 )
 # Schedulers of one DP replica differ only in these labels and report the same batch.
 _RANK_LABELS = ("pp_rank", "tp_rank", "moe_ep_rank")
+# No forward pass for this long while the page says requests run: the running gauge is the
+# last batch's (SGLang < 0.5.2x refreshes an idle scheduler's gauges every 30 s). A forward
+# pass, even a long prompt's prefill chunk, takes well under this.
+STALE_LOAD_AFTER_S = 5.0
 # A real page is ~100 KB per DP rank; far beyond that is a misconfigured exporter,
 # and reading it whole would cost memory and CPU on every tick.
 DEFAULT_MAX_PAGE_BYTES = 32 * 1024 * 1024
@@ -136,6 +145,9 @@ class ParsedMetrics:
     # and the process start time.
     scheduler_pids: frozenset[str] = frozenset()
     process_start_s: float | None = None
+    # Tokens the schedulers processed, every mode (prefill and decode): it moves with every
+    # forward pass (0.5.11+; None before, or before the first).
+    processed_tokens_total: float | None = None
     # (field, the value as the page spells it) of each field left unknown above.
     rejected: tuple[tuple[str, str], ...] = ()
 
@@ -306,6 +318,9 @@ def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]
     generation = _sum(check.good("generation_tokens_total", replicas.get(GENERATION_TOKENS)))
     decode = [s for s in found.get(REALTIME_TOKENS, []) if s.labels.get("mode") == "decode"]
     decoded = _sum(check.good("decode_tokens_total", _per_replica(decode)))
+    # Only a progress signal, no field of the Observation: a bad series just leaves it out.
+    realtime = replicas.get(REALTIME_TOKENS) or []
+    processed = None if any(_bad_value(s.value) for s in realtime) else _sum(realtime)
     verify_calls = _sum(check.good("spec_verify_calls_total", replicas.get(VERIFY_CALLS)))
     retracted = _sum(check.good("retracted_total", replicas.get(RETRACTED)))
     # Only the pid labels of these gauges are read: their values cannot matter.
@@ -334,6 +349,7 @@ def _aggregate(found: dict[str, list[Sample]], replicas: dict[str, list[Sample]]
         dp_ranks=len(running_series),
         scheduler_pids=pids,
         process_start_s=min(started) if started else None,
+        processed_tokens_total=processed,
         rejected=tuple(check.rejected),
     )
 
@@ -362,11 +378,18 @@ def _spec_on(info: Mapping[str, Any] | None) -> bool | None:
 
 
 def _live(
-    metric: int | None, from_info: int | None, spec_on: bool | None, adaptive: bool
+    metric: int | None,
+    from_info: int | None,
+    spec_on: bool | None,
+    adaptive: bool,
+    drafted: bool,
 ) -> int | None:
-    # Before the first decode report a speculative server's gauge may still read its
-    # default 0; only adaptive mode (0 = "no drafting" tier) makes 0 a real value then.
-    if metric is not None and (metric > 0 or spec_on is not True or adaptive):
+    # Until its first decode log (40 decode batches after a start) a speculative server's
+    # gauge reads its default 0; only adaptive mode (0 = "no drafting" tier) makes 0 a real
+    # value then. Without /server_info the page itself says whether it drafted: its verify
+    # steps (spec_verify_calls_total, there wherever the gauge is).
+    unknown_zero = spec_on is True or (spec_on is None and drafted)
+    if metric is not None and (metric > 0 or adaptive or not unknown_zero):
         return metric
     if spec_on is False:
         return 0
@@ -461,14 +484,15 @@ def observation_from(
     )
     page_steps = _within(parsed.steps, MAX_STEPS, rejected, "steps")
     page_drafts = _within(parsed.draft_tokens, MAX_DRAFT_TOKENS, rejected, "draft_tokens")
+    drafted = (parsed.spec_verify_calls_total or 0) > 0
     obs = Observation(
         t=t,
         running=parsed.running,
         queued=parsed.queued,
         accept_length=parsed.accept_length if spec_on is not False else None,
         spec_fresh=parsed.spec_fresh,
-        steps=_live(page_steps, info_steps, spec_on, adaptive),
-        draft_tokens=_live(page_drafts, info_drafts, spec_on, adaptive),
+        steps=_live(page_steps, info_steps, spec_on, adaptive, drafted),
+        draft_tokens=_live(page_drafts, info_drafts, spec_on, adaptive, drafted),
         topk=_int_field(server_info, "speculative_eagle_topk") if spec_on is not False else None,
         algorithm=_str_field(server_info, "speculative_algorithm") if spec_on else None,
         max_running_requests=_effective_max_running(server_info, parsed.dp_ranks),
@@ -689,6 +713,8 @@ class SGLangClient:
         # means read /server_info with the next scrape.
         self._info: dict[str, Any] | None = None
         self._page: ParsedMetrics | None = None
+        # When the processed-tokens counter last moved, and its value then.
+        self._moved: tuple[float, float] | None = None
         # identity: compressing a page to send it over loopback only costs CPU on both
         # ends. trust_env=False: an HTTP(S)_PROXY meant for the internet must not
         # capture the local server.
@@ -870,7 +896,7 @@ class SGLangClient:
                 info = self._server_info(t, deadline)
                 self._info = info if isinstance(info, dict) else None
             self._page = parsed
-            obs = observation_from(parsed, self._info, t)
+            obs = self._without_stale_load(parsed, observation_from(parsed, self._info, t))
             problem = _impossible_load(obs, self._info)
             if problem is not None:
                 # The load decides everything: a page that lies about it is no page, and
@@ -881,6 +907,21 @@ class SGLangClient:
         except Exception as exc:
             self._info = self._page = None
             return ScrapeError("malformed", _one_line(f"observe: {type(exc).__name__}: {exc}"), t)
+
+    def _without_stale_load(self, parsed: ParsedMetrics, obs: Observation) -> Observation:
+        """``obs`` with no request running when the page's running gauge is a past batch's:
+        it says requests run, yet no forward pass was counted for STALE_LOAD_AFTER_S."""
+        total = parsed.processed_tokens_total
+        if total is None:
+            self._moved = None
+            return obs
+        moved = self._moved
+        if moved is None or total != moved[1]:
+            self._moved = (obs.t, total)
+            return obs
+        if obs.running > 0 and obs.t - moved[0] >= STALE_LOAD_AFTER_S:
+            return replace(obs, running=0, spec_fresh=False)
+        return obs
 
     def health_generate(self, timeout_s: float) -> HealthStatus:
         """GET /health_generate: SGLang runs a 1-token generation (20 s internal limit).

@@ -1,8 +1,10 @@
 """`specd twin`: an HTTP server that looks like SGLang from the outside.
 
-Takes SGLang's own launch flags (unknown ones are accepted and ignored, so a systemd unit
-can run the twin with the ExecStart line it would use for SGLang) plus twin flags for the
-performance model and for failing on purpose in tests.
+Takes the launch flags of the SGLang version it is (``--sglang-version``): every option
+that version has, so a systemd unit runs the twin with the ExecStart line it would use for
+SGLang; those the twin does not model are accepted and ignored; one that version does not
+have is refused as SGLang refuses it. Plus twin flags for the performance model and for
+failing on purpose in tests.
 """
 
 from __future__ import annotations
@@ -11,22 +13,87 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any, cast
 
 from specd.commands.args import PORT_OR_FREE, Float, Int, IntList, Seconds
 from specd.twin.faults import ENV_FAIL_SETTINGS, parse_setting
 from specd.twin.preset import PRESET_NAME
+from specd.twin.sglang_args import OPTIONS
 from specd.twin.versions import DEFAULT_VERSION, VERSIONS
 
 
-class _LenientParser(argparse.ArgumentParser):
-    """Keeps unknown SGLang flags (``--trust-remote-code``, ``--mem-fraction-static 0.9``)."""
+class _Unmodelled(argparse.Action):
+    """An option of that SGLang the twin does not model: its words are kept (for
+    /server_info and the start's log line), as that SGLang's argparse would read them."""
+
+    def __init__(self, *args: Any, removed: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.removed = removed
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        words = [] if values is None else [values] if isinstance(values, str) else list(values)
+        namespace.ignored_args.extend([self.option_strings[0], *words])
+        if self.removed is not None and namespace.removed_flag is None:
+            # SGLang's DeprecatedAction raises this ValueError as argparse meets the flag.
+            namespace.removed_flag = self.removed
+
+
+class _SGLangParser(argparse.ArgumentParser):
+    """Reads a command line as the SGLang it names (``--sglang-version``) would.
+
+    SGLang's prepare_server_args runs argparse's parse_args over its options: an option it
+    does not have, one given without its value, or an abbreviation that fits several is
+    refused (exit 2), and a unique prefix is taken for its option. The twin adds that
+    version's options it does not model, so the same words get the same answer. The twin's
+    own flags, and the modelled ones that version lacks, are never taken as abbreviations
+    (an SGLang abbreviation must not land on one); resolve() refuses the latter by name.
+    """
+
+    # Set by configure(): the modelled SGLang options and the twin's own.
+    sglang_options: frozenset[str] = frozenset()
+    twin_own: frozenset[str] = frozenset()
+    exact_only: frozenset[str] = frozenset()
+
+    def _get_option_tuples(self, option_string: str) -> Any:
+        candidates = super()._get_option_tuples(option_string)
+        return [t for t in candidates if not set(t[0].option_strings) & self.exact_only]
 
     def parse_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> argparse.Namespace:
-        ns, unknown = self.parse_known_args(args, namespace)
-        ns.ignored_args = unknown
-        return ns
+        argv = list(sys.argv[1:] if args is None else args)
+        ns = namespace if namespace is not None else argparse.Namespace()
+        ns.ignored_args, ns.removed_flag = [], None
+        options = OPTIONS.get(_named_version(argv))
+        if options is None:
+            # A version the twin does not know: resolve() says so; keep every other word.
+            ns, unknown = self.parse_known_args(argv, ns)
+            ns.ignored_args = unknown
+            return ns
+        have = {o for strings, _, _ in options for o in strings}
+        self.exact_only = frozenset(self.twin_own | (self.sglang_options - have))
+        for strings, nargs, removed in options:
+            if not any(o in self._option_string_actions for o in strings):
+                self.add_argument(*strings, nargs=nargs, action=_Unmodelled, removed=removed,
+                                  dest=argparse.SUPPRESS, help=argparse.SUPPRESS)  # fmt: skip
+        return super().parse_args(argv, ns)
+
+
+def _named_version(argv: Sequence[str]) -> str:
+    """The --sglang-version the words give (the twin's flags are never abbreviated)."""
+    version = DEFAULT_VERSION
+    for i, word in enumerate(argv):
+        if word == "--sglang-version" and i + 1 < len(argv):
+            version = argv[i + 1]
+        elif word.startswith("--sglang-version="):
+            version = word.partition("=")[2]
+    return version
 
 
 def _setting_text(text: str) -> str:
@@ -82,10 +149,23 @@ def _sglang_flags(sg: argparse._ArgumentGroup) -> None:
     ):
         sg.add_argument(flag, action="store_true")
     sg.add_argument("--max-running-requests", type=COUNT, default=None, help=COUNT.spec)
+    sg.add_argument(
+        "--max-total-tokens",
+        type=COUNT,
+        default=None,
+        help=f"KV pool size per scheduler, at most what memory gives ({COUNT.spec})",
+    )
+    sg.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix cache: finished sequences leave the KV pool (nothing to evict)",
+    )
     sg.add_argument("--enable-metrics", action="store_true")
+    sg.add_argument("--enable-metrics-for-all-schedulers", action="store_true")
     sg.add_argument("--dp-size", "--data-parallel-size", type=SIZE, default=1, help=SIZE.spec)
     sg.add_argument(
         "--attn-dp-size",
+        "--attention-data-parallel-size",
         type=COUNT,
         default=None,
         help="attention DP groups (SGLang 0.5.23; the old form is --dp-size N "
@@ -113,9 +193,10 @@ SGLANG_DESTS: tuple[str, ...] = _dests()
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    # The dispatcher builds a plain parser; unknown SGLang flags must pass through it.
-    parser.__class__ = _LenientParser
-    _sglang_flags(parser.add_argument_group("SGLang launch flags (same names and meaning)"))
+    # The dispatcher builds a plain parser; it must read the words as that SGLang would.
+    parser.__class__ = _SGLangParser
+    sglang = parser.add_argument_group("SGLang launch flags (same names and meaning)")
+    _sglang_flags(sglang)
     tw = parser.add_argument_group("twin")
     tw.add_argument(
         "--sglang-version",
@@ -173,6 +254,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     fail.add_argument("--metrics-404", action="store_true")
     fail.add_argument("--server-info-missing", type=_csv_words, default=[])
     fail.add_argument("--metrics-pad-bytes", type=PAD_BYTES, default=0, help=PAD_BYTES.spec)
+    reader = cast(_SGLangParser, parser)
+    reader.sglang_options = frozenset(o for a in sglang._group_actions for o in a.option_strings)
+    reader.twin_own = frozenset(
+        o for group in (tw, fail) for a in group._group_actions for o in a.option_strings
+    )
 
 
 def run(args: argparse.Namespace) -> int:

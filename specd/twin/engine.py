@@ -19,16 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specd.twin.adaptive import Controller
-from specd.twin.exposition import MetricState
+from specd.twin.exposition import MetricState, cache_copies, cache_ranks
 from specd.twin.families import BY_NAME
 from specd.twin.table import PerfTable
 
 TICK_S = 0.05
 # A stalled event loop must not turn one advance() into an unbounded loop of verify batches.
 MAX_BATCHES_PER_ADVANCE = 100_000
-IDLE_THROUGHPUT_RESET_S = 30.0
+# An idle scheduler logs its stats again only this long after its last log (every version
+# here; 0.5.23 also at once when its running gauge no longer matches the running batch).
+IDLE_LOG_EVERY_S = 30.0
 # KV tokens reserved per running request: sets max_total_num_tokens and token_usage.
 KV_TOKENS_PER_REQUEST = 8192
+# An eviction pass over the radix tree: a fixed cost and a little per token freed.
+EVICTION_S_BASE = 0.0005
+EVICTION_S_PER_TOKEN = 2e-7
 # What the twin's scheduler spends on a request before its decode: receiving it, and
 # prefilling its prompt (per token).
 REQUEST_PROCESS_S = 0.0002
@@ -54,15 +59,24 @@ class Request:
     produced: float = 0.0
     emitted: int = 0
     verifies: float = 0.0  # verify forwards that produced its tokens
+    retractions: int = 0  # times it was pushed back to the queue for lack of KV memory
     chunks: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots its sequence holds: the prompt and every token generated so far."""
+        return self.prompt_tokens + self.emitted
 
 
 @dataclass
 class _RankStats:
+    """One scheduler's reporting: tokens since its last decode log, the decode batches run
+    at that log, when it was, and when it last logged its stats at all."""
+
     tokens: float = 0.0
-    verify_calls: float = 0.0
-    last_accept: float = 0.0
-    last_throughput: float = 0.0
+    logged_batches: float = 0.0
+    decode_log_t: float = 0.0
+    log_t: float = 0.0
 
 
 class Engine:
@@ -81,6 +95,7 @@ class Engine:
         controller: Controller | None = None,
         accept_lengths: dict[int, float] | None = None,
         decode_log_interval: int = 40,
+        radix_cache: bool = True,
     ) -> None:
         self.table = table
         self.steps = steps  # the live tier under adaptive mode
@@ -104,6 +119,11 @@ class Engine:
         self._forwards = [0.0] * max(state.dp_size, 1)
         self._busy_forwards = [0.0] * max(state.dp_size, 1)
         self.decode_moments = [[0.0] * 6 for _ in range(max(state.dp_size, 1))]
+        # Each rank's prefix cache: the KV of finished sequences stays in the pool, evictable,
+        # least recently finished first (token counts); retractions since the last log.
+        self.radix_cache = radix_cache
+        self._cache: list[deque[int]] = [deque() for _ in range(max(state.dp_size, 1))]
+        self._retracted = [0] * max(state.dp_size, 1)
         self.draft_tokens = draft_tokens
         self.max_running = max_running
         # Each DP rank's scheduler admits up to its own limit (max_running is their sum,
@@ -120,8 +140,8 @@ class Engine:
         self._rr = itertools.cycle(range(state.dp_size))
         self._last = clock()
         self._wake = asyncio.Event()
-        self._stats = [_RankStats() for _ in range(state.dp_size)]
-        self._last_busy = clock()
+        start = clock()
+        self._stats = [_RankStats(decode_log_t=start, log_t=start) for _ in range(state.dp_size)]
         self._last_report = clock()
 
     # -- requests --------------------------------------------------------------------
@@ -228,6 +248,8 @@ class Engine:
         if ranks == 1:
             admitted = False
             while self.waiting and len(self.running) < self.max_running:
+                if not self._fits(self.waiting[0]):
+                    break
                 self._start(self.waiting.popleft(), now)
                 admitted = True
             self._prefill_passes({0} if admitted else set())
@@ -239,7 +261,7 @@ class Engine:
         for req in list(self.waiting):
             if min(per_rank) >= self.max_running_per_rank:
                 break
-            if per_rank[req.rank] >= self.max_running_per_rank:
+            if per_rank[req.rank] >= self.max_running_per_rank or not self._fits(req):
                 continue  # its rank is full; a later request on another rank may go
             self.waiting.remove(req)
             per_rank[req.rank] += 1
@@ -252,13 +274,32 @@ class Engine:
         for rank in ranks:
             self.state.inc("sglang:cuda_graph_passes_total", 1, rank, (("mode", "prefill_none"),))
 
+    def _pool(self, rank: int) -> float:
+        """The rank's KV pool in tokens; unbounded when never sized (an engine driven
+        alone, without the server that sizes it)."""
+        total = self.state.get("sglang:max_total_num_tokens", rank)
+        return total if total > 0 else math.inf
+
+    def _fits(self, req: Request) -> bool:
+        """Whether the request's sequence fits the rank's KV pool beside its running ones
+        (the prefix cache gives way); a rank that runs nothing takes it regardless."""
+        running = [r for r in self.running if r.rank == req.rank]
+        total = self._pool(req.rank)
+        return not running or sum(r.kv_tokens for r in running) + req.kv_tokens <= total
+
     def _start(self, req: Request, now: float) -> None:
         req.admitted = now
         self.running.append(req)
+        st = self.state
+        if req.retractions:
+            # Back from a retraction: its prompt and output so far are prefilled again.
+            st.inc("sglang:realtime_tokens_total", req.kv_tokens, req.rank,
+                   (("mode", "prefill_compute"),))  # fmt: skip
+            self._make_room(req.rank)
+            return
         fam = BY_NAME["sglang:queue_time_seconds"]
         self.state.observe(fam, now - req.arrival, rank=req.rank)
         self.prefill_tokens[req.rank] += req.prompt_tokens
-        st = self.state
         st.inc("sglang:prefill_effective_tokens_total", req.prompt_tokens, req.rank,
                (("mode", "input"),))  # fmt: skip
         # The prefill log reports the tracker's ratio as it stands.
@@ -270,6 +311,55 @@ class Engine:
                    (("stage", "prefill_forward"),))  # fmt: skip
         self.state.inc("sglang:realtime_tokens_total", req.prompt_tokens, req.rank,
                        (("mode", "prefill_compute"),))  # fmt: skip
+        self._make_room(req.rank)
+
+    # -- the KV pool: prefix cache, eviction, retraction ------------------------------
+
+    def _make_room(self, rank: int, keep: frozenset[int] = frozenset()) -> None:
+        """Fit the rank's sequences into its KV pool, as SGLang's allocation does: evict
+        cached sequences (least recently finished first), and when the running ones alone
+        overflow it, retract them (fewest generated tokens first, then longest prompt; never
+        the last one, nor one finishing now: ``keep`` holds their ids) back to the queue."""
+        total = self._pool(rank)
+        running = [r for r in self.running if r.rank == rank]
+        used = sum(r.kv_tokens for r in running)
+        cache = self._cache[rank]
+        over = used + sum(cache) - total
+        freed = 0
+        while over > freed and cache:
+            freed += cache.popleft()
+        if freed:
+            self._evicted(rank, freed)
+        victims = sorted(
+            (r for r in running if id(r) not in keep),
+            key=lambda r: (r.emitted, -r.prompt_tokens),
+        )
+        while used > total and victims and len(running) > 1:
+            req = victims.pop(0)
+            running.remove(req)
+            used -= req.kv_tokens
+            self._retract(req)
+
+    def _evicted(self, rank: int, tokens: int) -> None:
+        st = self.state
+        key = rank if cache_ranks(st) != (-1,) else -1
+        copies = cache_copies(st)
+        counter = BY_NAME["sglang:evicted_tokens_total"]
+        variant = counter.variants[0]
+        st.inc(counter.name, tokens * copies, key, variant)
+        for _ in range(copies):
+            st.observe(BY_NAME["sglang:eviction_duration_seconds"], EVICTION_S_BASE +
+                       tokens * EVICTION_S_PER_TOKEN, key, variant)  # fmt: skip
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        req.retractions += 1
+        self.waiting.appendleft(req)
+        st, rank = self.state, req.rank
+        st.inc("sglang:num_retracted_requests_total", 1, rank)
+        st.inc("sglang:num_retracted_input_tokens_total", req.prompt_tokens, rank)
+        st.inc("sglang:num_retracted_output_tokens_total", req.emitted, rank)
+        self._retracted[rank] += 1
 
     def advance(self) -> None:
         now = self.clock()
@@ -282,14 +372,14 @@ class Engine:
                 self._busy_forwards[rank] = 0.0
         if not self.running:
             return
-        self._last_busy = now
         gained, verifies = self._decode(dt)
         # Every running request takes part in each of its rank's decode batches.
         sizes: dict[int, int] = {}
         for req in self.running:
             sizes[req.rank] = sizes.get(req.rank, 0) + 1
         for rank, size in sizes.items():
-            self._decode_batches[rank] += verifies
+            # A verify per decode batch, or a token per batch without speculation.
+            self._decode_batches[rank] += verifies if verifies > 0 else gained
             # A decode forward per verify, or per token without speculation.
             before = self._forwards[rank]
             self._forwards[rank] += verifies if verifies > 0 else gained
@@ -320,8 +410,18 @@ class Engine:
                 req.emitted = whole
                 req.chunks.put_nowait(whole - before)
                 self._stats[req.rank].tokens += whole - before
+                # Counted at every decode batch (0.5.11+), not at the decode log.
+                self.state.inc("sglang:realtime_tokens_total", whole - before, req.rank,
+                               (("mode", "decode"),))  # fmt: skip
             if req.emitted >= req.max_tokens:
                 done.append(req)
+        finishing = frozenset(id(r) for r in done)
+        for rank in sizes:
+            self._make_room(rank, finishing)
+        # SGLang logs a rank's stats at its decode batch, the finishing requests still in it.
+        logged = [self._maybe_decode_log(rank, now) for rank in sizes]
+        if any(logged):
+            self._window = [0.0, 0.0, 0.0]
         for req in done:
             self.running.remove(req)
             self._finish(req, now)
@@ -331,6 +431,8 @@ class Engine:
     def _finish(self, req: Request, now: float) -> None:
         req.finished = now
         req.chunks.put_nowait(None)
+        if self.radix_cache:
+            self._cache[req.rank].append(req.kv_tokens)  # stays in the pool, evictable
         st = self.state
         streaming = st.request_labels(req.streaming)
         first = req.first_token if req.first_token is not None else now
@@ -382,51 +484,98 @@ class Engine:
     # -- reporting (SGLang's decode log interval) --------------------------------------
 
     def report(self) -> None:
+        """Each rank's scheduler's logs between decode logs (every --report-interval-s).
+
+        A busy scheduler's running, queued and memory gauges are refreshed (SGLang logs them
+        at each prefill batch besides its decode logs). Throughput and the speculative gauges
+        change only at a decode log (`_maybe_decode_log`, as the batches run): every
+        --decode-log-interval decode batches, so the warm-up's few leave them at 0. An idle
+        scheduler logs (gen_throughput 0, the rest as they stand) only IDLE_LOG_EVERY_S after
+        its last log, so until then its gauges show the last batch; 0.5.23 logs at once when
+        its running gauge is stale."""
         self.advance()
         now = self.clock()
-        interval = max(now - self._last_report, 1e-6)
-        self._last_report = now
         st = self.state
-        idle_for = now - self._last_busy if not self.running else 0.0
+        spent = max(now - self._last_report, 0.0)
         for rank, stats in enumerate(self._stats):
             running = sum(1 for r in self.running if r.rank == rank)
             queued = sum(1 for r in self.waiting if r.rank == rank)
-            st.set("sglang:num_running_reqs", running, rank)
-            st.set("sglang:num_queue_reqs", queued, rank)
-            used = sum(r.prompt_tokens + r.emitted for r in self.running if r.rank == rank)
-            total = st.get("sglang:max_total_num_tokens", rank) or 1.0
-            st.set("sglang:num_used_tokens", used, rank)
-            st.set("sglang:kv_used_tokens", used, rank)
-            st.set("sglang:kv_available_tokens", total - used, rank)
-            st.set("sglang:token_usage", used / total, rank)
-            st.set("sglang:full_token_usage", used / total, rank)
-            st.set("sglang:decode_sum_seq_lens", used, rank)
-            if stats.tokens > 0:
-                stats.last_throughput = stats.tokens / interval
-                st.inc("sglang:realtime_tokens_total", stats.tokens, rank, (("mode", "decode"),))
-                st.set("sglang:gen_throughput", stats.last_throughput, rank)
-                if self.controller is not None:
-                    self._report_adaptive(rank)
-                elif self.steps > 0:
-                    noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
-                    accept = min(max(noisy, 1.0), float(self.steps + 1))
-                    st.set("sglang:spec_accept_length", accept, rank)
-                    if not st.profile.accept_rate_of_drafts:
-                        # Before 0.5.11 the gauge was tokens per verify over draft tokens.
-                        rate = accept / self.draft_tokens if self.draft_tokens else 0
-                    elif self.draft_tokens > 1:
-                        rate = (accept - 1) / (self.draft_tokens - 1)
-                    else:
-                        rate = 0
-                    st.set("sglang:spec_accept_rate", rate, rank)
-                stats.tokens = 0.0
-            elif idle_for >= IDLE_THROUGHPUT_RESET_S:
+            # 0.5.23's scheduler time accounting: its loop polls without sleeping (unless
+            # --sleep-on-idle), so its process burns a core; the loop's time goes to the
+            # batch it runs, or to idle.
+            st.inc("sglang:scheduler_process_cpu_seconds_total", spent, rank)
+            busy = running or queued
+            stage = ("category", "run_batch" if busy else "idle")
+            st.inc("sglang:scheduler_stage_seconds_total", spent, rank,
+                   (stage, ("forward_overlap", "none")))  # fmt: skip
+            if busy:
+                self._log_batch(rank, running, queued)
+                stats.log_t = now
+                continue
+            st.inc("sglang:scheduler_idle_seconds_total", spent, rank)
+            stale = st.profile.idle_log_when_stale and st.get("sglang:num_running_reqs", rank) != 0
+            if stale or now - stats.log_t > IDLE_LOG_EVERY_S:
+                self._log_batch(rank, 0, 0)
                 st.set("sglang:gen_throughput", 0.0, rank)
-            if not self.running:
-                st.inc(
-                    "sglang:scheduler_idle_seconds_total", interval, rank
-                )  # idle time while nothing runs
-        self._window = [0.0, 0.0, 0.0]
+                stats.log_t = now
+        self._last_report = now
+
+    def _log_batch(self, rank: int, running: int, queued: int) -> None:
+        """The gauges every log sets: load and the KV pool."""
+        st = self.state
+        st.set("sglang:num_running_reqs", running, rank)
+        st.set("sglang:num_queue_reqs", queued, rank)
+        used = sum(r.kv_tokens for r in self.running if r.rank == rank)
+        cached = sum(self._cache[rank])
+        total = st.get("sglang:max_total_num_tokens", rank) or 1.0
+        st.set("sglang:num_used_tokens", used, rank)
+        st.set("sglang:kv_used_tokens", used, rank)
+        st.set("sglang:kv_evictable_tokens", cached, rank)
+        st.set("sglang:kv_available_tokens", total - used - cached, rank)
+        # Retractions since the last log (then cleared, as SGLang's reporter does).
+        st.set("sglang:num_retracted_reqs", self._retracted[rank], rank)
+        self._retracted[rank] = 0
+        st.set("sglang:token_usage", used / total, rank)
+        st.set("sglang:full_token_usage", used / total, rank)
+        st.set("sglang:decode_sum_seq_lens", used, rank)
+
+    def _maybe_decode_log(self, rank: int, now: float) -> bool:
+        """The rank's decode log, if it has run another --decode-log-interval batches."""
+        stats, every = self._stats[rank], self.decode_log_interval
+        if math.floor(self._decode_batches[rank] / every) <= math.floor(
+            stats.logged_batches / every
+        ):
+            return False
+        running = sum(1 for r in self.running if r.rank == rank)
+        queued = sum(1 for r in self.waiting if r.rank == rank)
+        self._log_batch(rank, running, queued)
+        self._decode_log(rank, stats, now)
+        return True
+
+    def _decode_log(self, rank: int, stats: _RankStats, now: float) -> None:
+        """The figures of a decode log: throughput over the time since the previous one
+        (idle time included, as SGLang's gap), the window's accept length, the live setting."""
+        st = self.state
+        st.set("sglang:gen_throughput", stats.tokens / max(now - stats.decode_log_t, 1e-6), rank)
+        if self.controller is not None:
+            self._report_adaptive(rank)
+        elif self.steps > 0:
+            noisy = self.accept_length * (1 + self.rng.gauss(0, self.accept_noise))
+            accept = min(max(noisy, 1.0), float(self.steps + 1))
+            st.set("sglang:spec_accept_length", accept, rank)
+            if not st.profile.accept_rate_of_drafts:
+                # Before 0.5.11 the gauge was tokens per verify over draft tokens.
+                rate = accept / self.draft_tokens if self.draft_tokens else 0
+            elif self.draft_tokens > 1:
+                rate = (accept - 1) / (self.draft_tokens - 1)
+            else:
+                rate = 0
+            st.set("sglang:spec_accept_rate", rate, rank)
+            st.set("sglang:spec_num_steps", float(self.steps), rank)
+            st.set("sglang:spec_num_draft_tokens", float(self.draft_tokens), rank)
+        stats.tokens = 0.0
+        stats.logged_batches = self._decode_batches[rank]
+        stats.decode_log_t = stats.log_t = now
 
     def _report_adaptive(self, rank: int) -> None:
         """SGLang's decode-log figures under adaptive mode: accept length over the window's

@@ -61,6 +61,9 @@ class MetricState:
     # The DP ranks are attention-DP groups of one model (else replicas, each a server of its
     # own with its own TP ranks counted from 0).
     dp_attention: bool = False
+    # --enable-metrics-for-all-schedulers: every TP rank reports the batch, not only the
+    # first of each DP rank.
+    all_schedulers: bool = False
     pid: int = 0
     profile: Profile = field(default_factory=lambda: profile_for(DEFAULT_VERSION))
     values: dict[Key, float] = field(default_factory=dict)
@@ -75,6 +78,11 @@ class MetricState:
 
     def get(self, name: str, rank: int = -1, labels: Labels = ()) -> float:
         return self.values.get((name, rank, labels), 0.0)
+
+    def touched(self, name: str, rank: int, labels: Labels) -> bool:
+        """Whether the series was ever set, added to or observed."""
+        key = (name, rank, labels)
+        return key in self.values or key in self.hists
 
     def request_labels(self, streaming: bool) -> Labels:
         """The extra labels of a finished request's series at this version."""
@@ -114,24 +122,37 @@ def _group_tp(state: MetricState) -> int:
     return max(state.tp_size, 1)
 
 
+def _first_tp(state: MetricState, rank: int) -> int:
+    """DP rank ``rank``'s first TP rank: with DP attention the ranks are slices of one TP
+    group (tp_rank = group x its width), each replica counts its TP ranks from 0."""
+    return max(rank, 0) * _group_tp(state) if state.dp_attention else 0
+
+
+def scheduler_pid(state: MetricState, rank: int, tp: int = 0) -> int:
+    """The pid of DP rank ``rank``'s ``tp``-th TP rank's scheduler: each DP rank's first is
+    the twin's pid plus the rank, the others follow all of those."""
+    if tp == 0:
+        return state.pid + max(rank, 0)
+    width = _group_tp(state)
+    return state.pid + state.dp_size + max(rank, 0) * (width - 1) + tp - 1
+
+
 def _base_labels(state: MetricState, scope: str, rank: int, tp: int = 0) -> dict[str, str]:
-    """The labels SGLang gives DP rank ``rank``'s series (TP rank ``tp`` of it, for the
-    radix cache, whose every TP rank reports)."""
+    """The labels SGLang gives DP rank ``rank``'s series (TP rank ``tp`` of it, counted from
+    its first, for the series every TP rank's scheduler has)."""
     profile = state.profile
     if scope in (REQ, STARTUP):
         if not profile.req_engine_label:
             return {"model_name": state.model_name}
         return {"engine_type": "unified", "model_name": state.model_name}
     if scope == SCHED:
-        # The reporting scheduler is each DP rank's first TP rank: with DP attention the
-        # ranks are slices of one TP group (tp_rank = group x its width), each replica
-        # counts its TP ranks from 0.
-        first = rank * _group_tp(state) if state.dp_attention else 0
+        # The reporting scheduler is each DP rank's first TP rank.
+        first = _first_tp(state, rank)
         labels = {
             "engine_type": "unified",
             "model_name": state.model_name,
             "pp_rank": "0",
-            "tp_rank": str(first),
+            "tp_rank": str(first + tp),
         }
         if profile.sched_moe_label:
             labels["moe_ep_rank"] = "0"
@@ -166,10 +187,22 @@ def _series(state: MetricState, family: Family) -> list[Series]:
     for rank in ranks:
         for variant in family.variants:
             key = (family.name, rank, variant)
-            if family.scope in LAZY_SCOPES and key not in state.values and key not in state.hists:
+            lazy = family.lazy or family.scope in LAZY_SCOPES
+            if lazy and not state.touched(*key):
                 continue
-            out.append((rank, variant, _base_labels(state, family.scope, rank)))
+            # The TP ranks of a DP rank run the same batches: one value stands for all.
+            for tp in _reporting_tp(state, family, variant):
+                out.append((rank, variant, _base_labels(state, family.scope, rank, tp)))
     return out
+
+
+def _reporting_tp(state: MetricState, family: Family, variant: Labels) -> range:
+    """Which TP ranks of a DP rank (counted from its first) have a scheduler series."""
+    if family.scope != SCHED:
+        return range(1)
+    if state.all_schedulers or state.profile.every_rank_emits(family, variant):
+        return range(_group_tp(state))
+    return range(1)
 
 
 def _cache_series(state: MetricState, family: Family) -> list[Series]:
@@ -178,15 +211,35 @@ def _cache_series(state: MetricState, family: Family) -> list[Series]:
     adds all of them into one series; since, their rank labels set them apart, except that
     replicas (no DP attention) all say dp_rank 0 and add up per TP rank. One value per DP
     rank stands for all its TP ranks (they evict alike)."""
+    ranks = cache_ranks(state)
+    seen = [
+        (rank, variant)
+        for rank in ranks
+        for variant in family.variants
+        if state.touched(family.name, rank, variant)
+    ]  # the cache's series come with its first eviction
     if not state.profile.cache_rank_labels:
-        return [(-1, variant, {}) for variant in family.variants]
-    keys = range(state.dp_size) if state.dp_attention else (-1,)
+        return [(rank, variant, {}) for rank, variant in seen]
     return [
         (rank, variant, _base_labels(state, CACHE, rank, tp))
-        for rank in keys
+        for rank, variant in seen
         for tp in range(_group_tp(state))
-        for variant in family.variants
     ]
+
+
+def cache_ranks(state: MetricState) -> tuple[int, ...]:
+    """The value keys of the radix cache's series: one per attention-DP group in 0.5.2x;
+    else one (-1), which replicas (dp_rank 0 each in 0.5.2x) and, before, every cache of
+    every TP rank add up to in multiprocess mode."""
+    if state.profile.cache_rank_labels and state.dp_attention:
+        return tuple(range(state.dp_size))
+    return (-1,)
+
+
+def cache_copies(state: MetricState) -> int:
+    """How many TP ranks' caches one series adds up: before 0.5.2x (cache_type alone) every
+    TP rank of a DP rank, evicting alike; since, each has its own series."""
+    return 1 if state.profile.cache_rank_labels else _group_tp(state)
 
 
 def render(state: MetricState, families: tuple[Family, ...] | None = None) -> str:
@@ -202,7 +255,8 @@ def render(state: MetricState, families: tuple[Family, ...] | None = None) -> st
             labels = dict(base)
             labels.update(variant)
             if family.pid:
-                labels["pid"] = str(state.pid + max(rank, 0))
+                tp = int(base["tp_rank"]) - _first_tp(state, rank)
+                labels["pid"] = str(scheduler_pid(state, rank, tp))
             if family.type == "histogram":
                 hist = state.hists.get((family.name, rank, variant)) or Hist(family.buckets)
                 add(f"{family.name}_sum{_label_text(labels)} {floatToGoString(hist.total)}")
@@ -257,4 +311,13 @@ def serve_page(
     return body, headers
 
 
-__all__ = ["PLAIN", "Hist", "MetricState", "render", "serve_page"]
+__all__ = [
+    "PLAIN",
+    "Hist",
+    "MetricState",
+    "cache_copies",
+    "cache_ranks",
+    "render",
+    "scheduler_pid",
+    "serve_page",
+]

@@ -32,6 +32,9 @@ class Family:
     buckets: tuple[float, ...] = ()
     # Label sets known only at run time (HTTP endpoints).
     dynamic: bool = False
+    # A series exists once something happened to it (prometheus_client makes a labelled
+    # series at its first use): a counter of events, not one set at start or each report.
+    lazy: bool = False
 
 
 _B0 = (
@@ -405,6 +408,7 @@ FAMILIES: tuple[Family, ...] = (
         "Total number of forward passes categorized by CUDA graph.",
         SCHED,
         variants=((("mode", "prefill_none"),), (("mode", "decode_cuda_graph"),)),
+        lazy=True,
     ),
     Family(
         "sglang:realtime_tokens_total",
@@ -416,6 +420,7 @@ FAMILIES: tuple[Family, ...] = (
             (("mode", "decode"),),
             (("mode", "prefill_cache"),),
         ),
+        lazy=True,
     ),
     Family(
         "sglang:evicted_tokens_total",
@@ -423,13 +428,19 @@ FAMILIES: tuple[Family, ...] = (
         "The number of device KV token slots freed by eviction, regardless of whether the data was backed up to host (see sglang:hicache_backup_tokens_total) or destroyed (see sglang:hicache_dropped_tokens_total).",
         CACHE,
         variants=((("cache_type", "UnifiedRadixCache"),),),
+        lazy=True,
     ),
     Family(
         "sglang:process_cpu_seconds_total",
         C,
         "Total CPU time consumed by this process (user + system)",
         PLAIN,
-        variants=((("component", "detokenizer"),), (("component", "tokenizer"),)),
+        variants=(
+            (("component", "detokenizer"),),
+            (("component", "tokenizer"),),
+            (("component", "data_parallel_controller"),),
+        ),
+        lazy=True,
     ),
     Family(
         "sglang:dp_attention_token_imbalance_ratio",
@@ -456,9 +467,15 @@ FAMILIES: tuple[Family, ...] = (
             (("stage", "chunked_prefill"),),
         ),
         buckets=_B6,
+        lazy=True,
     ),
     Family(
-        "sglang:queue_time_seconds", H, "Histogram of queueing time in seconds.", SCHED, buckets=_B7
+        "sglang:queue_time_seconds",
+        H,
+        "Histogram of queueing time in seconds.",
+        SCHED,
+        buckets=_B7,
+        lazy=True,
     ),
     Family(
         "sglang:eviction_duration_seconds",
@@ -467,8 +484,30 @@ FAMILIES: tuple[Family, ...] = (
         CACHE,
         variants=((("cache_type", "UnifiedRadixCache"),),),
         buckets=_B8,
+        lazy=True,
     ),
     Family("sglang:num_retracted_reqs", G, "The number of retracted requests.", SCHED, pid=True),
+    Family(
+        "sglang:num_retracted_requests_total",
+        C,
+        "Total number of retracted requests.",
+        SCHED,
+        lazy=True,
+    ),
+    Family(
+        "sglang:num_retracted_input_tokens_total",
+        C,
+        "Total number of retracted input tokens.",
+        SCHED,
+        lazy=True,
+    ),
+    Family(
+        "sglang:num_retracted_output_tokens_total",
+        C,
+        "Total number of retracted output tokens.",
+        SCHED,
+        lazy=True,
+    ),
     Family(
         "sglang:num_paused_reqs",
         G,

@@ -37,7 +37,7 @@ from specd.twin.adaptive import (
 )
 from specd.twin.cli import SGLANG_DESTS
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, PREFILL_S_PER_TOKEN, Engine, Request
-from specd.twin.exposition import MetricState, render, serve_page
+from specd.twin.exposition import MetricState, render, scheduler_pid, serve_page
 from specd.twin.families import BY_NAME
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, adaptive_key, fail_settings
 from specd.twin.loads import BadInclude, RankLoad, loads_json, loads_prometheus
@@ -67,6 +67,8 @@ GRAPH_PHASES = ("prefill", "decode", "target_verify", "draft_prefill", "draft_de
                 "draft_extend")  # fmt: skip
 SPEC_GRAPH_SHARES = {"target_verify": 0.5, "draft_decode": 0.3, "draft_extend": 0.2}
 DECODE_GRAPH_PHASES = ("decode", "target_verify", "draft_decode", "draft_extend")
+# cpu_monitor.start_cpu_monitor_thread's default interval.
+CPU_MONITOR_S = 5.0
 log = logging.getLogger("specd.twin")
 WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
 
@@ -151,8 +153,13 @@ def _resolve_dp_layout(args: argparse.Namespace, profile: Profile) -> None:
         args.enable_dp_attention = groups > 1
         if groups > 1:
             args.dp_size = groups
-    # SGLang also asserts tp_size % groups == 0 with attention DP; the twin has no TP ranks
-    # to split and lets it pass (tests run DP attention at the default --tp-size 1).
+    if args.enable_dp_attention and args.tp_size % args.dp_size:
+        # Attention DP splits one TP group: a bare assert in every version
+        # (_handle_data_parallelism; 0.5.23's parallel_hook), before anything loads.
+        raise TwinConfigError(
+            f"AssertionError: tp_size % dp_size == 0 with DP attention "
+            f"(--tp-size {args.tp_size}, {args.dp_size} attention DP groups)"
+        )
 
 
 def _max_running_per_rank(
@@ -254,6 +261,10 @@ def resolve(
         profile = profile_for(args.sglang_version)
     except UnknownVersionError as exc:
         raise TwinConfigError(str(exc)) from None
+    removed = getattr(args, "removed_flag", None)
+    if removed is not None:
+        # A flag that version removed: its DeprecatedAction raises as argparse meets it.
+        raise TwinConfigError(f"ValueError: {removed}")
     if args.table and args.preset:
         raise TwinConfigError("give --table or --preset, not both")
     try:
@@ -449,6 +460,7 @@ class Twin:
             dp_size=self.args.dp_size,
             tp_size=self.args.tp_size,
             dp_attention=self.args.enable_dp_attention,
+            all_schedulers=self.args.enable_metrics_for_all_schedulers,
             pid=os.getpid(),
             profile=config.profile,
         )
@@ -468,6 +480,7 @@ class Twin:
             controller=self._controller(),
             accept_lengths=config.accept_lengths,
             decode_log_interval=self.args.decode_log_interval,
+            radix_cache=not self.args.disable_radix_cache,
         )
         self._init_metrics()
 
@@ -497,7 +510,6 @@ class Twin:
 
     def _init_metrics(self) -> None:
         st, a, cfg = self.state, self.args, self.config
-        weights = a.load_time_s
         load = cfg.load_s
         startup = self.startup_time()
         for phase in ("load_weight", "kv_cache_allocation", "scheduler_e2e"):
@@ -508,6 +520,9 @@ class Twin:
         per_rank = self.config.max_running_per_rank
         for rank in range(a.dp_size):
             total = float(per_rank * KV_TOKENS_PER_REQUEST)
+            if a.max_total_tokens:
+                # SGLang takes --max-total-tokens where memory holds it (a warning if not).
+                total = min(total, float(a.max_total_tokens))
             st.set("sglang:max_total_num_tokens", total, rank)
             st.set("sglang:num_pages", total, rank)
             st.set("sglang:kv_available_tokens", total, rank)
@@ -519,11 +534,10 @@ class Twin:
             for phase, share in self.graph_shares().items():
                 st.set("sglang:graph_memory_usage_gb", GRAPH_GB * share, rank,
                        (("phase", phase),))  # fmt: skip
-            # Before 0.5.18: two gauges instead of startup_time_seconds{phase}.
-            st.set("sglang:engine_startup_time", load * 0.95, rank)
-            st.set("sglang:engine_load_weights_time", weights * 0.6, rank)
-            st.set("sglang:spec_num_steps", float(self.config.steps), rank)
-            st.set("sglang:spec_num_draft_tokens", float(self.config.draft_tokens), rank)
+            # Before 0.5.18 two gauges stood for startup_time_seconds{phase}; the scheduler
+            # set both to 0.0 (0.5.11-0.5.13 pass 0.0; 0.5.4 never sets its stats' 0.0).
+            st.set("sglang:engine_startup_time", 0.0, rank)
+            st.set("sglang:engine_load_weights_time", 0.0, rank)
             st.set("sglang:is_cuda_graph", 1.0, rank)
             st.set("sglang:fwd_occupancy", float("nan"), rank)
             for gt, le in (("0", "1"), ("1", "2"), ("2", "3"), ("3", "5"), ("5", "7"),
@@ -694,12 +708,10 @@ class Twin:
 
     def _scheduler_pids(self) -> list[int]:
         """The scheduler processes the DP controller started: every TP rank of every DP
-        rank; each DP rank's first is the pid its metrics carry."""
+        rank, as their metrics' pid labels say."""
         ranks, tp = self.args.dp_size, max(self.args.tp_size, 1)
         per_rank = max(tp // ranks, 1) if self.args.enable_dp_attention else tp
-        pid = self.state.pid
-        others = iter(range(pid + ranks, pid + ranks * per_rank))
-        return [pid + k if t == 0 else next(others) for k in range(ranks) for t in range(per_rank)]
+        return [scheduler_pid(self.state, k, t) for k in range(ranks) for t in range(per_rank)]
 
     def internal_state(self, rank: int, arguments: dict[str, Any]) -> dict[str, Any]:
         """What DP rank ``rank``'s scheduler answers to get_internal_state: its server
@@ -1157,6 +1169,27 @@ class Twin:
             await asyncio.sleep(interval)
             self.engine.report()
 
+    async def cpu_monitor(self) -> None:
+        """SGLang's cpu_monitor threads (0.5.11+): each process adds the CPU time it used to
+        sglang:process_cpu_seconds_total{component} every 5 s, from before the model loads
+        (so a ready server has its series). The twin is all of them in one process: the
+        tokenizer gets half of its CPU time, the detokenizer and, with several DP ranks,
+        the DP controller the rest."""
+        components = ["tokenizer", "detokenizer"]
+        if self.args.dp_size > 1:
+            components.append("data_parallel_controller")
+        shares = {"tokenizer": 0.5}
+        rest = 0.5 / (len(components) - 1)
+        last = time.process_time()
+        while True:
+            now = time.process_time()
+            for component in components:
+                self.state.inc("sglang:process_cpu_seconds_total",
+                               (now - last) * shares.get(component, rest), -1,
+                               (("component", component),))  # fmt: skip
+            last = now
+            await asyncio.sleep(CPU_MONITOR_S)
+
 
 def _bad_request(message: str) -> dict[str, Any]:
     """SGLang's ErrorResponse for a request it cannot validate (its RequestValidationError
@@ -1247,6 +1280,7 @@ async def _main(config: TwinConfig) -> int:
     print(f"[twin] listening on http://{args.host}:{args.port} ({mode})",
           file=sys.stderr, flush=True)  # fmt: skip
     tasks = [asyncio.create_task(twin.engine.run()), asyncio.create_task(twin.reporter())]
+    tasks.append(asyncio.create_task(twin.cpu_monitor()))
     try:
         try:
             await asyncio.wait_for(stop.wait(), timeout=max(args.warmup_s, 0.0))

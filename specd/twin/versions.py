@@ -20,7 +20,7 @@ from specd.twin.adaptive import (
     SLOTS,
     AdaptiveRules,
 )
-from specd.twin.families import _B7, BY_NAME, FAMILIES, REQ, SCHED, Family, G
+from specd.twin.families import _B7, BY_NAME, FAMILIES, REQ, SCHED, Family, G, Labels
 
 DEFAULT_VERSION = "0.5.23"
 # queue_time_seconds before 0.5.13: no buckets below 0.1 s but 0.
@@ -75,6 +75,26 @@ class Profile:
     # Server arguments of the twin's that this version does not have yet: argparse refuses
     # the flag, /server_info has no such field.
     lacks_args: frozenset[str] = frozenset({"attn_dp_size"})
+    # Scheduler families every TP rank emits, not only the one that reports the batch: each
+    # rank's scheduler has its own collector wherever --enable-metrics is on, and some calls
+    # are gated on that alone (the constants at start, decode passes, each request's queue
+    # time and stages; 0.5.2x's pre-seeded series). The rest (log_stats' gauges, realtime
+    # tokens, prefill passes) come from the reporting rank only, or from every rank with
+    # --enable-metrics-for-all-schedulers. Read from each version's scheduler code and
+    # checked against the --tp-size 2 pages its collectors wrote.
+    every_rank: frozenset[str] = frozenset()
+    # An idle scheduler logs at once when its running gauge no longer matches its running
+    # batch (0.5.23's _maybe_log_idle_metrics); before, only 30 s after its last log.
+    idle_log_when_stale: bool = False
+
+    def every_rank_emits(self, family: Family, variant: Labels) -> bool:
+        """Whether each TP rank's scheduler has this series (not only the reporting one)."""
+        if family.name not in self.every_rank:
+            return False
+        # Decode passes are counted on every rank, prefill passes where the batch is reported.
+        return family.name != CUDA_GRAPH_PASSES or dict(variant).get("mode", "").startswith(
+            "decode"
+        )
 
     @cached_property
     def by_name(self) -> dict[str, Family]:
@@ -178,6 +198,9 @@ _AFTER_0_5_11 = _AFTER_0_5_13 | {
 }
 # Added between 0.5.4 and 0.5.11.
 _AFTER_0_5_4 = _AFTER_0_5_11 | {
+    "sglang:num_retracted_requests_total",
+    "sglang:num_retracted_input_tokens_total",
+    "sglang:num_retracted_output_tokens_total",
     "sglang:prompt_tokens_histogram",
     "sglang:generation_tokens_histogram",
     "sglang:cuda_graph_passes_total",
@@ -255,6 +278,43 @@ _PREFILL_PREALLOC = Family(
     "The number of requests in the prefill prealloc queue.",
     SCHED,
 )
+CUDA_GRAPH_PASSES = "sglang:cuda_graph_passes_total"
+# Every TP rank: each request's queue time and stages (0.5.4: scheduler.py and
+# Req.add_latency; 0.5.11+: req_time_stats, its collector set on every rank).
+_EVERY_RANK_0_5_4 = frozenset({"sglang:queue_time_seconds", "sglang:per_stage_req_latency_seconds"})
+# 0.5.11-0.5.13: also emit_constants at start, each decode pass, and each retraction
+# (scheduler.py: gated on enable_metrics).
+_EVERY_RANK_0_5_11 = _EVERY_RANK_0_5_4 | {
+    CUDA_GRAPH_PASSES,
+    "sglang:num_retracted_requests_total",
+    "sglang:num_retracted_input_tokens_total",
+    "sglang:num_retracted_output_tokens_total",
+    "sglang:max_total_num_tokens",
+    "sglang:page_size",
+    "sglang:num_pages",
+    "sglang:context_len",
+    "sglang:startup_available_gpu_memory_gb",
+    "sglang:engine_startup_time",
+    "sglang:engine_load_weights_time",
+}
+# 0.5.23: the constants by memory kind instead of the engine times, and the series its
+# collector pre-seeds at construction.
+_EVERY_RANK_0_5_23 = (
+    _EVERY_RANK_0_5_11 - {"sglang:engine_startup_time", "sglang:engine_load_weights_time"}
+) | {
+    "sglang:weight_memory_usage_gb",
+    "sglang:kv_cache_memory_usage_gb",
+    "sglang:graph_memory_usage_gb",
+    "sglang:prefill_effective_tokens_total",
+    "sglang:scheduler_idle_seconds_total",
+    "sglang:scheduler_process_cpu_seconds_total",
+    "sglang:scheduler_stage_seconds_total",
+    "sglang:dp_attention_tokens_total",
+    "sglang:dp_attention_steps_total",
+    "sglang:dp_attention_pairs_total",
+    "sglang:dp_attention_token_imbalance_ratio",
+    "sglang:dp_attention_sync_wait_seconds",
+}
 _OLD_EVICTION_HELP = {
     "sglang:evicted_tokens_total": "The number of tokens evicted from GPU to CPU.",
     "sglang:eviction_duration_seconds": "Time taken to evict memory from GPU to CPU in seconds.",
@@ -263,6 +323,7 @@ _OLD_EVICTION_HELP = {
 PROFILES: dict[str, Profile] = {
     "0.5.4": Profile(
         version="0.5.4",
+        every_rank=_EVERY_RANK_0_5_4,
         families=_derive(
             _AFTER_0_5_4,
             extra=(
@@ -320,6 +381,7 @@ PROFILES: dict[str, Profile] = {
     ),
     "0.5.11": Profile(
         version="0.5.11",
+        every_rank=_EVERY_RANK_0_5_11,
         families=_derive(
             _AFTER_0_5_11,
             extra=(_PREFILL_PREALLOC, *_ENGINE_TIMES),
@@ -344,6 +406,7 @@ PROFILES: dict[str, Profile] = {
     ),
     "0.5.13": Profile(
         version="0.5.13",
+        every_rank=_EVERY_RANK_0_5_11,
         families=_derive(
             _AFTER_0_5_13,
             extra=_ENGINE_TIMES,
@@ -368,6 +431,8 @@ PROFILES: dict[str, Profile] = {
     ),
     "0.5.23": Profile(
         version="0.5.23",
+        every_rank=_EVERY_RANK_0_5_23,
+        idle_log_when_stale=True,
         families=FAMILIES,
         sched_moe_label=True,
         req_engine_label=True,

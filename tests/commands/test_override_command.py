@@ -202,7 +202,7 @@ def override_cmd(cfg: Path, path_env: str, *argv: str) -> subprocess.CompletedPr
 
 # A pin this server or its unit cannot run: refused before it replaces what is in force.
 STATIC_ONLY = "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
-DP_ATTENTION = ("--dp-size", "2", "--enable-dp-attention")
+DP_ATTENTION = ("--dp-size", "2", "--enable-dp-attention", "--tp-size", "2")
 
 
 @contextlib.contextmanager

@@ -561,11 +561,22 @@ def test_journal_round_trips_through_json_and_keeps_env_bytes(content: bytes | N
     ("twin_args", "evidence", "algorithm"),
     [
         # The algorithm SGLang reports (no [sglang] speculative_algorithm, no env file of
-        # the setting form): the env file is written in the setting form.
-        ([], "/server_info steps=4, /server_info draft_tokens=5, metrics steps=4", "EAGLE"),
+        # the setting form): the env file is written in the setting form. SGLang sets
+        # sglang:spec_num_steps at its first decode log: one per batch here, so the
+        # warm-up's set it (at the default 40, only /server_info shows the steps then).
+        (
+            ["--decode-log-interval", "1"],
+            "/server_info steps=4, /server_info draft_tokens=5, metrics steps=4",
+            "EAGLE",
+        ),
         # Fields missing from /server_info: the sglang:spec_num_steps gauge suffices.
         (
-            ["--server-info-missing", "speculative_num_steps,speculative_num_draft_tokens"],
+            [
+                "--server-info-missing",
+                "speculative_num_steps,speculative_num_draft_tokens",
+                "--decode-log-interval",
+                "1",
+            ],
             "metrics steps=4",
             "EAGLE",
         ),
@@ -1161,13 +1172,18 @@ def test_a_shutdown_mid_restart_leaves_the_previous_setting_for_the_boot_to_veri
     kept for its next start, which verifies what SGLang booted on. A load cut short is no
     verdict on the target (aborted, nothing frozen); a target that had failed before the
     shutdown is still rolled back (frozen, as without a reboot)."""
-    # The target loads for 30 s, then fails (at 15 s): nothing below waits for either.
+    # The target loads for 30 s, then fails (at 15 s): nothing below waits for either. A
+    # decode log per batch: the warm-up sets sglang:spec_num_steps, the boot's verification
+    # reads it beside /server_info.
+    each_batch = ["--decode-log-interval", "1"]
     unit = make_unit(
         ORIGINAL_ENV,
-        lambda steps: ["--load-time-s", "30", "--fail-start-at-steps", "4"] if steps == 4 else [],
+        lambda steps: (
+            ["--load-time-s", "30", "--fail-start-at-steps", "4"] if steps == 4 else each_batch
+        ),
     )
     if at == 2:  # fails at once: the verdict comes before the shutdown
-        unit.extra_args = lambda steps: [*TWIN_TIMING, "--fail-start-at-steps", "4"]
+        unit.extra_args = lambda steps: [*TWIN_TIMING, "--fail-start-at-steps", "4", *each_batch]
     stop = threading.Event()
     systemd = ShuttingDownSystemd(unit, stop, mode, at)
     rec = Recorder(tmp_path / "state.json")
@@ -2171,7 +2187,9 @@ def _live_from_get_server_info(unit: TwinUnit) -> int:
 def test_restart_is_verified_on_every_sglang_version(
     make_unit: Any, tmp_path: Path, version: str, evidence: str
 ) -> None:
-    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--sglang-version", version])
+    # A decode log per batch: the warm-up's set sglang:spec_num_steps (0.5.13+).
+    version_args = ["--sglang-version", version, "--decode-log-interval", "1"]
+    unit = make_unit(ORIGINAL_ENV, lambda steps: version_args)
     rec = Recorder(tmp_path / "journal.json")
     outcome = applier_for(unit, rec).apply(4, 3, window_open=always_open)
     assert outcome.result == "success", outcome.message
@@ -2384,7 +2402,10 @@ def test_an_env_file_edited_by_hand_is_reported_before_the_change_overwrites_it(
         (b"# not specd's\nOTHER=1\n", []),  # names no setting
         # /server_info does not say the step count: unknown, not another one (the file is
         # rewritten to 5 once SGLang runs 3).
-        (render_env(5).encode(), ["--server-info-missing", "speculative_num_steps"]),
+        (
+            render_env(5).encode(),
+            ["--server-info-missing", "speculative_num_steps", "--decode-log-interval", "1"],
+        ),
     ],
 )
 def test_an_env_file_that_asks_for_what_runs_or_nothing_is_not_reported(

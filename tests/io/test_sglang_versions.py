@@ -5,6 +5,7 @@ by each version's collector code): exact values, the live setting from the gauge
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -74,6 +75,19 @@ def test_without_server_info_old_versions_have_no_live_steps(version: str) -> No
     assert obs.running == 13
 
 
+# A fresh SGLang (its warm-up short of a decode log) shows spec_num_steps 0 while it runs 4
+# steps: without /server_info that 0 is no step count (its verify steps say it drafts),
+# where specd read it as 0 steps, a server running something else (a restart it did not
+# make, a change to want). With /server_info, its step count (above).
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v not in OLD])
+def test_a_fresh_servers_zero_step_gauge_is_no_step_count(version: str) -> None:
+    parsed = parse_metrics(page(version, "fresh"))
+    assert isinstance(parsed, ParsedMetrics), parsed
+    assert (parsed.steps, parsed.draft_tokens, parsed.spec_verify_calls_total) == (0, 0, 2.0)
+    obs = observation_from(parsed, None, t=5.0)
+    assert (obs.steps, obs.draft_tokens) == (None, None)
+
+
 @pytest.mark.parametrize("sglang", [(v, True) for v in VERSIONS], indirect=True, ids=list(VERSIONS))
 def test_client_reads_each_version_over_http(sglang: StaticSGLang) -> None:
     version = sglang.version
@@ -109,3 +123,46 @@ def test_specd_observe_json_on_each_version(
     out = json.loads(capsys.readouterr().out)
     assert (out["running"], out["queued"], out["accept_length"]) == (13, 7, 3.61)
     assert out["steps"] == (None if steps is None else int(steps))
+
+
+def _decoded(text: str, tokens: float) -> str:
+    """The page with its decode-token counter at ``tokens`` (pages before 0.5.11 have none)."""
+    counter = re.compile(r'^(sglang:realtime_tokens_total\{[^}]*mode="decode"[^}]*\}) \S+$', re.M)
+    return counter.sub(lambda m: f"{m.group(1)} {tokens!r}", text)
+
+
+# SGLang before 0.5.2x logs an idle scheduler's stats only 30 s after its last log: its page
+# still says the last batch runs. realtime_tokens_total moves with every forward pass
+# (0.5.11+): standing still 5 s while requests "run", it is the last batch. specd counted it
+# as load (and its zero throughput) for up to 30 s after every burst. 0.5.4 has no such
+# counter: nothing tells. (seconds since the first scrape, decode tokens counted, running)
+STALE_LOAD = [
+    (0.0, 768.0, 13),
+    (4.9, 768.0, 13),
+    (5.0, 768.0, 0),
+    (30.0, 768.0, 0),
+    (31.0, 800.0, 13),  # a forward pass: running again
+    (35.9, 800.0, 13),
+    (36.0, 800.0, 0),
+]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_running_gauge_no_forward_pass_moved_for_5_s_is_the_last_batchs(version: str) -> None:
+    server = StaticSGLang(version)
+    now = [1000.0]
+    seen = []
+    try:
+        with SGLangClient(server.url, timeout_s=5.0, clock=lambda: now[0]) as client:
+            for at, tokens, _ in STALE_LOAD:
+                now[0] = 1000.0 + at
+                server.routes["/metrics"] = _decoded(page(version), tokens).encode()
+                obs = client.observe()
+                assert isinstance(obs, Observation), obs
+                seen.append((obs.running, obs.spec_fresh))
+    finally:
+        server.close()
+    if version == "0.5.4":
+        assert seen == [(13, True)] * len(STALE_LOAD)
+    else:
+        assert seen == [(running, running > 0) for _, _, running in STALE_LOAD]

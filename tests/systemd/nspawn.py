@@ -554,6 +554,10 @@ def twin_command(
         "twin",
         *speculative,
         "--enable-metrics",
+        # SGLang sets sglang:spec_num_steps at its first decode log; one per decode batch,
+        # so the warm-up's set it (the tests read it right after a start).
+        "--decode-log-interval",
+        "1",
         "--port",
         str(port),
         "--load-time-s",

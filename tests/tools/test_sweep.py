@@ -262,8 +262,9 @@ def test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back(
     [
         (
             # DP attention runs only across two or more ranks (SGLang 0.5.23 reads
-            # --enable-dp-attention at dp_size 1 as attention DP off, as the twin does).
-            ["--dp-size", "2", "--enable-dp-attention"],
+            # --enable-dp-attention at dp_size 1 as attention DP off, as the twin does),
+            # each a share of the TP ranks.
+            ["--dp-size", "2", "--enable-dp-attention", "--tp-size", "2"],
             "adaptive:3,4",
             "--adaptive: this server cannot run SGLang's adaptive mode: SGLang's adaptive mode "
             "does not run with DP attention",

@@ -21,7 +21,10 @@ from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "metrics"
-FAST = ["--load-time-s", "0.2", "--warmup-s", "0.2", "--report-interval-s", "0.1"]
+# A decode log per decode batch: sglang:spec_num_steps follows the live tier from the
+# warm-up on (at SGLang's 40 it reads 0 until the 40th batch).
+FAST = ["--load-time-s", "0.2", "--warmup-s", "0.2", "--report-interval-s", "0.1",
+        "--decode-log-interval", "1"]  # fmt: skip
 QUIET = ["--accept-noise", "0"]
 
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,57 @@ def test_cli_exits_nonzero_with_one_line_error() -> None:
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("specd twin: error: TypeError")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# SGLang reads its command line with argparse's parse_args over that version's options
+# (specd/twin/sglang_args.py OPTIONS, from its own add_cli_args): an option it lacks is
+# refused (exit 2) before anything starts, a flag it removed raises its ValueError (exit 1),
+# a unique prefix is that option. The twin kept every word it did not know, and took an
+# abbreviation of SGLang's for its own flag. (version, words, exit code, stderr's last line)
+REFUSED_COMMAND_LINES = [
+    pytest.param(
+        "0.5.23",
+        ["--mem-fraction-statik", "0.9"],
+        2,
+        "specd twin: error: unrecognized arguments: --mem-fraction-statik 0.9",
+        id="typo",
+    ),
+    pytest.param(
+        "0.5.4",
+        ["--admin-api-key", "k"],
+        2,
+        "specd twin: error: unrecognized arguments: --admin-api-key k",
+        id="newer-flag",
+    ),
+    pytest.param(
+        "0.5.13",
+        ["--enable-piecewise-cuda-graph"],
+        1,
+        "specd twin: error: ValueError: Deprecated: Piecewise cuda graph is enabled by default",
+        id="removed-flag",
+    ),
+]
+
+
+@pytest.mark.parametrize(("version", "words", "code", "says"), REFUSED_COMMAND_LINES)
+def test_a_command_line_that_sglang_refuses_is_refused(
+    version: str, words: list[str], code: int, says: str
+) -> None:
+    argv = [sys.executable, "-m", "specd.cli", "twin", "--sglang-version", version]
+    argv += [*SPEC4, "--port", str(free_port()), *words]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert proc.returncode == code
+    assert proc.stderr.strip().splitlines()[-1].startswith(says)
+
+
+# What SGLang takes, the twin takes the same way: an unambiguous prefix of an SGLang option
+# (--gra is --grammar-backend), an alias of an option the twin models.
+def test_a_command_line_that_sglang_takes_is_read_as_sglang_reads_it() -> None:
+    args = _parse(["--gra", "xgrammar", "--attention-data-parallel-size", "2", "--tp-size", "2"])
+    assert args.ignored_args == ["--grammar-backend", "xgrammar"]
+    config = resolve(args)
+    assert (config.args.dp_size, config.args.enable_dp_attention) == (2, True)
+    assert Twin(config).server_arguments()["grammar_backend"] == "xgrammar"
 
 
 def test_port_0_serves_on_a_free_port_it_announces(tmp_path: Path) -> None:
@@ -311,7 +363,8 @@ def _shape(text: str) -> dict[str, tuple[str, str, frozenset[frozenset[str]]]]:
 
 
 def test_exposition_matches_real_sglang_page() -> None:
-    with TwinProcess([*SPEC4, "--enable-metrics", *FAST]) as twin:
+    # A 48-token KV pool: the twin's prefix cache evicts, as the real page's server had.
+    with TwinProcess([*SPEC4, "--enable-metrics", "--max-total-tokens", "48", *FAST]) as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
@@ -412,6 +465,8 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
     assert not _port_open(port)
     seen: list[str] = []
     args = [*SPEC4, "--enable-metrics", "--load-time-s", "1.0", "--warmup-s", "0.8"]
+    # A decode log per batch: the warm-up's sets sglang:spec_num_steps (read below).
+    args += ["--decode-log-interval", "1"]
     with TwinProcess(args, port=port) as twin:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -583,7 +638,7 @@ DP_CAPACITY: list[Any] = [
     pytest.param("0.5.23", ["--max-running-requests", "4"], [4, 4], (2, 1), id="0.5.23-replicas"),
     pytest.param(
         "0.5.23",
-        ["--max-running-requests", "4", "--enable-dp-attention"],
+        ["--max-running-requests", "4", "--enable-dp-attention", "--tp-size", "2"],
         [2, 2],
         (1, 2),  # --dp-size 2 --enable-dp-attention resolves into --attn-dp-size 2
         id="0.5.23-dp-attention",
@@ -595,7 +650,7 @@ DP_CAPACITY: list[Any] = [
     pytest.param("0.5.4", ["--max-running-requests", "4"], [4, 4], (2, None), id="0.5.4-replicas"),
     pytest.param(
         "0.5.4",
-        ["--max-running-requests", "4", "--enable-dp-attention"],
+        ["--max-running-requests", "4", "--enable-dp-attention", "--tp-size", "2"],
         [2, 2],
         (2, None),
         id="0.5.4-dp-attention",
@@ -668,6 +723,8 @@ DP_LAYOUTS: list[Any] = [
     ),
     pytest.param("0.5.23", ["--enable-dp-attention"], 1, False, (1, 1, False), id="0.5.23-dp1"),
     pytest.param("0.5.23", ["--dp-size", "2"], 2, False, (2, 1, False), id="0.5.23-replicas"),
+    # Replicas are servers of their own, each with all --tp-size ranks: no need to divide.
+    pytest.param("0.5.23", ["--dp-size", "3"], 3, False, (3, 1, False), id="0.5.23-3-replicas"),
     # Before 0.5.23 DP attention at --dp-size 1 is turned off (and /server_info says so).
     pytest.param("0.5.13", ["--enable-dp-attention"], 1, False, (1, None, False), id="0.5.13-dp1"),
     pytest.param(
@@ -709,6 +766,10 @@ def test_dp_layout_as_each_version_resolves_it(
             1,
         ),
         ("0.5.23", ["--attn-dp-size", "0"], "--attn-dp-size must be positive (got 0)", 1),
+        # Attention DP groups split the TP ranks: SGLang asserts they divide them.
+        ("0.5.23", ["--attn-dp-size", "3"], "AssertionError: tp_size % dp_size == 0", 1),
+        ("0.5.13", ["--dp-size", "3", "--enable-dp-attention"], "AssertionError", 1),
+        ("0.5.4", ["--dp-size", "3", "--enable-dp-attention"], "AssertionError", 1),
     ],
 )
 def test_dp_layouts_sglang_refuses(version: str, flags: list[str], message: str, code: int) -> None:
@@ -810,12 +871,17 @@ def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
     radix: list[tuple[str, str]],
 ) -> None:
     args = [*SPEC4, "--enable-metrics", "--sglang-version", version, "--dp-size", "2"]
-    args += ["--tp-size", "4", "--max-running-requests", "6", *flags, *FAST]
+    args += ["--tp-size", "4", "--max-running-requests", "6", "--max-total-tokens", "2000"]
+    args += [*flags, *FAST]
     body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
     with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
         twin.wait_healthy(20)
         client = httpx.Client(base_url=twin.url, timeout=20)
         streams.callback(client.close)
+        # Two 1000-token prompts per DP rank: the second needs the first's cached slots in
+        # the 2000-token pool, so every rank's radix cache evicts (its series appear).
+        for _ in range(4):
+            client.post("/v1/completions", json={"prompt": "w " * 1000, "max_tokens": 1})
         for _ in range(14):  # more than the server runs: some queue
             # Open (the twin answers the headers once the request is in), never read.
             streams.enter_context(client.stream("POST", "/v1/completions", json=body))
@@ -838,3 +904,93 @@ def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
     assert obs.running + obs.queued == 14
     assert obs.running == obs.max_running_requests  # 6 per replica, 6 over attention DP
     assert obs.running == ranks_running
+
+
+# --enable-metrics-for-all-schedulers: every TP rank of a DP rank reports the batch they all
+# run, so the page has tp x DP ranks' worth of series with the same counts. specd reads each
+# DP rank once (its lowest TP rank), which summing every series or taking the lowest TP rank
+# of the whole page would not: the ranks run 2 and 1 of the 3 requests.
+# (version, flags, DP ranks, TP ranks per DP rank)
+ALL_SCHEDULERS: list[Any] = [
+    pytest.param("0.5.23", ["--enable-dp-attention"], 2, 2, id="0.5.23-dp-attention"),
+    pytest.param("0.5.23", [], 2, 4, id="0.5.23-replicas"),
+    pytest.param("0.5.13", ["--enable-dp-attention"], 2, 2, id="0.5.13-dp-attention"),
+]
+
+
+@pytest.mark.parametrize(("version", "flags", "dp", "width"), ALL_SCHEDULERS)
+def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
+    version: str, flags: list[str], dp: int, width: int
+) -> None:
+    args = [*SPEC4, "--enable-metrics", "--enable-metrics-for-all-schedulers", "--tp-size", "4"]
+    # A decode log per batch: the accept length is reported within the test's 0.6 s.
+    args += ["--dp-size", str(dp), "--sglang-version", version, "--decode-log-interval", "1"]
+    args += [*flags, *FAST]
+    body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
+    with TwinProcess(args) as twin, contextlib.ExitStack() as streams:
+        twin.wait_healthy(20)
+        client = httpx.Client(base_url=twin.url, timeout=20)
+        streams.callback(client.close)
+        for _ in range(3):  # round robin: 2 on DP rank 0, 1 on DP rank 1
+            streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        time.sleep(0.6)  # a report
+        page = client.get("/metrics").text
+        info = client.get("/get_server_info").json()
+        with SGLangClient(twin.url, timeout_s=5.0) as reader:
+            obs = reader.observe()
+            parsed = reader.last_page
+    running = {
+        (s.labels["dp_rank"], s.labels["tp_rank"]): s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_running_reqs"
+    }
+    assert len(running) == dp * width  # every TP rank of every DP rank
+    per_dp = {d: {v for (rank, _), v in running.items() if rank == d} for d, _ in running}
+    assert per_dp == {"0": {2.0}, "1": {1.0}}  # the TP ranks of a DP rank agree
+    assert isinstance(obs, Observation), obs
+    assert (obs.running, obs.dp_ranks) == (3, dp)
+    assert sum(running.values()) == 3 * width  # what adding up every series would say
+    assert obs.accept_length is not None
+    assert 1.0 < obs.accept_length <= 5.0
+    # Every scheduler's pid is on its retracted-requests gauge, as /server_info lists them.
+    assert parsed is not None
+    if "scheduler_pids" in info:
+        assert parsed.scheduler_pids == {str(p) for p in info["scheduler_pids"]}
+    else:
+        assert len(parsed.scheduler_pids) == dp * width
+
+
+# Out of KV memory, SGLang pushes running requests back to the queue and counts each in
+# sglang:num_retracted_requests_total, from every TP rank's scheduler (0.5.11+: gated on
+# --enable-metrics alone): specd reads one TP rank's count, not their sum. 0.5.4 has no such
+# counter. The twin never ran out of KV memory (its pool had no size to fill).
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.13", "0.5.4"])
+def test_retractions_are_counted_on_every_tp_rank_and_read_once(version: str) -> None:
+    args = [*SPEC4, "--enable-metrics", "--sglang-version", version, "--tp-size", "2"]
+    args += ["--max-running-requests", "4", "--max-total-tokens", "150", *FAST]
+    with TwinProcess(args) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=60) as client:
+            body = {"prompt": "a b c", "max_tokens": 60}
+            with ThreadPoolExecutor(4) as pool:  # 4 x 63 tokens: more than the pool holds
+                done = list(pool.map(lambda _: client.post("/v1/completions", json=body), "abcd"))
+            page = client.get("/metrics").text
+        with SGLangClient(twin.url, timeout_s=5.0) as reader:
+            obs = reader.observe()
+    # Every request still finished: a retracted one waits, is prefilled again, goes on.
+    assert [r.json()["usage"]["completion_tokens"] for r in done] == [60] * 4
+    counted = _label_sets(page, "sglang:num_retracted_requests_total", ("tp_rank",))
+    values = {
+        s.labels["tp_rank"]: s.value
+        for fam in text_string_to_metric_families(page)
+        for s in fam.samples
+        if s.name == "sglang:num_retracted_requests_total"
+    }
+    assert isinstance(obs, Observation), obs
+    if version == "0.5.4":
+        assert (counted, obs.retracted_total) == ([], None)
+        return
+    assert counted == [("0",), ("1",)]
+    assert values["0"] == values["1"] >= 1
+    assert obs.retracted_total == values["0"]

@@ -446,10 +446,14 @@ def test_a_bad_config_at_0_5_11_fails_while_loading_not_at_start(tmp_path: Path)
             ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"],
             "speculative_eagle_topk=2 (only topk=1 is supported)",
         ),
-        ("0.5.23", ["--enable-dp-attention", "--dp-size", "2"], "attention DP is not supported"),
+        (
+            "0.5.23",
+            ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
+            "attention DP is not supported",
+        ),
         (
             "0.5.13",
-            ["--enable-dp-attention", "--dp-size", "2"],
+            ["--enable-dp-attention", "--dp-size", "2", "--tp-size", "2"],
             "enable_dp_attention=True is not supported",
         ),
         (

@@ -16,9 +16,11 @@ from factories import FAST_TWIN_VERSION_ARGS, SPEC4_ARGS, version_server_info
 from factories import version_twin as _twin
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.core.observation import Observation
+from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
 from specd.twin import cli as twin_cli
 from specd.twin.process import TwinProcess
-from specd.twin.server import TwinConfigError, resolve
+from specd.twin.server import CPU_MONITOR_S, TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
 PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
@@ -53,7 +55,10 @@ def test_every_version_has_pages_from_its_own_collectors() -> None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: str) -> None:
-    with _twin(version) as twin:
+    # A KV pool of 48 tokens: the loaded page has evicted from the prefix cache (the chat
+    # request needs the warm-up's slots), as the loaded server of the pages had; the fresh
+    # page has not yet.
+    with _twin(version, "--max-total-tokens", "48") as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             fresh = c.get("/metrics").text
@@ -72,6 +77,37 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
         assert sorted(ours) == sorted(real), which
         for name, (type_, help_, keys) in real.items():
             assert ours[name] == (type_, help_, keys), (which, name)
+
+
+def _scheduler_series(text: str) -> set[tuple[str, str, str | None]]:
+    """(family, tp_rank, pass) of every scheduler series: which TP ranks have each family,
+    and of the CUDA-graph passes which kind (the radix cache's are not the scheduler's)."""
+    return {
+        (fam.name, s.labels["tp_rank"], s.labels.get("mode") if "passes" in fam.name else None)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if "tp_rank" in s.labels and "cache_type" not in s.labels
+    }
+
+
+# Every TP rank's scheduler has a collector of its own; TP rank 0 reports the batch, or every
+# rank with --enable-metrics-for-all-schedulers. The twin emitted TP rank 0's series only.
+@pytest.mark.parametrize("all_schedulers", [False, True], ids=["tp2", "tp2-all"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_each_tp_rank_has_the_series_its_scheduler_emits(
+    version: str, all_schedulers: bool
+) -> None:
+    flags = ["--enable-metrics-for-all-schedulers"] if all_schedulers else []
+    with _twin(version, "--tp-size", "2", *flags) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
+            time.sleep(0.5)
+            page = c.get("/metrics").text
+    name = f"sglang-{version}-loaded-tp2{'-all' if all_schedulers else ''}.prom"
+    real = _scheduler_series((PAGES / name).read_text())
+    assert {tp for _, tp, _ in real} == {"0", "1"}
+    assert _scheduler_series(page) == real
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -127,7 +163,8 @@ ENDPOINTS = [
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_endpoints_and_reported_version(version: str) -> None:
-    with _twin(version) as twin:
+    # A decode log per decode batch: the warm-up's set the step gauge (see below).
+    with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=10) as c:
             for path, have in ENDPOINTS:
@@ -138,6 +175,92 @@ def test_endpoints_and_reported_version(version: str) -> None:
     assert info["speculative_num_steps"] == 4
     steps = _samples(page, "sglang:spec_num_steps")
     assert [v for _, v in steps] == ([] if version in ("0.5.4", "0.5.11") else [4.0])
+
+
+def _value(page: str, name: str) -> float:
+    (value,) = [v for _, v in _samples(page, name)]
+    return value
+
+
+# SGLang sets its throughput and speculative gauges at a decode log, every
+# --decode-log-interval (40) decode batches: the warm-up's two leave them at 0, and one log
+# per batch sets them at once. An idle scheduler logs again 30 s after its last log (0.5.23:
+# at once when its running gauge is stale, with gen_throughput 0): until then the page shows
+# its last batch. The twin set the step gauges at start and refreshed every gauge each second.
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.23"])
+def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
+    with _twin(version) as twin:
+        twin.wait_healthy(20)
+        with httpx.Client(base_url=twin.url, timeout=20) as c:
+            fresh = c.get("/metrics").text
+            c.post("/v1/completions", json={"prompt": "p", "max_tokens": 300})  # ~80 batches
+            time.sleep(0.5)  # reports of an idle scheduler
+            idle = c.get("/metrics").text
+    with _twin(version, "--decode-log-interval", "1") as twin:
+        twin.wait_healthy(20)
+        logged = httpx.get(twin.url + "/metrics", timeout=10).text
+    for name in ("spec_num_steps", "spec_num_draft_tokens", "spec_accept_length"):
+        assert _value(fresh, f"sglang:{name}") == 0.0, name
+    assert (_value(logged, "sglang:spec_num_steps"), _value(idle, "sglang:spec_num_steps")) == (
+        4.0,
+        4.0,
+    )
+    assert _value(idle, "sglang:spec_accept_length") > 1.0
+    if version == "0.5.23":
+        assert _value(idle, "sglang:num_running_reqs") == 0.0
+        assert _value(idle, "sglang:gen_throughput") == 0.0
+    else:  # the last decode log's, for up to 30 s
+        assert _value(idle, "sglang:num_running_reqs") == 1.0
+        assert _value(idle, "sglang:gen_throughput") > 0.0
+
+
+# What specd reads of an idle server that still shows its last batch (0.5.13) or not (0.5.23):
+# the gauge at first (one page cannot tell), none running once no forward pass was counted
+# for STALE_LOAD_AFTER_S. It read the 0.5.13 server as running one request for 30 s.
+@pytest.mark.parametrize(("version", "shown"), [("0.5.13", 1), ("0.5.23", 0)])
+def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown: int) -> None:
+    with _twin(version) as twin, SGLangClient(twin.url, timeout_s=5.0) as reader:
+        twin.wait_healthy(20)
+        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 300}, timeout=20)
+        time.sleep(0.5)  # reports of an idle scheduler
+        first = reader.observe()
+        time.sleep(STALE_LOAD_AFTER_S + 0.5)
+        later = reader.observe()
+        page = httpx.get(twin.url + "/metrics", timeout=10).text
+    assert isinstance(first, Observation), first
+    assert isinstance(later, Observation), later
+    assert _value(page, "sglang:num_running_reqs") == shown
+    assert (first.running, later.running, later.spec_fresh) == (shown, 0, False)
+
+
+# SGLang's processes add the CPU time they used to sglang:process_cpu_seconds_total every 5 s
+# from before the model loads (0.5.11+; the DP controller too, with several DP ranks), and
+# 0.5.23's schedulers, polling without sleep, count their CPU and loop time on every TP
+# rank. The twin left all of them at 0, and had no DP controller.
+def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
+    with _twin("0.5.23", "--dp-size", "2", "--tp-size", "2") as twin:
+        twin.wait_healthy(20)
+        first = httpx.get(twin.url + "/metrics", timeout=10).text
+        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 100}, timeout=20)
+        time.sleep(CPU_MONITOR_S + 0.5)
+        later = httpx.get(twin.url + "/metrics", timeout=10).text
+    used = {
+        labels["component"]: value
+        for labels, value in _samples(later, "sglang:process_cpu_seconds_total")
+    }
+    assert set(used) == {"tokenizer", "detokenizer", "data_parallel_controller"}
+    assert _total(later, "sglang:process_cpu_seconds_total") > _total(
+        first, "sglang:process_cpu_seconds_total"
+    )
+    scheduler = _samples(later, "sglang:scheduler_process_cpu_seconds_total")
+    assert len(scheduler) == 4  # every TP rank of both replicas
+    assert all(value > CPU_MONITOR_S for _, value in scheduler)
+    idle = [
+        value
+        for labels, value in _samples(later, "sglang:scheduler_stage_seconds_total")
+        if labels["category"] == "idle"
+    ]
+    assert min(idle) > 1.0
 
 
 @pytest.mark.parametrize(
