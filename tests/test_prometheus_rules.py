@@ -170,8 +170,8 @@ def test_every_alert_is_documented(alert: str) -> None:
     assert alert in headings, f"no runbook heading for {alert} in README.md"
 
 
-# -- the dashboard's SGLang panels over a priority-scheduling page ----------------------
-PRIORITY_PAGE = ROOT / "tests" / "fixtures" / "metrics" / "priority.prom"
+# -- the dashboard's SGLang panels over SGLang's pages with several series per batch --------
+PAGES = ROOT / "tests" / "fixtures" / "metrics"
 DASHBOARD = ROOT / "grafana" / "dashboards" / "specd.json"
 SCHEDULER_GAUGES = (
     "sglang:num_running_reqs",
@@ -179,12 +179,13 @@ SCHEDULER_GAUGES = (
     "sglang:spec_accept_length",
     "sglang:gen_throughput",
 )
+# Schedulers of one DP group differ only in these (specd.io.sglang._RANK_LABELS).
+RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
 
 
-def _page_series() -> list[tuple[str, dict[str, str], float]]:
-    """The scheduler gauges of SGLang's page with priority scheduling: each scheduler's
-    total (priority="") and one series per priority beside it."""
-    text = PRIORITY_PAGE.read_text(encoding="utf-8")
+def _page_series(page: Path) -> list[tuple[str, dict[str, str], float]]:
+    """The scheduler gauges of one of SGLang's pages."""
+    text = page.read_text(encoding="utf-8")
     return [
         (sample.name, dict(sample.labels), sample.value)
         for family in text_string_to_metric_families(text)
@@ -214,20 +215,41 @@ def _dashboard_sglang_queries() -> dict[str, str]:
     return found
 
 
-def test_dashboard_counts_each_request_once_under_priority_scheduling(tmp_path: Path) -> None:
-    """Prometheus evaluates the dashboard's SGLang panels over the page SGLang serves with
-    priority scheduling: running and queued requests, throughput and the running-weighted
-    accept length come out as the schedulers' totals say, not doubled or halved by the
-    per-priority series beside them."""
-    series = _page_series()
-    assert any(labels.get("priority") for _, labels, _ in series), "page lost its priorities"
-    totals = [(n, v) for n, labels, v in series if not labels.get("priority")]
-    total = {g: sum(v for n, v in totals if n == g) for g in SCHEDULER_GAUGES}
-    accept = sum(v for n, v in totals if n == "sglang:spec_accept_length")  # one scheduler
+@pytest.mark.parametrize(
+    ("page", "several"),
+    [
+        # Priority scheduling: each scheduler's total (priority="") and one series per
+        # priority beside it.
+        ("priority.prom", "priority"),
+        # --enable-metrics-for-all-schedulers at --tp-size 2: both TP ranks export the batch.
+        ("versions/sglang-0.5.23-loaded-tp2-all.prom", "tp_rank"),
+        ("versions/sglang-0.5.4-loaded-tp2-all.prom", "tp_rank"),
+    ],
+)
+def test_dashboard_counts_each_request_once(tmp_path: Path, page: str, several: str) -> None:
+    """Prometheus evaluates the dashboard's SGLang panels over a page where one batch has
+    several series (per priority beside the totals; per TP rank): running and queued
+    requests, throughput and the running-weighted accept length come out as the
+    schedulers' totals say, once per DP group, not doubled or halved."""
+    series = _page_series(PAGES / page)
+    assert len({labels.get(several) for _, labels, _ in series}) > 1, "page lost its " + several
+    # One series per DP group: the totals, of the lowest-ranked scheduler.
+    groups: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for name, labels, value in sorted(series, key=lambda s: sorted(s[1].items())):
+        if labels.get("priority"):
+            continue
+        group = tuple(sorted((k, v) for k, v in labels.items() if k not in RANK_LABELS))
+        groups.setdefault((name, group), value)
+    total = {g: sum(v for (n, _), v in groups.items() if n == g) for g in SCHEDULER_GAUGES}
+    weighted = sum(
+        v * groups[("sglang:num_running_reqs", group)]
+        for (n, group), v in groups.items()
+        if n == "sglang:spec_accept_length"
+    )
     expected = {
         "SGLang running and queued requests/A": total["sglang:num_running_reqs"],
         "SGLang running and queued requests/B": total["sglang:num_queue_reqs"],
-        "Accept length by step count/B": accept,
+        "Accept length by step count/B": weighted / total["sglang:num_running_reqs"],
     }
     queries = _dashboard_sglang_queries()
     assert set(expected) <= set(queries), sorted(queries)
