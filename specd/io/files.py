@@ -324,6 +324,9 @@ def remove_durably(path: str | Path) -> None:
         return  # no directory, no file
     try:
         try:
+            # Looked up first: unlink(2) on a read-only file system fails (EROFS) even for a
+            # name that is not there, and a rollback that had nothing to remove failed.
+            os.stat(target.name, dir_fd=dir_fd, follow_symlinks=False)
             os.unlink(target.name, dir_fd=dir_fd)
         except FileNotFoundError:
             return
