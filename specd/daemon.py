@@ -59,6 +59,7 @@ from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import StateStore
+from specd.io.writable import unwritable, written_dirs
 
 UNFREEZE_REQUEST = "unfreeze.json"
 # `specd unfreeze` writes a one-line JSON object; the reason is free text from the operator.
@@ -597,6 +598,13 @@ class Daemon:
                     f"files.state_dir: {self.config.files.state_dir} → {new.files.state_dir} "
                     "needs a restart of specd (move state.json along; its journal, freeze "
                     "and learned history live there)"
+                ]
+            elif new.sglang.env_file != self.config.sglang.env_file:
+                # Taken, every change would fail at its first write, window after window.
+                problems = [
+                    problem
+                    for written in written_dirs(new)[1:]
+                    if (problem := unwritable(new, written)) is not None
                 ]
         if problems:
             self.metrics.config_reload_success.set(0)

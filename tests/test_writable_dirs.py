@@ -1,8 +1,12 @@
-"""specd and a directory it cannot write: SGLang's env file on a file system remounted
-read-only. Real read-only tmpfs mounts.
+"""specd and a directory it cannot write: SGLang's env file in a directory specd.service's
+sandbox leaves read-only (ProtectSystem=strict), gone, or on a file system remounted
+read-only. Real processes, real read-only tmpfs mounts; under a real systemd:
+tests/systemd/test_writable_systemd.py.
 
-Before: a change whose env file did not exist yet ended `failed` and froze specd (the
-rollback's unlink of the absent file failed with EROFS), though nothing was restarted."""
+Before: `specd run` started, and every change failed at its first write, window after
+window; a change whose env file did not exist yet even ended `failed` and froze specd (the
+rollback's unlink of the absent file failed with EROFS), though nothing was restarted; a
+reload to such an env file was taken."""
 
 from __future__ import annotations
 
@@ -11,14 +15,21 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+import structlog.testing
 import tomli_w
 from factories import mounted_tmpfs, tables
+from prometheus_client import CollectorRegistry
 
+from specd.daemon import Daemon
 from specd.io.apply import Applier
+from specd.io.config import load_config
+from specd.io.notify import Notifier
+from specd.io.runner import RunResult
 from specd.io.sglang import SGLangClient
 from specd.twin.process import free_port
 from specd.twin.unit import TwinUnitRunner, twin_unit_config
@@ -62,6 +73,73 @@ def specd_run(config: Path) -> tuple[int, list[dict[str, Any]]]:
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     return proc.returncode, lines
+
+
+@pytest.mark.parametrize("fault", ["read-only file system", "it does not exist"])
+def test_specd_run_refuses_an_env_file_directory_it_cannot_write(
+    tmp_path: Path, fault: str
+) -> None:
+    with contextlib.ExitStack() as stack:
+        if fault == "read-only file system":
+            directory = stack.enter_context(read_only_dir(tmp_path / "srv"))
+        else:
+            directory = tmp_path / "gone"
+        env_file = directory / "sglang.env"
+        code, lines = specd_run(write_config(tmp_path, env_file))
+    assert code == 1
+    [line] = [x for x in lines if x["event"] == "env_file_unwritable"]
+    assert line["level"] == "error"
+    assert line["problem"] == (
+        f"sglang.env_file: specd cannot write {directory} ({fault}), where it writes SGLang's "
+        "env file; `specd install --unit sglang.service` prepares it (creates it for user "
+        "specd and adds it to specd.service's ReadWritePaths=: ProtectSystem=strict lets specd "
+        "write only /var/lib/specd and those), or keep sglang.env_file under /var/lib/specd"
+    )
+    # Nothing began: no metrics served, no decision, no state written.
+    assert [x["event"] for x in lines] == ["env_file_unwritable"]
+    assert not (tmp_path / "state" / "state.json").exists()
+
+
+def test_specd_run_names_the_fix_for_a_state_directory_it_cannot_write(tmp_path: Path) -> None:
+    with read_only_dir(tmp_path / "srv") as directory:
+        code, lines = specd_run(write_config(tmp_path, tmp_path / "sglang.env", directory))
+    assert code == 1
+    [line] = [x for x in lines if x["event"] == "state_dir_unusable"]
+    assert line["error"] == "Read-only file system"
+    assert line["fix"].startswith("`specd install --unit sglang.service` prepares it")
+    assert line["fix"].endswith("or keep files.state_dir under /var/lib/specd")
+
+
+def refused(argv: Sequence[str], *, timeout_s: float) -> RunResult:
+    """No systemd here: what a reload asks of it is refused (it asks nothing it needs)."""
+    return RunResult(tuple(argv), 1, "", "no systemd in this test", False, 0.0)
+
+
+def test_a_reload_to_an_env_file_specd_cannot_write_is_rejected(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path, tmp_path / "sglang.env")
+    daemon = Daemon(
+        load_config(config_path),
+        config_path,
+        registry=CollectorRegistry(),
+        runner=refused,
+        notifier=Notifier(environ={}),
+    )
+    with read_only_dir(tmp_path / "srv") as directory:
+        write_config(tmp_path, directory / "sglang.env")
+        with structlog.testing.capture_logs() as logs:
+            daemon.reload()
+    [line] = [x for x in logs if x["event"] == "reload_rejected"]
+    assert line["problem"].startswith(
+        f"sglang.env_file: specd cannot write {directory} (read-only file system)"
+    )
+    assert daemon.config.sglang.env_file == tmp_path / "sglang.env"  # the running one kept
+    # The same file, once its directory is writable, is taken.
+    (tmp_path / "llm").mkdir()
+    write_config(tmp_path, tmp_path / "llm" / "sglang.env")
+    with structlog.testing.capture_logs() as logs:
+        daemon.reload()
+    assert not [x for x in logs if x["event"] == "reload_rejected"], logs
+    assert daemon.config.sglang.env_file == tmp_path / "llm" / "sglang.env"
 
 
 def test_an_env_file_write_refused_by_a_read_only_file_system_aborts_without_a_freeze(

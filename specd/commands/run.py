@@ -10,6 +10,7 @@ from specd.daemon import Daemon
 from specd.io import logs
 from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.state import StateDirLocked, lock_state_dir
+from specd.io.writable import fix_for, unwritable, written_dirs
 
 
 # -- CLI: specd run ----------------------------------------------------------------
@@ -30,14 +31,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Held for the process's life: the descriptor is never closed.
         lock_state_dir(config.files.state_dir)
-    except (StateDirLocked, OSError) as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    except StateDirLocked as exc:
         logs.get_logger().error(
-            "state_dir_locked" if isinstance(exc, StateDirLocked) else "state_dir_unusable",
-            state_dir=str(config.files.state_dir),
-            error=detail,
+            "state_dir_locked", state_dir=str(config.files.state_dir), error=str(exc)
         )
         return 1
+    except OSError as exc:
+        logs.get_logger().error(
+            "state_dir_unusable",
+            state_dir=str(config.files.state_dir),
+            error=exc.strerror or str(exc),
+            fix=fix_for(written_dirs(config)[0], config.sglang.unit),
+        )
+        return 1
+    # An env file specd cannot write failed every change, at every window, for as long as
+    # specd ran (a directory outside specd.service's writable paths): said now, with the fix.
+    for written in written_dirs(config)[1:]:
+        problem = unwritable(config, written)
+        if problem is not None:
+            logs.get_logger().error(
+                "env_file_unwritable", env_file=str(config.sglang.env_file), problem=problem
+            )
+            return 1
     daemon = Daemon(config, args.config)
     daemon.install_signal_handlers()
     return daemon.run()
