@@ -14,6 +14,7 @@ from typing import Any
 import tomli_w
 
 from specd.core import windows
+from specd.install.sandbox import SHIPPED, needs_read_write
 from specd.io.apply import DEFAULT_STOP_TIMEOUT_S
 from specd.io.config import (
     DEFAULT_CONFIG_PATH,
@@ -23,6 +24,7 @@ from specd.io.config import (
     config_to_dict,
     load_config,
 )
+from specd.io.writable import STATE_DIRECTORY, written_dirs
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +105,26 @@ def window_warnings(config: Config, now: datetime) -> list[str]:
     return lines
 
 
+def path_warnings(config: Config) -> list[str]:
+    """A line for each directory specd writes in that the shipped specd.service does not let
+    it write as it stands (ProtectSystem=strict: /var/lib/specd only), or hides from it
+    (PrivateTmp=, ProtectHome=). Valid either way: outside that unit specd may write there."""
+    lines = []
+    for written in written_dirs(config):
+        where = f"{written.key}: warning: specd writes {written.what} in {written.directory}"
+        hidden = SHIPPED.hides(written.directory)
+        if hidden is not None:
+            lines.append(f"{where}, but {hidden}: keep it under {STATE_DIRECTORY}")
+        elif needs_read_write(written.directory):
+            lines.append(
+                f"{where}, outside {STATE_DIRECTORY}: specd.service (ProtectSystem=strict) may "
+                "write there only once its ReadWritePaths= names it, which `specd install` adds "
+                "(and creates the directory for user specd; by hand: `systemctl edit "
+                'specd.service`), or every change fails with "Read-only file system"'
+            )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     if args.path is not None and args.config is not None and args.path != args.config:
         print("specd check-config: give the file once (PATH or --config)", file=sys.stderr)
@@ -122,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         if env:
             print(f"# overridden by environment: {', '.join(env)}")
         sys.stdout.write(grouped_toml(data))
-    for line in window_warnings(config, datetime.fromtimestamp(time.time(), tz=timezone.utc)):
+    now = datetime.fromtimestamp(time.time(), tz=timezone.utc)
+    for line in [*window_warnings(config, now), *path_warnings(config)]:
         print(f"{shown}: {line}", file=sys.stderr)
     print(f"{shown}: OK", file=sys.stderr)
     return 0

@@ -44,6 +44,8 @@ from specd.install.layout import (
 from specd.install.manifest import load_manifest
 from specd.install.network import elsewhere
 from specd.install.plan import key_file_problem
+from specd.install.render import template
+from specd.install.sandbox import SANDBOX_PROPERTIES, Sandbox, user_cannot_write
 from specd.install.sglang_args import ARGS_WORD, DEFAULT_PORT, LEGACY_NAMES, find_flags
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
@@ -70,6 +72,7 @@ from specd.io.sglang import (
 )
 from specd.io.timespan import timespan_s
 from specd.io.tls import verifying_context
+from specd.io.writable import STATE_DIRECTORY, WrittenDir, fix_for, written_dirs
 
 TIMEOUT_S = 10.0
 POLKIT_ACTION = "org.freedesktop.systemd1.manage-units"
@@ -95,6 +98,7 @@ NEEDS_CONFIG = (
     ("windows", "[[windows]]"),
     ("override", "[files] override_file"),
     ("fleet", "[fleet]"),
+    ("writable", "[files] state_dir and [sglang] env_file"),
     ("specd-metrics", "[report] metrics_port"),
 )
 
@@ -714,6 +718,58 @@ class Doctor:
                 )
         return Check("override", True, line)
 
+    def check_writable(self) -> Check:
+        """specd.service lets specd write, and user specd can write, each directory the
+        config has specd write in: elsewhere every change failed ("Read-only file system")
+        or specd did not start."""
+        props = self.systemctl_show(SPECD_UNIT, "LoadState", *SANDBOX_PROPERTIES)
+        notes: tuple[str, ...] = ()
+        if props.get("LoadState") == "loaded":
+            sandbox = Sandbox.from_properties(props)
+        else:
+            sandbox = Sandbox.from_unit_text(template("specd.service"))
+            notes = (f"{SPECD_UNIT} is not loaded: judged as the shipped unit would run",)
+        problems: list[tuple[WrittenDir, str, str]] = []
+        for written in written_dirs(self.config):
+            why = sandbox.read_only(written.directory)
+            fix = fix_for(written, self.config.sglang.unit)
+            if why is None:
+                why, fix = self._user_cannot_write(written, sandbox, fix)
+            if why is not None:
+                problems.append((written, why, fix))
+        if problems:
+            detail = "; ".join(
+                f"{w.key} {w.configured}: specd cannot write {w.directory}: {why}"
+                for w, why, _ in problems
+            )
+            return Check("writable", False, detail, problems[0][2], notes=notes)
+        shown = ", ".join(f"{w.directory} ({w.keys})" for w in written_dirs(self.config))
+        return Check("writable", True, f"{SPECD_UNIT} may write {shown}", notes=notes)
+
+    def _user_cannot_write(
+        self, written: WrittenDir, sandbox: Sandbox, fix: str
+    ) -> tuple[str | None, str]:
+        """Why user specd cannot create files there (owner, group, mode), and the fix."""
+        directory = written.directory
+        # systemd creates and chowns a StateDirectory= at every start, and specd creates its
+        # state directory inside one itself.
+        managed = directory in sandbox.state_dirs or (
+            written.key == "files.state_dir"
+            and any(top in directory.parents for top in sandbox.state_dirs)
+        )
+        if not directory.exists():
+            return (None, fix) if managed else ("it does not exist", fix)
+        if directory in sandbox.state_dirs:
+            return None, fix
+        why = user_cannot_write(Layout(), directory, self.daemon_user)
+        if why is None:
+            return None, fix
+        shown = shlex.quote(str(directory))
+        return why, (
+            f"`chown {self.daemon_user}:{self.daemon_user} {shown}` if it is specd's alone, "
+            f"or keep {written.key} under {STATE_DIRECTORY}"
+        )
+
     def check_service(self) -> Check:
         props = self.systemctl_show(
             SPECD_UNIT,
@@ -868,6 +924,7 @@ class Doctor:
             self.check_windows,
             self.check_override,
             self.check_fleet,
+            self.check_writable,
             self.check_service,
             self.check_own_metrics,
         ):

@@ -38,6 +38,7 @@ from specd.install.layout import (
 from specd.install.manifest import sha256
 from specd.install.network import elsewhere, reach
 from specd.install.render import (
+    SpecdFiles,
     configured_files,
     render_config,
     render_dropin,
@@ -46,6 +47,7 @@ from specd.install.render import (
     specd_owned,
     template,
 )
+from specd.install.sandbox import Sandbox, needs_read_write, refusal, user_cannot_write
 from specd.install.sglang_args import (
     LEGACY_ENV_STEPS,
     LEGACY_NAMES,
@@ -67,6 +69,7 @@ from specd.io.config import ConfigError, load_config
 from specd.io.files import ParseError, parse_toml
 from specd.io.gateway import MAX_API_KEY_FILE_BYTES, key_file_unreadable_by
 from specd.io.runner import Runner
+from specd.io.writable import written_dirs_at
 
 # The variables specd's drop-in sets (and older forms of it did): install rewrites them.
 DROPIN_VARIABLES = frozenset({ENV_ARGS, *SPECD_VARIABLES})
@@ -391,6 +394,41 @@ def _migrated_env(old: bytes, spec: Speculation) -> bytes | None:
     return text.encode()
 
 
+def writable_dirs(
+    layout: Layout, files: SpecdFiles, sandbox: Sandbox
+) -> tuple[list[Path], list[DirChange]]:
+    """The directories specd.toml has specd write in that specd.service must allow
+    (ReadWritePaths=), and those to create for user specd; InstallError, naming the fix, for
+    one the unit would hide from specd or one that exists but user specd cannot write (it
+    is not install's to hand over: /etc/specd, a directory SGLang's own files live in)."""
+    read_write: list[Path] = []
+    prepared: dict[Path, DirChange] = {}
+    for written in written_dirs_at(files.state_dir, files.env_file):
+        directory = written.directory
+        hidden = sandbox.hides(directory)
+        if hidden is not None:
+            raise InstallError(refusal(written, hidden))
+        if needs_read_write(directory):
+            read_write.append(directory)
+        if directory == STATE_DIR:
+            continue  # StateDirectory= makes it specd's at every start
+        if layout.host(directory).exists():
+            # Under /var/lib/specd systemd hands a tree it finds root's to specd at start.
+            why = user_cannot_write(layout, directory, SPECD_USER)
+            if why is not None and needs_read_write(directory):
+                raise InstallError(refusal(written, why))
+            continue
+        missing = [directory] + [p for p in directory.parents if not layout.host(p).exists()]
+        for path in reversed(missing):
+            # Beside specd's own state (and the leaf itself) specd's, 0751 as StateDirectory=
+            # (SGLang's user reads the adaptive configs); anything above it root's.
+            ours = path == directory or not needs_read_write(path)
+            prepared.setdefault(
+                path, DirChange(path, 0o751, SPECD_USER) if ours else DirChange(path, 0o755, "root")
+            )
+    return read_write, [d for p, d in prepared.items() if p != STATE_DIR]
+
+
 def build_plan(
     view: UnitView,
     layout: Layout,
@@ -488,10 +526,12 @@ def build_plan(
     reachable = reach(config_text, layout)
     # The env file specd writes, as the config names it: the drop-in reads that one.
     files, _ = configured_files(config_text)
+    service_template = template("specd.service")
+    read_write, prepared = writable_dirs(layout, files, Sandbox.from_unit_text(service_template))
     wanted = {
         dropin: render_dropin(unit, command, spec, add_metrics, files.env_file),
         UNITS_DIR / SPECD_UNIT: render_specd_service(
-            template("specd.service"), unit, list(specd_argv), reachable.addresses
+            service_template, unit, list(specd_argv), reachable.addresses, read_write
         ),
         POLKIT_FILE: render_polkit(template("polkit"), unit),
         SYSUSERS_FILE: template("sysusers"),
@@ -602,6 +642,7 @@ def build_plan(
     if not layout.host(STATE_DIR).is_dir():
         # Traversable by SGLang's user, which reads the adaptive config specd writes there.
         plan.dirs.append(DirChange(STATE_DIR, 0o751, SPECD_USER))
+    plan.dirs += prepared
     units_changed = any(c.path.is_relative_to(UNITS_DIR) for c in plan.files)
     # A run that stopped after writing a unit file left systemd without it: this one reloads.
     unread = layout.host(dropin).is_file() and str(dropin) not in view.dropin_paths

@@ -139,7 +139,11 @@ def hidden_code_paths(command: Sequence[str]) -> list[Path]:
 
 
 def render_specd_service(
-    text: str, unit: str, command: Sequence[str], allow: Sequence[str] = ()
+    text: str,
+    unit: str,
+    command: Sequence[str],
+    allow: Sequence[str] = (),
+    writable: Sequence[Path] = (),
 ) -> str:
     exec_line = " ".join(quote_word(w) for w in [*command, "run", "--config", str(CONFIG_FILE)])
     out, count = re.subn(r"^ExecStart=.*$", lambda _: f"ExecStart={exec_line}", text, flags=re.M)
@@ -161,6 +165,16 @@ def render_specd_service(
             extra += "ProtectHome=tmpfs\n"
         extra += f"BindReadOnlyPaths={' '.join(map(str, hidden))}\n"
         out = out.rstrip("\n") + "\n" + extra
+    if writable:
+        # "-": a directory removed since install leaves specd to say so itself (it cannot
+        # write there), rather than the unit failing to start with status 226/NAMESPACE.
+        paths = " ".join(quote_word(f"-{path}") for path in writable)
+        out = out.rstrip("\n") + (
+            f"\n\n[Service]\n# What {CONFIG_FILE} has specd write outside {STATE_DIR} "
+            "([files] state_dir,\n# [sglang] env_file's directory): ProtectSystem=strict "
+            "leaves everything else read-only.\n"
+            f"ReadWritePaths={paths}\n"
+        )
     if allow:
         # The shipped unit reaches loopback only (IPAddressDeny=any).
         out = out.rstrip("\n") + (
