@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import os
 import pwd
@@ -835,7 +836,58 @@ class Doctor:
                 f"{url}/metrics: HTTP {response.status_code}, no specd_ metrics",
                 "another process holds metrics_port?",
             )
-        return Check("specd-metrics", True, f"{url}/metrics answers")
+        return self._scraped_from_elsewhere(f"{url}/metrics answers")
+
+    def _scraped_from_elsewhere(self, answers: str) -> Check:
+        """specd listening beyond loopback is for a Prometheus elsewhere, which specd.service
+        (IPAddressAllow=localhost, IPAddressDeny=any) lets in only from what it allows: from
+        loopback only, every scrape was dropped and SpecdDown fired however the address was
+        set."""
+        host = self.config.report.metrics_listen_address
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                return Check("specd-metrics", True, answers)
+        except ValueError:
+            if host == "localhost":
+                return Check("specd-metrics", True, answers)
+        try:
+            props = self.systemctl_show(SPECD_UNIT, "IPAddressAllow", "IPAddressDeny")
+        except InstallError as exc:
+            return Check("specd-metrics", True, answers, notes=(f"{SPECD_UNIT}: {exc}",))
+        try:
+            denied = [
+                ipaddress.ip_network(p, strict=False)
+                for p in props.get("IPAddressDeny", "").split()
+            ]
+            allowed = [
+                ipaddress.ip_network(p, strict=False)
+                for p in props.get("IPAddressAllow", "").split()
+            ]
+        except ValueError:
+            return Check("specd-metrics", True, answers)
+        if not any(net.prefixlen == 0 for net in denied):
+            return Check("specd-metrics", True, answers)
+        beyond = [str(net) for net in allowed if not net.is_loopback]
+        listening = f"specd listens on {host}:{self.config.report.metrics_port}"
+        if not beyond:
+            return Check(
+                "specd-metrics",
+                False,
+                f"{answers} here, but {listening} and {SPECD_UNIT} lets only loopback connect "
+                "(IPAddressAllow=localhost, IPAddressDeny=any): a Prometheus elsewhere cannot "
+                "scrape it",
+                f"`systemctl edit {SPECD_UNIT}`: [Service] IPAddressAllow=PROMETHEUS_ADDRESS "
+                "(a drop-in: `specd install` keeps it)",
+            )
+        return Check(
+            "specd-metrics",
+            True,
+            answers,
+            notes=(
+                f"{listening}; {SPECD_UNIT} lets connect loopback and {', '.join(beyond)} only "
+                "(IPAddressAllow=): Prometheus must scrape from one of them",
+            ),
+        )
 
     def check_fleet(self) -> Check:
         """Every etcd endpoint answers, and the group's slots can be read."""
