@@ -115,7 +115,8 @@ def _describe(
     ago = expired(override, now)
     if ago is not None:
         return (
-            f"{path}: {override.mode} expired {ago} ago "
+            # EXPIRED, as `specd status` and `specd doctor` say it (an on-call greps for it).
+            f"{path}: {override.mode} EXPIRED {ago} ago "
             f"({iso_time(override.expires_at)}){why}\n"
             "specd decides automatically again; delete the file or run "
             "`specd override clear`, so nobody takes it for the setting in force."
