@@ -201,7 +201,9 @@ def compare(
         cals = (
             swept_calibrations(Path(tmp), {c[0] for c in todo}, adaptive_loss) if swept_sets else {}
         )
-        runs = [(tree, c) for c in todo for tree in (base_tree, new_tree)]
+        # Each case once per tree: a tree compared with itself replays it once, the very
+        # result both sides read.
+        runs = list(dict.fromkeys((tree, c) for c in todo for tree in (base_tree, new_tree)))
 
         def one(job: tuple[Path, Case]) -> dict[str, Any] | None:
             tree, case = job

@@ -516,11 +516,12 @@ class History:
         t = obs.t
         if not math.isfinite(t):
             return Recorded.OUT_OF_ORDER
-        if {"running", "queued"} & set(impossible_fields(obs)):
+        impossible = impossible_fields(obs)
+        if "running" in impossible or "queued" in impossible:
             return Recorded.IMPOSSIBLE
         # The reader rejects what SGLang cannot produce; replay and tools build
         # observations too, and what is learned lasts weeks: check again here.
-        obs = without_impossible(obs)
+        obs = without_impossible(obs, impossible=impossible)
         # What an adaptive set serves is recorded under its config file's key: one setting.
         adaptive_key = None
         if obs.adaptive:

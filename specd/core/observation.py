@@ -106,43 +106,55 @@ def accept_length_possible(length: float, steps: int | None, *, adaptive: bool =
     return length <= deepest + 1 + _ACCEPT_SLACK
 
 
+# The cumulative counters `impossible_fields` checks, in CHECKED_FIELDS order.
+_COUNTER_FIELDS = CHECKED_FIELDS[-4:]
+
+
 def impossible_fields(obs: Observation, *, adaptive: bool = False) -> tuple[str, ...]:
     """The fields of ``obs`` holding values SGLang cannot produce, in CHECKED_FIELDS order."""
-    bad = {
-        "running": not _whole_in(obs.running, 0, MAX_RUNNING_REQUESTS),
-        "queued": not _whole_in(obs.queued, 0, 100 * MAX_RUNNING_REQUESTS),
-        "steps": not _whole_in(obs.steps, 0, MAX_STEPS),
-        "draft_tokens": not _whole_in(obs.draft_tokens, 0, MAX_DRAFT_TOKENS),
-        "topk": not _whole_in(obs.topk, 1, MAX_TOPK),
-        "max_running_requests": not _whole_in(obs.max_running_requests, 1, MAX_RUNNING_REQUESTS),
-        "accept_length": obs.accept_length is not None
-        and not accept_length_possible(
-            obs.accept_length,
-            obs.steps if _whole_in(obs.steps, 0, MAX_STEPS) else None,
-            adaptive=adaptive or obs.adaptive,
-        ),
-        # Used / size of the KV pool; specd only shows it: only what no share can be.
-        "token_usage": not _number_in(obs.token_usage, math.inf),
-        "gen_throughput": not _number_in(obs.gen_throughput, MAX_TOKENS_PER_S),
-        "generation_tokens_total": not _number_in(obs.generation_tokens_total, MAX_COUNTER),
-        "decode_tokens_total": not _number_in(obs.decode_tokens_total, MAX_COUNTER),
-        "spec_verify_calls_total": not _number_in(obs.spec_verify_calls_total, MAX_COUNTER),
-        "retracted_total": not _number_in(obs.retracted_total, MAX_COUNTER),
-    }
-    return tuple(name for name in CHECKED_FIELDS if bad[name])
+    # One test after the other, in CHECKED_FIELDS order: every scrape and every tick of a
+    # replay (twice: `History.record` asks, then `without_impossible`) runs this.
+    bad: list[str] = []
+    if not _whole_in(obs.running, 0, MAX_RUNNING_REQUESTS):
+        bad.append("running")
+    if not _whole_in(obs.queued, 0, 100 * MAX_RUNNING_REQUESTS):
+        bad.append("queued")
+    steps_known = _whole_in(obs.steps, 0, MAX_STEPS)
+    if not steps_known:
+        bad.append("steps")
+    if not _whole_in(obs.draft_tokens, 0, MAX_DRAFT_TOKENS):
+        bad.append("draft_tokens")
+    if not _whole_in(obs.topk, 1, MAX_TOPK):
+        bad.append("topk")
+    if not _whole_in(obs.max_running_requests, 1, MAX_RUNNING_REQUESTS):
+        bad.append("max_running_requests")
+    if obs.accept_length is not None and not accept_length_possible(
+        obs.accept_length, obs.steps if steps_known else None, adaptive=adaptive or obs.adaptive
+    ):
+        bad.append("accept_length")
+    # Used / size of the KV pool; specd only shows it: only what no share can be.
+    if not _number_in(obs.token_usage, math.inf):
+        bad.append("token_usage")
+    if not _number_in(obs.gen_throughput, MAX_TOKENS_PER_S):
+        bad.append("gen_throughput")
+    for name in _COUNTER_FIELDS:
+        if not _number_in(getattr(obs, name), MAX_COUNTER):
+            bad.append(name)
+    return tuple(bad)
 
 
-def without_impossible(obs: Observation, *, adaptive: bool = False) -> Observation:
+def without_impossible(
+    obs: Observation, *, adaptive: bool = False, impossible: tuple[str, ...] | None = None
+) -> Observation:
     """``obs`` with every impossible field unknown (None) and named in ``rejected``.
 
     ``running`` and ``queued`` cannot be unknown: an observation with an impossible one
-    is not an observation at all; callers check for them first.
+    is not an observation at all; callers check for them first. ``impossible``: what
+    `impossible_fields` (with the same ``adaptive``) found, when the caller asked already.
     """
-    bad = [
-        name
-        for name in impossible_fields(obs, adaptive=adaptive)
-        if name not in ("running", "queued")
-    ]
+    if impossible is None:
+        impossible = impossible_fields(obs, adaptive=adaptive)
+    bad = [name for name in impossible if name not in ("running", "queued")]
     if not bad:
         return obs
     fresh = [name for name in bad if name not in obs.rejected]

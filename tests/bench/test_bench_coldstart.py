@@ -108,11 +108,19 @@ def test_no_window_inside_the_trace_is_an_error() -> None:
         firstepoch.upper_bound(TINY_TRACE, TINY, [(50.0, 52.0)], [1, 2], start_steps=1)
 
 
+@pytest.fixture(scope="module")
+def weekly(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A day and a half of the weekly trace: past the first epoch (Monday 04:00 to Tuesday
+    03:00) and the next window. A replay is causal (what it decides by t reads the trace up
+    to t), so the first epoch's bet is the one a longer trace gives."""
+    return traces.write("weekly", tmp_path_factory.mktemp("traces") / "weekly.csv", 1.5)
+
+
 @pytest.mark.parametrize("policy", ["model", bench_replay.STATIC_POLICY])
-def test_the_bound_holds_over_specds_own_replay(tmp_path: Path, policy: str) -> None:
-    # Two days of the weekly trace on lowcap, whose first epoch specd bets on 6 (the quiet
-    # night says light traffic; the weekday is not).
-    path = traces.write("weekly", tmp_path / "weekly.csv", 2.0)
+def test_the_bound_holds_over_specds_own_replay(weekly: Path, policy: str) -> None:
+    # The weekly trace on lowcap, whose first epoch specd bets on 6 (the quiet night says
+    # light traffic; the weekday is not).
+    path = weekly
     truth = next(t for t in bench_replay.TRUTHS if t[0] == "lowcap")
     row = bench_replay.run_one(truth, "weekly", path, policy)
     bounds = bench_coldstart.case(truth, "weekly", path, policy)
@@ -143,9 +151,9 @@ def test_the_bound_holds_over_specds_own_replay(tmp_path: Path, policy: str) -> 
     }
 
 
-def test_the_bands_row_is_given_no_bound(tmp_path: Path) -> None:
+def test_the_bands_row_is_given_no_bound(weekly: Path) -> None:
     # The figures, and so the first epoch's bound, are the model policies'.
-    path = traces.write("weekly", tmp_path / "weekly.csv", 2.0)
+    path = weekly
     truth = next(t for t in bench_replay.TRUTHS if t[0] == "lowcap")
     assert bench_replay.run_one(truth, "weekly", path, "bands").first_epoch is None
 

@@ -86,21 +86,32 @@ def test_the_cases_are_the_replay_benchs_model_cases() -> None:
     ]
 
 
-def test_one_tree_against_itself_moves_nothing(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The committed tree, exported once for the module (each test only reads it, or a copy
+    of its own)."""
+    return export_revision("HEAD", tmp_path_factory.mktemp("export") / "head")
+
+
+def test_one_tree_against_itself_moves_nothing(head: Path, tmp_path: Path) -> None:
     # The committed tree, exported, replayed as both sides: the whole pipeline (export,
-    # workers in fresh processes, results by case), whatever the working tree holds.
-    tree = export_revision("HEAD", tmp_path / "head")
+    # workers in fresh processes, results by case), whatever the working tree holds. Two
+    # copies of it, so that each side replays every case (compare runs a case once per
+    # tree: the same tree twice would be one replay read twice).
+    tree = head
+    other = tmp_path / "head-again"
+    shutil.copytree(tree, other)
     todo = bench_tokens.cases("near", "steady_low")
-    base, new = bench_tokens.compare(tree, tree, todo, 0.5, 2)
+    base, new = bench_tokens.compare(other, tree, todo, 0.5, 2)
     assert base == new
     assert base[todo[0]]["specd_tokens"] > 0
     assert len(todo) == 2  # near's model and model static
     assert "specd's tokens identical in 2 of 2 cases." in bench_tokens.report(base, new)
 
 
-def test_a_case_one_tree_does_not_run_is_named_and_left_out(tmp_path: Path) -> None:
+def test_a_case_one_tree_does_not_run_is_named_and_left_out(head: Path, tmp_path: Path) -> None:
     # A base whose bench ran model static on heavyoff only.
-    tree = export_revision("HEAD", tmp_path / "head")
+    tree = head
     old = tmp_path / "old"
     shutil.copytree(tree, old)
     source = old / "bench" / "bench_replay.py"
@@ -140,10 +151,11 @@ def test_swept_calibrations_add_the_default_sets_to_each_truths_own(tmp_path: Pa
             assert 0.97 * (1 - 4 * generate.NOISE_RATIO) <= factor <= 1.0, (name, text)
 
 
-def test_swept_sets_reach_the_worker_in_place_of_the_truths_calibration(tmp_path: Path) -> None:
+def test_swept_sets_reach_the_worker_in_place_of_the_truths_calibration(head: Path) -> None:
     # Every set swept at half of what it serves: told so, specd never runs one; told only
     # the static rows, it does (on heavyoff's mixed day, a set serves most by its rows).
-    tree = export_revision("HEAD", tmp_path / "head")
+    # The tree against itself: one replay a side, which is all this reads.
+    tree = head
     todo = [("heavyoff", "day_night", "model")]
     _, rows = bench_tokens.compare(tree, tree, todo, 2.0, 2, 0.5)
     _, swept = bench_tokens.compare(tree, tree, todo, 2.0, 2, 0.5, swept_sets=True)

@@ -6,11 +6,16 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
+import pytest
 from prometheus_client import CollectorRegistry
 
+from specd.cli import main as specd_main
 from specd.commands.demo import _summary
 from specd.daemon import Daemon
 from specd.io.notify import Notifier
@@ -18,17 +23,86 @@ from specd.io.state import State, StateStore
 from specd.tools.demo import DemoRecord, demo_config
 
 
-def test_demo_restarts_to_two_step_counts_and_exits_0() -> None:
-    # A shorter day than the README's, same phases: quiet → burst → quiet.
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "demo", "--duration-s", "60", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads(proc.stdout)
+class Demo:
+    """A `specd demo` child, its stdout and stderr read as they arrive (each line with the
+    seconds since its start) so that the pipes never fill while another test runs."""
+
+    def __init__(self, *args: str) -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specd.cli", "demo", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stdout: list[tuple[float, str]] = []
+        self.stderr: list[tuple[float, str]] = []
+        self.ended = 0.0  # seconds from the start to the end of its stdout
+        assert self.proc.stdout is not None
+        assert self.proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, True)),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, False)),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream: IO[str], into: list[tuple[float, str]], is_stdout: bool) -> None:
+        for line in stream:
+            into.append((time.monotonic() - self.started, line))
+        if is_stdout:
+            self.ended = time.monotonic() - self.started
+
+    def wait(self, timeout_s: float) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        for reader in self._readers:
+            reader.join(timeout=10)
+        return code
+
+    @property
+    def out(self) -> str:
+        return "".join(line for _, line in self.stdout)
+
+    @property
+    def err(self) -> str:
+        return "".join(line for _, line in self.stderr)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Demo]]:
+    """The module's `specd demo` children, started together by the first test that reads
+    one: the two end-to-end runs are each a minute of load driven by the wall clock (a
+    window every 20 s), not the CPU, so side by side they take one minute, not two. Each
+    test still reads only its own run."""
+    runs: dict[str, Demo] = {}
+    with socket.socket() as taken:
+        try:
+            # A shorter day than the README's, same phases: quiet → burst → quiet.
+            runs["json"] = Demo("--duration-s", "60", "--json")
+            runs["piped"] = Demo("--duration-s", "45")
+            # Its metrics port taken (held until the module ends).
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            workdir = tmp_path_factory.mktemp("port-taken")
+            runs["port_taken"] = Demo("--metrics-port", str(port), "--workdir", str(workdir))
+            yield runs
+        finally:
+            for run in runs.values():
+                run.kill()
+
+
+def test_demo_restarts_to_two_step_counts_and_exits_0(demos: dict[str, Demo]) -> None:
+    demo = demos["json"]
+    assert demo.wait(timeout_s=180) == 0, demo.err[-2000:]
+    summary = json.loads(demo.out)
     assert set(summary["restarts_to_steps"]) == {3, 4}, summary
     assert all(r["result"] == "success" for r in summary["restarts"]), summary
     # Each restart says why: the decision that asked for it.
@@ -40,24 +114,12 @@ def test_demo_restarts_to_two_step_counts_and_exits_0() -> None:
     assert set(summary["seconds_at_steps"]) == {"3", "4"}
 
 
-def test_demo_piped_prints_line_events_while_it_runs() -> None:
+def test_demo_piped_prints_line_events_while_it_runs(demos: dict[str, Demo]) -> None:
     # Before: piped, the live view printed nothing until the end (CI logs, `| tee`).
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specd.cli", "demo", "--duration-s", "45"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    arrivals: list[tuple[float, str]] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            arrivals.append((time.monotonic() - started, line.rstrip("\n")))
-        assert proc.wait(timeout=180) == 0, proc.stderr.read() if proc.stderr else ""
-    finally:
-        proc.kill()
-    ended = time.monotonic() - started
+    demo = demos["piped"]
+    assert demo.wait(timeout_s=180) == 0, demo.err
+    arrivals = [(at, line.rstrip("\n")) for at, line in demo.stdout]
+    ended = demo.ended
     text = "\n".join(line for _, line in arrivals)
     assert "\x1b[" not in text  # no terminal control codes in a log
     during = [line for at, line in arrivals if at < ended - 15]
@@ -70,41 +132,32 @@ def test_demo_piped_prints_line_events_while_it_runs() -> None:
     assert " — change: " in summary, summary
 
 
-def test_demo_with_a_workdir_that_cannot_be_one_says_so(tmp_path: Path) -> None:
+def test_demo_with_a_workdir_that_cannot_be_one_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In process: the refusal comes before any child is started (the exit code and the
+    # stream are the command's return and stderr; test_demo_whose_daemon_cannot_start_...
+    # keeps a real process).
     afile = tmp_path / "afile"
     afile.write_text("")
     for workdir in (afile, afile / "sub"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "specd.cli", "demo", "--workdir", str(workdir)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert proc.returncode == 2
-        assert proc.stderr.startswith(f"specd demo: --workdir {workdir}: "), proc.stderr
-        assert proc.stderr.count("\n") == 1
-        assert "Traceback" not in proc.stderr
+        assert specd_main(["demo", "--workdir", str(workdir)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"specd demo: --workdir {workdir}: "), err
+        assert err.count("\n") == 1
+        assert "Traceback" not in err
 
 
-def test_demo_whose_daemon_cannot_start_says_so_at_once(tmp_path: Path) -> None:
+def test_demo_whose_daemon_cannot_start_says_so_at_once(demos: dict[str, Demo]) -> None:
     """Its metrics port taken, the daemon stops at start: the demo said nothing of it, ran
     its whole length showing "steps ?" and exited 0 with an empty summary."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        started = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "specd.cli", "demo", "--metrics-port", str(port),
-             "--workdir", str(tmp_path)],
-            capture_output=True, text=True, timeout=120, check=False,
-        )  # fmt: skip
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert time.monotonic() - started < 40  # not the demo's 45 s and more
-    assert "specd demo: specd stopped at start (exit 1); its log: " in proc.stderr
-    assert "metrics_listen_failed" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    demo = demos["port_taken"]
+    code = demo.wait(timeout_s=120)
+    assert code == 1, demo.out + demo.err
+    assert demo.ended < 40  # not the demo's 45 s and more
+    assert "specd demo: specd stopped at start (exit 1); its log: " in demo.err
+    assert "metrics_listen_failed" in demo.err
+    assert "Traceback" not in demo.err
 
 
 def test_a_reused_workdir_summarises_this_run_only(tmp_path: Path) -> None:

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import io
 import itertools
 import json
 import math
@@ -57,10 +61,16 @@ TWICE_A_DAY = [
     Window(cron="0 19 * * mon-sun", duration_s=3600, timezone="UTC"),
 ]
 DAILY = [Window(cron="0 3 * * mon-sun", duration_s=3600, timezone="UTC")]
+# A tick every 15 s (the daemon's default scrapes every 5 s): for the tests of what a replay
+# counts and reports, which hold at any tick (tokens recount from the timeline the replay
+# made, whatever it is); a third of the ticks. The bench (tests/bench) replays at 5 s.
+QUICK = Config(observe={"scrape_interval_s": 15})
 
 
+@functools.cache
 def minute_trace(days: float, level: Callable[[random.Random, int], tuple[int, int]]) -> Trace:
-    """One row a minute; ``level(rng, hour)`` gives the range of offered concurrency."""
+    """One row a minute; ``level(rng, hour)`` gives the range of offered concurrency (the
+    same trace object for the same arguments: `kinds_result` knows it by identity)."""
     rng = random.Random(7)
     times, levels = [], []
     for m in range(int(days * 24 * 60)):
@@ -134,9 +144,7 @@ def test_tokens_come_from_the_truth_and_restarts_serve_nothing() -> None:
     # Constant 2 concurrent for a day; the window at 03:00 switches 3 → 4 once.
     trace = trace_from_rows([h * 3600.0 for h in range(24)], [2.0] * 24)
     table = read_table(SEED)
-    config = build_config(
-        Config(), window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100
-    )
+    config = build_config(QUICK, window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100)
     result = replay(trace, table, config, restart_s=100, initial_steps=3)
     rate3, rate4 = table.throughput(3, 2), table.throughput(4, 2)
     assert result.static_tokens[3] == pytest.approx(rate3 * DAY)
@@ -160,9 +168,7 @@ def test_the_margin_over_sglang_adaptive_is_split_where_its_capacity_binds() -> 
     levels = [40.0 if 6 <= h < 12 else 2.0 for h in range(24)]
     trace = trace_from_rows([h * 3600.0 for h in range(24)], levels)
     table = read_table(SEED)
-    config = build_config(
-        Config(), window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100
-    )
+    config = build_config(QUICK, window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100)
     result = replay(trace, table, config, restart_s=100, initial_steps=3)
     data = result.to_dict()["adaptive"]
     adaptive = AdaptiveModel.of(DEFAULT_SLOTS, table)
@@ -216,9 +222,7 @@ def test_tokens_above_a_ceiling_count_only_the_seconds_above_it(
 
 def test_where_adaptive_capacity_never_binds_that_part_is_empty() -> None:
     trace = trace_from_rows([h * 3600.0 for h in range(24)], [2.0] * 24)
-    config = build_config(
-        Config(), window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100
-    )
+    config = build_config(QUICK, window_list=DAILY, steps=(3, 4), calibration=SEED, restart_s=100)
     data = replay(trace, read_table(SEED), config, restart_s=100).to_dict()
     adaptive = data["adaptive"]
     assert adaptive["above_capacity_ratio"] == 0
@@ -233,7 +237,7 @@ def test_where_adaptive_capacity_never_binds_that_part_is_empty() -> None:
 
 
 def test_the_bands_policy_replays_too() -> None:
-    config = build_config(Config(), window_list=DAILY, steps=(1, 6), policy="bands")
+    config = build_config(QUICK, window_list=DAILY, steps=(1, 6), policy="bands")
     assert config.choose.policy == "bands"
     result = replay(minute_trace(1, day_night), read_table(SEED), config)
     assert result.restarts_outside_windows == 0
@@ -465,7 +469,8 @@ def test_a_bad_byte_is_the_one_decoding_whole_finds(
 
 
 # -- the command ------------------------------------------------------------------------
-def specd(*args: str) -> subprocess.CompletedProcess[str]:
+def real_specd(*args: str) -> subprocess.CompletedProcess[str]:
+    """`specd replay ARGS` as its own process, with no SPECD_* settings from here."""
     return subprocess.run(
         [sys.executable, "-m", "specd.cli", "replay", *args],
         capture_output=True,
@@ -476,15 +481,50 @@ def specd(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_command_prints_the_agreed_json(tmp_path: Path) -> None:
+def specd(*args: str) -> subprocess.CompletedProcess[str]:
+    """`specd replay ARGS` in this process (`specd.cli.main`): what it returns and prints,
+    argparse's usage errors (SystemExit) included, as a real run's exit code, stdout and
+    stderr. The tests that use it are about the command, not the process (a process costs
+    ~0.5 s of CPU to import specd); test_the_command_prints_the_agreed_json and
+    test_bad_arguments_exit_2_with_one_line keep real ones (`real_specd`)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = specd_main(["replay", *args])
+        except SystemExit as exc:
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(
+        ["specd", "replay", *args], code, out.getvalue(), err.getvalue()
+    )
+
+
+@pytest.fixture
+def quick(tmp_path: Path) -> list[str]:
+    """`--config` of a file setting `QUICK`'s tick, for the command's tests of what it
+    counts and prints."""
+    path = tmp_path / "quick.toml"
+    path.write_text(f"[observe]\nscrape_interval_s = {QUICK.observe.scrape_interval_s:g}\n")
+    return ["--config", str(path)]
+
+
+@pytest.fixture(autouse=True)
+def _no_specd_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the real processes run (`env={"PATH": ...}`): no SPECD_* setting reaches the
+    config the command builds in process."""
+    for name in list(os.environ):
+        if name.upper().startswith("SPECD_"):
+            monkeypatch.delenv(name)
+
+
+def test_the_command_prints_the_agreed_json(tmp_path: Path, quick: list[str]) -> None:
     trace = tmp_path / "trace.csv"
     rows = [f"{m * 60},{2 if (m // 60) % 24 < 12 else 30}" for m in range(2 * 24 * 60)]
     trace.write_text("t_s,concurrency\n" + "\n".join(rows) + "\n")
-    proc = specd(
+    proc = real_specd(
         "--trace", str(trace), "--truth", str(SEED),
         "--calibration", str(TRUTH / "seed-calibration.csv"),
         "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-5",
-        "--restart-s", "100", "--start", "2026-01-05T00:00:00Z", "--json",
+        "--restart-s", "100", "--start", "2026-01-05T00:00:00Z", "--json", *quick,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -501,25 +541,25 @@ def test_the_command_prints_the_agreed_json(tmp_path: Path) -> None:
     assert data["decision_ms_p99"] < 50  # the ≤ 5 ms budget is measured in the bench
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--window", "0 7 * * 1;3600;UTC"], "--window"),
-        (["--window", "0 7 * * mon"], "expected 'CRON;DURATION_S;TZ'"),
-        (["--steps", "5-2"], "--steps"),
-        (["--start", "yesterday"], "--start"),
-        (["--truth", "/nonexistent.csv"], "cannot read"),
-        (["--steps", "1-9"], "truth has no steps 7,8,9"),
-        (["--start", "9999-12-31T00:00:00Z"], "--start: '9999-12-31T00:00:00Z': must be from 1970"),
-        (["--start", "1969-12-31T23:00:00Z"], "must be from 1970 to 9000"),
-        (["--calibration", "/nonexistent.csv"], "/nonexistent.csv: cannot read"),
-        (["--restart-s", "inf"], "--restart-s"),
-        (["--initial-steps", "99"], "--initial-steps"),
-        (["--window", "0 7 * * mon;1e308;UTC"], "DURATION_S must be > 0"),
-        (["--adaptive-loss", "0.6"], "--adaptive-loss: must be 0..0.5"),
-        (["--adaptive-loss", "nan"], "--adaptive-loss"),
-    ],
-)
+BAD_ARGUMENTS = [
+    (["--window", "0 7 * * 1;3600;UTC"], "--window"),
+    (["--window", "0 7 * * mon"], "expected 'CRON;DURATION_S;TZ'"),
+    (["--steps", "5-2"], "--steps"),
+    (["--start", "yesterday"], "--start"),
+    (["--truth", "/nonexistent.csv"], "cannot read"),
+    (["--steps", "1-9"], "truth has no steps 7,8,9"),
+    (["--start", "9999-12-31T00:00:00Z"], "--start: '9999-12-31T00:00:00Z': must be from 1970"),
+    (["--start", "1969-12-31T23:00:00Z"], "must be from 1970 to 9000"),
+    (["--calibration", "/nonexistent.csv"], "/nonexistent.csv: cannot read"),
+    (["--restart-s", "inf"], "--restart-s"),
+    (["--initial-steps", "99"], "--initial-steps"),
+    (["--window", "0 7 * * mon;1e308;UTC"], "DURATION_S must be > 0"),
+    (["--adaptive-loss", "0.6"], "--adaptive-loss: must be 0..0.5"),
+    (["--adaptive-loss", "nan"], "--adaptive-loss"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_ARGUMENTS)
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("t_s,concurrency\n0,1\n60,2\n")
@@ -527,7 +567,8 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, args: list[str], mes
     for flag, value in zip(args[::2], args[1::2], strict=True):
         base[flag] = value
     argv = [item for pair in base.items() for item in pair]
-    proc = specd(*argv)
+    # A real process for the first row: the exit code and stderr through the boundary.
+    proc = real_specd(*argv) if args == BAD_ARGUMENTS[0][0] else specd(*argv)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert message in lines[-1]
@@ -667,7 +708,9 @@ def _integrate(
     return total
 
 
-def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) -> None:
+def test_specd_tokens_recount_from_the_timeline_and_the_truth(
+    tmp_path: Path, quick: list[str]
+) -> None:
     # Two concurrent by day, 32 by night: specd changes at the windows, and the night is on
     # the swept table's plateau (every K's capacity is below 32).
     minutes = 3 * 24 * 60
@@ -679,7 +722,7 @@ def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) ->
     proc = specd(
         "--trace", str(trace), "--truth", str(swept), "--calibration", str(swept),
         "--window", "0 7 * * mon-sun;3600;UTC", "--window", "0 19 * * mon-sun;3600;UTC",
-        "--steps", "2-4", "--restart-s", "300", "--warmup-s", "3600", "--json",
+        "--steps", "2-4", "--restart-s", "300", "--warmup-s", "3600", "--json", *quick,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -784,7 +827,7 @@ def test_specd_tokens_recount_from_the_timeline_and_the_truth(tmp_path: Path) ->
     assert later["ratio_to_adaptive"] == pytest.approx(specd_later / adaptive_later, abs=1e-4)
 
 
-def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
+def test_the_human_output_carries_the_same_figures(tmp_path: Path, quick: list[str]) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text(
         "t_s,concurrency\n" + "".join(f"{m * 60},{2 if m < 720 else 30}\n" for m in range(1440))
@@ -792,6 +835,7 @@ def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
     args = (
         "--trace", str(trace), "--truth", str(SEED), "--calibration", str(SWEPT),
         "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-5", "--restart-s", "100",
+        *quick,
     )  # fmt: skip
     data = json.loads(specd(*args, "--json").stdout)
     proc = specd(*args)
@@ -825,7 +869,9 @@ def test_the_human_output_carries_the_same_figures(tmp_path: Path) -> None:
     assert len(text.strip().splitlines()) == 2 + len(data["static_tokens"]) + 4
 
 
-def test_the_human_output_says_how_specd_fares_after_its_first_day(tmp_path: Path) -> None:
+def test_the_human_output_says_how_specd_fares_after_its_first_day(
+    tmp_path: Path, quick: list[str]
+) -> None:
     trace = tmp_path / "trace.csv"
     hours = 50
     trace.write_text(
@@ -834,7 +880,7 @@ def test_the_human_output_says_how_specd_fares_after_its_first_day(tmp_path: Pat
     )
     args = (
         "--trace", str(trace), "--truth", str(SEED), "--calibration", str(SWEPT),
-        "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-5",
+        "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-5", *quick,
     )  # fmt: skip
     data = json.loads(specd(*args, "--json").stdout)
     later = data["after_first_day"]
@@ -866,19 +912,38 @@ def mixed(rng: random.Random, hour: int) -> tuple[int, int]:
     return 0, 1
 
 
+# (trace, kinds, calibration, options) → (the trace, its replay); the trace is kept so that
+# its id is never another's.
+_KINDS_REPLAYS: dict[tuple[Any, ...], tuple[Trace, ReplayResult]] = {}
+
+
+def kinds_result(
+    trace: Trace, kinds: tuple[str, ...], calibration: Path = HEAVYOFF[1], **options: Any
+) -> ReplayResult:
+    """heavyoff's truth replayed over ``trace`` with the first day a warm-up, offered
+    ``kinds``. Several tests read the very same replay (two days of the mixed trace: four
+    of them): it runs once, and each gets a copy of its own to read or change."""
+    key = (id(trace), kinds, calibration, tuple(sorted(options.items())))
+    known = _KINDS_REPLAYS.get(key)
+    if known is None:
+        config = build_config(
+            Config(observe={"scrape_interval_s": 15}),
+            window_list=TWICE_A_DAY,
+            steps=(1, 6),
+            calibration=calibration,
+            restart_s=100,
+            kinds=kinds,
+        )
+        result = replay(trace, read_table(HEAVYOFF[0]), config, warmup_s=DAY, **options)
+        known = _KINDS_REPLAYS[key] = (trace, result)
+    assert known[0] is trace
+    return copy.deepcopy(known[1])
+
+
 def kinds_replay(
     trace: Trace, kinds: tuple[str, ...], calibration: Path = HEAVYOFF[1], **options: Any
 ) -> dict[str, Any]:
-    table = HEAVYOFF[0]
-    config = build_config(
-        Config(observe={"scrape_interval_s": 15}),
-        window_list=TWICE_A_DAY,
-        steps=(1, 6),
-        calibration=calibration,
-        restart_s=100,
-        kinds=kinds,
-    )
-    return replay(trace, read_table(table), config, warmup_s=DAY, **options).to_dict()
+    return kinds_result(trace, kinds, calibration, **options).to_dict()
 
 
 def recount(data: dict[str, Any], trace: Trace, truth_path: Path) -> float:
@@ -909,16 +974,7 @@ def test_the_json_says_what_each_restart_took_and_rounds_the_gap_once() -> None:
     start captures one CUDA-graph set more per candidate beyond the first, 20 s each), so
     anyone can recount the tokens; the oracle's gap over the best static is rounded once,
     from the tokens (a rounded ratio less 1 kept its rounding error)."""
-    trace = minute_trace(2, mixed)
-    config = build_config(
-        Config(observe={"scrape_interval_s": 15}),
-        window_list=TWICE_A_DAY,
-        steps=(1, 6),
-        calibration=HEAVYOFF[1],
-        restart_s=100,
-        kinds=("off", "static", "adaptive"),
-    )
-    result = replay(trace, read_table(HEAVYOFF[0]), config, warmup_s=DAY)
+    result = kinds_result(minute_trace(2, mixed), ("off", "static", "adaptive"))
     data = json.loads(json.dumps(result.to_dict()))
     best = result.static_tokens[result.best_static_steps]
     assert result.oracle_tokens > best  # a gap to round
@@ -1115,7 +1171,7 @@ def test_a_kind_the_truth_cannot_serve_is_left_out_and_said_why() -> None:
     ],
 )
 def test_the_command_takes_the_kinds_specd_may_choose(
-    tmp_path: Path, kinds: str, code: int, output: str
+    tmp_path: Path, quick: list[str], kinds: str, code: int, output: str
 ) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("t_s,concurrency\n" + "".join(f"{m * 60},40\n" for m in range(2 * 1440)))
@@ -1123,6 +1179,7 @@ def test_the_command_takes_the_kinds_specd_may_choose(
     proc = specd(
         "--trace", str(trace), "--truth", str(table), "--calibration", str(calibration),
         "--window", "0 7 * * mon-sun;3600;UTC", "--steps", "1-6", f"--kinds={kinds}", "--json",
+        *quick,
     )  # fmt: skip
     assert proc.returncode == code, proc.stderr
     assert output in (proc.stdout if code == 0 else proc.stderr)

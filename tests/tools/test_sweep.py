@@ -4,8 +4,10 @@ pure parts. Real processes, real HTTP on 127.0.0.1, real files and signals."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import http.server
+import io
 import json
 import os
 import signal
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ import httpx
 import pytest
 from factories import make_observation, tables
 
+from specd.cli import main as specd_main
 from specd.commands import sweep as sweep_cmd
 from specd.core.adaptive import AdaptiveModel
 from specd.core.model import Calibration, PerformanceModel, adaptive_slots
@@ -57,9 +61,16 @@ def make_config(workdir: Path, port: int, **overrides: Any) -> Config:
 
 
 class Unit:
-    """The twin as a systemd unit, and the config that points specd at it."""
+    """The twin as a systemd unit, and the config that points specd at it. ``defaults``:
+    the drop-in's Environment= defaults (None: the twin unit's own)."""
 
-    def __init__(self, workdir: Path, extra_args: list[str], **config: Any) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        extra_args: list[str],
+        defaults: dict[str, str] | None = None,
+        **config: Any,
+    ) -> None:
         (workdir / "state").mkdir()
         port = free_port()
         self.config = make_config(workdir, port, **config)
@@ -67,6 +78,7 @@ class Unit:
             self.config.sglang.unit,
             Path(self.config.sglang.env_file),
             port=port,
+            defaults=defaults,
             extra_args=extra_args,
         )
         self.url = self.config.sglang.url
@@ -114,147 +126,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-# -- end to end ---------------------------------------------------------------------------
-
-
-def test_sweep_matches_the_twins_truth_writes_files_and_restores(
-    unit_factory: Any, tmp_path: Path
-) -> None:
-    unit = unit_factory()
-    out = tmp_path / "out"
-    # Long requests: each closed-loop client's gap between one request's last token and
-    # the next request's first (a few ms, more on a starved CI core) is then a small share
-    # of its time; the twin's table assumes no gap at all.
-    plan = sw.SweepPlan(
-        steps=(2, 4), concurrency=(1, 8), duration_s=2.0, warmup_s=0.2, max_tokens=768
-    )
-    report = sw.sweep(
-        unit.config,
-        plan,
-        out,
-        runner=unit.runner,
-        pacing=sweep_cmd.FAST_PACING,
-        reporter=Recorder(),
-    )
-
-    assert report.ok, report.to_dict()
-    assert sweep_cmd.exit_code(report) == 0
-    truth = preset_table()
-    measured = read_table(out / sw.CSV_NAME)  # the calibration format, read back
-    assert measured.steps() == [2, 4]
-    for row in measured.rows:
-        want = truth.throughput(row.steps, row.concurrency)
-        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
-        assert row.accept_length is not None
-        accept = truth.accept_length(row.steps)
-        assert accept is not None
-        assert abs(row.accept_length / accept - 1) <= TOLERANCE, (row, accept)
-        assert row.max_running_requests == truth.capacity(row.steps)
-    width, height = png_size(out / sw.CHART_NAME)
-    assert (width, height) == (900, 550)
-    assert (out / sw.CHART_NAME).stat().st_size > 10_000
-    md = (out / sw.MARKDOWN_NAME).read_text()
-    assert "| 4 | 8 |" in md
-    assert f"Restored the original {DEFAULT_STEPS} steps." in md
-    # Back where it began: the env file, the live server, no journal left to reconcile.
-    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
-    assert unit.live_steps() == DEFAULT_STEPS
-    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
-    assert [r["to_steps"] for r in report.restarts] == [2, 4, DEFAULT_STEPS]
-
-
-def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
-    unit_factory: Any, tmp_path: Path
-) -> None:
-    # The failing step count is caught by its unit failing, not by the timeout; the timeout
-    # only bounds the healthy starts (4, then the original back), which a loaded 2-core
-    # machine took over 3 s to make healthy.
-    unit = unit_factory(["--fail-start-at-steps", "2"], startup_timeout_s=20.0)
-    out = tmp_path / "out"
-    plan = sw.SweepPlan(steps=(4, 2), concurrency=(2,), duration_s=1.0, warmup_s=0.2)
-    recorder = Recorder()
-    report = sw.sweep(
-        unit.config, plan, out, runner=unit.runner, pacing=sweep_cmd.FAST_PACING, reporter=recorder
-    )
-
-    assert not report.ok
-    assert sweep_cmd.exit_code(report) == sw.EXIT_FAILED
-    assert list(report.failed_steps) == [2]
-    assert report.failed_steps[2].startswith("rolled_back")
-    assert [p.steps for p in report.points] == [4]
-    assert report.restored
-    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
-    assert unit.live_steps() == DEFAULT_STEPS
-    assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
-    assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
-    assert read_table(out / sw.CSV_NAME).steps() == [4]
-
-
-def test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back(
-    unit_factory: Any, tmp_path: Path
-) -> None:
-    unit = unit_factory()
-    out = tmp_path / "out"
-    plan = sw.SweepPlan(
-        steps=(3, 4),
-        concurrency=(1, 8),
-        duration_s=1.5,
-        warmup_s=0.2,
-        max_tokens=768,
-        off=True,
-        adaptive=("adaptive:4,3",),
-    )
-    recorder = Recorder()
-    report = sw.sweep(
-        unit.config, plan, out, runner=unit.runner, pacing=sweep_cmd.FAST_PACING, reporter=recorder
-    )
-
-    assert report.ok, report.to_dict()
-    # The original 3 steps last: off and the adaptive set each cost one restart, no more.
-    assert [r["to_setting"] for r in report.restarts] == ["4", "off", "adaptive:3,4", "3"]
-    assert unit.runner.restarted_to == [4, 0, 4, DEFAULT_STEPS]
-    info = httpx.get(unit.url + "/server_info", timeout=5).json()
-    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
-    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
-
-    truth = preset_table()
-    table = read_table(out / sw.CSV_NAME)  # the calibration format, read back
-    assert table.steps() == [0, 3, 4]
-    off_rows = [r for r in table.rows if r.steps == 0]
-    assert [r.concurrency for r in off_rows] == [1, 8]
-    for row in off_rows:
-        want = truth.throughput(0, row.concurrency)
-        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
-        assert row.max_running_requests == truth.capacity(0)  # the off server's, not K's
-    # The calibration predicts off from its steps-0 row.
-    model = PerformanceModel(Calibration.of(table))
-    assert model.can_predict(0)
-    assert model.throughput(0, 8) == pytest.approx(off_rows[1].output_tok_s)
-
-    # The adaptive rows are kept apart from the static curves, under their canonical text.
-    assert table.measured_settings() == ["adaptive:3,4"]
-    assert table.throughput(4, 8) == next(
-        r.output_tok_s for r in table.rows if (r.steps, r.concurrency) == (4, 8)
-    )
-    assert table.setting_capacity("adaptive:3,4") == truth.capacity(4)  # the deepest's
-    # Measured against what the model predicts for the set from the static rows.
-    predicted = AdaptiveModel.of(adaptive_slots(parse_setting("adaptive:3,4")), model)
-    for c in (1, 8):
-        measured = table.setting_throughput("adaptive:3,4", c)
-        assert abs(measured / predicted.throughput(c) - 1) <= TOLERANCE, (c, measured)
-    points = {(p.setting, p.steps) for p in report.points}
-    assert points == {(None, 0), (None, 3), (None, 4), ("adaptive:3,4", 4)}
-    md = (out / sw.MARKDOWN_NAME).read_text()
-    assert "| 0 | 8 |" in md
-    assert "| adaptive:3,4 |" in md
-    assert "- adaptive:3,4 c=8: measured " in md
-    # The model reads the set's rows from the file written: the ratio sweep.md states.
-    factor = Calibration.of(table).set_factor(parse_setting("adaptive:3,4"))
-    assert factor is not None
-    assert 1 - 2 * TOLERANCE <= factor <= 1.0  # the twin serves a set as its candidates
-    assert f"- adaptive:3,4: as the calibration, specd predicts it at {factor:.3f} ×" in md
-    assert f"Restored the original {DEFAULT_STEPS} steps." in md
-    assert any(p.startswith("adaptive:3,4: measuring c=8") for p in recorder.phases)
+# -- against the twin ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -329,54 +201,6 @@ def test_a_sweep_of_a_server_running_adaptive_is_refused(started_with: Any, tmp_
     assert runner.restarted_to == []
 
 
-def test_a_server_without_speculation_is_swept_and_put_back_to_off(
-    started_with: Any, tmp_path: Path
-) -> None:
-    config, runner = started_with([], speculative_algorithm="NEXTN")
-    out = tmp_path / "out"
-    plan = sw.SweepPlan(steps=(4,), concurrency=(2,), duration_s=1.0, warmup_s=0.1, off=True)
-    report = sw.sweep(
-        config, plan, out, runner=runner, pacing=sweep_cmd.FAST_PACING, reporter=Recorder()
-    )
-    assert report.ok, report.to_dict()
-    assert (report.original_steps, report.final_steps) == (0, 0)
-    # Off goes last: it is where SGLang began, so the sweep ends there with no restart.
-    assert runner.restarted_to == [4, 0]
-    info = httpx.get(config.sglang.url + "/server_info", timeout=5).json()
-    assert info["speculative_algorithm"] is None
-    assert read_table(out / sw.CSV_NAME).steps() == [0, 4]
-    assert "Restored the original no speculation." in (out / sw.MARKDOWN_NAME).read_text()
-
-
-def test_a_stop_while_an_adaptive_set_runs_restores_the_original(
-    unit_factory: Any, tmp_path: Path
-) -> None:
-    unit = unit_factory()
-    stop = threading.Event()
-    recorder = Recorder()
-    recorder.on_phase = lambda text: (
-        stop.set() if text.startswith("adaptive:3,4: measuring") else None
-    )
-    plan = sw.SweepPlan(
-        steps=(4,), concurrency=(1,), duration_s=5.0, warmup_s=0.1, adaptive=("adaptive:3,4",)
-    )
-    report = sw.sweep(
-        unit.config,
-        plan,
-        tmp_path / "out",
-        runner=unit.runner,
-        pacing=sweep_cmd.FAST_PACING,
-        reporter=recorder,
-        stop=stop,
-        handle_signals=False,
-    )
-    assert report.restored
-    assert [r["to_setting"] for r in report.restarts] == ["4", "adaptive:3,4", "3"]
-    info = httpx.get(unit.url + "/server_info", timeout=5).json()
-    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
-    assert all(p.setting is None for p in report.points)
-
-
 def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "specd.cli", "sweep", "--twin", "--yes", "--steps", "4",
@@ -408,26 +232,55 @@ def test_the_cli_stops_on_sigint_restores_and_exits_130(tmp_path: Path) -> None:
     assert str(out / sw.JSON_NAME) in stdout
 
 
-@pytest.mark.parametrize(
-    ("extra", "stdin", "needle"),
-    [
-        ([], subprocess.DEVNULL, "no terminal to ask; pass --yes"),
-        (["--steps", "9"], subprocess.DEVNULL, "outside the configured range 1..6"),
-        (["--concurrency", "1,x"], subprocess.DEVNULL, "expected a whole number in 1..4096"),
-        (["--duration-s", "nan"], subprocess.DEVNULL, "expected a number > 0"),
-        (["--adaptive", "4"], subprocess.DEVNULL, "--adaptive: '4' is not an adaptive set"),
-        (["--adaptive", "fast"], subprocess.DEVNULL, "--adaptive: setting 'fast' is not"),
-        (
-            ["--adaptive", "adaptive:3,9"],
-            subprocess.DEVNULL,
-            "--adaptive adaptive:3,9: candidates outside the configured range 1..6",
-        ),
-        # Without a value: [choose] adaptive_candidate_sets, whose default first set goes to 7.
-        (["--off", "--adaptive"], subprocess.DEVNULL, "--adaptive adaptive:1,3,5,7/1=1,3,5,7"),
-    ],
-)
+CLI_REFUSALS = [
+    ([], "no terminal to ask; pass --yes"),
+    (["--steps", "9"], "outside the configured range 1..6"),
+    (["--concurrency", "1,x"], "expected a whole number in 1..4096"),
+    (["--duration-s", "nan"], "expected a number > 0"),
+    (["--adaptive", "4"], "--adaptive: '4' is not an adaptive set"),
+    (["--adaptive", "fast"], "--adaptive: setting 'fast' is not"),
+    (
+        ["--adaptive", "adaptive:3,9"],
+        "--adaptive adaptive:3,9: candidates outside the configured range 1..6",
+    ),
+    # Without a value: [choose] adaptive_candidate_sets, whose default first set goes to 7.
+    (["--off", "--adaptive"], "--adaptive adaptive:1,3,5,7/1=1,3,5,7"),
+]
+
+
+def _sweep_cli(argv: list[str], *, real: bool) -> subprocess.CompletedProcess[str]:
+    """`specd sweep ARGV` with stdin from /dev/null: a real process, or `specd.cli.main` in
+    this one (its return, or argparse's SystemExit, as the exit code; what it printed).
+    Every refusal here comes before the command starts logging or a child."""
+    command = [sys.executable, "-m", "specd.cli", "sweep", *argv]
+    if real:
+        return subprocess.run(
+            command,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    out, err = io.StringIO(), io.StringIO()
+    stdin = sys.stdin
+    with open(os.devnull, encoding="utf-8") as devnull:
+        sys.stdin = devnull
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = specd_main(["sweep", *argv])
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            sys.stdin = stdin
+    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize(("extra", "needle"), CLI_REFUSALS)
 def test_cli_refuses_before_touching_anything(
-    tmp_path: Path, extra: list[str], stdin: int, needle: str
+    tmp_path: Path, extra: list[str], needle: str
 ) -> None:
     config = tmp_path / "specd.toml"
     config.write_text(
@@ -435,15 +288,10 @@ def test_cli_refuses_before_touching_anything(
         f'[files]\nstate_dir = "{tmp_path}/state"\n[choose]\nmax_steps = 6\n'
     )
     args = ["--steps", "2,4", "--concurrency", "1", "--config", str(config), *extra]
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "sweep", *args, "--out", str(tmp_path / "out")],
-        cwd=REPO,
-        stdin=stdin,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    # In process but for the first row, whose real process shows the exit code and stderr
+    # at the boundary (a process costs ~0.5 s of CPU to import specd and refuse).
+    real = extra == CLI_REFUSALS[0][0]
+    proc = _sweep_cli([*args, "--out", str(tmp_path / "out")], real=real)
     assert proc.returncode == 2
     # argparse prints its usage first; the reason itself is one line.
     assert needle in proc.stderr.strip().splitlines()[-1]
@@ -726,3 +574,303 @@ def test_an_output_that_cannot_be_written_is_reported_not_raised(tmp_path: Path)
     assert report.error is not None
     assert report.error.startswith(f"cannot write {out / sw.MARKDOWN_NAME}: ")
     assert [p.name for p in out.iterdir() if p.name.endswith(".tmp")] == []
+
+
+# -- end to end ---------------------------------------------------------------------------
+# Each sweep below waits on the twin's paced tokens (a point lasts two whole requests of
+# seconds each, see `MATCHES`), not on the CPU. They run in two background lanes of about
+# the same length (`LANES`), started with the module's first test, while the tests above
+# run; each test reads its own sweep's report, recorder and twin once that sweep is done.
+# A lane's sweeps run with handle_signals=False (a signal handler is the main thread's):
+# test_the_cli_stops_on_sigint_restores_and_exits_130 sweeps with them, in a real process.
+
+
+@dataclass
+class Case:
+    """One end-to-end sweep: the plan, the twin's extra flags and drop-in defaults, the
+    config's overrides, and the phase at which it stops itself (None: it does not)."""
+
+    plan: sw.SweepPlan
+    twin_args: list[str] = dataclasses.field(default_factory=list)
+    defaults: dict[str, str] | None = None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stop_at_phase: str | None = None
+
+
+@dataclass
+class Swept:
+    """A `Case` run in its lane (its twin started there, on ports picked then): what its
+    test reads."""
+
+    case: Case
+    workdir: Path
+    recorder: Recorder = dataclasses.field(default_factory=Recorder)
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    unit: Any = None  # the Unit, once started
+    report: sw.SweepReport | None = None
+    error: BaseException | None = None
+
+    @property
+    def out(self) -> Path:
+        return self.workdir / "out"
+
+    def result(self) -> sw.SweepReport:
+        """The report, once the sweep is done (its error, raised here, if it failed)."""
+        assert self.done.wait(600), "the sweep did not end within 10 minutes"
+        if self.error is not None:
+            raise self.error
+        assert self.report is not None
+        return self.report
+
+    def run(self) -> None:
+        case = self.case
+        if case.stop_at_phase is not None:
+            self.recorder.on_phase = lambda text, at=case.stop_at_phase: (
+                self.stop.set() if text.startswith(at) else None
+            )
+        try:
+            self.unit = Unit(
+                self.workdir, [*TWIN_ARGS, *case.twin_args], case.defaults, **case.config
+            )
+            self.unit.runner.start().wait_healthy(30)
+            self.report = sw.sweep(
+                self.unit.config,
+                case.plan,
+                self.out,
+                runner=self.unit.runner,
+                pacing=sweep_cmd.FAST_PACING,
+                reporter=self.recorder,
+                stop=self.stop,
+                handle_signals=False,
+            )
+        except BaseException as exc:  # raised in the test that reads it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+# Long requests: each closed-loop client's gap between one request's last token and the
+# next request's first (a few ms, more on a starved CI core) is then a small share of its
+# time; the twin's table assumes no gap at all.
+MATCHES = Case(
+    sw.SweepPlan(steps=(2, 4), concurrency=(1, 8), duration_s=2.0, warmup_s=0.2, max_tokens=768)
+)
+# The failing step count is caught by its unit failing, not by the timeout; the timeout
+# only bounds the healthy starts (4, then the original back), which a loaded 2-core
+# machine took over 3 s to make healthy.
+FAILS_TO_START = Case(
+    sw.SweepPlan(steps=(4, 2), concurrency=(2,), duration_s=1.0, warmup_s=0.2),
+    twin_args=["--fail-start-at-steps", "2"],
+    config={"startup_timeout_s": 20.0},
+)
+OFF_AND_ADAPTIVE = Case(
+    sw.SweepPlan(
+        steps=(3, 4),
+        concurrency=(1, 8),
+        duration_s=1.5,
+        warmup_s=0.2,
+        max_tokens=768,
+        off=True,
+        adaptive=("adaptive:4,3",),
+    )
+)
+# A twin whose drop-in default runs no speculation (the setting form, as `specd install`
+# writes it: no words).
+WITHOUT_SPECULATION = Case(
+    sw.SweepPlan(steps=(4,), concurrency=(2,), duration_s=1.0, warmup_s=0.1, off=True),
+    defaults={ENV_ARGS: ""},
+    config={"speculative_algorithm": "NEXTN"},
+)
+STOP_WHILE_ADAPTIVE = Case(
+    sw.SweepPlan(
+        steps=(4,), concurrency=(1,), duration_s=5.0, warmup_s=0.1, adaptive=("adaptive:3,4",)
+    ),
+    stop_at_phase="adaptive:3,4: measuring",
+)
+# Each lane's cases, in order, by the test that reads them: about 80 s each.
+LANES: tuple[dict[str, Case], ...] = (
+    {"test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back": OFF_AND_ADAPTIVE},
+    {
+        "test_sweep_matches_the_twins_truth_writes_files_and_restores": MATCHES,
+        "test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored": (
+            FAILS_TO_START
+        ),
+        "test_a_server_without_speculation_is_swept_and_put_back_to_off": WITHOUT_SPECULATION,
+        "test_a_stop_while_an_adaptive_set_runs_restores_the_original": STOP_WHILE_ADAPTIVE,
+    },
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sweeps(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Swept]]:
+    """The end-to-end sweeps of the tests selected in this session, by test name, each
+    lane in a thread of its own (none when none of them is selected)."""
+    selected = {item.name for item in request.session.items}
+    runs = {
+        name: Swept(case, tmp_path_factory.mktemp(name[:40]))
+        for lane in LANES
+        for name, case in lane.items()
+        if name in selected
+    }
+    closing = threading.Event()
+
+    def run_lane(names: list[str]) -> None:
+        for name in names:
+            if closing.is_set():
+                runs[name].error = RuntimeError("not run: the module ended first")
+                runs[name].done.set()
+            else:
+                runs[name].run()
+
+    threads = [
+        threading.Thread(target=run_lane, args=([n for n in lane if n in runs],), daemon=True)
+        for lane in LANES
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        yield runs
+    finally:
+        # A sweep still running (its test failed or was not reached) stops and restores.
+        closing.set()
+        for swept in runs.values():
+            swept.stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        for swept in runs.values():
+            if swept.unit is not None:
+                swept.unit.runner.stop()
+
+
+def test_sweep_matches_the_twins_truth_writes_files_and_restores(
+    sweeps: dict[str, Swept],
+) -> None:
+    swept = sweeps["test_sweep_matches_the_twins_truth_writes_files_and_restores"]
+    report, unit, out = swept.result(), swept.unit, swept.out
+    assert report.ok, report.to_dict()
+    assert sweep_cmd.exit_code(report) == 0
+    truth = preset_table()
+    measured = read_table(out / sw.CSV_NAME)  # the calibration format, read back
+    assert measured.steps() == [2, 4]
+    for row in measured.rows:
+        want = truth.throughput(row.steps, row.concurrency)
+        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
+        assert row.accept_length is not None
+        accept = truth.accept_length(row.steps)
+        assert accept is not None
+        assert abs(row.accept_length / accept - 1) <= TOLERANCE, (row, accept)
+        assert row.max_running_requests == truth.capacity(row.steps)
+    width, height = png_size(out / sw.CHART_NAME)
+    assert (width, height) == (900, 550)
+    assert (out / sw.CHART_NAME).stat().st_size > 10_000
+    md = (out / sw.MARKDOWN_NAME).read_text()
+    assert "| 4 | 8 |" in md
+    assert f"Restored the original {DEFAULT_STEPS} steps." in md
+    # Back where it began: the env file, the live server, no journal left to reconcile.
+    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
+    assert unit.live_steps() == DEFAULT_STEPS
+    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
+    assert [r["to_steps"] for r in report.restarts] == [2, 4, DEFAULT_STEPS]
+
+
+def test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored(
+    sweeps: dict[str, Swept],
+) -> None:
+    swept = sweeps["test_a_step_count_that_fails_to_start_is_reported_and_the_original_restored"]
+    report, unit, out, recorder = swept.result(), swept.unit, swept.out, swept.recorder
+
+    assert not report.ok
+    assert sweep_cmd.exit_code(report) == sw.EXIT_FAILED
+    assert list(report.failed_steps) == [2]
+    assert report.failed_steps[2].startswith("rolled_back")
+    assert [p.steps for p in report.points] == [4]
+    assert report.restored
+    assert read_env_steps(unit.config.sglang.env_file) == DEFAULT_STEPS
+    assert unit.live_steps() == DEFAULT_STEPS
+    assert "steps 2: rolled_back" in (out / sw.MARKDOWN_NAME).read_text()
+    assert any(m.startswith("steps 2 failed (rolled_back)") for m in recorder.messages)
+    assert read_table(out / sw.CSV_NAME).steps() == [4]
+
+
+def test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back(
+    sweeps: dict[str, Swept],
+) -> None:
+    swept = sweeps["test_sweep_measures_off_and_an_adaptive_set_and_puts_the_original_back"]
+    report, unit, out, recorder = swept.result(), swept.unit, swept.out, swept.recorder
+
+    assert report.ok, report.to_dict()
+    # The original 3 steps last: off and the adaptive set each cost one restart, no more.
+    assert [r["to_setting"] for r in report.restarts] == ["4", "off", "adaptive:3,4", "3"]
+    assert unit.runner.restarted_to == [4, 0, 4, DEFAULT_STEPS]
+    info = httpx.get(unit.url + "/server_info", timeout=5).json()
+    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
+    assert read_json(Path(unit.config.files.state_dir) / STATE_FILE)["journal"] is None
+
+    truth = preset_table()
+    table = read_table(out / sw.CSV_NAME)  # the calibration format, read back
+    assert table.steps() == [0, 3, 4]
+    off_rows = [r for r in table.rows if r.steps == 0]
+    assert [r.concurrency for r in off_rows] == [1, 8]
+    for row in off_rows:
+        want = truth.throughput(0, row.concurrency)
+        assert abs(row.output_tok_s / want - 1) <= TOLERANCE, (row, want)
+        assert row.max_running_requests == truth.capacity(0)  # the off server's, not K's
+    # The calibration predicts off from its steps-0 row.
+    model = PerformanceModel(Calibration.of(table))
+    assert model.can_predict(0)
+    assert model.throughput(0, 8) == pytest.approx(off_rows[1].output_tok_s)
+
+    # The adaptive rows are kept apart from the static curves, under their canonical text.
+    assert table.measured_settings() == ["adaptive:3,4"]
+    assert table.throughput(4, 8) == next(
+        r.output_tok_s for r in table.rows if (r.steps, r.concurrency) == (4, 8)
+    )
+    assert table.setting_capacity("adaptive:3,4") == truth.capacity(4)  # the deepest's
+    # Measured against what the model predicts for the set from the static rows.
+    predicted = AdaptiveModel.of(adaptive_slots(parse_setting("adaptive:3,4")), model)
+    for c in (1, 8):
+        measured = table.setting_throughput("adaptive:3,4", c)
+        assert abs(measured / predicted.throughput(c) - 1) <= TOLERANCE, (c, measured)
+    points = {(p.setting, p.steps) for p in report.points}
+    assert points == {(None, 0), (None, 3), (None, 4), ("adaptive:3,4", 4)}
+    md = (out / sw.MARKDOWN_NAME).read_text()
+    assert "| 0 | 8 |" in md
+    assert "| adaptive:3,4 |" in md
+    assert "- adaptive:3,4 c=8: measured " in md
+    # The model reads the set's rows from the file written: the ratio sweep.md states.
+    factor = Calibration.of(table).set_factor(parse_setting("adaptive:3,4"))
+    assert factor is not None
+    assert 1 - 2 * TOLERANCE <= factor <= 1.0  # the twin serves a set as its candidates
+    assert f"- adaptive:3,4: as the calibration, specd predicts it at {factor:.3f} ×" in md
+    assert f"Restored the original {DEFAULT_STEPS} steps." in md
+    assert any(p.startswith("adaptive:3,4: measuring c=8") for p in recorder.phases)
+
+
+def test_a_server_without_speculation_is_swept_and_put_back_to_off(
+    sweeps: dict[str, Swept],
+) -> None:
+    swept = sweeps["test_a_server_without_speculation_is_swept_and_put_back_to_off"]
+    report, config, runner, out = swept.result(), swept.unit.config, swept.unit.runner, swept.out
+    assert report.ok, report.to_dict()
+    assert (report.original_steps, report.final_steps) == (0, 0)
+    # Off goes last: it is where SGLang began, so the sweep ends there with no restart.
+    assert runner.restarted_to == [4, 0]
+    info = httpx.get(config.sglang.url + "/server_info", timeout=5).json()
+    assert info["speculative_algorithm"] is None
+    assert read_table(out / sw.CSV_NAME).steps() == [0, 4]
+    assert "Restored the original no speculation." in (out / sw.MARKDOWN_NAME).read_text()
+
+
+def test_a_stop_while_an_adaptive_set_runs_restores_the_original(
+    sweeps: dict[str, Swept],
+) -> None:
+    swept = sweeps["test_a_stop_while_an_adaptive_set_runs_restores_the_original"]
+    report, unit = swept.result(), swept.unit
+    assert report.restored
+    assert [r["to_setting"] for r in report.restarts] == ["4", "adaptive:3,4", "3"]
+    info = httpx.get(unit.url + "/server_info", timeout=5).json()
+    assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
+    assert all(p.setting is None for p in report.points)
