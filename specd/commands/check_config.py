@@ -14,7 +14,6 @@ from typing import Any
 import tomli_w
 
 from specd.core import windows
-from specd.io.apply import DEFAULT_STOP_TIMEOUT_S
 from specd.io.config import (
     DEFAULT_CONFIG_PATH,
     ENV_PREFIX,
@@ -23,6 +22,7 @@ from specd.io.config import (
     config_to_dict,
     load_config,
 )
+from specd.io.systemd import DEFAULT_STOP_TIMEOUT_S
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

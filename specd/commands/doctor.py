@@ -48,7 +48,6 @@ from specd.install.sglang_args import ARGS_WORD, DEFAULT_PORT, LEGACY_NAMES, fin
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import (
-    DEFAULT_STOP_TIMEOUT_S,
     ENV_ARGS,
     env_setting_words,
     parse_env,
@@ -672,7 +671,7 @@ class Doctor:
             stop_s = timespan_s(shown.get("TimeoutStopUSec", ""))
         source = f"{unit}'s TimeoutStopSec="
         if stop_s is None:
-            stop_s = DEFAULT_STOP_TIMEOUT_S
+            stop_s = systemd.DEFAULT_STOP_TIMEOUT_S
             source = "systemd's default stop timeout (the unit's not read)"
         # As the applier counts it: an infinite stop timeout is bounded by its own command's.
         stop_s = min(stop_s, self.config.restart.restart_command_timeout_s)

@@ -118,6 +118,55 @@ def test_the_daemon_imports_nothing_from_the_tools_extra() -> None:
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
 
 
+# Each command in turn in one interpreter, then what it had imported. The tools extra is
+# installed here (rich, and click through httpx[cli]): specd must not load it where it does
+# not use it.
+IMPORTED_BY = """
+import json, socket, sys
+from specd import cli
+cfg, taken = sys.argv[1], sys.argv[2]
+seen = {}
+def loaded():
+    return sorted(m for m in ("rich", "click", "pygments", "structlog", "httpx", "pydantic")
+                  if sys.modules.get(m) is not None)
+for argv in (["check-config"], ["status"], ["override", "show"], ["unfreeze", "--reason", "r"],
+             ["run"]):
+    code = cli.main([*argv, "--config", cfg if argv != ["run"] else taken])
+    seen[argv[0]] = [code, loaded()]
+print(json.dumps(seen))
+"""
+
+
+def test_a_command_imports_only_what_it_uses(tmp_path: Path) -> None:
+    """Every `specd` process paid ~0.4 s of CPU importing: check-config loaded the HTTP client,
+    every one-shot command structlog, and structlog and httpx loaded rich, click and pygments
+    (for tracebacks and a command line specd never shows)."""
+    cfg = write_config(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = tmp_path / "taken.toml"
+        port = busy.getsockname()[1]
+        taken.write_text(cfg.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
+        done = subprocess.run(
+            [sys.executable, "-c", IMPORTED_BY, str(cfg), str(taken)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {
+        "check-config": [0, ["pydantic"]],
+        "status": [0, ["httpx", "pydantic"]],
+        "override": [0, ["httpx", "pydantic"]],
+        "unfreeze": [0, ["httpx", "pydantic"]],
+        # The daemon logs (structlog) and exits 1: its metrics port is taken.
+        "run": [1, ["httpx", "pydantic", "structlog"]],
+    }
+
+
 BAD_CONFIG = (
     "[choose]\nmin_steps = 5\nmax_steps = 2\n[observe]\nscrape_intervall_s = 3\n"
     '[restart]\nhealth_probe_timeout_s = "x"\n'
