@@ -3,6 +3,7 @@ command-line comparison, env file vs running steps, windows against an injected 
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
@@ -87,6 +88,29 @@ NOW = datetime(2026, 12, 2, 11, 0, tzinfo=timezone.utc).timestamp()
 )
 def test_usec(text: str, usec: int) -> None:
     assert _usec(text) == usec
+
+
+class VersionTwins:
+    """Twins as SGLang versions (factories.version_twin), each started on first use and
+    shared by the module's tests: doctor only reads them (/server_info, /metrics)."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self.stack = stack
+        self.started: dict[tuple[str, ...], TwinProcess] = {}
+
+    def __call__(self, version: str, *extra: str) -> TwinProcess:
+        key = (version, *extra)
+        if key not in self.started:
+            twin = self.stack.enter_context(version_twin(version, *extra))
+            twin.wait_healthy(20)
+            self.started[key] = twin
+        return self.started[key]
+
+
+@pytest.fixture(scope="module")
+def version_twins() -> Iterator[VersionTwins]:
+    with contextlib.ExitStack() as stack:
+        yield VersionTwins(stack)
 
 
 def doctor(tmp_path: Path, extra: str = "", daemon_user: str = "specd", sglang: str = "") -> Doctor:
@@ -538,6 +562,7 @@ NO_READY = "no /ready (SGLang < 0.5.20)"
 )
 def test_version_check_names_what_specd_cannot_see(
     tmp_path: Path,
+    version_twins: VersionTwins,
     version: str,
     extra: list[str],
     answers: str,
@@ -545,11 +570,10 @@ def test_version_check_names_what_specd_cannot_see(
     notes: list[str],
 ) -> None:
     found = doctor(tmp_path)
-    with version_twin(version, *extra) as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            sglang = found.check_sglang(client)
-            metrics, check = found.check_metrics(client)
+    twin = version_twins(version, *extra)
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        sglang = found.check_sglang(client)
+        metrics, check = found.check_metrics(client)
     assert sglang == Check("sglang", True, f"{twin.url} answers {answers}")
     assert metrics.ok
     assert check.ok  # an older SGLang is a limit, not a fault
@@ -647,25 +671,31 @@ def test_gateway_checks_each_replica_answers_and_routes_this_server(tmp_path: Pa
     ],
 )  # fmt: skip
 def test_choices_check_says_what_specd_may_choose_on_this_server(
-    tmp_path: Path, version: str, kinds: str, ok: bool, detail: str, notes: list[str]
+    tmp_path: Path,
+    version_twins: VersionTwins,
+    version: str,
+    kinds: str,
+    ok: bool,
+    detail: str,
+    notes: list[str],
 ) -> None:
     found = doctor(tmp_path, f"[choose]\nkinds = {kinds}\n")
-    with version_twin(version) as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            assert found.check_sglang(client).ok
+    twin = version_twins(version)
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
     check = found.check_choices()
     assert (check.ok, check.detail) == (ok, detail)
     assert list(check.notes) == notes
     assert ("take adaptive out of [choose] kinds" in check.advice) == (not ok)
 
 
-def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(tmp_path: Path) -> None:
+def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(
+    tmp_path: Path, version_twins: VersionTwins
+) -> None:
     found = doctor(tmp_path, "")  # [choose] kinds left at every kind
-    with version_twin("0.5.11") as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            assert found.check_sglang(client).ok
+    twin = version_twins("0.5.11")
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
     check = found.check_choices()
     assert (check.ok, check.detail) == (True, "specd may choose off, static")
     assert "adaptive: not offered: needs SGLang >= 0.5.13 (per-batch slots); the server runs "\
@@ -677,7 +707,9 @@ def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(tmp_path: 
     assert f"off: not offered: {found.static_only}" in check.notes
 
 
-def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None:
+def test_choices_check_says_how_a_swept_set_is_predicted(
+    tmp_path: Path, version_twins: VersionTwins
+) -> None:
     # The seed's rows, and adaptive:3,4 swept at 90 % of what its candidates' rows say.
     table = seed_table()
     set_34 = parse("adaptive:3,4")
@@ -694,10 +726,9 @@ def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None
         tmp_path,
         f'[choose]\nkinds = ["static", "adaptive"]\ncalibration_file = "{tmp_path}/cal.csv"\n',
     )
-    with version_twin("0.5.23") as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            assert found.check_sglang(client).ok
+    twin = version_twins("0.5.23")
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
     check = found.check_choices()
     assert check.ok
     said = "adaptive:3,4: swept: predicted at 0.900 × its candidates' rows until it has served here"
