@@ -3,7 +3,6 @@ command-line comparison, env file vs running steps, windows against an injected 
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import json
 import os
@@ -16,7 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_table, version_twin
+from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_table
+from version_twins import VersionTwins
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
@@ -88,29 +88,6 @@ NOW = datetime(2026, 12, 2, 11, 0, tzinfo=timezone.utc).timestamp()
 )
 def test_usec(text: str, usec: int) -> None:
     assert _usec(text) == usec
-
-
-class VersionTwins:
-    """Twins as SGLang versions (factories.version_twin), each started on first use and
-    shared by the module's tests: doctor only reads them (/server_info, /metrics)."""
-
-    def __init__(self, stack: contextlib.ExitStack) -> None:
-        self.stack = stack
-        self.started: dict[tuple[str, ...], TwinProcess] = {}
-
-    def __call__(self, version: str, *extra: str) -> TwinProcess:
-        key = (version, *extra)
-        if key not in self.started:
-            twin = self.stack.enter_context(version_twin(version, *extra))
-            twin.wait_healthy(20)
-            self.started[key] = twin
-        return self.started[key]
-
-
-@pytest.fixture(scope="module")
-def version_twins() -> Iterator[VersionTwins]:
-    with contextlib.ExitStack() as stack:
-        yield VersionTwins(stack)
 
 
 def doctor(tmp_path: Path, extra: str = "", daemon_user: str = "specd", sglang: str = "") -> Doctor:
