@@ -159,19 +159,24 @@ def test_the_daemon_imports_nothing_from_the_tools_extra() -> None:
 
 # Each command in turn in one interpreter, then what it had imported. The tools extra is
 # installed here (rich, and click through httpx[cli]): specd must not load it where it does
-# not use it.
+# not use it. The --help of run and override come first: they need no configuration.
 IMPORTED_BY = """
-import json, socket, sys
+import contextlib, io, json, socket, sys
 from specd import cli
 cfg, taken = sys.argv[1], sys.argv[2]
 seen = {}
 def loaded():
     return sorted(m for m in ("rich", "click", "pygments", "structlog", "httpx", "pydantic")
                   if sys.modules.get(m) is not None)
-for argv in (["check-config"], ["status"], ["override", "show"], ["unfreeze", "--reason", "r"],
+for argv in (["run", "--help"], ["override", "--help"], ["override", "pin", "3", "--for", "1y"],
+             ["check-config"], ["status"], ["override", "show"], ["unfreeze", "--reason", "r"],
              ["run"]):
-    code = cli.main([*argv, "--config", cfg if argv != ["run"] else taken])
-    seen[argv[0]] = [code, loaded()]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = cli.main([*argv, "--config", cfg if argv != ["run"] else taken])
+        except SystemExit as exc:
+            code = exc.code
+    seen[" ".join(argv[:2])] = [code, loaded()]
 print(json.dumps(seen))
 """
 
@@ -179,7 +184,8 @@ print(json.dumps(seen))
 def test_a_command_imports_only_what_it_uses(tmp_path: Path) -> None:
     """Every `specd` process paid ~0.4 s of CPU importing: check-config loaded the HTTP client,
     every one-shot command structlog, and structlog and httpx loaded rich, click and pygments
-    (for tracebacks and a command line specd never shows)."""
+    (for tracebacks and a command line specd never shows); `run --help` and a mistyped
+    `override` argument loaded the daemon's or the config's whole graph to print a line."""
     cfg = write_config(tmp_path)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -197,10 +203,13 @@ def test_a_command_imports_only_what_it_uses(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen == {
+        "run --help": [0, []],
+        "override --help": [0, []],
+        "override pin": [2, []],  # --for 1y: refused by argparse
         "check-config": [0, ["pydantic"]],
         "status": [0, ["httpx", "pydantic"]],
-        "override": [0, ["httpx", "pydantic"]],
-        "unfreeze": [0, ["httpx", "pydantic"]],
+        "override show": [0, ["httpx", "pydantic"]],
+        "unfreeze --reason": [0, ["httpx", "pydantic"]],
         # The daemon logs (structlog) and exits 1: its metrics port is taken.
         "run": [1, ["httpx", "pydantic", "structlog"]],
     }
