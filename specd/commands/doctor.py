@@ -68,7 +68,7 @@ from specd.io.sglang import (
     parse_metrics,
 )
 from specd.io.timespan import timespan_s
-from specd.io.tls import verifying_context
+from specd.io.tls import context_for
 
 TIMEOUT_S = 10.0
 POLKIT_ACTION = "org.freedesktop.systemd1.manage-units"
@@ -767,7 +767,7 @@ class Doctor:
                 url + "/metrics",
                 timeout=TIMEOUT_S,
                 trust_env=False,
-                verify=verifying_context(trust_env=False),
+                verify=context_for(url, trust_env=False),
             )
         except httpx.HTTPError as exc:
             return Check("specd-metrics", False, f"{url}/metrics: {exc}", "is specd running?")

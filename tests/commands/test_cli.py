@@ -177,6 +177,9 @@ for argv in (["run", "--help"], ["override", "--help"], ["override", "pin", "3",
         except SystemExit as exc:
             code = exc.code
     seen[" ".join(argv[:2])] = [code, loaded()]
+# The CA bundle, loaded for clients of plain-HTTP servers that never do TLS.
+from specd.io.tls import verifying_context
+seen["CA bundle loaded"] = verifying_context.cache_info().currsize
 print(json.dumps(seen))
 """
 
@@ -212,7 +215,52 @@ def test_a_command_imports_only_what_it_uses(tmp_path: Path) -> None:
         "unfreeze --reason": [0, ["httpx", "pydantic"]],
         # The daemon logs (structlog) and exits 1: its metrics port is taken.
         "run": [1, ["httpx", "pydantic", "structlog"]],
+        "CA bundle loaded": 0,  # every URL above is http://
     }
+
+
+# Builds clients of these URLs, then says whether the verifying context was made.
+CLIENTS = """
+import json, sys
+from specd.io.fleet import EtcdClient
+from specd.io.gateway import GatewayClient
+from specd.io.sglang import SGLangClient
+from specd.io.tls import verifying_context
+said = []
+for kind, urls in json.loads(sys.argv[1]):
+    verifying_context.cache_clear()
+    if kind == "sglang":
+        SGLangClient(urls[0]).close()
+    elif kind == "etcd":
+        EtcdClient(urls, 1.0).close()
+    else:
+        GatewayClient(urls, "http://127.0.0.1:8").close()
+    said.append(verifying_context.cache_info().currsize == 1)
+print(json.dumps(said))
+"""
+
+
+def test_a_client_of_an_https_server_verifies_it() -> None:
+    """A client of plain-HTTP servers only skips the CA bundle; one that may speak TLS to any
+    of its servers verifies it as before."""
+    cases = [
+        ("sglang", ["https://sglang.internal:30000"], True),
+        ("sglang", ["HTTPS://sglang.internal:30000"], True),
+        ("etcd", ["http://10.0.0.1:2379", "https://10.0.0.2:2379"], True),
+        ("gateway", ["https://gw.internal:30000"], True),
+        ("sglang", ["http://127.0.0.1:30000"], False),
+        ("etcd", ["http://10.0.0.1:2379", "http://10.0.0.2:2379"], False),
+        ("gateway", ["http://127.0.0.1:30000"], False),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENTS, json.dumps([(kind, urls) for kind, urls, _ in cases])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [verifies for _, _, verifies in cases]
 
 
 BAD_CONFIG = (
