@@ -141,6 +141,10 @@ def _main(argv: Sequence[str] | None) -> int:
     module_name, help_ = COMMANDS[name]
     if _missing_tools_package(name) is not None:
         return _needs_tools(name)
+    # httpx imports its own command-line client (click, pygments, rich: ~30 ms of every
+    # command that speaks HTTP) whenever those are installed; no specd command runs it, and
+    # httpx stands in a stub that says what to install when they are absent.
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -58,10 +58,9 @@ from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import StateStore
+from specd.io.state import UNFREEZE_REQUEST, StateStore
 from specd.io.writable import unwritable, written_dirs
 
-UNFREEZE_REQUEST = "unfreeze.json"
 # `specd unfreeze` writes a one-line JSON object; the reason is free text from the operator.
 MAX_UNFREEZE_REQUEST_BYTES = 64 * 1024
 # Re-log an unchanged decision this often, so the journal shows specd is alive and why

@@ -15,7 +15,6 @@ import tomli_w
 
 from specd.core import windows
 from specd.install.sandbox import SHIPPED, needs_read_write
-from specd.io.apply import DEFAULT_STOP_TIMEOUT_S
 from specd.io.config import (
     DEFAULT_CONFIG_PATH,
     ENV_PREFIX,
@@ -24,6 +23,7 @@ from specd.io.config import (
     config_to_dict,
     load_config,
 )
+from specd.io.systemd import DEFAULT_STOP_TIMEOUT_S
 from specd.io.writable import STATE_DIRECTORY, written_dirs
 
 

@@ -51,7 +51,6 @@ from specd.install.sglang_args import ARGS_WORD, DEFAULT_PORT, LEGACY_NAMES, fin
 from specd.install.unit import live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import (
-    DEFAULT_STOP_TIMEOUT_S,
     ENV_ARGS,
     env_setting_words,
     parse_env,
@@ -72,7 +71,7 @@ from specd.io.sglang import (
     parse_metrics,
 )
 from specd.io.timespan import timespan_s
-from specd.io.tls import verifying_context
+from specd.io.tls import context_for
 from specd.io.writable import STATE_DIRECTORY, WrittenDir, fix_for, written_dirs
 
 TIMEOUT_S = 10.0
@@ -677,7 +676,7 @@ class Doctor:
             stop_s = timespan_s(shown.get("TimeoutStopUSec", ""))
         source = f"{unit}'s TimeoutStopSec="
         if stop_s is None:
-            stop_s = DEFAULT_STOP_TIMEOUT_S
+            stop_s = systemd.DEFAULT_STOP_TIMEOUT_S
             source = "systemd's default stop timeout (the unit's not read)"
         # As the applier counts it: an infinite stop timeout is bounded by its own command's.
         stop_s = min(stop_s, self.config.restart.restart_command_timeout_s)
@@ -825,7 +824,7 @@ class Doctor:
                 url + "/metrics",
                 timeout=TIMEOUT_S,
                 trust_env=False,
-                verify=verifying_context(trust_env=False),
+                verify=context_for(url, trust_env=False),
             )
         except httpx.HTTPError as exc:
             return Check("specd-metrics", False, f"{url}/metrics: {exc}", "is specd running?")

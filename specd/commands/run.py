@@ -1,16 +1,13 @@
-"""`specd run`: the daemon, as specd.service starts it."""
+"""`specd run`: the daemon, as specd.service starts it.
+
+The daemon and everything it loads are imported in `run`, not for ``--help``."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from specd.commands.check_config import load_for_command
-from specd.daemon import Daemon
-from specd.io import logs
-from specd.io.config import DEFAULT_CONFIG_PATH
-from specd.io.state import StateDirLocked, lock_state_dir
-from specd.io.writable import fix_for, unwritable, written_dirs
+from specd.io.paths import DEFAULT_CONFIG_PATH
 
 
 # -- CLI: specd run ----------------------------------------------------------------
@@ -24,6 +21,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here, not for --help (see the module's docstring).
+    from specd.commands.check_config import load_for_command  # noqa: PLC0415
+    from specd.daemon import Daemon  # noqa: PLC0415
+    from specd.io import logs  # noqa: PLC0415
+    from specd.io.state import StateDirLocked, lock_state_dir  # noqa: PLC0415
+    from specd.io.writable import fix_for, unwritable, written_dirs  # noqa: PLC0415
+
     config = load_for_command(args.config)
     if config is None:
         return 2  # a bad config stops start-up, one line per problem

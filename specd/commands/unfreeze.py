@@ -26,10 +26,15 @@ from specd.commands.status import daemon, setting_text, when_text
 from specd.core import windows
 from specd.core.history import HistorySettings
 from specd.core.text import iso_time, printable
-from specd.daemon import UNFREEZE_REQUEST
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import OverrideStatus, read_override
-from specd.io.state import STATE_FILE, atomic_write_json, held_freeze, read_state
+from specd.io.state import (
+    STATE_FILE,
+    UNFREEZE_REQUEST,
+    atomic_write_json,
+    held_freeze,
+    read_state,
+)
 
 PERMISSION = (errno.EACCES, errno.EPERM)
 

@@ -87,6 +87,7 @@ from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner, RunResult
 from specd.io.sglang import HealthStatus, ParsedMetrics
 from specd.io.systemd import (
+    DEFAULT_STOP_TIMEOUT_S,
     START_LIMIT_HIT,
     StartLimit,
     SystemctlError,
@@ -183,10 +184,6 @@ START_LIMIT_MARGIN_S = 1.0
 def stop_timeout_argv(unit: str) -> list[str]:
     """Read-only: the unit's TimeoutStopSec= as systemd resolved it (e.g. '5min')."""
     return ["systemctl", "show", "--property=TimeoutStopUSec", "--value", unit]
-
-
-# systemd's DefaultTimeoutStopSec=, assumed while the unit's own cannot be read.
-DEFAULT_STOP_TIMEOUT_S = 90.0
 
 
 def unit_state_argv(unit: str) -> list[str]:

@@ -49,6 +49,7 @@ from specd.core.settings import (
 )
 from specd.io import files
 from specd.io.calibration import CalibrationError, read_calibration
+from specd.io.paths import DEFAULT_CONFIG_PATH
 
 if sys.version_info >= (3, 11):
     pass
@@ -69,7 +70,6 @@ __all__ = [
     "read_config_file",
 ]
 
-DEFAULT_CONFIG_PATH = Path("/etc/specd/specd.toml")
 ENV_PREFIX = "SPECD_"
 ENV_NESTED_DELIMITER = "__"
 # A config file is a few KiB; refusing huge ones keeps a mistake from eating memory.

@@ -44,7 +44,7 @@ import httpx
 from specd import __version__
 from specd.core.settings import FleetSettings
 from specd.io.answers import read_capped
-from specd.io.tls import verifying_context
+from specd.io.tls import context_for
 
 KEY_PREFIX = "/specd"
 # An etcd answer to these calls is a few hundred bytes; a range over 64 slots a few KB.
@@ -136,7 +136,7 @@ class EtcdClient:
         self._http = httpx.Client(
             timeout=timeout_s,
             trust_env=False,
-            verify=verifying_context(trust_env=False),
+            verify=context_for(*self.endpoints, trust_env=False),
             headers={"User-Agent": f"specd/{__version__}", "Accept-Encoding": "identity"},
         )
         self._lock = threading.Lock()

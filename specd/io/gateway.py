@@ -39,7 +39,7 @@ import httpx
 from specd.core.settings import GatewaySettings
 from specd.io.answers import read_capped
 from specd.io.files import FileReadError, read_text_file
-from specd.io.tls import verifying_context
+from specd.io.tls import context_for
 
 READY = "ready"
 DRAINING = "draining"
@@ -278,7 +278,9 @@ class GatewayClient:
         self._beat = beat or (lambda: None)
         # trust_env=False: an HTTP(S)_PROXY meant for the internet must not carry the admin
         # API (nor its key), as for etcd and SGLang.
-        self._http = httpx.Client(timeout=timeout_s, verify=verifying_context(), trust_env=False)
+        self._http = httpx.Client(
+            timeout=timeout_s, verify=context_for(*self.gateways), trust_env=False
+        )
 
     @classmethod
     def from_settings(

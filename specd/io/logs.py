@@ -7,13 +7,13 @@ Under systemd (``JOURNAL_STREAM`` set) each line is prefixed with its syslog pri
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from collections.abc import MutableMapping
+from types import ModuleType
 from typing import Any, TextIO
-
-import structlog
 
 _PRIORITY = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
 
@@ -36,7 +36,27 @@ class _PriorityPrefixRenderer:
         return f"<{priority}>{text}" if self.prefix else str(text)
 
 
+@functools.cache
+def _structlog() -> ModuleType:
+    """structlog, imported on first use: the commands that log nothing (status, override,
+    check-config, ...) skip it. structlog imports rich whenever it is installed (the tools
+    extra), for pretty tracebacks, and rich was ~40 ms of every `specd run`'s start; specd
+    never renders through it (``format_exc_info`` turns an exception into plain text before
+    either renderer sees it), so structlog is imported as on an install without rich, unless
+    rich is loaded already (the demo): then it sees it as before."""
+    hidden = "rich" not in sys.modules and "structlog" not in sys.modules
+    if hidden:
+        sys.modules["rich"] = None  # type: ignore[assignment]  # import rich: ImportError
+    try:
+        import structlog  # noqa: PLC0415  (see above)
+    finally:
+        if hidden and sys.modules.get("rich", 0) is None:
+            del sys.modules["rich"]
+    return structlog
+
+
 def configure(fmt: str = "json", stream: TextIO | None = None, level: str = "info") -> None:
+    structlog = _structlog()
     under_journald = bool(os.environ.get("JOURNAL_STREAM"))
     inner: Any
     if fmt == "console":
@@ -61,4 +81,4 @@ def configure(fmt: str = "json", stream: TextIO | None = None, level: str = "inf
 
 
 def get_logger(**bound: Any) -> Any:
-    return structlog.get_logger("specd").bind(**bound)
+    return _structlog().get_logger("specd").bind(**bound)

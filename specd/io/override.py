@@ -27,7 +27,7 @@ import pwd
 import re
 import stat
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,6 @@ KEYS = ("mode", "steps", "setting", "expires_at", "reason", "apply")
 MAX_OVERRIDE_BYTES = 64 * files.KIB
 # Readable by specd whatever the umask of the operator who wrote it; writable by root only.
 OVERRIDE_FILE_MODE = 0o644
-# The CLI refuses longer overrides: weeks of pinning belong in the config's step range.
-MAX_CLI_DURATION = timedelta(days=30)
 # The service user specd runs as; `show` judges ownership as the daemon will.
 DAEMON_USER = "specd"
 

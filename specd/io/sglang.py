@@ -49,7 +49,7 @@ from specd.core.observation import (
 )
 from specd.core.text import check_http_url
 from specd.io.promtext import PromTextError, Sample, select_samples
-from specd.io.tls import verifying_context
+from specd.io.tls import context_for
 
 RUNNING = "sglang:num_running_reqs"
 QUEUED = "sglang:num_queue_reqs"
@@ -671,13 +671,14 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
 
 class _DeadlineTransport(httpx.HTTPTransport):
-    def __init__(self, deadline: _Deadline, beat: Callable[[], None] | None) -> None:
-        super().__init__(verify=verifying_context(trust_env=False), trust_env=False)
+    def __init__(self, base_url: str, deadline: _Deadline, beat: Callable[[], None] | None) -> None:
+        tls = context_for(base_url, trust_env=False)  # only paths under base_url are asked
+        super().__init__(verify=tls, trust_env=False)
         # httpx has no parameter for its pool's network backend: the pool is replaced by
         # one with httpx's defaults and ours (tests/io/test_sglang.py trickles bytes at it).
         limits = httpx.Limits()
         self._pool = httpcore.ConnectionPool(
-            ssl_context=verifying_context(trust_env=False),
+            ssl_context=tls,
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
@@ -723,7 +724,7 @@ class SGLangClient:
             timeout=timeout_s,
             headers={"Accept-Encoding": "identity", "User-Agent": f"specd/{__version__}"},
             trust_env=False,
-            transport=_DeadlineTransport(self._deadline, beat),
+            transport=_DeadlineTransport(self.base_url, self._deadline, beat),
         )
 
     def __enter__(self) -> SGLangClient:

@@ -28,6 +28,8 @@ T = TypeVar("T")
 E = TypeVar("E")
 
 STATE_FILE = "state.json"
+# What `specd unfreeze` writes beside the state file and the daemon reads at its next tick.
+UNFREEZE_REQUEST = "unfreeze.json"
 STATE_VERSION = 1
 STATE_FILE_MODE = 0o640
 # Weeks of history are ~100 KB; a state file 100x that is not one specd wrote.

@@ -13,6 +13,8 @@ from specd.io.runner import Runner
 from specd.io.timespan import timespan_s
 
 SHOW_TIMEOUT_S = 10.0
+# systemd's DefaultTimeoutStopSec=, assumed while the unit's own cannot be read.
+DEFAULT_STOP_TIMEOUT_S = 90.0
 
 
 class SystemctlError(RuntimeError):

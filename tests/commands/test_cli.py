@@ -17,14 +17,15 @@ from typing import Any
 
 import pytest
 import tomli_w
+from in_process import specd_main
 from prometheus_client import CollectorRegistry
 
 from specd import cli
 from specd.core.outcome import Avoided
-from specd.daemon import UNFREEZE_REQUEST, Daemon
+from specd.daemon import Daemon
 from specd.io.config import load_config
 from specd.io.notify import Notifier
-from specd.io.state import State, StateStore
+from specd.io.state import UNFREEZE_REQUEST, State, StateStore
 
 
 def specd(*args: str) -> subprocess.CompletedProcess[str]:
@@ -61,6 +62,7 @@ from specd import cli
 sys.exit(cli.main(sys.argv[2:]))
 """
 TOOLS = "aiohttp,rich,matplotlib"
+NEEDS_TOOLS = ("twin", "demo", "load", "sweep")
 
 
 def specd_without(packages: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -93,13 +95,50 @@ def test_a_tool_without_the_tools_extra_says_what_to_install(argv: list[str], hi
     assert done.stderr == f"specd {argv[0]} needs the 'tools' extra: pip install 'specd[tools]'\n"
 
 
-@pytest.mark.parametrize(
-    "name", [n for n in cli.COMMANDS if n not in ("twin", "demo", "load", "sweep")]
-)
-def test_every_other_command_runs_without_the_tools_extra(name: str) -> None:
-    done = specd_without(TOOLS, name, "--help")
+OTHERS = [n for n in cli.COMMANDS if n not in NEEDS_TOOLS]
+# Each other command's --help in turn, in one interpreter without the extra's packages: a
+# module that imports one of them fails there whichever command imports it first.
+HELP_WITHOUT = """
+import contextlib, io, json, sys, traceback
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None
+from specd import cli
+said = {}
+for name in sys.argv[2:]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([name, "--help"])
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            traceback.print_exc()
+            code = "raised"
+    said[name] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(said))
+"""
+
+
+@pytest.fixture(scope="module")
+def helped_without_tools() -> dict[str, list[Any]]:
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_WITHOUT, TOOLS, *OTHERS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
-    assert f"specd {name}" in done.stdout
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_every_other_command_runs_without_the_tools_extra(
+    helped_without_tools: dict[str, list[Any]], name: str
+) -> None:
+    code, stdout, stderr = helped_without_tools[name]
+    assert code == 0, stderr
+    assert f"specd {name}" in stdout
 
 
 def test_the_daemon_imports_nothing_from_the_tools_extra() -> None:
@@ -116,6 +155,112 @@ def test_the_daemon_imports_nothing_from_the_tools_extra() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
     assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
+# Each command in turn in one interpreter, then what it had imported. The tools extra is
+# installed here (rich, and click through httpx[cli]): specd must not load it where it does
+# not use it. The --help of run and override come first: they need no configuration.
+IMPORTED_BY = """
+import contextlib, io, json, socket, sys
+from specd import cli
+cfg, taken = sys.argv[1], sys.argv[2]
+seen = {}
+def loaded():
+    return sorted(m for m in ("rich", "click", "pygments", "structlog", "httpx", "pydantic")
+                  if sys.modules.get(m) is not None)
+for argv in (["run", "--help"], ["override", "--help"], ["override", "pin", "3", "--for", "1y"],
+             ["check-config"], ["status"], ["override", "show"], ["unfreeze", "--reason", "r"],
+             ["run"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = cli.main([*argv, "--config", cfg if argv != ["run"] else taken])
+        except SystemExit as exc:
+            code = exc.code
+    seen[" ".join(argv[:2])] = [code, loaded()]
+# The CA bundle, loaded for clients of plain-HTTP servers that never do TLS.
+from specd.io.tls import verifying_context
+seen["CA bundle loaded"] = verifying_context.cache_info().currsize
+print(json.dumps(seen))
+"""
+
+
+def test_a_command_imports_only_what_it_uses(tmp_path: Path) -> None:
+    """Every `specd` process paid ~0.4 s of CPU importing: check-config loaded the HTTP client,
+    every one-shot command structlog, and structlog and httpx loaded rich, click and pygments
+    (for tracebacks and a command line specd never shows); `run --help` and a mistyped
+    `override` argument loaded the daemon's or the config's whole graph to print a line."""
+    cfg = write_config(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = tmp_path / "taken.toml"
+        port = busy.getsockname()[1]
+        taken.write_text(cfg.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
+        done = subprocess.run(
+            [sys.executable, "-c", IMPORTED_BY, str(cfg), str(taken)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {
+        "run --help": [0, []],
+        "override --help": [0, []],
+        "override pin": [2, []],  # --for 1y: refused by argparse
+        "check-config": [0, ["pydantic"]],
+        "status": [0, ["httpx", "pydantic"]],
+        "override show": [0, ["httpx", "pydantic"]],
+        "unfreeze --reason": [0, ["httpx", "pydantic"]],
+        # The daemon logs (structlog) and exits 1: its metrics port is taken.
+        "run": [1, ["httpx", "pydantic", "structlog"]],
+        "CA bundle loaded": 0,  # every URL above is http://
+    }
+
+
+# Builds clients of these URLs, then says whether the verifying context was made.
+CLIENTS = """
+import json, sys
+from specd.io.fleet import EtcdClient
+from specd.io.gateway import GatewayClient
+from specd.io.sglang import SGLangClient
+from specd.io.tls import verifying_context
+said = []
+for kind, urls in json.loads(sys.argv[1]):
+    verifying_context.cache_clear()
+    if kind == "sglang":
+        SGLangClient(urls[0]).close()
+    elif kind == "etcd":
+        EtcdClient(urls, 1.0).close()
+    else:
+        GatewayClient(urls, "http://127.0.0.1:8").close()
+    said.append(verifying_context.cache_info().currsize == 1)
+print(json.dumps(said))
+"""
+
+
+def test_a_client_of_an_https_server_verifies_it() -> None:
+    """A client of plain-HTTP servers only skips the CA bundle; one that may speak TLS to any
+    of its servers verifies it as before."""
+    cases = [
+        ("sglang", ["https://sglang.internal:30000"], True),
+        ("sglang", ["HTTPS://sglang.internal:30000"], True),
+        ("etcd", ["http://10.0.0.1:2379", "https://10.0.0.2:2379"], True),
+        ("gateway", ["https://gw.internal:30000"], True),
+        ("sglang", ["http://127.0.0.1:30000"], False),
+        ("etcd", ["http://10.0.0.1:2379", "http://10.0.0.2:2379"], False),
+        ("gateway", ["http://127.0.0.1:30000"], False),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", CLIENTS, json.dumps([(kind, urls) for kind, urls, _ in cases])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [verifies for _, _, verifies in cases]
 
 
 BAD_CONFIG = (
@@ -141,7 +286,9 @@ def test_a_bad_config_stops_the_command_with_one_line_per_problem(
 ) -> None:
     path = tmp_path / "specd.toml"
     path.write_text(BAD_CONFIG)
-    proc = specd(*argv, "--config", str(path))
+    # The daemon's exit status is what systemd sees: a real process; the others in-process.
+    run = specd if argv == ["run"] else specd_main
+    proc = run(*argv, "--config", str(path))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
     lines = proc.stderr.strip().splitlines()
@@ -163,7 +310,7 @@ def test_a_sglang_url_under_the_root_is_a_config_error(tmp_path: Path, url: str,
     """[sglang] url = ".../v1" read /v1/metrics in every tick, as if metrics were off."""
     path = tmp_path / "specd.toml"
     path.write_text(f'[sglang]\nurl = "{url}"\n')
-    proc = specd("check-config", str(path))
+    proc = specd_main("check-config", str(path))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
     assert proc.stderr.strip().splitlines() == [
@@ -192,13 +339,13 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
     frozen = {"since": time.time() - 60, "reason": "restart to 3 rolled_back: never healthy"}
     assert store.save(State(frozen=frozen)) is None
 
-    status = specd("status", "--config", str(cfg_path))
+    status = specd_main("status", "--config", str(cfg_path))
     assert status.returncode == 0, status.stderr
     assert "FROZEN" in status.stdout
     assert "never healthy" in status.stdout
-    assert json.loads(specd("status", "--config", str(cfg_path), "--json").stdout)["frozen"]
+    assert json.loads(specd_main("status", "--config", str(cfg_path), "--json").stdout)["frozen"]
 
-    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed the model path")
+    done = specd_main("unfreeze", "--config", str(cfg_path), "--reason", "fixed the model path")
     assert done.returncode == 0, done.stderr
     request = Path(config.files.state_dir) / UNFREEZE_REQUEST
     assert json.loads(request.read_text())["reason"] == "fixed the model path"
@@ -210,9 +357,9 @@ def test_status_unfreeze_and_the_daemon_clearing_the_freeze(tmp_path: Path) -> N
     assert daemon.state.frozen is None
     assert not request.exists()
     assert StateStore(config.files.state_dir).load()[0].frozen is None
-    assert "FROZEN" not in specd("status", "--config", str(cfg_path)).stdout
+    assert "FROZEN" not in specd_main("status", "--config", str(cfg_path)).stdout
     # Nothing frozen: nothing to request.
-    again = specd("unfreeze", "--config", str(cfg_path), "--reason", "again")
+    again = specd_main("unfreeze", "--config", str(cfg_path), "--reason", "again")
     assert again.returncode == 0
     assert "not frozen" in again.stdout
     assert not request.exists()
@@ -227,11 +374,11 @@ def test_status_names_the_step_counts_avoided_after_a_regression(tmp_path: Path)
         Avoided(6, now - 8 * 86400, ((2, 1.0),), 0.05, 3),  # past its week: not shown
     ]
     assert StateStore(config.files.state_dir).save(State(avoided=avoided)) is None
-    status = specd("status", "--config", str(cfg_path))
+    status = specd_main("status", "--config", str(cfg_path))
     assert status.returncode == 0, status.stderr
     (line,) = [x for x in status.stdout.splitlines() if x.startswith("avoided")]
     assert "5 steps: served 3.1% less than 3" in line
-    info = json.loads(specd("status", "--config", str(cfg_path), "--json").stdout)
+    info = json.loads(specd_main("status", "--config", str(cfg_path), "--json").stdout)
     assert [(e["steps"], e["from_steps"]) for e in info["avoided"]] == [(5, 3)]
     assert info["avoided"][0]["until"] == pytest.approx(now - 3600 + 7 * 86400)
 
@@ -306,7 +453,7 @@ def test_unfreeze_says_what_happens_next_and_never_retries_a_pin_unasked(
         table = {k: v for k, v in table.items() if v is not None}
         Path(config.files.override_file).write_text(tomli_w.dumps(table))
         Path(config.files.override_file).chmod(0o644)
-    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed", *argv)
+    done = specd_main("unfreeze", "--config", str(cfg_path), "--reason", "fixed", *argv)
     assert done.returncode == code, done.stdout + done.stderr
     request = Path(config.files.state_dir) / UNFREEZE_REQUEST
     assert request.exists() is (code == 0)
@@ -338,7 +485,7 @@ def test_unfreeze_says_what_happens_next_and_never_retries_a_pin_unasked(
 )
 def test_unfreeze_needs_a_reason_it_can_keep(tmp_path: Path, reason: str, says: str) -> None:
     cfg_path = write_config(tmp_path)
-    done = specd("unfreeze", "--config", str(cfg_path), "--reason", reason)
+    done = specd_main("unfreeze", "--config", str(cfg_path), "--reason", reason)
     assert done.returncode == 2
     assert says in done.stderr
     assert len(done.stderr.strip().splitlines()[-1]) < 300
@@ -458,7 +605,7 @@ def test_unfreeze_reads_the_freeze_as_the_daemon_does(
     state_dir.mkdir(parents=True, exist_ok=True)
     if content is not None:
         (state_dir / "state.json").write_text(content)
-    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "looked at it")
+    done = specd_main("unfreeze", "--config", str(cfg_path), "--reason", "looked at it")
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert said in done.stdout + done.stderr
@@ -471,7 +618,7 @@ def test_unfreeze_that_cannot_write_its_request_says_so_on_stderr(tmp_path: Path
     for what unfreeze had done."""
     cfg_path = write_config(tmp_path)
     (tmp_path / "state").write_text("not a directory\n")
-    done = specd("unfreeze", "--config", str(cfg_path), "--reason", "fixed")
+    done = specd_main("unfreeze", "--config", str(cfg_path), "--reason", "fixed")
     assert done.returncode == 1
     assert done.stdout == ""
     assert "specd unfreeze: cannot write the request into " in done.stderr

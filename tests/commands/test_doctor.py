@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_table, version_twin
+from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_table
+from version_twins import VersionTwins
 
 import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
@@ -538,6 +539,7 @@ NO_READY = "no /ready (SGLang < 0.5.20)"
 )
 def test_version_check_names_what_specd_cannot_see(
     tmp_path: Path,
+    version_twins: VersionTwins,
     version: str,
     extra: list[str],
     answers: str,
@@ -545,11 +547,10 @@ def test_version_check_names_what_specd_cannot_see(
     notes: list[str],
 ) -> None:
     found = doctor(tmp_path)
-    with version_twin(version, *extra) as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            sglang = found.check_sglang(client)
-            metrics, check = found.check_metrics(client)
+    twin = version_twins(version, *extra)
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        sglang = found.check_sglang(client)
+        metrics, check = found.check_metrics(client)
     assert sglang == Check("sglang", True, f"{twin.url} answers {answers}")
     assert metrics.ok
     assert check.ok  # an older SGLang is a limit, not a fault
@@ -647,25 +648,31 @@ def test_gateway_checks_each_replica_answers_and_routes_this_server(tmp_path: Pa
     ],
 )  # fmt: skip
 def test_choices_check_says_what_specd_may_choose_on_this_server(
-    tmp_path: Path, version: str, kinds: str, ok: bool, detail: str, notes: list[str]
+    tmp_path: Path,
+    version_twins: VersionTwins,
+    version: str,
+    kinds: str,
+    ok: bool,
+    detail: str,
+    notes: list[str],
 ) -> None:
     found = doctor(tmp_path, f"[choose]\nkinds = {kinds}\n")
-    with version_twin(version) as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            assert found.check_sglang(client).ok
+    twin = version_twins(version)
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
     check = found.check_choices()
     assert (check.ok, check.detail) == (ok, detail)
     assert list(check.notes) == notes
     assert ("take adaptive out of [choose] kinds" in check.advice) == (not ok)
 
 
-def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(tmp_path: Path) -> None:
+def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(
+    tmp_path: Path, version_twins: VersionTwins
+) -> None:
     found = doctor(tmp_path, "")  # [choose] kinds left at every kind
-    with version_twin("0.5.11") as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            assert found.check_sglang(client).ok
+    twin = version_twins("0.5.11")
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
     check = found.check_choices()
     assert (check.ok, check.detail) == (True, "specd may choose off, static")
     assert "adaptive: not offered: needs SGLang >= 0.5.13 (per-batch slots); the server runs "\
@@ -677,7 +684,9 @@ def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(tmp_path: 
     assert f"off: not offered: {found.static_only}" in check.notes
 
 
-def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None:
+def test_choices_check_says_how_a_swept_set_is_predicted(
+    tmp_path: Path, version_twins: VersionTwins
+) -> None:
     # The seed's rows, and adaptive:3,4 swept at 90 % of what its candidates' rows say.
     table = seed_table()
     set_34 = parse("adaptive:3,4")
@@ -694,10 +703,9 @@ def test_choices_check_says_how_a_swept_set_is_predicted(tmp_path: Path) -> None
         tmp_path,
         f'[choose]\nkinds = ["static", "adaptive"]\ncalibration_file = "{tmp_path}/cal.csv"\n',
     )
-    with version_twin("0.5.23") as twin:
-        twin.wait_healthy(20)
-        with SGLangClient(twin.url, timeout_s=5) as client:
-            assert found.check_sglang(client).ok
+    twin = version_twins("0.5.23")
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
     check = found.check_choices()
     assert check.ok
     said = "adaptive:3,4: swept: predicted at 0.900 × its candidates' rows until it has served here"

@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from factories import EtcdProcess
+from in_process import specd_main
 from test_doctor import doctor
 
 from specd.commands.status import collect, render
@@ -70,30 +72,38 @@ def test_status_shows_the_group_and_who_holds_which_slot(tmp_path: Path, etcd: E
     assert "etcd UNAVAILABLE (no restart until it answers)" in render(info, time.time())
 
 
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    """One etcd for the tests that only write slot keys (each revokes its lease after)."""
+    server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     "since",
     [1e308, -1e20, 1.7e12, 1e19],  # out of any calendar; milliseconds; past 64-bit time_t
 )
 def test_status_shows_a_holder_whose_since_no_clock_can_show(
-    tmp_path: Path, etcd: EtcdProcess, since: float
+    tmp_path: Path, module_etcd: EtcdProcess, since: float
 ) -> None:
     """A slot key's `since` is another host's word (its clock, or whatever wrote the key):
     one no calendar can show made `specd status` die with a traceback, the fleet line and
     everything after it lost to the on-call. It is shown without a time."""
-    path = write_config(tmp_path, fleet_table(etcd.url))
+    path = write_config(tmp_path, fleet_table(module_etcd.url))
     config = load_config(path)
     assert config.fleet is not None
     fleet = Fleet(config.fleet, "writer")
+    assert fleet.holders() == []  # the etcd as a fresh one: no slot held
     lease = fleet.etcd.grant(60)
-    value = json.dumps({"holder": "box-b", "since": since})
-    assert fleet.etcd.put_if_absent(slot_key("g", 0), value, lease)
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "status", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    try:
+        value = json.dumps({"holder": "box-b", "since": since})
+        assert fleet.etcd.put_if_absent(slot_key("g", 0), value, lease)
+        proc = specd_main("status", "--config", str(path))
+    finally:
+        fleet.etcd.revoke(lease)  # its key goes with it
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("fleet "))

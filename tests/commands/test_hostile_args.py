@@ -76,9 +76,9 @@ ARGUMENTS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-# One interpreter per argument runs the real `specd` entry point (cli.main, as `python -m
-# specd.cli` does) once per value: 38 arguments × 8 values as separate processes took
-# minutes of a 2-core CI machine.
+# One interpreter runs the real `specd` entry point (cli.main, as `python -m specd.cli`
+# does) on every argv of this file's tables: 38 arguments × 8 values as separate processes
+# took minutes of a 2-core CI machine, one interpreter per argument still ~45 s of CPU.
 CLI_MAIN = "specd.cli:main"
 
 
@@ -101,14 +101,33 @@ def check_refusal(
     assert took < 10, (shown, took)
 
 
+def hostile_argvs(argv: list[str]) -> list[list[str]]:
+    return [[part.replace("{}", value) for part in argv] for value in HOSTILE]
+
+
+Result = tuple[object, str, str, float]
+
+
+@pytest.fixture(scope="module")
+def ran() -> dict[tuple[str, ...], Result]:
+    """(exit code, stdout, stderr, seconds) of `specd ARGV` for every argv the tests below
+    check, all run by one interpreter, in the tables' order."""
+    argvs = [filled for _, _, argv in ARGUMENTS for filled in hostile_argvs(argv)]
+    argvs += [url_argv(command, url) for command in URL_ARGVS for url in URLS]
+    # In halves: the argvs travel as one command-line argument, at most 128 KiB on Linux.
+    half = len(argvs) // 2
+    results = run_mains(CLI_MAIN, argvs[:half]) + run_mains(CLI_MAIN, argvs[half:])
+    return {tuple(argv): result for argv, result in zip(argvs, results, strict=True)}
+
+
 @pytest.mark.parametrize(
     ("command", "name", "argv"), ARGUMENTS, ids=[f"{c}:{n}" for c, n, _ in ARGUMENTS]
 )
-def test_every_hostile_value_is_one_usage_error(command: str, name: str, argv: list[str]) -> None:
-    argvs = [[part.replace("{}", value) for part in argv] for value in HOSTILE]
-    results = run_mains(CLI_MAIN, argvs)
-    for value, (code, stdout, stderr, took) in zip(HOSTILE, results, strict=True):
-        check_refusal(command, name, value, code, stdout, stderr, took)
+def test_every_hostile_value_is_one_usage_error(
+    ran: dict[tuple[str, ...], Result], command: str, name: str, argv: list[str]
+) -> None:
+    for value, filled in zip(HOSTILE, hostile_argvs(argv), strict=True):
+        check_refusal(command, name, value, *ran[tuple(filled)])
 
 
 @pytest.mark.parametrize(
@@ -118,8 +137,7 @@ def test_hostile_values_through_a_process_of_their_own(
     command: str, name: str, argv: list[str]
 ) -> None:
     """The same refusals from `python -m specd.cli`, a process per value, as a shell runs it."""
-    for value in HOSTILE:
-        filled = [part.replace("{}", value) for part in argv]
+    for value, filled in zip(HOSTILE, hostile_argvs(argv), strict=True):
         started = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "specd.cli", *filled],
@@ -153,10 +171,16 @@ URL_ARGVS = {
 }
 
 
+def url_argv(command: str, url: str) -> list[str]:
+    return [command, f"--url={url}", *URL_ARGVS[command]]
+
+
 @pytest.mark.parametrize("command", list(URL_ARGVS))
-def test_a_url_under_the_servers_root_is_one_usage_error(command: str) -> None:
-    argvs = [[command, f"--url={url}", *URL_ARGVS[command]] for url in URLS]
-    for url, (code, stdout, stderr, took) in zip(URLS, run_mains(CLI_MAIN, argvs), strict=True):
+def test_a_url_under_the_servers_root_is_one_usage_error(
+    ran: dict[tuple[str, ...], Result], command: str
+) -> None:
+    for url in URLS:
+        code, stdout, stderr, took = ran[tuple(url_argv(command, url))]
         check_refusal(command, "--url", url, code, stdout, stderr, took)
         assert "is not the server's root URL: specd wants http://127.0.0.1:30000 " in stderr
         assert "--enable-metrics" not in stderr, stderr

@@ -1,18 +1,21 @@
 """The on-call commands against a real `specd run` on the twin, read as the on-call reads
 them at 3 a.m.: `specd status`, `specd override`, `specd unfreeze`, the daemon's decisions.
 
-Real parts throughout: the twin "unit" behind the stand-in systemctl of tests/test_faults.py,
-`specd run` and every command as subprocesses, real files and signals.
+Real parts throughout: the twin "unit" behind the stand-in systemctl of tests/test_faults.py
+(one for the module, put back to 3 steps and healthy before each test), a `specd run`
+subprocess per test, real files and signals. The commands run through specd.cli.main in
+the test's interpreter (tests/commands/in_process.py), a few as real processes; the tests
+wait on the state file the daemon writes and on its tick count, not on sleeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,6 +24,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+from in_process import specd_main
 from test_faults import (
     UNIT,
     config_text,
@@ -28,11 +32,12 @@ from test_faults import (
     events_named,
     healthy,
     make_standin,
+    metric,
     start_specd,
     wait_for,
 )
 
-from specd.daemon import UNFREEZE_REQUEST
+from specd.io.state import STATE_FILE, UNFREEZE_REQUEST
 from specd.twin.process import free_port
 from specd.twin.standin import FAST_TWIN, StandIn
 
@@ -42,17 +47,22 @@ REPO = Path(__file__).resolve().parents[2]
 ZONE = "Europe/Berlin"
 # The twin at this step count never gets healthy: a restart into it fails and rolls back.
 NEVER_HEALTHY = 6
+# A tick every quarter second: "a few ticks" (the unfreeze request read, the override
+# re-read, nothing restarted meanwhile) cost that much wall time, not seconds.
+SCRAPE_INTERVAL_S = 0.25
+TICKS = "specd_tick_duration_seconds_count"
 
 
 @dataclass
 class Oncall:
-    """A twin unit at 3 steps, a `specd run` deciding for it, and its files."""
+    """The twin unit at 3 steps, a `specd run` deciding for it, and its files."""
 
     tmp_path: Path
     standin: StandIn
     config: Path
     log: Path
     metrics_port: int
+    restarts_before: int
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -63,12 +73,17 @@ class Oncall:
     def state_dir(self) -> Path:
         return self.tmp_path / "state"
 
+    @property
+    def restarts(self) -> list[int]:
+        """The unit's restarts since this test began (the shared unit's earlier ones not)."""
+        return self.standin.restarts[self.restarts_before :]
+
     def env(self) -> dict[str, str]:
         return daemon_env(self.standin)
 
     def start(self) -> None:
         self.proc = start_specd(self.config, self.env(), self.log)
-        wait_for(lambda: self.status_json()["last_decision"] != {}, 20, "the first decision")
+        wait_for(lambda: self.saved().get("last_decision"), 20, "the first decision")
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -84,9 +99,14 @@ class Oncall:
                     proc.wait()
         assert proc.returncode == 0, self.log.read_text()
 
-    def specd(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def specd(self, *args: str, process: bool = False) -> subprocess.CompletedProcess[str]:
+        """`specd ARGS --config CONFIG` with the daemon's environment: in-process, or as a
+        real process with ``process``."""
+        argv = [*args, "--config", str(self.config)]
+        if not process:
+            return specd_main(*argv, env=self.env())
         return subprocess.run(
-            [sys.executable, "-m", "specd.cli", *args, "--config", str(self.config)],
+            [sys.executable, "-m", "specd.cli", *argv],
             capture_output=True,
             text=True,
             timeout=60,
@@ -102,8 +122,24 @@ class Oncall:
         except ValueError:
             raise AssertionError(done.stdout + done.stderr) from None
 
+    def saved(self) -> dict[str, Any]:
+        """The state file as the daemon last saved it (what `specd status` reads); {} before
+        the first save. It is replaced whole (a rename), never seen half-written."""
+        with contextlib.suppress(FileNotFoundError):
+            return json.loads((self.state_dir / STATE_FILE).read_text())  # type: ignore[no-any-return]
+        return {}
+
     def wait_decision(self, predicate: Callable[[dict[str, Any]], bool], what: str) -> None:
-        wait_for(lambda: predicate(self.status_json()["last_decision"]), 60, what)
+        wait_for(lambda: predicate(self.saved().get("last_decision") or {}), 60, what)
+
+    def wait_frozen(self, frozen: bool, timeout_s: float, what: str) -> None:
+        wait_for(lambda: (self.saved().get("frozen") is not None) is frozen, timeout_s, what)
+
+    def ticks(self, n: int) -> None:
+        """Until the daemon has ended ``n`` more ticks."""
+        before = metric(self.metrics_port, TICKS)
+        assert before is not None, "the daemon serves no metrics"
+        wait_for(lambda: (metric(self.metrics_port, TICKS) or 0) >= before + n, 30, f"{n} ticks")
 
 
 def closed_window(opens_in_h: int = 6) -> dict[str, Any]:
@@ -112,33 +148,53 @@ def closed_window(opens_in_h: int = 6) -> dict[str, Any]:
     return {"cron": f"0 {hour} * * *", "duration_s": 3600, "timezone": ZONE}
 
 
-@pytest.fixture
-def oncall(tmp_path: Path) -> Iterator[Oncall]:
-    port, metrics_port = free_port(), free_port()
+@pytest.fixture(scope="module")
+def unit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StandIn]:
+    """The twin "unit" the module's tests share: specd restarts it only into 6 (which never
+    gets healthy) and back, so each test finds it at 3 steps again (see `oncall`)."""
     standin = make_standin(
-        tmp_path, port, FAST_TWIN, extra_by_steps={NEVER_HEALTHY: ("--load-time-s", "1000")}
+        tmp_path_factory.mktemp("unit"),
+        free_port(),
+        FAST_TWIN,
+        extra_by_steps={NEVER_HEALTHY: ("--load-time-s", "1000")},
     )
+    try:
+        yield standin
+    finally:
+        standin.stop()
+
+
+def at_three_steps(standin: StandIn) -> None:
+    """The unit as a fresh one starts: no env file (3 steps, the drop-in's default), the
+    twin at 3 steps and healthy; restarted into that unless it is so already."""
+    standin.env_file.unlink(missing_ok=True)
+    if standin.restarts[-1:] != [3] or not healthy(standin.url()):
+        assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
+        wait_for(lambda: healthy(standin.url()), 20, "the twin unit")
+
+
+@pytest.fixture
+def oncall(tmp_path: Path, unit: StandIn) -> Iterator[Oncall]:
+    at_three_steps(unit)
+    metrics_port = free_port()
     (tmp_path / "state").mkdir()
     config = tmp_path / "specd.toml"
     config.write_text(
         config_text(
             tmp_path,
-            port,
+            unit.port,
             metrics_port,
+            env_file=str(unit.env_file),
+            scrape_interval_s=SCRAPE_INTERVAL_S,
             startup_timeout_s=3,
             windows=[closed_window()],
         )
     )
-    assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
-    world = Oncall(tmp_path, standin, config, tmp_path / "specd.log", metrics_port)
+    world = Oncall(tmp_path, unit, config, tmp_path / "specd.log", metrics_port, len(unit.restarts))
     try:
-        wait_for(lambda: healthy(standin.url()), 20, "the twin unit")
         yield world
     finally:
-        try:
-            world.stop()
-        finally:
-            standin.stop()  # the twin even when specd did not stop cleanly
+        world.stop()
 
 
 def line(text: str, name: str) -> str:
@@ -188,7 +244,7 @@ def test_status_never_says_auto_while_specd_holds_the_last_good_override(
     oncall.wait_decision(lambda d: d.get("reason") == holds, "the override in force")
     oncall.override.write_text(broken)
     wait_for(lambda: events_named(oncall.log, "override_ignored"), 20, "specd to ignore it")
-    time.sleep(1.0)  # a few ticks: specd still decides under the last good override
+    oncall.ticks(2)  # specd still decides under the last good override
     assert oncall.status_json()["last_decision"]["reason"] == holds
     status = oncall.specd("status")
     mode = line(status.stdout, "mode")
@@ -207,20 +263,22 @@ def test_unfreeze_after_a_failed_pin_now_does_not_retry_it_unasked(oncall: Oncal
         "override", "pin", str(NEVER_HEALTHY), "--for", "1h", "--now", "--reason", "try"
     )
     assert pin.returncode == 0, pin.stderr
-    wait_for(lambda: oncall.status_json()["frozen"], 60, "the failed restart to freeze specd")
-    restarts = list(oncall.standin.restarts)
+    oncall.wait_frozen(True, 60, "the failed restart to freeze specd")
+    assert oncall.status_json()["frozen"]
+    restarts = list(oncall.restarts)
     assert restarts[-2:] == [NEVER_HEALTHY, 3]  # tried, rolled back
 
-    refused = oncall.specd("unfreeze", "--reason", "looked at it")
+    # The refusal as the on-call's shell gets it: exit status 2, the reason on stderr.
+    refused = oncall.specd("unfreeze", "--reason", "looked at it", process=True)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "nothing written" in refused.stderr
     assert "specd override clear" in refused.stderr
     assert "--retry-pin" in refused.stderr
     assert f"{NEVER_HEALTHY} steps" in refused.stderr
     assert not (oncall.state_dir / UNFREEZE_REQUEST).exists()
-    time.sleep(2.0)  # ticks: still frozen, nothing restarted
+    oncall.ticks(4)  # still frozen, nothing restarted
     assert oncall.status_json()["frozen"]
-    assert oncall.standin.restarts == restarts
+    assert oncall.restarts == restarts
 
     assert oncall.specd("override", "clear", "--reason", "6 does not fit").returncode == 0
     done = oncall.specd("unfreeze", "--reason", "pin cleared")
@@ -232,9 +290,10 @@ def test_unfreeze_after_a_failed_pin_now_does_not_retry_it_unasked(oncall: Oncal
         frozen_line,
     ), done.stdout
     assert any(x.startswith("then: specd decides by itself") for x in rest), done.stdout
-    wait_for(lambda: not oncall.status_json()["frozen"], 20, "the daemon to clear the freeze")
-    time.sleep(1.0)
-    assert oncall.standin.restarts == restarts
+    oncall.wait_frozen(False, 20, "the daemon to clear the freeze")
+    assert not oncall.status_json()["frozen"]
+    oncall.ticks(2)
+    assert oncall.restarts == restarts
 
 
 def test_status_says_whether_specd_runs(oncall: Oncall) -> None:
@@ -244,7 +303,7 @@ def test_status_says_whether_specd_runs(oncall: Oncall) -> None:
     assert line(never.stdout, "specd").startswith("specd          NOT RUNNING"), never.stdout
     oncall.start()
     assert oncall.proc is not None
-    running = oncall.specd("status")
+    running = oncall.specd("status", process=True)
     assert line(running.stdout, "specd") == f"specd          running (pid {oncall.proc.pid})"
     assert oncall.status_json()["daemon"] == {"running": True, "pid": oncall.proc.pid}
     pin = oncall.specd("override", "pin", "4", "--for", "1d", "--reason", "batch eval")
@@ -268,7 +327,7 @@ def test_unfreeze_while_specd_is_down_says_when_the_freeze_clears(oncall: Oncall
         "override", "pin", str(NEVER_HEALTHY), "--for", "1h", "--now", "--reason", "t"
     )
     assert pin.returncode == 0, pin.stderr
-    wait_for(lambda: oncall.status_json()["frozen"], 60, "the failed restart to freeze specd")
+    oncall.wait_frozen(True, 60, "the failed restart to freeze specd")
     assert oncall.specd("override", "clear").returncode == 0
     oncall.stop()
     done = oncall.specd("unfreeze", "--reason", "pin cleared")
@@ -276,7 +335,8 @@ def test_unfreeze_while_specd_is_down_says_when_the_freeze_clears(oncall: Oncall
     assert "within one tick" not in done.stdout
     assert "specd is not running: it clears the freeze when it starts" in done.stdout
     oncall.start()
-    wait_for(lambda: not oncall.status_json()["frozen"], 20, "the start to clear the freeze")
+    oncall.wait_frozen(False, 20, "the start to clear the freeze")
+    assert not oncall.status_json()["frozen"]
 
 
 @pytest.mark.parametrize("setting", ["off", "adaptive:3,4"])
@@ -296,4 +356,4 @@ def test_override_show_and_the_daemon_agree_on_a_pin_the_unit_cannot_run(
     assert show.returncode == 0, show.stderr
     assert "BUT this server cannot run it: " in show.stdout
     assert "static step counts only" in show.stdout
-    assert oncall.standin.restarts == [3]  # only the test's own start
+    assert oncall.restarts == []  # nothing restarted the unit

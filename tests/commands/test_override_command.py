@@ -20,6 +20,7 @@ from zoneinfo import ZoneInfo
 import httpx
 import pytest
 from factories import version_twin
+from in_process import specd_main
 
 from specd.cli import main
 from specd.commands.status import collect, render
@@ -129,14 +130,7 @@ def run_as(cfg: Path, user: str, *argv: str) -> subprocess.CompletedProcess[str]
     """`specd override` run by ``user`` through sudo (root's USER, the caller's SUDO_USER)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECD_", "SUDO_"))}
     env |= {"USER": "root", "LOGNAME": "root", "SUDO_USER": user}
-    return subprocess.run(
-        [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+    return specd_main("override", *argv, "--config", str(cfg), env=env)
 
 
 FREEZE = ["freeze", "--for", "2h", "--reason", "investigating latency"]
@@ -187,9 +181,14 @@ def served_config(tmp_path: Path, url: str) -> Path:
     return path
 
 
-def override_cmd(cfg: Path, path_env: str, *argv: str) -> subprocess.CompletedProcess[str]:
+def override_cmd(
+    cfg: Path, path_env: str, *argv: str, process: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`specd override ARGV` with ``path_env`` as PATH; in-process unless ``process``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
     env["PATH"] = path_env
+    if not process:
+        return specd_main("override", *argv, "--config", str(cfg), env=env)
     return subprocess.run(
         [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
         capture_output=True,
@@ -205,27 +204,48 @@ STATIC_ONLY = "reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
 DP_ATTENTION = ("--dp-size", "2", "--enable-dp-attention", "--tp-size", "2")
 
 
-@contextlib.contextmanager
-def serving(tmp_path: Path, server: str) -> Iterator[tuple[Path, str]]:
-    """A config for SGLang as ``server`` ("static-only unit": the stand-in unit, whose
-    drop-in takes step counts only; "DP attention": a twin with it; "down"), and the PATH
-    to run specd with."""
-    path_env = os.environ.get("PATH", "/usr/bin:/bin")
-    with contextlib.ExitStack() as stack:
+class Servers:
+    """The SGLangs the tests ask, each started on first use and shared by the module: the
+    override command only reads them (/server_info, `systemctl show`), never restarts them."""
+
+    def __init__(self, top: Path, stack: contextlib.ExitStack) -> None:
+        self.top, self.stack = top, stack
+        self.started: dict[str, tuple[str, str]] = {}
+
+    def url_and_path(self, server: str) -> tuple[str, str]:
+        """("static-only unit": the stand-in unit, whose drop-in takes step counts only; "DP
+        attention": a twin with it; "down") -> its URL, and the PATH to run specd with."""
+        if server == "down":  # a port free now: one chosen long ago may serve another test
+            return f"http://127.0.0.1:{free_port()}", os.environ.get("PATH", "/usr/bin:/bin")
+        if server not in self.started:
+            self.started[server] = self._start(server)
+        return self.started[server]
+
+    def _start(self, server: str) -> tuple[str, str]:
+        path_env = os.environ.get("PATH", "/usr/bin:/bin")
         if server == "static-only unit":
-            standin = make_standin(tmp_path, free_port())
-            stack.callback(standin.stop)
+            standin = make_standin(self.top, free_port())
+            self.stack.callback(standin.stop)
             assert standin.systemctl("restart", UNIT).returncode == 0
-            path_env = f"{standin.bin_dir}:{path_env}"
-            url = standin.url()
-            wait_healthy(url)
-        elif server == "DP attention":
-            twin = stack.enter_context(version_twin("0.5.23", *DP_ATTENTION))
+            wait_healthy(standin.url())
+            return standin.url(), f"{standin.bin_dir}:{path_env}"
+        if server == "DP attention":
+            twin = self.stack.enter_context(version_twin("0.5.23", *DP_ATTENTION))
             twin.wait_healthy()
-            url = twin.url
-        else:
-            url = f"http://127.0.0.1:{free_port()}"
-        yield served_config(tmp_path, url), path_env
+            return twin.url, path_env
+        raise AssertionError(server)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    with contextlib.ExitStack() as stack:
+        yield Servers(tmp_path_factory.mktemp("servers"), stack)
+
+
+def serving(tmp_path: Path, servers: Servers, server: str) -> tuple[Path, str]:
+    """A config for SGLang as ``server`` (see Servers), and the PATH to run specd with."""
+    url, path_env = servers.url_and_path(server)
+    return served_config(tmp_path, url), path_env
 
 
 @pytest.mark.parametrize(
@@ -246,17 +266,20 @@ def serving(tmp_path: Path, server: str) -> Iterator[tuple[Path, str]]:
 )
 @pytest.mark.parametrize("now", [False, True], ids=["next-window", "now"])
 def test_a_pin_the_server_cannot_run_is_refused_before_it_replaces_anything(
-    tmp_path: Path, server: str, setting: str, refused: str | None, now: bool
+    tmp_path: Path, servers: Servers, server: str, setting: str, refused: str | None, now: bool
 ) -> None:
     """`pin off --now` on a unit whose drop-in takes step counts only was written and said
     "restarts at once, once it has checked": specd then held every decision `unsupported`,
     restarting nothing and choosing nothing, until the pin expired."""
-    with serving(tmp_path, server) as (cfg, path_env):
-        first = override_cmd(cfg, path_env, *FREEZE)
-        assert first.returncode == 0, first.stderr
-        before = (tmp_path / "override.toml").read_bytes()
-        argv = ["pin", setting, "--for", "1d", "--reason", "try it", *(["--now"] if now else [])]
-        done = override_cmd(cfg, path_env, *argv)
+    cfg, path_env = serving(tmp_path, servers, server)
+    first = override_cmd(cfg, path_env, *FREEZE)
+    assert first.returncode == 0, first.stderr
+    before = (tmp_path / "override.toml").read_bytes()
+    argv = ["pin", setting, "--for", "1d", "--reason", "try it", *(["--now"] if now else [])]
+    # One refusal from a real process: its exit status and stderr as the on-call's shell
+    # gets them (the rest in-process, through the same entry point).
+    process = (server, setting, now) == ("static-only unit", "off", True)
+    done = override_cmd(cfg, path_env, *argv, process=process)
     if refused is None:
         assert done.returncode == 0, done.stderr
         assert (tmp_path / "override.toml").read_bytes() != before
@@ -292,17 +315,17 @@ def wait_healthy(url: str) -> None:
     ],
 )
 def test_show_says_whether_the_server_can_run_the_pin_as_the_daemon_judges_it(
-    tmp_path: Path, server: str, pinned: str, says: str
+    tmp_path: Path, servers: Servers, server: str, pinned: str, says: str
 ) -> None:
     """A hand-written pin of off on a step-variable drop-in: show said "specd runs no
     speculation ... once it has checked", while specd held it `unsupported`."""
-    with serving(tmp_path, server) as (cfg, path_env):
-        override = tmp_path / "override.toml"
-        override.write_text(
-            f'mode = "pin"\n{pinned}\nexpires_at = 2099-01-01T00:00:00Z\nreason = "r"\n'
-        )
-        override.chmod(0o644)
-        done = override_cmd(cfg, path_env, "show")
+    cfg, path_env = serving(tmp_path, servers, server)
+    override = tmp_path / "override.toml"
+    override.write_text(
+        f'mode = "pin"\n{pinned}\nexpires_at = 2099-01-01T00:00:00Z\nreason = "r"\n'
+    )
+    override.chmod(0o644)
+    done = override_cmd(cfg, path_env, "show")
     assert done.returncode == 0, done.stderr
     assert says in done.stdout
     assert "once it has checked" not in done.stdout

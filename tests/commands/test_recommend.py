@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 from factories import make_observation, serve
+from in_process import specd_main
 
 from specd.core.history import History, HistorySettings
 from specd.core.setting import adaptive, adaptive_config_name, adaptive_config_text
@@ -68,18 +69,17 @@ def write_config(tmp: Path, window: tuple[str, int], choose: str = "") -> Path:
 
 
 def run_recommend(url: str, cfg: Path, systemctl_dir: Path | None = None, code: int = 0) -> dict:
-    """``systemctl_dir``: a stand-in systemctl found first on PATH; ``code``: the exit
-    status expected."""
+    """`specd recommend --json` in-process (tests/commands/in_process.py); ``systemctl_dir``:
+    a stand-in systemctl found first on PATH; ``code``: the exit status expected."""
     env = dict(os.environ)
     if systemctl_dir is not None:
         env["PATH"] = f"{systemctl_dir}:{env['PATH']}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "recommend", "--url", url, "--config", str(cfg),
-         "--samples", "2", "--interval-s", "0.1", "--json"],
-        capture_output=True, text=True, timeout=60, check=False, env=env,
+    done = specd_main(
+        "recommend", "--url", url, "--config", str(cfg), "--samples", "2", "--interval-s", "0.1",
+        "--json", env=env,
     )  # fmt: skip
-    assert proc.returncode == code, proc.stderr
-    return json.loads(proc.stdout)
+    assert done.returncode == code, done.stderr
+    return json.loads(done.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -237,11 +237,11 @@ def test_recommend_names_the_adaptive_set_sglang_runs_and_the_one_it_would_run(
     with TwinProcess(argv) as adaptive_twin:
         adaptive_twin.wait_healthy(20)
         out = run_recommend(adaptive_twin.url, cfg)
-        text = subprocess.run(
-            [sys.executable, "-m", "specd.cli", "recommend", "--url", adaptive_twin.url,
-             "--config", str(cfg), "--samples", "1"],
-            capture_output=True, text=True, timeout=60, check=True,
-        ).stdout  # fmt: skip
+        shown = specd_main(
+            "recommend", "--url", adaptive_twin.url, "--config", str(cfg), "--samples", "1"
+        )
+        assert shown.returncode == 0, shown.stderr
+        text = shown.stdout
     assert (out["current_steps"], out["current_setting"]) == (None, "adaptive:3,4")
     assert out["decision"]["target_setting"] == "adaptive:3,4"
     assert f"SGLang         {adaptive_twin.url}: adaptive:3,4" in text, text

@@ -13,9 +13,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import make_observation, version_twin
+from factories import make_observation
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from version_twins import VersionTwins
 
 from specd.commands.status import collect, daemon, render, server_info
 from specd.core.acceptance import accept_length_from_alpha
@@ -62,19 +63,20 @@ def config_file(tmp_path: Path, url: str, kinds: str) -> Path:
     ],
 )
 def test_status_names_the_choices_on_the_running_server(
-    tmp_path: Path, version: str, lines: list[str]
+    tmp_path: Path, version_twins: VersionTwins, version: str, lines: list[str]
 ) -> None:
-    with version_twin(version) as twin:
-        twin.wait_healthy(20)
-        config = load_config(config_file(tmp_path, twin.url, '["off", "static", "adaptive"]'))
-        info = collect(config, NOW, server_info(config))
+    twin = version_twins(version)
+    config = load_config(config_file(tmp_path, twin.url, '["off", "static", "adaptive"]'))
+    info = collect(config, NOW, server_info(config))
     text = render(info, NOW)
     assert "\n".join(lines) in text, text
     assert info["choices"]["kinds"]["static"] is None
     assert info["choices"]["server_problem"] is None
 
 
-def test_status_names_what_the_calibration_and_the_unit_leave_out(tmp_path: Path) -> None:
+def test_status_names_what_the_calibration_and_the_unit_leave_out(
+    tmp_path: Path, version_twins: VersionTwins
+) -> None:
     calibration = tmp_path / "cal.csv"
     calibration.write_text(
         "steps,concurrency,output_tok_s,setting\n"
@@ -82,14 +84,13 @@ def test_status_names_what_the_calibration_and_the_unit_leave_out(tmp_path: Path
         # adaptive:3,4 swept at one request: 90 tok/s where its best candidate's row says 104.
         + '4,1,90,"adaptive:3,4"\n'
     )
-    with version_twin("0.5.23") as twin:
-        twin.wait_healthy(20)
-        path = config_file(tmp_path, twin.url, '["off", "static", "adaptive"]')
-        path.write_text(path.read_text() + f'calibration_file = "{calibration}"\n')
-        config = load_config(path)
-        info = collect(config, NOW, server_info(config))
-        wired = "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}"
-        static_only = collect(config, NOW, server_info(config), wired)
+    twin = version_twins("0.5.23")
+    path = config_file(tmp_path, twin.url, '["off", "static", "adaptive"]')
+    path.write_text(path.read_text() + f'calibration_file = "{calibration}"\n')
+    config = load_config(path)
+    info = collect(config, NOW, server_info(config))
+    wired = "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}"
+    static_only = collect(config, NOW, server_info(config), wired)
     text = render(info, NOW)
     assert "choices        off: not offered: the calibration has no steps-0 row\n" in text
     assert "adaptive: offered (adaptive:1,3 adaptive:2,4 adaptive:3,4 adaptive:1,2,3)" in text
