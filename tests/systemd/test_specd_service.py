@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import pytest
@@ -29,6 +29,10 @@ from nspawn import (
     ContainerError,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+from specd.core.override import Override
+from specd.core.setting import parse as parse_setting
+from specd.io.override import render_override, write_override
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 T = TypeVar("T")
@@ -206,21 +210,37 @@ def sglang_starts(sd: Container, after: int) -> int:
     )
 
 
+def write_override_file(sd: Container, override: Override) -> None:
+    """/etc/specd/override.toml as `specd override` writes it (same renderer and atomic,
+    0644 write), from the test process: these tests are about what the daemon does with
+    the file, and a `specd override` process inside costs half a CPU-second per call
+    (tests/commands cover the command; test_install_systemd runs it inside)."""
+    text = render_override(override, "written by the systemd tests")
+    write_override(sd.config_dir / "override.toml", text)  # OVERRIDE_PATH inside
+
+
 def pin_now(sd: Container, steps: int | str) -> None:
-    """Pin a setting in specd's text form (3, "off", "adaptive:3,4") with apply = "now"."""
-    sd.sh(
-        str(VENV_SPECD),
-        "override",
-        "pin",
-        str(steps),
-        "--for",
-        "1h",
-        "--reason",
-        "systemd test",
-        "--now",
-        "--file",
-        OVERRIDE_PATH,
+    """Pin a setting in specd's text form (3, "off", "adaptive:3,4") with apply = "now",
+    for an hour (`specd override pin SETTING --for 1h --now`)."""
+    setting = parse_setting(str(steps))
+    static = setting.kind == "static"
+    expires = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=1)
+    write_override_file(
+        sd,
+        Override(
+            "pin",
+            setting.steps if static else None,
+            expires,
+            "systemd test",
+            "now",
+            None if static else setting,
+        ),
     )
+
+
+def clear_override(sd: Container) -> None:
+    """Back to automatic (`specd override clear`)."""
+    write_override_file(sd, Override("auto", None, None, "override cleared", "next-window"))
 
 
 @contextmanager
