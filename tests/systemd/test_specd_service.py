@@ -243,6 +243,31 @@ def clear_override(sd: Container) -> None:
     write_override_file(sd, Override("auto", None, None, "override cleared", "next-window"))
 
 
+HOLD_DROPIN = f"{SGLANG_UNIT}.d/65-hold.conf"
+HOLD_FLAG = "/run/specd-test-hold"
+
+
+def hold_next_start(sd: Container) -> None:
+    """SGLang's next start (specd's restart) stays loading until ``release``: systemd stops
+    (SIGSTOP) the twin as soon as it has forked it, before its port opens, so specd sees a
+    server that loads for exactly as long as the test needs. (A long fixed --load-time-s had
+    to outlast the slowest machine's timings, and every run waited out that margin.) Only
+    the next start: the flag goes with it, and release needs no daemon-reload, which would
+    also drop the stop timeout specd extended (systemd 252 forgets EXTEND_TIMEOUT_USEC=)."""
+    sd.write_unit(
+        HOLD_DROPIN,
+        "[Service]\nExecStartPost=/bin/sh -c "
+        f"'test ! -e {HOLD_FLAG} || {{ rm {HOLD_FLAG}; kill -STOP $$MAINPID; }}'\n",
+    )
+    sd.daemon_reload()
+    sd.sh("touch", HOLD_FLAG)
+
+
+def release(sd: Container, pid: int) -> None:
+    """The held twin ``pid`` goes on loading (its own short load), then serves."""
+    sd.sh("kill", "-CONT", str(pid))
+
+
 @contextmanager
 def load(sd: Container, concurrency: int, duration_s: float) -> Iterator[None]:
     """Closed-loop load from inside the container, as a transient unit."""
