@@ -14,7 +14,16 @@ from datetime import datetime, timezone
 import pytest
 import tomli_w
 from factories import tables
-from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, TWIN_URL, VENV_SPECD, Container, exec_line
+from nspawn import (
+    REPO,
+    SGLANG_UNIT,
+    SPECD_UNIT,
+    TWIN_URL,
+    TWIN_WARMUP_S,
+    VENV_SPECD,
+    Container,
+    exec_line,
+)
 
 from specd.io.files import parse_toml
 
@@ -50,6 +59,8 @@ def deployment_unit() -> str:
             "30000",
             "--tp-size",
             "4",
+            "--warmup-s",
+            f"{TWIN_WARMUP_S:g}",
             "--enable-metrics",
             "--speculative-algorithm",
             "NEXTN",
