@@ -19,6 +19,7 @@ See /work/shared/testing.md for the recipe this follows.
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import ctypes
 import http.client
@@ -132,6 +133,9 @@ class Container:
     def boot(self, timeout_s: float = BOOT_TIMEOUT_S) -> None:
         for directory in (self.units_dir, self.state_dir, self.config_dir):
             directory.mkdir(parents=True, exist_ok=True)
+        # The repo is read-only inside: every `specd` process there compiled the modules
+        # the test process never imported (install, commands, twin, daemon) again, each run.
+        compileall.compile_dir(REPO / "specd", quiet=1)
         # An empty /etc makes systemd-firstboot prompt on the console and the system
         # report "degraded"; the tests need neither.
         firstboot = self.units_dir / "systemd-firstboot.service"
