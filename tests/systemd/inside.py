@@ -1,19 +1,11 @@
-"""HTTP probes run INSIDE the nspawn container (it has only `lo`, so the host cannot reach
-the twin). Standard library only: it starts in a fraction of the time httpx would, and it
-runs once per probe.
+"""A probe run INSIDE the nspawn container as specd.service (with its real hardening):
 
-    python inside.py get URL [--timeout S]
-    python inside.py wait URL [--status 200] [--timeout S]
     python inside.py probe URL --report FILE [--restart UNIT ...] [--import MODULE ...]
 
-`get` and `wait` print one JSON object: {"status": int | null, "body": str,
-"error": str | null, "elapsed_s": float}. `wait` polls until URL answers with --status and
-exits 1 if it never does within --timeout.
-
-`probe` runs as specd.service (with its real hardening) and checks, without a shell, what
-the daemon will need to do, writing the findings as JSON to --report: GET URL over
-loopback, listen on 127.0.0.1, `systemctl --no-ask-password restart UNIT` for each UNIT,
-import each MODULE, and which paths are writable.
+It checks, without a shell, what the daemon will need to do, writing the findings as JSON
+to --report: GET URL over loopback, listen on 127.0.0.1, `systemctl --no-ask-password
+restart UNIT` for each UNIT, import each MODULE, and which paths are writable. Standard
+library only (the probe itself must not depend on what it checks).
 """
 
 from __future__ import annotations
@@ -25,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -93,32 +84,13 @@ def probe(url: str, units: list[str], report: str, modules: list[str]) -> dict[s
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="inside.py")
-    parser.add_argument("command", choices=["get", "wait", "probe"])
+    parser.add_argument("command", choices=["probe"])
     parser.add_argument("url")
-    parser.add_argument("--status", type=int, default=200)
-    parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--report", default="/var/lib/specd/probe.json")
     parser.add_argument("--restart", action="append", default=[])
     parser.add_argument("--import", dest="modules", action="append", default=[])
     args = parser.parse_args(argv)
-    if args.command == "probe":
-        print(json.dumps(probe(args.url, args.restart, args.report, args.modules)))
-        return 0
-    start = time.monotonic()
-    deadline = start + args.timeout
-    while True:
-        remaining = max(0.1, deadline - time.monotonic())
-        result = fetch(args.url, timeout_s=min(remaining, 5.0))
-        if args.command == "get" or result["status"] == args.status:
-            break
-        if time.monotonic() >= deadline:
-            result["error"] = result["error"] or f"status {result['status']}, wanted {args.status}"
-            break
-        time.sleep(0.1)
-    result["elapsed_s"] = round(time.monotonic() - start, 3)
-    print(json.dumps(result))
-    if args.command == "wait" and result["status"] != args.status:
-        return 1
+    print(json.dumps(probe(args.url, args.restart, args.report, args.modules)))
     return 0
 
 

@@ -129,7 +129,6 @@ def test_rolling_pin_under_real_systemd_one_at_a_time_with_zero_errors(sd: Conta
     for name in NAMES:
         (sd.state_dir / name / "state").mkdir(parents=True)
         sd.install_twin_sglang(
-            load_time_s=1.0,
             unit=sglang_unit(name),
             port=port(name),
             env_file=f"/var/lib/specd/{name}/sglang.env",

@@ -10,9 +10,17 @@ import time
 
 import pytest
 import tomli_w
-from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_PYTHON, VENV_SPECD, Container, static_args
+from nspawn import (
+    SGLANG_UNIT,
+    SPECD_UNIT,
+    TWIN_WARMUP_S,
+    VENV_PYTHON,
+    VENV_SPECD,
+    Container,
+    static_args,
+)
 from test_doctor_systemd import verdicts
-from test_install_repairs import no_window, start_sglang
+from test_install_repairs import no_window, start_sglang, uninstall_left
 from test_install_systemd import QUIET_AFTER_INSTALL_S, deployment_unit, live_steps
 
 from specd.io.apply import Journal
@@ -110,7 +118,7 @@ def test_an_operators_settings_in_the_dropin_are_refused_not_dropped(sd: Contain
         assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in environment(sd)
         assert live_steps(sd) == 3
     finally:
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
     # Uninstall gives back the file as it was before the first install.
     assert path.read_bytes() == hand_written
 
@@ -138,7 +146,7 @@ def test_a_fresh_install_moves_aside_an_env_file_the_unit_does_not_read(sd: Cont
         sd.wait_http("/health")
         assert live_steps(sd) == 3  # today's, as install said
     finally:
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
 
 
 def test_the_dropin_reads_the_env_file_the_config_names(sd: Container) -> None:
@@ -172,7 +180,7 @@ def test_the_dropin_reads_the_env_file_the_config_names(sd: Container) -> None:
         assert f"`specd install --unit {SGLANG_UNIT}`" in found["drop-in"]["advice"]
         (sd.config_dir / "specd.toml").write_text(text)
     finally:
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
 
 
 OTHER_SGLANG = "other-sglang.service"
@@ -188,7 +196,7 @@ def test_an_url_that_is_not_the_units_server_is_refused(sd: Container) -> None:
         "systemd-run", f"--unit={OTHER_SGLANG}", "--quiet", SPECD, "twin", "--port", "31000",
         "--enable-metrics", "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
-        "--load-time-s", "0.5",
+        "--load-time-s", "0.5", "--warmup-s", f"{TWIN_WARMUP_S:g}",
     )  # fmt: skip
     try:
         sd.wait_http("/health", base="http://127.0.0.1:31000")
@@ -236,7 +244,7 @@ def test_an_url_that_is_not_the_units_server_is_refused(sd: Container) -> None:
         assert "set [sglang] url to the URL" in found["sglang"]["advice"]
     finally:
         sd.systemctl("stop", OTHER_SGLANG, check=False)
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
 
 
 def test_a_fresh_install_acts_on_no_restart_journal_left_by_an_earlier_one(sd: Container) -> None:
@@ -277,7 +285,7 @@ def test_a_fresh_install_acts_on_no_restart_journal_left_by_an_earlier_one(sd: C
             time.sleep(0.5)
         assert live_steps(sd) == 3
     finally:
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
 
 
 def test_doctor_fails_a_specd_that_does_not_start_at_boot(sd: Container) -> None:
@@ -297,7 +305,7 @@ def test_doctor_fails_a_specd_that_does_not_start_at_boot(sd: Container) -> None
         ), found["service"]
         assert found["service"]["advice"] == f"`systemctl enable {SPECD_UNIT}`"
     finally:
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
 
 
 def test_an_uninstall_that_cannot_disable_specd_stops_it_first(sd: Container) -> None:
@@ -326,7 +334,7 @@ def test_an_uninstall_that_cannot_disable_specd_stops_it_first(sd: Container) ->
     finally:
         if read_only:
             sd.sh("mount", "-o", "remount,rw,bind", "/etc/systemd/system", check=False)
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)
 
 
 def test_uninstall_after_specd_failed_leaves_no_failed_unit(sd: Container) -> None:
@@ -356,4 +364,4 @@ def test_uninstall_after_specd_failed_leaves_no_failed_unit(sd: Container) -> No
         assert sd.sh("systemctl", "is-system-running", check=False).stdout.strip() == "running"
     finally:
         sd.systemctl("stop", blocker, check=False)
-        sd.sh(SPECD, "uninstall", check=False, timeout=90)
+        uninstall_left(sd)

@@ -4,6 +4,8 @@ reason: the container's boot state, and ExecStart= lines built from argv."""
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from nspawn import VENV_PYTHON, Container, exec_line
@@ -54,3 +56,35 @@ def test_container_runs_only_what_tests_start(container: Container) -> None:
     assert not {"prometheus.service", "systemd-networkd.service"} & set(running)
     # The repo's sysusers.d entry is in force.
     assert container.sh("id", "-un", "specd").stdout.strip() == "specd"
+
+
+class _HostAnswer(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"host"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_http_probes_reach_the_containers_loopback_not_the_hosts(sd: Container) -> None:
+    """http_get connects from the test process: on a port the host's loopback serves too
+    (colleagues run twins on 30000 here), only the container's server may answer."""
+    host = ThreadingHTTPServer(("127.0.0.1", 0), _HostAnswer)
+    port = host.server_address[1]
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        (sd.state_dir / "where").write_text("container")
+        argv = [str(VENV_PYTHON), "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                "--directory", "/var/lib/specd"]  # fmt: skip
+        sd.write_unit("answer.service", f"[Service]\nExecStart={exec_line(argv)}\n")
+        sd.daemon_reload()
+        sd.systemctl("start", "answer.service")
+        answer = sd.wait_http("/where", base=f"http://127.0.0.1:{port}")
+        assert answer["body"] == "container", answer
+    finally:
+        host.shutdown()
+        host.server_close()

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import pytest
@@ -29,6 +29,10 @@ from nspawn import (
     ContainerError,
 )
 from prometheus_client.parser import text_string_to_metric_families
+
+from specd.core.override import Override
+from specd.core.setting import parse as parse_setting
+from specd.io.override import render_override, write_override
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 T = TypeVar("T")
@@ -206,21 +210,62 @@ def sglang_starts(sd: Container, after: int) -> int:
     )
 
 
+def write_override_file(sd: Container, override: Override) -> None:
+    """/etc/specd/override.toml as `specd override` writes it (same renderer and atomic,
+    0644 write), from the test process: these tests are about what the daemon does with
+    the file, and a `specd override` process inside costs half a CPU-second per call
+    (tests/commands cover the command; test_install_systemd runs it inside)."""
+    text = render_override(override, "written by the systemd tests")
+    write_override(sd.config_dir / "override.toml", text)  # OVERRIDE_PATH inside
+
+
 def pin_now(sd: Container, steps: int | str) -> None:
-    """Pin a setting in specd's text form (3, "off", "adaptive:3,4") with apply = "now"."""
-    sd.sh(
-        str(VENV_SPECD),
-        "override",
-        "pin",
-        str(steps),
-        "--for",
-        "1h",
-        "--reason",
-        "systemd test",
-        "--now",
-        "--file",
-        OVERRIDE_PATH,
+    """Pin a setting in specd's text form (3, "off", "adaptive:3,4") with apply = "now",
+    for an hour (`specd override pin SETTING --for 1h --now`)."""
+    setting = parse_setting(str(steps))
+    static = setting.kind == "static"
+    expires = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(hours=1)
+    write_override_file(
+        sd,
+        Override(
+            "pin",
+            setting.steps if static else None,
+            expires,
+            "systemd test",
+            "now",
+            None if static else setting,
+        ),
     )
+
+
+def clear_override(sd: Container) -> None:
+    """Back to automatic (`specd override clear`)."""
+    write_override_file(sd, Override("auto", None, None, "override cleared", "next-window"))
+
+
+HOLD_DROPIN = f"{SGLANG_UNIT}.d/65-hold.conf"
+HOLD_FLAG = "/run/specd-test-hold"
+
+
+def hold_next_start(sd: Container) -> None:
+    """SGLang's next start (specd's restart) stays loading until ``release``: systemd stops
+    (SIGSTOP) the twin as soon as it has forked it, before its port opens, so specd sees a
+    server that loads for exactly as long as the test needs. (A long fixed --load-time-s had
+    to outlast the slowest machine's timings, and every run waited out that margin.) Only
+    the next start: the flag goes with it, and release needs no daemon-reload, which would
+    also drop the stop timeout specd extended (systemd 252 forgets EXTEND_TIMEOUT_USEC=)."""
+    sd.write_unit(
+        HOLD_DROPIN,
+        "[Service]\nExecStartPost=/bin/sh -c "
+        f"'test ! -e {HOLD_FLAG} || {{ rm {HOLD_FLAG}; kill -STOP $$MAINPID; }}'\n",
+    )
+    sd.daemon_reload()
+    sd.sh("touch", HOLD_FLAG)
+
+
+def release(sd: Container, pid: int) -> None:
+    """The held twin ``pid`` goes on loading (its own short load), then serves."""
+    sd.sh("kill", "-CONT", str(pid))
 
 
 @contextmanager
@@ -313,29 +358,35 @@ def test_ready_status_and_journald_priorities(sd: Container) -> None:
 # -- 2. heavy load → steps 3 inside the window, not before --------------------------------
 
 
+# The load's own bound: the test ends it 3 s into the window.
+LOAD_MAX_S = 120.0
+# From the reload that moves the window to its opening: the reload is seen, and SGLang is
+# watched for seconds before the window opens.
+WINDOW_LEAD_S = 6.0
+
+
 def test_heavy_load_restarts_to_three_inside_window_not_before(sd: Container) -> None:
     since = journal_mark(sd)
     sglang_pid = start_twin(sd, steps=4)
-    now = container_now(sd)
-    # The lead covers specd's start (7.6 s on a loaded 2-core machine, which left 0.4 s to
-    # see the window closed with a 12 s lead) and still leaves seconds of "before".
-    opens_at = float(int(now + 25))
     # SGLang drains running requests on SIGTERM with no deadline while taking new ones, so
     # a restart under closed-loop load would last the unit's whole TimeoutStopSec. The load
     # ends 3 s into the window; specd waits for that quiet moment (as designed) to restart.
-    config = config_toml(opens_at, duration_s=120, quiet_concurrency_max=2, quiet_deadline_s=30)
-    with load(sd, concurrency=20, duration_s=opens_at + 3 - now):
-        start_specd(sd, config)
+    quiet = {"quiet_concurrency_max": 2, "quiet_deadline_s": 30}
+    config_file = sd.config_dir / "specd.toml"
+    with load(sd, concurrency=20, duration_s=LOAD_MAX_S):
+        # The window first opens in 12 hours: specd's start and its first decisions (7.6 s on
+        # a loaded 2-core machine) happen well before it, however long they take. It is
+        # moved to open seconds from now once specd has decided, by a reload.
+        start_specd(sd, config_toml(container_now(sd) + 12 * 3600, duration_s=120, **quiet))
 
         # Before the window: specd wants 3 and says the window is closed.
         text = wait_or_dump(
             sd,
             lambda: "window_closed" in (t := status_text(sd)) and t,
-            timeout=opens_at - container_now(sd) - 1,
+            timeout=30,
             what="a window_closed decision before the window opens",
         )
         assert "target 3" in text, text
-        assert container_now(sd) < opens_at
         metrics = samples(sd, SPECD_URL)
         assert metrics["specd_decisions_total{reason=window_closed}"] >= 1
         assert metrics["specd_window_open"] == 0
@@ -345,20 +396,29 @@ def test_heavy_load_restarts_to_three_inside_window_not_before(sd: Container) ->
         assert (held[0]["target_steps"], held[0]["current_steps"]) == (3, 4), held[0]
         assert sd.main_pid(SGLANG_UNIT) == sglang_pid
         assert env_steps(sd) == 4
-        # Keep watching SGLang up to just before the opening: nothing may touch it.
-        while container_now(sd) < opens_at - 1:
-            assert sd.main_pid(SGLANG_UNIT) == sglang_pid
-            time.sleep(0.5)
 
-        new_pid = wait_or_dump(
-            sd,
-            lambda: (p := sd.main_pid(SGLANG_UNIT)) not in (0, sglang_pid) and p,
-            timeout=25,
-            what="sglang.service restarted inside the window",
-        )
-        restarts = wait_or_dump(
-            sd, lambda: state(sd)["restarts"], timeout=20, what="the restart recorded in state.json"
-        )
+        opens_at = float(int(container_now(sd) + WINDOW_LEAD_S))
+        config_file.write_text(config_toml(opens_at, duration_s=120, **quiet))
+        sd.systemctl("reload", SPECD_UNIT)
+        reloaded = wait_or_dump(sd, lambda: events_named(sd, since, "reloaded"), timeout=10)
+        assert "windows" in reloaded[0][1]["changed"], reloaded
+        assert container_now(sd) < opens_at
+        # Up to just before the opening: nothing may touch SGLang.
+        while container_now(sd) < opens_at - 0.5:
+            assert sd.main_pid(SGLANG_UNIT) == sglang_pid
+            time.sleep(0.25)
+        assert status_text(sd).startswith("steps 4"), status_text(sd)
+        time.sleep(max(0.0, opens_at + 3 - container_now(sd)))
+    # The load is over, 3 s into the window.
+    new_pid = wait_or_dump(
+        sd,
+        lambda: (p := sd.main_pid(SGLANG_UNIT)) not in (0, sglang_pid) and p,
+        timeout=25,
+        what="sglang.service restarted inside the window",
+    )
+    restarts = wait_or_dump(
+        sd, lambda: state(sd)["restarts"], timeout=20, what="the restart recorded in state.json"
+    )
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
     begun = events_named(sd, since, "restart_begin")
     assert len(begun) == 1, begun
@@ -440,9 +500,10 @@ def test_pin_now_applies_at_once_with_window_closed(sd: Container) -> None:
 
 def test_sigkill_mid_restart_then_start_is_consistent(sd: Container) -> None:
     since = journal_mark(sd)
-    load_s = 4.0
-    old_pid = start_twin(sd, steps=4, load_time_s=load_s)
+    old_pid = start_twin(sd, steps=4)
     specd_pid = start_specd(sd, closed_window_config(sd), overrides=("Restart=no",))
+    # The restarted twin loads until specd has been killed and started again.
+    hold_next_start(sd)
     pin_now(sd, 3)
 
     def restarting() -> int:
@@ -460,6 +521,8 @@ def test_sigkill_mid_restart_then_start_is_consistent(sd: Container) -> None:
 
     sd.systemctl("start", SPECD_UNIT, timeout=60)
     assert sd.active_state(SPECD_UNIT) == "active"
+    assert state(sd)["journal"]["phase"] == "restart_issued"
+    release(sd, loading_pid)
     restarts = wait_or_dump(sd, lambda: state(sd)["restarts"], timeout=20, what="the outcome")
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
     assert state(sd)["journal"] is None

@@ -17,8 +17,8 @@ from nspawn import (
 )
 from test_specd_service import (
     CONFIG_PATH,
-    OVERRIDE_PATH,
     SPECD_URL,
+    clear_override,
     closed_window_config,
     pin_now,
     samples,
@@ -97,7 +97,7 @@ def test_static_to_adaptive_to_off_and_back_each_verified_or_rolled_back(sd: Con
         if result != "success":
             assert state(sd)["frozen"] is not None
             # The pin would be tried again once unfrozen: back to auto (the window is closed).
-            sd.sh(str(VENV_SPECD), "override", "clear", "--file", OVERRIDE_PATH)
+            clear_override(sd)
             sd.sh(str(VENV_SPECD), "unfreeze", "--config", CONFIG_PATH, "--reason", "test")
             wait_or_dump(sd, lambda: state(sd).get("frozen") is None, what="unfrozen")
         return done

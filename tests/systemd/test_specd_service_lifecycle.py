@@ -1,6 +1,7 @@
 """specd.service's own start and stop while a restart of SGLang is in flight, under a real
 systemd with short TimeoutStartSec=/TimeoutStopSec=/WatchdogSec= and a twin that loads for
-longer than each (a 100B model loads for minutes; startup_timeout_s is 10 min by default).
+longer than each (a 100B model loads for minutes; startup_timeout_s is 10 min by default):
+its load is held (hold_next_start) until the test has seen specd outlast them.
 
 systemd runs no watchdog while a unit starts or stops, only those timeouts: specd used to
 replay an interrupted restart before READY=1 (killed by the start timeout mid-replay, and
@@ -20,9 +21,11 @@ from test_specd_service import (
     closed_window_config,
     env_steps,
     events_named,
+    hold_next_start,
     journal_entries,
     journal_mark,
     pin_now,
+    release,
     sglang_starts,
     specd_events,
     start_specd,
@@ -35,18 +38,19 @@ from test_specd_service import (
 
 pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
-# systemd's timeouts, short; the twin's next start takes longer than any of them.
+# systemd's timeouts, short; the twin's next start is held longer than any of them.
 WATCHDOG_S = 4.0
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 3.0
-SLOW_LOAD_S = 25.0
-# Far longer than the slow load: nothing below waits it out.
+# Far longer than any held load: nothing below waits it out.
 STARTUP_TIMEOUT_S = 60.0
+# After the held twin is released: its own load, one health probe round, verification.
+OUTCOME_S = 20.0
 
 
-def slow_down_next_start(sd: Container, load_s: float = SLOW_LOAD_S) -> None:
-    """The running twin keeps serving; its next start (specd's restart) loads for load_s."""
-    sd.install_twin_sglang(load_time_s=load_s)
+def hold_past(started: float, seconds: float) -> None:
+    """Keep the held load going until ``seconds`` have passed since ``started``."""
+    time.sleep(max(0.0, started + seconds + 0.5 - time.monotonic()))
 
 
 def restart_in_flight(sd: Container, old_pid: int) -> int:
@@ -77,7 +81,7 @@ def test_a_replay_longer_than_the_start_timeout_runs_after_ready(sd: Container) 
     config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
     lines = (f"TimeoutStartSec={START_TIMEOUT_S:g}s", "Restart=no")
     specd_pid = start_specd(sd, config, watchdog_s=WATCHDOG_S, overrides=lines)
-    slow_down_next_start(sd)
+    hold_next_start(sd)
     pin_now(sd, 3)
     loading_pid = restart_in_flight(sd, old_pid)
     sd.sh("kill", "-KILL", str(specd_pid))
@@ -96,8 +100,11 @@ def test_a_replay_longer_than_the_start_timeout_runs_after_ready(sd: Container) 
     assert "/health_generate" in text, text
     assert "no decision until it ends" in text, text
 
+    hold_past(started, START_TIMEOUT_S + WATCHDOG_S)
+    assert (state(sd).get("journal") or {}).get("phase") == "restart_issued"
+    release(sd, loading_pid)
     restarts = wait_or_dump(
-        sd, lambda: state(sd)["restarts"], timeout=SLOW_LOAD_S + 15, what="the replay's outcome"
+        sd, lambda: state(sd)["restarts"], timeout=OUTCOME_S, what="the replay's outcome"
     )
     assert time.monotonic() - started > START_TIMEOUT_S + WATCHDOG_S  # it outlasted both
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
@@ -121,7 +128,7 @@ def test_a_pinned_restart_at_the_first_tick_runs_after_ready(sd: Container) -> N
     """A pin applied now, waiting when specd starts: the first tick restarts SGLang, and
     `systemctl start` returns before that restart's load, not at its end (or its timeout)."""
     old_pid = start_twin(sd, steps=4)
-    slow_down_next_start(sd)
+    hold_next_start(sd)
     config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
     lines = (f"TimeoutStartSec={START_TIMEOUT_S:g}s", "Restart=no")
     sd.install_specd(config_toml=config, watchdog_sec=WATCHDOG_S, service_overrides=lines)
@@ -131,7 +138,7 @@ def test_a_pinned_restart_at_the_first_tick_runs_after_ready(sd: Container) -> N
     started = time.monotonic()
     sd.systemctl("start", SPECD_UNIT, timeout=60)
     assert time.monotonic() - started < START_TIMEOUT_S
-    restart_in_flight(sd, old_pid)
+    loading_pid = restart_in_flight(sd, old_pid)
     wait_or_dump(
         sd,
         lambda: status_text(sd).startswith("restarting SGLang: 4 → 3: waiting for sglang"),
@@ -139,8 +146,12 @@ def test_a_pinned_restart_at_the_first_tick_runs_after_ready(sd: Container) -> N
         what="STATUS= saying what the restart waits for",
     )
 
+    # The load outlasts the start timeout and a watchdog period, as a model's does.
+    hold_past(started, START_TIMEOUT_S + WATCHDOG_S)
+    assert state(sd)["restarts"] == []
+    release(sd, loading_pid)
     restarts = wait_or_dump(
-        sd, lambda: state(sd)["restarts"], timeout=SLOW_LOAD_S + 15, what="the pinned restart"
+        sd, lambda: state(sd)["restarts"], timeout=OUTCOME_S, what="the pinned restart"
     )
     assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
     assert twin_live_steps(sd) == (3, 3.0)
@@ -158,7 +169,7 @@ def test_a_stop_waits_for_the_restart_in_flight_past_the_stop_timeout(sd: Contai
     config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
     lines = (f"TimeoutStopSec={STOP_TIMEOUT_S:g}s", "Restart=no")
     start_specd(sd, config, watchdog_s=WATCHDOG_S, overrides=lines)
-    slow_down_next_start(sd)
+    hold_next_start(sd)
     since = journal_mark(sd)
     pin_now(sd, 3)
     loading_pid = restart_in_flight(sd, old_pid)
@@ -174,13 +185,14 @@ def test_a_stop_waits_for_the_restart_in_flight_past_the_stop_timeout(sd: Contai
     assert "(4 → 3): waiting for sglang.service to restart" in text, text
     assert "killed now, specd's next start finishes it" in text, text
     # Past TimeoutStopSec= and a watchdog period, still finishing.
-    time.sleep(STOP_TIMEOUT_S + WATCHDOG_S)
+    hold_past(stopped, STOP_TIMEOUT_S + WATCHDOG_S)
     assert sd.active_state(SPECD_UNIT) == "deactivating"
 
+    release(sd, loading_pid)
     wait_or_dump(
         sd,
         lambda: sd.active_state(SPECD_UNIT) == "inactive",
-        timeout=SLOW_LOAD_S + 15,
+        timeout=OUTCOME_S,
         what="specd to stop once the restart ended",
     )
     assert time.monotonic() - stopped > STOP_TIMEOUT_S + WATCHDOG_S
