@@ -412,19 +412,34 @@ def test_read_env_steps_of_a_directory_is_none(tmp_path: Path) -> None:
 # -- settings and journal -----------------------------------------------------------------
 
 
-def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("health_poll", "expected_s"),
+    [
+        (None, 2.0),  # the default: a look every 2 s while SGLang loads (minutes, on a GPU)
+        # Configured: how often the daemon's restarts look at SGLang and at the gateway was
+        # the Applier's fixed 2 s, which no config reached (a twin loads in a blink).
+        (0.25, 0.25),
+    ],
+)
+def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(
+    tmp_path: Path, health_poll: float | None, expected_s: float
+) -> None:
+    restart: dict[str, Any] = {
+        "quiet_concurrency_max": 1,
+        "quiet_deadline_s": 0,
+        "startup_timeout_s": 300,
+        "health_probe_timeout_s": 25,
+        "restart_command_timeout_s": 60,
+    }
+    if health_poll is not None:
+        restart["health_poll_interval_s"] = health_poll
     config = Config.model_validate(
         {
             "sglang": {"unit": "sglang-122b.service", "env_file": str(tmp_path / "x.env")},
             "choose": {"min_steps": 2, "max_steps": 5},
             "observe": {"scrape_interval_s": 2},
-            "restart": {
-                "quiet_concurrency_max": 1,
-                "quiet_deadline_s": 0,
-                "startup_timeout_s": 300,
-                "health_probe_timeout_s": 25,
-                "restart_command_timeout_s": 60,
-            },
+            "restart": restart,
+            "gateway": {"urls": ["http://127.0.0.1:9"]},
         }
     )
     client = SGLangClient("http://127.0.0.1:9", timeout_s=1.0)
@@ -437,7 +452,11 @@ def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(tmp_path: 
         config.restart,
     )
     assert applier.quiet_poll_interval_s == 2
-    assert (applier.health_poll_interval_s, applier.verify_attempts) == (2.0, 3)
+    assert (applier.health_poll_interval_s, applier.verify_attempts) == (expected_s, 3)
+    # The re-add's and the ready wait's reads of the gateway keep the same pace.
+    assert applier.gateway is not None
+    assert applier.gateway._poll_s == expected_s
+    applier.gateway.close()
     client.close()
 
 
