@@ -11,11 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
-from factories import EtcdProcess, LoopbackHTTP
+from factories import EtcdProcess, LoopbackHTTP, module_etcd
 
 from specd.core.settings import FleetSettings
 from specd.io.fleet import (
@@ -29,6 +30,17 @@ from specd.io.fleet import (
 from specd.twin.process import free_port
 
 TTL_S = 5  # the shortest lease the settings allow
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    yield from module_etcd(tmp_path_factory)
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdProcess) -> EtcdProcess:
+    """The module's etcd, running, with no lease and no key."""
+    return etcd_server.reset()
 
 
 def fleet_settings(*endpoints: str, **fields: Any) -> FleetSettings:
@@ -203,8 +215,11 @@ def test_the_keeper_holds_a_slot_past_its_ttl_and_sigkill_frees_it(etcd: EtcdPro
     try:
         assert victim.stdout is not None
         assert victim.stdout.readline().strip() == "0"
+        granted_by = time.monotonic()  # the victim reports its slot after the grant
         other = make_fleet(etcd.url, "survivor")
-        time.sleep(TTL_S + 2)  # longer than one TTL: only the keeper's renewals keep it
+        # Longer than one TTL since the grant, and etcd's half-second sweep of expired
+        # leases: only the keeper's renewals keep it.
+        time.sleep(max(0.0, granted_by + TTL_S + 1 - time.monotonic()))
         [holder] = other.holders()
         assert holder.name == "victim"
         assert other.try_acquire() is None
