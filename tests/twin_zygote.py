@@ -1,17 +1,19 @@
-"""Twins forked from one interpreter that imported the twin once (a "zygote").
+"""Twins (and `specd run`) forked from one interpreter that imported them once (a "zygote").
 
 A twin started as ``python -m specd.cli twin`` spends ~0.3 s of CPU importing aiohttp and
-the twin before it listens; the apply, fault and fleet tests start hundreds of them (every
-restart of a twin "unit" is a start). Forked from a process that has done those imports, a
-start costs ~0.03 s. What the tests talk to is the same: a process of its own running
-``specd.cli.main(["twin", ...])``, on its own port, with its own log, signals and exit code
-(reported back by the zygote, which is the twins' parent and reaps them).
+the twin before it listens, a ``specd run`` ~0.45 s importing the daemon; the apply, fault
+and fleet tests start hundreds of twins (every restart of a twin "unit" is a start) and
+dozens of daemons. Forked from a process that has done those imports, a start costs
+~0.03 s. What the tests talk to is the same: a process of its own running
+``specd.cli.main([COMMAND, ...])``, with its own pid, port, log, environment, signals and
+exit code (reported back by the zygote, which is its parent and reaps it).
 
 Run as a script, this file is the zygote: it listens on a Unix socket for one JSON line per
-connection, ``{"argv": [...], "log": PATH, "session": bool, "cwd": DIR|null}``, forks, and
-answers ``{"pid": N}``, then ``{"exit": CODE}`` (Popen's returncode) when that twin ends,
-if the connection is still open. It exits, killing its twins, when its stdin closes (the
-test process that started it is gone).
+connection, ``{"argv": [...], "log": PATH, "session": bool, "cwd": DIR|null, "command":
+"twin"|"run", "env": {...}|null}``, forks, and answers ``{"pid": N}``, then ``{"exit":
+CODE}`` (Popen's returncode) when that process ends, if the connection is still open. It
+exits, killing its children, when its stdin closes (the test process that started it is
+gone).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class Zygote:
         self._proc: subprocess.Popen[bytes] | None = None
         self.socket_path = ""
 
-    def _ensure(self) -> str:
+    def ensure(self) -> str:
+        """The zygote's socket, the zygote started first if it is not running."""
         with self._lock:
             if self._proc is not None and self._proc.poll() is None:
                 return self.socket_path
@@ -120,13 +123,28 @@ class Zygote:
             return self.socket_path
 
     def spawn(
-        self, argv: Sequence[str], log: str, *, session: bool = False, cwd: str | None = None
+        self,
+        argv: Sequence[str],
+        log: str,
+        *,
+        session: bool = False,
+        cwd: str | None = None,
+        command: str = "twin",
+        env: Mapping[str, str] | None = None,
     ) -> ForkedProc:
-        """Fork ``specd twin ARGV`` with stdout and stderr appended to ``log``."""
-        path = self._ensure()
+        """Fork ``specd COMMAND ARGV`` (twin or run) with stdout and stderr appended to
+        ``log``, in ``env`` (None: the zygote's, which is this process's)."""
+        path = self.ensure()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(path)
-        request = {"argv": list(argv), "log": log, "session": session, "cwd": cwd}
+        request = {
+            "argv": list(argv),
+            "log": log,
+            "session": session,
+            "cwd": cwd,
+            "command": command,
+            "env": None if env is None else dict(env),
+        }
         conn.sendall(json.dumps(request).encode() + b"\n")
         answer = b""
         while not answer.endswith(b"\n"):
@@ -202,8 +220,9 @@ def _free_port() -> int:
 
 
 def _child(request: dict[str, Any], closing: list[Any]) -> None:
-    """In the forked child: become ``python -m specd.cli twin ARGV`` and never return."""
+    """In the forked child: become ``python -m specd.cli COMMAND ARGV``, never return."""
     code = 1
+    command = request.get("command") or "twin"
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -216,6 +235,9 @@ def _child(request: dict[str, Any], closing: list[Any]) -> None:
             os.setsid()
         if request.get("cwd"):
             os.chdir(request["cwd"])
+        if request.get("env") is not None:
+            os.environ.clear()
+            os.environ.update(request["env"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -228,9 +250,9 @@ def _child(request: dict[str, Any], closing: list[Any]) -> None:
         random.seed()  # not the zygote's sequence in every twin
         from specd import cli  # noqa: PLC0415
 
-        sys.argv = [CLI_PATH, "twin", *request["argv"]]
+        sys.argv = [CLI_PATH, command, *request["argv"]]
         try:
-            code = cli.main(["twin", *request["argv"]])
+            code = cli.main([command, *request["argv"]])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -245,11 +267,12 @@ def _child(request: dict[str, Any], closing: list[Any]) -> None:
 
 
 def serve(socket_path: str) -> None:
-    # What `specd twin` imports before it listens (and what it sets first: see twin/cli.py).
-    os.environ.setdefault("SSL_CERT_FILE", os.devnull)
+    # What `specd twin` imports before it listens. (The twin sets SSL_CERT_FILE first, to
+    # spare aiohttp's import the CA bundle: imported once here, that is paid once, and each
+    # twin still sets it; a forked `specd run` gets the environment it asks for.)
     import specd.cli  # noqa: PLC0415
     import specd.twin.cli  # noqa: PLC0415
-    import specd.twin.server  # noqa: F401, PLC0415
+    import specd.twin.server  # noqa: PLC0415
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
@@ -291,6 +314,9 @@ def serve(socket_path: str) -> None:
                         conn.close()
                         continue
                     request = json.loads(line.split(b"\n", 1)[0])
+                    if request.get("command") == "run":
+                        # The daemon's imports, once, before the first `specd run` forks.
+                        import specd.commands.run  # noqa: F401, PLC0415
                     closing = [listener, selector, wake_r, wake_w, *waiting, *children.values()]
                     pid = os.fork()
                     if pid == 0:
