@@ -385,14 +385,21 @@ class EtcdProcess(loopback.EtcdProcess):
         return self
 
 
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    """One real etcd for a test module (a module-scoped fixture yields from this; its
-    function-scoped ``etcd`` hands it out ``reset()``)."""
+@pytest.fixture(scope="module", name="etcd_server")
+def module_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    """One real etcd for a test module that imports this and ``module_etcd``."""
     server = EtcdProcess(tmp_path_factory.mktemp("etcd") / "etcd").start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(name="etcd")
+def module_etcd(etcd_server: EtcdProcess) -> EtcdProcess:
+    """The module's etcd (in place of conftest's one per test), running, with no lease and
+    no key: ``from factories import module_etcd, module_etcd_server`` in the module."""
+    return etcd_server.reset()
 
 
 class Killed(BaseException):

@@ -40,6 +40,7 @@ from factories import (
     StreamingLoad,
     make_observation,
     module_etcd,
+    module_etcd_server,
     mounted_tmpfs,
     tables,
 )
@@ -87,17 +88,8 @@ def quick_standin(
 
 # 2026-03-29 / 2026-10-25 are the EU DST change days; 02:30 Berlin is missing / doubled.
 BERLIN_0230 = Window(cron="30 2 * * mon-sun", duration_s=1800, timezone="Europe/Berlin")
-
-
-@pytest.fixture(scope="module")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    yield from module_etcd(tmp_path_factory)
-
-
-@pytest.fixture
-def etcd(etcd_server: EtcdProcess) -> EtcdProcess:
-    """The module's etcd, running, with no lease and no key."""
-    return etcd_server.reset()
+# One etcd for the module, reset between its tests (factories.module_etcd).
+etcd, etcd_server = module_etcd, module_etcd_server
 
 
 def ts(text: str) -> float:

@@ -11,12 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
-from factories import EtcdProcess, LoopbackHTTP, module_etcd
+from factories import EtcdProcess, LoopbackHTTP, module_etcd, module_etcd_server
 
 from specd.core.settings import FleetSettings
 from specd.io.fleet import (
@@ -30,17 +29,8 @@ from specd.io.fleet import (
 from specd.twin.process import free_port
 
 TTL_S = 5  # the shortest lease the settings allow
-
-
-@pytest.fixture(scope="module")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    yield from module_etcd(tmp_path_factory)
-
-
-@pytest.fixture
-def etcd(etcd_server: EtcdProcess) -> EtcdProcess:
-    """The module's etcd, running, with no lease and no key."""
-    return etcd_server.reset()
+# One etcd for the module, reset between its tests (factories.module_etcd).
+etcd, etcd_server = module_etcd, module_etcd_server
 
 
 def fleet_settings(*endpoints: str, **fields: Any) -> FleetSettings:
