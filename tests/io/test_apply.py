@@ -1844,15 +1844,20 @@ def test_stop_during_quiet_wait_aborts_with_nothing_changed(
 
 class StopsWhenQuiet(SGLangClient):
     """The SGLang reader; the stop (SIGTERM) arrives right after its ``nth`` read of a quiet
-    SGLang: the end of the quiet-moment wait (1st) or of the drain (IDLE_READS-th)."""
+    SGLang: the end of the quiet-moment wait (1st) or of the drain (IDLE_READS-th). Quiet is
+    what the applier takes for it: offered at most ``quiet_max`` (the quiet-moment wait's
+    [restart] quiet_concurrency_max; the drain's idle is 0). A read of 1 (the twin's gauge
+    still showing its warm-up request) ended the quiet-moment wait uncounted here, and the
+    restart went out with no stop (seen once in a full run)."""
 
-    def __init__(self, url: str, stop: threading.Event, nth: int) -> None:
+    def __init__(self, url: str, stop: threading.Event, nth: int, quiet_max: int = 0) -> None:
         super().__init__(url, timeout_s=3.0)
-        self.stop, self.nth, self.quiet = stop, nth, 0
+        self.stop, self.nth, self.quiet_max, self.quiet = stop, nth, quiet_max, 0
 
     def observe(self) -> Any:
         obs = super().observe()
-        if not isinstance(obs, Exception) and obs.offered == 0 and not self.stop.is_set():
+        quiet = not isinstance(obs, Exception) and obs.offered <= self.quiet_max
+        if quiet and not self.stop.is_set():
             self.quiet += 1
             if self.quiet == self.nth:
                 self.stop.set()
@@ -1899,7 +1904,8 @@ def test_a_stop_after_the_waits_ends_the_change_before_its_restart(
     elif gap == "freeze":
         rec = StopsAtPhase(tmp_path / "journal.json", frozen, "env_written")
     nth = {"quiet": 1, "idle": IDLE_READS}.get(gap, 0)
-    client = StopsWhenQuiet(unit.url, stop, nth)
+    quiet_max = settings_for(unit.env_file).restart.quiet_concurrency_max if gap == "quiet" else 0
+    client = StopsWhenQuiet(unit.url, stop, nth, quiet_max)
     with contextlib.ExitStack() as stack:
         overrides: dict[str, Any] = {}
         if gateway:
