@@ -27,6 +27,7 @@ from factories import (
     SMG_ADMIN_KEY,
     Killed,
     QueuedRemovalGateway,
+    QuickStopSmg,
     SmgGateway,
     StreamingLoad,
     mounted_tmpfs,
@@ -1408,7 +1409,7 @@ def fleet(
     not retry, so a restart of a worker still routed to would reach the clients."""
     unit = make_unit()
     other = second_worker
-    with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+    with QuickStopSmg([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
         yield unit, other, gateway
 
 
@@ -1526,7 +1527,7 @@ def test_a_worker_the_gateway_knows_by_another_url_is_not_restarted(
     it through the restart."""
     unit = make_unit()
     listed = unit.url.replace("127.0.0.1", "localhost")
-    with SmgGateway([listed, second_worker.url], admin_key=SMG_ADMIN_KEY) as gateway:
+    with QuickStopSmg([listed, second_worker.url], admin_key=SMG_ADMIN_KEY) as gateway:
         rec = Recorder(tmp_path / "journal.json")
         outcome = gateway_applier(unit, gateway, tmp_path, rec).apply(4, 3, window_open=always_open)
         client = GatewayClient([gateway.url], listed, api_key=SMG_ADMIN_KEY)
@@ -1590,7 +1591,7 @@ def test_failed_restart_rolls_back_and_readds(
 ) -> None:
     unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
     other = second_worker
-    with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+    with QuickStopSmg([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
         rec = Recorder(tmp_path / "journal.json")
         applier = gateway_applier(unit, gateway, tmp_path, rec, startup_timeout_s=3.0)
         with StreamingLoad(gateway.url, 4) as load:
@@ -1631,8 +1632,8 @@ def test_a_replica_away_at_the_readd_leaves_the_worker_out_of_that_one_only(
     unit = make_unit()
     workers = [unit.url, second_worker.url]
     with (
-        SmgGateway(workers, admin_key=SMG_ADMIN_KEY) as away,
-        SmgGateway(workers, admin_key=SMG_ADMIN_KEY) as there,
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as away,
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as there,
     ):
         rec = Recorder(tmp_path / "journal.json")
         applier = gateway_applier(
@@ -1910,7 +1911,7 @@ def test_a_stop_after_the_waits_ends_the_change_before_its_restart(
         overrides: dict[str, Any] = {}
         if gateway:
             smg = stack.enter_context(
-                SmgGateway([unit.url, second_worker.url], admin_key=SMG_ADMIN_KEY)
+                QuickStopSmg([unit.url, second_worker.url], admin_key=SMG_ADMIN_KEY)
             )
             key_file = tmp_path / "gateway.key"
             key_file.write_text(SMG_ADMIN_KEY + "\n")
