@@ -35,6 +35,7 @@ from factories import (
     Killed,
     LoopbackHTTP,
     NotifySocket,
+    QuickStopSmg,
     QuietHandler,
     SmgGateway,
     StreamingLoad,
@@ -425,7 +426,7 @@ def gateway_fleet(
         try:
             other.wait_healthy()
             listed = [unit.url.replace("127.0.0.1", unit_listed_as)] if unit_listed_as else []
-            gateway = SmgGateway([*listed, other.url], retries=False)
+            gateway = QuickStopSmg([*listed, other.url], retries=False)
             gateway.wait_ready()
             config = make_config(
                 tmp_path,
@@ -481,7 +482,7 @@ def test_gateway_stopped_means_no_restart_and_resumes_once_it_is_back(tmp_path: 
 
         # The gateway is back on the same address: the next tick drains and restarts.
         with (
-            SmgGateway(
+            QuickStopSmg(
                 [unit.url, *gateway.worker_urls[1:]], retries=False, port=gateway.port
             ) as back,
             StreamingLoad(back.url, 4, max_tokens=200) as load,
@@ -1167,7 +1168,9 @@ def config_text(tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> s
         "env_file": str(tmp_path / "sglang.env"),
         "override_file": str(tmp_path / "override.toml"),
         "metrics_port": metrics_port,
-        "scrape_interval_s": 0.5,
+        # A quarter second: a reload or a restart shows in the metrics at the next tick,
+        # which the tests wait for (a tick of an idle daemon is ~3 ms of CPU here).
+        "scrape_interval_s": 0.25,
         "health_probe_timeout_s": 25,
         "health_poll_interval_s": 0.2,  # as in make_config: the twin loads in a blink
         "startup_timeout_s": 30,
