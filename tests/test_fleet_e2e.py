@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway, StreamingLoad
+from factories import SMG_ADMIN_KEY, EtcdProcess, QuickStopSmg, SmgGateway, StreamingLoad
 from test_faults import (
     QUICK_HEALTH,
     UNIT,
@@ -192,7 +192,7 @@ def fleet(
             wait_for(lambda s=s: healthy(s.url), 20, f"twin {s.name}")
         for twin in plain:
             twin.wait_healthy()
-        gateway = SmgGateway(
+        gateway = QuickStopSmg(
             [s.url for s in servers] + [t.url for t in plain],
             admin_key=SMG_ADMIN_KEY,
             retries=False,
@@ -280,7 +280,10 @@ def test_a_load_triggered_change_rolls_through_three_servers_with_zero_errors(
                 done = all(s.standin.restarts == [START_STEPS, HEAVY_STEPS] for s in f.servers)
                 if done and not routed_out and not down:
                     break
-                time.sleep(0.05)
+                # Each server is down over a second (it loads for one) and routed out for
+                # smg's 5 s settle: looks 0.1 s apart see every one many times over, for
+                # half the probes (and CPU) of 0.05 s.
+                time.sleep(0.1)
             # A few more seconds of load on the new setting: still no error anywhere.
             load.wait_for(load.ok + 30)
         assert load.failures == []

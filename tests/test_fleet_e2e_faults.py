@@ -10,7 +10,7 @@ import pytest
 from factories import (
     SMG_ADMIN_KEY,
     EtcdProcess,
-    SmgGateway,
+    QuickStopSmg,
     StreamingLoad,
     module_etcd,
     module_etcd_server,
@@ -78,7 +78,7 @@ def test_no_restart_while_etcd_or_the_gateway_is_down_and_it_resumes_once_back(
                 if down == "etcd":
                     etcd.start()
                 else:
-                    gateway = SmgGateway(
+                    gateway = QuickStopSmg(
                         gateway.worker_urls,
                         admin_key=SMG_ADMIN_KEY,
                         retries=False,
