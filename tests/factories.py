@@ -20,12 +20,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 
 from specd.core.history import History
 from specd.core.observation import Observation
 from specd.core.perftable import PerfTable
 from specd.core.settings import TABLE_OF_KEY
+from specd.io.tls import verifying_context
 from specd.tools import loopback
 from specd.tools.loopback import SMG, SMG_ADMIN_KEY, SmgGateway, StreamingLoad  # noqa: F401 - re-exported
 from specd.twin.process import TwinProcess
@@ -249,6 +251,18 @@ class StaticSGLang:
         self.server.close()
 
 
+class QuickStopSmg(SmgGateway):
+    """``SmgGateway`` whose stop is a SIGKILL: at a test's stop of its gateway no client is
+    left to finish for (the load has ended, or the test takes the gateway away on purpose,
+    which a crash does as well), and smg's graceful stop took ~0.5 s of its 1 s grace."""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self._log.close()
+
+
 class QueuedRemovalGateway:
     """A real HTTP server on 127.0.0.1 with smg's admin API for one worker, whose removal,
     as smg's, is queued: DELETE answers 202 and the entry stays ``ready`` (routed) until the
@@ -365,6 +379,39 @@ class EtcdProcess(loopback.EtcdProcess):
 
     def __init__(self, data_dir: Path) -> None:
         super().__init__(data_dir, etcd_binary())
+
+    def reset(self) -> EtcdProcess:
+        """As fresh for the next test: running (a test may have stopped it), no lease, no
+        key. One etcd per module reset between its tests costs a few requests, where one
+        per test cost a start and a stop (~1 s) each."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        with httpx.Client(base_url=self.url, timeout=5, verify=verifying_context()) as http:
+            leases = http.post("/v3/lease/leases", json={}).raise_for_status().json()
+            for lease in leases.get("leases", []):
+                http.post("/v3/lease/revoke", json={"ID": lease["ID"]}).raise_for_status()
+            everything = {"key": "AA==", "range_end": "AA=="}  # "\0" to "\0": every key
+            http.post("/v3/kv/deleterange", json=everything).raise_for_status()
+            left = http.post("/v3/kv/range", json={**everything, "count_only": True})
+            assert int(left.raise_for_status().json().get("count", 0)) == 0
+        return self
+
+
+@pytest.fixture(scope="module", name="etcd_server")
+def module_etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    """One real etcd for a test module that imports this and ``module_etcd``."""
+    server = EtcdProcess(tmp_path_factory.mktemp("etcd") / "etcd").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(name="etcd")
+def module_etcd(etcd_server: EtcdProcess) -> EtcdProcess:
+    """The module's etcd (in place of conftest's one per test), running, with no lease and
+    no key: ``from factories import module_etcd, module_etcd_server`` in the module."""
+    return etcd_server.reset()
 
 
 class Killed(BaseException):

@@ -35,16 +35,20 @@ from factories import (
     Killed,
     LoopbackHTTP,
     NotifySocket,
+    QuickStopSmg,
     QuietHandler,
     SmgGateway,
     StreamingLoad,
     make_observation,
+    module_etcd,
+    module_etcd_server,
     mounted_tmpfs,
     tables,
 )
 from pages import page_server
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
+from twin_zygote import ZYGOTE, ForkedProc, ForkedTwin, ForkedUnit
 
 from specd.commands import status
 from specd.core.decide import Reason
@@ -58,7 +62,7 @@ from specd.io.notify import Notifier
 from specd.io.runner import Runner, RunResult
 from specd.io.state import STATE_FILE, State, StateStore
 from specd.io.tls import verifying_context
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import free_port
 from specd.twin.standin import (  # noqa: F401 - re-exported: other tests import them from here
     FAST_TWIN,
     STANDIN,
@@ -69,8 +73,24 @@ from specd.twin.standin import (  # noqa: F401 - re-exported: other tests import
 from specd.twin.unit import TwinUnitRunner
 
 REPO = Path(__file__).resolve().parent.parent
+# /health_generate answered in a tenth of a second rather than SGLang's one: each restart's
+# health probe waited that second, and no test here is about it (tests/twin/ are).
+QUICK_HEALTH = ("--health-first-look-s", "0.1")
+QUICK_TWIN = (*FAST_TWIN, *QUICK_HEALTH)
+
+
+def quick_standin(
+    tmp_path: Path, port: int, extra: Sequence[str] = QUICK_TWIN, **options: Any
+) -> StandIn:
+    """``make_standin`` whose twins the twin zygote forks (tests/twin_zygote.py): each
+    start of the unit a few hundredths of a second of CPU, not a new interpreter's ~0.3."""
+    return make_standin(tmp_path, port, extra, spawn=ZYGOTE.ensure(), **options)
+
+
 # 2026-03-29 / 2026-10-25 are the EU DST change days; 02:30 Berlin is missing / doubled.
 BERLIN_0230 = Window(cron="30 2 * * mon-sun", duration_s=1800, timezone="Europe/Berlin")
+# One etcd for the module, reset between its tests (factories.module_etcd).
+etcd, etcd_server = module_etcd, module_etcd_server
 
 
 def ts(text: str) -> float:
@@ -110,7 +130,7 @@ def twin_argv(steps: int, *extra: str) -> list[str]:
     return [
         "--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps),
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1),
-        "--enable-metrics", *FAST_TWIN, *extra,
+        "--enable-metrics", *QUICK_TWIN, *extra,
     ]  # fmt: skip
 
 
@@ -129,6 +149,9 @@ def make_config(tmp_path: Path, port: int, **overrides: Any) -> Config:
         "daily_restart_budget": 2,
         "scrape_timeout_s": 1.0,
         "health_probe_timeout_s": 25,
+        # A twin loads in a blink: a look every 2 s (the default, for SGLang's minutes)
+        # made each restart, verification and re-add wait whole 2 s steps.
+        "health_poll_interval_s": 0.2,
         "startup_timeout_s": 30,
     }
     (tmp_path / "state").mkdir(exist_ok=True)
@@ -206,7 +229,7 @@ def test_sglang_faults_hold_without_restart_and_recover(
     config = make_config(tmp_path, port, **config_overrides)
     clock = Clock(INSIDE)
     runner = RecordingRunner(clock)
-    twin = None if twin_flags is None else TwinProcess(twin_argv(3, *twin_flags), port=port)
+    twin = None if twin_flags is None else ForkedTwin(twin_argv(3, *twin_flags), port=port)
     with capture_logs() as captured:
         try:
             if twin is not None:
@@ -238,7 +261,7 @@ def test_sglang_faults_hold_without_restart_and_recover(
             if twin is not None:
                 twin.stop()
         # SGLang healthy again on the same port: the next tick sees it and decides with data.
-        with TwinProcess(twin_argv(3), port=port) as healthy:
+        with ForkedTwin(twin_argv(3), port=port) as healthy:
             healthy.wait_healthy()
             clock.now = OUTSIDE + 3600
             daemon.state.history = wanting(config, 4, clock.now)
@@ -271,7 +294,7 @@ def test_server_info_missing_fields_degrades_to_metrics_only(tmp_path: Path) -> 
         "speculative_eagle_topk,internal_states,max_running_requests,version"
     )
     argv = twin_argv(3, "--server-info-missing", missing, "--decode-log-interval", "1")
-    with TwinProcess(argv, port=port) as twin:
+    with ForkedTwin(argv, port=port) as twin:
         twin.wait_healthy()
         daemon = make_daemon(config, runner, clock)
         daemon.state.history = wanting(config, 4, clock.now)
@@ -338,7 +361,7 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
     port = free_port()
     config = make_config(tmp_path, port)
     clock = Clock(ts(ticks[0][0]))
-    unit = TwinUnitRunner(UNIT, config.sglang.env_file, port=port, extra_args=FAST_TWIN)
+    unit = ForkedUnit(UNIT, config.sglang.env_file, port=port, extra_args=QUICK_TWIN)
     runner = RecordingRunner(clock, unit)
     unit.start().wait_healthy()
     try:
@@ -372,7 +395,13 @@ def test_clock_steps_and_dst_restart_only_in_windows_within_budget(
 
 # The twins' gauges refresh this often (their default, 1 s, is a drain's idle reads' wait).
 GAUGE_REFRESH = ("--report-interval-s", "0.2")
-GATEWAY_SCRAPE_S = 1.0
+# A drain's idle reads are a scrape apart: still more than a gauge refresh.
+GATEWAY_SCRAPE_S = 0.5
+# The 4 clients' requests through the gateway: a round before the change and two after it
+# (round robin reaches the re-added worker). A restart without a drain, or a worker not
+# routed again, shows in the requests across the sequence and in the worker's status; 20
+# before and 20 after (~5 s each of 200-token requests) added nothing to that.
+LOAD_BEFORE, LOAD_AFTER = 4, 8
 
 
 @contextlib.contextmanager
@@ -388,18 +417,18 @@ def gateway_fleet(
     ``unit_listed_as`` (the daemon's URL says 127.0.0.1), or not at all (None)."""
     port = free_port()
     gateway = None
-    unit = TwinUnitRunner(
+    unit = ForkedUnit(
         UNIT,
         tmp_path / "sglang.env",
         port=port,
-        extra_args=[*FAST_TWIN, *GAUGE_REFRESH, *unit_args],
+        extra_args=[*QUICK_TWIN, *GAUGE_REFRESH, *unit_args],
     )
-    with TwinProcess(twin_argv(3, *GAUGE_REFRESH)) as other:
+    with ForkedTwin(twin_argv(3, *GAUGE_REFRESH)) as other:
         unit.start().wait_healthy()
         try:
             other.wait_healthy()
             listed = [unit.url.replace("127.0.0.1", unit_listed_as)] if unit_listed_as else []
-            gateway = SmgGateway([*listed, other.url], retries=False)
+            gateway = QuickStopSmg([*listed, other.url], retries=False)
             gateway.wait_ready()
             config = make_config(
                 tmp_path,
@@ -455,16 +484,16 @@ def test_gateway_stopped_means_no_restart_and_resumes_once_it_is_back(tmp_path: 
 
         # The gateway is back on the same address: the next tick drains and restarts.
         with (
-            SmgGateway(
+            QuickStopSmg(
                 [unit.url, *gateway.worker_urls[1:]], retries=False, port=gateway.port
             ) as back,
             StreamingLoad(back.url, 4, max_tokens=200) as load,
         ):
-            load.wait_for(20)
+            load.wait_for(LOAD_BEFORE)
             clock.now += config.observe.scrape_interval_s
             daemon.state.history = wanting(config, 4, clock.now)
             decision = daemon.tick()
-            load.wait_for(load.ok + 20)
+            load.wait_for(load.ok + LOAD_AFTER)
             status = worker_status(back.url, unit.url)
         assert decision.reason is Reason.CHANGE, decision
         assert load.failures == []
@@ -493,9 +522,9 @@ def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Pat
         daemon = make_daemon(config, RecordingRunner(clock, unit), clock)
         daemon.state.history = wanting(config, 4, clock.now)
         with StreamingLoad(gateway.url, 4, max_tokens=200) as load:
-            load.wait_for(20)
+            load.wait_for(LOAD_BEFORE)
             daemon.tick()
-            load.wait_for(load.ok + 20)
+            load.wait_for(load.ok + LOAD_AFTER)
         status = worker_status(gateway.url, unit.url)
     assert load.failures == []
     assert unit.restarted_to == [4, 3]
@@ -571,9 +600,9 @@ def test_a_worker_the_gateway_does_not_list_by_specds_url_is_never_restarted(
         daemon = make_daemon(fixed, runner, clock)
         daemon.state.history = wanting(fixed, 4, clock.now)
         with StreamingLoad(gateway.url, 4, max_tokens=200) as load:
-            load.wait_for(20)
+            load.wait_for(LOAD_BEFORE)
             decision = daemon.tick()
-            load.wait_for(load.ok + 20)
+            load.wait_for(load.ok + LOAD_AFTER)
         assert decision.reason is Reason.CHANGE, decision
         assert load.failures == []
         assert unit.restarted_to == [4]
@@ -751,7 +780,7 @@ def test_the_watchdog_is_fed_while_every_gateway_replica_answers_slowly(
     notify = NotifySocket(tmp_path / "notify.sock")
     replicas = [LoopbackHTTP(Slow) for _ in range(5)]
     try:
-        with TwinProcess(twin_argv(3)) as twin:
+        with ForkedTwin(twin_argv(3)) as twin:
             twin.wait_healthy()
             config = make_config(
                 tmp_path,
@@ -815,7 +844,7 @@ def test_the_watchdog_is_fed_while_a_slow_etcd_hands_out_a_slot(
         upstream = etcd.url
 
     port = free_port()
-    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN])
+    unit = ForkedUnit(UNIT, tmp_path / "sglang.env", port=port, extra_args=QUICK_TWIN)
     try:
         with LoopbackHTTP(Proxy) as proxy:
             unit.start().wait_healthy()
@@ -874,7 +903,7 @@ def test_an_oncall_freeze_written_while_specd_waits_for_a_fleet_slot_stops_the_r
     half an hour by default), its tick blocked: a freeze the on-call wrote meanwhile was never
     read, and SGLang was restarted once the slot freed. The wait now gives up on a freeze."""
     port = free_port()
-    unit = TwinUnitRunner(UNIT, tmp_path / "sglang.env", port=port, extra_args=[*FAST_TWIN])
+    unit = ForkedUnit(UNIT, tmp_path / "sglang.env", port=port, extra_args=QUICK_TWIN)
     try:
         unit.start().wait_healthy()
         config = make_config(
@@ -1141,8 +1170,11 @@ def config_text(tmp_path: Path, port: int, metrics_port: int, **extra: Any) -> s
         "env_file": str(tmp_path / "sglang.env"),
         "override_file": str(tmp_path / "override.toml"),
         "metrics_port": metrics_port,
-        "scrape_interval_s": 0.5,
+        # A quarter second: a reload or a restart shows in the metrics at the next tick,
+        # which the tests wait for (a tick of an idle daemon is ~3 ms of CPU here).
+        "scrape_interval_s": 0.25,
         "health_probe_timeout_s": 25,
+        "health_poll_interval_s": 0.2,  # as in make_config: the twin loads in a blink
         "startup_timeout_s": 30,
         "log_format": "json",
         **extra,
@@ -1159,15 +1191,24 @@ def daemon_env(standin: StandIn, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def start_specd(config_path: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def start_specd(
+    config_path: Path, env: dict[str, str], log: Path, *, fresh: bool = False
+) -> subprocess.Popen[bytes] | ForkedProc:
+    """`specd run --config CONFIG_PATH` in ``env``, its output in ``log``: a process of its
+    own, forked by the zygote (tests/twin_zygote.py) from an interpreter that imported the
+    daemon once (~0.45 s of CPU each start otherwise), or with ``fresh`` a new interpreter
+    (`python -m specd.cli`: the entry point itself, kept by the tests that own it)."""
+    argv = ["run", "--config", str(config_path)]
     with open(log, "wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "specd.cli", "run", "--config", str(config_path)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=REPO,
-        )
+        if fresh:
+            return subprocess.Popen(
+                [sys.executable, "-m", "specd.cli", *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+            )
+    return ZYGOTE.spawn(argv[1:], str(log), command="run", env=env, cwd=str(REPO))
 
 
 def log_events(log: Path) -> list[dict[str, Any]]:
@@ -1206,8 +1247,10 @@ def specd_setup(tmp_path: Path) -> Iterator[tuple[StandIn, Path, int]]:
     port, metrics_port = free_port(), free_port()
     # Started by the test at 3 steps, fast; specd's restart to 4 loads for 2.5 s, long
     # enough to signal specd while it waits for SGLang.
-    standin = make_standin(
-        tmp_path, port, extra_by_steps={4: ("--load-time-s", "2.5", "--warmup-s", "0.1")}
+    standin = quick_standin(
+        tmp_path,
+        port,
+        extra_by_steps={4: ("--load-time-s", "2.5", "--warmup-s", "0.1", *QUICK_HEALTH)},
     )
     (tmp_path / "state").mkdir()
     assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
@@ -1330,7 +1373,8 @@ def test_sighup_and_sigterm_during_a_restart_finish_it_and_exit_0(
         'reason = "fault test"\napply = "now"\n'
     )
     log = tmp_path / "specd.log"
-    proc = start_specd(config_path, daemon_env(standin), log)
+    # A new interpreter: `python -m specd.cli run`, as systemd starts it, takes the signals.
+    proc = start_specd(config_path, daemon_env(standin), log, fresh=True)
     try:
         # The stand-in has restarted the unit: SGLang is loading (2.5 s) and specd waits.
         wait_for(lambda: standin.restarts == [3, 4] or proc.poll() is not None, 20, "restart")
@@ -1366,22 +1410,23 @@ def test_eight_dp_ranks_and_a_five_megabyte_page_every_second(tmp_path: Path) ->
     clock = Clock(0.0)
     runner = RecordingRunner(clock)
     flags = ("--dp-size", "8", "--metrics-pad-bytes", str(5_000_000))
-    with TwinProcess(twin_argv(3, *flags), port=port) as twin:
+    with ForkedTwin(twin_argv(3, *flags), port=port) as twin:
         twin.wait_healthy()
         info = httpx.get(twin.url + "/server_info", timeout=5).json()
         capacity = sum(s["effective_max_running_requests_per_dp"] for s in info["internal_states"])
         daemon = make_daemon(config, runner, clock)
         observations = []
         tick_cpu_s = []
-        next_at = time.monotonic()
-        for _ in range(LOAD_TICKS):
-            clock.now = time.time()
+        start = time.time()
+        for i in range(LOAD_TICKS):
+            # A scrape interval apart on the injected clock, back to back in real time:
+            # what is asserted is each tick's own CPU, which no wait between them changes
+            # (they slept out the rest of each real second: 12 s of the test's 13).
+            clock.now = start + i * config.observe.scrape_interval_s
             cpu_before = time.thread_time()
             daemon.tick()
             tick_cpu_s.append(time.thread_time() - cpu_before)
             observations.append(daemon.last_obs)
-            next_at += config.observe.scrape_interval_s
-            time.sleep(max(0.0, next_at - time.monotonic()))
         page = daemon.client.metrics_text()
     assert isinstance(page, str)
     assert len(page) > 5_000_000

@@ -22,19 +22,21 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway, StreamingLoad
+from factories import SMG_ADMIN_KEY, EtcdProcess, QuickStopSmg, SmgGateway, StreamingLoad
 from test_faults import (
+    QUICK_HEALTH,
     UNIT,
     StandIn,
     daemon_env,
     healthy,
-    make_standin,
     metric,
+    quick_standin,
     start_specd,
     twin_argv,
     wait_for,
     write_config,
 )
+from twin_zygote import ForkedProc, ForkedTwin
 
 from specd.core.settings import FleetSettings
 from specd.io.apply import render_env
@@ -47,11 +49,18 @@ pytestmark = pytest.mark.slow
 
 TTL_S = 5
 START_STEPS, HEAVY_STEPS = 4, 3
-# A twin that loads in a second: a rolling change of three servers takes ~45 s. Deadlines
+# A twin that loads in a second and answers /health_generate in a tenth (SGLang: a second;
+# no test here is about it): a rolling change of three servers takes ~30 s. Deadlines
 # are generous (not sleeps): with 2 cores shared, a `specd run` can take 30 s to import.
-UNIT_TWIN = ("--load-time-s", "1.0", "--warmup-s", "0.1")
+UNIT_TWIN = ("--load-time-s", "1.0", "--warmup-s", "0.1", *QUICK_HEALTH)
 # Per server well above the 4 of the first band, even with all three routed.
 CLIENTS_PER_SERVER = 6
+# Tokens per request: a closed-loop client keeps one request in flight whatever its
+# length, so the concurrency the bands see is the same; at 40 a client started a request
+# through the gateway every third of a second, and those starts, not the tokens, were
+# most of the load's CPU (the harness's, smg's and the twins': 0.46 CPU-s a second for 18
+# clients, 0.2 at 200). Longer requests also make a restart without a drain cut more.
+MAX_TOKENS = 200
 # Three restarts of ~14 s each (drain, smg's 5 s settle before the re-add, ready) fit.
 WINDOW_S = 58
 
@@ -64,7 +73,7 @@ class Server:
     home: Path
     standin: StandIn
     metrics_port: int
-    proc: subprocess.Popen[bytes] | None = None
+    proc: subprocess.Popen[bytes] | ForkedProc | None = None
     starts: int = 0
 
     @property
@@ -167,7 +176,7 @@ def fleet(
         for name in names:
             home = tmp_path / name
             (home / "state").mkdir(parents=True)
-            standin = make_standin(
+            standin = quick_standin(
                 home,
                 free_port(),
                 extra=UNIT_TWIN,
@@ -178,12 +187,12 @@ def fleet(
             assert standin.systemctl("--no-ask-password", "restart", UNIT).returncode == 0
             servers.append(Server(name, home, standin, free_port()))
         for _ in range(plain_workers):
-            plain.append(TwinProcess(twin_argv(HEAVY_STEPS)))
+            plain.append(ForkedTwin(twin_argv(HEAVY_STEPS)))
         for s in servers:
             wait_for(lambda s=s: healthy(s.url), 20, f"twin {s.name}")
         for twin in plain:
             twin.wait_healthy()
-        gateway = SmgGateway(
+        gateway = QuickStopSmg(
             [s.url for s in servers] + [t.url for t in plain],
             admin_key=SMG_ADMIN_KEY,
             retries=False,
@@ -254,7 +263,7 @@ def test_a_load_triggered_change_rolls_through_three_servers_with_zero_errors(
     tmp_path: Path, etcd: EtcdProcess
 ) -> None:
     with fleet(tmp_path, etcd) as f:
-        load = StreamingLoad(f.gateway.url, CLIENTS_PER_SERVER * len(f.servers))
+        load = StreamingLoad(f.gateway.url, CLIENTS_PER_SERVER * len(f.servers), MAX_TOKENS)
         with load:
             most_routed_out = most_down = 0
             deadline = time.monotonic() + 240
@@ -271,7 +280,10 @@ def test_a_load_triggered_change_rolls_through_three_servers_with_zero_errors(
                 done = all(s.standin.restarts == [START_STEPS, HEAVY_STEPS] for s in f.servers)
                 if done and not routed_out and not down:
                     break
-                time.sleep(0.05)
+                # Each server is down over a second (it loads for one) and routed out for
+                # smg's 5 s settle: looks 0.1 s apart see every one many times over, for
+                # half the probes (and CPU) of 0.05 s.
+                time.sleep(0.1)
             # A few more seconds of load on the new setting: still no error anywhere.
             load.wait_for(load.ok + 30)
         assert load.failures == []

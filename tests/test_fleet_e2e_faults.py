@@ -7,14 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway, StreamingLoad
+from factories import (
+    SMG_ADMIN_KEY,
+    EtcdProcess,
+    QuickStopSmg,
+    StreamingLoad,
+    module_etcd,
+    module_etcd_server,
+)
 from test_faults import (
+    QUICK_HEALTH,
     log_events,
     wait_for,
 )
 from test_fleet_e2e import (
     CLIENTS_PER_SERVER,
     HEAVY_STEPS,
+    MAX_TOKENS,
     START_STEPS,
     UNIT_TWIN,
     Server,
@@ -24,6 +33,8 @@ from test_fleet_e2e import (
 )
 
 pytestmark = pytest.mark.slow
+# One etcd for the module, reset between its tests (factories.module_etcd).
+etcd, etcd_server = module_etcd, module_etcd_server
 
 
 def reason_count(server: Server, reason: str) -> float:
@@ -43,7 +54,7 @@ def test_no_restart_while_etcd_or_the_gateway_is_down_and_it_resumes_once_back(
         else:
             gateway.stop()
         s.start()
-        load = StreamingLoad(gateway.url, 2 * CLIENTS_PER_SERVER)
+        load = StreamingLoad(gateway.url, 2 * CLIENTS_PER_SERVER, MAX_TOKENS)
         # Through the gateway while it is up; straight at the twin while it is not.
         load.url = s.url if down == "gateway" else gateway.url
         try:
@@ -67,7 +78,7 @@ def test_no_restart_while_etcd_or_the_gateway_is_down_and_it_resumes_once_back(
                 if down == "etcd":
                     etcd.start()
                 else:
-                    gateway = SmgGateway(
+                    gateway = QuickStopSmg(
                         gateway.worker_urls,
                         admin_key=SMG_ADMIN_KEY,
                         retries=False,
@@ -97,7 +108,7 @@ def test_a_setting_sglang_never_starts_at_rolls_back_readds_freezes_and_releases
     # start, which a loaded machine needs more than 5 s for.
     with fleet(tmp_path, etcd, ("a",), plain_workers=1, extra_by_steps=failing) as f:
         (s,) = f.servers
-        with StreamingLoad(f.gateway.url, 2 * CLIENTS_PER_SERVER) as load:
+        with StreamingLoad(f.gateway.url, 2 * CLIENTS_PER_SERVER, MAX_TOKENS) as load:
             wait_for(lambda: s.state().restarts != [] or not s.alive(), 120, "the restart")
             f.check_alive()
             wait_for(lambda: f.workers().get(s.url) == "ready", 20, "the worker re-added")
@@ -115,7 +126,7 @@ def test_a_specd_sigkilled_mid_restart_frees_the_slot_and_heals_its_worker_at_it
     tmp_path: Path, etcd: EtcdProcess
 ) -> None:
     # SGLang loads for 2.5 s at the new setting: long enough to kill specd while it waits.
-    slow = {HEAVY_STEPS: ("--load-time-s", "2.5", "--warmup-s", "0.1")}
+    slow = {HEAVY_STEPS: ("--load-time-s", "2.5", "--warmup-s", "0.1", *QUICK_HEALTH)}
     # One change per server, then the default hour's dwell. On a busy machine the load's
     # concurrency dips, and with no dwell a healed server's bands (p50 ≤ 4 → 4 steps) started
     # a change back, taking the slot as the end checked that none is held. With the dwell no
@@ -124,7 +135,7 @@ def test_a_specd_sigkilled_mid_restart_frees_the_slot_and_heals_its_worker_at_it
     with fleet(
         tmp_path, etcd, ("a", "b"), plain_workers=1, extra_by_steps=slow, min_dwell_s=3600
     ) as f:
-        with StreamingLoad(f.gateway.url, 3 * CLIENTS_PER_SERVER) as load:
+        with StreamingLoad(f.gateway.url, 3 * CLIENTS_PER_SERVER, MAX_TOKENS) as load:
 
             def restarting() -> Server | None:
                 f.check_alive()

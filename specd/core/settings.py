@@ -488,6 +488,14 @@ class RestartSettings(BaseModel):
         description="Timeout of one /health_generate probe, seconds (SGLang's own is 20); at "
         "most 10 minutes.",
     )
+    health_poll_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=MINUTE_S,
+        description="Seconds between looks while a restart runs: at /health_generate while "
+        "SGLang loads, between the reads that verify its setting, and at the gateway while "
+        "the worker is re-added; at most a minute.",
+    )
     restart_command_timeout_s: float = Field(
         default=420,
         gt=0,

@@ -827,8 +827,10 @@ class Applier:
         stop: threading.Event,
         **pacing: Any,
     ) -> Applier:
-        """An applier for the whole config: quiet moments are looked for once per scrape."""
+        """An applier for the whole config: quiet moments are looked for once per scrape,
+        a loading SGLang and the gateway every [restart] health_poll_interval_s."""
         pacing.setdefault("quiet_poll_interval_s", settings.observe.scrape_interval_s)
+        pacing.setdefault("health_poll_interval_s", settings.restart.health_poll_interval_s)
         pacing.setdefault("config_dir", settings.files.state_dir)
         pacing.setdefault("gateway", settings.gateway)
         return cls(

@@ -212,6 +212,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--warmup-s", type=LOAD_S, default=1.0, help=f"then 503 on /health ({LOAD_S.spec})"
     )
     tw.add_argument(
+        "--health-first-look-s",
+        type=LOAD_S,
+        default=1.0,
+        help="/health_generate looks for its generation's answer this long after sending it: "
+        f"SGLang's 1 s by default, shorter for tests of a twin that loads in a blink "
+        f"({LOAD_S.spec})",
+    )
+    tw.add_argument(
         "--report-interval-s",
         type=INTERVAL_S,
         default=1.0,

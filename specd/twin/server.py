@@ -54,8 +54,6 @@ WARMUP_TIMEOUT_S = 600.0
 EAGLE_FAMILY = {"EAGLE": "EAGLE", "NEXTN": "EAGLE", "EAGLE3": "EAGLE3", "STANDALONE": "STANDALONE"}
 DEFAULT_MAX_TOKENS = 256
 DRAIN_CHECK_S = 0.2
-# health_generate sleeps this long before it first looks for its generation's answer.
-HEALTH_FIRST_LOOK_S = 1.0
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
 # graphs, free memory when the pool was sized.
 WEIGHT_GB, KV_CACHE_GB, GRAPH_GB, STARTUP_FREE_GB = 61.87, 44.13, 2.32, 9.87
@@ -624,7 +622,8 @@ class Twin:
     async def health(self, request: web.Request) -> web.Response:
         """SGLang's health_generate (both paths): 503 at once while starting or draining;
         else it sends a 1-token generation and, a second later and every second after, looks
-        whether anything came back since (the twin's always has), so 200 takes >= 1 s."""
+        whether anything came back since (the twin's always has), so 200 takes >= 1 s
+        (``--health-first-look-s``)."""
         if self.phase != "ready":
             return web.Response(status=503)
         # The fault stands for a server whose generation never comes back: unhealthy on
@@ -633,7 +632,7 @@ class Twin:
             return web.Response(status=503)
         if request.path == "/health" and not self._health_generates():
             return web.Response(status=200)
-        await asyncio.sleep(HEALTH_FIRST_LOOK_S)
+        await asyncio.sleep(self.args.health_first_look_s)
         return web.Response(status=200)
 
     def _health_generates(self) -> bool:

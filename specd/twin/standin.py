@@ -29,6 +29,7 @@ from specd.twin.envfile import read_env_file
 
 UNIT, ENV, PIDFILE, LOG, PORT = {unit!r}, Path({env!r}), Path({pidfile!r}), {log!r}, {port!r}
 EXTRA, EXTRA_BY_STEPS, STOP_TIMEOUT_S = {extra!r}, {extra_by_steps!r}, {stop_timeout_s!r}
+SPAWN = {spawn!r}
 
 
 def alive(pid):
@@ -80,10 +81,23 @@ argv = [{python!r}, "-m", "specd.cli", "twin", "--speculative-algorithm", "NEXTN
         "--speculative-num-draft-tokens", env["SPECULATIVE_NUM_DRAFT_TOKENS"], "--enable-metrics",
         *EXTRA_BY_STEPS.get(env["SPECULATIVE_NUM_STEPS"], EXTRA), "--host", "127.0.0.1",
         "--port", str(PORT)]
-with open(LOG, "ab") as log:
-    child = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd={repo!r})
-PIDFILE.write_text(str(child.pid))
+if SPAWN is None:
+    with open(LOG, "ab") as log:
+        child = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, cwd={repo!r})
+    pid = child.pid
+else:
+    # A fork server that imported the twin once starts the same command, in this
+    # environment, for a fraction of its CPU (tests/twin_zygote.py): one JSON line each
+    # way, the answer the new pid.
+    import json, socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.connect(SPAWN)
+        request = {{"argv": argv[4:], "log": LOG, "session": True, "cwd": {repo!r},
+                    "env": dict(os.environ)}}
+        server.sendall(json.dumps(request).encode() + b"\\n")
+        pid = int(json.loads(server.makefile("rb").readline())["pid"])
+PIDFILE.write_text(str(pid))
 with open(PIDFILE.with_suffix(".restarts"), "a") as f:
     f.write(env["SPECULATIVE_NUM_STEPS"] + "\\n")
 """
@@ -127,9 +141,12 @@ def make_standin(
     extra: Sequence[str] = FAST_TWIN,
     extra_by_steps: dict[int, Sequence[str]] | None = None,
     stop_timeout_s: float = 10.0,
+    *,
+    spawn: str | None = None,
 ) -> StandIn:
     """``extra``: twin flags; ``extra_by_steps``: other flags for some step counts;
-    ``stop_timeout_s``: the unit's TimeoutStopSec= (SIGKILL after it)."""
+    ``stop_timeout_s``: the unit's TimeoutStopSec= (SIGKILL after it); ``spawn``: the Unix
+    socket of a twin fork server to start each twin through (None: a new interpreter)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     pidfile = tmp_path / "twin.pid"
@@ -147,6 +164,7 @@ def make_standin(
             extra=list(extra),
             extra_by_steps={str(k): list(v) for k, v in (extra_by_steps or {}).items()},
             stop_timeout_s=stop_timeout_s,
+            spawn=spawn,
         )
     )
     script.chmod(0o755)

@@ -27,12 +27,14 @@ from factories import (
     SMG_ADMIN_KEY,
     Killed,
     QueuedRemovalGateway,
+    QuickStopSmg,
     SmgGateway,
     StreamingLoad,
     mounted_tmpfs,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from twin_zygote import ForkedTwin, ForkedUnit
 
 from specd.core.setting import SpecSetting, adaptive_config_name
 from specd.core.setting import off as setting_off
@@ -71,7 +73,6 @@ from specd.io.systemd import parse_show
 from specd.io.tls import verifying_context
 from specd.twin.process import TwinProcess, free_port
 from specd.twin.standin import make_standin
-from specd.twin.unit import TwinUnitRunner
 
 UNIT = "sglang.service"
 # The drop-in's Environment= line: what the unit runs when the env file is absent.
@@ -85,6 +86,10 @@ TWIN_TIMING = [
     "0.05",
     "--report-interval-s",
     "0.1",
+    # SGLang's /health_generate answers after a second; this twin's loads in a tenth, and
+    # no test here is about that second (tests/twin/ are): each restart waited it.
+    "--health-first-look-s",
+    "0.1",
 ]
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 1.0
@@ -93,8 +98,10 @@ STOP_TIMEOUT_S = 1.0
 # -- the stand-in for systemd -------------------------------------------------------------
 
 
-class TwinUnit(TwinUnitRunner):
-    """The product's twin unit (specd/twin/unit.py), with the test's timings and probes."""
+class TwinUnit(ForkedUnit):
+    """The product's twin unit (specd/twin/unit.py), with the test's timings and probes; its
+    twins forked from the twin zygote (tests/twin_zygote.py): a start costs a few hundredths
+    of a second of CPU, not the ~0.3 s of a fresh interpreter's imports."""
 
     def __init__(self, env_file: Path, extra_args: Callable[[int], list[str]] | None = None):
         more = extra_args or (lambda steps: [])
@@ -412,19 +419,34 @@ def test_read_env_steps_of_a_directory_is_none(tmp_path: Path) -> None:
 # -- settings and journal -----------------------------------------------------------------
 
 
-def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("health_poll", "expected_s"),
+    [
+        (None, 2.0),  # the default: a look every 2 s while SGLang loads (minutes, on a GPU)
+        # Configured: how often the daemon's restarts look at SGLang and at the gateway was
+        # the Applier's fixed 2 s, which no config reached (a twin loads in a blink).
+        (0.25, 0.25),
+    ],
+)
+def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(
+    tmp_path: Path, health_poll: float | None, expected_s: float
+) -> None:
+    restart: dict[str, Any] = {
+        "quiet_concurrency_max": 1,
+        "quiet_deadline_s": 0,
+        "startup_timeout_s": 300,
+        "health_probe_timeout_s": 25,
+        "restart_command_timeout_s": 60,
+    }
+    if health_poll is not None:
+        restart["health_poll_interval_s"] = health_poll
     config = Config.model_validate(
         {
             "sglang": {"unit": "sglang-122b.service", "env_file": str(tmp_path / "x.env")},
             "choose": {"min_steps": 2, "max_steps": 5},
             "observe": {"scrape_interval_s": 2},
-            "restart": {
-                "quiet_concurrency_max": 1,
-                "quiet_deadline_s": 0,
-                "startup_timeout_s": 300,
-                "health_probe_timeout_s": 25,
-                "restart_command_timeout_s": 60,
-            },
+            "restart": restart,
+            "gateway": {"urls": ["http://127.0.0.1:9"]},
         }
     )
     client = SGLangClient("http://127.0.0.1:9", timeout_s=1.0)
@@ -437,7 +459,11 @@ def test_from_settings_takes_the_tables_and_paces_quiet_by_the_scrape(tmp_path: 
         config.restart,
     )
     assert applier.quiet_poll_interval_s == 2
-    assert (applier.health_poll_interval_s, applier.verify_attempts) == (2.0, 3)
+    assert (applier.health_poll_interval_s, applier.verify_attempts) == (expected_s, 3)
+    # The re-add's and the ready wait's reads of the gateway keep the same pace.
+    assert applier.gateway is not None
+    assert applier.gateway._poll_s == expected_s
+    applier.gateway.close()
     client.close()
 
 
@@ -1378,7 +1404,7 @@ def test_a_rollback_replaces_a_planted_symlink_with_the_previous_bytes(
 def other_twin() -> Iterator[TwinProcess]:
     """The second worker behind the gateway, one for the file: no test restarts, stops or
     inspects it (each has its own unit and smg); it only serves what is routed to it."""
-    with TwinProcess(TWIN_TIMING) as other:
+    with ForkedTwin(TWIN_TIMING) as other:
         other.wait_healthy(START_TIMEOUT_S)
         yield other
 
@@ -1399,7 +1425,7 @@ def fleet(
     not retry, so a restart of a worker still routed to would reach the clients."""
     unit = make_unit()
     other = second_worker
-    with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+    with QuickStopSmg([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
         yield unit, other, gateway
 
 
@@ -1441,12 +1467,15 @@ def test_drain_restart_readd_under_streaming_load_every_request_completes(
     assert before.status == "ready"
     rec = Recorder(tmp_path / "journal.json")
     applier = gateway_applier(unit, gateway, tmp_path, rec)
-    # Requests long enough that a restart without a drain would cut some.
+    # Requests long enough that a restart without a drain would cut some. The load runs
+    # before, through and after the sequence; what a missing drain or re-add breaks shows
+    # in the requests across the restart, so a round of the clients before (6, not 30)
+    # and two after the re-add (12, not 30: round robin reaches the re-added worker) do.
     with StreamingLoad(gateway.url, 6, max_tokens=200) as load:
-        load.wait_for(30)
+        load.wait_for(6)
         outcome = applier.apply(4, 3, window_open=always_open)
         served = load.ok
-        load.wait_for(served + 30)
+        load.wait_for(served + 12)
     assert outcome.result == "success", outcome.message
     assert load.failures == []
     assert unit.restarts == [4]
@@ -1514,7 +1543,7 @@ def test_a_worker_the_gateway_knows_by_another_url_is_not_restarted(
     it through the restart."""
     unit = make_unit()
     listed = unit.url.replace("127.0.0.1", "localhost")
-    with SmgGateway([listed, second_worker.url], admin_key=SMG_ADMIN_KEY) as gateway:
+    with QuickStopSmg([listed, second_worker.url], admin_key=SMG_ADMIN_KEY) as gateway:
         rec = Recorder(tmp_path / "journal.json")
         outcome = gateway_applier(unit, gateway, tmp_path, rec).apply(4, 3, window_open=always_open)
         client = GatewayClient([gateway.url], listed, api_key=SMG_ADMIN_KEY)
@@ -1578,7 +1607,7 @@ def test_failed_restart_rolls_back_and_readds(
 ) -> None:
     unit = make_unit(ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"])
     other = second_worker
-    with SmgGateway([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
+    with QuickStopSmg([unit.url, other.url], admin_key=SMG_ADMIN_KEY, retries=False) as gateway:
         rec = Recorder(tmp_path / "journal.json")
         applier = gateway_applier(unit, gateway, tmp_path, rec, startup_timeout_s=3.0)
         with StreamingLoad(gateway.url, 4) as load:
@@ -1619,8 +1648,8 @@ def test_a_replica_away_at_the_readd_leaves_the_worker_out_of_that_one_only(
     unit = make_unit()
     workers = [unit.url, second_worker.url]
     with (
-        SmgGateway(workers, admin_key=SMG_ADMIN_KEY) as away,
-        SmgGateway(workers, admin_key=SMG_ADMIN_KEY) as there,
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as away,
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as there,
     ):
         rec = Recorder(tmp_path / "journal.json")
         applier = gateway_applier(
@@ -1832,15 +1861,20 @@ def test_stop_during_quiet_wait_aborts_with_nothing_changed(
 
 class StopsWhenQuiet(SGLangClient):
     """The SGLang reader; the stop (SIGTERM) arrives right after its ``nth`` read of a quiet
-    SGLang: the end of the quiet-moment wait (1st) or of the drain (IDLE_READS-th)."""
+    SGLang: the end of the quiet-moment wait (1st) or of the drain (IDLE_READS-th). Quiet is
+    what the applier takes for it: offered at most ``quiet_max`` (the quiet-moment wait's
+    [restart] quiet_concurrency_max; the drain's idle is 0). A read of 1 (the twin's gauge
+    still showing its warm-up request) ended the quiet-moment wait uncounted here, and the
+    restart went out with no stop (seen once in a full run)."""
 
-    def __init__(self, url: str, stop: threading.Event, nth: int) -> None:
+    def __init__(self, url: str, stop: threading.Event, nth: int, quiet_max: int = 0) -> None:
         super().__init__(url, timeout_s=3.0)
-        self.stop, self.nth, self.quiet = stop, nth, 0
+        self.stop, self.nth, self.quiet_max, self.quiet = stop, nth, quiet_max, 0
 
     def observe(self) -> Any:
         obs = super().observe()
-        if not isinstance(obs, Exception) and obs.offered == 0 and not self.stop.is_set():
+        quiet = not isinstance(obs, Exception) and obs.offered <= self.quiet_max
+        if quiet and not self.stop.is_set():
             self.quiet += 1
             if self.quiet == self.nth:
                 self.stop.set()
@@ -1887,12 +1921,13 @@ def test_a_stop_after_the_waits_ends_the_change_before_its_restart(
     elif gap == "freeze":
         rec = StopsAtPhase(tmp_path / "journal.json", frozen, "env_written")
     nth = {"quiet": 1, "idle": IDLE_READS}.get(gap, 0)
-    client = StopsWhenQuiet(unit.url, stop, nth)
+    quiet_max = settings_for(unit.env_file).restart.quiet_concurrency_max if gap == "quiet" else 0
+    client = StopsWhenQuiet(unit.url, stop, nth, quiet_max)
     with contextlib.ExitStack() as stack:
         overrides: dict[str, Any] = {}
         if gateway:
             smg = stack.enter_context(
-                SmgGateway([unit.url, second_worker.url], admin_key=SMG_ADMIN_KEY)
+                QuickStopSmg([unit.url, second_worker.url], admin_key=SMG_ADMIN_KEY)
             )
             key_file = tmp_path / "gateway.key"
             key_file.write_text(SMG_ADMIN_KEY + "\n")

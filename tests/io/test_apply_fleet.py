@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import EtcdProcess
+from factories import EtcdProcess, module_etcd, module_etcd_server
 from test_apply import (
     ORIGINAL_ENV,
     UNIT,
@@ -29,6 +29,8 @@ from specd.io.fleet import Fleet, Slot
 from specd.io.runner import RunResult
 
 TTL_S = 5
+# One etcd for the module, reset between its tests (factories.module_etcd).
+etcd, etcd_server = module_etcd, module_etcd_server
 
 
 def fleet_for(url: str, name: str, **fields: Any) -> Fleet:

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
-from factories import EtcdProcess, LoopbackHTTP
+from factories import EtcdProcess, LoopbackHTTP, module_etcd, module_etcd_server
 
 from specd.core.settings import FleetSettings
 from specd.io.fleet import (
@@ -29,6 +29,8 @@ from specd.io.fleet import (
 from specd.twin.process import free_port
 
 TTL_S = 5  # the shortest lease the settings allow
+# One etcd for the module, reset between its tests (factories.module_etcd).
+etcd, etcd_server = module_etcd, module_etcd_server
 
 
 def fleet_settings(*endpoints: str, **fields: Any) -> FleetSettings:
@@ -203,8 +205,11 @@ def test_the_keeper_holds_a_slot_past_its_ttl_and_sigkill_frees_it(etcd: EtcdPro
     try:
         assert victim.stdout is not None
         assert victim.stdout.readline().strip() == "0"
+        granted_by = time.monotonic()  # the victim reports its slot after the grant
         other = make_fleet(etcd.url, "survivor")
-        time.sleep(TTL_S + 2)  # longer than one TTL: only the keeper's renewals keep it
+        # Longer than one TTL since the grant, and etcd's half-second sweep of expired
+        # leases: only the keeper's renewals keep it.
+        time.sleep(max(0.0, granted_by + TTL_S + 1 - time.monotonic()))
         [holder] = other.holders()
         assert holder.name == "victim"
         assert other.try_acquire() is None
