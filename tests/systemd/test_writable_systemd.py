@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import tomli_w
-from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container
+from nspawn import SGLANG_UNIT, SPECD_UNIT, VENV_SPECD, Container, ContainerError
 from test_doctor_systemd import verdicts
 from test_install_repairs import no_window, start_sglang
 from test_install_systemd import live_steps
@@ -66,7 +66,13 @@ def test_install_lets_specd_write_where_the_config_says(sd: Container) -> None:
 
         # A change goes through: the env file written where the unit reads it, verified.
         sd.sh(SPECD, "override", "pin", "4", "--for", "2h", "--reason", "on-call", "--now")
-        sd.wait_for(lambda: live_steps(sd) == 4, timeout=45, interval=0.5, what="pinned 4")
+        try:
+            sd.wait_for(lambda: live_steps(sd) == 4, timeout=45, interval=0.5, what="pinned 4")
+        except ContainerError as exc:
+            raise AssertionError(
+                f"{exc}\n--- {SPECD_UNIT} ---\n{sd.journal(SPECD_UNIT)}\n--- {SGLANG_UNIT} ---\n"
+                f"{sd.journal(SGLANG_UNIT)}"
+            ) from exc
         status = sd.sh(SPECD, "status").stdout
         assert "frozen         no" in status, status
         assert "--speculative-num-steps 4 " in sd.sh("cat", ENV_FILE).stdout
