@@ -1238,24 +1238,24 @@ def serve(config: TwinConfig) -> int:
 
 
 async def _main(config: TwinConfig) -> int:
-    args = config.args
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    terminated = False
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    return await run_until(config, stop)
 
-    def on_term() -> None:
-        nonlocal terminated
-        terminated = True
-        stop.set()
 
-    loop.add_signal_handler(signal.SIGTERM, on_term)
-    loop.add_signal_handler(signal.SIGINT, on_term)
+async def run_until(config: TwinConfig, stop: asyncio.Event) -> int:
+    """The twin's life in the running loop: load (port closed), listen, warm up, serve
+    until ``stop`` is set (SIGTERM's part in a process), then drain; the exit code.
+    A caller that owns no signals (a thread of a test process) sets ``stop`` itself."""
+    args = config.args
     # Loading: the port stays closed, like SGLang while it loads weights and captures graphs.
     fail = config.load_error is not None
     load_s = config.load_s / 2 if fail else config.load_s
     try:
         await asyncio.wait_for(stop.wait(), timeout=max(load_s, 0.0))
-        return 143 if terminated else 0
+        return 143
     except asyncio.TimeoutError:
         pass
     if fail:
@@ -1291,7 +1291,7 @@ async def _main(config: TwinConfig) -> int:
                 halt.cancel()
                 if not warm.done():
                     warm.cancel()
-                    return 143 if terminated else 0
+                    return 143
                 error = warm.exception()
                 if error is not None:
                     # SGLang kills itself when its warm-up fails.
