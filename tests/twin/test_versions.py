@@ -5,26 +5,37 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from factories import FAST_TWIN_VERSION_ARGS, SPEC4_ARGS, version_server_info
-from factories import version_twin as _twin
+from factories import SPEC4_ARGS, version_server_info
 from prometheus_client.parser import text_string_to_metric_families
+from twin_thread import INSTANT, TwinThread
 
 from specd.core.observation import Observation
 from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
 from specd.twin import cli as twin_cli
-from specd.twin.process import TwinProcess
-from specd.twin.server import CPU_MONITOR_S, TwinConfigError, resolve
+from specd.twin import server as twin_server
+from specd.twin.server import TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
 PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
 Shape = dict[str, tuple[str, str, frozenset[frozenset[str]]]]
+# What these tests ask of a twin is its HTTP surface: each runs in this process (see
+# tests/twin_thread.py), up at once, its scheduler reporting every 0.05 s.
+REPORT_S = 0.05
+FAST = (*INSTANT, "--report-interval-s", str(REPORT_S))
+# Long enough for the twin's next reports after the last request (4 of them).
+REPORTED_S = 4 * REPORT_S
+
+
+def _twin(version: str, *extra: str) -> TwinThread:
+    """A twin as SGLang ``version`` with metrics, NEXTN at 4 steps."""
+    return TwinThread([*SPEC4_ARGS, "--enable-metrics", "--sglang-version", version, *FAST, *extra])
 
 
 def _shape(text: str) -> Shape:
@@ -69,7 +80,7 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
                 "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True}
             ) as s:
                 next(s.iter_lines())
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             loaded = c.get("/metrics").text
     for which, page in (("fresh", fresh), ("loaded", loaded)):
         real = _shape((PAGES / f"sglang-{version}-{which}.prom").read_text())
@@ -102,7 +113,7 @@ def test_each_tp_rank_has_the_series_its_scheduler_emits(
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             page = c.get("/metrics").text
     name = f"sglang-{version}-loaded-tp2{'-all' if all_schedulers else ''}.prom"
     real = _scheduler_series((PAGES / name).read_text())
@@ -194,7 +205,7 @@ def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             fresh = c.get("/metrics").text
             c.post("/v1/completions", json={"prompt": "p", "max_tokens": 300})  # ~80 batches
-            time.sleep(0.5)  # reports of an idle scheduler
+            time.sleep(REPORTED_S)  # reports of an idle scheduler
             idle = c.get("/metrics").text
     with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
@@ -217,14 +228,21 @@ def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
 # What specd reads of an idle server that still shows its last batch (0.5.13) or not (0.5.23):
 # the gauge at first (one page cannot tell), none running once no forward pass was counted
 # for STALE_LOAD_AFTER_S. It read the 0.5.13 server as running one request for 30 s.
+# The reader's clock is injected: STALE_LOAD_AFTER_S + 0.5 s pass between its two scrapes
+# (an 0.5.13 scheduler logs again only 30 s after its last batch, an 0.5.23 one at once, so
+# the page is the same seconds later).
 @pytest.mark.parametrize(("version", "shown"), [("0.5.13", 1), ("0.5.23", 0)])
 def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown: int) -> None:
-    with _twin(version) as twin, SGLangClient(twin.url, timeout_s=5.0) as reader:
+    now = [time.time()]
+    with (
+        _twin(version) as twin,
+        SGLangClient(twin.url, timeout_s=5.0, clock=lambda: now[0]) as reader,
+    ):
         twin.wait_healthy(20)
         httpx.post(twin.url + "/v1/completions", json={"max_tokens": 300}, timeout=20)
-        time.sleep(0.5)  # reports of an idle scheduler
+        time.sleep(REPORTED_S)  # reports of an idle scheduler
         first = reader.observe()
-        time.sleep(STALE_LOAD_AFTER_S + 0.5)
+        now[0] += STALE_LOAD_AFTER_S + 0.5
         later = reader.observe()
         page = httpx.get(twin.url + "/metrics", timeout=10).text
     assert isinstance(first, Observation), first
@@ -237,12 +255,16 @@ def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown
 # from before the model loads (0.5.11+; the DP controller too, with several DP ranks), and
 # 0.5.23's schedulers, polling without sleep, count their CPU and loop time on every TP
 # rank. The twin left all of them at 0, and had no DP controller.
-def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
+def test_cpu_counters_move_as_sglangs_monitors_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The monitors' period (SGLang's 5 s) made short: the twin runs in this process. The
+    # wait is three periods, and the schedulers' counts must show all but half a second of it.
+    monitor_s, waited_s = 0.5, 1.5
+    monkeypatch.setattr(twin_server, "CPU_MONITOR_S", monitor_s)
     with _twin("0.5.23", "--dp-size", "2", "--tp-size", "2") as twin:
         twin.wait_healthy(20)
         first = httpx.get(twin.url + "/metrics", timeout=10).text
         httpx.post(twin.url + "/v1/completions", json={"max_tokens": 100}, timeout=20)
-        time.sleep(CPU_MONITOR_S + 0.5)
+        time.sleep(waited_s)
         later = httpx.get(twin.url + "/metrics", timeout=10).text
     used = {
         labels["component"]: value
@@ -254,7 +276,7 @@ def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
     )
     scheduler = _samples(later, "sglang:scheduler_process_cpu_seconds_total")
     assert len(scheduler) == 4  # every TP rank of both replicas
-    assert all(value > CPU_MONITOR_S for _, value in scheduler)
+    assert all(value > waited_s - 0.5 for _, value in scheduler)
     idle = [
         value
         for labels, value in _samples(later, "sglang:scheduler_stage_seconds_total")
@@ -276,7 +298,7 @@ def test_accept_rate_gauge_means_what_that_version_meant(version: str, meaning: 
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             c.post("/v1/completions", json={"prompt": "p", "max_tokens": 200})
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             page = c.get("/metrics").text
     (length,) = [v for _, v in _samples(page, "sglang:spec_accept_length")]
     (got,) = [v for _, v in _samples(page, "sglang:spec_accept_rate")]
@@ -298,6 +320,15 @@ def _figures(info: dict[str, Any]) -> tuple[set[str], set[str], dict[str, Any]]:
     return set(state) - set(info), set(info) - set(state), state["memory_usage"]
 
 
+def _decode_on_both_ranks(client: httpx.Client) -> None:
+    """One 400-token request per DP rank (round robin), side by side: each rank runs decode
+    logs."""
+    body = {"prompt": "p", "max_tokens": 400}
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
+    assert [r.status_code for r in done] == [200, 200]
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
     version: str,
@@ -308,9 +339,8 @@ def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             fresh = c.get("/get_server_info").json()
             fresh_loads = c.get("/v1/loads")
-            for _ in range(2):  # one per DP rank: each runs decode logs
-                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
-            time.sleep(0.5)
+            _decode_on_both_ranks(c)
+            time.sleep(REPORTED_S)
             info = c.get("/get_server_info").json()
             loads = c.get("/v1/loads")
     # That SGLang's fields exactly: all its arguments, no twin flags, nothing newer.
@@ -358,14 +388,14 @@ def _timed_status(client: httpx.Client, path: str) -> tuple[int, float]:
     ],
 )
 def test_health_checks_take_sglangs_second(
-    version: str, env: dict[str, str], health_waits: bool
+    monkeypatch: pytest.MonkeyPatch, version: str, env: dict[str, str], health_waits: bool
 ) -> None:
     # SGLang's health_generate sends a 1-token generation, then sleeps a second before it
     # first looks for an answer: a healthy server answers 200 after >= 1 s, never sooner.
-    with TwinProcess(
-        [*SPEC4_ARGS, "--sglang-version", version, *FAST_TWIN_VERSION_ARGS],
-        env={**os.environ, **env},
-    ) as twin:
+    # (The twin reads the variable as SGLang does, at each probe: here this process's.)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with TwinThread([*SPEC4_ARGS, "--sglang-version", version, *FAST]) as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             status, took = _timed_status(c, "/health_generate")
@@ -444,7 +474,7 @@ def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) ->
 
 
 def test_metrics_off_is_fastapis_404() -> None:
-    with TwinProcess([*SPEC4_ARGS, *FAST_TWIN_VERSION_ARGS]) as twin:
+    with TwinThread([*SPEC4_ARGS, *FAST]) as twin:
         twin.wait_healthy(20)
         response = httpx.get(twin.url + "/metrics", timeout=10)
     assert (response.status_code, response.json()) == (404, {"detail": "Not Found"})
@@ -585,9 +615,8 @@ def test_v1_loads_is_that_versions_shape(version: str) -> None:
     with _twin(version, "--dp-size", "2") as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20) as c:
-            for _ in range(2):
-                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
-            time.sleep(0.5)
+            _decode_on_both_ranks(c)
+            time.sleep(REPORTED_S)
             body = c.get("/v1/loads").json()
             core = c.get("/v1/loads", params={"include": "core", "dp_rank": "1"}).json()
             bad = c.get("/v1/loads", params={"include": "nonsense"})
@@ -624,7 +653,7 @@ def test_scheduler_counters_move_with_the_work_it_did() -> None:
         with httpx.Client(base_url=twin.url, timeout=20) as c:
             for tokens in (120, 80, 200):  # one after the other: admitted alone
                 c.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": tokens})
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             page = c.get("/metrics").text
     requests = _total(page, "sglang:num_requests_total")  # the warm-up's and these 3
     assert requests == 4
@@ -648,15 +677,16 @@ def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
     with _twin("0.5.23", "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=30) as c:
-            time.sleep(0.3)
+            time.sleep(REPORTED_S)
             body = {"prompt": "p", "max_tokens": 3000, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as long:
                 lines = long.iter_lines()
                 next(lines)
-                time.sleep(1.0)  # decode batches go by
+                # Decode batches go by: ~38 at 4 steps, 0.038 off the ratio (0.01 would do).
+                time.sleep(0.5)
                 c.post("/v1/completions", json={"prompt": "q", "max_tokens": 2})
                 busy = _value(c.get("/metrics").text, "sglang:new_token_ratio")
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)  # the hung-up stream ends: the scheduler idles
             c.post("/v1/completions", json={"prompt": "r", "max_tokens": 2})
             fresh = _value(c.get("/metrics").text, "sglang:new_token_ratio")
     assert 0.098 <= busy < 0.69
