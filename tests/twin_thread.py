@@ -25,6 +25,7 @@ from types import TracebackType
 
 import httpx
 
+from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.process import HOST, free_port
 from specd.twin.server import TwinConfig, resolve, run_until
@@ -92,7 +93,7 @@ class TwinThread:
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Wait until /health answers 200; raise RuntimeError if the twin ends or times out."""
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=verifying_context()) as client:
             while time.monotonic() < deadline:
                 if not self._thread.is_alive():
                     raise RuntimeError(

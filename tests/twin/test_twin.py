@@ -217,7 +217,9 @@ def test_port_0_serves_on_a_free_port_it_announces(tmp_path: Path) -> None:
         assert found is not None, log.read_text()
         port = int(found.group(1))
         assert port != 0, log.read_text()
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", timeout=5, verify=verifying_context()
+        ) as c:
             while time.monotonic() < deadline and proc.poll() is None:
                 with contextlib.suppress(httpx.HTTPError):
                     if c.get("/health").status_code == 200:
@@ -387,7 +389,7 @@ def test_exposition_matches_real_sglang_page() -> None:
     # A 48-token KV pool: the twin's prefix cache evicts, as the real page's server had.
     with TwinThread([*SPEC4, "--enable-metrics", "--max-total-tokens", "48", *FAST]) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
             c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
             # A client that goes away mid-stream is an aborted request, as in SGLang.
@@ -429,16 +431,19 @@ def test_dp_ranks_404_and_failure_injection() -> None:
     with TwinThread(args) as twin, TwinThread([*SPEC4, *FAST]) as plain:
         twin.wait_healthy(20)
         plain.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
         assert len(page) > 200_000
         fams = {f.name: f for f in text_string_to_metric_families(page)}
         ranks = sorted(s.labels["dp_rank"] for s in fams["sglang:num_running_reqs"].samples)
         assert ranks == ["0", "1"]
-        info = httpx.get(twin.url + "/server_info", timeout=10).json()
+        info = httpx.get(twin.url + "/server_info", timeout=10, verify=verifying_context()).json()
         assert "speculative_num_steps" not in info
         assert "version" not in info
         assert len(info["internal_states"]) == 2
-        assert httpx.get(plain.url + "/metrics", timeout=10).status_code == 404
+        assert (
+            httpx.get(plain.url + "/metrics", timeout=10, verify=verifying_context()).status_code
+            == 404
+        )
 
 
 @pytest.mark.parametrize(
@@ -459,7 +464,7 @@ def test_failure_flags(flag: str, check: object) -> None:
             except httpx.HTTPError:
                 time.sleep(0.05)
         time.sleep(REPORTED_S)  # its warm-up is over
-        with httpx.Client(base_url=twin.url, timeout=10) as c:
+        with httpx.Client(base_url=twin.url, timeout=10, verify=verifying_context()) as c:
             assert check(c)  # type: ignore[operator]
 
 
@@ -482,7 +487,12 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
         [*SPEC4[:3], "3", *SPEC4[4:-1], "4", "--enable-metrics", *FAST], port=port
     ) as t:
         t.wait_healthy(20)
-        assert httpx.get(t.url + "/server_info").json()["speculative_num_steps"] == 3
+        assert (
+            httpx.get(t.url + "/server_info", verify=verifying_context()).json()[
+                "speculative_num_steps"
+            ]
+            == 3
+        )
     assert not _port_open(port)
     seen: list[str] = []
     # Loading and warming up each last over ten probes' time (a probe every 0.05 s).
@@ -505,8 +515,13 @@ def test_restart_with_new_steps_closed_then_503_then_200() -> None:
                 break
             time.sleep(0.05)
         assert seen == ["closed", "503", "200"]
-        assert httpx.get(twin.url + "/server_info").json()["speculative_num_steps"] == 4
-        page = httpx.get(twin.url + "/metrics").text
+        assert (
+            httpx.get(twin.url + "/server_info", verify=verifying_context()).json()[
+                "speculative_num_steps"
+            ]
+            == 4
+        )
+        page = httpx.get(twin.url + "/metrics", verify=verifying_context()).text
         assert 'sglang:spec_num_steps{engine_type="unified"' in page
         steps = next(
             f for f in text_string_to_metric_families(page) if f.name == "sglang:spec_num_steps"
@@ -523,7 +538,10 @@ def test_queueing_beyond_capacity_and_sigterm_drain() -> None:
         # busy machine: at 300 tokens it ended before them after a 1.5 s stall of this test.
         def one() -> None:
             r = httpx.post(
-                twin.url + "/v1/completions", json={"prompt": "p", "max_tokens": 800}, timeout=30
+                twin.url + "/v1/completions",
+                json={"prompt": "p", "max_tokens": 800},
+                timeout=30,
+                verify=verifying_context(),
             )
             results.append(r.json()["usage"]["completion_tokens"])
 
@@ -532,7 +550,7 @@ def test_queueing_beyond_capacity_and_sigterm_drain() -> None:
             th.start()
         deadline = time.monotonic() + 10.0
         while True:
-            loads = httpx.get(twin.url + "/v1/loads").json()["loads"][0]
+            loads = httpx.get(twin.url + "/v1/loads", verify=verifying_context()).json()["loads"][0]
             seen = (loads["num_running_reqs"], loads["num_waiting_reqs"])
             if seen == (2, 2) or time.monotonic() > deadline:
                 break
@@ -540,11 +558,14 @@ def test_queueing_beyond_capacity_and_sigterm_drain() -> None:
         assert seen == (2, 2)
         twin.terminate()
         time.sleep(0.3)
-        assert httpx.get(twin.url + "/health").status_code == 503
+        assert httpx.get(twin.url + "/health", verify=verifying_context()).status_code == 503
         # Still accepting while draining, like SGLang.
         # Queued behind the two waiting requests: served once they are.
         late = httpx.post(
-            twin.url + "/v1/completions", json={"prompt": "p", "max_tokens": 5}, timeout=30
+            twin.url + "/v1/completions",
+            json={"prompt": "p", "max_tokens": 5},
+            timeout=30,
+            verify=verifying_context(),
         )
         assert late.status_code == 200
         assert twin.poll() is None
@@ -565,7 +586,7 @@ def test_streaming_throughput_matches_table(concurrency: int) -> None:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 250, "stream": True}
 
         def client() -> None:
-            with httpx.Client(base_url=twin.url, timeout=30) as c:
+            with httpx.Client(base_url=twin.url, timeout=30, verify=verifying_context()) as c:
                 c.get("/v1/models")  # connection up before the clock starts
                 barrier.wait()
                 with c.stream("POST", "/v1/chat/completions", json=body) as s:
@@ -599,7 +620,9 @@ def test_continuous_usage_stats_like_sglang(
     body = {"prompt": "hi", "max_tokens": 40, "stream": True, "stream_options": stream_options}
     with TwinThread([*SPEC4, *FAST]) as twin:
         twin.wait_healthy(20)
-        with httpx.stream("POST", twin.url + "/v1/completions", json=body, timeout=30) as s:
+        with httpx.stream(
+            "POST", twin.url + "/v1/completions", json=body, timeout=30, verify=verifying_context()
+        ) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     content = [c for c in chunks if c["choices"]]
     counts = [c["usage"]["completion_tokens"] for c in content if "usage" in c]
@@ -623,12 +646,12 @@ def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
         for path, body in bodies.items():
             # Leaving the block closes the connection mid-stream; the twin's next write fails.
             with (
-                httpx.Client(base_url=twin.url, timeout=20) as c,
+                httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c,
                 c.stream("POST", path, json=body) as s,
             ):
                 assert next(line for line in s.iter_lines() if line.startswith("data:"))
         time.sleep(1.5)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             assert c.get("/health").status_code == 200
         log = twin.log()
     assert "Traceback" not in log, log[-3000:]
@@ -641,9 +664,16 @@ def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
 def test_server_info_accept_length_only_with_speculation(argv: list[str], has_accept: bool) -> None:
     with TwinThread([*argv, *FAST, "--decode-log-interval", "10"]) as twin:
         twin.wait_healthy()
-        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 100}, timeout=20)
+        httpx.post(
+            twin.url + "/v1/completions",
+            json={"max_tokens": 100},
+            timeout=20,
+            verify=verifying_context(),
+        )
         time.sleep(REPORTED_S)  # a decode log
-        states = httpx.get(twin.url + "/server_info", timeout=10).json()["internal_states"]
+        states = httpx.get(
+            twin.url + "/server_info", timeout=10, verify=verifying_context()
+        ).json()["internal_states"]
         assert ("avg_spec_accept_length" in states[0]) is has_accept
 
 
@@ -686,7 +716,9 @@ def test_dp_ranks_run_what_sglang_gives_them_and_specd_reads_it(
     args = [*SPEC4, "--enable-metrics", "--dp-size", "2", "--sglang-version", version, *flags]
     with TwinThread([*args, *FAST]) as twin, contextlib.ExitStack() as streams:
         twin.wait_healthy(20)
-        info = httpx.get(twin.url + "/get_server_info", timeout=10).json()
+        info = httpx.get(
+            twin.url + "/get_server_info", timeout=10, verify=verifying_context()
+        ).json()
         assert (info["dp_size"], info.get("attn_dp_size")) == sizes
         assert info["enable_dp_attention"] is ("--enable-dp-attention" in flags)
         states = info["internal_states"]
@@ -695,11 +727,13 @@ def test_dp_ranks_run_what_sglang_gives_them_and_specd_reads_it(
             assert not any("effective_max_running_requests_per_dp" in st for st in states)
         else:
             assert [st["effective_max_running_requests_per_dp"] for st in states] == shares
-            loads = httpx.get(twin.url + "/v1/loads", timeout=10).json()["loads"]
+            loads = httpx.get(
+                twin.url + "/v1/loads", timeout=10, verify=verifying_context()
+            ).json()["loads"]
             assert [ld["max_running_requests"] for ld in loads] == shares
         # 20 requests at once, far more than the ranks hold (open, never read: the twin
         # answers the headers once a request is in).
-        load = httpx.Client(base_url=twin.url, timeout=20)
+        load = httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context())
         streams.callback(load.close)
         body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
         for _ in range(20):
@@ -820,8 +854,8 @@ def test_attn_dp_size_runs_attention_dp_groups_end_to_end() -> None:
     args = [*SPEC4, "--enable-metrics", "--tp-size", "4", "--attn-dp-size", "2", *FAST]
     with TwinThread(args) as twin:
         twin.wait_healthy(20)
-        info = httpx.get(twin.url + "/server_info", timeout=10).json()
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        info = httpx.get(twin.url + "/server_info", timeout=10, verify=verifying_context()).json()
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert (info["dp_size"], info["attn_dp_size"], info["enable_dp_attention"]) == (1, 2, True)
     assert [st["effective_max_running_requests_per_dp"] for st in info["internal_states"]] == [
         6,
@@ -895,7 +929,7 @@ def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
     body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
     with TwinThread(args) as twin, contextlib.ExitStack() as streams:
         twin.wait_healthy(20)
-        client = httpx.Client(base_url=twin.url, timeout=20)
+        client = httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context())
         streams.callback(client.close)
         # Two 1000-token prompts per DP rank: the second needs the first's cached slots in
         # the 2000-token pool, so every rank's radix cache evicts (its series appear).
@@ -948,7 +982,7 @@ def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
     body = {"prompt": "x", "max_tokens": 100_000, "stream": True}
     with TwinThread(args) as twin, contextlib.ExitStack() as streams:
         twin.wait_healthy(20)
-        client = httpx.Client(base_url=twin.url, timeout=20)
+        client = httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context())
         streams.callback(client.close)
         for _ in range(3):  # round robin: 2 on DP rank 0, 1 on DP rank 1
             streams.enter_context(client.stream("POST", "/v1/completions", json=body))
@@ -990,7 +1024,7 @@ def test_retractions_are_counted_on_every_tp_rank_and_read_once(version: str) ->
     args += ["--max-running-requests", "4", "--max-total-tokens", "150", *FAST]
     with TwinThread(args) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=60) as client:
+        with httpx.Client(base_url=twin.url, timeout=60, verify=verifying_context()) as client:
             body = {"prompt": "a b c", "max_tokens": 60}
             with ThreadPoolExecutor(4) as pool:  # 4 x 63 tokens: more than the pool holds
                 done = list(pool.map(lambda _: client.post("/v1/completions", json=body), "abcd"))

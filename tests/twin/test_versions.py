@@ -18,6 +18,7 @@ from twin_thread import INSTANT, TwinThread
 
 from specd.core.observation import Observation
 from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
+from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin import server as twin_server
 from specd.twin.server import TwinConfigError, resolve
@@ -71,7 +72,7 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
     # page has not yet.
     with _twin(version, "--max-total-tokens", "48") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/metrics").text
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
             c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
@@ -111,7 +112,7 @@ def test_each_tp_rank_has_the_series_its_scheduler_emits(
     flags = ["--enable-metrics-for-all-schedulers"] if all_schedulers else []
     with _twin(version, "--tp-size", "2", *flags) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
             time.sleep(REPORTED_S)
             page = c.get("/metrics").text
@@ -125,7 +126,7 @@ def test_each_tp_rank_has_the_series_its_scheduler_emits(
 def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     # One /generate of 8 tokens for "The capital city of France is" (6 words here).
     assert _total(page, "sglang:num_requests_total") == 1
     assert _total(page, "sglang:generation_tokens_total") == 8
@@ -149,7 +150,7 @@ def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
 def test_warmup_with_dp_ranks_sends_one_prompt_per_rank() -> None:
     with _twin("0.5.23", "--dp-size", "2") as twin:
         twin.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert _total(page, "sglang:num_requests_total") == 2
     assert _total(page, "sglang:generation_tokens_total") == 16
 
@@ -157,7 +158,7 @@ def test_warmup_with_dp_ranks_sends_one_prompt_per_rank() -> None:
 def test_skip_server_warmup_leaves_the_request_series_out() -> None:
     with _twin("0.5.23", "--skip-server-warmup") as twin:
         twin.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert _samples(page, "sglang:num_requests_total") == []
 
 
@@ -177,7 +178,7 @@ def test_endpoints_and_reported_version(version: str) -> None:
     # A decode log per decode batch: the warm-up's set the step gauge (see below).
     with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=10) as c:
+        with httpx.Client(base_url=twin.url, timeout=10, verify=verifying_context()) as c:
             for path, have in ENDPOINTS:
                 assert c.get(path).status_code == (200 if version in have else 404), path
             info = c.get("/get_server_info").json()
@@ -202,14 +203,14 @@ def _value(page: str, name: str) -> float:
 def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/metrics").text
             c.post("/v1/completions", json={"prompt": "p", "max_tokens": 300})  # ~80 batches
             time.sleep(REPORTED_S)  # reports of an idle scheduler
             idle = c.get("/metrics").text
     with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
-        logged = httpx.get(twin.url + "/metrics", timeout=10).text
+        logged = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     for name in ("spec_num_steps", "spec_num_draft_tokens", "spec_accept_length"):
         assert _value(fresh, f"sglang:{name}") == 0.0, name
     assert (_value(logged, "sglang:spec_num_steps"), _value(idle, "sglang:spec_num_steps")) == (
@@ -239,12 +240,17 @@ def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown
         SGLangClient(twin.url, timeout_s=5.0, clock=lambda: now[0]) as reader,
     ):
         twin.wait_healthy(20)
-        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 300}, timeout=20)
+        httpx.post(
+            twin.url + "/v1/completions",
+            json={"max_tokens": 300},
+            timeout=20,
+            verify=verifying_context(),
+        )
         time.sleep(REPORTED_S)  # reports of an idle scheduler
         first = reader.observe()
         now[0] += STALE_LOAD_AFTER_S + 0.5
         later = reader.observe()
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert isinstance(first, Observation), first
     assert isinstance(later, Observation), later
     assert _value(page, "sglang:num_running_reqs") == shown
@@ -262,10 +268,15 @@ def test_cpu_counters_move_as_sglangs_monitors_count(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(twin_server, "CPU_MONITOR_S", monitor_s)
     with _twin("0.5.23", "--dp-size", "2", "--tp-size", "2") as twin:
         twin.wait_healthy(20)
-        first = httpx.get(twin.url + "/metrics", timeout=10).text
-        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 100}, timeout=20)
+        first = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
+        httpx.post(
+            twin.url + "/v1/completions",
+            json={"max_tokens": 100},
+            timeout=20,
+            verify=verifying_context(),
+        )
         time.sleep(waited_s)
-        later = httpx.get(twin.url + "/metrics", timeout=10).text
+        later = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     used = {
         labels["component"]: value
         for labels, value in _samples(later, "sglang:process_cpu_seconds_total")
@@ -296,7 +307,7 @@ def test_cpu_counters_move_as_sglangs_monitors_count(monkeypatch: pytest.MonkeyP
 def test_accept_rate_gauge_means_what_that_version_meant(version: str, meaning: str) -> None:
     with _twin(version, "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             c.post("/v1/completions", json={"prompt": "p", "max_tokens": 200})
             time.sleep(REPORTED_S)
             page = c.get("/metrics").text
@@ -336,7 +347,7 @@ def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
     real = version_server_info(version)
     with _twin(version, "--dp-size", "2") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/get_server_info").json()
             fresh_loads = c.get("/v1/loads")
             _decode_on_both_ranks(c)
@@ -397,7 +408,7 @@ def test_health_checks_take_sglangs_second(
         monkeypatch.setenv(name, value)
     with TwinThread([*SPEC4_ARGS, "--sglang-version", version, *FAST]) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             status, took = _timed_status(c, "/health_generate")
             assert status == 200
             assert took >= 1.0
@@ -429,7 +440,7 @@ MODEL_INFO_KEYS["0.5.13"] = MODEL_INFO_KEYS["0.5.11"]
 def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             model_info = c.get("/get_model_info").json()
             models = c.get("/v1/models").json()
             missing = c.get("/no/such/path")
@@ -476,7 +487,7 @@ def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) ->
 def test_metrics_off_is_fastapis_404() -> None:
     with TwinThread([*SPEC4_ARGS, *FAST]) as twin:
         twin.wait_healthy(20)
-        response = httpx.get(twin.url + "/metrics", timeout=10)
+        response = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context())
     assert (response.status_code, response.json()) == (404, {"detail": "Not Found"})
 
 
@@ -533,7 +544,7 @@ ASKS = [
 def test_metrics_negotiates_like_prometheus_clients_asgi_app() -> None:
     with _twin("0.5.23") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             plain = c.get("/metrics", headers={"Accept": "*/*"}).text
             prometheus_2 = c.get("/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
             answers = []
@@ -614,7 +625,7 @@ def test_v1_loads_is_that_versions_shape(version: str) -> None:
     top, rank_keys, queue_keys = LOADS_SHAPE[version]
     with _twin(version, "--dp-size", "2") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             _decode_on_both_ranks(c)
             time.sleep(REPORTED_S)
             body = c.get("/v1/loads").json()
@@ -650,7 +661,7 @@ def test_scheduler_counters_move_with_the_work_it_did() -> None:
     # per verify, prompt tokens as effective prefill input, each request's stages.
     with _twin("0.5.23", "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             for tokens in (120, 80, 200):  # one after the other: admitted alone
                 c.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": tokens})
             time.sleep(REPORTED_S)
@@ -676,7 +687,7 @@ def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
     # (0.7 - 0.098) / 600 step lower per decode batch run since, never below 0.098.
     with _twin("0.5.23", "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=30) as c:
+        with httpx.Client(base_url=twin.url, timeout=30, verify=verifying_context()) as c:
             time.sleep(REPORTED_S)
             body = {"prompt": "p", "max_tokens": 3000, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as long:
@@ -696,7 +707,7 @@ def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
 def test_context_length_given_is_the_servers_context() -> None:
     with _twin("0.5.23", "--context-length", "32768", "--mem-fraction-static", "0.85") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             info = c.get("/server_info").json()
             models = c.get("/v1/models").json()
             page = c.get("/metrics").text
