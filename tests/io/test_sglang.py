@@ -697,7 +697,8 @@ def test_asked_for_server_info_is_read_fresh_and_reported(server: PageServer) ->
     assert server.hits == ["/metrics", "/server_info", "/server_info", "/metrics"]
 
 
-TWIN_FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+# Up at once: what these restarts show is the page of a new start, not its load.
+TWIN_FAST = ["--load-time-s", "0", "--warmup-s", "0", "--report-interval-s", "0.2"]
 
 
 def twin_args(steps: int) -> list[str]:
@@ -764,12 +765,15 @@ def test_twin_restart_between_two_scrapes_is_noticed() -> None:
 
 # ---- one deadline per scrape: a server that trickles bytes ------------------------------
 
-TRICKLE_INTERVAL_S = 1.0  # a byte a second
+# A byte every quarter second against a half-second deadline: each read gets a byte well
+# within the timeout (a timeout per read never fires), the whole answer takes many seconds.
+TRICKLE_INTERVAL_S = 0.25
 
 
 @dataclass
 class Trickler:
-    """A real HTTP server on 127.0.0.1 answering chosen paths a byte a second."""
+    """A real HTTP server on 127.0.0.1 answering chosen paths a byte every
+    TRICKLE_INTERVAL_S."""
 
     url: str
     # path -> "headers" (the status line and headers trickle), "body" (headers at once, the
@@ -845,7 +849,7 @@ def trickler() -> Iterator[Trickler]:
         listener.close()
 
 
-SCRAPE_TIMEOUT_S = 2.0
+SCRAPE_TIMEOUT_S = 0.5
 
 
 @pytest.mark.parametrize("mode", ["headers", "body", "silent"])
@@ -879,7 +883,7 @@ def test_trickling_server_info_times_out_by_one_deadline(trickler: Trickler, mod
         took_observe = time.monotonic() - started
     assert isinstance(info_result, ScrapeError)
     assert info_result.kind == "timeout"
-    assert "GET /server_info: no answer within 2 s" in info_result.reason
+    assert f"GET /server_info: no answer within {SCRAPE_TIMEOUT_S:g} s" in info_result.reason
     assert took_info <= SCRAPE_TIMEOUT_S + 1.0
     # The whole scrape, /metrics and /server_info together, keeps the one deadline; the
     # page alone still gives an Observation.
@@ -902,7 +906,7 @@ def test_trickling_health_probe_times_out(trickler: Trickler, mode: str) -> None
 def test_fast_server_after_a_timeout_is_read_in_full(trickler: Trickler) -> None:
     # The deadline belongs to one scrape: the next one starts with its own.
     trickler.modes["/metrics"] = "silent"
-    with SGLangClient(trickler.url, timeout_s=1.0) as client:
+    with SGLangClient(trickler.url, timeout_s=SCRAPE_TIMEOUT_S) as client:
         assert isinstance(client.observe(), ScrapeError)
         del trickler.modes["/metrics"]
         again = client.observe()
