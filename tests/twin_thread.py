@@ -27,8 +27,9 @@ import httpx
 
 from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
+from specd.twin.launch import TwinConfig, resolve
 from specd.twin.process import HOST, free_port
-from specd.twin.server import TwinConfig, resolve, run_until
+from specd.twin.server import run_until
 
 # A twin that is up at once: the load and warm-up timers are what a test of them sets.
 INSTANT = ("--load-time-s", "0", "--warmup-s", "0")

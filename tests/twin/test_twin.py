@@ -25,9 +25,10 @@ from specd.core.observation import Observation
 from specd.io.sglang import SGLangClient
 from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
+from specd.twin.launch import TwinConfigError, resolve
 from specd.twin.preset import preset_table
 from specd.twin.process import TwinProcess, free_port, stop_process
-from specd.twin.server import Twin, TwinConfigError, resolve
+from specd.twin.server import Twin
 
 REAL_PAGE = Path(__file__).parents[1] / "fixtures" / "twin" / "sglang-0.5.23-metrics-loaded.prom"
 # Up at once, its scheduler reporting every 0.05 s: the load and warm-up timers are what a

@@ -21,7 +21,7 @@ from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
 from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin import server as twin_server
-from specd.twin.server import TwinConfigError, resolve
+from specd.twin.launch import TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
 PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
