@@ -19,6 +19,7 @@ import pytest
 from factories import make_fixtures_module
 from pages import PageServer, Route, page_server
 from prometheus_client.parser import text_string_to_metric_families
+from twin_zygote import ForkedTwin
 
 from specd import cli
 from specd.core.acceptance import accept_length_from_alpha, alpha_from_accept_length
@@ -33,7 +34,7 @@ from specd.io.sglang import (
     parse_metrics,
 )
 from specd.io.tls import verifying_context
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
@@ -697,7 +698,8 @@ def test_asked_for_server_info_is_read_fresh_and_reported(server: PageServer) ->
     assert server.hits == ["/metrics", "/server_info", "/server_info", "/metrics"]
 
 
-# Up at once: what these restarts show is the page of a new start, not its load.
+# Up at once: what these restarts show is the page of a new start, not its load. Each start
+# is a process of its own (new pids), forked from a warm interpreter (tests/twin_zygote.py).
 TWIN_FAST = ["--load-time-s", "0", "--warmup-s", "0", "--report-interval-s", "0.2"]
 
 
@@ -724,7 +726,7 @@ def server_info_hits(url: str) -> int:
 
 def test_twin_serves_server_info_once_per_start() -> None:
     port = free_port()
-    with TwinProcess(twin_args(4), port=port) as twin:
+    with ForkedTwin(twin_args(4), port=port) as twin:
         twin.wait_healthy(20)
         client = SGLangClient(twin.url, timeout_s=3.0)
         observed = [client.observe() for _ in range(10)]
@@ -737,7 +739,7 @@ def test_twin_serves_server_info_once_per_start() -> None:
     assert isinstance(down, ScrapeError)
     assert down.kind == "refused"
     for steps in (4, 3):  # a restart at the same steps (new pids), then at other steps
-        with TwinProcess(twin_args(steps), port=port) as twin:
+        with ForkedTwin(twin_args(steps), port=port) as twin:
             twin.wait_healthy(20)
             seen = [client.observe() for _ in range(5)]
             assert all(isinstance(o, Observation) for o in seen), seen
@@ -752,10 +754,10 @@ def test_twin_restart_between_two_scrapes_is_noticed() -> None:
     # No failed scrape in between: the new start shows only on the page (pids, counters).
     port = free_port()
     client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=3.0)
-    with TwinProcess(twin_args(4), port=port) as twin:
+    with ForkedTwin(twin_args(4), port=port) as twin:
         twin.wait_healthy(20)
         assert isinstance(client.observe(), Observation)
-    with TwinProcess(twin_args(4), port=port) as twin:
+    with ForkedTwin(twin_args(4), port=port) as twin:
         twin.wait_healthy(20)
         assert isinstance(client.observe(), Observation)
         assert isinstance(client.observe(), Observation)
