@@ -46,9 +46,13 @@ def _samples(page: str, prefix: str = "sglang:") -> dict[str, float]:
     }
 
 
+def _gauges(url: str) -> dict[str, float]:
+    """One scrape's samples (one page parsed: a poll reads all it needs from it)."""
+    return _samples(httpx.get(url + "/metrics", timeout=5, verify=verifying_context()).text)
+
+
 def _gauge(url: str, name: str) -> float | None:
-    page = httpx.get(url + "/metrics", timeout=5, verify=verifying_context()).text
-    return _samples(page).get(name)
+    return _gauges(url).get(name)
 
 
 def _wait_for(check: object, timeout_s: float = 10.0, every_s: float = 0.05) -> bool:
@@ -171,8 +175,8 @@ def test_adaptive_tier_follows_batch_size_at_the_deepest_candidates_capacity(
             with _hold(twin.url, running):
                 assert _wait_for(
                     lambda running=running, tier=tier: (
-                        _running(twin.url) == running
-                        and _gauge(twin.url, "sglang:spec_num_steps") == tier
+                        (page := _gauges(twin.url)).get("sglang:num_running_reqs") == running
+                        and page.get("sglang:spec_num_steps") == tier
                     )
                 ), (running, tier, _gauge(twin.url, "sglang:spec_num_steps"))
                 assert _gauge(twin.url, "sglang:spec_num_draft_tokens") == tier + 1
@@ -193,8 +197,9 @@ def test_adaptive_tier_follows_acceptance_with_hysteresis(
             seen = set()
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
-                value = _gauge(twin.url, "sglang:spec_num_steps")
-                if _running(twin.url) == 1 and value is not None:
+                page = _gauges(twin.url)
+                value = page.get("sglang:spec_num_steps")
+                if page.get("sglang:num_running_reqs") == 1 and value is not None:
                     seen.add(value)
                 time.sleep(0.1)
             assert _gauge(twin.url, "sglang:spec_num_steps") == tier
