@@ -331,10 +331,15 @@ def _figures(info: dict[str, Any]) -> tuple[set[str], set[str], dict[str, Any]]:
     return set(state) - set(info), set(info) - set(state), state["memory_usage"]
 
 
+# A decode log every 10 decode batches (SGLang's 40 took 400 tokens a rank): the warm-up's
+# two or three still make none, a 100-token request (~28 verifies at 4 steps) makes two.
+DECODE_LOG_EVERY_10 = ("--decode-log-interval", "10")
+
+
 def _decode_on_both_ranks(client: httpx.Client) -> None:
-    """One 400-token request per DP rank (round robin), side by side: each rank runs decode
-    logs."""
-    body = {"prompt": "p", "max_tokens": 400}
+    """One 100-token request per DP rank (round robin), side by side: each rank runs decode
+    logs (at DECODE_LOG_EVERY_10)."""
+    body = {"prompt": "p", "max_tokens": 100}
     with ThreadPoolExecutor(2) as pool:
         done = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
     assert [r.status_code for r in done] == [200, 200]
@@ -345,7 +350,7 @@ def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
     version: str,
 ) -> None:
     real = version_server_info(version)
-    with _twin(version, "--dp-size", "2") as twin:
+    with _twin(version, "--dp-size", "2", *DECODE_LOG_EVERY_10) as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/get_server_info").json()
@@ -623,7 +628,7 @@ LOADS_SHAPE: dict[str, tuple[list[str], list[str], list[str]]] = {
 @pytest.mark.parametrize("version", sorted(LOADS_SHAPE))
 def test_v1_loads_is_that_versions_shape(version: str) -> None:
     top, rank_keys, queue_keys = LOADS_SHAPE[version]
-    with _twin(version, "--dp-size", "2") as twin:
+    with _twin(version, "--dp-size", "2", *DECODE_LOG_EVERY_10) as twin:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             _decode_on_both_ranks(c)
