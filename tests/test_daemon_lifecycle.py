@@ -27,9 +27,12 @@ from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.notify import Notifier
 
 WATCHDOG_S = 1.0
-# Long enough for several extensions at one every half watchdog period; a whole period is
-# slack for a loaded 2-core machine.
-HOLD_S = 3.0
+# A sequence that is stopped lasts long enough for four extensions at one every half
+# watchdog period (three are asserted) and, hung, for more than a period without one; a
+# whole period is slack for a loaded 2-core machine. One that is not stopped extends
+# nothing, however long it runs: it ends as soon as it may.
+HOLD_S = 2.0
+UNSTOPPED_HOLD_S = 0.2
 
 
 @dataclass
@@ -99,6 +102,7 @@ class ScriptedApplier:
         pre_journal: bool = False,
         hang_after_stop: bool = False,
         planned: bool = False,
+        hold_s: float = HOLD_S,
     ) -> None:
         self.received = received
         self.reader = reader
@@ -106,6 +110,7 @@ class ScriptedApplier:
         # A journal at "planned" (a drain may follow), and a stop there ends the change.
         self.planned = planned
         self.hang_after_stop = hang_after_stop
+        self.hold_s = hold_s
         self.daemon: Daemon | None = None
         self.in_sequence = threading.Event()
         self.seen_at_begin: list[str] | None = None  # what systemd had got by then
@@ -138,7 +143,7 @@ class ScriptedApplier:
             return ApplyOutcome("aborted", 4, 3, 0.0, "stop requested", None, 0, was, wanted)
         self.daemon._persist_journal({**JOURNAL, "from_setting": was, "to_setting": wanted})
         self.in_sequence.set()
-        end = time.monotonic() + HOLD_S
+        end = time.monotonic() + self.hold_s
         stopped_at: float | None = None
         while (left := end - time.monotonic()) > 0:
             if not stop.is_set():
@@ -155,7 +160,7 @@ class ScriptedApplier:
         if live_after is not None:  # SGLang runs what was applied (a replay: as it was)
             self.reader.results = [obs(IN_WINDOW, steps=live_after)]
         self.finished.set()
-        return ApplyOutcome("success", 4, 3, HOLD_S, "verified 3 steps", 13, 1, was, wanted)
+        return ApplyOutcome("success", 4, 3, self.hold_s, "verified 3 steps", 13, 1, was, wanted)
 
     def apply_setting(
         self,
@@ -231,7 +236,8 @@ def test_what_systemd_is_told_around_a_restart_sequence(
     if start == "pin":
         pin_now(cfg)
     reader = CountingReader()
-    applier = ScriptedApplier(systemd_side, reader, **script)
+    hold_s = HOLD_S if stop else UNSTOPPED_HOLD_S
+    applier = ScriptedApplier(systemd_side, reader, hold_s=hold_s, **script)
     d = daemon(cfg, reader, applier, [IN_WINDOW])  # type: ignore[arg-type]
     d.notifier = Notifier(
         {"NOTIFY_SOCKET": os.environ["NOTIFY_SOCKET"], "WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}

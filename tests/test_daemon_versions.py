@@ -9,13 +9,15 @@ import pytest
 from factories import OLD_VERSIONS as OLD
 from factories import StaticSGLang
 from test_daemon import IN_WINDOW, Applier, config, daemon
+from twin_thread import INSTANT, TwinThread
 
 from specd.core.decide import Reason
 from specd.io.sglang import SGLangClient
-from specd.twin.process import TwinProcess
 from specd.twin.versions import VERSIONS
 
-FAST = ["--load-time-s", "0.2", "--warmup-s", "0.2", "--report-interval-s", "0.2"]
+# The twin's HTTP surface is what the daemon reads: it runs in this process
+# (tests/twin_thread.py), up at once.
+FAST = [*INSTANT, "--report-interval-s", "0.2"]
 
 
 def spec(steps: int) -> list[str]:
@@ -39,7 +41,7 @@ def test_daemon_on_the_twin_sees_the_live_steps_and_decides(tmp_path: Path, vers
     applier = Applier()
     args = [*spec(3), "--enable-metrics", "--sglang-version", version, *FAST]
     with (
-        TwinProcess(args) as twin,
+        TwinThread(args) as twin,
         SGLangClient(twin.url, timeout_s=5, clock=lambda: clock[0]) as client,
     ):
         twin.wait_healthy(20)

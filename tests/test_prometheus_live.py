@@ -28,8 +28,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from twin_thread import TwinThread
 
-from specd.twin.process import TwinProcess, free_port, stop_process
+from specd.io.tls import verifying_context
+from specd.twin.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "specd.json"
@@ -122,7 +124,7 @@ class Loader:
 
     def _client(self) -> None:
         body = {"model": "default", "prompt": "hi", "max_tokens": self.max_tokens, "stream": True}
-        with httpx.Client(timeout=30) as client:
+        with httpx.Client(timeout=30, verify=verifying_context()) as client:
             while not self.stop.is_set():
                 try:
                     with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
@@ -161,7 +163,7 @@ class Stack:
             result: list[dict[str, Any]] = self.query(expr)["data"]["result"]
             if result or time.monotonic() > self.deadline:
                 return result
-            time.sleep(1.0)
+            time.sleep(0.25)  # Prometheus scrapes and evaluates every second
 
 
 def write_specd_config(tmp: Path, twin_url: str, metrics_port: int) -> Path:
@@ -229,9 +231,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     twin_args = [
         "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-        "--enable-metrics", "--load-time-s", "0.3", "--warmup-s", "0.2",
+        "--enable-metrics", "--load-time-s", "0", "--warmup-s", "0",
     ]  # fmt: skip
-    with TwinProcess(twin_args) as twin:
+    # What Prometheus scrapes of SGLang is the twin's page: the twin runs in this process
+    # (tests/twin_thread.py); specd and Prometheus are processes of their own.
+    with TwinThread(twin_args) as twin:
         twin.wait_healthy(30)
         specd_port, prom_port = free_port(), free_port()
         specd_cfg = write_specd_config(tmp, twin.url, specd_port)
@@ -252,7 +256,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             stdout=prom_log,
             stderr=subprocess.STDOUT,
         )
-        client = httpx.Client(timeout=10)
+        client = httpx.Client(timeout=10, verify=verifying_context())
         try:
             with Loader(twin.url, clients=4):
                 prom_url = f"http://127.0.0.1:{prom_port}"
@@ -282,7 +286,7 @@ def wait_targets_up(
             health = {}
         if health == {"specd": "up", "sglang": "up"}:
             return
-        time.sleep(0.5)
+        time.sleep(0.1)
     pytest.fail(f"targets not up within 30 s: {health}")
 
 
@@ -326,7 +330,7 @@ def test_every_rule_loaded_and_healthy(stack: Stack) -> None:
         evaluated = all(r.get("lastEvaluation", "0001").startswith("20") for r in loaded.values())
         if (set(loaded) == want and evaluated) or time.monotonic() > stack.deadline:
             break
-        time.sleep(1.0)
+        time.sleep(0.25)
     assert set(loaded) == want
     unhealthy = {name: r.get("lastError") for name, r in loaded.items() if r["health"] != "ok"}
     assert unhealthy == {}

@@ -275,8 +275,9 @@ def run(args: argparse.Namespace) -> int:
     # restart of the stand-in SGLang is a start. This process (the twin alone: the demo
     # runs it as a child) trusts no CA file unless its environment names one.
     os.environ.setdefault("SSL_CERT_FILE", os.devnull)
-    # aiohttp is imported only when the twin really runs (`specd twin --help` stays fast).
-    from specd.twin.server import TwinConfigError, resolve, serve  # noqa: PLC0415
+    # aiohttp is imported only when the twin really runs (`specd twin --help` stays fast),
+    # and then only once it listens (specd.twin.launch).
+    from specd.twin.launch import TwinConfigError, resolve, serve  # noqa: PLC0415
 
     try:
         config = resolve(args, argv=sys.argv)

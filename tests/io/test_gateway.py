@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from factories import SMG_ADMIN_KEY, LoopbackHTTP, QueuedRemovalGateway, QuietHandler, SmgGateway
+from twin_thread import INSTANT, TwinThread
 
 from specd.io.gateway import (
     IDLE_PROBE_S,
@@ -20,27 +21,28 @@ from specd.io.gateway import (
     WorkerNotListed,
     read_api_key,
 )
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import free_port
 
-FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+# The gateway's worker: a twin served in this process (tests/twin_thread.py), up at once.
+FAST = [*INSTANT, "--report-interval-s", "0.2"]
 SPEC4 = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "4",
          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5"]  # fmt: skip
 
 
 @pytest.fixture
-def twin() -> Iterator[TwinProcess]:
-    with TwinProcess([*SPEC4, "--enable-metrics", *FAST]) as t:
+def twin() -> Iterator[TwinThread]:
+    with TwinThread([*SPEC4, "--enable-metrics", *FAST]) as t:
         t.wait_healthy()
         yield t
 
 
 @pytest.fixture
-def gateway(twin: TwinProcess) -> Iterator[str]:
+def gateway(twin: TwinThread) -> Iterator[str]:
     with SmgGateway([twin.url]) as smg:
         yield smg.url
 
 
-def test_drain_readd_ready(twin: TwinProcess, gateway: str) -> None:
+def test_drain_readd_ready(twin: TwinThread, gateway: str) -> None:
     client = GatewayClient([gateway], twin.url, timeout_s=2.0, poll_s=0.1)
     found = client.find(gateway)
     assert found is not None
@@ -105,7 +107,7 @@ def test_a_readd_counts_a_removal_that_never_ran_as_routed_after_one_call_timeou
         client.close()
 
 
-def test_a_gateway_that_knows_this_server_by_another_url_is_no_drain(twin: TwinProcess) -> None:
+def test_a_gateway_that_knows_this_server_by_another_url_is_no_drain(twin: TwinThread) -> None:
     """smg routes SGLang by its LAN address, specd's worker URL defaults to loopback: a drain
     that found no worker by that URL removed nothing, and the restart after it cut the
     requests the gateway still routed. Here the gateway knows the twin as localhost."""
@@ -130,7 +132,7 @@ def test_a_gateway_that_knows_this_server_by_another_url_is_no_drain(twin: TwinP
         client.close()
 
 
-def test_a_worker_no_replica_lists_is_no_drain_and_counts_as_left_out(twin: TwinProcess) -> None:
+def test_a_worker_no_replica_lists_is_no_drain_and_counts_as_left_out(twin: TwinThread) -> None:
     """A worker URL no replica lists, and none that is this server under another URL: left
     out (never added, or a re-add that failed) or named in a way specd cannot recognise.
     specd cannot drain it either way, and the alert on a worker left out still counts it."""
@@ -197,7 +199,7 @@ def test_api_key_file_errors_name_the_file(tmp_path: Path) -> None:
     assert httpx  # the client's transport
 
 
-def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> None:
+def test_the_admin_key_is_sent_and_needed(twin: TwinThread, tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text(SMG_ADMIN_KEY + "\n")
     with SmgGateway([twin.url], admin_key=SMG_ADMIN_KEY) as smg:
@@ -222,7 +224,7 @@ def test_the_admin_key_is_sent_and_needed(twin: TwinProcess, tmp_path: Path) -> 
 
 
 def test_a_proxy_in_the_environment_never_sees_the_admin_api(
-    twin: TwinProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    twin: TwinThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An HTTP(S)_PROXY meant for the internet (an operator's shell running `specd doctor`,
     a DefaultEnvironment= of systemd) must not carry the drain: the proxy cannot reach the

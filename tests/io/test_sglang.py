@@ -19,6 +19,7 @@ import pytest
 from factories import make_fixtures_module
 from pages import PageServer, Route, page_server
 from prometheus_client.parser import text_string_to_metric_families
+from twin_zygote import ForkedTwin
 
 from specd import cli
 from specd.core.acceptance import accept_length_from_alpha, alpha_from_accept_length
@@ -33,7 +34,7 @@ from specd.io.sglang import (
     parse_metrics,
 )
 from specd.io.tls import verifying_context
-from specd.twin.process import TwinProcess, free_port
+from specd.twin.process import free_port
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 
@@ -697,7 +698,9 @@ def test_asked_for_server_info_is_read_fresh_and_reported(server: PageServer) ->
     assert server.hits == ["/metrics", "/server_info", "/server_info", "/metrics"]
 
 
-TWIN_FAST = ["--load-time-s", "0.3", "--warmup-s", "0.3", "--report-interval-s", "0.2"]
+# Up at once: what these restarts show is the page of a new start, not its load. Each start
+# is a process of its own (new pids), forked from a warm interpreter (tests/twin_zygote.py).
+TWIN_FAST = ["--load-time-s", "0", "--warmup-s", "0", "--report-interval-s", "0.2"]
 
 
 def twin_args(steps: int) -> list[str]:
@@ -723,7 +726,7 @@ def server_info_hits(url: str) -> int:
 
 def test_twin_serves_server_info_once_per_start() -> None:
     port = free_port()
-    with TwinProcess(twin_args(4), port=port) as twin:
+    with ForkedTwin(twin_args(4), port=port) as twin:
         twin.wait_healthy(20)
         client = SGLangClient(twin.url, timeout_s=3.0)
         observed = [client.observe() for _ in range(10)]
@@ -736,7 +739,7 @@ def test_twin_serves_server_info_once_per_start() -> None:
     assert isinstance(down, ScrapeError)
     assert down.kind == "refused"
     for steps in (4, 3):  # a restart at the same steps (new pids), then at other steps
-        with TwinProcess(twin_args(steps), port=port) as twin:
+        with ForkedTwin(twin_args(steps), port=port) as twin:
             twin.wait_healthy(20)
             seen = [client.observe() for _ in range(5)]
             assert all(isinstance(o, Observation) for o in seen), seen
@@ -751,10 +754,10 @@ def test_twin_restart_between_two_scrapes_is_noticed() -> None:
     # No failed scrape in between: the new start shows only on the page (pids, counters).
     port = free_port()
     client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=3.0)
-    with TwinProcess(twin_args(4), port=port) as twin:
+    with ForkedTwin(twin_args(4), port=port) as twin:
         twin.wait_healthy(20)
         assert isinstance(client.observe(), Observation)
-    with TwinProcess(twin_args(4), port=port) as twin:
+    with ForkedTwin(twin_args(4), port=port) as twin:
         twin.wait_healthy(20)
         assert isinstance(client.observe(), Observation)
         assert isinstance(client.observe(), Observation)
@@ -764,12 +767,15 @@ def test_twin_restart_between_two_scrapes_is_noticed() -> None:
 
 # ---- one deadline per scrape: a server that trickles bytes ------------------------------
 
-TRICKLE_INTERVAL_S = 1.0  # a byte a second
+# A byte every quarter second against a half-second deadline: each read gets a byte well
+# within the timeout (a timeout per read never fires), the whole answer takes many seconds.
+TRICKLE_INTERVAL_S = 0.25
 
 
 @dataclass
 class Trickler:
-    """A real HTTP server on 127.0.0.1 answering chosen paths a byte a second."""
+    """A real HTTP server on 127.0.0.1 answering chosen paths a byte every
+    TRICKLE_INTERVAL_S."""
 
     url: str
     # path -> "headers" (the status line and headers trickle), "body" (headers at once, the
@@ -845,7 +851,7 @@ def trickler() -> Iterator[Trickler]:
         listener.close()
 
 
-SCRAPE_TIMEOUT_S = 2.0
+SCRAPE_TIMEOUT_S = 0.5
 
 
 @pytest.mark.parametrize("mode", ["headers", "body", "silent"])
@@ -879,7 +885,7 @@ def test_trickling_server_info_times_out_by_one_deadline(trickler: Trickler, mod
         took_observe = time.monotonic() - started
     assert isinstance(info_result, ScrapeError)
     assert info_result.kind == "timeout"
-    assert "GET /server_info: no answer within 2 s" in info_result.reason
+    assert f"GET /server_info: no answer within {SCRAPE_TIMEOUT_S:g} s" in info_result.reason
     assert took_info <= SCRAPE_TIMEOUT_S + 1.0
     # The whole scrape, /metrics and /server_info together, keeps the one deadline; the
     # page alone still gives an Observation.
@@ -902,7 +908,7 @@ def test_trickling_health_probe_times_out(trickler: Trickler, mode: str) -> None
 def test_fast_server_after_a_timeout_is_read_in_full(trickler: Trickler) -> None:
     # The deadline belongs to one scrape: the next one starts with its own.
     trickler.modes["/metrics"] = "silent"
-    with SGLangClient(trickler.url, timeout_s=1.0) as client:
+    with SGLangClient(trickler.url, timeout_s=SCRAPE_TIMEOUT_S) as client:
         assert isinstance(client.observe(), ScrapeError)
         del trickler.modes["/metrics"]
         again = client.observe()

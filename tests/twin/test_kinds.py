@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from twin_kinds import SPEC, fast_table, write_config
+from twin_thread import INSTANT, TwinThread
 
 from specd.core import setting as specd_setting
 from specd.io.tls import verifying_context
@@ -22,9 +23,10 @@ from specd.twin.process import TwinProcess
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "metrics"
 # A decode log per decode batch: sglang:spec_num_steps follows the live tier from the
-# warm-up on (at SGLang's 40 it reads 0 until the 40th batch).
-FAST = ["--load-time-s", "0.2", "--warmup-s", "0.2", "--report-interval-s", "0.1",
-        "--decode-log-interval", "1"]  # fmt: skip
+# warm-up on (at SGLang's 40 it reads 0 until the 40th batch). Up at once: the load and
+# warm-up timers are what a test of them sets. The twins whose process is not the point
+# (exit codes, the log) run in this process (TwinThread).
+FAST = [*INSTANT, "--report-interval-s", "0.05", "--decode-log-interval", "1"]
 QUIET = ["--accept-noise", "0"]
 
 
@@ -44,9 +46,13 @@ def _samples(page: str, prefix: str = "sglang:") -> dict[str, float]:
     }
 
 
+def _gauges(url: str) -> dict[str, float]:
+    """One scrape's samples (one page parsed: a poll reads all it needs from it)."""
+    return _samples(httpx.get(url + "/metrics", timeout=5, verify=verifying_context()).text)
+
+
 def _gauge(url: str, name: str) -> float | None:
-    page = httpx.get(url + "/metrics", timeout=5, verify=verifying_context()).text
-    return _samples(page).get(name)
+    return _gauges(url).get(name)
 
 
 def _wait_for(check: object, timeout_s: float = 10.0, every_s: float = 0.05) -> bool:
@@ -68,7 +74,7 @@ def _hold(url: str, n: int) -> Iterator[None]:
         # OpenAI chunks carry the new text only (/generate repeats all of it each time).
         body = {"prompt": "hi", "stream": True, "max_tokens": 10**6}
         with (
-            httpx.Client(timeout=30) as c,
+            httpx.Client(timeout=30, verify=verifying_context()) as c,
             c.stream("POST", url + "/v1/completions", json=body) as s,
         ):
             lines = s.iter_lines()
@@ -99,10 +105,10 @@ def _running(url: str) -> float | None:
 def test_off_serves_the_steps_0_row_and_shows_no_speculation(tmp_path: Path, version: str) -> None:
     table = _table(tmp_path)
     argv = ["--table", table, "--enable-metrics", "--sglang-version", version, *FAST]
-    with TwinProcess(argv) as twin:
+    with TwinThread(argv) as twin:
         twin.wait_healthy()
         info_path = "/get_server_info" if version == "0.5.4" else "/server_info"
-        info = httpx.get(twin.url + info_path, timeout=5).json()
+        info = httpx.get(twin.url + info_path, timeout=5, verify=verifying_context()).json()
         for key in ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
                     "speculative_num_draft_tokens", "max_running_requests"):  # fmt: skip
             assert info[key] is None, key  # no reset of max_running_requests to 48 either
@@ -115,11 +121,16 @@ def test_off_serves_the_steps_0_row_and_shows_no_speculation(tmp_path: Path, ver
             assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == 64
         # 400 tokens at the steps-0 row's 500 tok/s per request: 0.8 s (steps 1: 0.44 s).
         body = {"text": "hi", "sampling_params": {"max_new_tokens": 400}}
-        out = httpx.post(twin.url + "/generate", json=body, timeout=20).json()
+        out = httpx.post(
+            twin.url + "/generate", json=body, timeout=20, verify=verifying_context()
+        ).json()
         assert out["meta_info"]["e2e_latency"] == pytest.approx(0.8, rel=0.15)
         assert out["meta_info"]["spec_verify_ct"] == 0
         time.sleep(0.2)
-        page = _samples(httpx.get(twin.url + "/metrics", timeout=5).text, "sglang:spec_")
+        page = _samples(
+            httpx.get(twin.url + "/metrics", timeout=5, verify=verifying_context()).text,
+            "sglang:spec_",
+        )
     # As SGLang's decode log without a draft worker: every spec gauge 0, and the verify
     # counter never created (it is only incremented with a verify count).
     expected = _samples((FIXTURES / "spec-off.prom").read_text(), "sglang:spec_")
@@ -149,21 +160,23 @@ def test_adaptive_tier_follows_batch_size_at_the_deepest_candidates_capacity(
     config = write_config(tmp_path, body)
     table = _table(tmp_path, capacity={0: 64, 1: 60, 2: 50, 3: 45, 4: 40}, per_token_s=0.05)
     argv = [*_adaptive(config, 4), "--table", table, "--max-running-requests", "64", *FAST]
-    with TwinProcess(argv) as twin:
+    with TwinThread(argv) as twin:
         twin.wait_healthy()
-        info = httpx.get(twin.url + "/server_info", timeout=5).json()
+        info = httpx.get(twin.url + "/server_info", timeout=5, verify=verifying_context()).json()
         assert info["speculative_adaptive"] is True
         assert info["speculative_adaptive_config"] == config
         assert info["speculative_num_steps"] == 4
         assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == 40
-        loads = httpx.get(twin.url + "/v1/loads", timeout=5).json()["loads"]
+        loads = httpx.get(twin.url + "/v1/loads", timeout=5, verify=verifying_context()).json()[
+            "loads"
+        ]
         assert loads[0]["max_running_requests"] == 40
         for running, tier in ((1, 4), (8, 2), (31, 1)):  # 31 pads to 32
             with _hold(twin.url, running):
                 assert _wait_for(
                     lambda running=running, tier=tier: (
-                        _running(twin.url) == running
-                        and _gauge(twin.url, "sglang:spec_num_steps") == tier
+                        (page := _gauges(twin.url)).get("sglang:num_running_reqs") == running
+                        and page.get("sglang:spec_num_steps") == tier
                     )
                 ), (running, tier, _gauge(twin.url, "sglang:spec_num_steps"))
                 assert _gauge(twin.url, "sglang:spec_num_draft_tokens") == tier + 1
@@ -177,15 +190,16 @@ def test_adaptive_tier_follows_acceptance_with_hysteresis(
     # 0.1 drafts at 3 sink the EMA below 1 - 0.5 - 0.25; 0.3 stay above it (hysteresis).
     config = write_config(tmp_path, {"1": {"candidate_steps": [1, 3]}})
     table = _table(tmp_path, accepts={1: 1.4, 3: accept_3})
-    with TwinProcess([*_adaptive(config, 3), "--table", table, *QUIET, *FAST]) as twin:
+    with TwinThread([*_adaptive(config, 3), "--table", table, *QUIET, *FAST]) as twin:
         twin.wait_healthy()
         with _hold(twin.url, 1):
             # About 300 verify batches a second: 60 decisions in a second.
             seen = set()
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
-                value = _gauge(twin.url, "sglang:spec_num_steps")
-                if _running(twin.url) == 1 and value is not None:
+                page = _gauges(twin.url)
+                value = page.get("sglang:spec_num_steps")
+                if page.get("sglang:num_running_reqs") == 1 and value is not None:
                     seen.add(value)
                 time.sleep(0.1)
             assert _gauge(twin.url, "sglang:spec_num_steps") == tier
@@ -200,23 +214,26 @@ def _port_open(port: int) -> bool:
 
 def test_startup_grows_with_the_number_of_candidates(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"1": {"candidate_steps": [1, 2, 3, 4]}})
-    # Graph sets long against the jitter of two Python processes starting on a busy machine.
-    slow = ["--load-time-s", "0.3", "--graph-set-s", "1.0", "--warmup-s", "0.1"]
+    # Both twins in this process (no interpreter to start): a graph set of 0.4 s stands
+    # out of the jitter of two event loops starting (it was 1.0 s against two processes'),
+    # and the bounds are the same shares of the 1.2 s the three more sets add.
+    graph_s = 0.4
+    slow = ["--load-time-s", "0.3", "--graph-set-s", str(graph_s), "--warmup-s", "0.1"]
     static = [*SPEC, "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5",
               "--enable-metrics"]  # fmt: skip
     t0 = time.monotonic()
-    with TwinProcess([*static, *slow]) as one, TwinProcess([*_adaptive(config, 4), *slow]) as four:
+    with TwinThread([*static, *slow]) as one, TwinThread([*_adaptive(config, 4), *slow]) as four:
         opened: dict[str, float] = {}
         while len(opened) < 2 and time.monotonic() - t0 < 20:
             for name, twin in (("static", one), ("adaptive", four)):
                 if name not in opened and _port_open(twin.port):
                     opened[name] = time.monotonic() - t0
             time.sleep(0.02)
-        # Three more graph sets of 1 s each.
-        assert 2.2 < opened["adaptive"] - opened["static"] < 4.0, opened
-        for twin, load in ((one, 0.3), (four, 3.3)):
+        # Three more graph sets.
+        assert 2.2 * graph_s < opened["adaptive"] - opened["static"] < 4.0 * graph_s, opened
+        for twin, load in ((one, 0.3), (four, 0.3 + 3 * graph_s)):
             twin.wait_healthy()
-            page = httpx.get(twin.url + "/metrics", timeout=5).text
+            page = httpx.get(twin.url + "/metrics", timeout=5, verify=verifying_context()).text
             phases = {
                 (s.name, s.labels["phase"]): s.value
                 for fam in text_string_to_metric_families(page)
@@ -225,7 +242,7 @@ def test_startup_grows_with_the_number_of_candidates(tmp_path: Path) -> None:
             }
             assert phases["sglang:startup_time_seconds", "tokenizer_e2e"] == pytest.approx(load)
             graphs = sum(v for (n, _), v in phases.items() if "cuda_graph" in n)
-            assert graphs == pytest.approx(1.0 if twin is one else 4.0)
+            assert graphs == pytest.approx(graph_s * (1 if twin is one else 4))
 
 
 @pytest.mark.parametrize(
@@ -254,7 +271,7 @@ def test_a_config_sglang_refuses_is_fatal_and_never_listens(
 ) -> None:
     config = write_config(tmp_path, body)
     # Refused while the arguments resolve: long before a 30 s load could end.
-    load = ["--load-time-s", "1.0" if loads else "30"]
+    load = ["--load-time-s", "0.4" if loads else "30"]
     twin = TwinProcess([*_adaptive(config, 4, version), *extra, *load])
     t0 = time.monotonic()
     try:
@@ -284,7 +301,7 @@ def test_quiet_fallback_runs_static_and_says_so_only_in_the_log(
     config = write_config(tmp_path, body)
     with TwinProcess([*_adaptive(config, 4, version), *extra, *FAST]) as twin:
         twin.wait_healthy()
-        info = httpx.get(twin.url + "/server_info", timeout=5).json()
+        info = httpx.get(twin.url + "/server_info", timeout=5, verify=verifying_context()).json()
         assert info["speculative_adaptive"] is False
         assert info["speculative_adaptive_config"] == config
         assert info["speculative_num_steps"] == 4
@@ -348,10 +365,10 @@ def test_the_twin_runs_the_command_line_specd_renders(
         Path(path).write_text(specd_setting.adaptive_config_text(wanted, slots_supported=slots))
     words = specd_setting.sglang_args(wanted, algorithm="NEXTN", config_path=path)
     argv = [*words, "--enable-metrics", "--sglang-version", version, *extra, *FAST]
-    with TwinProcess(argv) as twin:
+    with TwinThread(argv) as twin:
         twin.wait_healthy()
         info_path = "/get_server_info" if version == "0.5.4" else "/server_info"
-        info = httpx.get(twin.url + info_path, timeout=5).json()
+        info = httpx.get(twin.url + info_path, timeout=5, verify=verifying_context()).json()
         live = _gauge(twin.url, "sglang:spec_num_steps")
     problem = specd_setting.mismatch(wanted, info, None if live is None else int(live))
     if runs:

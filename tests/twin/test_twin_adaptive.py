@@ -24,7 +24,7 @@ from specd.twin.adaptive import (
 from specd.twin.engine import Engine, Request
 from specd.twin.exposition import MetricState
 from specd.twin.faults import ENV_FAIL_SETTINGS, SettingKey, parse_setting
-from specd.twin.server import TwinConfigError, resolve
+from specd.twin.launch import TwinConfigError, resolve
 from specd.twin.table import PerfTable
 from specd.twin.versions import PROFILES, VERSIONS
 

@@ -5,26 +5,38 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from factories import FAST_TWIN_VERSION_ARGS, SPEC4_ARGS, version_server_info
-from factories import version_twin as _twin
+from factories import SPEC4_ARGS, version_server_info
 from prometheus_client.parser import text_string_to_metric_families
+from twin_thread import INSTANT, TwinThread
 
 from specd.core.observation import Observation
 from specd.io.sglang import STALE_LOAD_AFTER_S, SGLangClient
+from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
-from specd.twin.process import TwinProcess
-from specd.twin.server import CPU_MONITOR_S, TwinConfigError, resolve
+from specd.twin import server as twin_server
+from specd.twin.launch import TwinConfigError, resolve
 from specd.twin.versions import VERSIONS
 
 PAGES = Path(__file__).parents[1] / "fixtures" / "metrics" / "versions"
 Shape = dict[str, tuple[str, str, frozenset[frozenset[str]]]]
+# What these tests ask of a twin is its HTTP surface: each runs in this process (see
+# tests/twin_thread.py), up at once, its scheduler reporting every 0.05 s.
+REPORT_S = 0.05
+FAST = (*INSTANT, "--report-interval-s", str(REPORT_S))
+# Long enough for the twin's next reports after the last request (4 of them).
+REPORTED_S = 4 * REPORT_S
+
+
+def _twin(version: str, *extra: str) -> TwinThread:
+    """A twin as SGLang ``version`` with metrics, NEXTN at 4 steps."""
+    return TwinThread([*SPEC4_ARGS, "--enable-metrics", "--sglang-version", version, *FAST, *extra])
 
 
 def _shape(text: str) -> Shape:
@@ -60,7 +72,7 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
     # page has not yet.
     with _twin(version, "--max-total-tokens", "48") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/metrics").text
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
             c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
@@ -69,7 +81,7 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
                 "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True}
             ) as s:
                 next(s.iter_lines())
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             loaded = c.get("/metrics").text
     for which, page in (("fresh", fresh), ("loaded", loaded)):
         real = _shape((PAGES / f"sglang-{version}-{which}.prom").read_text())
@@ -100,9 +112,9 @@ def test_each_tp_rank_has_the_series_its_scheduler_emits(
     flags = ["--enable-metrics-for-all-schedulers"] if all_schedulers else []
     with _twin(version, "--tp-size", "2", *flags) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             page = c.get("/metrics").text
     name = f"sglang-{version}-loaded-tp2{'-all' if all_schedulers else ''}.prom"
     real = _scheduler_series((PAGES / name).read_text())
@@ -114,7 +126,7 @@ def test_each_tp_rank_has_the_series_its_scheduler_emits(
 def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     # One /generate of 8 tokens for "The capital city of France is" (6 words here).
     assert _total(page, "sglang:num_requests_total") == 1
     assert _total(page, "sglang:generation_tokens_total") == 8
@@ -138,7 +150,7 @@ def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
 def test_warmup_with_dp_ranks_sends_one_prompt_per_rank() -> None:
     with _twin("0.5.23", "--dp-size", "2") as twin:
         twin.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert _total(page, "sglang:num_requests_total") == 2
     assert _total(page, "sglang:generation_tokens_total") == 16
 
@@ -146,7 +158,7 @@ def test_warmup_with_dp_ranks_sends_one_prompt_per_rank() -> None:
 def test_skip_server_warmup_leaves_the_request_series_out() -> None:
     with _twin("0.5.23", "--skip-server-warmup") as twin:
         twin.wait_healthy(20)
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert _samples(page, "sglang:num_requests_total") == []
 
 
@@ -166,7 +178,7 @@ def test_endpoints_and_reported_version(version: str) -> None:
     # A decode log per decode batch: the warm-up's set the step gauge (see below).
     with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=10) as c:
+        with httpx.Client(base_url=twin.url, timeout=10, verify=verifying_context()) as c:
             for path, have in ENDPOINTS:
                 assert c.get(path).status_code == (200 if version in have else 404), path
             info = c.get("/get_server_info").json()
@@ -191,14 +203,14 @@ def _value(page: str, name: str) -> float:
 def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/metrics").text
             c.post("/v1/completions", json={"prompt": "p", "max_tokens": 300})  # ~80 batches
-            time.sleep(0.5)  # reports of an idle scheduler
+            time.sleep(REPORTED_S)  # reports of an idle scheduler
             idle = c.get("/metrics").text
     with _twin(version, "--decode-log-interval", "1") as twin:
         twin.wait_healthy(20)
-        logged = httpx.get(twin.url + "/metrics", timeout=10).text
+        logged = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     for name in ("spec_num_steps", "spec_num_draft_tokens", "spec_accept_length"):
         assert _value(fresh, f"sglang:{name}") == 0.0, name
     assert (_value(logged, "sglang:spec_num_steps"), _value(idle, "sglang:spec_num_steps")) == (
@@ -217,16 +229,28 @@ def test_gauges_change_when_that_versions_scheduler_logs(version: str) -> None:
 # What specd reads of an idle server that still shows its last batch (0.5.13) or not (0.5.23):
 # the gauge at first (one page cannot tell), none running once no forward pass was counted
 # for STALE_LOAD_AFTER_S. It read the 0.5.13 server as running one request for 30 s.
+# The reader's clock is injected: STALE_LOAD_AFTER_S + 0.5 s pass between its two scrapes
+# (an 0.5.13 scheduler logs again only 30 s after its last batch, an 0.5.23 one at once, so
+# the page is the same seconds later).
 @pytest.mark.parametrize(("version", "shown"), [("0.5.13", 1), ("0.5.23", 0)])
 def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown: int) -> None:
-    with _twin(version) as twin, SGLangClient(twin.url, timeout_s=5.0) as reader:
+    now = [time.time()]
+    with (
+        _twin(version) as twin,
+        SGLangClient(twin.url, timeout_s=5.0, clock=lambda: now[0]) as reader,
+    ):
         twin.wait_healthy(20)
-        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 300}, timeout=20)
-        time.sleep(0.5)  # reports of an idle scheduler
+        httpx.post(
+            twin.url + "/v1/completions",
+            json={"max_tokens": 300},
+            timeout=20,
+            verify=verifying_context(),
+        )
+        time.sleep(REPORTED_S)  # reports of an idle scheduler
         first = reader.observe()
-        time.sleep(STALE_LOAD_AFTER_S + 0.5)
+        now[0] += STALE_LOAD_AFTER_S + 0.5
         later = reader.observe()
-        page = httpx.get(twin.url + "/metrics", timeout=10).text
+        page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     assert isinstance(first, Observation), first
     assert isinstance(later, Observation), later
     assert _value(page, "sglang:num_running_reqs") == shown
@@ -237,13 +261,22 @@ def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown
 # from before the model loads (0.5.11+; the DP controller too, with several DP ranks), and
 # 0.5.23's schedulers, polling without sleep, count their CPU and loop time on every TP
 # rank. The twin left all of them at 0, and had no DP controller.
-def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
+def test_cpu_counters_move_as_sglangs_monitors_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The monitors' period (SGLang's 5 s) made short: the twin runs in this process. The
+    # wait is three periods, and the schedulers' counts must show all but half a second of it.
+    monitor_s, waited_s = 0.5, 1.5
+    monkeypatch.setattr(twin_server, "CPU_MONITOR_S", monitor_s)
     with _twin("0.5.23", "--dp-size", "2", "--tp-size", "2") as twin:
         twin.wait_healthy(20)
-        first = httpx.get(twin.url + "/metrics", timeout=10).text
-        httpx.post(twin.url + "/v1/completions", json={"max_tokens": 100}, timeout=20)
-        time.sleep(CPU_MONITOR_S + 0.5)
-        later = httpx.get(twin.url + "/metrics", timeout=10).text
+        first = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
+        httpx.post(
+            twin.url + "/v1/completions",
+            json={"max_tokens": 100},
+            timeout=20,
+            verify=verifying_context(),
+        )
+        time.sleep(waited_s)
+        later = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
     used = {
         labels["component"]: value
         for labels, value in _samples(later, "sglang:process_cpu_seconds_total")
@@ -254,7 +287,7 @@ def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
     )
     scheduler = _samples(later, "sglang:scheduler_process_cpu_seconds_total")
     assert len(scheduler) == 4  # every TP rank of both replicas
-    assert all(value > CPU_MONITOR_S for _, value in scheduler)
+    assert all(value > waited_s - 0.5 for _, value in scheduler)
     idle = [
         value
         for labels, value in _samples(later, "sglang:scheduler_stage_seconds_total")
@@ -274,9 +307,9 @@ def test_cpu_counters_move_as_sglangs_monitors_count() -> None:
 def test_accept_rate_gauge_means_what_that_version_meant(version: str, meaning: str) -> None:
     with _twin(version, "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             c.post("/v1/completions", json={"prompt": "p", "max_tokens": 200})
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             page = c.get("/metrics").text
     (length,) = [v for _, v in _samples(page, "sglang:spec_accept_length")]
     (got,) = [v for _, v in _samples(page, "sglang:spec_accept_rate")]
@@ -298,19 +331,32 @@ def _figures(info: dict[str, Any]) -> tuple[set[str], set[str], dict[str, Any]]:
     return set(state) - set(info), set(info) - set(state), state["memory_usage"]
 
 
+# A decode log every 10 decode batches (SGLang's 40 took 400 tokens a rank): the warm-up's
+# two or three still make none, a 100-token request (~28 verifies at 4 steps) makes two.
+DECODE_LOG_EVERY_10 = ("--decode-log-interval", "10")
+
+
+def _decode_on_both_ranks(client: httpx.Client) -> None:
+    """One 100-token request per DP rank (round robin), side by side: each rank runs decode
+    logs (at DECODE_LOG_EVERY_10)."""
+    body = {"prompt": "p", "max_tokens": 100}
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda _: client.post("/v1/completions", json=body), range(2)))
+    assert [r.status_code for r in done] == [200, 200]
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
     version: str,
 ) -> None:
     real = version_server_info(version)
-    with _twin(version, "--dp-size", "2") as twin:
+    with _twin(version, "--dp-size", "2", *DECODE_LOG_EVERY_10) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/get_server_info").json()
             fresh_loads = c.get("/v1/loads")
-            for _ in range(2):  # one per DP rank: each runs decode logs
-                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
-            time.sleep(0.5)
+            _decode_on_both_ranks(c)
+            time.sleep(REPORTED_S)
             info = c.get("/get_server_info").json()
             loads = c.get("/v1/loads")
     # That SGLang's fields exactly: all its arguments, no twin flags, nothing newer.
@@ -358,16 +404,16 @@ def _timed_status(client: httpx.Client, path: str) -> tuple[int, float]:
     ],
 )
 def test_health_checks_take_sglangs_second(
-    version: str, env: dict[str, str], health_waits: bool
+    monkeypatch: pytest.MonkeyPatch, version: str, env: dict[str, str], health_waits: bool
 ) -> None:
     # SGLang's health_generate sends a 1-token generation, then sleeps a second before it
     # first looks for an answer: a healthy server answers 200 after >= 1 s, never sooner.
-    with TwinProcess(
-        [*SPEC4_ARGS, "--sglang-version", version, *FAST_TWIN_VERSION_ARGS],
-        env={**os.environ, **env},
-    ) as twin:
+    # (The twin reads the variable as SGLang does, at each probe: here this process's.)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with TwinThread([*SPEC4_ARGS, "--sglang-version", version, *FAST]) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             status, took = _timed_status(c, "/health_generate")
             assert status == 200
             assert took >= 1.0
@@ -399,7 +445,7 @@ MODEL_INFO_KEYS["0.5.13"] = MODEL_INFO_KEYS["0.5.11"]
 def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             model_info = c.get("/get_model_info").json()
             models = c.get("/v1/models").json()
             missing = c.get("/no/such/path")
@@ -444,9 +490,9 @@ def test_endpoints_answer_with_sglangs_json_and_fastapis_errors(version: str) ->
 
 
 def test_metrics_off_is_fastapis_404() -> None:
-    with TwinProcess([*SPEC4_ARGS, *FAST_TWIN_VERSION_ARGS]) as twin:
+    with TwinThread([*SPEC4_ARGS, *FAST]) as twin:
         twin.wait_healthy(20)
-        response = httpx.get(twin.url + "/metrics", timeout=10)
+        response = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context())
     assert (response.status_code, response.json()) == (404, {"detail": "Not Found"})
 
 
@@ -503,7 +549,7 @@ ASKS = [
 def test_metrics_negotiates_like_prometheus_clients_asgi_app() -> None:
     with _twin("0.5.23") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             plain = c.get("/metrics", headers={"Accept": "*/*"}).text
             prometheus_2 = c.get("/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
             answers = []
@@ -582,12 +628,11 @@ LOADS_SHAPE: dict[str, tuple[list[str], list[str], list[str]]] = {
 @pytest.mark.parametrize("version", sorted(LOADS_SHAPE))
 def test_v1_loads_is_that_versions_shape(version: str) -> None:
     top, rank_keys, queue_keys = LOADS_SHAPE[version]
-    with _twin(version, "--dp-size", "2") as twin:
+    with _twin(version, "--dp-size", "2", *DECODE_LOG_EVERY_10) as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
-            for _ in range(2):
-                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 400})
-            time.sleep(0.5)
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
+            _decode_on_both_ranks(c)
+            time.sleep(REPORTED_S)
             body = c.get("/v1/loads").json()
             core = c.get("/v1/loads", params={"include": "core", "dp_rank": "1"}).json()
             bad = c.get("/v1/loads", params={"include": "nonsense"})
@@ -621,10 +666,10 @@ def test_scheduler_counters_move_with_the_work_it_did() -> None:
     # per verify, prompt tokens as effective prefill input, each request's stages.
     with _twin("0.5.23", "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             for tokens in (120, 80, 200):  # one after the other: admitted alone
                 c.post("/v1/completions", json={"prompt": "a b c d", "max_tokens": tokens})
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)
             page = c.get("/metrics").text
     requests = _total(page, "sglang:num_requests_total")  # the warm-up's and these 3
     assert requests == 4
@@ -647,16 +692,17 @@ def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
     # (0.7 - 0.098) / 600 step lower per decode batch run since, never below 0.098.
     with _twin("0.5.23", "--accept-noise", "0") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=30) as c:
-            time.sleep(0.3)
+        with httpx.Client(base_url=twin.url, timeout=30, verify=verifying_context()) as c:
+            time.sleep(REPORTED_S)
             body = {"prompt": "p", "max_tokens": 3000, "stream": True}
             with c.stream("POST", "/v1/completions", json=body) as long:
                 lines = long.iter_lines()
                 next(lines)
-                time.sleep(1.0)  # decode batches go by
+                # Decode batches go by: ~38 at 4 steps, 0.038 off the ratio (0.01 would do).
+                time.sleep(0.5)
                 c.post("/v1/completions", json={"prompt": "q", "max_tokens": 2})
                 busy = _value(c.get("/metrics").text, "sglang:new_token_ratio")
-            time.sleep(0.5)
+            time.sleep(REPORTED_S)  # the hung-up stream ends: the scheduler idles
             c.post("/v1/completions", json={"prompt": "r", "max_tokens": 2})
             fresh = _value(c.get("/metrics").text, "sglang:new_token_ratio")
     assert 0.098 <= busy < 0.69
@@ -666,7 +712,7 @@ def test_new_token_ratio_decays_while_busy_and_starts_over_when_idle() -> None:
 def test_context_length_given_is_the_servers_context() -> None:
     with _twin("0.5.23", "--context-length", "32768", "--mem-fraction-static", "0.85") as twin:
         twin.wait_healthy(20)
-        with httpx.Client(base_url=twin.url, timeout=20) as c:
+        with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             info = c.get("/server_info").json()
             models = c.get("/v1/models").json()
             page = c.get("/metrics").text
