@@ -1186,9 +1186,10 @@ class Daemon:
             return None
         return f"an override freezes specd now ({found.reason or 'no reason given'})"
 
-    def _window_open(self) -> bool:
-        """Open, with time left for one whole restart (the quiet wait ends before that)."""
-        left = window_left_s(self.config, utc(self.clock()))
+    def _window_open(self, at: float | None = None) -> bool:
+        """Open, with time left for one whole restart (the quiet wait ends before that), now
+        or ``at``."""
+        left = window_left_s(self.config, utc(self.clock() if at is None else at))
         return left is not None and left >= self._restart_needs_s()
 
     def _apply(

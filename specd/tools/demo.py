@@ -100,7 +100,11 @@ def status_line(daemon: Daemon, elapsed: float, phase: str, conc: int) -> str:
     steps = obs.steps if obs is not None else "?"
     p50 = daemon.state.history.quantile(0.5)
     decision = f"{d.reason.value}: target {d.target_steps}" if d is not None else "-"
-    window = "open" if daemon._window_open() else "closed"
+    # As the last decision saw it: read now, a window that closed since sat beside a change
+    # decided while it was open ("window closed; decision change").
+    decided_at = daemon.state.last_decision.get("t") if daemon.state.last_decision else None
+    at = decided_at if isinstance(decided_at, (int, float)) else None
+    window = "open" if daemon._window_open(at) else "closed"
     offered = f"{p50:.1f}" if p50 is not None else "-"
     return (
         f"{elapsed:5.0f} s  {phase}, {conc} clients; steps {steps}, offered p50 {offered}, "

@@ -125,6 +125,10 @@ def test_demo_piped_prints_line_events_while_it_runs(demos: dict[str, Demo]) -> 
     during = [line for at, line in arrivals if at < ended - 15]
     assert any("load → 2 clients" in line for line in during), arrivals
     assert sum("clients; steps" in line for line in during) >= 3, arrivals  # status lines
+    # A change is decided inside a window: a status line never pairs it with a closed one
+    # (it showed the window as it was when printed, up to 10 s after the decision).
+    changes = [line for _, line in arrivals if "decision change" in line]
+    assert all("window open; decision change" in line for line in changes), changes
     restarts = [line for _, line in arrivals if " restart " in line and " → " in line]
     assert restarts, text
     assert all(" — change: " in line for line in restarts), restarts
