@@ -71,16 +71,21 @@ class Sandbox:
 
     @classmethod
     def from_unit_text(cls, text: str) -> Sandbox:
-        """The sandbox a unit file sets: each key's last assignment (an empty one resets)."""
+        """The sandbox a unit file's [Service] sets: each key's last assignment; the list
+        keys add up, an empty assignment resets them."""
+        # Here, not at the top: check-config reads SHIPPED without the unit reader's imports.
+        from specd.install.unit import service_assignments  # noqa: PLC0415
+
         props: dict[str, str] = {}
-        for line in text.splitlines():
-            key, eq, value = line.strip().partition("=")
-            if not eq or key.startswith(("#", ";")):
-                continue
+        for key in SANDBOX_PROPERTIES:
+            values = service_assignments(text, key)
             if key in ("StateDirectory", "ReadWritePaths"):
-                props[key] = f"{props.get(key, '')} {value}".strip() if value else ""
-            else:
-                props[key] = value
+                joined = ""
+                for value in values:
+                    joined = f"{joined} {value}".strip() if value else ""
+                props[key] = joined
+            elif values:
+                props[key] = values[-1]
         return cls.from_properties(props)
 
     def hides(self, directory: Path) -> str | None:
@@ -128,7 +133,7 @@ SHIPPED = Sandbox(
 
 def needs_read_write(directory: Path) -> bool:
     """A directory the shipped specd.service may write only once ReadWritePaths= names it."""
-    return directory != STATE_DIRECTORY and STATE_DIRECTORY not in directory.parents
+    return not _within(directory, (STATE_DIRECTORY,))
 
 
 def _user_name(uid: int) -> str:
