@@ -59,7 +59,7 @@ from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import UNFREEZE_REQUEST, StateStore
-from specd.io.writable import unwritable, written_dirs
+from specd.io.writable import env_file_unwritable
 
 # `specd unfreeze` writes a one-line JSON object; the reason is free text from the operator.
 MAX_UNFREEZE_REQUEST_BYTES = 64 * 1024
@@ -600,11 +600,8 @@ class Daemon:
                 ]
             elif new.sglang.env_file != self.config.sglang.env_file:
                 # Taken, every change would fail at its first write, window after window.
-                problems = [
-                    problem
-                    for written in written_dirs(new)[1:]
-                    if (problem := unwritable(new, written)) is not None
-                ]
+                problem = env_file_unwritable(new)
+                problems = [problem] if problem is not None else []
         if problems:
             self.metrics.config_reload_success.set(0)
             for problem in problems:

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from specd.daemon import Daemon  # noqa: PLC0415
     from specd.io import logs  # noqa: PLC0415
     from specd.io.state import StateDirLocked, lock_state_dir  # noqa: PLC0415
-    from specd.io.writable import fix_for, unwritable, written_dirs  # noqa: PLC0415
+    from specd.io.writable import env_file_unwritable, fix_for, written_dirs  # noqa: PLC0415
 
     config = load_for_command(args.config)
     if config is None:
@@ -50,13 +50,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # An env file specd cannot write failed every change, at every window, for as long as
     # specd ran (a directory outside specd.service's writable paths): said now, with the fix.
-    for written in written_dirs(config)[1:]:
-        problem = unwritable(config, written)
-        if problem is not None:
-            logs.get_logger().error(
-                "env_file_unwritable", env_file=str(config.sglang.env_file), problem=problem
-            )
-            return 1
+    problem = env_file_unwritable(config)
+    if problem is not None:
+        logs.get_logger().error(
+            "env_file_unwritable", env_file=str(config.sglang.env_file), problem=problem
+        )
+        return 1
     daemon = Daemon(config, args.config)
     daemon.install_signal_handlers()
     return daemon.run()

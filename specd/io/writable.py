@@ -91,3 +91,13 @@ def unwritable(settings: Settings, written: WrittenDir) -> str | None:
         f"{written.key}: specd cannot write {written.directory} ({why}), where it writes "
         f"{written.what}; {fix_for(written, settings.sglang.unit)}"
     )
+
+
+def env_file_unwritable(settings: Settings) -> str | None:
+    """`unwritable` of the env file's directory where it is not the state directory (that
+    one the state directory's lock already tried): a start refuses it, a reload rejects it."""
+    for written in written_dirs(settings)[1:]:
+        problem = unwritable(settings, written)
+        if problem is not None:
+            return problem
+    return None
