@@ -21,6 +21,13 @@ MAX_TOKENS_PER_S = 10_000_000.0  # one server's generation rate; real ones do < 
 MAX_COUNTER = float(2**53)
 # Accept length is a mean of whole numbers of tokens, computed in floats.
 _ACCEPT_SLACK = 1e-6
+# The cumulative counters among CHECKED_FIELDS: one bound each, checked last.
+_COUNTER_FIELDS = (
+    "generation_tokens_total",
+    "decode_tokens_total",
+    "spec_verify_calls_total",
+    "retracted_total",
+)
 # Fields whose values `impossible_fields` checks; also the metric's label values.
 CHECKED_FIELDS = (
     "running",
@@ -32,10 +39,7 @@ CHECKED_FIELDS = (
     "accept_length",
     "token_usage",
     "gen_throughput",
-    "generation_tokens_total",
-    "decode_tokens_total",
-    "spec_verify_calls_total",
-    "retracted_total",
+    *_COUNTER_FIELDS,
 )
 
 
@@ -104,10 +108,6 @@ def accept_length_possible(length: float, steps: int | None, *, adaptive: bool =
         return False
     deepest = MAX_STEPS if adaptive or steps is None else steps
     return length <= deepest + 1 + _ACCEPT_SLACK
-
-
-# The cumulative counters `impossible_fields` checks, in CHECKED_FIELDS order.
-_COUNTER_FIELDS = CHECKED_FIELDS[-4:]
 
 
 def impossible_fields(obs: Observation, *, adaptive: bool = False) -> tuple[str, ...]:
