@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from specd.io.state import (
     STATE_FILE,
     State,
     held_freeze,
+    is_finite_number,
     read_state,
     salvage_note,
 )
@@ -447,9 +447,7 @@ def _gateway_lines(gateway: dict[str, Any], now: float) -> list[str]:
 
 def _journal_number(journal: dict[str, Any], key: str) -> float | None:
     value = journal.get(key)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
+    return float(value) if is_finite_number(value) else None
 
 
 def _restart_line(journal: dict[str, Any], daemon: dict[str, Any], now: float) -> str:

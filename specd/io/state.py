@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 from specd.core import outcome
 from specd.core.decide import Control
@@ -302,7 +302,8 @@ def _entries(
     return kept
 
 
-def _is_number(value: Any) -> bool:
+def is_finite_number(value: Any) -> TypeGuard[int | float]:
+    """An int or float that is finite (a bool is not a number here)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -391,7 +392,7 @@ def _restart(index: int, entry: Any, now: float | None, notes: list[str] | None)
 def _frozen(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or not _is_number(value.get("since")):
+    if not isinstance(value, dict) or not is_finite_number(value.get("since")):
         raise StateFormatError("frozen: expected null or an object with a numeric since")
     _time(value["since"], "frozen.since", now)
     reason = value.get("reason")
@@ -416,7 +417,7 @@ def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, A
         return None
     if (
         not isinstance(value, dict)
-        or not _is_number(value.get("t"))
+        or not is_finite_number(value.get("t"))
         or not _steps_or_none(value.get("steps"))
         or not isinstance(value.get("source"), str)
         or not _short_text_or_none(value.get("setting"))
@@ -448,7 +449,7 @@ def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str
             if part.get(key) is not None:
                 _time(part[key], f"gateway.{name}.{key}", now)
         duration = part.get("duration_s")
-        if duration is not None and not _is_number(duration):
+        if duration is not None and not is_finite_number(duration):
             raise StateFormatError(f"gateway.{name}.duration_s: expected a number")
     return value
 
@@ -461,7 +462,7 @@ def _recommendation(index: int, entry: Any, now: float | None) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
-        or not _is_number(entry[0])
+        or not is_finite_number(entry[0])
         or isinstance(entry[1], bool)
         or not isinstance(entry[1], int)
         or not _MIN_SETTING_KEY <= entry[1] <= MAX_STEPS
@@ -489,7 +490,7 @@ def _exploration(index: int, entry: Any, now: float | None) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
-        or not _is_number(entry[0])
+        or not is_finite_number(entry[0])
         or isinstance(entry[1], bool)
         or not isinstance(entry[1], int)
         or not 1 <= entry[1] <= 16
