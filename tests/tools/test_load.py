@@ -8,8 +8,6 @@ control; the throughput test runs the real CLI against the SGLang twin.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
 import json
 import os
 import resource
@@ -27,8 +25,8 @@ from unittest import mock
 import httpx
 import pytest
 from aiohttp import web
+from in_process import specd_main as in_process
 
-from specd.cli import main as specd_main
 from specd.tools.load import (
     DONE,
     Chunk,
@@ -618,17 +616,8 @@ def specd_load(*argv: str) -> subprocess.CompletedProcess[str]:
     def exit_now(code: int) -> NoReturn:
         raise SystemExit(code)
 
-    out, err = io.StringIO(), io.StringIO()
-    with (
-        mock.patch.object(os, "_exit", exit_now),
-        contextlib.redirect_stdout(out),
-        contextlib.redirect_stderr(err),
-    ):
-        try:
-            code = specd_main(["load", *argv])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(specd("load", *argv), code, out.getvalue(), err.getvalue())
+    with mock.patch.object(os, "_exit", exit_now):
+        return in_process("load", *argv)
 
 
 BAD_INPUT = [

@@ -1,9 +1,7 @@
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import io
 import itertools
 import json
 import math
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from in_process import specd_main as in_process
 
 from specd.cli import main as specd_main
 from specd.commands.replay import build_config, human_lines
@@ -482,20 +481,11 @@ def real_specd(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def specd(*args: str) -> subprocess.CompletedProcess[str]:
-    """`specd replay ARGS` in this process (`specd.cli.main`): what it returns and prints,
-    argparse's usage errors (SystemExit) included, as a real run's exit code, stdout and
-    stderr. The tests that use it are about the command, not the process (a process costs
-    ~0.5 s of CPU to import specd); test_the_command_prints_the_agreed_json and
-    test_bad_arguments_exit_2_with_one_line keep real ones (`real_specd`)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = specd_main(["replay", *args])
-        except SystemExit as exc:
-            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(
-        ["specd", "replay", *args], code, out.getvalue(), err.getvalue()
-    )
+    """`specd replay ARGS` in this process (tests/in_process.py). The tests that use it are
+    about the command, not the process (a process costs ~0.5 s of CPU to import specd);
+    test_the_command_prints_the_agreed_json and test_bad_arguments_exit_2_with_one_line
+    keep real ones (`real_specd`)."""
+    return in_process("replay", *args)
 
 
 @pytest.fixture

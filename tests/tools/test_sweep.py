@@ -4,10 +4,8 @@ pure parts. Real processes, real HTTP on 127.0.0.1, real files and signals."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import http.server
-import io
 import json
 import os
 import signal
@@ -25,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 from factories import make_observation, tables
+from in_process import specd_main as in_process
 
-from specd.cli import main as specd_main
 from specd.commands import sweep as sweep_cmd
 from specd.core.adaptive import AdaptiveModel
 from specd.core.model import Calibration, PerformanceModel, adaptive_slots
@@ -263,19 +261,13 @@ def _sweep_cli(argv: list[str], *, real: bool) -> subprocess.CompletedProcess[st
             timeout=30,
             check=False,
         )
-    out, err = io.StringIO(), io.StringIO()
     stdin = sys.stdin
     with open(os.devnull, encoding="utf-8") as devnull:
         sys.stdin = devnull
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    code = specd_main(["sweep", *argv])
-                except SystemExit as exc:
-                    code = exc.code if isinstance(exc.code, int) else 1
+            return in_process("sweep", *argv)
         finally:
             sys.stdin = stdin
-    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize(("extra", "needle"), CLI_REFUSALS)
