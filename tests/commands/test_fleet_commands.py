@@ -6,11 +6,12 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from factories import EtcdProcess
+
+# One etcd for the module (fixture etcd_server) beside conftest's one per test (etcd).
+from factories import EtcdProcess, module_etcd_server  # noqa: F401
 from in_process import specd_main
 from test_doctor import doctor
 
@@ -72,27 +73,17 @@ def test_status_shows_the_group_and_who_holds_which_slot(tmp_path: Path, etcd: E
     assert "etcd UNAVAILABLE (no restart until it answers)" in render(info, time.time())
 
 
-@pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
-    """One etcd for the tests that only write slot keys (each revokes its lease after)."""
-    server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.mark.parametrize(
     "since",
     [1e308, -1e20, 1.7e12, 1e19],  # out of any calendar; milliseconds; past 64-bit time_t
 )
 def test_status_shows_a_holder_whose_since_no_clock_can_show(
-    tmp_path: Path, module_etcd: EtcdProcess, since: float
+    tmp_path: Path, etcd_server: EtcdProcess, since: float
 ) -> None:
     """A slot key's `since` is another host's word (its clock, or whatever wrote the key):
     one no calendar can show made `specd status` die with a traceback, the fleet line and
     everything after it lost to the on-call. It is shown without a time."""
-    path = write_config(tmp_path, fleet_table(module_etcd.url))
+    path = write_config(tmp_path, fleet_table(etcd_server.reset().url))
     config = load_config(path)
     assert config.fleet is not None
     fleet = Fleet(config.fleet, "writer")
