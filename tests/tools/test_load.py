@@ -31,6 +31,8 @@ from specd.tools.load import (
     DONE,
     Chunk,
     LoadGenerator,
+    LoadProgress,
+    LoadResult,
     LoadWindow,
     StreamError,
     parse_sse_line,
@@ -435,7 +437,22 @@ def test_http_errors_are_counted_and_load_continues(
     server: FakeServer, concurrency: int, fail_first: int, status: int
 ) -> None:
     server.behaviour = Behaviour(tokens=8, fail_first=fail_first, fail_status=status)
-    result = asyncio.run(run_load(server.url, concurrency, 0.8, max_tokens=8))
+
+    async def go() -> LoadResult:
+        # Until a request has succeeded after the errors, not a fixed time: three failures
+        # in a row back off 0.1 + 0.2 + 0.4 s, which left a busy 2-core CI no time to serve
+        # the fourth within a 0.8 s run.
+        stop = asyncio.Event()
+
+        def served(progress: LoadProgress) -> None:
+            if progress.requests > 0:
+                stop.set()
+
+        return await run_load(
+            server.url, concurrency, 20.0, max_tokens=8, stop=stop, on_progress=served
+        )
+
+    result = asyncio.run(go())
     assert result.errors_by_kind == {f"http_{status}": fail_first}
     assert result.errors == fail_first
     assert result.requests > 0
