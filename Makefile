@@ -9,13 +9,15 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONSTRAINTS := requirements/constraints.txt
 DEMO_ARGS ?=
-# Most tests wait on real processes, restarts and windows rather than burn CPU, so four
-# workers fit a 2-core CI machine; each file stays on one worker (shared fixtures), the
+# Most tests wait on real processes, restarts and windows rather than burn CPU, so six
+# workers fit a 2-core CI machine (measured one after another on one: 4 workers 7:04 wall
+# with 1.1 cores busy, 6 workers 5:32 with 1.6, 8 workers 4:46 with both cores saturated,
+# which leaves the waits no headroom); each file stays on one worker (shared fixtures), the
 # longest files start first (tests/durations.json, see tests/conftest.py). Tests marked
-# `alone` measure rates or open thousands of streams: beside three other workers they
+# `alone` measure rates or open thousands of streams: beside the other workers they
 # measured the machine, not specd (CI: 54 % of a paced rate), and starved their neighbours,
 # so they run afterwards, one at a time, with nothing else.
-PYTEST_ARGS ?= -n 4 --dist loadfile
+PYTEST_ARGS ?= -n 6 --dist loadfile
 
 .PHONY: demo test lint typecheck unit system-deps constraints clean bench
 
