@@ -52,6 +52,25 @@ def per_host(series: str) -> str:
     return f"sum by (instance) ({replicas(series)})"
 
 
+# Bar panels count events, so their bars must add up to the events in the range at any
+# zoom. increase() cannot: over $__rate_interval, always longer than the step, the windows
+# overlap and one restart stood in up to 16 bars (15 s step, 1 m scrape); over $__interval
+# the windows tile, but each sees only its own samples and is extrapolated to its edges, so
+# one event read ~2 in one bar, or 0 when it fell between two windows, and a min interval
+# does not change that. The counter's difference between two steps is exact instead: Grafana
+# aligns a range query's steps to multiples of the step and sets $__interval to that step
+# (pkg/promlib/models/query.go), so consecutive differences add up to the counter's change
+# over the range, and a step without a new sample is a 0 bar (no min interval needed). The
+# step in ms: $__interval is printed in one unit, truncated (a 90 s step would read "1m" and
+# miss a third). A negative difference is specd restarting (its counters start at 0 again):
+# the counter itself is then what happened since. No value a step before (Prometheus did not
+# scrape for 5 minutes) is no bar: the counter's whole count there would be one tall bar.
+def per_bar(series: str) -> str:
+    """Events of ``series`` (a counter) between a bar's step and the step before it."""
+    before = f"{series} offset ${{__interval_ms}}ms"
+    return f"(({series} - {before}) >= 0 or ({series} < {before}))"
+
+
 # Decision reasons the daemon exports (label `reason`), with the colour each gets in the
 # state timeline: blue when specd acts, red when it is blocked by a safety rule.
 REASON_COLORS: dict[str, str] = {
@@ -223,15 +242,16 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
     decisions = (
         ts(
             "Decisions by reason",
-            "Decisions taken per interval, by reason.",
+            "Decisions taken per bar, by reason: the bars add up to the decisions in the range.",
             "short",
         )
         .draw_style(cm.GraphDrawStyle("bars"))
         .fill_opacity(80)
         .stacking(cb.StackingConfig().mode(cm.StackingMode("normal")))
+        .decimals(0)
         .with_target(
             q(
-                f"sum by (reason) (increase(specd_decisions_total{{{INST}}}[$__rate_interval]))",
+                "sum by (reason) " + per_bar(f"specd_decisions_total{{{INST}}}"),
                 "{{reason}}",
             )
         )
@@ -261,17 +281,17 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
     kind_changes = (
         ts(
             "Changes between kinds",
-            "Verified restarts per interval by the kind before and after (static → static is "
-            "a change of step count).",
+            "Verified restarts per bar by the kind before and after (static → static is a "
+            "change of step count): the bars add up to the changes in the range.",
             "short",
         )
         .draw_style(cm.GraphDrawStyle("bars"))
         .fill_opacity(80)
         .stacking(cb.StackingConfig().mode(cm.StackingMode("normal")))
+        .decimals(0)
         .with_target(
             q(
-                "sum by (from_kind, to_kind) "
-                f"(increase(specd_setting_changes_total{{{INST}}}[$__rate_interval]))",
+                "sum by (from_kind, to_kind) " + per_bar(f"specd_setting_changes_total{{{INST}}}"),
                 "{{from_kind}} → {{to_kind}}",
             )
         )
@@ -541,13 +561,17 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
         .mappings(value_text({"0": ("no", "green"), "1": ("FROZEN", "red")}))
     )
     restarts_over_time = (
-        ts("Restarts by result", "Restarts per interval, by result.", "short")
+        ts(
+            "Restarts by result",
+            "Restarts per bar, by result: the bars add up to the restarts in the range.",
+            "short",
+        )
         .draw_style(cm.GraphDrawStyle("bars"))
         .fill_opacity(80)
         .decimals(0)
         .with_target(
             q(
-                f"sum by (result) (increase(specd_restarts_total{{{INST}}}[$__rate_interval]))",
+                "sum by (result) " + per_bar(f"specd_restarts_total{{{INST}}}"),
                 "{{result}}",
             )
         )
@@ -659,9 +683,9 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
     errors = (
         ts(
             "Gateway errors by kind",
-            "Failed calls to a gateway replica's admin API per interval (connect, timeout, "
-            "http_status, malformed, api_key). While any fail, specd does not restart "
-            "(reason drain_unavailable).",
+            "Failed calls to a gateway replica's admin API per bar (connect, timeout, "
+            "http_status, malformed, api_key): the bars add up to the failures in the range. "
+            "While any fail, specd does not restart (reason drain_unavailable).",
             "short",
         )
         .draw_style(cm.GraphDrawStyle("bars"))
@@ -669,7 +693,7 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
         .decimals(0)
         .with_target(
             q(
-                f"sum by (kind) (increase(specd_gateway_errors_total{{{INST}}}[$__rate_interval]))",
+                "sum by (kind) " + per_bar(f"specd_gateway_errors_total{{{INST}}}"),
                 "{{kind}}",
             )
         )
@@ -868,7 +892,8 @@ def health_panels() -> list[tuple[Panel, int, int]]:
     tick = (
         ts(
             "Tick duration and state-file errors",
-            "p99 wall time of one observe-record-decide tick, and failed state-file writes.",
+            "p99 wall time of one observe-record-decide tick, and failed state-file writes per "
+            "bar (red, right axis; the bars add up to the failures in the range).",
             "s",
         )
         .with_target(
@@ -881,7 +906,7 @@ def health_panels() -> list[tuple[Panel, int, int]]:
         )
         .with_target(
             q(
-                f"increase(specd_state_write_errors_total{{{INST}}}[$__rate_interval])",
+                per_bar(f"specd_state_write_errors_total{{{INST}}}"),
                 "state write errors {{instance}}",
                 "B",
             )
@@ -890,6 +915,8 @@ def health_panels() -> list[tuple[Panel, int, int]]:
             "^state write errors.*",
             [
                 dm.DynamicConfigValue(id_val="unit", value="short"),
+                dm.DynamicConfigValue(id_val="custom.drawStyle", value="bars"),
+                dm.DynamicConfigValue(id_val="custom.fillOpacity", value=80),
                 dm.DynamicConfigValue(id_val="custom.axisPlacement", value="right"),
                 dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "red"}),
             ],

@@ -43,8 +43,14 @@ DATA_DEADLINE_S = 45.0
 # Metrics no running specd sets yet, with the reason (none at the moment).
 PENDING: dict[str, str] = {}
 CALIBRATION = Path(__file__).resolve().parents[1] / "specd" / "data" / "seed-qwen35-122b.csv"
-# Grafana's macros, as Grafana would expand them for a short range at a 1 s scrape.
-MACROS = {"$__rate_interval": "10s", "$__range": "5m", "$instance": ".+"}
+# Grafana's macros, as Grafana would expand them for a short range at a 1 s scrape (a 1 s
+# step: $__interval, and the bar panels' ${__interval_ms}).
+MACROS = {
+    "${__interval_ms}": "1000",
+    "$__rate_interval": "10s",
+    "$__range": "5m",
+    "$instance": ".+",
+}
 # `specd run`'s code path (specd.cli only dispatches to it), without depending on the
 # subcommand's registration.
 DAEMON_BOOT = (

@@ -428,6 +428,140 @@ def test_event_annotations_mark_every_event(tmp_path: Path) -> None:
     assert unmarked == {name: [] for name in marks}
 
 
+# -- the dashboard's bar panels: each event counted once, at any zoom ---------------------
+# Steps Grafana picks for a short range (never below the data source's scrape interval unless
+# that is set too low, so 15 s at a 1 m scrape too), and 90 s: a data source whose scrape
+# interval is set to 90 s, where $__interval reads "1m". All shorter than $__rate_interval.
+BAR_STEPS_S = (15, 30, 60, 90, 120)
+BAR_SCRAPES_S = (15, 60)
+# A whole number of every step: each event's position against the steps' boundaries recurs.
+BAR_PERIOD_S = 360
+
+
+def _grafana_unit(seconds: int) -> str:
+    """A duration as Grafana prints $__interval: its largest whole unit, the rest dropped
+    (gtime.FormatInterval)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def grafana_range_expr(expr: str, instance: str, step_s: int, scrape_s: int) -> str:
+    """``expr`` as Grafana's Prometheus data source sends it for a range query at
+    ``step_s`` with one host selected (pkg/promlib/models/query.go, interpolateVariables):
+    $__interval and $__interval_ms are the step, $__rate_interval is max(step + scrape,
+    4 × scrape) with the data source's scrape interval set to the real one."""
+    macros = {
+        "${__interval_ms}": str(step_s * 1000),
+        "$__interval_ms": str(step_s * 1000),
+        "$__rate_interval": f"{max(step_s + scrape_s, 4 * scrape_s)}s",
+        "$__interval": _grafana_unit(step_s),
+        "$instance": instance,
+    }
+    for macro, value in macros.items():
+        expr = expr.replace(macro, value)
+    return expr
+
+
+def _event_count_targets() -> dict[str, str]:
+    """Every range query of a time series panel that counts a specd counter's events (not a
+    rate), by panel title and refId."""
+    found = {}
+    for panel in json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            counts = re.search(r"\bspecd_\w+_total\b", expr) and "rate(" not in expr
+            if panel["type"] == "timeseries" and not target.get("instant") and counts:
+                found[f"{panel['title']}/{target['refId']}"] = expr
+    return found
+
+
+def _bar_series(t0: int, counters: list[str]) -> tuple[str, dict[str, tuple[int, int]]]:
+    """OpenMetrics text, and each instance's scrape interval and events: every counter of
+    ``counters`` steps once, between the ``gap``-th pair of samples after minute 10, scraped
+    every 15 s or 1 m; specd restarting (its counters back at 0, a scrape missed), with no event and
+    with one after it; Prometheus not scraping for 10 minutes."""
+    values: dict[str, list[tuple[int, int]]] = {}
+    events: dict[str, tuple[int, int]] = {}
+    for scrape in BAR_SCRAPES_S:
+        times = range(t0 + SCRAPE_OFFSET_S, t0 + 1800, scrape)
+        restart = t0 + 600
+        for gap in range(BAR_PERIOD_S // scrape + 1):
+            bump_after = t0 + SCRAPE_OFFSET_S + 600 + gap * scrape  # the last sample still 3
+            values[f"every-{scrape}s-gap-{gap}"] = [(t, 3 + (t > bump_after)) for t in times]
+            events[f"every-{scrape}s-gap-{gap}"] = (scrape, 1)
+        values[f"every-{scrape}s-restarted"] = [
+            (t, 3 if t < restart else 0) for t in times if not restart <= t < restart + scrape
+        ]
+        events[f"every-{scrape}s-restarted"] = (scrape, 0)
+        values[f"every-{scrape}s-restarted-then-event"] = [
+            (t, 3 if t < restart else int(t > restart + 2 * scrape))
+            for t in times
+            if not restart <= t < restart + scrape
+        ]
+        events[f"every-{scrape}s-restarted-then-event"] = (scrape, 1)
+        # Prometheus down for 10 minutes: no sample, no event.
+        values[f"every-{scrape}s-unscraped"] = [
+            (t, 3) for t in times if not restart <= t < restart + 600
+        ]
+        events[f"every-{scrape}s-unscraped"] = (scrape, 0)
+    text = ""
+    for counter in counters:
+        text += f"# TYPE {counter.removesuffix('_total')} counter\n"
+        for instance, samples in values.items():
+            series = f'{counter}{{instance="{instance}",job="specd"}}'
+            text += "".join(f"{series} {v} {t}\n" for t, v in samples)
+    return text + "# EOF\n", events
+
+
+def test_bar_panels_count_each_event_once(tmp_path: Path) -> None:
+    """Each restart, decision, change of kind, gateway error or failed state write is one
+    bar of 1 on the dashboard, at every step Grafana queries with and wherever the event
+    falls against the steps, also across specd restarting or a gap in the scrapes; so the
+    bars add up to the events in the range. increase(...[$__rate_interval]) counted one
+    restart in every bar whose window held it (its window is longer than the step): 16 bars
+    at a 15 s step and a 1 m scrape."""
+    targets = _event_count_targets()
+    panels = json.loads(DASHBOARD.read_text(encoding="utf-8"))["panels"]
+    bar_panels = {
+        p["title"]
+        for p in panels
+        if p.get("fieldConfig", {}).get("defaults", {}).get("custom", {}).get("drawStyle") == "bars"
+    }
+    assert bar_panels >= {
+        "Decisions by reason",
+        "Restarts by result",
+        "Changes between kinds",
+        "Gateway errors by kind",
+    }
+    assert bar_panels <= {key.split("/")[0] for key in targets}, "a bar panel left unchecked"
+    counters = sorted({c for e in targets.values() for c in re.findall(r"specd_\w+_total", e)})
+    t0 = (int(time.time()) // 3600 - 3) * 3600  # three hours ago, on the hour
+    text, events = _bar_series(t0, counters)
+    wrong = []
+    with prometheus_over(tmp_path, text) as client:
+        for key, expr in sorted(targets.items()):
+            for step in BAR_STEPS_S:
+                for instance, (scrape, count) in events.items():
+                    params = {
+                        "query": grafana_range_expr(expr, instance, step, scrape),
+                        # Grafana aligns the range to the step (t0 is a multiple of each).
+                        "start": str(t0),
+                        "end": str(t0 + 1800),
+                        "step": str(step),
+                    }
+                    bars = [
+                        float(v)
+                        for series in _result(client, "/api/v1/query_range", params)
+                        for _, v in series["values"]
+                        if float(v) != 0
+                    ]
+                    if bars != [1.0] * count:
+                        wrong.append(f"{key} at a {step} s step, {instance}: bars {bars}")
+    assert wrong == [], f"{len(wrong)} wrong, e.g.\n" + "\n".join(wrong[:12])
+
+
 def _displayed(panel: dict[str, Any], value: float) -> str:
     """The text a stat panel shows for ``value``: its value mappings, else the number."""
     for mapping in panel["fieldConfig"]["defaults"].get("mappings", []):
