@@ -110,8 +110,8 @@ def thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
     )
 
 
-def value_text(mapping: dict[str, tuple[str, str]]) -> list[dm.ValueMapping]:
-    """Value -> (text, colour) mappings, plus NaN/null shown as "unknown"."""
+def value_text(mapping: dict[str, tuple[str, str]], nan: str = "unknown") -> list[dm.ValueMapping]:
+    """Value -> (text, colour) mappings, plus NaN/null shown as ``nan``."""
     options = {
         value: dm.ValueMappingResult(text=text, color=color, index=i)
         for i, (value, (text, color)) in enumerate(mapping.items())
@@ -119,7 +119,7 @@ def value_text(mapping: dict[str, tuple[str, str]]) -> list[dm.ValueMapping]:
     special = dm.SpecialValueMap(
         options=dm.DashboardSpecialValueMapOptions(
             match=dm.SpecialValueMatch("null+nan"),
-            result=dm.ValueMappingResult(text="unknown", color="text", index=len(options)),
+            result=dm.ValueMappingResult(text=nan, color="text", index=len(options)),
         )
     )
     return [dm.ValueMap(options=options), special] if options else [special]
@@ -778,6 +778,24 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
         )
         .mappings(value_text({}))
     )
+    decided = (
+        big(
+            "Override decided",
+            "When the pin or freeze in force was decided: the time `specd override` wrote in "
+            "the file (a hand edit keeps it), else the file's mtime. SpecdOverrideActiveTooLong "
+            "fires once it is a day old. none: no override in force.",
+            "dateTimeFromNow",
+        )
+        .color_mode(cm.BigValueColorMode("none"))
+        .with_target(
+            q(
+                f"specd_override_since_timestamp_seconds{{{INST}}} * 1000",
+                "{{instance}}",
+                instant=True,
+            )
+        )
+        .mappings(value_text({}, nan="none"))
+    )
     override_file = (
         big(
             "Override file",
@@ -817,11 +835,12 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
     )
     return [
         (window, 3, 5),
-        (next_window, 5, 5),
+        (next_window, 4, 5),
         (mode, 3, 5),
-        (expiry, 4, 5),
+        (expiry, 3, 5),
+        (decided, 3, 5),
         (override_file, 3, 5),
-        (reason, 6, 5),
+        (reason, 5, 5),
     ]
 
 
@@ -963,6 +982,23 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
         .max(1)
         .with_target(q(f"specd_fleet_slot_held{{{INST}}}", "{{instance}}"))
     )
+    taken = (
+        big(
+            "Fleet slot taken",
+            "When this specd took the slot it holds (kept across a restart of specd). none: "
+            "it holds none.",
+            "dateTimeFromNow",
+        )
+        .color_mode(cm.BigValueColorMode("none"))
+        .with_target(
+            q(
+                f"specd_fleet_slot_taken_timestamp_seconds{{{INST}}} * 1000",
+                "{{instance}}",
+                instant=True,
+            )
+        )
+        .mappings(value_text({}, nan="none"))
+    )
     wait = (
         ts(
             "Fleet slot wait",
@@ -1005,7 +1041,7 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
             )
         )
     )
-    return [(held, 8, 7), (wait, 8, 7), (errors, 8, 7)]
+    return [(held, 7, 7), (taken, 3, 7), (wait, 7, 7), (errors, 7, 7)]
 
 
 ROWS: tuple[tuple[str, Callable[[], list[tuple[Panel, int, int]]]], ...] = (

@@ -182,9 +182,12 @@ class OverrideTracker:
     """The override: the last valid file content; invalid files are ignored.
     ``judged_by``: the path and step bounds the file was last read with (a reload may
     change them, and with them what the same file means). ``lapsed``: its expiry has
-    passed (said once); a clock stepped back before it puts it in force again."""
+    passed (said once); a clock stepped back before it puts it in force again. ``since``:
+    when ``good`` was decided, from its file (`decided_at`), so a restart of specd reads the
+    same time again."""
 
     good: Override | None = None
+    since: float | None = None
     fingerprint: object = None
     status: OverrideStatus | None = None
     judged_by: object = None
@@ -308,11 +311,11 @@ class Daemon:
         m = self.metrics
         hooks = FleetHooks(
             error=lambda kind: m.fleet_etcd_errors.labels(kind=kind).inc(),
-            held=lambda held: m.fleet_slot_held.set(1 if held else 0),
+            held=lambda slot: m.set_fleet_slot(None if slot is None else slot.taken_at),
             waited=m.fleet_slot_wait.observe,
             beat=self._heartbeat,
         )
-        return Fleet.from_settings(config.fleet, config.sglang.unit, hooks)
+        return Fleet.from_settings(config.fleet, config.sglang.unit, hooks, clock=self.clock)
 
     @property
     def fleet(self) -> Fleet | None:
@@ -1001,11 +1004,11 @@ class Daemon:
             if not status.present:
                 if tracker.in_force is not None:
                     self.log.info("override_removed")
-                tracker.good, tracker.lapsed = None, False
+                tracker.good, tracker.lapsed, tracker.since = None, False, None
             elif status.valid:
                 if status.override != tracker.good:
                     tracker.lapsed = False
-                tracker.good = status.override
+                tracker.good, tracker.since = status.override, status.written_at
                 loaded = status.override
                 # One that has already expired is said below (override_expired).
                 if loaded is None or loaded.mode == "auto" or loaded.active(utc(now)):
@@ -1401,6 +1404,8 @@ class Daemon:
         shown = status.override if status is not None and status.override is not None else None
         expires = shown.expires_at if shown is not None else None
         m.override_expiry.set(expires.timestamp() if expires is not None else float("nan"))
+        since = self.override.since if override is not None else None
+        m.override_since.set(since if since is not None else float("nan"))
         if override is not None:
             m.set_mode(override.mode)
             m.set_override_info(override.mode, override.reason)

@@ -1958,3 +1958,123 @@ def test_a_reload_that_removes_the_gateway_clears_its_not_ready_count(tmp_path: 
     value = sample("specd_gateway_worker_not_ready_replicas")
     assert value is not None
     assert math.isnan(value)
+
+
+DECIDED = IN_WINDOW - 3 * 86400  # three days before "now"
+
+
+def _override_text(
+    header_at: str | None, steps: int = 3, expires: float = IN_WINDOW + 7 * 86400
+) -> str:
+    body = {
+        "mode": "pin",
+        "steps": steps,
+        "expires_at": datetime.fromtimestamp(expires, tz=UTC),
+        "reason": "incident 42",
+    }
+    header = (
+        f"# written by `specd override pin` as alice (sudo) at {header_at}\n"
+        if header_at is not None
+        else ""
+    )
+    return header + tomli_w.dumps(body)
+
+
+def _write_override(cfg: Config, text: str, mtime: float) -> None:
+    path = Path(cfg.files.override_file)
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    os.utime(path, (mtime, mtime))
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).isoformat()
+
+
+@pytest.mark.parametrize(
+    ("header_at", "mtime", "since"),
+    [
+        # `specd override` wrote it; the reason was reworded by hand a day later: the same
+        # decision.
+        (_iso(DECIDED), DECIDED + 86400, DECIDED),
+        # Written by hand: its mtime.
+        (None, DECIDED + 60, DECIDED + 60),
+        # A header claiming a time after the file was written is not believed.
+        (_iso(IN_WINDOW + 3600), DECIDED, DECIDED),
+        # Not a time: the mtime.
+        ("yesterday", DECIDED, DECIDED),
+    ],
+    ids=["header", "hand-written", "header-in-the-future", "header-unreadable"],
+)
+def test_the_override_in_force_exports_since_when_from_its_file(
+    tmp_path: Path, header_at: str | None, mtime: float, since: float
+) -> None:
+    """SpecdOverrideActiveTooLong reads this time: its `for: 1d` over specd_override_info
+    started over at every failed scrape and in practice never fired."""
+    cfg = config(tmp_path)
+    _write_override(cfg, _override_text(header_at), mtime)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    assert d.tick().reason is Reason.OVERRIDE_PIN
+    assert d.metrics.registry.get_sample_value("specd_override_since_timestamp_seconds") == since
+
+
+def test_the_override_time_survives_a_restart_follows_a_repin_and_goes_with_the_override(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+
+    def since(d: Daemon) -> float | None:
+        value: float | None = d.metrics.registry.get_sample_value(
+            "specd_override_since_timestamp_seconds"
+        )
+        return value
+
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), Applier(), clock)
+    d.tick()
+    nan = since(d)
+    assert nan is not None
+    assert math.isnan(nan)
+
+    _write_override(cfg, _override_text(_iso(DECIDED)), DECIDED)
+    assert d.tick().reason is Reason.OVERRIDE_PIN
+    assert since(d) == DECIDED
+
+    # specd restarted (an upgrade) a day later: the time comes back from the file.
+    clock[0] += 86400
+    restarted = daemon(cfg, Reader([obs(clock[0], steps=3)]), Applier(), clock)
+    restarted.tick()
+    assert since(restarted) == DECIDED
+
+    # Pinned again with `specd override pin` (a fresh decision): its new time.
+    repinned = clock[0] - 60
+    _write_override(cfg, _override_text(_iso(repinned), steps=4), repinned)
+    assert restarted.tick().reason is Reason.OVERRIDE_PIN
+    assert since(restarted) == repinned
+
+    # A bad edit is ignored: the last good pin holds, and so does its time.
+    _write_override(cfg, _override_text(_iso(clock[0]), steps=99), clock[0])
+    clock[0] += 10
+    assert restarted.tick().reason is Reason.OVERRIDE_PIN
+    assert since(restarted) == repinned
+
+    # Expired: no longer in force, NaN (SpecdOverrideExpiredInFile's case now).
+    clock[0] = IN_WINDOW + 8 * 86400
+    restarted.tick()
+    expired = since(restarted)
+    assert expired is not None
+    assert math.isnan(expired)
+
+    # Cleared (file deleted): NaN.
+    pinned = clock[0]
+    _write_override(cfg, _override_text(_iso(pinned), expires=pinned + 86400), pinned)
+    clock[0] += 10
+    restarted.tick()
+    assert since(restarted) == pinned
+    Path(cfg.files.override_file).unlink()
+    clock[0] += 10
+    restarted.tick()
+    cleared = since(restarted)
+    assert cleared is not None
+    assert math.isnan(cleared)
+    assert restarted.metrics.registry.get_sample_value("specd_mode", {"mode": "auto"}) == 1

@@ -4,6 +4,8 @@ A real etcd on loopback; SGLang and the restart scripted as in test_daemon."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 from factories import EtcdProcess
@@ -11,7 +13,7 @@ from test_daemon import IN_WINDOW, Applier, Reader, config, daemon, obs
 
 from specd.core.decide import Reason
 from specd.daemon import Daemon
-from specd.io.fleet import Fleet
+from specd.io.fleet import Fleet, Slot
 
 
 def sample(d: Daemon, name: str, **labels: str) -> float | None:
@@ -70,3 +72,49 @@ def test_etcd_is_not_asked_when_no_restart_is_due(tmp_path: Path, etcd: EtcdProc
     decision = d.tick()
     assert decision.reason is Reason.WITHIN_TOLERANCE, decision.message
     assert sample(d, "specd_fleet_etcd_errors_total", kind="connect") == 0
+
+
+def test_the_slot_held_says_since_when_also_after_a_restart_of_specd(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """SpecdFleetSlotHeldTooLong counts the hour from specd_fleet_slot_taken_timestamp_seconds:
+    its `for: 1h` over specd_fleet_slot_held started over at every failed scrape, and at the
+    restart of specd that a stuck sequence often gets."""
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), clock)
+    taken = sample(d, "specd_fleet_slot_taken_timestamp_seconds")
+    assert taken is not None
+    assert math.isnan(taken)
+    fleet = d._make_fleet(cfg)
+    assert fleet is not None
+    try:
+        slot = fleet.try_acquire()
+        assert slot is not None
+        assert sample(d, "specd_fleet_slot_held") == 1
+        assert sample(d, "specd_fleet_slot_taken_timestamp_seconds") == IN_WINDOW
+    finally:
+        fleet.close()
+
+    # specd killed mid-sequence and started again 20 minutes later: the slot its journal
+    # names is still held and kept, with the time it was taken.
+    clock[0] += 1200
+    again = daemon(cfg, Reader([obs(clock[0], steps=4)]), Applier(), clock)
+    fleet = again._make_fleet(cfg)
+    assert fleet is not None
+    try:
+        journaled = Slot.from_dict(json.loads(json.dumps(slot.to_dict())))
+        assert fleet.holds(journaled) is None
+        keeper = fleet.keep_alive(journaled)
+        try:
+            assert sample(again, "specd_fleet_slot_held") == 1
+            assert sample(again, "specd_fleet_slot_taken_timestamp_seconds") == IN_WINDOW
+        finally:
+            keeper.stop()
+        assert fleet.release(journaled) is None
+    finally:
+        fleet.close()
+    assert sample(again, "specd_fleet_slot_held") == 0
+    released = sample(again, "specd_fleet_slot_taken_timestamp_seconds")
+    assert released is not None
+    assert math.isnan(released)

@@ -378,7 +378,9 @@ class FleetHooks:
     """What the fleet reports as it goes (the daemon points these at its metrics)."""
 
     error: Callable[[str], None] = field(default=lambda kind: None)
-    held: Callable[[bool], None] = field(default=lambda held: None)
+    # The slot this specd holds from now on (its `Slot.taken_at` says since when), or None
+    # once it gave the slot back.
+    held: Callable[[Slot | None], None] = field(default=lambda slot: None)
     waited: Callable[[float], None] = field(default=lambda seconds: None)
     # The daemon loop's heartbeat, called around etcd requests made by the loop's own
     # thread (never by the lease keeper's: the watchdog must see the loop stuck).
@@ -415,9 +417,13 @@ class Fleet:
 
     @classmethod
     def from_settings(
-        cls, settings: FleetSettings, unit: str, hooks: FleetHooks | None = None
+        cls,
+        settings: FleetSettings,
+        unit: str,
+        hooks: FleetHooks | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> Fleet:
-        return cls(settings, settings.holder_name or default_holder(unit), hooks=hooks)
+        return cls(settings, settings.holder_name or default_holder(unit), hooks=hooks, clock=clock)
 
     def close(self) -> None:
         self.etcd.close()
@@ -468,7 +474,8 @@ class Fleet:
         if index is None:
             return None
         lease = self.etcd.grant(self.ttl_s)
-        value = json.dumps({"holder": self.holder, "since": self._clock()})
+        taken_at = self._clock()
+        value = json.dumps({"holder": self.holder, "since": taken_at})
         try:
             taken = self.etcd.put_if_absent(slot_key(self.group, index), value, lease)
         except FleetUnavailable:
@@ -477,10 +484,9 @@ class Fleet:
         if not taken:
             self._revoke_quietly(lease)  # another specd was faster: no lease left behind
             return None
-        self.hooks.held(True)
-        return Slot(
-            self.group, index, slot_key(self.group, index), lease, self.ttl_s, self._clock()
-        )
+        slot = Slot(self.group, index, slot_key(self.group, index), lease, self.ttl_s, taken_at)
+        self.hooks.held(slot)
+        return slot
 
     def acquire(
         self, stop: threading.Event, give_up: Callable[[], str | None]
@@ -530,8 +536,9 @@ class Fleet:
         return problem
 
     def keep_alive(self, slot: Slot) -> LeaseKeeper:
-        """Renew ``slot``'s lease from now on (also a slot a killed predecessor took)."""
-        self.hooks.held(True)
+        """Renew ``slot``'s lease from now on (also a slot a killed predecessor took: its
+        journal keeps when it was taken)."""
+        self.hooks.held(slot)
         keeper = LeaseKeeper(self, slot)
         keeper.start()
         return keeper
@@ -539,7 +546,7 @@ class Fleet:
     def release(self, slot: Slot) -> str | None:
         """Free the slot (revoke its lease: etcd deletes the key). A problem or None; a
         slot that cannot be released frees itself one TTL after its keeper stopped."""
-        self.hooks.held(False)
+        self.hooks.held(None)
         try:
             self.etcd.revoke(slot.lease)
         except FleetUnavailable as exc:

@@ -263,6 +263,15 @@ class Metrics:
             "there is none.",
             registry=r,
         )
+        # For SpecdOverrideActiveTooLong: an age from a time specd exports survives a failed
+        # scrape, where a `for: 1d` over specd_override_info started over at each one.
+        self.override_since = Gauge(
+            "specd_override_since_timestamp_seconds",
+            "Unix time the pin or freeze in force was decided: the time in the header "
+            "`specd override` writes (kept by a hand edit), else the file's mtime; NaN when "
+            "none is in force.",
+            registry=r,
+        )
         # One series at a time (cleared on change), so the free-text reason cannot grow
         # the series count.
         self.override_info = Gauge(
@@ -337,6 +346,12 @@ class Metrics:
             "1 while this specd holds one of its [fleet] group's restart slots in etcd.",
             registry=r,
         )
+        self.fleet_slot_taken = Gauge(
+            "specd_fleet_slot_taken_timestamp_seconds",
+            "Unix time this specd took the [fleet] slot it holds (from its journal after a "
+            "restart of specd); NaN while it holds none.",
+            registry=r,
+        )
         self.fleet_etcd_errors = Counter(
             "specd_fleet_etcd_errors_total",
             "Failed etcd calls of the [fleet] semaphore, by kind (connect, timeout, http, "
@@ -378,6 +393,8 @@ class Metrics:
         self.requests_in_flight_at_restart.set(float("nan"))
         self.gateway_worker_not_ready.set(float("nan"))
         self.override_expiry.set(float("nan"))
+        self.override_since.set(float("nan"))
+        self.fleet_slot_taken.set(float("nan"))
         self.override_valid.set(1)
 
     def declare_choices(self, steps: Iterable[int], settings: Iterable[str] = ()) -> None:
@@ -417,6 +434,11 @@ class Metrics:
             gauge.remove(name)
         shown.clear()
         shown.update(values)
+
+    def set_fleet_slot(self, taken_at: float | None) -> None:
+        """A slot held since ``taken_at``, or none (None)."""
+        self.fleet_slot_held.set(0 if taken_at is None else 1)
+        self.fleet_slot_taken.set(float("nan") if taken_at is None else taken_at)
 
     def set_override_info(self, mode: str | None, reason: str) -> None:
         self.override_info.clear()

@@ -56,6 +56,8 @@ class OverrideStatus:
     present: bool
     # (mtime_ns, size, inode); (0, 0, 0) when absent. Changes when the file is replaced.
     fingerprint: tuple[int, int, int]
+    # Unix time the override was decided (`decided_at`); None when not read.
+    written_at: float | None = None
 
 
 ABSENT = (0, 0, 0)
@@ -284,7 +286,7 @@ def read_override(
         return _invalid(f"{path}: not UTF-8 text (byte {exc.start})", fingerprint)
     except ValueError as exc:  # files.ParseError included: bad, too deep or absurd TOML
         return _invalid(f"{path}: {exc}", fingerprint)
-    return OverrideStatus(override, True, None, True, fingerprint)
+    return OverrideStatus(override, True, None, True, fingerprint, decided_at(raw, st.st_mtime))
 
 
 # --- durations and writing --------------------------------------------------------------
@@ -324,6 +326,22 @@ def check_override_text(
 
 # The first line `specd override` writes: who wrote the file, and when.
 _WRITTEN_BY = re.compile(r"# written by `specd override \w+` as (.{1,80}) at (\S{1,40})\s*")
+
+
+def decided_at(raw: bytes, mtime: float) -> float:
+    """Unix time the override in ``raw`` was decided: the time in the header `specd override`
+    wrote (a hand edit that keeps the header is the same decision), else the file's mtime (a
+    hand-written file: every edit is a new one). Never later than the mtime: a header that
+    claims a future time is not believed."""
+    found = _WRITTEN_BY.fullmatch(raw.split(b"\n", 1)[0].decode("utf-8", "replace"))
+    if found is not None:
+        try:
+            at = datetime.fromisoformat(found[2])
+        except ValueError:
+            return mtime
+        if at.tzinfo is not None and at.utcoffset() is not None:
+            return min(at.timestamp(), mtime)
+    return mtime
 
 
 def written_by(path: str | Path) -> str | None:
