@@ -299,9 +299,15 @@ def wait_or_dump(
     try:
         return sd.wait_for(predicate, timeout=timeout, interval=0.3, what=what)
     except ContainerError as exc:
+        # The units' states and what is left in their cgroups, beside the journals: a
+        # unit held "deactivating" logs nothing while it waits.
+        units = sd.sh(
+            "systemctl", "status", "--no-pager", "--lines=0", SPECD_UNIT, SGLANG_UNIT, check=False
+        ).stdout
         raise AssertionError(
             f"{exc}\n--- specd ---\n{sd.journal(SPECD_UNIT, lines=40)}"
             f"\n--- sglang ---\n{sd.journal(SGLANG_UNIT, lines=15)}"
+            f"\n--- units ---\n{units}"
         ) from None
 
 
@@ -501,7 +507,14 @@ def test_pin_now_applies_at_once_with_window_closed(sd: Container) -> None:
 def test_sigkill_mid_restart_then_start_is_consistent(sd: Container) -> None:
     since = journal_mark(sd)
     old_pid = start_twin(sd, steps=4)
-    specd_pid = start_specd(sd, closed_window_config(sd), overrides=("Restart=no",))
+    # TimeoutStopSec=: after the SIGKILL systemd kills what is left in the unit (specd's
+    # `systemctl restart` child) and waits for the cgroup to be empty. This systemd (252) in
+    # a container on a cgroup-v1 host once missed that event under a loaded full run and held
+    # the unit "deactivating" for the whole stop timeout (90 s in specd.service); the test is
+    # about what the next start does, not how long systemd takes to notice.
+    specd_pid = start_specd(
+        sd, closed_window_config(sd), overrides=("Restart=no", "TimeoutStopSec=5s")
+    )
     # The restarted twin loads until specd has been killed and started again.
     hold_next_start(sd)
     pin_now(sd, 3)
@@ -516,7 +529,7 @@ def test_sigkill_mid_restart_then_start_is_consistent(sd: Container) -> None:
     )
     assert sd.http_get("/health")["status"] != 200  # the twin is still "loading"
     sd.sh("kill", "-KILL", str(specd_pid))
-    wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=10)
+    wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=30)
     assert state(sd)["journal"]["phase"] == "restart_issued"
 
     sd.systemctl("start", SPECD_UNIT, timeout=60)
