@@ -166,6 +166,16 @@ def big(title: str, description: str, unit: str) -> stat.Panel:
     )
 
 
+def time_ago(title: str, description: str, metric: str) -> stat.Panel:
+    """A stat of a Unix-time gauge shown as "3 hours ago"; none while it is NaN."""
+    return (
+        big(title, description, "dateTimeFromNow")
+        .color_mode(cm.BigValueColorMode("none"))
+        .with_target(q(f"{metric}{{{INST}}} * 1000", "{{instance}}", instant=True))
+        .mappings(value_text({}, nan="none"))
+    )
+
+
 def dashed() -> list[dm.DynamicConfigValue]:
     return [
         dm.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})
@@ -778,23 +788,12 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
         )
         .mappings(value_text({}))
     )
-    decided = (
-        big(
-            "Override decided",
-            "When the pin or freeze in force was decided: the time `specd override` wrote in "
-            "the file (a hand edit keeps it), else the file's mtime. SpecdOverrideActiveTooLong "
-            "fires once it is a day old. none: no override in force.",
-            "dateTimeFromNow",
-        )
-        .color_mode(cm.BigValueColorMode("none"))
-        .with_target(
-            q(
-                f"specd_override_since_timestamp_seconds{{{INST}}} * 1000",
-                "{{instance}}",
-                instant=True,
-            )
-        )
-        .mappings(value_text({}, nan="none"))
+    decided = time_ago(
+        "Override decided",
+        "When the pin or freeze in force was decided: the time `specd override` wrote in "
+        "the file (a hand edit keeps it), else the file's mtime. SpecdOverrideActiveTooLong "
+        "fires once it is a day old. none: no override in force.",
+        "specd_override_since_timestamp_seconds",
     )
     override_file = (
         big(
@@ -982,22 +981,11 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
         .max(1)
         .with_target(q(f"specd_fleet_slot_held{{{INST}}}", "{{instance}}"))
     )
-    taken = (
-        big(
-            "Fleet slot taken",
-            "When this specd took the slot it holds (kept across a restart of specd). none: "
-            "it holds none.",
-            "dateTimeFromNow",
-        )
-        .color_mode(cm.BigValueColorMode("none"))
-        .with_target(
-            q(
-                f"specd_fleet_slot_taken_timestamp_seconds{{{INST}}} * 1000",
-                "{{instance}}",
-                instant=True,
-            )
-        )
-        .mappings(value_text({}, nan="none"))
+    taken = time_ago(
+        "Fleet slot taken",
+        "When this specd took the slot it holds (kept across a restart of specd). none: "
+        "it holds none.",
+        "specd_fleet_slot_taken_timestamp_seconds",
     )
     wait = (
         ts(
