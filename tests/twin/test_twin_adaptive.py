@@ -606,3 +606,52 @@ def test_adaptive_rules_agree_with_specds_version_table(version: str) -> None:
     assert (rules.config == SLOTS) is has(parsed, ADAPTIVE_SLOTS)
     assert rules.slot_zero is has(parsed, ADAPTIVE_SLOT_ZERO)
     assert rules.needs_no_overlap is (parsed < (0, 5, 13))
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["static", "adaptive"])
+@pytest.mark.parametrize("late_s", [0.01, 1.0, 30.0])
+def test_a_late_look_runs_no_batch_past_the_last_request(
+    tmp_path: Path, adaptive: bool, late_s: float
+) -> None:
+    """The engine advances by the time since it last looked; an event loop starved on a busy
+    machine looks late. Batches ran for all of that time, after the 8-token warm-up request
+    had finished too: a 1 s gap counted ~50 verify batches for 3, and a fresh server showed
+    its first decode log (avg_spec_accept_length in /server_info) at --decode-log-interval
+    10. A batch runs only while a request needs it, however late the look."""
+    accepts = {4: 3.0}
+    clock = _Clock()
+    engine = Engine(
+        PerfTable.from_csv_text(fast_table(accepts)),
+        steps=4,
+        draft_tokens=5,
+        max_running=48,
+        state=MetricState(model_name="m", profile=PROFILES["0.5.23"]),
+        accept_length=accepts[4],
+        accept_noise=0.0,
+        seed=1,
+        clock=clock,
+        controller=(
+            Controller(
+                4,
+                load_slots(
+                    PROFILES["0.5.23"].adaptive,  # type: ignore[arg-type]
+                    write_config(tmp_path, {"1": {"candidate_steps": [4]}}),
+                ),
+                PROFILES["0.5.23"].adaptive,  # type: ignore[arg-type]
+                cuda_graph_batch_sizes(48),
+            )
+            if adaptive
+            else None
+        ),
+        accept_lengths=accepts,
+        decode_log_interval=10,
+    )
+    engine.submit(Request(prompt_tokens=1, max_tokens=9, streaming=False, arrival=0.0))
+    clock.t += late_s
+    engine.advance()
+    assert engine.running == []
+    batches, _, step_us = engine.decode_moments[0][:3]
+    # 9 tokens at 3 a verify: 3 verify batches, 0.002 s each (fast_table's per_token_s).
+    assert batches == pytest.approx(3.0)
+    assert step_us == pytest.approx(3 * 0.002 * 1e6)
+    assert engine.lifetime_accept_length() is None
