@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specd.twin.process import HOST, TwinProcess
+from specd.twin.process import TwinProcess
 from specd.twin.unit import TwinUnitRunner
 
 CLI_PATH = str(Path(__file__).resolve().parents[1] / "specd" / "cli.py")
@@ -178,6 +178,9 @@ atexit.register(ZYGOTE.close)
 class ForkedTwin(TwinProcess):
     """``TwinProcess`` (same arguments and methods) whose process the zygote forks."""
 
+    # The forked child opens the log itself; this handle only keeps stop()'s close.
+    _LOG_MODE = "ab"
+
     def __init__(
         self,
         args: Sequence[str] = (),
@@ -187,18 +190,10 @@ class ForkedTwin(TwinProcess):
     ) -> None:
         if env is not None:
             raise ValueError("a forked twin runs in the zygote's environment")
-        self.port = port if port is not None else _free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        self.args = list(args)
-        self._own_log = log_path is None
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix="specd-twin-", suffix=".log")
-            os.close(fd)
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115  (closed in stop())
-        argv = [*self.args, "--host", HOST, "--port", str(self.port)]
-        self.proc = ZYGOTE.spawn(argv, log_path)  # type: ignore[assignment]
-        self.pid = self.proc.pid
+        super().__init__(args, port, None, log_path)
+
+    def _spawn(self, twin_args: list[str], env: Mapping[str, str] | None) -> Any:
+        return ZYGOTE.spawn(twin_args, self.log_path)
 
 
 class ForkedUnit(TwinUnitRunner):
@@ -208,12 +203,6 @@ class ForkedUnit(TwinUnitRunner):
         with self._lock:
             self.process = ForkedTwin(self.argv(), port=self.port)
             return self.process
-
-
-def _free_port() -> int:
-    from specd.twin.process import free_port  # noqa: PLC0415
-
-    return free_port()
 
 
 # -- the zygote itself ----------------------------------------------------------------------

@@ -59,19 +59,26 @@ class TwinProcess:
         self.port = port if port is not None else free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.args = list(args)
-        argv = [sys.executable, "-m", "specd.cli", "twin", *self.args,
-                "--host", HOST, "--port", str(self.port)]  # fmt: skip
-        full_env = dict(os.environ if env is None else env)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
         # A log we made ourselves is removed on stop(); one the caller named is kept.
         self._own_log = log_path is None
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="specd-twin-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop())
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self._log = open(log_path, self._LOG_MODE)  # noqa: SIM115  (closed in stop())
+        self.proc = self._spawn([*self.args, "--host", HOST, "--port", str(self.port)], env)
         self.pid = self.proc.pid
+
+    # How the log is opened: a fresh child writes it from the start.
+    _LOG_MODE = "wb"
+
+    def _spawn(self, twin_args: list[str], env: Mapping[str, str] | None) -> Any:
+        """Start ``specd twin TWIN_ARGS``, its output to the log; the process (a Popen, or
+        what a subclass starts it with: poll, wait, pid, send_signal)."""
+        full_env = dict(os.environ if env is None else env)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        argv = [sys.executable, "-m", "specd.cli", "twin", *twin_args]
+        return subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
     def log(self) -> str:
         try:
