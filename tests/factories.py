@@ -364,14 +364,20 @@ READING_RULES: list[tuple[str, int, float, float]] = [
 ]
 
 
-def etcd_binary() -> str:
-    """The etcd server (Debian's etcd-server, installed by scripts/install-system-deps)."""
-    path = shutil.which("etcd")
+def system_binary(name: str, package: str) -> str:
+    """The path of ``name``, a tool scripts/install-system-deps installs (Debian's
+    ``package``); missing, a failure, or a skip where SPECD_ALLOW_SKIP=1 allows it."""
+    path = shutil.which(name)
     if path is None:
         if os.environ.get("SPECD_ALLOW_SKIP") == "1":
-            pytest.skip("etcd missing (apt-get install etcd-server)")
-        pytest.fail("etcd missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
+            pytest.skip(f"{name} missing (apt-get install {package})")
+        pytest.fail(f"{name} missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
     return path
+
+
+def etcd_binary() -> str:
+    """The etcd server (Debian's etcd-server)."""
+    return system_binary("etcd", "etcd-server")
 
 
 class EtcdProcess(loopback.EtcdProcess):

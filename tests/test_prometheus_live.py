@@ -12,9 +12,7 @@ via /api/v1/query.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -28,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from factories import system_binary
 from twin_thread import TwinThread
 
 from specd.io.tls import verifying_context
@@ -65,12 +64,7 @@ pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("SPECD_ALLOW_SKIP") == "1":
-            pytest.skip("prometheus missing (apt-get install prometheus)")
-        pytest.fail("prometheus missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
-    return path
+    return system_binary("prometheus", "prometheus")
 
 
 def expand(expr: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from factories import system_binary
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.twin.process import free_port, stop_process
@@ -33,12 +33,7 @@ pytestmark = pytest.mark.prometheus
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        if os.environ.get("SPECD_ALLOW_SKIP") == "1":
-            pytest.skip("promtool missing (apt-get install prometheus)")
-        pytest.fail("promtool missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
-    return path
+    return system_binary("promtool", "prometheus")
 
 
 def run_promtool(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -345,11 +340,7 @@ def _event_series(t0: int) -> str:
 def prometheus_over(tmp_path: Path, openmetrics: str) -> Iterator[httpx.Client]:
     """A real Prometheus serving ``openmetrics`` (written into its TSDB as blocks, exactly
     as timestamped); yields a client for its HTTP API."""
-    prometheus = shutil.which("prometheus")
-    if prometheus is None:
-        if os.environ.get("SPECD_ALLOW_SKIP") == "1":
-            pytest.skip("prometheus missing (apt-get install prometheus)")
-        pytest.fail("prometheus missing: run scripts/install-system-deps (or SPECD_ALLOW_SKIP=1)")
+    prometheus = system_binary("prometheus", "prometheus")
     source = tmp_path / "series.om"
     source.write_text(openmetrics, encoding="utf-8")
     data = tmp_path / "data"
