@@ -19,16 +19,12 @@ import argparse
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-import httpx
-
-from specd.io.tls import verifying_context
 from specd.twin import cli as twin_cli
 from specd.twin.launch import TwinConfig, resolve
-from specd.twin.process import HOST, free_port
+from specd.twin.process import HOST, free_port, wait_until_healthy
 from specd.twin.server import run_until
 
 # A twin that is up at once: the load and warm-up timers are what a test of them sets.
@@ -93,18 +89,13 @@ class TwinThread:
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Wait until /health answers 200; raise RuntimeError if the twin ends or times out."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, verify=verifying_context()) as client:
-            while time.monotonic() < deadline:
-                if not self._thread.is_alive():
-                    raise RuntimeError(
-                        f"twin ended with {self.returncode} before healthy: {self._error!r}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(self.url + "/health").status_code == 200:
-                        return
-                time.sleep(0.01)
-        raise RuntimeError(f"twin on {self.url} not healthy after {timeout_s:g} s")
+
+        def ended() -> str | None:
+            if self._thread.is_alive():
+                return None
+            return f"twin ended with {self.returncode} before healthy: {self._error!r}"
+
+        wait_until_healthy(self.url, timeout_s, ended, interval_s=0.01)
 
     def terminate(self) -> None:
         """What SIGTERM does to the twin: unhealthy, drain, end."""

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +40,24 @@ def stop_process(
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait(timeout=kill_wait_s)
+
+
+def wait_until_healthy(
+    url: str, timeout_s: float, ended: Callable[[], str | None], interval_s: float
+) -> None:
+    """Poll ``url``/health until it answers 200. RuntimeError with ``ended()``'s reason as
+    soon as it gives one (the twin is gone), or once ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0, verify=verifying_context()) as client:
+        while time.monotonic() < deadline:
+            why = ended()
+            if why is not None:
+                raise RuntimeError(why)
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url + "/health").status_code == 200:
+                    return
+            time.sleep(interval_s)
+    raise RuntimeError(f"twin on {url} not healthy after {timeout_s:g} s")
 
 
 class TwinProcess:
@@ -92,21 +110,14 @@ class TwinProcess:
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Wait until /health answers 200; raise RuntimeError if the twin exits or times out."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, verify=verifying_context()) as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"twin exited with {self.proc.returncode} before healthy: "
-                        f"{self.log().strip()[-500:]}"
-                    )
-                try:
-                    if client.get(self.url + "/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.05)
-        raise RuntimeError(f"twin on {self.url} not healthy after {timeout_s:g} s")
+
+        def exited() -> str | None:
+            if self.proc.poll() is None:
+                return None
+            tail = self.log().strip()[-500:]
+            return f"twin exited with {self.proc.returncode} before healthy: {tail}"
+
+        wait_until_healthy(self.url, timeout_s, exited, interval_s=0.05)
 
     def wait(self, timeout_s: float = 10.0) -> int:
         return self.proc.wait(timeout=timeout_s)
