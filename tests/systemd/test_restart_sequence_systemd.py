@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, Container
 from test_specd_service import (
+    KILLED_CLEANUP,
     closed_window_config,
     env_steps,
     events_named,
@@ -21,6 +22,7 @@ from test_specd_service import (
     journal_mark,
     pin_now,
     sglang_starts,
+    sigkill_specd,
     start_specd,
     state,
     status_text,
@@ -274,7 +276,7 @@ def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
     start_twin_unit(sd, 4, ["--fail-start-at-steps", "3"], CRASH_LOOP + limit)
     with rule_without_reset_failed(sd):
         config = closed_window_config(sd, startup_timeout_s=LONG_STARTUP_TIMEOUT_S)
-        specd_pid = start_specd(sd, config, overrides=("Restart=no", START_TIMEOUT))
+        specd_pid = start_specd(sd, config, overrides=("Restart=no", START_TIMEOUT, KILLED_CLEANUP))
         pin_now(sd, 3)
         wait_or_dump(
             sd,
@@ -282,8 +284,7 @@ def test_a_specd_killed_while_waiting_out_the_start_limit_finishes_the_rollback(
             timeout=60,
             what="the rollback waiting out the start limit",
         )
-        sd.sh("kill", "-KILL", str(specd_pid))
-        wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=10)
+        sigkill_specd(sd, specd_pid)
         journal = state(sd)["journal"]
         assert (journal["phase"], journal["restarts_issued"]) == ("rolling_back", 2), journal
         assert sd.active_state(SGLANG_UNIT) == "failed"  # SGLang down, its restart refused

@@ -504,17 +504,25 @@ def test_pin_now_applies_at_once_with_window_closed(sd: Container) -> None:
 # -- 6. SIGKILL mid-restart ------------------------------------------------------------------
 
 
+# For a specd a test SIGKILLs (with `sigkill_specd`): after the kill systemd kills what is
+# left in the unit (specd's `systemctl restart` child) and waits for the cgroup to be empty.
+# This systemd (252) in a container on a cgroup-v1 host once missed that event under a loaded
+# full run and held the unit "deactivating" for the whole stop timeout (90 s in
+# specd.service); those tests are about what the next start does, not how long systemd takes
+# to notice.
+KILLED_CLEANUP = "TimeoutStopSec=5s"
+
+
+def sigkill_specd(sd: Container, pid: int) -> None:
+    """SIGKILL specd (started with KILLED_CLEANUP) and wait until systemd calls it failed."""
+    sd.sh("kill", "-KILL", str(pid))
+    wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=30)
+
+
 def test_sigkill_mid_restart_then_start_is_consistent(sd: Container) -> None:
     since = journal_mark(sd)
     old_pid = start_twin(sd, steps=4)
-    # TimeoutStopSec=: after the SIGKILL systemd kills what is left in the unit (specd's
-    # `systemctl restart` child) and waits for the cgroup to be empty. This systemd (252) in
-    # a container on a cgroup-v1 host once missed that event under a loaded full run and held
-    # the unit "deactivating" for the whole stop timeout (90 s in specd.service); the test is
-    # about what the next start does, not how long systemd takes to notice.
-    specd_pid = start_specd(
-        sd, closed_window_config(sd), overrides=("Restart=no", "TimeoutStopSec=5s")
-    )
+    specd_pid = start_specd(sd, closed_window_config(sd), overrides=("Restart=no", KILLED_CLEANUP))
     # The restarted twin loads until specd has been killed and started again.
     hold_next_start(sd)
     pin_now(sd, 3)
@@ -528,8 +536,7 @@ def test_sigkill_mid_restart_then_start_is_consistent(sd: Container) -> None:
         sd, restarting, timeout=20, what="specd waiting on the restarted twin"
     )
     assert sd.http_get("/health")["status"] != 200  # the twin is still "loading"
-    sd.sh("kill", "-KILL", str(specd_pid))
-    wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=30)
+    sigkill_specd(sd, specd_pid)
     assert state(sd)["journal"]["phase"] == "restart_issued"
 
     sd.systemctl("start", SPECD_UNIT, timeout=60)

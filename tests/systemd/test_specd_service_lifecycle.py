@@ -18,6 +18,7 @@ import time
 import pytest
 from nspawn import SGLANG_UNIT, SPECD_UNIT, Container
 from test_specd_service import (
+    KILLED_CLEANUP,
     closed_window_config,
     env_steps,
     events_named,
@@ -27,6 +28,7 @@ from test_specd_service import (
     pin_now,
     release,
     sglang_starts,
+    sigkill_specd,
     specd_events,
     start_specd,
     start_twin,
@@ -79,15 +81,12 @@ def test_a_replay_longer_than_the_start_timeout_runs_after_ready(sd: Container) 
     finishes, decides nothing until it has, and is neither timed out nor watchdog-killed."""
     old_pid = start_twin(sd, steps=4)
     config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
-    # TimeoutStopSec=: as test_specd_service's SIGKILL test, bounds systemd's wait for the
-    # killed unit's cgroup to empty (once missed by systemd 252 here, under load).
-    lines = (f"TimeoutStartSec={START_TIMEOUT_S:g}s", "Restart=no", "TimeoutStopSec=5s")
+    lines = (f"TimeoutStartSec={START_TIMEOUT_S:g}s", "Restart=no", KILLED_CLEANUP)
     specd_pid = start_specd(sd, config, watchdog_s=WATCHDOG_S, overrides=lines)
     hold_next_start(sd)
     pin_now(sd, 3)
     loading_pid = restart_in_flight(sd, old_pid)
-    sd.sh("kill", "-KILL", str(specd_pid))
-    wait_or_dump(sd, lambda: sd.active_state(SPECD_UNIT) == "failed", timeout=30)
+    sigkill_specd(sd, specd_pid)
     sd.systemctl("reset-failed", SPECD_UNIT)
 
     since = journal_mark(sd)
