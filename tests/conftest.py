@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Generator, Iterator
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import structlog
 from factories import EtcdProcess
+
+from specd.twin.process import use_port_slice
 
 # Seconds each test file took in a full run (`pytest --record-durations` rewrites it). Only
 # the order the files start in depends on it: `--dist loadfile` keeps a file on one worker
@@ -19,6 +22,10 @@ from factories import EtcdProcess
 DURATIONS = Path(__file__).with_name("durations.json")
 _spent: Counter[str] = Counter()
 MAX_LOGS_SHOWN, LOG_TAIL_CHARS = 6, 4000
+# Each pytest worker hands out ports (free_port) from its own slice below the kernel's
+# ephemeral range (32768 up): a port one worker chose for a server it has not started yet is
+# offered to no other worker, and no outgoing connection takes it meanwhile.
+PORT_SLICES_FROM, PORT_SLICE_SIZE, PORT_SLICES = 20000, 1000, 12
 
 
 def _file_of(nodeid: str) -> str:
@@ -31,6 +38,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help=f"write each test file's total seconds in this run to {DURATIONS}",
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else -1
+    if 0 <= index < PORT_SLICES:
+        first = PORT_SLICES_FROM + index * PORT_SLICE_SIZE
+        use_port_slice(first, first + PORT_SLICE_SIZE)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -21,11 +24,76 @@ from specd.io.tls import verifying_context
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    """A port nothing listens on right now (bind port 0 and let the kernel choose)."""
+# Ports free_port() handed out in this process: nothing holds one until its server binds
+# it, and the kernel's bind(0) can offer the same port again meanwhile (two specds of one
+# fleet test once got the same metrics port, and the second failed to listen).
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+@dataclass
+class _PortSlice:
+    first: int
+    end: int
+    owner_pid: int
+    next_port: int
+
+
+_slice: _PortSlice | None = None
+
+
+def use_port_slice(first: int, end: int) -> None:
+    """Hand out ports from ``[first, end)`` in this process (not in children it forks, which
+    use the kernel's choice), in turn from a random start. For many processes that each run
+    servers side by side (the test workers): give each a slice of its own below the kernel's
+    ephemeral range, and no other process is offered a port one has handed out but not yet
+    bound, nor takes it for an outgoing connection meanwhile."""
+    global _slice
+    if not 0 < first < end <= 65536:
+        raise ValueError(f"bad port slice [{first}, {end})")
+    _slice = _PortSlice(first, end, os.getpid(), random.randrange(first, end))  # noqa: S311 - spreads, not secret
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _from_slice(ports: _PortSlice) -> int | None:
+    for _ in range(ports.end - ports.first):
+        port = ports.next_port
+        ports.next_port = port + 1 if port + 1 < ports.end else ports.first
+        if port not in _handed_out and _bindable(port):
+            return port
+    return None
+
+
+def _from_kernel() -> int:
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((HOST, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            return port
+    raise RuntimeError("the kernel offered only ports this process has handed out already")
+
+
+def free_port() -> int:
+    """A port nothing listens on right now and that this process has not handed out before:
+    from this process's slice (``use_port_slice``) while one is left, else the kernel's
+    choice (bind port 0)."""
+    with _handed_out_lock:
+        port = None
+        if _slice is not None and _slice.owner_pid == os.getpid():
+            port = _from_slice(_slice)
+        if port is None:
+            port = _from_kernel()
+        _handed_out.add(port)
+        return port
 
 
 def stop_process(
