@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from specd.core.outcome import Avoided
 from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
 from specd.io.state import LOCK_FILE, State, StateStore
+from specd.twin.process import free_port
 
 NOW = 1_764_000_000.0
 
@@ -106,9 +106,7 @@ def test_status_names_what_the_calibration_and_the_unit_leave_out(
 
 
 def test_status_says_when_sglang_did_not_answer(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed once the with ends: nothing listens
+    port = free_port()  # nothing listens there
     config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
     info = collect(config, NOW, server_info(config))
     text = render(info, NOW)
@@ -122,9 +120,7 @@ ADAPTIVE_34 = adaptive((3, 4))
 
 def test_status_names_each_avoided_setting_as_the_operator_writes_it(tmp_path: Path) -> None:
     # An adaptive set's key is a hash: shown bare it says nothing at 3 a.m.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
     mix = ((2, 1.0),)
     avoided = [
@@ -178,9 +174,7 @@ def test_status_names_each_avoided_setting_as_the_operator_writes_it(tmp_path: P
 def test_status_shows_what_runs_and_what_specd_wants_as_settings(
     tmp_path: Path, live: dict[str, object], decision: dict[str, object], shown: tuple[str, str]
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
     last = {"t": NOW - 60, "reason": "within_tolerance", "message": "m", **decision}
     state = State(live={"t": NOW - 60, "source": "observation", **live}, last_decision=last)
@@ -194,9 +188,7 @@ def test_status_counts_the_sglang_restarts_the_budget_counts(tmp_path: Path) -> 
     """A rollback is two SGLang restarts; SGLang found untouched, none; an entry from before
     specd counted them, one. `restarts 24h` counted entries: 4, where SGLang was restarted
     5 times."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
     restarts = [
         {"t": NOW - 7200, "result": "success"},
@@ -249,9 +241,7 @@ def _measured(seconds: float, days_after: float) -> History:
 def test_status_says_what_specd_measured_of_the_acceptance(
     tmp_path: Path, seconds: float, days_after: float, alpha: float | None, line: str
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
     assert StateStore(tmp_path).save(State(history=_measured(seconds, days_after))) is None
     info = collect(config, NOW, server_info(config))
@@ -298,9 +288,7 @@ def test_status_says_what_specd_measured_of_the_acceptance(
 def test_status_says_what_the_override_file_holds(
     tmp_path: Path, override: str | None, line: str | None, mode: str | None
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # nothing listens: status does not need SGLang here
+    port = free_port()  # nothing listens there
     config = load_config(config_file(tmp_path, f"http://127.0.0.1:{port}", '["static"]'))
     if override is not None:
         (tmp_path / "override.toml").write_text(override)

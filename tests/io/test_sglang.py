@@ -61,10 +61,7 @@ def server() -> Iterator[PageServer]:
 
 
 def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 # ---- fixtures are reproducible -----------------------------------------------------

@@ -12,7 +12,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -43,7 +42,7 @@ from specd.tools.load import (
     stream_request,
 )
 from specd.twin.preset import preset_table
-from specd.twin.process import TwinProcess
+from specd.twin.process import TwinProcess, free_port
 
 # Rates against a paced server and the twin, and a child that opens 4096 streams: measured
 # beside the suite's other workers they read the machine's load (CI saw 54 % of a paced
@@ -183,12 +182,6 @@ def server() -> Iterator[FakeServer]:
     srv = FakeServer().start()
     yield srv
     srv.stop()
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --- pure parts ---------------------------------------------------------------------------
@@ -371,7 +364,7 @@ def test_stream_request(
 @pytest.mark.parametrize("port_state", ["refused", "garbage_host"])
 def test_stream_request_connect_failures(port_state: str) -> None:
     url = (
-        f"http://127.0.0.1:{closed_port()}/v1/completions"
+        f"http://127.0.0.1:{free_port()}/v1/completions"
         if port_state == "refused"
         else "http://no-such-host.invalid/v1/completions"
     )
@@ -463,7 +456,7 @@ def test_http_errors_are_counted_and_load_continues(
 @pytest.mark.parametrize("concurrency", [1, 3])
 def test_refused_connections_back_off(concurrency: int) -> None:
     started = time.monotonic()
-    result = asyncio.run(run_load(f"http://127.0.0.1:{closed_port()}", concurrency, 1.0))
+    result = asyncio.run(run_load(f"http://127.0.0.1:{free_port()}", concurrency, 1.0))
     elapsed = time.monotonic() - started
     assert set(result.errors_by_kind) == {"refused"}
     # Backoff 0.1, 0.2, 0.4 s ... gives 4 attempts per client in 1 s, not hundreds.
@@ -706,7 +699,7 @@ def test_cli_json_summary(server: FakeServer, endpoint: str) -> None:
 
 def test_cli_reports_failure_when_nothing_answers() -> None:
     proc = specd_load(
-        "--url", f"http://127.0.0.1:{closed_port()}", "--concurrency", "1", "--duration", "0.5"
+        "--url", f"http://127.0.0.1:{free_port()}", "--concurrency", "1", "--duration", "0.5"
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("specd load: no output tokens")
