@@ -12,7 +12,7 @@ import pytest
 import structlog
 from factories import EtcdProcess
 
-from specd.twin.process import use_port_slice
+from specd.twin.process import use_ports
 
 # Seconds each test file took in a full run (`pytest --record-durations` rewrites it). Only
 # the order the files start in depends on it: `--dist loadfile` keeps a file on one worker
@@ -22,10 +22,10 @@ from specd.twin.process import use_port_slice
 DURATIONS = Path(__file__).with_name("durations.json")
 _spent: Counter[str] = Counter()
 MAX_LOGS_SHOWN, LOG_TAIL_CHARS = 6, 4000
-# Each pytest worker hands out ports (free_port) from its own slice below the kernel's
-# ephemeral range (32768 up): a port one worker chose for a server it has not started yet is
-# offered to no other worker, and no outgoing connection takes it meanwhile.
-PORT_SLICES_FROM, PORT_SLICE_SIZE, PORT_SLICES = 20000, 1000, 12
+# Each pytest worker hands out ports (free_port) from its own share of 10000-32767, below
+# the kernel's ephemeral range (32768 up): a port one worker chose for a server it has not
+# started yet is offered to no other worker, and no outgoing connection takes it meanwhile.
+PORTS_FROM, PORTS_TO, PORT_SHARES = 10000, 32768, 16
 
 
 def _file_of(nodeid: str) -> str:
@@ -41,11 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else -1
-    if 0 <= index < PORT_SLICES:
-        first = PORT_SLICES_FROM + index * PORT_SLICE_SIZE
-        use_port_slice(first, first + PORT_SLICE_SIZE)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    if worker.isdigit() and int(worker) < PORT_SHARES:
+        use_ports(range(PORTS_FROM + int(worker), PORTS_TO, PORT_SHARES))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -31,27 +31,26 @@ _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
 
 
-@dataclass
-class _PortSlice:
-    first: int
-    end: int
+@dataclass(frozen=True)
+class _OwnPorts:
+    ports: tuple[int, ...]
     owner_pid: int
-    next_port: int
 
 
-_slice: _PortSlice | None = None
+_own: _OwnPorts | None = None
 
 
-def use_port_slice(first: int, end: int) -> None:
-    """Hand out ports from ``[first, end)`` in this process (not in children it forks, which
-    use the kernel's choice), in turn from a random start. For many processes that each run
-    servers side by side (the test workers): give each a slice of its own below the kernel's
-    ephemeral range, and no other process is offered a port one has handed out but not yet
-    bound, nor takes it for an outgoing connection meanwhile."""
-    global _slice
-    if not 0 < first < end <= 65536:
-        raise ValueError(f"bad port slice [{first}, {end})")
-    _slice = _PortSlice(first, end, os.getpid(), random.randrange(first, end))  # noqa: S311 - spreads, not secret
+def use_ports(ports: Iterable[int]) -> None:
+    """Hand out ports from ``ports`` in this process (not in children it forks, which use
+    the kernel's choice), drawn at random. For processes that each run servers side by side
+    (the test workers): give each its own ports below the kernel's ephemeral range, and no
+    other is offered one a process has handed out but not yet bound, nor does an outgoing
+    connection take it meanwhile; drawn at random, two runs side by side seldom meet."""
+    global _own
+    chosen = tuple(dict.fromkeys(ports))
+    if not chosen or not all(0 < port < 65536 for port in chosen):
+        raise ValueError(f"bad ports to hand out: {len(chosen)}, from {min(chosen, default=0)}")
+    _own = _OwnPorts(chosen, os.getpid())
 
 
 def _bindable(port: int) -> bool:
@@ -63,13 +62,10 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _from_slice(ports: _PortSlice) -> int | None:
-    for _ in range(ports.end - ports.first):
-        port = ports.next_port
-        ports.next_port = port + 1 if port + 1 < ports.end else ports.first
-        if port not in _handed_out and _bindable(port):
-            return port
-    return None
+def _from_own(own: _OwnPorts) -> int | None:
+    left = [port for port in own.ports if port not in _handed_out]
+    random.shuffle(left)  # spreads, not secret
+    return next((port for port in left if _bindable(port)), None)
 
 
 def _from_kernel() -> int:
@@ -84,12 +80,12 @@ def _from_kernel() -> int:
 
 def free_port() -> int:
     """A port nothing listens on right now and that this process has not handed out before:
-    from this process's slice (``use_port_slice``) while one is left, else the kernel's
+    from this process's own ports (``use_ports``) while one is left, else the kernel's
     choice (bind port 0)."""
     with _handed_out_lock:
         port = None
-        if _slice is not None and _slice.owner_pid == os.getpid():
-            port = _from_slice(_slice)
+        if _own is not None and _own.owner_pid == os.getpid():
+            port = _from_own(_own)
         if port is None:
             port = _from_kernel()
         _handed_out.add(port)

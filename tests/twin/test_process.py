@@ -1,4 +1,5 @@
-"""free_port: a port is handed out once per process, from the process's slice when it has one."""
+"""free_port: a port is handed out once per process, from the process's own ports when it has
+them (use_ports), else the kernel's choice."""
 
 from __future__ import annotations
 
@@ -9,45 +10,49 @@ from collections.abc import Iterator
 import pytest
 
 from specd.twin import process
-from specd.twin.process import HOST, free_port, use_port_slice
+from specd.twin.process import HOST, free_port, use_ports
 
-# Above the test workers' slices (tests/conftest.py) and below the kernel's ephemeral range.
-FIRST, END = 32100, 32108
+# Below the test workers' shares (tests/conftest.py: 10000-32767) and the kernel's
+# ephemeral range (32768 up): no one else is handed these.
+OWN = range(9100, 9108)
 
 
 @pytest.fixture
-def own_slice() -> Iterator[None]:
-    """This test's slice; the worker's own comes back after it."""
-    saved = process._slice
+def own_ports() -> Iterator[None]:
+    """This test's ports; the worker's own come back after it."""
+    saved = process._own
     try:
         yield
     finally:
-        process._slice = saved
+        process._own = saved
 
 
-def test_a_process_without_a_slice_never_gets_the_same_port_twice(own_slice: None) -> None:
+def test_a_process_without_ports_of_its_own_never_gets_the_same_port_twice(
+    own_ports: None,
+) -> None:
     # Nothing binds these, so the kernel is free to offer any of them again: 500 draws from
     # its ~14,000 odd ephemeral ports repeat one about nine times over without the record.
-    process._slice = None
+    process._own = None
     ports = [free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
 
 
-def test_a_slice_hands_out_each_free_port_once_skipping_ones_in_use(own_slice: None) -> None:
+def test_own_ports_are_each_handed_out_once_skipping_ones_in_use(own_ports: None) -> None:
+    held_port = OWN[3]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        held.bind((HOST, FIRST + 3))
+        held.bind((HOST, held_port))
         held.listen()
-        use_port_slice(FIRST, END)
-        got = [free_port() for _ in range(END - FIRST - 1)]
-        # The slice is spent (its one other port is in use): the kernel chooses.
+        use_ports(OWN)
+        got = [free_port() for _ in range(len(OWN) - 1)]
+        # All handed out but the one in use: the kernel chooses.
         spent = free_port()
-    assert sorted(got) == [p for p in range(FIRST, END) if p != FIRST + 3]
-    assert not FIRST <= spent < END
+    assert sorted(got) == [p for p in OWN if p != held_port]
+    assert spent not in OWN
 
 
-def test_a_child_forked_after_the_slice_was_set_uses_the_kernel(own_slice: None) -> None:
-    use_port_slice(FIRST, END)
+def test_a_child_forked_after_the_ports_were_set_uses_the_kernel(own_ports: None) -> None:
+    use_ports(OWN)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
@@ -59,10 +64,10 @@ def test_a_child_forked_after_the_slice_was_set_uses_the_kernel(own_slice: None)
     port = int(os.read(read_end, 16))
     os.close(read_end)
     os.waitpid(pid, 0)
-    assert not FIRST <= port < END
+    assert port not in OWN
 
 
-@pytest.mark.parametrize(("first", "end"), [(0, 10), (100, 100), (200, 100), (65000, 65537)])
-def test_a_slice_that_is_not_ports_is_refused(own_slice: None, first: int, end: int) -> None:
-    with pytest.raises(ValueError, match="bad port slice"):
-        use_port_slice(first, end)
+@pytest.mark.parametrize("ports", [range(0), range(0, 10), range(65530, 65537), [80, -1]])
+def test_ports_that_are_not_ports_are_refused(own_ports: None, ports: range | list[int]) -> None:
+    with pytest.raises(ValueError, match="bad ports to hand out"):
+        use_ports(ports)
