@@ -206,7 +206,9 @@ class Doctor:
                 False,
                 info.reason,
                 f"is {self.config.sglang.unit} running? `systemctl status "
-                f"{self.config.sglang.unit}`; [sglang] url is {self.config.sglang.url}",
+                f"{self.config.sglang.unit}`; [sglang] url is {self.config.sglang.url} (an "
+                "SGLang in a container that publishes its port under another number, "
+                "`docker run -p 8000:30000`, answers at the published one)",
             )
         self.info = info
         self.info_path = client.info_path or "/server_info"

@@ -15,7 +15,7 @@ from specd.install.execute import execute
 from specd.install.layout import MANIFEST_FILE, InstallError, Layout, check_unit_name
 from specd.install.manifest import load_manifest
 from specd.install.plan import FleetOptions, GatewayOptions, Plan, build_plan, system_state
-from specd.install.probe import probe_config, server_port
+from specd.install.probe import check_sglang, probe_config
 from specd.install.render import specd_command
 from specd.install.uninstall import uninstall
 from specd.install.unit import read_unit
@@ -126,21 +126,15 @@ def install(
         f"SGLang at {plan.url}",
         file=out,
     )
-    if args.url is not None and spec.port is not None:
-        answered = server_port(plan.url)
-        if answered is not None and answered != spec.port:
-            # Another SGLang of this machine: specd would watch it and restart this unit,
-            # fail every change's verification, restart again to roll back, and freeze.
-            raise InstallError(
-                f"--url {plan.url}: the SGLang there runs --port {answered}, but {unit} runs "
-                f"--port {spec.port}: that is another server; give the URL {unit} answers at"
-            )
+    refusal, silent = check_sglang(plan.url, unit, spec.port, given=args.url is not None)
+    if refusal is not None:
+        raise InstallError(refusal)
     problems, notes = probe_config(plan.fleet, plan.gateway, plan.url, layout)
     for note in notes:
         print(f"note: {note}", file=out)
     for problem in problems:
         print(f"warning: {problem}", file=out)
-    for warning in plan.warnings:
+    for warning in [*plan.warnings, *([] if silent is None else [silent])]:
         print(f"warning: {warning}", file=out)
     refuse = bool(problems) and not args.allow_unreachable and not plan.empty
     if refuse and not args.dry_run:

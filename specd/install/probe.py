@@ -64,15 +64,49 @@ def probe_gateways(
     return problems, notes
 
 
-def server_port(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | None:
-    """The --port the SGLang at ``url`` says it was started with (its /server_info), or None
-    when it does not answer or say."""
+def server_port(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | str | None:
+    """The --port the SGLang at ``url`` says it was started with (its /server_info); None
+    when it answers without saying; why, when it does not answer."""
     with SGLangClient(url, timeout_s=timeout_s) as client:
         info = client.server_info()
     if not isinstance(info, dict):
-        return None
+        return info.reason
     port = info.get("port")
     return port if isinstance(port, int) and not isinstance(port, bool) else None
+
+
+def check_sglang(
+    url: str, unit: str, unit_port: int | None, given: bool, timeout_s: float = PROBE_TIMEOUT_S
+) -> tuple[str | None, str | None]:
+    """(why install must refuse ``url``, what to warn of) from what answers there now.
+
+    A server there that runs another --port than ``unit`` is another server: specd would
+    watch it and restart ``unit``, fail every change's verification, roll back and freeze.
+    None answering is only warned of (``unit`` may be down; specd waits for it). A URL read
+    from the unit's --host/--port (``given`` False) is wrong when SGLang runs in a container
+    that publishes its port under another number (``docker run -p 8000:30000``)."""
+    answered = server_port(url, timeout_s)
+    source = f"--url {url}" if given else f"SGLang at {url} (from {unit}'s --host/--port)"
+    if isinstance(answered, int) and unit_port is not None and answered != unit_port:
+        container = "" if given else " (a container that publishes its port under another number?)"
+        return (
+            f"{source}: the SGLang there runs --port {answered}, but {unit} runs --port "
+            f"{unit_port}: that is another server{container}; give the URL {unit} answers at"
+            + ("" if given else " with --url"),
+            None,
+        )
+    if isinstance(answered, str):
+        elsewhere_hint = (
+            "check --url"
+            if given
+            else "if it serves elsewhere (a container that publishes its port under another "
+            "number, e.g. `docker run -p 8000:30000`), install again with --url"
+        )
+        return None, (
+            f"{source} does not answer now ({answered}): specd waits for it to come up; if "
+            f"{unit} is running, {elsewhere_hint}"
+        )
+    return None, None
 
 
 def probe_config(
@@ -93,4 +127,11 @@ def probe_config(
     return problems, notes
 
 
-__all__ = ["PROBE_TIMEOUT_S", "probe_config", "probe_etcd", "probe_gateways", "server_port"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "check_sglang",
+    "probe_config",
+    "probe_etcd",
+    "probe_gateways",
+    "server_port",
+]

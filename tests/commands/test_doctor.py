@@ -468,6 +468,10 @@ def test_advice_names_the_url_key_as_the_config_spells_it(tmp_path: Path, check:
     # `sglang_url` is the old flat key, which check-config refuses.
     assert "[sglang] url" in got.advice
     assert "sglang_url" not in got.advice
+    if check == "sglang":
+        # The URL install read from the unit's --port is wrong for a container that
+        # publishes its port under another number: the advice says where to look.
+        assert "publishes its port under another number" in got.advice
 
 
 # What specd cannot see, per SGLang version: the start of each note, in the table's order.

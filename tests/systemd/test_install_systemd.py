@@ -274,6 +274,17 @@ def test_doctor_and_install_on_a_broken_setup(sd: Container) -> None:
     assert "+    --enable-metrics" in plan.stdout
     # The polkit rule must be rendered for this unit, not the shipped sglang.service.
     assert '+    var SGLANG_UNIT = "llm.service";' in plan.stdout
+    assert "does not answer" not in plan.stdout
+
+    # Down at install: said (the URL read from its command line may be wrong, as for a
+    # container that publishes its port under another number), not refused.
+    sd.systemctl("stop", unit)
+    down = sd.sh(specd, "install", "--unit", unit, "--dry-run", "--add-enable-metrics")
+    assert (
+        f"warning: SGLang at {TWIN_URL} (from {unit}'s --host/--port) does not answer now ("
+        in down.stdout
+    ), down.stdout
+    assert "+    --enable-metrics" in down.stdout
 
 
 def test_reinstall_for_another_unit_acts_on_no_override_of_the_last(sd: Container) -> None:
