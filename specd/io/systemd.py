@@ -50,17 +50,95 @@ def show(
     return parse_show(result.stdout)
 
 
+# systemd's own exit statuses (src/basic/exit-status.h, as `systemd-analyze exit-status`
+# lists them; 223 and 234 are retired): a service's main process that exits with one never
+# ran its program, because systemd's setup of it between fork and exec failed (its working
+# directory, user, cgroup, namespaces, the exec itself, ...).
+SETUP_EXIT_STATUSES: dict[int, str] = {
+    200: "CHDIR",
+    201: "NICE",
+    202: "FDS",
+    203: "EXEC",
+    204: "MEMORY",
+    205: "LIMITS",
+    206: "OOM_ADJUST",
+    207: "SIGNAL_MASK",
+    208: "STDIN",
+    209: "STDOUT",
+    210: "CHROOT",
+    211: "IOPRIO",
+    212: "TIMERSLACK",
+    213: "SECUREBITS",
+    214: "SETSCHEDULER",
+    215: "CPUAFFINITY",
+    216: "GROUP",
+    217: "USER",
+    218: "CAPABILITIES",
+    219: "CGROUP",
+    220: "SETSID",
+    221: "CONFIRM",
+    222: "STDERR",
+    224: "PAM",
+    225: "NETWORK",
+    226: "NAMESPACE",
+    227: "NO_NEW_PRIVILEGES",
+    228: "SECCOMP",
+    229: "SELINUX_CONTEXT",
+    230: "PERSONALITY",
+    231: "APPARMOR",
+    232: "ADDRESS_FAMILIES",
+    233: "RUNTIME_DIRECTORY",
+    235: "CHOWN",
+    236: "SMACK_PROCESS_LABEL",
+    237: "KEYRING",
+    238: "STATE_DIRECTORY",
+    239: "CACHE_DIRECTORY",
+    240: "LOGS_DIRECTORY",
+    241: "CONFIGURATION_DIRECTORY",
+    242: "NUMA_POLICY",
+    243: "CREDENTIALS",
+    244: "BPF",
+    245: "KSM",
+    246: "MEMORY_THP",
+}
+# ExecMainCode= of a main process that exited (waitid's CLD_EXITED); 2 and 3 are a signal's
+# (ExecMainStatus= is then the signal's number), 0 no process has ended since the last start.
+CLD_EXITED = 1
+
+
+def setup_failure(code: int | None, status: int | None) -> str | None:
+    """``"219/CGROUP"`` where a main process ended with ExecMainCode= ``code`` and
+    ExecMainStatus= ``status`` is systemd's own setup failing before the program ran; None
+    for the program's own exit or a signal (SGLang itself died), or nothing known."""
+    if code != CLD_EXITED or status is None:
+        return None
+    name = SETUP_EXIT_STATUSES.get(status)
+    return None if name is None else f"{status}/{name}"
+
+
 @dataclass(frozen=True)
 class UnitState:
     """Where a unit is, as ``systemctl show`` says: ``active`` (ActiveState: active,
     activating, failed, ...), ``sub`` (SubState: running, auto-restart, ...), ``restarts``
-    (NRestarts: the starts Restart= made; None when systemd does not say) and ``result``
-    (Result: success, exit-code, start-limit-hit, ...; "" when systemd does not say)."""
+    (NRestarts: the starts Restart= made; None when systemd does not say), ``result``
+    (Result: success, exit-code, start-limit-hit, ...; "" when systemd does not say), and
+    how the main process of the unit's last start ended, ``exec_code`` (ExecMainCode:
+    CLD_EXITED, 2 killed, 3 dumped; 0 still running or none) and ``exec_status``
+    (ExecMainStatus: its exit status or signal); None where systemd does not say. systemd
+    resets both at every start, Restart='s too."""
 
     active: str
     sub: str
     restarts: int | None
     result: str = ""
+    exec_code: int | None = None
+    exec_status: int | None = None
+
+    @property
+    def setup_failure(self) -> str | None:
+        """The last start's main process never ran its program: systemd's status for why
+        (``"219/CGROUP"``), else None."""
+        return setup_failure(self.exec_code, self.exec_status)
 
 
 # Result= of a unit whose start systemd refused for its start limit. systemd 252 sets it only
@@ -68,7 +146,14 @@ class UnitState:
 # after a crash it keeps the crash's (exit-code).
 START_LIMIT_HIT = "start-limit-hit"
 
-UNIT_STATE_PROPERTIES = ("ActiveState", "SubState", "NRestarts", "Result")
+UNIT_STATE_PROPERTIES = (
+    "ActiveState",
+    "SubState",
+    "NRestarts",
+    "Result",
+    "ExecMainCode",
+    "ExecMainStatus",
+)
 
 
 def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> UnitState | None:
@@ -80,13 +165,19 @@ def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> 
     active = props.get("ActiveState", "")
     if not active:
         return None
-    restarts = props.get("NRestarts", "")
     return UnitState(
         active,
         props.get("SubState", ""),
-        int(restarts) if restarts.isdigit() else None,
+        _count(props.get("NRestarts", "")),
         props.get("Result", ""),
+        _count(props.get("ExecMainCode", "")),
+        _count(props.get("ExecMainStatus", "")),
     )
+
+
+def _count(value: str) -> int | None:
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 20 else None
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,34 @@ def test_a_failed_show_is_one_line() -> None:
             0,
             systemd.UnitState("failed", "failed", 0, systemd.START_LIMIT_HIT),
         ),
+        # systemd 252 between Restart='s starts after it could not put the process into its
+        # cgroup ("code=exited, status=219/CGROUP"), and after a SIGKILL ("code=killed").
+        (
+            "NRestarts=0\nActiveState=activating\nSubState=auto-restart\nResult=exit-code\n"
+            "ExecMainCode=1\nExecMainStatus=219\n",
+            0,
+            systemd.UnitState("activating", "auto-restart", 0, "exit-code", 1, 219),
+        ),
+        (
+            "ActiveState=failed\nSubState=failed\nResult=signal\nExecMainCode=2\n"
+            "ExecMainStatus=9\n",
+            0,
+            systemd.UnitState("failed", "failed", None, "signal", 2, 9),
+        ),
+        # Running: no main process has ended since the start.
+        (
+            "ActiveState=active\nSubState=running\nNRestarts=0\nResult=success\n"
+            "ExecMainCode=0\nExecMainStatus=0\n",
+            0,
+            systemd.UnitState("active", "running", 0, "success", 0, 0),
+        ),
+        # Not numbers: not known (never a crash of specd).
+        (
+            "ActiveState=failed\nSubState=failed\nNRestarts=-1\nExecMainCode=exited\n"
+            "ExecMainStatus=\u00b2\n",
+            0,
+            systemd.UnitState("failed", "failed", None, "", None, None),
+        ),
         # systemd cannot say, or something in its place says nothing of it: unknown.
         ("", 1, None),
         ("ExecStart=x\n", 0, None),
@@ -106,8 +134,49 @@ def test_unit_state_reads_active_sub_state_and_restarts(
         "--property=SubState",
         "--property=NRestarts",
         "--property=Result",
+        "--property=ExecMainCode",
+        "--property=ExecMainStatus",
         "sglang.service",
     ]
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected"),
+    [
+        # systemd's own statuses: its setup of the process failed, the program never ran.
+        (1, 200, "200/CHDIR"),
+        (1, 203, "203/EXEC"),
+        (1, 217, "217/USER"),
+        (1, 219, "219/CGROUP"),
+        (1, 226, "226/NAMESPACE"),
+        (1, 244, "244/BPF"),
+        (1, 246, "246/MEMORY_THP"),
+        # The program's own exit statuses, among them those systemd retired (223, 234), its
+        # EXCEPTION (255, also any program's exit(-1)) and none past its range.
+        (1, 0, None),
+        (1, 1, None),
+        (1, 199, None),
+        (1, 223, None),
+        (1, 234, None),
+        (1, 247, None),
+        (1, 255, None),
+        # A signal (killed, dumped): ExecMainStatus= is its number, whatever it is.
+        (2, 9, None),
+        (2, 219, None),
+        (3, 6, None),
+        # No process ended since the start, or nothing known.
+        (0, 0, None),
+        (None, 219, None),
+        (1, None, None),
+    ],
+)
+def test_setup_failure_is_an_exit_with_one_of_systemds_own_statuses(
+    code: int | None, status: int | None, expected: str | None
+) -> None:
+    assert systemd.setup_failure(code, status) == expected
+    assert systemd.UnitState("failed", "failed", 0, "exit-code", code, status).setup_failure == (
+        expected
+    )
 
 
 @pytest.mark.parametrize(
