@@ -1302,7 +1302,8 @@ class Daemon:
             log.info("restart_done", capacity=outcome.capacity)
         elif outcome.result == "aborted":
             # Backed out to the setting SGLang ran, for a cause that is not the target's
-            # (systemd's start limit refused the change's start): nothing to freeze for.
+            # (systemd's start limit refused the change's start, or its setup of the
+            # process failed before SGLang ran): nothing to freeze for.
             log.warning("restart_aborted", restarts=restarted)
         else:
             self.state.frozen = {

@@ -454,10 +454,11 @@ class Journal:
     ``restarts_issued`` counts restart commands issued (or about to be: it is persisted
     first): 1 for the change, 2 once the rollback restart went out. ``not_started`` of them
     started no SGLang: the change's own, refused for the unit's start limit and backed out
-    (``change_refused``), or one that reached nothing (SGLang found on its previous setting,
-    healthy: "SGLang kept …"). The rest are the SGLang restarts the daily budget counts,
-    each a start (a model load) of SGLang; a restart refused for the start limit and made
-    again (after `reset-failed`, or once the limit's interval passed) is one.
+    (``change_refused``) or dead in systemd's setup of the process (``setup_failed``), or one
+    that reached nothing (SGLang found on its previous setting, healthy: "SGLang kept …").
+    The rest are the SGLang restarts the daily budget counts, each a start (a model load)
+    of SGLang; a restart refused for the start limit and made again (after `reset-failed`,
+    or once the limit's interval passed) is one.
     ``attempt`` counts runs of this sequence: 1 by ``apply``, +1 each time ``reconcile``
     resumes it.
     """
@@ -506,6 +507,9 @@ class Journal:
     # aborted, nothing held against the target (a load cut short, or failing while the
     # system goes down around SGLang, says nothing of the setting).
     no_verdict: bool = False
+    # The change's own start died in systemd's setup of the process, before SGLang ran
+    # (its exit status, "219/CGROUP"): backed out like ``change_refused``, ends aborted.
+    setup_failed: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -622,6 +626,7 @@ class Journal:
             change_refused=data.get("change_refused") is True,
             shutdown=opt_text("shutdown"),
             no_verdict=data.get("no_verdict") is True,
+            setup_failed=opt_text("setup_failed"),
             restart_issued_at=opt_float("restart_issued_at"),
             rollback_reason=None
             if data.get("rollback_reason") is None
@@ -703,6 +708,16 @@ class _Restarted:
     result: RunResult
     refused: str = ""
     start_limit: bool = False
+
+
+@dataclass(frozen=True)
+class _Health:
+    """How a wait for SGLang's health ended: ``ok``, else ``why`` not; ``setup``: the unit's
+    process died in systemd's own setup of it, before SGLang ran (its status, "219/CGROUP")."""
+
+    ok: bool
+    why: str
+    setup: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1173,6 +1188,12 @@ class Applier:
             )
         if not result.ok:
             self._refused_by_shutdown(journal, result)
+            # A unit whose start job waits for the exec (Type=exec, notify) fails the
+            # command itself when systemd's setup of the process does.
+            state = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
+            setup = None if state is None else state.setup_failure
+            if setup is not None:
+                return self._never_ran(journal, _Health(False, self._setup_text(setup), setup))
             # A failed `systemctl` may have changed nothing (not found, access denied):
             # then the old server still runs and the rollback needs no restart.
             return self._rollback(journal, result.summary(), maybe_untouched=True)
@@ -1180,15 +1201,41 @@ class Applier:
         return self._verify_forward(journal)
 
     def _verify_forward(self, journal: Journal) -> ApplyOutcome:
-        healthy, why = self._wait_healthy()
-        if not healthy:
-            return self._rollback(journal, why, maybe_untouched=False)
-        self._set_phase(journal, "verifying", why)
+        health = self._wait_healthy()
+        if not health.ok:
+            return self._never_ran(journal, health)
+        self._set_phase(journal, "verifying", health.why)
         live = self._verify(journal.target())
         if not live.ok:
             return self._rollback(journal, live.message, maybe_untouched=False)
         journal.capacity = live.capacity
         return self._finish(journal, "done", live.message)
+
+    def _never_ran(self, journal: Journal, health: _Health, when: str = "") -> ApplyOutcome:
+        """The change's start did not get healthy: rolled back, and held against the target
+        unless systemd's own setup of the process failed, before SGLang ran (a cgroup, a
+        working directory, the exec): then nothing says the target cannot run, and, like a
+        start the unit's start limit refused, the change ends aborted once the previous
+        setting is back, verified (not frozen; a rollback that fails too still freezes)."""
+        if health.setup is None:
+            return self._rollback(journal, f"{when}{health.why}", maybe_untouched=False)
+        journal.setup_failed = health.setup
+        journal.not_started += 1  # no SGLang ran: what the daily restart budget counts
+        reason = f"{when}{health.why}; {_describe(journal.target())} was never tried"
+        self.log.warning(
+            "restart_setup_failed",
+            unit=self.sglang.unit,
+            status=health.setup,
+            to_setting=journal.to_setting,
+            message=reason,
+        )
+        return self._rollback(journal, reason, maybe_untouched=False)
+
+    def _setup_text(self, setup: str) -> str:
+        return (
+            f"systemd could not start {self.sglang.unit}'s process "
+            f"(status {setup}: its own setup, before SGLang ran)"
+        )
 
     def _env_write_failed(
         self, journal: Journal, exc: OSError, what: str | None = None
@@ -1269,13 +1316,15 @@ class Applier:
     @staticmethod
     def _backed_out(journal: Journal) -> Literal["rolled_back", "aborted"]:
         """How a sequence back on its previous setting ends: rolled back (the target failed),
-        or aborted where the start limit refused the change before the target ran."""
-        return "aborted" if journal.change_refused or journal.no_verdict else "rolled_back"
+        or aborted where the target never ran (the start limit refused the change's start,
+        systemd's setup of its process failed) or its load was cut short."""
+        never_ran = journal.change_refused or journal.setup_failed is not None
+        return "aborted" if never_ran or journal.no_verdict else "rolled_back"
 
     def _verify_rollback(self, journal: Journal, reason: str) -> ApplyOutcome:
-        healthy, why = self._wait_healthy()
-        if not healthy:
-            return self._finish(journal, "failed", f"{reason}; after rollback {why}")
+        health = self._wait_healthy()
+        if not health.ok:
+            return self._finish(journal, "failed", f"{reason}; after rollback {health.why}")
         live = self._verify(journal.previous())
         if not live.ok:
             return self._finish(journal, "failed", f"{reason}; after rollback {live.message}")
@@ -1367,8 +1416,9 @@ class Applier:
             return self._finish(
                 journal, "failed", f"{reason}; restoring the env file failed: {problem}"
             )
-        healthy, why = self._wait_healthy()
-        if healthy:
+        health = self._wait_healthy()
+        why = health.why
+        if health.ok:
             live = self._verify(journal.previous())
             if live.ok:
                 journal.capacity = live.capacity
@@ -1385,9 +1435,9 @@ class Applier:
     def _resume_forward(self, journal: Journal) -> ApplyOutcome:
         # The restart may be under way (SGLang loading); restarting again would throw that
         # load away. Wait for it, then look at what runs.
-        healthy, why = self._wait_healthy()
-        if not healthy:
-            return self._rollback(journal, f"after specd restarted: {why}", maybe_untouched=False)
+        health = self._wait_healthy()
+        if not health.ok:
+            return self._never_ran(journal, health, when="after specd restarted: ")
         env_problem = self._env_not_target(journal)
         live = self._verify(journal.target())
         if live.ok and env_problem is None:
@@ -1453,12 +1503,12 @@ class Applier:
             if self._stop.wait(min(self.quiet_poll_interval_s, left)):
                 return "stop requested while waiting for a quiet moment"
 
-    def _wait_healthy(self) -> tuple[bool, str]:
+    def _wait_healthy(self) -> _Health:
         """Probe /health_generate until OK, the unit failed, or startup_timeout_s passes.
 
         Runs after a restart went out, so a stop request does not cut it short: leaving now
         would leave SGLang half-changed. It stays bounded, and keeps calling ``stop.wait``
-        so a heartbeat-counting event still sees the loop alive. Returns (healthy, why not).
+        so a heartbeat-counting event still sees the loop alive.
         """
         deadline = self._mono() + self.restart.startup_timeout_s
         # Restart= counts its starts: one more than now is SGLang dying while it starts.
@@ -1466,7 +1516,7 @@ class Applier:
         while True:
             status = self.client.health_generate(self._probe_timeout(deadline))
             if status is HealthStatus.OK:
-                return True, "/health_generate OK"
+                return _Health(True, "/health_generate OK")
             if self._stop.is_set():
                 # Asked to stop while SGLang loads: by the system's shutdown, the load is
                 # thrown away (SGLang's own stop waits only for specd's), and what fails
@@ -1475,17 +1525,20 @@ class Applier:
             # An SGLang that crashed while loading (out of memory with more draft tokens)
             # will not get healthy: no need to wait out a startup timeout of minutes.
             failed = self._start_failed(before)
+            if isinstance(failed, _Health):
+                return failed
             if failed is not None:
-                return (
+                return _Health(
                     False,
                     f"{self.sglang.unit} failed while starting "
                     f"({failed}last /health_generate: {status.name})",
                 )
             left = deadline - self._mono()
             if left <= 0:
-                return False, (
+                return _Health(
+                    False,
                     f"not healthy within {self.restart.startup_timeout_s:g} s "
-                    f"(last /health_generate: {status.name})"
+                    f"(last /health_generate: {status.name})",
                 )
             self._pause(min(self.health_poll_interval_s, left))
 
@@ -1596,9 +1649,10 @@ class Applier:
         """Why the unit can be given static step counts only (`read_static_only`)."""
         return read_static_only(self.runner, self.sglang.unit)
 
-    def _start_failed(self, before: UnitState | None) -> str | None:
-        """Why systemd says the unit's start failed ("" when it only says "failed"), or
-        None: any doubt means keep waiting. Under Restart= a start that dies never leaves the
+    def _start_failed(self, before: UnitState | None) -> str | _Health | None:
+        """Why systemd says the unit's start failed ("" when it only says "failed"; the
+        unhealthy verdict itself where systemd's own setup of the process failed), or None:
+        any doubt means keep waiting. Under Restart= a start that dies never leaves the
         unit failed: it is "activating" again and again (SubState auto-restart between
         starts, NRestarts one more each time)."""
         now = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
@@ -1611,6 +1665,13 @@ class Applier:
             if before is None or before.restarts is None or now.restarts is None
             else now.restarts - before.restarts
         )
+        # The change's own start only: one Restart= made since may follow a crash of SGLang
+        # (evidence against the setting), and it resets the status. Either way the death is
+        # taken for SGLang's own (rolled back, frozen), as it always was.
+        setup = now.setup_failure
+        dead = now.active == "failed" or now.sub == "auto-restart"
+        if setup is not None and restarted == 0 and dead:
+            return _Health(False, self._setup_text(setup), setup)
         if now.active == "failed":
             # systemd 252 keeps the crash's Result= (exit-code) when its start limit stops
             # Restart=: that the unit was restarted before it ended failed is the sign.

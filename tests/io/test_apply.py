@@ -987,6 +987,162 @@ def test_a_change_refused_for_the_start_limit_specd_may_not_clear_is_backed_out_
         assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, 1)
 
 
+class SetupFailing:
+    """The twin unit behind a systemd whose setup of the process fails ``times`` starts in a
+    row (its cgroup, its working directory, the exec): `systemctl restart` stops the twin and
+    starts nothing, and `systemctl show` says how the main process ended (ExecMainCode=
+    ``code``, ExecMainStatus= ``status``; 1/219 is "status=219/CGROUP", 2/9 SIGKILL). The
+    unit is then "activating (auto-restart)" under Restart= (``restart``) or "failed";
+    ``type_exec``: the restart command itself fails, as for a Type=exec or notify unit."""
+
+    def __init__(
+        self,
+        unit: TwinUnit,
+        code: int,
+        status: int,
+        *,
+        times: int = 1,
+        restart: bool = True,
+        type_exec: bool = False,
+    ) -> None:
+        self.unit = unit
+        self.code, self.status = code, status
+        self.times = times
+        self.restart = restart
+        self.type_exec = type_exec
+        self.dead = False
+
+    @staticmethod
+    def _done(argv: Sequence[str], code: int, out: str = "", err: str = "") -> RunResult:
+        return RunResult(tuple(argv), code, out, err, False, 0.01)
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        args = list(argv)
+        verbs = [a for a in args[1:] if not a.startswith("-")]
+        if verbs == ["reset-failed", UNIT]:
+            return self._done(argv, 0)
+        if verbs == ["show", UNIT] and "--property=ActiveState" in args:
+            if self.dead:
+                active, sub = ("activating", "auto-restart") if self.restart else ("failed",) * 2
+                return self._done(
+                    argv,
+                    0,
+                    f"ActiveState={active}\nSubState={sub}\nNRestarts=0\nResult=exit-code\n"
+                    f"ExecMainCode={self.code}\nExecMainStatus={self.status}\n",
+                )
+            running = self.unit.is_active() == "active"
+            state = "ActiveState=active\nSubState=running\n" if running else ""
+            return self._done(
+                argv, 0, f"{state}NRestarts=0\nResult=success\nExecMainCode=0\nExecMainStatus=0\n"
+            )
+        if verbs == ["restart", UNIT] and self.times > 0:
+            self.times -= 1
+            self.unit.stop()
+            self.dead = True
+            if self.type_exec:
+                return self._done(
+                    argv,
+                    1,
+                    err=f"Job for {UNIT} failed because the control process exited with "
+                    "error code.\n",
+                )
+            return self._done(argv, 0)
+        if verbs == ["restart", UNIT]:
+            self.dead = False
+        return self.unit(argv, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize(
+    ("systemd", "result", "says", "restarted_to", "sglang_restarts"),
+    [
+        # systemd could not put the process into its cgroup (the symptom: 3 a.m., Restart=
+        # about to start it again): 4 never ran, so back on 3, verified, and aborted.
+        (
+            {"code": 1, "status": 219},
+            "aborted",
+            [
+                f"systemd could not start {UNIT}'s process (status 219/CGROUP: its own setup, "
+                "before SGLang ran); 4 steps was never tried",
+                "rolled back, verified 3 steps",
+            ],
+            [3],
+            1,
+        ),
+        # No Restart=: the unit is left failed, the same verdict.
+        (
+            {"code": 1, "status": 200, "restart": False},
+            "aborted",
+            ["status 200/CHDIR", "4 steps was never tried", "rolled back, verified 3 steps"],
+            [3],
+            1,
+        ),
+        # A Type=exec (or notify) unit: the restart command fails on it.
+        (
+            {"code": 1, "status": 203, "type_exec": True},
+            "aborted",
+            ["status 203/EXEC", "4 steps was never tried", "rolled back, verified 3 steps"],
+            [3],
+            1,
+        ),
+        # The rollback's start fails the same way: SGLang is down, which needs an operator.
+        (
+            {"code": 1, "status": 217, "times": 2},
+            "failed",
+            [
+                "status 217/USER",
+                f"after rollback systemd could not start {UNIT}'s process (status 217/USER",
+            ],
+            [],
+            1,
+        ),
+        # SGLang itself exited (1) or was killed (SIGKILL 9: 2/9; SIGABRT dumped: 3/6), or
+        # exited with 223 or 255, which systemd does not use for its setup: as before.
+        ({"code": 1, "status": 1}, "rolled_back", [f"{UNIT} failed while starting"], [3], 2),
+        ({"code": 2, "status": 9}, "rolled_back", [f"{UNIT} failed while starting"], [3], 2),
+        ({"code": 3, "status": 6}, "rolled_back", [f"{UNIT} failed while starting"], [3], 2),
+        ({"code": 1, "status": 223}, "rolled_back", [f"{UNIT} failed while starting"], [3], 2),
+        ({"code": 1, "status": 255}, "rolled_back", [f"{UNIT} failed while starting"], [3], 2),
+    ],
+)
+def test_a_start_systemd_could_not_set_up_is_backed_out_unblamed(
+    make_unit: Any,
+    tmp_path: Path,
+    systemd: dict[str, Any],
+    result: str,
+    says: list[str],
+    restarted_to: list[int],
+    sglang_restarts: int,
+) -> None:
+    """The change's start died in systemd's own setup of the process (status 219/CGROUP),
+    before SGLang ran: specd blamed SGLang ("failed while starting"), rolled back and froze
+    (rolled_back), holding 3 though 4 was never tried. Now it says what systemd said, and
+    the change ends aborted once 3 is back, verified; one SGLang restart for the budget."""
+    unit = make_unit(ORIGINAL_ENV)
+    runner = SetupFailing(unit, **systemd)
+    rec = Recorder(tmp_path / "journal.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = applier_for(unit, rec, runner=runner, startup_timeout_s=10.0).apply(
+            4, 3, window_open=always_open
+        )
+    assert outcome.result == result, outcome.message
+    for text in says:
+        assert text in outcome.message, outcome.message
+    assert unit.restarts == restarted_to
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert (outcome.restarts_issued, outcome.sglang_restarts) == (2, sglang_restarts)
+    setup_failed = [e for e in logs if e["event"] == "restart_setup_failed"]
+    if result == "rolled_back":
+        assert setup_failed == []
+    else:
+        assert len(setup_failed) == 1, logs
+        assert f"status {setup_failed[0]['status']}:" in outcome.message
+    if result == "aborted":
+        assert unit.running_steps() == 3
+        stored = rec.stored()
+        assert stored is not None
+        assert stored["setup_failed"] == setup_failed[0]["status"]
+
+
 class KilledWhileWaiting(Recorder):
     """specd killed (SIGKILL, a reboot of specd alone) once its journal says it waits out
     the unit's start limit before the rollback's restart."""

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, Container
+from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, SPLIT_ARGS, VENV_SPECD, Container, twin_command
 from test_specd_service import (
     KILLED_CLEANUP,
     closed_window_config,
@@ -396,3 +396,70 @@ def test_a_change_refused_for_a_start_limit_specd_may_not_clear_is_aborted_not_f
     assert "start limit" in aborted[0]["message"], aborted
     assert env_steps(sd) == 3
     assert twin_live_steps(sd) == (3, 3.0)
+
+
+# The twin's launcher as the test unit's ExecStart= names it: a link its ExecStopPost= takes
+# away while ARMED exists (taking ARMED too), and puts back otherwise. So the start after
+# the stop that finds ARMED, and only that one, dies in systemd's setup of the process
+# (status=203/EXEC: the exec found no file), before the twin ever runs; the ExecStopPost=
+# after that failed start puts the link back for every later start. (A missing
+# WorkingDirectory= fails the same way, 200/CHDIR, but ExecStopPost= runs in it too, so
+# nothing would put it back.)
+LAUNCHER_DIR = "/run/sglang-launcher"
+LAUNCHER = f"{LAUNCHER_DIR}/specd"
+ARMED = "/run/sglang-launcher.armed"
+LAUNCHER_LINES = (
+    f"ExecStart=\nExecStart={LAUNCHER} "
+    + twin_command([SPLIT_ARGS], load_time_s=TWIN_LOAD_S).split(" ", 1)[1]
+    + f"\nExecStopPost=/bin/sh -c 'if rm {ARMED} 2>/dev/null; then rm -f {LAUNCHER}; else "
+    f"mkdir -p {LAUNCHER_DIR} && ln -sfn {VENV_SPECD} {LAUNCHER}; fi'\n"
+)
+
+
+# With the example unit's Restart=on-failure, RestartSec=30s (the unit waits, "activating
+# (auto-restart)") and without Restart= (the unit is left failed).
+@pytest.mark.parametrize(
+    "restart", ["Restart=on-failure\nRestartSec=30s\n", ""], ids=["auto-restart", "no-restart"]
+)
+def test_a_change_whose_start_systemd_could_not_set_up_is_aborted_not_frozen(
+    sd: Container, restart: str
+) -> None:
+    """The change's start died in systemd's own setup of the process, before SGLang ran
+    (status=219/CGROUP where it was seen; 203/EXEC here): specd said SGLang "failed while
+    starting", rolled back and froze, holding 4 until `specd unfreeze`, though 3 never ran.
+    Now it names systemd's status, rolls back to 4 (verified) and ends the change aborted:
+    nothing frozen, and the pin that wanted 3 gets it at a later tick."""
+    since = journal_mark(sd)
+    sd.sh("mkdir", "-p", LAUNCHER_DIR)
+    sd.sh("ln", "-sfn", str(VENV_SPECD), LAUNCHER)
+    try:
+        start_twin_unit(sd, 4, [], LAUNCHER_LINES + restart)
+        start_specd(sd, closed_window_config(sd, health_poll_interval_s=HEALTH_POLL_S))
+        sd.sh("touch", ARMED)
+        pin_now(sd, 3)
+        wait_or_dump(
+            sd,
+            lambda: len(state(sd)["restarts"]) == 2 or state(sd).get("frozen"),
+            timeout=60,
+            what="the change backed out, then the pin applied",
+        )
+        assert sglang_journal_says(sd, since, "status=203/EXEC"), sd.journal(SGLANG_UNIT)
+        assert outcomes(sd) == [(4, 3, "aborted", 1), (4, 3, "success", 1)], sd.journal(
+            SPECD_UNIT, lines=40
+        )
+        assert state(sd)["frozen"] is None
+        message = state(sd)["restarts"][0]["message"]
+        assert (
+            f"systemd could not start {SGLANG_UNIT}'s process (status 203/EXEC: its own "
+            "setup, before SGLang ran); 3 steps was never tried"
+        ) in message, message
+        assert "rolled back, verified 4 steps" in message, message
+        failed = events_named(sd, since, "restart_setup_failed")
+        assert [e["status"] for _, e in failed] == ["203/EXEC"], failed
+        assert env_steps(sd) == 3
+        assert twin_live_steps(sd) == (3, 3.0)
+        assert sd.active_state(SGLANG_UNIT) == "active"
+    finally:
+        # Stopped first: the ExecStopPost= of the fixture's stop would put the link back.
+        sd.systemctl("stop", SPECD_UNIT, SGLANG_UNIT, check=False, timeout=60)
+        sd.sh("rm", "-rf", LAUNCHER_DIR, ARMED)
