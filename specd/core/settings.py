@@ -458,8 +458,10 @@ class RestartSettings(BaseModel):
         ge=0,
         le=1440,
         description="Automatic SGLang restarts allowed per rolling 24 hours: each restart "
-        "specd issues counts (a change 1, a change and its rollback 2), none where SGLang was "
-        "not restarted; at most 1440 (one a minute: a restart takes longer than that).",
+        "specd issues counts (a change 1, a change and its rollback 2, 1 where the change's "
+        "own start ran no SGLang: refused for the start limit, or not set up by systemd), "
+        "none where SGLang was not restarted; at most 1440 (one a minute: a restart takes "
+        "longer than that).",
     )
     quiet_concurrency_max: int = Field(
         default=2,
