@@ -198,6 +198,57 @@ def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed
     assert applier.calls == [("4", None)]
 
 
+class AbortingApplier(Applier):
+    """Each change ends aborted: its start never ran SGLang (systemd could not set up the
+    process), the rollback's restart brought the previous setting back, verified."""
+
+    def apply_setting(self, target: SpecSetting, current: SpecSetting | None, **kw: Any) -> Any:
+        super().apply_setting(target, current, **kw)
+        was = format_setting(current) if current is not None else None
+        return ApplyOutcome(
+            "aborted", setting_steps(current), setting_steps(target), 2.0,
+            "systemd could not start sglang.service's process (status 219/CGROUP: its own "
+            "setup, before SGLang ran); never tried", 13, restarts_issued=2, not_started=1,
+            from_setting=was, to_setting=format_setting(target),
+        )  # fmt: skip
+
+
+def test_a_pin_applied_now_whose_change_keeps_aborting_stops_at_its_own_budget(
+    tmp_path: Path,
+) -> None:
+    """A pin applied now bypasses the budget; a change that ends aborted is not frozen (its
+    setting never ran). Together they restarted SGLang at every tick, for as long as the
+    pin lasted. The pin's own restarts since it was written now have a budget of their own
+    (the daily one), and writing the pin again gives it a new one."""
+    cfg = config(tmp_path, daily_restart_budget=3)
+    clock = [IN_WINDOW]
+    applier = AbortingApplier()
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, clock)
+    path = Path(cfg.files.override_file)
+
+    def pin_now() -> None:
+        expires = datetime.fromtimestamp(clock[0] + 3600, tz=UTC)
+        path.write_text(
+            tomli_w.dumps({"mode": "pin", "steps": 2, "expires_at": expires,
+                           "reason": "incident", "apply": "now"})
+        )  # fmt: skip
+        os.chmod(path, 0o600)
+        os.utime(path, (clock[0], clock[0]))
+
+    pin_now()
+    reasons = []
+    for _ in range(6):
+        reasons.append(d.tick().reason)
+        clock[0] += 5
+    assert reasons == [Reason.OVERRIDE_PIN] * 3 + [Reason.RESTART_BUDGET] * 3
+    assert applier.calls == [("2", "3")] * 3
+    assert saved(cfg)["frozen"] is None
+    assert "write the pin again" in d.tick().message
+    pin_now()  # the on-call writes it again: a new budget of its own
+    assert d.tick().reason is Reason.OVERRIDE_PIN
+    assert len(applier.calls) == 4
+
+
 def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     clock = [IN_WINDOW]

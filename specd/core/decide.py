@@ -498,6 +498,33 @@ def decide(
     )
 
 
+# The restarts a pin applied now may make of its own in 24 h where the daily budget allows
+# fewer (0 allows none automatic): its change, and one more try after a change that ended
+# aborted (its start refused for the start limit, or not set up by systemd).
+PIN_NOW_MIN_RESTARTS = 2
+
+
+def _pin_restarts_spent(
+    pin: Override, control: Control, config: Settings, now: float
+) -> str | None:
+    """Why a pin applied now makes no further restart, or None. It bypasses the window,
+    dwell and daily budget, but a change that keeps ending aborted (not frozen: the target
+    never ran) would otherwise restart SGLang at every tick: its own restarts since it was
+    written count against a budget of their own, the daily one (at least
+    ``PIN_NOW_MIN_RESTARTS``). Writing the pin again starts a new count."""
+    if pin.decided_at is None:
+        return None
+    own = sum(1 for t in control.restart_times if t >= pin.decided_at and t > now - DAY_S)
+    allowed = max(config.restart.daily_restart_budget, PIN_NOW_MIN_RESTARTS)
+    if own < allowed:
+        return None
+    return (
+        f"it has made {own} restarts since it was written, ≥ {allowed} (the daily budget, at "
+        "least 2: a pin's own bound against restart loops); write the pin again "
+        "(`specd override pin`) to try again"
+    )
+
+
 def _decide(
     history: History,
     obs: Observation | ScrapeError | None,
@@ -535,7 +562,8 @@ def _decide(
         )
 
     # 2. An operator's pin. apply = "now" is the on-call's emergency lever, so it
-    # bypasses the window, dwell and budget; a next-window pin waits for a window and
+    # bypasses the window, dwell and budget (but for its own restarts' bound,
+    # `_pin_restarts_spent`); a next-window pin waits for a window and
     # respects the daily budget (the guard against restart loops) but not the dwell,
     # which only exists to stop the automatic policy from flapping.
     if (
@@ -564,6 +592,10 @@ def _decide(
         if live:
             return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live", pinned)
         if active.apply == "now":
+            looping = _pin_restarts_spent(active, control, config, now)
+            if looping is not None:
+                waits = f"{said}, apply now: {arrow} waits: {looping}"
+                return Decision(pin, Reason.RESTART_BUDGET, waits, pinned)
             return Decision(pin, Reason.OVERRIDE_PIN, f"{said}, apply now: {arrow}", pinned)
         blocked = _window_blocks(config, at, restart_needs_s, arrow)
         if blocked is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Literal
 
@@ -33,6 +33,10 @@ class Override:
     # A pin of a setting that is not a static step count ("off", "adaptive:3,4"); a static
     # pin says its count in ``steps`` and leaves this None.
     setting: SpecSetting | None = None
+    # Unix time the operator decided it (the header `specd override` writes, else the
+    # file's mtime: io.override.decided_at); None where not read from a file. Not part of
+    # what the override says: the same pin written again means the same.
+    decided_at: float | None = field(default=None, compare=False)
 
     @property
     def pinned_name(self) -> str | None:

@@ -26,7 +26,7 @@ import os
 import pwd
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -286,7 +286,10 @@ def read_override(
         return _invalid(f"{path}: not UTF-8 text (byte {exc.start})", fingerprint)
     except ValueError as exc:  # files.ParseError included: bad, too deep or absurd TOML
         return _invalid(f"{path}: {exc}", fingerprint)
-    return OverrideStatus(override, True, None, True, fingerprint, decided_at(raw, st.st_mtime))
+    decided = decided_at(raw, st.st_mtime)
+    return OverrideStatus(
+        replace(override, decided_at=decided), True, None, True, fingerprint, decided
+    )
 
 
 # --- durations and writing --------------------------------------------------------------

@@ -80,6 +80,11 @@ def pin(steps: int, apply: str = "next-window", expires: float = OPEN + DAY) -> 
     )
 
 
+def pin_now_decided(at: float) -> Override:
+    """A pin applied now, written at ``at`` (as read from its file)."""
+    return replace(pin(2, "now"), decided_at=at)
+
+
 def pin_setting(
     setting: SpecSetting, apply: str = "next-window", expires: float = OPEN + DAY
 ) -> Override:
@@ -182,6 +187,28 @@ CASES = [
          override=pin(2), ctl=control(restart_times=BUDGET_USED)),
     case("pin-live", Reason.OVERRIDE_PIN, 4, False, "already live", override=pin(4)),
     case("pin-clamped", Reason.OVERRIDE_PIN, 6, True, "pinned to 6", override=pin(9, "now")),
+    # A pin applied now bypasses the budget, but its own restarts since it was written have
+    # one of their own (the daily budget, at least 2): a change that keeps ending aborted
+    # (never ran: not frozen) restarted SGLang at every tick.
+    case("pin-now-own-restarts-spent", Reason.RESTART_BUDGET, 2, False,
+         "apply now: 4 → 2 waits: it has made 4 restarts since it was written, ≥ 4 (the daily "
+         "budget, at least 2: a pin's own bound against restart loops); write the pin again",
+         now=CLOSED, override=pin_now_decided(CLOSED - 3 * HOUR),
+         ctl=control(now=CLOSED, restart_times=tuple(CLOSED - m * 600 for m in (15, 10, 5, 1)))),
+    case("pin-now-restarts-before-it-count-not", Reason.OVERRIDE_PIN, 2, True,
+         "apply now: 4 → 2", override=pin_now_decided(OPEN - HOUR),
+         ctl=control(restart_times=BUDGET_USED)),
+    case("pin-now-restarts-a-day-old-count-not", Reason.OVERRIDE_PIN, 2, True,
+         "apply now: 4 → 2", override=pin_now_decided(OPEN - 3 * DAY),
+         ctl=control(restart_times=tuple(t - DAY for t in BUDGET_USED))),
+    case("pin-now-at-budget-0-may-try-again", Reason.OVERRIDE_PIN, 2, True,
+         "apply now: 4 → 2", override=pin_now_decided(OPEN - 3 * HOUR),
+         ctl=control(restart_times=(OPEN - HOUR,)), cfg=config(daily_restart_budget=0)),
+    case("pin-now-at-budget-0-twice", Reason.RESTART_BUDGET, 2, False,
+         "it has made 2 restarts since it was written, ≥ 2",
+         override=pin_now_decided(OPEN - 3 * HOUR),
+         ctl=control(restart_times=(OPEN - 2 * HOUR, OPEN - HOUR)),
+         cfg=config(daily_restart_budget=0)),
     case("pin-expired", Reason.CHANGE, 3, True, "4 → 3", override=pin(2, expires=OPEN)),
     # Pins of settings that are not a static step count (off is target 0).
     case("pin-off", Reason.OVERRIDE_PIN, 0, True, "pinned to off by override (try it): 4 → off",

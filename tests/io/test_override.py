@@ -100,6 +100,34 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
     assert status.override == expected
 
 
+PIN_NOW = 'mode = "pin"\nsteps = 3\nexpires_at = 2099-01-01T00:00:00Z\napply = "now"\n'
+HEADER = "# written by `specd override pin` as alice at 2026-05-01T10:00:00+00:00\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "decided"),
+    [
+        # `specd override` wrote it: its header's time, kept by a hand edit under it.
+        (HEADER + PIN_NOW, datetime(2026, 5, 1, 10, tzinfo=UTC).timestamp()),
+        # Written by hand: every edit is a new decision, at the file's mtime.
+        (PIN_NOW, 1_778_000_000.0),
+    ],
+)
+def test_the_override_carries_when_it_was_decided(
+    tmp_path: Path, text: str, decided: float
+) -> None:
+    """The brain counts a pin's own restarts from it (a pin applied now bounds its loop)."""
+    path = write(tmp_path, text)
+    os.utime(path, (1_778_000_000.0, 1_778_000_000.0))  # after the header's time
+    status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+    assert status.override is not None
+    assert status.override.decided_at == decided == status.written_at
+    # Not part of what it says: the same pin decided at another time is the same pin.
+    assert status.override == Override(
+        "pin", 3, datetime(2099, 1, 1, tzinfo=UTC), "", "now", decided_at=0.0
+    )
+
+
 @pytest.mark.parametrize(
     ("expires_at", "ago"),
     [
