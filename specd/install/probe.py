@@ -99,8 +99,8 @@ def check_sglang(
         elsewhere_hint = (
             "check --url"
             if given
-            else "if it serves elsewhere (a container that publishes its port under another "
-            "number, e.g. `docker run -p 8000:30000`), install again with --url"
+            else "it serves elsewhere (a container that publishes its port under another "
+            "number, e.g. `docker run -p 8000:30000`): install again with --url"
         )
         return None, (
             f"{source} does not answer now ({answered}): specd waits for it to come up; if "

@@ -53,8 +53,8 @@ def test_a_server_that_runs_another_port_is_refused(
     ("given", "hint"),
     [
         (True, "if sglang.service is running, check --url"),
-        (False, "if sglang.service is running, if it serves elsewhere (a container that "
-         "publishes its port under another number, e.g. `docker run -p 8000:30000`), install "
+        (False, "if sglang.service is running, it serves elsewhere (a container that "
+         "publishes its port under another number, e.g. `docker run -p 8000:30000`): install "
          "again with --url"),
     ],
 )  # fmt: skip
