@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
-from nspawn import VENV_PYTHON, Container, exec_line
+from nspawn import VENV_PYTHON, Container, ContainerError, exec_line, machine_name
 
 pytestmark = pytest.mark.systemd
 
@@ -88,3 +89,23 @@ def test_http_probes_reach_the_containers_loopback_not_the_hosts(sd: Container) 
     finally:
         host.shutdown()
         host.server_close()
+
+
+def test_a_boot_that_never_comes_up_is_tried_once_more_then_says_what_it_saw(
+    tmp_path: Path,
+) -> None:
+    """A container neither running nor failed when its boot's time is up (seen once in a
+    full run: nothing on its console after 90 s) is halted and booted again; where that one
+    does not come up either, the error shows both, with nspawn's state and the kernel wait
+    it was in."""
+    box = Container(root=tmp_path / "box", machine=machine_name("never-up"))
+    try:
+        with pytest.raises(ContainerError) as raised:
+            box.boot(timeout_s=0.0)  # no time to come up, either time
+    finally:
+        box.halt()
+    text = str(raised.value)
+    assert text.count("container not running after 0 s (state ''; nspawn ") == 2, text
+    assert "\n--- booted again ---\n" in text
+    assert ": state " in text, text
+    assert "waits in " in text, text
