@@ -514,15 +514,21 @@ def _pin_restarts_spent(
     ``PIN_NOW_MIN_RESTARTS``). Writing the pin again starts a new count."""
     if pin.decided_at is None:
         return None
-    own = sum(1 for t in control.restart_times if t >= pin.decided_at and t > now - DAY_S)
+    own = _restarts_in_day(control, now, since=pin.decided_at)
     allowed = max(config.restart.daily_restart_budget, PIN_NOW_MIN_RESTARTS)
     if own < allowed:
         return None
     return (
         f"it has made {own} restarts since it was written, ≥ {allowed} (the daily budget, at "
-        "least 2: a pin's own bound against restart loops); write the pin again "
-        "(`specd override pin`) to try again"
+        f"least {PIN_NOW_MIN_RESTARTS}: a pin's own bound against restart loops); write the "
+        "pin again (`specd override pin`) to try again"
     )
+
+
+def _restarts_in_day(control: Control, now: float, since: float = -math.inf) -> int:
+    """The SGLang restarts of the last 24 h (what the daily budget counts), those from
+    ``since`` on only."""
+    return sum(1 for t in control.restart_times if t > now - DAY_S and t >= since)
 
 
 def _decide(
@@ -600,7 +606,7 @@ def _decide(
         blocked = _window_blocks(config, at, restart_needs_s, arrow)
         if blocked is not None:
             return Decision(pin, blocked[0], f"{said}; {blocked[1]}", pinned)
-        used = sum(1 for t in control.restart_times if t > now - DAY_S)
+        used = _restarts_in_day(control, now)
         if used >= config.restart.daily_restart_budget:
             return Decision(
                 pin,
@@ -810,7 +816,7 @@ def _change_blocks(
                 f"last restart {_duration(max(since, 0.0))} ago < "
                 f"{_duration(config.restart.min_dwell_s)} dwell: {change} waits"
             )
-    used = sum(1 for t in control.restart_times if t > now - DAY_S)
+    used = _restarts_in_day(control, now)
     if used >= config.restart.daily_restart_budget:
         return Reason.RESTART_BUDGET, (
             f"{used} restarts in the last 24 h ≥ budget "
