@@ -198,21 +198,6 @@ def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed
     assert applier.calls == [("4", None)]
 
 
-class AbortingApplier(Applier):
-    """Each change ends aborted: its start never ran SGLang (systemd could not set up the
-    process), the rollback's restart brought the previous setting back, verified."""
-
-    def apply_setting(self, target: SpecSetting, current: SpecSetting | None, **kw: Any) -> Any:
-        super().apply_setting(target, current, **kw)
-        was = format_setting(current) if current is not None else None
-        return ApplyOutcome(
-            "aborted", setting_steps(current), setting_steps(target), 2.0,
-            "systemd could not start sglang.service's process (status 219/CGROUP: its own "
-            "setup, before SGLang ran); never tried", 13, restarts_issued=2, not_started=1,
-            from_setting=was, to_setting=format_setting(target),
-        )  # fmt: skip
-
-
 def test_a_pin_applied_now_whose_change_keeps_aborting_stops_at_its_own_budget(
     tmp_path: Path,
 ) -> None:
@@ -222,7 +207,18 @@ def test_a_pin_applied_now_whose_change_keeps_aborting_stops_at_its_own_budget(
     (the daily one), and writing the pin again gives it a new one."""
     cfg = config(tmp_path, daily_restart_budget=3)
     clock = [IN_WINDOW]
-    applier = AbortingApplier()
+    # Each change ends aborted: its start never ran SGLang (systemd could not set up the
+    # process), the rollback's restart brought the previous setting back, verified.
+    applier = Outcome(
+        {
+            "result": "aborted",
+            "duration_s": 2.0,
+            "message": "systemd could not start sglang.service's process (status 219/CGROUP: "
+            "its own setup, before SGLang ran); 2 steps was never tried",
+            "restarts_issued": 2,
+            "not_started": 1,
+        }
+    )
     d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, clock)
     path = Path(cfg.files.override_file)
 
@@ -863,7 +859,8 @@ def test_a_clock_stepped_back_does_not_stop_the_state_saves(tmp_path: Path) -> N
 
 
 class Outcome(Applier):
-    """The applier's sequence ends as the test says (the live setting stays as it was)."""
+    """The applier's sequence, from the live setting to the target, ends as the test says
+    (the live setting stays as it was)."""
 
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__()
@@ -881,7 +878,14 @@ class Outcome(Applier):
         super().apply_setting(
             target, current, window_open=window_open, force=force, cancelled=cancelled
         )
-        return ApplyOutcome(from_steps=3, to_steps=4, capacity=13, **self.fields)
+        return ApplyOutcome(
+            from_steps=setting_steps(current),
+            to_steps=setting_steps(target),
+            capacity=13,
+            from_setting=None if current is None else format_setting(current),
+            to_setting=format_setting(target),
+            **self.fields,
+        )
 
 
 @pytest.mark.parametrize(
