@@ -745,6 +745,11 @@ class CountingEvent(threading.Event):
         return super().wait(timeout)
 
 
+def answered(argv: Sequence[str], code: int, out: str = "", err: str = "") -> RunResult:
+    """What a systemctl stand-in returns: ``argv`` ran, exited ``code``, printed these."""
+    return RunResult(tuple(argv), code, out, err, False, 0.01)
+
+
 class StartLimited:
     """The twin unit behind systemd's start limit, as systemd 252 keeps it: a start past
     ``burst`` within ``interval_s`` is refused (`systemctl restart` exits 1, and the unit is
@@ -766,10 +771,6 @@ class StartLimited:
         self.result = "success"
         self.calls: list[list[str]] = []
 
-    @staticmethod
-    def _done(argv: Sequence[str], code: int, out: str = "", err: str = "") -> RunResult:
-        return RunResult(tuple(argv), code, out, err, False, 0.01)
-
     def state(self) -> str:
         return "failed" if self.failed else self.unit.is_active()
 
@@ -780,18 +781,18 @@ class StartLimited:
         if verbs == ["reset-failed", UNIT]:
             if not self.may_reset:
                 denied = f"Failed to reset failed state of unit {UNIT}: Access denied\n"
-                return self._done(argv, 1, err=denied)
+                return answered(argv, 1, err=denied)
             self.starts, self.failed, self.result = [], False, "success"
-            return self._done(argv, 0)
+            return answered(argv, 0)
         if verbs == ["show", UNIT] and "--property=ActiveState" in args:
             state = self.state()
-            return self._done(
+            return answered(
                 argv,
                 0,
                 f"ActiveState={state}\nSubState={state}\nNRestarts=0\nResult={self.result}\n",
             )
         if verbs == ["show", UNIT] and "--property=StartLimitIntervalUSec" in args:
-            return self._done(
+            return answered(
                 argv,
                 0,
                 f"StartLimitIntervalUSec={self.interval_s:g}s\nStartLimitBurst={self.burst}\n",
@@ -806,7 +807,7 @@ class StartLimited:
                     self.result = "start-limit-hit"
                 self.unit.stop()
                 self.failed = True
-                return self._done(
+                return answered(
                     argv,
                     1,
                     err=f"Job for {UNIT} failed because the control process exited with "
@@ -1012,19 +1013,15 @@ class SetupFailing:
         self.type_exec = type_exec
         self.dead = False
 
-    @staticmethod
-    def _done(argv: Sequence[str], code: int, out: str = "", err: str = "") -> RunResult:
-        return RunResult(tuple(argv), code, out, err, False, 0.01)
-
     def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
         args = list(argv)
         verbs = [a for a in args[1:] if not a.startswith("-")]
         if verbs == ["reset-failed", UNIT]:
-            return self._done(argv, 0)
+            return answered(argv, 0)
         if verbs == ["show", UNIT] and "--property=ActiveState" in args:
             if self.dead:
                 active, sub = ("activating", "auto-restart") if self.restart else ("failed",) * 2
-                return self._done(
+                return answered(
                     argv,
                     0,
                     f"ActiveState={active}\nSubState={sub}\nNRestarts=0\nResult=exit-code\n"
@@ -1032,7 +1029,7 @@ class SetupFailing:
                 )
             running = self.unit.is_active() == "active"
             state = "ActiveState=active\nSubState=running\n" if running else ""
-            return self._done(
+            return answered(
                 argv, 0, f"{state}NRestarts=0\nResult=success\nExecMainCode=0\nExecMainStatus=0\n"
             )
         if verbs == ["restart", UNIT] and self.times > 0:
@@ -1040,13 +1037,13 @@ class SetupFailing:
             self.unit.stop()
             self.dead = True
             if self.type_exec:
-                return self._done(
+                return answered(
                     argv,
                     1,
                     err=f"Job for {UNIT} failed because the control process exited with "
                     "error code.\n",
                 )
-            return self._done(argv, 0)
+            return answered(argv, 0)
         if verbs == ["restart", UNIT]:
             self.dead = False
         return self.unit(argv, timeout_s=timeout_s)
@@ -1261,9 +1258,6 @@ class ShuttingDownSystemd:
         self.down = threading.Event()
         self.restarts = 0
 
-    def _fail(self, argv: Sequence[str], stdout: str, stderr: str) -> RunResult:
-        return RunResult(tuple(argv), 1, stdout, stderr, False, 0.01)
-
     def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
         args = list(argv)
         if args == restart_argv(UNIT):
@@ -1272,23 +1266,23 @@ class ShuttingDownSystemd:
                 self._go_down()
             if self.down.is_set():
                 if self.mode == "bus":
-                    return self._fail(args, "", "Failed to connect to bus: Broken pipe\n")
-                return self._fail(args, "", DESTRUCTIVE)
+                    return answered(args, 1, "", "Failed to connect to bus: Broken pipe\n")
+                return answered(args, 1, "", DESTRUCTIVE)
             result = self.unit(argv, timeout_s=timeout_s)
             if self.restarts == self.at:
                 self._go_down()
             return result
         if args == ["systemctl", "is-system-running"]:
             if not self.down.is_set():
-                return RunResult(tuple(args), 0, "running\n", "", False, 0.01)
+                return answered(args, 0, "running\n")
             if self.mode == "bus":
-                return self._fail(
-                    args, "unknown\n", "Failed to query system state: Transport endpoint is "
-                    "not connected\n"
+                return answered(
+                    args, 1, "unknown\n",
+                    "Failed to query system state: Transport endpoint is not connected\n",
                 )  # fmt: skip
-            return self._fail(args, "stopping\n", "")
+            return answered(args, 1, "stopping\n", "")
         if self.down.is_set() and self.mode == "bus" and args[0] == "systemctl":
-            return self._fail(args, "", "Failed to connect to bus: Broken pipe\n")
+            return answered(args, 1, "", "Failed to connect to bus: Broken pipe\n")
         return self.unit(argv, timeout_s=timeout_s)
 
     def _go_down(self) -> None:
