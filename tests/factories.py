@@ -139,6 +139,31 @@ def serve(
     return last
 
 
+def without_specd_env() -> dict[str, str]:
+    """This process's environment without its SPECD_* settings: a child `specd` reads only
+    the files and arguments its test gives it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SPECD_")}
+
+
+def run_specd(
+    *argv: str,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    """`specd ARGV` as its own process (the installed entry point's module), its output
+    captured as text; ``env`` None inherits this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "specd.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+        cwd=cwd,
+    )
+
+
 # ---- SGLang versions: each one's own pages (tests/fixtures/metrics/versions/) ----
 
 REPO = Path(__file__).resolve().parents[1]

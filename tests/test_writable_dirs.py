@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 import structlog.testing
 import tomli_w
-from factories import mounted_tmpfs, tables
+from factories import mounted_tmpfs, run_specd, tables
 from prometheus_client import CollectorRegistry
 
 from specd.daemon import Daemon
@@ -62,14 +61,7 @@ def write_config(tmp_path: Path, env_file: Path, state_dir: Path | None = None) 
 
 def specd_run(config: Path) -> tuple[int, list[dict[str, Any]]]:
     """`specd run` as specd.service starts it; its exit code and JSON log lines."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "run", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-    )
+    proc = run_specd("run", "--config", str(config), cwd=REPO)
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     return proc.returncode, lines

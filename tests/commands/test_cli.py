@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import tomli_w
+from factories import run_specd as specd
 from in_process import specd_main
 from prometheus_client import CollectorRegistry
 
@@ -26,16 +27,6 @@ from specd.daemon import Daemon
 from specd.io.config import load_config
 from specd.io.notify import Notifier
 from specd.io.state import UNFREEZE_REQUEST, State, StateStore
-
-
-def specd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specd.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize("name", list(cli.COMMANDS))

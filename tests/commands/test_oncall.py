@@ -15,7 +15,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -24,6 +23,7 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
+from factories import run_specd
 from in_process import specd_main
 from test_faults import (
     UNIT,
@@ -105,15 +105,7 @@ class Oncall:
         argv = [*args, "--config", str(self.config)]
         if not process:
             return specd_main(*argv, env=self.env())
-        return subprocess.run(
-            [sys.executable, "-m", "specd.cli", *argv],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            env=self.env(),
-            cwd=REPO,
-        )
+        return run_specd(*argv, env=self.env(), cwd=REPO)
 
     def status_json(self) -> dict[str, Any]:
         done = self.specd("status", "--json")

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
-from factories import version_twin
+from factories import run_specd, version_twin
 from in_process import specd_main
 
 from specd.cli import main
@@ -189,14 +188,7 @@ def override_cmd(
     env["PATH"] = path_env
     if not process:
         return specd_main("override", *argv, "--config", str(cfg), env=env)
-    return subprocess.run(
-        [sys.executable, "-m", "specd.cli", "override", *argv, "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=env,
-    )
+    return run_specd("override", *argv, "--config", str(cfg), env=env)
 
 
 # A pin this server or its unit cannot run: refused before it replaces what is in force.

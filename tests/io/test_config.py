@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import pydantic
 import pytest
 import tomli_w
+from factories import run_specd, without_specd_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
@@ -133,14 +133,7 @@ def test_example_is_the_installed_copy() -> None:
 
 
 def test_example_passes_check_config_as_a_real_process() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "check-config", str(EXAMPLE)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
-    )
+    proc = run_specd("check-config", str(EXAMPLE), env=without_specd_env())
     assert proc.returncode == 0, proc.stderr
     assert '[sglang]\nurl = "http://127.0.0.1:30000"\nunit = "sglang.service"' in proc.stdout
 
@@ -447,28 +440,14 @@ def test_an_empty_config_file_stops_check_config_and_the_start_in_one_line(
         "(# defaults) to keep every default"
     )
     for command in ("check-config", "run"):
-        proc = subprocess.run(
-            [sys.executable, "-m", "specd.cli", command, "--config", str(path)],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
+        proc = run_specd(command, "--config", str(path), env=env)
         assert (proc.returncode, proc.stderr.splitlines(), proc.stdout) == (2, [said], "")
 
 
 def test_check_config_names_the_bom_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "specd.toml"
     path.write_bytes(b"\xef\xbb\xbf\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "check-config", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
-    )
+    proc = run_specd("check-config", str(path), env=without_specd_env())
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"{path}: starts with a UTF-8 byte order mark (BOM); "
                                         "save the file as UTF-8 without BOM"]  # fmt: skip
@@ -689,14 +668,7 @@ def test_check_config_bad_file_exits_2_one_line_per_problem(tmp_path: Path) -> N
     path = write(
         tmp_path, "[choose]\nmax_step = 4\n[[windows]]\ncron = '0 3 * * 7'\nduration_s = 0\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "check-config", "--config", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
-    )
+    proc = run_specd("check-config", "--config", str(path), env=without_specd_env())
     assert proc.returncode == 2
     lines = proc.stderr.splitlines()
     assert len(lines) == 3, proc.stderr

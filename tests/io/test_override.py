@@ -5,8 +5,6 @@ import os
 import pwd
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timedelta, timezone
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import run_specd, without_specd_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -482,14 +481,7 @@ def test_show(
 def test_show_invalid_as_a_real_process(setup: tuple[Path, Path]) -> None:
     config, override = setup
     override.write_text('mode = "pin"\nsteps = 3\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "override", "show", "--config", str(config)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPECD_")},
-    )
+    proc = run_specd("override", "show", "--config", str(config), env=without_specd_env())
     assert proc.returncode == 1, proc.stderr
     assert "INVALID" in proc.stdout
     assert "expires_at: required" in proc.stdout

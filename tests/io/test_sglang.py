@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_fixtures_module
+from factories import make_fixtures_module, run_specd
 from pages import PageServer, Route, page_server
 from prometheus_client.parser import text_string_to_metric_families
 from twin_zygote import ForkedTwin
@@ -1024,13 +1022,7 @@ def test_cli_table(server: PageServer, capsys: pytest.CaptureFixture[str]) -> No
 )
 def test_cli_errors_in_a_real_process(argv: list[str], code: int, stderr: str) -> None:
     argv = [a.replace("{closed}", closed_port_url()) for a in argv]
-    proc = subprocess.run(
-        [sys.executable, "-m", "specd.cli", "observe", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_specd("observe", *argv)
     assert proc.returncode == code
     assert stderr in proc.stderr
     assert proc.stdout == ""

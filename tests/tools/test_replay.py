@@ -9,7 +9,6 @@ import os
 import random
 import re
 import subprocess
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import run_specd
 from in_process import specd_main as in_process
 
 from specd.cli import main as specd_main
@@ -470,14 +470,7 @@ def test_a_bad_byte_is_the_one_decoding_whole_finds(
 # -- the command ------------------------------------------------------------------------
 def real_specd(*args: str) -> subprocess.CompletedProcess[str]:
     """`specd replay ARGS` as its own process, with no SPECD_* settings from here."""
-    return subprocess.run(
-        [sys.executable, "-m", "specd.cli", "replay", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={"PATH": "/usr/bin:/bin"},
-    )
+    return run_specd("replay", *args, env={"PATH": "/usr/bin:/bin"})
 
 
 def specd(*args: str) -> subprocess.CompletedProcess[str]:
