@@ -1395,8 +1395,8 @@ class Daemon:
         m.window_open.set(1 if windows.is_open(cfg.windows, at) else 0)
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
         m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
-        recent = [t for t in self.state.restart_times() if now - t < DAY_S]
-        m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - len(recent)))
+        spent = self.state.restarts_in_day(now)
+        m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - spent))
         m.frozen.set(1 if self.state.frozen is not None else 0)
 
         status = self.override.status

@@ -253,7 +253,7 @@ def collect(
     override = read_override_as_daemon(config, at)
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
     # What the budget counts: SGLang restarts (a rollback's two), not sequences.
-    restarted = sum(1 for t in state.restart_times() if now - t < DAY_S)
+    restarted = state.restarts_in_day(now)
     opens = windows.next_open(config.windows, at)
     closes = windows.next_close(config.windows, at)
     decision = state.last_decision

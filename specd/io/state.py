@@ -20,7 +20,7 @@ from typing import Any, TypeGuard, TypeVar
 
 from specd.core import outcome
 from specd.core.decide import Control
-from specd.core.history import History, HistorySettings, check_time
+from specd.core.history import DAY_S, History, HistorySettings, check_time
 from specd.core.observation import MAX_STEPS
 from specd.io import files
 
@@ -245,6 +245,10 @@ class State:
         """One time per SGLang restart specd made (a rollback's two at its end, none for a
         sequence that restarted nothing), oldest first: what dwell and the budget count."""
         return tuple(sorted(float(r["t"]) for r in self.restarts for _ in range(restart_count(r))))
+
+    def restarts_in_day(self, now: float) -> int:
+        """SGLang restarts in the day before ``now``: what the daily restart budget counts."""
+        return sum(1 for t in self.restart_times() if now - t < DAY_S)
 
     def adopt(self, control: Control) -> None:
         """Keep what `step` changed in the control state (restarts and the freeze are

@@ -833,6 +833,39 @@ def test_the_restart_budget_counts_sglang_restarts_and_old_state_files_still_loa
     assert (again.control().restart_times, message) == (times, None)
 
 
+@pytest.mark.parametrize(
+    ("entries", "spent"),
+    [
+        pytest.param([], 0, id="none"),
+        pytest.param(
+            [{"t": NOW - 86_400, "result": "success", "restarts": 1}],
+            0,
+            id="exactly a day ago: out of the day",
+        ),
+        pytest.param(
+            [{"t": NOW - 86_399, "result": "success", "restarts": 1}],
+            1,
+            id="a second less: in it",
+        ),
+        pytest.param(
+            [
+                {"t": NOW - 90_000, "result": "success", "restarts": 1},
+                {"t": NOW - 600, "result": "rolled_back", "restarts": 2},
+                {"t": NOW - 60, "result": "aborted", "restarts": 0},
+            ],
+            2,
+            id="a rollback's two; yesterday's and a sequence that restarted nothing none",
+        ),
+    ],
+)
+def test_restarts_in_day_is_what_the_budget_counts(
+    entries: list[dict[str, Any]], spent: int
+) -> None:
+    """`specd status` and specd_restart_budget_remaining read the day's restarts here."""
+    state = State.from_dict(_with(restarts=entries))
+    assert state.restarts_in_day(NOW) == spent
+
+
 def test_strict_reading_still_names_the_first_bad_part() -> None:
     with pytest.raises(StateFormatError, match=r"capacity"):
         State.from_dict(_with_history(capacity=[[3, -5]]))
