@@ -745,6 +745,10 @@ class CountingEvent(threading.Event):
         return super().wait(timeout)
 
 
+# What `systemctl restart` prints when the unit's start failed (systemd 252).
+JOB_FAILED = f"Job for {UNIT} failed because the control process exited with error code.\n"
+
+
 def answered(argv: Sequence[str], code: int, out: str = "", err: str = "") -> RunResult:
     """What a systemctl stand-in returns: ``argv`` ran, exited ``code``, printed these."""
     return RunResult(tuple(argv), code, out, err, False, 0.01)
@@ -810,8 +814,7 @@ class StartLimited:
                 return answered(
                     argv,
                     1,
-                    err=f"Job for {UNIT} failed because the control process exited with "
-                    f'error code.\nSee "systemctl status {UNIT}" for details.\n',
+                    err=f'{JOB_FAILED}See "systemctl status {UNIT}" for details.\n',
                 )
             self.starts.append(now)
             self.failed, self.result = False, "success"
@@ -1040,8 +1043,7 @@ class SetupFailing:
                 return answered(
                     argv,
                     1,
-                    err=f"Job for {UNIT} failed because the control process exited with "
-                    "error code.\n",
+                    err=JOB_FAILED,
                 )
             return answered(argv, 0)
         if verbs == ["restart", UNIT]:
