@@ -3,6 +3,7 @@ every end; healed after a kill. Real twin units (test_apply's), a real etcd on l
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,8 +24,8 @@ from test_apply import (
     make_unit,  # noqa: F401 - the fixture
 )
 
-from specd.core.settings import FleetSettings
-from specd.io.apply import Applier, restart_argv
+from specd.core.settings import FleetSettings, GatewaySettings, RestartSettings
+from specd.io.apply import Applier, out_of_service_bound_s, restart_argv
 from specd.io.fleet import Fleet, Slot
 from specd.io.runner import RunResult
 
@@ -54,6 +55,35 @@ def with_fleet(
     applier = applier_for(unit, persist, **overrides)
     applier.fleet = fleet
     return applier
+
+
+# id, [restart] fields, [gateway] fields (None: no gateway), bound (README's formula)
+BOUND_CASES = [
+    ("defaults", {}, None, 4 * 420 + 3 * 600 + 6 * (2 + 30) + 300),
+    ("defaults, gateway", {}, {}, 3972 + 5 + 300 + 2 * 120),
+    (
+        "long loads",
+        {"startup_timeout_s": 3600, "restart_command_timeout_s": 900},
+        None,
+        4 * 900 + 3 * 3600 + 6 * 32 + 300,
+    ),
+    (
+        "fractions round up",
+        {"health_poll_interval_s": 0.5, "startup_timeout_s": 10.1},
+        {"drain_timeout_s": 1, "ready_timeout_s": 1, "request_timeout_s": 0.2},
+        math.ceil(4 * 420 + 3 * 10.1 + 6 * 30.5 + 300 + 0.2 + 1 + 2),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("restart", "gateway", "bound"), [pytest.param(*c[1:], id=c[0]) for c in BOUND_CASES]
+)
+def test_the_out_of_service_bound_is_the_readme_formula(
+    restart: dict[str, Any], gateway: dict[str, Any] | None, bound: int
+) -> None:
+    gw = None if gateway is None else GatewaySettings(urls=["http://10.0.0.2:30080"], **gateway)
+    assert out_of_service_bound_s(RestartSettings(**restart), gw) == bound
 
 
 class WatchingRunner:
