@@ -1,6 +1,8 @@
 """A real `specd run` with a [fleet], SIGKILLed while it holds the slot mid-restart: the
-lease expires, another server gets its turn, and the killed specd heals on its next start
-and gives the slot back. Real etcd on loopback, the stand-in systemctl of test_faults."""
+slot's lease expires, but its server, still out of service, keeps counting against the
+group's slots (its out-of-service marker) until the killed specd heals on its next start,
+marks it back in service and gives the slot back; then another server gets its turn. Real
+etcd on loopback, the stand-in systemctl of test_faults."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ HOLDER = "specd-under-test"
 etcd, etcd_server = module_etcd, module_etcd_server
 
 
-def test_sigkill_mid_restart_frees_the_slot_and_the_next_start_heals(
+def test_sigkill_mid_restart_keeps_the_server_counted_until_the_next_start_heals_it(
     tmp_path: Path,
     specd_setup: tuple[StandIn, Path, int],  # noqa: F811
     etcd: EtcdProcess,
@@ -79,10 +81,19 @@ def test_sigkill_mid_restart_frees_the_slot_and_the_next_start_heals(
     assert journal["phase"] == "restart_issued"
     assert journal["fleet_slot"]["key"] == "/specd/g/slots/0"
 
-    # Nothing renews the lease any more: another server gets the slot within one TTL.
-    slot, why = other.acquire(threading.Event(), lambda: None)
-    assert slot is not None, why
-    assert other.release(slot) is None
+    # Nothing renews the lease any more: the slot is gone within one TTL. Its server is
+    # still out (it loads, and nobody verifies it): another server must not go yet, which
+    # it did before the marker.
+    wait_for(lambda: other.holders() == [], TTL_S + 5, "the killed specd's slot lease expired")
+    waiter: list[tuple[object, str]] = []
+    threading.Thread(
+        target=lambda: waiter.append(other.acquire(threading.Event(), lambda: None)), daemon=True
+    ).start()
+    time.sleep(1.0)  # it tries every 0.1 s
+    assert waiter == []
+    probe = other.probe()
+    assert probe is not None
+    assert f"{HOLDER} out of service since " in probe
 
     # A fresh metrics port: the killed specd's was free for the seconds above, and a server
     # of another test running beside this one may listen on it by now.
@@ -111,7 +122,14 @@ def test_sigkill_mid_restart_frees_the_slot_and_the_next_start_heals(
     released = [e for e in log_events(log2) if e.get("event") == "fleet_slot_released"]
     assert len(released) == 1
     assert released[0]["detail"] == "released fleet slot 0 of group g"
-    assert other.holders() == []
+    marked_in = [e for e in log_events(log2) if e.get("event") == "fleet_marked_in"]
+    assert [e["detail"] for e in marked_in] == ["marked back in service in fleet group g"]
+    # Back in service: the other server's turn came.
+    wait_for(lambda: waiter != [], 10, "the other server's turn")
+    slot, why = waiter[0]
+    assert slot is not None, why
+    assert [h.name for h in other.holders()] == ["box-b " + UNIT]
+    assert other.busy().out == []
 
 
 def test_three_specds_whose_pins_act_together_restart_one_at_a_time(

@@ -4,6 +4,7 @@ with a part taken away. A file of its own so the slow fleet tests spread over th
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from test_fleet_e2e import (
     HEAVY_STEPS,
     MAX_TOKENS,
     START_STEPS,
+    TTL_S,
     UNIT_TWIN,
     Server,
     assert_ended_well,
@@ -122,7 +124,7 @@ def test_a_setting_sglang_never_starts_at_rolls_back_readds_freezes_and_releases
         assert_ended_well(f, s, ["rolled_back"])
 
 
-def test_a_specd_sigkilled_mid_restart_frees_the_slot_and_heals_its_worker_at_its_next_start(
+def test_a_specd_sigkilled_mid_restart_keeps_its_server_counted_until_it_heals_its_worker(
     tmp_path: Path, etcd: EtcdProcess
 ) -> None:
     # SGLang loads for 2.5 s at the new setting: long enough to kill specd while it waits.
@@ -153,12 +155,15 @@ def test_a_specd_sigkilled_mid_restart_frees_the_slot_and_heals_its_worker_at_it
             assert journal["phase"] == "restart_issued"
             assert [w["url"] for w in journal["drained"]] == [killed.url]
 
-            # Its lease expires: the other server takes the slot and restarts.
-            wait_for(
-                lambda: other.state().restarts != [] or not other.alive(), 90, "the other restart"
-            )
+            # Its slot's lease expires, but its server is still out (drained, loading): it
+            # keeps counting (its out-of-service marker), so the other server does not take
+            # the slot and restart beside it, as it did before the marker.
+            wait_for(lambda: f.observer().holders() == [], TTL_S + 5, "the slot lease expired")
+            time.sleep(2.0)  # the other, wanting the change too, tries for a slot every 0.2 s
             f.check_alive()
-            assert [r["result"] for r in other.state().restarts] == ["success"]
+            assert other.state().restarts == []
+            assert f.observer().holders() == []
+            assert [o.name for o in f.observer().busy().out] == [f"box-{killed.name}"]
             # Still drained from the gateway: nothing re-added it.
             assert f.workers().get(killed.url) != "ready"
 
@@ -166,7 +171,14 @@ def test_a_specd_sigkilled_mid_restart_frees_the_slot_and_heals_its_worker_at_it
             wait_for(lambda: killed.state().journal is None or not killed.alive(), 60, "the heal")
             f.check_alive()
             wait_for(lambda: f.workers().get(killed.url) == "ready", 20, "the worker re-added")
+            # Back in service: now the other's turn.
+            wait_for(
+                lambda: other.state().restarts != [] or not other.alive(), 90, "the other restart"
+            )
+            f.check_alive()
+            assert [r["result"] for r in other.state().restarts] == ["success"]
             wait_for(lambda: f.observer().holders() == [], 10, "every slot released")
+            assert f.observer().busy().out == []
             f.check_alive()  # released, not expired with a specd that died holding it
             load.wait_for(load.ok + 20)
         assert load.failures == []

@@ -58,7 +58,7 @@ from specd.io.apply import (
 )
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
-from specd.io.fleet import EtcdClient, Fleet, FleetUnavailable
+from specd.io.fleet import Busy, EtcdClient, Fleet, FleetUnavailable, out_text
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
@@ -906,10 +906,10 @@ class Doctor:
                 client.close()
         fleet = Fleet.from_settings(settings, self.config.sglang.unit)
         try:
-            holders = fleet.holders()
+            busy = fleet.busy()
         except FleetUnavailable as exc:
             failed.append(f"reading the slots of group {settings.group}: {exc}")
-            holders = []
+            busy = Busy([], [])
         finally:
             fleet.close()
         if failed:
@@ -920,7 +920,13 @@ class Doctor:
                 "start etcd or fix [fleet] etcd_endpoints: without an answer specd never "
                 "restarts SGLang (reason fleet_unavailable)",
             )
-        held = ", ".join(f"slot {h.slot} held by {h.name}" for h in holders) or "all free"
+        held = (
+            ", ".join(
+                [f"slot {h.slot} held by {h.name}" for h in busy.holders]
+                + [out_text(o, o.name in {h.name for h in busy.holders}) for o in busy.out]
+            )
+            or "all free"
+        )
         return Check(
             "fleet",
             True,

@@ -350,7 +350,8 @@ def _acceptance_line(acceptance: dict[str, Any]) -> str:
 
 
 def fleet_status(config: Config) -> dict[str, Any] | None:
-    """The group, this specd's name in it, and who holds which slot (etcd asked once)."""
+    """The group, this specd's name in it, who holds which slot and which servers are out
+    of service for a restart (etcd asked once)."""
     if config.fleet is None:
         return None
     fleet = Fleet.from_settings(config.fleet, config.sglang.unit)
@@ -360,10 +361,13 @@ def fleet_status(config: Config) -> dict[str, Any] | None:
         "this_holder": fleet.holder,
         "endpoints": config.fleet.etcd_endpoints,
         "holders": None,
+        "out": None,
         "problem": None,
     }
     try:
-        info["holders"] = [h.to_dict() for h in fleet.holders()]
+        busy = fleet.busy()
+        info["holders"] = [h.to_dict() for h in busy.holders]
+        info["out"] = [o.to_dict() for o in busy.out]
     except FleetUnavailable as exc:
         info["problem"] = str(exc)
     finally:
@@ -381,7 +385,23 @@ def _fleet_line(fleet: dict[str, Any], now: float) -> str:
         + (f" since {when_text(h['since'], now)}" if h["since"] is not None else "")
         for h in fleet["holders"]
     ]
-    return f"{head}: " + ("; ".join(held) if held else "all free")
+    holding = {h["name"] for h in fleet["holders"]}
+    # Servers out for a restart; one whose holder holds no slot any more (its specd died or
+    # lost etcd mid-restart) still counts against the slots until it is back.
+    out = [
+        f"{o['name']} OUT OF SERVICE"
+        + (" (this specd)" if o["name"] == fleet["this_holder"] else "")
+        + (f" since {when_text(o['since'], now)}" if o["since"] is not None else "")
+        + (
+            ""
+            if o["name"] in holding
+            else " (holds no slot; counted"
+            + (f" until {when_text(o['until'], now)} at the latest" if o["until"] else "")
+            + " unless back sooner)"
+        )
+        for o in fleet["out"] or []
+    ]
+    return f"{head}: " + ("; ".join(held + out) if held or out else "all free")
 
 
 def _gateway_info(config: Config, state: State) -> dict[str, Any] | None:

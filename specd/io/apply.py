@@ -14,7 +14,12 @@ while it runs (the quiet moment is looked for once the slot is taken, not before
 checks the lease still holds right before the restart (a specd cut off from
 etcd may have lost it: then nothing is restarted), and releases it at every end. The
 journal names the slot, so a specd killed in between releases it on its next start; the
-slot frees itself anyway one lease TTL after the specd died.
+slot frees itself anyway one lease TTL after the specd died. From the moment the sequence
+takes the server out of service (the drain's first DELETE; without a gateway, right before
+`systemctl restart`) until it serves again, an out-of-service marker in etcd counts it
+against the group's slots too, under a lease nobody renews whose TTL bounds the rest of the
+sequence (``out_of_service_bound_s``): a specd that dies mid-restart frees its slot after
+one short lease TTL, but its server stays counted until it is back or that bound passed.
 
 With a ``[gateway]`` the quiet moment gives way to a drain (specd/io/gateway.py)::
 
@@ -81,8 +86,9 @@ from specd.core.settings import (
     Settings,
     SGLangSettings,
 )
+from specd.core.text import utc_time
 from specd.io import files, logs
-from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, Slot
+from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, OutMarker, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
 from specd.io.runner import Runner, RunResult
 from specd.io.sglang import HealthStatus, ParsedMetrics
@@ -481,6 +487,11 @@ class Journal:
     # else happens; ``fleet_released`` once it was given back.
     fleet_slot: dict[str, Any] | None = None
     fleet_released: bool = False
+    # The out-of-service marker put when the server was taken out (fleet.OutMarker.to_dict),
+    # persisted before it is put; ``fleet_out_removed`` once it was revoked (the server
+    # serves again).
+    fleet_out: dict[str, Any] | None = None
+    fleet_out_removed: bool = False
     messages: list[str] = field(default_factory=list)
     # The gateway workers removed from routing (Worker.to_dict), persisted before each
     # DELETE; ``readded`` once they were added back (or the re-add was given up).
@@ -600,6 +611,11 @@ class Journal:
             fleet_slot = None if fleet_slot is None else Slot.from_dict(fleet_slot).to_dict()
         except ValueError as exc:
             raise JournalError(f"restart journal {exc}") from None
+        fleet_out = data.get("fleet_out")
+        try:
+            fleet_out = None if fleet_out is None else OutMarker.from_dict(fleet_out).to_dict()
+        except ValueError as exc:
+            raise JournalError(f"restart journal {exc}") from None
         messages = data.get("messages", [])
         if not isinstance(messages, list):
             raise JournalError("restart journal messages is not a list")
@@ -635,6 +651,8 @@ class Journal:
             capacity=opt_int("capacity", low=1),
             fleet_slot=fleet_slot,
             fleet_released=data.get("fleet_released") is True,
+            fleet_out=fleet_out,
+            fleet_out_removed=data.get("fleet_out_removed") is True,
             messages=[str(m) for m in messages],
             from_setting=from_setting,
             to_setting=to_setting,
@@ -818,6 +836,8 @@ class Applier:
         self.fleet = fleet
         self._slot: Slot | None = None
         self._keeper: LeaseKeeper | None = None
+        self._out: OutMarker | None = None
+        self.out_bound_s = out_of_service_bound_s(restart, gateway, verify_attempts)
         self.gateway_settings = gateway
         self.gateway: GatewayClient | None = None
         if gateway is not None:
@@ -904,6 +924,7 @@ class Applier:
         self._restart_started = None
         self._journal = None
         self._drain_report = None
+        self._out = None
         self._cancelled = cancelled or (lambda: None)
         try:
             outcome = self._apply(target, current, window_open, force)
@@ -920,8 +941,9 @@ class Applier:
             else:
                 outcome = self._recover(self._journal, exc)
         # A no-op when the sequence's end released the slot. Not in a `finally`: a specd
-        # dying (SystemExit, a test's kill) leaves the slot to its lease TTL.
-        self._release_slot(self._journal)
+        # dying (SystemExit, a test's kill) leaves the slot to its lease TTL. A sequence left
+        # for the next boot keeps its server marked out of service: it is.
+        self._release_slot(self._journal, keep_out=outcome.pending)
         return outcome
 
     def _out_of_range(self, target: SpecSetting) -> str | None:
@@ -1075,6 +1097,7 @@ class Applier:
             return None
         self._restart_started = None
         self._drain_report = None
+        self._out = None
         try:
             journal = Journal.from_dict(journal_data)
         except JournalError as exc:
@@ -1102,13 +1125,14 @@ class Applier:
             )
         try:
             self._reattach_slot(journal)
+            self._reattach_out(journal)
             outcome = self._resume(journal)
         except ShuttingDown as down:
             outcome = self._leave_for_boot(journal, down.why)
         except Exception as exc:
             self.log.exception("reconcile_internal_error")
             outcome = self._recover(journal, exc)
-        self._release_slot(journal)
+        self._release_slot(journal, keep_out=outcome.pending)
         return outcome
 
     def _recover(self, journal: Journal, exc: Exception) -> ApplyOutcome:
@@ -1160,6 +1184,11 @@ class Applier:
         halted = self._halted("before the restart went out")
         if halted is not None:
             return self._unwind(journal, halted)
+        if self.gateway is None:
+            # Without a drain the restart itself takes the server out of service.
+            unmarked = self._mark_out(journal)
+            if unmarked is not None:
+                return self._unwind(journal, unmarked)
 
         unsaved = self._issue_restart(journal, "restart_issued")
         if unsaved is not None:
@@ -2102,9 +2131,88 @@ class Applier:
             journal.note(f"fleet slot {slot.index} not held any more ({problem}): healing anyway")
         self._persist(journal)
 
-    def _release_slot(self, journal: Journal | None) -> None:
+    def _mark_out(self, journal: Journal) -> str | None:
+        """Mark this server out of service in its group (no fleet: nothing to do) before the
+        sequence takes it out. Why not (etcd did not take it: then no restart), or None."""
+        if self.fleet is None or self._slot is None:
+            return None
+        try:
+            marker = self.fleet.out_marker(self._clock(), self.out_bound_s)
+            # In the journal before it is put: a specd killed from here on removes it.
+            journal.fleet_out = marker.to_dict()
+            self._out = marker
+            self._persist(journal)
+            self.fleet.mark_out(marker)
+        except FleetUnavailable as exc:
+            return f"fleet unavailable: cannot mark this server out of service: {exc}"
+        journal.note(
+            f"marked out of service in fleet group {marker.group} for at most {marker.ttl_s} s"
+        )
+        self.log.info("fleet_marked_out", group=marker.group, bound_s=marker.ttl_s)
+        return None
+
+    def _reattach_out(self, journal: Journal) -> None:
+        """A resumed sequence keeps its server marked out of service, under a fresh lease:
+        the bound of this run counts from now (the marker its killed predecessor put may be
+        about to run out, or gone, while SGLang still loads). Best effort: the heal never
+        waits for etcd."""
+        if journal.fleet_out is None or journal.fleet_out_removed or self.fleet is None:
+            return
+        old = OutMarker.from_dict(journal.fleet_out)
+        try:
+            marker = self.fleet.out_marker(old.since, self.out_bound_s)
+        except FleetUnavailable as exc:
+            self._out = old
+            journal.note(f"cannot mark this server out of service again ({exc}): healing anyway")
+            self._persist(journal)
+            return
+        journal.fleet_out = marker.to_dict()
+        self._persist(journal)
+        try:
+            self.fleet.mark_out(marker)
+        except FleetUnavailable as exc:
+            # The old marker, if it still lives, is the one to revoke at the end.
+            self._out, journal.fleet_out = old, old.to_dict()
+            journal.note(f"cannot mark this server out of service again ({exc}): healing anyway")
+            self._persist(journal)
+            return
+        self._out = marker
+        self.fleet.mark_in(old)  # its key moved to the new lease: this revokes nothing else
+        journal.note(f"still out of service: marked again for at most {marker.ttl_s} s")
+        self._persist(journal)
+
+    def _mark_in(self, journal: Journal | None) -> None:
+        """The server serves again (or the sequence ended): revoke its marker; idempotent.
+        One etcd does not take frees itself at its TTL, as the log line says."""
+        marker, self._out = self._out, None
+        if marker is None and journal is not None and journal.fleet_out is not None:
+            if journal.fleet_out_removed:
+                return
+            marker = OutMarker.from_dict(journal.fleet_out)
+        if marker is None:
+            return
+        if self.fleet is None:
+            problem: str | None = (
+                "an out-of-service marker in the journal but no [fleet] configured: it frees "
+                f"itself by {utc_time(marker.until)} at the latest"
+            )
+        else:
+            problem = self.fleet.mark_in(marker)
+        message = problem or f"marked back in service in fleet group {marker.group}"
+        log = self.log.warning if problem else self.log.info
+        log("fleet_marked_in", group=marker.group, detail=message)
+        if journal is not None and journal.fleet_out is not None:
+            journal.fleet_out_removed = True
+            journal.note(message)
+            self._persist(journal)
+
+    def _release_slot(self, journal: Journal | None, *, keep_out: bool = False) -> None:
         """Give the slot back (stop renewing, revoke the lease); idempotent. A release etcd
-        does not take frees the slot one TTL after the renewals stopped."""
+        does not take frees the slot one TTL after the renewals stopped. The server's
+        out-of-service marker goes first, unless ``keep_out``: a sequence left for the next
+        boot (its server is out until then, or until the marker's bound)."""
+        if not keep_out:
+            self._mark_in(journal)
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop()
@@ -2162,6 +2270,11 @@ class Applier:
             found = [w for w in gateway.find_all() if w is not None]
         except GatewayUnavailable as exc:
             return self._finish(journal, "aborted", f"cannot drain: {exc}; nothing was restarted")
+        # Marked before the first DELETE takes the server out of routing (nothing drained yet
+        # if it cannot be).
+        unmarked = self._mark_out(journal)
+        if unmarked is not None:
+            return self._finish(journal, "aborted", f"{unmarked}; nothing was restarted")
         # Persisted before any DELETE: a specd killed now re-adds them on its next start.
         journal.drained = [w.to_dict() for w in found]
         report["replicas"] = len(found)
@@ -2290,6 +2403,33 @@ class Applier:
         workers = [w for w in workers if w.gateway_url in gateway.gateways]
         failed = gateway.readd(workers, settings.request_timeout_s)
         return _readd_failed(failed, len(workers)) if failed else None
+
+
+# Slack over the timeouts: the unit-state queries (10 s each, a few per poll), journal writes
+# and etcd requests between the bounded steps.
+OUT_OF_SERVICE_SLACK_S = 300.0
+
+
+def out_of_service_bound_s(
+    restart: RestartSettings, gateway: GatewaySettings | None, verify_attempts: int = 3
+) -> int:
+    """How long a sequence can keep its server out of service, at most: the TTL of its
+    out-of-service marker. From the drain's first DELETE: the wait for the removal and for
+    SGLang to be idle; then up to four restart commands (the change's and the rollback's,
+    each possibly made once more after systemd's start limit refused it), three start-up
+    waits (the change's load, the rollback's, and the wait for the start limit to pass,
+    never longer than one), two verifications (``verify_attempts`` reads each, a poll
+    interval apart, each counted as long as a probe); then the re-add (the draining entry's
+    wait, then ready). Plus a slack."""
+    bound = (
+        4 * restart.restart_command_timeout_s
+        + 3 * restart.startup_timeout_s
+        + 2 * verify_attempts * (restart.health_poll_interval_s + restart.health_probe_timeout_s)
+        + OUT_OF_SERVICE_SLACK_S
+    )
+    if gateway is not None:
+        bound += gateway.request_timeout_s + gateway.drain_timeout_s + 2 * gateway.ready_timeout_s
+    return math.ceil(bound)
 
 
 def _readd_failed(failed: Sequence[tuple[Worker, str]], of: int) -> str:

@@ -10,6 +10,23 @@ for a TTL has lost its slot and must not restart: no split brain), and releases 
 that dies, even by SIGKILL, stops renewing: etcd deletes the key one TTL later and the next
 server may go. The key's value says who holds it (JSON: holder, since) for ``specd status``.
 
+A slot alone does not keep the promise "at most ``slots`` out of service": its lease is short
+(``lease_ttl_s``, 30 s) so that a dead specd frees it soon, but a server whose specd died
+(SIGKILL, OOM) or lost etcd after the restart went out stays out of service for minutes (a
+model load, a rollback). So while its server is out, a holder also writes an out-of-service
+marker, ``/specd/g/out/<holder>`` (the holder name percent-encoded), under a lease of its own
+that nobody renews: its TTL is the bound of the rest of the sequence (the applier derives it
+from the drain, restart, start and verification timeouts, ``out_of_service_bound_s``), so the
+marker outlives a dead holder exactly as long as its server can be out, and a dead host never
+blocks its group longer than that. The holder revokes it once the server serves again. Chosen
+over renewing the slot's lease from afar (impossible once the holder is dead) and over one long
+slot lease (a specd that dies before taking its server out would then block the group for the
+whole bound). ``_free`` counts distinct holders over slots and markers: a marker whose holder
+still holds a slot counts once; this specd's own marker counts not at all (it has no sequence
+in flight when it asks, so a marker under its name is one a failed revoke left behind, which
+its next sequence overwrites). Holder names must therefore differ within a group (the default,
+host name and unit, does).
+
 Client: etcd's v3 JSON gateway (grpc-gateway, served on the client port since etcd 3.3;
 3.4.23 here), spoken with httpx, specd's HTTP client already. Chosen over ``etcd3gw``
 (OpenStack's client for the same gateway), because specd needs five calls (lease grant,
@@ -35,6 +52,7 @@ import math
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -43,6 +61,7 @@ import httpx
 
 from specd import __version__
 from specd.core.settings import FleetSettings
+from specd.core.text import utc_time
 from specd.io.answers import read_capped
 from specd.io.tls import context_for
 
@@ -295,6 +314,14 @@ class EtcdClient:
                 raise FleetUnavailable("protocol", "etcd answer: txn succeeded is not a boolean")
             return succeeded
 
+    def put(self, key: str, value: str, lease: int) -> None:
+        """Put ``key`` on ``lease`` (over whatever was there, on whichever lease)."""
+        with self._counting():
+            answer = self.call(
+                "/v3/kv/put", {"key": _b64(key), "value": _b64(value), "lease": str(lease)}
+            )
+            _object(answer.get("header"), "put header")
+
     def range_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
         """(key, value, lease) of every key under ``prefix``."""
         with self._counting():
@@ -361,12 +388,100 @@ class Slot:
         return slot
 
 
+@dataclass(frozen=True)
+class OutOfService:
+    """A server out of service for a restart, as its marker says: who (from the key), since
+    when, and until when the marker lasts at most (from the value; None: not readable)."""
+
+    name: str
+    since: float | None
+    until: float | None
+    lease: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Busy:
+    """The group as etcd shows it: the slots held and the servers marked out of service."""
+
+    holders: list[Holder]
+    out: list[OutOfService]
+
+
+@dataclass(frozen=True)
+class OutMarker:
+    """The out-of-service marker this specd put; the journal keeps ``to_dict`` so a resumed
+    sequence keeps it and revokes it at its end."""
+
+    group: str
+    key: str
+    lease: int
+    ttl_s: int
+    since: float
+    until: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "lease": str(self.lease)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> OutMarker:
+        if not isinstance(data, Mapping):
+            raise ValueError("fleet out-of-service marker is not an object")
+        try:
+            marker = cls(
+                group=str(data["group"]),
+                key=str(data["key"]),
+                lease=int(str(data["lease"])),
+                ttl_s=int(data["ttl_s"]),
+                since=float(data["since"]),
+                until=float(data["until"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"fleet out-of-service marker is not readable ({exc})") from None
+        if _out_name(marker.group, marker.key) is None or marker.lease <= 0:
+            raise ValueError(
+                f"fleet out-of-service marker {marker.key!r} is not a marker key of its group"
+            )
+        return marker
+
+
 def slot_prefix(group: str) -> str:
     return f"{KEY_PREFIX}/{group}/slots/"
 
 
 def slot_key(group: str, index: int) -> str:
     return f"{slot_prefix(group)}{index}"
+
+
+def out_prefix(group: str) -> str:
+    return f"{KEY_PREFIX}/{group}/out/"
+
+
+def out_key(group: str, holder: str) -> str:
+    # Percent-encoded: a holder name may hold '/', spaces, anything but a line break.
+    return out_prefix(group) + urllib.parse.quote(holder, safe="")
+
+
+def _out_name(group: str, key: str) -> str | None:
+    """The holder a marker key names, or None for a key that is not one (written by someone
+    else): only the exact encoding ``out_key`` writes is read."""
+    prefix = out_prefix(group)
+    if not key.startswith(prefix):
+        return None
+    encoded = key[len(prefix) :]
+    if not encoded or len(encoded) > 3 * 4 * MAX_HOLDER_CHARS:
+        return None
+    if not encoded.isascii():
+        return None
+    try:
+        name = urllib.parse.unquote(encoded, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    if urllib.parse.quote(name, safe="") != encoded:
+        return None
+    return _one_line(name, MAX_HOLDER_CHARS) or None
 
 
 def default_holder(unit: str) -> str:
@@ -429,39 +544,52 @@ class Fleet:
         self.etcd.close()
 
     # -- reading ----------------------------------------------------------------------
+    def busy(self) -> Busy:
+        """The group's slot keys, by slot (also slots beyond ``slots``, held by a specd
+        configured with more: they are shown and counted, never taken), and its
+        out-of-service markers, by name; one etcd request. Keys of neither form (written by
+        someone else) are not ours to read."""
+        slots = slot_prefix(self.group)
+        held: list[Holder] = []
+        out: list[OutOfService] = []
+        for key, value, lease in self.etcd.range_prefix(f"{KEY_PREFIX}/{self.group}/"):
+            if key.startswith(slots):
+                index_text = key[len(slots) :]
+                if index_text.isascii() and index_text.isdigit() and len(index_text) <= 6:
+                    name, since = _parse_holder(value)
+                    held.append(Holder(int(index_text), name, since, lease))
+                continue
+            name_out = _out_name(self.group, key)
+            if name_out is not None:
+                # The key names the server (a value is only another host's word on times).
+                out.append(OutOfService(name_out, *_parse_out(value), lease))
+        return Busy(sorted(held, key=lambda h: h.slot), sorted(out, key=lambda o: o.name))
+
     def holders(self) -> list[Holder]:
-        """Every slot key of the group, by slot (also slots beyond ``slots``, held by a
-        specd configured with more: they are shown and counted, never taken)."""
-        prefix = slot_prefix(self.group)
-        found: list[Holder] = []
-        for key, value, lease in self.etcd.range_prefix(prefix):
-            index_text = key[len(prefix) :]
-            is_index = index_text.isascii() and index_text.isdigit() and len(index_text) <= 6
-            if not (key.startswith(prefix) and is_index):
-                continue  # not a slot key (written by someone else): not ours to read
-            name, since = _parse_holder(value)
-            found.append(Holder(int(index_text), name, since, lease))
-        return sorted(found, key=lambda h: h.slot)
+        """Every slot key of the group, by slot (see ``busy``)."""
+        return self.busy().holders
 
     def probe(self) -> str | None:
         """Why this specd could not take a slot now (one line), or None: etcd answers and
         a slot is free."""
         try:
-            held = self.holders()
+            busy = self.busy()
         except FleetUnavailable as exc:
             return str(exc)
-        if self._free(held) is not None:
+        if self._free(busy) is not None:
             return None
         return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(
-            held, self.slots
+            busy, self.slots, self.holder
         )
 
-    def _free(self, held: list[Holder]) -> int | None:
+    def _free(self, busy: Busy) -> int | None:
         """The slot to take, or None. Every holder counts against this specd's ``slots``,
         also one beyond them (a specd of the group configured with more, as while `slots`
-        is raised host by host): at most ``slots`` restart at once, as this config says."""
-        taken = {h.slot for h in held}
-        if len(taken) >= self.slots:
+        is raised host by host), and so does every other server marked out of service whose
+        holder no longer holds a slot (its lease ran out while the server was still out): at
+        most ``slots`` out at once, as this config says."""
+        taken = {h.slot for h in busy.holders}
+        if len(taken) + len(_out_only(busy, self.holder)) >= self.slots:
             return None
         return next((i for i in range(self.slots) if i not in taken), None)
 
@@ -470,7 +598,7 @@ class Fleet:
         """Take a free slot now, or None when all are held (or another specd took the one
         tried first: the next try sees it). At most four etcd requests, so one try stays
         inside the watchdog whatever etcd does."""
-        index = self._free(self.holders())
+        index = self._free(self.busy())
         if index is None:
             return None
         lease = self.etcd.grant(self.ttl_s)
@@ -556,6 +684,38 @@ class Fleet:
             )
         return None
 
+    # -- out of service -----------------------------------------------------------------
+    def out_marker(self, since: float, ttl_s: int) -> OutMarker:
+        """A lease for this server's out-of-service marker (not put yet: the journal keeps
+        it first, so a specd killed from here on revokes it at its next start). ``ttl_s``
+        bounds how long the server can be out from now; nothing renews it."""
+        ttl = max(5, math.ceil(ttl_s))
+        lease = self.etcd.grant(ttl)
+        until = self._clock() + ttl
+        return OutMarker(self.group, out_key(self.group, self.holder), lease, ttl, since, until)
+
+    def mark_out(self, marker: OutMarker) -> None:
+        """Put the marker: from now on this server counts against its group's slots even
+        without a slot. Raises FleetUnavailable (the lease is revoked then)."""
+        value = json.dumps({"holder": self.holder, "since": marker.since, "until": marker.until})
+        try:
+            self.etcd.put(marker.key, value, marker.lease)
+        except FleetUnavailable:
+            self._revoke_quietly(marker.lease)
+            raise
+
+    def mark_in(self, marker: OutMarker) -> str | None:
+        """This server serves again: revoke the marker's lease (etcd deletes the key). A
+        problem or None; a marker that cannot be revoked frees itself at its TTL."""
+        try:
+            self.etcd.revoke(marker.lease)
+        except FleetUnavailable as exc:
+            return (
+                f"removing the out-of-service marker failed ({exc}); it frees itself by "
+                f"{utc_time(marker.until)} at the latest"
+            )
+        return None
+
     def _revoke_quietly(self, lease: int) -> None:
         with contextlib.suppress(FleetUnavailable):  # an unused lease expires in one TTL
             self.etcd.revoke(lease)
@@ -628,26 +788,59 @@ def _parse_holder(value: bytes) -> tuple[str, float | None]:
         return _one_line(value.decode("utf-8", "replace"), MAX_HOLDER_CHARS), None
     if not isinstance(data, dict):
         return _one_line(str(data), MAX_HOLDER_CHARS), None
-    since = data.get("since")
     name = _one_line(str(data.get("holder", "?")), MAX_HOLDER_CHARS)
+    return name, _calendar_time(data.get("since"))
+
+
+def _parse_out(value: bytes) -> tuple[float | None, float | None]:
+    """(since, until) of a marker's value; None for what a calendar cannot show."""
+    try:
+        data = json.loads(value)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    return _calendar_time(data.get("since")), _calendar_time(data.get("until"))
+
+
+def _calendar_time(value: Any) -> float | None:
     # Another host's word: only a time a calendar can show (not ms, not year 10000+).
     if (
-        isinstance(since, (int, float))
-        and not isinstance(since, bool)
-        and math.isfinite(since)
-        and 0 <= since <= MAX_SINCE
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_SINCE
     ):
-        return name, float(since)
-    return name, None
+        return float(value)
+    return None
 
 
-def _who(held: list[Holder], slots: int) -> str:
-    return ", ".join(
+def _out_only(busy: Busy, me: str) -> list[OutOfService]:
+    """Servers out of service that hold no slot: each counts once more against the slots.
+    This specd's own name is left out (see the module docstring)."""
+    holding = {h.name for h in busy.holders} | {_one_line(me, MAX_HOLDER_CHARS)}
+    return [o for o in busy.out if o.name not in holding]
+
+
+def out_text(out: OutOfService, holds_slot: bool = False) -> str:
+    """How a marker reads: "box-a out of service since …", and for one that ``holds_slot``
+    no more (its specd died, or lost etcd, while it was out for a restart) "(holds no slot;
+    counted until … at the latest)"."""
+    since = "" if out.since is None else f" since {utc_time(out.since)}"
+    if holds_slot:
+        return f"{out.name} out of service{since}"
+    until = "" if out.until is None else f"; counted until {utc_time(out.until)} at the latest"
+    return f"{out.name} out of service{since} (holds no slot{until})"
+
+
+def _who(busy: Busy, slots: int, me: str) -> str:
+    held = [
         f"slot {h.slot} held by {h.name}"
         + (
             f" (a specd of the group with more slots than this one's {slots})"
             if h.slot >= slots
             else ""
         )
-        for h in held
-    )
+        for h in busy.holders
+    ]
+    return ", ".join(held + [out_text(o) for o in _out_only(busy, me)])

@@ -17,6 +17,7 @@ from test_doctor import doctor
 
 from specd.commands.status import collect, render
 from specd.core.settings import FleetSettings
+from specd.core.text import utc_time
 from specd.io.config import load_config
 from specd.io.fleet import Fleet, slot_key
 from specd.twin.process import free_port
@@ -99,6 +100,45 @@ def test_status_shows_a_holder_whose_since_no_clock_can_show(
     assert "Traceback" not in proc.stderr
     line = next(x for x in proc.stdout.splitlines() if x.startswith("fleet "))
     assert line == "fleet          group g, 1 slot(s): slot 0 held by box-b"
+
+
+def test_status_and_doctor_name_a_server_out_of_service_and_since_when(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """box-b's specd died mid-restart: its slot lease ran out, its server is still out. The
+    on-call sees it counted (it holds the group's one slot as far as restarts go), and since
+    when; box-a's own restart in progress shows both its slot and its marker."""
+    path = write_config(tmp_path, fleet_table(etcd.url))
+    config = load_config(path)
+    assert config.fleet is not None
+    dead = Fleet(config.fleet, "box-b sglang.service")
+    marker = dead.out_marker(time.time() - 120, 600)
+    dead.mark_out(marker)
+    proc = specd_main("status", "--config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("fleet "))
+    assert line.startswith(
+        "fleet          group g, 1 slot(s): box-b sglang.service OUT OF SERVICE since "
+    )
+    since = utc_time(marker.since)
+    assert f"OUT OF SERVICE since {since} (2.0 min ago) (holds no slot; counted until " in line
+    assert line.endswith(" at the latest unless back sooner)")
+    check = doctor(tmp_path, fleet_table(etcd.url)).check_fleet()
+    assert check.ok, check.detail
+    assert "box-b sglang.service out of service since " in check.detail
+    assert "(holds no slot; counted until " in check.detail
+
+    assert dead.mark_in(marker) is None
+    mine = Fleet(config.fleet, "box-a")
+    slot = mine.try_acquire()
+    assert slot is not None
+    mine.mark_out(mine.out_marker(time.time(), 600))
+    info = collect(config, time.time())
+    assert [o["name"] for o in info["fleet"]["out"]] == ["box-a"]
+    line = next(x for x in render(info, time.time()).splitlines() if x.startswith("fleet "))
+    assert "slot 0 held by box-a (this specd) since " in line
+    assert "; box-a OUT OF SERVICE (this specd) since " in line
+    assert "holds no slot" not in line
 
 
 def test_status_without_a_fleet_has_no_fleet_line(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ every end; healed after a kill. Real twin units (test_apply's), a real etcd on l
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,8 +24,8 @@ from test_apply import (
     make_unit,  # noqa: F401 - the fixture
 )
 
-from specd.core.settings import FleetSettings
-from specd.io.apply import Applier, restart_argv
+from specd.core.settings import FleetSettings, GatewaySettings, RestartSettings
+from specd.io.apply import Applier, out_of_service_bound_s, restart_argv
 from specd.io.fleet import Fleet, Slot
 from specd.io.runner import RunResult
 
@@ -54,6 +55,35 @@ def with_fleet(
     applier = applier_for(unit, persist, **overrides)
     applier.fleet = fleet
     return applier
+
+
+# id, [restart] fields, [gateway] fields (None: no gateway), bound (README's formula)
+BOUND_CASES = [
+    ("defaults", {}, None, 4 * 420 + 3 * 600 + 6 * (2 + 30) + 300),
+    ("defaults, gateway", {}, {}, 3972 + 5 + 300 + 2 * 120),
+    (
+        "long loads",
+        {"startup_timeout_s": 3600, "restart_command_timeout_s": 900},
+        None,
+        4 * 900 + 3 * 3600 + 6 * 32 + 300,
+    ),
+    (
+        "fractions round up",
+        {"health_poll_interval_s": 0.5, "startup_timeout_s": 10.1},
+        {"drain_timeout_s": 1, "ready_timeout_s": 1, "request_timeout_s": 0.2},
+        math.ceil(4 * 420 + 3 * 10.1 + 6 * 30.5 + 300 + 0.2 + 1 + 2),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("restart", "gateway", "bound"), [pytest.param(*c[1:], id=c[0]) for c in BOUND_CASES]
+)
+def test_the_out_of_service_bound_is_the_readme_formula(
+    restart: dict[str, Any], gateway: dict[str, Any] | None, bound: int
+) -> None:
+    gw = None if gateway is None else GatewaySettings(urls=["http://10.0.0.2:30080"], **gateway)
+    assert out_of_service_bound_s(RestartSettings(**restart), gw) == bound
 
 
 class WatchingRunner:
@@ -181,17 +211,54 @@ def test_etcd_down_means_no_restart(
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
 
 
+class Waiter(threading.Thread):
+    """Another specd of the group waiting for the slot (as its applier does), from now on."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.slot: Slot | None = None
+        self.why = ""
+        self.got_at: float | None = None
+
+    def run(self) -> None:
+        self.slot, self.why = self.fleet.acquire(threading.Event(), lambda: None)
+        self.got_at = time.monotonic()
+
+
+class HealWatch(Recorder):
+    """Persists like the daemon; at each write of the heal until its server serves again,
+    who holds a slot, as another specd sees the group."""
+
+    def __init__(self, path: Path, watcher: Fleet) -> None:
+        super().__init__(path)
+        self.watcher = watcher
+        self.holders_while_out: list[list[str]] = []
+
+    def __call__(self, journal: dict[str, Any] | None) -> None:
+        if journal is not None and not journal.get("fleet_out_removed"):
+            self.holders_while_out.append([h.name for h in self.watcher.holders()])
+        super().__call__(journal)
+
+
 @pytest.mark.parametrize("lease_expired", [False, True])
-def test_a_specd_killed_mid_restart_heals_and_releases(
+def test_a_specd_killed_mid_restart_keeps_its_server_counted_until_the_heal(
     make_unit: Any,  # noqa: F811
     tmp_path: Path,
     etcd: EtcdProcess,
     lease_expired: bool,
 ) -> None:
+    """A specd killed after `systemctl restart` went out stops renewing its slot's lease,
+    which expired lease_ttl_s later: another server of the group took the slot and restarted
+    while this one was still out (loading, verifying, rolling back), two out at once with
+    slots = 1. Its out-of-service marker, put before the restart and renewed by nobody, now
+    counts it until the heal at its next start marks it back in service; then the other
+    goes."""
     unit = make_unit(ORIGINAL_ENV)
     rec = Recorder(tmp_path / "state.json")
-    # Expiring: the shortest lease, which box-b waits out. Held: a lease that cannot run
-    # out while the heal restarts and verifies the twin, however loaded this machine is.
+    # Expiring: the shortest lease, which runs out before the heal. Held: a lease that
+    # cannot run out while the heal restarts and verifies the twin, however loaded this
+    # machine is.
     ttl_s = TTL_S if lease_expired else 600
     dying = with_fleet(
         unit,
@@ -207,22 +274,41 @@ def test_a_specd_killed_mid_restart_heals_and_releases(
     assert journal is not None
     assert journal["phase"] == "restart_issued"
     assert journal["fleet_released"] is False
-    other = fleet_for(etcd.url, "box-b")
-    if lease_expired:
-        # Another server gets its turn once the lease ran out, and gives it back.
-        slot, why = other.acquire(threading.Event(), lambda: None)
-        assert slot is not None, why
-        assert other.release(slot) is None
-    else:
-        assert [h.name for h in other.holders()] == ["box-a"]
+    assert journal["fleet_out"]["key"] == "/specd/g/out/box-a"
+    assert journal["fleet_out_removed"] is False
+    # Marked before the restart went out, under a lease bounding the rest of the sequence.
+    marked = [c for c in rec.calls if c is not None and c["fleet_out"] is not None]
+    assert marked[0]["phase"] == "env_written"
+    assert journal["fleet_out"]["ttl_s"] == dying.out_bound_s > 600
 
-    after = Recorder(tmp_path / "state2.json")
-    outcome = with_fleet(unit, after, fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s)).reconcile(
-        journal
-    )
+    other = fleet_for(etcd.url, "box-b")
+    waiter = Waiter(other)
+    waiter.start()
+    if lease_expired:
+        deadline = time.monotonic() + TTL_S + 5
+        while other.holders() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert other.holders() == []  # box-a's slot is gone ...
+        time.sleep(0.5)  # ... and box-b tried for it meanwhile, every 0.05 s
+    assert waiter.got_at is None, waiter.why  # box-a's server still counts
+    probe = other.probe()
+    assert probe is not None
+    assert probe.startswith("all 1 slot(s) of fleet group g busy: ")
+    if lease_expired:
+        assert "box-a out of service since " in probe
+        assert "(holds no slot; counted until " in probe
+    else:
+        assert probe.endswith("slot 0 held by box-a")
+
+    after = HealWatch(tmp_path / "state2.json", fleet_for(etcd.url, "watcher"))
+    healer = with_fleet(unit, after, fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s))
+    outcome = healer.reconcile(journal)
     assert outcome is not None
     assert outcome.result == "success", outcome.message
     assert unit.restarts == [4]  # healed without a second restart
+    # box-b never held the slot while box-a was out: at no write of the heal before its end.
+    assert after.holders_while_out
+    assert all("box-b" not in held for held in after.holders_while_out), after.holders_while_out
     healed = after.stored()
     assert healed is not None
     notes = " | ".join(healed["messages"])
@@ -230,8 +316,16 @@ def test_a_specd_killed_mid_restart_heals_and_releases(
         assert "fleet slot 0 not held any more (the lease of fleet slot 0 expired)" in notes
     else:
         assert "fleet slot 0 still held: kept while healing" in notes
+    assert f"still out of service: marked again for at most {healer.out_bound_s} s" in notes
+    assert "marked back in service in fleet group g" in notes
     assert healed["fleet_released"] is True
-    assert other.holders() == []
+    assert healed["fleet_out_removed"] is True
+    # The heal's end lets box-b go.
+    waiter.join(30)
+    assert waiter.slot is not None, waiter.why
+    assert [h.name for h in other.holders()] == ["box-b"]
+    assert other.busy().out == []
+    assert other.release(waiter.slot) is None
 
 
 def test_two_specds_restart_one_after_the_other(tmp_path: Path, etcd: EtcdProcess) -> None:

@@ -11,19 +11,26 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 from factories import EtcdProcess, LoopbackHTTP, module_etcd, module_etcd_server
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from specd.core.settings import FleetSettings
 from specd.io.fleet import (
     ERROR_KINDS,
+    Busy,
     Fleet,
     FleetHooks,
     FleetUnavailable,
+    OutMarker,
     Slot,
+    out_key,
+    out_prefix,
     slot_key,
 )
 from specd.twin.process import free_port
@@ -182,6 +189,162 @@ def test_a_waiting_specd_takes_the_slot_once_it_is_released(etcd: EtcdProcess) -
     assert got.index == 0
     assert len(waits) == 1
     assert 0.4 < waits[0] < 10
+
+
+# -- servers out of service: markers count against the slots ---------------------------
+
+# id, slots, slots held (index, holder), servers marked out, this specd, the slot it may take
+OUT_CASES = [
+    ("a marker alone fills the one slot", 1, [], ["box-a"], "box-c", None),
+    ("a holder's own marker counts once", 2, [(0, "box-a")], ["box-a"], "box-c", 1),
+    ("a marker and another holder fill two", 2, [(0, "box-a")], ["box-b"], "box-c", None),
+    ("two dead holders' markers fill three", 3, [(0, "box-a")], ["box-b", "box-d"], "box-c", None),
+    ("... and leave one of four", 4, [(0, "box-a")], ["box-b", "box-d"], "box-c", 1),
+    ("this specd's own stale marker does not block it", 1, [], ["box-c"], "box-c", 0),
+    ("a name with '/', '%' and spaces", 1, [], ["rack 1/box-a 100% sglang.service"], "box-c", None),
+    ("no marker: the slots as before", 2, [(1, "box-a")], [], "box-c", 0),
+]
+
+
+def put_marker(fleet: Fleet, name: str, ttl_s: int = TTL_S) -> int:
+    lease = fleet.etcd.grant(ttl_s)
+    since = time.time()
+    value = json.dumps({"holder": name, "since": since, "until": since + ttl_s})
+    fleet.etcd.put(out_key(fleet.group, name), value, lease)
+    return lease
+
+
+@pytest.mark.parametrize(
+    ("slots", "held", "out", "me", "free"), [pytest.param(*c[1:], id=c[0]) for c in OUT_CASES]
+)
+def test_servers_marked_out_of_service_count_against_the_slots(
+    etcd: EtcdProcess,
+    slots: int,
+    held: list[tuple[int, str]],
+    out: list[str],
+    me: str,
+    free: int | None,
+) -> None:
+    """A specd that died (or lost etcd) mid-restart frees its slot one lease TTL later, but
+    its server stays out for minutes: its out-of-service marker keeps it counted."""
+    fleet = make_fleet(etcd.url, me, slots=slots)
+    for index, name in held:
+        lease = fleet.etcd.grant(TTL_S)
+        holder = json.dumps({"holder": name, "since": time.time()})
+        assert fleet.etcd.put_if_absent(slot_key("g1", index), holder, lease)
+    for name in out:
+        put_marker(fleet, name)
+    busy = fleet.busy()
+    assert [o.name for o in busy.out] == sorted(out)
+    assert all(o.since is not None and o.until is not None for o in busy.out)
+    assert fleet._free(busy) == free
+    probe = fleet.probe()
+    if free is not None:
+        assert probe is None
+        slot = fleet.try_acquire()
+        assert slot is not None
+        assert slot.index == free
+        return
+    assert probe is not None
+    assert probe.startswith(f"all {slots} slot(s) of fleet group g1 busy: ")
+    for name in out:
+        if name not in {n for _, n in held}:
+            assert f"{name} out of service since " in probe
+    assert fleet.try_acquire() is None
+
+
+def test_a_marker_expires_at_its_bound_and_a_revoked_one_frees_at_once(etcd: EtcdProcess) -> None:
+    a, b = make_fleet(etcd.url, "box-a"), make_fleet(etcd.url, "box-b")
+    slot = take(a)
+    marker = a.out_marker(time.time(), TTL_S)
+    a.mark_out(marker)
+    assert a.release(slot) is None  # as when box-a's slot lease ran out: its server is out
+    started = time.monotonic()
+    got, why = b.acquire(threading.Event(), never)
+    waited = time.monotonic() - started
+    assert got is not None, why
+    assert TTL_S - 1.5 < waited < TTL_S + 3, waited  # until the marker's own lease ran out
+    assert b.release(got) is None
+    # Revoked (the server serves again): the next one goes at once.
+    slot = take(a)
+    marker = a.out_marker(time.time(), 600)
+    a.mark_out(marker)
+    assert a.release(slot) is None
+    assert b.try_acquire() is None
+    assert a.mark_in(marker) is None
+    assert b.try_acquire() is not None
+    assert a.mark_in(marker) is None  # twice is harmless
+    assert b.busy().out == []
+
+
+def test_a_marker_that_cannot_be_revoked_says_when_it_frees_itself(etcd: EtcdProcess) -> None:
+    a = make_fleet(etcd.url, "box-a")
+    marker = a.out_marker(time.time(), 600)
+    etcd.stop()
+    with pytest.raises(FleetUnavailable):
+        a.mark_out(marker)
+    problem = a.mark_in(marker)
+    assert problem is not None
+    assert problem.startswith("removing the out-of-service marker failed (etcd ")
+    assert problem.endswith(" at the latest")
+    assert " it frees itself by 2" in problem
+
+
+# The module's etcd, reset once for the test (not per example: each cleans up after itself).
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    suffix=st.text(max_size=80) | st.sampled_from(["", "%", "%zz", "%ff", "a%2", "a/b", "a%2Fb"]),
+    value=st.binary(max_size=200)
+    | st.builds(
+        lambda since, until: json.dumps({"holder": "x", "since": since, "until": until}).encode(),
+        st.one_of(st.floats(), st.integers(), st.text(max_size=5), st.none(), st.booleans()),
+        st.one_of(st.floats(), st.integers(), st.lists(st.integers(), max_size=2)),
+    ),
+)
+def test_any_marker_key_or_value_someone_else_wrote_is_read_safely(
+    etcd: EtcdProcess, suffix: str, value: bytes
+) -> None:
+    """Only the exact encoding specd writes is a marker; its value is another host's word."""
+    fleet = make_fleet(etcd.url, "box-z")
+    key = out_prefix("g1") + suffix
+    lease = fleet.etcd.grant(TTL_S)
+    try:
+        fleet.etcd.put(key, value.decode("latin-1"), lease)  # any bytes, through JSON
+        busy = fleet.busy()
+        assert busy.holders == []
+        for out in busy.out:
+            # Read back only what specd itself writes (the name as one line, as for slots).
+            assert out_key("g1", urllib.parse.unquote(suffix, errors="strict")) == key
+            assert out.name == " ".join(urllib.parse.unquote(suffix).split())
+            assert "\n" not in out.name
+            assert 0 < len(out.name) <= 200
+            for t in (out.since, out.until):
+                assert t is None or 0 <= t <= 253402300799
+        probe = fleet.probe()
+        assert (probe is None) == (busy.out == [])
+        assert probe is None or ("\n" not in probe and "out of service" in probe)
+    finally:
+        fleet.etcd.revoke(lease)
+        fleet.close()
+
+
+def test_a_journal_marker_is_read_back_or_refused() -> None:
+    marker = OutMarker("g1", out_key("g1", "box a/1"), 2**62, 900, 1.5, 901.5)
+    assert OutMarker.from_dict(json.loads(json.dumps(marker.to_dict()))) == marker
+    for bad in (
+        None,
+        [],
+        {**marker.to_dict(), "key": "/etc/passwd"},
+        {**marker.to_dict(), "key": slot_key("g1", 0)},
+        {**marker.to_dict(), "key": out_key("g2", "box a/1")},
+        {**marker.to_dict(), "lease": "0"},
+        {**marker.to_dict(), "since": "x"},
+        {k: v for k, v in marker.to_dict().items() if k != "until"},
+    ):
+        with pytest.raises(ValueError, match="fleet out-of-service marker"):
+            OutMarker.from_dict(bad)
 
 
 # -- leases: kept alive, lost, expired -------------------------------------------------
@@ -496,7 +659,7 @@ def test_a_hostile_lease_grant_takes_no_slot(answer: dict[str, Any], says: str) 
     fake = FakeEtcd(200, json.dumps(answer).encode())
     try:
         fleet = make_fleet(fake.url, "a")
-        fleet.holders = lambda: []  # type: ignore[method-assign]
+        fleet.busy = lambda: Busy([], [])  # type: ignore[method-assign]
         with pytest.raises(FleetUnavailable) as info:
             fleet.try_acquire()
         assert says in str(info.value)
