@@ -144,6 +144,8 @@ class RestartApplier(Protocol):
 
     def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None: ...
 
+    def retry_mark_in(self) -> str | None: ...
+
 
 @dataclass
 class InFlight:
@@ -289,6 +291,7 @@ class Daemon:
         self._in_flight: InFlight | None = None
         # A worker left out of the gateway: when it was last re-added (_readd_left_out).
         self._readd_tried_at: float | None = None
+        self._mark_in_tried_at: float | None = None
         self._gateway_changed = False  # what status shows of the gateway changed this tick
 
     # -- wiring -------------------------------------------------------------------
@@ -763,6 +766,7 @@ class Daemon:
         calibration, calibration_problem = self.calibration.current()
         self._report_calibration(calibration, calibration_problem)
         self._readd_left_out(now, result)
+        self._retry_mark_in(now)
         gateway_problem = self._probe_gateway(now, override)
         context = StepContext(
             config=self.config,
@@ -832,6 +836,20 @@ class Daemon:
             **(self.state.gateway or {}),
             "left_out": {**kept, "tried_at": now, "problem": problem},
         }
+
+    def _retry_mark_in(self, now: float) -> None:
+        """Remove the out-of-service marker a sequence's end could not (etcd away then): at
+        most once a minute until etcd takes it or its bound passes, so the other servers of
+        the group do not wait for this one, back in service, up to that bound."""
+        if self.fleet is None:
+            return
+        tried_at = self._mark_in_tried_at
+        if tried_at is not None and 0 <= now - tried_at < IDLE_PROBE_S:
+            return
+        self._mark_in_tried_at = now
+        problem = self.applier.retry_mark_in()
+        if problem is not None:
+            self.log.warning("fleet_marked_in", detail=problem)
 
     def _probe_gateway(self, now: float, override: Override | None) -> str | None:
         """Can the gateway drain this server? Asked every tick while specd may restart (a

@@ -123,6 +123,9 @@ class Applier:
     def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
         return None
 
+    def retry_mark_in(self) -> str | None:
+        return None
+
 
 def config(tmp_path: Path, **extra: Any) -> Config:
     (tmp_path / "state").mkdir(exist_ok=True)

@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from factories import EtcdProcess
 from test_daemon import IN_WINDOW, Applier, Reader, config, daemon, obs
 
@@ -118,3 +119,44 @@ def test_the_slot_held_says_since_when_also_after_a_restart_of_specd(
     released = sample(again, "specd_fleet_slot_taken_timestamp_seconds")
     assert released is not None
     assert math.isnan(released)
+
+
+class UnremovedMarker(Applier):
+    """An applier whose last sequence's end could not remove its out-of-service marker:
+    `retry_mark_in` fails ``failures`` times, then succeeds; each try's tick time kept."""
+
+    def __init__(self, clock: list[float], failures: int) -> None:
+        super().__init__()
+        self.clock = clock
+        self.failures = failures
+        self.tries: list[float] = []
+
+    def retry_mark_in(self) -> str | None:
+        self.tries.append(self.clock[0])
+        if len(self.tries) <= self.failures:
+            return "removing the out-of-service marker failed (etcd away)"
+        return None
+
+
+@pytest.mark.parametrize(
+    ("fleet", "ticks_s", "tries_s"),
+    [
+        pytest.param(True, [0, 5, 30, 59, 60, 61, 119, 125], [0, 60, 125], id="once a minute"),
+        pytest.param(False, [0, 60, 120], [], id="no fleet: nothing to remove"),
+    ],
+)
+def test_a_marker_left_in_etcd_is_tried_again_once_a_minute(
+    tmp_path: Path, etcd: EtcdProcess, fleet: bool, ticks_s: list[float], tries_s: list[float]
+) -> None:
+    """Not at every tick (each try waits up to etcd_timeout_s while etcd is away), nor only at
+    the next restart (the group's other servers wait for the marker meanwhile)."""
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    clock = [IN_WINDOW]
+    applier = UnremovedMarker(clock, failures=5)
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), applier, clock)
+    if fleet:
+        applier.fleet = d._make_fleet(cfg)  # type: ignore[attr-defined]
+    for t in ticks_s:
+        clock[0] = IN_WINDOW + t
+        d.tick()
+    assert [t - IN_WINDOW for t in applier.tries] == tries_s

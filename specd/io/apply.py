@@ -837,6 +837,9 @@ class Applier:
         self._slot: Slot | None = None
         self._keeper: LeaseKeeper | None = None
         self._out: OutMarker | None = None
+        # A marker a sequence's end could not remove (etcd away then): tried again by
+        # `retry_mark_in` between sequences, so the group is not held up to its bound.
+        self.unremoved_out: OutMarker | None = None
         self.out_bound_s = out_of_service_bound_s(restart, gateway, verify_attempts)
         self.gateway_settings = gateway
         self.gateway: GatewayClient | None = None
@@ -2143,6 +2146,7 @@ class Applier:
             self._out = marker
             self._persist(journal)
             self.fleet.mark_out(marker)
+            self.unremoved_out = None  # its key is on this marker's lease now
         except FleetUnavailable as exc:
             return f"fleet unavailable: cannot mark this server out of service: {exc}"
         journal.note(
@@ -2170,6 +2174,7 @@ class Applier:
         self._persist(journal)
         try:
             self.fleet.mark_out(marker)
+            self.unremoved_out = None  # its key is on this marker's lease now
         except FleetUnavailable as exc:
             # The old marker, if it still lives, is the one to revoke at the end.
             self._out, journal.fleet_out = old, old.to_dict()
@@ -2198,6 +2203,7 @@ class Applier:
             )
         else:
             problem = self.fleet.mark_in(marker)
+            self.unremoved_out = marker if problem is not None else None
         message = problem or f"marked back in service in fleet group {marker.group}"
         log = self.log.warning if problem else self.log.info
         log("fleet_marked_in", group=marker.group, detail=message)
@@ -2205,6 +2211,27 @@ class Applier:
             journal.fleet_out_removed = True
             journal.note(message)
             self._persist(journal)
+
+    def retry_mark_in(self) -> str | None:
+        """One more try to remove the marker a sequence's end could not (``unremoved_out``):
+        while it lives the other servers of the group wait for it. None once removed, or
+        once its bound passed (etcd dropped it then); else the problem. One etcd call, bounded
+        by its timeout."""
+        marker = self.unremoved_out
+        if marker is None or self.fleet is None:
+            return None
+        if self._clock() >= marker.until:
+            self.unremoved_out = None
+            return None
+        problem = self.fleet.mark_in(marker)
+        if problem is None:
+            self.unremoved_out = None
+            self.log.info(
+                "fleet_marked_in",
+                group=marker.group,
+                detail=f"marked back in service in fleet group {marker.group} (a later try)",
+            )
+        return problem
 
     def _release_slot(self, journal: Journal | None, *, keep_out: bool = False) -> None:
         """Give the slot back (stop renewing, revoke the lease); idempotent. A release etcd

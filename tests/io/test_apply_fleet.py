@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,64 @@ def test_a_target_that_fails_is_rolled_back_and_the_slot_released(
     assert unit.restarts == [4, 3]
     assert runner.holders_at_restart == [["box-a"], ["box-a"]]  # the rollback too
     assert watcher.holders() == []
+
+
+class EtcdGoneAfterRestart:
+    """The unit; etcd stops right after `systemctl restart` returned (the marker is in etcd,
+    its removal at the sequence's end will not be)."""
+
+    def __init__(self, unit: TwinUnit, etcd: EtcdProcess) -> None:
+        self.unit = unit
+        self.etcd = etcd
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        result = self.unit(argv, timeout_s=timeout_s)
+        if list(argv) == restart_argv(UNIT):
+            self.etcd.stop()
+        return result
+
+
+def test_a_marker_etcd_did_not_remove_at_the_end_is_removed_once_it_answers(
+    make_unit: Any,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    """Else the group's other servers wait for this one, back in service, up to the
+    marker's bound (an hour): `retry_mark_in`, asked by the daemon once a minute."""
+    unit = make_unit(ORIGINAL_ENV)
+    applier = with_fleet(
+        unit,
+        Recorder(tmp_path / "journal.json"),
+        fleet_for(etcd.url, "box-a", etcd_timeout_s=1),
+        runner=EtcdGoneAfterRestart(unit, etcd),
+    )
+    outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    marker = applier.unremoved_out
+    assert marker is not None
+    assert applier.retry_mark_in() is not None  # etcd still away: kept for the next try
+    assert applier.unremoved_out == marker
+    etcd.start()
+    watcher = fleet_for(etcd.url, "watcher")
+    assert [o.name for o in watcher.busy().out] == ["box-a"]  # held up the group until now
+    assert applier.retry_mark_in() is None
+    assert (applier.unremoved_out, watcher.busy().out) == (None, [])
+    assert applier.retry_mark_in() is None  # nothing left: no etcd call
+
+
+def test_a_marker_past_its_bound_is_not_tried_again(
+    make_unit: Any,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    unit = make_unit(ORIGINAL_ENV)
+    fleet = fleet_for(etcd.url, "box-a", etcd_timeout_s=1)
+    applier = with_fleet(unit, Recorder(tmp_path / "journal.json"), fleet)
+    applier.unremoved_out = fleet.out_marker(time.time() - 60, 5)
+    etcd.stop()
+    applier.unremoved_out = replace(applier.unremoved_out, until=time.time() - 1)
+    assert applier.retry_mark_in() is None  # etcd dropped it by now: no call, no problem
+    assert applier.unremoved_out is None
 
 
 class RevokingRecorder(Recorder):

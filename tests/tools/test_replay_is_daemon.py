@@ -177,6 +177,9 @@ class SimulatedApplier:
     def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
         return None
 
+    def retry_mark_in(self) -> str | None:
+        return None
+
 
 def run_daemon(
     tr: Trace, cfg: Config, initial: int
