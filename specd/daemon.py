@@ -47,6 +47,7 @@ from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits
 from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
 from specd.core.text import iso_time
+from specd.core.units import DAY_S
 from specd.io import files, logs
 from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
@@ -75,7 +76,6 @@ SCRAPE_FAILED_MAX_DISTINCT = 8
 STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
-DAY_S = 86400.0
 # The wall clock moved this much more (or less) than the monotonic clock between two reads:
 # it was stepped (NTP, `date -s`). Slewing moves it by milliseconds a minute.
 CLOCK_STEP_S = 30.0

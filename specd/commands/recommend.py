@@ -34,7 +34,6 @@ from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.state import STATE_FILE, State, read_state, salvage_note
 
-DAY_S = 86400.0
 SAMPLES = Int(1, 1000)
 INTERVAL_S = Seconds(0, 3600)
 

@@ -24,6 +24,7 @@ from specd.core.observation import ScrapeError
 from specd.core.outcome import label
 from specd.core.setting import format_setting, traits_from_server_info
 from specd.core.text import duration_text, iso_time, printable
+from specd.core.units import DAY_S
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
@@ -41,7 +42,6 @@ from specd.io.state import (
     salvage_note,
 )
 
-DAY_S = 86400.0
 # The kernel's table of file locks: who holds the `specd run` lock, read without taking it
 # (a status holding it for a moment would make a daemon starting then refuse to run).
 PROC_LOCKS = Path("/proc/locks")

@@ -26,6 +26,7 @@ from specd.commands.status import daemon, setting_text, when_text
 from specd.core import windows
 from specd.core.history import HistorySettings
 from specd.core.text import iso_time, printable
+from specd.core.units import DAY_S
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import OverrideStatus, read_override
 from specd.io.state import (
@@ -38,7 +39,6 @@ from specd.io.state import (
 
 PERMISSION = (errno.EACCES, errno.EPERM)
 
-DAY_S = 86400.0
 
 _reason = reason_type("say why it is safe to resume: the log keeps it")
 

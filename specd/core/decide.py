@@ -21,7 +21,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
-from specd.core.explore import WEEK_S
 from specd.core.forecast import RHYTHM_SPREAD
 from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
@@ -34,6 +33,7 @@ from specd.core.setting import (
 )
 from specd.core.text import duration_text as _duration
 from specd.core.text import iso_time
+from specd.core.units import DAY_S, WEEK_S
 
 if TYPE_CHECKING:
     from specd.core.choices import Offer
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from specd.core.outcome import Avoided, ChangeSnapshot, Verdict
     from specd.core.override import Override
     from specd.core.settings import Band, Settings
-
-DAY_S = 86400.0
 
 
 class Reason(str, enum.Enum):

@@ -70,12 +70,12 @@ from typing import TYPE_CHECKING
 from specd.core import windows
 from specd.core.model import EVIDENCE_Z, OBSERVED_PIVOT_S
 from specd.core.text import iso_time, utc_time
+from specd.core.units import WEEK_S
 
 if TYPE_CHECKING:
     from specd.core.model import Plan, StepPrediction
     from specd.core.settings import Settings
 
-WEEK_S = 7 * 86400.0
 # A candidate with less (decayed) observation than this counts as never observed on this
 # box: a tenth of what makes observation weigh as much as a calibration point
 # (`specd.core.model.OBSERVED_PIVOT_S`).

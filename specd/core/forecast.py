@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from specd.core.history import HOUR_S, HOURS_PER_WEEK, hour_of_week
+from specd.core.history import HOURS_PER_WEEK, hour_of_week
+from specd.core.units import HOUR_S
 
 if TYPE_CHECKING:
     from specd.core.history import History

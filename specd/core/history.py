@@ -40,14 +40,12 @@ from specd.core.observation import (
 )
 from specd.core.setting import config_key
 from specd.core.text import duration_text
+from specd.core.units import DAY_S, HOUR_S, WEEK_S
 
 if TYPE_CHECKING:
     from specd.core.observation import Observation
     from specd.core.settings import Settings
 
-HOUR_S = 3600.0
-DAY_S = 86400.0
-WEEK_S = 7 * DAY_S
 HOURS_PER_WEEK = 168
 _WEEKEND_FIRST_HOUR = 5 * 24  # Saturday 00:00 in hour-of-week (0 = Monday 00:00 UTC)
 # Hours of the day × (weekday, weekend): the forecast's "same hours, other days".

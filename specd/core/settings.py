@@ -27,11 +27,7 @@ from specd.core import windows as windows_mod
 from specd.core.setting import format_setting
 from specd.core.setting import parse as parse_setting
 from specd.core.text import check_root_url
-
-MINUTE_S = 60.0
-HOUR_S = 3600.0
-DAY_S = 86400.0
-WEEK_S = 7 * DAY_S
+from specd.core.units import DAY_S, HOUR_S, MINUTE_S, WEEK_S
 
 MAX_STEPS_ALLOWED = 16
 MAX_ADAPTIVE_SETS = 16  # each is predicted at every tick

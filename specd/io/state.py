@@ -20,8 +20,9 @@ from typing import Any, TypeGuard, TypeVar
 
 from specd.core import outcome
 from specd.core.decide import Control
-from specd.core.history import DAY_S, History, HistorySettings, check_time
+from specd.core.history import History, HistorySettings, check_time
 from specd.core.observation import MAX_STEPS
+from specd.core.units import DAY_S
 from specd.io import files
 
 T = TypeVar("T")

@@ -47,7 +47,6 @@ from typing import Any
 from specd.core import windows
 from specd.core.adaptive import DEFAULT_SLOTS, AdaptiveModel, Slots
 from specd.core.decide import Control, Reason
-from specd.core.explore import WEEK_S
 from specd.core.forecast import Forecast, forecast_epoch, score
 from specd.core.history import History, HistorySettings
 from specd.core.model import (
@@ -67,9 +66,9 @@ from specd.core.setting import (
     static,
 )
 from specd.core.setting import parse as parse_setting
-from specd.core.settings import DAY_S
 from specd.core.step import StepContext, step
 from specd.core.text import BOM_PROBLEM
+from specd.core.units import DAY_S, WEEK_S
 from specd.io import files
 from specd.io.calibration import read_calibration
 from specd.io.config import Config

@@ -18,7 +18,7 @@ from test_model import HOUR, MONDAY, fill, fresh_history, observation, scaled
 
 from specd.core import explore, windows
 from specd.core.decide import Control, Pick, Reason, choose, decide
-from specd.core.explore import WEEK_S, Exploration
+from specd.core.explore import Exploration
 from specd.core.forecast import Forecast
 from specd.core.history import History
 from specd.core.model import (
@@ -35,6 +35,7 @@ from specd.core.setting import adaptive_config_name, traits_from_server_info
 from specd.core.setting import parse as parse_setting
 from specd.core.settings import Settings
 from specd.core.step import StepContext, StepResult, step
+from specd.core.units import WEEK_S
 
 UTC = timezone.utc
 DAY = 86400.0
