@@ -48,7 +48,7 @@ from specd.install.plan import key_file_problem
 from specd.install.render import template
 from specd.install.sandbox import SANDBOX_PROPERTIES, Sandbox, user_cannot_write
 from specd.install.sglang_args import ARGS_WORD, DEFAULT_PORT, LEGACY_NAMES, find_flags
-from specd.install.unit import live_command, read_unit
+from specd.install.unit import UnitView, live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import (
     ENV_ARGS,
@@ -113,6 +113,24 @@ class Check:
     notes: tuple[str, ...] = ()
     # Not run (``ok`` is False): what it would check is not known.
     skipped: bool = False
+
+
+def restart_policy_note(view: UnitView, poll_s: float) -> str | None:
+    """What an operator should know of the unit's ``Restart=``, or None: systemd starting a
+    failed SGLang again within two of specd's looks while a restart runs (``poll_s``) leaves
+    specd no time to read why its start failed (systemd resets ExecMainStatus= at the next
+    start), so a start systemd itself could not set up reads as SGLang's own death."""
+    if view.restart in ("", "no") or view.restart_sec_s is None:
+        return None
+    if view.restart_sec_s >= 2 * poll_s:
+        return None
+    return (
+        f"{view.unit} starts again {view.restart_sec_s:g} s after it fails "
+        f"(Restart={view.restart}): sooner than specd looks while a restart runs (every "
+        f"{poll_s:g} s), so a start systemd could not set up (status 200-246: cgroup, user, "
+        "working directory) reads as SGLang's death, rolled back and frozen instead of "
+        "aborted; RestartSec=30s (as systemd/examples/sglang.service) leaves time"
+    )
 
 
 class Doctor:
@@ -415,7 +433,12 @@ class Doctor:
                 None,
                 view.environment,
             )
-        return Check("drop-in", True, f"{dropin} is live"), list(command.words), view.environment
+        note = restart_policy_note(view, self.config.restart.health_poll_interval_s)
+        return (
+            Check("drop-in", True, f"{dropin} is live", notes=() if note is None else (note,)),
+            list(command.words),
+            view.environment,
+        )
 
     def _unit_enables_metrics(self) -> bool:
         return self.unit_args is not None and "--enable-metrics" in find_flags(self.unit_args)

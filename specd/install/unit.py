@@ -18,6 +18,7 @@ from specd.install.execline import (
 from specd.install.layout import InstallError, Layout, run_checked
 from specd.io.apply import parse_env
 from specd.io.runner import Runner
+from specd.io.timespan import timespan_s
 
 SHOW_PROPERTIES = (
     "Id",
@@ -28,6 +29,8 @@ SHOW_PROPERTIES = (
     "FragmentPath",
     "DropInPaths",
     "NeedDaemonReload",
+    "Restart",
+    "RestartUSec",
 )
 
 
@@ -54,6 +57,10 @@ class UnitView:
     environment_files: tuple[str, ...] = ()
     # Its files changed on disk since systemd loaded them (an install that stopped midway).
     need_reload: bool = False
+    # Restart= ("no", "on-failure", …; "" not shown) and RestartSec= in seconds (None: not
+    # shown or not a time span).
+    restart: str = ""
+    restart_sec_s: float | None = None
 
 
 def parse_exec_property(value: str) -> ShowExec:
@@ -108,6 +115,8 @@ def parse_show(unit: str, show_text: str, cat_text: str) -> UnitView:
         cat=cat_text,
         environment_files=env_files,
         need_reload=(props.get("NeedDaemonReload") or [""])[-1] == "yes",
+        restart=(props.get("Restart") or [""])[-1],
+        restart_sec_s=timespan_s((props.get("RestartUSec") or [""])[-1]),
     )
 
 

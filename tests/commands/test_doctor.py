@@ -22,7 +22,7 @@ import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
 import specd.io.override as override_io
 from specd import cli
-from specd.commands.doctor import Check, Doctor, _usec, render
+from specd.commands.doctor import Check, Doctor, _usec, render, restart_policy_note
 from specd.core.adaptive import AdaptiveModel
 from specd.core.model import adaptive_slots
 from specd.core.perftable import PerfRow, PerfTable
@@ -30,6 +30,7 @@ from specd.core.setting import parse
 from specd.install.execline import expand_argv
 from specd.install.layout import Layout
 from specd.install.manifest import new_manifest, save_manifest
+from specd.install.unit import UnitView
 from specd.io.apply import static_only_wiring
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
@@ -928,3 +929,32 @@ def test_a_config_for_another_unit_than_installed_says_so_once(tmp_path: Path) -
     assert "unit" not in names
     assert found.installed_unit == "sglang.service"
     assert not any(c.skipped for c in found.run())
+
+
+@pytest.mark.parametrize(
+    ("restart", "restart_sec_s", "poll_s", "noted"),
+    [
+        pytest.param("on-failure", 30.0, 2.0, False, id="the example unit's 30 s"),
+        pytest.param("on-failure", 0.1, 2.0, True, id="systemd's default 100 ms"),
+        pytest.param("always", 3.9, 2.0, True, id="within two looks"),
+        pytest.param("always", 4.0, 2.0, False, id="two looks"),
+        pytest.param("always", 10.0, 10.0, True, id="slower looks need more"),
+        pytest.param("no", 0.1, 2.0, False, id="no Restart="),
+        pytest.param("", 0.1, 2.0, False, id="Restart= not shown"),
+        pytest.param("on-failure", None, 2.0, False, id="RestartSec= unreadable"),
+    ],
+)
+def test_a_unit_that_restarts_before_specd_can_look_is_noted(
+    restart: str, restart_sec_s: float | None, poll_s: float, noted: bool
+) -> None:
+    """systemd resets ExecMainStatus= at the next start: a start it could not set up then
+    reads as SGLang's death (rolled back, frozen) instead of being aborted."""
+    view = UnitView(
+        "sglang.service", "loaded", (), {}, "", (), "", (), False, restart, restart_sec_s
+    )
+    note = restart_policy_note(view, poll_s)
+    assert (note is not None) is noted
+    if note is not None:
+        assert note.startswith(f"{view.unit} starts again {restart_sec_s:g} s after it fails ")
+        assert f"(Restart={restart}): sooner than specd looks" in note
+        assert note.endswith("RestartSec=30s (as systemd/examples/sglang.service) leaves time")

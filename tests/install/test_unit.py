@@ -108,3 +108,25 @@ def test_environment_files_win_over_environment(tmp_path: Path) -> None:
     )
     assert view.environment_files == ("/etc/sglang.env", "/etc/missing.env")
     assert unit_environment(view, layout) == {"PORT": "31001", "KEEP": "1", "EXTRA": "a b"}
+
+
+@pytest.mark.parametrize(
+    ("lines", "restart", "restart_sec_s"),
+    [
+        pytest.param(["Restart=on-failure", "RestartUSec=30s"], "on-failure", 30.0, id="30s"),
+        pytest.param(
+            ["Restart=always", "RestartUSec=100ms"], "always", 0.1, id="systemd's default"
+        ),
+        pytest.param(["Restart=no", "RestartUSec=1min 30s"], "no", 90.0, id="no restart"),
+        pytest.param(["Restart=on-abnormal", "RestartUSec=0"], "on-abnormal", 0.0, id="at once"),
+        pytest.param(["RestartUSec=soon"], "", None, id="not a time span, nor shown"),
+        pytest.param([], "", None, id="an older systemd shows neither"),
+    ],
+)
+def test_restart_policy_as_systemctl_show_prints_it(
+    lines: list[str], restart: str, restart_sec_s: float | None
+) -> None:
+    view = parse_show(
+        UNIT, "\n".join(["LoadState=loaded", show_line(f"{BASE} {SPEC}"), *lines]), ""
+    )
+    assert (view.restart, view.restart_sec_s) == (restart, restart_sec_s)

@@ -199,6 +199,14 @@ def test_install_doctor_window_change_uninstall(sd: Container) -> None:
         failed = [c for c in report["checks"] if not c["ok"]]
         assert not failed, failed
         assert doctor.returncode == 0
+        # Restart=on-failure, RestartSec=1s as systemd shows them: within two of specd's
+        # looks (every 2 s), said beside the passing check.
+        notes = {c["name"]: c["notes"] for c in report["checks"]}["drop-in"]
+        assert len(notes) == 1, notes
+        assert notes[0].startswith(
+            f"{SGLANG_UNIT} starts again 1 s after it fails (Restart=on-failure): sooner than "
+            "specd looks while a restart runs (every 2 s)"
+        ), notes
 
         sd.wait_for(lambda: live_steps(sd) == 4, timeout=60, interval=0.5, what="steps 4")
         assert float(sd.sh("date", "+%s.%N").stdout) >= opens_at  # in the window, not before
