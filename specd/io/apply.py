@@ -1556,15 +1556,9 @@ class Applier:
                 self._leave_if_shutting_down()
             # An SGLang that crashed while loading (out of memory with more draft tokens)
             # will not get healthy: no need to wait out a startup timeout of minutes.
-            failed = self._start_failed(before)
-            if isinstance(failed, _Health):
-                return failed
+            failed = self._start_failed(before, status)
             if failed is not None:
-                return _Health(
-                    False,
-                    f"{self.sglang.unit} failed while starting "
-                    f"({failed}last /health_generate: {status.name})",
-                )
+                return failed
             left = deadline - self._mono()
             if left <= 0:
                 return _Health(
@@ -1681,17 +1675,25 @@ class Applier:
         """Why the unit can be given static step counts only (`read_static_only`)."""
         return read_static_only(self.runner, self.sglang.unit)
 
-    def _start_failed(self, before: UnitState | None) -> str | _Health | None:
-        """Why systemd says the unit's start failed ("" when it only says "failed"; the
-        unhealthy verdict itself where systemd's own setup of the process failed), or None:
-        any doubt means keep waiting. Under Restart= a start that dies never leaves the
-        unit failed: it is "activating" again and again (SubState auto-restart between
-        starts, NRestarts one more each time)."""
+    def _start_failed(self, before: UnitState | None, last: HealthStatus) -> _Health | None:
+        """The unhealthy verdict where systemd says the unit's start failed (``last``: the
+        last /health_generate answer, for the message), or None: any doubt means keep
+        waiting. Under Restart= a start that dies never leaves the unit failed: it is
+        "activating" again and again (SubState auto-restart between starts, NRestarts one
+        more each time)."""
+
+        def died(detail: str) -> _Health:
+            return _Health(
+                False,
+                f"{self.sglang.unit} failed while starting "
+                f"({detail}last /health_generate: {last.name})",
+            )
+
         now = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
         if now is None:
             # systemd cannot say more (or a stand-in does not): is-active alone.
             result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
-            return "" if result.stdout.strip() == "failed" else None
+            return died("") if result.stdout.strip() == "failed" else None
         restarted = (
             0
             if before is None or before.restarts is None or now.restarts is None
@@ -1708,15 +1710,15 @@ class Applier:
             # systemd 252 keeps the crash's Result= (exit-code) when its start limit stops
             # Restart=: that the unit was restarted before it ended failed is the sign.
             if restarted > 0:
-                return (
+                return died(
                     f"it died, Restart= started it again {restarted}x, then gave up "
                     "(the unit's start limit); "
                 )
-            return ""
+            return died("")
         if restarted > 0:
-            return f"it died, and Restart= started it again {restarted}x; "
+            return died(f"it died, and Restart= started it again {restarted}x; ")
         if now.sub == "auto-restart":
-            return "it died, and Restart= starts it again; "
+            return died("it died, and Restart= starts it again; ")
         return None
 
     def _probe_timeout(self, deadline: float | None) -> float:
