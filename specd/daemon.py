@@ -847,9 +847,7 @@ class Daemon:
         if tried_at is not None and 0 <= now - tried_at < IDLE_PROBE_S:
             return
         self._mark_in_tried_at = now
-        problem = self.applier.retry_mark_in()
-        if problem is not None:
-            self.log.warning("fleet_marked_in", detail=problem)
+        self.applier.retry_mark_in()  # logged there, as at a sequence's end
 
     def _probe_gateway(self, now: float, override: Override | None) -> str | None:
         """Can the gateway drain this server? Asked every tick while specd may restart (a

@@ -2199,20 +2199,28 @@ class Applier:
         if marker is None:
             return
         if self.fleet is None:
-            problem: str | None = (
+            message = (
                 "an out-of-service marker in the journal but no [fleet] configured: it frees "
                 f"itself by {utc_time(marker.until)} at the latest"
             )
+            self.log.warning("fleet_marked_in", group=marker.group, detail=message)
         else:
-            problem = self.fleet.mark_in(marker)
-            self.unremoved_out = marker if problem is not None else None
-        message = problem or f"marked back in service in fleet group {marker.group}"
-        log = self.log.warning if problem else self.log.info
-        log("fleet_marked_in", group=marker.group, detail=message)
+            message = self._remove_marker(marker)
         if journal is not None and journal.fleet_out is not None:
             journal.fleet_out_removed = True
             journal.note(message)
             self._persist(journal)
+
+    def _remove_marker(self, marker: OutMarker) -> str:
+        """Revoke ``marker``; one etcd does not take stays in ``unremoved_out`` for
+        `retry_mark_in`. What happened, as logged."""
+        assert self.fleet is not None
+        problem = self.fleet.mark_in(marker)
+        self.unremoved_out = None if problem is None else marker
+        message = problem or f"marked back in service in fleet group {marker.group}"
+        log = self.log.warning if problem else self.log.info
+        log("fleet_marked_in", group=marker.group, detail=message)
+        return message
 
     def retry_mark_in(self) -> str | None:
         """One more try to remove the marker a sequence's end could not (``unremoved_out``):
@@ -2225,15 +2233,8 @@ class Applier:
         if self._clock() >= marker.until:
             self.unremoved_out = None
             return None
-        problem = self.fleet.mark_in(marker)
-        if problem is None:
-            self.unremoved_out = None
-            self.log.info(
-                "fleet_marked_in",
-                group=marker.group,
-                detail=f"marked back in service in fleet group {marker.group} (a later try)",
-            )
-        return problem
+        message = self._remove_marker(marker)
+        return None if self.unremoved_out is None else message
 
     def _release_slot(self, journal: Journal | None, *, keep_out: bool = False) -> None:
         """Give the slot back (stop renewing, revoke the lease); idempotent. A release etcd
