@@ -144,7 +144,7 @@ class RestartApplier(Protocol):
 
     def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None: ...
 
-    def retry_mark_in(self) -> str | None: ...
+    def retry_mark_in(self, *, serving: bool = False) -> str | None: ...
 
 
 @dataclass
@@ -766,7 +766,7 @@ class Daemon:
         calibration, calibration_problem = self.calibration.current()
         self._report_calibration(calibration, calibration_problem)
         self._readd_left_out(now, result)
-        self._retry_mark_in(now)
+        self._retry_mark_in(now, result)
         gateway_problem = self._probe_gateway(now, override)
         context = StepContext(
             config=self.config,
@@ -837,17 +837,20 @@ class Daemon:
             "left_out": {**kept, "tried_at": now, "problem": problem},
         }
 
-    def _retry_mark_in(self, now: float) -> None:
-        """Remove the out-of-service marker a sequence's end could not (etcd away then): at
-        most once a minute until etcd takes it or its bound passes, so the other servers of
-        the group do not wait for this one, back in service, up to that bound."""
+    def _retry_mark_in(self, now: float, result: Observation | ScrapeError) -> None:
+        """Remove the out-of-service marker a sequence's end could not (etcd away then), or
+        one an earlier run of specd left (looked for once SGLang answers and no restart is
+        pending): at most once a minute until etcd takes it or its bound passes, so the
+        other servers of the group do not wait for this one, back in service, up to that
+        bound."""
         if self.fleet is None:
             return
         tried_at = self._mark_in_tried_at
         if tried_at is not None and 0 <= now - tried_at < IDLE_PROBE_S:
             return
         self._mark_in_tried_at = now
-        self.applier.retry_mark_in()  # logged there, as at a sequence's end
+        serving = isinstance(result, Observation) and not self.state.journal
+        self.applier.retry_mark_in(serving=serving)  # logged there, as at a sequence's end
 
     def _probe_gateway(self, now: float, override: Override | None) -> str | None:
         """Can the gateway drain this server? Asked every tick while specd may restart (a

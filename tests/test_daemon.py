@@ -123,7 +123,7 @@ class Applier:
     def readd_left_out(self, drained: list[dict[str, Any]]) -> str | None:
         return None
 
-    def retry_mark_in(self) -> str | None:
+    def retry_mark_in(self, *, serving: bool = False) -> str | None:
         return None
 
 

@@ -13,6 +13,7 @@ from factories import EtcdProcess
 from test_daemon import IN_WINDOW, Applier, Reader, config, daemon, obs
 
 from specd.core.decide import Reason
+from specd.core.observation import Observation, ScrapeError
 from specd.daemon import Daemon
 from specd.io.fleet import Fleet, Slot
 
@@ -130,9 +131,11 @@ class UnremovedMarker(Applier):
         self.clock = clock
         self.failures = failures
         self.tries: list[float] = []
+        self.serving: list[bool] = []
 
-    def retry_mark_in(self) -> str | None:
+    def retry_mark_in(self, *, serving: bool = False) -> str | None:
         self.tries.append(self.clock[0])
+        self.serving.append(serving)
         if len(self.tries) <= self.failures:
             return "removing the out-of-service marker failed (etcd away)"
         return None
@@ -160,3 +163,27 @@ def test_a_marker_left_in_etcd_is_tried_again_once_a_minute(
         clock[0] = IN_WINDOW + t
         d.tick()
     assert [t - IN_WINDOW for t in applier.tries] == tries_s
+
+
+def test_a_marker_an_earlier_run_left_is_looked_for_only_while_sglang_serves(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """Not while SGLang does not answer (it may be out for a restart of someone else's) nor
+    while a restart of specd's is pending (its marker is that sequence's)."""
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    clock = [IN_WINDOW]
+    applier = UnremovedMarker(clock, failures=5)
+    results: list[Observation | ScrapeError] = [
+        ScrapeError("refused", "connection refused", IN_WINDOW),
+        obs(IN_WINDOW + 60, steps=4),
+        obs(IN_WINDOW + 120, steps=4),
+        obs(IN_WINDOW + 180, steps=4),
+    ]
+    d = daemon(cfg, Reader(results), applier, clock)
+    applier.fleet = d._make_fleet(cfg)  # type: ignore[attr-defined]
+    for t in (0, 60, 120, 180):
+        clock[0] = IN_WINDOW + t
+        # A sequence left for the next boot: its journal is kept in the state.
+        d.state.journal = {"phase": "restarting", "from": 3, "to": 4} if t == 120 else None
+        d.tick()
+    assert applier.serving == [False, True, False, True]

@@ -132,6 +132,34 @@ def test_sigkill_mid_restart_keeps_the_server_counted_until_the_next_start_heals
     assert other.busy().out == []
 
 
+def test_a_marker_an_earlier_run_left_is_removed_at_the_next_start(
+    tmp_path: Path,
+    specd_setup: tuple[StandIn, Path, int],  # noqa: F811
+    etcd: EtcdProcess,
+) -> None:
+    """A specd restarted after etcd refused its marker's removal no longer remembers it: the
+    group's other servers waited for this one, serving, up to the marker's bound (an hour)."""
+    standin, config_path, metrics_port = specd_setup
+    fleet_keys = {"etcd_endpoints": [etcd.url], "group": "g", "holder_name": HOLDER}
+    write_config(config_path, tmp_path, standin.port, metrics_port, **fleet_keys)
+    earlier = Fleet(FleetSettings(**fleet_keys), HOLDER)
+    earlier.mark_out(earlier.out_marker(time.time() - 300, 3600))
+    other = Fleet(FleetSettings(**{**fleet_keys, "holder_name": None}), "box-b " + UNIT)
+    assert [o.name for o in other.busy().out] == [HOLDER]
+    log = tmp_path / "specd.log"
+    proc = start_specd(config_path, daemon_env(standin), log)
+    try:
+        wait_for(lambda: other.busy().out == [] or proc.poll() is not None, 20, "removed")
+        assert proc.poll() is None, log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0, log.read_text()
+    assert other.probe() is None  # the other server may go
+    (removed,) = [e for e in log_events(log) if e.get("event") == "fleet_marked_in"]
+    assert "removed the out-of-service marker an earlier run of specd left" in removed["detail"]
+    assert standin.restarts == [3]  # its start only: no restart
+
+
 def test_three_specds_whose_pins_act_together_restart_one_at_a_time(
     tmp_path: Path, etcd: EtcdProcess
 ) -> None:

@@ -840,6 +840,10 @@ class Applier:
         # A marker a sequence's end could not remove (etcd away then): tried again by
         # `retry_mark_in` between sequences, so the group is not held up to its bound.
         self.unremoved_out: OutMarker | None = None
+        # Whether etcd was asked once for a marker of this server that no sequence of this
+        # run holds (a run before it ended before it could remove it): `retry_mark_in`.
+        self.stale_out_checked = False
+        self._stale_out_logged = False
         self.out_bound_s = out_of_service_bound_s(restart, gateway, verify_attempts)
         self.gateway_settings = gateway
         self.gateway: GatewayClient | None = None
@@ -2222,19 +2226,50 @@ class Applier:
         log("fleet_marked_in", group=marker.group, detail=message)
         return message
 
-    def retry_mark_in(self) -> str | None:
+    def retry_mark_in(self, *, serving: bool = False) -> str | None:
         """One more try to remove the marker a sequence's end could not (``unremoved_out``):
         while it lives the other servers of the group wait for it. None once removed, or
         once its bound passed (etcd dropped it then); else the problem. One etcd call, bounded
-        by its timeout."""
+        by its timeout.
+
+        With ``serving`` (no sequence pending, SGLang answers), also once per run of specd:
+        a marker of this server in etcd is one an earlier run could not remove (etcd away at
+        its end, and specd restarted since, which forgot it): removed, else the group waits
+        for this server, serving, up to the marker's bound. A marker with no lease was put
+        by hand and is left to whoever put it."""
         marker = self.unremoved_out
-        if marker is None or self.fleet is None:
+        if self.fleet is None:
             return None
+        if marker is None:
+            return self._remove_stale_out() if serving and not self.stale_out_checked else None
         if self._clock() >= marker.until:
             self.unremoved_out = None
             return None
         message = self._remove_marker(marker)
         return None if self.unremoved_out is None else message
+
+    def _remove_stale_out(self) -> str | None:
+        assert self.fleet is not None
+        try:
+            found = self.fleet.own_out()
+            if found is not None and found.lease > 0:
+                self.fleet.remove_out(found)
+        except FleetUnavailable as exc:
+            message = f"cannot look for an out-of-service marker an earlier run left: {exc}"
+            if not self._stale_out_logged:  # once, not every minute of an etcd outage
+                self.log.warning("fleet_marked_in", group=self.fleet.group, detail=message)
+                self._stale_out_logged = True
+            return message
+        self.stale_out_checked = True
+        if found is not None and found.lease > 0:
+            since = "" if found.since is None else f" (out since {utc_time(found.since)})"
+            self.log.warning(
+                "fleet_marked_in",
+                group=self.fleet.group,
+                detail=f"removed the out-of-service marker an earlier run of specd left{since}: "
+                "this server serves and no restart of it is pending",
+            )
+        return None
 
     def _release_slot(self, journal: Journal | None, *, keep_out: bool = False) -> None:
         """Give the slot back (stop renewing, revoke the lease); idempotent. A release etcd

@@ -716,6 +716,16 @@ class Fleet:
             )
         return None
 
+    def own_out(self) -> OutOfService | None:
+        """This server's out-of-service marker as etcd holds it (one request), or None.
+        Raises FleetUnavailable."""
+        return next((o for o in self.busy().out if o.name == self.holder), None)
+
+    def remove_out(self, out: OutOfService) -> None:
+        """Revoke the lease of a marker read from etcd (etcd deletes the key). Raises
+        FleetUnavailable."""
+        self.etcd.revoke(out.lease)
+
     def _revoke_quietly(self, lease: int) -> None:
         with contextlib.suppress(FleetUnavailable):  # an unused lease expires in one TTL
             self.etcd.revoke(lease)

@@ -183,6 +183,58 @@ def test_a_marker_etcd_did_not_remove_at_the_end_is_removed_once_it_answers(
     assert applier.retry_mark_in() is None  # nothing left: no etcd call
 
 
+def test_a_marker_an_earlier_run_left_is_removed_once_this_server_serves(
+    make_unit: Any,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    """A specd restarted after its sequence's end could not remove the marker forgets it:
+    its next run looks in etcd once, when SGLang answers and no restart is pending, and
+    removes a leased marker of its own name; not another server's, nor one put by hand."""
+    unit = make_unit(ORIGINAL_ENV)
+    first = with_fleet(
+        unit,
+        Recorder(tmp_path / "journal.json"),
+        fleet_for(etcd.url, "box-a", etcd_timeout_s=1),
+        runner=EtcdGoneAfterRestart(unit, etcd),
+    )
+    assert first.apply(4, 3, window_open=always_open).result == "success"
+    assert first.unremoved_out is not None  # and then specd restarts: forgotten
+    fleet = fleet_for(etcd.url, "box-a", etcd_timeout_s=1)
+    rerun = with_fleet(unit, Recorder(tmp_path / "journal2.json"), fleet)
+    problem = rerun.retry_mark_in(serving=True)  # etcd still away: looked for again later
+    assert problem is not None
+    assert "cannot look for an out-of-service marker an earlier run left" in problem
+    assert not rerun.stale_out_checked
+    etcd.start()
+    watcher = fleet_for(etcd.url, "watcher")
+    other = fleet_for(etcd.url, "box-b")
+    other.mark_out(other.out_marker(time.time(), 600))
+    assert [o.name for o in watcher.busy().out] == ["box-a", "box-b"]
+    assert rerun.retry_mark_in() is None  # not serving, or a restart pending: left
+    assert [o.name for o in watcher.busy().out] == ["box-a", "box-b"]
+    assert rerun.retry_mark_in(serving=True) is None
+    assert [o.name for o in watcher.busy().out] == ["box-b"]
+    assert rerun.stale_out_checked
+    # Once a run: from here on its own sequences remove their markers.
+    fleet.mark_out(fleet.out_marker(time.time(), 600))
+    assert rerun.retry_mark_in(serving=True) is None
+    assert [o.name for o in watcher.busy().out] == ["box-a", "box-b"]
+
+
+def test_a_marker_put_by_hand_is_left_to_whoever_put_it(
+    make_unit: Any,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    fleet = fleet_for(etcd.url, "box-a")
+    fleet.etcd.put("/specd/g/out/box-a", '{"holder": "box-a"}', 0)
+    applier = with_fleet(make_unit(ORIGINAL_ENV), Recorder(tmp_path / "journal.json"), fleet)
+    assert applier.retry_mark_in(serving=True) is None
+    assert applier.stale_out_checked
+    assert [(o.name, o.lease) for o in fleet.busy().out] == [("box-a", 0)]
+
+
 def test_a_marker_past_its_bound_is_not_tried_again(
     make_unit: Any,  # noqa: F811
     tmp_path: Path,
