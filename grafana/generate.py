@@ -971,15 +971,19 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
     """[fleet]: the etcd slots servers of a group restart in turn with (empty without one)."""
     held = (
         ts(
-            "Fleet slot held",
-            "1 while this host's specd holds one of its group's restart slots in etcd: at "
-            "most `slots` hosts of a group at once. SpecdFleetSlotHeldTooLong fires after "
-            "an hour.",
+            "Fleet slot held, server marked out",
+            "slot: 1 while this host's specd holds one of its group's restart slots in etcd: "
+            "at most `slots` hosts of a group at once. SpecdFleetSlotHeldTooLong fires after "
+            "an hour. out: 1 while this server's out-of-service marker is in etcd (from the "
+            "drain, or the restart, until it serves again): the group counts it even "
+            "without a slot. Between restarts it is one etcd refused to remove: "
+            "SpecdFleetMarkerLeftBehind fires after 10 minutes.",
             "none",
         )
         .min(0)
         .max(1)
-        .with_target(q(f"specd_fleet_slot_held{{{INST}}}", "{{instance}}"))
+        .with_target(q(f"specd_fleet_slot_held{{{INST}}}", "slot {{instance}}", "A"))
+        .with_target(q(f"specd_fleet_marked_out{{{INST}}}", "out {{instance}}", "B"))
     )
     taken = time_ago(
         "Fleet slot taken",

@@ -316,6 +316,7 @@ class Daemon:
             error=lambda kind: m.fleet_etcd_errors.labels(kind=kind).inc(),
             held=lambda slot: m.set_fleet_slot(None if slot is None else slot.taken_at),
             waited=m.fleet_slot_wait.observe,
+            out=lambda marked: m.fleet_marked_out.set(1 if marked else 0),
             beat=self._heartbeat,
         )
         return Fleet.from_settings(config.fleet, config.sglang.unit, hooks, clock=self.clock)

@@ -122,6 +122,24 @@ def test_the_slot_held_says_since_when_also_after_a_restart_of_specd(
     assert math.isnan(released)
 
 
+def test_the_marker_gauge_follows_the_marker_in_etcd(tmp_path: Path, etcd: EtcdProcess) -> None:
+    """specd_fleet_marked_out (SpecdFleetMarkerLeftBehind): 1 from the put to the removal."""
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=4)]), Applier(), [IN_WINDOW])
+    assert sample(d, "specd_fleet_marked_out") == 0
+    fleet = d._make_fleet(cfg)
+    assert fleet is not None
+    try:
+        marker = fleet.out_marker(IN_WINDOW, 600)
+        assert sample(d, "specd_fleet_marked_out") == 0  # a lease only: nothing counts yet
+        fleet.mark_out(marker)
+        assert sample(d, "specd_fleet_marked_out") == 1
+        assert fleet.mark_in(marker) is None
+        assert sample(d, "specd_fleet_marked_out") == 0
+    finally:
+        fleet.close()
+
+
 class UnremovedMarker(Applier):
     """An applier whose last sequence's end could not remove its out-of-service marker:
     `retry_mark_in` fails ``failures`` times, then succeeds; each try's tick time kept."""

@@ -2188,7 +2188,7 @@ class Applier:
             self._persist(journal)
             return
         self._out = marker
-        self.fleet.mark_in(old)  # its key moved to the new lease: this revokes nothing else
+        self.fleet.moved_off(old)
         journal.note(f"still out of service: marked again for at most {marker.ttl_s} s")
         self._persist(journal)
 
@@ -2244,6 +2244,7 @@ class Applier:
             return self._remove_stale_out() if serving and not self.stale_out_checked else None
         if self._clock() >= marker.until:
             self.unremoved_out = None
+            self.fleet.out_expired()
             return None
         message = self._remove_marker(marker)
         return None if self.unremoved_out is None else message

@@ -497,6 +497,9 @@ class FleetHooks:
     # once it gave the slot back.
     held: Callable[[Slot | None], None] = field(default=lambda slot: None)
     waited: Callable[[float], None] = field(default=lambda seconds: None)
+    # True once this server's out-of-service marker is in etcd, False once it is gone
+    # (removed, or past its bound).
+    out: Callable[[bool], None] = field(default=lambda marked: None)
     # The daemon loop's heartbeat, called around etcd requests made by the loop's own
     # thread (never by the lease keeper's: the watchdog must see the loop stuck).
     beat: Callable[[], None] = field(default=lambda: None)
@@ -703,6 +706,7 @@ class Fleet:
         except FleetUnavailable:
             self._revoke_quietly(marker.lease)
             raise
+        self.hooks.out(True)
 
     def mark_in(self, marker: OutMarker) -> str | None:
         """This server serves again: revoke the marker's lease (etcd deletes the key). A
@@ -714,17 +718,31 @@ class Fleet:
                 f"removing the out-of-service marker failed ({exc}); it frees itself by "
                 f"{utc_time(marker.until)} at the latest"
             )
+        self.hooks.out(False)
         return None
+
+    def moved_off(self, marker: OutMarker) -> None:
+        """Revoke the lease ``marker``'s key moved off (`mark_out` put it under another):
+        the marker stays. Best effort: an unused lease expires at its TTL."""
+        self._revoke_quietly(marker.lease)
+
+    def out_expired(self) -> None:
+        """This server's marker is past its bound: etcd dropped it."""
+        self.hooks.out(False)
 
     def own_out(self) -> OutOfService | None:
         """This server's out-of-service marker as etcd holds it (one request), or None.
         Raises FleetUnavailable."""
-        return next((o for o in self.busy().out if o.name == self.holder), None)
+        found = next((o for o in self.busy().out if o.name == self.holder), None)
+        if found is not None and found.lease > 0:  # one specd put (a hand-put key has none)
+            self.hooks.out(True)
+        return found
 
     def remove_out(self, out: OutOfService) -> None:
         """Revoke the lease of a marker read from etcd (etcd deletes the key). Raises
         FleetUnavailable."""
         self.etcd.revoke(out.lease)
+        self.hooks.out(False)
 
     def _revoke_quietly(self, lease: int) -> None:
         with contextlib.suppress(FleetUnavailable):  # an unused lease expires in one TTL

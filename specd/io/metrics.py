@@ -352,6 +352,13 @@ class Metrics:
             "restart of specd); NaN while it holds none.",
             registry=r,
         )
+        self.fleet_marked_out = Gauge(
+            "specd_fleet_marked_out",
+            "1 while this server's out-of-service marker is in its [fleet] group's etcd, as far "
+            "as this specd knows: from before a restart takes the server out until it serves "
+            "again (or the marker's bound passes); the group's other servers count it.",
+            registry=r,
+        )
         self.fleet_etcd_errors = Counter(
             "specd_fleet_etcd_errors_total",
             "Failed etcd calls of the [fleet] semaphore, by kind (connect, timeout, http, "

@@ -27,7 +27,7 @@ from test_apply import (
 
 from specd.core.settings import FleetSettings, GatewaySettings, RestartSettings
 from specd.io.apply import Applier, out_of_service_bound_s, restart_argv
-from specd.io.fleet import Fleet, Slot
+from specd.io.fleet import Fleet, FleetHooks, Slot
 from specd.io.runner import RunResult
 
 TTL_S = 5
@@ -35,7 +35,7 @@ TTL_S = 5
 etcd, etcd_server = module_etcd, module_etcd_server
 
 
-def fleet_for(url: str, name: str, **fields: Any) -> Fleet:
+def fleet_for(url: str, name: str, hooks: FleetHooks | None = None, **fields: Any) -> Fleet:
     settings: dict[str, Any] = {
         "etcd_endpoints": [url],
         "group": "g",
@@ -44,7 +44,7 @@ def fleet_for(url: str, name: str, **fields: Any) -> Fleet:
         "slot_poll_interval_s": 0.05,
         "slot_wait_max_s": 60,
     }
-    return Fleet(FleetSettings(**{**settings, **fields}), name)
+    return Fleet(FleetSettings(**{**settings, **fields}), name, hooks=hooks)
 
 
 def with_fleet(
@@ -163,10 +163,11 @@ def test_a_marker_etcd_did_not_remove_at_the_end_is_removed_once_it_answers(
     """Else the group's other servers wait for this one, back in service, up to the
     marker's bound (an hour): `retry_mark_in`, asked by the daemon once a minute."""
     unit = make_unit(ORIGINAL_ENV)
+    marked: list[bool] = []  # what specd_fleet_marked_out follows
     applier = with_fleet(
         unit,
         Recorder(tmp_path / "journal.json"),
-        fleet_for(etcd.url, "box-a", etcd_timeout_s=1),
+        fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append), etcd_timeout_s=1),
         runner=EtcdGoneAfterRestart(unit, etcd),
     )
     outcome = applier.apply(4, 3, window_open=always_open)
@@ -175,11 +176,13 @@ def test_a_marker_etcd_did_not_remove_at_the_end_is_removed_once_it_answers(
     assert marker is not None
     assert applier.retry_mark_in() is not None  # etcd still away: kept for the next try
     assert applier.unremoved_out == marker
+    assert marked == [True]
     etcd.start()
     watcher = fleet_for(etcd.url, "watcher")
     assert [o.name for o in watcher.busy().out] == ["box-a"]  # held up the group until now
     assert applier.retry_mark_in() is None
     assert (applier.unremoved_out, watcher.busy().out) == (None, [])
+    assert marked == [True, False]
     assert applier.retry_mark_in() is None  # nothing left: no etcd call
 
 
@@ -200,7 +203,8 @@ def test_a_marker_an_earlier_run_left_is_removed_once_this_server_serves(
     )
     assert first.apply(4, 3, window_open=always_open).result == "success"
     assert first.unremoved_out is not None  # and then specd restarts: forgotten
-    fleet = fleet_for(etcd.url, "box-a", etcd_timeout_s=1)
+    marked: list[bool] = []
+    fleet = fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append), etcd_timeout_s=1)
     rerun = with_fleet(unit, Recorder(tmp_path / "journal2.json"), fleet)
     problem = rerun.retry_mark_in(serving=True)  # etcd still away: looked for again later
     assert problem is not None
@@ -216,6 +220,7 @@ def test_a_marker_an_earlier_run_left_is_removed_once_this_server_serves(
     assert rerun.retry_mark_in(serving=True) is None
     assert [o.name for o in watcher.busy().out] == ["box-b"]
     assert rerun.stale_out_checked
+    assert marked == [True, False]  # found, then removed
     # Once a run: from here on its own sequences remove their markers.
     fleet.mark_out(fleet.out_marker(time.time(), 600))
     assert rerun.retry_mark_in(serving=True) is None
@@ -227,12 +232,14 @@ def test_a_marker_put_by_hand_is_left_to_whoever_put_it(
     tmp_path: Path,
     etcd: EtcdProcess,
 ) -> None:
-    fleet = fleet_for(etcd.url, "box-a")
+    marked: list[bool] = []
+    fleet = fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append))
     fleet.etcd.put("/specd/g/out/box-a", '{"holder": "box-a"}', 0)
     applier = with_fleet(make_unit(ORIGINAL_ENV), Recorder(tmp_path / "journal.json"), fleet)
     assert applier.retry_mark_in(serving=True) is None
     assert applier.stale_out_checked
     assert [(o.name, o.lease) for o in fleet.busy().out] == [("box-a", 0)]
+    assert marked == []  # not specd's: SpecdFleetMarkerLeftBehind is not for it
 
 
 def test_a_marker_past_its_bound_is_not_tried_again(
@@ -241,13 +248,15 @@ def test_a_marker_past_its_bound_is_not_tried_again(
     etcd: EtcdProcess,
 ) -> None:
     unit = make_unit(ORIGINAL_ENV)
-    fleet = fleet_for(etcd.url, "box-a", etcd_timeout_s=1)
+    marked: list[bool] = []
+    fleet = fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append), etcd_timeout_s=1)
     applier = with_fleet(unit, Recorder(tmp_path / "journal.json"), fleet)
     applier.unremoved_out = fleet.out_marker(time.time() - 60, 5)
     etcd.stop()
     applier.unremoved_out = replace(applier.unremoved_out, until=time.time() - 1)
     assert applier.retry_mark_in() is None  # etcd dropped it by now: no call, no problem
     assert applier.unremoved_out is None
+    assert marked == [False]  # gone, as far as this specd knows
 
 
 class RevokingRecorder(Recorder):
@@ -412,10 +421,15 @@ def test_a_specd_killed_mid_restart_keeps_its_server_counted_until_the_heal(
         assert probe.endswith("slot 0 held by box-a")
 
     after = HealWatch(tmp_path / "state2.json", fleet_for(etcd.url, "watcher"))
-    healer = with_fleet(unit, after, fleet_for(etcd.url, "box-a", lease_ttl_s=ttl_s))
+    marked: list[bool] = []
+    healer = with_fleet(
+        unit, after, fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append), lease_ttl_s=ttl_s)
+    )
     outcome = healer.reconcile(journal)
     assert outcome is not None
     assert outcome.result == "success", outcome.message
+    # Marked again under a fresh lease (the old one revoked: the marker stays), then removed.
+    assert marked == [True, False]
     assert unit.restarts == [4]  # healed without a second restart
     # box-b never held the slot while box-a was out: at no write of the heal before its end.
     assert after.holders_while_out
