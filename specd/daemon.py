@@ -767,8 +767,9 @@ class Daemon:
         calibration, calibration_problem = self.calibration.current()
         self._report_calibration(calibration, calibration_problem)
         self._readd_left_out(now, result)
-        self._retry_mark_in(now, result)
         gateway_problem = self._probe_gateway(now, override)
+        # After the probe: a worker it finds routed again is no longer left out.
+        self._retry_mark_in(now, result)
         context = StepContext(
             config=self.config,
             history=self.state.history,
@@ -840,17 +841,20 @@ class Daemon:
 
     def _retry_mark_in(self, now: float, result: Observation | ScrapeError) -> None:
         """Remove the out-of-service marker a sequence's end could not (etcd away then), or
-        one an earlier run of specd left (looked for once SGLang answers and no restart is
-        pending): at most once a minute until etcd takes it or its bound passes, so the
-        other servers of the group do not wait for this one, back in service, up to that
-        bound."""
+        one an earlier run of specd left, or one kept while a gateway replica left the
+        worker out (looked for once SGLang answers, no restart is pending and no replica
+        leaves it out): at most once a minute until etcd takes it or its bound passes, so
+        the other servers of the group do not wait for this one, back in service, up to
+        that bound."""
         if self.fleet is None:
             return
         tried_at = self._mark_in_tried_at
         if tried_at is not None and 0 <= now - tried_at < IDLE_PROBE_S:
             return
         self._mark_in_tried_at = now
-        serving = isinstance(result, Observation) and not self.state.journal
+        # Without a gateway (a reload removed it) no replica leaves the worker out.
+        left_out = self.gateway is not None and (self.state.gateway or {}).get("left_out")
+        serving = isinstance(result, Observation) and not self.state.journal and not left_out
         self.applier.retry_mark_in(serving=serving)  # logged there, as at a sequence's end
 
     def _probe_gateway(self, now: float, override: Override | None) -> str | None:

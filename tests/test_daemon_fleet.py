@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from factories import EtcdProcess
@@ -16,6 +17,7 @@ from specd.core.decide import Reason
 from specd.core.observation import Observation, ScrapeError
 from specd.daemon import Daemon
 from specd.io.fleet import Fleet, Slot
+from specd.twin.process import free_port
 
 
 def sample(d: Daemon, name: str, **labels: str) -> float | None:
@@ -205,3 +207,32 @@ def test_a_marker_an_earlier_run_left_is_looked_for_only_while_sglang_serves(
         d.state.journal = {"phase": "restarting", "from": 3, "to": 4} if t == 120 else None
         d.tick()
     assert applier.serving == [False, True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("gateway", "serving"),
+    [
+        pytest.param(True, [False, True], id="a-replica-leaves-the-worker-out-then-routes-it"),
+        # A reload removed the gateway: no replica left to leave the worker out.
+        pytest.param(False, [True, True], id="no-gateway-configured"),
+    ],
+)
+def test_a_marker_kept_while_a_replica_leaves_the_worker_out_waits_for_it(
+    tmp_path: Path, etcd: EtcdProcess, gateway: bool, serving: list[bool]
+) -> None:
+    fields: dict[str, Any] = {"etcd_endpoints": [etcd.url], "group": "g", "etcd_timeout_s": 1}
+    if gateway:  # nothing listens there: the worker stays left out as far as specd knows
+        fields |= {"urls": [f"http://127.0.0.1:{free_port()}"], "request_timeout_s": 1.0}
+    cfg = config(tmp_path, **fields)
+    clock = [IN_WINDOW]
+    applier = UnremovedMarker(clock, failures=0)
+    results: list[Observation | ScrapeError] = [obs(IN_WINDOW, 4), obs(IN_WINDOW + 60, 4)]
+    d = daemon(cfg, Reader(results), applier, clock)
+    applier.fleet = d._make_fleet(cfg)  # type: ignore[attr-defined]
+    worker = {"gateway_url": "http://127.0.0.1:1", "worker_id": "w", "url": "http://x"}
+    for t in (0, 60):
+        clock[0] = IN_WINDOW + t
+        left_out = {"t": IN_WINDOW, "workers": [worker], "tried_at": IN_WINDOW, "problem": "away"}
+        d.state.gateway = {"left_out": left_out} if t == 0 else {}
+        d.tick()
+    assert applier.serving == serving

@@ -156,7 +156,7 @@ def test_a_marker_an_earlier_run_left_is_removed_at_the_next_start(
         assert proc.wait(timeout=40) == 0, log.read_text()
     assert other.probe() is None  # the other server may go
     (removed,) = [e for e in log_events(log) if e.get("event") == "fleet_marked_in"]
-    assert "removed the out-of-service marker an earlier run of specd left" in removed["detail"]
+    assert "removed this server's out-of-service marker" in removed["detail"]
     assert standin.restarts == [3]  # its start only: no restart
 
 

@@ -2232,11 +2232,13 @@ class Applier:
         once its bound passed (etcd dropped it then); else the problem. One etcd call, bounded
         by its timeout.
 
-        With ``serving`` (no sequence pending, SGLang answers), also once per run of specd:
-        a marker of this server in etcd is one an earlier run could not remove (etcd away at
-        its end, and specd restarted since, which forgot it): removed, else the group waits
-        for this server, serving, up to the marker's bound. A marker with no lease was put
-        by hand and is left to whoever put it."""
+        With ``serving`` (no sequence pending, SGLang answers, no gateway replica leaves its
+        worker out), also once per run of specd and once after each sequence that ended with
+        the worker left out: a marker of this server in etcd is then one an earlier run could
+        not remove (etcd away at its end, and specd restarted since, which forgot it) or one
+        kept while the worker was left out: removed, else the group waits for this server,
+        serving, up to the marker's bound. A marker with no lease was put by hand and is
+        left to whoever put it."""
         marker = self.unremoved_out
         if self.fleet is None:
             return None
@@ -2267,8 +2269,8 @@ class Applier:
             self.log.warning(
                 "fleet_marked_in",
                 group=self.fleet.group,
-                detail=f"removed the out-of-service marker an earlier run of specd left{since}: "
-                "this server serves and no restart of it is pending",
+                detail=f"removed this server's out-of-service marker{since}: it serves, no "
+                "restart of it is pending and no gateway replica leaves it out",
             )
         return None
 
@@ -2276,8 +2278,21 @@ class Applier:
         """Give the slot back (stop renewing, revoke the lease); idempotent. A release etcd
         does not take frees the slot one TTL after the renewals stopped. The server's
         out-of-service marker goes first, unless ``keep_out``: a sequence left for the next
-        boot (its server is out until then, or until the marker's bound)."""
-        if not keep_out:
+        boot (its server is out until then, or until the marker's bound); nor while a
+        gateway replica leaves the worker out after a failed re-add (the server serves no
+        traffic there): `retry_mark_in` removes it once the daemon put it back."""
+        left_out = len((self._drain_report or {}).get("left_out") or [])
+        if left_out and not keep_out and self._out is not None and self.fleet is not None:
+            self._out = None
+            self.stale_out_checked = False  # looked for again once the worker is back
+            if journal is not None:
+                journal.note(
+                    f"kept marked out of service: {left_out} gateway replica(s) leave the "
+                    "worker out; removed once they route it again"
+                )
+                self._persist(journal)
+            self.log.warning("fleet_kept_out", group=self.fleet.group, left_out=left_out)
+        if not keep_out and not left_out:
             self._mark_in(journal)
         keeper, self._keeper = self._keeper, None
         if keeper is not None:

@@ -12,23 +12,29 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import EtcdProcess, module_etcd, module_etcd_server
+from factories import SMG_ADMIN_KEY, EtcdProcess, QuickStopSmg, module_etcd, module_etcd_server
 from test_apply import (
     ORIGINAL_ENV,
     UNIT,
     Killed,
     KillingRunner,
     Recorder,
+    StopsAReplicaOnRestart,
     TwinUnit,
     always_open,
     applier_for,
+    gateway_applier,
     make_unit,  # noqa: F401 - the fixture
+    other_twin,  # noqa: F401 - the fixture
+    routed,
+    second_worker,  # noqa: F401 - the fixture
 )
 
 from specd.core.settings import FleetSettings, GatewaySettings, RestartSettings
 from specd.io.apply import Applier, out_of_service_bound_s, restart_argv
 from specd.io.fleet import Fleet, FleetHooks, Slot
 from specd.io.runner import RunResult
+from specd.twin.process import TwinProcess
 
 TTL_S = 5
 # One etcd for the module, reset between its tests (factories.module_etcd).
@@ -225,6 +231,54 @@ def test_a_marker_an_earlier_run_left_is_removed_once_this_server_serves(
     fleet.mark_out(fleet.out_marker(time.time(), 600))
     assert rerun.retry_mark_in(serving=True) is None
     assert [o.name for o in watcher.busy().out] == ["box-a", "box-b"]
+
+
+def test_a_worker_left_out_of_a_gateway_replica_keeps_its_server_marked_out(
+    make_unit: Any,  # noqa: F811
+    second_worker: TwinProcess,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    """A replica away at the re-add routes nothing to this server: it is still out of
+    service there, and the group's other servers must not restart beside it (with slots = 1
+    that replica would lose both). The marker stays until the daemon put the worker back
+    (`retry_mark_in` with ``serving``, which the daemon says only then)."""
+    unit = make_unit()
+    workers = [unit.url, second_worker.url]
+    marked: list[bool] = []
+    watcher = fleet_for(etcd.url, "watcher")
+    with (
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as away,
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as there,
+    ):
+        rec = Recorder(tmp_path / "journal.json")
+        applier = gateway_applier(
+            unit, there, tmp_path, rec, StopsAReplicaOnRestart(unit, away), ready_timeout_s=20.0
+        )
+        applier.fleet = fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append))
+        assert applier.gateway is not None
+        applier.gateway.gateways = [away.url, there.url]  # the first one goes away
+        outcome = applier.apply(4, 3, window_open=always_open)
+        assert outcome.result == "success", outcome.message
+        assert outcome.drain is not None
+        assert [w["gateway_url"] for w in outcome.drain["left_out"]] == [away.url]
+        after = routed(there, unit)
+        assert after is not None
+        assert after.status == "ready"
+    assert [o.name for o in watcher.busy().out] == ["box-a"]
+    assert watcher.holders() == []  # the slot is back: only the marker counts
+    assert watcher.probe() is not None  # another server of the group waits
+    journal = rec.stored()
+    assert journal is not None
+    notes = " | ".join(journal["messages"])
+    assert "kept marked out of service: 1 gateway replica(s) leave the worker out" in notes
+    assert journal["fleet_out_removed"] is False
+    assert marked == [True]
+    assert applier.retry_mark_in() is None  # still left out: kept
+    assert [o.name for o in watcher.busy().out] == ["box-a"]
+    assert applier.retry_mark_in(serving=True) is None  # routed everywhere again
+    assert watcher.busy().out == []
+    assert marked == [True, True, False]  # put, found in etcd by the look, removed
 
 
 def test_a_marker_put_by_hand_is_left_to_whoever_put_it(
