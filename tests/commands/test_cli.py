@@ -423,6 +423,11 @@ def test_unfreeze_says_what_happens_next_and_never_retries_a_pin_unasked(
     says: str,
 ) -> None:
     cfg_path = write_config(tmp_path)
+    # The window opens 12 hours from now, so "the next maintenance window" whatever the time
+    # of day (the default one, at 03:00 UTC, is open an hour a day: the open window's text).
+    opens = (datetime.now(timezone.utc).hour + 12) % 24
+    with cfg_path.open("a") as f:
+        f.write(f'[[windows]]\ncron = "0 {opens} * * mon-sun"\nduration_s = 3600.0\n')
     config = load_config(cfg_path)
     now = time.time()
     frozen = {"since": now - 60, "reason": "restart to 6 rolled_back: never healthy"}
