@@ -1791,6 +1791,26 @@ class StopsAReplicaOnRestart:
         return self.unit(argv, timeout_s=timeout_s)
 
 
+@contextlib.contextmanager
+def one_replica_away_at_the_readd(
+    unit: TwinUnit, second_worker: TwinProcess, tmp_path: Path, rec: Recorder
+) -> Iterator[tuple[Applier, SmgGateway, SmgGateway]]:
+    """An applier draining ``unit`` from two real smg replicas (``second_worker`` serves
+    beside it) and (away, there): the first goes away as SGLang restarts and is still away
+    at the re-add."""
+    workers = [unit.url, second_worker.url]
+    with (
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as away,
+        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as there,
+    ):
+        applier = gateway_applier(
+            unit, there, tmp_path, rec, StopsAReplicaOnRestart(unit, away), ready_timeout_s=20.0
+        )
+        assert applier.gateway is not None
+        applier.gateway.gateways = [away.url, there.url]  # the first one goes away
+        yield applier, away, there
+
+
 def test_a_replica_away_at_the_readd_leaves_the_worker_out_of_that_one_only(
     make_unit: Any, second_worker: TwinProcess, tmp_path: Path
 ) -> None:
@@ -1798,17 +1818,12 @@ def test_a_replica_away_at_the_readd_leaves_the_worker_out_of_that_one_only(
     of the others, which answer (the fleet would serve a server short until someone adds it
     back by hand)."""
     unit = make_unit()
-    workers = [unit.url, second_worker.url]
-    with (
-        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as away,
-        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as there,
+    rec = Recorder(tmp_path / "journal.json")
+    with one_replica_away_at_the_readd(unit, second_worker, tmp_path, rec) as (
+        applier,
+        away,
+        there,
     ):
-        rec = Recorder(tmp_path / "journal.json")
-        applier = gateway_applier(
-            unit, there, tmp_path, rec, StopsAReplicaOnRestart(unit, away), ready_timeout_s=20.0
-        )
-        assert applier.gateway is not None
-        applier.gateway.gateways = [away.url, there.url]  # the first one goes away
         outcome = applier.apply(4, 3, window_open=always_open)
         after = routed(there, unit)
     assert outcome.result == "success", outcome.message

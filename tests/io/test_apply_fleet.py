@@ -12,19 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import SMG_ADMIN_KEY, EtcdProcess, QuickStopSmg, module_etcd, module_etcd_server
+from factories import EtcdProcess, module_etcd, module_etcd_server
 from test_apply import (
     ORIGINAL_ENV,
     UNIT,
     Killed,
     KillingRunner,
     Recorder,
-    StopsAReplicaOnRestart,
     TwinUnit,
     always_open,
     applier_for,
-    gateway_applier,
     make_unit,  # noqa: F401 - the fixture
+    one_replica_away_at_the_readd,
     other_twin,  # noqa: F401 - the fixture
     routed,
     second_worker,  # noqa: F401 - the fixture
@@ -244,20 +243,15 @@ def test_a_worker_left_out_of_a_gateway_replica_keeps_its_server_marked_out(
     that replica would lose both). The marker stays until the daemon put the worker back
     (`retry_mark_in` with ``serving``, which the daemon says only then)."""
     unit = make_unit()
-    workers = [unit.url, second_worker.url]
     marked: list[bool] = []
     watcher = fleet_for(etcd.url, "watcher")
-    with (
-        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as away,
-        QuickStopSmg(workers, admin_key=SMG_ADMIN_KEY) as there,
+    rec = Recorder(tmp_path / "journal.json")
+    with one_replica_away_at_the_readd(unit, second_worker, tmp_path, rec) as (
+        applier,
+        away,
+        there,
     ):
-        rec = Recorder(tmp_path / "journal.json")
-        applier = gateway_applier(
-            unit, there, tmp_path, rec, StopsAReplicaOnRestart(unit, away), ready_timeout_s=20.0
-        )
         applier.fleet = fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append))
-        assert applier.gateway is not None
-        applier.gateway.gateways = [away.url, there.url]  # the first one goes away
         outcome = applier.apply(4, 3, window_open=always_open)
         assert outcome.result == "success", outcome.message
         assert outcome.drain is not None
