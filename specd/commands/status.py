@@ -375,7 +375,11 @@ def fleet_status(config: Config) -> dict[str, Any] | None:
     return info
 
 
-def _fleet_line(fleet: dict[str, Any], now: float) -> str:
+def _fleet_line(
+    fleet: dict[str, Any], now: float, *, restarting: bool = False, left_out: bool = False
+) -> str:
+    """``restarting``: a restart of this server runs (its journal); ``left_out``: a gateway
+    replica leaves its worker out: why this server's own marker is there between restarts."""
     head = f"fleet          group {fleet['group']}, {fleet['slots']} slot(s)"
     if fleet["problem"] is not None:
         return f"{head}: etcd UNAVAILABLE (no restart until it answers): {fleet['problem']}"
@@ -399,9 +403,27 @@ def _fleet_line(fleet: dict[str, Any], now: float) -> str:
             + (f" until {when_text(o['until'], now)} at the latest" if o["until"] else "")
             + " unless back sooner)"
         )
+        + (
+            _own_marker_why(left_out)
+            if o["name"] == fleet["this_holder"] and o["name"] not in holding and not restarting
+            else ""
+        )
         for o in fleet["out"] or []
     ]
     return f"{head}: " + ("; ".join(held + out) if held or out else "all free")
+
+
+def _own_marker_why(left_out: bool) -> str:
+    """Why this server's marker is in etcd though no restart of it runs."""
+    if left_out:
+        return (
+            ": kept while a gateway replica leaves the worker out (see gateway); removed "
+            "once every replica routes it"
+        )
+    return (
+        ": no restart of it runs (a removal etcd refused): the running specd removes it once "
+        "SGLang answers and etcd takes it (SpecdFleetMarkerLeftBehind)"
+    )
 
 
 def _gateway_info(config: Config, state: State) -> dict[str, Any] | None:
@@ -548,7 +570,15 @@ def render(info: dict[str, Any], now: float) -> str:
     if picks["server_problem"]:
         lines.append(f"               ({picks['server_problem']})")
     if info["fleet"] is not None:
-        lines.append(_fleet_line(info["fleet"], now))
+        gateway = info["gateway"] or {}
+        lines.append(
+            _fleet_line(
+                info["fleet"],
+                now,
+                restarting=bool(info["restart_in_progress"]),
+                left_out=bool(gateway.get("left_out")),
+            )
+        )
     if info["gateway"] is not None:
         lines.extend(_gateway_lines(info["gateway"], now))
     if info["restart_in_progress"]:

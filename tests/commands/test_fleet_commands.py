@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from specd.core.settings import FleetSettings
 from specd.core.text import utc_time
 from specd.io.config import load_config
 from specd.io.fleet import Fleet, slot_key
+from specd.io.state import State, StateStore
 from specd.twin.process import free_port
 
 
@@ -150,6 +152,51 @@ def test_status_and_doctor_name_a_server_out_of_service_and_since_when(
     assert "slot 0 held by box-a (this specd) since " in line
     assert "; box-a OUT OF SERVICE (this specd) since " in line
     assert "holds no slot" not in line
+
+
+LEFT_OUT = {
+    "t": 1.0,
+    "workers": [{"gateway_url": "http://127.0.0.1:9", "worker_id": "w", "url": "http://x"}],
+    "tried_at": 1.0,
+    "problem": "GET /workers: ConnectError",
+}
+
+
+@pytest.mark.parametrize(
+    ("journal", "gateway", "why"),
+    [
+        pytest.param(None, None, ": no restart of it runs (a removal etcd refused)", id="behind"),
+        pytest.param(None, {"left_out": LEFT_OUT},
+                     ": kept while a gateway replica leaves the worker out", id="left-out"),
+        # Its restart runs (killed mid-way, the journal waits for the next start): no why.
+        pytest.param({"phase": "restart_issued"}, None, None, id="restarting"),
+    ],
+)  # fmt: skip
+def test_status_says_why_this_servers_marker_is_there_between_restarts(
+    tmp_path: Path,
+    etcd: EtcdProcess,
+    journal: dict[str, Any] | None,
+    gateway: dict[str, Any] | None,
+    why: str | None,
+) -> None:
+    """SpecdFleetMarkerLeftBehind's first look: the other servers wait for this one, and
+    status on this host says whether it is meant to be so."""
+    gateway_table = '[gateway]\nurls = ["http://127.0.0.1:9"]\nworker_url = "http://x"\n'
+    config = load_config(write_config(tmp_path, fleet_table(etcd.url) + gateway_table))
+    assert config.fleet is not None
+    saved = State(journal=journal, gateway=gateway)
+    assert StateStore(config.files.state_dir).save(saved) is None
+    mine = Fleet(config.fleet, "box-a")
+    mine.mark_out(mine.out_marker(time.time(), 600))
+    line = next(
+        x for x in render(collect(config, time.time()), time.time()).splitlines()
+        if x.startswith("fleet ")
+    )  # fmt: skip
+    assert " OUT OF SERVICE (this specd) since " in line
+    if why is None:
+        assert line.endswith(" at the latest unless back sooner)"), line
+    else:
+        assert why in line, line
 
 
 def test_status_without_a_fleet_has_no_fleet_line(tmp_path: Path) -> None:
