@@ -15,7 +15,9 @@ covers, the forecast uses, in order:
    `Forecast.seen_spread` how far the hours of the day seen so far differ from recent
    traffic. Where they differ (a daily rhythm shows), recent traffic says little of the
    hours not seen: the model policy does not restart on a forecast that is mostly that
-   (``[choose] min_forecast_seen_ratio``); where they agree (steady so far), it trusts it.
+   (``[choose] min_forecast_seen_ratio``); where they agree (steady so far), it trusts it,
+   but breaks a tie within the prediction interval toward the setting with most room for
+   requests (`specd.core.model.plan`): unseen hours may be busier than those seen.
 
 The result is the fraction of the epoch's time expected at each offered concurrency
 (0 = idle included). `score` compares a forecast with what happened, so replays and the

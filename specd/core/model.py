@@ -31,8 +31,13 @@ gain in tokens (net of the restart) must beat the prediction interval of the dif
 (`EVIDENCE_Z` standard errors), and the relative gain must beat ``min_gain_ratio`` (0 by
 default: the evidence decides). Where the best is not sure to serve more than the live
 setting but a lesser one is, the one of those that serves most is chosen: a set whose gain
-drowns in its untried tier's interval does not hold back a K measured to serve more. Each
-K's relative standard error comes from the calibration's noise (``calibration_noise_ratio``),
+drowns in its untried tier's interval does not hold back a K measured to serve more. While
+most of the epoch's hours were never seen (`Forecast.recent_ratio` above what
+``min_forecast_seen_ratio`` allows), the best is the shallowest (`_depth`: most room for
+requests) of those the top prediction is not sure to beat and that surely beat the live one
+(`_safest`): traffic heavier than the hours seen is what such a guess misses, and a deep K
+collapses there. Each K's relative standard error comes from the calibration's noise
+(``calibration_noise_ratio``),
 shrinks with the seconds observed at that K (``OBSERVED_PIVOT_S``) in the load bands of the
 epoch's traffic (`load_band`: what K did at night says little of the day's load), and grows
 with how far an extrapolated K lies from a measured one.
@@ -1108,6 +1113,44 @@ def _beats(
     return gain_tokens > (0.0 if covering else margin) and gain > config.choose.min_gain_ratio
 
 
+def _depth(key: int, settings: Mapping[int, SpecSetting]) -> int:
+    """Draft tokens a request's KV is sized for: a static K's K, a set's deepest candidate,
+    0 for off. The shallower, the more requests fit."""
+    setting = settings.get(key)
+    return key if setting is None else setting.max_steps
+
+
+def _safest(
+    predictions: Mapping[int, StepPrediction],
+    settings: Mapping[int, SpecSetting],
+    best: int,
+    current: int | None,
+    config: Settings,
+) -> int:
+    """Of the settings ``best`` is not sure to serve more than (within the prediction
+    interval, as any change is judged) and that are sure to serve more than the live one
+    (a change to them is warranted), the shallowest: where the evidence cannot tell them
+    apart, the one with most room for requests loses least if the traffic is heavier than
+    forecast. ``best`` when it is the live setting, or not sure to serve more than it: the
+    plan keeps the live one then."""
+
+    def sure(new: int, old: int) -> bool:
+        evidence = _evidence(predictions[new], predictions[old], settings.get(new), old)
+        return _beats(*evidence, config)
+
+    if current == best:
+        return best
+    live = current if current is not None and current in predictions else None
+    if live is not None and not sure(best, live):
+        return best
+    near = [
+        k
+        for k in predictions
+        if k == best or (not sure(best, k) and (live is None or sure(k, live)))
+    ]
+    return min(near, key=lambda k: (_depth(k, settings), -predictions[k].tokens))
+
+
 def _preference(
     predictions: Mapping[int, StepPrediction], current: int | None
 ) -> Callable[[int], tuple[float, int]]:
@@ -1254,6 +1297,9 @@ def plan(
     keys = list(predictions)
     preference = _preference(predictions, current)
     best = max(keys, key=preference)
+    top = best
+    if forecast.recent_ratio > 1.0 - config.choose.min_forecast_seen_ratio + 1e-9:
+        best = _safest(predictions, settings, best, current, config)
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     covering = False
     runner_up: tuple[int, float] | None = None
@@ -1281,6 +1327,11 @@ def plan(
     )
     if priors:
         why += "; of their candidates' rows, before they run here: " + ", ".join(priors)
+    if top != best:
+        why += (
+            f"; {labels[top]} predicted most, {labels[best]} not surely less and with more "
+            "room for requests"
+        )
     if runner_up is not None:
         k, up = runner_up
         up_text = "∞" if math.isinf(up) else f"{up * 100:+.1f}%"

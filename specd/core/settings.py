@@ -341,8 +341,10 @@ class ChooseSettings(BaseModel):
         "from those hours of the day as seen before (on any day) for a change or an "
         "exploration, once the hours seen show a daily rhythm (they differ from recent "
         "traffic); the rest is forecast from recent traffic alone, which cannot know the "
-        "hours of such a rhythm not seen yet. Steady traffic so far is trusted. Going back "
-        "from a regression is never held. 0 turns the check off; at most 1.",
+        "hours of such a rhythm not seen yet. Steady traffic so far is trusted, but while "
+        "less than this share is seen a change goes to the shallowest setting (most room "
+        "for requests) the prediction interval cannot tell from the top one. Going back "
+        "from a regression is never held. 0 turns both off; at most 1.",
     )
     explore_max_loss_ratio: float = Field(
         default=0.01,

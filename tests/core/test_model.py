@@ -428,13 +428,58 @@ def busy(offered: int, steps: int, hours: float = 3.0) -> History:
 def test_the_model_policy_picks_the_most_tokens_over_the_epoch(
     tmp_path: Path, offered: int, current: int | None, target: int
 ) -> None:
-    cfg = config(tmp_path, max_steps=4)
+    # Three hours seen of a day-long epoch, its forecast trusted (the check of hours never
+    # seen off): the most tokens, not the safest of a tie (the next test).
+    cfg = config(tmp_path, max_steps=4, min_forecast_seen_ratio=0)
     history = busy(offered, current or 3)
     picked = choose(history, cfg, current, Calibration.of(SEED))
     assert picked is not None
     assert picked.steps == target
     assert picked.why.startswith("model: ")
     assert "predicted tok/s 1:" in picked.why
+
+
+TIE = "3 predicted most, 2 not surely less and with more room for requests"
+BLIND_TIES = [
+    # (id, offered, live K, min_forecast_seen_ratio, target, best, message part or None)
+    # At 30 requests 3 serves ~1 % more than 2, inside the interval: with 21 of the epoch's
+    # 24 hours never seen, the one with more room for requests, as traffic may be heavier.
+    ("heavy-blind-from-1", 30, 1, 0.5, 2, 2, TIE),
+    ("heavy-blind-unknown-live", 30, None, 0.5, 2, 2, TIE),
+    ("heavy-forecast-trusted", 30, 1, 0.0, 3, 3, None),
+    # The live one within the top's interval: kept, whatever is shallower.
+    ("heavy-blind-live-within", 30, 4, 0.5, 4, 3, None),
+    ("heavy-blind-live-is-top", 30, 3, 0.5, 3, 3, None),
+    # 4 serves ~20 % more at 2 requests: beyond every interval, no tie to break.
+    ("agentic-blind-clear-winner", 2, 1, 0.5, 4, 4, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("offered", "current", "seen_ratio", "target", "best", "says"),
+    [pytest.param(*t[1:], id=t[0]) for t in BLIND_TIES],
+)
+def test_a_blind_forecast_breaks_a_tie_toward_the_setting_with_most_room(
+    tmp_path: Path,
+    offered: int,
+    current: int | None,
+    seen_ratio: float,
+    target: int,
+    best: int,
+    says: str | None,
+) -> None:
+    """lowcap/weekly's first window: 4, 5 and 6 inside each other's intervals at 1-4
+    requests, 6 a point ahead; 6 holds 7 requests, 4 ten, and the weekday brought 24 (6
+    served 18 % less than 3 that day, 4 4 %)."""
+    cfg = config(tmp_path, max_steps=4, min_forecast_seen_ratio=seen_ratio)
+    result = plan(busy(offered, current or 3), cfg, current, Calibration.of(SEED))
+    assert result is not None
+    assert result.forecast.recent_ratio > 0.8  # 3 hours seen of a day
+    assert (result.target, result.best) == (target, best), result.why
+    if says is None:
+        assert "more room for requests" not in result.why, result.why
+    else:
+        assert says in result.why, result.why
 
 
 @pytest.mark.parametrize(
