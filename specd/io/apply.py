@@ -844,6 +844,9 @@ class Applier:
         # run holds (a run before it ended before it could remove it): `retry_mark_in`.
         self.stale_out_checked = False
         self._stale_out_logged = False
+        # The marker to look for was kept while a gateway replica left the worker out (its
+        # removal is the expected end, not a leftover of an earlier run).
+        self._out_kept_for_gateway = False
         self.out_bound_s = out_of_service_bound_s(restart, gateway, verify_attempts)
         self.gateway_settings = gateway
         self.gateway: GatewayClient | None = None
@@ -2264,13 +2267,18 @@ class Applier:
                 self._stale_out_logged = True
             return message
         self.stale_out_checked = True
+        kept, self._out_kept_for_gateway = self._out_kept_for_gateway, False
         if found is not None and found.lease > 0:
             since = "" if found.since is None else f" (out since {utc_time(found.since)})"
-            self.log.warning(
+            if kept:
+                detail = "every gateway replica routes the worker again"
+            else:
+                detail = "it serves and no restart of it is pending (an earlier run left it)"
+            log = self.log.info if kept else self.log.warning
+            log(
                 "fleet_marked_in",
                 group=self.fleet.group,
-                detail=f"removed this server's out-of-service marker{since}: it serves, no "
-                "restart of it is pending and no gateway replica leaves it out",
+                detail=f"removed this server's out-of-service marker{since}: {detail}",
             )
         return None
 
@@ -2281,18 +2289,21 @@ class Applier:
         boot (its server is out until then, or until the marker's bound); nor while a
         gateway replica leaves the worker out after a failed re-add (the server serves no
         traffic there): `retry_mark_in` removes it once the daemon put it back."""
-        left_out = len((self._drain_report or {}).get("left_out") or [])
-        if left_out and not keep_out and self._out is not None and self.fleet is not None:
-            self._out = None
-            self.stale_out_checked = False  # looked for again once the worker is back
-            if journal is not None:
-                journal.note(
-                    f"kept marked out of service: {left_out} gateway replica(s) leave the "
-                    "worker out; removed once they route it again"
-                )
-                self._persist(journal)
-            self.log.warning("fleet_kept_out", group=self.fleet.group, left_out=left_out)
-        if not keep_out and not left_out:
+        left_out = len((self._drain_report or {}).get("left_out") or []) if self.fleet else 0
+        if left_out and not keep_out:
+            # Found in etcd by its name and removed once the worker is back (a marker a
+            # failed re-mark left under its old lease too).
+            self.stale_out_checked, self._out_kept_for_gateway = False, True
+            if self._out is not None and self.fleet is not None:
+                self._out = None
+                if journal is not None:
+                    journal.note(
+                        f"kept marked out of service: {left_out} gateway replica(s) leave the "
+                        "worker out; removed once they route it again"
+                    )
+                    self._persist(journal)
+                self.log.warning("fleet_kept_out", group=self.fleet.group, left_out=left_out)
+        elif not keep_out:
             self._mark_in(journal)
         keeper, self._keeper = self._keeper, None
         if keeper is not None:

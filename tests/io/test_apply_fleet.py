@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 from factories import EtcdProcess, module_etcd, module_etcd_server
 from test_apply import (
     ORIGINAL_ENV,
@@ -222,7 +223,11 @@ def test_a_marker_an_earlier_run_left_is_removed_once_this_server_serves(
     assert [o.name for o in watcher.busy().out] == ["box-a", "box-b"]
     assert rerun.retry_mark_in() is None  # not serving, or a restart pending: left
     assert [o.name for o in watcher.busy().out] == ["box-a", "box-b"]
-    assert rerun.retry_mark_in(serving=True) is None
+    with structlog.testing.capture_logs() as logs:
+        assert rerun.retry_mark_in(serving=True) is None
+    (removed,) = [e for e in logs if e["event"] == "fleet_marked_in"]
+    assert removed["log_level"] == "warning"
+    assert removed["detail"].endswith("(an earlier run left it)")
     assert [o.name for o in watcher.busy().out] == ["box-b"]
     assert rerun.stale_out_checked
     assert marked == [True, False]  # found, then removed
@@ -270,8 +275,12 @@ def test_a_worker_left_out_of_a_gateway_replica_keeps_its_server_marked_out(
     assert marked == [True]
     assert applier.retry_mark_in() is None  # still left out: kept
     assert [o.name for o in watcher.busy().out] == ["box-a"]
-    assert applier.retry_mark_in(serving=True) is None  # routed everywhere again
+    with structlog.testing.capture_logs() as logs:
+        assert applier.retry_mark_in(serving=True) is None  # routed everywhere again
     assert watcher.busy().out == []
+    (removed,) = [e for e in logs if e["event"] == "fleet_marked_in"]
+    assert removed["log_level"] == "info"  # the expected end, no leftover
+    assert removed["detail"].endswith(": every gateway replica routes the worker again")
     assert marked == [True, True, False]  # put, found in etcd by the look, removed
 
 
