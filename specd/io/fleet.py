@@ -23,9 +23,10 @@ over renewing the slot's lease from afar (impossible once the holder is dead) an
 slot lease (a specd that dies before taking its server out would then block the group for the
 whole bound). ``_free`` counts distinct holders over slots and markers: a marker whose holder
 still holds a slot counts once; this specd's own marker counts not at all (it has no sequence
-in flight when it asks, so a marker under its name is one a failed revoke left behind, which
-its next sequence overwrites). Holder names must therefore differ within a group (the default,
-host name and unit, does).
+in flight when it asks, so a marker under its name is one a failed revoke left behind, or one
+kept while a gateway replica leaves its worker out: its next sequence overwrites it, and the
+applier removes it once the server serves, `Applier.retry_mark_in`). Holder names must
+therefore differ within a group (the default, host name and unit, does).
 
 Client: etcd's v3 JSON gateway (grpc-gateway, served on the client port since etcd 3.3;
 3.4.23 here), spoken with httpx, specd's HTTP client already. Chosen over ``etcd3gw``
