@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
-from specd.core.forecast import RHYTHM_SPREAD
+from specd.core.forecast import RHYTHM_SPREAD, unlike_other_days
 from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
 from specd.core.setting import (
@@ -692,7 +692,15 @@ def _decide(
                     chosen,
                 )
             return _explore(
-                config, at, now, control, restart_needs_s, why, exploration, (target, chosen)
+                history,
+                config,
+                at,
+                now,
+                control,
+                restart_needs_s,
+                why,
+                exploration,
+                (target, chosen),
             )
         return Decision(target, Reason.WITHIN_TOLERANCE, f"{why}; {shown} is live", chosen)
     change = _arrow(current, shown, live_adaptive=control.live_adaptive)
@@ -825,6 +833,7 @@ def _change_blocks(
 
 
 def _explore(
+    history: History,
     config: Settings,
     at: datetime,
     now: float,
@@ -837,7 +846,9 @@ def _explore(
     """The policy holds the live setting (``held``: its target and setting, as a decision
     carries them) and `specd.core.explore` proposes one epoch at a step count: gated like
     a change, but a blocked exploration is no pending change — the policy is content, so
-    the decision stays within tolerance and says what waits."""
+    the decision stays within tolerance and says what waits. An exploration bets its epoch
+    on the forecast: it waits, too, on a day unlike the days the forecast reads (read only
+    once nothing else holds it: a tick's cost)."""
     current = control.current_steps
     live: int | str = "?" if current is None else current
     if held[1] is not None and held[1].kind == "adaptive":
@@ -849,6 +860,14 @@ def _explore(
             held[0],
             Reason.WITHIN_TOLERANCE,
             f"{why}; {live} is live; {exploration.why}; {blocked[1]}",
+            held[1],
+        )
+    unlike = unlike_other_days(history, now)
+    if unlike is not None:
+        return Decision(
+            held[0],
+            Reason.WITHIN_TOLERANCE,
+            f"{why}; {live} is live; {exploration.why}; but {unlike}: {change} waits",
             held[1],
         )
     return Decision(

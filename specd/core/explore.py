@@ -17,7 +17,11 @@ past `specd.core.model.OBSERVED_PIVOT_S`). Only where that is cheap and rare:
 * at most ``explore_max_per_week`` explorations in a rolling week, and never the same step
   count twice in one;
 * never under a pin or a freeze, never outside a window, nor when dwell or the restart
-  budget say no: `specd.core.decide.decide` gates an exploration like a change.
+  budget say no: `specd.core.decide.decide` gates an exploration like a change;
+* never on a day unlike the days the forecast reads (`specd.core.forecast.unlike_other_days`:
+  a first weekend after weekdays, a holiday): the loss above is predicted on that forecast
+  (the bench's lowcap truth explored 2 on a first Saturday, predicted 0.8 % below the live 3
+  on weekday traffic; at the eighth of that load the Saturday brought, it served 10 % less).
 
 Exploration measures static step counts: it reads the plan's static K alone
 (`specd.core.model.Plan.static_only`). Where off or an adaptive set is best but not sure to

@@ -359,3 +359,55 @@ def score(forecast: Forecast, actual: Mapping[int, float]) -> ForecastScore | No
         (predicted_mean - actual_mean) / max(actual_mean, 1.0),
         tv,
     )
+
+
+# An exploration bets an epoch on the forecast, which reads the same hours on other days.
+# Where the hours just past carried this many times more, or less, load than the same hours
+# on those days (a first weekend after weekdays, a holiday), today is unlike them and the
+# bet waits for a day that is like them. The bench's bursty trace varies within ×1.5 from
+# day to day at its window's hours; its weekly one's first weekend night is ×0.4.
+UNLIKE_DAYS_RATIO = 2.0
+# ... and by this many concurrent requests on average: near idle, a ratio is noise.
+UNLIKE_DAYS_MIN_REQUESTS = 1.0
+# How many whole hours before now are compared.
+UNLIKE_DAYS_HOURS = 3
+
+
+def unlike_other_days(history: History, now: float) -> str | None:
+    """Why the hours just past are unlike the same hours on other days, or None.
+
+    The last `UNLIKE_DAYS_HOURS` whole hours of the week, each with `MIN_HOUR_EVIDENCE_S`
+    of its own, against the same hours of the day on the other days of their kind
+    (weekdays, or the weekend) or, where those have too little, on other days of either
+    kind: their mean offered concurrency, averaged over the hours compared, differing by a
+    factor of `UNLIKE_DAYS_RATIO` and by `UNLIKE_DAYS_MIN_REQUESTS`. An hour of the week
+    holds that hour of earlier weeks too (a half-life of a week), so from the second week a
+    day unlike its own weekday shows less; the forecast then reads that hour of the week
+    first."""
+    how = hour_of_week(now)
+    own_means: list[float] = []
+    other_means: list[float] = []
+    for back in range(1, UNLIKE_DAYS_HOURS + 1):
+        (own_s, own_c), kind, every = history.hour_moments((how - back) % HOURS_PER_WEEK)
+        if own_s < MIN_HOUR_EVIDENCE_S:
+            continue
+        # The others' sums less this hour of the week's: the other days alone. Rounding
+        # of tables decaying from different reference times may leave a hair, never 900 s.
+        others = kind if kind[0] - own_s >= MIN_HOUR_EVIDENCE_S else every
+        if others[0] - own_s < MIN_HOUR_EVIDENCE_S:
+            continue
+        own_means.append(own_c / own_s)
+        other_means.append((others[1] - own_c) / (others[0] - own_s))
+    if not own_means:
+        return None
+    ours = sum(own_means) / len(own_means)
+    theirs = sum(other_means) / len(other_means)
+    if abs(ours - theirs) < UNLIKE_DAYS_MIN_REQUESTS or (
+        max(ours, theirs) < UNLIKE_DAYS_RATIO * min(ours, theirs)
+    ):
+        return None
+    return (
+        f"the last {len(own_means)} h carried {ours:.1f} requests on average, "
+        f"{ours / theirs if theirs > 0 else math.inf:.2f}× the {theirs:.1f} of the same "
+        "hours on other days: a day unlike those the forecast reads"
+    )

@@ -107,6 +107,18 @@ def day_kind(how: int) -> int:
     return how % 24 + (24 if is_weekend_hour(how) else 0)
 
 
+def _moments(table: DecayingSums[int] | None, at: float) -> tuple[float, float]:
+    """(decayed seconds, decayed seconds × key) of an offered-concurrency table at ``at``."""
+    if table is None:
+        return 0.0, 0.0
+    seconds = weighted = 0.0
+    for k, cell in table.cells.items():
+        seconds += cell[0]
+        weighted += k * cell[0]
+    scale = table.scale_at(at)
+    return seconds * scale, weighted * scale
+
+
 def _pow2(x: float) -> float:
     # Clamped so that absurd clock jumps give 0 or a huge-but-finite factor, never an
     # OverflowError.
@@ -733,6 +745,20 @@ class History:
             return {}
         scale = table.scale_at(self._at())
         return {k: cell[0] * scale for k, cell in table.cells.items()}
+
+    def hour_moments(self, how: int) -> tuple[tuple[float, float], ...]:
+        """Decayed (seconds, seconds × offered concurrency) during hour-of-week ``how``, during
+        its hour of the day on the days of its kind (``how`` included: `day_kind_weights`),
+        and on every day of either kind: the means and their weights, no shares made."""
+        at = self._at()
+        hour = how % 24
+        kinds = self._day_tables(hour)
+        out: list[tuple[float, float]] = []
+        for table in (self._hourly[how % HOURS_PER_WEEK], self._day_kinds[day_kind(how)]):
+            out.append(_moments(table, at))
+        both = [_moments(table, at) for table in kinds]
+        out.append((both[0][0] + both[1][0], both[0][1] + both[1][1]))
+        return tuple(out)
 
     def _distribution(
         self, index: int, table: DecayingSums[int] | None

@@ -970,6 +970,40 @@ SEEN_GATE = [
 ]  # fmt: skip
 
 
+@functools.cache
+def after_a_day(tonight: int) -> History:
+    """Sunday at 6 concurrent requests, then Monday until OPEN (03:30) at ``tonight``."""
+    h = History(HistorySettings(half_life_s=1e9, warmup_exclude_s=0, scrape_interval_s=60))
+    start = OPEN - 3.5 * HOUR - DAY
+    for i in range(int((OPEN - start) // 60)):
+        t = start + 60 * i
+        h.record(observation(t, running=6 if t < OPEN - 3.5 * HOUR else tonight))
+    return h
+
+
+@pytest.mark.parametrize(
+    ("tonight", "reason", "says"),
+    [
+        (6, Reason.EXPLORE, "exploring 4 → 5 for one epoch"),
+        # A sixth of Sunday's load: the forecast, read from Sunday, may not hold today.
+        (1, Reason.WITHIN_TOLERANCE, "5 is never observed; but the last 3 h carried 1.0 "
+         "requests on average, 0.17× the 6.0 of the same hours on other days: a day unlike "
+         "those the forecast reads: exploring 4 → 5 waits"),
+    ],
+)  # fmt: skip
+def test_no_exploration_on_a_day_unlike_the_days_the_forecast_reads(
+    tonight: int, reason: Reason, says: str
+) -> None:
+    ctl = control(recommendations=held(4, OPEN))
+    decision = decide(
+        after_a_day(tonight), observation(OPEN), config(), None, OPEN, ctl,
+        model_pick(4, 0.0, 0.0), 0.0, Exploration(5, "5 is never observed"), None,
+    )  # fmt: skip
+    assert decision.reason is reason, decision.message
+    assert says in decision.message, decision.message
+    assert decision.acts(4) is (reason is Reason.EXPLORE)
+
+
 GOING_BACK = [
     # (id, the policy's pick after 3 → 4 regressed, target, setting, how the message ends)
     ("the-regressed-k-itself", Pick(4, "4"), 3, None, "going back 4 → 3"),

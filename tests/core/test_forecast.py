@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 import pytest
 from factories import make_observation
 
-from specd.core.forecast import Forecast, forecast_epoch, score
+from specd.core.forecast import Forecast, forecast_epoch, score, unlike_other_days
 from specd.core.history import History, HistorySettings, is_weekend_hour
 from specd.core.observation import Observation
 
@@ -188,3 +188,58 @@ def test_hours_never_seen_forecast_recent_traffic_however_many(hours: int) -> No
     assert day.recent_ratio == pytest.approx(21 / 24)
     expected = {k: (21 * w + (1 if k == 2 else 2)) / 24 for k, w in shares.items()}
     assert day.weights == pytest.approx(expected, rel=1e-9)
+
+
+def nights(weekday: int, weekend: int, **days: int) -> Callable[[float], int]:
+    """``weekday`` concurrent requests on weekdays, ``weekend`` on weekends; a day named in
+    ``days`` by its index from MONDAY (``d2=...``) carries its own."""
+
+    def offered(t: float) -> int:
+        day = int((t - MONDAY) // DAY)
+        return days.get(f"d{day}", weekend if day % 7 >= 5 else weekday)
+
+    return offered
+
+
+def idle_wednesday(t: float) -> int:
+    """Half idle, half one request, a minute each (a mean of 0.5); Wednesday idle."""
+    return 0 if int((t - MONDAY) // DAY) == 2 else int((t - MONDAY) // 60) % 2
+
+
+UNLIKE = [
+    # (id, traffic, hours recorded, hour asked at (from MONDAY 00:00), message part or None)
+    ("steady", nights(4, 4), 5 * 24 + 3, 5 * 24 + 3, None),
+    # A first Saturday after weekdays: nothing of its kind yet, so the weekdays it is
+    # unlike; the weekend's nights are a third of theirs.
+    ("first-weekend", nights(6, 2), 5 * 24 + 3, 5 * 24 + 3,
+     "the last 3 h carried 2.0 requests on average, 0.33× the 6.0 of the same hours on "
+     "other days: a day unlike those the forecast reads"),
+    # Sunday has Saturday, of its kind: alike.
+    ("second-weekend-day", nights(6, 2), 6 * 24 + 3, 6 * 24 + 3, None),
+    # A busy Wednesday: five times its weekday nights.
+    ("busy-day", nights(2, 2, d2=10), 2 * 24 + 3, 2 * 24 + 3, "5.00× the 2.0"),
+    # Far less than half the load, but by less than a request: near idle a ratio is noise.
+    ("near-idle", idle_wednesday, 2 * 24 + 3, 2 * 24 + 3, None),
+    # Less than a factor of two: a day's noise.
+    ("within-a-factor-of-two", nights(6, 4), 5 * 24 + 3, 5 * 24 + 3, None),
+    # A fresh start: no other day to compare with.
+    ("no-other-day", nights(6, 2), 3, 3, None),
+    # Nothing recorded in the last three hours (specd was down): nothing to tell.
+    ("no-recent-hours", nights(6, 2), 5 * 24, 5 * 24 + 6, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("offered", "recorded_h", "asked_h", "says"), [pytest.param(*u[1:], id=u[0]) for u in UNLIKE]
+)
+def test_a_day_unlike_the_days_the_forecast_reads(
+    offered: Callable[[float], int], recorded_h: int, asked_h: int, says: str | None
+) -> None:
+    history = new_history()
+    record(history, MONDAY, MONDAY + recorded_h * HOUR, offered)
+    got = unlike_other_days(history, MONDAY + asked_h * HOUR)
+    if says is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert says in got, got

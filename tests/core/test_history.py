@@ -383,7 +383,15 @@ def _same_kind_sum(history: History, how: int) -> dict[int, float]:
     return merged
 
 
-def test_day_kind_weights_are_the_same_hours_of_days_of_that_kind_summed() -> None:
+def _moments(tables: list[dict[int, float]]) -> tuple[float, float]:
+    """(seconds, seconds × offered) of the tables together."""
+    return (
+        sum(w for table in tables for w in table.values()),
+        sum(k * w for table in tables for k, w in table.items()),
+    )
+
+
+def test_day_kind_weights_and_moments_are_the_same_hours_of_days_summed() -> None:
     settings = HistorySettings(
         half_life_s=3600,
         hour_of_week_half_life_s=2 * 86400,
@@ -411,6 +419,14 @@ def test_day_kind_weights_are_the_same_hours_of_days_of_that_kind_summed() -> No
         for how in range(HOURS_PER_WEEK):
             expected = _same_kind_sum(checked, how)
             assert checked.day_kind_weights(how) == pytest.approx(expected, rel=1e-9), how
+            every = [checked.hour_of_week_weights(day * 24 + how % 24) for day in range(7)]
+            moments = [
+                _moments([checked.hour_of_week_weights(how)]),
+                _moments([expected]),
+                _moments(every),
+            ]
+            got = [x for pair in checked.hour_moments(how) for x in pair]
+            assert got == pytest.approx([x for pair in moments for x in pair], rel=1e-9), how
     assert any(history.day_kind_weights(how) for how in range(HOURS_PER_WEEK))
 
 
