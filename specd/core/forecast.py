@@ -397,7 +397,7 @@ def unlike_other_days(history: History, now: float) -> str | None:
         if others[0] - own_s < MIN_HOUR_EVIDENCE_S:
             continue
         own_means.append(own_c / own_s)
-        other_means.append((others[1] - own_c) / (others[0] - own_s))
+        other_means.append(max(others[1] - own_c, 0.0) / (others[0] - own_s))
     if not own_means:
         return None
     ours = sum(own_means) / len(own_means)
@@ -406,8 +406,9 @@ def unlike_other_days(history: History, now: float) -> str | None:
         max(ours, theirs) < UNLIKE_DAYS_RATIO * min(ours, theirs)
     ):
         return None
+    times = f"×{ours / theirs:.2f}" if theirs > 0 else "idle there"
     return (
-        f"the last {len(own_means)} h carried {ours:.1f} requests on average, "
-        f"{ours / theirs if theirs > 0 else math.inf:.2f}× the {theirs:.1f} of the same "
-        "hours on other days: a day unlike those the forecast reads"
+        f"the last {len(own_means)} h carried {ours:.1f} requests on average against "
+        f"{theirs:.1f} in the same hours on other days ({times}): a day unlike those the "
+        "forecast reads"
     )

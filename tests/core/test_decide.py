@@ -987,8 +987,8 @@ def after_a_day(tonight: int) -> History:
         (6, Reason.EXPLORE, "exploring 4 → 5 for one epoch"),
         # A sixth of Sunday's load: the forecast, read from Sunday, may not hold today.
         (1, Reason.WITHIN_TOLERANCE, "5 is never observed; but the last 3 h carried 1.0 "
-         "requests on average, 0.17× the 6.0 of the same hours on other days: a day unlike "
-         "those the forecast reads: exploring 4 → 5 waits"),
+         "requests on average against 6.0 in the same hours on other days (×0.17): a day "
+         "unlike those the forecast reads: exploring 4 → 5 waits"),
     ],
 )  # fmt: skip
 def test_no_exploration_on_a_day_unlike_the_days_the_forecast_reads(

@@ -212,12 +212,16 @@ UNLIKE = [
     # A first Saturday after weekdays: nothing of its kind yet, so the weekdays it is
     # unlike; the weekend's nights are a third of theirs.
     ("first-weekend", nights(6, 2), 5 * 24 + 3, 5 * 24 + 3,
-     "the last 3 h carried 2.0 requests on average, 0.33× the 6.0 of the same hours on "
-     "other days: a day unlike those the forecast reads"),
+     "the last 3 h carried 2.0 requests on average against 6.0 in the same hours on other "
+     "days (×0.33): a day unlike those the forecast reads"),
     # Sunday has Saturday, of its kind: alike.
     ("second-weekend-day", nights(6, 2), 6 * 24 + 3, 6 * 24 + 3, None),
     # A busy Wednesday: five times its weekday nights.
-    ("busy-day", nights(2, 2, d2=10), 2 * 24 + 3, 2 * 24 + 3, "5.00× the 2.0"),
+    ("busy-day", nights(2, 2, d2=10), 2 * 24 + 3, 2 * 24 + 3, "10.0 requests on average "
+     "against 2.0 in the same hours on other days (×5.00)"),
+    # Busy after idle nights: no ratio to give.
+    ("busy-after-idle", nights(0, 0, d2=3), 2 * 24 + 3, 2 * 24 + 3, "3.0 requests on "
+     "average against 0.0 in the same hours on other days (idle there)"),
     # Far less than half the load, but by less than a request: near idle a ratio is noise.
     ("near-idle", idle_wednesday, 2 * 24 + 3, 2 * 24 + 3, None),
     # Less than a factor of two: a day's noise.
