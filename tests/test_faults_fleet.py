@@ -29,7 +29,7 @@ from test_faults import (
 )
 
 from specd.core.settings import FleetSettings
-from specd.io.fleet import Fleet
+from specd.io.fleet import Fleet, default_instance
 from specd.io.state import StateStore
 from specd.twin.process import free_port
 
@@ -132,32 +132,62 @@ def test_sigkill_mid_restart_keeps_the_server_counted_until_the_next_start_heals
     assert other.busy().out == []
 
 
+ANOTHER_BOX = "fedcba9876543210fedcba9876543210 " + UNIT
+
+
+@pytest.mark.parametrize(
+    "earlier_instance",
+    [
+        None,  # written by a specd that signed nothing (an older one)
+        "this",  # this specd's own instance: its machine id and unit
+        ANOTHER_BOX,  # another box given the same holder_name: not this one's to remove
+    ],
+)
 def test_a_marker_an_earlier_run_left_is_removed_at_the_next_start(
     tmp_path: Path,
     specd_setup: tuple[StandIn, Path, int],  # noqa: F811
     etcd: EtcdProcess,
+    earlier_instance: str | None,
 ) -> None:
     """A specd restarted after etcd refused its marker's removal no longer remembers it: the
-    group's other servers waited for this one, serving, up to the marker's bound (an hour)."""
+    group's other servers waited for this one, serving, up to the marker's bound (an hour).
+    A marker of its name that another specd signed stays, and the clash is said at once."""
     standin, config_path, metrics_port = specd_setup
     fleet_keys = {"etcd_endpoints": [etcd.url], "group": "g", "holder_name": HOLDER}
     write_config(config_path, tmp_path, standin.port, metrics_port, **fleet_keys)
-    earlier = Fleet(FleetSettings(**fleet_keys), HOLDER)
+    instance = default_instance(UNIT) if earlier_instance == "this" else earlier_instance
+    earlier = Fleet(FleetSettings(**fleet_keys), HOLDER, instance=instance)
     earlier.mark_out(earlier.out_marker(time.time() - 300, 3600))
     other = Fleet(FleetSettings(**{**fleet_keys, "holder_name": None}), "box-b " + UNIT)
     assert [o.name for o in other.busy().out] == [HOLDER]
     log = tmp_path / "specd.log"
+    looked = ("fleet_marked_in", "fleet_name_clash")
     proc = start_specd(config_path, daemon_env(standin), log)
     try:
-        wait_for(lambda: other.busy().out == [] or proc.poll() is not None, 20, "removed")
+        wait_for(
+            lambda: (
+                any(e.get("event") in looked for e in log_events(log)) or proc.poll() is not None
+            ),
+            20,
+            "the look for a marker an earlier run left",
+        )
         assert proc.poll() is None, log.read_text()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=40) == 0, log.read_text()
-    assert other.probe() is None  # the other server may go
-    (removed,) = [e for e in log_events(log) if e.get("event") == "fleet_marked_in"]
-    assert "removed this server's out-of-service marker" in removed["detail"]
+    said = [e for e in log_events(log) if e.get("event") in looked]
     assert standin.restarts == [3]  # its start only: no restart
+    if earlier_instance == ANOTHER_BOX:
+        assert [o.name for o in other.busy().out] == [HOLDER]  # still counted
+        assert [(e["event"], e["level"]) for e in said] == [("fleet_name_clash", "warning")]
+        assert said[0]["detail"].startswith(
+            f"another specd of fleet group g ({ANOTHER_BOX}) also calls itself {HOLDER!r}"
+        )
+        return
+    assert other.probe() is None  # the other server may go
+    (removed,) = said
+    assert removed["event"] == "fleet_marked_in"
+    assert "removed this server's out-of-service marker" in removed["detail"]
 
 
 def test_three_specds_whose_pins_act_together_restart_one_at_a_time(

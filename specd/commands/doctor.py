@@ -928,8 +928,10 @@ class Doctor:
             finally:
                 client.close()
         fleet = Fleet.from_settings(settings, self.config.sglang.unit)
+        clash = None
         try:
             busy = fleet.busy()
+            clash = fleet.clash(busy)
         except FleetUnavailable as exc:
             failed.append(f"reading the slots of group {settings.group}: {exc}")
             busy = Busy([], [])
@@ -942,6 +944,15 @@ class Doctor:
                 "; ".join(failed),
                 "start etcd or fix [fleet] etcd_endpoints: without an answer specd never "
                 "restarts SGLang (reason fleet_unavailable)",
+            )
+        if clash is not None:
+            return Check(
+                "fleet",
+                False,
+                clash,
+                "set [fleet] holder_name to a name no other specd of the group uses (or omit "
+                "it for the host name and unit): until then this specd restarts nothing "
+                "(reason fleet_unavailable)",
             )
         held = (
             ", ".join(

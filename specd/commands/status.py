@@ -28,7 +28,7 @@ from specd.core.units import DAY_S
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
-from specd.io.fleet import Fleet, FleetUnavailable
+from specd.io.fleet import Fleet, FleetUnavailable, same_instance
 from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -359,15 +359,18 @@ def fleet_status(config: Config) -> dict[str, Any] | None:
         "group": fleet.group,
         "slots": fleet.slots,
         "this_holder": fleet.holder,
+        "this_instance": fleet.instance,
         "endpoints": config.fleet.etcd_endpoints,
         "holders": None,
         "out": None,
         "problem": None,
+        "clash": None,
     }
     try:
         busy = fleet.busy()
         info["holders"] = [h.to_dict() for h in busy.holders]
         info["out"] = [o.to_dict() for o in busy.out]
+        info["clash"] = fleet.clash(busy)
     except FleetUnavailable as exc:
         info["problem"] = str(exc)
     finally:
@@ -383,9 +386,15 @@ def _fleet_line(
     head = f"fleet          group {fleet['group']}, {fleet['slots']} slot(s)"
     if fleet["problem"] is not None:
         return f"{head}: etcd UNAVAILABLE (no restart until it answers): {fleet['problem']}"
+
+    def mine(key: dict[str, Any]) -> bool:
+        return key["name"] == fleet["this_holder"] and same_instance(
+            key.get("instance"), fleet.get("this_instance")
+        )
+
     held = [
         f"slot {h['slot']} held by {h['name']}"
-        + (" (this specd)" if h["name"] == fleet["this_holder"] else "")
+        + (" (this specd)" if mine(h) else "")
         + (f" since {when_text(h['since'], now)}" if h["since"] is not None else "")
         for h in fleet["holders"]
     ]
@@ -394,7 +403,7 @@ def _fleet_line(
     # lost etcd mid-restart) still counts against the slots until it is back.
     out = [
         f"{o['name']} OUT OF SERVICE"
-        + (" (this specd)" if o["name"] == fleet["this_holder"] else "")
+        + (" (this specd)" if mine(o) else "")
         + (f" since {when_text(o['since'], now)}" if o["since"] is not None else "")
         + (
             ""
@@ -405,12 +414,15 @@ def _fleet_line(
         )
         + (
             _own_marker_why(left_out)
-            if o["name"] == fleet["this_holder"] and o["name"] not in holding and not restarting
+            if mine(o) and o["name"] not in holding and not restarting
             else ""
         )
         for o in fleet["out"] or []
     ]
-    return f"{head}: " + ("; ".join(held + out) if held or out else "all free")
+    line = f"{head}: " + ("; ".join(held + out) if held or out else "all free")
+    if fleet.get("clash"):
+        return f"{line}; HOLDER NAME CLASH (no restart until it is fixed): {fleet['clash']}"
+    return line
 
 
 def _own_marker_why(left_out: bool) -> str:

@@ -2257,7 +2257,7 @@ class Applier:
     def _remove_stale_out(self) -> str | None:
         assert self.fleet is not None
         try:
-            found = self.fleet.own_out()
+            found, clash = self.fleet.own_out()
             if found is not None and found.lease > 0:
                 self.fleet.remove_out(found)
         except FleetUnavailable as exc:
@@ -2267,6 +2267,9 @@ class Applier:
                 self._stale_out_logged = True
             return message
         self.stale_out_checked = True
+        if clash is not None:
+            # Said at once, not only when a restart is due (`Fleet.probe` says it then).
+            self.log.warning("fleet_name_clash", group=self.fleet.group, detail=clash)
         kept, self._out_kept_for_gateway = self._out_kept_for_gateway, False
         if found is not None and found.lease > 0:
             since = "" if found.since is None else f" (out since {utc_time(found.since)})"

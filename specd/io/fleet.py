@@ -26,7 +26,12 @@ still holds a slot counts once; this specd's own marker counts not at all (it ha
 in flight when it asks, so a marker under its name is one a failed revoke left behind, or one
 kept while a gateway replica leaves its worker out: its next sequence overwrites it, and the
 applier removes it once the server serves, `Applier.retry_mark_in`). Holder names must
-therefore differ within a group (the default, host name and unit, does).
+therefore differ within a group (the default, host name and unit, does). A name given twice
+(`holder_name` copied with the config to another box, two hosts of one name) would let one
+specd take another's marker for its own, overwrite or remove it: each specd writes who it is
+beside its name (``instance``: an id of the machine and the unit) and one that finds its name under
+another instance in a slot or marker restarts nothing and says why (`Fleet.clash`). A key
+without an instance (written by hand, or by an older specd) is read by its name, as before.
 
 Client: etcd's v3 JSON gateway (grpc-gateway, served on the client port since etcd 3.3;
 3.4.23 here), spoken with httpx, specd's HTTP client already. Chosen over ``etcd3gw``
@@ -48,6 +53,8 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import hashlib
+import hmac
 import json
 import math
 import socket
@@ -56,6 +63,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,6 +72,7 @@ from specd import __version__
 from specd.core.settings import FleetSettings
 from specd.core.text import utc_time
 from specd.io.answers import read_capped
+from specd.io.files import FileReadError, read_regular_file
 from specd.io.tls import context_for
 
 KEY_PREFIX = "/specd"
@@ -72,6 +81,10 @@ MAX_ANSWER_BYTES = 1024 * 1024
 MAX_HOLDER_CHARS = 200
 # 9999-12-31T23:59:59Z: the last second a datetime (and `specd status`) can show.
 MAX_SINCE = 253402300799
+# systemd's id of this machine (machine-id(5)): 32 lowercase hex digits.
+MACHINE_ID = Path("/etc/machine-id")
+# What specd's own id of the machine is derived with (`default_instance`).
+SPECD_APP_ID = b"specd fleet instance"
 # Bounded labels of specd_fleet_etcd_errors_total.
 ERROR_KINDS = ("connect", "timeout", "http", "protocol", "lost")
 
@@ -349,6 +362,8 @@ class Holder:
     name: str
     since: float | None
     lease: int
+    # Who wrote it (`default_instance`); None where the value does not say.
+    instance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -398,6 +413,8 @@ class OutOfService:
     since: float | None
     until: float | None
     lease: int
+    # Who wrote it (`default_instance`); None where the value does not say.
+    instance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -489,6 +506,24 @@ def default_holder(unit: str) -> str:
     return f"{socket.gethostname()} {unit}"
 
 
+def default_instance(unit: str, machine_id: Path = MACHINE_ID) -> str:
+    """Who this specd is, beyond its holder name: an id of this machine (machine-id(5):
+    systemd's, stable across reboots, set by no config of specd's) and the SGLang unit; the
+    host name where the machine id cannot be read. Not the machine id itself, which
+    machine-id(5) asks to keep confidential: an id derived from it for specd alone
+    (HMAC-SHA256 keyed by it, as sd_id128_get_machine_app_specific does), 32 hex digits."""
+    try:
+        # A symlink in some images (/etc/machine-id -> /run/...); never a FIFO's wait.
+        text = read_regular_file(machine_id, 64, follow_symlinks=True).decode("ascii").strip()
+    except (FileReadError, UnicodeDecodeError):
+        text = ""
+    if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+        text = hmac.new(bytes.fromhex(text), SPECD_APP_ID, hashlib.sha256).hexdigest()[:32]
+    else:
+        text = socket.gethostname()
+    return _one_line(f"{text} {unit}", MAX_HOLDER_CHARS)
+
+
 @dataclass
 class FleetHooks:
     """What the fleet reports as it goes (the daemon points these at its metrics)."""
@@ -514,6 +549,7 @@ class Fleet:
         settings: FleetSettings,
         holder: str,
         *,
+        instance: str | None = None,
         hooks: FleetHooks | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -522,6 +558,9 @@ class Fleet:
         self.group = settings.group
         self.slots = settings.slots
         self.holder = holder[:MAX_HOLDER_CHARS]
+        # Written beside the name so a second specd of the same name shows (`clash`);
+        # None writes none (a key read by its name alone, as before instances).
+        self.instance = None if instance is None else _one_line(instance, MAX_HOLDER_CHARS)
         self.hooks = hooks or FleetHooks()
         self.etcd = EtcdClient(
             settings.etcd_endpoints,
@@ -542,7 +581,13 @@ class Fleet:
         hooks: FleetHooks | None = None,
         clock: Callable[[], float] = time.time,
     ) -> Fleet:
-        return cls(settings, settings.holder_name or default_holder(unit), hooks=hooks, clock=clock)
+        return cls(
+            settings,
+            settings.holder_name or default_holder(unit),
+            instance=default_instance(unit),
+            hooks=hooks,
+            clock=clock,
+        )
 
     def close(self) -> None:
         self.etcd.close()
@@ -560,13 +605,14 @@ class Fleet:
             if key.startswith(slots):
                 index_text = key[len(slots) :]
                 if index_text.isascii() and index_text.isdigit() and len(index_text) <= 6:
-                    name, since = _parse_holder(value)
-                    held.append(Holder(int(index_text), name, since, lease))
+                    name, since, instance = _parse_holder(value)
+                    held.append(Holder(int(index_text), name, since, lease, instance))
                 continue
             name_out = _out_name(self.group, key)
             if name_out is not None:
                 # The key names the server (a value is only another host's word on times).
-                out.append(OutOfService(name_out, *_parse_out(value), lease))
+                since, until, instance = _parse_out(value)
+                out.append(OutOfService(name_out, since, until, lease, instance))
         return Busy(sorted(held, key=lambda h: h.slot), sorted(out, key=lambda o: o.name))
 
     def holders(self) -> list[Holder]:
@@ -580,10 +626,38 @@ class Fleet:
             busy = self.busy()
         except FleetUnavailable as exc:
             return str(exc)
+        clash = self.clash(busy)
+        if clash is not None:
+            return clash
         if self._free(busy) is not None:
             return None
         return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(
-            busy, self.slots, self.holder
+            busy, self.slots, self.holder, self.instance
+        )
+
+    def _mine(self, name: str, instance: str | None) -> bool:
+        """Whether a key of ``name`` written by ``instance`` is this specd's: its name, and
+        its instance or none said (on either side)."""
+        return name == self.holder and same_instance(instance, self.instance)
+
+    def clash(self, busy: Busy) -> str | None:
+        """Why this specd must not take a slot while another specd of the group uses its
+        holder name (a slot or marker under it, written by another instance), or None."""
+        keys: list[tuple[str, str | None]] = [(h.name, h.instance) for h in busy.holders]
+        keys += [(o.name, o.instance) for o in busy.out]
+        others = sorted(
+            {
+                str(instance)
+                for name, instance in keys
+                if name == self.holder and not same_instance(instance, self.instance)
+            }
+        )
+        if not others:
+            return None
+        return (
+            f"another specd of fleet group {self.group} ({others[0]}) also calls itself "
+            f"{self.holder!r} (this one: {self.instance}): each needs its own [fleet] "
+            "holder_name, or one may take the other's out-of-service marker for its own"
         )
 
     def _free(self, busy: Busy) -> int | None:
@@ -593,21 +667,25 @@ class Fleet:
         holder no longer holds a slot (its lease ran out while the server was still out): at
         most ``slots`` out at once, as this config says."""
         taken = {h.slot for h in busy.holders}
-        if len(taken) + len(_out_only(busy, self.holder)) >= self.slots:
+        if len(taken) + len(_out_only(busy, self.holder, self.instance)) >= self.slots:
             return None
         return next((i for i in range(self.slots) if i not in taken), None)
 
     # -- taking, keeping, releasing ---------------------------------------------------
     def try_acquire(self) -> Slot | None:
         """Take a free slot now, or None when all are held (or another specd took the one
-        tried first: the next try sees it). At most four etcd requests, so one try stays
-        inside the watchdog whatever etcd does."""
-        index = self._free(self.busy())
+        tried first: the next try sees it; or its holder name clashes, `clash`). At most four
+        etcd requests, so one try stays inside the watchdog whatever etcd does."""
+        busy = self.busy()
+        return None if self.clash(busy) is not None else self._take(busy)
+
+    def _take(self, busy: Busy) -> Slot | None:
+        index = self._free(busy)
         if index is None:
             return None
         lease = self.etcd.grant(self.ttl_s)
         taken_at = self._clock()
-        value = json.dumps({"holder": self.holder, "since": taken_at})
+        value = json.dumps({"holder": self.holder, "since": taken_at, **self._signed()})
         try:
             taken = self.etcd.put_if_absent(slot_key(self.group, index), value, lease)
         except FleetUnavailable:
@@ -629,7 +707,11 @@ class Fleet:
         started = self._mono()
         deadline = started + self.settings.slot_wait_max_s
         while True:
-            slot = self.try_acquire()
+            busy = self.busy()
+            clash = self.clash(busy)
+            if clash is not None:
+                return None, clash  # waiting would not end it: an operator must
+            slot = self._take(busy)
             waited = self._mono() - started
             if slot is not None:
                 self.hooks.waited(waited)
@@ -637,13 +719,16 @@ class Fleet:
                     slot,
                     f"took fleet slot {slot.index} of group {self.group} after {waited:.1f} s",
                 )
-            busy = f"all {self.slots} slot(s) of fleet group {self.group} busy"
+            all_busy = f"all {self.slots} slot(s) of fleet group {self.group} busy"
             why = give_up()
             if why is not None:
-                return None, f"{why} while waiting {waited:.0f} s for a fleet slot ({busy})"
+                return None, f"{why} while waiting {waited:.0f} s for a fleet slot ({all_busy})"
             left = deadline - self._mono()
             if left <= 0:
-                return None, f"no fleet slot within {self.settings.slot_wait_max_s:g} s ({busy})"
+                return (
+                    None,
+                    f"no fleet slot within {self.settings.slot_wait_max_s:g} s ({all_busy})",
+                )
             if stop.wait(min(self.settings.slot_poll_interval_s, left)):
                 return None, "stop requested while waiting for a fleet slot"
 
@@ -701,7 +786,9 @@ class Fleet:
     def mark_out(self, marker: OutMarker) -> None:
         """Put the marker: from now on this server counts against its group's slots even
         without a slot. Raises FleetUnavailable (the lease is revoked then)."""
-        value = json.dumps({"holder": self.holder, "since": marker.since, "until": marker.until})
+        value = json.dumps(
+            {"holder": self.holder, "since": marker.since, "until": marker.until, **self._signed()}
+        )
         try:
             self.etcd.put(marker.key, value, marker.lease)
         except FleetUnavailable:
@@ -731,19 +818,24 @@ class Fleet:
         """This server's marker is past its bound: etcd dropped it."""
         self.hooks.out(False)
 
-    def own_out(self) -> OutOfService | None:
-        """This server's out-of-service marker as etcd holds it (one request), or None.
-        Raises FleetUnavailable."""
-        found = next((o for o in self.busy().out if o.name == self.holder), None)
+    def own_out(self) -> tuple[OutOfService | None, str | None]:
+        """This server's out-of-service marker as etcd holds it, or None; and `clash` of
+        the same read (one request). Raises FleetUnavailable."""
+        busy = self.busy()
+        # Another specd's of the same name is not ours to remove (`clash` says so).
+        found = next((o for o in busy.out if self._mine(o.name, o.instance)), None)
         if found is not None and found.lease > 0:  # one specd put (a hand-put key has none)
             self.hooks.out(True)
-        return found
+        return found, self.clash(busy)
 
     def remove_out(self, out: OutOfService) -> None:
         """Revoke the lease of a marker read from etcd (etcd deletes the key). Raises
         FleetUnavailable."""
         self.etcd.revoke(out.lease)
         self.hooks.out(False)
+
+    def _signed(self) -> dict[str, str]:
+        return {} if self.instance is None else {"instance": self.instance}
 
     def _revoke_quietly(self, lease: int) -> None:
         with contextlib.suppress(FleetUnavailable):  # an unused lease expires in one TTL
@@ -810,26 +902,33 @@ class LeaseKeeper(threading.Thread):
             self.join(self.etcd.timeout_s + 1)
 
 
-def _parse_holder(value: bytes) -> tuple[str, float | None]:
+def _parse_holder(value: bytes) -> tuple[str, float | None, str | None]:
     try:
         data = json.loads(value)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return _one_line(value.decode("utf-8", "replace"), MAX_HOLDER_CHARS), None
+        return _one_line(value.decode("utf-8", "replace"), MAX_HOLDER_CHARS), None, None
     if not isinstance(data, dict):
-        return _one_line(str(data), MAX_HOLDER_CHARS), None
+        return _one_line(str(data), MAX_HOLDER_CHARS), None, None
     name = _one_line(str(data.get("holder", "?")), MAX_HOLDER_CHARS)
-    return name, _calendar_time(data.get("since"))
+    return name, _calendar_time(data.get("since")), _instance(data.get("instance"))
 
 
-def _parse_out(value: bytes) -> tuple[float | None, float | None]:
-    """(since, until) of a marker's value; None for what a calendar cannot show."""
+def _parse_out(value: bytes) -> tuple[float | None, float | None, str | None]:
+    """(since, until, instance) of a marker's value; None for what a calendar cannot show,
+    or no instance said."""
     try:
         data = json.loads(value)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return None, None
+        return None, None, None
     if not isinstance(data, dict):
-        return None, None
-    return _calendar_time(data.get("since")), _calendar_time(data.get("until"))
+        return None, None, None
+    since, until = _calendar_time(data.get("since")), _calendar_time(data.get("until"))
+    return since, until, _instance(data.get("instance"))
+
+
+def _instance(value: Any) -> str | None:
+    # Another host's word: a string, one line, bounded; anything else says nothing.
+    return _one_line(value, MAX_HOLDER_CHARS) or None if isinstance(value, str) else None
 
 
 def _calendar_time(value: Any) -> float | None:
@@ -844,11 +943,22 @@ def _calendar_time(value: Any) -> float | None:
     return None
 
 
-def _out_only(busy: Busy, me: str) -> list[OutOfService]:
+def _out_only(busy: Busy, me: str, instance: str | None) -> list[OutOfService]:
     """Servers out of service that hold no slot: each counts once more against the slots.
-    This specd's own name is left out (see the module docstring)."""
-    holding = {h.name for h in busy.holders} | {_one_line(me, MAX_HOLDER_CHARS)}
-    return [o for o in busy.out if o.name not in holding]
+    This specd's own marker is left out (see the module docstring): its name, written by
+    it or by no instance said."""
+    holding = {h.name for h in busy.holders}
+    me = _one_line(me, MAX_HOLDER_CHARS)
+    return [
+        o
+        for o in busy.out
+        if o.name not in holding and not (o.name == me and same_instance(o.instance, instance))
+    ]
+
+
+def same_instance(a: str | None, b: str | None) -> bool:
+    """Whether two keys of one name may be one specd's: unless both say who, and differ."""
+    return a is None or b is None or a == b
 
 
 def out_text(out: OutOfService, holds_slot: bool = False) -> str:
@@ -862,7 +972,7 @@ def out_text(out: OutOfService, holds_slot: bool = False) -> str:
     return f"{out.name} out of service{since} (holds no slot{until})"
 
 
-def _who(busy: Busy, slots: int, me: str) -> str:
+def _who(busy: Busy, slots: int, me: str, instance: str | None) -> str:
     held = [
         f"slot {h.slot} held by {h.name}"
         + (
@@ -872,4 +982,4 @@ def _who(busy: Busy, slots: int, me: str) -> str:
         )
         for h in busy.holders
     ]
-    return ", ".join(held + [out_text(o) for o in _out_only(busy, me)])
+    return ", ".join(held + [out_text(o) for o in _out_only(busy, me, instance)])

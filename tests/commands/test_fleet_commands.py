@@ -21,7 +21,7 @@ from specd.commands.status import collect, render
 from specd.core.settings import FleetSettings
 from specd.core.text import utc_time
 from specd.io.config import load_config
-from specd.io.fleet import Fleet, slot_key
+from specd.io.fleet import Fleet, default_instance, slot_key
 from specd.io.state import State, StateStore
 from specd.twin.process import free_port
 
@@ -223,3 +223,30 @@ def test_doctor_checks_every_etcd_endpoint_answers(tmp_path: Path, etcd: EtcdPro
     check = doctor(tmp_path, fleet_table(etcd.url)).check_fleet()
     assert not check.ok
     assert "reading the slots of group g" in check.detail
+
+
+def test_status_and_doctor_say_when_another_specd_uses_this_ones_holder_name(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """box-a's config copied to another box as it was: that box's slot is not this specd's,
+    and both commands say why this one restarts nothing until the name is changed."""
+    path = write_config(tmp_path, fleet_table(etcd.url))
+    config = load_config(path)
+    assert config.fleet is not None
+    copy = "fedcba9876543210fedcba9876543210 sglang.service"
+    assert Fleet(config.fleet, "box-a", instance=copy).try_acquire() is not None
+    clash = (
+        f"another specd of fleet group g ({copy}) also calls itself 'box-a' (this one: "
+        f"{default_instance('sglang.service')}): each needs its own [fleet] holder_name"
+    )
+    proc = specd_main("status", "--config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("fleet "))
+    assert line.startswith("fleet          group g, 1 slot(s): slot 0 held by box-a since ")
+    assert "(this specd)" not in line
+    assert f"; HOLDER NAME CLASH (no restart until it is fixed): {clash}" in line
+
+    check = doctor(tmp_path, fleet_table(etcd.url)).check_fleet()
+    assert not check.ok
+    assert check.detail.startswith(clash), check.detail
+    assert "set [fleet] holder_name to a name no other specd of the group uses" in check.advice

@@ -7,12 +7,14 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ from specd.io.fleet import (
     FleetUnavailable,
     OutMarker,
     Slot,
+    default_instance,
     out_key,
     out_prefix,
     slot_key,
@@ -36,6 +39,14 @@ from specd.io.fleet import (
 from specd.twin.process import free_port
 
 TTL_S = 5  # the shortest lease the settings allow
+# Two boxes' instances (`default_instance`), and the one a machine id gives.
+# hmac.new(bytes.fromhex("0123456789abcdef0123456789abcdef"), b"specd fleet instance",
+# hashlib.sha256).hexdigest()[:32], computed once by hand.
+DERIVED = "d7ced66dd0de4c4ad5f1f3fec714f282"
+BOX_A, BOX_B = (
+    "0123456789abcdef0123456789abcdef sglang.service",
+    "fedcba9876543210fedcba9876543210 sglang.service",
+)
 # One etcd for the module, reset between its tests (factories.module_etcd).
 etcd, etcd_server = module_etcd, module_etcd_server
 
@@ -298,16 +309,19 @@ def test_a_marker_that_cannot_be_revoked_says_when_it_frees_itself(etcd: EtcdPro
     suffix=st.text(max_size=80) | st.sampled_from(["", "%", "%zz", "%ff", "a%2", "a/b", "a%2Fb"]),
     value=st.binary(max_size=200)
     | st.builds(
-        lambda since, until: json.dumps({"holder": "x", "since": since, "until": until}).encode(),
+        lambda since, until, instance: json.dumps(
+            {"holder": "x", "since": since, "until": until, "instance": instance}
+        ).encode(),
         st.one_of(st.floats(), st.integers(), st.text(max_size=5), st.none(), st.booleans()),
         st.one_of(st.floats(), st.integers(), st.lists(st.integers(), max_size=2)),
+        st.one_of(st.text(max_size=300), st.integers(), st.none(), st.lists(st.text(), max_size=2)),
     ),
 )
 def test_any_marker_key_or_value_someone_else_wrote_is_read_safely(
     etcd: EtcdProcess, suffix: str, value: bytes
 ) -> None:
     """Only the exact encoding specd writes is a marker; its value is another host's word."""
-    fleet = make_fleet(etcd.url, "box-z")
+    fleet = Fleet(fleet_settings(etcd.url), "box-z", instance=BOX_A)
     key = out_prefix("g1") + suffix
     lease = fleet.etcd.grant(TTL_S)
     try:
@@ -322,9 +336,13 @@ def test_any_marker_key_or_value_someone_else_wrote_is_read_safely(
             assert 0 < len(out.name) <= 200
             for t in (out.since, out.until):
                 assert t is None or 0 <= t <= 253402300799
+            assert out.instance is None or 0 < len(out.instance) <= 200
+            assert out.instance is None or "\n" not in out.instance
         probe = fleet.probe()
         assert (probe is None) == (busy.out == [])
-        assert probe is None or ("\n" not in probe and "out of service" in probe)
+        # Another server's marker, or one of this name another instance signed.
+        said = ("out of service", "also calls itself 'box-z'")
+        assert probe is None or ("\n" not in probe and any(s in probe for s in said))
     finally:
         fleet.etcd.revoke(lease)
         fleet.close()
@@ -709,3 +727,93 @@ def test_a_journal_slot_is_read_back_or_refused() -> None:
     ):
         with pytest.raises(ValueError, match="fleet slot"):
             Slot.from_dict(bad)
+
+
+CLASH = (
+    f"another specd of fleet group g1 ({BOX_B}) also calls itself 'box' (this one: {BOX_A}): "
+    "each needs its own [fleet] holder_name, or one may take the other's out-of-service "
+    "marker for its own"
+)
+NAME_CASES = [
+    # (id, who wrote a key under the name "box", what, who reads it, clash, the marker its own)
+    # This specd itself, restarted: its marker is its own to remove, no clash.
+    ("itself", BOX_A, "marker", BOX_A, False, True),
+    # Another box given the same holder_name (a config copied as it was).
+    ("another-box-marker", BOX_B, "marker", BOX_A, True, False),
+    ("another-box-slot", BOX_B, "slot", BOX_A, True, False),
+    # A key that names no instance (an older specd, or put by hand): read by its name.
+    ("no-instance-said", None, "marker", BOX_A, False, True),
+    # A reader that knows no instance of its own (built by hand): by the name, as before.
+    ("reader-without-instance", BOX_B, "marker", None, False, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("writer", "what", "reader", "clash", "own"),
+    [pytest.param(*c[1:], id=c[0]) for c in NAME_CASES],
+)
+def test_a_holder_name_another_specd_uses_is_said_and_takes_nothing(
+    etcd: EtcdProcess, writer: str | None, what: str, reader: str | None, clash: bool, own: bool
+) -> None:
+    """Two specds of one name would take each other's marker for their own: the one that
+    finds its name under another instance restarts nothing and says why, at once."""
+    other = Fleet(fleet_settings(etcd.url, slots=2), "box", instance=writer)
+    mine = Fleet(fleet_settings(etcd.url, slots=2), "box", instance=reader)
+    if what == "slot":
+        take(other)
+    else:
+        other.mark_out(other.out_marker(time.time(), TTL_S))
+    busy = mine.busy()
+    assert [k.instance for k in (*busy.holders, *busy.out)] == [writer]
+    if clash:
+        assert mine.clash(busy) == CLASH
+        assert mine.probe() == CLASH
+        assert mine.try_acquire() is None
+        started = time.monotonic()
+        assert mine.acquire(threading.Event(), never) == (None, CLASH)
+        assert time.monotonic() - started < 1.0  # said at once, not waited on
+    else:
+        assert mine.clash(busy) is None
+        assert mine.probe() is None
+    found, said = mine.own_out()
+    assert (found is not None) is own
+    assert said == (CLASH if clash else None)
+    # Another's slot and marker stay where they are, whatever this one read.
+    assert len(mine.holders()) == (1 if what == "slot" else 0)
+
+
+@pytest.mark.parametrize(
+    ("content", "kind", "instance"),
+    [
+        # specd's own id derived from it (HMAC-SHA256), never the machine id itself.
+        ("0123456789abcdef0123456789abcdef\n", "file", DERIVED + " sglang.service"),
+        ("not a machine id\n", "file", None),
+        ("", "file", None),
+        (None, "missing", None),
+        (None, "fifo", None),
+        (None, "directory", None),
+    ],
+)
+def test_this_specds_instance_is_its_machine_id_and_unit(
+    tmp_path: Path, content: str | None, kind: str, instance: str | None
+) -> None:
+    """The machine id where it reads as one, else the host name; a FIFO is never waited on."""
+    path = tmp_path / "machine-id"
+    if kind == "file":
+        path.write_text(content or "")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    expected = instance if instance is not None else f"{socket.gethostname()} sglang.service"
+    assert default_instance("sglang.service", path) == expected
+
+
+def test_the_daemons_fleet_signs_its_keys(etcd: EtcdProcess) -> None:
+    fleet = Fleet.from_settings(fleet_settings(etcd.url), "sglang.service")
+    assert fleet.instance == default_instance("sglang.service")
+    take(fleet)
+    fleet.mark_out(fleet.out_marker(time.time(), TTL_S))
+    busy = fleet.busy()
+    assert [h.instance for h in busy.holders] == [fleet.instance]
+    assert [o.instance for o in busy.out] == [fleet.instance]
