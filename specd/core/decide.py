@@ -855,19 +855,15 @@ def _explore(
         live = format_setting(held[1])
     change = f"exploring {live} → {exploration.steps}"
     blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
-    if blocked is not None:
+    waits = None if blocked is None else blocked[1]
+    if waits is None:
+        unlike = unlike_other_days(history, now)
+        waits = None if unlike is None else f"but {unlike}: {change} waits"
+    if waits is not None:
         return Decision(
             held[0],
             Reason.WITHIN_TOLERANCE,
-            f"{why}; {live} is live; {exploration.why}; {blocked[1]}",
-            held[1],
-        )
-    unlike = unlike_other_days(history, now)
-    if unlike is not None:
-        return Decision(
-            held[0],
-            Reason.WITHIN_TOLERANCE,
-            f"{why}; {live} is live; {exploration.why}; but {unlike}: {change} waits",
+            f"{why}; {live} is live; {exploration.why}; {waits}",
             held[1],
         )
     return Decision(
