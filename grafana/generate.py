@@ -1019,10 +1019,12 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
     )
     errors = (
         ts(
-            "etcd errors by kind",
+            "etcd errors by kind, holder name clashes",
             "Failed etcd calls per second (connect, timeout, http, protocol; lost = a held "
             "slot's lease found gone). While etcd cannot be asked no restart happens "
-            "(reason fleet_unavailable).",
+            "(reason fleet_unavailable). holder name clash: this specd found its holder_name "
+            "on a slot or marker another specd wrote, and restarts nothing until the names "
+            "differ (SpecdFleetHolderNameClash).",
             "reqps",
         )
         .min(0)
@@ -1030,6 +1032,13 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
             q(
                 f"sum by (kind) (rate(specd_fleet_etcd_errors_total{{{INST}}}[$__rate_interval]))",
                 "{{kind}}",
+            )
+        )
+        .with_target(
+            q(
+                f"sum(rate(specd_fleet_name_clashes_total{{{INST}}}[$__rate_interval]))",
+                "holder name clash",
+                "B",
             )
         )
     )

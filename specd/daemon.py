@@ -317,6 +317,7 @@ class Daemon:
             held=lambda slot: m.set_fleet_slot(None if slot is None else slot.taken_at),
             waited=m.fleet_slot_wait.observe,
             out=lambda marked: m.fleet_marked_out.set(1 if marked else 0),
+            clash=m.fleet_name_clashes.inc,
             beat=self._heartbeat,
         )
         return Fleet.from_settings(config.fleet, config.sglang.unit, hooks, clock=self.clock)

@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from factories import EtcdProcess, module_etcd, module_etcd_server
 from test_faults import (
@@ -172,9 +173,13 @@ def test_a_marker_an_earlier_run_left_is_removed_at_the_next_start(
             "the look for a marker an earlier run left",
         )
         assert proc.poll() is None, log.read_text()
+        page = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=40) == 0, log.read_text()
+    # SpecdFleetHolderNameClash's counter: the start's look found it, or nothing.
+    clashes = 1.0 if earlier_instance == ANOTHER_BOX else 0.0
+    assert f"\nspecd_fleet_name_clashes_total {clashes}\n" in page
     said = [e for e in log_events(log) if e.get("event") in looked]
     assert standin.restarts == [3]  # its start only: no restart
     if earlier_instance == ANOTHER_BOX:

@@ -536,6 +536,8 @@ class FleetHooks:
     # True once this server's out-of-service marker is in etcd, False once it is gone
     # (removed, or past its bound).
     out: Callable[[bool], None] = field(default=lambda marked: None)
+    # Each time `Fleet.clash` finds this specd's holder name under another specd.
+    clash: Callable[[], None] = field(default=lambda: None)
     # The daemon loop's heartbeat, called around etcd requests made by the loop's own
     # thread (never by the lease keeper's: the watchdog must see the loop stuck).
     beat: Callable[[], None] = field(default=lambda: None)
@@ -654,6 +656,7 @@ class Fleet:
         )
         if not others:
             return None
+        self.hooks.clash()
         return (
             f"another specd of fleet group {self.group} ({others[0]}) also calls itself "
             f"{self.holder!r} (this one: {self.instance}): each needs its own [fleet] "

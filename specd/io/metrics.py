@@ -359,6 +359,13 @@ class Metrics:
             "again (or the marker's bound passes); the group's other servers count it.",
             registry=r,
         )
+        self.fleet_name_clashes = Counter(
+            "specd_fleet_name_clashes",
+            "Times this specd found its [fleet] holder_name on a slot or out-of-service marker "
+            "another specd wrote (at its start's look, and at each restart it held back for "
+            "it): two specds of one name would take each other's marker for their own.",
+            registry=r,
+        )
         self.fleet_etcd_errors = Counter(
             "specd_fleet_etcd_errors_total",
             "Failed etcd calls of the [fleet] semaphore, by kind (connect, timeout, http, "
