@@ -362,8 +362,9 @@ class Metrics:
         self.fleet_name_clashes = Counter(
             "specd_fleet_name_clashes",
             "Times this specd found its [fleet] holder_name on a slot or out-of-service marker "
-            "another specd wrote (at its start's look, and at each restart it held back for "
-            "it): two specds of one name would take each other's marker for their own.",
+            "another specd wrote (at its start's look, and at each tick a restart was due and "
+            "held back for it): two specds of one name would take each other's marker for "
+            "their own.",
             registry=r,
         )
         self.fleet_etcd_errors = Counter(
