@@ -332,14 +332,17 @@ def setup(tmp_path: Path) -> tuple[Path, Path]:
     return make_config(tmp_path, window_opens_in_h=0)
 
 
-def make_config(tmp_path: Path, window_opens_in_h: int) -> tuple[Path, Path]:
+def make_config(
+    tmp_path: Path, window_opens_in_h: int, restart_cost_s: float | None = None
+) -> tuple[Path, Path]:
     """A config whose one daily two-hour window opened at the start of this hour (0, open
     now) or opens ``window_opens_in_h`` hours after it."""
     override = tmp_path / "override.toml"
     config = tmp_path / "specd.toml"
     hour = (datetime.now(UTC).hour + window_opens_in_h) % 24
+    cost = "" if restart_cost_s is None else f"restart_cost_s = {restart_cost_s}\n"
     config.write_text(
-        f'[files]\noverride_file = "{override}"\n[choose]\nmin_steps = 2\nmax_steps = 5\n'
+        f'[files]\noverride_file = "{override}"\n[choose]\nmin_steps = 2\nmax_steps = 5\n{cost}'
         "[[bands]]\nmax_concurrency = 4\nsteps = 4\n[[bands]]\nsteps = 3\n"
         f'[[windows]]\ncron = "0 {hour} * * *"\nduration_s = 7200\ntimezone = "UTC"\n'
     )
@@ -587,6 +590,25 @@ def test_pin_of_any_setting_round_trips(
 
 
 @pytest.mark.parametrize(
+    ("restart_cost_s", "shortest"),
+    [
+        # 11–12 h to the window: 12 h reaches it whatever the minute now.
+        (0, "12h"),
+        # ... and an hour's restart into it: 13 h (the default 100 s made the shortest
+        # --for depend on the minute it ran at: 13 h in the first 100 s of an hour).
+        (3600, "13h"),
+    ],
+)
+def test_a_refused_pin_names_the_shortest_for_that_reaches_into_the_window(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], restart_cost_s: float, shortest: str
+) -> None:
+    config, _ = make_config(tmp_path, window_opens_in_h=12, restart_cost_s=restart_cost_s)
+    argv = ["override", "pin", "3", "--for", "2h", "--reason", "tonight"]
+    assert main([*argv, "--config", str(config)]) == 2
+    assert f"or pin --for {shortest} or more; nothing written" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("argv", "code", "says"),
     [
         # The window opens in 11–12 h: a 2 h pin waiting for it would never apply.
@@ -595,7 +617,6 @@ def test_pin_of_any_setting_round_trips(
             2,
             "before the next maintenance window opens",
         ),
-        (["pin", "3", "--for", "2h", "--reason", "tonight"], 2, "or pin --for 12h or more"),
         (["pin", "adaptive:3,4", "--for", "1h", "--reason", "r"], 2, "would never apply"),
         (["pin", "3", "--for", "2h", "--reason", "now", "--now"], 0, "restarts at once"),
         (["pin", "3", "--for", "14h", "--reason", "tonight"], 0, "in the next maintenance window"),
