@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specd.commands.check_config import load_for_command
-from specd.core import windows
+from specd.core import explore, windows
 from specd.core.history import HistorySettings
 from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
@@ -293,6 +293,7 @@ def collect(
             if now - e.t < config.choose.regression_avoid_s
         ],
         "acceptance": _acceptance(state),
+        "explorations": _explorations(config, state.explorations, now),
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
         "sglang_restarts_last_24h": restarted,
@@ -347,6 +348,49 @@ def _acceptance_line(acceptance: dict[str, Any]) -> str:
         else "none measured yet"
     )
     return f"acceptance     the sweep's: {measured}"
+
+
+def _explorations(
+    config: Config, explorations: list[list[float]], now: float
+) -> dict[str, Any] | None:
+    """The model policy's explorations of the rolling week (`specd.core.explore`): which
+    step count, since when, and until when its epoch runs; None under the bands, which
+    never explore. A step count that changed at an odd hour for no load change is one."""
+    if config.choose.policy != "model":
+        return None
+    week = explore.this_week([(float(t), int(k)) for t, k in explorations], now)
+    recent = []
+    for t, k in week:
+        until = explore.epoch_end(config, t)
+        recent.append(
+            {
+                "steps": k,
+                "t": t,
+                "until": until,
+                # On the window's own clock, as the window line shows it.
+                "until_at": None
+                if until is None
+                else _local(config, datetime.fromtimestamp(until, tz=timezone.utc)),
+            }
+        )
+    return {"max_per_week": config.choose.explore_max_per_week, "recent": recent}
+
+
+def _explored_line(explored: dict[str, Any], now: float) -> str:
+    recent = explored["recent"]
+    most = explored["max_per_week"]
+    if not recent:
+        return f"explored       none in the last 7 days (at most {most} a week, one per step count)"
+    shown = [
+        f"{e['steps']} steps {when_text(e['t'], now)}"
+        + (
+            f", measured until the window {when_text(e['until'], now, e['until_at'])}"
+            if e["until"] is not None and e["until"] > now
+            else ""
+        )
+        for e in recent
+    ]
+    return f"explored       {len(recent)} of {most} in the last 7 days: {'; '.join(shown)}"
 
 
 def fleet_status(config: Config) -> dict[str, Any] | None:
@@ -576,6 +620,8 @@ def render(info: dict[str, Any], now: float) -> str:
             f"{when_text(e['until'], now)}"
         )
     lines.append(_acceptance_line(info["acceptance"]))
+    if info.get("explorations") is not None:
+        lines.append(_explored_line(info["explorations"], now))
     picks = info["choices"]
     lines.append(f"choices        {picks['lines'][0]}")
     lines += [f"               {line}" for line in picks["lines"][1:]]

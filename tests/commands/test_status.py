@@ -589,3 +589,40 @@ def test_status_says_what_an_unfinished_restart_waits_for(
     line = next(x for x in text.splitlines() if x.startswith("restart  "))
     assert said in line, line
     assert unsaid not in line, line
+
+
+EXPLORED = [
+    # (id, [choose] policy, explorations [seconds before NOW, steps], the line or None)
+    ("bands-never-explore", "bands", [[13 * 3600, 5]], None),
+    ("none-this-week", "model", [], "explored       none in the last 7 days (at most 2 a week, "
+     "one per step count)"),
+    # Started at the window's opening 13 h ago (03:00 UTC), measured until the next one.
+    ("one-measuring", "model", [[13 * 3600, 5]], "explored       1 of 2 in the last 7 days: 5 "
+     "steps 2025-11-24T03:00:00+00:00 (13.0 h ago), measured until the window "
+     "2025-11-25T03:00:00+00:00 (in 11.0 h)"),
+    # One measured and done, one older than the rolling week (not shown).
+    ("one-done", "model", [[61 * 3600, 2], [8 * 86400, 4]], "explored       1 of 2 in the last "
+     "7 days: 2 steps 2025-11-22T03:00:00+00:00 (61.0 h ago)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "explorations", "line"), [pytest.param(*e[1:], id=e[0]) for e in EXPLORED]
+)
+def test_status_says_which_step_counts_were_explored_and_until_when(
+    tmp_path: Path, policy: str, explorations: list[list[float]], line: str | None
+) -> None:
+    """A step count that changed at an odd hour, with no change in load, is an exploration:
+    the on-call sees which, since when and until when, beside the week's allowance."""
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        f'[sglang]\nurl = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}"\noverride_file = "{tmp_path}/override.toml"\n'
+        f'[choose]\npolicy = "{policy}"\n'
+    )
+    config = load_config(path)
+    state = State(explorations=[[NOW - ago, steps] for ago, steps in explorations])
+    assert StateStore(tmp_path).save(state) is None
+    info = collect(config, NOW, server_info(config))
+    shown = [x for x in render(info, NOW).splitlines() if x.startswith("explored")]
+    assert shown == ([] if line is None else [line])
