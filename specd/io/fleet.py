@@ -8,7 +8,8 @@ checks the key is still on the lease right before the restart (a specd cut off f
 for a TTL has lost its slot and must not restart: no split brain), and releases it
 (revokes the lease, which deletes the key) once SGLang is verified or rolled back. A specd
 that dies, even by SIGKILL, stops renewing: etcd deletes the key one TTL later and the next
-server may go. The key's value says who holds it (JSON: holder, since) for ``specd status``.
+server may go. The key's value says who holds it (JSON: holder, since, instance) for
+``specd status``.
 
 A slot alone does not keep the promise "at most ``slots`` out of service": its lease is short
 (``lease_ttl_s``, 30 s) so that a dead specd frees it soon, but a server whose specd died
