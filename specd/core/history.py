@@ -746,19 +746,19 @@ class History:
         scale = table.scale_at(self._at())
         return {k: cell[0] * scale for k, cell in table.cells.items()}
 
-    def hour_moments(self, how: int) -> tuple[tuple[float, float], ...]:
+    def hour_moments(
+        self, how: int
+    ) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
         """Decayed (seconds, seconds × offered concurrency) during hour-of-week ``how``, during
         its hour of the day on the days of its kind (``how`` included: `day_kind_weights`),
         and on every day of either kind: the means and their weights, no shares made."""
         at = self._at()
-        hour = how % 24
-        kinds = self._day_tables(hour)
-        out: list[tuple[float, float]] = []
-        for table in (self._hourly[how % HOURS_PER_WEEK], self._day_kinds[day_kind(how)]):
-            out.append(_moments(table, at))
-        both = [_moments(table, at) for table in kinds]
-        out.append((both[0][0] + both[1][0], both[0][1] + both[1][1]))
-        return tuple(out)
+        weekdays, weekend = (_moments(table, at) for table in self._day_tables(how % 24))
+        return (
+            _moments(self._hourly[how % HOURS_PER_WEEK], at),
+            weekend if is_weekend_hour(how) else weekdays,  # the kind's table is one of them
+            (weekdays[0] + weekend[0], weekdays[1] + weekend[1]),
+        )
 
     def _distribution(
         self, index: int, table: DecayingSums[int] | None
