@@ -2258,8 +2258,10 @@ class Applier:
         assert self.fleet is not None
         try:
             found, clash = self.fleet.own_out()
-            if found is not None and found.lease > 0:
-                self.fleet.remove_out(found)
+            # One with no lease was put by hand: left to whoever put it.
+            removable = found if found is not None and found.lease > 0 else None
+            if removable is not None:
+                self.fleet.remove_out(removable)
         except FleetUnavailable as exc:
             message = f"cannot look for an out-of-service marker an earlier run left: {exc}"
             if not self._stale_out_logged:  # once, not every minute of an etcd outage
@@ -2271,8 +2273,8 @@ class Applier:
             # Said at once, not only when a restart is due (`Fleet.probe` says it then).
             self.log.warning("fleet_name_clash", group=self.fleet.group, detail=clash)
         kept, self._out_kept_for_gateway = self._out_kept_for_gateway, False
-        if found is not None and found.lease > 0:
-            since = "" if found.since is None else f" (out since {utc_time(found.since)})"
+        if removable is not None:
+            since = "" if removable.since is None else f" (out since {utc_time(removable.since)})"
             if kept:
                 detail = "every gateway replica routes the worker again"
             else:
