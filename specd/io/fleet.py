@@ -560,7 +560,9 @@ class Fleet:
         self.settings = settings
         self.group = settings.group
         self.slots = settings.slots
-        self.holder = holder[:MAX_HOLDER_CHARS]
+        # As its keys read back (`_out_name`, `_parse_holder`): one line, bounded, so every
+        # comparison with a name read from etcd holds for this specd's own.
+        self.holder = _one_line(holder, MAX_HOLDER_CHARS)
         # Written beside the name so a second specd of the same name shows (`clash`);
         # None writes none (a key read by its name alone, as before instances).
         self.instance = None if instance is None else _one_line(instance, MAX_HOLDER_CHARS)
@@ -635,7 +637,7 @@ class Fleet:
         if self._free(busy) is not None:
             return None
         return f"all {self.slots} slot(s) of fleet group {self.group} busy: " + _who(
-            busy, self.slots, self.holder, self.instance
+            busy, self.slots, self._mine
         )
 
     def _mine(self, name: str, instance: str | None) -> bool:
@@ -671,7 +673,7 @@ class Fleet:
         holder no longer holds a slot (its lease ran out while the server was still out): at
         most ``slots`` out at once, as this config says."""
         taken = {h.slot for h in busy.holders}
-        if len(taken) + len(_out_only(busy, self.holder, self.instance)) >= self.slots:
+        if len(taken) + len(_out_only(busy, self._mine)) >= self.slots:
             return None
         return next((i for i in range(self.slots) if i not in taken), None)
 
@@ -947,17 +949,12 @@ def _calendar_time(value: Any) -> float | None:
     return None
 
 
-def _out_only(busy: Busy, me: str, instance: str | None) -> list[OutOfService]:
+def _out_only(busy: Busy, mine: Callable[[str, str | None], bool]) -> list[OutOfService]:
     """Servers out of service that hold no slot: each counts once more against the slots.
-    This specd's own marker is left out (see the module docstring): its name, written by
-    it or by no instance said."""
+    This specd's own marker (``mine``: `Fleet._mine`) is left out (see the module
+    docstring)."""
     holding = {h.name for h in busy.holders}
-    me = _one_line(me, MAX_HOLDER_CHARS)
-    return [
-        o
-        for o in busy.out
-        if o.name not in holding and not (o.name == me and same_instance(o.instance, instance))
-    ]
+    return [o for o in busy.out if o.name not in holding and not mine(o.name, o.instance)]
 
 
 def same_instance(a: str | None, b: str | None) -> bool:
@@ -976,7 +973,7 @@ def out_text(out: OutOfService, holds_slot: bool = False) -> str:
     return f"{out.name} out of service{since} (holds no slot{until})"
 
 
-def _who(busy: Busy, slots: int, me: str, instance: str | None) -> str:
+def _who(busy: Busy, slots: int, mine: Callable[[str, str | None], bool]) -> str:
     held = [
         f"slot {h.slot} held by {h.name}"
         + (
@@ -986,4 +983,4 @@ def _who(busy: Busy, slots: int, me: str, instance: str | None) -> str:
         )
         for h in busy.holders
     ]
-    return ", ".join(held + [out_text(o) for o in _out_only(busy, me, instance)])
+    return ", ".join(held + [out_text(o) for o in _out_only(busy, mine)])

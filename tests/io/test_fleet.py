@@ -817,3 +817,18 @@ def test_the_daemons_fleet_signs_its_keys(etcd: EtcdProcess) -> None:
     busy = fleet.busy()
     assert [h.instance for h in busy.holders] == [fleet.instance]
     assert [o.instance for o in busy.out] == [fleet.instance]
+
+
+def test_a_holder_name_is_kept_as_its_keys_read_back(etcd: EtcdProcess) -> None:
+    """A name with a tab, doubled or trailing spaces (a hand-written holder_name) reads back
+    from its keys on one line: compared as configured, this specd's own marker was not its
+    own, never removed between restarts, and its slot not "(this specd)"."""
+    fleet = Fleet(fleet_settings(etcd.url), "box\t a  ", instance=BOX_A)
+    assert fleet.holder == "box a"
+    take(fleet)
+    fleet.mark_out(fleet.out_marker(time.time(), TTL_S))
+    busy = fleet.busy()
+    assert [h.name for h in busy.holders] == [o.name for o in busy.out] == [fleet.holder]
+    found, clash = fleet.own_out()
+    assert found is not None
+    assert clash is None
