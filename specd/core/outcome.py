@@ -13,21 +13,29 @@ prediction as that bin's evidence is thin (`specd.core.model.OBSERVED_PIVOT_S`).
 The model predicted the change for its epoch (until the next window opens), so that is what
 is verified: the snapshot lapses when the window at the end of that epoch closes
 (``ChangeSnapshot.until``); a regression found by then goes back in that window. Later
-traffic is the policy's to judge again, not this change's outcome.
+traffic is the policy's to judge again, not this change's outcome. What was predicted is
+kept too, per load band of the forecast (``ChangeSnapshot.predicted``: the model's ratio
+of the new setting to the old, and the band's share of the epoch): a change made for a busy
+day may be predicted to serve less at night, and serving less there is what it was made
+expecting.
 
 A regression is a shortfall beyond noise: the old step count's baseline exceeds what the
 new one served by more than ``regression_min_ratio`` and than the prediction interval of
 the difference (`EVIDENCE_Z` standard errors; each side's relative error is the
 calibration's noise shrunk by the seconds observed, as in
 `PerformanceModel.relative_error`), once the new step count has been observed for
-``outcome_min_observed_s`` busy seconds since the change. `step` puts the regressed step
-count on an avoid list at once (`Avoided`): the policies skip it for
-``regression_avoid_s`` unless the traffic they expect moved far from the mix it regressed
-under (the total variation distance of the concurrency mix beyond
-``regression_lift_mix_ratio``). While the traffic the policy expects is that close,
-`decide` goes back at the next window (`Reason.REGRESSION`, under the usual window, dwell
-and budget rules; a pin or a freeze wins); for other traffic (the night's batch jobs after
-a day's change) the policy decides.
+``outcome_min_observed_s`` busy seconds since the change; and, where the change was
+predicted at the traffic seen, the ratio over its epoch (its load bands seen since as
+served there, the rest as predicted) is a loss by as much: half an hour of night traffic
+says nothing of the day's bands. `step` puts the regressed step count on an avoid list at
+once (`Avoided`): the policies skip it for ``regression_avoid_s`` unless the traffic they
+expect moved far from the mix it regressed under (the total variation distance of the
+concurrency mix beyond ``regression_lift_mix_ratio``). While the traffic the policy
+expects is that close, `decide` goes back at the next window (`Reason.REGRESSION`, under
+the usual window, dwell and budget rules; a pin or a freeze wins), or in the window the
+change was made in while it is open and the shortfall is against the prediction (the
+dwell does not hold that); for other traffic (the night's batch jobs after a day's
+change) the policy decides.
 
 Every kind of setting is verified alike: ``from_steps``/``to_steps`` are setting keys
 (`specd.core.setting.setting_key`: K, 0 for off, negative for an adaptive set), and an
@@ -57,6 +65,7 @@ from specd.core.model import (
     Calibration,
     PerformanceModel,
     adaptive_slots,
+    load_band,
     observed_shrink,
 )
 from specd.core.observation import MAX_RUNNING_REQUESTS, MAX_STEPS, MAX_TOKENS_PER_S
@@ -78,6 +87,10 @@ if TYPE_CHECKING:
 _MIN_CELL_S = 1e-6
 # Mix entries below this share are not kept in the avoid list (bounded state).
 _MIN_MIX_SHARE = 1e-3
+# A change's prediction: load bands kept (a band per doubling of concurrency: 2^24 is past
+# any server's), and the largest ratio one can be.
+MAX_PREDICTED_BANDS = 24
+MAX_PREDICTED_RATIO = 1e3
 
 
 def _keys(key: int, setting: SpecSetting | None) -> tuple[int, ...]:
@@ -118,6 +131,10 @@ class ChangeSnapshot:
     # The adaptive sets of from_steps / to_steps (their setting keys); None: static K or off.
     from_setting: SpecSetting | None = None
     to_setting: SpecSetting | None = None
+    # What the policy predicted to_steps serves relative to from_steps, per load band of the
+    # traffic it forecast: (band, ratio, share of the epoch) (`predicted_bands`); empty: not
+    # predicted.
+    predicted: tuple[tuple[int, float, float], ...] = ()
 
     def lapsed(self, now: float) -> bool:
         return self.until is not None and now >= self.until
@@ -166,6 +183,14 @@ class Verdict:
     # The adaptive sets of from_steps / to_steps; None: static K or off.
     from_setting: SpecSetting | None = None
     to_setting: SpecSetting | None = None
+    # When the change was made (the snapshot's time): going back in its own window.
+    changed_at: float | None = None
+    # What to_steps was predicted to serve at the traffic seen since (tok/s; None: not
+    # predicted there); the change's ratio over its epoch, the bands seen as served and the
+    # rest as predicted; and whether that ratio is a loss beyond noise.
+    predicted_tok_s: float | None = None
+    epoch_ratio: float | None = None
+    short_of_prediction: bool | None = None
 
     @property
     def to_name(self) -> str:
@@ -205,18 +230,65 @@ def snapshot(
     until: float | None = None,
     from_setting: SpecSetting | None = None,
     to_setting: SpecSetting | None = None,
+    predicted: tuple[tuple[int, float, float], ...] = (),
 ) -> ChangeSnapshot:
     """The snapshot of a change from ``from_steps`` to ``to_steps`` (setting keys; an
     adaptive set given as ``from_setting`` / ``to_setting``) made now (the history's
-    latest observation), verified until ``until``."""
+    latest observation), verified until ``until``; ``predicted``: `predicted_bands`."""
     t = history.last_t if history.last_t is not None else 0.0
     from_setting, to_setting = _adaptive(from_setting), _adaptive(to_setting)
     cells = tuple(
         sorted((c, w, ws) for c, (w, ws) in _cells(history, to_steps, to_setting).items())
     )
     return ChangeSnapshot(
-        t, from_steps, to_steps, cells, predicted_gain_ratio, until, from_setting, to_setting
+        t,
+        from_steps,
+        to_steps,
+        cells,
+        predicted_gain_ratio,
+        until,
+        from_setting,
+        to_setting,
+        predicted[:MAX_PREDICTED_BANDS],
     )
+
+
+def predicted_bands(
+    model: PerformanceModel,
+    mix: Mapping[int, float],
+    from_key: int,
+    to_key: int,
+    from_setting: SpecSetting | None = None,
+    to_setting: SpecSetting | None = None,
+) -> tuple[tuple[int, float, float], ...]:
+    """What ``model`` predicts the setting ``to_key`` serves relative to ``from_key`` (setting
+    keys; adaptive sets given as settings) per load band (`specd.core.model.load_band`) of
+    the offered concurrencies in ``mix`` (the forecast a change is made on; weights by
+    concurrency): (band, ratio, the band's share of what ``from_key`` was predicted to serve
+    over it). The verdict reads the epoch from it: the bands seen as served, the rest as
+    predicted. Empty when the model predicts either setting not."""
+    new = _predictor(model, to_key, _adaptive(to_setting))
+    old = _predictor(model, from_key, _adaptive(from_setting))
+    if new is None or old is None:
+        return ()
+    sums: dict[int, list[float]] = {}
+    for c, w in mix.items():
+        if c <= 0 or not w > 0:
+            continue
+        band = sums.setdefault(load_band(c), [0.0, 0.0])
+        band[0] += w * new(float(c))
+        band[1] += w * old(float(c))
+    total = sum(o for _, o in sums.values())
+    if not total > 0 or not math.isfinite(total):
+        return ()
+    out = [
+        (b, n / o, o / total) for b, (n, o) in sorted(sums.items()) if o > 0 and _ratio_ok(n / o)
+    ]
+    return tuple(out[:MAX_PREDICTED_BANDS])
+
+
+def _ratio_ok(value: float) -> bool:
+    return math.isfinite(value) and 0.0 <= value <= MAX_PREDICTED_RATIO
 
 
 def _cells(
@@ -329,7 +401,11 @@ def verdict(
         c: (ws / w, w) for c, (w, ws) in _cells(history, old, snap.from_setting).items() if w > 0
     }
     predict = _predictor(model, old, snap.from_setting)
+    bands = {b: (ratio, share) for b, ratio, share in snap.predicted}
     total_w = served = baseline = 0.0
+    # The cells in a band the change was predicted for: seconds, served, predicted, baseline.
+    covered = [0.0, 0.0, 0.0, 0.0]
+    seen_bands: dict[int, list[float]] = {}  # band: [seconds, served, baseline]
     mix: dict[int, float] = {}
     for c, (w, tok_s) in seen.items():
         obs_tok_s, obs_w = old_observed.get(c, (0.0, 0.0))
@@ -345,6 +421,16 @@ def verdict(
         served += w * tok_s
         baseline += w * base
         mix[c] = w
+        band = load_band(c) if bands else None
+        if band is not None and band in bands:
+            covered[0] += w
+            covered[1] += w * tok_s
+            covered[2] += w * base * bands[band][0]
+            covered[3] += w * base
+            sums = seen_bands.setdefault(band, [0.0, 0.0, 0.0])
+            sums[0] += w
+            sums[1] += w * tok_s
+            sums[2] += w * base
     if total_w <= 0 or baseline <= 0:
         return None
     served /= total_w
@@ -355,8 +441,31 @@ def verdict(
         _error_ratio(noise, total_w) * served, _error_ratio(noise, old_evidence) * baseline
     )
     needed = config.choose.outcome_min_observed_s
-    floor = config.choose.regression_min_ratio * baseline
-    beyond_noise = total_w >= needed and baseline - served > max(margin, floor)
+    floor_ratio = config.choose.regression_min_ratio
+    # The epoch the change was predicted for, its bands seen since as served there and the
+    # rest as predicted: a loss, by as much as a shortfall must be. A band counts as seen
+    # after as long as observation takes to outweigh a prediction (a burst's few seconds
+    # say nothing of the busy hours that band stands for).
+    predicted_tok_s: float | None = None
+    epoch_ratio: float | None = None
+    short_of_prediction: bool | None = None
+    if covered[2] > 0 and covered[3] > 0:
+        predicted_tok_s = covered[2] / covered[0]
+    measured_ratio = {
+        b: v[1] / v[2] for b, v in seen_bands.items() if v[0] >= OBSERVED_PIVOT_S and v[2] > 0
+    }
+    if measured_ratio:
+        shares = sum(share for _, share in bands.values())
+        epoch_ratio = (
+            sum(share * measured_ratio.get(b, ratio) for b, (ratio, share) in bands.items())
+            / shares
+        )
+        short_of_prediction = 1.0 - epoch_ratio > max(margin / baseline, floor_ratio)
+    beyond_noise = (
+        total_w >= needed
+        and baseline - served > max(margin, floor_ratio * baseline)
+        and short_of_prediction is not False
+    )
     # The mix seen, normalized once: compared with the coming traffic and kept in the verdict.
     seen_mix = _normalized_mix(mix)
     moved = 0.0 if coming is None else _normalized_distance(_normalized_mix(coming), seen_mix)
@@ -367,8 +476,14 @@ def verdict(
     expected = (
         ""
         if snap.predicted_gain_ratio is None
-        else f", predicted {snap.predicted_gain_ratio * 100:+.1f}%"
+        else f", predicted {snap.predicted_gain_ratio * 100:+.1f}% for its epoch"
     )
+    if epoch_ratio is not None:
+        there = covered[2] / covered[3] - 1.0  # covered: the bands seen are in it
+        expected += (
+            f", {there * 100:+.1f}% at the traffic seen: {(epoch_ratio - 1) * 100:+.1f}% for "
+            "its epoch with what it served there"
+        )
     measured = (
         f"{new_label} served {served:.0f} tok/s over {total_w / 3600:.1f} h since, "
         f"{old_label} serves {baseline:.0f} at the same concurrencies "
@@ -384,6 +499,11 @@ def verdict(
         )
     elif total_w < needed:
         why = f"outcome of {change}: {total_w:.0f} s observed < {needed:.0f} s needed, {measured}"
+    elif short_of_prediction is False and baseline - served > max(margin, floor_ratio * baseline):
+        why = (
+            f"outcome of {change}: no regression, it serves less at the traffic seen but as "
+            f"much as predicted for its epoch, {measured}"
+        )
     else:
         why = f"outcome of {change}: no regression beyond noise, {measured}"
     return Verdict(
@@ -399,6 +519,10 @@ def verdict(
         seen_mix,
         snap.from_setting,
         snap.to_setting,
+        snap.t,
+        predicted_tok_s,
+        epoch_ratio,
+        short_of_prediction,
     )
 
 
@@ -585,6 +709,7 @@ def snapshot_to_dict(snap: ChangeSnapshot, half_life_s: float) -> dict[str, Any]
         "cells": table.to_dict(snap.t, int),
         "from_setting": _setting_text(snap.from_setting),
         "to_setting": _setting_text(snap.to_setting),
+        "predicted": [[band, ratio, share] for band, ratio, share in snap.predicted],
     }
 
 
@@ -625,6 +750,7 @@ def snapshot_from_dict(
         )
         from_setting = _setting_of(data, "from_setting", from_steps)
         to_setting = _setting_of(data, "to_setting", to_steps)
+        predicted = _predicted(data.get("predicted"))
     except ValueError as exc:
         raise ValueError(f"verifying: {exc}") from None
     if from_steps == to_steps:
@@ -632,8 +758,37 @@ def snapshot_from_dict(
     scale = table.scale_at(t)
     cells = tuple(sorted((c, w * scale, ws * scale) for c, (w, ws) in table.cells.items()))
     return ChangeSnapshot(
-        t, from_steps, to_steps, cells, gain_ratio, until_t, from_setting, to_setting
+        t, from_steps, to_steps, cells, gain_ratio, until_t, from_setting, to_setting, predicted
     )
+
+
+def _predicted(value: Any) -> tuple[tuple[int, float, float], ...]:
+    """`ChangeSnapshot.predicted` from its JSON; absent (an older specd's) is none."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_PREDICTED_BANDS:
+        raise ValueError(
+            f"predicted: expected a list of at most {MAX_PREDICTED_BANDS} [band, ratio, share]"
+        )
+    out: dict[int, tuple[float, float]] = {}
+    for i, entry in enumerate(value):
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 3
+            or isinstance(entry[0], bool)
+            or not isinstance(entry[0], int)
+            or not 0 <= entry[0] < MAX_PREDICTED_BANDS
+            or entry[0] in out
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in entry[1:])
+            or not _ratio_ok(float(entry[1]))
+            or not 0.0 <= float(entry[2]) <= 1.0
+        ):
+            raise ValueError(
+                f"predicted[{i}]: expected [band 0–{MAX_PREDICTED_BANDS - 1}, once; ratio "
+                f"0–{MAX_PREDICTED_RATIO:g}; share 0–1], got {entry!r:.40}"
+            )
+        out[entry[0]] = (float(entry[1]), float(entry[2]))
+    return tuple((b, r, share) for b, (r, share) in sorted(out.items()))
 
 
 def avoided_to_dict(entry: Avoided) -> dict[str, Any]:

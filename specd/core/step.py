@@ -288,7 +288,14 @@ def _after_acting(
             if held is not None and new is not None and held.tok_s > 0:
                 gain = new.tok_s / held.tok_s - 1.0
         until = outcome.verification_end(ctx.config, now)
-        snap = outcome.snapshot(ctx.history, current, target, gain, until, current_setting, chosen)
+        predicted: tuple[tuple[int, float, float], ...] = ()
+        if pick is not None and pick.plan is not None and pick.plan.model is not None:
+            predicted = outcome.predicted_bands(
+                pick.plan.model, pick.mix, current, target, current_setting, chosen
+            )
+        snap = outcome.snapshot(
+            ctx.history, current, target, gain, until, current_setting, chosen, predicted
+        )
         return replace(control, verifying=snap)
     return replace(control, verifying=None)
 

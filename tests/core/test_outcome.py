@@ -85,7 +85,7 @@ def changed(
         # Beyond the interval (±0.4 % after a day), not beyond regression_min_ratio (2 %).
         pytest.param(985.0, NEXT_WINDOW, False, "no regression beyond noise", id="below-floor"),
         pytest.param(1050.0, NEXT_WINDOW, False, "+5.0%", id="served-more"),
-        # Before outcome_min_observed_s (an hour) nothing counts, however bad it looks.
+        # Before outcome_min_observed_s (half an hour) nothing counts, however bad it looks.
         pytest.param(900.0, CHANGED + 1800, False, "s needed", id="before-the-minimum-time"),
     ],
 )
@@ -103,6 +103,98 @@ def test_a_regression_is_a_shortfall_beyond_noise_after_the_minimum_time(
     assert found.baseline_tok_s == pytest.approx(1000.0, rel=1e-6)
     assert found.margin_tok_s > 0
     assert "predicted +2.0%" in found.why
+
+
+PREDICTED_THERE = [
+    # (id, the prediction kept per load band: (band, ratio 4 / 3, share of the epoch),
+    #  regressed, short of the prediction, message part). 4 served 950 tok/s at 2 requests
+    # (load band 1) for a day, 3 serves 1000 there.
+    ("not-predicted", (), True, None, "regression"),
+    ("predicted-more-there", ((1, 1.02, 1.0),), True, True,
+     "+2.0% at the traffic seen: -5.0% for its epoch with what it served there"),
+    # Made for an epoch mostly of heavier traffic (band 4), where 4 was to serve 10% more:
+    # serving 5% less at light traffic leaves it +4.0% for the epoch. No regression.
+    ("made-for-heavier-traffic", ((1, 0.95, 0.4), (4, 1.10, 0.6)), False, False,
+     "+4.0% for its epoch with what it served there"),
+    ("a-small-loss-for-the-epoch", ((1, 1.02, 0.2), (4, 1.0, 0.8)), False, False,
+     "as much as predicted for its epoch"),
+    ("a-loss-for-the-epoch", ((1, 1.02, 0.5), (4, 1.0, 0.5)), True, True,
+     "-2.5% for its epoch"),
+    # No band seen was predicted: the shortfall against the old one decides, as before.
+    ("predicted-for-other-bands-only", ((4, 1.02, 0.5), (5, 1.10, 0.5)), True, None,
+     "regression"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("predicted", "regressed", "short", "says"),
+    [pytest.param(*p[1:], id=p[0]) for p in PREDICTED_THERE],
+)
+def test_a_regression_is_a_loss_over_the_epoch_it_was_predicted_for(
+    predicted: tuple[tuple[int, float, float], ...],
+    regressed: bool,
+    short: bool | None,
+    says: str,
+) -> None:
+    history, snap, _ = changed(950.0)
+    found = outcome.verdict(replace(snap, predicted=predicted), history, config(), 4)
+    assert found is not None
+    assert (found.regressed, found.beyond_noise) == (regressed, regressed)
+    assert found.short_of_prediction is short
+    assert says in found.why, found.why
+    assert found.changed_at == snap.t
+    ratios = {b: r for b, r, _ in predicted}
+    if 1 in ratios:
+        assert found.predicted_tok_s == pytest.approx(1000.0 * ratios[1], rel=1e-6)
+    else:
+        assert (found.predicted_tok_s, found.epoch_ratio) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("burst_s", "short"),
+    [
+        # Five seconds of a burst (band 5) are no measure of the busy hours it stands for.
+        pytest.param(5.0 * SCRAPE_S, True, id="a-burst-stays-predicted"),
+        pytest.param(20.0 * SCRAPE_S, False, id="a-band-seen-long-enough"),
+    ],
+)
+def test_a_band_counts_as_seen_once_observation_outweighs_its_prediction(
+    burst_s: float, short: bool
+) -> None:
+    # 4 served 5% less than 3 at 2 requests for an hour, then ``burst_s`` at 40 requests,
+    # where it serves as much as 3 does (3 ran there too). The epoch was mostly bursts.
+    history, snap, _ = changed(950.0, CHANGED + 100 + HOUR)
+    run(history, 3, MONDAY - 3 * HOUR, MONDAY - 60, 40, 3000.0)
+    last = run(history, 4, CHANGED + 200 + HOUR, CHANGED + 200 + HOUR + burst_s, 40, 3000.0)
+    snap = replace(snap, predicted=((1, 1.02, 0.2), (5, 0.97, 0.8)))
+    found = outcome.verdict(snap, history, config(), 4, None, {2: 0.2, 40: 0.8})
+    assert found is not None
+    assert last.t == history.last_t
+    assert found.short_of_prediction is short, found.why
+    # Seen long enough, band 5 counts as served (1.0 × 3's), not as predicted (0.97).
+    expected = 0.2 * 0.95 + 0.8 * (0.97 if short else 1.0)
+    assert found.epoch_ratio == pytest.approx(expected, abs=2e-3)
+
+
+def test_the_prediction_is_the_models_per_load_band_of_the_forecast() -> None:
+    model = PerformanceModel(Calibration.of(seed_table()))
+    mix = {1: 2.0, 2: 1.0, 3: 1.0, 5: 1.0, 40: 0.5, 0: 9.0, 7: 0.0}
+    bands = {b: (r, share) for b, r, share in outcome.predicted_bands(model, mix, 3, 4)}
+    # Bands: 1 → 0; 2 → 1; 3 and 5 → 2; 40 → 5 (idle and weightless entries left out).
+    assert set(bands) == {0, 1, 2, 5}
+    assert bands[0][0] == pytest.approx(model.throughput(4, 1.0) / model.throughput(3, 1.0))
+    both = (model.throughput(4, 3.0) + model.throughput(4, 5.0)) / (
+        model.throughput(3, 3.0) + model.throughput(3, 5.0)
+    )
+    assert bands[2][0] == pytest.approx(both)
+    assert bands[0][0] > 1.0 > bands[5][0]  # deeper serves more alone, less under load
+    # Each band's share of what 3 was predicted to serve over the epoch.
+    old = {c: w * model.throughput(3, float(c)) for c, w in mix.items() if c > 0 and w > 0}
+    assert bands[5][1] == pytest.approx(old[40] / sum(old.values()))
+    assert sum(share for _, share in bands.values()) == pytest.approx(1.0)
+    # A model that predicts neither (no calibration, nothing observed) keeps nothing: the
+    # verdict then holds the shortfall against the old one alone.
+    assert outcome.predicted_bands(PerformanceModel(None), mix, 3, 4) == ()
 
 
 @pytest.mark.parametrize(
@@ -421,6 +513,28 @@ def test_a_regression_is_remembered_as_soon_as_it_is_found() -> None:
     assert [(e.steps, e.t) for e in result.control.avoided] == [(4, last.t)]
 
 
+def test_a_model_change_keeps_its_prediction_per_load_band() -> None:
+    history = fresh()
+    # 3 serves far less here than the calibration says 4 does: the model changes to 4.
+    last = run(history, 3, MONDAY, MONDAY + 3 * HOUR + 600, 2, 100.0)
+    held = tuple((last.t - 900 + 5 * i, 4) for i in range(181))
+    cal = Calibration.of(seed_table())
+    control = Control(None, recommendations=held)
+    cfg = config(policy="model", kinds=["static"], stabilization_window_s=0)
+    ctx = StepContext(cfg, history, None, control, cal)
+    result = step(ctx, last, last.t)
+    assert result.decision.reason is Reason.CHANGE, result.decision.message
+    snap = result.control.verifying
+    assert snap is not None
+    assert result.pick is not None
+    assert result.pick.plan is not None
+    assert result.pick.plan.model is not None
+    assert snap.predicted == outcome.predicted_bands(
+        result.pick.plan.model, result.pick.mix, 3, snap.to_steps
+    )
+    assert 1 in {band for band, _, _ in snap.predicted}  # 2 requests: load band 1
+
+
 def test_other_changes_are_not_verified() -> None:
     # A pin that acts is the on-call's change, not specd's: nothing to verify.
     history, snap, last = changed(1000.0)
@@ -441,7 +555,14 @@ def test_the_snapshot_and_the_avoid_list_round_trip() -> None:
     assert (back.from_steps, back.to_steps, back.predicted_gain_ratio) == (3, 4, 0.02)
     assert back.until == snap.until
     assert back.cells == tuple((c, pytest.approx(w), pytest.approx(ws)) for c, w, ws in snap.cells)
+    assert back.predicted == ()
     assert outcome.avoided_from_dict(0, outcome.avoided_to_dict(REGRESSED)) == REGRESSED
+    predicted = ((0, 1.04, 0.25), (1, 1.0, 0.25), (5, 0.5, 0.5))
+    data = outcome.snapshot_to_dict(replace(snap, predicted=predicted), DAY)
+    assert data["predicted"] == [[0, 1.04, 0.25], [1, 1.0, 0.25], [5, 0.5, 0.5]]
+    assert outcome.snapshot_from_dict(data, DAY).predicted == predicted
+    del data["predicted"]  # a snapshot an older specd wrote
+    assert outcome.snapshot_from_dict(data, DAY).predicted == ()
 
 
 @pytest.mark.parametrize(
@@ -477,6 +598,36 @@ def test_the_snapshot_and_the_avoid_list_round_trip() -> None:
             "concurrency",
         ),
         ("3→4", "verifying: expected an object"),
+        *(
+            (
+                {
+                    "t": 1.0,
+                    "from_steps": 3,
+                    "to_steps": 4,
+                    "cells": {"ref_t": 1.0, "cells": []},
+                    "predicted": predicted,
+                },
+                problem,
+            )
+            for predicted, problem in [
+                ({"1": [1.0, 1.0]}, "predicted: expected a list"),
+                ([[0, 1.0, 0.0]] * 25, "predicted: expected a list of at most 24"),
+                ([[1, 1.0, 0.5], [1, 1.1, 0.5]], "predicted[1]: expected [band 0–23, once"),
+                ([[-1, 1.0, 1.0]], "predicted[0]"),
+                ([[24, 1.0, 1.0]], "predicted[0]"),
+                ([[True, 1.0, 1.0]], "predicted[0]"),
+                ([[1.0, 1.0, 1.0]], "predicted[0]"),
+                ([[1, float("nan"), 1.0]], "predicted[0]"),
+                ([[1, -0.5, 1.0]], "predicted[0]"),
+                ([[1, 1e4, 1.0]], "predicted[0]"),
+                ([[1, "1.0", 1.0]], "predicted[0]"),
+                ([[1, 1.0, 1.5]], "predicted[0]"),
+                ([[1, 1.0, float("inf")]], "predicted[0]"),
+                ([[1, 1.0, False]], "predicted[0]"),
+                ([[1, 1.0]], "predicted[0]"),
+                ([1.0], "predicted[0]"),
+            ]
+        ),
     ],
 )
 def test_a_bad_snapshot_is_a_one_line_value_error(data: Any, problem: str) -> None:

@@ -232,19 +232,23 @@ def quiet_logs() -> None:
     logs.configure("json", stream=open("/dev/null", "w"))  # noqa: SIM115
 
 
-@pytest.mark.parametrize("policy", ["bands", "model", "model-trusting", "model-uncalibrated"])
+@pytest.mark.parametrize(
+    "policy", ["bands", "model", "model-trusting", "model-adaptive", "model-uncalibrated"]
+)
 def test_replay_decides_tick_for_tick_what_the_daemon_decides(
     tmp_path: Path, state_dir: Path, policy: str
 ) -> None:
     tr = trace()
     # Uncalibrated, the model learns the box by exploring from the bands (specd.core.explore).
     # "model": the first day's rhythm (2 by night, 20 by day) holds changes on hours not
-    # seen yet; "model-trusting" turns that hold off, so changes go through stabilization.
-    choose: dict[str, Any] = {
-        "policy": policy.removesuffix("-uncalibrated").removesuffix("-trusting")
-    }
-    if policy == "model-trusting":
+    # seen yet; "model-trusting" turns that hold off, so changes go through stabilization;
+    # "model-adaptive" too, offered adaptive sets only (the daemon reads /server_info for
+    # them).
+    choose: dict[str, Any] = {"policy": policy.split("-", maxsplit=1)[0]}
+    if policy in {"model-trusting", "model-adaptive"}:
         choose["min_forecast_seen_ratio"] = 0.0
+    if policy == "model-adaptive":
+        choose["kinds"] = ["adaptive"]
     calibration = None
     if policy.startswith("model") and not policy.endswith("-uncalibrated"):
         cal_path = tmp_path / "calibration.csv"
@@ -289,10 +293,10 @@ def test_replay_decides_tick_for_tick_what_the_daemon_decides(
             )
         else:
             assert seen[Reason.STABILIZING.value] > 0
-        if policy == "model-trusting":
-            # Every kind is offered by default: the daemon, reading /server_info, changed
-            # to an adaptive set where replay did.
-            assert any(k is None for _, k in restarts), restarts
+        if policy == "model-adaptive":
+            # The daemon, reading /server_info, changed among adaptive sets where replay did.
+            assert len(restarts) >= 2
+            assert all(k is None for _, k in restarts), restarts
     assert seen[Reason.WITHIN_TOLERANCE.value] > 0
     if policy == "bands":
         # Ticks inside the hysteresis band around the boundary of 4.
