@@ -792,15 +792,31 @@ def _going_back(
 ) -> Decision:
     """The decision going back from the ``regressed`` setting to ``back`` (its setting when
     not a static K, its step count, and " (the policy's pick)" or ""), unless a window,
-    dwell or the restart budget hold it."""
+    dwell or the restart budget hold it. In the window the change was made in the dwell
+    does not hold it: the dwell stops the policy from flapping, and this is the change's
+    own outcome, found while a restart may still undo it (else it runs a whole epoch);
+    once per change, as the regressed setting is avoided from then on."""
     chosen, steps, by = back
     target = None if chosen is not None and chosen.kind == "adaptive" else steps
     shown = format_setting(chosen) if chosen is not None else str(steps)
     change = f"going back {regressed} → {shown}{by}"
-    blocked = _change_blocks(config, at, now, control, restart_needs_s, change)
+    own = _in_own_window(config, at, verdict)
+    if own:
+        change += " in the window the change was made in"
+    blocked = _change_blocks(config, at, now, control, restart_needs_s, change, dwell=not own)
     if blocked is not None:
         return Decision(target, blocked[0], f"{verdict.why}; {blocked[1]}", chosen)
     return Decision(target, Reason.REGRESSION, f"{verdict.why}: {change}", chosen)
+
+
+def _in_own_window(config: Settings, at: datetime, verdict: Verdict) -> bool:
+    """Whether the window open at ``at`` is the one the verified change was made in, and
+    what it served there contradicts the prediction it was made on: the traffic of a
+    window need not be its epoch's, which the prediction covers where it was kept."""
+    if verdict.changed_at is None or not verdict.short_of_prediction:
+        return False
+    current = windows.current_window(config.windows, at)
+    return current is not None and current[0].timestamp() <= verdict.changed_at
 
 
 def _change_blocks(
@@ -810,12 +826,15 @@ def _change_blocks(
     control: Control,
     restart_needs_s: float,
     change: str,
+    *,
+    dwell: bool = True,
 ) -> tuple[Reason, str] | None:
-    """Why window, dwell or the restart budget forbid an automatic restart now, or None."""
+    """Why window, dwell (unless ``dwell`` is false) or the restart budget forbid an
+    automatic restart now, or None."""
     blocked = _window_blocks(config, at, restart_needs_s, change)
     if blocked is not None:
         return blocked
-    if control.restart_times:
+    if dwell and control.restart_times:
         since = now - max(control.restart_times)
         if since < config.restart.min_dwell_s:
             return Reason.DWELL_TIME, (

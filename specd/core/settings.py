@@ -278,12 +278,13 @@ class ChooseSettings(BaseModel):
         description="Seconds a recommendation must hold before it is acted on; at most a week.",
     )
     outcome_min_observed_s: float = Field(
-        default=3600,
+        default=1800,
         ge=0,
         le=WEEK_S,
         description="Busy seconds (decayed) a step count specd changed to must be observed "
         "before its outcome can count as a regression (it served less than the step count "
-        "before it, beyond noise); at most a week.",
+        "before it, beyond noise, and so lost over the epoch it was predicted for); at most "
+        "a week. Half an hour leaves a one-hour window time to go back in.",
     )
     regression_min_ratio: float = Field(
         default=0.02,
@@ -449,7 +450,9 @@ class RestartSettings(BaseModel):
         default=HOUR_S,
         ge=0,
         le=30 * DAY_S,
-        description="Minimum seconds between restarts; at most 30 days.",
+        description="Minimum seconds between restarts; at most 30 days. Going back from a "
+        "change that regressed against its prediction, in the window it was made in, is not "
+        "held by it (it stops the policy flapping; that is the change's own outcome).",
     )
     daily_restart_budget: int = Field(
         default=4,

@@ -1033,6 +1033,62 @@ def test_going_back_from_a_regressed_k_goes_to_the_policys_pick_of_any_kind(
     assert decision.acts(4)
 
 
+OWN = " in the window the change was made in"
+IN_ITS_WINDOW = [
+    # (id, when 3 → 4 was made, restart times, settings, reason, message part). The window
+    # opens daily at 03:00 for an hour; now is 03:30, the dwell an hour.
+    ("its-window-dwell-does-not-hold", OPEN - 1200, (OPEN - 1200,), {}, Reason.REGRESSION,
+     f"going back 4 → 3{OWN}"),
+    ("made-at-the-opening", OPEN - 1800, (OPEN - 1800,), {}, Reason.REGRESSION, OWN),
+    # A change of an earlier window: the dwell holds as for any change.
+    ("yesterdays-window", OPEN - DAY, (OPEN - 1800,), {}, Reason.DWELL_TIME,
+     "last restart 30.0 min ago < 60.0 min dwell: going back 4 → 3 waits"),
+    ("made-before-this-window-opened", OPEN - 1801, (OPEN - 1801,), {}, Reason.DWELL_TIME,
+     "< 60.0 min dwell"),
+    # A verdict from a state file older than the change time: no exemption.
+    ("change-time-unknown", None, (OPEN - 1800,), {}, Reason.DWELL_TIME, "< 60.0 min dwell"),
+    # Not predicted at the traffic seen (the bands, or a snapshot an older specd wrote):
+    # nothing says the window's traffic tells the epoch's; the next window decides.
+    ("no-prediction-there", OPEN - 1200, (OPEN - 1200,), {"short_of_prediction": None},
+     Reason.DWELL_TIME, "< 60.0 min dwell"),
+    # The budget and the window still hold it.
+    ("budget-spent", OPEN - 1800, (OPEN - 1800, OPEN - 7200), {"daily_restart_budget": 2},
+     Reason.RESTART_BUDGET, f"2 restarts in the last 24 h ≥ budget 2: going back 4 → 3{OWN}"),
+    ("window-ending", OPEN - 1800, (OPEN - 1800,), {"restart_needs_s": 1900},
+     Reason.WINDOW_ENDING, "maintenance window closes in 30.0 min"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changed_at", "restarts", "settings", "reason", "says"),
+    [pytest.param(*g[1:], id=g[0]) for g in IN_ITS_WINDOW],
+)
+def test_a_regression_goes_back_in_its_own_window_despite_the_dwell(
+    changed_at: float | None,
+    restarts: tuple[float, ...],
+    settings: dict[str, Any],
+    reason: Reason,
+    says: str,
+) -> None:
+    """A change found to serve less than the old setting and than its prediction at the
+    traffic seen, while the window it was made in is open, goes back in that window rather
+    than running the whole epoch: the dwell, there to stop flapping, does not hold the
+    change's own outcome; the window and the daily budget do."""
+    needs = settings.pop("restart_needs_s", 0.0)
+    short = settings.pop("short_of_prediction", True)
+    ctl = control(recommendations=held(4, OPEN), restart_times=restarts)
+    verdict = replace(regressed(3, 4), changed_at=changed_at, short_of_prediction=short)
+    decision = decide(
+        history(), observation(OPEN), config(**settings), None, OPEN, ctl, Pick(3, "3"), needs,
+        None, verdict,
+    )  # fmt: skip
+    assert decision.reason is reason, decision.message
+    assert says in decision.message, decision.message
+    assert decision.acts(4) is (reason is Reason.REGRESSION)
+    if reason is Reason.REGRESSION:
+        assert decision.target_steps == 3
+
+
 @pytest.mark.parametrize(
     ("picked", "seen_ratio", "exploration", "verdict", "reason", "target", "acts", "says"),
     [pytest.param(*g[1:], id=g[0]) for g in SEEN_GATE],

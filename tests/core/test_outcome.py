@@ -513,6 +513,40 @@ def test_a_regression_is_remembered_as_soon_as_it_is_found() -> None:
     assert [(e.steps, e.t) for e in result.control.avoided] == [(4, last.t)]
 
 
+@pytest.mark.parametrize(
+    ("predicted", "reason", "says"),
+    [
+        # The sweep had 4 above 3 at this traffic, all the epoch's; it served 5% less: back
+        # in this window.
+        pytest.param(((1, 1.02, 1.0),), Reason.REGRESSION, "going back 4 → 3 in the window "
+                     "the change was made in", id="contradicts-its-prediction"),
+        # Made for heavier traffic, where 4 is to serve 10% more: no regression.
+        pytest.param(((1, 0.95, 0.3), (4, 1.10, 0.7)), None,
+                     "as much as predicted for its epoch", id="made-for-other-traffic"),
+    ],
+)  # fmt: skip
+def test_a_change_contradicting_its_prediction_goes_back_in_its_own_window(
+    predicted: tuple[tuple[int, float, float], ...], reason: Reason | None, says: str
+) -> None:
+    # Changed 3 → 4 at 03:10; at 03:43 4 has served 5% less than 3 for 1900 s, and the
+    # window is open until 04:00: the dwell (an hour) does not hold going back.
+    history, snap, last = changed(950.0, CHANGED + 100 + 1900)
+    snap = replace(snap, predicted=predicted)
+    control = Control(None, restart_times=(CHANGED + 100,), verifying=snap)
+    result = step(context(history, control), last, last.t)
+    assert result.verdict is not None
+    assert says in result.verdict.why + " :: " + result.decision.message
+    if reason is None:
+        assert not result.verdict.regressed
+        assert result.decision.reason is not Reason.REGRESSION
+        assert result.control.avoided == ()
+        return
+    assert result.decision.reason is reason, result.decision.message
+    assert result.decision.target_steps == 3
+    assert result.acts
+    assert [e.steps for e in result.control.avoided] == [4]
+
+
 def test_a_model_change_keeps_its_prediction_per_load_band() -> None:
     history = fresh()
     # 3 serves far less here than the calibration says 4 does: the model changes to 4.
