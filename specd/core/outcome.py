@@ -454,8 +454,8 @@ def verdict(
     measured_ratio = {
         b: v[1] / v[2] for b, v in seen_bands.items() if v[0] >= OBSERVED_PIVOT_S and v[2] > 0
     }
-    if measured_ratio:
-        shares = sum(share for _, share in bands.values())
+    shares = sum(share for _, share in bands.values())
+    if measured_ratio and shares > 0:  # shares of nothing (a hand-edited state): unknown
         epoch_ratio = (
             sum(share * measured_ratio.get(b, ratio) for b, (ratio, share) in bands.items())
             / shares

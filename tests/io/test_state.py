@@ -58,7 +58,13 @@ def populated() -> State:
         recommendations=[[T0 - 10, 4], [T0 - 5, 3]],
         explorations=[[T0 - 3 * 86400, 5], [T0 - 86400, 2]],
         verifying=ChangeSnapshot(
-            T0 - 7200, 3, 4, ((2, 30.0, 4500.0), (5, 10.0, 2000.0)), 0.02, until=T0 + 86400
+            T0 - 7200,
+            3,
+            4,
+            ((2, 30.0, 4500.0), (5, 10.0, 2000.0)),
+            0.02,
+            until=T0 + 86400,
+            predicted=((1, 1.03, 0.4), (3, 0.98, 0.6)),
         ),
         avoided=[
             Avoided(5, T0 - 86400, ((2, 0.25), (5, 0.75)), 0.031, 4),
@@ -315,13 +321,29 @@ SALVAGED: list[Any] = [
     pytest.param(
         lambda: _verifying(t=None), "verifying: t", {"verifying": None}, id="verifying-no-t"
     ),
+    pytest.param(
+        lambda: _verifying(predicted=[[1, 1.03, 0.4], [3, "0.98", 0.6]]),
+        "verifying: predicted[1]",
+        {"verifying": None},
+        id="verifying-predicted-text",
+    ),
     # One bad cell of the snapshot: that cell, not the change it verifies.
     pytest.param(
         lambda: _verifying(
             cells={"ref_t": T0 - 7200, "cells": [[2, 30.0, 4500.0], [5, 10.0, 1e300]]}
         ),
         "verifying.cells[1]",
-        {"verifying": ChangeSnapshot(T0 - 7200, 3, 4, ((2, 30.0, 4500.0),), 0.02, T0 + 86400)},
+        {
+            "verifying": ChangeSnapshot(
+                T0 - 7200,
+                3,
+                4,
+                ((2, 30.0, 4500.0),),
+                0.02,
+                T0 + 86400,
+                predicted=((1, 1.03, 0.4), (3, 0.98, 0.6)),
+            )
+        },
         id="verifying-cell-1e299-tok-s",
     ),
     pytest.param(
