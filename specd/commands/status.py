@@ -294,6 +294,7 @@ def collect(
         ],
         "acceptance": _acceptance(state),
         "explorations": _explorations(config, state.explorations, now),
+        "verifying": _verifying(config, state, now),
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
         "sglang_restarts_last_24h": restarted,
@@ -374,6 +375,43 @@ def _explorations(
             }
         )
     return {"max_per_week": config.choose.explore_max_per_week, "recent": recent}
+
+
+def _verifying(config: Config, state: State, now: float) -> dict[str, Any] | None:
+    """The change specd is verifying by its outcome (`specd.core.outcome`): what it changed
+    from and to, when, what it predicted, and until when it goes back if that loses; None
+    when none is, or its verification lapsed."""
+    snap = state.verifying
+    if snap is None or snap.lapsed(now):
+        return None
+    return {
+        "from_setting": label(snap.from_steps, snap.from_setting),
+        "to_setting": label(snap.to_steps, snap.to_setting),
+        "since": snap.t,
+        "predicted_gain_ratio": snap.predicted_gain_ratio,
+        "until": snap.until,
+        "until_at": None
+        if snap.until is None
+        else _local(config, datetime.fromtimestamp(snap.until, tz=timezone.utc)),
+        # Per load band of its forecast: [band, predicted ratio new/old, share of the epoch].
+        "predicted_bands": [list(entry) for entry in snap.predicted],
+    }
+
+
+def _verifying_line(verifying: dict[str, Any], now: float) -> str:
+    gain = verifying["predicted_gain_ratio"]
+    predicted = "" if gain is None else f", predicted {gain * 100:+.1f}% for its epoch"
+    until = verifying["until"]
+    lasts = (
+        ""
+        if until is None
+        else f", until the window closes {when_text(until, now, verifying['until_at'])}"
+    )
+    return (
+        f"verifying      {verifying['from_setting']} → {verifying['to_setting']} "
+        f"{when_text(verifying['since'], now)}{predicted}: goes back if it serves less beyond "
+        f"noise{lasts}"
+    )
 
 
 def _explored_line(explored: dict[str, Any], now: float) -> str:
@@ -622,6 +660,8 @@ def render(info: dict[str, Any], now: float) -> str:
     lines.append(_acceptance_line(info["acceptance"]))
     if info.get("explorations") is not None:
         lines.append(_explored_line(info["explorations"], now))
+    if info.get("verifying") is not None:
+        lines.append(_verifying_line(info["verifying"], now))
     picks = info["choices"]
     lines.append(f"choices        {picks['lines'][0]}")
     lines += [f"               {line}" for line in picks["lines"][1:]]

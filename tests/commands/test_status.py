@@ -20,7 +20,7 @@ from version_twins import VersionTwins
 from specd.commands.status import collect, daemon, render, server_info
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import History, HistorySettings
-from specd.core.outcome import Avoided
+from specd.core.outcome import Avoided, ChangeSnapshot
 from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
 from specd.io.state import LOCK_FILE, State, StateStore
@@ -626,3 +626,52 @@ def test_status_says_which_step_counts_were_explored_and_until_when(
     info = collect(config, NOW, server_info(config))
     shown = [x for x in render(info, NOW).splitlines() if x.startswith("explored")]
     assert shown == ([] if line is None else [line])
+
+
+TOMORROW_04 = NOW + 12 * 3600  # the close of the window after the change's epoch
+VERIFYING = [
+    # (id, the change being verified, the line or None). NOW is Monday 16:00 UTC; the
+    # change was made at the window's opening, 03:00.
+    ("none", None, None),
+    ("a-step-count", ChangeSnapshot(NOW - 13 * 3600, 3, 4, (), 0.02, TOMORROW_04),
+     "verifying      3 → 4 2025-11-24T03:00:00+00:00 (13.0 h ago), predicted +2.0% for its "
+     "epoch: goes back if it serves less beyond noise, until the window closes "
+     "2025-11-25T04:00:00+00:00 (in 12.0 h)"),
+    ("an-adaptive-set-unpredicted", ChangeSnapshot(
+        NOW - 13 * 3600, 3, setting_key(adaptive((3, 4))), (), None, TOMORROW_04,
+        to_setting=adaptive((3, 4))),
+     "verifying      3 → adaptive:3,4 2025-11-24T03:00:00+00:00 (13.0 h ago): goes back if it "
+     "serves less beyond noise, until the window closes 2025-11-25T04:00:00+00:00 (in 12.0 h)"),
+    # Its verification lapsed: the policy judges later traffic, not this change's outcome.
+    ("lapsed", ChangeSnapshot(NOW - 37 * 3600, 3, 4, (), 0.02, NOW - 12 * 3600), None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("snap", "line"), [pytest.param(*v[1:], id=v[0]) for v in VERIFYING])
+def test_status_names_the_change_being_verified_and_until_when(
+    tmp_path: Path, snap: ChangeSnapshot | None, line: str | None
+) -> None:
+    """After a change the on-call sees that specd is checking it, what it predicted, and
+    until when it would still go back."""
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        f'[sglang]\nurl = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}"\noverride_file = "{tmp_path}/override.toml"\n'
+    )
+    config = load_config(path)
+    if snap is not None:
+        snap = ChangeSnapshot(
+            snap.t, snap.from_steps, snap.to_steps, snap.cells, snap.predicted_gain_ratio,
+            snap.until, snap.from_setting, snap.to_setting, ((1, 1.02, 1.0),),
+        )  # fmt: skip
+    assert StateStore(tmp_path).save(State(verifying=snap)) is None
+    info = collect(config, NOW, server_info(config))
+    shown = [x for x in render(info, NOW).splitlines() if x.startswith("verifying")]
+    assert shown == ([] if line is None else [line])
+    if line is None:
+        assert info["verifying"] is None
+    else:
+        assert snap is not None
+        assert info["verifying"]["since"] == snap.t
+        assert info["verifying"]["predicted_bands"] == [[1, 1.02, 1.0]]
+        assert json.loads(json.dumps(info["verifying"])) == info["verifying"]
