@@ -301,3 +301,54 @@ def test_replay_decides_tick_for_tick_what_the_daemon_decides(
     if policy == "bands":
         # Ticks inside the hysteresis band around the boundary of 4.
         assert any("within 5% of the band boundary" in daemon[t][2] for t, _, _ in result.decisions)
+
+
+def test_the_daemon_goes_back_in_the_window_of_a_change_as_replay_does(
+    tmp_path: Path, state_dir: Path
+) -> None:
+    """A day at 20 requests; the sweep claims 1 step serves 40 % more than it does, so the
+    model changes 3 → 1 as the first window opens. 1 serves 15 % less than 3 there, against
+    the prediction: the daemon goes back inside that window, the dwell not holding it, at
+    the tick replay does."""
+    tr = trace_from_rows([0.0, 24 * HOUR], [20, 20])
+    oversold = PerfTable(
+        [
+            PerfRow(
+                r.steps,
+                r.concurrency,
+                r.output_tok_s * (1.4 if r.steps == 1 else 1.0),
+                r.accept_length,
+                r.max_running_requests,
+            )
+            for r in TRUTH.rows
+        ]
+    )
+    cal_path = tmp_path / "calibration.csv"
+    write_table(cal_path, oversold)
+    cfg = config(
+        tmp_path, state_dir, policy="model", calibration_file=str(cal_path), kinds=["static"]
+    )
+    result = replay(
+        tr,
+        TRUTH,
+        cfg,
+        restart_s=RESTART_S,
+        initial_steps=3,
+        calibration=Calibration.of(read_table(cal_path)),
+    )
+    daemon, restarts = run_daemon(tr, cfg, 3)
+    mismatches = [
+        (t, (target, reason), daemon.get(t))
+        for t, target, reason in result.decisions
+        if daemon.get(t, (None, None, None))[:2] != (target, reason)
+    ]
+    assert mismatches[:5] == []
+    assert [(s, k) for s, k in result.steps_timeline[1:]] == restarts
+    assert result.change_reasons[:2] == ["change", "regression"], result.steps_timeline
+    (changed, to), (back, _) = restarts[:2]
+    assert to == 1
+    assert back - changed < cfg.restart.min_dwell_s
+    said = [m for _, r, m in daemon.values() if r == Reason.REGRESSION.value]
+    assert said
+    assert "going back 1 → " in said[0]
+    assert said[0].endswith("in the window the change was made in")
