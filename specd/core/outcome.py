@@ -403,9 +403,8 @@ def verdict(
     predict = _predictor(model, old, snap.from_setting)
     bands = {b: (ratio, share) for b, ratio, share in snap.predicted}
     total_w = served = baseline = 0.0
-    # The cells in a band the change was predicted for: seconds, served, predicted, baseline.
-    covered = [0.0, 0.0, 0.0, 0.0]
-    seen_bands: dict[int, list[float]] = {}  # band: [seconds, served, baseline]
+    # The cells in a band the change was predicted for, by band: [seconds, served, baseline].
+    seen_bands: dict[int, list[float]] = {}
     mix: dict[int, float] = {}
     for c, (w, tok_s) in seen.items():
         obs_tok_s, obs_w = old_observed.get(c, (0.0, 0.0))
@@ -423,10 +422,6 @@ def verdict(
         mix[c] = w
         band = load_band(c) if bands else None
         if band is not None and band in bands:
-            covered[0] += w
-            covered[1] += w * tok_s
-            covered[2] += w * base * bands[band][0]
-            covered[3] += w * base
             sums = seen_bands.setdefault(band, [0.0, 0.0, 0.0])
             sums[0] += w
             sums[1] += w * tok_s
@@ -449,8 +444,13 @@ def verdict(
     predicted_tok_s: float | None = None
     epoch_ratio: float | None = None
     short_of_prediction: bool | None = None
-    if covered[2] > 0 and covered[3] > 0:
-        predicted_tok_s = covered[2] / covered[0]
+    # What the new setting was predicted to serve at the traffic seen: the old one's
+    # baseline there times the predicted ratio of each band.
+    seen_s = sum(v[0] for v in seen_bands.values())
+    seen_base = sum(v[2] for v in seen_bands.values())
+    seen_predicted = sum(bands[b][0] * v[2] for b, v in seen_bands.items())
+    if seen_s > 0 and seen_base > 0:
+        predicted_tok_s = seen_predicted / seen_s
     measured_ratio = {
         b: v[1] / v[2] for b, v in seen_bands.items() if v[0] >= OBSERVED_PIVOT_S and v[2] > 0
     }
@@ -479,7 +479,7 @@ def verdict(
         else f", predicted {snap.predicted_gain_ratio * 100:+.1f}% for its epoch"
     )
     if epoch_ratio is not None:
-        there = covered[2] / covered[3] - 1.0  # covered: the bands seen are in it
+        there = seen_predicted / seen_base - 1.0  # a band counted as seen has a baseline
         expected += (
             f", {there * 100:+.1f}% at the traffic seen: {(epoch_ratio - 1) * 100:+.1f}% for "
             "its epoch with what it served there"
