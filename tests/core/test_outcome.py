@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from factories import make_observation, seed_table, serve, tables
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specd.core import choices, outcome, setting
 from specd.core.adaptive import AdaptiveModel
@@ -176,6 +179,50 @@ def test_a_band_counts_as_seen_once_observation_outweighs_its_prediction(
     # Seen long enough, band 5 counts as served (1.0 × 3's), not as predicted (0.97).
     expected = 0.2 * 0.95 + 0.8 * (0.97 if short else 1.0)
     assert found.epoch_ratio == pytest.approx(expected, abs=2e-3)
+
+
+_BANDS = st.lists(
+    st.tuples(
+        st.integers(0, outcome.MAX_PREDICTED_BANDS - 1),
+        st.floats(0.0, outcome.MAX_PREDICTED_RATIO),
+        st.floats(0.0, 1.0),
+    ),
+    max_size=6,
+    unique_by=lambda entry: entry[0],
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    predicted=_BANDS,
+    new_tok_s=st.floats(0.0, 1e5),
+    gain=st.none() | st.floats(-1.0, 10.0),
+)
+def test_any_prediction_a_state_file_may_hold_gives_a_sound_verdict(
+    predicted: list[tuple[int, float, float]], new_tok_s: float, gain: float | None
+) -> None:
+    """Whatever bands a state file holds (read back as validated: any band, a ratio up to
+    1000, any share), the verdict is a value: the epoch's ratio finite where read, a
+    regression only beyond noise, never one against a prediction it met."""
+    history, snap, _ = changed(new_tok_s)
+    data = outcome.snapshot_to_dict(
+        replace(snap, predicted=tuple(sorted(predicted)), predicted_gain_ratio=gain), DAY
+    )
+    back = outcome.snapshot_from_dict(data, DAY)
+    found = outcome.verdict(back, history, config(), 4)
+    assert found is not None
+    assert found.regressed <= found.beyond_noise
+    if found.epoch_ratio is not None:
+        assert math.isfinite(found.epoch_ratio)
+        assert found.short_of_prediction is (
+            1.0 - found.epoch_ratio
+            > max(found.margin_tok_s / found.baseline_tok_s, config().choose.regression_min_ratio)
+        )
+    else:
+        assert found.short_of_prediction is None
+    if found.short_of_prediction is False:
+        assert not found.beyond_noise
+    assert "\n" not in found.why
 
 
 def test_the_prediction_is_the_models_per_load_band_of_the_forecast() -> None:
