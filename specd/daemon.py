@@ -1098,6 +1098,8 @@ class Daemon:
             "reason": decision.reason.value,
             "message": decision.message,
             "current_steps": current,
+            # The verdict on the change being verified (`specd status` shows it), or None.
+            "outcome": outcome.verdict.why if outcome.verdict else None,
         }
         # By name: two adaptive sets (or one and none) share target_steps None.
         key = (decision.reason.value, named if named is not None else target)

@@ -23,7 +23,7 @@ from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
 from specd.core.outcome import label
 from specd.core.setting import format_setting, traits_from_server_info
-from specd.core.text import duration_text, iso_time, printable
+from specd.core.text import duration_text, iso_time, printable, utc_time
 from specd.core.units import DAY_S
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
@@ -384,9 +384,16 @@ def _verifying(config: Config, state: State, now: float) -> dict[str, Any] | Non
     snap = state.verifying
     if snap is None or snap.lapsed(now):
         return None
+    old, new = label(snap.from_steps, snap.from_setting), label(snap.to_steps, snap.to_setting)
+    said = state.last_decision.get("outcome")
+    # Only a verdict on this change (the tick that made it judged the one before, if any).
+    if not isinstance(said, str) or not said.startswith(
+        f"outcome of {old} → {new} at {utc_time(snap.t)}"
+    ):
+        said = None
     return {
-        "from_setting": label(snap.from_steps, snap.from_setting),
-        "to_setting": label(snap.to_steps, snap.to_setting),
+        "from_setting": old,
+        "to_setting": new,
         "since": snap.t,
         "predicted_gain_ratio": snap.predicted_gain_ratio,
         "until": snap.until,
@@ -395,6 +402,8 @@ def _verifying(config: Config, state: State, now: float) -> dict[str, Any] | Non
         else _local(config, datetime.fromtimestamp(snap.until, tz=timezone.utc)),
         # Per load band of its forecast: [band, predicted ratio new/old, share of the epoch].
         "predicted_bands": [list(entry) for entry in snap.predicted],
+        # The daemon's verdict on it at its last decision (what it served so far), if any.
+        "outcome": said,
     }
 
 
@@ -662,6 +671,8 @@ def render(info: dict[str, Any], now: float) -> str:
         lines.append(_explored_line(info["explorations"], now))
     if info.get("verifying") is not None:
         lines.append(_verifying_line(info["verifying"], now))
+        if info["verifying"]["outcome"]:
+            lines.append(f"               {printable(info['verifying']['outcome'])}")
     picks = info["choices"]
     lines.append(f"choices        {picks['lines'][0]}")
     lines += [f"               {line}" for line in picks["lines"][1:]]

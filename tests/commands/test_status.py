@@ -675,3 +675,40 @@ def test_status_names_the_change_being_verified_and_until_when(
         assert info["verifying"]["since"] == snap.t
         assert info["verifying"]["predicted_bands"] == [[1, 1.02, 1.0]]
         assert json.loads(json.dumps(info["verifying"])) == info["verifying"]
+
+
+CHANGED_AT = "2025-11-24T03:00:00+00:00"
+SAID = [
+    # (id, the outcome the daemon's last decision carries, the line status shows or None)
+    ("this-change", f"outcome of 3 → 4 at {CHANGED_AT}: 1200 s observed < 1800 s needed",
+     f"               outcome of 3 → 4 at {CHANGED_AT}: 1200 s observed < 1800 s needed"),
+    # What a terminal would act on is shown, not sent.
+    ("escapes", f"outcome of 3 → 4 at {CHANGED_AT}: \x1b[2J\nbad",
+     f"               outcome of 3 → 4 at {CHANGED_AT}: \\x1b[2J\\x0abad"),
+    # The tick that made the change judged the change before it: not this one's.
+    ("another-change", "outcome of 2 → 3 at 2025-11-23T03:00:00+00:00: regression", None),
+    ("not-text", 7, None),
+    ("none", None, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("said", "line"), [pytest.param(*v[1:], id=v[0]) for v in SAID])
+def test_status_shows_the_daemons_verdict_on_the_change_being_verified(
+    tmp_path: Path, said: object, line: str | None
+) -> None:
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        f'[sglang]\nurl = "http://127.0.0.1:{free_port()}"\nenv_file = "{tmp_path}/sglang.env"\n'
+        f'[files]\nstate_dir = "{tmp_path}"\noverride_file = "{tmp_path}/override.toml"\n'
+    )
+    config = load_config(path)
+    snap = ChangeSnapshot(NOW - 13 * 3600, 3, 4, (), 0.02, TOMORROW_04)
+    decision = {"t": NOW - 60, "reason": "within_tolerance", "message": "4 is live"}
+    state = State(verifying=snap, last_decision={**decision, "outcome": said})
+    assert StateStore(tmp_path).save(state) is None
+    info = collect(config, NOW, server_info(config))
+    lines = render(info, NOW).splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("verifying"))
+    shown = [x for x in lines[at + 1 :] if x.startswith("               outcome")]
+    assert shown == ([] if line is None else [line])
+    assert info["verifying"]["outcome"] == (said if line is not None else None)

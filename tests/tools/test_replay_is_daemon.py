@@ -182,8 +182,10 @@ class SimulatedApplier:
 
 
 def run_daemon(
-    tr: Trace, cfg: Config, initial: int
+    tr: Trace, cfg: Config, initial: int, saved: dict[float, Any] | None = None
 ) -> tuple[dict[float, tuple[int | None, str, str]], list[tuple[float, int | None]]]:
+    """Tick the daemon through ``tr``: its decision at each tick, and its restarts;
+    ``saved`` gets the last decision it keeps in its state at each tick."""
     t0 = DEFAULT_START.timestamp()
     allowed = list(range(cfg.choose.min_steps, cfg.choose.max_steps + 1))
     server = SimulatedServer(tr, TRUTH, Tokens(tr, TRUTH, allowed), t0, initial)
@@ -210,6 +212,8 @@ def run_daemon(
         clock[0] = t
         decision = daemon.tick()
         decisions[t] = (decision.target_steps, decision.reason.value, decision.message)
+        if saved is not None:
+            saved[t] = dict(daemon.state.last_decision)
     return decisions, applier.restarts
 
 
@@ -336,7 +340,8 @@ def test_the_daemon_goes_back_in_the_window_of_a_change_as_replay_does(
         initial_steps=3,
         calibration=Calibration.of(read_table(cal_path)),
     )
-    daemon, restarts = run_daemon(tr, cfg, 3)
+    saved: dict[float, Any] = {}
+    daemon, restarts = run_daemon(tr, cfg, 3, saved)
     mismatches = [
         (t, (target, reason), daemon.get(t))
         for t, target, reason in result.decisions
@@ -348,7 +353,12 @@ def test_the_daemon_goes_back_in_the_window_of_a_change_as_replay_does(
     (changed, to), (back, _) = restarts[:2]
     assert to == 1
     assert back - changed < cfg.restart.min_dwell_s
-    said = [m for _, r, m in daemon.values() if r == Reason.REGRESSION.value]
+    said = [(t, m) for t, (_, r, m) in daemon.items() if r == Reason.REGRESSION.value]
     assert said
-    assert "going back 1 → " in said[0]
-    assert said[0].endswith("in the window the change was made in")
+    t, message = said[0]
+    assert "going back 1 → " in message
+    assert message.endswith("in the window the change was made in")
+    # The state keeps the verdict with the decision, for `specd status`.
+    assert saved[t]["outcome"].startswith("outcome of 3 → 1 at ")
+    assert ": regression, " in saved[t]["outcome"]
+    assert saved[t]["outcome"] in message
