@@ -87,8 +87,9 @@ if TYPE_CHECKING:
 _MIN_CELL_S = 1e-6
 # Mix entries below this share are not kept in the avoid list (bounded state).
 _MIN_MIX_SHARE = 1e-3
-# A change's prediction: load bands kept (a band per doubling of concurrency: 2^24 is past
-# any server's), and the largest ratio one can be.
+# A change's prediction: the load bands kept (a band per doubling of concurrency; bands 24
+# and up, 12 million requests offered, are within what specd accepts but past any server's
+# and are left out), and the largest ratio one can be.
 MAX_PREDICTED_BANDS = 24
 MAX_PREDICTED_RATIO = 1e3
 
@@ -249,7 +250,7 @@ def snapshot(
         until,
         from_setting,
         to_setting,
-        predicted[:MAX_PREDICTED_BANDS],
+        predicted,
     )
 
 
@@ -265,26 +266,27 @@ def predicted_bands(
     keys; adaptive sets given as settings) per load band (`specd.core.model.load_band`) of
     the offered concurrencies in ``mix`` (the forecast a change is made on; weights by
     concurrency): (band, ratio, the band's share of what ``from_key`` was predicted to serve
-    over it). The verdict reads the epoch from it: the bands seen as served, the rest as
-    predicted. Empty when the model predicts either setting not."""
+    over it), for the bands below `MAX_PREDICTED_BANDS` (those a state file holds). The
+    verdict reads the epoch from it: the bands seen as served, the rest as predicted. Empty
+    when the model predicts either setting not."""
     new = _predictor(model, to_key, _adaptive(to_setting))
     old = _predictor(model, from_key, _adaptive(from_setting))
     if new is None or old is None:
         return ()
     sums: dict[int, list[float]] = {}
     for c, w in mix.items():
-        if c <= 0 or not w > 0:
+        b = load_band(c) if c > 0 and w > 0 else MAX_PREDICTED_BANDS
+        if b >= MAX_PREDICTED_BANDS:
             continue
-        band = sums.setdefault(load_band(c), [0.0, 0.0])
+        band = sums.setdefault(b, [0.0, 0.0])
         band[0] += w * new(float(c))
         band[1] += w * old(float(c))
     total = sum(o for _, o in sums.values())
     if not total > 0 or not math.isfinite(total):
         return ()
-    out = [
+    return tuple(
         (b, n / o, o / total) for b, (n, o) in sorted(sums.items()) if o > 0 and _ratio_ok(n / o)
-    ]
-    return tuple(out[:MAX_PREDICTED_BANDS])
+    )
 
 
 def _ratio_ok(value: float) -> bool:

@@ -225,6 +225,17 @@ def test_any_prediction_a_state_file_may_hold_gives_a_sound_verdict(
     assert "\n" not in found.why
 
 
+def test_a_prediction_keeps_only_the_bands_its_state_file_holds() -> None:
+    # specd accepts up to 100 million queued requests (far past any server); their load
+    # bands (24 and up) are not kept, so the snapshot written is one it reads back.
+    model = PerformanceModel(Calibration.of(seed_table()))
+    bands = outcome.predicted_bands(model, {2: 1.0, 50_000_000: 1.0}, 3, 4)
+    assert [b for b, _, _ in bands] == [1]
+    _, snap, _ = changed(950.0, CHANGED + HOUR)
+    data = outcome.snapshot_to_dict(replace(snap, predicted=bands), DAY)
+    assert outcome.snapshot_from_dict(data, DAY).predicted == bands
+
+
 def test_the_prediction_is_the_models_per_load_band_of_the_forecast() -> None:
     model = PerformanceModel(Calibration.of(seed_table()))
     mix = {1: 2.0, 2: 1.0, 3: 1.0, 5: 1.0, 40: 0.5, 0: 9.0, 7: 0.0}
