@@ -21,9 +21,9 @@ from specd.core import explore, windows
 from specd.core.history import HistorySettings
 from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
-from specd.core.outcome import label
+from specd.core.outcome import heading, label
 from specd.core.setting import format_setting, traits_from_server_info
-from specd.core.text import duration_text, iso_time, printable, utc_time
+from specd.core.text import duration_text, iso_time, printable
 from specd.core.units import DAY_S
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
@@ -387,9 +387,7 @@ def _verifying(config: Config, state: State, now: float) -> dict[str, Any] | Non
     old, new = label(snap.from_steps, snap.from_setting), label(snap.to_steps, snap.to_setting)
     said = state.last_decision.get("outcome")
     # Only a verdict on this change (the tick that made it judged the one before, if any).
-    if not isinstance(said, str) or not said.startswith(
-        f"outcome of {old} → {new} at {utc_time(snap.t)}"
-    ):
+    if not isinstance(said, str) or not said.startswith(heading(snap)):
         said = None
     return {
         "from_setting": old,

@@ -254,6 +254,13 @@ def snapshot(
     )
 
 
+def heading(snap: ChangeSnapshot) -> str:
+    """How every verdict on ``snap`` begins ("outcome of 3 → 4 at <its time>"): `specd
+    status` finds the daemon's verdict on the change it shows by it."""
+    old, new = label(snap.from_steps, snap.from_setting), label(snap.to_steps, snap.to_setting)
+    return f"outcome of {old} → {new} at {_stamp(snap.t)}"
+
+
 def predicted_bands(
     model: PerformanceModel,
     mix: Mapping[int, float],
@@ -473,7 +480,7 @@ def verdict(
     moved = 0.0 if coming is None else _normalized_distance(_normalized_mix(coming), seen_mix)
     regressed = beyond_noise and moved <= config.choose.regression_lift_mix_ratio
     old_label, new_label = label(old, snap.from_setting), label(snap.to_steps, snap.to_setting)
-    change = f"{old_label} → {new_label} at {_stamp(snap.t)}"
+    head = heading(snap)
     diff = served / baseline - 1.0
     expected = (
         ""
@@ -492,22 +499,22 @@ def verdict(
         f"({diff * 100:+.1f}%, interval ±{margin / baseline * 100:.1f}%{expected})"
     )
     if regressed:
-        why = f"outcome of {change}: regression, {measured}"
+        why = f"{head}: regression, {measured}"
     elif beyond_noise:
         why = (
-            f"outcome of {change}: regression under other traffic than expected now (mix "
+            f"{head}: regression under other traffic than expected now (mix "
             f"{moved:.2f} away > {config.choose.regression_lift_mix_ratio:g}), the policy "
             f"decides, {measured}"
         )
     elif total_w < needed:
-        why = f"outcome of {change}: {total_w:.0f} s observed < {needed:.0f} s needed, {measured}"
+        why = f"{head}: {total_w:.0f} s observed < {needed:.0f} s needed, {measured}"
     elif short_of_prediction is False and baseline - served > max(margin, floor_ratio * baseline):
         why = (
-            f"outcome of {change}: no regression, it serves less at the traffic seen but as "
+            f"{head}: no regression, it serves less at the traffic seen but as "
             f"much as predicted for its epoch, {measured}"
         )
     else:
-        why = f"outcome of {change}: no regression beyond noise, {measured}"
+        why = f"{head}: no regression beyond noise, {measured}"
     return Verdict(
         old,
         snap.to_steps,
