@@ -316,6 +316,11 @@ def _local(config: Config, at: datetime) -> str:
     return windows.local_time(config.windows, at).isoformat(timespec="seconds")
 
 
+def _local_at(config: Config, t: float | None) -> str | None:
+    """Unix time ``t`` on the window's own clock (`_local`); None for None."""
+    return None if t is None else _local(config, datetime.fromtimestamp(t, tz=timezone.utc))
+
+
 def _acceptance(state: State) -> dict[str, Any]:
     """What specd measured of the box's acceptance, as the model reads it: the α that
     scales every step count's sweep row (None: the sweep's own), and per step count."""
@@ -369,9 +374,7 @@ def _explorations(
                 "t": t,
                 "until": until,
                 # On the window's own clock, as the window line shows it.
-                "until_at": None
-                if until is None
-                else _local(config, datetime.fromtimestamp(until, tz=timezone.utc)),
+                "until_at": _local_at(config, until),
             }
         )
     return {"max_per_week": config.choose.explore_max_per_week, "recent": recent}
@@ -395,9 +398,7 @@ def _verifying(config: Config, state: State, now: float) -> dict[str, Any] | Non
         "since": snap.t,
         "predicted_gain_ratio": snap.predicted_gain_ratio,
         "until": snap.until,
-        "until_at": None
-        if snap.until is None
-        else _local(config, datetime.fromtimestamp(snap.until, tz=timezone.utc)),
+        "until_at": _local_at(config, snap.until),
         # Per load band of its forecast: [band, predicted ratio new/old, share of the epoch].
         "predicted_bands": [list(entry) for entry in snap.predicted],
         # The daemon's verdict on it at its last decision (what it served so far), if any.

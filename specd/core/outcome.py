@@ -470,11 +470,8 @@ def verdict(
             / shares
         )
         short_of_prediction = 1.0 - epoch_ratio > max(margin / baseline, floor_ratio)
-    beyond_noise = (
-        total_w >= needed
-        and baseline - served > max(margin, floor_ratio * baseline)
-        and short_of_prediction is not False
-    )
+    short_of_old = baseline - served > max(margin, floor_ratio * baseline)
+    beyond_noise = total_w >= needed and short_of_old and short_of_prediction is not False
     # The mix seen, normalized once: compared with the coming traffic and kept in the verdict.
     seen_mix = _normalized_mix(mix)
     moved = 0.0 if coming is None else _normalized_distance(_normalized_mix(coming), seen_mix)
@@ -508,7 +505,7 @@ def verdict(
         )
     elif total_w < needed:
         why = f"{head}: {total_w:.0f} s observed < {needed:.0f} s needed, {measured}"
-    elif short_of_prediction is False and baseline - served > max(margin, floor_ratio * baseline):
+    elif short_of_prediction is False and short_of_old:
         why = (
             f"{head}: no regression, it serves less at the traffic seen but as "
             f"much as predicted for its epoch, {measured}"
