@@ -1434,14 +1434,16 @@ class Daemon:
         m.override_expiry.set(expires.timestamp() if expires is not None else float("nan"))
         since = self.override.since if override is not None else None
         m.override_since.set(since if since is not None else float("nan"))
+        frozen = self.state.frozen is not None
         if override is not None:
-            m.set_mode(override.mode)
+            # A freeze after a failed restart holds whatever the file says (`decide`).
+            m.set_mode("freeze" if frozen else override.mode)
             m.set_override_info(override.mode, override.reason)
             m.steps_pinned.set(
                 override.steps if override.mode == "pin" and override.steps else float("nan")
             )
         else:
-            m.set_mode("freeze" if self.state.frozen is not None else "auto")
+            m.set_mode("freeze" if frozen else "auto")
             m.set_override_info(None, "")
             m.steps_pinned.set(float("nan"))
 

@@ -1905,6 +1905,12 @@ def _pinned(state: State, cfg: Config) -> None:
     os.chmod(cfg.files.override_file, 0o644)
 
 
+def _frozen_pinned(state: State, cfg: Config) -> None:
+    """A pin whose restart failed: the freeze wins over the pin the file still holds."""
+    _frozen(state, cfg)
+    _pinned(state, cfg)
+
+
 def _mid_restart(state: State, _cfg: Config) -> None:
     state.journal = {"phase": "restart_issued", "from_steps": 3, "to_steps": 4}
 
@@ -1931,6 +1937,17 @@ def _mid_restart(state: State, _cfg: Config) -> None:
                 ("specd_frozen", ()): 0.0,
             },
             id="pinned",
+        ),
+        pytest.param(
+            _frozen_pinned,
+            {
+                ("specd_frozen", ()): 1.0,
+                ("specd_mode", (("mode", "freeze"),)): 1.0,
+                ("specd_mode", (("mode", "pin"),)): 0.0,
+                # The file's override is still shown for what it is.
+                ("specd_override_info", (("mode", "pin"), ("reason", "incident 42"))): 1.0,
+            },
+            id="frozen with a pin in the file",
         ),
         pytest.param(
             _mid_restart,
