@@ -28,6 +28,7 @@ from specd.commands.override import pin_unrunnable, pinned_setting, unsupported_
 from specd.commands.status import override_info, override_text, read_override_as_daemon
 from specd.core import sglang_features as features
 from specd.core import windows
+from specd.core.choices import CHOOSES_KINDS
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
@@ -275,6 +276,16 @@ class Doctor:
         refused = [k for k in listed if not got.allows(k)]
         if refused:
             kind = refused[0]
+            if kind != "static" and choose.policy not in CHOOSES_KINDS:
+                return Check(
+                    "choices",
+                    False,
+                    f"[choose] kinds has {kind}, which the {choose.policy} policy never "
+                    "chooses: it picks a static step count only",
+                    "set [choose] calibration_file (from `specd sweep`) for the model policy, "
+                    f"or take {kind} out of [choose] kinds",
+                    notes,
+                )
             return Check(
                 "choices",
                 False,

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
     from specd.core.settings import ChooseSettings
 
 
+# The policies that choose among kinds of setting (off, static, adaptive); the others pick
+# a static K only (`specd.core.decide.POLICIES`).
+CHOOSES_KINDS = frozenset({"model"})
+
+
 @dataclass(frozen=True)
 class Offer:
     """The settings specd may choose, and why each kind or set is not offered."""
@@ -71,6 +76,22 @@ class Offer:
             out.append(f"{kind}: offered ({text})")
         out.extend(f"{text}: not offered: {why}" for text, why in self.refused)
         return out
+
+
+def for_policy(got: Offer, policy: str) -> Offer:
+    """``got`` as ``policy`` reads it: one outside `CHOOSES_KINDS` picks a static K only,
+    so it offers no other kind, whatever the server could run (doctor and status say why)."""
+    if policy in CHOOSES_KINDS:
+        return got
+    why = (
+        f'the {policy} policy picks a static step count only (policy "model", which a '
+        "calibration_file selects, chooses among every kind)"
+    )
+    kinds: dict[Kind, str | None] = {
+        k: v if k == "static" or v is not None else why for k, v in got.kinds.items()
+    }
+    settings = tuple(s for s in got.settings if s.kind == "static")
+    return Offer(kinds, settings, got.refused)
 
 
 def _adaptive_kind(traits: ServerTraits | None) -> str | None:

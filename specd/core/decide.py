@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from specd.core import windows
+from specd.core.choices import CHOOSES_KINDS
 from specd.core.forecast import RHYTHM_SPREAD, unlike_other_days
 from specd.core.model import Calibration, Plan, plan
 from specd.core.observation import ScrapeError
@@ -320,9 +321,6 @@ def _pick_model(
 
 # Read-only: the core keeps no mutable module state.
 POLICIES: Mapping[str, Policy] = MappingProxyType({"bands": _pick_bands, "model": _pick_model})
-# The policies that choose among kinds of setting (off, static, adaptive); the others pick
-# a static K only.
-CHOOSES_KINDS = frozenset({"model"})
 
 
 def choose(

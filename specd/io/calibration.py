@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specd.core.choices import Offer, offer, table_steps
+from specd.core.choices import Offer, for_policy, offer, table_steps
 from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
@@ -56,8 +56,11 @@ def configured_offer(
     (read once), as the daemon offers it (`specd.core.choices.offer`), and what doctor and
     status say of it: `Offer.lines`, then `swept_lines`."""
     calibration = _readable(choose.calibration_file)
-    got = offer(
-        choose, traits, None if calibration is None else table_steps(calibration), static_only
+    got = for_policy(
+        offer(
+            choose, traits, None if calibration is None else table_steps(calibration), static_only
+        ),
+        choose.policy,
     )
     return got, [*got.lines(), *swept_lines(calibration, got.settings)]
 

@@ -661,7 +661,9 @@ def test_choices_check_says_what_specd_may_choose_on_this_server(
     detail: str,
     notes: list[str],
 ) -> None:
-    found = doctor(tmp_path, f"[choose]\nkinds = {kinds}\n")
+    # The model policy: the one that chooses among kinds (without a calibration it starts
+    # from the bands).
+    found = doctor(tmp_path, f'[choose]\npolicy = "model"\nkinds = {kinds}\n')
     twin = version_twins(version)
     with SGLangClient(twin.url, timeout_s=5) as client:
         assert found.check_sglang(client).ok
@@ -674,7 +676,7 @@ def test_choices_check_says_what_specd_may_choose_on_this_server(
 def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(
     tmp_path: Path, version_twins: VersionTwins
 ) -> None:
-    found = doctor(tmp_path, "")  # [choose] kinds left at every kind
+    found = doctor(tmp_path, '[choose]\npolicy = "model"\n')  # kinds left at every kind
     twin = version_twins("0.5.11")
     with SGLangClient(twin.url, timeout_s=5) as client:
         assert found.check_sglang(client).ok
@@ -687,6 +689,43 @@ def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(
     check = found.check_choices()
     assert (check.ok, check.detail) == (True, "specd may choose static")
     assert f"off: not offered: {found.static_only}" in check.notes
+
+
+@pytest.mark.parametrize(
+    ("choose", "ok", "detail"),
+    [
+        # The default install: no calibration, so the bands policy, which picks static K.
+        ("", True, "specd may choose static"),
+        (
+            '[choose]\nkinds = ["off", "static"]\n', False,
+            "[choose] kinds has off, which the bands policy never chooses: it picks a static "
+            "step count only",
+        ),
+        ('[choose]\nkinds = ["static"]\n', True, "specd may choose static"),
+    ],
+)  # fmt: skip
+def test_choices_check_under_the_bands_policy_offers_static_only(
+    tmp_path: Path, version_twins: VersionTwins, choose: str, ok: bool, detail: str
+) -> None:
+    """The bands policy never reads the offer: doctor must not say it may turn speculation
+    off or run an adaptive set on a server that could run them."""
+    found = doctor(tmp_path, choose)
+    twin = version_twins("0.5.23")
+    with SGLangClient(twin.url, timeout_s=5) as client:
+        assert found.check_sglang(client).ok
+    check = found.check_choices()
+    assert (check.ok, check.detail) == (ok, detail)
+    if "kinds" not in choose:
+        why = (
+            'the bands policy picks a static step count only (policy "model", which a '
+            "calibration_file selects, chooses among every kind)"
+        )
+        assert list(check.notes) == [
+            f"off: not offered: {why}",
+            "static: offered (steps 1-6)",
+            f"adaptive: not offered: {why}",
+        ]
+    assert ("calibration_file" in check.advice) == (not ok)
 
 
 def test_choices_check_says_how_a_swept_set_is_predicted(
@@ -724,7 +763,7 @@ def test_choices_check_says_how_a_swept_set_is_predicted(
 
 
 def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) -> None:
-    found = doctor(tmp_path, '[choose]\nkinds = ["off", "static", "adaptive"]\n')
+    found = doctor(tmp_path, '[choose]\npolicy = "model"\nkinds = ["off", "static", "adaptive"]\n')
     check = found.check_choices()  # SGLang never answered
     assert not check.ok
     assert check.detail.endswith("adaptive, which this server cannot run: the server's "

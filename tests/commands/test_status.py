@@ -29,12 +29,13 @@ from specd.twin.process import free_port
 NOW = 1_764_000_000.0
 
 
-def config_file(tmp_path: Path, url: str, kinds: str) -> Path:
+def config_file(tmp_path: Path, url: str, kinds: str, policy: str = "model") -> Path:
+    """The model policy unless told: the one that chooses among kinds of setting."""
     path = tmp_path / "specd.toml"
     path.write_text(
         f'[sglang]\nurl = "{url}"\nenv_file = "{tmp_path}/sglang.env"\n'
         f'[files]\nstate_dir = "{tmp_path}"\noverride_file = "{tmp_path}/override.toml"\n'
-        f"[choose]\nkinds = {kinds}\n"
+        f'[choose]\npolicy = "{policy}"\nkinds = {kinds}\n'
     )
     return path
 
@@ -72,6 +73,22 @@ def test_status_names_the_choices_on_the_running_server(
     assert "\n".join(lines) in text, text
     assert info["choices"]["kinds"]["static"] is None
     assert info["choices"]["server_problem"] is None
+
+
+def test_status_under_the_bands_policy_names_static_only(
+    tmp_path: Path, version_twins: VersionTwins
+) -> None:
+    """The bands policy (no calibration: the default install) picks a static K only."""
+    twin = version_twins("0.5.23")
+    path = config_file(tmp_path, twin.url, '["off", "static", "adaptive"]', policy="bands")
+    config = load_config(path)
+    info = collect(config, NOW, server_info(config))
+    why = (
+        'the bands policy picks a static step count only (policy "model", which a '
+        "calibration_file selects, chooses among every kind)"
+    )
+    assert info["choices"]["kinds"] == {"off": why, "static": None, "adaptive": why}
+    assert f"choices        off: not offered: {why}\n" in render(info, NOW)
 
 
 def test_status_names_what_the_calibration_and_the_unit_leave_out(
