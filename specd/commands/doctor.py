@@ -272,20 +272,16 @@ class Doctor:
         notes = tuple(lines)
         # The default kinds are every kind, each where it can be: only kinds the operator
         # listed are a problem when they cannot be chosen.
-        listed = choose.kinds if "kinds" in choose.model_fields_set else ()
+        # Under a policy that picks static K only, every other kind is a note: the shipped
+        # config lists them all, for the model policy a calibration_file selects.
+        listed = (
+            choose.kinds
+            if "kinds" in choose.model_fields_set and choose.policy in CHOOSES_KINDS
+            else ()
+        )
         refused = [k for k in listed if not got.allows(k)]
         if refused:
             kind = refused[0]
-            if kind != "static" and choose.policy not in CHOOSES_KINDS:
-                return Check(
-                    "choices",
-                    False,
-                    f"[choose] kinds has {kind}, which the {choose.policy} policy never "
-                    "chooses: it picks a static step count only",
-                    "set [choose] calibration_file (from `specd sweep`) for the model policy, "
-                    f"or take {kind} out of [choose] kinds",
-                    notes,
-                )
             return Check(
                 "choices",
                 False,

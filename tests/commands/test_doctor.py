@@ -692,20 +692,17 @@ def test_a_default_kind_that_cannot_be_chosen_is_a_note_not_a_failure(
 
 
 @pytest.mark.parametrize(
-    ("choose", "ok", "detail"),
+    ("choose", "detail"),
     [
-        # The default install: no calibration, so the bands policy, which picks static K.
-        ("", True, "specd may choose static"),
-        (
-            '[choose]\nkinds = ["off", "static"]\n', False,
-            "[choose] kinds has off, which the bands policy never chooses: it picks a static "
-            "step count only",
-        ),
-        ('[choose]\nkinds = ["static"]\n', True, "specd may choose static"),
+        # No calibration, so the bands policy, which picks static K.
+        ("", "specd may choose static"),
+        # The shipped config lists every kind: under the bands policy, notes, no failure.
+        ('[choose]\nkinds = ["off", "static", "adaptive"]\n', "specd may choose static"),
+        ('[choose]\nkinds = ["static"]\n', "specd may choose static"),
     ],
 )  # fmt: skip
 def test_choices_check_under_the_bands_policy_offers_static_only(
-    tmp_path: Path, version_twins: VersionTwins, choose: str, ok: bool, detail: str
+    tmp_path: Path, version_twins: VersionTwins, choose: str, detail: str
 ) -> None:
     """The bands policy never reads the offer: doctor must not say it may turn speculation
     off or run an adaptive set on a server that could run them."""
@@ -714,8 +711,8 @@ def test_choices_check_under_the_bands_policy_offers_static_only(
     with SGLangClient(twin.url, timeout_s=5) as client:
         assert found.check_sglang(client).ok
     check = found.check_choices()
-    assert (check.ok, check.detail) == (ok, detail)
-    if "kinds" not in choose:
+    assert (check.ok, check.detail) == (True, detail)
+    if "adaptive" in choose or "kinds" not in choose:
         why = (
             'the bands policy picks a static step count only (policy "model", which a '
             "calibration_file selects, chooses among every kind)"
@@ -725,7 +722,6 @@ def test_choices_check_under_the_bands_policy_offers_static_only(
             "static: offered (steps 1-6)",
             f"adaptive: not offered: {why}",
         ]
-    assert ("calibration_file" in check.advice) == (not ok)
 
 
 def test_choices_check_says_how_a_swept_set_is_predicted(
