@@ -54,6 +54,7 @@ from specd.commands import status
 from specd.core.decide import Reason
 from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
+from specd.core.setting import traits_from_server_info
 from specd.daemon import STATE_SAVE_INTERVAL_S, UNFREEZE_REQUEST, Daemon
 from specd.io.config import Config, Window
 from specd.io.fleet import Fleet
@@ -1733,3 +1734,47 @@ def test_impossible_values_are_counted_never_learned_and_never_restart(
     assert (history.accept_length(4) or 0) < 5.0
     if "max_running_requests" in rejected:
         assert history.to_dict()["capacity"] == learned["capacity"]
+
+
+@pytest.mark.parametrize(
+    ("info_changes", "version"),
+    [
+        # int() refuses more than 4300 digits: it once ended specd at its first tick.
+        ({"version": "0.5." + "9" * 5000}, "unknown"),
+        # Valid JSON, no Unicode text: the history keyed the set by it and raised.
+        (
+            {"speculative_adaptive": True, "speculative_adaptive_config": "/x/\ud800.json"},
+            "unread",
+        ),
+    ],
+    ids=["5000-digit-version", "lone-surrogate-config-name"],
+)
+def test_server_info_no_version_or_text_could_hold_never_ends_the_daemon(
+    tmp_path: Path, info_changes: dict[str, Any], version: str
+) -> None:
+    metrics, info = _lying_sglang("sglang-0.5.23-loaded.prom", "3.0", **info_changes)
+    with page_server() as sglang:
+        sglang.serve("/metrics", metrics)
+        sglang.serve("/server_info", info)
+        config = make_config(tmp_path, int(sglang.url.rsplit(":", 1)[1]))
+        clock = Clock(INSIDE)
+        runner = RecordingRunner(clock)
+        daemon = make_daemon(config, runner, clock)
+        daemon.state.history = wanting(config, 4, clock.now)
+        for i in range(4):
+            clock.now = INSIDE + 5 * i
+            daemon.tick()
+        daemon._save_state(force=True)
+    assert runner.calls == []
+    assert daemon.last_obs is not None
+    # /metrics still tells the live step count; /server_info's version is unknown, or the
+    # answer unread (malformed: read again at the next scrape).
+    assert daemon.last_obs.steps == 4
+    info_read = daemon.client.last_server_info
+    if version == "unread":
+        assert info_read is None
+    else:
+        assert info_read is not None
+        assert traits_from_server_info(info_read).version is None
+    _, problem = StateStore(Path(config.files.state_dir)).load()
+    assert problem is None

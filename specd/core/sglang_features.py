@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 Version = tuple[int, int, int]
 
-_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
+_VERSION = re.compile(r"^v?([0-9]+)\.([0-9]+)(?:\.([0-9]+))?")
+# Longer parts are no version: int() of thousands of digits raises, and the string is
+# SGLang's to send (`/server_info`), not ours to trust.
+_VERSION_PART_DIGITS = 9
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ def parse_version(text: object) -> Version | None:
     if not isinstance(text, str):
         return None
     match = _VERSION.match(text.strip())
-    if match is None:
+    if match is None or any(len(part or "") > _VERSION_PART_DIGITS for part in match.groups()):
         return None
     return (int(match[1]), int(match[2]), int(match[3] or 0))
 

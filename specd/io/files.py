@@ -10,8 +10,10 @@ Reading: regular files only, at most a cap of bytes, opened without blocking (a 
 not hang specd) and, for files specd owns, without following a symlink. Every problem is
 one ``FileReadError`` whose message is one line naming the file.
 
-Parsing: JSON and TOML whose nesting is too deep, or whose size exhausts memory, are
-invalid input like any other (``ParseError``), never a RecursionError that kills specd.
+Parsing: JSON and TOML whose nesting is too deep, or whose size exhausts memory, an
+integer too long for Python to read, or a string that is no Unicode text (JSON's "\\ud800",
+a lone surrogate no encoder takes), are invalid input like any other (``ParseError``),
+never an exception that kills specd later.
 """
 
 from __future__ import annotations
@@ -200,12 +202,19 @@ def read_text_file(path: str | Path, max_bytes: int, *, follow_symlinks: bool = 
 # -- parsing ------------------------------------------------------------------------------
 
 
-def _check_depth(value: Any, max_depth: int) -> None:
+def _check_value(value: Any, max_depth: int) -> None:
+    """Nesting within ``max_depth``, every string and key Unicode text."""
     # Iterative: the point is not to recurse on hostile input.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, str):
+            _check_text(item)
+            continue
         if isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str):
+                    _check_text(key)
             children: Any = item.values()
         elif isinstance(item, list):
             children = item
@@ -214,6 +223,15 @@ def _check_depth(value: Any, max_depth: int) -> None:
         if depth > max_depth:
             raise ParseError(f"nested deeper than {max_depth} levels")
         stack.extend((child, depth + 1) for child in children)
+
+
+def _check_text(item: str) -> None:
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParseError(
+            f"a string that is not Unicode text (a lone surrogate at character {exc.start})"
+        ) from None
 
 
 def parse_json(text: str | bytes, *, max_depth: int = MAX_NESTING_DEPTH) -> Any:
@@ -229,7 +247,7 @@ def parse_json(text: str | bytes, *, max_depth: int = MAX_NESTING_DEPTH) -> Any:
     except ValueError as exc:
         raise ParseError(f"invalid JSON: {_one_line(exc)}") from None
     try:
-        _check_depth(value, max_depth)
+        _check_value(value, max_depth)
     except ParseError as exc:
         raise ParseError(f"invalid JSON: {exc}") from None
     return value
@@ -245,8 +263,12 @@ def parse_toml(text: str, *, max_depth: int = MAX_NESTING_DEPTH) -> dict[str, An
         raise ParseError("invalid TOML: too large to parse") from None
     except tomllib.TOMLDecodeError as exc:
         raise ParseError(f"invalid TOML: {_one_line(exc)}") from None
+    except ValueError as exc:
+        # tomllib's own: an integer past Python's digit limit ("Exceeds the limit (4300
+        # digits) for integer string conversion").
+        raise ParseError(f"invalid TOML: {_one_line(exc)}") from None
     try:
-        _check_depth(value, max_depth)
+        _check_value(value, max_depth)
     except ParseError as exc:
         raise ParseError(f"invalid TOML: {exc}") from None
     return value

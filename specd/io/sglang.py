@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import math
 import threading
 import time
@@ -48,6 +47,7 @@ from specd.core.observation import (
     without_impossible,
 )
 from specd.core.text import check_http_url
+from specd.io import files
 from specd.io.promtext import PromTextError, Sample, select_samples
 from specd.io.tls import context_for
 
@@ -813,9 +813,11 @@ class SGLangClient:
     @staticmethod
     def _info_json(path: str, result: bytes, t: float) -> dict[str, Any] | ScrapeError:
         try:
-            info = json.loads(result)
-        except ValueError as exc:
-            return ScrapeError("malformed", _one_line(f"GET {path}: not JSON ({exc})"), t)
+            # Bounded nesting, Unicode strings only: a config name with a lone surrogate
+            # would raise where the history keys it (`specd.core.setting.config_key`).
+            info = files.parse_json(result)
+        except files.ParseError as exc:
+            return ScrapeError("malformed", _one_line(f"GET {path}: {exc}"), t)
         if not isinstance(info, dict):
             return ScrapeError("malformed", f"GET {path}: not a JSON object", t)
         return info

@@ -77,3 +77,26 @@ def test_the_adaptive_versions_are_the_tables() -> None:
 def test_features_are_in_version_order_with_unique_names() -> None:
     assert [f.since for f in FEATURES] == sorted(f.since for f in FEATURES)
     assert len({f.name for f in FEATURES}) == len(FEATURES)
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("0.5.13", (0, 5, 13)),
+        ("v0.5.4", (0, 5, 4)),
+        ("0.5.23rc1", (0, 5, 23)),
+        ("0.5", (0, 5, 0)),
+        (" 0.5.6.post1 ", (0, 5, 6)),
+        # /server_info is SGLang's to send: what is not a version is an unknown one.
+        ("0.5." + "9" * 5000, None),  # int() refuses more than 4300 digits
+        ("9" * 5000 + ".5.1", None),
+        ("0.5.1234567890", None),
+        ("٠.٥.١٣", None),  # digits, but not ASCII ones
+        ("0.x.1", None),
+        ("", None),
+        (None, None),
+        (13, None),
+    ],
+)
+def test_parse_version_reads_a_version_or_says_none(text: object, parsed: object) -> None:
+    assert parse_version(text) == parsed

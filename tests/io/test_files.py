@@ -313,6 +313,14 @@ def test_nesting_within_the_limit_parses_and_one_more_level_does_not() -> None:
         (files.parse_json, '{"a": ', "invalid JSON: Expecting value"),
         (files.parse_json, b"\xff", "invalid JSON: not UTF-8"),
         (files.parse_toml, "a = \n", "invalid TOML: Invalid value (at line 1, column 5)"),
+        # Python refuses to read an integer of more than 4300 digits (a ValueError).
+        (files.parse_toml, "a = " + "1" * 5000, "invalid TOML: Exceeds the limit"),
+        (files.parse_json, "[" + "1" * 5000 + "]", "invalid JSON: Exceeds the limit"),
+        # A lone surrogate: valid JSON escapes, no Unicode text; nothing could encode it.
+        (files.parse_json, '{"a": "x\\ud800"}', "invalid JSON: a string that is not Unicode"),
+        (files.parse_json, '{"\\udfff": 1}', "invalid JSON: a string that is not Unicode"),
+        (files.parse_json, '[[["\\ud800"]]]', "invalid JSON: a string that is not Unicode"),
+        (files.parse_toml, 'a = "\\ud800"', "invalid TOML: "),  # TOML refuses it itself
     ],
 )
 def test_plain_bad_input_is_one_line(parse: Callable[[Any], Any], text: Any, problem: str) -> None:

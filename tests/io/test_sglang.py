@@ -535,8 +535,24 @@ def test_refused_connection() -> None:
     [
         ({"/server_info": Route(status=503)}, "http_status", "GET /server_info: 503"),
         ({}, "http_status", "/server_info and /get_server_info: 404"),
-        ({"/server_info": Route(body=b"<html>")}, "malformed", "GET /server_info: not JSON"),
+        ({"/server_info": Route(body=b"<html>")}, "malformed", "GET /server_info: invalid JSON"),
         ({"/server_info": Route(body=b"[1, 2]")}, "malformed", "not a JSON object"),
+        # Valid JSON, no Unicode text: the name would raise where the history keys the set.
+        (
+            {
+                "/server_info": Route(
+                    body=b'{"speculative_adaptive": true, '
+                    b'"speculative_adaptive_config": "/x/\\ud800.json"}'
+                )
+            },
+            "malformed",
+            "GET /server_info: invalid JSON: a string that is not Unicode text",
+        ),
+        (
+            {"/server_info": Route(body=b"[" * 100_000)},
+            "malformed",
+            "GET /server_info: invalid JSON: nested deeper than",
+        ),
         (
             {"/server_info": Route(delay_s=1.0, body=b"{}")},
             "timeout",
