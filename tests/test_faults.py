@@ -1488,6 +1488,14 @@ def _reload_rejected(proc: subprocess.Popen[bytes], metrics_port: int, log: Path
         # written yet. TOML reads it as no keys: it applied every default (another SGLang).
         ("empty", b"", "the file is empty (0 bytes)"),
         ("whitespace only", b"\n  \n", "the file is only whitespace (4 bytes)"),
+        # Once logged `reloaded`; the next tick's os.open raised and ended specd.
+        (
+            "a NUL in a path",
+            b'[files]\noverride_file = "/etc/specd/\\u0000.toml"\n',
+            "files.override_file: holds a NUL character",
+        ),
+        # Python reads no integer of more than 4300 digits: a traceback at start.
+        ("a 5000-digit integer", b"[observe]\nscrape_interval_s = " + b"1" * 5000, "invalid TOML"),
     ],
 )
 def test_a_rejected_reload_keeps_the_running_config_says_why_and_never_exits(

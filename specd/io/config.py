@@ -199,6 +199,19 @@ def _type_problems(data: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _nul_problems(value: Any, where: str = "") -> list[str]:
+    """Strings holding a NUL: TOML allows "\\u0000", but no path, unit, URL or argument can
+    hold one (os and subprocess raise on it, where the daemon could not say why)."""
+    if isinstance(value, str):
+        return [f"{where}: holds a NUL character (\\u0000)"] if "\x00" in value else []
+    if isinstance(value, dict):
+        dot = f"{where}." if where else ""
+        return [p for k, v in value.items() for p in _nul_problems(v, f"{dot}{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _nul_problems(v, f"{where}[{i}]")]
+    return []
+
+
 def _wrong_type(expected: Any, value: Any) -> str | None:
     if expected is int:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
@@ -472,6 +485,7 @@ def load_config(
         data = read_config_file(config_path, settle)
     problems, data = _placement_problems(data)
     problems += _type_problems(data)
+    problems += _nul_problems(data)
     env_problems, env_names = _unknown_env()
     problems += env_problems
     token = _FILE_DATA.set(data)
@@ -492,7 +506,7 @@ def load_config(
         problems += found
     finally:
         _FILE_DATA.reset(token)
-    if config is not None:
+    if config is not None and not any(p.startswith("choose.calibration_file:") for p in problems):
         problems += check_calibration(config)
     if problems:
         raise ConfigError(problems, config_path)

@@ -114,6 +114,9 @@ def read_regular_file_and_stat(
         flags |= os.O_NOFOLLOW
     try:
         fd = os.open(path, flags)
+    except ValueError:
+        # A NUL in the path: os refuses it before any system call.
+        raise FileReadError(path, "cannot read: the path holds a NUL character") from None
     except FileNotFoundError:
         raise MissingFileError(path, f"cannot read: {os.strerror(errno.ENOENT)}") from None
     except OSError as exc:

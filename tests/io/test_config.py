@@ -339,6 +339,31 @@ def test_non_finite_values_in_the_arrays_are_rejected(tmp_path: Path, text: str)
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[files]\nstate_dir = "/var/lib/a\\u0000b"\n', "files.state_dir"),
+        ('[files]\noverride_file = "/etc/specd/o\\u0000.toml"\n', "files.override_file"),
+        ('[sglang]\nenv_file = "/var/lib/specd/\\u0000"\n', "sglang.env_file"),
+        ('[sglang]\nunit = "sglang\\u0000.service"\n', "sglang.unit"),
+        ('[sglang]\nspeculative_algorithm = "EAGLE\\u0000"\n', "sglang.speculative_algorithm"),
+        ('[choose]\ncalibration_file = "/tmp/c\\u0000.csv"\n', "choose.calibration_file"),
+        (
+            "[[windows]]\ncron = '0 3 * * *'\nduration_s = 3600\ntimezone = \"UTC\\u0000\"\n",
+            "windows[0].timezone",
+        ),
+    ],
+)
+def test_a_nul_in_any_string_is_one_line_not_a_crash_later(
+    tmp_path: Path, text: str, key: str
+) -> None:
+    """TOML allows "\\u0000"; os and subprocess raise on it. It once passed check-config
+    and ended `specd run` (or a reload's next tick) with a traceback."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.problems == [f"{key}: holds a NUL character (\\u0000)"]
+
+
 # The keys an optional table cannot do without, so one key can be tried in it alone.
 
 
