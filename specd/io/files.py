@@ -237,10 +237,17 @@ def _check_text(item: str) -> None:
         ) from None
 
 
-def parse_json(text: str | bytes, *, max_depth: int = MAX_NESTING_DEPTH) -> Any:
-    """JSON text → value. ``ParseError`` (one line) for bad, too deep or absurd input."""
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(
+    text: str | bytes, *, max_depth: int = MAX_NESTING_DEPTH, finite: bool = False
+) -> Any:
+    """JSON text → value. ``ParseError`` (one line) for bad, too deep or absurd input;
+    ``finite``: NaN and Infinity too (Python reads them; no JSON encoder writes them back)."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant) if finite else json.loads(text)
     except RecursionError:
         raise ParseError(f"invalid JSON: nested deeper than {max_depth} levels") from None
     except MemoryError:

@@ -38,7 +38,7 @@ import httpx
 
 from specd.core.settings import GatewaySettings
 from specd.io.answers import read_capped
-from specd.io.files import FileReadError, read_text_file
+from specd.io.files import FileReadError, ParseError, parse_json, read_text_file
 from specd.io.tls import context_for
 
 READY = "ready"
@@ -323,10 +323,23 @@ class GatewayClient:
 
     def _call(self, method: str, gateway: str, path: str, body: Any = None) -> Any:
         headers = self._headers()
+        content = None
+        if body is not None:
+            try:
+                content = json.dumps(body, allow_nan=False).encode("utf-8")
+            except (ValueError, TypeError) as exc:
+                # What a worker's listing held (its settings go back at the re-add): said,
+                # not raised through the restart that drained it.
+                raise self._fail(
+                    f"gateway {gateway}: {method} {path}: cannot send as JSON: {exc}", "malformed"
+                ) from None
+            headers = {**headers, "Content-Type": "application/json"}
         deadline = time.monotonic() + self._timeout_s
         self._beat()
         try:
-            with self._http.stream(method, gateway + path, json=body, headers=headers) as reply:
+            with self._http.stream(
+                method, gateway + path, content=content, headers=headers
+            ) as reply:
                 raw = read_capped(reply, MAX_ANSWER_BYTES, deadline, self._beat)
         except httpx.TimeoutException:
             raise self._fail(
@@ -349,9 +362,11 @@ class GatewayClient:
         if not raw:
             return None
         try:
-            return json.loads(raw)
-        except (ValueError, RecursionError):
-            raise self._fail(f"gateway {gateway}: {method} {path}: not JSON", "malformed") from None
+            # Finite numbers and Unicode text only: a worker's settings are saved in the
+            # restart journal and sent back at the re-add, and neither takes NaN or "\ud800".
+            return parse_json(raw, finite=True)
+        except ParseError as exc:
+            raise self._fail(f"gateway {gateway}: {method} {path}: {exc}", "malformed") from None
 
     def _workers(self, gateway: str) -> list[Mapping[str, Any]]:
         data = self._call("GET", gateway, "/workers")

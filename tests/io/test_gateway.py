@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -316,3 +318,93 @@ def test_the_watch_asks_every_tick_when_needed_else_once_a_minute() -> None:
     assert watch.last is not None
     assert (watch.last["t"], watch.last["replicas"]) == (late, 1)
     watch.close()
+
+
+WORKER = "http://127.0.0.1:30000"
+
+
+class Listing(QuietHandler):
+    """A replica listing this server's worker with one hostile field (``body``), counting
+    every call that would change routing."""
+
+    body = b""
+    changes: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.send_body(200, self.body, "application/json")
+
+    def do_DELETE(self) -> None:
+        self.changes.append(f"DELETE {self.path}")
+        self.send_body(202, b"{}", "application/json")
+
+    def do_POST(self) -> None:
+        self.changes.append(f"POST {self.path}")
+        self.send_body(202, b"{}", "application/json")
+
+
+def _listing(field: str) -> bytes:
+    return (
+        b'{"workers": [{"id": "w1", "url": "'
+        + WORKER.encode()
+        + b'", "status": "ready", '
+        + field.encode()
+        + b"}]}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "said"),
+    [
+        # Python's json reads NaN: saved in the restart journal, it failed every save after
+        # the drain, and the re-add's body raised out of the restart (the worker stranded).
+        ('"priority": NaN', "NaN is not a JSON number"),
+        ('"cost": -Infinity', "-Infinity is not a JSON number"),
+        # A lone surrogate: httpx raised encoding the re-add's body.
+        ('"labels": {"zone": "\\ud800"}', "a string that is not Unicode text"),
+        ('"priority": ' + "9" * 5000, "Exceeds the limit"),
+    ],
+    ids=["nan", "infinity", "lone-surrogate", "5000-digit-number"],
+)
+def test_a_listing_no_json_encoder_could_send_back_is_no_drain(field: str, said: str) -> None:
+    """Refused before anything leaves routing: a worker drained on such a listing could
+    never be put back as it was."""
+    errors: list[str] = []
+
+    class Replica(Listing):
+        body = _listing(field)
+        changes: ClassVar[list[str]] = []
+
+    with LoopbackHTTP(Replica) as replica:
+        client = GatewayClient([replica.url], WORKER, timeout_s=2.0, on_error=errors.append)
+        try:
+            with pytest.raises(GatewayUnavailable) as info:
+                client.drain()
+        finally:
+            client.close()
+    assert said in str(info.value)
+    assert str(info.value).startswith(f"gateway {replica.url}: GET /workers: invalid JSON")
+    assert "\n" not in str(info.value)
+    assert errors == ["malformed"]
+    assert Replica.changes == []
+
+
+def test_a_readd_whose_body_cannot_be_json_is_one_line_not_an_exception() -> None:
+    """What reaches a re-add was read by this client, but a worker built by other code (a
+    journal from an older specd) may hold anything: said, never raised through the restart."""
+
+    class Replica(Listing):
+        body = _listing('"priority": 5')
+        changes: ClassVar[list[str]] = []
+
+    with LoopbackHTTP(Replica) as replica:
+        client = GatewayClient([replica.url], WORKER, timeout_s=2.0)
+        try:
+            worker = client.find(replica.url)
+            assert worker is not None
+            hostile = dataclasses.replace(worker, settings={"priority": float("nan")})
+            with pytest.raises(GatewayUnavailable) as info:
+                client._call("POST", replica.url, "/workers", {"url": WORKER, **hostile.settings})
+        finally:
+            client.close()
+    assert "cannot send as JSON" in str(info.value)
+    assert Replica.changes == []
