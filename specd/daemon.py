@@ -293,6 +293,9 @@ class Daemon:
         self._readd_tried_at: float | None = None
         self._mark_in_tried_at: float | None = None
         self._gateway_changed = False  # what status shows of the gateway changed this tick
+        # An unfreeze request honoured but not removable (a directory): (dev, inode, mtime),
+        # so that it unfreezes once, not every later freeze at the next tick.
+        self._unremovable_unfreeze: tuple[int, int, int] | None = None
 
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self, config: Config, client: SGLangReader) -> Applier:
@@ -1372,6 +1375,13 @@ class Daemon:
     def _check_unfreeze_request(self, now: float) -> None:
         path = Path(self.config.files.state_dir) / UNFREEZE_REQUEST
         try:
+            st = os.lstat(path)
+        except OSError:
+            return  # none (or the directory is unreadable: the state's own problem)
+        mark = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        if mark == self._unremovable_unfreeze:
+            return
+        try:
             request = files.parse_json(files.read_regular_file(path, MAX_UNFREEZE_REQUEST_BYTES))
             reason = str(request.get("reason", ""))
         except files.MissingFileError:
@@ -1389,7 +1399,12 @@ class Daemon:
         try:
             path.unlink()
         except OSError as exc:
-            self.log.error("unfreeze_request_not_removed", error=str(exc))
+            self._unremovable_unfreeze = mark
+            self.log.error(
+                "unfreeze_request_not_removed",
+                error=str(exc),
+                effect="honoured once; ignored until it is replaced",
+            )
         self._save_state(force=True)
 
     def _update_gauges(self, now: float, override: Override | None) -> None:

@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -1077,6 +1078,37 @@ def test_an_unfreeze_request_is_read_bounded_and_never_hangs_the_loop(
     at = unfrozen[0]["at"]
     assert isinstance(at, str), at
     assert datetime.fromisoformat(at).utcoffset() is not None, at
+
+
+def test_an_unfreeze_request_that_cannot_be_removed_unfreezes_once(tmp_path: Path) -> None:
+    """A directory named unfreeze.json: honoured as the operator's word, but it cannot be
+    consumed. It once cleared every later freeze (a failed restart's) at the next tick."""
+    config = make_config(tmp_path, free_port())
+    store = StateStore(Path(config.files.state_dir))
+    assert store.save(State(frozen={"since": OUTSIDE - 60, "reason": "rollback"})) is None
+    request = Path(config.files.state_dir) / UNFREEZE_REQUEST
+    request.mkdir()
+    (request / "keep").write_text("")  # not even an empty directory
+    clock = Clock(OUTSIDE)
+    daemon = make_daemon(config, RecordingRunner(clock), clock)
+    with capture_logs() as logs:
+        daemon.tick()
+        assert daemon.state.frozen is None
+        # A restart fails later: that freeze stands while the same directory stays.
+        daemon.state.frozen = {"since": OUTSIDE + 5, "reason": "restart to 4 rolled_back"}
+        for i in range(1, 4):
+            clock.now = OUTSIDE + 5 * i
+            daemon.tick()
+        assert daemon.state.frozen is not None
+        assert len(events(logs, "unfrozen")) == 1
+        assert len(events(logs, "unfreeze_request_not_removed")) == 1
+        # Replaced by a real request (the directory removed, `specd unfreeze` run): honoured.
+        shutil.rmtree(request)
+        request.write_text('{"reason": "fixed it"}')
+        clock.now += 5
+        daemon.tick()
+    assert daemon.state.frozen is None
+    assert not os.path.lexists(request)
 
 
 @pytest.mark.parametrize("fault", ["disk full", "read-only", "corrupted under us"])
