@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from specd.commands.override import pin_unrunnable, pinned_setting, unsupported_pin_text
 from specd.commands.status import override_info, override_text, read_override_as_daemon
@@ -61,6 +60,7 @@ from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
 from specd.io.fleet import Busy, EtcdClient, Fleet, FleetUnavailable, out_text
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
+from specd.io.promtext import sample_names
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import (
     ACCEPT_LENGTH,
@@ -314,11 +314,7 @@ class Doctor:
         parsed = parse_metrics(text)
         if isinstance(parsed, ScrapeError):
             return [Check("metrics", False, parsed.reason, "SGLang's /metrics is not parseable")]
-        names = {
-            sample.name
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        }
+        names = sample_names(text)
         missing = [m for m in NEEDED_METRICS if m not in names]
         return [
             Check(

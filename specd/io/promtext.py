@@ -19,6 +19,7 @@ from dataclasses import dataclass
 # name="value" with the format's three escapes (\\, \", \n) inside the value.
 _LABEL_PAIR = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*')
 _NAME_END = re.compile(r"[{ \t]")
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _ESCAPE = re.compile(r'\\[\\n"]')
 _UNESCAPED = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 _MAX_SHOWN = 80
@@ -116,3 +117,18 @@ def select_samples(text: str, names: Collection[str]) -> dict[str, list[Sample]]
         seen.add(key)
         found.setdefault(name, []).append(sample)
     return found
+
+
+def sample_names(text: str) -> set[str]:
+    """The sample names a page shows (``x_total``, ``x_bucket``, ...), read from each
+    sample line's first token only: a line of a family specd does not read may be anything
+    (prometheus_client's parser raises on the whole page for one)."""
+    names = set()
+    for raw_line in text.split("\n"):
+        if not raw_line or raw_line.startswith("#"):
+            continue
+        name_end = _NAME_END.search(raw_line)
+        name = raw_line if name_end is None else raw_line[: name_end.start()]
+        if _METRIC_NAME.fullmatch(name):
+            names.add(name)
+    return names

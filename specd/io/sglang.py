@@ -192,7 +192,9 @@ def _series(sample: Sample) -> str:
 
 
 def _rank_order(value: str) -> tuple[int, int, str]:
-    return (0, int(value), "") if value.isdigit() else (1, 0, value)
+    # ASCII and short: "²" is a digit to isdigit(), and int() refuses it, or 5000 digits.
+    numeric = value.isascii() and value.isdigit() and len(value) <= 9
+    return (0, int(value), "") if numeric else (1, 0, value)
 
 
 def _per_replica(samples: list[Sample]) -> list[Sample]:

@@ -15,7 +15,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import FAST_TWIN_VERSION_ARGS, SMG_ADMIN_KEY, SmgGateway, seed_table
+from factories import (
+    FAST_TWIN_VERSION_ARGS,
+    SMG_ADMIN_KEY,
+    LoopbackHTTP,
+    QuietHandler,
+    SmgGateway,
+    seed_table,
+)
+from prometheus_client.parser import text_string_to_metric_families
 from version_twins import VersionTwins
 
 import specd.commands.doctor as doctor_module
@@ -33,6 +41,7 @@ from specd.install.manifest import new_manifest, save_manifest
 from specd.install.unit import UnitView
 from specd.io.apply import static_only_wiring
 from specd.io.config import load_config
+from specd.io.promtext import sample_names
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.tables import write_table
@@ -993,3 +1002,50 @@ def test_a_unit_that_restarts_before_specd_can_look_is_noted(
         assert note.startswith(f"{view.unit} starts again {restart_sec_s:g} s after it fails ")
         assert f"(Restart={restart}): sooner than specd looks" in note
         assert note.endswith("RestartSec=30s (as systemd/examples/sglang.service) leaves time")
+
+
+def _families_parse(page: Path) -> bool:
+    try:
+        list(text_string_to_metric_families(page.read_text()))
+    except ValueError:
+        return False
+    return True
+
+
+FIXTURE_PAGES = sorted((Path(__file__).parent.parent / "fixtures" / "metrics").glob("*.prom"))
+# The pages prometheus_client reads whole; on the others it raises, sample_names does not.
+PARSED_PAGES = [p for p in FIXTURE_PAGES if _families_parse(p)]
+
+
+@pytest.mark.parametrize("page", PARSED_PAGES, ids=lambda p: p.name)
+def test_sample_names_are_prometheus_clients_on_every_page_it_parses(page: Path) -> None:
+    text = page.read_text()
+    expected = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert sample_names(text) == expected
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # A family specd does not read: prometheus_client's parser raised on the whole page.
+        "other_metric this is garbage\n",
+        # A rank label isdigit() takes and int() refuses.
+        'sglang:num_running_reqs{tp_rank="²"} 1\n',
+        'sglang:num_running_reqs{tp_rank="' + "1" * 5000 + '"} 1\n',
+    ],
+    ids=["garbage-elsewhere", "superscript-rank", "5000-digit-rank"],
+)
+def test_the_metrics_check_reports_a_hostile_page_never_raises(tmp_path: Path, extra: str) -> None:
+    page = Path(__file__).parent.parent / "fixtures" / "metrics" / "sglang-0.5.23-loaded.prom"
+    text = page.read_text() + extra
+
+    class Page(QuietHandler):
+        def do_GET(self) -> None:
+            self.send_body(200, text.encode(), "text/plain; version=0.0.4")
+
+    found = doctor(tmp_path)
+    with LoopbackHTTP(Page) as server, SGLangClient(server.url, timeout_s=5) as client:
+        metrics, version = found.check_metrics(client)
+    assert metrics.ok, metrics
+    assert metrics.detail.startswith("/metrics parses (")
+    assert version.name == "version"
