@@ -355,7 +355,8 @@ def read_env_steps(path: Path | str) -> int | None:
     except files.FileReadError:
         return None
     value = parse_env(data.decode("utf-8", errors="replace")).get(ENV_STEPS, "")
-    if not value.isdigit():
+    # ASCII and short: isdigit() takes "²" and "٣", int() refuses one and 5000 digits.
+    if not (value.isascii() and value.isdigit() and len(value) <= 9):
         return None
     return int(value)
 

@@ -399,6 +399,10 @@ def test_render_env_sets_steps_and_draft_tokens_and_says_who_writes_it(steps: in
         (b"SPECULATIVE_NUM_STEPS=\n", None),
         (b"OTHER=1\n", None),
         (b"\xff\xfe\x00garbage", None),
+        # Digits to isdigit(), no count: int() raised on the first, read the second as 3.
+        ("SPECULATIVE_NUM_STEPS=²\n".encode(), None),
+        ("SPECULATIVE_NUM_STEPS=٣\n".encode(), None),
+        (b"SPECULATIVE_NUM_STEPS=" + b"9" * 5000 + b"\n", None),
         (
             b"SPECULATIVE_NUM_STEPS=2\nSPECULATIVE_NUM_STEPS=6\n",
             6,
