@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import threading
 import time
@@ -503,6 +504,28 @@ class _Clock:
         return max(load_left, 0.0) + self.restarts_left * mean_restart
 
 
+def restore_by_hand(config: Config, original: SpecSetting) -> str:
+    """What the operator does when the sweep could not put ``original`` back: a pin that
+    specd, started again (the sweep wants it stopped), applies at once."""
+    pin = shlex.join(
+        [
+            "specd",
+            "override",
+            "pin",
+            format_setting(original),
+            "--for",
+            "1d",
+            "--reason",
+            "the sweep could not restore it",
+            "--now",
+        ]
+    )
+    return (
+        f"fix it by hand: `{pin}`, then start specd, which restarts SGLang into it; or "
+        f"write it in the env file {config.sglang.env_file} and restart {config.sglang.unit}"
+    )
+
+
 class _Sweeper:
     def __init__(
         self,
@@ -583,9 +606,7 @@ class _Sweeper:
         else:
             self.reporter.message(
                 f"RESTORE FAILED: SGLang is not back on {said} ({outcome.result}: "
-                f"{outcome.message}); fix it by hand: "
-                f"`specd override pin {format_setting(original)}` or the "
-                f"env file {self.config.sglang.env_file}"
+                f"{outcome.message}); {restore_by_hand(self.config, original)}"
             )
 
     # -- load -------------------------------------------------------------------------

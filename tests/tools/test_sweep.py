@@ -8,6 +8,7 @@ import dataclasses
 import http.server
 import json
 import os
+import shlex
 import signal
 import stat
 import struct
@@ -25,6 +26,7 @@ import pytest
 from factories import make_observation, tables
 from in_process import specd_main as in_process
 
+from specd.commands import override as override_cmd
 from specd.commands import sweep as sweep_cmd
 from specd.core.adaptive import AdaptiveModel
 from specd.core.model import Calibration, PerformanceModel, adaptive_slots
@@ -866,3 +868,22 @@ def test_a_stop_while_an_adaptive_set_runs_restores_the_original(
     info = httpx.get(unit.url + "/server_info", timeout=5).json()
     assert (info["speculative_num_steps"], info["speculative_adaptive"]) == (DEFAULT_STEPS, False)
     assert all(p.setting is None for p in report.points)
+
+
+@pytest.mark.parametrize("original", ["3", "off"])
+def test_the_restore_by_hand_a_failed_restore_names_is_a_command_specd_takes(
+    tmp_path: Path, original: str
+) -> None:
+    """It once named `specd override pin 3`, which exits 2 (--for and --reason are
+    required), and a pin without --now waits for the next window."""
+    hint = sw.restore_by_hand(make_config(tmp_path, free_port()), parse_setting(original))
+    command = hint.split("`")[1]
+    words = shlex.split(command)
+    assert words[:4] == ["specd", "override", "pin", original]
+    parser = argparse.ArgumentParser(prog="specd override", exit_on_error=False)
+    override_cmd.configure(parser)
+    args = parser.parse_args(words[2:])
+    assert args.now is True
+    assert args.duration.total_seconds() > 0
+    assert args.reason
+    assert "start specd" in hint
