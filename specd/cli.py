@@ -89,7 +89,8 @@ def _missing_tools_package(name: str) -> str | None:
 
 def _needs_tools(name: str) -> int:
     print(
-        f"specd {name} needs the 'tools' extra: pip install 'specd[tools]'",
+        f"specd {name} needs the 'tools' extra: from the checkout, "
+        "pip install -c requirements/constraints.txt '.[tools]'",
         file=sys.stderr,
     )
     return 2

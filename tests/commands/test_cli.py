@@ -83,7 +83,12 @@ def specd_without(packages: str, *args: str) -> subprocess.CompletedProcess[str]
 def test_a_tool_without_the_tools_extra_says_what_to_install(argv: list[str], hidden: str) -> None:
     done = specd_without(hidden, *argv)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr == f"specd {argv[0]} needs the 'tools' extra: pip install 'specd[tools]'\n"
+    # From the checkout, as the README installs it: a bare `specd[tools]` would fetch
+    # whatever the package index calls specd.
+    assert done.stderr == (
+        f"specd {argv[0]} needs the 'tools' extra: from the checkout, "
+        "pip install -c requirements/constraints.txt '.[tools]'\n"
+    )
 
 
 OTHERS = [n for n in cli.COMMANDS if n not in NEEDS_TOOLS]
