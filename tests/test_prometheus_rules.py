@@ -18,6 +18,8 @@ import yaml
 from factories import system_binary
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.core.settings import GatewaySettings, RestartSettings
+from specd.io.apply import out_of_service_bound_s
 from specd.twin.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -608,3 +610,21 @@ def test_override_file_panel_says_what_specd_does_with_the_file(tmp_path: Path) 
         found = _result(client, "/api/v1/query", params)
     shown = {r["metric"]["instance"]: _displayed(panel, float(r["value"][1])) for r in found}
     assert shown == {instance: said for instance, (_, said) in OVERRIDE_FILE_CASES.items()}
+
+
+def test_the_slot_held_alert_waits_past_the_longest_restart_sequence_specd_makes() -> None:
+    """A restart, its rollback, each restart command made again after systemd's start limit
+    and the wait for it (what bounds the out-of-service marker), after the quiet moment's
+    wait (or, with a gateway, the drain that bound counts): at the default timeouts 77
+    minutes, past the hour the rule once waited, so it fired during a sequence specd was
+    still finishing."""
+    restart = RestartSettings()
+    gateway = GatewaySettings(urls=["http://127.0.0.1:1"], worker_url="http://127.0.0.1:2")
+    longest = max(
+        restart.quiet_deadline_s + out_of_service_bound_s(restart, None),
+        out_of_service_bound_s(restart, gateway),
+    )
+    rule = next(r for r in alert_rules() if r["alert"] == "SpecdFleetSlotHeldTooLong")
+    found = re.search(r"\[3m\]\) > (\d+)", rule["expr"])
+    assert found is not None, rule["expr"]
+    assert int(found.group(1)) > longest, (found.group(1), longest)
