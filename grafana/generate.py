@@ -909,9 +909,11 @@ def health_panels() -> list[tuple[Panel, int, int]]:
     )
     tick = (
         ts(
-            "Tick duration and state-file errors",
-            "p99 wall time of one observe-record-decide tick, and failed state-file writes per "
-            "bar (red, right axis; the bars add up to the failures in the range).",
+            "Tick duration, tick and state-file errors",
+            "p99 wall time of one observe-record-decide tick; per bar (red, right axis; the "
+            "bars add up to the failures in the range) failed state-file writes and ticks "
+            "that ended in an error specd has no handling for (its log: tick_failed, with "
+            "the traceback). SpecdTicksFailing fires after 10 minutes of either.",
             "s",
         )
         .with_target(
@@ -929,8 +931,15 @@ def health_panels() -> list[tuple[Panel, int, int]]:
                 "B",
             )
         )
+        .with_target(
+            q(
+                per_bar(f"specd_tick_errors_total{{{INST}}}"),
+                "tick errors {{instance}}",
+                "C",
+            )
+        )
         .override_by_regexp(
-            "^state write errors.*",
+            "^(state write|tick) errors.*",
             [
                 dm.DynamicConfigValue(id_val="unit", value="short"),
                 dm.DynamicConfigValue(id_val="custom.drawStyle", value="bars"),
@@ -974,7 +983,7 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
             "Fleet slot held, server marked out",
             "slot: 1 while this host's specd holds one of its group's restart slots in etcd: "
             "at most `slots` hosts of a group at once. SpecdFleetSlotHeldTooLong fires after "
-            "an hour. out: 1 while this server's out-of-service marker is in etcd (from the "
+            "90 minutes. out: 1 while this server's out-of-service marker is in etcd (from the "
             "drain, or the restart, until it serves again): the group counts it even "
             "without a slot. Between restarts it is one etcd refused to remove: "
             "SpecdFleetMarkerLeftBehind fires after 10 minutes.",

@@ -83,6 +83,9 @@ CLOCK_STEP_S = 30.0
 # in flight, when no WatchdogSec= gives the period the loop beats within (the shipped unit
 # sets 60 s, and then that period is used).
 STOP_EXTEND_S = 60.0
+# The longest wait after ticks that raised in a row (doubling from the scrape interval): an
+# error that comes back every tick is logged a few times an hour, not every second.
+TICK_BACKOFF_MAX_S = 300.0
 
 
 def utc(ts: float) -> datetime:
@@ -296,6 +299,7 @@ class Daemon:
         # An unfreeze request honoured but not removable (a directory): (dev, inode, mtime),
         # so that it unfreezes once, not every later freeze at the next tick.
         self._unremovable_unfreeze: tuple[int, int, int] | None = None
+        self._tick_failures = 0  # ticks that raised in a row (_guarded_tick's backoff)
 
     # -- wiring -------------------------------------------------------------------
     def _make_applier(self, config: Config, client: SGLangReader) -> Applier:
@@ -712,7 +716,7 @@ class Daemon:
         self.applier.read_stop_timeout()
         self._read_wiring()
         if not self.stop_event.is_set():  # stopped during a replay: nothing more to decide
-            self.tick()  # READY comes after the first scrape was attempted
+            self._guarded_tick()  # READY comes after the first scrape was attempted
             self._ready(self._status_text())
         while not self.stop_event.is_set():
             self._idle(self.config.observe.scrape_interval_s)
@@ -722,7 +726,7 @@ class Daemon:
                 break
             if self._reload_requested.is_set():
                 self.reload()
-            self.tick()
+            self._guarded_tick()
         self.notifier.stopping("stopping")
         self._save_state(force=True)
         self.client.close()
@@ -732,6 +736,32 @@ class Daemon:
             self._metrics_server.shutdown()
         self.log.info("stopped")
         return 0
+
+    def _guarded_tick(self) -> None:
+        """One tick; an error no code of specd's handles (a bug, or input it does not
+        expect) is logged with its traceback and counted, and the loop backs off and goes
+        on: a daemon that exits on it restarts into the same input, and systemd's start
+        limit leaves the box untuned. Except with a restart in flight (its journal kept):
+        the next start's reconcile is what finishes one, so that error ends the run."""
+        try:
+            self.tick()
+        except Exception as exc:
+            if self.state.journal:
+                raise
+            self._tick_failures += 1
+            backoff = min(
+                self.config.observe.scrape_interval_s * 2**self._tick_failures, TICK_BACKOFF_MAX_S
+            )
+            self.metrics.tick_errors.inc()
+            self.log.exception(
+                "tick_failed",
+                error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                failures_in_a_row=self._tick_failures,
+                next_tick_in_s=backoff,
+            )
+            self._idle(backoff)
+        else:
+            self._tick_failures = 0
 
     def _reconcile_journal(self) -> None:
         journal = self.state.journal

@@ -2153,3 +2153,62 @@ def test_the_override_time_survives_a_restart_follows_a_repin_and_goes_with_the_
     assert cleared is not None
     assert math.isnan(cleared)
     assert restarted.metrics.registry.get_sample_value("specd_mode", {"mode": "auto"}) == 1
+
+
+class FailingFirst(Reader):
+    """Ticks that raise (a bug, or input no code of specd's handles) ``failures`` times, then
+    SGLang as usual; stops the daemon after ``ticks`` observations in all."""
+
+    def __init__(self, t: float, failures: int, ticks: int) -> None:
+        super().__init__([obs(t, steps=3)])
+        self.failures, self.ticks, self.calls = failures, ticks, 0
+        self.stop: threading.Event | None = None
+
+    def observe(self) -> Observation | ScrapeError:
+        self.calls += 1
+        if self.calls >= self.ticks and self.stop is not None:
+            self.stop.set()
+        if self.calls <= self.failures:
+            raise RuntimeError(f"unexpected input #{self.calls}")
+        return super().observe()
+
+
+def test_a_tick_that_raises_is_logged_counted_and_backed_off_and_the_loop_goes_on(
+    tmp_path: Path,
+) -> None:
+    """It ended the daemon (exit 1): systemd restarted it into the same input until its
+    start limit left the box untuned, with no line saying which tick failed how."""
+    usual = config(tmp_path, metrics_listen_address="127.0.0.1", metrics_port=0)
+    fast = usual.observe.model_copy(update={"scrape_interval_s": 0.05})
+    clock = [IN_WINDOW]
+    reader = FailingFirst(IN_WINDOW, failures=3, ticks=5)
+    applier = Applier()
+    d = daemon(usual.model_copy(update={"observe": fast}), reader, applier, clock)
+    d.state.history = busy(usual, clock[0], offered=1)  # as learned at the usual interval
+    reader.stop = d.stop_event
+    started = time.monotonic()
+    with capture_logs() as logs:
+        assert d.run() == 0
+    took = time.monotonic() - started
+    failed = [e for e in logs if e["event"] == "tick_failed"]
+    assert [e["failures_in_a_row"] for e in failed] == [1, 2, 3]
+    assert [e["next_tick_in_s"] for e in failed] == [0.1, 0.2, 0.4]  # doubling
+    assert failed[0]["error"] == "RuntimeError: unexpected input #1"
+    assert failed[0]["exc_info"] is True  # the traceback goes to the journal
+    assert took >= 0.7  # it waited out each backoff
+    assert d.metrics.registry.get_sample_value("specd_tick_errors_total") == 3
+    # The ticks after decide as ever: the bands' change is made (the script's SGLang stays
+    # on 3, so the next tick asks again).
+    assert applier.calls[0] == ("4", "3")
+
+
+def test_a_tick_that_raises_with_a_restart_in_flight_ends_the_run(tmp_path: Path) -> None:
+    """The next start's reconcile finishes a restart whose journal is kept: going on past
+    the error would leave it unfinished until then."""
+    cfg = config(tmp_path, metrics_listen_address="127.0.0.1", metrics_port=0)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, FailingFirst(IN_WINDOW, failures=1, ticks=99), Applier(), clock)
+    d.state.journal = {"phase": "restart_issued", "from_setting": "3", "to_setting": "4"}
+    d._reconcile_journal = lambda: None  # type: ignore[method-assign]  # the journal stays
+    with pytest.raises(RuntimeError, match="unexpected input #1"):
+        d.run()

@@ -228,6 +228,13 @@ class Metrics:
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )
+        self.tick_errors = Counter(
+            "specd_tick_errors_total",
+            "Ticks that ended in an error specd has no handling for (a bug, or input it does "
+            "not expect): logged with its traceback as tick_failed; specd keeps its setting "
+            "and backs off, up to 5 minutes between ticks.",
+            registry=r,
+        )
         self.scrapes = Counter("specd_scrapes_total", "Scrapes of SGLang attempted.", registry=r)
         self.scrape_errors = Counter(
             "specd_scrape_errors_total",
