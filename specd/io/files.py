@@ -205,18 +205,23 @@ def read_text_file(path: str | Path, max_bytes: int, *, follow_symlinks: bool = 
 # -- parsing ------------------------------------------------------------------------------
 
 
-def _check_value(value: Any, max_depth: int) -> None:
-    """Nesting within ``max_depth``, every string and key Unicode text."""
+class TextError(ParseError):
+    """A string or key that is not Unicode text (a lone surrogate)."""
+
+
+def _check_value(value: Any, max_depth: int, *, text: bool = True) -> None:
+    """Nesting within ``max_depth``; with ``text``, every string and key Unicode text."""
     # Iterative: the point is not to recurse on hostile input.
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
-            _check_text(item)
+            if text:
+                _check_text(item)
             continue
         if isinstance(item, dict):
             for key in item:
-                if isinstance(key, str):
+                if text and isinstance(key, str):
                     _check_text(key)
             children: Any = item.values()
         elif isinstance(item, list):
@@ -232,9 +237,21 @@ def _check_text(item: str) -> None:
     try:
         item.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ParseError(
+        raise TextError(
             f"a string that is not Unicode text (a lone surrogate at character {exc.start})"
         ) from None
+
+
+def _replace_surrogates(value: Any) -> Any:
+    """``value`` with "?" for each lone surrogate of its strings and keys; its nesting is
+    bounded already (`_check_value`), so recursing is safe."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    return value
 
 
 def _no_constant(name: str) -> Any:
@@ -242,10 +259,17 @@ def _no_constant(name: str) -> Any:
 
 
 def parse_json(
-    text: str | bytes, *, max_depth: int = MAX_NESTING_DEPTH, finite: bool = False
+    text: str | bytes,
+    *,
+    max_depth: int = MAX_NESTING_DEPTH,
+    finite: bool = False,
+    replace_lone_surrogates: bool = False,
 ) -> Any:
     """JSON text → value. ``ParseError`` (one line) for bad, too deep or absurd input;
-    ``finite``: NaN and Infinity too (Python reads them; no JSON encoder writes them back)."""
+    ``finite``: NaN and Infinity too (Python reads them; no JSON encoder writes them back).
+    ``replace_lone_surrogates``: a string that is no Unicode text gets "?" for each lone
+    surrogate instead of refusing the whole text (specd's own files: a stray message must
+    not cost what it learned)."""
     try:
         value = json.loads(text, parse_constant=_no_constant) if finite else json.loads(text)
     except RecursionError:
@@ -259,7 +283,10 @@ def parse_json(
     try:
         _check_value(value, max_depth)
     except ParseError as exc:
-        raise ParseError(f"invalid JSON: {exc}") from None
+        if not (replace_lone_surrogates and isinstance(exc, TextError)):
+            raise ParseError(f"invalid JSON: {exc}") from None
+        _check_value(value, max_depth, text=False)
+        value = _replace_surrogates(value)
     return value
 
 

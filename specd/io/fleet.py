@@ -72,6 +72,7 @@ import httpx
 from specd import __version__
 from specd.core.settings import FleetSettings
 from specd.core.text import utc_time
+from specd.io import files
 from specd.io.answers import read_capped
 from specd.io.files import FileReadError, read_regular_file
 from specd.io.tls import context_for
@@ -245,8 +246,10 @@ class EtcdClient:
         if raw is None:
             raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, ValueError, RecursionError):
+            # Finite numbers and Unicode text: a holder's name reaches decisions, the state
+            # file and status.
+            data = files.parse_json(raw, finite=True)
+        except files.ParseError:
             if status != 200:
                 raise FleetUnavailable("http", f"{where}: HTTP {status}", status) from None
             raise FleetUnavailable("protocol", f"{where}: answer is not JSON") from None
@@ -910,8 +913,8 @@ class LeaseKeeper(threading.Thread):
 
 def _parse_holder(value: bytes) -> tuple[str, float | None, str | None]:
     try:
-        data = json.loads(value)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        data = files.parse_json(value, finite=True)
+    except files.ParseError:
         return _one_line(value.decode("utf-8", "replace"), MAX_HOLDER_CHARS), None, None
     if not isinstance(data, dict):
         return _one_line(str(data), MAX_HOLDER_CHARS), None, None
@@ -923,8 +926,8 @@ def _parse_out(value: bytes) -> tuple[float | None, float | None, str | None]:
     """(since, until, instance) of a marker's value; None for what a calendar cannot show,
     or no instance said."""
     try:
-        data = json.loads(value)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        data = files.parse_json(value, finite=True)
+    except files.ParseError:
         return None, None, None
     if not isinstance(data, dict):
         return None, None, None

@@ -67,7 +67,9 @@ def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
     Raises ``files.MissingFileError`` when absent, else ``files.FileReadError`` or
     ``files.ParseError`` (bad, too deep or absurd JSON); all are ValueErrors, one line.
     """
-    return files.parse_json(files.read_regular_file(path, max_bytes))
+    # Text that is not Unicode (a lone surrogate some answer carried into a message) is
+    # replaced, not a reason to start fresh: the file holds what specd learned.
+    return files.parse_json(files.read_regular_file(path, max_bytes), replace_lone_surrogates=True)
 
 
 class StateFormatError(ValueError):

@@ -307,6 +307,20 @@ def test_nesting_within_the_limit_parses_and_one_more_level_does_not() -> None:
         files.parse_toml("a = " + "{b = " * depth + "1" + "}" * depth)
 
 
+def test_a_lone_surrogate_can_be_replaced_where_the_text_is_specds_own() -> None:
+    text = '{"a\\udfff": ["x\\ud800y", {"k": "\\ud800"}], "n": 1}'
+    with pytest.raises(files.ParseError, match="not Unicode text"):
+        files.parse_json(text)
+    assert files.parse_json(text, replace_lone_surrogates=True) == {
+        "a?": ["x?y", {"k": "?"}],
+        "n": 1,
+    }
+    # Only that: too deep is still too deep.
+    depth = files.MAX_NESTING_DEPTH + 1
+    with pytest.raises(files.ParseError, match="nested deeper"):
+        files.parse_json("[" * depth + '"\\ud800"' + "]" * depth, replace_lone_surrogates=True)
+
+
 @pytest.mark.parametrize(
     ("parse", "text", "problem"),
     [

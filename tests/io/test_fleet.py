@@ -517,6 +517,21 @@ def test_a_hung_first_endpoint_costs_one_call_not_every_call(etcd: EtcdProcess) 
         fleet.close()
 
 
+def test_a_holder_name_that_is_no_unicode_text_is_shown_as_its_bytes(etcd: EtcdProcess) -> None:
+    """A lone surrogate escape in a slot's value: shown as the text etcd holds, never as a
+    string no encoder takes (it went on into state.json, which then would not load)."""
+    fleet = make_fleet(etcd.url, "a")
+    lease = fleet.etcd.grant(TTL_S)
+    assert fleet.etcd.put_if_absent(slot_key("g1", 0), '{"holder": "box\\ud800"}', lease)
+    [holder] = fleet.holders()
+    assert holder.name == '{"holder": "box\\ud800"}'
+    holder.name.encode("utf-8")  # Unicode text
+    problem = fleet.probe()
+    assert problem is not None
+    problem.encode("utf-8")
+    fleet.close()
+
+
 def test_garbage_in_a_slot_key_is_shown_not_trusted(etcd: EtcdProcess) -> None:
     fleet = make_fleet(etcd.url, "a")
     lease = fleet.etcd.grant(TTL_S)
@@ -597,6 +612,10 @@ HOSTILE = [
     ("huge", 200, HUGE, "protocol", "answer over 1048576 bytes"),
     ("deeply nested", 200, b"[" * 100_000, "protocol", "answer is not JSON"),
     ("not utf-8", 200, b'{"x": "\xff\xfe"}', "protocol", "answer is not JSON"),
+    # Valid JSON, no Unicode text: it reached decisions and state.json, which then refused
+    # to load (the learned history started over at every start of specd).
+    ("lone surrogate", 200, b'{"header": {"revision": "\\ud800"}}', "protocol", "not JSON"),
+    ("NaN", 200, b'{"header": {"revision": NaN}, "kvs": []}', "protocol", "answer is not JSON"),
 ]
 
 

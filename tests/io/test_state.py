@@ -157,6 +157,25 @@ def test_state_round_trips_through_the_store(tmp_path: Path) -> None:
     assert loaded.version == STATE_VERSION
 
 
+def test_a_string_that_is_no_unicode_text_costs_that_string_not_what_specd_learned(
+    tmp_path: Path,
+) -> None:
+    """A lone surrogate an answer carried into a decision's message is saved as the escape
+    "\\ud800" (json.dumps writes ASCII); read back it made the whole file invalid, so every
+    start of specd set state.json aside and began learning again. It reads as "?" now."""
+    store = StateStore(tmp_path)
+    state = populated()
+    state.last_decision = {"t": 1.0, "reason": "fleet_unavailable", "message": "held by box\ud800"}
+    assert store.save(state) is None
+    assert "\\ud800" in (tmp_path / STATE_FILE).read_text()
+    loaded, problem = store.load()
+    assert problem is None
+    assert loaded.last_decision is not None
+    assert loaded.last_decision["message"] == "held by box?"
+    assert loaded.history.to_dict() == state.history.to_dict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]  # nothing set aside
+
+
 def test_a_missing_file_is_a_first_start(tmp_path: Path) -> None:
     state, problem = StateStore(tmp_path / "new").load()
     assert problem is None
