@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -522,3 +523,18 @@ class NotifySocket:
 
     def times(self, line: str) -> list[float]:
         return [t for t, m in self.messages if line in m.split("\n")]
+
+
+def gzip_bomb(decoded_bytes: int, layers: int = 1) -> bytes:
+    """``decoded_bytes`` of zeros gzipped ``layers`` times (each layer ~1000:1), made a
+    megabyte at a time: what a hostile server sends with Content-Encoding gzip."""
+
+    def gzipped(chunks: Iterator[bytes]) -> bytes:
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: the gzip container
+        return b"".join(packer.compress(c) for c in chunks) + packer.flush()
+
+    mb = b"\0" * (1 << 20)
+    body = gzipped(mb for _ in range(decoded_bytes >> 20))
+    for _ in range(layers - 1):
+        body = gzipped(iter([body]))
+    return body

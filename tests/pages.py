@@ -21,6 +21,7 @@ class Route:
     declared_length: int | None = None  # a Content-Length larger than the body cuts it short
     hang_up: bool = False  # close the connection without answering
     no_length: bool = False  # no Content-Length: the body ends when the connection closes
+    headers: tuple[tuple[str, str], ...] = ()  # more headers (Content-Encoding, ...)
 
 
 @dataclass
@@ -64,6 +65,8 @@ def page_server() -> Iterator[PageServer]:
                 )
                 if not route.no_length:
                     self.send_header("Content-Length", str(length))
+                for name, value in route.headers:
+                    self.send_header(name, value)
                 if route.declared_length is not None or route.no_length:
                     self.send_header("Connection", "close")
                     self.close_connection = True

@@ -1,5 +1,6 @@
 """Reading a streamed HTTP answer whole, bounded in size and in time: the etcd and gateway
-clients' (SGLang's reader bounds its requests at the socket, `specd.io.sglang`)."""
+clients' (SGLang's reader bounds its requests at the socket, `specd.io.sglang`). Every
+client asks for identity: a compressed answer is refused, not decoded past the cap."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ def read_capped(
     declared = resp.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         return None
+    encoding = unasked_encoding(resp)
+    if encoding is not None:
+        raise httpx.DecodingError(f"Content-Encoding {encoding}, where specd asks for identity")
     chunks: list[bytes] = []
     size = 0
-    for chunk in resp.iter_bytes():
+    # Raw: bytes as sent, the cap on what arrives. Decoded, a few KB of nested gzip is
+    # gigabytes before the first chunk is counted.
+    for chunk in resp.iter_raw():
         beat()
         size += len(chunk)
         if size > max_bytes:
@@ -30,3 +36,15 @@ def read_capped(
             raise httpx.ReadTimeout("answer not complete by the deadline")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def unasked_encoding(resp: httpx.Response) -> str | None:
+    """The Content-Encoding of ``resp`` when it is not identity (specd asks every server
+    for identity, `Accept-Encoding`), else None."""
+    encoding = resp.headers.get("content-encoding", "").strip().lower()
+    return None if encoding in ("", "identity") else _one_line(encoding)
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 40 else text[:39] + "…"

@@ -279,7 +279,10 @@ class GatewayClient:
         # trust_env=False: an HTTP(S)_PROXY meant for the internet must not carry the admin
         # API (nor its key), as for etcd and SGLang.
         self._http = httpx.Client(
-            timeout=timeout_s, verify=context_for(*self.gateways), trust_env=False
+            timeout=timeout_s,
+            verify=context_for(*self.gateways),
+            trust_env=False,
+            headers={"Accept-Encoding": "identity"},  # read_capped reads no other
         )
 
     @classmethod
@@ -346,6 +349,8 @@ class GatewayClient:
                 f"gateway {gateway}: {method} {path}: no answer within {self._timeout_s:g} s",
                 "timeout",
             ) from None
+        except httpx.DecodingError as exc:  # a compressed answer (`read_capped`)
+            raise self._fail(f"gateway {gateway}: {method} {path}: {exc}", "malformed") from None
         except httpx.HTTPError as exc:
             raise self._fail(
                 f"gateway {gateway}: {method} {path}: {type(exc).__name__}", "connect"

@@ -48,6 +48,7 @@ from specd.core.observation import (
 )
 from specd.core.text import check_http_url
 from specd.io import files
+from specd.io.answers import unasked_encoding
 from specd.io.promtext import PromTextError, Sample, select_samples
 from specd.io.tls import context_for
 
@@ -767,9 +768,18 @@ class SGLangClient:
                 declared = resp.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > self.max_page_bytes:
                     return too_big
+                encoding = unasked_encoding(resp)
+                if encoding is not None:
+                    return ScrapeError(
+                        "malformed",
+                        f"{where}: Content-Encoding {encoding}, where specd asks for identity",
+                        t,
+                    )
                 chunks: list[bytes] = []
                 size = 0
-                for chunk in resp.iter_bytes():
+                # Raw: the cap counts what arrives (decoded, a few KB of nested gzip is
+                # gigabytes before the first chunk is counted).
+                for chunk in resp.iter_raw():
                     size += len(chunk)
                     if size > self.max_page_bytes:
                         return too_big

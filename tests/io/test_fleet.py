@@ -12,13 +12,14 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import urllib.parse
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import EtcdProcess, LoopbackHTTP, module_etcd, module_etcd_server
+from factories import EtcdProcess, LoopbackHTTP, gzip_bomb, module_etcd, module_etcd_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -851,3 +852,24 @@ def test_a_holder_name_is_kept_as_its_keys_read_back(etcd: EtcdProcess) -> None:
     found, clash = fleet.own_out()
     assert found is not None
     assert clash is None
+
+
+def test_a_compressed_etcd_answer_is_refused_undecoded() -> None:
+    """Decoded, a few KB of nested gzip were gigabytes before the cap counted a chunk, and
+    the MemoryError escaped as no FleetUnavailable (the applier's slot wait let it through)."""
+    bomb = gzip_bomb(256 << 20, layers=2)
+    fake = FakeEtcd(
+        200, bomb, headers={"Content-Length": str(len(bomb)), "Content-Encoding": "gzip, gzip"}
+    )
+    tracemalloc.start()
+    try:
+        fleet = make_fleet(fake.url, "a")
+        with pytest.raises(FleetUnavailable) as info:
+            fleet.try_acquire()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        fake.close()
+    assert info.value.kind == "protocol"
+    assert "Content-Encoding gzip, gzip" in str(info.value)
+    assert peak < 16 << 20, peak

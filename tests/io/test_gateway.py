@@ -12,7 +12,14 @@ from typing import ClassVar
 
 import httpx
 import pytest
-from factories import SMG_ADMIN_KEY, LoopbackHTTP, QueuedRemovalGateway, QuietHandler, SmgGateway
+from factories import (
+    SMG_ADMIN_KEY,
+    LoopbackHTTP,
+    QueuedRemovalGateway,
+    QuietHandler,
+    SmgGateway,
+    gzip_bomb,
+)
 from twin_thread import INSTANT, TwinThread
 
 from specd.io.gateway import (
@@ -408,3 +415,24 @@ def test_a_readd_whose_body_cannot_be_json_is_one_line_not_an_exception() -> Non
             client.close()
     assert "cannot send as JSON" in str(info.value)
     assert Replica.changes == []
+
+
+def test_a_compressed_gateway_answer_is_refused_undecoded() -> None:
+    bomb = gzip_bomb(256 << 20, layers=2)
+
+    class Replica(QuietHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(bomb)))
+            self.send_header("Content-Encoding", "gzip, gzip")
+            self.end_headers()
+            self.wfile.write(bomb)
+
+    with LoopbackHTTP(Replica) as replica:
+        client = GatewayClient([replica.url], WORKER, timeout_s=2.0)
+        try:
+            with pytest.raises(GatewayUnavailable) as info:
+                client.drain()
+        finally:
+            client.close()
+    assert "Content-Encoding gzip, gzip" in str(info.value)

@@ -7,6 +7,7 @@ import math
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import make_fixtures_module, run_specd
+from factories import gzip_bomb, make_fixtures_module, run_specd
 from pages import PageServer, Route, page_server
 from prometheus_client.parser import text_string_to_metric_families
 from twin_zygote import ForkedTwin
@@ -1044,3 +1045,25 @@ def test_cli_errors_in_a_real_process(argv: list[str], code: int, stderr: str) -
     assert proc.stdout == ""
     if code == 1:
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-encoding-gzip", "undeclared"])
+def test_a_gzip_bomb_is_refused_undecoded(server: PageServer, declared: bool) -> None:
+    """specd asks for identity, but httpx decoded whatever Content-Encoding came back, and
+    the size cap counted decoded bytes: 662 bytes of nested gzip reached 632 MB, and 13 KB
+    ended the scrape in a MemoryError. Now the raw bytes are what is capped and read."""
+    bomb = gzip_bomb(256 << 20, layers=2)  # 256 MB of zeros in a few KB
+    assert len(bomb) < 64 * 1024
+    headers = (("Content-Encoding", "gzip, gzip"),) if declared else ()
+    server.routes["/metrics"] = Route(body=bomb, headers=headers)
+    tracemalloc.start()
+    try:
+        with SGLangClient(server.url, timeout_s=5) as client:
+            result = client.observe()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(result, ScrapeError)
+    assert result.kind == "malformed"
+    assert ("Content-Encoding gzip, gzip" in result.reason) is declared, result.reason
+    assert peak < 16 << 20, peak  # the compressed bytes and the client, never the 256 MB
