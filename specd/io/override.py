@@ -286,7 +286,10 @@ def read_override(
         return _invalid(f"{path}: not UTF-8 text (byte {exc.start})", fingerprint)
     except ValueError as exc:  # files.ParseError included: bad, too deep or absurd TOML
         return _invalid(f"{path}: {exc}", fingerprint)
-    decided = decided_at(raw, st.st_mtime)
+    # Never after now: an mtime in the future (`cp -p` from a host whose clock runs ahead)
+    # would leave a `pin --now` no restart of its own to count, and no bound on its loop.
+    at = now.timestamp() if isinstance(now, datetime) else now
+    decided = min(decided_at(raw, st.st_mtime), at)
     return OverrideStatus(
         replace(override, decided_at=decided), True, None, True, fingerprint, decided
     )

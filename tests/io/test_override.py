@@ -104,20 +104,27 @@ HEADER = "# written by `specd override pin` as alice at 2026-05-01T10:00:00+00:0
 
 
 @pytest.mark.parametrize(
-    ("text", "decided"),
+    ("text", "mtime", "decided"),
     [
         # `specd override` wrote it: its header's time, kept by a hand edit under it.
-        (HEADER + PIN_NOW, datetime(2026, 5, 1, 10, tzinfo=UTC).timestamp()),
+        (
+            HEADER + PIN_NOW,
+            NOW.timestamp() - 3600,
+            datetime(2026, 5, 1, 10, tzinfo=UTC).timestamp(),
+        ),
         # Written by hand: every edit is a new decision, at the file's mtime.
-        (PIN_NOW, 1_778_000_000.0),
+        (PIN_NOW, NOW.timestamp() - 3600, NOW.timestamp() - 3600),
+        # An mtime ahead of the clock (`cp -p` from a host whose clock runs ahead): now. It
+        # left a pin applied now no restart of its own to count, so no bound on its loop.
+        (PIN_NOW, NOW.timestamp() + 365 * 86400, NOW.timestamp()),
     ],
 )
 def test_the_override_carries_when_it_was_decided(
-    tmp_path: Path, text: str, decided: float
+    tmp_path: Path, text: str, mtime: float, decided: float
 ) -> None:
     """The brain counts a pin's own restarts from it (a pin applied now bounds its loop)."""
     path = write(tmp_path, text)
-    os.utime(path, (1_778_000_000.0, 1_778_000_000.0))  # after the header's time
+    os.utime(path, (mtime, mtime))
     status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
     assert status.override is not None
     assert status.override.decided_at == decided == status.written_at
