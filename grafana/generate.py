@@ -556,9 +556,26 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
         .thresholds(thresholds((None, "red"), (1, "orange"), (2, "green")))
     )
     in_progress = (
-        big("Restart in progress", "1 while specd restarts and verifies SGLang.", "none")
-        .with_target(q(f"specd_restart_in_progress{{{INST}}}", "{{instance}}", instant=True))
-        .mappings(value_text({"0": ("idle", "green"), "1": ("restarting", "orange")}))
+        big(
+            "Restart in progress",
+            "waiting: a restart sequence runs and SGLang still serves (it waits for a fleet "
+            "slot, a quiet moment, the drain); restarting: specd restarted SGLang (the "
+            "change, or a rollback) and verifies it, SGLang down on purpose (SGLangDown "
+            "keeps quiet then, not while it waits).",
+            "none",
+        )
+        .with_target(
+            q(
+                f"specd_restart_in_progress{{{INST}}} + specd_sglang_restarting{{{INST}}}",
+                "{{instance}}",
+                instant=True,
+            )
+        )
+        .mappings(
+            value_text(
+                {"0": ("idle", "green"), "1": ("waiting", "yellow"), "2": ("restarting", "orange")}
+            )
+        )
     )
     frozen = (
         big(

@@ -86,6 +86,9 @@ STOP_EXTEND_S = 60.0
 # The longest wait after ticks that raised in a row (doubling from the scrape interval): an
 # error that comes back every tick is logged a few times an hour, not every second.
 TICK_BACKOFF_MAX_S = 300.0
+# The journal phases in which SGLang is down on purpose: restarted by specd (the change or
+# its rollback) and not yet verified (specd_sglang_restarting; SGLangDown keeps quiet).
+RESTARTING_PHASES = frozenset({"restart_issued", "verifying", "rolling_back"})
 
 
 def utc(ts: float) -> datetime:
@@ -352,6 +355,7 @@ class Daemon:
 
     def _persist_journal(self, journal: dict[str, Any] | None) -> str | None:
         self.state.journal = journal
+        self._show_restarting(journal)
         error = self._save_state(force=True)
         flight = self._in_flight
         if flight is not None and journal is not None:
@@ -359,6 +363,12 @@ class Daemon:
             flight.phase = str(journal.get("phase"))
             self.notifier.status(self._flight_status(flight))
         return error
+
+    def _show_restarting(self, journal: object) -> None:
+        """specd_sglang_restarting from the journal's phase: SGLang down on purpose from the
+        restart (or the rollback) on, not while the sequence waits with SGLang serving."""
+        phase = journal.get("phase") if isinstance(journal, Mapping) else None
+        self.metrics.sglang_restarting.set(1 if phase in RESTARTING_PHASES else 0)
 
     def _heartbeat(self) -> None:
         """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier), and
@@ -778,6 +788,7 @@ class Daemon:
         self._ready(self._flight_status(flight))
         self.log.warning("reconciling_interrupted_restart", journal=journal)
         self.metrics.restart_in_progress.set(1)
+        self._show_restarting(journal)
         try:
             outcome = self.applier.reconcile(journal)
             if outcome is not None:
@@ -788,6 +799,7 @@ class Daemon:
         finally:
             self._in_flight = None
             self.metrics.restart_in_progress.set(0)
+            self.metrics.sglang_restarting.set(0)
 
     def tick(self) -> Decision:
         started = time.perf_counter()
@@ -1295,6 +1307,7 @@ class Daemon:
             self._record_outcome(applied, self._now())
         finally:
             self.metrics.restart_in_progress.set(0)
+            self.metrics.sglang_restarting.set(0)
             self._in_flight = None
 
     def _record_outcome(self, outcome: ApplyOutcome, now: float) -> None:

@@ -2212,3 +2212,33 @@ def test_a_tick_that_raises_with_a_restart_in_flight_ends_the_run(tmp_path: Path
     d._reconcile_journal = lambda: None  # type: ignore[method-assign]  # the journal stays
     with pytest.raises(RuntimeError, match="unexpected input #1"):
         d.run()
+
+
+@pytest.mark.parametrize(
+    ("phase", "restarting"),
+    [
+        # The sequence waits, SGLang serving: a crash now is no restart of specd's.
+        ("planned", 0.0),
+        ("draining", 0.0),
+        ("env_written", 0.0),
+        # specd restarted it (or rolls back): down on purpose.
+        ("restart_issued", 1.0),
+        ("verifying", 1.0),
+        ("rolling_back", 1.0),
+        ("done", 0.0),
+        ("rolled_back", 0.0),
+        (None, 0.0),
+    ],
+)
+def test_sglang_restarting_follows_the_journal_phase(
+    tmp_path: Path, phase: str | None, restarting: float
+) -> None:
+    """specd_restart_in_progress covers the whole sequence, its waits for a fleet slot (30
+    minutes) and a quiet moment (10) included: SGLangDown, masked by it, kept quiet for a
+    SGLang that crashed while specd only waited."""
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d.metrics.sglang_restarting.set(1)
+    journal = None if phase is None else {"phase": phase, "from_setting": "3", "to_setting": "4"}
+    d._persist_journal(journal)
+    assert d.metrics.registry.get_sample_value("specd_sglang_restarting") == restarting

@@ -521,8 +521,21 @@ def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Pat
         config,
     ):
         clock = Clock(INSIDE)
-        daemon = make_daemon(config, RecordingRunner(clock, unit), clock)
+        runner = RecordingRunner(clock, unit)
+        daemon = make_daemon(config, runner, clock)
         daemon.state.history = wanting(config, 4, clock.now)
+        # What specd_sglang_restarting said at each systemctl restart (the change's, then
+        # the rollback's): SGLang down on purpose, so SGLangDown keeps quiet then.
+        at_restarts: list[float | None] = []
+        inner = runner.inner
+
+        def restarting(argv: Sequence[str], *, timeout_s: float) -> RunResult:
+            if "restart" in argv:
+                at_restarts.append(sample(daemon, "specd_sglang_restarting"))
+            assert inner is not None
+            return inner(argv, timeout_s=timeout_s)
+
+        runner.inner = restarting
         with StreamingLoad(gateway.url, 4, max_tokens=200) as load:
             load.wait_for(LOAD_BEFORE)
             daemon.tick()
@@ -530,6 +543,8 @@ def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Pat
         status = worker_status(gateway.url, unit.url)
     assert load.failures == []
     assert unit.restarted_to == [4, 3]
+    assert at_restarts == [1.0, 1.0]
+    assert sample(daemon, "specd_sglang_restarting") == 0
     assert [r["result"] for r in daemon.state.restarts] == ["rolled_back"]
     assert daemon.state.frozen is not None
     assert sample(daemon, "specd_frozen") == 1

@@ -136,6 +136,13 @@ class Metrics:
             buckets=RESTART_DURATION_BUCKETS,
             registry=r,
         )
+        self.sglang_restarting = Gauge(
+            "specd_sglang_restarting",
+            "1 from the moment specd restarts SGLang (a change's restart or a rollback's) "
+            "until the sequence ends: SGLang is down on purpose. 0 while a sequence only "
+            "waits (for a fleet slot, a quiet moment, the drain), SGLang still serving.",
+            registry=r,
+        )
         self.restart_in_progress = Gauge(
             "specd_restart_in_progress", "1 while a restart sequence runs.", registry=r
         )
