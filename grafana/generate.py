@@ -547,12 +547,17 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
     budget = (
         big(
             "Restart budget left",
-            "Restarts still allowed in the rolling 24 h budget. At 0 specd cannot apply a "
-            "change until an old restart ages out.",
+            "Restarts still allowed in the rolling 24 h budget, and the daily budget itself. "
+            "At 0 left specd cannot apply a change until an old restart ages out; a daily "
+            "budget of 0 is automatic restarts turned off (SpecdRestartBudgetExhausted keeps "
+            "quiet then).",
             "short",
         )
         .decimals(0)
-        .with_target(q(f"specd_restart_budget_remaining{{{INST}}}", "{{instance}}", instant=True))
+        .with_target(
+            q(f"specd_restart_budget_remaining{{{INST}}}", "left {{instance}}", instant=True)
+        )
+        .with_target(q(f"specd_restart_budget{{{INST}}}", "daily {{instance}}", "B", instant=True))
         .thresholds(thresholds((None, "red"), (1, "orange"), (2, "green")))
     )
     in_progress = (

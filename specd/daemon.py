@@ -1481,6 +1481,7 @@ class Daemon:
         m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
         m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
         spent = self.state.restarts_in_day(now)
+        m.restart_budget.set(cfg.restart.daily_restart_budget)
         m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - spent))
         m.frozen.set(1 if self.state.frozen is not None else 0)
 

@@ -1925,6 +1925,7 @@ def _mid_restart(state: State, _cfg: Config) -> None:
                 ("specd_mode", (("mode", "freeze"),)): 1.0,
                 ("specd_mode", (("mode", "auto"),)): 0.0,
                 ("specd_restart_budget_remaining", ()): 3.0,
+                ("specd_restart_budget", ()): 4.0,  # the config's; 3 left after a rollback
             },
             id="frozen",
         ),
@@ -1951,7 +1952,8 @@ def _mid_restart(state: State, _cfg: Config) -> None:
         ),
         pytest.param(
             _mid_restart,
-            {("specd_restart_in_progress", ()): 1.0},
+            # SGLangDown keeps quiet on the second: the journal says SGLang was restarted.
+            {("specd_restart_in_progress", ()): 1.0, ("specd_sglang_restarting", ()): 1.0},
             id="resuming an interrupted restart",
         ),
     ],

@@ -146,6 +146,12 @@ class Metrics:
         self.restart_in_progress = Gauge(
             "specd_restart_in_progress", "1 while a restart sequence runs.", registry=r
         )
+        self.restart_budget = Gauge(
+            "specd_restart_budget",
+            "SGLang restarts the config allows in a rolling 24 h (restart.daily_restart_budget; "
+            "0: automatic restarts off, as the operator chose).",
+            registry=r,
+        )
         self.restart_budget_remaining = Gauge(
             "specd_restart_budget_remaining",
             "SGLang restarts still allowed in the rolling 24 h budget (a rollback uses two).",
