@@ -701,14 +701,28 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
     not_ready = (
         big(
             "Gateway replicas without this worker",
-            "Gateway replicas not routing this server as ready at specd's latest look (no "
-            "value: no gateway, or it could not be asked). Above 0 outside a restart: the "
-            "worker is left out (SpecdWorkerLeftOutOfGateway).",
+            "not ready: gateway replicas not routing this server as ready at specd's latest "
+            "look (no value: no gateway, or it could not be asked). left out: replicas a "
+            "re-add after a restart left it out of, kept by specd until each routes it "
+            "again, known also while such a replica cannot be asked. Either above 0 outside "
+            "a restart: the worker is left out (SpecdWorkerLeftOutOfGateway).",
             "short",
         )
         .decimals(0)
         .with_target(
-            q(f"specd_gateway_worker_not_ready_replicas{{{INST}}}", "{{instance}}", instant=True)
+            q(
+                f"specd_gateway_worker_not_ready_replicas{{{INST}}}",
+                "not ready {{instance}}",
+                instant=True,
+            )
+        )
+        .with_target(
+            q(
+                f"specd_gateway_worker_left_out_replicas{{{INST}}}",
+                "left out {{instance}}",
+                "B",
+                instant=True,
+            )
         )
         .thresholds(thresholds((None, "green"), (0.5, "red")))
     )
@@ -1007,8 +1021,9 @@ def fleet_panels() -> list[tuple[Panel, int, int]]:
             "at most `slots` hosts of a group at once. SpecdFleetSlotHeldTooLong fires after "
             "90 minutes. out: 1 while this server's out-of-service marker is in etcd (from the "
             "drain, or the restart, until it serves again): the group counts it even "
-            "without a slot. Between restarts it is one etcd refused to remove: "
-            "SpecdFleetMarkerLeftBehind fires after 10 minutes.",
+            "without a slot. Between restarts it stays while a gateway replica leaves the "
+            "worker out (SpecdWorkerLeftOutOfGateway), else it is one etcd refused to "
+            "remove: SpecdFleetMarkerLeftBehind fires after 10 minutes.",
             "none",
         )
         .min(0)

@@ -903,6 +903,14 @@ class Daemon:
         serving = isinstance(result, Observation) and not self.state.journal and not left_out
         self.applier.retry_mark_in(serving=serving)  # logged there, as at a sequence's end
 
+    def _left_out_replicas(self) -> float:
+        """How many replicas the kept left-out record names (NaN without a gateway)."""
+        if self.gateway is None:
+            return float("nan")
+        left_out = (self.state.gateway or {}).get("left_out")
+        workers = left_out.get("workers") if isinstance(left_out, Mapping) else None
+        return float(len(workers)) if isinstance(workers, list) else 0.0
+
     def _probe_gateway(self, now: float, override: Override | None) -> str | None:
         """Can the gateway drain this server? Asked every tick while specd may restart (a
         window open, a change pending, a pin) or a worker is left out; the applier asks
@@ -1484,6 +1492,7 @@ class Daemon:
         m.restart_budget.set(cfg.restart.daily_restart_budget)
         m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - spent))
         m.frozen.set(1 if self.state.frozen is not None else 0)
+        m.gateway_worker_left_out.set(self._left_out_replicas())
 
         status = self.override.status
         m.override_present.set(1 if status is not None and status.present else 0)

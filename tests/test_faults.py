@@ -718,8 +718,20 @@ def test_a_worker_a_failed_readd_left_out_is_put_back_once_the_gateway_answers(
         shown = status_text(config, clock.now)
         assert "WORKER LEFT OUT: re-adding the worker failed on 1 of 1 replicas" in shown
         assert "left out       worker out of routing on 1 replica(s) since " in shown
+        assert sample(daemon, "specd_gateway_worker_left_out_replicas") == 1
         # Back, the replica runs the removal it had queued: out of routing for good.
         wait_for_status(gateway.url, unit.url, None)
+        if not restarted:
+            # Away again: what it routes is unknown, that it left the worker out is not
+            # (SpecdWorkerLeftOutOfGateway read only the first, and kept quiet).
+            os.kill(gateway.proc.pid, signal.SIGSTOP)
+            try:
+                clock.now += 5
+                daemon.tick()
+            finally:
+                os.kill(gateway.proc.pid, signal.SIGCONT)
+            assert math.isnan(sample(daemon, "specd_gateway_worker_not_ready_replicas"))
+            assert sample(daemon, "specd_gateway_worker_left_out_replicas") == 1
 
         clock.now += GATEWAY_SCRAPE_S
         if restarted:
@@ -739,6 +751,7 @@ def test_a_worker_a_failed_readd_left_out_is_put_back_once_the_gateway_answers(
         assert daemon.state.gateway is not None
         assert "left_out" not in daemon.state.gateway
         assert sample(daemon, "specd_gateway_worker_not_ready_replicas") == 0
+        assert sample(daemon, "specd_gateway_worker_left_out_replicas") == 0
         shown = status_text(config, clock.now)
         assert "WORKER LEFT OUT" not in shown
         assert "left out  " not in shown

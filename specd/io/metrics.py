@@ -355,6 +355,13 @@ class Metrics:
             "unknown, no gateway or it could not be asked).",
             registry=r,
         )
+        self.gateway_worker_left_out = Gauge(
+            "specd_gateway_worker_left_out_replicas",
+            "Gateway replicas a re-add after a restart left this server out of, as specd "
+            "keeps them until every replica routes it again (known when the replica cannot "
+            "be asked, unlike specd_gateway_worker_not_ready_replicas; NaN: no gateway).",
+            registry=r,
+        )
         self.tick_duration = Histogram(
             "specd_tick_duration_seconds",
             "Wall time of one observe-record-decide tick.",
