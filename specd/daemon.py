@@ -642,6 +642,12 @@ class Daemon:
             applier.read_stop_timeout()
             if old_fleet is not None and old_fleet is not self.fleet:
                 old_fleet.close()
+                # Its hooks set the fleet gauges; the new fleet (if any) knows of no marker
+                # or slot yet: a marker etcd refused to remove, kept at 1, fired
+                # SpecdFleetMarkerLeftBehind until specd restarted, with no [fleet] at all.
+                # No sequence runs during a reload, so no slot is held.
+                self.metrics.fleet_marked_out.set(0 if self.fleet is not None else float("nan"))
+                self.metrics.set_fleet_slot(None)
         self._read_wiring()
         if self.gateway is not None:
             self.gateway.close()

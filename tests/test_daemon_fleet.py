@@ -10,13 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import EtcdProcess
+import tomli_w
+from factories import EtcdProcess, tables
+from prometheus_client import CollectorRegistry
 from test_daemon import IN_WINDOW, Applier, Reader, config, daemon, obs
 
 from specd.core.decide import Reason
 from specd.core.observation import Observation, ScrapeError
 from specd.daemon import Daemon
 from specd.io.fleet import Fleet, Slot
+from specd.io.notify import Notifier
 from specd.twin.process import free_port
 
 
@@ -236,3 +239,45 @@ def test_a_marker_kept_while_a_replica_leaves_the_worker_out_waits_for_it(
         d.state.gateway = {"left_out": left_out} if t == 0 else {}
         d.tick()
     assert applier.serving == serving
+
+
+@pytest.mark.parametrize("keeps_fleet", [False, True], ids=["fleet-removed", "fleet-rebuilt"])
+def test_a_reload_that_rebuilds_the_fleet_resets_its_gauges(
+    tmp_path: Path, etcd: EtcdProcess, keeps_fleet: bool
+) -> None:
+    """A marker etcd refused to remove kept specd_fleet_marked_out at 1: the fleet a reload
+    builds forgets it, and nothing set the gauge again, so SpecdFleetMarkerLeftBehind fired
+    until specd restarted (for good when the reload removed [fleet])."""
+    fields: dict[str, Any] = {"etcd_endpoints": [etcd.url], "group": "g", "etcd_timeout_s": 1}
+    cfg = config(tmp_path, **fields)
+    d = Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: IN_WINDOW,
+        notifier=Notifier({}),
+    )  # its own reader and applier: a reload builds the fleet anew only for those
+    assert d.fleet is not None
+    d.metrics.fleet_marked_out.set(1)  # its hook, when etcd refused the removal
+    d.config_path = tmp_path / "specd.toml"
+    new = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "group": "h",  # another group: its marker is not this one's to find
+    }
+    if keeps_fleet:
+        new |= {"etcd_endpoints": [etcd.url], "etcd_timeout_s": 1}
+    else:
+        del new["group"]
+    d.config_path.write_text(tomli_w.dumps(tables(**new)))
+    d.reload()
+    assert sample(d, "specd_config_reload_success") == 1
+    marked = sample(d, "specd_fleet_marked_out")
+    assert marked is not None
+    if keeps_fleet:
+        assert d.fleet is not None
+        assert marked == 0
+    else:
+        assert d.fleet is None
+        assert math.isnan(marked)
+    assert sample(d, "specd_fleet_slot_held") == 0
