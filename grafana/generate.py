@@ -1001,12 +1001,27 @@ def health_panels() -> list[tuple[Panel, int, int]]:
         .text_mode(cm.BigValueTextMode("name"))
         .with_target(q(f"specd_build_info{{{INST}}}", "{{version}}", instant=True))
     )
+    starts = (
+        big(
+            "specd starts in 1 h",
+            "Times specd started in the last hour (specd_start_time_seconds changed): a "
+            "crash, its watchdog or an OOM kill brings it back within seconds, which `up` "
+            "hardly shows. SpecdRestartingOften fires at 3.",
+            "short",
+        )
+        .decimals(0)
+        .with_target(
+            q(f"changes(specd_start_time_seconds{{{INST}}}[1h])", "{{instance}}", instant=True)
+        )
+        .thresholds(thresholds((None, "green"), (1, "orange"), (3, "red")))
+    )
     return [
         (up, 4, 6),
         (sglang_up, 3, 6),
         (age, 3, 6),
         (reload, 3, 6),
         (version, 3, 6),
+        (starts, 3, 6),
         (errors, 4, 6),
         (tick, 4, 6),
     ]

@@ -241,6 +241,7 @@ class Daemon:
             steps=range(config.choose.min_steps, config.choose.max_steps + 1),
             settings=_regressing_settings(config),
         )
+        self.metrics.start_time.set(clock())
         self.notifier = notifier or Notifier()
         self.runner: Runner = runner or SubprocessRunner(beat=self._heartbeat)
         self.allowed_override_uids = allowed_override_uids or (0, os.getuid())

@@ -1926,6 +1926,8 @@ def _mid_restart(state: State, _cfg: Config) -> None:
                 ("specd_mode", (("mode", "auto"),)): 0.0,
                 ("specd_restart_budget_remaining", ()): 3.0,
                 ("specd_restart_budget", ()): 4.0,  # the config's; 3 left after a rollback
+                # Each start is one (SpecdRestartingOften counts the changes).
+                ("specd_start_time_seconds", ()): IN_WINDOW,
             },
             id="frozen",
         ),

@@ -53,6 +53,12 @@ class Metrics:
         self._by_setting: dict[int, set[str]] = {}
         self.build_info = Info("specd_build", "specd version.", registry=r)
         self.build_info.info({"version": __version__})
+        self.start_time = Gauge(
+            "specd_start_time_seconds",
+            "Unix time this specd process started: each change is a start (a crash, the "
+            "watchdog, a deploy), which a specd back within a scrape or two hides from up.",
+            registry=r,
+        )
 
         self.steps_current = Gauge(
             "specd_steps_current",
