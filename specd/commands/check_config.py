@@ -42,11 +42,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the config as JSON")
 
 
-def load_for_command(path: Path | None) -> Config | None:
+def load_for_command(path: Path | None, *, calibration: bool = True) -> Config | None:
     """`load_config` for a command line: each problem on its own stderr line, naming the
-    file and the key (no traceback); None when the configuration is unusable."""
+    file and the key (no traceback); None when the configuration is unusable.
+    ``calibration``: False for the on-call's commands (`load_config`)."""
     try:
-        return load_config(path)
+        return load_config(path, calibration=calibration)
     except ConfigError as exc:
         shown = path if path is not None else DEFAULT_CONFIG_PATH
         for problem in exc.problems:

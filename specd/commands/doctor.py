@@ -57,7 +57,13 @@ from specd.io.apply import (
     static_only_wiring,
 )
 from specd.io.calibration import configured_offer
-from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from specd.io.config import (
+    DEFAULT_CONFIG_PATH,
+    Config,
+    ConfigError,
+    check_calibration,
+    load_config,
+)
 from specd.io.fleet import Busy, EtcdClient, Fleet, FleetUnavailable, out_text
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
 from specd.io.promtext import sample_names
@@ -154,6 +160,9 @@ class Doctor:
         self.clock = clock
         self.monotonic = monotonic
         self.config = Config()
+        # The config file was read (its calibration may still have failed the check): the
+        # other checks can use it.
+        self.config_loaded = False
         self.info: dict[str, Any] | None = None
         # The endpoint that answered for /server_info (/get_server_info before SGLang 0.5.6).
         self.info_path: str | None = None
@@ -175,7 +184,9 @@ class Doctor:
         shown = self.config_path or DEFAULT_CONFIG_PATH
         defaults = self.config_path is None and not DEFAULT_CONFIG_PATH.exists()
         try:
-            self.config = load_config(self.config_path)
+            # The calibration on its own: a broken table fails this check, not every other.
+            self.config = load_config(self.config_path, calibration=False)
+            self.config_loaded = True
         except ConfigError as exc:
             more = f" (+{len(exc.problems) - 1} more)" if len(exc.problems) > 1 else ""
             return Check(
@@ -183,6 +194,16 @@ class Doctor:
                 False,
                 f"{shown}: {exc.problems[0]}{more}",
                 f"see every problem with `specd check-config {shown}`",
+            )
+        table = check_calibration(self.config)
+        if table:
+            more = f" (+{len(table) - 1} more)" if len(table) > 1 else ""
+            return Check(
+                "config",
+                False,
+                f"{shown}: {table[0]}{more}",
+                "a running specd keeps the last good table it read; a start refuses this "
+                f"one: fix it (`specd check-config {shown}`)",
             )
         if defaults:
             # Nothing was checked: say what specd runs on instead of calling it valid.
@@ -973,7 +994,7 @@ class Doctor:
 
     def run(self) -> list[Check]:
         checks = [self.check_config()]
-        if not checks[0].ok:
+        if not checks[0].ok and not self.config_loaded:
             skipped = [
                 Check(
                     name,

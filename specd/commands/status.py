@@ -27,7 +27,7 @@ from specd.core.text import duration_text, iso_time, printable
 from specd.core.units import DAY_S
 from specd.io.apply import read_static_only
 from specd.io.calibration import configured_offer
-from specd.io.config import DEFAULT_CONFIG_PATH, Config
+from specd.io.config import DEFAULT_CONFIG_PATH, Config, check_calibration
 from specd.io.fleet import Fleet, FleetUnavailable, same_instance
 from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import SubprocessRunner
@@ -275,6 +275,8 @@ def collect(
         "target_setting": decision.get("target_setting", _name_of(decision.get("target_steps"))),
         "last_decision": decision,
         "mode": _mode(override, at),
+        # What a start of specd would refuse; the running daemon keeps its last good table.
+        "calibration_problem": next(iter(check_calibration(config)), None),
         "override": override_info(config, override, at),
         "frozen": state.frozen,
         # Step counts that regressed after a change, skipped by the policy until "until".
@@ -655,6 +657,11 @@ def render(info: dict[str, Any], now: float) -> str:
         f"restarts 24h   {info['sglang_restarts_last_24h']} "
         f"(budget left {info['restart_budget_remaining']})",
     ]
+    if info.get("calibration_problem"):
+        lines.append(
+            f"calibration    UNUSABLE: {printable(str(info['calibration_problem']))} (a running "
+            "specd keeps the last good table it read; its next start refuses this one)"
+        )
     ov = info["override"]
     if ov["present"]:
         lines.append(f"override       {override_text(ov, now)}")
@@ -703,7 +710,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     now = time.time()
-    config = load_for_command(args.config)
+    # Without the calibration: an on-call command must work while the table is broken.
+    config = load_for_command(args.config, calibration=False)
     if config is None:
         return 2
     static_only = read_static_only(SubprocessRunner(), config.sglang.unit)

@@ -469,13 +469,18 @@ def check_calibration(settings: Settings) -> list[str]:
 
 
 def load_config(
-    path: str | Path | None = None, *, settle: Callable[[float], bool] | None = None
+    path: str | Path | None = None,
+    *,
+    settle: Callable[[float], bool] | None = None,
+    calibration: bool = True,
 ) -> Config:
     """Load the config file (default /etc/specd/specd.toml), environment over file.
 
     A missing *default* file means built-in defaults (plus environment); a missing file that
     was named explicitly is an error. ``settle``: read the file once it stopped changing
-    (`read_config_file`), as a reload does.
+    (`read_config_file`), as a reload does. ``calibration``: read the calibration table too
+    (`check_calibration`); the on-call's commands leave it out, since the running daemon
+    keeps its last good table and a freeze or a pin must not wait for a fixed one.
     """
     config_path: Path | None = DEFAULT_CONFIG_PATH if path is None else Path(path)
     data: dict[str, Any] = {}
@@ -506,7 +511,11 @@ def load_config(
         problems += found
     finally:
         _FILE_DATA.reset(token)
-    if config is not None and not any(p.startswith("choose.calibration_file:") for p in problems):
+    if (
+        calibration
+        and config is not None
+        and not any(p.startswith("choose.calibration_file:") for p in problems)
+    ):
         problems += check_calibration(config)
     if problems:
         raise ConfigError(problems, config_path)
