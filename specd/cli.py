@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import io
 import os
 import signal
 import sys
@@ -113,7 +114,24 @@ def _top_parser() -> argparse.ArgumentParser:
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
+def _tolerant_streams() -> None:
+    """stdout and stderr that write what their encoding cannot hold as escapes: specd's
+    messages carry →, ±, × and ✓, and a terminal or pipe in latin-1 or ASCII
+    (PYTHONIOENCODING, a C locale without UTF-8 mode) made every command end in a
+    UnicodeEncodeError, some after their file was written. A closed one is devnull."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
+    # Closed (`specd status >&-`): Python leaves None there and every print of a command
+    # raised; what it says goes nowhere, as with >/dev/null, and it does its work.
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _tolerant_streams()
     try:
         try:
             return _main(argv)

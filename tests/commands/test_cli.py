@@ -5,6 +5,7 @@ stops every command that reads it with one line per problem, and the on-call com
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -27,6 +28,7 @@ from specd.daemon import Daemon
 from specd.io.config import load_config
 from specd.io.notify import Notifier
 from specd.io.state import UNFREEZE_REQUEST, State, StateStore
+from specd.twin.process import free_port
 
 
 @pytest.mark.parametrize("name", list(cli.COMMANDS))
@@ -624,4 +626,53 @@ def test_unfreeze_that_cannot_write_its_request_says_so_on_stderr(tmp_path: Path
     assert done.stdout == ""
     assert "specd unfreeze: cannot write the request into " in done.stderr
     assert "Not a directory" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["doctor", "--help"],
+        ["check-config", "{config}"],
+        # Its message says "— restart at the next window" and names the file.
+        ["override", "freeze", "--for", "1h", "--reason", "incident — 7", "--config",
+         "{config}"],
+    ],
+)  # fmt: skip
+def test_a_terminal_that_is_not_utf8_gets_escapes_not_a_traceback(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    """PYTHONIOENCODING=ascii (or a latin-1 locale): every command died on its first →,
+    `override` after writing its file (exit 1, which says it could not write it)."""
+    config = tmp_path / "specd.toml"
+    config.write_text(
+        f'[files]\nstate_dir = "{tmp_path}"\noverride_file = "{tmp_path}/o.toml"\n'
+        f'[sglang]\nenv_file = "{tmp_path}/sglang.env"\nurl = "http://127.0.0.1:{free_port()}"\n'
+    )
+    args = [a.format(config=config) for a in argv]
+    done = specd(*args, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.isascii()
+    if argv[0] == "override":
+        assert "\\u" in done.stdout, done.stdout  # what ASCII cannot hold, escaped
+        assert 'mode = "freeze"' in (tmp_path / "o.toml").read_text()
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_closed_stdout_or_stderr_is_no_traceback(closed: str) -> None:
+    """`specd check-config >&-`: Python leaves None for a closed stream, and every command
+    raised AttributeError (exit 1) on its first print or at the final flush."""
+    code = (
+        "import sys\n"
+        f"sys.{closed}.close(); sys.{closed} = None\n"
+        "from specd import cli\n"
+        "raise SystemExit(cli.main(['check-config', sys.argv[1]]))\n"
+    )
+    config = Path(__file__).resolve().parents[2] / "etc" / "specd" / "specd.toml"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(config)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
