@@ -36,6 +36,7 @@ from specd.io.state import (
     LOCK_FILE,
     STATE_FILE,
     State,
+    StateNotRead,
     held_freeze,
     is_finite_number,
     read_state,
@@ -234,6 +235,7 @@ def collect(
     state_path = Path(config.files.state_dir) / STATE_FILE
     state_problem: str | None = None
     unreadable = False
+    unknown = False
     dropped: list[str] = []
     try:
         # As the daemon loads it: bad parts left out and named, good parts shown.
@@ -249,6 +251,9 @@ def collect(
         detail = f"{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
         state, state_problem, unreadable = State(), f"{state_path}: {detail}", True
         state.frozen = held_freeze(exc, now, detail)  # as the daemon's next start keeps it
+        # Not read at all (permissions: not root nor in group specd): what it holds is
+        # unknown, not the defaults an empty state would show ("frozen no").
+        unknown = isinstance(exc, (OSError, StateNotRead))
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override_as_daemon(config, at)
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
@@ -265,6 +270,8 @@ def collect(
         "state_file": str(state_path),
         "state_problem": state_problem,
         "state_unreadable": unreadable,
+        # Not read at all: frozen, the last decision and the restarts are unknown.
+        "state_unknown": unknown,
         "current_steps": live.get("steps"),
         # What runs as the operator writes it ("4", "off", "adaptive:3,4"); a state file
         # from before names only the step count.
@@ -630,6 +637,7 @@ def _restart_line(journal: dict[str, Any], daemon: dict[str, Any], now: float) -
 
 def render(info: dict[str, Any], now: float) -> str:
     d = info["last_decision"]
+    unknown = "UNKNOWN: the state file could not be read (below)"
     lines = [
         f"specd          {daemon_text(info['daemon'])}",
         f"steps live     {_shown(info['current_setting'])}"
@@ -640,22 +648,34 @@ def render(info: dict[str, Any], now: float) -> str:
         ),
         f"target         {_shown(info['target_setting'])}",
         f"mode           {_mode_text(info['mode'])}",
-        f"last decision  {printable(str(d.get('reason', '-')))}: "
-        f"{printable(str(d.get('message', '-')))} "
-        f"({when_text(d.get('t'), now) if d.get('t') else 'never'})",
+        "last decision  "
+        + (
+            unknown
+            if info.get("state_unknown")
+            else f"{printable(str(d.get('reason', '-')))}: "
+            f"{printable(str(d.get('message', '-')))} "
+            f"({when_text(d.get('t'), now) if d.get('t') else 'never'})"
+        ),
         "frozen         "
         + (
             f"YES, FROZEN since {when_text(info['frozen'].get('since'), now)}: "
             f"{printable(str(info['frozen'].get('reason')))}"
             "  (clear: specd unfreeze --reason ...)"
             if info["frozen"]
+            else unknown
+            if info.get("state_unknown")
             else "no"
         ),
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
         f"{when_text(info['next_window_open'], now, info['next_window_open_at'])}, closes "
         f"{when_text(info['next_window_close'], now, info['next_window_close_at'])}",
-        f"restarts 24h   {info['sglang_restarts_last_24h']} "
-        f"(budget left {info['restart_budget_remaining']})",
+        "restarts 24h   "
+        + (
+            unknown
+            if info.get("state_unknown")
+            else f"{info['sglang_restarts_last_24h']} "
+            f"(budget left {info['restart_budget_remaining']})"
+        ),
     ]
     if info.get("calibration_problem"):
         lines.append(

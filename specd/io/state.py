@@ -72,6 +72,11 @@ def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
     return files.parse_json(files.read_regular_file(path, max_bytes), replace_lone_surrogates=True)
 
 
+class StateNotRead(ValueError):
+    """state.json could not be read at all (permissions, not a regular file, too big): what
+    it holds is unknown, unlike a file read and found invalid."""
+
+
 class StateFormatError(ValueError):
     """state.json parsed but does not hold a valid state; the message is one line.
 
@@ -541,7 +546,9 @@ def read_state(
         data = read_json(path)
     except FileNotFoundError:
         raise
-    except ValueError as exc:  # not a regular file, too big, bad or absurdly deep JSON
+    except files.FileReadError as exc:  # no permission, not a regular file, too big
+        raise StateNotRead(f"unreadable ({_one_line(exc)})") from None
+    except ValueError as exc:  # bad or absurdly deep JSON
         raise ValueError(f"unreadable ({_one_line(exc)})") from None
     try:
         return State.from_dict(data, history_settings, dropped, now=now)

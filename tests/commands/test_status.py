@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -373,6 +374,29 @@ def test_status_shows_text_from_the_state_without_acting_on_the_terminal(tmp_pat
     assert "\x07" not in text
     assert "restart failed: \\x1b[2Jgone" in text
     assert "held\\x1b]0;pwned\\x07\\x0anext line" in text
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_state_file_status_cannot_read_is_unknown_not_the_defaults(
+    tmp_path: Path, kind: str
+) -> None:
+    """Not read at all (as a user outside group specd gets: Permission denied; root reads
+    through permissions, so a directory and a FIFO stand in here), status printed an empty
+    state's defaults as facts: frozen no, last decision never, 0 restarts, budget left."""
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    path = tmp_path / "state.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    info = collect(config, NOW, "down")
+    text = render(info, NOW)
+    assert info["state_unreadable"]
+    assert info["state_unknown"]
+    unknown = "UNKNOWN: the state file could not be read (below)"
+    for label in ("frozen         ", "last decision  ", "restarts 24h   "):
+        assert f"{label}{unknown}" in text, text
+    assert "frozen         no" not in text
 
 
 def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> None:
