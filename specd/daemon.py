@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, start_http_server
 
 from specd.core import windows
+from specd.core.choices import as_applied
 from specd.core.decide import Decision, Reason, window_left_s
 from specd.core.history import History, HistorySettings, Recorded
 from specd.core.model import Calibration
@@ -1215,8 +1216,7 @@ class Daemon:
         if traits.algorithm is not None:
             self._algorithm_seen = traits.algorithm
             return traits
-        known = self.config.sglang.speculative_algorithm or self._algorithm_seen
-        return traits if known is None else replace(traits, algorithm=known.upper(), topk=1)
+        return as_applied(traits, self.config.sglang.speculative_algorithm or self._algorithm_seen)
 
     def _fleet_problem(self) -> str | None:
         """Why no fleet slot could be taken now (etcd unreachable, all slots busy), or None."""

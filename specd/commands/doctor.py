@@ -27,7 +27,7 @@ from specd.commands.override import pin_unrunnable, pinned_setting, unsupported_
 from specd.commands.status import override_info, override_text, read_override_as_daemon
 from specd.core import sglang_features as features
 from specd.core import windows
-from specd.core.choices import CHOOSES_KINDS
+from specd.core.choices import CHOOSES_KINDS, as_applied
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
@@ -288,6 +288,8 @@ class Doctor:
         (from the config, the calibration's rows, /server_info and the drop-in's wiring, as
         the brain offers them)."""
         traits = None if self.info is None else traits_from_server_info(self.info)
+        # As the daemon judges it: off reports no algorithm, the configured one stands in.
+        traits = as_applied(traits, self.config.sglang.speculative_algorithm)
         choose = self.config.choose
         got, lines = configured_offer(choose, traits, self.static_only)
         notes = tuple(lines)
@@ -311,6 +313,15 @@ class Doctor:
                 notes,
             )
         offered = ", ".join(k for k in KINDS if got.allows(k))
+        if not offered:
+            return Check(
+                "choices",
+                False,
+                "specd can choose no setting on this server (each kind's reason below)",
+                "set [sglang] speculative_algorithm to the one SGLang runs with, or run "
+                "SGLang with speculative decoding",
+                notes,
+            )
         return Check("choices", True, f"specd may choose {offered}", notes=notes)
 
     def check_metrics(self, client: SGLangClient) -> list[Check]:

@@ -12,14 +12,13 @@ import argparse
 import errno
 import math
 import sys
-from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specd.commands.args import Duration, quoted
 from specd.commands.reason import operator, reason_type
-from specd.core.choices import cannot_run
+from specd.core.choices import as_applied, cannot_run
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
@@ -173,7 +172,7 @@ def pin_unrunnable(
         # SGLang runs off and reports no algorithm: the one specd applies stands in, as
         # the daemon's own; without one configured the daemon's memory may know it.
         known = cfg.sglang.speculative_algorithm
-        traits = None if known is None else replace(traits, algorithm=known.upper(), topk=1)
+        traits = None if known is None else as_applied(traits, known)
     why = cannot_run(traits, static_only, setting)
     if why is not None:
         return why, ""

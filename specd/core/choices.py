@@ -18,7 +18,7 @@ per-batch-size slots (0.5.13+, `sglang_features.ADAPTIVE_SLOTS`), and a set with
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from specd.core.setting import (
@@ -76,6 +76,15 @@ class Offer:
             out.append(f"{kind}: offered ({text})")
         out.extend(f"{text}: not offered: {why}" for text, why in self.refused)
         return out
+
+
+def as_applied(traits: ServerTraits | None, algorithm: str | None) -> ServerTraits | None:
+    """``traits`` with ``algorithm`` (the one specd applies) standing in where the server
+    reports none: SGLang running off says no algorithm, yet specd can start it on one (the
+    daemon's `_traits`; otherwise off could never be left)."""
+    if traits is None or traits.algorithm is not None or algorithm is None:
+        return traits
+    return replace(traits, algorithm=algorithm.upper(), topk=1)
 
 
 def for_policy(got: Offer, policy: str) -> Offer:

@@ -13,19 +13,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from factories import make_observation
+from factories import FAST_TWIN_VERSION_ARGS, make_observation
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from version_twins import VersionTwins
 
+from specd.commands.doctor import Doctor
 from specd.commands.status import collect, daemon, render, server_info
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import History, HistorySettings
 from specd.core.outcome import Avoided, ChangeSnapshot
 from specd.core.setting import adaptive, setting_key
 from specd.io.config import load_config
+from specd.io.runner import SubprocessRunner
+from specd.io.sglang import SGLangClient
 from specd.io.state import LOCK_FILE, State, StateStore
-from specd.twin.process import free_port
+from specd.twin.process import TwinProcess, free_port
 
 NOW = 1_764_000_000.0
 
@@ -753,3 +756,37 @@ def test_status_shows_the_daemons_verdict_on_the_change_being_verified(
     shown = [x for x in lines[at + 1 :] if x.startswith("               outcome")]
     assert shown == ([] if line is None else [line])
     assert info["verifying"]["outcome"] == (said if line is not None else None)
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", None])
+def test_a_server_running_off_is_judged_with_the_algorithm_specd_applies(
+    tmp_path: Path, algorithm: str | None
+) -> None:
+    """After `pin off` SGLang reports no algorithm: the daemon (and `override pin`) take the
+    configured one, so specd can start it on static K again; status and doctor said static
+    could not be offered, and doctor passed 'specd may choose ' with nothing after it."""
+    args = ["--enable-metrics", "--sglang-version", "0.5.23", *FAST_TWIN_VERSION_ARGS]
+    with TwinProcess(args) as twin:
+        twin.wait_healthy(20)
+        path = config_file(tmp_path, twin.url, '["static"]', policy="bands")
+        if algorithm is not None:
+            text = path.read_text().replace(
+                "[sglang]\n", f'[sglang]\nspeculative_algorithm = "{algorithm}"\n'
+            )
+            path.write_text(text)
+        config = load_config(path)
+        info = collect(config, NOW, server_info(config))
+        found = Doctor(path, SubprocessRunner())
+        found.config = config
+        with SGLangClient(twin.url, timeout_s=5) as client:
+            assert found.check_sglang(client).ok
+        check = found.check_choices()
+    if algorithm is not None:
+        assert info["choices"]["kinds"]["static"] is None
+        assert (check.ok, check.detail) == (True, "specd may choose static")
+    else:
+        assert "no speculative algorithm" in str(info["choices"]["kinds"]["static"])
+        assert not check.ok
+        assert (
+            check.detail == "specd can choose no setting on this server (each kind's reason below)"
+        )
