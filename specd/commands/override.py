@@ -152,11 +152,11 @@ def _can_run(cfg: Config, setting: SpecSetting) -> tuple[str | None, str]:
     cannot run restarts nothing and holds every automatic change until it expires."""
     # Imported here, not for --help (see the module's docstring).
     from specd.commands.status import server_info  # noqa: PLC0415
-    from specd.io.apply import read_static_only  # noqa: PLC0415
+    from specd.io.apply import read_wiring  # noqa: PLC0415
     from specd.io.runner import SubprocessRunner  # noqa: PLC0415
 
-    static_only = read_static_only(SubprocessRunner(), cfg.sglang.unit)
-    return pin_unrunnable(cfg, setting, server_info(cfg), static_only)
+    static_only, unit_unread = read_wiring(SubprocessRunner(), cfg.sglang.unit)
+    return pin_unrunnable(cfg, setting, server_info(cfg), static_only, unit_unread)
 
 
 def pin_unrunnable(
@@ -164,9 +164,11 @@ def pin_unrunnable(
     setting: SpecSetting,
     info: dict[str, Any] | str,
     static_only: str | None,
+    unit_unread: str | None = None,
 ) -> tuple[str | None, str]:
     """`_can_run`'s judgement from what was already read: SGLang's /server_info (or why it
-    did not answer) and why the unit takes static step counts only (None: any)."""
+    did not answer), why the unit takes static step counts only (None: any) and why systemd
+    could not say (None: it did)."""
     traits = traits_from_server_info(info) if isinstance(info, dict) else None
     if traits is not None and traits.algorithm is None:
         # SGLang runs off and reports no algorithm: the one specd applies stands in, as
@@ -181,6 +183,14 @@ def pin_unrunnable(
         return None, (
             f"could not ask SGLang whether it can run it ({printable(asked)}): specd checks "
             "before it restarts and holds the pin (`unsupported`) if it cannot"
+        )
+    if unit_unread is not None:
+        # Never "checked" for what was not read: a unit whose ExecStart= takes static step
+        # counts only is caught by the restart's verification instead, and rolled back.
+        return None, (
+            f"checked: SGLang at {cfg.sglang.url} can run it; {cfg.sglang.unit} could not be "
+            f"read ({printable(unit_unread)}): whether its command line takes it, the "
+            "restart's verification tells (it rolls back if not)"
         )
     return None, f"checked: SGLang at {cfg.sglang.url} and {cfg.sglang.unit} can run it"
 

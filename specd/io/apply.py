@@ -265,11 +265,17 @@ def read_static_only(runner: Runner, unit: str) -> str | None:
     """Why ``unit`` can be given static step counts only (`static_only_wiring`), read from
     systemd now; None also when systemd cannot say (a setting that does not reach SGLang is
     still caught by the restart's verification and rolled back)."""
+    return read_wiring(runner, unit)[0]
+
+
+def read_wiring(runner: Runner, unit: str) -> tuple[str | None, str | None]:
+    """(`read_static_only`, why systemd could not say, one line, or None when it did): for
+    a command that tells the operator what it checked."""
     try:
         props = show(runner, unit, ["ExecStart"], timeout_s=UNIT_STATE_TIMEOUT_S)
-    except SystemctlError:
-        return None
-    return static_only_wiring(unit, props.get("ExecStart", []))
+    except SystemctlError as exc:
+        return None, " ".join(str(exc).split())[:200]
+    return static_only_wiring(unit, props.get("ExecStart", [])), None
 
 
 def _same_path(a: str, b: str) -> bool:

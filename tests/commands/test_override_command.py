@@ -352,3 +352,21 @@ def test_show_and_status_call_a_file_the_daemon_cannot_read_invalid(
         assert "valid, freeze" in capsys.readouterr().out
     finally:
         shutil.rmtree(top)
+
+
+def test_a_pin_never_says_it_checked_a_unit_systemd_did_not_show(
+    tmp_path: Path, servers: Servers
+) -> None:
+    """`systemctl show` failed (no bus, a polkit refusal) and the pin still said "checked:
+    SGLang at ... and sglang.service can run it", of a unit it never read."""
+    cfg, path_env = serving(tmp_path, servers, "DP attention")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    failing = bin_dir / "systemctl"
+    failing.write_text("#!/bin/sh\necho 'Failed to connect to bus: Host is down' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    done = override_cmd(cfg, f"{bin_dir}:{path_env}", "pin", "4", "--for", "1d", "--reason", "r")
+    assert done.returncode == 0, done.stderr
+    assert "can run it; sglang.service could not be read (" in done.stdout, done.stdout
+    assert "and sglang.service can run it" not in done.stdout
+    assert "restart's verification tells" in done.stdout
