@@ -26,7 +26,7 @@ from specd.core.outcome import heading, label
 from specd.core.setting import format_setting, traits_from_server_info
 from specd.core.text import duration_text, iso_time, printable
 from specd.core.units import DAY_S
-from specd.io.apply import read_static_only
+from specd.io.apply import Journal, JournalError, read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, check_calibration
 from specd.io.fleet import Fleet, FleetUnavailable, same_instance
@@ -617,6 +617,16 @@ def _restart_line(journal: dict[str, Any], daemon: dict[str, Any], now: float) -
         printable(str(journal.get("to_setting") or _name_of(journal.get("to_steps")) or "?"))
     )
     change = f"{old} → {new}"
+    try:
+        Journal.from_dict(journal)
+    except JournalError as exc:
+        # As specd's start reads it: not a restart it can finish, so a freeze (it was
+        # shown as a restart in progress that the next start finishes).
+        return (
+            f"restart        UNUSABLE journal ({printable(str(exc))}; {change}): specd's "
+            "next start cannot finish it and freezes; check what SGLang runs "
+            "(`specd doctor`), then `specd unfreeze --reason ...` once specd has started"
+        )
     phase = printable(str(journal.get("phase")))
     started = when_text(_journal_number(journal, "started_at"), now)
     shutdown = journal.get("shutdown")

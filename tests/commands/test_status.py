@@ -24,6 +24,7 @@ from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import History, HistorySettings
 from specd.core.outcome import Avoided, ChangeSnapshot
 from specd.core.setting import adaptive, setting_key
+from specd.io.apply import Journal
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
@@ -570,14 +571,20 @@ def test_every_time_status_prints_is_iso_8601_with_its_offset(tmp_path: Path) ->
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", shown), shown
 
 
+# A journal as the applier writes it (the fields its start reads back).
 _JOURNAL = {
-    "phase": "restart_issued",
-    "from_steps": 3,
-    "to_steps": 4,
-    "from_setting": "3",
-    "to_setting": "4",
-    "unit": "sglang.service",
-    "started_at": NOW - 120,
+    **Journal(
+        phase="restart_issued",
+        from_steps=3,
+        to_steps=4,
+        unit="sglang.service",
+        env_file="/var/lib/specd/sglang.env",
+        previous_env=None,
+        previous_env_encoding="utf-8",
+        started_at=NOW - 120,
+        from_setting="3",
+        to_setting="4",
+    ).to_dict()
 }
 
 
@@ -613,12 +620,21 @@ _JOURNAL = {
             "out sglang.service's start limit until 2025-11-24T16:05:00+00:00 (in 5.0 min)",
             "not running",
         ),
-        # A damaged journal (hand-edited, another version's) is shown, never a crash.
+        # A damaged journal (hand-edited, another version's) is shown as the freeze specd's
+        # start makes of it, never a crash nor a restart its start would finish.
         (
             {"phase": ["x"], "to_setting": "\x1b[2J", "started_at": "yesterday"},
             False,
-            "restart        IN PROGRESS: ? → \\x1b[2J, ['x'] (started never)",
+            "restart        UNUSABLE journal (restart journal version None unknown; ? → "
+            "\\x1b[2J): specd's next start cannot finish it and freezes",
             "\x1b",
+        ),
+        (
+            {**_JOURNAL, "phase": "zzz", "to_steps": 99},
+            False,
+            "restart        UNUSABLE journal (restart journal phase 'zzz' unknown; 3 steps → "
+            "4 steps): specd's next start cannot finish it and freezes",
+            "IN PROGRESS",
         ),
     ],
 )
