@@ -81,9 +81,11 @@ class StateFormatError(ValueError):
     """state.json parsed but does not hold a valid state; the message is one line.
 
     ``held``: what in it must still hold specd back though it cannot be read (a freeze, a
-    restart journal: `_held`), as the daemon keeps it frozen for them."""
+    restart journal: `_held`), as the daemon keeps it frozen for them; ``held_since``: when
+    the freeze it holds began, if it says so (`_held_since`)."""
 
     held: str | None = None
+    held_since: float | None = None
 
 
 @dataclass
@@ -555,6 +557,7 @@ def read_state(
     except StateFormatError as exc:
         error = StateFormatError(f"invalid ({_one_line(exc)})")
         error.held = _held(data)
+        error.held_since = _held_since(data)
         raise error from None
 
 
@@ -575,7 +578,23 @@ def held_freeze(
     if not held:
         return None
     why = str(exc) if why is None else why
-    return _fallback_freeze(f"{held} in a file specd cannot read ({why}; it is kept aside)", now)
+    # Since the freeze the file holds began, where it says (a newer specd's freeze): read
+    # as "now", every `specd status` showed it begun 0 s ago.
+    since = getattr(exc, "held_since", None)
+    if since is None or (now is not None and since > now):
+        since = now
+    return _fallback_freeze(f"{held} in a file specd cannot read ({why}; it is kept aside)", since)
+
+
+def _held_since(data: Any) -> float | None:
+    """When the freeze in a file specd cannot read as a state began, if it says so as a
+    time a clock shows."""
+    frozen = data.get("frozen") if isinstance(data, dict) else None
+    since = frozen.get("since") if isinstance(frozen, dict) else None
+    try:
+        return check_time(since, "frozen.since", None)
+    except ValueError:
+        return None
 
 
 def _held(data: Any) -> str | None:

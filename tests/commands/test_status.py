@@ -412,7 +412,8 @@ def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> N
     assert info["state_unreadable"]
     assert "version 2 is newer than this specd understands" in info["state_problem"]
     assert info["frozen"] is not None
-    assert "YES, FROZEN" in render(info, NOW)
+    # Since when the file says, not since this run of status ("0 s ago" at every run).
+    assert "YES, FROZEN since 2025-11-24T15:59:00+00:00 (60 s ago)" in render(info, NOW)
 
 
 def _utc(year: int, month: int, day: int, hour: int) -> float:
