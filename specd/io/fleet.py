@@ -186,11 +186,17 @@ class EtcdClient:
         that are an answer, not an error (raised, but not counted)."""
         deadline = time.monotonic() + self.timeout_s
         problems: list[FleetUnavailable] = []
-        for endpoint in list(self.endpoints):
-            if time.monotonic() >= deadline and problems:
+        order = list(self.endpoints)
+        for index, endpoint in enumerate(order):
+            now = time.monotonic()
+            if now >= deadline and problems:
                 break
+            # An equal share of what is left for each endpoint not asked yet: a member that
+            # hangs took the whole deadline, so a one-shot command (status, doctor) said
+            # etcd was away while the member after it answered.
+            share = now + (deadline - now) / (len(order) - index)
             try:
-                answer = self._call_one(endpoint, path, body, deadline)
+                answer = self._call_one(endpoint, path, body, share)
             except FleetUnavailable as exc:
                 problems.append(exc)
                 if exc.status is not None and 400 <= exc.status < 500:
@@ -235,7 +241,7 @@ class EtcdClient:
                 status = resp.status_code
         except httpx.TimeoutException:
             raise FleetUnavailable(
-                "timeout", f"{where}: no answer within {self.timeout_s:g} s"
+                "timeout", f"{where}: no answer within {_seconds(left)} s"
             ) from None
         except (httpx.ConnectError, socket.gaierror) as exc:
             raise FleetUnavailable("connect", f"{where}: cannot connect: {exc}") from None
@@ -987,3 +993,8 @@ def _who(busy: Busy, slots: int, mine: Callable[[str, str | None], bool]) -> str
         for h in busy.holders
     ]
     return ", ".join(held + [out_text(o) for o in _out_only(busy, mine)])
+
+
+def _seconds(value: float) -> str:
+    """A wait as the message says it: 5, 2.5, 1.67."""
+    return f"{round(value, 2):g}"

@@ -501,11 +501,11 @@ def test_a_hung_first_endpoint_costs_one_call_not_every_call(etcd: EtcdProcess) 
     endpoint that last answered is now asked first."""
     with LoopbackHTTP(Hung) as hung:
         fleet = Fleet(fleet_settings(hung.url, etcd.url, etcd_timeout_s=1), "a")
-        first = fleet.probe()
-        assert first is not None
-        assert first.startswith(f"etcd {hung.url} POST /v3/kv/range: no answer within 1 s")
-        assert first.endswith("(1 of 2 etcd endpoints tried)")
         started = time.monotonic()
+        # Half the deadline each: the healthy member after it answers the very first call
+        # (`specd status` and `doctor` make only that one; they said etcd was away).
+        assert fleet.probe() is None
+        assert time.monotonic() - started < 1.0 + 0.5
         assert fleet.probe() is None
         slot = take(fleet)
         assert fleet.check(slot) is None
