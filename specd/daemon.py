@@ -777,7 +777,8 @@ class Daemon:
                 failures_in_a_row=self._tick_failures,
                 next_tick_in_s=backoff,
             )
-            self._idle(backoff)
+            # The loop waits one scrape interval after this on its own.
+            self._idle(backoff - self.config.observe.scrape_interval_s)
         else:
             self._tick_failures = 0
 
