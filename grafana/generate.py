@@ -595,7 +595,10 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
     restarts_over_time = (
         ts(
             "Restarts by result",
-            "Restarts per bar, by result: the bars add up to the restarts in the range.",
+            "Restarts per bar, by result: the bars add up to the restarts in the range. "
+            "outside window: a change's restart that went out with no window open (not a "
+            "pin applied now, nor a rollback): specd promises none, so any is a bug "
+            "(SpecdRestartedOutsideWindow).",
             "short",
         )
         .draw_style(cm.GraphDrawStyle("bars"))
@@ -606,6 +609,21 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
                 "sum by (result) " + per_bar(f"specd_restarts_total{{{INST}}}"),
                 "{{result}}",
             )
+        )
+        .with_target(
+            q(
+                "sum " + per_bar(f"specd_restarts_outside_window_total{{{INST}}}"),
+                "outside window",
+                "B",
+            )
+        )
+        .override_by_name(
+            "outside window",
+            [
+                dm.DynamicConfigValue(
+                    id_val="color", value={"mode": "fixed", "fixedColor": "purple"}
+                )
+            ],
         )
         .override_by_name(
             "failed",

@@ -165,6 +165,7 @@ class InFlight:
     replay: bool = False
     phase: str | None = None
     extended_at: float | None = None  # time.monotonic()
+    forced: bool = False  # a pin applied now: no window needed
 
 
 @dataclass
@@ -361,10 +362,27 @@ class Daemon:
         error = self._save_state(force=True)
         flight = self._in_flight
         if flight is not None and journal is not None:
+            self._watch_window(flight, journal)
             # Each step is saved before it is taken: STATUS= follows the sequence.
             flight.phase = str(journal.get("phase"))
             self.notifier.status(self._flight_status(flight))
         return error
+
+    def _watch_window(self, flight: InFlight, journal: Mapping[str, Any]) -> None:
+        """specd's promise, watched where it is kept: a change's restart goes out inside a
+        window (a pin applied now, a rollback and a sequence an earlier run left are not
+        held to one). One that does not is a bug: counted and logged, for an alert."""
+        issued = journal.get("phase") == "restart_issued" and flight.phase != "restart_issued"
+        if not issued or flight.forced or flight.replay:
+            return
+        if windows.is_open(self.config.windows, utc(self.clock())):
+            return
+        self.metrics.restarts_outside_window.inc()
+        self.log.error(
+            "restart_outside_window",
+            change=f"{flight.was} → {flight.wanted}",
+            windows=[w.cron for w in self.config.windows],
+        )
 
     def _show_restarting(self, journal: object) -> None:
         """specd_sglang_restarting from the journal's phase: SGLang down on purpose from the
@@ -1301,7 +1319,7 @@ class Daemon:
         # window): ready first, as before a replay.
         self._ready(self._status_text())
         self.metrics.restart_in_progress.set(1)
-        self._in_flight = InFlight(was, wanted)
+        self._in_flight = InFlight(was, wanted, forced=force)
         self.notifier.status(self._flight_status(self._in_flight))
         self.log.info(
             "restart_begin",

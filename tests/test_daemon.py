@@ -44,7 +44,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting, setting_key
 from specd.core.setting import parse as parse_setting
-from specd.daemon import Daemon
+from specd.daemon import Daemon, InFlight
 from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
@@ -2246,3 +2246,33 @@ def test_sglang_restarting_follows_the_journal_phase(
     journal = None if phase is None else {"phase": phase, "from_setting": "3", "to_setting": "4"}
     d._persist_journal(journal)
     assert d.metrics.registry.get_sample_value("specd_sglang_restarting") == restarting
+
+
+@pytest.mark.parametrize(
+    ("at", "forced", "replay", "counted"),
+    [
+        (IN_WINDOW, False, False, 0),
+        # The window closed before the restart went out: the promise broken, a bug.
+        (WINDOW_CLOSES + 60, False, False, 1),
+        # A pin applied now needs no window; a run finishing what an earlier run left
+        # finishes it whenever it starts.
+        (WINDOW_CLOSES + 60, True, False, 0),
+        (WINDOW_CLOSES + 60, False, True, 0),
+    ],
+)
+def test_a_change_restarted_outside_a_window_is_counted_and_logged(
+    tmp_path: Path, at: float, forced: bool, replay: bool, counted: int
+) -> None:
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW]
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), clock)
+    d._in_flight = InFlight("3", "4", replay=replay, forced=forced)
+    journal = {"phase": "planned", "from_setting": "3", "to_setting": "4"}
+    with capture_logs() as logs:
+        d._persist_journal(journal)
+        clock[0] = at
+        d._persist_journal({**journal, "phase": "restart_issued"})
+        d._persist_journal({**journal, "phase": "verifying"})  # no second count
+    sample = d.metrics.registry.get_sample_value("specd_restarts_outside_window_total")
+    assert sample == counted
+    assert len([e for e in logs if e["event"] == "restart_outside_window"]) == counted

@@ -545,6 +545,8 @@ def test_a_failed_restart_rolls_back_readds_the_worker_and_freezes(tmp_path: Pat
     assert unit.restarted_to == [4, 3]
     assert at_restarts == [1.0, 1.0]
     assert sample(daemon, "specd_sglang_restarting") == 0
+    # The change went out inside the window, the rollback wherever it had to.
+    assert sample(daemon, "specd_restarts_outside_window_total") == 0
     assert [r["result"] for r in daemon.state.restarts] == ["rolled_back"]
     assert daemon.state.frozen is not None
     assert sample(daemon, "specd_frozen") == 1

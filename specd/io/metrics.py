@@ -247,6 +247,13 @@ class Metrics:
         self.sglang_up = Gauge(
             "specd_sglang_up", "1 when the latest scrape of SGLang succeeded.", registry=r
         )
+        self.restarts_outside_window = Counter(
+            "specd_restarts_outside_window_total",
+            "Restarts of a change that went out while no maintenance window was open (a pin "
+            "applied now, a rollback and a restart an earlier run left are not counted): "
+            "specd promises none, so each is a bug, logged as restart_outside_window.",
+            registry=r,
+        )
         self.tick_errors = Counter(
             "specd_tick_errors_total",
             "Ticks that ended in an error specd has no handling for (a bug, or input it does "
