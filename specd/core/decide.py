@@ -385,12 +385,18 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _live(current: int | None) -> str:
+    """The live setting as the operator writes it: a step count, or off (step count 0;
+    "holding 0" read as a step count no server runs)."""
+    return "?" if current is None else "off" if current == 0 else str(current)
+
+
 def _holding(current: int | None) -> str:
-    return f"holding {current}" if current is not None else "no change"
+    return f"holding {_live(current)}" if current is not None else "no change"
 
 
 def _arrow(current: int | None, target: int | str, *, live_adaptive: bool = False) -> str:
-    live = "adaptive" if live_adaptive else (current if current is not None else "?")
+    live = "adaptive" if live_adaptive else _live(current)
     return f"{live} → {target}"
 
 

@@ -171,6 +171,10 @@ CASES = [
          "(`specd override clear` ends it sooner)", override=freeze()),
     case("frozen-unknown-steps", Reason.FROZEN, None, False, "no change",
          obs=None, ctl=control(current=None, frozen=True)),
+    # Off is step count 0: said as the operator writes it ("holding 0" read as a count).
+    case("frozen-off", Reason.FROZEN, 1, False,
+         "frozen (rb); holding off until an operator runs `specd unfreeze --reason ...`",
+         ctl=control(current=0, frozen=True, frozen_reason="rb")),
     case("freeze-expired", Reason.CHANGE, 3, True, "4 → 3", override=freeze(expires=OPEN - 1)),
     case("frozen-clamped", Reason.FROZEN, 6, False, "holding 9",
          ctl=control(current=9, frozen=True)),
