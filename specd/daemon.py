@@ -47,7 +47,7 @@ from specd.core.override import Override
 from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
-from specd.core.text import iso_time
+from specd.core.text import iso_time, one_line
 from specd.core.units import DAY_S
 from specd.io import files, logs
 from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_steps
@@ -632,7 +632,7 @@ class Daemon:
         except ConfigError as exc:
             problems = exc.problems
         except Exception as exc:  # a reload must never take the daemon down
-            problems = [f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"]
+            problems = [one_line(f"{type(exc).__name__}: {exc}", 300)]
         else:
             problems = []
             if new.files.state_dir != self.config.files.state_dir:
@@ -791,7 +791,7 @@ class Daemon:
             self.metrics.tick_errors.inc()
             self.log.exception(
                 "tick_failed",
-                error=f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                error=one_line(f"{type(exc).__name__}: {exc}", 300),
                 failures_in_a_row=self._tick_failures,
                 next_tick_in_s=backoff,
             )

@@ -117,3 +117,19 @@ def printable(text: str) -> str:
     """``text`` with its control characters (a terminal's escapes, newlines) written as
     ``\\x1b``-style escapes, so printing it shows it and does nothing else."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)
+
+
+def one_line(text: object, limit: int) -> str:
+    """``text`` on one line (its whitespace runs one space), cut to ``limit`` characters
+    with "…": a log field, an sd_notify STATUS= line, a message a line of output shows."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def ascii_count(text: str, most_digits: int) -> int | None:
+    """``text`` as a count when it is ASCII digits, at most ``most_digits`` of them, else
+    None: str.isdigit() also takes "²" and "٣", and int() refuses thousands of digits (or
+    reads "٣" as 3) in what another program wrote."""
+    if text.isascii() and text.isdigit() and len(text) <= most_digits:
+        return int(text)
+    return None

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import httpx
 
+from specd.core.text import one_line
+
 
 def read_capped(
     resp: httpx.Response, max_bytes: int, deadline: float, beat: Callable[[], None]
@@ -42,9 +44,4 @@ def unasked_encoding(resp: httpx.Response) -> str | None:
     """The Content-Encoding of ``resp`` when it is not identity (specd asks every server
     for identity, `Accept-Encoding`), else None."""
     encoding = resp.headers.get("content-encoding", "").strip().lower()
-    return None if encoding in ("", "identity") else _one_line(encoding)
-
-
-def _one_line(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= 40 else text[:39] + "…"
+    return None if encoding in ("", "identity") else one_line(encoding, 40)

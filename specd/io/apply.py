@@ -86,7 +86,7 @@ from specd.core.settings import (
     Settings,
     SGLangSettings,
 )
-from specd.core.text import utc_time
+from specd.core.text import ascii_count, one_line, utc_time
 from specd.io import files, logs
 from specd.io.fleet import Fleet, FleetUnavailable, LeaseKeeper, OutMarker, Slot
 from specd.io.gateway import GatewayClient, GatewayUnavailable, Worker
@@ -274,7 +274,7 @@ def read_wiring(runner: Runner, unit: str) -> tuple[str | None, str | None]:
     try:
         props = show(runner, unit, ["ExecStart"], timeout_s=UNIT_STATE_TIMEOUT_S)
     except SystemctlError as exc:
-        return None, " ".join(str(exc).split())[:200]
+        return None, one_line(exc, 200)
     return static_only_wiring(unit, props.get("ExecStart", [])), None
 
 
@@ -360,11 +360,7 @@ def read_env_steps(path: Path | str) -> int | None:
         data = files.read_regular_file(path, MAX_ENV_BYTES)
     except files.FileReadError:
         return None
-    value = parse_env(data.decode("utf-8", errors="replace")).get(ENV_STEPS, "")
-    # ASCII and short: isdigit() takes "²" and "٣", int() refuses one and 5000 digits.
-    if not (value.isascii() and value.isdigit() and len(value) <= 9):
-        return None
-    return int(value)
+    return ascii_count(parse_env(data.decode("utf-8", errors="replace")).get(ENV_STEPS, ""), 9)
 
 
 def env_algorithm(data: bytes | None) -> str | None:

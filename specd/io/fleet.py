@@ -71,7 +71,7 @@ import httpx
 
 from specd import __version__
 from specd.core.settings import FleetSettings
-from specd.core.text import utc_time
+from specd.core.text import ascii_count, one_line, utc_time
 from specd.io import files
 from specd.io.answers import read_capped
 from specd.io.files import FileReadError, read_regular_file
@@ -104,8 +104,7 @@ class FleetUnavailable(Exception):
 
 
 def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return one_line(text, limit)
 
 
 def _b64(text: str) -> str:
@@ -617,10 +616,10 @@ class Fleet:
         out: list[OutOfService] = []
         for key, value, lease in self.etcd.range_prefix(f"{KEY_PREFIX}/{self.group}/"):
             if key.startswith(slots):
-                index_text = key[len(slots) :]
-                if index_text.isascii() and index_text.isdigit() and len(index_text) <= 6:
+                index = ascii_count(key[len(slots) :], 6)
+                if index is not None:
                     name, since, instance = _parse_holder(value)
-                    held.append(Holder(int(index_text), name, since, lease, instance))
+                    held.append(Holder(index, name, since, lease, instance))
                 continue
             name_out = _out_name(self.group, key)
             if name_out is not None:

@@ -46,7 +46,7 @@ from specd.core.observation import (
     impossible_fields,
     without_impossible,
 )
-from specd.core.text import check_http_url
+from specd.core.text import ascii_count, check_http_url, one_line
 from specd.io import files
 from specd.io.answers import unasked_encoding
 from specd.io.promtext import PromTextError, Sample, select_samples
@@ -172,8 +172,7 @@ class ParsedMetrics:
 
 
 def _one_line(text: str, limit: int = 200) -> str:
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+    return one_line(text, limit)
 
 
 def _value(value: float) -> str:
@@ -193,9 +192,8 @@ def _series(sample: Sample) -> str:
 
 
 def _rank_order(value: str) -> tuple[int, int, str]:
-    # ASCII and short: "²" is a digit to isdigit(), and int() refuses it, or 5000 digits.
-    numeric = value.isascii() and value.isdigit() and len(value) <= 9
-    return (0, int(value), "") if numeric else (1, 0, value)
+    rank = ascii_count(value, 9)
+    return (0, rank, "") if rank is not None else (1, 0, value)
 
 
 def _per_replica(samples: list[Sample]) -> list[Sample]:

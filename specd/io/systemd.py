@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from specd.core.text import ascii_count
 from specd.io.runner import Runner
 from specd.io.timespan import timespan_s
 
@@ -176,8 +177,7 @@ def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> 
 
 
 def _count(value: str) -> int | None:
-    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
-    return int(value) if value.isascii() and value.isdigit() and len(value) <= 20 else None
+    return ascii_count(value, 20)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 
 from specd.core import text
 from specd.core.text import (
+    ascii_count,
     check_http_url,
     check_service_name,
     duration_text,
     is_service_name,
     iso_time,
+    one_line,
 )
 
 
@@ -152,3 +154,39 @@ def test_an_instant_is_written_to_the_second_with_its_offset(
 def test_an_instant_without_a_clock_is_refused() -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
         iso_time(datetime(2026, 12, 7, 3))
+
+
+@pytest.mark.parametrize(
+    ("value", "limit", "said"),
+    [
+        ("plain", 10, "plain"),
+        ("two\nlines\t and  runs", 40, "two lines and runs"),
+        ("x" * 50, 10, "x" * 9 + "…"),
+        ("x" * 10, 10, "x" * 10),
+        (ValueError("bad\nvalue"), 40, "bad value"),
+    ],
+)
+def test_one_line_flattens_and_cuts(value: object, limit: int, said: str) -> None:
+    assert one_line(value, limit) == said
+    assert len(one_line(value, limit)) <= limit
+
+
+@pytest.mark.parametrize(
+    ("value", "most", "count"),
+    [
+        ("0", 9, 0),
+        ("42", 9, 42),
+        ("123456789", 9, 123456789),
+        ("1234567890", 9, None),  # too many digits
+        ("9" * 5000, 20, None),  # int() would refuse it
+        ("²", 9, None),  # a digit to str.isdigit(), not to int()
+        ("٣", 9, None),  # int() reads it as 3
+        ("-1", 9, None),
+        (" 4", 9, None),
+        ("", 9, None),
+    ],
+)
+def test_ascii_count_reads_only_short_ascii_digits(
+    value: str, most: int, count: int | None
+) -> None:
+    assert ascii_count(value, most) == count
