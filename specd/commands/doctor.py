@@ -27,7 +27,7 @@ from specd.commands.override import pin_unrunnable, pinned_setting, unsupported_
 from specd.commands.status import override_info, override_text, read_override_as_daemon
 from specd.core import sglang_features as features
 from specd.core import windows
-from specd.core.choices import CHOOSES_KINDS, as_applied
+from specd.core.choices import CHOOSES_KINDS
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
@@ -288,10 +288,10 @@ class Doctor:
         (from the config, the calibration's rows, /server_info and the drop-in's wiring, as
         the brain offers them)."""
         traits = None if self.info is None else traits_from_server_info(self.info)
-        # As the daemon judges it: off reports no algorithm, the configured one stands in.
-        traits = as_applied(traits, self.config.sglang.speculative_algorithm)
         choose = self.config.choose
-        got, lines = configured_offer(choose, traits, self.static_only)
+        got, lines = configured_offer(
+            choose, traits, self.static_only, self.config.sglang.speculative_algorithm
+        )
         notes = tuple(lines)
         # The default kinds are every kind, each where it can be: only kinds the operator
         # listed are a problem when they cannot be chosen.

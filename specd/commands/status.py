@@ -18,7 +18,6 @@ from typing import Any
 
 from specd.commands.check_config import load_for_command
 from specd.core import explore, windows
-from specd.core.choices import as_applied
 from specd.core.history import HistorySettings
 from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
 from specd.core.observation import ScrapeError
@@ -177,9 +176,9 @@ def choices(
     as the daemon offers them, from the config, the calibration's rows, /server_info and
     the unit's wiring (``static_only``, `specd.io.apply.read_static_only`)."""
     traits = traits_from_server_info(info) if isinstance(info, dict) else None
-    # As the daemon judges it: off reports no algorithm, the configured one stands in.
-    traits = as_applied(traits, config.sglang.speculative_algorithm)
-    got, lines = configured_offer(config.choose, traits, static_only)
+    got, lines = configured_offer(
+        config.choose, traits, static_only, config.sglang.speculative_algorithm
+    )
     return {
         "kinds": dict(got.kinds),
         "settings": [format_setting(s) for s in got.settings],

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specd.core.choices import Offer, for_policy, offer, table_steps
+from specd.core.choices import Offer, as_applied, for_policy, offer, table_steps
 from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
@@ -50,11 +50,17 @@ def _readable(path: str | Path | None) -> Calibration | None:
 
 
 def configured_offer(
-    choose: ChooseSettings, traits: ServerTraits | None, static_only: str | None
+    choose: ChooseSettings,
+    traits: ServerTraits | None,
+    static_only: str | None,
+    algorithm: str | None = None,
 ) -> tuple[Offer, list[str]]:
     """What specd may choose on a server of ``traits`` with the configured calibration
     (read once), as the daemon offers it (`specd.core.choices.offer`), and what doctor and
-    status say of it: `Offer.lines`, then `swept_lines`."""
+    status say of it: `Offer.lines`, then `swept_lines`. ``algorithm``: the one specd
+    applies ([sglang] speculative_algorithm), standing in where the server runs off
+    (`specd.core.choices.as_applied`, as the daemon judges it)."""
+    traits = as_applied(traits, algorithm)
     calibration = _readable(choose.calibration_file)
     got = for_policy(
         offer(
