@@ -88,12 +88,16 @@ def parse_sample_line(line: str, name: str) -> Sample:
     return Sample(name, labels, value)
 
 
-def select_samples(text: str, names: Collection[str]) -> dict[str, list[Sample]]:
+def select_samples(
+    text: str, names: Collection[str], *, max_samples: int | None = None
+) -> dict[str, list[Sample]]:
     """Samples of the metric names in ``names`` (exact sample names, e.g. ``x_total``).
 
     Names absent from the page are absent from the result. Raises PromTextError on
     a page without its final newline (a truncated transfer), a selected line that
-    does not parse, or the same series twice.
+    does not parse, the same series twice, or more than ``max_samples`` selected
+    samples (checked before the line past the bound is parsed, so a page of millions
+    costs what the bound costs, not what the page does).
     """
     if text and not text.endswith("\n"):
         raise PromTextError("page does not end with a newline (truncated?)")
@@ -110,6 +114,8 @@ def select_samples(text: str, names: Collection[str]) -> dict[str, list[Sample]]
         name = line if name_end is None else line[: name_end.start()]
         if name not in wanted:
             continue
+        if max_samples is not None and len(seen) >= max_samples:
+            raise PromTextError(f"more than {max_samples} series of the metrics read")
         sample = parse_sample_line(line, name)
         key = (name, frozenset(sample.labels.items()))
         if key in seen:

@@ -101,6 +101,10 @@ STALE_LOAD_AFTER_S = 5.0
 # A real page is ~100 KB per DP rank; far beyond that is a misconfigured exporter,
 # and reading it whole would cost memory and CPU on every tick.
 DEFAULT_MAX_PAGE_BYTES = 32 * 1024 * 1024
+# SGLang writes each family specd reads once a scheduler rank (15 series on one rank), so
+# this is room for ~650 ranks. Within the byte cap a page can hold a million such lines,
+# which took ~9 s and ~0.5 GB to read: past this bound the page is refused unread.
+MAX_SERIES = 10_000
 _METRICS_PATH = "/metrics"
 _INFO_PATHS = ("/server_info", "/get_server_info")  # the second is SGLang < 0.5.6's
 # Reads wait at most this long before calling the client's ``beat``: a slow but bounded
@@ -232,7 +236,7 @@ def parse_metrics(text: str, *, t: float = 0.0) -> ParsedMetrics | ScrapeError:
     load); a bad value anywhere else costs its field only (`ParsedMetrics.rejected`).
     """
     try:
-        found = select_samples(text, FAMILIES)
+        found = select_samples(text, FAMILIES, max_samples=MAX_SERIES)
     except PromTextError as exc:
         return ScrapeError("malformed", _one_line(f"GET /metrics: {exc}"), t)
     for name in (RUNNING, QUEUED):

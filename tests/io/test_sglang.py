@@ -25,7 +25,10 @@ from specd.core.acceptance import accept_length_from_alpha, alpha_from_accept_le
 from specd.core.observation import Observation, ScrapeError
 from specd.io.promtext import PromTextError, select_samples
 from specd.io.sglang import (
+    DEFAULT_MAX_PAGE_BYTES,
     FAMILIES,
+    MAX_SERIES,
+    RUNNING,
     HealthStatus,
     ParsedMetrics,
     SGLangClient,
@@ -164,6 +167,17 @@ def test_promtext_lines(text: str, expected: dict[str, list[tuple[dict[str, str]
 def test_promtext_rejects(text: str, reason: str) -> None:
     with pytest.raises(PromTextError, match=reason):
         select_samples(text, ["a"])
+
+
+@pytest.mark.parametrize(("series", "refused"), [(0, False), (3, False), (4, True), (50, True)])
+def test_promtext_series_bound(series: int, refused: bool) -> None:
+    # Lines of names not selected do not count against the bound.
+    text = "".join(f'a{{x="{i}"}} 1\nb{{x="{i}"}} 1\n' for i in range(series)) + "b 2\n"
+    if refused:
+        with pytest.raises(PromTextError, match="more than 3 series of the metrics read"):
+            select_samples(text, ["a"], max_samples=3)
+    else:
+        assert len(select_samples(text, ["a"], max_samples=3).get("a", [])) == series
 
 
 # ---- from a page (and /server_info) to an Observation ------------------------------
@@ -594,6 +608,43 @@ def test_five_megabyte_page(server: PageServer, max_page_bytes: int, kind: str |
         assert isinstance(result, ScrapeError)
         assert result.kind == kind
         assert result.reason == f"GET /metrics: response larger than {max_page_bytes} bytes"
+
+
+def _rank_lines(count: int) -> str:
+    """``count`` more series of the running gauge, each a scheduler rank of replica 0 that
+    is not its first (the one read), so the page still reads as BASE does."""
+    labels = 'engine_type="unified",model_name="Qwen/Qwen3.5-122B-A10B",moe_ep_rank="0",pp_rank="0"'
+    return "".join(f'{RUNNING}{{{labels},tp_rank="{i}"}} 99.0\n' for i in range(1, count + 1))
+
+
+@pytest.mark.parametrize("over", [0, 1, 230_000])
+def test_series_bound(server: PageServer, over: int) -> None:
+    """A page within the byte cap can still hold a million lines of the families specd
+    reads; reading them all took ~9 s and ~0.5 GB. Past MAX_SERIES the page is refused
+    unread (no observation: no change), at any size; up to it, it reads as usual."""
+    base_series = sum(len(v) for v in select_samples(BASE, FAMILIES).values())
+    page = BASE + _rank_lines(MAX_SERIES - base_series + over)
+    assert len(page) < DEFAULT_MAX_PAGE_BYTES
+    server.serve_sglang(page, LOADED)
+    with SGLangClient(server.url, timeout_s=30.0) as client:
+        tracemalloc.start()
+        try:
+            result = client.observe()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    if over == 0:
+        assert isinstance(result, Observation)
+        assert (result.running, result.queued, result.steps) == (13, 7, 4)
+    else:
+        assert isinstance(result, ScrapeError)
+        assert (result.kind, result.reason) == (
+            "malformed",
+            f"GET /metrics: more than {MAX_SERIES} series of the metrics read",
+        )
+    # The page's bytes, its text and its lines (~97 MB for the largest), and no more: read
+    # whole, its samples took ~515 MB more.
+    assert peak < 4 * len(page) + 32 * 1024 * 1024
 
 
 def test_page_size_cap_without_content_length(server: PageServer) -> None:
