@@ -41,9 +41,15 @@ import tomli_w  # noqa: E402
 
 from specd.commands.args import Int, Seconds  # noqa: E402
 from specd.core.settings import TABLE_OF_KEY  # noqa: E402
-from specd.io.gateway import GatewayClient, GatewayUnavailable  # noqa: E402
+from specd.io.gateway import GatewayClient  # noqa: E402
 from specd.io.tls import verifying_context  # noqa: E402
-from specd.tools.loopback import EtcdProcess, SmgGateway, StreamingLoad  # noqa: E402
+from specd.tools.loopback import (  # noqa: E402
+    HEALTH_PROBE_TIMEOUT_S,
+    EtcdProcess,
+    SmgGateway,
+    StreamingLoad,
+    servers_out,
+)
 from specd.twin.process import free_port, stop_process  # noqa: E402
 from specd.twin.standin import UNIT, StandIn, make_standin  # noqa: E402
 
@@ -202,11 +208,14 @@ class Server:
         return None
 
 
-def healthy(url: str, http: httpx.Client | None = None) -> bool:
+def healthy(url: str) -> bool:
     try:
-        if http is not None:
-            return http.get(url + "/health").status_code == 200
-        return httpx.get(url + "/health", timeout=1, verify=verifying_context()).status_code == 200
+        return (
+            httpx.get(
+                url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S, verify=verifying_context()
+            ).status_code
+            == 200
+        )
     except httpx.HTTPError:
         return False
 
@@ -218,30 +227,20 @@ class Watch:
     def __init__(self, servers: Sequence[Server], gateway: SmgGateway, load: StreamingLoad) -> None:
         self.servers = servers
         self.load = load
-        self.clients = [
-            GatewayClient([gateway.url], s.standin.url(), api_key=ADMIN_KEY, timeout_s=1.0)
+        self.clients = {
+            s.standin.url(): GatewayClient(
+                [gateway.url], s.standin.url(), api_key=ADMIN_KEY, timeout_s=1.0
+            )
             for s in servers
-        ]
+        }
         self.times: list[float] = []
         self.served: list[int] = []
         self.most_out = 0
         # One client for all the polling: a new one per probe loads the CA bundle each time.
-        self.http = httpx.Client(timeout=1.0)
+        self.http = httpx.Client()
 
     def out(self) -> int:
-        n = 0
-        for server, client in zip(self.servers, self.clients, strict=True):
-            try:
-                worker = client.find(client.gateways[0])
-            except GatewayUnavailable:
-                worker = None
-            if (
-                worker is None
-                or worker.status != "ready"
-                or not healthy(server.standin.url(), self.http)
-            ):
-                n += 1
-        return n
+        return len(servers_out(self.http, self.clients))
 
     def sample(self) -> int:
         self.times.append(time.time())
@@ -257,7 +256,7 @@ class Watch:
         return self.served[j] - self.served[i]
 
     def close(self) -> None:
-        for client in self.clients:
+        for client in self.clients.values():
             client.close()
         self.http.close()
 

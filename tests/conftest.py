@@ -26,6 +26,14 @@ MAX_LOGS_SHOWN, LOG_TAIL_CHARS = 6, 4000
 # the kernel's ephemeral range (32768 up): a port one worker chose for a server it has not
 # started yet is offered to no other worker, and no outgoing connection takes it meanwhile.
 PORTS_FROM, PORTS_TO, PORT_SHARES = 10000, 32768, 16
+# The twins these tests start (in this process or as its children) answer /health at once,
+# as SGLang does with this variable false, a common setting: with SGLang's default each
+# /health runs a generation, and every wait for a twin to come up would take a second
+# more. specd itself probes /health_generate, which always takes that second. SGLang's
+# default is tested where it matters: tests/twin/test_versions.py, and the fleets a real
+# gateway (smg) probes: tests/systemd/test_fleet_systemd.py, `python -m bench fleet`.
+HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+os.environ.setdefault(HEALTH_GENERATION, "false")
 
 
 def _file_of(nodeid: str) -> str:

@@ -30,7 +30,13 @@ from specd.core.perftable import PerfTable
 from specd.core.settings import TABLE_OF_KEY
 from specd.io.tls import verifying_context
 from specd.tools import loopback
-from specd.tools.loopback import SMG, SMG_ADMIN_KEY, SmgGateway, StreamingLoad  # noqa: F401 - re-exported
+from specd.tools.loopback import (  # noqa: F401 - re-exported
+    SMG,
+    SMG_ADMIN_KEY,
+    SmgGateway,
+    StreamingLoad,
+    servers_out,
+)
 from specd.twin.process import TwinProcess
 
 

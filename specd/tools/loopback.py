@@ -12,6 +12,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -78,6 +80,35 @@ class EtcdProcess:
 
 SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
 SMG_ADMIN_KEY = "specd-test-admin-key"
+# smg's own --health-check-timeout-secs default: SGLang's /health answers after >= 1 s.
+HEALTH_PROBE_TIMEOUT_S = 5.0
+
+
+def servers_out(http: httpx.Client, clients: Mapping[str, GatewayClient]) -> list[str]:
+    """The worker URLs (``clients``' keys, each with a client of its gateway) out of
+    service now: not ``ready`` in the gateway, or SGLang not answering /health with 200.
+
+    The /health probes run side by side: SGLang's default /health runs a generation and
+    answers after a second or more, so one after another a look at four servers would take
+    four seconds; a starting or draining server answers 503 at once, a stopped one refuses.
+    """
+
+    def routed(client: GatewayClient) -> bool:
+        try:
+            worker = client.find(client.gateways[0])
+        except GatewayUnavailable:
+            return False
+        return worker is not None and worker.status == "ready"
+
+    def healthy(url: str) -> bool:
+        try:
+            return http.get(url + "/health", timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    with ThreadPoolExecutor(max_workers=max(1, len(clients))) as pool:
+        health = dict(zip(clients, pool.map(healthy, clients), strict=True))
+    return [url for url, client in clients.items() if not (routed(client) and health[url])]
 
 
 class SmgGateway:

@@ -215,7 +215,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--health-first-look-s",
         type=LOAD_S,
         default=1.0,
-        help="/health_generate looks for its generation's answer this long after sending it: "
+        help="/health_generate (and /health, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION "
+        "is false) looks for its generation's answer this long after sending it: "
         f"SGLang's 1 s by default, shorter for tests of a twin that loads in a blink "
         f"({LOAD_S.spec})",
     )

@@ -2,8 +2,9 @@
 
 Start (specd.twin.launch): resolve the flags like SGLang (warnings and errors alike), keep
 the port closed for ``--load-time-s`` ("loading the model"). Then here: answer 503 on
-/health for ``--warmup-s``, then 200. SIGTERM: 503 on /health, keep serving and accepting,
-exit once nothing runs.
+/health for ``--warmup-s``, then 200 (after a second: SGLang's /health generates a token
+unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false). SIGTERM: 503 on /health, keep
+serving and accepting, exit once nothing runs.
 """
 
 from __future__ import annotations
@@ -247,17 +248,14 @@ class Twin:
         return web.Response(status=200)
 
     def _health_generates(self) -> bool:
-        """Whether /health runs the generation too (and so takes >= 1 s).
-
-        SGLang's /health does, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false
-        (0.5.11+; always before). The twin's does only when that variable says true: test
-        helpers outside the twin's (tests/test_faults.py's healthy(), the fleet tests'
-        probes) ask /health with a 1 s timeout, which SGLang's default never meets.
-        /health_generate, what specd probes, always takes SGLang's second."""
+        """Whether /health runs the generation too (and so takes >= 1 s), as SGLang's does
+        unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (0.5.11+; always before).
+        Read at each probe, as SGLang reads it. /health_generate, what specd probes, always
+        takes SGLang's second; a gateway (smg) probes /health."""
         if not self.config.profile.health_generation_env:
-            return False
-        value = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
-        return value.lower() in ("true", "1", "yes", "y")
+            return True
+        value = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION")
+        return value is None or value.strip().lower() in ("true", "1", "yes", "y")
 
     async def ready(self, request: web.Request) -> web.Response:
         # /ready (0.5.20+): up and not shutting down, answered at once, no generation.

@@ -28,9 +28,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: factories
 
 import httpx
-from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway, StreamingLoad
+from factories import SMG_ADMIN_KEY, EtcdProcess, SmgGateway, StreamingLoad, servers_out
 
-from specd.io.gateway import GatewayClient, GatewayUnavailable
+from specd.io.gateway import GatewayClient
 
 POLL_INTERVAL_S = 0.1
 LOAD_CLIENTS = 4
@@ -42,23 +42,6 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report))
     os.replace(tmp, path)
-
-
-def out_now(clients: dict[str, GatewayClient], gateway: str, http: httpx.Client) -> list[str]:
-    out = []
-    for url, client in clients.items():
-        try:
-            worker = client.find(gateway)
-            routed = worker is not None and worker.status == "ready"
-        except GatewayUnavailable:
-            routed = False
-        try:
-            healthy = http.get(f"{url}/health", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            healthy = False
-        if not (routed and healthy):
-            out.append(url)
-    return out
 
 
 def main() -> int:
@@ -82,7 +65,7 @@ def main() -> int:
             with httpx.Client() as http:
                 was_out: set[str] = set()
                 while not stop.is_set():
-                    out = out_now(clients, gateway.url, http)
+                    out = servers_out(http, clients)
                     now = time.monotonic()
                     for url in set(out) - was_out:
                         episodes[url].append([now, now])

@@ -529,6 +529,7 @@ class Container:
         unit: str = SGLANG_UNIT,
         port: int = TWIN_PORT,
         env_file: str | None = None,
+        health_generates: bool = False,
     ) -> None:
         """sglang.service = the twin, with the repo's drop-in 50-specd.conf installed unchanged.
 
@@ -537,7 +538,9 @@ class Container:
         $SPECD_SPECULATIVE_ARGS, so Environment= defaults and EnvironmentFile= are the repo's
         own. Several servers in one container: another `unit` name and `port`, and its own
         `env_file` (replacing the drop-in's /var/lib/specd/sglang.env, as an operator with
-        several SGLang units on one box sets [sglang] env_file).
+        several SGLang units on one box sets [sglang] env_file). /health answers at once
+        (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false, as tests/conftest.py has it) unless
+        `health_generates`: SGLang's default, a generation each probe.
         """
         self.write_unit(
             unit,
@@ -562,6 +565,8 @@ class Container:
         )
         # The empty assignment drops the drop-in's env file from the list.
         env_lines = f"EnvironmentFile=\nEnvironmentFile=-{env_file}\n" if env_file else ""
+        if not health_generates:
+            env_lines += "Environment=SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false\n"
         self.write_unit(
             f"{unit}.d/60-twin.conf",
             f"[Service]\n{env_lines}ExecStart=\nExecStart={command}\n",

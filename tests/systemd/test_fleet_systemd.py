@@ -132,6 +132,8 @@ def test_rolling_pin_under_real_systemd_one_at_a_time_with_zero_errors(sd: Conta
             unit=sglang_unit(name),
             port=port(name),
             env_file=f"/var/lib/specd/{name}/sglang.env",
+            # SGLang's default: smg's probes of /health each wait for a generation.
+            health_generates=True,
         )
     sd.systemctl("start", *map(sglang_unit, NAMES))
     for name in NAMES:

@@ -386,6 +386,9 @@ def test_server_info_is_that_versions_arguments_top_level_and_internal_states(
         assert all(ld["speculative"]["accept_length"] > 1 for ld in loads.json()["loads"])
 
 
+HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+
+
 def _timed_status(client: httpx.Client, path: str) -> tuple[int, float]:
     start = time.monotonic()
     status = client.get(path).status_code
@@ -395,12 +398,13 @@ def _timed_status(client: httpx.Client, path: str) -> tuple[int, float]:
 @pytest.mark.parametrize(
     ("version", "env", "health_waits"),
     [
-        # /health generates (SGLang's default) only with the variable true: see
-        # Twin._health_generates for why the twin's default differs.
+        # /health generates (SGLang's default) unless the variable says false; 0.5.4
+        # has no such variable and always generates.
         ("0.5.23", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true"}, True),
         ("0.5.23", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, False),
-        ("0.5.23", {}, False),
-        ("0.5.4", {}, False),
+        ("0.5.23", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}, False),
+        ("0.5.23", {}, True),
+        ("0.5.4", {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}, True),
     ],
 )
 def test_health_checks_take_sglangs_second(
@@ -409,6 +413,7 @@ def test_health_checks_take_sglangs_second(
     # SGLang's health_generate sends a 1-token generation, then sleeps a second before it
     # first looks for an answer: a healthy server answers 200 after >= 1 s, never sooner.
     # (The twin reads the variable as SGLang does, at each probe: here this process's.)
+    monkeypatch.delenv(HEALTH_GENERATION, raising=False)  # tests/conftest.py sets it
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with TwinThread([*SPEC4_ARGS, "--sglang-version", version, *FAST]) as twin:
