@@ -240,13 +240,20 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
         "The reason of specd's latest decision over time, one lane per reason: why it "
         "changed the target (change) or why it held still (tolerance, dwell time, "
         "budget, window closed, override, frozen, not enough data).",
-        [q(f"max by (reason) (specd_last_decision{{{INST}}} == 1)", "{{reason}}", "A")],
+        [
+            q(
+                f"max by (instance, reason) (specd_last_decision{{{INST}}} == 1)",
+                "{{instance}} {{reason}}",
+                "A",
+            )
+        ],
         "latest",
         "blue",
     )
     for reason, color in REASON_COLORS.items():
-        reasons = reasons.override_by_name(
-            reason,
+        # One lane per host and reason (several hosts selected): matched by the name's end.
+        reasons = reasons.override_by_regexp(
+            f"^(.* )?{reason}$",
             [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": color})],
         )
     decisions = (
@@ -271,7 +278,13 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
         "What SGLang runs, one lane per kind: off (no speculation), static (one step "
         "count: see the steps panel), adaptive (SGLang switches among a candidate set per "
         "batch; the steps panel then shows its live tier), unknown (SGLang unreadable).",
-        [q(f"max by (kind) (specd_setting_kind{{{INST}}} == 1)", "{{kind}}", "A")],
+        [
+            q(
+                f"max by (instance, kind) (specd_setting_kind{{{INST}}} == 1)",
+                "{{instance}} {{kind}}",
+                "A",
+            )
+        ],
         "live",
         "green",
     )
@@ -282,8 +295,16 @@ def steps_panels() -> list[tuple[Panel, int, int]]:
         "adaptive:3,4 (which has no one step count for the steps panel to show). They "
         "differ while a change waits for its window.",
         [
-            q(f"max by (setting) (specd_setting_live{{{INST}}} == 1)", "live {{setting}}", "A"),
-            q(f"max by (setting) (specd_setting_target{{{INST}}} == 1)", "target {{setting}}", "B"),
+            q(
+                f"max by (instance, setting) (specd_setting_live{{{INST}}} == 1)",
+                "{{instance}} live {{setting}}",
+                "A",
+            ),
+            q(
+                f"max by (instance, setting) (specd_setting_target{{{INST}}} == 1)",
+                "{{instance}} target {{setting}}",
+                "B",
+            ),
         ],
         "yes",
         "blue",
@@ -468,9 +489,12 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
     by_result = (
         big(
             "Restarts in range",
-            "SGLang restarts specd performed in the selected time range, by result. "
-            "rolled_back: the new setting failed verification and the old one was restored; "
-            "failed: even the rollback failed.",
+            "Restart sequences specd ran in the selected time range, by result. "
+            "rolled_back: the new setting failed verification and the old one was restored "
+            "(two SGLang restarts in one sequence); failed: even the rollback failed; "
+            "aborted: the new setting's start was refused (systemd's start limit, or its own "
+            "setup failed) and SGLang started again on the old one. Not SGLang restarts: "
+            "the restart budget counts those.",
             "short",
         )
         .decimals(0)
@@ -518,17 +542,18 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
     duration = (
         big(
             "Restart duration",
-            "Time from `systemctl restart` to a verified, healthy SGLang: mean and 95th "
-            "percentile over the selected range (empty when no restart happened).",
+            "Time a restart sequence took, from `systemctl restart` to its end (verified, "
+            "rolled back or failed): mean and 95th percentile over the selected range (no "
+            "value when no restart happened).",
             "s",
         )
         .text_mode(cm.BigValueTextMode("value_and_name"))
         .with_target(
             q(
                 f"sum by (instance) (increase(specd_restart_duration_seconds_sum{{{INST}}}"
-                f"[$__range])) / sum by (instance) (increase("
-                f"specd_restart_duration_seconds_count{{{INST}}}[$__range]))",
-                "mean",
+                f"[$__range])) / (sum by (instance) (increase("
+                f"specd_restart_duration_seconds_count{{{INST}}}[$__range])) > 0)",
+                "{{instance}} mean",
                 "A",
                 instant=True,
             )
@@ -536,8 +561,10 @@ def restart_panels() -> list[tuple[Panel, int, int]]:
         .with_target(
             q(
                 "histogram_quantile(0.95, sum by (instance, le) (increase("
-                f"specd_restart_duration_seconds_bucket{{{INST}}}[$__range])))",
-                "p95",
+                f"specd_restart_duration_seconds_bucket{{{INST}}}[$__range])) and on (instance) "
+                f"sum by (instance) (increase(specd_restart_duration_seconds_count{{{INST}}}"
+                f"[$__range])) > 0)",
+                "{{instance}} p95",
                 "B",
                 instant=True,
             )
@@ -678,16 +705,16 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
         big(
             "Drain duration",
             "From removing the worker at the gateway to SGLang idle: mean and 95th percentile "
-            "over the selected range.",
+            "over the selected range (no value when no drain happened).",
             "s",
         )
         .text_mode(cm.BigValueTextMode("value_and_name"))
         .with_target(
             q(
                 f"sum by (instance) (increase(specd_drain_duration_seconds_sum{{{INST}}}"
-                f"[$__range])) / sum by (instance) (increase("
-                f"specd_drain_duration_seconds_count{{{INST}}}[$__range]))",
-                "mean",
+                f"[$__range])) / (sum by (instance) (increase("
+                f"specd_drain_duration_seconds_count{{{INST}}}[$__range])) > 0)",
+                "{{instance}} mean",
                 "A",
                 instant=True,
             )
@@ -695,8 +722,10 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
         .with_target(
             q(
                 "histogram_quantile(0.95, sum by (instance, le) (increase("
-                f"specd_drain_duration_seconds_bucket{{{INST}}}[$__range])))",
-                "p95",
+                f"specd_drain_duration_seconds_bucket{{{INST}}}[$__range])) and on (instance) "
+                f"sum by (instance) (increase(specd_drain_duration_seconds_count{{{INST}}}"
+                f"[$__range])) > 0)",
+                "{{instance}} p95",
                 "B",
                 instant=True,
             )
@@ -714,13 +743,15 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
         .with_target(
             q(f"specd_requests_in_flight_at_restart{{{INST}}}", "{{instance}}", instant=True)
         )
+        # NaN until the first drained restart, and for good without a [gateway].
+        .mappings(value_text({}, nan="none yet"))
         .thresholds(thresholds((None, "green"), (0.5, "red")))
     )
     not_ready = (
         big(
             "Gateway replicas without this worker",
             "not ready: gateway replicas not routing this server as ready at specd's latest "
-            "look (no value: no gateway, or it could not be asked). left out: replicas a "
+            "look (none: no gateway, or it could not be asked). left out: replicas a "
             "re-add after a restart left it out of, kept by specd until each routes it "
             "again, known also while such a replica cannot be asked. Either above 0 outside "
             "a restart: the worker is left out (SpecdWorkerLeftOutOfGateway).",
@@ -742,6 +773,7 @@ def gateway_panels() -> list[tuple[Panel, int, int]]:
                 instant=True,
             )
         )
+        .mappings(value_text({}, nan="none"))
         .thresholds(thresholds((None, "green"), (0.5, "red")))
     )
     errors = (
@@ -788,7 +820,7 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
         .with_target(
             q(
                 f"specd_window_next_open_timestamp_seconds{{{INST}}} * 1000",
-                "opens",
+                "{{instance}} opens",
                 "A",
                 instant=True,
             )
@@ -796,7 +828,7 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
         .with_target(
             q(
                 f"specd_window_next_close_timestamp_seconds{{{INST}}} * 1000",
-                "closes",
+                "{{instance}} closes",
                 "B",
                 instant=True,
             )
@@ -829,7 +861,7 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
         big(
             "Override expires",
             "Expiry of the override in the file (also when it already expired: then delete "
-            "the file). Empty without an override.",
+            "the file). none: no override.",
             "dateTimeFromNow",
         )
         .color_mode(cm.BigValueColorMode("none"))
@@ -840,7 +872,7 @@ def window_override_panels() -> list[tuple[Panel, int, int]]:
                 instant=True,
             )
         )
-        .mappings(value_text({}))
+        .mappings(value_text({}, nan="none"))
     )
     decided = time_ago(
         "Override decided",
@@ -905,7 +937,7 @@ def health_panels() -> list[tuple[Panel, int, int]]:
             "none",
         )
         .text_mode(cm.BigValueTextMode("value_and_name"))
-        .with_target(q(f"up{{{INST}}}", "{{job}}", instant=True))
+        .with_target(q(f"up{{{INST}}}", "{{instance}} {{job}}", instant=True))
         .mappings(value_text({"0": ("DOWN", "red"), "1": ("up", "green")}))
     )
     sglang_up = (
@@ -917,16 +949,20 @@ def health_panels() -> list[tuple[Panel, int, int]]:
         big(
             "Last good SGLang scrape",
             "Age of specd's latest successful scrape of SGLang. Past 60 s specd treats its "
-            "data as stale and decides nothing.",
+            "data as stale and decides nothing. never: no good scrape since specd started "
+            "(SGLang still loading, or unreachable: see specd → SGLang).",
             "s",
         )
         .with_target(
             q(
-                f"time() - specd_last_scrape_success_timestamp_seconds{{{INST}}}",
+                # The gauge is 0 until the first good scrape: not 56 years ago.
+                f"time() - (specd_last_scrape_success_timestamp_seconds{{{INST}}} > 0) or on "
+                f"(instance) (specd_last_scrape_success_timestamp_seconds{{{INST}}} == 0) * NaN",
                 "{{instance}}",
                 instant=True,
             )
         )
+        .mappings(value_text({}, nan="never"))
         .thresholds(thresholds((None, "green"), (30, "orange"), (60, "red")))
     )
     errors = (
