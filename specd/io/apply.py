@@ -2157,10 +2157,14 @@ class Applier:
             journal.fleet_out = marker.to_dict()
             self._out = marker
             self._persist(journal)
-            self.fleet.mark_out(marker)
-            self.unremoved_out = None  # its key is on this marker's lease now
+            # Only while the slot is still ours: checked before (`_slot_lost`), it may have
+            # run out since, and another specd taken it.
+            lost = self.fleet.mark_out(marker, self._slot)
         except FleetUnavailable as exc:
             return f"fleet unavailable: cannot mark this server out of service: {exc}"
+        if lost is not None:
+            return f"lost the fleet slot: {lost}"
+        self.unremoved_out = None  # its key is on this marker's lease now
         journal.note(
             f"marked out of service in fleet group {marker.group} for at most {marker.ttl_s} s"
         )

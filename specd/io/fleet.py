@@ -316,18 +316,45 @@ class EtcdClient:
                 if exc.status != 404:
                     raise  # 404: gone already (expired), released all the same
 
-    def put_if_absent(self, key: str, value: str, lease: int) -> bool:
-        """Put ``key`` on ``lease`` only if it does not exist; True when it was put."""
+    def put_if_absent(
+        self, key: str, value: str, lease: int, *, unchanged: tuple[str, int] | None = None
+    ) -> bool:
+        """Put ``key`` on ``lease`` only if it does not exist, and, with ``unchanged`` =
+        (prefix, revision), only if no key under the prefix was put since that revision (a
+        decision made on a read at it still holds); True when it was put."""
+        k = _b64(key)
+        compare: list[dict[str, str]] = [
+            {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        ]
+        if unchanged is not None:
+            prefix, revision = unchanged
+            compare.append(
+                {
+                    "key": _b64(prefix),
+                    "range_end": _b64(_prefix_end(prefix)),
+                    "target": "MOD",
+                    "result": "LESS",
+                    "mod_revision": str(revision + 1),
+                }
+            )
+        return self._txn_put(compare, k, value, lease)
+
+    def put_if_leased(self, key: str, value: str, lease: int, held: str, held_lease: int) -> bool:
+        """Put ``key`` on ``lease`` only while the key ``held`` lives on ``held_lease``;
+        True when it was put."""
+        compare = [
+            {"key": _b64(held), "target": "LEASE", "result": "EQUAL", "lease": str(held_lease)}
+        ]
+        return self._txn_put(compare, _b64(key), value, lease)
+
+    def _txn_put(self, compare: list[dict[str, str]], key: str, value: str, lease: int) -> bool:
         with self._counting():
-            k = _b64(key)
             answer = self.call(
                 "/v3/kv/txn",
                 {
-                    "compare": [
-                        {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-                    ],
+                    "compare": compare,
                     "success": [
-                        {"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}
+                        {"request_put": {"key": key, "value": _b64(value), "lease": str(lease)}}
                     ],
                 },
             )
@@ -347,10 +374,17 @@ class EtcdClient:
 
     def range_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
         """(key, value, lease) of every key under ``prefix``."""
+        return self.read_prefix(prefix)[0]
+
+    def read_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
+        """(key, value, lease) of every key under ``prefix``, and the store's revision the
+        read saw them at."""
         with self._counting():
-            end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-            answer = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(end)})
-            _object(answer.get("header"), "range header")
+            answer = self.call(
+                "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+            )
+            header = _object(answer.get("header"), "range header")
+            revision = _int64(header.get("revision"), "range revision", default=0)
             kvs = answer.get("kvs", [])
             if not isinstance(kvs, list):
                 raise FleetUnavailable("protocol", "etcd answer: kvs is not a list")
@@ -360,7 +394,12 @@ class EtcdClient:
                 key = _unb64(kv.get("key"), "key").decode("utf-8", "replace")
                 value = _unb64(kv.get("value", ""), "value")
                 out.append((key, value, _int64(kv.get("lease"), "kv lease", default=0)))
-            return out
+            return out, revision
+
+
+def _prefix_end(prefix: str) -> str:
+    """The end of etcd's range of keys that start with ``prefix`` (its last byte + 1)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 @dataclass(frozen=True)
@@ -435,6 +474,8 @@ class Busy:
 
     holders: list[Holder]
     out: list[OutOfService]
+    # The etcd revision it was read at (0: not read from etcd).
+    revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -567,6 +608,7 @@ class Fleet:
     ) -> None:
         self.settings = settings
         self.group = settings.group
+        self._prefix = f"{KEY_PREFIX}/{self.group}/"
         self.slots = settings.slots
         # As its keys read back (`_out_name`, `_parse_holder`): one line, bounded, so every
         # comparison with a name read from etcd holds for this specd's own.
@@ -614,7 +656,8 @@ class Fleet:
         slots = slot_prefix(self.group)
         held: list[Holder] = []
         out: list[OutOfService] = []
-        for key, value, lease in self.etcd.range_prefix(f"{KEY_PREFIX}/{self.group}/"):
+        keys, revision = self.etcd.read_prefix(self._prefix)
+        for key, value, lease in keys:
             if key.startswith(slots):
                 index = ascii_count(key[len(slots) :], 6)
                 if index is not None:
@@ -626,7 +669,7 @@ class Fleet:
                 # The key names the server (a value is only another host's word on times).
                 since, until, instance = _parse_out(value)
                 out.append(OutOfService(name_out, since, until, lease, instance))
-        return Busy(sorted(held, key=lambda h: h.slot), sorted(out, key=lambda o: o.name))
+        return Busy(sorted(held, key=lambda h: h.slot), sorted(out, key=lambda o: o.name), revision)
 
     def holders(self) -> list[Holder]:
         """Every slot key of the group, by slot (see ``busy``)."""
@@ -701,12 +744,18 @@ class Fleet:
         taken_at = self._clock()
         value = json.dumps({"holder": self.holder, "since": taken_at, **self._signed()})
         try:
-            taken = self.etcd.put_if_absent(slot_key(self.group, index), value, lease)
+            # Only if the group is as read: a slot or marker put since (another specd's,
+            # taken while this one decided) could make one server out too many.
+            taken = self.etcd.put_if_absent(
+                slot_key(self.group, index), value, lease, unchanged=(self._prefix, busy.revision)
+            )
         except FleetUnavailable:
             self._revoke_quietly(lease)
             raise
         if not taken:
-            self._revoke_quietly(lease)  # another specd was faster: no lease left behind
+            # Another specd was faster, or the group changed since it was read: the next
+            # try reads it again. No lease left behind.
+            self._revoke_quietly(lease)
             return None
         slot = Slot(self.group, index, slot_key(self.group, index), lease, self.ttl_s, taken_at)
         self.hooks.held(slot)
@@ -797,18 +846,26 @@ class Fleet:
         until = self._clock() + ttl
         return OutMarker(self.group, out_key(self.group, self.holder), lease, ttl, since, until)
 
-    def mark_out(self, marker: OutMarker) -> None:
+    def mark_out(self, marker: OutMarker, slot: Slot | None = None) -> str | None:
         """Put the marker: from now on this server counts against its group's slots even
-        without a slot. Raises FleetUnavailable (the lease is revoked then)."""
+        without a slot. With ``slot``, only while this specd still holds it (else another
+        specd may have taken it and be restarting its server): why not, or None. Raises
+        FleetUnavailable. Not put, its lease is revoked."""
         value = json.dumps(
             {"holder": self.holder, "since": marker.since, "until": marker.until, **self._signed()}
         )
         try:
-            self.etcd.put(marker.key, value, marker.lease)
+            if slot is None:
+                self.etcd.put(marker.key, value, marker.lease)
+            elif not self.etcd.put_if_leased(marker.key, value, marker.lease, slot.key, slot.lease):
+                self._revoke_quietly(marker.lease)
+                self.hooks.error("lost")
+                return f"fleet slot {slot.index} is no longer on this specd's lease"
         except FleetUnavailable:
             self._revoke_quietly(marker.lease)
             raise
         self.hooks.out(True)
+        return None
 
     def mark_in(self, marker: OutMarker) -> str | None:
         """This server serves again: revoke the marker's lease (etcd deletes the key). A

@@ -422,6 +422,50 @@ def test_check_fails_once_the_lease_is_gone(etcd: EtcdProcess) -> None:
     assert fleet.check(forged) == "fleet slot 0 is no longer on this specd's lease"
 
 
+def test_a_slot_taken_on_a_stale_read_of_the_group_is_not_taken(etcd: EtcdProcess) -> None:
+    """slots = 2. A holds slot 0, its server marked out. B reads the group (slot 0 held:
+    slot 1 is free). Then A's slot lease runs out with its server still out, and C takes
+    slot 0 (the marker counts 1 of 2). B's take on its earlier read put slot 1 beside them:
+    three servers out. The take holds only while the group is as read."""
+    a, b, c = (make_fleet(etcd.url, name, slots=2) for name in ("box-a", "box-b", "box-c"))
+    slot_a = take(a)
+    assert a.mark_out(a.out_marker(time.time(), 600), slot_a) is None
+    stale = b.busy()
+    assert b._free(stale) == 1
+    a.etcd.revoke(slot_a.lease)  # as etcd does when A's lease expires
+    slot_c = c.try_acquire()
+    assert slot_c is not None and slot_c.index == 0
+    assert b._take(stale) is None
+    assert b.try_acquire() is None  # read again: A out and C's slot are the 2 allowed
+    busy = b.busy()
+    assert ([h.name for h in busy.holders], [o.name for o in busy.out]) == (["box-c"], ["box-a"])
+    # A read that is still current takes as before.
+    assert c.release(slot_c) is None
+    fresh = b.busy()
+    got = b._take(fresh)
+    assert got is not None and got.index == 0
+
+
+def test_a_server_is_marked_out_only_while_its_slot_is_held(etcd: EtcdProcess) -> None:
+    """The check before a restart can pass with a second left on the slot's lease; if it
+    runs out before the marker goes in, another specd may take the slot and restart its
+    server meanwhile. The marker then goes in only while the slot is still this one's."""
+    errors: list[str] = []
+    a, b = make_fleet(etcd.url, "box-a", errors), make_fleet(etcd.url, "box-b")
+    slot_a = take(a)
+    assert a.check(slot_a) is None
+    a.etcd.revoke(slot_a.lease)  # the lease runs out right after the check
+    slot_b = take(b)
+    marker = a.out_marker(time.time(), 600)
+    assert a.mark_out(marker, slot_a) == "fleet slot 0 is no longer on this specd's lease"
+    assert errors == ["lost"]
+    assert b.busy().out == []  # not counted: A's change is aborted, nothing restarted
+    assert a.etcd.time_to_live(marker.lease)[0] <= 0  # and its lease is not left behind
+    # B, holding its slot, marks itself out as before.
+    assert b.mark_out(b.out_marker(time.time(), 600), slot_b) is None
+    assert [o.name for o in a.busy().out] == ["box-b"]
+
+
 def test_the_keeper_stops_at_once_and_notices_a_lost_lease(etcd: EtcdProcess) -> None:
     fleet = make_fleet(etcd.url, "a", lease_ttl_s=30)
     slot = take(fleet)
