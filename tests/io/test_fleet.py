@@ -434,7 +434,8 @@ def test_a_slot_taken_on_a_stale_read_of_the_group_is_not_taken(etcd: EtcdProces
     assert b._free(stale) == 1
     a.etcd.revoke(slot_a.lease)  # as etcd does when A's lease expires
     slot_c = c.try_acquire()
-    assert slot_c is not None and slot_c.index == 0
+    assert slot_c is not None
+    assert slot_c.index == 0
     assert b._take(stale) is None
     assert b.try_acquire() is None  # read again: A out and C's slot are the 2 allowed
     busy = b.busy()
@@ -443,7 +444,8 @@ def test_a_slot_taken_on_a_stale_read_of_the_group_is_not_taken(etcd: EtcdProces
     assert c.release(slot_c) is None
     fresh = b.busy()
     got = b._take(fresh)
-    assert got is not None and got.index == 0
+    assert got is not None
+    assert got.index == 0
 
 
 def test_a_server_is_marked_out_only_while_its_slot_is_held(etcd: EtcdProcess) -> None:
