@@ -47,7 +47,7 @@ from specd.core.override import Override
 from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits_from_server_info
 from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
-from specd.core.text import iso_time, one_line
+from specd.core.text import iso_time, one_line, utc_time
 from specd.core.units import DAY_S
 from specd.io import files, logs
 from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_steps
@@ -611,6 +611,15 @@ class Daemon:
             if b"H" in data:
                 # Several SIGHUPs in a row collapse into one reload.
                 self._reload_requested.set()
+                flight = self._in_flight
+                if flight is not None:
+                    # Read between ticks, so after the sequence: said now, not in silence
+                    # for the minutes a drain or a model load can take.
+                    self.log.info(
+                        "reload_deferred",
+                        detail="the config is read again once the restart in flight ends: "
+                        + self._flight_status(flight),
+                    )
             self._wake.set()
 
     def request_stop(self) -> None:
@@ -638,15 +647,16 @@ class Daemon:
             if new.files.state_dir != self.config.files.state_dir:
                 # Half applied, it split what runs from what `specd status` and the next
                 # start read: the journal, the freeze and what specd learned stay behind.
-                problems = [
+                problems.append(
                     f"files.state_dir: {self.config.files.state_dir} → {new.files.state_dir} "
                     "needs a restart of specd (move state.json along; its journal, freeze "
                     "and learned history live there)"
-                ]
-            elif new.sglang.env_file != self.config.sglang.env_file:
+                )
+            if new.sglang.env_file != self.config.sglang.env_file:
                 # Taken, every change would fail at its first write, window after window.
                 problem = env_file_unwritable(new)
-                problems = [problem] if problem is not None else []
+                if problem is not None:
+                    problems.append(problem)
         if problems:
             self.metrics.config_reload_success.set(0)
             for problem in problems:
@@ -660,19 +670,25 @@ class Daemon:
         self.config, self.client, self.applier = new, client, applier
         if applier is not old_applier:
             applier.read_stop_timeout()
+            kept = self._hand_over_marker(old_applier, applier)
             if old_fleet is not None and old_fleet is not self.fleet:
                 old_fleet.close()
-                # Its hooks set the fleet gauges; the new fleet (if any) knows of no marker
-                # or slot yet: a marker etcd refused to remove, kept at 1, fired
-                # SpecdFleetMarkerLeftBehind until specd restarted, with no [fleet] at all.
-                # No sequence runs during a reload, so no slot is held.
-                self.metrics.fleet_marked_out.set(0 if self.fleet is not None else float("nan"))
+                # Its hooks set the fleet gauges; the new fleet knows of no marker or slot
+                # but one it took over: a marker left to no fleet, kept at 1, fired
+                # SpecdFleetMarkerLeftBehind until specd restarted, with no [fleet] at all
+                # (`fleet_marker_left` says so once instead). No sequence runs during a
+                # reload, so no slot is held.
+                marked = 1 if kept else 0 if self.fleet is not None else float("nan")
+                self.metrics.fleet_marked_out.set(marked)
                 self.metrics.set_fleet_slot(None)
         self._read_wiring()
         if self.gateway is not None:
             self.gateway.close()
         self.gateway = self._make_gateway(new)
         self.calibration = calibration
+        if new.report.log_format != old.report.log_format:
+            logs.configure(new.report.log_format)
+        self.metrics.band_boundary.set(_band_boundary(new))
         self.state.history.reconfigure(history_settings)
         self.metrics.config_reload_success.set(1)
         self.metrics.declare_choices(
@@ -689,6 +705,28 @@ class Daemon:
         changed = config_changes(old, new)
         self.log.info("reloaded", config=str(self.config_path), changed=changed)
         self.notifier.reloaded(self._status_text())
+
+    def _hand_over_marker(self, old: RestartApplier, new: RestartApplier) -> bool:
+        """A reload that rebuilt the applier: the out-of-service marker the old one could
+        not remove goes on with the new one (same group, server and etcd), else the old
+        fleet tries once more to remove it, and says so where the marker stays behind: no
+        specd retries it now, and the group counts this server out until its bound.
+        Whether the new applier holds one."""
+        if not isinstance(old, Applier) or old.unremoved_out is None:
+            return False
+        if isinstance(new, Applier) and new.take_over_out(old) is not None:
+            return True
+        marker = old.unremoved_out
+        problem = old.retry_mark_in()
+        if problem is not None and old.unremoved_out is not None:
+            self.log.warning(
+                "fleet_marker_left",
+                group=marker.group,
+                detail=f"the reloaded config no longer manages this server's out-of-service "
+                f"marker {marker.key} ({problem}): the group counts this server out until "
+                f"{utc_time(marker.until)} at the latest; delete the key sooner by hand",
+            )
+        return False
 
     def _build_for(
         self, new: Config

@@ -2276,3 +2276,89 @@ def test_a_change_restarted_outside_a_window_is_counted_and_logged(
     sample = d.metrics.registry.get_sample_value("specd_restarts_outside_window_total")
     assert sample == counted
     assert len([e for e in logs if e["event"] == "restart_outside_window"]) == counted
+
+
+def test_a_reload_applies_the_log_format_and_the_band_boundary(tmp_path: Path) -> None:
+    """Both were read once at start: a reload listed them as changed ("reloaded") and kept
+    JSON lines, and the band-boundary gauge (the Grafana panel an operator moving a band
+    watches) at the old boundary."""
+    import structlog  # noqa: PLC0415 - its config is what a reload changes here
+
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d.config_path = tmp_path / "specd.toml"
+    before = structlog.get_config()
+    try:
+        logs.configure("json")
+        new = tables(
+            state_dir=str(tmp_path / "state"),
+            override_file=str(tmp_path / "override.toml"),
+            env_file=str(tmp_path / "sglang.env"),
+            log_format="console",
+            bands=[{"max_concurrency": 16, "steps": 4}, {"steps": 3}],
+        )
+        d.config_path.write_text(tomli_w.dumps(new))
+        d.reload()
+        assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
+        renderer = structlog.get_config()["processors"][-1]
+        line = renderer(None, "info", {"event": "probe", "level": "info"})
+        assert "probe" in line
+        assert not line.lstrip().startswith("{"), line  # console, not JSON
+    finally:
+        structlog.configure(**before)
+    assert d.metrics.registry.get_sample_value("specd_band_boundary_concurrency") == 16
+
+
+def test_a_rejected_reload_names_every_problem_at_once(tmp_path: Path) -> None:
+    """state_dir and env_file were checked one or the other: the operator fixed one,
+    reloaded, and only then heard of the next."""
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d.config_path = tmp_path / "specd.toml"
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a directory\n")
+    new = tables(
+        state_dir=str(tmp_path / "elsewhere"),
+        override_file=str(tmp_path / "override.toml"),
+        env_file=str(blocked / "sglang.env"),
+    )
+    d.config_path.write_text(tomli_w.dumps(new))
+    with capture_logs() as logged:
+        d.reload()
+    assert d.config is cfg
+    problems = [e["problem"] for e in logged if e["event"] == "reload_rejected"]
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("files.state_dir: ")
+    assert "sglang.env_file" in problems[1] or str(blocked) in problems[1], problems[1]
+
+
+def test_a_reload_asked_for_during_a_restart_says_it_waits(tmp_path: Path) -> None:
+    """SIGHUP is acted on between ticks, so after a restart in flight (a drain, a fleet
+    slot, SGLang's load: minutes): said at once, not in silence until it ends."""
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d._in_flight = InFlight("3", "4", phase="waiting_quiet")
+    read_fd, write_fd = os.pipe()
+    relay = threading.Thread(target=d._relay_signals, args=(read_fd,))
+    with capture_logs() as logged:
+        relay.start()
+        os.write(write_fd, b"H")
+        os.close(write_fd)
+        relay.join(10)
+    os.close(read_fd)
+    assert d._reload_requested.is_set()
+    (deferred,) = [e for e in logged if e["event"] == "reload_deferred"]
+    waits = "the config is read again once the restart in flight ends: "
+    assert deferred["detail"].startswith(waits)
+    assert "3 → 4" in deferred["detail"]
+    # Without a restart in flight: no such line, the next tick's start reloads.
+    d._in_flight = None
+    read_fd, write_fd = os.pipe()
+    relay = threading.Thread(target=d._relay_signals, args=(read_fd,))
+    with capture_logs() as logged:
+        relay.start()
+        os.write(write_fd, b"H")
+        os.close(write_fd)
+        relay.join(10)
+    os.close(read_fd)
+    assert not [e for e in logged if e["event"] == "reload_deferred"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,15 @@ import pytest
 import tomli_w
 from factories import EtcdProcess, tables
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 from test_daemon import IN_WINDOW, Applier, Reader, config, daemon, obs
 
 from specd.core.decide import Reason
 from specd.core.observation import Observation, ScrapeError
+from specd.core.settings import FleetSettings
 from specd.daemon import Daemon
-from specd.io.fleet import Fleet, Slot
+from specd.io.apply import Applier as RealApplier
+from specd.io.fleet import Fleet, OutMarker, Slot
 from specd.io.notify import Notifier
 from specd.twin.process import free_port
 
@@ -281,3 +285,89 @@ def test_a_reload_that_rebuilds_the_fleet_resets_its_gauges(
         assert d.fleet is None
         assert math.isnan(marked)
     assert sample(d, "specd_fleet_slot_held") == 0
+
+
+def fleet_daemon(tmp_path: Path, etcd: EtcdProcess) -> Daemon:
+    cfg = config(tmp_path, etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1)
+    d = Daemon(cfg, registry=CollectorRegistry(), clock=time.time, notifier=Notifier({}))
+    d.config_path = tmp_path / "specd.toml"
+    return d
+
+
+def reload_with(d: Daemon, tmp_path: Path, **fields: Any) -> list[dict[str, Any]]:
+    base = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+    }
+    assert d.config_path is not None
+    d.config_path.write_text(tomli_w.dumps(tables(**{**base, **fields})))
+    with capture_logs() as logged:
+        d.reload()
+    assert sample(d, "specd_config_reload_success") == 1
+    return logged
+
+
+def left_marker(d: Daemon) -> OutMarker:
+    """A marker of this server in etcd that a sequence's end could not remove, as the
+    applier keeps it (etcd away then)."""
+    assert d.fleet is not None
+    assert isinstance(d.applier, RealApplier)
+    marker = d.fleet.out_marker(time.time(), 600)
+    assert d.fleet.mark_out(marker) is None
+    d.applier.unremoved_out = marker
+    return marker
+
+
+def test_a_reload_keeping_the_fleet_goes_on_with_a_marker_etcd_did_not_remove(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """Every reload builds a new applier; it forgot the marker the old one retried, and
+    set specd_fleet_marked_out to 0, while the group still counted this server out (up to
+    the marker's bound, ~66 min): SpecdFleetMarkerLeftBehind went quiet, nothing retried."""
+    d = fleet_daemon(tmp_path, etcd)
+    old = d.applier
+    marker = left_marker(d)
+    logged = reload_with(d, tmp_path, etcd_endpoints=[etcd.url], group="g", max_steps=5)
+    assert d.applier is not old  # rebuilt, as every reload does
+    assert isinstance(d.applier, RealApplier)
+    assert d.applier.unremoved_out == marker
+    assert sample(d, "specd_fleet_marked_out") == 1
+    assert not [e for e in logged if e["event"] == "fleet_marker_left"]
+    assert d.fleet is not None
+    assert [o.name for o in d.fleet.busy().out] == [d.fleet.holder]
+    assert d.applier.retry_mark_in() is None  # the new applier removes it
+    assert d.fleet.busy().out == []
+
+
+def test_a_reload_that_drops_the_fleet_says_when_it_leaves_a_marker_behind(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    d = fleet_daemon(tmp_path, etcd)
+    marker = left_marker(d)
+    etcd.stop()  # still away: the last try cannot remove it either
+    logged = reload_with(d, tmp_path)
+    assert d.fleet is None
+    (left,) = [e for e in logged if e["event"] == "fleet_marker_left"]
+    assert left["group"] == "g"
+    assert marker.key in left["detail"]
+    assert "the group counts this server out until " in left["detail"]
+    marked = sample(d, "specd_fleet_marked_out")
+    assert marked is not None
+    assert math.isnan(marked)
+
+
+def test_a_reload_that_drops_the_fleet_removes_a_marker_it_can(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    d = fleet_daemon(tmp_path, etcd)
+    left_marker(d)
+    watcher = Fleet.from_settings(
+        FleetSettings(etcd_endpoints=[etcd.url], group="g", etcd_timeout_s=1), "watcher"
+    )
+    assert len(watcher.busy().out) == 1
+    logged = reload_with(d, tmp_path)
+    assert d.fleet is None
+    assert not [e for e in logged if e["event"] == "fleet_marker_left"]
+    assert watcher.busy().out == []
+    watcher.close()

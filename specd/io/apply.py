@@ -2225,6 +2225,26 @@ class Applier:
             journal.note(message)
             self._persist(journal)
 
+    def take_over_out(self, old: Applier) -> OutMarker | None:
+        """A reload's new applier, for the same fleet group, server and etcd: go on with
+        the out-of-service marker ``old`` could not remove (and what it knew of leftover
+        markers), or it would be forgotten while the group still counts this server out.
+        The marker taken over, or None."""
+        if self.fleet is None or old.fleet is None:
+            return None
+        same = (self.fleet.group, self.fleet.holder, self.fleet.instance) == (
+            old.fleet.group,
+            old.fleet.holder,
+            old.fleet.instance,
+        ) and self.fleet.settings.etcd_endpoints == old.fleet.settings.etcd_endpoints
+        if not same:
+            return None
+        self.unremoved_out = old.unremoved_out
+        self.stale_out_checked = old.stale_out_checked
+        self._stale_out_logged = old._stale_out_logged
+        self._out_kept_for_gateway = old._out_kept_for_gateway
+        return self.unremoved_out
+
     def _remove_marker(self, marker: OutMarker) -> str:
         """Revoke ``marker``; one etcd does not take stays in ``unremoved_out`` for
         `retry_mark_in`. What happened, as logged."""
