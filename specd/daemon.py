@@ -682,9 +682,22 @@ class Daemon:
                 self.metrics.fleet_marked_out.set(marked)
                 self.metrics.set_fleet_slot(None)
         self._read_wiring()
-        if self.gateway is not None:
-            self.gateway.close()
+        before = self.gateway
+        if before is not None:
+            before.close()
         self.gateway = self._make_gateway(new)
+        if (
+            self.gateway is not None
+            and before is not None
+            and (new.gateway, new.sglang.url)
+            == (
+                old.gateway,
+                old.sglang.url,
+            )
+        ):
+            # The same gateway (its key file read again): what its last probe found goes
+            # on, so an outage is not said again at each reload, nor probed sooner.
+            self.gateway.last = before.last
         self.calibration = calibration
         if new.report.log_format != old.report.log_format:
             logs.configure(new.report.log_format)

@@ -2039,6 +2039,32 @@ def test_a_reload_that_removes_the_gateway_clears_its_not_ready_count(tmp_path: 
     assert math.isnan(value)
 
 
+def test_a_reload_keeping_the_gateway_does_not_say_its_outage_again(tmp_path: Path) -> None:
+    """Every reload built the gateway watch anew: an outage was logged again after each
+    one (and probed again at once), as if it had just begun."""
+    with LoopbackHTTP(QuietHandler) as gateway:  # 501 to every GET: unusable
+        fields = {
+            "state_dir": str(tmp_path / "state"),
+            "override_file": str(tmp_path / "override.toml"),
+            "env_file": str(tmp_path / "sglang.env"),
+            "urls": [gateway.url],
+            "worker_url": "http://127.0.0.1:30000",
+        }
+        cfg = config(tmp_path, urls=[gateway.url], worker_url="http://127.0.0.1:30000")
+        clock = [IN_WINDOW]
+        d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)] * 8), Applier(), clock)
+        d.config_path = tmp_path / "specd.toml"
+        d.config_path.write_text(tomli_w.dumps(tables(**fields, max_steps=5)))
+        with capture_logs() as logged:
+            for _ in range(3):
+                d.tick()
+                clock[0] += 5
+                d.reload()
+            d.tick()
+    said = [e for e in logged if e["event"] == "gateway_unavailable"]
+    assert len(said) == 1, said
+
+
 DECIDED = IN_WINDOW - 3 * 86400  # three days before "now"
 
 
