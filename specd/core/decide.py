@@ -711,8 +711,10 @@ def _decide(
     if exploration is not None and exploration.ongoing:
         # One whole epoch at the explored step count: what it serves there is the point.
         return Decision(current, Reason.EXPLORE, f"{why}; {exploration.why}: {change} waits")
-    if unseen is not None:
+    if unseen is not None and (pick.plan is None or pick.plan.robust_regrets is None):
         # Missing data means no change: a restart bets the epoch on traffic never seen.
+        # Unless the model chose the setting that loses least whichever of the hours seen
+        # the unseen ones are like, and the live one is sure to lose more there.
         return Decision(hold, Reason.INSUFFICIENT_DATA, f"{why}; but {unseen}: {change} waits")
     window_s = config.choose.stabilization_window_s
     held = _held_for(control.recommendations, pick.key, now)

@@ -70,6 +70,11 @@ class Forecast:
     # With recent_ratio > 0: the largest total variation distance between an hour of the
     # day seen so far and recent traffic (0 alike, 1 disjoint); 0 otherwise.
     seen_spread: float = 0.0
+    # Where a daily rhythm shows (seen_spread >= RHYTHM_SPREAD) and hours were never seen:
+    # the epoch again with those hours as the quietest, then as the busiest hour of the
+    # day seen so far with any request (by mean offered), each (hour of the day, weights).
+    # What the unseen hours may be like, as far as this box has shown; empty otherwise.
+    scenarios: tuple[tuple[int, dict[int, float]], ...] = ()
 
     def mean(self) -> float:
         return sum([k * w for k, w in self.weights.items()])  # a list: read every tick
@@ -183,9 +188,41 @@ def forecast_epoch(history: History, start: float, end: float) -> Forecast | Non
     slots = [(span, got) for (span, _), got in zip(layout, parts, strict=True)]
     made, sums = _merge(start, end, slots, kept)
     if made is not None and made.recent_ratio > 0:
-        made = replace(made, seen_spread=_seen_spread(history, hours.recent()))
+        recent = hours.recent()
+        made = replace(made, seen_spread=_seen_spread(history, recent))
+        if made.seen_spread >= RHYTHM_SPREAD and recent is not None:
+            made = replace(made, scenarios=_scenarios(history, made, recent))
     history.forecast_memo = _Made(start, end, layout, parts, made, sums)
     return _copy(made)
+
+
+def _scenarios(
+    history: History, made: Forecast, recent: Mapping[int, float]
+) -> tuple[tuple[int, dict[int, float]], ...]:
+    """`Forecast.scenarios`: ``made``'s hours from recent traffic read instead as the
+    quietest, then the busiest hour of the day seen with any request (each with
+    `MIN_HOUR_EVIDENCE_S`; of hours alike, the latest)."""
+    # An hour with no request at all says nothing of which setting serves more.
+    seen = [
+        (sum(c * w for c, w in shares.items()), hour, shares)
+        for hour, (shares, seconds) in enumerate(history.hour_of_day_distributions())
+        if shares is not None and seconds >= MIN_HOUR_EVIDENCE_S and any(c > 0 for c in shares)
+    ]
+    if not seen:
+        return ()
+    quietest = min(seen, key=lambda s: (s[0], -s[1]))
+    busiest = max(seen, key=lambda s: s[:2])
+    ratio = made.recent_ratio
+    # The hours forecast from elsewhere, recent traffic's share taken out.
+    rest = {c: w - ratio * recent.get(c, 0.0) for c, w in made.weights.items()}
+    out = []
+    for _, hour, shares in (quietest, busiest) if quietest is not busiest else (quietest,):
+        weights = dict(rest)
+        for c, w in shares.items():
+            weights[c] = weights.get(c, 0.0) + ratio * w
+        # Rounding can leave a share a hair below 0 where recent traffic was all of it.
+        out.append((hour, {c: w for c, w in weights.items() if w > 1e-12}))
+    return tuple(out)
 
 
 def _same(a: tuple[dict[int, float], str] | None, b: tuple[dict[int, float], str] | None) -> bool:

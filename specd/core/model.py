@@ -36,11 +36,14 @@ most of the epoch's hours were never seen (`Forecast.recent_ratio` above what
 ``min_forecast_seen_ratio`` allows), the best is the shallowest (`_depth`: most room for
 requests) of those the top prediction is not sure to beat and that surely beat the live one
 (`_safest`): traffic heavier than the hours seen is what such a guess misses, and a deep K
-collapses there. Each K's relative standard error comes from the calibration's noise
-(``calibration_noise_ratio``),
-shrinks with the seconds observed at that K (``OBSERVED_PIVOT_S``) in the load bands of the
-epoch's traffic (`load_band`: what K did at night says little of the day's load), and grows
-with how far an extrapolated K lies from a measured one.
+collapses there. Unless the hours seen show a daily rhythm: then recent traffic says nothing
+of the unseen hours, and the best is the static K (or off) whose worst loss is least if
+they are like the quietest or the busiest hour seen (`_robust`, minimax regret), the target
+only where the live one's worst loss is larger beyond the interval. Each K's relative
+standard error comes from the calibration's noise (``calibration_noise_ratio``), shrinks
+with the seconds observed at that K (``OBSERVED_PIVOT_S``) in the load bands of the epoch's
+traffic (`load_band`: what K did at night says little of the day's load), and grows with how
+far an extrapolated K lies from a measured one.
 It reads no clock and no file: "now" is the history's last observation, and the calibration
 comes in as a `Calibration` value.
 
@@ -957,6 +960,10 @@ class Plan:
     # The model it predicted with (built once per tick; the outcome check reads it too):
     # a means to the prediction, not part of it, so equal plans compare equal.
     model: PerformanceModel | None = field(default=None, compare=False, repr=False)
+    # Set where the epoch's hours were mostly never seen and a daily rhythm shows: each
+    # static K's (and off's) worst loss across the hours seen (`_robust`), by which the
+    # best and the target were chosen instead.
+    robust_regrets: Mapping[int, float] | None = None
 
     def setting_of(self, key: int) -> SpecSetting:
         return self.settings.get(key) or static(key)
@@ -1151,6 +1158,76 @@ def _safest(
     return min(near, key=lambda k: (_depth(k, settings), -predictions[k].tokens))
 
 
+class _Robust(NamedTuple):
+    key: int
+    # Each static K's (and off's) largest relative loss, across `Forecast.scenarios`,
+    # against the best of them there.
+    regrets: dict[int, float]
+
+
+def _robust(
+    model: PerformanceModel,
+    forecast: Forecast,
+    predictions: Mapping[int, StepPrediction],
+    ceiling: int | None,
+    current: int | None,
+) -> _Robust | None:
+    """Where most of the epoch's hours were never seen and the hours seen show a daily
+    rhythm, what they hold is unknown: any of the hours seen may be what they are like.
+    The static K (or off) whose worst loss across the quietest and the busiest of them
+    (`Forecast.scenarios`) is least, ties to the shallowest: minimax regret, the bet that
+    loses least whichever way the day goes. None without scenarios. Adaptive sets are
+    left out: what a set serves is known only from its tiers' rows, a shaky base for a bet
+    on unseen hours."""
+    keys = [k for k in predictions if k >= 0 and predictions[k].tok_s > 0]
+    if not forecast.scenarios or not keys:
+        return None
+    # What a prediction's tokens make of its rate: the time it serves, net of a restart
+    # and of an extrapolation's discount.
+    serving = {k: predictions[k].tokens / predictions[k].tok_s for k in keys}
+    regrets = dict.fromkeys(keys, 0.0)
+    for _, weights in forecast.scenarios:
+        mix = Mix.of(weights).folded(ceiling)
+        tokens = {k: model.rate(k, mix) * serving[k] for k in keys}
+        most = max(tokens.values())
+        if most <= 0:
+            continue  # an idle hour: no setting serves more than another
+        for k in keys:
+            regrets[k] = max(regrets[k], (most - tokens[k]) / most)
+    # Ties (within rounding) to the live one, then to the most room for requests.
+    key = min(keys, key=lambda k: (round(regrets[k], 9), k != current, k))
+    return _Robust(key, regrets)
+
+
+def _robust_why(
+    forecast: Forecast,
+    robust: _Robust,
+    best: int,
+    target: int,
+    current: int | None,
+    gain: float,
+    labels: Mapping[int, str],
+) -> str:
+    hours = " and ".join(f"{hour:02d}:00" for hour, _ in forecast.scenarios)
+    losses = " ".join(
+        f"{labels[k]}:{robust.regrets[k] * 100:.1f}%" for k in sorted(robust.regrets, key=_order)
+    )
+    head = (
+        f"; {forecast.recent_ratio * 100:.0f}% of the epoch in hours of the day never seen, "
+        f"while the hours seen show a daily rhythm: worst loss if those are like the hour "
+        f"seen at {hours} (UTC) {losses}"
+    )
+    if current is None or best == current:
+        return f"{head}; {labels[best]} loses least"
+    gain_text = f"{gain * 100:.1f} points"
+    if target == current:
+        return (
+            f"{head}; {labels[best]} loses least, {gain_text} less than {labels[current]}, "
+            f"within the prediction interval: keeping {labels[current]}"
+        )
+    return f"{head}; {labels[best]} loses least, {gain_text} less than {labels[current]}"
+
+
 def _preference(
     predictions: Mapping[int, StepPrediction], current: int | None
 ) -> Callable[[int], tuple[float, int]]:
@@ -1231,7 +1308,8 @@ def plan(
         return None
     horizon = max(until_t - now, 0.0)
     predictions: dict[int, StepPrediction] = {}
-    mix = Mix.of(forecast.weights).folded(model.saturation(sorted({*candidates, *reads})))
+    ceiling = model.saturation(sorted({*candidates, *reads}))
+    mix = Mix.of(forecast.weights).folded(ceiling)
     noise = config.choose.calibration_noise_ratio
     # Per K read, once a tick: (source, relative error, evidence) — the adaptive sets share
     # their tiers with each other and with the static candidates.
@@ -1298,12 +1376,24 @@ def plan(
     preference = _preference(predictions, current)
     best = max(keys, key=preference)
     top = best
-    if forecast.recent_ratio > 1.0 - config.choose.min_forecast_seen_ratio + 1e-9:
+    unseen = forecast.recent_ratio > 1.0 - config.choose.min_forecast_seen_ratio + 1e-9
+    robust = _robust(model, forecast, predictions, ceiling, current) if unseen else None
+    if unseen and robust is None:
         best = _safest(predictions, settings, best, current, config)
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0
     covering = False
     runner_up: tuple[int, float] | None = None
-    if current is not None and current in predictions and best != current:
+    if robust is not None:
+        best = top = target = robust.key
+        if current is not None and current in robust.regrets and best != current:
+            # The live setting's worst case against the robust one's, beyond their interval.
+            held = predictions[current]
+            gain = robust.regrets[current] - robust.regrets[best]
+            spread = EVIDENCE_Z * math.hypot(predictions[best].error_ratio, held.error_ratio)
+            gain_tokens, margin = gain * held.tokens, spread * held.tokens
+            if not _beats(gain, gain_tokens, margin, False, config):
+                target = current
+    elif current is not None and current in predictions and best != current:
         held = predictions[current]
         gain, gain_tokens, margin, covering = _evidence(
             predictions[best], held, settings.get(best), current
@@ -1325,6 +1415,10 @@ def plan(
     why = _why(
         forecast, predictions, now, until_t, best, target, current, gain, margin, config, labels
     )
+    if robust is not None:
+        why = _why_head(forecast, predictions, now, until_t, labels) + _robust_why(
+            forecast, robust, best, target, current, gain, labels
+        )
     if priors:
         why += "; of their candidates' rows, before they run here: " + ", ".join(priors)
     if top != best:
@@ -1356,6 +1450,7 @@ def plan(
         margin,
         settings,
         model,
+        robust.regrets if robust is not None else None,
     )
 
 
@@ -1372,15 +1467,7 @@ def _why(
     config: Settings,
     labels: Mapping[int, str],
 ) -> str:
-    rates = " ".join(
-        f"{labels[k]}:{p.tok_s:.0f}±{p.tok_s * p.error_ratio * EVIDENCE_Z:.0f}"
-        f"{'~' if p.source is Source.EXTRAPOLATED else ''}"
-        for k, p in sorted(predictions.items(), key=lambda kp: _order(kp[0]))
-    )
-    head = (
-        f"model: {(until - now) / 3600:.1f} h to the next window, forecast mean offered "
-        f"{forecast.mean():.1f} ({forecast.source}), predicted tok/s {rates}"
-    )
+    head = _why_head(forecast, predictions, now, until, labels)
     if predictions[best].source is Source.EXTRAPOLATED:
         head += f" (~ extrapolated, counted {EXTRAPOLATION_DISCOUNT_RATIO * 100:g}% lower)"
     shown = labels[best]
@@ -1404,6 +1491,24 @@ def _why(
             f"min_gain_ratio {floor * 100:g}%{kept}"
         )
     return f"{head}; {shown} best by {gain_text}{evidence} net of the restart"
+
+
+def _why_head(
+    forecast: Forecast,
+    predictions: Mapping[int, StepPrediction],
+    now: float,
+    until: float,
+    labels: Mapping[int, str],
+) -> str:
+    rates = " ".join(
+        f"{labels[k]}:{p.tok_s:.0f}±{p.tok_s * p.error_ratio * EVIDENCE_Z:.0f}"
+        f"{'~' if p.source is Source.EXTRAPOLATED else ''}"
+        for k, p in sorted(predictions.items(), key=lambda kp: _order(kp[0]))
+    )
+    return (
+        f"model: {(until - now) / 3600:.1f} h to the next window, forecast mean offered "
+        f"{forecast.mean():.1f} ({forecast.source}), predicted tok/s {rates}"
+    )
 
 
 def _order(key: int) -> tuple[int, int]:

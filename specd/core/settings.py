@@ -342,7 +342,9 @@ class ChooseSettings(BaseModel):
         "from those hours of the day as seen before (on any day) for a change or an "
         "exploration, once the hours seen show a daily rhythm (they differ from recent "
         "traffic); the rest is forecast from recent traffic alone, which cannot know the "
-        "hours of such a rhythm not seen yet. Steady traffic so far is trusted, but while "
+        "hours of such a rhythm not seen yet: then a change goes only to the setting whose "
+        "worst loss is least if those hours are like the quietest or the busiest hour seen, "
+        "and surely less than the live one's. Steady traffic so far is trusted, but while "
         "less than this share is seen a change goes to the shallowest setting (most room "
         "for requests) the prediction interval cannot tell from the top one. Going back "
         "from a regression is never held. 0 turns both off; at most 1.",

@@ -927,12 +927,18 @@ def test_never_restarts_without_a_fleet_slot(s: dict[str, Any]) -> None:
         assert decision.reason is Reason.FLEET_UNAVAILABLE
 
 
-def model_pick(steps: int, recent_ratio: float, spread: float = 0.9) -> Pick:
+def model_pick(
+    steps: int, recent_ratio: float, spread: float = 0.9, robust: dict[int, float] | None = None
+) -> Pick:
     """A model policy's pick of ``steps`` on a forecast ``recent_ratio`` of which comes from
     recent traffic alone (hours of the day never seen), while the hours seen are ``spread``
-    (total variation) from recent traffic."""
+    (total variation) from recent traffic; with ``robust``, picked as the setting whose
+    worst case across the hours seen loses least (`model._robust`)."""
     forecast = Forecast(OPEN, OPEN + DAY, {20: 1.0}, "recent", 0.0, recent_ratio, spread)
-    plan = Plan(OPEN, OPEN + DAY, forecast, {}, steps, steps, 0.1, f"model: {steps} best")
+    plan = Plan(
+        OPEN, OPEN + DAY, forecast, {}, steps, steps, 0.1, f"model: {steps} best",
+        robust_regrets=robust,
+    )  # fmt: skip
     return Pick(steps, f"model: {steps} best", plan=plan)
 
 
@@ -957,6 +963,13 @@ SEEN_GATE = [
     ("just-a-rhythm", (3, 0.87, 0.5), 0.5, None, None, Reason.INSUFFICIENT_DATA, 4, False,
      "total variation 0.50"),
     ("half-seen-changes", (3, 0.5, 0.9), 0.5, None, None, Reason.CHANGE, 3, True, "4 → 3"),
+    # Unless the model picked the setting that loses least whichever hour seen the unseen
+    # ones are like: then the change goes on (exploring still waits, below).
+    ("mostly-unseen-robust-changes", (3, 0.87, 0.9, {3: 0.01, 4: 0.16}), 0.5, None, None,
+     Reason.CHANGE, 3, True, "4 → 3"),
+    ("robust-exploration-waits", (4, 0.87, 0.9, {3: 0.1, 4: 0.0}), 0.5,
+     Exploration(5, "5 is never observed"), None, Reason.WITHIN_TOLERANCE, 4, False,
+     f"5 is never observed; but {UNSEEN}"),
     ("all-seen-changes", (3, 0.0, 0.0), 1.0, None, None, Reason.CHANGE, 3, True, "4 → 3"),
     ("one-hour-unseen-with-all-required", (3, 1 / 24, 0.9), 1.0, None, None,
      Reason.INSUFFICIENT_DATA, 4, False, "more than the 0% min_forecast_seen_ratio allows"),
@@ -1098,7 +1111,7 @@ def test_a_regression_goes_back_in_its_own_window_despite_the_dwell(
     [pytest.param(*g[1:], id=g[0]) for g in SEEN_GATE],
 )
 def test_no_change_on_a_forecast_of_hours_never_seen(
-    picked: tuple[int, float, float],
+    picked: tuple[int, float, float] | tuple[int, float, float, dict[int, float]],
     seen_ratio: float,
     exploration: Exploration | None,
     verdict: Verdict | None,
@@ -1108,10 +1121,10 @@ def test_no_change_on_a_forecast_of_hours_never_seen(
     says: str,
 ) -> None:
     hist, cfg = history(), config(min_forecast_seen_ratio=seen_ratio)
-    steps, recent, spread = picked
+    steps = picked[0]
     ctl = control(recommendations=held(steps, OPEN))
     decision = decide(
-        hist, observation(OPEN), cfg, None, OPEN, ctl, model_pick(steps, recent, spread), 0.0,
+        hist, observation(OPEN), cfg, None, OPEN, ctl, model_pick(*picked), 0.0,
         exploration, verdict,
     )  # fmt: skip
     assert decision.reason is reason, decision.message

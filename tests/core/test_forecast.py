@@ -247,3 +247,50 @@ def test_a_day_unlike_the_days_the_forecast_reads(
     else:
         assert got is not None
         assert says in got, got
+
+
+def night_then_dawn(t: float) -> int:
+    """Batch jobs at 36 until 06:00, then one early developer."""
+    return 36 if ((t - MONDAY) % DAY) / HOUR < 6 else 1
+
+
+@pytest.mark.parametrize(
+    ("start_hour", "hours", "scenarios"),
+    [
+        # 07–19 never seen: the whole epoch is one hour seen or the other.
+        # (Hours alike, 00–05 here, stand for each other: the latest.)
+        (7, 12, [(6, {1: 1.0}), (5, {36: 1.0})]),
+        # 04–10: 04–07 seen (two hours at 36, one at 1), 07–10 not, half the epoch.
+        (4, 6, [(6, {36: 2 / 6, 1: 4 / 6}), (5, {36: 5 / 6, 1: 1 / 6})]),
+    ],
+)
+def test_hours_never_seen_are_read_as_the_quietest_and_the_busiest_seen(
+    start_hour: int, hours: int, scenarios: list[tuple[int, dict[int, float]]]
+) -> None:
+    """Seven hours into a day/night rhythm, the day's hours are unknown: recent traffic
+    (mostly night) says nothing of them. `Forecast.scenarios` reads them as each extreme
+    seen so far, the rest of the epoch as forecast."""
+    history = new_history()
+    record(history, MONDAY, MONDAY + 7 * HOUR, night_then_dawn)
+    start = MONDAY + start_hour * HOUR
+    forecast = forecast_epoch(history, start, start + hours * HOUR)
+    assert forecast is not None
+    assert forecast.seen_spread >= 0.5  # a daily rhythm
+    assert [hour for hour, _ in forecast.scenarios] == [hour for hour, _ in scenarios]
+    for (_, got), (_, want) in zip(forecast.scenarios, scenarios, strict=True):
+        assert got == pytest.approx(want, abs=0.02)
+        assert sum(got.values()) == pytest.approx(1.0)
+
+
+def test_no_scenarios_where_the_hours_seen_look_alike_or_all_were_seen() -> None:
+    steady = new_history()
+    record(steady, MONDAY, MONDAY + 7 * HOUR, lambda t: 5)
+    unseen = forecast_epoch(steady, MONDAY + 7 * HOUR, MONDAY + 19 * HOUR)
+    assert unseen is not None
+    assert unseen.recent_ratio == pytest.approx(1.0)
+    assert unseen.scenarios == ()  # steady so far: recent traffic stands for the rest
+    day = new_history()
+    record(day, MONDAY, MONDAY + DAY, night_then_dawn)
+    seen = forecast_epoch(day, MONDAY + DAY + 7 * HOUR, MONDAY + DAY + 19 * HOUR)
+    assert seen is not None
+    assert (seen.recent_ratio, seen.scenarios) == (0.0, ())

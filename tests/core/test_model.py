@@ -1526,3 +1526,76 @@ def test_observed_sums_are_the_cells_added_one_by_one(
     if observed and curve.readings is not None:
         # The readings learnt every concurrency seen (read once per run).
         assert set(observed) <= set(curve.readings)
+
+
+DAY_AND_NIGHT = [
+    {"cron": "0 7 * * mon-sun", "duration_s": 3600.0, "timezone": "UTC"},
+    {"cron": "0 19 * * mon-sun", "duration_s": 3600.0, "timezone": "UTC"},
+]
+
+
+def night_then_dawn(live: int) -> History:
+    """Batch jobs at 36 from Monday 00:00 to 06:00, then an hour of one early developer:
+    the first window (07:00) opens on a 07–19 epoch whose hours were never seen."""
+    history = fresh_history()
+    t = fill(history, MONDAY, 6 * HOUR, 36, live, SEED.throughput(live, 36), None)
+    fill(history, t, HOUR - 5, 1, live, SEED.throughput(live, 1), None)
+    return history
+
+
+def test_an_idle_hour_is_no_scenario(tmp_path: Path) -> None:
+    """An hour with no request serves nothing at any setting: it cannot tell them apart,
+    and where it was the only quiet hour seen, the unseen hours are not bet on."""
+    history = fresh_history()
+    t = fill(history, MONDAY, 6 * HOUR, 36, 3, SEED.throughput(3, 36), None)
+    fill(history, t, HOUR - 5, 0, 3, 0.0, None)
+    cfg = config(tmp_path, max_steps=6, windows=DAY_AND_NIGHT)
+    result = plan(history, cfg, 3, Calibration.of(SEED))
+    assert result is not None
+    assert [hour for hour, _ in result.forecast.scenarios] == [5]
+    assert (result.target, result.best) == (3, 3), result.why
+
+
+# (id, live K, config changes, target, best, message part)
+UNSEEN_DAYS = [
+    # 4 loses ~1 % if the day is like the night, 3 ~18 % if it is like the idle hour: 4.
+    ("from-3", 3, {}, 4, 4, "4 loses least, 15.9 points less than 3"),
+    ("kept-4", 4, {}, 4, 4, "4 loses least"),
+    # Interval wider than the difference: no bet on unseen hours.
+    ("noisy", 3, {"calibration_noise_ratio": 0.5}, 3, 4, "within the prediction interval"),
+    # The forecast trusted as it is (mostly night): 3, and no scenarios read.
+    ("trusted", 3, {"min_forecast_seen_ratio": 0.0}, 3, 3, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("live", "changes", "target", "best", "says"),
+    [pytest.param(*t[1:], id=t[0]) for t in UNSEEN_DAYS],
+)
+def test_an_unseen_epoch_after_a_daily_rhythm_takes_the_setting_that_loses_least(
+    tmp_path: Path,
+    live: int,
+    changes: dict[str, Any],
+    target: int,
+    best: int,
+    says: str | None,
+) -> None:
+    """seed (twin)/day_night's first window: the night seen, the day not. Recent traffic
+    (the night) said 3, and the rule for unseen hours kept 3 all day, where 4 serves 12 %
+    more; the day's hours may be like any hour seen: the setting whose worst case loses
+    least."""
+    cfg = config(tmp_path, max_steps=6, windows=DAY_AND_NIGHT, **changes)
+    result = plan(night_then_dawn(live), cfg, live, Calibration.of(SEED))
+    assert result is not None
+    assert result.until - MONDAY == pytest.approx(19 * HOUR)
+    assert (result.target, result.best) == (target, best), result.why
+    if says is None:
+        assert result.robust_regrets is None
+        return
+    regrets = result.robust_regrets
+    assert regrets is not None
+    assert set(regrets) == {1, 2, 3, 4, 5, 6}
+    assert min(regrets, key=regrets.__getitem__) == 4
+    assert regrets[4] < 0.03 < 0.15 < regrets[3]
+    assert "worst loss if those are like the hour seen at 06:00 and 05:00 (UTC)" in result.why
+    assert says in result.why, result.why

@@ -1250,3 +1250,25 @@ def test_an_adaptive_set_the_calibration_oversold_is_taken_back_and_not_repeated
     assert result.change_reasons[:2] == ["change", "regression"], result.steps_timeline
     assert None not in settings[2:]  # avoided: the same set is not chosen again
     assert result.restarts_outside_windows == 0
+
+
+def night_then_team(rng: random.Random, hour: int) -> tuple[int, int]:
+    if hour < 6:
+        return 36, 36  # batch jobs
+    if hour < 7:
+        return 1, 1  # one early developer
+    return (2, 6) if hour < 19 else (36, 36)
+
+
+def test_the_first_day_after_a_night_runs_what_loses_least_on_hours_never_seen() -> None:
+    """seed (twin)/day_night: at the first window (07:00) only the night and an early hour
+    were seen; recent traffic (the night) said 3 and the rule for unseen hours held it for
+    the whole day, where 4 served 12 % more. What loses least whichever hour seen the day
+    is like (4) goes in at that window; the night's (3) at 19:00."""
+    table, calibration = TRUTHS["seed"]
+    config = build_config(
+        QUICK, window_list=TWICE_A_DAY, steps=(1, 6), calibration=calibration, restart_s=100
+    )
+    result = replay(minute_trace(1, night_then_team), read_table(table), config)
+    assert result.setting_timeline[:2] == [(0.0, "3"), (7 * 3600.0, "4")]
+    assert result.change_reasons[0] == "change"
