@@ -194,7 +194,9 @@ class OverrideTracker:
     change them, and with them what the same file means). ``lapsed``: its expiry has
     passed (said once); a clock stepped back before it puts it in force again. ``since``:
     when ``good`` was decided, from its file (`decided_at`), so a restart of specd reads the
-    same time again."""
+    same time again. ``shift_s``: the wall clock's steps since the file was read, which
+    move its decision time as they move every record (`Daemon._shift_records`): a pin
+    applied now counts its own restarts from it."""
 
     good: Override | None = None
     since: float | None = None
@@ -202,6 +204,7 @@ class OverrideTracker:
     status: OverrideStatus | None = None
     judged_by: object = None
     lapsed: bool = False
+    shift_s: float = 0.0
 
     @property
     def in_force(self) -> Override | None:
@@ -532,6 +535,9 @@ class Daemon:
             self._outage.logged_at += seconds
         if self._seen_at is not None:
             self._seen_at += seconds
+        # Stepped back, a pin applied now counted its restarts from a decision time now
+        # after all of them: no bound on its restart loop until the clock caught up.
+        self.override.shift_s += seconds
 
     def _clamp_records(self, now: float) -> None:
         state = self.state
@@ -1164,6 +1170,8 @@ class Daemon:
             elif status.valid:
                 if status.override != tracker.good:
                     tracker.lapsed = False
+                if not same_file:
+                    tracker.shift_s = 0.0  # its times are this clock's
                 tracker.good, tracker.since = status.override, status.written_at
                 loaded = status.override
                 # One that has already expired is said below (override_expired).
@@ -1189,6 +1197,8 @@ class Daemon:
                 # again, as `specd status` and `specd override show` say.
                 self.log.warning("override_in_force_again", mode=good.mode, expires_at=expires_at)
                 tracker.lapsed = False
+            if tracker.shift_s and good.decided_at is not None:
+                return replace(good, decided_at=good.decided_at + tracker.shift_s)
             return good
         if not tracker.lapsed:
             # Said once: at the tick it expires, or when a file already expired is read.

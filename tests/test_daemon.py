@@ -2388,3 +2388,57 @@ def test_a_reload_asked_for_during_a_restart_says_it_waits(tmp_path: Path) -> No
         relay.join(10)
     os.close(read_fd)
     assert not [e for e in logged if e["event"] == "reload_deferred"]
+
+
+def test_a_clock_stepped_back_keeps_a_pin_applied_now_to_its_own_restart_bound(
+    tmp_path: Path,
+) -> None:
+    """A pin applied now whose change keeps ending aborted (systemd cannot set up SGLang's
+    process) stops at its own restart bound. Its restarts are counted from the time it was
+    decided; a clock stepped back an hour moved every restart record back, not that time,
+    and for that hour every tick restarted SGLang twice, outside any window."""
+    cfg = config(tmp_path, daily_restart_budget=3)
+    wall, mono = [IN_WINDOW], [1000.0]
+    applier = Outcome(
+        {
+            "result": "aborted",
+            "duration_s": 2.0,
+            "message": "status 219/CGROUP",
+            "restarts_issued": 2,
+            "not_started": 1,
+        }
+    )
+
+    class Live(Reader):
+        def observe(self) -> Observation:
+            return obs(wall[0], steps=3)
+
+    d = Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: wall[0],
+        monotonic=lambda: mono[0],
+        notifier=Notifier({}),
+        reader=Live([]),
+        applier=applier,
+    )
+    d.state.history = busy(cfg, wall[0], offered=1)
+    path = Path(cfg.files.override_file)
+    expires = datetime.fromtimestamp(wall[0] + 6 * 3600, tz=timezone.utc)
+    pin = {"mode": "pin", "steps": 2, "expires_at": expires, "reason": "incident", "apply": "now"}
+    path.write_text(tomli_w.dumps(pin))
+    path.chmod(0o600)
+    os.utime(path, (wall[0], wall[0]))
+
+    def ticks(n: int) -> list[Reason]:
+        reasons = []
+        for _ in range(n):
+            reasons.append(d.tick().reason)
+            wall[0] += 5
+            mono[0] += 5
+        return reasons
+
+    assert ticks(5) == [Reason.OVERRIDE_PIN] * 3 + [Reason.RESTART_BUDGET] * 2
+    wall[0] -= 3600  # NTP: the box ran an hour fast
+    assert set(ticks(20)) == {Reason.RESTART_BUDGET}
+    assert len(applier.calls) == 3
