@@ -1159,6 +1159,28 @@ SIX_HOURS_DAILY = [{"cron": "0 1 * * *", "duration_s": 6 * 3600, "timezone": "UT
             Reason.CHANGE,
             id="back a day while specd was stopped: the budget frees a day after its start",
         ),
+        # Further back than a day (an RTC that lost its battery, a box set right after a
+        # year ahead): every saved time was dropped, and the restart with it.
+        pytest.param(
+            {"min_dwell_s": 0, "daily_restart_budget": 1},
+            True,
+            60,
+            -3 * 86400,
+            True,
+            60,
+            Reason.RESTART_BUDGET,
+            id="back three days while specd was stopped: the restart still counts",
+        ),
+        pytest.param(
+            {"min_dwell_s": 0, "daily_restart_budget": 1},
+            True,
+            60,
+            -365 * 86400,
+            True,
+            60,
+            Reason.RESTART_BUDGET,
+            id="back a year while specd was stopped: the restart still counts",
+        ),
     ],
 )
 def test_a_stepped_wall_clock_leaves_dwell_budget_and_stabilization_in_real_time(
@@ -1802,12 +1824,6 @@ DAMAGED_STATE = [
         "s of weight is more time than it can hold",
         id="hours-1e12-s",
     ),
-    # Written a year ahead of the clock: its sums outweighed all observed after them.
-    pytest.param(
-        _learned(lambda h: h.update(last_t=h["last_t"] + 366 * 86400)),
-        "history: last_t",
-        id="history-a-year-ahead",
-    ),
 ]
 
 
@@ -1856,8 +1872,7 @@ def test_a_damaged_state_file_costs_its_bad_part_only(
     assert [e for e in logged if e["event"] == "state_write_failed"] == []
     assert applier.calls == []
     # What was learned is kept, and the file it saves is one the next start reads whole.
-    if "last_t" not in named:
-        assert d.state.history.busy_seconds == pytest.approx(history.busy_seconds, rel=0.01)
+    assert d.state.history.busy_seconds == pytest.approx(history.busy_seconds, rel=0.01)
     assert StateStore(Path(cfg.files.state_dir), clock=lambda: clock[0]).load()[1] is None
 
 

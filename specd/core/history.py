@@ -24,7 +24,6 @@ import enum
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -39,7 +38,6 @@ from specd.core.observation import (
     without_impossible,
 )
 from specd.core.setting import config_key
-from specd.core.text import duration_text
 from specd.core.units import DAY_S, HOUR_S, WEEK_S
 
 if TYPE_CHECKING:
@@ -59,13 +57,12 @@ _REBASE_HALF_LIVES = 64.0
 _PRUNE_WEIGHT_S = 1e-3
 # Seconds of acceptance evidence one step count can have gathered: three centuries.
 MAX_ACCEPT_SEEN_S = 1e10
-# How far after the clock reading a state file a time in it may lie: the clock stepped back
-# since it was written (an RTC read as local time is hours off). Further is no time specd
-# wrote, and a time from the future would hold a restart, an avoided setting or the
-# history's weight there for as long.
-FUTURE_SLACK_S = DAY_S
-# Without a clock to compare with (a strict read): no clock specd runs under shows this
-# (2242), and every later time is past what a date can show.
+# No clock specd runs under shows this (2242), and every later time is past what a date can
+# show. A time after the clock reading a state file, but not past this, is the clock's
+# fault, not the file's (a dead RTC battery at boot, a box that ran a year ahead and was
+# set right): it is read, and taken as that clock's now by whoever counts from it (the
+# history's time, its tables', the daemon's records: `records_ahead_of_clock`), rather
+# than throw away what was learned and the restarts the budget counts.
 LATEST_TIME = float(2**33)
 HISTORY_FORMAT = 1
 # The longest half-life a config sets (`observe.history_half_life_s`).
@@ -207,7 +204,7 @@ class DecayingSums(Generic[K]):
         """
         if not isinstance(data, dict):
             raise ValueError("expected an object")
-        ref_t = check_time(data.get("ref_t"), "ref_t", at, "the time it was read at")
+        ref_t = check_time(data.get("ref_t"), "ref_t")
         if at is not None and ref_t > at:
             ref_t = at  # a clock stepped back a little: the sums as they were written
         table: DecayingSums[K] = cls(half_life_s, ref_t)
@@ -335,19 +332,14 @@ def _finite(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_time(value: Any, name: str, now: float | None, what: str = "now") -> float:
-    """``value`` as a time specd can have written by ``now`` (a unix time, not before 1970,
-    at most `FUTURE_SLACK_S` after ``now``, which is ``what``); ValueError naming ``name``
-    otherwise."""
+def check_time(value: Any, name: str) -> float:
+    """``value`` as a time specd can have written (a unix time, not before 1970, not past
+    `LATEST_TIME`); ValueError naming ``name`` otherwise."""
     number = _finite(value, name)
     if number < 0:
         raise ValueError(f"{name}: {number:.6g} is before 1970")
-    latest = LATEST_TIME if now is None else now + FUTURE_SLACK_S
-    if number > latest:
-        if now is None or number > LATEST_TIME:
-            raise ValueError(f"{name}: {number:.6g} is past any time specd runs at")
-        at = datetime.fromtimestamp(number, tz=timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
-        raise ValueError(f"{name}: {at} is {duration_text(number - now)} after {what}")
+    if number > LATEST_TIME:
+        raise ValueError(f"{name}: {number:.6g} is past any time specd runs at")
     return number
 
 
@@ -991,15 +983,19 @@ class History:
             last_t = data.get("last_t")
             # A history from the future cannot be read as of now: every sum in it would
             # outweigh what is observed from now on (it starts over, named).
-            at = None if last_t is None else check_time(last_t, "last_t", now)
+            at = None if last_t is None else check_time(last_t, "last_t")
             if at is not None and now is not None and at > now:
-                at = now  # a clock stepped back a little: the sums as they were written
+                at = now  # a clock stepped back: the sums as they were written
             history.last_t = at
             try:
                 started = data.get("sglang_started_at")
                 history.sglang_started_at = (
-                    None if started is None else check_time(started, "sglang_started_at", now)
+                    None if started is None else check_time(started, "sglang_started_at")
                 )
+                if history.sglang_started_at is not None and now is not None:
+                    # Ahead of the clock, its warm-up would exclude what is observed until
+                    # then (`warmup_exclude_s` counts from it).
+                    history.sglang_started_at = min(history.sglang_started_at, now)
             except ValueError as exc:
                 salvage("sglang_started_at", str(exc).partition(": ")[2] or str(exc))
             last_steps = data.get("last_steps")

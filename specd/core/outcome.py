@@ -724,15 +724,16 @@ _MAX_VERIFYING_S = 6 * 366 * 86400.0
 
 
 def snapshot_from_dict(
-    data: Any, half_life_s: float, dropped: list[str] | None = None, *, now: float | None = None
+    data: Any, half_life_s: float, dropped: list[str] | None = None
 ) -> ChangeSnapshot:
     """Rebuild from `snapshot_to_dict`. A bad snapshot raises ValueError; a bad cell does
     too unless ``dropped`` is given: then it is left out and named there. Its time must be
-    one specd can have written by ``now`` (`specd.core.history.check_time`)."""
+    one specd can have written (`specd.core.history.check_time`); one ahead of the clock
+    the daemon takes as now."""
     if not isinstance(data, dict):
         raise ValueError("verifying: expected an object or null")
     try:
-        t = check_time(data.get("t"), "t", now)
+        t = check_time(data.get("t"), "t")
         from_steps = _steps(data.get("from_steps"), "from_steps")
         to_steps = _steps(data.get("to_steps"), "to_steps")
         gain = data.get("predicted_gain_ratio")
@@ -809,9 +810,9 @@ def avoided_to_dict(entry: Avoided) -> dict[str, Any]:
     }
 
 
-def avoided_from_dict(index: int, data: Any, *, now: float | None = None) -> Avoided:
+def avoided_from_dict(index: int, data: Any) -> Avoided:
     """One avoid-list entry from `avoided_to_dict`; ValueError naming ``avoided[index]``.
-    Its time must be one specd can have written by ``now``."""
+    Its time must be one specd can have written (`specd.core.history.check_time`)."""
     where = f"avoided[{index}]"
     try:
         if not isinstance(data, dict):
@@ -836,7 +837,7 @@ def avoided_from_dict(index: int, data: Any, *, now: float | None = None) -> Avo
         from_steps = _steps(data.get("from_steps"), "from_steps")
         return Avoided(
             steps=steps,
-            t=check_time(data.get("t"), "t", now),
+            t=check_time(data.get("t"), "t"),
             mix=tuple(sorted(shares.items())),
             shortfall_ratio=shortfall,
             from_steps=from_steps,

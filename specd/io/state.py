@@ -211,30 +211,24 @@ class State:
             )
         return cls(
             history=history,
-            last_decision=part(lambda: _last_decision(data, now, fields), lambda why: {}),
+            last_decision=part(lambda: _last_decision(data, fields), lambda why: {}),
             journal=journal,
-            restarts=_entries(
-                data, "restarts", lambda i, e: _restart(i, e, now, fields), strict, notes
-            ),
+            restarts=_entries(data, "restarts", lambda i, e: _restart(i, e, fields), strict, notes),
             frozen=frozen,
             recommendations=_runs(
-                _entries(
-                    data, "recommendations", lambda i, e: _recommendation(i, e, now), strict, notes
-                )
+                _entries(data, "recommendations", _recommendation, strict, notes)
             ),
-            explorations=_entries(
-                data, "explorations", lambda i, e: _exploration(i, e, now), strict, notes
-            ),
+            explorations=_entries(data, "explorations", _exploration, strict, notes),
             verifying=part(
-                lambda: _verifying(data.get("verifying"), history, None if strict else notes, now),
+                lambda: _verifying(data.get("verifying"), history, None if strict else notes),
                 lambda why: None,
             ),
-            avoided=_entries(data, "avoided", lambda i, e: _avoided(i, e, now), strict, notes),
+            avoided=_entries(data, "avoided", _avoided, strict, notes),
             sglang_started_at=part(
-                lambda: _optional_time(data, "sglang_started_at", now), lambda why: None
+                lambda: _optional_time(data, "sglang_started_at"), lambda why: None
             ),
-            live=part(lambda: _live(data.get("live"), now, fields), lambda why: None),
-            gateway=part(lambda: _gateway(data.get("gateway"), now, fields), lambda why: None),
+            live=part(lambda: _live(data.get("live"), fields), lambda why: None),
+            gateway=part(lambda: _gateway(data.get("gateway"), fields), lambda why: None),
             version=STATE_VERSION,
         )
 
@@ -346,24 +340,22 @@ def _finite_json(value: Any, where: str) -> None:
     _scrub(value, where, None)
 
 
-def _time(value: Any, name: str, now: float | None) -> float:
+def _time(value: Any, name: str) -> float:
     try:
-        return check_time(value, name, now)
+        return check_time(value, name)
     except ValueError as exc:
         raise StateFormatError(str(exc)) from None
 
 
-def _optional_time(data: dict[str, Any], key: str, now: float | None) -> float | None:
+def _optional_time(data: dict[str, Any], key: str) -> float | None:
     value = data.get(key)
-    return None if value is None else _time(value, key, now)
+    return None if value is None else _time(value, key)
 
 
-def _last_decision(
-    data: dict[str, Any], now: float | None, notes: list[str] | None
-) -> dict[str, Any]:
+def _last_decision(data: dict[str, Any], notes: list[str] | None) -> dict[str, Any]:
     value = _object(data, "last_decision")
     if "t" in value:
-        _time(value["t"], "last_decision.t", now)
+        _time(value["t"], "last_decision.t")
     return _scrub(value, "last_decision", notes)
 
 
@@ -382,12 +374,12 @@ def _fallback_freeze(what: str, now: float | None) -> dict[str, Any]:
     }
 
 
-def _restart(index: int, entry: Any, now: float | None, notes: list[str] | None) -> dict[str, Any]:
+def _restart(index: int, entry: Any, notes: list[str] | None) -> dict[str, Any]:
     where = f"restarts[{index}]"
     if not isinstance(entry, dict):
         raise StateFormatError(f"{where}: expected an object with a numeric t")
     # Its time counts against dwell and the budget: a bad detail costs that detail only.
-    _time(entry.get("t"), f"{where}.t", now)
+    _time(entry.get("t"), f"{where}.t")
     count = entry.get("restarts")
     if count is not None and (
         isinstance(count, bool)
@@ -408,7 +400,10 @@ def _frozen(value: Any, now: float | None, notes: list[str] | None) -> dict[str,
         return None
     if not isinstance(value, dict) or not is_finite_number(value.get("since")):
         raise StateFormatError("frozen: expected null or an object with a numeric since")
-    _time(value["since"], "frozen.since", now)
+    since = _time(value["since"], "frozen.since")
+    if now is not None and since > now:
+        # The clock stepped back since: frozen as long ago as can be, not in the future.
+        value = {**value, "since": now}
     reason = value.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise StateFormatError(f"frozen.reason: expected text, got {reason!r:.40}")
@@ -426,7 +421,7 @@ def _steps_or_none(value: Any) -> bool:
     )
 
 
-def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
+def _live(value: Any, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
     if (
@@ -439,7 +434,7 @@ def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, A
         raise StateFormatError(
             "live: expected null or an object with numeric t, steps, source (and setting)"
         )
-    _time(value["t"], "live.t", now)
+    _time(value["t"], "live.t")
     return _scrub(value, "live", notes)
 
 
@@ -447,7 +442,7 @@ def _live(value: Any, now: float | None, notes: list[str] | None) -> dict[str, A
 _GATEWAY_PARTS = ("probe", "last_drain", "left_out")
 
 
-def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str, Any] | None:
+def _gateway(value: Any, notes: list[str] | None) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -461,7 +456,7 @@ def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str
             raise StateFormatError(f"gateway.{name}: expected an object, got {part!r:.40}")
         for key in ("t", "tried_at", "readded_at"):  # times status shows
             if part.get(key) is not None:
-                _time(part[key], f"gateway.{name}.{key}", now)
+                _time(part[key], f"gateway.{name}.{key}")
         duration = part.get("duration_s")
         if duration is not None and not is_finite_number(duration):
             raise StateFormatError(f"gateway.{name}.duration_s: expected a number")
@@ -472,7 +467,7 @@ def _gateway(value: Any, now: float | None, notes: list[str] | None) -> dict[str
 _MIN_SETTING_KEY = -(2**48)
 
 
-def _recommendation(index: int, entry: Any, now: float | None) -> list[float]:
+def _recommendation(index: int, entry: Any) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
@@ -482,7 +477,7 @@ def _recommendation(index: int, entry: Any, now: float | None) -> list[float]:
         or not _MIN_SETTING_KEY <= entry[1] <= MAX_STEPS
     ):
         raise StateFormatError(f"recommendations[{index}]: expected [t, steps], got {entry!r:.40}")
-    return [_time(entry[0], f"recommendations[{index}].t", now), entry[1]]
+    return [_time(entry[0], f"recommendations[{index}].t"), entry[1]]
 
 
 def _runs(recommendations: Iterable[Sequence[float]]) -> list[list[float]]:
@@ -500,7 +495,7 @@ def _runs(recommendations: Iterable[Sequence[float]]) -> list[list[float]]:
     return kept
 
 
-def _exploration(index: int, entry: Any, now: float | None) -> list[float]:
+def _exploration(index: int, entry: Any) -> list[float]:
     if (
         not isinstance(entry, list)
         or len(entry) != 2
@@ -510,21 +505,21 @@ def _exploration(index: int, entry: Any, now: float | None) -> list[float]:
         or not 1 <= entry[1] <= 16
     ):
         raise StateFormatError(f"explorations[{index}]: expected [t, steps], got {entry!r:.40}")
-    return [_time(entry[0], f"explorations[{index}].t", now), entry[1]]
+    return [_time(entry[0], f"explorations[{index}].t"), entry[1]]
 
 
 def _verifying(
-    value: Any, history: History, dropped: list[str] | None, now: float | None
+    value: Any, history: History, dropped: list[str] | None
 ) -> outcome.ChangeSnapshot | None:
     if value is None:
         return None
     # Its cells decay as the history's do.
-    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped, now=now)
+    return outcome.snapshot_from_dict(value, history.settings.half_life_s, dropped)
 
 
-def _avoided(index: int, entry: Any, now: float | None) -> outcome.Avoided:
+def _avoided(index: int, entry: Any) -> outcome.Avoided:
     try:
-        return outcome.avoided_from_dict(index, entry, now=now)
+        return outcome.avoided_from_dict(index, entry)
     except ValueError as exc:
         raise StateFormatError(str(exc)) from None
 
@@ -592,7 +587,7 @@ def _held_since(data: Any) -> float | None:
     frozen = data.get("frozen") if isinstance(data, dict) else None
     since = frozen.get("since") if isinstance(frozen, dict) else None
     try:
-        return check_time(since, "frozen.since", None)
+        return check_time(since, "frozen.since")
     except ValueError:
         return None
 
