@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import pwd
+import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -166,3 +170,43 @@ def test_an_env_file_write_refused_by_a_read_only_file_system_aborts_without_a_f
     assert outcome.message.startswith(f"writing {env_file} failed: [Errno 30] Read-only file")
     assert outcome.message.endswith("; nothing was restarted")
     assert (outcome.restarts_issued, unit.restarted_to) == (0, [])
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv")
+def test_specd_run_will_not_start_over_a_state_file_it_cannot_read(tmp_path: Path) -> None:
+    """A root command left state.json to another user, unreadable to specd's (here: root
+    without the capabilities that read any file, as a `specd` user is). The service read it
+    as corrupt: moved it aside, started fresh, forgot a freeze and a restart in flight, and
+    its next save replaced the file. It now says so and starts nothing, the file as it was."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    state = state_dir / "state.json"
+    saved = json.dumps({"version": 1, "frozen": {"since": 1.0e9, "reason": "rolled back"}})
+    state.write_text(saved)
+    state.chmod(0o600)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(state, nobody.pw_uid, nobody.pw_gid)
+    config = write_config(tmp_path, tmp_path / "sglang.env", state_dir)
+    assert SETPRIV is not None
+    drop = ["--bounding-set", "-dac_override,-dac_read_search"]
+    proc = subprocess.run(
+        [SETPRIV, *drop, sys.executable, "-m", "specd.cli", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    [line] = [x for x in lines if x["event"] == "state_unreadable"]
+    assert "Permission denied" in line["problem"]
+    assert f"chown specd:specd {state}" in line["fix"]
+    assert [x["event"] for x in lines] == ["state_unreadable"]
+    assert state.read_text() == saved
+    assert state.stat().st_uid == nobody.pw_uid
+    assert sorted(p.name for p in state_dir.iterdir()) == ["specd.lock", "state.json"]

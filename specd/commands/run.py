@@ -25,7 +25,12 @@ def run(args: argparse.Namespace) -> int:
     from specd.commands.check_config import load_for_command  # noqa: PLC0415
     from specd.daemon import Daemon  # noqa: PLC0415
     from specd.io import logs  # noqa: PLC0415
-    from specd.io.state import StateDirLocked, lock_state_dir  # noqa: PLC0415
+    from specd.io.state import (  # noqa: PLC0415
+        STATE_FILE,
+        StateDirLocked,
+        StateUnreadable,
+        lock_state_dir,
+    )
     from specd.io.writable import env_file_unwritable, fix_for, written_dirs  # noqa: PLC0415
 
     config = load_for_command(args.config)
@@ -56,6 +61,18 @@ def run(args: argparse.Namespace) -> int:
             "env_file_unwritable", env_file=str(config.sglang.env_file), problem=problem
         )
         return 1
-    daemon = Daemon(config, args.config)
+    try:
+        daemon = Daemon(config, args.config)
+    except StateUnreadable as exc:
+        # Started fresh, specd forgot a freeze and a restart in flight, and its next save
+        # replaced the file (a rename needs only the directory): said, and nothing started.
+        state = Path(config.files.state_dir) / STATE_FILE
+        logs.get_logger().error(
+            "state_unreadable",
+            problem=str(exc),
+            fix=f"make it readable by specd's user (chown specd:specd {state}, if a command "
+            "run as root wrote it), or check the disk; specd starts once it can read it",
+        )
+        return 1
     daemon.install_signal_handlers()
     return daemon.run()

@@ -51,11 +51,20 @@ _TEMP_ATTEMPTS = 16
 class FileReadError(ValueError):
     """A file that cannot be read as asked; the message is one line naming the file."""
 
-    def __init__(self, path: str | Path, problem: str, st: os.stat_result | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        problem: str,
+        st: os.stat_result | None = None,
+        *,
+        os_errno: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.problem = problem
         # What fstat said, when the file could be opened (callers fingerprint it).
         self.st = st
+        # The system's refusal to open or read it (EACCES, EIO, ...): the file may be fine.
+        self.os_errno = os_errno
         super().__init__(f"{path}: {problem}")
 
 
@@ -124,7 +133,9 @@ def read_regular_file_and_stat(
             raise FileReadError(
                 path, "is a symbolic link; specd reads only a regular file here"
             ) from None
-        raise FileReadError(path, f"cannot read: {exc.strerror or exc}") from None
+        raise FileReadError(
+            path, f"cannot read: {exc.strerror or exc}", os_errno=exc.errno
+        ) from None
     st: os.stat_result | None = None
     try:
         st = os.fstat(fd)
@@ -149,7 +160,9 @@ def read_regular_file_and_stat(
             raise FileReadError(path, f"grew larger than the {size_text(max_bytes)} allowed", st)
         return b"".join(chunks), st
     except OSError as exc:
-        raise FileReadError(path, f"cannot read: {exc.strerror or exc}", st) from None
+        raise FileReadError(
+            path, f"cannot read: {exc.strerror or exc}", st, os_errno=exc.errno
+        ) from None
     finally:
         os.close(fd)
 

@@ -8,6 +8,7 @@ Plain JSON only (no pickles), so an operator can read it and nothing in it execu
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -74,7 +75,18 @@ def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
 
 class StateNotRead(ValueError):
     """state.json could not be read at all (permissions, not a regular file, too big): what
-    it holds is unknown, unlike a file read and found invalid."""
+    it holds is unknown, unlike a file read and found invalid. ``os_errno``: the system
+    refused to open or read it (EACCES, EIO), so the file itself may be fine."""
+
+    def __init__(self, message: str, os_errno: int | None = None) -> None:
+        super().__init__(message)
+        self.os_errno = os_errno
+
+
+class StateUnreadable(Exception):
+    """state.json is there but the system will not let specd read it (a command run as root
+    left it unreadable to the specd user, an I/O error): it may hold a freeze, a restart in
+    flight and what was learned, so nothing may start over it or replace it."""
 
 
 class StateFormatError(ValueError):
@@ -544,7 +556,7 @@ def read_state(
     except FileNotFoundError:
         raise
     except files.FileReadError as exc:  # no permission, not a regular file, too big
-        raise StateNotRead(f"unreadable ({_one_line(exc)})") from None
+        raise StateNotRead(f"unreadable ({_one_line(exc)})", exc.os_errno) from None
     except ValueError as exc:  # bad or absurdly deep JSON
         raise ValueError(f"unreadable ({_one_line(exc)})") from None
     try:
@@ -635,8 +647,14 @@ def lock_state_dir(state_dir: str | Path) -> int:
     return fd
 
 
+# Errors opening state.json that say no file of specd's is there to keep (the state
+# directory is a file, the path is too long or loops): started fresh, as when it is absent.
+_NO_FILE_THERE = frozenset({errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP})
+
+
 class StateStore:
-    """Loads and saves `State` in ``state_dir``/state.json; never raises."""
+    """Loads and saves `State` in ``state_dir``/state.json; never raises, but for a file
+    the system will not let it read (`StateUnreadable`)."""
 
     def __init__(
         self,
@@ -659,7 +677,8 @@ class StateStore:
         A missing file is not a problem (first start). One that is no state at all is
         moved aside to state.json.corrupt-<unix> for a post-mortem, so the next save
         cannot destroy it. One with bad parts keeps its good parts, and a copy of the
-        file as it was goes to the same place.
+        file as it was goes to the same place. One the system will not let specd read
+        raises StateUnreadable, and stays where it is.
         """
         dropped: list[str] = []
         now = self._clock()
@@ -667,17 +686,24 @@ class StateStore:
             state = read_state(self.path, self.history_settings, dropped, now=now)
         except FileNotFoundError:
             return self.fresh(), None
+        except StateNotRead as exc:
+            if exc.os_errno is not None and exc.os_errno not in _NO_FILE_THERE:
+                raise StateUnreadable(f"{self.path} {exc}") from None
+            return self._started_over(exc, now)
         except ValueError as exc:
-            fresh, problem = self.fresh(), self._set_aside(str(exc))
-            # A newer specd's file, rolled back to this one: its freeze (or the restart it
-            # was in) still stands; what it learned waits in the file set aside.
-            fresh.frozen = held_freeze(exc, now)
-            if fresh.frozen is not None:
-                problem += f"; it held {getattr(exc, 'held', '')}: frozen until specd unfreeze"
-            return fresh, problem
+            return self._started_over(exc, now)
         if not dropped:
             return state, None
         return state, f"{self.path} {salvage_note(dropped)}; {self._copy_aside()}"
+
+    def _started_over(self, exc: ValueError, now: float) -> tuple[State, str]:
+        fresh, problem = self.fresh(), self._set_aside(str(exc))
+        # A newer specd's file, rolled back to this one: its freeze (or the restart it was
+        # in) still stands; what it learned waits in the file set aside.
+        fresh.frozen = held_freeze(exc, now)
+        if fresh.frozen is not None:
+            problem += f"; it held {getattr(exc, 'held', '')}: frozen until specd unfreeze"
+        return fresh, problem
 
     def _aside_path(self) -> Path:
         stamp = int(self._clock())
