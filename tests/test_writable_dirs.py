@@ -210,3 +210,48 @@ def test_specd_run_will_not_start_over_a_state_file_it_cannot_read(tmp_path: Pat
     assert state.read_text() == saved
     assert state.stat().st_uid == nobody.pw_uid
     assert sorted(p.name for p in state_dir.iterdir()) == ["specd.lock", "state.json"]
+
+
+def test_specd_run_does_not_follow_a_symlink_planted_as_its_lock_file(tmp_path: Path) -> None:
+    """The lock file was opened following links and truncated to hold the pid: a link to
+    state.json (or anything specd's user may write) lost its content."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    target = tmp_path / "precious"
+    target.write_text("kept\n")
+    (state_dir / "specd.lock").symlink_to(target)
+    code, lines = specd_run(write_config(tmp_path, tmp_path / "sglang.env", state_dir))
+    assert code == 1
+    [line] = [x for x in lines if x["event"] == "state_dir_unusable"]
+    assert line["error"] == (
+        f"{state_dir / 'specd.lock'} is a symbolic link: specd does not follow it (it would "
+        "truncate what it points to); remove it"
+    )
+    assert target.read_text() == "kept\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None, reason="needs root and setpriv")
+def test_specd_run_names_the_owner_of_a_lock_file_it_cannot_open(tmp_path: Path) -> None:
+    """A first `specd run` as another user left specd.lock to it: the service failed with
+    "Permission denied" and a fix about ReadWritePaths=, until systemd's start limit."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    lock = state_dir / "specd.lock"
+    lock.write_text("")
+    lock.chmod(0o640)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(lock, nobody.pw_uid, nobody.pw_gid)
+    config = write_config(tmp_path, tmp_path / "sglang.env", state_dir)
+    assert SETPRIV is not None
+    proc = subprocess.run(
+        [SETPRIV, "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-m",
+         "specd.cli", "run", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, check=False, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    [line] = [x for x in lines if x["event"] == "state_dir_unusable"]
+    assert line["error"] == (
+        f"{lock} belongs to uid {nobody.pw_uid}, and specd (uid 0) cannot open it: a command "
+        f"run as another user made it; chown specd:specd {lock}"
+    )

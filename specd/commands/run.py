@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from specd.io import logs  # noqa: PLC0415
     from specd.io.state import (  # noqa: PLC0415
         STATE_FILE,
+        LockFileUnusable,
         StateDirLocked,
         StateUnreadable,
         lock_state_dir,
@@ -43,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
     except StateDirLocked as exc:
         logs.get_logger().error(
             "state_dir_locked", state_dir=str(config.files.state_dir), error=str(exc)
+        )
+        return 1
+    except LockFileUnusable as exc:
+        logs.get_logger().error(
+            "state_dir_unusable", state_dir=str(config.files.state_dir), error=str(exc)
         )
         return 1
     except OSError as exc:

@@ -623,6 +623,12 @@ class StateDirLocked(Exception):
     """Another process holds the state directory (another `specd run` on the same box)."""
 
 
+class LockFileUnusable(Exception):
+    """The state directory's lock file is one specd must not or cannot open: a symbolic
+    link (followed, its target was truncated), or a file another user owns (a `specd run`
+    as root made it). The message says which, and the fix."""
+
+
 def lock_state_dir(state_dir: str | Path) -> int:
     """Hold ``state_dir`` for this process (an advisory ``flock`` on its lock file, released
     when the process ends, even killed): two daemons on one state directory each restart
@@ -631,7 +637,22 @@ def lock_state_dir(state_dir: str | Path) -> int:
     OSError if the directory cannot be made or the lock file opened."""
     directory = Path(state_dir)
     directory.mkdir(parents=True, exist_ok=True, mode=0o751)
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    path = directory / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LockFileUnusable(
+                f"{path} is a symbolic link: specd does not follow it (it would truncate what "
+                "it points to); remove it"
+            ) from None
+        if exc.errno in (errno.EACCES, errno.EPERM) and path.exists():
+            owner = path.lstat().st_uid
+            raise LockFileUnusable(
+                f"{path} belongs to uid {owner}, and specd (uid {os.geteuid()}) cannot open "
+                f"it: a command run as another user made it; chown specd:specd {path}"
+            ) from None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
