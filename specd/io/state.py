@@ -132,9 +132,14 @@ class State:
     # did not put back, which the daemon re-adds until the gateway routes them again.
     gateway: dict[str, Any] | None = None
     version: int = STATE_VERSION
+    # Top-level parts this specd does not know (a newer specd's, run on this box before
+    # going back to this one): written back as they were read, so going forward again
+    # finds them, where dropping them at the first save lost them for good.
+    unknown: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            **self.unknown,
             "version": self.version,
             "history": self.history.to_dict(),
             "last_decision": self.last_decision,
@@ -242,6 +247,7 @@ class State:
             live=part(lambda: _live(data.get("live"), fields), lambda why: None),
             gateway=part(lambda: _gateway(data.get("gateway"), fields), lambda why: None),
             version=STATE_VERSION,
+            unknown=part(lambda: _unknown(data, fields), lambda why: {}),
         )
 
     def control(self) -> Control:
@@ -369,6 +375,18 @@ def _last_decision(data: dict[str, Any], notes: list[str] | None) -> dict[str, A
     if "t" in value:
         _time(value["t"], "last_decision.t")
     return _scrub(value, "last_decision", notes)
+
+
+# The parts `State.to_dict` writes.
+_KNOWN_PARTS = frozenset(State().to_dict())
+
+
+def _unknown(data: dict[str, Any], notes: list[str] | None) -> dict[str, Any]:
+    """The top-level parts of ``data`` this specd does not know, each as read (a NaN or an
+    infinity in one, which no save could write, read as null and named)."""
+    return {
+        key: _scrub(value, key, notes) for key, value in data.items() if key not in _KNOWN_PARTS
+    }
 
 
 def _journal(value: Any) -> dict[str, Any] | None:

@@ -1178,3 +1178,24 @@ def test_a_file_from_a_newer_specd_is_set_aside_and_its_freeze_still_holds(
     again, problem = store.load()
     assert problem is None
     assert again.frozen == state.frozen
+
+
+def test_parts_a_newer_specd_wrote_are_kept_through_a_save(tmp_path: Path) -> None:
+    """A newer specd ran here, then this one (rolled back): the parts it does not know were
+    dropped at its first save, with no word and no copy, so going forward again had lost
+    them (a newer specd's fleet marker, say). They are written back as they were read."""
+    newer = {"fleet_marker": {"key": "/specd/g/out/box", "until": T0 + 600}, "notes": ["x", 2]}
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(**newer)))
+    store = StateStore(tmp_path, clock=lambda: T0 + 60)
+    state, problem = store.load()
+    assert problem is None
+    assert state.restarts == populated().restarts
+    assert store.save(state) is None
+    written = json.loads((tmp_path / STATE_FILE).read_text())
+    assert {k: written[k] for k in newer} == newer
+    # One that no save could write (Python's json reads NaN) is read as null, and named.
+    (tmp_path / STATE_FILE).write_text(json.dumps(_with(extra={"a": math.nan})))
+    state, problem = store.load()
+    assert state.unknown == {"extra": {"a": None}}
+    assert problem is not None
+    assert "extra.a: nan is not a number JSON can hold (read as null)" in problem
