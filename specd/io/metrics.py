@@ -332,7 +332,9 @@ class Metrics:
         )
         self.state_load_errors = Counter(
             "specd_state_load_errors_total",
-            "State files found corrupt or unreadable at start (history is rebuilt).",
+            "1 when this run of specd found its state.json damaged at start: the parts named "
+            "in its state_load_failed log line were left out (the history, if unusable, "
+            "starts over), a copy kept as state.json.corrupt-<unix>.",
             registry=r,
         )
         self.drains = Counter(
