@@ -320,3 +320,22 @@ def test_polkit_rule_names_the_user_the_unit_and_the_verbs(specd_unit: list[Entr
     assert 'var SGLANG_UNIT = "sglang.service";' in rule
     assert re.findall(r'verb === "([a-z-]+)"', rule) == ["restart", "try-restart", "reset-failed"]
     assert '"org.freedesktop.systemd1.manage-units"' in rule
+
+
+def test_a_specd_installed_under_a_path_with_spaces_verifies(tmp_path: Path) -> None:
+    """A venv at /home/ops/my tools/venv: install shows its tree to specd.service, which
+    ProtectHome= hides, with BindReadOnlyPaths=; unquoted, systemd split the path in two
+    ("tools/venv/...: not an absolute path") and the unit failed with 226/NAMESPACE."""
+    from specd.install.render import render_specd_service  # noqa: PLC0415
+
+    units = install_root(tmp_path)
+    program = "/home/ops/my tools/venv/bin/specd"
+    binary = tmp_path / program.lstrip("/")
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    text = render_specd_service(SPECD_SERVICE.read_text(), "sglang.service", [program])
+    assert "BindReadOnlyPaths=" in text
+    (units / "specd.service").write_text(text)
+    result = verify(tmp_path, "specd.service")
+    assert (result.returncode, result.stderr, result.stdout) == (0, "", "")

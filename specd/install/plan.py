@@ -450,6 +450,15 @@ def build_plan(
     anything else is kept in the archive first."""
     unit = view.unit
     command = live_command(view)
+    if ":" in command.prefix:
+        # The drop-in repeats the command with $SPECD_SPECULATIVE_ARGS, which ":" leaves
+        # unexpanded: SGLang would refuse the literal word at its next start, and so would
+        # the rollback's, frozen with SGLang down.
+        raise InstallError(
+            f"{unit}: its ExecStart= starts with ':', which turns off variable expansion, and "
+            "specd's drop-in passes the speculative arguments as $SPECD_SPECULATIVE_ARGS: "
+            "remove the ':' (write a literal '$' in the command as '$$') and run install again"
+        )
     spec = analyse(
         command,
         unit_environment(view, layout),

@@ -163,7 +163,8 @@ def render_specd_service(
         extra = "\n[Service]\n# specd's code lives where ProtectHome=/PrivateTmp= hide it.\n"
         if any(_under_home(p) for p in hidden):
             extra += "ProtectHome=tmpfs\n"
-        extra += f"BindReadOnlyPaths={' '.join(map(str, hidden))}\n"
+        # Quoted as ReadWritePaths= below: a space splits an unquoted path in two.
+        extra += f"BindReadOnlyPaths={' '.join(quote_word(str(p)) for p in hidden)}\n"
         out = out.rstrip("\n") + "\n" + extra
     if writable:
         # "-": a directory removed since install leaves specd to say so itself (it cannot

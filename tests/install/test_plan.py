@@ -66,6 +66,20 @@ def test_refuses_when_a_later_dropin_sets_execstart(tmp_path: Path) -> None:
         build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
 
 
+@pytest.mark.parametrize("prefix", [":", "-:", ":+"])
+def test_refuses_a_command_that_does_not_expand_variables(tmp_path: Path, prefix: str) -> None:
+    """With ":" systemd passes "$SPECD_SPECULATIVE_ARGS" to SGLang as it is: the drop-in was
+    written, and SGLang's next start failed on the word, and so did the rollback's."""
+    view = view_of(f"{prefix}{BASE} {SPEC}")
+    with pytest.raises(InstallError, match=r"starts with ':', which turns off variable expansion"):
+        build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    # Other prefixes expand variables: wired as before.
+    plan = build_plan(
+        view_of(f"-{BASE} {SPEC}"), Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD
+    )
+    assert any(c.path.name == DROPIN_NAME for c in plan.files)
+
+
 def config_of(plan_files: list, path: Path = CONFIG_FILE) -> str:  # type: ignore[type-arg]
     return next(c for c in plan_files if c.path == path).new.decode()
 
