@@ -171,6 +171,19 @@ class SystemState:
     specd_needs_reload: bool = False
 
 
+def _configured_url(layout: Layout) -> str | None:
+    """[sglang] url of the specd.toml in place, or None (none, unreadable, not TOML, no
+    such key: the unit's --host/--port then say it)."""
+    try:
+        raw = layout.read(CONFIG_FILE)
+        data = None if raw is None else parse_toml(raw.decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    sglang = data.get("sglang") if isinstance(data, dict) else None
+    url = sglang.get("url") if isinstance(sglang, dict) else None
+    return url if isinstance(url, str) else None
+
+
 def check_url(url: str, flag: str = "--url") -> str:
     """An operator's ``--url`` (or ``flag``): http(s)://HOST[:PORT], nothing else."""
     try:
@@ -449,6 +462,10 @@ def build_plan(
     install last wrote, by path (its manifest); a file it would replace whole that holds
     anything else is kept in the archive first."""
     unit = view.unit
+    # A URL an earlier run was given (--url: a port published under another number) or the
+    # operator set: kept by a run without --url, which rebuilt it from the unit's
+    # --host/--port and so pointed specd at a port where SGLang does not answer.
+    configured = _configured_url(layout) if url is None else None
     command = live_command(view)
     if ":" in command.prefix:
         # The drop-in repeats the command with $SPECD_SPECULATIVE_ARGS, which ":" leaves
@@ -464,7 +481,7 @@ def build_plan(
         unit_environment(view, layout),
         unit,
         defaults=view.environment,
-        read_url=url is None,
+        read_url=url is None and configured is None,
     )
     if not spec.metrics and not add_metrics:
         raise InstallError(
@@ -496,18 +513,21 @@ def build_plan(
     if existing_config is not None and not _is_toml(existing_config):
         # Nothing to edit: refused before anything is written, as check-config says it.
         raise _config_refusal([f"{CONFIG_FILE}: {p}" for p in problems_now])
+    derived = None if spec.port is None else sglang_url(spec.host, spec.port)
+    given, kept = url is not None, url is None and configured is not None
     if url is None:
-        assert spec.port is not None
-        url = sglang_url(spec.host, spec.port)
-    else:
-        url = check_url(url)
+        url = configured if configured is not None else derived
+        assert url is not None
+    if given or kept:
+        flag = f"{CONFIG_FILE} [sglang] url" if kept else "--url"
+        url = check_url(url, flag)
         away = elsewhere(url)
         if away is not None:
             # specd would watch that server and restart this unit: every change would fail
             # its verification, restart the unit again to roll back, and freeze.
             raise InstallError(
-                f"--url {url}: {away}, and specd restarts {unit} on this one: give the URL "
-                f"this machine's {unit} answers at (its --host/--port)"
+                f"{flag} {url}: {away}, and specd restarts {unit} on this one: give the URL "
+                f"this machine's {unit} answers at (its --host/--port) with --url"
             )
     gateway_values = None if gateway is None else gateway_keys(gateway, layout)
     fleet_values = None if fleet is None else fleet_keys(fleet)
@@ -556,6 +576,11 @@ def build_plan(
     )
     plan.notes += reachable.notes
     plan.warnings += reachable.warnings
+    if kept and derived is not None and url != derived:
+        plan.notes.append(
+            f"kept [sglang] url = {url} from {CONFIG_FILE}; {unit}'s --host/--port say "
+            f"{derived}: run install with --url to change it"
+        )
     old_dropin = read(dropin)
     extras = (
         []

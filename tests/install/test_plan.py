@@ -183,6 +183,10 @@ def test_plan_is_empty_once_installed(tmp_path: Path) -> None:
 
 
 def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path) -> None:
+    """Only the keys install sets change. The URL specd.toml has stays (an earlier run's
+    --url: SGLang in a container publishing its port under another number): a run without
+    --url rebuilt it from the unit's --host/--port and pointed specd where nothing answers.
+    Where the unit says another, install says so."""
     layout, config = with_config(
         tmp_path,
         '[sglang]\nurl = "http://127.0.0.1:30000"\n[observe]\nmin_history_s = 5.0\n',
@@ -193,10 +197,34 @@ def test_an_edited_config_is_updated_in_place_and_restarts_specd(tmp_path: Path)
     assert change.old == config.read_bytes()
     assert b"min_history_s = 5.0" in change.new
     diff = change.diff().splitlines()
+    assert ' url = "http://127.0.0.1:30000"' in diff  # kept
+    assert '+unit = "sglang.service"' in diff
+    assert plan.url == "http://127.0.0.1:30000"
+    assert (
+        f"kept [sglang] url = http://127.0.0.1:30000 from {CONFIG_FILE}; sglang.service's "
+        "--host/--port say http://127.0.0.1:31000: run install with --url to change it"
+    ) in plan.notes
+    assert ("systemctl", "restart", SPECD_UNIT) in plan.commands
+    # --url changes it.
+    given = build_plan(
+        view, layout, RUNNING, add_metrics=False, specd_argv=SPECD, url="http://127.0.0.1:31000"
+    )
+    diff = next(c for c in given.files if c.path == CONFIG_FILE).diff().splitlines()
     assert '-url = "http://127.0.0.1:30000"' in diff
     assert '+url = "http://127.0.0.1:31000"' in diff
-    assert '+unit = "sglang.service"' in diff
-    assert ("systemctl", "restart", SPECD_UNIT) in plan.commands
+
+
+def test_a_second_run_without_url_keeps_the_url_the_first_was_given(tmp_path: Path) -> None:
+    layout = Layout(tmp_path)
+    view = view_of(f"{BASE} {SPEC}")
+    first = build_plan(
+        view, layout, FRESH, add_metrics=False, specd_argv=SPECD, url="http://127.0.0.1:8000"
+    )
+    install_files(layout, first.files)
+    layout.host(Path("/var/lib/specd")).mkdir(parents=True)
+    again = build_plan(installed_view(layout), layout, RUNNING, add_metrics=False, specd_argv=SPECD)
+    assert again.url == "http://127.0.0.1:8000"
+    assert all(c.path != CONFIG_FILE for c in again.files), again.render()
 
 
 def step_variable_dropin(steps: str, draft: str) -> str:

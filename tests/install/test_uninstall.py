@@ -106,7 +106,7 @@ def test_a_symlinked_config_is_not_edited_through(tmp_path: Path) -> None:
     [line] = str(err.value).splitlines()
     assert line == (
         f"{CONFIG_FILE} is a symlink to {managed}: install does not edit through it; set "
-        '[sglang] url = "http://127.0.0.1:30000", [sglang] unit = "sglang.service", '
+        '[sglang] unit = "sglang.service", '
         '[sglang] speculative_algorithm = "NEXTN" where that file comes from, then run '
         "install again"
     )
