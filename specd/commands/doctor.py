@@ -646,6 +646,20 @@ class Doctor:
 
     def check_polkit(self) -> Check:
         unit = self.config.sglang.unit
+        shown = self.runner(
+            ["systemctl", "show", "--property=Id", "--value", unit], timeout_s=TIMEOUT_S
+        )
+        real = shown.stdout.strip() if shown.returncode == 0 else ""
+        if real and real != unit:
+            # systemd asks polkit about the unit's own name: pkcheck for the alias said yes
+            # while every restart specd issued was denied.
+            return Check(
+                "polkit",
+                False,
+                f"{unit} is an alias of {real}: systemd asks polkit about {real}, which a "
+                f"rule for {unit} does not allow",
+                f'set [sglang] unit = "{real}" and run `specd install --unit {real}`',
+            )
         try:
             uid = pwd.getpwnam(SPECD_USER).pw_uid
         except KeyError:

@@ -462,6 +462,12 @@ def build_plan(
     install last wrote, by path (its manifest); a file it would replace whole that holds
     anything else is kept in the archive first."""
     unit = view.unit
+    if view.unit_id and view.unit_id != unit:
+        # systemd asks polkit about the unit's own name, not an alias: the rule for the alias
+        # denied every restart specd issued, while install and doctor said all was well.
+        raise InstallError(
+            f"{unit} is an alias of {view.unit_id}: run install with --unit {view.unit_id}"
+        )
     # A URL an earlier run was given (--url: a port published under another number) or the
     # operator set: kept by a run without --url, which rebuilt it from the unit's
     # --host/--port and so pointed specd at a port where SGLang does not answer.

@@ -61,6 +61,8 @@ class UnitView:
     # shown or not a time span).
     restart: str = ""
     restart_sec_s: float | None = None
+    # Its name as systemd knows it (Id=): another than ``unit`` where ``unit`` is an alias.
+    unit_id: str = ""
 
 
 def parse_exec_property(value: str) -> ShowExec:
@@ -117,6 +119,7 @@ def parse_show(unit: str, show_text: str, cat_text: str) -> UnitView:
         need_reload=(props.get("NeedDaemonReload") or [""])[-1] == "yes",
         restart=(props.get("Restart") or [""])[-1],
         restart_sec_s=timespan_s((props.get("RestartUSec") or [""])[-1]),
+        unit_id=(props.get("Id") or [""])[-1],
     )
 
 

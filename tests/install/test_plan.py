@@ -4,6 +4,7 @@ override left by an earlier installation."""
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import os
 import re
@@ -515,3 +516,16 @@ def test_a_problem_install_itself_fixes_is_no_reason_to_refuse(tmp_path: Path) -
     text = config_of(plan.files)
     assert Config.model_validate(parse_toml(text)).sglang.unit == UNIT
     assert "# not a service name; install sets it" in text
+
+
+def test_refuses_an_alias_and_names_the_unit_it_stands_for(tmp_path: Path) -> None:
+    """systemd asks polkit about a unit by its own name: a rule for the alias (and
+    [sglang] unit = the alias) denied every restart specd issued, while install and doctor
+    said all was well."""
+    view = dataclasses.replace(view_of(f"{BASE} {SPEC}"), unit_id="sglang-real.service")
+    with pytest.raises(InstallError) as err:
+        build_plan(view, Layout(tmp_path), FRESH, add_metrics=False, specd_argv=SPECD)
+    assert str(err.value) == (
+        "sglang.service is an alias of sglang-real.service: run install with --unit "
+        "sglang-real.service"
+    )

@@ -91,3 +91,30 @@ def test_doctor_says_a_polkit_rule_that_denies_reset_failed_is_not_enough(sd: Co
     assert not found["polkit"]["ok"]
     assert found["polkit"]["detail"] == f"user specd: reset-failed {SGLANG_UNIT}: denied"
     assert f"`specd install --unit {SGLANG_UNIT}`" in found["polkit"]["advice"]
+
+
+def test_doctor_fails_a_unit_named_by_an_alias(sd: Container) -> None:
+    """systemd asks polkit about a unit by its own name. With [sglang] unit (and the rule)
+    naming an alias, pkcheck for the alias said yes, doctor said ✓, and every restart specd
+    issued was denied."""
+    sd.write_unit(SGLANG_UNIT, "[Service]\nExecStart=/bin/sleep infinity\n")
+    alias = sd.units_dir / "sglang-alias.service"
+    alias.symlink_to(SGLANG_UNIT)  # relative: the directory is bind-mounted in the container
+    try:
+        sd.daemon_reload()
+        (sd.config_dir / "specd.toml").write_text(
+            tomli_w.dumps({"sglang": {"url": TWIN_URL, "unit": alias.name}})
+        )
+        code, found = verdicts(sd)
+        assert code == 1
+        assert not found["polkit"]["ok"]
+        assert found["polkit"]["detail"] == (
+            f"{alias.name} is an alias of {SGLANG_UNIT}: systemd asks polkit about "
+            f"{SGLANG_UNIT}, which a rule for {alias.name} does not allow"
+        )
+        assert found["polkit"]["advice"] == (
+            f'set [sglang] unit = "{SGLANG_UNIT}" and run `specd install --unit {SGLANG_UNIT}`'
+        )
+    finally:
+        alias.unlink()
+        sd.daemon_reload()
