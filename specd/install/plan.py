@@ -455,6 +455,7 @@ def build_plan(
     gateway: GatewayOptions | None = None,
     fleet: FleetOptions | None = None,
     installed: Mapping[str, str] | None = None,
+    specd_user: str = SPECD_USER,
 ) -> Plan:
     """Everything install would write and run; raises InstallError for a unit it refuses.
     ``fresh``: no installation of specd is recorded here, so an override file left from an
@@ -515,6 +516,13 @@ def build_plan(
             return None
 
     existing_config = read(CONFIG_FILE)
+    if existing_config is not None and _user_exists(specd_user):
+        # Checked as root, a 0600 root:root specd.toml passed, and specd.service (user
+        # specd) then failed to start on it. Install keeps the file's mode and owner.
+        cannot_read = key_file_unreadable_by(layout.host(CONFIG_FILE), specd_user)
+        if cannot_read is not None:
+            why, advice = cannot_read
+            raise InstallError(f"{CONFIG_FILE}: user {specd_user} {why}: {advice}")
     problems_now = [] if existing_config is None else config_problems(layout.host(CONFIG_FILE))
     if existing_config is not None and not _is_toml(existing_config):
         # Nothing to edit: refused before anything is written, as check-config says it.

@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import grp
 import os
+import pwd
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -529,3 +531,27 @@ def test_refuses_an_alias_and_names_the_unit_it_stands_for(tmp_path: Path) -> No
         "sglang.service is an alias of sglang-real.service: run install with --unit "
         "sglang-real.service"
     )
+
+
+def test_refuses_a_config_the_specd_user_cannot_read(tmp_path: Path) -> None:
+    """Checked as root, a 0600 root:root specd.toml passed; install kept its mode, and
+    specd.service, which runs as user specd, failed at `enable --now`, install stopped
+    midway with specd enabled and failing."""
+    # A root the user can enter (pytest's own is 0700): the file itself is the problem.
+    root = Path(tempfile.mkdtemp(prefix="specd-install-"))
+    root.chmod(0o755)
+    layout, config = with_config(root, '[sglang]\nurl = "http://127.0.0.1:30000"\n')
+    config.chmod(0o600)
+    view = view_of(f"{BASE} {SPEC}")
+    with pytest.raises(InstallError) as err:
+        build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD, specd_user="nobody")
+    group = grp.getgrgid(pwd.getpwnam("nobody").pw_gid).gr_name
+    assert str(err.value) == (
+        f"{CONFIG_FILE}: user nobody cannot read it (0600 root:root): run `chgrp {group} "
+        f"{config} && chmod 0640 {config}`"
+    )
+    config.chmod(0o644)
+    try:
+        build_plan(view, layout, FRESH, add_metrics=False, specd_argv=SPECD, specd_user="nobody")
+    finally:
+        shutil.rmtree(root)
