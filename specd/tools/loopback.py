@@ -6,13 +6,14 @@ tests/factories.py) and the fleet bench (bench/bench_fleet.py); failures raise
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -179,10 +180,41 @@ class SmgGateway:
         self.stop()
 
 
+def _stream_problem(lines: Iterable[str]) -> str | None:
+    """Why a streamed completion did not end whole, or None. A worker dying mid-stream makes
+    smg send an error event and then ``data: [DONE]``: complete means [DONE] last, no event
+    carrying an ``error``, and the last event before [DONE] giving a ``finish_reason``."""
+    last, finished = "", None
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        last = line
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        try:
+            event = json.loads(line[len("data: ") :])
+        except ValueError:
+            return f"not a JSON event: {line[:80]!r}"
+        if not isinstance(event, dict):
+            return f"not an event object: {line[:80]!r}"
+        if "error" in event:
+            return f"stream error: {str(event['error'])[:160]}"
+        choices = event.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else {}
+        finished = first.get("finish_reason") if isinstance(first, dict) else None
+    if last != "data: [DONE]":
+        return f"stream cut after {last[:80]!r}"
+    if finished is None:
+        return "stream ended with [DONE] but its last event gave no finish_reason"
+    return None
+
+
 class StreamingLoad:
     """``clients`` threads each sending streaming completions through ``url`` back to back
-    and recording how every one ended: ``ok`` counts complete 200s (the stream reached
-    ``data: [DONE]``), ``failures`` says what went wrong with each other one."""
+    and recording how every one ended: ``ok`` counts complete 200s (`_stream_problem`: the
+    stream reached ``data: [DONE]`` with a finish_reason and no error event), ``failures``
+    says what went wrong with each other one."""
 
     def __init__(self, url: str, clients: int, max_tokens: int = 40) -> None:
         self.url = url
@@ -199,11 +231,7 @@ class StreamingLoad:
             with http.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     return f"HTTP {resp.status_code}: {resp.read()[:200]!r}"
-                last = ""
-                for line in resp.iter_lines():
-                    if line.strip():
-                        last = line.strip()
-                return None if last == "data: [DONE]" else f"stream cut after {last[:80]!r}"
+                return _stream_problem(resp.iter_lines())
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__}: {exc}"
 
