@@ -1197,6 +1197,10 @@ class Applier:
         halted = self._halted("before the restart went out")
         if halted is not None:
             return self._unwind(journal, halted)
+        if self.gateway is not None:
+            routed = self._still_routed()
+            if routed is not None:
+                return self._unwind(journal, routed)
         if self.gateway is None:
             # Without a drain the restart itself takes the server out of service.
             unmarked = self._mark_out(journal)
@@ -2106,6 +2110,20 @@ class Applier:
         self._slot, self._keeper = slot, self.fleet.keep_alive(slot)
         self.log.info("fleet_slot_taken", group=slot.group, slot=slot.index, detail=why)
         return None
+
+    def _still_routed(self) -> str | None:
+        """Why the drained server must not restart: a gateway replica routes it again (one
+        restarted since the drain lists its configured workers anew) or under a name the
+        drain did not take out (localhost beside 127.0.0.1), or cannot say. None: no
+        replica routes it. A restart then would cut the requests routed to it."""
+        assert self.gateway is not None
+        try:
+            routed = self.gateway.routing()
+        except GatewayUnavailable as exc:
+            return f"cannot confirm no gateway replica routes this server: {exc}; no restart"
+        if not routed:
+            return None
+        return f"{'; '.join(routed)} since the drain: no restart"
 
     def _slot_lost(self) -> str | None:
         """Right before the restart: why the slot is no longer ours, or None (no fleet, or

@@ -406,6 +406,22 @@ class GatewayClient:
         """This server's worker on ``gateway`` (None: not routed there)."""
         return self.look(gateway)[0]
 
+    def routing(self) -> list[str]:
+        """Every replica's entry that routes this server now (``ready``), by its worker URL
+        or any other name of this server (`this_server_as`), as "GATEWAY lists URL ready";
+        raises if any replica cannot say. The last look before a restart: a replica
+        restarted since the drain lists its configured workers again, and an entry by
+        another name (localhost beside 127.0.0.1) was never drained."""
+        found = []
+        for gateway in self.gateways:
+            for w in self._workers(gateway):
+                url = w.get("url")
+                if not isinstance(url, str) or w.get("status") != READY:
+                    continue
+                if _same_url(url, self.worker_url) or this_server_as(self.worker_url, [url]):
+                    found.append(f"gateway {gateway} lists {url} {READY}")
+        return found
+
     def find_all(self) -> list[Worker | None]:
         """This worker on each replica, in order, to drain it; raises if any replica cannot
         say. Raises ``WorkerNotListed`` when a drain could not take it out of routing: a

@@ -2627,3 +2627,40 @@ def test_an_env_file_that_asks_for_what_runs_or_nothing_is_not_reported(
         outcome = applier.apply(4, 3, window_open=always_open)
     assert outcome.result == "success", outcome.message
     assert [e for e in logs if e["event"] == "env_file_edited"] == []
+
+
+def test_a_gateway_replica_routing_the_server_again_after_the_drain_means_no_restart(
+    make_unit: Any, tmp_path: Path
+) -> None:
+    """A replica that lists its workers in --worker-urls, redeployed (or crashed and back)
+    while specd waited for SGLang to go idle, routes the server again under a new id. specd
+    looked at the gateway once, at the drain, and restarted SGLang under the requests
+    routed to it since. It looks again right before the restart."""
+    unit = make_unit()
+    gateway = QuickStopSmg([unit.url], admin_key=SMG_ADMIN_KEY, retries=False).wait_ready()
+    rec = Recorder(tmp_path / "journal.json")
+    replica = {"now": gateway, "restarted": False}
+
+    def window_open() -> bool:
+        # Asked while the applier waits for SGLang to go idle, once drained.
+        if not replica["restarted"] and rec.phases()[-1:] == ["draining"]:
+            replica["restarted"] = True
+            old = replica["now"]
+            old.stop()
+            replica["now"] = QuickStopSmg(
+                [unit.url], admin_key=SMG_ADMIN_KEY, retries=False, port=old.port
+            ).wait_ready()
+        return True
+
+    try:
+        outcome = gateway_applier(unit, gateway, tmp_path, rec).apply(4, 3, window_open=window_open)
+        assert replica["restarted"]
+        assert outcome.result == "aborted", outcome.message
+        assert f"lists {unit.url} ready since the drain: no restart" in outcome.message
+        assert unit.restarts == []
+        assert unit.env_file.read_bytes() == ORIGINAL_ENV
+        again = routed(replica["now"], unit)
+        assert again is not None
+        assert again.status == "ready"
+    finally:
+        replica["now"].stop()
