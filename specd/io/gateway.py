@@ -470,7 +470,12 @@ class GatewayClient:
         return None, sum(1 for w in found if not _ready(w))
 
     def remove(self, worker: Worker) -> None:
-        """Stop routing to ``worker`` on its replica (it goes draining, then away)."""
+        """Stop routing to ``worker`` on its replica (it goes draining, then away). One
+        already draining is left to it: smg removes such an entry at once on a second
+        DELETE, but the first removal stays armed, and at the end of its settle time it
+        removed, by URL, the worker specd had added back since."""
+        if worker.status == DRAINING:
+            return
         self._call("DELETE", worker.gateway_url, f"/workers/{worker.worker_id}")
 
     def drain(self) -> list[Worker]:

@@ -66,6 +66,43 @@ def test_drain_readd_ready(twin: TwinThread, gateway: str) -> None:
     client.close()
 
 
+def test_a_worker_already_draining_is_not_removed_again(twin: TwinThread) -> None:
+    """smg takes a second DELETE of a draining entry (202) and drops it at once, but the
+    first removal stays armed: at the end of its settle time it removed, by URL, the worker
+    specd had added back since (a sequence after one whose re-add gave up while the entry
+    still drained). A draining entry is left to its own removal."""
+    settle_s = 3
+    with SmgGateway([], admin_key=SMG_ADMIN_KEY) as smg:
+        headers = {"Authorization": f"Bearer {SMG_ADMIN_KEY}"}
+        end = time.monotonic() + 20  # no worker to wait for: wait for smg itself
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(smg.url + "/workers", headers=headers).status_code == 200:
+                    break
+            assert time.monotonic() < end, smg.log()[-2000:]
+            time.sleep(0.1)
+        body = {"url": twin.url, "health": {"drain_settle_secs": settle_s}}
+        assert httpx.post(smg.url + "/workers", headers=headers, json=body).status_code == 202
+        client = GatewayClient([smg.url], twin.url, api_key=SMG_ADMIN_KEY, poll_s=0.1)
+        assert client.wait_ready(20)
+        [first] = client.drain()
+        draining = client.find(smg.url)
+        assert draining is not None
+        assert draining.status == "draining"
+        started = time.monotonic()
+        client.remove(draining)  # the next sequence's drain, finding it draining
+        still = client.find(smg.url)
+        assert still is not None  # not dropped at once: its own removal goes on
+        assert still.status == "draining"
+        assert client.readd([first], settle_s + 10.0) == []  # once the entry is gone
+        assert time.monotonic() - started > 1.0
+        time.sleep(settle_s + 1)  # past any removal armed before
+        back = client.find(smg.url)
+        assert back is not None
+        assert back.status == "ready"
+        client.close()
+
+
 @pytest.mark.parametrize("applies_after_s", [0.5, None])
 def test_a_drain_lasts_until_the_queued_removal_is_done(applies_after_s: float | None) -> None:
     """smg answers a DELETE with 202 and removes the worker later: a drain that returned at
