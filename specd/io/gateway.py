@@ -45,8 +45,20 @@ READY = "ready"
 DRAINING = "draining"
 # Bounded error kinds: a metric label (specd_gateway_errors_total).
 ERROR_KINDS = ("connect", "timeout", "http_status", "malformed", "api_key")
-# Worker settings smg takes back on POST /workers besides url and labels.
-SETTING_KEYS = ("worker_type", "runtime_type", "connection_mode", "priority", "cost")
+# Worker settings smg takes back on POST /workers besides url and labels (it lists the
+# last four only where they were set): an operator's per-worker timeouts, drain settle
+# time, pool and retries were back at smg's defaults after specd's first restart.
+SETTING_KEYS = (
+    "worker_type",
+    "runtime_type",
+    "connection_mode",
+    "priority",
+    "cost",
+    "max_connection_attempts",
+    "health",
+    "http_pool",
+    "resilience",
+)
 
 
 class GatewayUnavailable(Exception):

@@ -473,3 +473,44 @@ def test_a_compressed_gateway_answer_is_refused_undecoded() -> None:
         finally:
             client.close()
     assert "Content-Encoding gzip, gzip" in str(info.value)
+
+
+def test_a_readd_keeps_the_workers_own_settings(twin: TwinThread) -> None:
+    """The re-add sent back url, labels, type, priority and cost: an operator's per-worker
+    health timeouts and drain settle time, connection pool and retries were smg's defaults
+    after specd's first restart."""
+    with SmgGateway([], admin_key=SMG_ADMIN_KEY) as smg:
+        headers = {"Authorization": f"Bearer {SMG_ADMIN_KEY}"}
+        end = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(smg.url + "/workers", headers=headers).status_code == 200:
+                    break
+            assert time.monotonic() < end, smg.log()[-2000:]
+            time.sleep(0.1)
+        own = {
+            "labels": {"zone": "a"},
+            "priority": 7,
+            "cost": 2.5,
+            "max_connection_attempts": 3,
+            "health": {"timeout_secs": 9, "drain_settle_secs": 1},
+            "http_pool": {"connect_timeout_secs": 3},
+            "resilience": {"max_retries": 1},
+        }
+        body = {"url": twin.url, **own}
+        assert httpx.post(smg.url + "/workers", headers=headers, json=body).status_code == 202
+        client = GatewayClient([smg.url], twin.url, api_key=SMG_ADMIN_KEY, poll_s=0.1)
+        assert client.wait_ready(20)
+
+        def listed() -> dict[str, object]:
+            workers = httpx.get(smg.url + "/workers", headers=headers).json()["workers"]
+            [entry] = [w for w in workers if w["url"] == twin.url]
+            return {k: entry.get(k) for k in own}
+
+        before = listed()
+        assert before["health"] == own["health"]
+        removed = client.drain()
+        assert client.readd(removed, 20.0) == []
+        assert client.wait_ready(20.0)
+        assert listed() == before
+        client.close()
