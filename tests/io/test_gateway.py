@@ -66,6 +66,18 @@ def test_drain_readd_ready(twin: TwinThread, gateway: str) -> None:
     client.close()
 
 
+def answering(smg: SmgGateway, headers: dict[str, str]) -> None:
+    """Wait until a gateway started with no worker answers its admin API (`wait_ready`
+    waits for workers, and there are none yet)."""
+    end = time.monotonic() + 20
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(smg.url + "/workers", headers=headers).status_code == 200:
+                return
+        assert time.monotonic() < end, smg.log()[-2000:]
+        time.sleep(0.1)
+
+
 def test_a_worker_already_draining_is_not_removed_again(twin: TwinThread) -> None:
     """smg takes a second DELETE of a draining entry (202) and drops it at once, but the
     first removal stays armed: at the end of its settle time it removed, by URL, the worker
@@ -74,13 +86,7 @@ def test_a_worker_already_draining_is_not_removed_again(twin: TwinThread) -> Non
     settle_s = 3
     with SmgGateway([], admin_key=SMG_ADMIN_KEY) as smg:
         headers = {"Authorization": f"Bearer {SMG_ADMIN_KEY}"}
-        end = time.monotonic() + 20  # no worker to wait for: wait for smg itself
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(smg.url + "/workers", headers=headers).status_code == 200:
-                    break
-            assert time.monotonic() < end, smg.log()[-2000:]
-            time.sleep(0.1)
+        answering(smg, headers)
         body = {"url": twin.url, "health": {"drain_settle_secs": settle_s}}
         assert httpx.post(smg.url + "/workers", headers=headers, json=body).status_code == 202
         client = GatewayClient([smg.url], twin.url, api_key=SMG_ADMIN_KEY, poll_s=0.1)
@@ -481,13 +487,7 @@ def test_a_readd_keeps_the_workers_own_settings(twin: TwinThread) -> None:
     after specd's first restart."""
     with SmgGateway([], admin_key=SMG_ADMIN_KEY) as smg:
         headers = {"Authorization": f"Bearer {SMG_ADMIN_KEY}"}
-        end = time.monotonic() + 20
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(smg.url + "/workers", headers=headers).status_code == 200:
-                    break
-            assert time.monotonic() < end, smg.log()[-2000:]
-            time.sleep(0.1)
+        answering(smg, headers)
         own = {
             "labels": {"zone": "a"},
             "priority": 7,
