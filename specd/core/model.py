@@ -1378,6 +1378,10 @@ def plan(
     top = best
     unseen = forecast.recent_ratio > 1.0 - config.choose.min_forecast_seen_ratio + 1e-9
     robust = _robust(model, forecast, predictions, ceiling, current) if unseen else None
+    if robust is not None and current is not None and current not in robust.regrets:
+        # The live setting has no worst case to weigh against (an adaptive set, whose rows
+        # are its tiers'): no bet on unseen hours away from it, the hold stands.
+        robust = None
     if unseen and robust is None:
         best = _safest(predictions, settings, best, current, config)
     target, gain, gain_tokens, margin = best, 0.0, 0.0, 0.0

@@ -1599,3 +1599,27 @@ def test_an_unseen_epoch_after_a_daily_rhythm_takes_the_setting_that_loses_least
     assert regrets[4] < 0.03 < 0.15 < regrets[3]
     assert "worst loss if those are like the hour seen at 06:00 and 05:00 (UTC)" in result.why
     assert says in result.why, result.why
+
+
+def test_an_unseen_epoch_keeps_a_live_adaptive_set_to_the_hold(tmp_path: Path) -> None:
+    """The worst case is weighed for static K and off only. With an adaptive set live, it
+    had none: the pick went to the K that loses least with no evidence against the set
+    (gain 0, margin 0), and the hold on hours never seen was skipped, so the first window
+    restarted SGLang away from the setting predicted to serve most."""
+    history = set_history((32,), MIXED_SET, 1.0)
+    set_history((1,), MIXED_SET, 1.0, history, start=MONDAY + 3 * HOUR)
+    cfg = kinds_config(tmp_path, windows=DAY_AND_NIGHT)
+    live = parse(MIXED_SET)
+    result = plan(
+        history,
+        cfg,
+        None,
+        Calibration.of(KINDS_TABLE),
+        offer=offer(cfg.choose, SERVER),
+        live_adaptive_config=f"/var/lib/specd/{adaptive_config_name(live)}",
+    )
+    assert result is not None
+    assert result.forecast.scenarios  # a rhythm, hours never seen
+    assert result.robust_regrets is None
+    assert "loses least" not in result.why
+    assert result.target == setting_key(live), result.why
