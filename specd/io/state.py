@@ -687,8 +687,11 @@ def lock_state_dir(state_dir: str | Path) -> int:
 
 
 # Errors opening state.json that say no file of specd's is there to keep (the state
-# directory is a file, the path is too long or loops): started fresh, as when it is absent.
-_NO_FILE_THERE = frozenset({errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP})
+# directory is a file, the path is too long or loops, a socket or device sits there):
+# set aside and started fresh, as for any other thing that is not a regular file.
+_NO_FILE_THERE = frozenset(
+    {errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.ENXIO, errno.ENODEV}
+)
 
 
 class StateStore:

@@ -5,6 +5,7 @@ import math
 import os
 import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -1002,6 +1003,9 @@ def _plant(kind: str, path: Path) -> None:
         path.write_text('{"version": 1, "last_decision": ' + '{"a": ' * 5000 + "1" + "}" * 5001)
     elif kind == "fifo":
         os.mkfifo(path)
+    elif kind == "socket":
+        with socket.socket(socket.AF_UNIX) as listening:
+            listening.bind(str(path))  # the socket file stays: open() says ENXIO
     elif kind == "huge":
         with path.open("wb") as handle:
             handle.truncate(300 * 1024**2)  # the 300 MB state of issue 11, sparse
@@ -1019,6 +1023,7 @@ def _plant(kind: str, path: Path) -> None:
         ("deep-json", "invalid JSON: nested deeper than"),
         ("deep-object", "invalid JSON: nested deeper than"),
         ("fifo", "is not a regular file (a FIFO)"),
+        ("socket", "No such device or address"),
         ("huge", "larger than the 16 MiB allowed"),
         ("link-dev-zero", "is a symbolic link"),
         ("link-to-state", "is a symbolic link"),
