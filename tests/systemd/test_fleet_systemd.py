@@ -149,7 +149,12 @@ def test_rolling_pin_under_real_systemd_one_at_a_time_with_zero_errors(sd: Conta
     sd.write_unit(
         HARNESS_UNIT,
         "[Unit]\nDescription=etcd, smg and streaming load for the fleet test\n\n"
-        f"[Service]\nType=simple\nExecStart={exec_line(argv)}\nTimeoutStopSec=60s\n",
+        # KillMode=mixed: the stop's SIGTERM reaches the harness alone, which ends the load
+        # and then stops smg. Sent to the whole cgroup, smg stopped listening while the load
+        # still ran (the harness notices a stop between looks, and a look at SGLang's
+        # generating /health takes a second): hundreds of refused connections at the end.
+        f"[Service]\nType=simple\nExecStart={exec_line(argv)}\nKillMode=mixed\n"
+        "TimeoutStopSec=60s\n",
     )
     for name in NAMES:
         argv = [str(VENV_SPECD), "run", "--config", f"/etc/specd/{name}.toml"]
@@ -202,7 +207,8 @@ def test_rolling_pin_under_real_systemd_one_at_a_time_with_zero_errors(sd: Conta
     final = report(sd)
     assert final["phase"] == "stopped", sd.journal(HARNESS_UNIT)
 
-    assert final["failure_count"] == 0, final["failures"]
+    # With the gateway's own log: once, every failure was the gateway refusing connections.
+    assert final["failure_count"] == 0, (final["failures"], final.get("gateway_log"))
     assert final["ok"] > ok_at_start + 20
     # One at a time, and each really was out (drained) while it restarted.
     assert final["most_out"] == 1, final["episodes"]
