@@ -89,6 +89,7 @@ REASON_COLORS: dict[str, str] = {
     "override_pin": "super-light-purple",
     "frozen": "dark-red",
     "drain_unavailable": "red",
+    "state_unsaved": "red",
     "regression": "dark-orange",
     "unsupported": "red",
 }

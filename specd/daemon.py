@@ -299,6 +299,9 @@ class Daemon:
         self._last_decision_key: object = None
         self._last_logged_at = 0.0
         self._last_saved_at = 0.0
+        # The last save's error (None: it succeeded, or none was tried): while it stands,
+        # no restart starts (reason state_unsaved).
+        self._save_error: str | None = None
         self._ready_sent = False
         self._in_flight: InFlight | None = None
         # A worker left out of the gateway: when it was last re-added (_readd_left_out).
@@ -577,6 +580,7 @@ class Daemon:
             return None
         error = self.store.save(self.state)
         self._last_saved_at = now
+        self._save_error = error or None
         if error:
             self.metrics.state_write_errors.inc()
             self.log.error("state_write_failed", error=error)
@@ -913,6 +917,12 @@ class Daemon:
             static_only=self._static_only,
         )
         outcome = step(context, result, now)
+        if outcome.acts:
+            # No restart without its journal on disk: while saves fail, the change waits
+            # here, before a fleet slot is taken or a quiet moment awaited for nothing.
+            unsaved = self._state_problem()
+            if unsaved is not None:
+                outcome = step(replace(context, state_problem=unsaved), result, now)
         if outcome.acts:
             # etcd is asked only when this tick would restart: no slot, no restart.
             problem = self._fleet_problem()
@@ -1297,6 +1307,16 @@ class Daemon:
             self._algorithm_seen = traits.algorithm
             return traits
         return as_applied(traits, self.config.sglang.speculative_algorithm or self._algorithm_seen)
+
+    def _state_problem(self) -> str | None:
+        """Why the state cannot be saved now, or None: the last save's error, with a save
+        tried again at most every STATE_SAVE_INTERVAL_S (each failure is logged and counted:
+        not one a tick while a change waits)."""
+        if self._save_error is None:
+            return None
+        if 0 <= self.clock() - self._last_saved_at < STATE_SAVE_INTERVAL_S:
+            return self._save_error
+        return self._save_state(force=True)
 
     def _fleet_problem(self) -> str | None:
         """Why no fleet slot could be taken now (etcd unreachable, all slots busy), or None."""

@@ -1203,6 +1203,55 @@ def test_state_dir_faults_keep_the_daemon_running(tmp_path: Path, fault: str, wh
         assert sorted(p.name for p in state_dir.iterdir() if p.name.startswith(".")) == []
 
 
+@pytest.mark.parametrize("fault", ["disk full", "read-only"])
+def test_a_state_that_cannot_be_saved_holds_a_change_before_anything_is_run(
+    tmp_path: Path, fault: str
+) -> None:
+    """A restart goes out only with its journal on disk. While saves fail, a change due in
+    an open window holds (reason state_unsaved) before anything is run for it (no systemctl,
+    no fleet slot, no quiet moment awaited), tick after tick; the save is tried again once
+    a minute, not at every tick; the first tick after one succeeds makes the change."""
+    with tmpfs(tmp_path / "state") as state_dir, ForkedTwin(twin_argv(3)) as twin:
+        twin.wait_healthy()
+        config = make_config(tmp_path, int(twin.url.rsplit(":", 1)[1]), state_dir=state_dir)
+        clock = Clock(INSIDE)
+        runner = RecordingRunner(clock)
+        filler = fill(state_dir) if fault == "disk full" else None
+        if fault == "read-only":
+            remount(state_dir, "ro")
+        with capture_logs() as logs:
+            daemon = make_daemon(config, runner, clock)
+            first = daemon.tick()  # nothing to change yet; its save fails
+            assert first.reason is Reason.INSUFFICIENT_DATA, first
+            ran = len(runner.calls)
+            daemon.state.history = wanting(config, 4, clock.now)
+            held = []
+            for _ in range(30):  # 150 s of ticks, 5 s apart
+                clock.now += 5
+                held.append(daemon.tick())
+            assert {(d.reason, d.target_steps) for d in held} == {(Reason.STATE_UNSAVED, 4)}
+            error = "No space left on device" if fault == "disk full" else "Read-only file system"
+            assert error in held[-1].message, held[-1].message
+            assert held[-1].message.endswith("3 → 4 waits"), held[-1].message
+            assert sample(daemon, "specd_last_decision", {"reason": "state_unsaved"}) == 1
+            assert runner.calls[ran:] == []
+            assert events(logs, "restart_begin") == []
+            # Tried again once a minute (and when the decision first held), not every tick.
+            failed = len(events(logs, "state_write_failed"))
+            assert 3 <= failed <= 5, failed
+            assert sample(daemon, "specd_state_write_errors_total") == failed
+            if filler is not None:
+                filler.unlink()
+            else:
+                remount(state_dir, "rw")
+            clock.now += STATE_SAVE_INTERVAL_S
+            decision = daemon.tick()
+        assert (decision.reason, decision.target_steps) == (Reason.CHANGE, 4), decision
+        assert len(events(logs, "restart_begin")) == 1
+        assert runner.calls[ran:], "the change went to the applier"
+        assert len(events(logs, "state_write_failed")) == failed
+
+
 # ---- a real `specd run` subprocess: signals ----------------------------------------
 
 

@@ -66,6 +66,9 @@ class Reason(str, enum.Enum):
     FLEET_UNAVAILABLE = "fleet_unavailable"
     # A gateway is configured but could not drain this server: no restart without a drain.
     DRAIN_UNAVAILABLE = "drain_unavailable"
+    # specd cannot save its state (a full or read-only /var/lib/specd): a restart goes out
+    # only with its journal on disk, so none starts, not even a pin applied now.
+    STATE_UNSAVED = "state_unsaved"
     # The target is a setting this server cannot run (its /server_info) or its unit cannot
     # be given (a drop-in of the step-variable form): an on-call pin of one. No restart.
     UNSUPPORTED = "unsupported"
@@ -444,6 +447,7 @@ def decide(
     *,
     fleet_problem: str | None = None,
     gateway_problem: str | None = None,
+    state_problem: str | None = None,
     cannot_run: Callable[[SpecSetting], str | None] | None = None,
 ) -> Decision:
     """What specd wants live and whether to apply it now, given the policy's ``pick`` for
@@ -455,8 +459,10 @@ def decide(
     stabilization window. ``fleet_problem``: why no slot of the
     configured fleet can be taken this tick (None: one can, or no fleet is configured);
     ``gateway_problem``: why the configured gateway cannot drain this server this tick
-    (None: it can, or none is configured). Either holds every restart, a pin applied now
-    included; the fleet is checked first. ``cannot_run`` says why the server or its unit
+    (None: it can, or none is configured); ``state_problem``: why specd's state could not
+    be saved (None: it was). Each holds every restart, a pin applied now included; the
+    state first (no etcd or gateway is asked for a restart that cannot go out), then the
+    fleet. ``cannot_run`` says why the server or its unit
     cannot run a setting (`specd.core.choices.cannot_run`): a target it names is held
     before either (the policy only picks what can run; an on-call pin may name anything).
     See the module docstring."""
@@ -480,12 +486,18 @@ def decide(
             f"{decision.message}; not applied: {_one_line(unsupported)}",
             decision.setting,
         )
-    if not (fleet_problem or gateway_problem):
+    if not (state_problem or fleet_problem or gateway_problem):
         return decision
     target = decision.target_steps if wanted.kind == "static" else format_setting(wanted)
     assert target is not None
     arrow = _arrow(control.current_steps, target, live_adaptive=control.live_adaptive)
-    if fleet_problem:
+    if state_problem:
+        reason = Reason.STATE_UNSAVED
+        why = (
+            f"specd cannot save its state ({_one_line(state_problem)}), and a restart goes "
+            "out only with its journal on disk"
+        )
+    elif fleet_problem:
         reason = Reason.FLEET_UNAVAILABLE
         why = f"no fleet slot can be taken ({_one_line(fleet_problem)})"
     else:

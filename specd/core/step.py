@@ -61,6 +61,9 @@ class StepContext:
     # Why the configured gateway cannot drain this server (one line, found by io this tick);
     # None: it can, or no gateway is configured.
     gateway_problem: str | None = None
+    # Why specd's state could not be saved (one line, the last save's error, tried again by
+    # io before a restart); None: it was.
+    state_problem: str | None = None
     # What the server can run (`specd.core.setting.traits_from_server_info`, with the
     # algorithm specd applies); None until /server_info was read: static K and off only.
     traits: ServerTraits | None = None
@@ -212,6 +215,7 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         verdict,
         fleet_problem=ctx.fleet_problem,
         gateway_problem=ctx.gateway_problem,
+        state_problem=ctx.state_problem,
         cannot_run=functools.partial(cannot_run, ctx.traits, ctx.static_only),
     )
     acts = decision.acts(

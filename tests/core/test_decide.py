@@ -538,6 +538,7 @@ def test_reasons_are_the_agreed_metric_labels() -> None:
         "fleet_unavailable",
         "change",
         "drain_unavailable",
+        "state_unsaved",
         "explore",
         "regression",
         "unsupported",
@@ -869,6 +870,45 @@ def test_a_fleet_problem_holds_every_restart(
     assert "\n" not in decision.message
 
 
+DISK_FULL = "cannot write /var/lib/specd: [Errno 28] No space left on device"
+
+
+@pytest.mark.parametrize(
+    ("override", "ctl", "reason", "target"),
+    [
+        # The policy's change, a next-window pin and a pin applied now all wait for a save.
+        (None, control(), Reason.STATE_UNSAVED, 3),
+        (pin(2), control(), Reason.STATE_UNSAVED, 2),
+        (pin(2, apply="now"), control(), Reason.STATE_UNSAVED, 2),
+        # Nothing to restart for: the reason is what it would have been.
+        (pin(4), control(), Reason.OVERRIDE_PIN, 4),
+        (None, control(restart_times=(OPEN - 60,)), Reason.DWELL_TIME, 3),
+        (freeze(), control(), Reason.FROZEN, 4),
+    ],
+)
+def test_a_state_that_cannot_be_saved_holds_every_restart_first(
+    override: Override | None, ctl: Control, reason: Reason, target: int
+) -> None:
+    hist, cfg = history(), config()
+    pick = choose(hist, cfg, ctl.current_steps)
+    args = (hist, observation(OPEN), cfg, override, OPEN, ctl, pick, 0.0)
+    # Said before the fleet or the gateway: neither is asked for a restart that cannot go out.
+    decision = decide(
+        *args,
+        state_problem=DISK_FULL + "\nsecond line",
+        fleet_problem=SLOTS_BUSY,
+        gateway_problem=GATEWAY_DOWN,
+    )
+    assert decision.reason is reason, decision.message
+    assert decision.target_steps == target
+    assert not decision.acts(ctl.current_steps)
+    if reason is Reason.STATE_UNSAVED:
+        assert f"specd cannot save its state ({DISK_FULL} second line)" in decision.message
+        assert decision.message.endswith(" waits"), decision.message
+        assert decide(*args).acts(ctl.current_steps)  # without the problem it would act
+    assert "\n" not in decision.message
+
+
 WIRED = "sglang.service's ExecStart= reads ${SPECULATIVE_NUM_STEPS}, not $SPECD_SPECULATIVE_ARGS"
 SERVER = traits_from_server_info(
     {"speculative_algorithm": "NEXTN", "speculative_eagle_topk": 1, "version": "0.5.23"}
@@ -917,14 +957,19 @@ def test_a_pin_of_what_cannot_run_here_is_held_and_says_why(
 
 
 @PROPERTY
-@given(situations())
-def test_never_restarts_without_a_fleet_slot(s: dict[str, Any]) -> None:
+@given(situations(), st.sampled_from(["fleet", "state"]))
+def test_never_restarts_without_a_fleet_slot_or_its_state_saved(
+    s: dict[str, Any], missing: str
+) -> None:
     pick = choose(s["history"], s["config"], s["control"].current_steps)
     args = (s["history"], s["obs"], s["config"], s["override"], s["now"], s["control"], pick)
-    decision = decide(*args, fleet_problem=SLOTS_BUSY)
+    if missing == "fleet":
+        decision, reason = decide(*args, fleet_problem=SLOTS_BUSY), Reason.FLEET_UNAVAILABLE
+    else:
+        decision, reason = decide(*args, state_problem=DISK_FULL), Reason.STATE_UNSAVED
     assert not decision.acts(s["control"].current_steps)
     if decide(*args).acts(s["control"].current_steps):
-        assert decision.reason is Reason.FLEET_UNAVAILABLE
+        assert decision.reason is reason
 
 
 def model_pick(
