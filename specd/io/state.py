@@ -57,9 +57,13 @@ def atomic_write_json(path: str | Path, obj: Any, mode: int = 0o600) -> None:
     directory, never through a symlink. Raises OSError, or ValueError for unserializable
     data (NaN and infinities included: they are not JSON).
     """
-    # Compact: the history makes state.json ~100 KB, rewritten every minute (jq reads it).
-    data = (json.dumps(obj, allow_nan=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
-    files.write_atomic(path, data, mode=mode)
+    files.write_atomic(path, encode_json(obj), mode=mode)
+
+
+def encode_json(obj: Any) -> bytes:
+    """``obj`` as the JSON specd writes: compact (the history makes state.json ~100 KB,
+    rewritten every minute; jq reads it), keys sorted, no NaN (ValueError)."""
+    return (json.dumps(obj, allow_nan=False, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
 def read_json(path: str | Path, max_bytes: int = MAX_STATE_BYTES) -> Any:
@@ -776,10 +780,19 @@ class StateStore:
     def save(self, state: State) -> str | None:
         """Write ``state`` atomically; a one-line error (disk full, read-only, ...) or None."""
         try:
+            data = encode_json(state.to_dict())
+            if len(data) > MAX_STATE_BYTES:
+                # The next start would refuse it and set it all aside (what was learned, a
+                # freeze, a restart's journal): the last file that fit stays instead.
+                return (
+                    f"cannot write {self.path}: {files.size_text(len(data))} of state, over "
+                    f"the {files.size_text(MAX_STATE_BYTES)} a start reads; the file keeps "
+                    "the last state that fit"
+                )
             # Group-readable: members of group specd (the on-call) run `specd status`.
             # Traversable by SGLang's user for the adaptive config (as StateDirectoryMode=).
             self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o751)
-            atomic_write_json(self.path, state.to_dict(), mode=STATE_FILE_MODE)
+            files.write_atomic(self.path, data, mode=STATE_FILE_MODE)
         except (OSError, ValueError, TypeError) as exc:
             return f"cannot write {self.path}: {_one_line(exc)}"
         return None

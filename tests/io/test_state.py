@@ -22,6 +22,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation
 from specd.core.outcome import Avoided, ChangeSnapshot
 from specd.io.state import (
+    MAX_STATE_BYTES,
     STATE_FILE,
     STATE_FILE_MODE,
     STATE_VERSION,
@@ -29,6 +30,7 @@ from specd.io.state import (
     StateFormatError,
     StateStore,
     atomic_write_json,
+    encode_json,
     read_json,
 )
 
@@ -1204,3 +1206,28 @@ def test_parts_a_newer_specd_wrote_are_kept_through_a_save(tmp_path: Path) -> No
     assert state.unknown == {"extra": {"a": None}}
     assert problem is not None
     assert "extra.a: nan is not a number JSON can hold (read as null)" in problem
+
+
+def test_a_state_too_big_for_the_next_start_is_not_written(tmp_path: Path) -> None:
+    """The next start reads at most MAX_STATE_BYTES: a bigger file it would set aside whole
+    (what was learned, a freeze, a restart's journal). Such a save writes nothing and says
+    why, and the file keeps the last state that fit; a state at the bound is written."""
+    store = StateStore(tmp_path, clock=lambda: T0)
+    assert store.save(populated()) is None
+    before = (tmp_path / STATE_FILE).read_bytes()
+    fits = populated()
+    room = MAX_STATE_BYTES - len(encode_json({**fits.to_dict(), "pad": ""}))
+    over = populated()
+    over.unknown = {"pad": "x" * (room + 1)}
+    error = store.save(over)
+    assert error is not None
+    assert error.startswith(f"cannot write {tmp_path / STATE_FILE}: 16 MiB of state, over the ")
+    assert error.endswith("16 MiB a start reads; the file keeps the last state that fit")
+    assert (tmp_path / STATE_FILE).read_bytes() == before
+    assert leftovers(tmp_path) == []
+    fits.unknown = {"pad": "x" * room}
+    assert store.save(fits) is None
+    assert (tmp_path / STATE_FILE).stat().st_size == MAX_STATE_BYTES
+    state, problem = store.load()
+    assert problem is None
+    assert state.unknown == fits.unknown
