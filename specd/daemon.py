@@ -571,6 +571,13 @@ class Daemon:
         if state.verifying is not None:
             state.verifying = replace(state.verifying, t=retime(state.verifying.t))
 
+    def _save_status(self) -> None:
+        """Write status.json: the last decision and what runs, for `specd status`."""
+        error = self.store.save_status(self.state)
+        if error:
+            self.metrics.state_write_errors.inc()
+            self.log.error("state_write_failed", error=error)
+
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
         could not be written, or None."""
@@ -944,8 +951,11 @@ class Daemon:
         self._update_gauges(now, override)
         self.notifier.status(self._status_text())
         # What `specd status` shows must not lag a change of decision by a save interval,
-        # nor a worker put back into routing (or tried).
-        self._save_state(force=changed or self._gateway_changed)
+        # nor a worker put back into routing (or tried). A decision's is written alone
+        # (status.json, small): one flapping every tick rewrote all specd learned each time.
+        if changed and not self._gateway_changed:
+            self._save_status()
+        self._save_state(force=self._gateway_changed)
         self._gateway_changed = False
         self.metrics.tick_duration.observe(time.perf_counter() - started)
         return decision

@@ -44,12 +44,20 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting, setting_key
 from specd.core.setting import parse as parse_setting
-from specd.daemon import Daemon, InFlight
+from specd.daemon import STATE_SAVE_INTERVAL_S, Daemon, InFlight
 from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
 from specd.io.notify import Notifier
-from specd.io.state import STATE_FILE, State, StateStore
+from specd.io.state import (
+    STATE_FILE,
+    STATUS_FILE,
+    State,
+    StateStore,
+    read_state,
+    read_status,
+    with_status,
+)
 from specd.io.timespan import timespan_s
 from specd.twin.process import TwinProcess, free_port
 
@@ -170,6 +178,14 @@ def saved(cfg: Config) -> dict[str, Any]:
     return data
 
 
+def shown(cfg: Config) -> dict[str, Any]:
+    """The last decision and what runs as `specd status` reads them: state.json's, and
+    status.json's where newer."""
+    state = read_state(Path(cfg.files.state_dir) / STATE_FILE)
+    with_status(state, read_status(Path(cfg.files.state_dir) / STATUS_FILE))
+    return {"last_decision": state.last_decision, "live": state.live}
+
+
 def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed(
     tmp_path: Path,
 ) -> None:
@@ -187,7 +203,7 @@ def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed
     assert value is not None
     assert math.isnan(value)
     assert d._status_text().startswith("steps ?")
-    assert saved(cfg)["live"]["steps"] is None
+    assert shown(cfg)["live"]["steps"] is None
     # An on-call pin with apply = "now" is still obeyed, and the applier is told the
     # truth: the live setting is unknown (it used to hear "4" and abort, saying SGLang
     # already runs 4 steps while it ran 3).
@@ -263,18 +279,51 @@ def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Pa
     assert sample("specd_setting_live", {"setting": "4"}) == 1
     assert sample("specd_setting_live", {"setting": "3"}) is None  # cleared, not 0: one lane
     assert state["restarts"][-1]["to_steps"] == 4
-    # A few seconds later (well inside the 60 s save interval) the decision changes: saved.
+    # A few seconds later (well inside the 60 s save interval) the decision changes: shown
+    # at once, from status.json; state.json, all specd learned, waits for its interval (a
+    # decision flapping every tick rewrote it whole at every tick).
     reader.results = [obs(IN_WINDOW + 5, steps=4)]
     clock[0] += 5
     d.tick()
-    state = saved(cfg)
+    state = shown(cfg)
     assert state["last_decision"]["t"] == IN_WINDOW + 5
     assert state["last_decision"]["reason"] == Reason.WITHIN_TOLERANCE.value
     assert state["live"]["steps"] == 4
+    assert saved(cfg)["last_decision"]["t"] == IN_WINDOW
     # An unchanged decision waits for the save interval.
     clock[0] += 5
     d.tick()
-    assert saved(cfg)["last_decision"]["t"] == IN_WINDOW + 5
+    assert shown(cfg)["last_decision"]["t"] == IN_WINDOW + 5
+    clock[0] = IN_WINDOW + STATE_SAVE_INTERVAL_S
+    d.tick()
+    assert saved(cfg)["last_decision"]["t"] == IN_WINDOW + STATE_SAVE_INTERVAL_S
+
+
+def test_a_decision_flapping_every_tick_is_shown_at_once_without_rewriting_the_state(
+    tmp_path: Path,
+) -> None:
+    """A scrape failing every other tick flips the decision at every tick. `specd status`
+    shows each at once (status.json); state.json, all specd learned (up to megabytes),
+    is written once a minute, where each flip rewrote it whole before."""
+    cfg = config(tmp_path)
+    now = WINDOW_CLOSES + 3600
+    clock = [now]
+    failing = ScrapeError("timeout", "no answer", now)
+    reader = Reader([obs(now, steps=4)])
+    d = daemon(cfg, reader, Applier(), clock)
+    path = Path(cfg.files.state_dir) / STATE_FILE
+    writes, inode, reasons = 0, None, []
+    for tick in range(25):  # 120 s, a tick every 5 s
+        clock[0] = now + 5 * tick
+        reader.results = [failing if tick % 2 else obs(clock[0], steps=4)]
+        reasons.append(d.tick().reason)
+        assert shown(cfg)["last_decision"]["reason"] == reasons[-1].value
+        assert shown(cfg)["last_decision"]["t"] == clock[0]
+        if path.stat().st_ino != inode:  # each save is a new file renamed over the old
+            writes, inode = writes + 1, path.stat().st_ino
+    assert set(reasons) == {Reason.WITHIN_TOLERANCE, Reason.NO_DATA}, reasons
+    assert writes == 3  # at 0, 60 and 120 s
+    assert sorted(p.name for p in path.parent.iterdir()) == [STATE_FILE, STATUS_FILE]
 
 
 ADAPTIVE_34 = "/var/lib/specd/" + adaptive_config_name(parse_setting("adaptive:3,4"))
@@ -688,7 +737,7 @@ def test_a_new_adaptive_target_is_logged_and_saved_at_once_though_no_step_count_
         os.chmod(cfg.files.override_file, 0o600)
         reasons.append(d.tick().reason)
         # Saved at once (well inside the 60 s save interval), as any change of decision.
-        assert saved(cfg)["last_decision"]["target_setting"] == setting
+        assert shown(cfg)["last_decision"]["target_setting"] == setting
         clock[0] += 5
     assert reasons[0] is reasons[1], reasons
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]

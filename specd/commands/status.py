@@ -35,12 +35,15 @@ from specd.io.sglang import SGLangClient
 from specd.io.state import (
     LOCK_FILE,
     STATE_FILE,
+    STATUS_FILE,
     State,
     StateNotRead,
     held_freeze,
     is_finite_number,
     read_state,
+    read_status,
     salvage_note,
+    with_status,
 )
 
 # The kernel's table of file locks: who holds the `specd run` lock, read without taking it
@@ -242,6 +245,9 @@ def collect(
     try:
         # As the daemon loads it: bad parts left out and named, good parts shown.
         state = read_state(state_path, HistorySettings.from_config(config), dropped, now=now)
+        # The last decision and what runs, written at each change of either (state.json is
+        # written once a minute).
+        with_status(state, read_status(Path(config.files.state_dir) / STATUS_FILE))
         if dropped:
             # Shown as specd would load it, and still an error: what status shows is not
             # all the file holds, and specd rewrote it whole at its own start.

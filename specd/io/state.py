@@ -8,13 +8,14 @@ Plain JSON only (no pickles), so an operator can read it and nothing in it execu
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard, TypeVar
@@ -36,6 +37,12 @@ STATE_VERSION = 1
 STATE_FILE_MODE = 0o640
 # Weeks of history are ~100 KB; a state file 100x that is not one specd wrote.
 MAX_STATE_BYTES = 16 * files.MIB
+# What `specd status` shows of the latest tick (the last decision, what runs), written at
+# each change of either; state.json, all specd learned (up to megabytes), is written once a
+# minute. A decision flapping every tick (a scrape failing every other one) rewrote all of
+# it at every tick before.
+STATUS_FILE = "status.json"
+MAX_STATUS_BYTES = 256 * files.KIB
 # SGLang restarts one sequence makes at most: the change's and the rollback's.
 MAX_SEQUENCE_RESTARTS = 2
 
@@ -562,6 +569,38 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def read_status(path: str | Path) -> dict[str, Any]:
+    """The parts of status.json (``STATUS_FILE``) that are valid: ``last_decision`` and
+    ``live``, as state.json holds them; none of a file that is absent, damaged or hostile
+    (state.json has them too, a minute older at most)."""
+    try:
+        data = files.parse_json(files.read_regular_file(path, MAX_STATUS_BYTES))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    found: dict[str, Any] = {}
+    with contextlib.suppress(StateFormatError, ValueError):
+        decision = data.get("last_decision")
+        if isinstance(decision, dict) and is_finite_number(decision.get("t")):
+            found["last_decision"] = _last_decision(data, None)
+    with contextlib.suppress(StateFormatError, ValueError):
+        live = _live(data.get("live"), None)
+        if live is not None:
+            found["live"] = live
+    return found
+
+
+def with_status(state: State, status: Mapping[str, Any]) -> None:
+    """Take status.json's parts (`read_status`) into ``state`` where they are newer."""
+    decision = status.get("last_decision")
+    if decision is not None and decision["t"] > state.last_decision.get("t", -math.inf):
+        state.last_decision = decision
+    live = status.get("live")
+    if live is not None and (state.live is None or live["t"] > state.live["t"]):
+        state.live = live
+
+
 def read_state(
     path: str | Path,
     history_settings: HistorySettings | None = None,
@@ -776,6 +815,19 @@ class StateStore:
         except OSError as exc:
             return f"{self.path} {why}; could not move it aside: {_one_line(exc)}; starting fresh"
         return f"{self.path} {why}; moved to {aside.name}; starting fresh"
+
+    def save_status(self, state: State) -> str | None:
+        """Write what `specd status` shows of the latest tick (``STATUS_FILE``: the last
+        decision and what runs) atomically; a one-line error or None."""
+        path = self.state_dir / STATUS_FILE
+        try:
+            data = encode_json({"last_decision": state.last_decision, "live": state.live})
+            if len(data) > MAX_STATUS_BYTES:
+                return f"cannot write {path}: {files.size_text(len(data))}, over the bound"
+            files.write_atomic(path, data, mode=STATE_FILE_MODE)
+        except (OSError, ValueError, TypeError) as exc:
+            return f"cannot write {path}: {_one_line(exc)}"
+        return None
 
     def save(self, state: State) -> str | None:
         """Write ``state`` atomically; a one-line error (disk full, read-only, ...) or None."""

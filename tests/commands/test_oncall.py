@@ -37,7 +37,7 @@ from test_faults import (
     wait_for,
 )
 
-from specd.io.state import STATE_FILE, UNFREEZE_REQUEST
+from specd.io.state import STATE_FILE, STATUS_FILE, UNFREEZE_REQUEST, read_status
 from specd.twin.process import free_port
 from specd.twin.standin import FAST_TWIN, StandIn
 
@@ -121,8 +121,15 @@ class Oncall:
             return json.loads((self.state_dir / STATE_FILE).read_text())  # type: ignore[no-any-return]
         return {}
 
+    def decision(self) -> dict[str, Any]:
+        """The last decision as `specd status` reads it: status.json's (written at each
+        change of decision) where newer than the state file's (written once a minute)."""
+        saved: dict[str, Any] = self.saved().get("last_decision") or {}
+        shown: dict[str, Any] = read_status(self.state_dir / STATUS_FILE).get("last_decision") or {}
+        return shown if shown.get("t", -1) > saved.get("t", -1) else saved
+
     def wait_decision(self, predicate: Callable[[dict[str, Any]], bool], what: str) -> None:
-        wait_for(lambda: predicate(self.saved().get("last_decision") or {}), 60, what)
+        wait_for(lambda: predicate(self.decision()), 60, what)
 
     def wait_frozen(self, frozen: bool, timeout_s: float, what: str) -> None:
         wait_for(lambda: (self.saved().get("frozen") is not None) is frozen, timeout_s, what)

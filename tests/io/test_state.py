@@ -26,12 +26,15 @@ from specd.io.state import (
     STATE_FILE,
     STATE_FILE_MODE,
     STATE_VERSION,
+    STATUS_FILE,
     State,
     StateFormatError,
     StateStore,
     atomic_write_json,
     encode_json,
     read_json,
+    read_status,
+    with_status,
 )
 
 T0 = 1_767_225_600.0
@@ -1231,3 +1234,69 @@ def test_a_state_too_big_for_the_next_start_is_not_written(tmp_path: Path) -> No
     state, problem = store.load()
     assert problem is None
     assert state.unknown == fits.unknown
+
+
+def _status_file(path: Path, kind: str) -> None:
+    decision = {"t": T0 + 60, "reason": "no_data", "message": "m", "target_steps": None}
+    live = {"t": T0 + 60, "steps": None, "source": "observation"}
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "symlink":
+        path.symlink_to("/etc/passwd")
+    elif kind == "huge":
+        path.write_text(json.dumps({"last_decision": {**decision, "message": "x" * 300_000}}))
+    else:
+        path.write_text(
+            {
+                "garbage": "{not json",
+                "a list": "[]",
+                "no time": json.dumps({"last_decision": {"reason": "no_data"}}),
+                "time NaN": '{"last_decision": {"t": NaN, "reason": "no_data"}}',
+                "time absurd": json.dumps({"last_decision": {**decision, "t": 1e300}}),
+                "bad live": json.dumps({"last_decision": decision, "live": {"t": "soon"}}),
+                "both": json.dumps({"last_decision": decision, "live": live}),
+            }[kind]
+        )
+
+
+@pytest.mark.parametrize(
+    ("kind", "parts"),
+    [
+        ("absent", set()),
+        ("fifo", set()),
+        ("directory", set()),
+        ("symlink", set()),
+        ("huge", set()),
+        ("garbage", set()),
+        ("a list", set()),
+        ("no time", set()),
+        ("time NaN", set()),
+        ("time absurd", set()),
+        ("bad live", {"last_decision"}),
+        ("both", {"last_decision", "live"}),
+    ],
+)
+def test_a_status_file_gives_status_its_valid_parts_and_nothing_else(
+    tmp_path: Path, kind: str, parts: set[str]
+) -> None:
+    """status.json (the last decision and what runs, written at each change of either) is
+    read by `specd status` over state.json's where newer: whatever sits there, it reads
+    only valid parts, at once (a FIFO never blocks it), and never fails for it."""
+    path = tmp_path / STATUS_FILE
+    if kind != "absent":
+        _status_file(path, kind)
+    started = time.monotonic()
+    found = read_status(path)
+    assert time.monotonic() - started < 1.0
+    assert set(found) == parts
+    state = populated()
+    state.last_decision, state.live = {"t": T0, "reason": "change"}, None
+    with_status(state, found)
+    assert state.last_decision["reason"] == ("no_data" if parts else "change")
+    # Older than what state.json holds: state.json's stands.
+    newer = {"t": T0 + 120, "reason": "frozen"}
+    state.last_decision = newer
+    with_status(state, found)
+    assert state.last_decision == newer
