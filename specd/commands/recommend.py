@@ -32,24 +32,39 @@ from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.override import daemon_uids, read_override
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import STATE_FILE, State, read_state, salvage_note
+from specd.io.state import (
+    STATE_FILE,
+    State,
+    StateNotRead,
+    held_freeze,
+    read_state,
+    salvage_note,
+)
 
 SAMPLES = Int(1, 1000)
 INTERVAL_S = Seconds(0, 3600)
 
 
-def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, str]:
+def _learned_state(state_dir: Path, settings: HistorySettings) -> tuple[State, str, bool]:
+    """The state as the daemon reads it, where its history comes from, and whether what
+    it holds is unknown (the file not read at all: a freeze in it may stand)."""
     path = state_dir / STATE_FILE
     dropped: list[str] = []
+    now = time.time()
     try:
-        state = read_state(path, settings, dropped, now=time.time())
+        state = read_state(path, settings, dropped, now=now)
         if dropped:
-            return state, f"history from {path} ({salvage_note(dropped)})"
-        return state, f"history from {path}"
+            return state, f"history from {path} ({salvage_note(dropped)})", False
+        return state, f"history from {path}", False
     except FileNotFoundError:
-        return State(history=History(settings)), "no state file: history from samples only"
+        return State(history=History(settings)), "no state file: history from samples only", False
     except (OSError, ValueError) as exc:
-        return State(history=History(settings)), f"state file unusable ({exc}): samples only"
+        fresh = State(history=History(settings))
+        # As the daemon keeps it: the freeze (or the restart in flight) of a file it cannot
+        # read as a state (a newer specd's) still holds.
+        fresh.frozen = held_freeze(exc, now)
+        unknown = isinstance(exc, (OSError, StateNotRead))
+        return fresh, f"state file unusable ({exc}): samples only", unknown
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     settings = HistorySettings.from_config(config)
-    state, source = _learned_state(Path(config.files.state_dir), settings)
+    state, source, unknown = _learned_state(Path(config.files.state_dir), settings)
     history = state.history
     last: Observation | ScrapeError | None = None
     pause = threading.Event()
@@ -179,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
             "target_setting": decision.target_name,
             "reason": decision.reason.value,
             "message": decision.message,
-            "would_restart": outcome.acts,
+            # None: unknown, as the state file could not be read (a freeze may stand).
+            "would_restart": None if unknown and outcome.acts else outcome.acts,
         },
         "measured": [_measured_json(row) for row in rows],
     }
@@ -212,5 +228,11 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         print(f"measured       {_measured_text(row)}")
     # The daemon's answer; this command itself restarts nothing.
-    print("would restart  " + (f"yes, to {wanted}" if outcome.acts else "no"))
+    if unknown and outcome.acts:
+        print(
+            f"would restart  unknown: to {wanted} unless the state file, which could not be "
+            "read, holds a freeze (run as root or as a member of group specd)"
+        )
+    else:
+        print("would restart  " + (f"yes, to {wanted}" if outcome.acts else "no"))
     return code

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 import subprocess
 import sys
 import time
@@ -246,3 +248,49 @@ def test_recommend_names_the_adaptive_set_sglang_runs_and_the_one_it_would_run(
     assert out["decision"]["target_setting"] == "adaptive:3,4"
     assert f"SGLang         {adaptive_twin.url}: adaptive:3,4" in text, text
     assert "decision       override_pin: target adaptive:3,4 — " in text, text
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@pytest.mark.parametrize("case", ["a newer specd's freeze", "unreadable to this user"])
+def test_recommend_never_says_it_would_restart_over_a_freeze_it_could_not_read(
+    tmp_path: Path, twin: TwinProcess, case: str
+) -> None:
+    """The daemon would change to 3 (a heavy day in an open window; a pin applied now),
+    but for the freeze in its state file. recommend read a state file it could not use as
+    no state at all, and said `would restart  yes, to 3` while the daemon stayed frozen."""
+    if case == "unreadable to this user" and (os.geteuid() != 0 or SETPRIV is None):
+        pytest.skip("needs root and setpriv")  # CI runs as root; util-linux ships setpriv
+    cfg = configured(tmp_path, ALL_DAY, learned=True)
+    state = tmp_path / "state" / "state.json"
+    data = json.loads(state.read_text())
+    data["frozen"] = {"since": time.time() - 600, "reason": "restart to 3 rolled_back"}
+    if case == "a newer specd's freeze":
+        data["version"] = 99
+    state.write_text(json.dumps(data))
+    argv = [sys.executable, "-m", "specd.cli", "recommend", "--url", twin.url, "--config",
+            str(cfg), "--samples", "1"]  # fmt: skip
+    if case == "unreadable to this user":
+        # The samples alone act on a pin applied now (the history is in the file).
+        expires = datetime.fromtimestamp(time.time() + 3600, tz=timezone.utc)
+        pin = {"mode": "pin", "steps": 3, "apply": "now", "expires_at": expires, "reason": "x"}
+        (tmp_path / "override.toml").write_text(tomli_w.dumps(pin))
+        (tmp_path / "override.toml").chmod(0o600)
+        # Root without the capabilities that read any file, as an on-call outside group
+        # specd: the file (0600, another user's) cannot be opened.
+        state.chmod(0o600)
+        nobody = pwd.getpwnam("nobody")
+        os.chown(state, nobody.pw_uid, nobody.pw_gid)
+        argv = [str(SETPRIV), "--bounding-set", "-dac_override,-dac_read_search", *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    if case == "a newer specd's freeze":
+        # As the daemon keeps it: frozen, no restart.
+        assert any(line.startswith("decision       frozen: ") for line in lines), lines
+        assert "would restart  no" in lines, lines
+    else:
+        [said] = [line for line in lines if line.startswith("would restart  ")]
+        assert said.startswith("would restart  unknown: to 3 unless the state file"), said
+    assert not any(line.startswith("would restart  yes") for line in lines), lines
