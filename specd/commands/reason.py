@@ -23,10 +23,20 @@ def reason_type(missing: str) -> Callable[[str], str]:
     def reason(text: str) -> str:
         if not text.strip():
             raise argparse.ArgumentTypeError(missing)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # A byte the terminal sent in another encoding (Latin-1's "é"): Python hands it
+            # on as a lone surrogate, which no file specd writes can hold.
+            raise argparse.ArgumentTypeError(
+                f"{quoted(printable(text.encode('utf-8', 'backslashreplace').decode()))} is "
+                "not UTF-8 text (the terminal sent it in another encoding); write it in UTF-8"
+            ) from None
         if printable(text) != text:
             # They would act on the terminal of whoever reads the reason.
             raise argparse.ArgumentTypeError(
-                f"{quoted(printable(text))} has control characters (a newline, a terminal escape)"
+                f"{quoted(printable(text))} has control characters (a newline, a terminal "
+                "escape, a Unicode line separator or bidirectional control)"
             )
         if len(text) > MAX_REASON_CHARS:
             raise argparse.ArgumentTypeError(

@@ -109,14 +109,22 @@ BOM_PROBLEM = "starts with a UTF-8 byte order mark (BOM); save the file as UTF-8
 
 
 # C0 and C1 controls, DEL: in text an operator wrote they would move the cursor, recolour or
-# clear the terminal of whoever reads it later.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# clear the terminal of whoever reads it later. And the Unicode line and paragraph
+# separators and bidirectional controls, which break a line or turn the text after them
+# around where it is shown (a reason that reads "…4 steps" and means "…spets 4").
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
 
 
 def printable(text: str) -> str:
-    """``text`` with its control characters (a terminal's escapes, newlines) written as
-    ``\\x1b``-style escapes, so printing it shows it and does nothing else."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group(0)):02x}", text)
+    """``text`` with its control characters (a terminal's escapes, newlines, Unicode's line
+    separators and bidirectional controls) written as ``\\x1b``- or ``\\u202e``-style
+    escapes, so printing it shows it and does nothing else."""
+    return _CONTROL.sub(lambda m: _escaped(m.group(0)), text)
 
 
 def one_line(text: object, limit: int) -> str:

@@ -496,6 +496,30 @@ def test_unfreeze_needs_a_reason_it_can_keep(tmp_path: Path, reason: str, says: 
 
 
 @pytest.mark.parametrize(
+    ("reason", "says"),
+    [
+        # A Latin-1 terminal's "é": Python hands the byte on as a lone surrogate, which the
+        # override's TOML could not hold (a traceback, exit 1: "could not be written").
+        ("caf\udce9", "is not UTF-8 text"),
+        # They turn the text after them around, or break the line, where it is shown.
+        ("pin \u202e4 spets", "control characters"),
+        ("one\u2028two", "control characters"),
+    ],
+)
+@pytest.mark.parametrize("command", ["override", "unfreeze"])
+def test_a_reason_that_is_no_text_to_show_is_refused_in_one_line(
+    tmp_path: Path, command: str, reason: str, says: str
+) -> None:
+    cfg_path = write_config(tmp_path)
+    argv = ["override", "pin", "3", "--for", "1h"] if command == "override" else ["unfreeze"]
+    done = specd_main(*argv, "--config", str(cfg_path), "--reason", reason)
+    assert (done.returncode, "Traceback" in done.stderr) == (2, False), done.stderr
+    assert says in done.stderr
+    assert not (tmp_path / "override.toml").exists()
+    assert not any(p.name == "unfreeze.json" for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["status"],
