@@ -148,6 +148,9 @@ class Duration:
             raise argparse.ArgumentTypeError(
                 f"{quoted(text)} is longer than {_human(self.most)}{self.hint}"
             )
+        if value < timedelta(seconds=1):
+            # The override file holds whole seconds: it would be written expired.
+            raise argparse.ArgumentTypeError(f"{quoted(text)} is shorter than a second")
         return value
 
 

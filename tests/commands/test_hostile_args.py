@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from specd.cli import COMMANDS
 from specd.commands import args as cli_args
 
-HOSTILE = ["-1", "nan", "inf", "1e308", "99999999999999d", "", "0x10", "9" * 5000]
+# "0.4s": a duration the override file (whole seconds) would hold expired.
+HOSTILE = ["-1", "nan", "inf", "1e308", "99999999999999d", "", "0x10", "9" * 5000, "0.4s"]
 
 # (command words, the argument as argparse names it, argv with {} for the value)
 ARGUMENTS: list[tuple[str, str, list[str]]] = [
