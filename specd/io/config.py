@@ -350,7 +350,8 @@ def _env_json_problems() -> list[str]:
         if shape is None or (not value and ENV_NESTED_DELIMITER in name):
             continue
         try:
-            json.loads(value)
+            # Bounded: a value nested thousands deep made json.loads raise RecursionError.
+            files.parse_json(value)
         except ValueError as exc:
             what, example = shape
             bare = not value.lstrip().startswith(("[", "{", '"'))
@@ -358,7 +359,7 @@ def _env_json_problems() -> list[str]:
                 example = json.dumps([value.strip()])  # the operator's item, quoted
             # For a bare word, JSON's "Expecting value at char 0" says nothing; for a
             # broken JSON text it says where.
-            where = "" if bare else f" ({exc})"
+            where = "" if bare else f" ({str(exc).removeprefix('invalid JSON: ')})"
             such_as = f", such as {name}='{example}'" if example else ""
             problems.append(f"{name}: not valid JSON{where}; {what}{such_as}")
     return problems
@@ -501,8 +502,9 @@ def load_config(
         # A key whose type was already reported gets one line, not two.
         seen = {p.split(":", 1)[0] for p in problems}
         problems += [p for p in _problems_from(exc, env_names) if p.split(":", 1)[0] not in seen]
-    except SettingsError as exc:
-        # pydantic-settings fails this way on malformed JSON in a variable.
+    except (SettingsError, RecursionError) as exc:
+        # pydantic-settings fails this way on malformed JSON in a variable (RecursionError:
+        # nested thousands deep, which its json.loads does not survive).
         found = _env_json_problems()
         if not found:
             field = re.search(r'field "(\w+)"', str(exc))

@@ -569,6 +569,9 @@ def test_environment_overrides_file(
         # The old names of the SGLang unit's variables share the prefix no more.
         ({"SPECD_SPEC_STEPS": "3"}, "SPECD_SPEC_STEPS: unknown setting in the environment"),
         ({"SPECD_WINDOWS": "[{oops"}, "SPECD_WINDOWS: not valid JSON (Expecting property name"),
+        # Nested thousands deep: json.loads raised RecursionError, a traceback.
+        ({"SPECD_WINDOWS": "[" * 5000}, "SPECD_WINDOWS: not valid JSON (nested deeper than 64"),
+        ({"SPECD_CHOOSE": '{"a":' * 5000}, "SPECD_CHOOSE: not valid JSON (nested deeper than 64"),
         # The variable itself, not its table (SPECD_CHOOSE), and what a list looks like.
         (
             {"SPECD_CHOOSE__KINDS": "static"},
