@@ -9,6 +9,7 @@ busy GPU box does not pay for aiohttp, rich or the twin — and a lean install (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from specd import __version__
 
@@ -112,6 +114,9 @@ def _top_parser() -> argparse.ArgumentParser:
 
 # What a shell reports for a command a closed pipe killed (as 130 for ^C).
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
+# sysexits' EX_IOERR: the command's output could not be written (a full disk behind
+# `> file`). Not 1, which override and unfreeze say when their file was not written.
+EXIT_OUTPUT_FAILED = 74
 
 
 def _tolerant_streams() -> None:
@@ -126,6 +131,8 @@ def _tolerant_streams() -> None:
     # raised; what it says goes nowhere, as with >/dev/null, and it does its work.
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+    elif isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout = _GuardedStdout(sys.stdout)
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
 
@@ -142,16 +149,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader left early (`specd status | head -1`): Python's "Note on SIGPIPE".
         # stdout goes to devnull so that the flush at exit does not fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+    except OutputFailed as failed:
+        # `specd override freeze ... > /var/log/full/x`: the freeze is written, then its
+        # confirmation is not; a traceback and exit 1 said "not written".
+        _stdout_to_devnull()
+        exc = failed.error
+        with contextlib.suppress(OSError):
+            print(
+                f"specd: cannot write the output ({exc.strerror or exc}); what the command "
+                "did up to there is done: `specd status` shows it",
+                file=sys.stderr,
+            )
+        return EXIT_OUTPUT_FAILED
+
+
+class OutputFailed(Exception):
+    """stdout refused a write (its disk full or failing), not the pipe's reader gone: not
+    an OSError, so no command's handling of its own files' errors takes it for theirs."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _GuardedStdout:
+    """sys.stdout, whose write errors other than a closed pipe are `OutputFailed`."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _stdout_to_devnull() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     top = _top_parser()
-    if not args or args[0].startswith("-"):
-        top.parse_args(args or ["--help"])
+    if not args:
+        # No command: the usage on stderr and exit 2, as for any wrong command line
+        # (`--help` asked for is exit 0).
+        top.print_help(sys.stderr)
+        return 2
+    if args[0].startswith("-"):
+        top.parse_args(args)
         return 2
     name = args[0]
     if name not in COMMANDS:

@@ -42,6 +42,44 @@ def test_every_command_answers_help(name: str, capsys: pytest.CaptureFixture[str
 def test_top_level_help_lists_every_command() -> None:
     out = specd("--help").stdout
     assert all(name in out for name in cli.COMMANDS)
+    # No command at all is a wrong command line: the usage on stderr, exit 2 (it was 0).
+    bare = specd()
+    assert (bare.returncode, bare.stdout) == (2, "")
+    assert all(name in bare.stderr for name in cli.COMMANDS)
+
+
+@pytest.mark.parametrize("command", ["override", "unfreeze", "status"])
+def test_output_that_cannot_be_written_is_one_line_and_not_taken_for_the_action_failing(
+    tmp_path: Path, command: str
+) -> None:
+    """`specd override freeze ... > FILE` on a full disk: the freeze was written, then its
+    confirmation failed with a traceback and exit 1, which override documents as "not
+    written". It is one line now, exit 74 (EX_IOERR), and what was done stays done."""
+    cfg_path = write_config(tmp_path)
+    frozen = {"since": time.time() - 60, "reason": "restart to 6 rolled_back: never healthy"}
+    assert StateStore(tmp_path / "state").save(State(frozen=frozen)) is None
+    argv = {
+        "override": ["override", "freeze", "--for", "2h", "--reason", "investigating"],
+        "unfreeze": ["unfreeze", "--reason", "fixed"],
+        "status": ["status"],
+    }[command]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "specd.cli", *argv, "--config", str(cfg_path)],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 74, done.stderr
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("specd: cannot write the output (No space left on device)")
+    if command == "override":
+        assert 'mode = "freeze"' in (tmp_path / "override.toml").read_text()
+    if command == "unfreeze":
+        assert (tmp_path / "state" / UNFREEZE_REQUEST).exists()
 
 
 # Runs `specd ARGS` as a lean install sees it: the named packages are absent (None in
