@@ -10,7 +10,7 @@ import time
 from specd.commands.args import Seconds
 from specd.core.acceptance import alpha_from_accept_length
 from specd.core.observation import Observation, ScrapeError
-from specd.core.text import check_root_url
+from specd.core.text import check_root_url, printable
 from specd.io.sglang import SGLangClient, check_base_url
 
 
@@ -82,7 +82,11 @@ def _table(obs: Observation) -> str:
             or None,
         ),
     ]
-    return "\n".join(f"{name:<24} {'-' if value is None else value}" for name, value in rows)
+    # What SGLang said (its launch command, version, algorithm) is shown, never run by the
+    # terminal: an escape in it would clear the screen or retitle the window.
+    return "\n".join(
+        f"{name:<24} {'-' if value is None else printable(str(value))}" for name, value in rows
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from specd.core.sglang_features import (
     parse_version,
 )
 from specd.core.sglang_features import version_text as _version_text
+from specd.core.text import printable
 
 Kind = Literal["off", "static", "adaptive"]
 
@@ -367,7 +368,9 @@ def unavailable(setting: SpecSetting, traits: ServerTraits, *, allow_off: bool) 
     if setting.kind == "static":
         return None
     if traits.algorithm not in ADAPTIVE_ALGORITHMS:
-        return f"SGLang's adaptive mode needs EAGLE, EAGLE3 or NEXTN, not {traits.algorithm}"
+        # As SGLang's /server_info said it: shown, never run by a terminal.
+        algorithm = printable(traits.algorithm)
+        return f"SGLang's adaptive mode needs EAGLE, EAGLE3 or NEXTN, not {algorithm}"
     if traits.dp_attention:
         return "SGLang's adaptive mode does not run with DP attention"
     if traits.multi_layer_eagle:

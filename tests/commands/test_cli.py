@@ -20,10 +20,12 @@ import pytest
 import tomli_w
 from factories import run_specd as specd
 from in_process import specd_main
+from pages import Route, page_server
 from prometheus_client import CollectorRegistry
 
 from specd import cli
 from specd.core.outcome import Avoided
+from specd.core.setting import adaptive, traits_from_server_info, unavailable
 from specd.daemon import Daemon
 from specd.io.config import load_config
 from specd.io.notify import Notifier
@@ -738,3 +740,27 @@ def test_a_closed_stdout_or_stderr_is_no_traceback(closed: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_what_sglang_says_is_shown_not_run_by_the_terminal() -> None:
+    """A /server_info whose launch command, version and algorithm carry terminal escapes
+    (clear the screen, retitle the window): `specd observe` printed them raw, and the
+    reason a pin cannot run (status, doctor) named the algorithm raw."""
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
+    info = json.loads((fixtures / "server_info-loaded.json").read_text())
+    info["launch_command"] = "python -m sglang.launch_server \x1b]0;PWNED\x07\x1b[2J"
+    info["version"] = "0.5.23\x1b[5m"
+    info["speculative_algorithm"] = "EAGLE\x1b[1m"
+    with page_server() as server:
+        server.routes["/metrics"] = Route(
+            body=(fixtures / "sglang-0.5.23-loaded.prom").read_bytes()
+        )
+        server.routes["/server_info"] = Route(body=json.dumps(info).encode())
+        done = specd("observe", "--url", server.url)
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout + done.stderr
+    assert "\\x1b]0;PWNED\\x07" in done.stdout
+    traits = traits_from_server_info({**info, "speculative_algorithm": "MEDUSA\x1b[1M"})
+    why = unavailable(adaptive((1, 3)), traits, allow_off=True)
+    assert why is not None
+    assert "\x1b" not in why
