@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import ipaddress
 import json
 import os
@@ -52,6 +53,7 @@ from specd.install.unit import UnitView, live_command, read_unit
 from specd.io import systemd
 from specd.io.apply import (
     ENV_ARGS,
+    MAX_ENV_BYTES,
     env_setting_words,
     parse_env,
     static_only_wiring,
@@ -64,6 +66,7 @@ from specd.io.config import (
     check_calibration,
     load_config,
 )
+from specd.io.files import MIB, FileReadError, MissingFileError, read_regular_file, size_text
 from specd.io.fleet import Busy, EtcdClient, Fleet, FleetUnavailable, out_text
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
 from specd.io.promtext import sample_names
@@ -82,6 +85,9 @@ from specd.io.tls import context_for
 from specd.io.writable import STATE_DIRECTORY, WrittenDir, fix_for, written_dirs
 
 TIMEOUT_S = 10.0
+# What doctor reads at most of each EnvironmentFile= of SGLang's unit (specd's own env
+# file: the daemon's MAX_ENV_BYTES).
+MAX_UNIT_ENV_BYTES = MIB
 POLKIT_ACTION = "org.freedesktop.systemd1.manage-units"
 # A unit name specd must NOT be allowed to touch; it need not exist for the check.
 PROBE_OTHER_UNIT = "specd-doctor-probe.service"
@@ -219,9 +225,16 @@ class Doctor:
         """A ✗ when [sglang] unit is not the unit install set specd up for (its manifest),
         else None (no manifest: installed by hand, nothing to compare)."""
         try:
+            # A bounded read of a regular file (`Layout.read`): a FIFO there hung doctor.
             manifest = load_manifest(self.layout)
         except InstallError as exc:
-            return Check("unit", False, str(exc), "")
+            return Check(
+                "unit",
+                False,
+                str(exc),
+                f"{MANIFEST_FILE} is install's record of what it changed, which `specd "
+                "uninstall` undoes: put back the file install wrote (a regular file)",
+            )
         except OSError:
             return None  # 0600 root: doctor not run as root cannot tell
         installed = None if manifest is None else manifest.get("unit")
@@ -483,8 +496,11 @@ class Doctor:
         EnvironmentFile= files and specd's env file (the files win, as in systemd)."""
         values = dict(defaults)
         for path in [*self.unit_env_files, Path(self.config.sglang.env_file)]:
-            with contextlib.suppress(OSError):
-                values.update(parse_env(path.read_text(encoding="utf-8", errors="replace")))
+            # Bounded, never blocking: a FIFO there hung doctor. Followed, as systemd reads
+            # them; one that cannot be read adds nothing (`check_setting` names specd's).
+            with contextlib.suppress(FileReadError):
+                data = read_regular_file(path, MAX_UNIT_ENV_BYTES, follow_symlinks=True)
+                values.update(parse_env(data.decode("utf-8", errors="replace")))
         return values
 
     def check_command(self, words: list[str] | None, defaults: dict[str, str]) -> Check:
@@ -527,17 +543,21 @@ class Doctor:
         """The setting specd's env file asks for (else the drop-in's default) against the
         one SGLang runs."""
         env_file = self.config.sglang.env_file
+        unit = self.config.sglang.unit
         try:
-            data: bytes | None = Path(env_file).read_bytes()
-        except OSError:
+            # As the daemon reads it (`specd.io.apply`): no link followed, a regular file of
+            # at most MAX_ENV_BYTES, never blocking (a FIFO there hung doctor).
+            data: bytes | None = read_regular_file(env_file, MAX_ENV_BYTES)
+        except MissingFileError:
             data = None
+        except FileReadError as exc:
+            return Check("setting", False, f"[sglang] env_file {exc}", _env_file_advice(exc, unit))
         asked = None if data is None else env_setting_words(data)
         source = str(env_file)
         if asked is None:
             default = defaults.get(ENV_ARGS)
             asked = None if default is None else default.split()
             source = "the drop-in's default (no env file yet)"
-        unit = self.config.sglang.unit
         if asked is None:
             return Check(
                 "setting",
@@ -1079,6 +1099,19 @@ class Doctor:
             return check()
         except (InstallError, OSError, ValueError) as exc:
             return Check(check.__name__.removeprefix("check_"), False, str(exc), "")
+
+
+def _env_file_advice(exc: FileReadError, unit: str) -> str:
+    """What to do about an env file `Doctor.check_setting` could not read (``exc``)."""
+    if exc.os_errno in (errno.EACCES, errno.EPERM) and os.geteuid() != 0:
+        return "run `specd doctor` as root, as it reads what specd's user reads"
+    if exc.os_errno is not None:
+        return "check the file and its disk: specd backs it up before each change"
+    return (
+        f"make it a regular file of at most {size_text(MAX_ENV_BYTES)}, not a link (specd "
+        f"reads it so before each change), or remove it: `specd install --unit {unit}` "
+        "writes one"
+    )
 
 
 def _reports_effective_capacity(info: dict[str, Any]) -> bool:

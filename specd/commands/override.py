@@ -373,9 +373,12 @@ def run(args: argparse.Namespace) -> int:
     print(_describe(status, path, now, windows_text, checked))
     if replaced is not None:
         print(f"replaces {replaced}")
-    if daemon(cfg.files.state_dir)["running"] is False:
+    running = daemon(cfg.files.state_dir)
+    if running["running"] is False:
         print(
             "note: specd is not running: nothing reads this file until it starts "
             "(`systemctl start specd`)"
         )
+    elif running.get("problem"):
+        print(f"note: cannot tell whether specd runs: {running['problem']}")
     return 0 if status.valid else 1

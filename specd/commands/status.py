@@ -9,7 +9,9 @@ while the daemon runs, and when it does not.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import stat
 import sys
 import time
 from datetime import datetime, timezone
@@ -28,6 +30,7 @@ from specd.core.units import DAY_S
 from specd.io.apply import Journal, JournalError, read_static_only
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, check_calibration
+from specd.io.files import FileReadError, MissingFileError, read_regular_file_and_stat
 from specd.io.fleet import Fleet, FleetUnavailable, same_instance
 from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import SubprocessRunner
@@ -49,6 +52,8 @@ from specd.io.state import (
 # The kernel's table of file locks: who holds the `specd run` lock, read without taking it
 # (a status holding it for a moment would make a daemon starting then refuse to run).
 PROC_LOCKS = Path("/proc/locks")
+# The lock file holds the daemon's pid and a newline; a bigger one is none specd wrote.
+MAX_LOCK_FILE_BYTES = 64
 # status must answer at once, also when SGLang is down or still loading.
 SERVER_INFO_TIMEOUT_S = 2.0
 
@@ -124,18 +129,32 @@ def daemon(state_dir: str | Path, locks: Path = PROC_LOCKS) -> dict[str, Any]:
     """Whether a `specd run` holds ``state_dir``'s lock: ``{"running": bool | None, "pid":
     int | None}``, running None when it cannot tell (no /proc/locks, the directory not
     searchable). The lock is the daemon's (`specd.io.state.lock_state_dir`): an flock held
-    for its life, released when it ends, even killed; the pid is the kernel's."""
+    for its life, released when it ends, even killed; the pid is the kernel's.
+
+    The lock file is read as specd reads any file it does not trust: no symlink followed,
+    a regular file only, without blocking, at most `MAX_LOCK_FILE_BYTES` (a FIFO there
+    hung every on-call command, a link to /dev/zero was read without end). Anything else
+    there leaves it unable to tell: running None, and ``"problem"`` says why in one line."""
     path = Path(state_dir) / LOCK_FILE
     try:
-        inode = path.stat().st_ino
-    except FileNotFoundError:
+        written_bytes, st = read_regular_file_and_stat(path, MAX_LOCK_FILE_BYTES)
+    except MissingFileError:
         return {"running": False, "pid": None}  # no specd ever ran on this directory
-    except OSError:
-        return {"running": None, "pid": None}
-    try:
-        written = path.read_text(encoding="ascii", errors="replace").strip()
-    except OSError:
-        written = ""  # 0640 root:specd: whoever may not read it still sees the lock
+    except FileReadError as exc:
+        try:
+            st = path.lstat()
+        except OSError:
+            return {"running": None, "pid": None}  # the directory not searchable
+        if not stat.S_ISREG(st.st_mode):
+            # No `specd run` takes it (`lock_state_dir`); one that ran before it was put
+            # there holds a file no longer in the directory, found by no inode.
+            return _lock_unknown(f"{exc}; `specd run` refuses to start with it there: remove it")
+        if exc.os_errno not in (errno.EACCES, errno.EPERM):
+            return _lock_unknown(str(exc))  # too big, or the read failed
+        # 0640 root:specd: whoever may not read it still sees the lock, by its inode.
+        written_bytes = b""
+    written = written_bytes.decode("ascii", errors="replace").strip()
+    inode = st.st_ino
     try:
         table = locks.read_text(encoding="ascii", errors="replace")
     except OSError:
@@ -151,12 +170,19 @@ def daemon(state_dir: str | Path, locks: Path = PROC_LOCKS) -> dict[str, Any]:
     return {"running": False, "pid": None}
 
 
+def _lock_unknown(problem: str) -> dict[str, Any]:
+    """`daemon`'s answer when its lock file says nothing it can trust: not known, and why
+    (one line, as every command prints it)."""
+    return {"running": None, "pid": None, "problem": printable(problem)}
+
+
 def daemon_text(info: dict[str, Any]) -> str:
     """The `specd` line of status."""
     if info["running"]:
         return f"running (pid {info['pid']})"
     if info["running"] is None:
-        return "? (cannot tell whether `specd run` holds its state directory's lock)"
+        why = f": {info['problem']}" if info.get("problem") else ""
+        return f"? (cannot tell whether `specd run` holds its state directory's lock{why})"
     return (
         "NOT RUNNING: nothing decides or restarts; below is what it saved last "
         "(`systemctl start specd`; why it stopped: `journalctl -u specd`)"

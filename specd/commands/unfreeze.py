@@ -125,8 +125,14 @@ def run(args: argparse.Namespace) -> int:
         since = frozen.get("since")
         when = when_text(float(since), now) if isinstance(since, (int, float)) else "?"
         print(f"frozen since {when}: {printable(str(frozen.get('reason')))}")
-    if daemon(state_dir)["running"] is False:
+    running = daemon(state_dir)
+    if running["running"] is False:
         print("unfreeze requested; specd is not running: it clears the freeze when it starts")
+    elif running.get("problem"):
+        print(
+            "unfreeze requested; specd clears it within one tick if it runs, else when it "
+            f"starts (cannot tell whether it runs: {running['problem']})"
+        )
     else:
         print("unfreeze requested; specd clears it within one tick (its log says `unfrozen`)")
     print(f"then: {_next(config, override, pinned, live, now, restarts)}")

@@ -3,12 +3,14 @@ system paths to a root: ``/`` in production, a temporary directory in tests."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specd.io.files import MIB, FileReadError, MissingFileError, read_regular_file
 from specd.io.runner import Runner, RunResult
 
 DROPIN_NAME = "50-specd.conf"
@@ -31,12 +33,22 @@ SYSUSERS_FILE = Path("/etc/sysusers.d/specd.conf")
 ARCHIVE_ROOT = Path("/var/backups/specd")
 SYSTEMCTL_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 120.0
+# What `Layout.read` reads at most: above any file install reads or writes (the manifest,
+# which holds what install replaced, included).
+MAX_READ_BYTES = 16 * MIB
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
 
 
 class InstallError(Exception):
     """install/uninstall cannot go on; the message is one line for the operator."""
+
+
+class UnusableFile(InstallError, OSError):
+    """A file `Layout.read` will not read (a FIFO, a device, a directory, one too big); the
+    message is one line naming it. An InstallError: install, uninstall and doctor stop on it
+    and say that line. An OSError: a reader that skips a file it cannot read (an
+    EnvironmentFile= of the unit, the url of a specd.toml) skips this one too."""
 
 
 @dataclass(frozen=True)
@@ -48,11 +60,24 @@ class Layout:
     def host(self, path: Path) -> Path:
         return self.root / path.relative_to("/")
 
-    def read(self, path: Path) -> bytes | None:
+    def read(self, path: Path, max_bytes: int = MAX_READ_BYTES) -> bytes | None:
+        """The bytes of the system's file ``path``; None when nothing is there.
+
+        Read as specd reads a file it does not trust (`specd.io.files.read_regular_file`):
+        without blocking, a regular file only, at most ``max_bytes``; a symbolic link is
+        followed (units, configs and env files may be links to the files they manage).
+        A FIFO there hung install, uninstall and doctor; a link to /dev/zero was read
+        until memory ran out. Raises ``UnusableFile`` (one line naming ``path``) for
+        anything but a regular file, or a bigger one; ``OSError`` with its errno when the
+        system refuses the read (``PermissionError``: doctor and --dry-run tell it apart)."""
         try:
-            return self.host(path).read_bytes()
-        except FileNotFoundError:
+            return read_regular_file(self.host(path), max_bytes, follow_symlinks=True)
+        except MissingFileError:
             return None
+        except FileReadError as exc:
+            if exc.os_errno is not None:
+                raise OSError(exc.os_errno, os.strerror(exc.os_errno), str(path)) from None
+            raise UnusableFile(f"{path} {exc.problem}") from None
 
 
 def stamp(now_s: float) -> str:

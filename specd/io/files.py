@@ -82,7 +82,9 @@ class ParseError(ValueError):
 # -- reading ------------------------------------------------------------------------------
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a path whose ``st_mode`` is ``mode`` holds when it is no regular file ("a FIFO",
+    "a directory", ...), as messages name it."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -140,7 +142,7 @@ def read_regular_file_and_stat(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FileReadError(path, f"is not a regular file ({_kind(st.st_mode)})", st)
+            raise FileReadError(path, f"is not a regular file ({file_kind(st.st_mode)})", st)
         if st.st_size > max_bytes:
             raise FileReadError(
                 path,

@@ -14,6 +14,7 @@ import fcntl
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -686,8 +687,22 @@ class StateDirLocked(Exception):
 
 class LockFileUnusable(Exception):
     """The state directory's lock file is one specd must not or cannot open: a symbolic
-    link (followed, its target was truncated), or a file another user owns (a `specd run`
-    as root made it). The message says which, and the fix."""
+    link (followed, its target was truncated), a file another user owns (a `specd run`
+    as root made it), or no regular file at all (a FIFO, a directory, a device, a socket:
+    refused before as a state directory specd may not write). The message says which, and
+    the fix."""
+
+
+def _lock_kind(mode: int) -> str | None:
+    """What is at the lock file's path when it is no regular file (None: it is one)."""
+    return None if stat.S_ISREG(mode) else files.file_kind(mode)
+
+
+def _not_a_lock_file(path: Path, kind: str) -> LockFileUnusable:
+    return LockFileUnusable(
+        f"{path} is {kind}, not a regular file: specd keeps its lock in a regular file it "
+        "makes there; remove it"
+    )
 
 
 def lock_state_dir(state_dir: str | Path) -> int:
@@ -695,12 +710,22 @@ def lock_state_dir(state_dir: str | Path) -> int:
     when the process ends, even killed): two daemons on one state directory each restart
     SGLang and each overwrite what the other saved. Returns the descriptor to keep open.
     StateDirLocked (naming the holder's pid when it wrote one) if another process holds it;
-    OSError if the directory cannot be made or the lock file opened."""
+    LockFileUnusable if what is there is no file specd may take (a symbolic link, a FIFO,
+    a directory, another user's file); OSError if the directory cannot be made or the lock
+    file opened."""
     directory = Path(state_dir)
     directory.mkdir(parents=True, exist_ok=True, mode=0o751)
     path = directory / LOCK_FILE
+    # Named before it is opened: opening a device may act on it, and a directory or a
+    # socket fails to open with an error that read as a state directory specd cannot write.
+    with contextlib.suppress(OSError):
+        there = path.lstat().st_mode
+        if not stat.S_ISLNK(there) and (kind := _lock_kind(there)) is not None:
+            raise _not_a_lock_file(path, kind)
+    # O_NONBLOCK: a FIFO put there since must not block the open (refused below).
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+        fd = os.open(path, flags, 0o640)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise LockFileUnusable(
@@ -714,6 +739,16 @@ def lock_state_dir(state_dir: str | Path) -> int:
                 f"it: a command run as another user made it; chown specd:specd {path}"
             ) from None
         raise
+    try:
+        kind = _lock_kind(os.fstat(fd).st_mode)
+    except OSError:
+        os.close(fd)
+        raise
+    if kind is not None:
+        # Put there since the look above: truncating a FIFO to write the pid failed with
+        # "Invalid argument", and a lock on it is no lock on the state directory.
+        os.close(fd)
+        raise _not_a_lock_file(path, kind)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
