@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -41,6 +41,8 @@ WARMUP_PROMPT = "The capital city of France is"
 WARMUP_MAX_NEW_TOKENS = 8
 WARMUP_TIMEOUT_S = 600.0
 DEFAULT_MAX_TOKENS = 256
+# protocol.DEFAULT_MODEL_NAME: the model an OpenAI request names when it names none.
+DEFAULT_MODEL_NAME = "default"
 DRAIN_CHECK_S = 0.2
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
 # graphs, free memory when the pool was sized.
@@ -568,14 +570,20 @@ class Twin:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if not _json_media_type(request):
+            return _openai_error(_UNSUPPORTED_MEDIA, "Bad Request")
         body = await self._body(request)
         prompt = body.get("prompt", "")
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        return await self._openai(
-            request, body, self._request(body, text, "max_tokens"), chat=False
-        )
+        req = self._request(body, text, "max_tokens")
+        # serving_completions._validate_request.
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            return _openai_error("Prompt cannot be empty")
+        return await self._openai(request, body, req, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        if not _json_media_type(request):
+            return _openai_error(_UNSUPPORTED_MEDIA, "Bad Request")
         body = await self._body(request)
         messages = body.get("messages", [])
         text = (
@@ -583,68 +591,105 @@ class Twin:
             if isinstance(messages, list)
             else ""
         )
-        return await self._openai(request, body, self._request(body, text, "max_tokens"), chat=True)
+        req = self._request(body, text, "max_tokens")
+        # serving_chat._validate_request.
+        if not messages:
+            return _openai_error("Messages cannot be empty.")
+        return await self._openai(request, body, req, chat=True)
+
+    @functools.cached_property
+    def _serving(self) -> dict[str, Any]:
+        """The server arguments the OpenAI answers depend on, as given at launch."""
+        arguments = self.server_arguments()
+        return {
+            "stream_response_default_include_usage": (
+                arguments.get("stream_response_default_include_usage") is True
+            ),
+            "enable_cache_report": arguments.get("enable_cache_report") is True,
+            "weight_version": arguments.get("weight_version", "default"),
+        }
+
+    def _usage(self, req: Request, completion: int, *, cache_report: bool) -> dict[str, Any]:
+        """A UsageInfo (protocol.py) as pydantic dumps it. The twin generates no reasoning
+        tokens and finds no prompt cached, so those counts are 0."""
+        return {
+            "prompt_tokens": req.prompt_tokens,
+            "total_tokens": req.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": 0} if cache_report else None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
 
     async def _openai(
         self, request: web.Request, body: dict[str, Any], req: Request, chat: bool
     ) -> web.StreamResponse:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        obj = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
-        model = self.config.model_name
-
-        def choice(text: str, finish: str | None, stream: bool) -> dict[str, Any]:
-            if chat:
-                key = "delta" if stream else "message"
-                content: dict[str, Any] = {"role": "assistant", "content": text}
-                return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-        def usage() -> dict[str, int]:
-            return {
-                "prompt_tokens": req.prompt_tokens,
-                "completion_tokens": req.emitted,
-                "total_tokens": req.prompt_tokens + req.emitted,
-            }
-
+        """/v1/chat/completions and /v1/completions as SGLang 0.5.23's serving_chat and
+        serving_completions answer them: the id is the request's rid (a uuid4 hex unless the
+        client gave one), the model the one the client named ("default" if none), every
+        answer ends for length (the twin has no stop tokens)."""
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else uuid.uuid4().hex
+        model = body.get("model", DEFAULT_MODEL_NAME)
+        if not isinstance(model, str):
+            model = DEFAULT_MODEL_NAME
+        cache_report = self._serving["enable_cache_report"]
         self.engine.submit(req)
         if not req.streaming:
             text = await self._collect(req)
-            return web.json_response(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice(text, "length", stream=False)],
-                    "usage": usage(),
-                }
-            )
+            choice: dict[str, Any] = {"index": 0}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text,
+                                     "reasoning_content": None}  # fmt: skip
+            else:
+                choice["text"] = text
+            choice.update(logprobs=None, finish_reason="length", matched_stop=None)
+            answer = {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),  # once the output is all there
+                "model": model,
+                "choices": [choice],
+                "usage": self._usage(req, req.emitted, cache_report=cache_report),
+                "metadata": {"weight_version": self._serving["weight_version"]},
+            }
+            return web.Response(body=_dumps(answer), headers={"Content-Type": "application/json"})
+        include_usage, continuous = _should_include_usage(
+            body.get("stream_options"), self._serving["stream_response_default_include_usage"]
+        )
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model}  # fmt: skip
         resp = self._sse_response()
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        stream_options = body.get("stream_options") or {}
-        include_usage = bool(stream_options.get("include_usage", False))
-        # SGLang's OpenAI server: usage on every chunk when continuous_usage_stats is asked for.
-        continuous_usage = include_usage and bool(stream_options.get("continuous_usage_stats"))
+        emitted = 0
         try:
             await resp.prepare(request)
-            async for text in self._tokens(req):
-                finish = "length" if req.emitted >= req.max_tokens else None
-                chunk: dict[str, Any] = {
-                    "id": rid,
-                    "object": chunk_obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice(text, finish, stream=True)],
-                }
-                if finish is not None or continuous_usage:
-                    # On the last content chunk, so clients can count tokens exactly.
-                    chunk["usage"] = usage()
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            async for count, text in self._tokens(req):
+                first, emitted = emitted == 0, emitted + count
+                if not chat:
+                    # CompletionStreamResponse.model_dump_json(): the finish reason on the
+                    # last text, usage null unless continuous_usage_stats (and then without
+                    # cached-token details).
+                    finish = "length" if emitted >= req.max_tokens else None
+                    choice = {"index": 0, "text": text, "logprobs": None,
+                              "finish_reason": finish, "matched_stop": None}  # fmt: skip
+                    usage = self._usage(req, emitted, cache_report=False) if continuous else None
+                    await resp.write(_sse({**head, "choices": [choice], "usage": usage}))
+                    continue
+                if first:
+                    # The role first, in a chunk of its own.
+                    await resp.write(_chat_chunk(head, {"role": "assistant", "content": ""}))
+                usage = self._usage(req, emitted, cache_report=cache_report) if continuous else None
+                await resp.write(_chat_chunk(head, {"content": text}, usage=usage))
+            if chat and emitted >= req.max_tokens:
+                # The finish reason in a chunk of its own, its delta empty.
+                await resp.write(_chat_chunk(head, {}, finish="length"))
             if include_usage:
-                tail = {"id": rid, "object": chunk_obj, "created": created, "model": model,
-                        "choices": [], "usage": usage()}  # fmt: skip
-                await resp.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+                usage = self._usage(req, emitted, cache_report=cache_report)
+                tail: dict[str, Any] = {**head, "choices": [], "usage": usage}
+                if not chat:
+                    # model_dump_json(exclude_none=True).
+                    tail["usage"] = {k: v for k, v in usage.items() if v is not None}
+                await resp.write(_sse(tail))
             await resp.write(b"data: [DONE]\n\n")
         except ConnectionResetError:
             self._client_gone(req)
@@ -663,7 +708,7 @@ class Twin:
         """The whole output of a non-streamed request; a client gone mid-way aborts it."""
         pieces: list[str] = []
         try:
-            async for text in self._tokens(req):
+            async for _, text in self._tokens(req):
                 pieces.append(text)
         except asyncio.CancelledError:
             self.engine.abort(req)
@@ -714,7 +759,7 @@ class Twin:
         so_far = ""
         try:
             await resp.prepare(request)
-            async for text in self._tokens(req):
+            async for _, text in self._tokens(req):
                 so_far += text
                 chunk = {"text": so_far, "meta_info": meta()}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -728,11 +773,11 @@ class Twin:
 
     @staticmethod
     def _sse_response() -> web.StreamResponse:
-        return web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        # Starlette's StreamingResponse(media_type="text/event-stream"): the charset added.
+        return web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
 
-    async def _tokens(self, req: Request) -> Any:
+    async def _tokens(self, req: Request) -> AsyncIterator[tuple[int, str]]:
+        """Each piece of output as the engine hands it over: how many tokens, their text."""
         position = 0
         while True:
             count = await req.chunks.get()
@@ -740,7 +785,7 @@ class Twin:
                 return
             words = [WORDS[(position + i) % len(WORDS)] for i in range(count)]
             position += count
-            yield "".join(words)
+            yield count, "".join(words)
 
     # -- warm-up ---------------------------------------------------------------------
 
@@ -804,6 +849,76 @@ def _bad_request(message: str) -> dict[str, Any]:
     handler: 400, "Bad Request")."""
     return {"object": "error", "message": message, "type": "Bad Request", "param": None,
             "code": 400}  # fmt: skip
+
+
+# http_server.validate_json_request's error, as its RequestValidationError handler words it
+# (FastAPI's str() of the exception, then its errors, as FastAPI 0.124+ formats them).
+_MEDIA_ERRORS = [
+    {
+        "loc": ["header", "content-type"],
+        "msg": "Unsupported Media Type: Only 'application/json' is allowed",
+        "type": "value_error",
+    }
+]
+_UNSUPPORTED_MEDIA = f"1 validation error:\n  {_MEDIA_ERRORS[0]} {_MEDIA_ERRORS}"
+
+
+def _json_media_type(request: web.Request) -> bool:
+    """http_server.validate_json_request: the media type must be exactly application/json."""
+    content_type = request.headers.get("Content-Type", "").lower()
+    return content_type.split(";", maxsplit=1)[0] == "application/json"
+
+
+def _dumps(obj: Any) -> bytes:
+    # orjson, msgspec and pydantic all write compact JSON, non-ASCII as it is.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _openai_error(message: str, err_type: str = "BadRequestError") -> web.Response:
+    """serving_base.create_error_response (and the validation handler, err_type
+    "Bad Request"): an ErrorResponse as ORJSONResponse writes it, HTTP 400."""
+    error = {"object": "error", "message": message, "type": err_type, "param": None, "code": 400}
+    return web.Response(
+        status=400, body=_dumps(error), headers={"Content-Type": "application/json"}
+    )
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+def _chat_chunk(
+    head: dict[str, Any],
+    delta: dict[str, Any],
+    finish: str | None = None,
+    usage: dict[str, Any] | None = None,
+) -> bytes:
+    """sse_utils.build_sse_content: msgspec structs that leave out what is at its default,
+    except the delta's reasoning_content and the choice's fields; ``head`` is the id, object,
+    created and model."""
+    choice = {"index": 0, "delta": {"reasoning_content": None, **delta}, "logprobs": None,
+              "finish_reason": finish, "matched_stop": None}  # fmt: skip
+    chunk = {**head, "choices": [choice]}
+    if usage is not None:
+        chunk["usage"] = usage
+    return _sse(chunk)
+
+
+def _lax_bool(value: Any) -> bool:
+    """A bool as pydantic reads one in lax mode (true, 1, "yes", "on"...)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
+    return value is True or (isinstance(value, int) and value == 1)
+
+
+def _should_include_usage(stream_options: Any, default_include_usage: bool) -> tuple[bool, bool]:
+    """utils.should_include_usage: (a final usage chunk, usage on every chunk). Usage on
+    every chunk needs only continuous_usage_stats; the final chunk include_usage or the
+    server's --stream-response-default-include-usage."""
+    if isinstance(stream_options, dict):
+        include = _lax_bool(stream_options.get("include_usage")) or default_include_usage
+        return include, _lax_bool(stream_options.get("continuous_usage_stats"))
+    return default_include_usage, False
 
 
 def _self_url(host: str, port: int) -> str:

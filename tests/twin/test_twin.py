@@ -392,7 +392,8 @@ def test_exposition_matches_real_sglang_page() -> None:
         twin.wait_healthy(20)
         with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
-            c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+            c.post("/v1/chat/completions", json={**chat, "stream": True})
             # A client that goes away mid-stream is an aborted request, as in SGLang.
             with c.stream(
                 "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True}
@@ -584,7 +585,9 @@ def test_streaming_throughput_matches_table(concurrency: int) -> None:
         twin.wait_healthy(20)
         tokens: list[int] = []
         barrier = threading.Barrier(concurrency + 1)
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 250, "stream": True}
+        # Usage only where asked for, as SGLang sends it: in a last chunk of its own.
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 250, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
 
         def client() -> None:
             with httpx.Client(base_url=twin.url, timeout=30, verify=verifying_context()) as c:
@@ -592,8 +595,10 @@ def test_streaming_throughput_matches_table(concurrency: int) -> None:
                 barrier.wait()
                 with c.stream("POST", "/v1/chat/completions", json=body) as s:
                     for line in s.iter_lines():
-                        if '"usage"' in line:
-                            tokens.append(json.loads(line[6:])["usage"]["completion_tokens"])
+                        if line.startswith("data: {"):
+                            usage = json.loads(line[6:]).get("usage")
+                            if usage is not None:
+                                tokens.append(usage["completion_tokens"])
 
         threads = [threading.Thread(target=client) for _ in range(concurrency)]
         for th in threads:
@@ -607,16 +612,20 @@ def test_streaming_throughput_matches_table(concurrency: int) -> None:
     assert measured == pytest.approx(expected, rel=0.10)
 
 
+# SGLang's utils.should_include_usage: usage on every chunk with continuous_usage_stats
+# (include_usage or not), in a last chunk of its own (no choices) with include_usage;
+# otherwise every chunk's usage is null and no count comes at all.
 @pytest.mark.parametrize(
-    ("stream_options", "usage_on_every_chunk"),
+    ("stream_options", "usage_on_every_chunk", "usage_chunk"),
     [
-        ({}, False),
-        ({"include_usage": True}, False),
-        ({"include_usage": True, "continuous_usage_stats": True}, True),
+        ({}, False, False),
+        ({"include_usage": True}, False, True),
+        ({"continuous_usage_stats": True}, True, False),
+        ({"include_usage": True, "continuous_usage_stats": True}, True, True),
     ],
 )
 def test_continuous_usage_stats_like_sglang(
-    stream_options: dict[str, bool], usage_on_every_chunk: bool
+    stream_options: dict[str, bool], usage_on_every_chunk: bool, usage_chunk: bool
 ) -> None:
     body = {"prompt": "hi", "max_tokens": 40, "stream": True, "stream_options": stream_options}
     with TwinThread([*SPEC4, *FAST]) as twin:
@@ -626,20 +635,33 @@ def test_continuous_usage_stats_like_sglang(
         ) as s:
             chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     content = [c for c in chunks if c["choices"]]
-    counts = [c["usage"]["completion_tokens"] for c in content if "usage" in c]
-    assert counts[-1] == 40
+    tail = [c for c in chunks if not c["choices"]]
+    assert chunks == content + tail  # the usage chunk last
+    assert len(content) > 1
+    assert content[-1]["choices"][0]["finish_reason"] == "length"
+    counts = [c["usage"]["completion_tokens"] for c in content if c["usage"] is not None]
     if usage_on_every_chunk:
         assert len(counts) == len(content)
         assert counts == sorted(counts)
+        assert counts[-1] == 40
     else:
-        assert len(counts) == 1  # only the last content chunk
+        assert counts == []
+        assert all(c["usage"] is None for c in content)  # there, null
+    if usage_chunk:
+        assert [c["usage"]["completion_tokens"] for c in tail] == [40]
+    else:
+        assert tail == []
 
 
 def test_a_streaming_client_that_hangs_up_is_no_error_in_the_twin_log() -> None:
     # Before: aiohttp logged "Error handling request" and a traceback for every one.
     bodies = {
         "/v1/completions": {"prompt": "x", "max_tokens": 5000, "stream": True},
-        "/v1/chat/completions": {"messages": [], "max_tokens": 5000, "stream": True},
+        "/v1/chat/completions": {
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 5000,
+            "stream": True,
+        },
         "/generate": {"text": "x", "sampling_params": {"max_new_tokens": 5000}, "stream": True},
     }
     with TwinProcess([*SPEC4, *FAST]) as twin:
@@ -667,7 +689,7 @@ def test_server_info_accept_length_only_with_speculation(argv: list[str], has_ac
         twin.wait_healthy()
         httpx.post(
             twin.url + "/v1/completions",
-            json={"max_tokens": 100},
+            json={"prompt": "hi", "max_tokens": 100},
             timeout=20,
             verify=verifying_context(),
         )

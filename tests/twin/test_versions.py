@@ -75,7 +75,8 @@ def test_twin_pages_have_the_families_types_and_labels_of_that_version(version: 
         with httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context()) as c:
             fresh = c.get("/metrics").text
             c.post("/v1/completions", json={"prompt": "a b c", "max_tokens": 20})
-            c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 20, "stream": True})
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+            c.post("/v1/chat/completions", json={**chat, "stream": True})
             # An aborted request, as in the loaded page.
             with c.stream(
                 "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True}
@@ -242,7 +243,7 @@ def test_specd_reads_no_load_from_an_idle_servers_last_batch(version: str, shown
         twin.wait_healthy(20)
         httpx.post(
             twin.url + "/v1/completions",
-            json={"max_tokens": 300},
+            json={"prompt": "hi", "max_tokens": 300},
             timeout=20,
             verify=verifying_context(),
         )
@@ -271,7 +272,7 @@ def test_cpu_counters_move_as_sglangs_monitors_count(monkeypatch: pytest.MonkeyP
         first = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
         httpx.post(
             twin.url + "/v1/completions",
-            json={"max_tokens": 100},
+            json={"prompt": "hi", "max_tokens": 100},
             timeout=20,
             verify=verifying_context(),
         )
