@@ -578,12 +578,16 @@ class Daemon:
             self.metrics.state_write_errors.inc()
             self.log.error("state_write_failed", error=error)
 
+    def _state_save_due(self) -> bool:
+        """Whether `_save_state` writes state.json now unforced (its interval is over)."""
+        return not 0 <= self.clock() - self._last_saved_at < STATE_SAVE_INTERVAL_S
+
     def _save_state(self, *, force: bool = False) -> str | None:
         """Write state.json (at most every STATE_SAVE_INTERVAL_S unless ``force``); why it
         could not be written, or None."""
         now = self.clock()
         # A clock stepped back (now before the last save) is no reason to stop saving.
-        if not force and 0 <= now - self._last_saved_at < STATE_SAVE_INTERVAL_S:
+        if not force and not self._state_save_due():
             return None
         error = self.store.save(self.state)
         self._last_saved_at = now
@@ -953,7 +957,7 @@ class Daemon:
         # What `specd status` shows must not lag a change of decision by a save interval,
         # nor a worker put back into routing (or tried). A decision's is written alone
         # (status.json, small): one flapping every tick rewrote all specd learned each time.
-        if changed and not self._gateway_changed:
+        if changed and not (self._gateway_changed or self._state_save_due()):
             self._save_status()
         self._save_state(force=self._gateway_changed)
         self._gateway_changed = False
@@ -1324,7 +1328,7 @@ class Daemon:
         not one a tick while a change waits)."""
         if self._save_error is None:
             return None
-        if 0 <= self.clock() - self._last_saved_at < STATE_SAVE_INTERVAL_S:
+        if not self._state_save_due():
             return self._save_error
         return self._save_state(force=True)
 
