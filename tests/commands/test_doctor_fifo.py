@@ -11,15 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
-import resource
-import stat
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
+from bounded import bounded, plant_directory, plant_fifo, plant_huge, plant_zero
 
 from specd.commands.doctor import Check, Doctor, render
 from specd.install.layout import MANIFEST_FILE, InstallError, Layout
@@ -28,68 +24,12 @@ from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.twin.process import free_port
 
-T = TypeVar("T")
-# Each check answers in well under a second; a hung one is failed after this long.
-BOUND_S = 10.0
-# What a check may map beyond what the process holds when it starts: reading /dev/zero
-# without bound ends in a MemoryError within it, not in the OOM killer.
-HEADROOM_BYTES = 2 << 30
 DEFAULTS = {
     "SPECD_SPECULATIVE_ARGS": "--speculative-algorithm NEXTN --speculative-num-steps 3 "
     "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 }
 INFO_3 = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3}
 WORDS = ["/opt/sglang/bin/python", "-m", "sglang.launch_server", "$SPECD_SPECULATIVE_ARGS"]
-
-
-@contextlib.contextmanager
-def address_space_cap() -> Iterator[None]:
-    """This process's address space capped at what it maps now plus HEADROOM_BYTES."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    mapped = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    cap = mapped + HEADROOM_BYTES
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-def _release(path: Path) -> None:
-    """Lets a reader blocked opening the FIFO at ``path`` go on (and read end of file)."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISFIFO(path.lstat().st_mode):
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-
-
-def bounded(call: Callable[[], T], *planted: Path) -> T:
-    """``call()`` within BOUND_S, in a thread; fails the test if it takes longer. A reader
-    that hangs on a FIFO ``planted`` is let go, so the failure is all it costs."""
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = call()
-        except BaseException as exc:  # raised again in the test's thread
-            result["error"] = exc
-
-    with address_space_cap():
-        thread = threading.Thread(target=target, daemon=True)
-        started = time.monotonic()
-        thread.start()
-        thread.join(BOUND_S)
-        hung = thread.is_alive()
-        while thread.is_alive() and time.monotonic() - started < 3 * BOUND_S:
-            for path in planted:
-                _release(path)
-            thread.join(0.1)
-    assert not hung, f"did not return within {BOUND_S} s"
-    if "error" in result:
-        raise result["error"]
-    value: T = result["value"]
-    return value
 
 
 @contextlib.contextmanager
@@ -104,24 +44,6 @@ def unable_to_read() -> Iterator[None]:
         yield
     finally:
         os.seteuid(0)
-
-
-def _fifo(path: Path) -> None:
-    os.mkfifo(path, 0o640)
-
-
-def _zero(path: Path) -> None:
-    path.symlink_to("/dev/zero")
-
-
-def _directory(path: Path) -> None:
-    path.mkdir()
-
-
-def _huge(path: Path) -> None:
-    # Sparse: 64 MiB of size, no disk.
-    with path.open("wb") as file:
-        file.truncate(64 << 20)
 
 
 def _unreadable(path: Path) -> None:
@@ -145,10 +67,12 @@ def doctor(tmp_path: Path) -> Doctor:
 
 # (make it, what the check's one line says after the file's name).
 ENV_FILES = [
-    pytest.param(_fifo, "is not a regular file (a FIFO)", id="fifo"),
-    pytest.param(_zero, "is a symbolic link; specd reads only a regular file here", id="symlink"),
-    pytest.param(_directory, "is not a regular file (a directory)", id="directory"),
-    pytest.param(_huge, "is 64 MiB, larger than the 64 KiB allowed", id="huge regular file"),
+    pytest.param(plant_fifo, "is not a regular file (a FIFO)", id="fifo"),
+    pytest.param(
+        plant_zero, "is a symbolic link; specd reads only a regular file here", id="symlink"
+    ),
+    pytest.param(plant_directory, "is not a regular file (a directory)", id="directory"),
+    pytest.param(plant_huge, "is 64 MiB, larger than the 64 KiB allowed", id="huge regular file"),
     pytest.param(_unreadable, "cannot read: Permission denied", id="unreadable"),
 ]
 
@@ -184,8 +108,8 @@ def test_an_env_file_doctor_cannot_read_fails_the_setting_check(
 # The rows of ENV_FILES it hung on or read without end (a directory, a big file and one
 # it may not read it already read as adding nothing, or read whole).
 UNBOUNDED = [
-    pytest.param(_fifo, id="fifo"),
-    pytest.param(_zero, id="symlink"),
+    pytest.param(plant_fifo, id="fifo"),
+    pytest.param(plant_zero, id="symlink"),
 ]
 
 
@@ -208,11 +132,11 @@ def test_the_command_check_reads_no_env_file_without_bound(
 
 # (make it, what the check's one line says after the manifest's name).
 MANIFESTS = [
-    pytest.param(_fifo, "is not a regular file (a FIFO)", id="fifo"),
+    pytest.param(plant_fifo, "is not a regular file (a FIFO)", id="fifo"),
     # Followed, as install reads the files it manages: what it points to is named.
-    pytest.param(_zero, "is not a regular file (a character device)", id="symlink"),
-    pytest.param(_directory, "is not a regular file (a directory)", id="directory"),
-    pytest.param(_huge, "is 64 MiB, larger than the 16 MiB allowed", id="huge regular file"),
+    pytest.param(plant_zero, "is not a regular file (a character device)", id="symlink"),
+    pytest.param(plant_directory, "is not a regular file (a directory)", id="directory"),
+    pytest.param(plant_huge, "is 64 MiB, larger than the 16 MiB allowed", id="huge regular file"),
 ]
 
 
@@ -275,8 +199,8 @@ def test_doctor_runs_through_with_a_fifo_at_both_and_says_each_in_one_line(
 ) -> None:
     found = doctor(tmp_path)
     env_file = tmp_path / "sglang.env"
-    _fifo(env_file)
-    manifest = _plant_manifest(tmp_path, _fifo)
+    plant_fifo(env_file)
+    manifest = _plant_manifest(tmp_path, plant_fifo)
     checks = bounded(found.run, env_file, manifest)
     by_name = {c.name: c for c in checks}
     assert not by_name["unit"].ok

@@ -10,19 +10,16 @@ Real FIFOs, symlinks, directories and sparse files; each command runs in this pr
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import resource
 import socket
 import stat
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
+from bounded import BOUND_S, bounded, plant_directory, plant_fifo, plant_huge, plant_zero
 from factories import run_specd, without_specd_env
 from in_process import specd_main
 
@@ -37,80 +34,6 @@ from specd.io.state import (
 )
 from specd.twin.process import free_port
 
-T = TypeVar("T")
-# Each command answers in well under a second; a hung one is failed after this long.
-BOUND_S = 10.0
-# What a command may map beyond what the process holds when it starts: reading /dev/zero
-# without bound ends in a MemoryError within it, not in the OOM killer.
-HEADROOM_BYTES = 2 << 30
-
-
-@contextlib.contextmanager
-def address_space_cap() -> Iterator[None]:
-    """This process's address space capped at what it maps now plus HEADROOM_BYTES."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    mapped = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    cap = mapped + HEADROOM_BYTES
-    if hard != resource.RLIM_INFINITY:
-        cap = min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-def _release(path: Path) -> None:
-    """Lets a reader blocked opening the FIFO at ``path`` go on (and read end of file)."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISFIFO(path.lstat().st_mode):
-            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
-
-
-def bounded(call: Callable[[], T], planted: Path) -> T:
-    """``call()`` within BOUND_S, in a thread; fails the test if it takes longer. A reader
-    that hangs on the FIFO at ``planted`` is let go, so the failure is all it costs."""
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = call()
-        except BaseException as exc:  # raised again in the test's thread
-            result["error"] = exc
-
-    with address_space_cap():
-        thread = threading.Thread(target=target, daemon=True)
-        started = time.monotonic()
-        thread.start()
-        thread.join(BOUND_S)
-        hung = thread.is_alive()
-        while thread.is_alive() and time.monotonic() - started < 3 * BOUND_S:
-            _release(planted)
-            thread.join(0.1)
-    assert not hung, f"did not return within {BOUND_S} s"
-    if "error" in result:
-        raise result["error"]
-    value: T = result["value"]
-    return value
-
-
-def _fifo(path: Path) -> None:
-    os.mkfifo(path, 0o640)
-
-
-def _zero(path: Path) -> None:
-    path.symlink_to("/dev/zero")
-
-
-def _directory(path: Path) -> None:
-    path.mkdir()
-
-
-def _huge(path: Path) -> None:
-    # Sparse: 64 MiB of size, no disk.
-    with path.open("wb") as file:
-        file.truncate(64 << 20)
-
 
 def _unreadable(path: Path) -> None:
     path.write_text("not a pid\n")
@@ -120,10 +43,10 @@ def _unreadable(path: Path) -> None:
 # (make it, what the one line says; None: the kernel's lock table still answers, by the
 # file's inode, as for a 0640 lock file whoever runs the command may not read).
 HOSTILE = [
-    pytest.param(_fifo, "is not a regular file (a FIFO)", id="fifo"),
-    pytest.param(_zero, "is a symbolic link", id="symlink to /dev/zero"),
-    pytest.param(_directory, "is not a regular file (a directory)", id="directory"),
-    pytest.param(_huge, "is 64 MiB, larger than the 64 bytes allowed", id="huge regular file"),
+    pytest.param(plant_fifo, "is not a regular file (a FIFO)", id="fifo"),
+    pytest.param(plant_zero, "is a symbolic link", id="symlink to /dev/zero"),
+    pytest.param(plant_directory, "is not a regular file (a directory)", id="directory"),
+    pytest.param(plant_huge, "is 64 MiB, larger than the 64 bytes allowed", id="huge regular file"),
     pytest.param(_unreadable, None, id="unreadable"),
 ]
 
@@ -266,8 +189,8 @@ def _socket(path: Path) -> None:
 
 # What `specd run` finds at its lock file, and the kind its refusal names.
 NOT_A_FILE = [
-    pytest.param(_fifo, "a FIFO", id="fifo"),
-    pytest.param(_directory, "a directory", id="directory"),
+    pytest.param(plant_fifo, "a FIFO", id="fifo"),
+    pytest.param(plant_directory, "a directory", id="directory"),
     pytest.param(_socket, "a socket", id="socket"),
 ]
 
@@ -296,7 +219,7 @@ def test_taking_the_lock_names_what_is_there_instead_of_a_file(
 def test_specd_run_refuses_a_fifo_at_its_lock_file_naming_it(tmp_path: Path) -> None:
     """It said `state_dir_unusable` with "Invalid argument" (truncating the FIFO) and advised
     `specd install` and ReadWritePaths=, which change nothing."""
-    config = setup(tmp_path, _fifo)
+    config = setup(tmp_path, plant_fifo)
     lock = tmp_path / "state" / LOCK_FILE
     proc = run_specd("run", "--config", str(config), env=without_specd_env(), timeout=BOUND_S * 3)
     assert proc.returncode == 1, proc.stdout + proc.stderr
