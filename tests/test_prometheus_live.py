@@ -295,7 +295,11 @@ def wait_targets_up(
 
 
 def test_targets_share_the_host_instance(stack: Stack) -> None:
-    result = stack.query("up")["data"]["result"]
+    # Both targets are up in /api/v1/targets before each one's first `up` sample can be
+    # queried (once, under the full suite's load, specd's was not yet): read until both
+    # jobs have one, then compare.
+    result = stack.query_until_data("count by (job) (up) and on () count(count by (job) (up)) == 2")
+    result = stack.query("up")["data"]["result"] if result else []
     assert {(r["metric"]["job"], r["metric"]["instance"]) for r in result} == {
         ("specd", "127.0.0.1"),
         ("sglang", "127.0.0.1"),
