@@ -560,6 +560,23 @@ def test_a_reason_that_is_no_text_to_show_is_refused_in_one_line(
 
 
 @pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        ("qwen\udce9", "is not UTF-8 text"),  # a Latin-1 terminal's byte
+        ("qwen\x1b[2J", "is no model name"),
+        ("  ", "is no model name"),
+    ],
+)
+def test_a_load_model_no_request_can_carry_is_refused_in_one_line(model: str, says: str) -> None:
+    # It failed every request's encoding inside its worker: each died unseen, and the
+    # summary said "errors: none".
+    url = f"http://127.0.0.1:{free_port()}"
+    done = specd_main("load", "--url", url, "--model", model, "--duration-s", "1")
+    assert (done.returncode, "Traceback" in done.stderr) == (2, False), done.stderr
+    assert says in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["status"],
