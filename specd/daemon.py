@@ -573,7 +573,10 @@ class Daemon:
 
     def _save_status(self) -> None:
         """Write status.json: the last decision and what runs, for `specd status`."""
-        error = self.store.save_status(self.state)
+        self._report_write(self.store.save_status(self.state))
+
+    def _report_write(self, error: str | None) -> None:
+        """Count and log a write of state.json or status.json that failed (``error``)."""
         if error:
             self.metrics.state_write_errors.inc()
             self.log.error("state_write_failed", error=error)
@@ -592,9 +595,7 @@ class Daemon:
         error = self.store.save(self.state)
         self._last_saved_at = now
         self._save_error = error or None
-        if error:
-            self.metrics.state_write_errors.inc()
-            self.log.error("state_write_failed", error=error)
+        self._report_write(error)
         return error or None
 
     # -- signals ------------------------------------------------------------------

@@ -854,32 +854,30 @@ class StateStore:
     def save_status(self, state: State) -> str | None:
         """Write what `specd status` shows of the latest tick (``STATUS_FILE``: the last
         decision and what runs) atomically; a one-line error or None."""
-        path = self.state_dir / STATUS_FILE
-        try:
-            data = encode_json({"last_decision": state.last_decision, "live": state.live})
-            if len(data) > MAX_STATUS_BYTES:
-                return f"cannot write {path}: {files.size_text(len(data))}, over the bound"
-            files.write_atomic(path, data, mode=STATE_FILE_MODE)
-        except (OSError, ValueError, TypeError) as exc:
-            return f"cannot write {path}: {_one_line(exc)}"
-        return None
+        status = {"last_decision": state.last_decision, "live": state.live}
+        return self._write(self.state_dir / STATUS_FILE, status, MAX_STATUS_BYTES, "status reads")
 
     def save(self, state: State) -> str | None:
         """Write ``state`` atomically; a one-line error (disk full, read-only, ...) or None."""
+        return self._write(self.path, state.to_dict(), MAX_STATE_BYTES, "a start reads")
+
+    def _write(self, path: Path, obj: Any, max_bytes: int, reader: str) -> str | None:
+        """``obj`` as JSON at ``path``, atomically, unless bigger than the ``max_bytes``
+        its ``reader`` reads: that one would set it all aside (for state.json what was
+        learned, a freeze, a restart's journal), so the last file that fit stays. A
+        one-line error or None."""
         try:
-            data = encode_json(state.to_dict())
-            if len(data) > MAX_STATE_BYTES:
-                # The next start would refuse it and set it all aside (what was learned, a
-                # freeze, a restart's journal): the last file that fit stays instead.
+            data = encode_json(obj)
+            if len(data) > max_bytes:
                 return (
-                    f"cannot write {self.path}: {files.size_text(len(data))} of state, over "
-                    f"the {files.size_text(MAX_STATE_BYTES)} a start reads; the file keeps "
-                    "the last state that fit"
+                    f"cannot write {path}: {files.size_text(len(data))} of state, over the "
+                    f"{files.size_text(max_bytes)} {reader}; the file keeps the last state "
+                    "that fit"
                 )
             # Group-readable: members of group specd (the on-call) run `specd status`.
             # Traversable by SGLang's user for the adaptive config (as StateDirectoryMode=).
             self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o751)
-            files.write_atomic(self.path, data, mode=STATE_FILE_MODE)
+            files.write_atomic(path, data, mode=STATE_FILE_MODE)
         except (OSError, ValueError, TypeError) as exc:
-            return f"cannot write {self.path}: {_one_line(exc)}"
+            return f"cannot write {path}: {_one_line(exc)}"
         return None
