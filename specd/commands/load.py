@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from specd.commands.args import CONCURRENCY, MAX_TOKENS, Seconds, quoted
+from specd.commands.reason import check_utf8
 from specd.core.text import printable
 from specd.tools.load import (
     ENDPOINTS,
@@ -42,16 +43,10 @@ def server_url(value: str) -> str:
 
 
 def model_name(text: str) -> str:
-    """``--model``: text a request body can carry. A byte a terminal sent in another
-    encoding (a lone surrogate to Python) failed every request's encoding in its worker:
-    each died unseen, and the summary said "errors: none"."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(
-            f"{quoted(text.encode('utf-8', 'backslashreplace').decode())} is not UTF-8 text "
-            "(the terminal sent it in another encoding)"
-        ) from None
+    """``--model``: text a request body can carry. One that is no UTF-8 failed every
+    request's encoding in its worker: each died unseen, and the summary said "errors:
+    none"."""
+    check_utf8(text)
     if not text.strip() or printable(text) != text:
         raise argparse.ArgumentTypeError(f"{quoted(printable(text))} is no model name")
     return text

@@ -17,21 +17,27 @@ from specd.core.text import printable
 MAX_REASON_CHARS = 2000
 
 
+def check_utf8(text: str) -> None:
+    """ArgumentTypeError unless ``text`` is UTF-8 text: a byte a terminal sent in another
+    encoding (Latin-1's "é") reaches Python as a lone surrogate, which no file specd writes
+    and no request body can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = text.encode("utf-8", "backslashreplace").decode()
+        raise argparse.ArgumentTypeError(
+            f"{quoted(printable(shown))} is not UTF-8 text (the terminal sent it in another "
+            "encoding); write it in UTF-8"
+        ) from None
+
+
 def reason_type(missing: str) -> Callable[[str], str]:
     """The argparse type of a ``--reason``; ``missing`` is what an empty one is told."""
 
     def reason(text: str) -> str:
         if not text.strip():
             raise argparse.ArgumentTypeError(missing)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            # A byte the terminal sent in another encoding (Latin-1's "é"): Python hands it
-            # on as a lone surrogate, which no file specd writes can hold.
-            raise argparse.ArgumentTypeError(
-                f"{quoted(printable(text.encode('utf-8', 'backslashreplace').decode()))} is "
-                "not UTF-8 text (the terminal sent it in another encoding); write it in UTF-8"
-            ) from None
+        check_utf8(text)
         if printable(text) != text:
             # They would act on the terminal of whoever reads the reason.
             raise argparse.ArgumentTypeError(

@@ -173,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         if plan is not None and plan.model is not None
         else PerformanceModel(calibration, history)
     )
+    # None: unknown, as the state file could not be read (a freeze in it may stand).
+    would_restart = None if unknown and outcome.acts else outcome.acts
     sets = [parse(text) for text in config.choose.adaptive_candidate_sets]
     rows = measured(history, model, sets, config.choose.calibration_noise_ratio)
     out: dict[str, Any] = {
@@ -194,8 +196,7 @@ def run(args: argparse.Namespace) -> int:
             "target_setting": decision.target_name,
             "reason": decision.reason.value,
             "message": decision.message,
-            # None: unknown, as the state file could not be read (a freeze may stand).
-            "would_restart": None if unknown and outcome.acts else outcome.acts,
+            "would_restart": would_restart,
         },
         "measured": [_measured_json(row) for row in rows],
     }
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         print(f"measured       {_measured_text(row)}")
     # The daemon's answer; this command itself restarts nothing.
-    if unknown and outcome.acts:
+    if would_restart is None:
         print(
             f"would restart  unknown: to {wanted} unless the state file, which could not be "
             "read, holds a freeze (run as root or as a member of group specd)"

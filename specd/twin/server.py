@@ -844,10 +844,10 @@ class Twin:
             await asyncio.sleep(CPU_MONITOR_S)
 
 
-def _bad_request(message: str) -> dict[str, Any]:
+def _bad_request(message: str, err_type: str = "Bad Request") -> dict[str, Any]:
     """SGLang's ErrorResponse for a request it cannot validate (its RequestValidationError
-    handler: 400, "Bad Request")."""
-    return {"object": "error", "message": message, "type": "Bad Request", "param": None,
+    handler: 400, "Bad Request"; the OpenAI routes' own checks: "BadRequestError")."""
+    return {"object": "error", "message": message, "type": err_type, "param": None,
             "code": 400}  # fmt: skip
 
 
@@ -877,9 +877,10 @@ def _dumps(obj: Any) -> bytes:
 def _openai_error(message: str, err_type: str = "BadRequestError") -> web.Response:
     """serving_base.create_error_response (and the validation handler, err_type
     "Bad Request"): an ErrorResponse as ORJSONResponse writes it, HTTP 400."""
-    error = {"object": "error", "message": message, "type": err_type, "param": None, "code": 400}
     return web.Response(
-        status=400, body=_dumps(error), headers={"Content-Type": "application/json"}
+        status=400,
+        body=_dumps(_bad_request(message, err_type)),
+        headers={"Content-Type": "application/json"},
     )
 
 
