@@ -481,7 +481,10 @@ class LoadGenerator:
             data = response.json().get("data") if response.status_code == 200 else None
             if isinstance(data, list) and data and isinstance(data[0], dict):
                 model_id = data[0].get("id")
-                return model_id if isinstance(model_id, str) else None
+                # JSON may carry a lone surrogate ("\udcff"), which no request can send.
+                if isinstance(model_id, str) and model_id.strip():
+                    model_id.encode("utf-8")
+                    return model_id
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
         return None
@@ -568,6 +571,11 @@ class LoadGenerator:
                     on_chunk=self._credit,
                     on_first_token=self._add_ttft,
                 )
+            except Exception as exc:
+                # Anything but HTTP or stream trouble (a body that cannot be encoded, a
+                # fault of this client): a worker that died would go unseen and the summary
+                # would say "errors: none"; counted, it backs off and tries again.
+                outcome = RequestOutcome(error=f"client_{type(exc).__name__}")
                 if tally.exact and tally.pieces:
                     self._learned[0] += tally.estimate()
                     self._learned[1] += tally.pieces

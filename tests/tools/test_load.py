@@ -63,6 +63,7 @@ class Behaviour:
     fail_first: int = 0  # answer this many requests with `fail_status`
     fail_status: int = 503
     mode: str = "ok"  # ok, malformed, cut, error_event, no_done, finish_no_done
+    models_body: str = '{"object": "list", "data": [{"id": "fake-model"}]}'  # /v1/models
 
 
 @dataclass
@@ -112,7 +113,7 @@ class FakeServer:
         self._loop.run_until_complete(runner.cleanup())
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+        return web.Response(text=self.behaviour.models_body, content_type="application/json")
 
     def _chunk(self, chat: bool, text: str | None, finish: str | None, usage: int | None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
@@ -451,6 +452,56 @@ def test_http_errors_are_counted_and_load_continues(
     assert result.requests > 0
     assert result.output_tokens >= 8 * result.requests
     assert server.stats.bodies[-1]["model"] == "fake-model"
+
+
+@pytest.mark.parametrize(
+    ("models_body", "model"),
+    [
+        # JSON's escape of a lone surrogate: a str no request body can encode.
+        ('{"data": [{"id": "\\udcff"}]}', None),
+        ('{"data": [{"id": "  "}]}', None),
+        ('{"data": [{"id": 7}]}', None),
+        ('{"data": "fake-model"}', None),
+        ('{"data": [{"id": "m\\u00e9"}]}', "m\u00e9"),
+    ],
+)
+def test_hostile_model_ids_are_not_sent(
+    server: FakeServer, models_body: str, model: str | None
+) -> None:
+    server.behaviour = Behaviour(tokens=4, models_body=models_body)
+
+    async def go() -> LoadResult:
+        stop = asyncio.Event()
+
+        def served(progress: LoadProgress) -> None:
+            if progress.requests > 0:
+                stop.set()
+
+        return await run_load(server.url, 1, 20.0, max_tokens=4, stop=stop, on_progress=served)
+
+    result = asyncio.run(go())
+    assert result.requests > 0
+    assert result.errors == 0
+    assert server.stats.bodies[-1].get("model") == model
+
+
+def test_a_worker_fault_is_counted_not_lost(server: FakeServer) -> None:
+    # A request body the client cannot encode: before, each worker died on it unseen and
+    # the run ended with no tokens and "errors: none".
+    server.behaviour = Behaviour(tokens=4)
+
+    async def go() -> LoadResult:
+        bad = LoadGenerator(server.url, max_concurrency=2, max_tokens=4, model="\udcff")
+        async with bad as load:
+            load.set_concurrency(2)
+            await asyncio.sleep(1.0)
+            return load.take_result()
+
+    result = asyncio.run(go())
+    assert result.requests == 0
+    assert result.errors >= 2
+    assert set(result.errors_by_kind) == {"client_UnicodeEncodeError"}
+    assert server.stats.requests == 0
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
