@@ -183,7 +183,8 @@ class SmgGateway:
 def _stream_problem(lines: Iterable[str]) -> str | None:
     """Why a streamed completion did not end whole, or None. A worker dying mid-stream makes
     smg send an error event and then ``data: [DONE]``: complete means [DONE] last, no event
-    carrying an ``error``, and the last event before [DONE] giving a ``finish_reason``."""
+    carrying an ``error``, and the last event with a choice giving a ``finish_reason`` (a
+    usage-only event, with no choice, may follow it)."""
     last, finished = "", None
     for raw in lines:
         line = raw.strip()
@@ -201,8 +202,9 @@ def _stream_problem(lines: Iterable[str]) -> str | None:
         if "error" in event:
             return f"stream error: {str(event['error'])[:160]}"
         choices = event.get("choices")
-        first = choices[0] if isinstance(choices, list) and choices else {}
-        finished = first.get("finish_reason") if isinstance(first, dict) else None
+        if isinstance(choices, list) and choices:
+            first = choices[0]
+            finished = first.get("finish_reason") if isinstance(first, dict) else None
     if last != "data: [DONE]":
         return f"stream cut after {last[:80]!r}"
     if finished is None:

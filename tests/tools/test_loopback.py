@@ -7,8 +7,10 @@ import threading
 import time
 
 import httpx
+import pytest
 from factories import SmgGateway, StreamingLoad
 
+from specd.tools.loopback import _stream_problem
 from specd.twin.process import TwinProcess
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "4",
@@ -42,3 +44,33 @@ def test_a_stream_cut_by_a_dead_worker_is_a_lost_request() -> None:
     finally:
         gateway.stop()
         twin.stop()
+
+
+FINISH = 'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}'
+TOKEN = 'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}'
+USAGE = 'data: {"choices": [], "usage": {"completion_tokens": 2}}'
+
+
+@pytest.mark.parametrize(
+    ("lines", "problem"),
+    [
+        ([TOKEN, FINISH, "data: [DONE]"], None),
+        # include_usage: SGLang's usage-only event follows the finish (it was read as a
+        # stream that never finished).
+        ([TOKEN, FINISH, USAGE, "data: [DONE]"], None),
+        ([TOKEN, FINISH, "", USAGE, "", "data: [DONE]"], None),
+        ([TOKEN, USAGE, "data: [DONE]"], "no finish_reason"),
+        ([TOKEN, "data: [DONE]"], "no finish_reason"),
+        ([TOKEN, FINISH], "stream cut"),
+        ([TOKEN, 'data: {"error": {"message": "worker died"}}', "data: [DONE]"], "worker died"),
+        ([TOKEN, "data: {nope", "data: [DONE]"], "not a JSON event"),
+        ([TOKEN, "data: [1]", "data: [DONE]"], "not an event object"),
+    ],
+)
+def test_stream_problem(lines: list[str], problem: str | None) -> None:
+    found = _stream_problem(lines)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert problem in found
