@@ -35,6 +35,7 @@ from specd.tools.sweep import (
     SweepReport,
     check_plan,
     describe_setting,
+    refuse_earlier_results,
     sweep,
 )
 
@@ -171,6 +172,12 @@ def _canonical(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     out_dir = args.out or Path(f"sweep-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    try:
+        # Before the twin starts or the operator is asked: nothing is worth doing then.
+        refuse_earlier_results(out_dir)
+    except SweepError as exc:
+        print(f"specd sweep: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.twin:
         if args.config is not None:
             print("specd sweep: --twin and --config exclude each other", file=sys.stderr)

@@ -829,6 +829,24 @@ def signals_stop(stop: threading.Event, reporter: Reporter) -> Iterator[list[str
             signal.signal(sig, old)
 
 
+def earlier_results(out_dir: Path) -> list[str]:
+    """The result files of an earlier sweep in ``out_dir`` (its log aside, which appends).
+    A new sweep must not write beside them: one interrupted before its first point writes
+    no sweep.csv, and the earlier run's would pass for its calibration."""
+    names = (CSV_NAME, MARKDOWN_NAME, JSON_NAME, CHART_NAME)
+    return [name for name in names if os.path.lexists(out_dir / name)]
+
+
+def refuse_earlier_results(out_dir: Path) -> None:
+    """SweepError, in one line, where ``out_dir`` holds an earlier sweep's results."""
+    found = earlier_results(out_dir)
+    if found:
+        raise SweepError(
+            f"{out_dir} already holds an earlier sweep's results ({', '.join(found)}); "
+            "choose another --out, or move them away first"
+        )
+
+
 def sweep(
     config: Config,
     plan: SweepPlan,
@@ -847,6 +865,7 @@ def sweep(
     ``handle_signals`` makes SIGINT/SIGTERM stop and restore (main thread only).
     """
     check_plan(plan, config)
+    refuse_earlier_results(out_dir)
     problem = daemon_running(config)
     if problem is not None:
         raise SweepError(problem)

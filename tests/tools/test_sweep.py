@@ -293,6 +293,49 @@ def test_cli_refuses_before_touching_anything(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "earlier", [sw.CSV_NAME, sw.MARKDOWN_NAME, sw.JSON_NAME, sw.CHART_NAME, "symlink"]
+)
+def test_a_sweep_into_an_earlier_sweeps_results_is_refused(tmp_path: Path, earlier: str) -> None:
+    """An `--out` reused: a new sweep interrupted before its first point wrote its report
+    beside the earlier run's sweep.csv and sweep.png, which passed for its own. Refused
+    before the twin starts, and the earlier files are kept as they were."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if earlier == "symlink":
+        (out / sw.CSV_NAME).symlink_to(tmp_path / "elsewhere.csv")
+        name = sw.CSV_NAME
+    else:
+        (out / earlier).write_text("the earlier sweep's\n")
+        name = earlier
+    (out / sw.LOG_NAME).write_text("a log appends\n")
+    before = {p.name: os.readlink(p) if p.is_symlink() else p.read_text() for p in out.iterdir()}
+    argv = ["--twin", "--steps", "2", "--concurrency", "1", "--yes", "--out", str(out)]
+    proc = _sweep_cli(argv, real=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert f"{out} already holds an earlier sweep's results ({name})" in last
+    assert "starting the SGLang twin" not in proc.stderr
+    config = make_config(tmp_path, free_port())
+    plan = sw.SweepPlan(steps=(2,), concurrency=(1,), duration_s=1.0, warmup_s=0.0)
+    with pytest.raises(sw.SweepError, match=r"^[^\n]+ already holds an earlier sweep's"):
+        sw.sweep(config, plan, out, handle_signals=False)
+    after = {p.name: os.readlink(p) if p.is_symlink() else p.read_text() for p in out.iterdir()}
+    assert after == before
+
+
+def test_a_sweep_log_alone_is_no_earlier_result(tmp_path: Path) -> None:
+    # The log appends run after run; only results make a directory taken.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / sw.LOG_NAME).write_text("an earlier refusal\n")
+    (tmp_path / "state").mkdir()
+    config = make_config(tmp_path, free_port())
+    plan = sw.SweepPlan(steps=(2,), concurrency=(1,), duration_s=1.0, warmup_s=0.0)
+    with pytest.raises(sw.SweepError, match="cannot tell which step count SGLang runs now"):
+        sw.sweep(config, plan, out, handle_signals=False)
+
+
 # -- refusals in process ------------------------------------------------------------------
 
 
