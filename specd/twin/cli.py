@@ -255,7 +255,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         f"adaptive:3,4, adaptive:1,3/1=1,3;8=0,1 (repeatable; also ${ENV_FAIL_SETTINGS}, "
         "whitespace-separated)",
     )
-    fail.add_argument("--never-healthy", action="store_true")
+    fail.add_argument(
+        "--never-healthy",
+        action="store_true",
+        help="a generation that never comes back: /health_generate (and /health) answer 503 "
+        "after SGLANG_HEALTH_CHECK_TIMEOUT seconds (20 by default), as SGLang's do",
+    )
     fail.add_argument(
         "--slow-s", type=LOAD_S, default=0.0, help=f"delay every response ({LOAD_S.spec})"
     )

@@ -67,6 +67,9 @@ class Twin:
         self.args = config.args
         self.phase = "warmup"  # warmup -> ready -> draining
         self.started = time.time()
+        # SGLang reads it once, at import (http_server.HEALTH_CHECK_TIMEOUT): a value that is
+        # no integer stops it from starting.
+        self.health_check_timeout_s = int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
         self.state = MetricState(
             model_name=config.model_name,
             dp_size=self.args.dp_size,
@@ -237,12 +240,15 @@ class Twin:
         """SGLang's health_generate (both paths): 503 at once while starting or draining;
         else it sends a 1-token generation and, a second later and every second after, looks
         whether anything came back since (the twin's always has), so 200 takes >= 1 s
-        (``--health-first-look-s``)."""
+        (``--health-first-look-s``). Nothing back within SGLANG_HEALTH_CHECK_TIMEOUT (20 s):
+        503 then, not before."""
         if self.phase != "ready":
             return web.Response(status=503)
         # The fault stands for a server whose generation never comes back: unhealthy on
-        # both paths, as SGLang's default /health (which generates) would be.
+        # both paths, as SGLang's default /health (which generates) would be, after SGLang's
+        # whole wait (a prober whose timeout is shorter sees a timeout, as on the GPU box).
         if self.args.never_healthy:
+            await asyncio.sleep(max(self.health_check_timeout_s, 0))
             return web.Response(status=503)
         if request.path == "/health" and not self._health_generates():
             return web.Response(status=200)

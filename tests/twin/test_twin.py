@@ -448,6 +448,34 @@ def test_dp_ranks_404_and_failure_injection() -> None:
         )
 
 
+@pytest.mark.parametrize("timeout_s", [0, 2])
+def test_a_generation_that_never_comes_back_is_503_after_sglangs_wait(
+    timeout_s: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's health_generate waits SGLANG_HEALTH_CHECK_TIMEOUT (20 s) for its token before
+    it answers 503; the twin answered at once, so a prober whose timeout is shorter than
+    that wait saw 503 from the twin and a timeout from SGLang."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", str(timeout_s))
+    with TwinThread([*SPEC4, "--never-healthy", *FAST]) as twin:
+        deadline = time.monotonic() + 20
+        with httpx.Client(base_url=twin.url, timeout=10, verify=verifying_context()) as c:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if c.get("/v1/models").status_code == 200:
+                        break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(REPORTED_S)  # its warm-up is over
+            for path in ("/health_generate", "/health"):
+                started = time.monotonic()
+                assert c.get(path).status_code == 503
+                took = time.monotonic() - started
+                assert timeout_s <= took < timeout_s + 1.5
+            if timeout_s:
+                with pytest.raises(httpx.ReadTimeout):
+                    c.get("/health_generate", timeout=timeout_s / 2)
+
+
 @pytest.mark.parametrize(
     ("flag", "check"),
     [
@@ -456,7 +484,8 @@ def test_dp_ranks_404_and_failure_injection() -> None:
         ("--garbage-metrics", lambda c: "\x00" in c.get("/metrics").text),
     ],
 )
-def test_failure_flags(flag: str, check: object) -> None:
+def test_failure_flags(flag: str, check: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
     with TwinThread([*SPEC4, "--enable-metrics", flag, *FAST]) as twin:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
