@@ -22,6 +22,7 @@ from specd.io.config import (
     ConfigError,
     config_to_dict,
     load_config,
+    shadowed_in_file,
 )
 from specd.io.systemd import DEFAULT_STOP_TIMEOUT_S
 from specd.io.writable import STATE_DIRECTORY, written_dirs
@@ -30,7 +31,8 @@ from specd.io.writable import STATE_DIRECTORY, written_dirs
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Validate a specd configuration and print the effective values "
-        "(file, then SPECD_* environment) as TOML, table by table. Exit 0 if valid, 2 if not."
+        "(file, then SPECD_* environment) as TOML, table by table. Exit 0 if valid, 2 if not "
+        f"(also with no file named and no {DEFAULT_CONFIG_PATH}, which specd.service runs on)."
     )
     parser.add_argument("path", nargs="?", type=Path, help="config file (same as --config)")
     parser.add_argument(
@@ -132,21 +134,32 @@ def run(args: argparse.Namespace) -> int:
         return 2
     path: Path | None = args.path if args.path is not None else args.config
     shown = path if path is not None else DEFAULT_CONFIG_PATH
-    config = load_for_command(path)
+    if path is None and not DEFAULT_CONFIG_PATH.exists():
+        # specd.service names this file (`specd run --config`), and will not start without
+        # it; built-in defaults, which `specd run` alone would use, are not what it runs.
+        print(
+            f"{shown}: no such file: specd.service runs `specd run --config {shown}`, which "
+            "does not start without it (`specd install` writes it; a file of comments only "
+            "keeps every default); check another file with `specd check-config FILE`",
+            file=sys.stderr,
+        )
+        return 2
+    config = load_for_command(shown)  # named: gone since, it is not taken as defaults
     if config is None:
         return 2
     data = config_to_dict(config)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        source = str(shown) if shown.exists() else f"{shown} (absent: built-in defaults)"
         env = sorted(n for n in os.environ if n.upper().startswith(ENV_PREFIX))
-        print(f"# effective specd configuration from {source}")
+        print(f"# effective specd configuration from {shown}")
         if env:
             print(f"# overridden by environment: {', '.join(env)}")
         sys.stdout.write(grouped_toml(data))
+    # This command's own environment: the daemon warns of specd.service's at each reload.
+    shadowed = [f"{s.key}: warning: {s.warning()}" for s in shadowed_in_file(shown)]
     now = datetime.fromtimestamp(time.time(), tz=timezone.utc)
-    for line in [*window_warnings(config, now), *path_warnings(config)]:
+    for line in [*shadowed, *window_warnings(config, now), *path_warnings(config)]:
         print(f"{shown}: {line}", file=sys.stderr)
     print(f"{shown}: OK", file=sys.stderr)
     return 0

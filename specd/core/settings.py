@@ -31,6 +31,12 @@ from specd.core.units import DAY_S, HOUR_S, MINUTE_S, WEEK_S
 
 MAX_STEPS_ALLOWED = 16
 MAX_ADAPTIVE_SETS = 16  # each is predicted at every tick
+# Every window is read at each tick, and each costs milliseconds (its cron searched through
+# its zone): some thousands outlasted WatchdogSec= at every tick. One cron covers many days
+# ('0 3 * * mon-fri'), so a real schedule needs a handful.
+MAX_WINDOWS = 32
+# A band per step count (at most MAX_STEPS_ALLOWED) is the most a mapping needs.
+MAX_BANDS = 32
 # SGLang 0.5.23's DEFAULT_ADAPTIVE_CONFIG (specd.core.adaptive.DEFAULT_SLOTS), then sets
 # whose deepest candidate costs less KV, for mid and high load.
 DEFAULT_ADAPTIVE_SETS = (
@@ -52,6 +58,23 @@ _GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 def _table() -> ConfigDict:
     """Each table's pydantic config: typos are errors, values immutable, no inf/nan."""
     return ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Problems(ValueError):
+    """Problems found across keys, each with the keys it is about (``choose.max_steps``,
+    ``bands``), so the loader can name the ``SPECD_*`` variable that set one of them."""
+
+    def __init__(self, problems: list[tuple[str, tuple[str, ...]]]) -> None:
+        self.problems = list(problems)
+        super().__init__("; ".join(text for text, _ in self.problems))
+
+
+def _at_most(value: Any, limit: int, what: str, why: str) -> Any:
+    """Refuse a list longer than ``limit`` before its items are validated: validating
+    thousands of windows took seconds, and their problems would be thousands of lines."""
+    if isinstance(value, (list, tuple)) and len(value) > limit:
+        raise ValueError(f"{len(value)} {what}; at most {limit} ({why})")
+    return value
 
 
 def _absolute(value: Path | None) -> Path | None:
@@ -373,7 +396,7 @@ class ChooseSettings(BaseModel):
         "(SGLang's --speculative-adaptive with one of adaptive_candidate_sets). Each only "
         "where the server runs it, the unit's ExecStart= can be given it and the calibration "
         "can predict it (off: a steps-0 row; a set: a row per step count); `specd doctor` "
-        'says why not. ["static"] chooses step counts only.',
+        'says why not. ["static"] chooses step counts only. Each kind once.',
     )
     adaptive_candidate_sets: tuple[str, ...] = Field(
         default=DEFAULT_ADAPTIVE_SETS,
@@ -410,8 +433,20 @@ class ChooseSettings(BaseModel):
     @model_validator(mode="after")
     def _range(self) -> ChooseSettings:
         if self.min_steps > self.max_steps:
-            raise ValueError(f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})")
+            raise Problems(
+                [
+                    (
+                        f"min_steps ({self.min_steps}) > max_steps ({self.max_steps})",
+                        ("choose.min_steps", "choose.max_steps"),
+                    )
+                ]
+            )
         return self
+
+    @field_validator("kinds", mode="before")
+    @classmethod
+    def _few_kinds(cls, value: Any) -> Any:
+        return _at_most(value, 3, "kinds", "off, static and adaptive, each once")
 
     @field_validator("kinds")
     @classmethod
@@ -712,13 +747,30 @@ class Settings(BaseModel):
     bands: list[Band] = Field(
         default_factory=_default_bands,
         description="Bands of offered concurrency → steps, by ascending max_concurrency; "
-        "the last has no max_concurrency.",
+        f"the last has no max_concurrency. At most {MAX_BANDS}.",
     )
     windows: list[Window] = Field(
         default_factory=_default_windows,
         min_length=1,
-        description="Maintenance windows; automatic restarts happen only inside one.",
+        description="Maintenance windows; automatic restarts happen only inside one. At most "
+        f"{MAX_WINDOWS}: each is read at every tick (one cron covers several days, as "
+        "'0 3 * * mon-fri').",
     )
+
+    @field_validator("bands", mode="before")
+    @classmethod
+    def _few_bands(cls, value: Any) -> Any:
+        return _at_most(value, MAX_BANDS, "bands", "a band per step count is the most needed")
+
+    @field_validator("windows", mode="before")
+    @classmethod
+    def _few_windows(cls, value: Any) -> Any:
+        return _at_most(
+            value,
+            MAX_WINDOWS,
+            "windows",
+            "each is read at every tick; one cron covers several days, as '0 3 * * mon-fri'",
+        )
 
     @field_validator("fleet", mode="before")
     @classmethod
@@ -729,26 +781,35 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        problems: list[str] = []
+        # Each problem with the keys it is about: a SPECD_* variable may have set one.
+        problems: list[tuple[str, tuple[str, ...]]] = []
         catch_alls = [i for i, b in enumerate(self.bands) if b.max_concurrency is None]
         if not self.bands:
-            problems.append("bands: at least one band is needed")
+            problems.append(("bands: at least one band is needed", ("bands",)))
         elif catch_alls != [len(self.bands) - 1]:
             problems.append(
-                "bands: exactly one band, the last, must omit max_concurrency (the catch-all)"
+                (
+                    "bands: exactly one band, the last, must omit max_concurrency (the catch-all)",
+                    ("bands",),
+                )
             )
         bounds = [b.max_concurrency for b in self.bands if b.max_concurrency is not None]
         if any(a >= b for a, b in itertools.pairwise(bounds)):
-            problems.append("bands: max_concurrency must strictly increase from band to band")
+            problems.append(
+                ("bands: max_concurrency must strictly increase from band to band", ("bands",))
+            )
         lo, hi = self.choose.min_steps, self.choose.max_steps
         for i, band in enumerate(self.bands):
             if not lo <= band.steps <= hi:
                 problems.append(
-                    f"bands[{i}].steps: {band.steps} is outside choose.min_steps..max_steps "
-                    f"({lo}..{hi})"
+                    (
+                        f"bands[{i}].steps: {band.steps} is outside choose.min_steps..max_steps "
+                        f"({lo}..{hi})",
+                        ("bands", "choose.min_steps", "choose.max_steps"),
+                    )
                 )
         if problems:
-            raise ValueError("; ".join(problems))
+            raise Problems(problems)
         return self
 
 

@@ -12,6 +12,10 @@ Environment values are strings, one table level per ``__``
 (``SPECD_OBSERVE__SCRAPE_INTERVAL_S=7``); arrays take JSON
 (``SPECD_WINDOWS='[{"cron": "0 3 * * sat", "duration_s": 3600, "timezone": "UTC"}]'``).
 
+A ``SPECD_*`` variable wins over the file: ``shadowed_keys`` names each key of the file one
+overrides, since an edit to such a key does nothing (`specd check-config` warns of each; the
+daemon, which runs in the unit's environment, on each reload).
+
 `specd check-config` (specd.commands.check_config) prints the result.
 """
 
@@ -24,7 +28,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -44,6 +48,7 @@ from specd.core.settings import (
     TABLE_OF_KEY,
     TABLES,
     Band,
+    Problems,
     Settings,
     Window,
 )
@@ -62,12 +67,15 @@ __all__ = [
     "Band",
     "Config",
     "ConfigError",
+    "Shadowed",
     "Window",
     "check_calibration",
     "config_changes",
     "config_to_dict",
     "load_config",
     "read_config_file",
+    "shadowed_in_file",
+    "shadowed_keys",
 ]
 
 ENV_PREFIX = "SPECD_"
@@ -249,11 +257,71 @@ def _env_name_of(loc: tuple[int | str, ...]) -> str | None:
     return next((c for c in candidates if c in environ), None)
 
 
+def _env_setters(environ: Mapping[str, str]) -> dict[str, str]:
+    """Each key a ``SPECD_*`` variable sets (``choose.max_steps``, ``windows``), and that
+    variable, as pydantic-settings reads them: any case; a table's variable
+    (SPECD_CHOOSE='{"max_steps": 4}') sets the keys its JSON object names, and the whole
+    table (``gateway``) if it is not an object (null); a key's own variable wins over it.
+    One that is not JSON sets nothing here: the load refuses it anyway."""
+    by_table: dict[str, str] = {}
+    by_key: dict[str, str] = {}
+    for name, value in sorted(environ.items()):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        table, nested, key = rest.partition(ENV_NESTED_DELIMITER)
+        if nested:
+            if table in TABLES and key in TABLES[table].model_fields:
+                by_key[f"{table}.{key}"] = name
+        elif table in ARRAYS:
+            by_key[table] = name
+        elif table in TABLES:
+            try:
+                parsed = files.parse_json(value)
+            except ValueError:
+                continue
+            if not isinstance(parsed, dict):
+                by_table[table] = name
+                continue
+            fields = TABLES[table].model_fields
+            by_table.update({f"{table}.{k}": name for k in parsed if k in fields})
+    return {**by_table, **by_key}
+
+
+def _setter_of(key: str, setters: Mapping[str, str]) -> str | None:
+    """The variable that sets ``key`` (``choose.max_steps``, ``bands``), if one does."""
+    return setters.get(key) or setters.get(key.partition(".")[0])
+
+
+def _naming_setters(text: str, keys: tuple[str, ...], setters: Mapping[str, str]) -> str:
+    """``text`` with the variables that set any of ``keys``: a check across keys (min_steps
+    > max_steps, a band's steps) is about the file and the environment together."""
+    by_variable: dict[str, list[str]] = {}
+    for key in dict.fromkeys(keys):
+        variable = _setter_of(key, setters)
+        if variable is not None:
+            by_variable.setdefault(variable, []).append(key)
+    if not by_variable:
+        return text
+    said = ", ".join(f"{', '.join(k)} set by {v}" for v, k in by_variable.items())
+    return f"{text} ({said})"
+
+
 def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
     problems = []
     errors = error.errors(include_url=False)
     for err in errors:
         loc = tuple(err["loc"])
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, Problems):
+            # A check across keys: each problem names the variables that set its keys (the
+            # table's or the model's location alone would name none).
+            setters = _env_setters(os.environ)
+            where = _format_loc(loc)
+            for text, keys in cause.problems:
+                line = _naming_setters(text, keys, setters)
+                problems.append(f"{where}: {line}" if where else line)
+            continue
         if err["type"] in ("too_short", "too_long") and any(
             tuple(other["loc"])[: len(loc)] == loc and len(other["loc"]) > len(loc)
             for other in errors
@@ -270,7 +338,8 @@ def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
             message = "unknown key (check the spelling; see etc/specd/specd.toml)"
         elif err["type"] == "missing":
             message = "required key is missing"
-        elif err["type"] not in ("value_error", "assertion_error") and "input" in err:
+        elif err["type"] not in ("value_error", "assertion_error", "too_long") and "input" in err:
+            # (too_long says the count; its input may be thousands of items on one line.)
             message += f" (got {err['input']!r})"
         if key and env_name is not None:
             message += f" (set by {env_name})"
@@ -518,11 +587,62 @@ def load_config(
         and config is not None
         and not any(p.startswith("choose.calibration_file:") for p in problems)
     ):
-        problems += check_calibration(config)
+        # Its lines name the variable that set the table, the kinds or the sets, if one did.
+        setters = _env_setters(os.environ)
+        problems += [
+            _naming_setters(p, (p.split(":", 1)[0], "choose.calibration_file"), setters)
+            for p in check_calibration(config)
+        ]
     if problems:
         raise ConfigError(problems, config_path)
     assert config is not None
     return config
+
+
+class Shadowed(NamedTuple):
+    """A key of the config file that a ``SPECD_*`` variable overrides."""
+
+    key: str  # as check-config names it: ``choose.max_steps``, ``windows``
+    variable: str  # ``SPECD_CHOOSE__MAX_STEPS``
+
+    def warning(self) -> str:
+        return (
+            f"overridden by the environment variable {self.variable}: an edit to it in the "
+            "file does nothing while the variable is set"
+        )
+
+
+def shadowed_keys(data: Mapping[str, Any], environ: Mapping[str, str]) -> list[Shadowed]:
+    """Each key of the parsed config file ``data`` (`read_config_file`) that a ``SPECD_*``
+    variable of ``environ`` overrides, in the file's order: the environment wins, so an edit
+    to that key changes nothing, and a reload says nothing changed."""
+    setters = _env_setters(environ)
+    found = []
+    for key, value in data.items():
+        if key in TABLES and isinstance(value, Mapping):
+            fields = TABLES[key].model_fields
+            for name in value:
+                variable = _setter_of(f"{key}.{name}", setters) if name in fields else None
+                if variable is not None:
+                    found.append(Shadowed(f"{key}.{name}", variable))
+        elif key in ARRAYS and key in setters:
+            found.append(Shadowed(key, setters[key]))
+    return found
+
+
+def shadowed_in_file(
+    path: str | Path | None, environ: Mapping[str, str] | None = None
+) -> list[Shadowed]:
+    """`shadowed_keys` of the config file at ``path`` (None: the default, as `load_config`
+    reads it) under ``environ`` (default: this process's). Read again, after `load_config`
+    took it: none for a file it cannot read, whose problem the load has said."""
+    if path is None and not DEFAULT_CONFIG_PATH.exists():
+        return []
+    try:
+        data = read_config_file(DEFAULT_CONFIG_PATH if path is None else Path(path))
+    except ConfigError:
+        return []
+    return shadowed_keys(data, os.environ if environ is None else environ)
 
 
 def _flat(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,15 +1,20 @@
 """specd check-config's warnings for a window no restart fits in: what the config alone can
-tell (restart_cost_s, systemd's default stop timeout), with an injected clock."""
+tell (restart_cost_s, systemd's default stop timeout), with an injected clock; for a key its
+environment overrides; and what it says with no file named and none at the default path."""
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from factories import run_specd, without_specd_env
 
 from specd import cli
+from specd.commands import check_config
 from specd.commands.check_config import window_warnings
+from specd.io import config as config_module
 from specd.io.config import load_config
 
 # 2026-12-02 11:00 UTC, a Wednesday.
@@ -105,3 +110,80 @@ def test_check_config_warns_and_still_exits_0(
     path.write_text(config_text([("0 3 * * *", 3600.0)]))
     assert cli.main(["check-config", str(path), "--json"]) == 0
     assert capsys.readouterr().err.splitlines() == [f"{path}: OK"]
+
+
+OVERRIDDEN = "an edit to it in the file does nothing while the variable is set"
+
+
+def test_check_config_warns_of_each_key_its_environment_overrides(tmp_path: Path) -> None:
+    """The environment wins over the file: an edit to such a key did nothing, and nothing
+    said so. A real process, as an operator runs it, with variables of its own."""
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        "[choose]\nmax_steps = 6\n[restart]\nmin_dwell_s = 10.0\ndaily_restart_budget = 3\n"
+        + config_text([("0 3 * * *", 3600.0)])
+    )
+    env = without_specd_env() | {
+        "SPECD_CHOOSE__MAX_STEPS": "4",
+        "SPECD_RESTART": '{"min_dwell_s": 60}',
+        "SPECD_WINDOWS": '[{"cron": "0 4 * * sat", "duration_s": 3600}]',
+        "SPECD_OBSERVE__SCRAPE_INTERVAL_S": "7",  # not in the file: overrides nothing
+    }
+    proc = run_specd("check-config", str(path), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"{path}: choose.max_steps: warning: overridden by the environment variable "
+        f"SPECD_CHOOSE__MAX_STEPS: {OVERRIDDEN}",
+        f"{path}: restart.min_dwell_s: warning: overridden by the environment variable "
+        f"SPECD_RESTART: {OVERRIDDEN}",
+        f"{path}: windows: warning: overridden by the environment variable SPECD_WINDOWS: "
+        f"{OVERRIDDEN}",
+        f"{path}: OK",
+    ]
+    # Without the variables: the same file, no warning.
+    proc = run_specd("check-config", str(path), env=without_specd_env())
+    assert (proc.returncode, proc.stderr.splitlines()) == (0, [f"{path}: OK"])
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]], ids=["toml", "json"])
+def test_check_config_with_no_file_named_and_none_at_the_default_path_fails(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+) -> None:
+    """It said OK (on built-in defaults), while specd.service, which names that file, does
+    not start without it."""
+    absent = tmp_path / "specd.toml"
+    monkeypatch.setattr(config_module, "DEFAULT_CONFIG_PATH", absent)
+    monkeypatch.setattr(check_config, "DEFAULT_CONFIG_PATH", absent)
+    for name in [n for n in os.environ if n.upper().startswith("SPECD_")]:
+        monkeypatch.delenv(name)
+    assert cli.main(["check-config", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err.splitlines()) == (
+        "",
+        [
+            f"{absent}: no such file: specd.service runs `specd run --config {absent}`, which "
+            "does not start without it (`specd install` writes it; a file of comments only "
+            "keeps every default); check another file with `specd check-config FILE`"
+        ],
+    )
+    # A file named on the command line: as before, it must exist.
+    assert cli.main(["check-config", str(absent), *extra]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{absent}: cannot read: No such file or directory"
+    ]
+    absent.write_text("# every default\n")
+    assert cli.main(["check-config", *extra]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"{absent}: OK"]
+
+
+@pytest.mark.skipif(
+    Path("/etc/specd/specd.toml").exists(), reason="this host has /etc/specd/specd.toml"
+)
+def test_check_config_with_no_file_is_not_ok_as_a_real_process() -> None:
+    proc = run_specd("check-config", env=without_specd_env())
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("/etc/specd/specd.toml: no such file: specd.service runs ")
+    assert proc.stdout == ""

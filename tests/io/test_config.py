@@ -15,9 +15,18 @@ from factories import run_specd, without_specd_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python as to_jsonable
 
 from specd.cli import main
-from specd.core.settings import RENAMED_KEYS, TABLE_OF_KEY, TABLES, ChooseSettings, Settings
+from specd.core.settings import (
+    MAX_BANDS,
+    MAX_WINDOWS,
+    RENAMED_KEYS,
+    TABLE_OF_KEY,
+    TABLES,
+    ChooseSettings,
+    Settings,
+)
 from specd.io.apply import ENV_DRAFT_TOKENS, ENV_STEPS
 from specd.io.config import (
     ENV_PREFIX,
@@ -27,6 +36,8 @@ from specd.io.config import (
     Window,
     config_to_dict,
     load_config,
+    shadowed_in_file,
+    shadowed_keys,
 )
 
 if sys.version_info >= (3, 11):
@@ -428,6 +439,121 @@ def test_a_float_setting_loads_only_when_finite_and_in_bounds(
         assert problems[0].startswith(f"{table}.{name}: ")
 
 
+def windows_text(count: int, cron: str = "{i} 3 * * mon") -> str:
+    return "".join(
+        f"[[windows]]\ncron = '{cron.format(i=i % 60)}'\nduration_s = 60\n" for i in range(count)
+    )
+
+
+def bands_text(count: int) -> str:
+    """``count`` - 1 bands with a max_concurrency: the catch-all is the caller's."""
+    return "".join(f"[[bands]]\nmax_concurrency = {i + 1}\nsteps = 3\n" for i in range(count - 1))
+
+
+WINDOWS_WHY = "each is read at every tick; one cron covers several days, as '0 3 * * mon-fri'"
+ENDPOINTS = [f"http://10.0.0.{i}:2379" for i in range(1, 18)]
+
+
+# Each window is read at every tick: 1,440 took 25 s a tick, a few thousand outlasted
+# WatchdogSec= at every one, and the config that did so validated.
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        (
+            windows_text(MAX_WINDOWS + 1),
+            {},
+            [f"windows: {MAX_WINDOWS + 1} windows; at most {MAX_WINDOWS} ({WINDOWS_WHY})"],
+        ),
+        # Refused before each is read: one line, not one per bad cron.
+        (
+            windows_text(2000, "0 3 * * 1"),
+            {},
+            [f"windows: 2000 windows; at most {MAX_WINDOWS} ({WINDOWS_WHY})"],
+        ),
+        (
+            "# every default\n",
+            {"SPECD_WINDOWS": json.dumps([{"cron": "0 3 * * sat", "duration_s": 60}] * 40)},
+            [f"windows: 40 windows; at most {MAX_WINDOWS} ({WINDOWS_WHY}) (set by SPECD_WINDOWS)"],
+        ),
+        (
+            bands_text(MAX_BANDS + 1) + "[[bands]]\nsteps = 3\n",
+            {},
+            [
+                f"bands: {MAX_BANDS + 1} bands; at most {MAX_BANDS} (a band per step count is "
+                "the most needed)"
+            ],
+        ),
+        (
+            "[choose]\nkinds = ['off', 'static', 'adaptive', 'static']\n",
+            {},
+            ["choose.kinds: 4 kinds; at most 3 (off, static and adaptive, each once)"],
+        ),
+        # A list bounded before: the count, not the whole list again on the same line.
+        (
+            tomli_w.dumps({"fleet": {"etcd_endpoints": ENDPOINTS, "group": "g"}}),
+            {},
+            ["fleet.etcd_endpoints: List should have at most 16 items after validation, not 17"],
+        ),
+    ],
+)
+def test_a_list_past_its_bound_is_one_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    text: str,
+    env: dict[str, str],
+    expected: list[str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.problems == expected
+
+
+def test_as_many_as_the_bound_load(tmp_path: Path) -> None:
+    text = windows_text(MAX_WINDOWS) + bands_text(MAX_BANDS) + "[[bands]]\nsteps = 3\n"
+    loaded = load_config(write(tmp_path, text))
+    assert (len(loaded.windows), len(loaded.bands)) == (MAX_WINDOWS, MAX_BANDS)
+
+
+LISTS = [(table, name) for table, model in TABLES.items() for name in model.model_fields] + [
+    (name, None) for name in ("bands", "windows")
+]
+
+
+@pytest.mark.parametrize(
+    ("table", "name"),
+    [
+        (table, name)
+        for table, name in LISTS
+        if name is None
+        or getattr(TABLES[table].model_fields[name].annotation, "__origin__", None) in (list, tuple)
+    ],
+)
+def test_every_list_setting_is_bounded(tmp_path: Path, table: str, name: str | None) -> None:
+    """A list as long as a config file holds is one line naming its bound, for each list a
+    setting takes, also one added later."""
+    if name is None:
+        item = to_jsonable(Settings.model_fields[table].get_default(call_default_factory=True))[0]
+        data: dict[str, Any] = {table: [item] * 100}
+    else:
+        field = TABLES[table].model_fields[name]
+        items = (
+            OPTIONAL_TABLES[table][name]
+            if field.is_required()
+            else field.get_default(call_default_factory=True)
+        )
+        values = {**OPTIONAL_TABLES.get(table, {}), name: [items[0]] * 100}
+        data = {table: values}
+    where = table if name is None else f"{table}.{name}"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, tomli_w.dumps(data)))
+    [problem] = info.value.problems
+    assert problem.startswith(f"{where}: "), problem
+    assert "at most" in problem, problem
+    assert len(problem) < 200, problem
+
+
 def test_a_utf8_bom_is_named(tmp_path: Path) -> None:
     path = tmp_path / "specd.toml"
     path.write_bytes(b"\xef\xbb\xbf[choose]\nmax_steps = 4\n")
@@ -623,6 +749,167 @@ def test_env_problem_says_which_variable(tmp_path: Path, monkeypatch: pytest.Mon
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, "# every default\n"))
     assert info.value.problems[0].endswith("(set by SPECD_CHOOSE__MAX_STEPS)")
+
+
+# The environment wins over the file: an edit to a key a SPECD_* variable also sets did
+# nothing, and a reload said "changed: {}". Each such key of the file, with its variable.
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        (
+            "[choose]\nmax_steps = 6\nmin_steps = 2\n",
+            {"SPECD_CHOOSE__MAX_STEPS": "4"},
+            [("choose.max_steps", "SPECD_CHOOSE__MAX_STEPS")],
+        ),
+        # Any case, named as the environment spells it.
+        (
+            "[choose]\nmax_steps = 6\n",
+            {"specd_choose__max_steps": "4"},
+            [("choose.max_steps", "specd_choose__max_steps")],
+        ),
+        # A key the file leaves out is the variable's alone: nothing to shadow.
+        ("[choose]\nmax_steps = 6\n", {"SPECD_CHOOSE__MIN_STEPS": "2"}, []),
+        ("[choose]\nmax_steps = 6\n", {"SPECD_OBSERVE__SCRAPE_INTERVAL_S": "7"}, []),
+        # A table's variable overrides the keys its JSON names, not the rest of the table.
+        (
+            "[restart]\nmin_dwell_s = 10\ndaily_restart_budget = 2\n",
+            {"SPECD_RESTART": '{"min_dwell_s": 60}'},
+            [("restart.min_dwell_s", "SPECD_RESTART")],
+        ),
+        # A key's own variable wins over its table's, as pydantic-settings reads them.
+        (
+            "[choose]\nmax_steps = 6\n",
+            {"SPECD_CHOOSE": '{"max_steps": 5}', "SPECD_CHOOSE__MAX_STEPS": "4"},
+            [("choose.max_steps", "SPECD_CHOOSE__MAX_STEPS")],
+        ),
+        # Not an object: the whole table goes (SPECD_GATEWAY=null is no gateway).
+        (
+            "[gateway]\nurls = ['http://127.0.0.1:30080']\nrequest_timeout_s = 3.0\n",
+            {"SPECD_GATEWAY": "null"},
+            [("gateway.urls", "SPECD_GATEWAY"), ("gateway.request_timeout_s", "SPECD_GATEWAY")],
+        ),
+        # An array is replaced whole.
+        (
+            "[[windows]]\ncron = '0 3 * * sat'\nduration_s = 3600\n[[bands]]\nsteps = 3\n",
+            {"SPECD_WINDOWS": '[{"cron": "0 4 * * sat", "duration_s": 60}]'},
+            [("windows", "SPECD_WINDOWS")],
+        ),
+        # In the file's order.
+        (
+            "[observe]\nscrape_interval_s = 5.0\n[choose]\nmax_steps = 6\n",
+            {"SPECD_CHOOSE__MAX_STEPS": "4", "SPECD_OBSERVE__SCRAPE_INTERVAL_S": "7"},
+            [
+                ("observe.scrape_interval_s", "SPECD_OBSERVE__SCRAPE_INTERVAL_S"),
+                ("choose.max_steps", "SPECD_CHOOSE__MAX_STEPS"),
+            ],
+        ),
+        # A key in the wrong table is a problem of its own, not shadowed.
+        ("[observe]\nmax_steps = 6\n", {"SPECD_CHOOSE__MAX_STEPS": "4"}, []),
+        # A variable that is not JSON sets nothing: the load refuses it.
+        ("[restart]\nmin_dwell_s = 10\n", {"SPECD_RESTART": "{min_dwell_s"}, []),
+        # Not SPECD_*: the SGLang unit's variables are no settings of specd's.
+        ("[choose]\nmax_steps = 6\n", {"SPECULATIVE_NUM_STEPS": "4", "MAX_STEPS": "4"}, []),
+    ],
+)
+def test_each_file_key_a_variable_overrides_is_named(
+    tmp_path: Path, text: str, env: dict[str, str], expected: list[tuple[str, str]]
+) -> None:
+    path = write(tmp_path, text)
+    assert shadowed_keys(tomllib.loads(text), env) == expected
+    assert shadowed_in_file(path, env) == expected
+
+
+def test_the_overridden_keys_of_the_default_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the daemon reloads it (no --config): the default file, in this process's environment.
+    default = tmp_path / "specd.toml"
+    monkeypatch.setattr("specd.io.config.DEFAULT_CONFIG_PATH", default)
+    monkeypatch.setenv("SPECD_CHOOSE__MAX_STEPS", "4")
+    assert shadowed_in_file(None) == []  # absent: nothing to shadow
+    default.write_text("[choose]\nmax_steps = 6\n")
+    [found] = shadowed_in_file(None)
+    assert found == ("choose.max_steps", "SPECD_CHOOSE__MAX_STEPS")
+    assert found.warning() == (
+        "overridden by the environment variable SPECD_CHOOSE__MAX_STEPS: an edit to it in the "
+        "file does nothing while the variable is set"
+    )
+    default.write_text("[choose]\nmax_steps = \n")  # not TOML: the load says so, not this
+    assert shadowed_in_file(None) == []
+
+
+# A check across keys (min_steps > max_steps, a band's steps outside them) named no variable
+# when one of its keys came from the environment: the operator looked in the file for it.
+@pytest.mark.parametrize(
+    ("text", "env", "expected"),
+    [
+        (
+            "# every default\n",
+            {"SPECD_CHOOSE__MAX_STEPS": "3"},
+            "bands[0].steps: 4 is outside choose.min_steps..max_steps (1..3) "
+            "(choose.max_steps set by SPECD_CHOOSE__MAX_STEPS)",
+        ),
+        (
+            "[choose]\nmax_steps = 5\n",
+            {"SPECD_CHOOSE__MIN_STEPS": "6"},
+            "choose: min_steps (6) > max_steps (5) (choose.min_steps set by "
+            "SPECD_CHOOSE__MIN_STEPS)",
+        ),
+        (
+            "# every default\n",
+            {"SPECD_CHOOSE": '{"min_steps": 6, "max_steps": 5}'},
+            "choose: min_steps (6) > max_steps (5) "
+            "(choose.min_steps, choose.max_steps set by SPECD_CHOOSE)",
+        ),
+        (
+            "# every default\n",
+            {"SPECD_BANDS": '[{"max_concurrency": 3, "steps": 3}]'},
+            "bands: exactly one band, the last, must omit max_concurrency (the catch-all) "
+            "(bands set by SPECD_BANDS)",
+        ),
+        (
+            "# every default\n",
+            {"SPECD_BANDS": '[{"steps": 9}]', "SPECD_CHOOSE__MAX_STEPS": "8"},
+            "bands[0].steps: 9 is outside choose.min_steps..max_steps (1..8) "
+            "(bands set by SPECD_BANDS, choose.max_steps set by SPECD_CHOOSE__MAX_STEPS)",
+        ),
+        # All from the file: no variable named, though one of another key is set.
+        (
+            "[choose]\nmax_steps = 3\n",
+            {"SPECD_OBSERVE__SCRAPE_INTERVAL_S": "7"},
+            "bands[0].steps: 4 is outside choose.min_steps..max_steps (1..3)",
+        ),
+        # The calibration's checks too.
+        (
+            "[choose]\ncalibration_file = '{cal}'\n",
+            {"SPECD_CHOOSE__KINDS": '["off"]'},
+            "choose.kinds: {cal} can predict none of ['off'] (off needs a steps-0 row, an "
+            "adaptive set a row for each of its step counts) "
+            "(choose.kinds set by SPECD_CHOOSE__KINDS)",
+        ),
+        (
+            "[choose]\nkinds = ['off']\n",
+            {"SPECD_CHOOSE__CALIBRATION_FILE": "{cal}"},
+            "choose.kinds: {cal} can predict none of ['off'] (off needs a steps-0 row, an "
+            "adaptive set a row for each of its step counts) "
+            "(choose.calibration_file set by SPECD_CHOOSE__CALIBRATION_FILE)",
+        ),
+    ],
+)
+def test_a_check_across_keys_names_the_variable_that_set_one(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    text: str,
+    env: dict[str, str],
+    expected: str,
+) -> None:
+    cal = tmp_path / "cal.csv"
+    cal.write_text(CALIBRATION)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.replace("{cal}", str(cal)))
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text.replace("{cal}", str(cal))))
+    assert info.value.problems == [expected.replace("{cal}", str(cal))]
 
 
 @pytest.mark.parametrize(
