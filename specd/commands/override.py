@@ -268,9 +268,9 @@ def _hours(delta: timedelta) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not for --help (see the module's docstring).
+    from specd.commands.config_fallback import load_for_oncall  # noqa: PLC0415
     from specd.commands.status import daemon  # noqa: PLC0415
     from specd.core import windows  # noqa: PLC0415
-    from specd.io import config as config_mod  # noqa: PLC0415
     from specd.io.override import (  # noqa: PLC0415
         check_override_text,
         read_override,
@@ -278,13 +278,13 @@ def run(args: argparse.Namespace) -> int:
         write_override,
     )
 
-    try:
-        # Without the calibration: a freeze or a pin must not wait for a fixed table.
-        cfg = config_mod.load_config(args.config, calibration=False)
-    except config_mod.ConfigError as exc:
-        for problem in exc.problems:
-            print(f"specd override: config: {problem}", file=sys.stderr)
+    # Without the calibration: a freeze or a pin must not wait for a fixed table. A file
+    # with problems (a reload rejected it: the daemon runs on its last good config) gives
+    # its valid parts, said on stderr, or refuses where [files] is among them.
+    loaded = load_for_oncall("specd override", args.config)
+    if loaded is None:
         return 2
+    cfg = loaded.config
     path: Path = args.file if args.file is not None else cfg.files.override_file
     now = datetime.now(_UTC).replace(microsecond=0)
     try:

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from specd.commands.check_config import load_for_command
+from specd.commands.config_fallback import load_for_oncall
 from specd.core import explore, windows
 from specd.core.history import HistorySettings
 from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
@@ -774,12 +774,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     now = time.time()
-    # Without the calibration: an on-call command must work while the table is broken.
-    config = load_for_command(args.config, calibration=False)
-    if config is None:
+    # Without the calibration: an on-call command must work while the table is broken; a
+    # file with problems (a reload rejected it: the daemon runs on its last good config)
+    # gives its valid parts, said on stderr, or refuses where [files] is among them.
+    loaded = load_for_oncall("specd status", args.config)
+    if loaded is None:
         return 2
+    config = loaded.config
     static_only = read_static_only(SubprocessRunner(), config.sglang.unit)
     info = collect(config, now, server_info(config), static_only)
+    info["config"] = loaded.to_json()
     print(json.dumps(info, indent=2, default=str) if args.json else render(info, now))
     if info["state_unreadable"]:
         # Unreadable (permissions: run as root or a member of group specd), invalid, or

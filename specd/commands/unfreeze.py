@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from specd.commands.check_config import load_for_command
+from specd.commands.config_fallback import load_for_oncall
 from specd.commands.reason import operator, reason_type
 from specd.commands.status import daemon, setting_text, when_text
 from specd.core import windows
@@ -55,10 +55,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Without the calibration: an on-call command must work while the table is broken.
-    config = load_for_command(args.config, calibration=False)
-    if config is None:
+    # Without the calibration: an on-call command must work while the table is broken; a
+    # file with problems (a reload rejected it: the daemon runs on its last good config)
+    # gives its valid parts, said on stderr, or refuses where [files] is among them.
+    loaded = load_for_oncall("specd unfreeze", args.config)
+    if loaded is None:
         return 2
+    config = loaded.config
     state_dir = Path(config.files.state_dir)
     path = state_dir / STATE_FILE
     now = time.time()
