@@ -209,6 +209,10 @@ def system_state_argv() -> list[str]:
 BUS_GONE = ("Failed to connect to bus", "Transport endpoint is not connected")
 
 
+# A unit found stopped is read again this much later before it counts as stopped outside
+# specd: longer than a restart's passage through inactive, short beside a load.
+STOPPED_RECHECK_S = 2.0
+
 # A shutdown seen before specd's own stop: systemd stops specd at the shutdown's start
 # (nothing is ordered to stop before it), so its SIGTERM follows within moments.
 SHUTDOWN_STOP_WAIT_S = 10.0
@@ -739,6 +743,8 @@ class _Health:
     ok: bool
     why: str
     setup: str | None = None
+    # Stopped by someone (`systemctl stop`), not failed: never started again by specd.
+    stopped: bool = False
 
 
 @dataclass(frozen=True)
@@ -1248,6 +1254,8 @@ class Applier:
 
     def _verify_forward(self, journal: Journal) -> ApplyOutcome:
         health = self._wait_healthy()
+        if health.stopped:
+            return self._left_stopped(journal, health)
         if not health.ok:
             return self._never_ran(journal, health)
         self._set_phase(journal, "verifying", health.why)
@@ -1256,6 +1264,27 @@ class Applier:
             return self._rollback(journal, live.message, maybe_untouched=False)
         journal.capacity = live.capacity
         return self._finish(journal, "done", live.message)
+
+    def _left_stopped(self, journal: Journal, health: _Health, when: str = "") -> ApplyOutcome:
+        """SGLang stopped outside specd while it started the target: left stopped (a
+        rollback would start it), the previous env file put back so that whoever starts it
+        again gets the previous setting, and the change aborted: nothing says the target
+        cannot run, so no freeze."""
+        problem = self._restore_env(journal)
+        if problem is not None:
+            return self._finish(
+                journal,
+                "failed",
+                f"{when}{health.why}; restoring {self.sglang.env_file} failed: {problem}",
+            )
+        journal.no_verdict = True
+        previous = _describe(journal.previous())
+        return self._finish(
+            journal,
+            "aborted",
+            f"{when}{health.why}: left stopped, not started again; {self.sglang.env_file} "
+            f"holds {previous} again (`systemctl start {self.sglang.unit}` starts {previous})",
+        )
 
     def _never_ran(self, journal: Journal, health: _Health, when: str = "") -> ApplyOutcome:
         """The change's start did not get healthy: rolled back, and held against the target
@@ -1369,6 +1398,13 @@ class Applier:
 
     def _verify_rollback(self, journal: Journal, reason: str) -> ApplyOutcome:
         health = self._wait_healthy()
+        if health.stopped:
+            # The env file is back; what the target did stands (``reason``).
+            return self._finish(
+                journal,
+                self._backed_out(journal),
+                f"{reason}; after rollback {health.why}: left stopped, not started again",
+            )
         if not health.ok:
             return self._finish(journal, "failed", f"{reason}; after rollback {health.why}")
         live = self._verify(journal.previous())
@@ -1464,6 +1500,14 @@ class Applier:
             )
         health = self._wait_healthy()
         why = health.why
+        if health.stopped:
+            # Not started at boot (not enabled), or stopped since: left so.
+            return self._finish(
+                journal,
+                self._backed_out(journal),
+                f"{reason}; since then, {why}: left stopped, not started again; "
+                f"{self.sglang.env_file} holds {_describe(journal.previous())}",
+            )
         if health.ok:
             live = self._verify(journal.previous())
             if live.ok:
@@ -1482,6 +1526,8 @@ class Applier:
         # The restart may be under way (SGLang loading); restarting again would throw that
         # load away. Wait for it, then look at what runs.
         health = self._wait_healthy()
+        if health.stopped:
+            return self._left_stopped(journal, health, when="after specd restarted: ")
         if not health.ok:
             return self._never_ran(journal, health, when="after specd restarted: ")
         env_problem = self._env_not_target(journal)
@@ -1707,7 +1753,12 @@ class Applier:
         if now is None:
             # systemd cannot say more (or a stand-in does not): is-active alone.
             result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
-            return died("") if result.stdout.strip() == "failed" else None
+            said = result.stdout.strip()
+            if said == "inactive":
+                return self._stopped(last)
+            return died("") if said == "failed" else None
+        if now.stopped:
+            return self._stopped(last)
         restarted = (
             0
             if before is None or before.restarts is None or now.restarts is None
@@ -1734,6 +1785,34 @@ class Applier:
         if now.sub == "auto-restart":
             return died("it died, and Restart= starts it again; ")
         return None
+
+    def _stopped(self, last: HealthStatus) -> _Health | None:
+        """The verdict where the unit is stopped and stays so (read again
+        ``STOPPED_RECHECK_S`` later: a restart passes through inactive with its start
+        queued, a boot before the unit's turn too): stopped outside specd, an on-call's
+        `systemctl stop` (GPU trouble, say), which specd must never undo by starting it.
+        None while it is not; ShuttingDown where the system's shutdown stopped it."""
+        self._pause(STOPPED_RECHECK_S)
+        state = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
+        if state is None:
+            result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+            stopped = result.stdout.strip() == "inactive"
+        else:
+            stopped = state.stopped
+        if not stopped:
+            return None
+        shutdown = self._shutting_down()
+        if shutdown is not None:
+            if not self._stop.is_set():
+                self._stop.wait(SHUTDOWN_STOP_WAIT_S)
+            if self._stop.is_set():
+                raise ShuttingDown(shutdown)
+        return _Health(
+            False,
+            f"{self.sglang.unit} was stopped outside specd (inactive, no start queued; last "
+            f"/health_generate: {last.name})",
+            stopped=True,
+        )
 
     def _probe_timeout(self, deadline: float | None) -> float:
         timeout = self.restart.health_probe_timeout_s

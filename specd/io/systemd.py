@@ -126,7 +126,8 @@ class UnitState:
     how the main process of the unit's last start ended, ``exec_code`` (ExecMainCode:
     CLD_EXITED, 2 killed, 3 dumped; 0 still running or none) and ``exec_status``
     (ExecMainStatus: its exit status or signal); None where systemd does not say. systemd
-    resets both at every start, Restart='s too."""
+    resets both at every start, Restart='s too. ``job``: the id of a job queued or running
+    on the unit (a start, a restart), None when there is none or systemd does not say."""
 
     active: str
     sub: str
@@ -134,6 +135,13 @@ class UnitState:
     result: str = ""
     exec_code: int | None = None
     exec_status: int | None = None
+    job: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Stopped and left so: inactive with no job to start it (a `systemctl stop`, or a
+        process that ended cleanly where Restart= does not start it again)."""
+        return self.active == "inactive" and not self.job
 
     @property
     def setup_failure(self) -> str | None:
@@ -154,6 +162,8 @@ UNIT_STATE_PROPERTIES = (
     "Result",
     "ExecMainCode",
     "ExecMainStatus",
+    # Printed only while a job is queued or running (`Job=1234`).
+    "Job",
 )
 
 
@@ -173,6 +183,7 @@ def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> 
         props.get("Result", ""),
         _count(props.get("ExecMainCode", "")),
         _count(props.get("ExecMainStatus", "")),
+        _count(props.get("Job", "")),
     )
 
 

@@ -1416,6 +1416,100 @@ def test_a_shutdown_mid_restart_leaves_the_previous_setting_for_the_boot_to_veri
     assert resumed.phases()[-1] == after_boot
 
 
+@pytest.mark.parametrize(
+    ("case", "stop_specd_too"),
+    [("change", False), ("change", True), ("rollback", False), ("rollback", True)],
+)
+def test_sglang_stopped_by_the_on_call_mid_restart_is_left_stopped(
+    make_unit: Any, tmp_path: Path, case: str, stop_specd_too: bool
+) -> None:
+    """The on-call stops SGLang (`systemctl stop`: GPU trouble, say) while it loads the
+    change, or the rollback after the change failed, and maybe specd too. specd waited out
+    the whole startup_timeout_s, then started SGLang again to roll back, and froze on "not
+    healthy" blaming the target. Now a unit found stopped (twice, STOPPED_RECHECK_S apart)
+    ends the wait: never started again, the env file back on the previous setting, the
+    change aborted (no freeze: the target was never judged), or a rollback left stopped."""
+    loads = ["--load-time-s", "30"]
+    if case == "change":
+        unit = make_unit(ORIGINAL_ENV, lambda steps: loads if steps == 4 else [])
+        issued = [4]
+    else:  # the target dies at once; the rollback's load is where the stop comes
+        unit = make_unit(
+            ORIGINAL_ENV,
+            lambda steps: ["--fail-start-at-steps", "4"] if steps == 4 else [],
+        )
+        unit.extra_args = lambda steps: (
+            ["--fail-start-at-steps", "4"] if steps == 4 else [*TWIN_TIMING, *loads]
+        )
+        issued = [4, 3]
+    stop = threading.Event()
+
+    def on_call() -> None:
+        while unit.restarts != issued:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        unit.stop()
+        if stop_specd_too:
+            stop.set()
+
+    helper = threading.Thread(target=on_call, daemon=True)
+    helper.start()
+    rec = Recorder(tmp_path / "state.json")
+    started = time.monotonic()
+    outcome = applier_for(unit, rec, stop=stop, startup_timeout_s=60.0).apply(
+        4, 3, window_open=always_open
+    )
+    took = time.monotonic() - started
+    helper.join(5)
+    assert took < 20, f"it waited out the startup timeout ({took:.0f} s)"
+    assert unit.is_active() == "inactive", "specd started the SGLang the on-call stopped"
+    assert unit.restarts == issued
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert not outcome.pending
+    stopped = "sglang.service was stopped outside specd (inactive, no start queued; last "
+    if case == "change":
+        assert outcome.result == "aborted", outcome.message
+        assert outcome.message.startswith(stopped), outcome.message
+        assert outcome.message.endswith(
+            f": left stopped, not started again; {unit.env_file} holds 3 steps again "
+            "(`systemctl start sglang.service` starts 3 steps)"
+        ), outcome.message
+    else:
+        assert outcome.result == "rolled_back", outcome.message  # the target did fail
+        assert f"; after rollback {stopped}" in outcome.message, outcome.message
+        assert outcome.message.endswith(": left stopped, not started again"), outcome.message
+
+
+def test_sglang_not_started_at_boot_is_left_stopped(make_unit: Any, tmp_path: Path) -> None:
+    """A reboot mid-change, and SGLang not started at boot (not enabled: the on-call starts
+    it by hand). specd's next start waited startup_timeout_s for it, then started it."""
+    unit = make_unit(ORIGINAL_ENV, lambda steps: ["--load-time-s", "30"] if steps == 4 else [])
+    stop = threading.Event()
+    systemd = ShuttingDownSystemd(unit, stop, "stopping", 1)
+    left_by = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, left_by, runner=systemd, stop=stop, startup_timeout_s=60.0).apply(
+        4, 3, window_open=always_open
+    )
+    assert outcome.pending, outcome.message
+    left = left_by.stored()
+    assert left is not None
+    unit.stop()  # the reboot: SGLang stopped at shutdown, not started at boot
+    started = time.monotonic()
+    final = applier_for(unit, Recorder(tmp_path / "after.json"), startup_timeout_s=60.0).reconcile(
+        left
+    )
+    assert final is not None
+    assert time.monotonic() - started < 20
+    assert final.result == "aborted", final.message
+    assert "; since then, sglang.service was stopped outside specd" in final.message
+    assert final.message.endswith(
+        f": left stopped, not started again; {unit.env_file} holds 3 steps"
+    ), final.message
+    assert unit.is_active() == "inactive"
+    assert unit.restarts == [4]
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
 def test_a_bus_gone_without_a_stop_is_no_shutdown(make_unit: Any, tmp_path: Path) -> None:
     """systemd off the bus while specd was not asked to stop (dbus restarted on a running
     system): no shutdown is assumed, the load is waited for and verified as ever."""

@@ -117,6 +117,23 @@ def test_a_failed_show_is_one_line() -> None:
             0,
             systemd.UnitState("failed", "failed", None, "", None, None),
         ),
+        # Stopped (`systemctl stop`): no job. Between the stop and the start of a restart,
+        # or at boot before its turn: inactive, with the start job queued.
+        (
+            "ActiveState=inactive\nSubState=dead\nNRestarts=0\nResult=success\n",
+            0,
+            systemd.UnitState("inactive", "dead", 0, "success"),
+        ),
+        (
+            "ActiveState=inactive\nSubState=dead\nNRestarts=0\nResult=success\nJob=4711\n",
+            0,
+            systemd.UnitState("inactive", "dead", 0, "success", job=4711),
+        ),
+        (
+            "ActiveState=inactive\nSubState=dead\nJob=\n",
+            0,
+            systemd.UnitState("inactive", "dead", None),
+        ),
         # systemd cannot say, or something in its place says nothing of it: unknown.
         ("", 1, None),
         ("ExecStart=x\n", 0, None),
@@ -136,8 +153,11 @@ def test_unit_state_reads_active_sub_state_and_restarts(
         "--property=Result",
         "--property=ExecMainCode",
         "--property=ExecMainStatus",
+        "--property=Job",
         "sglang.service",
     ]
+    if expected is not None:
+        assert expected.stopped == (expected.active == "inactive" and expected.job is None)
 
 
 @pytest.mark.parametrize(
