@@ -1015,6 +1015,9 @@ class Applier:
         unread = read_env_file_unread(self.runner, self.sglang.unit, self.sglang.env_file)
         if unread is not None:
             return self._aborted(current, target, unread)
+        left_stopped = self._stopped_now()
+        if left_stopped is not None:
+            return self._aborted(current, target, left_stopped)
         if target.kind != "static":
             # A pin reaches here whatever the unit can take: a unit reading the step
             # variables would start at the old K, fail verification and freeze specd.
@@ -1093,6 +1096,22 @@ class Applier:
             if stopped is not None:
                 return stopped
         return self._forward(journal, previous, new_env)
+
+    def _backed_up_again(self, journal: Journal, now_env: bytes | None, new_env: bytes) -> None:
+        """The env file changed while the worker drained: its new bytes become the backup
+        (a rollback's), said as an edit before the change is (``env_file_edited``)."""
+        journal.previous_env, journal.previous_env_encoding = encode_env(now_env)
+        journal.written_env = new_env.decode()
+        edited = self._env_edited(now_env)
+        asks = "" if edited is None else f" (it asks for {edited[0]}, SGLang runs {edited[1]})"
+        why = f"{self.sglang.env_file} edited while the worker drained{asks}: backed up again"
+        journal.note(f"{why}; the change overwrites it")
+        self.log.warning(
+            "env_file_edited",
+            env_file=str(self.sglang.env_file),
+            message=f"{why}; the change to {_describe(journal.target())} overwrites it",
+        )
+        self._persist(journal)
 
     def _env_edited(self, previous: bytes | None) -> tuple[str, str] | None:
         """(what the env file asks for, what SGLang runs) when they differ, as `specd
@@ -1184,6 +1203,22 @@ class Applier:
         if lost is not None:
             return self._finish(journal, "aborted", f"{lost}; nothing was restarted")
         target = journal.target()
+        if self.gateway is not None:
+            # The drain may have taken minutes: an edit of the file by hand meanwhile is
+            # what a rollback puts back, as one made before the change began.
+            try:
+                now_env = _read_env_bytes(self.sglang.env_file)
+                if now_env != previous:
+                    new_env = self._render(target, now_env)
+            except (OSError, ValueError) as exc:
+                return self._finish(
+                    journal,
+                    "aborted",
+                    f"cannot back up env file again: {exc}; nothing was restarted",
+                )
+            if now_env != previous:
+                self._backed_up_again(journal, now_env, new_env)
+                previous = now_env
         if target.kind == "adaptive":
             # Before the env file names it: SGLang must never start on a half-written or
             # missing config. Content-addressed, so a config in use is never rewritten.
@@ -1200,7 +1235,7 @@ class Applier:
         self._set_phase(journal, "env_written", f"wrote {self.sglang.env_file}")
         # The last look before the restart: a stop (or freeze) that came during the slot
         # check or the writes above still ends the change with nothing restarted.
-        halted = self._halted("before the restart went out")
+        halted = self._halted("before the restart went out") or self._stopped_now()
         if halted is not None:
             return self._unwind(journal, halted)
         if self.gateway is not None:
@@ -1786,6 +1821,26 @@ class Applier:
             return died("it died, and Restart= starts it again; ")
         return None
 
+    def _is_stopped(self) -> bool:
+        """The unit inactive with no job queued (`UnitState.stopped`); where systemd says
+        no more, `systemctl is-active` saying inactive."""
+        state = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
+        if state is not None:
+            return state.stopped
+        result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+        return result.stdout.strip() == "inactive"
+
+    def _stopped_now(self) -> str | None:
+        """Why no restart may go out where the unit is stopped (inactive, no start queued),
+        else None: `systemctl restart` would start a server someone stopped (a pin applied
+        now needs no fresh reading of SGLang, so it reaches here with SGLang down)."""
+        if not self._is_stopped():
+            return None
+        return (
+            f"{self.sglang.unit} is stopped (inactive, no start queued): specd starts no "
+            f"server someone stopped; `systemctl start {self.sglang.unit}` first"
+        )
+
     def _stopped(self, last: HealthStatus) -> _Health | None:
         """The verdict where the unit is stopped and stays so (read again
         ``STOPPED_RECHECK_S`` later: a restart passes through inactive with its start
@@ -1793,13 +1848,7 @@ class Applier:
         `systemctl stop` (GPU trouble, say), which specd must never undo by starting it.
         None while it is not; ShuttingDown where the system's shutdown stopped it."""
         self._pause(STOPPED_RECHECK_S)
-        state = unit_state(self.runner, self.sglang.unit, UNIT_STATE_TIMEOUT_S)
-        if state is None:
-            result = self.runner(unit_state_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
-            stopped = result.stdout.strip() == "inactive"
-        else:
-            stopped = state.stopped
-        if not stopped:
+        if not self._is_stopped():
             return None
         shutdown = self._shutting_down()
         if shutdown is not None:

@@ -1480,6 +1480,24 @@ def test_sglang_stopped_by_the_on_call_mid_restart_is_left_stopped(
         assert outcome.message.endswith(": left stopped, not started again"), outcome.message
 
 
+def test_no_change_starts_a_stopped_sglang(make_unit: Any, tmp_path: Path) -> None:
+    """A pin applied now needs no reading of SGLang: with SGLang stopped by the on-call it
+    went to `systemctl restart`, which started it. Refused now, nothing written."""
+    unit = make_unit()
+    unit.stop()
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec).apply(4, 3, window_open=always_open, force=True)
+    assert outcome.result == "aborted", outcome.message
+    assert outcome.message.endswith(
+        "sglang.service is stopped (inactive, no start queued): specd starts no server "
+        "someone stopped; `systemctl start sglang.service` first"
+    ), outcome.message
+    assert outcome.sglang_restarts == 0
+    assert unit.restarts == []
+    assert unit.is_active() == "inactive"
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
 def test_sglang_not_started_at_boot_is_left_stopped(make_unit: Any, tmp_path: Path) -> None:
     """A reboot mid-change, and SGLang not started at boot (not enabled: the on-call starts
     it by hand). specd's next start waited startup_timeout_s for it, then started it."""
@@ -1537,7 +1555,8 @@ def test_a_bus_gone_without_a_stop_is_no_shutdown(make_unit: Any, tmp_path: Path
 def test_env_file_problems_abort_before_any_restart(
     make_unit: Any, tmp_path: Path, make_env: Callable[[Path], Path], expect: str
 ) -> None:
-    unit = make_unit(start=False)
+    # SGLang running: a stopped one is refused before its env file is read (below).
+    unit = make_unit()
     env_file = make_env(tmp_path)
     before = env_file.read_bytes() if env_file.is_file() else None
     rec = Recorder(tmp_path / "journal.json")
@@ -1580,7 +1599,7 @@ def _fifo(path: Path) -> Path:
 def test_a_symlinked_env_file_is_refused_and_its_target_untouched(
     make_unit: Any, tmp_path: Path
 ) -> None:
-    unit = make_unit(start=False)
+    unit = make_unit()  # running: a stopped SGLang is refused before its env file is read
     env_file = _secret_link(tmp_path / "linked.env")
     rec = Recorder(tmp_path / "journal.json")
     applier = make_applier(
@@ -1746,6 +1765,38 @@ def test_drain_restart_readd_under_streaming_load_every_request_completes(
     assert stored is not None
     assert stored["readded"] is True
     assert [w["url"] for w in stored["drained"]] == [unit.url]
+
+
+def test_an_env_file_edit_during_the_drain_is_what_the_rollback_puts_back(
+    fleet: tuple[TwinUnit, TwinProcess, SmgGateway], tmp_path: Path
+) -> None:
+    """The env file was backed up before the drain (up to drain_timeout_s) and written after
+    it: the on-call's edit meanwhile was overwritten unsaid, and a rollback put back the
+    bytes from before it. Now the file is read again after the drain: the edit is backed
+    up (env_file_edited), and the rollback of a target that fails puts it back."""
+    unit, _, gateway = fleet
+    unit.extra_args = lambda steps: [*TWIN_TIMING, *(["--fail-start-at-steps", "4"] * (steps == 4))]
+    edit = ORIGINAL_ENV + b"# on-call, 03:12: GPU 3 swapped, see TICKET-1\nSGLANG_NOTE=swap\n"
+
+    class EditsWhileDraining(Recorder):
+        def __call__(self, journal: dict[str, Any] | None) -> None:
+            super().__call__(journal)
+            if journal is not None and journal["phase"] == "draining":
+                unit.env_file.write_bytes(edit)
+
+    rec = EditsWhileDraining(tmp_path / "journal.json")
+    with structlog.testing.capture_logs() as logs:
+        outcome = gateway_applier(unit, gateway, tmp_path, rec).apply(4, 3, window_open=always_open)
+    assert outcome.result == "rolled_back", outcome.message
+    assert unit.restarts == [4, 3]
+    assert unit.env_file.read_bytes() == edit
+    assert unit.running_steps() == 3
+    said = [e for e in logs if e["event"] == "env_file_edited"]
+    assert len(said) == 1, said
+    assert "edited while the worker drained: backed up again" in said[0]["message"]
+    stored = rec.stored()
+    assert stored is not None
+    assert any("edited while the worker drained" in m for m in stored["messages"])
 
 
 def test_gateway_stopped_means_no_restart(
