@@ -349,7 +349,7 @@ def traffic_panels() -> list[tuple[Panel, int, int]]:
             "short",
         )
         .min(0)
-        .with_target(q(f"specd_offered_concurrency{{{INST}}}", "p{{quantile}} {{instance}}", "A"))
+        .with_target(q(f"specd_offered_concurrency{{{INST}}}", "p{{q}} {{instance}}", "A"))
         .with_target(q(f"specd_offered_concurrency_current{{{INST}}}", "now {{instance}}", "B"))
         .with_target(
             q(f"specd_band_boundary_concurrency{{{INST}}}", "band boundary {{instance}}", "C")

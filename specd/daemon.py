@@ -49,6 +49,7 @@ from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
 from specd.core.text import iso_time, one_line, utc_time
 from specd.core.units import DAY_S
+from specd.io import config as config_io
 from specd.io import files, logs
 from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_steps
 from specd.io.calibration import CalibrationFile
@@ -233,6 +234,10 @@ class Daemon:
         ``clock`` is the real `time.time`, else no step is looked for (an injected wall
         clock moves as its caller says)."""
         self.config = config
+        # Started from the default file (no --config): a reload reads that file, and a
+        # missing one is a rejected reload, not every default (another SGLang, unit, windows).
+        if config_path is None and config_io.DEFAULT_CONFIG_PATH.exists():
+            config_path = config_io.DEFAULT_CONFIG_PATH
         self.config_path = config_path
         self.clock = clock
         if monotonic is None and clock is time.time:
@@ -282,6 +287,7 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
+        self._scraped = False  # the latest scrape answered (last_obs is from it)
         # When SGLang was last seen: a scrape that answered, or the end of a restart sequence
         # (the applier watches it meanwhile); at start, the history's last observation.
         self._seen_at: float | None = self.state.history.last_t
@@ -521,10 +527,6 @@ class Daemon:
         frozen = state.frozen
         if frozen is not None and isinstance(frozen.get("since"), (int, float)):
             frozen["since"] = float(frozen["since"]) + seconds
-        snap = state.verifying
-        if snap is not None and snap.until is not None:
-            # The check ends as long after the change as it did.
-            state.verifying = replace(snap, until=snap.until + seconds)
         # The snapshot's cells are subtracted from the history's, decayed to one time: both
         # move, or the step would decay one and not the other.
         state.history.shift(seconds)
@@ -568,8 +570,14 @@ class Daemon:
         state.recommendations = [[retime(float(t)), k] for t, k in state.recommendations]
         state.explorations = [[retime(float(t)), k] for t, k in state.explorations]
         state.avoided = [replace(a, t=retime(a.t)) for a in state.avoided]
-        if state.verifying is not None:
-            state.verifying = replace(state.verifying, t=retime(state.verifying.t))
+        snap = state.verifying
+        if snap is not None:
+            t = retime(snap.t)
+            # The check ends as long after the change as it did, a change taken as made now
+            # too: its end left behind, a clock that started a year behind and was then set
+            # right moved it a year on (and one from 1970, past what the next start reads).
+            until = None if snap.until is None else snap.until + (t - snap.t)
+            state.verifying = replace(snap, t=t, until=until)
 
     def _save_status(self) -> None:
         """Write status.json: the last decision and what runs, for `specd status`."""
@@ -656,9 +664,12 @@ class Daemon:
         self._reload_requested.clear()
         self.notifier.reloading()
         self.metrics.config_reload_time.set(self.clock())
+        path = self.config_path
+        if path is None and config_io.DEFAULT_CONFIG_PATH.exists():
+            path = config_io.DEFAULT_CONFIG_PATH  # created since the start: named from now on
         try:
             # Read once it stopped changing: a file caught mid-write may still be TOML.
-            new = load_config(self.config_path, settle=self.stop_event.wait)
+            new = load_config(path, settle=self.stop_event.wait)
             parts = self._build_for(new)
         except ConfigError as exc:
             problems = exc.problems
@@ -679,12 +690,19 @@ class Daemon:
                 problem = env_file_unwritable(new)
                 if problem is not None:
                     problems.append(problem)
+        if problems and self.stop_event.is_set():
+            # SIGTERM cut the read short (its settle wait): no verdict on the file, which
+            # the next start reads anyway; not a rejection for SpecdConfigReloadRejected.
+            self.log.info("reload_abandoned", config=str(path), detail="specd is stopping")
+            return
         if problems:
             self.metrics.config_reload_success.set(0)
             for problem in problems:
-                self.log.error("reload_rejected", config=str(self.config_path), problem=problem)
+                self.log.error("reload_rejected", config=str(path), problem=problem)
             self.notifier.reloaded(self._status_text() + " (reload rejected, old config kept)")
             return
+        self.config_path = path
+        new = self._keep_running_address(new)
         old, old_applier, old_fleet = self.config, self.applier, self.fleet
         client, applier, calibration, history_settings = parts
         if client is not self.client:
@@ -729,17 +747,45 @@ class Daemon:
         self.metrics.declare_choices(
             range(new.choose.min_steps, new.choose.max_steps + 1), _regressing_settings(new)
         )
-        if (new.report.metrics_listen_address, new.report.metrics_port) != (
-            old.report.metrics_listen_address,
-            old.report.metrics_port,
-        ):
-            self.log.warning(
-                "reload_partial", detail="metrics address changes need a restart of specd"
-            )
+        self._warn_shadowed()
         # The keys a reload changed, so the journal shows what took effect.
         changed = config_changes(old, new)
         self.log.info("reloaded", config=str(self.config_path), changed=changed)
         self.notifier.reloaded(self._status_text())
+
+    def _warn_shadowed(self) -> None:
+        """One warning per key of the config file a SPECD_* variable of specd's environment
+        overrides: an edit to it changes nothing, and a reload would say nothing changed."""
+        for shadowed in config_io.shadowed_in_file(self.config_path):
+            self.log.warning(
+                "config_key_shadowed",
+                config=str(self.config_path or config_io.DEFAULT_CONFIG_PATH),
+                key=shadowed.key,
+                variable=shadowed.variable,
+                detail=shadowed.warning(),
+            )
+
+    def _keep_running_address(self, new: Config) -> Config:
+        """``new`` with the metrics address /metrics is served on: it moves with a restart
+        of specd only. Taken into the config, the next reload compared the file with it and
+        said nothing, and `reloaded` listed as changed what had not."""
+        running, wanted = self.config.report, new.report
+        keys = ("metrics_listen_address", "metrics_port")
+        differ = [k for k in keys if getattr(wanted, k) != getattr(running, k)]
+        if not differ:
+            return new
+        # Said at every reload while the file and what runs differ.
+        self.log.warning(
+            "reload_partial",
+            detail="; ".join(
+                f"report.{k}: {getattr(wanted, k)} in the file, {getattr(running, k)} running"
+                for k in differ
+            )
+            + ": a metrics address change needs a restart of specd; the rest of the reload "
+            "applies",
+        )
+        kept = wanted.model_copy(update={k: getattr(running, k) for k in keys})
+        return new.model_copy(update={"report": kept})
 
     def _hand_over_marker(self, old: RestartApplier, new: RestartApplier) -> bool:
         """A reload that rebuilt the applier: the out-of-service marker the old one could
@@ -819,6 +865,7 @@ class Daemon:
             self.log.error("metrics_listen_failed", address=address, error=str(exc))
             return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
+        self._warn_shadowed()
         self._reconcile_journal()
         # Once at start (and at each reload), never between: does a restart fit a window,
         # and which settings can the unit be given?
@@ -902,8 +949,54 @@ class Daemon:
             self.metrics.sglang_restarting.set(0)
 
     def tick(self) -> Decision:
-        started = time.perf_counter()
-        now = self._now()
+        while True:
+            started = time.perf_counter()
+            now = self._now()
+            override, outcome = self._step(now)
+            if not (outcome.acts and self._reload_requested.is_set()):
+                break
+            # A SIGHUP during this tick (its scrape, a gateway probe): read before the change
+            # goes out, and decided again under the new config, rather than after a restart
+            # it may forbid (a budget of 0, other windows, another unit).
+            change = f"{outcome.live_name or 'unknown'} → {outcome.decision.target_name}"
+            self.log.info(
+                "reload_before_change",
+                detail=f"a reload asked for during this tick is read before the change "
+                f"({change}) goes out; then decided again",
+            )
+            self.reload()
+        self.state.adopt(outcome.control)
+        decision = outcome.decision
+        self.last_decision = decision
+        self.live_adaptive = outcome.control.live_adaptive
+        self._note_live(outcome.current, now, "observation", outcome.live_name)
+        self._report_predictions(outcome)
+        changed = self._report_decision(decision, outcome, now)
+        applying_s = 0.0
+        if outcome.acts:
+            if decision.reason is Reason.EXPLORE:
+                self._report_exploration(decision, outcome.current)
+            if decision.reason is Reason.REGRESSION:
+                self._report_regression(outcome)
+            began = time.perf_counter()
+            self._apply(decision, outcome, override, now)
+            # specd_restart_duration_seconds times the sequence; the tick's own time is
+            # observe-record-decide (and its reporting), not minutes of restart.
+            applying_s = time.perf_counter() - began
+        self._update_gauges(now, override)
+        self.notifier.status(self._status_text())
+        # What `specd status` shows must not lag a change of decision by a save interval,
+        # nor a worker put back into routing (or tried). A decision's is written alone
+        # (status.json, small): one flapping every tick rewrote all specd learned each time.
+        if changed and not (self._gateway_changed or self._state_save_due()):
+            self._save_status()
+        self._save_state(force=self._gateway_changed)
+        self._gateway_changed = False
+        self.metrics.tick_duration.observe(time.perf_counter() - started - applying_s)
+        return decision
+
+    def _step(self, now: float) -> tuple[Override | None, StepResult]:
+        """Observe, record and decide: the override in force and what `step` made of it."""
         self._heartbeat()
         self._check_unfreeze_request(now)
         result = self._observe(now)
@@ -940,30 +1033,7 @@ class Daemon:
             problem = self._fleet_problem()
             if problem is not None:
                 outcome = step(replace(context, fleet_problem=problem), result, now)
-        self.state.adopt(outcome.control)
-        decision = outcome.decision
-        self.last_decision = decision
-        self.live_adaptive = outcome.control.live_adaptive
-        self._note_live(outcome.current, now, "observation", outcome.live_name)
-        self._report_predictions(outcome)
-        changed = self._report_decision(decision, outcome, now)
-        if outcome.acts:
-            if decision.reason is Reason.EXPLORE:
-                self._report_exploration(decision, outcome.current)
-            if decision.reason is Reason.REGRESSION:
-                self._report_regression(outcome)
-            self._apply(decision, outcome, override, now)
-        self._update_gauges(now, override)
-        self.notifier.status(self._status_text())
-        # What `specd status` shows must not lag a change of decision by a save interval,
-        # nor a worker put back into routing (or tried). A decision's is written alone
-        # (status.json, small): one flapping every tick rewrote all specd learned each time.
-        if changed and not (self._gateway_changed or self._state_save_due()):
-            self._save_status()
-        self._save_state(force=self._gateway_changed)
-        self._gateway_changed = False
-        self.metrics.tick_duration.observe(time.perf_counter() - started)
-        return decision
+        return override, outcome
 
     # -- pieces of a tick ---------------------------------------------------------
     def _readd_left_out(self, now: float, result: Observation | ScrapeError) -> None:
@@ -1064,6 +1134,7 @@ class Daemon:
     def _observe(self, now: float) -> Observation | ScrapeError:
         self.metrics.scrapes.inc()
         result = self.client.observe()
+        self._scraped = isinstance(result, Observation)
         if isinstance(result, ScrapeError):
             self.metrics.sglang_up.set(0)
             self.metrics.scrape_errors.labels(kind=result.kind).inc()
@@ -1209,6 +1280,20 @@ class Daemon:
             else:
                 # Logged once per change of the file; the last good override holds.
                 self.log.error("override_ignored", problem=status.problem, file=str(path))
+        outside = _outside_range(tracker.good, cfg_min, cfg_max)
+        if outside is not None:
+            # A reload narrowed the step range under the pin: clamped into it, it restarted
+            # SGLang to a count nobody pinned, while specd said the override was ignored.
+            assert tracker.good is not None
+            self.log.warning(
+                "override_dropped",
+                mode=tracker.good.mode,
+                reason=tracker.good.reason,
+                problem=outside,
+                effect="no longer in force: specd decides by itself (pin within the range "
+                "to hold a setting)",
+            )
+            tracker.good, tracker.lapsed, tracker.since = None, False, None
         tracker.fingerprint = status.fingerprint
         tracker.judged_by = judged_by
         tracker.status = status
@@ -1588,12 +1673,14 @@ class Daemon:
         m.set_setting_kind(_live_kind(self.live_steps, self.live_adaptive))
         wanted = self.last_decision.target_name if self.last_decision is not None else None
         m.set_settings(self.live_name, wanted)
-        if obs is not None:
-            m.offered_concurrency_now.set(obs.offered)
+        # Unknown while SGLang does not answer, as steps_current: not the last value seen.
+        m.offered_concurrency_now.set(
+            obs.offered if obs is not None and self._scraped else float("nan")
+        )
         history: History = self.state.history
         for q in OFFERED_QUANTILES:
             value = history.quantile(float(q))
-            m.offered_concurrency.labels(quantile=q).set(value if value is not None else 0.0)
+            m.offered_concurrency.labels(q=q).set(value if value is not None else 0.0)
         lengths: dict[str, float] = {}
         alphas: dict[str, float] = {}
         for k in range(cfg.choose.min_steps, cfg.choose.max_steps + 1):
@@ -1629,9 +1716,9 @@ class Daemon:
             # A freeze after a failed restart holds whatever the file says (`decide`).
             m.set_mode("freeze" if frozen else override.mode)
             m.set_override_info(override.mode, override.reason)
-            m.steps_pinned.set(
-                override.steps if override.mode == "pin" and override.steps else float("nan")
-            )
+            # What is enforced: frozen, decide holds SGLang as it is, not at the pin.
+            pinned = override.steps if override.mode == "pin" and not frozen else None
+            m.steps_pinned.set(pinned if pinned is not None else float("nan"))
         else:
             m.set_mode("freeze" if frozen else "auto")
             m.set_override_info(None, "")
@@ -1673,6 +1760,21 @@ def _journal_change(journal: object) -> tuple[str, str]:
 def _same_meaning(a: OverrideStatus, b: OverrideStatus) -> bool:
     """Two readings of one override file that say the same: in force or ignored alike."""
     return (a.valid, a.override, a.problem) == (b.valid, b.override, b.problem)
+
+
+def _outside_range(override: Override | None, low: int, high: int) -> str | None:
+    """Why a pin holds a step count outside ``low``..``high``, or None."""
+    if override is None or override.mode != "pin":
+        return None
+    pinned = override.setting
+    counts = list(pinned.candidates) if pinned is not None else [override.steps]
+    outside = [k for k in counts if k is not None and not low <= k <= high]
+    if not outside:
+        return None
+    return (
+        f"pin {override.pinned_name}: {', '.join(map(str, outside))} outside the configured "
+        f"range {low}..{high}"
+    )
 
 
 def _regressing_settings(config: Config) -> list[str]:

@@ -217,6 +217,55 @@ def test_after_a_failed_scrape_the_live_setting_is_unknown_not_the_last_believed
     assert applier.calls == [("4", None)]
 
 
+def test_while_scrapes_fail_the_offered_concurrency_is_unknown_not_the_last_seen(
+    tmp_path: Path,
+) -> None:
+    """specd_offered_concurrency_current kept the last scrape's 12 requests through half an
+    hour of failed scrapes, beside specd_steps_current NaN: a load no one measured."""
+    cfg = config(tmp_path)
+    clock = [IN_WINDOW - 7200]  # no window: nothing restarts
+    reader = Reader(
+        [
+            make_observation(clock[0], steps=3, running=9, queued=3),
+            ScrapeError("refused", "GET /metrics: cannot connect", clock[0]),
+            make_observation(clock[0] + 1800, steps=3, running=2, queued=0),
+        ]
+    )
+    d = daemon(cfg, reader, Applier(), clock)
+    sample = d.metrics.registry.get_sample_value
+    assert math.isnan(sample("specd_offered_concurrency_current") or 0.0)  # none yet
+    d.tick()
+    assert sample("specd_offered_concurrency_current") == 12
+    clock[0] += 900
+    d.tick()  # SGLang does not answer
+    assert sample("specd_sglang_up") == 0
+    assert math.isnan(sample("specd_offered_concurrency_current") or 0.0)
+    clock[0] += 900
+    d.tick()
+    assert sample("specd_offered_concurrency_current") == 2
+
+
+def test_the_tick_duration_is_the_decision_not_the_restart_it_made(tmp_path: Path) -> None:
+    """specd_tick_duration_seconds ("one observe-record-decide tick", buckets up to 5 s)
+    took in the whole restart sequence the tick began: minutes of model load, landing in
+    +Inf; the sequence is specd_restart_duration_seconds'."""
+
+    class Slow(Applier):
+        def apply_setting(self, *args: Any, **kwargs: Any) -> ApplyOutcome:
+            time.sleep(1.0)  # a (very quick) drain, restart and model load
+            return super().apply_setting(*args, **kwargs)
+
+    cfg = config(tmp_path)
+    applier = Slow()
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, [IN_WINDOW])
+    assert d.tick().reason is Reason.CHANGE
+    assert applier.calls == [("4", "3")]
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_tick_duration_seconds_count") == 1
+    assert (sample("specd_tick_duration_seconds_sum") or 0.0) < 0.5
+    assert sample("specd_restart_duration_seconds_count") == 1
+
+
 def test_a_pin_applied_now_whose_change_keeps_aborting_stops_at_its_own_budget(
     tmp_path: Path,
 ) -> None:
@@ -805,6 +854,83 @@ def test_a_reload_that_narrows_the_step_range_takes_its_accept_lengths_off_the_p
     d.reload()
     d.tick()
     assert shown() == {n: {"3", "5"} for n in shown()}
+
+
+@pytest.mark.parametrize(
+    "pinned",
+    [
+        pytest.param({"steps": 6}, id="a step count"),
+        pytest.param({"setting": "adaptive:3,6"}, id="an adaptive set"),
+    ],
+)
+def test_a_pin_a_reload_puts_outside_the_step_range_is_dropped_not_clamped(
+    tmp_path: Path, pinned: dict[str, Any]
+) -> None:
+    """[choose] max_steps 6 → 4 while a pin holds 6: specd logged override_ignored and
+    exported specd_override_valid 0, yet went on enforcing the pin clamped to 4, restarting
+    SGLang "pinned to 4 by override" (a count nobody pinned), with specd_steps_pinned at 6.
+    Ignored, the pin drives nothing: at 48 requests the bands keep the 3 SGLang runs."""
+    fields = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+    }
+    cfg = config(tmp_path, max_steps=6)
+    clock = [IN_WINDOW - 7200]  # the window closed: the pin waits for it
+    applier = Applier()
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3, running=48)]), applier, clock)
+    d.state.history = busy(cfg, IN_WINDOW, offered=48)
+    expires = datetime.fromtimestamp(IN_WINDOW + 86400, tz=UTC)
+    pin = {"mode": "pin", **pinned, "expires_at": expires, "reason": "deep drafts"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+    os.chmod(cfg.files.override_file, 0o600)
+    assert d.tick().reason is Reason.WINDOW_CLOSED
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_mode", {"mode": "pin"}) == 1
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(tables(**fields, max_steps=4)))
+    clock[0] = IN_WINDOW
+    with capture_logs() as logged:
+        d.reload()
+        decisions = [d.tick() for _ in range(2)]
+    assert [x.reason for x in decisions] == [Reason.WITHIN_TOLERANCE] * 2, decisions
+    assert applier.calls == []
+    events = [e["event"] for e in logged if e["event"].startswith("override_")]
+    assert events == ["override_ignored", "override_dropped"]
+    (dropped,) = [e for e in logged if e["event"] == "override_dropped"]
+    assert dropped["log_level"] == "warning"
+    assert "outside the configured range 1..4" in dropped["problem"]
+    assert sample("specd_override_valid") == 0
+    assert math.isnan(sample("specd_steps_pinned") or 0.0)
+    assert sample("specd_mode", {"mode": "auto"}) == 1
+    assert d.override.in_force is None
+    # Widened again, the same file is in force again, as specd status says.
+    d.config_path.write_text(tomli_w.dumps(tables(**fields, max_steps=6)))
+    with capture_logs() as logged:
+        d.reload()
+        d.tick()
+    assert [e["event"] for e in logged if e["event"].startswith("override_")] == ["override_loaded"]
+    assert sample("specd_mode", {"mode": "pin"}) == 1
+    assert applier.calls == [(format_setting(parse_setting(str(pin.get("setting", 6)))), "3")]
+
+
+def test_the_pinned_step_count_exported_is_the_one_enforced(tmp_path: Path) -> None:
+    """Frozen after a failed restart, specd holds SGLang as it runs whatever the file pins:
+    specd_steps_pinned said 4 beside specd_mode{mode="freeze"} 1."""
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), Applier(), [IN_WINDOW])
+    _pinned(d.state, cfg)
+    sample = d.metrics.registry.get_sample_value
+    d.tick()
+    assert sample("specd_steps_pinned") == 4
+    d.state.frozen = {"since": IN_WINDOW, "reason": "restart to 4 rolled_back: OOM"}
+    assert d.tick().reason is Reason.FROZEN
+    assert sample("specd_mode", {"mode": "freeze"}) == 1
+    assert math.isnan(sample("specd_steps_pinned") or 0.0)
 
 
 def test_a_pin_the_unit_cannot_take_is_held_with_no_restart(tmp_path: Path) -> None:
@@ -1440,9 +1566,10 @@ def test_every_time_specd_keeps_moves_with_a_stepped_wall_clock(
     now, state = wall[0], d.state
     assert state.verifying is not None
     if stopped:
-        # Nothing can have happened after now; the check still ends when it did.
+        # Nothing can have happened after now; the check lasts as long after the change as
+        # it did (3 h), not also as long as it was ahead (its end kept, it lasted 15 h).
         assert (state.avoided[0].t, state.verifying.t) == (now, now)
-        assert state.verifying.until == t0 + 3600
+        assert state.verifying.until == now + 3 * 3600
         assert state.history.last_t == now
         return
     assert state.frozen is not None
@@ -1462,6 +1589,46 @@ def test_every_time_specd_keeps_moves_with_a_stepped_wall_clock(
     assert {what: now - before for what, (now, before) in moved.items()} == dict.fromkeys(
         moved, step
     )
+
+
+@pytest.mark.parametrize(
+    "booted_at",
+    [
+        pytest.param(IN_WINDOW - 365 * 86400, id="a year behind (RTC battery dead)"),
+        pytest.param(30.0, id="at 1970 (no RTC)"),
+    ],
+)
+def test_an_outcome_check_started_on_a_clock_behind_still_lasts_as_long(
+    tmp_path: Path, booted_at: float
+) -> None:
+    """specd changed 3 → 4 ten minutes ago, to be checked for a day. The box reboots on a
+    clock behind and specd starts before NTP sets it: the change was taken as made now,
+    but the check's end stayed where it was, and the clock's step forward then moved it
+    by the whole step: a one-day check lasted a year, and from 1970 ended past what the
+    next start reads, which dropped it (and logged the state damaged)."""
+    cfg = config(tmp_path)
+    t0 = IN_WINDOW
+    wall, mono = [t0], [1000.0]
+    reader = Reader([ScrapeError("refused", "connection refused", t0)])
+    d = stepping(cfg, reader, wall, mono)
+    d.state.verifying = outcome.ChangeSnapshot(t0 - 600, 3, 4, until=t0 + 86400)
+    d._save_state(force=True)
+    wall[0], mono[0] = booted_at, 20.0  # the reboot
+    d = stepping(cfg, reader, wall, mono)
+    d.tick()
+    wall[0], mono[0] = t0 + 600, mono[0] + 60  # NTP sets the clock
+    d.tick()
+    check = d.state.verifying
+    assert check is not None
+    assert check.until is not None
+    assert check.until - check.t == 86400 + 600  # as long after the change as it was
+    assert not check.lapsed(wall[0])
+    d._save_state(force=True)
+    mono[0] = 5.0  # specd restarted: it reads the check as it was saved
+    again = stepping(cfg, reader, wall, mono)
+    assert again.metrics.registry.get_sample_value("specd_state_load_errors_total") == 0
+    assert again.state.verifying is not None
+    assert again.state.verifying.until == check.until
 
 
 @pytest.mark.parametrize(
@@ -1693,7 +1860,10 @@ def test_an_sglang_outage_is_logged_when_it_starts_changes_lasts_and_ends(
         pytest.param({"mode": "pin", "steps": 4}, {}, [], id="the same file and config"),
         pytest.param({"mode": "pin", "steps": 4}, {"max_steps": 5}, [], id="bounds it fits"),
         pytest.param(
-            {"mode": "pin", "steps": 2}, {"min_steps": 3}, ["override_ignored"], id="now outside"
+            {"mode": "pin", "steps": 2},
+            {"min_steps": 3},
+            ["override_ignored", "override_dropped"],  # not clamped to 3: no longer in force
+            id="now outside",
         ),
         pytest.param(
             {"mode": "pin", "steps": 7}, {"max_steps": 7}, ["override_loaded"], id="now inside"
@@ -2399,6 +2569,176 @@ def test_a_reload_applies_the_log_format_and_the_band_boundary(tmp_path: Path) -
     assert d.metrics.registry.get_sample_value("specd_band_boundary_concurrency") == 16
 
 
+def _own_files(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    """The tables of `config(tmp_path, **extra)`, for a config file."""
+    defaults: dict[str, Any] = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+    }
+    return tables(**{**defaults, **extra})
+
+
+def test_a_reload_names_each_file_key_a_specd_variable_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment wins over the file: an edit to a key specd.service sets by
+    Environment= changed nothing, and the reload said `reloaded changed: {}`, success."""
+    monkeypatch.setenv("SPECD_CHOOSE__MAX_STEPS", "4")
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d.config_path = tmp_path / "specd.toml"
+    d.config_path.write_text(tomli_w.dumps(_own_files(tmp_path, max_steps=6)))
+    with capture_logs() as logs:
+        d.reload()
+    shadowed = [e for e in logs if e["event"] == "config_key_shadowed"]
+    assert [(e["key"], e["variable"]) for e in shadowed] == [
+        ("choose.max_steps", "SPECD_CHOOSE__MAX_STEPS")
+    ]
+    assert "an edit to it in the file does nothing" in shadowed[0]["detail"]
+    assert d.config.choose.max_steps == 4
+    monkeypatch.delenv("SPECD_CHOOSE__MAX_STEPS")
+    with capture_logs() as logs:
+        d.reload()
+    assert [e for e in logs if e["event"] == "config_key_shadowed"] == []
+    assert d.config.choose.max_steps == 6
+
+
+def test_a_reload_that_moves_the_metrics_address_keeps_it_and_says_so_each_time(
+    tmp_path: Path,
+) -> None:
+    """The new port went into the running config while /metrics went on being served on the
+    old one: `reloaded` listed it as changed, and the next reload, comparing the file with
+    that config, said nothing of a port nothing listened on."""
+    cfg = config(tmp_path, metrics_listen_address="127.0.0.1", metrics_port=0)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d.config_path = tmp_path / "specd.toml"
+    d.start_metrics_server()
+    served = f"http://127.0.0.1:{d.metrics_port}/metrics"
+    moved = free_port()
+    try:
+        said = []
+        for extra in (
+            {"metrics_port": moved},
+            {"metrics_port": moved, "scrape_interval_s": 7.0},
+            {"metrics_port": 0, "scrape_interval_s": 7.0},
+        ):
+            d.config_path.write_text(tomli_w.dumps(_own_files(tmp_path, **extra)))
+            with capture_logs() as logged:
+                d.reload()
+            (reloaded,) = [e for e in logged if e["event"] == "reloaded"]
+            partial = [e["detail"] for e in logged if e["event"] == "reload_partial"]
+            said.append((reloaded["changed"], partial))
+            assert d.config.report.metrics_port == 0  # what runs: the one served
+            assert httpx.get(served, timeout=5).status_code == 200
+    finally:
+        d._metrics_server.shutdown()
+        d._metrics_server.server_close()
+    warned = [f"report.metrics_port: {moved} in the file, 0 running: a metrics address change "
+              "needs a restart of specd; the rest of the reload applies"]  # fmt: skip
+    assert said == [
+        ({}, warned),
+        ({"observe.scrape_interval_s": 7.0}, warned),  # said again, while they differ
+        ({}, []),
+    ]
+    assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
+
+
+def test_a_reload_reads_the_default_file_specd_started_from_and_rejects_it_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --config, a reload while /etc/specd/specd.toml was absent (`rm` then `cp`,
+    a configuration manager's dangling link) applied every default: another SGLang URL,
+    unit, windows and budget, logged as a successful reload."""
+    import specd.io.config as config_io  # noqa: PLC0415 - its default path is what moves
+
+    default = tmp_path / "etc" / "specd.toml"
+    monkeypatch.setattr(config_io, "DEFAULT_CONFIG_PATH", default)
+    for name, value in (
+        ("FILES__STATE_DIR", tmp_path / "state"),
+        ("FILES__OVERRIDE_FILE", tmp_path / "override.toml"),
+        ("SGLANG__ENV_FILE", tmp_path / "sglang.env"),
+    ):
+        monkeypatch.setenv(f"SPECD_{name}", str(value))
+    own = {"url": "http://127.0.0.1:31000", "unit": "mine.service", "daily_restart_budget": 1}
+
+    def success(d: Daemon) -> float | None:
+        return d.metrics.registry.get_sample_value("specd_config_reload_success")
+
+    # Started from the default file, as `specd run` without --config: it goes missing.
+    default.parent.mkdir()
+    default.write_text(tomli_w.dumps(tables(**own)))
+    cfg = config_io.load_config(None)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    default.unlink()
+    with capture_logs() as logged:
+        d.reload()
+    assert d.config is cfg
+    assert success(d) == 0
+    (rejected,) = [e for e in logged if e["event"] == "reload_rejected"]
+    assert rejected["config"] == str(default)
+    assert not [e for e in logged if e["event"] == "reloaded"]
+
+    # Started with none (defaults): a reload takes defaults, as the start did, until one
+    # is written; from then on that file is the config, and missing, a rejected reload.
+    cfg = config_io.load_config(None)
+    d = daemon(cfg, Reader([obs(IN_WINDOW)]), Applier(), [IN_WINDOW])
+    d.reload()
+    assert success(d) == 1
+    default.write_text(tomli_w.dumps(tables(**own)))
+    d.reload()
+    assert (d.config.sglang.unit, success(d)) == ("mine.service", 1)
+    default.unlink()
+    d.reload()
+    assert (d.config.sglang.unit, success(d)) == ("mine.service", 0)
+
+
+def test_a_stop_during_a_reloads_settle_wait_abandons_it_and_rejects_nothing(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a reload waits for the file to settle was logged reload_rejected
+    ('not read: specd is stopping') and set specd_config_reload_success 0: an error line,
+    and SpecdConfigReloadRejected's condition, for a file nothing was wrong with."""
+    cfg = config(tmp_path)
+    read_fd, write_fd = os.pipe()
+    daemons: list[Daemon] = []
+
+    class StoppedWhileReloading(Notifier):
+        def reloading(self) -> None:
+            super().reloading()
+            os.write(write_fd, b"T")  # `systemctl stop specd`, as the signal relay gets it
+            assert daemons[0].stop_event.wait(10)
+
+    cfg_path = tmp_path / "specd.toml"
+    cfg_path.write_text(tomli_w.dumps(_own_files(tmp_path, max_steps=5)))
+    d = Daemon(
+        cfg,
+        cfg_path,
+        registry=CollectorRegistry(),
+        clock=lambda: IN_WINDOW,
+        notifier=StoppedWhileReloading({}),
+        reader=Reader([obs(IN_WINDOW)]),
+        applier=Applier(),
+    )
+    daemons.append(d)
+    relay = threading.Thread(target=d._relay_signals, args=(read_fd,), daemon=True)
+    relay.start()
+    try:
+        with capture_logs() as logged:
+            d.reload()
+    finally:
+        os.close(write_fd)
+        relay.join(10)
+        os.close(read_fd)
+    assert [(e["event"], e["log_level"]) for e in logged] == [("reload_abandoned", "info")]
+    assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
+    assert d.config is cfg
+
+
 def test_a_rejected_reload_names_every_problem_at_once(tmp_path: Path) -> None:
     """state_dir and env_file were checked one or the other: the operator fixed one,
     reloaded, and only then heard of the next."""
@@ -2452,6 +2792,65 @@ def test_a_reload_asked_for_during_a_restart_says_it_waits(tmp_path: Path) -> No
         relay.join(10)
     os.close(read_fd)
     assert not [e for e in logged if e["event"] == "reload_deferred"]
+
+
+def test_a_reload_asked_for_during_a_tick_is_read_before_its_change_goes_out(
+    tmp_path: Path,
+) -> None:
+    """The on-call sets daily_restart_budget = 0 and reloads as a window opens; the SIGHUP
+    lands while the tick reads SGLang. It was read only after that tick's restart, made
+    under the old budget of 4, with no reload_deferred said (none was in flight yet)."""
+    fields = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "min_history_s": 600,
+        "stabilization_window_s": 0,
+        "min_dwell_s": 0,
+        "warmup_exclude_s": 0,
+    }
+    cfg = config(tmp_path)
+    cfg_path = tmp_path / "specd.toml"
+    cfg_path.write_text(tomli_w.dumps(tables(**fields)))
+    read_fd, write_fd = os.pipe()
+    daemons: list[Daemon] = []
+
+    class HupDuringScrape(Reader):
+        def observe(self) -> Observation | ScrapeError:
+            if daemons[0].config.restart.daily_restart_budget != 0:
+                cfg_path.write_text(tomli_w.dumps(tables(**fields, daily_restart_budget=0)))
+                os.write(write_fd, b"H")  # `systemctl reload specd`, as the signal relay gets it
+                requested = daemons[0]._reload_requested
+                deadline = time.monotonic() + 10
+                while not requested.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert requested.is_set()
+            return super().observe()
+
+    applier = Applier()
+    d = daemon(cfg, HupDuringScrape([obs(IN_WINDOW, steps=3)]), applier, [IN_WINDOW])
+    d.config_path = cfg_path
+    daemons.append(d)
+    relay = threading.Thread(target=d._relay_signals, args=(read_fd,), daemon=True)
+    relay.start()
+    try:
+        with capture_logs() as logged:
+            decision = d.tick()
+    finally:
+        os.close(write_fd)
+        relay.join(10)
+        os.close(read_fd)
+    assert applier.calls == []
+    assert decision.reason is Reason.RESTART_BUDGET, decision.message
+    assert d.config.restart.daily_restart_budget == 0
+    assert not d._reload_requested.is_set()
+    events = [e["event"] for e in logged if e["event"].startswith(("reload", "restart"))]
+    assert events == ["reload_before_change", "reloaded"]
+    (before,) = [e for e in logged if e["event"] == "reload_before_change"]
+    assert "(3 → 4)" in before["detail"]
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_decisions_total", {"reason": "change"}) == 0
+    assert sample("specd_decisions_total", {"reason": "restart_budget"}) == 1
 
 
 def test_a_clock_stepped_back_keeps_a_pin_applied_now_to_its_own_restart_bound(

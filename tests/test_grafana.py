@@ -19,6 +19,7 @@ import pytest
 import yaml
 from factories import load_script
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
 
 from specd.core.decide import Reason
 from specd.io.metrics import Metrics
@@ -269,6 +270,37 @@ def test_every_specd_metric_is_on_the_dashboard() -> None:
         if name not in NOT_ON_DASHBOARD and not sample_names & used:
             missing.add(name)
     assert missing == set()
+
+
+LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+
+
+def test_every_legend_label_is_one_its_metric_has() -> None:
+    """A legend's {{label}} names a label of the specd metric its query reads: one a rename
+    took away (specd_offered_concurrency's `quantile`, now `q`: promtool refuses `quantile`
+    outside a summary) would show the same blank name for every series."""
+    metrics = Metrics(registry=CollectorRegistry())
+    names: dict[str, set[str]] = {}
+    for metric in vars(metrics).values():
+        if isinstance(metric, MetricWrapperBase):
+            for family in metric.collect():
+                seen = {label for sample in family.samples for label in sample.labels}
+                for suffix in ("", "_total", "_info", "_bucket", "_sum", "_count"):
+                    names[family.name + suffix] = {*metric._labelnames, *seen}
+    wrong = []
+    checked = 0
+    for panel in panels():
+        for target in panel["targets"]:
+            read = set(re.findall(r"\bspecd_\w+", target["expr"]))
+            legend = set(LEGEND_LABEL.findall(target.get("legendFormat", ""))) - {"instance", "job"}
+            if len(read) != 1 or not legend:
+                continue
+            (metric,) = read
+            checked += 1
+            if not legend <= names[metric]:
+                wrong.append(f"{panel['title']}: {target['legendFormat']} over {metric}")
+    assert checked, "no legend names a label: the check checks nothing"
+    assert wrong == []
 
 
 def test_provisioning_files() -> None:

@@ -15,11 +15,16 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from factories import system_binary
+from factories import system_binary, tables
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from twin_thread import INSTANT, TwinThread
 
 from specd.core.settings import GatewaySettings, RestartSettings
+from specd.daemon import Daemon
 from specd.io.apply import out_of_service_bound_s
+from specd.io.config import Config
+from specd.io.notify import Notifier
 from specd.twin.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +68,51 @@ def test_check_rules() -> None:
 
 def test_rule_unit_tests_pass() -> None:
     result = run_promtool("test", "rules", RULE_TESTS)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_specds_own_metrics_pass_promtool_check_metrics(tmp_path: Path) -> None:
+    """What specd serves on /metrics after a tick against the twin, as Prometheus scrapes
+    it, passes `promtool check metrics`: specd_offered_concurrency was labelled `quantile`,
+    which Prometheus keeps for summaries (and its recording rules' histogram_quantile)."""
+    (tmp_path / "state").mkdir()
+    twin_args = [
+        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+        "--enable-metrics", *INSTANT,
+    ]  # fmt: skip
+    with TwinThread(twin_args) as twin:
+        twin.wait_healthy(30)
+        cfg = Config(
+            **tables(
+                url=twin.url,
+                state_dir=str(tmp_path / "state"),
+                override_file=str(tmp_path / "override.toml"),
+                env_file=str(tmp_path / "sglang.env"),
+                daily_restart_budget=0,  # never a restart of a real unit
+                metrics_listen_address="127.0.0.1",
+                metrics_port=0,
+            )
+        )
+        d = Daemon(cfg, registry=CollectorRegistry(), notifier=Notifier({}))
+        try:
+            d.tick()
+            d.start_metrics_server()
+            page = httpx.get(f"http://127.0.0.1:{d.metrics_port}/metrics", timeout=10).text
+        finally:
+            d.client.close()
+            if d._metrics_server is not None:
+                d._metrics_server.shutdown()
+                d._metrics_server.server_close()
+    assert "specd_offered_concurrency{" in page
+    result = subprocess.run(
+        [promtool(), "check", "metrics"],
+        input=page,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

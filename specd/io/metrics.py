@@ -71,7 +71,8 @@ class Metrics:
         )
         self.steps_pinned = Gauge(
             "specd_steps_pinned",
-            "Step count pinned by an active override; NaN when no pin is active.",
+            "Step count an override's pin holds SGLang at now; NaN when none does (no pin in "
+            "force, a pin of off or an adaptive set, or frozen after a failed restart).",
             registry=r,
         )
         self.mode = Gauge(
@@ -184,13 +185,16 @@ class Metrics:
         )
         self.offered_concurrency = Gauge(
             "specd_offered_concurrency",
-            "Quantiles of offered concurrency (running + queued) over the decision history.",
-            ["quantile"],
+            "Quantiles of offered concurrency (running + queued) over the decision history, by "
+            'q ("0.5", "0.9", "0.99").',
+            # Not "quantile": Prometheus reserves it for summaries (promtool check metrics).
+            ["q"],
             registry=r,
         )
         self.offered_concurrency_now = Gauge(
             "specd_offered_concurrency_current",
-            "Offered concurrency (running + queued) at the latest scrape.",
+            "Offered concurrency (running + queued) at the latest scrape; NaN when it failed "
+            "(or none was made yet).",
             registry=r,
         )
         self.band_boundary = Gauge(
@@ -379,7 +383,9 @@ class Metrics:
         )
         self.tick_duration = Histogram(
             "specd_tick_duration_seconds",
-            "Wall time of one observe-record-decide tick.",
+            "Wall time of one tick's observe-record-decide and its reporting; without the "
+            "restart sequence it may begin (specd_restart_duration_seconds) or a reload it "
+            "reads first.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=r,
         )
@@ -446,6 +452,7 @@ class Metrics:
             self.decisions.labels(reason=reason)
             self.last_decision_reason.labels(reason=reason).set(0)
         self.steps_current.set(float("nan"))
+        self.offered_concurrency_now.set(float("nan"))
         self.steps_pinned.set(float("nan"))
         self.requests_in_flight_at_restart.set(float("nan"))
         self.gateway_worker_not_ready.set(float("nan"))
