@@ -98,6 +98,7 @@ from specd.io.systemd import (
     StartLimit,
     SystemctlError,
     UnitState,
+    invocation_id,
     show,
     start_limit,
     unit_state,
@@ -473,7 +474,7 @@ class Journal:
     of SGLang; a restart refused for the start limit and made again (after `reset-failed`,
     or once the limit's interval passed) is one.
     ``attempt`` counts runs of this sequence: 1 by ``apply``, +1 each time ``reconcile``
-    resumes it.
+    resumes it; 0 once a run left it cleanly for a shutdown (a reboot is no crash).
     """
 
     phase: str
@@ -528,6 +529,10 @@ class Journal:
     # The change's own start died in systemd's setup of the process, before SGLang ran
     # (its exit status, "219/CGROUP"): backed out like ``change_refused``, ends aborted.
     setup_failed: str | None = None
+    # The unit's InvocationID when the last restart was journalled as issued: one that is
+    # still the unit's, with no job queued, at a resume means that restart never went out
+    # (specd was killed between the journal and `systemctl restart`). None: not known.
+    issued_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -642,7 +647,8 @@ class Journal:
             previous_env=previous,
             previous_env_encoding=encoding,
             started_at=started_at,
-            attempt=opt_int("attempt") or 1,
+            # 0: the last start left it for a shutdown (`_leave_for_boot`).
+            attempt=1 if (attempt := opt_int("attempt")) is None else attempt,
             restarts_issued=restarts_issued,
             not_started=not_started,
             refused_until=opt_float("refused_until"),
@@ -650,6 +656,7 @@ class Journal:
             shutdown=opt_text("shutdown"),
             no_verdict=data.get("no_verdict") is True,
             setup_failed=opt_text("setup_failed"),
+            issued_from=invocation_id(opt_text("issued_from")),
             restart_issued_at=opt_float("restart_issued_at"),
             rollback_reason=None
             if data.get("rollback_reason") is None
@@ -1503,6 +1510,13 @@ class Applier:
             return self._finish(
                 journal, "aborted", f"interrupted in {journal.phase}; env file restored"
             )
+        if journal.phase == "restart_issued" and self._never_went_out(journal):
+            # Killed between journalling the change's restart and issuing it: SGLang was
+            # never restarted, and the target never ran. Nothing to hold against it.
+            journal.restarts_issued -= 1
+            return self._unwind(
+                journal, "specd was killed after journalling the restart, before it went out"
+            )
         if journal.phase in ("restart_issued", "verifying"):
             return self._resume_forward(journal)
         # rolling_back: the env file may or may not be restored, the rollback restart may or
@@ -1518,6 +1532,13 @@ class Applier:
                 # what is left of it, then restart.
                 journal.note("its restart was refused for the unit's start limit: trying again")
                 self._persist(journal)
+                return self._rollback_restart(journal, reason)
+            if self._never_went_out(journal):
+                # Killed between journalling the rollback's restart and issuing it: waiting
+                # for it would wait for nothing, and end "failed" with SGLang down.
+                journal.note("its rollback restart never went out: issuing it now")
+                journal.restarts_issued -= 1
+                self._issue_restart(journal, "rolling_back")
                 return self._rollback_restart(journal, reason)
             return self._verify_rollback(journal, reason)
         return self._rollback(journal, reason, maybe_untouched=True)
@@ -1729,6 +1750,10 @@ class Applier:
             if journal.shutdown is None:  # a second shutdown (mid-replay) changes no verdict
                 journal.no_verdict = journal.rollback_reason is None
             journal.shutdown = why
+            # This start left cleanly: MAX_ATTEMPTS counts starts killed mid-sequence (a
+            # crash loop), not reboots, of which a third gave up "failed" and froze specd
+            # though SGLang booted healthy on the previous setting each time.
+            journal.attempt = 0
             message = (
                 f"{why}: {self.sglang.env_file} back on {previous}, which {journal.unit} "
                 "starts on at boot; specd's next start verifies it"
@@ -1820,6 +1845,20 @@ class Applier:
         if now.sub == "auto-restart":
             return died("it died, and Restart= starts it again; ")
         return None
+
+    def _never_went_out(self, journal: Journal) -> bool:
+        """The restart journalled last never reached systemd: the unit has not started
+        since (the InvocationID the journal took is still its own) and none is queued. False
+        where either is not known (a stand-in for systemd, a journal from before)."""
+        if journal.issued_from is None:
+            return False
+        state = unit_state(self.runner, journal.unit, UNIT_STATE_TIMEOUT_S)
+        return (
+            state is not None
+            and state.invocation == journal.issued_from
+            and not state.job
+            and state.active not in ("activating", "deactivating", "reloading")
+        )
 
     def _is_stopped(self) -> bool:
         """The unit inactive with no job queued (`UnitState.stopped`); where systemd says
@@ -2128,6 +2167,8 @@ class Applier:
     def _issue_restart(self, journal: Journal, phase: str) -> str | None:
         """Journal the restart as issued, before it is: why that could not be saved, or
         None. A change does not go out unsaved; a rollback does (SGLang needs it more)."""
+        state = unit_state(self.runner, journal.unit, UNIT_STATE_TIMEOUT_S)
+        journal.issued_from = None if state is None else state.invocation
         journal.restarts_issued += 1
         journal.restart_issued_at = self._clock()
         if self._restart_started is None:

@@ -127,7 +127,8 @@ class UnitState:
     CLD_EXITED, 2 killed, 3 dumped; 0 still running or none) and ``exec_status``
     (ExecMainStatus: its exit status or signal); None where systemd does not say. systemd
     resets both at every start, Restart='s too. ``job``: the id of a job queued or running
-    on the unit (a start, a restart), None when there is none or systemd does not say."""
+    on the unit (a start, a restart), None when there is none or systemd does not say;
+    ``invocation``: its InvocationID, which tells whether it was started since."""
 
     active: str
     sub: str
@@ -136,6 +137,9 @@ class UnitState:
     exec_code: int | None = None
     exec_status: int | None = None
     job: int | None = None
+    # InvocationID: new at each start of the unit (Restart='s too), kept after it stops;
+    # None when systemd does not say (or has never started it).
+    invocation: str | None = None
 
     @property
     def stopped(self) -> bool:
@@ -164,6 +168,7 @@ UNIT_STATE_PROPERTIES = (
     "ExecMainStatus",
     # Printed only while a job is queued or running (`Job=1234`).
     "Job",
+    "InvocationID",
 )
 
 
@@ -184,7 +189,16 @@ def unit_state(runner: Runner, unit: str, timeout_s: float = SHOW_TIMEOUT_S) -> 
         _count(props.get("ExecMainCode", "")),
         _count(props.get("ExecMainStatus", "")),
         _count(props.get("Job", "")),
+        invocation_id(props.get("InvocationID", "")),
     )
+
+
+def invocation_id(value: str | None) -> str | None:
+    """An InvocationID (128 bits in hex), else None: what systemd does not say is unknown."""
+    if value is None:
+        return None
+    text = value.strip().lower()
+    return text if len(text) == 32 and all(c in "0123456789abcdef" for c in text) else None
 
 
 def _count(value: str) -> int | None:

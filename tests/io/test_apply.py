@@ -47,6 +47,7 @@ from specd.io.apply import (
     ENV_DRAFT_TOKENS,
     ENV_STEPS,
     IDLE_READS,
+    MAX_ATTEMPTS,
     PHASES,
     START_LIMIT_MARGIN_S,
     Applier,
@@ -1528,6 +1529,49 @@ def test_sglang_not_started_at_boot_is_left_stopped(make_unit: Any, tmp_path: Pa
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
 
 
+def test_three_reboots_mid_restart_are_no_crash_loop(make_unit: Any, tmp_path: Path) -> None:
+    """Each start after a shutdown counted as an interrupted attempt: after a third reboot
+    while SGLang loaded, the next start gave up ("failed after 3 interrupted attempts") and
+    froze specd, though SGLang booted healthy on the previous setting every time. A start
+    that leaves for a shutdown leaves cleanly: only kills count toward MAX_ATTEMPTS."""
+    unit = make_unit(ORIGINAL_ENV)
+    unit.extra_args = lambda steps: [*TWIN_TIMING, "--load-time-s", "30"]  # loads take 30 s
+    stop = threading.Event()
+    systemd = ShuttingDownSystemd(unit, stop, "stopping", 1)  # down while the target loads
+    rec = Recorder(tmp_path / "state.json")
+    outcome = applier_for(unit, rec, runner=systemd, stop=stop, startup_timeout_s=60.0).apply(
+        4, 3, window_open=always_open
+    )
+    assert outcome.pending, outcome.message
+    journal = rec.stored()
+    for boot_n in range(2, 2 + MAX_ATTEMPTS):
+        # Each boot starts SGLang (slow to load), and the box goes down again meanwhile.
+        unit.stop()
+        unit.start()
+        stop = threading.Event()
+        systemd = ShuttingDownSystemd(unit, stop, "stopping", 99)
+        systemd.down.set()
+        stop.set()
+        rec = Recorder(tmp_path / f"state-{boot_n}.json")
+        again = applier_for(unit, rec, runner=systemd, stop=stop, startup_timeout_s=60.0)
+        outcome = again.reconcile(journal)
+        assert outcome is not None
+        assert outcome.pending, outcome.message
+        journal = rec.stored()
+        assert journal is not None
+        assert journal["attempt"] == 0
+    unit.extra_args = lambda steps: list(TWIN_TIMING)
+    unit.stop()
+    unit.start_healthy()  # the last boot: nothing interrupts it
+    final = applier_for(unit, Recorder(tmp_path / "state-last.json")).reconcile(journal)
+    assert final is not None
+    assert final.result == "aborted", final.message  # no verdict on the target: no freeze
+    assert "interrupted attempts" not in final.message
+    assert unit.restarts == [4]
+    assert unit.running_steps() == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
 def test_a_bus_gone_without_a_stop_is_no_shutdown(make_unit: Any, tmp_path: Path) -> None:
     """systemd off the bus while specd was not asked to stop (dbus restarted on a running
     system): no shutdown is assumed, the load is waited for and verified as ever."""
@@ -2333,6 +2377,76 @@ RECONCILE_CASES = [
     ("rollback-journalled-not-issued", True, 5, True, None, "rolling_back", "failed", [4], 3, None),
     ("rolled-back-unjournalled", True, 6, False, None, "rolling_back", "rolled_back", [4, 3], 3, 3),
 ]
+
+
+class WithInvocations:
+    """The twin unit, answering the `systemctl show` of its state as systemd does: its
+    ActiveState, no job, and an InvocationID new at each start (kept once it ended)."""
+
+    def __init__(self, unit: TwinUnit) -> None:
+        self.unit = unit
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        args = list(argv)
+        if args[:2] == ["systemctl", "show"] and "--property=InvocationID" in args:
+            state = self.unit.is_active()
+            lines = [
+                f"ActiveState={state}",
+                f"SubState={'running' if state == 'active' else 'dead'}",
+            ]
+            if self.unit.process is not None:
+                lines.append(f"InvocationID={self.unit.process.pid:032x}")
+            return answered(args, 0, "\n".join(lines) + "\n")
+        return self.unit(argv, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize(
+    ("target_fails", "kill_at", "result", "restarts", "says"),
+    [
+        # The change's restart journalled, never issued: SGLang untouched, 4 never ran.
+        (False, 2, "aborted", [], "specd was killed after journalling the restart, before it "
+         "went out; nothing was restarted"),
+        # The rollback's restart journalled, never issued: SGLang down on the failed 4.
+        (True, 5, "rolled_back", [4, 3], "rolled back, verified 3 steps"),
+    ],
+)  # fmt: skip
+def test_a_restart_journalled_but_never_issued_is_told_by_the_units_invocation(
+    make_unit: Any,
+    tmp_path: Path,
+    target_fails: bool,
+    kill_at: int,
+    result: str,
+    restarts: list[int],
+    says: str,
+) -> None:
+    """Killed between journalling a restart as issued and `systemctl restart`: the next
+    start took the change's for made (the target "rolled back" and frozen, though it never
+    ran) and the rollback's too (waited for a start that never came: "failed", frozen, with
+    SGLang left down on the failed target, two restarts counted for one). The journal keeps
+    the unit's InvocationID from when it was written: still the unit's, with no job, the
+    restart never went out."""
+    unit = make_unit(
+        ORIGINAL_ENV, lambda steps: ["--fail-start-at-steps", "4"] if target_fails else []
+    )
+    rec = Recorder(tmp_path / "state.json", kill_at=kill_at, store_first=True)
+    with pytest.raises(Killed):
+        applier_for(unit, rec, runner=WithInvocations(unit)).apply(4, 3, window_open=always_open)
+    journal = rec.stored()
+    assert journal is not None
+    assert journal["issued_from"] is not None
+    outcome = applier_for(
+        unit,
+        Recorder(tmp_path / "after.json"),
+        runner=WithInvocations(unit),
+        startup_timeout_s=10.0,
+    ).reconcile(journal)
+    assert outcome is not None
+    assert outcome.result == result, outcome.message
+    assert says in outcome.message, outcome.message
+    assert unit.restarts == restarts
+    assert unit.running_steps() == 3
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+    assert outcome.sglang_restarts == len(restarts)
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,24 @@ def test_a_failed_show_is_one_line() -> None:
             0,
             systemd.UnitState("inactive", "dead", None),
         ),
+        # Each start's InvocationID, kept once it stopped; anything else is not one.
+        (
+            "ActiveState=active\nSubState=running\nInvocationID=0F3A9C2E5B7D41A8B6C0D2E4F6A8B0C1\n",
+            0,
+            systemd.UnitState(
+                "active", "running", None, invocation="0f3a9c2e5b7d41a8b6c0d2e4f6a8b0c1"
+            ),
+        ),
+        (
+            "ActiveState=inactive\nSubState=dead\nInvocationID=\n",
+            0,
+            systemd.UnitState("inactive", "dead", None),
+        ),
+        (
+            "ActiveState=active\nSubState=running\nInvocationID=0f3a-not-hex-0000000000000000000\n",
+            0,
+            systemd.UnitState("active", "running", None),
+        ),
         # systemd cannot say, or something in its place says nothing of it: unknown.
         ("", 1, None),
         ("ExecStart=x\n", 0, None),
@@ -154,6 +172,7 @@ def test_unit_state_reads_active_sub_state_and_restarts(
         "--property=ExecMainCode",
         "--property=ExecMainStatus",
         "--property=Job",
+        "--property=InvocationID",
         "sglang.service",
     ]
     if expected is not None:
