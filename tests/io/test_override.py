@@ -498,11 +498,19 @@ def test_show_invalid_as_a_real_process(setup: tuple[Path, Path]) -> None:
     assert proc.stderr == ""
 
 
-def test_bad_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_config_whose_files_table_is_broken_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A problem outside [files] does not stop the on-call (tests/commands/
+    # test_oncall_bad_config.py); one in it does: no default override file is read instead.
     config = tmp_path / "specd.toml"
-    config.write_text("max_step = 3\n")
+    config.write_text("max_step = 3\n[files]\noverride_file = 'override.toml'\n")
     assert main(["override", "show", "--config", str(config)]) == 2
-    assert "config: max_step: unknown key" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "files.override_file: 'override.toml' must be an absolute path" in err
+    config.write_text(f"max_step = 3\n[files]\noverride_file = '{tmp_path}/override.toml'\n")
+    assert main(["override", "show", "--config", str(config)]) == 0
+    assert "max_step: unknown key" in capsys.readouterr().err
 
 
 def test_unwritable_target_is_one_line(
