@@ -12,17 +12,22 @@ A restart sequence (up to two SGLang loads of ``startup_timeout_s`` each) never 
 systemd's start or stop timeout unguarded. READY=1 goes out before any sequence begins —
 the replay of an interrupted one at start, or one the first tick starts — so the start
 timeout never cuts SGLang's load short; no decision is made until a replay ends. A stop
-(SIGTERM) finishes a sequence in flight, and each heartbeat meanwhile extends systemd's stop
+(SIGTERM) finishes a sequence in flight, within specd.service's TimeoutStopSec=, which is
+as long as a whole sequence at the default timeouts; each heartbeat meanwhile extends that
 timeout (EXTEND_TIMEOUT_USEC=) by one watchdog period, with STATUS= saying what it waits
-for: systemd runs no watchdog while a unit stops, and this keeps its effect (a loop that
-hangs mid-stop is killed one period after its last beat). At the system's shutdown the
-applier leaves the sequence instead (``ApplyOutcome.pending``): its journal stays in
-state.json for the next start, after the reboot, to finish.
+for. systemd runs no watchdog while a unit stops, and forgets those extensions at a
+`systemctl daemon-reload` (it re-arms the stop timeout from TimeoutStopSec= alone), so
+specd watches itself instead (``StopGuard``): a loop that has not beaten for WatchdogSec=
+while specd stops ends the process (SIGABRT, as systemd's watchdog would), its journal left
+for the next start. At the system's shutdown the applier leaves the sequence instead
+(``ApplyOutcome.pending``): its journal stays in state.json for the next start, after the
+reboot, to finish.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import os
 import signal
@@ -85,6 +90,10 @@ CLOCK_STEP_S = 30.0
 # in flight, when no WatchdogSec= gives the period the loop beats within (the shipped unit
 # sets 60 s, and then that period is used).
 STOP_EXTEND_S = 60.0
+# A stop whose loop has not beaten for a watchdog period ends the process: how long its one
+# line (and the threads' tracebacks) may take to be written before it ends anyway (a loop
+# hung inside a write to the journal holds the log's lock).
+STOP_HUNG_SAY_S = 5.0
 # The longest wait after ticks that raised in a row (doubling from the scrape interval): an
 # error that comes back every tick is logged a few times an hour, not every second.
 TICK_BACKOFF_MAX_S = 300.0
@@ -119,6 +128,46 @@ class BeatingEvent(threading.Event):
                 return self.is_set()
             if super().wait(min(left, self._slice_s)):
                 return True
+
+
+class StopGuard:
+    """systemd's watchdog for a stop, kept in the process: systemd runs none while a unit
+    stops, and specd.service's TimeoutStopSec= is as long as a whole restart sequence (a
+    stop finishes the one in flight, and an extension of that timeout does not survive a
+    `systemctl daemon-reload`). A thread of its own looks every quarter period: once
+    ``stopping()``, a loop silent for longer than ``period_s`` since ``beaten_at()`` (the
+    time.monotonic() of its last beat) is ``hung(silent_s)``, once."""
+
+    def __init__(
+        self,
+        period_s: float,
+        *,
+        beaten_at: Callable[[], float],
+        stopping: Callable[[], bool],
+        hung: Callable[[float], None],
+    ) -> None:
+        self.period_s = period_s
+        self._beaten_at = beaten_at
+        self._stopping = stopping
+        self._hung = hung
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="specd-stop-guard", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        look_s = min(IDLE_SLICE_S, self.period_s / 4)
+        while not self._closed.wait(look_s):
+            if not self._stopping():
+                continue
+            silent = time.monotonic() - self._beaten_at()
+            if silent > self.period_s:
+                self._hung(silent)
+                return
+
+    def close(self) -> None:
+        """The loop has ended (run() returns): nothing more to watch."""
+        self._closed.set()
+        self._thread.join()
 
 
 class SGLangReader(Protocol):
@@ -257,6 +306,10 @@ class Daemon:
         self.allowed_override_uids = allowed_override_uids or (0, os.getuid())
 
         self.stop_event = BeatingEvent(self._heartbeat)
+        # The loop's last beat (time.monotonic()), for the StopGuard; and how the guard ends
+        # a process whose loop hangs while it stops (tests replace it).
+        self._beaten_at = time.monotonic()
+        self.end_process: Callable[[], None] = os.abort
         self._wake = threading.Event()
         self._reload_requested = threading.Event()
         self._signal_fd = -1  # the signal handlers' pipe (`install_signal_handlers`)
@@ -403,8 +456,10 @@ class Daemon:
         self.metrics.sglang_restarting.set(1 if phase in RESTARTING_PHASES else 0)
 
     def _heartbeat(self) -> None:
-        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier), and
-        while a stop waits for a restart in flight, its stop timeout."""
+        """The loop is alive: feeds systemd's watchdog (rate-limited by the notifier) and,
+        while specd stops, the StopGuard; while a stop waits for a restart in flight, it
+        extends the stop timeout too."""
+        self._beaten_at = time.monotonic()
         self.notifier.beat()
         flight = self._in_flight
         # Before its journal exists a sequence has restarted nothing, and a stop ends it at
@@ -416,7 +471,10 @@ class Daemon:
     def _extend_stop(self, flight: InFlight) -> None:
         """Extend systemd's stop timeout by one watchdog period, every half period, while
         the loop beats: the stop lasts as long as the sequence (each of its waits bounded by
-        the config), and a loop that hangs is killed one period after its last beat."""
+        the config), also past a TimeoutStopSec= shorter than that (longer timeouts than
+        the defaults), as long as no daemon-reload comes (systemd forgets an extension
+        there). A loop that hangs is ended by the StopGuard one period after its last beat
+        (systemd only at TimeoutStopSec= or the extension's end, whichever is later)."""
         period = self.notifier.watchdog_period_s or STOP_EXTEND_S
         now = time.monotonic()
         first = flight.extended_at is None
@@ -436,6 +494,54 @@ class Daemon:
                 message=status,
             )
         self.notifier.extend_timeout(period, status)
+
+    def _start_stop_guard(self) -> StopGuard | None:
+        """The StopGuard for this run, where systemd gives a watchdog period (WatchdogSec=):
+        without one the loop promises no beat, and nothing watches it."""
+        period = self.notifier.watchdog_period_s
+        if period is None:
+            return None
+        self._beaten_at = time.monotonic()
+        return StopGuard(
+            period,
+            beaten_at=lambda: self._beaten_at,
+            stopping=self.stop_event.is_set,
+            hung=functools.partial(self._stop_hung, period),
+        )
+
+    def _stop_hung(self, period_s: float, silent_s: float) -> None:
+        """specd stops and its loop has not beaten for a watchdog period: one line (and
+        where each thread is, on stderr), then the process ends with SIGABRT, as systemd's
+        watchdog ends a running specd whose loop hangs. A restart in flight stays in the
+        journal, for the next start to finish."""
+        flight = self._in_flight
+
+        def say() -> None:
+            if flight is not None and flight.phase is not None:
+                waiting = (
+                    f"while the stop waits for the restart in flight ({flight.was} → "
+                    f"{flight.wanted}, {flight.phase}); specd's next start finishes it"
+                )
+            else:
+                waiting = "while specd stops"
+            self.log.error(
+                "stop_hung",
+                silent_s=round(silent_s, 1),
+                watchdog_s=period_s,
+                detail=f"the loop has not beaten for {silent_s:.0f} s (WatchdogSec= "
+                f"{period_s:g} s) {waiting}: ending specd with SIGABRT, as systemd's "
+                "watchdog would",
+            )
+            # Where the loop hangs; stderr may have no descriptor (outside systemd).
+            with contextlib.suppress(Exception):
+                faulthandler.dump_traceback(all_threads=True)
+
+        # A loop hung inside a write to the journal holds the logger's lock: the line is
+        # given a few seconds, and the process ends whether or not it went out.
+        saying = threading.Thread(target=say, name="specd-stop-hung", daemon=True)
+        saying.start()
+        saying.join(STOP_HUNG_SAY_S)
+        self.end_process()
 
     def _ready(self, status: str) -> None:
         """READY=1, once: after the first scrape, or before a restart sequence if one comes
@@ -849,6 +955,14 @@ class Daemon:
         )
 
     def run(self) -> int:
+        guard = self._start_stop_guard()
+        try:
+            return self._run()
+        finally:
+            if guard is not None:
+                guard.close()
+
+    def _run(self) -> int:
         # /metrics answers from here on, before the first tick ends (its scrape may wait a
         # timeout; a journal's resumption, minutes): serve what the saved state and the
         # override file say, not the defaults, or Prometheus reads a frozen specd as not
@@ -883,6 +997,7 @@ class Daemon:
             if self._reload_requested.is_set():
                 self.reload()
             self._guarded_tick()
+        self._heartbeat()  # the way out is the loop's too: the StopGuard watches it
         self.notifier.stopping("stopping")
         self._save_state(force=True)
         self.client.close()

@@ -1,8 +1,11 @@
 """What the daemon tells systemd around a restart sequence, over a real AF_UNIX datagram
 socket as NOTIFY_SOCKET: READY=1 before any sequence (a replay at start, a pin applied at
 the first tick), and during a stop that waits for one, STOPPING=1 then EXTEND_TIMEOUT_USEC=
-from the loop's heartbeat only (tests/systemd/test_specd_service_lifecycle.py runs the same
-under a real systemd). The applier is scripted; SGLang's reader too (test_daemon.py's)."""
+from the loop's heartbeat only; a loop that stops beating while specd stops ends the
+process (the StopGuard), as systemd would not until TimeoutStopSec=, which is as long as a
+whole restart sequence (tests/systemd/test_specd_service_lifecycle.py runs the same under a
+real systemd, with a daemon-reload mid-stop). The applier is scripted; SGLang's reader too
+(test_daemon.py's)."""
 
 from __future__ import annotations
 
@@ -19,11 +22,14 @@ from typing import Any
 
 import pytest
 import tomli_w
+from structlog.testing import capture_logs
 from test_daemon import IN_WINDOW, Reader, config, daemon, obs
+from test_units import SPECD_SERVICE, read_unit, seconds, single
 
 from specd.core.setting import SpecSetting, format_setting
-from specd.daemon import Daemon
-from specd.io.apply import ApplyOutcome, setting_steps
+from specd.core.settings import RestartSettings
+from specd.daemon import Daemon, StopGuard
+from specd.io.apply import ApplyOutcome, out_of_service_bound_s, setting_steps
 from specd.io.notify import Notifier
 
 WATCHDOG_S = 1.0
@@ -33,6 +39,10 @@ WATCHDOG_S = 1.0
 # nothing, however long it runs: it ends as soon as it may.
 HOLD_S = 2.0
 UNSTOPPED_HOLD_S = 0.2
+# A loop hung mid-stop beats nothing for this long: the StopGuard ends it one watchdog
+# period into it (its looks are a quarter period apart); the rest is slack for a loaded
+# machine.
+HANG_S = 3 * WATCHDOG_S
 
 
 @dataclass
@@ -117,6 +127,7 @@ class ScriptedApplier:
         self.scrapes_at_begin: int | None = None
         self.finished = threading.Event()
         self.calls = 0
+        self.hung_at: float | None = None  # time.monotonic() when the hang began
 
     def _sequence(self, was: str, wanted: str, live_after: int | None) -> ApplyOutcome:
         assert self.daemon is not None
@@ -151,7 +162,8 @@ class ScriptedApplier:
                 continue
             stopped_at = stopped_at or time.monotonic()
             if self.hang_after_stop and time.monotonic() - stopped_at > 0.2:
-                time.sleep(left)  # hung: nothing beats from here on
+                self.hung_at = time.monotonic()
+                time.sleep(HANG_S)  # hung: nothing beats from here on
                 break
             # As the applier's own pause: a set event's wait returns at once, so sleep too.
             stop.wait(0)
@@ -243,25 +255,45 @@ def test_what_systemd_is_told_around_a_restart_sequence(
         {"NOTIFY_SOCKET": os.environ["NOTIFY_SOCKET"], "WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}
     )
     applier.daemon = d
+    ended_at: list[float] = []  # when the StopGuard ended the process (it goes on here)
+    d.end_process = lambda: ended_at.append(time.monotonic())
     if start == "journal":
         d.state.journal = dict(JOURNAL)
     runner = threading.Thread(target=d.run)
-    runner.start()
     stopped_at = 0.0
-    try:
-        assert applier.in_sequence.wait(10)
-        if stop is None:
-            # Ended, and the loop idles (a scrape interval of 10 s) until stopped.
-            assert applier.finished.wait(10)
-            time.sleep(0.3)
-        else:
-            time.sleep(0.1)
-        stopped_at = time.monotonic()
-        d.request_stop()
-    finally:
-        runner.join(10)
+    with capture_logs() as logged:
+        runner.start()
+        try:
+            assert applier.in_sequence.wait(10)
+            if stop is None:
+                # Ended, and the loop idles (a scrape interval of 10 s) until stopped.
+                assert applier.finished.wait(10)
+                time.sleep(0.3)
+            else:
+                time.sleep(0.1)
+            stopped_at = time.monotonic()
+            d.request_stop()
+        finally:
+            runner.join(10 + HANG_S)
     assert not runner.is_alive()
     assert applier.calls == 1
+    hung = [e for e in logged if e["event"] == "stop_hung"]
+    if script.get("hang_after_stop"):
+        # Ended once, one watchdog period into the hang (systemd would wait out
+        # TimeoutStopSec=: the extensions only ever lengthen it).
+        assert applier.hung_at is not None
+        assert len(ended_at) == 1, ended_at
+        assert WATCHDOG_S < ended_at[0] - applier.hung_at < HANG_S, (ended_at, applier.hung_at)
+        assert len(hung) == 1, hung
+        assert hung[0]["log_level"] == "error"
+        assert hung[0]["detail"].startswith("the loop has not beaten for "), hung
+        assert hung[0]["detail"].endswith(
+            f"(WatchdogSec= {WATCHDOG_S:g} s) while the stop waits for the restart in flight "
+            "(4 → 3, restart_issued); specd's next start finishes it: ending specd with "
+            "SIGABRT, as systemd's watchdog would"
+        ), hung
+    else:
+        assert (ended_at, hung) == ([], []), (ended_at, hung)
 
     # READY=1 went out before the sequence began, saying what it does.
     seen = applier.seen_at_begin
@@ -311,3 +343,67 @@ def test_what_systemd_is_told_around_a_restart_sequence(
     else:
         assert len(extended) >= 3, extended
         assert max([*gaps, ended - extended[-1]]) < WATCHDOG_S, (gaps, ended)
+
+
+def test_the_shipped_stop_timeout_outlasts_a_whole_restart_sequence() -> None:
+    """systemd forgets the EXTEND_TIMEOUT_USEC= extensions at a daemon-reload, re-arming
+    the stop timeout from TimeoutStopSec= alone: a stop finishing a restart in flight
+    (verified or rolled back) was SIGKILLed at once by a daemon-reload more than 90 s into
+    it. specd.service's covers a whole sequence at its worst with the default timeouts (the
+    out-of-service bound and the quiet wait: the README's 77 minutes)."""
+    restart = RestartSettings()
+    worst_s = restart.quiet_deadline_s + out_of_service_bound_s(restart, None)
+    assert worst_s == 4572  # as the unit's comment adds it up
+    unit = read_unit(SPECD_SERVICE)
+    timeout_s = seconds(single(unit, "Service", "TimeoutStopSec"))
+    assert timeout_s >= worst_s + 60, timeout_s
+    # Bounded still: a specd whose StopGuard cannot act (the whole process stuck) is killed.
+    assert timeout_s <= 2 * worst_s, timeout_s
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_the_stop_guard_acts_only_on_a_stop_whose_loop_stopped_beating(stops: bool) -> None:
+    """A loop silent for longer than a period while specd runs is systemd's watchdog's to
+    kill; while specd stops, the guard's, once."""
+    period_s = 0.2
+    beaten_at = time.monotonic()
+    stopping = threading.Event()
+    hung: list[tuple[float, float]] = []  # (when, silent_s)
+    guard = StopGuard(
+        period_s,
+        beaten_at=lambda: beaten_at,
+        stopping=stopping.is_set,
+        hung=lambda silent: hung.append((time.monotonic(), silent)),
+    )
+    try:
+        time.sleep(3 * period_s)  # silent, not stopping
+        assert hung == []
+        if stops:
+            stopping.set()
+            time.sleep(3 * period_s)
+            # Silent since before the stop: acted on at its first look, once.
+            assert len(hung) == 1, hung
+            assert hung[0][1] > period_s
+    finally:
+        guard.close()
+    assert len(hung) == (1 if stops else 0)
+
+
+def test_the_stop_guard_leaves_a_beating_stop_alone() -> None:
+    period_s = 0.2
+    beats = [time.monotonic()]
+    hung: list[float] = []
+    guard = StopGuard(
+        period_s, beaten_at=lambda: beats[-1], stopping=lambda: True, hung=hung.append
+    )
+    try:
+        end = time.monotonic() + 5 * period_s
+        while time.monotonic() < end:
+            beats.append(time.monotonic())
+            time.sleep(period_s / 4)
+        assert hung == []
+        time.sleep(4 * period_s)  # the beats stop
+        assert len(hung) == 1, hung
+        assert period_s < hung[0] < 4 * period_s, hung
+    finally:
+        guard.close()

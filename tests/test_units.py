@@ -245,11 +245,10 @@ def test_specd_service_is_ordered_after_sglang_but_never_bound_to_it(
 
 
 def test_specd_stop_timeout_lasts_until_the_first_extension(specd_unit: list[Entry]) -> None:
-    """On SIGTERM specd finishes a restart it has begun, extending its stop timeout from
-    its heartbeat (tests/systemd/test_specd_service_lifecycle.py runs one longer than
-    TimeoutStopSec=); a fixed timeout covered one SGLang stop and start, not the rollback
-    after it. The first extension comes at the first beat after SIGTERM, and the loop beats
-    within half a WatchdogSec= by the watchdog's own contract."""
+    """On SIGTERM specd finishes a restart it has begun, within a TimeoutStopSec= as long as
+    a whole sequence (a daemon-reload forgets the extensions its heartbeat makes; tests/
+    test_daemon_lifecycle.py derives the value), and at least a WatchdogSec=, which the
+    first extension after SIGTERM takes beyond with timeouts longer than the defaults."""
     timeout_s = seconds(single(specd_unit, "Service", "TimeoutStopSec"))
     assert timeout_s >= seconds(single(specd_unit, "Service", "WatchdogSec"))
 

@@ -8,9 +8,12 @@ sends ``WATCHDOG=1`` at most once per half watchdog period. Nothing else sends i
 that stops beating is killed by systemd within ``WatchdogSec=``.
 
 systemd runs no watchdog while a unit starts or stops: ``extend_timeout()`` is how a stop
-that must outlast ``TimeoutStopSec=`` (a restart of SGLang in flight) says it is still
-making progress. The daemon sends it from its heartbeat too, so a loop that hangs mid-stop
-stops extending and is killed one extension later.
+that may outlast ``TimeoutStopSec=`` (a restart of SGLang in flight) says it is still
+making progress; the daemon sends it from its heartbeat. systemd keeps an extension only
+until its next `systemctl daemon-reload`, which re-arms the stop timeout from
+``TimeoutStopSec=`` alone (a stop older than that is killed at once): specd.service's is as
+long as a restart sequence at the default timeouts, and the daemon ends itself when its
+loop stops beating while it stops (``specd.daemon.StopGuard``, one ``watchdog_period_s``).
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class Notifier:
 
     def extend_timeout(self, seconds: float, status: str) -> None:
         """EXTEND_TIMEOUT_USEC= (systemd >= 236): the start or stop under way may take
-        ``seconds`` more from now, past TimeoutStartSec=/TimeoutStopSec=; an older systemd
+        ``seconds`` more from now, past TimeoutStartSec=/TimeoutStopSec= (systemd never
+        shortens its timeout for it, and forgets it at a daemon-reload); an older systemd
         ignores it. Never sent while running: there systemd applies it to the watchdog."""
         usec = max(1, round(seconds * 1e6))
         self._send(f"EXTEND_TIMEOUT_USEC={usec}\nSTATUS={status}")

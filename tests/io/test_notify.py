@@ -88,3 +88,18 @@ def test_status_reaches_systemd_as_utf8(notify_socket: socket.socket, status: st
     notifier.ready(status)
     # systemd ignores a STATUS= that is not UTF-8; READY=1 in the same message must arrive.
     assert received(notify_socket) == [f"STATUS={status}", f"READY=1\nSTATUS={status}"]
+
+
+def test_extend_timeout_asks_for_that_much_more_and_says_why(
+    notify_socket: socket.socket,
+) -> None:
+    """EXTEND_TIMEOUT_USEC= in microseconds, with STATUS= in the same message (systemd only
+    ever lengthens its timeout for it, and forgets it at a daemon-reload: specd.service's
+    TimeoutStopSec= covers a restart sequence on its own)."""
+    notifier = Notifier()
+    notifier.extend_timeout(60.0, "stopping once the restart in flight ends (4 → 3)")
+    notifier.extend_timeout(0.0, "x")  # never 0, which systemd would ignore
+    assert received(notify_socket) == [
+        "EXTEND_TIMEOUT_USEC=60000000\nSTATUS=stopping once the restart in flight ends (4 → 3)",
+        "EXTEND_TIMEOUT_USEC=1\nSTATUS=x",
+    ]

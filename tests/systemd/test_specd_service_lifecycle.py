@@ -7,7 +7,11 @@ systemd runs no watchdog while a unit starts or stops, only those timeouts: spec
 replay an interrupted restart before READY=1 (killed by the start timeout mid-replay, and
 again at the next start), start a pinned restart at its first tick before READY=1 (the
 same), and finish a restart in flight on SIGTERM within a fixed TimeoutStopSec= shorter
-than a restart and its rollback (SIGKILLed, the restart left to the next start).
+than a restart and its rollback (SIGKILLed, the restart left to the next start). Then it
+outlasted a 90 s TimeoutStopSec= only by extending it (EXTEND_TIMEOUT_USEC=), which systemd
+forgets at a `systemctl daemon-reload`: SIGKILLed mid-restart by any daemon-reload (a
+package upgrade, `specd install`) more than 90 s into the stop. The shipped unit's covers a
+whole restart sequence now, and specd ends itself when its loop hangs while it stops.
 Helpers from test_specd_service.py.
 """
 
@@ -16,8 +20,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from nspawn import SGLANG_UNIT, SPECD_UNIT, Container
+from nspawn import REPO, SGLANG_UNIT, SPECD_UNIT, VENV_PYTHON, Container
 from test_specd_service import (
+    CONFIG_PATH,
     KILLED_CLEANUP,
     closed_window_config,
     env_steps,
@@ -48,6 +53,11 @@ STOP_TIMEOUT_S = 3.0
 STARTUP_TIMEOUT_S = 60.0
 # After the held twin is released: its own load, one health probe round, verification.
 OUTCOME_S = 20.0
+# specd.service's TimeoutStopSec= before it covered a restart sequence: a stop whose
+# extensions a daemon-reload dropped was SIGKILLed this long after it began.
+OLD_STOP_TIMEOUT_S = 90.0
+HANG_STOP = REPO / "tests/systemd/hang_stop.py"
+GUARD_TEST_STOP_TIMEOUT_S = 40.0
 
 
 def hold_past(started: float, seconds: float) -> None:
@@ -68,6 +78,14 @@ def restart_in_flight(sd: Container, old_pid: int) -> int:
     pid = wait_or_dump(sd, loading, timeout=20, what="specd waiting on the restarted twin")
     assert sd.http_get("/health")["status"] != 200  # still loading
     return pid
+
+
+def kill_if_left(sd: Container) -> None:
+    """A test that failed half-way may leave specd stopping (the twin held): SIGKILL it, so
+    the container's reset is not held up by specd.service's TimeoutStopSec=."""
+    if sd.active_state(SPECD_UNIT) in ("active", "activating", "deactivating", "reloading"):
+        sd.systemctl("kill", "--signal=KILL", SPECD_UNIT, check=False)
+        sd.wait_for(lambda: sd.active_state(SPECD_UNIT) in ("inactive", "failed"), timeout=60)
 
 
 def systemd_says(sd: Container, since: int) -> list[str]:
@@ -211,3 +229,142 @@ def test_a_stop_waits_for_the_restart_in_flight_past_the_stop_timeout(sd: Contai
     waits = events_named(sd, since, "stop_waits_for_restart")
     assert [e["phase"] for _, e in waits] == ["restart_issued"], waits
     assert events_named(sd, since, "stopped")
+
+
+def test_a_daemon_reload_while_a_stop_waits_for_the_restart_does_not_kill_specd(
+    sd: Container,
+) -> None:
+    """`systemctl stop specd` while SGLang loads, then `systemctl daemon-reload` (config
+    management, a package upgrade, `specd install`) early in the stop and again past the
+    old 90 s TimeoutStopSec=: systemd re-arms the stop timeout from TimeoutStopSec= alone,
+    forgetting every EXTEND_TIMEOUT_USEC=. specd is not killed: it finishes the restart
+    (verified) and exits cleanly, with the shipped TimeoutStopSec=."""
+    old_pid = start_twin(sd, steps=4)
+    # The load is held past the old stop timeout: no rollback meanwhile.
+    config = closed_window_config(sd, startup_timeout_s=OLD_STOP_TIMEOUT_S + 120)
+    start_specd(sd, config, watchdog_s=WATCHDOG_S, overrides=("Restart=no",))
+    try:
+        hold_next_start(sd)
+        since = journal_mark(sd)
+        pin_now(sd, 3)
+        loading_pid = restart_in_flight(sd, old_pid)
+        specd_pid = sd.main_pid(SPECD_UNIT)
+
+        stopped = time.monotonic()
+        sd.systemctl("stop", "--no-block", SPECD_UNIT)
+        wait_or_dump(
+            sd,
+            lambda: status_text(sd).startswith("stopping once the restart in flight ends"),
+            timeout=5,
+            what="STATUS= saying why the stop waits",
+        )
+        sd.daemon_reload()  # early: the stop timeout is re-armed, the extension dropped
+        # Past the old TimeoutStopSec= (and a watchdog period), still finishing.
+        while time.monotonic() < stopped + OLD_STOP_TIMEOUT_S + 2 * WATCHDOG_S:
+            assert sd.active_state(SPECD_UNIT) == "deactivating", systemd_says(sd, since)
+            time.sleep(5)
+        sd.daemon_reload()  # late: a stop older than the old timeout
+        time.sleep(2)
+        assert sd.active_state(SPECD_UNIT) == "deactivating", systemd_says(sd, since)
+        assert sd.main_pid(SPECD_UNIT) == specd_pid
+        assert (state(sd).get("journal") or {}).get("phase") == "restart_issued"
+
+        release(sd, loading_pid)
+        wait_or_dump(
+            sd,
+            lambda: sd.active_state(SPECD_UNIT) == "inactive",
+            timeout=OUTCOME_S,
+            what="specd to stop once the restart ended",
+        )
+    finally:
+        kill_if_left(sd)
+    assert sd.show(SPECD_UNIT, "Result") == "success"
+    assert sd.show(SPECD_UNIT, "ExecMainStatus") == "0"
+    saved = state(sd)
+    assert saved["journal"] is None
+    restarts = saved["restarts"]
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
+    assert sd.main_pid(SGLANG_UNIT) == loading_pid
+    assert twin_live_steps(sd) == (3, 3.0)
+    assert sglang_starts(sd, since) == 1
+    said = systemd_says(sd, since)
+    assert not any("timed out" in m or "Killing" in m for m in said), said
+    assert not events_named(sd, since, "stop_hung")
+    assert events_named(sd, since, "stopped")
+
+
+def test_a_loop_hung_while_a_stop_waits_for_the_restart_ends_specd(sd: Container) -> None:
+    """With TimeoutStopSec= as long as a restart sequence, systemd would leave a specd whose
+    loop hangs mid-stop deactivating for over an hour: specd's stop guard ends it (SIGABRT)
+    about one WatchdogSec= after its last beat, saying why, its journal left for the next
+    start, which finishes the restart."""
+    old_pid = start_twin(sd, steps=4)
+    config = closed_window_config(sd, startup_timeout_s=STARTUP_TIMEOUT_S)
+    hang_stop = [str(VENV_PYTHON), str(HANG_STOP), "run", "--config", CONFIG_PATH]
+    # Far past the guard's one watchdog period (systemd's own kill would come only then),
+    # and not the shipped 80 min: a systemd that misses the cgroup's end after a kill (see
+    # KILLED_CLEANUP) holds the unit deactivating that long.
+    specd_pid = start_specd(
+        sd,
+        config,
+        watchdog_s=WATCHDOG_S,
+        overrides=("Restart=no", "LimitCORE=0", f"TimeoutStopSec={GUARD_TEST_STOP_TIMEOUT_S:g}s"),
+        exec_start=hang_stop,
+    )
+    try:
+        hold_next_start(sd)
+        since = journal_mark(sd)
+        pin_now(sd, 3)
+        loading_pid = restart_in_flight(sd, old_pid)
+
+        sd.systemctl("stop", "--no-block", SPECD_UNIT)
+        wait_or_dump(
+            sd,
+            lambda: status_text(sd).startswith("stopping once the restart in flight ends"),
+            timeout=5,
+            what="STATUS= saying why the stop waits",
+        )
+        (sd.state_dir / "hang-stop").write_text("")
+        wait_or_dump(
+            sd,
+            lambda: not (sd.state_dir / "hang-stop").exists(),
+            timeout=5,
+            what="the loop to reach the hang",
+        )
+        hung_at = time.monotonic()
+        wait_or_dump(
+            sd,
+            lambda: sd.active_state(SPECD_UNIT) != "deactivating",
+            timeout=WATCHDOG_S + 15,
+            what="specd to end itself",
+        )
+        ended_in = time.monotonic() - hung_at
+    finally:
+        kill_if_left(sd)
+    # About one watchdog period after the last beat (the guard looks every second).
+    assert WATCHDOG_S - 1 < ended_in < WATCHDOG_S + 6, ended_in
+    assert sd.active_state(SPECD_UNIT) == "failed"
+    assert sd.show(SPECD_UNIT, "Result") in ("signal", "core-dump")
+    assert sd.show(SPECD_UNIT, "ExecMainStatus") == "6"  # SIGABRT
+    said = systemd_says(sd, since)  # (a child of specd's left in the cgroup is killed)
+    assert not any("timed out" in m for m in said), said
+    hung = events_named(sd, since, "stop_hung")
+    assert [p for p, _ in hung] == [3], hung  # one line, an error
+    detail = hung[0][1]["detail"]
+    waiting = "while the stop waits for the restart in flight (4 → 3, restart_issued)"
+    assert f"(WatchdogSec= {WATCHDOG_S:g} s) {waiting}" in detail, detail
+    assert not events_named(sd, since, "stopped")
+    assert sd.main_pid(SGLANG_UNIT) == loading_pid
+    assert (state(sd).get("journal") or {}).get("phase") == "restart_issued"
+
+    # Its next start finishes the restart from the journal.
+    sd.systemctl("start", SPECD_UNIT, timeout=60)
+    assert sd.main_pid(SPECD_UNIT) != specd_pid
+    release(sd, loading_pid)
+    restarts = wait_or_dump(
+        sd, lambda: state(sd)["restarts"], timeout=OUTCOME_S, what="the replay's outcome"
+    )
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
+    assert state(sd)["journal"] is None
+    assert twin_live_steps(sd) == (3, 3.0)
+    assert sglang_starts(sd, since) == 1
