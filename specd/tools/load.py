@@ -576,6 +576,7 @@ class LoadGenerator:
                 # fault of this client): a worker that died would go unseen and the summary
                 # would say "errors: none"; counted, it backs off and tries again.
                 outcome = RequestOutcome(error=f"client_{type(exc).__name__}")
+            else:
                 if tally.exact and tally.pieces:
                     self._learned[0] += tally.estimate()
                     self._learned[1] += tally.pieces
