@@ -27,6 +27,7 @@ from specd.twin.adaptive import (
     Controller,
     cuda_graph_batch_sizes,
 )
+from specd.twin.auth import UNAUTHORIZED, Keys, allowed
 from specd.twin.cli import SGLANG_DESTS
 from specd.twin.engine import KV_TOKENS_PER_REQUEST, PREFILL_S_PER_TOKEN, Engine, Request
 from specd.twin.exposition import MetricState, render, scheduler_pid, serve_page
@@ -83,6 +84,7 @@ class Twin:
         given = given_arguments(ignored_words(self.args), DEFAULTS[config.profile.version])
         length = given.get("context_length")
         self.context_len = length if isinstance(length, int) and length > 0 else CONTEXT_LEN
+        self.keys = Keys.from_words(ignored_words(self.args))
         self.engine = Engine(
             config.table,
             steps=config.steps,
@@ -167,6 +169,25 @@ class Twin:
     # -- HTTP ------------------------------------------------------------------------
 
     @web.middleware
+    async def auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """SGLang's API-key middleware (specd.twin.auth): the outermost, so a refused request
+        reaches no route and no HTTP metric."""
+        profile = self.config.profile
+        try:
+            ok = allowed(self.keys, request.method, request.path,
+                         request.headers.get("Authorization"), exempt=profile.auth_exempt,
+                         levels=profile.auth_levels)  # fmt: skip
+        except TypeError:
+            return web.Response(status=500, text="Internal Server Error")
+        if ok:
+            return await handler(request)
+        return web.Response(
+            status=401, body=UNAUTHORIZED, headers={"Content-Type": "application/json"}
+        )
+
+    @web.middleware
     async def middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
@@ -207,7 +228,7 @@ class Twin:
             )
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.middleware])
+        app = web.Application(middlewares=[self.auth, self.middleware])
         r = app.router
         profile = self.config.profile
         # FastAPI routes: GET ones do not answer HEAD.
@@ -310,6 +331,9 @@ class Twin:
             "max_running_requests": a.max_running_requests,
         }
         info.update({k: v for k, v in resolved.items() if k in info})
+        # The keys as given: text (argparse's type str), never a number.
+        keys = {"api_key": self.keys.api_key, "admin_api_key": self.keys.admin_api_key}
+        info.update({k: v for k, v in keys.items() if k in info})
         if cfg.profile.attn_dp_size:
             # 0.5.23 resolves the deprecated `--dp-size N --enable-dp-attention` into
             # `--attn-dp-size N` with dp_size 1 (parallel_hook), and reports
@@ -808,7 +832,9 @@ class Twin:
             "text": text,
         }
         timeout = aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # With --api-key every request bears it; /freeze_gc the admin key if there is one.
+        headers = self.keys.warmup_headers()
+        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
             async with session.get(url + profile.warmup_model_info_path) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"{profile.warmup_model_info_path}: HTTP {resp.status}")
@@ -817,7 +843,9 @@ class Twin:
                     raise RuntimeError(f"/generate: HTTP {resp.status}: {await resp.text()}")
                 await resp.read()
             if profile.freeze_gc_after_warmup:
-                async with session.post(url + "/freeze_gc") as resp:
+                # A refusal here is only a warning in SGLang (the server still comes up).
+                freeze = self.keys.warmup_headers(admin=True)
+                async with session.post(url + "/freeze_gc", headers=freeze) as resp:
                     await resp.read()
 
     # -- background ------------------------------------------------------------------

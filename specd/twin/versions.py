@@ -86,6 +86,11 @@ class Profile:
     # An idle scheduler logs at once when its running gauge no longer matches its running
     # batch (0.5.23's _maybe_log_idle_metrics); before, only 30 s after its last log.
     idle_log_when_stale: bool = False
+    # The API-key middleware (specd.twin.auth): the path prefixes it lets through without a
+    # key (0.5.20+ adds /ready), and whether routes have auth levels and --admin-api-key
+    # exists (0.5.11+; 0.5.4 has one key for every route).
+    auth_exempt: tuple[str, ...] = ("/health", "/metrics")
+    auth_levels: bool = True
 
     def every_rank_emits(self, family: Family, variant: Labels) -> bool:
         """Whether each TP rank's scheduler has this series (not only the reporting one)."""
@@ -370,6 +375,7 @@ PROFILES: dict[str, Profile] = {
         v1_loads=False,
         freeze_gc_after_warmup=False,
         health_generation_env=False,
+        auth_levels=False,
         lacks_args=frozenset(
             {
                 "speculative_adaptive",
@@ -449,6 +455,7 @@ PROFILES: dict[str, Profile] = {
         adaptive=ADAPTIVE_SLOTS_ZERO,
         attn_dp_size=True,
         resolved_server_info=True,
+        auth_exempt=("/health", "/ready", "/metrics"),
         kv_events=True,
         lacks_args=frozenset(),
     ),
