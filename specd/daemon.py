@@ -334,6 +334,7 @@ class Daemon:
             timeout_s=config.observe.scrape_timeout_s,
             clock=self.clock,
             beat=self._heartbeat,
+            api_key=config.sglang.server_api_key_file,
         )
         self.applier: RestartApplier = applier or self._make_applier(config, self.client)
         self.gateway = self._make_gateway(config)
@@ -925,12 +926,14 @@ class Daemon:
         if not reader_injected and (
             new.sglang.url != old.sglang.url
             or new.observe.scrape_timeout_s != old.observe.scrape_timeout_s
+            or new.sglang.server_api_key_file != old.sglang.server_api_key_file
         ):
             client = SGLangClient(
                 new.sglang.url,
                 timeout_s=new.observe.scrape_timeout_s,
                 clock=self.clock,
                 beat=self._heartbeat,
+                api_key=new.sglang.server_api_key_file,
             )
         applier = self.applier if applier_injected else self._make_applier(new, client)
         calibration = (

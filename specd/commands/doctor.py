@@ -32,7 +32,7 @@ from specd.core.choices import CHOOSES_KINDS
 from specd.core.observation import ScrapeError
 from specd.core.setting import KINDS, describe_args, describe_server, traits_from_server_info
 from specd.core.sglang_features import FEATURES, parse_version
-from specd.core.text import duration_text
+from specd.core.text import duration_text, redact_options
 from specd.install.execline import expand_argv
 from specd.install.layout import (
     DROPIN_NAME,
@@ -516,11 +516,11 @@ class Doctor:
         # environment (%% and specifiers were resolved when the words were read).
         expected = [arg.text for arg in expand_argv(words, self._expected_values(defaults))]
         # The program part differs (python -m vs the script path): compare the options.
-        want = _options(expected)
+        want = _options(redact_options(expected))
         try:
-            have = _options(shlex.split(running))
+            have = _options(redact_options(shlex.split(running)))
         except ValueError:
-            have = running.split()
+            have = redact_options(running.split())
         if want == have:
             return Check("command", True, "SGLang runs the drop-in's command line")
         diff = sorted(set(want) ^ set(have))[:4]
@@ -1068,7 +1068,11 @@ class Doctor:
 
         # The unit first (listed later): its command line says what a metrics 404 needs.
         dropin, words, defaults = (skip("drop-in"), None, {}) if elsewhere else self.check_dropin()
-        with SGLangClient(self.config.sglang.url, timeout_s=TIMEOUT_S) as client:
+        with SGLangClient(
+            self.config.sglang.url,
+            timeout_s=TIMEOUT_S,
+            api_key=self.config.sglang.server_api_key_file,
+        ) as client:
             checks.append(self.check_sglang(client))
             checks += self.check_metrics(client)
         checks += self.check_gateway()

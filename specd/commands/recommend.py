@@ -124,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
     last: Observation | ScrapeError | None = None
     pause = threading.Event()
     try:
-        client = SGLangClient(args.url, timeout_s=config.observe.scrape_timeout_s)
+        client = SGLangClient(
+            args.url,
+            timeout_s=config.observe.scrape_timeout_s,
+            # The config's key is for its own server; another --url gets none.
+            api_key=config.sglang.server_api_key_file if args.url == config.sglang.url else None,
+        )
     except ValueError as exc:
         print(f"specd recommend: {exc}", file=sys.stderr)
         return 2

@@ -191,7 +191,11 @@ def daemon_text(info: dict[str, Any]) -> str:
 
 def server_info(config: Config) -> dict[str, Any] | str:
     """SGLang's /server_info, or why it did not answer (one line)."""
-    with SGLangClient(config.sglang.url, timeout_s=SERVER_INFO_TIMEOUT_S) as client:
+    with SGLangClient(
+        config.sglang.url,
+        timeout_s=SERVER_INFO_TIMEOUT_S,
+        api_key=config.sglang.server_api_key_file,
+    ) as client:
         info = client.server_info()
     if isinstance(info, ScrapeError):
         return f"{config.sglang.url} did not answer /server_info: {info.reason}"

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-ErrorKind = Literal["timeout", "refused", "http_status", "malformed", "missing"]
+ErrorKind = Literal["timeout", "refused", "http_status", "malformed", "missing", "api_key"]
 
 # Bounds of what SGLang can report. Far past any real server, so a value outside them is a
 # bug or a hostile page, never traffic: it is rejected field by field (the field becomes

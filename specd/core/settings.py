@@ -176,12 +176,21 @@ class SGLangSettings(BaseModel):
         default="static-topk1",
         description="How steps are applied: steps K, eagle topk 1, draft tokens K+1.",
     )
+    server_api_key_file: Path | None = Field(
+        default=None,
+        description="File holding SGLang's --api-key, sent as a bearer token with every "
+        "request to SGLang (read at each request: a rotated key needs no reload); omit when "
+        "SGLang runs without one. Not --admin-api-key: specd calls no admin route. Absolute "
+        "path; keep it mode 0640 root:specd.",
+    )
 
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
         # The root only: a path such as /v1 would read /v1/metrics (as if metrics were off).
         return check_root_url(_http_url(value))
+
+    _server_api_key_file_absolute = field_validator("server_api_key_file")(_absolute)
 
     @field_validator("unit")
     @classmethod

@@ -141,3 +141,37 @@ def ascii_count(text: str, most_digits: int) -> int | None:
     if text.isascii() and text.isdigit() and len(text) <= most_digits:
         return int(text)
     return None
+
+
+# SGLang's options whose value is a secret: its own launch_command (/server_info) carries
+# them as given.
+SECRET_OPTIONS = ("--api-key", "--admin-api-key")
+
+
+def redact_options(words: list[str]) -> list[str]:
+    """``words`` of a command line with the value of each secret option as ``***`` (both
+    ``--api-key KEY`` and ``--api-key=KEY``)."""
+    out: list[str] = []
+    hide = False
+    for word in words:
+        if hide:
+            out.append("***")
+            hide = False
+            continue
+        name, eq, _ = word.partition("=")
+        if name in SECRET_OPTIONS:
+            if eq:
+                out.append(f"{name}=***")
+            else:
+                out.append(word)
+                hide = True
+            continue
+        out.append(word)
+    return out
+
+
+def redact_command(command: str) -> str:
+    """A command line as one string, each secret option's value as ``***``."""
+    if not any(option in command for option in SECRET_OPTIONS):
+        return command
+    return " ".join(redact_options(command.split(" ")))

@@ -1025,6 +1025,11 @@ class Applier:
         left_stopped = self._stopped_now()
         if left_stopped is not None:
             return self._aborted(current, target, left_stopped)
+        # A pin applied now reads nothing of SGLang first: one that refuses specd's key
+        # (--api-key) would be restarted, and its verification (/server_info) fail twice.
+        info = self.client.server_info()
+        if isinstance(info, ScrapeError) and info.kind == "api_key":
+            return self._aborted(current, target, f"cannot verify a restart: {info.reason}")
         if target.kind != "static":
             # A pin reaches here whatever the unit can take: a unit reading the step
             # variables would start at the old K, fail verification and freeze specd.

@@ -407,3 +407,27 @@ def remove_durably(path: str | Path) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+# A key file (an API key: SGLang's --api-key, the gateway's admin key) holds one key.
+MAX_KEY_FILE_BYTES = 4096
+
+
+class KeyFileError(ValueError):
+    """A key file that cannot be used; the message is one line naming it."""
+
+
+def read_key_file(path: Path, what: str) -> str:
+    """The key in ``path`` (stripped), read at each call so a rotated key takes effect.
+    Bounded and regular files only: a FIFO or a huge file there must not hang or swamp
+    specd. Symlinks are followed (secret mounts are symlinks). KeyFileError otherwise."""
+    try:
+        key = read_text_file(path, MAX_KEY_FILE_BYTES, follow_symlinks=True).strip()
+    except FileReadError as exc:
+        raise KeyFileError(f"{what} {exc}") from None
+    if not key:
+        raise KeyFileError(f"{what} {path}: empty")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        # A header value cannot carry it (a second line, a control character).
+        raise KeyFileError(f"{what} {path}: more than one line, or a control character")
+    return key

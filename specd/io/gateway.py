@@ -38,8 +38,16 @@ import httpx
 
 from specd.core.settings import GatewaySettings
 from specd.io.answers import read_capped
-from specd.io.files import FileReadError, ParseError, parse_json, read_text_file
+from specd.io.files import (
+    MAX_KEY_FILE_BYTES,
+    KeyFileError,
+    ParseError,
+    parse_json,
+    read_key_file,
+)
 from specd.io.tls import context_for
+
+MAX_API_KEY_FILE_BYTES = MAX_KEY_FILE_BYTES  # install reads the bound from here
 
 READY = "ready"
 DRAINING = "draining"
@@ -117,23 +125,14 @@ class Worker:
         )
 
 
-# An API key file holds one key.
-MAX_API_KEY_FILE_BYTES = 4096
-
-
 def read_api_key(path: Path | None) -> str | None:
     """The admin API key from ``path`` (None: no key); a one-line error names the file."""
     if path is None:
         return None
     try:
-        # Bounded and regular files only: a FIFO or a huge file there must not hang or
-        # swamp the daemon. Symlinks are followed (secret mounts are symlinks).
-        key = read_text_file(path, MAX_API_KEY_FILE_BYTES, follow_symlinks=True).strip()
-    except FileReadError as exc:
-        raise GatewayUnavailable(f"gateway api key file {exc}", "api_key") from None
-    if not key:
-        raise GatewayUnavailable(f"gateway api key file {path}: empty", "api_key")
-    return key
+        return read_key_file(path, "gateway api key file")
+    except KeyFileError as exc:
+        raise GatewayUnavailable(str(exc), "api_key") from None
 
 
 def _name(table: Callable[[int], Any], number: int) -> str:

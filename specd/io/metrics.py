@@ -23,7 +23,7 @@ from specd.io.gateway import ERROR_KINDS as GATEWAY_ERROR_KINDS
 # aborted: only those that restarted SGLang all the same (systemd's start limit refused the
 # change's start, and SGLang was started again on the setting it ran).
 RESTART_RESULTS = ("success", "rolled_back", "failed", "aborted")
-SCRAPE_ERROR_KINDS = ("timeout", "refused", "http_status", "malformed", "missing")
+SCRAPE_ERROR_KINDS = ("timeout", "refused", "http_status", "malformed", "missing", "api_key")
 MODES = ("auto", "pin", "freeze")
 # The kind of speculative setting SGLang runs (specd.core.setting.Kind) or "unknown".
 SETTING_KINDS = ("off", "static", "adaptive", "unknown")
@@ -269,7 +269,7 @@ class Metrics:
         self.scrape_errors = Counter(
             "specd_scrape_errors_total",
             "Failed scrapes of SGLang, by kind (timeout, refused, http_status, malformed, "
-            "missing).",
+            "missing, api_key: SGLang refused specd's key, or it has none to send).",
             ["kind"],
             registry=r,
         )

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -46,7 +47,7 @@ from specd.core.observation import (
     impossible_fields,
     without_impossible,
 )
-from specd.core.text import ascii_count, check_http_url, one_line
+from specd.core.text import ascii_count, check_http_url, one_line, redact_command
 from specd.io import files
 from specd.io.answers import unasked_encoding
 from specd.io.promtext import PromTextError, Sample, select_samples
@@ -368,6 +369,12 @@ def _int_field(info: Mapping[str, Any] | None, key: str) -> int | None:
     return int(value)
 
 
+def _redacted(command: str | None) -> str | None:
+    """SGLang's launch_command without the values of --api-key and --admin-api-key (it
+    carries them as given), before specd shows or logs it."""
+    return None if command is None else redact_command(command)
+
+
 def _str_field(info: Mapping[str, Any] | None, key: str) -> str | None:
     value = info.get(key) if info is not None else None
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
@@ -509,7 +516,7 @@ def observation_from(
         retracted_total=parsed.retracted_total,
         version=_str_field(server_info, "version"),
         dp_ranks=parsed.dp_ranks,
-        launch_command=_str_field(server_info, "launch_command"),
+        launch_command=_redacted(_str_field(server_info, "launch_command")),
         rejected=tuple(name for name, _ in rejected),
         rejected_values=tuple(value for _, value in rejected),
         adaptive=adaptive and spec_on is True,
@@ -707,8 +714,11 @@ class SGLangClient:
         clock: Callable[[], float] = time.time,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
         beat: Callable[[], None] | None = None,
+        api_key: str | Path | None = None,
     ) -> None:
         self.base_url = check_base_url(base_url)
+        # SGLang's --api-key: a key, or a file read at each request ([sglang] server_api_key_file).
+        self._api_key = api_key
         self.timeout_s = timeout_s
         self.max_page_bytes = max_page_bytes
         self._clock = clock
@@ -749,14 +759,44 @@ class SGLangClient:
     def _deadline_from_now(self) -> float:
         return time.monotonic() + self.timeout_s
 
+    def _auth(self) -> dict[str, str]:
+        """The Authorization header SGLang's --api-key asks for ({} without a key).
+        KeyFileError where the key file cannot be used."""
+        key = self._api_key
+        if key is None:
+            return {}
+        if isinstance(key, Path):
+            key = files.read_key_file(key, "[sglang] server_api_key_file")
+        return {"Authorization": f"Bearer {key}"}
+
+    def _refused(self, where: str, resp: httpx.Response, t: float) -> ScrapeError:
+        """A 401/403: SGLang runs with --api-key and specd sent none, or the wrong one."""
+        said = f"{where}: {resp.status_code} {resp.reason_phrase}"
+        if self._api_key is None:
+            why = "SGLang runs with --api-key: set [sglang] server_api_key_file"
+        elif isinstance(self._api_key, Path):
+            why = f"the key in {self._api_key} is not SGLang's --api-key"
+        else:
+            why = "the key given is not SGLang's --api-key"
+        return ScrapeError("api_key", f"{said} ({why})", t)
+
     def _get(
         self, path: str, t: float, deadline: float, *, none_on_404: bool = False
     ) -> bytes | ScrapeError | None:
         where = f"GET {path}"
         try:
-            with self._deadline.until(deadline), self._http.stream("GET", path) as resp:
+            headers = self._auth()
+        except files.KeyFileError as exc:
+            return ScrapeError("api_key", f"{where}: {exc}", t)
+        try:
+            with (
+                self._deadline.until(deadline),
+                self._http.stream("GET", path, headers=headers) as resp,
+            ):
                 if resp.status_code == 404 and none_on_404:
                     return None
+                if resp.status_code in (401, 403):
+                    return self._refused(where, resp, t)
                 if resp.status_code != 200:
                     hint = ""
                     if path == _METRICS_PATH and resp.status_code == 404:
@@ -898,7 +938,8 @@ class SGLangClient:
 
         /metrics decides success; when only /server_info fails the Observation is
         still returned, with the fields only /server_info knows set to None, and
-        /server_info is read again with the next scrape.
+        /server_info is read again with the next scrape. But a /server_info refused for
+        SGLang's --api-key fails the scrape (kind api_key): no decision without it.
         """
         t = self._clock()
         deadline = self._deadline_from_now()
@@ -911,6 +952,12 @@ class SGLangClient:
                 return parsed
             if self._info is None or (self._page is not None and not parsed.same_start(self._page)):
                 info = self._server_info(t, deadline)
+                if isinstance(info, ScrapeError) and info.kind == "api_key":
+                    # /metrics is open under --api-key, /server_info is not: without what it
+                    # says (version, algorithm, capacity, adaptive mode) nothing is decided,
+                    # and a restart could not be verified. Said, not silently done without.
+                    self._info = self._page = None
+                    return info
                 self._info = info if isinstance(info, dict) else None
             self._page = parsed
             obs = self._without_stale_load(parsed, observation_from(parsed, self._info, t))
@@ -948,6 +995,8 @@ class SGLangClient:
         try:
             with (
                 self._deadline.until(time.monotonic() + timeout_s),
+                # Exempt from --api-key in every SGLang: no key is sent (a key file gone
+                # bad must not read as an SGLang that is not well).
                 self._http.stream("GET", "/health_generate", timeout=timeout_s) as resp,
             ):
                 return HealthStatus.OK if resp.status_code == 200 else HealthStatus.UNHEALTHY

@@ -544,7 +544,11 @@ class _Sweeper:
         self.reporter = reporter
         self.stop = stop
         self.pacing = dict(pacing)
-        self.client = SGLangClient(config.sglang.url, timeout_s=config.observe.scrape_timeout_s)
+        self.client = SGLangClient(
+            config.sglang.url,
+            timeout_s=config.observe.scrape_timeout_s,
+            api_key=config.sglang.server_api_key_file,
+        )
         self.journal = StateJournal(config)
         # What SGLang runs: off or static K (adaptive while one is measured); None: unknown.
         self.current: SpecSetting | None = None

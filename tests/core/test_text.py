@@ -190,3 +190,28 @@ def test_ascii_count_reads_only_short_ascii_digits(
     value: str, most: int, count: int | None
 ) -> None:
     assert ascii_count(value, most) == count
+
+
+@pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        ("python -m sglang.launch_server --api-key s3cr3t --port 30000",
+         "python -m sglang.launch_server --api-key *** --port 30000"),
+        ("x --admin-api-key=adm1n --api-key=k --api-keyish 1",
+         "x --admin-api-key=*** --api-key=*** --api-keyish 1"),
+        ("x --api-key", "x --api-key"),  # no value to hide
+        ("x --model-path /m --speculative-num-steps 3",
+         "x --model-path /m --speculative-num-steps 3"),
+    ],
+)  # fmt: skip
+def test_secret_options_are_redacted(command: str, shown: str) -> None:
+    # SGLang's /server_info launch_command carries --api-key as given.
+    assert text.redact_command(command) == shown
+
+
+@given(st.lists(st.text(min_size=1, max_size=8).filter(lambda w: " " not in w), max_size=8))
+def test_redaction_never_shows_a_value_after_a_secret_option(words: list[str]) -> None:
+    shown = text.redact_options(["--api-key", "SECRET", *words, "--admin-api-key=SECRET2"])
+    assert shown[:2] == ["--api-key", "***"]
+    assert shown[-1] == "--admin-api-key=***"
+    assert len(shown) == len(words) + 3

@@ -436,3 +436,40 @@ def test_remove_durably_removes_a_link_not_its_target(tmp_path: Path) -> None:
     assert target.read_bytes() == b"keep"
     files.remove_durably(link)  # already gone: nothing to do
     files.remove_durably(tmp_path / "no-dir" / "x")
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"k3y\n", None),
+        (b"  k3y with space  \n", None),
+        (b"", "empty"),
+        (b"\n\n", "empty"),
+        (b"line1\nline2\n", "more than one line, or a control character"),
+        (b"k\x00y", "more than one line, or a control character"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"k" * 5000, "larger than"),
+    ],
+)
+def test_a_key_file_is_one_line_of_text(
+    tmp_path: Path, content: bytes, problem: str | None
+) -> None:
+    path = tmp_path / "key"
+    path.write_bytes(content)
+    if problem is None:
+        assert files.read_key_file(path, "key file") == content.decode().strip()
+        return
+    with pytest.raises(files.KeyFileError, match=r"^key file [^\n]+$") as info:
+        files.read_key_file(path, "key file")
+    assert problem in str(info.value)
+    assert "k3y" not in str(info.value)
+
+
+def test_a_key_file_that_is_a_fifo_or_missing_is_one_line_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    for path in (fifo, tmp_path / "missing"):
+        with pytest.raises(files.KeyFileError, match=r"^key file [^\n]+$"):
+            files.read_key_file(path, "key file")
+    assert time.monotonic() - started < 1
