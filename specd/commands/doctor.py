@@ -66,7 +66,15 @@ from specd.io.config import (
     check_calibration,
     load_config,
 )
-from specd.io.files import MIB, FileReadError, MissingFileError, read_regular_file, size_text
+from specd.io.files import (
+    MIB,
+    FileReadError,
+    KeyFileError,
+    MissingFileError,
+    read_key_file,
+    read_regular_file,
+    size_text,
+)
 from specd.io.fleet import Busy, EtcdClient, Fleet, FleetUnavailable, out_text
 from specd.io.gateway import READY, GatewayClient, GatewayUnavailable, key_file_unreadable_by
 from specd.io.promtext import sample_names
@@ -75,6 +83,7 @@ from specd.io.sglang import (
     ACCEPT_LENGTH,
     QUEUED,
     RUNNING,
+    SERVER_KEY_SETTING,
     SPEC_STEPS,
     VERIFY_CALLS,
     SGLangClient,
@@ -85,6 +94,9 @@ from specd.io.tls import context_for
 from specd.io.writable import STATE_DIRECTORY, WrittenDir, fix_for, written_dirs
 
 TIMEOUT_S = 10.0
+# The check of [sglang] server_api_key_file, and where its advice suggests keeping the key.
+SERVER_KEY_CHECK = "sglang api key"
+SGLANG_KEY_EXAMPLE = "/etc/specd/sglang.key"
 # What doctor reads at most of each EnvironmentFile= of SGLang's unit (specd's own env
 # file: the daemon's MAX_ENV_BYTES).
 MAX_UNIT_ENV_BYTES = MIB
@@ -172,6 +184,8 @@ class Doctor:
         self.info: dict[str, Any] | None = None
         # The endpoint that answered for /server_info (/get_server_info before SGLang 0.5.6).
         self.info_path: str | None = None
+        # Why SGLang refused /server_info for its --api-key (None: it did not).
+        self.refused: str | None = None
         self.unit_env_files: list[Path] = []
         # Why the unit takes static step counts only (its drop-in's wiring), or None.
         self.static_only: str | None = None
@@ -253,6 +267,15 @@ class Doctor:
 
     def check_sglang(self, client: SGLangClient) -> Check:
         info = client.server_info()
+        if isinstance(info, ScrapeError) and info.kind == "api_key":
+            # SGLang refused specd's key, or the key file could not be read: its --api-key,
+            # not its unit, is the matter.
+            self.refused = (
+                "SGLang's /server_info was not asked: [sglang] server_api_key_file is unusable"
+                if self._server_key_unusable()
+                else "SGLang refused /server_info for its --api-key"
+            )
+            return Check("sglang", False, info.reason, self._server_key_advice())
         if isinstance(info, ScrapeError):
             return Check(
                 "sglang",
@@ -276,6 +299,54 @@ class Doctor:
                 f"set [sglang] url to the URL {unit} answers at (its --host/--port)",
             )
         return Check("sglang", True, f"{client.base_url} answers {self.info_path}")
+
+    def _server_key_unusable(self) -> bool:
+        key = self.config.sglang.server_api_key_file
+        if key is None:
+            return False
+        try:
+            read_key_file(key, SERVER_KEY_SETTING)
+        except KeyFileError:
+            return True
+        return False
+
+    def _server_key_advice(self) -> str:
+        """What to do about an SGLang that refused specd's key (or its lack of one)."""
+        key = self.config.sglang.server_api_key_file
+        shown = self.config_path or DEFAULT_CONFIG_PATH
+        if key is not None and self._server_key_unusable():
+            return (
+                f"make {key} a file holding the --api-key {self.config.sglang.unit} runs with "
+                "(one line; see the sglang api key check)"
+            )
+        if key is None:
+            return (
+                f"{self.config.sglang.unit} runs with --api-key: put that key in a file "
+                f"(e.g. {SGLANG_KEY_EXAMPLE}, 0640 root:specd) and set server_api_key_file = "
+                f'"FILE" under [sglang] in {shown}'
+            )
+        return (
+            f"put the --api-key {self.config.sglang.unit} runs with in {key} (one line), or "
+            f"point [sglang] server_api_key_file in {shown} at the file holding it"
+        )
+
+    def check_server_key(self) -> list[Check]:
+        """With [sglang] server_api_key_file: the file is fit to read, by the daemon's user
+        too, as the gateway's key file is judged (the same checks)."""
+        key = self.config.sglang.server_api_key_file
+        if key is None:
+            return []
+        problem = key_file_problem(key, others_ok=True)
+        if problem is not None:
+            return [
+                Check(
+                    SERVER_KEY_CHECK,
+                    False,
+                    f"{key}: {problem}",
+                    "[sglang] server_api_key_file must be a file holding SGLang's --api-key",
+                )
+            ]
+        return [self.check_key_reader(key, SERVER_KEY_CHECK)]
 
     def _another_server(self, info: dict[str, Any]) -> str | None:
         """Why the SGLang at [sglang] url is not the unit's (as install judges a --url):
@@ -567,6 +638,11 @@ class Doctor:
             )
         want = describe_args(asked)
         info = self.info
+        if info is None and self.refused is not None:
+            return Check(
+                "setting", False, f"{self.refused} (expected {want})",
+                self._server_key_advice(),
+            )  # fmt: skip
         if info is None:
             return Check(
                 "setting", False, f"SGLang's /server_info is unreadable (expected {want})",
@@ -582,25 +658,26 @@ class Doctor:
             f"restart {unit}, or see `specd status` for a failed change",
         )
 
-    def check_key_reader(self, key: Path) -> Check:
-        """The daemon's user can read the admin key file (doctor, as root, always can)."""
+    def check_key_reader(self, key: Path, name: str = "gateway api key") -> Check:
+        """The daemon's user can read the key file (doctor, as root, always can): the
+        gateway's admin key, or SGLang's (``name``)."""
         user = self.daemon_user
         try:
             unreadable = key_file_unreadable_by(key, user)
         except KeyError:
             return Check(
-                "gateway api key",
+                name,
                 False,
                 f"{key}: no user {user} ({SPECD_UNIT} runs as it) to judge the file for",
                 f"create the user: `specd install --unit {self.config.sglang.unit}`",
             )
         except OSError as exc:
-            return Check("gateway api key", False, f"{key}: {exc.strerror}", "")
+            return Check(name, False, f"{key}: {exc.strerror}", "")
         if unreadable is not None:
             why, fix = unreadable
             detail = f"{key}: {SPECD_UNIT} runs as user {user}, which {why}"
-            return Check("gateway api key", False, detail, fix)
-        return Check("gateway api key", True, f"{key}: readable by user {user} ({SPECD_UNIT})")
+            return Check(name, False, detail, fix)
+        return Check(name, True, f"{key}: readable by user {user} ({SPECD_UNIT})")
 
     def check_gateway(self) -> list[Check]:
         """With a [gateway]: the admin key file is fit to read, by the daemon's user too, and
@@ -1068,6 +1145,7 @@ class Doctor:
 
         # The unit first (listed later): its command line says what a metrics 404 needs.
         dropin, words, defaults = (skip("drop-in"), None, {}) if elsewhere else self.check_dropin()
+        checks += self.check_server_key()
         with SGLangClient(
             self.config.sglang.url,
             timeout_s=TIMEOUT_S,

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
@@ -23,9 +24,11 @@ from rich.text import Text
 from specd.commands.args import CONCURRENCY, MAX_TOKENS, Seconds, quoted
 from specd.commands.reason import check_utf8
 from specd.core.text import printable
+from specd.io.files import KeyFileError, read_key_file
 from specd.tools.load import (
     ENDPOINTS,
     LoadProgress,
+    LoadRefused,
     LoadResult,
     normalize_base_url,
     run_load,
@@ -89,6 +92,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="let requests stop at EOS (default: SGLang's ignore_eos, full-length outputs)",
     )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding the server's API key (SGLang's --api-key), sent as a bearer "
+        "token with every request",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON summary object")
 
 
@@ -139,8 +150,10 @@ async def _measure(
     args: argparse.Namespace,
     stop: asyncio.Event,
     on_result: Callable[[LoadResult], None],
+    api_key: str | None = None,
 ) -> None:
     kwargs: dict[str, Any] = {
+        "api_key": api_key,
         "max_tokens": args.max_tokens,
         "model": args.model,
         "endpoint": args.endpoint,
@@ -169,7 +182,9 @@ async def _measure(
     await run_load(args.url, args.concurrency, args.duration, on_progress=plain, **kwargs)
 
 
-def _run_cli(args: argparse.Namespace) -> tuple[LoadResult, threading.Thread]:
+def _run_cli(
+    args: argparse.Namespace, api_key: str | None = None
+) -> tuple[LoadResult, threading.Thread]:
     """Measure on an event loop in a daemon thread; Ctrl-C or SIGTERM ends it early.
 
     The main thread only waits, so a signal is seen at once however busy the loop is, and
@@ -185,7 +200,7 @@ def _run_cli(args: argparse.Namespace) -> tuple[LoadResult, threading.Thread]:
 
     def work() -> None:
         try:
-            loop.run_until_complete(_measure(args, stop, on_result))
+            loop.run_until_complete(_measure(args, stop, on_result, api_key))
         except BaseException as exc:  # handed to the main thread, which reports it
             if not outcome.done():
                 outcome.set_exception(exc)
@@ -200,24 +215,49 @@ def _run_cli(args: argparse.Namespace) -> tuple[LoadResult, threading.Thread]:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         thread.start()
-        while True:
-            try:
-                result = outcome.result(timeout=0.2)
-                break
-            except FutureTimeout:
-                continue
-        thread.join(TEARDOWN_GRACE_S)
-        if not thread.is_alive():
-            loop.close()
+        try:
+            while True:
+                try:
+                    result = outcome.result(timeout=0.2)
+                    break
+                except FutureTimeout:
+                    continue
+        finally:
+            # Also when the run failed (LoadRefused): its loop ended with it.
+            thread.join(TEARDOWN_GRACE_S)
+            if not thread.is_alive():
+                loop.close()
         return result, thread
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
+def _api_key(path: Path | None) -> str | None:
+    """The key in ``--api-key-file`` (None: none given); KeyFileError naming the file."""
+    return None if path is None else read_key_file(path, "--api-key-file")
+
+
+def _refused_line(args: argparse.Namespace, refused: LoadRefused) -> str:
+    """One line: the server refused the key, and what to pass instead (never the key)."""
+    if refused.with_key:
+        todo = f"put SGLang's --api-key in {printable(str(args.api_key_file))}"
+    else:
+        todo = "pass --api-key-file FILE (a file holding the key)"
+    return f"specd load: {args.url} refused the run: {refused}; {todo}"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        result, loop_thread = _run_cli(args)
+        api_key = _api_key(args.api_key_file)
+    except KeyFileError as exc:
+        print(f"specd load: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    try:
+        result, loop_thread = _run_cli(args, api_key)
+    except LoadRefused as refused:
+        print(_refused_line(args, refused), file=sys.stderr)
+        return 1
     except ValueError as exc:
         print(f"specd load: {exc}", file=sys.stderr)
         return 2

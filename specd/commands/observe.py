@@ -1,4 +1,10 @@
-"""`specd observe`: scrape SGLang once and print what specd sees."""
+"""`specd observe`: scrape SGLang once and print what specd sees.
+
+An SGLang started with ``--api-key`` refuses /server_info without the key: ``--api-key-file``
+names a file holding it. Without that option, the config's ``[sglang] server_api_key_file``
+is used when ``--url`` is that config's ``[sglang] url`` (``--config``, else the default
+config where one is readable): the key of one server is never sent to another.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from specd.commands.args import Seconds
 from specd.core.acceptance import alpha_from_accept_length
 from specd.core.observation import Observation, ScrapeError
 from specd.core.text import check_root_url, printable
+from specd.io.config import DEFAULT_CONFIG_PATH, Config, ConfigError, load_config
+from specd.io.files import KeyFileError, read_key_file
 from specd.io.sglang import SGLangClient, check_base_url
 
 
@@ -34,6 +43,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         required=True,
         type=sglang_url,
         help="SGLang's root URL, e.g. http://127.0.0.1:30000 (not .../v1)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding SGLang's --api-key (default: the config's [sglang] "
+        "server_api_key_file when --url is its [sglang] url)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="where [sglang] server_api_key_file is read "
+        f"(default {DEFAULT_CONFIG_PATH}, where readable)",
     )
     parser.add_argument("--json", action="store_true", help="print the Observation as JSON")
     parser.add_argument(
@@ -89,11 +113,65 @@ def _table(obs: Observation) -> str:
     )
 
 
+def _same_url(config: Config, url: str) -> bool:
+    try:
+        return check_base_url(config.sglang.url) == url
+    except ValueError:
+        return False
+
+
+def api_key_file(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """The key file to send SGLang's --api-key from (None: none), and where it was named
+    (a one-line note, None for --api-key-file). KeyFileError for an --api-key-file that is
+    not usable, ConfigError for a --config that is not; the default config is used only
+    when it loads."""
+    if args.api_key_file is not None:
+        # Read once here, so that a file not usable is named as the option that named it.
+        read_key_file(args.api_key_file, "--api-key-file")
+        return args.api_key_file, None
+    if args.config is not None:
+        config = load_config(args.config, calibration=False)
+    else:
+        try:
+            config = load_config(None, calibration=False)
+        except (ConfigError, OSError, ValueError):
+            return None, None  # not readable here (0640 root:specd) or not valid: no key
+    path = config.sglang.server_api_key_file
+    if path is None or not _same_url(config, args.url):
+        return None, None
+    shown = args.config if args.config is not None else DEFAULT_CONFIG_PATH
+    return path, f"[sglang] server_api_key_file of {shown}"
+
+
+def _failed(args: argparse.Namespace, error: ScrapeError, named: Path | None) -> str:
+    """The one line saying why the scrape failed; for SGLang's --api-key, how to pass it."""
+    if error.kind == "api_key" and named is None:
+        said = error.reason.split(" (", 1)[0]  # "GET /server_info: 401 Unauthorized"
+        return (
+            f"specd observe: SGLang at {args.url} runs with --api-key ({said}): pass "
+            "--api-key-file FILE, a file holding its key (or --config CONFIG whose [sglang] "
+            "url is this one, with server_api_key_file set)"
+        )
+    return f"specd observe: {error.kind}: {error.reason}"
+
+
 def run(args: argparse.Namespace) -> int:
-    with SGLangClient(args.url, timeout_s=args.timeout_s) as client:
+    try:
+        named, source = api_key_file(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"specd observe: {args.config}: {printable(problem)}", file=sys.stderr)
+        return 2
+    except KeyFileError as exc:
+        print(f"specd observe: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    with SGLangClient(args.url, timeout_s=args.timeout_s, api_key=named) as client:
         result = client.observe()
     if isinstance(result, ScrapeError):
-        print(f"specd observe: {result.kind}: {result.reason}", file=sys.stderr)
+        line = _failed(args, result, named)
+        if source is not None and result.kind == "api_key":
+            line += f" (the key file is the {source})"
+        print(printable(line), file=sys.stderr)
         return 1
     print(json.dumps(result.to_dict(), indent=2) if args.json else _table(result))
     return 0

@@ -90,6 +90,8 @@ def install(
         if isinstance(record, dict)
     }
 
+    sglang_key = args.sglang_api_key_file
+
     def plan_for(metrics: bool) -> Plan:
         return build_plan(
             view,
@@ -107,6 +109,7 @@ def install(
             fleet=fleet,
             now_s=moment,
             installed=installed,
+            server_api_key_file=sglang_key,
         )
 
     try:
@@ -126,7 +129,14 @@ def install(
         f"SGLang at {plan.url}",
         file=out,
     )
-    refusal, silent = check_sglang(plan.url, unit, spec.port, given=args.url is not None)
+    key = plan.server_api_key_file
+    refusal, silent = check_sglang(
+        plan.url,
+        unit,
+        spec.port,
+        given=args.url is not None,
+        api_key=None if key is None else layout.host(Path(key)),
+    )
     if refusal is not None:
         raise InstallError(refusal)
     problems, notes = probe_config(plan.fleet, plan.gateway, plan.url, layout)
@@ -214,6 +224,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print every file (as a diff) and command; change nothing",
     )
     parser.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    parser.add_argument(
+        "--sglang-api-key-file",
+        default=None,
+        metavar="PATH",
+        help="file holding SGLang's --api-key, where the unit runs with one ([sglang] "
+        "server_api_key_file; absolute path, not readable by others, e.g. "
+        "/etc/specd/sglang.key 0640 root:specd)",
+    )
     parser.add_argument(
         "--gateway-url",
         action="append",

@@ -19,6 +19,8 @@ from pydantic import ValidationError
 
 from specd.core.setting import static
 from specd.core.settings import FleetSettings, GatewaySettings
+from specd.core.text import redact_command
+from specd.install.execline import expand_argv
 from specd.install.layout import (
     ARCHIVE_ROOT,
     CONFIG_FILE,
@@ -54,6 +56,7 @@ from specd.install.sglang_args import (
     SPECD_VARIABLES,
     Speculation,
     analyse,
+    find_flags,
     sglang_url,
 )
 from specd.install.unit import (
@@ -101,7 +104,9 @@ class FileChange:
         label_old = f"{self.path} (absent)" if self.old is None else str(self.path)
         label_new = f"{self.path} (new, {self.mode:04o})" if self.old is None else str(self.path)
         lines = list(difflib.unified_diff(old, new, label_old, label_new))
-        return kept + "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+        # Shown, never with a key: the drop-in repeats a command line's --api-key values.
+        shown = [redact_command(line) for line in lines]
+        return kept + "".join(line if line.endswith("\n") else line + "\n" for line in shown)
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     # The [gateway] and [fleet] keys given on the command line, for install's probe.
     gateway: dict[str, str | list[str]] | None = None
+    # [sglang] server_api_key_file as the config will say it (given, or kept), for the probe.
+    server_api_key_file: str | None = None
     fleet: dict[str, str | int | float | list[str]] | None = None
     # Files this user may not read (a --dry-run without root): path → why.
     unreadable: dict[Path, str] = field(default_factory=dict)
@@ -171,16 +178,16 @@ class SystemState:
     specd_needs_reload: bool = False
 
 
-def _configured_url(layout: Layout) -> str | None:
-    """[sglang] url of the specd.toml in place, or None (none, unreadable, not TOML, no
-    such key: the unit's --host/--port then say it)."""
+def _configured_url(layout: Layout, key: str = "url") -> str | None:
+    """[sglang] url (or ``key``) of the specd.toml in place, or None (none, unreadable, not
+    TOML, no such key: the unit's --host/--port then say it)."""
     try:
         raw = layout.read(CONFIG_FILE)
         data = None if raw is None else parse_toml(raw.decode("utf-8"))
     except (OSError, ValueError):
         return None
     sglang = data.get("sglang") if isinstance(data, dict) else None
-    url = sglang.get("url") if isinstance(sglang, dict) else None
+    url = sglang.get(key) if isinstance(sglang, dict) else None
     return url if isinstance(url, str) else None
 
 
@@ -224,6 +231,47 @@ def key_file_problem(host: Path, *, others_ok: bool = False) -> str | None:
     return None
 
 
+def key_file_value(given: str, flag: str, layout: Layout, user: str = SPECD_USER) -> str:
+    """A key file given on install's command line (the gateway's admin key, SGLang's
+    --api-key), as specd will find it: an absolute path to a regular file (or a link to
+    one) of 1 to MAX_KEY_FILE_BYTES bytes, not readable by others, and readable by ``user``
+    (the daemon's) once that user exists: root reads any file. InstallError otherwise."""
+    path = Path(given)
+    shown = f"{flag} {given!r}"
+    if not path.is_absolute():
+        raise InstallError(f"{shown}: not an absolute path")
+    problem = key_file_problem(layout.host(path))
+    if problem is None and _user_exists(user):
+        unreadable = key_file_unreadable_by(layout.host(path), user)
+        if unreadable is not None:
+            why, advice = unreadable
+            problem = f"user {user} {why}: {advice}"
+    if problem is not None:
+        raise InstallError(f"{shown}: {problem}")
+    return str(path)
+
+
+SERVER_KEY_FLAG = "--sglang-api-key-file"
+
+
+def server_key_file(
+    given: str | None, kept: str | None, words: Sequence[str], unit: str, layout: Layout
+) -> str | None:
+    """[sglang] server_api_key_file for the config: the one given (checked), else the one
+    the config in place has. A unit whose command line has --api-key and no key file
+    either is refused: SGLang would refuse specd's every /server_info, and specd would
+    decide nothing (an install that looks done, and a specd that never acts)."""
+    if given is not None:
+        return key_file_value(given, SERVER_KEY_FLAG, layout)
+    if kept is not None or "--api-key" not in find_flags(words):
+        return kept
+    raise InstallError(
+        f"{unit} runs with --api-key, and specd must send that key to SGLang: pass "
+        f"{SERVER_KEY_FLAG} FILE, a file holding it (0640 root:{SPECD_USER}, e.g. "
+        "/etc/specd/sglang.key)"
+    )
+
+
 @dataclass(frozen=True)
 class GatewayOptions:
     """`specd install --gateway-url ... [--gateway-api-key-file F] [--gateway-worker-url U]`."""
@@ -246,19 +294,9 @@ def gateway_keys(
     if options.worker_url is not None:
         keys["worker_url"] = check_url(options.worker_url, "--gateway-worker-url")
     if options.api_key_file is not None:
-        path = Path(options.api_key_file)
-        flag = f"--gateway-api-key-file {options.api_key_file!r}"
-        if not path.is_absolute():
-            raise InstallError(f"{flag}: not an absolute path")
-        problem = key_file_problem(layout.host(path))
-        if problem is None and _user_exists(user):
-            unreadable = key_file_unreadable_by(layout.host(path), user)
-            if unreadable is not None:
-                why, advice = unreadable
-                problem = f"user {user} {why}: {advice}"
-        if problem is not None:
-            raise InstallError(f"{flag}: {problem}")
-        keys["api_key_file"] = str(path)
+        keys["api_key_file"] = key_file_value(
+            options.api_key_file, "--gateway-api-key-file", layout, user
+        )
     try:
         GatewaySettings.model_validate(keys)
     except ValidationError as exc:
@@ -456,6 +494,7 @@ def build_plan(
     fleet: FleetOptions | None = None,
     installed: Mapping[str, str] | None = None,
     specd_user: str = SPECD_USER,
+    server_api_key_file: str | None = None,
 ) -> Plan:
     """Everything install would write and run; raises InstallError for a unit it refuses.
     ``fresh``: no installation of specd is recorded here, so an override file left from an
@@ -483,12 +522,20 @@ def build_plan(
             "specd's drop-in passes the speculative arguments as $SPECD_SPECULATIVE_ARGS: "
             "remove the ':' (write a literal '$' in the command as '$$') and run install again"
         )
+    environment = unit_environment(view, layout)
     spec = analyse(
         command,
-        unit_environment(view, layout),
+        environment,
         unit,
         defaults=view.environment,
         read_url=url is None and configured is None,
+    )
+    server_key = server_key_file(
+        server_api_key_file,
+        _configured_url(layout, "server_api_key_file"),
+        [arg.text for arg in expand_argv(command.words, environment)],
+        unit,
+        layout,
     )
     if not spec.metrics and not add_metrics:
         raise InstallError(
@@ -552,6 +599,7 @@ def build_plan(
         spec.algorithm,
         gateway_values,
         fleet_values,
+        server_key if server_api_key_file is not None else None,
     )
     # Checked as specd will read it, before anything is written: a config specd refuses
     # would leave specd.service enabled and failing. A problem of the file as it is now is
@@ -586,6 +634,7 @@ def build_plan(
         url=url,
         gateway=gateway_values,
         fleet=fleet_values,
+        server_api_key_file=server_key,
         unreadable=unreadable,
     )
     plan.notes += reachable.notes

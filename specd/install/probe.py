@@ -4,8 +4,10 @@ answer now: a typo found at install, not at the first maintenance window."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from specd.core.observation import ScrapeError
 from specd.core.settings import FleetSettings, GatewaySettings
 from specd.install.layout import Layout
 from specd.io.fleet import EtcdClient, FleetUnavailable
@@ -64,11 +66,16 @@ def probe_gateways(
     return problems, notes
 
 
-def server_port(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | str | None:
-    """The --port the SGLang at ``url`` says it was started with (its /server_info); None
-    when it answers without saying; why, when it does not answer."""
-    with SGLangClient(url, timeout_s=timeout_s) as client:
+def server_port(
+    url: str, timeout_s: float = PROBE_TIMEOUT_S, api_key: Path | None = None
+) -> int | str | ScrapeError | None:
+    """The --port the SGLang at ``url`` says it was started with (its /server_info, asked
+    with the key in ``api_key``, SGLang's --api-key); None when it answers without saying;
+    why, when it does not answer; the ScrapeError (kind api_key) when it refused the key."""
+    with SGLangClient(url, timeout_s=timeout_s, api_key=api_key) as client:
         info = client.server_info()
+    if isinstance(info, ScrapeError) and info.kind == "api_key":
+        return info
     if not isinstance(info, dict):
         return info.reason
     port = info.get("port")
@@ -76,7 +83,12 @@ def server_port(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> int | str | Non
 
 
 def check_sglang(
-    url: str, unit: str, unit_port: int | None, given: bool, timeout_s: float = PROBE_TIMEOUT_S
+    url: str,
+    unit: str,
+    unit_port: int | None,
+    given: bool,
+    timeout_s: float = PROBE_TIMEOUT_S,
+    api_key: Path | None = None,
 ) -> tuple[str | None, str | None]:
     """(why install must refuse ``url``, what to warn of) from what answers there now.
 
@@ -84,9 +96,20 @@ def check_sglang(
     watch it and restart ``unit``, fail every change's verification, roll back and freeze.
     None answering is only warned of (``unit`` may be down; specd waits for it). A URL read
     from the unit's --host/--port (``given`` False) is wrong when SGLang runs in a container
-    that publishes its port under another number (``docker run -p 8000:30000``)."""
-    answered = server_port(url, timeout_s)
+    that publishes its port under another number (``docker run -p 8000:30000``). One that
+    refuses the key (``api_key``: the host's path of [sglang] server_api_key_file) or its
+    lack is refused: specd would decide nothing there."""
+    answered = server_port(url, timeout_s, api_key)
     source = f"--url {url}" if given else f"SGLang at {url} (from {unit}'s --host/--port)"
+    if isinstance(answered, ScrapeError):
+        if api_key is None:
+            todo = (
+                "SGLang runs with --api-key: pass --sglang-api-key-file FILE, a file holding "
+                "that key"
+            )
+        else:
+            todo = "check the key in --sglang-api-key-file (or [sglang] server_api_key_file)"
+        return f"{source}: {answered.reason}; {todo}", None
     if isinstance(answered, int) and unit_port is not None and answered != unit_port:
         container = "" if given else " (a container that publishes its port under another number?)"
         return (

@@ -51,6 +51,7 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "env_file": ("sglang", "env_file"),
     "override_file": ("files", "override_file"),
     "speculative_algorithm": ("sglang", "speculative_algorithm"),
+    "server_api_key_file": ("sglang", "server_api_key_file"),
 }
 
 
@@ -198,6 +199,7 @@ def config_values(
     algorithm: str,
     gateway: Mapping[str, str | list[str]] | None = None,
     fleet: Mapping[str, str | int | float | list[str]] | None = None,
+    server_api_key_file: str | None = None,
 ) -> list[tuple[tuple[str, ...], ConfigValue]]:
     """Every (key path, value) install sets in specd.toml, in the order it sets them."""
     values: list[tuple[tuple[str, ...], ConfigValue]] = [
@@ -205,6 +207,8 @@ def config_values(
         (CONFIG_KEYS["unit"], unit),
         (CONFIG_KEYS["speculative_algorithm"], algorithm),
     ]
+    if server_api_key_file is not None:
+        values.append((CONFIG_KEYS["server_api_key_file"], server_api_key_file))
     values += [(("gateway", key), value) for key, value in (gateway or {}).items()]
     values += [(("fleet", key), value) for key, value in (fleet or {}).items()]
     return values
@@ -271,10 +275,12 @@ def render_config(
     algorithm: str,
     gateway: Mapping[str, str | list[str]] | None = None,
     fleet: Mapping[str, str | int | float | list[str]] | None = None,
+    server_api_key_file: str | None = None,
 ) -> str:
     """/etc/specd/specd.toml: the shipped example, or the operator's file, with SGLang's URL,
     unit and speculative algorithm (the applier writes it with each setting) set, and the
-    ``[gateway]`` and ``[fleet]`` keys given (checked: `gateway_keys`, `fleet_keys`);
+    ``[gateway]`` and ``[fleet]`` keys given (checked: `gateway_keys`, `fleet_keys`) and
+    ``[sglang] server_api_key_file`` where one is given (`key_file_value`);
     everything else kept as written. ``existing`` must be TOML (install checks it first).
     An empty file (or one of whitespace only), which specd refuses, gets the shipped example
     as a fresh box does: it holds nothing of the operator's to keep."""
@@ -283,7 +289,7 @@ def render_config(
         doc = tomlkit.parse(text)
     except tomlkit.exceptions.ParseError as exc:
         raise InstallError(f"{CONFIG_FILE}: not valid TOML ({exc})") from None
-    for path, value in config_values(url, unit, algorithm, gateway, fleet):
+    for path, value in config_values(url, unit, algorithm, gateway, fleet, server_api_key_file):
         _set_value(doc, path, value)
     out = tomlkit.dumps(doc)
     if "\r\n" in text and text.count("\n") == text.count("\r\n"):

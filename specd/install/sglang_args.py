@@ -51,6 +51,9 @@ VALUE_OPTIONS = frozenset(
         "--speculative-adaptive-config",
         "--host",
         "--port",
+        # Secrets: their value is a word of its own (never an option), shown as ***.
+        "--api-key",
+        "--admin-api-key",
     }
 )
 SWITCH_OPTIONS = frozenset(

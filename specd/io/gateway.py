@@ -174,7 +174,7 @@ def key_file_unreadable_by(path: Path, user: str) -> tuple[str, str] | None:
             owner = f"{_name(pwd.getpwuid, info.st_uid)}:{_name(grp.getgrgid, info.st_gid)}"
             return (
                 f"cannot enter {directory} ({stat.S_IMODE(info.st_mode):04o} {owner})",
-                f"keep the key where user {user} can reach it, e.g. /etc/specd/gateway.key "
+                f"keep the file where user {user} can reach it, e.g. /etc/specd/{path.name} "
                 f"(0640 root:{group})",
             )
     info = real.stat()

@@ -20,7 +20,9 @@ Accounting, per measured window ``[start, end)``:
   finish in the window;
 - TTFT is recorded when a request's first token arrives;
 - errors (refused while SGLang restarts, 503, timeouts, broken streams) are counted by
-  kind; the client backs off briefly and keeps going.
+  kind; the client backs off briefly and keeps going. Not a 401 or 403: the server wants an
+  API key (SGLang's ``--api-key``) it was not given, and no request will ever succeed, so
+  the run stops at once with `LoadRefused` (on /v1/models, before a request is sent).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ READ_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 5.0
 PROGRESS_INTERVAL_S = 0.5
 RAMP_BATCH = 32  # clients that send their first request in the same event-loop turn
+# A server refusing the key (SGLang's --api-key answers 401 {"error":"Unauthorized"}).
+REFUSED_STATUSES = (401, 403)
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,26 @@ class LoadWindow:
 
 
 # --- one streaming request -------------------------------------------------------------
+
+
+class LoadRefused(Exception):
+    """The server refused the request for its API key (HTTP 401 or 403): without a key
+    (``with_key`` False) or with the wrong one. No request can succeed: the run stops."""
+
+    def __init__(self, where: str, status: int, *, with_key: bool) -> None:
+        why = (
+            "the key sent is not its API key (SGLang's --api-key)"
+            if with_key
+            else "it wants an API key (SGLang's --api-key) and none was sent"
+        )
+        super().__init__(f"{where}: {status}: {why}")
+        self.status = status
+        self.with_key = with_key
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What SGLang's --api-key asks every request to bear ({} without a key)."""
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
 
 class StreamError(Exception):
@@ -386,6 +410,11 @@ class LoadGenerator:
     ``gen.set_concurrency(c)`` any time and ``gen.take_result()`` to close the current
     measurement window and open the next one. Leaving the context cancels the requests
     in flight; take the result first so their partial tokens are counted.
+
+    ``api_key``: sent as a bearer token with every request (SGLang's --api-key). A 401 or
+    403 (no key, or the wrong one) is no error to count and retry: it stops every client,
+    ``refused`` says why and ``on_refused`` is called once; on /v1/models, entering raises
+    `LoadRefused`.
     """
 
     def __init__(
@@ -401,6 +430,8 @@ class LoadGenerator:
         read_timeout_s: float = READ_TIMEOUT_S,
         backoff_min_s: float = BACKOFF_MIN_S,
         backoff_max_s: float = BACKOFF_MAX_S,
+        api_key: str | None = None,
+        on_refused: Callable[[LoadRefused], None] | None = None,
     ) -> None:
         self.base_url = normalize_base_url(url)
         if endpoint not in ENDPOINTS:
@@ -417,6 +448,9 @@ class LoadGenerator:
         self.ignore_eos = ignore_eos
         self._read_timeout_s = read_timeout_s
         self._backoff = (backoff_min_s, backoff_max_s)
+        self._api_key = api_key
+        self._on_refused = on_refused
+        self.refused: LoadRefused | None = None  # set when the server refused the key
         self._client: httpx.AsyncClient | None = None  # set while started
         self._ssl: ssl.SSLContext | None = None
         self._workers: list[asyncio.Task[None]] = []
@@ -454,6 +488,7 @@ class LoadGenerator:
             self._ssl = httpx.create_ssl_context()  # loaded once, not once per worker
         return httpx.AsyncClient(
             verify=self._ssl,
+            headers=auth_headers(self._api_key),
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
             timeout=httpx.Timeout(
                 connect=CONNECT_TIMEOUT_S, read=self._read_timeout_s, write=10.0, pool=None
@@ -472,12 +507,23 @@ class LoadGenerator:
             await self._client.aclose()
             self._client = None
 
+    def _refuse(self, where: str, status: int) -> LoadRefused:
+        refused = LoadRefused(where, status, with_key=self._api_key is not None)
+        if self.refused is None:
+            self.refused = refused
+            if self._on_refused is not None:
+                self._on_refused(refused)
+        return refused
+
     async def _discover_model(self) -> str | None:
         # SGLang serves one model and ignores a missing "model"; OpenAI-style servers
-        # want the id, so ask once. A server still loading gets requests without it.
+        # want the id, so ask once. A server still loading gets requests without it. One
+        # that refuses the key (SGLang's --api-key) is told at once: LoadRefused.
         assert self._client is not None
         try:
             response = await self._client.get(f"{self.base_url}/v1/models", timeout=5.0)
+            if response.status_code in REFUSED_STATUSES:
+                raise self._refuse("GET /v1/models", response.status_code)
             data = response.json().get("data") if response.status_code == 200 else None
             if isinstance(data, list) and data and isinstance(data[0], dict):
                 model_id = data[0].get("id")
@@ -556,7 +602,7 @@ class LoadGenerator:
     async def _requests(self, client: httpx.AsyncClient) -> None:
         url = self.base_url + ENDPOINTS[self.endpoint]
         backoff = self._backoff[0]
-        while True:
+        while self.refused is None:
             body = request_body(
                 self.endpoint, self.max_tokens, self.model, self.prompt, self.ignore_eos
             )
@@ -587,6 +633,11 @@ class LoadGenerator:
                 self._window.add_completed(outcome.decode_tok_s)
                 backoff = self._backoff[0]
                 continue
+            status = next((s for s in REFUSED_STATUSES if outcome.error == f"http_{s}"), None)
+            if status is not None:
+                # Not counted and retried: the key is wrong (or missing) for every request.
+                self._refuse(f"POST {ENDPOINTS[self.endpoint]}", status)
+                return
             self._window.add_error(outcome.error)
             # Cancellation (end of run, lower concurrency) interrupts the pause.
             await asyncio.sleep(backoff)
@@ -617,6 +668,7 @@ async def run_profile(
     stop: asyncio.Event | None = None,
     progress_interval_s: float = PROGRESS_INTERVAL_S,
     on_result: Callable[[LoadResult], None] | None = None,
+    api_key: str | None = None,
 ) -> list[LoadResult]:
     """Run phases of ``(duration_s, concurrency)`` back to back; one result per phase.
 
@@ -624,36 +676,52 @@ async def run_profile(
     they arrive); at the end they are cancelled. Setting ``stop`` ends the run early: the
     phase in progress is measured up to then and later phases are skipped. ``on_result``
     gets each phase's result as soon as it is measured, before the streams are torn down
-    (thousands of them take seconds).
+    (thousands of them take seconds). A server that refuses the key (``api_key``, SGLang's
+    --api-key) ends the run at once: `LoadRefused`, no result.
     """
     _validate_profile(profile)
     stop = stop if stop is not None else asyncio.Event()
+    # Set by ``stop`` or by the server refusing the key: either ends the phase now.
+    halt = asyncio.Event()
+    forward = asyncio.create_task(_set_when(stop, halt))
     results: list[LoadResult] = []
     peak = max(1, *(c for _, c in profile))
-    async with LoadGenerator(
-        url,
-        max_concurrency=peak,
-        max_tokens=max_tokens,
-        model=model,
-        endpoint=endpoint,
-        ignore_eos=ignore_eos,
-    ) as gen:
-        for index, (duration_s, concurrency) in enumerate(profile):
-            gen.set_concurrency(concurrency)
-            gen.take_result()  # a fresh window, measured at this phase's concurrency
-            deadline = time.monotonic() + duration_s
-            while (remaining := deadline - time.monotonic()) > 0 and not stop.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), min(remaining, progress_interval_s))
-                if on_progress is not None:
-                    on_progress(gen.progress(index, len(profile), duration_s))
-            # Taken before leaving the context: in-flight partial tokens stay counted.
-            results.append(gen.take_result())
-            if on_result is not None:
-                on_result(results[-1])
-            if stop.is_set():
-                break
+    try:
+        async with LoadGenerator(
+            url,
+            max_concurrency=peak,
+            max_tokens=max_tokens,
+            model=model,
+            endpoint=endpoint,
+            ignore_eos=ignore_eos,
+            api_key=api_key,
+            on_refused=lambda _refused: halt.set(),
+        ) as gen:
+            for index, (duration_s, concurrency) in enumerate(profile):
+                gen.set_concurrency(concurrency)
+                gen.take_result()  # a fresh window, measured at this phase's concurrency
+                deadline = time.monotonic() + duration_s
+                while (remaining := deadline - time.monotonic()) > 0 and not halt.is_set():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(halt.wait(), min(remaining, progress_interval_s))
+                    if on_progress is not None:
+                        on_progress(gen.progress(index, len(profile), duration_s))
+                if gen.refused is not None:
+                    raise gen.refused
+                # Taken before leaving the context: in-flight partial tokens stay counted.
+                results.append(gen.take_result())
+                if on_result is not None:
+                    on_result(results[-1])
+                if stop.is_set():
+                    break
+    finally:
+        forward.cancel()
     return results
+
+
+async def _set_when(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
 
 
 async def run_load(
@@ -668,6 +736,7 @@ async def run_load(
     on_progress: Callable[[LoadProgress], None] | None = None,
     stop: asyncio.Event | None = None,
     on_result: Callable[[LoadResult], None] | None = None,
+    api_key: str | None = None,
 ) -> LoadResult:
     """``concurrency`` closed-loop clients for ``duration_s`` seconds (or until ``stop``)."""
     if not isinstance(concurrency, int) or concurrency < 1:
@@ -682,5 +751,6 @@ async def run_load(
         on_progress=on_progress,
         stop=stop,
         on_result=on_result,
+        api_key=api_key,
     )
     return results[0]

@@ -24,6 +24,7 @@ from factories import (
     seed_table,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from twin_thread import INSTANT, TwinThread
 from version_twins import VersionTwins
 
 import specd.commands.doctor as doctor_module
@@ -905,6 +906,106 @@ def test_gateway_key_check_follows_the_way_to_the_file(tmp_path: Path, open_dir:
     os.chmod(closed, 0o755)
     assert found.check_key_reader(link).ok
     assert reads_as(READER, link)
+
+
+# --- SGLang started with --api-key ([sglang] server_api_key_file) ---------------------------
+
+SGLANG_KEY = "sk-doctor-test-77a1"
+
+
+def sglang_key_doctor(tmp_path: Path, url: str, key: Path | None, user: str = "specd") -> Doctor:
+    line = "" if key is None else f'server_api_key_file = "{key}"\n'
+    return doctor(tmp_path, sglang=f'url = "{url}"\n{line}', daemon_user=user)
+
+
+@pytest.mark.parametrize("key", [None, "wrong", "right"])
+def test_an_sglang_refusing_specd_is_advised_the_key_setting(
+    tmp_path: Path, key: str | None
+) -> None:
+    """Before: "GET /server_info: 401" with the advice "is sglang.service running?"."""
+    path = None if key is None else tmp_path / "sglang.key"
+    if path is not None:
+        path.write_text((SGLANG_KEY if key == "right" else "old-" + SGLANG_KEY) + "\n")
+    with TwinThread([*INSTANT, "--enable-metrics", "--api-key", SGLANG_KEY]) as twin:
+        twin.wait_healthy()
+        found = sglang_key_doctor(tmp_path, twin.url, path)
+        with SGLangClient(
+            twin.url, timeout_s=5, api_key=found.config.sglang.server_api_key_file
+        ) as client:
+            check = found.check_sglang(client)
+    setting = found.check_setting({"SPECD_SPECULATIVE_ARGS": ""})
+    assert SGLANG_KEY not in check.detail + check.advice + setting.detail + setting.advice
+    if key == "right":
+        assert check.ok, check
+        assert setting.ok, setting
+        return
+    assert not check.ok
+    assert "401" in check.detail
+    assert "running?" not in check.advice
+    assert "is SGLang up?" not in setting.advice
+    assert setting.advice == check.advice
+    if key is None:
+        assert "sglang.service runs with --api-key" in check.advice
+        assert 'set server_api_key_file = "FILE" under [sglang]' in check.advice
+    else:
+        assert f"the key in {path} is not SGLang's --api-key" in check.detail
+        assert f"in {path} (one line), or point [sglang] server_api_key_file" in check.advice
+
+
+@pytest.mark.parametrize(
+    ("make", "detail"),
+    [
+        (lambda p: None, "not a regular file (No such file or directory)"),
+        (os.mkfifo, "not a regular file"),
+        (lambda p: p.mkdir(), "not a regular file"),
+        (lambda p: p.write_bytes(b"k" * 5000), "5000 bytes"),
+        (lambda p: p.write_bytes(b""), "0 bytes"),
+    ],
+    ids=["missing", "fifo", "directory", "huge", "empty"],
+)
+def test_sglang_key_check_refuses_an_unfit_key_file_as_the_gateways(
+    tmp_path: Path, make: Callable[[Path], object], detail: str
+) -> None:
+    key = tmp_path / "sglang.key"
+    make(key)
+    found = sglang_key_doctor(tmp_path, f"http://127.0.0.1:{free_port()}", key)
+    checks = found.check_server_key()
+    assert [(c.name, c.ok) for c in checks] == [("sglang api key", False)]
+    assert checks[0].detail.startswith(f"{key}: {detail}")
+    assert "[sglang] server_api_key_file" in checks[0].advice
+
+
+def test_sglang_key_check_is_absent_without_the_setting(tmp_path: Path) -> None:
+    assert sglang_key_doctor(tmp_path, "http://127.0.0.1:1", None).check_server_key() == []
+
+
+def test_sglang_key_check_follows_a_link_to_a_regular_file(tmp_path: Path, open_dir: Path) -> None:
+    key = open_dir / "real.key"
+    key.write_text(SGLANG_KEY + "\n")
+    os.chmod(key, 0o644)
+    link = open_dir / "sglang.key"
+    link.symlink_to(key)
+    found = sglang_key_doctor(tmp_path, "http://127.0.0.1:1", link, user=READER)
+    assert [(c.name, c.ok) for c in found.check_server_key()] == [("sglang api key", True)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: files owned by another user")
+def test_sglang_key_check_reads_the_file_as_the_daemons_user(
+    tmp_path: Path, open_dir: Path
+) -> None:
+    key = open_dir / "sglang.key"
+    key.write_text(SGLANG_KEY + "\n")
+    os.chmod(key, 0o640)  # root:root: doctor (root) reads it, specd's user does not
+    found = sglang_key_doctor(tmp_path, "http://127.0.0.1:1", key, user=READER)
+    [check] = found.check_server_key()
+    assert (check.name, check.ok) == ("sglang api key", False)
+    assert check.detail == (
+        f"{key}: specd.service runs as user {READER}, which cannot read it (0640 root:root)"
+    )
+    assert check.advice == f"run `chgrp nogroup {key} && chmod 0640 {key}`"
+    subprocess.run(["sh", "-c", f"chgrp nogroup {key} && chmod 0640 {key}"], check=True)
+    assert found.check_server_key()[0].ok
+    assert reads_as(READER, key)
 
 
 def test_metrics_off_with_the_flag_in_the_unit_already_advises_a_restart_now(

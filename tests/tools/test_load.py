@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 from unittest import mock
 
@@ -25,12 +26,14 @@ import httpx
 import pytest
 from aiohttp import web
 from in_process import specd_main as in_process
+from twin_thread import INSTANT, TwinThread
 
 from specd.tools.load import (
     DONE,
     Chunk,
     LoadGenerator,
     LoadProgress,
+    LoadRefused,
     LoadResult,
     LoadWindow,
     StreamError,
@@ -823,6 +826,104 @@ def test_cli_at_the_highest_concurrency_stops_within_seconds_of_a_signal(
     assert summary["concurrency"] == 4096
     assert summary["output_tokens"] > 0
     assert "Traceback" not in err
+
+
+# --- a server that wants an API key (SGLang's --api-key) ------------------------------------
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refused_key_on_the_requests_stops_the_run_at_once(
+    server: FakeServer, status: int
+) -> None:
+    # Before: each 401 was counted as http_401 and retried with backoff for the whole run.
+    # --model given: /v1/models is not asked, the generation requests are refused.
+    server.behaviour = Behaviour(tokens=4, fail_first=10**6, fail_status=status)
+    started = time.monotonic()
+    with pytest.raises(LoadRefused) as refused:
+        asyncio.run(run_load(server.url, 3, 30.0, max_tokens=4, model="m"))
+    assert time.monotonic() - started < 5.0
+    assert refused.value.status == status
+    assert not refused.value.with_key
+    assert str(refused.value).startswith(f"POST /v1/completions: {status}: ")
+    assert server.stats.requests <= 3  # one each at most: none was retried
+
+
+# A key as SGLang's --api-key takes it (on the twin's command line, as on SGLang's).
+KEY = "sk-specd-test-4c1d"
+
+
+def load_against(twin: TwinThread, *argv: str) -> subprocess.CompletedProcess[str]:
+    common = ["--url", twin.url, "--concurrency", "2", "--max-tokens", "8", "--json"]
+    return specd_load(*common, *argv)
+
+
+def test_cli_sends_the_key_of_api_key_file_to_sglang(tmp_path: Path) -> None:
+    key_file = tmp_path / "sglang.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    with TwinThread([*INSTANT, "--api-key", KEY]) as twin:
+        twin.wait_healthy()
+        proc = load_against(twin, "--duration-s", "0.6", "--api-key-file", str(key_file))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["output_tokens"] > 0
+    assert summary["errors"] == 0
+    assert KEY not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("model", [None, "m"])
+def test_cli_without_the_key_stops_at_once_with_one_line(model: str | None) -> None:
+    # Before: /v1/models's 401 was taken for "no model id", then every request failed
+    # http_401 for the whole --duration, and the line said only "no output tokens".
+    with TwinThread([*INSTANT, "--api-key", KEY]) as twin:
+        twin.wait_healthy()
+        started = time.monotonic()
+        argv = ["--duration-s", "60"] + ([] if model is None else ["--model", model])
+        proc = load_against(twin, *argv)
+        took = time.monotonic() - started
+    assert proc.returncode == 1
+    assert took < 10.0
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    where = "GET /v1/models" if model is None else "POST /v1/completions"
+    assert lines[0].startswith(f"specd load: {twin.url} refused the run: {where}: 401")
+    assert "--api-key" in lines[0]
+    assert "pass --api-key-file FILE" in lines[0]
+
+
+def test_cli_with_the_wrong_key_names_its_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "sglang.key"
+    key_file.write_text("not-" + KEY)
+    with TwinThread([*INSTANT, "--api-key", KEY]) as twin:
+        twin.wait_healthy()
+        proc = load_against(twin, "--duration-s", "60", "--api-key-file", str(key_file))
+    assert proc.returncode == 1
+    line = proc.stderr.strip()
+    assert "\n" not in line
+    assert "the key sent is not its API key" in line
+    assert str(key_file) in line
+    assert KEY not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [(None, "cannot read"), ("", "empty"), (f"{KEY}\nsecond", "more than one line")],
+)
+def test_cli_refuses_an_unusable_api_key_file(
+    tmp_path: Path, content: str | None, fragment: str
+) -> None:
+    key_file = tmp_path / "sglang.key"
+    if content is not None:
+        key_file.write_text(content)
+    proc = specd_load(
+        "--url", "http://127.0.0.1:1", "--concurrency", "1", "--duration-s", "1",
+        "--api-key-file", str(key_file),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(f"specd load: --api-key-file {key_file}")
+    assert fragment in proc.stderr
+    assert KEY not in proc.stderr
 
 
 # --- against the SGLang twin ----------------------------------------------------------------
