@@ -698,6 +698,10 @@ class _DeadlineTransport(httpx.HTTPTransport):
         )
 
 
+# Where specd is given SGLang's --api-key: named in every message about it.
+SERVER_KEY_SETTING = "[sglang] server_api_key_file"
+
+
 class SGLangClient:
     """A synchronous client for one SGLang server; reuses its connection across ticks.
 
@@ -766,14 +770,14 @@ class SGLangClient:
         if key is None:
             return {}
         if isinstance(key, Path):
-            key = files.read_key_file(key, "[sglang] server_api_key_file")
+            key = files.read_key_file(key, SERVER_KEY_SETTING)
         return {"Authorization": f"Bearer {key}"}
 
     def _refused(self, where: str, resp: httpx.Response, t: float) -> ScrapeError:
         """A 401/403: SGLang runs with --api-key and specd sent none, or the wrong one."""
         said = f"{where}: {resp.status_code} {resp.reason_phrase}"
         if self._api_key is None:
-            why = "SGLang runs with --api-key: set [sglang] server_api_key_file"
+            why = f"SGLang runs with --api-key: set {SERVER_KEY_SETTING}"
         elif isinstance(self._api_key, Path):
             why = f"the key in {self._api_key} is not SGLang's --api-key"
         else:

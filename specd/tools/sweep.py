@@ -55,10 +55,10 @@ from specd.io import files, tables
 from specd.io.apply import Applier, ApplyOutcome, setting_of_steps, setting_steps
 from specd.io.config import Config
 from specd.io.runner import Runner, SubprocessRunner
-from specd.io.sglang import SGLangClient
+from specd.io.sglang import SERVER_KEY_SETTING, SGLangClient
 from specd.io.state import State, StateStore
 from specd.io.tls import verifying_context
-from specd.tools.load import LoadGenerator, LoadResult
+from specd.tools.load import LoadGenerator, LoadRefused, LoadResult
 
 CSV_NAME = "sweep.csv"
 MARKDOWN_NAME = "sweep.md"
@@ -622,6 +622,19 @@ class _Sweeper:
         on_point: Callable[[SweepPoint], None],
     ) -> str | None:
         """Warm up and measure every concurrency at ``setting``; a problem, or None."""
+        try:
+            return await self._measure(setting, capacity, clock, on_point)
+        except (LoadRefused, files.KeyFileError) as exc:
+            # No request of the sweep can succeed (SGLang's --api-key): stop, and restore.
+            return f"{describe_setting(setting)}: {exc}"
+
+    async def _measure(
+        self,
+        setting: SpecSetting,
+        capacity: int | None,
+        clock: _Clock,
+        on_point: Callable[[SweepPoint], None],
+    ) -> str | None:
         plan = self.plan
         steps = setting.max_steps
         text = format_setting(setting) if setting.kind == "adaptive" else None
@@ -650,6 +663,8 @@ class _Sweeper:
                 # estimates of the requests in flight.
                 await self._settle(gen, concurrency)
                 result = gen.take_result()
+                if gen.refused is not None:
+                    raise gen.refused
             last = await asyncio.to_thread(self.client.observe)
             clock.done_load_s += plan.duration_s
             if self.stop.is_set():
@@ -678,8 +693,13 @@ class _Sweeper:
         return None
 
     def _generator(self, concurrency: int) -> LoadGenerator:
+        path = self.config.sglang.server_api_key_file
         return LoadGenerator(
-            self.config.sglang.url, max_concurrency=concurrency, max_tokens=self.plan.max_tokens
+            self.config.sglang.url,
+            max_concurrency=concurrency,
+            max_tokens=self.plan.max_tokens,
+            # Read for each point: a key rotated mid-sweep is the one sent.
+            api_key=None if path is None else files.read_key_file(path, SERVER_KEY_SETTING),
         )
 
     async def _settle(self, gen: LoadGenerator, concurrency: int) -> None:

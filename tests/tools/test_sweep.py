@@ -336,6 +336,44 @@ def test_a_sweep_log_alone_is_no_earlier_result(tmp_path: Path) -> None:
         sw.sweep(config, plan, out, handle_signals=False)
 
 
+@pytest.mark.parametrize("key", ["right", "none", "wrong"])
+def test_a_sweep_of_an_sglang_with_an_api_key_sends_it_or_refuses(
+    unit_factory: Any, tmp_path: Path, key: str
+) -> None:
+    """SGLang started with --api-key refuses /server_info and every request without it: a
+    sweep could not tell what runs (and its load would have been refused request after
+    request). With [sglang] server_api_key_file it measures; without it or with the wrong
+    one, it is refused in one line before SGLang is touched."""
+    key_file = tmp_path / "sglang.key"
+    key_file.write_text(("n0t-th3-k3y" if key == "wrong" else "k3y-0123") + "\n")
+    settings: dict[str, Any] = {} if key == "none" else {"server_api_key_file": str(key_file)}
+    unit = unit_factory(["--api-key", "k3y-0123"], **settings)
+    plan = sw.SweepPlan(steps=(3,), concurrency=(1,), duration_s=0.5, warmup_s=0.0, max_tokens=64)
+    out = tmp_path / "out"
+    if key != "right":
+        with pytest.raises(sw.SweepError, match=r"^[^\n]+$") as info:
+            sw.sweep(unit.config, plan, out, runner=unit.runner, handle_signals=False)
+        said = str(info.value)
+        assert "401 Unauthorized" in said
+        assert ("set [sglang] server_api_key_file" if key == "none" else str(key_file)) in said
+        assert "k3y" not in said
+        assert unit.runner.restarted_to == []
+        return
+    report = sw.sweep(
+        unit.config,
+        plan,
+        out,
+        runner=unit.runner,
+        reporter=Recorder(),
+        pacing=sweep_cmd.FAST_PACING,
+        handle_signals=False,
+    )
+    assert report.error is None, report.error
+    [point] = report.points
+    assert point.output_tok_s > 0
+    assert point.errors == 0
+
+
 # -- refusals in process ------------------------------------------------------------------
 
 
