@@ -870,15 +870,6 @@ def test_a_pin_a_reload_puts_outside_the_step_range_is_dropped_not_clamped(
     exported specd_override_valid 0, yet went on enforcing the pin clamped to 4, restarting
     SGLang "pinned to 4 by override" (a count nobody pinned), with specd_steps_pinned at 6.
     Ignored, the pin drives nothing: at 48 requests the bands keep the 3 SGLang runs."""
-    fields = {
-        "state_dir": str(tmp_path / "state"),
-        "override_file": str(tmp_path / "override.toml"),
-        "env_file": str(tmp_path / "sglang.env"),
-        "min_history_s": 600,
-        "stabilization_window_s": 0,
-        "min_dwell_s": 0,
-        "warmup_exclude_s": 0,
-    }
     cfg = config(tmp_path, max_steps=6)
     clock = [IN_WINDOW - 7200]  # the window closed: the pin waits for it
     applier = Applier()
@@ -892,7 +883,7 @@ def test_a_pin_a_reload_puts_outside_the_step_range_is_dropped_not_clamped(
     sample = d.metrics.registry.get_sample_value
     assert sample("specd_mode", {"mode": "pin"}) == 1
     d.config_path = tmp_path / "specd.toml"
-    d.config_path.write_text(tomli_w.dumps(tables(**fields, max_steps=4)))
+    d.config_path.write_text(tomli_w.dumps(_own_files(tmp_path, max_steps=4)))
     clock[0] = IN_WINDOW
     with capture_logs() as logged:
         d.reload()
@@ -909,7 +900,7 @@ def test_a_pin_a_reload_puts_outside_the_step_range_is_dropped_not_clamped(
     assert sample("specd_mode", {"mode": "auto"}) == 1
     assert d.override.in_force is None
     # Widened again, the same file is in force again, as specd status says.
-    d.config_path.write_text(tomli_w.dumps(tables(**fields, max_steps=6)))
+    d.config_path.write_text(tomli_w.dumps(_own_files(tmp_path, max_steps=6)))
     with capture_logs() as logged:
         d.reload()
         d.tick()
@@ -2800,25 +2791,16 @@ def test_a_reload_asked_for_during_a_tick_is_read_before_its_change_goes_out(
     """The on-call sets daily_restart_budget = 0 and reloads as a window opens; the SIGHUP
     lands while the tick reads SGLang. It was read only after that tick's restart, made
     under the old budget of 4, with no reload_deferred said (none was in flight yet)."""
-    fields = {
-        "state_dir": str(tmp_path / "state"),
-        "override_file": str(tmp_path / "override.toml"),
-        "env_file": str(tmp_path / "sglang.env"),
-        "min_history_s": 600,
-        "stabilization_window_s": 0,
-        "min_dwell_s": 0,
-        "warmup_exclude_s": 0,
-    }
     cfg = config(tmp_path)
     cfg_path = tmp_path / "specd.toml"
-    cfg_path.write_text(tomli_w.dumps(tables(**fields)))
+    cfg_path.write_text(tomli_w.dumps(_own_files(tmp_path)))
     read_fd, write_fd = os.pipe()
     daemons: list[Daemon] = []
 
     class HupDuringScrape(Reader):
         def observe(self) -> Observation | ScrapeError:
             if daemons[0].config.restart.daily_restart_budget != 0:
-                cfg_path.write_text(tomli_w.dumps(tables(**fields, daily_restart_budget=0)))
+                cfg_path.write_text(tomli_w.dumps(_own_files(tmp_path, daily_restart_budget=0)))
                 os.write(write_fd, b"H")  # `systemctl reload specd`, as the signal relay gets it
                 requested = daemons[0]._reload_requested
                 deadline = time.monotonic() + 10

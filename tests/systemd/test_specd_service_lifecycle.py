@@ -94,6 +94,24 @@ def systemd_says(sd: Container, since: int) -> list[str]:
     ]
 
 
+def assert_finished_the_restart_and_exited_cleanly(
+    sd: Container, since: str, loading_pid: int
+) -> None:
+    """specd stopped only once the restart in flight (4 → 3) was verified, with exit 0, and
+    systemd neither timed it out nor killed it; SGLang kept the start that was loading."""
+    assert sd.show(SPECD_UNIT, "Result") == "success"
+    assert sd.show(SPECD_UNIT, "ExecMainStatus") == "0"
+    saved = state(sd)
+    assert saved["journal"] is None
+    restarts = saved["restarts"]
+    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
+    assert sd.main_pid(SGLANG_UNIT) == loading_pid
+    assert twin_live_steps(sd) == (3, 3.0)
+    assert sglang_starts(sd, since) == 1
+    said = systemd_says(sd, since)
+    assert not any("timed out" in m or "Killing" in m for m in said), said
+
+
 def test_a_replay_longer_than_the_start_timeout_runs_after_ready(sd: Container) -> None:
     """specd killed while SGLang loads: the next start is ready at once, says what it
     finishes, decides nothing until it has, and is neither timed out nor watchdog-killed."""
@@ -215,17 +233,7 @@ def test_a_stop_waits_for_the_restart_in_flight_past_the_stop_timeout(sd: Contai
         what="specd to stop once the restart ended",
     )
     assert time.monotonic() - stopped > STOP_TIMEOUT_S + WATCHDOG_S
-    assert sd.show(SPECD_UNIT, "Result") == "success"
-    assert sd.show(SPECD_UNIT, "ExecMainStatus") == "0"
-    saved = state(sd)
-    assert saved["journal"] is None
-    restarts = saved["restarts"]
-    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
-    assert sd.main_pid(SGLANG_UNIT) == loading_pid
-    assert twin_live_steps(sd) == (3, 3.0)
-    assert sglang_starts(sd, since) == 1
-    said = systemd_says(sd, since)
-    assert not any("timed out" in m or "Killing" in m for m in said), said
+    assert_finished_the_restart_and_exited_cleanly(sd, since, loading_pid)
     waits = events_named(sd, since, "stop_waits_for_restart")
     assert [e["phase"] for _, e in waits] == ["restart_issued"], waits
     assert events_named(sd, since, "stopped")
@@ -278,17 +286,7 @@ def test_a_daemon_reload_while_a_stop_waits_for_the_restart_does_not_kill_specd(
         )
     finally:
         kill_if_left(sd)
-    assert sd.show(SPECD_UNIT, "Result") == "success"
-    assert sd.show(SPECD_UNIT, "ExecMainStatus") == "0"
-    saved = state(sd)
-    assert saved["journal"] is None
-    restarts = saved["restarts"]
-    assert [(r["from_steps"], r["to_steps"], r["result"]) for r in restarts] == [(4, 3, "success")]
-    assert sd.main_pid(SGLANG_UNIT) == loading_pid
-    assert twin_live_steps(sd) == (3, 3.0)
-    assert sglang_starts(sd, since) == 1
-    said = systemd_says(sd, since)
-    assert not any("timed out" in m or "Killing" in m for m in said), said
+    assert_finished_the_restart_and_exited_cleanly(sd, since, loading_pid)
     assert not events_named(sd, since, "stop_hung")
     assert events_named(sd, since, "stopped")
 
