@@ -11,6 +11,7 @@ import contextlib
 import errno
 import ipaddress
 import json
+import math
 import os
 import pwd
 import shlex
@@ -55,6 +56,7 @@ from specd.io.apply import (
     ENV_ARGS,
     MAX_ENV_BYTES,
     env_setting_words,
+    out_of_service_bound_s,
     parse_env,
     static_only_wiring,
 )
@@ -126,6 +128,10 @@ NEEDS_CONFIG = (
     ("writable", "[files] state_dir and [sglang] env_file"),
     ("specd-metrics", "[report] metrics_port"),
 )
+
+
+# specd's own exit after the sequence a stop finishes (the shipped unit's margin).
+STOP_EXIT_MARGIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -949,6 +955,7 @@ class Doctor:
             "UnitFileState",
             "WatchdogUSec",
             "WatchdogTimestampMonotonic",
+            "TimeoutStopUSec",
         )
         state = f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}"
         if props.get("ActiveState") != "active":
@@ -982,7 +989,30 @@ class Doctor:
                 f"last watchdog ping {age_s:.0f} s ago (limit {period_us / 1e6:g} s)",
                 f"specd is stuck: `journalctl -u {SPECD_UNIT}`",
             )
+        short = self._stop_timeout_short(props.get("TimeoutStopUSec", ""))
+        if short is not None:
+            return Check("service", False, *short)
         return Check("service", True, f"{SPECD_UNIT} {state}, watchdog fed {age_s:.0f} s ago")
+
+    def _stop_timeout_short(self, shown: str) -> tuple[str, str] | None:
+        """(why, advice) where specd.service's TimeoutStopSec= is shorter than a whole
+        restart sequence with this config's timeouts: a stop finishes the one in flight,
+        and a `systemctl daemon-reload` meanwhile (which forgets the extensions specd's
+        beats make) kills specd mid-restart once the stop is older than it."""
+        timeout_us = _usec(shown)
+        if not timeout_us:  # infinity, or not said
+            return None
+        restart = self.config.restart
+        worst_s = restart.quiet_deadline_s + out_of_service_bound_s(restart, self.config.gateway)
+        needed_s = math.ceil(worst_s + STOP_EXIT_MARGIN_S)
+        if timeout_us / 1e6 >= needed_s:
+            return None
+        return (
+            f"{SPECD_UNIT}'s TimeoutStopSec= ({shown}) is shorter than a whole restart "
+            f"sequence with these [restart] timeouts ({duration_text(worst_s)}): a "
+            "`systemctl daemon-reload` while specd stops mid-restart kills it",
+            f"`systemctl edit {SPECD_UNIT}`: [Service] TimeoutStopSec={needed_s}s",
+        )
 
     def check_own_metrics(self) -> Check:
         host = self.config.report.metrics_listen_address

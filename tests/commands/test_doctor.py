@@ -43,7 +43,7 @@ from specd.install.unit import UnitView
 from specd.io.apply import static_only_wiring
 from specd.io.config import load_config
 from specd.io.promtext import sample_names
-from specd.io.runner import SubprocessRunner
+from specd.io.runner import RunResult, SubprocessRunner
 from specd.io.sglang import SGLangClient
 from specd.io.tables import write_table
 from specd.twin.process import TwinProcess, free_port
@@ -1150,3 +1150,51 @@ def test_the_metrics_check_reports_a_hostile_page_never_raises(tmp_path: Path, e
     assert metrics.ok, metrics
     assert metrics.detail.startswith("/metrics parses (")
     assert version.name == "version"
+
+
+class SpecdShown:
+    """systemd answering `systemctl show specd.service` for the service check: running, fed,
+    enabled, with ``timeout`` as TimeoutStopUSec (as systemctl prints it)."""
+
+    def __init__(self, timeout: str) -> None:
+        self.timeout = timeout
+
+    def __call__(self, argv: list[str], *, timeout_s: float) -> RunResult:
+        lines = [
+            "ActiveState=active",
+            "SubState=running",
+            "UnitFileState=enabled",
+            "WatchdogUSec=1min",
+            "WatchdogTimestampMonotonic=1000000",
+            f"TimeoutStopUSec={self.timeout}",
+        ]
+        return RunResult(tuple(argv), 0, "\n".join(lines) + "\n", "", False, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("restart", "timeout", "advice"),
+    [
+        ("", "1h 20min", None),  # the shipped unit at the default timeouts
+        ("", "infinity", None),
+        ("", "1min 30s", "TimeoutStopSec=4632s"),  # the unit before this session
+        ("[restart]\nstartup_timeout_s = 3600\n", "1h 20min", "TimeoutStopSec=13632s"),
+    ],
+)
+def test_a_stop_timeout_shorter_than_a_whole_restart_sequence_fails_the_service_check(
+    tmp_path: Path, restart: str, timeout: str, advice: str | None
+) -> None:
+    """A stop finishes the restart in flight, and a daemon-reload meanwhile forgets the
+    extensions specd's beats make: a TimeoutStopSec= shorter than the sequence (longer
+    [restart] timeouts than the defaults, or an old unit) gets specd SIGKILLed mid-restart."""
+    found = doctor(tmp_path, extra=restart)
+    found.runner = SpecdShown(timeout)
+    found.monotonic = lambda: 2.0
+    check = found.check_service()
+    if advice is None:
+        assert check.ok, check
+        return
+    assert not check.ok
+    assert "is shorter than a whole restart sequence with these [restart] timeouts" in check.detail
+    assert f"TimeoutStopSec= ({timeout})" in check.detail
+    assert check.advice is not None
+    assert check.advice.endswith(advice)
