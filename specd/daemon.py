@@ -283,11 +283,7 @@ class Daemon:
         ``clock`` is the real `time.time`, else no step is looked for (an injected wall
         clock moves as its caller says)."""
         self.config = config
-        # Started from the default file (no --config): a reload reads that file, and a
-        # missing one is a rejected reload, not every default (another SGLang, unit, windows).
-        if config_path is None and config_io.DEFAULT_CONFIG_PATH.exists():
-            config_path = config_io.DEFAULT_CONFIG_PATH
-        self.config_path = config_path
+        self.config_path = _named(config_path)
         self.clock = clock
         if monotonic is None and clock is time.time:
             monotonic = _boot_clock()
@@ -341,7 +337,6 @@ class Daemon:
         self.calibration = CalibrationFile(config.choose.calibration_file)
         self.override = OverrideTracker()
         self.last_obs: Observation | None = None
-        self._scraped = False  # the latest scrape answered (last_obs is from it)
         # When SGLang was last seen: a scrape that answered, or the end of a restart sequence
         # (the applier watches it meanwhile); at start, the history's last observation.
         self._seen_at: float | None = self.state.history.last_t
@@ -771,9 +766,7 @@ class Daemon:
         self._reload_requested.clear()
         self.notifier.reloading()
         self.metrics.config_reload_time.set(self.clock())
-        path = self.config_path
-        if path is None and config_io.DEFAULT_CONFIG_PATH.exists():
-            path = config_io.DEFAULT_CONFIG_PATH  # created since the start: named from now on
+        path = _named(self.config_path)  # a default file created since the start: named
         try:
             # Read once it stopped changing: a file caught mid-write may still be TOML.
             new = load_config(path, settle=self.stop_event.wait)
@@ -1252,7 +1245,6 @@ class Daemon:
     def _observe(self, now: float) -> Observation | ScrapeError:
         self.metrics.scrapes.inc()
         result = self.client.observe()
-        self._scraped = isinstance(result, Observation)
         if isinstance(result, ScrapeError):
             self.metrics.sglang_up.set(0)
             self.metrics.scrape_errors.labels(kind=result.kind).inc()
@@ -1793,7 +1785,8 @@ class Daemon:
         m.set_settings(self.live_name, wanted)
         # Unknown while SGLang does not answer, as steps_current: not the last value seen.
         m.offered_concurrency_now.set(
-            obs.offered if obs is not None and self._scraped else float("nan")
+            # The latest scrape answered when no outage runs: last_obs is from it.
+            obs.offered if obs is not None and self._outage is None else float("nan")
         )
         history: History = self.state.history
         for q in OFFERED_QUANTILES:
@@ -1878,6 +1871,15 @@ def _journal_change(journal: object) -> tuple[str, str]:
 def _same_meaning(a: OverrideStatus, b: OverrideStatus) -> bool:
     """Two readings of one override file that say the same: in force or ignored alike."""
     return (a.valid, a.override, a.problem) == (b.valid, b.override, b.problem)
+
+
+def _named(config_path: Path | None) -> Path | None:
+    """The config file a start or reload reads: ``config_path``, else the default file
+    where it exists. Named from then on, a reload that finds it missing is rejected,
+    not taken as every default (another SGLang, unit, windows)."""
+    if config_path is None and config_io.DEFAULT_CONFIG_PATH.exists():
+        return config_io.DEFAULT_CONFIG_PATH
+    return config_path
 
 
 def _outside_range(override: Override | None, low: int, high: int) -> str | None:

@@ -190,8 +190,9 @@ class Doctor:
         self.info: dict[str, Any] | None = None
         # The endpoint that answered for /server_info (/get_server_info before SGLang 0.5.6).
         self.info_path: str | None = None
-        # Why SGLang refused /server_info for its --api-key (None: it did not).
-        self.refused: str | None = None
+        # Why SGLang refused /server_info for its --api-key, and what to do (None: it did
+        # not): said by the sglang check, and by the setting check that needs what it lacks.
+        self.refused: tuple[str, str] | None = None
         self.unit_env_files: list[Path] = []
         # Why the unit takes static step counts only (its drop-in's wiring), or None.
         self.static_only: str | None = None
@@ -276,12 +277,14 @@ class Doctor:
         if isinstance(info, ScrapeError) and info.kind == "api_key":
             # SGLang refused specd's key, or the key file could not be read: its --api-key,
             # not its unit, is the matter.
+            unusable = self._server_key_unusable()
             self.refused = (
                 "SGLang's /server_info was not asked: [sglang] server_api_key_file is unusable"
-                if self._server_key_unusable()
-                else "SGLang refused /server_info for its --api-key"
+                if unusable
+                else "SGLang refused /server_info for its --api-key",
+                self._server_key_advice(unusable),
             )
-            return Check("sglang", False, info.reason, self._server_key_advice())
+            return Check("sglang", False, info.reason, self.refused[1])
         if isinstance(info, ScrapeError):
             return Check(
                 "sglang",
@@ -316,11 +319,12 @@ class Doctor:
             return True
         return False
 
-    def _server_key_advice(self) -> str:
-        """What to do about an SGLang that refused specd's key (or its lack of one)."""
+    def _server_key_advice(self, unusable: bool) -> str:
+        """What to do about an SGLang that refused specd's key (or its lack of one);
+        ``unusable``: the key file could not be read."""
         key = self.config.sglang.server_api_key_file
         shown = self.config_path or DEFAULT_CONFIG_PATH
-        if key is not None and self._server_key_unusable():
+        if key is not None and unusable:
             return (
                 f"make {key} a file holding the --api-key {self.config.sglang.unit} runs with "
                 "(one line; see the sglang api key check)"
@@ -645,10 +649,8 @@ class Doctor:
         want = describe_args(asked)
         info = self.info
         if info is None and self.refused is not None:
-            return Check(
-                "setting", False, f"{self.refused} (expected {want})",
-                self._server_key_advice(),
-            )  # fmt: skip
+            why, advice = self.refused
+            return Check("setting", False, f"{why} (expected {want})", advice)
         if info is None:
             return Check(
                 "setting", False, f"SGLang's /server_info is unreadable (expected {want})",

@@ -113,11 +113,14 @@ def _table(obs: Observation) -> str:
     )
 
 
-def _same_url(config: Config, url: str) -> bool:
+def config_key_file(config: Config, url: str) -> Path | None:
+    """The config's [sglang] server_api_key_file where ``url`` (a `sglang_url`) is its
+    [sglang] url, else None: the key of one server is never sent to another."""
     try:
-        return check_base_url(config.sglang.url) == url
+        same = check_base_url(config.sglang.url) == url
     except ValueError:
-        return False
+        return None
+    return config.sglang.server_api_key_file if same else None
 
 
 def api_key_file(args: argparse.Namespace) -> tuple[Path | None, str | None]:
@@ -136,8 +139,8 @@ def api_key_file(args: argparse.Namespace) -> tuple[Path | None, str | None]:
             config = load_config(None, calibration=False)
         except (ConfigError, OSError, ValueError):
             return None, None  # not readable here (0640 root:specd) or not valid: no key
-    path = config.sglang.server_api_key_file
-    if path is None or not _same_url(config, args.url):
+    path = config_key_file(config, args.url)
+    if path is None:
         return None, None
     shown = args.config if args.config is not None else DEFAULT_CONFIG_PATH
     return path, f"[sglang] server_api_key_file of {shown}"

@@ -19,7 +19,7 @@ from typing import Any
 
 from specd.commands.args import Int, Seconds
 from specd.commands.check_config import load_for_command
-from specd.commands.observe import sglang_url
+from specd.commands.observe import config_key_file, sglang_url
 from specd.core.history import History, HistorySettings
 from specd.core.model import PerformanceModel
 from specd.core.observation import Observation, ScrapeError
@@ -127,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
         client = SGLangClient(
             args.url,
             timeout_s=config.observe.scrape_timeout_s,
-            # The config's key is for its own server; another --url gets none.
-            api_key=config.sglang.server_api_key_file if args.url == config.sglang.url else None,
+            api_key=config_key_file(config, args.url),
         )
     except ValueError as exc:
         print(f"specd recommend: {exc}", file=sys.stderr)

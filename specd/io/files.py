@@ -431,3 +431,8 @@ def read_key_file(path: Path, what: str) -> str:
         # A header value cannot carry it (a second line, a control character).
         raise KeyFileError(f"{what} {path}: more than one line, or a control character")
     return key
+
+
+def bearer_header(key: str | None) -> dict[str, str]:
+    """The header a key travels in to SGLang (--api-key) or smg ({} without a key)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}

@@ -42,6 +42,7 @@ from specd.io.files import (
     MAX_KEY_FILE_BYTES,
     KeyFileError,
     ParseError,
+    bearer_header,
     parse_json,
     read_key_file,
 )
@@ -333,7 +334,7 @@ class GatewayClient:
                 key = read_api_key(key)
             except GatewayUnavailable as exc:
                 raise self._fail(str(exc), exc.kind) from None
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return bearer_header(key)
 
     def _call(self, method: str, gateway: str, path: str, body: Any = None) -> Any:
         headers = self._headers()

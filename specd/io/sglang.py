@@ -767,11 +767,9 @@ class SGLangClient:
         """The Authorization header SGLang's --api-key asks for ({} without a key).
         KeyFileError where the key file cannot be used."""
         key = self._api_key
-        if key is None:
-            return {}
         if isinstance(key, Path):
             key = files.read_key_file(key, SERVER_KEY_SETTING)
-        return {"Authorization": f"Bearer {key}"}
+        return files.bearer_header(key)
 
     def _refused(self, where: str, resp: httpx.Response, t: float) -> ScrapeError:
         """A 401/403: SGLang runs with --api-key and specd sent none, or the wrong one."""

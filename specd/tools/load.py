@@ -43,6 +43,7 @@ from typing import Any, Literal
 import httpx
 
 from specd.core.text import check_root_url
+from specd.io.files import bearer_header
 
 # httpcore imports sniffio on every request; when it is not installed, each miss searches
 # sys.path again (about 0.6 ms: seconds of CPU at thousands of clients). None in
@@ -183,11 +184,6 @@ class LoadRefused(Exception):
         super().__init__(f"{where}: {status}: {why}")
         self.status = status
         self.with_key = with_key
-
-
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    """What SGLang's --api-key asks every request to bear ({} without a key)."""
-    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
 
 class StreamError(Exception):
@@ -488,7 +484,7 @@ class LoadGenerator:
             self._ssl = httpx.create_ssl_context()  # loaded once, not once per worker
         return httpx.AsyncClient(
             verify=self._ssl,
-            headers=auth_headers(self._api_key),
+            headers=bearer_header(self._api_key),
             limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
             timeout=httpx.Timeout(
                 connect=CONNECT_TIMEOUT_S, read=self._read_timeout_s, write=10.0, pool=None

@@ -9,8 +9,8 @@ same exemptions (0.5.20+ also /ready); the scheme ``Bearer`` in any case. A rout
 says which key opens it: NORMAL (every route not marked, and any path no route has) the
 api key if there is one, else nothing; ADMIN_OPTIONAL (/freeze_gc among the twin's routes)
 the admin key if there is one, else the api key, else nothing. No route is ADMIN_FORCE
-(http_server's FIXME: the hicache routes check the admin key themselves). No version reads
-an ``x-api-key`` header.
+(SGLang's http_server notes that its hicache routes check the admin key themselves). No
+version reads an ``x-api-key`` header.
 
 Refused: 401 ``{"error":"Unauthorized"}`` (ORJSONResponse), before routing and before
 SGLang's HTTP-metrics middleware (the key middleware is added last: the outermost). A
