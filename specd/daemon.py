@@ -97,6 +97,11 @@ STOP_HUNG_SAY_S = 5.0
 # The longest wait after ticks that raised in a row (doubling from the scrape interval): an
 # error that comes back every tick is logged a few times an hour, not every second.
 TICK_BACKOFF_MAX_S = 300.0
+# A change refused before anything was done (SGLang stopped by the on-call, a unit that no
+# longer reads the env file, a key SGLang refuses) is refused again at the next tick: the
+# same change is tried again this long after, and the same refusal said again after
+# DECISION_RELOG_S, not a restart_begin and a restart_aborted every scrape.
+REFUSED_RETRY_S = 60.0
 # The journal phases in which SGLang is down on purpose: restarted by specd (the change or
 # its rollback) and not yet verified (specd_sglang_restarting; SGLangDown keeps quiet).
 RESTARTING_PHASES = frozenset({"restart_issued", "verifying", "rolling_back"})
@@ -216,6 +221,18 @@ class InFlight:
     phase: str | None = None
     extended_at: float | None = None  # time.monotonic()
     forced: bool = False  # a pin applied now: no window needed
+
+
+@dataclass
+class Refused:
+    """The last change refused before anything was done: which, why, when it was last tried
+    and said, and how many times in a row it was refused."""
+
+    wanted: str
+    message: str
+    tried_at: float
+    said_at: float
+    times: int = 1
 
 
 @dataclass
@@ -359,6 +376,7 @@ class Daemon:
         self._save_error: str | None = None
         self._ready_sent = False
         self._in_flight: InFlight | None = None
+        self._refused: Refused | None = None
         # A worker left out of the gateway: when it was last re-added (_readd_left_out).
         self._readd_tried_at: float | None = None
         self._mark_in_tried_at: float | None = None
@@ -1084,7 +1102,11 @@ class Daemon:
         self._report_predictions(outcome)
         changed = self._report_decision(decision, outcome, now)
         applying_s = 0.0
-        if outcome.acts:
+        if not outcome.acts:
+            self._refused = None
+        elif self._refusal_stands(decision, now):
+            pass  # tried again once REFUSED_RETRY_S have passed
+        else:
             if decision.reason is Reason.EXPLORE:
                 self._report_exploration(decision, outcome.current)
             if decision.reason is Reason.REGRESSION:
@@ -1659,9 +1681,9 @@ class Daemon:
             self._record_drain(outcome.drain, now)
         restarted = outcome.sglang_restarts
         if outcome.result == "aborted" and restarted == 0:
-            log.info("restart_aborted")
-            self._save_state(force=True)
+            self._note_refusal(outcome, now, log)
             return
+        self._refused = None
         self.state.restarts.append(
             {
                 "t": now,
@@ -1710,6 +1732,34 @@ class Daemon:
                 f"{outcome.result}: {outcome.message}",
             }
             log.error("restart_failed_frozen")
+        self._save_state(force=True)
+
+    def _refusal_stands(self, decision: Decision, now: float) -> bool:
+        """Whether the change ``decision`` wants was refused before anything was done less
+        than REFUSED_RETRY_S ago (a clock stepped back counts as a wait over)."""
+        refused = self._refused
+        return (
+            refused is not None
+            and refused.wanted == decision.target_name
+            and 0.0 <= now - refused.tried_at < REFUSED_RETRY_S
+        )
+
+    def _note_refusal(self, outcome: ApplyOutcome, now: float, log: Any) -> None:
+        """A sequence that ended aborted with nothing restarted: said, and saved, when it is
+        new (another change, another reason) or was last said DECISION_RELOG_S ago."""
+        wanted = outcome.to_setting or str(outcome.to_steps)
+        last = self._refused
+        if (
+            last is not None
+            and last.wanted == wanted
+            and last.message == outcome.message
+            and 0.0 <= now - last.said_at < DECISION_RELOG_S
+        ):
+            last.tried_at, last.times = now, last.times + 1
+            return
+        times = 1 if last is None or last.wanted != wanted else last.times + 1
+        log.info("restart_aborted", times=times, retry_in_s=REFUSED_RETRY_S)
+        self._refused = Refused(wanted, outcome.message, tried_at=now, said_at=now, times=times)
         self._save_state(force=True)
 
     def _record_drain(self, drain: Mapping[str, Any], now: float) -> None:

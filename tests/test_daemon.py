@@ -44,7 +44,7 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting, setting_key
 from specd.core.setting import parse as parse_setting
-from specd.daemon import STATE_SAVE_INTERVAL_S, Daemon, InFlight
+from specd.daemon import DECISION_RELOG_S, STATE_SAVE_INTERVAL_S, Daemon, InFlight
 from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
@@ -311,6 +311,77 @@ def test_a_pin_applied_now_whose_change_keeps_aborting_stops_at_its_own_budget(
     pin_now()  # the on-call writes it again: a new budget of its own
     assert d.tick().reason is Reason.OVERRIDE_PIN
     assert len(applier.calls) == 4
+
+
+STOPPED = (
+    "sglang.service is stopped (inactive, no start queued): specd starts no server someone "
+    "stopped; `systemctl start sglang.service` first"
+)
+
+
+def test_a_change_refused_before_anything_was_done_is_tried_again_a_minute_later(
+    tmp_path: Path,
+) -> None:
+    """A pin applied now with SGLang stopped by the on-call is refused, and was refused
+    again at every tick: a restart_begin and a restart_aborted every 5 s, each with a state
+    write, and 2 s of rechecking the unit. The same change is tried again after a minute,
+    the same refusal said again after DECISION_RELOG_S; another reason is said at once, and
+    a decision that no longer wants the change forgets the refusal."""
+    cfg = config(tmp_path, daily_restart_budget=3)
+    clock = [IN_WINDOW]
+    applier = Outcome(
+        {"result": "aborted", "duration_s": 0.0, "message": STOPPED, "restarts_issued": 0}
+    )
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), applier, clock)
+    path = Path(cfg.files.override_file)
+
+    def write(override: dict[str, Any] | None) -> None:
+        if override is None:
+            path.unlink()
+            return
+        path.write_text(tomli_w.dumps(override))
+        os.chmod(path, 0o600)
+        os.utime(path, (clock[0], clock[0]))
+
+    expires = datetime.fromtimestamp(IN_WINDOW + 6 * 3600, tz=UTC)
+    pin = {"mode": "pin", "steps": 2, "expires_at": expires, "reason": "x", "apply": "now"}
+    write(pin)
+
+    def ticks(seconds: float) -> list[str]:
+        with capture_logs() as logged:
+            end = clock[0] + seconds
+            while clock[0] < end:
+                assert d.tick().reason is Reason.OVERRIDE_PIN
+                clock[0] += 5
+        return [e["event"] for e in logged if e["event"].startswith("restart_")]
+
+    assert ticks(60) == ["restart_begin", "restart_aborted"]  # t = 0 .. 55 s
+    assert len(applier.calls) == 1
+    assert saved(cfg)["restarts"] == []
+    # t = 60 s: tried again, refused for the same reason: not said again
+    assert ticks(60) == ["restart_begin"]
+    assert len(applier.calls) == 2
+    # ... until DECISION_RELOG_S after it was said, with how many times in a row
+    with capture_logs() as logged:
+        while clock[0] < IN_WINDOW + DECISION_RELOG_S + 60:
+            d.tick()
+            clock[0] += 5
+    [again] = [e for e in logged if e["event"] == "restart_aborted"]
+    assert again["times"] == 11 and again["message"] == STOPPED, again
+    calls = len(applier.calls)
+    assert calls == 11
+    # Another reason is said at its first refusal.
+    applier.fields["message"] = "cannot verify a restart: SGLang refused the key"
+    clock[0] += 60
+    assert ticks(5) == ["restart_begin", "restart_aborted"]
+    # A decision that no longer wants the change forgets it: wanted again, tried at once.
+    write(None)
+    assert d.tick().reason is not Reason.OVERRIDE_PIN
+    clock[0] += 5
+    write(pin)
+    assert ticks(5) == ["restart_begin", "restart_aborted"]
+    assert len(applier.calls) == calls + 2
+    assert saved(cfg)["frozen"] is None
 
 
 def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Path) -> None:
