@@ -434,7 +434,7 @@ class Doctor:
             else:
                 advice = (
                     f"add --enable-metrics to {unit}'s command line "
-                    "(`specd install --add-enable-metrics`) and restart it"
+                    f"(`specd install --unit {unit} --add-enable-metrics`) and restart it"
                 )
             return [Check("metrics", False, text.reason, advice)]
         parsed = parse_metrics(text)

@@ -252,6 +252,31 @@ def _never_applies(
     return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600))
 
 
+def _frozen_note(cfg: Config, pin: Override, now: datetime) -> str | None:
+    """The line saying that specd, frozen, holds ``pin`` too, and how to let it run; None
+    when specd is not frozen. A pin does not lift a freeze: the restart that failed
+    froze it, and only the on-call's `specd unfreeze` says that is dealt with."""
+    from specd.commands.unfreeze import read_freeze  # noqa: PLC0415
+
+    found = read_freeze(cfg, now.timestamp())
+    if found.unknown is not None:
+        return f"note: {found.unknown}; a freeze holds this pin until `specd unfreeze`"
+    if found.frozen is None:
+        return None
+    since = found.frozen.get("since")
+    when = (
+        f" since {iso_time(datetime.fromtimestamp(since, _UTC))}"
+        if isinstance(since, (int, float))
+        else ""
+    )
+    retry = " --retry-pin" if pin.apply == "now" else ""
+    return (
+        f"note: specd is FROZEN{when} ({printable(str(found.frozen.get('reason')))}): it "
+        f"changes nothing, this pin included, until unfrozen: `specd unfreeze{retry} "
+        '--reason "..."` once the failed restart is dealt with'
+    )
+
+
 def _window_time(cfg: Config, at: datetime) -> str:
     """A window's opening on its own clock, as `specd status` and the decisions say it."""
     # Imported here, not for --help (see the module's docstring).
@@ -373,6 +398,10 @@ def run(args: argparse.Namespace) -> int:
     print(_describe(status, path, now, windows_text, checked))
     if replaced is not None:
         print(f"replaces {replaced}")
+    if held is not None and held.mode == "pin" and held.active(now):
+        frozen = _frozen_note(cfg, held, now)
+        if frozen is not None:
+            print(frozen)
     running = daemon(cfg.files.state_dir)
     if running["running"] is False:
         print(

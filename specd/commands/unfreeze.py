@@ -16,6 +16,7 @@ import argparse
 import errno
 import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -63,27 +64,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = loaded.config
     state_dir = Path(config.files.state_dir)
-    path = state_dir / STATE_FILE
     now = time.time()
-    unknown: str | None = None
-    frozen: dict[str, Any] | None = None
-    live: str | None = None
-    restarts: list[float] = []
-    try:
-        # As the daemon reads it: a freeze it cannot read is a freeze all the same.
-        state = read_state(path, HistorySettings.from_config(config), [], now=now)
-        frozen = state.frozen
-        live = (state.live or {}).get("setting")
-        restarts = list(state.restart_times())
-    except FileNotFoundError:
-        pass
-    except ValueError as exc:
-        frozen = held_freeze(exc, now)  # as the daemon keeps it (a newer specd's file)
-        if frozen is None:
-            # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not
-            # read the file cannot tell. Ask all the same: the daemon clears one, if any.
-            unknown = f"cannot tell whether specd is frozen: {path} is {exc}"
-            print(f"specd unfreeze: {unknown}", file=sys.stderr)
+    found = read_freeze(config, now)
+    frozen, live, restarts, unknown = found.frozen, found.live, found.restarts, found.unknown
+    if unknown is not None:
+        # Not "not frozen": a daemon runs on with the freeze it loaded; whoever may not read
+        # the file cannot tell. Ask all the same: the daemon clears one, if any.
+        print(f"specd unfreeze: {unknown}", file=sys.stderr)
     if frozen is None and unknown is None:
         print("specd is not frozen; nothing to clear")
         return 0
@@ -140,6 +127,35 @@ def run(args: argparse.Namespace) -> int:
         print("unfreeze requested; specd clears it within one tick (its log says `unfrozen`)")
     print(f"then: {_next(config, override, pinned, live, now, restarts)}")
     return 0
+
+
+@dataclass(frozen=True)
+class FreezeRead:
+    """What the state file says of a freeze, as the daemon reads it: the freeze (None: not
+    frozen), the setting SGLang runs, when it was restarted, and why it cannot be told
+    (None: it can)."""
+
+    frozen: dict[str, Any] | None = None
+    live: str | None = None
+    restarts: list[float] = field(default_factory=list)
+    unknown: str | None = None
+
+
+def read_freeze(config: Config, now: float) -> FreezeRead:
+    """The state file's freeze as the daemon keeps it: a freeze in a file it cannot read (a
+    newer specd's) is a freeze all the same; no file, none."""
+    path = Path(config.files.state_dir) / STATE_FILE
+    try:
+        state = read_state(path, HistorySettings.from_config(config), [], now=now)
+    except FileNotFoundError:
+        return FreezeRead()
+    except ValueError as exc:
+        frozen = held_freeze(exc, now)
+        if frozen is not None:
+            return FreezeRead(frozen)
+        return FreezeRead(unknown=f"cannot tell whether specd is frozen: {path} is {exc}")
+    live = (state.live or {}).get("setting")
+    return FreezeRead(state.frozen, live, list(state.restart_times()))
 
 
 def _next(

@@ -1026,7 +1026,7 @@ def test_metrics_off_with_the_flag_in_the_unit_already_advises_a_restart_now(
     assert "404" in without.detail
     assert without.advice == (
         "add --enable-metrics to sglang.service's command line "
-        "(`specd install --add-enable-metrics`) and restart it"
+        "(`specd install --unit sglang.service --add-enable-metrics`) and restart it"
     )
     assert not added.ok
     assert added.advice == (

@@ -25,6 +25,7 @@ from specd.cli import main
 from specd.commands.status import collect, render
 from specd.io import override as override_io
 from specd.io.config import load_config
+from specd.io.state import State, StateStore
 from specd.twin.process import free_port
 from specd.twin.standin import UNIT, make_standin
 
@@ -123,6 +124,69 @@ def test_an_expired_override_names_its_expiry_as_status_does(
     info = collect(load_config(cfg), now, "down")
     assert info["override"]["expires_at"] == shown
     assert f" ago ({shown})" in render(info, now)
+
+
+FAILED = "restart to 6 rolled_back: not healthy"
+
+
+@pytest.mark.parametrize(
+    ("state", "argv", "note"),
+    [
+        pytest.param(
+            "frozen",
+            ["pin", "2", "--for", "4h", "--now"],
+            'until unfrozen: `specd unfreeze --retry-pin --reason "..."`',
+            id="pin now: unfreeze --retry-pin",
+        ),
+        pytest.param(
+            "frozen",
+            ["pin", "2", "--for", "1d"],
+            'until unfrozen: `specd unfreeze --reason "..."`',
+            id="next window: unfreeze",
+        ),
+        pytest.param("frozen", ["show"], "until unfrozen", id="show, the pin in force"),
+        pytest.param("unreadable", ["pin", "2", "--for", "4h", "--now"], "cannot tell", id="?"),
+        pytest.param("not frozen", ["pin", "2", "--for", "4h", "--now"], None, id="no note"),
+        pytest.param("frozen", ["freeze", "--for", "4h"], None, id="a freeze: no note"),
+    ],
+)
+def test_a_pin_written_while_specd_is_frozen_says_the_freeze_holds_it(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    state: str,
+    argv: list[str],
+    note: str | None,
+) -> None:
+    """SpecdBacklogWhileBlocked's runbook said "frozen: apply now with `specd override pin N
+    --now`", and the command said "it restarts at once", while a freeze holds every change,
+    a pin too, until `specd unfreeze` (which refuses a pin applied now without
+    --retry-pin): nothing restarted, and nothing said why."""
+    cfg = zoned_config(tmp_path, "UTC", opens_in_h=6)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    if state == "frozen":
+        saved = State(frozen={"since": time.time() - 600, "reason": FAILED})
+        assert StateStore(state_dir).save(saved) is None
+    elif state == "unreadable":
+        (state_dir / "state.json").mkdir()  # as a user outside group specd reads it: not at all
+    else:
+        assert StateStore(state_dir).save(State()) is None
+    if argv == ["show"]:
+        pin = ["override", "pin", "2", "--for", "4h", "--now", "--reason", "r"]
+        assert main([*pin, "--config", str(cfg)]) == 0
+        capsys.readouterr()
+    reason = [] if argv == ["show"] else ["--reason", "backlog"]
+    assert main(["override", *argv, *reason, "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    if note is None:
+        assert not [n for n in notes if "frozen" in n.lower()], out
+        return
+    [said] = [n for n in notes if "frozen" in n.lower()]
+    assert note in said, said
+    if state == "frozen":
+        assert said.startswith("note: specd is FROZEN since 20"), said
+        assert f"({FAILED})" in said, said
 
 
 def run_as(cfg: Path, user: str, *argv: str) -> subprocess.CompletedProcess[str]:
