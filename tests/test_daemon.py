@@ -367,7 +367,8 @@ def test_a_change_refused_before_anything_was_done_is_tried_again_a_minute_later
             d.tick()
             clock[0] += 5
     [again] = [e for e in logged if e["event"] == "restart_aborted"]
-    assert again["times"] == 11 and again["message"] == STOPPED, again
+    assert again["times"] == 11, again
+    assert again["message"] == STOPPED, again
     calls = len(applier.calls)
     assert calls == 11
     # Another reason is said at its first refusal.

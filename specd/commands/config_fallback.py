@@ -6,56 +6,56 @@ running specd goes on with its last good config: the file no longer says what it
 The on-call's commands must work then (`specd unfreeze` is SpecdFrozen's runbook), so they
 take what they need from the file's valid parts, with one warning line that says so, instead
 of refusing on a typo in a table they do not read. ``load_for_oncall`` finds those parts
-with `specd.io.config`'s own loader: the keys its problems name are left out of the file's
-data, table by table, until the rest loads, so each part is checked exactly as a start of
-specd checks it (environment, types, bounds, the checks across tables), and a key left out
-takes its default, which the warning names.
+with `specd.io.config`'s own loader (`load_config_data`, on the file's data): the keys its
+problems are about (``ConfigError.located``: each problem's key paths, not its wording) are
+left out of the data, round by round, until the rest loads, so each part is checked exactly
+as a start of specd checks it (environment, types, bounds, the checks across tables), and a
+key left out takes its default, which the warning names. What a problem leaves out: the key
+it names; for an item of an array, the whole array; for a check across keys, the first of
+its keys the file sets; for a required key missing, its table.
 
 What they cannot do without is [files] (the state directory, the override file): a problem
 in that table, or a key of it written elsewhere, is refused as a start of specd refuses it,
 one line per problem, since a default path would read another state and write an override
 no specd reads. So is a file that cannot be read as TOML at all (absent, empty, not TOML),
-and a problem of this shell's ``SPECD_*`` environment. A file that is not UTF-8 is read
-with its bad bytes set apart: a key or value holding one is a problem of that key (refused
-in [files]), bad bytes in a comment are none of the file's settings.
+a problem of this shell's ``SPECD_*`` environment, and any problem no key of the file can be
+left out for. A file that is not UTF-8 is read with its bad bytes set apart: a key or value
+holding one is a problem of that key (refused in [files]), bad bytes in a comment are none
+of the file's settings.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomli_w
 
 from specd.core.settings import ARRAYS, TABLES
 from specd.core.text import printable
 from specd.io import config as io_config
 from specd.io import files
 from specd.io.config import (
-    ENV_PREFIX,
     MAX_CONFIG_BYTES,
     Config,
     ConfigError,
+    KeyPath,
+    Problem,
     load_config,
+    load_config_data,
     read_config_file,
 )
 
 # The table every on-call command takes from the file: where the state and the override are.
 NEEDED = "files"
-_NEEDED_KEYS = tuple(TABLES[NEEDED].model_fields)
 # Each round leaves out every key its problems name; the next finds what those hid (a check
 # across tables runs once every table loads), so a few rounds do.
 MAX_ROUNDS = 64
 # The keys whose default would change what a pin or an override is checked against.
 _RANGE = ("choose.min_steps", "choose.max_steps")
 _NOT_UTF8 = "not UTF-8 text"
-
-KeyPath = tuple[str | int, ...]
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def load_for_oncall(command: str, path: Path | None) -> OncallConfig | None:
     try:
         return OncallConfig(load_config(path, calibration=False), shown)
     except ConfigError as exc:
-        problems = list(exc.problems)
-    found = _valid_parts(shown, problems)
+        located = exc.located
+    found = _valid_parts(shown, located)
     blocking = found.unresolved + [
         p for p in found.problems if _about_needed(p) and p not in found.unresolved
     ]
@@ -124,57 +124,52 @@ def load_for_oncall(command: str, path: Path | None) -> OncallConfig | None:
         for problem in blocking or found.problems:
             print(_refusal(command, shown, problem), file=sys.stderr)
         return None
-    loaded = OncallConfig(found.config, shown, tuple(found.problems), found.defaults_for)
+    problems = tuple(p.text for p in found.problems)
+    loaded = OncallConfig(found.config, shown, problems, found.defaults_for)
     warning = loaded.warning(command)
     if warning is not None:
         print(warning, file=sys.stderr)
     return loaded
 
 
-def _refusal(command: str, path: Path, problem: str) -> str:
-    if problem.startswith(ENV_PREFIX):
+def _refusal(command: str, path: Path, problem: Problem) -> str:
+    if problem.env and not problem.keys:  # a variable itself: unknown, or not JSON
         return (
-            f"{command}: {printable(problem)} (this shell's environment, not {path}: unset it "
-            "or correct it); nothing done"
+            f"{command}: {printable(problem.text)} (this shell's environment, not {path}: "
+            "unset it or correct it); nothing done"
         )
     return (
-        f"{command}: {path}: {printable(problem)}; refused: {command} takes [{NEEDED}] "
+        f"{command}: {path}: {printable(problem.text)}; refused: {command} takes [{NEEDED}] "
         "(state_dir, override_file) from this file (a running specd keeps its last good "
         f"config meanwhile; fix the file, `specd check-config {path}`); nothing done"
     )
 
 
-def _about_needed(problem: str) -> bool:
+def _about_needed(problem: Problem) -> bool:
     """Whether ``problem`` is about [files]: a key in it, the table itself, one of its keys
-    written elsewhere (which the operator meant as that path)."""
-    where = problem.split(": ", 1)[0]
-    moved = re.match(r"`([^`]+)`", problem)
-    if moved is not None:
-        where = moved.group(1)
-    head = re.split(r"[.\[]", where, maxsplit=1)[0]
-    tail = re.split(r"[.\]\[]", where)[-1] if where else ""
-    return (
-        head == NEEDED
-        or tail in _NEEDED_KEYS
-        or re.search(rf"\b{NEEDED}\.({'|'.join(_NEEDED_KEYS)})\b|\[{NEEDED}\]", problem) is not None
+    written elsewhere (which the operator meant as that setting)."""
+    meant = problem.meant_as
+    return any(key[:1] == (NEEDED,) for key in problem.keys) or (
+        meant is not None and meant.split(".", 1)[0] == NEEDED
     )
 
 
 @dataclass
 class _Found:
     config: Config | None
-    problems: list[str]
-    unresolved: list[str]  # problems no key of the file's can be left out for
+    problems: list[Problem]
+    unresolved: list[Problem]  # problems no key of the file's can be left out for
     defaults_for: tuple[str, ...] = ()
 
 
-def _valid_parts(path: Path, problems: list[str]) -> _Found:
-    """The config from the file's data without the keys its problems name. ``problems``:
-    load_config's on the file, the file's own as `specd check-config` and a reload name
-    them (one not UTF-8 is decoded here first, and its own are those of the first round).
-    A later round may name more (the checks across tables run once each table loads; a
-    default may not fit a key the file sets): those are left out too, and added to
-    ``problems`` only where they are about [files], which refuses."""
+def _valid_parts(path: Path, first: Sequence[Problem]) -> _Found:
+    """The config from the file's data without the keys its problems are about. ``first``:
+    load_config's on the file, the file's own as `specd check-config` and a reload name them
+    (one not UTF-8 is decoded here first, and its own are those of the first round). A later
+    round may find more (the checks across tables run once each table loads; a default may
+    not fit a key the file sets): those are left out too, and added to the problems only
+    where they are about [files], which refuses."""
+    problems = list(first)
     left_out: list[KeyPath] = []
     own = False  # whether the next round's problems are the file's own
     try:
@@ -183,40 +178,40 @@ def _valid_parts(path: Path, problems: list[str]) -> _Found:
         recovered = _undecoded(path)
         if recovered is None:
             return _Found(None, problems, list(problems))
-        data, located = recovered
-        if located:
-            problems = [p for p in problems if not p.startswith(_NOT_UTF8)]
-        else:
-            problems = [f"{p}, in a comment" if p.startswith(_NOT_UTF8) else p for p in problems]
-        for where, problem in located:
-            _prune(data, where)
-            left_out.append(where)
+        data, located, bom = recovered
+        if not bom:
+            # ``first`` is the file's one problem, its bytes not UTF-8 (`read_config_file`;
+            # one with a BOM is named as such, and stays): said key by key, or, where no key
+            # holds a bad byte, as in a comment.
+            problems = (
+                []
+                if located
+                else [Problem(f"{p.text}, in a comment", p.keys, p.env, p.meant_as) for p in first]
+            )
+        for problem in located:
+            left_out.append(_prune(data, problem.keys[0]))
             problems.append(problem)
         own = True
-    with tempfile.TemporaryDirectory(prefix="specd-oncall-") as tmp:
-        file = Path(tmp) / "specd.toml"
-        for _ in range(MAX_ROUNDS):
-            try:
-                file.write_text("# its valid parts\n" + tomli_w.dumps(data), encoding="utf-8")
-                config = load_config(file, calibration=False)
-            except ConfigError as exc:
-                unresolved: list[str] = []
-                for problem in exc.problems:
-                    if problem not in problems and (own or _about_needed(problem)):
-                        problems.append(problem)
-                    named = _locate(data, problem)
-                    if named is None:
-                        unresolved.append(problem)
-                    else:
-                        _prune(data, named)
-                        left_out.append(named)
-                if len(unresolved) == len(exc.problems):
-                    return _Found(None, problems, unresolved)
-                own = False
-            except (TypeError, ValueError, UnicodeError) as exc:  # not writable as TOML
-                return _Found(None, problems, [str(exc)])
-            else:
-                return _Found(config, problems, [], tuple(_names(left_out)))
+    for _ in range(MAX_ROUNDS):
+        try:
+            config = load_config_data(data, path_shown=path, calibration=False)
+        except ConfigError as exc:
+            unresolved: list[Problem] = []
+            said = {p.text for p in problems}
+            for problem in exc.located:
+                if problem.text not in said and (own or _about_needed(problem)):
+                    problems.append(problem)
+                    said.add(problem.text)
+                named = None if problem.env else _locate(data, problem)
+                if named is None:
+                    unresolved.append(problem)
+                else:
+                    left_out.append(_prune(data, named))
+            if len(unresolved) == len(exc.located):
+                return _Found(None, problems, unresolved)
+            own = False
+        else:
+            return _Found(config, problems, [], tuple(_names(left_out)))
     return _Found(None, problems, list(problems))
 
 
@@ -235,73 +230,40 @@ def _names(left_out: list[KeyPath]) -> Iterator[str]:
             yield name
 
 
-def _locate(data: dict[str, Any], problem: str) -> KeyPath | None:
-    """What to leave out of ``data`` for ``problem``: the key it names, the whole array
-    for an item of one, the keys a problem of a table names (else the table), the table of a
-    key the file does not set (a required one missing). None: nothing of the file's."""
-    moved = re.match(r"`([^`]+)`", problem)
-    where = moved.group(1) if moved is not None else problem.split(": ", 1)[0]
-    path, rest = _resolve(data, where)
-    if not path:
-        # A problem named by what it mentions (a range across tables): the keys it names.
-        for table, key in re.findall(r"\b(\w+)\.(\w+)\b", problem):
-            if isinstance(data.get(table), dict) and key in data[table]:
-                return (table, key)
-        return None
-    head = str(path[0])  # a key of the top level
-    if not isinstance(data[head], dict) or head not in TABLES:
-        return path[:1]  # an array, a table written as a value, a key of no table
-    if len(path) >= 2:
-        return path[:2]
-    if not rest:
-        # The table's own check ("min_steps (7) > max_steps (5)"): the keys it names.
-        named = [k for k in data[head] if re.search(rf"\b{re.escape(k)}\b", problem)]
-        if named:
-            return (head, named[0])
-    return path[:1]
+def _locate(data: dict[str, Any], problem: Problem) -> KeyPath | None:
+    """What to leave out of ``data`` for ``problem``: the first of its keys the file sets
+    (for an item of an array or of a key of no table: the whole top-level key), or for a
+    problem about one key the file does not set (a required one missing), its table. None:
+    nothing of the file's."""
+    for where in problem.keys:
+        head = where[0] if where else None
+        if not isinstance(head, str) or head not in data:
+            continue
+        if head not in TABLES or not isinstance(data[head], dict) or len(where) == 1:
+            return (head,)  # an array, a table written as a value, a key of no table
+        if where[1] in data[head]:
+            return (head, where[1])
+        if len(problem.keys) == 1:
+            return (head,)
+    return None
 
 
-def _resolve(data: dict[str, Any], where: str) -> tuple[KeyPath, str]:
-    """The longest path of ``data`` that ``where`` (``windows[0].cron``) names, and what is
-    left of ``where`` past it. Keys are matched whole, so a key holding a dot is found."""
-    path: list[str | int] = []
-    node: Any = data
-    rest = where
-    while rest:
-        if isinstance(node, dict):
-            keys = [
-                k
-                for k in node
-                if isinstance(k, str) and (rest == k or rest.startswith((k + ".", k + "[")))
-            ]
-            if not keys:
-                break
-            key = max(keys, key=len)
-            path.append(key)
-            node, rest = node[key], rest[len(key) :].removeprefix(".")
-        elif isinstance(node, list):
-            index = re.match(r"\[(\d+)\]\.?", rest)
-            if index is None or int(index.group(1)) >= len(node):
-                break
-            path.append(int(index.group(1)))
-            node, rest = node[int(index.group(1))], rest[index.end() :]
-        else:
-            break
-    return tuple(path), rest
+def _prune(data: dict[str, Any], where: KeyPath) -> KeyPath:
+    """Leave ``where`` out of ``data``: a key of a table, else the whole top-level key (an
+    item of an array: the whole array). What was left out."""
+    head = str(where[0])
+    if len(where) >= 2 and isinstance(data.get(head), dict):
+        data[head].pop(where[1], None)
+        return (head, where[1])
+    data.pop(head, None)
+    return (head,)
 
 
-def _prune(data: dict[str, Any], where: KeyPath) -> None:
-    """Leave ``where`` out of ``data`` (an item of an array: the whole array)."""
-    if len(where) >= 2 and isinstance(data.get(str(where[0])), dict):
-        data[str(where[0])].pop(where[1], None)
-    else:
-        data.pop(str(where[0]), None)
-
-
-def _undecoded(path: Path) -> tuple[dict[str, Any], list[tuple[KeyPath, str]]] | None:
+def _undecoded(path: Path) -> tuple[dict[str, Any], list[Problem], bool] | None:
     """The file's data where it is TOML but not UTF-8 (or starts with a BOM), its bad bytes
-    set apart, and each key holding one with its problem; None when it is not TOML (absent,
-    empty, unreadable, not TOML once decoded): then what it says is not known."""
+    set apart; each key holding one, as a problem of that key; and whether the file starts
+    with a BOM. None when it is not TOML (absent, empty, unreadable, not TOML once decoded):
+    then what it says is not known."""
     try:
         raw = files.read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True)
     except files.FileReadError:
@@ -317,11 +279,11 @@ def _undecoded(path: Path) -> tuple[dict[str, Any], list[tuple[KeyPath, str]]] |
         data = files.parse_toml(text)
     except files.ParseError:
         return None
-    located: list[tuple[KeyPath, str]] = []
-    for where, shown in _holding(data, marker):
-        top = where if isinstance(data.get(str(where[0])), dict) else where[:1]
-        located.append((top[:2], f"{shown.replace(marker, '?')}: {_NOT_UTF8}"))
-    return data, located
+    located = [
+        Problem(f"{shown.replace(marker, '?')}: {_NOT_UTF8}", (where,))
+        for where, shown in _holding(data, marker)
+    ]
+    return data, located, raw.startswith(files.UTF8_BOM)
 
 
 def _holding(

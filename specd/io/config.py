@@ -16,6 +16,12 @@ A ``SPECD_*`` variable wins over the file: ``shadowed_keys`` names each key of t
 overrides, since an edit to such a key does nothing (`specd check-config` warns of each; the
 daemon, which runs in the unit's environment, on each reload).
 
+Each problem is also made as a ``Problem`` (``ConfigError.located``, beside the lines): what
+of the file's data it is about, as key paths (``("choose", "max_steps")``, ``("windows", 0,
+"cron")``), whether a ``SPECD_*`` variable made it, and for a key in the wrong place the
+setting it was meant as; `specd.commands.config_fallback` leaves those keys out of a file
+with problems without reading the lines. ``load_config_data`` loads already parsed data.
+
 `specd check-config` (specd.commands.check_config) prints the result.
 """
 
@@ -25,8 +31,8 @@ import contextvars
 import json
 import os
 import re
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -56,23 +62,21 @@ from specd.io import files
 from specd.io.calibration import CalibrationError, read_calibration
 from specd.io.paths import DEFAULT_CONFIG_PATH
 
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - exercised on 3.10 only
-    pass  # type: ignore[import-not-found,unused-ignore]
-
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ENV_PREFIX",
     "Band",
     "Config",
     "ConfigError",
+    "KeyPath",
+    "Problem",
     "Shadowed",
     "Window",
     "check_calibration",
     "config_changes",
     "config_to_dict",
     "load_config",
+    "load_config_data",
     "read_config_file",
     "shadowed_in_file",
     "shadowed_keys",
@@ -88,11 +92,34 @@ SETTLE_INTERVAL_S = 0.5
 SETTLE_READS = 10
 
 
-class ConfigError(Exception):
-    """A configuration that cannot be used; ``problems`` has one line per problem."""
+# A key of the config file's data, from the top: ("choose", "max_steps"), ("windows", 0, "cron").
+KeyPath = tuple[str | int, ...]
 
-    def __init__(self, problems: list[str], path: Path | None = None) -> None:
-        self.problems = list(problems)
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a configuration: its line, and what it is about."""
+
+    text: str  # the line, as ConfigError.problems has it
+    # The keys of the file's data it is about (a key the file may not set: a required one
+    # missing, one a variable set); () for the file as a whole, or a variable alone.
+    keys: tuple[KeyPath, ...] = ()
+    # Made by a SPECD_* variable (its value, or the variable itself), not by the file.
+    env: bool = False
+    # For a known key in the wrong place: the setting it was meant as ("files.state_dir").
+    meant_as: str | None = None
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class ConfigError(Exception):
+    """A configuration that cannot be used; ``problems`` has one line per problem, and
+    ``located`` the same problems with what each is about (`Problem`)."""
+
+    def __init__(self, problems: Sequence[str | Problem], path: Path | None = None) -> None:
+        self.located = tuple(p if isinstance(p, Problem) else Problem(p) for p in problems)
+        self.problems = [p.text for p in self.located]
         self.path = path  # the config file the problems are about, if any
         super().__init__("; ".join(self.problems))
 
@@ -139,6 +166,16 @@ class Config(Settings, BaseSettings):
 # -- where a key belongs ------------------------------------------------------------------
 
 
+def _meant_as(key: str) -> str | None:
+    """The setting ``key`` is, written elsewhere: ``files.state_dir``, ``windows``."""
+    if key in RENAMED_KEYS:
+        table, new = RENAMED_KEYS[key]
+        return f"{table}.{new}"
+    if key in TABLE_OF_KEY:
+        return f"{TABLE_OF_KEY[key]}.{key}"
+    return key if key in ARRAYS else None
+
+
 def _home_of(key: str) -> str | None:
     """Where ``key`` belongs, as a phrase, if it is a known key of some table."""
     if key in RENAMED_KEYS:
@@ -151,16 +188,19 @@ def _home_of(key: str) -> str | None:
     return None
 
 
-def _placement_problems(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+def _placement_problems(data: dict[str, Any]) -> tuple[list[Problem], dict[str, Any]]:
     """Keys in the wrong place, one line each, and the data without them (so the rest is
     still validated and every problem is reported in one go)."""
-    problems: list[str] = []
+    problems: list[Problem] = []
     kept: dict[str, Any] = {}
     for key, value in data.items():
         if key in TABLES:
             if not isinstance(value, dict):
                 problems.append(
-                    f"{key}: expected a table ([{key}]), got {type(value).__name__} {value!r}"
+                    Problem(
+                        f"{key}: expected a table ([{key}]), got {type(value).__name__} {value!r}",
+                        ((key,),),
+                    )
                 )
                 continue
             inner: dict[str, Any] = {}
@@ -169,18 +209,20 @@ def _placement_problems(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]
                 if home is None:
                     inner[name] = item
                 else:
-                    problems.append(f"{key}.{name}: {home}")
+                    problems.append(
+                        Problem(f"{key}.{name}: {home}", ((key, name),), meant_as=_meant_as(name))
+                    )
             kept[key] = inner
         elif key in ARRAYS:
             kept[key] = value
         elif (home := _home_of(key)) is not None:
-            problems.append(home)
+            problems.append(Problem(home, ((key,),), meant_as=_meant_as(key)))
         else:
             kept[key] = value  # unknown: pydantic names it
     return problems, kept
 
 
-def _type_problems(data: Mapping[str, Any]) -> list[str]:
+def _type_problems(data: Mapping[str, Any]) -> list[Problem]:
     """Wrong scalar types in the file. TOML is typed: `max_steps = "6"` or `= true` is a
     mistake, although pydantic would coerce it (it must, for environment strings)."""
     problems = []
@@ -188,8 +230,11 @@ def _type_problems(data: Mapping[str, Any]) -> list[str]:
         if key in ARRAYS:
             if not isinstance(value, list):
                 problems.append(
-                    f"{key}: expected an array of tables ([[{key}]]), "
-                    f"got {type(value).__name__} {value!r}"
+                    Problem(
+                        f"{key}: expected an array of tables ([[{key}]]), "
+                        f"got {type(value).__name__} {value!r}",
+                        ((key,),),
+                    )
                 )
             continue
         model = TABLES.get(key)
@@ -202,22 +247,39 @@ def _type_problems(data: Mapping[str, Any]) -> list[str]:
             want = _wrong_type(field.annotation, item)
             if want is not None:
                 problems.append(
-                    f"{key}.{name}: expected {want}, got {type(item).__name__} {item!r}"
+                    Problem(
+                        f"{key}.{name}: expected {want}, got {type(item).__name__} {item!r}",
+                        ((key, name),),
+                    )
                 )
     return problems
 
 
-def _nul_problems(value: Any, where: str = "") -> list[str]:
+def _nul_problems(value: Any, where: KeyPath = ()) -> list[Problem]:
     """Strings holding a NUL: TOML allows "\\u0000", but no path, unit, URL or argument can
     hold one (os and subprocess raise on it, where the daemon could not say why)."""
     if isinstance(value, str):
-        return [f"{where}: holds a NUL character (\\u0000)"] if "\x00" in value else []
+        if "\x00" not in value:
+            return []
+        return [Problem(f"{_dotted(where)}: holds a NUL character (\\u0000)", (where,))]
     if isinstance(value, dict):
-        dot = f"{where}." if where else ""
-        return [p for k, v in value.items() for p in _nul_problems(v, f"{dot}{k}")]
+        return [p for k, v in value.items() for p in _nul_problems(v, (*where, k))]
     if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in _nul_problems(v, f"{where}[{i}]")]
+        return [p for i, v in enumerate(value) for p in _nul_problems(v, (*where, i))]
     return []
+
+
+def _dotted(where: KeyPath) -> str:
+    """A key path as its lines name it: ``windows[0].cron``."""
+    out = ""
+    for part in where:
+        out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + part
+    return out
+
+
+def _key_path(setting: str) -> KeyPath:
+    """``choose.max_steps`` (as `specd.core.settings.Problems` names a key) as a key path."""
+    return tuple(setting.split(".", 1))
 
 
 def _wrong_type(expected: Any, value: Any) -> str | None:
@@ -235,14 +297,40 @@ def _wrong_type(expected: Any, value: Any) -> str | None:
 # -- pydantic's errors as one line each ---------------------------------------------------
 
 
+def _loc_path(loc: tuple[int | str, ...]) -> KeyPath:
+    """pydantic's location as a key path of the data (without its validators' names)."""
+    return tuple(
+        part
+        for part in loc
+        if isinstance(part, int) or (part and not part.startswith(("function-", "model-", "json-")))
+    )
+
+
 def _format_loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part and not part.startswith(("function-", "model-", "json-")):
-            out += ("." if out else "") + part
-    return out
+    return _dotted(_loc_path(loc))
+
+
+def _setting_of(where: KeyPath) -> str:
+    """The setting a key path is in: ``choose.max_steps``, ``windows``, ``choose``."""
+    head = str(where[0])
+    if head in TABLES and len(where) >= 2:
+        return f"{head}.{where[1]}"
+    return head
+
+
+def _in_data(data: Mapping[str, Any], where: KeyPath) -> bool:
+    """Whether ``data`` holds the key path ``where``."""
+    node: Any = data
+    for part in where:
+        held = (
+            part in node
+            if isinstance(node, Mapping)
+            else isinstance(node, list) and isinstance(part, int) and part < len(node)
+        )
+        if not held:
+            return False
+        node = node[part]
+    return True
 
 
 def _env_name_of(loc: tuple[int | str, ...]) -> str | None:
@@ -307,20 +395,29 @@ def _naming_setters(text: str, keys: tuple[str, ...], setters: Mapping[str, str]
     return f"{text} ({said})"
 
 
-def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
+def _problems_from(
+    error: ValidationError, reported_env: set[str], data: Mapping[str, Any]
+) -> list[Problem]:
+    """pydantic's errors, one line each; ``data``: the file's, as validated."""
     problems = []
     errors = error.errors(include_url=False)
+    setters = _env_setters(os.environ)
     for err in errors:
         loc = tuple(err["loc"])
         cause = err.get("ctx", {}).get("error")
         if isinstance(cause, Problems):
             # A check across keys: each problem names the variables that set its keys (the
             # table's or the model's location alone would name none).
-            setters = _env_setters(os.environ)
             where = _format_loc(loc)
             for text, keys in cause.problems:
                 line = _naming_setters(text, keys, setters)
-                problems.append(f"{where}: {line}" if where else line)
+                problems.append(
+                    Problem(
+                        f"{where}: {line}" if where else line,
+                        tuple(_key_path(k) for k in keys),
+                        env=bool(keys) and all(_setter_of(k, setters) for k in keys),
+                    )
+                )
             continue
         if err["type"] in ("too_short", "too_long") and any(
             tuple(other["loc"])[: len(loc)] == loc and len(other["loc"]) > len(loc)
@@ -329,13 +426,25 @@ def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
             # pydantic counts the items that validated: kinds = ["statc"] is also "at
             # least 1 item, not 0". The item's own error is the problem.
             continue
-        key = _format_loc(loc)
+        path = _loc_path(loc)
+        key = _dotted(path)
         env_name = _env_name_of(loc)
+        # From the environment: a variable sets the key, or one is named and the file does
+        # not hold the key (an unknown key of a table's JSON).
+        env = bool(path) and (
+            _setter_of(_setting_of(path), setters) is not None
+            or (env_name is not None and not _in_data(data, path))
+        )
+        about = (path,) if path else ()
+        meant_as = None
         message = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             if env_name in reported_env:
                 continue  # already one line, naming the variable
             message = "unknown key (check the spelling; see etc/specd/specd.toml)"
+            # A known key of another table (in an item of an array, a table's JSON).
+            name = path[-1] if path else None
+            meant_as = _meant_as(name) if isinstance(name, str) else None
         elif err["type"] == "missing":
             message = "required key is missing"
         elif err["type"] not in ("value_error", "assertion_error", "too_long") and "input" in err:
@@ -346,9 +455,10 @@ def _problems_from(error: ValidationError, reported_env: set[str]) -> list[str]:
         # A model-level check reports several problems joined by "; ".
         parts = message.split("; ") if err["type"] == "value_error" else [message]
         if key in TABLES or not key:
-            problems += [f"{key}: {part}" if key else part for part in parts]
+            lines = [f"{key}: {part}" if key else part for part in parts]
         else:
-            problems.append(f"{key}: {message}")
+            lines = [f"{key}: {message}"]
+        problems += [Problem(line, about, env=env, meant_as=meant_as) for line in lines]
     return problems
 
 
@@ -407,7 +517,7 @@ def _json_shape(name: str) -> tuple[str, str] | None:
     return None
 
 
-def _env_json_problems() -> list[str]:
+def _env_json_problems() -> list[Problem]:
     """One line per SPECD_* variable that must be JSON and is not: pydantic-settings stops
     at the first, and names its table only (SPECD_CHOOSE for SPECD_CHOOSE__KINDS)."""
     problems = []
@@ -430,17 +540,24 @@ def _env_json_problems() -> list[str]:
             # broken JSON text it says where.
             where = "" if bare else f" ({str(exc).removeprefix('invalid JSON: ')})"
             such_as = f", such as {name}='{example}'" if example else ""
-            problems.append(f"{name}: not valid JSON{where}; {what}{such_as}")
+            problems.append(Problem(f"{name}: not valid JSON{where}; {what}{such_as}", env=True))
     return problems
 
 
-def _unknown_env() -> tuple[list[str], set[str]]:
+def _unknown_env() -> tuple[list[Problem], set[str]]:
     known = _known_env_names()
     problems, names = [], set()
     for name in sorted(os.environ):
         upper = name.upper()
         if upper.startswith(ENV_PREFIX) and upper not in known:
-            problems.append(f"{name}: unknown setting in the environment{_env_hint(upper)}")
+            table, _, key = upper[len(ENV_PREFIX) :].partition(ENV_NESTED_DELIMITER)
+            problems.append(
+                Problem(
+                    f"{name}: unknown setting in the environment{_env_hint(upper)}",
+                    env=True,
+                    meant_as=_meant_as((key or table).lower()),
+                )
+            )
             names.add(upper)
     return problems, names
 
@@ -501,13 +618,21 @@ def _empty_problem(size: int) -> str:
 def check_calibration(settings: Settings) -> list[str]:
     """The configured calibration table, read once so a bad table stops `specd
     check-config` and the daemon's start, not a decision hours later; one line or none."""
+    return [text for text, _ in _calibration_problems(settings)]
+
+
+_CALIBRATION_FILE = "choose.calibration_file"
+
+
+def _calibration_problems(settings: Settings) -> list[tuple[str, tuple[str, ...]]]:
+    """`check_calibration`'s lines, each with the settings it is about."""
     path = settings.choose.calibration_file
     if path is None:
         return []
     try:
         calibration = read_calibration(path)
     except CalibrationError as exc:
-        return [f"choose.calibration_file: {exc}"]
+        return [(f"{_CALIBRATION_FILE}: {exc}", (_CALIBRATION_FILE,))]
     choose = settings.choose
     known = set(calibration.table.steps())
     sets = [(text, parse_setting(text)) for text in choose.adaptive_candidate_sets]
@@ -518,8 +643,11 @@ def check_calibration(settings: Settings) -> list[str]:
         or ("adaptive" in choose.kinds and predicted)
     ):
         return [
-            f"choose.kinds: {path} can predict none of {list(choose.kinds)} (off needs a "
-            "steps-0 row, an adaptive set a row for each of its step counts)"
+            (
+                f"choose.kinds: {path} can predict none of {list(choose.kinds)} (off needs a "
+                "steps-0 row, an adaptive set a row for each of its step counts)",
+                ("choose.kinds", _CALIBRATION_FILE),
+            )
         ]
     if "adaptive" not in choose.kinds:
         return []
@@ -527,13 +655,16 @@ def check_calibration(settings: Settings) -> list[str]:
     # would be a guess about the deepest candidate's capacity. A set the operator wrote
     # that the table cannot predict is a mistake to stop on; one of specd's default sets
     # is left out of the choices instead (`specd.core.choices.offer`; doctor says so).
-    problems = []
+    problems: list[tuple[str, tuple[str, ...]]] = []
     for text, setting in sets:
         lacking = sorted(setting.table_steps - known)
         if lacking and text not in DEFAULT_ADAPTIVE_SETS:
             problems.append(
-                f"choose.adaptive_candidate_sets: {text!r} uses steps "
-                f"{','.join(map(str, lacking))}, which {path} has no rows for"
+                (
+                    f"choose.adaptive_candidate_sets: {text!r} uses steps "
+                    f"{','.join(map(str, lacking))}, which {path} has no rows for",
+                    ("choose.adaptive_candidate_sets", _CALIBRATION_FILE),
+                )
             )
     return problems
 
@@ -558,19 +689,30 @@ def load_config(
         config_path = None
     elif config_path is not None:
         data = read_config_file(config_path, settle)
-    problems, data = _placement_problems(data)
-    problems += _type_problems(data)
-    problems += _nul_problems(data)
+    return load_config_data(data, path_shown=config_path, calibration=calibration)
+
+
+def load_config_data(
+    data: Mapping[str, Any], *, path_shown: Path | None, calibration: bool = True
+) -> Config:
+    """`load_config` on the config file's data as `read_config_file` parsed it (not changed
+    here), environment over it; ``path_shown``: the file it is said to be (ConfigError.path),
+    None for none."""
+    problems, kept = _placement_problems(dict(data))
+    problems += _type_problems(kept)
+    problems += _nul_problems(kept)
     env_problems, env_names = _unknown_env()
     problems += env_problems
-    token = _FILE_DATA.set(data)
+    token = _FILE_DATA.set(kept)
     config: Config | None = None
     try:
         config = Config()
     except ValidationError as exc:
         # A key whose type was already reported gets one line, not two.
-        seen = {p.split(":", 1)[0] for p in problems}
-        problems += [p for p in _problems_from(exc, env_names) if p.split(":", 1)[0] not in seen]
+        seen = {p.text.split(":", 1)[0] for p in problems}
+        problems += [
+            p for p in _problems_from(exc, env_names, kept) if p.text.split(":", 1)[0] not in seen
+        ]
     except (SettingsError, RecursionError) as exc:
         # pydantic-settings fails this way on malformed JSON in a variable (RecursionError:
         # nested thousands deep, which its json.loads does not survive).
@@ -578,23 +720,27 @@ def load_config(
         if not found:
             field = re.search(r'field "(\w+)"', str(exc))
             name = ENV_PREFIX + field.group(1).upper() if field else "environment"
-            found = [f"{name}: not valid JSON: {exc.__cause__ or exc}"]
+            found = [Problem(f"{name}: not valid JSON: {exc.__cause__ or exc}", env=True)]
         problems += found
     finally:
         _FILE_DATA.reset(token)
     if (
         calibration
         and config is not None
-        and not any(p.startswith("choose.calibration_file:") for p in problems)
+        and not any(_key_path(_CALIBRATION_FILE) in p.keys for p in problems)
     ):
         # Its lines name the variable that set the table, the kinds or the sets, if one did.
         setters = _env_setters(os.environ)
         problems += [
-            _naming_setters(p, (p.split(":", 1)[0], "choose.calibration_file"), setters)
-            for p in check_calibration(config)
+            Problem(
+                _naming_setters(text, keys, setters),
+                tuple(_key_path(k) for k in keys),
+                env=all(_setter_of(k, setters) for k in keys),
+            )
+            for text, keys in _calibration_problems(config)
         ]
     if problems:
-        raise ConfigError(problems, config_path)
+        raise ConfigError(problems, path_shown)
     assert config is not None
     return config
 

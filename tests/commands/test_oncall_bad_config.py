@@ -259,3 +259,34 @@ def test_a_pin_is_checked_against_the_step_range_the_warning_names(box: Box, sou
         assert not box.override.exists()
     else:
         assert "steps = 8" in box.override.read_text()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_check_across_tables_leaves_out_the_key_the_file_sets(box: Box, command: str) -> None:
+    # max_steps = 3 against the default bands (4 and 3 steps): the file sets only max_steps,
+    # so that is what is left out, whatever the problem's line says.
+    box.config.write_bytes(box.good() + b"[choose]\nmax_steps = 3\n")
+    done = run(box, command)
+    check_worked(box, command, done)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(
+        f"{command}: warning: {box.config} has 1 problem "
+        "(bands[0].steps: 4 is outside choose.min_steps..max_steps (1..3))"
+    ), lines[0]
+    assert lines[0].endswith("steps 1..6 (max_steps at the default: left out)"), lines[0]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_problem_of_the_environment_is_refused_as_the_shells(box: Box, command: str) -> None:
+    box.config.write_bytes(box.good() + TYPO)
+    env = {**environment(), "SPECD_STATE_DIR": "/elsewhere"}
+    done = specd_main(*COMMANDS[command], "--config", str(box.config), env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"{command}: SPECD_STATE_DIR: unknown setting in the environment; `state_dir` belongs "
+        "in [files]: use SPECD_FILES__STATE_DIR (this shell's environment, not "
+        f"{box.config}: unset it or correct it); nothing done"
+    ]
+    assert not box.override.exists()
+    assert not (box.state / UNFREEZE_REQUEST).exists()
