@@ -322,6 +322,7 @@ class Daemon:
         # The loop's last beat (time.monotonic()), for the StopGuard; and how the guard ends
         # a process whose loop hangs while it stops (tests replace it).
         self._beaten_at = time.monotonic()
+        self._window_gauges_at = 0.0  # time.monotonic() of their last update
         self.end_process: Callable[[], None] = os.abort
         self._wake = threading.Event()
         self._reload_requested = threading.Event()
@@ -476,6 +477,14 @@ class Daemon:
         self._beaten_at = time.monotonic()
         self.notifier.beat()
         flight = self._in_flight
+        if (
+            flight is not None
+            and self._beaten_at - self._window_gauges_at >= self.config.observe.scrape_interval_s
+        ):
+            # A window opens or closes while a sequence holds the loop: said as it happens
+            # (a dashboard showing the window closed beside a restart in progress says
+            # specd restarted outside it).
+            self._window_gauges(self.clock())
         # Before its journal exists a sequence has restarted nothing, and a stop ends it at
         # once; from then on it may have a drained worker to re-add (ready_timeout_s) even
         # when the stop ends it before the restart, or a restart to finish.
@@ -1111,6 +1120,9 @@ class Daemon:
                 self._report_exploration(decision, outcome.current)
             if decision.reason is Reason.REGRESSION:
                 self._report_regression(outcome)
+            # The sequence blocks the loop for minutes (an hour at worst): what the gauges
+            # say meanwhile is this tick's (mode, override, target), not the last one's.
+            self._update_gauges(now, override)
             began = time.perf_counter()
             self._apply(decision, outcome, override, now)
             # specd_restart_duration_seconds times the sequence; the tick's own time is
@@ -1854,10 +1866,7 @@ class Daemon:
         # Only the configured step counts: one a reload left out keeps no old value.
         m.set_by_setting(m.accept_length, lengths)
         m.set_by_setting(m.acceptance_alpha, alphas)
-        at = utc(now)
-        m.window_open.set(1 if windows.is_open(cfg.windows, at) else 0)
-        m.window_next_open.set(windows.next_open(cfg.windows, at).timestamp())
-        m.window_next_close.set(windows.next_close(cfg.windows, at).timestamp())
+        self._window_gauges(now)
         spent = self.state.restarts_in_day(now)
         m.restart_budget.set(cfg.restart.daily_restart_budget)
         m.restart_budget_remaining.set(max(0, cfg.restart.daily_restart_budget - spent))
@@ -1884,6 +1893,14 @@ class Daemon:
             m.set_mode("freeze" if frozen else "auto")
             m.set_override_info(None, "")
             m.steps_pinned.set(float("nan"))
+
+    def _window_gauges(self, now: float) -> None:
+        windows_ = self.config.windows
+        at = utc(now)
+        self._window_gauges_at = time.monotonic()
+        self.metrics.window_open.set(1 if windows.is_open(windows_, at) else 0)
+        self.metrics.window_next_open.set(windows.next_open(windows_, at).timestamp())
+        self.metrics.window_next_close.set(windows.next_close(windows_, at).timestamp())
 
     def _status_text(self) -> str:
         d = self.last_decision

@@ -385,6 +385,49 @@ def test_a_change_refused_before_anything_was_done_is_tried_again_a_minute_later
     assert saved(cfg)["frozen"] is None
 
 
+def test_the_gauges_say_what_a_restart_in_flight_is_for_and_when_its_window_closes(
+    tmp_path: Path,
+) -> None:
+    """The gauges were updated after the restart sequence, which holds the loop for minutes
+    (an hour at worst): through a pin applied now they said mode auto, no override file,
+    target the last decision's; and a window that opened or closed meanwhile was not said
+    until the sequence ended (a dashboard showing the window closed beside a restart in
+    progress says specd restarted outside it)."""
+    cfg = config(tmp_path, scrape_interval_s=0.001)
+    clock = [IN_WINDOW + 29 * 60]  # the window closes at 04:00, a minute into the sequence
+    seen: dict[str, float | None] = {}
+
+    class Slow(Applier):
+        def apply_setting(self, target: SpecSetting, *args: Any, **kwargs: Any) -> ApplyOutcome:
+            value = d.metrics.registry.get_sample_value
+            seen["mode_pin"] = value("specd_mode", {"mode": "pin"})
+            seen["override_present"] = value("specd_override_present")
+            seen["target"] = value("specd_setting_target", {"setting": "2"})
+            seen["open_before"] = value("specd_window_open")
+            clock[0] += 60  # the quiet wait, the restart: the window has closed meanwhile
+            time.sleep(0.01)
+            d._heartbeat()  # as each wait of the sequence beats
+            seen["open_during"] = value("specd_window_open")
+            return super().apply_setting(target, *args, **kwargs)
+
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), Slow(), clock)
+    d.tick()  # 3 is learned as live, nothing wanted yet
+    path = Path(cfg.files.override_file)
+    expires = datetime.fromtimestamp(clock[0] + 3600, tz=UTC)
+    pin = {"mode": "pin", "steps": 2, "expires_at": expires, "reason": "r", "apply": "now"}
+    path.write_text(tomli_w.dumps(pin))
+    os.chmod(path, 0o600)
+    os.utime(path, (clock[0], clock[0]))
+    assert d.tick().reason is Reason.OVERRIDE_PIN
+    assert seen == {
+        "mode_pin": 1.0,
+        "override_present": 1.0,
+        "target": 1.0,
+        "open_before": 1.0,
+        "open_during": 0.0,
+    }
+
+
 def test_every_decision_change_and_restart_outcome_is_saved_at_once(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     clock = [IN_WINDOW]
