@@ -2357,6 +2357,8 @@ class Applier:
         if lost is not None:
             return f"lost the fleet slot: {lost}"
         self.unremoved_out = None  # its key is on this marker's lease now
+        if self._keeper is not None:
+            self._keeper.watch_out(marker)  # put again should etcd lose it while out
         journal.note(
             f"marked out of service in fleet group {marker.group} for at most {marker.ttl_s} s"
         )
@@ -2390,6 +2392,8 @@ class Applier:
             self._persist(journal)
             return
         self._out = marker
+        if self._keeper is not None:
+            self._keeper.watch_out(marker)
         self.fleet.moved_off(old)
         journal.note(f"still out of service: marked again for at most {marker.ttl_s} s")
         self._persist(journal)
@@ -2450,9 +2454,12 @@ class Applier:
 
     def retry_mark_in(self, *, serving: bool = False) -> str | None:
         """One more try to remove the marker a sequence's end could not (``unremoved_out``):
-        while it lives the other servers of the group wait for it. None once removed, or
-        once its bound passed (etcd dropped it then); else the problem. One etcd call, bounded
-        by its timeout.
+        while it lives the other servers of the group wait for it. None once removed (etcd
+        revoked its lease, or says it is gone); else the problem. Also past its bound: etcd
+        counts a lease's TTL only while it runs, and each start of etcd gives every lease its
+        whole TTL again, so a marker past ``until`` by this clock may live a whole bound more
+        after an etcd outage; it is counted (specd_fleet_marked_out) and tried until etcd
+        confirms it gone. One etcd call, bounded by its timeout.
 
         With ``serving`` (no sequence pending, SGLang answers, no gateway replica leaves its
         worker out), also once per run of specd and once after each sequence that ended with
@@ -2466,12 +2473,14 @@ class Applier:
             return None
         if marker is None:
             return self._remove_stale_out() if serving and not self.stale_out_checked else None
-        if self._clock() >= marker.until:
-            self.unremoved_out = None
-            self.fleet.out_expired()
-            return None
         message = self._remove_marker(marker)
-        return None if self.unremoved_out is None else message
+        if self.unremoved_out is not None:
+            return message
+        if self._clock() >= marker.until:
+            # Given up late, after an etcd outage: look once more, when the server serves,
+            # for a marker of this server's name (one a re-mark put under another lease).
+            self.stale_out_checked = False
+        return None
 
     def _remove_stale_out(self) -> str | None:
         assert self.fleet is not None
@@ -2513,6 +2522,12 @@ class Applier:
         boot (its server is out until then, or until the marker's bound); nor while a
         gateway replica leaves the worker out after a failed re-add (the server serves no
         traffic there): `retry_mark_in` removes it once the daemon put it back."""
+        if self._keeper is not None:
+            # The marker as the keeper left it: under a fresh lease if it put it again (etcd
+            # lost it mid-sequence), the one to remove.
+            again = self._keeper.stop_watching_out()
+            if again is not None and self._out is not None:
+                self._out = again
         left_out = len((self._drain_report or {}).get("left_out") or []) if self.fleet else 0
         if left_out and not keep_out:
             # Found in etcd by its name and removed once the worker is back (a marker a

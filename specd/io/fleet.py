@@ -62,7 +62,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,14 @@ from specd.io.tls import context_for
 KEY_PREFIX = "/specd"
 # An etcd answer to these calls is a few hundred bytes; a range over 64 slots a few KB.
 MAX_ANSWER_BYTES = 1024 * 1024
+# A slot's or marker's value is a few hundred bytes: one longer is not specd's, and is not
+# read (its key counts, held by an unreadable holder).
+MAX_VALUE_BYTES = 64 * 1024
+# Keys of one sub-prefix read one by one, when reading them at once was over
+# MAX_ANSWER_BYTES (a huge value among them); a group has at most a few dozen.
+MAX_KEYS_ONE_BY_ONE = 256
+# The name a slot holder whose value cannot be read goes by (status, probe).
+UNREADABLE_HOLDER = "(a holder whose value cannot be read)"
 MAX_HOLDER_CHARS = 200
 # 9999-12-31T23:59:59Z: the last second a datetime (and `specd status`) can show.
 MAX_SINCE = 253402300799
@@ -101,6 +109,7 @@ class FleetUnavailable(Exception):
         self.kind = kind
         self.status = status  # the HTTP status etcd answered with, if it answered
         self.counted = False  # on_error was told already
+        self.oversized = False  # the answer was over MAX_ANSWER_BYTES
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -179,10 +188,17 @@ class EtcdClient:
         self._http.close()
 
     def call(
-        self, path: str, body: Mapping[str, Any], *, expected: tuple[int, ...] = ()
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        expected: tuple[int, ...] = (),
+        oversized_ok: bool = False,
     ) -> Mapping[str, Any]:
         """POST ``body`` to ``path``; the JSON object answered. ``expected``: HTTP statuses
-        that are an answer, not an error (raised, but not counted)."""
+        that are an answer, not an error (raised, but not counted). ``oversized_ok``: an
+        answer over MAX_ANSWER_BYTES is an answer too (the data is that large: every member
+        would say the same), raised at once with ``oversized`` set, not counted."""
         deadline = time.monotonic() + self.timeout_s
         problems: list[FleetUnavailable] = []
         order = list(self.endpoints)
@@ -197,6 +213,9 @@ class EtcdClient:
             try:
                 answer = self._call_one(endpoint, path, body, share)
             except FleetUnavailable as exc:
+                if exc.oversized and oversized_ok:
+                    exc.counted = True
+                    raise
                 problems.append(exc)
                 if exc.status is not None and 400 <= exc.status < 500:
                     break  # etcd refused the request itself: another member would too
@@ -249,7 +268,11 @@ class EtcdClient:
                 "protocol", f"{where}: broken response: {type(exc).__name__} {exc}"
             ) from None
         if raw is None:
-            raise FleetUnavailable("protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes")
+            oversized = FleetUnavailable(
+                "protocol", f"{where}: answer over {MAX_ANSWER_BYTES} bytes"
+            )
+            oversized.oversized = True
+            raise oversized
         try:
             # Finite numbers and Unicode text: a holder's name reaches decisions, the state
             # file and status.
@@ -317,17 +340,16 @@ class EtcdClient:
                     raise  # 404: gone already (expired), released all the same
 
     def put_if_absent(
-        self, key: str, value: str, lease: int, *, unchanged: tuple[str, int] | None = None
+        self, key: str, value: str, lease: int, *, unchanged: Sequence[tuple[str, int]] = ()
     ) -> bool:
-        """Put ``key`` on ``lease`` only if it does not exist, and, with ``unchanged`` =
-        (prefix, revision), only if no key under the prefix was put since that revision (a
-        decision made on a read at it still holds); True when it was put."""
+        """Put ``key`` on ``lease`` only if it does not exist, and, for each (prefix,
+        revision) of ``unchanged``, only if no key under the prefix was put since that
+        revision (a decision made on a read at it still holds); True when it was put."""
         k = _b64(key)
         compare: list[dict[str, str]] = [
             {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         ]
-        if unchanged is not None:
-            prefix, revision = unchanged
+        for prefix, revision in unchanged:
             compare.append(
                 {
                     "key": _b64(prefix),
@@ -380,21 +402,68 @@ class EtcdClient:
         """(key, value, lease) of every key under ``prefix``, and the store's revision the
         read saw them at."""
         with self._counting():
-            answer = self.call(
-                "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
-            )
-            header = _object(answer.get("header"), "range header")
-            revision = _int64(header.get("revision"), "range revision", default=0)
-            kvs = answer.get("kvs", [])
-            if not isinstance(kvs, list):
-                raise FleetUnavailable("protocol", "etcd answer: kvs is not a list")
-            out = []
-            for item in kvs:
-                kv = _object(item, "kv")
-                key = _unb64(kv.get("key"), "key").decode("utf-8", "replace")
-                value = _unb64(kv.get("value", ""), "value")
-                out.append((key, value, _int64(kv.get("lease"), "kv lease", default=0)))
+            return self._range(prefix, _prefix_end(prefix))
+
+    def read_small(self, prefix: str) -> tuple[list[tuple[str, bytes | None, int]], int]:
+        """As ``read_prefix``, but a value over MAX_VALUE_BYTES is None (not read): one
+        large value under ``prefix`` (another tool's, a hand's) makes the others no less
+        readable. One request; only when its answer is over MAX_ANSWER_BYTES, the keys
+        alone, then each key's value alone."""
+        end = _prefix_end(prefix)
+        with self._counting():
+            try:
+                kvs, revision = self._range(prefix, end, oversized_ok=True)
+            except FleetUnavailable as exc:
+                if not exc.oversized:
+                    raise
+            else:
+                return [(k, _small(v), lease) for k, v, lease in kvs], revision
+            keys, revision = self._range(prefix, end, keys_only=True)
+            if len(keys) > MAX_KEYS_ONE_BY_ONE:
+                raise FleetUnavailable(
+                    "protocol",
+                    f"etcd answer: {len(keys)} keys under {_one_line(prefix, 100)} with "
+                    f"{MAX_ANSWER_BYTES} bytes of values and more",
+                )
+            out: list[tuple[str, bytes | None, int]] = []
+            for key, _, lease in keys:
+                try:
+                    one, _ = self._range(key, None, oversized_ok=True)
+                except FleetUnavailable as exc:
+                    if not exc.oversized:
+                        raise
+                    out.append((key, None, lease))
+                    continue
+                # Gone since the keys were read: not there (a compare at ``revision`` of
+                # a take sees any key put since).
+                out += [(k, _small(v), lease) for k, v, lease in one if k == key]
             return out, revision
+
+    def _range(
+        self, key: str, end: str | None, *, keys_only: bool = False, oversized_ok: bool = False
+    ) -> tuple[list[tuple[str, bytes, int]], int]:
+        body: dict[str, Any] = {"key": _b64(key)}
+        if end is not None:
+            body["range_end"] = _b64(end)
+        if keys_only:
+            body["keys_only"] = True
+        answer = self.call("/v3/kv/range", body, oversized_ok=oversized_ok)
+        header = _object(answer.get("header"), "range header")
+        revision = _int64(header.get("revision"), "range revision", default=0)
+        kvs = answer.get("kvs", [])
+        if not isinstance(kvs, list):
+            raise FleetUnavailable("protocol", "etcd answer: kvs is not a list")
+        out = []
+        for item in kvs:
+            kv = _object(item, "kv")
+            name = _unb64(kv.get("key"), "key").decode("utf-8", "replace")
+            value = _unb64(kv.get("value", ""), "value")
+            out.append((name, value, _int64(kv.get("lease"), "kv lease", default=0)))
+        return out, revision
+
+
+def _small(value: bytes) -> bytes | None:
+    return value if len(value) <= MAX_VALUE_BYTES else None
 
 
 def _prefix_end(prefix: str) -> str:
@@ -474,8 +543,9 @@ class Busy:
 
     holders: list[Holder]
     out: list[OutOfService]
-    # The etcd revision it was read at (0: not read from etcd).
+    # The etcd revisions its slots and its markers were read at (0: not read from etcd).
     revision: int = 0
+    out_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -608,7 +678,6 @@ class Fleet:
     ) -> None:
         self.settings = settings
         self.group = settings.group
-        self._prefix = f"{KEY_PREFIX}/{self.group}/"
         self.slots = settings.slots
         # As its keys read back (`_out_name`, `_parse_holder`): one line, bounded, so every
         # comparison with a name read from etcd holds for this specd's own.
@@ -651,25 +720,35 @@ class Fleet:
     def busy(self) -> Busy:
         """The group's slot keys, by slot (also slots beyond ``slots``, held by a specd
         configured with more: they are shown and counted, never taken), and its
-        out-of-service markers, by name; one etcd request. Keys of neither form (written by
-        someone else) are not ours to read."""
+        out-of-service markers, by name; two etcd requests, one per sub-prefix: other keys
+        under the group (another tool's, however large or often written) are not ours to
+        read. A slot whose value is too large to read is held all the same, by
+        UNREADABLE_HOLDER; a marker's, all the same, at no time said."""
         slots = slot_prefix(self.group)
         held: list[Holder] = []
         out: list[OutOfService] = []
-        keys, revision = self.etcd.read_prefix(self._prefix)
-        for key, value, lease in keys:
-            if key.startswith(slots):
-                index = ascii_count(key[len(slots) :], 6)
-                if index is not None:
+        slot_keys, revision = self.etcd.read_small(slots)
+        for key, value, lease in slot_keys:
+            index = ascii_count(key[len(slots) :], 6) if key.startswith(slots) else None
+            if index is not None:
+                if value is None:
+                    held.append(Holder(index, UNREADABLE_HOLDER, None, lease))
+                else:
                     name, since, instance = _parse_holder(value)
                     held.append(Holder(index, name, since, lease, instance))
-                continue
+        out_keys, out_revision = self.etcd.read_small(out_prefix(self.group))
+        for key, value, lease in out_keys:
             name_out = _out_name(self.group, key)
             if name_out is not None:
                 # The key names the server (a value is only another host's word on times).
-                since, until, instance = _parse_out(value)
+                since, until, instance = (None, None, None) if value is None else _parse_out(value)
                 out.append(OutOfService(name_out, since, until, lease, instance))
-        return Busy(sorted(held, key=lambda h: h.slot), sorted(out, key=lambda o: o.name), revision)
+        return Busy(
+            sorted(held, key=lambda h: h.slot),
+            sorted(out, key=lambda o: o.name),
+            revision,
+            out_revision,
+        )
 
     def holders(self) -> list[Holder]:
         """Every slot key of the group, by slot (see ``busy``)."""
@@ -731,8 +810,9 @@ class Fleet:
     # -- taking, keeping, releasing ---------------------------------------------------
     def try_acquire(self) -> Slot | None:
         """Take a free slot now, or None when all are held (or another specd took the one
-        tried first: the next try sees it; or its holder name clashes, `clash`). At most four
-        etcd requests, so one try stays inside the watchdog whatever etcd does."""
+        tried first: the next try sees it; or its holder name clashes, `clash`). Five etcd
+        requests at most (two reads, grant, take, revoke), each beating the watchdog, so one
+        try stays inside it whatever etcd does."""
         busy = self.busy()
         return None if self.clash(busy) is not None else self._take(busy)
 
@@ -744,10 +824,15 @@ class Fleet:
         taken_at = self._clock()
         value = json.dumps({"holder": self.holder, "since": taken_at, **self._signed()})
         try:
-            # Only if the group is as read: a slot or marker put since (another specd's,
-            # taken while this one decided) could make one server out too many.
+            # Only if the group's slots and markers are as read: one put since (another
+            # specd's, taken while this one decided) could make one server out too many.
+            # Only those: another tool's keys under the group change nothing here.
+            unchanged = [
+                (slot_prefix(self.group), busy.revision),
+                (out_prefix(self.group), busy.out_revision),
+            ]
             taken = self.etcd.put_if_absent(
-                slot_key(self.group, index), value, lease, unchanged=(self._prefix, busy.revision)
+                slot_key(self.group, index), value, lease, unchanged=unchanged
             )
         except FleetUnavailable:
             self._revoke_quietly(lease)
@@ -813,6 +898,7 @@ class Fleet:
             return f"cannot confirm the fleet slot is still held: {exc}"
         if problem is not None:
             self.hooks.error("lost")
+            self.hooks.held(None)
         return problem
 
     def keep_alive(self, slot: Slot) -> LeaseKeeper:
@@ -860,6 +946,7 @@ class Fleet:
             elif not self.etcd.put_if_leased(marker.key, value, marker.lease, slot.key, slot.lease):
                 self._revoke_quietly(marker.lease)
                 self.hooks.error("lost")
+                self.hooks.held(None)
                 return f"fleet slot {slot.index} is no longer on this specd's lease"
         except FleetUnavailable:
             self._revoke_quietly(marker.lease)
@@ -873,21 +960,50 @@ class Fleet:
         try:
             self.etcd.revoke(marker.lease)
         except FleetUnavailable as exc:
+            # Not "by until" alone: etcd counts a lease's TTL only while it runs, and each
+            # start of etcd gives every lease its whole TTL again.
             return (
-                f"removing the out-of-service marker failed ({exc}); it frees itself by "
+                f"removing the out-of-service marker failed ({exc}); tried again until etcd "
+                f"takes it; unless etcd restarts meanwhile (each start of etcd gives its lease "
+                f"the whole {marker.ttl_s} s again), it frees itself by "
                 f"{utc_time(marker.until)} at the latest"
             )
         self.hooks.out(False)
         return None
 
+    def mark_out_again(self, marker: OutMarker, etcd: EtcdClient) -> OutMarker | None:
+        """``marker``'s lease is gone while its server is still out (etcd's data wiped or
+        restored from an older snapshot mid-restart): put it again under a fresh lease for
+        what is left of its bound, only if no key of its name is there (another specd's,
+        or one put by hand, is left as it is). The marker now, or None (not put: its bound
+        passed, or the key is there). Raises FleetUnavailable. Through ``etcd``: the lease
+        keeper's own client, on its own thread."""
+        left = math.ceil(marker.until - self._clock())
+        if left <= 0:
+            return None
+        ttl = max(5, left)
+        lease = etcd.grant(ttl)
+        again = OutMarker(marker.group, marker.key, lease, ttl, marker.since, self._clock() + ttl)
+        value = json.dumps(
+            {"holder": self.holder, "since": again.since, "until": again.until, **self._signed()}
+        )
+        try:
+            put = etcd.put_if_absent(again.key, value, lease)
+        except FleetUnavailable:
+            with contextlib.suppress(FleetUnavailable):
+                etcd.revoke(lease)
+            raise
+        if not put:
+            with contextlib.suppress(FleetUnavailable):
+                etcd.revoke(lease)
+            return None
+        self.hooks.out(True)
+        return again
+
     def moved_off(self, marker: OutMarker) -> None:
         """Revoke the lease ``marker``'s key moved off (`mark_out` put it under another):
         the marker stays. Best effort: an unused lease expires at its TTL."""
         self._revoke_quietly(marker.lease)
-
-    def out_expired(self) -> None:
-        """This server's marker is past its bound: etcd dropped it."""
-        self.hooks.out(False)
 
     def own_out(self) -> tuple[OutOfService | None, str | None]:
         """This server's out-of-service marker as etcd holds it, or None; and `clash` of
@@ -917,8 +1033,15 @@ class LeaseKeeper(threading.Thread):
     """Renews a slot's lease at once, then every third of its TTL until ``stop``. Its waits
     are on its own event, so stopping it is immediate; a renewal that fails is retried
     sooner, and once etcd says the lease is gone (or a whole TTL passed without a renewal)
-    ``lost`` says why. Its own etcd client, with requests short enough to retry within a TTL, so
-    a renewal never waits for the applier's requests nor they for it."""
+    ``lost`` says why, and the slot counts as not held (``hooks.held(None)``). Its own etcd
+    client, with requests short enough to retry within a TTL, so a renewal never waits for the
+    applier's requests nor they for it.
+
+    While the server is out (``watch_out``: its marker) and etcd says the slot's lease is
+    gone, the keeper looks at the marker's lease too: gone as well (etcd's data wiped or
+    restored from an older snapshot), the marker is put again under a fresh lease
+    (`Fleet.mark_out_again`), or the group's other servers would restart beside this one
+    still loading. ``stop_watching_out`` hands back the marker as it is then."""
 
     def __init__(self, fleet: Fleet, slot: Slot) -> None:
         super().__init__(name=f"fleet-lease-{slot.index}", daemon=True)
@@ -933,6 +1056,23 @@ class LeaseKeeper(threading.Thread):
         self.lost: str | None = None
         self.renewals = 0
         self._halt = threading.Event()
+        self._out: OutMarker | None = None
+        self._out_lock = threading.Lock()
+        # Why the marker, gone with the slot's lease, could not be put again (None: it was,
+        # or needed not be).
+        self.out_problem: str | None = None
+
+    def watch_out(self, marker: OutMarker) -> None:
+        """The server is out of service under ``marker`` from now on."""
+        with self._out_lock:
+            self._out = marker
+
+    def stop_watching_out(self) -> OutMarker | None:
+        """The server serves again (or the sequence ends): no more putting the marker
+        again. The marker as it is now (under a fresh lease if the keeper put it again)."""
+        with self._out_lock:
+            marker, self._out = self._out, None
+            return marker
 
     def run(self) -> None:
         try:
@@ -956,15 +1096,48 @@ class LeaseKeeper(threading.Thread):
                 if mono() - renewed >= self.slot.ttl_s:
                     self.lost = f"no lease renewal for {self.slot.ttl_s} s (etcd unreachable)"
                     self.fleet.hooks.error("lost")
+                    self.fleet.hooks.held(None)
                     return
                 wait = max(0.2, self.interval_s / 3)
                 continue
             if ttl <= 0:
                 self.lost = f"etcd says the lease of fleet slot {self.slot.index} expired"
                 self.fleet.hooks.error("lost")
+                self.fleet.hooks.held(None)
+                self._keep_out()
                 return
             renewed, wait = mono(), self.interval_s
             self.renewals += 1
+
+    def _keep_out(self) -> None:
+        """The slot's lease is gone: so may the marker's be (etcd's data lost, not only a
+        renewal). Put it again while the server is out; a few tries while etcd, just back,
+        does not answer."""
+        for attempt in range(3):
+            if attempt and self._halt.wait(max(0.2, self.interval_s / 3)):
+                return
+            with self._out_lock:
+                marker = self._out
+                if marker is None:
+                    return
+                try:
+                    ttl, _ = self.etcd.time_to_live(marker.lease)
+                    if ttl > 0:
+                        return  # only the slot's lease ran out: the marker counts this server
+                    again = self.fleet.mark_out_again(marker, self.etcd)
+                except Exception as exc:  # a thread of its own: nothing above it would see it
+                    problem = _one_line(
+                        str(exc) if isinstance(exc, FleetUnavailable) else repr(exc), 200
+                    )
+                    self.out_problem = f"cannot put the out-of-service marker again: {problem}"
+                    if not isinstance(exc, FleetUnavailable):
+                        return
+                    continue
+                if again is not None:
+                    self._out = again
+                    self.out_problem = None
+                    self.lost = f"{self.lost}; its out-of-service marker was gone too: put again"
+                return
 
     def stop(self) -> None:
         self._halt.set()

@@ -4,10 +4,10 @@ every end; healed after a kill. Real twin units (test_apply's), a real etcd on l
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -299,21 +299,101 @@ def test_a_marker_put_by_hand_is_left_to_whoever_put_it(
     assert marked == []  # not specd's: SpecdFleetMarkerLeftBehind is not for it
 
 
-def test_a_marker_past_its_bound_is_not_tried_again(
+def test_a_marker_past_its_bound_is_tried_until_etcd_says_it_is_gone(
     make_unit: Any,  # noqa: F811
     tmp_path: Path,
     etcd: EtcdProcess,
 ) -> None:
+    """etcd counts a lease's TTL only while it runs, and each start of etcd gives every lease
+    its whole TTL again: a marker whose bound passed by this clock during an etcd outage comes
+    back with its whole bound. Given up at ``until`` (gauge 0, never tried again, the
+    once-a-run look done), it held the group up to another bound, with nothing saying so. It
+    is now counted and tried until etcd revokes it or says it is gone, and this server's
+    markers are looked for once more."""
     unit = make_unit(ORIGINAL_ENV)
     marked: list[bool] = []
     fleet = fleet_for(etcd.url, "box-a", FleetHooks(out=marked.append), etcd_timeout_s=1)
     applier = with_fleet(unit, Recorder(tmp_path / "journal.json"), fleet)
-    applier.unremoved_out = fleet.out_marker(time.time() - 60, 5)
+    assert applier.retry_mark_in(serving=True) is None  # this run's look: nothing yet
+    assert applier.stale_out_checked
+    marker = fleet.out_marker(time.time(), TTL_S)
+    assert fleet.mark_out(marker) is None
+    applier.unremoved_out = marker  # the sequence's end could not remove it
     etcd.stop()
-    applier.unremoved_out = replace(applier.unremoved_out, until=time.time() - 1)
-    assert applier.retry_mark_in() is None  # etcd dropped it by now: no call, no problem
-    assert applier.unremoved_out is None
-    assert marked == [False]  # gone, as far as this specd knows
+    time.sleep(max(0.0, marker.until - time.time()) + 1)  # past its bound, and its TTL
+    problem = applier.retry_mark_in(serving=True)
+    assert problem is not None
+    assert "unless etcd restarts meanwhile" in problem
+    assert applier.unremoved_out == marker  # kept, and counted
+    assert marked == [True]
+    etcd.start()
+    watcher = fleet_for(etcd.url, "watcher")
+    assert [o.name for o in watcher.busy().out] == ["box-a"]  # back with its whole TTL
+    assert watcher.probe() is not None
+    assert applier.retry_mark_in(serving=True) is None
+    assert (applier.unremoved_out, watcher.busy().out) == (None, [])
+    assert marked == [True, False]
+    assert not applier.stale_out_checked  # looked for once more when it serves
+    assert applier.retry_mark_in(serving=True) is None
+    assert applier.stale_out_checked
+    assert applier.retry_mark_in(serving=True) is None  # nothing left: no etcd call
+
+
+class EtcdWipedAtRestart:
+    """The unit; right after `systemctl restart` etcd's data is lost (wiped, or restored from
+    a snapshot older than the sequence) and etcd is back at once, while the server loads: what
+    another server's specd then sees, once this one's lease keeper found its lease gone."""
+
+    def __init__(self, unit: TwinUnit, etcd: EtcdProcess, watcher: Fleet, held: list[bool]):
+        self.unit, self.etcd, self.watcher, self.held = unit, etcd, watcher, held
+        self.seen: tuple[list[str], bool] | None = None  # (out of service, slot held)
+
+    def __call__(self, argv: Sequence[str], *, timeout_s: float) -> RunResult:
+        result = self.unit(argv, timeout_s=timeout_s)
+        if list(argv) == restart_argv(UNIT) and self.seen is None:
+            self.etcd.stop()
+            shutil.rmtree(self.etcd.data_dir)
+            self.etcd.start()
+            deadline = time.monotonic() + 3 * TTL_S
+            out: list[str] = []
+            while time.monotonic() < deadline:
+                out = [o.name for o in self.watcher.busy().out]
+                if out and not self.held[-1]:
+                    break
+                time.sleep(0.05)
+            self.seen = (out, self.held[-1])
+        return result
+
+
+def test_a_marker_etcd_lost_while_the_server_loads_is_put_again(
+    make_unit: Any,  # noqa: F811
+    tmp_path: Path,
+    etcd: EtcdProcess,
+) -> None:
+    """etcd's data lost mid-restart took the slot and the marker with it: another server
+    of a one-slot group restarted beside this one, still loading, and
+    specd_fleet_slot_held said 1 until the sequence's end. The keeper, finding the slot's
+    lease gone, now says the slot is lost at once and, the marker's lease gone too, puts the
+    marker again (only if absent) under a fresh lease; the sequence's end removes that one."""
+    unit = make_unit(ORIGINAL_ENV)
+    held: list[bool] = []
+    marked: list[bool] = []
+    hooks = FleetHooks(held=lambda slot: held.append(slot is not None), out=marked.append)
+    watcher = fleet_for(etcd.url, "box-b")
+    runner = EtcdWipedAtRestart(unit, etcd, watcher, held)
+    rec = Recorder(tmp_path / "journal.json")
+    applier = with_fleet(unit, rec, fleet_for(etcd.url, "box-a", hooks), runner=runner)
+    outcome = applier.apply(4, 3, window_open=always_open)
+    assert outcome.result == "success", outcome.message
+    assert runner.seen == (["box-a"], False)  # counted while it loads; the slot known lost
+    assert (watcher.busy().out, watcher.holders()) == ([], [])  # the new marker removed
+    assert watcher.try_acquire() is not None
+    assert marked == [True, True, False]  # put, put again, removed
+    journal = rec.stored()
+    assert journal is not None
+    notes = " | ".join(journal["messages"])
+    assert "its out-of-service marker was gone too: put again" in notes
+    assert "marked back in service in fleet group g" in notes
 
 
 class RevokingRecorder(Recorder):

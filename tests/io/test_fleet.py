@@ -6,6 +6,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import threading
 import time
 import tracemalloc
 import urllib.parse
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from hypothesis import strategies as st
 from specd.core.settings import FleetSettings
 from specd.io.fleet import (
     ERROR_KINDS,
+    MAX_VALUE_BYTES,
+    UNREADABLE_HOLDER,
     Busy,
     Fleet,
     FleetHooks,
@@ -448,6 +452,86 @@ def test_a_slot_taken_on_a_stale_read_of_the_group_is_not_taken(etcd: EtcdProces
     assert got.index == 0
 
 
+# id, key put under group g1 (beside nothing else), its value's size, slots, what probe says
+# (None: a slot is free), the slot try_acquire takes (None: none)
+LARGE = 800_000  # within etcd's 1.5 MiB request limit; over MAX_ANSWER_BYTES as base64
+FOREIGN_CASES = [
+    ("another tool's large value", "/specd/g1/notes/runbook", LARGE, 1, None, 0),
+    ("another tool's small value", "/specd/g1/heartbeat", 10, 1, None, 0),
+    (
+        "a slot too large to answer",
+        "/specd/g1/slots/0",
+        LARGE,
+        1,
+        f"all 1 slot(s) of fleet group g1 busy: slot 0 held by {UNREADABLE_HOLDER}",
+        None,
+    ),
+    (
+        "a slot over the value bound",
+        "/specd/g1/slots/0",
+        MAX_VALUE_BYTES + 1,
+        1,
+        f"all 1 slot(s) of fleet group g1 busy: slot 0 held by {UNREADABLE_HOLDER}",
+        None,
+    ),
+    ("a slot too large, another free", "/specd/g1/slots/0", LARGE, 2, None, 1),
+    (
+        "a marker too large to answer",
+        "/specd/g1/out/box-z",
+        LARGE,
+        1,
+        "all 1 slot(s) of fleet group g1 busy: box-z out of service (holds no slot)",
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "size", "slots", "says", "takes"),
+    [pytest.param(*c[1:], id=c[0]) for c in FOREIGN_CASES],
+)
+def test_a_large_value_under_the_group_is_no_etcd_outage(
+    etcd: EtcdProcess, key: str, size: int, slots: int, says: str | None, takes: int | None
+) -> None:
+    """A large value anywhere under /specd/<group>/ made the read of the whole group over
+    the answer cap: every restart of the group stopped and status said etcd was away. Only
+    slots/ and out/ are read now, and one value there too large to read is a holder that
+    cannot be read: busy, named, not an outage. The other slots and markers still read."""
+    errors: list[str] = []
+    fleet = make_fleet(etcd.url, "box-a", errors, slots=slots)
+    fleet.etcd.put(key, "x" * size, 0)
+    assert fleet.probe() == says
+    slot = fleet.try_acquire()
+    assert (None if slot is None else slot.index) == takes
+    assert errors == []
+    # The other slots and markers of the group read as ever beside it.
+    other = make_fleet(etcd.url, "box-y", slots=9)
+    put_marker(other, "box-y", 600)
+    busy = other.busy()
+    assert [(o.name, o.until is not None) for o in busy.out if o.name == "box-y"] == [
+        ("box-y", True)
+    ]
+    if takes is not None:
+        assert [h.name for h in busy.holders if h.slot == takes] == ["box-a"]
+
+
+def test_another_writer_under_the_group_loses_no_race_for_a_slot(etcd: EtcdProcess) -> None:
+    """A take holds only while the group's slots and markers are as read; another tool's key
+    written under the group since the read (a heartbeat) made it fail all the same: 6 of 40
+    tries lost to a busy writer. Only slots/ and out/ are compared now."""
+    fleet = make_fleet(etcd.url, "box-a")
+    stale = fleet.busy()
+    fleet.etcd.put("/specd/g1/heartbeat", str(time.time()), 0)  # since the read
+    fleet.etcd.put("/specd/g1/slotsmith", "x", 0)  # no slot key: the prefix ends in "/"
+    slot = fleet._take(stale)
+    assert slot is not None
+    assert fleet.release(slot) is None
+    # A marker put since the read still makes it fail (as a slot does: the stale-read test).
+    stale = fleet.busy()
+    put_marker(make_fleet(etcd.url, "box-b"), "box-b", 600)
+    assert fleet._take(stale) is None
+
+
 def test_a_server_is_marked_out_only_while_its_slot_is_held(etcd: EtcdProcess) -> None:
     """The check before a restart can pass with a second left on the slot's lease; if it
     runs out before the marker goes in, another specd may take the slot and restart its
@@ -483,6 +567,61 @@ def test_the_keeper_stops_at_once_and_notices_a_lost_lease(etcd: EtcdProcess) ->
     short.etcd.revoke(lost_slot.lease)
     keeper.join(TTL_S)
     assert keeper.lost == "etcd says the lease of fleet slot 0 expired"
+
+
+def test_a_lost_lease_puts_a_marker_etcd_lost_again_and_no_other(etcd: EtcdProcess) -> None:
+    """etcd's data lost while the server is out: the keeper finds the slot's lease gone,
+    says the slot is no longer held at once, and puts the marker it watches again, only if
+    no key of its name is there; a marker whose lease lives (the slot's lease alone ran out)
+    is left as it is."""
+    held: list[bool] = []
+    marked: list[bool] = []
+    hooks = FleetHooks(held=lambda slot: held.append(slot is not None), out=marked.append)
+    a = Fleet(fleet_settings(etcd.url), "box-a", instance=BOX_A, hooks=hooks)
+    b = make_fleet(etcd.url, "box-b")
+    slot = take(a)
+    keeper = a.keep_alive(slot)
+    marker = a.out_marker(time.time(), 600)
+    assert a.mark_out(marker, slot) is None
+    keeper.watch_out(marker)
+    etcd.stop()
+    shutil.rmtree(etcd.data_dir)
+    etcd.start()
+    keeper.join(3 * TTL_S)
+    assert not keeper.is_alive()
+    assert keeper.lost == (
+        "etcd says the lease of fleet slot 0 expired; its out-of-service marker was gone too: "
+        "put again"
+    )
+    assert held == [True, True, False]  # taken, kept, lost: specd_fleet_slot_held 0 at once
+    assert marked == [True, True]
+    [out] = b.busy().out
+    assert (out.name, out.instance, out.since) == ("box-a", BOX_A, marker.since)
+    assert out.until is not None
+    assert marker.until - 1 <= out.until <= marker.until + 5  # the same bound
+    assert b.try_acquire() is None  # a one-slot group: box-a's server still counts
+    again = keeper.stop_watching_out()
+    assert again is not None
+    assert again.lease != marker.lease
+    assert again.lease == out.lease
+    assert a.mark_in(again) is None
+    assert b.busy().out == []
+    # The slot's lease alone gone: the marker is left on its own lease.
+    slot = take(a)
+    keeper = a.keep_alive(slot)
+    marker = a.out_marker(time.time(), 600)
+    assert a.mark_out(marker, slot) is None
+    keeper.watch_out(marker)
+    a.etcd.revoke(slot.lease)
+    keeper.join(3 * TTL_S)
+    assert keeper.lost == "etcd says the lease of fleet slot 0 expired"
+    assert keeper.stop_watching_out() == marker
+    assert [o.lease for o in b.busy().out] == [marker.lease]
+    # Nor is a key of its name put by someone else meanwhile overwritten.
+    gone = replace(marker, lease=a.etcd.grant(TTL_S))
+    a.etcd.revoke(gone.lease)
+    assert a.mark_out_again(gone, a.etcd) is None
+    assert [o.lease for o in b.busy().out] == [marker.lease]
 
 
 def test_a_slot_survives_a_short_etcd_restart(etcd: EtcdProcess) -> None:
@@ -696,7 +835,9 @@ def test_a_hostile_etcd_is_a_clear_one_line_problem(
         fake.close()
 
 
-def test_a_lost_race_for_a_slot_is_four_requests_and_leaves_no_lease() -> None:
+def test_a_lost_race_for_a_slot_is_five_requests_and_leaves_no_lease() -> None:
+    # Two reads (the group's slots, then its markers: no other key under the group), the
+    # grant, the take that fails, the revoke.
     fake = FakeEtcd(
         200,
         json.dumps(HEADER).encode(),
@@ -706,6 +847,7 @@ def test_a_lost_race_for_a_slot_is_four_requests_and_leaves_no_lease() -> None:
         fleet = make_fleet(fake.url, "a", slots=3)
         assert fleet.try_acquire() is None  # the txn did not succeed: someone else won
         assert fake.requests == [
+            "/v3/kv/range",
             "/v3/kv/range",
             "/v3/lease/grant",
             "/v3/kv/txn",
