@@ -394,21 +394,12 @@ class EtcdClient:
             )
             _object(answer.get("header"), "put header")
 
-    def range_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
-        """(key, value, lease) of every key under ``prefix``."""
-        return self.read_prefix(prefix)[0]
-
-    def read_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
-        """(key, value, lease) of every key under ``prefix``, and the store's revision the
-        read saw them at."""
-        with self._counting():
-            return self._range(prefix, _prefix_end(prefix))
-
     def read_small(self, prefix: str) -> tuple[list[tuple[str, bytes | None, int]], int]:
-        """As ``read_prefix``, but a value over MAX_VALUE_BYTES is None (not read): one
-        large value under ``prefix`` (another tool's, a hand's) makes the others no less
-        readable. One request; only when its answer is over MAX_ANSWER_BYTES, the keys
-        alone, then each key's value alone."""
+        """(key, value, lease) of every key under ``prefix``, and the store's revision the
+        read saw them at; a value over MAX_VALUE_BYTES is None (not read): one large value
+        under ``prefix`` (another tool's, a hand's) makes the others no less readable. One
+        request; only when its answer is over MAX_ANSWER_BYTES, the keys alone, then each
+        key's value alone."""
         end = _prefix_end(prefix)
         with self._counting():
             try:
