@@ -344,8 +344,10 @@ def traffic_panels() -> list[tuple[Panel, int, int]]:
         ts(
             "Offered concurrency vs band boundary",
             "Quantiles of offered concurrency (running + queued) over specd's decision "
-            "history, the current value, and the upper edge of the lightest policy band "
-            "(dashed): quantiles above the line pick the heavier band's step count.",
+            "history, the current value, and, under the bands policy, the upper edge of the "
+            "lightest band (dashed): quantiles above the line pick the heavier band's step "
+            "count. No line under the model policy (a calibration file set): it picks by "
+            "predicted throughput, not by bands.",
             "short",
         )
         .min(0)
@@ -949,9 +951,13 @@ def health_panels() -> list[tuple[Panel, int, int]]:
     age = (
         big(
             "Last good SGLang scrape",
-            "Age of specd's latest successful scrape of SGLang. Past 60 s specd treats its "
-            "data as stale and decides nothing. never: no good scrape since specd started "
-            "(SGLang still loading, or unreachable: see specd → SGLang).",
+            "Age of specd's latest successful scrape of SGLang, and beside it (every) the "
+            "interval specd scrapes at (observe.scrape_interval_s): between two good scrapes "
+            "the age grows to one interval. The colours are for intervals of a few seconds "
+            "(the default 5 s): at a longer interval compare the age with it. "
+            "SpecdNotScrapingSGLang takes an age past 5 minutes or three intervals, "
+            "whichever is longer, for a stuck loop. never: no good scrape since specd "
+            "started (SGLang still loading, or unreachable: see specd → SGLang).",
             "s",
         )
         .with_target(
@@ -963,8 +969,16 @@ def health_panels() -> list[tuple[Panel, int, int]]:
                 instant=True,
             )
         )
+        .with_target(
+            q(f"specd_scrape_interval_seconds{{{INST}}}", "every {{instance}}", "B", instant=True)
+        )
         .mappings(value_text({}, nan="never"))
         .thresholds(thresholds((None, "green"), (30, "orange"), (60, "red")))
+        # The interval is a setting, not a state: no threshold colours it.
+        .override_by_regexp(
+            "^every .*",
+            [dm.DynamicConfigValue(id_val="color", value={"mode": "fixed", "fixedColor": "text"})],
+        )
     )
     errors = (
         ts(

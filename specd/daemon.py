@@ -869,6 +869,7 @@ class Daemon:
         if new.report.log_format != old.report.log_format:
             logs.configure(new.report.log_format)
         self.metrics.band_boundary.set(_band_boundary(new))
+        self.metrics.scrape_interval.set(new.observe.scrape_interval_s)
         self.state.history.reconfigure(history_settings)
         self.metrics.config_reload_success.set(1)
         self.metrics.declare_choices(
@@ -1002,6 +1003,7 @@ class Daemon:
             self.log.error("metrics_listen_failed", address=address, error=str(exc))
             return 1
         self.metrics.band_boundary.set(_band_boundary(self.config))
+        self.metrics.scrape_interval.set(self.config.observe.scrape_interval_s)
         self._warn_shadowed()
         self._reconcile_journal()
         # Once at start (and at each reload), never between: does a restart fit a window,
@@ -1974,6 +1976,10 @@ def _regressing_settings(config: Config) -> list[str]:
 
 
 def _band_boundary(config: Config) -> float:
+    """The lightest band's upper offered concurrency; NaN under the model policy (which
+    picks without bands: a boundary shown would be one nothing decides by)."""
+    if config.choose.policy == "model":
+        return float("nan")
     first = config.bands[0].max_concurrency if config.bands else None
     return float(first) if first is not None else float("nan")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tomli_w
 import yaml
 from factories import system_binary, tables
 from prometheus_client import CollectorRegistry
@@ -21,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twin_thread import INSTANT, TwinThread
 
 from specd.core.settings import GatewaySettings, RestartSettings
-from specd.daemon import Daemon
+from specd.daemon import Daemon, _band_boundary
 from specd.io.apply import out_of_service_bound_s
 from specd.io.config import Config
 from specd.io.notify import Notifier
@@ -114,6 +116,46 @@ def test_specds_own_metrics_pass_promtool_check_metrics(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_specd_exports_the_gauges_the_rules_and_panels_compare_with(tmp_path: Path) -> None:
+    """specd_scrape_interval_seconds, which SpecdNotScrapingSGLang's staleness bound follows,
+    is the configured interval, and a reload moves it; specd_band_boundary_concurrency is
+    NaN under the model policy, which uses no bands (it said the bands' default boundary,
+    8, beside a policy that never decides by it)."""
+    (tmp_path / "state").mkdir()
+    files = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "url": "http://127.0.0.1:9",
+        "daily_restart_budget": 0,
+    }
+    bands = [{"max_concurrency": 16, "steps": 4}, {"steps": 3}]
+    cfg = Config(**tables(**files, scrape_interval_s=900, bands=bands))
+    assert _band_boundary(cfg) == 16
+    model = Config(
+        **tables(
+            **files, bands=bands, calibration_file=str(ROOT / "specd/data/seed-qwen35-122b.csv")
+        )
+    )
+    assert model.choose.policy == "model"
+    assert math.isnan(_band_boundary(model))
+    d = Daemon(cfg, registry=CollectorRegistry(), notifier=Notifier({}))
+    try:
+        d.config_path = tmp_path / "specd.toml"
+        d.config_path.write_text(
+            tomli_w.dumps(tables(**files, scrape_interval_s=600, policy="model"))
+        )
+        d.reload()
+        sample = d.metrics.registry.get_sample_value
+        assert sample("specd_config_reload_success") == 1
+        assert sample("specd_scrape_interval_seconds") == 600
+        boundary = sample("specd_band_boundary_concurrency")
+        assert boundary is not None
+        assert math.isnan(boundary)
+    finally:
+        d.client.close()
 
 
 def test_check_example_config() -> None:

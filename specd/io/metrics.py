@@ -199,7 +199,16 @@ class Metrics:
         )
         self.band_boundary = Gauge(
             "specd_band_boundary_concurrency",
-            "Upper offered concurrency of the lightest policy band.",
+            "Upper offered concurrency of the lightest policy band; NaN under the model "
+            "policy, which picks by predicted throughput, not by this boundary.",
+            registry=r,
+        )
+        # For SpecdNotScrapingSGLang: the last good scrape is as old as one interval between
+        # scrapes, so its staleness bound follows observe.scrape_interval_s (up to an hour).
+        self.scrape_interval = Gauge(
+            "specd_scrape_interval_seconds",
+            "Seconds between specd's scrapes of SGLang (observe.scrape_interval_s, as "
+            "configured at start or the latest reload that took effect).",
             registry=r,
         )
         self.accept_length = Gauge(
