@@ -933,7 +933,8 @@ class Daemon:
                 group=marker.group,
                 detail=f"the reloaded config no longer manages this server's out-of-service "
                 f"marker {marker.key} ({problem}): the group counts this server out until "
-                f"{utc_time(marker.until)} at the latest; delete the key sooner by hand",
+                f"{utc_time(marker.until)} (later if etcd restarts meanwhile: each start "
+                "gives a lease its whole TTL again); delete the key sooner by hand",
             )
         return False
 
@@ -1215,9 +1216,10 @@ class Daemon:
         """Remove the out-of-service marker a sequence's end could not (etcd away then), or
         one an earlier run of specd left, or one kept while a gateway replica left the
         worker out (looked for once SGLang answers, no restart is pending and no replica
-        leaves it out): at most once a minute until etcd takes it or its bound passes, so
-        the other servers of the group do not wait for this one, back in service, up to
-        that bound."""
+        leaves it out): at most once a minute until etcd takes it or says it is gone (an
+        etcd restarted meanwhile gives its lease the whole TTL again, so its bound alone
+        does not end it), so the other servers of the group do not wait for this one, back
+        in service, up to that bound."""
         if self.fleet is None:
             return
         tried_at = self._mark_in_tried_at

@@ -413,7 +413,8 @@ class Metrics:
             "specd_fleet_marked_out",
             "1 while this server's out-of-service marker is in its [fleet] group's etcd, as far "
             "as this specd knows: from before a restart takes the server out until it serves "
-            "again (or the marker's bound passes); the group's other servers count it.",
+            "again and etcd took the marker back, or said it is gone; the group's other servers "
+            "count it.",
             registry=r,
         )
         self.fleet_name_clashes = Counter(
