@@ -29,6 +29,8 @@ class PageServer:
     url: str
     routes: dict[str, Route]
     hits: list[str] = field(default_factory=list)
+    # (path, its Authorization header or None) of each request
+    authorizations: list[tuple[str, str | None]] = field(default_factory=list)
 
     def serve(self, path: str, body: str | bytes, status: int = 200, **kw: Any) -> None:
         data = body.encode() if isinstance(body, str) else body
@@ -51,6 +53,7 @@ def page_server() -> Iterator[PageServer]:
 
         def do_GET(self) -> None:
             state.hits.append(self.path)
+            state.authorizations.append((self.path, self.headers.get("Authorization")))
             route = state.routes.get(self.path, Route(status=404, body=b'{"detail":"Not Found"}'))
             if route.delay_s:
                 time.sleep(route.delay_s)

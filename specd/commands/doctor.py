@@ -332,7 +332,7 @@ class Doctor:
         if key is None:
             return (
                 f"{self.config.sglang.unit} runs with --api-key: put that key in a file "
-                f"(e.g. {SGLANG_KEY_EXAMPLE}, 0640 root:specd) and set server_api_key_file = "
+                f"(e.g. {SGLANG_KEY_EXAMPLE}, 0600 specd:specd) and set server_api_key_file = "
                 f'"FILE" under [sglang] in {shown}'
             )
         return (

@@ -138,7 +138,7 @@ def api_key_file(args: argparse.Namespace) -> tuple[Path | None, str | None]:
         try:
             config = load_config(None, calibration=False)
         except (ConfigError, OSError, ValueError):
-            return None, None  # not readable here (0640 root:specd) or not valid: no key
+            return None, None  # not readable here (0600 specd:specd) or not valid: no key
     path = config_key_file(config, args.url)
     if path is None:
         return None, None

@@ -178,10 +178,11 @@ class SGLangSettings(BaseModel):
     )
     server_api_key_file: Path | None = Field(
         default=None,
-        description="File holding SGLang's --api-key, sent as a bearer token with every "
-        "request to SGLang (read at each request: a rotated key needs no reload); omit when "
-        "SGLang runs without one. Not --admin-api-key: specd calls no admin route. Absolute "
-        "path; keep it mode 0640 root:specd.",
+        description="File holding SGLang's --api-key, sent as a bearer token with each "
+        "request to SGLang that needs it (not /metrics, not /health*; read at each request: "
+        "a rotated key needs no reload); omit when SGLang runs without one. Not "
+        "--admin-api-key: specd calls no admin route. Absolute path; keep it mode 0600 "
+        "specd:specd (group specd, who may read the state, must not read the key).",
     )
 
     @field_validator("url")

@@ -230,7 +230,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="file holding SGLang's --api-key, where the unit runs with one ([sglang] "
         "server_api_key_file; absolute path, not readable by others, e.g. "
-        "/etc/specd/sglang.key 0640 root:specd)",
+        "/etc/specd/sglang.key 0600 specd:specd)",
     )
     parser.add_argument(
         "--gateway-url",

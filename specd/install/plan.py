@@ -223,7 +223,7 @@ def key_file_problem(host: Path, *, others_ok: bool = False) -> str | None:
     if not stat.S_ISREG(info.st_mode):
         return "not a regular file"
     if info.st_mode & 0o007 and not others_ok:
-        return "readable by others; chmod o-rwx it (0640, group specd)"
+        return "readable by others; chmod o-rwx it (0600, owned by user specd)"
     if info.st_size == 0 or info.st_size > MAX_KEY_FILE_BYTES:
         return (
             f"{info.st_size} bytes; an API key file holds one key (1 to {MAX_KEY_FILE_BYTES} bytes)"
@@ -267,7 +267,7 @@ def server_key_file(
         return kept
     raise InstallError(
         f"{unit} runs with --api-key, and specd must send that key to SGLang: pass "
-        f"{SERVER_KEY_FLAG} FILE, a file holding it (0640 root:{SPECD_USER}, e.g. "
+        f"{SERVER_KEY_FLAG} FILE, a file holding it (0600 {SPECD_USER}:{SPECD_USER}, e.g. "
         "/etc/specd/sglang.key)"
     )
 

@@ -176,7 +176,7 @@ def key_file_unreadable_by(path: Path, user: str) -> tuple[str, str] | None:
             return (
                 f"cannot enter {directory} ({stat.S_IMODE(info.st_mode):04o} {owner})",
                 f"keep the file where user {user} can reach it, e.g. /etc/specd/{path.name} "
-                f"(0640 root:{group})",
+                f"(0600 {user}:{group})",
             )
     info = real.stat()
     if _may(info, uid, gids, 4):

@@ -88,9 +88,11 @@ def _permission_problem(
         return f"{path} is not a regular file"
     if mode & stat.S_IWOTH:
         return f"{path} is world-writable (mode {mode:04o}); run: chmod o-w {path}"
-    # A group-writable file is writable by that group's members, unless it is root's group
-    # or specd's own.
-    if mode & stat.S_IWGRP and st.st_gid not in (0, os.getgid()):
+    # A group-writable file is writable by that group's members, unless it is root's group.
+    # Not specd's own: on-call users join group specd to read its state, and a pin they
+    # could write would restart SGLang at once; and `specd override show`, run as root,
+    # would judge the file otherwise than the daemon.
+    if mode & stat.S_IWGRP and st.st_gid != 0:
         return (
             f"{path} is group-writable by gid {st.st_gid} (mode {mode:04o}); run: chmod g-w {path}"
         )

@@ -107,6 +107,11 @@ DEFAULT_MAX_PAGE_BYTES = 32 * 1024 * 1024
 # which took ~9 s and ~0.5 GB to read: past this bound the page is refused unread.
 MAX_SERIES = 10_000
 _METRICS_PATH = "/metrics"
+# Paths SGLang's key middleware lets through in every version (specd/twin/auth.py): the
+# key goes only where it is needed, not to every scrape. Whoever binds SGLang's port while
+# it is down (a restart's load, a crash) gets what specd sends, and /metrics is asked for
+# every few seconds; /server_info once per SGLang start.
+_KEYLESS_PATHS = ("/metrics", "/health")
 _INFO_PATHS = ("/server_info", "/get_server_info")  # the second is SGLang < 0.5.6's
 # Reads wait at most this long before calling the client's ``beat``: a slow but bounded
 # read still shows the daemon's loop alive to the watchdog.
@@ -787,7 +792,7 @@ class SGLangClient:
     ) -> bytes | ScrapeError | None:
         where = f"GET {path}"
         try:
-            headers = self._auth()
+            headers = {} if path.startswith(_KEYLESS_PATHS) else self._auth()
         except files.KeyFileError as exc:
             return ScrapeError("api_key", f"{where}: {exc}", t)
         try:

@@ -902,7 +902,7 @@ def test_gateway_key_check_follows_the_way_to_the_file(tmp_path: Path, open_dir:
             f"{path}: specd.service runs as user {READER}, which cannot enter {closed} "
             "(0700 root:root)"
         )
-        assert "/etc/specd/gateway.key (0640 root:nogroup)" in check.advice
+        assert "/etc/specd/gateway.key (0600 nobody:nogroup)" in check.advice
     os.chmod(closed, 0o755)
     assert found.check_key_reader(link).ok
     assert reads_as(READER, link)

@@ -237,6 +237,25 @@ def test_group_writable_by_a_foreign_group(tmp_path: Path) -> None:
     assert read_override(path, 1, 6, NOW, allowed_uids=OWN).valid
 
 
+def test_group_writable_by_specds_own_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On-call users join group specd to read its state: a 0664 root:specd override let them
+    pin with apply = now (a restart at once, outside any window) although only root and
+    specd may write one, and `specd override show` (root's gid, 0) called the same file
+    invalid. Only root's group may write it."""
+    if os.getuid() != 0:
+        pytest.skip("changing a file's group to a foreign one needs root")
+    path = write(tmp_path, 'mode = "auto"\n', 0o664)
+    os.chown(path, -1, 4242)
+    monkeypatch.setattr(os, "getgid", lambda: 4242)  # as the daemon, run as group specd
+    status = read_override(path, 1, 6, NOW, allowed_uids=OWN)
+    assert status.problem is not None
+    assert "group-writable by gid 4242" in status.problem
+    path.chmod(0o644)
+    assert read_override(path, 1, 6, NOW, allowed_uids=OWN).valid
+
+
 def test_owned_by_another_user(tmp_path: Path) -> None:
     path = write(tmp_path, 'mode = "auto"\n')
     if os.getuid() == 0:

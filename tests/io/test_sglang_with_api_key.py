@@ -5,11 +5,13 @@ said), and a change restarted SGLang twice, verified neither time, and froze."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pages import page_server
 from test_apply import (
     ORIGINAL_ENV,
     Recorder,
@@ -25,6 +27,7 @@ from specd.core.observation import Observation, ScrapeError
 from specd.io.sglang import SGLangClient
 
 KEY = "s3cr3t-k3y-0123"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 SPEC3 = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
 FAST = [*INSTANT, "--report-interval-s", "0.2"]
@@ -139,3 +142,23 @@ def test_only_one_request_per_scrape_is_refused(keyed_twin: Any) -> None:
         client._http.send = counting  # type: ignore[method-assign]
         client.observe()
     assert seen == ["/metrics", "/server_info"]
+
+
+def test_the_key_goes_only_where_sglang_asks_for_it(tmp_path: Path) -> None:
+    """The key was sent with every scrape of /metrics, which SGLang never asks a key for:
+    whoever bound SGLang's port while it was down (a restart's load, a crash) got it every
+    few seconds. It goes with /server_info alone now, once per SGLang start."""
+    metrics = (FIXTURES / "sglang-0.5.23-loaded.prom").read_text()
+    info = json.loads((FIXTURES / "server_info-loaded.json").read_text())
+    with page_server() as server:
+        server.serve_sglang(metrics, info)
+        with SGLangClient(server.url, timeout_s=5, api_key=key_file(tmp_path, KEY)) as client:
+            for _ in range(3):
+                assert isinstance(client.observe(), Observation)
+            assert isinstance(client.server_info(), dict)  # as a restart's verification
+            assert isinstance(client.observe(), Observation)
+    sent = server.authorizations
+    assert [path for path, _ in sent].count("/metrics") == 4, sent
+    assert {auth for path, auth in sent if path == "/metrics"} == {None}, sent
+    assert {auth for path, auth in sent if path == "/server_info"} == {f"Bearer {KEY}"}, sent
+    assert [path for path, _ in sent].count("/server_info") == 2, sent
