@@ -40,7 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from specd.core import windows
 from specd.core.choices import as_applied
@@ -62,6 +62,7 @@ from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.fleet import Fleet, FleetHooks
 from specd.io.gateway import IDLE_PROBE_S, GatewayClient, GatewayWatch
 from specd.io.metrics import OFFERED_QUANTILES, Metrics
+from specd.io.metrics_http import MetricsServer
 from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import Runner, SubprocessRunner
@@ -328,7 +329,7 @@ class Daemon:
         self._reload_requested = threading.Event()
         self._signal_fd = -1  # the signal handlers' pipe (`install_signal_handlers`)
         self.metrics_port: int | None = None
-        self._metrics_server: Any = None
+        self._metrics_server: MetricsServer | None = None
 
         self.store = StateStore(
             Path(config.files.state_dir),
@@ -967,13 +968,13 @@ class Daemon:
 
     # -- the loop -----------------------------------------------------------------
     def start_metrics_server(self) -> None:
-        server, _thread = start_http_server(
+        server = MetricsServer(
+            self.metrics.registry,
+            self.config.report.metrics_listen_address,
             self.config.report.metrics_port,
-            addr=self.config.report.metrics_listen_address,
-            registry=self.metrics.registry,
         )
         self._metrics_server = server
-        self.metrics_port = int(server.server_port)
+        self.metrics_port = server.port
         self.log.info(
             "metrics_serving",
             url=f"http://{self.config.report.metrics_listen_address}:{self.metrics_port}/metrics",
@@ -1030,7 +1031,7 @@ class Daemon:
         if self.gateway is not None:
             self.gateway.close()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+            self._metrics_server.close()
         self.log.info("stopped")
         return 0
 

@@ -104,8 +104,7 @@ def test_specds_own_metrics_pass_promtool_check_metrics(tmp_path: Path) -> None:
         finally:
             d.client.close()
             if d._metrics_server is not None:
-                d._metrics_server.shutdown()
-                d._metrics_server.server_close()
+                d._metrics_server.close()
     assert "specd_offered_concurrency{" in page
     result = subprocess.run(
         [promtool(), "check", "metrics"],
