@@ -284,6 +284,13 @@ def observed_keys(setting: SpecSetting) -> tuple[int, ...]:
     return tuple(config_key(n) for n in names)
 
 
+def plain_word(text: str) -> bool:
+    """Whether ``text`` passes whole through the env file into SGLang's command line: no
+    whitespace or control character (which split it), no quote, backslash or $ (which
+    systemd's EnvironmentFile= and ExecStart= parsing take away or expand)."""
+    return bool(text) and not any(c.isspace() or not c.isprintable() or c in "\"'\\$" for c in text)
+
+
 def sglang_args(
     setting: SpecSetting, *, algorithm: str, config_path: str | None = None
 ) -> tuple[str, ...]:
@@ -300,12 +307,11 @@ def sglang_args(
             "--speculative-eagle-topk", "1",
             "--speculative-num-draft-tokens", str(setting.steps + 1),
         )  # fmt: skip
-    if (
-        config_path is None
-        or not config_path.startswith("/")
-        or any(c.isspace() for c in config_path)
-    ):
-        raise ValueError(f"adaptive config path {config_path!r} must be absolute without spaces")
+    if config_path is None or not config_path.startswith("/") or not plain_word(config_path):
+        raise ValueError(
+            f"adaptive config path {config_path!r} must be absolute, without spaces, quotes, "
+            "backslashes or $"
+        )
     # The deepest candidate sizes the static arguments SGLang validates at start.
     top = setting.max_steps
     return (

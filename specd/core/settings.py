@@ -24,9 +24,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specd.core import windows as windows_mod
-from specd.core.setting import format_setting
+from specd.core.setting import format_setting, plain_word
 from specd.core.setting import parse as parse_setting
-from specd.core.text import check_root_url
+from specd.core.text import check_root_url, is_service_name
 from specd.core.units import DAY_S, HOUR_S, MINUTE_S, WEEK_S
 
 MAX_STEPS_ALLOWED = 16
@@ -48,7 +48,6 @@ DEFAULT_ADAPTIVE_SETS = (
 )
 
 # Goes into systemctl's argv: a leading '-' would be read as an option.
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
 _GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -196,7 +195,7 @@ class SGLangSettings(BaseModel):
     @field_validator("unit")
     @classmethod
     def _unit(cls, value: str) -> str:
-        if not _UNIT_NAME.match(value):
+        if not is_service_name(value):
             raise ValueError(f"{value!r} is not a systemd service name such as sglang.service")
         return value
 
@@ -219,6 +218,19 @@ class FilesSettings(BaseModel):
     )
 
     _absolute_paths = field_validator("state_dir", "override_file")(_absolute)
+
+    @field_validator("state_dir")
+    @classmethod
+    def _state_dir_plain(cls, value: Path) -> Path:
+        # An adaptive set's config file (state_dir/adaptive-<hash>.json) reaches SGLang's
+        # command line through the env file.
+        if not plain_word(str(value)):
+            raise ValueError(
+                f"{str(value)!r} holds a space, quote, backslash, $ or control character, "
+                "which SGLang's command line would not get as written (an adaptive set's "
+                "config file is named under it)"
+            )
+        return value
 
 
 class ObserveSettings(BaseModel):

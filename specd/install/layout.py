@@ -4,12 +4,12 @@ system paths to a root: ``/`` in production, a temporary directory in tests."""
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specd.core.text import is_service_name
 from specd.io.files import MIB, FileReadError, MissingFileError, read_regular_file
 from specd.io.runner import Runner, RunResult
 
@@ -36,8 +36,6 @@ START_TIMEOUT_S = 120.0
 # What `Layout.read` reads at most: above any file install reads or writes (the manifest,
 # which holds what install replaced, included).
 MAX_READ_BYTES = 16 * MIB
-
-_UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:_.\\@-]*\.service$")
 
 
 class InstallError(Exception):
@@ -86,7 +84,7 @@ def stamp(now_s: float) -> str:
 
 
 def check_unit_name(unit: str) -> str:
-    if not _UNIT_NAME.match(unit):
+    if not is_service_name(unit):
         raise InstallError(f"{unit!r} is not a systemd service name such as sglang.service")
     return unit
 

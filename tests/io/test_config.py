@@ -222,6 +222,21 @@ def test_example_passes_check_config_as_a_real_process() -> None:
         ("[sglang]\nunit = '--force'\n", ["sglang.unit: '--force' is not a systemd service"]),
         ("[sglang]\nunit = 'sglang'\n", ["sglang.unit: 'sglang' is not a systemd service"]),
         ("[files]\nstate_dir = 'state'\n", ["files.state_dir: 'state' must be an absolute path"]),
+        # A trailing newline passed `^...$` with re.match (a polkit rule for no unit).
+        (
+            '[sglang]\nunit = "sglang.service\\n"\n',
+            ["sglang.unit: 'sglang.service\\n' is not a systemd service"],
+        ),
+        ("[sglang]\nunit = 'sglang@.service'\n", ["sglang.unit: 'sglang@.service' is not a"]),
+        # Under state_dir, an adaptive set's config file reaches SGLang's command line
+        # through the env file: systemd takes quotes and backslashes away, expands $.
+        *(
+            (
+                f"[files]\nstate_dir = '{bad}'\n",
+                [f"files.state_dir: {bad!r} holds a space, quote, backslash, $ or control"],
+            )
+            for bad in ('/var/lib/sp"ecd --api-key x', "/var/lib/sp\\ecd", "/var/lib/$HOME")
+        ),
         (
             "[report]\nmetrics_listen_address = 'not an address'\n",
             ["report.metrics_listen_address"],
