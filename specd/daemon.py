@@ -1816,6 +1816,19 @@ class Daemon:
         mark = (st.st_dev, st.st_ino, st.st_mtime_ns)
         if mark == self._unremovable_unfreeze:
             return
+        if st.st_uid not in self.allowed_override_uids:
+            # Only root and specd's user may ask (`specd unfreeze` runs as one): anyone
+            # else who could write here (a state_dir made writable by hand) may not lift a
+            # freeze a failed restart set. Said once, ignored until it is replaced.
+            self._unremovable_unfreeze = mark
+            self.log.error(
+                "unfreeze_request_refused",
+                path=str(path),
+                owner=st.st_uid,
+                effect="not honoured: only root or specd's user may unfreeze (`sudo specd "
+                "unfreeze`); ignored until it is replaced",
+            )
+            return
         try:
             request = files.parse_json(files.read_regular_file(path, MAX_UNFREEZE_REQUEST_BYTES))
             reason = str(request.get("reason", ""))

@@ -1144,6 +1144,37 @@ def test_an_unfreeze_request_that_cannot_be_removed_unfreezes_once(tmp_path: Pat
     assert not os.path.lexists(request)
 
 
+def test_an_unfreeze_request_of_another_user_is_not_honoured(tmp_path: Path) -> None:
+    """Only root and specd's user may lift a freeze (`specd unfreeze` runs as one): a
+    request any other user could leave (a state directory made writable by hand) cleared
+    the freeze a failed restart set. Said once, ignored until replaced by a request of
+    root's or specd's."""
+    if os.getuid() != 0:
+        pytest.skip("a file of another owner needs root to make")
+    config = make_config(tmp_path, free_port())
+    store = StateStore(Path(config.files.state_dir))
+    assert store.save(State(frozen={"since": OUTSIDE - 60, "reason": "rollback"})) is None
+    request = Path(config.files.state_dir) / UNFREEZE_REQUEST
+    request.write_text('{"reason": "not mine to say"}')
+    os.chown(request, 4242, 4242)
+    clock = Clock(OUTSIDE)
+    daemon = make_daemon(config, RecordingRunner(clock), clock)
+    with capture_logs() as logs:
+        for i in range(3):
+            clock.now = OUTSIDE + 5 * i
+            daemon.tick()
+        assert daemon.state.frozen is not None
+        [refused] = events(logs, "unfreeze_request_refused")
+        assert refused["owner"] == 4242
+        assert not events(logs, "unfrozen")
+        request.unlink()
+        request.write_text('{"reason": "fixed it"}')  # `sudo specd unfreeze`
+        clock.now += 5
+        daemon.tick()
+    assert daemon.state.frozen is None
+    assert not os.path.lexists(request)
+
+
 @pytest.mark.parametrize("fault", ["disk full", "read-only", "corrupted under us"])
 @pytest.mark.parametrize("when", ["at start", "while running"])
 def test_state_dir_faults_keep_the_daemon_running(tmp_path: Path, fault: str, when: str) -> None:
