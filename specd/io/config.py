@@ -166,26 +166,29 @@ class Config(Settings, BaseSettings):
 # -- where a key belongs ------------------------------------------------------------------
 
 
+class Home(NamedTuple):
+    """Where a known key belongs: the setting it is and the phrase that says so."""
+
+    setting: str  # "files.state_dir", "windows"
+    phrase: str  # "`state_dir` belongs in [files]"
+
+
+def _home_of(key: str) -> Home | None:
+    """Where ``key`` belongs, if it is a known key of some table (or an array)."""
+    if key in RENAMED_KEYS:
+        table, new = RENAMED_KEYS[key]
+        return Home(f"{table}.{new}", f"`{key}` is now `{new}` in [{table}]")
+    if key in TABLE_OF_KEY:
+        return Home(f"{TABLE_OF_KEY[key]}.{key}", f"`{key}` belongs in [{TABLE_OF_KEY[key]}]")
+    if key in ARRAYS:
+        return Home(key, f"`{key}` is an array at the top level: [[{key}]]")
+    return None
+
+
 def _meant_as(key: str) -> str | None:
     """The setting ``key`` is, written elsewhere: ``files.state_dir``, ``windows``."""
-    if key in RENAMED_KEYS:
-        table, new = RENAMED_KEYS[key]
-        return f"{table}.{new}"
-    if key in TABLE_OF_KEY:
-        return f"{TABLE_OF_KEY[key]}.{key}"
-    return key if key in ARRAYS else None
-
-
-def _home_of(key: str) -> str | None:
-    """Where ``key`` belongs, as a phrase, if it is a known key of some table."""
-    if key in RENAMED_KEYS:
-        table, new = RENAMED_KEYS[key]
-        return f"`{key}` is now `{new}` in [{table}]"
-    if key in TABLE_OF_KEY:
-        return f"`{key}` belongs in [{TABLE_OF_KEY[key]}]"
-    if key in ARRAYS:
-        return f"`{key}` is an array at the top level: [[{key}]]"
-    return None
+    home = _home_of(key)
+    return None if home is None else home.setting
 
 
 def _placement_problems(data: dict[str, Any]) -> tuple[list[Problem], dict[str, Any]]:
@@ -210,13 +213,15 @@ def _placement_problems(data: dict[str, Any]) -> tuple[list[Problem], dict[str, 
                     inner[name] = item
                 else:
                     problems.append(
-                        Problem(f"{key}.{name}: {home}", ((key, name),), meant_as=_meant_as(name))
+                        Problem(
+                            f"{key}.{name}: {home.phrase}", ((key, name),), meant_as=home.setting
+                        )
                     )
             kept[key] = inner
         elif key in ARRAYS:
             kept[key] = value
         elif (home := _home_of(key)) is not None:
-            problems.append(Problem(home, ((key,),), meant_as=_meant_as(key)))
+            problems.append(Problem(home.phrase, ((key,),), meant_as=home.setting))
         else:
             kept[key] = value  # unknown: pydantic names it
     return problems, kept
@@ -485,7 +490,9 @@ def _env_hint(name: str) -> str:
         home, new = TABLE_OF_KEY[key], key
     else:
         return " (check the spelling)"
-    return f"; {_home_of(key)}: use {ENV_PREFIX}{home.upper()}{ENV_NESTED_DELIMITER}{new.upper()}"
+    said = _home_of(key)
+    assert said is not None
+    return f"; {said.phrase}: use {ENV_PREFIX}{home.upper()}{ENV_NESTED_DELIMITER}{new.upper()}"
 
 
 def _default_of(field: FieldInfo) -> Any:
