@@ -34,7 +34,12 @@ E = TypeVar("E")
 STATE_FILE = "state.json"
 # What `specd unfreeze` writes beside the state file and the daemon reads at its next tick.
 UNFREEZE_REQUEST = "unfreeze.json"
-STATE_VERSION = 1
+# Raised whenever a part is added or changes meaning, so that an older specd (a rollback)
+# moves a newer file aside, frozen, instead of reading what it knows and dropping the rest
+# unsaid at its next save. 2: explorations, avoided, verifying, gateway, the history's
+# accept_seen and each restart's count, which version-1 readers dropped. Version 1 files
+# are read as they are (each part they lack starts empty).
+STATE_VERSION = 2
 STATE_FILE_MODE = 0o640
 # Weeks of history are ~100 KB; a state file 100x that is not one specd wrote.
 MAX_STATE_BYTES = 16 * files.MIB

@@ -29,7 +29,7 @@ from specd.core.setting import adaptive, traits_from_server_info, unavailable
 from specd.daemon import Daemon
 from specd.io.config import load_config
 from specd.io.notify import Notifier
-from specd.io.state import UNFREEZE_REQUEST, State, StateStore
+from specd.io.state import STATE_VERSION, UNFREEZE_REQUEST, State, StateStore
 from specd.twin.process import free_port
 
 
@@ -664,7 +664,9 @@ def _state_with(**parts: Any) -> str:
         (_state_with(frozen={"since": time.time(), "reason": "ok\x1b[2Jgone"}), "ok\\x1b[2J", True),
         # A newer specd's file: the daemon sets it aside and keeps its freeze.
         (
-            _state_with(version=2, frozen={"since": time.time(), "reason": "failed"}),
+            _state_with(
+                version=STATE_VERSION + 1, frozen={"since": time.time(), "reason": "failed"}
+            ),
             "ago): state.json held a freeze in a file specd cannot read",
             True,
         ),

@@ -28,7 +28,7 @@ from specd.io.apply import Journal
 from specd.io.config import load_config
 from specd.io.runner import SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import LOCK_FILE, State, StateStore
+from specd.io.state import LOCK_FILE, STATE_VERSION, State, StateStore
 from specd.twin.process import TwinProcess, free_port
 
 NOW = 1_764_000_000.0
@@ -407,10 +407,11 @@ def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> N
     # The daemon cannot read it: it sets it aside and stays frozen for the freeze in it.
     config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
     data = State(frozen={"since": NOW - 60, "reason": "restart failed"}).to_dict()
-    (tmp_path / "state.json").write_text(json.dumps({**data, "version": 2}))
+    newer = STATE_VERSION + 1
+    (tmp_path / "state.json").write_text(json.dumps({**data, "version": newer}))
     info = collect(config, NOW, "down")
     assert info["state_unreadable"]
-    assert "version 2 is newer than this specd understands" in info["state_problem"]
+    assert f"version {newer} is newer than this specd understands" in info["state_problem"]
     assert info["frozen"] is not None
     # Since when the file says, not since this run of status ("0 s ago" at every run).
     assert "YES, FROZEN since 2025-11-24T15:59:00+00:00 (60 s ago)" in render(info, NOW)
