@@ -33,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -81,6 +82,11 @@ SCRAPE_FAILED_RELOG_S = 300.0
 # A failure of a new kind or reason is said at once, up to this many per outage (a reason
 # that carries a value changing every scrape must not bring the flood back).
 SCRAPE_FAILED_MAX_DISTINCT = 8
+# An SGLang that fails every other scrape began an outage at every other scrape, each said
+# from its start (a line when it fails, one when it is back: 35,000 lines a day). Once this
+# many began within SCRAPE_FAILED_RELOG_S, a failure goes on with the last one instead,
+# said (and its recoveries) as rarely as a long outage.
+FLAPPING_OUTAGES = 3
 STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
@@ -244,6 +250,8 @@ class ScrapeOutage:
     failures: int = 0
     logged_at: float = 0.0
     said: set[tuple[str, str]] = field(default_factory=set)  # (kind, reason) logged
+    ended_at: float | None = None  # the last good scrape since (an outage that may resume)
+    recovered_said_at: float | None = None  # scrape_recovered last logged
 
 
 def _boot_clock() -> Callable[[], float]:
@@ -360,6 +368,7 @@ class Daemon:
         # (the applier watches it meanwhile); at start, the history's last observation.
         self._seen_at: float | None = self.state.history.last_t
         self._outage: ScrapeOutage | None = None  # scrapes failing since, what was logged
+        self._outages_began: deque[float] = deque(maxlen=FLAPPING_OUTAGES)
         self._rejected_logged: set[str] = set()
         self._calibration_problem: str | None = None  # the one last logged
         # What SGLang runs per the latest tick's observation; None after a failed scrape.
@@ -666,8 +675,16 @@ class Daemon:
             if isinstance(part, dict) and isinstance(part.get("t"), (int, float)):
                 part["t"] = float(part["t"]) + seconds
         if self._outage is not None:
-            self._outage.since += seconds
-            self._outage.logged_at += seconds
+            outage = self._outage
+            outage.since += seconds
+            outage.logged_at += seconds
+            if outage.ended_at is not None:
+                outage.ended_at += seconds
+            if outage.recovered_said_at is not None:
+                outage.recovered_said_at += seconds
+        self._outages_began = deque(
+            (t + seconds for t in self._outages_began), maxlen=FLAPPING_OUTAGES
+        )
         if self._seen_at is not None:
             self._seen_at += seconds
         # Stepped back, a pin applied now counted its restarts from a decision time now
@@ -1113,11 +1130,13 @@ class Daemon:
         self.live_adaptive = outcome.control.live_adaptive
         self._note_live(outcome.current, now, "observation", outcome.live_name)
         self._report_predictions(outcome)
-        changed = self._report_decision(decision, outcome, now)
+        # A change refused a moment ago is not tried, nor logged as acting, at every scrape.
+        held = outcome.acts and self._refusal_stands(decision, now)
+        changed = self._report_decision(decision, outcome, now, acts=outcome.acts and not held)
         applying_s = 0.0
         if not outcome.acts:
             self._refused = None
-        elif self._refusal_stands(decision, now):
+        elif held:
             pass  # tried again once REFUSED_RETRY_S have passed
         else:
             if decision.reason is Reason.EXPLORE:
@@ -1289,13 +1308,19 @@ class Daemon:
             self.metrics.scrape_errors.labels(kind=result.kind).inc()
             self._report_scrape_failure(result, now)
             return result
-        if self._outage is not None:
-            outage, self._outage = self._outage, None
-            self.log.info(
-                "scrape_recovered",
-                failing_s=round(max(0.0, now - outage.since), 1),
-                failures=outage.failures,
-            )
+        if self._outage is not None and self._outage.ended_at is None:
+            outage = self._outage
+            outage.ended_at = now
+            said = outage.recovered_said_at
+            # An SGLang failing every other scrape ends an outage at every other scrape:
+            # said once per SCRAPE_FAILED_RELOG_S, as its failures are.
+            if said is None or not 0 <= now - said < SCRAPE_FAILED_RELOG_S:
+                outage.recovered_said_at = now
+                self.log.info(
+                    "scrape_recovered",
+                    failing_s=round(max(0.0, now - outage.since), 1),
+                    failures=outage.failures,
+                )
         self.metrics.sglang_up.set(1)
         self.metrics.last_scrape_success.set(result.t)
         self._report_rejected(result)
@@ -1321,14 +1346,26 @@ class Daemon:
             self.log.info("stabilization_restarted", unobserved_s=round(gap, 1))
             self.state.recommendations = []
 
+    def _failing(self) -> bool:
+        """Whether the latest scrape failed (an outage that has not ended)."""
+        return self._outage is not None and self._outage.ended_at is None
+
     def _report_scrape_failure(self, error: ScrapeError, now: float) -> None:
         """Counted every scrape (metrics); logged at the first failure, at a failure of a new
         kind or reason, and every SCRAPE_FAILED_RELOG_S while it lasts; `scrape_recovered`
         ends it (`_observe`). specd's own restarts of SGLang are not seen here: the loop
         waits in the applier until SGLang is verified healthy, or rolled back."""
         outage = self._outage
+        if outage is not None and outage.ended_at is not None:
+            began = [t for t in self._outages_began if 0 <= now - t < SCRAPE_FAILED_RELOG_S]
+            if len(began) >= FLAPPING_OUTAGES:
+                outage.ended_at = None  # SGLang flaps: the same outage goes on
+                self._outages_began.append(now)  # and flaps as long as this goes on
+            else:
+                outage = None
         if outage is None:
             outage = self._outage = ScrapeOutage(since=now)
+            self._outages_began.append(now)
         outage.failures += 1
         said = (error.kind, error.reason)
         new_kind = error.kind not in {kind for kind, _ in outage.said}
@@ -1484,8 +1521,11 @@ class Daemon:
         decision: Decision,
         outcome: StepResult,
         now: float,
+        *,
+        acts: bool,
     ) -> bool:
-        """Export and log the decision; True when it differs from the previous one."""
+        """Export and log the decision (``acts``: it goes to the applier this tick); True
+        when it differs from the previous one."""
         current, pick = outcome.current, outcome.pick
         target = decision.target_steps
         self.metrics.record_decision(decision.reason.value, target, now)
@@ -1505,7 +1545,6 @@ class Daemon:
         key = (decision.reason.value, named if named is not None else target)
         changed = (key, outcome.live_name) != self._last_decision_key
         self._last_decision_key = (key, outcome.live_name)
-        acts = outcome.acts
         since = now - self._last_logged_at  # negative: the clock stepped back
         if acts or key != self._last_logged or not 0 <= since < DECISION_RELOG_S:
             self.log.info(
@@ -1866,7 +1905,7 @@ class Daemon:
         # Unknown while SGLang does not answer, as steps_current: not the last value seen.
         m.offered_concurrency_now.set(
             # The latest scrape answered when no outage runs: last_obs is from it.
-            obs.offered if obs is not None and self._outage is None else float("nan")
+            obs.offered if obs is not None and not self._failing() else float("nan")
         )
         history: History = self.state.history
         for q in OFFERED_QUANTILES:

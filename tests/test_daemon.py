@@ -44,7 +44,14 @@ from specd.core.history import History, HistorySettings
 from specd.core.observation import Observation, ScrapeError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting, setting_key
 from specd.core.setting import parse as parse_setting
-from specd.daemon import DECISION_RELOG_S, STATE_SAVE_INTERVAL_S, Daemon, InFlight
+from specd.daemon import (
+    DECISION_RELOG_S,
+    FLAPPING_OUTAGES,
+    SCRAPE_FAILED_RELOG_S,
+    STATE_SAVE_INTERVAL_S,
+    Daemon,
+    InFlight,
+)
 from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
@@ -347,20 +354,26 @@ def test_a_change_refused_before_anything_was_done_is_tried_again_a_minute_later
     pin = {"mode": "pin", "steps": 2, "expires_at": expires, "reason": "x", "apply": "now"}
     write(pin)
 
+    decisions: list[bool] = []  # each `decision` line logged: whether it said acts
+
     def ticks(seconds: float) -> list[str]:
         with capture_logs() as logged:
             end = clock[0] + seconds
             while clock[0] < end:
                 assert d.tick().reason is Reason.OVERRIDE_PIN
                 clock[0] += 5
+        decisions.extend(e["acts"] for e in logged if e["event"] == "decision")
         return [e["event"] for e in logged if e["event"].startswith("restart_")]
 
     assert ticks(60) == ["restart_begin", "restart_aborted"]  # t = 0 .. 55 s
+    # Logged as acting where it went to the applier, not at each tick it was held.
+    assert decisions == [True], decisions
     assert len(applier.calls) == 1
     assert saved(cfg)["restarts"] == []
     # t = 60 s: tried again, refused for the same reason: not said again
     assert ticks(60) == ["restart_begin"]
     assert len(applier.calls) == 2
+    assert decisions == [True, True], decisions
     # ... until DECISION_RELOG_S after it was said, with how many times in a row
     with capture_logs() as logged:
         while clock[0] < IN_WINDOW + DECISION_RELOG_S + 60:
@@ -1870,6 +1883,39 @@ FLAPPING = [
     for i, e in enumerate(["refused", "refused", "starting", "starting", "refused", "starting"])
 ] + [(60.0, None), (70.0, None)]
 GARBAGE = [(10.0 * i, "garbage") for i in range(20)] + [(200.0, "refused"), (210.0, None)]
+
+
+def test_an_sglang_failing_every_other_scrape_is_said_as_rarely_as_a_long_outage(
+    tmp_path: Path,
+) -> None:
+    """Each failure after a good scrape began a new outage, said from its start, and each
+    good scrape ended one: an SGLang failing every other scrape (5 s apart) was a
+    scrape_failed and a scrape_recovered line every 10 s, 17,000 of each a day. After
+    FLAPPING_OUTAGES outages within SCRAPE_FAILED_RELOG_S the same one goes on, said every
+    SCRAPE_FAILED_RELOG_S; a failure after a quiet spell is a new outage, said at once."""
+    cfg = config(tmp_path)
+    hour = [(5.0 * i, i % 2 == 0) for i in range(720)]  # fails at even ticks
+    later = [(3600.0 + 600.0, False), (3600.0 + 605.0, True)]  # quiet 10 min, then one fails
+    script = hour + later
+    reader = Reader(
+        [ScrapeError("refused", REFUSED, 0.0) if fails else obs(IN_WINDOW + t, steps=4)
+         for t, fails in script]
+    )  # fmt: skip
+    clock = [IN_WINDOW]
+    d = daemon(cfg, reader, Applier(), clock)
+    with capture_logs() as captured:
+        for t, _ in script:
+            clock[0] = IN_WINDOW + t
+            d.tick()
+    said = [(e["event"], e["failing_s"]) for e in captured if e["event"].startswith("scrape_")]
+    failed = [at for event, at in said if event == "scrape_failed"]
+    recovered = [at for event, at in said if event == "scrape_recovered"]
+    # The first outages said as before, then one line each every 5 minutes for the hour.
+    assert len(failed) <= FLAPPING_OUTAGES + 3600 / SCRAPE_FAILED_RELOG_S + 1, said
+    assert len(recovered) <= FLAPPING_OUTAGES + 3600 / SCRAPE_FAILED_RELOG_S + 1, said
+    assert said[-1] == ("scrape_failed", 0.0), said  # after the quiet spell: a new one
+    sample = d.metrics.registry.get_sample_value
+    assert sample("specd_scrape_errors_total", {"kind": "refused"}) == 361  # each counted
 
 
 @pytest.mark.parametrize(
