@@ -65,6 +65,11 @@ MAX_ACCEPT_SEEN_S = 1e10
 # than throw away what was learned and the restarts the budget counts.
 LATEST_TIME = float(2**33)
 HISTORY_FORMAT = 1
+# Adaptive sets whose throughput is learned at once (specd offers at most 16). An SGLang
+# naming another config file at every scrape made a key per scrape, and the history, the
+# state file and each tick's cost grew without end; past this many the lightest set's cells
+# make room.
+MAX_ADAPTIVE_KEYS = 32
 # The longest half-life a config sets (`observe.history_half_life_s`).
 MAX_HALF_LIFE_S = 90 * DAY_S
 
@@ -582,8 +587,25 @@ class History:
         if offered > 0:
             throughput = self._throughput_of(obs, prev_decode, raw_dt)
             if throughput is not None:
+                if steps < 0 and (steps, offered) not in self._throughput.cells:
+                    self._room_for_adaptive(steps)
                 self._throughput.add((steps, offered), t, dt, dt * throughput)
         return Recorded.COUNTED
+
+    def _room_for_adaptive(self, key: int) -> None:
+        """Before a new cell of adaptive set ``key``: past MAX_ADAPTIVE_KEYS sets, the cells
+        of the one observed least (decayed seconds) are dropped."""
+        table = self._throughput
+        seen: dict[int, float] = {}
+        for (k, _), cell in table.cells.items():
+            if k < 0:
+                seen[k] = seen.get(k, 0.0) + cell[0]
+        if key in seen or len(seen) < MAX_ADAPTIVE_KEYS:
+            return
+        lightest = min(seen, key=seen.__getitem__)
+        for cell_key in [ck for ck in table.cells if ck[0] == lightest]:
+            del table.cells[cell_key]
+        table.revision += 1
 
     def _detect_restart(self, obs: Observation) -> bool:
         if obs.steps is not None and self._last_steps is not None and obs.steps != self._last_steps:

@@ -12,6 +12,7 @@ from factories import make_observation, tables
 from specd.core.acceptance import accept_length_from_alpha
 from specd.core.history import (
     HOURS_PER_WEEK,
+    MAX_ADAPTIVE_KEYS,
     History,
     HistorySettings,
     Recorded,
@@ -20,6 +21,7 @@ from specd.core.history import (
     is_weekend_hour,
 )
 from specd.core.observation import Observation
+from specd.core.setting import config_key
 from specd.core.settings import Settings
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC, a Thursday
@@ -631,3 +633,34 @@ def test_a_history_from_before_the_bins_is_merged_into_them_as_it_loads() -> Non
     assert weights[992] == pytest.approx(30.0 + 10.0)
     assert weights[1008] == pytest.approx(20.0)
     assert loaded.throughput(4, 992) == pytest.approx(300.0)  # weighted: (30·200 + 10·600) / 40
+
+
+def test_adaptive_sets_learned_at_once_are_bounded() -> None:
+    """An SGLang naming another adaptive config file at every scrape made a throughput key
+    per scrape: the history, the state file and each tick's cost grew without end (700
+    cells an hour at 5 s scrapes). At most MAX_ADAPTIVE_KEYS sets are kept, the one
+    observed least making room; the set that runs for real keeps what it learned."""
+    history = History(NO_DECAY)
+    served, t = 0.0, 1000.0
+    main_set = "/var/lib/specd/adaptive-main.json"
+    for i in range(400):
+        # Every other scrape the real set; between them a name never seen before.
+        name = main_set if i % 2 == 0 else f"/tmp/hostile-{i}.json"
+        history.record(
+            make_observation(
+                t,
+                running=4,
+                spec_fresh=False,
+                steps=None,
+                adaptive=True,
+                adaptive_config=name,
+                decode_tokens_total=served,
+                version="test",
+            )
+        )
+        served += 500.0 * 5
+        t += 5.0
+    keys = {key for key in history.throughput_by_key() if key < 0}
+    assert len(keys) <= MAX_ADAPTIVE_KEYS
+    assert config_key(main_set) in keys
+    assert history.throughput_cells(config_key(main_set))
