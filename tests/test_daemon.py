@@ -55,6 +55,7 @@ from specd.daemon import (
 from specd.io import logs
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
+from specd.io.metrics import Metrics
 from specd.io.notify import Notifier
 from specd.io.state import (
     STATE_FILE,
@@ -803,6 +804,27 @@ def test_an_adaptive_set_that_regressed_is_counted_and_logged_by_its_name(
     (logged,) = [e for e in events if e["event"] == "regression"]
     assert (logged["from_setting"], logged["to_setting"]) == ("3", "adaptive:3,4")
     assert (logged["from_steps"], logged["to_steps"]) == (3, None)
+
+
+def test_a_set_a_reload_leaves_out_leaves_no_series_unless_it_was_counted() -> None:
+    """Each set a reload named made a specd_regressions_total series that stayed: a
+    thousand reloads naming new sets were a thousand series. One left out goes where it is
+    still 0; one counted stays (an `increase` over it must not see it vanish)."""
+    metrics = Metrics(CollectorRegistry())
+    sample = metrics.registry.get_sample_value
+    metrics.declare_choices(range(1, 7), ["off", "adaptive:1,3", "adaptive:2,4"])
+    metrics.regressions.labels(steps="adaptive:2,4").inc()
+    metrics.declare_choices(range(1, 5), ["off", "adaptive:3,4"])
+    assert sample("specd_regressions_total", {"steps": "adaptive:3,4"}) == 0
+    assert sample("specd_regressions_total", {"steps": "adaptive:1,3"}) is None
+    assert sample("specd_regressions_total", {"steps": "adaptive:2,4"}) == 1
+    assert sample("specd_regressions_total", {"steps": "6"}) is None
+    assert sample("specd_explorations_total", {"steps": "6"}) is None
+    assert sample("specd_explorations_total", {"steps": "4"}) == 0
+    for i in range(200):
+        metrics.declare_choices(range(1, 7), [f"adaptive:{i},{i + 1}"])
+    families = {f.name: f for f in metrics.registry.collect()}
+    assert len(families["specd_regressions"].samples) <= 2 * (6 + 2)  # _total and _created
 
 
 WIRED = (

@@ -474,12 +474,18 @@ class Metrics:
     def declare_choices(self, steps: Iterable[int], settings: Iterable[str] = ()) -> None:
         """Per-setting counters at 0 for every step count and every other setting (off,
         adaptive sets) specd may choose: there before the first event, so that `increase`
-        sees it. At start and at each reload (a label once made stays)."""
+        sees it. At start and at each reload; one a reload left out goes where it is still
+        0 (a thousand reloads naming new sets made a thousand series), and stays once
+        counted."""
         step_labels = [str(k) for k in steps]
-        for label in step_labels:
-            self.explorations.labels(steps=label)
-        for label in [*step_labels, *settings]:
-            self.regressions.labels(steps=label)
+        for counter, labels in (
+            (self.explorations, step_labels),
+            (self.regressions, [*step_labels, *settings]),
+        ):
+            for label in labels:
+                counter.labels(steps=label)
+            for label in _zero_labels(counter) - set(labels):
+                counter.remove(label)
 
     def set_mode(self, mode: str) -> None:
         for m in MODES:
@@ -533,3 +539,13 @@ class Metrics:
         for metric in self.last_decision_reason.collect():
             for sample in metric.samples:
                 yield sample.labels["reason"]
+
+
+def _zero_labels(counter: Counter) -> set[str]:
+    """The ``steps`` labels of ``counter`` whose count is 0."""
+    return {
+        sample.labels["steps"]
+        for family in counter.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.value == 0
+    }
