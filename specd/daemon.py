@@ -856,6 +856,8 @@ class Daemon:
         if applier is not old_applier:
             applier.read_stop_timeout()
             kept = self._hand_over_marker(old_applier, applier)
+            if isinstance(old_applier, Applier) and old_applier.gateway is not None:
+                old_applier.gateway.close()  # its connections, reload after reload
             if old_fleet is not None and old_fleet is not self.fleet:
                 old_fleet.close()
                 # Its hooks set the fleet gauges; the new fleet knows of no marker or slot

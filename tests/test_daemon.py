@@ -53,6 +53,7 @@ from specd.daemon import (
     InFlight,
 )
 from specd.io import logs
+from specd.io.apply import Applier as RealApplier
 from specd.io.apply import ApplyOutcome, setting_steps
 from specd.io.config import Config
 from specd.io.metrics import Metrics
@@ -2445,6 +2446,37 @@ def test_a_reload_that_removes_the_gateway_clears_its_not_ready_count(tmp_path: 
     value = sample("specd_gateway_worker_not_ready_replicas")
     assert value is not None
     assert math.isnan(value)
+
+
+def test_a_reload_closes_the_gateway_client_of_the_applier_it_replaces(tmp_path: Path) -> None:
+    """Each reload that built a new applier left the old one's gateway client (its HTTP
+    connection pool) open, reload after reload."""
+    fields = {
+        "state_dir": str(tmp_path / "state"),
+        "override_file": str(tmp_path / "override.toml"),
+        "env_file": str(tmp_path / "sglang.env"),
+        "worker_url": "http://127.0.0.1:30000",
+    }
+    cfg = config(tmp_path, urls=["http://127.0.0.1:9"], worker_url=fields["worker_url"])
+    d = Daemon(
+        cfg,
+        registry=CollectorRegistry(),
+        clock=lambda: IN_WINDOW,
+        notifier=Notifier({}),
+    )
+    replaced = []
+    for port in (10, 11, 12):
+        before = d.applier
+        assert isinstance(before, RealApplier)
+        assert before.gateway is not None
+        d.config_path = tmp_path / "specd.toml"
+        d.config_path.write_text(tomli_w.dumps(tables(**fields, urls=[f"http://127.0.0.1:{port}"])))
+        d.reload()
+        assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
+        assert d.applier is not before
+        replaced.append(before.gateway)
+    assert all(gateway._http.is_closed for gateway in replaced)
+    d.client.close()
 
 
 def test_a_reload_keeping_the_gateway_does_not_say_its_outage_again(tmp_path: Path) -> None:
