@@ -1348,6 +1348,11 @@ class Daemon:
             self.log.info("stabilization_restarted", unobserved_s=round(gap, 1))
             self.state.recommendations = []
 
+    def _flapping(self, now: float) -> bool:
+        """Whether FLAPPING_OUTAGES outages began within SCRAPE_FAILED_RELOG_S of ``now``."""
+        began = [t for t in self._outages_began if 0 <= now - t < SCRAPE_FAILED_RELOG_S]
+        return len(began) >= FLAPPING_OUTAGES
+
     def _failing(self) -> bool:
         """Whether the latest scrape failed (an outage that has not ended)."""
         return self._outage is not None and self._outage.ended_at is None
@@ -1359,8 +1364,7 @@ class Daemon:
         waits in the applier until SGLang is verified healthy, or rolled back."""
         outage = self._outage
         if outage is not None and outage.ended_at is not None:
-            began = [t for t in self._outages_began if 0 <= now - t < SCRAPE_FAILED_RELOG_S]
-            if len(began) >= FLAPPING_OUTAGES:
+            if self._flapping(now):
                 outage.ended_at = None  # SGLang flaps: the same outage goes on
                 self._outages_began.append(now)  # and flaps as long as this goes on
             else:
@@ -1547,8 +1551,12 @@ class Daemon:
         key = (decision.reason.value, named if named is not None else target)
         changed = (key, outcome.live_name) != self._last_decision_key
         self._last_decision_key = (key, outcome.live_name)
+        # SGLang fails every other scrape (the scrape log says so every 5 minutes): the
+        # no_data of each failure is not logged, nor the way back from it, or each scrape
+        # would be a line. `specd status` still shows each (status.json).
+        quiet = decision.reason is Reason.NO_DATA and not acts and self._flapping(now)
         since = now - self._last_logged_at  # negative: the clock stepped back
-        if acts or key != self._last_logged or not 0 <= since < DECISION_RELOG_S:
+        if not quiet and (acts or key != self._last_logged or not 0 <= since < DECISION_RELOG_S):
             self.log.info(
                 "decision",
                 reason=decision.reason.value,

@@ -1937,6 +1937,9 @@ def test_an_sglang_failing_every_other_scrape_is_said_as_rarely_as_a_long_outage
     assert len(failed) <= FLAPPING_OUTAGES + 3600 / SCRAPE_FAILED_RELOG_S + 1, said
     assert len(recovered) <= FLAPPING_OUTAGES + 3600 / SCRAPE_FAILED_RELOG_S + 1, said
     assert said[-1] == ("scrape_failed", 0.0), said  # after the quiet spell: a new one
+    # Nor a decision line at each no_data and the way back (status.json shows each).
+    decisions = [e for e in captured if e["event"] == "decision"]
+    assert len(decisions) <= 2 * (FLAPPING_OUTAGES + 3600 / DECISION_RELOG_S + 2), decisions
     sample = d.metrics.registry.get_sample_value
     assert sample("specd_scrape_errors_total", {"kind": "refused"}) == 361  # each counted
 
