@@ -1908,6 +1908,21 @@ FLAPPING = [
 GARBAGE = [(10.0 * i, "garbage") for i in range(20)] + [(200.0, "refused"), (210.0, None)]
 
 
+def scripted(
+    tmp_path: Path, script: list[tuple[float, ScrapeError | None]]
+) -> tuple[Daemon, list[Any]]:
+    """A daemon ticking at IN_WINDOW + each time of ``script``, its scrape failing with the
+    error given there or answering (steps 4) where None; it, and what it logged."""
+    reader = Reader([obs(IN_WINDOW + t, steps=4) if e is None else e for t, e in script])
+    clock = [IN_WINDOW]
+    d = daemon(config(tmp_path), reader, Applier(), clock)
+    with capture_logs() as captured:
+        for t, _ in script:
+            clock[0] = IN_WINDOW + t
+            d.tick()
+    return d, captured
+
+
 def test_an_sglang_failing_every_other_scrape_is_said_as_rarely_as_a_long_outage(
     tmp_path: Path,
 ) -> None:
@@ -1916,20 +1931,13 @@ def test_an_sglang_failing_every_other_scrape_is_said_as_rarely_as_a_long_outage
     scrape_failed and a scrape_recovered line every 10 s, 17,000 of each a day. After
     FLAPPING_OUTAGES outages within SCRAPE_FAILED_RELOG_S the same one goes on, said every
     SCRAPE_FAILED_RELOG_S; a failure after a quiet spell is a new outage, said at once."""
-    cfg = config(tmp_path)
     hour = [(5.0 * i, i % 2 == 0) for i in range(720)]  # fails at even ticks
     later = [(3600.0 + 600.0, False), (3600.0 + 605.0, True)]  # quiet 10 min, then one fails
     script = hour + later
-    reader = Reader(
-        [ScrapeError("refused", REFUSED, 0.0) if fails else obs(IN_WINDOW + t, steps=4)
-         for t, fails in script]
-    )  # fmt: skip
-    clock = [IN_WINDOW]
-    d = daemon(cfg, reader, Applier(), clock)
-    with capture_logs() as captured:
-        for t, _ in script:
-            clock[0] = IN_WINDOW + t
-            d.tick()
+    d, captured = scripted(
+        tmp_path,
+        [(t, ScrapeError("refused", REFUSED, 0.0) if fails else None) for t, fails in script],
+    )
     said = [(e["event"], e["failing_s"]) for e in captured if e["event"].startswith("scrape_")]
     failed = [at for event, at in said if event == "scrape_failed"]
     recovered = [at for event, at in said if event == "scrape_recovered"]
@@ -2001,17 +2009,9 @@ def test_an_sglang_outage_is_logged_when_it_starts_changes_lasts_and_ends(
         "starting": lambda _: ScrapeError("http_status", STARTING, 0.0),
         "garbage": lambda i: ScrapeError("malformed", f"GET /metrics: x is -{i}", 0.0),
     }
-    cfg = config(tmp_path)
-    reader = Reader(
-        [obs(IN_WINDOW + t, steps=4) if e is None else errors[e](i) for i, (t, e) in
-         enumerate(script)]
-    )  # fmt: skip
-    clock = [IN_WINDOW]
-    d = daemon(cfg, reader, Applier(), clock)
-    with capture_logs() as captured:
-        for t, _ in script:
-            clock[0] = IN_WINDOW + t
-            d.tick()
+    d, captured = scripted(
+        tmp_path, [(t, None if e is None else errors[e](i)) for i, (t, e) in enumerate(script)]
+    )
     said = [
         (e["event"], e.get("kind"), e.get("failing_s"), e.get("failures"))
         for e in captured
