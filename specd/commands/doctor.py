@@ -486,6 +486,19 @@ class Doctor:
                     notes.append(f"{feature.what} in {self.info_path}: {feature.without}")
             elif older:
                 notes.append(f"{feature.what} ({since}): {feature.without}")
+        if version is not None and version > features.NEWEST_KNOWN:
+            notes.append(
+                f"SGLang {features.version_text(version)} is newer than any specd was checked "
+                f"against (up to {features.version_text(features.NEWEST_KNOWN)}): taken to "
+                "have every feature above, its metrics and arguments as before; `specd "
+                "observe` shows what it serves"
+            )
+        elif version is not None and version < features.OLDEST_KNOWN:
+            notes.append(
+                f"SGLang {features.version_text(version)} is older than any specd was checked "
+                f"against (from {features.version_text(features.OLDEST_KNOWN)}): it may lack "
+                "more than the above"
+            )
         if version is None:
             notes.append(
                 f"version {shown!r} unknown: what it lacks beyond the above cannot be told"

@@ -104,6 +104,12 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 
+# The oldest and newest SGLang whose source this table was read from (the twin models the
+# same versions): outside them, what a version has is a guess, and doctor says so.
+OLDEST_KNOWN: Version = (0, 5, 4)
+NEWEST_KNOWN: Version = (0, 5, 23)
+
+
 def parse_version(text: object) -> Version | None:
     """ "0.5.13", "v0.5.4", "0.5.23rc1", "0.5" → a comparable tuple; None if not a version."""
     if not isinstance(text, str):

@@ -31,7 +31,14 @@ import specd.commands.doctor as doctor_module
 import specd.io.config as config_module
 import specd.io.override as override_io
 from specd import cli
-from specd.commands.doctor import Check, Doctor, _usec, render, restart_policy_note
+from specd.commands.doctor import (
+    NEEDED_METRICS,
+    Check,
+    Doctor,
+    _usec,
+    render,
+    restart_policy_note,
+)
 from specd.core.adaptive import AdaptiveModel
 from specd.core.model import adaptive_slots
 from specd.core.perftable import PerfRow, PerfTable
@@ -576,6 +583,34 @@ def test_version_check_names_what_specd_cannot_see(
     assert (f"{len(notes)} limit(s) for specd, below" in check.detail) is bool(notes)
     rendered = render([check])
     assert all(f"· {note}\n" in rendered for note in check.notes)
+
+
+@pytest.mark.parametrize(
+    ("version", "note"),
+    [
+        ("0.6.0", "SGLang 0.6.0 is newer than any specd was checked against (up to 0.5.23)"),
+        ("1.0.0rc1", "SGLang 1.0.0 is newer than any specd was checked against"),
+        ("0.4.9", "SGLang 0.4.9 is older than any specd was checked against (from 0.5.4)"),
+        ("0.5.23", None),
+        ("0.5.4", None),
+    ],
+)
+def test_version_check_says_a_version_outside_those_specd_knows(
+    tmp_path: Path, version: str, note: str | None
+) -> None:
+    """An SGLang newer than any specd was checked against was taken to have every feature,
+    an older one to lack them all, and doctor said nothing of it."""
+    found = doctor(tmp_path)
+    found.info = {"version": version}
+    names = set(NEEDED_METRICS)
+    check = found.check_version(names, [])
+    assert check.ok
+    said = [n for n in check.notes if "than any specd was checked against" in n]
+    if note is None:
+        assert said == [], check.notes
+    else:
+        assert len(said) == 1, check.notes
+        assert said[0].startswith(note), said
 
 
 def test_command_check_reads_name_equals_value_as_name_value(tmp_path: Path) -> None:

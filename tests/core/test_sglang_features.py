@@ -100,3 +100,10 @@ def test_features_are_in_version_order_with_unique_names() -> None:
 )
 def test_parse_version_reads_a_version_or_says_none(text: object, parsed: object) -> None:
     assert parse_version(text) == parsed
+
+
+def test_the_known_range_is_the_twins_versions() -> None:
+    """Doctor names an SGLang outside the versions this table was read from: the range is
+    the versions the twin models."""
+    known = sorted(features.parse_version(v) for v in VERSIONS)
+    assert (known[0], known[-1]) == (features.OLDEST_KNOWN, features.NEWEST_KNOWN)
