@@ -144,8 +144,8 @@ class Applier:
         return None
 
 
-def config(tmp_path: Path, **extra: Any) -> Config:
-    (tmp_path / "state").mkdir(exist_ok=True)
+def _own_files(tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    """The tables of `config(tmp_path, **extra)`, also for a config file."""
     defaults: dict[str, Any] = {
         "state_dir": str(tmp_path / "state"),
         "override_file": str(tmp_path / "override.toml"),
@@ -155,7 +155,12 @@ def config(tmp_path: Path, **extra: Any) -> Config:
         "min_dwell_s": 0,
         "warmup_exclude_s": 0,
     }
-    return Config(**tables(**{**defaults, **extra}))
+    return tables(**{**defaults, **extra})
+
+
+def config(tmp_path: Path, **extra: Any) -> Config:
+    (tmp_path / "state").mkdir(exist_ok=True)
+    return Config(**_own_files(tmp_path, **extra))
 
 
 def obs(t: float, steps: int | None = 3, running: int = 1) -> Observation:
@@ -2454,13 +2459,8 @@ def test_a_reload_that_removes_the_gateway_clears_its_not_ready_count(tmp_path: 
 def test_a_reload_closes_the_gateway_client_of_the_applier_it_replaces(tmp_path: Path) -> None:
     """Each reload that built a new applier left the old one's gateway client (its HTTP
     connection pool) open, reload after reload."""
-    fields = {
-        "state_dir": str(tmp_path / "state"),
-        "override_file": str(tmp_path / "override.toml"),
-        "env_file": str(tmp_path / "sglang.env"),
-        "worker_url": "http://127.0.0.1:30000",
-    }
-    cfg = config(tmp_path, urls=["http://127.0.0.1:9"], worker_url=fields["worker_url"])
+    worker = "http://127.0.0.1:30000"
+    cfg = config(tmp_path, urls=["http://127.0.0.1:9"], worker_url=worker)
     d = Daemon(
         cfg,
         registry=CollectorRegistry(),
@@ -2473,7 +2473,8 @@ def test_a_reload_closes_the_gateway_client_of_the_applier_it_replaces(tmp_path:
         assert isinstance(before, RealApplier)
         assert before.gateway is not None
         d.config_path = tmp_path / "specd.toml"
-        d.config_path.write_text(tomli_w.dumps(tables(**fields, urls=[f"http://127.0.0.1:{port}"])))
+        urls = [f"http://127.0.0.1:{port}"]
+        d.config_path.write_text(tomli_w.dumps(_own_files(tmp_path, urls=urls, worker_url=worker)))
         d.reload()
         assert d.metrics.registry.get_sample_value("specd_config_reload_success") == 1
         assert d.applier is not before
@@ -2776,20 +2777,6 @@ def test_a_reload_applies_the_log_format_and_the_band_boundary(tmp_path: Path) -
     finally:
         structlog.configure(**before)
     assert d.metrics.registry.get_sample_value("specd_band_boundary_concurrency") == 16
-
-
-def _own_files(tmp_path: Path, **extra: Any) -> dict[str, Any]:
-    """The tables of `config(tmp_path, **extra)`, for a config file."""
-    defaults: dict[str, Any] = {
-        "state_dir": str(tmp_path / "state"),
-        "override_file": str(tmp_path / "override.toml"),
-        "env_file": str(tmp_path / "sglang.env"),
-        "min_history_s": 600,
-        "stabilization_window_s": 0,
-        "min_dwell_s": 0,
-        "warmup_exclude_s": 0,
-    }
-    return tables(**{**defaults, **extra})
 
 
 def test_a_reload_names_each_file_key_a_specd_variable_overrides(

@@ -812,7 +812,8 @@ def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) ->
     assert "off: offered (no speculation)" in check.notes
 
 
-@pytest.mark.parametrize(
+# Key files doctor refuses without reading them (both keys: the gateway's and SGLang's).
+UNFIT_KEY_FILES = pytest.mark.parametrize(
     ("make", "detail"),
     [
         (lambda p: None, "not a regular file (No such file or directory)"),
@@ -823,6 +824,9 @@ def test_choices_check_without_server_info_offers_no_adaptive(tmp_path: Path) ->
     ],
     ids=["missing", "fifo", "directory", "huge", "empty"],
 )
+
+
+@UNFIT_KEY_FILES
 def test_gateway_check_refuses_an_unfit_key_file_without_reading_it(
     tmp_path: Path, make: Callable[[Path], object], detail: str
 ) -> None:
@@ -987,17 +991,7 @@ def test_an_sglang_refusing_specd_is_advised_the_key_setting(
         assert f"in {path} (one line), or point [sglang] server_api_key_file" in check.advice
 
 
-@pytest.mark.parametrize(
-    ("make", "detail"),
-    [
-        (lambda p: None, "not a regular file (No such file or directory)"),
-        (os.mkfifo, "not a regular file"),
-        (lambda p: p.mkdir(), "not a regular file"),
-        (lambda p: p.write_bytes(b"k" * 5000), "5000 bytes"),
-        (lambda p: p.write_bytes(b""), "0 bytes"),
-    ],
-    ids=["missing", "fifo", "directory", "huge", "empty"],
-)
+@UNFIT_KEY_FILES
 def test_sglang_key_check_refuses_an_unfit_key_file_as_the_gateways(
     tmp_path: Path, make: Callable[[Path], object], detail: str
 ) -> None:

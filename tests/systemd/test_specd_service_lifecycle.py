@@ -80,6 +80,29 @@ def restart_in_flight(sd: Container, old_pid: int) -> int:
     return pid
 
 
+def stop_while_restarting(sd: Container) -> str:
+    """`systemctl stop specd` while a restart is in flight: STATUS= saying why it waits."""
+    sd.systemctl("stop", "--no-block", SPECD_UNIT)
+    text: str = wait_or_dump(
+        sd,
+        lambda: (t := status_text(sd)).startswith("stopping once the restart in flight ends") and t,
+        timeout=5,
+        what="STATUS= saying why the stop waits",
+    )
+    return text
+
+
+def release_and_wait_stopped(sd: Container, loading_pid: int) -> None:
+    """Let the held load finish; specd, stopping, ends once its restart has."""
+    release(sd, loading_pid)
+    wait_or_dump(
+        sd,
+        lambda: sd.active_state(SPECD_UNIT) == "inactive",
+        timeout=OUTCOME_S,
+        what="specd to stop once the restart ended",
+    )
+
+
 def kill_if_left(sd: Container) -> None:
     """A test that failed half-way may leave specd stopping (the twin held): SIGKILL it, so
     the container's reset is not held up by specd.service's TimeoutStopSec=."""
@@ -212,26 +235,14 @@ def test_a_stop_waits_for_the_restart_in_flight_past_the_stop_timeout(sd: Contai
     loading_pid = restart_in_flight(sd, old_pid)
 
     stopped = time.monotonic()
-    sd.systemctl("stop", "--no-block", SPECD_UNIT)
-    text = wait_or_dump(
-        sd,
-        lambda: (t := status_text(sd)).startswith("stopping once the restart in flight ends") and t,
-        timeout=5,
-        what="STATUS= saying why the stop waits",
-    )
+    text = stop_while_restarting(sd)
     assert "(4 → 3): waiting for sglang.service to restart" in text, text
     assert "killed now, specd's next start finishes it" in text, text
     # Past TimeoutStopSec= and a watchdog period, still finishing.
     hold_past(stopped, STOP_TIMEOUT_S + WATCHDOG_S)
     assert sd.active_state(SPECD_UNIT) == "deactivating"
 
-    release(sd, loading_pid)
-    wait_or_dump(
-        sd,
-        lambda: sd.active_state(SPECD_UNIT) == "inactive",
-        timeout=OUTCOME_S,
-        what="specd to stop once the restart ended",
-    )
+    release_and_wait_stopped(sd, loading_pid)
     assert time.monotonic() - stopped > STOP_TIMEOUT_S + WATCHDOG_S
     assert_finished_the_restart_and_exited_cleanly(sd, since, loading_pid)
     waits = events_named(sd, since, "stop_waits_for_restart")
@@ -259,13 +270,7 @@ def test_a_daemon_reload_while_a_stop_waits_for_the_restart_does_not_kill_specd(
         specd_pid = sd.main_pid(SPECD_UNIT)
 
         stopped = time.monotonic()
-        sd.systemctl("stop", "--no-block", SPECD_UNIT)
-        wait_or_dump(
-            sd,
-            lambda: status_text(sd).startswith("stopping once the restart in flight ends"),
-            timeout=5,
-            what="STATUS= saying why the stop waits",
-        )
+        stop_while_restarting(sd)
         sd.daemon_reload()  # early: the stop timeout is re-armed, the extension dropped
         # Past the old TimeoutStopSec= (and a watchdog period), still finishing.
         while time.monotonic() < stopped + OLD_STOP_TIMEOUT_S + 2 * WATCHDOG_S:
@@ -277,13 +282,7 @@ def test_a_daemon_reload_while_a_stop_waits_for_the_restart_does_not_kill_specd(
         assert sd.main_pid(SPECD_UNIT) == specd_pid
         assert (state(sd).get("journal") or {}).get("phase") == "restart_issued"
 
-        release(sd, loading_pid)
-        wait_or_dump(
-            sd,
-            lambda: sd.active_state(SPECD_UNIT) == "inactive",
-            timeout=OUTCOME_S,
-            what="specd to stop once the restart ended",
-        )
+        release_and_wait_stopped(sd, loading_pid)
     finally:
         kill_if_left(sd)
     assert_finished_the_restart_and_exited_cleanly(sd, since, loading_pid)
@@ -315,13 +314,7 @@ def test_a_loop_hung_while_a_stop_waits_for_the_restart_ends_specd(sd: Container
         pin_now(sd, 3)
         loading_pid = restart_in_flight(sd, old_pid)
 
-        sd.systemctl("stop", "--no-block", SPECD_UNIT)
-        wait_or_dump(
-            sd,
-            lambda: status_text(sd).startswith("stopping once the restart in flight ends"),
-            timeout=5,
-            what="STATUS= saying why the stop waits",
-        )
+        stop_while_restarting(sd)
         (sd.state_dir / "hang-stop").write_text("")
         wait_or_dump(
             sd,
