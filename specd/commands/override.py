@@ -256,6 +256,7 @@ def _frozen_note(cfg: Config, pin: Override, now: datetime) -> str | None:
     """The line saying that specd, frozen, holds ``pin`` too, and how to let it run; None
     when specd is not frozen. A pin does not lift a freeze: the restart that failed
     froze it, and only the on-call's `specd unfreeze` says that is dealt with."""
+    from specd.commands.status import when_text  # noqa: PLC0415
     from specd.commands.unfreeze import read_freeze  # noqa: PLC0415
 
     found = read_freeze(cfg, now.timestamp())
@@ -264,8 +265,9 @@ def _frozen_note(cfg: Config, pin: Override, now: datetime) -> str | None:
     if found.frozen is None:
         return None
     since = found.frozen.get("since")
+    # As `specd unfreeze` and `specd status` say it: the time and how long ago.
     when = (
-        f" since {iso_time(datetime.fromtimestamp(since, _UTC))}"
+        f" since {when_text(float(since), now.timestamp())}"
         if isinstance(since, (int, float))
         else ""
     )
