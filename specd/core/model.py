@@ -1286,11 +1286,12 @@ def plan(
             ),
             None,
         )
-    # An avoided adaptive set is skipped by its key (negative), as a step count is.
+    # An avoided adaptive set is skipped by its key (negative), off by its (0), as a step
+    # count is.
     skipped = {
         k: why
         for k, why in (avoid(forecast.weights) if avoid is not None else {}).items()
-        if k != current and (k < 0 or config.choose.min_steps <= k <= config.choose.max_steps)
+        if k != current and (k <= 0 or config.choose.min_steps <= k <= config.choose.max_steps)
     }
     candidates = [
         s.max_steps

@@ -907,6 +907,32 @@ def test_an_avoided_adaptive_set_is_skipped_by_the_policy() -> None:
     assert "avoiding adaptive:3,4 served 5.0% less than 3" in without.why
 
 
+def test_an_avoided_off_is_skipped_by_the_policy() -> None:
+    """Off's key is 0, outside min_steps..max_steps: the avoid list dropped it as a step
+    count out of range, so an off that had regressed was chosen again the next day (a
+    replay with kinds off flapped 3, off, 3, off all week, each change taken back)."""
+    history = fresh()
+    # Heavy traffic: off serves more than every step count (the seed's capacity).
+    run(history, 3, MONDAY, NEXT_WINDOW, 100, 1000.0)
+    cal = Calibration.of(seed_table())
+    cfg = config(kinds=["off", "static"])
+    traits = setting.traits_from_server_info(
+        {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 1, "version": "0.5.14"}
+    )
+    offer = choices.offer(cfg.choose, traits, frozenset(cal.table.steps()))
+    assert setting.off() in offer.settings
+    entry = Avoided(0, NEXT_WINDOW, ((100, 1.0),), 0.05, 3, setting.off())
+    avoid = functools.partial(outcome.avoided, [entry], NEXT_WINDOW, cfg)
+    free = plan(history, cfg, 3, cal, offer=offer)
+    held = plan(history, cfg, 3, cal, avoid, offer=offer)
+    assert free is not None
+    assert held is not None
+    assert (free.best, 0 in free.predictions) == (0, True)
+    assert 0 not in held.predictions
+    assert held.best != 0
+    assert "avoiding off served 5.0% less than 3" in held.why
+
+
 def test_an_adaptive_snapshot_and_avoid_entry_round_trip() -> None:
     _, snap, _ = changed_to_adaptive(950.0, CHANGED + HOUR)
     data = outcome.snapshot_to_dict(snap, DAY)
