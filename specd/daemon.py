@@ -57,7 +57,13 @@ from specd.core.text import iso_time, one_line, utc_time
 from specd.core.units import DAY_S
 from specd.io import config as config_io
 from specd.io import files, logs
-from specd.io.apply import TERMINAL_RESULTS, Applier, ApplyOutcome, setting_of_steps
+from specd.io.apply import (
+    TERMINAL_RESULTS,
+    Applier,
+    ApplyOutcome,
+    restart_needs_s,
+    setting_of_steps,
+)
 from specd.io.calibration import CalibrationFile
 from specd.io.config import Config, ConfigError, config_changes, load_config
 from specd.io.fleet import Fleet, FleetHooks
@@ -1658,7 +1664,7 @@ class Daemon:
 
     def _restart_needs_s(self) -> float:
         """The longest one restart takes: the unit's stop timeout plus the start."""
-        return self.applier.stop_timeout_s() + self.config.choose.restart_cost_s
+        return restart_needs_s(self.applier.stop_timeout_s(), self.config.choose.restart_cost_s)
 
     def _freeze_written(self) -> str | None:
         """Asked by the restart sequence's waits (a fleet slot, a quiet moment, a drain: up

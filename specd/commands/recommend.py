@@ -20,13 +20,14 @@ from typing import Any
 from specd.commands.args import Int, Seconds
 from specd.commands.check_config import load_for_command
 from specd.commands.observe import config_key_file, sglang_url
+from specd.core.choices import as_applied
 from specd.core.history import History, HistorySettings
 from specd.core.model import PerformanceModel
 from specd.core.observation import Observation, ScrapeError
 from specd.core.outcome import Measured, measured
 from specd.core.setting import SpecSetting, format_setting, parse, traits_from_server_info
 from specd.core.step import StepContext, step
-from specd.io.apply import read_static_only
+from specd.io.apply import read_static_only, read_stop_timeout_s, restart_needs_s
 from specd.io.calibration import CalibrationFile
 from specd.io.config import DEFAULT_CONFIG_PATH
 from specd.io.override import daemon_uids, read_override
@@ -137,8 +138,9 @@ def run(args: argparse.Namespace) -> int:
     with client:
         info = client.server_info()
         if not isinstance(info, ScrapeError):
-            # What may be chosen on this server (specd.core.choices), as the daemon offers it.
-            traits = traits_from_server_info(info)
+            # What may be chosen on this server (specd.core.choices), as the daemon offers it:
+            # a server running off names no algorithm, and the config's stands in.
+            traits = as_applied(traits_from_server_info(info), config.sglang.speculative_algorithm)
         for i in range(args.samples):
             last = client.observe()
             if isinstance(last, Observation):
@@ -156,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
     )
     override = status.override if status.valid else None
     calibration, calibration_problem = CalibrationFile(config.choose.calibration_file).current()
+    runner = SubprocessRunner()
+    stop_timeout_s = read_stop_timeout_s(
+        runner, config.sglang.unit, config.restart.restart_command_timeout_s
+    )
     context = StepContext(
         config=config,
         history=history,
@@ -164,8 +170,11 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration,
         calibration_problem=calibration_problem,
         traits=traits,
-        # What the unit can be given, as the daemon reads it at start (`systemctl show`).
-        static_only=read_static_only(SubprocessRunner(), config.sglang.unit),
+        # What the unit can be given, and how long a restart takes (its stop timeout), as
+        # the daemon reads them at start (`systemctl show`): a window closing sooner is
+        # no time to restart in.
+        static_only=read_static_only(runner, config.sglang.unit),
+        restart_needs_s=restart_needs_s(stop_timeout_s, config.choose.restart_cost_s),
     )
     outcome = step(context, last, now)
     current, rec, decision = outcome.current, outcome.pick, outcome.decision

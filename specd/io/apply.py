@@ -266,6 +266,23 @@ def static_only_wiring(unit: str, exec_start: Sequence[str]) -> str | None:
     return None
 
 
+def read_stop_timeout_s(
+    runner: Runner, unit: str, restart_command_timeout_s: float
+) -> float | None:
+    """``unit``'s TimeoutStopSec= read from systemd now, None where it cannot say; an
+    infinite one counts as the restart command's own timeout, which bounds a stop in
+    practice."""
+    result = runner(stop_timeout_argv(unit), timeout_s=UNIT_STATE_TIMEOUT_S)
+    value = timespan_s(result.stdout) if result.returncode == 0 else None
+    return None if value is None else min(value, restart_command_timeout_s)
+
+
+def restart_needs_s(stop_timeout_s: float | None, restart_cost_s: float) -> float:
+    """The longest one restart takes: the unit's stop timeout (systemd's default where it
+    was not read) plus the start."""
+    return (DEFAULT_STOP_TIMEOUT_S if stop_timeout_s is None else stop_timeout_s) + restart_cost_s
+
+
 def read_static_only(runner: Runner, unit: str) -> str | None:
     """Why ``unit`` can be given static step counts only (`static_only_wiring`), read from
     systemd now; None also when systemd cannot say (a setting that does not reach SGLang is
@@ -1791,10 +1808,9 @@ class Applier:
         restart command's own timeout, which bounds a stop in practice."""
         if self._stop_timeout_s is not None:
             return
-        result = self.runner(stop_timeout_argv(self.sglang.unit), timeout_s=UNIT_STATE_TIMEOUT_S)
-        value = timespan_s(result.stdout) if result.returncode == 0 else None
-        if value is not None:
-            self._stop_timeout_s = min(value, self.restart.restart_command_timeout_s)
+        self._stop_timeout_s = read_stop_timeout_s(
+            self.runner, self.sglang.unit, self.restart.restart_command_timeout_s
+        )
 
     def read_wiring(self) -> str | None:
         """Why the unit can be given static step counts only (`read_static_only`)."""

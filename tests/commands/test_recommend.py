@@ -134,6 +134,23 @@ def test_recommend_decides_like_the_daemon_and_changes_nothing(
     assert run_recommend(twin.url, cfg)["current_steps"] == 4
 
 
+def test_recommend_waits_for_a_window_too_short_for_a_restart_as_the_daemon_does(
+    tmp_path: Path, twin: TwinProcess
+) -> None:
+    """A window closing in 150 s: one restart needs the unit's stop timeout (systemd's
+    90 s default where it cannot say) plus restart_cost_s (100 s), so the daemon waits
+    (window_ending); recommend counted no time for a restart and said it would restart."""
+    now = datetime.now(timezone.utc)
+    opened = now.replace(second=0, microsecond=0)
+    left_s = 150
+    cron = f"0 {opened.minute} {opened.hour} * * *"
+    cfg = configured(tmp_path, (cron, int((now - opened).total_seconds()) + left_s), True)
+    decision = run_recommend(twin.url, cfg)["decision"]
+    assert (decision["reason"], decision["target_steps"]) == ("window_ending", 3), decision
+    assert decision["would_restart"] is False
+    assert "one restart needs up to 3.2 min" in decision["message"], decision["message"]
+
+
 def test_recommend_against_a_dead_server_says_why(tmp_path: Path) -> None:
     # SGLang not read at all: a failure, as for `specd observe`.
     out = run_recommend("http://127.0.0.1:9", write_config(tmp_path, ALL_DAY), code=1)
@@ -248,6 +265,28 @@ def test_recommend_names_the_adaptive_set_sglang_runs_and_the_one_it_would_run(
     assert out["decision"]["target_setting"] == "adaptive:3,4"
     assert f"SGLang         {adaptive_twin.url}: adaptive:3,4" in text, text
     assert "decision       override_pin: target adaptive:3,4 — " in text, text
+
+
+def test_recommend_offers_step_counts_on_a_server_running_off_as_the_daemon_does(
+    tmp_path: Path,
+) -> None:
+    """SGLang running off names no speculative algorithm: the daemon offers the static
+    step counts with the one it applies (the config's), or it could never leave off.
+    recommend read the server alone: every step count unavailable, a pin to one refused."""
+    cfg = write_config(tmp_path, ALL_DAY)
+    text = cfg.read_text().replace("[sglang]\n", '[sglang]\nspeculative_algorithm = "NEXTN"\n')
+    cfg.write_text(text)
+    expires = datetime.fromtimestamp(time.time() + 3600, tz=timezone.utc)
+    override = {"mode": "pin", "setting": "4", "expires_at": expires, "reason": "incident"}
+    (tmp_path / "override.toml").write_text(tomli_w.dumps({**override, "apply": "now"}))
+    os.chmod(tmp_path / "override.toml", 0o600)
+    with TwinProcess(["--enable-metrics", "--load-time-s", "0.2", "--warmup-s", "0.1"]) as off:
+        off.wait_healthy(20)
+        out = run_recommend(off.url, cfg)
+    assert out["current_setting"] == "off"
+    decision = out["decision"]
+    assert (decision["reason"], decision["target_setting"]) == ("override_pin", "4"), decision
+    assert decision["would_restart"] is True
 
 
 SETPRIV = shutil.which("setpriv")
