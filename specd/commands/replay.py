@@ -83,9 +83,24 @@ def _validation_message(exc: ValueError) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _when(at: datetime, clock: str) -> str:
+    """``at`` in --start's offset, which it names (windows may be written in another
+    zone: a bare 12:00 read as the window's 07:00 UTC)."""
+    offset = at.strftime("%z")
+    zone = "UTC" if offset in ("+0000", "") else f"{offset[:3]}:{offset[3:]}"
+    return at.strftime(f"%a %Y-%m-%d {clock}") + f" {zone}"
+
+
 def check_span(trace: Trace, step_s: float) -> None:
     """Refuse a trace whose simulated time or tick count would take hours or forever."""
     span = trace.duration_s
+    if trace.t[0] > MAX_SPAN_S:
+        # A trace of Unix times began 56 years after --start, its weekdays and windows
+        # shifted with it.
+        raise ReplayError(
+            f"the trace's first t_s is {trace.t[0]:g}: t_s counts seconds from --start, not "
+            "Unix time; subtract the first t_s from each and pass its time as --start"
+        )
     if not math.isfinite(span) or span > MAX_SPAN_S:
         raise ReplayError(
             f"the trace spans {span:g} s; at most {MAX_SPAN_S:g} s (366 days) can be replayed"
@@ -104,7 +119,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "decide and window code in simulated time, against a ground-truth table; compare "
         "with every static step count and the per-epoch oracle."
     )
-    parser.add_argument("--trace", required=True, type=Path, help="CSV t_s,concurrency")
+    parser.add_argument(
+        "--trace",
+        required=True,
+        type=Path,
+        help="CSV with a header t_s,concurrency: seconds from --start, and the requests "
+        "offered from then on (running + queued, a whole number) until the next row",
+    )
     parser.add_argument("--truth", required=True, type=Path, help="ground-truth performance table")
     parser.add_argument("--calibration", type=Path, help="calibration table for the model policy")
     parser.add_argument("--config", type=Path, help="specd.toml (default: built-in defaults)")
@@ -129,8 +150,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--restart-s",
         type=RESTART_S,
-        default=DEFAULT_RESTART_S,
-        help=f"restart downtime ({RESTART_S.spec}; default {DEFAULT_RESTART_S:g})",
+        help=f"restart downtime ({RESTART_S.spec}; default: the config's [choose] "
+        f"restart_cost_s, {DEFAULT_RESTART_S:g} by default), charged to specd and every "
+        "comparison; specd's decisions count it as its restart_cost_s",
     )
     parser.add_argument(
         "--initial-steps", type=STEPS, help=f"steps live at the start ({STEPS.spec}; default 3)"
@@ -223,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
             truth,
             config,
             start=args.start,
-            restart_s=args.restart_s,
+            # The restart the config's brain expects (the flag set it when given), as the
+            # daemon on that config would decide.
+            restart_s=config.choose.restart_cost_s,
             initial_steps=args.initial_steps,
             warmup_s=args.warmup_s,
             adaptive_loss_ratio=args.adaptive_loss,
@@ -324,7 +348,7 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
             "each batch's slot (--adaptive-loss)"
         )
     changes = [
-        f"{k} at {(start + timedelta(seconds=t)).strftime('%a %Y-%m-%d %H:%M:%S')}"
+        f"{k} at {_when(start + timedelta(seconds=t), '%H:%M:%S')}"
         + (" (explore)" if reason == "explore" else "")
         for (t, k), reason in zip(data["setting_timeline"][1:], data["change_reasons"], strict=True)
     ]
@@ -336,7 +360,7 @@ def human_lines(data: dict[str, Any], start: datetime) -> list[str]:
         )
     later = data["after_first_day"]
     if later is not None:
-        at = (start + timedelta(seconds=later["from_s"])).strftime("%a %Y-%m-%d %H:%M")
+        at = _when(start + timedelta(seconds=later["from_s"]), "%H:%M")
         versus_adaptive = (
             ""
             if later["ratio_to_adaptive"] is None

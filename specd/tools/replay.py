@@ -137,6 +137,13 @@ class Trace:
         return self.level[min(max(i, 0), len(self.level) - 1)]
 
 
+FRACTIONAL_CONCURRENCY = (
+    "concurrency must be a whole number of requests (running + queued, as SGLang's gauges "
+    "count them); an average over time (avg_over_time) is not one: export the gauges' "
+    "values at each step"
+)
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read ``t_s,concurrency`` rows; the last row lasts as long as the median row.
 
@@ -175,6 +182,10 @@ def load_trace(path: str | Path) -> Trace:
             raise ReplayError(f"{p}:{n}: t_s must be finite, concurrency >= 0")
         if c > MAX_CONCURRENCY:
             raise ReplayError(f"{p}:{n}: concurrency must be at most 2**53, got {c:g}")
+        if not c.is_integer():
+            # Rounded, an average's 0.45 was no request at all: a replay of nothing that
+            # scored specd level with everyone.
+            raise ReplayError(f"{p}:{n}: {FRACTIONAL_CONCURRENCY}, got {c:g}")
         if times and t <= times[-1]:
             raise ReplayError(f"{p}:{n}: t_s must increase ({t:g} after {times[-1]:g})")
         times.append(t)
@@ -183,6 +194,8 @@ def load_trace(path: str | Path) -> Trace:
             raise ReplayError(f"{p}: more than {MAX_TRACE_ROWS} rows: {TRACE_TOO_LONG}")
     if not times:
         raise ReplayError(f"{p}: no rows")
+    if not any(levels):
+        raise ReplayError(f"{p}: concurrency is 0 in every row: no request to replay")
     del text, data, rows  # the bytes: before the runs are made
     return trace_from_rows(times, levels)
 

@@ -307,6 +307,9 @@ def test_without_calibration_specd_learns_the_box_by_exploring(
         ("t_s,concurrency\n0\n", "expected t_s,concurrency"),
         ("t_s,concurrency\n0,1\n" + "1" * 200_000 + ",1\n", r":3: not a CSV row"),
         ("\ufefft_s,concurrency\n0,1\n", "starts with a UTF-8 byte order mark"),
+        # An average over time: rounded, 0.45 was no request at all.
+        ("t_s,concurrency\n0,2\n60,0.45\n", ":3: concurrency must be a whole number"),
+        ("t_s,concurrency\n0,0\n60,0\n", "concurrency is 0 in every row"),
     ],
 )
 def test_bad_traces_are_one_line_errors(tmp_path: Path, content: str, message: str) -> None:
@@ -522,6 +525,34 @@ def test_the_command_prints_the_agreed_json(tmp_path: Path, quick: list[str]) ->
     assert data["policy"] == "model"
     assert data["days"] == pytest.approx(2.0)
     assert data["decision_ms_p99"] < 50  # the ≤ 5 ms budget is measured in the bench
+
+
+@pytest.mark.parametrize(
+    ("config_cost_s", "flag", "replayed_s"),
+    [
+        pytest.param(None, None, 100.0, id="defaults"),
+        # The config's restart cost is what its daemon decides with: replayed unless the
+        # flag says otherwise (the flag's default of 100 s replaced it).
+        pytest.param(3000, None, 3000.0, id="the-config-s"),
+        pytest.param(3000, "300", 300.0, id="the-flag-wins"),
+    ],
+)
+def test_the_restart_replayed_is_the_configs_unless_the_flag_says(
+    tmp_path: Path, config_cost_s: int | None, flag: str | None, replayed_s: float
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text("t_s,concurrency\n" + "".join(f"{m * 60},2\n" for m in range(24 * 60)))
+    config = tmp_path / "specd.toml"
+    text = f"[observe]\nscrape_interval_s = {QUICK.observe.scrape_interval_s:g}\n"
+    if config_cost_s is not None:
+        text += f"[choose]\nrestart_cost_s = {config_cost_s}\n"
+    config.write_text(text)
+    argv = ["--trace", str(trace), "--truth", str(SEED), "--config", str(config), "--json"]
+    proc = specd(*argv, *(["--restart-s", flag] if flag is not None else []))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["restart_s"] == replayed_s
+    assert set(data["static_restart_s"].values()) == {0, replayed_s}
 
 
 BAD_ARGUMENTS = [
@@ -873,9 +904,25 @@ def test_the_human_output_says_how_specd_fares_after_its_first_day(
     assert later["oracle_tokens"] < data["oracle_tokens"]
     text = specd(*args).stdout
     assert text.strip().splitlines()[-1] == (
-        f"  after the first day (from Tue 2026-01-06 07:00): specd ×{later['ratio_to_oracle']} "
-        f"oracle, ×{later['ratio_to_best_static']} best static ({later['best_static_steps']}), "
-        f"×{later['ratio_to_adaptive']} adaptive"
+        f"  after the first day (from Tue 2026-01-06 07:00 UTC): specd "
+        f"×{later['ratio_to_oracle']} oracle, ×{later['ratio_to_best_static']} best static "
+        f"({later['best_static_steps']}), ×{later['ratio_to_adaptive']} adaptive"
+    )
+    # Times are --start's, with its offset named: a bare 12:00 passed for the window's 07:00.
+    shifted = specd(*args, "--start", "2026-01-05T00:00:00+05:00").stdout
+    assert "(from Tue 2026-01-06 12:00 +05:00)" in shifted, shifted
+    assert re.search(r"setting: 3 at the start, \d at \w{3} 2026-01-05 12:00:00 \+05:00", shifted)
+
+
+def test_a_trace_of_unix_times_is_refused_not_replayed_decades_on(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.csv"
+    start = 1_767_600_000  # 2026-01-05 08:00 UTC
+    trace.write_text("t_s,concurrency\n" + "".join(f"{start + m * 60},2\n" for m in range(600)))
+    proc = specd("--trace", str(trace), "--truth", str(SEED))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "specd replay: the trace's first t_s is 1.7676e+09: t_s counts seconds from --start, "
+        "not Unix time; subtract the first t_s from each and pass its time as --start"
     )
 
 
