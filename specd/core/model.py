@@ -1511,8 +1511,10 @@ def _why_head(
         for k, p in sorted(predictions.items(), key=lambda kp: _order(kp[0]))
     )
     return (
-        f"model: {(until - now) / 3600:.1f} h to the next window, forecast mean offered "
-        f"{forecast.mean():.1f} ({forecast.source}), predicted tok/s {rates}"
+        # The epoch decided for ends when the window after it opens: outside a window,
+        # the window after the next.
+        f"model: epoch to the window opening in {(until - now) / 3600:.1f} h, forecast mean "
+        f"offered {forecast.mean():.1f} ({forecast.source}), predicted tok/s {rates}"
     )
 
 

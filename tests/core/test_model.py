@@ -437,6 +437,9 @@ def test_the_model_policy_picks_the_most_tokens_over_the_epoch(
     assert picked.steps == target
     assert picked.why.startswith("model: ")
     assert "predicted tok/s 1:" in picked.why
+    # Seconds before Monday's 03:00 window, deciding for its epoch: it ends when Tuesday's
+    # opens (it said "24.0 h to the next window", which opens in a minute).
+    assert picked.why.startswith("model: epoch to the window opening in 24.0 h, "), picked.why
 
 
 TIE = "3 predicted most, 2 not surely less and with more room for requests"
