@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,7 +50,14 @@ from specd.core.history import History, HistorySettings, Recorded
 from specd.core.model import Calibration
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
-from specd.core.setting import ServerTraits, SpecSetting, format_setting, traits_from_server_info
+from specd.core.setting import (
+    ServerTraits,
+    SpecSetting,
+    format_setting,
+    outside_steps,
+    static,
+    traits_from_server_info,
+)
 from specd.core.setting import parse as parse_setting
 from specd.core.step import StepContext, StepResult, step
 from specd.core.text import iso_time, one_line, utc_time
@@ -272,8 +279,8 @@ def _boot_clock() -> Callable[[], float]:
 @dataclass
 class OverrideTracker:
     """The override: the last valid file content; invalid files are ignored.
-    ``judged_by``: the path and step bounds the file was last read with (a reload may
-    change them, and with them what the same file means). ``lapsed``: its expiry has
+    ``judged_by``: the path, step bounds and listed sets the file was last read with (a
+    reload may change them, and with them what the same file means). ``lapsed``: its expiry has
     passed (said once); a clock stepped back before it puts it in force again. ``since``:
     when ``good`` was decided, from its file (`decided_at`), so a restart of specd reads the
     same time again. ``shift_s``: the wall clock's steps since the file was read, which
@@ -1437,14 +1444,15 @@ class Daemon:
             choose.max_steps,
             utc(now),
             allowed_uids=self.allowed_override_uids,
+            listed=choose.adaptive_candidate_sets,
         )
 
     def _refresh_override(self, now: float) -> Override | None:
         path = Path(self.config.files.override_file)
-        cfg_min, cfg_max = self.config.choose.min_steps, self.config.choose.max_steps
+        choose = self.config.choose
         status = self._read_override(now)
         tracker = self.override
-        judged_by = (path, cfg_min, cfg_max)
+        judged_by = (path, choose.min_steps, choose.max_steps, choose.adaptive_candidate_sets)
         same_file = status.fingerprint == tracker.fingerprint
         before = tracker.status
         changed = (
@@ -1478,7 +1486,9 @@ class Daemon:
             else:
                 # Logged once per change of the file; the last good override holds.
                 self.log.error("override_ignored", problem=status.problem, file=str(path))
-        outside = _outside_range(tracker.good, cfg_min, cfg_max)
+        outside = _outside_range(
+            tracker.good, choose.min_steps, choose.max_steps, choose.adaptive_candidate_sets
+        )
         if outside is not None:
             # A reload narrowed the step range under the pin: clamped into it, it restarted
             # SGLang to a count nobody pinned, while specd said the override was ignored.
@@ -2022,18 +2032,23 @@ def _named(config_path: Path | None) -> Path | None:
     return config_path
 
 
-def _outside_range(override: Override | None, low: int, high: int) -> str | None:
-    """Why a pin holds a step count outside ``low``..``high``, or None."""
+def _outside_range(
+    override: Override | None, low: int, high: int, listed: Sequence[str]
+) -> str | None:
+    """Why a pin holds a step count outside ``low``..``high`` (a set not one of
+    ``listed``, adaptive_candidate_sets: `specd.core.setting.outside_steps`), or None."""
     if override is None or override.mode != "pin":
         return None
-    pinned = override.setting
-    counts = list(pinned.candidates) if pinned is not None else [override.steps]
-    outside = [k for k in counts if k is not None and not low <= k <= high]
+    pinned = override.setting or (static(override.steps) if override.steps is not None else None)
+    if pinned is None:
+        return None
+    outside = outside_steps(pinned, low, high, listed)
     if not outside:
         return None
+    unlisted = ", and the set is not one of [choose] adaptive_candidate_sets"
     return (
         f"pin {override.pinned_name}: {', '.join(map(str, outside))} outside the configured "
-        f"range {low}..{high}"
+        f"range {low}..{high}" + (unlisted if pinned.kind == "adaptive" else "")
     )
 
 

@@ -1065,6 +1065,42 @@ def test_a_pin_a_reload_puts_outside_the_step_range_is_dropped_not_clamped(
     assert applier.calls == [(format_setting(parse_setting(str(pin.get("setting", 6)))), "3")]
 
 
+def test_a_pin_of_a_listed_set_past_the_range_holds_until_a_reload_unlists_it(
+    tmp_path: Path,
+) -> None:
+    """A set listed in adaptive_candidate_sets may go past max_steps (the policy chooses
+    it; SGLang's own reaches 7), so a pin of it is in force; a reload that drops it from the
+    list drops the pin, as one that narrows the range under a pinned step count."""
+    sets = ["adaptive:3,6", "adaptive:3,4"]
+    cfg = config(tmp_path, max_steps=4, kinds=["static", "adaptive"], adaptive_candidate_sets=sets)
+    d = daemon(
+        cfg, Reader([obs(IN_WINDOW - 7200, steps=3, running=2)]), Applier(), [IN_WINDOW - 7200]
+    )
+    expires = datetime.fromtimestamp(IN_WINDOW + 86400, tz=UTC)
+    pin = {"mode": "pin", "setting": "adaptive:3,6", "expires_at": expires, "reason": "deep"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+    os.chmod(cfg.files.override_file, 0o600)
+    sample = d.metrics.registry.get_sample_value
+    d.tick()
+    assert sample("specd_mode", {"mode": "pin"}) == 1
+    assert d.override.in_force is not None
+    d.config_path = tmp_path / "specd.toml"
+    unlisted = _own_files(
+        tmp_path, max_steps=4, kinds=["static", "adaptive"], adaptive_candidate_sets=sets[1:]
+    )
+    d.config_path.write_text(tomli_w.dumps(unlisted))
+    with capture_logs() as logged:
+        d.reload()
+        d.tick()
+    (dropped,) = [e for e in logged if e["event"] == "override_dropped"]
+    assert dropped["problem"] == (
+        "pin adaptive:3,6: 6 outside the configured range 1..4, and the set is not one of "
+        "[choose] adaptive_candidate_sets"
+    ), dropped["problem"]
+    assert sample("specd_mode", {"mode": "auto"}) == 1
+    assert d.override.in_force is None
+
+
 def test_the_pinned_step_count_exported_is_the_one_enforced(tmp_path: Path) -> None:
     """Frozen after a failed restart, specd holds SGLang as it runs whatever the file pins:
     specd_steps_pinned said 4 beside specd_mode{mode="freeze"} 1."""

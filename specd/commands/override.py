@@ -20,7 +20,12 @@ from specd.commands.args import Duration, quoted
 from specd.commands.reason import operator, reason_type
 from specd.core.choices import as_applied, cannot_run
 from specd.core.override import _UTC, Apply, Override
-from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
+from specd.core.setting import (
+    SpecSetting,
+    format_setting,
+    outside_steps,
+    traits_from_server_info,
+)
 from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text, iso_time, printable
 
@@ -217,7 +222,14 @@ def _in_force(path: Path, cfg: Config, now: datetime) -> str | None:
     from specd.commands.status import setting_text, when_text  # noqa: PLC0415
     from specd.io.override import read_override, written_by  # noqa: PLC0415
 
-    status = read_override(path, cfg.choose.min_steps, cfg.choose.max_steps, now, as_daemon=True)
+    status = read_override(
+        path,
+        cfg.choose.min_steps,
+        cfg.choose.max_steps,
+        now,
+        as_daemon=True,
+        listed=cfg.choose.adaptive_candidate_sets,
+    )
     held = status.override
     if held is None or not held.active(now) or held.expires_at is None:
         return None
@@ -333,14 +345,17 @@ def run(args: argparse.Namespace) -> int:
             duration: timedelta = args.duration
             pinned: SpecSetting | None = args.setting if args.action == "pin" else None
             low, high = cfg.choose.min_steps, cfg.choose.max_steps
-            counts = (
-                () if pinned is None else (pinned.steps,) if pinned.steps else pinned.candidates
-            )
-            outside = [k for k in counts if not low <= k <= high]
+            listed = cfg.choose.adaptive_candidate_sets
+            outside = () if pinned is None else outside_steps(pinned, low, high, listed)
             if outside:
+                unlisted = (
+                    ", and the set is not one of [choose] adaptive_candidate_sets"
+                    if pinned is not None and pinned.kind == "adaptive"
+                    else ""
+                )
                 print(
                     f"specd override: {', '.join(map(str, outside))} steps is outside the "
-                    f"configured range {low}..{high}",
+                    f"configured range {low}..{high}{unlisted}",
                     file=sys.stderr,
                 )
                 return 2
@@ -375,7 +390,13 @@ def run(args: argparse.Namespace) -> int:
         text = render_override(override, header)
         # Checked as specd will read it before it replaces what is there: a file specd
         # would ignore must not take the place of one it obeys.
-        refused = check_override_text(text, cfg.choose.min_steps, cfg.choose.max_steps, now)
+        refused = check_override_text(
+            text,
+            cfg.choose.min_steps,
+            cfg.choose.max_steps,
+            now,
+            listed=cfg.choose.adaptive_candidate_sets,
+        )
         if refused is not None:
             print(f"specd override: {refused}; nothing written", file=sys.stderr)
             return 2
@@ -389,7 +410,14 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    status = read_override(path, cfg.choose.min_steps, cfg.choose.max_steps, now, as_daemon=True)
+    status = read_override(
+        path,
+        cfg.choose.min_steps,
+        cfg.choose.max_steps,
+        now,
+        as_daemon=True,
+        listed=cfg.choose.adaptive_candidate_sets,
+    )
     held = status.override
     if args.action == "show" and held is not None and held.active(now) and held.mode == "pin":
         # What the daemon does with it: a pin it cannot run is held `unsupported`.

@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         config.choose.max_steps,
         now,
         allowed_uids=daemon_uids(),
+        listed=config.choose.adaptive_candidate_sets,
     )
     override = status.override if status.valid else None
     calibration, calibration_problem = CalibrationFile(config.choose.calibration_file).current()

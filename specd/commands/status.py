@@ -231,6 +231,7 @@ def read_override_as_daemon(config: Config, at: datetime) -> OverrideStatus:
         config.choose.max_steps,
         at,
         as_daemon=True,
+        listed=config.choose.adaptive_candidate_sets,
     )
 
 

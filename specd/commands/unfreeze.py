@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         config.choose.max_steps,
         now,
         as_daemon=True,
+        listed=config.choose.adaptive_candidate_sets,
     )
     held = override.override if override.valid else None
     pinned = held.pinned_name if held is not None and held.active(now) else None

@@ -217,6 +217,19 @@ def format_setting(setting: SpecSetting) -> str:
 
 
 @functools.lru_cache(maxsize=256)  # a sha256 per candidate per tick otherwise
+def outside_steps(
+    setting: SpecSetting, low: int, high: int, listed: Sequence[str] = ()
+) -> tuple[int, ...]:
+    """The step counts of ``setting`` outside ``low``..``high`` (min_steps..max_steps) that
+    rule it out, () when none: a static K's own; an adaptive set's candidates unless the set
+    is one of ``listed`` (adaptive_candidate_sets: the policy chooses those whatever their
+    depth, SGLang's own set reaching 7, so a pin and a sweep may run them too); off none."""
+    if setting.kind == "off" or (setting.kind == "adaptive" and format_setting(setting) in listed):
+        return ()
+    counts = setting.candidates if setting.kind == "adaptive" else (setting.steps or 0,)
+    return tuple(k for k in counts if not low <= k <= high)
+
+
 def setting_key(setting: SpecSetting) -> int:
     """One int per setting, for what records a choice as a number (the stabilization
     window's recommendations, kept in the state file): a static K is K, off is 0, an

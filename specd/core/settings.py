@@ -287,10 +287,19 @@ class ChooseSettings(BaseModel):
     model_config = _table()
 
     min_steps: int = Field(
-        default=1, ge=1, le=MAX_STEPS_ALLOWED, description="Fewest speculative steps allowed."
+        default=1,
+        ge=1,
+        le=MAX_STEPS_ALLOWED,
+        description="Fewest speculative steps allowed: of a static setting, and of an "
+        "adaptive set's candidates unless the set is listed in adaptive_candidate_sets.",
     )
     max_steps: int = Field(
-        default=6, ge=1, le=MAX_STEPS_ALLOWED, description="Most speculative steps allowed."
+        default=6,
+        ge=1,
+        le=MAX_STEPS_ALLOWED,
+        description="Most speculative steps allowed: of a static setting, and of an adaptive "
+        "set's candidates unless the set is listed in adaptive_candidate_sets (the policy "
+        "may choose those, SGLang's own reaching 7; so may a pin and a sweep).",
     )
     policy: Literal["bands", "model"] = Field(
         default="bands",

@@ -26,6 +26,7 @@ import os
 import pwd
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +35,7 @@ from typing import Any
 import tomli_w
 
 from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
-from specd.core.setting import SpecSetting, format_setting
+from specd.core.setting import SpecSetting, format_setting, outside_steps
 from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text
 from specd.io import files, gateway
@@ -152,9 +153,15 @@ def _parse_expires(value: Any) -> datetime:
 
 
 def parse_override(
-    data: dict[str, Any], cfg_min_steps: int, cfg_max_steps: int, now: datetime | float
+    data: dict[str, Any],
+    cfg_min_steps: int,
+    cfg_max_steps: int,
+    now: datetime | float,
+    *,
+    listed: Sequence[str] = (),
 ) -> Override:
-    """Validate the file's table. Raises ValueError with a one-line reason."""
+    """Validate the file's table. Raises ValueError with a one-line reason. ``listed``:
+    the config's adaptive_candidate_sets, which may be pinned past the step range."""
     unknown = [key for key in data if key not in KEYS]
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} (allowed: {', '.join(KEYS)})")
@@ -170,7 +177,7 @@ def parse_override(
     if not isinstance(reason, str):
         raise ValueError(f"reason: expected a string, got {type(reason).__name__}")
     steps = data.get("steps")
-    pinned = _pinned_setting(data.get("setting"), mode, cfg_min_steps, cfg_max_steps)
+    pinned = _pinned_setting(data.get("setting"), mode, cfg_min_steps, cfg_max_steps, listed)
     if pinned is not None and steps is not None:
         raise ValueError("steps and setting: give one of them, not both")
     if pinned is not None and pinned.kind == "static":
@@ -201,7 +208,9 @@ def parse_override(
     )
 
 
-def _pinned_setting(value: Any, mode: Any, low: int, high: int) -> SpecSetting | None:
+def _pinned_setting(
+    value: Any, mode: Any, low: int, high: int, listed: Sequence[str]
+) -> SpecSetting | None:
     """The ``setting`` key: any speculative setting in its operator form."""
     if value is None:
         return None
@@ -216,11 +225,12 @@ def _pinned_setting(value: Any, mode: Any, low: int, high: int) -> SpecSetting |
         pinned = parse_setting(value)
     except ValueError as exc:
         raise ValueError(f"setting: {exc}") from None
-    outside = [k for k in pinned.candidates if not low <= k <= high]
+    outside = outside_steps(pinned, low, high, listed) if pinned.kind == "adaptive" else ()
     if outside:
         raise ValueError(
             f"setting: adaptive candidates {', '.join(map(str, outside))} are outside the "
-            f"configured range {low}..{high}"
+            f"configured range {low}..{high}, and the set is not one of [choose] "
+            "adaptive_candidate_sets"
         )
     return pinned
 
@@ -253,10 +263,12 @@ def read_override(
     *,
     allowed_uids: tuple[int, ...] | None = None,
     as_daemon: bool = False,
+    listed: Sequence[str] = (),
 ) -> OverrideStatus:
     """Read and judge the override file. Never raises. ``as_daemon`` (the commands, run as
     root or an operator): judged as the daemon, running as `DAEMON_USER`, finds it: owned
-    by root or that user (`daemon_uids`), and readable by that user."""
+    by root or that user (`daemon_uids`), and readable by that user. ``listed``: the
+    config's adaptive_candidate_sets (`parse_override`)."""
     path = Path(path)
     if as_daemon and allowed_uids is None:
         allowed_uids = daemon_uids()
@@ -283,7 +295,7 @@ def read_override(
         return _invalid(f"{path}: {files.BOM_PROBLEM}", fingerprint)
     try:
         data = files.parse_toml(raw.decode("utf-8"))
-        override = parse_override(data, cfg_min_steps, cfg_max_steps, now)
+        override = parse_override(data, cfg_min_steps, cfg_max_steps, now, listed=listed)
     except UnicodeDecodeError as exc:
         return _invalid(f"{path}: not UTF-8 text (byte {exc.start})", fingerprint)
     except ValueError as exc:  # files.ParseError included: bad, too deep or absurd TOML
@@ -315,7 +327,12 @@ def render_override(override: Override, header: str = "") -> str:
 
 
 def check_override_text(
-    text: str, cfg_min_steps: int, cfg_max_steps: int, now: datetime | float
+    text: str,
+    cfg_min_steps: int,
+    cfg_max_steps: int,
+    now: datetime | float,
+    *,
+    listed: Sequence[str] = (),
 ) -> str | None:
     """The problem `read_override` would find in a file of ``text`` (its size and content;
     not its owner or mode, which writing sets), or None."""
@@ -326,7 +343,7 @@ def check_override_text(
             f"{MAX_OVERRIDE_BYTES // files.KIB} KiB allowed (a shorter --reason)"
         )
     try:
-        parse_override(files.parse_toml(text), cfg_min_steps, cfg_max_steps, now)
+        parse_override(files.parse_toml(text), cfg_min_steps, cfg_max_steps, now, listed=listed)
     except ValueError as exc:
         return str(exc)
     return None

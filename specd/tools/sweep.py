@@ -46,6 +46,7 @@ from specd.core.setting import (
     SpecSetting,
     describe_server,
     format_setting,
+    outside_steps,
     static,
     traits_from_server_info,
 )
@@ -786,14 +787,15 @@ def check_plan(plan: SweepPlan, config: Config) -> None:
             f"--steps {','.join(map(str, outside))} outside the configured range "
             f"{low}..{high} (min_steps/max_steps)"
         )
+    listed = config.choose.adaptive_candidate_sets
     for setting in plan.settings():
-        if (
-            setting.kind == "adaptive"
-            and not low <= min(setting.candidates) <= max(setting.candidates) <= high
-        ):
+        # The rule a pin is held to: what the policy may choose (a listed set, SGLang's
+        # own reaching 7), a sweep may measure.
+        if setting.kind == "adaptive" and outside_steps(setting, low, high, listed):
             raise SweepError(
                 f"--adaptive {format_setting(setting)}: candidates outside the configured "
-                f"range {low}..{high} (min_steps/max_steps)"
+                f"range {low}..{high} (min_steps/max_steps), and not one of [choose] "
+                "adaptive_candidate_sets"
             )
 
 

@@ -349,6 +349,34 @@ def test_a_pin_the_server_cannot_run_is_refused_before_it_replaces_anything(
     assert (tmp_path / "override.toml").read_bytes() == before
 
 
+@pytest.mark.parametrize(
+    ("setting", "refused"),
+    [
+        # Listed in [choose] adaptive_candidate_sets (the default list): the policy may run
+        # it past max_steps 6, so the on-call may pin it (it was refused: "7 steps is
+        # outside the configured range 1..6").
+        ("adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0", None),
+        (
+            "adaptive:3,7",
+            "specd override: 7 steps is outside the configured range 1..6, and the set is not "
+            "one of [choose] adaptive_candidate_sets",
+        ),
+        ("7", "specd override: 7 steps is outside the configured range 1..6"),
+    ],
+)
+def test_a_pin_may_hold_what_the_policy_may_choose(
+    tmp_path: Path, servers: Servers, setting: str, refused: str | None
+) -> None:
+    cfg, path_env = serving(tmp_path, servers, "down")
+    done = override_cmd(cfg, path_env, "pin", setting, "--for", "1d", "--reason", "x")
+    if refused is None:
+        assert done.returncode == 0, done.stderr
+        assert setting in (tmp_path / "override.toml").read_text()
+        return
+    assert (done.returncode, done.stderr.strip()) == (2, refused)
+    assert not (tmp_path / "override.toml").exists()
+
+
 def wait_healthy(url: str) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -15,6 +15,7 @@ from specd.core.setting import (
     kinds_available,
     mismatch,
     off,
+    outside_steps,
     parse,
     parse_version,
     sglang_args,
@@ -86,6 +87,31 @@ def test_bad_settings_are_one_line_errors(text: str, message: str) -> None:
 )
 def test_table_steps_are_every_row_a_prediction_reads(text: str, steps: set[int]) -> None:
     assert parse(text).table_steps == steps
+
+
+SGLANGS_OWN = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
+
+
+@pytest.mark.parametrize(
+    ("text", "low", "high", "listed", "outside"),
+    [
+        ("off", 1, 6, (), ()),
+        ("4", 1, 6, (), ()),
+        ("7", 1, 6, (), (7,)),
+        ("1", 2, 6, (), (1,)),
+        ("adaptive:3,4", 1, 6, (), ()),
+        ("adaptive:3,7", 1, 6, (), (7,)),
+        ("adaptive:1,3,5,7", 2, 6, (), (1, 7)),
+        # A listed set: the policy chooses it whatever its depth, so a pin and a sweep may.
+        (SGLANGS_OWN, 1, 6, (SGLANGS_OWN,), ()),
+        (SGLANGS_OWN, 1, 6, ("adaptive:1,3,5,7",), (7,)),  # another set: its slots differ
+        ("adaptive:3,7", 1, 6, ("adaptive:3,7",), ()),
+    ],
+)
+def test_the_step_counts_outside_the_range(
+    text: str, low: int, high: int, listed: tuple[str, ...], outside: tuple[int, ...]
+) -> None:
+    assert outside_steps(parse(text), low, high, listed) == outside
 
 
 def test_equality_and_hash_are_by_value() -> None:

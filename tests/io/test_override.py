@@ -99,6 +99,38 @@ def test_valid_override(tmp_path: Path, text: str, expected: Override) -> None:
     assert status.override == expected
 
 
+SGLANGS_OWN = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"
+
+
+@pytest.mark.parametrize(
+    ("listed", "valid"),
+    [
+        # One of [choose] adaptive_candidate_sets: the policy may choose it past max_steps,
+        # so may the on-call (a pin of what specd itself ran was refused).
+        ((SGLANGS_OWN, "adaptive:3,4"), True),
+        (("adaptive:3,4",), False),
+        ((), False),
+    ],
+)
+def test_a_listed_adaptive_set_may_be_pinned_past_the_step_range(
+    tmp_path: Path, listed: tuple[str, ...], valid: bool
+) -> None:
+    text = f'mode = "pin"\nsetting = "{SGLANGS_OWN}"\nexpires_at = 2026-05-01T16:00:00Z\n'
+    status = read_override(write(tmp_path, text), 1, 6, NOW, allowed_uids=OWN, listed=listed)
+    assert status.valid is valid, status.problem
+    if valid:
+        assert status.override is not None
+        assert status.override.pinned_name == SGLANGS_OWN
+    else:
+        assert status.problem is not None
+        assert status.problem.endswith(
+            "setting: adaptive candidates 7 are outside the configured range 1..6, and the set "
+            "is not one of [choose] adaptive_candidate_sets"
+        ), status.problem
+    problem = override_io.check_override_text(text, 1, 6, NOW, listed=listed)
+    assert (problem is None) is valid
+
+
 PIN_NOW = 'mode = "pin"\nsteps = 3\nexpires_at = 2099-01-01T00:00:00Z\napply = "now"\n'
 HEADER = "# written by `specd override pin` as alice at 2026-05-01T10:00:00+00:00\n"
 

@@ -33,6 +33,7 @@ from specd.core.model import Calibration, PerformanceModel, adaptive_slots
 from specd.core.observation import Observation
 from specd.core.setting import adaptive_config_text, sglang_args, static
 from specd.core.setting import parse as parse_setting
+from specd.core.settings import DEFAULT_ADAPTIVE_SETS
 from specd.io.apply import read_env_steps
 from specd.io.config import Config
 from specd.io.state import STATE_FILE, State, read_json
@@ -241,11 +242,34 @@ CLI_REFUSALS = [
     (["--adaptive", "fast"], "--adaptive: setting 'fast' is not"),
     (
         ["--adaptive", "adaptive:3,9"],
-        "--adaptive adaptive:3,9: candidates outside the configured range 1..6",
+        "--adaptive adaptive:3,9: candidates outside the configured range 1..6 "
+        "(min_steps/max_steps), and not one of [choose] adaptive_candidate_sets",
     ),
-    # Without a value: [choose] adaptive_candidate_sets, whose default first set goes to 7.
-    (["--off", "--adaptive"], "--adaptive adaptive:1,3,5,7/1=1,3,5,7"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("adaptive", "max_steps", "refused"),
+    [
+        # [choose] adaptive_candidate_sets' default (bare --adaptive): SGLang's own set goes
+        # to 7, past max_steps 6, and the daemon may choose it: a sweep may measure it (it
+        # was refused, the one set no sweep could calibrate).
+        pytest.param(DEFAULT_ADAPTIVE_SETS, 6, False, id="the-listed-sets"),
+        pytest.param(("adaptive:3,4",), 4, False, id="within-the-range"),
+        pytest.param(("adaptive:3,5",), 4, True, id="unlisted-past-the-range"),
+        pytest.param(("adaptive:1,3,5,7",), 6, True, id="unlisted-and-other-slots"),
+    ],
+)
+def test_a_sweep_measures_what_the_policy_may_choose(
+    adaptive: tuple[str, ...], max_steps: int, refused: bool
+) -> None:
+    config = Config(choose={"max_steps": max_steps})
+    plan = sw.SweepPlan(steps=(3,), concurrency=(1,), duration_s=1.0, adaptive=adaptive)
+    if refused:
+        with pytest.raises(sw.SweepError, match="not one of \\[choose\\] adaptive_candidate_sets"):
+            sw.check_plan(plan, config)
+    else:
+        sw.check_plan(plan, config)
 
 
 def _sweep_cli(argv: list[str], *, real: bool) -> subprocess.CompletedProcess[str]:
