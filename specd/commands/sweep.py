@@ -137,7 +137,11 @@ def confirm(
 def twin_config(workdir: Path, twin_port: int) -> Config:
     from specd.twin.unit import twin_unit_config  # noqa: PLC0415
 
-    return twin_unit_config(workdir, twin_port, choose={"min_steps": 1, "max_steps": 6})
+    return twin_unit_config(workdir, twin_port, choose=TWIN_CHOOSE)
+
+
+# The twin's step range (its seed table's speculative rows).
+TWIN_CHOOSE: dict[str, int] = {"min_steps": 1, "max_steps": 6}
 
 
 # The twin starts in about a second: poll its health often so restarts stay short.
@@ -184,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_USAGE
         try:
             plan = make_plan(args, DEFAULT_ADAPTIVE_SETS)
-        except ValueError as exc:
+            # Before the twin starts: a usage error is exit 2 with nothing made, as without.
+            check_plan(plan, Config(choose=TWIN_CHOOSE))
+        except (ValueError, SweepError) as exc:
             print(f"specd sweep: {exc}", file=sys.stderr)
             return EXIT_USAGE
         return _run_twin(args, plan, out_dir)
@@ -268,7 +274,8 @@ def _run_cli(
     finally:
         log_file.close()
     if args.json:
-        print(json.dumps(report.to_dict()))
+        # Where the results are: the default --out is named by the time the sweep began.
+        print(json.dumps({**report.to_dict(), "files": [str(p) for p in report.files]}))
     else:
         for path in report.files:
             print(path)

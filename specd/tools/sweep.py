@@ -234,6 +234,7 @@ class SweepReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
+            "out_dir": str(self.out_dir),
             "original_steps": self.original_steps,
             "final_steps": self.final_steps,
             "restored": self.restored,

@@ -317,6 +317,37 @@ def test_cli_refuses_before_touching_anything(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_twin_sweep_refuses_a_plan_before_the_twin_starts(tmp_path: Path) -> None:
+    """`--twin --steps 7` started a twin, made the --out directory and its log, then said
+    the range was wrong, exit 1: without --twin the same is exit 2 with nothing made."""
+    out = tmp_path / "out"
+    argv = ["--twin", "--steps", "7", "--concurrency", "1", "--yes", "--out", str(out)]
+    proc = _sweep_cli(argv, real=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "specd sweep: --steps 7 outside the configured range 1..6 (min_steps/max_steps)"
+    )
+    assert not out.exists()
+
+
+def test_the_json_summary_says_where_the_results_are(tmp_path: Path) -> None:
+    """--json left out the directory and files the text output lists: with the default
+    --out, named by the time the sweep began, a script could not find sweep.csv."""
+    out = tmp_path / "out"
+    argv = ["--twin", "--steps", str(DEFAULT_STEPS), "--concurrency", "1", "--duration-s", "1",
+            "--warmup-s", "0", "--yes", "--json", "--out", str(out)]  # fmt: skip
+    # A real process: this module's background sweeps log on threads of this one, into
+    # whatever stdout an in-process run has redirected.
+    proc = _sweep_cli(argv, real=True)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["out_dir"] == str(out)
+    assert sorted(summary["files"]) == sorted(
+        str(out / name) for name in (sw.JSON_NAME, sw.MARKDOWN_NAME, sw.CSV_NAME, sw.CHART_NAME)
+    )
+    assert json.loads((out / sw.JSON_NAME).read_text())["out_dir"] == str(out)
+
+
 @pytest.mark.parametrize(
     "earlier", [sw.CSV_NAME, sw.MARKDOWN_NAME, sw.JSON_NAME, sw.CHART_NAME, "symlink"]
 )
