@@ -175,9 +175,9 @@ Series = tuple[int, Labels, dict[str, str]]
 def _series(state: MetricState, family: Family) -> list[Series]:
     """Each series of ``family``: its value key (DP rank or -1, extra labels), its labels."""
     if family.dynamic:
-        seen = sorted(
-            {(r, labels) for (name, r, labels) in list(state.values) if name == family.name}
-        )
+        # In the order first used, as prometheus_client's multiprocess files list them.
+        keys = [(r, labels) for (name, r, labels) in list(state.values) if name == family.name]
+        seen = list(dict.fromkeys(keys))
         return [(r, labels, _base_labels(state, family.scope, r)) for r, labels in seen]
     if family.scope == CACHE:
         return _cache_series(state, family)

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from specd.twin.adaptive import (
     Controller,
@@ -35,15 +36,33 @@ from specd.twin.families import BY_NAME
 from specd.twin.launch import TwinConfig, given_arguments, ignored_words, load
 from specd.twin.loads import BadInclude, RankLoad, loads_json, loads_prometheus
 from specd.twin.sglang_args import DEFAULTS
+from specd.twin.validation import (
+    ChatBody,
+    CompletionBody,
+    Errors,
+    body_errors,
+    generate_body_errors,
+    read_body,
+    validation_message,
+)
 
-# SGLang's own warm-up request (http_server._execute_server_warmup): one /generate of 8
-# greedy tokens, one prompt per DP rank, sent once the server answers /model_info.
+# SGLang's own warm-up request (http_server._execute_server_warmup), sent once the server
+# answers /model_info: 8 greedy tokens, from /generate (one prompt per DP rank), or, when
+# /model_info says the model understands images, from /v1/chat/completions with a picture.
 WARMUP_PROMPT = "The capital city of France is"
 WARMUP_MAX_NEW_TOKENS = 8
 WARMUP_TIMEOUT_S = 600.0
-DEFAULT_MAX_TOKENS = 256
-# protocol.DEFAULT_MODEL_NAME: the model an OpenAI request names when it names none.
-DEFAULT_MODEL_NAME = "default"
+# http_server.MINIMUM_PNG_PICTURE_BASE64: the picture a VLM (not Kimi's) warms up with.
+WARMUP_PNG_BASE64 = (
+    "iVBORw0KGgoAAAANSUhEUgAAACAAAAAgCAYAAABzenr0AAAACXBIWXMAAA7EAAAOxAGVKw4bAAAAbUlE"
+    "QVRYhe3VsQ2AMAxE0Y/lIgNQULD/OqyCMgCihCKSG4yRuKuiNH6JLsoEbMACOGBcua9HOR7Y6w6swBwM"
+    "y0qLTpkeI77qdEBpBFAHBBDAGH8WrwJKI4AAegUCfAKgEgpQDvh3CR3oQCuav58qlAw73kKCSgAAAABJ"
+    "RU5ErkJggg=="
+)
+# sampling_params.SamplingParams.max_new_tokens: /generate's default.
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+# Scheduler.init_req_max_new_tokens: what a request without a limit asks for.
+UNLIMITED_NEW_TOKENS = 1 << 30
 DRAIN_CHECK_S = 0.2
 # What the twin's GPUs hold, in GB (a loaded Qwen3.5-122B rank): weights, KV pool, CUDA
 # graphs, free memory when the pool was sized.
@@ -60,6 +79,18 @@ DECODE_GRAPH_PHASES = ("decode", "target_verify", "draft_decode", "draft_extend"
 CPU_MONITOR_S = 5.0
 log = logging.getLogger("specd.twin")
 WORDS = ("the", " model", " twin", " speaks", " tokens", " at", " a", " measured", " rate", ".")
+# The twin's vocabulary: a token id per word (made up, as the words are).
+WORD_IDS = (1782, 1614, 27497, 21191, 11211, 518, 264, 16878, 4379, 13)
+# SGLang's route paths where aiohttp spells the route another way (its metrics label).
+ROUTE_PATHS = {"/metrics{path}": "/metrics", "/v1/models/{model}": "/v1/models/{model:path}"}
+# Starlette's CORSMiddleware as SGLang configures it (allow_methods ["*"], max_age 600).
+# Set once past the CORS middleware: the request's Origin, if it had one.
+CORS_KEY: web.RequestKey[tuple[str, ...]] = web.RequestKey("cors_origin", tuple)
+CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "QUERY")
+CORS_PREFLIGHT_VARY = (
+    "Origin, Access-Control-Request-Method, Access-Control-Request-Headers, "
+    "Access-Control-Request-Private-Network"
+)
 
 
 class Twin:
@@ -85,6 +116,7 @@ class Twin:
         length = given.get("context_length")
         self.context_len = length if isinstance(length, int) and length > 0 else CONTEXT_LEN
         self.keys = Keys.from_words(ignored_words(self.args))
+        self._routing_keys: dict[str, int] = {}  # active requests per x-smg-routing-key
         self.engine = Engine(
             config.table,
             steps=config.steps,
@@ -197,10 +229,16 @@ class Twin:
         handled = resource is not None and not isinstance(
             request.match_info.http_exception, web.HTTPMethodNotAllowed
         )
-        endpoint = resource.canonical if handled and resource is not None else request.path
+        endpoint = request.path
+        if handled and resource is not None:
+            endpoint = ROUTE_PATHS.get(resource.canonical, resource.canonical)
         labels = (("endpoint", endpoint), ("method", request.method))
         self.state.inc("sglang:http_requests_total", 1, -1, labels)
         self.state.inc("sglang:http_requests_active", 1, -1, labels)
+        # A gateway's routing key: counted once while any request bearing it runs.
+        routing_key = request.headers.get("x-smg-routing-key")
+        if routing_key:
+            self._routing_key_active(routing_key, +1)
         status = 500
         try:
             if self.args.slow_s > 0:
@@ -209,9 +247,9 @@ class Twin:
                 response = await handler(request)
             except web.HTTPNotFound:
                 # FastAPI's own answer for a path no route has.
-                response = web.json_response({"detail": "Not Found"}, status=404)
+                response = _json_response({"detail": "Not Found"}, status=404)
             except web.HTTPMethodNotAllowed as exc:
-                response = web.json_response(
+                response = _json_response(
                     {"detail": "Method Not Allowed"},
                     status=405,
                     headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
@@ -223,12 +261,49 @@ class Twin:
             raise
         finally:
             self.state.inc("sglang:http_requests_active", -1, -1, labels)
+            if routing_key:
+                self._routing_key_active(routing_key, -1)
             self.state.inc(
                 "sglang:http_responses_total", 1, -1, (*labels, ("status_code", str(status)))
             )
 
+    def _routing_key_active(self, key: str, step: int) -> None:
+        """http_request_metrics.RefCountedGauge: the gauge counts keys, not requests."""
+        count = self._routing_keys.get(key, 0) + step
+        if count > 0:
+            self._routing_keys[key] = count
+        else:
+            self._routing_keys.pop(key, None)
+        if count == (1 if step > 0 else 0):  # the key's first request began, or last ended
+            self.state.inc("sglang:routing_keys_active", float(step))
+
+    @web.middleware
+    async def cors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Starlette's CORSMiddleware as SGLang installs it (every origin, credentials, all
+        methods and headers), inside the HTTP metrics: a preflight is answered here; any
+        other response gets its headers as it is prepared (``_on_prepare``)."""
+        origin = request.headers.get("Origin")
+        method = request.headers.get("Access-Control-Request-Method")
+        if request.method == "OPTIONS" and origin is not None and method is not None:
+            return _preflight(origin, method, request.headers.get("Access-Control-Request-Headers"))
+        request[CORS_KEY] = () if origin is None else (origin,)
+        return await handler(request)
+
+    async def _on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        # uvicorn's Server header, and CORS on what passed the CORS middleware.
+        response.headers[hdrs.SERVER] = "uvicorn"
+        if CORS_KEY not in request:
+            return
+        for origin in request[CORS_KEY]:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Allow-Credentials"] = "true"
+        response.headers[hdrs.VARY] = ", ".join([*response.headers.getall(hdrs.VARY, []), "Origin"])
+
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.auth, self.middleware])
+        app = web.Application(middlewares=[self.auth, self.middleware, self.cors])
+        app.on_response_prepare.append(self._on_prepare)
         r = app.router
         profile = self.config.profile
         # FastAPI routes: GET ones do not answer HEAD.
@@ -238,8 +313,9 @@ class Twin:
         if profile.ready:
             get("/ready", self.ready)
         if self.args.enable_metrics and not self.args.metrics_404:
-            # A mounted ASGI app: it answers every method.
-            r.add_route("*", "/metrics", self.metrics)
+            # A mounted ASGI app: it answers every method, on every path that starts with
+            # /metrics (utils.add_prometheus_middleware's path_regex).
+            r.add_route("*", "/metrics{path:.*}", self.metrics)
         if profile.server_info:
             get("/server_info", self.server_info)
         get("/get_server_info", self.server_info)
@@ -249,6 +325,7 @@ class Twin:
         get("/freeze_gc", self.freeze_gc)
         r.add_post("/freeze_gc", self.freeze_gc)
         get("/v1/models", self.models)
+        get("/v1/models/{model:.*}", self.model_card)
         if profile.v1_loads:
             get("/v1/loads", self.loads)
         r.add_post("/v1/completions", self.completions)
@@ -440,7 +517,7 @@ class Twin:
         return info
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self.server_info_dict())
+        return _json_response(self.server_info_dict())
 
     def model_info_dict(self) -> dict[str, Any]:
         """/model_info (/get_model_info), as that version's http_server builds it."""
@@ -471,14 +548,15 @@ class Twin:
 
     async def model_info(self, request: web.Request) -> web.Response:
         # Answered while warming up too: SGLang's warm-up waits for exactly this.
-        return web.json_response(self.model_info_dict())
+        return _json_response(self.model_info_dict())
 
     async def freeze_gc(self, request: web.Request) -> web.Response:
-        return web.Response(status=200, text="Garbage collection frozen.\n")
+        # A Starlette Response given no media type: no Content-Type at all.
+        return _UntypedResponse(status=200, body=b"Garbage collection frozen.\n")
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _model_card(self) -> dict[str, Any]:
         # A ModelCard made per request: created is now.
-        card = {
+        return {
             "id": self.config.model_name,
             "object": "model",
             "created": int(time.time()),
@@ -487,7 +565,19 @@ class Twin:
             "parent": None,
             "max_model_len": self.context_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """http_server.retrieve_model: the served model's card, else OpenAI's 404."""
+        model = request.match_info["model"]
+        if model != self.config.model_name:
+            error = {"message": f"The model '{model}' does not exist",
+                     "type": "invalid_request_error", "param": "model",
+                     "code": "model_not_found"}  # fmt: skip
+            return _json_response({"error": error}, status=404)
+        return _json_response(self._model_card())
 
     def rank_loads(self) -> list[RankLoad]:
         """Each DP rank's scheduler's load figures (its load_inquirer's)."""
@@ -547,7 +637,7 @@ class Twin:
             try:
                 wanted = int(query["dp_rank"])
             except ValueError:
-                return web.json_response(_bad_request("dp_rank: not a valid integer"), status=400)
+                return _json_response(_bad_request("dp_rank: not a valid integer"), status=400)
             ranks = [load for load in ranks if (load.dp_rank or 0) == wanted]
             if version == "0.5.11":  # filtered on the scheduler's dp_rank, None without DP
                 ranks = [load for load in ranks if load.dp_rank == wanted]
@@ -558,7 +648,7 @@ class Twin:
                 return web.Response(body=text.encode(), headers={"Content-Type": ctype})
             tp, ranks_n = max(self.args.tp_size, 1), max(self.args.dp_size, 1)
             accelerators = tp // ranks_n if self.args.enable_dp_attention else tp
-            return web.json_response(
+            return _json_response(
                 loads_json(ranks, version, include, accelerators=max(accelerators, 1))
             )
         except BadInclude:
@@ -567,65 +657,60 @@ class Twin:
 
     # -- generation ------------------------------------------------------------------
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(
-                text=json.dumps(_bad_request("request body is not valid JSON")),
-                content_type="application/json",
-            ) from None
-        if not isinstance(body, dict):
-            raise web.HTTPBadRequest(
-                text=json.dumps(_bad_request("request body must be a JSON object")),
-                content_type="application/json",
-            )
-        return body
+    def _invalid(self, request: web.Request, errors: Errors) -> web.Response:
+        """http_server.validation_exception_handler's answer to a body FastAPI refused."""
+        message = validation_message(errors, request.method, request.path,
+                                     self.config.profile.version)  # fmt: skip
+        return _openai_error(message, "Bad Request")
 
-    def _request(self, body: dict[str, Any], prompt_text: str, max_key: str) -> Request:
-        raw = body.get(max_key, body.get("max_completion_tokens", DEFAULT_MAX_TOKENS))
-        if raw is None:
-            raw = DEFAULT_MAX_TOKENS
-        if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
-            raise web.HTTPBadRequest(
-                text=json.dumps(_bad_request(f"{max_key} must be a positive integer")),
-                content_type="application/json",
-            )
-        prompt_tokens = max(1, len(prompt_text.split()))
+    def max_new_tokens(self, prompt_tokens: int, asked: int | None) -> int:
+        """Scheduler.init_req_max_new_tokens: what a request may generate, its limit (none:
+        unlimited) cut to what the context (max_req_len, /server_info's max_req_input_len
+        plus 5) and the KV pool leave after its prompt (a page of 1 reserved)."""
+        wanted = UNLIMITED_NEW_TOKENS if asked is None else asked
+        pool = int(self.state.get("sglang:max_total_num_tokens", 0))
+        max_req_len = min(self.context_len - 1, pool - 1)
+        room = min(max_req_len - prompt_tokens - 1, pool - prompt_tokens - 1 - 1)
+        return max(0, min(wanted, room))
+
+    def _request(self, prompt_tokens: int, asked: int | None, streaming: bool) -> Request:
         return Request(
             prompt_tokens=prompt_tokens,
-            max_tokens=raw,
-            streaming=bool(body.get("stream", False)),
+            max_tokens=self.max_new_tokens(prompt_tokens, asked),
+            streaming=streaming,
             arrival=self.engine.clock(),
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         if not _json_media_type(request):
             return _openai_error(_UNSUPPORTED_MEDIA, "Bad Request")
-        body = await self._body(request)
-        prompt = body.get("prompt", "")
+        raw, errors = read_body(await request.read())
+        body, errors = body_errors(CompletionBody, raw) if not errors else (None, errors)
+        if not isinstance(body, CompletionBody):
+            return self._invalid(request, errors)
+        prompt = body.prompt
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
-        req = self._request(body, text, "max_tokens")
         # serving_completions._validate_request.
         if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
             return _openai_error("Prompt cannot be empty")
-        return await self._openai(request, body, req, chat=False)
+        req = self._request(_words(text), body.max_tokens, body.stream)
+        return await self._openai(request, raw, body.model, req, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         if not _json_media_type(request):
             return _openai_error(_UNSUPPORTED_MEDIA, "Bad Request")
-        body = await self._body(request)
-        messages = body.get("messages", [])
-        text = (
-            " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
-            if isinstance(messages, list)
-            else ""
-        )
-        req = self._request(body, text, "max_tokens")
+        raw, errors = read_body(await request.read())
+        body, errors = body_errors(ChatBody, raw) if not errors else (None, errors)
+        if not isinstance(body, ChatBody):
+            return self._invalid(request, errors)
         # serving_chat._validate_request.
-        if not messages:
+        if not body.messages:
             return _openai_error("Messages cannot be empty.")
-        return await self._openai(request, body, req, chat=True)
+        text = " ".join(_message_text(m.get("content", "")) for m in body.messages)
+        # protocol.ChatCompletionRequest.to_sampling_params: no limit unless one is given.
+        asked = body.max_completion_tokens or body.max_tokens
+        req = self._request(_words(text), asked, body.stream)
+        return await self._openai(request, raw, body.model, req, chat=True)
 
     @functools.cached_property
     def _serving(self) -> dict[str, Any]:
@@ -652,16 +737,13 @@ class Twin:
         }
 
     async def _openai(
-        self, request: web.Request, body: dict[str, Any], req: Request, chat: bool
+        self, request: web.Request, body: dict[str, Any], model: str, req: Request, chat: bool
     ) -> web.StreamResponse:
         """/v1/chat/completions and /v1/completions as SGLang 0.5.23's serving_chat and
         serving_completions answer them: the id is the request's rid (a uuid4 hex unless the
         client gave one), the model the one the client named ("default" if none), every
         answer ends for length (the twin has no stop tokens)."""
         rid = body.get("rid") if isinstance(body.get("rid"), str) else uuid.uuid4().hex
-        model = body.get("model", DEFAULT_MODEL_NAME)
-        if not isinstance(model, str):
-            model = DEFAULT_MODEL_NAME
         cache_report = self._serving["enable_cache_report"]
         self.engine.submit(req)
         if not req.streaming:
@@ -745,60 +827,121 @@ class Twin:
             raise
         return "".join(pieces)
 
-    def _meta(self, req: Request) -> Callable[[], dict[str, Any]]:
-        rid = uuid.uuid4().hex
+    def _meta_info(self, req: Request, rid: str, completion: int, finished: bool) -> dict[str, Any]:
+        """A /generate output's meta_info as TokenizerManager builds it, in its order (without
+        --enable-metrics' timestamps): the latency once finished, and with speculation the
+        request's draft figures, once finished and verified."""
+        info: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": req.max_tokens} if finished else None,
+            "prompt_tokens": req.prompt_tokens,
+            "weight_version": self._serving["weight_version"],
+            "num_retractions": req.retractions,
+            "reasoning_tokens": 0,
+            "completion_tokens": completion,
+            "cached_tokens": 0,
+        }
+        if not finished:
+            return info
+        end = req.finished if req.finished is not None else self.engine.clock()
+        info["e2e_latency"] = end - req.arrival
+        verify_ct = math.ceil(req.verifies - 1e-9)
+        proposed = verify_ct * (self.config.draft_tokens - 1)
+        if self.config.algorithm is not None and verify_ct > 0 and proposed > 0:
+            # The bonus token of each verify is no accepted draft.
+            correct = max(completion - verify_ct, 0)
+            info["spec_accept_rate"] = correct / proposed
+            info["spec_accept_length"] = completion / verify_ct
+            info["spec_num_correct_drafts"] = correct
+            info["spec_num_proposed_drafts"] = proposed
+            info["spec_verify_ct"] = verify_ct
+        return info
 
-        def meta() -> dict[str, Any]:
-            done = req.emitted >= req.max_tokens
-            return {
-                "id": rid,
-                "finish_reason": {"type": "length", "length": req.max_tokens} if done else None,
-                "prompt_tokens": req.prompt_tokens,
-                "completion_tokens": req.emitted,
-                "cached_tokens": 0,
-                "spec_verify_ct": int(req.verifies + 1e-9),
-                "e2e_latency": self.engine.clock() - req.arrival,
-            }
-
-        return meta
-
-    async def _generate_one(self, req: Request) -> dict[str, Any]:
-        meta = self._meta(req)
-        self.engine.submit(req)
-        text = await self._collect(req)
-        return {"text": text, "meta_info": meta()}
-
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            params = {}
-        text_in = body.get("text", "")
-        if isinstance(text_in, list) and not body.get("stream", False):
-            # A batch, as SGLang's warm-up sends with several DP ranks: one result each.
-            batch = [self._request(params, str(t), "max_new_tokens") for t in text_in]
-            results = await asyncio.gather(*(self._generate_one(r) for r in batch))
-            return web.json_response(results)
-        req = self._request(params | {"stream": body.get("stream", False)},
-                            str(text_in), "max_new_tokens")  # fmt: skip
-        if not req.streaming:
-            return web.json_response(await self._generate_one(req))
-        meta = self._meta(req)
-        self.engine.submit(req)
-        resp = self._sse_response()
-        so_far = ""
+    async def _outputs(self, req: Request, rid: str) -> AsyncIterator[dict[str, Any]]:
+        """The request's /generate outputs as SGLang streams them (not incremental): all the
+        text and ids so far, the last one finished; a request that ends without a token
+        (max_new_tokens 0) still gives that last one."""
+        text, ids = "", list[int]()
+        finished = False
         try:
-            await resp.prepare(request)
-            async for _, text in self._tokens(req):
-                so_far += text
-                chunk = {"text": so_far, "meta_info": meta()}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:
-            self._client_gone(req)
+            async for count, piece in self._tokens(req):
+                ids.extend(WORD_IDS[(len(ids) + i) % len(WORD_IDS)] for i in range(count))
+                text += piece
+                finished = len(ids) >= req.max_tokens
+                meta = self._meta_info(req, rid, len(ids), finished)
+                yield {"text": text, "output_ids": list(ids), "meta_info": meta}
         except asyncio.CancelledError:
             self.engine.abort(req)
             raise
+        if not finished:
+            meta = self._meta_info(req, rid, len(ids), True)
+            yield {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    async def _last_output(self, req: Request, rid: str) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+        async for out in self._outputs(req, rid):
+            last = out
+        return last
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """/generate as http_server.generate_request answers it: a body FastAPI refuses
+        (no JSON, no object) gets the validation handler's answer, a max_new_tokens of the
+        wrong type the API contract's, a request TokenizerManager refuses (no text nor
+        input_ids, a negative max_new_tokens) {"error": {"message"}} (an SSE error chunk
+        when streamed). A list of texts (or of input_ids lists) is a batch."""
+        body, errors = read_body(await request.read())
+        errors = errors or generate_body_errors(body)
+        if errors or not isinstance(body, dict):
+            return self._invalid(request, errors)
+        contract = _generate_contract_error(body)
+        if contract is not None:
+            return _json_response({"error": contract}, status=400)
+        stream = body.get("stream") is True
+        try:
+            prompts, rids = _generate_inputs(body)
+            params = body.get("sampling_params")
+            asked = [_max_new_tokens(params, i) for i in range(len(prompts))]
+        except ValueError as exc:
+            if stream:
+                return await self._sse_error(request, exc)
+            return _json_response({"error": {"message": str(exc)}}, status=400)
+        reqs = [self._request(p, a, stream) for p, a in zip(prompts, asked, strict=True)]
+        for req in reqs:
+            self.engine.submit(req)
+        batch = isinstance(rids, list)
+        rid_list = rids if isinstance(rids, list) else [rids]
+        if not stream:
+            results = await asyncio.gather(
+                *(self._last_output(r, rid) for r, rid in zip(reqs, rid_list, strict=True))
+            )
+            return _json_response(results if batch else results[0])
+        resp = self._sse_response()
+        try:
+            await resp.prepare(request)
+            async for index, out in _merged([self._outputs(r, rid) for r, rid
+                                             in zip(reqs, rid_list, strict=True)]):  # fmt: skip
+                if batch:
+                    out["index"] = index
+                await resp.write(_sse(out))
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            for req in reqs:
+                self._client_gone(req)
+        except asyncio.CancelledError:
+            for req in reqs:
+                self.engine.abort(req)
+            raise
+        return resp
+
+    async def _sse_error(self, request: web.Request, exc: ValueError) -> web.StreamResponse:
+        """A streamed /generate that TokenizerManager refused: 200, then the error as one
+        event (http_server.serve_generate_request's stream_results)."""
+        resp = self._sse_response()
+        await resp.prepare(request)
+        error = {"message": str(exc), "type": "invalid_request_error", "code": 400,
+                 "retryable": False}  # fmt: skip
+        await resp.write(_sse({"error": error}))
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     @staticmethod
@@ -820,17 +963,12 @@ class Twin:
     # -- warm-up ---------------------------------------------------------------------
 
     async def warm_up(self, url: str) -> None:
-        """SGLang's warm-up, over HTTP to itself: model info, then one /generate of 8 tokens
-        (one prompt per DP rank), then (0.5.2x) /freeze_gc. Raises if any of them fails."""
+        """SGLang's warm-up, over HTTP to itself: model info, then 8 tokens from the endpoint
+        that model info calls for (``warmup_request``), then (0.5.2x) /freeze_gc. Raises if
+        any of them fails."""
         import aiohttp  # noqa: PLC0415  (the server side already imports it)
 
         profile = self.config.profile
-        ranks = max(self.args.dp_size, 1)
-        text: str | list[str] = WARMUP_PROMPT if ranks == 1 else [WARMUP_PROMPT] * ranks
-        body = {
-            "sampling_params": {"temperature": 0, "max_new_tokens": WARMUP_MAX_NEW_TOKENS},
-            "text": text,
-        }
         timeout = aiohttp.ClientTimeout(total=WARMUP_TIMEOUT_S)
         # With --api-key every request bears it; /freeze_gc the admin key if there is one.
         headers = self.keys.warmup_headers()
@@ -838,15 +976,37 @@ class Twin:
             async with session.get(url + profile.warmup_model_info_path) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"{profile.warmup_model_info_path}: HTTP {resp.status}")
-            async with session.post(url + "/generate", json=body) as resp:
+                model_info = await resp.json()
+            path, body = self.warmup_request(model_info)
+            async with session.post(url + path, json=body) as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"/generate: HTTP {resp.status}: {await resp.text()}")
+                    raise RuntimeError(f"{path}: HTTP {resp.status}: {await resp.text()}")
                 await resp.read()
             if profile.freeze_gc_after_warmup:
                 # A refusal here is only a warning in SGLang (the server still comes up).
                 freeze = self.keys.warmup_headers(admin=True)
                 async with session.post(url + "/freeze_gc", headers=freeze) as resp:
                     await resp.read()
+
+    def warmup_request(self, model_info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """http_server._execute_server_warmup's request for what /model_info said: a model
+        that understands images, a chat completion with a picture; else a /generate, one
+        prompt per DP rank."""
+        if model_info.get("has_image_understanding"):
+            image = {"url": "data:image/png;base64," + WARMUP_PNG_BASE64}
+            content = [{"type": "image_url", "image_url": image},
+                       {"type": "text", "text": "Describe the image."}]  # fmt: skip
+            return "/v1/chat/completions", {
+                "model": self.config.model_name,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": WARMUP_MAX_NEW_TOKENS,
+                "stream": False,
+                "temperature": 0.0,
+            }
+        ranks = max(self.args.dp_size, 1)
+        text: str | list[str] = WARMUP_PROMPT if ranks == 1 else [WARMUP_PROMPT] * ranks
+        params = {"temperature": 0, "max_new_tokens": WARMUP_MAX_NEW_TOKENS}
+        return "/generate", {"sampling_params": params, "text": text}
 
     # -- background ------------------------------------------------------------------
 
@@ -904,8 +1064,159 @@ def _json_media_type(request: web.Request) -> bool:
 
 
 def _dumps(obj: Any) -> bytes:
-    # orjson, msgspec and pydantic all write compact JSON, non-ASCII as it is.
+    # orjson, msgspec, pydantic and Starlette's JSONResponse all write compact JSON,
+    # non-ASCII as it is.
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    """FastAPI's JSONResponse and (SGLang)ORJSONResponse: compact JSON, and the media type
+    without a charset."""
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    return web.Response(status=status, body=_dumps(obj), headers=headers)
+
+
+class _UntypedResponse(web.Response):
+    """A Starlette Response given no media type: it sends no Content-Type, where aiohttp
+    would call the body application/octet-stream."""
+
+    async def _write_headers(self) -> None:
+        self._headers.popall(hdrs.CONTENT_TYPE, None)
+        await super()._write_headers()
+
+
+def _preflight(origin: str, method: str, asked_headers: str | None) -> web.Response:
+    """CORSMiddleware.preflight_response: every origin (named back, as credentials are
+    allowed) and every header asked for; only a method outside its list fails."""
+    headers = {"Vary": CORS_PREFLIGHT_VARY, "Access-Control-Allow-Methods": ", ".join(CORS_METHODS),
+               "Access-Control-Max-Age": "600", "Access-Control-Allow-Credentials": "true",
+               "Access-Control-Allow-Origin": origin}  # fmt: skip
+    if asked_headers is not None:
+        headers["Access-Control-Allow-Headers"] = asked_headers
+    ok = method in CORS_METHODS
+    return web.Response(status=200 if ok else 400, text="OK" if ok else "Disallowed CORS method",
+                        headers=headers)  # fmt: skip
+
+
+def _words(text: str) -> int:
+    """The twin's tokenizer: a token per word, at least one."""
+    return max(1, len(text.split()))
+
+
+def _message_text(content: Any) -> str:
+    """A chat message's text: its text parts when it has parts (a picture is no words)."""
+    if isinstance(content, list):
+        return " ".join(
+            str(part.get("text", "")) for part in content
+            if isinstance(part, dict) and part.get("type") == "text"
+        )  # fmt: skip
+    return str(content)
+
+
+def _unexpected(value: Any) -> str:
+    """api_types._unexpected: serde's wording of a JSON value of the wrong type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{'true' if value else 'false'}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    return "sequence" if isinstance(value, list) else "map" if isinstance(value, dict) else "?"
+
+
+def _generate_contract_error(body: dict[str, Any]) -> str | None:
+    """http_server's API contract gate (api_types.decode_GenerateRequest), for what the twin
+    reads past FastAPI's dataclass check: each sampling_params' max_new_tokens, an i64."""
+    params = body.get("sampling_params")
+    for one in params if isinstance(params, list) else [params]:
+        if not isinstance(one, dict):
+            continue
+        value = one.get("max_new_tokens")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"invalid type: {_unexpected(value)}, expected i64"
+    return None
+
+
+def _generate_inputs(body: dict[str, Any]) -> tuple[list[int], str | list[str]]:
+    """GenerateReqInput.normalize_batch_and_arguments, for what the twin reads: each
+    prompt's tokens, and the request id (a client's rid as given; a batch's one per prompt,
+    a single rid suffixed with the index). Raises ValueError as SGLang does."""
+    text, input_ids, rid = body.get("text"), body.get("input_ids"), body.get("rid")
+    if text is None and input_ids is None:
+        raise ValueError("Either text, input_ids or input_embeds should be provided.")
+    prompts: list[int]
+    if text is not None:
+        batch = isinstance(text, list)
+        prompts = [_words(str(t)) for t in text] if batch else [_words(str(text))]
+    else:
+        batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        ids = input_ids if batch and isinstance(input_ids, list) else [input_ids]
+        prompts = [max(1, len(i)) if isinstance(i, list) else 1 for i in ids]
+    if not batch:
+        return prompts, rid if isinstance(rid, str) else uuid.uuid4().hex
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in prompts]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(len(prompts))]
+    elif isinstance(rid, list):
+        if len(rid) != len(prompts):
+            raise ValueError(
+                "The specified rids length mismatch with the batch_size for batch processing."
+            )
+        rids = [str(r) for r in rid]
+    else:
+        raise ValueError("The rid should be a string or a list of strings.")
+    if len(set(rids)) != len(rids):
+        duplicates = [r for r in dict.fromkeys(rids) if rids.count(r) > 1]
+        raise ValueError(f"Duplicate request IDs detected within the request: {duplicates}")
+    return prompts, rids
+
+
+def _max_new_tokens(params: Any, index: int) -> int:
+    """Prompt ``index``'s max_new_tokens (SamplingParams' 128 unless given); a negative one
+    fails SamplingParams.verify."""
+    if isinstance(params, list):
+        params = params[index] if index < len(params) else None
+    value = params.get("max_new_tokens") if isinstance(params, dict) else None
+    if value is None:
+        return GENERATE_DEFAULT_MAX_NEW_TOKENS
+    if value < 0:
+        raise ValueError(f"max_new_tokens must be at least 0, got {value}.")
+    return int(value)
+
+
+async def _merged(
+    streams: list[AsyncIterator[dict[str, Any]]],
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """The items of several streams as each comes (TokenizerManager._stream_batch_responses),
+    with the index of its stream."""
+    queue: asyncio.Queue[tuple[int, dict[str, Any] | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _openai_error(message: str, err_type: str = "BadRequestError") -> web.Response:

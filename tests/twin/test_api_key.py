@@ -215,15 +215,17 @@ def _count(page: str, family: str, **labels: str) -> float:
 
 @pytest.mark.parametrize("config_name", ["api", "admin", "both"])
 def test_warm_up_sends_the_keys(config_name: str, http: httpx.Client) -> None:
-    """0.5.23's warm-up: /model_info and /generate with the api key, then /freeze_gc with
-    the admin key (else the api key): all three pass and the twin becomes healthy. A
-    refused request is counted in no HTTP metric (the key middleware is the outermost)."""
+    """0.5.23's warm-up: /model_info and (the model understands images) a chat completion
+    with the api key, then /freeze_gc with the admin key (else the api key): all three pass
+    and the twin becomes healthy. A refused request is counted in no HTTP metric (the key
+    middleware is the outermost)."""
     with TwinThread(_argv("0.5.23", CONFIGS[config_name])) as twin:
         twin.wait_healthy()
         http.get(twin.url + "/v1/models", headers={"Authorization": f"Bearer {WRONG}"})
         page = http.get(twin.url + "/metrics").text
     responses = "sglang:http_responses_total"
-    for method, path in (("GET", "/model_info"), ("POST", "/generate"), ("POST", "/freeze_gc")):
+    warm_up = (("GET", "/model_info"), ("POST", "/v1/chat/completions"), ("POST", "/freeze_gc"))
+    for method, path in warm_up:
         assert _count(page, responses, endpoint=path, method=method, status_code="200") == 1
         assert _count(page, responses, endpoint=path, status_code="401") == 0
     refused = _count(page, "sglang:http_requests_total", endpoint="/v1/models")

@@ -125,7 +125,8 @@ def test_off_serves_the_steps_0_row_and_shows_no_speculation(tmp_path: Path, ver
             twin.url + "/generate", json=body, timeout=20, verify=verifying_context()
         ).json()
         assert out["meta_info"]["e2e_latency"] == pytest.approx(0.8, rel=0.15)
-        assert out["meta_info"]["spec_verify_ct"] == 0
+        # SGLang sends the draft figures only with speculation on.
+        assert not [key for key in out["meta_info"] if key.startswith("spec_")]
         time.sleep(0.2)
         page = _samples(
             httpx.get(twin.url + "/metrics", timeout=5, verify=verifying_context()).text,

@@ -1014,7 +1014,7 @@ def test_dp_ranks_report_under_sglangs_labels_and_specd_sums_them(
 # --enable-metrics-for-all-schedulers: every TP rank of a DP rank reports the batch they all
 # run, so the page has tp x DP ranks' worth of series with the same counts. specd reads each
 # DP rank once (its lowest TP rank), which summing every series or taking the lowest TP rank
-# of the whole page would not: the ranks run 2 and 1 of the 3 requests.
+# of the whole page would not: the ranks run 1 and 2 of the 3 requests.
 # (version, flags, DP ranks, TP ranks per DP rank)
 ALL_SCHEDULERS: list[Any] = [
     pytest.param("0.5.23", ["--enable-dp-attention"], 2, 2, id="0.5.23-dp-attention"),
@@ -1036,7 +1036,9 @@ def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
         twin.wait_healthy(20)
         client = httpx.Client(base_url=twin.url, timeout=20, verify=verifying_context())
         streams.callback(client.close)
-        for _ in range(3):  # round robin: 2 on DP rank 0, 1 on DP rank 1
+        # Round robin after the warm-up's one chat completion (on DP rank 0): 2 on DP rank
+        # 1, 1 on DP rank 0.
+        for _ in range(3):
             streams.enter_context(client.stream("POST", "/v1/completions", json=body))
         time.sleep(REPORTED_S)  # a report
         page = client.get("/metrics").text
@@ -1052,7 +1054,7 @@ def test_every_tp_rank_reports_and_specd_reads_each_dp_rank_once(
     }
     assert len(running) == dp * width  # every TP rank of every DP rank
     per_dp = {d: {v for (rank, _), v in running.items() if rank == d} for d, _ in running}
-    assert per_dp == {"0": {2.0}, "1": {1.0}}  # the TP ranks of a DP rank agree
+    assert per_dp == {"0": {1.0}, "1": {2.0}}  # the TP ranks of a DP rank agree
     assert isinstance(obs, Observation), obs
     assert (obs.running, obs.dp_ranks) == (3, dp)
     assert sum(running.values()) == 3 * width  # what adding up every series would say

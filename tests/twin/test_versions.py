@@ -128,10 +128,12 @@ def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
     with _twin(version) as twin:
         twin.wait_healthy(20)
         page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
-    # One /generate of 8 tokens for "The capital city of France is" (6 words here).
+    # 8 tokens: where /model_info says the model understands images (0.5.11+), a chat
+    # completion of a picture and "Describe the image." (3 words here); else a /generate of
+    # "The capital city of France is" (6 words).
     assert _total(page, "sglang:num_requests_total") == 1
     assert _total(page, "sglang:generation_tokens_total") == 8
-    assert _total(page, "sglang:prompt_tokens_total") == 6
+    assert _total(page, "sglang:prompt_tokens_total") == (6 if version == "0.5.4" else 3)
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert _total(page, f"sglang:{hist}_count") == 1, hist
     assert _total(page, "sglang:inter_token_latency_seconds_count") == 7
@@ -145,15 +147,23 @@ def test_a_fresh_twin_has_answered_sglangs_warmup_request(version: str) -> None:
             (labels["endpoint"], labels["method"])
             for labels, _ in _samples(page, "sglang:http_requests_total")
         }
-        assert {("/model_info", "GET"), ("/generate", "POST"), ("/freeze_gc", "POST")} <= http
+        warm_up = {("/model_info", "GET"), ("/v1/chat/completions", "POST"), ("/freeze_gc", "POST")}
+        assert warm_up <= http
+        assert ("/generate", "POST") not in http
 
 
-def test_warmup_with_dp_ranks_sends_one_prompt_per_rank() -> None:
-    with _twin("0.5.23", "--dp-size", "2") as twin:
+# (version, warm-up requests with 2 DP ranks): a /generate sends one prompt per rank; the
+# chat completion of a model that understands images (/model_info, 0.5.11+) is one request.
+WARMUP_WITH_DP: list[Any] = [("0.5.4", 2), ("0.5.23", 1)]
+
+
+@pytest.mark.parametrize(("version", "requests"), WARMUP_WITH_DP)
+def test_warmup_with_dp_ranks(version: str, requests: int) -> None:
+    with _twin(version, "--dp-size", "2") as twin:
         twin.wait_healthy(20)
         page = httpx.get(twin.url + "/metrics", timeout=10, verify=verifying_context()).text
-    assert _total(page, "sglang:num_requests_total") == 2
-    assert _total(page, "sglang:generation_tokens_total") == 16
+    assert _total(page, "sglang:num_requests_total") == requests
+    assert _total(page, "sglang:generation_tokens_total") == 8 * requests
 
 
 def test_skip_server_warmup_leaves_the_request_series_out() -> None:
