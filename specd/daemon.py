@@ -47,7 +47,7 @@ from specd.core import windows
 from specd.core.choices import as_applied
 from specd.core.decide import Decision, Reason, window_left_s
 from specd.core.history import History, HistorySettings, Recorded
-from specd.core.model import Calibration
+from specd.core.model import Calibration, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.core.setting import (
@@ -1687,11 +1687,12 @@ class Daemon:
             return None
         return f"an override freezes specd now ({found.reason or 'no reason given'})"
 
-    def _window_open(self, at: float | None = None) -> bool:
-        """Open, with time left for one whole restart (the quiet wait ends before that), now
-        or ``at``."""
+    def _window_open(self, target: SpecSetting | None = None, at: float | None = None) -> bool:
+        """Open, with time left for one whole restart into ``target`` (an adaptive start
+        takes longer; the quiet wait ends before that), now or ``at``."""
         left = window_left_s(self.config, utc(self.clock() if at is None else at))
-        return left is not None and left >= self._restart_needs_s()
+        extra_s = 0.0 if target is None else restart_extra_s(target, self.config)
+        return left is not None and left >= self._restart_needs_s() + extra_s
 
     def _apply(
         self, decision: Decision, outcome: StepResult, override: Override | None, now: float
@@ -1728,7 +1729,7 @@ class Daemon:
             applied = self.applier.apply_setting(
                 target,
                 live,
-                window_open=self._window_open,
+                window_open=functools.partial(self._window_open, target),
                 force=force,
                 cancelled=self._freeze_written,
             )

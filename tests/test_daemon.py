@@ -578,6 +578,36 @@ def test_a_pin_of_any_kind_is_applied_as_that_setting(
     )
 
 
+def test_the_restart_sequence_counts_the_window_left_for_its_own_target(tmp_path: Path) -> None:
+    """The quiet wait (and every wait before the restart) asks whether the window still
+    holds one whole restart: into an adaptive set that is 20 s more per candidate beyond
+    the first; it counted a static restart's time, so a set could start with too little."""
+    cfg = config(tmp_path)
+    own = "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0"  # listed by default; 60 s more
+    clock = [WINDOW_CLOSES - 300]
+    asked: list[Callable[[], bool]] = []
+
+    class Asking(Applier):
+        def apply_setting(self, *args: Any, **kwargs: Any) -> ApplyOutcome:
+            asked.append(kwargs["window_open"])
+            return super().apply_setting(*args, **kwargs)
+
+    applier = Asking(stop_timeout_s=90.0)
+    d = daemon(cfg, Reader([obs(clock[0], steps=3)]), applier, clock)
+    expires = datetime.fromtimestamp(clock[0] + 86400, tz=UTC)
+    pin = {"mode": "pin", "setting": own, "expires_at": expires, "reason": "try it"}
+    Path(cfg.files.override_file).write_text(tomli_w.dumps(pin))
+    os.chmod(cfg.files.override_file, 0o600)
+    decision = d.tick()
+    assert decision.reason is Reason.OVERRIDE_PIN, decision.message
+    assert [call[0] for call in applier.calls] == [own]
+    # 230 s left: a static restart (90 s stop + 100 s start) fits, the set's (+60 s) not.
+    clock[0] = WINDOW_CLOSES - 230
+    assert asked[0]() is False
+    assert d._window_open(parse_setting("3")) is True
+    assert d._window_open(parse_setting(own)) is False
+
+
 @pytest.mark.parametrize(
     ("left_s", "stop_timeout_s", "reason"),
     [

@@ -198,11 +198,8 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         if exploration is not None and exploration.steps in {a.steps for a in control.avoided}:
             # It regressed when run (`specd.core.outcome`): measured already, and worse.
             exploration = None
-    needs_s = ctx.restart_needs_s
-    if pick is not None and pick.chosen is not None:
-        # An adaptive start captures a CUDA-graph set per candidate: the window must hold it.
-        needs_s += restart_extra_s(pick.chosen, config)
-    decision = decide(
+    decide_with = functools.partial(
+        decide,
         ctx.history,
         observation,
         config,
@@ -210,14 +207,20 @@ def step(ctx: StepContext, observation: Observation | ScrapeError | None, now: f
         now,
         control,
         pick,
-        needs_s,
-        exploration,
-        verdict,
+        exploration=exploration,
+        verdict=verdict,
         fleet_problem=ctx.fleet_problem,
         gateway_problem=ctx.gateway_problem,
         state_problem=ctx.state_problem,
         cannot_run=functools.partial(cannot_run, ctx.traits, ctx.static_only),
     )
+    decision = decide_with(ctx.restart_needs_s)
+    # An adaptive start captures a CUDA-graph set per candidate: the window must hold the
+    # restart into the decision's own target, a pin's too (the policy's pick said nothing
+    # of a pinned set, and held a static pin to its set's longer start).
+    extra_s = restart_extra_s(decision.target_setting, config) if decision.target_setting else 0.0
+    if extra_s > 0:
+        decision = decide_with(ctx.restart_needs_s + extra_s)
     acts = decision.acts(
         current, live_adaptive=control.live_adaptive, live_config=control.live_adaptive_config
     )

@@ -104,7 +104,7 @@ def status_line(daemon: Daemon, elapsed: float, phase: str, conc: int) -> str:
     # decided while it was open ("window closed; decision change").
     decided_at = daemon.state.last_decision.get("t") if daemon.state.last_decision else None
     at = decided_at if isinstance(decided_at, (int, float)) else None
-    window = "open" if daemon._window_open(at) else "closed"
+    window = "open" if daemon._window_open(at=at) else "closed"
     offered = f"{p50:.1f}" if p50 is not None else "-"
     return (
         f"{elapsed:5.0f} s  {phase}, {conc} clients; steps {steps}, offered p50 {offered}, "

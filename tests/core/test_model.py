@@ -40,6 +40,7 @@ from specd.core.model import (
     restart_extra_s,
 )
 from specd.core.observation import Observation
+from specd.core.override import Override
 from specd.core.perftable import PerfRow, PerfTable
 from specd.core.setting import (
     SpecSetting,
@@ -1452,6 +1453,43 @@ def test_an_adaptive_start_must_fit_in_the_window_with_its_extra_graphs(
     decision = step(ctx, obs, now).decision
     assert decision.target_setting == parse(target)
     assert decision.reason.value == reason, decision.message
+
+
+@pytest.mark.parametrize(("levels", "pinned", "reason"), [
+    # A pinned set starts 20 s longer too: it did not fit, yet restarted (only the policy's
+    # own pick of a set was counted longer).
+    ((2,), MIXED_SET, "window_ending"),
+    # A pinned step count starts as fast as ever, whatever set the policy would pick (it
+    # was held for the set's longer start).
+    ((2, 32), "3", "override_pin"),
+])  # fmt: skip
+def test_a_pin_must_fit_in_the_window_with_its_own_start(
+    tmp_path: Path, levels: tuple[int, ...], pinned: str, reason: str
+) -> None:
+    cfg = kinds_config(tmp_path)
+    history = kinds_history(levels, steps=1, hours=3.25)
+    now = history.last_t
+    assert now is not None
+    expires = datetime.fromtimestamp(now + DAY, tz=UTC)
+    setting = parse(pinned)
+    pin = (
+        Override("pin", setting.steps, expires, "x", "next-window")
+        if setting.kind == "static"
+        else Override("pin", None, expires, "x", "next-window", setting)
+    )
+    left = 4 * HOUR - (now - MONDAY)  # the 03:00 window closes at 04:00
+    ctx = StepContext(
+        cfg, history, pin, Control(1), Calibration.of(KINDS_TABLE), restart_needs_s=left - 10,
+        traits=SERVER,
+    )  # fmt: skip
+    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    decision = step(ctx, obs, now).decision
+    assert decision.target_setting == setting
+    assert decision.reason.value == reason, decision.message
+    if pinned == "3":
+        policy = step(dataclasses.replace(ctx, override=None), obs, now).pick
+        assert policy is not None
+        assert policy.chosen == parse(MIXED_SET), policy
 
 
 @pytest.mark.parametrize(
