@@ -242,17 +242,22 @@ def _in_force(path: Path, cfg: Config, now: datetime) -> str | None:
 
 
 def _never_applies(
-    override: Override, cfg: Config, now: datetime
-) -> tuple[datetime, timedelta] | None:
-    """A pin waiting for a window that expires before one opens: (when the next window
-    opens, the shortest --for that reaches it). None when it can apply."""
+    override: Override, cfg: Config, now: datetime, needs_s: float
+) -> tuple[datetime, timedelta, datetime | None] | None:
+    """A pin waiting for a window that expires before one opens with time for its restart
+    (``needs_s``: the unit's stop timeout and the start): (when the next window opens, the
+    shortest --for that reaches it, when the open window closes where one is open but
+    closes too soon). None when it can apply."""
     # Imported here, not for --help (see the module's docstring).
     from specd.core import windows  # noqa: PLC0415
 
     if override.mode != "pin" or override.apply == "now" or override.expires_at is None:
         return None
     try:
-        if windows.is_open(cfg.windows, now):
+        current = windows.current_window(cfg.windows, now)
+        # The daemon starts no restart the window cannot hold (window_ending): in its last
+        # minutes the pin waits for the next one, as if none were open.
+        if current is not None and (current[1] - now).total_seconds() >= needs_s:
             return None
         opens = windows.next_open(cfg.windows, now)
     except ValueError:
@@ -260,8 +265,47 @@ def _never_applies(
     if override.expires_at > opens:
         return None
     # Into the window by one restart's worth, rounded up to the hour.
-    reach = opens - now + timedelta(seconds=cfg.choose.restart_cost_s)
-    return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600))
+    reach = opens - now + timedelta(seconds=needs_s)
+    closes = None if current is None else current[1]
+    return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600)), closes
+
+
+def _when_text(cfg: Config, now: datetime, needs_s: float) -> str:
+    """When a pin waiting for a window applies: now, in a window open with time left for
+    its restart (``needs_s``), else in the next one."""
+    # Imported here, not for --help (see the module's docstring).
+    from specd.core import windows  # noqa: PLC0415
+
+    try:
+        current = windows.current_window(cfg.windows, now)
+        opens = windows.next_open(cfg.windows, now)
+    except ValueError:
+        return "in the next maintenance window"
+    if current is not None and (current[1] - now).total_seconds() >= needs_s:
+        return "now, inside the open maintenance window"
+    text = f"in the next maintenance window ({_window_time(cfg, opens)})"
+    if current is None:
+        return text
+    return (
+        f"{text}: the open one closes at {_window_time(cfg, current[1])}, too soon for one "
+        f"restart (up to {needs_s / 60:.1f} min)"
+    )
+
+
+def _restart_needs_s(cfg: Config, pinned: SpecSetting | None) -> float:
+    """How long the restart into ``pinned`` may take, as the daemon counts it: the unit's
+    stop timeout (systemd's default where it cannot say), the start, an adaptive set's
+    extra graphs."""
+    # Imported here, not for --help (see the module's docstring).
+    from specd.core.model import restart_extra_s  # noqa: PLC0415
+    from specd.io.apply import read_stop_timeout_s, restart_needs_s  # noqa: PLC0415
+    from specd.io.runner import SubprocessRunner  # noqa: PLC0415
+
+    stop_s = read_stop_timeout_s(
+        SubprocessRunner(), cfg.sglang.unit, cfg.restart.restart_command_timeout_s
+    )
+    extra_s = 0.0 if pinned is None else restart_extra_s(pinned, cfg)
+    return restart_needs_s(stop_s, cfg.choose.restart_cost_s) + extra_s
 
 
 def _frozen_note(cfg: Config, pin: Override, now: datetime) -> str | None:
@@ -309,7 +353,6 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not for --help (see the module's docstring).
     from specd.commands.config_fallback import load_for_oncall  # noqa: PLC0415
     from specd.commands.status import daemon  # noqa: PLC0415
-    from specd.core import windows  # noqa: PLC0415
     from specd.io.override import (  # noqa: PLC0415
         check_override_text,
         read_override,
@@ -326,15 +369,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = loaded.config
     path: Path = args.file if args.file is not None else cfg.files.override_file
     now = datetime.now(_UTC).replace(microsecond=0)
-    try:
-        opens = windows.next_open(cfg.windows, now)
-        windows_text = (
-            "now, inside the open maintenance window"
-            if windows.is_open(cfg.windows, now)
-            else f"in the next maintenance window ({_window_time(cfg, opens)})"
-        )
-    except ValueError:
-        windows_text = "in the next maintenance window"
     replaced: str | None = None
     checked: str | None = None
     if args.action != "show":
@@ -374,12 +408,19 @@ def run(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                     return 2
-        late = _never_applies(override, cfg, now)
+        needs_s = _restart_needs_s(cfg, pinned) if args.action == "pin" else 0.0
+        late = _never_applies(override, cfg, now, needs_s)
         if late is not None:
-            opens, reach = late
+            opens, reach, closes = late
             assert override.expires_at is not None  # a pin that expires, or not late
+            ending = (
+                ""
+                if closes is None
+                else f"the open maintenance window closes at {_window_time(cfg, closes)}, "
+                f"too soon for one restart (up to {needs_s / 60:.1f} min), and "
+            )
             print(
-                f"specd override: the pin expires at {iso_time(override.expires_at)}, "
+                f"specd override: {ending}the pin expires at {iso_time(override.expires_at)}, "
                 f"before the next maintenance window opens ({_window_time(cfg, opens)}): it "
                 f"would never apply. Restart at once with --now, or pin --for {_hours(reach)} "
                 "or more; nothing written",
@@ -425,7 +466,10 @@ def run(args: argparse.Namespace) -> int:
         cannot, checked = _can_run(cfg, pinned)
         if cannot is not None:
             checked = f"BUT {unsupported_pin_text(cannot)}"
-    print(_describe(status, path, now, windows_text, checked))
+    # A pin waiting for a window goes out when one holds its whole restart.
+    waiting = held if held is not None and held.mode == "pin" and held.apply != "now" else None
+    needs_s = 0.0 if waiting is None else _restart_needs_s(cfg, pinned_setting(waiting))
+    print(_describe(status, path, now, _when_text(cfg, now, needs_s), checked))
     if replaced is not None:
         print(f"replaces {replaced}")
     if held is not None and held.mode == "pin" and held.active(now):

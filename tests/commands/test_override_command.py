@@ -102,6 +102,64 @@ def test_a_pin_refused_for_expiring_first_names_both_times_as_status_does(
     assert any(f"the pin expires at {e}," in err for e in expiries), err
 
 
+def ending_config(tmp_path: Path, left_s: int) -> Path:
+    """A daily window in UTC that opened this minute and closes in ``left_s`` seconds."""
+    now = datetime.now(UTC)
+    opened = now.replace(second=0, microsecond=0)
+    path = tmp_path / "specd.toml"
+    path.write_text(
+        '[sglang]\nurl = "http://127.0.0.1:9"\n'
+        f'[files]\nstate_dir = "{tmp_path / "state"}"\n'
+        f'override_file = "{tmp_path / "override.toml"}"\n'
+        f'[[windows]]\ncron = "{opened.minute} {opened.hour} * * *"\n'
+        f"duration_s = {int((now - opened).total_seconds()) + left_s}\n"
+        'timezone = "UTC"\n'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("left_s", "setting", "written", "when"),
+    [
+        # A static restart takes up to 190 s here (systemd's default 90 s stop timeout, no
+        # unit to read, + restart_cost_s 100); SGLang's own set 60 s more.
+        (600, "3", True, "now, inside the open maintenance window"),
+        (220, "3", True, "now, inside the open maintenance window"),
+        (220, "adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0", False, None),
+        # The window's last minutes hold no restart: a 1 h pin never applied (it waited,
+        # window_ending, then window_closed, and expired), yet was written.
+        (60, "3", False, None),
+    ],
+)
+def test_a_pin_in_the_last_minutes_of_a_window_waits_for_the_next(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    left_s: int,
+    setting: str,
+    written: bool,
+    when: str | None,
+) -> None:
+    cfg = ending_config(tmp_path, left_s)
+    argv = ["override", "pin", setting, "--for", "1h", "--reason", "r", "--config", str(cfg)]
+    assert main(argv) == (0 if written else 2)
+    out, err = capsys.readouterr()
+    assert (tmp_path / "override.toml").exists() is written
+    if written:
+        assert when is not None
+        assert when in out, out
+        return
+    (said,) = err.splitlines()
+    assert said.startswith("specd override: the open maintenance window closes at "), said
+    assert ", too soon for one restart (up to " in said
+    assert "it would never apply. Restart at once with --now, or pin --for 1d1h or more" in said
+    # Long enough for the next window, it waits for it, and says so.
+    again = ["override", "pin", setting, "--for", "1d", "--reason", "r", "--config", str(cfg)]
+    assert main(again) == 0
+    out = capsys.readouterr().out
+    assert "in the next maintenance window (" in out
+    assert "): the open one closes at " in out
+
+
 @pytest.mark.parametrize(
     ("expires_at", "shown"),
     [
