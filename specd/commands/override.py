@@ -97,8 +97,9 @@ def _describe(
     windows_text: str,
     checked: str | None = None,
 ) -> str:
-    """What the file says and what specd does with it; ``checked``: what `_can_run` found
-    of the pin just written (None: not asked)."""
+    """What the file says and what specd does with it; ``windows_text``: when a pin's
+    restart goes out (`_when`); ``checked``: what `_can_run` found of the pin just written
+    (None: not asked)."""
     if not status.present:
         return f"{path}: no override file; specd decides automatically."
     if not status.valid:
@@ -129,7 +130,7 @@ def _describe(
     until = f"until {iso_time(override.expires_at)} ({left} from now)"
     if override.mode == "freeze":
         return f"{path}: valid, freeze {until}{why}\nspecd makes no step changes until then."
-    when = "at once (apply = now)" if override.apply == "now" else windows_text
+    when = windows_text
     if override.setting is not None:
         text = format_setting(override.setting)
         what = "no speculation" if text == "off" else f"SGLang's adaptive mode {text}"
@@ -241,6 +242,25 @@ def _in_force(path: Path, cfg: Config, now: datetime) -> str | None:
     return f"{what} in force until {until}{why}" + (f" — written by {who}" if who else "")
 
 
+def _when(cfg: Config, pin: Override, now: datetime) -> str:
+    """When the restart into ``pin`` goes out as the daemon holds it: at once (apply =
+    now) unless the pin has spent its own restarts; else once a window holds the whole
+    restart and the daily budget allows one."""
+    # Imported here, not for --help (see the module's docstring).
+    from specd.commands.status import budget_note, restart_needs_of, restart_window  # noqa: PLC0415
+    from specd.commands.unfreeze import read_freeze  # noqa: PLC0415
+    from specd.core.decide import Control, pin_restarts_spent  # noqa: PLC0415
+
+    at = now.timestamp()
+    restarts = read_freeze(cfg, at).restarts
+    if pin.apply == "now":
+        spent = pin_restarts_spent(pin, Control(None, restart_times=tuple(restarts)), cfg, at)
+        return "at once (apply = now)" if spent is None else f"not at once: {spent}"
+    text, opens = restart_window(cfg, now, restart_needs_of(cfg, pinned_setting(pin)))
+    text = "now, inside the open maintenance window" if opens == now else text
+    return text + budget_note(cfg, restarts, at, None if opens is None else opens.timestamp())
+
+
 def _never_applies(
     override: Override, cfg: Config, now: datetime, needs_s: float
 ) -> tuple[datetime, timedelta, datetime | None] | None:
@@ -253,59 +273,19 @@ def _never_applies(
 
     if override.mode != "pin" or override.apply == "now" or override.expires_at is None:
         return None
-    try:
-        current = windows.current_window(cfg.windows, now)
-        # The daemon starts no restart the window cannot hold (window_ending): in its last
-        # minutes the pin waits for the next one, as if none were open.
-        if current is not None and (current[1] - now).total_seconds() >= needs_s:
-            return None
-        opens = windows.next_open(cfg.windows, now)
-    except ValueError:
+    # The daemon starts no restart the window cannot hold (window_ending): in an open
+    # window's last minutes, or a next window too short, the pin waits for a longer one.
+    usable = windows.holding(cfg.windows, needs_s, now)
+    if usable is None:
         return None
-    if override.expires_at > opens:
+    opens = usable[0]
+    if opens == now or override.expires_at > opens:
         return None
+    current = windows.current_window(cfg.windows, now)
     # Into the window by one restart's worth, rounded up to the hour.
     reach = opens - now + timedelta(seconds=needs_s)
     closes = None if current is None else current[1]
     return opens, timedelta(hours=math.ceil(reach.total_seconds() / 3600)), closes
-
-
-def _when_text(cfg: Config, now: datetime, needs_s: float) -> str:
-    """When a pin waiting for a window applies: now, in a window open with time left for
-    its restart (``needs_s``), else in the next one."""
-    # Imported here, not for --help (see the module's docstring).
-    from specd.core import windows  # noqa: PLC0415
-
-    try:
-        current = windows.current_window(cfg.windows, now)
-        opens = windows.next_open(cfg.windows, now)
-    except ValueError:
-        return "in the next maintenance window"
-    if current is not None and (current[1] - now).total_seconds() >= needs_s:
-        return "now, inside the open maintenance window"
-    text = f"in the next maintenance window ({_window_time(cfg, opens)})"
-    if current is None:
-        return text
-    return (
-        f"{text}: the open one closes at {_window_time(cfg, current[1])}, too soon for one "
-        f"restart (up to {needs_s / 60:.1f} min)"
-    )
-
-
-def _restart_needs_s(cfg: Config, pinned: SpecSetting | None) -> float:
-    """How long the restart into ``pinned`` may take, as the daemon counts it: the unit's
-    stop timeout (systemd's default where it cannot say), the start, an adaptive set's
-    extra graphs."""
-    # Imported here, not for --help (see the module's docstring).
-    from specd.core.model import restart_extra_s  # noqa: PLC0415
-    from specd.io.apply import read_stop_timeout_s, restart_needs_s  # noqa: PLC0415
-    from specd.io.runner import SubprocessRunner  # noqa: PLC0415
-
-    stop_s = read_stop_timeout_s(
-        SubprocessRunner(), cfg.sglang.unit, cfg.restart.restart_command_timeout_s
-    )
-    extra_s = 0.0 if pinned is None else restart_extra_s(pinned, cfg)
-    return restart_needs_s(stop_s, cfg.choose.restart_cost_s) + extra_s
 
 
 def _frozen_note(cfg: Config, pin: Override, now: datetime) -> str | None:
@@ -352,7 +332,7 @@ def _hours(delta: timedelta) -> str:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not for --help (see the module's docstring).
     from specd.commands.config_fallback import load_for_oncall  # noqa: PLC0415
-    from specd.commands.status import daemon  # noqa: PLC0415
+    from specd.commands.status import daemon, restart_needs_of  # noqa: PLC0415
     from specd.io.override import (  # noqa: PLC0415
         check_override_text,
         read_override,
@@ -408,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                     return 2
-        needs_s = _restart_needs_s(cfg, pinned) if args.action == "pin" else 0.0
+        needs_s = restart_needs_of(cfg, pinned) if args.action == "pin" else 0.0
         late = _never_applies(override, cfg, now, needs_s)
         if late is not None:
             opens, reach, closes = late
@@ -466,10 +446,8 @@ def run(args: argparse.Namespace) -> int:
         cannot, checked = _can_run(cfg, pinned)
         if cannot is not None:
             checked = f"BUT {unsupported_pin_text(cannot)}"
-    # A pin waiting for a window goes out when one holds its whole restart.
-    waiting = held if held is not None and held.mode == "pin" and held.apply != "now" else None
-    needs_s = 0.0 if waiting is None else _restart_needs_s(cfg, pinned_setting(waiting))
-    print(_describe(status, path, now, _when_text(cfg, now, needs_s), checked))
+    when = "" if held is None or held.mode != "pin" else _when(cfg, held, now)
+    print(_describe(status, path, now, when, checked))
     if replaced is not None:
         print(f"replaces {replaced}")
     if held is not None and held.mode == "pin" and held.active(now):

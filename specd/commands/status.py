@@ -21,13 +21,19 @@ from typing import Any
 from specd.commands.config_fallback import load_for_oncall
 from specd.core import explore, windows
 from specd.core.history import HistorySettings
-from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance
+from specd.core.model import MIN_ACCEPT_EVIDENCE_S, live_acceptance, restart_extra_s
 from specd.core.observation import ScrapeError
 from specd.core.outcome import heading, label
-from specd.core.setting import format_setting, traits_from_server_info
+from specd.core.setting import SpecSetting, format_setting, traits_from_server_info
 from specd.core.text import duration_text, iso_time, printable
 from specd.core.units import DAY_S
-from specd.io.apply import Journal, JournalError, read_static_only
+from specd.io.apply import (
+    Journal,
+    JournalError,
+    read_static_only,
+    read_stop_timeout_s,
+    restart_needs_s,
+)
 from specd.io.calibration import configured_offer
 from specd.io.config import DEFAULT_CONFIG_PATH, Config, check_calibration
 from specd.io.files import FileReadError, MissingFileError, read_regular_file_and_stat
@@ -111,6 +117,60 @@ def _mode_text(mode: str | None) -> str:
         "unknown: the override file is invalid, so specd keeps the last valid override it "
         "read since it started, if any (the last decision says which)"
     )
+
+
+def restart_needs_of(config: Config, setting: SpecSetting | None) -> float:
+    """How long one restart into ``setting`` may take, as the daemon counts it: the unit's
+    stop timeout (systemd's default where it cannot say), the start, an adaptive set's
+    extra graphs (None: a change of the policy's, counted as a static one's)."""
+    stop_s = read_stop_timeout_s(
+        SubprocessRunner(), config.sglang.unit, config.restart.restart_command_timeout_s
+    )
+    extra_s = 0.0 if setting is None else restart_extra_s(setting, config)
+    return restart_needs_s(stop_s, config.choose.restart_cost_s) + extra_s
+
+
+def restart_window(config: Config, at: datetime, needs_s: float) -> tuple[str, datetime | None]:
+    """When a restart needing ``needs_s`` goes out as the daemon waits for it (an open
+    period with that much left: `windows.holding`), as text for "restarts SGLang …", and
+    that instant (None: never)."""
+    usable = windows.holding(config.windows, needs_s, at)
+    if usable is None:
+        return "in no maintenance window: none ahead holds one restart", None
+    if usable[0] == at:
+        return "inside the open maintenance window", at
+    opens = windows.next_open(config.windows, at)
+    too_soon = f"too soon for one restart (up to {needs_s / 60:.1f} min)"
+    shown = iso_time(windows.local_time(config.windows, usable[0]))
+    if usable[0] != opens:
+        first = iso_time(windows.local_time(config.windows, opens))
+        return (
+            f"in the first maintenance window with time for one restart ({shown}): the "
+            f"next, at {first}, closes {too_soon}"
+        ), usable[0]
+    text = f"in the next maintenance window ({shown})"
+    current = windows.current_window(config.windows, at)
+    if current is not None:
+        closes = iso_time(windows.local_time(config.windows, current[1]))
+        text += f": the open one closes at {closes}, {too_soon}"
+    return text, usable[0]
+
+
+def budget_note(config: Config, restarts: list[float], now: float, opens: float | None) -> str:
+    """ "; none before …" where the daily restart budget holds a change past ``opens`` (when
+    the window would let it go out; None: never), as `decide` counts it from ``restarts``
+    (when SGLang was restarted, once per restart); "" where it does not. A pin applied now
+    is not held by it (`specd.core.decide.pin_restarts_spent` bounds that one)."""
+    budget = config.restart.daily_restart_budget
+    recent = sorted(t for t in restarts if now - DAY_S < t <= now)
+    if len(recent) < budget:
+        return ""
+    # No restart until enough of these are a day old.
+    free = recent[len(recent) - budget] + DAY_S if budget else None
+    if free is not None and opens is not None and free <= opens:
+        return ""
+    after = f"none before {when_text(free, now)}" if free is not None else "none at all"
+    return f"; {after} (restart budget: {len(recent)} restarts in 24 h, {budget} allowed)"
 
 
 def when_text(ts: float | None, now: float, shown: str | None = None) -> str:

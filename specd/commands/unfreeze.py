@@ -23,11 +23,17 @@ from typing import Any
 
 from specd.commands.config_fallback import load_for_oncall
 from specd.commands.reason import operator, reason_type
-from specd.commands.status import daemon, setting_text, when_text
-from specd.core import windows
+from specd.commands.status import (
+    budget_note,
+    daemon,
+    restart_needs_of,
+    restart_window,
+    setting_text,
+    when_text,
+)
 from specd.core.history import HistorySettings
+from specd.core.setting import parse as parse_setting
 from specd.core.text import iso_time, printable
-from specd.core.units import DAY_S
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import OverrideStatus, read_override
 from specd.io.state import (
@@ -182,25 +188,13 @@ def _next(
             f"the override's freeze holds until {iso_time(held.expires_at)}: still no "
             "change until then (`specd override clear` ends it)"
         )
-    opens: float | None = now
-    try:
-        if windows.is_open(config.windows, at):
-            window = "inside the open maintenance window"
-        else:
-            nxt = windows.next_open(config.windows, at)
-            opens = nxt.timestamp()
-            shown = iso_time(windows.local_time(config.windows, nxt))
-            window = f"in the next maintenance window ({shown})"
-    except ValueError:
-        window, opens = "in a maintenance window", None
-    budget = config.restart.daily_restart_budget
-    recent = sorted(t for t in restarts if now - DAY_S < t <= now)
-    # As decide counts it: no restart until enough of these are a day old (a pin with apply
-    # = now is not held by it); said when that is later than the window opens.
-    free = recent[len(recent) - budget] + DAY_S if budget and len(recent) >= budget else None
-    if len(recent) >= budget and (free is None or opens is None or free > opens):
-        after = f"none before {when_text(free, now)}" if free is not None else "none at all"
-        window += f"; {after} (restart budget: {len(recent)} restarts in 24 h, {budget} allowed)"
+    # As the daemon waits: for an open period with time left for the whole restart (an
+    # open window's last minutes, or a window too short, hold none).
+    waiting = held is not None and held.active(now) and held.mode == "pin" and pinned is not None
+    needs_s = restart_needs_of(config, parse_setting(pinned) if waiting and pinned else None)
+    window, usable = restart_window(config, at, needs_s)
+    opens = None if usable is None else usable.timestamp()
+    window += budget_note(config, restarts, now, opens)
     if held is not None and pinned is not None:
         what = f"the override pins {setting_text(pinned)}"
         if pinned == live:

@@ -403,11 +403,18 @@ def _arrow(current: int | None, target: int | str, *, live_adaptive: bool = Fals
     return f"{live} → {target}"
 
 
-def _window_message(config: Settings, at: datetime, change: str) -> str:
+def _window_message(config: Settings, at: datetime, change: str, restart_needs_s: float) -> str:
     try:
-        nxt = f"next opens {_window_stamp(config, windows.next_open(config.windows, at))}"
+        opens = windows.next_open(config.windows, at)
     except ValueError as exc:
-        nxt = str(exc)
+        return f"maintenance window closed ({exc}): {change} waits"
+    nxt = f"next opens {_window_stamp(config, opens)}"
+    # A next window too short for the restart is not when it goes out.
+    usable = windows.holding(config.windows, restart_needs_s, opens)
+    if usable is None:
+        nxt += ", and none ahead holds one restart"
+    elif usable[0] != opens:
+        nxt += f", too short for one restart: it goes out from {_window_stamp(config, usable[0])}"
     return f"maintenance window closed ({nxt}): {change} waits"
 
 
@@ -424,7 +431,7 @@ def _window_blocks(
     of the unit could finish), or None."""
     left = window_left_s(config, at)
     if left is None:
-        return Reason.WINDOW_CLOSED, _window_message(config, at, change)
+        return Reason.WINDOW_CLOSED, _window_message(config, at, change, restart_needs_s)
     if left < restart_needs_s:
         return Reason.WINDOW_ENDING, (
             f"maintenance window closes in {_duration(left)}, one restart needs up to "
@@ -518,7 +525,7 @@ def decide(
 PIN_NOW_MIN_RESTARTS = 2
 
 
-def _pin_restarts_spent(
+def pin_restarts_spent(
     pin: Override, control: Control, config: Settings, now: float
 ) -> str | None:
     """Why a pin applied now makes no further restart, or None. It bypasses the window,
@@ -583,7 +590,7 @@ def _decide(
 
     # 2. An operator's pin. apply = "now" is the on-call's emergency lever, so it
     # bypasses the window, dwell and budget (but for its own restarts' bound,
-    # `_pin_restarts_spent`); a next-window pin waits for a window and
+    # `pin_restarts_spent`); a next-window pin waits for a window and
     # respects the daily budget (the guard against restart loops) but not the dwell,
     # which only exists to stop the automatic policy from flapping.
     if (
@@ -612,7 +619,7 @@ def _decide(
         if live:
             return Decision(pin, Reason.OVERRIDE_PIN, f"{said}; already live", pinned)
         if active.apply == "now":
-            looping = _pin_restarts_spent(active, control, config, now)
+            looping = pin_restarts_spent(active, control, config, now)
             if looping is not None:
                 waits = f"{said}, apply now: {arrow} waits: {looping}"
                 return Decision(pin, Reason.RESTART_BUDGET, waits, pinned)

@@ -494,6 +494,32 @@ def next_open_kept(configured: tuple[WindowLike, ...], now: datetime) -> datetim
     return next_open(configured, now)
 
 
+# Openings `holding` follows before it gives up: a window that never holds a restart is
+# refused by the config (`too_short`), so this bounds only chains of odd windows.
+_HOLDING_TRIES = 64
+
+
+def holding(
+    windows: Sequence[WindowLike], needs_s: float, now: datetime
+) -> tuple[datetime, datetime] | None:
+    """When, from ``now`` on, a restart needing ``needs_s`` can start inside an open
+    period, and when that period closes: ``now`` where the open period has that much left,
+    else the first opening whose period does (an open window's last minutes, or a next
+    window too short, hold none: the daemon waits past them, `window_ending`). None when
+    none does within `_HOLDING_TRIES` openings."""
+    at = _utc(now)
+    for _ in range(_HOLDING_TRIES):
+        period = current_window(windows, at)
+        if period is not None and (period[1] - at).total_seconds() >= needs_s:
+            return at, period[1]
+        try:
+            # From when this period closes: at an opening, next_open is that very instant.
+            at = next_open(windows, at if period is None else period[1])
+        except ValueError:
+            return None
+    return None
+
+
 # How far `too_short` looks ahead: a year, or as many openings as a chain is followed.
 _HOLD_SPAN = timedelta(days=366)
 

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
@@ -22,7 +23,10 @@ from factories import run_specd, version_twin
 from in_process import specd_main
 
 from specd.cli import main
+from specd.commands import override as override_cmd_module
 from specd.commands.status import collect, render
+from specd.core.history import HistorySettings
+from specd.core.override import Override
 from specd.io import override as override_io
 from specd.io.config import load_config
 from specd.io.state import State, StateStore
@@ -103,7 +107,8 @@ def test_a_pin_refused_for_expiring_first_names_both_times_as_status_does(
 
 
 def ending_config(tmp_path: Path, left_s: int) -> Path:
-    """A daily window in UTC that opened this minute and closes in ``left_s`` seconds."""
+    """A daily window in UTC that opened this minute and closes in ``left_s`` seconds, and
+    an hour's window opening 12 hours after this hour began."""
     now = datetime.now(UTC)
     opened = now.replace(second=0, microsecond=0)
     path = tmp_path / "specd.toml"
@@ -113,6 +118,8 @@ def ending_config(tmp_path: Path, left_s: int) -> Path:
         f'override_file = "{tmp_path / "override.toml"}"\n'
         f'[[windows]]\ncron = "{opened.minute} {opened.hour} * * *"\n'
         f"duration_s = {int((now - opened).total_seconds()) + left_s}\n"
+        'timezone = "UTC"\n'
+        f'[[windows]]\ncron = "0 {(opened.hour + 12) % 24} * * *"\nduration_s = 3600\n'
         'timezone = "UTC"\n'
     )
     return path
@@ -151,13 +158,88 @@ def test_a_pin_in_the_last_minutes_of_a_window_waits_for_the_next(
     (said,) = err.splitlines()
     assert said.startswith("specd override: the open maintenance window closes at "), said
     assert ", too soon for one restart (up to " in said
-    assert "it would never apply. Restart at once with --now, or pin --for 1d1h or more" in said
+    # 12 h to the next window, and its restart: 13 h at most.
+    assert re.search(
+        r"it would never apply. Restart at once with --now, or pin --for 1[23]h ", said
+    )
     # Long enough for the next window, it waits for it, and says so.
-    again = ["override", "pin", setting, "--for", "1d", "--reason", "r", "--config", str(cfg)]
+    again = ["override", "pin", setting, "--for", "13h", "--reason", "r", "--config", str(cfg)]
     assert main(again) == 0
     out = capsys.readouterr().out
     assert "in the next maintenance window (" in out
     assert "): the open one closes at " in out
+
+
+def _with_restarts(cfg_path: Path, times: list[float]) -> None:
+    """A state file whose restarts (one SGLang restart each) are at ``times``."""
+    cfg = load_config(cfg_path)
+    store = StateStore(cfg.files.state_dir, history_settings=HistorySettings.from_config(cfg))
+    restarts = [
+        {"t": t, "from_steps": 3, "to_steps": 4, "result": "success", "restarts": 1} for t in times
+    ]
+    assert store.save(State(restarts=restarts)) is None
+
+
+SHORT_THEN_LONG_WINDOWS = (
+    '[[windows]]\ncron = "0 0 * * *"\nduration_s = 60\ntimezone = "UTC"\n'
+    '[[windows]]\ncron = "0 2 * * *"\nduration_s = 3600\ntimezone = "UTC"\n'
+)
+
+
+def test_when_names_what_holds_the_restart_as_the_daemon_does(tmp_path: Path) -> None:
+    """`override show` said a pin restarts "now, inside the open maintenance window" or "at
+    once" while the daemon held it on the restart budget; and named a next window too short
+    for one restart as when it goes out."""
+    cfg_path = zoned_config(tmp_path, "UTC", opens_in_h=6)
+    now = datetime.now(UTC).replace(microsecond=0)
+    expires = now + timedelta(days=2)
+    waiting = Override("pin", 4, expires, "r", "next-window")
+    applied_now = replace(
+        Override("pin", 4, expires, "r", "now"), decided_at=now.timestamp() - 3600
+    )
+    # Nothing restarted yet.
+    cfg = load_config(cfg_path)
+    assert override_cmd_module._when(cfg, applied_now, now) == "at once (apply = now)"
+    assert override_cmd_module._when(cfg, waiting, now).startswith(
+        "in the next maintenance window ("
+    )
+    # The daily budget (4) spent in the last half hour, by the pin itself since it was
+    # written.
+    _with_restarts(cfg_path, [now.timestamp() - 60 * m for m in (30, 25, 20, 15)])
+    held = override_cmd_module._when(cfg, waiting, now)
+    assert "; none before " in held, held
+    assert "(restart budget: 4 restarts in 24 h, 4 allowed)" in held
+    spent = override_cmd_module._when(cfg, applied_now, now)
+    assert spent.startswith("not at once: it has made 4 restarts since it was written"), spent
+    # A next window of a minute holds no restart: the one after it is when it goes out.
+    cfg_path.write_text(cfg_path.read_text().split("[[windows]]")[0] + SHORT_THEN_LONG_WINDOWS)
+    at_night = now.replace(hour=23, minute=38, second=0)
+    text = override_cmd_module._when(load_config(cfg_path), waiting, at_night)
+    assert text.startswith(
+        "in the first maintenance window with time for one restart "
+        f"({(at_night + timedelta(hours=2, minutes=22)).isoformat()}): the next, at "
+        f"{(at_night + timedelta(minutes=22)).isoformat()}, closes too soon for one restart"
+    ), text
+
+
+@pytest.mark.parametrize(("left_s", "says"), [
+    (600, "a change it wants restarts SGLang inside the open maintenance window"),
+    # The daemon says window_ending there (one restart needs up to 3.2 min).
+    (120, "a change it wants restarts SGLang in the next maintenance window ("),
+])  # fmt: skip
+def test_unfreeze_says_when_a_change_goes_out_as_the_daemon_waits(
+    tmp_path: Path, left_s: int, says: str
+) -> None:
+    from specd.commands import unfreeze  # noqa: PLC0415
+
+    cfg = load_config(ending_config(tmp_path, left_s))
+    now = time.time()
+    nothing = override_io.read_override(tmp_path / "none.toml", 1, 6, now)
+    text = unfreeze._next(cfg, nothing, None, "3", now, [])
+    assert says in text, text
+    if left_s < 190:
+        assert ": the open one closes at " in text
+        assert "too soon for one restart (up to 3.2 min)" in text
 
 
 @pytest.mark.parametrize(

@@ -330,6 +330,35 @@ def _at(text: str) -> float:
 
 
 @pytest.mark.parametrize(
+    ("needs_s", "says"),
+    [
+        (30.0, "next opens 2026-01-06T00:00:00+00:00): "),
+        # A minute at midnight holds no restart: it goes out at 02:00 (it named midnight,
+        # and the pin expired waiting there).
+        (
+            190.0,
+            "next opens 2026-01-06T00:00:00+00:00, too short for one restart: it goes out "
+            "from 2026-01-06T02:00:00+00:00): ",
+        ),
+        (7200.0, "next opens 2026-01-06T00:00:00+00:00, and none ahead holds one restart): "),
+    ],
+)
+def test_a_closed_window_names_when_a_restart_can_go_out(needs_s: float, says: str) -> None:
+    t = _at("2026-01-05T23:38:00+00:00")
+    short_then_long = [
+        {"cron": "0 0 * * *", "duration_s": 60, "timezone": "UTC"},
+        {"cron": "0 2 * * *", "duration_s": 3600, "timezone": "UTC"},
+    ]
+    cfg = config(windows=short_then_long)
+    hist = history(end=t)
+    ctl = control(now=t)
+    pinned = pin(2, expires=t + 30 * DAY)
+    decision = decide(hist, observation(t), cfg, pinned, t, ctl, None, needs_s)
+    assert decision.reason is Reason.WINDOW_CLOSED, decision.message
+    assert says in decision.message, decision.message
+
+
+@pytest.mark.parametrize(
     ("window", "now", "opens"),
     [
         # 03:00 in Berlin's winter is 02:00Z: the cron's 03:00 is what the operator reads.

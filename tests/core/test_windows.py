@@ -468,6 +468,39 @@ def test_too_short_judges_the_open_period_not_the_window(
     assert windows.too_short(configured, 190.0, at(2026, 12, 2, 11)) == short
 
 
+SHORT_THEN_LONG = [WindowSpec("0 0 * * *", 60, "UTC"), WindowSpec("0 2 * * *", 3600, "UTC")]
+MINUTES = [WindowSpec("* * * * *", 60, "UTC")]
+# An always-open chain, as current_window bounds it.
+MINUTES_END = (current_window(MINUTES, at(2026, 12, 2, 23, 38, 30)) or (None, None))[1]
+
+
+@pytest.mark.parametrize(
+    ("configured", "now", "needs_s", "expected"),
+    [
+        # Open with time to spare: now, until it closes.
+        (DAILY_UTC, at(2026, 12, 2, 3, 10), 190.0, (at(2026, 12, 2, 3, 10), at(2026, 12, 2, 4))),
+        # Its last minutes hold no restart: tomorrow's opening.
+        (DAILY_UTC, at(2026, 12, 2, 3, 58), 190.0, (at(2026, 12, 3, 3), at(2026, 12, 3, 4))),
+        # Closed: the next opening.
+        (DAILY_UTC, at(2026, 12, 2, 12), 190.0, (at(2026, 12, 3, 3), at(2026, 12, 3, 4))),
+        # The next window lasts a minute: the one after it, past midnight.
+        (SHORT_THEN_LONG, at(2026, 12, 2, 23, 38), 100.0, (at(2026, 12, 3, 2), at(2026, 12, 3, 3))),
+        (SHORT_THEN_LONG, at(2026, 12, 2, 23, 38), 30.0, (at(2026, 12, 3), at(2026, 12, 3, 0, 1))),
+        # Back to back minute windows make one period: a restart fits across them.
+        (MINUTES, at(2026, 12, 2, 23, 38, 30), 190.0, (at(2026, 12, 2, 23, 38, 30), MINUTES_END)),
+        # Never long enough: none.
+        ([WindowSpec("0 0 * * *", 60, "UTC")], at(2026, 12, 2, 12), 190.0, None),
+    ],
+)
+def test_holding_is_when_a_restart_can_start_inside_a_window(
+    configured: list[WindowSpec],
+    now: datetime,
+    needs_s: float,
+    expected: tuple[datetime, datetime] | None,
+) -> None:
+    assert windows.holding(configured, needs_s, now) == expected
+
+
 @pytest.mark.parametrize(
     ("named", "numbered", "months"),
     [
