@@ -525,9 +525,7 @@ def decide(
 PIN_NOW_MIN_RESTARTS = 2
 
 
-def pin_restarts_spent(
-    pin: Override, control: Control, config: Settings, now: float
-) -> str | None:
+def pin_restarts_spent(pin: Override, control: Control, config: Settings, now: float) -> str | None:
     """Why a pin applied now makes no further restart, or None. It bypasses the window,
     dwell and daily budget, but a change that keeps ending aborted (not frozen: the target
     never ran) would otherwise restart SGLang at every tick: its own restarts since it was
