@@ -1760,6 +1760,10 @@ class Daemon:
         # The outcome is recorded in the same state write that clears the journal, so a
         # specd restarted later neither loses it nor counts it twice.
         self.state.journal = None
+        if outcome.result != "success":
+            # The change never ran, or was rolled back: nothing of it to verify (`specd
+            # status` said it verified a 4 that SGLang no longer ran).
+            self.state.verifying = None
         if outcome.drain is not None:
             self._record_drain(outcome.drain, now)
         restarted = outcome.sglang_restarts

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from specd.commands.status import collect
 from specd.core import outcome
 from specd.core.decide import Reason
 from specd.core.history import History, HistorySettings
@@ -2752,6 +2753,33 @@ def test_a_tick_that_raises_with_a_restart_in_flight_ends_the_run(tmp_path: Path
     d._reconcile_journal = lambda: None  # type: ignore[method-assign]  # the journal stays
     with pytest.raises(RuntimeError, match="unexpected input #1"):
         d.run()
+
+
+@pytest.mark.parametrize(
+    ("result", "restarts", "verifying"),
+    [
+        ("success", 1, True),
+        # SGLang is back on 3: nothing of 4 runs to verify (`specd status` said "verifying
+        # 3 → 4 … goes back if it serves less" beside FROZEN).
+        ("rolled_back", 2, False),
+        ("failed", 2, False),
+        ("aborted", 1, False),
+    ],
+)
+def test_only_a_change_that_went_live_is_verified(
+    tmp_path: Path, result: str, restarts: int, verifying: bool
+) -> None:
+    class Ending(Applier):
+        def apply_setting(self, *args: Any, **kwargs: Any) -> ApplyOutcome:
+            done = super().apply_setting(*args, **kwargs)
+            return replace(done, result=result, restarts_issued=restarts)
+
+    cfg = config(tmp_path)
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), Ending(), [IN_WINDOW])
+    assert d.tick().reason is Reason.CHANGE
+    assert (d.state.verifying is not None) is verifying
+    shown = collect(cfg, IN_WINDOW + 5, "down")
+    assert (shown["verifying"] is not None) is verifying
 
 
 @pytest.mark.parametrize(

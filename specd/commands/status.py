@@ -496,6 +496,11 @@ def _verifying(config: Config, state: State, now: float) -> dict[str, Any] | Non
     if snap is None or snap.lapsed(now):
         return None
     old, new = label(snap.from_steps, snap.from_setting), label(snap.to_steps, snap.to_setting)
+    live = (state.live or {}).get("setting")
+    if isinstance(live, str) and live != new:
+        # Not what runs (a state file from before a rollback cleared it): the daemon's
+        # verdict reads the live setting only, so nothing is verified.
+        return None
     said = state.last_decision.get("outcome")
     # Only a verdict on this change (the tick that made it judged the one before, if any).
     if not isinstance(said, str) or not said.startswith(heading(snap)):
