@@ -401,7 +401,7 @@ def collect(
             if now - e.t < config.choose.regression_avoid_s
         ],
         "acceptance": _acceptance(state),
-        "explorations": _explorations(config, state.explorations, now),
+        "explorations": _explorations(config, state.explorations, now, live.get("steps")),
         "verifying": _verifying(config, state, now),
         "restart_in_progress": state.journal,
         "restarts_last_24h": restarts,
@@ -465,14 +465,17 @@ def _acceptance_line(acceptance: dict[str, Any]) -> str:
 
 
 def _explorations(
-    config: Config, explorations: list[list[float]], now: float
+    config: Config, explorations: list[list[float]], now: float, current: int | None
 ) -> dict[str, Any] | None:
     """The model policy's explorations of the rolling week (`specd.core.explore`): which
-    step count, since when, and until when its epoch runs; None under the bands, which
-    never explore. A step count that changed at an odd hour for no load change is one."""
+    step count, since when, until when its epoch runs, and whether it is being measured
+    now (it runs, ``current``, in that epoch); None under the bands, which never explore.
+    A step count that changed at an odd hour for no load change is one."""
     if config.choose.policy != "model":
         return None
     week = explore.this_week([(float(t), int(k)) for t, k in explorations], now)
+    # As the daemon holds it: the latest, while its step count is live and its epoch runs.
+    ongoing = explore.ongoing(week, current, config, now)
     recent = []
     for t, k in week:
         until = explore.epoch_end(config, t)
@@ -483,6 +486,7 @@ def _explorations(
                 "until": until,
                 # On the window's own clock, as the window line shows it.
                 "until_at": _local_at(config, until),
+                "measuring": ongoing is not None and (t, k) == week[-1],
             }
         )
     return {"max_per_week": config.choose.explore_max_per_week, "recent": recent}
@@ -544,6 +548,9 @@ def _explored_line(explored: dict[str, Any], now: float) -> str:
         f"{e['steps']} steps {when_text(e['t'], now)}"
         + (
             f", measured until the window {when_text(e['until'], now, e['until_at'])}"
+            if e["measuring"] and e["until"] is not None
+            # Rolled back, or changed from since: the daemon measures it no more.
+            else f", no longer runs: measured no more (its epoch ends {when_text(e['until'], now)})"
             if e["until"] is not None and e["until"] > now
             else ""
         )

@@ -654,25 +654,32 @@ def test_status_says_what_an_unfinished_restart_waits_for(
 
 
 EXPLORED = [
-    # (id, [choose] policy, explorations [seconds before NOW, steps], the line or None)
-    ("bands-never-explore", "bands", [[13 * 3600, 5]], None),
-    ("none-this-week", "model", [], "explored       none in the last 7 days (at most 2 a week, "
-     "one per step count)"),
+    # (id, [choose] policy, explorations [seconds before NOW, steps], live steps, the line
+    # or None)
+    ("bands-never-explore", "bands", [[13 * 3600, 5]], 5, None),
+    ("none-this-week", "model", [], 3, "explored       none in the last 7 days (at most 2 a "
+     "week, one per step count)"),
     # Started at the window's opening 13 h ago (03:00 UTC), measured until the next one.
-    ("one-measuring", "model", [[13 * 3600, 5]], "explored       1 of 2 in the last 7 days: 5 "
-     "steps 2025-11-24T03:00:00+00:00 (13.0 h ago), measured until the window "
+    ("one-measuring", "model", [[13 * 3600, 5]], 5, "explored       1 of 2 in the last 7 days: "
+     "5 steps 2025-11-24T03:00:00+00:00 (13.0 h ago), measured until the window "
      "2025-11-25T03:00:00+00:00 (in 11.0 h)"),
+    # Rolled back to 3 (or changed from since): the daemon measures 5 no more (it said
+    # "measured until the window" all the same).
+    ("one-rolled-back", "model", [[13 * 3600, 5]], 3, "explored       1 of 2 in the last 7 "
+     "days: 5 steps 2025-11-24T03:00:00+00:00 (13.0 h ago), no longer runs: measured no more "
+     "(its epoch ends 2025-11-25T03:00:00+00:00 (in 11.0 h))"),
     # One measured and done, one older than the rolling week (not shown).
-    ("one-done", "model", [[61 * 3600, 2], [8 * 86400, 4]], "explored       1 of 2 in the last "
-     "7 days: 2 steps 2025-11-22T03:00:00+00:00 (61.0 h ago)"),
+    ("one-done", "model", [[61 * 3600, 2], [8 * 86400, 4]], 2, "explored       1 of 2 in the "
+     "last 7 days: 2 steps 2025-11-22T03:00:00+00:00 (61.0 h ago)"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("policy", "explorations", "line"), [pytest.param(*e[1:], id=e[0]) for e in EXPLORED]
+    ("policy", "explorations", "live", "line"),
+    [pytest.param(*e[1:], id=e[0]) for e in EXPLORED],
 )
 def test_status_says_which_step_counts_were_explored_and_until_when(
-    tmp_path: Path, policy: str, explorations: list[list[float]], line: str | None
+    tmp_path: Path, policy: str, explorations: list[list[float]], live: int, line: str | None
 ) -> None:
     """A step count that changed at an odd hour, with no change in load, is an exploration:
     the on-call sees which, since when and until when, beside the week's allowance."""
@@ -683,7 +690,10 @@ def test_status_says_which_step_counts_were_explored_and_until_when(
         f'[choose]\npolicy = "{policy}"\n'
     )
     config = load_config(path)
-    state = State(explorations=[[NOW - ago, steps] for ago, steps in explorations])
+    state = State(
+        explorations=[[NOW - ago, steps] for ago, steps in explorations],
+        live={"t": NOW - 60, "steps": live, "setting": str(live), "source": "observation"},
+    )
     assert StateStore(tmp_path).save(state) is None
     info = collect(config, NOW, server_info(config))
     shown = [x for x in render(info, NOW).splitlines() if x.startswith("explored")]
