@@ -768,7 +768,14 @@ def render(info: dict[str, Any], now: float) -> str:
             else ""
         ),
         f"target         {_shown(info['target_setting'])}",
-        f"mode           {_mode_text(info['mode'])}",
+        f"mode           {_mode_text(info['mode'])}"
+        # A freeze after a failed restart holds a pin too, until `specd unfreeze` (the
+        # daemon's mode gauge and STATUS= say freeze).
+        + (
+            " (held: specd is FROZEN, see below)"
+            if info["frozen"] and info["mode"] == "pin"
+            else ""
+        ),
         "last decision  "
         + (
             unknown
@@ -785,6 +792,9 @@ def render(info: dict[str, Any], now: float) -> str:
             if info["frozen"]
             else unknown
             if info.get("state_unknown")
+            # Not by a failed restart; the on-call's freeze is the mode above.
+            else "no failed restart; the override freezes specd (mode freeze)"
+            if info["mode"] == "freeze"
             else "no"
         ),
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "

@@ -403,6 +403,39 @@ def test_a_state_file_status_cannot_read_is_unknown_not_the_defaults(
     assert "frozen         no" not in text
 
 
+@pytest.mark.parametrize(
+    ("override", "frozen", "mode_line", "frozen_line"),
+    [
+        # The on-call's freeze: no failed restart, yet every change is held ("frozen no"
+        # beside "mode freeze").
+        ('mode = "freeze"', None, "mode           freeze",
+         "frozen         no failed restart; the override freezes specd (mode freeze)"),
+        # Frozen by a failed restart, a pin in the file: the freeze holds the pin too (the
+        # daemon's gauge and STATUS= say freeze; status said "mode pin").
+        ('mode = "pin"\nsteps = 4', {"since": NOW - 600, "reason": "restart to 4 rolled_back"},
+         "mode           pin (held: specd is FROZEN, see below)", "frozen         YES, FROZEN"),
+        ('mode = "pin"\nsteps = 4', None, "mode           pin", "frozen         no"),
+    ],
+)  # fmt: skip
+def test_the_mode_and_frozen_lines_agree_with_what_holds_changes(
+    tmp_path: Path,
+    override: str,
+    frozen: dict[str, object] | None,
+    mode_line: str,
+    frozen_line: str,
+) -> None:
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    assert StateStore(config.files.state_dir).save(State(frozen=frozen)) is None
+    (tmp_path / "override.toml").write_text(
+        f'{override}\nexpires_at = 2025-11-25T16:00:00Z\nreason = "r"\n'
+    )
+    (tmp_path / "override.toml").chmod(0o644)
+    lines = render(collect(config, NOW, "down"), NOW).splitlines()
+    assert mode_line in [line for line in lines if line.startswith("mode ")]
+    (shown,) = [line for line in lines if line.startswith("frozen ")]
+    assert shown.startswith(frozen_line), shown
+
+
 def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> None:
     # The daemon cannot read it: it sets it aside and stays frozen for the freeze in it.
     config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
