@@ -220,17 +220,14 @@ def _in_force(path: Path, cfg: Config, now: datetime) -> str | None:
     """The pin or freeze in force in ``path`` that writing replaces, and who wrote it (the
     next on-call may not know a colleague's freeze is there): None when none is."""
     # Imported here, not for --help (see the module's docstring).
-    from specd.commands.status import setting_text, when_text  # noqa: PLC0415
-    from specd.io.override import read_override, written_by  # noqa: PLC0415
-
-    status = read_override(
-        path,
-        cfg.choose.min_steps,
-        cfg.choose.max_steps,
-        now,
-        as_daemon=True,
-        listed=cfg.choose.adaptive_candidate_sets,
+    from specd.commands.status import (  # noqa: PLC0415
+        read_override_as_daemon,
+        setting_text,
+        when_text,
     )
+    from specd.io.override import written_by  # noqa: PLC0415
+
+    status = read_override_as_daemon(cfg, now, path)
     held = status.override
     if held is None or not held.active(now) or held.expires_at is None:
         return None
@@ -332,10 +329,13 @@ def _hours(delta: timedelta) -> str:
 def run(args: argparse.Namespace) -> int:
     # Imported here, not for --help (see the module's docstring).
     from specd.commands.config_fallback import load_for_oncall  # noqa: PLC0415
-    from specd.commands.status import daemon, restart_needs_of  # noqa: PLC0415
+    from specd.commands.status import (  # noqa: PLC0415
+        daemon,
+        read_override_as_daemon,
+        restart_needs_of,
+    )
     from specd.io.override import (  # noqa: PLC0415
         check_override_text,
-        read_override,
         render_override,
         write_override,
     )
@@ -431,14 +431,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-    status = read_override(
-        path,
-        cfg.choose.min_steps,
-        cfg.choose.max_steps,
-        now,
-        as_daemon=True,
-        listed=cfg.choose.adaptive_candidate_sets,
-    )
+    status = read_override_as_daemon(cfg, now, path)
     held = status.override
     if args.action == "show" and held is not None and held.active(now) and held.mode == "pin":
         # What the daemon does with it: a pin it cannot run is held `unsupported`.

@@ -282,11 +282,13 @@ def choices(
     }
 
 
-def read_override_as_daemon(config: Config, at: datetime) -> OverrideStatus:
-    """The override file judged as the daemon, running as user specd, finds it (its owner,
-    mode, and whether that user can read it at all)."""
+def read_override_as_daemon(
+    config: Config, at: datetime | float, path: Path | None = None
+) -> OverrideStatus:
+    """The override file (``path``, else the config's) judged as the daemon, running as
+    user specd, finds it (its owner, mode, and whether that user can read it at all)."""
     return read_override(
-        Path(config.files.override_file),
+        Path(config.files.override_file) if path is None else path,
         config.choose.min_steps,
         config.choose.max_steps,
         at,

@@ -26,6 +26,7 @@ from specd.commands.reason import operator, reason_type
 from specd.commands.status import (
     budget_note,
     daemon,
+    read_override_as_daemon,
     restart_needs_of,
     restart_window,
     setting_text,
@@ -35,7 +36,7 @@ from specd.core.history import HistorySettings
 from specd.core.setting import parse as parse_setting
 from specd.core.text import iso_time, printable
 from specd.io.config import DEFAULT_CONFIG_PATH, Config
-from specd.io.override import OverrideStatus, read_override
+from specd.io.override import OverrideStatus
 from specd.io.state import (
     STATE_FILE,
     UNFREEZE_REQUEST,
@@ -80,14 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if frozen is None and unknown is None:
         print("specd is not frozen; nothing to clear")
         return 0
-    override = read_override(
-        config.files.override_file,
-        config.choose.min_steps,
-        config.choose.max_steps,
-        now,
-        as_daemon=True,
-        listed=config.choose.adaptive_candidate_sets,
-    )
+    override = read_override_as_daemon(config, now)
     held = override.override if override.valid else None
     pinned = held.pinned_name if held is not None and held.active(now) else None
     retried = held is not None and held.apply == "now" and pinned != live

@@ -1432,6 +1432,23 @@ def test_the_decision_carries_the_chosen_setting_to_the_daemon(
     assert blind.decision.target_setting.kind != "adaptive"
 
 
+def ending_window(
+    tmp_path: Path, levels: tuple[int, ...], pin: Override | None, held: Control | None
+) -> tuple[StepContext, Observation, float]:
+    """A step at 03:45 at ``levels`` of traffic, the window closing ten seconds after one
+    static restart could end (an adaptive start takes 20 s more per candidate)."""
+    history = kinds_history(levels, steps=1, hours=3.25)
+    now = history.last_t
+    assert now is not None
+    left = 4 * HOUR - (now - MONDAY)  # the 03:00 window closes at 04:00
+    ctx = StepContext(
+        kinds_config(tmp_path), history, pin, held or Control(1), Calibration.of(KINDS_TABLE),
+        restart_needs_s=left - 10, traits=SERVER,
+    )  # fmt: skip
+    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    return ctx, obs, now
+
+
 @pytest.mark.parametrize(("levels", "target", "reason"), [
     ((2,), "3", "change"),
     ((2, 32), MIXED_SET, "window_ending"),  # 20 s more to start: it no longer fits
@@ -1439,17 +1456,10 @@ def test_the_decision_carries_the_chosen_setting_to_the_daemon(
 def test_an_adaptive_start_must_fit_in_the_window_with_its_extra_graphs(
     tmp_path: Path, levels: tuple[int, ...], target: str, reason: str
 ) -> None:
-    cfg = kinds_config(tmp_path)
-    history = kinds_history(levels, steps=1, hours=3.25)
-    now = history.last_t
+    now = kinds_history(levels, steps=1, hours=3.25).last_t
     assert now is not None
     held = Control(1, recommendations=((now - 1000, setting_key(parse(target))),))
-    left = 4 * HOUR - (now - MONDAY)  # the 03:00 window closes at 04:00
-    ctx = StepContext(
-        cfg, history, None, held, Calibration.of(KINDS_TABLE), restart_needs_s=left - 10,
-        traits=SERVER,
-    )  # fmt: skip
-    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    ctx, obs, now = ending_window(tmp_path, levels, None, held)
     decision = step(ctx, obs, now).decision
     assert decision.target_setting == parse(target)
     assert decision.reason.value == reason, decision.message
@@ -1466,23 +1476,16 @@ def test_an_adaptive_start_must_fit_in_the_window_with_its_extra_graphs(
 def test_a_pin_must_fit_in_the_window_with_its_own_start(
     tmp_path: Path, levels: tuple[int, ...], pinned: str, reason: str
 ) -> None:
-    cfg = kinds_config(tmp_path)
-    history = kinds_history(levels, steps=1, hours=3.25)
-    now = history.last_t
-    assert now is not None
-    expires = datetime.fromtimestamp(now + DAY, tz=UTC)
+    end = kinds_history(levels, steps=1, hours=3.25).last_t
+    assert end is not None
+    expires = datetime.fromtimestamp(end + DAY, tz=UTC)
     setting = parse(pinned)
     pin = (
         Override("pin", setting.steps, expires, "x", "next-window")
         if setting.kind == "static"
         else Override("pin", None, expires, "x", "next-window", setting)
     )
-    left = 4 * HOUR - (now - MONDAY)  # the 03:00 window closes at 04:00
-    ctx = StepContext(
-        cfg, history, pin, Control(1), Calibration.of(KINDS_TABLE), restart_needs_s=left - 10,
-        traits=SERVER,
-    )  # fmt: skip
-    obs = make_observation(now, running=2, steps=1, accept_length=None, spec_fresh=False)
+    ctx, obs, now = ending_window(tmp_path, levels, pin, None)
     decision = step(ctx, obs, now).decision
     assert decision.target_setting == setting
     assert decision.reason.value == reason, decision.message
