@@ -845,7 +845,17 @@ class Doctor:
         except ValueError as exc:
             return Check("windows", False, str(exc), "fix [[windows]] in the config")
         gap = (opens - now).total_seconds()
-        state = "open now; " if windows.is_open(self.config.windows, now) else ""
+        current = windows.current_window(self.config.windows, now)
+        state = "open now; " if current is not None else ""
+        if current is not None:
+            left = (current[1] - now).total_seconds()
+            needs = self._restart_needs()[0]
+            if left < needs:
+                # The daemon says window_ending there: no restart starts in it.
+                state = (
+                    f"open now but closing in {duration_text(left)}, too soon for one restart "
+                    f"({needs:g} s); "
+                )
         # On the window's own clock, with its offset: as the operator wrote the cron.
         shown = windows.local_time(self.config.windows, opens).isoformat(timespec="seconds")
         detail = f"{state}next opens {shown} (in {duration_text(gap)})"
@@ -856,11 +866,9 @@ class Doctor:
             return Check("windows", False, detail, "a window this rare means specd rarely acts")
         return Check("windows", True, detail)
 
-    def _windows_too_short(self) -> tuple[str, str] | None:
-        """(what, advice) when a window is shorter than one restart needs: specd starts a
-        restart only with that much of the open window left (with the windows it touches or
-        overlaps), so in such a window it never changes anything (each decision says
-        window_ending), and says so nowhere else."""
+    def _restart_needs(self) -> tuple[float, float, str]:
+        """(how long one restart may take, the stop timeout in it, where that came from),
+        as the applier counts it."""
         unit = self.config.sglang.unit
         stop_s: float | None = None
         with contextlib.suppress(InstallError):
@@ -872,8 +880,16 @@ class Doctor:
             source = "systemd's default stop timeout (the unit's not read)"
         # As the applier counts it: an infinite stop timeout is bounded by its own command's.
         stop_s = min(stop_s, self.config.restart.restart_command_timeout_s)
+        return stop_s + self.config.choose.restart_cost_s, stop_s, source
+
+    def _windows_too_short(self) -> tuple[str, str] | None:
+        """(what, advice) when a window is shorter than one restart needs: specd starts a
+        restart only with that much of the open window left (with the windows it touches or
+        overlaps), so in such a window it never changes anything (each decision says
+        window_ending), and says so nowhere else."""
+        unit = self.config.sglang.unit
+        needs, stop_s, source = self._restart_needs()
         cost_s = self.config.choose.restart_cost_s
-        needs = stop_s + cost_s
         now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
         configured = self.config.windows
         short = [configured[i] for i, _ in windows.too_short(configured, needs, now)]

@@ -199,6 +199,16 @@ def utc(year: int, month: int, day: int, hour: int) -> float:
             "next opens 2026-12-02T12:00:00+00:00 (in 60.0 min)",
         ),
         ("30 10 * * wed", "UTC", NOW, True, "open now; next opens 2026-12-09T10:30:00+00:00"),
+        # Its last two minutes hold no restart (systemd's default 90 s stop + 100 s start):
+        # the daemon says window_ending there, doctor said "open now".
+        (
+            "2 10 * * wed",
+            "UTC",
+            NOW,
+            True,
+            "open now but closing in 2.0 min, too soon for one restart (190 s); next opens "
+            "2026-12-09T10:02:00+00:00",
+        ),
         ("0 3 1 mar *", "UTC", NOW, False, "next opens 2027-03-01T03:00:00+00:00"),
         # On the window's own clock, with its offset: 03:00 CET is 02:00Z.
         (
