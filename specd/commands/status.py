@@ -417,9 +417,17 @@ def collect(
         # cron reads them: 2026-12-07T03:00:00+01:00 for 03:00 in Europe/Berlin).
         "next_window_open_at": _local(config, opens),
         "next_window_close_at": _local(config, closes),
+        # When a restart can go out (an open period with time for one static restart):
+        # now, the next opening, or later where those are too short; None: never.
+        "next_restart_possible_at": _restart_possible(config, at),
         "fleet": fleet_status(config),
         "choices": choices(config, info, static_only),
     }
+
+
+def _restart_possible(config: Config, at: datetime) -> str | None:
+    usable = windows.holding(config.windows, restart_needs_of(config, None), at)
+    return None if usable is None else _local(config, usable[0])
 
 
 def _local(config: Config, at: datetime) -> str:
@@ -539,6 +547,18 @@ def _verifying_line(verifying: dict[str, Any], now: float) -> str:
         f"{when_text(verifying['since'], now)}{predicted}: goes back if it serves less beyond "
         f"noise{lasts}"
     )
+
+
+def _restart_note(info: dict[str, Any], now: float) -> str:
+    """Where the open window's last minutes, or the next window, hold no restart: when one
+    can go out (the daemon says window_ending, or waits, until then)."""
+    possible = info.get("next_restart_possible_at")
+    if possible is None:
+        return "; no window ahead holds one restart"
+    at = datetime.fromisoformat(possible).timestamp()
+    if at <= now or (not info["window_open"] and at == info["next_window_open"]):
+        return ""
+    return f"; a restart can go out from {when_text(at, now, possible)} (too short before)"
 
 
 def _explored_line(explored: dict[str, Any], now: float) -> str:
@@ -801,7 +821,8 @@ def render(info: dict[str, Any], now: float) -> str:
         ),
         f"window         {'OPEN' if info['window_open'] else 'closed'}; next opens "
         f"{when_text(info['next_window_open'], now, info['next_window_open_at'])}, closes "
-        f"{when_text(info['next_window_close'], now, info['next_window_close_at'])}",
+        f"{when_text(info['next_window_close'], now, info['next_window_close_at'])}"
+        + _restart_note(info, now),
         "restarts 24h   "
         + (
             unknown

@@ -436,6 +436,40 @@ def test_the_mode_and_frozen_lines_agree_with_what_holds_changes(
     assert shown.startswith(frozen_line), shown
 
 
+@pytest.mark.parametrize(
+    ("windows_toml", "note"),
+    [
+        # The next window holds a restart: nothing more to say.
+        ('[[windows]]\ncron = "0 2 * * *"\nduration_s = 3600\ntimezone = "UTC"\n', None),
+        # A minute at midnight holds none (systemd's 90 s stop + 100 s start): the daemon
+        # waits for 02:00, and the window line named midnight alone.
+        (
+            '[[windows]]\ncron = "0 0 * * *"\nduration_s = 60\ntimezone = "UTC"\n'
+            '[[windows]]\ncron = "0 2 * * *"\nduration_s = 3600\ntimezone = "UTC"\n',
+            "; a restart can go out from 2025-11-25T02:00:00+00:00 (in 10.0 h) (too short before)",
+        ),
+        (
+            '[[windows]]\ncron = "0 0 * * *"\nduration_s = 60\ntimezone = "UTC"\n',
+            "; no window ahead holds one restart",
+        ),
+    ],
+)
+def test_the_window_line_says_when_a_restart_can_go_out(
+    tmp_path: Path, windows_toml: str, note: str | None
+) -> None:
+    path = config_file(tmp_path, "http://127.0.0.1:9", '["static"]')
+    path.write_text(path.read_text() + windows_toml)
+    (line,) = [
+        x
+        for x in render(collect(load_config(path), NOW, "down"), NOW).splitlines()
+        if x.startswith("window ")
+    ]
+    if note is None:
+        assert "restart" not in line, line
+    else:
+        assert line.endswith(note), line
+
+
 def test_status_shows_the_freeze_a_newer_specds_state_holds(tmp_path: Path) -> None:
     # The daemon cannot read it: it sets it aside and stays frozen for the freeze in it.
     config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
