@@ -81,7 +81,7 @@ from specd.io.notify import Notifier
 from specd.io.override import OverrideStatus, read_override
 from specd.io.runner import Runner, SubprocessRunner
 from specd.io.sglang import SGLangClient
-from specd.io.state import UNFREEZE_REQUEST, StateStore
+from specd.io.state import STATE_SAVE_INTERVAL_S, UNFREEZE_REQUEST, StateStore
 from specd.io.writable import env_file_unwritable
 
 # `specd unfreeze` writes a one-line JSON object; the reason is free text from the operator.
@@ -100,7 +100,6 @@ SCRAPE_FAILED_MAX_DISTINCT = 8
 # many began within SCRAPE_FAILED_RELOG_S, a failure goes on with the last one instead,
 # said (and its recoveries) as rarely as a long outage.
 FLAPPING_OUTAGES = 3
-STATE_SAVE_INTERVAL_S = 60.0
 # The wait between ticks beats at least this often (and at least 4 times a watchdog period).
 IDLE_SLICE_S = 1.0
 # The wall clock moved this much more (or less) than the monotonic clock between two reads:

@@ -44,6 +44,7 @@ from specd.io.sglang import SGLangClient
 from specd.io.state import (
     LOCK_FILE,
     STATE_FILE,
+    STATE_SAVE_INTERVAL_S,
     STATUS_FILE,
     State,
     StateNotRead,
@@ -355,6 +356,11 @@ def collect(
         # Not read at all (permissions: not root nor in group specd): what it holds is
         # unknown, not the defaults an empty state would show ("frozen no").
         unknown = isinstance(exc, (OSError, StateNotRead))
+    running = daemon(config.files.state_dir)
+    if state_problem is None and running["running"] and state.journal is None:
+        stale = _not_saved(state_path, config, now)
+        if stale is not None:
+            state_problem, unreadable = stale, True
     at = datetime.fromtimestamp(now, tz=timezone.utc)
     override = read_override_as_daemon(config, at)
     restarts = [r for r in state.restarts if now - float(r["t"]) < DAY_S]
@@ -367,7 +373,7 @@ def collect(
     return {
         # Whether a `specd run` holds the state directory now: without one, what follows is
         # what it saved last, and nothing decides.
-        "daemon": daemon(config.files.state_dir),
+        "daemon": running,
         "state_file": str(state_path),
         "state_problem": state_problem,
         "state_unreadable": unreadable,
@@ -423,6 +429,28 @@ def collect(
         "fleet": fleet_status(config),
         "choices": choices(config, info, static_only),
     }
+
+
+def _not_saved(path: Path, config: Config, now: float) -> str | None:
+    """Why what state.json holds is not what the running daemon holds: it saves the file
+    every `STATE_SAVE_INTERVAL_S` (or each tick, when ticks are longer), so one far older
+    says its writes fail (a full or read-only state directory); what status shows is then
+    from before, and the daemon holds every restart (state_unsaved). None when recent.
+    Not asked while a restart runs: its waits (a fleet slot, a quiet moment) write nothing
+    for up to half an hour."""
+    try:
+        saved = path.stat().st_mtime
+    except OSError:
+        return None
+    every = max(STATE_SAVE_INTERVAL_S, config.observe.scrape_interval_s)
+    if now - saved <= 3 * every + 60:
+        return None
+    return (
+        f"{path}: not saved since {when_text(saved, now)} while specd runs (it saves every "
+        f"{duration_text(every)}): its writes fail (its log: state_write_failed; a full or "
+        f"read-only {path.parent}?), and it holds every restart until they work; what "
+        "follows is from then"
+    )
 
 
 def _restart_possible(config: Config, at: datetime) -> str | None:

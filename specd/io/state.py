@@ -32,6 +32,9 @@ T = TypeVar("T")
 E = TypeVar("E")
 
 STATE_FILE = "state.json"
+# The daemon writes state.json this often (and at each tick after it, the tick being
+# longer); `specd status` takes a file much older, while specd runs, for writes failing.
+STATE_SAVE_INTERVAL_S = 60.0
 # What `specd unfreeze` writes beside the state file and the daemon reads at its next tick.
 UNFREEZE_REQUEST = "unfreeze.json"
 # Raised whenever a part is added or changes meaning, so that an older specd (a rollback)

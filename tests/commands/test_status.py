@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -555,6 +556,45 @@ def _holder(state_dir: Path) -> subprocess.Popen[str]:
     assert proc.stdout is not None
     assert proc.stdout.readline() == "held\n"
     return proc
+
+
+@pytest.mark.parametrize(
+    ("saved_ago_s", "running", "journal", "stale"),
+    [
+        (30, True, None, False),
+        # Saved every minute while specd runs: 10 minutes old, its writes fail (a full
+        # disk): status showed the decision of then, exit 0, and nothing of the failure.
+        (600, True, None, True),
+        # Not running: what it saved last, as always.
+        (600, False, None, False),
+        # A restart's waits write nothing for up to half an hour.
+        (600, True, {"phase": "planned", "from_setting": "3", "to_setting": "4"}, False),
+    ],
+)
+def test_status_says_when_a_running_specd_no_longer_saves(
+    tmp_path: Path,
+    saved_ago_s: float,
+    running: bool,
+    journal: dict[str, str] | None,
+    stale: bool,
+) -> None:
+    config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
+    now = time.time()
+    assert StateStore(config.files.state_dir).save(State(journal=journal)) is None
+    os.utime(tmp_path / "state.json", (now - saved_ago_s, now - saved_ago_s))
+    holder = _holder(tmp_path) if running else None
+    try:
+        info = collect(config, now, "down")
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    problem = info["state_problem"] or ""
+    assert ("not saved since" in problem) is stale, problem
+    assert info["state_unreadable"] is stale
+    if stale:
+        assert "while specd runs (it saves every 60 s): its writes fail" in problem
+        assert f"state          {problem}" in render(info, now)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
