@@ -404,6 +404,10 @@ def collect(
                 "shortfall_ratio": e.shortfall_ratio,
                 "since": e.t,
                 "until": e.t + config.choose.regression_avoid_s,
+                # The traffic it regressed under ([concurrency, share]): the policy tries it
+                # again sooner where the traffic moves far from it (`outcome.avoided`).
+                "mix": [list(pair) for pair in e.mix],
+                "lift_mix_ratio": config.choose.regression_lift_mix_ratio,
             }
             for e in state.avoided
             if now - e.t < config.choose.regression_avoid_s
@@ -587,6 +591,20 @@ def _restart_note(info: dict[str, Any], now: float) -> str:
     if at <= now or (not info["window_open"] and at == info["next_window_open"]):
         return ""
     return f"; a restart can go out from {when_text(at, now, possible)} (too short before)"
+
+
+def _avoided_mix(entry: dict[str, Any]) -> str:
+    """Under what traffic it is avoided: the policy tries it again, even before "until",
+    where the traffic's mix moves far from the one it regressed under."""
+    mix = sorted(entry.get("mix") or [], key=lambda pair: -pair[1])
+    if not mix:
+        return ""
+    shown = ", ".join(f"{int(c)} ({share * 100:.0f}%)" for c, share in mix[:3])
+    return (
+        f", for traffic like it regressed under (offered {shown}): where the mix moves more "
+        f"than regression_lift_mix_ratio {entry['lift_mix_ratio']:g} from it, specd may run "
+        "it again"
+    )
 
 
 def _explored_line(explored: dict[str, Any], now: float) -> str:
@@ -872,7 +890,7 @@ def render(info: dict[str, Any], now: float) -> str:
             f"avoided        {setting_text(e['setting'])}: served "
             f"{e['shortfall_ratio'] * 100:.1f}% less than {e['from_setting']} (regression "
             f"{when_text(e['since'], now)}), until "
-            f"{when_text(e['until'], now)}"
+            f"{when_text(e['until'], now)}{_avoided_mix(e)}"
         )
     lines.append(_acceptance_line(info["acceptance"]))
     if info.get("explorations") is not None:

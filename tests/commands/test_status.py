@@ -169,6 +169,16 @@ def test_status_names_each_avoided_setting_as_the_operator_writes_it(tmp_path: P
         "avoided        adaptive:3,4: served 3.1% less than 3",
         "avoided        off: served 20.0% less than adaptive:3,4",
     ]
+    # Until then only for traffic like it regressed under: the daemon runs it again where
+    # the traffic moves (status said "until …" alone while specd restarted into it).
+    lines = [line for line in text.splitlines() if line.startswith("avoided")]
+    assert all(
+        line.endswith(
+            ", for traffic like it regressed under (offered 2 (100%)): where the mix moves "
+            "more than regression_lift_mix_ratio 0.5 from it, specd may run it again"
+        )
+        for line in lines
+    ), lines
     named = [
         (e["steps"], e["from_steps"], e["setting"], e["from_setting"]) for e in info["avoided"]
     ]
