@@ -386,6 +386,10 @@ class Doctor:
         got, lines = configured_offer(
             choose, traits, self.static_only, self.config.sglang.speculative_algorithm
         )
+        if got is None:
+            return Check(
+                "choices", False, lines[0], "fix the calibration file (the config check says how)"
+            )
         notes = tuple(lines)
         # The default kinds are every kind, each where it can be: only kinds the operator
         # listed are a problem when they cannot be chosen.

@@ -274,9 +274,10 @@ def choices(
         config.choose, traits, static_only, config.sglang.speculative_algorithm
     )
     return {
-        "kinds": dict(got.kinds),
-        "settings": [format_setting(s) for s in got.settings],
-        "refused": dict(got.refused),
+        # Empty where the calibration cannot be read: ``lines`` says so.
+        "kinds": {} if got is None else dict(got.kinds),
+        "settings": [] if got is None else [format_setting(s) for s in got.settings],
+        "refused": {} if got is None else dict(got.refused),
         # As doctor says them: how each swept set is predicted, and a sweep nothing reads.
         "lines": lines,
         "server_problem": info if isinstance(info, str) else None,

@@ -15,6 +15,7 @@ from specd.core.model import Calibration
 from specd.core.perftable import PerfTableError
 from specd.core.setting import SpecSetting, adaptive_config_name, format_setting
 from specd.core.setting import parse as parse_setting
+from specd.core.text import one_line
 from specd.io.tables import read_table
 
 if TYPE_CHECKING:
@@ -38,15 +39,10 @@ def read_calibration(path: str | Path) -> Calibration:
     return Calibration.of(table)
 
 
-def _readable(path: str | Path | None) -> Calibration | None:
-    """The calibration at ``path``; None without one, or when it cannot be read (the
-    daemon would have none either)."""
-    if path is None:
-        return None
-    try:
-        return read_calibration(path)
-    except CalibrationError:
-        return None
+UNKNOWN_CHOICES = (
+    "unknown while the calibration cannot be read ({problem}): a running specd offers from "
+    "the last good table it read, which only it knows; its next start refuses the file"
+)
 
 
 def configured_offer(
@@ -54,14 +50,22 @@ def configured_offer(
     traits: ServerTraits | None,
     static_only: str | None,
     algorithm: str | None = None,
-) -> tuple[Offer, list[str]]:
+) -> tuple[Offer | None, list[str]]:
     """What specd may choose on a server of ``traits`` with the configured calibration
     (read once), as the daemon offers it (`specd.core.choices.offer`), and what doctor and
-    status say of it: `Offer.lines`, then `swept_lines`. ``algorithm``: the one specd
+    status say of it: `Offer.lines`, then `swept_lines`; None and why, one line, where the
+    configured calibration cannot be read. ``algorithm``: the one specd
     applies ([sglang] speculative_algorithm), standing in where the server runs off
     (`specd.core.choices.as_applied`, as the daemon judges it)."""
     traits = as_applied(traits, algorithm)
-    calibration = _readable(choose.calibration_file)
+    calibration: Calibration | None = None
+    if choose.calibration_file is not None:
+        try:
+            calibration = read_calibration(choose.calibration_file)
+        except CalibrationError as exc:
+            # Not what no calibration offers (everything, rows unchecked): the daemon keeps
+            # its last good table.
+            return None, [UNKNOWN_CHOICES.format(problem=one_line(exc, 200))]
     got = for_policy(
         offer(
             choose, traits, None if calibration is None else table_steps(calibration), static_only

@@ -173,6 +173,7 @@ def test_the_model_chooses_among_what_the_calibration_can_predict(
     assert (config.choose.policy, config.choose.kinds) == ("model", ("off", "static", "adaptive"))
     assert config.choose.calibration_file == calibration
     got, _ = configured_offer(config.choose, REPLAY_TRAITS, None)
+    assert got is not None  # the bench's calibration reads
     assert tuple(k for k in ("off", "static", "adaptive") if got.allows(k)) == kinds
     assert tuple(format_setting(s) for s in got.settings if s.kind == "adaptive") == sets
     static = bench_replay.case_config(calibration, "weekly", bench_replay.STATIC_POLICY)

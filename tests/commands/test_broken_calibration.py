@@ -53,6 +53,11 @@ def test_the_oncall_commands_work_while_the_calibration_is_broken(
     assert "config" not in status.stderr, status.stderr
     assert "calibration    UNUSABLE: choose.calibration_file: " in status.stdout, status.stdout
     assert "a running specd keeps the last good table it read" in status.stdout
+    # What it may choose is not what no table offers (off and every set, rows unchecked):
+    # the running daemon offers from its last good table.
+    (choices,) = [line for line in status.stdout.splitlines() if line.startswith("choices ")]
+    assert choices.startswith("choices        unknown while the calibration cannot be read ")
+    assert "offered" not in status.stdout, status.stdout
     unfreeze = specd_main("unfreeze", "--reason", "fixed", "--config", config)
     assert "calibration" not in unfreeze.stderr, unfreeze.stderr
     assert unfreeze.returncode != 2, unfreeze.stderr
@@ -73,6 +78,8 @@ def test_doctor_fails_the_config_check_for_the_table_and_runs_the_others(
     assert "choose.calibration_file: " in lines["config"]
     assert "skipped" not in lines["sglang"], done.stdout
     assert "a running specd keeps the last good table it read" in done.stdout
+    mark, _, said = lines["choices"].split(None, 2)
+    assert (mark, said[:44]) == ("✗", "unknown while the calibration cannot be read"), said
 
 
 def test_a_good_table_is_no_line_in_status(tmp_path: Path) -> None:
