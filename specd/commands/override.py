@@ -239,20 +239,43 @@ def _in_force(path: Path, cfg: Config, now: datetime) -> str | None:
     return f"{what} in force until {until}{why}" + (f" — written by {who}" if who else "")
 
 
+# The decisions held by something other than the pin: a pin applied now waits for them
+# too (`specd.core.decide.decide`), while its last one is this recent.
+HOLDS_EVERY_RESTART = frozenset({"drain_unavailable", "fleet_unavailable", "state_unsaved"})
+HOLD_FRESH_S = 600.0
+
+
 def _when(cfg: Config, pin: Override, now: datetime) -> str:
     """When the restart into ``pin`` goes out as the daemon holds it: at once (apply =
     now) unless the pin has spent its own restarts; else once a window holds the whole
     restart and the daily budget allows one."""
     # Imported here, not for --help (see the module's docstring).
-    from specd.commands.status import budget_note, restart_needs_of, restart_window  # noqa: PLC0415
+    from specd.commands.status import (  # noqa: PLC0415
+        budget_note,
+        restart_needs_of,
+        restart_window,
+        when_text,
+    )
     from specd.commands.unfreeze import read_freeze  # noqa: PLC0415
     from specd.core.decide import Control, pin_restarts_spent  # noqa: PLC0415
 
     at = now.timestamp()
-    restarts = read_freeze(cfg, at).restarts
+    found = read_freeze(cfg, at)
+    restarts = found.restarts
     if pin.apply == "now":
         spent = pin_restarts_spent(pin, Control(None, restart_times=tuple(restarts)), cfg, at)
-        return "at once (apply = now)" if spent is None else f"not at once: {spent}"
+        if spent is not None:
+            return f"not at once: {spent}"
+        # What holds every restart, a pin applied now too (the gateway cannot drain, etcd
+        # does not answer, the state cannot be saved), as the daemon's last decision found.
+        last = found.last_decision
+        held = last.get("reason") in HOLDS_EVERY_RESTART
+        if held and isinstance(last.get("t"), (int, float)) and at - last["t"] < HOLD_FRESH_S:
+            return (
+                f"at once (apply = now) once what held specd's last decision clears: "
+                f"{last['reason']} ({when_text(last['t'], at)}; `specd status` says what)"
+            )
+        return "at once (apply = now)"
     text, opens = restart_window(cfg, now, restart_needs_of(cfg, pinned_setting(pin)))
     text = "now, inside the open maintenance window" if opens == now else text
     return text + budget_note(cfg, restarts, at, None if opens is None else opens.timestamp())

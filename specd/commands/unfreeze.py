@@ -39,10 +39,13 @@ from specd.io.config import DEFAULT_CONFIG_PATH, Config
 from specd.io.override import OverrideStatus
 from specd.io.state import (
     STATE_FILE,
+    STATUS_FILE,
     UNFREEZE_REQUEST,
     atomic_write_json,
     held_freeze,
     read_state,
+    read_status,
+    with_status,
 )
 
 PERMISSION = (errno.EACCES, errno.EPERM)
@@ -140,6 +143,8 @@ class FreezeRead:
     live: str | None = None
     restarts: list[float] = field(default_factory=list)
     unknown: str | None = None
+    # The daemon's last decision (status.json over state.json), {} when none is known.
+    last_decision: dict[str, Any] = field(default_factory=dict)
 
 
 def read_freeze(config: Config, now: float) -> FreezeRead:
@@ -155,8 +160,9 @@ def read_freeze(config: Config, now: float) -> FreezeRead:
         if frozen is not None:
             return FreezeRead(frozen)
         return FreezeRead(unknown=f"cannot tell whether specd is frozen: {path} is {exc}")
+    with_status(state, read_status(Path(config.files.state_dir) / STATUS_FILE))
     live = (state.live or {}).get("setting")
-    return FreezeRead(state.frozen, live, list(state.restart_times()))
+    return FreezeRead(state.frozen, live, list(state.restart_times()), None, state.last_decision)
 
 
 def _next(

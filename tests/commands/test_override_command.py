@@ -180,6 +180,41 @@ def _with_restarts(cfg_path: Path, times: list[float]) -> None:
     assert store.save(State(restarts=restarts)) is None
 
 
+@pytest.mark.parametrize(
+    ("reason", "ago_s", "held"),
+    [
+        ("drain_unavailable", 60, True),
+        ("fleet_unavailable", 60, True),
+        ("state_unsaved", 60, True),
+        ("window_closed", 60, False),  # a pin applied now needs no window
+        ("drain_unavailable", 3600, False),  # an hour old: no longer what holds it
+    ],
+)
+def test_a_pin_now_says_what_holds_every_restart(
+    tmp_path: Path, reason: str, ago_s: float, held: bool
+) -> None:
+    """`pin --now` said "restarts at once" while the gateway could not drain this server
+    (or etcd, or a state save, failed): the daemon held it (drain_unavailable …)."""
+    cfg_path = zoned_config(tmp_path, "UTC", opens_in_h=6)
+    cfg = load_config(cfg_path)
+    now = datetime.now(UTC).replace(microsecond=0)
+    last = {"t": now.timestamp() - ago_s, "reason": reason, "message": "3 → 4 waits"}
+    store = StateStore(cfg.files.state_dir, history_settings=HistorySettings.from_config(cfg))
+    assert store.save(State(last_decision=last)) is None
+    pin = replace(
+        Override("pin", 4, now + timedelta(hours=2), "r", "now"), decided_at=now.timestamp()
+    )
+    said = override_cmd_module._when(cfg, pin, now)
+    if held:
+        assert said == (
+            f"at once (apply = now) once what held specd's last decision clears: {reason} "
+            f"({datetime.fromtimestamp(last['t'], UTC).isoformat()} (60 s ago); `specd status` "
+            "says what)"
+        ), said
+    else:
+        assert said == "at once (apply = now)"
+
+
 SHORT_THEN_LONG_WINDOWS = (
     '[[windows]]\ncron = "0 0 * * *"\nduration_s = 60\ntimezone = "UTC"\n'
     '[[windows]]\ncron = "0 2 * * *"\nduration_s = 3600\ntimezone = "UTC"\n'
