@@ -97,12 +97,19 @@ class OncallConfig:
             steps += f" ({names} at the default: left out)"
         others = [key for key in self.defaults_for if key not in _RANGE]
         defaults = f"; defaults for {', '.join(others)}" if others else ""
+        # The window times said below are this file's: the running specd may wait for
+        # others (a pin judged against them was written, then never applied).
+        windows = (
+            ""
+            if "windows" in self.defaults_for
+            else ", windows as this file writes them (a running specd may use others)"
+        )
         return (
             f"{command}: warning: {self.path} has {n} problem{'s' if n > 1 else ''} "
             f"({first}{more}); a running specd keeps its last good config, its next start "
             f"refuses this file; used the valid parts: state_dir "
             f"{self.config.files.state_dir}, override_file {self.config.files.override_file}, "
-            f"{steps}{defaults}"
+            f"{steps}{windows}{defaults}"
         )
 
 
