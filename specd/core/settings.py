@@ -506,7 +506,9 @@ class ChooseSettings(BaseModel):
             if setting.max_steps > MAX_STEPS_ALLOWED:
                 raise ValueError(f"{text!r}: step counts must be at most {MAX_STEPS_ALLOWED}")
             seen.add(canonical)
-        return value
+        # As written, less the spaces around it: a set is matched by its text (a pin of a
+        # listed set; `setting.outside_steps`).
+        return tuple(text.strip() for text in value)
 
 
 class RestartSettings(BaseModel):

@@ -74,6 +74,7 @@ from specd.core.setting import (
     describe_server,
     format_setting,
     mismatch,
+    outside_steps,
     sglang_args,
     static,
 )
@@ -990,10 +991,9 @@ class Applier:
         return outcome
 
     def _out_of_range(self, target: SpecSetting) -> str | None:
+        # The rule a pin and the policy are held to: a listed set may go past the range.
         low, high = self.choose.min_steps, self.choose.max_steps
-        steps = {"static": (target.steps,), "adaptive": target.candidates}.get(target.kind, ())
-        outside = [s for s in steps if s is None or not low <= s <= high]
-        if not outside:
+        if not outside_steps(target, low, high, self.choose.adaptive_candidate_sets):
             return None
         return f"target {format_setting(target)} outside {low}..{high}"
 

@@ -16,6 +16,7 @@ from specd.core.setting import (
     adaptive,
     format_setting,
     off,
+    outside_steps,
     parse,
     static,
     traits_from_server_info,
@@ -161,6 +162,14 @@ def test_the_defaults_start_with_sglangs_own_config() -> None:
     assert ChooseSettings().kinds == ALL
     assert ChooseSettings().adaptive_candidate_sets == DEFAULT_ADAPTIVE_SETS
     assert adaptive_slots(parse(DEFAULT_ADAPTIVE_SETS[0])) == DEFAULT_SLOTS
+
+
+def test_a_listed_set_is_matched_whatever_spaces_surround_it() -> None:
+    """Written " adaptive:1,3,5,7 ", the policy parsed and chose it, while a pin of it (and
+    the applier's range check) looked it up by its text and found it unlisted."""
+    listed = ChooseSettings(adaptive_candidate_sets=[" adaptive:1,3,5,7 "]).adaptive_candidate_sets
+    assert listed == ("adaptive:1,3,5,7",)
+    assert outside_steps(parse("adaptive:1,3,5,7"), 1, 6, listed) == ()
 
 
 @pytest.mark.parametrize(

@@ -2093,6 +2093,31 @@ def test_pointless_or_out_of_range_targets_abort(
     assert unit.env_file.read_bytes() == ORIGINAL_ENV
 
 
+@pytest.mark.parametrize(
+    ("target", "outside"),
+    [
+        # Listed in adaptive_candidate_sets (the default list): SGLang's own set goes to 7,
+        # past max_steps 6; the policy chooses it and a pin may hold it, yet every restart
+        # into it was aborted here before anything was done.
+        ("adaptive:1,3,5,7/1=1,3,5,7;8=0,1,3;32=0,1;64=0", False),
+        ("adaptive:3,7", True),
+        ("adaptive:3,4", False),
+    ],
+)
+def test_a_listed_set_past_the_step_range_is_no_target_out_of_range(
+    make_unit: Any, tmp_path: Path, target: str, outside: bool
+) -> None:
+    unit = make_unit(start=False)
+    rec = Recorder(tmp_path / "journal.json")
+    outcome = applier_for(unit, rec).apply_setting(
+        setting_parse(target), setting_static(3), window_open=always_open
+    )
+    # Stopped here, so aborted either way; out of range only where no rule allows it.
+    assert outcome.result == "aborted"
+    assert ("outside 1..6" in outcome.message) is outside, outcome.message
+    assert unit.env_file.read_bytes() == ORIGINAL_ENV
+
+
 class Traffic:
     """``n`` concurrent streaming completions against the twin, for ``seconds``."""
 
