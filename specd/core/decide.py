@@ -410,7 +410,7 @@ def _window_message(config: Settings, at: datetime, change: str, restart_needs_s
         return f"maintenance window closed ({exc}): {change} waits"
     nxt = f"next opens {_window_stamp(config, opens)}"
     # A next window too short for the restart is not when it goes out.
-    usable = windows.holding(config.windows, restart_needs_s, opens)
+    usable = windows.holding_kept(tuple(config.windows), restart_needs_s, opens)
     if usable is None:
         nxt += ", and none ahead holds one restart"
     elif usable[0] != opens:

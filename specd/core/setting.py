@@ -216,7 +216,6 @@ def format_setting(setting: SpecSetting) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=256)  # a sha256 per candidate per tick otherwise
 def outside_steps(
     setting: SpecSetting, low: int, high: int, listed: Sequence[str] = ()
 ) -> tuple[int, ...]:
@@ -230,6 +229,7 @@ def outside_steps(
     return tuple(k for k in counts if not low <= k <= high)
 
 
+@functools.lru_cache(maxsize=256)  # a sha256 per candidate per tick otherwise
 def setting_key(setting: SpecSetting) -> int:
     """One int per setting, for what records a choice as a number (the stabilization
     window's recommendations, kept in the state file): a static K is K, off is 0, an

@@ -520,6 +520,16 @@ def holding(
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def holding_kept(
+    configured: tuple[WindowLike, ...], needs_s: float, now: datetime
+) -> tuple[datetime, datetime] | None:
+    """`holding`, remembered per (windows, restart time, instant): a decision asks it at
+    every tick of a closed window about the same next opening, and where no window holds
+    the restart it walks `_HOLDING_TRIES` openings (1.5 ms)."""
+    return holding(configured, needs_s, now)
+
+
 # How far `too_short` looks ahead: a year, or as many openings as a chain is followed.
 _HOLD_SPAN = timedelta(days=366)
 
