@@ -1561,6 +1561,9 @@ class Daemon:
             "current_steps": current,
             # The verdict on the change being verified (`specd status` shows it), or None.
             "outcome": outcome.verdict.why if outcome.verdict else None,
+            # It went to the applier: the sequence's waits (a fleet slot, a quiet moment)
+            # save nothing for up to their bounds; `specd status` allows for them.
+            "acts": acts,
         }
         # By name: two adaptive sets (or one and none) share target_steps None.
         key = (decision.reason.value, named if named is not None else target)
@@ -1713,6 +1716,9 @@ class Daemon:
         # The first tick may restart (a pin applied now, a change already stable in an open
         # window): ready first, as before a replay.
         self._ready(self._status_text())
+        # Saved with the decision that acts before the waits, which save nothing: `specd
+        # status` tells them from writes failing by it.
+        self._save_state(force=True)
         self.metrics.restart_in_progress.set(1)
         self._in_flight = InFlight(was, wanted, forced=force)
         self.notifier.status(self._flight_status(self._in_flight))

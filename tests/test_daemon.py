@@ -2755,6 +2755,24 @@ def test_a_tick_that_raises_with_a_restart_in_flight_ends_the_run(tmp_path: Path
         d.run()
 
 
+def test_the_decision_that_acts_is_saved_before_the_sequence_waits(tmp_path: Path) -> None:
+    """The waits for a fleet slot and a quiet moment come before the restart's journal and
+    save nothing: state.json kept the decision before them, so `specd status` could not
+    tell a change waiting for a quiet moment from writes failing."""
+    cfg = config(tmp_path)
+    seen: list[dict[str, Any]] = []
+
+    class Looking(Applier):
+        def apply_setting(self, *args: Any, **kwargs: Any) -> ApplyOutcome:
+            seen.append(saved(cfg)["last_decision"])
+            return super().apply_setting(*args, **kwargs)
+
+    d = daemon(cfg, Reader([obs(IN_WINDOW, steps=3)]), Looking(), [IN_WINDOW])
+    assert d.tick().reason is Reason.CHANGE
+    ((decision),) = seen
+    assert (decision["reason"], decision["acts"], decision["t"]) == ("change", True, IN_WINDOW)
+
+
 @pytest.mark.parametrize(
     ("result", "restarts", "verifying"),
     [

@@ -359,7 +359,7 @@ def collect(
         unknown = isinstance(exc, (OSError, StateNotRead))
     running = daemon(config.files.state_dir)
     if state_problem is None and running["running"] and state.journal is None:
-        stale = _not_saved(state_path, config, now)
+        stale = _not_saved(state_path, config, now, state.last_decision)
         if stale is not None:
             state_problem, unreadable = stale, True
     at = datetime.fromtimestamp(now, tz=timezone.utc)
@@ -436,19 +436,25 @@ def collect(
     }
 
 
-def _not_saved(path: Path, config: Config, now: float) -> str | None:
+def _not_saved(path: Path, config: Config, now: float, decision: dict[str, Any]) -> str | None:
     """Why what state.json holds is not what the running daemon holds: it saves the file
     every `STATE_SAVE_INTERVAL_S` (or each tick, when ticks are longer), so one far older
     says its writes fail (a full or read-only state directory); what status shows is then
     from before, and the daemon holds every restart (state_unsaved). None when recent.
-    Not asked while a restart runs: its waits (a fleet slot, a quiet moment) write nothing
-    for up to half an hour."""
+    Not asked while a restart runs (its journal), and allowed its waits (a fleet slot, a
+    quiet moment: nothing saved for up to their bounds) after a ``decision`` that acts."""
     try:
         saved = path.stat().st_mtime
     except OSError:
         return None
     every = max(STATE_SAVE_INTERVAL_S, config.observe.scrape_interval_s)
-    if now - saved <= 3 * every + 60:
+    bound = 3 * every + 60
+    if decision.get("acts"):
+        # Saved as a change began: its waits for a fleet slot and a quiet moment come
+        # before the journal, and save nothing meanwhile.
+        fleet = config.fleet.slot_wait_max_s if config.fleet is not None else 0.0
+        bound += fleet + config.restart.quiet_deadline_s
+    if now - saved <= bound:
         return None
     return (
         f"{path}: not saved since {when_text(saved, now)} while specd runs (it saves every "

@@ -568,17 +568,24 @@ def _holder(state_dir: Path) -> subprocess.Popen[str]:
     return proc
 
 
+PLANNED = {"phase": "planned", "from_setting": "3", "to_setting": "4"}
+
+
 @pytest.mark.parametrize(
-    ("saved_ago_s", "running", "journal", "stale"),
+    ("saved_ago_s", "running", "journal", "acts", "stale"),
     [
-        (30, True, None, False),
+        (30, True, None, False, False),
         # Saved every minute while specd runs: 10 minutes old, its writes fail (a full
         # disk): status showed the decision of then, exit 0, and nothing of the failure.
-        (600, True, None, True),
+        (600, True, None, False, True),
         # Not running: what it saved last, as always.
-        (600, False, None, False),
-        # A restart's waits write nothing for up to half an hour.
-        (600, True, {"phase": "planned", "from_setting": "3", "to_setting": "4"}, False),
+        (600, False, None, False, False),
+        # A restart runs (its journal): its loads and rollbacks save at their phases.
+        (600, True, PLANNED, False, False),
+        # A change began (saved with it): its wait for a quiet moment, before any journal,
+        # saves nothing for up to quiet_deadline_s (600 s) more.
+        (600, True, None, True, False),
+        (900, True, None, True, True),
     ],
 )
 def test_status_says_when_a_running_specd_no_longer_saves(
@@ -586,11 +593,14 @@ def test_status_says_when_a_running_specd_no_longer_saves(
     saved_ago_s: float,
     running: bool,
     journal: dict[str, str] | None,
+    acts: bool,
     stale: bool,
 ) -> None:
     config = load_config(config_file(tmp_path, "http://127.0.0.1:9", '["static"]'))
     now = time.time()
-    assert StateStore(config.files.state_dir).save(State(journal=journal)) is None
+    decision = {"t": now - saved_ago_s, "reason": "change", "message": "3 → 4", "acts": acts}
+    state = State(journal=journal, last_decision=decision)
+    assert StateStore(config.files.state_dir).save(state) is None
     os.utime(tmp_path / "state.json", (now - saved_ago_s, now - saved_ago_s))
     holder = _holder(tmp_path) if running else None
     try:
