@@ -270,7 +270,11 @@ def _when(cfg: Config, pin: Override, now: datetime) -> str:
         # does not answer, the state cannot be saved), as the daemon's last decision found.
         last = found.last_decision
         held = last.get("reason") in HOLDS_EVERY_RESTART
-        if held and isinstance(last.get("t"), (int, float)) and at - last["t"] < HOLD_FRESH_S:
+        # state_unsaved keeps its time: what would move it on is a save.
+        fresh = last.get("reason") == "state_unsaved" or (
+            isinstance(last.get("t"), (int, float)) and at - last["t"] < HOLD_FRESH_S
+        )
+        if held and fresh:
             return (
                 f"at once (apply = now) once what held specd's last decision clears: "
                 f"{last['reason']} ({when_text(last['t'], at)}; `specd status` says what)"

@@ -32,6 +32,7 @@ from specd.commands.status import (
     setting_text,
     when_text,
 )
+from specd.core.decide import Control, pin_restarts_spent
 from specd.core.history import HistorySettings
 from specd.core.setting import parse as parse_setting
 from specd.core.text import iso_time, printable
@@ -200,6 +201,12 @@ def _next(
         if pinned == live:
             return f"{what}, which runs: no restart"
         if held.apply == "now":
+            # As decide holds it: a pin applied now bounds its own restarts (`--retry-pin`
+            # makes none once they are spent).
+            control = Control(None, restart_times=tuple(restarts))
+            spent = pin_restarts_spent(held, control, config, now)
+            if spent is not None:
+                return f"{what} with apply = now, but not again: {spent}"
             return f"{what} with apply = now: specd restarts SGLang into it at once"
         return f"{what}: specd restarts SGLang into it {window}"
     return f"specd decides by itself again; a change it wants restarts SGLang {window}"

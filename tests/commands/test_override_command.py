@@ -188,6 +188,8 @@ def _with_restarts(cfg_path: Path, times: list[float]) -> None:
         ("state_unsaved", 60, True),
         ("window_closed", 60, False),  # a pin applied now needs no window
         ("drain_unavailable", 3600, False),  # an hour old: no longer what holds it
+        # Its time moves on only with a save, which is what fails: as old as it may be.
+        ("state_unsaved", 3600, True),
     ],
 )
 def test_a_pin_now_says_what_holds_every_restart(
@@ -208,11 +210,37 @@ def test_a_pin_now_says_what_holds_every_restart(
     if held:
         assert said == (
             f"at once (apply = now) once what held specd's last decision clears: {reason} "
-            f"({datetime.fromtimestamp(last['t'], UTC).isoformat()} (60 s ago); `specd status` "
-            "says what)"
+            f"({datetime.fromtimestamp(last['t'], UTC).isoformat()} "
+            f"({'60 s' if ago_s == 60 else '60.0 min'} ago); `specd status` says what)"
         ), said
     else:
         assert said == "at once (apply = now)"
+
+
+def test_unfreeze_says_a_pin_now_that_spent_its_restarts_makes_no_more(
+    tmp_path: Path,
+) -> None:
+    """A failed `pin --now` (the change and its rollback: two restarts) with a daily budget
+    of 2: the daemon makes no more for it (restart_budget), while unfreeze said it restarts
+    into it at once."""
+    from specd.commands import unfreeze  # noqa: PLC0415
+
+    cfg_path = zoned_config(tmp_path, "UTC", opens_in_h=6)
+    cfg_path.write_text(cfg_path.read_text() + "[restart]\ndaily_restart_budget = 2\n")
+    cfg = load_config(cfg_path)
+    now = time.time()
+    expires = datetime.fromtimestamp(now + 7200, UTC)
+    text = f'mode = "pin"\nsteps = 2\napply = "now"\nexpires_at = {expires.isoformat()}\n'
+    (tmp_path / "override.toml").write_text(text)
+    os.utime(tmp_path / "override.toml", (now - 600, now - 600))
+    status = override_io.read_override(tmp_path / "override.toml", 1, 6, now)
+    assert status.valid, status.problem
+    said = unfreeze._next(cfg, status, "2", "3", now, [now - 300, now - 300])
+    assert said.startswith(
+        "the override pins 2 steps with apply = now, but not again: it has made 2 restarts "
+        "since it was written"
+    ), said
+    assert "at once" not in said
 
 
 SHORT_THEN_LONG_WINDOWS = (
