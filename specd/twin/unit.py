@@ -205,9 +205,12 @@ class TwinUnitRunner:
         # Like systemd: SIGTERM (SGLang drains), SIGKILL after the stop timeout; and like a
         # Type=simple unit, the command returns once the new process started, not loaded.
         self.stop()
-        self.restarted_to.append(self.steps())
-        self.restarted_args.append(tuple(self.speculative_args()))
+        steps, args_now = self.steps(), tuple(self.speculative_args())
         self.start()
+        # Counted once the new process exists, as systemd's restart job ends: a watcher
+        # that acts on the count (an on-call's stop) finds that process, not the gap.
+        self.restarted_to.append(steps)
+        self.restarted_args.append(args_now)
         return RunResult(
             argv=tuple(args),
             returncode=0,
