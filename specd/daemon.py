@@ -51,6 +51,7 @@ from specd.core.model import Calibration, restart_extra_s
 from specd.core.observation import Observation, ScrapeError
 from specd.core.override import Override
 from specd.core.setting import (
+    UNLISTED_SET,
     ServerTraits,
     SpecSetting,
     format_setting,
@@ -2055,7 +2056,7 @@ def _outside_range(
     outside = outside_steps(pinned, low, high, listed)
     if not outside:
         return None
-    unlisted = ", and the set is not one of [choose] adaptive_candidate_sets"
+    unlisted = f", and {UNLISTED_SET}"
     return (
         f"pin {override.pinned_name}: {', '.join(map(str, outside))} outside the configured "
         f"range {low}..{high}" + (unlisted if pinned.kind == "adaptive" else "")

@@ -21,6 +21,7 @@ from specd.commands.reason import operator, reason_type
 from specd.core.choices import as_applied, cannot_run
 from specd.core.override import _UTC, Apply, Override
 from specd.core.setting import (
+    UNLISTED_SET,
     SpecSetting,
     format_setting,
     outside_steps,
@@ -245,10 +246,10 @@ HOLDS_EVERY_RESTART = frozenset({"drain_unavailable", "fleet_unavailable", "stat
 HOLD_FRESH_S = 600.0
 
 
-def _when(cfg: Config, pin: Override, now: datetime) -> str:
+def _when(cfg: Config, pin: Override, now: datetime, needs_s: float | None = None) -> str:
     """When the restart into ``pin`` goes out as the daemon holds it: at once (apply =
     now) unless the pin has spent its own restarts; else once a window holds the whole
-    restart and the daily budget allows one."""
+    restart (``needs_s`` long, read here where None) and the daily budget allows one."""
     # Imported here, not for --help (see the module's docstring).
     from specd.commands.status import (  # noqa: PLC0415
         budget_note,
@@ -280,7 +281,9 @@ def _when(cfg: Config, pin: Override, now: datetime) -> str:
                 f"{last['reason']} ({when_text(last['t'], at)}; `specd status` says what)"
             )
         return "at once (apply = now)"
-    text, opens = restart_window(cfg, now, restart_needs_of(cfg, pinned_setting(pin)))
+    if needs_s is None:
+        needs_s = restart_needs_of(cfg, pinned_setting(pin))
+    text, opens = restart_window(cfg, now, needs_s)
     text = "now, inside the open maintenance window" if opens == now else text
     return text + budget_note(cfg, restarts, at, None if opens is None else opens.timestamp())
 
@@ -377,6 +380,9 @@ def run(args: argparse.Namespace) -> int:
     path: Path = args.file if args.file is not None else cfg.files.override_file
     now = datetime.now(_UTC).replace(microsecond=0)
     replaced: str | None = None
+    # How long the restart into the pin written may take (`status.restart_needs_of`, a
+    # `systemctl show`): read once, for the check before writing and the text after.
+    needs_s: float | None = None
     checked: str | None = None
     if args.action != "show":
         user = operator()
@@ -389,11 +395,8 @@ def run(args: argparse.Namespace) -> int:
             listed = cfg.choose.adaptive_candidate_sets
             outside = () if pinned is None else outside_steps(pinned, low, high, listed)
             if outside:
-                unlisted = (
-                    ", and the set is not one of [choose] adaptive_candidate_sets"
-                    if pinned is not None and pinned.kind == "adaptive"
-                    else ""
-                )
+                adaptive = pinned is not None and pinned.kind == "adaptive"
+                unlisted = f", and {UNLISTED_SET}" if adaptive else ""
                 print(
                     f"specd override: {', '.join(map(str, outside))} steps is outside the "
                     f"configured range {low}..{high}{unlisted}",
@@ -415,8 +418,9 @@ def run(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                     return 2
-        needs_s = restart_needs_of(cfg, pinned) if args.action == "pin" else 0.0
-        late = _never_applies(override, cfg, now, needs_s)
+        if args.action == "pin" and override.apply != "now":
+            needs_s = restart_needs_of(cfg, pinned)
+        late = _never_applies(override, cfg, now, needs_s or 0.0)
         if late is not None:
             opens, reach, closes = late
             assert override.expires_at is not None  # a pin that expires, or not late
@@ -424,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
                 ""
                 if closes is None
                 else f"the open maintenance window closes at {_window_time(cfg, closes)}, "
-                f"too soon for one restart (up to {needs_s / 60:.1f} min), and "
+                f"too soon for one restart (up to {(needs_s or 0.0) / 60:.1f} min), and "
             )
             print(
                 f"specd override: {ending}the pin expires at {iso_time(override.expires_at)}, "
@@ -466,7 +470,7 @@ def run(args: argparse.Namespace) -> int:
         cannot, checked = _can_run(cfg, pinned)
         if cannot is not None:
             checked = f"BUT {unsupported_pin_text(cannot)}"
-    when = "" if held is None or held.mode != "pin" else _when(cfg, held, now)
+    when = "" if held is None or held.mode != "pin" else _when(cfg, held, now, needs_s)
     print(_describe(status, path, now, when, checked))
     if replaced is not None:
         print(f"replaces {replaced}")

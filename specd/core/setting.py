@@ -216,6 +216,11 @@ def format_setting(setting: SpecSetting) -> str:
     return text
 
 
+# What rules out a set whose candidates leave min_steps..max_steps (`outside_steps`), as
+# every refusal of one says it.
+UNLISTED_SET = "the set is not one of [choose] adaptive_candidate_sets"
+
+
 def outside_steps(
     setting: SpecSetting, low: int, high: int, listed: Sequence[str] = ()
 ) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from typing import Any
 import tomli_w
 
 from specd.core.override import _UTC, APPLIES, MODES, Override, _as_datetime
-from specd.core.setting import SpecSetting, format_setting, outside_steps
+from specd.core.setting import UNLISTED_SET, SpecSetting, format_setting, outside_steps
 from specd.core.setting import parse as parse_setting
 from specd.core.text import duration_text
 from specd.io import files, gateway
@@ -229,8 +229,7 @@ def _pinned_setting(
     if outside:
         raise ValueError(
             f"setting: adaptive candidates {', '.join(map(str, outside))} are outside the "
-            f"configured range {low}..{high}, and the set is not one of [choose] "
-            "adaptive_candidate_sets"
+            f"configured range {low}..{high}, and {UNLISTED_SET}"
         )
     return pinned
 
